@@ -1,0 +1,582 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/agent/agent.h"
+
+#include <torch/csrc/distributed/rpc/agent_utils.h>
+#include <torch/csrc/distributed/rpc/request_callback_impl.h>
+#include <torch/csrc/distributed/rpc/utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "csrc/common/crypto.h"
+#include "csrc/common/logging.h"
+#include "csrc/transport/registry.h"
+#include "csrc/transport/tcp/address.h"
+#include "csrc/wire/codec.h"
+
+namespace torch_rpc_ext {
+
+namespace {
+
+constexpr const char* kSecretKey = "torch_rpc_ext/secret";
+constexpr const char* kWorkerKeyPrefix = "torch_rpc_ext/worker/";
+constexpr size_t kSecretBytes = 32;
+// Pool threads added when all are blocked (nested RPCs) stop at this many.
+constexpr size_t kMaxPoolThreads = 4096;
+
+std::chrono::milliseconds toMs(float seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+// kRpcTimeoutErrorStr with its "{}" replaced by `ms` (fmt is not exported
+// by libtorch, so it cannot be linked from an extension).
+std::string timeoutText(int64_t ms) {
+  std::string text = rpc::kRpcTimeoutErrorStr;
+  auto at = text.find("{}");
+  return text.replace(at, 2, std::to_string(ms));
+}
+
+std::string fromBytes(const std::vector<uint8_t>& v) {
+  return std::string(v.begin(), v.end());
+}
+
+std::vector<uint8_t> toBytes(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+} // namespace
+
+std::shared_ptr<Agent> Agent::create(
+    const c10::intrusive_ptr<::c10d::Store>& store,
+    std::string name,
+    int rank,
+    int worldSize,
+    AgentOptions options) {
+  // Destroy without the GIL: shutdown() asserts the GIL is not held.
+  auto agent = std::shared_ptr<Agent>(
+      new Agent(store, std::move(name), rank, worldSize, std::move(options)),
+      torch::impl::destroy_without_gil<Agent>);
+  agent->rendezvous();
+  return agent;
+}
+
+Agent::Agent(
+    const c10::intrusive_ptr<::c10d::Store>& store,
+    std::string name,
+    int rank,
+    int worldSize,
+    AgentOptions options)
+    : rpc::RpcAgent(
+          rpc::WorkerInfo(std::move(name), static_cast<int64_t>(rank)),
+          std::make_unique<rpc::RequestCallbackImpl>(),
+          toMs(options.rpcTimeoutSeconds)),
+      store_(store),
+      worldSize_(worldSize),
+      options_(std::move(options)),
+      pool_(
+          static_cast<size_t>(std::max(1, options_.numWorkerThreads)),
+          kMaxPoolThreads),
+      calls_([this](int64_t id, CallTable::Call call) {
+        auto ms = call.timeout.count();
+        stats_[call.peerId].timeouts.fetch_add(1, std::memory_order_relaxed);
+        settleWithError(
+            std::move(call),
+            rpc::makeRPCError(
+                timeoutText(ms),
+                rpc::RPCErrorType::TIMEOUT));
+        (void)id;
+      }),
+      stats_(new PeerStats[worldSize]) {
+  TORCH_CHECK(
+      worldSize > 0 && worldSize <= 32767,
+      "world_size must be in [1, 32767], got ",
+      worldSize);
+  TORCH_CHECK(
+      rank >= 0 && rank < worldSize,
+      "rank ",
+      rank,
+      " is outside [0, world_size=",
+      worldSize,
+      ")");
+}
+
+Agent::~Agent() {
+  shutdown();
+}
+
+void Agent::rendezvous() {
+  const auto& self = getWorkerInfo();
+  if (!options_.secret.empty()) {
+    secret_ = options_.secret;
+  } else if (self.id_ == 0) {
+    secret_ = randomBytes(kSecretBytes);
+    store_->set(kSecretKey, toBytes(secret_));
+  } else {
+    secret_ = fromBytes(store_->get(kSecretKey));
+  }
+
+  transport::TransportOptions topts;
+  topts.selfId = self.id_;
+  topts.secret = secret_;
+  topts.limits.maxFrameBytes = options_.maxFrameBytes;
+  topts.handshakeTimeout = options_.handshakeTimeout;
+  topts.bindAddress = options_.address.empty()
+      ? transport::tcp::defaultAdvertisedAddress()
+      : options_.address;
+  TORCH_CHECK(
+      !options_.transports.empty(), "RpcExtBackendOptions.transports is empty");
+  // Only TCP exists in this build; other names are validated in Python.
+  transport_ = transport::createTransport("tcp", topts);
+  listener_ = transport_->listen();
+  address_ = listener_->address();
+
+  store_->set(
+      kWorkerKeyPrefix + std::to_string(self.id_),
+      toBytes(self.name_ + "\n" + address_));
+  workers_.reserve(worldSize_);
+  addresses_.resize(worldSize_);
+  for (int r = 0; r < worldSize_; ++r) {
+    std::string entry =
+        fromBytes(store_->get(kWorkerKeyPrefix + std::to_string(r)));
+    auto nl = entry.find('\n');
+    TORCH_CHECK(nl != std::string::npos, "malformed rendezvous entry ", r);
+    std::string name = entry.substr(0, nl);
+    auto [it, fresh] = idByName_.emplace(name, static_cast<rpc::worker_id_t>(r));
+    TORCH_CHECK(
+        fresh,
+        "RPC worker name ",
+        name,
+        " is not unique: ranks ",
+        it->second,
+        " and ",
+        r,
+        " both use it");
+    workers_.emplace_back(name, static_cast<int64_t>(r));
+    addresses_[r] = entry.substr(nl + 1);
+  }
+}
+
+void Agent::startImpl() {
+  listener_->start(this);
+}
+
+void Agent::shutdownImpl() {
+  if (shutdownDone_.exchange(true)) {
+    return;
+  }
+  shuttingDown_ = true;
+  if (transport_) {
+    transport_->stop();
+  }
+  for (auto& [id, call] : calls_.takeAll()) {
+    settleWithError(
+        std::move(call),
+        "RPC agent of " + workerInfo_.name_ +
+            " shut down before a response arrived");
+  }
+  calls_.stop();
+  // Finish what the pool holds: completions just posted, and responses of
+  // requests that were running (they are dropped, the transport is down).
+  pool_.stop();
+  {
+    std::lock_guard<std::mutex> lock(connMutex_);
+    outbound_.clear();
+  }
+}
+
+const rpc::WorkerInfo& Agent::getWorkerInfo(
+    const std::string& workerName) const {
+  auto it = idByName_.find(workerName);
+  TORCH_CHECK(
+      it != idByName_.end(),
+      "name:",
+      workerInfo_.name_,
+      ",rank:",
+      workerInfo_.id_,
+      " could not find destination name ",
+      workerName,
+      " (known workers: ",
+      c10::Join(", ", [this] {
+        std::vector<std::string> names;
+        for (const auto& w : workers_) {
+          names.push_back(w.name_);
+        }
+        return names;
+      }()),
+      ")");
+  return workers_[it->second];
+}
+
+const rpc::WorkerInfo& Agent::getWorkerInfo(rpc::worker_id_t id) const {
+  TORCH_CHECK(
+      id >= 0 && id < static_cast<int>(workers_.size()),
+      "name:",
+      workerInfo_.name_,
+      ",rank:",
+      workerInfo_.id_,
+      " could not find destination id ",
+      id,
+      " (world size ",
+      workers_.size(),
+      ")");
+  return workers_[id];
+}
+
+std::vector<rpc::WorkerInfo> Agent::getWorkerInfos() const {
+  return workers_;
+}
+
+std::shared_ptr<transport::Connection> Agent::connectionTo(int32_t peerId) {
+  std::lock_guard<std::mutex> lock(connMutex_);
+  auto& slot = outbound_[peerId];
+  if (!slot || slot->isClosed()) {
+    slot = transport_->connect(addresses_[peerId], peerId, this);
+  }
+  return slot;
+}
+
+c10::intrusive_ptr<JitFuture> Agent::send(
+    const rpc::WorkerInfo& to,
+    c10::intrusive_ptr<rpc::Message> message,
+    const float rpcTimeoutSeconds,
+    const rpc::DeviceMap& /*deviceMap*/) {
+  TORCH_CHECK(
+      rpcAgentRunning_.load(),
+      "Node ",
+      workerInfo_.id_,
+      " tried to send() a message of type ",
+      message->type(),
+      " but RPC is no longer running on this node.");
+  TORCH_CHECK(
+      message->isRequest(),
+      "send() only carries requests, got message type ",
+      message->type());
+  TORCH_CHECK(
+      to.id_ >= 0 && to.id_ < worldSize_ && workers_[to.id_].name_ == to.name_,
+      "unknown destination worker ",
+      to.name_,
+      " (id ",
+      to.id_,
+      ")");
+
+  int64_t id = nextId_.fetch_add(1, std::memory_order_relaxed);
+  transport::OutboundFrame frame = wire::encodeMessage(message, id);
+  uint64_t wireBytes = frame.wireSize();
+  TORCH_CHECK(
+      wireBytes <= options_.maxFrameBytes,
+      "RPC message of ",
+      wireBytes,
+      " bytes to ",
+      to.name_,
+      " exceeds max_frame_bytes=",
+      options_.maxFrameBytes);
+
+  auto future = c10::make_intrusive<JitFuture>(
+      at::AnyClassType::get(), getDevices());
+  auto timeout = rpcTimeoutSeconds == rpc::kUnsetRpcTimeout
+      ? getRpcTimeout()
+      : toMs(rpcTimeoutSeconds);
+  {
+    std::lock_guard<std::mutex> lock(callCountMutex_);
+    ++clientActiveCalls_;
+  }
+  std::shared_ptr<transport::Connection> conn;
+  try {
+    conn = connectionTo(to.id_);
+  } catch (const std::exception& e) {
+    callFinished();
+    throw;
+  }
+  calls_.add(
+      id,
+      CallTable::Call{
+          future,
+          conn.get(),
+          to.id_,
+          timeout,
+          std::chrono::steady_clock::now() + timeout});
+  auto& stats = stats_[to.id_];
+  stats.callsSent.fetch_add(1, std::memory_order_relaxed);
+  stats.bytesSent.fetch_add(wireBytes, std::memory_order_relaxed);
+  // If the connection closed before the call was registered, onClosed has
+  // already swept the table: fail the call here so it is not orphaned.
+  if (!conn->write(std::move(frame)) || conn->isClosed()) {
+    if (auto call = calls_.take(id)) {
+      stats.errors.fetch_add(1, std::memory_order_relaxed);
+      settleWithError(
+          std::move(*call),
+          "RPC to " + to.name_ + " failed: connection " + conn->describe() +
+              " is closed");
+    }
+  }
+  return future;
+}
+
+void Agent::settle(
+    CallTable::Call call,
+    c10::intrusive_ptr<rpc::Message> response) {
+  auto self = shared_from_this();
+  pool_.run([self, call = std::move(call), response = std::move(response)] {
+    if (response->type() == rpc::MessageType::EXCEPTION) {
+      std::string text(response->payload().begin(), response->payload().end());
+      call.future->setErrorIfNeeded(
+          std::make_exception_ptr(std::runtime_error(text)));
+    } else {
+      call.future->markCompleted(c10::IValue(response));
+    }
+    self->callFinished();
+  });
+}
+
+void Agent::settleWithError(CallTable::Call call, std::string error) {
+  auto future = call.future;
+  auto task = [this, future, error = std::move(error)] {
+    future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(error)));
+    callFinished();
+  };
+  // After shutdown the pool no longer runs tasks; settle inline then.
+  if (shutdownDone_.load()) {
+    task();
+  } else {
+    pool_.run(std::move(task));
+  }
+}
+
+void Agent::callFinished() {
+  {
+    std::lock_guard<std::mutex> lock(callCountMutex_);
+    --clientActiveCalls_;
+  }
+  callCountCv_.notify_all();
+}
+
+void Agent::onReady(const std::shared_ptr<transport::Connection>& /*conn*/) {}
+
+transport::InboundBuffers Agent::onFrameHead(
+    transport::Connection& conn,
+    const std::string& head,
+    const std::vector<uint64_t>& segmentSizes) {
+  try {
+    auto in = wire::InboundMessage::prepare(head, segmentSizes);
+    return in->buffers(in);
+  } catch (...) {
+    int32_t peer = conn.peerId();
+    if (peer >= 0 && peer < worldSize_) {
+      stats_[peer].rejectedFrames.fetch_add(1, std::memory_order_relaxed);
+    }
+    throw;
+  }
+}
+
+void Agent::onFrame(
+    const std::shared_ptr<transport::Connection>& conn,
+    std::string /*head*/,
+    transport::InboundBuffers buffers) {
+  auto* in = static_cast<wire::InboundMessage*>(buffers.keepAlive.get());
+  int32_t peer = conn->peerId();
+  c10::intrusive_ptr<rpc::Message> message;
+  try {
+    message = in->finish();
+  } catch (const std::exception& e) {
+    stats_[peer].rejectedFrames.fetch_add(1, std::memory_order_relaxed);
+    conn->close(std::string("rejected message: ") + e.what());
+    logWarning(
+        "torch_rpc_ext: rejected message from " + conn->describe() + ": " +
+        e.what());
+    return;
+  }
+  uint64_t bytes = 0;
+  for (const auto& t : message->tensors()) {
+    bytes += t.nbytes();
+  }
+  stats_[peer].bytesReceived.fetch_add(
+      bytes + message->payload().size(), std::memory_order_relaxed);
+  if (message->isRequest()) {
+    stats_[peer].callsServed.fetch_add(1, std::memory_order_relaxed);
+    ++serverActiveCalls_;
+    auto self = shared_from_this();
+    pool_.run([self, conn, message = std::move(message)]() mutable {
+      self->serveRequest(std::move(conn), std::move(message));
+    });
+    return;
+  }
+  auto call = calls_.take(message->id());
+  if (!call) {
+    // Its caller gave up (timeout) or the id is bogus; nothing to settle.
+    lateResponses_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  settle(std::move(*call), std::move(message));
+}
+
+void Agent::serveRequest(
+    std::shared_ptr<transport::Connection> conn,
+    c10::intrusive_ptr<rpc::Message> request) {
+  int64_t id = request->id();
+  c10::intrusive_ptr<JitFuture> result;
+  try {
+    result = (*cb_)(*request, {});
+  } catch (const std::exception& e) {
+    result = c10::make_intrusive<JitFuture>(at::AnyClassType::get());
+    result->setError(std::current_exception());
+  }
+  bool async = !result->completed();
+  if (async) {
+    ++serverActiveAsyncCalls_;
+  }
+  std::weak_ptr<Agent> weak = shared_from_this();
+  result->addCallback([weak, conn, id, async](JitFuture& f) {
+    auto self = weak.lock();
+    if (!self) {
+      return;
+    }
+    self->sendResponse(*conn, id, f);
+    --self->serverActiveCalls_;
+    if (async) {
+      --self->serverActiveAsyncCalls_;
+    }
+  });
+}
+
+void Agent::sendResponse(
+    transport::Connection& conn,
+    int64_t id,
+    JitFuture& result) {
+  if (!rpcAgentRunning_.load()) {
+    return;
+  }
+  c10::intrusive_ptr<rpc::Message> response;
+  if (result.hasError()) {
+    response = rpc::createExceptionResponse(result.tryRetrieveErrorMessage(), id);
+  } else {
+    response = result.value().toCustomClass<rpc::Message>();
+  }
+  transport::OutboundFrame frame;
+  try {
+    frame = wire::encodeMessage(response, id);
+    TORCH_CHECK(
+        frame.wireSize() <= options_.maxFrameBytes,
+        "RPC response of ",
+        frame.wireSize(),
+        " bytes exceeds max_frame_bytes=",
+        options_.maxFrameBytes);
+  } catch (const std::exception& e) {
+    frame = wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id);
+  }
+  int32_t peer = conn.peerId();
+  if (peer >= 0 && peer < worldSize_) {
+    stats_[peer].bytesSent.fetch_add(frame.wireSize(), std::memory_order_relaxed);
+  }
+  conn.write(std::move(frame));
+}
+
+void Agent::onClosed(transport::Connection& conn, const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(connMutex_);
+    for (auto it = outbound_.begin(); it != outbound_.end(); ++it) {
+      if (it->second.get() == &conn) {
+        outbound_.erase(it);
+        break;
+      }
+    }
+  }
+  if (!conn.isOutbound() && conn.peerId() < 0 && !reason.empty()) {
+    rejectedConnections_.fetch_add(1, std::memory_order_relaxed);
+    logWarning(
+        "torch_rpc_ext: " + workerInfo_.name_ + " refused connection " +
+        conn.describe() + ": " + reason);
+  }
+  auto failed = calls_.takeConnection(&conn);
+  if (failed.empty()) {
+    return;
+  }
+  if (!shuttingDown_.load()) {
+    logWarning(
+        "torch_rpc_ext: " + workerInfo_.name_ + " lost connection " +
+        conn.describe() + " with " + std::to_string(failed.size()) +
+        " calls pending: " + reason);
+  }
+  int32_t peer = failed.front().second.peerId;
+  std::string why = reason.empty() ? "RPC agent is shutting down" : reason;
+  for (auto& [id, call] : failed) {
+    stats_[call.peerId].errors.fetch_add(1, std::memory_order_relaxed);
+    settleWithError(
+        std::move(call),
+        "RPC to " + workers_[peer].name_ + " failed: connection " +
+            conn.describe() + " lost: " + why);
+  }
+}
+
+void Agent::join(bool shutdown, float /*timeout*/) {
+  ::c10d::PrefixStore joinStore("torch_rpc_ext/join", store_);
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(callCountMutex_);
+      callCountCv_.wait(lock, [this] { return clientActiveCalls_ == 0; });
+    }
+    // Everyone arrives with no calls of their own in flight...
+    rpc::syncCallCount(joinStore, worldSize_);
+    // ...then counts what started meanwhile (nested or follow-up calls). The
+    // lock keeps our count from going stale while it is summed; another round
+    // runs if anybody still has calls.
+    std::unique_lock<std::mutex> lock(callCountMutex_);
+    int total = rpc::syncCallCount(
+        joinStore, worldSize_, static_cast<int>(clientActiveCalls_));
+    if (total == 0) {
+      if (shutdown) {
+        shuttingDown_ = true;
+        rpc::syncCallCount(joinStore, worldSize_);
+      }
+      break;
+    }
+  }
+}
+
+void Agent::addGilWaitTime(std::chrono::microseconds gilWaitTime) {
+  gilWaitTotalUs_.fetch_add(gilWaitTime.count(), std::memory_order_relaxed);
+  gilWaitCount_.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::unordered_map<std::string, std::string> Agent::getMetrics() {
+  std::unordered_map<std::string, std::string> m;
+  m["agent.thread_pool_size"] = std::to_string(pool_.size());
+  m["agent.num_idle_threads"] = std::to_string(pool_.idle());
+  {
+    std::lock_guard<std::mutex> lock(callCountMutex_);
+    m["agent.client_active_calls"] = std::to_string(clientActiveCalls_);
+  }
+  m["agent.server_active_calls"] = std::to_string(serverActiveCalls_.load());
+  m["agent.server_active_async_calls"] =
+      std::to_string(serverActiveAsyncCalls_.load());
+  if (isGILProfilingEnabled()) {
+    auto n = gilWaitCount_.load();
+    m["agent.gil_average_wait_time_us"] =
+        std::to_string(n == 0 ? 0 : gilWaitTotalUs_.load() / n);
+  }
+  m["rpc_ext.rejected_connections"] =
+      std::to_string(rejectedConnections_.load());
+  m["rpc_ext.late_responses"] = std::to_string(lateResponses_.load());
+  for (int r = 0; r < worldSize_; ++r) {
+    const auto& s = stats_[r];
+    if (s.callsSent == 0 && s.callsServed == 0 && s.errors == 0 &&
+        s.rejectedFrames == 0) {
+      continue;
+    }
+    std::string p = "rpc_ext.peer." + workers_[r].name_ + ".";
+    m[p + "calls_sent"] = std::to_string(s.callsSent.load());
+    m[p + "calls_served"] = std::to_string(s.callsServed.load());
+    m[p + "bytes_sent"] = std::to_string(s.bytesSent.load());
+    m[p + "bytes_received"] = std::to_string(s.bytesReceived.load());
+    m[p + "errors"] = std::to_string(s.errors.load());
+    m[p + "timeouts"] = std::to_string(s.timeouts.load());
+    m[p + "rejected_frames"] = std::to_string(s.rejectedFrames.load());
+  }
+  return m;
+}
+
+std::unordered_map<std::string, std::string> Agent::getDebugInfo() {
+  auto m = getMetrics();
+  m["rpc_ext.address"] = address_;
+  m["rpc_ext.pending_calls"] = std::to_string(calls_.size());
+  return m;
+}
+
+} // namespace torch_rpc_ext

@@ -1,0 +1,153 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/rpc/rpc_agent.h>
+
+#include "csrc/agent/call_table.h"
+#include "csrc/agent/options.h"
+#include "csrc/agent/peer_stats.h"
+#include "csrc/common/thread_pool.h"
+#include "csrc/transport/transport.h"
+
+namespace torch_rpc_ext {
+
+namespace rpc = torch::distributed::rpc;
+
+// The torch_rpc_ext RpcAgent.
+//
+// Threads (docs/architecture.md):
+//  - the transport's loop thread reads frames, decodes them into Messages
+//    (no Python, no GIL) and hands requests and responses to the pool;
+//  - the pool runs RequestCallbackImpl for requests (which may take the GIL)
+//    and completes client futures (whose callbacks may take the GIL);
+//  - the CallTable thread expires timed-out calls;
+//  - send() runs on the caller's thread (often with the GIL held) and never
+//    blocks on anything that needs the GIL.
+class Agent final : public rpc::RpcAgent,
+                    public std::enable_shared_from_this<Agent>,
+                    private transport::ConnectionObserver {
+ public:
+  // Rendezvous through `store`: share the group secret, publish this
+  // worker's name and address, learn everyone else's. Blocks until all
+  // `worldSize` workers have published. Throws on duplicate names.
+  static std::shared_ptr<Agent> create(
+      const c10::intrusive_ptr<::c10d::Store>& store,
+      std::string name,
+      int rank,
+      int worldSize,
+      AgentOptions options);
+
+  ~Agent() override;
+
+  c10::intrusive_ptr<JitFuture> send(
+      const rpc::WorkerInfo& to,
+      c10::intrusive_ptr<rpc::Message> message,
+      const float rpcTimeoutSeconds = rpc::kUnsetRpcTimeout,
+      const rpc::DeviceMap& deviceMap = {}) override;
+
+  using rpc::RpcAgent::getWorkerInfo;
+  const rpc::WorkerInfo& getWorkerInfo(
+      const std::string& workerName) const override;
+  const rpc::WorkerInfo& getWorkerInfo(rpc::worker_id_t id) const override;
+  std::vector<rpc::WorkerInfo> getWorkerInfos() const override;
+
+  void join(bool shutdown = false, float timeout = 0) override;
+  void sync() override {}
+  void startImpl() override;
+  void shutdownImpl() override;
+
+  std::unordered_map<std::string, std::string> getMetrics() override;
+  std::unordered_map<std::string, std::string> getDebugInfo() override;
+
+  // The address peers connect to, e.g. "10.0.0.5:41231".
+  const std::string& address() const {
+    return address_;
+  }
+  const AgentOptions& options() const {
+    return options_;
+  }
+
+ private:
+  Agent(
+      const c10::intrusive_ptr<::c10d::Store>& store,
+      std::string name,
+      int rank,
+      int worldSize,
+      AgentOptions options);
+
+  void rendezvous();
+  void addGilWaitTime(std::chrono::microseconds gilWaitTime) override;
+
+  // ConnectionObserver: loop thread.
+  void onReady(const std::shared_ptr<transport::Connection>& conn) override;
+  transport::InboundBuffers onFrameHead(
+      transport::Connection& conn,
+      const std::string& head,
+      const std::vector<uint64_t>& segmentSizes) override;
+  void onFrame(
+      const std::shared_ptr<transport::Connection>& conn,
+      std::string head,
+      transport::InboundBuffers buffers) override;
+  void onClosed(transport::Connection& conn, const std::string& reason)
+      override;
+
+  std::shared_ptr<transport::Connection> connectionTo(int32_t peerId);
+  // Pool thread: run the request and arrange for its response.
+  void serveRequest(
+      std::shared_ptr<transport::Connection> conn,
+      c10::intrusive_ptr<rpc::Message> request);
+  void sendResponse(
+      transport::Connection& conn,
+      int64_t id,
+      JitFuture& result);
+  // Settle a client call on the pool, then drop it from the active count.
+  void settle(CallTable::Call call, c10::intrusive_ptr<rpc::Message> response);
+  void settleWithError(CallTable::Call call, std::string error);
+  void callFinished();
+
+  const c10::intrusive_ptr<::c10d::Store> store_;
+  const int worldSize_;
+  const AgentOptions options_;
+  std::string secret_;
+  std::vector<rpc::WorkerInfo> workers_; // by id
+  std::vector<std::string> addresses_; // by id
+  std::unordered_map<std::string, rpc::worker_id_t> idByName_;
+  std::string address_;
+
+  std::shared_ptr<transport::Transport> transport_;
+  std::shared_ptr<transport::Listener> listener_;
+  std::mutex connMutex_;
+  std::unordered_map<int32_t, std::shared_ptr<transport::Connection>> outbound_;
+
+  ThreadPool pool_;
+  CallTable calls_;
+  std::atomic<int64_t> nextId_{0};
+  std::unique_ptr<PeerStats[]> stats_; // by peer id
+  std::atomic<uint64_t> rejectedConnections_{0};
+  std::atomic<uint64_t> lateResponses_{0};
+
+  // Join bookkeeping (as TensorPipe: only client calls are counted, since
+  // every server call is some worker's client call).
+  std::mutex callCountMutex_;
+  std::condition_variable callCountCv_;
+  int64_t clientActiveCalls_ = 0;
+  std::atomic<int64_t> serverActiveCalls_{0};
+  std::atomic<int64_t> serverActiveAsyncCalls_{0};
+  std::atomic<bool> shuttingDown_{false};
+  std::atomic<bool> shutdownDone_{false};
+
+  std::atomic<int64_t> gilWaitTotalUs_{0};
+  std::atomic<int64_t> gilWaitCount_{0};
+};
+
+} // namespace torch_rpc_ext

@@ -1,0 +1,129 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/agent/call_table.h"
+
+namespace torch_rpc_ext {
+
+CallTable::CallTable(ExpireFn onExpired) : onExpired_(std::move(onExpired)) {
+  thread_ = std::thread([this] { timeoutLoop(); });
+}
+
+CallTable::~CallTable() {
+  stop();
+}
+
+void CallTable::add(int64_t id, Call call) {
+  bool earliest = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (call.timeout.count() > 0) {
+      earliest = deadlines_.empty() || call.deadline < deadlines_.begin()->first;
+      deadlines_.emplace(call.deadline, id);
+    }
+    calls_.emplace(id, std::move(call));
+  }
+  if (earliest) {
+    cv_.notify_one();
+  }
+}
+
+std::optional<CallTable::Call> CallTable::take(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = calls_.find(id);
+  if (it == calls_.end()) {
+    return std::nullopt;
+  }
+  Call call = std::move(it->second);
+  calls_.erase(it);
+  if (call.timeout.count() > 0) {
+    auto range = deadlines_.equal_range(call.deadline);
+    for (auto d = range.first; d != range.second; ++d) {
+      if (d->second == id) {
+        deadlines_.erase(d);
+        break;
+      }
+    }
+  }
+  return call;
+}
+
+std::vector<std::pair<int64_t, CallTable::Call>> CallTable::takeConnection(
+    const void* connection) {
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [id, call] : calls_) {
+      if (call.connection == connection) {
+        ids.push_back(id);
+      }
+    }
+  }
+  std::vector<std::pair<int64_t, Call>> out;
+  for (auto id : ids) {
+    if (auto c = take(id)) {
+      out.emplace_back(id, std::move(*c));
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<int64_t, CallTable::Call>> CallTable::takeAll() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<int64_t, Call>> out;
+  out.reserve(calls_.size());
+  for (auto& [id, call] : calls_) {
+    out.emplace_back(id, std::move(call));
+  }
+  calls_.clear();
+  deadlines_.clear();
+  return out;
+}
+
+size_t CallTable::size() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return calls_.size();
+}
+
+void CallTable::timeoutLoop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stopping_) {
+    if (deadlines_.empty()) {
+      cv_.wait(lock);
+      continue;
+    }
+    auto now = std::chrono::steady_clock::now();
+    if (deadlines_.begin()->first > now) {
+      cv_.wait_until(lock, deadlines_.begin()->first);
+      continue;
+    }
+    std::vector<std::pair<int64_t, Call>> expired;
+    while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+      int64_t id = deadlines_.begin()->second;
+      deadlines_.erase(deadlines_.begin());
+      auto it = calls_.find(id);
+      if (it != calls_.end()) {
+        expired.emplace_back(id, std::move(it->second));
+        calls_.erase(it);
+      }
+    }
+    // Settle futures outside the lock: their callbacks may send new RPCs.
+    lock.unlock();
+    for (auto& [id, call] : expired) {
+      onExpired_(id, std::move(call));
+    }
+    expired.clear();
+    lock.lock();
+  }
+}
+
+void CallTable::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) {
+    thread_.join();
+  }
+}
+
+} // namespace torch_rpc_ext

@@ -1,0 +1,65 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+
+namespace torch_rpc_ext {
+
+using JitFuture = c10::ivalue::Future;
+
+// The client calls in flight: id -> future, the connection it went out on,
+// and its deadline. Exactly one of response, timeout, connection failure or
+// shutdown removes an entry, so a future is settled once.
+//
+// A thread wakes at the earliest deadline and hands expired entries to the
+// timeout callback outside the lock.
+class CallTable {
+ public:
+  struct Call {
+    c10::intrusive_ptr<JitFuture> future;
+    const void* connection; // identity only, never dereferenced
+    int32_t peerId;
+    std::chrono::milliseconds timeout; // 0: never expires
+    std::chrono::steady_clock::time_point deadline;
+  };
+  using ExpireFn = std::function<void(int64_t id, Call call)>;
+
+  explicit CallTable(ExpireFn onExpired);
+  ~CallTable();
+
+  void add(int64_t id, Call call);
+  // Remove and return the call, if it is still pending.
+  std::optional<Call> take(int64_t id);
+  // Remove and return every call sent on `connection`.
+  std::vector<std::pair<int64_t, Call>> takeConnection(const void* connection);
+  // Remove and return every call.
+  std::vector<std::pair<int64_t, Call>> takeAll();
+  size_t size() const;
+
+  // Join the timeout thread. Idempotent.
+  void stop();
+
+ private:
+  void timeoutLoop();
+
+  ExpireFn onExpired_;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::unordered_map<int64_t, Call> calls_;
+  std::multimap<std::chrono::steady_clock::time_point, int64_t> deadlines_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+} // namespace torch_rpc_ext

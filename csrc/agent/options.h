@@ -1,0 +1,28 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torch_rpc_ext {
+
+// Everything the agent takes from RpcExtBackendOptions, already validated by
+// torch_rpc_ext/options.py.
+struct AgentOptions {
+  float rpcTimeoutSeconds = 60;
+  int numWorkerThreads = 16;
+  // Transports by preference; the first one both peers have is used.
+  std::vector<std::string> transports{"tcp"};
+  // Address to bind and advertise; empty means defaultAdvertisedAddress().
+  std::string address;
+  // Shared secret; empty means "create one at rendezvous, share via store".
+  std::string secret;
+  uint64_t maxFrameBytes = uint64_t(1) << 34;
+  std::chrono::milliseconds handshakeTimeout{10000};
+  // Limit on how long init waits for all peers to publish their address.
+  std::chrono::milliseconds rendezvousTimeout{300000};
+};
+
+} // namespace torch_rpc_ext

@@ -1,0 +1,13 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+namespace torch_rpc_ext::bindings {
+
+namespace py = pybind11;
+
+void bindAgent(py::module_& m);
+void bindTesting(py::module_& m);
+
+} // namespace torch_rpc_ext::bindings

@@ -1,0 +1,106 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// _C._testing: the codec, frame checks and crypto, reachable from pytest
+// without processes. For tests only.
+#include <torch/csrc/distributed/rpc/message.h>
+
+#include "csrc/bindings/bind.h"
+#include "csrc/common/crypto.h"
+#include "csrc/transport/frame.h"
+#include "csrc/transport/handshake.h"
+#include "csrc/wire/codec.h"
+
+namespace torch_rpc_ext::bindings {
+
+namespace {
+
+namespace rpc = torch::distributed::rpc;
+
+py::bytes digestBytes(const Digest& d) {
+  return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+}
+
+} // namespace
+
+void bindTesting(py::module_& m) {
+  m.def("sha256", [](const py::bytes& b) { return digestBytes(sha256(b)); });
+  m.def("hmac_sha256", [](const py::bytes& key, const py::bytes& msg) {
+    return digestBytes(hmacSha256(key, msg));
+  });
+
+  // (head, [segments]) of the frame that would carry this message.
+  m.def(
+      "encode_message",
+      [](int type,
+         const py::bytes& payload,
+         const std::vector<at::Tensor>& tensors,
+         int64_t id) {
+        std::string p = payload;
+        auto msg = c10::make_intrusive<rpc::Message>(
+            std::vector<char>(p.begin(), p.end()),
+            std::vector<at::Tensor>(tensors),
+            static_cast<rpc::MessageType>(type),
+            -1);
+        auto frame = wire::encodeMessage(msg, id);
+        py::list segments;
+        for (const auto& s : frame.segments) {
+          segments.append(
+              py::bytes(static_cast<const char*>(s.data), s.size));
+        }
+        return py::make_tuple(py::bytes(frame.head), segments);
+      });
+
+  // Decode (head, [segments]) as the receiving agent would; raises
+  // ValueError for anything the agent would reject.
+  m.def(
+      "decode_message",
+      [](const py::bytes& head, const std::vector<py::bytes>& segments) {
+        std::vector<std::string> segs;
+        std::vector<uint64_t> sizes;
+        for (const auto& s : segments) {
+          segs.emplace_back(s);
+          sizes.push_back(segs.back().size());
+        }
+        std::shared_ptr<wire::InboundMessage> in;
+        c10::intrusive_ptr<rpc::Message> msg;
+        try {
+          in = wire::InboundMessage::prepare(head, sizes);
+          auto buffers = in->buffers(in);
+          for (size_t i = 0; i < segs.size(); ++i) {
+            if (!segs[i].empty()) {
+              std::memcpy(buffers.segments[i], segs[i].data(), segs[i].size());
+            }
+          }
+          msg = in->finish();
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        } catch (const c10::Error& e) {
+          throw py::value_error(e.what_without_backtrace());
+        }
+        const auto& p = msg->payload();
+        return py::make_tuple(
+            static_cast<int>(msg->type()),
+            msg->id(),
+            py::bytes(p.data(), p.size()),
+            msg->tensors());
+      });
+
+  // "" if a 24-byte frame header is acceptable, else the reason.
+  m.def(
+      "validate_header",
+      [](const py::bytes& raw, uint64_t maxFrameBytes) {
+        std::string s = raw;
+        if (s.size() != sizeof(transport::FrameHeader)) {
+          throw py::value_error("a frame header is 24 bytes");
+        }
+        transport::FrameHeader h;
+        std::memcpy(&h, s.data(), sizeof(h));
+        transport::FrameLimits limits;
+        limits.maxFrameBytes = maxFrameBytes;
+        return transport::validateHeader(h, limits);
+      });
+
+  m.attr("FRAME_MAGIC") = transport::kFrameMagic;
+  m.attr("PROTOCOL_VERSION") = transport::kProtocolVersion;
+}
+
+} // namespace torch_rpc_ext::bindings

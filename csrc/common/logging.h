@@ -1,0 +1,13 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <string>
+
+namespace torch_rpc_ext {
+
+// Warnings go to stderr unless TORCH_RPC_EXT_LOG=error or =off; debug lines
+// only with TORCH_RPC_EXT_LOG=debug. Thread-safe; never takes the GIL.
+void logWarning(const std::string& line);
+void logDebug(const std::string& line);
+
+} // namespace torch_rpc_ext

@@ -1,0 +1,163 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/common/thread_pool.h"
+
+namespace torch_rpc_ext {
+
+namespace {
+constexpr auto kExtraThreadIdle = std::chrono::seconds(5);
+} // namespace
+
+ThreadPool::ThreadPool(
+    size_t coreThreads,
+    size_t maxThreads,
+    std::chrono::milliseconds stallTimeout)
+    : coreThreads_(coreThreads < 1 ? 1 : coreThreads),
+      maxThreads_(maxThreads < coreThreads_ ? coreThreads_ : maxThreads),
+      stallTimeout_(stallTimeout) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t i = 0; i < coreThreads_; ++i) {
+    spawnLocked(/*core=*/true);
+  }
+  supervisor_ = std::thread([this] { supervisorLoop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  stop();
+}
+
+void ThreadPool::spawnLocked(bool core) {
+  reapLocked();
+  ++alive_;
+  std::thread t([this, core] { workerLoop(core); });
+  auto id = t.get_id();
+  threads_.emplace(id, std::move(t));
+}
+
+void ThreadPool::reapLocked() {
+  // A finished thread has released mutex_ for good, so joining is prompt.
+  for (auto id : finished_) {
+    auto it = threads_.find(id);
+    if (it != threads_.end()) {
+      it->second.join();
+      threads_.erase(it);
+    }
+  }
+  finished_.clear();
+}
+
+void ThreadPool::run(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_ && alive_ == 0) {
+      return;
+    }
+    queue_.push_back(std::move(task));
+    if (idle_ == 0) {
+      supervisorCv_.notify_one();
+    }
+  }
+  workCv_.notify_one();
+}
+
+void ThreadPool::workerLoop(bool core) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    ++idle_;
+    bool timedOut = false;
+    if (core) {
+      workCv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    } else {
+      timedOut = !workCv_.wait_for(lock, kExtraThreadIdle, [&] {
+        return stopping_ || !queue_.empty();
+      });
+    }
+    --idle_;
+    if (queue_.empty() && (stopping_ || timedOut)) {
+      break;
+    }
+    if (queue_.empty()) {
+      continue;
+    }
+    auto task = std::move(queue_.front());
+    queue_.pop_front();
+    ++taken_;
+    ++running_;
+    lock.unlock();
+    task();
+    task = nullptr; // run destructors outside the lock
+    lock.lock();
+    --running_;
+    if (running_ == 0 && queue_.empty()) {
+      idleCv_.notify_all();
+    }
+  }
+  --alive_;
+  if (!stopping_) {
+    finished_.push_back(std::this_thread::get_id());
+  }
+  idleCv_.notify_all();
+}
+
+void ThreadPool::supervisorLoop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stopping_) {
+    if (queue_.empty() || idle_ > 0) {
+      supervisorCv_.wait(lock);
+      continue;
+    }
+    // Work is queued and every thread is busy: give them stallTimeout_ to
+    // make progress before concluding they are blocked.
+    uint64_t before = taken_;
+    supervisorCv_.wait_for(lock, stallTimeout_);
+    if (!stopping_ && !queue_.empty() && idle_ == 0 && taken_ == before &&
+        alive_ < maxThreads_) {
+      spawnLocked(/*core=*/false);
+    }
+  }
+}
+
+void ThreadPool::waitIdle() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  idleCv_.wait(lock, [&] { return queue_.empty() && running_ == 0; });
+}
+
+void ThreadPool::stop() {
+  std::unordered_map<std::thread::id, std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_ && threads_.empty() && !supervisor_.joinable()) {
+      return;
+    }
+    stopping_ = true;
+  }
+  workCv_.notify_all();
+  supervisorCv_.notify_all();
+  if (supervisor_.joinable()) {
+    supervisor_.join();
+  }
+  // Workers drain the queue before they exit; no new thread is spawned now.
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    threads.swap(threads_);
+    finished_.clear();
+  }
+  for (auto& [id, t] : threads) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();
+    } else {
+      t.join();
+    }
+  }
+}
+
+size_t ThreadPool::size() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return alive_;
+}
+
+size_t ThreadPool::idle() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return idle_;
+}
+
+} // namespace torch_rpc_ext

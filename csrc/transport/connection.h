@@ -1,0 +1,71 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "csrc/transport/frame.h"
+
+namespace torch_rpc_ext::transport {
+
+class Connection;
+
+// What a connection reports upward. Every method runs on the transport's
+// loop thread, must not block and must not take the GIL.
+class ConnectionObserver {
+ public:
+  virtual ~ConnectionObserver() = default;
+
+  // The handshake succeeded; conn.peerId() is now authenticated.
+  virtual void onReady(const std::shared_ptr<Connection>& conn) = 0;
+
+  // The head of a frame has arrived. Return where its segments go (one
+  // pointer per entry of `segmentSizes`). Throwing rejects the frame: the
+  // connection closes with the exception's text as reason.
+  virtual InboundBuffers onFrameHead(
+      Connection& conn,
+      const std::string& head,
+      const std::vector<uint64_t>& segmentSizes) = 0;
+
+  // Every segment of the frame is in place.
+  virtual void onFrame(
+      const std::shared_ptr<Connection>& conn,
+      std::string head,
+      InboundBuffers buffers) = 0;
+
+  // The connection is gone, reported exactly once. `reason` is empty only
+  // for a local close() during shutdown.
+  virtual void onClosed(Connection& conn, const std::string& reason) = 0;
+};
+
+// A reliable, ordered, authenticated stream of frames to one peer.
+//
+// Frames written before the handshake completes are queued and sent once it
+// does. write() is thread-safe and never blocks: it writes what the socket
+// takes at once and leaves the rest to the loop thread.
+class Connection {
+ public:
+  virtual ~Connection() = default;
+
+  // Queue `frame`. Returns false (and drops it) if the connection is closed.
+  virtual bool write(OutboundFrame frame) = 0;
+
+  // Close now; queued frames are dropped. Idempotent.
+  virtual void close(const std::string& reason) = 0;
+
+  // The peer's worker id once authenticated, else -1 (also after a close
+  // that happened before authentication).
+  virtual int32_t peerId() const = 0;
+
+  virtual bool isReady() const = 0;
+  virtual bool isClosed() const = 0;
+  // True for connections this process opened, false for accepted ones.
+  virtual bool isOutbound() const = 0;
+
+  // Human-readable endpoints, for logs and errors.
+  virtual std::string describe() const = 0;
+};
+
+} // namespace torch_rpc_ext::transport

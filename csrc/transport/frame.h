@@ -1,0 +1,80 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch_rpc_ext::transport {
+
+// Every transport carries the same frames (docs/wire-format.md):
+//
+//   FrameHeader (24 bytes, little-endian)
+//   uint64 segmentLength[numSegments]
+//   head   (headLength bytes: small, parsed by the layer above)
+//   segment 0 .. numSegments-1 (bulk bytes, read straight into buffers the
+//                               layer above chooses after seeing the head)
+//
+// The receiver checks every length against FrameLimits before it allocates
+// anything, so a peer cannot make it allocate more than maxFrameBytes.
+constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
+constexpr uint8_t kProtocolVersion = 1;
+
+enum class FrameKind : uint8_t {
+  kHello = 1, // client -> server: version, identity, nonce
+  kChallenge = 2, // server -> client: identity, nonce, server proof
+  kProof = 3, // client -> server: client proof
+  kMessage = 4, // an rpc::Message (request or response), see wire/codec.h
+  kPing = 5, // liveness probe; answered with kPong
+  kPong = 6,
+};
+
+#pragma pack(push, 1)
+struct FrameHeader {
+  uint32_t magic;
+  uint8_t version;
+  uint8_t kind;
+  uint16_t flags; // must be zero in version 1
+  uint32_t headLength;
+  uint32_t numSegments;
+  uint64_t dataLength; // sum of segment lengths
+};
+#pragma pack(pop)
+static_assert(sizeof(FrameHeader) == 24, "FrameHeader layout is fixed");
+
+struct FrameLimits {
+  // Largest frame (header, lengths, head and segments) accepted or sent.
+  uint64_t maxFrameBytes = uint64_t(1) << 34; // 16 GiB
+  uint32_t maxHeadBytes = 1u << 24; // 16 MiB
+  uint32_t maxSegments = 1u << 16;
+};
+
+// Returns an empty string if `h` is acceptable under `limits`, else a reason
+// naming the offending field.
+std::string validateHeader(const FrameHeader& h, const FrameLimits& limits);
+
+// An outbound frame: a head and segments that point into memory kept alive by
+// `keepAlive` until the transport has written the frame (or dropped it).
+struct OutboundFrame {
+  FrameKind kind = FrameKind::kMessage;
+  std::string head;
+  struct Segment {
+    const void* data;
+    size_t size;
+  };
+  std::vector<Segment> segments;
+  std::shared_ptr<void> keepAlive;
+  // Bytes on the wire, once encoded.
+  uint64_t wireSize() const;
+};
+
+// Where an inbound frame's segments go. Chosen by the receiver once the head
+// is known; `keepAlive` owns the memory.
+struct InboundBuffers {
+  std::vector<void*> segments; // one per announced segment
+  std::shared_ptr<void> keepAlive;
+};
+
+} // namespace torch_rpc_ext::transport

@@ -1,0 +1,660 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/transport/tcp/connection.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+
+#include "csrc/common/crypto.h"
+#include "csrc/common/logging.h"
+#include "csrc/transport/handshake.h"
+#include "csrc/transport/tcp/address.h"
+
+namespace torch_rpc_ext::transport::tcp {
+
+namespace {
+
+constexpr size_t kStagingBytes = 64 * 1024;
+constexpr size_t kDirectReadBytes = 16 * 1024;
+constexpr int kMaxIov = 1024;
+
+std::string errnoText(const char* what) {
+  return std::string(what) + ": " + std::strerror(errno);
+}
+
+void tuneSocket(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+}
+
+} // namespace
+
+TcpConnection::TcpConnection(
+    Loop& loop,
+    const TransportOptions& options,
+    int fd,
+    bool outbound,
+    int32_t expectedPeerId,
+    std::string peerAddress,
+    ConnectionObserver* observer)
+    : loop_(loop),
+      options_(options),
+      fd_(fd),
+      outbound_(outbound),
+      expectedPeerId_(expectedPeerId),
+      peerAddress_(std::move(peerAddress)),
+      observer_(observer),
+      state_(outbound ? State::kConnecting : State::kAwaitHello),
+      staging_(kStagingBytes) {}
+
+TcpConnection::~TcpConnection() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+  }
+}
+
+std::shared_ptr<TcpConnection> TcpConnection::connect(
+    Loop& loop,
+    const TransportOptions& options,
+    const std::string& address,
+    int32_t expectedPeerId,
+    ConnectionObserver* observer) {
+  SocketAddress to = SocketAddress::parse(address);
+  int fd = ::socket(to.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  auto conn = std::shared_ptr<TcpConnection>(new TcpConnection(
+      loop, options, fd, /*outbound=*/true, expectedPeerId, address, observer));
+  if (fd < 0) {
+    conn->fd_ = -1;
+    conn->closeInternal(errnoText("socket"), false);
+    return conn;
+  }
+  tuneSocket(fd);
+  int rv = ::connect(fd, reinterpret_cast<sockaddr*>(&to.storage), to.length);
+  if (rv != 0 && errno != EINPROGRESS) {
+    conn->closeInternal(
+        "connect to " + address + " failed: " + std::strerror(errno), false);
+    return conn;
+  }
+  loop.post([conn] { conn->startFromLoop(/*connecting=*/true); });
+  return conn;
+}
+
+std::shared_ptr<TcpConnection> TcpConnection::acceptFromLoop(
+    Loop& loop,
+    const TransportOptions& options,
+    int fd,
+    std::string peerAddress,
+    ConnectionObserver* observer) {
+  tuneSocket(fd);
+  auto conn = std::shared_ptr<TcpConnection>(new TcpConnection(
+      loop, options, fd, /*outbound=*/false, -1, std::move(peerAddress),
+      observer));
+  conn->startFromLoop(/*connecting=*/false);
+  return conn;
+}
+
+void TcpConnection::startFromLoop(bool connecting) {
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    registered_ = true;
+    wantWrite_ = connecting || !writes_.empty();
+    uint32_t events = EPOLLIN | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u);
+    loop_.addFromLoop(fd_, shared_from_this(), events);
+  }
+  std::weak_ptr<TcpConnection> weak = shared_from_this();
+  loop_.runAfter(options_.handshakeTimeout, [weak] {
+    if (auto self = weak.lock()) {
+      if (!self->isReady() && !self->isClosed()) {
+        self->closeInternal("handshake did not complete in time", false);
+      }
+    }
+  });
+}
+
+std::string TcpConnection::describe() const {
+  return std::string("tcp ") + (outbound_ ? "to " : "from ") + peerAddress_ +
+      (peerId_ >= 0 ? " (worker id " + std::to_string(peerId_.load()) + ")"
+                    : "");
+}
+
+void TcpConnection::handleEventsFromLoop(uint32_t events) {
+  if (state_ == State::kClosed) {
+    return;
+  }
+  if (state_ == State::kConnecting) {
+    if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) {
+      onConnectedFromLoop();
+    }
+    return;
+  }
+  if (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
+    onReadableFromLoop();
+  }
+  if ((events & EPOLLOUT) && state_ != State::kClosed) {
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(writeMutex_);
+      error = flushLocked();
+    }
+    if (!error.empty()) {
+      closeInternal(error, false);
+    }
+  }
+}
+
+void TcpConnection::onConnectedFromLoop() {
+  int err = 0;
+  socklen_t len = sizeof(err);
+  ::getsockopt(fd_, SOL_SOCKET, SO_ERROR, &err, &len);
+  if (err != 0) {
+    closeInternal(
+        "connect to " + peerAddress_ + " failed: " + std::strerror(err), false);
+    return;
+  }
+  clientNonce_ = randomBytes(kNonceBytes);
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    state_ = State::kAwaitChallenge;
+  }
+  queueControl(
+      uint8_t(FrameKind::kHello),
+      encodeHello(Hello{options_.selfId, clientNonce_}));
+}
+
+void TcpConnection::queueControl(uint8_t kind, std::string head) {
+  PendingWrite w;
+  FrameHeader h{kFrameMagic, kProtocolVersion, kind, 0,
+                static_cast<uint32_t>(head.size()), 0, 0};
+  w.prefix.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  w.prefix += head;
+  w.control = true;
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    // Control frames jump the queue: nothing else is sent before kReady, and
+    // a pong may not split a frame that is partly written.
+    auto pos = writes_.begin();
+    if (pos != writes_.end() && pos->written > 0) {
+      ++pos;
+    }
+    writes_.insert(pos, std::move(w));
+    error = flushLocked();
+  }
+  if (!error.empty()) {
+    closeInternal(error, false);
+  }
+}
+
+bool TcpConnection::write(OutboundFrame frame) {
+  if (frame.segments.size() > options_.limits.maxSegments ||
+      frame.head.size() > options_.limits.maxHeadBytes ||
+      frame.wireSize() > options_.limits.maxFrameBytes) {
+    throw std::length_error(
+        "frame of " + std::to_string(frame.wireSize()) + " bytes in " +
+        std::to_string(frame.segments.size()) +
+        " segments exceeds this agent's limits (max_frame_bytes=" +
+        std::to_string(options_.limits.maxFrameBytes) + ")");
+  }
+  PendingWrite w;
+  FrameHeader h{};
+  h.magic = kFrameMagic;
+  h.version = kProtocolVersion;
+  h.kind = uint8_t(frame.kind);
+  h.headLength = static_cast<uint32_t>(frame.head.size());
+  h.numSegments = static_cast<uint32_t>(frame.segments.size());
+  for (const auto& s : frame.segments) {
+    h.dataLength += s.size;
+  }
+  w.prefix.reserve(sizeof(h) + 8 * frame.segments.size() + frame.head.size());
+  w.prefix.append(reinterpret_cast<const char*>(&h), sizeof(h));
+  for (const auto& s : frame.segments) {
+    uint64_t n = s.size;
+    w.prefix.append(reinterpret_cast<const char*>(&n), 8);
+  }
+  w.prefix += frame.head;
+  frame.head.clear();
+  w.frame = std::move(frame);
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return false;
+    }
+    writes_.push_back(std::move(w));
+    if (state_ == State::kReady && writes_.size() == 1) {
+      error = flushLocked();
+    }
+  }
+  if (!error.empty()) {
+    closeInternal(error, false);
+  }
+  return true;
+}
+
+std::string TcpConnection::flushLocked() {
+  if (state_ == State::kClosed || !registered_) {
+    return {};
+  }
+  while (!writes_.empty()) {
+    if (state_ != State::kReady && !writes_.front().control) {
+      break;
+    }
+    iovec iov[kMaxIov];
+    int n = 0;
+    for (auto& w : writes_) {
+      if (state_ != State::kReady && !w.control) {
+        break;
+      }
+      size_t skip = w.written;
+      auto add = [&](const void* p, size_t len) {
+        if (n == kMaxIov || len == 0) {
+          return;
+        }
+        if (skip >= len) {
+          skip -= len;
+          return;
+        }
+        iov[n].iov_base = const_cast<char*>(static_cast<const char*>(p)) + skip;
+        iov[n].iov_len = len - skip;
+        skip = 0;
+        ++n;
+      };
+      add(w.prefix.data(), w.prefix.size());
+      for (const auto& s : w.frame.segments) {
+        add(s.data, s.size);
+      }
+      if (n == kMaxIov) {
+        break;
+      }
+    }
+    if (n == 0) {
+      break;
+    }
+    ssize_t sent = ::writev(fd_, iov, n);
+    if (sent < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        break;
+      }
+      if (errno == EINTR) {
+        continue;
+      }
+      return errnoText("write failed");
+    }
+    size_t left = static_cast<size_t>(sent);
+    while (left > 0 && !writes_.empty()) {
+      auto& w = writes_.front();
+      size_t total = w.prefix.size();
+      for (const auto& s : w.frame.segments) {
+        total += s.size;
+      }
+      size_t need = total - w.written;
+      if (left >= need) {
+        left -= need;
+        writes_.pop_front();
+      } else {
+        w.written += left;
+        left = 0;
+      }
+    }
+  }
+  updateEventsLocked();
+  return {};
+}
+
+void TcpConnection::updateEventsLocked() {
+  bool want = !writes_.empty() &&
+      (state_ == State::kReady || writes_.front().control);
+  if (registered_ && want != wantWrite_ && state_ != State::kClosed) {
+    wantWrite_ = want;
+    loop_.modify(fd_, EPOLLIN | (want ? uint32_t(EPOLLOUT) : 0u));
+  }
+}
+
+void TcpConnection::onReadableFromLoop() {
+  while (state_ != State::kClosed) {
+    if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_) {
+      size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
+      if (want >= kDirectReadBytes) {
+        char* dst =
+            static_cast<char*>(inbound_.segments[segmentIndex_]) + segmentFilled_;
+        ssize_t got = ::read(fd_, dst, want);
+        if (got > 0) {
+          segmentFilled_ += static_cast<size_t>(got);
+          if (segmentFilled_ == segmentSizes_[segmentIndex_]) {
+            ++segmentIndex_;
+            segmentFilled_ = 0;
+            skipEmptySegments();
+            if (segmentIndex_ == segmentSizes_.size()) {
+              finishFrameFromLoop();
+            }
+          }
+          continue;
+        }
+        if (got == 0) {
+          closeInternal("peer closed the connection", false);
+          return;
+        }
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          return;
+        }
+        if (errno != EINTR) {
+          closeInternal(errnoText("read failed"), false);
+          return;
+        }
+        continue;
+      }
+    }
+    if (stagedBegin_ == stagedEnd_) {
+      stagedBegin_ = stagedEnd_ = 0;
+    }
+    ssize_t got =
+        ::read(fd_, staging_.data() + stagedEnd_, staging_.size() - stagedEnd_);
+    if (got == 0) {
+      closeInternal("peer closed the connection", false);
+      return;
+    }
+    if (got < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        return;
+      }
+      if (errno != EINTR) {
+        closeInternal(errnoText("read failed"), false);
+        return;
+      }
+      continue;
+    }
+    stagedEnd_ += static_cast<size_t>(got);
+    if (!consumeFromLoop()) {
+      return;
+    }
+  }
+}
+
+bool TcpConnection::consumeFromLoop() {
+  while (stagedBegin_ < stagedEnd_ && state_ != State::kClosed) {
+    size_t avail = stagedEnd_ - stagedBegin_;
+    const char* src = staging_.data() + stagedBegin_;
+    if (phase_ == ReadPhase::kHeader) {
+      size_t take = std::min(avail, sizeof(header_) - phaseFilled_);
+      std::memcpy(reinterpret_cast<char*>(&header_) + phaseFilled_, src, take);
+      phaseFilled_ += take;
+      stagedBegin_ += take;
+      if (phaseFilled_ == sizeof(header_) && !onHeaderFromLoop()) {
+        return false;
+      }
+    } else if (phase_ == ReadPhase::kLengthsAndHead) {
+      size_t take = std::min(avail, lengthsAndHead_.size() - phaseFilled_);
+      std::memcpy(lengthsAndHead_.data() + phaseFilled_, src, take);
+      phaseFilled_ += take;
+      stagedBegin_ += take;
+      if (phaseFilled_ == lengthsAndHead_.size() &&
+          !onLengthsAndHeadFromLoop()) {
+        return false;
+      }
+    } else {
+      size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
+      size_t take = std::min(avail, want);
+      std::memcpy(
+          static_cast<char*>(inbound_.segments[segmentIndex_]) + segmentFilled_,
+          src,
+          take);
+      segmentFilled_ += take;
+      stagedBegin_ += take;
+      if (segmentFilled_ == segmentSizes_[segmentIndex_]) {
+        ++segmentIndex_;
+        segmentFilled_ = 0;
+        skipEmptySegments();
+        if (segmentIndex_ == segmentSizes_.size()) {
+          finishFrameFromLoop();
+        }
+      }
+    }
+  }
+  return state_ != State::kClosed;
+}
+
+bool TcpConnection::onHeaderFromLoop() {
+  std::string why = validateHeader(header_, options_.limits);
+  auto kind = static_cast<FrameKind>(header_.kind);
+  if (why.empty()) {
+    State s = state_;
+    bool ok = false;
+    switch (s) {
+      case State::kAwaitHello:
+        ok = kind == FrameKind::kHello && header_.headLength == kHelloBytes;
+        break;
+      case State::kAwaitChallenge:
+        ok = kind == FrameKind::kChallenge &&
+            header_.headLength == kChallengeBytes;
+        break;
+      case State::kAwaitProof:
+        ok = kind == FrameKind::kProof && header_.headLength == kProofBytes;
+        break;
+      case State::kReady:
+        ok = kind == FrameKind::kMessage || kind == FrameKind::kPing ||
+            kind == FrameKind::kPong;
+        break;
+      default:
+        break;
+    }
+    if (!ok) {
+      why = "unexpected frame kind " + std::to_string(header_.kind) +
+          " of head " + std::to_string(header_.headLength) +
+          " bytes in this connection state";
+    } else if (s != State::kReady && header_.numSegments != 0) {
+      why = "handshake frame with segments";
+    }
+  }
+  if (!why.empty()) {
+    closeInternal("rejected frame: " + why, false);
+    return false;
+  }
+  phaseFilled_ = 0;
+  lengthsAndHead_.assign(
+      size_t(header_.numSegments) * 8 + header_.headLength, '\0');
+  phase_ = ReadPhase::kLengthsAndHead;
+  if (lengthsAndHead_.empty()) {
+    return onLengthsAndHeadFromLoop();
+  }
+  return true;
+}
+
+bool TcpConnection::onLengthsAndHeadFromLoop() {
+  size_t n = header_.numSegments;
+  segmentSizes_.resize(n);
+  uint64_t sum = 0;
+  for (size_t i = 0; i < n; ++i) {
+    std::memcpy(&segmentSizes_[i], lengthsAndHead_.data() + 8 * i, 8);
+    if (segmentSizes_[i] > header_.dataLength - sum) {
+      closeInternal("rejected frame: segment lengths exceed dataLength", false);
+      return false;
+    }
+    sum += segmentSizes_[i];
+  }
+  if (sum != header_.dataLength) {
+    closeInternal("rejected frame: segment lengths do not sum to dataLength",
+                  false);
+    return false;
+  }
+  head_ = lengthsAndHead_.substr(n * 8);
+  lengthsAndHead_.clear();
+  phaseFilled_ = 0;
+  if (state_ != State::kReady) {
+    phase_ = ReadPhase::kHeader;
+    return onHandshakeFrameFromLoop(std::move(head_));
+  }
+  auto kind = static_cast<FrameKind>(header_.kind);
+  if (kind == FrameKind::kPing) {
+    phase_ = ReadPhase::kHeader;
+    queueControl(uint8_t(FrameKind::kPong), {});
+    return state_ != State::kClosed;
+  }
+  if (kind == FrameKind::kPong) {
+    phase_ = ReadPhase::kHeader;
+    return true;
+  }
+  try {
+    inbound_ = observer_->onFrameHead(*this, head_, segmentSizes_);
+  } catch (const std::exception& e) {
+    closeInternal(std::string("rejected frame: ") + e.what(), false);
+    return false;
+  }
+  if (inbound_.segments.size() != n) {
+    closeInternal("rejected frame: receiver gave wrong buffer count", false);
+    return false;
+  }
+  segmentIndex_ = 0;
+  segmentFilled_ = 0;
+  skipEmptySegments();
+  if (segmentIndex_ == n) {
+    finishFrameFromLoop();
+  } else {
+    phase_ = ReadPhase::kSegments;
+  }
+  return state_ != State::kClosed;
+}
+
+void TcpConnection::skipEmptySegments() {
+  while (segmentIndex_ < segmentSizes_.size() &&
+         segmentSizes_[segmentIndex_] == 0) {
+    ++segmentIndex_;
+  }
+}
+
+void TcpConnection::finishFrameFromLoop() {
+  phase_ = ReadPhase::kHeader;
+  auto buffers = std::move(inbound_);
+  inbound_ = InboundBuffers{};
+  observer_->onFrame(shared_from_this(), std::move(head_), std::move(buffers));
+}
+
+bool TcpConnection::onHandshakeFrameFromLoop(std::string head) {
+  const std::string& secret = options_.secret;
+  State s = state_;
+  if (s == State::kAwaitHello) {
+    auto hello = decodeHello(head);
+    if (!hello || hello->clientId < 0) {
+      closeInternal("rejected handshake: malformed hello", false);
+      return false;
+    }
+    claimedPeerId_ = hello->clientId; // trusted once the proof checks out
+    clientNonce_ = hello->clientNonce;
+    serverNonce_ = randomBytes(kNonceBytes);
+    std::string proof = makeProof(
+        secret, "server", clientNonce_, serverNonce_, claimedPeerId_,
+        options_.selfId);
+    state_ = State::kAwaitProof;
+    queueControl(
+        uint8_t(FrameKind::kChallenge),
+        encodeChallenge(Challenge{options_.selfId, serverNonce_, proof}));
+    return state_ != State::kClosed;
+  }
+  if (s == State::kAwaitChallenge) {
+    auto ch = decodeChallenge(head);
+    if (!ch) {
+      closeInternal("rejected handshake: malformed challenge", false);
+      return false;
+    }
+    if (ch->serverId != expectedPeerId_) {
+      closeInternal(
+          "rejected handshake: expected worker id " +
+              std::to_string(expectedPeerId_) + " but " + peerAddress_ +
+              " is worker id " + std::to_string(ch->serverId),
+          false);
+      return false;
+    }
+    std::string expected = makeProof(
+        secret, "server", clientNonce_, ch->serverNonce, options_.selfId,
+        ch->serverId);
+    if (!proofMatches(ch->serverProof, expected)) {
+      closeInternal(
+          "authentication failed: peer does not know the group secret", false);
+      return false;
+    }
+    std::string proof = makeProof(
+        secret, "client", clientNonce_, ch->serverNonce, options_.selfId,
+        ch->serverId);
+    claimedPeerId_ = ch->serverId;
+    queueControl(uint8_t(FrameKind::kProof), proof);
+  } else if (s == State::kAwaitProof) {
+    std::string expected = makeProof(
+        secret, "client", clientNonce_, serverNonce_, claimedPeerId_,
+        options_.selfId);
+    if (!proofMatches(head, expected)) {
+      closeInternal(
+          "authentication failed: peer does not know the group secret", false);
+      return false;
+    }
+  } else {
+    closeInternal("rejected handshake: unexpected frame", false);
+    return false;
+  }
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return false;
+    }
+    peerId_ = claimedPeerId_;
+    state_ = State::kReady;
+    error = flushLocked();
+  }
+  if (!error.empty()) {
+    closeInternal(error, false);
+    return false;
+  }
+  observer_->onReady(shared_from_this());
+  return state_ != State::kClosed;
+}
+
+void TcpConnection::close(const std::string& reason) {
+  closeInternal(reason, true);
+}
+
+void TcpConnection::closeInternal(std::string reason, bool local) {
+  std::deque<PendingWrite> dropped;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    state_ = State::kClosed;
+    dropped.swap(writes_);
+    closeReason_ = reason;
+  }
+  if (!local && !reason.empty()) {
+    logDebug("torch_rpc_ext: closing " + describe() + ": " + reason);
+  }
+  auto self = shared_from_this();
+  auto finish = [self, reason] {
+    if (self->registered_) {
+      self->loop_.removeFromLoop(self->fd_);
+    }
+    if (self->fd_ >= 0) {
+      ::shutdown(self->fd_, SHUT_RDWR);
+    }
+    self->observer_->onClosed(*self, reason);
+  };
+  if (loop_.inLoop()) {
+    finish();
+  } else {
+    loop_.post(finish);
+  }
+}
+
+} // namespace torch_rpc_ext::transport::tcp

@@ -1,0 +1,12 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <memory>
+
+#include "csrc/transport/transport.h"
+
+namespace torch_rpc_ext::transport::tcp {
+
+std::shared_ptr<Transport> create(const TransportOptions& options);
+
+} // namespace torch_rpc_ext::transport::tcp

@@ -1,0 +1,59 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "csrc/transport/connection.h"
+
+namespace torch_rpc_ext::transport {
+
+// What every transport needs to authenticate and bound its connections.
+struct TransportOptions {
+  int32_t selfId = 0;
+  // The group secret; both ends prove knowledge of it in the handshake.
+  std::string secret;
+  FrameLimits limits;
+  // A connection that has not authenticated within this time is closed.
+  std::chrono::milliseconds handshakeTimeout{10000};
+  // Address to bind and advertise (an IP literal), for transports that need one.
+  std::string bindAddress = "127.0.0.1";
+};
+
+// Accepts connections for one transport until close().
+class Listener {
+ public:
+  virtual ~Listener() = default;
+  // The address peers pass to Transport::connect().
+  virtual std::string address() const = 0;
+  // Start accepting; accepted connections report to `observer`, which must
+  // outlive the transport.
+  virtual void start(ConnectionObserver* observer) = 0;
+  virtual void close() = 0;
+};
+
+// A way of moving frames between two processes: the factory of listeners and
+// connections, and the owner of their loop thread.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual std::string name() const = 0;
+
+  // Bind and listen now (connections wait in the backlog until start()).
+  virtual std::shared_ptr<Listener> listen() = 0;
+
+  // Open a connection to `address`, expecting to authenticate worker
+  // `expectedPeerId`. Returns at once; writes queue until the handshake ends.
+  virtual std::shared_ptr<Connection> connect(
+      const std::string& address,
+      int32_t expectedPeerId,
+      ConnectionObserver* observer) = 0;
+
+  // Close every listener and connection, then join the loop thread.
+  virtual void stop() = 0;
+};
+
+} // namespace torch_rpc_ext::transport

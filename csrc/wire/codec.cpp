@@ -1,0 +1,414 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/wire/codec.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <unordered_map>
+
+namespace torch_rpc_ext::wire {
+
+namespace {
+
+constexpr uint8_t kLayoutStrided = 0;
+constexpr uint8_t kLayoutSparseCoo = 1;
+constexpr size_t kMaxDims = 64;
+// Views smaller than this are always sent with their span.
+constexpr int64_t kCompactMinBytes = 64 * 1024;
+
+// Keeps what a frame points into alive until the transport is done.
+struct OutboundHold {
+  c10::intrusive_ptr<rpc::Message> message;
+  std::vector<at::Tensor> compacted;
+};
+
+class HeadWriter {
+ public:
+  template <typename T>
+  void put(T v) {
+    out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+  }
+  std::string out;
+};
+
+class HeadReader {
+ public:
+  explicit HeadReader(const std::string& in) : in_(in) {}
+  template <typename T>
+  T get(const char* what) {
+    if (in_.size() - pos_ < sizeof(T)) {
+      throw std::invalid_argument(
+          std::string("message head truncated while reading ") + what);
+    }
+    T v;
+    std::memcpy(&v, in_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return v;
+  }
+  bool done() const {
+    return pos_ == in_.size();
+  }
+
+ private:
+  const std::string& in_;
+  size_t pos_ = 0;
+};
+
+// Bytes from the first to one past the last element, relative to the
+// storage offset; 0 for an empty tensor.
+int64_t extentBytes(const at::Tensor& t) {
+  if (t.numel() == 0) {
+    return 0;
+  }
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  return (last + 1) * static_cast<int64_t>(t.element_size());
+}
+
+// Collects strided tensors, deduplicating storages and tracking each
+// storage's used byte span.
+class StoragePlan {
+ public:
+  explicit StoragePlan(OutboundHold& hold) : hold_(hold) {}
+
+  // A tensor that can be sent as is: compact it first if its span would
+  // waste more than half the bytes on the wire.
+  at::Tensor admit(at::Tensor t) {
+    TORCH_CHECK(
+        t.device().is_cpu(),
+        "TORCH_RPC_EXT can only send CPU tensors for now, got a tensor on ",
+        t.device(),
+        "; move it to CPU before sending it over RPC");
+    TORCH_CHECK(
+        t.layout() == at::kStrided,
+        "TORCH_RPC_EXT cannot send tensors of layout ",
+        t.layout());
+    TORCH_CHECK(
+        !t.is_quantized() && !c10::isQIntType(t.scalar_type()),
+        "TORCH_RPC_EXT cannot send quantized tensors");
+    TORCH_CHECK(t.dim() <= int64_t(kMaxDims), "tensor has too many dims");
+    int64_t own = static_cast<int64_t>(t.numel() * t.element_size());
+    int64_t span = extentBytes(t);
+    if (span > 2 * own && span >= kCompactMinBytes) {
+      t = t.contiguous(at::MemoryFormat::Contiguous).clone();
+      hold_.compacted.push_back(t);
+    }
+    auto* impl = t.storage().unsafeGetStorageImpl();
+    int64_t lo = t.storage_offset() * int64_t(t.element_size());
+    int64_t hi = lo + extentBytes(t);
+    auto it = spans_.find(impl);
+    if (it == spans_.end()) {
+      spans_.emplace(impl, Span{lo, hi, true, t.storage()});
+      order_.push_back(impl);
+    } else {
+      it->second.lo = std::min(it->second.lo, lo);
+      it->second.hi = std::max(it->second.hi, hi);
+    }
+    tensors_.push_back(t);
+    return t;
+  }
+
+  // Finalise spans; must run after every admit() and before describe().
+  void seal(transport::OutboundFrame& frame) {
+    for (const auto& t : tensors_) {
+      auto& s = spans_.at(t.storage().unsafeGetStorageImpl());
+      int64_t off = t.storage_offset() * int64_t(t.element_size());
+      // Every tensor's offset must stay a whole number of elements.
+      if ((off - s.lo) % int64_t(t.element_size()) != 0) {
+        s.lo = 0;
+      }
+    }
+    for (auto* impl : order_) {
+      auto& s = spans_.at(impl);
+      s.segment = static_cast<uint32_t>(frame.segments.size());
+      const char* base = static_cast<const char*>(s.storage.data());
+      frame.segments.push_back(
+          {base == nullptr ? nullptr : base + s.lo, size_t(s.hi - s.lo)});
+    }
+  }
+
+  void describe(HeadWriter& w, const at::Tensor& t) const {
+    const auto& s = spans_.at(t.storage().unsafeGetStorageImpl());
+    w.put<uint8_t>(static_cast<uint8_t>(t.scalar_type()));
+    w.put<uint8_t>(t.requires_grad() ? 1 : 0);
+    w.put<uint8_t>(static_cast<uint8_t>(t.dim()));
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      w.put<int64_t>(t.size(d));
+    }
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      w.put<int64_t>(t.stride(d));
+    }
+    int64_t off = t.storage_offset() * int64_t(t.element_size()) - s.lo;
+    w.put<int64_t>(off / int64_t(t.element_size()));
+    w.put<uint32_t>(s.segment);
+  }
+
+ private:
+  struct Span {
+    int64_t lo;
+    int64_t hi;
+    bool used;
+    c10::Storage storage;
+    uint32_t segment = 0;
+  };
+  OutboundHold& hold_;
+  std::unordered_map<c10::StorageImpl*, Span> spans_;
+  std::vector<c10::StorageImpl*> order_;
+  std::vector<at::Tensor> tensors_;
+};
+
+InboundMessage::DenseMeta readDense(
+    HeadReader& r,
+    const std::vector<uint64_t>& segmentSizes) {
+  InboundMessage::DenseMeta m;
+  auto dtype = r.get<uint8_t>("dtype");
+  if (dtype >= static_cast<uint8_t>(c10::ScalarType::NumOptions)) {
+    throw std::invalid_argument("unknown dtype " + std::to_string(dtype));
+  }
+  m.dtype = static_cast<c10::ScalarType>(dtype);
+  if (c10::isQIntType(m.dtype) || m.dtype == c10::ScalarType::Undefined) {
+    throw std::invalid_argument("unsupported dtype " + std::to_string(dtype));
+  }
+  m.requiresGrad = r.get<uint8_t>("requires_grad") != 0;
+  if (m.requiresGrad &&
+      !(c10::isFloatingType(m.dtype) || c10::isComplexType(m.dtype))) {
+    throw std::invalid_argument("requires_grad on a non-floating dtype");
+  }
+  size_t ndim = r.get<uint8_t>("ndim");
+  if (ndim > kMaxDims) {
+    throw std::invalid_argument("too many dims: " + std::to_string(ndim));
+  }
+  m.sizes.resize(ndim);
+  m.strides.resize(ndim);
+  for (auto& s : m.sizes) {
+    s = r.get<int64_t>("size");
+  }
+  for (auto& s : m.strides) {
+    s = r.get<int64_t>("stride");
+  }
+  m.offset = r.get<int64_t>("offset");
+  m.segment = r.get<uint32_t>("segment");
+  if (m.segment == 0 || m.segment >= segmentSizes.size()) {
+    throw std::invalid_argument(
+        "tensor refers to segment " + std::to_string(m.segment) + " of " +
+        std::to_string(segmentSizes.size()));
+  }
+  // The span this tensor touches must lie inside its segment; check with
+  // overflow-safe arithmetic.
+  const int64_t kMax = std::numeric_limits<int64_t>::max() / 2;
+  int64_t item = static_cast<int64_t>(c10::elementSize(m.dtype));
+  if (m.offset < 0 || m.offset > kMax / item) {
+    throw std::invalid_argument("bad storage offset");
+  }
+  bool empty = false;
+  int64_t last = 0;
+  for (size_t d = 0; d < ndim; ++d) {
+    if (m.sizes[d] < 0 || m.strides[d] < 0 || m.sizes[d] > kMax ||
+        m.strides[d] > kMax) {
+      throw std::invalid_argument("negative or huge size/stride");
+    }
+    if (m.sizes[d] == 0) {
+      empty = true;
+      continue;
+    }
+    if (m.strides[d] != 0 && (m.sizes[d] - 1) > (kMax - last) / m.strides[d]) {
+      throw std::invalid_argument("tensor extent overflows");
+    }
+    last += (m.sizes[d] - 1) * m.strides[d];
+  }
+  if (!empty) {
+    if (last > kMax / item - m.offset - 1) {
+      throw std::invalid_argument("tensor extent overflows");
+    }
+    uint64_t end = uint64_t(m.offset + last + 1) * uint64_t(item);
+    if (end > segmentSizes[m.segment]) {
+      throw std::invalid_argument(
+          "tensor needs " + std::to_string(end) + " bytes but its segment has " +
+          std::to_string(segmentSizes[m.segment]));
+    }
+  }
+  return m;
+}
+
+at::Tensor buildDense(
+    const InboundMessage::DenseMeta& m,
+    const std::vector<c10::Storage>& storages) {
+  auto t = at::empty({0}, at::TensorOptions().dtype(m.dtype));
+  t.set_(storages.at(m.segment - 1), m.offset, m.sizes, m.strides);
+  if (m.requiresGrad) {
+    t.requires_grad_(true);
+  }
+  return t;
+}
+
+} // namespace
+
+transport::OutboundFrame encodeMessage(
+    const c10::intrusive_ptr<rpc::Message>& message,
+    int64_t id) {
+  auto hold = std::make_shared<OutboundHold>();
+  hold->message = message;
+  StoragePlan plan(*hold);
+
+  struct Entry {
+    bool sparse;
+    at::Tensor dense; // tensor, or values
+    at::Tensor indices;
+    at::Tensor original;
+  };
+  std::vector<Entry> entries;
+  entries.reserve(message->tensors().size());
+  for (const auto& t : message->tensors()) {
+    if (t.layout() == at::kSparse) {
+      TORCH_CHECK(t.device().is_cpu(), "TORCH_RPC_EXT can only send CPU tensors for now, got a tensor on ", t.device());
+      at::Tensor indices = plan.admit(t._indices());
+      at::Tensor values = plan.admit(t._values().detach());
+      entries.push_back({true, values, indices, t});
+    } else {
+      entries.push_back({false, plan.admit(t), at::Tensor(), t});
+    }
+  }
+
+  transport::OutboundFrame frame;
+  frame.kind = transport::FrameKind::kMessage;
+  const auto& payload = message->payload();
+  frame.segments.push_back({payload.data(), payload.size()});
+  plan.seal(frame);
+
+  HeadWriter w;
+  w.put<uint32_t>(static_cast<uint32_t>(message->type()));
+  w.put<int64_t>(id);
+  w.put<uint32_t>(static_cast<uint32_t>(entries.size()));
+  for (const auto& e : entries) {
+    if (!e.sparse) {
+      w.put<uint8_t>(kLayoutStrided);
+      plan.describe(w, e.dense);
+      continue;
+    }
+    w.put<uint8_t>(kLayoutSparseCoo);
+    w.put<uint8_t>(e.original.requires_grad() ? 1 : 0);
+    w.put<uint8_t>(e.original.is_coalesced() ? 1 : 0);
+    w.put<uint8_t>(static_cast<uint8_t>(e.original.dim()));
+    for (int64_t d = 0; d < e.original.dim(); ++d) {
+      w.put<int64_t>(e.original.size(d));
+    }
+    plan.describe(w, e.indices);
+    plan.describe(w, e.dense);
+  }
+  frame.head = std::move(w.out);
+  frame.keepAlive = hold;
+  return frame;
+}
+
+std::shared_ptr<InboundMessage> InboundMessage::prepare(
+    const std::string& head,
+    const std::vector<uint64_t>& segmentSizes) {
+  if (segmentSizes.empty()) {
+    throw std::invalid_argument("message frame without a payload segment");
+  }
+  auto m = std::make_shared<InboundMessage>();
+  HeadReader r(head);
+  uint32_t type = r.get<uint32_t>("type");
+  if ((type & (rpc::MessageTypeFlags::REQUEST_TYPE |
+               rpc::MessageTypeFlags::RESPONSE_TYPE)) == 0 ||
+      type > 0xFFFF) {
+    throw std::invalid_argument("bad message type " + std::to_string(type));
+  }
+  m->type_ = static_cast<rpc::MessageType>(type);
+  m->id_ = r.get<int64_t>("id");
+  uint32_t n = r.get<uint32_t>("tensor count");
+  // Each tensor takes at least 20 head bytes; this bounds `n` by the head.
+  if (n > head.size() / 20) {
+    throw std::invalid_argument("tensor count exceeds what the head can hold");
+  }
+  m->tensors_.reserve(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    TensorMeta t{};
+    uint8_t layout = r.get<uint8_t>("layout");
+    if (layout == kLayoutStrided) {
+      t.sparse = false;
+      t.dense = readDense(r, segmentSizes);
+    } else if (layout == kLayoutSparseCoo) {
+      t.sparse = true;
+      t.requiresGrad = r.get<uint8_t>("requires_grad") != 0;
+      t.coalesced = r.get<uint8_t>("coalesced") != 0;
+      size_t ndim = r.get<uint8_t>("ndim");
+      if (ndim > kMaxDims) {
+        throw std::invalid_argument("too many sparse dims");
+      }
+      t.sparseSizes.resize(ndim);
+      for (auto& s : t.sparseSizes) {
+        s = r.get<int64_t>("sparse size");
+        if (s < 0) {
+          throw std::invalid_argument("negative sparse size");
+        }
+      }
+      t.indices = readDense(r, segmentSizes);
+      t.dense = readDense(r, segmentSizes);
+      if (t.indices.dtype != c10::ScalarType::Long) {
+        throw std::invalid_argument("sparse indices must be int64");
+      }
+    } else {
+      throw std::invalid_argument("unknown layout " + std::to_string(layout));
+    }
+    m->tensors_.push_back(std::move(t));
+  }
+  if (!r.done()) {
+    throw std::invalid_argument("trailing bytes after the message head");
+  }
+  // Only now, with every length checked, allocate.
+  m->payload_.resize(segmentSizes[0]);
+  m->storages_.reserve(segmentSizes.size() - 1);
+  for (size_t i = 1; i < segmentSizes.size(); ++i) {
+    m->storages_.emplace_back(
+        c10::Storage::use_byte_size_t(),
+        static_cast<int64_t>(segmentSizes[i]),
+        c10::GetCPUAllocator(),
+        /*resizable=*/false);
+  }
+  return m;
+}
+
+transport::InboundBuffers InboundMessage::buffers(
+    const std::shared_ptr<InboundMessage>& self) {
+  transport::InboundBuffers b;
+  b.segments.reserve(1 + storages_.size());
+  b.segments.push_back(payload_.data());
+  for (auto& s : storages_) {
+    b.segments.push_back(s.mutable_data());
+  }
+  b.keepAlive = self;
+  return b;
+}
+
+c10::intrusive_ptr<rpc::Message> InboundMessage::finish() {
+  std::vector<at::Tensor> tensors;
+  tensors.reserve(tensors_.size());
+  for (const auto& t : tensors_) {
+    if (!t.sparse) {
+      tensors.push_back(buildDense(t.dense, storages_));
+      continue;
+    }
+    at::Tensor indices = buildDense(t.indices, storages_);
+    at::Tensor values = buildDense(t.dense, storages_);
+    // Reject out-of-range indices here: a sparse tensor with bad indices
+    // would crash the process later, far from the cause.
+    at::_validate_sparse_coo_tensor_args(indices, values, t.sparseSizes);
+    at::Tensor sparse =
+        at::_sparse_coo_tensor_unsafe(indices, values, t.sparseSizes)
+            ._coalesced_(t.coalesced);
+    if (t.requiresGrad) {
+      sparse.requires_grad_(true);
+    }
+    tensors.push_back(sparse);
+  }
+  return c10::make_intrusive<rpc::Message>(
+      std::move(payload_), std::move(tensors), type_, id_);
+}
+
+} // namespace torch_rpc_ext::wire

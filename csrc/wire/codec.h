@@ -1,0 +1,83 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/rpc/message.h>
+
+#include "csrc/transport/frame.h"
+
+namespace torch_rpc_ext::wire {
+
+namespace rpc = torch::distributed::rpc;
+
+// rpc::Message <-> transport frame (docs/wire-format.md, "Message frames").
+//
+// The head carries the message type and id and each tensor's metadata
+// (layout, dtype, sizes, strides, offset, which segment holds its bytes).
+// Segment 0 is the message payload; every further segment is the used span
+// of one tensor storage, sent straight from the storage (nothing is pickled
+// or copied). A strided view whose span is over twice its own size is sent
+// as a compact copy instead of dragging its whole base along.
+
+// Encode `message` under `id`. The frame keeps the message (and any compact
+// copies) alive. Throws c10::Error for tensors that cannot travel (non-CPU,
+// quantized, unsupported layout). Does not modify `message`, so retries can
+// send it again.
+transport::OutboundFrame encodeMessage(
+    const c10::intrusive_ptr<rpc::Message>& message,
+    int64_t id);
+
+// An inbound message whose head has been validated and whose buffers are
+// allocated, waiting for its segments.
+class InboundMessage {
+ public:
+  // Parse and check `head` against `segmentSizes` before allocating anything.
+  // Throws std::invalid_argument naming the first problem.
+  static std::shared_ptr<InboundMessage> prepare(
+      const std::string& head,
+      const std::vector<uint64_t>& segmentSizes);
+
+  // Where the transport writes each segment.
+  transport::InboundBuffers buffers(
+      const std::shared_ptr<InboundMessage>& self);
+
+  // Build the message once every segment is in place.
+  c10::intrusive_ptr<rpc::Message> finish();
+
+  rpc::MessageType type() const {
+    return type_;
+  }
+  int64_t id() const {
+    return id_;
+  }
+
+  struct DenseMeta {
+    c10::ScalarType dtype;
+    bool requiresGrad;
+    std::vector<int64_t> sizes;
+    std::vector<int64_t> strides;
+    int64_t offset;
+    uint32_t segment;
+  };
+  struct TensorMeta {
+    bool sparse;
+    DenseMeta dense; // the tensor itself, or the values of a sparse one
+    DenseMeta indices; // sparse only
+    std::vector<int64_t> sparseSizes;
+    bool coalesced;
+    bool requiresGrad;
+  };
+
+ private:
+  rpc::MessageType type_;
+  int64_t id_;
+  std::vector<char> payload_;
+  std::vector<c10::Storage> storages_; // one per segment after the payload
+  std::vector<TensorMeta> tensors_;
+};
+
+} // namespace torch_rpc_ext::wire

@@ -1,0 +1,27 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""torch_rpc_ext: a fast, authenticated backend for torch.distributed.rpc.
+
+Importing this package registers ``rpc.BackendType.TORCH_RPC_EXT``::
+
+    import torch.distributed.rpc as rpc
+    import torch_rpc_ext
+
+    rpc.init_rpc(
+        "trainer", rank=0, world_size=2,
+        backend=rpc.BackendType.TORCH_RPC_EXT,
+        rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(num_worker_threads=8),
+    )
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+import torch.distributed.rpc  # noqa: F401  (registers RpcAgent for _C)
+
+from torch_rpc_ext import _C
+from torch_rpc_ext.backend import BACKEND_NAME, register
+from torch_rpc_ext.options import RpcExtBackendOptions
+
+__all__ = ["BACKEND", "BACKEND_NAME", "RpcExtBackendOptions", "register", "__version__"]
+__version__ = "0.1.0"
+
+BACKEND = register()
+del _C

@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Options for ``rpc.init_rpc(backend=rpc.BackendType.TORCH_RPC_EXT, ...)``."""
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.distributed.rpc import constants
+
+from torch_rpc_ext import _C
+
+__all__ = ["RpcExtBackendOptions", "DEFAULT_MAX_FRAME_BYTES"]
+
+DEFAULT_MAX_FRAME_BYTES = 1 << 34  # 16 GiB
+DeviceLike = int | str | torch.device
+
+
+def _device(d: DeviceLike, what: str) -> torch.device:
+    try:
+        dev = torch.device(d)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{what}: {d!r} is not a device ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what}: only cpu and cuda devices are supported, got {dev}")
+    if dev.type == "cuda" and dev.index is None:
+        raise ValueError(f"{what}: {dev} needs an index, e.g. cuda:0")
+    return dev
+
+
+def _check_map(to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> dict:
+    if not isinstance(to, str) or not to:
+        raise ValueError(f"device map target must be a worker name, got {to!r}")
+    if not isinstance(device_map, Mapping):
+        raise ValueError(f"device map for {to} must be a dict, got {device_map!r}")
+    out: dict[torch.device, torch.device] = {}
+    for k, v in device_map.items():
+        out[_device(k, f"device map for {to}")] = _device(v, f"device map for {to}")
+    return out
+
+
+class RpcExtBackendOptions(rpc.RpcBackendOptions):
+    """Configuration of the TORCH_RPC_EXT agent.
+
+    Constructing options has no side effects; everything is validated here and
+    applied by ``init_rpc``.
+
+    Args:
+        num_worker_threads: Core threads that run incoming requests and
+            complete futures. The pool grows past this when every thread is
+            blocked (nested RPCs), so a small value cannot deadlock.
+        rpc_timeout: Default timeout of one RPC, in seconds (0: none).
+        init_method: Rendezvous URL, as in ``init_process_group``.
+        device_maps: ``{worker: {local_device: remote_device}}``, as in
+            TensorPipe.
+        devices: Local devices the agent may use; defaults to those in
+            ``device_maps``.
+        transports: Transports by preference; ``("tcp",)`` in this release.
+        address: IP address to listen on and advertise. Defaults to
+            ``TORCH_RPC_EXT_ADDR``, else the first IPv4 address of
+            ``TORCH_RPC_EXT_SOCKET_IFNAME``, else the hostname's address,
+            else 127.0.0.1.
+        secret: Group secret every connection must prove it knows. Defaults
+            to ``TORCH_RPC_EXT_SECRET``, else a random secret created at
+            rendezvous and shared through the store.
+        max_frame_bytes: Largest message accepted or sent; a peer announcing
+            more is disconnected before anything is allocated.
+        handshake_timeout: Seconds a new connection has to authenticate.
+
+    Raises:
+        ValueError: An option is out of range or of the wrong kind.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_worker_threads: int = constants.DEFAULT_NUM_WORKER_THREADS,
+        rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,
+        init_method: str = constants.DEFAULT_INIT_METHOD,
+        device_maps: Mapping[str, Mapping[DeviceLike, DeviceLike]] | None = None,
+        devices: Sequence[DeviceLike] | None = None,
+        transports: Sequence[str] = ("tcp",),
+        address: str | None = None,
+        secret: bytes | str | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        handshake_timeout: float = 10.0,
+    ) -> None:
+        if isinstance(num_worker_threads, bool) or not isinstance(
+            num_worker_threads, int
+        ):
+            raise ValueError(
+                f"num_worker_threads must be an int, got {num_worker_threads!r}"
+            )
+        if num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be >= 1, got {num_worker_threads}")
+        if not isinstance(rpc_timeout, (int, float)) or rpc_timeout < 0:
+            raise ValueError(f"rpc_timeout must be a number >= 0, got {rpc_timeout!r}")
+        if not isinstance(init_method, str):
+            raise ValueError(f"init_method must be a str, got {init_method!r}")
+        if isinstance(transports, str):
+            transports = (transports,)
+        transports = tuple(transports)
+        known = _C.transport_names()
+        if not transports:
+            raise ValueError(f"transports must name at least one of {known}")
+        if unknown := sorted(set(transports) - set(known)):
+            raise ValueError(f"unknown transports {unknown}; known: {known}")
+        if len(set(transports)) != len(transports):
+            raise ValueError(f"transports lists a transport twice: {transports}")
+        if address is not None and (not isinstance(address, str) or not address):
+            raise ValueError(f"address must be a non-empty str, got {address!r}")
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
+            raise ValueError("secret must be at least 16 bytes")
+        if not isinstance(max_frame_bytes, int) or max_frame_bytes < 1024:
+            raise ValueError(f"max_frame_bytes must be an int >= 1024, got {max_frame_bytes!r}")
+        if not isinstance(handshake_timeout, (int, float)) or handshake_timeout <= 0:
+            raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout!r}")
+        super().__init__(float(rpc_timeout), init_method)
+        self.num_worker_threads = num_worker_threads
+        self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
+        for to, device_map in (device_maps or {}).items():
+            self.set_device_map(to, device_map)
+        self.devices = (
+            [_device(d, "devices") for d in devices] if devices is not None else None
+        )
+        self.transports = transports
+        self.address = address
+        self.secret = secret
+        self.max_frame_bytes = max_frame_bytes
+        self.handshake_timeout = float(handshake_timeout)
+
+    def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:
+        """Map local devices to devices of worker ``to`` (merged, 1-to-1).
+
+        Raises:
+            ValueError: a device is malformed, or two local devices map to one
+                remote device.
+        """
+        new = _check_map(to, device_map)
+        merged = dict(self.device_maps.get(to, {}))
+        for k, v in new.items():
+            if k in merged and merged[k] != v:
+                raise ValueError(
+                    f"device {k} is already mapped to {merged[k]} for {to}, "
+                    f"cannot remap it to {v}"
+                )
+            merged[k] = v
+        targets = list(merged.values())
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"device map for {to} is not 1-to-1: {merged}")
+        self.device_maps[to] = merged
+
+    def set_devices(self, devices: Sequence[DeviceLike]) -> None:
+        """Set the local devices the agent may use."""
+        self.devices = [_device(d, "devices") for d in devices]
+
+    def uses_cuda(self) -> bool:
+        """Whether any device map or device names a CUDA device."""
+        devs = list(self.devices or [])
+        for m in self.device_maps.values():
+            devs += list(m.keys()) + list(m.values())
+        return any(d.type == "cuda" for d in devs)
+
+    def __repr__(self) -> str:
+        return (
+            f"RpcExtBackendOptions(num_worker_threads={self.num_worker_threads}, "
+            f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r}, "
+            f"transports={self.transports}, address={self.address!r}, "
+            f"max_frame_bytes={self.max_frame_bytes})"
+        )
