@@ -16,6 +16,9 @@ DeviceLike = int | str | torch.device
 
 
 def _device(d: DeviceLike, what: str) -> torch.device:
+    if isinstance(d, int) and not isinstance(d, bool):
+        # torch.device(int) would probe the accelerator; an int means CUDA.
+        d = f"cuda:{d}"
     try:
         dev = torch.device(d)
     except (RuntimeError, TypeError) as e:

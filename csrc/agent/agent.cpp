@@ -383,12 +383,8 @@ void Agent::onFrame(
         e.what());
     return;
   }
-  uint64_t bytes = 0;
-  for (const auto& t : message->tensors()) {
-    bytes += t.nbytes();
-  }
   stats_[peer].bytesReceived.fetch_add(
-      bytes + message->payload().size(), std::memory_order_relaxed);
+      in->byteSize(), std::memory_order_relaxed);
   if (message->isRequest()) {
     stats_[peer].callsServed.fetch_add(1, std::memory_order_relaxed);
     ++serverActiveCalls_;

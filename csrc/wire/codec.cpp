@@ -362,6 +362,9 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
     throw std::invalid_argument("trailing bytes after the message head");
   }
   // Only now, with every length checked, allocate.
+  for (auto n : segmentSizes) {
+    m->bytes_ += n;
+  }
   m->payload_.resize(segmentSizes[0]);
   m->storages_.reserve(segmentSizes.size() - 1);
   for (size_t i = 1; i < segmentSizes.size(); ++i) {

@@ -54,6 +54,10 @@ class InboundMessage {
   int64_t id() const {
     return id_;
   }
+  // Payload and tensor bytes this message carries.
+  uint64_t byteSize() const {
+    return bytes_;
+  }
 
   struct DenseMeta {
     c10::ScalarType dtype;
@@ -75,6 +79,7 @@ class InboundMessage {
  private:
   rpc::MessageType type_;
   int64_t id_;
+  uint64_t bytes_ = 0;
   std::vector<char> payload_;
   std::vector<c10::Storage> storages_; // one per segment after the payload
   std::vector<TensorMeta> tensors_;

@@ -10,11 +10,26 @@
 #include <stdexcept>
 #include <string>
 
+#include "csrc/common/logging.h"
+
 namespace torch_rpc_ext::transport::tcp {
 
 namespace {
 [[noreturn]] void fail(const char* what) {
   throw std::runtime_error(std::string(what) + ": " + std::strerror(errno));
+}
+
+// Handlers must not throw; if one does anyway, the loop logs it and goes on
+// rather than taking the whole process down with std::terminate.
+template <typename F>
+void runGuarded(F&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    logWarning(std::string("torch_rpc_ext: loop handler threw: ") + e.what());
+  } catch (...) {
+    logWarning("torch_rpc_ext: loop handler threw a non-exception");
+  }
 }
 } // namespace
 
@@ -126,7 +141,7 @@ void Loop::run() {
       }
     }
     for (auto& fn : work) {
-      fn();
+      runGuarded(fn);
     }
     if (!work.empty()) {
       timeoutMs = 0; // new work may have been posted meanwhile
@@ -148,7 +163,8 @@ void Loop::run() {
         continue;
       }
       auto keep = it->second; // a handler may remove itself
-      keep->handleEventsFromLoop(events[i].events);
+      uint32_t ev = events[i].events;
+      runGuarded([&] { keep->handleEventsFromLoop(ev); });
     }
   }
   handlers_.clear();

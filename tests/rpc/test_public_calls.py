@@ -1,0 +1,252 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Two real processes: every public RPC call on TORCH_RPC_EXT, checked against
+local results (and the same calls on TensorPipe in one test)."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch import nn
+from torch.distributed import rpc
+from torch.distributed.optim import DistributedOptimizer
+from torch.futures import Future
+
+from tests.rpc.world import init, run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def add(a, b):
+    return a + b
+
+
+def raise_value_error(key):
+    raise ValueError(key)
+
+
+def slow(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def nested_sum(dst, depth):
+    if depth == 0:
+        return 1
+    return 1 + rpc.rpc_sync(dst, nested_sum, args=(rpc.get_worker_info().name, depth - 1))
+
+
+@torch.jit.script
+def script_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+@rpc.functions.async_execution
+def async_add(dst, a, b):
+    fut = rpc.rpc_async(dst, add, args=(a, b))
+    return fut.then(lambda f: f.wait() * 2)
+
+
+def every_call(rank, world_size):
+    init(rank, world_size)
+    out = {}
+    if rank == 0:
+        x, y = torch.ones(2, 3), torch.full((2, 3), 2.0)
+        out["builtin_sync"] = rpc.rpc_sync("worker1", torch.add, args=(x, y))
+        out["builtin_async"] = rpc.rpc_async("worker1", torch.mul, args=(x, y)).wait()
+        out["udf_sync"] = rpc.rpc_sync("worker1", add, args=(x, y))
+        out["udf_by_rank"] = rpc.rpc_sync(1, add, args=(1, 2))
+        out["script"] = rpc.rpc_sync("worker1", script_add, args=(x, y))
+        out["async_exec"] = rpc.rpc_sync("worker1", async_add, args=("worker0", x, y))
+        rref = rpc.remote("worker1", add, args=(x, y))
+        out["rref_owner"] = rref.owner().name
+        out["rref_to_here"] = rref.to_here()
+        out["rref_proxy"] = rref.rpc_sync().sum()
+        out["rref_proxy_async"] = rref.rpc_async().mean().wait()
+        out["rref_proxy_remote"] = rref.remote().max().to_here()
+        local = rpc.RRef(torch.zeros(2))
+        out["local_value"] = local.local_value()
+        out["self_call"] = rpc.rpc_sync("worker0", add, args=(3, 4))
+        out["nested"] = rpc.rpc_sync("worker1", nested_sum, args=("worker0", 6))
+        try:
+            rpc.rpc_sync("worker1", raise_value_error, args=("missing",))
+        except ValueError as e:
+            out["remote_error"] = ("ValueError", str(e))
+        out["info_by_name"] = rpc.get_worker_info("worker1").id
+        out["info_by_id"] = rpc.get_worker_info(1).name
+        with dist_autograd.context() as ctx:
+            w = torch.ones(2, 2, requires_grad=True)
+            loss = rpc.rpc_sync("worker1", torch.matmul, args=(w, w)).sum()
+            dist_autograd.backward(ctx, [loss])
+            out["dist_grad"] = dist_autograd.get_gradients(ctx)[w]
+        agent = rpc.api._get_current_rpc_agent()
+        metrics = agent.get_metrics()
+        out["metric_keys"] = sorted(k for k in metrics if k.startswith("agent."))
+        out["calls_sent"] = int(metrics["rpc_ext.peer.worker1.calls_sent"])
+        out["debug_info"] = rpc.api._get_debug_info() if hasattr(rpc.api, "_get_debug_info") else {}
+    rpc.shutdown()
+    return out
+
+
+def test_every_public_call_returns_the_local_result():
+    out = run_world(every_call)[0]
+    x, y = torch.ones(2, 3), torch.full((2, 3), 2.0)
+    assert torch.equal(out["builtin_sync"], x + y)
+    assert torch.equal(out["builtin_async"], x * y)
+    assert torch.equal(out["udf_sync"], x + y)
+    assert out["udf_by_rank"] == 3
+    assert torch.equal(out["script"], x + y)
+    assert torch.equal(out["async_exec"], (x + y) * 2)
+    assert out["rref_owner"] == "worker1"
+    assert torch.equal(out["rref_to_here"], x + y)
+    assert out["rref_proxy"] == (x + y).sum()
+    assert out["rref_proxy_async"] == (x + y).mean()
+    assert out["rref_proxy_remote"] == (x + y).max()
+    assert torch.equal(out["local_value"], torch.zeros(2))
+    assert out["self_call"] == 7
+    assert out["nested"] == 7
+    assert out["remote_error"][0] == "ValueError" and "missing" in out["remote_error"][1]
+    assert out["info_by_name"] == 1 and out["info_by_id"] == "worker1"
+    assert torch.equal(out["dist_grad"], torch.full((2, 2), 4.0))
+    assert out["metric_keys"] == [
+        "agent.client_active_calls",
+        "agent.num_idle_threads",
+        "agent.server_active_async_calls",
+        "agent.server_active_calls",
+        "agent.thread_pool_size",
+    ]
+    assert out["calls_sent"] >= 15
+
+
+def train_remote_linear(rank, world_size):
+    init(rank, world_size)
+    losses = []
+    if rank == 0:
+        torch.manual_seed(0)
+        remote = rpc.remote("worker1", nn.Linear, args=(4, 1))
+        param_rrefs = rpc.rpc_sync("worker1", _param_rrefs, args=(remote,))
+        opt = DistributedOptimizer(torch.optim.SGD, param_rrefs, lr=0.1)
+        x = torch.randn(64, 4)
+        target = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+        for _ in range(30):
+            with dist_autograd.context() as ctx:
+                pred = remote.rpc_sync().forward(x)
+                loss = ((pred - target) ** 2).mean()
+                dist_autograd.backward(ctx, [loss])
+                opt.step(ctx)
+            losses.append(loss.item())
+    rpc.shutdown()
+    return losses
+
+
+def _param_rrefs(module_rref):
+    return [rpc.RRef(p) for p in module_rref.local_value().parameters()]
+
+
+def test_distributed_optimizer_reduces_loss():
+    losses = run_world(train_remote_linear)[0]
+    assert losses[-1] < 0.2 * losses[0]
+
+
+def unknown_worker(rank, world_size):
+    init(rank, world_size)
+    err = None
+    if rank == 0:
+        try:
+            rpc.rpc_sync("nobody", add, args=(1, 2))
+        except RuntimeError as e:
+            err = str(e)
+    rpc.shutdown()
+    return err
+
+
+def test_unknown_worker_name_is_a_clear_error():
+    err = run_world(unknown_worker)[0]
+    assert "could not find destination name nobody" in err
+    assert "worker0, worker1" in err
+
+
+def timeouts(rank, world_size):
+    init(rank, world_size, rpc_timeout=0.5)
+    out = {}
+    if rank == 0:
+        for label, kwargs in [("default", {}), ("per_call", {"timeout": 0.2})]:
+            t0 = time.monotonic()
+            try:
+                rpc.rpc_sync("worker1", slow, args=(2,), **kwargs)
+            except RuntimeError as e:
+                out[label] = (str(e), time.monotonic() - t0)
+        out["no_timeout"] = rpc.rpc_sync("worker1", slow, args=(0.7,), timeout=0)
+        out["metrics"] = rpc.api._get_current_rpc_agent().get_metrics()
+    rpc.shutdown()
+    return out
+
+
+def test_timeouts_use_upstream_error_text_and_fire_on_time():
+    out = run_world(timeouts)[0]
+    text, took = out["default"]
+    assert text == (
+        "RPCErr:1:RPC ran for more than set timeout (500 ms) and will now be "
+        "marked with an error"
+    )
+    assert 0.45 < took < 1.9
+    text, took = out["per_call"]
+    assert "set timeout (200 ms)" in text and took < 1.5
+    assert out["no_timeout"] == 0.7
+    assert out["metrics"]["rpc_ext.peer.worker1.timeouts"] == "2"
+
+
+def duplicate_names(rank, world_size):
+    try:
+        rpc.init_rpc(
+            "same",
+            rank=rank,
+            world_size=world_size,
+            backend=rpc.BackendType.TORCH_RPC_EXT,
+            rpc_backend_options=__import__("torch_rpc_ext").RpcExtBackendOptions(
+                rpc_timeout=10, address="127.0.0.1"
+            ),
+        )
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_duplicate_worker_names_fail_init_clearly():
+    errs = run_world(duplicate_names)
+    for err in errs.values():
+        assert err is not None and "RPC worker name same is not unique" in err
+
+
+def oversized(rank, world_size):
+    init(rank, world_size, max_frame_bytes=64 * 1024)
+    err = None
+    if rank == 0:
+        assert rpc.rpc_sync("worker1", add, args=(torch.ones(100), 1)).sum() == 200
+        try:
+            rpc.rpc_sync("worker1", add, args=(torch.ones(100_000), 1))
+        except RuntimeError as e:
+            err = str(e)
+    rpc.shutdown()
+    return err
+
+
+def test_message_over_max_frame_bytes_is_refused_at_send():
+    err = run_world(oversized)[0]
+    assert "exceeds max_frame_bytes=65536" in err
+
+
+def many_concurrent_nested(rank, world_size):
+    # One core thread per side, 64 nested calls in flight each way: a fixed
+    # pool of 1 would deadlock; ours grows when every thread is blocked.
+    init(rank, world_size, num_worker_threads=1)
+    other = f"worker{1 - rank}"
+    futs = [rpc.rpc_async(other, nested_sum, args=(f"worker{rank}", 3)) for _ in range(64)]
+    total = sum(f.wait() for f in futs)
+    rpc.shutdown()
+    return total
+
+
+def test_nested_calls_do_not_deadlock_a_one_thread_pool():
+    out = run_world(many_concurrent_nested, timeout=90)
+    assert out == {0: 64 * 4, 1: 64 * 4}

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Run a function on N forked worker processes and collect what each returns."""
+
+import os
+import pickle
+import queue as queue_module
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+from torch.distributed import rpc
+
+import torch_rpc_ext
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(rank: int, world_size: int, **options: Any) -> None:
+    """init_rpc on TORCH_RPC_EXT as worker{rank}, env:// rendezvous."""
+    options.setdefault("rpc_timeout", 30)
+    options.setdefault("num_worker_threads", 4)
+    options.setdefault("address", "127.0.0.1")
+    rpc.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=world_size,
+        backend=rpc.BackendType.TORCH_RPC_EXT,
+        rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(**options),
+    )
+
+
+def _entry(fn, rank, world_size, port, queue, kwargs):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        # Plain pickle: the multiprocessing queue would share tensors through
+        # shared memory that vanishes when this process exits.
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, **kwargs))))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        queue.close()
+        queue.join_thread()
+
+
+def run_world(
+    fn: Callable[..., Any], world_size: int = 2, timeout: float = 60, **kwargs: Any
+) -> dict[int, Any]:
+    """Fork ``world_size`` processes running ``fn(rank, world_size, **kwargs)``.
+
+    Raises AssertionError with every failing rank's traceback, or naming the
+    ranks that did not finish within ``timeout`` seconds (they are killed).
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, kwargs))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in procs:
+            rank, ok, value = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+    except queue_module.Empty:
+        missing = sorted(set(range(world_size)) - set(results))
+        errors.append(f"ranks {missing} did not finish within {timeout}s")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results

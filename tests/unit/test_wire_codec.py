@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""rpc::Message <-> frame codec: round trips, view compaction, and rejections."""
+
+import struct
+
+import pytest
+import torch
+
+from torch_rpc_ext._C import _testing
+
+PYTHON_CALL = 0x0C | 0x100  # a request type
+PYTHON_RET = 0x0D | 0x200  # a response type
+
+
+def roundtrip(tensors, payload=b"payload", type_=PYTHON_CALL, id_=42):
+    head, segments = _testing.encode_message(type_, payload, tensors, id_)
+    t, i, p, out = _testing.decode_message(head, segments)
+    assert (t, i, p) == (type_, id_, payload)
+    return out, head, segments
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+     torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+     torch.complex64, torch.complex128],
+)
+def test_dense_tensors_round_trip_bit_exact(dtype):
+    x = (torch.arange(24) % 7).to(dtype).reshape(2, 3, 4)
+    (y,), _, _ = roundtrip([x])
+    assert y.dtype == dtype and y.shape == x.shape and torch.equal(y, x)
+
+
+def test_empty_message_and_empty_tensors():
+    out, _, _ = roundtrip([], payload=b"")
+    assert out == []
+    (y,), _, _ = roundtrip([torch.empty(0, 5)])
+    assert y.shape == (0, 5)
+
+
+def test_requires_grad_travels():
+    x = torch.ones(3, requires_grad=True)
+    (y,), _, _ = roundtrip([x])
+    assert y.requires_grad
+
+
+def test_tensors_sharing_a_storage_still_share_it():
+    base = torch.arange(100.0)
+    a, b = base[10:20], base[50:60]
+    (ya, yb), _, segments = roundtrip([a, b])
+    assert torch.equal(ya, a) and torch.equal(yb, b)
+    assert ya.untyped_storage().data_ptr() == yb.untyped_storage().data_ptr()
+    # Only the used span [10, 60) of the storage travels, not all 100 floats.
+    assert len(segments) == 2 and len(segments[1]) == 50 * 4
+
+
+def test_sparse_view_of_large_base_is_compacted():
+    big = torch.arange(1_000_000.0).reshape(1000, 1000)
+    column = big[:, 3]  # 1000 floats scattered over ~4 MB
+    (y,), _, segments = roundtrip([column])
+    assert torch.equal(y, column)
+    assert sum(len(s) for s in segments[1:]) == 1000 * 4
+
+
+def test_non_contiguous_dense_view_keeps_strides():
+    x = torch.arange(12.0).reshape(3, 4).t()
+    (y,), _, _ = roundtrip([x])
+    assert torch.equal(y, x) and y.stride() == x.stride()
+
+
+def test_sparse_coo_round_trip():
+    i = torch.tensor([[0, 1, 1], [2, 0, 2]])
+    v = torch.tensor([3.0, 4.0, 5.0])
+    s = torch.sparse_coo_tensor(i, v, (2, 3)).coalesce()
+    (y,), _, _ = roundtrip([s])
+    assert y.is_sparse and y.is_coalesced()
+    assert torch.equal(y.to_dense(), s.to_dense())
+
+
+def test_cuda_and_quantized_tensors_are_refused_at_encode():
+    q = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
+    with pytest.raises(RuntimeError, match="quantized"):
+        _testing.encode_message(PYTHON_CALL, b"", [q], 1)
+    meta = torch.empty(2, device="meta")
+    with pytest.raises(RuntimeError, match="only send CPU tensors"):
+        _testing.encode_message(PYTHON_CALL, b"", [meta], 1)
+
+
+# --- rejections: what a hostile or broken peer could send -------------------
+
+
+def dense_head(dtype=6, ndim=1, sizes=(4,), strides=(1,), offset=0, segment=1,
+               ntensors=1, type_=PYTHON_CALL, layout=0):
+    h = struct.pack("<Iqi", type_, 7, ntensors)
+    h += struct.pack("<BBBB", layout, dtype, 0, ndim)
+    h += struct.pack(f"<{ndim}q", *sizes) + struct.pack(f"<{ndim}q", *strides)
+    h += struct.pack("<qI", offset, segment)
+    return h
+
+
+def test_handmade_head_decodes():
+    _, _, _, (t,) = _testing.decode_message(dense_head(), [b"", bytes(16)])
+    assert t.shape == (4,) and t.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "head, segments, match",
+    [
+        (dense_head()[:-3], [b"", bytes(16)], "truncated"),
+        (dense_head() + b"x", [b"", bytes(16)], "trailing bytes"),
+        (dense_head(), [b"", bytes(15)], "needs 16 bytes but its segment has 15"),
+        (dense_head(offset=1), [b"", bytes(16)], "needs 20 bytes"),
+        (dense_head(segment=2), [b"", bytes(16)], "refers to segment 2"),
+        (dense_head(segment=0), [b"", bytes(16)], "refers to segment 0"),
+        (dense_head(dtype=250), [b"", bytes(16)], "unknown dtype"),
+        (dense_head(sizes=(-1,)), [b"", bytes(16)], "negative"),
+        (dense_head(strides=(-1,)), [b"", bytes(16)], "negative"),
+        (dense_head(sizes=(1 << 62,), strides=(1 << 62,)), [b"", bytes(16)], "overflow|huge"),
+        (dense_head(ndim=65, sizes=(1,) * 65, strides=(1,) * 65), [b"", bytes(16)], "too many dims"),
+        (dense_head(layout=9), [b"", bytes(16)], "unknown layout"),
+        (dense_head(ntensors=1 << 30), [b"", bytes(16)], "tensor count"),
+        (dense_head(type_=0x0C), [b"", bytes(16)], "bad message type"),
+        (dense_head(), [], "without a payload segment"),
+    ],
+)
+def test_malformed_heads_are_rejected_with_a_reason(head, segments, match):
+    with pytest.raises(ValueError, match=match):
+        _testing.decode_message(head, segments)
+
+
+def test_sparse_with_out_of_range_indices_is_rejected():
+    i = torch.tensor([[0, 5]])  # index 5 in a size-2 dimension
+    v = torch.tensor([1.0, 2.0])
+    s = torch.sparse_coo_tensor(i, v, (6,))
+    head, segments = _testing.encode_message(PYTHON_CALL, b"", [s], 1)
+    # Shrink the announced sparse size from 6 to 2 in the head.
+    needle = struct.pack("<Bq", 1, 6)
+    assert needle in head
+    bad = head.replace(needle, struct.pack("<Bq", 1, 2), 1)
+    with pytest.raises(ValueError, match="index|size"):
+        _testing.decode_message(bad, segments)
