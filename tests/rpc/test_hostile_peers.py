@@ -1,0 +1,162 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""A live agent facing raw sockets: wrong secret, wrong version, garbage,
+oversized frames. Each is refused and counted; legitimate calls keep working."""
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+import pytest
+import torch
+from torch.distributed import rpc
+
+from tests.rpc.world import init, run_world
+from torch_rpc_ext._C import _testing
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+HELLO, CHALLENGE, PROOF, MESSAGE = 1, 2, 3, 4
+
+
+def frame_header(kind, head_len, nseg=0, data=0, magic=None, version=None):
+    return struct.pack(
+        "<IBBHIIQ",
+        _testing.FRAME_MAGIC if magic is None else magic,
+        _testing.PROTOCOL_VERSION if version is None else version,
+        kind, 0, head_len, nseg, data,
+    )
+
+
+def recv_exact(sock, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return buf
+
+
+def closed_by_peer(sock):
+    """True if the peer closes the socket (EOF or reset) within the timeout."""
+    try:
+        while True:
+            if not sock.recv(4096):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def proof(secret, role, cn, sn, cid, sid):
+    msg = b"torch_rpc_ext/1/" + role + cn + sn + struct.pack("<ii", cid, sid)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def handshake(address, secret, client_id=0):
+    """Run the client side; return (socket, server proof verified?)."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    cn = os.urandom(32)
+    sock.sendall(frame_header(HELLO, 36) + struct.pack("<i", client_id) + cn)
+    hdr = recv_exact(sock, 24)
+    assert struct.unpack("<IBBHIIQ", hdr)[2] == CHALLENGE
+    body = recv_exact(sock, 68)
+    sid = struct.unpack("<i", body[:4])[0]
+    sn, server_proof = body[4:36], body[36:68]
+    ok = hmac.compare_digest(server_proof, proof(secret, b"server", cn, sn, client_id, sid))
+    sock.sendall(frame_header(PROOF, 32) + proof(secret, b"client", cn, sn, client_id, sid))
+    return sock, ok
+
+
+def my_address():
+    return rpc.api._get_current_rpc_agent().address
+
+
+def rejected():
+    return int(rpc.api._get_current_rpc_agent().get_metrics()["rpc_ext.rejected_connections"])
+
+
+def attacks(rank, world_size):
+    init(rank, world_size, secret=SECRET)
+    out = {}
+    if rank == 0:
+        addr = rpc.rpc_sync("worker1", my_address)
+        before = rpc.rpc_sync("worker1", rejected)
+
+        # 1. Wrong secret: the server's proof does not verify for us, and our
+        #    proof is refused.
+        sock, ok = handshake(addr, b"not-the-secret-at-all-0123456789")
+        out["wrong_secret_server_proof_ok"] = ok
+        out["wrong_secret_closed"] = closed_by_peer(sock)
+        sock.close()
+
+        # 2. Right secret: mutual proof verifies and the connection stays up.
+        sock, ok = handshake(addr, SECRET)
+        out["right_secret_server_proof_ok"] = ok
+        sock.settimeout(0.5)
+        out["right_secret_stays_open"] = not closed_by_peer(sock)
+        #    ...then a frame whose head lies about its tensors is refused.
+        sock.settimeout(5)
+        bad_head = struct.pack("<Iqi", 0x10C, 1, 1) + b"\x00" * 30
+        sock.sendall(frame_header(MESSAGE, len(bad_head), nseg=1, data=0)
+                     + struct.pack("<Q", 0) + bad_head)
+        out["bad_head_closed"] = closed_by_peer(sock)
+        sock.close()
+
+        # 3. Wrong protocol version, 4. garbage, 5. an absurd length: each is
+        #    closed after the 24-byte header, before anything is allocated.
+        host, port = addr.rsplit(":", 1)
+        for label, data in [
+            ("wrong_version", frame_header(HELLO, 36, version=9) + bytes(36)),
+            ("garbage", os.urandom(4096)),
+            ("absurd_length", frame_header(HELLO, 36, nseg=0, data=1 << 62)),
+            ("message_before_auth", frame_header(MESSAGE, 8) + bytes(8)),
+        ]:
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(data)
+            out[label] = closed_by_peer(s)
+            s.close()
+
+        # The agent still serves its real peers, and counted every refusal.
+        out["still_serves"] = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+        out["rejected_delta"] = rpc.rpc_sync("worker1", rejected) - before
+    rpc.shutdown()
+    return out
+
+
+def test_agent_refuses_strangers_and_keeps_serving():
+    out = run_world(attacks)[0]
+    assert out["wrong_secret_server_proof_ok"] is False
+    assert out["wrong_secret_closed"]
+    assert out["right_secret_server_proof_ok"] is True
+    assert out["right_secret_stays_open"]
+    assert out["bad_head_closed"]
+    for label in ["wrong_version", "garbage", "absurd_length", "message_before_auth"]:
+        assert out[label], label
+    assert torch.equal(out["still_serves"], torch.full((2,), 2.0))
+    # wrong secret + 4 pre-auth rejections (the bad head came after auth).
+    assert out["rejected_delta"] == 5
+
+
+def mismatched_secrets(rank, world_size):
+    secret = SECRET if rank == 0 else b"another-secret-another-secret-!!"
+    init(rank, world_size, secret=secret, rpc_timeout=5)
+    err = None
+    if rank == 0:
+        try:
+            rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+        except RuntimeError as e:
+            err = str(e)
+    rpc.api._get_current_rpc_agent().shutdown()
+    return err
+
+
+def test_workers_with_different_secrets_cannot_talk():
+    err = run_world(mismatched_secrets)[0]
+    assert err is not None
+    assert "worker1" in err and "authentication failed" in err
