@@ -5,6 +5,7 @@
 
 #include "csrc/bindings/bind.h"
 #include "csrc/common/crypto.h"
+#include "csrc/common/thread_pool.h"
 #include "csrc/transport/frame.h"
 #include "csrc/transport/handshake.h"
 #include "csrc/wire/codec.h"
@@ -98,6 +99,39 @@ void bindTesting(py::module_& m) {
         limits.maxFrameBytes = maxFrameBytes;
         return transport::validateHeader(h, limits);
       });
+
+  // Post `n` tasks to a pool of `core` threads, each blocking until the next
+  // one has started (as nested RPCs do). Returns (all finished, pool size).
+  m.def(
+      "pool_chain",
+      [](size_t core, int n, double timeoutSeconds) {
+        std::mutex mu;
+        std::condition_variable cv;
+        std::vector<char> started(n + 1, 0);
+        started[n] = 1;
+        int done = 0;
+        auto deadline = std::chrono::steady_clock::now() +
+            std::chrono::milliseconds(int64_t(timeoutSeconds * 1000));
+        size_t size = 0;
+        {
+          ThreadPool pool(core, 1024);
+          for (int i = 0; i < n; ++i) {
+            pool.run([&, i] {
+              std::unique_lock<std::mutex> lock(mu);
+              started[i] = 1;
+              cv.notify_all();
+              cv.wait_until(lock, deadline, [&] { return started[i + 1] != 0; });
+              ++done;
+              cv.notify_all();
+            });
+          }
+          std::unique_lock<std::mutex> lock(mu);
+          cv.wait_until(lock, deadline, [&] { return done == n; });
+          size = pool.size();
+        }
+        return std::make_pair(done == n, size);
+      },
+      py::call_guard<py::gil_scoped_release>());
 
   m.attr("FRAME_MAGIC") = transport::kFrameMagic;
   m.attr("PROTOCOL_VERSION") = transport::kProtocolVersion;

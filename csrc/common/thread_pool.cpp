@@ -52,7 +52,8 @@ void ThreadPool::run(std::function<void()> task) {
       return;
     }
     queue_.push_back(std::move(task));
-    if (idle_ == 0) {
+    if (queue_.size() == 1) {
+      // The supervisor sleeps only while the queue is empty.
       supervisorCv_.notify_one();
     }
   }
@@ -101,15 +102,18 @@ void ThreadPool::workerLoop(bool core) {
 void ThreadPool::supervisorLoop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stopping_) {
-    if (queue_.empty() || idle_ > 0) {
+    if (queue_.empty()) {
       supervisorCv_.wait(lock);
       continue;
     }
-    // Work is queued and every thread is busy: give them stallTimeout_ to
-    // make progress before concluding they are blocked.
+    // Work is queued: if no thread takes any of it within stallTimeout_,
+    // every thread is blocked (or none is awake to see it) and one more is
+    // needed. Counting idle threads instead would race with wake-ups: two
+    // tasks posted while one thread is idle leave the second stranded when
+    // that thread blocks in the first.
     uint64_t before = taken_;
     supervisorCv_.wait_for(lock, stallTimeout_);
-    if (!stopping_ && !queue_.empty() && idle_ == 0 && taken_ == before &&
+    if (!stopping_ && !queue_.empty() && taken_ == before &&
         alive_ < maxThreads_) {
       spawnLocked(/*core=*/false);
     }

@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""TORCH_RPC_EXT vs TensorPipe, side by side in one run: the RPC paper's matrix.
+
+Cases: small-call latency (builtin, Python UDF, TorchScript), pipelined
+rpc_async throughput, identity/heavy x Python/TorchScript x 4 MB/400 MB x
+1/10 calls in flight, a fan-out (one caller, 8 workers) and TCP-only mode.
+Every case runs on each backend in the same invocation; the output is JSON
+lines (one per case and backend, then one ratio line per case) and, with
+--chart, a PNG.
+
+Examples:
+  python benchmarks/rpc_bench.py                 # full matrix (several minutes)
+  python benchmarks/rpc_bench.py --smoke         # tiny sizes, few iterations (CI)
+  python benchmarks/rpc_bench.py --cases small pipelined --out results.jsonl
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed import rpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import emit, run_world, summarize, timed  # noqa: E402
+
+BACKENDS = {
+    # name -> (backend member name, options factory kwargs)
+    "ext": ("TORCH_RPC_EXT", {}),
+    "tensorpipe": ("TENSORPIPE", {}),
+}
+TCP_ONLY = {"ext": ("TORCH_RPC_EXT", {"transports": ("tcp",)}),
+            "tensorpipe": ("TENSORPIPE", {"_transports": ["uv"]})}
+
+
+def identity(x):
+    return x
+
+
+def heavy(x):
+    for _ in range(100):
+        x *= 2
+        x /= 2
+    return x
+
+
+@torch.jit.script
+def script_identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@torch.jit.script
+def script_heavy(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(100):
+        x *= 2
+        x /= 2
+    return x
+
+
+def noop_int(x):
+    return x
+
+
+@torch.jit.script
+def script_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x + y
+
+
+def _init(rank, world_size, backend_key, opts, names):
+    import torch_rpc_ext  # noqa: F401  (registers TORCH_RPC_EXT)
+
+    backend = rpc.BackendType[backend_key]
+    kwargs = dict(opts, rpc_timeout=600)
+    if backend_key == "TENSORPIPE":
+        options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, **kwargs)
+    else:
+        options = torch_rpc_ext.RpcExtBackendOptions(num_worker_threads=16, **kwargs)
+    rpc.init_rpc(names[rank], rank=rank, world_size=world_size, backend=backend,
+                 rpc_backend_options=options)
+
+
+def pair_cases(rank, world_size, backend_key, opts, cases, cfg):
+    """Rank 0 measures every pair case against rank 1."""
+    _init(rank, world_size, backend_key, opts, ["caller", "callee"])
+    rows = []
+    if rank == 0:
+        dst = "callee"
+        one = torch.ones(1)
+        if "small" in cases:
+            for label, fn, args in [
+                ("small_builtin", torch.add, (one, one)),
+                ("small_udf", noop_int, (1,)),
+                ("small_script", script_add, (one, one)),
+            ]:
+                s = timed(lambda: rpc.rpc_sync(dst, fn, args=args), cfg.iters, cfg.warmup)
+                rows.append({"case": label, **summarize(s)})
+        if "pipelined" in cases:
+            n = cfg.pipelined
+            rpc.rpc_sync(dst, torch.add, args=(one, one))
+            samples = []
+            for _ in range(max(3, cfg.repeats)):
+                t0 = time.perf_counter()
+                futs = [rpc.rpc_async(dst, torch.add, args=(one, one)) for _ in range(n)]
+                torch.futures.wait_all(futs)
+                samples.append(time.perf_counter() - t0)
+            best = sorted(samples)[len(samples) // 2]
+            rows.append({"case": "pipelined_async", "calls_per_s": round(n / best),
+                         "median_us": round(best / n * 1e6, 2), "n": n})
+        if "tensor" in cases:
+            for mb in cfg.sizes_mb:
+                side = int((mb * (1 << 20) / 4) ** 0.5)
+                x = torch.ones(side, side)
+                for fname, fn in [("identity", identity), ("heavy", heavy),
+                                  ("identity_script", script_identity),
+                                  ("heavy_script", script_heavy)]:
+                    if fname.startswith("heavy") and mb > 64 and not cfg.heavy_large:
+                        continue
+                    for inflight in (1, 10):
+                        if inflight == 10 and mb > 64:
+                            continue  # 10 x 400 MB in flight exceeds the paper's RAM budget here
+                        def call():
+                            futs = [rpc.rpc_async(dst, fn, args=(x,)) for _ in range(inflight)]
+                            torch.futures.wait_all(futs)
+                        reps = cfg.repeats if mb <= 64 else cfg.repeats_large
+                        s = timed(call, reps, 1)
+                        rows.append({"case": f"{fname}_{mb}MB_x{inflight}", **summarize(s),
+                                     "per_call_ms": round(
+                                         summarize(s)["median_us"] / 1000 / inflight, 2)})
+    rpc.shutdown()
+    return rows
+
+
+def fanout_case(rank, world_size, backend_key, opts, cfg):
+    names = ["caller"] + [f"w{i}" for i in range(1, world_size)]
+    _init(rank, world_size, backend_key, opts, names)
+    rows = []
+    if rank == 0:
+        one = torch.ones(1)
+        def call():
+            torch.futures.wait_all(
+                [rpc.rpc_async(n, torch.add, args=(one, one)) for n in names[1:]])
+        s = timed(call, cfg.iters // 4 or 1, cfg.warmup)
+        rows.append({"case": f"fanout_{world_size - 1}", **summarize(s)})
+    rpc.shutdown()
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="+", default=["small", "pipelined", "tensor", "fanout", "tcp"])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, few iterations")
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats-large", type=int, default=5)
+    p.add_argument("--pipelined", type=int, default=2000)
+    p.add_argument("--sizes-mb", type=int, nargs="+", default=[4, 400])
+    p.add_argument("--heavy-large", action="store_true")
+    p.add_argument("--fanout", type=int, default=8)
+    p.add_argument("--out", type=Path)
+    cfg = p.parse_args(argv)
+    if cfg.smoke:
+        cfg.iters, cfg.warmup, cfg.repeats, cfg.repeats_large = 20, 5, 3, 2
+        cfg.pipelined, cfg.sizes_mb, cfg.fanout = 50, [1], 2
+    out = cfg.out.open("w") if cfg.out else None
+
+    def record(row):
+        emit(row)
+        if out:
+            emit(row, out)
+
+    results: dict[tuple[str, str], dict] = {}
+    pair = [c for c in cfg.cases if c in ("small", "pipelined", "tensor")]
+    plans = []
+    if pair:
+        plans.append(("", BACKENDS, lambda b, o: run_world(pair_cases, 2, b, o, pair, cfg)))
+    if "tcp" in cfg.cases:
+        plans.append(("tcp_", TCP_ONLY,
+                      lambda b, o: run_world(pair_cases, 2, b, o, ["small"], cfg)))
+    if "fanout" in cfg.cases:
+        plans.append(("", BACKENDS,
+                      lambda b, o: run_world(fanout_case, cfg.fanout + 1, b, o, cfg)))
+    for prefix, backends, run in plans:
+        for name, (key, opts) in backends.items():
+            rows, rss = run(key, opts)
+            for row in rows:
+                row = {"backend": name, **row, "case": prefix + row["case"],
+                       "peak_rss_mb": rss}
+                results[(row["case"], name)] = row
+                record(row)
+    for case in sorted({c for c, _ in results}):
+        ext, tp = results.get((case, "ext")), results.get((case, "tensorpipe"))
+        if not (ext and tp):
+            continue
+        if "calls_per_s" in ext:
+            record({"case": case, "ratio": "throughput_ext_over_tp",
+                    "value": round(ext["calls_per_s"] / tp["calls_per_s"], 3)})
+        else:
+            record({"case": case, "ratio": "time_ext_over_tp",
+                    "value": round(ext["median_us"] / tp["median_us"], 3)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The agent's worker pool cannot be starved into deadlock by blocking tasks."""
+
+import pytest
+
+from torch_rpc_ext._C import _testing
+
+
+@pytest.mark.parametrize("core, n", [(1, 2), (1, 16), (4, 64), (2, 3)])
+def test_chain_of_blocking_tasks_completes(core, n):
+    # Task i waits for task i+1 to start, like a UDF waiting on a nested RPC
+    # whose completion is queued behind it. A fixed pool of `core` threads
+    # deadlocks whenever n > core.
+    finished, size = _testing.pool_chain(core, n, 20.0)
+    assert finished
+    assert size >= min(n, core)
+
+
+def test_back_to_back_posts_to_one_idle_thread_do_not_strand_work():
+    # Two tasks posted while a single thread is idle: if the pool counted idle
+    # threads to decide whether to grow, the second task could be stranded
+    # behind the first (which waits for it). Repeat to hit the race window.
+    for _ in range(200):
+        finished, _ = _testing.pool_chain(1, 2, 5.0)
+        assert finished
+
+
+def test_pool_does_not_grow_without_need():
+    # Tasks that do not block finish on the core threads.
+    finished, size = _testing.pool_chain(4, 1, 5.0)
+    assert finished and size == 4
