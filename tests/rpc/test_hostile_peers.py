@@ -7,6 +7,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 
 import pytest
 import torch
@@ -147,16 +148,17 @@ def mismatched_secrets(rank, world_size):
     secret = SECRET if rank == 0 else b"another-secret-another-secret-!!"
     init(rank, world_size, secret=secret, rpc_timeout=5)
     err = None
-    if rank == 0:
-        try:
-            rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
-        except RuntimeError as e:
-            err = str(e)
+    try:
+        rpc.rpc_sync(f"worker{1 - rank}", torch.add, args=(torch.ones(1), 1))
+    except RuntimeError as e:
+        err = str(e)
+    time.sleep(1)  # keep serving until the other side has seen our proof too
     rpc.api._get_current_rpc_agent().shutdown()
     return err
 
 
 def test_workers_with_different_secrets_cannot_talk():
-    err = run_world(mismatched_secrets)[0]
-    assert err is not None
-    assert "worker1" in err and "authentication failed" in err
+    errs = run_world(mismatched_secrets)
+    for rank, err in errs.items():
+        assert err is not None
+        assert f"worker{1 - rank}" in err and "authentication failed" in err
