@@ -304,7 +304,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       settleWithError(
           std::move(*call),
           "RPC to " + to.name_ + " failed: connection " + conn->describe() +
-              " is closed");
+              " is closed: " + conn->closeReason());
     }
   }
   return future;

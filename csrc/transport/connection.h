@@ -64,6 +64,9 @@ class Connection {
   // True for connections this process opened, false for accepted ones.
   virtual bool isOutbound() const = 0;
 
+  // Why the connection closed ("" while open, or after a local close()).
+  virtual std::string closeReason() const = 0;
+
   // Human-readable endpoints, for logs and errors.
   virtual std::string describe() const = 0;
 };

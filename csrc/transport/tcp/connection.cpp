@@ -129,6 +129,11 @@ std::string TcpConnection::describe() const {
                     : "");
 }
 
+std::string TcpConnection::closeReason() const {
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  return closeReason_;
+}
+
 void TcpConnection::handleEventsFromLoop(uint32_t events) {
   if (state_ == State::kClosed) {
     return;

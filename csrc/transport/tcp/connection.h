@@ -60,6 +60,7 @@ class TcpConnection final : public Connection,
     return outbound_;
   }
   std::string describe() const override;
+  std::string closeReason() const override;
 
   void handleEventsFromLoop(uint32_t events) override;
 
@@ -114,7 +115,7 @@ class TcpConnection final : public Connection,
   std::string clientNonce_;
   std::string serverNonce_;
 
-  std::mutex writeMutex_;
+  mutable std::mutex writeMutex_;
   std::deque<PendingWrite> writes_;
   bool registered_ = false;
   bool wantWrite_ = false;
