@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 from torch.distributed import rpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.append(str(HERE.parent))  # a source checkout works without installing
 from _harness import emit, run_world, summarize, timed  # noqa: E402
 
 BACKENDS = {
