@@ -50,12 +50,17 @@ def _entry(fn, rank, world_size, port, queue, kwargs):
 
 
 def run_world(
-    fn: Callable[..., Any], world_size: int = 2, timeout: float = 60, **kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    timeout: float = 60,
+    dies: frozenset[int] = frozenset(),
+    **kwargs: Any,
 ) -> dict[int, Any]:
     """Fork ``world_size`` processes running ``fn(rank, world_size, **kwargs)``.
 
-    Raises AssertionError with every failing rank's traceback, or naming the
-    ranks that did not finish within ``timeout`` seconds (they are killed).
+    Ranks in ``dies`` are expected to be killed and report nothing. Raises
+    AssertionError with every failing rank's traceback, or naming the ranks
+    that did not finish within ``timeout`` seconds (they are killed).
     """
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -69,14 +74,14 @@ def run_world(
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:
-        for _ in procs:
+        for _ in range(world_size - len(dies)):
             rank, ok, value = queue.get(timeout=timeout)
             if ok:
                 results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
     except queue_module.Empty:
-        missing = sorted(set(range(world_size)) - set(results))
+        missing = sorted(set(range(world_size)) - set(results) - set(dies))
         errors.append(f"ranks {missing} did not finish within {timeout}s")
     finally:
         for p in procs:
