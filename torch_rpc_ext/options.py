@@ -68,6 +68,9 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
         max_frame_bytes: Largest message accepted or sent; a peer announcing
             more is disconnected before anything is allocated.
         handshake_timeout: Seconds a new connection has to authenticate.
+        max_cached_receive_bytes: Receive buffers for tensors of 1 MiB or more
+            are recycled (already faulted in, huge-page backed); this bounds
+            the idle cache. Idle buffers go back to the OS after 2 s.
 
     Raises:
         ValueError: An option is out of range or of the wrong kind.
@@ -86,6 +89,7 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
         secret: bytes | str | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         handshake_timeout: float = 10.0,
+        max_cached_receive_bytes: int = 1 << 31,
     ) -> None:
         if isinstance(num_worker_threads, bool) or not isinstance(
             num_worker_threads, int
@@ -119,6 +123,10 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
             raise ValueError(f"max_frame_bytes must be an int >= 1024, got {max_frame_bytes!r}")
         if not isinstance(handshake_timeout, (int, float)) or handshake_timeout <= 0:
             raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout!r}")
+        if not isinstance(max_cached_receive_bytes, int) or max_cached_receive_bytes < 0:
+            raise ValueError(
+                f"max_cached_receive_bytes must be an int >= 0, got {max_cached_receive_bytes!r}"
+            )
         super().__init__(float(rpc_timeout), init_method)
         self.num_worker_threads = num_worker_threads
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
@@ -132,6 +140,7 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
         self.secret = secret
         self.max_frame_bytes = max_frame_bytes
         self.handshake_timeout = float(handshake_timeout)
+        self.max_cached_receive_bytes = max_cached_receive_bytes
 
     def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:
         """Map local devices to devices of worker ``to`` (merged, 1-to-1).

@@ -74,6 +74,9 @@ Agent::Agent(
       pool_(
           static_cast<size_t>(std::max(1, options_.numWorkerThreads)),
           kMaxPoolThreads),
+      buffers_(std::make_shared<BufferPool>(
+          options_.maxCachedReceiveBytes,
+          std::chrono::milliseconds(2000))),
       calls_([this](int64_t id, CallTable::Call call) {
         auto ms = call.timeout.count();
         stats_[call.peerId].timeouts.fetch_add(1, std::memory_order_relaxed);
@@ -83,7 +86,7 @@ Agent::Agent(
                 timeoutText(ms),
                 rpc::RPCErrorType::TIMEOUT));
         (void)id;
-      }),
+      }, [this] { buffers_->trim(); }),
       stats_(new PeerStats[worldSize]) {
   TORCH_CHECK(
       worldSize > 0 && worldSize <= 32767,
@@ -355,7 +358,7 @@ transport::InboundBuffers Agent::onFrameHead(
     const std::string& head,
     const std::vector<uint64_t>& segmentSizes) {
   try {
-    auto in = wire::InboundMessage::prepare(head, segmentSizes);
+    auto in = wire::InboundMessage::prepare(head, segmentSizes, buffers_);
     return in->buffers(in);
   } catch (...) {
     int32_t peer = conn.peerId();
@@ -550,6 +553,8 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
   m["rpc_ext.rejected_connections"] =
       std::to_string(rejectedConnections_.load());
   m["rpc_ext.late_responses"] = std::to_string(lateResponses_.load());
+  m["rpc_ext.receive_pool_cached_bytes"] = std::to_string(buffers_->cachedBytes());
+  m["rpc_ext.receive_pool_live_blocks"] = std::to_string(buffers_->liveBlocks());
   for (int r = 0; r < worldSize_; ++r) {
     const auto& s = stats_[r];
     if (s.callsSent == 0 && s.callsServed == 0 && s.errors == 0 &&

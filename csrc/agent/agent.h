@@ -16,6 +16,7 @@
 #include "csrc/agent/call_table.h"
 #include "csrc/agent/options.h"
 #include "csrc/agent/peer_stats.h"
+#include "csrc/common/buffer_pool.h"
 #include "csrc/common/thread_pool.h"
 #include "csrc/transport/transport.h"
 
@@ -130,6 +131,8 @@ class Agent final : public rpc::RpcAgent,
   std::unordered_map<int32_t, std::shared_ptr<transport::Connection>> outbound_;
 
   ThreadPool pool_;
+  // Receive buffers for large tensors; storages keep it alive past us.
+  std::shared_ptr<BufferPool> buffers_;
   CallTable calls_;
   std::atomic<int64_t> nextId_{0};
   std::unique_ptr<PeerStats[]> stats_; // by peer id

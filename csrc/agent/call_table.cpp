@@ -3,7 +3,12 @@
 
 namespace torch_rpc_ext {
 
-CallTable::CallTable(ExpireFn onExpired) : onExpired_(std::move(onExpired)) {
+namespace {
+constexpr auto kTick = std::chrono::seconds(1);
+} // namespace
+
+CallTable::CallTable(ExpireFn onExpired, std::function<void()> onTick)
+    : onExpired_(std::move(onExpired)), onTick_(std::move(onTick)) {
   thread_ = std::thread([this] { timeoutLoop(); });
 }
 
@@ -85,14 +90,22 @@ size_t CallTable::size() const {
 
 void CallTable::timeoutLoop() {
   std::unique_lock<std::mutex> lock(mutex_);
+  auto nextTick = std::chrono::steady_clock::now() + kTick;
   while (!stopping_) {
-    if (deadlines_.empty()) {
-      cv_.wait(lock);
+    auto now = std::chrono::steady_clock::now();
+    if (now >= nextTick) {
+      nextTick = now + kTick;
+      lock.unlock();
+      onTick_();
+      lock.lock();
       continue;
     }
-    auto now = std::chrono::steady_clock::now();
-    if (deadlines_.begin()->first > now) {
-      cv_.wait_until(lock, deadlines_.begin()->first);
+    if (deadlines_.empty() || deadlines_.begin()->first > now) {
+      auto wake = nextTick;
+      if (!deadlines_.empty() && deadlines_.begin()->first < wake) {
+        wake = deadlines_.begin()->first;
+      }
+      cv_.wait_until(lock, wake);
       continue;
     }
     std::vector<std::pair<int64_t, Call>> expired;

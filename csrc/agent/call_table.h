@@ -35,7 +35,9 @@ class CallTable {
   };
   using ExpireFn = std::function<void(int64_t id, Call call)>;
 
-  explicit CallTable(ExpireFn onExpired);
+  // `onTick` runs on the table's thread about once a second, for
+  // housekeeping that must happen even when no call is in flight.
+  CallTable(ExpireFn onExpired, std::function<void()> onTick);
   ~CallTable();
 
   void add(int64_t id, Call call);
@@ -54,6 +56,7 @@ class CallTable {
   void timeoutLoop();
 
   ExpireFn onExpired_;
+  std::function<void()> onTick_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::unordered_map<int64_t, Call> calls_;

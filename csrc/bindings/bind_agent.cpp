@@ -24,6 +24,8 @@ void bindAgent(py::module_& m) {
           [](const AgentOptions& o) { return py::bytes(o.secret); },
           [](AgentOptions& o, const py::bytes& b) { o.secret = b; })
       .def_readwrite("max_frame_bytes", &AgentOptions::maxFrameBytes)
+      .def_readwrite(
+          "max_cached_receive_bytes", &AgentOptions::maxCachedReceiveBytes)
       .def_property(
           "handshake_timeout",
           [](const AgentOptions& o) {

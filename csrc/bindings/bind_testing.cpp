@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/rpc/message.h>
 
 #include "csrc/bindings/bind.h"
+#include "csrc/common/buffer_pool.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/thread_pool.h"
 #include "csrc/transport/frame.h"
@@ -132,6 +133,30 @@ void bindTesting(py::module_& m) {
         return std::make_pair(done == n, size);
       },
       py::call_guard<py::gil_scoped_release>());
+
+  // The receive-buffer pool, driven from Python.
+  py::class_<BufferPool, std::shared_ptr<BufferPool>>(m, "BufferPool")
+      .def(py::init([](size_t maxCached, double idleSeconds) {
+        return std::make_shared<BufferPool>(
+            maxCached,
+            std::chrono::milliseconds(int64_t(idleSeconds * 1000)));
+      }))
+      .def(
+          "acquire",
+          [](BufferPool& p, size_t size) {
+            auto b = p.acquire(size);
+            // Touch every page so reuse can be told apart from a new mapping.
+            std::memset(b.data, 0x5a, size);
+            return py::make_tuple(reinterpret_cast<uintptr_t>(b.data), b.capacity);
+          })
+      .def(
+          "release",
+          [](BufferPool& p, uintptr_t data, size_t capacity) {
+            p.release({reinterpret_cast<void*>(data), capacity});
+          })
+      .def("trim", &BufferPool::trim, py::arg("all") = false)
+      .def_property_readonly("cached_bytes", &BufferPool::cachedBytes)
+      .def_property_readonly("live_blocks", &BufferPool::liveBlocks);
 
   m.attr("FRAME_MAGIC") = transport::kFrameMagic;
   m.attr("PROTOCOL_VERSION") = transport::kProtocolVersion;

@@ -81,4 +81,108 @@ bool proofMatches(const std::string& received, const std::string& expected) {
   return constantTimeEqual(a, b);
 }
 
+Handshake::Handshake(
+    bool client,
+    std::string secret,
+    int32_t selfId,
+    int32_t expectedPeerId)
+    : client_(client),
+      secret_(std::move(secret)),
+      selfId_(selfId),
+      expectedPeerId_(expectedPeerId),
+      stage_(client ? Stage::kChallenge : Stage::kHello) {}
+
+std::string Handshake::hello() {
+  clientNonce_ = randomBytes(kNonceBytes);
+  return encodeHello(Hello{selfId_, clientNonce_});
+}
+
+FrameKind Handshake::expectedKind() const {
+  switch (stage_) {
+    case Stage::kHello:
+      return FrameKind::kHello;
+    case Stage::kChallenge:
+      return FrameKind::kChallenge;
+    default:
+      return FrameKind::kProof;
+  }
+}
+
+size_t Handshake::expectedHeadBytes() const {
+  switch (stage_) {
+    case Stage::kHello:
+      return kHelloBytes;
+    case Stage::kChallenge:
+      return kChallengeBytes;
+    default:
+      return kProofBytes;
+  }
+}
+
+Handshake::Step Handshake::onFrame(const std::string& head) {
+  Step step;
+  constexpr const char* kBadSecret =
+      "authentication failed: peer does not know the group secret";
+  if (stage_ == Stage::kHello) {
+    auto hello = decodeHello(head);
+    if (!hello || hello->clientId < 0) {
+      step.error = "rejected handshake: malformed hello";
+      return step;
+    }
+    // Trusted only once the client's proof checks out.
+    peerId_ = hello->clientId;
+    clientNonce_ = hello->clientNonce;
+    serverNonce_ = randomBytes(kNonceBytes);
+    step.hasReply = true;
+    step.replyKind = FrameKind::kChallenge;
+    step.replyHead = encodeChallenge(Challenge{
+        selfId_,
+        serverNonce_,
+        makeProof(secret_, "server", clientNonce_, serverNonce_, peerId_, selfId_)});
+    stage_ = Stage::kProof;
+    return step;
+  }
+  if (stage_ == Stage::kChallenge) {
+    auto ch = decodeChallenge(head);
+    if (!ch) {
+      step.error = "rejected handshake: malformed challenge";
+      return step;
+    }
+    if (ch->serverId != expectedPeerId_) {
+      step.error = "rejected handshake: expected worker id " +
+          std::to_string(expectedPeerId_) + " but the peer is worker id " +
+          std::to_string(ch->serverId);
+      return step;
+    }
+    std::string expected = makeProof(
+        secret_, "server", clientNonce_, ch->serverNonce, selfId_, ch->serverId);
+    if (!proofMatches(ch->serverProof, expected)) {
+      step.error = kBadSecret;
+      return step;
+    }
+    peerId_ = ch->serverId;
+    step.hasReply = true;
+    step.replyKind = FrameKind::kProof;
+    step.replyHead = makeProof(
+        secret_, "client", clientNonce_, ch->serverNonce, selfId_, ch->serverId);
+    stage_ = Stage::kDone;
+    step.done = true;
+    return step;
+  }
+  if (stage_ == Stage::kProof) {
+    std::string expected = makeProof(
+        secret_, "client", clientNonce_, serverNonce_, peerId_, selfId_);
+    if (!proofMatches(head, expected)) {
+      peerId_ = -1;
+      step.error = kBadSecret;
+      return step;
+    }
+    stage_ = Stage::kDone;
+    step.done = true;
+    return step;
+  }
+  step.error = "rejected handshake: unexpected frame";
+  return step;
+}
+
 } // namespace torch_rpc_ext::transport

@@ -5,6 +5,8 @@
 #include <optional>
 #include <string>
 
+#include "csrc/transport/frame.h"
+
 namespace torch_rpc_ext::transport {
 
 // The connection handshake (docs/wire-format.md, "Handshake"). Mutual
@@ -52,5 +54,45 @@ std::string makeProof(
 
 // Constant-time comparison of a received proof with the expected one.
 bool proofMatches(const std::string& received, const std::string& expected);
+
+// One end of the handshake as a state machine, independent of how bytes
+// move, so every transport runs the same protocol. Not thread-safe: a
+// connection drives it from its loop thread.
+class Handshake {
+ public:
+  Handshake(bool client, std::string secret, int32_t selfId, int32_t expectedPeerId);
+
+  // What to do after a frame: close with `error`, and/or send `reply`.
+  struct Step {
+    std::string error;
+    bool hasReply = false;
+    FrameKind replyKind = FrameKind::kHello;
+    std::string replyHead;
+    bool done = false; // the peer is authenticated
+  };
+
+  // Client: the hello to send once the transport is connected.
+  std::string hello();
+  // The only frame accepted next, and its exact head size.
+  FrameKind expectedKind() const;
+  size_t expectedHeadBytes() const;
+  // Feed the head of the expected frame.
+  Step onFrame(const std::string& head);
+  // The authenticated peer id (valid once a Step reported done).
+  int32_t peerId() const {
+    return peerId_;
+  }
+
+ private:
+  enum class Stage { kHello, kChallenge, kProof, kDone };
+  const bool client_;
+  const std::string secret_;
+  const int32_t selfId_;
+  const int32_t expectedPeerId_;
+  Stage stage_;
+  int32_t peerId_ = -1;
+  std::string clientNonce_;
+  std::string serverNonce_;
+};
 
 } // namespace torch_rpc_ext::transport

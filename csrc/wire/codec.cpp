@@ -235,6 +235,40 @@ InboundMessage::DenseMeta readDense(
   return m;
 }
 
+// A pooled block owned by a storage: returned to its pool (which it keeps
+// alive) when the last tensor viewing it dies, on whatever thread that is.
+struct PooledBlock {
+  std::shared_ptr<BufferPool> pool;
+  BufferPool::Block block;
+};
+
+void releasePooled(void* ctx) {
+  auto* owned = static_cast<PooledBlock*>(ctx);
+  owned->pool->release(owned->block);
+  delete owned;
+}
+
+c10::Storage allocateSegment(
+    uint64_t size,
+    const std::shared_ptr<BufferPool>& pool) {
+  if (pool == nullptr || size < BufferPool::kMinPooledBytes) {
+    return c10::Storage(
+        c10::Storage::use_byte_size_t(),
+        static_cast<int64_t>(size),
+        c10::GetCPUAllocator(),
+        /*resizable=*/false);
+  }
+  auto* owned = new PooledBlock{pool, pool->acquire(size)};
+  c10::DataPtr data(
+      owned->block.data, owned, &releasePooled, c10::Device(c10::kCPU));
+  return c10::Storage(
+      c10::Storage::use_byte_size_t(),
+      static_cast<int64_t>(size),
+      std::move(data),
+      /*allocator=*/nullptr,
+      /*resizable=*/false);
+}
+
 at::Tensor buildDense(
     const InboundMessage::DenseMeta& m,
     const std::vector<c10::Storage>& storages) {
@@ -307,7 +341,8 @@ transport::OutboundFrame encodeMessage(
 
 std::shared_ptr<InboundMessage> InboundMessage::prepare(
     const std::string& head,
-    const std::vector<uint64_t>& segmentSizes) {
+    const std::vector<uint64_t>& segmentSizes,
+    const std::shared_ptr<BufferPool>& pool) {
   if (segmentSizes.empty()) {
     throw std::invalid_argument("message frame without a payload segment");
   }
@@ -368,11 +403,7 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   m->payload_.resize(segmentSizes[0]);
   m->storages_.reserve(segmentSizes.size() - 1);
   for (size_t i = 1; i < segmentSizes.size(); ++i) {
-    m->storages_.emplace_back(
-        c10::Storage::use_byte_size_t(),
-        static_cast<int64_t>(segmentSizes[i]),
-        c10::GetCPUAllocator(),
-        /*resizable=*/false);
+    m->storages_.push_back(allocateSegment(segmentSizes[i], pool));
   }
   return m;
 }

@@ -8,6 +8,7 @@
 
 #include <torch/csrc/distributed/rpc/message.h>
 
+#include "csrc/common/buffer_pool.h"
 #include "csrc/transport/frame.h"
 
 namespace torch_rpc_ext::wire {
@@ -36,10 +37,12 @@ transport::OutboundFrame encodeMessage(
 class InboundMessage {
  public:
   // Parse and check `head` against `segmentSizes` before allocating anything.
-  // Throws std::invalid_argument naming the first problem.
+  // Large tensor segments come from `pool` (when given), smaller ones from
+  // the CPU allocator. Throws std::invalid_argument naming the first problem.
   static std::shared_ptr<InboundMessage> prepare(
       const std::string& head,
-      const std::vector<uint64_t>& segmentSizes);
+      const std::vector<uint64_t>& segmentSizes,
+      const std::shared_ptr<BufferPool>& pool = nullptr);
 
   // Where the transport writes each segment.
   transport::InboundBuffers buffers(

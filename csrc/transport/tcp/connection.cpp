@@ -13,7 +13,6 @@
 #include <climits>
 #include <cstring>
 
-#include "csrc/common/crypto.h"
 #include "csrc/common/logging.h"
 #include "csrc/transport/handshake.h"
 #include "csrc/transport/tcp/address.h"
@@ -53,7 +52,8 @@ TcpConnection::TcpConnection(
       expectedPeerId_(expectedPeerId),
       peerAddress_(std::move(peerAddress)),
       observer_(observer),
-      state_(outbound ? State::kConnecting : State::kAwaitHello),
+      state_(outbound ? State::kConnecting : State::kHandshake),
+      handshake_(outbound, options.secret, options.selfId, expectedPeerId),
       staging_(kStagingBytes) {}
 
 TcpConnection::~TcpConnection() {
@@ -168,14 +168,11 @@ void TcpConnection::onConnectedFromLoop() {
         "connect to " + peerAddress_ + " failed: " + std::strerror(err), false);
     return;
   }
-  clientNonce_ = randomBytes(kNonceBytes);
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
-    state_ = State::kAwaitChallenge;
+    state_ = State::kHandshake;
   }
-  queueControl(
-      uint8_t(FrameKind::kHello),
-      encodeHello(Hello{options_.selfId, clientNonce_}));
+  queueControl(uint8_t(FrameKind::kHello), handshake_.hello());
 }
 
 void TcpConnection::queueControl(uint8_t kind, std::string head) {
@@ -439,23 +436,12 @@ bool TcpConnection::onHeaderFromLoop() {
   if (why.empty()) {
     State s = state_;
     bool ok = false;
-    switch (s) {
-      case State::kAwaitHello:
-        ok = kind == FrameKind::kHello && header_.headLength == kHelloBytes;
-        break;
-      case State::kAwaitChallenge:
-        ok = kind == FrameKind::kChallenge &&
-            header_.headLength == kChallengeBytes;
-        break;
-      case State::kAwaitProof:
-        ok = kind == FrameKind::kProof && header_.headLength == kProofBytes;
-        break;
-      case State::kReady:
-        ok = kind == FrameKind::kMessage || kind == FrameKind::kPing ||
-            kind == FrameKind::kPong;
-        break;
-      default:
-        break;
+    if (s == State::kHandshake) {
+      ok = kind == handshake_.expectedKind() &&
+          header_.headLength == handshake_.expectedHeadBytes();
+    } else if (s == State::kReady) {
+      ok = kind == FrameKind::kMessage || kind == FrameKind::kPing ||
+          kind == FrameKind::kPong;
     }
     if (!ok) {
       why = "unexpected frame kind " + std::to_string(header_.kind) +
@@ -549,65 +535,16 @@ void TcpConnection::finishFrameFromLoop() {
 }
 
 bool TcpConnection::onHandshakeFrameFromLoop(std::string head) {
-  const std::string& secret = options_.secret;
-  State s = state_;
-  if (s == State::kAwaitHello) {
-    auto hello = decodeHello(head);
-    if (!hello || hello->clientId < 0) {
-      closeInternal("rejected handshake: malformed hello", false);
-      return false;
-    }
-    claimedPeerId_ = hello->clientId; // trusted once the proof checks out
-    clientNonce_ = hello->clientNonce;
-    serverNonce_ = randomBytes(kNonceBytes);
-    std::string proof = makeProof(
-        secret, "server", clientNonce_, serverNonce_, claimedPeerId_,
-        options_.selfId);
-    state_ = State::kAwaitProof;
-    queueControl(
-        uint8_t(FrameKind::kChallenge),
-        encodeChallenge(Challenge{options_.selfId, serverNonce_, proof}));
-    return state_ != State::kClosed;
-  }
-  if (s == State::kAwaitChallenge) {
-    auto ch = decodeChallenge(head);
-    if (!ch) {
-      closeInternal("rejected handshake: malformed challenge", false);
-      return false;
-    }
-    if (ch->serverId != expectedPeerId_) {
-      closeInternal(
-          "rejected handshake: expected worker id " +
-              std::to_string(expectedPeerId_) + " but " + peerAddress_ +
-              " is worker id " + std::to_string(ch->serverId),
-          false);
-      return false;
-    }
-    std::string expected = makeProof(
-        secret, "server", clientNonce_, ch->serverNonce, options_.selfId,
-        ch->serverId);
-    if (!proofMatches(ch->serverProof, expected)) {
-      closeInternal(
-          "authentication failed: peer does not know the group secret", false);
-      return false;
-    }
-    std::string proof = makeProof(
-        secret, "client", clientNonce_, ch->serverNonce, options_.selfId,
-        ch->serverId);
-    claimedPeerId_ = ch->serverId;
-    queueControl(uint8_t(FrameKind::kProof), proof);
-  } else if (s == State::kAwaitProof) {
-    std::string expected = makeProof(
-        secret, "client", clientNonce_, serverNonce_, claimedPeerId_,
-        options_.selfId);
-    if (!proofMatches(head, expected)) {
-      closeInternal(
-          "authentication failed: peer does not know the group secret", false);
-      return false;
-    }
-  } else {
-    closeInternal("rejected handshake: unexpected frame", false);
+  Handshake::Step step = handshake_.onFrame(head);
+  if (!step.error.empty()) {
+    closeInternal(step.error, false);
     return false;
+  }
+  if (step.hasReply) {
+    queueControl(uint8_t(step.replyKind), std::move(step.replyHead));
+  }
+  if (!step.done) {
+    return state_ != State::kClosed;
   }
   std::string error;
   {
@@ -615,7 +552,7 @@ bool TcpConnection::onHandshakeFrameFromLoop(std::string head) {
     if (state_ == State::kClosed) {
       return false;
     }
-    peerId_ = claimedPeerId_;
+    peerId_ = handshake_.peerId();
     state_ = State::kReady;
     error = flushLocked();
   }

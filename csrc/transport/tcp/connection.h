@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "csrc/transport/connection.h"
+#include "csrc/transport/handshake.h"
 #include "csrc/transport/tcp/loop.h"
 #include "csrc/transport/transport.h"
 
@@ -65,8 +66,7 @@ class TcpConnection final : public Connection,
   void handleEventsFromLoop(uint32_t events) override;
 
  private:
-  enum class State { kConnecting, kAwaitHello, kAwaitChallenge, kAwaitProof,
-                     kReady, kClosed };
+  enum class State { kConnecting, kHandshake, kReady, kClosed };
   enum class ReadPhase { kHeader, kLengthsAndHead, kSegments };
 
   struct PendingWrite {
@@ -111,9 +111,7 @@ class TcpConnection final : public Connection,
   ConnectionObserver* const observer_;
   std::atomic<State> state_;
   std::atomic<int32_t> peerId_{-1}; // set once authenticated
-  int32_t claimedPeerId_ = -1; // loop thread, during the handshake
-  std::string clientNonce_;
-  std::string serverNonce_;
+  Handshake handshake_; // loop thread
 
   mutable std::mutex writeMutex_;
   std::deque<PendingWrite> writes_;
