@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: BSD-3-Clause
-# The test suite: unit tests, two-process tests, upstream's RPC conformance
-# suites on TORCH_RPC_EXT. Extra arguments go to pytest.
+# The test suite: upstream's RPC conformance suites on TORCH_RPC_EXT, our
+# multi-process tests, then the in-process unit tests. Arguments, if any, are
+# passed to a single pytest run instead.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . tools/setup_env.sh
-python -m pytest -p no:cacheprovider -q --timeout 900 tests "$@"
+if [ "$#" -gt 0 ]; then
+  exec python -m pytest -p no:cacheprovider -q --timeout 900 "$@"
+fi
+# Multi-process tests fork from the pytest process; it must not have run
+# torch compute first (a forked child inherits ATen's started thread pools and
+# aborts or hangs on first use), so unit tests get a process of their own.
+python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance tests/rpc
+python -m pytest -p no:cacheprovider -q --timeout 300 tests/unit

@@ -121,6 +121,11 @@ void Agent::rendezvous() {
   topts.secret = secret_;
   topts.limits.maxFrameBytes = options_.maxFrameBytes;
   topts.handshakeTimeout = options_.handshakeTimeout;
+  // Sent messages may hold the last reference to tensors with Python
+  // objects; let the pool, not the loop thread, drop them.
+  topts.releaseOffLoop = [this](std::shared_ptr<void> held) {
+    pool_.run([held = std::move(held)]() mutable { held.reset(); });
+  };
   topts.bindAddress = options_.address.empty()
       ? transport::tcp::defaultAdvertisedAddress()
       : options_.address;

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -20,6 +21,11 @@ struct TransportOptions {
   std::chrono::milliseconds handshakeTimeout{10000};
   // Address to bind and advertise (an IP literal), for transports that need one.
   std::string bindAddress = "127.0.0.1";
+  // Receives the keepAlive of every outbound frame that finishes (or is
+  // dropped) on the loop thread, so its owner can destroy it elsewhere:
+  // dropping the last reference to a tensor that has a Python object takes
+  // the GIL, which the loop thread must never do. Unset: destroyed in place.
+  std::function<void(std::shared_ptr<void>)> releaseOffLoop;
 };
 
 // Accepts connections for one transport until close().

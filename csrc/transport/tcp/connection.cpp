@@ -153,8 +153,25 @@ void TcpConnection::handleEventsFromLoop(uint32_t events) {
       std::lock_guard<std::mutex> lock(writeMutex_);
       error = flushLocked();
     }
+    releaseFinished();
     if (!error.empty()) {
       closeInternal(error, false);
+    }
+  }
+}
+
+void TcpConnection::releaseFinished() {
+  std::vector<std::shared_ptr<void>> done;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    done.swap(finished_);
+  }
+  if (done.empty()) {
+    return;
+  }
+  if (options_.releaseOffLoop && loop_.inLoop()) {
+    for (auto& d : done) {
+      options_.releaseOffLoop(std::move(d));
     }
   }
 }
@@ -197,6 +214,7 @@ void TcpConnection::queueControl(uint8_t kind, std::string head) {
     writes_.insert(pos, std::move(w));
     error = flushLocked();
   }
+  releaseFinished();
   if (!error.empty()) {
     closeInternal(error, false);
   }
@@ -242,6 +260,7 @@ bool TcpConnection::write(OutboundFrame frame) {
       error = flushLocked();
     }
   }
+  releaseFinished();
   if (!error.empty()) {
     closeInternal(error, false);
   }
@@ -307,6 +326,9 @@ std::string TcpConnection::flushLocked() {
       size_t need = total - w.written;
       if (left >= need) {
         left -= need;
+        if (w.frame.keepAlive) {
+          finished_.push_back(std::move(w.frame.keepAlive));
+        }
         writes_.pop_front();
       } else {
         w.written += left;
@@ -556,6 +578,7 @@ bool TcpConnection::onHandshakeFrameFromLoop(std::string head) {
     state_ = State::kReady;
     error = flushLocked();
   }
+  releaseFinished();
   if (!error.empty()) {
     closeInternal(error, false);
     return false;
@@ -577,8 +600,14 @@ void TcpConnection::closeInternal(std::string reason, bool local) {
     }
     state_ = State::kClosed;
     dropped.swap(writes_);
+    for (auto& w : dropped) {
+      if (w.frame.keepAlive) {
+        finished_.push_back(std::move(w.frame.keepAlive));
+      }
+    }
     closeReason_ = reason;
   }
+  releaseFinished();
   if (!local && !reason.empty()) {
     logDebug("torch_rpc_ext: closing " + describe() + ": " + reason);
   }

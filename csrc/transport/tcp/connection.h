@@ -100,6 +100,9 @@ class TcpConnection final : public Connection,
   // Write as much as the socket takes. Returns an error text or "".
   std::string flushLocked();
   void updateEventsLocked();
+  // Destroy the keepAlives of finished frames; off the loop thread when the
+  // options say how. Call without writeMutex_ held.
+  void releaseFinished();
   void closeInternal(std::string reason, bool local);
 
   Loop& loop_;
@@ -115,6 +118,7 @@ class TcpConnection final : public Connection,
 
   mutable std::mutex writeMutex_;
   std::deque<PendingWrite> writes_;
+  std::vector<std::shared_ptr<void>> finished_; // keepAlives of sent frames
   bool registered_ = false;
   bool wantWrite_ = false;
   std::string closeReason_;
