@@ -1,0 +1,231 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// The read side of TcpConnection: the incremental frame parser. Runs on the
+// loop thread only; validates each header before allocating anything behind it.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "csrc/transport/tcp/connection.h"
+
+namespace torch_rpc_ext::transport::tcp {
+
+namespace {
+
+constexpr size_t kDirectReadBytes = 16 * 1024;
+
+std::string errnoText(const char* what) {
+  return std::string(what) + ": " + std::strerror(errno);
+}
+
+} // namespace
+
+void TcpConnection::onReadableFromLoop() {
+  while (state_ != State::kClosed) {
+    if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_) {
+      size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
+      if (want >= kDirectReadBytes) {
+        char* dst =
+            static_cast<char*>(inbound_.segments[segmentIndex_]) + segmentFilled_;
+        ssize_t got = ::read(fd_, dst, want);
+        if (got > 0) {
+          segmentFilled_ += static_cast<size_t>(got);
+          if (segmentFilled_ == segmentSizes_[segmentIndex_]) {
+            ++segmentIndex_;
+            segmentFilled_ = 0;
+            skipEmptySegments();
+            if (segmentIndex_ == segmentSizes_.size()) {
+              finishFrameFromLoop();
+            }
+          }
+          continue;
+        }
+        if (got == 0) {
+          closeInternal("peer closed the connection", false);
+          return;
+        }
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          return;
+        }
+        if (errno != EINTR) {
+          closeInternal(errnoText("read failed"), false);
+          return;
+        }
+        continue;
+      }
+    }
+    if (stagedBegin_ == stagedEnd_) {
+      stagedBegin_ = stagedEnd_ = 0;
+    }
+    ssize_t got =
+        ::read(fd_, staging_.data() + stagedEnd_, staging_.size() - stagedEnd_);
+    if (got == 0) {
+      closeInternal("peer closed the connection", false);
+      return;
+    }
+    if (got < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        return;
+      }
+      if (errno != EINTR) {
+        closeInternal(errnoText("read failed"), false);
+        return;
+      }
+      continue;
+    }
+    stagedEnd_ += static_cast<size_t>(got);
+    if (!consumeFromLoop()) {
+      return;
+    }
+  }
+}
+
+bool TcpConnection::consumeFromLoop() {
+  while (stagedBegin_ < stagedEnd_ && state_ != State::kClosed) {
+    size_t avail = stagedEnd_ - stagedBegin_;
+    const char* src = staging_.data() + stagedBegin_;
+    if (phase_ == ReadPhase::kHeader) {
+      size_t take = std::min(avail, sizeof(header_) - phaseFilled_);
+      std::memcpy(reinterpret_cast<char*>(&header_) + phaseFilled_, src, take);
+      phaseFilled_ += take;
+      stagedBegin_ += take;
+      if (phaseFilled_ == sizeof(header_) && !onHeaderFromLoop()) {
+        return false;
+      }
+    } else if (phase_ == ReadPhase::kLengthsAndHead) {
+      size_t take = std::min(avail, lengthsAndHead_.size() - phaseFilled_);
+      std::memcpy(lengthsAndHead_.data() + phaseFilled_, src, take);
+      phaseFilled_ += take;
+      stagedBegin_ += take;
+      if (phaseFilled_ == lengthsAndHead_.size() &&
+          !onLengthsAndHeadFromLoop()) {
+        return false;
+      }
+    } else {
+      size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
+      size_t take = std::min(avail, want);
+      std::memcpy(
+          static_cast<char*>(inbound_.segments[segmentIndex_]) + segmentFilled_,
+          src,
+          take);
+      segmentFilled_ += take;
+      stagedBegin_ += take;
+      if (segmentFilled_ == segmentSizes_[segmentIndex_]) {
+        ++segmentIndex_;
+        segmentFilled_ = 0;
+        skipEmptySegments();
+        if (segmentIndex_ == segmentSizes_.size()) {
+          finishFrameFromLoop();
+        }
+      }
+    }
+  }
+  return state_ != State::kClosed;
+}
+
+bool TcpConnection::onHeaderFromLoop() {
+  std::string why = validateHeader(header_, options_.limits);
+  auto kind = static_cast<FrameKind>(header_.kind);
+  if (why.empty()) {
+    State s = state_;
+    bool ok = false;
+    if (s == State::kHandshake) {
+      ok = kind == handshake_.expectedKind() &&
+          header_.headLength == handshake_.expectedHeadBytes();
+    } else if (s == State::kReady) {
+      ok = kind == FrameKind::kMessage || kind == FrameKind::kPing ||
+          kind == FrameKind::kPong;
+    }
+    if (!ok) {
+      why = "unexpected frame kind " + std::to_string(header_.kind) +
+          " of head " + std::to_string(header_.headLength) +
+          " bytes in this connection state";
+    } else if (s != State::kReady && header_.numSegments != 0) {
+      why = "handshake frame with segments";
+    }
+  }
+  if (!why.empty()) {
+    closeInternal("rejected frame: " + why, false);
+    return false;
+  }
+  phaseFilled_ = 0;
+  lengthsAndHead_.assign(
+      size_t(header_.numSegments) * 8 + header_.headLength, '\0');
+  phase_ = ReadPhase::kLengthsAndHead;
+  if (lengthsAndHead_.empty()) {
+    return onLengthsAndHeadFromLoop();
+  }
+  return true;
+}
+
+bool TcpConnection::onLengthsAndHeadFromLoop() {
+  size_t n = header_.numSegments;
+  segmentSizes_.resize(n);
+  uint64_t sum = 0;
+  for (size_t i = 0; i < n; ++i) {
+    std::memcpy(&segmentSizes_[i], lengthsAndHead_.data() + 8 * i, 8);
+    if (segmentSizes_[i] > header_.dataLength - sum) {
+      closeInternal("rejected frame: segment lengths exceed dataLength", false);
+      return false;
+    }
+    sum += segmentSizes_[i];
+  }
+  if (sum != header_.dataLength) {
+    closeInternal("rejected frame: segment lengths do not sum to dataLength",
+                  false);
+    return false;
+  }
+  head_ = lengthsAndHead_.substr(n * 8);
+  lengthsAndHead_.clear();
+  phaseFilled_ = 0;
+  if (state_ != State::kReady) {
+    phase_ = ReadPhase::kHeader;
+    return onHandshakeFrameFromLoop(std::move(head_));
+  }
+  auto kind = static_cast<FrameKind>(header_.kind);
+  if (kind == FrameKind::kPing) {
+    phase_ = ReadPhase::kHeader;
+    queueControl(uint8_t(FrameKind::kPong), {});
+    return state_ != State::kClosed;
+  }
+  if (kind == FrameKind::kPong) {
+    phase_ = ReadPhase::kHeader;
+    return true;
+  }
+  try {
+    inbound_ = observer_->onFrameHead(*this, head_, segmentSizes_);
+  } catch (const std::exception& e) {
+    closeInternal(std::string("rejected frame: ") + e.what(), false);
+    return false;
+  }
+  if (inbound_.segments.size() != n) {
+    closeInternal("rejected frame: receiver gave wrong buffer count", false);
+    return false;
+  }
+  segmentIndex_ = 0;
+  segmentFilled_ = 0;
+  skipEmptySegments();
+  if (segmentIndex_ == n) {
+    finishFrameFromLoop();
+  } else {
+    phase_ = ReadPhase::kSegments;
+  }
+  return state_ != State::kClosed;
+}
+
+void TcpConnection::skipEmptySegments() {
+  while (segmentIndex_ < segmentSizes_.size() &&
+         segmentSizes_[segmentIndex_] == 0) {
+    ++segmentIndex_;
+  }
+}
+
+void TcpConnection::finishFrameFromLoop() {
+  phase_ = ReadPhase::kHeader;
+  auto buffers = std::move(inbound_);
+  inbound_ = InboundBuffers{};
+  observer_->onFrame(shared_from_this(), std::move(head_), std::move(buffers));
+}
+
+} // namespace torch_rpc_ext::transport::tcp
