@@ -103,7 +103,7 @@ class StoragePlan {
     int64_t hi = lo + extentBytes(t);
     auto it = spans_.find(impl);
     if (it == spans_.end()) {
-      spans_.emplace(impl, Span{lo, hi, true, t.storage()});
+      spans_.emplace(impl, Span{lo, hi, t.storage()});
       order_.push_back(impl);
     } else {
       it->second.lo = std::min(it->second.lo, lo);
@@ -152,7 +152,6 @@ class StoragePlan {
   struct Span {
     int64_t lo;
     int64_t hi;
-    bool used;
     c10::Storage storage;
     uint32_t segment = 0;
   };
