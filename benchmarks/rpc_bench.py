@@ -160,6 +160,9 @@ def main(argv=None):
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[4, 400])
     p.add_argument("--heavy-large", action="store_true")
     p.add_argument("--fanout", type=int, default=8)
+    p.add_argument("--grpc", action="store_true",
+                   help="also run the tensor cases on the gRPC baseline (needs grpcio)")
+    p.add_argument("--chart", type=Path, help="write a PNG chart of the ratios (matplotlib)")
     p.add_argument("--out", type=Path)
     cfg = p.parse_args(argv)
     if cfg.smoke:
@@ -191,7 +194,23 @@ def main(argv=None):
                        "peak_rss_mb": rss}
                 results[(row["case"], name)] = row
                 record(row)
+    if cfg.grpc and "tensor" in cfg.cases:
+        import grpc_baseline
+
+        grpc_cases = [(f, mb, n) for mb in cfg.sizes_mb for f in ("identity", "heavy")
+                      for n in (1, 10)
+                      if not (n == 10 and mb > 64)
+                      and not (f == "heavy" and mb > 64 and not cfg.heavy_large)]
+        rows, rss = run_world(grpc_baseline.world, 2, grpc_cases, cfg.repeats, 1)
+        for case, samples in rows:
+            row = {"backend": "grpc", "case": case, **summarize(samples), "peak_rss_mb": rss}
+            results[(case, "grpc")] = row
+            record(row)
     for case in sorted({c for c, _ in results}):
+        ext, grpc_row = results.get((case, "ext")), results.get((case, "grpc"))
+        if ext and grpc_row:
+            record({"case": case, "ratio": "speedup_ext_over_grpc",
+                    "value": round(grpc_row["median_us"] / ext["median_us"], 1)})
         ext, tp = results.get((case, "ext")), results.get((case, "tensorpipe"))
         if not (ext and tp):
             continue
@@ -201,6 +220,35 @@ def main(argv=None):
         else:
             record({"case": case, "ratio": "time_ext_over_tp",
                     "value": round(ext["median_us"] / tp["median_us"], 3)})
+    if cfg.chart:
+        chart(results, cfg.chart)
+
+
+def chart(results: dict, path: Path) -> None:
+    """Bar chart: time on TORCH_RPC_EXT / time on TensorPipe, per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases, values = [], []
+    for case in sorted({c for c, _ in results}):
+        ext, tp = results.get((case, "ext")), results.get((case, "tensorpipe"))
+        if ext and tp:
+            cases.append(case)
+            if "calls_per_s" in ext:
+                values.append(tp["calls_per_s"] / ext["calls_per_s"])
+            else:
+                values.append(ext["median_us"] / tp["median_us"])
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(cases) + 1.5))
+    colors = ["tab:green" if v < 1 else "tab:red" for v in values]
+    ax.barh(cases, values, color=colors)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("time on TORCH_RPC_EXT / time on TensorPipe (lower is better)")
+    ax.set_title("TORCH_RPC_EXT vs TensorPipe, same run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

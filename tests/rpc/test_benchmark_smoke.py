@@ -18,7 +18,8 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "rpc_bench.py"), "--smoke",
-         "--cases", "small", "pipelined", "tensor", "--out", str(out)],
+         "--cases", "small", "pipelined", "tensor", "--grpc",
+         "--chart", str(tmp_path / "chart.png"), "--out", str(out)],
         capture_output=True, text=True, timeout=540, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -31,3 +32,7 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
     assert set(ratios) >= {"small_builtin", "pipelined_async", "identity_1MB_x1"}
     assert all(v > 0 for v in ratios.values())
     assert all(r["peak_rss_mb"] for r in rows if "backend" in r)
+    assert ("identity_1MB_x1", "grpc") in measured
+    speedups = {r["case"] for r in rows if r.get("ratio") == "speedup_ext_over_grpc"}
+    assert "identity_1MB_x1" in speedups
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
