@@ -13,6 +13,7 @@ from concurrent import futures
 
 import grpc
 import torch
+from _workloads import heavy, identity
 
 METHOD = "/bench.Tensor/Call"
 OPTIONS = [
@@ -21,18 +22,7 @@ OPTIONS = [
 ]
 
 
-def _identity(x):
-    return x
-
-
-def _heavy(x):
-    for _ in range(100):
-        x *= 2
-        x /= 2
-    return x
-
-
-FUNCTIONS = {"identity": _identity, "heavy": _heavy}
+FUNCTIONS = {"identity": identity, "heavy": heavy}
 
 
 def serve(port: int) -> None:

@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(HERE.parent))  # a source checkout works without installing
 from _harness import emit, run_world, summarize, timed  # noqa: E402
+from _workloads import heavy, identity  # noqa: E402
 
 BACKENDS = {
     # name -> (backend member name, options factory kwargs)
@@ -34,17 +35,6 @@ BACKENDS = {
 }
 TCP_ONLY = {"ext": ("TORCH_RPC_EXT", {"transports": ("tcp",)}),
             "tensorpipe": ("TENSORPIPE", {"_transports": ["uv"]})}
-
-
-def identity(x):
-    return x
-
-
-def heavy(x):
-    for _ in range(100):
-        x *= 2
-        x /= 2
-    return x
 
 
 @torch.jit.script

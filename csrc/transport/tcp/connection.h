@@ -88,6 +88,12 @@ class TcpConnection final : public Connection,
   void startFromLoop(bool connecting);
   void onConnectedFromLoop();
   void onReadableFromLoop();
+  // read(2) into `dst`: >0 bytes read, 0 would block, -1 closed (the
+  // connection has been closed with the reason).
+  ssize_t readFromLoop(void* dst, size_t size);
+  // `bytes` more of the current segment are in; finish the frame when the
+  // last segment is complete.
+  void advanceSegmentFromLoop(size_t bytes);
   // Consume staged bytes; false once the connection has closed.
   bool consumeFromLoop();
   bool onHeaderFromLoop();

@@ -21,58 +21,61 @@ std::string errnoText(const char* what) {
 
 } // namespace
 
+ssize_t TcpConnection::readFromLoop(void* dst, size_t size) {
+  while (true) {
+    ssize_t got = ::read(fd_, dst, size);
+    if (got > 0) {
+      return got;
+    }
+    if (got == 0) {
+      closeInternal("peer closed the connection", false);
+      return -1;
+    }
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      return 0;
+    }
+    if (errno != EINTR) {
+      closeInternal(errnoText("read failed"), false);
+      return -1;
+    }
+  }
+}
+
+void TcpConnection::advanceSegmentFromLoop(size_t bytes) {
+  segmentFilled_ += bytes;
+  if (segmentFilled_ == segmentSizes_[segmentIndex_]) {
+    ++segmentIndex_;
+    segmentFilled_ = 0;
+    skipEmptySegments();
+    if (segmentIndex_ == segmentSizes_.size()) {
+      finishFrameFromLoop();
+    }
+  }
+}
+
 void TcpConnection::onReadableFromLoop() {
   while (state_ != State::kClosed) {
+    // Large remainders of a segment go straight into its final buffer.
     if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_) {
       size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
       if (want >= kDirectReadBytes) {
         char* dst =
             static_cast<char*>(inbound_.segments[segmentIndex_]) + segmentFilled_;
-        ssize_t got = ::read(fd_, dst, want);
-        if (got > 0) {
-          segmentFilled_ += static_cast<size_t>(got);
-          if (segmentFilled_ == segmentSizes_[segmentIndex_]) {
-            ++segmentIndex_;
-            segmentFilled_ = 0;
-            skipEmptySegments();
-            if (segmentIndex_ == segmentSizes_.size()) {
-              finishFrameFromLoop();
-            }
-          }
-          continue;
-        }
-        if (got == 0) {
-          closeInternal("peer closed the connection", false);
+        ssize_t got = readFromLoop(dst, want);
+        if (got <= 0) {
           return;
         }
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
-          return;
-        }
-        if (errno != EINTR) {
-          closeInternal(errnoText("read failed"), false);
-          return;
-        }
+        advanceSegmentFromLoop(static_cast<size_t>(got));
         continue;
       }
     }
     if (stagedBegin_ == stagedEnd_) {
       stagedBegin_ = stagedEnd_ = 0;
     }
-    ssize_t got =
-        ::read(fd_, staging_.data() + stagedEnd_, staging_.size() - stagedEnd_);
-    if (got == 0) {
-      closeInternal("peer closed the connection", false);
+    ssize_t got = readFromLoop(
+        staging_.data() + stagedEnd_, staging_.size() - stagedEnd_);
+    if (got <= 0) {
       return;
-    }
-    if (got < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        return;
-      }
-      if (errno != EINTR) {
-        closeInternal(errnoText("read failed"), false);
-        return;
-      }
-      continue;
     }
     stagedEnd_ += static_cast<size_t>(got);
     if (!consumeFromLoop()) {
@@ -109,16 +112,8 @@ bool TcpConnection::consumeFromLoop() {
           static_cast<char*>(inbound_.segments[segmentIndex_]) + segmentFilled_,
           src,
           take);
-      segmentFilled_ += take;
       stagedBegin_ += take;
-      if (segmentFilled_ == segmentSizes_[segmentIndex_]) {
-        ++segmentIndex_;
-        segmentFilled_ = 0;
-        skipEmptySegments();
-        if (segmentIndex_ == segmentSizes_.size()) {
-          finishFrameFromLoop();
-        }
-      }
+      advanceSegmentFromLoop(take);
     }
   }
   return state_ != State::kClosed;
