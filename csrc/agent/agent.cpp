@@ -5,6 +5,9 @@
 #include <torch/csrc/distributed/rpc/request_callback_impl.h>
 #include <torch/csrc/distributed/rpc/utils.h>
 #include <torch/csrc/utils/pybind.h>
+#include <ATen/ThreadLocalState.h>
+
+#include <optional>
 
 #include "csrc/common/crypto.h"
 #include "csrc/common/logging.h"
@@ -415,6 +418,16 @@ void Agent::serveRequest(
     std::shared_ptr<transport::Connection> conn,
     c10::intrusive_ptr<rpc::Message> request) {
   int64_t id = request->id();
+  // Serve every request with the thread-local state this pool thread had
+  // before it ran any request. Upstream's legacy profiler leaves per-thread
+  // state behind after RUN_WITH_PROFILING_REQ, so a second profiled request on
+  // the same thread would record no events (TensorPipe has the same bug; it
+  // is hit there less often only because its pool rotates threads).
+  thread_local std::optional<at::ThreadLocalState> pristine;
+  if (!pristine) {
+    pristine.emplace();
+  }
+  at::ThreadLocalStateGuard tls(*pristine);
   c10::intrusive_ptr<JitFuture> result;
   try {
     result = (*cb_)(*request, {});

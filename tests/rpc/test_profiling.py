@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Remote profiling keeps working for every call, not just the first one a
+server thread handles (upstream's legacy profiler leaves per-thread state
+behind; TensorPipe loses the callee's events once its pool threads are used)."""
+
+import pytest
+import torch
+from torch.autograd.profiler_legacy import profile
+from torch.distributed import rpc
+
+from tests.rpc.world import init, run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def profiled_calls(rank, world_size, n):
+    init(rank, world_size, num_worker_threads=2)
+    missing = []
+    if rank == 0:
+        for i in range(n):
+            with profile() as prof:
+                rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), torch.ones(1)))
+            if not [e for e in prof.function_events if e.node_id == 1]:
+                missing.append(i)
+    rpc.shutdown()
+    return missing
+
+
+def test_every_profiled_call_brings_back_remote_events():
+    # With 2 server threads, calls 2.. would lose their remote events if a
+    # thread's profiler state leaked from one request to the next.
+    assert run_world(profiled_calls, n=12)[0] == []
