@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . tools/setup_env.sh
+# Upstream's per-test limit for multi-process tests (default 300 s); every
+# test here takes seconds, so a hang is cut short sooner.
+export DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=${DISTRIBUTED_TESTS_DEFAULT_TIMEOUT:-180}
 if [ "$#" -gt 0 ]; then
   exec python -m pytest -p no:cacheprovider -q --timeout 900 "$@"
 fi
