@@ -1,0 +1,59 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// What Agent reports: upstream's agent.* keys, GIL wait, and our per-peer
+// counters (get_metrics / get_debug_info).
+#include "csrc/agent/agent.h"
+
+namespace torch_rpc_ext {
+
+void Agent::addGilWaitTime(std::chrono::microseconds gilWaitTime) {
+  gilWaitTotalUs_.fetch_add(gilWaitTime.count(), std::memory_order_relaxed);
+  gilWaitCount_.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::unordered_map<std::string, std::string> Agent::getMetrics() {
+  std::unordered_map<std::string, std::string> m;
+  m["agent.thread_pool_size"] = std::to_string(pool_.size());
+  m["agent.num_idle_threads"] = std::to_string(pool_.idle());
+  {
+    std::lock_guard<std::mutex> lock(callCountMutex_);
+    m["agent.client_active_calls"] = std::to_string(clientActiveCalls_);
+  }
+  m["agent.server_active_calls"] = std::to_string(serverActiveCalls_.load());
+  m["agent.server_active_async_calls"] =
+      std::to_string(serverActiveAsyncCalls_.load());
+  if (isGILProfilingEnabled()) {
+    auto n = gilWaitCount_.load();
+    m["agent.gil_average_wait_time_us"] =
+        std::to_string(n == 0 ? 0 : gilWaitTotalUs_.load() / n);
+  }
+  m["rpc_ext.rejected_connections"] =
+      std::to_string(rejectedConnections_.load());
+  m["rpc_ext.late_responses"] = std::to_string(lateResponses_.load());
+  m["rpc_ext.receive_pool_cached_bytes"] = std::to_string(buffers_->cachedBytes());
+  m["rpc_ext.receive_pool_live_blocks"] = std::to_string(buffers_->liveBlocks());
+  for (int r = 0; r < worldSize_; ++r) {
+    const auto& s = stats_[r];
+    if (s.callsSent == 0 && s.callsServed == 0 && s.errors == 0 &&
+        s.rejectedFrames == 0) {
+      continue;
+    }
+    std::string p = "rpc_ext.peer." + workers_[r].name_ + ".";
+    m[p + "calls_sent"] = std::to_string(s.callsSent.load());
+    m[p + "calls_served"] = std::to_string(s.callsServed.load());
+    m[p + "bytes_sent"] = std::to_string(s.bytesSent.load());
+    m[p + "bytes_received"] = std::to_string(s.bytesReceived.load());
+    m[p + "errors"] = std::to_string(s.errors.load());
+    m[p + "timeouts"] = std::to_string(s.timeouts.load());
+    m[p + "rejected_frames"] = std::to_string(s.rejectedFrames.load());
+  }
+  return m;
+}
+
+std::unordered_map<std::string, std::string> Agent::getDebugInfo() {
+  auto m = getMetrics();
+  m["rpc_ext.address"] = address_;
+  m["rpc_ext.pending_calls"] = std::to_string(calls_.size());
+  return m;
+}
+
+} // namespace torch_rpc_ext
