@@ -292,7 +292,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   std::shared_ptr<transport::Connection> conn;
   try {
     conn = connectionTo(to.id_);
-  } catch (const std::exception& e) {
+  } catch (...) {
     callFinished();
     throw;
   }
@@ -431,7 +431,7 @@ void Agent::serveRequest(
   c10::intrusive_ptr<JitFuture> result;
   try {
     result = (*cb_)(*request, {});
-  } catch (const std::exception& e) {
+  } catch (...) {
     result = c10::make_intrusive<JitFuture>(at::AnyClassType::get());
     result->setError(std::current_exception());
   }

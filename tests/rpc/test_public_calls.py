@@ -83,7 +83,6 @@ def every_call(rank, world_size):
         metrics = agent.get_metrics()
         out["metric_keys"] = sorted(k for k in metrics if k.startswith("agent."))
         out["calls_sent"] = int(metrics["rpc_ext.peer.worker1.calls_sent"])
-        out["debug_info"] = rpc.api._get_debug_info() if hasattr(rpc.api, "_get_debug_info") else {}
     rpc.shutdown()
     return out
 
