@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Options for ``rpc.init_rpc(backend=rpc.BackendType.TORCH_RPC_EXT, ...)``."""
 
+import os
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -12,6 +13,7 @@ from torch_rpc_ext import _C
 __all__ = ["RpcExtBackendOptions", "DEFAULT_MAX_FRAME_BYTES"]
 
 DEFAULT_MAX_FRAME_BYTES = 1 << 34  # 16 GiB
+DEFAULT_TRANSPORTS = ("shm", "tcp")
 DeviceLike = int | str | torch.device
 
 
@@ -57,7 +59,10 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
             TensorPipe.
         devices: Local devices the agent may use; defaults to those in
             ``device_maps``.
-        transports: Transports by preference; ``("tcp",)`` in this release.
+        transports: Transports by preference. ``"shm"`` (a Unix socket plus
+            shared-memory rings) is used with peers on the same host, ``"tcp"``
+            with the others. Defaults to ``TORCH_RPC_EXT_TRANSPORTS``
+            (comma-separated), else ``("shm", "tcp")``.
         address: IP address to listen on and advertise. Defaults to
             ``TORCH_RPC_EXT_ADDR``, else the first IPv4 address of
             ``TORCH_RPC_EXT_SOCKET_IFNAME``, else the hostname's address,
@@ -84,7 +89,7 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
         init_method: str = constants.DEFAULT_INIT_METHOD,
         device_maps: Mapping[str, Mapping[DeviceLike, DeviceLike]] | None = None,
         devices: Sequence[DeviceLike] | None = None,
-        transports: Sequence[str] = ("tcp",),
+        transports: Sequence[str] | None = None,
         address: str | None = None,
         secret: bytes | str | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -103,6 +108,10 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
             raise ValueError(f"rpc_timeout must be a number >= 0, got {rpc_timeout!r}")
         if not isinstance(init_method, str):
             raise ValueError(f"init_method must be a str, got {init_method!r}")
+        if transports is None:
+            env = os.environ.get("TORCH_RPC_EXT_TRANSPORTS", "")
+            transports = tuple(t.strip() for t in env.split(",") if t.strip())
+            transports = transports or DEFAULT_TRANSPORTS
         if isinstance(transports, str):
             transports = (transports,)
         transports = tuple(transports)

@@ -8,6 +8,7 @@
 #include <ATen/ThreadLocalState.h>
 
 #include <optional>
+#include <sstream>
 
 #include "csrc/common/crypto.h"
 #include "csrc/common/logging.h"
@@ -134,16 +135,48 @@ void Agent::rendezvous() {
       : options_.address;
   TORCH_CHECK(
       !options_.transports.empty(), "RpcExtBackendOptions.transports is empty");
-  // Only TCP exists in this build; other names are validated in Python.
-  transport_ = transport::createTransport("tcp", topts);
-  listener_ = transport_->listen();
-  address_ = listener_->address();
+  // Our entry: the name, then one line per transport we listen on:
+  // "tcp <host:port>" or "shm <same-host key> <@abstract name>".
+  const std::string hostKey = transport::tcp::sameHostKey();
+  std::string entry = self.name_;
+  std::string unavailable;
+  for (const auto& name : options_.transports) {
+    if (name == "shm" && hostKey.empty()) {
+      unavailable += " shm: cannot identify this host";
+      continue;
+    }
+    try {
+      auto t = transport::createTransport(name, topts);
+      auto l = t->listen();
+      transports_[name] = t;
+      listeners_.push_back(l);
+      entry += "\n" + name + " " + (name == "shm" ? hostKey + " " : "") +
+          l->address();
+      if (address_.empty() || name == "tcp") {
+        address_ = l->address();
+      }
+    } catch (const std::exception& e) {
+      // Shared memory may be unavailable (seccomp, no memfd); TCP may not.
+      if (name != "shm") {
+        throw;
+      }
+      unavailable += std::string(" shm: ") + e.what();
+    }
+  }
+  TORCH_CHECK(
+      !transports_.empty(),
+      "torch_rpc_ext: none of the transports ",
+      c10::Join(",", options_.transports),
+      " is usable on this host:",
+      unavailable);
+  if (!unavailable.empty()) {
+    logWarning("torch_rpc_ext: " + self.name_ + " runs without" + unavailable);
+  }
 
   store_->set(
-      kWorkerKeyPrefix + std::to_string(self.id_),
-      toBytes(self.name_ + "\n" + address_));
+      kWorkerKeyPrefix + std::to_string(self.id_), toBytes(entry));
   workers_.reserve(worldSize_);
-  addresses_.resize(worldSize_);
+  routes_.resize(worldSize_);
   for (int r = 0; r < worldSize_; ++r) {
     std::string entry =
         fromBytes(store_->get(kWorkerKeyPrefix + std::to_string(r)));
@@ -161,12 +194,50 @@ void Agent::rendezvous() {
         r,
         " both use it");
     workers_.emplace_back(name, static_cast<int64_t>(r));
-    addresses_[r] = entry.substr(nl + 1);
+    routes_[r] = chooseRoute(name, entry.substr(nl + 1), hostKey);
   }
 }
 
+Agent::Route Agent::chooseRoute(
+    const std::string& peerName,
+    const std::string& offers,
+    const std::string& hostKey) const {
+  std::map<std::string, std::string> offered;
+  std::istringstream lines(offers);
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream fields(line);
+    std::string name, a, b;
+    fields >> name >> a >> b;
+    if (name == "shm") {
+      if (a == hostKey && !b.empty()) {
+        offered[name] = b;
+      }
+    } else if (!name.empty()) {
+      offered[name] = a;
+    }
+  }
+  for (const auto& name : options_.transports) {
+    auto it = offered.find(name);
+    if (it != offered.end() && transports_.count(name) != 0) {
+      return Route{name, it->second};
+    }
+  }
+  TORCH_CHECK(
+      false,
+      "torch_rpc_ext: no transport in common with worker ",
+      peerName,
+      ": it offers [",
+      offers,
+      "] and this worker uses ",
+      c10::Join(",", options_.transports),
+      " (shm needs both on one host)");
+}
+
 void Agent::startImpl() {
-  listener_->start(this);
+  for (auto& l : listeners_) {
+    l->start(this);
+  }
 }
 
 void Agent::shutdownImpl() {
@@ -174,8 +245,8 @@ void Agent::shutdownImpl() {
     return;
   }
   shuttingDown_ = true;
-  if (transport_) {
-    transport_->stop();
+  for (auto& [name, t] : transports_) {
+    t->stop();
   }
   for (auto& [id, call] : calls_.takeAll()) {
     settleWithError(
@@ -239,7 +310,8 @@ std::shared_ptr<transport::Connection> Agent::connectionTo(int32_t peerId) {
   std::lock_guard<std::mutex> lock(connMutex_);
   auto& slot = outbound_[peerId];
   if (!slot || slot->isClosed()) {
-    slot = transport_->connect(addresses_[peerId], peerId, this);
+    const Route& route = routes_.at(peerId);
+    slot = transports_.at(route.transport)->connect(route.address, peerId, this);
   }
   return slot;
 }

@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -70,7 +71,8 @@ class Agent final : public rpc::RpcAgent,
   std::unordered_map<std::string, std::string> getMetrics() override;
   std::unordered_map<std::string, std::string> getDebugInfo() override;
 
-  // The address peers connect to, e.g. "10.0.0.5:41231".
+  // The TCP address peers connect to, e.g. "10.0.0.5:41231" (the first
+  // transport's address when TCP is not enabled).
   const std::string& address() const {
     return address_;
   }
@@ -112,6 +114,16 @@ class Agent final : public rpc::RpcAgent,
       int64_t id,
       JitFuture& result);
   // Settle a client call on the pool, then drop it from the active count.
+  // How we reach each worker: the first transport of our preference order
+  // that it offers too ("shm" only when it runs on our host).
+  struct Route {
+    std::string transport;
+    std::string address;
+  };
+  Route chooseRoute(
+      const std::string& peerName,
+      const std::string& offers,
+      const std::string& hostKey) const;
   void settle(CallTable::Call call, c10::intrusive_ptr<rpc::Message> response);
   void settleWithError(CallTable::Call call, std::string error);
   void callFinished();
@@ -121,12 +133,12 @@ class Agent final : public rpc::RpcAgent,
   const AgentOptions options_;
   std::string secret_;
   std::vector<rpc::WorkerInfo> workers_; // by id
-  std::vector<std::string> addresses_; // by id
+  std::vector<Route> routes_; // by id
   std::unordered_map<std::string, rpc::worker_id_t> idByName_;
   std::string address_;
 
-  std::shared_ptr<transport::Transport> transport_;
-  std::shared_ptr<transport::Listener> listener_;
+  std::map<std::string, std::shared_ptr<transport::Transport>> transports_;
+  std::vector<std::shared_ptr<transport::Listener>> listeners_;
   std::mutex connMutex_;
   std::unordered_map<int32_t, std::shared_ptr<transport::Connection>> outbound_;
 

@@ -52,6 +52,9 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
 std::unordered_map<std::string, std::string> Agent::getDebugInfo() {
   auto m = getMetrics();
   m["rpc_ext.address"] = address_;
+  for (int r = 0; r < worldSize_; ++r) {
+    m["rpc_ext.peer." + workers_[r].name_ + ".transport"] = routes_[r].transport;
+  }
   m["rpc_ext.pending_calls"] = std::to_string(calls_.size());
   return m;
 }

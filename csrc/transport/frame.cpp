@@ -11,10 +11,12 @@ std::string validateHeader(const FrameHeader& h, const FrameLimits& limits) {
     return "unsupported protocol version " + std::to_string(h.version) +
         " (this build speaks " + std::to_string(kProtocolVersion) + ")";
   }
-  if (h.flags != 0) {
+  if (h.flags != 0 &&
+      !(h.flags == kFlagRingSegments && h.kind == uint8_t(FrameKind::kMessage))) {
     return "reserved flags set";
   }
-  if (h.kind < uint8_t(FrameKind::kHello) || h.kind > uint8_t(FrameKind::kPong)) {
+  if (h.kind < uint8_t(FrameKind::kHello) ||
+      h.kind > uint8_t(FrameKind::kRing)) {
     return "unknown frame kind " + std::to_string(h.kind);
   }
   if (h.headLength > limits.maxHeadBytes) {

@@ -29,14 +29,22 @@ enum class FrameKind : uint8_t {
   kMessage = 4, // an rpc::Message (request or response), see wire/codec.h
   kPing = 5, // liveness probe; answered with kPong
   kPong = 6,
+  kRing = 7, // shm only: head = uint64 ring capacity; carries the ring's
+             // memfd and its wake-up eventfd (SCM_RIGHTS)
 };
+
+// FrameHeader.flags of a kMessage frame on an shm connection: some segments
+// travel through the sender's shared ring (their length has kRingSegmentBit
+// set) and the stream carries ChunkRecords (shm/ring.h) in their place.
+constexpr uint16_t kFlagRingSegments = 1;
+constexpr uint64_t kRingSegmentBit = uint64_t(1) << 63;
 
 #pragma pack(push, 1)
 struct FrameHeader {
   uint32_t magic;
   uint8_t version;
   uint8_t kind;
-  uint16_t flags; // must be zero in version 1
+  uint16_t flags; // zero, or kFlagRingSegments on a kMessage frame
   uint32_t headLength;
   uint32_t numSegments;
   uint64_t dataLength; // sum of segment lengths

@@ -8,7 +8,7 @@
 namespace torch_rpc_ext::transport {
 
 std::vector<std::string> transportNames() {
-  return {"tcp"};
+  return {"shm", "tcp"};
 }
 
 std::shared_ptr<Transport> createTransport(
@@ -16,6 +16,9 @@ std::shared_ptr<Transport> createTransport(
     const TransportOptions& options) {
   if (name == "tcp") {
     return tcp::create(options);
+  }
+  if (name == "shm") {
+    return tcp::createShm(options);
   }
   throw std::invalid_argument("unknown transport '" + name + "'");
 }

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Our RpcAgentTestFixture: upstream's agent-agnostic suites run unmodified on it."""
 
+import os
+
 import torch.multiprocessing
 from torch.distributed import rpc
 from torch.testing._internal.distributed.rpc.rpc_agent_test_fixture import (
@@ -23,10 +25,16 @@ SHUTDOWN_ERRORS = [
 ]
 
 
+# TORCH_RPC_EXT_CONFORMANCE_BACKEND=TENSORPIPE runs the same suites, through the
+# same fork fixture, on torch's TensorPipe agent: the control group for flakes
+# that may be upstream's (docs/conformance.md).
+_BACKEND = os.environ.get("TORCH_RPC_EXT_CONFORMANCE_BACKEND", torch_rpc_ext.BACKEND_NAME)
+
+
 class RpcExtAgentTestFixture(RpcAgentTestFixture):
     @property
     def rpc_backend(self):
-        return rpc.backend_registry.BackendType[torch_rpc_ext.BACKEND_NAME]
+        return rpc.backend_registry.BackendType[_BACKEND]
 
     @property
     def rpc_backend_options(self):

@@ -4,7 +4,10 @@
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <netdb.h>
+#include <sys/un.h>
 #include <unistd.h>
+
+#include <fstream>
 
 #include <cerrno>
 #include <cstdlib>
@@ -36,7 +39,24 @@ SocketAddress SocketAddress::fromHost(const std::string& host, int port) {
   return a;
 }
 
+SocketAddress SocketAddress::unixAbstract(const std::string& name) {
+  SocketAddress a;
+  auto* un = reinterpret_cast<sockaddr_un*>(&a.storage);
+  if (name.empty() || name.size() + 1 > sizeof(un->sun_path)) {
+    throw std::invalid_argument("bad abstract socket name '" + name + "'");
+  }
+  un->sun_family = AF_UNIX;
+  un->sun_path[0] = '\0';
+  std::memcpy(un->sun_path + 1, name.data(), name.size());
+  a.length = static_cast<socklen_t>(
+      offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return a;
+}
+
 SocketAddress SocketAddress::parse(const std::string& hostPort) {
+  if (!hostPort.empty() && hostPort[0] == '@') {
+    return unixAbstract(hostPort.substr(1));
+  }
   auto colon = hostPort.rfind(':');
   if (colon == std::string::npos || colon + 1 == hostPort.size()) {
     throw std::invalid_argument(
@@ -76,6 +96,16 @@ std::string SocketAddress::str() const {
     ::inet_ntop(AF_INET6, &v6->sin6_addr, host, sizeof(host));
     port = ntohs(v6->sin6_port);
     return "[" + std::string(host) + "]:" + std::to_string(port);
+  }
+  if (family() == AF_UNIX) {
+    auto* un = reinterpret_cast<const sockaddr_un*>(&storage);
+    size_t n = length > offsetof(sockaddr_un, sun_path)
+        ? length - offsetof(sockaddr_un, sun_path)
+        : 0;
+    if (n > 1 && un->sun_path[0] == '\0') {
+      return "@" + std::string(un->sun_path + 1, n - 1);
+    }
+    return "unix peer";
   }
   return "?";
 }
@@ -139,6 +169,22 @@ std::string defaultAdvertisedAddress() {
     }
   }
   return "127.0.0.1";
+}
+
+} // namespace torch_rpc_ext::transport::tcp
+
+namespace torch_rpc_ext::transport::tcp {
+
+std::string sameHostKey() {
+  std::string boot;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot);
+  char ns[128] = {};
+  ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
+  if (boot.empty() || n <= 0) {
+    return {};
+  }
+  return boot + "/" + std::string(ns, static_cast<size_t>(n));
 }
 
 } // namespace torch_rpc_ext::transport::tcp

@@ -7,13 +7,16 @@
 
 namespace torch_rpc_ext::transport::tcp {
 
-// A numeric IPv4 or IPv6 endpoint.
+// A numeric IPv4 or IPv6 endpoint, or an abstract Unix socket ("@name").
 struct SocketAddress {
   sockaddr_storage storage{};
   socklen_t length = 0;
 
-  // "1.2.3.4:5" or "[::1]:5". Throws std::invalid_argument naming the text.
+  // "1.2.3.4:5", "[::1]:5" or "@name". Throws std::invalid_argument
+  // naming the text.
   static SocketAddress parse(const std::string& hostPort);
+  // The abstract-namespace Unix socket `name` (Linux).
+  static SocketAddress unixAbstract(const std::string& name);
   // `host` is an IP literal; port 0 asks the kernel for one.
   static SocketAddress fromHost(const std::string& host, int port);
   // The local or remote address of a socket.
@@ -30,6 +33,11 @@ struct SocketAddress {
 // TORCH_RPC_EXT_SOCKET_IFNAME, else the IPv4 address the hostname resolves
 // to when it is not loopback, else 127.0.0.1.
 std::string defaultAdvertisedAddress();
+
+// Equal in two processes exactly when they run on the same booted kernel in
+// the same network namespace, i.e. when one can reach the other's abstract
+// Unix sockets (and so share memory over them). Empty if unknown.
+std::string sameHostKey();
 
 // The first IPv4 address of interface `name`; throws if it has none.
 std::string interfaceAddress(const std::string& name);

@@ -12,6 +12,7 @@
 
 #include "csrc/transport/connection.h"
 #include "csrc/transport/handshake.h"
+#include "csrc/transport/shm/ring.h"
 #include "csrc/transport/tcp/loop.h"
 #include "csrc/transport/transport.h"
 
@@ -19,6 +20,11 @@ namespace torch_rpc_ext::transport::tcp {
 
 // A non-blocking TCP socket speaking the frame protocol of frame.h, with the
 // handshake of handshake.h in front.
+//
+// The same class serves the "shm" transport: a Unix socket between two
+// processes of one host, plus one shared ring per direction (shm/ring.h)
+// that carries the bytes of large segments while the socket carries frame
+// heads, small segments and the rings' chunk records.
 //
 // Threads: write() and close() from any thread; everything named *FromLoop
 // on the loop thread. Reads go straight into the buffers the observer hands
@@ -34,7 +40,8 @@ class TcpConnection final : public Connection,
       const TransportOptions& options,
       const std::string& address,
       int32_t expectedPeerId,
-      ConnectionObserver* observer);
+      ConnectionObserver* observer,
+      bool shm);
 
   // An accepted socket; the handshake starts at once. Loop thread.
   static std::shared_ptr<TcpConnection> acceptFromLoop(
@@ -42,7 +49,8 @@ class TcpConnection final : public Connection,
       const TransportOptions& options,
       int fd,
       std::string peerAddress,
-      ConnectionObserver* observer);
+      ConnectionObserver* observer,
+      bool shm);
 
   ~TcpConnection() override;
 
@@ -64,6 +72,8 @@ class TcpConnection final : public Connection,
   std::string closeReason() const override;
 
   void handleEventsFromLoop(uint32_t events) override;
+  // shm: the peer released ring space we wait for. Loop thread.
+  void onRingWakeFromLoop();
 
  private:
   enum class State { kConnecting, kHandshake, kReady, kClosed };
@@ -74,7 +84,19 @@ class TcpConnection final : public Connection,
     OutboundFrame frame;
     size_t written = 0; // bytes of this frame already on the wire
     bool control = false; // handshake frame: may go before kReady
+    // Descriptors sent with the frame's first byte (SCM_RIGHTS); owned by
+    // the connection's ring.
+    std::vector<int> passFds;
+    // shm: which segments go through the ring (empty: none). Such a frame is
+    // written piece by piece: the prefix, then each segment as bytes or as
+    // ring chunks announced by ChunkRecords.
+    std::vector<bool> ring;
+    size_t piece = 0; // 0: prefix; i + 1: segment i
+    size_t pieceOffset = 0;
+    std::string records; // ChunkRecords not yet on the socket
+    size_t recordsWritten = 0;
   };
+  enum class RingFlush { kDone, kSocketFull, kRingFull };
 
   TcpConnection(
       Loop& loop,
@@ -83,7 +105,8 @@ class TcpConnection final : public Connection,
       bool outbound,
       int32_t expectedPeerId,
       std::string peerAddress,
-      ConnectionObserver* observer);
+      ConnectionObserver* observer,
+      bool shm);
 
   void startFromLoop(bool connecting);
   void onConnectedFromLoop();
@@ -105,6 +128,16 @@ class TcpConnection final : public Connection,
   void queueControl(uint8_t kind, std::string head);
   // Write as much as the socket takes. Returns an error text or "".
   std::string flushLocked();
+  // Push a frame with ring segments as far as the socket and ring allow.
+  RingFlush flushRingFrameLocked(PendingWrite& w, std::string* error);
+  // write(2), or sendmsg(2) with `fds` attached.
+  ssize_t sendLocked(const iovec* iov, int n, const std::vector<int>* fds);
+  // Queue the kRing frame that hands our outbound ring to the peer.
+  void queueRingSetupLocked();
+  bool onRingSetupFromLoop();
+  bool isRingSegment() const {
+    return !ringSegments_.empty() && ringSegments_[segmentIndex_];
+  }
   void updateEventsLocked();
   // Destroy the keepAlives of finished frames; off the loop thread when the
   // options say how. Call without writeMutex_ held.
@@ -118,6 +151,12 @@ class TcpConnection final : public Connection,
   const int32_t expectedPeerId_;
   const std::string peerAddress_;
   ConnectionObserver* const observer_;
+  const bool shm_;
+  shm::Ring ringOut_; // ours, written under writeMutex_
+  shm::Ring ringIn_; // the peer's, read on the loop thread
+  bool ringBlocked_ = false; // a frame waits for ring space (writeMutex_)
+  std::vector<int> receivedFds_; // loop thread
+  size_t fdsReceivedTotal_ = 0;
   std::atomic<State> state_;
   std::atomic<int32_t> peerId_{-1}; // set once authenticated
   Handshake handshake_; // loop thread
@@ -142,6 +181,9 @@ class TcpConnection final : public Connection,
   size_t segmentIndex_ = 0;
   size_t segmentFilled_ = 0;
   std::string head_;
+  std::vector<bool> ringSegments_; // of the frame being read (shm)
+  shm::ChunkRecord record_{};
+  size_t recordFilled_ = 0;
 };
 
 } // namespace torch_rpc_ext::transport::tcp

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // The read side of TcpConnection: the incremental frame parser. Runs on the
 // loop thread only; validates each header before allocating anything behind it.
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +15,9 @@ namespace torch_rpc_ext::transport::tcp {
 namespace {
 
 constexpr size_t kDirectReadBytes = 16 * 1024;
+// An shm connection receives exactly two descriptors: the peer's ring and
+// its eventfd. Anything more is an attack on our descriptor table.
+constexpr size_t kMaxReceivedFds = 2;
 
 std::string errnoText(const char* what) {
   return std::string(what) + ": " + std::strerror(errno);
@@ -23,7 +27,39 @@ std::string errnoText(const char* what) {
 
 ssize_t TcpConnection::readFromLoop(void* dst, size_t size) {
   while (true) {
-    ssize_t got = ::read(fd_, dst, size);
+    ssize_t got;
+    if (shm_) {
+      // recvmsg, not read: read(2) would silently drop passed descriptors.
+      iovec iov{dst, size};
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+      msghdr msg{};
+      msg.msg_iov = &iov;
+      msg.msg_iovlen = 1;
+      msg.msg_control = control;
+      msg.msg_controllen = sizeof(control);
+      got = ::recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC);
+      if (got >= 0) {
+        for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr;
+             c = CMSG_NXTHDR(&msg, c)) {
+          if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t i = 0; i < n; ++i) {
+              int fd;
+              std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+              receivedFds_.push_back(fd);
+              ++fdsReceivedTotal_;
+            }
+          }
+        }
+        if ((msg.msg_flags & MSG_CTRUNC) != 0 ||
+            fdsReceivedTotal_ > kMaxReceivedFds) {
+          closeInternal("peer sent unexpected file descriptors", false);
+          return -1;
+        }
+      }
+    } else {
+      got = ::read(fd_, dst, size);
+    }
     if (got > 0) {
       return got;
     }
@@ -56,7 +92,8 @@ void TcpConnection::advanceSegmentFromLoop(size_t bytes) {
 void TcpConnection::onReadableFromLoop() {
   while (state_ != State::kClosed) {
     // Large remainders of a segment go straight into its final buffer.
-    if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_) {
+    if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_ &&
+        !isRingSegment()) {
       size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
       if (want >= kDirectReadBytes) {
         char* dst =
@@ -105,6 +142,24 @@ bool TcpConnection::consumeFromLoop() {
           !onLengthsAndHeadFromLoop()) {
         return false;
       }
+    } else if (isRingSegment()) {
+      // A ChunkRecord: its bytes wait in the peer's ring.
+      size_t take = std::min(avail, sizeof(record_) - recordFilled_);
+      std::memcpy(reinterpret_cast<char*>(&record_) + recordFilled_, src, take);
+      recordFilled_ += take;
+      stagedBegin_ += take;
+      if (recordFilled_ == sizeof(record_)) {
+        recordFilled_ = 0;
+        char* dst = static_cast<char*>(inbound_.segments[segmentIndex_]) +
+            segmentFilled_;
+        std::string why = ringIn_.consume(
+            record_, dst, segmentSizes_[segmentIndex_] - segmentFilled_);
+        if (!why.empty()) {
+          closeInternal("rejected frame: " + why, false);
+          return false;
+        }
+        advanceSegmentFromLoop(record_.length);
+      }
     } else {
       size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
       size_t take = std::min(avail, want);
@@ -130,14 +185,19 @@ bool TcpConnection::onHeaderFromLoop() {
           header_.headLength == handshake_.expectedHeadBytes();
     } else if (s == State::kReady) {
       ok = kind == FrameKind::kMessage || kind == FrameKind::kPing ||
-          kind == FrameKind::kPong;
+          kind == FrameKind::kPong ||
+          (kind == FrameKind::kRing && shm_ && !ringIn_.valid() &&
+           header_.headLength == sizeof(uint64_t));
     }
     if (!ok) {
       why = "unexpected frame kind " + std::to_string(header_.kind) +
           " of head " + std::to_string(header_.headLength) +
           " bytes in this connection state";
-    } else if (s != State::kReady && header_.numSegments != 0) {
-      why = "handshake frame with segments";
+    } else if (kind != FrameKind::kMessage && header_.numSegments != 0) {
+      why = "control frame with segments";
+    } else if (
+        header_.flags == kFlagRingSegments && !(shm_ && ringIn_.valid())) {
+      why = "ring segments on a connection without a shared ring";
     }
   }
   if (!why.empty()) {
@@ -157,9 +217,21 @@ bool TcpConnection::onHeaderFromLoop() {
 bool TcpConnection::onLengthsAndHeadFromLoop() {
   size_t n = header_.numSegments;
   segmentSizes_.resize(n);
+  ringSegments_.clear();
+  if (header_.flags == kFlagRingSegments) {
+    ringSegments_.resize(n);
+  }
   uint64_t sum = 0;
   for (size_t i = 0; i < n; ++i) {
     std::memcpy(&segmentSizes_[i], lengthsAndHead_.data() + 8 * i, 8);
+    if ((segmentSizes_[i] & kRingSegmentBit) != 0) {
+      segmentSizes_[i] &= ~kRingSegmentBit;
+      if (ringSegments_.empty() || segmentSizes_[i] == 0) {
+        closeInternal("rejected frame: bad ring segment length", false);
+        return false;
+      }
+      ringSegments_[i] = true;
+    }
     if (segmentSizes_[i] > header_.dataLength - sum) {
       closeInternal("rejected frame: segment lengths exceed dataLength", false);
       return false;
@@ -188,6 +260,10 @@ bool TcpConnection::onLengthsAndHeadFromLoop() {
     phase_ = ReadPhase::kHeader;
     return true;
   }
+  if (kind == FrameKind::kRing) {
+    phase_ = ReadPhase::kHeader;
+    return onRingSetupFromLoop();
+  }
   try {
     inbound_ = observer_->onFrameHead(*this, head_, segmentSizes_);
   } catch (const std::exception& e) {
@@ -207,6 +283,24 @@ bool TcpConnection::onLengthsAndHeadFromLoop() {
     phase_ = ReadPhase::kSegments;
   }
   return state_ != State::kClosed;
+}
+
+bool TcpConnection::onRingSetupFromLoop() {
+  if (receivedFds_.size() != 2) {
+    closeInternal("rejected frame: ring setup without its descriptors", false);
+    return false;
+  }
+  uint64_t capacity;
+  std::memcpy(&capacity, head_.data(), sizeof(capacity));
+  int memFd = receivedFds_[0];
+  int wakeFd = receivedFds_[1];
+  receivedFds_.clear();
+  std::string why = shm::Ring::attach(memFd, wakeFd, capacity, &ringIn_);
+  if (!why.empty()) {
+    closeInternal("rejected ring: " + why, false);
+    return false;
+  }
+  return true;
 }
 
 void TcpConnection::skipEmptySegments() {

@@ -6,7 +6,11 @@
 namespace torch_rpc_ext::transport::tcp {
 
 std::shared_ptr<Transport> create(const TransportOptions& options) {
-  return std::make_shared<TcpTransport>(options);
+  return std::make_shared<TcpTransport>(options, /*shm=*/false);
+}
+
+std::shared_ptr<Transport> createShm(const TransportOptions& options) {
+  return std::make_shared<TcpTransport>(options, /*shm=*/true);
 }
 
 } // namespace torch_rpc_ext::transport::tcp

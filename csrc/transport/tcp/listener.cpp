@@ -9,16 +9,42 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "csrc/common/crypto.h"
 #include "csrc/common/logging.h"
+#include "csrc/transport/shm/ring.h"
 #include "csrc/transport/tcp/address.h"
 #include "csrc/transport/tcp/connection.h"
 #include "csrc/transport/tcp/transport.h"
 
 namespace torch_rpc_ext::transport::tcp {
 
+namespace {
+
+std::string toHex(const std::string& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out += digits[c >> 4];
+    out += digits[c & 15];
+  }
+  return out;
+}
+
+} // namespace
+
 TcpListener::TcpListener(TcpTransport& transport) : transport_(transport) {
-  const std::string& host = transport.options().bindAddress;
-  SocketAddress at = SocketAddress::fromHost(host, 0);
+  std::string host = transport.options().bindAddress;
+  SocketAddress at;
+  if (transport.isShm()) {
+    // A fresh abstract name: nothing on disk to clean up, gone with us.
+    host = "@torch_rpc_ext-" + std::to_string(::getpid()) + "-" +
+        toHex(randomBytes(8));
+    at = SocketAddress::parse(host);
+    // Fail here, not on first use, if shared memory is unavailable.
+    shm::Ring::create(shm::kMinRingBytes);
+  } else {
+    at = SocketAddress::fromHost(host, 0);
+  }
   fd_ = ::socket(at.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd_ < 0) {
     throw std::runtime_error(
@@ -96,7 +122,8 @@ void TcpListener::handleEventsFromLoop(uint32_t /*events*/) {
     }
     auto conn = TcpConnection::acceptFromLoop(
         transport_.loop(), transport_.options(), fd,
-        SocketAddress::ofSocket(fd, /*peer=*/true).str(), observer_);
+        SocketAddress::ofSocket(fd, /*peer=*/true).str(), observer_,
+        transport_.isShm());
     transport_.adopt(conn);
   }
 }

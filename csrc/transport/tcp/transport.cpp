@@ -8,8 +8,8 @@
 
 namespace torch_rpc_ext::transport::tcp {
 
-TcpTransport::TcpTransport(TransportOptions options)
-    : options_(std::move(options)) {}
+TcpTransport::TcpTransport(TransportOptions options, bool shm)
+    : options_(std::move(options)), shm_(shm) {}
 
 TcpTransport::~TcpTransport() {
   stop();
@@ -33,7 +33,7 @@ std::shared_ptr<Connection> TcpTransport::connect(
     }
   }
   auto conn = TcpConnection::connect(
-      loop_, options_, address, expectedPeerId, observer);
+      loop_, options_, address, expectedPeerId, observer, shm_);
   adopt(conn);
   return conn;
 }

@@ -14,13 +14,18 @@ class TcpConnection;
 class TcpListener;
 
 // TCP over one epoll loop thread. Works across hosts; the fallback transport.
+// With `shm`, the same machinery over abstract Unix sockets with shared
+// rings for bulk data (the "shm" transport, same host only).
 class TcpTransport final : public Transport {
  public:
-  explicit TcpTransport(TransportOptions options);
+  TcpTransport(TransportOptions options, bool shm);
   ~TcpTransport() override;
 
   std::string name() const override {
-    return "tcp";
+    return shm_ ? "shm" : "tcp";
+  }
+  bool isShm() const {
+    return shm_;
   }
   std::shared_ptr<Listener> listen() override;
   std::shared_ptr<Connection> connect(
@@ -40,6 +45,7 @@ class TcpTransport final : public Transport {
 
  private:
   const TransportOptions options_;
+  const bool shm_;
   Loop loop_;
   std::mutex mutex_;
   bool stopped_ = false;
