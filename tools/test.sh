@@ -15,5 +15,9 @@ fi
 # Multi-process tests fork from the pytest process; it must not have run
 # torch compute first (a forked child inherits ATen's started thread pools and
 # aborts or hangs on first use), so unit tests get a process of their own.
+# Same-host peers use the shm transport by default; the conformance suites
+# run again with it forced off, over TCP only.
 python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance tests/rpc
+TORCH_RPC_EXT_TRANSPORTS=tcp \
+  python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance
 python -m pytest -p no:cacheprovider -q --timeout 300 tests/unit

@@ -150,6 +150,7 @@ void Agent::rendezvous() {
       auto l = t->listen();
       transports_[name] = t;
       listeners_.push_back(l);
+      listenAddresses_[name] = l->address();
       entry += "\n" + name + " " + (name == "shm" ? hostKey + " " : "") +
           l->address();
       if (address_.empty() || name == "tcp") {

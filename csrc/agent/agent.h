@@ -139,6 +139,7 @@ class Agent final : public rpc::RpcAgent,
 
   std::map<std::string, std::shared_ptr<transport::Transport>> transports_;
   std::vector<std::shared_ptr<transport::Listener>> listeners_;
+  std::map<std::string, std::string> listenAddresses_; // by transport
   std::mutex connMutex_;
   std::unordered_map<int32_t, std::shared_ptr<transport::Connection>> outbound_;
 

@@ -52,6 +52,9 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
 std::unordered_map<std::string, std::string> Agent::getDebugInfo() {
   auto m = getMetrics();
   m["rpc_ext.address"] = address_;
+  for (const auto& [name, address] : listenAddresses_) {
+    m["rpc_ext.listen." + name] = address;
+  }
   for (int r = 0; r < worldSize_; ++r) {
     m["rpc_ext.peer." + workers_[r].name_ + ".transport"] = routes_[r].transport;
   }

@@ -22,12 +22,12 @@ SECRET = b"0123456789abcdef0123456789abcdef"
 HELLO, CHALLENGE, PROOF, MESSAGE = 1, 2, 3, 4
 
 
-def frame_header(kind, head_len, nseg=0, data=0, magic=None, version=None):
+def frame_header(kind, head_len, nseg=0, data=0, magic=None, version=None, flags=0):
     return struct.pack(
         "<IBBHIIQ",
         _testing.FRAME_MAGIC if magic is None else magic,
         _testing.PROTOCOL_VERSION if version is None else version,
-        kind, 0, head_len, nseg, data,
+        kind, flags, head_len, nseg, data,
     )
 
 
@@ -60,8 +60,13 @@ def proof(secret, role, cn, sn, cid, sid):
 
 def handshake(address, secret, client_id=0):
     """Run the client side; return (socket, server proof verified?)."""
-    host, port = address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=5)
+    if address.startswith("@"):  # the shm transport's abstract Unix socket
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect("\0" + address[1:])
+    else:
+        host, port = address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=5)
     cn = os.urandom(32)
     sock.sendall(frame_header(HELLO, 36) + struct.pack("<i", client_id) + cn)
     hdr = recv_exact(sock, 24)

@@ -40,7 +40,8 @@ def test_valid_header_passes():
     [
         ({"magic": 0x12345678}, "bad magic"),
         ({"version": 99}, "unsupported protocol version 99"),
-        ({"flags": 1}, "reserved flags"),
+        ({"flags": 2}, "reserved flags"),
+        ({"flags": 1, "kind": 1}, "reserved flags"),  # ring flag on a handshake frame
         ({"kind": 0}, "unknown frame kind 0"),
         ({"kind": 200}, "unknown frame kind 200"),
         ({"data": 1 << 21}, "exceeds max_frame_bytes=1048576"),

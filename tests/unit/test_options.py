@@ -8,13 +8,14 @@ from torch.distributed import rpc
 from torch_rpc_ext import RpcExtBackendOptions
 
 
-def test_defaults_match_upstream_constants():
+def test_defaults_match_upstream_constants(monkeypatch):
+    monkeypatch.delenv("TORCH_RPC_EXT_TRANSPORTS", raising=False)
     opts = RpcExtBackendOptions()
     assert isinstance(opts, rpc.RpcBackendOptions)
     assert opts.rpc_timeout == rpc.constants.DEFAULT_RPC_TIMEOUT_SEC
     assert opts.init_method == rpc.constants.DEFAULT_INIT_METHOD
     assert opts.num_worker_threads == rpc.constants.DEFAULT_NUM_WORKER_THREADS
-    assert opts.transports == ("tcp",)
+    assert opts.transports == ("shm", "tcp")
     assert opts.device_maps == {}
     assert opts.devices is None
     assert not opts.uses_cuda()
@@ -83,3 +84,12 @@ def test_construction_does_not_touch_cuda(monkeypatch):
 def test_secret_accepts_str_and_bytes():
     assert RpcExtBackendOptions(secret="x" * 16).secret == b"x" * 16
     assert RpcExtBackendOptions(secret=b"y" * 32).secret == b"y" * 32
+
+
+def test_transports_default_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TORCH_RPC_EXT_TRANSPORTS", " tcp ")
+    assert RpcExtBackendOptions().transports == ("tcp",)
+    assert RpcExtBackendOptions(transports=["shm"]).transports == ("shm",)
+    monkeypatch.setenv("TORCH_RPC_EXT_TRANSPORTS", "shm,ib")
+    with pytest.raises(ValueError, match=r"unknown transports \['ib'\]"):
+        RpcExtBackendOptions()

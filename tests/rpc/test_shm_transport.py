@@ -1,0 +1,194 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The same-host "shm" transport: chosen automatically, exact bytes across
+the ring (sizes around its thresholds and past its capacity, both directions
+at once), transport choice and refusal, hostile use of the ring protocol."""
+
+import os
+import socket
+import struct
+
+import pytest
+import torch
+from torch.distributed import rpc
+
+from tests.rpc.test_hostile_peers import (
+    MESSAGE,
+    SECRET,
+    closed_by_peer,
+    frame_header,
+    handshake,
+)
+from tests.rpc.world import init, run_world
+from torch_rpc_ext._C import _testing
+
+pytestmark = pytest.mark.timeout(180)
+
+RING = 7
+RING_SEGMENT_BIT = 1 << 63
+# Around the 64 KiB ring threshold, the 1 MiB chunk and the 8 MiB ring.
+SIZES = [0, 1, 16383, 16384, 16385, 300_000, 262_145, 2_359_299]
+
+
+def debug_info():
+    return rpc.api._get_current_rpc_agent().get_debug_info()
+
+
+def echo(x):
+    return x
+
+
+def bounce(x, other):
+    # A nested call carrying big tensors the other way while we serve.
+    return rpc.rpc_sync(other, echo, args=(x * 2,))
+
+
+def payloads():
+    g = torch.Generator().manual_seed(0)
+    out = [torch.randn(n, generator=g) for n in SIZES]
+    big = torch.randn(64, 40_000, generator=g)
+    out.append(big[:, ::3])  # strided view
+    out.append(torch.randint(-128, 127, (5_000_000,), dtype=torch.int8, generator=g))
+    i = torch.tensor([[0, 70_000, 199_999]])
+    out.append(torch.sparse_coo_tensor(i, torch.tensor([1.0, 2.0, 3.0]), (200_000,)))
+    return out
+
+
+def exchange(rank, world_size, transports):
+    init(rank, world_size, transports=transports)
+    other = f"worker{1 - rank}"
+    out = {"route": debug_info()[f"rpc_ext.peer.{other}.transport"]}
+    mismatches = []
+    for i, x in enumerate(payloads()):
+        y = rpc.rpc_sync(other, echo, args=(x,))
+        if not torch.equal(x.to_dense() if x.is_sparse else x,
+                           y.to_dense() if y.is_sparse else y):
+            mismatches.append(i)
+    # Both ranks at once: 12 x 12 MB in flight each way fills both rings, so
+    # each side's producer waits on the other's consumer.
+    xs = [torch.full((3_000_000,), float(k + 100 * rank)) for k in range(12)]
+    futs = [rpc.rpc_async(other, echo, args=(x,)) for x in xs]
+    mismatches += [100 + k for k, (x, f) in enumerate(zip(xs, futs)) if not torch.equal(x, f.wait())]
+    big = torch.arange(3_000_000, dtype=torch.float32)
+    if not torch.equal(rpc.rpc_sync(other, bounce, args=(big, f"worker{rank}")), big * 2):
+        mismatches.append("nested")
+    out["mismatches"] = mismatches
+    rpc.shutdown()
+    return out
+
+
+def test_same_host_peers_use_shm_and_bytes_arrive_exactly():
+    results = run_world(exchange, transports=("shm", "tcp"), timeout=150)
+    for rank in (0, 1):
+        assert results[rank]["route"] == "shm"
+        assert results[rank]["mismatches"] == []
+
+
+def test_forced_tcp_moves_the_same_bytes():
+    results = run_world(exchange, transports=("tcp",), timeout=150)
+    for rank in (0, 1):
+        assert results[rank]["route"] == "tcp"
+        assert results[rank]["mismatches"] == []
+
+
+def mixed(rank, world_size, per_rank):
+    try:
+        init(rank, world_size, transports=per_rank[rank], rpc_timeout=10)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    other = f"worker{1 - rank}"
+    out = {
+        "route": debug_info()[f"rpc_ext.peer.{other}.transport"],
+        "sum": rpc.rpc_sync(other, torch.add, args=(torch.ones(300_000), 1)).sum().item(),
+    }
+    rpc.shutdown()
+    return out
+
+
+def test_a_peer_without_shm_is_reached_over_tcp():
+    results = run_world(mixed, per_rank={0: ("shm", "tcp"), 1: ("tcp",)})
+    for rank in (0, 1):
+        assert results[rank] == {"route": "tcp", "sum": 600_000.0}
+
+
+def test_no_transport_in_common_is_a_clear_error():
+    results = run_world(mixed, per_rank={0: ("shm",), 1: ("tcp",)})
+    for rank in (0, 1):
+        assert "no transport in common" in results[rank]["error"]
+
+
+def shm_attacks(rank, world_size):
+    init(rank, world_size, secret=SECRET)
+    out = {}
+    if rank == 0:
+        info = rpc.rpc_sync("worker1", debug_info)
+        addr = info["rpc_ext.listen.shm"]
+        assert addr.startswith("@")
+
+        # A message claiming ring segments before any ring was set up.
+        sock, ok = handshake(addr, SECRET)
+        assert ok
+        sock.sendall(frame_header(MESSAGE, 8, nseg=1, data=1 << 20, flags=1)
+                     + struct.pack("<Q", (1 << 20) | RING_SEGMENT_BIT) + bytes(8))
+        out["ring_flag_without_ring"] = closed_by_peer(sock)
+        sock.close()
+
+        # A ring setup without its descriptors.
+        sock, _ = handshake(addr, SECRET)
+        sock.sendall(frame_header(RING, 8) + struct.pack("<Q", 1 << 20))
+        out["ring_without_fds"] = closed_by_peer(sock)
+        sock.close()
+
+        # Descriptor stuffing: more descriptors than a ring setup carries.
+        sock, _ = handshake(addr, SECRET)
+        fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(3)]
+        socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], fds)
+        for fd in fds:
+            os.close(fd)
+        out["too_many_fds"] = closed_by_peer(sock)
+        sock.close()
+
+        # A "ring" smaller than it claims (reading past its end would SIGBUS).
+        sock, _ = handshake(addr, SECRET)
+        mem = os.memfd_create("tiny")
+        os.ftruncate(mem, 4096)
+        ev = os.eventfd(0)
+        socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], [mem, ev])
+        out["short_ring"] = closed_by_peer(sock)
+        sock.close()
+
+        # A real ring, then a chunk record pointing outside it.
+        sock, _ = handshake(addr, SECRET)
+        os.ftruncate(mem, 4096 + (1 << 20))
+        header = struct.pack("<QQQI", 0x474E495258505254, 1 << 20, 0, 0)
+        os.pwrite(mem, header, 0)
+        socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], [mem, ev])
+        sock.settimeout(0.5)
+        out["good_ring_accepted"] = not closed_by_peer(sock)
+        sock.settimeout(5)
+        # A valid head whose tensor bytes come through the ring, announced
+        # by a record that does not start where the consumer stands.
+        head, segs = _testing.encode_message(0x10C, b"", [torch.zeros(70_000)], 1)
+        sizes = [len(segs[0]), len(segs[1]) | RING_SEGMENT_BIT]
+        sock.sendall(frame_header(MESSAGE, len(head), nseg=2,
+                                  data=len(segs[0]) + len(segs[1]), flags=1)
+                     + struct.pack("<QQ", *sizes) + head + segs[0]
+                     + struct.pack("<QQ", 4096, 1000))
+        out["bad_record"] = closed_by_peer(sock)
+        sock.close()
+        os.close(mem)
+        os.close(ev)
+
+        # The agent still serves its real peer over shm, with big tensors.
+        x = torch.randn(2_000_000)
+        out["still_serves"] = torch.equal(rpc.rpc_sync("worker1", echo, args=(x,)), x)
+    rpc.shutdown()
+    return out
+
+
+def test_hostile_ring_use_is_refused_and_the_agent_keeps_serving():
+    out = run_world(shm_attacks)[0]
+    for label in ["ring_flag_without_ring", "ring_without_fds", "too_many_fds",
+                  "short_ring", "bad_record"]:
+        assert out[label], label
+    assert out["good_ring_accepted"]
+    assert out["still_serves"]
