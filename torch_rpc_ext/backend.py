@@ -37,6 +37,7 @@ def _agent_options(opts: RpcExtBackendOptions) -> "_C._AgentOptions":
     out.secret = secret or b""
     out.max_frame_bytes = opts.max_frame_bytes
     out.handshake_timeout = opts.handshake_timeout
+    out.heartbeat_timeout = opts.heartbeat_timeout
     out.max_cached_receive_bytes = opts.max_cached_receive_bytes
     return out
 

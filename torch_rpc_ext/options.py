@@ -73,6 +73,11 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
         max_frame_bytes: Largest message accepted or sent; a peer announcing
             more is disconnected before anything is allocated.
         handshake_timeout: Seconds a new connection has to authenticate.
+        heartbeat_timeout: Seconds a connection may show no sign of life
+            (nothing received, nothing of ours accepted) before it is
+            declared dead and its pending calls fail naming the peer; idle
+            connections are pinged every ``heartbeat_timeout / 5`` seconds,
+            so a silent partition or a frozen peer is detected. 0 disables.
         max_cached_receive_bytes: Receive buffers for tensors of 1 MiB or more
             are recycled (already faulted in, huge-page backed); this bounds
             the idle cache. Idle buffers go back to the OS after 2 s.
@@ -94,6 +99,7 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
         secret: bytes | str | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         handshake_timeout: float = 10.0,
+        heartbeat_timeout: float = 10.0,
         max_cached_receive_bytes: int = 1 << 31,
     ) -> None:
         if isinstance(num_worker_threads, bool) or not isinstance(
@@ -132,6 +138,15 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
             raise ValueError(f"max_frame_bytes must be an int >= 1024, got {max_frame_bytes!r}")
         if not isinstance(handshake_timeout, (int, float)) or handshake_timeout <= 0:
             raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout!r}")
+        if (
+            isinstance(heartbeat_timeout, bool)
+            or not isinstance(heartbeat_timeout, (int, float))
+            or heartbeat_timeout < 0
+            or 0 < heartbeat_timeout < 0.05
+        ):
+            raise ValueError(
+                f"heartbeat_timeout must be 0 (off) or >= 0.05 seconds, got {heartbeat_timeout!r}"
+            )
         if not isinstance(max_cached_receive_bytes, int) or max_cached_receive_bytes < 0:
             raise ValueError(
                 f"max_cached_receive_bytes must be an int >= 0, got {max_cached_receive_bytes!r}"
@@ -149,6 +164,7 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
         self.secret = secret
         self.max_frame_bytes = max_frame_bytes
         self.handshake_timeout = float(handshake_timeout)
+        self.heartbeat_timeout = float(heartbeat_timeout)
         self.max_cached_receive_bytes = max_cached_receive_bytes
 
     def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:

@@ -125,6 +125,7 @@ void Agent::rendezvous() {
   topts.secret = secret_;
   topts.limits.maxFrameBytes = options_.maxFrameBytes;
   topts.handshakeTimeout = options_.handshakeTimeout;
+  topts.heartbeatTimeout = options_.heartbeatTimeout;
   // Sent messages may hold the last reference to tensors with Python
   // objects; let the pool, not the loop thread, drop them.
   topts.releaseOffLoop = [this](std::shared_ptr<void> held) {

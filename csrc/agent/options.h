@@ -21,6 +21,8 @@ struct AgentOptions {
   std::string secret;
   uint64_t maxFrameBytes = uint64_t(1) << 34;
   std::chrono::milliseconds handshakeTimeout{10000};
+  // See TransportOptions::heartbeatTimeout.
+  std::chrono::milliseconds heartbeatTimeout{10000};
   // Idle receive buffers kept for reuse (released after 2 s unused).
   uint64_t maxCachedReceiveBytes = uint64_t(1) << 31;
   // Limit on how long init waits for all peers to publish their address.

@@ -34,6 +34,15 @@ void bindAgent(py::module_& m) {
           [](AgentOptions& o, double seconds) {
             o.handshakeTimeout =
                 std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+          })
+      .def_property(
+          "heartbeat_timeout",
+          [](const AgentOptions& o) {
+            return o.heartbeatTimeout.count() / 1000.0;
+          },
+          [](AgentOptions& o, double seconds) {
+            o.heartbeatTimeout =
+                std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
           });
 
   using Base = torch::distributed::rpc::RpcAgent;

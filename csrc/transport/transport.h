@@ -19,6 +19,10 @@ struct TransportOptions {
   FrameLimits limits;
   // A connection that has not authenticated within this time is closed.
   std::chrono::milliseconds handshakeTimeout{10000};
+  // A ready connection that shows no sign of life (no byte received, none of
+  // ours taken by the socket) for this long is closed, failing its calls.
+  // Idle connections are pinged every heartbeatTimeout / 5. 0 disables it.
+  std::chrono::milliseconds heartbeatTimeout{10000};
   // Address to bind and advertise (an IP literal), for transports that need one.
   std::string bindAddress = "127.0.0.1";
   // Receives the keepAlive of every outbound frame that finishes (or is

@@ -2,9 +2,11 @@
 """Our RpcAgentTestFixture: upstream's agent-agnostic suites run unmodified on it."""
 
 import os
+import warnings
 
 import torch.multiprocessing
 from torch.distributed import rpc
+from torch.testing._internal import common_distributed
 from torch.testing._internal.distributed.rpc.rpc_agent_test_fixture import (
     RpcAgentTestFixture,
 )
@@ -31,6 +33,28 @@ SHUTDOWN_ERRORS = [
 _BACKEND = os.environ.get("TORCH_RPC_EXT_CONFORMANCE_BACKEND", torch_rpc_ext.BACKEND_NAME)
 
 
+# The DDP suites can hang in torch itself, on any agent (docs/conformance.md,
+# "DDP + gloo teardown deadlock"): a C++ destructor joins gloo's worker
+# threads while holding the GIL that one of them needs (pytorch#56297). We
+# saw it on TensorPipe too, through this fixture (1 hang in 15 runs of the
+# DDP tests). Those tests take about a second each, so a hang is cut at 60 s
+# and the test is run once more on fresh processes, with a warning in
+# pytest's summary saying so. A test that hangs twice fails.
+_UPSTREAM_DEADLOCK_SUITES = ("DdpUnderDistAutogradTest", "DdpComparisonTest")
+_HANG_LIMIT_S = 60
+
+# Their bodies also race: the master's first RPC can reach a trainer before
+# the trainer's own init_process_group has set its default group. torch's
+# own switch for an end-of-init barrier orders the two.
+os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
+
+
+def _deadlock_prone(test) -> bool:
+    return any(
+        base.__name__ in _UPSTREAM_DEADLOCK_SUITES for base in type(test).__mro__
+    )
+
+
 class RpcExtAgentTestFixture(RpcAgentTestFixture):
     @property
     def rpc_backend(self):
@@ -55,3 +79,22 @@ class RpcExtAgentTestFixture(RpcAgentTestFixture):
         # cores. The test bodies are upstream's, unchanged.
         self._start_processes(torch.multiprocessing.get_context("fork").Process)
 
+
+    def _join_processes(self, fn) -> None:
+        if not _deadlock_prone(self):
+            return super()._join_processes(fn)
+        name = self.id().split(".")[-1]
+        common_distributed.TIMEOUT_OVERRIDE.setdefault(name, _HANG_LIMIT_S)
+        try:
+            return super()._join_processes(fn)
+        except RuntimeError as e:
+            if "terminated or timed out" not in str(e):
+                raise
+        warnings.warn(
+            f"{self.id()} hung (torch's DDP/gloo teardown deadlock, "
+            "pytorch#56297); running it once more on fresh processes",
+            stacklevel=1,
+        )
+        self.tearDown()
+        self.setUp()
+        return super()._join_processes(fn)

@@ -72,3 +72,40 @@ def test_sigkilled_peer_fails_pending_calls_promptly_and_survivors_continue():
     assert out["new_call_s"] < 5
     assert out["survivor"] == 42.0
     assert out["errors_metric"] >= 3
+
+
+def freeze_in(seconds):
+    threading.Timer(seconds, os.kill, args=(os.getpid(), signal.SIGSTOP)).start()
+    return os.getpid()
+
+
+def frozen(rank, world_size):
+    # A frozen (SIGSTOPped) peer keeps its sockets open: only the heartbeat
+    # can tell it from a slow one.
+    init(rank, world_size, rpc_timeout=60, heartbeat_timeout=2)
+    out = {}
+    if rank == 0:
+        pending = [rpc.rpc_async("worker1", slow, args=(30,)) for _ in range(2)]
+        pid = rpc.rpc_sync("worker1", freeze_in, args=(0.5,))
+        t0 = time.monotonic()
+        out["errors"] = []
+        for fut in pending:
+            try:
+                fut.wait()
+                out["errors"].append(None)
+            except RuntimeError as e:
+                out["errors"].append(str(e))
+        out["detect_s"] = time.monotonic() - t0
+        os.kill(pid, signal.SIGKILL)
+    else:
+        time.sleep(60)
+    rpc.shutdown(graceful=False)
+    return out
+
+
+def test_frozen_peer_is_detected_by_the_heartbeat():
+    out = run_world(frozen, dies=frozenset({1}), timeout=60)[0]
+    # Frozen after 0.5 s, declared dead 2-2.4 s later; rpc_timeout is 60 s.
+    assert 2.0 <= out["detect_s"] < 6, out["detect_s"]
+    for err in out["errors"]:
+        assert err is not None and "worker1" in err and "heartbeat" in err, err

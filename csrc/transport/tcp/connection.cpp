@@ -227,6 +227,39 @@ void TcpConnection::releaseFinished() {
   }
 }
 
+void TcpConnection::scheduleHeartbeat() {
+  if (options_.heartbeatTimeout.count() <= 0) {
+    return;
+  }
+  std::weak_ptr<TcpConnection> weak = weak_from_this();
+  loop_.runAfter(options_.heartbeatTimeout / 5, [weak] {
+    if (auto self = weak.lock()) {
+      self->heartbeatFromLoop();
+    }
+  });
+}
+
+void TcpConnection::heartbeatFromLoop() {
+  if (state_ != State::kReady) {
+    return;
+  }
+  auto silent = std::chrono::steady_clock::now().time_since_epoch() -
+      std::chrono::steady_clock::duration(lastActivity_.load());
+  if (silent >= options_.heartbeatTimeout) {
+    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(silent);
+    closeInternal(
+        "no sign of life from the peer for " +
+            std::to_string(ms.count() / 1000.0).substr(0, 5) +
+            " s (heartbeat_timeout)",
+        false);
+    return;
+  }
+  if (silent >= options_.heartbeatTimeout / 5) {
+    queueControl(uint8_t(FrameKind::kPing), {});
+  }
+  scheduleHeartbeat();
+}
+
 void TcpConnection::onRingWakeFromLoop() {
   ringOut_.drainWakeups();
   std::string error;
@@ -441,6 +474,11 @@ std::string TcpConnection::flushLocked() {
       }
       return errnoText("write failed");
     }
+    if (sent > 0 && !writes_.front().control) {
+      // Our own pings prove nothing: the kernel takes them from a frozen
+      // peer's socket too. Data draining from the buffer does.
+      noteActivity();
+    }
     size_t left = static_cast<size_t>(sent);
     while (left > 0 && !writes_.empty()) {
       auto& w = writes_.front();
@@ -507,6 +545,7 @@ TcpConnection::RingFlush TcpConnection::flushRingFrameLocked(
         return RingFlush::kSocketFull;
       }
       w.recordsWritten += static_cast<size_t>(got);
+      noteActivity();
       if (w.recordsWritten == w.records.size()) {
         w.records.clear();
         w.recordsWritten = 0;
@@ -559,6 +598,7 @@ TcpConnection::RingFlush TcpConnection::flushRingFrameLocked(
       return RingFlush::kSocketFull;
     }
     w.pieceOffset += static_cast<size_t>(got);
+    noteActivity();
   }
 }
 
@@ -602,6 +642,8 @@ bool TcpConnection::onHandshakeFrameFromLoop(std::string head) {
     closeInternal(error, false);
     return false;
   }
+  noteActivity();
+  scheduleHeartbeat();
   observer_->onReady(shared_from_this());
   return state_ != State::kClosed;
 }

@@ -126,6 +126,14 @@ class TcpConnection final : public Connection,
   void skipEmptySegments();
 
   void queueControl(uint8_t kind, std::string head);
+  // Every heartbeatTimeout / 5 once ready: ping if idle, close if silent.
+  void scheduleHeartbeat();
+  void heartbeatFromLoop();
+  void noteActivity() {
+    lastActivity_.store(
+        std::chrono::steady_clock::now().time_since_epoch().count(),
+        std::memory_order_relaxed);
+  }
   // Write as much as the socket takes. Returns an error text or "".
   std::string flushLocked();
   // Push a frame with ring segments as far as the socket and ring allow.
@@ -159,6 +167,8 @@ class TcpConnection final : public Connection,
   size_t fdsReceivedTotal_ = 0;
   std::atomic<State> state_;
   std::atomic<int32_t> peerId_{-1}; // set once authenticated
+  // steady_clock ticks of the last byte received or accepted by the socket.
+  std::atomic<int64_t> lastActivity_{0};
   Handshake handshake_; // loop thread
 
   mutable std::mutex writeMutex_;

@@ -61,6 +61,7 @@ ssize_t TcpConnection::readFromLoop(void* dst, size_t size) {
       got = ::read(fd_, dst, size);
     }
     if (got > 0) {
+      noteActivity();
       return got;
     }
     if (got == 0) {
