@@ -47,4 +47,8 @@ void logDebug(const std::string& line) {
   }
 }
 
+std::string errnoText(const char* what) {
+  return std::string(what) + ": " + std::strerror(errno);
+}
+
 } // namespace torch_rpc_ext

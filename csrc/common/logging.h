@@ -10,4 +10,7 @@ namespace torch_rpc_ext {
 void logWarning(const std::string& line);
 void logDebug(const std::string& line);
 
+// "<what>: <strerror(errno)>", for errors from system calls.
+std::string errnoText(const char* what);
+
 } // namespace torch_rpc_ext

@@ -13,15 +13,9 @@
 #include <stdexcept>
 #include <utility>
 
+#include "csrc/common/logging.h"
+
 namespace torch_rpc_ext::transport::shm {
-
-namespace {
-
-std::string errnoText(const char* what) {
-  return std::string(what) + " failed: " + std::strerror(errno);
-}
-
-} // namespace
 
 Ring Ring::create(uint64_t capacity) {
   if (capacity < kMinRingBytes || capacity > kMaxRingBytes ||
@@ -32,22 +26,22 @@ Ring Ring::create(uint64_t capacity) {
   Ring r;
   r.fd_ = ::memfd_create("torch_rpc_ext-ring", MFD_CLOEXEC);
   if (r.fd_ < 0) {
-    throw std::runtime_error(errnoText("memfd_create"));
+    throw std::runtime_error(errnoText("memfd_create failed"));
   }
   r.wakeFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (r.wakeFd_ < 0) {
-    throw std::runtime_error(errnoText("eventfd"));
+    throw std::runtime_error(errnoText("eventfd failed"));
   }
   r.mapped_ = kRingHeaderBytes + capacity;
   if (::ftruncate(r.fd_, static_cast<off_t>(r.mapped_)) != 0) {
-    throw std::runtime_error(errnoText("ftruncate"));
+    throw std::runtime_error(errnoText("ftruncate failed"));
   }
   // Populated now, so the data path never takes a first-touch fault.
   void* p = ::mmap(
       nullptr, r.mapped_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
       r.fd_, 0);
   if (p == MAP_FAILED) {
-    throw std::runtime_error(errnoText("mmap"));
+    throw std::runtime_error(errnoText("mmap failed"));
   }
   r.base_ = static_cast<char*>(p);
   r.capacity_ = capacity;
@@ -69,7 +63,7 @@ std::string Ring::attach(int fd, int wakeFd, uint64_t capacity, Ring* out) {
   }
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
-    return errnoText("fstat of the peer's ring");
+    return errnoText("fstat of the peer's ring failed");
   }
   r.mapped_ = kRingHeaderBytes + capacity;
   // A smaller file would turn our reads past its end into SIGBUS.
@@ -81,7 +75,7 @@ std::string Ring::attach(int fd, int wakeFd, uint64_t capacity, Ring* out) {
       nullptr, r.mapped_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
       fd, 0);
   if (p == MAP_FAILED) {
-    return errnoText("mmap of the peer's ring");
+    return errnoText("mmap of the peer's ring failed");
   }
   r.base_ = static_cast<char*>(p);
   r.capacity_ = capacity;
@@ -187,7 +181,7 @@ std::string Ring::consume(
   if (h->writerWaiting.exchange(0, std::memory_order_seq_cst) != 0) {
     uint64_t one = 1;
     if (::write(wakeFd_, &one, sizeof(one)) < 0 && errno != EAGAIN) {
-      return errnoText("waking the ring's producer");
+      return errnoText("waking the ring's producer failed");
     }
   }
   return {};

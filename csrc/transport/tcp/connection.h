@@ -95,6 +95,10 @@ class TcpConnection final : public Connection,
     size_t pieceOffset = 0;
     std::string records; // ChunkRecords not yet on the socket
     size_t recordsWritten = 0;
+    // Partly on the wire: nothing may be sent before the rest of it.
+    bool started() const {
+      return written > 0 || piece > 0 || pieceOffset > 0;
+    }
   };
   enum class RingFlush { kDone, kSocketFull, kRingFull };
 
@@ -138,6 +142,9 @@ class TcpConnection final : public Connection,
   std::string flushLocked();
   // Push a frame with ring segments as far as the socket and ring allow.
   RingFlush flushRingFrameLocked(PendingWrite& w, std::string* error);
+  // send(2) what the socket takes now: bytes sent, 0 if it would block,
+  // -1 with `error` set.
+  ssize_t sendSome(const char* data, size_t size, std::string* error);
   // write(2), or sendmsg(2) with `fds` attached.
   ssize_t sendLocked(const iovec* iov, int n, const std::vector<int>* fds);
   // Queue the kRing frame that hands our outbound ring to the peer.

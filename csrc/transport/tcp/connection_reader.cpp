@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "csrc/common/logging.h"
 #include "csrc/transport/tcp/connection.h"
 
 namespace torch_rpc_ext::transport::tcp {
@@ -18,10 +19,6 @@ constexpr size_t kDirectReadBytes = 16 * 1024;
 // An shm connection receives exactly two descriptors: the peer's ring and
 // its eventfd. Anything more is an attack on our descriptor table.
 constexpr size_t kMaxReceivedFds = 2;
-
-std::string errnoText(const char* what) {
-  return std::string(what) + ": " + std::strerror(errno);
-}
 
 } // namespace
 

@@ -1,0 +1,365 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// The write side of TcpConnection: the queue of outbound frames, vectored
+// writes, descriptor passing, and (shm) frames whose large segments go through
+// the shared ring. Callers hold writeMutex_ for everything named *Locked.
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "csrc/common/logging.h"
+#include "csrc/transport/tcp/connection.h"
+
+namespace torch_rpc_ext::transport::tcp {
+
+namespace {
+
+constexpr int kMaxIov = 1024;
+// shm: segments this large go through the ring, in chunks of kRingChunk.
+constexpr size_t kRingMinSegment = 64 * 1024;
+constexpr size_t kRingChunk = 1024 * 1024;
+
+} // namespace
+
+void TcpConnection::onRingWakeFromLoop() {
+  ringOut_.drainWakeups();
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    ringBlocked_ = false;
+    error = flushLocked();
+  }
+  releaseFinished();
+  if (!error.empty()) {
+    closeInternal(error, false);
+  }
+}
+
+void TcpConnection::queueRingSetupLocked() {
+  PendingWrite w;
+  uint64_t capacity = ringOut_.capacity();
+  FrameHeader h{kFrameMagic, kProtocolVersion, uint8_t(FrameKind::kRing), 0,
+                sizeof(capacity), 0, 0};
+  w.prefix.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  w.prefix.append(reinterpret_cast<const char*>(&capacity), sizeof(capacity));
+  w.control = true;
+  w.passFds = {ringOut_.fd(), ringOut_.wakeFd()};
+  // After the handshake frames still queued, before any message.
+  auto pos = writes_.begin();
+  while (pos != writes_.end() && pos->control) {
+    ++pos;
+  }
+  writes_.insert(pos, std::move(w));
+}
+
+void TcpConnection::queueControl(uint8_t kind, std::string head) {
+  PendingWrite w;
+  FrameHeader h{kFrameMagic, kProtocolVersion, kind, 0,
+                static_cast<uint32_t>(head.size()), 0, 0};
+  w.prefix.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  w.prefix += head;
+  w.control = true;
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    // Control frames jump the queue: nothing else is sent before kReady, and
+    // a pong may not split a frame that is partly written.
+    auto pos = writes_.begin();
+    if (pos != writes_.end() && pos->started()) {
+      ++pos;
+    }
+    writes_.insert(pos, std::move(w));
+    error = flushLocked();
+  }
+  releaseFinished();
+  if (!error.empty()) {
+    closeInternal(error, false);
+  }
+}
+
+bool TcpConnection::write(OutboundFrame frame) {
+  if (frame.segments.size() > options_.limits.maxSegments ||
+      frame.head.size() > options_.limits.maxHeadBytes ||
+      frame.wireSize() > options_.limits.maxFrameBytes) {
+    throw std::length_error(
+        "frame of " + std::to_string(frame.wireSize()) + " bytes in " +
+        std::to_string(frame.segments.size()) +
+        " segments exceeds this agent's limits (max_frame_bytes=" +
+        std::to_string(options_.limits.maxFrameBytes) + ")");
+  }
+  PendingWrite w;
+  FrameHeader h{};
+  h.magic = kFrameMagic;
+  h.version = kProtocolVersion;
+  h.kind = uint8_t(frame.kind);
+  h.headLength = static_cast<uint32_t>(frame.head.size());
+  h.numSegments = static_cast<uint32_t>(frame.segments.size());
+  bool anyRing = false;
+  for (const auto& s : frame.segments) {
+    h.dataLength += s.size;
+    anyRing = anyRing || (shm_ && s.size >= kRingMinSegment);
+  }
+  if (anyRing) {
+    h.flags = kFlagRingSegments;
+    w.ring.resize(frame.segments.size());
+  }
+  w.prefix.reserve(sizeof(h) + 8 * frame.segments.size() + frame.head.size());
+  w.prefix.append(reinterpret_cast<const char*>(&h), sizeof(h));
+  for (size_t i = 0; i < frame.segments.size(); ++i) {
+    uint64_t n = frame.segments[i].size;
+    if (anyRing && n >= kRingMinSegment) {
+      w.ring[i] = true;
+      n |= kRingSegmentBit;
+    }
+    w.prefix.append(reinterpret_cast<const char*>(&n), 8);
+  }
+  w.prefix += frame.head;
+  frame.head.clear();
+  w.frame = std::move(frame);
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return false;
+    }
+    writes_.push_back(std::move(w));
+    if (state_ == State::kReady && writes_.size() == 1) {
+      error = flushLocked();
+    }
+  }
+  releaseFinished();
+  if (!error.empty()) {
+    closeInternal(error, false);
+  }
+  return true;
+}
+
+std::string TcpConnection::flushLocked() {
+  if (state_ == State::kClosed || !registered_) {
+    return {};
+  }
+  while (!writes_.empty()) {
+    if (state_ != State::kReady && !writes_.front().control) {
+      break;
+    }
+    if (!writes_.front().ring.empty()) {
+      if (ringBlocked_) {
+        break;
+      }
+      std::string error;
+      RingFlush r = flushRingFrameLocked(writes_.front(), &error);
+      if (!error.empty()) {
+        return error;
+      }
+      if (r != RingFlush::kDone) {
+        ringBlocked_ = r == RingFlush::kRingFull;
+        break;
+      }
+      auto& w = writes_.front();
+      if (w.frame.keepAlive) {
+        finished_.push_back(std::move(w.frame.keepAlive));
+      }
+      writes_.pop_front();
+      continue;
+    }
+    iovec iov[kMaxIov];
+    int n = 0;
+    const std::vector<int>* fds = nullptr;
+    for (auto& w : writes_) {
+      if (state_ != State::kReady && !w.control) {
+        break;
+      }
+      if (!w.ring.empty()) {
+        break; // written on its own, above
+      }
+      if (!w.passFds.empty() && w.written == 0) {
+        if (n > 0) {
+          break; // descriptors ride on the first byte of their own send
+        }
+        fds = &w.passFds;
+      }
+      size_t skip = w.written;
+      auto add = [&](const void* p, size_t len) {
+        if (n == kMaxIov || len == 0) {
+          return;
+        }
+        if (skip >= len) {
+          skip -= len;
+          return;
+        }
+        iov[n].iov_base = const_cast<char*>(static_cast<const char*>(p)) + skip;
+        iov[n].iov_len = len - skip;
+        skip = 0;
+        ++n;
+      };
+      add(w.prefix.data(), w.prefix.size());
+      for (const auto& s : w.frame.segments) {
+        add(s.data, s.size);
+      }
+      if (n == kMaxIov || fds != nullptr) {
+        break;
+      }
+    }
+    if (n == 0) {
+      break;
+    }
+    ssize_t sent = sendLocked(iov, n, fds);
+    if (sent < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        break;
+      }
+      if (errno == EINTR) {
+        continue;
+      }
+      return errnoText("write failed");
+    }
+    if (sent > 0 && !writes_.front().control) {
+      // Our own pings prove nothing: the kernel takes them from a frozen
+      // peer's socket too. Data draining from the buffer does.
+      noteActivity();
+    }
+    size_t left = static_cast<size_t>(sent);
+    while (left > 0 && !writes_.empty()) {
+      auto& w = writes_.front();
+      size_t total = w.prefix.size();
+      for (const auto& s : w.frame.segments) {
+        total += s.size;
+      }
+      size_t need = total - w.written;
+      if (left >= need) {
+        left -= need;
+        if (w.frame.keepAlive) {
+          finished_.push_back(std::move(w.frame.keepAlive));
+        }
+        writes_.pop_front();
+      } else {
+        w.written += left;
+        left = 0;
+      }
+    }
+  }
+  updateEventsLocked();
+  return {};
+}
+
+ssize_t TcpConnection::sendLocked(
+    const iovec* iov,
+    int n,
+    const std::vector<int>* fds) {
+  if (fds == nullptr) {
+    return ::writev(fd_, iov, n);
+  }
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
+  msghdr msg{};
+  msg.msg_iov = const_cast<iovec*>(iov);
+  msg.msg_iovlen = static_cast<size_t>(n);
+  msg.msg_control = control;
+  msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds->size());
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int) * fds->size());
+  std::memcpy(CMSG_DATA(c), fds->data(), sizeof(int) * fds->size());
+  return ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+}
+
+TcpConnection::RingFlush TcpConnection::flushRingFrameLocked(
+    PendingWrite& w,
+    std::string* error) {
+  const auto& segments = w.frame.segments;
+  while (true) {
+    // Records first: the consumer can only take chunks it has heard of.
+    if (w.recordsWritten < w.records.size()) {
+      ssize_t got = sendSome(
+          w.records.data() + w.recordsWritten,
+          w.records.size() - w.recordsWritten, error);
+      if (got <= 0) {
+        return RingFlush::kSocketFull;
+      }
+      w.recordsWritten += static_cast<size_t>(got);
+      if (w.recordsWritten == w.records.size()) {
+        w.records.clear();
+        w.recordsWritten = 0;
+      }
+      continue;
+    }
+    if (w.piece > segments.size()) {
+      return RingFlush::kDone;
+    }
+    const char* data;
+    size_t size;
+    if (w.piece == 0) {
+      data = w.prefix.data();
+      size = w.prefix.size();
+    } else {
+      data = static_cast<const char*>(segments[w.piece - 1].data);
+      size = segments[w.piece - 1].size;
+    }
+    if (w.pieceOffset == size) {
+      ++w.piece;
+      w.pieceOffset = 0;
+      continue;
+    }
+    if (w.piece > 0 && w.ring[w.piece - 1]) {
+      shm::ChunkRecord record{};
+      size_t n = ringOut_.produce(
+          data + w.pieceOffset, size - w.pieceOffset, kRingChunk, &record,
+          error);
+      if (!error->empty()) {
+        return RingFlush::kSocketFull;
+      }
+      if (n == 0) {
+        return RingFlush::kRingFull;
+      }
+      w.pieceOffset += n;
+      w.records.append(reinterpret_cast<const char*>(&record), sizeof(record));
+      continue;
+    }
+    ssize_t got = sendSome(data + w.pieceOffset, size - w.pieceOffset, error);
+    if (got <= 0) {
+      return RingFlush::kSocketFull;
+    }
+    w.pieceOffset += static_cast<size_t>(got);
+  }
+}
+
+ssize_t TcpConnection::sendSome(
+    const char* data,
+    size_t size,
+    std::string* error) {
+  while (true) {
+    ssize_t got = ::send(fd_, data, size, MSG_NOSIGNAL);
+    if (got > 0) {
+      noteActivity();
+      return got;
+    }
+    if (got == 0 || errno == EAGAIN || errno == EWOULDBLOCK) {
+      return 0;
+    }
+    if (errno != EINTR) {
+      *error = errnoText("write failed");
+      return -1;
+    }
+  }
+}
+
+void TcpConnection::updateEventsLocked() {
+  bool want = !writes_.empty() &&
+      (state_ == State::kReady || writes_.front().control) &&
+      !(ringBlocked_ && !writes_.front().ring.empty());
+  if (registered_ && want != wantWrite_ && state_ != State::kClosed) {
+    wantWrite_ = want;
+    loop_.modify(fd_, EPOLLIN | (want ? uint32_t(EPOLLOUT) : 0u));
+  }
+}
+
+
+} // namespace torch_rpc_ext::transport::tcp
