@@ -192,6 +192,12 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
         """Set the local devices the agent may use."""
         self.devices = [_device(d, "devices") for d in devices]
 
+    def _fault_injection(self) -> tuple[int, list[str], dict[str, float]]:
+        """(num_fail_sends, messages_to_fail, messages_to_delay); none here.
+
+        torch_rpc_ext.testing.FaultyRpcExtBackendOptions overrides it."""
+        return 0, [], {}
+
     def uses_cuda(self) -> bool:
         """Whether any device map or device names a CUDA device."""
         devs = list(self.devices or [])

@@ -8,6 +8,7 @@
 #include <ATen/ThreadLocalState.h>
 
 #include <optional>
+#include <thread>
 
 #include "csrc/common/logging.h"
 #include "csrc/wire/codec.h"
@@ -88,6 +89,9 @@ Agent::Agent(
       " is outside [0, world_size=",
       worldSize,
       ")");
+  if (!options_.faults.empty()) {
+    faults_ = std::make_unique<FaultInjector>(options_.faults);
+  }
 }
 
 Agent::~Agent() {
@@ -199,6 +203,14 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       " (id ",
       to.id_,
       ")");
+  if (faults_) {
+    if (auto error = faults_->failure(*message)) {
+      auto failed = c10::make_intrusive<JitFuture>(
+          at::AnyClassType::get(), getDevices());
+      failed->setError(std::make_exception_ptr(std::runtime_error(*error)));
+      return failed;
+    }
+  }
 
   int64_t id = nextId_.fetch_add(1, std::memory_order_relaxed);
   transport::OutboundFrame frame = wire::encodeMessage(message, id);
@@ -239,18 +251,39 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   auto& stats = stats_[to.id_];
   stats.callsSent.fetch_add(1, std::memory_order_relaxed);
   stats.bytesSent.fetch_add(wireBytes, std::memory_order_relaxed);
+  auto delay = faults_ ? faults_->delay(message->type())
+                       : std::chrono::milliseconds(0);
+  if (delay.count() == 0) {
+    writeRequest(conn, std::move(frame), id, to.id_);
+  } else {
+    // Held back (fault injection): the call's timeout runs meanwhile, as
+    // it would on a slow network.
+    auto held = std::make_shared<transport::OutboundFrame>(std::move(frame));
+    auto self = shared_from_this();
+    pool_.run([self, conn, held, id, peer = to.id_, delay] {
+      std::this_thread::sleep_for(delay);
+      self->writeRequest(conn, std::move(*held), id, peer);
+    });
+  }
+  return future;
+}
+
+void Agent::writeRequest(
+    const std::shared_ptr<transport::Connection>& conn,
+    transport::OutboundFrame frame,
+    int64_t id,
+    int32_t peerId) {
   // If the connection closed before the call was registered, onClosed has
   // already swept the table: fail the call here so it is not orphaned.
   if (!conn->write(std::move(frame)) || conn->isClosed()) {
     if (auto call = calls_.take(id)) {
-      stats.errors.fetch_add(1, std::memory_order_relaxed);
+      stats_[peerId].errors.fetch_add(1, std::memory_order_relaxed);
       settleWithError(
           std::move(*call),
-          "RPC to " + to.name_ + " failed: connection " + conn->describe() +
-              " is closed: " + conn->closeReason());
+          "RPC to " + workers_[peerId].name_ + " failed: connection " +
+              conn->describe() + " is closed: " + conn->closeReason());
     }
   }
-  return future;
 }
 
 void Agent::settle(

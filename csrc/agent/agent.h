@@ -120,6 +120,12 @@ class Agent final : public rpc::RpcAgent,
     std::string transport;
     std::string address;
   };
+  // Write a registered call's frame; fail the call if the connection is gone.
+  void writeRequest(
+      const std::shared_ptr<transport::Connection>& conn,
+      transport::OutboundFrame frame,
+      int64_t id,
+      int32_t peerId);
   Route chooseRoute(
       const std::string& peerName,
       const std::string& offers,
@@ -144,6 +150,7 @@ class Agent final : public rpc::RpcAgent,
   std::unordered_map<int32_t, std::shared_ptr<transport::Connection>> outbound_;
 
   ThreadPool pool_;
+  std::unique_ptr<FaultInjector> faults_; // tests only
   // Receive buffers for large tensors; storages keep it alive past us.
   std::shared_ptr<BufferPool> buffers_;
   CallTable calls_;

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "csrc/agent/faults.h"
+
 namespace torch_rpc_ext {
 
 // Everything the agent takes from RpcExtBackendOptions, already validated by
@@ -25,6 +27,8 @@ struct AgentOptions {
   std::chrono::milliseconds heartbeatTimeout{10000};
   // Idle receive buffers kept for reuse (released after 2 s unused).
   uint64_t maxCachedReceiveBytes = uint64_t(1) << 31;
+  // Test-only fault injection (torch_rpc_ext.testing); empty in production.
+  FaultInjection faults;
   // Limit on how long init waits for all peers to publish their address.
   std::chrono::milliseconds rendezvousTimeout{300000};
 };

@@ -36,6 +36,22 @@ void bindAgent(py::module_& m) {
                 std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
           })
       .def_property(
+          "num_fail_sends",
+          [](const AgentOptions& o) { return o.faults.numFailSends; },
+          [](AgentOptions& o, int n) { o.faults.numFailSends = n; })
+      .def_property(
+          "messages_to_fail",
+          [](const AgentOptions& o) { return o.faults.messagesToFail; },
+          [](AgentOptions& o, std::vector<std::string> v) {
+            o.faults.messagesToFail = std::move(v);
+          })
+      .def_property(
+          "messages_to_delay",
+          [](const AgentOptions& o) { return o.faults.messagesToDelay; },
+          [](AgentOptions& o, std::unordered_map<std::string, float> v) {
+            o.faults.messagesToDelay = std::move(v);
+          })
+      .def_property(
           "heartbeat_timeout",
           [](const AgentOptions& o) {
             return o.heartbeatTimeout.count() / 1000.0;

@@ -55,16 +55,8 @@ def _deadlock_prone(test) -> bool:
     )
 
 
-class RpcExtAgentTestFixture(RpcAgentTestFixture):
-    @property
-    def rpc_backend(self):
-        return rpc.backend_registry.BackendType[_BACKEND]
-
-    @property
-    def rpc_backend_options(self):
-        return rpc.backend_registry.construct_rpc_backend_options(
-            self.rpc_backend, init_method=self.init_method
-        )
+class ForkedOnRpcExt:
+    """What every fixture of ours shares: processes forked, our error texts."""
 
     def get_shutdown_error_regex(self):
         return "|".join(f"({e})" for e in SHUTDOWN_ERRORS)
@@ -79,6 +71,17 @@ class RpcExtAgentTestFixture(RpcAgentTestFixture):
         # cores. The test bodies are upstream's, unchanged.
         self._start_processes(torch.multiprocessing.get_context("fork").Process)
 
+
+class RpcExtAgentTestFixture(ForkedOnRpcExt, RpcAgentTestFixture):
+    @property
+    def rpc_backend(self):
+        return rpc.backend_registry.BackendType[_BACKEND]
+
+    @property
+    def rpc_backend_options(self):
+        return rpc.backend_registry.construct_rpc_backend_options(
+            self.rpc_backend, init_method=self.init_method
+        )
 
     def _join_processes(self, fn) -> None:
         if not _deadlock_prone(self):

@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Upstream's FAULTY_AGENT_TESTS on FAULTY_TORCH_RPC_EXT (torch_rpc_ext.testing).
+
+FaultyAgentRpcTest, FaultyAgentDistAutogradTest and JitFaultyAgentRpcTest run
+unmodified through RpcExtFaultyAgentTestFixture, which is upstream's
+FaultyRpcAgentTestFixture with our backend, options and process start. Left
+out: the two `test_verify_backend_options` tests, which assert that the
+backend *is* FAULTY_TENSORPIPE (tests/unit/test_options.py checks the same
+options on ours).
+"""
+
+import pytest
+from torch.distributed import rpc
+from torch.testing._internal.distributed.rpc.faulty_rpc_agent_test_fixture import (
+    FaultyRpcAgentTestFixture,
+)
+from torch.testing._internal.distributed.rpc_utils import (
+    FAULTY_AGENT_TESTS,
+    generate_tests,
+)
+
+import torch_rpc_ext.testing
+from tests.conformance.fixture import ForkedOnRpcExt
+
+pytestmark = [pytest.mark.conformance, pytest.mark.timeout(600)]
+
+TENSORPIPE_IDENTITY_TESTS = ("test_verify_backend_options",)
+
+
+class RpcExtFaultyAgentTestFixture(ForkedOnRpcExt, FaultyRpcAgentTestFixture):
+    @property
+    def rpc_backend(self):
+        return rpc.backend_registry.BackendType[torch_rpc_ext.testing.FAULTY_BACKEND_NAME]
+
+    @property
+    def rpc_backend_options(self):
+        return rpc.backend_registry.construct_rpc_backend_options(
+            self.rpc_backend,
+            init_method=self.init_method,
+            num_worker_threads=8,
+            num_fail_sends=3,
+            messages_to_fail=self.messages_to_fail,
+            messages_to_delay=self.messages_to_delay,
+        )
+
+
+def _agent_agnostic(suite):
+    return type(suite.__name__, (suite,), {n: None for n in TENSORPIPE_IDENTITY_TESTS})
+
+
+globals().update(
+    generate_tests(
+        "RpcExt",
+        RpcExtFaultyAgentTestFixture,
+        [_agent_agnostic(s) for s in FAULTY_AGENT_TESTS],
+        __name__,
+    )
+)
