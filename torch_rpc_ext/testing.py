@@ -15,18 +15,35 @@ A failed send's future carries an RPC error of type INTENTIONAL_FAILURE, so
 upstream's retrying senders (RRef and dist-autograd control messages) retry
 it. Delays do not block the caller: the message waits on the agent's pool
 while its timeout runs. Everything else is the TORCH_RPC_EXT agent.
+
+The second half is a raw client of the wire protocol (docs/wire-format.md) for
+tests and fuzzing: frame headers, the client side of the handshake, and a
+check that the agent closed a connection.
 """
 
+import hashlib
+import hmac
+import os
+import socket
+import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.distributed.rpc import constants
 
-from torch_rpc_ext import _torch_private
+from torch_rpc_ext import _C, _torch_private
 from torch_rpc_ext.backend import _init_backend
 from torch_rpc_ext.options import RpcExtBackendOptions
 
-__all__ = ["FAULTY_BACKEND_NAME", "FaultyRpcExtBackendOptions", "register_faulty"]
+__all__ = [
+    "FAULTY_BACKEND_NAME",
+    "FaultyRpcExtBackendOptions",
+    "register_faulty",
+    "frame_header",
+    "handshake",
+    "connect_raw",
+    "closed_by_peer",
+]
 
 FAULTY_BACKEND_NAME = "FAULTY_TORCH_RPC_EXT"
 
@@ -71,3 +88,72 @@ def register_faulty() -> Any:
 
 
 FAULTY_BACKEND = register_faulty()
+
+
+# ---- raw wire client -------------------------------------------------------
+
+HELLO, CHALLENGE, PROOF, MESSAGE, PING, PONG, RING = 1, 2, 3, 4, 5, 6, 7
+
+
+def frame_header(kind, head_len, nseg=0, data=0, magic=None, version=None, flags=0):
+    """The 24-byte frame header; any field can be forged."""
+    return struct.pack(
+        "<IBBHIIQ",
+        _C._testing.FRAME_MAGIC if magic is None else magic,
+        _C._testing.PROTOCOL_VERSION if version is None else version,
+        kind, flags, head_len, nseg, data,
+    )
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return buf
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """True if the peer closes the socket (EOF or reset) within its timeout."""
+    try:
+        while True:
+            if not sock.recv(4096):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def connect_raw(address: str, timeout: float = 5) -> socket.socket:
+    """A plain socket to an agent's "host:port" (tcp) or "@name" (shm) address."""
+    if address.startswith("@"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        sock.connect("\0" + address[1:])
+        return sock
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def _proof(secret, role, cn, sn, cid, sid):
+    msg = b"torch_rpc_ext/1/" + role + cn + sn + struct.pack("<ii", cid, sid)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def handshake(address: str, secret: bytes, client_id: int = 0):
+    """Run the client side of the handshake; return (socket, server proof ok?)."""
+    sock = connect_raw(address)
+    cn = os.urandom(32)
+    sock.sendall(frame_header(HELLO, 36) + struct.pack("<i", client_id) + cn)
+    hdr = recv_exact(sock, 24)
+    if struct.unpack("<IBBHIIQ", hdr)[2] != CHALLENGE:
+        raise ConnectionError("the agent did not answer with a challenge")
+    body = recv_exact(sock, 68)
+    sid = struct.unpack("<i", body[:4])[0]
+    sn, server_proof = body[4:36], body[36:68]
+    ok = hmac.compare_digest(server_proof, _proof(secret, b"server", cn, sn, client_id, sid))
+    sock.sendall(frame_header(PROOF, 32) + _proof(secret, b"client", cn, sn, client_id, sid))
+    return sock, ok

@@ -2,8 +2,6 @@
 """A live agent facing raw sockets: wrong secret, wrong version, garbage,
 oversized frames. Each is refused and counted; legitimate calls keep working."""
 
-import hashlib
-import hmac
 import os
 import socket
 import struct
@@ -14,69 +12,17 @@ import torch
 from torch.distributed import rpc
 
 from tests.rpc.world import init, run_world
-from torch_rpc_ext._C import _testing
+from torch_rpc_ext.testing import (
+    HELLO,
+    MESSAGE,
+    closed_by_peer,
+    frame_header,
+    handshake,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
 SECRET = b"0123456789abcdef0123456789abcdef"
-HELLO, CHALLENGE, PROOF, MESSAGE = 1, 2, 3, 4
-
-
-def frame_header(kind, head_len, nseg=0, data=0, magic=None, version=None, flags=0):
-    return struct.pack(
-        "<IBBHIIQ",
-        _testing.FRAME_MAGIC if magic is None else magic,
-        _testing.PROTOCOL_VERSION if version is None else version,
-        kind, flags, head_len, nseg, data,
-    )
-
-
-def recv_exact(sock, n):
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return buf
-
-
-def closed_by_peer(sock):
-    """True if the peer closes the socket (EOF or reset) within the timeout."""
-    try:
-        while True:
-            if not sock.recv(4096):
-                return True
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except socket.timeout:
-        return False
-
-
-def proof(secret, role, cn, sn, cid, sid):
-    msg = b"torch_rpc_ext/1/" + role + cn + sn + struct.pack("<ii", cid, sid)
-    return hmac.new(secret, msg, hashlib.sha256).digest()
-
-
-def handshake(address, secret, client_id=0):
-    """Run the client side; return (socket, server proof verified?)."""
-    if address.startswith("@"):  # the shm transport's abstract Unix socket
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(5)
-        sock.connect("\0" + address[1:])
-    else:
-        host, port = address.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=5)
-    cn = os.urandom(32)
-    sock.sendall(frame_header(HELLO, 36) + struct.pack("<i", client_id) + cn)
-    hdr = recv_exact(sock, 24)
-    assert struct.unpack("<IBBHIIQ", hdr)[2] == CHALLENGE
-    body = recv_exact(sock, 68)
-    sid = struct.unpack("<i", body[:4])[0]
-    sn, server_proof = body[4:36], body[36:68]
-    ok = hmac.compare_digest(server_proof, proof(secret, b"server", cn, sn, client_id, sid))
-    sock.sendall(frame_header(PROOF, 32) + proof(secret, b"client", cn, sn, client_id, sid))
-    return sock, ok
 
 
 def my_address():

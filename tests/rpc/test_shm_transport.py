@@ -11,19 +11,13 @@ import pytest
 import torch
 from torch.distributed import rpc
 
-from tests.rpc.test_hostile_peers import (
-    MESSAGE,
-    SECRET,
-    closed_by_peer,
-    frame_header,
-    handshake,
-)
+from tests.rpc.test_hostile_peers import SECRET
 from tests.rpc.world import init, run_world
 from torch_rpc_ext._C import _testing
+from torch_rpc_ext.testing import MESSAGE, RING, closed_by_peer, frame_header, handshake
 
 pytestmark = pytest.mark.timeout(180)
 
-RING = 7
 RING_SEGMENT_BIT = 1 << 63
 # Around the 64 KiB ring threshold, the 1 MiB chunk and the 8 MiB ring.
 SIZES = [0, 1, 16383, 16384, 16385, 300_000, 262_145, 2_359_299]

@@ -1,0 +1,39 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""CI's bounded fuzz round against a live agent (benchmarks/fuzz_agent.py):
+no crash, no hang, every pre-authentication case refused and counted, the
+legitimate peer served throughout, memory bounded by max_frame_bytes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(300)
+
+PRE_AUTH = ["garbage", "absurd", "truncated", "mutated", "slow_drip"]
+
+
+def test_bounded_fuzz_round():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fuzz_agent.py"), "--cases", "350", "--seed", "7"],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 2+: the target or the harness died
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["hangs"] == 0, r
+    assert r["legit_calls_failed"] == 0 and r["legit_calls_ok"] > 0, r
+    refused = 0
+    for kind in PRE_AUTH:
+        assert r["by_kind"][kind]["open"] == 0, (kind, r)
+        refused += r["by_kind"][kind]["closed"]
+    assert r["by_kind"]["slow_drip"]["closed"] > 0
+    assert r["by_kind"]["auth_absurd"]["open"] == 0
+    # Every pre-authentication refusal is counted by the target.
+    assert int(r["target_metrics"]["rpc_ext.rejected_connections"]) >= refused
+    # max_frame_bytes is 1 MiB: nothing a fuzzer sends may make it allocate more.
+    rss = r["target_peak_rss_mb"]
+    assert rss["after"] - rss["before"] < 64, rss
+    assert proc.returncode == 0
