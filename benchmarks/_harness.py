@@ -65,6 +65,12 @@ def run_world(target: Callable, world_size: int, *args: Any, timeout: float = 18
 
     Returns (rank 0's result, {rank: peak RSS MB}).
     """
+    results, rss = run_world_all(target, world_size, *args, timeout=timeout)
+    return results[0], rss
+
+
+def run_world_all(target: Callable, world_size: int, *args: Any, timeout: float = 1800):
+    """Like run_world, but returns ({rank: result}, {rank: peak RSS MB})."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -88,7 +94,7 @@ def run_world(target: Callable, world_size: int, *args: Any, timeout: float = 18
     for r, v in results.items():
         if isinstance(v, Exception):
             raise RuntimeError(f"rank {r} failed:\n{v}")
-    return results[0], rss
+    return results, rss
 
 
 def emit(row: dict, stream=sys.stdout) -> None:
