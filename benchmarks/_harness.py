@@ -60,16 +60,21 @@ def _entry(target, rank, world_size, port, queue, args):
         raise e
 
 
-def run_world(target: Callable, world_size: int, *args: Any, timeout: float = 1800):
+def run_world(
+    target: Callable, world_size: int, *args: Any, timeout: float = 1800, dies: int = 0
+):
     """Spawn ``world_size`` processes of ``target(rank, world_size, *args)``.
 
-    Returns (rank 0's result, {rank: peak RSS MB}).
+    ``dies`` of them (never rank 0) are expected to be killed and report
+    nothing. Returns (rank 0's result, {rank: peak RSS MB}).
     """
-    results, rss = run_world_all(target, world_size, *args, timeout=timeout)
+    results, rss = run_world_all(target, world_size, *args, timeout=timeout, dies=dies)
     return results[0], rss
 
 
-def run_world_all(target: Callable, world_size: int, *args: Any, timeout: float = 1800):
+def run_world_all(
+    target: Callable, world_size: int, *args: Any, timeout: float = 1800, dies: int = 0
+):
     """Like run_world, but returns ({rank: result}, {rank: peak RSS MB})."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -82,7 +87,7 @@ def run_world_all(target: Callable, world_size: int, *args: Any, timeout: float 
         p.start()
     results, rss = {}, {}
     try:
-        for _ in procs:
+        for _ in range(len(procs) - dies):
             rank, blob, mb = queue.get(timeout=timeout)
             results[rank] = pickle.loads(blob)
             rss[rank] = round(mb, 1)

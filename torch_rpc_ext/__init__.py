@@ -23,5 +23,16 @@ from torch_rpc_ext.options import RpcExtBackendOptions
 __all__ = ["BACKEND", "BACKEND_NAME", "RpcExtBackendOptions", "register", "__version__"]
 __version__ = "0.1.0"
 
-BACKEND = register()
+register()
 del _C
+
+
+def __getattr__(name: str):
+    # BACKEND is looked up on every access: any later register_backend()
+    # (e.g. torch_rpc_ext.testing's FAULTY_TORCH_RPC_EXT) rebuilds torch's
+    # BackendType enum, and a member kept from before would be stale.
+    if name == "BACKEND":
+        from torch.distributed.rpc import backend_registry
+
+        return backend_registry.BackendType[BACKEND_NAME]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

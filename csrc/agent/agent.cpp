@@ -327,19 +327,12 @@ void Agent::callFinished() {
 void Agent::onReady(const std::shared_ptr<transport::Connection>& /*conn*/) {}
 
 transport::InboundBuffers Agent::onFrameHead(
-    transport::Connection& conn,
+    transport::Connection& /*conn*/,
     const std::string& head,
     const std::vector<uint64_t>& segmentSizes) {
-  try {
-    auto in = wire::InboundMessage::prepare(head, segmentSizes, buffers_);
-    return in->buffers(in);
-  } catch (...) {
-    int32_t peer = conn.peerId();
-    if (peer >= 0 && peer < worldSize_) {
-      stats_[peer].rejectedFrames.fetch_add(1, std::memory_order_relaxed);
-    }
-    throw;
-  }
+  // A throw rejects the frame; onClosed counts it (rejectedPeer()).
+  auto in = wire::InboundMessage::prepare(head, segmentSizes, buffers_);
+  return in->buffers(in);
 }
 
 void Agent::onFrame(
@@ -460,6 +453,10 @@ void Agent::onClosed(transport::Connection& conn, const std::string& reason) {
       }
     }
   }
+  int32_t authenticated = conn.peerId();
+  if (conn.rejectedPeer() && authenticated >= 0 && authenticated < worldSize_) {
+    stats_[authenticated].rejectedFrames.fetch_add(1, std::memory_order_relaxed);
+  }
   if (!conn.isOutbound() && conn.peerId() < 0 && !reason.empty()) {
     rejectedConnections_.fetch_add(1, std::memory_order_relaxed);
     logWarning(
@@ -484,31 +481,6 @@ void Agent::onClosed(transport::Connection& conn, const std::string& reason) {
         std::move(call),
         "RPC to " + workers_[peer].name_ + " failed: connection " +
             conn.describe() + " lost: " + why);
-  }
-}
-
-void Agent::join(bool shutdown, float /*timeout*/) {
-  ::c10d::PrefixStore joinStore("torch_rpc_ext/join", store_);
-  while (true) {
-    {
-      std::unique_lock<std::mutex> lock(callCountMutex_);
-      callCountCv_.wait(lock, [this] { return clientActiveCalls_ == 0; });
-    }
-    // Everyone arrives with no calls of their own in flight...
-    rpc::syncCallCount(joinStore, worldSize_);
-    // ...then counts what started meanwhile (nested or follow-up calls). The
-    // lock keeps our count from going stale while it is summed; another round
-    // runs if anybody still has calls.
-    std::unique_lock<std::mutex> lock(callCountMutex_);
-    int total = rpc::syncCallCount(
-        joinStore, worldSize_, static_cast<int>(clientActiveCalls_));
-    if (total == 0) {
-      if (shutdown) {
-        shuttingDown_ = true;
-        rpc::syncCallCount(joinStore, worldSize_);
-      }
-      break;
-    }
   }
 }
 

@@ -2,10 +2,12 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -120,6 +122,13 @@ class Agent final : public rpc::RpcAgent,
     std::string transport;
     std::string address;
   };
+  // One barrier of join(): publish `value`, wait for every worker's (failing
+  // with the names of the missing, or of an unreachable one, rather than
+  // waiting forever), return the sum.
+  int64_t joinRound(
+      int64_t value,
+      std::optional<std::chrono::steady_clock::time_point> deadline,
+      float timeout);
   // Write a registered call's frame; fail the call if the connection is gone.
   void writeRequest(
       const std::shared_ptr<transport::Connection>& conn,
@@ -164,6 +173,7 @@ class Agent final : public rpc::RpcAgent,
   std::mutex callCountMutex_;
   std::condition_variable callCountCv_;
   int64_t clientActiveCalls_ = 0;
+  int64_t joinRounds_ = 0; // join barriers passed (same on every worker)
   std::atomic<int64_t> serverActiveCalls_{0};
   std::atomic<int64_t> serverActiveAsyncCalls_{0};
   std::atomic<bool> shuttingDown_{false};

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// Agent start-up: the group secret, our listeners, and every worker's name
-// and route, exchanged through the c10d store handed to init_rpc.
+// The agent's group coordination through the c10d store handed to init_rpc:
+// start-up (the group secret, our listeners, every worker's name and route)
+// and join (the barrier of graceful shutdown).
+#include <chrono>
 #include <map>
 #include <sstream>
 
@@ -18,6 +20,9 @@ namespace {
 
 constexpr const char* kSecretKey = "torch_rpc_ext/secret";
 constexpr const char* kWorkerKeyPrefix = "torch_rpc_ext/worker/";
+constexpr const char* kJoinKeyPrefix = "torch_rpc_ext/join/";
+// How long join waits between looks at who is missing (and probes of them).
+constexpr auto kJoinSlice = std::chrono::milliseconds(200);
 constexpr size_t kSecretBytes = 32;
 
 std::string fromBytes(const std::vector<uint8_t>& v) {
@@ -155,6 +160,106 @@ Agent::Route Agent::chooseRoute(
       "] and this worker uses ",
       c10::Join(",", options_.transports),
       " (shm needs both on one host)");
+}
+
+void Agent::join(bool shutdown, float timeout) {
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  if (timeout > 0) {
+    deadline = std::chrono::steady_clock::now() +
+        std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
+  }
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(callCountMutex_);
+      auto idle = [this] { return clientActiveCalls_ == 0; };
+      if (!deadline) {
+        callCountCv_.wait(lock, idle);
+      } else {
+        TORCH_CHECK(
+            callCountCv_.wait_until(lock, *deadline, idle),
+            "RPC join timed out after ",
+            timeout,
+            " s: ",
+            clientActiveCalls_,
+            " calls of ",
+            workerInfo_.name_,
+            " are still waiting for responses");
+      }
+    }
+    // Everyone arrives with no calls of their own in flight...
+    joinRound(0, deadline, timeout);
+    // ...then counts what started meanwhile (nested or follow-up calls). The
+    // lock keeps our count from going stale while it is summed; another round
+    // runs if anybody still has calls.
+    std::unique_lock<std::mutex> lock(callCountMutex_);
+    if (joinRound(clientActiveCalls_, deadline, timeout) == 0) {
+      if (shutdown) {
+        shuttingDown_ = true;
+        joinRound(0, deadline, timeout);
+      }
+      return;
+    }
+  }
+}
+
+int64_t Agent::joinRound(
+    int64_t value,
+    std::optional<std::chrono::steady_clock::time_point> deadline,
+    float timeout) {
+  // Every worker runs the same sequence of rounds, so the round number
+  // names the same barrier everywhere.
+  std::string prefix = kJoinKeyPrefix + std::to_string(joinRounds_++) + "/";
+  store_->set(
+      prefix + std::to_string(workerInfo_.id_), toBytes(std::to_string(value)));
+  std::vector<std::string> keys;
+  for (int r = 0; r < worldSize_; ++r) {
+    keys.push_back(prefix + std::to_string(r));
+  }
+  while (true) {
+    try {
+      store_->wait(keys, kJoinSlice);
+      break;
+    } catch (const c10::DistStoreError&) {
+      // Not everyone yet: see below. (A store that is gone throws from
+      // check() instead, and that propagates.)
+    }
+    // Who is missing, and can we still reach them? A dead peer would make
+    // us wait forever: its connection fails (refused, reset, or no
+    // handshake within handshake_timeout) and we say so.
+    std::vector<std::string> missing;
+    for (int r = 0; r < worldSize_; ++r) {
+      if (store_->check({keys[r]})) {
+        continue;
+      }
+      auto conn = connectionTo(r);
+      if (conn->isClosed() && !conn->closeReason().empty()) {
+        TORCH_CHECK(
+            false,
+            "RPC join on ",
+            workerInfo_.name_,
+            ": worker ",
+            workers_[r].name_,
+            " is unreachable (",
+            conn->closeReason(),
+            "), so a graceful shutdown cannot complete; use "
+            "rpc.shutdown(graceful=False)");
+      }
+      missing.push_back(workers_[r].name_);
+    }
+    TORCH_CHECK(
+        !deadline || std::chrono::steady_clock::now() < *deadline,
+        "RPC join on ",
+        workerInfo_.name_,
+        " timed out after ",
+        timeout,
+        " s waiting for ",
+        c10::Join(", ", missing));
+  }
+  int64_t sum = 0;
+  for (const auto& key : keys) {
+    sum += std::stoll(fromBytes(store_->get(key)));
+  }
+  return sum;
 }
 
 } // namespace torch_rpc_ext

@@ -67,6 +67,10 @@ class Connection {
   // Why the connection closed ("" while open, or after a local close()).
   virtual std::string closeReason() const = 0;
 
+  // True if it was closed because the peer broke the protocol (a frame
+  // rejected by the transport or by the observer's onFrameHead).
+  virtual bool rejectedPeer() const = 0;
+
   // Human-readable endpoints, for logs and errors.
   virtual std::string describe() const = 0;
 };

@@ -31,8 +31,13 @@ def test_bounded_fuzz_round():
         refused += r["by_kind"][kind]["closed"]
     assert r["by_kind"]["slow_drip"]["closed"] > 0
     assert r["by_kind"]["auth_absurd"]["open"] == 0
-    # Every pre-authentication refusal is counted by the target.
-    assert int(r["target_metrics"]["rpc_ext.rejected_connections"]) >= refused
+    # Every refusal is counted by the target: before authentication as a
+    # rejected connection, after it against the peer it authenticated as.
+    m = r["target_metrics"]
+    assert int(m["rpc_ext.rejected_connections"]) >= refused
+    after_auth = r["by_kind"]["auth_mutated"]["closed"] + r["by_kind"]["auth_absurd"]["closed"]
+    assert after_auth > 0
+    assert int(m["rpc_ext.peer.worker0.rejected_frames"]) >= after_auth, r
     # max_frame_bytes is 1 MiB: nothing a fuzzer sends may make it allocate more.
     rss = r["target_peak_rss_mb"]
     assert rss["after"] - rss["before"] < 64, rss

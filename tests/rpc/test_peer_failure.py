@@ -109,3 +109,26 @@ def test_frozen_peer_is_detected_by_the_heartbeat():
     assert 2.0 <= out["detect_s"] < 6, out["detect_s"]
     for err in out["errors"]:
         assert err is not None and "worker1" in err and "heartbeat" in err, err
+
+
+def shutdown_with_a_dead_peer(rank, world_size):
+    init(rank, world_size, rpc_timeout=5)
+    if rank == 1:
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(2.5)  # worker1 is gone
+    t0 = time.monotonic()
+    err = None
+    try:
+        rpc.shutdown(graceful=True, timeout=5)
+    except RuntimeError as e:
+        err = str(e)
+    return {"seconds": time.monotonic() - t0, "error": err}
+
+
+def test_graceful_shutdown_with_a_dead_peer_raises_within_its_timeout():
+    out = run_world(shutdown_with_a_dead_peer, world_size=3, dies=frozenset({1}), timeout=90)
+    for rank in (0, 2):
+        # Raises, naming the dead worker, instead of waiting for it forever.
+        assert out[rank]["seconds"] < 15, out
+        assert out[rank]["error"] is not None and "worker1" in out[rank]["error"], out

@@ -21,6 +21,15 @@ def test_register_is_idempotent_and_public_enum_is_current():
     assert {"TENSORPIPE", "TORCH_RPC_EXT"} <= set(rpc.BackendType.__members__)
 
 
+def test_backend_stays_current_after_another_registration():
+    # Registering any other backend rebuilds torch's BackendType enum.
+    import torch_rpc_ext.testing
+
+    assert torch_rpc_ext.BACKEND is rpc.BackendType.TORCH_RPC_EXT
+    assert torch_rpc_ext.testing.register_faulty() is rpc.BackendType.FAULTY_TORCH_RPC_EXT
+    assert {"TENSORPIPE", "TORCH_RPC_EXT", "FAULTY_TORCH_RPC_EXT"} <= set(rpc.BackendType.__members__)
+
+
 def test_options_construction_handler_gives_our_options():
     opts = rpc.backend_registry.construct_rpc_backend_options(
         rpc.BackendType.TORCH_RPC_EXT, rpc_timeout=3, num_worker_threads=2

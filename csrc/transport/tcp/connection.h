@@ -70,6 +70,9 @@ class TcpConnection final : public Connection,
   }
   std::string describe() const override;
   std::string closeReason() const override;
+  bool rejectedPeer() const override {
+    return rejected_.load();
+  }
 
   void handleEventsFromLoop(uint32_t events) override;
   // shm: the peer released ring space we wait for. Loop thread.
@@ -158,6 +161,11 @@ class TcpConnection final : public Connection,
   // options say how. Call without writeMutex_ held.
   void releaseFinished();
   void closeInternal(std::string reason, bool local);
+  // Close because the peer broke the protocol (see rejectedPeer()).
+  void rejectFromLoop(const std::string& reason) {
+    rejected_ = true;
+    closeInternal(reason, false);
+  }
 
   Loop& loop_;
   const TransportOptions& options_;
@@ -174,6 +182,7 @@ class TcpConnection final : public Connection,
   size_t fdsReceivedTotal_ = 0;
   std::atomic<State> state_;
   std::atomic<int32_t> peerId_{-1}; // set once authenticated
+  std::atomic<bool> rejected_{false};
   // steady_clock ticks of the last byte received or accepted by the socket.
   std::atomic<int64_t> lastActivity_{0};
   Handshake handshake_; // loop thread

@@ -50,7 +50,7 @@ ssize_t TcpConnection::readFromLoop(void* dst, size_t size) {
         }
         if ((msg.msg_flags & MSG_CTRUNC) != 0 ||
             fdsReceivedTotal_ > kMaxReceivedFds) {
-          closeInternal("peer sent unexpected file descriptors", false);
+          rejectFromLoop("peer sent unexpected file descriptors");
           return -1;
         }
       }
@@ -153,7 +153,7 @@ bool TcpConnection::consumeFromLoop() {
         std::string why = ringIn_.consume(
             record_, dst, segmentSizes_[segmentIndex_] - segmentFilled_);
         if (!why.empty()) {
-          closeInternal("rejected frame: " + why, false);
+          rejectFromLoop("rejected frame: " + why);
           return false;
         }
         advanceSegmentFromLoop(record_.length);
@@ -199,7 +199,7 @@ bool TcpConnection::onHeaderFromLoop() {
     }
   }
   if (!why.empty()) {
-    closeInternal("rejected frame: " + why, false);
+    rejectFromLoop("rejected frame: " + why);
     return false;
   }
   phaseFilled_ = 0;
@@ -225,20 +225,19 @@ bool TcpConnection::onLengthsAndHeadFromLoop() {
     if ((segmentSizes_[i] & kRingSegmentBit) != 0) {
       segmentSizes_[i] &= ~kRingSegmentBit;
       if (ringSegments_.empty() || segmentSizes_[i] == 0) {
-        closeInternal("rejected frame: bad ring segment length", false);
+        rejectFromLoop("rejected frame: bad ring segment length");
         return false;
       }
       ringSegments_[i] = true;
     }
     if (segmentSizes_[i] > header_.dataLength - sum) {
-      closeInternal("rejected frame: segment lengths exceed dataLength", false);
+      rejectFromLoop("rejected frame: segment lengths exceed dataLength");
       return false;
     }
     sum += segmentSizes_[i];
   }
   if (sum != header_.dataLength) {
-    closeInternal("rejected frame: segment lengths do not sum to dataLength",
-                  false);
+    rejectFromLoop("rejected frame: segment lengths do not sum to dataLength");
     return false;
   }
   head_ = lengthsAndHead_.substr(n * 8);
@@ -265,11 +264,11 @@ bool TcpConnection::onLengthsAndHeadFromLoop() {
   try {
     inbound_ = observer_->onFrameHead(*this, head_, segmentSizes_);
   } catch (const std::exception& e) {
-    closeInternal(std::string("rejected frame: ") + e.what(), false);
+    rejectFromLoop(std::string("rejected frame: ") + e.what());
     return false;
   }
   if (inbound_.segments.size() != n) {
-    closeInternal("rejected frame: receiver gave wrong buffer count", false);
+    rejectFromLoop("rejected frame: receiver gave wrong buffer count");
     return false;
   }
   segmentIndex_ = 0;
@@ -285,7 +284,7 @@ bool TcpConnection::onLengthsAndHeadFromLoop() {
 
 bool TcpConnection::onRingSetupFromLoop() {
   if (receivedFds_.size() != 2) {
-    closeInternal("rejected frame: ring setup without its descriptors", false);
+    rejectFromLoop("rejected frame: ring setup without its descriptors");
     return false;
   }
   uint64_t capacity;
@@ -295,7 +294,7 @@ bool TcpConnection::onRingSetupFromLoop() {
   receivedFds_.clear();
   std::string why = shm::Ring::attach(memFd, wakeFd, capacity, &ringIn_);
   if (!why.empty()) {
-    closeInternal("rejected ring: " + why, false);
+    rejectFromLoop("rejected ring: " + why);
     return false;
   }
   return true;
