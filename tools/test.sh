@@ -20,4 +20,6 @@ fi
 python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance tests/rpc
 TORCH_RPC_EXT_TRANSPORTS=tcp \
   python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance
+# Upstream's fault-injection suites: a process of their own (see the module).
+python -m pytest -p no:cacheprovider -q --timeout 900 tests/faulty
 python -m pytest -p no:cacheprovider -q --timeout 300 tests/unit

@@ -2,9 +2,11 @@
 // The agent's group coordination through the c10d store handed to init_rpc:
 // start-up (the group secret, our listeners, every worker's name and route)
 // and join (the barrier of graceful shutdown).
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include <c10/util/StringUtil.h>
 
@@ -21,7 +23,7 @@ namespace {
 constexpr const char* kSecretKey = "torch_rpc_ext/secret";
 constexpr const char* kWorkerKeyPrefix = "torch_rpc_ext/worker/";
 constexpr const char* kJoinKeyPrefix = "torch_rpc_ext/join/";
-// How long join waits between looks at who is missing (and probes of them).
+// How often join looks at who is missing (and probes them), at most.
 constexpr auto kJoinSlice = std::chrono::milliseconds(200);
 constexpr size_t kSecretBytes = 32;
 
@@ -215,37 +217,53 @@ int64_t Agent::joinRound(
   for (int r = 0; r < worldSize_; ++r) {
     keys.push_back(prefix + std::to_string(r));
   }
-  while (true) {
-    try {
-      store_->wait(keys, kJoinSlice);
-      break;
-    } catch (const c10::DistStoreError&) {
-      // Not everyone yet: see below. (A store that is gone throws from
-      // check() instead, and that propagates.)
+  // Poll rather than block in store->wait(): stores differ in what a wait
+  // timeout throws. The poll interval grows to kJoinSlice, so a barrier that
+  // everyone reaches together costs a millisecond or two.
+  auto pause = std::chrono::milliseconds(1);
+  auto nextProbe = std::chrono::steady_clock::now() + kJoinSlice;
+  while (!store_->check(keys)) {
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, kJoinSlice);
+    if (std::chrono::steady_clock::now() < nextProbe) {
+      continue;
     }
+    nextProbe = std::chrono::steady_clock::now() + kJoinSlice;
     // Who is missing, and can we still reach them? A dead peer would make
     // us wait forever: its connection fails (refused, reset, or no
-    // handshake within handshake_timeout) and we say so.
-    std::vector<std::string> missing;
+    // handshake within handshake_timeout) and we say so. Connections opened
+    // by this probe get a moment to succeed or fail.
+    std::vector<int> missingRanks;
+    std::vector<std::shared_ptr<transport::Connection>> conns;
     for (int r = 0; r < worldSize_; ++r) {
-      if (store_->check({keys[r]})) {
-        continue;
+      if (!store_->check({keys[r]})) {
+        missingRanks.push_back(r);
+        conns.push_back(connectionTo(r));
       }
-      auto conn = connectionTo(r);
-      if (conn->isClosed() && !conn->closeReason().empty()) {
-        TORCH_CHECK(
-            false,
-            "RPC join on ",
-            workerInfo_.name_,
-            ": worker ",
-            workers_[r].name_,
-            " is unreachable (",
-            conn->closeReason(),
-            "), so a graceful shutdown cannot complete; use "
-            "rpc.shutdown(graceful=False)");
-      }
-      missing.push_back(workers_[r].name_);
     }
+    auto settleBy = std::chrono::steady_clock::now() + kJoinSlice / 4;
+    while (std::chrono::steady_clock::now() < settleBy &&
+           std::any_of(conns.begin(), conns.end(), [](const auto& c) {
+             return !c->isReady() && !c->isClosed();
+           })) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::vector<std::string> missing, unreachable;
+    for (size_t i = 0; i < missingRanks.size(); ++i) {
+      const std::string& name = workers_[missingRanks[i]].name_;
+      missing.push_back(name);
+      if (conns[i]->isClosed() && !conns[i]->closeReason().empty()) {
+        unreachable.push_back(name + " (" + conns[i]->closeReason() + ")");
+      }
+    }
+    TORCH_CHECK(
+        unreachable.empty(),
+        "RPC join on ",
+        workerInfo_.name_,
+        ": unreachable: ",
+        c10::Join(", ", unreachable),
+        "; a graceful shutdown cannot complete, use "
+        "rpc.shutdown(graceful=False)");
     TORCH_CHECK(
         !deadline || std::chrono::steady_clock::now() < *deadline,
         "RPC join on ",

@@ -5,8 +5,15 @@ FaultyAgentRpcTest, FaultyAgentDistAutogradTest and JitFaultyAgentRpcTest run
 unmodified through RpcExtFaultyAgentTestFixture, which is upstream's
 FaultyRpcAgentTestFixture with our backend, options and process start. Left
 out: the two `test_verify_backend_options` tests, which assert that the
-backend *is* FAULTY_TENSORPIPE (tests/unit/test_options.py checks the same
-options on ours).
+backend *is* FAULTY_TENSORPIPE (tests/rpc/test_fault_injection.py checks the
+same options on ours).
+
+This module runs in a pytest process of its own (tools/test.sh): importing
+upstream's faulty fixture registers FAULTY_TENSORPIPE, whose options handler
+takes no defaults, and from then on init_rpc's backend inference raises the
+handler's TypeError instead of "Could not infer backend for options"
+(RpcTest.test_cannot_infer_backend_from_options). Upstream keeps these suites
+in separate test files for the same reason.
 """
 
 import pytest
