@@ -37,11 +37,11 @@ _BACKEND = os.environ.get("TORCH_RPC_EXT_CONFORMANCE_BACKEND", torch_rpc_ext.BAC
 # "DDP + gloo teardown deadlock"): a C++ destructor joins gloo's worker
 # threads while holding the GIL that one of them needs (pytorch#56297). We
 # saw it on TensorPipe too, through this fixture (1 hang in 15 runs of the
-# DDP tests). Those tests take about a second each, so a hang is cut at 60 s
+# DDP tests). Those tests take about a second each, so a hang is cut at 30 s
 # and the test is run once more on fresh processes, with a warning in
 # pytest's summary saying so. A test that hangs twice fails.
 _UPSTREAM_DEADLOCK_SUITES = ("DdpUnderDistAutogradTest", "DdpComparisonTest")
-_HANG_LIMIT_S = 60
+_HANG_LIMIT_S = 30
 
 # Their bodies also race: the master's first RPC can reach a trainer before
 # the trainer's own init_process_group has set its default group. torch's
