@@ -38,6 +38,7 @@ def _agent_options(opts: RpcExtBackendOptions) -> "_C._AgentOptions":
     out.max_frame_bytes = opts.max_frame_bytes
     out.handshake_timeout = opts.handshake_timeout
     out.heartbeat_timeout = opts.heartbeat_timeout
+    out.busy_poll_us = opts.busy_poll_us
     out.max_cached_receive_bytes = opts.max_cached_receive_bytes
     out.num_fail_sends, out.messages_to_fail, out.messages_to_delay = opts._fault_injection()
     return out

@@ -14,6 +14,7 @@ __all__ = ["RpcExtBackendOptions", "DEFAULT_MAX_FRAME_BYTES"]
 
 DEFAULT_MAX_FRAME_BYTES = 1 << 34  # 16 GiB
 DEFAULT_TRANSPORTS = ("shm", "tcp")
+DEFAULT_BUSY_POLL_US = 200
 DeviceLike = int | str | torch.device
 
 
@@ -78,6 +79,11 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
             declared dead and its pending calls fail naming the peer; idle
             connections are pinged every ``heartbeat_timeout / 5`` seconds,
             so a silent partition or a frozen peer is detected. 0 disables.
+        busy_poll_us: After serving a request, a transport thread polls for
+            the next one this many microseconds before sleeping in the kernel,
+            which saves a wake-up (tens of microseconds on a VM) when calls
+            come back to back. Adaptive: polls that keep finding nothing are
+            skipped for a while. 0 never polls; at most 10000.
         max_cached_receive_bytes: Receive buffers for tensors of 1 MiB or more
             are recycled (already faulted in, huge-page backed); this bounds
             the idle cache. Idle buffers go back to the OS after 2 s.
@@ -100,6 +106,7 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         handshake_timeout: float = 10.0,
         heartbeat_timeout: float = 10.0,
+        busy_poll_us: int = DEFAULT_BUSY_POLL_US,
         max_cached_receive_bytes: int = 1 << 31,
     ) -> None:
         if isinstance(num_worker_threads, bool) or not isinstance(
@@ -147,6 +154,12 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
             raise ValueError(
                 f"heartbeat_timeout must be 0 (off) or >= 0.05 seconds, got {heartbeat_timeout!r}"
             )
+        if (
+            isinstance(busy_poll_us, bool)
+            or not isinstance(busy_poll_us, int)
+            or not 0 <= busy_poll_us <= 10000
+        ):
+            raise ValueError(f"busy_poll_us must be an int in [0, 10000], got {busy_poll_us!r}")
         if not isinstance(max_cached_receive_bytes, int) or max_cached_receive_bytes < 0:
             raise ValueError(
                 f"max_cached_receive_bytes must be an int >= 0, got {max_cached_receive_bytes!r}"
@@ -165,6 +178,7 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
         self.max_frame_bytes = max_frame_bytes
         self.handshake_timeout = float(handshake_timeout)
         self.heartbeat_timeout = float(heartbeat_timeout)
+        self.busy_poll_us = busy_poll_us
         self.max_cached_receive_bytes = max_cached_receive_bytes
 
     def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:

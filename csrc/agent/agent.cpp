@@ -109,15 +109,22 @@ void Agent::shutdownImpl() {
     return;
   }
   shuttingDown_ = true;
+  // Fail pending calls first: a request running on a loop thread may wait on
+  // one of them, and stopping a transport waits for that request. Then again
+  // for calls registered meanwhile by sends already past their check.
+  auto failPending = [this] {
+    for (auto& [id, call] : calls_.takeAll()) {
+      settleWithError(
+          std::move(call),
+          "RPC agent of " + workerInfo_.name_ +
+              " shut down before a response arrived");
+    }
+  };
+  failPending();
   for (auto& [name, t] : transports_) {
     t->stop();
   }
-  for (auto& [id, call] : calls_.takeAll()) {
-    settleWithError(
-        std::move(call),
-        "RPC agent of " + workerInfo_.name_ +
-            " shut down before a response arrived");
-  }
+  failPending();
   calls_.stop();
   // Finish what the pool holds: completions just posted, and responses of
   // requests that were running (they are dropped, the transport is down).
@@ -287,19 +294,25 @@ void Agent::writeRequest(
 }
 
 void Agent::settle(
+    transport::Connection& conn,
     CallTable::Call call,
     c10::intrusive_ptr<rpc::Message> response) {
+  // On the loop thread that read the response, right after the read pass:
+  // the future's callbacks (which may take the GIL) run without a hop, and
+  // the waiting caller is woken straight from here.
   auto self = shared_from_this();
-  pool_.run([self, call = std::move(call), response = std::move(response)] {
-    if (response->type() == rpc::MessageType::EXCEPTION) {
-      std::string text(response->payload().begin(), response->payload().end());
-      call.future->setErrorIfNeeded(
-          std::make_exception_ptr(std::runtime_error(text)));
-    } else {
-      call.future->markCompleted(c10::IValue(response));
-    }
-    self->callFinished();
-  });
+  conn.runAfterDispatch(
+      [self, call = std::move(call), response = std::move(response)] {
+        if (response->type() == rpc::MessageType::EXCEPTION) {
+          std::string text(
+              response->payload().begin(), response->payload().end());
+          call.future->setErrorIfNeeded(
+              std::make_exception_ptr(std::runtime_error(text)));
+        } else {
+          call.future->markCompleted(c10::IValue(response));
+        }
+        self->callFinished();
+      });
 }
 
 void Agent::settleWithError(CallTable::Call call, std::string error) {
@@ -357,10 +370,13 @@ void Agent::onFrame(
   if (message->isRequest()) {
     stats_[peer].callsServed.fetch_add(1, std::memory_order_relaxed);
     ++serverActiveCalls_;
+    // Served on this loop thread after the read pass: no hop (see settle).
     auto self = shared_from_this();
-    pool_.run([self, conn, message = std::move(message)]() mutable {
-      self->serveRequest(std::move(conn), std::move(message));
-    });
+    conn->runAfterDispatch(
+        [self, conn, message = std::move(message)]() mutable {
+          self->serveRequest(std::move(conn), std::move(message));
+        },
+        /*expectMore=*/true);
     return;
   }
   auto call = calls_.take(message->id());
@@ -369,7 +385,7 @@ void Agent::onFrame(
     lateResponses_.fetch_add(1, std::memory_order_relaxed);
     return;
   }
-  settle(std::move(*call), std::move(message));
+  settle(*conn, std::move(*call), std::move(message));
 }
 
 void Agent::serveRequest(

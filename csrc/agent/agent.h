@@ -30,10 +30,14 @@ namespace rpc = torch::distributed::rpc;
 // The torch_rpc_ext RpcAgent.
 //
 // Threads (docs/architecture.md):
-//  - the transport's loop thread reads frames, decodes them into Messages
-//    (no Python, no GIL) and hands requests and responses to the pool;
-//  - the pool runs RequestCallbackImpl for requests (which may take the GIL)
-//    and completes client futures (whose callbacks may take the GIL);
+//  - the transport's loop thread reads frames and decodes them into
+//    Messages (no Python, no GIL); after each read pass, the same thread
+//    serves the requests (RequestCallbackImpl, which may take the GIL) and
+//    completes client futures (whose callbacks may take the GIL). Work that
+//    stalls makes the loop hand itself to a new thread (tcp/loop.h), so the
+//    reads never wait on user code for more than a few milliseconds;
+//  - the pool settles failures (timeouts, lost connections) and runs what
+//    fault injection delays;
 //  - the CallTable thread expires timed-out calls;
 //  - send() runs on the caller's thread (often with the GIL held) and never
 //    blocks on anything that needs the GIL.
@@ -115,7 +119,6 @@ class Agent final : public rpc::RpcAgent,
       transport::Connection& conn,
       int64_t id,
       JitFuture& result);
-  // Settle a client call on the pool, then drop it from the active count.
   // How we reach each worker: the first transport of our preference order
   // that it offers too ("shm" only when it runs on our host).
   struct Route {
@@ -139,7 +142,11 @@ class Agent final : public rpc::RpcAgent,
       const std::string& peerName,
       const std::string& offers,
       const std::string& hostKey) const;
-  void settle(CallTable::Call call, c10::intrusive_ptr<rpc::Message> response);
+  // Complete a client call on `conn`'s loop thread, after its read pass.
+  void settle(
+      transport::Connection& conn,
+      CallTable::Call call,
+      c10::intrusive_ptr<rpc::Message> response);
   void settleWithError(CallTable::Call call, std::string error);
   void callFinished();
 

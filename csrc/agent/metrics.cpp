@@ -31,6 +31,11 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
   m["rpc_ext.late_responses"] = std::to_string(lateResponses_.load());
   m["rpc_ext.receive_pool_cached_bytes"] = std::to_string(buffers_->cachedBytes());
   m["rpc_ext.receive_pool_live_blocks"] = std::to_string(buffers_->liveBlocks());
+  for (const auto& [name, t] : transports_) {
+    for (const auto& [counter, value] : t->counters()) {
+      m["rpc_ext." + name + "." + counter] = std::to_string(value);
+    }
+  }
   for (int r = 0; r < worldSize_; ++r) {
     const auto& s = stats_[r];
     if (s.callsSent == 0 && s.callsServed == 0 && s.errors == 0 &&

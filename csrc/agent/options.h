@@ -25,6 +25,8 @@ struct AgentOptions {
   std::chrono::milliseconds handshakeTimeout{10000};
   // See TransportOptions::heartbeatTimeout.
   std::chrono::milliseconds heartbeatTimeout{10000};
+  // See TransportOptions::busyPoll.
+  std::chrono::microseconds busyPoll{0};
   // Idle receive buffers kept for reuse (released after 2 s unused).
   uint64_t maxCachedReceiveBytes = uint64_t(1) << 31;
   // Test-only fault injection (torch_rpc_ext.testing); empty in production.

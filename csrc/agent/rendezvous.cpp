@@ -54,6 +54,7 @@ void Agent::rendezvous() {
   topts.limits.maxFrameBytes = options_.maxFrameBytes;
   topts.handshakeTimeout = options_.handshakeTimeout;
   topts.heartbeatTimeout = options_.heartbeatTimeout;
+  topts.busyPoll = options_.busyPoll;
   // Sent messages may hold the last reference to tensors with Python
   // objects; let the pool, not the loop thread, drop them.
   topts.releaseOffLoop = [this](std::shared_ptr<void> held) {

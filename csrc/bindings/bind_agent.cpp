@@ -59,6 +59,12 @@ void bindAgent(py::module_& m) {
           [](AgentOptions& o, double seconds) {
             o.heartbeatTimeout =
                 std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+          })
+      .def_property(
+          "busy_poll_us",
+          [](const AgentOptions& o) { return o.busyPoll.count(); },
+          [](AgentOptions& o, int64_t us) {
+            o.busyPoll = std::chrono::microseconds(us);
           });
 
   using Base = torch::distributed::rpc::RpcAgent;

@@ -9,6 +9,7 @@
 #include "csrc/common/thread_pool.h"
 #include "csrc/transport/frame.h"
 #include "csrc/transport/handshake.h"
+#include "csrc/transport/tcp/loop.h"
 #include "csrc/wire/codec.h"
 
 namespace torch_rpc_ext::bindings {
@@ -131,6 +132,75 @@ void bindTesting(py::module_& m) {
           size = pool.size();
         }
         return std::make_pair(done == n, size);
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  // From the loop thread, defer `n` pieces of work, each blocking until the
+  // next one has started (a UDF waiting on a nested RPC whose response is
+  // queued behind it). One loop thread alone deadlocks for any n > 1.
+  // Returns (all finished, takeovers, every piece saw inLoop() false).
+  m.def(
+      "loop_chain",
+      [](int n, double timeoutSeconds) {
+        std::mutex mu;
+        std::condition_variable cv;
+        std::vector<char> started(n + 1, 0);
+        started[n] = 1;
+        int done = 0;
+        bool outsideLoop = true;
+        auto deadline = std::chrono::steady_clock::now() +
+            std::chrono::milliseconds(int64_t(timeoutSeconds * 1000));
+        uint64_t takeovers = 0;
+        {
+          transport::tcp::Loop loop;
+          loop.post([&] {
+            for (int i = 0; i < n; ++i) {
+              loop.runAfterDispatch([&, i] {
+                std::unique_lock<std::mutex> lock(mu);
+                outsideLoop = outsideLoop && !loop.inLoop();
+                started[i] = 1;
+                cv.notify_all();
+                cv.wait_until(
+                    lock, deadline, [&] { return started[i + 1] != 0; });
+                ++done;
+                cv.notify_all();
+              });
+            }
+          });
+          {
+            std::unique_lock<std::mutex> lock(mu);
+            cv.wait_until(lock, deadline, [&] { return done == n; });
+          }
+          takeovers = loop.takeovers();
+        }
+        return py::make_tuple(done == n, takeovers, outsideLoop);
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  // Defer `n` pieces (the first sleeps `sleepMs`), then stop the loop at once.
+  // Returns how many ran by the time stop() returned: deferred work is never
+  // dropped.
+  m.def(
+      "loop_stop_runs_deferred",
+      [](int n, int sleepMs) {
+        std::atomic<int> ran{0};
+        {
+          transport::tcp::Loop loop;
+          loop.post([&] {
+            for (int i = 0; i < n; ++i) {
+              loop.runAfterDispatch([&, i] {
+                if (i == 0) {
+                  std::this_thread::sleep_for(std::chrono::milliseconds(sleepMs));
+                }
+                ran.fetch_add(1);
+              });
+            }
+          });
+          // Let the posted piece be picked up, then stop while it runs.
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          loop.stop();
+        }
+        return ran.load();
       },
       py::call_guard<py::gil_scoped_release>());
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,6 +74,17 @@ class Connection {
 
   // Human-readable endpoints, for logs and errors.
   virtual std::string describe() const = 0;
+
+  // From an observer callback only: run `fn` on the calling (loop) thread
+  // once the current round of reads is over: no thread hop. Unlike the
+  // callbacks, `fn` may block and take the GIL: if it runs for more than a
+  // couple of milliseconds, a new thread takes over the loop (tcp/loop.h).
+  // It is never dropped, not even by a concurrent shutdown. `expectMore`:
+  // more input is likely soon (a request being served), so the loop may
+  // busy-poll briefly (TransportOptions::busyPoll) before sleeping.
+  virtual void runAfterDispatch(
+      std::function<void()> fn,
+      bool expectMore = false) = 0;
 };
 
 } // namespace torch_rpc_ext::transport

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -23,6 +24,11 @@ struct TransportOptions {
   // ours taken by the socket) for this long is closed, failing its calls.
   // Idle connections are pinged every heartbeatTimeout / 5. 0 disables it.
   std::chrono::milliseconds heartbeatTimeout{10000};
+  // After serving a request, a loop thread polls for the next input this
+  // long before sleeping in the kernel: on a ping-pong workload that saves
+  // the wake-up (tens of microseconds on a VM). Adaptive, see tcp/loop.h.
+  // 0 never spins.
+  std::chrono::microseconds busyPoll{0};
   // Address to bind and advertise (an IP literal), for transports that need one.
   std::string bindAddress = "127.0.0.1";
   // Receives the keepAlive of every outbound frame that finishes (or is
@@ -64,6 +70,9 @@ class Transport {
 
   // Close every listener and connection, then join the loop thread.
   virtual void stop() = 0;
+
+  // Counters for RpcAgent::getMetrics(), by name.
+  virtual std::map<std::string, uint64_t> counters() const = 0;
 };
 
 } // namespace torch_rpc_ext::transport

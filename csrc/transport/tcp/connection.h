@@ -69,6 +69,9 @@ class TcpConnection final : public Connection,
     return outbound_;
   }
   std::string describe() const override;
+  void runAfterDispatch(std::function<void()> fn, bool expectMore) override {
+    loop_.runAfterDispatch(std::move(fn), expectMore);
+  }
   std::string closeReason() const override;
   bool rejectedPeer() const override {
     return rejected_.load();

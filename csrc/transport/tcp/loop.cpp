@@ -33,7 +33,12 @@ void runGuarded(F&& fn) {
 }
 } // namespace
 
-Loop::Loop() {
+// The loop whose runAfterDispatch() work this thread is running, if any.
+thread_local const Loop* tlsDeferredOf = nullptr;
+// The loop this thread was started for (leader or stalled ex-leader).
+thread_local const Loop* tlsThreadOf = nullptr;
+
+Loop::Loop(std::chrono::microseconds busyPoll) : busyPoll_(busyPoll) {
   epollFd_ = ::epoll_create1(EPOLL_CLOEXEC);
   if (epollFd_ < 0) {
     fail("epoll_create1");
@@ -48,14 +53,24 @@ Loop::Loop() {
   if (::epoll_ctl(epollFd_, EPOLL_CTL_ADD, wakeFd_, &ev) != 0) {
     fail("epoll_ctl(eventfd)");
   }
-  thread_ = std::thread([this] { run(); });
-  threadId_ = thread_.get_id();
+  std::lock_guard<std::mutex> lock(threadsMutex_);
+  spawnLeaderLocked(0);
+  monitor_ = std::thread([this] { monitor(); });
 }
 
 Loop::~Loop() {
   stop();
   ::close(wakeFd_);
   ::close(epollFd_);
+}
+
+void Loop::spawnLeaderLocked(uint64_t generation) {
+  std::thread t([this, generation] {
+    tlsThreadOf = this;
+    run(generation);
+  });
+  leader_.store(t.get_id());
+  threads_.emplace(t.get_id(), std::move(t));
 }
 
 void Loop::addFromLoop(int fd, std::shared_ptr<Pollable> p, uint32_t events) {
@@ -103,8 +118,45 @@ void Loop::runAfter(std::chrono::milliseconds delay, std::function<void()> fn) {
   wake();
 }
 
+void Loop::runAfterDispatch(std::function<void()> fn, bool spinAfter) {
+  deferred_.push_back(std::move(fn));
+  spinArmed_ = spinArmed_ || spinAfter;
+}
+
+int Loop::waitForEvents(void* buffer, int maxEvents, int timeoutMs) {
+  auto* events = static_cast<epoll_event*>(buffer);
+  bool spin = spinArmed_ && timeoutMs != 0 && busyPoll_.count() > 0;
+  spinArmed_ = false;
+  if (spin && spinSkip_ > 0) {
+    --spinSkip_;
+    spin = false;
+  }
+  if (spin) {
+    // Bounded: at most busyPoll_, then the kernel wait below. A run of polls
+    // that find nothing (the peer is not in a ping-pong with us) turns
+    // polling off for the next kSkipAfterMisses arms.
+    constexpr int kMissesBeforeSkip = 4;
+    constexpr int kSkipAfterMisses = 64;
+    auto deadline = std::chrono::steady_clock::now() + busyPoll_;
+    do {
+      int n = ::epoll_wait(epollFd_, events, maxEvents, 0);
+      if (n != 0) {
+        spinMissRun_ = 0;
+        spinHits_.fetch_add(1, std::memory_order_relaxed);
+        return n;
+      }
+    } while (std::chrono::steady_clock::now() < deadline);
+    spinMisses_.fetch_add(1, std::memory_order_relaxed);
+    if (++spinMissRun_ >= kMissesBeforeSkip) {
+      spinMissRun_ = 0;
+      spinSkip_ = kSkipAfterMisses;
+    }
+  }
+  return ::epoll_wait(epollFd_, events, maxEvents, timeoutMs);
+}
+
 bool Loop::inLoop() const {
-  return std::this_thread::get_id() == threadId_;
+  return tlsDeferredOf != this && leader_.load() == std::this_thread::get_id();
 }
 
 void Loop::wake() {
@@ -113,11 +165,12 @@ void Loop::wake() {
   (void)rv;
 }
 
-void Loop::run() {
+void Loop::run(uint64_t generation) {
   constexpr int kMaxEvents = 64;
   epoll_event events[kMaxEvents];
   while (true) {
     int timeoutMs = -1;
+    bool stopping = false;
     std::vector<std::function<void()>> work;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -136,17 +189,22 @@ void Loop::run() {
           std::make_move_iterator(posted_.begin()),
           std::make_move_iterator(posted_.end()));
       posted_.clear();
-      if (stopping_ && work.empty()) {
-        break;
-      }
+      stopping = stopping_;
+    }
+    // Deferred work a stalled predecessor left behind runs before we stop.
+    if (stopping && work.empty() && deferred_.empty()) {
+      break;
     }
     for (auto& fn : work) {
       runGuarded(fn);
     }
-    if (!work.empty()) {
+    if (!runDeferred(generation)) {
+      return;
+    }
+    if (!work.empty() || stopping) {
       timeoutMs = 0; // new work may have been posted meanwhile
     }
-    int n = ::epoll_wait(epollFd_, events, kMaxEvents, timeoutMs);
+    int n = waitForEvents(events, kMaxEvents, timeoutMs);
     if (n < 0 && errno != EINTR) {
       fail("epoll_wait");
     }
@@ -166,8 +224,109 @@ void Loop::run() {
       uint32_t ev = events[i].events;
       runGuarded([&] { keep->handleEventsFromLoop(ev); });
     }
+    if (!runDeferred(generation)) {
+      return;
+    }
   }
   handlers_.clear();
+  {
+    std::lock_guard<std::mutex> lock(threadsMutex_);
+    leaderExited_ = true;
+  }
+  threadsCv_.notify_all();
+}
+
+bool Loop::runDeferred(uint64_t generation) {
+  const uint64_t idle = generation << 1;
+  const uint64_t busy = idle | 1;
+  while (!deferred_.empty()) {
+    auto fn = std::move(deferred_.front());
+    deferred_.pop_front();
+    deferredSeq_.fetch_add(1, std::memory_order_relaxed);
+    state_.store(busy, std::memory_order_release);
+    if (monitorIdle_.load(std::memory_order_relaxed) &&
+        monitorIdle_.exchange(false)) {
+      // Under the mutex, so the monitor cannot miss it between its check
+      // and its wait.
+      { std::lock_guard<std::mutex> lock(threadsMutex_); }
+      threadsCv_.notify_all();
+    }
+    tlsDeferredOf = this;
+    runGuarded(fn);
+    tlsDeferredOf = nullptr;
+    uint64_t expected = busy;
+    if (!state_.compare_exchange_strong(
+            expected, idle, std::memory_order_acq_rel)) {
+      // The monitor handed the loop to a new leader while `fn` ran; what is
+      // left in deferred_ is now its work. Leave without touching anything.
+      std::lock_guard<std::mutex> lock(threadsMutex_);
+      exited_.push_back(std::this_thread::get_id());
+      return false;
+    }
+  }
+  return true;
+}
+
+void Loop::monitor() {
+  using Clock = std::chrono::steady_clock;
+  constexpr auto kTick = std::chrono::milliseconds(1);
+  constexpr int kQuietTicksBeforeSleep = 1000;
+  uint64_t watchedSeq = ~uint64_t(0);
+  Clock::time_point watchedSince;
+  uint64_t lastSeq = ~uint64_t(0);
+  int quietTicks = 0;
+  std::unique_lock<std::mutex> lock(threadsMutex_);
+  while (!monitorStop_) {
+    reapLocked();
+    if (quietTicks >= kQuietTicksBeforeSleep) {
+      // Nothing deferred for a second: sleep until the leader starts some.
+      monitorIdle_.store(true);
+      threadsCv_.wait(lock, [&] { return monitorStop_ || !monitorIdle_.load(); });
+      quietTicks = 0;
+      watchedSeq = ~uint64_t(0);
+      continue;
+    }
+    threadsCv_.wait_for(lock, kTick);
+    if (monitorStop_) {
+      break;
+    }
+    uint64_t s = state_.load(std::memory_order_acquire);
+    uint64_t seq = deferredSeq_.load(std::memory_order_relaxed);
+    quietTicks = seq == lastSeq && (s & 1) == 0 ? quietTicks + 1 : 0;
+    lastSeq = seq;
+    if ((s & 1) == 0) {
+      watchedSeq = ~uint64_t(0);
+      continue;
+    }
+    auto now = Clock::now();
+    if (seq != watchedSeq) {
+      watchedSeq = seq;
+      watchedSince = now;
+      continue;
+    }
+    if (now - watchedSince < kTakeoverAfter) {
+      continue;
+    }
+    // The same piece has run for kTakeoverAfter: promote a fresh leader.
+    uint64_t expected = s;
+    if (state_.compare_exchange_strong(
+            expected, (s & ~uint64_t(1)) + 2, std::memory_order_acq_rel)) {
+      takeovers_.fetch_add(1, std::memory_order_relaxed);
+      spawnLeaderLocked((s >> 1) + 1);
+    }
+    watchedSeq = ~uint64_t(0);
+  }
+}
+
+void Loop::reapLocked() {
+  for (auto id : exited_) {
+    auto it = threads_.find(id);
+    if (it != threads_.end()) {
+      it->second.join();
+      threads_.erase(it);
+    }
+  }
+  exited_.clear();
 }
 
 void Loop::stop() {
@@ -180,12 +339,35 @@ void Loop::stop() {
     timers_.clear();
   }
   wake();
-  if (thread_.joinable()) {
-    if (inLoop()) {
-      thread_.detach();
-    } else {
-      thread_.join();
+  if (tlsThreadOf == this) {
+    // Called from our own work: we cannot wait for ourselves. The threads
+    // finish on their own (as before the loop could hand itself on).
+    std::lock_guard<std::mutex> lock(threadsMutex_);
+    monitorStop_ = true;
+    threadsCv_.notify_all();
+    monitor_.detach();
+    for (auto& [id, t] : threads_) {
+      t.detach();
     }
+    threads_.clear();
+    return;
+  }
+  {
+    std::unique_lock<std::mutex> lock(threadsMutex_);
+    threadsCv_.wait(lock, [&] { return leaderExited_; });
+    monitorStop_ = true;
+  }
+  threadsCv_.notify_all();
+  monitor_.join();
+  std::unordered_map<std::thread::id, std::thread> all;
+  {
+    std::lock_guard<std::mutex> lock(threadsMutex_);
+    all.swap(threads_);
+    exited_.clear();
+  }
+  // Stalled ex-leaders finish the user work they are in.
+  for (auto& [id, t] : all) {
+    t.join();
   }
 }
 

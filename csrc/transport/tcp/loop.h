@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -23,9 +26,22 @@ class Pollable {
 
 // One epoll thread that owns readiness dispatch, deferred work and timers.
 // Handlers run on this thread one at a time; they must not block.
+//
+// Work handed over with runAfterDispatch() runs on the loop thread too, after
+// the handlers of the current round, so a request or a completion costs no
+// thread hop. That work may block (a Python UDF waiting for the GIL, a nested
+// rpc_sync): a monitor thread watches it, and when one piece runs longer than
+// kTakeoverAfter, a fresh thread takes over the loop (leader/follower with
+// lazy promotion). The stalled thread finishes its piece and exits; the loop
+// never waits on user code for more than a few milliseconds.
 class Loop {
  public:
-  Loop();
+  // A piece of runAfterDispatch() work older than this hands the loop on.
+  static constexpr std::chrono::milliseconds kTakeoverAfter{2};
+
+  // `busyPoll`: after serving work deferred with spinAfter, poll for new
+  // events this long before sleeping in the kernel (0: never spin).
+  explicit Loop(std::chrono::microseconds busyPoll = std::chrono::microseconds(0));
   ~Loop();
 
   // Watch `fd` (level-triggered) and keep `p` alive until removeFromLoop().
@@ -40,28 +56,79 @@ class Loop {
   void post(std::function<void()> fn);
   // Run `fn` on the loop thread after `delay`.
   void runAfter(std::chrono::milliseconds delay, std::function<void()> fn);
+  // Loop thread only (from a handler): run `fn` on this thread once the
+  // current round of handlers is done. `fn` may block and take the GIL (see
+  // above). Unlike post(), it is never dropped: stop() runs what is queued.
+  // `spinAfter`: more input is likely soon (a request was served), so poll
+  // for up to busyPoll before the next kernel wait (bounded and adaptive:
+  // polls that keep finding nothing are skipped for a while).
+  void runAfterDispatch(std::function<void()> fn, bool spinAfter = false);
 
+  // True on the thread that currently leads the loop, outside
+  // runAfterDispatch() work (which must treat itself as any other thread).
   bool inLoop() const;
 
-  // Run pending work, drop every handler and join the thread. Idempotent.
+  // Busy polls that found an event, and those that ran out.
+  uint64_t spinHits() const {
+    return spinHits_.load(std::memory_order_relaxed);
+  }
+  uint64_t spinMisses() const {
+    return spinMisses_.load(std::memory_order_relaxed);
+  }
+
+  // How often a stalled piece of work handed the loop to a new thread.
+  uint64_t takeovers() const {
+    return takeovers_.load(std::memory_order_relaxed);
+  }
+
+  // Run pending work, drop every handler and join the threads. Idempotent.
   void stop();
 
  private:
-  void run();
+  void run(uint64_t generation);
+  // Runs runAfterDispatch() work; false if this thread lost the lead.
+  bool runDeferred(uint64_t generation);
+  void monitor();
+  void spawnLeaderLocked(uint64_t generation);
+  void reapLocked();
   void wake();
+  // epoll_wait, preceded by a bounded busy poll when one is armed.
+  int waitForEvents(void* events, int maxEvents, int timeoutMs);
 
+  const std::chrono::microseconds busyPoll_;
   int epollFd_ = -1;
   int wakeFd_ = -1;
-  std::thread thread_;
-  std::thread::id threadId_;
 
   std::mutex mutex_;
   bool stopping_ = false;
   std::vector<std::function<void()>> posted_;
   std::multimap<std::chrono::steady_clock::time_point, std::function<void()>>
       timers_;
-  // Loop thread only.
+  // Leader only.
   std::unordered_map<int, std::shared_ptr<Pollable>> handlers_;
+  std::deque<std::function<void()>> deferred_;
+  bool spinArmed_ = false;
+  int spinMissRun_ = 0; // consecutive busy polls that found nothing
+  int spinSkip_ = 0; // armed polls still to skip after a run of misses
+  std::atomic<uint64_t> spinHits_{0};
+  std::atomic<uint64_t> spinMisses_{0};
+
+  // generation << 1 | busy. The leader of generation g sets busy around each
+  // piece of deferred work; the monitor takes over by moving busy g to g + 1.
+  std::atomic<uint64_t> state_{0};
+  std::atomic<uint64_t> deferredSeq_{0}; // pieces started so far
+  std::atomic<std::thread::id> leader_;
+  std::atomic<uint64_t> takeovers_{0};
+
+  // Threads: the current leader, stalled ex-leaders, the monitor.
+  std::mutex threadsMutex_;
+  std::condition_variable threadsCv_;
+  std::unordered_map<std::thread::id, std::thread> threads_;
+  std::vector<std::thread::id> exited_; // to be joined
+  bool leaderExited_ = false; // the leader left run() because of stop()
+  bool monitorStop_ = false;
+  std::atomic<bool> monitorIdle_{false};
+  std::thread monitor_;
 };
 
 } // namespace torch_rpc_ext::transport::tcp

@@ -9,7 +9,15 @@
 namespace torch_rpc_ext::transport::tcp {
 
 TcpTransport::TcpTransport(TransportOptions options, bool shm)
-    : options_(std::move(options)), shm_(shm) {}
+    : options_(std::move(options)), shm_(shm), loop_(options_.busyPoll) {}
+
+std::map<std::string, uint64_t> TcpTransport::counters() const {
+  return {
+      {"loop_takeovers", loop_.takeovers()},
+      {"busy_poll_hits", loop_.spinHits()},
+      {"busy_poll_misses", loop_.spinMisses()},
+  };
+}
 
 TcpTransport::~TcpTransport() {
   stop();

@@ -33,6 +33,7 @@ class TcpTransport final : public Transport {
       int32_t expectedPeerId,
       ConnectionObserver* observer) override;
   void stop() override;
+  std::map<std::string, uint64_t> counters() const override;
 
   // Listener: track an accepted connection so stop() closes it.
   void adopt(const std::shared_ptr<Connection>& conn);

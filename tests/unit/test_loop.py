@@ -1,0 +1,30 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The transport loop runs requests and completions without a thread hop, and
+hands itself to a new thread when such work blocks (tcp/loop.h)."""
+
+import pytest
+
+from torch_rpc_ext._C import _testing
+
+
+@pytest.mark.parametrize("n", [2, 5, 32])
+def test_blocking_deferred_work_cannot_stall_the_loop(n):
+    # Piece i waits for piece i+1, which is queued behind it on the same
+    # thread: without the takeover this is a deadlock.
+    finished, takeovers, outside = _testing.loop_chain(n, 20.0)
+    assert finished
+    assert takeovers >= n - 1
+    # Deferred work is not "in the loop": it must not touch loop-only state.
+    assert outside
+
+
+def test_work_that_does_not_block_needs_no_takeover():
+    finished, takeovers, _ = _testing.loop_chain(1, 5.0)
+    assert finished and takeovers == 0
+
+
+@pytest.mark.parametrize("sleep_ms", [0, 30])
+def test_stop_runs_deferred_work_instead_of_dropping_it(sleep_ms):
+    # Deferred work carries completions of client calls; dropping it would
+    # leave a caller waiting forever.
+    assert _testing.loop_stop_runs_deferred(8, sleep_ms) == 8
