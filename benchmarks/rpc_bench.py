@@ -153,8 +153,15 @@ def main(argv=None):
     p.add_argument("--grpc", action="store_true",
                    help="also run the tensor cases on the gRPC baseline (needs grpcio)")
     p.add_argument("--chart", type=Path, help="write a PNG chart of the ratios (matplotlib)")
+    p.add_argument("--busy-poll-us", type=int,
+                   help="TORCH_RPC_EXT's busy_poll_us (default: the option's default)")
     p.add_argument("--out", type=Path)
     cfg = p.parse_args(argv)
+    backends_all, backends_tcp = dict(BACKENDS), dict(TCP_ONLY)
+    if cfg.busy_poll_us is not None:
+        for table in (backends_all, backends_tcp):
+            key, opts = table["ext"]
+            table["ext"] = (key, {**opts, "busy_poll_us": cfg.busy_poll_us})
     if cfg.smoke:
         cfg.iters, cfg.warmup, cfg.repeats, cfg.repeats_large = 20, 5, 3, 2
         cfg.pipelined, cfg.sizes_mb, cfg.fanout = 50, [1], 2
@@ -169,12 +176,13 @@ def main(argv=None):
     pair = [c for c in cfg.cases if c in ("small", "pipelined", "tensor")]
     plans = []
     if pair:
-        plans.append(("", BACKENDS, lambda b, o: run_world(pair_cases, 2, b, o, pair, cfg)))
+        plans.append(("", backends_all,
+                      lambda b, o: run_world(pair_cases, 2, b, o, pair, cfg)))
     if "tcp" in cfg.cases:
-        plans.append(("tcp_", TCP_ONLY,
+        plans.append(("tcp_", backends_tcp,
                       lambda b, o: run_world(pair_cases, 2, b, o, ["small"], cfg)))
     if "fanout" in cfg.cases:
-        plans.append(("", BACKENDS,
+        plans.append(("", backends_all,
                       lambda b, o: run_world(fanout_case, cfg.fanout + 1, b, o, cfg)))
     for prefix, backends, run in plans:
         for name, (key, opts) in backends.items():

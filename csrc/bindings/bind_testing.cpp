@@ -173,7 +173,7 @@ void bindTesting(py::module_& m) {
           }
           takeovers = loop.takeovers();
         }
-        return py::make_tuple(done == n, takeovers, outsideLoop);
+        return std::make_tuple(done == n, takeovers, outsideLoop);
       },
       py::call_guard<py::gil_scoped_release>());
 

@@ -2,6 +2,7 @@
 #include "csrc/transport/tcp/loop.h"
 
 #include <sys/epoll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -145,6 +146,9 @@ int Loop::waitForEvents(void* buffer, int maxEvents, int timeoutMs) {
         spinHits_.fetch_add(1, std::memory_order_relaxed);
         return n;
       }
+      // Let a runnable thread have this core: polling must not delay the
+      // very work (often our own process's) that produces the next event.
+      ::sched_yield();
     } while (std::chrono::steady_clock::now() < deadline);
     spinMisses_.fetch_add(1, std::memory_order_relaxed);
     if (++spinMissRun_ >= kMissesBeforeSkip) {

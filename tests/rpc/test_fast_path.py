@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The small-call fast path: requests and completions run on the transport
+thread that read them, a stalled one hands the loop to a new thread, and a
+serving loop busy-polls (bounded) for the next request."""
+
+import threading
+
+import pytest
+import torch
+from torch.distributed import rpc
+
+from tests.rpc.world import init, run_world
+
+pytestmark = pytest.mark.timeout(180)
+
+CONCURRENT = 8
+_barrier = threading.Barrier(CONCURRENT)
+
+
+def metrics():
+    return rpc.api._get_current_rpc_agent().get_metrics()
+
+
+def ping_back(caller, depth):
+    # Blocks the serving thread on a call whose response that same
+    # process's loop must read.
+    if depth == 0:
+        return 0
+    return 1 + rpc.rpc_sync(caller, ping_back, args=(rpc.get_worker_info().name, depth - 1))
+
+
+def wait_for_all(timeout):
+    # Passes only if CONCURRENT of these run at the same time.
+    return _barrier.wait(timeout=timeout) >= 0
+
+
+def ping_pong(rank, world_size, busy_poll_us):
+    init(rank, world_size, busy_poll_us=busy_poll_us)
+    out = {}
+    if rank == 0:
+        one = torch.ones(1)
+        for _ in range(300):
+            rpc.rpc_sync("worker1", torch.add, args=(one, one))
+        out = rpc.rpc_sync("worker1", metrics)
+    rpc.shutdown()
+    return out
+
+
+def nested(rank, world_size):
+    init(rank, world_size, rpc_timeout=60)
+    out = {}
+    if rank == 0:
+        out["depth"] = rpc.rpc_sync("worker1", ping_back, args=("worker0", 6))
+        futs = [rpc.rpc_async("worker1", wait_for_all, args=(20.0,)) for _ in range(CONCURRENT)]
+        out["concurrent"] = all(f.wait() for f in futs)
+        out["callee"] = rpc.rpc_sync("worker1", metrics)
+        out["caller"] = metrics()
+    rpc.shutdown()
+    return out
+
+
+def test_serving_loop_busy_polls_for_the_next_request():
+    m = run_world(ping_pong, 2, timeout=120, busy_poll_us=2000)[0]
+    # Back-to-back calls: most next requests arrive while the loop polls.
+    assert int(m["rpc_ext.shm.busy_poll_hits"]) > 100, m
+
+
+def test_busy_poll_off_never_polls():
+    m = run_world(ping_pong, 2, timeout=120, busy_poll_us=0)[0]
+    assert int(m["rpc_ext.shm.busy_poll_hits"]) == 0
+    assert int(m["rpc_ext.shm.busy_poll_misses"]) == 0
+
+
+def test_blocking_requests_hand_the_loop_on():
+    r = run_world(nested, 2, timeout=150)[0]
+    # Each level blocks a serving thread on a response its own loop reads.
+    assert r["depth"] == 6
+    assert int(r["callee"]["rpc_ext.shm.loop_takeovers"]) >= 3
+    assert int(r["caller"]["rpc_ext.shm.loop_takeovers"]) >= 3
+    # Blocking requests still run side by side, not one after another.
+    assert r["concurrent"]
