@@ -15,6 +15,7 @@ Examples:
 """
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -155,6 +156,9 @@ def main(argv=None):
     p.add_argument("--chart", type=Path, help="write a PNG chart of the ratios (matplotlib)")
     p.add_argument("--busy-poll-us", type=int,
                    help="TORCH_RPC_EXT's busy_poll_us (default: the option's default)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every backend this many times, alternating; ratios are "
+                        "medians of the per-round ratios")
     p.add_argument("--out", type=Path)
     cfg = p.parse_args(argv)
     backends_all, backends_tcp = dict(BACKENDS), dict(TCP_ONLY)
@@ -172,7 +176,6 @@ def main(argv=None):
         if out:
             emit(row, out)
 
-    results: dict[tuple[str, str], dict] = {}
     pair = [c for c in cfg.cases if c in ("small", "pipelined", "tensor")]
     plans = []
     if pair:
@@ -184,14 +187,24 @@ def main(argv=None):
     if "fanout" in cfg.cases:
         plans.append(("", backends_all,
                       lambda b, o: run_world(fanout_case, cfg.fanout + 1, b, o, cfg)))
+    # Each round runs every backend once, alternating which goes first; a
+    # ratio is the median of the per-round ratios, so a burst of noise from
+    # a neighbour on a shared machine moves one round, not the result.
+    runs: dict[tuple[str, str], list[dict]] = {}
     for prefix, backends, run in plans:
-        for name, (key, opts) in backends.items():
-            rows, rss = run(key, opts)
-            for row in rows:
-                row = {"backend": name, **row, "case": prefix + row["case"],
-                       "peak_rss_mb": rss}
-                results[(row["case"], name)] = row
-                record(row)
+        for rnd in range(cfg.rounds):
+            order = list(backends.items())
+            if rnd % 2:
+                order.reverse()
+            for name, (key, opts) in order:
+                rows, rss = run(key, opts)
+                for row in rows:
+                    row = {"backend": name, **row, "case": prefix + row["case"],
+                           "peak_rss_mb": rss}
+                    if cfg.rounds > 1:
+                        row["round"] = rnd
+                    runs.setdefault((row["case"], name), []).append(row)
+                    record(row)
     if cfg.grpc and "tensor" in cfg.cases:
         import grpc_baseline
 
@@ -202,22 +215,30 @@ def main(argv=None):
         rows, rss = run_world(grpc_baseline.world, 2, grpc_cases, cfg.repeats, 1)
         for case, samples in rows:
             row = {"backend": "grpc", "case": case, **summarize(samples), "peak_rss_mb": rss}
-            results[(case, "grpc")] = row
+            runs[(case, "grpc")] = [row]
             record(row)
-    for case in sorted({c for c, _ in results}):
+    # The row of each (case, backend) with the median time over rounds.
+    results = {k: sorted(v, key=lambda r: r["median_us"])[len(v) // 2]
+               for k, v in runs.items()}
+    for case in sorted({c for c, _ in runs}):
         ext, grpc_row = results.get((case, "ext")), results.get((case, "grpc"))
         if ext and grpc_row:
             record({"case": case, "ratio": "speedup_ext_over_grpc",
                     "value": round(grpc_row["median_us"] / ext["median_us"], 1)})
-        ext, tp = results.get((case, "ext")), results.get((case, "tensorpipe"))
-        if not (ext and tp):
+        ext_runs, tp_runs = runs.get((case, "ext")), runs.get((case, "tensorpipe"))
+        if not (ext_runs and tp_runs):
             continue
-        if "calls_per_s" in ext:
-            record({"case": case, "ratio": "throughput_ext_over_tp",
-                    "value": round(ext["calls_per_s"] / tp["calls_per_s"], 3)})
+        if "calls_per_s" in ext_runs[0]:
+            kind = "throughput_ext_over_tp"
+            per_round = [e["calls_per_s"] / t["calls_per_s"] for e, t in zip(ext_runs, tp_runs)]
         else:
-            record({"case": case, "ratio": "time_ext_over_tp",
-                    "value": round(ext["median_us"] / tp["median_us"], 3)})
+            kind = "time_ext_over_tp"
+            per_round = [e["median_us"] / t["median_us"] for e, t in zip(ext_runs, tp_runs)]
+        row = {"case": case, "ratio": kind,
+               "value": round(statistics.median(per_round), 3)}
+        if len(per_round) > 1:
+            row["per_round"] = [round(x, 3) for x in per_round]
+        record(row)
     if cfg.chart:
         chart(results, cfg.chart)
 

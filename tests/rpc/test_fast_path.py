@@ -4,6 +4,7 @@ thread that read them, a stalled one hands the loop to a new thread, and a
 serving loop busy-polls (bounded) for the next request."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -32,6 +33,50 @@ def ping_back(caller, depth):
 def wait_for_all(timeout):
     # Passes only if CONCURRENT of these run at the same time.
     return _barrier.wait(timeout=timeout) >= 0
+
+
+_hold = {"started": threading.Event(), "end": None}
+
+
+@torch.jit.script
+def script_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x + y
+
+
+def hold_gil():
+    # One C call that never releases the GIL: ~1-3 s with it held.
+    def run():
+        _hold["started"].set()
+        sum(range(2 * 10**8))
+        _hold["end"] = time.time()
+
+    threading.Thread(target=run).start()
+    _hold["started"].wait()
+    return True
+
+
+def hold_end():
+    return _hold["end"]
+
+
+def gil_free(rank, world_size):
+    init(rank, world_size)
+    out = {}
+    if rank == 0:
+        one = torch.ones(1)
+        rpc.rpc_sync("worker1", torch.add, args=(one, one))
+        rpc.rpc_sync("worker1", script_add, args=(one, one))
+        held = rpc.rpc_async("worker1", hold_gil)
+        time.sleep(0.3)
+        done = []
+        for _ in range(20):
+            assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(one, one)), one * 2)
+            assert torch.equal(rpc.rpc_sync("worker1", script_add, args=(one, one)), one * 2)
+            done.append(time.time())
+        held.wait()
+        out = {"done": done, "hold_end": rpc.rpc_sync("worker1", hold_end)}
+    rpc.shutdown()
+    return out
 
 
 def ping_pong(rank, world_size, busy_poll_us):
@@ -79,3 +124,11 @@ def test_blocking_requests_hand_the_loop_on():
     assert int(r["caller"]["rpc_ext.shm.loop_takeovers"]) >= 3
     # Blocking requests still run side by side, not one after another.
     assert r["concurrent"]
+
+
+def test_builtin_and_torchscript_calls_do_not_need_the_callees_gil():
+    # While a thread of the callee holds its GIL, builtin ops and TorchScript
+    # functions are still served (a Python UDF would wait for the GIL).
+    r = run_world(gil_free, 2, timeout=150)[0]
+    assert r["hold_end"] is not None
+    assert max(r["done"]) < r["hold_end"], r
