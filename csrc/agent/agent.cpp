@@ -262,6 +262,9 @@ c10::intrusive_ptr<JitFuture> Agent::send(
                        : std::chrono::milliseconds(0);
   if (delay.count() == 0) {
     writeRequest(conn, std::move(frame), id, to.id_);
+    // Let a sleeping loop start polling for the response now: its wake-up
+    // then overlaps the peer's work instead of following it.
+    conn->expectInput();
   } else {
     // Held back (fault injection): the call's timeout runs meanwhile, as
     // it would on a slow network.

@@ -85,6 +85,10 @@ class Connection {
   virtual void runAfterDispatch(
       std::function<void()> fn,
       bool expectMore = false) = 0;
+
+  // Any thread: a response is expected soon. A transport may start polling
+  // for it now rather than be woken by it (TransportOptions::busyPoll).
+  virtual void expectInput() = 0;
 };
 
 } // namespace torch_rpc_ext::transport

@@ -86,7 +86,7 @@ def ping_pong(rank, world_size, busy_poll_us):
         one = torch.ones(1)
         for _ in range(300):
             rpc.rpc_sync("worker1", torch.add, args=(one, one))
-        out = rpc.rpc_sync("worker1", metrics)
+        out = {"callee": rpc.rpc_sync("worker1", metrics), "caller": metrics()}
     rpc.shutdown()
     return out
 
@@ -106,14 +106,18 @@ def nested(rank, world_size):
 
 def test_serving_loop_busy_polls_for_the_next_request():
     m = run_world(ping_pong, 2, timeout=120, busy_poll_us=2000)[0]
-    # Back-to-back calls: most next requests arrive while the loop polls.
-    assert int(m["rpc_ext.shm.busy_poll_hits"]) > 100, m
+    # Back-to-back calls: most next requests arrive while the callee's loop
+    # polls, and the caller's loop, woken when the request left, is polling
+    # when the response arrives.
+    assert int(m["callee"]["rpc_ext.shm.busy_poll_hits"]) > 100, m
+    assert int(m["caller"]["rpc_ext.shm.busy_poll_hits"]) > 100, m
 
 
 def test_busy_poll_off_never_polls():
     m = run_world(ping_pong, 2, timeout=120, busy_poll_us=0)[0]
-    assert int(m["rpc_ext.shm.busy_poll_hits"]) == 0
-    assert int(m["rpc_ext.shm.busy_poll_misses"]) == 0
+    for side in ("callee", "caller"):
+        assert int(m[side]["rpc_ext.shm.busy_poll_hits"]) == 0
+        assert int(m[side]["rpc_ext.shm.busy_poll_misses"]) == 0
 
 
 def test_blocking_requests_hand_the_loop_on():

@@ -72,6 +72,9 @@ class TcpConnection final : public Connection,
   void runAfterDispatch(std::function<void()> fn, bool expectMore) override {
     loop_.runAfterDispatch(std::move(fn), expectMore);
   }
+  void expectInput() override {
+    loop_.expectInput();
+  }
   std::string closeReason() const override;
   bool rejectedPeer() const override {
     return rejected_.load();

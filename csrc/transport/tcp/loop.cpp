@@ -156,7 +156,19 @@ int Loop::waitForEvents(void* buffer, int maxEvents, int timeoutMs) {
       spinSkip_ = kSkipAfterMisses;
     }
   }
-  return ::epoll_wait(epollFd_, events, maxEvents, timeoutMs);
+  sleeping_.store(true, std::memory_order_seq_cst);
+  int n = ::epoll_wait(epollFd_, events, maxEvents, timeoutMs);
+  sleeping_.store(false, std::memory_order_relaxed);
+  return n;
+}
+
+void Loop::expectInput() {
+  if (busyPoll_.count() == 0 || !sleeping_.load(std::memory_order_seq_cst)) {
+    return;
+  }
+  if (!pollRequested_.exchange(true)) {
+    wake();
+  }
 }
 
 bool Loop::inLoop() const {
@@ -218,6 +230,9 @@ void Loop::run(uint64_t generation) {
         uint64_t drain;
         ssize_t rv = ::read(wakeFd_, &drain, sizeof(drain));
         (void)rv;
+        if (pollRequested_.exchange(false)) {
+          spinArmed_ = true;
+        }
         continue;
       }
       auto it = handlers_.find(fd);

@@ -64,6 +64,11 @@ class Loop {
   // polls that keep finding nothing are skipped for a while).
   void runAfterDispatch(std::function<void()> fn, bool spinAfter = false);
 
+  // Any thread: input is expected soon (a request was just sent). If the
+  // loop sleeps in the kernel, wake it now and let it busy-poll (busyPoll),
+  // so its wake-up overlaps the peer's work instead of following it.
+  void expectInput();
+
   // True on the thread that currently leads the loop, outside
   // runAfterDispatch() work (which must treat itself as any other thread).
   bool inLoop() const;
@@ -110,6 +115,8 @@ class Loop {
   bool spinArmed_ = false;
   int spinMissRun_ = 0; // consecutive busy polls that found nothing
   int spinSkip_ = 0; // armed polls still to skip after a run of misses
+  std::atomic<bool> sleeping_{false}; // in the blocking epoll_wait
+  std::atomic<bool> pollRequested_{false}; // by expectInput()
   std::atomic<uint64_t> spinHits_{0};
   std::atomic<uint64_t> spinMisses_{0};
 
