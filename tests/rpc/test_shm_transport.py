@@ -19,8 +19,8 @@ from torch_rpc_ext.testing import MESSAGE, RING, closed_by_peer, frame_header, h
 pytestmark = pytest.mark.timeout(180)
 
 RING_SEGMENT_BIT = 1 << 63
-# Around the 64 KiB ring threshold, the 1 MiB chunk and the 8 MiB ring.
-SIZES = [0, 1, 16383, 16384, 16385, 300_000, 262_145, 2_359_299]
+# Around the 64 KiB ring threshold, the 256 KiB chunk and the 8 MiB ring.
+SIZES = [0, 1, 16383, 16384, 16385, 65_535, 65_536, 300_000, 262_143, 262_145, 2_359_299]
 
 
 def debug_info():

@@ -19,7 +19,7 @@ namespace {
 constexpr int kMaxIov = 1024;
 // shm: segments this large go through the ring, in chunks of kRingChunk.
 constexpr size_t kRingMinSegment = 64 * 1024;
-constexpr size_t kRingChunk = 1024 * 1024;
+constexpr size_t kRingChunk = 256 * 1024;
 
 } // namespace
 
