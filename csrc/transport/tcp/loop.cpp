@@ -294,6 +294,7 @@ void Loop::monitor() {
   Clock::time_point watchedSince;
   uint64_t lastSeq = ~uint64_t(0);
   int quietTicks = 0;
+  bool warnedAtCap = false;
   std::unique_lock<std::mutex> lock(threadsMutex_);
   while (!monitorStop_) {
     reapLocked();
@@ -326,7 +327,18 @@ void Loop::monitor() {
     if (now - watchedSince < kTakeoverAfter) {
       continue;
     }
-    // The same piece has run for kTakeoverAfter: promote a fresh leader.
+    // The same piece has run for kTakeoverAfter: promote a fresh leader,
+    // unless stalled pieces already hold kMaxThreads threads (then the loop
+    // waits for one of them, as a pool of that size would).
+    if (threads_.size() >= kMaxThreads) {
+      if (!warnedAtCap) {
+        warnedAtCap = true;
+        logWarning(
+            "torch_rpc_ext: " + std::to_string(threads_.size()) +
+            " transport threads are blocked in requests; not adding more");
+      }
+      continue;
+    }
     uint64_t expected = s;
     if (state_.compare_exchange_strong(
             expected, (s & ~uint64_t(1)) + 2, std::memory_order_acq_rel)) {

@@ -38,6 +38,8 @@ class Loop {
  public:
   // A piece of runAfterDispatch() work older than this hands the loop on.
   static constexpr std::chrono::milliseconds kTakeoverAfter{2};
+  // Threads (leader and stalled ex-leaders) one loop may have at once.
+  static constexpr size_t kMaxThreads = 4096;
 
   // `busyPoll`: after serving work deferred with spinAfter, poll for new
   // events this long before sleeping in the kernel (0: never spin).
