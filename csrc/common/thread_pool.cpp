@@ -35,14 +35,7 @@ void ThreadPool::spawnLocked(bool core) {
 
 void ThreadPool::reapLocked() {
   // A finished thread has released mutex_ for good, so joining is prompt.
-  for (auto id : finished_) {
-    auto it = threads_.find(id);
-    if (it != threads_.end()) {
-      it->second.join();
-      threads_.erase(it);
-    }
-  }
-  finished_.clear();
+  reapFinished(threads_, finished_);
 }
 
 void ThreadPool::run(std::function<void()> task) {

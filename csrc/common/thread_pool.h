@@ -12,6 +12,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "csrc/common/threads.h"
+
 namespace torch_rpc_ext {
 
 // A worker pool that cannot be starved into deadlock.
@@ -60,7 +62,7 @@ class ThreadPool {
   std::condition_variable idleCv_;
   std::condition_variable supervisorCv_;
   std::deque<std::function<void()>> queue_;
-  std::unordered_map<std::thread::id, std::thread> threads_;
+  ThreadsById threads_;
   // Extra threads that have exited and are waiting to be joined.
   std::vector<std::thread::id> finished_;
   std::thread supervisor_;

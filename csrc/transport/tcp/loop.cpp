@@ -350,14 +350,7 @@ void Loop::monitor() {
 }
 
 void Loop::reapLocked() {
-  for (auto id : exited_) {
-    auto it = threads_.find(id);
-    if (it != threads_.end()) {
-      it->second.join();
-      threads_.erase(it);
-    }
-  }
-  exited_.clear();
+  reapFinished(threads_, exited_);
 }
 
 void Loop::stop() {
@@ -390,7 +383,7 @@ void Loop::stop() {
   }
   threadsCv_.notify_all();
   monitor_.join();
-  std::unordered_map<std::thread::id, std::thread> all;
+  ThreadsById all;
   {
     std::lock_guard<std::mutex> lock(threadsMutex_);
     all.swap(threads_);

@@ -14,6 +14,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "csrc/common/threads.h"
+
 namespace torch_rpc_ext::transport::tcp {
 
 // Something with a file descriptor the loop watches.
@@ -132,7 +134,7 @@ class Loop {
   // Threads: the current leader, stalled ex-leaders, the monitor.
   std::mutex threadsMutex_;
   std::condition_variable threadsCv_;
-  std::unordered_map<std::thread::id, std::thread> threads_;
+  ThreadsById threads_;
   std::vector<std::thread::id> exited_; // to be joined
   bool leaderExited_ = false; // the leader left run() because of stop()
   bool monitorStop_ = false;
