@@ -61,6 +61,9 @@ class CallTable {
   std::condition_variable cv_;
   std::unordered_map<int64_t, Call> calls_;
   std::multimap<std::chrono::steady_clock::time_point, int64_t> deadlines_;
+  // When the timeout thread will wake up by itself; max() while it is awake.
+  std::chrono::steady_clock::time_point wakeAt_ =
+      std::chrono::steady_clock::time_point::max();
   bool stopping_ = false;
   std::thread thread_;
 };

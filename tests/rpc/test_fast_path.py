@@ -107,10 +107,11 @@ def nested(rank, world_size):
 def test_serving_loop_busy_polls_for_the_next_request():
     m = run_world(ping_pong, 2, timeout=120, busy_poll_us=2000)[0]
     # Back-to-back calls: most next requests arrive while the callee's loop
-    # polls, and the caller's loop, woken when the request left, is polling
-    # when the response arrives.
+    # polls. The caller's loop polls only when a send found it asleep in the
+    # kernel and woke it early (how often depends on the scheduler: 5 to 300
+    # of 300 seen on 2 cores); without that early wake it never polls.
     assert int(m["callee"]["rpc_ext.shm.busy_poll_hits"]) > 100, m
-    assert int(m["caller"]["rpc_ext.shm.busy_poll_hits"]) > 100, m
+    assert int(m["caller"]["rpc_ext.shm.busy_poll_hits"]) > 0, m
 
 
 def test_busy_poll_off_never_polls():
