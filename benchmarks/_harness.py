@@ -21,6 +21,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rss_mb() -> float:
+    """This process's resident set now, in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

@@ -17,19 +17,11 @@ from torch.distributed import rpc
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(HERE.parent))
-from _harness import emit, run_world  # noqa: E402
+from _harness import emit, rss_mb, run_world  # noqa: E402
 
 
 def identity(x):
     return x
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def loop(rank, world_size, backend_key, mb, calls):

@@ -28,15 +28,7 @@ from torch.distributed import rpc
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _harness import run_world_all  # noqa: E402
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+from _harness import rss_mb, run_world_all  # noqa: E402
 
 
 def soak(rank, world_size, calls, window, at_shutdown):

@@ -51,9 +51,12 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
     applied by ``init_rpc``.
 
     Args:
-        num_worker_threads: Core threads that run incoming requests and
-            complete futures. The pool grows past this when every thread is
-            blocked (nested RPCs), so a small value cannot deadlock.
+        num_worker_threads: Core threads of the agent's pool, which fails
+            timed-out and disconnected calls, releases sent tensors and runs
+            fault-injection delays. Requests and completions do not wait for
+            it: the transport thread that reads them runs them, and a blocked
+            request hands that role to a new thread (docs/architecture.md),
+            so no value can deadlock nested RPCs.
         rpc_timeout: Default timeout of one RPC, in seconds (0: none).
         init_method: Rendezvous URL, as in ``init_process_group``.
         device_maps: ``{worker: {local_device: remote_device}}``, as in

@@ -17,19 +17,19 @@ CallTable::~CallTable() {
 }
 
 void CallTable::add(int64_t id, Call call) {
-  bool earliest = false;
+  bool wakeTimer = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (call.timeout.count() > 0) {
       // Wake the timeout thread only if it sleeps past this deadline: it
       // wakes at least once a second anyway, and waking it for every call
       // (a context switch each) was a third of a small call's switches.
-      earliest = call.deadline < wakeAt_;
+      wakeTimer = call.deadline < wakeAt_;
       deadlines_.emplace(call.deadline, id);
     }
     calls_.emplace(id, std::move(call));
   }
-  if (earliest) {
+  if (wakeTimer) {
     cv_.notify_one();
   }
 }

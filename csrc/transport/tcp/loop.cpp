@@ -124,8 +124,7 @@ void Loop::runAfterDispatch(std::function<void()> fn, bool spinAfter) {
   spinArmed_ = spinArmed_ || spinAfter;
 }
 
-int Loop::waitForEvents(void* buffer, int maxEvents, int timeoutMs) {
-  auto* events = static_cast<epoll_event*>(buffer);
+int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
   bool spin = spinArmed_ && timeoutMs != 0 && busyPoll_.count() > 0;
   spinArmed_ = false;
   if (spin && spinSkip_ > 0) {

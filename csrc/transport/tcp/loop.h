@@ -16,6 +16,8 @@
 
 #include "csrc/common/threads.h"
 
+struct epoll_event;
+
 namespace torch_rpc_ext::transport::tcp {
 
 // Something with a file descriptor the loop watches.
@@ -102,7 +104,7 @@ class Loop {
   void reapLocked();
   void wake();
   // epoll_wait, preceded by a bounded busy poll when one is armed.
-  int waitForEvents(void* events, int maxEvents, int timeoutMs);
+  int waitForEvents(epoll_event* events, int maxEvents, int timeoutMs);
 
   const std::chrono::microseconds busyPoll_;
   int epollFd_ = -1;
