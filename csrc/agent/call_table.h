@@ -40,7 +40,8 @@ class CallTable {
   CallTable(ExpireFn onExpired, std::function<void()> onTick);
   ~CallTable();
 
-  void add(int64_t id, Call call);
+  // Returns how many calls were in flight before this one.
+  size_t add(int64_t id, Call call);
   // Remove and return the call, if it is still pending.
   std::optional<Call> take(int64_t id);
   // Remove and return every call sent on `connection`.

@@ -9,5 +9,7 @@ namespace py = pybind11;
 
 void bindAgent(py::module_& m);
 void bindTesting(py::module_& m);
+// Give every thread the core starts a Python thread state for its life.
+void installThreadHooks();
 
 } // namespace torch_rpc_ext::bindings

@@ -70,7 +70,10 @@ void bindAgent(py::module_& m) {
   using Base = torch::distributed::rpc::RpcAgent;
   using torch::distributed::rpc::WorkerInfo;
   using torch::distributed::rpc::worker_id_t;
-  py::class_<Agent, Base, std::shared_ptr<Agent>>(m, "Agent")
+  // Without the GIL: an agent dropped without shutdown() joins its threads,
+  // and they take the GIL on their way out (python_threads.cpp).
+  py::class_<Agent, Base, std::shared_ptr<Agent>>(
+      m, "Agent", py::release_gil_before_calling_cpp_dtor())
       .def(
           py::init(&Agent::create),
           py::arg("store"),

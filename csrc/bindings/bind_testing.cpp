@@ -25,6 +25,18 @@ py::bytes digestBytes(const Digest& d) {
 } // namespace
 
 void bindTesting(py::module_& m) {
+  m.def(
+      "python_thread_states",
+      [] {
+        size_t n = 0;
+        for (auto* t = PyInterpreterState_ThreadHead(PyInterpreterState_Get());
+             t != nullptr;
+             t = PyThreadState_Next(t)) {
+          ++n;
+        }
+        return n;
+      },
+      "How many Python thread states this interpreter has now.");
   m.def("sha256", [](const py::bytes& b) { return digestBytes(sha256(b)); });
   m.def("hmac_sha256", [](const py::bytes& key, const py::bytes& msg) {
     return digestBytes(hmacSha256(key, msg));

@@ -54,6 +54,7 @@ void ThreadPool::run(std::function<void()> task) {
 }
 
 void ThreadPool::workerLoop(bool core) {
+  ThreadHooksScope hooks;
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     ++idle_;
@@ -85,6 +86,11 @@ void ThreadPool::workerLoop(bool core) {
       idleCv_.notify_all();
     }
   }
+  // The exit hook may wait for the GIL: not while holding mutex_ (a thread
+  // holding the GIL may be waiting for it in run()).
+  lock.unlock();
+  runThreadExitHook();
+  lock.lock();
   --alive_;
   if (!stopping_) {
     finished_.push_back(std::this_thread::get_id());

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <atomic>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -22,5 +23,58 @@ inline void reapFinished(ThreadsById& threads, std::vector<std::thread::id>& fin
   }
   finished.clear();
 }
+
+// Run at the start and at the end of every thread that executes user work
+// (transport loop threads, pool workers). The core never touches Python;
+// the bindings install a pair that gives each such thread one Python thread
+// state for its whole life (bindings/python_threads.cpp). Without it, every
+// GIL acquisition on one of our threads created and destroyed a thread
+// state: half of a small Python UDF call's time.
+struct ThreadHooks {
+  void (*onStart)() = nullptr;
+  void (*onExit)() = nullptr;
+};
+
+inline std::atomic<void (*)()> gThreadStartHook{nullptr};
+inline std::atomic<void (*)()> gThreadExitHook{nullptr};
+
+// Install once, before the first thread starts (at module import).
+inline void setThreadHooks(ThreadHooks hooks) {
+  gThreadStartHook.store(hooks.onStart);
+  gThreadExitHook.store(hooks.onExit);
+}
+
+inline thread_local bool tlsThreadExitHookDone = false;
+
+// Run onExit now rather than when the thread's body ends. A thread must do
+// this before it tells anyone it is finished: onExit may wait for the GIL,
+// and whoever joins the thread must not be kept waiting on that (a loop's
+// monitor joining a retired leader while a Python thread holds the GIL for
+// seconds). Idempotent.
+inline void runThreadExitHook() {
+  if (!tlsThreadExitHookDone) {
+    tlsThreadExitHookDone = true;
+    if (auto exitHook = gThreadExitHook.load()) {
+      exitHook();
+    }
+  }
+}
+
+// Declare first thing in a thread's body: runs onStart now, and onExit when
+// the body ends unless runThreadExitHook() ran it earlier.
+class ThreadHooksScope {
+ public:
+  ThreadHooksScope() {
+    tlsThreadExitHookDone = false;
+    if (auto start = gThreadStartHook.load()) {
+      start();
+    }
+  }
+  ~ThreadHooksScope() {
+    runThreadExitHook();
+  }
+  ThreadHooksScope(const ThreadHooksScope&) = delete;
+  ThreadHooksScope& operator=(const ThreadHooksScope&) = delete;
+};
 
 } // namespace torch_rpc_ext

@@ -79,6 +79,34 @@ def gil_free(rank, world_size):
     return out
 
 
+_local = threading.local()
+
+
+def bump():
+    # threading.local lives in the Python thread state: it survives from one
+    # call to the next only if the serving thread keeps its state.
+    _local.n = getattr(_local, "n", 0) + 1
+    return threading.get_ident(), _local.n
+
+
+def thread_states(rank, world_size):
+    from torch_rpc_ext._C import _testing
+
+    before = _testing.python_thread_states()
+    init(rank, world_size, rpc_timeout=60)
+    out = {}
+    if rank == 0:
+        out["seen"] = [rpc.rpc_sync("worker1", bump) for _ in range(30)]
+        # Blocking requests retire loop threads (a takeover each), and those
+        # exit while the world runs: their states must go with them.
+        out["depth"] = rpc.rpc_sync("worker1", ping_back, args=("worker0", 4))
+        out["takeovers"] = int(rpc.rpc_sync("worker1", metrics)["rpc_ext.shm.loop_takeovers"])
+    during = _testing.python_thread_states()
+    rpc.shutdown()
+    out.update(before=before, during=during, after=_testing.python_thread_states())
+    return out
+
+
 def ping_pong(rank, world_size, busy_poll_us):
     init(rank, world_size, busy_poll_us=busy_poll_us)
     out = {}
@@ -137,3 +165,22 @@ def test_builtin_and_torchscript_calls_do_not_need_the_callees_gil():
     r = run_world(gil_free, 2, timeout=150)[0]
     assert r["hold_end"] is not None
     assert max(r["done"]) < r["hold_end"], r
+
+
+def test_serving_threads_keep_one_python_thread_state():
+    r = run_world(thread_states, 2, timeout=150)
+    seen = r[0]["seen"]
+    counts = {}
+    for ident, n in seen:
+        counts[ident] = counts.get(ident, 0) + 1
+        # The n-th call served by a thread sees the n-1 before it. With a
+        # state made and dropped per GIL acquisition, n would always be 1
+        # (and each call paid for the state: half a small UDF's time).
+        assert n == counts[ident], seen
+    assert max(counts.values()) >= 2, seen
+    assert r[0]["depth"] == 4 and r[0]["takeovers"] >= 2, r[0]
+    for rank in (0, 1):
+        # Our threads had states while the world ran; every one of them,
+        # retired loop threads included, freed its state when it exited.
+        assert r[rank]["during"] > r[rank]["before"], r[rank]
+        assert r[rank]["after"] == r[rank]["before"], r[rank]

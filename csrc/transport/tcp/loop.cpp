@@ -67,6 +67,7 @@ Loop::~Loop() {
 
 void Loop::spawnLeaderLocked(uint64_t generation) {
   std::thread t([this, generation] {
+    ThreadHooksScope hooks;
     tlsThreadOf = this;
     run(generation);
   });
@@ -247,6 +248,7 @@ void Loop::run(uint64_t generation) {
     }
   }
   handlers_.clear();
+  runThreadExitHook();
   {
     std::lock_guard<std::mutex> lock(threadsMutex_);
     leaderExited_ = true;
@@ -277,6 +279,8 @@ bool Loop::runDeferred(uint64_t generation) {
             expected, idle, std::memory_order_acq_rel)) {
       // The monitor handed the loop to a new leader while `fn` ran; what is
       // left in deferred_ is now its work. Leave without touching anything.
+      fn = nullptr;
+      runThreadExitHook();
       std::lock_guard<std::mutex> lock(threadsMutex_);
       exited_.push_back(std::this_thread::get_id());
       return false;
