@@ -321,7 +321,14 @@ void Agent::settle(
           call.future->markCompleted(c10::IValue(response));
         }
         self->callFinished();
-      });
+      },
+      // The last call in flight done: a caller in an rpc_sync loop is about
+      // to send the next one, so poll for its response instead of sleeping.
+      // Keeping this core busy also makes waking that caller cheap: on this
+      // VM a wake-up onto an idle (halted) vCPU costs ~25 us. Measured, 4
+      // alternating runs of 3000 calls: builtin 51.8 -> 29.7 us, Python UDF
+      // 54.9 -> 31.3 us, pipelined throughput unchanged (45.0k vs 47.0k).
+      /*expectMore=*/calls_.size() == 0);
 }
 
 void Agent::settleWithError(CallTable::Call call, std::string error) {

@@ -119,6 +119,19 @@ def ping_pong(rank, world_size, busy_poll_us):
     return out
 
 
+def spaced_calls(rank, world_size):
+    init(rank, world_size, busy_poll_us=2000)
+    out = {}
+    if rank == 0:
+        one = torch.ones(1)
+        for _ in range(6):
+            rpc.rpc_sync("worker1", torch.add, args=(one, one))
+            time.sleep(0.05)
+        out = metrics()
+    rpc.shutdown()
+    return out
+
+
 def nested(rank, world_size):
     init(rank, world_size, rpc_timeout=60)
     out = {}
@@ -135,11 +148,20 @@ def nested(rank, world_size):
 def test_serving_loop_busy_polls_for_the_next_request():
     m = run_world(ping_pong, 2, timeout=120, busy_poll_us=2000)[0]
     # Back-to-back calls: most next requests arrive while the callee's loop
-    # polls. The caller's loop polls only when a send found it asleep in the
-    # kernel and woke it early (how often depends on the scheduler: 5 to 300
-    # of 300 seen on 2 cores); without that early wake it never polls.
+    # polls, and most responses while the caller's loop polls (it starts
+    # when the previous call completes, or when send() finds it asleep).
     assert int(m["callee"]["rpc_ext.shm.busy_poll_hits"]) > 100, m
-    assert int(m["caller"]["rpc_ext.shm.busy_poll_hits"]) > 0, m
+    assert int(m["caller"]["rpc_ext.shm.busy_poll_hits"]) > 100, m
+
+
+def test_caller_loop_polls_after_its_last_call_completes():
+    # The last call in flight just completed: a caller in an rpc_sync loop
+    # sends its next call soon, so the loop polls for that response instead
+    # of sleeping. Calls 50 ms apart leave every such poll empty; a caller
+    # loop that polled only when woken by send() would see its response
+    # within 2 ms and never miss. Four misses in a row turn polling off.
+    m = run_world(spaced_calls, 2, timeout=120)[0]
+    assert int(m["rpc_ext.shm.busy_poll_misses"]) >= 4, m
 
 
 def test_busy_poll_off_never_polls():
