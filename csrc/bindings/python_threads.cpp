@@ -38,6 +38,12 @@ void onThreadStart() {
   }
   // Also binds it to this thread for PyGILState_GetThisThreadState().
   tlsState = PyThreadState_New(PyInterpreterState_Main());
+  // The count of PyGILState/pybind11 holders. Ours is the first: at 0, the
+  // first pybind11 scope to release the GIL would delete the state under
+  // us. CPython 3.11 sets it to 1 here; keep that true on any version.
+  if (tlsState != nullptr && tlsState->gilstate_counter < 1) {
+    tlsState->gilstate_counter = 1;
+  }
 }
 
 void onThreadExit() {
