@@ -132,6 +132,11 @@ class Agent final : public rpc::RpcAgent,
       int64_t value,
       std::optional<std::chrono::steady_clock::time_point> deadline,
       float timeout);
+  // The last barrier of a graceful shutdown, which nobody must outlive
+  // while others still use the store: see rendezvous.cpp.
+  void leaveRound(
+      std::optional<std::chrono::steady_clock::time_point> deadline,
+      float timeout);
   // Write a registered call's frame; fail the call if the connection is gone.
   void writeRequest(
       const std::shared_ptr<transport::Connection>& conn,

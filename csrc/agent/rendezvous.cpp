@@ -4,6 +4,7 @@
 // and join (the barrier of graceful shutdown).
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <sstream>
 #include <thread>
@@ -25,6 +26,9 @@ constexpr const char* kWorkerKeyPrefix = "torch_rpc_ext/worker/";
 constexpr const char* kJoinKeyPrefix = "torch_rpc_ext/join/";
 // How often join looks at who is missing (and probes them), at most.
 constexpr auto kJoinSlice = std::chrono::milliseconds(200);
+// How long rank 0 waits, after the last barrier, for the others to say they
+// are done with the store.
+constexpr auto kLeaveWait = std::chrono::seconds(10);
 constexpr size_t kSecretBytes = 32;
 
 std::string fromBytes(const std::vector<uint8_t>& v) {
@@ -198,10 +202,58 @@ void Agent::join(bool shutdown, float timeout) {
     if (joinRound(clientActiveCalls_, deadline, timeout) == 0) {
       if (shutdown) {
         shuttingDown_ = true;
-        joinRound(0, deadline, timeout);
+        leaveRound(deadline, timeout);
       }
       return;
     }
+  }
+}
+
+void Agent::leaveRound(
+    std::optional<std::chrono::steady_clock::time_point> deadline,
+    float timeout) {
+  // After the last barrier of a graceful shutdown a worker may exit at
+  // once, and the store's host (rank 0 under torch's rendezvous) takes the
+  // store with it while another worker may still be reading that barrier's
+  // keys: "Connection reset by peer" in a join that had in fact succeeded.
+  // So every other worker's last store call is one set() of a "left" key,
+  // and rank 0 returns only once all of them have landed (or after a
+  // bounded wait, if a worker died in between: shutdown must finish).
+  const std::string left =
+      kJoinKeyPrefix + std::to_string(joinRounds_) + "/left/";
+  joinRound(0, deadline, timeout);
+  if (workerInfo_.id_ != 0) {
+    // Tests only: a worker slow to leave (tests/rpc/test_rendezvous.py).
+    if (const char* delay = std::getenv("TORCH_RPC_EXT_TEST_LEAVE_DELAY_MS")) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(delay)));
+    }
+    try {
+      store_->set(left + std::to_string(workerInfo_.id_), toBytes("1"));
+    } catch (const std::exception& e) {
+      logWarning(
+          "torch_rpc_ext: " + workerInfo_.name_ +
+          " could not report leaving to the store: " + e.what());
+    }
+    return;
+  }
+  std::vector<std::string> keys;
+  for (int r = 1; r < worldSize_; ++r) {
+    keys.push_back(left + std::to_string(r));
+  }
+  auto until = std::chrono::steady_clock::now() + kLeaveWait;
+  if (deadline && *deadline < until) {
+    until = *deadline;
+  }
+  auto pause = std::chrono::milliseconds(1);
+  while (!keys.empty() && !store_->check(keys)) {
+    if (std::chrono::steady_clock::now() >= until) {
+      logWarning(
+          "torch_rpc_ext: " + workerInfo_.name_ +
+          " leaves before every worker reported leaving");
+      return;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, kJoinSlice);
   }
 }
 

@@ -6,13 +6,14 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import pytest
 import torch
 from torch.distributed import rpc
 
 import torch_rpc_ext
-from tests.rpc.world import free_port, run_world
+from tests.rpc.world import free_port, init, run_world
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,6 +44,26 @@ def test_every_init_method_kind(kind):
         method = f"file://{tempfile.mktemp(prefix='rpc_ext_rdv_')}"
     out = run_world(ping_with, world_size=3, init_method=method)
     assert out == {0: 1.0, 1: 2.0, 2: 3.0}
+
+
+def slow_leaver(rank, world_size, delay_ms):
+    if rank != 0:
+        os.environ["TORCH_RPC_EXT_TEST_LEAVE_DELAY_MS"] = str(delay_ms)
+    init(rank, world_size)
+    rpc.rpc_sync(f"worker{(rank + 1) % world_size}", torch.add, args=(torch.ones(1), 1))
+    t0 = time.monotonic()
+    rpc.shutdown()
+    return time.monotonic() - t0
+
+
+def test_store_host_outlives_the_others_last_store_call():
+    # rank 0 hosts the c10d store. Once the last shutdown barrier passes it
+    # may exit (taking the store with it) while the others still talk to the
+    # store: they then failed a join that had succeeded ("Connection reset by
+    # peer"). Now rank 0 waits until each other rank's last store call has
+    # landed, here held back 1 s after the barrier.
+    out = run_world(slow_leaver, world_size=3, delay_ms=1000)
+    assert out[0] >= 0.9, out
 
 
 TORCHRUN_SCRIPT = textwrap.dedent(
