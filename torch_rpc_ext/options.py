@@ -85,8 +85,12 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
         busy_poll_us: After serving a request, a transport thread polls for
             the next one this many microseconds before sleeping in the kernel,
             which saves a wake-up (tens of microseconds on a VM) when calls
-            come back to back. Adaptive: polls that keep finding nothing are
-            skipped for a while. 0 never polls; at most 10000.
+            come back to back. A caller polls likewise for the response to a
+            lone call, and after its last call in flight completes (an
+            rpc_sync loop sends the next one at once). Adaptive: polls that
+            keep finding nothing are skipped for a while. Costs up to this
+            much CPU per call when calls are spaced further apart. 0 never
+            polls; at most 10000.
         max_cached_receive_bytes: Receive buffers for tensors of 1 MiB or more
             are recycled (already faulted in, huge-page backed); this bounds
             the idle cache. Idle buffers go back to the OS after 2 s.
