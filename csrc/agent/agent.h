@@ -148,10 +148,12 @@ class Agent final : public rpc::RpcAgent,
       const std::string& offers,
       const std::string& hostKey) const;
   // Complete a client call on `conn`'s loop thread, after its read pass.
+  // `lastInFlight`: no other call of ours is waiting for a response.
   void settle(
       transport::Connection& conn,
       CallTable::Call call,
-      c10::intrusive_ptr<rpc::Message> response);
+      c10::intrusive_ptr<rpc::Message> response,
+      bool lastInFlight);
   void settleWithError(CallTable::Call call, std::string error);
   void callFinished();
 

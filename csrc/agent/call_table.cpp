@@ -37,7 +37,7 @@ size_t CallTable::add(int64_t id, Call call) {
   return before;
 }
 
-std::optional<CallTable::Call> CallTable::take(int64_t id) {
+std::optional<CallTable::Call> CallTable::take(int64_t id, size_t* remaining) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = calls_.find(id);
   if (it == calls_.end()) {
@@ -45,6 +45,9 @@ std::optional<CallTable::Call> CallTable::take(int64_t id) {
   }
   Call call = std::move(it->second);
   calls_.erase(it);
+  if (remaining != nullptr) {
+    *remaining = calls_.size();
+  }
   if (call.timeout.count() > 0) {
     auto range = deadlines_.equal_range(call.deadline);
     for (auto d = range.first; d != range.second; ++d) {

@@ -42,8 +42,9 @@ class CallTable {
 
   // Returns how many calls were in flight before this one.
   size_t add(int64_t id, Call call);
-  // Remove and return the call, if it is still pending.
-  std::optional<Call> take(int64_t id);
+  // Remove and return the call, if it is still pending; `remaining`, if
+  // given, gets how many calls are left in flight after it.
+  std::optional<Call> take(int64_t id, size_t* remaining = nullptr);
   // Remove and return every call sent on `connection`.
   std::vector<std::pair<int64_t, Call>> takeConnection(const void* connection);
   // Remove and return every call.

@@ -107,27 +107,18 @@ def thread_states(rank, world_size):
     return out
 
 
-def ping_pong(rank, world_size, busy_poll_us):
+def call_loop(rank, world_size, busy_poll_us, calls, gap_s=0.0):
+    """`calls` builtin rpc_syncs from worker0, `gap_s` apart; both sides' metrics."""
     init(rank, world_size, busy_poll_us=busy_poll_us)
     out = {}
     if rank == 0:
         one = torch.ones(1)
-        for _ in range(300):
+        for _ in range(calls):
             rpc.rpc_sync("worker1", torch.add, args=(one, one))
-        out = {"callee": rpc.rpc_sync("worker1", metrics), "caller": metrics()}
-    rpc.shutdown()
-    return out
-
-
-def spaced_calls(rank, world_size):
-    init(rank, world_size, busy_poll_us=2000)
-    out = {}
-    if rank == 0:
-        one = torch.ones(1)
-        for _ in range(6):
-            rpc.rpc_sync("worker1", torch.add, args=(one, one))
-            time.sleep(0.05)
-        out = metrics()
+            if gap_s:
+                time.sleep(gap_s)
+        caller = metrics()
+        out = {"caller": caller, "callee": rpc.rpc_sync("worker1", metrics)}
     rpc.shutdown()
     return out
 
@@ -146,7 +137,7 @@ def nested(rank, world_size):
 
 
 def test_serving_loop_busy_polls_for_the_next_request():
-    m = run_world(ping_pong, 2, timeout=120, busy_poll_us=2000)[0]
+    m = run_world(call_loop, 2, timeout=120, busy_poll_us=2000, calls=300)[0]
     # Back-to-back calls: most next requests arrive while the callee's loop
     # polls, and most responses while the caller's loop polls (it starts
     # when the previous call completes, or when send() finds it asleep).
@@ -160,12 +151,12 @@ def test_caller_loop_polls_after_its_last_call_completes():
     # of sleeping. Calls 50 ms apart leave every such poll empty; a caller
     # loop that polled only when woken by send() would see its response
     # within 2 ms and never miss. Four misses in a row turn polling off.
-    m = run_world(spaced_calls, 2, timeout=120)[0]
-    assert int(m["rpc_ext.shm.busy_poll_misses"]) >= 4, m
+    m = run_world(call_loop, 2, timeout=120, busy_poll_us=2000, calls=6, gap_s=0.05)[0]
+    assert int(m["caller"]["rpc_ext.shm.busy_poll_misses"]) >= 4, m
 
 
 def test_busy_poll_off_never_polls():
-    m = run_world(ping_pong, 2, timeout=120, busy_poll_us=0)[0]
+    m = run_world(call_loop, 2, timeout=120, busy_poll_us=0, calls=300)[0]
     for side in ("callee", "caller"):
         assert int(m[side]["rpc_ext.shm.busy_poll_hits"]) == 0
         assert int(m[side]["rpc_ext.shm.busy_poll_misses"]) == 0
