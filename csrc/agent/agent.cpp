@@ -359,9 +359,10 @@ void Agent::onReady(const std::shared_ptr<transport::Connection>& /*conn*/) {}
 transport::InboundBuffers Agent::onFrameHead(
     transport::Connection& /*conn*/,
     const std::string& head,
-    const std::vector<uint64_t>& segmentSizes) {
+    const std::vector<uint64_t>& segmentSizes,
+    const std::vector<bool>& provided) {
   // A throw rejects the frame; onClosed counts it (rejectedPeer()).
-  auto in = wire::InboundMessage::prepare(head, segmentSizes, buffers_);
+  auto in = wire::InboundMessage::prepare(head, segmentSizes, buffers_, provided);
   return in->buffers(in);
 }
 
@@ -373,7 +374,7 @@ void Agent::onFrame(
   int32_t peer = conn->peerId();
   c10::intrusive_ptr<rpc::Message> message;
   try {
-    message = in->finish();
+    message = in->finish(buffers);
   } catch (const std::exception& e) {
     stats_[peer].rejectedFrames.fetch_add(1, std::memory_order_relaxed);
     conn->close(std::string("rejected message: ") + e.what());
@@ -427,6 +428,11 @@ void Agent::serveRequest(
     result = c10::make_intrusive<JitFuture>(at::AnyClassType::get());
     result->setError(std::current_exception());
   }
+  // The callback has taken what it needs. Holding the request any longer
+  // would keep its tensors referenced while the response is encoded, and a
+  // tensor sent back unchanged (identity, in-place updates) could then not
+  // hand its shared slab back without a copy (shm/slab.h).
+  request.reset();
   bool async = !result->completed();
   if (async) {
     ++serverActiveAsyncCalls_;

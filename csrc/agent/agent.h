@@ -102,7 +102,8 @@ class Agent final : public rpc::RpcAgent,
   transport::InboundBuffers onFrameHead(
       transport::Connection& conn,
       const std::string& head,
-      const std::vector<uint64_t>& segmentSizes) override;
+      const std::vector<uint64_t>& segmentSizes,
+      const std::vector<bool>& provided) override;
   void onFrame(
       const std::shared_ptr<transport::Connection>& conn,
       std::string head,

@@ -23,12 +23,15 @@ class ConnectionObserver {
   virtual void onReady(const std::shared_ptr<Connection>& conn) = 0;
 
   // The head of a frame has arrived. Return where its segments go (one
-  // pointer per entry of `segmentSizes`). Throwing rejects the frame: the
-  // connection closes with the exception's text as reason.
+  // pointer per entry of `segmentSizes`; nullptr where `provided` is true:
+  // the transport then brings that segment's memory itself, in
+  // InboundBuffers::provided). Throwing rejects the frame: the connection
+  // closes with the exception's text as reason.
   virtual InboundBuffers onFrameHead(
       Connection& conn,
       const std::string& head,
-      const std::vector<uint64_t>& segmentSizes) = 0;
+      const std::vector<uint64_t>& segmentSizes,
+      const std::vector<bool>& provided) = 0;
 
   // Every segment of the frame is in place.
   virtual void onFrame(

@@ -16,7 +16,7 @@ std::string validateHeader(const FrameHeader& h, const FrameLimits& limits) {
     return "reserved flags set";
   }
   if (h.kind < uint8_t(FrameKind::kHello) ||
-      h.kind > uint8_t(FrameKind::kRing)) {
+      h.kind > uint8_t(FrameKind::kSlabDrop)) {
     return "unknown frame kind " + std::to_string(h.kind);
   }
   if (h.headLength > limits.maxHeadBytes) {

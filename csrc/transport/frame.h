@@ -31,6 +31,12 @@ enum class FrameKind : uint8_t {
   kPong = 6,
   kRing = 7, // shm only: head = uint64 ring capacity; carries the ring's
              // memfd and its wake-up eventfd (SCM_RIGHTS)
+  kSlab = 8, // shm only: head = uint32 id, uint64 capacity; carries the
+             // slab's memfd (SCM_RIGHTS). See shm/slab.h.
+  kSlabRelease = 9, // shm only: head = uint32 id of a slab the receiver of
+                    // a kLent record no longer uses
+  kSlabDrop = 10, // shm only: head = uint32 id of a free slab its owner
+                  // unmaps; the peer unmaps it too
 };
 
 // FrameHeader.flags of a kMessage frame on an shm connection: some segments
@@ -38,6 +44,9 @@ enum class FrameKind : uint8_t {
 // set) and the stream carries ChunkRecords (shm/ring.h) in their place.
 constexpr uint16_t kFlagRingSegments = 1;
 constexpr uint64_t kRingSegmentBit = uint64_t(1) << 63;
+// A segment length with this bit set (shm only, either flag): the stream
+// carries a 16-byte shm::SlabRecord in place of the segment's bytes.
+constexpr uint64_t kSlabSegmentBit = uint64_t(1) << 62;
 
 #pragma pack(push, 1)
 struct FrameHeader {
@@ -63,6 +72,14 @@ struct FrameLimits {
 // naming the offending field.
 std::string validateHeader(const FrameHeader& h, const FrameLimits& limits);
 
+// Memory a transport hands to the receiver in place of filling a buffer (a
+// view of a shared slab): valid while the region object lives. Destroying it
+// tells the transport the memory is no longer used, from any thread.
+class SharedRegion {
+ public:
+  virtual ~SharedRegion() = default;
+};
+
 // An outbound frame: a head and segments that point into memory kept alive by
 // `keepAlive` until the transport has written the frame (or dropped it).
 struct OutboundFrame {
@@ -71,6 +88,12 @@ struct OutboundFrame {
   struct Segment {
     const void* data;
     size_t size;
+    // Set when the bytes lie in a region this process received: the
+    // transport that provided it may hand the region back instead of
+    // copying, but only if `exclusive` (nothing but this frame can reach
+    // the memory any more).
+    std::shared_ptr<SharedRegion> origin = nullptr;
+    bool exclusive = false;
   };
   std::vector<Segment> segments;
   std::shared_ptr<void> keepAlive;
@@ -79,10 +102,15 @@ struct OutboundFrame {
 };
 
 // Where an inbound frame's segments go. Chosen by the receiver once the head
-// is known; `keepAlive` owns the memory.
+// is known; `keepAlive` owns the memory. For a segment the transport provides
+// itself (onFrameHead's `provided`), the receiver's pointer is unused and the
+// transport fills `regions` and `provided` instead.
 struct InboundBuffers {
   std::vector<void*> segments; // one per announced segment
   std::shared_ptr<void> keepAlive;
+  // Filled by the transport: per segment, the provided memory (or null).
+  std::vector<void*> provided;
+  std::vector<std::shared_ptr<SharedRegion>> regions;
 };
 
 } // namespace torch_rpc_ext::transport

@@ -70,6 +70,49 @@ int64_t extentBytes(const at::Tensor& t) {
   return (last + 1) * static_cast<int64_t>(t.element_size());
 }
 
+// A storage viewing memory a transport provided (a shared slab): the region
+// is released when the last tensor viewing it dies, on whatever thread.
+struct ProvidedRegion {
+  std::shared_ptr<transport::SharedRegion> region;
+};
+
+void releaseProvided(void* ctx) {
+  delete static_cast<ProvidedRegion*>(ctx);
+}
+
+// The region behind `storage`, if a transport provided its memory.
+std::shared_ptr<transport::SharedRegion> regionOf(const c10::Storage& storage) {
+  const auto& data = storage.data_ptr();
+  if (data.get_deleter() != &releaseProvided) {
+    return nullptr;
+  }
+  return static_cast<ProvidedRegion*>(data.get_context())->region;
+}
+
+// True if `refs` strong references (taken from a use_count()) are all one
+// holder's: either a lone C++ reference, or, for an object with a Python
+// wrapper, that reference plus the wrapper's own, with the wrapper alive
+// only because of it (torch keeps a wrapper alive while C++ references
+// exist; see "PyObject preservation" in c10/util/intrusive_ptr.h).
+bool soleHolder(size_t refs, const c10::impl::PyObjectSlot* slot) {
+  if (slot->load_pyobj() == nullptr) {
+    return refs == 1;
+  }
+  return refs == 2 && slot->has_unique_reference();
+}
+
+// Nothing but the message being encoded can reach the bytes of `t`: it
+// holds the only reference to the tensor, the tensor the only one to its
+// storage, and no weak reference could revive either.
+bool reachableOnlyThrough(const at::Tensor& t) {
+  const auto& storage = t.storage();
+  return soleHolder(t.use_count(), t.unsafeGetTensorImpl()->pyobj_slot()) &&
+      t.weak_use_count() == 1 &&
+      soleHolder(
+             storage.use_count(), storage.unsafeGetStorageImpl()->pyobj_slot()) &&
+      storage.getWeakStorageImpl().weak_use_count() == 2;
+}
+
 // Collects strided tensors, deduplicating storages and tracking each
 // storage's used byte span.
 class StoragePlan {
@@ -77,8 +120,10 @@ class StoragePlan {
   explicit StoragePlan(OutboundHold& hold) : hold_(hold) {}
 
   // A tensor that can be sent as is: compact it first if its span would
-  // waste more than half the bytes on the wire.
-  at::Tensor admit(at::Tensor t) {
+  // waste more than half the bytes on the wire. `exclusive`: the message is
+  // the tensor's only holder (reachableOnlyThrough, checked by the caller
+  // before it took its own references).
+  at::Tensor admit(at::Tensor t, bool exclusive = false) {
     TORCH_CHECK(
         t.device().is_cpu(),
         "TORCH_RPC_EXT can only send CPU tensors for now, got a tensor on ",
@@ -103,11 +148,13 @@ class StoragePlan {
     int64_t hi = lo + extentBytes(t);
     auto it = spans_.find(impl);
     if (it == spans_.end()) {
-      spans_.emplace(impl, Span{lo, hi, t.storage()});
+      spans_.emplace(impl, Span{lo, hi, t.storage(), 0, exclusive});
       order_.push_back(impl);
     } else {
       it->second.lo = std::min(it->second.lo, lo);
       it->second.hi = std::max(it->second.hi, hi);
+      // A storage two tensors share: exclusive only if a single tensor held it.
+      it->second.exclusive = false;
     }
     tensors_.push_back(t);
     return t;
@@ -127,8 +174,11 @@ class StoragePlan {
       auto& s = spans_.at(impl);
       s.segment = static_cast<uint32_t>(frame.segments.size());
       const char* base = static_cast<const char*>(s.storage.data());
-      frame.segments.push_back(
-          {base == nullptr ? nullptr : base + s.lo, size_t(s.hi - s.lo)});
+      transport::OutboundFrame::Segment seg{
+          base == nullptr ? nullptr : base + s.lo, size_t(s.hi - s.lo)};
+      seg.origin = regionOf(s.storage);
+      seg.exclusive = seg.origin != nullptr && s.exclusive;
+      frame.segments.push_back(std::move(seg));
     }
   }
 
@@ -154,6 +204,7 @@ class StoragePlan {
     int64_t hi;
     c10::Storage storage;
     uint32_t segment = 0;
+    bool exclusive = false;
   };
   OutboundHold& hold_;
   std::unordered_map<c10::StorageImpl*, Span> spans_;
@@ -303,7 +354,8 @@ transport::OutboundFrame encodeMessage(
       at::Tensor values = plan.admit(t._values().detach());
       entries.push_back({true, values, indices, t});
     } else {
-      entries.push_back({false, plan.admit(t), at::Tensor(), t});
+      bool exclusive = reachableOnlyThrough(t);
+      entries.push_back({false, plan.admit(t, exclusive), at::Tensor(), t});
     }
   }
 
@@ -341,7 +393,8 @@ transport::OutboundFrame encodeMessage(
 std::shared_ptr<InboundMessage> InboundMessage::prepare(
     const std::string& head,
     const std::vector<uint64_t>& segmentSizes,
-    const std::shared_ptr<BufferPool>& pool) {
+    const std::shared_ptr<BufferPool>& pool,
+    const std::vector<bool>& provided) {
   if (segmentSizes.empty()) {
     throw std::invalid_argument("message frame without a payload segment");
   }
@@ -399,10 +452,18 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   for (auto n : segmentSizes) {
     m->bytes_ += n;
   }
-  m->payload_.resize(segmentSizes[0]);
+  auto isProvided = [&](size_t i) {
+    return i < provided.size() && provided[i];
+  };
+  m->sizes_ = segmentSizes;
+  if (!isProvided(0)) {
+    m->payload_.resize(segmentSizes[0]);
+  }
   m->storages_.reserve(segmentSizes.size() - 1);
   for (size_t i = 1; i < segmentSizes.size(); ++i) {
-    m->storages_.push_back(allocateSegment(segmentSizes[i], pool));
+    // A provided segment becomes a storage in finish(), around its memory.
+    m->storages_.push_back(
+        isProvided(i) ? c10::Storage() : allocateSegment(segmentSizes[i], pool));
   }
   return m;
 }
@@ -411,15 +472,43 @@ transport::InboundBuffers InboundMessage::buffers(
     const std::shared_ptr<InboundMessage>& self) {
   transport::InboundBuffers b;
   b.segments.reserve(1 + storages_.size());
-  b.segments.push_back(payload_.data());
+  b.segments.push_back(payload_.empty() ? nullptr : payload_.data());
   for (auto& s : storages_) {
-    b.segments.push_back(s.mutable_data());
+    b.segments.push_back(s ? s.mutable_data() : nullptr);
   }
   b.keepAlive = self;
   return b;
 }
 
-c10::intrusive_ptr<rpc::Message> InboundMessage::finish() {
+c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
+    const transport::InboundBuffers& buffers) {
+  for (size_t i = 0; i < buffers.regions.size() && i < sizes_.size(); ++i) {
+    if (buffers.regions[i] == nullptr) {
+      continue;
+    }
+    if (i == 0) {
+      // The payload is parsed from a vector: one copy, and the slab goes
+      // back at once.
+      const char* p = static_cast<const char*>(buffers.provided[0]);
+      payload_.assign(p, p + sizes_[0]);
+      continue;
+    }
+    TORCH_CHECK(!storages_[i - 1], "segment ", i, " was provided twice");
+    auto* owned = new ProvidedRegion{buffers.regions[i]};
+    c10::DataPtr data(
+        buffers.provided[i], owned, &releaseProvided, c10::Device(c10::kCPU));
+    storages_[i - 1] = c10::Storage(
+        c10::Storage::use_byte_size_t(),
+        static_cast<int64_t>(sizes_[i]),
+        std::move(data),
+        /*allocator=*/nullptr,
+        /*resizable=*/false);
+  }
+  for (size_t i = 0; i < storages_.size(); ++i) {
+    TORCH_CHECK(
+        storages_[i] || sizes_[i + 1] == 0,
+        "segment ", i + 1, " was announced as provided but never arrived");
+  }
   std::vector<at::Tensor> tensors;
   tensors.reserve(tensors_.size());
   for (const auto& t : tensors_) {

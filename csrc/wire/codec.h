@@ -38,18 +38,24 @@ class InboundMessage {
  public:
   // Parse and check `head` against `segmentSizes` before allocating anything.
   // Large tensor segments come from `pool` (when given), smaller ones from
-  // the CPU allocator. Throws std::invalid_argument naming the first problem.
+  // the CPU allocator; segments marked in `provided` get no buffer: the
+  // transport brings their memory (a shared slab), and the tensor's storage
+  // becomes a view of it in finish(). Throws std::invalid_argument naming
+  // the first problem.
   static std::shared_ptr<InboundMessage> prepare(
       const std::string& head,
       const std::vector<uint64_t>& segmentSizes,
-      const std::shared_ptr<BufferPool>& pool = nullptr);
+      const std::shared_ptr<BufferPool>& pool = nullptr,
+      const std::vector<bool>& provided = {});
 
   // Where the transport writes each segment.
   transport::InboundBuffers buffers(
       const std::shared_ptr<InboundMessage>& self);
 
-  // Build the message once every segment is in place.
-  c10::intrusive_ptr<rpc::Message> finish();
+  // Build the message once every segment is in place (`buffers`: what the
+  // transport filled in, including provided memory).
+  c10::intrusive_ptr<rpc::Message> finish(
+      const transport::InboundBuffers& buffers = {});
 
   rpc::MessageType type() const {
     return type_;
@@ -84,6 +90,7 @@ class InboundMessage {
   int64_t id_;
   uint64_t bytes_ = 0;
   std::vector<char> payload_;
+  std::vector<uint64_t> sizes_; // of every segment
   std::vector<c10::Storage> storages_; // one per segment after the payload
   std::vector<TensorMeta> tensors_;
 };

@@ -249,6 +249,10 @@ void TcpConnection::heartbeatFromLoop() {
   if (silent >= options_.heartbeatTimeout / 5) {
     queueControl(uint8_t(FrameKind::kPing), {});
   }
+  if (shm_) {
+    // Memory goes back once traffic stops (free slabs idle for 2 s).
+    trimSlabs(false);
+  }
   scheduleHeartbeat();
 }
 

@@ -4,15 +4,18 @@
 #include <sys/uio.h>
 
 #include <atomic>
+#include <chrono>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "csrc/transport/connection.h"
 #include "csrc/transport/handshake.h"
 #include "csrc/transport/shm/ring.h"
+#include "csrc/transport/shm/slab.h"
 #include "csrc/transport/tcp/loop.h"
 #include "csrc/transport/transport.h"
 
@@ -24,7 +27,10 @@ namespace torch_rpc_ext::transport::tcp {
 // The same class serves the "shm" transport: a Unix socket between two
 // processes of one host, plus one shared ring per direction (shm/ring.h)
 // that carries the bytes of large segments while the socket carries frame
-// heads, small segments and the rings' chunk records.
+// heads, small segments and the rings' chunk records. Segments of 1 MiB or
+// more go through shared slabs instead (shm/slab.h): one copy on the
+// sender's side, none on the receiver's, and none at all for a storage
+// handed back to the peer it came from.
 //
 // Threads: write() and close() from any thread; everything named *FromLoop
 // on the loop thread. Reads go straight into the buffers the observer hands
@@ -84,6 +90,12 @@ class TcpConnection final : public Connection,
   // shm: the peer released ring space we wait for. Loop thread.
   void onRingWakeFromLoop();
 
+  // shm slabs (connection_slabs.cpp), from a SlabLease's destructor on any
+  // thread: we no longer use the peer's slab `id` (tell the peer), or our own
+  // slab `id` came back from the peer and is free again.
+  void releasePeerSlab(uint32_t id);
+  void freeOwnSlab(uint32_t id);
+
  private:
   enum class State { kConnecting, kHandshake, kReady, kClosed };
   enum class ReadPhase { kHeader, kLengthsAndHead, kSegments };
@@ -104,6 +116,9 @@ class TcpConnection final : public Connection,
     size_t pieceOffset = 0;
     std::string records; // ChunkRecords not yet on the socket
     size_t recordsWritten = 0;
+    // shm: what goes on the wire in place of slab segments (the frame's
+    // segments point here).
+    std::vector<shm::SlabRecord> slabRecords;
     // Partly on the wire: nothing may be sent before the rest of it.
     bool started() const {
       return written > 0 || piece > 0 || pieceOffset > 0;
@@ -162,6 +177,26 @@ class TcpConnection final : public Connection,
   bool isRingSegment() const {
     return !ringSegments_.empty() && ringSegments_[segmentIndex_];
   }
+  bool isSlabSegment() const {
+    return !slabSegments_.empty() && slabSegments_[segmentIndex_];
+  }
+  // Writer, without writeMutex_: send `segment` through a slab if it is
+  // large enough and the bounds allow. Fills `record`, and `setup` with a
+  // new slab the peer must be handed first. False: send it another way.
+  bool prepareSlabSegment(
+      const OutboundFrame::Segment& segment,
+      shm::SlabRecord* record,
+      std::shared_ptr<shm::Slab>* setup);
+  // The kSlab frame handing `slab` (our slab `id`) to the peer.
+  PendingWrite slabSetupFrame(uint32_t id, std::shared_ptr<shm::Slab> slab);
+  // Reader: the frames and records of the slab protocol. False once closed.
+  bool onSlabSetupFromLoop();
+  bool onSlabReleaseFromLoop();
+  bool onSlabDropFromLoop();
+  bool onSlabRecordFromLoop();
+  // Unmap free slabs idle for kSlabIdleMs (all free ones if `all`), telling
+  // the peer to unmap them too.
+  void trimSlabs(bool all);
   void updateEventsLocked();
   // Destroy the keepAlives of finished frames; off the loop thread when the
   // options say how. Call without writeMutex_ held.
@@ -185,7 +220,6 @@ class TcpConnection final : public Connection,
   shm::Ring ringIn_; // the peer's, read on the loop thread
   bool ringBlocked_ = false; // a frame waits for ring space (writeMutex_)
   std::vector<int> receivedFds_; // loop thread
-  size_t fdsReceivedTotal_ = 0;
   std::atomic<State> state_;
   std::atomic<int32_t> peerId_{-1}; // set once authenticated
   std::atomic<bool> rejected_{false};
@@ -216,6 +250,26 @@ class TcpConnection final : public Connection,
   std::vector<bool> ringSegments_; // of the frame being read (shm)
   shm::ChunkRecord record_{};
   size_t recordFilled_ = 0;
+  std::vector<bool> slabSegments_; // of the frame being read (shm)
+  shm::SlabRecord slabRecord_{};
+  size_t slabRecordFilled_ = 0;
+  // The peer's slabs we have mapped, by id (loop thread).
+  std::unordered_map<uint32_t, std::shared_ptr<shm::Slab>> peerSlabs_;
+  uint64_t peerSlabBytes_ = 0;
+
+  // Our slabs, by id. kFree: in our pool; kLent: the peer's tensors use it;
+  // kLocal: handed back by the peer, our tensors use it.
+  struct OwnSlab {
+    enum class State { kFree, kLent, kLocal };
+    std::shared_ptr<shm::Slab> slab;
+    State state = State::kFree;
+    std::chrono::steady_clock::time_point lastUsed;
+  };
+  std::mutex slabMutex_; // guards the members below; never held while
+                         // copying or taking another lock
+  std::unordered_map<uint32_t, OwnSlab> ownSlabs_;
+  uint32_t nextSlabId_ = 1;
+  uint64_t lentSlabBytes_ = 0;
 };
 
 } // namespace torch_rpc_ext::transport::tcp

@@ -16,9 +16,12 @@ namespace torch_rpc_ext::transport::tcp {
 namespace {
 
 constexpr size_t kDirectReadBytes = 16 * 1024;
-// An shm connection receives exactly two descriptors: the peer's ring and
-// its eventfd. Anything more is an attack on our descriptor table.
-constexpr size_t kMaxReceivedFds = 2;
+// An shm connection receives descriptors only with a kRing frame (two: the
+// peer's ring and its eventfd) or a kSlab frame (one memfd), and the kernel
+// stops each read at a message that carries some, so no more than this many
+// can be waiting for their frame. Anything more is an attack on our
+// descriptor table.
+constexpr size_t kMaxPendingFds = 3;
 
 } // namespace
 
@@ -44,12 +47,11 @@ ssize_t TcpConnection::readFromLoop(void* dst, size_t size) {
               int fd;
               std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
               receivedFds_.push_back(fd);
-              ++fdsReceivedTotal_;
             }
           }
         }
         if ((msg.msg_flags & MSG_CTRUNC) != 0 ||
-            fdsReceivedTotal_ > kMaxReceivedFds) {
+            receivedFds_.size() > kMaxPendingFds) {
           rejectFromLoop("peer sent unexpected file descriptors");
           return -1;
         }
@@ -91,7 +93,7 @@ void TcpConnection::onReadableFromLoop() {
   while (state_ != State::kClosed) {
     // Large remainders of a segment go straight into its final buffer.
     if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_ &&
-        !isRingSegment()) {
+        !isRingSegment() && !isSlabSegment()) {
       size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
       if (want >= kDirectReadBytes) {
         char* dst =
@@ -140,6 +142,19 @@ bool TcpConnection::consumeFromLoop() {
           !onLengthsAndHeadFromLoop()) {
         return false;
       }
+    } else if (isSlabSegment()) {
+      // A SlabRecord: the bytes are in a shared slab already.
+      size_t take = std::min(avail, sizeof(slabRecord_) - slabRecordFilled_);
+      std::memcpy(
+          reinterpret_cast<char*>(&slabRecord_) + slabRecordFilled_, src, take);
+      slabRecordFilled_ += take;
+      stagedBegin_ += take;
+      if (slabRecordFilled_ == sizeof(slabRecord_)) {
+        slabRecordFilled_ = 0;
+        if (!onSlabRecordFromLoop()) {
+          return false;
+        }
+      }
     } else if (isRingSegment()) {
       // A ChunkRecord: its bytes wait in the peer's ring.
       size_t take = std::min(avail, sizeof(record_) - recordFilled_);
@@ -185,7 +200,11 @@ bool TcpConnection::onHeaderFromLoop() {
       ok = kind == FrameKind::kMessage || kind == FrameKind::kPing ||
           kind == FrameKind::kPong ||
           (kind == FrameKind::kRing && shm_ && !ringIn_.valid() &&
-           header_.headLength == sizeof(uint64_t));
+           header_.headLength == sizeof(uint64_t)) ||
+          (kind == FrameKind::kSlab && shm_ &&
+           header_.headLength == sizeof(uint32_t) + sizeof(uint64_t)) ||
+          ((kind == FrameKind::kSlabRelease || kind == FrameKind::kSlabDrop) &&
+           shm_ && header_.headLength == sizeof(uint32_t));
     }
     if (!ok) {
       why = "unexpected frame kind " + std::to_string(header_.kind) +
@@ -219,10 +238,20 @@ bool TcpConnection::onLengthsAndHeadFromLoop() {
   if (header_.flags == kFlagRingSegments) {
     ringSegments_.resize(n);
   }
+  slabSegments_.clear();
   uint64_t sum = 0;
   for (size_t i = 0; i < n; ++i) {
     std::memcpy(&segmentSizes_[i], lengthsAndHead_.data() + 8 * i, 8);
-    if ((segmentSizes_[i] & kRingSegmentBit) != 0) {
+    if ((segmentSizes_[i] & kSlabSegmentBit) != 0) {
+      segmentSizes_[i] &= ~kSlabSegmentBit;
+      if (!shm_ || segmentSizes_[i] == 0 ||
+          (segmentSizes_[i] & kRingSegmentBit) != 0) {
+        rejectFromLoop("rejected frame: bad slab segment length");
+        return false;
+      }
+      slabSegments_.resize(n);
+      slabSegments_[i] = true;
+    } else if ((segmentSizes_[i] & kRingSegmentBit) != 0) {
       segmentSizes_[i] &= ~kRingSegmentBit;
       if (ringSegments_.empty() || segmentSizes_[i] == 0) {
         rejectFromLoop("rejected frame: bad ring segment length");
@@ -261,8 +290,23 @@ bool TcpConnection::onLengthsAndHeadFromLoop() {
     phase_ = ReadPhase::kHeader;
     return onRingSetupFromLoop();
   }
+  if (kind == FrameKind::kSlab) {
+    phase_ = ReadPhase::kHeader;
+    return onSlabSetupFromLoop();
+  }
+  if (kind == FrameKind::kSlabRelease) {
+    phase_ = ReadPhase::kHeader;
+    return onSlabReleaseFromLoop();
+  }
+  if (kind == FrameKind::kSlabDrop) {
+    phase_ = ReadPhase::kHeader;
+    return onSlabDropFromLoop();
+  }
+  static const std::vector<bool> kNoneProvided;
   try {
-    inbound_ = observer_->onFrameHead(*this, head_, segmentSizes_);
+    inbound_ = observer_->onFrameHead(
+        *this, head_, segmentSizes_,
+        slabSegments_.empty() ? kNoneProvided : slabSegments_);
   } catch (const std::exception& e) {
     rejectFromLoop(std::string("rejected frame: ") + e.what());
     return false;
@@ -271,6 +315,11 @@ bool TcpConnection::onLengthsAndHeadFromLoop() {
     rejectFromLoop("rejected frame: receiver gave wrong buffer count");
     return false;
   }
+  if (!slabSegments_.empty()) {
+    inbound_.provided.assign(n, nullptr);
+    inbound_.regions.assign(n, nullptr);
+  }
+  slabRecordFilled_ = 0;
   segmentIndex_ = 0;
   segmentFilled_ = 0;
   skipEmptySegments();

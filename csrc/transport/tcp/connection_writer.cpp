@@ -96,6 +96,24 @@ bool TcpConnection::write(OutboundFrame frame) {
         std::to_string(options_.limits.maxFrameBytes) + ")");
   }
   PendingWrite w;
+  // shm: large segments go through slabs (copied now, on this thread, with
+  // no lock held); their place on the wire takes a SlabRecord.
+  std::vector<bool> slab(frame.segments.size());
+  std::vector<std::pair<uint32_t, std::shared_ptr<shm::Slab>>> setups;
+  if (shm_) {
+    w.slabRecords.reserve(frame.segments.size());
+    for (size_t i = 0; i < frame.segments.size(); ++i) {
+      shm::SlabRecord record{};
+      std::shared_ptr<shm::Slab> setup;
+      if (prepareSlabSegment(frame.segments[i], &record, &setup)) {
+        slab[i] = true;
+        w.slabRecords.push_back(record);
+        if (setup != nullptr) {
+          setups.emplace_back(record.id, std::move(setup));
+        }
+      }
+    }
+  }
   FrameHeader h{};
   h.magic = kFrameMagic;
   h.version = kProtocolVersion;
@@ -103,9 +121,10 @@ bool TcpConnection::write(OutboundFrame frame) {
   h.headLength = static_cast<uint32_t>(frame.head.size());
   h.numSegments = static_cast<uint32_t>(frame.segments.size());
   bool anyRing = false;
-  for (const auto& s : frame.segments) {
-    h.dataLength += s.size;
-    anyRing = anyRing || (shm_ && s.size >= kRingMinSegment);
+  for (size_t i = 0; i < frame.segments.size(); ++i) {
+    h.dataLength += frame.segments[i].size;
+    anyRing = anyRing ||
+        (shm_ && !slab[i] && frame.segments[i].size >= kRingMinSegment);
   }
   if (anyRing) {
     h.flags = kFlagRingSegments;
@@ -113,9 +132,17 @@ bool TcpConnection::write(OutboundFrame frame) {
   }
   w.prefix.reserve(sizeof(h) + 8 * frame.segments.size() + frame.head.size());
   w.prefix.append(reinterpret_cast<const char*>(&h), sizeof(h));
+  size_t nextRecord = 0;
   for (size_t i = 0; i < frame.segments.size(); ++i) {
     uint64_t n = frame.segments[i].size;
-    if (anyRing && n >= kRingMinSegment) {
+    if (slab[i]) {
+      n |= kSlabSegmentBit;
+      // The record goes on the wire in the segment's place; the frame no
+      // longer needs the region (a handed-back one is the peer's now).
+      frame.segments[i].data = &w.slabRecords[nextRecord++];
+      frame.segments[i].size = sizeof(shm::SlabRecord);
+      frame.segments[i].origin = nullptr;
+    } else if (anyRing && n >= kRingMinSegment) {
       w.ring[i] = true;
       n |= kRingSegmentBit;
     }
@@ -130,8 +157,12 @@ bool TcpConnection::write(OutboundFrame frame) {
     if (state_ == State::kClosed) {
       return false;
     }
+    // A new slab reaches the peer before the first record that names it.
+    for (auto& [id, s] : setups) {
+      writes_.push_back(slabSetupFrame(id, std::move(s)));
+    }
     writes_.push_back(std::move(w));
-    if (state_ == State::kReady && writes_.size() == 1) {
+    if (state_ == State::kReady && writes_.size() == 1 + setups.size()) {
       error = flushLocked();
     }
   }

@@ -1,0 +1,105 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/transport/shm/slab.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <stdexcept>
+
+#include "csrc/common/logging.h"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace torch_rpc_ext::transport::shm {
+
+namespace {
+
+constexpr int kRequiredSeals = F_SEAL_SHRINK | F_SEAL_SEAL;
+
+} // namespace
+
+std::shared_ptr<Slab> Slab::create(uint64_t capacity) {
+  if (capacity == 0 || capacity % kSlabGranule != 0) {
+    throw std::invalid_argument(
+        "slab capacity " + std::to_string(capacity) + " is not a multiple of " +
+        std::to_string(kSlabGranule));
+  }
+  std::shared_ptr<Slab> s(new Slab());
+  s->fd_ = ::memfd_create("torch_rpc_ext-slab", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (s->fd_ < 0) {
+    throw std::runtime_error(errnoText("memfd_create failed"));
+  }
+  if (::ftruncate(s->fd_, static_cast<off_t>(capacity)) != 0) {
+    throw std::runtime_error(errnoText("ftruncate of a slab failed"));
+  }
+  if (::fcntl(s->fd_, F_ADD_SEALS, kRequiredSeals) != 0) {
+    throw std::runtime_error(errnoText("sealing a slab failed"));
+  }
+  void* p = ::mmap(
+      nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd_, 0);
+  if (p == MAP_FAILED) {
+    throw std::runtime_error(errnoText("mmap of a slab failed"));
+  }
+  s->base_ = static_cast<char*>(p);
+  s->capacity_ = capacity;
+  // One call allocates and maps every page: touching them one by one would
+  // cost a fault each (shmem gets no huge pages here), 4x slower.
+  if (::madvise(p, capacity, MADV_POPULATE_WRITE) != 0) {
+    // Older kernels: the first copy takes the faults instead.
+    logDebug(errnoText("MADV_POPULATE_WRITE on a slab failed"));
+  }
+  return s;
+}
+
+std::string Slab::attach(int fd, uint64_t capacity, std::shared_ptr<Slab>* out) {
+  struct Closer {
+    int fd;
+    ~Closer() {
+      ::close(fd);
+    }
+  } closer{fd};
+  if (capacity == 0 || capacity % kSlabGranule != 0) {
+    return "slab capacity " + std::to_string(capacity) + " is not a multiple of " +
+        std::to_string(kSlabGranule);
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    return errnoText("fstat of the peer's slab failed");
+  }
+  int seals = ::fcntl(fd, F_GET_SEALS);
+  // Unsealed, the peer could shrink the file under our mapping later.
+  if (!S_ISREG(st.st_mode) || uint64_t(st.st_size) != capacity || seals < 0 ||
+      (seals & kRequiredSeals) != kRequiredSeals) {
+    return "the peer's slab is not a sealed shared-memory file of " +
+        std::to_string(capacity) + " bytes";
+  }
+  void* p = ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    return errnoText("mmap of the peer's slab failed");
+  }
+  std::shared_ptr<Slab> s(new Slab());
+  s->base_ = static_cast<char*>(p);
+  s->capacity_ = capacity;
+  *out = std::move(s);
+  return {};
+}
+
+void Slab::closeFd() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+}
+
+Slab::~Slab() {
+  if (base_ != nullptr) {
+    ::munmap(base_, capacity_);
+  }
+  closeFd();
+}
+
+} // namespace torch_rpc_ext::transport::shm

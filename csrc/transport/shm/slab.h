@@ -1,0 +1,85 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace torch_rpc_ext::transport::shm {
+
+// A sealed memfd mapping that carries one large tensor segment between two
+// processes of one host without a receive-side copy: the zero-copy path of
+// the "shm" transport (docs/architecture.md, "Shared slabs").
+//
+// The sender copies the segment into one of its slabs (the one copy of that
+// direction) and sends a SlabRecord in the segment's place; the receiver's
+// tensor storage is then a view of the slab for as long as the tensor lives.
+// When that storage dies, the receiver tells the sender (kSlabRelease) and
+// the slab goes back to the sender's pool, already faulted in. A receiver
+// that sends such a storage back to the same peer, and is its only user,
+// hands the slab back instead of copying it (SlabRecord::kReturned): the
+// reply costs no copy at all.
+//
+// Slabs are sealed against shrinking before they are shared, so a peer
+// cannot turn our accesses into SIGBUS by truncating the file.
+class Slab {
+ public:
+  // A new slab of `capacity` bytes, pre-faulted (sender side). Throws
+  // std::runtime_error naming the failing call.
+  static std::shared_ptr<Slab> create(uint64_t capacity);
+  // Map the peer's slab from `fd` (receiver side; closes `fd` in all cases:
+  // the mapping needs no descriptor, so a receiver never holds one per slab).
+  // Returns an error text, or "".
+  static std::string attach(int fd, uint64_t capacity, std::shared_ptr<Slab>* out);
+
+  Slab(const Slab&) = delete;
+  Slab& operator=(const Slab&) = delete;
+  ~Slab();
+
+  char* data() const {
+    return base_;
+  }
+  uint64_t capacity() const {
+    return capacity_;
+  }
+  // The memfd, until closeFd(): the sender keeps it only until the slab has
+  // been handed to the peer.
+  int fd() const {
+    return fd_;
+  }
+  void closeFd();
+
+ private:
+  Slab() = default;
+  int fd_ = -1;
+  char* base_ = nullptr;
+  uint64_t capacity_ = 0;
+};
+
+// What travels on the socket in place of a slab segment's bytes.
+struct SlabRecord {
+  enum Kind : uint32_t {
+    kLent = 1, // the sender's slab `id`, lent to the receiver
+    kReturned = 2, // the receiver's own slab `id`, handed back by the sender
+  };
+  uint32_t id;
+  uint32_t kind;
+  uint64_t offset; // of the segment's first byte in the slab
+};
+static_assert(sizeof(SlabRecord) == 16, "SlabRecord is 16 bytes on the wire");
+
+// Segments at least this large go through slabs (below it, the ring's two
+// pipelined copies beat a fresh mapping's bookkeeping).
+constexpr uint64_t kSlabMinSegment = uint64_t(1) << 20;
+// Slab sizes are multiples of this (also the sealing granularity).
+constexpr uint64_t kSlabGranule = uint64_t(2) << 20;
+// Per connection and direction: at most this many slabs exist, and at most
+// kMaxLentSlabBytes of them may be lent out at once; past either bound the
+// sender falls back to the ring (a copy per side) rather than grow.
+constexpr size_t kMaxSlabs = 1024;
+constexpr uint64_t kMaxLentSlabBytes = uint64_t(1) << 35; // 32 GiB
+// A free slab unused this long is unmapped (and the peer told to unmap it).
+constexpr int64_t kSlabIdleMs = 2000;
+
+} // namespace torch_rpc_ext::transport::shm

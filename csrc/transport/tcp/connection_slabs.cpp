@@ -1,0 +1,361 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// The shared-slab side of an shm TcpConnection (shm/slab.h): our pool of
+// slabs lent to the peer, the peer's slabs we map, and the leases that tie a
+// received tensor's storage to a slab.
+#include <cstring>
+#include <limits>
+
+#include "csrc/common/logging.h"
+#include "csrc/transport/tcp/connection.h"
+
+namespace torch_rpc_ext::transport::tcp {
+
+namespace {
+
+// The peer may have at most this many bytes of slabs mapped into us.
+constexpr uint64_t kMaxPeerSlabBytes = 2 * shm::kMaxLentSlabBytes;
+
+// A received segment's memory: a span of a slab, valid while this lives.
+// When the last tensor viewing it dies, the slab goes back to its owner:
+// the peer (kSlabRelease) for a lent slab, our pool for one of ours the
+// peer handed back. handOn() passes the slab on in a frame instead.
+class SlabLease final : public SharedRegion {
+ public:
+  SlabLease(
+      std::weak_ptr<TcpConnection> conn,
+      const TcpConnection* via,
+      std::shared_ptr<shm::Slab> slab,
+      uint32_t id,
+      bool own)
+      : conn_(std::move(conn)),
+        via_(via),
+        slab_(std::move(slab)),
+        id_(id),
+        own_(own) {}
+
+  ~SlabLease() override {
+    if (handedOn_.load()) {
+      return;
+    }
+    // A closed or destroyed connection has nobody left to tell.
+    if (auto c = conn_.lock()) {
+      if (own_) {
+        c->freeOwnSlab(id_);
+      } else {
+        c->releasePeerSlab(id_);
+      }
+    }
+  }
+
+  const TcpConnection* via() const {
+    return via_;
+  }
+  const shm::Slab& slab() const {
+    return *slab_;
+  }
+  uint32_t id() const {
+    return id_;
+  }
+  bool own() const {
+    return own_;
+  }
+  // True once, for the one frame that passes the slab on.
+  bool handOn() {
+    return !handedOn_.exchange(true);
+  }
+
+ private:
+  std::weak_ptr<TcpConnection> conn_;
+  const TcpConnection* via_;
+  std::shared_ptr<shm::Slab> slab_;
+  uint32_t id_;
+  bool own_;
+  std::atomic<bool> handedOn_{false};
+};
+
+std::string idHead(uint32_t id) {
+  return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+uint64_t roundUpToGranule(uint64_t n) {
+  return (n + shm::kSlabGranule - 1) / shm::kSlabGranule * shm::kSlabGranule;
+}
+
+} // namespace
+
+bool TcpConnection::prepareSlabSegment(
+    const OutboundFrame::Segment& segment,
+    shm::SlabRecord* record,
+    std::shared_ptr<shm::Slab>* setup) {
+  if (!shm_ || segment.size < shm::kSlabMinSegment) {
+    return false;
+  }
+  auto& counters = loop_.slabCounters();
+  // A storage that came from a slab of this connection, and that nothing
+  // else can reach any more, goes back as it is.
+  if (segment.exclusive && segment.origin != nullptr) {
+    auto* lease = dynamic_cast<SlabLease*>(segment.origin.get());
+    const char* p = static_cast<const char*>(segment.data);
+    if (lease != nullptr && lease->via() == this &&
+        p >= lease->slab().data() &&
+        segment.size <= lease->slab().capacity() &&
+        uint64_t(p - lease->slab().data()) <=
+            lease->slab().capacity() - segment.size &&
+        lease->handOn()) {
+      record->id = lease->id();
+      record->offset = uint64_t(p - lease->slab().data());
+      if (lease->own()) {
+        std::lock_guard<std::mutex> lock(slabMutex_);
+        auto it = ownSlabs_.find(lease->id());
+        if (it != ownSlabs_.end() && it->second.slab != nullptr) {
+          it->second.state = OwnSlab::State::kLent;
+          lentSlabBytes_ += it->second.slab->capacity();
+        }
+        record->kind = shm::SlabRecord::kLent;
+        counters.relent.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        record->kind = shm::SlabRecord::kReturned;
+        counters.handedBack.fetch_add(1, std::memory_order_relaxed);
+      }
+      counters.segments.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+  }
+  std::shared_ptr<shm::Slab> slab;
+  uint32_t id = 0;
+  uint64_t want = roundUpToGranule(segment.size);
+  {
+    std::lock_guard<std::mutex> lock(slabMutex_);
+    // The smallest free slab that fits without wasting more than half.
+    uint64_t best = std::numeric_limits<uint64_t>::max();
+    for (auto& [slabId, own] : ownSlabs_) {
+      if (own.state != OwnSlab::State::kFree) {
+        continue;
+      }
+      uint64_t cap = own.slab->capacity();
+      if (cap >= want && cap <= 2 * want && cap < best) {
+        best = cap;
+        id = slabId;
+      }
+    }
+    if (id != 0) {
+      auto& own = ownSlabs_[id];
+      own.state = OwnSlab::State::kLent;
+      lentSlabBytes_ += own.slab->capacity();
+      slab = own.slab;
+    } else if (
+        ownSlabs_.size() >= shm::kMaxSlabs ||
+        lentSlabBytes_ + want > shm::kMaxLentSlabBytes) {
+      counters.fallbacks.fetch_add(1, std::memory_order_relaxed);
+      return false;
+    } else {
+      id = nextSlabId_++;
+      lentSlabBytes_ += want;
+      // Reserved now, mapped below without the lock.
+      ownSlabs_[id] = OwnSlab{nullptr, OwnSlab::State::kLent, {}};
+    }
+  }
+  if (slab == nullptr) {
+    try {
+      slab = shm::Slab::create(want);
+    } catch (const std::exception& e) {
+      logDebug(std::string("torch_rpc_ext: no slab, using the ring: ") + e.what());
+      std::lock_guard<std::mutex> lock(slabMutex_);
+      ownSlabs_.erase(id);
+      lentSlabBytes_ -= want;
+      counters.fallbacks.fetch_add(1, std::memory_order_relaxed);
+      return false;
+    }
+    {
+      std::lock_guard<std::mutex> lock(slabMutex_);
+      ownSlabs_[id].slab = slab;
+    }
+    counters.created.fetch_add(1, std::memory_order_relaxed);
+    *setup = slab;
+  }
+  // The one copy of this direction.
+  std::memcpy(slab->data(), segment.data, segment.size);
+  record->id = id;
+  record->kind = shm::SlabRecord::kLent;
+  record->offset = 0;
+  counters.segments.fetch_add(1, std::memory_order_relaxed);
+  counters.copiedBytes.fetch_add(segment.size, std::memory_order_relaxed);
+  return true;
+}
+
+TcpConnection::PendingWrite TcpConnection::slabSetupFrame(
+    uint32_t id,
+    std::shared_ptr<shm::Slab> slab) {
+  PendingWrite w;
+  uint64_t capacity = slab->capacity();
+  std::string head = idHead(id);
+  head.append(reinterpret_cast<const char*>(&capacity), sizeof(capacity));
+  FrameHeader h{kFrameMagic, kProtocolVersion, uint8_t(FrameKind::kSlab), 0,
+                static_cast<uint32_t>(head.size()), 0, 0};
+  w.prefix.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  w.prefix += head;
+  w.passFds = {slab->fd()};
+  // Once the frame is out (or dropped) we need the descriptor no more: the
+  // mapping lives on without it.
+  w.frame.keepAlive =
+      std::shared_ptr<void>(nullptr, [slab](void*) { slab->closeFd(); });
+  return w;
+}
+
+void TcpConnection::releasePeerSlab(uint32_t id) {
+  queueControl(uint8_t(FrameKind::kSlabRelease), idHead(id));
+}
+
+void TcpConnection::freeOwnSlab(uint32_t id) {
+  std::lock_guard<std::mutex> lock(slabMutex_);
+  auto it = ownSlabs_.find(id);
+  if (it != ownSlabs_.end() && it->second.state == OwnSlab::State::kLocal) {
+    it->second.state = OwnSlab::State::kFree;
+    it->second.lastUsed = std::chrono::steady_clock::now();
+  }
+}
+
+void TcpConnection::trimSlabs(bool all) {
+  std::vector<uint32_t> dropped;
+  {
+    std::lock_guard<std::mutex> lock(slabMutex_);
+    auto now = std::chrono::steady_clock::now();
+    for (auto it = ownSlabs_.begin(); it != ownSlabs_.end();) {
+      if (it->second.state == OwnSlab::State::kFree &&
+          (all ||
+           now - it->second.lastUsed >=
+               std::chrono::milliseconds(shm::kSlabIdleMs))) {
+        dropped.push_back(it->first);
+        it = ownSlabs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  loop_.slabCounters().unmapped.fetch_add(
+      dropped.size(), std::memory_order_relaxed);
+  for (uint32_t id : dropped) {
+    queueControl(uint8_t(FrameKind::kSlabDrop), idHead(id));
+  }
+}
+
+bool TcpConnection::onSlabSetupFromLoop() {
+  if (receivedFds_.empty()) {
+    rejectFromLoop("rejected frame: slab setup without its descriptor");
+    return false;
+  }
+  int fd = receivedFds_.front();
+  receivedFds_.erase(receivedFds_.begin());
+  uint32_t id;
+  uint64_t capacity;
+  std::memcpy(&id, head_.data(), sizeof(id));
+  std::memcpy(&capacity, head_.data() + sizeof(id), sizeof(capacity));
+  std::shared_ptr<shm::Slab> slab;
+  std::string why = shm::Slab::attach(fd, capacity, &slab);
+  if (why.empty() && peerSlabs_.count(id) != 0) {
+    why = "slab " + std::to_string(id) + " announced twice";
+  }
+  if (why.empty() &&
+      (peerSlabs_.size() >= shm::kMaxSlabs ||
+       capacity > kMaxPeerSlabBytes - peerSlabBytes_)) {
+    why = "the peer's slabs exceed " + std::to_string(shm::kMaxSlabs) +
+        " or " + std::to_string(kMaxPeerSlabBytes) + " bytes";
+  }
+  if (!why.empty()) {
+    rejectFromLoop("rejected slab: " + why);
+    return false;
+  }
+  peerSlabBytes_ += capacity;
+  peerSlabs_.emplace(id, std::move(slab));
+  return true;
+}
+
+bool TcpConnection::onSlabReleaseFromLoop() {
+  uint32_t id;
+  std::memcpy(&id, head_.data(), sizeof(id));
+  bool held = false;
+  {
+    std::lock_guard<std::mutex> lock(slabMutex_);
+    auto it = ownSlabs_.find(id);
+    // (A slab still being mapped has no `slab` yet and is not the peer's.)
+    if (it != ownSlabs_.end() && it->second.state == OwnSlab::State::kLent &&
+        it->second.slab != nullptr) {
+      held = true;
+      it->second.state = OwnSlab::State::kFree;
+      it->second.lastUsed = std::chrono::steady_clock::now();
+      lentSlabBytes_ -= it->second.slab->capacity();
+    }
+  }
+  if (!held) {
+    // No risk to us, but a peer that loses track of its leases is broken.
+    rejectFromLoop(
+        "rejected frame: the peer released slab " + std::to_string(id) +
+        ", which it does not hold");
+    return false;
+  }
+  trimSlabs(false);
+  return state_ != State::kClosed;
+}
+
+bool TcpConnection::onSlabDropFromLoop() {
+  uint32_t id;
+  std::memcpy(&id, head_.data(), sizeof(id));
+  auto it = peerSlabs_.find(id);
+  if (it == peerSlabs_.end()) {
+    rejectFromLoop(
+        "rejected frame: the peer dropped slab " + std::to_string(id) +
+        ", which it never announced");
+    return false;
+  }
+  // Leases of ours (there should be none) keep their own mapping.
+  peerSlabBytes_ -= it->second->capacity();
+  peerSlabs_.erase(it);
+  return true;
+}
+
+bool TcpConnection::onSlabRecordFromLoop() {
+  const shm::SlabRecord r = slabRecord_;
+  uint64_t size = segmentSizes_[segmentIndex_];
+  std::shared_ptr<shm::Slab> slab;
+  bool own = r.kind == shm::SlabRecord::kReturned;
+  std::string why;
+  if (r.kind == shm::SlabRecord::kLent) {
+    auto it = peerSlabs_.find(r.id);
+    if (it == peerSlabs_.end()) {
+      why = "record names unknown slab " + std::to_string(r.id);
+    } else {
+      slab = it->second;
+    }
+  } else if (own) {
+    std::lock_guard<std::mutex> lock(slabMutex_);
+    auto it = ownSlabs_.find(r.id);
+ if (it == ownSlabs_.end() || it->second.state != OwnSlab::State::kLent ||
+        it->second.slab == nullptr) {
+      why = "the peer handed back slab " + std::to_string(r.id) +
+          ", which it does not hold";
+    } else {
+      slab = it->second.slab;
+      it->second.state = OwnSlab::State::kLocal;
+      lentSlabBytes_ -= slab->capacity();
+    }
+  } else {
+    why = "unknown slab record kind " + std::to_string(r.kind);
+  }
+  if (why.empty() &&
+      (r.offset > slab->capacity() || size > slab->capacity() - r.offset)) {
+    why = "segment of " + std::to_string(size) + " bytes at offset " +
+        std::to_string(r.offset) + " overruns slab " + std::to_string(r.id);
+  }
+  if (!why.empty()) {
+    rejectFromLoop("rejected frame: " + why);
+    return false;
+  }
+  size_t i = segmentIndex_;
+  inbound_.provided[i] = slab->data() + r.offset;
+  inbound_.regions[i] = std::make_shared<SlabLease>(
+      weak_from_this(), this, std::move(slab), r.id, own);
+  advanceSegmentFromLoop(size);
+  return state_ != State::kClosed;
+}
+
+} // namespace torch_rpc_ext::transport::tcp
