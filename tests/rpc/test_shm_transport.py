@@ -3,6 +3,7 @@
 the ring (sizes around its thresholds and past its capacity, both directions
 at once), transport choice and refusal, hostile use of the ring protocol."""
 
+import fcntl
 import os
 import socket
 import struct
@@ -14,11 +15,22 @@ from torch.distributed import rpc
 from tests.rpc.test_hostile_peers import SECRET
 from tests.rpc.world import init, run_world
 from torch_rpc_ext._C import _testing
-from torch_rpc_ext.testing import MESSAGE, RING, closed_by_peer, frame_header, handshake
+from torch_rpc_ext.testing import (
+    MESSAGE,
+    RING,
+    SLAB,
+    SLAB_DROP,
+    SLAB_RELEASE,
+    closed_by_peer,
+    frame_header,
+    handshake,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
 RING_SEGMENT_BIT = 1 << 63
+SLAB_SEGMENT_BIT = 1 << 62
+SLAB_BYTES = 2 << 20  # one slab granule
 # Around the 64 KiB ring threshold, the 256 KiB chunk and the 8 MiB ring.
 SIZES = [0, 1, 16383, 16384, 16385, 65_535, 65_536, 300_000, 262_143, 262_145, 2_359_299]
 
@@ -172,6 +184,79 @@ def shm_attacks(rank, world_size):
         os.close(mem)
         os.close(ev)
 
+        # Slabs. A slab setup without its descriptor.
+        def slab_setup(slab_id, capacity):
+            return frame_header(SLAB, 12) + struct.pack("<IQ", slab_id, capacity)
+
+        sock, _ = handshake(addr, SECRET)
+        sock.sendall(slab_setup(1, SLAB_BYTES))
+        out["slab_without_fd"] = closed_by_peer(sock)
+        sock.close()
+
+        # Descriptor stuffing beyond what any frame carries.
+        sock, _ = handshake(addr, SECRET)
+        fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(4)]
+        socket.send_fds(sock, [frame_header(SLAB, 12)], fds)
+        for fd in fds:
+            os.close(fd)
+        out["slab_fd_stuffing"] = closed_by_peer(sock)
+        sock.close()
+
+        # An unsealed slab: we could shrink it under the agent's mapping.
+        sock, _ = handshake(addr, SECRET)
+        unsealed = os.memfd_create("unsealed")
+        os.ftruncate(unsealed, SLAB_BYTES)
+        socket.send_fds(sock, [slab_setup(1, SLAB_BYTES)], [unsealed])
+        out["unsealed_slab"] = closed_by_peer(sock)
+        sock.close()
+        os.close(unsealed)
+
+        def sealed(size):
+            fd = os.memfd_create("sealed", os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+            return fd
+
+        # A sealed slab smaller than announced.
+        sock, _ = handshake(addr, SECRET)
+        mem = sealed(SLAB_BYTES)
+        socket.send_fds(sock, [slab_setup(1, 2 * SLAB_BYTES)], [mem])
+        out["short_slab"] = closed_by_peer(sock)
+        sock.close()
+
+        # A good slab is accepted; records that name another slab, overrun
+        # this one, or hand back a slab the agent never lent are refused, as
+        # are releases and drops of slabs that were never in play.
+        head, segs = _testing.encode_message(0x10C, b"", [torch.zeros(1 << 19)], 1)
+        sizes = struct.pack("<QQ", len(segs[0]), len(segs[1]) | SLAB_SEGMENT_BIT)
+        message = (frame_header(MESSAGE, len(head), nseg=2, data=len(segs[0]) + len(segs[1]))
+                   + sizes + head + segs[0])
+        bad = {
+            "unknown_slab": message + struct.pack("<IIQ", 2, 1, 0),
+            "slab_overrun": message + struct.pack("<IIQ", 1, 1, SLAB_BYTES - 4096),
+            "never_lent": message + struct.pack("<IIQ", 1, 2, 0),
+            "bad_record_kind": message + struct.pack("<IIQ", 1, 9, 0),
+            "release_never_lent": frame_header(SLAB_RELEASE, 4) + struct.pack("<I", 1),
+            "drop_unknown": frame_header(SLAB_DROP, 4) + struct.pack("<I", 2),
+            "slab_twice": None,
+        }
+        for label, frame in bad.items():
+            sock, _ = handshake(addr, SECRET)
+            socket.send_fds(sock, [slab_setup(1, SLAB_BYTES)], [mem])
+            if frame is None:
+                socket.send_fds(sock, [slab_setup(1, SLAB_BYTES)], [mem])
+            else:
+                sock.sendall(frame)
+            out[label] = closed_by_peer(sock)
+            sock.close()
+        sock, _ = handshake(addr, SECRET)
+        socket.send_fds(sock, [slab_setup(1, SLAB_BYTES)], [mem])
+        sock.sendall(frame_header(SLAB_DROP, 4) + struct.pack("<I", 1))
+        sock.settimeout(0.5)
+        out["good_slab_accepted"] = not closed_by_peer(sock)
+        sock.close()
+        os.close(mem)
+
         # The agent still serves its real peer over shm, with big tensors.
         x = torch.randn(2_000_000)
         out["still_serves"] = torch.equal(rpc.rpc_sync("worker1", echo, args=(x,)), x)
@@ -182,7 +267,11 @@ def shm_attacks(rank, world_size):
 def test_hostile_ring_use_is_refused_and_the_agent_keeps_serving():
     out = run_world(shm_attacks)[0]
     for label in ["ring_flag_without_ring", "ring_without_fds", "too_many_fds",
-                  "short_ring", "bad_record"]:
+                  "short_ring", "bad_record", "slab_without_fd", "slab_fd_stuffing",
+                  "unsealed_slab", "short_slab", "unknown_slab", "slab_overrun",
+                  "never_lent", "bad_record_kind", "release_never_lent", "drop_unknown",
+                  "slab_twice"]:
         assert out[label], label
     assert out["good_ring_accepted"]
+    assert out["good_slab_accepted"]
     assert out["still_serves"]

@@ -18,7 +18,8 @@ constexpr uint64_t kMaxPeerSlabBytes = 2 * shm::kMaxLentSlabBytes;
 // A received segment's memory: a span of a slab, valid while this lives.
 // When the last tensor viewing it dies, the slab goes back to its owner:
 // the peer (kSlabRelease) for a lent slab, our pool for one of ours the
-// peer handed back. handOn() passes the slab on in a frame instead.
+// peer handed back. handOn() passes the peer's slab back to it in a frame
+// instead.
 class SlabLease final : public SharedRegion {
  public:
   SlabLease(
@@ -91,32 +92,24 @@ bool TcpConnection::prepareSlabSegment(
     return false;
   }
   auto& counters = loop_.slabCounters();
-  // A storage that came from a slab of this connection, and that nothing
-  // else can reach any more, goes back as it is.
+  // A storage that lives in a slab the peer lent us on this connection,
+  // and that nothing else can reach any more, goes back as it is. (Our own
+  // slabs handed back to us are copied like any memory when sent again:
+  // from Python that is always the case, as the caller's argument tuple
+  // still holds the tensor while the call is encoded.)
   if (segment.exclusive && segment.origin != nullptr) {
     auto* lease = dynamic_cast<SlabLease*>(segment.origin.get());
     const char* p = static_cast<const char*>(segment.data);
-    if (lease != nullptr && lease->via() == this &&
+    if (lease != nullptr && lease->via() == this && !lease->own() &&
         p >= lease->slab().data() &&
         segment.size <= lease->slab().capacity() &&
         uint64_t(p - lease->slab().data()) <=
             lease->slab().capacity() - segment.size &&
         lease->handOn()) {
       record->id = lease->id();
+      record->kind = shm::SlabRecord::kReturned;
       record->offset = uint64_t(p - lease->slab().data());
-      if (lease->own()) {
-        std::lock_guard<std::mutex> lock(slabMutex_);
-        auto it = ownSlabs_.find(lease->id());
-        if (it != ownSlabs_.end() && it->second.slab != nullptr) {
-          it->second.state = OwnSlab::State::kLent;
-          lentSlabBytes_ += it->second.slab->capacity();
-        }
-        record->kind = shm::SlabRecord::kLent;
-        counters.relent.fetch_add(1, std::memory_order_relaxed);
-      } else {
-        record->kind = shm::SlabRecord::kReturned;
-        counters.handedBack.fetch_add(1, std::memory_order_relaxed);
-      }
+      counters.handedBack.fetch_add(1, std::memory_order_relaxed);
       counters.segments.fetch_add(1, std::memory_order_relaxed);
       return true;
     }

@@ -92,7 +92,6 @@ class Loop {
     std::atomic<uint64_t> segments{0}; // segments sent through a slab
     std::atomic<uint64_t> copiedBytes{0}; // bytes copied into slabs
     std::atomic<uint64_t> handedBack{0}; // sent with no copy (kReturned)
-    std::atomic<uint64_t> relent{0}; // own slab sent again with no copy
     std::atomic<uint64_t> created{0};
     std::atomic<uint64_t> unmapped{0}; // own slabs dropped when idle
     std::atomic<uint64_t> fallbacks{0}; // over a slab bound: ring instead

@@ -19,7 +19,6 @@ std::map<std::string, uint64_t> TcpTransport::counters() const {
       {"shm_slab_segments", loop_.slabCounters().segments.load()},
       {"shm_slab_copied_bytes", loop_.slabCounters().copiedBytes.load()},
       {"shm_slab_handbacks", loop_.slabCounters().handedBack.load()},
-      {"shm_slab_relends", loop_.slabCounters().relent.load()},
       {"shm_slabs_created", loop_.slabCounters().created.load()},
       {"shm_slabs_unmapped", loop_.slabCounters().unmapped.load()},
       {"shm_slab_fallbacks", loop_.slabCounters().fallbacks.load()},

@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Shared slabs (csrc/transport/shm/slab.h): tensor segments of 1 MiB or more
+cross with one copy, land in the receiver as views of the sender's slab,
+go back with no copy when the callee returns a storage only it held, keep
+RPC's copy semantics when it did not, outlive the connection, and return
+to the pool (then to the kernel) when their tensors die."""
+
+import time
+
+import pytest
+import torch
+from torch.distributed import rpc
+
+from tests.rpc.world import init, run_world
+
+pytestmark = pytest.mark.timeout(180)
+
+SLAB_MAPPING = "/memfd:torch_rpc_ext-slab"
+N = 1 << 20  # 4 MiB of float32: through a slab
+KEPT = {}
+
+
+def mapping_of(address):
+    """The name of the mapping holding `address` in this process, or ""."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(v, 16) for v in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5] if len(fields) > 5 else ""
+    raise AssertionError(f"{address:#x} is not mapped")
+
+
+def slab_counters():
+    m = rpc.api._get_current_rpc_agent().get_metrics()
+    prefix = "rpc_ext.shm.shm_"
+    return {k[len(prefix):]: int(v) for k, v in m.items() if k.startswith(prefix)}
+
+
+def where(x):
+    return mapping_of(x.data_ptr()), x.sum().item()
+
+
+def echo(x):
+    return x
+
+
+def keep(x):
+    KEPT["x"] = x
+    return x
+
+
+def kept_sum_after_scaling_it():
+    s = KEPT["x"].sum().item()
+    KEPT["x"].mul_(3)
+    return s
+
+
+def relay(x, back):
+    # Our copy of x goes to `back` and comes back handed over (on our
+    # connection to `back`); we return it on `back`'s connection to us.
+    return rpc.rpc_sync(back, echo, args=(x,))
+
+
+def slabs(rank, world_size):
+    init(rank, world_size, transports=("shm",), heartbeat_timeout=1.0)
+    out = {}
+    if rank == 0:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(N, generator=g)
+        total = x.sum().item()
+        out["total"] = total
+        small = torch.randn(1000, generator=g)
+
+        # The callee's tensor is a view of our slab; a small one is not.
+        name, s = rpc.rpc_sync("worker1", where, args=(x,))
+        out["big_lands_in"], out["big_sum_ok"] = name, s == total
+        out["small_lands_in"] = rpc.rpc_sync("worker1", where, args=(small,))[0]
+
+        # Identity: the callee hands the slab back; our result lives in our
+        # own slab, with the right bytes.
+        before = rpc.rpc_sync("worker1", slab_counters)
+        y = rpc.rpc_sync("worker1", echo, args=(x,))
+        after = rpc.rpc_sync("worker1", slab_counters)
+        out["handed_back"] = after["slab_handbacks"] - before["slab_handbacks"]
+        out["echo_equal"] = torch.equal(y, x)
+        out["echo_lands_in"] = mapping_of(y.data_ptr())
+        # Our tensor is ours: writing it does not disturb the next call.
+        y.fill_(7)
+        out["next_echo_equal"] = torch.equal(rpc.rpc_sync("worker1", echo, args=(x,)), x)
+
+        # The callee keeps its tensor: no hand-back, and neither side sees
+        # the other's writes afterwards (RPC copies).
+        before = rpc.rpc_sync("worker1", slab_counters)
+        k = rpc.rpc_sync("worker1", keep, args=(x,))
+        after = rpc.rpc_sync("worker1", slab_counters)
+        out["kept_handed_back"] = after["slab_handbacks"] - before["slab_handbacks"]
+        k.add_(1)
+        out["kept_unchanged_by_us"] = rpc.rpc_sync("worker1", kept_sum_after_scaling_it) == total
+        out["ours_unchanged_by_them"] = torch.equal(k, x + 1)
+
+        # A tensor that came back to us over one connection and is sent on
+        # another (a nested call inside the callee) is copied: slabs belong
+        # to one connection.
+        before = rpc.rpc_sync("worker1", slab_counters)
+        r = rpc.rpc_sync("worker1", relay, args=(x, "worker0"))
+        after = rpc.rpc_sync("worker1", slab_counters)
+        out["relay_handed_back"] = after["slab_handbacks"] - before["slab_handbacks"]
+        out["relay_equal"] = torch.equal(r, x)
+
+        # Many calls of one size reuse a few slabs, then they go back to the
+        # kernel once idle (2 s; the heartbeat trims every 0.2 s).
+        del y, k, r
+        for _ in range(50):
+            rpc.rpc_sync("worker1", echo, args=(x,))
+        mine, theirs = slab_counters(), rpc.rpc_sync("worker1", slab_counters)
+        out["created"] = (mine["slabs_created"], theirs["slabs_created"])
+        time.sleep(3.0)
+        mine, theirs = slab_counters(), rpc.rpc_sync("worker1", slab_counters)
+        out["unmapped"] = (mine["slabs_unmapped"], theirs["slabs_unmapped"],
+                           mine["slabs_created"], theirs["slabs_created"])
+        # Keep one tensor of the callee's past shutdown.
+        KEPT["theirs"] = rpc.rpc_sync("worker1", torch.full, args=((N,), 5.0))
+    rpc.shutdown()
+    if rank == 0:
+        # The connection is gone; the tensor's memory is not.
+        out["outlives_connection"] = bool((KEPT["theirs"] == 5.0).all())
+    else:
+        out["kept_outlives_connection"] = KEPT["x"].sum().item()
+    return out
+
+
+def test_large_tensors_cross_through_slabs_with_copy_semantics():
+    out = run_world(slabs, timeout=150)
+    r0 = out[0]
+    assert r0["big_lands_in"] == SLAB_MAPPING and r0["big_sum_ok"]
+    assert r0["small_lands_in"] != SLAB_MAPPING
+    assert r0["handed_back"] == 1
+    assert r0["echo_equal"] and r0["next_echo_equal"]
+    assert r0["echo_lands_in"] == SLAB_MAPPING
+    assert r0["kept_handed_back"] == 0
+    assert r0["kept_unchanged_by_us"] and r0["ours_unchanged_by_them"]
+    assert r0["relay_handed_back"] == 0 and r0["relay_equal"]
+    # Echo traffic of one size: a handful of slabs each way, not 50.
+    assert max(r0["created"]) <= 6, r0["created"]
+    unmapped_mine, unmapped_theirs, created_mine, created_theirs = r0["unmapped"]
+    assert unmapped_mine >= 1 and unmapped_theirs >= 1, r0["unmapped"]
+    assert r0["outlives_connection"]
+    # worker1 scaled its kept copy by 3; it still reads it after shutdown.
+    assert out[1]["kept_outlives_connection"] == pytest.approx(3 * r0["total"], rel=1e-4)
