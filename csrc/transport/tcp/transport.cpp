@@ -12,17 +12,21 @@ TcpTransport::TcpTransport(TransportOptions options, bool shm)
     : options_(std::move(options)), shm_(shm), loop_(options_.busyPoll) {}
 
 std::map<std::string, uint64_t> TcpTransport::counters() const {
-  return {
+  std::map<std::string, uint64_t> c{
       {"loop_takeovers", loop_.takeovers()},
       {"busy_poll_hits", loop_.spinHits()},
       {"busy_poll_misses", loop_.spinMisses()},
-      {"shm_slab_segments", loop_.slabCounters().segments.load()},
-      {"shm_slab_copied_bytes", loop_.slabCounters().copiedBytes.load()},
-      {"shm_slab_handbacks", loop_.slabCounters().handedBack.load()},
-      {"shm_slabs_created", loop_.slabCounters().created.load()},
-      {"shm_slabs_unmapped", loop_.slabCounters().unmapped.load()},
-      {"shm_slab_fallbacks", loop_.slabCounters().fallbacks.load()},
   };
+  if (shm_) {
+    const auto& s = loop_.slabCounters();
+    c["shm_slab_segments"] = s.segments.load();
+    c["shm_slab_copied_bytes"] = s.copiedBytes.load();
+    c["shm_slab_handbacks"] = s.handedBack.load();
+    c["shm_slabs_created"] = s.created.load();
+    c["shm_slabs_unmapped"] = s.unmapped.load();
+    c["shm_slab_fallbacks"] = s.fallbacks.load();
+  }
+  return c;
 }
 
 TcpTransport::~TcpTransport() {
