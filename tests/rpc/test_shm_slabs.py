@@ -56,6 +56,10 @@ def kept_sum_after_scaling_it():
     return s
 
 
+def plus_one(x):
+    return x + 1
+
+
 def relay(x, back):
     # Our copy of x goes to `back` and comes back handed over (on our
     # connection to `back`); we return it on `back`'s connection to us.
@@ -108,6 +112,19 @@ def slabs(rank, world_size):
         out["relay_handed_back"] = after["slab_handbacks"] - before["slab_handbacks"]
         out["relay_equal"] = torch.equal(r, x)
 
+        # 64 KiB and up go through slabs. Small slabs come back with the
+        # peer's next frame (or after 1 ms), so a stream of calls that copy
+        # both ways (no hand-back) keeps reusing a few of them.
+        mid = torch.randn(25_000, generator=g)  # 100 KB
+        out["mid_lands_in"] = rpc.rpc_sync("worker1", where, args=(mid,))[0]
+        before, before1 = slab_counters(), rpc.rpc_sync("worker1", slab_counters)
+        ok = all(torch.equal(rpc.rpc_sync("worker1", plus_one, args=(mid,)), mid + 1)
+                 for _ in range(200))
+        after, after1 = slab_counters(), rpc.rpc_sync("worker1", slab_counters)
+        out["mid_ok"] = ok
+        out["mid_created"] = (after["slabs_created"] - before["slabs_created"],
+                              after1["slabs_created"] - before1["slabs_created"])
+
         # Many calls of one size reuse a few slabs, then they go back to the
         # kernel once idle (2 s; the heartbeat trims every 0.2 s).
         del y, k, r
@@ -135,6 +152,8 @@ def test_large_tensors_cross_through_slabs_with_copy_semantics():
     r0 = out[0]
     assert r0["big_lands_in"] == SLAB_MAPPING and r0["big_sum_ok"]
     assert r0["small_lands_in"] != SLAB_MAPPING
+    assert r0["mid_lands_in"] == SLAB_MAPPING and r0["mid_ok"]
+    assert max(r0["mid_created"]) <= 8, r0["mid_created"]
     assert r0["handed_back"] == 1
     assert r0["echo_equal"] and r0["next_echo_equal"]
     assert r0["echo_lands_in"] == SLAB_MAPPING

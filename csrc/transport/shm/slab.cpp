@@ -22,11 +22,23 @@ constexpr int kRequiredSeals = F_SEAL_SHRINK | F_SEAL_SEAL;
 
 } // namespace
 
+uint64_t slabCapacityFor(uint64_t segmentBytes) {
+  if (segmentBytes > kSlabLargeGranule) {
+    return (segmentBytes + kSlabLargeGranule - 1) / kSlabLargeGranule *
+        kSlabLargeGranule;
+  }
+  uint64_t c = kSlabMinSegment;
+  while (c < segmentBytes) {
+    c *= 2;
+  }
+  return c;
+}
+
 std::shared_ptr<Slab> Slab::create(uint64_t capacity) {
-  if (capacity == 0 || capacity % kSlabGranule != 0) {
+  if (capacity == 0 || capacity % kSlabPage != 0) {
     throw std::invalid_argument(
         "slab capacity " + std::to_string(capacity) + " is not a multiple of " +
-        std::to_string(kSlabGranule));
+        std::to_string(kSlabPage));
   }
   std::shared_ptr<Slab> s(new Slab());
   s->fd_ = ::memfd_create("torch_rpc_ext-slab", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -62,9 +74,9 @@ std::string Slab::attach(int fd, uint64_t capacity, std::shared_ptr<Slab>* out) 
       ::close(fd);
     }
   } closer{fd};
-  if (capacity == 0 || capacity % kSlabGranule != 0) {
+  if (capacity == 0 || capacity % kSlabPage != 0) {
     return "slab capacity " + std::to_string(capacity) + " is not a multiple of " +
-        std::to_string(kSlabGranule);
+        std::to_string(kSlabPage);
   }
   struct stat st {};
   if (::fstat(fd, &st) != 0) {

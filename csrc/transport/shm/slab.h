@@ -69,11 +69,14 @@ struct SlabRecord {
 };
 static_assert(sizeof(SlabRecord) == 16, "SlabRecord is 16 bytes on the wire");
 
-// Segments at least this large go through slabs (below it, the ring's two
-// pipelined copies beat a fresh mapping's bookkeeping).
-constexpr uint64_t kSlabMinSegment = uint64_t(1) << 20;
-// Slab sizes are multiples of this (also the sealing granularity).
-constexpr uint64_t kSlabGranule = uint64_t(2) << 20;
+// Segments at least this large go through slabs (the ring's threshold too:
+// smaller ones ride in the socket stream).
+constexpr uint64_t kSlabMinSegment = uint64_t(64) << 10;
+// Slab sizes: powers of two from 64 KiB to 2 MiB, then multiples of 2 MiB,
+// so a pooled slab fits any segment between half its size and its size.
+constexpr uint64_t kSlabLargeGranule = uint64_t(2) << 20;
+constexpr uint64_t kSlabPage = 4096;
+uint64_t slabCapacityFor(uint64_t segmentBytes);
 // Per connection and direction: at most this many slabs exist, and at most
 // kMaxLentSlabBytes of them may be lent out at once; past either bound the
 // sender falls back to the ring (a copy per side) rather than grow.

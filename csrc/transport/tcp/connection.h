@@ -27,10 +27,11 @@ namespace torch_rpc_ext::transport::tcp {
 // The same class serves the "shm" transport: a Unix socket between two
 // processes of one host, plus one shared ring per direction (shm/ring.h)
 // that carries the bytes of large segments while the socket carries frame
-// heads, small segments and the rings' chunk records. Segments of 1 MiB or
-// more go through shared slabs instead (shm/slab.h): one copy on the
-// sender's side, none on the receiver's, and none at all for a storage
-// handed back to the peer it came from.
+// heads, small segments and the rings' chunk records. Segments of 64 KiB or
+// more go through shared slabs first (shm/slab.h): one copy on the sender's
+// side, none on the receiver's, and none at all for a storage handed back to
+// the peer it came from; the ring takes them only when the connection's
+// slabs are at their bounds.
 //
 // Threads: write() and close() from any thread; everything named *FromLoop
 // on the loop thread. Reads go straight into the buffers the observer hands
@@ -93,7 +94,7 @@ class TcpConnection final : public Connection,
   // shm slabs (connection_slabs.cpp), from a SlabLease's destructor on any
   // thread: we no longer use the peer's slab `id` (tell the peer), or our own
   // slab `id` came back from the peer and is free again.
-  void releasePeerSlab(uint32_t id);
+  void releasePeerSlab(uint32_t id, uint64_t capacity);
   void freeOwnSlab(uint32_t id);
 
  private:
@@ -197,6 +198,9 @@ class TcpConnection final : public Connection,
   // Unmap free slabs idle for kSlabIdleMs (all free ones if `all`), telling
   // the peer to unmap them too.
   void trimSlabs(bool all);
+  // Queue one kSlabRelease frame for every pending release (writeMutex_).
+  void queueReleasesLocked();
+  void flushReleases();
   void updateEventsLocked();
   // Destroy the keepAlives of finished frames; off the loop thread when the
   // options say how. Call without writeMutex_ held.
@@ -270,6 +274,10 @@ class TcpConnection final : public Connection,
   std::unordered_map<uint32_t, OwnSlab> ownSlabs_;
   uint32_t nextSlabId_ = 1;
   uint64_t lentSlabBytes_ = 0;
+  // Releases of the peer's small slabs not yet sent (writeMutex_): they ride
+  // with our next frame, or go alone after kReleaseDelay.
+  std::string pendingReleases_; // uint32 ids
+  bool releaseFlushScheduled_ = false;
 };
 
 } // namespace torch_rpc_ext::transport::tcp

@@ -22,6 +22,8 @@ constexpr size_t kDirectReadBytes = 16 * 1024;
 // can be waiting for their frame. Anything more is an attack on our
 // descriptor table.
 constexpr size_t kMaxPendingFds = 3;
+// A kSlabRelease frame names at most this many bytes of slab ids.
+constexpr uint32_t kMaxReleaseHead = 4096;
 
 } // namespace
 
@@ -203,8 +205,12 @@ bool TcpConnection::onHeaderFromLoop() {
            header_.headLength == sizeof(uint64_t)) ||
           (kind == FrameKind::kSlab && shm_ &&
            header_.headLength == sizeof(uint32_t) + sizeof(uint64_t)) ||
-          ((kind == FrameKind::kSlabRelease || kind == FrameKind::kSlabDrop) &&
-           shm_ && header_.headLength == sizeof(uint32_t));
+          (kind == FrameKind::kSlabRelease && shm_ &&
+           header_.headLength >= sizeof(uint32_t) &&
+           header_.headLength <= kMaxReleaseHead &&
+           header_.headLength % sizeof(uint32_t) == 0) ||
+          (kind == FrameKind::kSlabDrop && shm_ &&
+           header_.headLength == sizeof(uint32_t));
     }
     if (!ok) {
       why = "unexpected frame kind " + std::to_string(header_.kind) +

@@ -14,6 +14,14 @@ namespace {
 
 // The peer may have at most this many bytes of slabs mapped into us.
 constexpr uint64_t kMaxPeerSlabBytes = 2 * shm::kMaxLentSlabBytes;
+// Releases of slabs smaller than this wait (at most kReleaseDelay, at most
+// kMaxPendingReleases of them) to ride with our next frame: a release frame
+// of its own costs a send and a wake-up of the peer's loop, more than a
+// small slab is worth. A large slab goes back at once so that its owner
+// does not map another one meanwhile.
+constexpr uint64_t kDeferredReleaseBytes = uint64_t(1) << 20;
+constexpr std::chrono::milliseconds kReleaseDelay{1};
+constexpr size_t kMaxPendingReleases = 64;
 
 // A received segment's memory: a span of a slab, valid while this lives.
 // When the last tensor viewing it dies, the slab goes back to its owner:
@@ -43,7 +51,7 @@ class SlabLease final : public SharedRegion {
       if (own_) {
         c->freeOwnSlab(id_);
       } else {
-        c->releasePeerSlab(id_);
+        c->releasePeerSlab(id_, slab_->capacity());
       }
     }
   }
@@ -76,10 +84,6 @@ class SlabLease final : public SharedRegion {
 
 std::string idHead(uint32_t id) {
   return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
-}
-
-uint64_t roundUpToGranule(uint64_t n) {
-  return (n + shm::kSlabGranule - 1) / shm::kSlabGranule * shm::kSlabGranule;
 }
 
 } // namespace
@@ -116,7 +120,7 @@ bool TcpConnection::prepareSlabSegment(
   }
   std::shared_ptr<shm::Slab> slab;
   uint32_t id = 0;
-  uint64_t want = roundUpToGranule(segment.size);
+  uint64_t want = shm::slabCapacityFor(segment.size);
   {
     std::lock_guard<std::mutex> lock(slabMutex_);
     // The smallest free slab that fits without wasting more than half.
@@ -195,8 +199,61 @@ TcpConnection::PendingWrite TcpConnection::slabSetupFrame(
   return w;
 }
 
-void TcpConnection::releasePeerSlab(uint32_t id) {
-  queueControl(uint8_t(FrameKind::kSlabRelease), idHead(id));
+void TcpConnection::releasePeerSlab(uint32_t id, uint64_t capacity) {
+  bool now = capacity >= kDeferredReleaseBytes;
+  bool schedule = false;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    pendingReleases_ += idHead(id);
+    now = now ||
+        pendingReleases_.size() >= kMaxPendingReleases * sizeof(uint32_t);
+    if (!now && !releaseFlushScheduled_) {
+      releaseFlushScheduled_ = schedule = true;
+    }
+  }
+  if (now) {
+    flushReleases();
+  } else if (schedule) {
+    std::weak_ptr<TcpConnection> weak = weak_from_this();
+    loop_.runAfter(kReleaseDelay, [weak] {
+      if (auto self = weak.lock()) {
+        self->flushReleases();
+      }
+    });
+  }
+}
+
+void TcpConnection::flushReleases() {
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    releaseFlushScheduled_ = false;
+    if (state_ == State::kClosed || pendingReleases_.empty()) {
+      return;
+    }
+    queueReleasesLocked();
+    if (state_ == State::kReady && writes_.size() == 1) {
+      error = flushLocked();
+    }
+  }
+  releaseFinished();
+  if (!error.empty()) {
+    closeInternal(error, false);
+  }
+}
+
+void TcpConnection::queueReleasesLocked() {
+  PendingWrite w;
+  FrameHeader h{kFrameMagic, kProtocolVersion,
+                uint8_t(FrameKind::kSlabRelease), 0,
+                static_cast<uint32_t>(pendingReleases_.size()), 0, 0};
+  w.prefix.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  w.prefix += pendingReleases_;
+  pendingReleases_.clear();
+  writes_.push_back(std::move(w));
 }
 
 void TcpConnection::freeOwnSlab(uint32_t id) {
@@ -264,25 +321,31 @@ bool TcpConnection::onSlabSetupFromLoop() {
 }
 
 bool TcpConnection::onSlabReleaseFromLoop() {
-  uint32_t id;
-  std::memcpy(&id, head_.data(), sizeof(id));
-  bool held = false;
+  uint32_t unheld = 0;
+  bool ok = true;
   {
     std::lock_guard<std::mutex> lock(slabMutex_);
-    auto it = ownSlabs_.find(id);
-    // (A slab still being mapped has no `slab` yet and is not the peer's.)
-    if (it != ownSlabs_.end() && it->second.state == OwnSlab::State::kLent &&
-        it->second.slab != nullptr) {
-      held = true;
+    auto now = std::chrono::steady_clock::now();
+    for (size_t at = 0; ok && at < head_.size(); at += sizeof(uint32_t)) {
+      uint32_t id;
+      std::memcpy(&id, head_.data() + at, sizeof(id));
+      auto it = ownSlabs_.find(id);
+      // (A slab still being mapped has no `slab` yet and is not the peer's.)
+      if (it == ownSlabs_.end() || it->second.state != OwnSlab::State::kLent ||
+          it->second.slab == nullptr) {
+        ok = false;
+        unheld = id;
+        break;
+      }
       it->second.state = OwnSlab::State::kFree;
-      it->second.lastUsed = std::chrono::steady_clock::now();
+      it->second.lastUsed = now;
       lentSlabBytes_ -= it->second.slab->capacity();
     }
   }
-  if (!held) {
+  if (!ok) {
     // No risk to us, but a peer that loses track of its leases is broken.
     rejectFromLoop(
-        "rejected frame: the peer released slab " + std::to_string(id) +
+        "rejected frame: the peer released slab " + std::to_string(unheld) +
         ", which it does not hold");
     return false;
   }

@@ -135,13 +135,14 @@ bool TcpConnection::write(OutboundFrame frame) {
   size_t nextRecord = 0;
   for (size_t i = 0; i < frame.segments.size(); ++i) {
     uint64_t n = frame.segments[i].size;
+    // The decision is made: the queue must not hold regions (their last
+    // reference could then die under writeMutex_, and a dying lease takes it).
+    frame.segments[i].origin = nullptr;
     if (slab[i]) {
       n |= kSlabSegmentBit;
-      // The record goes on the wire in the segment's place; the frame no
-      // longer needs the region (a handed-back one is the peer's now).
+      // The record goes on the wire in the segment's place.
       frame.segments[i].data = &w.slabRecords[nextRecord++];
       frame.segments[i].size = sizeof(shm::SlabRecord);
-      frame.segments[i].origin = nullptr;
     } else if (anyRing && n >= kRingMinSegment) {
       w.ring[i] = true;
       n |= kRingSegmentBit;
@@ -157,12 +158,17 @@ bool TcpConnection::write(OutboundFrame frame) {
     if (state_ == State::kClosed) {
       return false;
     }
+    bool wasEmpty = writes_.empty();
+    // Slab releases waiting for a ride take this one.
+    if (!pendingReleases_.empty()) {
+      queueReleasesLocked();
+    }
     // A new slab reaches the peer before the first record that names it.
     for (auto& [id, s] : setups) {
       writes_.push_back(slabSetupFrame(id, std::move(s)));
     }
     writes_.push_back(std::move(w));
-    if (state_ == State::kReady && writes_.size() == 1 + setups.size()) {
+    if (state_ == State::kReady && wasEmpty) {
       error = flushLocked();
     }
   }
