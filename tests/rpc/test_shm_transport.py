@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """The same-host "shm" transport: chosen automatically, exact bytes across
-the ring (sizes around its thresholds and past its capacity, both directions
-at once), transport choice and refusal, hostile use of the ring protocol."""
+the shared slabs and, with slabs switched off, the ring (sizes around their
+thresholds and past the ring's capacity, both directions at once), transport
+choice and refusal, hostile use of the ring and slab protocols."""
 
 import fcntl
 import os
@@ -59,7 +60,9 @@ def payloads():
     return out
 
 
-def exchange(rank, world_size, transports):
+def exchange(rank, world_size, transports, slabs=True):
+    if not slabs:
+        os.environ["TORCH_RPC_EXT_TEST_NO_SLABS"] = "1"
     init(rank, world_size, transports=transports)
     other = f"worker{1 - rank}"
     out = {"route": debug_info()[f"rpc_ext.peer.{other}.transport"]}
@@ -78,15 +81,20 @@ def exchange(rank, world_size, transports):
     if not torch.equal(rpc.rpc_sync(other, bounce, args=(big, f"worker{rank}")), big * 2):
         mismatches.append("nested")
     out["mismatches"] = mismatches
+    metrics = rpc.api._get_current_rpc_agent().get_metrics()
+    out["slab_segments"] = int(metrics.get("rpc_ext.shm.shm_slab_segments", 0))
     rpc.shutdown()
     return out
 
 
-def test_same_host_peers_use_shm_and_bytes_arrive_exactly():
-    results = run_world(exchange, transports=("shm", "tcp"), timeout=150)
+@pytest.mark.parametrize("slabs", [True, False], ids=["slabs", "ring"])
+def test_same_host_peers_use_shm_and_bytes_arrive_exactly(slabs):
+    results = run_world(exchange, transports=("shm", "tcp"), slabs=slabs, timeout=150)
     for rank in (0, 1):
         assert results[rank]["route"] == "shm"
         assert results[rank]["mismatches"] == []
+        # The path under test carried the large segments.
+        assert (results[rank]["slab_segments"] > 0) == slabs
 
 
 def test_forced_tcp_moves_the_same_bytes():

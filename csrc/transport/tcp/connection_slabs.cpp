@@ -2,6 +2,7 @@
 // The shared-slab side of an shm TcpConnection (shm/slab.h): our pool of
 // slabs lent to the peer, the peer's slabs we map, and the leases that tie a
 // received tensor's storage to a slab.
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -92,7 +93,10 @@ bool TcpConnection::prepareSlabSegment(
     const OutboundFrame::Segment& segment,
     shm::SlabRecord* record,
     std::shared_ptr<shm::Slab>* setup) {
-  if (!shm_ || segment.size < shm::kSlabMinSegment) {
+  // Tests only: TORCH_RPC_EXT_TEST_NO_SLABS=1 sends everything through the
+  // ring, the path otherwise taken only when the slabs are at their bounds.
+  static const bool slabsOff = std::getenv("TORCH_RPC_EXT_TEST_NO_SLABS") != nullptr;
+  if (!shm_ || slabsOff || segment.size < shm::kSlabMinSegment) {
     return false;
   }
   auto& counters = loop_.slabCounters();
