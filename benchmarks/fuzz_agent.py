@@ -13,10 +13,15 @@ worker1's TCP and shm addresses and sends, case by case:
   auth_mutated  a full handshake with the secret, then a valid message frame
                 (a response to no call) with random bytes flipped
   auth_absurd   a full handshake, then a header over max_frame_bytes
+  auth_slab     (shm address; auth_mutated on TCP) a full handshake, a sealed
+                shared slab handed over, then slab-protocol frames with random
+                fields: message frames whose segments point into slabs
+                (random ids, record kinds, offsets), releases and drops of
+                random slabs, more setups of random capacity
 
 Outcomes per case: "closed" (the agent hung up), or "open" after the wait
-(acceptable only for auth_mutated frames that still parse: they are dropped as
-late responses). A pre-authentication case still open after
+(acceptable only for auth_mutated and auth_slab frames that still parse: they
+are dropped as late responses). A pre-authentication case still open after
 handshake_timeout + 2 s is a hang. The target must stay alive, every legit
 call must succeed, and its peak RSS may not grow by more than a few frames'
 worth (max_frame_bytes is 1 MiB here).
@@ -49,7 +54,8 @@ from _harness import run_world  # noqa: E402
 SECRET = b"fuzz-secret-fuzz-secret-fuzz-sec"
 HANDSHAKE_TIMEOUT = 1.0
 MAX_FRAME = 1 << 20
-KINDS = ["garbage", "absurd", "truncated", "mutated", "slow_drip", "auth_mutated", "auth_absurd"]
+KINDS = ["garbage", "absurd", "truncated", "mutated", "slow_drip", "auth_mutated", "auth_absurd",
+         "auth_slab"]
 
 
 def _target_info():
@@ -89,11 +95,75 @@ def _message_frame(rng: random.Random) -> bytes:
             + b"".join(struct.pack("<Q", len(s)) for s in segs) + head + b"".join(segs))
 
 
+def _sealed_slab(size: int) -> int:
+    import fcntl
+
+    fd = os.memfd_create("fuzz-slab", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+def _slab_case(sock: socket.socket, rng: random.Random) -> None:
+    """Hand over one sealed 2 MiB slab (id 1), then send random slab-protocol
+    frames. The shm protocol: csrc/transport/shm/slab.h, docs/wire-format.md."""
+    from torch_rpc_ext._C import _testing
+    from torch_rpc_ext.testing import MESSAGE, SLAB, SLAB_DROP, SLAB_RELEASE, frame_header
+
+    slab = 2 << 20
+    fd = _sealed_slab(slab)
+    try:
+        socket.send_fds(sock, [frame_header(SLAB, 12) + struct.pack("<IQ", 1, slab)], [fd])
+        for _ in range(rng.randint(1, 4)):
+            what = rng.random()
+            if what < 0.6:
+                n = rng.choice([1, 100, 70_000, 200_000])
+                head, segs = _testing.encode_message(
+                    0x8002, b"", [torch.zeros(n)], rng.randint(1 << 40, 1 << 50))
+                size = len(segs[1])
+                record = struct.pack("<IIQ", rng.choice([1, 1, 2, rng.randrange(1 << 32)]),
+                                     rng.choice([1, 1, 2, rng.randrange(1 << 32)]),
+                                     rng.choice([0, 0, slab - size, rng.randrange(1 << 64)]))
+                frame = (frame_header(MESSAGE, len(head), nseg=2, data=len(segs[0]) + size)
+                         + struct.pack("<QQ", len(segs[0]), size | (1 << 62)) + head
+                         + segs[0] + record)
+                if rng.random() < 0.3:
+                    frame = frame[:4] + _flip(frame[4:], rng)
+                sock.sendall(frame)
+            elif what < 0.8:
+                ids = [rng.choice([1, 2, rng.randrange(1 << 32)]) for _ in range(rng.randint(1, 4))]
+                kind = rng.choice([SLAB_RELEASE, SLAB_DROP])
+                if kind == SLAB_DROP:
+                    ids = ids[:1]
+                sock.sendall(frame_header(kind, 4 * len(ids)) + struct.pack(f"<{len(ids)}I", *ids))
+            else:
+                size = rng.choice([4096, 1 << 20, 3 << 20, rng.randrange(1 << 40)])
+                fd2 = _sealed_slab(4096)
+                try:
+                    socket.send_fds(sock, [frame_header(SLAB, 12) + struct.pack(
+                        "<IQ", rng.choice([1, 2, rng.randrange(1 << 32)]), size)], [fd2])
+                finally:
+                    os.close(fd2)
+    finally:
+        os.close(fd)
+
+
 def _send_case(kind: str, address: str, rng: random.Random) -> str:
     from torch_rpc_ext.testing import (
         HELLO, MESSAGE, closed_by_peer, connect_raw, frame_header, handshake)
 
     wait = HANDSHAKE_TIMEOUT + 2
+    if kind == "auth_slab":
+        sock, _ = handshake(address, SECRET)
+        try:
+            _slab_case(sock, rng)
+        except OSError:
+            sock.close()
+            return "closed"
+        sock.settimeout(0.3)
+        closed = closed_by_peer(sock)
+        sock.close()
+        return "closed" if closed else "open"
     if kind.startswith("auth_"):
         sock, _ = handshake(address, SECRET)
         if kind == "auth_mutated":
@@ -160,7 +230,8 @@ def fuzz(rank, world_size, cases, seed):
             k = 0
             while not stop.is_set():
                 k += 1
-                x = torch.full((1000,), float(k))
+                # Every third call large enough for the shm slabs.
+                x = torch.full((30_000 if k % 3 == 0 else 1000,), float(k))
                 try:
                     ok = torch.equal(rpc.rpc_sync("worker1", torch.add, args=(x, 1)), x + 1)
                 except RuntimeError:
@@ -174,11 +245,17 @@ def fuzz(rank, world_size, cases, seed):
         hangs, started = 0, time.monotonic()
         for i in range(cases):
             kind = KINDS[i % len(KINDS)]
-            if kind == "slow_drip" and i % (7 * 10) != 4:
+            if kind == "slow_drip" and i % (len(KINDS) * 10) != 4:
                 kind = "garbage"  # slow drips take seconds: one in ten rounds
-            outcome = _send_case(kind, addresses[i % len(addresses)], rng)
+            address = addresses[i % len(addresses)]
+            if kind == "auth_slab":
+                if info["shm"] is None:
+                    kind = "auth_mutated"
+                else:
+                    address = info["shm"]
+            outcome = _send_case(kind, address, rng)
             tally[kind][outcome] += 1
-            if outcome == "open" and kind != "auth_mutated":
+            if outcome == "open" and kind not in ("auth_mutated", "auth_slab"):
                 hangs += 1
         stop.set()
         t.join()
