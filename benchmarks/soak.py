@@ -12,6 +12,10 @@ complete.
 
   python benchmarks/soak.py --workers 4 --calls 1000000 --window 256   # the issue's run
   python benchmarks/soak.py --workers 4 --calls 20000                  # CI's short run
+  python benchmarks/soak.py --workers 4 --calls 200000 --tensor-kb 256  # through shm slabs
+
+``--tensor-kb K`` sends K KiB tensors filled with ``seq`` instead (64 KiB or
+more go through the shm transport's shared slabs) and checks every element.
 
 Prints one JSON line with totals and per-worker figures.
 """
@@ -31,7 +35,7 @@ sys.path.insert(0, str(HERE))
 from _harness import rss_mb, run_world_all  # noqa: E402
 
 
-def soak(rank, world_size, calls, window, at_shutdown):
+def soak(rank, world_size, calls, window, at_shutdown, tensor_kb=0):
     import torch_rpc_ext
 
     rpc.init_rpc(
@@ -47,10 +51,17 @@ def soak(rank, world_size, calls, window, at_shutdown):
     tally = {"ok": 0, "wrong": 0, "error": 0}
     done = threading.Event()
     remaining = [mine]
+    numel = max(1, tensor_kb * 1024 // 8)
+
+    def payload(seq):
+        return torch.full((numel,), seq, dtype=torch.int64)
+
+    def right(value, seq):
+        return value.numel() == numel and bool((value == seq).all())
 
     def finished(fut, seq):
         try:
-            ok = int(fut.value().item()) == seq
+            ok = right(fut.value(), seq)
             key = "ok" if ok else "wrong"
         except Exception:  # noqa: BLE001 - counted, reported
             key = "error"
@@ -68,7 +79,7 @@ def soak(rank, world_size, calls, window, at_shutdown):
             warm_rss = rss_mb()
         slots.acquire()
         fut = rpc.rpc_async(peers[seq % len(peers)], torch.add,
-                            args=(torch.tensor([seq], dtype=torch.int64), 0))
+                            args=(payload(seq), 0))
         fut.add_done_callback(lambda f, seq=seq: finished(f, seq))
     all_done = done.wait(timeout=600)
     elapsed = time.monotonic() - t0
@@ -77,13 +88,13 @@ def soak(rank, world_size, calls, window, at_shutdown):
 
     # Graceful shutdown with calls in flight: every one must complete.
     futs = [rpc.rpc_async(peers[k % len(peers)], torch.add,
-                          args=(torch.tensor([k], dtype=torch.int64), 0))
+                          args=(payload(k), 0))
             for k in range(at_shutdown)]
     rpc.shutdown()
     drained = 0
     for k, f in enumerate(futs):
         try:
-            drained += int(f.done() and int(f.value().item()) == k)
+            drained += int(f.done() and right(f.value(), k))
         except Exception:  # noqa: BLE001 - counted as not drained
             pass
     return {"calls": mine, **tally, "unfinished": remaining[0], "all_done": all_done,
@@ -100,12 +111,14 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=1_000_000, help="in total, over all workers")
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--at-shutdown", type=int, default=250, help="per worker")
+    p.add_argument("--tensor-kb", type=int, default=0,
+                   help="KiB per tensor (0: one int64)")
     args = p.parse_args(argv)
     results, peak = run_world_all(soak, args.workers, args.calls, args.window,
-                                  args.at_shutdown, timeout=7200)
+                                  args.at_shutdown, args.tensor_kb, timeout=7200)
     per = [results[r] for r in sorted(results)]
     total = {
-        "workers": args.workers, "window": args.window,
+        "workers": args.workers, "window": args.window, "tensor_kb": args.tensor_kb,
         "calls": sum(r["calls"] for r in per), "ok": sum(r["ok"] for r in per),
         "wrong": sum(r["wrong"] for r in per), "errors": sum(r["error"] for r in per),
         "unfinished": sum(r["unfinished"] for r in per),
