@@ -113,8 +113,8 @@ def slabs(rank, world_size):
         out["relay_equal"] = torch.equal(r, x)
 
         # 64 KiB and up go through slabs. Small slabs come back with the
-        # peer's next frame (or after 1 ms), so a stream of calls that copy
-        # both ways (no hand-back) keeps reusing a few of them.
+        # peer's next frame, so a stream of calls that copy both ways (no
+        # hand-back) keeps reusing a few of them.
         mid = torch.randn(25_000, generator=g)  # 100 KB
         out["mid_lands_in"] = rpc.rpc_sync("worker1", where, args=(mid,))[0]
         before, before1 = slab_counters(), rpc.rpc_sync("worker1", slab_counters)

@@ -250,7 +250,9 @@ void TcpConnection::heartbeatFromLoop() {
     queueControl(uint8_t(FrameKind::kPing), {});
   }
   if (shm_) {
-    // Memory goes back once traffic stops (free slabs idle for 2 s).
+    // Memory goes back once traffic stops: releases still waiting for a
+    // frame to ride with, then our free slabs idle for 2 s.
+    flushReleases();
     trimSlabs(false);
   }
   scheduleHeartbeat();

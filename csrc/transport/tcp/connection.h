@@ -275,9 +275,8 @@ class TcpConnection final : public Connection,
   uint32_t nextSlabId_ = 1;
   uint64_t lentSlabBytes_ = 0;
   // Releases of the peer's small slabs not yet sent (writeMutex_): they ride
-  // with our next frame, or go alone after kReleaseDelay.
+  // with our next frame, or go alone on the heartbeat tick.
   std::string pendingReleases_; // uint32 ids
-  bool releaseFlushScheduled_ = false;
 };
 
 } // namespace torch_rpc_ext::transport::tcp

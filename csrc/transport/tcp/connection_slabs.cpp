@@ -15,13 +15,14 @@ namespace {
 
 // The peer may have at most this many bytes of slabs mapped into us.
 constexpr uint64_t kMaxPeerSlabBytes = 2 * shm::kMaxLentSlabBytes;
-// Releases of slabs smaller than this wait (at most kReleaseDelay, at most
-// kMaxPendingReleases of them) to ride with our next frame: a release frame
-// of its own costs a send and a wake-up of the peer's loop, more than a
-// small slab is worth. A large slab goes back at once so that its owner
-// does not map another one meanwhile.
+// Releases of slabs smaller than this wait to ride with our next frame (RPC
+// traffic goes both ways, so one comes soon), at most kMaxPendingReleases of
+// them and at most until the next heartbeat tick: a release frame of its own
+// costs a send and a wake-up of the peer's loop, more than a small slab is
+// worth (a timer to bound the wait cost as much: it wakes our own loop). A
+// large slab goes back at once so that its owner does not map another one
+// meanwhile.
 constexpr uint64_t kDeferredReleaseBytes = uint64_t(1) << 20;
-constexpr std::chrono::milliseconds kReleaseDelay{1};
 constexpr size_t kMaxPendingReleases = 64;
 
 // A received segment's memory: a span of a slab, valid while this lives.
@@ -205,7 +206,6 @@ TcpConnection::PendingWrite TcpConnection::slabSetupFrame(
 
 void TcpConnection::releasePeerSlab(uint32_t id, uint64_t capacity) {
   bool now = capacity >= kDeferredReleaseBytes;
-  bool schedule = false;
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
     if (state_ == State::kClosed) {
@@ -214,19 +214,9 @@ void TcpConnection::releasePeerSlab(uint32_t id, uint64_t capacity) {
     pendingReleases_ += idHead(id);
     now = now ||
         pendingReleases_.size() >= kMaxPendingReleases * sizeof(uint32_t);
-    if (!now && !releaseFlushScheduled_) {
-      releaseFlushScheduled_ = schedule = true;
-    }
   }
   if (now) {
     flushReleases();
-  } else if (schedule) {
-    std::weak_ptr<TcpConnection> weak = weak_from_this();
-    loop_.runAfter(kReleaseDelay, [weak] {
-      if (auto self = weak.lock()) {
-        self->flushReleases();
-      }
-    });
   }
 }
 
@@ -234,7 +224,6 @@ void TcpConnection::flushReleases() {
   std::string error;
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
-    releaseFlushScheduled_ = false;
     if (state_ == State::kClosed || pendingReleases_.empty()) {
       return;
     }
