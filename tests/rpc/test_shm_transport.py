@@ -152,14 +152,18 @@ def shm_attacks(rank, world_size):
         out["ring_without_fds"] = closed_by_peer(sock)
         sock.close()
 
-        # Descriptor stuffing: more descriptors than a ring setup carries.
-        sock, _ = handshake(addr, SECRET)
-        fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(3)]
-        socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], fds)
-        for fd in fds:
-            os.close(fd)
-        out["too_many_fds"] = closed_by_peer(sock)
-        sock.close()
+        def stuffed(frame):
+            # More descriptors than any frame carries (at most 3 may wait).
+            sock, _ = handshake(addr, SECRET)
+            fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(4)]
+            socket.send_fds(sock, [frame], fds)
+            for fd in fds:
+                os.close(fd)
+            closed = closed_by_peer(sock)
+            sock.close()
+            return closed
+
+        out["too_many_fds"] = stuffed(frame_header(RING, 8) + struct.pack("<Q", 1 << 20))
 
         # A "ring" smaller than it claims (reading past its end would SIGBUS).
         sock, _ = handshake(addr, SECRET)
@@ -201,14 +205,7 @@ def shm_attacks(rank, world_size):
         out["slab_without_fd"] = closed_by_peer(sock)
         sock.close()
 
-        # Descriptor stuffing beyond what any frame carries.
-        sock, _ = handshake(addr, SECRET)
-        fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(4)]
-        socket.send_fds(sock, [frame_header(SLAB, 12)], fds)
-        for fd in fds:
-            os.close(fd)
-        out["slab_fd_stuffing"] = closed_by_peer(sock)
-        sock.close()
+        out["slab_fd_stuffing"] = stuffed(frame_header(SLAB, 12))
 
         # An unsealed slab: we could shrink it under the agent's mapping.
         sock, _ = handshake(addr, SECRET)
