@@ -174,10 +174,21 @@ def shm_attacks(rank, world_size):
         out["short_ring"] = closed_by_peer(sock)
         sock.close()
 
-        # A real ring, then a chunk record pointing outside it.
+        # A ring of the right size but unsealed: we could shrink it later.
         sock, _ = handshake(addr, SECRET)
         os.ftruncate(mem, 4096 + (1 << 20))
         header = struct.pack("<QQQI", 0x474E495258505254, 1 << 20, 0, 0)
+        os.pwrite(mem, header, 0)
+        socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], [mem, ev])
+        out["unsealed_ring"] = closed_by_peer(sock)
+        sock.close()
+        os.close(mem)
+
+        # A real (sealed) ring, then a chunk record pointing outside it.
+        sock, _ = handshake(addr, SECRET)
+        mem = os.memfd_create("ring", os.MFD_ALLOW_SEALING)
+        os.ftruncate(mem, 4096 + (1 << 20))
+        fcntl.fcntl(mem, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
         os.pwrite(mem, header, 0)
         socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], [mem, ev])
         sock.settimeout(0.5)
@@ -272,7 +283,7 @@ def shm_attacks(rank, world_size):
 def test_hostile_ring_use_is_refused_and_the_agent_keeps_serving():
     out = run_world(shm_attacks)[0]
     for label in ["ring_flag_without_ring", "ring_without_fds", "too_many_fds",
-                  "short_ring", "bad_record", "slab_without_fd", "slab_fd_stuffing",
+                  "short_ring", "unsealed_ring", "bad_record", "slab_without_fd", "slab_fd_stuffing",
                   "unsealed_slab", "short_slab", "unknown_slab", "slab_overrun",
                   "never_lent", "bad_record_kind", "release_never_lent", "drop_unknown",
                   "slab_twice"]:

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/transport/shm/ring.h"
 
+#include <fcntl.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -24,7 +25,7 @@ Ring Ring::create(uint64_t capacity) {
         "ring capacity " + std::to_string(capacity) + " is out of range");
   }
   Ring r;
-  r.fd_ = ::memfd_create("torch_rpc_ext-ring", MFD_CLOEXEC);
+  r.fd_ = ::memfd_create("torch_rpc_ext-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (r.fd_ < 0) {
     throw std::runtime_error(errnoText("memfd_create failed"));
   }
@@ -35,6 +36,11 @@ Ring Ring::create(uint64_t capacity) {
   r.mapped_ = kRingHeaderBytes + capacity;
   if (::ftruncate(r.fd_, static_cast<off_t>(r.mapped_)) != 0) {
     throw std::runtime_error(errnoText("ftruncate failed"));
+  }
+  // The peer checks this seal: without it we could shrink the file under
+  // its mapping later and turn its reads into SIGBUS.
+  if (::fcntl(r.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
+    throw std::runtime_error(errnoText("sealing the ring failed"));
   }
   // Populated now, so the data path never takes a first-touch fault.
   void* p = ::mmap(
@@ -66,9 +72,12 @@ std::string Ring::attach(int fd, int wakeFd, uint64_t capacity, Ring* out) {
     return errnoText("fstat of the peer's ring failed");
   }
   r.mapped_ = kRingHeaderBytes + capacity;
-  // A smaller file would turn our reads past its end into SIGBUS.
-  if (!S_ISREG(st.st_mode) || uint64_t(st.st_size) < r.mapped_) {
-    return "the peer's ring is not a shared-memory file of " +
+  // A smaller file would turn our reads past its end into SIGBUS, and so
+  // would one the peer could shrink later: it must be sealed.
+  int seals = ::fcntl(fd, F_GET_SEALS);
+  if (!S_ISREG(st.st_mode) || uint64_t(st.st_size) < r.mapped_ || seals < 0 ||
+      (seals & F_SEAL_SHRINK) == 0) {
+    return "the peer's ring is not a sealed shared-memory file of " +
         std::to_string(r.mapped_) + " bytes";
   }
   void* p = ::mmap(
