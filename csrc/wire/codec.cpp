@@ -80,13 +80,16 @@ void releaseProvided(void* ctx) {
   delete static_cast<ProvidedRegion*>(ctx);
 }
 
+bool viewsProvidedMemory(const c10::Storage& storage) {
+  return storage.data_ptr().get_deleter() == &releaseProvided;
+}
+
 // The region behind `storage`, if a transport provided its memory.
 std::shared_ptr<transport::SharedRegion> regionOf(const c10::Storage& storage) {
-  const auto& data = storage.data_ptr();
-  if (data.get_deleter() != &releaseProvided) {
+  if (!viewsProvidedMemory(storage)) {
     return nullptr;
   }
-  return static_cast<ProvidedRegion*>(data.get_context())->region;
+  return static_cast<ProvidedRegion*>(storage.data_ptr().get_context())->region;
 }
 
 // True if `refs` strong references (taken from a use_count()) are all one
@@ -354,7 +357,10 @@ transport::OutboundFrame encodeMessage(
       at::Tensor values = plan.admit(t._values().detach());
       entries.push_back({true, values, indices, t});
     } else {
-      bool exclusive = reachableOnlyThrough(t);
+      // Only a provided storage can be handed back: skip the check (atomics
+      // and a look at the Python wrapper) for every other tensor.
+      bool exclusive =
+          viewsProvidedMemory(t.storage()) && reachableOnlyThrough(t);
       entries.push_back({false, plan.admit(t, exclusive), at::Tensor(), t});
     }
   }
@@ -455,7 +461,9 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   auto isProvided = [&](size_t i) {
     return i < provided.size() && provided[i];
   };
-  m->sizes_ = segmentSizes;
+  if (!provided.empty()) {
+    m->sizes_ = segmentSizes; // finish() sizes the provided segments
+  }
   if (!isProvided(0)) {
     m->payload_.resize(segmentSizes[0]);
   }
@@ -505,9 +513,10 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
         /*resizable=*/false);
   }
   for (size_t i = 0; i < storages_.size(); ++i) {
+    // Only a provided segment (never empty) can lack its storage here.
     TORCH_CHECK(
-        storages_[i] || sizes_[i + 1] == 0,
-        "segment ", i + 1, " was announced as provided but never arrived");
+        storages_[i], "segment ", i + 1,
+        " was announced as provided but never arrived");
   }
   std::vector<at::Tensor> tensors;
   tensors.reserve(tensors_.size());

@@ -90,7 +90,7 @@ class InboundMessage {
   int64_t id_;
   uint64_t bytes_ = 0;
   std::vector<char> payload_;
-  std::vector<uint64_t> sizes_; // of every segment
+  std::vector<uint64_t> sizes_; // of every segment, if any is provided
   std::vector<c10::Storage> storages_; // one per segment after the payload
   std::vector<TensorMeta> tensors_;
 };

@@ -196,10 +196,14 @@ void TcpConnection::handleEventsFromLoop(uint32_t events) {
       std::lock_guard<std::mutex> lock(writeMutex_);
       error = flushLocked();
     }
-    releaseFinished();
-    if (!error.empty()) {
-      closeInternal(error, false);
-    }
+    afterFlush(error);
+  }
+}
+
+void TcpConnection::afterFlush(const std::string& error) {
+  releaseFinished();
+  if (!error.empty()) {
+    closeInternal(error, false);
   }
 }
 
@@ -253,7 +257,7 @@ void TcpConnection::heartbeatFromLoop() {
     // Memory goes back once traffic stops: releases still waiting for a
     // frame to ride with, then our free slabs idle for 2 s.
     flushReleases();
-    trimSlabs(false);
+    trimSlabs();
   }
   scheduleHeartbeat();
 }

@@ -195,9 +195,9 @@ class TcpConnection final : public Connection,
   bool onSlabReleaseFromLoop();
   bool onSlabDropFromLoop();
   bool onSlabRecordFromLoop();
-  // Unmap free slabs idle for kSlabIdleMs (all free ones if `all`), telling
-  // the peer to unmap them too.
-  void trimSlabs(bool all);
+  // Unmap free slabs idle for kSlabIdleMs, telling the peer to unmap them
+  // too.
+  void trimSlabs();
   // Queue one kSlabRelease frame for every pending release (writeMutex_).
   void queueReleasesLocked();
   void flushReleases();
@@ -205,6 +205,9 @@ class TcpConnection final : public Connection,
   // Destroy the keepAlives of finished frames; off the loop thread when the
   // options say how. Call without writeMutex_ held.
   void releaseFinished();
+  // After a flush under writeMutex_ (released by now): releaseFinished(),
+  // then close the connection if the flush failed with `error`.
+  void afterFlush(const std::string& error);
   void closeInternal(std::string reason, bool local);
   // Close because the peer broke the protocol (see rejectedPeer()).
   void rejectFromLoop(const std::string& reason) {
@@ -273,6 +276,7 @@ class TcpConnection final : public Connection,
                          // copying or taking another lock
   std::unordered_map<uint32_t, OwnSlab> ownSlabs_;
   uint32_t nextSlabId_ = 1;
+  size_t slabsBeingMapped_ = 0; // ids taken, not yet in ownSlabs_
   uint64_t lentSlabBytes_ = 0;
   // Releases of the peer's small slabs not yet sent (writeMutex_): they ride
   // with our next frame, or go alone on the heartbeat tick.

@@ -283,36 +283,28 @@ bool TcpConnection::onLengthsAndHeadFromLoop() {
     return onHandshakeFrameFromLoop(std::move(head_));
   }
   auto kind = static_cast<FrameKind>(header_.kind);
-  if (kind == FrameKind::kPing) {
+  if (kind != FrameKind::kMessage) {
+    // A control frame is done once its head is in.
     phase_ = ReadPhase::kHeader;
-    queueControl(uint8_t(FrameKind::kPong), {});
-    return state_ != State::kClosed;
+    switch (kind) {
+      case FrameKind::kPing:
+        queueControl(uint8_t(FrameKind::kPong), {});
+        return state_ != State::kClosed;
+      case FrameKind::kRing:
+        return onRingSetupFromLoop();
+      case FrameKind::kSlab:
+        return onSlabSetupFromLoop();
+      case FrameKind::kSlabRelease:
+        return onSlabReleaseFromLoop();
+      case FrameKind::kSlabDrop:
+        return onSlabDropFromLoop();
+      default: // kPong; onHeaderFromLoop let no other kind through
+        return true;
+    }
   }
-  if (kind == FrameKind::kPong) {
-    phase_ = ReadPhase::kHeader;
-    return true;
-  }
-  if (kind == FrameKind::kRing) {
-    phase_ = ReadPhase::kHeader;
-    return onRingSetupFromLoop();
-  }
-  if (kind == FrameKind::kSlab) {
-    phase_ = ReadPhase::kHeader;
-    return onSlabSetupFromLoop();
-  }
-  if (kind == FrameKind::kSlabRelease) {
-    phase_ = ReadPhase::kHeader;
-    return onSlabReleaseFromLoop();
-  }
-  if (kind == FrameKind::kSlabDrop) {
-    phase_ = ReadPhase::kHeader;
-    return onSlabDropFromLoop();
-  }
-  static const std::vector<bool> kNoneProvided;
   try {
-    inbound_ = observer_->onFrameHead(
-        *this, head_, segmentSizes_,
-        slabSegments_.empty() ? kNoneProvided : slabSegments_);
+    // (slabSegments_ is empty for a frame without slab segments.)
+    inbound_ = observer_->onFrameHead(*this, head_, segmentSizes_, slabSegments_);
   } catch (const std::exception& e) {
     rejectFromLoop(std::string("rejected frame: ") + e.what());
     return false;

@@ -146,15 +146,17 @@ bool TcpConnection::prepareSlabSegment(
       lentSlabBytes_ += own.slab->capacity();
       slab = own.slab;
     } else if (
-        ownSlabs_.size() >= shm::kMaxSlabs ||
+        ownSlabs_.size() + slabsBeingMapped_ >= shm::kMaxSlabs ||
         lentSlabBytes_ + want > shm::kMaxLentSlabBytes) {
       counters.fallbacks.fetch_add(1, std::memory_order_relaxed);
       return false;
     } else {
+      // Counted against the bounds now, mapped below without the lock, and
+      // entered in ownSlabs_ only once it exists: the peer cannot name it
+      // before its setup frame, which follows.
       id = nextSlabId_++;
       lentSlabBytes_ += want;
-      // Reserved now, mapped below without the lock.
-      ownSlabs_[id] = OwnSlab{nullptr, OwnSlab::State::kLent, {}};
+      ++slabsBeingMapped_;
     }
   }
   if (slab == nullptr) {
@@ -163,14 +165,15 @@ bool TcpConnection::prepareSlabSegment(
     } catch (const std::exception& e) {
       logDebug(std::string("torch_rpc_ext: no slab, using the ring: ") + e.what());
       std::lock_guard<std::mutex> lock(slabMutex_);
-      ownSlabs_.erase(id);
+      --slabsBeingMapped_;
       lentSlabBytes_ -= want;
       counters.fallbacks.fetch_add(1, std::memory_order_relaxed);
       return false;
     }
     {
       std::lock_guard<std::mutex> lock(slabMutex_);
-      ownSlabs_[id].slab = slab;
+      --slabsBeingMapped_;
+      ownSlabs_.emplace(id, OwnSlab{slab, OwnSlab::State::kLent, {}});
     }
     counters.created.fetch_add(1, std::memory_order_relaxed);
     *setup = slab;
@@ -232,10 +235,7 @@ void TcpConnection::flushReleases() {
       error = flushLocked();
     }
   }
-  releaseFinished();
-  if (!error.empty()) {
-    closeInternal(error, false);
-  }
+  afterFlush(error);
 }
 
 void TcpConnection::queueReleasesLocked() {
@@ -258,16 +258,15 @@ void TcpConnection::freeOwnSlab(uint32_t id) {
   }
 }
 
-void TcpConnection::trimSlabs(bool all) {
+void TcpConnection::trimSlabs() {
   std::vector<uint32_t> dropped;
   {
     std::lock_guard<std::mutex> lock(slabMutex_);
     auto now = std::chrono::steady_clock::now();
     for (auto it = ownSlabs_.begin(); it != ownSlabs_.end();) {
       if (it->second.state == OwnSlab::State::kFree &&
-          (all ||
-           now - it->second.lastUsed >=
-               std::chrono::milliseconds(shm::kSlabIdleMs))) {
+          now - it->second.lastUsed >=
+              std::chrono::milliseconds(shm::kSlabIdleMs)) {
         dropped.push_back(it->first);
         it = ownSlabs_.erase(it);
       } else {
@@ -323,9 +322,7 @@ bool TcpConnection::onSlabReleaseFromLoop() {
       uint32_t id;
       std::memcpy(&id, head_.data() + at, sizeof(id));
       auto it = ownSlabs_.find(id);
-      // (A slab still being mapped has no `slab` yet and is not the peer's.)
-      if (it == ownSlabs_.end() || it->second.state != OwnSlab::State::kLent ||
-          it->second.slab == nullptr) {
+      if (it == ownSlabs_.end() || it->second.state != OwnSlab::State::kLent) {
         ok = false;
         unheld = id;
         break;
@@ -342,7 +339,7 @@ bool TcpConnection::onSlabReleaseFromLoop() {
         ", which it does not hold");
     return false;
   }
-  trimSlabs(false);
+  trimSlabs();
   return state_ != State::kClosed;
 }
 
@@ -378,8 +375,7 @@ bool TcpConnection::onSlabRecordFromLoop() {
   } else if (own) {
     std::lock_guard<std::mutex> lock(slabMutex_);
     auto it = ownSlabs_.find(r.id);
- if (it == ownSlabs_.end() || it->second.state != OwnSlab::State::kLent ||
-        it->second.slab == nullptr) {
+    if (it == ownSlabs_.end() || it->second.state != OwnSlab::State::kLent) {
       why = "the peer handed back slab " + std::to_string(r.id) +
           ", which it does not hold";
     } else {

@@ -34,10 +34,7 @@ void TcpConnection::onRingWakeFromLoop() {
     ringBlocked_ = false;
     error = flushLocked();
   }
-  releaseFinished();
-  if (!error.empty()) {
-    closeInternal(error, false);
-  }
+  afterFlush(error);
 }
 
 void TcpConnection::queueRingSetupLocked() {
@@ -79,10 +76,7 @@ void TcpConnection::queueControl(uint8_t kind, std::string head) {
     writes_.insert(pos, std::move(w));
     error = flushLocked();
   }
-  releaseFinished();
-  if (!error.empty()) {
-    closeInternal(error, false);
-  }
+  afterFlush(error);
 }
 
 bool TcpConnection::write(OutboundFrame frame) {
@@ -97,15 +91,20 @@ bool TcpConnection::write(OutboundFrame frame) {
   }
   PendingWrite w;
   // shm: large segments go through slabs (copied now, on this thread, with
-  // no lock held); their place on the wire takes a SlabRecord.
-  std::vector<bool> slab(frame.segments.size());
+  // no lock held); their place on the wire takes a SlabRecord. `slab` stays
+  // empty (no allocation) for a frame with none.
+  std::vector<bool> slab;
   std::vector<std::pair<uint32_t, std::shared_ptr<shm::Slab>>> setups;
   if (shm_) {
-    w.slabRecords.reserve(frame.segments.size());
     for (size_t i = 0; i < frame.segments.size(); ++i) {
       shm::SlabRecord record{};
       std::shared_ptr<shm::Slab> setup;
       if (prepareSlabSegment(frame.segments[i], &record, &setup)) {
+        if (slab.empty()) {
+          slab.resize(frame.segments.size());
+          // Reserved once: the frame's segments will point into it.
+          w.slabRecords.reserve(frame.segments.size());
+        }
         slab[i] = true;
         w.slabRecords.push_back(record);
         if (setup != nullptr) {
@@ -120,11 +119,12 @@ bool TcpConnection::write(OutboundFrame frame) {
   h.kind = uint8_t(frame.kind);
   h.headLength = static_cast<uint32_t>(frame.head.size());
   h.numSegments = static_cast<uint32_t>(frame.segments.size());
+  auto isSlab = [&slab](size_t i) { return !slab.empty() && slab[i]; };
   bool anyRing = false;
   for (size_t i = 0; i < frame.segments.size(); ++i) {
     h.dataLength += frame.segments[i].size;
     anyRing = anyRing ||
-        (shm_ && !slab[i] && frame.segments[i].size >= kRingMinSegment);
+        (shm_ && !isSlab(i) && frame.segments[i].size >= kRingMinSegment);
   }
   if (anyRing) {
     h.flags = kFlagRingSegments;
@@ -138,7 +138,7 @@ bool TcpConnection::write(OutboundFrame frame) {
     // The decision is made: the queue must not hold regions (their last
     // reference could then die under writeMutex_, and a dying lease takes it).
     frame.segments[i].origin = nullptr;
-    if (slab[i]) {
+    if (isSlab(i)) {
       n |= kSlabSegmentBit;
       // The record goes on the wire in the segment's place.
       frame.segments[i].data = &w.slabRecords[nextRecord++];
@@ -172,10 +172,7 @@ bool TcpConnection::write(OutboundFrame frame) {
       error = flushLocked();
     }
   }
-  releaseFinished();
-  if (!error.empty()) {
-    closeInternal(error, false);
-  }
+  afterFlush(error);
   return true;
 }
 
