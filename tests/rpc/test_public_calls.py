@@ -51,6 +51,8 @@ def every_call(rank, world_size):
     init(rank, world_size)
     out = {}
     if rank == 0:
+        # Keys before any traffic: the set must not grow with calls.
+        out["debug_keys_idle"] = sorted(rpc.api._get_current_rpc_agent().get_debug_info())
         x, y = torch.ones(2, 3), torch.full((2, 3), 2.0)
         out["builtin_sync"] = rpc.rpc_sync("worker1", torch.add, args=(x, y))
         out["builtin_async"] = rpc.rpc_async("worker1", torch.mul, args=(x, y)).wait()
@@ -83,6 +85,7 @@ def every_call(rank, world_size):
         metrics = agent.get_metrics()
         out["metric_keys"] = sorted(k for k in metrics if k.startswith("agent."))
         out["calls_sent"] = int(metrics["rpc_ext.peer.worker1.calls_sent"])
+        out["debug_keys_busy"] = sorted(agent.get_debug_info())
     rpc.shutdown()
     return out
 
@@ -115,6 +118,8 @@ def test_every_public_call_returns_the_local_result():
         "agent.thread_pool_size",
     ]
     assert out["calls_sent"] >= 15
+    assert out["debug_keys_busy"] == out["debug_keys_idle"]
+    assert "rpc_ext.peer.worker1.calls_served" in out["debug_keys_idle"]
 
 
 def train_remote_linear(rank, world_size):
