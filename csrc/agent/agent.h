@@ -32,8 +32,9 @@ namespace rpc = torch::distributed::rpc;
 // Threads (docs/architecture.md):
 //  - the transport's loop thread reads frames and decodes them into
 //    Messages (no Python, no GIL); after each read pass, the same thread
-//    serves the requests (RequestCallbackImpl, which may take the GIL) and
-//    completes client futures (whose callbacks may take the GIL). Work that
+//    serves the requests (ServeCallback, which may take the GIL) and
+//    completes the futures of lone calls (whose callbacks may take the GIL);
+//    other calls' futures are completed on the completion thread. Work that
 //    stalls makes the loop hand itself to a new thread (tcp/loop.h), so the
 //    reads never wait on user code for more than a few milliseconds;
 //  - the pool settles failures (timeouts, lost connections) and runs what
@@ -174,6 +175,10 @@ class Agent final : public rpc::RpcAgent,
   std::unordered_map<int32_t, std::shared_ptr<transport::Connection>> outbound_;
 
   ThreadPool pool_;
+  // Completes the futures of calls that were not alone in flight, in order,
+  // on one thread; a completion that blocks (a callback waiting on another
+  // call) gets another thread after 20 ms, as in pool_.
+  ThreadPool completions_;
   std::unique_ptr<FaultInjector> faults_; // tests only
   // Receive buffers for large tensors; storages keep it alive past us.
   std::shared_ptr<BufferPool> buffers_;

@@ -22,6 +22,7 @@ size_t CallTable::add(int64_t id, Call call) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     before = calls_.size();
+    call.sentAlone = before == 0;
     if (call.timeout.count() > 0) {
       // Wake the timeout thread only if it sleeps past this deadline: it
       // wakes at least once a second anyway, and waking it for every call

@@ -32,6 +32,9 @@ class CallTable {
     int32_t peerId;
     std::chrono::milliseconds timeout; // 0: never expires
     std::chrono::steady_clock::time_point deadline;
+    // No other call was in flight when this one was registered (set by
+    // add()): the rpc_sync pattern.
+    bool sentAlone = false;
   };
   using ExpireFn = std::function<void(int64_t id, Call call)>;
 

@@ -136,6 +136,41 @@ def nested(rank, world_size):
     return out
 
 
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def pipelined_under_held_gil(rank, world_size):
+    init(rank, world_size)
+    out = {}
+    if rank == 0:
+        one = torch.ones(1)
+        rpc.rpc_sync("worker1", torch.add, args=(one, one))
+        before = int(metrics()["rpc_ext.shm.loop_takeovers"])
+        # A call kept in flight throughout, so none of the 20 below is a lone
+        # call (those complete on the loop: the rpc_sync fast path).
+        slow = rpc.rpc_async("worker1", sleep_then, args=(1.5, "slow"))
+        futs = [rpc.rpc_async("worker1", torch.add, args=(one, i)) for i in range(20)]
+        # Their responses arrive while this thread holds the GIL in one C call
+        # (~0.3-1 s). Completing them needs the GIL (torch converts each to a
+        # Python object); done on the loop, each completion stalled it and
+        # handed it to a new thread after 2 ms.
+        sum(range(3 * 10**7))
+        out["values"] = [f.wait() for f in futs]
+        out["slow"] = slow.wait()
+        out["takeovers"] = int(metrics()["rpc_ext.shm.loop_takeovers"]) - before
+    rpc.shutdown()
+    return out
+
+
+def test_pipelined_completions_do_not_stall_the_loop():
+    r = run_world(pipelined_under_held_gil, 2, timeout=120)[0]
+    assert all(torch.equal(v, torch.ones(1) + i) for i, v in enumerate(r["values"])), r
+    assert r["slow"] == "slow"
+    assert r["takeovers"] == 0, r
+
+
 def test_serving_loop_busy_polls_for_the_next_request():
     m = run_world(call_loop, 2, timeout=120, busy_poll_us=2000, calls=300)[0]
     # Back-to-back calls: most next requests arrive while the callee's loop

@@ -25,6 +25,40 @@ pytestmark = pytest.mark.timeout(120)
 SECRET = b"0123456789abcdef0123456789abcdef"
 
 
+def cached_operators():
+    return int(rpc.api._get_current_rpc_agent().get_metrics()["rpc_ext.cached_operators"])
+
+
+def call_unknown_operator(addr):
+    """An authenticated peer calls a builtin operator no registry has; returns
+    (the bytes it got back within 2 s, the connection still open?)."""
+    import pickle
+
+    from torch_rpc_ext._C import _testing
+
+    sock, _ = handshake(addr, SECRET)
+    # Upstream's SCRIPT_CALL layout: (args..., schema text, qualified name).
+    payload = pickle.dumps(
+        (1.0, 2.0, "aten::add.Bogus(Tensor self) -> Tensor", "torch.ops.aten.add"), protocol=2)
+    head, segs = _testing.encode_message(0x100, payload, [], 77)
+    sock.sendall(frame_header(MESSAGE, len(head), nseg=len(segs), data=sum(map(len, segs)))
+                 + b"".join(struct.pack("<Q", len(x)) for x in segs) + head + b"".join(segs))
+    sock.settimeout(2)
+    got = b""
+    try:
+        while b"Bogus" not in got:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    except socket.timeout:
+        pass
+    sock.settimeout(0.3)
+    still_open = not closed_by_peer(sock)
+    sock.close()
+    return got, still_open
+
+
 def my_address():
     return rpc.api._get_current_rpc_agent().address
 
@@ -74,6 +108,13 @@ def attacks(rank, world_size):
             out[label] = closed_by_peer(s)
             s.close()
 
+        # 6. An authenticated call of an operator that does not exist gets an
+        #    error response naming it, and is not remembered as an operator.
+        cached = rpc.rpc_sync("worker1", cached_operators)
+        got, out["unknown_op_open"] = call_unknown_operator(addr)
+        out["unknown_op_answered"] = b"aten::add.Bogus" in got
+        out["unknown_op_cached"] = rpc.rpc_sync("worker1", cached_operators) - cached
+
         # The agent still serves its real peers, and counted every refusal.
         out["still_serves"] = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
         out["rejected_delta"] = rpc.rpc_sync("worker1", rejected) - before
@@ -90,6 +131,8 @@ def test_agent_refuses_strangers_and_keeps_serving():
     assert out["bad_head_closed"]
     for label in ["wrong_version", "garbage", "absurd_length", "message_before_auth"]:
         assert out[label], label
+    assert out["unknown_op_answered"] and out["unknown_op_open"]
+    assert out["unknown_op_cached"] == 0
     assert torch.equal(out["still_serves"], torch.full((2,), 2.0))
     # wrong secret + 4 pre-auth rejections (the bad head came after auth).
     assert out["rejected_delta"] == 5

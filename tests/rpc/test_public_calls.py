@@ -47,6 +47,10 @@ def async_add(dst, a, b):
     return fut.then(lambda f: f.wait() * 2)
 
 
+def callee_metric(key):
+    return rpc.api._get_current_rpc_agent().get_metrics()[key]
+
+
 def every_call(rank, world_size):
     init(rank, world_size)
     out = {}
@@ -81,6 +85,15 @@ def every_call(rank, world_size):
             loss = rpc.rpc_sync("worker1", torch.matmul, args=(w, w)).sum()
             dist_autograd.backward(ctx, [loss])
             out["dist_grad"] = dist_autograd.get_gradients(ctx)[w]
+        # Builtin calls of three overloads, many times each: the callee
+        # resolves each schema text once.
+        overloads = []
+        for _ in range(10):
+            overloads.append(rpc.rpc_sync("worker1", torch.add, args=(x, y)))
+            overloads.append(rpc.rpc_sync("worker1", torch.add, args=(x, 5)))
+            overloads.append(rpc.rpc_sync("worker1", torch.sub, args=(x, y), kwargs={"alpha": 2}))
+        out["overloads"] = overloads[:3]
+        out["cached_operators"] = int(rpc.rpc_sync("worker1", callee_metric, args=("rpc_ext.cached_operators",)))
         agent = rpc.api._get_current_rpc_agent()
         metrics = agent.get_metrics()
         out["metric_keys"] = sorted(k for k in metrics if k.startswith("agent."))
@@ -119,6 +132,12 @@ def test_every_public_call_returns_the_local_result():
     ]
     assert out["calls_sent"] >= 15
     assert out["debug_keys_busy"] == out["debug_keys_idle"]
+    assert torch.equal(out["overloads"][0], x + y)
+    assert torch.equal(out["overloads"][1], x + 5)
+    assert torch.equal(out["overloads"][2], x - 2 * y)
+    # add.Tensor, add.Scalar (or add.Tensor again), sub.Tensor, and the
+    # builtins of the calls above: a handful, not one per call.
+    assert 2 <= out["cached_operators"] <= 8, out["cached_operators"]
     assert "rpc_ext.peer.worker1.calls_served" in out["debug_keys_idle"]
 
 

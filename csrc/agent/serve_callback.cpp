@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/agent/serve_callback.h"
+
+#include <torch/csrc/distributed/rpc/profiler/server_process_global_profiler.h>
+#include <torch/csrc/distributed/rpc/rpc_agent.h>
+#include <torch/csrc/distributed/rpc/rref_context.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+namespace torch_rpc_ext {
+
+namespace rpc = torch::distributed::rpc;
+
+namespace {
+
+// Upstream's wire convention (ScriptCall::toIValues): a builtin call ends
+// with [..., schema text, "torch.ops.aten.<name>"], a TorchScript function
+// call with [..., is-async flag, qualified name].
+constexpr std::string_view kBuiltinPrefix = "torch.ops.aten.";
+
+} // namespace
+
+c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
+    rpc::Message& request,
+    std::vector<c10::Stream> streams) const {
+  // With the server-side profiler on, upstream's path records the serving
+  // into it; leave that whole case to upstream.
+  if (request.type() != rpc::MessageType::SCRIPT_CALL ||
+      rpc::profiler::processglobal::StateStackEntry::current()) {
+    return RequestCallbackImpl::processMessage(request, std::move(streams));
+  }
+  // Upstream's sequence for one request, with our decoding: RRefs among the
+  // arguments (TorchScript functions may take them) must be confirmed
+  // before the call runs; errors become an exception response.
+  auto& rrefs = rpc::RRefContext::getInstance();
+  try {
+    rrefs.recordThreadLocalPendingRRefs();
+    std::shared_ptr<rpc::RpcCommandBase> call = decodeScriptCall(request);
+    auto ready = rrefs.waitForThreadLocalPendingRRefs();
+    return ready->thenAsync(
+        [this, call = std::move(call), streams = std::move(streams)](
+            rpc::JitFuture& /* ready */) {
+          return processRpcWithErrors(
+              *call, rpc::MessageType::SCRIPT_CALL, streams);
+        },
+        c10::getCustomClassType<c10::intrusive_ptr<rpc::Message>>());
+  } catch (std::exception& e) {
+    rrefs.clearRecordedPendingRRefsOnError();
+    return asFuture(handleError(e, request.type(), request.id()));
+  }
+}
+
+std::unique_ptr<rpc::ScriptCall> ServeCallback::decodeScriptCall(
+    const rpc::Message& request) const {
+  const auto& payload = request.payload();
+  auto value = torch::jit::unpickle(
+      payload.data(),
+      payload.size(),
+      *rpc::RpcAgent::getCurrentRpcAgent()->getTypeResolver(),
+      request.tensors());
+  auto ivalues = value.toTupleRef().elements().vec();
+  size_t n = ivalues.size();
+  if (n < 2 || !ivalues[n - 1].isString()) {
+    // Malformed: let upstream decode it and raise its own error.
+    return rpc::ScriptCall::fromMessage(request);
+  }
+  std::string name = ivalues[n - 1].toStringRef();
+  if (name.rfind(kBuiltinPrefix, 0) != 0) {
+    if (!ivalues[n - 2].isBool()) {
+      return rpc::ScriptCall::fromMessage(request);
+    }
+    bool isAsync = ivalues[n - 2].toBool();
+    ivalues.resize(n - 2);
+    return std::make_unique<rpc::ScriptCall>(
+        c10::QualifiedName(name), std::move(ivalues), isAsync);
+  }
+  if (!ivalues[n - 2].isString()) {
+    return rpc::ScriptCall::fromMessage(request);
+  }
+  const std::string& schema = ivalues[n - 2].toStringRef();
+  std::shared_ptr<torch::jit::Operator> op;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = operators_.find(schema);
+    if (it != operators_.end()) {
+      op = it->second;
+    }
+  }
+  if (!op) {
+    // First sight of this text: upstream resolves it (or throws that no
+    // operator matches), and we remember what it found.
+    auto call = rpc::ScriptCall::fromMessage(request);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (call->hasOp() && operators_.size() < kMaxCachedOperators) {
+      operators_.emplace(schema, call->op());
+    }
+    return call;
+  }
+  ivalues.resize(n - 2);
+  return std::make_unique<rpc::ScriptCall>(std::move(op), std::move(ivalues));
+}
+
+size_t ServeCallback::cachedOperators() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return operators_.size();
+}
+
+} // namespace torch_rpc_ext

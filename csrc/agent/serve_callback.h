@@ -1,0 +1,51 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// The request callback the agent serves with: upstream's RequestCallbackImpl,
+// with SCRIPT_CALL requests (builtin operators and TorchScript functions)
+// decoded without re-parsing the operator's schema on every call.
+#pragma once
+
+#include <torch/csrc/distributed/rpc/request_callback_impl.h>
+#include <torch/csrc/jit/runtime/operator.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace torch_rpc_ext {
+
+// A builtin call names its operator by the full schema text
+// ("aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor").
+// Upstream resolves that text on every request: it parses the schema, then
+// prints every overload of the operator until one prints the same (~4 us to
+// parse plus ~1.4 us per overload printed: more than half of a small call's
+// server time). We resolve each text once, the same way (through upstream's
+// own ScriptCall::fromIValues), and remember the operator it named.
+//
+// Everything else about serving is upstream's: pending RRefs in arguments,
+// the server-side process-global profiler, errors, autograd and profiling
+// wrappers (which arrive as other message types and take the base path).
+class ServeCallback final : public torch::distributed::rpc::RequestCallbackImpl {
+ public:
+  // Distinct schema texts remembered at most; past it, lookups still work
+  // and take upstream's slow path. Only texts that named a registered
+  // operator are ever stored, so peers cannot grow the table with junk.
+  static constexpr size_t kMaxCachedOperators = 4096;
+
+  c10::intrusive_ptr<torch::distributed::rpc::JitFuture> processMessage(
+      torch::distributed::rpc::Message& request,
+      std::vector<c10::Stream> streams) const override;
+
+  // Schema texts resolved so far (for tests).
+  size_t cachedOperators() const;
+
+ private:
+  std::unique_ptr<torch::distributed::rpc::ScriptCall> decodeScriptCall(
+      const torch::distributed::rpc::Message& request) const;
+
+  mutable std::mutex mutex_;
+  mutable std::unordered_map<std::string, std::shared_ptr<torch::jit::Operator>>
+      operators_;
+};
+
+} // namespace torch_rpc_ext
