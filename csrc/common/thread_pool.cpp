@@ -45,8 +45,11 @@ void ThreadPool::run(std::function<void()> task) {
       return;
     }
     queue_.push_back(std::move(task));
-    if (queue_.size() == 1) {
-      // The supervisor sleeps only while the queue is empty.
+    if (supervisorIdle_) {
+      // It sleeps, untimed, only while the queue is empty. Once watching it
+      // wakes on its own every stallTimeout: waking it for every task that
+      // finds the queue empty was a context switch per task.
+      supervisorIdle_ = false;
       supervisorCv_.notify_one();
     }
   }
@@ -102,7 +105,9 @@ void ThreadPool::supervisorLoop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stopping_) {
     if (queue_.empty()) {
-      supervisorCv_.wait(lock);
+      supervisorIdle_ = true;
+      supervisorCv_.wait(lock, [&] { return stopping_ || !supervisorIdle_; });
+      supervisorIdle_ = false;
       continue;
     }
     // Work is queued: if no thread takes any of it within stallTimeout_,
@@ -111,7 +116,7 @@ void ThreadPool::supervisorLoop() {
     // tasks posted while one thread is idle leave the second stranded when
     // that thread blocks in the first.
     uint64_t before = taken_;
-    supervisorCv_.wait_for(lock, stallTimeout_);
+    supervisorCv_.wait_for(lock, stallTimeout_, [&] { return stopping_; });
     if (!stopping_ && !queue_.empty() && taken_ == before &&
         alive_ < maxThreads_) {
       spawnLocked(/*core=*/false);

@@ -71,6 +71,7 @@ class ThreadPool {
   size_t running_ = 0;
   uint64_t taken_ = 0;
   bool stopping_ = false;
+  bool supervisorIdle_ = false; // in its untimed wait (queue empty)
 };
 
 } // namespace torch_rpc_ext
