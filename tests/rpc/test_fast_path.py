@@ -136,9 +136,17 @@ def nested(rank, world_size):
     return out
 
 
-def sleep_then(seconds, value):
-    time.sleep(seconds)
-    return value
+_release = threading.Event()
+
+
+def wait_for_release():
+    return "slow" if _release.wait(60) else "never released"
+
+
+def release(really=True):
+    if really:
+        _release.set()
+    return really
 
 
 def pipelined_under_held_gil(rank, world_size):
@@ -146,11 +154,13 @@ def pipelined_under_held_gil(rank, world_size):
     out = {}
     if rank == 0:
         one = torch.ones(1)
-        rpc.rpc_sync("worker1", torch.add, args=(one, one))
+        # A call kept in flight throughout (it ends when released), so no call
+        # below is a lone call. Those complete on the loop (the rpc_sync fast
+        # path), and may need the GIL even after waking their caller: the
+        # last reference to a Python result can be dropped there.
+        slow = rpc.rpc_async("worker1", wait_for_release)
+        rpc.rpc_sync("worker1", release, args=(False,))  # connected, served
         before = int(metrics()["rpc_ext.shm.loop_takeovers"])
-        # A call kept in flight throughout, so none of the 20 below is a lone
-        # call (those complete on the loop: the rpc_sync fast path).
-        slow = rpc.rpc_async("worker1", sleep_then, args=(1.5, "slow"))
         futs = [rpc.rpc_async("worker1", torch.add, args=(one, i)) for i in range(20)]
         # Their responses arrive while this thread holds the GIL in one C call
         # (~0.3-1 s). Completing them needs the GIL (torch converts each to a
@@ -158,8 +168,14 @@ def pipelined_under_held_gil(rank, world_size):
         # handed it to a new thread after 2 ms.
         sum(range(3 * 10**7))
         out["values"] = [f.wait() for f in futs]
-        out["slow"] = slow.wait()
         out["takeovers"] = int(metrics()["rpc_ext.shm.loop_takeovers"]) - before
+        # Only now may the kept call end (a lone call by then, completed on
+        # the loop), and worker1 shut down: shutdown's first step is a Python
+        # call to worker0, served on its loop, and that one does need the GIL.
+        rpc.rpc_sync("worker1", release)
+        out["slow"] = slow.wait()
+    else:
+        _release.wait(60)
     rpc.shutdown()
     return out
 
