@@ -313,7 +313,7 @@ void Agent::settle(
     c10::intrusive_ptr<rpc::Message> response,
     bool lastInFlight) {
   auto self = shared_from_this();
-  const bool inline_ = call.sentAlone && lastInFlight;
+  const bool lone = call.sentAlone && lastInFlight;
   auto complete = [self, call = std::move(call), response = std::move(response)] {
     if (response->type() == rpc::MessageType::EXCEPTION) {
       std::string text(response->payload().begin(), response->payload().end());
@@ -324,7 +324,7 @@ void Agent::settle(
     }
     self->callFinished();
   };
-  if (!inline_) {
+  if (!lone) {
     // One of several calls in flight (pipelined rpc_async, or concurrent
     // callers): completed on the completion thread. Its callbacks usually
     // take the GIL (torch converts the response to a Python object), which

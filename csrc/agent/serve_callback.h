@@ -20,7 +20,7 @@ namespace torch_rpc_ext {
 // prints every overload of the operator until one prints the same (~4 us to
 // parse plus ~1.4 us per overload printed: more than half of a small call's
 // server time). We resolve each text once, the same way (through upstream's
-// own ScriptCall::fromIValues), and remember the operator it named.
+// own ScriptCall::fromMessage), and remember the operator it named.
 //
 // Everything else about serving is upstream's: pending RRefs in arguments,
 // the server-side process-global profiler, errors, autograd and profiling

@@ -106,8 +106,8 @@ void ThreadPool::supervisorLoop() {
   while (!stopping_) {
     if (queue_.empty()) {
       supervisorIdle_ = true;
+      // run() clears the flag when it wakes us.
       supervisorCv_.wait(lock, [&] { return stopping_ || !supervisorIdle_; });
-      supervisorIdle_ = false;
       continue;
     }
     // Work is queued: if no thread takes any of it within stallTimeout_,
