@@ -35,7 +35,7 @@ namespace rpc = torch::distributed::rpc;
 //    serves the requests (ServeCallback, which may take the GIL) and
 //    completes the futures of lone calls (whose callbacks may take the GIL);
 //    other calls' futures are completed on the completion thread. Work that
-//    stalls makes the loop hand itself to a new thread (tcp/loop.h), so the
+//    stalls makes the loop hand itself to a new thread (stream/loop.h), so the
 //    reads never wait on user code for more than a few milliseconds;
 //  - the pool settles failures (timeouts, lost connections) and runs what
 //    fault injection delays;
@@ -78,8 +78,8 @@ class Agent final : public rpc::RpcAgent,
   std::unordered_map<std::string, std::string> getMetrics() override;
   std::unordered_map<std::string, std::string> getDebugInfo() override;
 
-  // The TCP address peers connect to, e.g. "10.0.0.5:41231" (the first
-  // transport's address when TCP is not enabled).
+  // The address peers on other hosts connect to, e.g. "10.0.0.5:41231" (the
+  // first transport's address when none crosses hosts).
   const std::string& address() const {
     return address_;
   }
@@ -122,7 +122,7 @@ class Agent final : public rpc::RpcAgent,
       int64_t id,
       JitFuture& result);
   // How we reach each worker: the first transport of our preference order
-  // that it offers too ("shm" only when it runs on our host).
+  // that it offers in the same domain (Transport::domainDescriptor()).
   struct Route {
     std::string transport;
     std::string address;
@@ -145,10 +145,8 @@ class Agent final : public rpc::RpcAgent,
       transport::OutboundFrame frame,
       int64_t id,
       int32_t peerId);
-  Route chooseRoute(
-      const std::string& peerName,
-      const std::string& offers,
-      const std::string& hostKey) const;
+  Route chooseRoute(const std::string& peerName, const std::string& offers)
+      const;
   // Complete a client call on `conn`'s loop thread, after its read pass.
   // `lastInFlight`: no other call of ours is waiting for a response.
   void settle(

@@ -15,7 +15,6 @@
 #include "csrc/common/crypto.h"
 #include "csrc/common/logging.h"
 #include "csrc/transport/registry.h"
-#include "csrc/transport/tcp/address.h"
 
 namespace torch_rpc_ext {
 
@@ -64,38 +63,28 @@ void Agent::rendezvous() {
   topts.releaseOffLoop = [this](std::shared_ptr<void> held) {
     pool_.run([held = std::move(held)]() mutable { held.reset(); });
   };
-  topts.bindAddress = options_.address.empty()
-      ? transport::tcp::defaultAdvertisedAddress()
-      : options_.address;
+  topts.bindAddress = options_.address;
   TORCH_CHECK(
       !options_.transports.empty(), "RpcExtBackendOptions.transports is empty");
   // Our entry: the name, then one line per transport we listen on:
-  // "tcp <host:port>" or "shm <same-host key> <@abstract name>".
-  const std::string hostKey = transport::tcp::sameHostKey();
+  // "<transport> <domain descriptor> <address>". A transport that is not
+  // viable here is left out (with a warning); one that is viable but cannot
+  // listen is an error (a wrong `address`, say).
   std::string entry = self.name_;
   std::string unavailable;
   for (const auto& name : options_.transports) {
-    if (name == "shm" && hostKey.empty()) {
-      unavailable += " shm: cannot identify this host";
+    auto t = transport::createTransport(name, topts);
+    if (!t->isViable()) {
+      unavailable += " " + name + ": " + t->unviableReason();
       continue;
     }
-    try {
-      auto t = transport::createTransport(name, topts);
-      auto l = t->listen();
-      transports_[name] = t;
-      listeners_.push_back(l);
-      listenAddresses_[name] = l->address();
-      entry += "\n" + name + " " + (name == "shm" ? hostKey + " " : "") +
-          l->address();
-      if (address_.empty() || name == "tcp") {
-        address_ = l->address();
-      }
-    } catch (const std::exception& e) {
-      // Shared memory may be unavailable (seccomp, no memfd); TCP may not.
-      if (name != "shm") {
-        throw;
-      }
-      unavailable += std::string(" shm: ") + e.what();
+    auto l = t->listen();
+    transports_[name] = t;
+    listeners_.push_back(l);
+    listenAddresses_[name] = l->address();
+    entry += "\n" + name + " " + t->domainDescriptor() + " " + l->address();
+    if (address_.empty() || t->crossesHosts()) {
+      address_ = l->address();
     }
   }
   TORCH_CHECK(
@@ -129,32 +118,30 @@ void Agent::rendezvous() {
         r,
         " both use it");
     workers_.emplace_back(name, static_cast<int64_t>(r));
-    routes_[r] = chooseRoute(name, entry.substr(nl + 1), hostKey);
+    routes_[r] = chooseRoute(name, entry.substr(nl + 1));
   }
 }
 
 Agent::Route Agent::chooseRoute(
     const std::string& peerName,
-    const std::string& offers,
-    const std::string& hostKey) const {
-  std::map<std::string, std::string> offered;
+    const std::string& offers) const {
+  // The peer's transports whose domain matches ours (shm: the same host).
+  std::map<std::string, std::string> reachable;
   std::istringstream lines(offers);
   std::string line;
   while (std::getline(lines, line)) {
     std::istringstream fields(line);
-    std::string name, a, b;
-    fields >> name >> a >> b;
-    if (name == "shm") {
-      if (a == hostKey && !b.empty()) {
-        offered[name] = b;
-      }
-    } else if (!name.empty()) {
-      offered[name] = a;
+    std::string name, domain, address;
+    fields >> name >> domain >> address;
+    auto it = transports_.find(name);
+    if (it != transports_.end() && !address.empty() &&
+        domain == it->second->domainDescriptor()) {
+      reachable[name] = address;
     }
   }
   for (const auto& name : options_.transports) {
-    auto it = offered.find(name);
-    if (it != offered.end() && transports_.count(name) != 0) {
+    auto it = reachable.find(name);
+    if (it != reachable.end()) {
       return Route{name, it->second};
     }
   }
@@ -166,7 +153,7 @@ Agent::Route Agent::chooseRoute(
       offers,
       "] and this worker uses ",
       c10::Join(",", options_.transports),
-      " (shm needs both on one host)");
+      " (a transport is shared only within its domain, e.g. one host)");
 }
 
 void Agent::join(bool shutdown, float timeout) {

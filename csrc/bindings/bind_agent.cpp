@@ -5,7 +5,7 @@
 #include "csrc/agent/agent.h"
 #include "csrc/bindings/bind.h"
 #include "csrc/transport/registry.h"
-#include "csrc/transport/tcp/address.h"
+#include "csrc/transport/stream/address.h"
 
 namespace torch_rpc_ext::bindings {
 
@@ -101,7 +101,7 @@ void bindAgent(py::module_& m) {
       .def_property_readonly("address", &Agent::address);
 
   m.def("transport_names", &transport::transportNames);
-  m.def("default_address", &transport::tcp::defaultAdvertisedAddress);
+  m.def("default_address", &transport::stream::defaultAdvertisedAddress);
 }
 
 } // namespace torch_rpc_ext::bindings

@@ -9,7 +9,7 @@
 #include "csrc/common/thread_pool.h"
 #include "csrc/transport/frame.h"
 #include "csrc/transport/handshake.h"
-#include "csrc/transport/tcp/loop.h"
+#include "csrc/transport/stream/loop.h"
 #include "csrc/wire/codec.h"
 
 namespace torch_rpc_ext::bindings {
@@ -164,7 +164,7 @@ void bindTesting(py::module_& m) {
             std::chrono::milliseconds(int64_t(timeoutSeconds * 1000));
         uint64_t takeovers = 0;
         {
-          transport::tcp::Loop loop;
+          transport::stream::Loop loop;
           loop.post([&] {
             for (int i = 0; i < n; ++i) {
               loop.runAfterDispatch([&, i] {
@@ -197,7 +197,7 @@ void bindTesting(py::module_& m) {
       [](int n, int sleepMs) {
         std::atomic<int> ran{0};
         {
-          transport::tcp::Loop loop;
+          transport::stream::Loop loop;
           loop.post([&] {
             for (int i = 0; i < n; ++i) {
               loop.runAfterDispatch([&, i] {

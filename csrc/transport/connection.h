@@ -81,7 +81,7 @@ class Connection {
   // From an observer callback only: run `fn` on the calling (loop) thread
   // once the current round of reads is over: no thread hop. Unlike the
   // callbacks, `fn` may block and take the GIL: if it runs for more than a
-  // couple of milliseconds, a new thread takes over the loop (tcp/loop.h).
+  // couple of milliseconds, a new thread takes over the loop (stream/loop.h).
   // It is never dropped, not even by a concurrent shutdown. `expectMore`:
   // more input is likely soon (a request being served), so the loop may
   // busy-poll briefly (TransportOptions::busyPoll) before sleeping.

@@ -12,11 +12,11 @@ std::string validateHeader(const FrameHeader& h, const FrameLimits& limits) {
         " (this build speaks " + std::to_string(kProtocolVersion) + ")";
   }
   if (h.flags != 0 &&
-      !(h.flags == kFlagRingSegments && h.kind == uint8_t(FrameKind::kMessage))) {
+      !(h.flags == kFlagChunkedSegments && h.kind == uint8_t(FrameKind::kMessage))) {
     return "reserved flags set";
   }
   if (h.kind < uint8_t(FrameKind::kHello) ||
-      h.kind > uint8_t(FrameKind::kSlabDrop)) {
+      h.kind > uint8_t(FrameKind::kRingDrop)) {
     return "unknown frame kind " + std::to_string(h.kind);
   }
   if (h.headLength > limits.maxHeadBytes) {

@@ -29,31 +29,45 @@ enum class FrameKind : uint8_t {
   kMessage = 4, // an rpc::Message (request or response), see wire/codec.h
   kPing = 5, // liveness probe; answered with kPong
   kPong = 6,
-  kRing = 7, // shm only: head = uint64 ring capacity; carries the ring's
-             // memfd and its wake-up eventfd (SCM_RIGHTS)
-  kSlab = 8, // shm only: head = uint32 id, uint64 capacity; carries the
-             // slab's memfd (SCM_RIGHTS). See shm/slab.h.
-  kSlabRelease = 9, // shm only: head = uint32 id of a slab the receiver of
-                    // a kLent record no longer uses
-  kSlabDrop = 10, // shm only: head = uint32 id of a free slab its owner
-                  // unmaps; the peer unmaps it too
+  // Kinds 7 and up belong to the transport that sends them (a transport
+  // rejects the ones it does not know): shm's rings and slabs, see
+  // shm/connection.h.
+  kRing = 7,
+  kSlab = 8,
+  kSlabRelease = 9,
+  kSlabDrop = 10,
+  kRingDrop = 11,
 };
 
-// FrameHeader.flags of a kMessage frame on an shm connection: some segments
-// travel through the sender's shared ring (their length has kRingSegmentBit
-// set) and the stream carries ChunkRecords (shm/ring.h) in their place.
-constexpr uint16_t kFlagRingSegments = 1;
-constexpr uint64_t kRingSegmentBit = uint64_t(1) << 63;
-// A segment length with this bit set (shm only, either flag): the stream
-// carries a 16-byte shm::SlabRecord in place of the segment's bytes.
-constexpr uint64_t kSlabSegmentBit = uint64_t(1) << 62;
+// Record segments. A segment's bytes need not travel in the stream: a
+// transport may carry them out of band and put 16-byte SegmentRecords in the
+// stream in their place. The segment's length says how (the other length
+// bits stay the true length):
+//  - kChunkedSegmentBit (the frame has kFlagChunkedSegments): the bytes go in
+//    chunks through a channel of the sender's, one record per chunk (shm: the
+//    sender's ring);
+//  - kRegionSegmentBit: the bytes lie in a shared region the sender names
+//    with one record (shm: a slab), and the receiver's buffer becomes a view
+//    of it (InboundBuffers::provided).
+// A transport that has no such channel rejects a frame that uses one.
+constexpr uint16_t kFlagChunkedSegments = 1;
+constexpr uint64_t kChunkedSegmentBit = uint64_t(1) << 63;
+constexpr uint64_t kRegionSegmentBit = uint64_t(1) << 62;
+
+// What travels in the stream in place of (part of) a record segment; its
+// meaning belongs to the transport.
+struct SegmentRecord {
+  uint64_t a;
+  uint64_t b;
+};
+static_assert(sizeof(SegmentRecord) == 16, "SegmentRecord is 16 bytes");
 
 #pragma pack(push, 1)
 struct FrameHeader {
   uint32_t magic;
   uint8_t version;
   uint8_t kind;
-  uint16_t flags; // zero, or kFlagRingSegments on a kMessage frame
+  uint16_t flags; // zero, or kFlagChunkedSegments on a kMessage frame
   uint32_t headLength;
   uint32_t numSegments;
   uint64_t dataLength; // sum of segment lengths

@@ -26,11 +26,12 @@ struct TransportOptions {
   std::chrono::milliseconds heartbeatTimeout{10000};
   // After serving a request, a loop thread polls for the next input this
   // long before sleeping in the kernel: on a ping-pong workload that saves
-  // the wake-up (tens of microseconds on a VM). Adaptive, see tcp/loop.h.
+  // the wake-up (tens of microseconds on a VM). Adaptive, see stream/loop.h.
   // 0 never spins.
   std::chrono::microseconds busyPoll{0};
-  // Address to bind and advertise (an IP literal), for transports that need one.
-  std::string bindAddress = "127.0.0.1";
+  // Address to bind and advertise (an IP literal), for transports that need
+  // one; empty: the transport's default (stream/address.h).
+  std::string bindAddress;
   // Receives the keepAlive of every outbound frame that finishes (or is
   // dropped) on the loop thread, so its owner can destroy it elsewhere:
   // dropping the last reference to a tensor that has a Python object takes
@@ -57,6 +58,23 @@ class Transport {
   virtual ~Transport() = default;
 
   virtual std::string name() const = 0;
+
+  // Why this transport cannot work in this process ("" when it can): shm
+  // needs memfds and an identity of this host. The agent goes on without a
+  // transport that is not viable, and says why.
+  virtual std::string unviableReason() const = 0;
+  bool isViable() const {
+    return unviableReason().empty();
+  }
+
+  // Two processes whose transports of one name report equal descriptors can
+  // connect with it (TensorPipe's Context::domainDescriptor()): shm's names
+  // this host's kernel and network namespace, tcp's is the same everywhere.
+  virtual std::string domainDescriptor() const = 0;
+
+  // Whether processes on other hosts can reach this transport's listeners
+  // (the agent advertises such an address as its own).
+  virtual bool crossesHosts() const = 0;
 
   // Bind and listen now (connections wait in the backlog until start()).
   virtual std::shared_ptr<Listener> listen() = 0;

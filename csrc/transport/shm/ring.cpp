@@ -137,6 +137,10 @@ void Ring::drainWakeups() {
   }
 }
 
+bool Ring::drained() const {
+  return header()->consumed.load(std::memory_order_acquire) == position_;
+}
+
 size_t Ring::produce(
     const void* src,
     size_t size,

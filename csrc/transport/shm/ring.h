@@ -12,8 +12,9 @@ namespace torch_rpc_ext::transport::shm {
 // processes on one host: the bulk data path of the "shm" transport.
 //
 // Each direction of a connection has its own ring, created by the sending
-// side and handed to the receiver over the connection's Unix socket
-// (SCM_RIGHTS) once the handshake is done. The socket stays the control
+// side when it first needs one and handed to the receiver over the
+// connection's Unix socket (SCM_RIGHTS) in a kRing frame; see
+// shm/connection.h for how rings are sized, grown and dropped. The socket stays the control
 // path: for every chunk the producer copies into the ring it writes a 16-byte
 // ChunkRecord on the socket, and the consumer copies the chunk straight into
 // the message's final buffer. So a tensor crosses with one copy per side and
@@ -72,6 +73,8 @@ class Ring {
   }
   // Producer: reset the eventfd after a wake-up.
   void drainWakeups();
+  // Producer: the consumer has taken every byte produced so far.
+  bool drained() const;
   uint64_t capacity() const {
     return capacity_;
   }

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -84,5 +85,17 @@ constexpr size_t kMaxSlabs = 1024;
 constexpr uint64_t kMaxLentSlabBytes = uint64_t(1) << 35; // 32 GiB
 // A free slab unused this long is unmapped (and the peer told to unmap it).
 constexpr int64_t kSlabIdleMs = 2000;
+
+// The slab traffic of one transport's connections, for its counters.
+struct SlabCounters {
+  std::atomic<uint64_t> segments{0}; // segments sent through a slab
+  std::atomic<uint64_t> copiedBytes{0}; // bytes copied into slabs
+  std::atomic<uint64_t> handedBack{0}; // sent with no copy (kReturned)
+  std::atomic<uint64_t> created{0};
+  std::atomic<uint64_t> unmapped{0}; // own slabs dropped when idle
+  std::atomic<uint64_t> fallbacks{0}; // over a slab bound: ring instead
+  std::atomic<uint64_t> ringsCreated{0}; // rings made, first or larger
+  std::atomic<uint64_t> ringsDropped{0}; // rings unmapped when idle
+};
 
 } // namespace torch_rpc_ext::transport::shm

@@ -6,11 +6,7 @@
 namespace torch_rpc_ext::transport::tcp {
 
 std::shared_ptr<Transport> create(const TransportOptions& options) {
-  return std::make_shared<TcpTransport>(options, /*shm=*/false);
-}
-
-std::shared_ptr<Transport> createShm(const TransportOptions& options) {
-  return std::make_shared<TcpTransport>(options, /*shm=*/true);
+  return std::make_shared<TcpTransport>(options);
 }
 
 } // namespace torch_rpc_ext::transport::tcp

@@ -7,9 +7,7 @@
 
 namespace torch_rpc_ext::transport::tcp {
 
-// "tcp": TCP sockets, across hosts.
+// TCP sockets: reaches any host; the transport of last resort.
 std::shared_ptr<Transport> create(const TransportOptions& options);
-// "shm": an abstract Unix socket plus shared-memory rings, one host only.
-std::shared_ptr<Transport> createShm(const TransportOptions& options);
 
 } // namespace torch_rpc_ext::transport::tcp

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: BSD-3-Clause
-#include "csrc/transport/tcp/loop.h"
+#include "csrc/transport/stream/loop.h"
 
 #include <sys/epoll.h>
 #include <sched.h>
@@ -13,7 +13,7 @@
 
 #include "csrc/common/logging.h"
 
-namespace torch_rpc_ext::transport::tcp {
+namespace torch_rpc_ext::transport::stream {
 
 namespace {
 [[noreturn]] void fail(const char* what) {
@@ -398,4 +398,4 @@ void Loop::stop() {
   }
 }
 
-} // namespace torch_rpc_ext::transport::tcp
+} // namespace torch_rpc_ext::transport::stream

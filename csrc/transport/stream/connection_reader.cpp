@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// The read side of TcpConnection: the incremental frame parser. Runs on the
-// loop thread only; validates each header before allocating anything behind it.
+// The read side of StreamConnection: the incremental frame parser. Runs on the
+// loop thread only; validates each header before allocating anything behind
+// it, and leaves what only a backend knows (its control frames, the records
+// of out-of-band segments) to the backend's hooks.
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -9,28 +11,21 @@
 #include <cstring>
 
 #include "csrc/common/logging.h"
-#include "csrc/transport/tcp/connection.h"
+#include "csrc/transport/stream/connection.h"
 
-namespace torch_rpc_ext::transport::tcp {
+namespace torch_rpc_ext::transport::stream {
 
 namespace {
 
 constexpr size_t kDirectReadBytes = 16 * 1024;
-// An shm connection receives descriptors only with a kRing frame (two: the
-// peer's ring and its eventfd) or a kSlab frame (one memfd), and the kernel
-// stops each read at a message that carries some, so no more than this many
-// can be waiting for their frame. Anything more is an attack on our
-// descriptor table.
-constexpr size_t kMaxPendingFds = 3;
-// A kSlabRelease frame names at most this many bytes of slab ids.
-constexpr uint32_t kMaxReleaseHead = 4096;
+constexpr size_t kStagingBytes = 64 * 1024;
 
 } // namespace
 
-ssize_t TcpConnection::readFromLoop(void* dst, size_t size) {
+ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
   while (true) {
     ssize_t got;
-    if (shm_) {
+    if (maxPendingFds() > 0) {
       // recvmsg, not read: read(2) would silently drop passed descriptors.
       iovec iov{dst, size};
       alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
@@ -52,8 +47,10 @@ ssize_t TcpConnection::readFromLoop(void* dst, size_t size) {
             }
           }
         }
+        // More than could be waiting for their frames is an attack on our
+        // descriptor table.
         if ((msg.msg_flags & MSG_CTRUNC) != 0 ||
-            receivedFds_.size() > kMaxPendingFds) {
+            receivedFds_.size() > maxPendingFds()) {
           rejectFromLoop("peer sent unexpected file descriptors");
           return -1;
         }
@@ -79,7 +76,7 @@ ssize_t TcpConnection::readFromLoop(void* dst, size_t size) {
   }
 }
 
-void TcpConnection::advanceSegmentFromLoop(size_t bytes) {
+void StreamConnection::advanceSegmentFromLoop(size_t bytes) {
   segmentFilled_ += bytes;
   if (segmentFilled_ == segmentSizes_[segmentIndex_]) {
     ++segmentIndex_;
@@ -91,11 +88,11 @@ void TcpConnection::advanceSegmentFromLoop(size_t bytes) {
   }
 }
 
-void TcpConnection::onReadableFromLoop() {
+void StreamConnection::onReadableFromLoop() {
   while (state_ != State::kClosed) {
     // Large remainders of a segment go straight into its final buffer.
     if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_ &&
-        !isRingSegment() && !isSlabSegment()) {
+        carried() == Carried::kBytes) {
       size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
       if (want >= kDirectReadBytes) {
         char* dst =
@@ -111,8 +108,11 @@ void TcpConnection::onReadableFromLoop() {
     if (stagedBegin_ == stagedEnd_) {
       stagedBegin_ = stagedEnd_ = 0;
     }
-    ssize_t got = readFromLoop(
-        staging_.data() + stagedEnd_, staging_.size() - stagedEnd_);
+    if (!staging_) {
+      staging_.reset(new char[kStagingBytes]);
+    }
+    ssize_t got =
+        readFromLoop(staging_.get() + stagedEnd_, kStagingBytes - stagedEnd_);
     if (got <= 0) {
       return;
     }
@@ -123,10 +123,10 @@ void TcpConnection::onReadableFromLoop() {
   }
 }
 
-bool TcpConnection::consumeFromLoop() {
+bool StreamConnection::consumeFromLoop() {
   while (stagedBegin_ < stagedEnd_ && state_ != State::kClosed) {
     size_t avail = stagedEnd_ - stagedBegin_;
-    const char* src = staging_.data() + stagedBegin_;
+    const char* src = staging_.get() + stagedBegin_;
     if (phase_ == ReadPhase::kHeader) {
       size_t take = std::min(avail, sizeof(header_) - phaseFilled_);
       std::memcpy(reinterpret_cast<char*>(&header_) + phaseFilled_, src, take);
@@ -144,36 +144,27 @@ bool TcpConnection::consumeFromLoop() {
           !onLengthsAndHeadFromLoop()) {
         return false;
       }
-    } else if (isSlabSegment()) {
-      // A SlabRecord: the bytes are in a shared slab already.
-      size_t take = std::min(avail, sizeof(slabRecord_) - slabRecordFilled_);
-      std::memcpy(
-          reinterpret_cast<char*>(&slabRecord_) + slabRecordFilled_, src, take);
-      slabRecordFilled_ += take;
-      stagedBegin_ += take;
-      if (slabRecordFilled_ == sizeof(slabRecord_)) {
-        slabRecordFilled_ = 0;
-        if (!onSlabRecordFromLoop()) {
-          return false;
-        }
-      }
-    } else if (isRingSegment()) {
-      // A ChunkRecord: its bytes wait in the peer's ring.
+    } else if (carried() != Carried::kBytes) {
+      // A record: the bytes travel out of band; the backend places them.
       size_t take = std::min(avail, sizeof(record_) - recordFilled_);
       std::memcpy(reinterpret_cast<char*>(&record_) + recordFilled_, src, take);
       recordFilled_ += take;
       stagedBegin_ += take;
       if (recordFilled_ == sizeof(record_)) {
         recordFilled_ = 0;
-        char* dst = static_cast<char*>(inbound_.segments[segmentIndex_]) +
-            segmentFilled_;
-        std::string why = ringIn_.consume(
-            record_, dst, segmentSizes_[segmentIndex_] - segmentFilled_);
-        if (!why.empty()) {
-          rejectFromLoop("rejected frame: " + why);
+        int64_t placed = onSegmentRecordFromLoop(
+            carried() == Carried::kChunks ? kChunkedSegmentBit
+                                          : kRegionSegmentBit,
+            record_);
+        if (placed < 0 || state_ == State::kClosed) {
           return false;
         }
-        advanceSegmentFromLoop(record_.length);
+        if (placed == 0 ||
+            uint64_t(placed) > segmentSizes_[segmentIndex_] - segmentFilled_) {
+          rejectFromLoop("rejected frame: record overruns its segment");
+          return false;
+        }
+        advanceSegmentFromLoop(static_cast<size_t>(placed));
       }
     } else {
       size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
@@ -189,7 +180,7 @@ bool TcpConnection::consumeFromLoop() {
   return state_ != State::kClosed;
 }
 
-bool TcpConnection::onHeaderFromLoop() {
+bool StreamConnection::onHeaderFromLoop() {
   std::string why = validateHeader(header_, options_.limits);
   auto kind = static_cast<FrameKind>(header_.kind);
   if (why.empty()) {
@@ -201,16 +192,8 @@ bool TcpConnection::onHeaderFromLoop() {
     } else if (s == State::kReady) {
       ok = kind == FrameKind::kMessage || kind == FrameKind::kPing ||
           kind == FrameKind::kPong ||
-          (kind == FrameKind::kRing && shm_ && !ringIn_.valid() &&
-           header_.headLength == sizeof(uint64_t)) ||
-          (kind == FrameKind::kSlab && shm_ &&
-           header_.headLength == sizeof(uint32_t) + sizeof(uint64_t)) ||
-          (kind == FrameKind::kSlabRelease && shm_ &&
-           header_.headLength >= sizeof(uint32_t) &&
-           header_.headLength <= kMaxReleaseHead &&
-           header_.headLength % sizeof(uint32_t) == 0) ||
-          (kind == FrameKind::kSlabDrop && shm_ &&
-           header_.headLength == sizeof(uint32_t));
+          (kind > FrameKind::kPong &&
+           acceptsControlFrame(kind, header_.headLength));
     }
     if (!ok) {
       why = "unexpected frame kind " + std::to_string(header_.kind) +
@@ -219,8 +202,9 @@ bool TcpConnection::onHeaderFromLoop() {
     } else if (kind != FrameKind::kMessage && header_.numSegments != 0) {
       why = "control frame with segments";
     } else if (
-        header_.flags == kFlagRingSegments && !(shm_ && ringIn_.valid())) {
-      why = "ring segments on a connection without a shared ring";
+        header_.flags == kFlagChunkedSegments &&
+        !acceptsRecordSegments(kChunkedSegmentBit)) {
+      why = "chunked segments on a connection without a chunk channel";
     }
   }
   if (!why.empty()) {
@@ -237,33 +221,30 @@ bool TcpConnection::onHeaderFromLoop() {
   return true;
 }
 
-bool TcpConnection::onLengthsAndHeadFromLoop() {
+bool StreamConnection::onLengthsAndHeadFromLoop() {
   size_t n = header_.numSegments;
   segmentSizes_.resize(n);
-  ringSegments_.clear();
-  if (header_.flags == kFlagRingSegments) {
-    ringSegments_.resize(n);
-  }
-  slabSegments_.clear();
+  carried_.clear();
+  std::vector<bool> provided; // empty unless a region segment is announced
   uint64_t sum = 0;
   for (size_t i = 0; i < n; ++i) {
     std::memcpy(&segmentSizes_[i], lengthsAndHead_.data() + 8 * i, 8);
-    if ((segmentSizes_[i] & kSlabSegmentBit) != 0) {
-      segmentSizes_[i] &= ~kSlabSegmentBit;
-      if (!shm_ || segmentSizes_[i] == 0 ||
-          (segmentSizes_[i] & kRingSegmentBit) != 0) {
-        rejectFromLoop("rejected frame: bad slab segment length");
+    uint64_t bits = segmentSizes_[i] & (kChunkedSegmentBit | kRegionSegmentBit);
+    if (bits != 0) {
+      segmentSizes_[i] &= ~bits;
+      bool chunks = bits == kChunkedSegmentBit;
+      if ((bits != kChunkedSegmentBit && bits != kRegionSegmentBit) ||
+          segmentSizes_[i] == 0 || !acceptsRecordSegments(bits) ||
+          (chunks && header_.flags != kFlagChunkedSegments)) {
+        rejectFromLoop("rejected frame: bad record segment length");
         return false;
       }
-      slabSegments_.resize(n);
-      slabSegments_[i] = true;
-    } else if ((segmentSizes_[i] & kRingSegmentBit) != 0) {
-      segmentSizes_[i] &= ~kRingSegmentBit;
-      if (ringSegments_.empty() || segmentSizes_[i] == 0) {
-        rejectFromLoop("rejected frame: bad ring segment length");
-        return false;
+      carried_.resize(n, Carried::kBytes);
+      carried_[i] = chunks ? Carried::kChunks : Carried::kRegion;
+      if (!chunks) {
+        provided.resize(n);
+        provided[i] = true;
       }
-      ringSegments_[i] = true;
     }
     if (segmentSizes_[i] > header_.dataLength - sum) {
       rejectFromLoop("rejected frame: segment lengths exceed dataLength");
@@ -286,25 +267,17 @@ bool TcpConnection::onLengthsAndHeadFromLoop() {
   if (kind != FrameKind::kMessage) {
     // A control frame is done once its head is in.
     phase_ = ReadPhase::kHeader;
-    switch (kind) {
-      case FrameKind::kPing:
-        queueControl(uint8_t(FrameKind::kPong), {});
-        return state_ != State::kClosed;
-      case FrameKind::kRing:
-        return onRingSetupFromLoop();
-      case FrameKind::kSlab:
-        return onSlabSetupFromLoop();
-      case FrameKind::kSlabRelease:
-        return onSlabReleaseFromLoop();
-      case FrameKind::kSlabDrop:
-        return onSlabDropFromLoop();
-      default: // kPong; onHeaderFromLoop let no other kind through
-        return true;
+    if (kind == FrameKind::kPing) {
+      queueControl(uint8_t(FrameKind::kPong), {});
+      return state_ != State::kClosed;
     }
+    if (kind == FrameKind::kPong) {
+      return true;
+    }
+    return onControlFrameFromLoop(kind) && state_ != State::kClosed;
   }
   try {
-    // (slabSegments_ is empty for a frame without slab segments.)
-    inbound_ = observer_->onFrameHead(*this, head_, segmentSizes_, slabSegments_);
+    inbound_ = observer_->onFrameHead(*this, head_, segmentSizes_, provided);
   } catch (const std::exception& e) {
     rejectFromLoop(std::string("rejected frame: ") + e.what());
     return false;
@@ -313,11 +286,11 @@ bool TcpConnection::onLengthsAndHeadFromLoop() {
     rejectFromLoop("rejected frame: receiver gave wrong buffer count");
     return false;
   }
-  if (!slabSegments_.empty()) {
+  if (!provided.empty()) {
     inbound_.provided.assign(n, nullptr);
     inbound_.regions.assign(n, nullptr);
   }
-  slabRecordFilled_ = 0;
+  recordFilled_ = 0;
   segmentIndex_ = 0;
   segmentFilled_ = 0;
   skipEmptySegments();
@@ -329,36 +302,18 @@ bool TcpConnection::onLengthsAndHeadFromLoop() {
   return state_ != State::kClosed;
 }
 
-bool TcpConnection::onRingSetupFromLoop() {
-  if (receivedFds_.size() != 2) {
-    rejectFromLoop("rejected frame: ring setup without its descriptors");
-    return false;
-  }
-  uint64_t capacity;
-  std::memcpy(&capacity, head_.data(), sizeof(capacity));
-  int memFd = receivedFds_[0];
-  int wakeFd = receivedFds_[1];
-  receivedFds_.clear();
-  std::string why = shm::Ring::attach(memFd, wakeFd, capacity, &ringIn_);
-  if (!why.empty()) {
-    rejectFromLoop("rejected ring: " + why);
-    return false;
-  }
-  return true;
-}
-
-void TcpConnection::skipEmptySegments() {
+void StreamConnection::skipEmptySegments() {
   while (segmentIndex_ < segmentSizes_.size() &&
          segmentSizes_[segmentIndex_] == 0) {
     ++segmentIndex_;
   }
 }
 
-void TcpConnection::finishFrameFromLoop() {
+void StreamConnection::finishFrameFromLoop() {
   phase_ = ReadPhase::kHeader;
   auto buffers = std::move(inbound_);
   inbound_ = InboundBuffers{};
   observer_->onFrame(shared_from_this(), std::move(head_), std::move(buffers));
 }
 
-} // namespace torch_rpc_ext::transport::tcp
+} // namespace torch_rpc_ext::transport::stream

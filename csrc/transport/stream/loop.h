@@ -18,7 +18,7 @@
 
 struct epoll_event;
 
-namespace torch_rpc_ext::transport::tcp {
+namespace torch_rpc_ext::transport::stream {
 
 // Something with a file descriptor the loop watches.
 class Pollable {
@@ -87,22 +87,6 @@ class Loop {
     return spinMisses_.load(std::memory_order_relaxed);
   }
 
-  // The shm connections' slab traffic (shm/slab.h), for the counters.
-  struct SlabCounters {
-    std::atomic<uint64_t> segments{0}; // segments sent through a slab
-    std::atomic<uint64_t> copiedBytes{0}; // bytes copied into slabs
-    std::atomic<uint64_t> handedBack{0}; // sent with no copy (kReturned)
-    std::atomic<uint64_t> created{0};
-    std::atomic<uint64_t> unmapped{0}; // own slabs dropped when idle
-    std::atomic<uint64_t> fallbacks{0}; // over a slab bound: ring instead
-  };
-  SlabCounters& slabCounters() {
-    return slabCounters_;
-  }
-  const SlabCounters& slabCounters() const {
-    return slabCounters_;
-  }
-
   // How often a stalled piece of work handed the loop to a new thread.
   uint64_t takeovers() const {
     return takeovers_.load(std::memory_order_relaxed);
@@ -139,7 +123,6 @@ class Loop {
   int spinSkip_ = 0; // armed polls still to skip after a run of misses
   std::atomic<bool> sleeping_{false}; // in the blocking epoll_wait
   std::atomic<bool> pollRequested_{false}; // by expectInput()
-  SlabCounters slabCounters_;
   std::atomic<uint64_t> spinHits_{0};
   std::atomic<uint64_t> spinMisses_{0};
 
@@ -161,4 +144,4 @@ class Loop {
   std::thread monitor_;
 };
 
-} // namespace torch_rpc_ext::transport::tcp
+} // namespace torch_rpc_ext::transport::stream

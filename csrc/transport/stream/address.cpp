@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: BSD-3-Clause
-#include "csrc/transport/tcp/address.h"
+#include "csrc/transport/stream/address.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -7,14 +7,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <fstream>
-
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
-namespace torch_rpc_ext::transport::tcp {
+namespace torch_rpc_ext::transport::stream {
 
 SocketAddress SocketAddress::fromHost(const std::string& host, int port) {
   SocketAddress a;
@@ -171,20 +169,4 @@ std::string defaultAdvertisedAddress() {
   return "127.0.0.1";
 }
 
-} // namespace torch_rpc_ext::transport::tcp
-
-namespace torch_rpc_ext::transport::tcp {
-
-std::string sameHostKey() {
-  std::string boot;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::getline(in, boot);
-  char ns[128] = {};
-  ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
-  if (boot.empty() || n <= 0) {
-    return {};
-  }
-  return boot + "/" + std::string(ns, static_cast<size_t>(n));
-}
-
-} // namespace torch_rpc_ext::transport::tcp
+} // namespace torch_rpc_ext::transport::stream

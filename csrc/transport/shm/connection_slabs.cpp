@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// The shared-slab side of an shm TcpConnection (shm/slab.h): our pool of
+// The shared-slab side of ShmConnection (slab.h): our pool of
 // slabs lent to the peer, the peer's slabs we map, and the leases that tie a
 // received tensor's storage to a slab.
 #include <cstdlib>
@@ -7,14 +7,14 @@
 #include <limits>
 
 #include "csrc/common/logging.h"
-#include "csrc/transport/tcp/connection.h"
+#include "csrc/transport/shm/connection.h"
 
-namespace torch_rpc_ext::transport::tcp {
+namespace torch_rpc_ext::transport::shm {
 
 namespace {
 
 // The peer may have at most this many bytes of slabs mapped into us.
-constexpr uint64_t kMaxPeerSlabBytes = 2 * shm::kMaxLentSlabBytes;
+constexpr uint64_t kMaxPeerSlabBytes = 2 * kMaxLentSlabBytes;
 // Releases of slabs smaller than this wait to ride with our next frame (RPC
 // traffic goes both ways, so one comes soon), at most kMaxPendingReleases of
 // them and at most until the next heartbeat tick: a release frame of its own
@@ -33,9 +33,9 @@ constexpr size_t kMaxPendingReleases = 64;
 class SlabLease final : public SharedRegion {
  public:
   SlabLease(
-      std::weak_ptr<TcpConnection> conn,
-      const TcpConnection* via,
-      std::shared_ptr<shm::Slab> slab,
+      std::weak_ptr<ShmConnection> conn,
+      const ShmConnection* via,
+      std::shared_ptr<Slab> slab,
       uint32_t id,
       bool own)
       : conn_(std::move(conn)),
@@ -58,10 +58,10 @@ class SlabLease final : public SharedRegion {
     }
   }
 
-  const TcpConnection* via() const {
+  const ShmConnection* via() const {
     return via_;
   }
-  const shm::Slab& slab() const {
+  const Slab& slab() const {
     return *slab_;
   }
   uint32_t id() const {
@@ -76,9 +76,9 @@ class SlabLease final : public SharedRegion {
   }
 
  private:
-  std::weak_ptr<TcpConnection> conn_;
-  const TcpConnection* via_;
-  std::shared_ptr<shm::Slab> slab_;
+  std::weak_ptr<ShmConnection> conn_;
+  const ShmConnection* via_;
+  std::shared_ptr<Slab> slab_;
   uint32_t id_;
   bool own_;
   std::atomic<bool> handedOn_{false};
@@ -90,17 +90,17 @@ std::string idHead(uint32_t id) {
 
 } // namespace
 
-bool TcpConnection::prepareSlabSegment(
+bool ShmConnection::prepareSlabSegment(
     const OutboundFrame::Segment& segment,
-    shm::SlabRecord* record,
-    std::shared_ptr<shm::Slab>* setup) {
+    SlabRecord* record,
+    std::shared_ptr<Slab>* setup) {
   // Tests only: TORCH_RPC_EXT_TEST_NO_SLABS=1 sends everything through the
   // ring, the path otherwise taken only when the slabs are at their bounds.
   static const bool slabsOff = std::getenv("TORCH_RPC_EXT_TEST_NO_SLABS") != nullptr;
-  if (!shm_ || slabsOff || segment.size < shm::kSlabMinSegment) {
+  if (slabsOff || segment.size < kSlabMinSegment) {
     return false;
   }
-  auto& counters = loop_.slabCounters();
+  auto& counters = counters_;
   // A storage that lives in a slab the peer lent us on this connection,
   // and that nothing else can reach any more, goes back as it is. (Our own
   // slabs handed back to us are copied like any memory when sent again:
@@ -116,16 +116,16 @@ bool TcpConnection::prepareSlabSegment(
             lease->slab().capacity() - segment.size &&
         lease->handOn()) {
       record->id = lease->id();
-      record->kind = shm::SlabRecord::kReturned;
+      record->kind = SlabRecord::kReturned;
       record->offset = uint64_t(p - lease->slab().data());
       counters.handedBack.fetch_add(1, std::memory_order_relaxed);
       counters.segments.fetch_add(1, std::memory_order_relaxed);
       return true;
     }
   }
-  std::shared_ptr<shm::Slab> slab;
+  std::shared_ptr<Slab> slab;
   uint32_t id = 0;
-  uint64_t want = shm::slabCapacityFor(segment.size);
+  uint64_t want = slabCapacityFor(segment.size);
   {
     std::lock_guard<std::mutex> lock(slabMutex_);
     // The smallest free slab that fits without wasting more than half.
@@ -146,8 +146,8 @@ bool TcpConnection::prepareSlabSegment(
       lentSlabBytes_ += own.slab->capacity();
       slab = own.slab;
     } else if (
-        ownSlabs_.size() + slabsBeingMapped_ >= shm::kMaxSlabs ||
-        lentSlabBytes_ + want > shm::kMaxLentSlabBytes) {
+        ownSlabs_.size() + slabsBeingMapped_ >= kMaxSlabs ||
+        lentSlabBytes_ + want > kMaxLentSlabBytes) {
       counters.fallbacks.fetch_add(1, std::memory_order_relaxed);
       return false;
     } else {
@@ -161,7 +161,7 @@ bool TcpConnection::prepareSlabSegment(
   }
   if (slab == nullptr) {
     try {
-      slab = shm::Slab::create(want);
+      slab = Slab::create(want);
     } catch (const std::exception& e) {
       logDebug(std::string("torch_rpc_ext: no slab, using the ring: ") + e.what());
       std::lock_guard<std::mutex> lock(slabMutex_);
@@ -181,24 +181,20 @@ bool TcpConnection::prepareSlabSegment(
   // The one copy of this direction.
   std::memcpy(slab->data(), segment.data, segment.size);
   record->id = id;
-  record->kind = shm::SlabRecord::kLent;
+  record->kind = SlabRecord::kLent;
   record->offset = 0;
   counters.segments.fetch_add(1, std::memory_order_relaxed);
   counters.copiedBytes.fetch_add(segment.size, std::memory_order_relaxed);
   return true;
 }
 
-TcpConnection::PendingWrite TcpConnection::slabSetupFrame(
+ShmConnection::PendingWrite ShmConnection::slabSetupFrame(
     uint32_t id,
-    std::shared_ptr<shm::Slab> slab) {
-  PendingWrite w;
+    std::shared_ptr<Slab> slab) {
   uint64_t capacity = slab->capacity();
   std::string head = idHead(id);
   head.append(reinterpret_cast<const char*>(&capacity), sizeof(capacity));
-  FrameHeader h{kFrameMagic, kProtocolVersion, uint8_t(FrameKind::kSlab), 0,
-                static_cast<uint32_t>(head.size()), 0, 0};
-  w.prefix.assign(reinterpret_cast<const char*>(&h), sizeof(h));
-  w.prefix += head;
+  PendingWrite w = controlFrame(FrameKind::kSlab, std::move(head));
   w.passFds = {slab->fd()};
   // Once the frame is out (or dropped) we need the descriptor no more: the
   // mapping lives on without it.
@@ -207,7 +203,7 @@ TcpConnection::PendingWrite TcpConnection::slabSetupFrame(
   return w;
 }
 
-void TcpConnection::releasePeerSlab(uint32_t id, uint64_t capacity) {
+void ShmConnection::releasePeerSlab(uint32_t id, uint64_t capacity) {
   bool now = capacity >= kDeferredReleaseBytes;
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
@@ -223,7 +219,7 @@ void TcpConnection::releasePeerSlab(uint32_t id, uint64_t capacity) {
   }
 }
 
-void TcpConnection::flushReleases() {
+void ShmConnection::flushReleases() {
   std::string error;
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
@@ -238,7 +234,7 @@ void TcpConnection::flushReleases() {
   afterFlush(error);
 }
 
-void TcpConnection::queueReleasesLocked() {
+void ShmConnection::queueReleasesLocked() {
   PendingWrite w;
   FrameHeader h{kFrameMagic, kProtocolVersion,
                 uint8_t(FrameKind::kSlabRelease), 0,
@@ -249,7 +245,7 @@ void TcpConnection::queueReleasesLocked() {
   writes_.push_back(std::move(w));
 }
 
-void TcpConnection::freeOwnSlab(uint32_t id) {
+void ShmConnection::freeOwnSlab(uint32_t id) {
   std::lock_guard<std::mutex> lock(slabMutex_);
   auto it = ownSlabs_.find(id);
   if (it != ownSlabs_.end() && it->second.state == OwnSlab::State::kLocal) {
@@ -258,7 +254,7 @@ void TcpConnection::freeOwnSlab(uint32_t id) {
   }
 }
 
-void TcpConnection::trimSlabs() {
+void ShmConnection::trimSlabs() {
   std::vector<uint32_t> dropped;
   {
     std::lock_guard<std::mutex> lock(slabMutex_);
@@ -266,7 +262,7 @@ void TcpConnection::trimSlabs() {
     for (auto it = ownSlabs_.begin(); it != ownSlabs_.end();) {
       if (it->second.state == OwnSlab::State::kFree &&
           now - it->second.lastUsed >=
-              std::chrono::milliseconds(shm::kSlabIdleMs)) {
+              std::chrono::milliseconds(kSlabIdleMs)) {
         dropped.push_back(it->first);
         it = ownSlabs_.erase(it);
       } else {
@@ -274,14 +270,14 @@ void TcpConnection::trimSlabs() {
       }
     }
   }
-  loop_.slabCounters().unmapped.fetch_add(
+  counters_.unmapped.fetch_add(
       dropped.size(), std::memory_order_relaxed);
   for (uint32_t id : dropped) {
     queueControl(uint8_t(FrameKind::kSlabDrop), idHead(id));
   }
 }
 
-bool TcpConnection::onSlabSetupFromLoop() {
+bool ShmConnection::onSlabSetupFromLoop() {
   if (receivedFds_.empty()) {
     rejectFromLoop("rejected frame: slab setup without its descriptor");
     return false;
@@ -292,15 +288,15 @@ bool TcpConnection::onSlabSetupFromLoop() {
   uint64_t capacity;
   std::memcpy(&id, head_.data(), sizeof(id));
   std::memcpy(&capacity, head_.data() + sizeof(id), sizeof(capacity));
-  std::shared_ptr<shm::Slab> slab;
-  std::string why = shm::Slab::attach(fd, capacity, &slab);
+  std::shared_ptr<Slab> slab;
+  std::string why = Slab::attach(fd, capacity, &slab);
   if (why.empty() && peerSlabs_.count(id) != 0) {
     why = "slab " + std::to_string(id) + " announced twice";
   }
   if (why.empty() &&
-      (peerSlabs_.size() >= shm::kMaxSlabs ||
+      (peerSlabs_.size() >= kMaxSlabs ||
        capacity > kMaxPeerSlabBytes - peerSlabBytes_)) {
-    why = "the peer's slabs exceed " + std::to_string(shm::kMaxSlabs) +
+    why = "the peer's slabs exceed " + std::to_string(kMaxSlabs) +
         " or " + std::to_string(kMaxPeerSlabBytes) + " bytes";
   }
   if (!why.empty()) {
@@ -312,7 +308,7 @@ bool TcpConnection::onSlabSetupFromLoop() {
   return true;
 }
 
-bool TcpConnection::onSlabReleaseFromLoop() {
+bool ShmConnection::onSlabReleaseFromLoop() {
   uint32_t unheld = 0;
   bool ok = true;
   {
@@ -343,7 +339,7 @@ bool TcpConnection::onSlabReleaseFromLoop() {
   return state_ != State::kClosed;
 }
 
-bool TcpConnection::onSlabDropFromLoop() {
+bool ShmConnection::onSlabDropFromLoop() {
   uint32_t id;
   std::memcpy(&id, head_.data(), sizeof(id));
   auto it = peerSlabs_.find(id);
@@ -359,13 +355,12 @@ bool TcpConnection::onSlabDropFromLoop() {
   return true;
 }
 
-bool TcpConnection::onSlabRecordFromLoop() {
-  const shm::SlabRecord r = slabRecord_;
+int64_t ShmConnection::onSlabRecordFromLoop(const SlabRecord& r) {
   uint64_t size = segmentSizes_[segmentIndex_];
-  std::shared_ptr<shm::Slab> slab;
-  bool own = r.kind == shm::SlabRecord::kReturned;
+  std::shared_ptr<Slab> slab;
+  bool own = r.kind == SlabRecord::kReturned;
   std::string why;
-  if (r.kind == shm::SlabRecord::kLent) {
+  if (r.kind == SlabRecord::kLent) {
     auto it = peerSlabs_.find(r.id);
     if (it == peerSlabs_.end()) {
       why = "record names unknown slab " + std::to_string(r.id);
@@ -393,14 +388,14 @@ bool TcpConnection::onSlabRecordFromLoop() {
   }
   if (!why.empty()) {
     rejectFromLoop("rejected frame: " + why);
-    return false;
+    return -1;
   }
   size_t i = segmentIndex_;
   inbound_.provided[i] = slab->data() + r.offset;
   inbound_.regions[i] = std::make_shared<SlabLease>(
-      weak_from_this(), this, std::move(slab), r.id, own);
-  advanceSegmentFromLoop(size);
-  return state_ != State::kClosed;
+      std::static_pointer_cast<ShmConnection>(shared_from_this()), this,
+      std::move(slab), r.id, own);
+  return static_cast<int64_t>(size);
 }
 
-} // namespace torch_rpc_ext::transport::tcp
+} // namespace torch_rpc_ext::transport::shm

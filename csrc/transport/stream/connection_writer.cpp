@@ -1,60 +1,52 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// The write side of TcpConnection: the queue of outbound frames, vectored
-// writes, descriptor passing, and (shm) frames whose large segments go through
-// the shared ring. Callers hold writeMutex_ for everything named *Locked.
+// The write side of StreamConnection: the queue of outbound frames, vectored
+// writes, descriptor passing, and frames whose chunked segments go through a
+// backend's out-of-band channel. Callers hold writeMutex_ for everything
+// named *Locked.
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 
 #include "csrc/common/logging.h"
-#include "csrc/transport/tcp/connection.h"
+#include "csrc/transport/stream/connection.h"
 
-namespace torch_rpc_ext::transport::tcp {
+namespace torch_rpc_ext::transport::stream {
 
 namespace {
 
 constexpr int kMaxIov = 1024;
-// shm: segments this large go through the ring, in chunks of kRingChunk.
-constexpr size_t kRingMinSegment = 64 * 1024;
-constexpr size_t kRingChunk = 256 * 1024;
 
 } // namespace
 
-void TcpConnection::onRingWakeFromLoop() {
-  ringOut_.drainWakeups();
+void StreamConnection::chunkChannelFreedFromLoop() {
   std::string error;
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
     if (state_ == State::kClosed) {
       return;
     }
-    ringBlocked_ = false;
+    chunksBlocked_ = false;
     error = flushLocked();
   }
   afterFlush(error);
 }
 
-void TcpConnection::queueRingSetupLocked() {
+StreamConnection::PendingWrite StreamConnection::controlFrame(
+    FrameKind kind,
+    std::string head) {
   PendingWrite w;
-  uint64_t capacity = ringOut_.capacity();
-  FrameHeader h{kFrameMagic, kProtocolVersion, uint8_t(FrameKind::kRing), 0,
-                sizeof(capacity), 0, 0};
+  FrameHeader h{kFrameMagic, kProtocolVersion, uint8_t(kind), 0,
+                static_cast<uint32_t>(head.size()), 0, 0};
   w.prefix.assign(reinterpret_cast<const char*>(&h), sizeof(h));
-  w.prefix.append(reinterpret_cast<const char*>(&capacity), sizeof(capacity));
-  w.control = true;
-  w.passFds = {ringOut_.fd(), ringOut_.wakeFd()};
-  // After the handshake frames still queued, before any message.
-  auto pos = writes_.begin();
-  while (pos != writes_.end() && pos->control) {
-    ++pos;
-  }
-  writes_.insert(pos, std::move(w));
+  w.prefix += head;
+  return w;
 }
 
-void TcpConnection::queueControl(uint8_t kind, std::string head) {
+void StreamConnection::queueControl(uint8_t kind, std::string head) {
   PendingWrite w;
   FrameHeader h{kFrameMagic, kProtocolVersion, kind, 0,
                 static_cast<uint32_t>(head.size()), 0, 0};
@@ -79,7 +71,7 @@ void TcpConnection::queueControl(uint8_t kind, std::string head) {
   afterFlush(error);
 }
 
-bool TcpConnection::write(OutboundFrame frame) {
+bool StreamConnection::write(OutboundFrame frame) {
   if (frame.segments.size() > options_.limits.maxSegments ||
       frame.head.size() > options_.limits.maxHeadBytes ||
       frame.wireSize() > options_.limits.maxFrameBytes) {
@@ -90,45 +82,24 @@ bool TcpConnection::write(OutboundFrame frame) {
         std::to_string(options_.limits.maxFrameBytes) + ")");
   }
   PendingWrite w;
-  // shm: large segments go through slabs (copied now, on this thread, with
-  // no lock held); their place on the wire takes a SlabRecord. `slab` stays
-  // empty (no allocation) for a frame with none.
-  std::vector<bool> slab;
-  std::vector<std::pair<uint32_t, std::shared_ptr<shm::Slab>>> setups;
-  if (shm_) {
-    for (size_t i = 0; i < frame.segments.size(); ++i) {
-      shm::SlabRecord record{};
-      std::shared_ptr<shm::Slab> setup;
-      if (prepareSlabSegment(frame.segments[i], &record, &setup)) {
-        if (slab.empty()) {
-          slab.resize(frame.segments.size());
-          // Reserved once: the frame's segments will point into it.
-          w.slabRecords.reserve(frame.segments.size());
-        }
-        slab[i] = true;
-        w.slabRecords.push_back(record);
-        if (setup != nullptr) {
-          setups.emplace_back(record.id, std::move(setup));
-        }
-      }
-    }
-  }
+  // The backend chooses how segments travel (a region's copy happens now,
+  // on this thread, with no lock held); a region segment's place on the
+  // wire takes its record. `region` stays empty (no allocation) for a frame
+  // with none.
+  std::vector<bool> region;
+  std::vector<PendingWrite> before;
+  planFrameSegments(frame, w, region, before);
   FrameHeader h{};
   h.magic = kFrameMagic;
   h.version = kProtocolVersion;
   h.kind = uint8_t(frame.kind);
   h.headLength = static_cast<uint32_t>(frame.head.size());
   h.numSegments = static_cast<uint32_t>(frame.segments.size());
-  auto isSlab = [&slab](size_t i) { return !slab.empty() && slab[i]; };
-  bool anyRing = false;
-  for (size_t i = 0; i < frame.segments.size(); ++i) {
-    h.dataLength += frame.segments[i].size;
-    anyRing = anyRing ||
-        (shm_ && !isSlab(i) && frame.segments[i].size >= kRingMinSegment);
+  for (const auto& segment : frame.segments) {
+    h.dataLength += segment.size;
   }
-  if (anyRing) {
-    h.flags = kFlagRingSegments;
-    w.ring.resize(frame.segments.size());
+  if (!w.chunked.empty()) {
+    h.flags = kFlagChunkedSegments;
   }
   w.prefix.reserve(sizeof(h) + 8 * frame.segments.size() + frame.head.size());
   w.prefix.append(reinterpret_cast<const char*>(&h), sizeof(h));
@@ -138,14 +109,13 @@ bool TcpConnection::write(OutboundFrame frame) {
     // The decision is made: the queue must not hold regions (their last
     // reference could then die under writeMutex_, and a dying lease takes it).
     frame.segments[i].origin = nullptr;
-    if (isSlab(i)) {
-      n |= kSlabSegmentBit;
+    if (!region.empty() && region[i]) {
+      n |= kRegionSegmentBit;
       // The record goes on the wire in the segment's place.
-      frame.segments[i].data = &w.slabRecords[nextRecord++];
-      frame.segments[i].size = sizeof(shm::SlabRecord);
-    } else if (anyRing && n >= kRingMinSegment) {
-      w.ring[i] = true;
-      n |= kRingSegmentBit;
+      frame.segments[i].data = &w.regionRecords[nextRecord++];
+      frame.segments[i].size = sizeof(SegmentRecord);
+    } else if (!w.chunked.empty() && w.chunked[i]) {
+      n |= kChunkedSegmentBit;
     }
     w.prefix.append(reinterpret_cast<const char*>(&n), 8);
   }
@@ -159,13 +129,11 @@ bool TcpConnection::write(OutboundFrame frame) {
       return false;
     }
     bool wasEmpty = writes_.empty();
-    // Slab releases waiting for a ride take this one.
-    if (!pendingReleases_.empty()) {
-      queueReleasesLocked();
-    }
-    // A new slab reaches the peer before the first record that names it.
-    for (auto& [id, s] : setups) {
-      writes_.push_back(slabSetupFrame(id, std::move(s)));
+    // The backend's waiting control traffic takes this ride; a new region
+    // reaches the peer before the first record that names it.
+    queueBeforeMessageLocked();
+    for (auto& b : before) {
+      writes_.push_back(std::move(b));
     }
     writes_.push_back(std::move(w));
     if (state_ == State::kReady && wasEmpty) {
@@ -176,7 +144,7 @@ bool TcpConnection::write(OutboundFrame frame) {
   return true;
 }
 
-std::string TcpConnection::flushLocked() {
+std::string StreamConnection::flushLocked() {
   if (state_ == State::kClosed || !registered_) {
     return {};
   }
@@ -184,17 +152,27 @@ std::string TcpConnection::flushLocked() {
     if (state_ != State::kReady && !writes_.front().control) {
       break;
     }
-    if (!writes_.front().ring.empty()) {
-      if (ringBlocked_) {
+    if (!writes_.front().chunked.empty()) {
+      if (chunksBlocked_) {
         break;
       }
+      // Before its first byte, the backend may set up (or resize) its chunk
+      // channel with a control frame that must reach the peer first.
+      if (!writes_.front().started() && !writes_.front().channelChecked) {
+        writes_.front().channelChecked = true;
+        std::optional<PendingWrite> setup = prepareChunkChannelLocked();
+        if (setup) {
+          writes_.push_front(std::move(*setup));
+          continue;
+        }
+      }
       std::string error;
-      RingFlush r = flushRingFrameLocked(writes_.front(), &error);
+      ChunkFlush r = flushChunkedFrameLocked(writes_.front(), &error);
       if (!error.empty()) {
         return error;
       }
-      if (r != RingFlush::kDone) {
-        ringBlocked_ = r == RingFlush::kRingFull;
+      if (r != ChunkFlush::kDone) {
+        chunksBlocked_ = r == ChunkFlush::kChannelFull;
         break;
       }
       auto& w = writes_.front();
@@ -211,7 +189,7 @@ std::string TcpConnection::flushLocked() {
       if (state_ != State::kReady && !w.control) {
         break;
       }
-      if (!w.ring.empty()) {
+      if (!w.chunked.empty()) {
         break; // written on its own, above
       }
       if (!w.passFds.empty() && w.written == 0) {
@@ -284,7 +262,7 @@ std::string TcpConnection::flushLocked() {
   return {};
 }
 
-ssize_t TcpConnection::sendLocked(
+ssize_t StreamConnection::sendLocked(
     const iovec* iov,
     int n,
     const std::vector<int>* fds) {
@@ -305,7 +283,7 @@ ssize_t TcpConnection::sendLocked(
   return ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
 }
 
-TcpConnection::RingFlush TcpConnection::flushRingFrameLocked(
+StreamConnection::ChunkFlush StreamConnection::flushChunkedFrameLocked(
     PendingWrite& w,
     std::string* error) {
   const auto& segments = w.frame.segments;
@@ -316,7 +294,7 @@ TcpConnection::RingFlush TcpConnection::flushRingFrameLocked(
           w.records.data() + w.recordsWritten,
           w.records.size() - w.recordsWritten, error);
       if (got <= 0) {
-        return RingFlush::kSocketFull;
+        return ChunkFlush::kSocketFull;
       }
       w.recordsWritten += static_cast<size_t>(got);
       if (w.recordsWritten == w.records.size()) {
@@ -326,7 +304,7 @@ TcpConnection::RingFlush TcpConnection::flushRingFrameLocked(
       continue;
     }
     if (w.piece > segments.size()) {
-      return RingFlush::kDone;
+      return ChunkFlush::kDone;
     }
     const char* data;
     size_t size;
@@ -342,16 +320,15 @@ TcpConnection::RingFlush TcpConnection::flushRingFrameLocked(
       w.pieceOffset = 0;
       continue;
     }
-    if (w.piece > 0 && w.ring[w.piece - 1]) {
-      shm::ChunkRecord record{};
-      size_t n = ringOut_.produce(
-          data + w.pieceOffset, size - w.pieceOffset, kRingChunk, &record,
-          error);
+    if (w.piece > 0 && w.chunked[w.piece - 1]) {
+      SegmentRecord record{};
+      size_t n = produceChunkLocked(
+          data + w.pieceOffset, size - w.pieceOffset, &record, error);
       if (!error->empty()) {
-        return RingFlush::kSocketFull;
+        return ChunkFlush::kSocketFull;
       }
       if (n == 0) {
-        return RingFlush::kRingFull;
+        return ChunkFlush::kChannelFull;
       }
       w.pieceOffset += n;
       w.records.append(reinterpret_cast<const char*>(&record), sizeof(record));
@@ -359,13 +336,13 @@ TcpConnection::RingFlush TcpConnection::flushRingFrameLocked(
     }
     ssize_t got = sendSome(data + w.pieceOffset, size - w.pieceOffset, error);
     if (got <= 0) {
-      return RingFlush::kSocketFull;
+      return ChunkFlush::kSocketFull;
     }
     w.pieceOffset += static_cast<size_t>(got);
   }
 }
 
-ssize_t TcpConnection::sendSome(
+ssize_t StreamConnection::sendSome(
     const char* data,
     size_t size,
     std::string* error) {
@@ -385,10 +362,10 @@ ssize_t TcpConnection::sendSome(
   }
 }
 
-void TcpConnection::updateEventsLocked() {
+void StreamConnection::updateEventsLocked() {
   bool want = !writes_.empty() &&
       (state_ == State::kReady || writes_.front().control) &&
-      !(ringBlocked_ && !writes_.front().ring.empty());
+      !(chunksBlocked_ && !writes_.front().chunked.empty());
   if (registered_ && want != wantWrite_ && state_ != State::kClosed) {
     wantWrite_ = want;
     loop_.modify(fd_, EPOLLIN | (want ? uint32_t(EPOLLOUT) : 0u));
@@ -396,4 +373,4 @@ void TcpConnection::updateEventsLocked() {
 }
 
 
-} // namespace torch_rpc_ext::transport::tcp
+} // namespace torch_rpc_ext::transport::stream

@@ -5,7 +5,7 @@
 
 #include <string>
 
-namespace torch_rpc_ext::transport::tcp {
+namespace torch_rpc_ext::transport::stream {
 
 // A numeric IPv4 or IPv6 endpoint, or an abstract Unix socket ("@name").
 struct SocketAddress {
@@ -34,12 +34,7 @@ struct SocketAddress {
 // to when it is not loopback, else 127.0.0.1.
 std::string defaultAdvertisedAddress();
 
-// Equal in two processes exactly when they run on the same booted kernel in
-// the same network namespace, i.e. when one can reach the other's abstract
-// Unix sockets (and so share memory over them). Empty if unknown.
-std::string sameHostKey();
-
 // The first IPv4 address of interface `name`; throws if it has none.
 std::string interfaceAddress(const std::string& name);
 
-} // namespace torch_rpc_ext::transport::tcp
+} // namespace torch_rpc_ext::transport::stream

@@ -1,0 +1,87 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/transport/shm/transport.h"
+
+#include <unistd.h>
+
+#include <fstream>
+#include <stdexcept>
+
+#include "csrc/transport/shm/connection.h"
+#include "csrc/transport/shm/listener.h"
+#include "csrc/transport/shm/ring.h"
+
+namespace torch_rpc_ext::transport::shm {
+
+namespace {
+
+// Equal in two processes exactly when they run on the same booted kernel in
+// the same network namespace. Empty if unknown.
+std::string thisHost() {
+  std::string boot;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot);
+  char ns[128] = {};
+  ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
+  if (boot.empty() || n <= 0) {
+    return {};
+  }
+  return boot + "/" + std::string(ns, static_cast<size_t>(n));
+}
+
+} // namespace
+
+ShmTransport::ShmTransport(TransportOptions options)
+    : StreamTransport(std::move(options)), domain_(thisHost()) {
+  if (domain_.empty()) {
+    unviable_ = "cannot identify this host";
+    return;
+  }
+  // Fail here, not on first use, if shared memory is unavailable (seccomp,
+  // no memfd): one small ring, made and unmapped at once.
+  try {
+    Ring::create(kMinRingBytes);
+  } catch (const std::exception& e) {
+    unviable_ = e.what();
+  }
+}
+
+ShmTransport::~ShmTransport() {
+  stop();
+}
+
+std::string ShmTransport::name() const {
+  return "shm";
+}
+
+std::shared_ptr<Listener> ShmTransport::listen() {
+  if (!unviable_.empty()) {
+    throw std::runtime_error("the shm transport is unusable: " + unviable_);
+  }
+  auto l = std::make_shared<ShmListener>(*this);
+  adoptListener(l);
+  return l;
+}
+
+std::shared_ptr<stream::StreamConnection> ShmTransport::newConnection(
+    int fd,
+    bool outbound,
+    int32_t expectedPeerId,
+    std::string peerAddress,
+    ConnectionObserver* observer) {
+  return std::make_shared<ShmConnection>(
+      loop(), options_, counters_, fd, outbound, expectedPeerId,
+      std::move(peerAddress), observer);
+}
+
+void ShmTransport::addCounters(std::map<std::string, uint64_t>& c) const {
+  c["shm_slab_segments"] = counters_.segments.load();
+  c["shm_slab_copied_bytes"] = counters_.copiedBytes.load();
+  c["shm_slab_handbacks"] = counters_.handedBack.load();
+  c["shm_slabs_created"] = counters_.created.load();
+  c["shm_slabs_unmapped"] = counters_.unmapped.load();
+  c["shm_slab_fallbacks"] = counters_.fallbacks.load();
+  c["shm_rings_created"] = counters_.ringsCreated.load();
+  c["shm_rings_dropped"] = counters_.ringsDropped.load();
+}
+
+} // namespace torch_rpc_ext::transport::shm

@@ -1,0 +1,340 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/transport/stream/connection.h"
+
+#include <fcntl.h>
+#include <sys/epoll.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+
+#include "csrc/common/logging.h"
+#include "csrc/transport/handshake.h"
+#include "csrc/transport/stream/address.h"
+
+namespace torch_rpc_ext::transport::stream {
+
+namespace {
+
+// A handshake never takes longer than this many handshake timeouts, however
+// the peer trickles its bytes (handshakeTimeoutFromLoop()).
+constexpr int kMaxHandshakeTimeouts = 6;
+// A ready connection's tick when the heartbeat is off: the backend's idle
+// housekeeping (onTickFromLoop()) still runs.
+constexpr std::chrono::milliseconds kIdleTick{2000};
+
+} // namespace
+
+StreamConnection::StreamConnection(
+    Loop& loop,
+    const TransportOptions& options,
+    std::string transportName,
+    int fd,
+    bool outbound,
+    int32_t expectedPeerId,
+    std::string peerAddress,
+    ConnectionObserver* observer)
+    : loop_(loop),
+      options_(options),
+      state_(outbound ? State::kConnecting : State::kHandshake),
+      transportName_(std::move(transportName)),
+      fd_(fd),
+      outbound_(outbound),
+      expectedPeerId_(expectedPeerId),
+      peerAddress_(std::move(peerAddress)),
+      observer_(observer),
+      handshake_(outbound, options.secret, options.selfId, expectedPeerId) {}
+
+StreamConnection::~StreamConnection() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+  }
+  for (int fd : receivedFds_) {
+    ::close(fd);
+  }
+}
+
+void StreamConnection::startConnect(const std::string& address) {
+  if (fd_ < 0) {
+    closeInternal(errnoText("socket"), false);
+    return;
+  }
+  SocketAddress to;
+  try {
+    to = SocketAddress::parse(address);
+  } catch (const std::exception& e) {
+    closeInternal(e.what(), false);
+    return;
+  }
+  tuneSocket();
+  int rv = ::connect(fd_, reinterpret_cast<sockaddr*>(&to.storage), to.length);
+  if (rv != 0 && errno != EINPROGRESS) {
+    closeInternal(
+        "connect to " + address + " failed: " + std::strerror(errno), false);
+    return;
+  }
+  auto self = shared_from_this();
+  loop_.post([self] { self->startFromLoop(/*connecting=*/true); });
+}
+
+void StreamConnection::startAcceptedFromLoop() {
+  tuneSocket();
+  startFromLoop(/*connecting=*/false);
+}
+
+void StreamConnection::startFromLoop(bool connecting) {
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    registered_ = true;
+    wantWrite_ = connecting || !writes_.empty();
+    uint32_t events = EPOLLIN | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u);
+    loop_.addFromLoop(fd_, shared_from_this(), events);
+  }
+  noteActivity();
+  handshakeStartedAt_ = std::chrono::steady_clock::now();
+  armHandshakeTimer(options_.handshakeTimeout);
+}
+
+void StreamConnection::armHandshakeTimer(std::chrono::milliseconds after) {
+  handshakeDue_ = std::chrono::steady_clock::now() + after;
+  std::weak_ptr<StreamConnection> weak = shared_from_this();
+  loop_.runAfter(after, [weak] {
+    if (auto self = weak.lock()) {
+      self->handshakeTimeoutFromLoop();
+    }
+  });
+}
+
+void StreamConnection::handshakeTimeoutFromLoop() {
+  if (state_ == State::kReady || state_ == State::kClosed) {
+    return;
+  }
+  using std::chrono::duration_cast;
+  using std::chrono::milliseconds;
+  const auto now = std::chrono::steady_clock::now();
+  const auto timeout = options_.handshakeTimeout;
+  const auto heard = std::chrono::steady_clock::time_point(
+      std::chrono::steady_clock::duration(lastActivity_.load()));
+  // The timeout measures a silent peer, not a busy host. So the deadline
+  // runs from the peer's last byte, and it does not fire while bytes of the
+  // peer's wait unread in our socket or when this timer itself ran late:
+  // then it is this process that was starved of CPU (a host full of
+  // workers all connecting at once), not the peer that went quiet. A peer
+  // that trickles bytes cannot hold the slot for more than kMaxHandshake
+  // timeouts in all.
+  if (now - handshakeStartedAt_ < kMaxHandshakeTimeouts * timeout) {
+    if (now - heard < timeout) {
+      armHandshakeTimer(duration_cast<milliseconds>(timeout - (now - heard)) +
+                        milliseconds(1));
+      return;
+    }
+    int unread = 0;
+    bool waiting = ::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0;
+    bool late = now - handshakeDue_ > timeout / 4;
+    if (waiting || late) {
+      armHandshakeTimer(std::max(milliseconds(1), timeout / 4));
+      return;
+    }
+  }
+  auto silent = duration_cast<milliseconds>(now - heard).count();
+  closeInternal(
+      "handshake did not complete in time: nothing from the peer for " +
+          std::to_string(silent) + " ms (handshake_timeout " +
+          std::to_string(timeout.count()) + " ms)",
+      false);
+}
+
+std::string StreamConnection::describe() const {
+  return transportName_ + (outbound_ ? " to " : " from ") + peerAddress_ +
+      (peerId_ >= 0 ? " (worker id " + std::to_string(peerId_.load()) + ")"
+                    : "");
+}
+
+std::string StreamConnection::closeReason() const {
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  return closeReason_;
+}
+
+void StreamConnection::handleEventsFromLoop(uint32_t events) {
+  if (state_ == State::kClosed) {
+    return;
+  }
+  if (state_ == State::kConnecting) {
+    if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) {
+      onConnectedFromLoop();
+    }
+    return;
+  }
+  if (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
+    onReadableFromLoop();
+  }
+  if ((events & EPOLLOUT) && state_ != State::kClosed) {
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(writeMutex_);
+      error = flushLocked();
+    }
+    afterFlush(error);
+  }
+}
+
+void StreamConnection::afterFlush(const std::string& error) {
+  releaseFinished();
+  if (!error.empty()) {
+    closeInternal(error, false);
+  }
+}
+
+void StreamConnection::releaseFinished() {
+  std::vector<std::shared_ptr<void>> done;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    done.swap(finished_);
+  }
+  if (done.empty()) {
+    return;
+  }
+  if (options_.releaseOffLoop && loop_.inLoop()) {
+    for (auto& d : done) {
+      options_.releaseOffLoop(std::move(d));
+    }
+  }
+}
+
+void StreamConnection::scheduleHeartbeat() {
+  auto every = options_.heartbeatTimeout.count() > 0
+      ? options_.heartbeatTimeout / 5
+      : kIdleTick;
+  std::weak_ptr<StreamConnection> weak = weak_from_this();
+  loop_.runAfter(every, [weak] {
+    if (auto self = weak.lock()) {
+      self->heartbeatFromLoop();
+    }
+  });
+}
+
+void StreamConnection::heartbeatFromLoop() {
+  if (state_ != State::kReady) {
+    return;
+  }
+  if (options_.heartbeatTimeout.count() > 0) {
+    auto silent = std::chrono::steady_clock::now().time_since_epoch() -
+        std::chrono::steady_clock::duration(lastActivity_.load());
+    if (silent >= options_.heartbeatTimeout) {
+      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(silent);
+      closeInternal(
+          "no sign of life from the peer for " +
+              std::to_string(ms.count() / 1000.0).substr(0, 5) +
+              " s (heartbeat_timeout)",
+          false);
+      return;
+    }
+    if (silent >= options_.heartbeatTimeout / 5) {
+      queueControl(uint8_t(FrameKind::kPing), {});
+    }
+  }
+  onTickFromLoop();
+  if (state_ != State::kClosed) {
+    scheduleHeartbeat();
+  }
+}
+
+void StreamConnection::onConnectedFromLoop() {
+  int err = 0;
+  socklen_t len = sizeof(err);
+  ::getsockopt(fd_, SOL_SOCKET, SO_ERROR, &err, &len);
+  if (err != 0) {
+    closeInternal(
+        "connect to " + peerAddress_ + " failed: " + std::strerror(err), false);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    state_ = State::kHandshake;
+  }
+  queueControl(uint8_t(FrameKind::kHello), handshake_.hello());
+}
+
+bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
+  Handshake::Step step = handshake_.onFrame(head);
+  if (!step.error.empty()) {
+    closeInternal(step.error, false);
+    return false;
+  }
+  if (step.hasReply) {
+    queueControl(uint8_t(step.replyKind), std::move(step.replyHead));
+  }
+  if (!step.done) {
+    return state_ != State::kClosed;
+  }
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return false;
+    }
+    peerId_ = handshake_.peerId();
+    state_ = State::kReady;
+    error = flushLocked();
+  }
+  releaseFinished();
+  if (!error.empty()) {
+    closeInternal(error, false);
+    return false;
+  }
+  noteActivity();
+  scheduleHeartbeat();
+  observer_->onReady(shared_from_this());
+  return state_ != State::kClosed;
+}
+
+void StreamConnection::close(const std::string& reason) {
+  closeInternal(reason, true);
+}
+
+void StreamConnection::closeInternal(std::string reason, bool local) {
+  std::deque<PendingWrite> dropped;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    state_ = State::kClosed;
+    dropped.swap(writes_);
+    for (auto& w : dropped) {
+      if (w.frame.keepAlive) {
+        finished_.push_back(std::move(w.frame.keepAlive));
+      }
+    }
+    closeReason_ = reason;
+  }
+  releaseFinished();
+  if (!local && !reason.empty()) {
+    logDebug("torch_rpc_ext: closing " + describe() + ": " + reason);
+  }
+  auto self = shared_from_this();
+  auto finish = [self, reason] {
+    if (self->registered_) {
+      self->loop_.removeFromLoop(self->fd_);
+    }
+    self->onClosedFromLoop();
+    if (self->fd_ >= 0) {
+      ::shutdown(self->fd_, SHUT_RDWR);
+    }
+    self->observer_->onClosed(*self, reason);
+  };
+  if (loop_.inLoop()) {
+    finish();
+  } else {
+    loop_.post(finish);
+  }
+}
+
+} // namespace torch_rpc_ext::transport::stream

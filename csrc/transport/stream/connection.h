@@ -1,0 +1,307 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <sys/uio.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "csrc/transport/connection.h"
+#include "csrc/transport/handshake.h"
+#include "csrc/transport/stream/loop.h"
+#include "csrc/transport/transport.h"
+
+namespace torch_rpc_ext::transport::stream {
+
+// The stream core every socket transport shares: a non-blocking stream
+// socket speaking the frame protocol of frame.h with the handshake of
+// handshake.h in front, a heartbeat, a write queue, descriptor passing, and
+// an incremental parser that checks every length before it allocates.
+//
+// A backend (tcp/, shm/) derives from it and fills in the hooks below: how
+// the socket is tuned, which control frames beyond the core's it speaks, and
+// how record segments (frame.h) travel out of band.
+//
+// Threads: write() and close() from any thread; everything named *FromLoop
+// on the loop thread; *Locked with writeMutex_ held. Reads go straight into
+// the buffers the observer hands out for segments of 16 KiB or more;
+// smaller pieces pass through a 64 KiB staging buffer so a small frame costs
+// one read(2).
+class StreamConnection : public Connection,
+                         public Pollable,
+                         public std::enable_shared_from_this<StreamConnection> {
+ public:
+  ~StreamConnection() override;
+
+  // Outbound: start connecting to `to` (a parsed `address`); the handshake
+  // follows on the loop thread. Errors close the connection.
+  void startConnect(const std::string& address);
+  // Accepted socket: the handshake starts at once. Loop thread.
+  void startAcceptedFromLoop();
+
+  bool write(OutboundFrame frame) override;
+  void close(const std::string& reason) override;
+  int32_t peerId() const override {
+    return peerId_.load();
+  }
+  bool isReady() const override {
+    return state_.load() == State::kReady;
+  }
+  bool isClosed() const override {
+    return state_.load() == State::kClosed;
+  }
+  bool isOutbound() const override {
+    return outbound_;
+  }
+  std::string describe() const override;
+  void runAfterDispatch(std::function<void()> fn, bool expectMore) override {
+    loop_.runAfterDispatch(std::move(fn), expectMore);
+  }
+  void expectInput() override {
+    loop_.expectInput();
+  }
+  std::string closeReason() const override;
+  bool rejectedPeer() const override {
+    return rejected_.load();
+  }
+
+  void handleEventsFromLoop(uint32_t events) override;
+
+ protected:
+  enum class State { kConnecting, kHandshake, kReady, kClosed };
+
+  struct PendingWrite {
+    std::string prefix; // header + segment lengths + head
+    OutboundFrame frame;
+    size_t written = 0; // bytes of this frame already on the wire
+    bool control = false; // handshake frame: may go before kReady
+    // Descriptors sent with the frame's first byte (SCM_RIGHTS); owned by
+    // whoever queued the frame, kept open until it is written or dropped.
+    std::vector<int> passFds;
+    // Which segments go in chunks (kChunkedSegmentBit; empty: none). Such a
+    // frame is written piece by piece: the prefix, then each segment as
+    // bytes or as chunks announced by records (produceChunkLocked()).
+    std::vector<bool> chunked;
+    bool channelChecked = false; // prepareChunkChannelLocked() has run
+    size_t piece = 0; // 0: prefix; i + 1: segment i
+    size_t pieceOffset = 0;
+    std::string records; // SegmentRecords not yet on the socket
+    size_t recordsWritten = 0;
+    // What goes on the wire in place of region segments (the frame's
+    // segments point here).
+    std::vector<SegmentRecord> regionRecords;
+    // Partly on the wire: nothing may be sent before the rest of it.
+    bool started() const {
+      return written > 0 || piece > 0 || pieceOffset > 0;
+    }
+  };
+
+  // `fd` is a connected (accepted) or connecting (outbound) stream socket,
+  // owned from now on.
+  StreamConnection(
+      Loop& loop,
+      const TransportOptions& options,
+      std::string transportName,
+      int fd,
+      bool outbound,
+      int32_t expectedPeerId,
+      std::string peerAddress,
+      ConnectionObserver* observer);
+
+  // ---- Backend hooks --------------------------------------------------
+  // Socket options for the new socket (before connect or the handshake).
+  virtual void tuneSocket() {}
+  // Descriptors that may wait for their frame at most (the kernel stops a
+  // read at each message that carries some). 0: this stream passes none
+  // and reads with read(2); more arriving closes the connection.
+  virtual size_t maxPendingFds() const {
+    return 0;
+  }
+  // Ready state: whether a frame of `kind` (not kMessage/kPing/kPong) with
+  // a head of `headLength` bytes is one this backend speaks now.
+  virtual bool acceptsControlFrame(FrameKind kind, uint32_t headLength) const {
+    return false;
+  }
+  // Such a frame's head is in (`head_`; descriptors in receivedFds_). False
+  // once the connection is closed.
+  virtual bool onControlFrameFromLoop(FrameKind kind) {
+    return true;
+  }
+  // Whether this backend carries record segments announced with `bit`
+  // (kChunkedSegmentBit or kRegionSegmentBit) on this connection now.
+  virtual bool acceptsRecordSegments(uint64_t bit) const {
+    return false;
+  }
+  // A record of segment segmentIndex_ (announced with `bit`) has arrived:
+  // place (part of) the segment and return how many of its bytes are now in
+  // place (its whole size for a region record), or -1 after rejecting the
+  // frame.
+  virtual int64_t onSegmentRecordFromLoop(
+      uint64_t bit,
+      const SegmentRecord& record) {
+    return -1;
+  }
+  // Any thread, no lock held, before a message frame is queued: choose how
+  // its segments travel. Mark region segments in `w.regionRecords` and
+  // `region`, chunked ones in `w.chunked`; frames to send first go into
+  // `before` (e.g. the setup of a new region).
+  virtual void planFrameSegments(
+      OutboundFrame& frame,
+      PendingWrite& w,
+      std::vector<bool>& region,
+      std::vector<PendingWrite>& before) {}
+  // A frame with chunked segments is about to start: return a control frame
+  // to send first if the channel must be set up or replaced now (its
+  // descriptors in passFds), else nothing.
+  virtual std::optional<PendingWrite> prepareChunkChannelLocked() {
+    return std::nullopt;
+  }
+  // Put up to `size` bytes of a chunked segment into the out-of-band
+  // channel; fill `record`. Returns the bytes taken; 0 when the channel is
+  // full (chunkChannelFreed() resumes), with `error` set on failure.
+  virtual size_t produceChunkLocked(
+      const char* data,
+      size_t size,
+      SegmentRecord* record,
+      std::string* error) {
+    *error = "this transport has no chunk channel";
+    return 0;
+  }
+  // Frames the backend wants to send before the next message (its lazily
+  // queued control traffic), appended to writes_.
+  virtual void queueBeforeMessageLocked() {}
+  // Loop thread, on every heartbeat tick while ready (also when the
+  // heartbeat is off: every kIdleTick).
+  virtual void onTickFromLoop() {}
+  // Loop thread, once, as the connection closes.
+  virtual void onClosedFromLoop() {}
+
+  // ---- For backends ----------------------------------------------------
+  int fd() const {
+    return fd_;
+  }
+  // The chunk channel has room again (loop thread).
+  void chunkChannelFreedFromLoop();
+  // Queue a control frame (jumps the queue, see queueControl).
+  void queueControl(uint8_t kind, std::string head);
+  // A control frame ready for writes_ (not queued).
+  static PendingWrite controlFrame(FrameKind kind, std::string head);
+  // Write as much as the socket takes. Returns an error text or "".
+  std::string flushLocked();
+  // After a flush under writeMutex_ (released by now): releaseFinished(),
+  // then close the connection if the flush failed with `error`.
+  void afterFlush(const std::string& error);
+  // Close because the peer broke the protocol (see rejectedPeer()).
+  void rejectFromLoop(const std::string& reason) {
+    rejected_ = true;
+    closeInternal(reason, false);
+  }
+  void closeInternal(std::string reason, bool local);
+
+  Loop& loop_;
+  const TransportOptions& options_;
+  std::atomic<State> state_;
+  mutable std::mutex writeMutex_;
+  std::deque<PendingWrite> writes_;
+  bool chunksBlocked_ = false; // a frame waits for chunk room (writeMutex_)
+  // Loop thread: the head of the control frame being handled, descriptors
+  // received and not yet claimed, and the frame being read.
+  std::string head_;
+  std::vector<int> receivedFds_;
+  std::vector<uint64_t> segmentSizes_;
+  size_t segmentIndex_ = 0;
+  size_t segmentFilled_ = 0;
+  InboundBuffers inbound_;
+
+ private:
+  enum class ReadPhase { kHeader, kLengthsAndHead, kSegments };
+  // How segment i of the frame being read travels.
+  enum class Carried : uint8_t { kBytes, kChunks, kRegion };
+
+  void startFromLoop(bool connecting);
+  void onConnectedFromLoop();
+  void onReadableFromLoop();
+  // read(2) into `dst`: >0 bytes read, 0 would block, -1 closed (the
+  // connection has been closed with the reason).
+  ssize_t readFromLoop(void* dst, size_t size);
+  // `bytes` more of the current segment are in; finish the frame when the
+  // last segment is complete.
+  void advanceSegmentFromLoop(size_t bytes);
+  // Consume staged bytes; false once the connection has closed.
+  bool consumeFromLoop();
+  bool onHeaderFromLoop();
+  bool onLengthsAndHeadFromLoop();
+  bool onHandshakeFrameFromLoop(std::string head);
+  void finishFrameFromLoop();
+  void skipEmptySegments();
+  Carried carried() const {
+    return carried_.empty() ? Carried::kBytes : carried_[segmentIndex_];
+  }
+  // (Re-)arm the handshake timer; see handshakeTimeoutFromLoop().
+  void armHandshakeTimer(std::chrono::milliseconds after);
+  void handshakeTimeoutFromLoop();
+
+  // Every heartbeatTimeout / 5 once ready: ping if idle, close if silent.
+  void scheduleHeartbeat();
+  void heartbeatFromLoop();
+  void noteActivity() {
+    lastActivity_.store(
+        std::chrono::steady_clock::now().time_since_epoch().count(),
+        std::memory_order_relaxed);
+  }
+  // Push a frame with chunked segments as far as the socket and channel
+  // allow.
+  enum class ChunkFlush { kDone, kSocketFull, kChannelFull };
+  ChunkFlush flushChunkedFrameLocked(PendingWrite& w, std::string* error);
+  // send(2) what the socket takes now: bytes sent, 0 if it would block,
+  // -1 with `error` set.
+  ssize_t sendSome(const char* data, size_t size, std::string* error);
+  // write(2), or sendmsg(2) with `fds` attached.
+  ssize_t sendLocked(const iovec* iov, int n, const std::vector<int>* fds);
+  void updateEventsLocked();
+  // Destroy the keepAlives of finished frames; off the loop thread when the
+  // options say how. Call without writeMutex_ held.
+  void releaseFinished();
+
+  const std::string transportName_;
+  int fd_;
+  const bool outbound_;
+  const int32_t expectedPeerId_;
+  const std::string peerAddress_;
+  ConnectionObserver* const observer_;
+  std::atomic<int32_t> peerId_{-1}; // set once authenticated
+  std::atomic<bool> rejected_{false};
+  // steady_clock ticks of the last byte received or accepted by the socket.
+  std::atomic<int64_t> lastActivity_{0};
+  Handshake handshake_; // loop thread
+  // Loop thread: when the handshake started, and when its timer is due.
+  std::chrono::steady_clock::time_point handshakeStartedAt_;
+  std::chrono::steady_clock::time_point handshakeDue_;
+
+  std::vector<std::shared_ptr<void>> finished_; // keepAlives (writeMutex_)
+  bool registered_ = false;
+  bool wantWrite_ = false;
+  std::string closeReason_;
+
+  // Loop-thread read state. The staging buffer is allocated on first use
+  // and left uninitialised: a connection that only sees small frames keeps
+  // few of its pages resident.
+  std::unique_ptr<char[]> staging_;
+  size_t stagedBegin_ = 0;
+  size_t stagedEnd_ = 0;
+  ReadPhase phase_ = ReadPhase::kHeader;
+  FrameHeader header_{};
+  size_t phaseFilled_ = 0;
+  std::string lengthsAndHead_;
+  std::vector<Carried> carried_; // of the frame being read (empty: bytes)
+  SegmentRecord record_{};
+  size_t recordFilled_ = 0;
+};
+
+} // namespace torch_rpc_ext::transport::stream

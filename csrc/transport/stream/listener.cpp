@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+#include "csrc/common/logging.h"
+#include "csrc/transport/stream/listener.h"
+#include "csrc/transport/stream/transport.h"
+
+namespace torch_rpc_ext::transport::stream {
+
+namespace {
+// Sockets accepted per wake-up at most; the rest wait for the next round,
+// after the loop has served the events of everything else.
+constexpr int kMaxAcceptsPerWake = 32;
+} // namespace
+
+StreamListener::StreamListener(
+    StreamTransport& transport,
+    const SocketAddress& at,
+    const std::string& shown,
+    const std::string& hint)
+    : transport_(transport) {
+  fd_ = ::socket(at.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd_ < 0) {
+    throw std::runtime_error(
+        std::string("socket() failed: ") + std::strerror(errno));
+  }
+  int one = 1;
+  ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(fd_, reinterpret_cast<const sockaddr*>(&at.storage), at.length) != 0 ||
+      ::listen(fd_, SOMAXCONN) != 0) {
+    int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    throw std::runtime_error(
+        "torch_rpc_ext cannot listen on " + shown + ": " + std::strerror(err) +
+        hint);
+  }
+  address_ = SocketAddress::ofSocket(fd_, /*peer=*/false).str();
+}
+
+StreamListener::~StreamListener() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+  }
+}
+
+void StreamListener::start(ConnectionObserver* observer) {
+  auto self = shared_from_this();
+  transport_.loop().post([self, observer] {
+    if (self->closed_ || self->started_) {
+      return;
+    }
+    self->observer_ = observer;
+    self->started_ = true;
+    self->transport_.loop().addFromLoop(self->fd_, self, EPOLLIN);
+  });
+}
+
+void StreamListener::close() {
+  auto self = shared_from_this();
+  auto finish = [self] {
+    if (self->closed_) {
+      return;
+    }
+    self->closed_ = true;
+    if (self->started_) {
+      self->transport_.loop().removeFromLoop(self->fd_);
+    }
+    ::shutdown(self->fd_, SHUT_RDWR);
+  };
+  if (transport_.loop().inLoop()) {
+    finish();
+  } else {
+    transport_.loop().post(finish);
+  }
+}
+
+void StreamListener::handleEventsFromLoop(uint32_t /*events*/) {
+  for (int n = 0; n < kMaxAcceptsPerWake && !closed_; ++n) {
+    sockaddr_storage peer{};
+    socklen_t len = sizeof(peer);
+    int fd = ::accept4(
+        fd_, reinterpret_cast<sockaddr*>(&peer), &len,
+        SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) {
+        continue;
+      }
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        logWarning(
+            std::string("torch_rpc_ext: accept failed: ") +
+            std::strerror(errno));
+      }
+      return;
+    }
+    transport_.acceptedFromLoop(
+        fd, SocketAddress::ofSocket(fd, /*peer=*/true).str(), observer_);
+  }
+}
+
+} // namespace torch_rpc_ext::transport::stream

@@ -1,0 +1,111 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/transport/stream/transport.h"
+
+#include <sys/socket.h>
+
+#include <stdexcept>
+
+#include "csrc/transport/stream/address.h"
+#include "csrc/transport/stream/connection.h"
+
+namespace torch_rpc_ext::transport::stream {
+
+StreamTransport::StreamTransport(TransportOptions options)
+    : options_(std::move(options)), loop_(options_.busyPoll) {}
+
+StreamTransport::~StreamTransport() {
+  stop();
+}
+
+std::map<std::string, uint64_t> StreamTransport::counters() const {
+  std::map<std::string, uint64_t> c{
+      {"loop_takeovers", loop_.takeovers()},
+      {"busy_poll_hits", loop_.spinHits()},
+      {"busy_poll_misses", loop_.spinMisses()},
+  };
+  addCounters(c);
+  return c;
+}
+
+void StreamTransport::adoptListener(const std::shared_ptr<Listener>& listener) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stopped_) {
+    throw std::runtime_error("transport is stopped");
+  }
+  listeners_.push_back(listener);
+}
+
+std::shared_ptr<Connection> StreamTransport::connect(
+    const std::string& address,
+    int32_t expectedPeerId,
+    ConnectionObserver* observer) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopped_) {
+      throw std::runtime_error("transport is stopped");
+    }
+  }
+  int family = AF_INET;
+  try {
+    family = SocketAddress::parse(address).family();
+  } catch (const std::exception&) {
+    // startConnect() reports the malformed address as the close reason.
+  }
+  int fd = ::socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  auto conn = newConnection(fd, /*outbound=*/true, expectedPeerId, address, observer);
+  adopt(conn);
+  conn->startConnect(address);
+  return conn;
+}
+
+void StreamTransport::acceptedFromLoop(
+    int fd,
+    std::string peerAddress,
+    ConnectionObserver* observer) {
+  auto conn = newConnection(
+      fd, /*outbound=*/false, -1, std::move(peerAddress), observer);
+  adopt(conn);
+  conn->startAcceptedFromLoop();
+}
+
+void StreamTransport::adopt(const std::shared_ptr<Connection>& conn) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stopped_) {
+    conn->close("");
+    return;
+  }
+  // Forget connections that are gone so the list stays the size of the
+  // live set.
+  if (connections_.size() >= 64 && (connections_.size() & 63) == 0) {
+    std::erase_if(connections_, [](const auto& w) {
+      auto c = w.lock();
+      return !c || c->isClosed();
+    });
+  }
+  connections_.push_back(conn);
+}
+
+void StreamTransport::stop() {
+  std::vector<std::weak_ptr<Connection>> conns;
+  std::vector<std::shared_ptr<Listener>> listeners;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopped_) {
+      return;
+    }
+    stopped_ = true;
+    conns.swap(connections_);
+    listeners.swap(listeners_);
+  }
+  for (auto& l : listeners) {
+    l->close();
+  }
+  for (auto& w : conns) {
+    if (auto c = w.lock()) {
+      c->close("");
+    }
+  }
+  loop_.stop();
+}
+
+} // namespace torch_rpc_ext::transport::stream

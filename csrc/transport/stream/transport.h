@@ -1,0 +1,72 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "csrc/transport/stream/loop.h"
+#include "csrc/transport/transport.h"
+
+namespace torch_rpc_ext::transport::stream {
+
+class StreamConnection;
+
+// The lifecycle every stream backend shares: one loop thread, the listeners
+// and connections to close on stop(), and the loop's counters. A backend
+// says how a socket is made (family), which listener it binds and which
+// connection class speaks on a socket.
+class StreamTransport : public Transport {
+ public:
+  ~StreamTransport() override;
+
+  std::shared_ptr<Connection> connect(
+      const std::string& address,
+      int32_t expectedPeerId,
+      ConnectionObserver* observer) override;
+  void stop() override;
+  std::map<std::string, uint64_t> counters() const override;
+
+  // Listener, loop thread: a socket accepted for `observer`.
+  void acceptedFromLoop(
+      int fd,
+      std::string peerAddress,
+      ConnectionObserver* observer);
+  Loop& loop() {
+    return loop_;
+  }
+  const TransportOptions& options() const {
+    return options_;
+  }
+
+ protected:
+  explicit StreamTransport(TransportOptions options);
+
+  // Track a listener so stop() closes it.
+  void adoptListener(const std::shared_ptr<Listener>& listener);
+  // A connection object for `fd` (connecting when `outbound`), not started.
+  virtual std::shared_ptr<StreamConnection> newConnection(
+      int fd,
+      bool outbound,
+      int32_t expectedPeerId,
+      std::string peerAddress,
+      ConnectionObserver* observer) = 0;
+  // Counters of the backend, added to the loop's.
+  virtual void addCounters(std::map<std::string, uint64_t>& out) const {}
+
+  const TransportOptions options_;
+
+ private:
+  // Track a connection so stop() closes it.
+  void adopt(const std::shared_ptr<Connection>& conn);
+
+  Loop loop_;
+  std::mutex mutex_;
+  bool stopped_ = false;
+  std::vector<std::weak_ptr<Connection>> connections_;
+  std::vector<std::shared_ptr<Listener>> listeners_;
+};
+
+} // namespace torch_rpc_ext::transport::stream
