@@ -93,7 +93,7 @@ FAULTY_BACKEND = register_faulty()
 # ---- raw wire client -------------------------------------------------------
 
 HELLO, CHALLENGE, PROOF, MESSAGE, PING, PONG, RING = 1, 2, 3, 4, 5, 6, 7
-SLAB, SLAB_RELEASE, SLAB_DROP = 8, 9, 10
+SLAB, SLAB_RELEASE, SLAB_DROP, RING_DROP = 8, 9, 10, 11
 
 
 def frame_header(kind, head_len, nseg=0, data=0, magic=None, version=None, flags=0):

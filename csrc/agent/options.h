@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "csrc/agent/faults.h"
+#include "csrc/transport/registry.h"
 
 namespace torch_rpc_ext {
 
@@ -16,7 +17,7 @@ struct AgentOptions {
   float rpcTimeoutSeconds = 60;
   int numWorkerThreads = 16;
   // Transports by preference; the first one both peers have is used.
-  std::vector<std::string> transports{"tcp"};
+  std::vector<std::string> transports = transport::transportNames();
   // Address to bind and advertise; empty means defaultAdvertisedAddress().
   std::string address;
   // Shared secret; empty means "create one at rendezvous, share via store".

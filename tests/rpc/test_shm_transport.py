@@ -8,6 +8,7 @@ import fcntl
 import os
 import socket
 import struct
+import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from torch_rpc_ext._C import _testing
 from torch_rpc_ext.testing import (
     MESSAGE,
     RING,
+    RING_DROP,
     SLAB,
     SLAB_DROP,
     SLAB_RELEASE,
@@ -144,6 +146,12 @@ def shm_attacks(rank, world_size):
         sock.sendall(frame_header(MESSAGE, 8, nseg=1, data=1 << 20, flags=1)
                      + struct.pack("<Q", (1 << 20) | RING_SEGMENT_BIT) + bytes(8))
         out["ring_flag_without_ring"] = closed_by_peer(sock)
+        sock.close()
+
+        # A ring drop before any ring was set up.
+        sock, _ = handshake(addr, SECRET)
+        sock.sendall(frame_header(RING_DROP, 0))
+        out["ring_drop_without_ring"] = closed_by_peer(sock)
         sock.close()
 
         # A ring setup without its descriptors.
@@ -282,7 +290,7 @@ def shm_attacks(rank, world_size):
 
 def test_hostile_ring_use_is_refused_and_the_agent_keeps_serving():
     out = run_world(shm_attacks)[0]
-    for label in ["ring_flag_without_ring", "ring_without_fds", "too_many_fds",
+    for label in ["ring_flag_without_ring", "ring_drop_without_ring", "ring_without_fds", "too_many_fds",
                   "short_ring", "unsealed_ring", "bad_record", "slab_without_fd", "slab_fd_stuffing",
                   "unsealed_slab", "short_slab", "unknown_slab", "slab_overrun",
                   "never_lent", "bad_record_kind", "release_never_lent", "drop_unknown",
@@ -291,3 +299,53 @@ def test_hostile_ring_use_is_refused_and_the_agent_keeps_serving():
     assert out["good_ring_accepted"]
     assert out["good_slab_accepted"]
     assert out["still_serves"]
+
+
+def shm_counters(prefix="rpc_ext.shm.shm_"):
+    m = rpc.api._get_current_rpc_agent().get_metrics()
+    return {k[len(prefix):]: int(v) for k, v in m.items() if k.startswith(prefix)}
+
+
+def ring_lifecycle(rank, world_size):
+    # Slabs off: every segment of 64 KiB or more goes through the ring. A
+    # 1 s heartbeat ticks every 0.2 s, so an idle ring goes after ~2 s.
+    os.environ["TORCH_RPC_EXT_TEST_NO_SLABS"] = "1"
+    init(rank, world_size, heartbeat_timeout=1.0)
+    out = {}
+    if rank == 0:
+        for _ in range(20):
+            rpc.rpc_sync("worker1", torch.add, args=(torch.ones(100), 1))
+        out["small_only"] = [shm_counters(), rpc.rpc_sync("worker1", shm_counters)]
+        x = torch.arange(2_000_000, dtype=torch.float32)  # 8 MB
+        ok = [torch.equal(rpc.rpc_sync("worker1", echo, args=(x + k,)), x + k) for k in range(6)]
+        out["loaded"] = [shm_counters(), rpc.rpc_sync("worker1", shm_counters)]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            out["idle"] = [shm_counters(), rpc.rpc_sync("worker1", shm_counters)]
+            if all(side["rings_dropped"] >= 1 for side in out["idle"]):
+                break
+        ok.append(torch.equal(rpc.rpc_sync("worker1", echo, args=(x,)), x))
+        out["again"] = [shm_counters(), rpc.rpc_sync("worker1", shm_counters)]
+        out["ok"] = ok
+    rpc.shutdown()
+    return out
+
+
+def test_rings_are_made_on_demand_grown_under_load_and_dropped_when_idle():
+    out = run_world(ring_lifecycle, timeout=120)[0]
+    assert all(out["ok"]), out["ok"]
+    # Small calls never map a ring.
+    for side in out["small_only"]:
+        assert side["rings_created"] == 0, out
+    # 8 MB segments fill the first 256 KiB ring; each later frame starts on a
+    # ring 4x larger, up to 8 MiB: 256 KiB, 1 MiB, 4 MiB, 8 MiB.
+    for side in out["loaded"]:
+        assert side["rings_created"] == 4, out
+        assert side["slab_segments"] == 0, out
+    # Idle, both sides drop their ring (and unmap the peer's)...
+    for side in out["idle"]:
+        assert side["rings_dropped"] == 1, out
+    # ...and the next large segment starts over with a small one.
+    for side in out["again"]:
+        assert side["rings_created"] == 5, out

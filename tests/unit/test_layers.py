@@ -1,0 +1,87 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The transport layer has the shape docs/architecture.md claims.
+
+A transport is a folder of its own plus one line in the registry: the agent
+and the bindings name no concrete transport and include nothing from a
+transport's folder, sibling transports never include each other, and the
+shared stream core knows none of them.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CSRC = ROOT / "csrc"
+TRANSPORTS = ("tcp", "shm")
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+# A C++ string literal naming a transport: "shm", "tcp", or one starting
+# with the name and a space/colon ("shm: ...").
+NAMED = re.compile(r'"(?:%s)(?:"|[ :])' % "|".join(TRANSPORTS))
+
+
+def sources(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.suffix in (".h", ".cpp"))
+
+
+def includes(path: Path) -> list[str]:
+    return INCLUDE.findall(path.read_text())
+
+
+def code_without_comments(path: Path) -> str:
+    text = path.read_text()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return "\n".join(line.split("//", 1)[0] for line in text.splitlines())
+
+
+def test_the_tree_has_the_layers():
+    for folder in ("stream", *TRANSPORTS):
+        assert (CSRC / "transport" / folder).is_dir(), folder
+    for backend in TRANSPORTS:
+        names = {p.name for p in (CSRC / "transport" / backend).iterdir()}
+        for base in ("factory", "transport", "listener", "connection"):
+            assert {f"{base}.h", f"{base}.cpp"} <= names, (backend, base)
+
+
+@pytest.mark.parametrize("layer", ["agent", "bindings"])
+def test_agent_and_bindings_include_no_transport_folder(layer):
+    bad = [
+        (p.relative_to(ROOT).as_posix(), inc)
+        for p in sources(CSRC / layer)
+        for inc in includes(p)
+        if any(inc.startswith(f"csrc/transport/{t}/") for t in TRANSPORTS)
+    ]
+    assert not bad, bad
+
+
+def test_siblings_and_the_stream_core_do_not_include_each_other():
+    bad = []
+    for folder in ("stream", *TRANSPORTS):
+        others = [t for t in TRANSPORTS if t != folder]
+        for p in sources(CSRC / "transport" / folder):
+            for inc in includes(p):
+                if any(inc.startswith(f"csrc/transport/{o}/") for o in others):
+                    bad.append((p.relative_to(ROOT).as_posix(), inc))
+    assert not bad, bad
+
+
+def test_only_the_registry_names_transports_outside_their_folders():
+    backend_dirs = [CSRC / "transport" / t for t in TRANSPORTS]
+    registry = CSRC / "transport" / "registry.cpp"
+    bad = []
+    for p in sources(CSRC):
+        if p == registry or any(d in p.parents for d in backend_dirs):
+            continue
+        for line in code_without_comments(p).splitlines():
+            if NAMED.search(line):
+                bad.append((p.relative_to(ROOT).as_posix(), line.strip()))
+    assert not bad, bad
+
+
+def test_the_check_would_catch_a_named_transport(tmp_path):
+    # The patterns above must match what they are meant to forbid.
+    probe = tmp_path / "probe.cpp"
+    probe.write_text('#include "csrc/transport/tcp/address.h"\nif (n == "shm") {}\n')
+    assert includes(probe) == ["csrc/transport/tcp/address.h"]
+    assert NAMED.search(code_without_comments(probe))
