@@ -13,6 +13,8 @@ Importing this package registers ``rpc.BackendType.TORCH_RPC_EXT``::
     )
 """
 
+import atexit
+
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed.rpc  # noqa: F401  (registers RpcAgent for _C)
 
@@ -24,6 +26,11 @@ __all__ = ["BACKEND", "BACKEND_NAME", "RpcExtBackendOptions", "register", "__ver
 __version__ = "0.1.0"
 
 register()
+# A program that ends with an agent still running (no rpc.shutdown()): our
+# threads stop touching Python and torch before finalisation tears them down
+# (csrc/common/exit_gate.h). Registered at import, so it runs after the
+# program's own atexit handlers.
+atexit.register(_C._close_exit_gate)
 del _C
 
 

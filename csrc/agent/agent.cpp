@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "csrc/agent/serve_callback.h"
+#include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
 #include "csrc/wire/codec.h"
 
@@ -41,10 +42,16 @@ std::shared_ptr<Agent> Agent::create(
     int rank,
     int worldSize,
     AgentOptions options) {
-  // Destroy without the GIL: shutdown() asserts the GIL is not held.
+  // Destroy without the GIL: shutdown() asserts the GIL is not held. Once
+  // the process exits with the agent alive (common/exit_gate.h), it is left
+  // in place: its parked threads still point into it.
   auto agent = std::shared_ptr<Agent>(
       new Agent(store, std::move(name), rank, worldSize, std::move(options)),
-      torch::impl::destroy_without_gil<Agent>);
+      [](Agent* a) {
+        if (!ExitGate::closed()) {
+          torch::impl::destroy_without_gil(a);
+        }
+      });
   agent->rendezvous();
   return agent;
 }
@@ -204,6 +211,12 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       " tried to send() a message of type ",
       message->type(),
       " but RPC is no longer running on this node.");
+  TORCH_CHECK(
+      !ExitGate::closed(),
+      "RPC from ",
+      workerInfo_.name_,
+      ": the process is exiting (call rpc.shutdown() before the end of the "
+      "program)");
   TORCH_CHECK(
       message->isRequest(),
       "send() only carries requests, got message type ",

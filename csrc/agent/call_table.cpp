@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/agent/call_table.h"
 
+#include "csrc/common/exit_gate.h"
+
 namespace torch_rpc_ext {
 
 namespace {
@@ -106,7 +108,11 @@ void CallTable::timeoutLoop() {
     if (now >= nextTick) {
       nextTick = now + kTick;
       lock.unlock();
-      onTick_();
+      ExitGate::parkIfClosed();
+      {
+        ExitGate::Busy busy;
+        onTick_();
+      }
       lock.lock();
       continue;
     }
@@ -117,6 +123,10 @@ void CallTable::timeoutLoop() {
       }
       wakeAt_ = wake;
       cv_.wait_until(lock, wake);
+      if (ExitGate::closed()) {
+        lock.unlock();
+        ExitGate::parkIfClosed();
+      }
       // Awake, it reads deadlines_ again before it next sleeps.
       wakeAt_ = std::chrono::steady_clock::time_point::max();
       continue;
@@ -133,10 +143,14 @@ void CallTable::timeoutLoop() {
     }
     // Settle futures outside the lock: their callbacks may send new RPCs.
     lock.unlock();
-    for (auto& [id, call] : expired) {
-      onExpired_(id, std::move(call));
+    ExitGate::parkIfClosed();
+    {
+      ExitGate::Busy busy;
+      for (auto& [id, call] : expired) {
+        onExpired_(id, std::move(call));
+      }
+      expired.clear();
     }
-    expired.clear();
     lock.lock();
   }
 }
@@ -145,6 +159,13 @@ void CallTable::stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
+    if (ExitGate::closed()) {
+      // Exiting: the thread is parked for good (common/exit_gate.h).
+      if (thread_.joinable()) {
+        thread_.detach();
+      }
+      return;
+    }
   }
   cv_.notify_all();
   if (thread_.joinable()) {

@@ -13,6 +13,7 @@
 
 #include "csrc/agent/agent.h"
 #include "csrc/common/crypto.h"
+#include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
 #include "csrc/transport/registry.h"
 
@@ -157,6 +158,14 @@ Agent::Route Agent::chooseRoute(
 }
 
 void Agent::join(bool shutdown, float timeout) {
+  // Exiting with the agent alive: its threads are parked, nothing would
+  // ever complete (common/exit_gate.h).
+  TORCH_CHECK(
+      !ExitGate::closed(),
+      "RPC join on ",
+      workerInfo_.name_,
+      ": the process is exiting; call rpc.shutdown() before the end of the "
+      "program");
   std::optional<std::chrono::steady_clock::time_point> deadline;
   if (timeout > 0) {
     deadline = std::chrono::steady_clock::now() +

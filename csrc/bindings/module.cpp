@@ -1,9 +1,21 @@
 // SPDX-License-Identifier: BSD-3-Clause
+#include <cstdlib>
+
 #include "csrc/bindings/bind.h"
+#include "csrc/common/exit_gate.h"
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_rpc_ext native core";
   torch_rpc_ext::bindings::installThreadHooks();
+  // C's exit() (after Python's finalisation, or called directly) runs this
+  // before the destructors of libtorch's statics, which were made before us.
+  std::atexit([] { torch_rpc_ext::ExitGate::close(); });
+  // Python's atexit runs before finalisation ends Python threads; see
+  // torch_rpc_ext/__init__.py.
+  m.def(
+      "_close_exit_gate",
+      [] { torch_rpc_ext::ExitGate::close(); },
+      py::call_guard<py::gil_scoped_release>());
   torch_rpc_ext::bindings::bindAgent(m);
   auto testing = m.def_submodule("_testing", "hooks for tests only");
   torch_rpc_ext::bindings::bindTesting(testing);

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/common/thread_pool.h"
 
+#include "csrc/common/exit_gate.h"
+
 namespace torch_rpc_ext {
 
 namespace {
@@ -81,8 +83,12 @@ void ThreadPool::workerLoop(bool core) {
     ++taken_;
     ++running_;
     lock.unlock();
-    task();
-    task = nullptr; // run destructors outside the lock
+    ExitGate::parkIfClosed();
+    {
+      ExitGate::Busy busy;
+      task();
+      task = nullptr; // run destructors outside the lock
+    }
     lock.lock();
     --running_;
     if (running_ == 0 && queue_.empty()) {
@@ -117,6 +123,10 @@ void ThreadPool::supervisorLoop() {
     // that thread blocks in the first.
     uint64_t before = taken_;
     supervisorCv_.wait_for(lock, stallTimeout_, [&] { return stopping_; });
+    if (ExitGate::closed()) {
+      lock.unlock();
+      ExitGate::parkIfClosed();
+    }
     if (!stopping_ && !queue_.empty() && taken_ == before &&
         alive_ < maxThreads_) {
       spawnLocked(/*core=*/false);
@@ -137,6 +147,18 @@ void ThreadPool::stop() {
       return;
     }
     stopping_ = true;
+    if (ExitGate::closed()) {
+      // Exiting: workers are parked for good or blocked; wake nobody, wait
+      // for nobody (the owner leaks the pool, common/exit_gate.h).
+      for (auto& [id, t] : threads_) {
+        t.detach();
+      }
+      threads_.clear();
+      if (supervisor_.joinable()) {
+        supervisor_.detach();
+      }
+      return;
+    }
   }
   workCv_.notify_all();
   supervisorCv_.notify_all();

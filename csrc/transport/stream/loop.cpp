@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
 
 namespace torch_rpc_ext::transport::stream {
@@ -24,6 +25,9 @@ namespace {
 // rather than taking the whole process down with std::terminate.
 template <typename F>
 void runGuarded(F&& fn) {
+  // Never start a piece once the process exits (common/exit_gate.h).
+  ExitGate::parkIfClosed();
+  ExitGate::Busy busy;
   try {
     fn();
   } catch (const std::exception& e) {
@@ -185,6 +189,7 @@ void Loop::run(uint64_t generation) {
   constexpr int kMaxEvents = 64;
   epoll_event events[kMaxEvents];
   while (true) {
+    ExitGate::parkIfClosed();
     int timeoutMs = -1;
     bool stopping = false;
     std::vector<std::function<void()>> work;
@@ -221,6 +226,7 @@ void Loop::run(uint64_t generation) {
       timeoutMs = 0; // new work may have been posted meanwhile
     }
     int n = waitForEvents(events, kMaxEvents, timeoutMs);
+    ExitGate::parkIfClosed();
     if (n < 0 && errno != EINTR) {
       fail("epoll_wait");
     }
@@ -310,6 +316,10 @@ void Loop::monitor() {
       continue;
     }
     threadsCv_.wait_for(lock, kTick);
+    if (ExitGate::closed()) {
+      lock.unlock();
+      ExitGate::parkIfClosed();
+    }
     if (monitorStop_) {
       break;
     }
@@ -364,6 +374,18 @@ void Loop::stop() {
     }
     stopping_ = true;
     timers_.clear();
+  }
+  if (ExitGate::closed()) {
+    // The process is exiting and our threads are parked for good (or soon
+    // will be): nothing to wait for, and nothing may be woken. The owner
+    // never frees a loop after this (Agent's deleter leaks it).
+    std::lock_guard<std::mutex> lock(threadsMutex_);
+    monitor_.detach();
+    for (auto& [id, t] : threads_) {
+      t.detach();
+    }
+    threads_.clear();
+    return;
   }
   wake();
   if (tlsThreadOf == this) {
