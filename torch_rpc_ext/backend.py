@@ -23,24 +23,15 @@ def _construct_options(
     return RpcExtBackendOptions(rpc_timeout=rpc_timeout, init_method=init_method, **kwargs)
 
 
-def _agent_options(opts: RpcExtBackendOptions) -> "_C._AgentOptions":
-    out = _C._AgentOptions()
-    out.rpc_timeout = float(opts.rpc_timeout)
-    out.num_worker_threads = opts.num_worker_threads
-    out.transports = list(opts.transports)
-    out.address = opts.address or ""
-    secret = opts.secret
-    if secret is None and (env := os.environ.get("TORCH_RPC_EXT_SECRET")):
-        secret = env.encode()
-        if len(secret) < 16:
-            raise ValueError("TORCH_RPC_EXT_SECRET must be at least 16 bytes")
-    out.secret = secret or b""
-    out.max_frame_bytes = opts.max_frame_bytes
-    out.handshake_timeout = opts.handshake_timeout
-    out.heartbeat_timeout = opts.heartbeat_timeout
-    out.busy_poll_us = opts.busy_poll_us
-    out.max_cached_receive_bytes = opts.max_cached_receive_bytes
-    out.num_fail_sends, out.messages_to_fail, out.messages_to_delay = opts._fault_injection()
+def _agent_options(opts: RpcExtBackendOptions) -> "_C._RpcExtBackendOptionsBase":
+    """What the agent takes: a copy of the core part of ``opts`` (which stays
+    as given), with the secret from ``TORCH_RPC_EXT_SECRET`` if ``opts`` has none.
+    """
+    out = _C._RpcExtBackendOptionsBase(opts)
+    if out.secret is None and (env := os.environ.get("TORCH_RPC_EXT_SECRET")):
+        if len(env.encode()) < (least := _C.option_spec()["secret"][1]):
+            raise ValueError(f"TORCH_RPC_EXT_SECRET must be at least {least} bytes")
+        out.secret = env.encode()
     return out
 
 

@@ -5,16 +5,19 @@ import os
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.distributed.rpc as rpc
-from torch.distributed.rpc import constants
 
 from torch_rpc_ext import _C
 
 __all__ = ["RpcExtBackendOptions", "DEFAULT_MAX_FRAME_BYTES"]
 
-DEFAULT_MAX_FRAME_BYTES = 1 << 34  # 16 GiB
-DEFAULT_TRANSPORTS = ("shm", "tcp")
-DEFAULT_BUSY_POLL_US = 200
+# Defaults and limits are the core's (csrc/common/option_defaults.h):
+# {name: (default, min, max)}, None where there is none.
+_SPEC = _C.option_spec()
+_DEFAULT = {name: spec[0] for name, spec in _SPEC.items()}
+_MIN = {name: spec[1] for name, spec in _SPEC.items()}
+_MAX = {name: spec[2] for name, spec in _SPEC.items()}
+
+DEFAULT_MAX_FRAME_BYTES = _DEFAULT["max_frame_bytes"]  # 16 GiB
 DeviceLike = int | str | torch.device
 
 
@@ -44,11 +47,14 @@ def _check_map(to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> dict:
     return out
 
 
-class RpcExtBackendOptions(rpc.RpcBackendOptions):
+class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
     """Configuration of the TORCH_RPC_EXT agent.
 
     Constructing options has no side effects; everything is validated here and
-    applied by ``init_rpc``.
+    applied by ``init_rpc``. A keyword-only subclass of the core's
+    ``_C._RpcExtBackendOptionsBase`` (itself a ``torch.distributed.rpc.
+    RpcBackendOptions``), which holds every value but ``device_maps`` and
+    ``devices`` and owns every default and limit (``_C.option_spec()``).
 
     Args:
         num_worker_threads: Core threads of the agent's pool, which fails
@@ -102,19 +108,19 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
     def __init__(
         self,
         *,
-        num_worker_threads: int = constants.DEFAULT_NUM_WORKER_THREADS,
-        rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,
-        init_method: str = constants.DEFAULT_INIT_METHOD,
+        num_worker_threads: int = _DEFAULT["num_worker_threads"],
+        rpc_timeout: float = _DEFAULT["rpc_timeout"],
+        init_method: str = _DEFAULT["init_method"],
         device_maps: Mapping[str, Mapping[DeviceLike, DeviceLike]] | None = None,
         devices: Sequence[DeviceLike] | None = None,
         transports: Sequence[str] | None = None,
-        address: str | None = None,
-        secret: bytes | str | None = None,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-        handshake_timeout: float = 10.0,
-        heartbeat_timeout: float = 10.0,
-        busy_poll_us: int = DEFAULT_BUSY_POLL_US,
-        max_cached_receive_bytes: int = 1 << 31,
+        address: str | None = _DEFAULT["address"],
+        secret: bytes | str | None = _DEFAULT["secret"],
+        max_frame_bytes: int = _DEFAULT["max_frame_bytes"],
+        handshake_timeout: float = _DEFAULT["handshake_timeout"],
+        heartbeat_timeout: float = _DEFAULT["heartbeat_timeout"],
+        busy_poll_us: int = _DEFAULT["busy_poll_us"],
+        max_cached_receive_bytes: int = _DEFAULT["max_cached_receive_bytes"],
     ) -> None:
         if isinstance(num_worker_threads, bool) or not isinstance(
             num_worker_threads, int
@@ -122,16 +128,22 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
             raise ValueError(
                 f"num_worker_threads must be an int, got {num_worker_threads!r}"
             )
-        if num_worker_threads < 1:
-            raise ValueError(f"num_worker_threads must be >= 1, got {num_worker_threads}")
-        if not isinstance(rpc_timeout, (int, float)) or rpc_timeout < 0:
-            raise ValueError(f"rpc_timeout must be a number >= 0, got {rpc_timeout!r}")
+        if num_worker_threads < (lo := _MIN["num_worker_threads"]):
+            raise ValueError(
+                f"num_worker_threads must be >= {lo}, got {num_worker_threads}"
+            )
+        if not isinstance(rpc_timeout, (int, float)) or rpc_timeout < (
+            lo := _MIN["rpc_timeout"]
+        ):
+            raise ValueError(
+                f"rpc_timeout must be a number >= {lo:g}, got {rpc_timeout!r}"
+            )
         if not isinstance(init_method, str):
             raise ValueError(f"init_method must be a str, got {init_method!r}")
         if transports is None:
             env = os.environ.get("TORCH_RPC_EXT_TRANSPORTS", "")
             transports = tuple(t.strip() for t in env.split(",") if t.strip())
-            transports = transports or DEFAULT_TRANSPORTS
+            transports = transports or _DEFAULT["transports"]
         if isinstance(transports, str):
             transports = (transports,)
         transports = tuple(transports)
@@ -146,39 +158,59 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
             raise ValueError(f"address must be a non-empty str, got {address!r}")
         if isinstance(secret, str):
             secret = secret.encode()
-        if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
-            raise ValueError("secret must be at least 16 bytes")
-        if not isinstance(max_frame_bytes, int) or max_frame_bytes < 1024:
-            raise ValueError(f"max_frame_bytes must be an int >= 1024, got {max_frame_bytes!r}")
-        if not isinstance(handshake_timeout, (int, float)) or handshake_timeout <= 0:
-            raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout!r}")
+        if secret is not None and (
+            not isinstance(secret, bytes) or len(secret) < _MIN["secret"]
+        ):
+            raise ValueError(f"secret must be at least {_MIN['secret']} bytes")
+        if not isinstance(max_frame_bytes, int) or max_frame_bytes < (
+            lo := _MIN["max_frame_bytes"]
+        ):
+            raise ValueError(
+                f"max_frame_bytes must be an int >= {lo}, got {max_frame_bytes!r}"
+            )
+        if not isinstance(handshake_timeout, (int, float)) or handshake_timeout < (
+            lo := _MIN["handshake_timeout"]
+        ):
+            raise ValueError(
+                f"handshake_timeout must be > 0 (at least {lo:g} seconds), "
+                f"got {handshake_timeout!r}"
+            )
+        lo = _MIN["heartbeat_timeout"]
         if (
             isinstance(heartbeat_timeout, bool)
             or not isinstance(heartbeat_timeout, (int, float))
             or heartbeat_timeout < 0
-            or 0 < heartbeat_timeout < 0.05
+            or 0 < heartbeat_timeout < lo
         ):
             raise ValueError(
-                f"heartbeat_timeout must be 0 (off) or >= 0.05 seconds, got {heartbeat_timeout!r}"
+                f"heartbeat_timeout must be 0 (off) or >= {lo:g} seconds, "
+                f"got {heartbeat_timeout!r}"
             )
+        lo, hi = _MIN["busy_poll_us"], _MAX["busy_poll_us"]
         if (
             isinstance(busy_poll_us, bool)
             or not isinstance(busy_poll_us, int)
-            or not 0 <= busy_poll_us <= 10000
+            or not lo <= busy_poll_us <= hi
         ):
-            raise ValueError(f"busy_poll_us must be an int in [0, 10000], got {busy_poll_us!r}")
-        if not isinstance(max_cached_receive_bytes, int) or max_cached_receive_bytes < 0:
             raise ValueError(
-                f"max_cached_receive_bytes must be an int >= 0, got {max_cached_receive_bytes!r}"
+                f"busy_poll_us must be an int in [{lo}, {hi}], got {busy_poll_us!r}"
+            )
+        if not isinstance(max_cached_receive_bytes, int) or max_cached_receive_bytes < (
+            lo := _MIN["max_cached_receive_bytes"]
+        ):
+            raise ValueError(
+                f"max_cached_receive_bytes must be an int >= {lo}, "
+                f"got {max_cached_receive_bytes!r}"
             )
         super().__init__(float(rpc_timeout), init_method)
-        self.num_worker_threads = num_worker_threads
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
         for to, device_map in (device_maps or {}).items():
             self.set_device_map(to, device_map)
         self.devices = (
             [_device(d, "devices") for d in devices] if devices is not None else None
         )
+        # The rest is stored in the core's fields (_RpcExtBackendOptionsBase).
+        self.num_worker_threads = num_worker_threads
         self.transports = transports
         self.address = address
         self.secret = secret
@@ -212,12 +244,6 @@ class RpcExtBackendOptions(rpc.RpcBackendOptions):
     def set_devices(self, devices: Sequence[DeviceLike]) -> None:
         """Set the local devices the agent may use."""
         self.devices = [_device(d, "devices") for d in devices]
-
-    def _fault_injection(self) -> tuple[int, list[str], dict[str, float]]:
-        """(num_fail_sends, messages_to_fail, messages_to_delay); none here.
-
-        torch_rpc_ext.testing.FaultyRpcExtBackendOptions overrides it."""
-        return 0, [], {}
 
     def uses_cuda(self) -> bool:
         """Whether any device map or device names a CUDA device."""

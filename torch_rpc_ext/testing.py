@@ -49,7 +49,11 @@ FAULTY_BACKEND_NAME = "FAULTY_TORCH_RPC_EXT"
 
 
 class FaultyRpcExtBackendOptions(RpcExtBackendOptions):
-    """RpcExtBackendOptions plus fault injection (tests only)."""
+    """RpcExtBackendOptions plus fault injection (tests only).
+
+    The knobs live in the core's options (``_C._RpcExtBackendOptionsBase``'s
+    private fault fields), so they reach the agent with the rest.
+    """
 
     def __init__(
         self,
@@ -66,12 +70,21 @@ class FaultyRpcExtBackendOptions(RpcExtBackendOptions):
             if not isinstance(seconds, (int, float)) or seconds < 0:
                 raise ValueError(f"messages_to_delay[{name!r}] must be >= 0 seconds, got {seconds!r}")
         super().__init__(**kwargs)
-        self.num_fail_sends = num_fail_sends
-        self.messages_to_fail = list(messages_to_fail)
-        self.messages_to_delay = messages_to_delay
+        self._num_fail_sends = num_fail_sends
+        self._messages_to_fail = list(messages_to_fail)
+        self._messages_to_delay = messages_to_delay
 
-    def _fault_injection(self) -> tuple[int, list[str], dict[str, float]]:
-        return self.num_fail_sends, self.messages_to_fail, self.messages_to_delay
+    @property
+    def num_fail_sends(self) -> int:
+        return self._num_fail_sends
+
+    @property
+    def messages_to_fail(self) -> list[str]:
+        return self._messages_to_fail
+
+    @property
+    def messages_to_delay(self) -> dict[str, float]:
+        return self._messages_to_delay
 
 
 def _construct_options(

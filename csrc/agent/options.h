@@ -4,36 +4,55 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include <torch/csrc/distributed/rpc/rpc_agent.h>
 
 #include "csrc/agent/faults.h"
 #include "csrc/transport/registry.h"
+#include "csrc/common/option_defaults.h"
 
 namespace torch_rpc_ext {
 
-// Everything the agent takes from RpcExtBackendOptions, already validated by
-// torch_rpc_ext/options.py.
-struct AgentOptions {
-  float rpcTimeoutSeconds = 60;
-  int numWorkerThreads = 16;
+namespace rpc = torch::distributed::rpc;
+
+static_assert(
+    kDefaultNumWorkerThreads == rpc::kDefaultNumWorkerThreads,
+    "num_worker_threads defaults to torch's value");
+
+// Everything the agent takes from RpcExtBackendOptions. It is the C++ base
+// of that Python class (bound as _C._RpcExtBackendOptionsBase, a subclass of
+// torch's RpcBackendOptions, as TensorPipe's options are), so the options
+// given to init_rpc reach Agent::create as they are. Defaults come from
+// csrc/common/option_defaults.h; torch_rpc_ext/options.py checks values
+// against the limits there before storing them. rpcTimeoutSeconds and
+// initMethod are RpcBackendOptions' fields, with torch's defaults.
+struct AgentOptions : rpc::RpcBackendOptions {
+  AgentOptions() = default;
+  // Throws if rpcTimeoutSeconds < 0 (RpcBackendOptions).
+  AgentOptions(float rpcTimeoutSeconds, std::string initMethod)
+      : rpc::RpcBackendOptions(rpcTimeoutSeconds, std::move(initMethod)) {}
+
+  int numWorkerThreads = kDefaultNumWorkerThreads;
   // Transports by preference; the first one both peers have is used.
   std::vector<std::string> transports = transport::transportNames();
   // Address to bind and advertise; empty means defaultAdvertisedAddress().
   std::string address;
   // Shared secret; empty means "create one at rendezvous, share via store".
   std::string secret;
-  uint64_t maxFrameBytes = uint64_t(1) << 34;
-  std::chrono::milliseconds handshakeTimeout{10000};
+  uint64_t maxFrameBytes = kDefaultMaxFrameBytes;
+  std::chrono::milliseconds handshakeTimeout = kDefaultHandshakeTimeout;
   // See TransportOptions::heartbeatTimeout.
-  std::chrono::milliseconds heartbeatTimeout{10000};
+  std::chrono::milliseconds heartbeatTimeout = kDefaultHeartbeatTimeout;
   // See TransportOptions::busyPoll.
-  std::chrono::microseconds busyPoll{0};
+  std::chrono::microseconds busyPoll = kDefaultBusyPoll;
   // Idle receive buffers kept for reuse (released after 2 s unused).
-  uint64_t maxCachedReceiveBytes = uint64_t(1) << 31;
+  uint64_t maxCachedReceiveBytes = kDefaultMaxCachedReceiveBytes;
   // Test-only fault injection (torch_rpc_ext.testing); empty in production.
   FaultInjection faults;
   // Limit on how long init waits for all peers to publish their address.
-  std::chrono::milliseconds rendezvousTimeout{300000};
+  std::chrono::milliseconds rendezvousTimeout = kDefaultRendezvousTimeout;
 };
 
 } // namespace torch_rpc_ext

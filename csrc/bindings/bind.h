@@ -7,6 +7,8 @@ namespace torch_rpc_ext::bindings {
 
 namespace py = pybind11;
 
+// In this order: bindAgent's signatures use bindOptions' type.
+void bindOptions(py::module_& m);
 void bindAgent(py::module_& m);
 void bindTesting(py::module_& m);
 // Give every thread the core starts a Python thread state for its life.

@@ -13,60 +13,6 @@ void bindAgent(py::module_& m) {
   // RpcAgent's and Store's Python types are registered by torch.
   py::module_::import("torch.distributed.rpc");
 
-  py::class_<AgentOptions>(m, "_AgentOptions")
-      .def(py::init<>())
-      .def_readwrite("rpc_timeout", &AgentOptions::rpcTimeoutSeconds)
-      .def_readwrite("num_worker_threads", &AgentOptions::numWorkerThreads)
-      .def_readwrite("transports", &AgentOptions::transports)
-      .def_readwrite("address", &AgentOptions::address)
-      .def_property(
-          "secret",
-          [](const AgentOptions& o) { return py::bytes(o.secret); },
-          [](AgentOptions& o, const py::bytes& b) { o.secret = b; })
-      .def_readwrite("max_frame_bytes", &AgentOptions::maxFrameBytes)
-      .def_readwrite(
-          "max_cached_receive_bytes", &AgentOptions::maxCachedReceiveBytes)
-      .def_property(
-          "handshake_timeout",
-          [](const AgentOptions& o) {
-            return o.handshakeTimeout.count() / 1000.0;
-          },
-          [](AgentOptions& o, double seconds) {
-            o.handshakeTimeout =
-                std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-          })
-      .def_property(
-          "num_fail_sends",
-          [](const AgentOptions& o) { return o.faults.numFailSends; },
-          [](AgentOptions& o, int n) { o.faults.numFailSends = n; })
-      .def_property(
-          "messages_to_fail",
-          [](const AgentOptions& o) { return o.faults.messagesToFail; },
-          [](AgentOptions& o, std::vector<std::string> v) {
-            o.faults.messagesToFail = std::move(v);
-          })
-      .def_property(
-          "messages_to_delay",
-          [](const AgentOptions& o) { return o.faults.messagesToDelay; },
-          [](AgentOptions& o, std::unordered_map<std::string, float> v) {
-            o.faults.messagesToDelay = std::move(v);
-          })
-      .def_property(
-          "heartbeat_timeout",
-          [](const AgentOptions& o) {
-            return o.heartbeatTimeout.count() / 1000.0;
-          },
-          [](AgentOptions& o, double seconds) {
-            o.heartbeatTimeout =
-                std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-          })
-      .def_property(
-          "busy_poll_us",
-          [](const AgentOptions& o) { return o.busyPoll.count(); },
-          [](AgentOptions& o, int64_t us) {
-            o.busyPoll = std::chrono::microseconds(us);
-          });
-
   using Base = torch::distributed::rpc::RpcAgent;
   using torch::distributed::rpc::WorkerInfo;
   using torch::distributed::rpc::worker_id_t;

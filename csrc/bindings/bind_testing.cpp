@@ -10,6 +10,7 @@
 #include "csrc/transport/frame.h"
 #include "csrc/transport/handshake.h"
 #include "csrc/transport/stream/loop.h"
+#include "csrc/transport/transport.h"
 #include "csrc/wire/codec.h"
 
 namespace torch_rpc_ext::bindings {
@@ -242,6 +243,18 @@ void bindTesting(py::module_& m) {
 
   m.attr("FRAME_MAGIC") = transport::kFrameMagic;
   m.attr("PROTOCOL_VERSION") = transport::kProtocolVersion;
+  // The defaults of a TransportOptions nobody set, in option_spec()'s units.
+  m.def("transport_option_defaults", [] {
+    transport::TransportOptions o;
+    py::dict d;
+    d["max_frame_bytes"] = o.limits.maxFrameBytes;
+    d["handshake_timeout"] =
+        std::chrono::duration<double>(o.handshakeTimeout).count();
+    d["heartbeat_timeout"] =
+        std::chrono::duration<double>(o.heartbeatTimeout).count();
+    d["busy_poll_us"] = o.busyPoll.count();
+    return d;
+  });
 }
 
 } // namespace torch_rpc_ext::bindings

@@ -16,6 +16,7 @@ PYBIND11_MODULE(_C, m) {
       "_close_exit_gate",
       [] { torch_rpc_ext::ExitGate::close(); },
       py::call_guard<py::gil_scoped_release>());
+  torch_rpc_ext::bindings::bindOptions(m);
   torch_rpc_ext::bindings::bindAgent(m);
   auto testing = m.def_submodule("_testing", "hooks for tests only");
   torch_rpc_ext::bindings::bindTesting(testing);

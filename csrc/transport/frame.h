@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "csrc/common/option_defaults.h"
+
 namespace torch_rpc_ext::transport {
 
 // Every transport carries the same frames (docs/wire-format.md):
@@ -77,7 +79,7 @@ static_assert(sizeof(FrameHeader) == 24, "FrameHeader layout is fixed");
 
 struct FrameLimits {
   // Largest frame (header, lengths, head and segments) accepted or sent.
-  uint64_t maxFrameBytes = uint64_t(1) << 34; // 16 GiB
+  uint64_t maxFrameBytes = kDefaultMaxFrameBytes; // common/option_defaults.h
   uint32_t maxHeadBytes = 1u << 24; // 16 MiB
   uint32_t maxSegments = 1u << 16;
 };

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "csrc/common/option_defaults.h"
 #include "csrc/transport/connection.h"
 
 namespace torch_rpc_ext::transport {
@@ -19,16 +20,16 @@ struct TransportOptions {
   std::string secret;
   FrameLimits limits;
   // A connection that has not authenticated within this time is closed.
-  std::chrono::milliseconds handshakeTimeout{10000};
+  std::chrono::milliseconds handshakeTimeout = kDefaultHandshakeTimeout;
   // A ready connection that shows no sign of life (no byte received, none of
   // ours taken by the socket) for this long is closed, failing its calls.
   // Idle connections are pinged every heartbeatTimeout / 5. 0 disables it.
-  std::chrono::milliseconds heartbeatTimeout{10000};
+  std::chrono::milliseconds heartbeatTimeout = kDefaultHeartbeatTimeout;
   // After serving a request, a loop thread polls for the next input this
   // long before sleeping in the kernel: on a ping-pong workload that saves
   // the wake-up (tens of microseconds on a VM). Adaptive, see stream/loop.h.
   // 0 never spins.
-  std::chrono::microseconds busyPoll{0};
+  std::chrono::microseconds busyPoll = kDefaultBusyPoll;
   // Address to bind and advertise (an IP literal), for transports that need
   // one; empty: the transport's default (stream/address.h).
   std::string bindAddress;

@@ -1,16 +1,27 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""RpcExtBackendOptions: defaults, validation with clear errors, no side effects."""
+"""RpcExtBackendOptions: defaults, validation with clear errors, no side effects;
+one source for defaults and limits (the core), which the README states."""
+
+import ast
+import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed import rpc
 
-from torch_rpc_ext import RpcExtBackendOptions
+from torch_rpc_ext import RpcExtBackendOptions, _C
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+SPEC = _C.option_spec()  # {name: (default, min, max)}
+PYTHON_ONLY = {"device_maps", "devices"}
 
 
 def test_defaults_match_upstream_constants(monkeypatch):
     monkeypatch.delenv("TORCH_RPC_EXT_TRANSPORTS", raising=False)
     opts = RpcExtBackendOptions()
+    assert isinstance(opts, _C._RpcExtBackendOptionsBase)
     assert isinstance(opts, rpc.RpcBackendOptions)
     assert opts.rpc_timeout == rpc.constants.DEFAULT_RPC_TIMEOUT_SEC
     assert opts.init_method == rpc.constants.DEFAULT_INIT_METHOD
@@ -93,3 +104,121 @@ def test_transports_default_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("TORCH_RPC_EXT_TRANSPORTS", "shm,ib")
     with pytest.raises(ValueError, match=r"unknown transports \['ib'\]"):
         RpcExtBackendOptions()
+
+
+# ---- one source of truth: the core, the Python signature, the README ------
+
+
+def _sizes(text: str) -> str:
+    """'16 GiB' -> '17179869184' (and KiB, MiB)."""
+    shift = {"K": 10, "M": 20, "G": 30}
+    return re.sub(
+        r"(\d+) ([KMG])iB", lambda m: str(int(m[1]) << shift[m[2]]), text
+    )
+
+
+def _readme_options_section() -> str:
+    section = README.read_text().split("\n## Options\n", 1)[1]
+    return _sizes(section.split("\n## ", 1)[0])
+
+
+def _readme_defaults() -> dict:
+    """The keywords of the `RpcExtBackendOptions(*, ...)` line."""
+    section = _readme_options_section()
+    m = re.search(r"`RpcExtBackendOptions\(\*,(.*?)\)`", section, re.S)
+    assert m, "README's Options section has no `RpcExtBackendOptions(*, ...)` line"
+    call = ast.parse(f"f({m[1]})", mode="eval").body
+    return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+
+
+def _readme_limits() -> dict:
+    """{name: (min, max)} from `name >= x`, `len(name) >= x`, `x <= name <= y`."""
+    section = _readme_options_section()
+    limits = {}
+    for m in re.finditer(r"`(?:len\((\w+)\)|(\w+)) >= ([\d.]+)`", section):
+        limits[m[1] or m[2]] = (ast.literal_eval(m[3]), None)
+    for m in re.finditer(r"`([\d.]+) <= (\w+) <= ([\d.]+)`", section):
+        limits[m[2]] = (ast.literal_eval(m[1]), ast.literal_eval(m[3]))
+    return limits
+
+
+def _signature_defaults() -> dict:
+    params = list(inspect.signature(RpcExtBackendOptions.__init__).parameters.values())
+    assert all(p.kind is p.KEYWORD_ONLY for p in params[1:])
+    return {p.name: p.default for p in params[1:]}
+
+
+def test_signature_core_and_readme_agree_on_defaults(monkeypatch):
+    monkeypatch.delenv("TORCH_RPC_EXT_TRANSPORTS", raising=False)
+    signature, readme = _signature_defaults(), _readme_defaults()
+    assert set(readme) == set(signature)
+    assert set(SPEC) == set(signature) - PYTHON_ONLY
+    core = _C._RpcExtBackendOptionsBase()  # AgentOptions' own initializers
+    effective = RpcExtBackendOptions()
+    for name, default in signature.items():
+        if name in PYTHON_ONLY:
+            assert readme[name] is None and default is None, name
+            continue
+        want = SPEC[name][0]
+        assert getattr(core, name) == want, f"AgentOptions default of {name}"
+        # None in the signature means "resolved at construction" (transports:
+        # the environment, else the core's default).
+        assert default == want or default is None, f"signature default of {name}"
+        assert getattr(effective, name) == want, f"effective default of {name}"
+        assert readme[name] == want, f"README default of {name}"
+    # transport::TransportOptions, which the agent fills from AgentOptions.
+    for name, value in _C._testing.transport_option_defaults().items():
+        assert value == SPEC[name][0], f"TransportOptions default of {name}"
+
+
+def test_readme_states_the_core_limits():
+    core = {n: (lo, hi) for n, (_, lo, hi) in SPEC.items() if (lo, hi) != (None, None)}
+    assert _readme_limits() == core
+
+
+def _limit_cases():
+    for name, (_, lo, hi) in SPEC.items():
+        if name == "secret":
+            yield name, b"s" * lo, b"s" * (lo - 1)
+            continue
+        if lo is not None:
+            below = lo - 1 if isinstance(lo, int) else (lo / 2 if lo > 0 else lo - 0.5)
+            yield name, lo, below
+        if hi is not None:
+            yield name, hi, hi + 1
+
+
+@pytest.mark.parametrize("name, ok, bad", list(_limit_cases()))
+def test_validation_enforces_the_core_limits(name, ok, bad):
+    assert getattr(RpcExtBackendOptions(**{name: ok}), name) == ok
+    with pytest.raises(ValueError, match=name):
+        RpcExtBackendOptions(**{name: bad})
+
+
+def test_heartbeat_zero_means_off_below_the_minimum():
+    assert RpcExtBackendOptions(heartbeat_timeout=0).heartbeat_timeout == 0
+
+
+def test_the_agent_gets_a_copy_with_the_secret_from_the_environment(monkeypatch):
+    import torch_rpc_ext.testing as faulty
+    from torch_rpc_ext.backend import _agent_options
+
+    opts = faulty.FaultyRpcExtBackendOptions(
+        num_fail_sends=2,
+        messages_to_fail=["SCRIPT_CALL"],
+        messages_to_delay={"PYTHON_CALL": 1.5},
+        busy_poll_us=7,
+        transports=["tcp"],
+        rpc_timeout=3,
+    )
+    monkeypatch.setenv("TORCH_RPC_EXT_SECRET", "e" * 16)
+    out = _agent_options(opts)
+    assert type(out) is _C._RpcExtBackendOptionsBase
+    assert (out.busy_poll_us, out.transports, out.rpc_timeout) == (7, ("tcp",), 3)
+    assert (out._num_fail_sends, out._messages_to_fail) == (2, ["SCRIPT_CALL"])
+    assert out._messages_to_delay == {"PYTHON_CALL": 1.5}
+    assert out.secret == b"e" * 16 and opts.secret is None
+    assert _agent_options(RpcExtBackendOptions(secret=b"o" * 16)).secret == b"o" * 16
+    monkeypatch.setenv("TORCH_RPC_EXT_SECRET", "short")
+    with pytest.raises(ValueError, match="TORCH_RPC_EXT_SECRET must be at least 16"):
+        _agent_options(opts)
