@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "csrc/agent/serve_callback.h"
+#include "csrc/common/crypto.h"
 #include "csrc/common/logging.h"
 #include "csrc/wire/codec.h"
 
@@ -41,6 +42,8 @@ std::shared_ptr<Agent> Agent::create(
     int rank,
     int worldSize,
     AgentOptions options) {
+  // Before anything starts: every handshake needs libcrypto's HMAC.
+  requireLibcrypto();
   // Destroy without the GIL: shutdown() asserts the GIL is not held.
   auto agent = std::shared_ptr<Agent>(
       new Agent(store, std::move(name), rank, worldSize, std::move(options)),
