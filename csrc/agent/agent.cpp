@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "csrc/agent/serve_callback.h"
+#include "csrc/common/crypto.h"
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
 #include "csrc/wire/codec.h"
@@ -42,6 +43,8 @@ std::shared_ptr<Agent> Agent::create(
     int rank,
     int worldSize,
     AgentOptions options) {
+  // Before anything starts: every handshake needs libcrypto's HMAC.
+  requireLibcrypto();
   // Destroy without the GIL: shutdown() asserts the GIL is not held. Once
   // the process exits with the agent alive (common/exit_gate.h), it is left
   // in place: its parked threads still point into it.

@@ -38,10 +38,11 @@ void bindTesting(py::module_& m) {
         return n;
       },
       "How many Python thread states this interpreter has now.");
-  m.def("sha256", [](const py::bytes& b) { return digestBytes(sha256(b)); });
+  // Raise RuntimeError (the text of requireLibcrypto) without libcrypto.
   m.def("hmac_sha256", [](const py::bytes& key, const py::bytes& msg) {
     return digestBytes(hmacSha256(key, msg));
   });
+  m.def("libcrypto", &libcryptoDescription);
 
   // (head, [segments]) of the frame that would carry this message.
   m.def(

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Our SHA-256/HMAC against hashlib, and frame-header validation."""
+"""HMAC-SHA256 (libcrypto's) against RFC 4231 and hmac, and frame-header
+validation."""
 
-import hashlib
 import hmac
+import os
+import re
 import struct
 
 import pytest
@@ -17,18 +19,52 @@ def header(magic=MAGIC, version=VERSION, kind=4, flags=0, head=10, nseg=1, data=
     return struct.pack("<IBBHIIQ", magic, version, kind, flags, head, nseg, data)
 
 
-@pytest.mark.parametrize("n", [0, 1, 55, 56, 63, 64, 65, 1000, 100_000])
-def test_sha256_matches_hashlib(n):
-    data = bytes(range(256)) * (n // 256 + 1)
-    assert _testing.sha256(data[:n]) == hashlib.sha256(data[:n]).digest()
+# RFC 4231 section 4: (key, data, HMAC-SHA-256). Case 5's is truncated to
+# 128 bits there, so only that prefix is compared.
+RFC4231 = [
+    (b"\x0b" * 20, b"Hi There",
+     "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"),
+    (b"Jefe", b"what do ya want for nothing?",
+     "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"),
+    (b"\xaa" * 20, b"\xdd" * 50,
+     "773ea91e36800e46854db8ebd09181a72959098b3ef8c122d9635514ced565fe"),
+    (bytes(range(1, 26)), b"\xcd" * 50,
+     "82558a389a443c0ea4cc819899f2083a85f0faa3e578f8077a2e3ff46729665b"),
+    (b"\x0c" * 20, b"Test With Truncation",
+     "a3b6167473100ee06e0c796c2955552b"),
+    (b"\xaa" * 131, b"Test Using Larger Than Block-Size Key - Hash Key First",
+     "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"),
+    (b"\xaa" * 131,
+     b"This is a test using a larger than block-size key and a larger than "
+     b"block-size data. The key needs to be hashed before being used by the "
+     b"HMAC algorithm.",
+     "9b09ffa71b942fcb27635fbcd5b0e944bfdc63644f0713938a7f51535c3a35e2"),
+]
+
+
+@pytest.mark.parametrize("case", range(1, 8))
+def test_hmac_rfc4231(case):
+    key, data, expected = RFC4231[case - 1]
+    digest = _testing.hmac_sha256(key, data)
+    assert len(digest) == 32
+    assert digest.hex()[: len(expected)] == expected
 
 
 @pytest.mark.parametrize("keylen", [0, 16, 64, 65, 200])
-def test_hmac_matches_stdlib(keylen):
+@pytest.mark.parametrize("msglen", [0, 143, 100_000])
+def test_hmac_matches_stdlib(keylen, msglen):
     key = bytes(range(keylen % 256)) * (keylen // 256 + 1)
     key = key[:keylen]
-    msg = b"torch_rpc_ext" * 11
+    msg = (b"torch_rpc_ext" * (msglen // 13 + 1))[:msglen]
     assert _testing.hmac_sha256(key, msg) == hmac.new(key, msg, "sha256").digest()
+
+
+def test_hmac_comes_from_libcrypto():
+    # "<OpenSSL version text> (<file>)": the file dladdr() found HMAC in.
+    m = re.fullmatch(r"(\S+ \d+\.\d+\S*.*) \((/.+)\)", _testing.libcrypto())
+    assert m, _testing.libcrypto()
+    assert os.path.basename(m.group(2)).startswith("libcrypto"), m.group(2)
+    assert os.path.isfile(m.group(2))
 
 
 def test_valid_header_passes():

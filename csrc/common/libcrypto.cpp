@@ -1,0 +1,143 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/common/libcrypto.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <stdexcept>
+#include <type_traits>
+#include <vector>
+
+#if __has_include(<openssl/hmac.h>)
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+// Where the headers exist, our declarations must be theirs.
+static_assert(std::is_same_v<torch_rpc_ext::Libcrypto::HmacFn, decltype(&::HMAC)>);
+static_assert(std::is_same_v<const evp_md_st* (*)(), decltype(&::EVP_sha256)>);
+static_assert(std::is_same_v<unsigned long (*)(), decltype(&::OpenSSL_version_num)>);
+#endif
+
+namespace torch_rpc_ext {
+
+namespace {
+
+constexpr const char* kTestOverrideEnv = "TORCH_RPC_EXT_TEST_LIBCRYPTO";
+// Newest first; the unversioned name is the development symlink.
+constexpr const char* kNames[] = {
+    "libcrypto.so.3", "libcrypto.so.1.1", "libcrypto.so"};
+// OpenSSL_version_num() of 1.1.0: HMAC() and EVP_sha256() as declared.
+constexpr unsigned long kMinVersion = 0x10100000UL;
+constexpr int kOpensslVersionText = 0; // OPENSSL_VERSION
+
+std::string dlerrorText() {
+  const char* e = dlerror();
+  return e != nullptr ? e : "unknown dlopen error";
+}
+
+// Fills `out` from `handle`; "" on success, else why this one is unusable.
+std::string bind(void* handle, Libcrypto& out) {
+  using VersionFn = unsigned long (*)();
+  using VersionTextFn = const char* (*)(int);
+  using MdFn = const evp_md_st* (*)();
+  auto version = reinterpret_cast<VersionFn>(dlsym(handle, "OpenSSL_version_num"));
+  if (version == nullptr) {
+    return "no OpenSSL_version_num (OpenSSL older than 1.1, or not libcrypto)";
+  }
+  if (version() < kMinVersion) {
+    return "OpenSSL older than 1.1";
+  }
+  auto hmac = reinterpret_cast<Libcrypto::HmacFn>(dlsym(handle, "HMAC"));
+  auto md = reinterpret_cast<MdFn>(dlsym(handle, "EVP_sha256"));
+  if (hmac == nullptr || md == nullptr) {
+    return "no HMAC or EVP_sha256";
+  }
+  const evp_md_st* sha256 = md();
+  if (sha256 == nullptr) {
+    return "EVP_sha256() returned null";
+  }
+  out.hmac = hmac;
+  out.sha256 = sha256;
+  auto text = reinterpret_cast<VersionTextFn>(dlsym(handle, "OpenSSL_version"));
+  out.description = text != nullptr ? text(kOpensslVersionText) : "OpenSSL";
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(hmac), &info) != 0 &&
+      info.dli_fname != nullptr) {
+    out.description += std::string(" (") + info.dli_fname + ")";
+  }
+  return "";
+}
+
+// Tries `name` with `flags`; true once `out` is filled. A failure is added
+// to `tried` unless the name was merely not loaded yet (RTLD_NOLOAD).
+bool tryLoad(const std::string& name, int flags, Libcrypto& out,
+             std::string& tried) {
+  dlerror();
+  void* handle = dlopen(name.c_str(), flags);
+  if (handle == nullptr) {
+    if ((flags & RTLD_NOLOAD) == 0) {
+      tried += "\n  dlopen(\"" + name + "\"): " + dlerrorText();
+    }
+    return false;
+  }
+  std::string why = bind(handle, out);
+  if (why.empty()) {
+    return true; // Kept open for the life of the process.
+  }
+  tried += "\n  " + name + ": " + why;
+  dlclose(handle);
+  return false;
+}
+
+// The Libcrypto to use, or one whose description is empty and whose
+// `hmac` is null, with `error` saying why.
+Libcrypto load(std::string& error) {
+  Libcrypto out;
+  std::string tried;
+  const char* override = std::getenv(kTestOverrideEnv);
+  if (override != nullptr && *override != '\0') {
+    if (tryLoad(override, RTLD_NOW | RTLD_LOCAL, out, tried)) {
+      return out;
+    }
+    tried += std::string("\n  (only this: ") + kTestOverrideEnv + " is set)";
+  } else {
+    for (const char* name : kNames) {
+      if (tryLoad(name, RTLD_NOW | RTLD_NOLOAD, out, tried)) {
+        return out;
+      }
+    }
+    tried += "\n  none of these was loaded in this process already";
+    for (const char* name : kNames) {
+      if (tryLoad(name, RTLD_NOW | RTLD_LOCAL, out, tried)) {
+        return out;
+      }
+    }
+  }
+  error =
+      "torch_rpc_ext needs OpenSSL's libcrypto (1.1 or 3.x) for the "
+      "HMAC-SHA256 of its connection handshake, and could not load it. "
+      "Tried:" +
+      tried +
+      "\nFix: install OpenSSL's libcrypto (Debian/Ubuntu: libssl3; "
+      "Fedora/RHEL: openssl-libs; conda: openssl), or put the directory "
+      "holding libcrypto.so.3 on LD_LIBRARY_PATH.";
+  return Libcrypto{};
+}
+
+struct Loaded {
+  Loaded() : lib(load(error)) {}
+  std::string error;
+  Libcrypto lib;
+};
+
+} // namespace
+
+const Libcrypto& libcrypto() {
+  static const Loaded loaded; // Once, thread-safe (C++11 magic static).
+  if (loaded.lib.hmac == nullptr) {
+    throw std::runtime_error(loaded.error);
+  }
+  return loaded.lib;
+}
+
+} // namespace torch_rpc_ext
