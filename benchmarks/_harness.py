@@ -114,3 +114,120 @@ def run_world_all(
 def emit(row: dict, stream=sys.stdout) -> None:
     stream.write(json.dumps(row) + "\n")
     stream.flush()
+
+
+def memory_mb() -> dict[str, float]:
+    """Peak RSS (VmHWM) and, from smaps_rollup, PSS and private (USS) now, in
+    MB. A forked child's RSS counts the pages it shares with its parent; PSS
+    splits them among the sharers, USS leaves them out."""
+    out = {"peak_rss_mb": peak_rss_mb()}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                out["peak_rss_mb"] = int(line.split()[1]) / 1024
+    private = 0
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key == "Pss":
+                    out["pss_mb"] = int(rest.split()[0]) / 1024
+                elif key in ("Private_Clean", "Private_Dirty"):
+                    private += int(rest.split()[0])
+        out["uss_mb"] = private / 1024
+    except OSError:
+        pass
+    return out
+
+
+def _forked_entry(target, rank, world_size, port, reports, stage, log_dir, args):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    # First in line for the OOM killer: a world too big for a shared machine
+    # loses its own workers (reported as SIGKILL), not a neighbour's.
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+    if log_dir is not None:
+        # N processes' C++ warnings would bury the JSON lines.
+        log = os.open(os.path.join(log_dir, f"rank{rank}.log"),
+                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+
+    def report(**fields):
+        """Send fields to the parent now (a later hang loses nothing sent)."""
+        reports.put((rank, pickle.dumps(fields)))
+
+    def at(code: int):
+        stage[rank] = code
+
+    try:
+        target(rank, world_size, report, at, *args)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        report(raised=traceback.format_exc())
+    reports.close()
+    reports.join_thread()
+
+
+def run_forked_world(target: Callable, world_size: int, *args: Any, deadline: float,
+                     log_dir: str | None = None):
+    """Fork ``world_size`` processes of ``target(rank, world_size, report, at,
+    *args)`` from this process, which must have imported what they need but
+    run no torch compute (forked ATen thread pools hang).
+
+    ``report(**fields)`` merges fields into the rank's result at once;
+    ``at(int)`` records the stage the rank is in. Every process still running
+    ``deadline`` seconds after the first fork is killed (SIGKILL). With
+    ``log_dir``, each rank's stdout and stderr go to ``log_dir/rank{r}.log``.
+    Workers volunteer for the OOM killer (oom_score_adj 1000).
+
+    Returns {"results": {rank: fields}, "exit_codes": {rank: code} (negative:
+    killed by that signal), "hung": {rank: stage}, "pids": {rank: pid},
+    "world_s": seconds}.
+    """
+    import queue as queue_module
+
+    ctx = mp.get_context("fork")
+    reports = ctx.Queue()
+    stage = ctx.Array("i", world_size, lock=False)
+    port = free_port()
+    t0 = time.monotonic()
+    procs = [
+        ctx.Process(target=_forked_entry,
+                    args=(target, r, world_size, port, reports, stage, log_dir, args))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {r: {} for r in range(world_size)}
+    end = t0 + deadline
+
+    def drain(wait: float) -> bool:
+        try:
+            rank, blob = reports.get(timeout=wait)
+        except queue_module.Empty:
+            return False
+        results[rank].update(pickle.loads(blob))
+        return True
+
+    try:
+        while any(p.is_alive() for p in procs) and time.monotonic() < end:
+            drain(min(0.5, max(0.01, end - time.monotonic())))
+    finally:
+        hung = {r: stage[r] for r, p in enumerate(procs) if p.is_alive()}
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join()
+    while drain(0.05):
+        pass
+    return {
+        "results": results,
+        "exit_codes": {r: p.exitcode for r, p in enumerate(procs)},
+        "hung": hung,
+        "pids": {r: p.pid for r, p in enumerate(procs)},
+        "world_s": time.monotonic() - t0,
+    }
