@@ -39,7 +39,7 @@ except RuntimeError as e:
     out["hmac_error"] = str(e)
 if "agent" in sys.argv:
     try:
-        _C.Agent(dist.HashStore(), "w0", 0, 1, _C._AgentOptions())
+        _C.Agent(dist.HashStore(), "w0", 0, 1, _C._RpcExtBackendOptionsBase())
         out["agent"] = "created"
     except RuntimeError as e:
         out["agent_error"] = str(e)
