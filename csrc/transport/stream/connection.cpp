@@ -15,13 +15,16 @@
 #include "csrc/common/logging.h"
 #include "csrc/transport/handshake.h"
 #include "csrc/transport/stream/address.h"
+#include "csrc/transport/stream/host_load.h"
 
 namespace torch_rpc_ext::transport::stream {
 
 namespace {
 
 // A handshake never takes longer than this many handshake timeouts, however
-// the peer trickles its bytes (handshakeTimeoutFromLoop()).
+// the peer trickles its bytes (handshakeTimeoutFromLoop()), and a peer is
+// never silent for longer than this many heartbeat timeouts however starved
+// this process is (heartbeatFromLoop()).
 constexpr int kMaxHandshakeTimeouts = 6;
 // A ready connection's tick when the heartbeat is off: the backend's idle
 // housekeeping (onTickFromLoop()) still runs.
@@ -124,9 +127,10 @@ void StreamConnection::handshakeTimeoutFromLoop() {
       std::chrono::steady_clock::duration(lastActivity_.load()));
   // The timeout measures a silent peer, not a busy host. So the deadline
   // runs from the peer's last byte, and it does not fire while bytes of the
-  // peer's wait unread in our socket or when this timer itself ran late:
-  // then it is this process that was starved of CPU (a host full of
-  // workers all connecting at once), not the peer that went quiet. A peer
+  // peer's wait unread in our socket or when this timer itself ran late
+  // (then it is this process that was starved of CPU: a host full of
+  // workers all connecting at once), nor while the host's CPUs are
+  // saturated (host_load.h: then a peer on it is likely starved too). A peer
   // that trickles bytes cannot hold the slot for more than kMaxHandshake
   // timeouts in all.
   if (now - handshakeStartedAt_ < kMaxHandshakeTimeouts * timeout) {
@@ -138,7 +142,8 @@ void StreamConnection::handshakeTimeoutFromLoop() {
     int unread = 0;
     bool waiting = ::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0;
     bool late = now - handshakeDue_ > timeout / 4;
-    if (waiting || late) {
+    if (waiting || late ||
+        cpuPressurePercent() >= kStarvedPressurePercent) {
       armHandshakeTimer(std::max(milliseconds(1), timeout / 4));
       return;
     }
@@ -212,6 +217,7 @@ void StreamConnection::scheduleHeartbeat() {
   auto every = options_.heartbeatTimeout.count() > 0
       ? options_.heartbeatTimeout / 5
       : kIdleTick;
+  tickDue_ = std::chrono::steady_clock::now() + every;
   std::weak_ptr<StreamConnection> weak = weak_from_this();
   loop_.runAfter(every, [weak] {
     if (auto self = weak.lock()) {
@@ -225,18 +231,31 @@ void StreamConnection::heartbeatFromLoop() {
     return;
   }
   if (options_.heartbeatTimeout.count() > 0) {
+    const auto timeout = options_.heartbeatTimeout;
     auto silent = std::chrono::steady_clock::now().time_since_epoch() -
         std::chrono::steady_clock::duration(lastActivity_.load());
-    if (silent >= options_.heartbeatTimeout) {
-      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(silent);
-      closeInternal(
-          "no sign of life from the peer for " +
-              std::to_string(ms.count() / 1000.0).substr(0, 5) +
-              " s (heartbeat_timeout)",
-          false);
-      return;
+    if (silent >= timeout) {
+      // As for the handshake: a silent peer, not a starved host. Bytes of
+      // the peer waiting unread in our socket, this tick running late (this
+      // process was kept off the CPU), or saturated CPUs (host_load.h) give
+      // the peer more time, up to kMaxHandshakeTimeouts timeouts in all.
+      int unread = 0;
+      bool waiting = ::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0;
+      bool late =
+          std::chrono::steady_clock::now() - tickDue_ > timeout / 5;
+      bool busy = waiting || late ||
+          cpuPressurePercent() >= kStarvedPressurePercent;
+      if (!busy || silent >= kMaxHandshakeTimeouts * timeout) {
+        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(silent);
+        closeInternal(
+            "no sign of life from the peer for " +
+                std::to_string(ms.count() / 1000.0).substr(0, 5) +
+                " s (heartbeat_timeout)",
+            false);
+        return;
+      }
     }
-    if (silent >= options_.heartbeatTimeout / 5) {
+    if (silent >= timeout / 5) {
       queueControl(uint8_t(FrameKind::kPing), {});
     }
   }

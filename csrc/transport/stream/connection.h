@@ -73,6 +73,13 @@ class StreamConnection : public Connection,
 
   void handleEventsFromLoop(uint32_t events) override;
 
+  // Fuzzing and tests only (tests/fuzz/fuzz_stream.cpp): parse `data` on the
+  // calling thread as if a ready connection had just read it from its socket
+  // (the handshake skipped), with `fds` as the descriptors that came with
+  // it. For a connection made with fd -1 that was never started. Returns
+  // false once the connection has closed (the peer's input was rejected).
+  bool feedForTesting(const char* data, size_t size, std::vector<int> fds = {});
+
  protected:
   enum class State { kConnecting, kHandshake, kReady, kClosed };
 
@@ -283,6 +290,8 @@ class StreamConnection : public Connection,
   // Loop thread: when the handshake started, and when its timer is due.
   std::chrono::steady_clock::time_point handshakeStartedAt_;
   std::chrono::steady_clock::time_point handshakeDue_;
+  // Loop thread: when the next heartbeat tick is due.
+  std::chrono::steady_clock::time_point tickDue_;
 
   std::vector<std::shared_ptr<void>> finished_; // keepAlives (writeMutex_)
   bool registered_ = false;

@@ -123,6 +123,42 @@ void StreamConnection::onReadableFromLoop() {
   }
 }
 
+bool StreamConnection::feedForTesting(
+    const char* data,
+    size_t size,
+    std::vector<int> fds) {
+  if (state_ == State::kHandshake || state_ == State::kConnecting) {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    peerId_ = expectedPeerId_;
+    state_ = State::kReady;
+  }
+  receivedFds_.insert(receivedFds_.end(), fds.begin(), fds.end());
+  if (receivedFds_.size() > maxPendingFds()) {
+    rejectFromLoop("peer sent unexpected file descriptors");
+    return false;
+  }
+  if (!staging_) {
+    staging_.reset(new char[kStagingBytes]);
+  }
+  while (size > 0 && state_ != State::kClosed) {
+    if (stagedBegin_ == stagedEnd_) {
+      stagedBegin_ = stagedEnd_ = 0;
+    }
+    size_t take = std::min(size, kStagingBytes - stagedEnd_);
+    if (take == 0) {
+      return false; // unreachable: consumeFromLoop() drains what it can
+    }
+    std::memcpy(staging_.get() + stagedEnd_, data, take);
+    stagedEnd_ += take;
+    data += take;
+    size -= take;
+    if (!consumeFromLoop()) {
+      break;
+    }
+  }
+  return state_ != State::kClosed;
+}
+
 bool StreamConnection::consumeFromLoop() {
   while (stagedBegin_ < stagedEnd_ && state_ != State::kClosed) {
     size_t avail = stagedEnd_ - stagedBegin_;

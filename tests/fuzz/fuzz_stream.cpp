@@ -1,0 +1,159 @@
+// SPDX-License-Identifier: BSD-3-Clause
+//
+// Fuzzes the stream core's incremental frame parser as an authenticated
+// shm peer reaches it (csrc/transport/stream/connection_reader.cpp with the
+// hooks of csrc/transport/shm/connection*.cpp): frame headers and segment
+// lengths, every control frame (ping, pong, ring setup and drop, slab setup,
+// release and drop), and message frames whose segments travel in the stream,
+// in chunks through the peer's ring, or in the peer's slabs.
+//
+// Input: one setup byte, then the bytes the peer sends, fed to a fresh
+// connection in pieces of up to 257 bytes at a time (so every phase of the
+// parser is also entered mid-way). Setup bit 0: before the input, the peer
+// hands over a real sealed 64 KiB ring (a kRing frame with the ring's memfd
+// and eventfd), so chunk records are checked against a mapped ring; bit 1:
+// likewise a real sealed 64 KiB slab, id 1. The layout of a frame is in
+// docs/wire-format.md; make_seeds.py writes valid ones.
+//
+// A finding: a sanitizer report, a crash or a hang; a frame delivered with a
+// segment count other than announced; provided (slab) memory that cannot be
+// read end to end.
+
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "csrc/transport/shm/connection.h"
+#include "csrc/transport/shm/ring.h"
+#include "csrc/transport/shm/slab.h"
+#include "tests/fuzz/fuzz_input.h"
+
+namespace torch_rpc_ext::fuzz {
+namespace {
+
+using transport::ConnectionObserver;
+using transport::FrameHeader;
+using transport::FrameKind;
+using transport::InboundBuffers;
+
+// Receives what the parser delivers; owns the segment buffers it hands out.
+class Observer final : public ConnectionObserver {
+ public:
+  void onReady(const std::shared_ptr<transport::Connection>&) override {}
+
+  InboundBuffers onFrameHead(
+      transport::Connection&,
+      const std::string& /*head*/,
+      const std::vector<uint64_t>& sizes,
+      const std::vector<bool>& provided) override {
+    InboundBuffers b;
+    auto owned = std::make_shared<std::vector<std::vector<char>>>();
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      bool byPeer = !provided.empty() && provided[i];
+      owned->emplace_back(byPeer ? 0 : sizes[i]);
+      b.segments.push_back(byPeer ? nullptr : owned->back().data());
+    }
+    announced_ = sizes;
+    b.keepAlive = owned;
+    return b;
+  }
+
+  void onFrame(
+      const std::shared_ptr<transport::Connection>&,
+      std::string /*head*/,
+      InboundBuffers buffers) override {
+    FUZZ_CHECK(buffers.segments.size() == announced_.size(),
+          "frame delivered with another segment count than announced");
+    for (size_t i = 0; i < buffers.provided.size(); ++i) {
+      if (buffers.provided[i] == nullptr || announced_[i] == 0) {
+        continue;
+      }
+      // Provided memory is a view of a mapped slab: all of it is readable.
+      const volatile char* p = static_cast<const char*>(buffers.provided[i]);
+      sink_ += p[0] + p[announced_[i] - 1];
+    }
+  }
+
+  void onClosed(transport::Connection&, const std::string&) override {}
+
+ private:
+  std::vector<uint64_t> announced_;
+  volatile char sink_ = 0;
+};
+
+std::string header(FrameKind kind, uint32_t headLength) {
+  FrameHeader h{transport::kFrameMagic, transport::kProtocolVersion,
+                uint8_t(kind), 0, headLength, 0, 0};
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+struct Harness {
+  Harness() : loop(), observer() {
+    options.selfId = 1;
+    options.secret = std::string(32, 's');
+    options.limits.maxFrameBytes = 1 << 20;
+    options.heartbeatTimeout = std::chrono::milliseconds(0);
+  }
+  transport::stream::Loop loop;
+  transport::TransportOptions options;
+  transport::shm::SlabCounters counters;
+  Observer observer;
+};
+
+Harness& harness() {
+  static Harness* h = new Harness(); // never destroyed: its loop keeps running
+  return *h;
+}
+
+} // namespace
+} // namespace torch_rpc_ext::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace torch_rpc_ext;
+  using namespace torch_rpc_ext::fuzz;
+  auto& h = harness();
+  FuzzInput in(data, size);
+  uint8_t setup = in.take<uint8_t>();
+  auto conn = std::make_shared<transport::shm::ShmConnection>(
+      h.loop, h.options, h.counters, /*fd=*/-1, /*outbound=*/false,
+      /*expectedPeerId=*/0, "fuzz peer", &h.observer);
+  bool open = true;
+  // The sender's side of the ring and slab stay ours; the connection maps
+  // its own views from duplicates of their descriptors.
+  transport::shm::Ring ring;
+  std::shared_ptr<transport::shm::Slab> slab;
+  if (setup & 1) {
+    ring = transport::shm::Ring::create(transport::shm::kMinRingBytes);
+    uint64_t cap = ring.capacity();
+    std::string frame = header(FrameKind::kRing, sizeof(cap));
+    frame.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
+    open = conn->feedForTesting(
+        frame.data(), frame.size(), {::dup(ring.fd()), ::dup(ring.wakeFd())});
+    FUZZ_CHECK(open, "a valid ring setup was refused");
+  }
+  if (open && (setup & 2)) {
+    slab = transport::shm::Slab::create(transport::shm::kSlabMinSegment);
+    uint32_t id = 1;
+    uint64_t cap = slab->capacity();
+    std::string frame = header(FrameKind::kSlab, sizeof(id) + sizeof(cap));
+    frame.append(reinterpret_cast<const char*>(&id), sizeof(id));
+    frame.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
+    open = conn->feedForTesting(frame.data(), frame.size(), {::dup(slab->fd())});
+    FUZZ_CHECK(open, "a valid slab setup was refused");
+  }
+  std::string rest = in.takeRest();
+  size_t at = 0;
+  size_t piece = 1 + (setup >> 2) % 257;
+  while (open && at < rest.size()) {
+    size_t n = std::min(piece, rest.size() - at);
+    open = conn->feedForTesting(rest.data() + at, n);
+    at += n;
+  }
+  conn->close("");
+  return 0;
+}
