@@ -407,9 +407,12 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   auto m = std::make_shared<InboundMessage>();
   HeadReader r(head);
   uint32_t type = r.get<uint32_t>("type");
-  if ((type & (rpc::MessageTypeFlags::REQUEST_TYPE |
-               rpc::MessageTypeFlags::RESPONSE_TYPE)) == 0 ||
-      type > 0xFFFF) {
+  // rpc::MessageType has no fixed underlying type, so it can only hold the
+  // values of its smallest bit-field, 0..0x3FF (the two flag bits and the
+  // byte under them): casting anything larger to it is undefined behaviour.
+  constexpr uint32_t kFlags = rpc::MessageTypeFlags::REQUEST_TYPE |
+      rpc::MessageTypeFlags::RESPONSE_TYPE;
+  if ((type & kFlags) == 0 || type > (kFlags | 0xFF)) {
     throw std::invalid_argument("bad message type " + std::to_string(type));
   }
   m->type_ = static_cast<rpc::MessageType>(type);

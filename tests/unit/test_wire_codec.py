@@ -120,6 +120,8 @@ def test_handmade_head_decodes():
         (dense_head(layout=9), [b"", bytes(16)], "unknown layout"),
         (dense_head(ntensors=1 << 30), [b"", bytes(16)], "tensor count"),
         (dense_head(type_=0x0C), [b"", bytes(16)], "bad message type"),
+        # Request bit set, but beyond rpc::MessageType's range (0..0x3FF).
+        (dense_head(type_=0x1164), [b"", bytes(16)], "bad message type"),
         (dense_head(), [], "without a payload segment"),
     ],
 )
