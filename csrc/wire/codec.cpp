@@ -288,6 +288,29 @@ InboundMessage::DenseMeta readDense(
   return m;
 }
 
+// Whether `m` describes more elements than its segment holds. Zero strides
+// let a few bytes stand for any number of elements: fine for a dense tensor
+// (a broadcast view costs nothing to receive), not for sparse indices, which
+// finish() reads one by one to validate them.
+bool moreElementsThanSegment(
+    const InboundMessage::DenseMeta& m,
+    const std::vector<uint64_t>& segmentSizes) {
+  for (int64_t s : m.sizes) {
+    if (s == 0) {
+      return false;
+    }
+  }
+  uint64_t room = segmentSizes[m.segment] / c10::elementSize(m.dtype);
+  uint64_t n = 1;
+  for (int64_t s : m.sizes) {
+    if (uint64_t(s) > room / n) {
+      return true;
+    }
+    n *= uint64_t(s);
+  }
+  return false;
+}
+
 // A pooled block owned by a storage: returned to its pool (which it keeps
 // alive) when the last tensor viewing it dies, on whatever thread that is.
 struct PooledBlock {
@@ -448,6 +471,10 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
       t.dense = readDense(r, segmentSizes);
       if (t.indices.dtype != c10::ScalarType::Long) {
         throw std::invalid_argument("sparse indices must be int64");
+      }
+      if (moreElementsThanSegment(t.indices, segmentSizes)) {
+        throw std::invalid_argument(
+            "sparse indices have more elements than their segment holds");
       }
     } else {
       throw std::invalid_argument("unknown layout " + std::to_string(layout));

@@ -18,8 +18,10 @@
 // (the transport catches std::exception and closes the connection); a
 // message whose type, id or payload differ from what was sent; a tensor
 // (dense, or a sparse tensor's indices or values) that reaches outside its
-// storage; a sparse tensor with an index outside its size, or one that
-// crashes (rather than raises) when densified.
+// storage; a sparse tensor with an index outside its size, with more
+// indices than its indices' segment holds (validating them would take time
+// unbounded by the frame; found as a timeout first), or one that crashes
+// (rather than raises) when densified; a timeout.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -82,6 +84,13 @@ void checkSparse(const at::Tensor& s) {
   checkInsideStorage(values, "sparse values");
   FUZZ_CHECK(indices.dim() == 2 && indices.scalar_type() == at::kLong,
              "sparse indices of the wrong shape or dtype");
+  // Validating them reads every index: they must be bytes received, not a
+  // zero-stride view standing for any number of them.
+  FUZZ_CHECK(__int128(indices.numel()) * 8 <=
+                 __int128(indices.storage().nbytes()),
+             "sparse indices not backed by received bytes: " +
+                 std::to_string(indices.numel()) + " in a storage of " +
+                 std::to_string(indices.storage().nbytes()) + " bytes");
   int64_t sparseDims = indices.size(0);
   int64_t nnz = indices.size(1);
   FUZZ_CHECK(sparseDims <= s.dim(), "more sparse dims than dims");
