@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: BSD-3-Clause
 # The test suite: upstream's RPC conformance suites on TORCH_RPC_EXT, our
-# multi-process tests, then the in-process unit tests. Arguments, if any, are
-# passed to a single pytest run instead.
+# multi-process tests, the in-process unit tests, then a bounded round of the
+# libFuzzer targets. Arguments, if any, are passed to a single pytest run
+# instead.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . tools/setup_env.sh
@@ -23,3 +24,8 @@ TORCH_RPC_EXT_TRANSPORTS=tcp \
 # Upstream's fault-injection suites: a process of their own (see the module).
 python -m pytest -p no:cacheprovider -q --timeout 900 tests/faulty
 python -m pytest -p no:cacheprovider -q --timeout 300 tests/unit
+# The in-process fuzzers (tests/fuzz; docs/reliability.md, "In-process
+# fuzzing"): build them (clang-14 + libFuzzer, ASan + UBSan), then a bounded
+# round of about a minute over the parsers a peer reaches, from the seed
+# corpus. Any finding fails the run.
+bash tests/fuzz/run.sh

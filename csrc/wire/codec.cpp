@@ -288,6 +288,29 @@ InboundMessage::DenseMeta readDense(
   return m;
 }
 
+// Whether `m` describes more elements than its segment holds. Zero strides
+// let a few bytes stand for any number of elements: fine for a dense tensor
+// (a broadcast view costs nothing to receive), not for sparse indices, which
+// finish() reads one by one to validate them.
+bool moreElementsThanSegment(
+    const InboundMessage::DenseMeta& m,
+    const std::vector<uint64_t>& segmentSizes) {
+  for (int64_t s : m.sizes) {
+    if (s == 0) {
+      return false;
+    }
+  }
+  uint64_t room = segmentSizes[m.segment] / c10::elementSize(m.dtype);
+  uint64_t n = 1;
+  for (int64_t s : m.sizes) {
+    if (uint64_t(s) > room / n) {
+      return true;
+    }
+    n *= uint64_t(s);
+  }
+  return false;
+}
+
 // A pooled block owned by a storage: returned to its pool (which it keeps
 // alive) when the last tensor viewing it dies, on whatever thread that is.
 struct PooledBlock {
@@ -407,9 +430,12 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   auto m = std::make_shared<InboundMessage>();
   HeadReader r(head);
   uint32_t type = r.get<uint32_t>("type");
-  if ((type & (rpc::MessageTypeFlags::REQUEST_TYPE |
-               rpc::MessageTypeFlags::RESPONSE_TYPE)) == 0 ||
-      type > 0xFFFF) {
+  // rpc::MessageType has no fixed underlying type, so it can only hold the
+  // values of its smallest bit-field, 0..0x3FF (the two flag bits and the
+  // byte under them): casting anything larger to it is undefined behaviour.
+  constexpr uint32_t kFlags = rpc::MessageTypeFlags::REQUEST_TYPE |
+      rpc::MessageTypeFlags::RESPONSE_TYPE;
+  if ((type & kFlags) == 0 || type > (kFlags | 0xFF)) {
     throw std::invalid_argument("bad message type " + std::to_string(type));
   }
   m->type_ = static_cast<rpc::MessageType>(type);
@@ -445,6 +471,10 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
       t.dense = readDense(r, segmentSizes);
       if (t.indices.dtype != c10::ScalarType::Long) {
         throw std::invalid_argument("sparse indices must be int64");
+      }
+      if (moreElementsThanSegment(t.indices, segmentSizes)) {
+        throw std::invalid_argument(
+            "sparse indices have more elements than their segment holds");
       }
     } else {
       throw std::invalid_argument("unknown layout " + std::to_string(layout));

@@ -120,6 +120,8 @@ def test_handmade_head_decodes():
         (dense_head(layout=9), [b"", bytes(16)], "unknown layout"),
         (dense_head(ntensors=1 << 30), [b"", bytes(16)], "tensor count"),
         (dense_head(type_=0x0C), [b"", bytes(16)], "bad message type"),
+        # Request bit set, but beyond rpc::MessageType's range (0..0x3FF).
+        (dense_head(type_=0x1164), [b"", bytes(16)], "bad message type"),
         (dense_head(), [], "without a payload segment"),
     ],
 )
@@ -138,4 +140,17 @@ def test_sparse_with_out_of_range_indices_is_rejected():
     assert needle in head
     bad = head.replace(needle, struct.pack("<Bq", 1, 2), 1)
     with pytest.raises(ValueError, match="index|size"):
+        _testing.decode_message(bad, segments)
+
+
+def test_sparse_indices_must_be_backed_by_their_segment():
+    # Indices [[0, 1]] (shape 1x2, strides 2, 1) redescribed as 2**40 copies
+    # of one index through a zero stride: 16 bytes would stand for 2**40
+    # indices to validate (tests/fuzz found this as a hang).
+    s = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (2,))
+    head, segments = _testing.encode_message(PYTHON_CALL, b"", [s], 1)
+    needle = struct.pack("<BBB2q2q", 4, 0, 2, 1, 2, 2, 1)  # int64, 2 dims
+    assert needle in head
+    bad = head.replace(needle, struct.pack("<BBB2q2q", 4, 0, 2, 1, 1 << 40, 0, 0), 1)
+    with pytest.raises(ValueError, match="more elements than their segment"):
         _testing.decode_message(bad, segments)

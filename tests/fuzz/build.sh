@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
+# Builds the libFuzzer targets of tests/fuzz (ASan + UBSan) into
+# tests/fuzz/build/fuzz_<name>. Installs clang-14 and its runtimes with apt
+# when missing (as root, or through passwordless sudo) and fails clearly if
+# it cannot.
+#
+#   bash tests/fuzz/build.sh            # every target
+#   bash tests/fuzz/build.sh ring slab  # some
+#   bash tests/fuzz/build.sh --list     # the target names
+#
+# Environment: FUZZ_CXX (default clang++-14); TORCH_DIR (torch's package
+# directory; default: asked of the repo's .venv python, else of python3) and
+# TORCH_CXX11_ABI (default 1) when TORCH_DIR is given.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/../.." && pwd)
+
+# One line per target: its name (the harness is tests/fuzz/fuzz_<name>.cpp),
+# "torch" if it links libtorch (else "-"), then the project sources it
+# compiles, from the repo root. Adding a target is its harness plus one line
+# here; a moved source file is an edit here only.
+TARGETS=(
+  "frame     -      csrc/transport/frame.cpp"
+  "handshake -      csrc/transport/handshake.cpp csrc/common/crypto.cpp"
+  "codec     torch  csrc/wire/codec.cpp csrc/common/buffer_pool.cpp"
+  "ring      -      csrc/transport/shm/ring.cpp csrc/common/logging.cpp"
+  "slab      -      csrc/transport/shm/slab.cpp csrc/common/logging.cpp"
+)
+
+if [ "${1:-}" = "--list" ]; then
+  for line in "${TARGETS[@]}"; do
+    read -r name _ <<<"$line"
+    echo "$name"
+  done
+  exit 0
+fi
+
+CXX=${FUZZ_CXX:-clang++-14}
+out="$here/build"
+mkdir -p "$out"
+CXXFLAGS=(-std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined
+  -fno-sanitize-recover=undefined -fno-omit-frame-pointer -I"$root")
+
+die() {
+  echo "tests/fuzz/build.sh: $*" >&2
+  exit 1
+}
+
+# Compiles and links a trivial fuzz target: proves the compiler and the
+# fuzzer/ASan/UBSan runtimes are all there.
+probe() {
+  command -v "$CXX" >/dev/null 2>&1 || return 1
+  printf '%s\n' '#include <cstddef>' '#include <cstdint>' \
+    'extern "C" int LLVMFuzzerTestOneInput(const uint8_t*, size_t) { return 0; }' \
+    >"$out/probe.cpp"
+  "$CXX" "${CXXFLAGS[@]}" "$out/probe.cpp" -o "$out/probe" >"$out/probe.log" 2>&1
+}
+
+if ! probe; then
+  echo "tests/fuzz/build.sh: $CXX with libFuzzer not usable; installing clang-14 libclang-rt-14-dev" >&2
+  if [ "$(id -u)" = 0 ]; then
+    sudo=()
+  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    sudo=(sudo -n)
+  else
+    die "need root (or passwordless sudo) to apt-get install clang-14 libclang-rt-14-dev"
+  fi
+  command -v apt-get >/dev/null 2>&1 || die "no apt-get: install clang-14 with libFuzzer, or set FUZZ_CXX"
+  install() {
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q -o Dpkg::Use-Pty=0 clang-14 libclang-rt-14-dev >"$out/apt.log" 2>&1
+  }
+  if ! install; then
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q >>"$out/apt.log" 2>&1 || true
+    install || die "apt-get install clang-14 libclang-rt-14-dev failed (see $out/apt.log)"
+  fi
+  probe || die "$CXX still cannot build a fuzz target (see $out/probe.log)"
+fi
+
+torch_flags() {
+  if [ -z "${TORCH_DIR:-}" ]; then
+    local py=python3
+    [ -x "$root/.venv/bin/python" ] && py="$root/.venv/bin/python"
+    read -r TORCH_DIR TORCH_CXX11_ABI < <("$py" -c \
+      'import os, torch; print(os.path.dirname(torch.__file__), int(torch._C._GLIBCXX_USE_CXX11_ABI))') ||
+      die "torch not found (set TORCH_DIR, or run tools/setup_env.sh)"
+  fi
+  [ -d "$TORCH_DIR/include" ] && [ -d "$TORCH_DIR/lib" ] ||
+    die "no torch headers/libraries under TORCH_DIR=$TORCH_DIR"
+  # Must match the one torch was built with (1 for the pip wheels since 2.7).
+  TORCH_CXXFLAGS=(-isystem "$TORCH_DIR/include"
+    -isystem "$TORCH_DIR/include/torch/csrc/api/include"
+    -D_GLIBCXX_USE_CXX11_ABI="${TORCH_CXX11_ABI:-1}")
+  TORCH_LDFLAGS=(-L"$TORCH_DIR/lib" -Wl,-rpath,"$TORCH_DIR/lib" -ltorch_cpu -lc10)
+}
+
+# Rebuild when anything the binary may depend on is newer: its harness, the
+# shared headers, this script, its sources, and any project header.
+stale() {
+  local bin=$1
+  shift
+  [ -x "$bin" ] || return 0
+  local f
+  for f in "$@"; do
+    [ "$f" -nt "$bin" ] && return 0
+  done
+  [ -n "$(find "$root/csrc" "$here" -maxdepth 4 -name '*.h' -newer "$bin" -print -quit)" ]
+}
+
+wanted=("$@")
+built=0
+for line in "${TARGETS[@]}"; do
+  read -r name kind sources <<<"$line"
+  if [ "${#wanted[@]}" -gt 0 ] && [[ " ${wanted[*]} " != *" $name "* ]]; then
+    continue
+  fi
+  harness="$here/fuzz_$name.cpp"
+  [ -f "$harness" ] || die "no harness $harness for target $name"
+  srcs=("$harness")
+  for s in $sources; do
+    [ -f "$root/$s" ] || die "target $name: no source $s (moved? edit TARGETS in $0)"
+    srcs+=("$root/$s")
+  done
+  bin="$out/fuzz_$name"
+  extra=()
+  libs=()
+  if [ "$kind" = torch ]; then
+    torch_flags
+    extra=("${TORCH_CXXFLAGS[@]}")
+    libs=("${TORCH_LDFLAGS[@]}")
+    [ -n "${TORCH_DIR:-}" ] && srcs_dep=("$TORCH_DIR/version.py") || srcs_dep=()
+  else
+    srcs_dep=()
+  fi
+  if stale "$bin" "${srcs[@]}" "${srcs_dep[@]}" "$here/build.sh"; then
+    echo "building fuzz_$name"
+    start=$(date +%s)
+    "$CXX" "${CXXFLAGS[@]}" "${extra[@]}" "${srcs[@]}" -o "$bin.tmp" "${libs[@]}" -lpthread ||
+      die "building fuzz_$name failed"
+    mv "$bin.tmp" "$bin"
+    echo "built fuzz_$name in $(($(date +%s) - start)) s"
+  fi
+  built=$((built + 1))
+done
+[ "$built" -gt 0 ] || die "no target matches: ${wanted[*]} (see --list)"

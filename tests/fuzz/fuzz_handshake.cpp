@@ -1,0 +1,264 @@
+// SPDX-License-Identifier: BSD-3-Clause
+//
+// Fuzzes transport::Handshake (csrc/transport/handshake.h), both roles: the
+// only code that parses what an unauthenticated peer sends. The harness plays
+// the peer. Each step it sends a raw head, or the frame an honest peer would
+// send next (computing the HMAC proofs itself, from the nonces it has seen,
+// so the deeper states are reached), or that frame with a byte flipped or
+// resized. It feeds frames in every state, including after the handshake is
+// done, and stops after the first error, as a connection closes then.
+//
+// Input: uint8 config (bit 0: fuzz the client role, else the server; bit 1:
+// the peer uses a wrong secret; bit 2: the peer claims the id the client
+// expects), int32 selfId, int32 expectedPeerId, int32 peerId; then up to
+// kMaxSteps steps, each a uint8 op and its operands (see nextHead()).
+//
+// A finding: a sanitizer report; an accepted frame an honest peer without
+// the secret could not have produced (a wrong proof or id, a proof not bound
+// to both nonces and ids); a correct frame refused; a reply that is not what
+// the protocol prescribes; a step that both fails and replies or completes;
+// expectedKind()/expectedHeadBytes() inconsistent with the state.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "csrc/common/crypto.h"
+#include "csrc/transport/handshake.h"
+#include "tests/fuzz/fuzz_input.h"
+
+namespace torch_rpc_ext::fuzz {
+namespace {
+
+using transport::FrameKind;
+using transport::Handshake;
+using transport::kChallengeBytes;
+using transport::kHelloBytes;
+using transport::kNonceBytes;
+using transport::kProofBytes;
+
+constexpr size_t kMaxSteps = 6;
+const std::string kSecret = "fuzz-group-secret-0123456789abcd";
+const std::string kWrongSecret = "fuzz-group-secret-0123456789abcX";
+
+std::string le32(int32_t v) {
+  char b[4];
+  std::memcpy(b, &v, 4);
+  return std::string(b, 4);
+}
+
+int32_t idAt(const std::string& s, size_t at) {
+  int32_t v;
+  std::memcpy(&v, s.data() + at, 4);
+  return v;
+}
+
+// The protocol's proof, written out here independently of makeProof().
+std::string proof(
+    const std::string& secret,
+    const char* role,
+    const std::string& clientNonce,
+    const std::string& serverNonce,
+    int32_t clientId,
+    int32_t serverId) {
+  Digest d = hmacSha256(
+      secret,
+      std::string("torch_rpc_ext/1/") + role + clientNonce + serverNonce +
+          le32(clientId) + le32(serverId));
+  return std::string(reinterpret_cast<const char*>(d.data()), d.size());
+}
+
+std::string nonceFrom(FuzzInput& in) {
+  std::string n = in.takeBytes(kNonceBytes);
+  n.resize(kNonceBytes, '\0');
+  return n;
+}
+
+// What the peer knows, and the frame an honest peer would send next.
+struct Peer {
+  bool client; // the role under test is the client (the peer is a server)
+  std::string secret;
+  int32_t id;
+  // Learnt from the frames exchanged so far.
+  std::string clientNonce;
+  std::string serverNonce;
+  int32_t clientId = 0;
+  int32_t serverId = 0;
+  std::string lastValid; // replayed once the handshake is done
+
+  std::string validNext(FuzzInput& in, bool done) {
+    if (done) {
+      return lastValid;
+    }
+    if (client) {
+      // A challenge to the client's hello.
+      std::string nonce = nonceFrom(in);
+      lastValid = le32(id) + nonce +
+          proof(secret, "server", clientNonce, nonce, clientId, id);
+    } else if (clientNonce.empty()) {
+      // A hello; what the server saw is taken from the head it accepted.
+      lastValid = le32(id) + nonceFrom(in);
+    } else {
+      lastValid =
+          proof(secret, "client", clientNonce, serverNonce, clientId, serverId);
+    }
+    return lastValid;
+  }
+
+  // The head of one step. Ops (low two bits): 0 raw (uint8 length, bytes);
+  // 1 the valid frame; 2 it with one byte xored (uint8 position, uint8
+  // mask); 3 it resized (uint8 length; growth filled from the input).
+  std::string nextHead(FuzzInput& in, bool done) {
+    uint8_t op = in.take<uint8_t>();
+    if ((op & 3) == 0) {
+      return in.takeBytes(in.take<uint8_t>());
+    }
+    std::string head = validNext(in, done);
+    if ((op & 3) == 2 && !head.empty()) {
+      size_t at = in.take<uint8_t>() % head.size();
+      uint8_t mask = in.take<uint8_t>();
+      head[at] = char(uint8_t(head[at]) ^ (mask == 0 ? 1 : mask));
+    } else if ((op & 3) == 3) {
+      size_t n = in.take<uint8_t>();
+      if (n > head.size()) {
+        head += in.takeBytes(n - head.size());
+      }
+      head.resize(n, '\0');
+    }
+    return head;
+  }
+};
+
+void checkStepShape(const Handshake::Step& step) {
+  FUZZ_CHECK(
+      step.error.empty() || (!step.hasReply && !step.done),
+      "a failed step replied or completed: " + step.error);
+  FUZZ_CHECK(
+      !step.error.empty() || step.hasReply || step.done,
+      "a step neither failed, replied nor completed");
+}
+
+void fuzzClient(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
+  Handshake hs(true, kSecret, selfId, expected);
+  std::string hello = hs.hello();
+  FUZZ_CHECK(hello.size() == kHelloBytes, "hello of the wrong size");
+  FUZZ_CHECK(idAt(hello, 0) == selfId, "hello names another id");
+  peer.clientId = selfId;
+  peer.clientNonce = hello.substr(4, kNonceBytes);
+  bool done = false;
+  for (size_t i = 0; i < kMaxSteps && !in.empty(); ++i) {
+    FUZZ_CHECK(
+        hs.expectedKind() == (done ? FrameKind::kProof : FrameKind::kChallenge),
+        "client expects the wrong kind");
+    std::string head = peer.nextHead(in, done);
+    Handshake::Step step = hs.onFrame(head);
+    checkStepShape(step);
+    bool correct = !done && head.size() == kChallengeBytes &&
+        idAt(head, 0) == expected &&
+        head.substr(4 + kNonceBytes) ==
+            proof(kSecret, "server", peer.clientNonce,
+                  head.substr(4, kNonceBytes), selfId, expected);
+    if (done) {
+      FUZZ_CHECK(!step.error.empty(), "a frame after the handshake passed");
+      return;
+    }
+    FUZZ_CHECK(step.done == correct,
+               step.done ? "client accepted a bad challenge"
+                         : "client refused a correct challenge: " + step.error);
+    if (!step.done) {
+      return;
+    }
+    FUZZ_CHECK(hs.expectedHeadBytes() == kProofBytes, "state after done");
+    FUZZ_CHECK(step.hasReply && step.replyKind == FrameKind::kProof,
+               "client completed without sending its proof");
+    FUZZ_CHECK(step.replyHead ==
+                   proof(kSecret, "client", peer.clientNonce,
+                         head.substr(4, kNonceBytes), selfId, expected),
+               "client sent a wrong proof");
+    FUZZ_CHECK(hs.peerId() == expected, "client authenticated another id");
+    done = true;
+  }
+}
+
+void fuzzServer(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
+  Handshake hs(false, kSecret, selfId, expected);
+  enum { kHello, kProof, kDone } stage = kHello;
+  for (size_t i = 0; i < kMaxSteps && !in.empty(); ++i) {
+    FUZZ_CHECK(hs.expectedKind() ==
+                   (stage == kHello ? FrameKind::kHello : FrameKind::kProof),
+               "server expects the wrong kind");
+    FUZZ_CHECK(
+        hs.expectedHeadBytes() == (stage == kHello ? kHelloBytes : kProofBytes),
+        "server expects the wrong head size");
+    std::string head = peer.nextHead(in, stage == kDone);
+    Handshake::Step step = hs.onFrame(head);
+    checkStepShape(step);
+    if (stage == kDone) {
+      FUZZ_CHECK(!step.error.empty(), "a frame after the handshake passed");
+      return;
+    }
+    if (stage == kHello) {
+      bool wellFormed = head.size() == kHelloBytes && idAt(head, 0) >= 0;
+      FUZZ_CHECK(step.error.empty() == wellFormed,
+                 wellFormed
+                     ? "server refused a well-formed hello: " + step.error
+                     : std::string("server accepted a malformed hello"));
+      if (!wellFormed) {
+        return;
+      }
+      FUZZ_CHECK(!step.done, "server completed on a hello");
+      FUZZ_CHECK(step.hasReply && step.replyKind == FrameKind::kChallenge &&
+                     step.replyHead.size() == kChallengeBytes,
+                 "server did not answer a hello with a challenge");
+      peer.clientId = idAt(head, 0);
+      peer.clientNonce = head.substr(4, kNonceBytes);
+      peer.serverId = idAt(step.replyHead, 0);
+      peer.serverNonce = step.replyHead.substr(4, kNonceBytes);
+      FUZZ_CHECK(peer.serverId == selfId, "challenge names another id");
+      FUZZ_CHECK(peer.serverNonce != peer.clientNonce, "nonce echoed back");
+      FUZZ_CHECK(step.replyHead.substr(4 + kNonceBytes) ==
+                     proof(kSecret, "server", peer.clientNonce,
+                           peer.serverNonce, peer.clientId, selfId),
+                 "server sent a wrong proof");
+      stage = kProof;
+      continue;
+    }
+    bool correct = head == proof(kSecret, "client", peer.clientNonce,
+                                 peer.serverNonce, peer.clientId, selfId);
+    FUZZ_CHECK(step.done == correct,
+               step.done ? "server accepted a bad proof"
+                         : "server refused a correct proof: " + step.error);
+    if (!step.done) {
+      return;
+    }
+    FUZZ_CHECK(!step.hasReply, "server replied to a proof");
+    FUZZ_CHECK(hs.peerId() == peer.clientId, "server authenticated another id");
+    stage = kDone;
+  }
+}
+
+int fuzzOne(const uint8_t* data, size_t size) {
+  FuzzInput in(data, size);
+  uint8_t config = in.take<uint8_t>();
+  int32_t selfId = in.take<int32_t>();
+  int32_t expected = in.take<int32_t>();
+  int32_t peerId = in.take<int32_t>();
+  Peer peer;
+  peer.client = (config & 1) != 0;
+  peer.secret = (config & 2) != 0 ? kWrongSecret : kSecret;
+  peer.id = (config & 4) != 0 ? expected : peerId;
+  if (peer.client) {
+    fuzzClient(in, peer, selfId, expected);
+  } else {
+    fuzzServer(in, peer, selfId, expected);
+  }
+  return 0;
+}
+
+} // namespace
+} // namespace torch_rpc_ext::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  return torch_rpc_ext::fuzz::fuzzOne(data, size);
+}

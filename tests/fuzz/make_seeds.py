@@ -1,0 +1,286 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Writes the seed corpus of the libFuzzer targets: tests/fuzz/corpus/<target>/.
+
+Each seed is an input in its target's layout (written at the top of
+tests/fuzz/fuzz_<target>.cpp) that reaches a state deep enough for the fuzzer
+to start from: valid headers of every kind, complete handshakes in both
+roles, real message frames (encoded by the extension itself, so this needs
+the built torch_rpc_ext), attached rings and slabs with operations on them.
+It rewrites the seed-* files and leaves the others (reproducers of past
+findings) alone:
+
+    python tests/fuzz/make_seeds.py
+"""
+
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CORPUS = os.path.join(HERE, "corpus")
+
+
+def write(target, name, data):
+    d = os.path.join(CORPUS, target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "seed-" + name), "wb") as f:
+        f.write(data)
+
+
+def pick(predicate):
+    """The smallest op byte with `predicate` (ops carry operands in their bits)."""
+    return next(op for op in range(256) if predicate(op))
+
+
+def u16(v):
+    return struct.pack("<H", v)
+
+
+def u32(v):
+    return struct.pack("<I", v)
+
+
+def u64(v):
+    return struct.pack("<Q", v)
+
+
+def i32(v):
+    return struct.pack("<i", v)
+
+
+# --- frame -----------------------------------------------------------------
+
+FRAME_MAGIC = 0x58505254
+DEFAULT_LIMITS, FUZZ_AGENT_LIMITS, CUSTOM_LIMITS = b"\0", b"\1", b"\2"
+
+
+def frame_header(kind, flags=0, head=0, segments=0, data=0, magic=FRAME_MAGIC,
+                 version=1):
+    return struct.pack("<IBBHIIQ", magic, version, kind, flags, head, segments,
+                       data)
+
+
+def frame_seeds():
+    for kind in range(1, 11):
+        write("frame", f"kind{kind}", frame_header(kind, head=36) + DEFAULT_LIMITS)
+    write("frame", "message",
+          frame_header(4, head=100, segments=3, data=4096) + DEFAULT_LIMITS)
+    write("frame", "ring-flag",
+          frame_header(4, flags=1, segments=1, data=1 << 20) + DEFAULT_LIMITS)
+    # max_frame_bytes = 1 MiB: exactly at the limit, and one byte over.
+    room = (1 << 20) - (24 + 8 * 2 + 64)
+    write("frame", "at-limit",
+          frame_header(4, head=64, segments=2, data=room) + FUZZ_AGENT_LIMITS)
+    write("frame", "over-limit",
+          frame_header(4, head=64, segments=2, data=room + 1) + FUZZ_AGENT_LIMITS)
+    # Custom limits, and candidates for 64-bit wrap-around.
+    write("frame", "custom-limits",
+          frame_header(4, head=8, segments=1, data=32) + CUSTOM_LIMITS
+          + struct.pack("<QII", 72, 8, 1))
+    write("frame", "wrap",
+          frame_header(4, head=0xFFFF, segments=0xFFFF, data=(1 << 64) - 16)
+          + CUSTOM_LIMITS + struct.pack("<QII", (1 << 64) - 1, 2**32 - 1, 2**32 - 1))
+    write("frame", "bad-magic", frame_header(1, magic=0x12345678) + DEFAULT_LIMITS)
+    write("frame", "bad-version", frame_header(1, version=2) + DEFAULT_LIMITS)
+
+
+# --- handshake ---------------------------------------------------------------
+
+RAW, VALID, FLIP, RESIZE = range(4)
+
+
+def handshake_seeds():
+    nonce = bytes(range(32))
+    # Server role (config bit 0 clear): hello, proof, then a replay.
+    server = b"\0" + i32(0) + i32(-1) + i32(1)
+    hello = bytes([VALID]) + nonce
+    write("handshake", "server-complete", server + hello + bytes([VALID, VALID]))
+    write("handshake", "server-bad-proof", server + hello + bytes([FLIP, 5, 0x80]))
+    write("handshake", "server-short-proof", server + hello + bytes([RESIZE, 31]))
+    write("handshake", "server-negative-id",
+          b"\0" + i32(0) + i32(-1) + i32(-7) + hello)
+    write("handshake", "server-raw-hello", server + bytes([RAW, 36]) + i32(3) + nonce)
+    write("handshake", "server-wrong-secret",
+          b"\2" + i32(0) + i32(-1) + i32(1) + hello + bytes([VALID]))
+    # Client role (bit 0), the peer claiming the expected id (bit 2).
+    client = b"\5" + i32(1) + i32(0) + i32(0)
+    write("handshake", "client-complete", client + hello + bytes([VALID]))
+    write("handshake", "client-bad-proof",
+          client + bytes([FLIP]) + nonce + bytes([40, 1]))
+    write("handshake", "client-wrong-id", b"\1" + i32(1) + i32(0) + i32(5) + hello)
+    write("handshake", "client-wrong-secret", b"\7" + i32(1) + i32(0) + i32(0) + hello)
+    write("handshake", "client-long", client + bytes([RESIZE]) + nonce + bytes([73, 0]))
+
+
+# --- codec -------------------------------------------------------------------
+
+PROVIDED, POOL_SIZED = 1, 2
+
+
+def codec_input(head, segments, flags=None, use_pool=False):
+    """nseg; per segment flags, uint16 size; pool; uint16 head length; head; bytes.
+
+    A POOL_SIZED segment is BufferPool::kMinPooledBytes longer than its bytes
+    here (the target repeats the bytes over it).
+    """
+    flags = flags or [0] * len(segments)
+    out = bytes([len(segments)])
+    for f, s in zip(flags, segments):
+        assert len(s) < 1 << 16, "seed segments must fit a uint16"
+        out += struct.pack("<BH", f, len(s))
+    out += bytes([1 if use_pool else 0]) + u16(len(head)) + head
+    return out + b"".join(segments)
+
+
+def codec_seeds():
+    import torch
+    from torch_rpc_ext._C import _testing
+
+    call, ret = 0x02 | 0x100, 0x03 | 0x200  # PYTHON_CALL, PYTHON_RET
+
+    def enc(tensors, payload=b"payload", type_=call):
+        head, segments = _testing.encode_message(type_, payload, tensors, 7)
+        return head, [bytes(s) for s in segments]
+
+    def sparse(i, v, size):
+        with torch.sparse.check_sparse_tensor_invariants():
+            return torch.sparse_coo_tensor(i, v, size)
+
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    base = torch.arange(40, dtype=torch.int64)
+    i = torch.tensor([[0, 1, 1], [2, 0, 2]])
+    v = torch.tensor([3.0, 4.0, 5.0])
+    dtypes = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+              torch.float16, torch.bfloat16, torch.complex64)
+    cases = {
+        "empty": enc([], b""),
+        "payload-only": enc([], b"a pickled call", ret),
+        "dense": enc([x]),
+        "transposed": enc([x.t()]),
+        "strided": enc([base[::3]]),
+        "shared-storage": enc([base[2:10], base[20:30]]),
+        "scalar": enc([torch.tensor(2.5, dtype=torch.float64)]),
+        "zero-size": enc([torch.empty(0, 5)]),
+        "requires-grad": enc([torch.ones(4, requires_grad=True)]),
+        "dtypes": enc([torch.ones(2, dtype=d) for d in dtypes]),
+        "sparse": enc([sparse(i, v, (2, 3)).coalesce()]),
+        "sparse-uncoalesced": enc([sparse(i, v, (2, 3))]),
+        "sparse-hybrid": enc([sparse(torch.tensor([[0, 2]]), torch.ones(2, 3),
+                                     (4, 3))]),
+        "mixed": enc([x, sparse(i, v, (2, 3)), base[5:9]]),
+    }
+    for name, (head, segments) in cases.items():
+        write("codec", name, codec_input(head, segments))
+    # The same frames with the tensor segments provided (shared slabs), and
+    # a pool-sized segment received through a BufferPool.
+    head, segments = cases["mixed"]
+    provided = [0] + [PROVIDED] * (len(segments) - 1)
+    write("codec", "mixed-provided", codec_input(head, segments, provided))
+    write("codec", "payload-provided",
+          codec_input(*cases["payload-only"], flags=[PROVIDED]))
+    head, segments = cases["dense"]
+    write("codec", "dense-pooled",
+          codec_input(head, segments, [0, POOL_SIZED], use_pool=True))
+
+
+# --- ring --------------------------------------------------------------------
+
+# FileKind and WakeKind of shm_files.h / fuzz_ring.cpp.
+FILE_SEALED, FILE_KINDS = 0, 11
+WAKE_EVENTFD, WAKE_KINDS = 0, 4
+
+# Ops of fuzz_ring.cpp: op % 6, operands in the other bits.
+R_CONSUME = pick(lambda o: o % 6 == 0)
+R_RECORD_NEAR = pick(lambda o: o % 6 == 1 and o & 8 and o & 16 and not o & 32)
+R_RECORD_RAW = pick(lambda o: o % 6 == 1 and not o & 8 and not o & 16 and o & 32)
+R_SET = {f: pick(lambda o, f=f: o % 6 == 2 and (o >> 3) % 4 == f) for f in range(4)}
+MAGIC, CAPACITY, CONSUMED, WAITING = range(4)
+R_DATA = pick(lambda o: o % 6 == 3)
+R_GROW = pick(lambda o: o % 6 == 4 and o & 8)
+R_SHRINK = pick(lambda o: o % 6 == 4 and not o & 8)
+R_PRODUCE = pick(lambda o: o % 6 == 5)
+
+
+def ring_attach(kind=FILE_SEALED, wake=WAKE_EVENTFD):
+    """Attach mode: a table capacity, a file of exactly its size, a valid
+    header (selectors 0 take no operands), consumed 0, writerWaiting 0."""
+    return bytes([0, kind, wake, 0, 0, 0]) + u64(0) + u32(0)
+
+
+def consume(n):
+    return bytes([R_CONSUME]) + u16(n)
+
+
+def set_field(field, v):
+    return bytes([R_SET[field]]) + u64(v)
+
+
+def produce(n, chunk):
+    return bytes([R_PRODUCE]) + u16(n) + u16(chunk) + bytes(range(16))
+
+
+def ring_seeds():
+    ops = (consume(100) + consume(5000) + set_field(WAITING, 1) + consume(7)
+           + bytes([R_DATA]) + u32(120) + bytes([4]) + b"abcd"
+           + bytes([R_RECORD_NEAR, 0]) + u16(10)
+           + set_field(MAGIC, 0) + set_field(CAPACITY, 1 << 40)
+           + set_field(CONSUMED, 1 << 63) + consume(9)
+           + bytes([R_RECORD_RAW]) + u64(0) + u64(1 << 62)
+           + bytes([R_GROW]) + u16(4096) + bytes([R_SHRINK]) + u16(1))
+    write("ring", "attach-ops", ring_attach() + ops)
+    write("ring", "attach-wrap", ring_attach() + consume(65535) * 3)
+    for kind in range(FILE_KINDS):
+        write("ring", f"attach-kind{kind}", ring_attach(kind=kind) + consume(1))
+    for wake in range(WAKE_KINDS):
+        write("ring", f"attach-wake{wake}",
+              ring_attach(wake=wake) + set_field(WAITING, 1) + consume(64))
+    head = bytes([0, FILE_SEALED, WAKE_EVENTFD, 0, 0])
+    write("ring", "attach-bad-magic", head + b"\1" + u64(1) + u64(0) + u32(0))
+    write("ring", "attach-short", bytes([0, FILE_SEALED, WAKE_EVENTFD, 0, 1])
+          + u16(1) + b"\0" + u64(0) + u32(0))
+    write("ring", "attach-raw-capacity", bytes([0, FILE_SEALED, WAKE_EVENTFD, 1])
+          + u64(1 << 40) + b"\0\0" + u64(0) + u32(0))
+    # Loopback: produce, consume what was produced, let the ring fill, then
+    # the peer rewrites `consumed` to something impossible.
+    loop = (bytes([1, 0]) + produce(1000, 65535) + bytes([R_CONSUME])
+            + produce(65535, 4096) + produce(65535, 65535)
+            + bytes([R_CONSUME]) * 2 + produce(65535, 65535) * 2
+            + set_field(CONSUMED, 1 << 50) + produce(10, 10))
+    write("ring", "loopback", loop)
+    write("ring", "loopback-full",
+          bytes([1, 0]) + produce(65535, 65535) * 3 + bytes([R_CONSUME]) * 3)
+
+
+# --- slab --------------------------------------------------------------------
+
+S_PEER_WRITE, S_OUR_WRITE, S_SHRINK, S_GROW = range(4)
+
+
+def slab_seeds():
+    ops = (bytes([S_PEER_WRITE]) + u32(4095) + b"\x5a"
+           + bytes([S_OUR_WRITE]) + u32(0) + b"\xa5"
+           + bytes([S_SHRINK]) + u16(0) + bytes([S_GROW]) + u16(4096))
+    # kind, size selector (table entry), capacity selector (== size).
+    for kind in range(FILE_KINDS):
+        write("slab", f"kind{kind}", bytes([kind, 0, 0]) + ops)
+    for entry in range(4):
+        write("slab", f"size{entry}", bytes([FILE_SEALED, entry << 2, 0]) + ops)
+    write("slab", "capacity-off-by-one",
+          bytes([FILE_SEALED, 0, 1]) + struct.pack("<h", 1) + ops)
+    write("slab", "capacity-short",
+          bytes([FILE_SEALED, 1 << 2, 1]) + struct.pack("<h", -4096) + ops)
+    write("slab", "capacity-zero", bytes([FILE_SEALED, 0, 2]) + u64(0))
+    write("slab", "capacity-huge", bytes([FILE_SEALED, 0, 2]) + u64(1 << 63))
+    write("slab", "size-raw",
+          bytes([FILE_SEALED, 1]) + u32(12288) + bytes([3]) + u16(3) + ops)
+
+
+if __name__ == "__main__":
+    frame_seeds()
+    handshake_seeds()
+    ring_seeds()
+    slab_seeds()
+    codec_seeds()
+    for target in sorted(os.listdir(CORPUS)):
+        files = os.listdir(os.path.join(CORPUS, target))
+        size = sum(os.path.getsize(os.path.join(CORPUS, target, f)) for f in files)
+        print(f"{target}: {len(files)} files, {size} bytes")
