@@ -36,7 +36,7 @@ bool keepsTheRules(const FrameHeader& h, const FrameLimits& limits) {
     return false;
   }
   if (h.kind < uint8_t(FrameKind::kHello) ||
-      h.kind > uint8_t(FrameKind::kSlabDrop)) {
+      h.kind > uint8_t(FrameKind::kRingDrop)) {
     return false;
   }
   bool flagsOk = h.flags == 0 ||

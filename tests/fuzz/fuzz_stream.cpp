@@ -75,7 +75,7 @@ class Observer final : public ConnectionObserver {
       }
       // Provided memory is a view of a mapped slab: all of it is readable.
       const volatile char* p = static_cast<const char*>(buffers.provided[i]);
-      sink_ += p[0] + p[announced_[i] - 1];
+      sink_ = static_cast<char>(sink_ + p[0] + p[announced_[i] - 1]);
     }
   }
 

@@ -274,7 +274,48 @@ def slab_seeds():
           bytes([FILE_SEALED, 1]) + u32(12288) + bytes([3]) + u16(3) + ops)
 
 
+# --- stream ----------------------------------------------------------------
+# A setup byte (bit 0: a real ring is set up first, bit 1: a real slab, id 1;
+# bits 2-7: the piece size the input is fed in), then the peer's frames.
+
+STREAM_RING, STREAM_SLAB = 1, 2
+CHUNKED_BIT, REGION_BIT = 1 << 63, 1 << 62
+
+
+def message(segments, head=b"h" * 16, flags=0, lengths=None):
+    lengths = lengths if lengths is not None else [len(x) for x in segments]
+    data = sum(n & ~(CHUNKED_BIT | REGION_BIT) for n in lengths)
+    return (frame_header(4, flags=flags, head=len(head), segments=len(lengths), data=data)
+            + b"".join(u64(n) for n in lengths) + head + b"".join(segments))
+
+
+def stream_seeds():
+    ping, pong = frame_header(5), frame_header(6)
+    write("stream", "ping-pong", bytes([0]) + ping + pong)
+    write("stream", "message", bytes([0]) + message([b"a" * 100, b"", b"b" * 20000]))
+    write("stream", "messages-small-pieces",
+          bytes([7 << 2]) + message([b"x" * 3]) + ping + message([b"y" * 70000]))
+    write("stream", "ring-drop-without-ring", bytes([0]) + frame_header(11))
+    write("stream", "slab-release-unheld", bytes([0]) + frame_header(9, head=4) + u32(1))
+    # Chunked: 70,000 bytes through the 64 KiB ring, two records.
+    chunked = message([u64(0) + u64(65536) + u64(0) + u64(4464)], flags=1,
+                      lengths=[70000 | CHUNKED_BIT])
+    write("stream", "ring-chunks", bytes([STREAM_RING]) + chunked + frame_header(11))
+    write("stream", "ring-chunk-misplaced",
+          bytes([STREAM_RING]) + message([u64(4096) + u64(100)], flags=1,
+                                         lengths=[100 | CHUNKED_BIT]))
+    # Region: 4096 bytes at offset 0 of the peer's slab 1 (kind 1: lent).
+    region = message([b"s" * 8, u32(1) + u32(1) + u64(0)], lengths=[8, 4096 | REGION_BIT])
+    write("stream", "slab-region", bytes([STREAM_SLAB]) + region + frame_header(10, head=4) + u32(1))
+    write("stream", "slab-overrun",
+          bytes([STREAM_SLAB]) + message([u32(1) + u32(1) + u64(65536 - 8)],
+                                         lengths=[4096 | REGION_BIT]))
+    write("stream", "ring-and-slab",
+          bytes([STREAM_RING | STREAM_SLAB]) + chunked + region + ping)
+
+
 if __name__ == "__main__":
+    stream_seeds()
     frame_seeds()
     handshake_seeds()
     ring_seeds()
