@@ -26,6 +26,10 @@ namespace {
 // never silent for longer than this many heartbeat timeouts however starved
 // this process is (heartbeatFromLoop()).
 constexpr int kMaxHandshakeTimeouts = 6;
+// Saturated CPUs alone (no sign that this process itself was starved) buy a
+// silent peer one more timeout at most: detection of a frozen or silent
+// peer stays prompt on a busy host.
+constexpr int kBusyHostTimeouts = 2;
 // A ready connection's tick when the heartbeat is off: the backend's idle
 // housekeeping (onTickFromLoop()) still runs.
 constexpr std::chrono::milliseconds kIdleTick{2000};
@@ -130,9 +134,9 @@ void StreamConnection::handshakeTimeoutFromLoop() {
   // peer's wait unread in our socket or when this timer itself ran late
   // (then it is this process that was starved of CPU: a host full of
   // workers all connecting at once), nor while the host's CPUs are
-  // saturated (host_load.h: then a peer on it is likely starved too). A peer
-  // that trickles bytes cannot hold the slot for more than kMaxHandshake
-  // timeouts in all.
+  // saturated (host_load.h: then a peer on it is likely starved too; for
+  // one more timeout at most). A peer that trickles bytes cannot hold the
+  // slot for more than kMaxHandshakeTimeouts timeouts in all.
   if (now - handshakeStartedAt_ < kMaxHandshakeTimeouts * timeout) {
     if (now - heard < timeout) {
       armHandshakeTimer(duration_cast<milliseconds>(timeout - (now - heard)) +
@@ -142,8 +146,9 @@ void StreamConnection::handshakeTimeoutFromLoop() {
     int unread = 0;
     bool waiting = ::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0;
     bool late = now - handshakeDue_ > timeout / 4;
-    if (waiting || late ||
-        cpuPressurePercent() >= kStarvedPressurePercent) {
+    bool busyHost = now - heard < kBusyHostTimeouts * timeout &&
+        cpuPressurePercent() >= kStarvedPressurePercent;
+    if (waiting || late || busyHost) {
       armHandshakeTimer(std::max(milliseconds(1), timeout / 4));
       return;
     }
@@ -244,7 +249,8 @@ void StreamConnection::heartbeatFromLoop() {
       bool late =
           std::chrono::steady_clock::now() - tickDue_ > timeout / 5;
       bool busy = waiting || late ||
-          cpuPressurePercent() >= kStarvedPressurePercent;
+          (silent < kBusyHostTimeouts * timeout &&
+           cpuPressurePercent() >= kStarvedPressurePercent);
       if (!busy || silent >= kMaxHandshakeTimeouts * timeout) {
         auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(silent);
         closeInternal(
