@@ -22,7 +22,7 @@ root=$(cd "$here/../.." && pwd)
 # here; a moved source file is an edit here only.
 TARGETS=(
   "frame     -      csrc/transport/frame.cpp"
-  "handshake -      csrc/transport/handshake.cpp csrc/common/crypto.cpp"
+  "handshake -      csrc/transport/handshake.cpp csrc/common/crypto.cpp csrc/common/libcrypto.cpp"
   "codec     torch  csrc/wire/codec.cpp csrc/common/buffer_pool.cpp"
   "ring      -      csrc/transport/shm/ring.cpp csrc/common/logging.cpp"
   "slab      -      csrc/transport/shm/slab.cpp csrc/common/logging.cpp"

@@ -40,7 +40,7 @@ bool keepsTheRules(const FrameHeader& h, const FrameLimits& limits) {
     return false;
   }
   bool flagsOk = h.flags == 0 ||
-      (h.flags == transport::kFlagRingSegments &&
+      (h.flags == transport::kFlagChunkedSegments &&
        h.kind == uint8_t(FrameKind::kMessage));
   if (!flagsOk || h.headLength > limits.maxHeadBytes ||
       h.numSegments > limits.maxSegments) {
