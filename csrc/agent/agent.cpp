@@ -536,11 +536,10 @@ void Agent::onClosed(transport::Connection& conn, const std::string& reason) {
   }
   auto failed = calls_.takeConnection(&conn);
   if (failed.empty()) {
-    // A peer's connection we closed ourselves (a broken protocol, a silent
-    // peer) is worth a line even with no call of ours on it.
+    // A peer's connection we closed because it broke the protocol is worth
+    // a line even with no call of ours on it.
     if (!conn.isOutbound() && conn.peerId() >= 0 && !shuttingDown_.load() &&
-        (conn.rejectedPeer() ||
-         reason.rfind("no sign of life", 0) == 0)) {
+        conn.rejectedPeer()) {
       logWarning(
           "torch_rpc_ext: " + workerInfo_.name_ + " closed connection " +
           conn.describe() + ": " + reason);
