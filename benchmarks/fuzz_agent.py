@@ -106,7 +106,7 @@ def _sealed_slab(size: int) -> int:
 
 def _slab_case(sock: socket.socket, rng: random.Random) -> None:
     """Hand over one sealed 2 MiB slab (id 1), then send random slab-protocol
-    frames. The shm protocol: csrc/transport/shm/slab.h, docs/wire-format.md."""
+    frames. The shm_slab protocol: csrc/channel/shm/slab.h, docs/wire-format.md."""
     from torch_rpc_ext._C import _testing
     from torch_rpc_ext.testing import MESSAGE, SLAB, SLAB_DROP, SLAB_RELEASE, frame_header
 
@@ -125,7 +125,7 @@ def _slab_case(sock: socket.socket, rng: random.Random) -> None:
                                      rng.choice([1, 1, 2, rng.randrange(1 << 32)]),
                                      rng.choice([0, 0, slab - size, rng.randrange(1 << 64)]))
                 frame = (frame_header(MESSAGE, len(head), nseg=2, data=len(segs[0]) + size)
-                         + struct.pack("<QQ", len(segs[0]), size | (1 << 62)) + head
+                         + struct.pack("<QQ", len(segs[0]), size | (1 << 56)) + head  # channel 1: shm_slab
                          + segs[0] + record)
                 if rng.random() < 0.3:
                     frame = frame[:4] + _flip(frame[4:], rng)

@@ -69,10 +69,17 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             TensorPipe.
         devices: Local devices the agent may use; defaults to those in
             ``device_maps``.
-        transports: Transports by preference. ``"shm"`` (a Unix socket plus
-            shared-memory rings) is used with peers on the same host, ``"tcp"``
-            with the others. Defaults to ``TORCH_RPC_EXT_TRANSPORTS``
+        transports: Transports by preference. ``"shm"`` (a Unix socket that
+            passes shared memory) is used with peers on the same host,
+            ``"tcp"`` with the others. Defaults to ``TORCH_RPC_EXT_TRANSPORTS``
             (comma-separated), else ``("shm", "tcp")``.
+        channels: Channels for tensor bytes by preference, used with a peer
+            when both offer them and the transport can host them:
+            ``"shm_slab"`` (the receiver's tensor views a shared slab: no
+            receive-side copy) and ``"shm_ring"`` (a shared ring, one copy
+            per side), both for segments of 64 KiB or more over ``shm``. A
+            segment no channel takes travels in the transport's stream
+            (``"basic"``, always on); ``()`` sends everything that way.
         address: IP address to listen on and advertise. Defaults to
             ``TORCH_RPC_EXT_ADDR``, else the first IPv4 address of
             ``TORCH_RPC_EXT_SOCKET_IFNAME``, else the hostname's address,
@@ -114,6 +121,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         device_maps: Mapping[str, Mapping[DeviceLike, DeviceLike]] | None = None,
         devices: Sequence[DeviceLike] | None = None,
         transports: Sequence[str] | None = None,
+        channels: Sequence[str] = _DEFAULT["channels"],
         address: str | None = _DEFAULT["address"],
         secret: bytes | str | None = _DEFAULT["secret"],
         max_frame_bytes: int = _DEFAULT["max_frame_bytes"],
@@ -154,6 +162,17 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             raise ValueError(f"unknown transports {unknown}; known: {known}")
         if len(set(transports)) != len(transports):
             raise ValueError(f"transports lists a transport twice: {transports}")
+        if isinstance(channels, str):
+            channels = (channels,)
+        channels = tuple(channels)
+        known = _C.channel_names()
+        if unknown := sorted(set(channels) - set(known)):
+            raise ValueError(
+                f"unknown channels {unknown}; known: {known} (the stream, "
+                f"'basic', carries what no channel takes and is always on)"
+            )
+        if len(set(channels)) != len(channels):
+            raise ValueError(f"channels lists a channel twice: {channels}")
         if address is not None and (not isinstance(address, str) or not address):
             raise ValueError(f"address must be a non-empty str, got {address!r}")
         if isinstance(secret, str):
@@ -212,6 +231,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         # The rest is stored in the core's fields (_RpcExtBackendOptionsBase).
         self.num_worker_threads = num_worker_threads
         self.transports = transports
+        self.channels = channels
         self.address = address
         self.secret = secret
         self.max_frame_bytes = max_frame_bytes
@@ -256,6 +276,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         return (
             f"RpcExtBackendOptions(num_worker_threads={self.num_worker_threads}, "
             f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r}, "
-            f"transports={self.transports}, address={self.address!r}, "
+            f"transports={self.transports}, channels={self.channels}, "
+            f"address={self.address!r}, "
             f"max_frame_bytes={self.max_frame_bytes})"
         )

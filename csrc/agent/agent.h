@@ -126,7 +126,15 @@ class Agent final : public rpc::RpcAgent,
   struct Route {
     std::string transport;
     std::string address;
+    // The peer's channels: name -> domain descriptor.
+    std::map<std::string, std::string> channels;
   };
+  // The channels a connection to `peerId` uses: ours (in our order of
+  // preference) that the peer offers in the same domain and the connection
+  // can host. Both ends compute the same set.
+  std::vector<std::shared_ptr<channel::Context>> channelsFor(
+      int32_t peerId,
+      bool hostPassesDescriptors) const;
   // One barrier of join(): publish `value`, wait for every worker's (failing
   // with the names of the missing, or of an unreachable one, rather than
   // waiting forever), return the sum.
@@ -167,6 +175,8 @@ class Agent final : public rpc::RpcAgent,
   std::string address_;
 
   std::map<std::string, std::shared_ptr<transport::Transport>> transports_;
+  // Our viable channels, in order of preference (rendezvous()).
+  std::vector<std::shared_ptr<channel::Context>> channels_;
   std::vector<std::shared_ptr<transport::Listener>> listeners_;
   std::map<std::string, std::string> listenAddresses_; // by transport
   std::mutex connMutex_;

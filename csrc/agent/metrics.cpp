@@ -3,6 +3,7 @@
 // counters (get_metrics / get_debug_info).
 #include "csrc/agent/agent.h"
 #include "csrc/agent/serve_callback.h"
+#include "csrc/channel/registry.h"
 
 namespace torch_rpc_ext {
 
@@ -39,6 +40,11 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
       m["rpc_ext." + name + "." + counter] = std::to_string(value);
     }
   }
+  for (const auto& c : channels_) {
+    for (const auto& [counter, value] : c->counters()) {
+      m["rpc_ext.channel." + c->name() + "." + counter] = std::to_string(value);
+    }
+  }
   // Every peer is listed from the start, idle or not: the key set must not
   // change with traffic (upstream's test_debug_info compares the keys of two
   // snapshots taken while other workers may already be calling us).
@@ -62,8 +68,23 @@ std::unordered_map<std::string, std::string> Agent::getDebugInfo() {
   for (const auto& [name, address] : listenAddresses_) {
     m["rpc_ext.listen." + name] = address;
   }
+  std::string ours;
+  for (const auto& c : channels_) {
+    ours += c->name() + ",";
+  }
+  m["rpc_ext.channels"] = ours + channel::kStreamChannelName;
   for (int r = 0; r < worldSize_; ++r) {
-    m["rpc_ext.peer." + workers_[r].name_ + ".transport"] = routes_[r].transport;
+    std::string p = "rpc_ext.peer." + workers_[r].name_ + ".";
+    m[p + "transport"] = routes_[r].transport;
+    // What our connection to it uses, in order; the stream comes last.
+    std::string used;
+    auto t = transports_.find(routes_[r].transport);
+    if (t != transports_.end()) {
+      for (const auto& c : channelsFor(r, t->second->passesDescriptors())) {
+        used += c->name() + ",";
+      }
+    }
+    m[p + "channels"] = used + channel::kStreamChannelName;
   }
   m["rpc_ext.pending_calls"] = std::to_string(calls_.size());
   return m;

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/rpc/rpc_agent.h>
 
 #include "csrc/agent/faults.h"
+#include "csrc/channel/registry.h"
 #include "csrc/transport/registry.h"
 #include "csrc/common/option_defaults.h"
 
@@ -37,6 +38,9 @@ struct AgentOptions : rpc::RpcBackendOptions {
   int numWorkerThreads = kDefaultNumWorkerThreads;
   // Transports by preference; the first one both peers have is used.
   std::vector<std::string> transports = transport::transportNames();
+  // Channels for tensor bytes by preference (channel/registry.h); the
+  // stream carries what none of them takes. Empty: the stream carries all.
+  std::vector<std::string> channels = channel::channelNames();
   // Address to bind and advertise; empty means defaultAdvertisedAddress().
   std::string address;
   // Shared secret; empty means "create one at rendezvous, share via store".

@@ -15,6 +15,7 @@
 #include "csrc/common/crypto.h"
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
+#include "csrc/channel/registry.h"
 #include "csrc/transport/registry.h"
 
 namespace torch_rpc_ext {
@@ -30,6 +31,8 @@ constexpr auto kJoinSlice = std::chrono::milliseconds(200);
 // are done with the store.
 constexpr auto kLeaveWait = std::chrono::seconds(10);
 constexpr size_t kSecretBytes = 32;
+// Rendezvous lines that offer a channel start with this word.
+constexpr const char* kChannelLine = "channel";
 
 std::string fromBytes(const std::vector<uint8_t>& v) {
   return std::string(v.begin(), v.end());
@@ -65,6 +68,9 @@ void Agent::rendezvous() {
     pool_.run([held = std::move(held)]() mutable { held.reset(); });
   };
   topts.bindAddress = options_.address;
+  topts.channelsFor = [this](int32_t peerId, bool passesDescriptors) {
+    return channelsFor(peerId, passesDescriptors);
+  };
   TORCH_CHECK(
       !options_.transports.empty(), "RpcExtBackendOptions.transports is empty");
   // Our entry: the name, then one line per transport we listen on:
@@ -94,6 +100,19 @@ void Agent::rendezvous() {
       c10::Join(",", options_.transports),
       " is usable on this host:",
       unavailable);
+  // Then one line per channel we can use: "channel <name> <domain>". As for
+  // transports, one that is not viable here is left out with a warning: the
+  // next one (at last the stream) carries its segments.
+  for (const auto& name : options_.channels) {
+    auto c = channel::createChannel(name);
+    if (!c->isViable()) {
+      unavailable += " " + name + ": " + c->unviableReason();
+      continue;
+    }
+    channels_.push_back(c);
+    entry += std::string("\n") + kChannelLine + " " + name + " " +
+        c->domainDescriptor();
+  }
   if (!unavailable.empty()) {
     logWarning("torch_rpc_ext: " + self.name_ + " runs without" + unavailable);
   }
@@ -126,14 +145,20 @@ void Agent::rendezvous() {
 Agent::Route Agent::chooseRoute(
     const std::string& peerName,
     const std::string& offers) const {
-  // The peer's transports whose domain matches ours (shm: the same host).
+  // The peer's transports whose domain matches ours (shm: the same host),
+  // and the channels it offers.
   std::map<std::string, std::string> reachable;
+  std::map<std::string, std::string> channels;
   std::istringstream lines(offers);
   std::string line;
   while (std::getline(lines, line)) {
     std::istringstream fields(line);
     std::string name, domain, address;
     fields >> name >> domain >> address;
+    if (name == kChannelLine) {
+      channels[domain] = address; // "channel <name> <domain>"
+      continue;
+    }
     auto it = transports_.find(name);
     if (it != transports_.end() && !address.empty() &&
         domain == it->second->domainDescriptor()) {
@@ -143,7 +168,7 @@ Agent::Route Agent::chooseRoute(
   for (const auto& name : options_.transports) {
     auto it = reachable.find(name);
     if (it != reachable.end()) {
-      return Route{name, it->second};
+      return Route{name, it->second, std::move(channels)};
     }
   }
   TORCH_CHECK(
@@ -155,6 +180,26 @@ Agent::Route Agent::chooseRoute(
       "] and this worker uses ",
       c10::Join(",", options_.transports),
       " (a transport is shared only within its domain, e.g. one host)");
+}
+
+std::vector<std::shared_ptr<channel::Context>> Agent::channelsFor(
+    int32_t peerId,
+    bool hostPassesDescriptors) const {
+  std::vector<std::shared_ptr<channel::Context>> out;
+  if (peerId < 0 || static_cast<size_t>(peerId) >= routes_.size()) {
+    return out;
+  }
+  const auto& offered = routes_[peerId].channels;
+  for (const auto& c : channels_) {
+    if (c->needsDescriptorPassing() && !hostPassesDescriptors) {
+      continue;
+    }
+    auto it = offered.find(c->name());
+    if (it != offered.end() && it->second == c->domainDescriptor()) {
+      out.push_back(c);
+    }
+  }
+  return out;
 }
 
 void Agent::join(bool shutdown, float timeout) {

@@ -4,6 +4,7 @@
 
 #include "csrc/agent/agent.h"
 #include "csrc/bindings/bind.h"
+#include "csrc/channel/registry.h"
 #include "csrc/transport/registry.h"
 #include "csrc/transport/stream/address.h"
 
@@ -47,6 +48,7 @@ void bindAgent(py::module_& m) {
       .def_property_readonly("address", &Agent::address);
 
   m.def("transport_names", &transport::transportNames);
+  m.def("channel_names", &channel::channelNames);
   m.def("default_address", &transport::stream::defaultAdvertisedAddress);
 }
 

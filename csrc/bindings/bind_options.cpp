@@ -12,6 +12,7 @@
 
 #include "csrc/agent/options.h"
 #include "csrc/bindings/bind.h"
+#include "csrc/channel/registry.h"
 #include "csrc/transport/registry.h"
 
 namespace torch_rpc_ext::bindings {
@@ -41,6 +42,7 @@ py::dict optionSpec() {
   auto none = py::none();
   // Transports: the registry's names, in its (default preference) order.
   py::tuple transports(py::cast(transport::transportNames()));
+  py::tuple channels(py::cast(channel::channelNames()));
   py::dict spec;
   spec["num_worker_threads"] =
       py::make_tuple(kDefaultNumWorkerThreads, kMinNumWorkerThreads, none);
@@ -49,6 +51,7 @@ py::dict optionSpec() {
   spec["init_method"] =
       py::make_tuple(std::string(rpc::kDefaultInitMethod), none, none);
   spec["transports"] = py::make_tuple(transports, none, none);
+  spec["channels"] = py::make_tuple(channels, none, none);
   spec["address"] = py::make_tuple(none, none, none);
   spec["secret"] = py::make_tuple(none, kMinSecretBytes, none);
   spec["max_frame_bytes"] =
@@ -89,6 +92,10 @@ void bindOptions(py::module_& m) {
           "transports",
           [](const O& o) { return py::tuple(py::cast(o.transports)); },
           [](O& o, std::vector<std::string> v) { o.transports = std::move(v); })
+      .def_property(
+          "channels",
+          [](const O& o) { return py::tuple(py::cast(o.channels)); },
+          [](O& o, std::vector<std::string> v) { o.channels = std::move(v); })
       .def_property(
           "address",
           [](const O& o) { return noneIfEmpty(o.address, false); },

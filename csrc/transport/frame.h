@@ -31,9 +31,9 @@ enum class FrameKind : uint8_t {
   kMessage = 4, // an rpc::Message (request or response), see wire/codec.h
   kPing = 5, // liveness probe; answered with kPong
   kPong = 6,
-  // Kinds 7 and up belong to the transport that sends them (a transport
-  // rejects the ones it does not know): shm's rings and slabs, see
-  // shm/connection.h.
+  // Kinds 7 and up belong to the channel that sends them (a connection
+  // rejects the ones of channels it did not negotiate): the shm channels'
+  // rings and slabs, see channel/shm/.
   kRing = 7,
   kSlab = 8,
   kSlabRelease = 9,
@@ -42,19 +42,21 @@ enum class FrameKind : uint8_t {
 };
 
 // Record segments. A segment's bytes need not travel in the stream: a
-// transport may carry them out of band and put 16-byte SegmentRecords in the
-// stream in their place. The segment's length says how (the other length
-// bits stay the true length):
-//  - kChunkedSegmentBit (the frame has kFlagChunkedSegments): the bytes go in
-//    chunks through a channel of the sender's, one record per chunk (shm: the
-//    sender's ring);
-//  - kRegionSegmentBit: the bytes lie in a shared region the sender names
-//    with one record (shm: a slab), and the receiver's buffer becomes a view
+// channel (csrc/channel/channel.h) may carry them out of band and put
+// 16-byte SegmentRecords in the stream in their place. The top byte of the
+// segment's announced length names that channel (0: the stream carries the
+// bytes; the other bits stay the true length):
+//  - a chunk channel sends one record per chunk of the bytes (shm_ring:
+//    the sender's ring); a frame with such segments has
+//    kFlagChunkedSegments;
+//  - a region channel names shared memory holding the whole segment with
+//    one record (shm_slab: a slab), and the receiver's buffer becomes a view
 //    of it (InboundBuffers::provided).
-// A transport that has no such channel rejects a frame that uses one.
+// A receiver rejects a frame naming a channel its connection did not
+// negotiate.
 constexpr uint16_t kFlagChunkedSegments = 1;
-constexpr uint64_t kChunkedSegmentBit = uint64_t(1) << 63;
-constexpr uint64_t kRegionSegmentBit = uint64_t(1) << 62;
+constexpr int kChannelIdShift = 56;
+constexpr uint64_t kSegmentLengthMask = (uint64_t(1) << kChannelIdShift) - 1;
 
 // What travels in the stream in place of (part of) a record segment; its
 // meaning belongs to the transport.
@@ -110,6 +112,9 @@ struct OutboundFrame {
     // the memory any more).
     std::shared_ptr<SharedRegion> origin = nullptr;
     bool exclusive = false;
+    // Where the bytes live (channel::DeviceKind, c10::DeviceType's values):
+    // only channels of this device may carry them.
+    uint8_t device = 0;
   };
   std::vector<Segment> segments;
   std::shared_ptr<void> keepAlive;

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "csrc/channel/channel.h"
 #include "csrc/common/option_defaults.h"
 #include "csrc/transport/connection.h"
 
@@ -38,6 +39,9 @@ struct TransportOptions {
   // dropping the last reference to a tensor that has a Python object takes
   // the GIL, which the loop thread must never do. Unset: destroyed in place.
   std::function<void(std::shared_ptr<void>)> releaseOffLoop;
+  // The channels a connection to a peer uses (channel/channel.h), asked
+  // once the peer is known. Unset: every byte travels in the stream.
+  channel::ChannelsFor channelsFor;
 };
 
 // Accepts connections for one transport until close().
@@ -76,6 +80,10 @@ class Transport {
   // Whether processes on other hosts can reach this transport's listeners
   // (the agent advertises such an address as its own).
   virtual bool crossesHosts() const = 0;
+
+  // Whether its connections pass descriptors, so that channels which hand
+  // over shared memory that way can use them.
+  virtual bool passesDescriptors() const = 0;
 
   // Bind and listen now (connections wait in the backlog until start()).
   virtual std::shared_ptr<Listener> listen() = 0;

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: BSD-3-Clause
 //
-// Fuzzes the shm transport's ring, shm::Ring (csrc/transport/shm/ring.h),
+// Fuzzes the shm_ring channel's ring, shm::Ring (csrc/channel/shm/ring.h),
 // from the side a hostile peer reaches. Two modes:
 //  * attach: Ring::attach on a descriptor the peer chose (a memfd of any
 //    size with any seals and any header contents, or no shared-memory file
@@ -41,20 +41,20 @@
 #include <string>
 #include <vector>
 
-#include "csrc/transport/shm/ring.h"
+#include "csrc/channel/shm/ring.h"
 #include "tests/fuzz/fuzz_input.h"
 #include "tests/fuzz/shm_files.h"
 
 namespace torch_rpc_ext::fuzz {
 namespace {
 
-using transport::shm::ChunkRecord;
-using transport::shm::kMaxRingBytes;
-using transport::shm::kMinRingBytes;
-using transport::shm::kRingHeaderBytes;
-using transport::shm::kRingMagic;
-using transport::shm::Ring;
-using transport::shm::RingHeader;
+using channel::shm::ChunkRecord;
+using channel::shm::kMaxRingBytes;
+using channel::shm::kMinRingBytes;
+using channel::shm::kRingHeaderBytes;
+using channel::shm::kRingMagic;
+using channel::shm::Ring;
+using channel::shm::RingHeader;
 
 constexpr size_t kMaxOps = 64;
 constexpr uint64_t kCapacities[] = {

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: BSD-3-Clause
 //
-// Fuzzes shm::Slab::attach (csrc/transport/shm/slab.h): mapping a slab the
+// Fuzzes shm::Slab::attach (csrc/channel/shm/slab.h): mapping a slab the
 // peer announced (kSlab frame: a capacity, and a descriptor over
 // SCM_RIGHTS). The harness hands it memfds of various sizes and seals, and
 // descriptors that are not shared-memory files, with fuzzed capacities;
@@ -28,15 +28,15 @@
 #include <memory>
 #include <string>
 
-#include "csrc/transport/shm/slab.h"
+#include "csrc/channel/shm/slab.h"
 #include "tests/fuzz/fuzz_input.h"
 #include "tests/fuzz/shm_files.h"
 
 namespace torch_rpc_ext::fuzz {
 namespace {
 
-using transport::shm::kSlabPage;
-using transport::shm::Slab;
+using channel::shm::kSlabPage;
+using channel::shm::Slab;
 
 constexpr size_t kMaxOps = 16;
 constexpr uint64_t kSizes[] = {

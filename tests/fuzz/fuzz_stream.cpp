@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: BSD-3-Clause
 //
 // Fuzzes the stream core's incremental frame parser as an authenticated
-// shm peer reaches it (csrc/transport/stream/connection_reader.cpp with the
-// hooks of csrc/transport/shm/connection*.cpp): frame headers and segment
-// lengths, every control frame (ping, pong, ring setup and drop, slab setup,
-// release and drop), and message frames whose segments travel in the stream,
-// in chunks through the peer's ring, or in the peer's slabs.
+// shm peer reaches it (csrc/transport/stream/connection_reader.cpp hosting
+// the channels of csrc/channel/shm/): frame headers and segment lengths and
+// the channel ids in them, every control frame (ping, pong, ring setup and
+// drop, slab setup, release and drop), and message frames whose segments
+// travel in the stream, in chunks through the peer's ring (shm_ring), or in
+// the peer's slabs (shm_slab).
 //
 // Input: one setup byte, then the bytes the peer sends, fed to a fresh
 // connection in pieces of up to 257 bytes at a time (so every phase of the
@@ -28,9 +29,10 @@
 #include <string>
 #include <vector>
 
+#include "csrc/channel/shm/context.h"
+#include "csrc/channel/shm/ring.h"
+#include "csrc/channel/shm/slab.h"
 #include "csrc/transport/shm/connection.h"
-#include "csrc/transport/shm/ring.h"
-#include "csrc/transport/shm/slab.h"
 #include "tests/fuzz/fuzz_input.h"
 
 namespace torch_rpc_ext::fuzz {
@@ -98,10 +100,14 @@ struct Harness {
     options.secret = std::string(32, 's');
     options.limits.maxFrameBytes = 1 << 20;
     options.heartbeatTimeout = std::chrono::milliseconds(0);
+    // Both shm channels, as negotiated between two workers of one host.
+    channels = {std::make_shared<channel::shm::SlabContext>(),
+                std::make_shared<channel::shm::RingContext>()};
+    options.channelsFor = [this](int32_t, bool) { return channels; };
   }
   transport::stream::Loop loop;
   transport::TransportOptions options;
-  transport::shm::SlabCounters counters;
+  std::vector<std::shared_ptr<channel::Context>> channels;
   Observer observer;
 };
 
@@ -120,15 +126,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzInput in(data, size);
   uint8_t setup = in.take<uint8_t>();
   auto conn = std::make_shared<transport::shm::ShmConnection>(
-      h.loop, h.options, h.counters, /*fd=*/-1, /*outbound=*/false,
+      h.loop, h.options, /*fd=*/-1, /*outbound=*/false,
       /*expectedPeerId=*/0, "fuzz peer", &h.observer);
   bool open = true;
   // The sender's side of the ring and slab stay ours; the connection maps
   // its own views from duplicates of their descriptors.
-  transport::shm::Ring ring;
-  std::shared_ptr<transport::shm::Slab> slab;
+  channel::shm::Ring ring;
+  std::shared_ptr<channel::shm::Slab> slab;
   if (setup & 1) {
-    ring = transport::shm::Ring::create(transport::shm::kMinRingBytes);
+    ring = channel::shm::Ring::create(channel::shm::kMinRingBytes);
     uint64_t cap = ring.capacity();
     std::string frame = header(FrameKind::kRing, sizeof(cap));
     frame.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
@@ -137,7 +143,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(open, "a valid ring setup was refused");
   }
   if (open && (setup & 2)) {
-    slab = transport::shm::Slab::create(transport::shm::kSlabMinSegment);
+    slab = channel::shm::Slab::create(channel::shm::kSlabMinSegment);
     uint32_t id = 1;
     uint64_t cap = slab->capacity();
     std::string frame = header(FrameKind::kSlab, sizeof(id) + sizeof(cap));

@@ -279,12 +279,13 @@ def slab_seeds():
 # bits 2-7: the piece size the input is fed in), then the peer's frames.
 
 STREAM_RING, STREAM_SLAB = 1, 2
-CHUNKED_BIT, REGION_BIT = 1 << 63, 1 << 62
+# The top byte of a segment length names its channel: shm_slab 1, shm_ring 2.
+REGION_BIT, CHUNKED_BIT = 1 << 56, 2 << 56
 
 
 def message(segments, head=b"h" * 16, flags=0, lengths=None):
     lengths = lengths if lengths is not None else [len(x) for x in segments]
-    data = sum(n & ~(CHUNKED_BIT | REGION_BIT) for n in lengths)
+    data = sum(n & ((1 << 56) - 1) for n in lengths)
     return (frame_header(4, flags=flags, head=len(head), segments=len(lengths), data=data)
             + b"".join(u64(n) for n in lengths) + head + b"".join(segments))
 
@@ -312,6 +313,8 @@ def stream_seeds():
                                          lengths=[4096 | REGION_BIT]))
     write("stream", "ring-and-slab",
           bytes([STREAM_RING | STREAM_SLAB]) + chunked + region + ping)
+    write("stream", "unknown-channel",
+          bytes([STREAM_RING | STREAM_SLAB]) + message([u64(0) + u64(0)], lengths=[4096 | (7 << 56)]))
 
 
 if __name__ == "__main__":

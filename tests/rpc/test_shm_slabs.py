@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Shared slabs (csrc/transport/shm/slab.h): tensor segments of 1 MiB or more
+"""The shm_slab channel (csrc/channel/shm/slab_channel.h): tensor segments of 1 MiB or more
 cross with one copy, land in the receiver as views of the sender's slab,
 go back with no copy when the callee returns a storage only it held, keep
 RPC's copy semantics when it did not, outlive the connection, and return
@@ -33,7 +33,7 @@ def mapping_of(address):
 
 def slab_counters():
     m = rpc.api._get_current_rpc_agent().get_metrics()
-    prefix = "rpc_ext.shm.shm_"
+    prefix = "rpc_ext.channel.shm_slab."
     return {k[len(prefix):]: int(v) for k, v in m.items() if k.startswith(prefix)}
 
 
@@ -86,7 +86,7 @@ def slabs(rank, world_size):
         before = rpc.rpc_sync("worker1", slab_counters)
         y = rpc.rpc_sync("worker1", echo, args=(x,))
         after = rpc.rpc_sync("worker1", slab_counters)
-        out["handed_back"] = after["slab_handbacks"] - before["slab_handbacks"]
+        out["handed_back"] = after["handbacks"] - before["handbacks"]
         out["echo_equal"] = torch.equal(y, x)
         out["echo_lands_in"] = mapping_of(y.data_ptr())
         # Our tensor is ours: writing it does not disturb the next call.
@@ -98,7 +98,7 @@ def slabs(rank, world_size):
         before = rpc.rpc_sync("worker1", slab_counters)
         k = rpc.rpc_sync("worker1", keep, args=(x,))
         after = rpc.rpc_sync("worker1", slab_counters)
-        out["kept_handed_back"] = after["slab_handbacks"] - before["slab_handbacks"]
+        out["kept_handed_back"] = after["handbacks"] - before["handbacks"]
         k.add_(1)
         out["kept_unchanged_by_us"] = rpc.rpc_sync("worker1", kept_sum_after_scaling_it) == total
         out["ours_unchanged_by_them"] = torch.equal(k, x + 1)
@@ -109,7 +109,7 @@ def slabs(rank, world_size):
         before = rpc.rpc_sync("worker1", slab_counters)
         r = rpc.rpc_sync("worker1", relay, args=(x, "worker0"))
         after = rpc.rpc_sync("worker1", slab_counters)
-        out["relay_handed_back"] = after["slab_handbacks"] - before["slab_handbacks"]
+        out["relay_handed_back"] = after["handbacks"] - before["handbacks"]
         out["relay_equal"] = torch.equal(r, x)
 
         # 64 KiB and up go through slabs. Small slabs come back with the

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""The same-host "shm" transport: chosen automatically, exact bytes across
-the shared slabs and, with slabs switched off, the ring (sizes around their
-thresholds and past the ring's capacity, both directions at once), transport
-choice and refusal, hostile use of the ring and slab protocols."""
+"""The same-host "shm" transport and its channels: chosen automatically,
+exact bytes across the shared slabs (shm_slab) and, with only shm_ring
+negotiated, the ring, and with no channel at all, the stream (sizes around
+their thresholds and past the ring's capacity, both directions at once);
+transport and channel choice, fallback and refusal; hostile use of the ring
+and slab protocols."""
 
 import fcntl
 import os
@@ -31,8 +33,9 @@ from torch_rpc_ext.testing import (
 
 pytestmark = pytest.mark.timeout(180)
 
-RING_SEGMENT_BIT = 1 << 63
-SLAB_SEGMENT_BIT = 1 << 62
+# The top byte of a segment length names the channel carrying it.
+SLAB_SEGMENT_BIT = 1 << 56  # shm_slab
+RING_SEGMENT_BIT = 2 << 56  # shm_ring
 SLAB_BYTES = 2 << 20  # one slab granule
 # Around the 64 KiB ring threshold, the 256 KiB chunk and the 8 MiB ring.
 SIZES = [0, 1, 16383, 16384, 16385, 65_535, 65_536, 300_000, 262_143, 262_145, 2_359_299]
@@ -62,12 +65,20 @@ def payloads():
     return out
 
 
-def exchange(rank, world_size, transports, slabs=True):
-    if not slabs:
-        os.environ["TORCH_RPC_EXT_TEST_NO_SLABS"] = "1"
-    init(rank, world_size, transports=transports)
+def channel_counters(name):
+    m = rpc.api._get_current_rpc_agent().get_metrics()
+    prefix = f"rpc_ext.channel.{name}."
+    return {k[len(prefix):]: int(v) for k, v in m.items() if k.startswith(prefix)}
+
+
+def exchange(rank, world_size, transports, channels=("shm_slab", "shm_ring")):
+    if isinstance(channels, dict):
+        channels = channels[rank]
+    init(rank, world_size, transports=transports, channels=channels)
     other = f"worker{1 - rank}"
-    out = {"route": debug_info()[f"rpc_ext.peer.{other}.transport"]}
+    info = debug_info()
+    out = {"route": info[f"rpc_ext.peer.{other}.transport"],
+           "channels": info[f"rpc_ext.peer.{other}.channels"]}
     mismatches = []
     for i, x in enumerate(payloads()):
         y = rpc.rpc_sync(other, echo, args=(x,))
@@ -83,27 +94,50 @@ def exchange(rank, world_size, transports, slabs=True):
     if not torch.equal(rpc.rpc_sync(other, bounce, args=(big, f"worker{rank}")), big * 2):
         mismatches.append("nested")
     out["mismatches"] = mismatches
-    metrics = rpc.api._get_current_rpc_agent().get_metrics()
-    out["slab_segments"] = int(metrics.get("rpc_ext.shm.shm_slab_segments", 0))
+    out["slab"] = channel_counters("shm_slab").get("segments", 0)
+    out["ring"] = channel_counters("shm_ring").get("segments", 0)
     rpc.shutdown()
     return out
 
 
-@pytest.mark.parametrize("slabs", [True, False], ids=["slabs", "ring"])
-def test_same_host_peers_use_shm_and_bytes_arrive_exactly(slabs):
-    results = run_world(exchange, transports=("shm", "tcp"), slabs=slabs, timeout=150)
+@pytest.mark.parametrize(
+    "channels, used",
+    [(("shm_slab", "shm_ring"), "shm_slab,shm_ring,basic"),
+     (("shm_ring",), "shm_ring,basic"),
+     ((), "basic")],
+    ids=["slabs", "ring", "stream"])
+def test_same_host_peers_use_shm_and_bytes_arrive_exactly(channels, used):
+    results = run_world(exchange, transports=("shm", "tcp"), channels=channels, timeout=150)
     for rank in (0, 1):
         assert results[rank]["route"] == "shm"
+        assert results[rank]["channels"] == used
         assert results[rank]["mismatches"] == []
-        # The path under test carried the large segments.
-        assert (results[rank]["slab_segments"] > 0) == slabs
+        # The channel under test carried the large segments, and only it.
+        assert (results[rank]["slab"] > 0) == ("shm_slab" in channels), results[rank]
+        assert (results[rank]["ring"] > 0) == (channels == ("shm_ring",)), results[rank]
 
 
-def test_forced_tcp_moves_the_same_bytes():
+def test_forced_tcp_moves_the_same_bytes_in_the_stream():
+    # The shm channels need a transport that passes descriptors: over tcp
+    # they are not negotiated, though both peers offer them on one host.
     results = run_world(exchange, transports=("tcp",), timeout=150)
     for rank in (0, 1):
         assert results[rank]["route"] == "tcp"
+        assert results[rank]["channels"] == "basic"
         assert results[rank]["mismatches"] == []
+        assert results[rank]["slab"] == results[rank]["ring"] == 0
+
+
+def test_a_channel_only_one_peer_offers_is_not_used():
+    # worker0 offers both shm channels, worker1 only the ring: both use the
+    # ring (what the two have in common), and the stream for the rest.
+    results = run_world(exchange, transports=("shm",),
+                        channels={0: ("shm_slab", "shm_ring"), 1: ("shm_ring",)},
+                        timeout=150)
+    for rank in (0, 1):
+        assert results[rank]["channels"] == "shm_ring,basic"
+        assert results[rank]["mismatches"] == []
+        assert results[rank]["slab"] == 0 and results[rank]["ring"] > 0
 
 
 def mixed(rank, world_size, per_rank):
@@ -301,16 +335,16 @@ def test_hostile_ring_use_is_refused_and_the_agent_keeps_serving():
     assert out["still_serves"]
 
 
-def shm_counters(prefix="rpc_ext.shm.shm_"):
-    m = rpc.api._get_current_rpc_agent().get_metrics()
-    return {k[len(prefix):]: int(v) for k, v in m.items() if k.startswith(prefix)}
+def shm_counters():
+    out = channel_counters("shm_ring")
+    out["slab_segments"] = channel_counters("shm_slab").get("segments", 0)
+    return out
 
 
 def ring_lifecycle(rank, world_size):
-    # Slabs off: every segment of 64 KiB or more goes through the ring. A
-    # 1 s heartbeat ticks every 0.2 s, so an idle ring goes after ~2 s.
-    os.environ["TORCH_RPC_EXT_TEST_NO_SLABS"] = "1"
-    init(rank, world_size, heartbeat_timeout=1.0)
+    # Only the ring: every segment of 64 KiB or more goes through it. A 1 s
+    # heartbeat ticks every 0.2 s, so an idle ring goes after ~2 s.
+    init(rank, world_size, heartbeat_timeout=1.0, channels=("shm_ring",))
     out = {}
     if rank == 0:
         for _ in range(20):

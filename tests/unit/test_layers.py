@@ -1,10 +1,14 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""The transport layer has the shape docs/architecture.md claims.
+"""The transport and channel layers have the shape docs/architecture.md claims.
 
 A transport is a folder of its own plus one line in the registry: the agent
 and the bindings name no concrete transport and include nothing from a
 transport's folder, sibling transports never include each other, and the
-shared stream core knows none of them.
+shared stream core knows none of them. Likewise a channel (how tensor bytes
+travel): a folder of its own plus one line in channel/registry.cpp; the
+agent, the bindings, the stream core and the transports include no concrete
+channel, and channels include no transport (only the wire vocabulary of
+transport/frame.h).
 """
 
 import re
@@ -15,10 +19,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 TRANSPORTS = ("tcp", "shm")
+CHANNEL_FOLDERS = ("shm",)  # under csrc/channel/
+CHANNELS = ("shm_slab", "shm_ring")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 # A C++ string literal naming a transport: "shm", "tcp", or one starting
 # with the name and a space/colon ("shm: ...").
-NAMED = re.compile(r'"(?:%s)(?:"|[ :])' % "|".join(TRANSPORTS))
+NAMED = re.compile(r'"(?:%s)(?:"|[ :])' % "|".join(TRANSPORTS + CHANNELS))
 
 
 def sources(folder: Path) -> list[Path]:
@@ -66,12 +72,13 @@ def test_siblings_and_the_stream_core_do_not_include_each_other():
     assert not bad, bad
 
 
-def test_only_the_registry_names_transports_outside_their_folders():
+def test_only_the_registries_name_transports_and_channels_outside_their_folders():
     backend_dirs = [CSRC / "transport" / t for t in TRANSPORTS]
-    registry = CSRC / "transport" / "registry.cpp"
+    backend_dirs += [CSRC / "channel" / c for c in CHANNEL_FOLDERS]
+    registries = {CSRC / "transport" / "registry.cpp", CSRC / "channel" / "registry.cpp"}
     bad = []
     for p in sources(CSRC):
-        if p == registry or any(d in p.parents for d in backend_dirs):
+        if p in registries or any(d in p.parents for d in backend_dirs):
             continue
         for line in code_without_comments(p).splitlines():
             if NAMED.search(line):
@@ -85,3 +92,38 @@ def test_the_check_would_catch_a_named_transport(tmp_path):
     probe.write_text('#include "csrc/transport/tcp/address.h"\nif (n == "shm") {}\n')
     assert includes(probe) == ["csrc/transport/tcp/address.h"]
     assert NAMED.search(code_without_comments(probe))
+    assert NAMED.search('x = "shm_slab";')
+
+
+def test_channels_are_a_seam_of_their_own():
+    assert (CSRC / "channel" / "channel.h").is_file()
+    concrete = tuple(f"csrc/channel/{c}/" for c in CHANNEL_FOLDERS)
+    bad = []
+    # Nothing but the channel registry (and a channel's own folder) includes
+    # a concrete channel...
+    for p in sources(CSRC):
+        if p == CSRC / "channel" / "registry.cpp" or (CSRC / "channel") in p.parents and any(
+            (CSRC / "channel" / c) in p.parents for c in CHANNEL_FOLDERS
+        ):
+            continue
+        bad += [(p.relative_to(ROOT).as_posix(), inc) for inc in includes(p) if inc.startswith(concrete)]
+    # ...and channels know no transport: only the frame vocabulary.
+    for p in sources(CSRC / "channel"):
+        bad += [
+            (p.relative_to(ROOT).as_posix(), inc)
+            for inc in includes(p)
+            if inc.startswith("csrc/transport/") and inc != "csrc/transport/frame.h"
+        ]
+    assert not bad, bad
+
+
+def test_rings_and_slabs_live_in_the_shm_channels_only():
+    pattern = re.compile(r"\b(Ring|Slab)(Record|Counters)?\b|\b(ring|slab)s?_")
+    bad = []
+    for p in sources(CSRC):
+        if (CSRC / "channel" / "shm") in p.parents:
+            continue
+        for line in code_without_comments(p).splitlines():
+            if pattern.search(line):
+                bad.append((p.relative_to(ROOT).as_posix(), line.strip()))
+    assert not bad, bad

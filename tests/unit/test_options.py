@@ -49,6 +49,8 @@ def test_base_fields_stay_writable():
         ({"transports": ()}, "transports must name at least one"),
         ({"transports": ("carrier-pigeon",)}, r"unknown transports \['carrier-pigeon'\]"),
         ({"transports": ("tcp", "tcp")}, "lists a transport twice"),
+        ({"channels": ("basic",)}, r"unknown channels \['basic'\].*always on"),
+        ({"channels": ("shm_ring", "shm_ring")}, "lists a channel twice"),
         ({"address": ""}, "address must be a non-empty str"),
         ({"secret": b"short"}, "secret must be at least 16 bytes"),
         ({"max_frame_bytes": 10}, "max_frame_bytes must be an int >= 1024"),
@@ -104,6 +106,13 @@ def test_transports_default_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("TORCH_RPC_EXT_TRANSPORTS", "shm,ib")
     with pytest.raises(ValueError, match=r"unknown transports \['ib'\]"):
         RpcExtBackendOptions()
+
+
+def test_channels_default_to_the_registry_and_may_be_narrowed():
+    assert RpcExtBackendOptions().channels == tuple(_C.channel_names())
+    assert _C.channel_names() == ["shm_slab", "shm_ring"]
+    assert RpcExtBackendOptions(channels="shm_ring").channels == ("shm_ring",)
+    assert RpcExtBackendOptions(channels=()).channels == ()
 
 
 # ---- one source of truth: the core, the Python signature, the README ------

@@ -8,7 +8,6 @@
 
 #include "csrc/transport/shm/connection.h"
 #include "csrc/transport/shm/listener.h"
-#include "csrc/transport/shm/ring.h"
 
 namespace torch_rpc_ext::transport::shm {
 
@@ -34,14 +33,6 @@ ShmTransport::ShmTransport(TransportOptions options)
     : StreamTransport(std::move(options)), domain_(thisHost()) {
   if (domain_.empty()) {
     unviable_ = "cannot identify this host";
-    return;
-  }
-  // Fail here, not on first use, if shared memory is unavailable (seccomp,
-  // no memfd): one small ring, made and unmapped at once.
-  try {
-    Ring::create(kMinRingBytes);
-  } catch (const std::exception& e) {
-    unviable_ = e.what();
   }
 }
 
@@ -69,19 +60,8 @@ std::shared_ptr<stream::StreamConnection> ShmTransport::newConnection(
     std::string peerAddress,
     ConnectionObserver* observer) {
   return std::make_shared<ShmConnection>(
-      loop(), options_, counters_, fd, outbound, expectedPeerId,
+      loop(), options_, fd, outbound, expectedPeerId,
       std::move(peerAddress), observer);
-}
-
-void ShmTransport::addCounters(std::map<std::string, uint64_t>& c) const {
-  c["shm_slab_segments"] = counters_.segments.load();
-  c["shm_slab_copied_bytes"] = counters_.copiedBytes.load();
-  c["shm_slab_handbacks"] = counters_.handedBack.load();
-  c["shm_slabs_created"] = counters_.created.load();
-  c["shm_slabs_unmapped"] = counters_.unmapped.load();
-  c["shm_slab_fallbacks"] = counters_.fallbacks.load();
-  c["shm_rings_created"] = counters_.ringsCreated.load();
-  c["shm_rings_dropped"] = counters_.ringsDropped.load();
 }
 
 } // namespace torch_rpc_ext::transport::shm

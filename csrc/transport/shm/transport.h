@@ -3,15 +3,16 @@
 
 #include <string>
 
-#include "csrc/transport/shm/slab.h"
 #include "csrc/transport/stream/transport.h"
 
 namespace torch_rpc_ext::transport::shm {
 
 // The shm transport (connection.h) over the shared stream core. Viable where
-// memfds work and this host can be named; two processes reach each other
-// exactly when they run on one booted kernel in one network namespace (the
-// domain descriptor), i.e. when one can reach the other's abstract sockets.
+// this host can be named; two processes reach each other exactly when they
+// run on one booted kernel in one network namespace (the domain
+// descriptor), i.e. when one can reach the other's abstract sockets. Its
+// connections pass descriptors: the shm channels' shared memory rides on
+// them.
 class ShmTransport final : public stream::StreamTransport {
  public:
   explicit ShmTransport(TransportOptions options);
@@ -27,6 +28,9 @@ class ShmTransport final : public stream::StreamTransport {
   bool crossesHosts() const override {
     return false;
   }
+  bool passesDescriptors() const override {
+    return true;
+  }
   std::shared_ptr<Listener> listen() override;
 
  protected:
@@ -36,12 +40,10 @@ class ShmTransport final : public stream::StreamTransport {
       int32_t expectedPeerId,
       std::string peerAddress,
       ConnectionObserver* observer) override;
-  void addCounters(std::map<std::string, uint64_t>& out) const override;
 
  private:
   std::string domain_;
   std::string unviable_;
-  SlabCounters counters_;
 };
 
 } // namespace torch_rpc_ext::transport::shm

@@ -34,6 +34,18 @@ constexpr int kBusyHostTimeouts = 2;
 // housekeeping (onTickFromLoop()) still runs.
 constexpr std::chrono::milliseconds kIdleTick{2000};
 
+// Calls a channel's function when the descriptor it watches is readable.
+class Watcher final : public Pollable {
+ public:
+  explicit Watcher(std::function<void()> fn) : fn_(std::move(fn)) {}
+  void handleEventsFromLoop(uint32_t /*events*/) override {
+    fn_();
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
 } // namespace
 
 StreamConnection::StreamConnection(
@@ -65,7 +77,88 @@ StreamConnection::~StreamConnection() {
   }
 }
 
+void StreamConnection::openChannels(int32_t peerId) {
+  if (!options_.channelsFor) {
+    return;
+  }
+  // The channels talk to their peer through us, for as long as we live.
+  std::weak_ptr<channel::Host> host =
+      std::static_pointer_cast<channel::Host>(shared_from_this());
+  size_t fds = 0;
+  for (const auto& ctx : options_.channelsFor(peerId, passesDescriptors())) {
+    channels_.push_back(ctx->open(host));
+    fds += channels_.back()->maxPendingFds();
+  }
+  maxPendingFds_ = fds;
+}
+
+uint8_t StreamConnection::channelSlot(uint8_t wireId) const {
+  for (size_t k = 0; k < channels_.size(); ++k) {
+    if (channels_[k]->context().wireId() == wireId) {
+      return static_cast<uint8_t>(k + 1);
+    }
+  }
+  return 0;
+}
+
+std::vector<std::string> StreamConnection::channelNames() const {
+  std::vector<std::string> names;
+  for (const auto& ch : channels_) {
+    names.push_back(ch->context().name());
+  }
+  return names;
+}
+
+void StreamConnection::post(std::function<void()> fn) {
+  loop_.post(std::move(fn));
+}
+
+void StreamConnection::watchFromLoop(
+    int fd,
+    std::function<void()> onReadable) {
+  loop_.addFromLoop(fd, std::make_shared<Watcher>(std::move(onReadable)), EPOLLIN);
+}
+
+void StreamConnection::unwatchFromLoop(int fd) {
+  loop_.removeFromLoop(fd);
+}
+
+void StreamConnection::tickChannelsFromLoop() {
+  for (auto& ch : channels_) {
+    ch->onTickFromLoop();
+  }
+  // A chunk channel no queued frame still means to use may let its
+  // resources go (an idle ring).
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ != State::kReady) {
+      return;
+    }
+    for (size_t k = 0; k < channels_.size(); ++k) {
+      if (channels_[k]->context().mode() != channel::Channel::Mode::kChunks) {
+        continue;
+      }
+      bool used = std::any_of(writes_.begin(), writes_.end(), [&](const auto& w) {
+        return std::find(w.chunked.begin(), w.chunked.end(), uint8_t(k + 1)) !=
+            w.chunked.end();
+      });
+      if (used) {
+        continue;
+      }
+      if (auto drop = channels_[k]->dropIfIdleLocked()) {
+        writes_.push_back(controlFrame(std::move(*drop)));
+        if (writes_.size() == 1) {
+          error = flushLocked();
+        }
+      }
+    }
+  }
+  afterFlush(error);
+}
+
 void StreamConnection::startConnect(const std::string& address) {
+  openChannels(expectedPeerId_);
   if (fd_ < 0) {
     closeInternal(errnoText("socket"), false);
     return;
@@ -265,7 +358,7 @@ void StreamConnection::heartbeatFromLoop() {
       queueControl(uint8_t(FrameKind::kPing), {});
     }
   }
-  onTickFromLoop();
+  tickChannelsFromLoop();
   if (state_ != State::kClosed) {
     scheduleHeartbeat();
   }
@@ -298,6 +391,15 @@ bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
   }
   if (!step.done) {
     return state_ != State::kClosed;
+  }
+  // The peer is known: an accepted connection's channels open before the
+  // peer's first frame is read (an outbound one's opened on connect).
+  if (!outbound_) {
+    openChannels(handshake_.peerId());
+  }
+  if (receivedFds_.size() > maxPendingFds_) {
+    rejectFromLoop("peer sent unexpected file descriptors");
+    return false;
   }
   std::string error;
   {
@@ -349,7 +451,9 @@ void StreamConnection::closeInternal(std::string reason, bool local) {
     if (self->registered_) {
       self->loop_.removeFromLoop(self->fd_);
     }
-    self->onClosedFromLoop();
+    for (auto& ch : self->channels_) {
+      ch->onClosedFromLoop();
+    }
     if (self->fd_ >= 0) {
       ::shutdown(self->fd_, SHUT_RDWR);
     }

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/channel/channel.h"
 #include "csrc/transport/connection.h"
 #include "csrc/transport/handshake.h"
 #include "csrc/transport/stream/loop.h"
@@ -25,8 +26,11 @@ namespace torch_rpc_ext::transport::stream {
 // an incremental parser that checks every length before it allocates.
 //
 // A backend (tcp/, shm/) derives from it and fills in the hooks below: how
-// the socket is tuned, which control frames beyond the core's it speaks, and
-// how record segments (frame.h) travel out of band.
+// the socket is tuned and whether it passes descriptors. Tensor bytes that
+// travel out of band go through the connection's channels
+// (csrc/channel/channel.h), which the stream core hosts: it opens the ones
+// TransportOptions::channelsFor names once the peer is known, offers them
+// each segment, routes their records and control frames, and sends theirs.
 //
 // Threads: write() and close() from any thread; everything named *FromLoop
 // on the loop thread; *Locked with writeMutex_ held. Reads go straight into
@@ -34,6 +38,7 @@ namespace torch_rpc_ext::transport::stream {
 // smaller pieces pass through a 64 KiB staging buffer so a small frame costs
 // one read(2).
 class StreamConnection : public Connection,
+                         public channel::Host,
                          public Pollable,
                          public std::enable_shared_from_this<StreamConnection> {
  public:
@@ -73,6 +78,21 @@ class StreamConnection : public Connection,
 
   void handleEventsFromLoop(uint32_t events) override;
 
+  // channel::Host.
+  void sendControl(channel::ControlFrame frame) override;
+  void post(std::function<void()> fn) override;
+  void watchFromLoop(int fd, std::function<void()> onReadable) override;
+  void unwatchFromLoop(int fd) override;
+  void chunkRoomFromLoop() override;
+  void rejectFromLoop(const std::string& reason) override {
+    rejected_ = true;
+    closeInternal(reason, false);
+  }
+
+  // The names of the channels this connection uses, in order of preference
+  // (empty until the peer is known).
+  std::vector<std::string> channelNames() const;
+
   // Fuzzing and tests only (tests/fuzz/fuzz_stream.cpp): parse `data` on the
   // calling thread as if a ready connection had just read it from its socket
   // (the handshake skipped), with `fds` as the descriptors that came with
@@ -91,11 +111,12 @@ class StreamConnection : public Connection,
     // Descriptors sent with the frame's first byte (SCM_RIGHTS); owned by
     // whoever queued the frame, kept open until it is written or dropped.
     std::vector<int> passFds;
-    // Which segments go in chunks (kChunkedSegmentBit; empty: none). Such a
+    // Per segment, the channel that carries it in chunks (its index in
+    // channels_ plus one; 0: not in chunks; empty: no chunks at all). Such a
     // frame is written piece by piece: the prefix, then each segment as
     // bytes or as chunks announced by records (produceChunkLocked()).
-    std::vector<bool> chunked;
-    bool channelChecked = false; // prepareChunkChannelLocked() has run
+    std::vector<uint8_t> chunked;
+    bool channelChecked = false; // prepareChunksLocked() has run
     size_t piece = 0; // 0: prefix; i + 1: segment i
     size_t pieceOffset = 0;
     std::string records; // SegmentRecords not yet on the socket
@@ -124,91 +145,25 @@ class StreamConnection : public Connection,
   // ---- Backend hooks --------------------------------------------------
   // Socket options for the new socket (before connect or the handshake).
   virtual void tuneSocket() {}
-  // Descriptors that may wait for their frame at most (the kernel stops a
-  // read at each message that carries some). 0: this stream passes none
-  // and reads with read(2); more arriving closes the connection.
-  virtual size_t maxPendingFds() const {
-    return 0;
-  }
-  // Ready state: whether a frame of `kind` (not kMessage/kPing/kPong) with
-  // a head of `headLength` bytes is one this backend speaks now.
-  virtual bool acceptsControlFrame(FrameKind kind, uint32_t headLength) const {
+  // Whether the socket can pass descriptors (SCM_RIGHTS): channels that need
+  // it are opened only then. False: reads use read(2).
+  virtual bool passesDescriptors() const {
     return false;
   }
-  // Such a frame's head is in (`head_`; descriptors in receivedFds_). False
-  // once the connection is closed.
-  virtual bool onControlFrameFromLoop(FrameKind kind) {
-    return true;
-  }
-  // Whether this backend carries record segments announced with `bit`
-  // (kChunkedSegmentBit or kRegionSegmentBit) on this connection now.
-  virtual bool acceptsRecordSegments(uint64_t bit) const {
-    return false;
-  }
-  // A record of segment segmentIndex_ (announced with `bit`) has arrived:
-  // place (part of) the segment and return how many of its bytes are now in
-  // place (its whole size for a region record), or -1 after rejecting the
-  // frame.
-  virtual int64_t onSegmentRecordFromLoop(
-      uint64_t bit,
-      const SegmentRecord& record) {
-    return -1;
-  }
-  // Any thread, no lock held, before a message frame is queued: choose how
-  // its segments travel. Mark region segments in `w.regionRecords` and
-  // `region`, chunked ones in `w.chunked`; frames to send first go into
-  // `before` (e.g. the setup of a new region).
-  virtual void planFrameSegments(
-      OutboundFrame& frame,
-      PendingWrite& w,
-      std::vector<bool>& region,
-      std::vector<PendingWrite>& before) {}
-  // A frame with chunked segments is about to start: return a control frame
-  // to send first if the channel must be set up or replaced now (its
-  // descriptors in passFds), else nothing.
-  virtual std::optional<PendingWrite> prepareChunkChannelLocked() {
-    return std::nullopt;
-  }
-  // Put up to `size` bytes of a chunked segment into the out-of-band
-  // channel; fill `record`. Returns the bytes taken; 0 when the channel is
-  // full (chunkChannelFreed() resumes), with `error` set on failure.
-  virtual size_t produceChunkLocked(
-      const char* data,
-      size_t size,
-      SegmentRecord* record,
-      std::string* error) {
-    *error = "this transport has no chunk channel";
-    return 0;
-  }
-  // Frames the backend wants to send before the next message (its lazily
-  // queued control traffic), appended to writes_.
-  virtual void queueBeforeMessageLocked() {}
-  // Loop thread, on every heartbeat tick while ready (also when the
-  // heartbeat is off: every kIdleTick).
-  virtual void onTickFromLoop() {}
-  // Loop thread, once, as the connection closes.
-  virtual void onClosedFromLoop() {}
 
   // ---- For backends ----------------------------------------------------
   int fd() const {
     return fd_;
   }
-  // The chunk channel has room again (loop thread).
-  void chunkChannelFreedFromLoop();
   // Queue a control frame (jumps the queue, see queueControl).
   void queueControl(uint8_t kind, std::string head);
-  // A control frame ready for writes_ (not queued).
-  static PendingWrite controlFrame(FrameKind kind, std::string head);
+  // A channel's control frame, ready for writes_ (not queued).
+  static PendingWrite controlFrame(channel::ControlFrame frame);
   // Write as much as the socket takes. Returns an error text or "".
   std::string flushLocked();
   // After a flush under writeMutex_ (released by now): releaseFinished(),
   // then close the connection if the flush failed with `error`.
   void afterFlush(const std::string& error);
-  // Close because the peer broke the protocol (see rejectedPeer()).
-  void rejectFromLoop(const std::string& reason) {
-    rejected_ = true;
-    closeInternal(reason, false);
-  }
   void closeInternal(std::string reason, bool local);
 
   Loop& loop_;
@@ -217,6 +172,13 @@ class StreamConnection : public Connection,
   mutable std::mutex writeMutex_;
   std::deque<PendingWrite> writes_;
   bool chunksBlocked_ = false; // a frame waits for chunk room (writeMutex_)
+  // The channels, in order of preference: set once (outbound: on connect;
+  // accepted: when the peer is authenticated) and read-only afterwards.
+  std::vector<std::shared_ptr<channel::Channel>> channels_;
+  // Descriptors that may wait for their frame at most: what the channels
+  // pass (the kernel stops a read at each message that carries some); more
+  // arriving closes the connection.
+  size_t maxPendingFds_ = 0;
   // Loop thread: the head of the control frame being handled, descriptors
   // received and not yet claimed, and the frame being read.
   std::string head_;
@@ -228,8 +190,6 @@ class StreamConnection : public Connection,
 
  private:
   enum class ReadPhase { kHeader, kLengthsAndHead, kSegments };
-  // How segment i of the frame being read travels.
-  enum class Carried : uint8_t { kBytes, kChunks, kRegion };
 
   void startFromLoop(bool connecting);
   void onConnectedFromLoop();
@@ -247,9 +207,25 @@ class StreamConnection : public Connection,
   bool onHandshakeFrameFromLoop(std::string head);
   void finishFrameFromLoop();
   void skipEmptySegments();
-  Carried carried() const {
-    return carried_.empty() ? Carried::kBytes : carried_[segmentIndex_];
+  // The channel carrying segment segmentIndex_ (index in channels_ plus one;
+  // 0: the stream).
+  uint8_t carried() const {
+    return carried_.empty() ? 0 : carried_[segmentIndex_];
   }
+  // Open the channels for talking to `peerId` (once, before any frame of
+  // theirs can be written or read).
+  void openChannels(int32_t peerId);
+  // The channel slot (index plus one) named by `wireId` on the wire, or 0.
+  uint8_t channelSlot(uint8_t wireId) const;
+  // Sender: choose how each segment travels (the channels' copies happen
+  // now, on the calling thread, with no lock held).
+  void planSegments(
+      OutboundFrame& frame,
+      PendingWrite& w,
+      std::vector<uint8_t>& region,
+      std::vector<channel::ControlFrame>& before);
+  // Heartbeat tick: the channels' housekeeping.
+  void tickChannelsFromLoop();
   // (Re-)arm the handshake timer; see handshakeTimeoutFromLoop().
   void armHandshakeTimer(std::chrono::milliseconds after);
   void handshakeTimeoutFromLoop();
@@ -308,7 +284,7 @@ class StreamConnection : public Connection,
   FrameHeader header_{};
   size_t phaseFilled_ = 0;
   std::string lengthsAndHead_;
-  std::vector<Carried> carried_; // of the frame being read (empty: bytes)
+  std::vector<uint8_t> carried_; // of the frame being read (empty: bytes)
   SegmentRecord record_{};
   size_t recordFilled_ = 0;
 };

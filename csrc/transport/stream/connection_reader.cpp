@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // The read side of StreamConnection: the incremental frame parser. Runs on the
 // loop thread only; validates each header before allocating anything behind
-// it, and leaves what only a backend knows (its control frames, the records
-// of out-of-band segments) to the backend's hooks.
+// it, and leaves what only a channel knows (its control frames, the records
+// of out-of-band segments) to the connection's channels.
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -18,6 +18,9 @@ namespace torch_rpc_ext::transport::stream {
 namespace {
 
 constexpr size_t kDirectReadBytes = 16 * 1024;
+// Descriptors one read can bring (more truncate the control message, which
+// closes the connection).
+constexpr size_t kMaxFdsPerRead = 4;
 constexpr size_t kStagingBytes = 64 * 1024;
 
 } // namespace
@@ -25,10 +28,10 @@ constexpr size_t kStagingBytes = 64 * 1024;
 ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
   while (true) {
     ssize_t got;
-    if (maxPendingFds() > 0) {
+    if (passesDescriptors()) {
       // recvmsg, not read: read(2) would silently drop passed descriptors.
       iovec iov{dst, size};
-      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
       msghdr msg{};
       msg.msg_iov = &iov;
       msg.msg_iovlen = 1;
@@ -48,9 +51,12 @@ ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
           }
         }
         // More than could be waiting for their frames is an attack on our
-        // descriptor table.
-        if ((msg.msg_flags & MSG_CTRUNC) != 0 ||
-            receivedFds_.size() > maxPendingFds()) {
+        // descriptor table. Before the handshake ends, the channels (which
+        // set the bound) are not open yet, while one read may already bring
+        // the descriptors of the peer's first frame after it: they wait,
+        // and are counted once the channels are (openChannels()).
+        size_t bound = state_ == State::kReady ? maxPendingFds_ : kMaxFdsPerRead;
+        if ((msg.msg_flags & MSG_CTRUNC) != 0 || receivedFds_.size() > bound) {
           rejectFromLoop("peer sent unexpected file descriptors");
           return -1;
         }
@@ -92,7 +98,7 @@ void StreamConnection::onReadableFromLoop() {
   while (state_ != State::kClosed) {
     // Large remainders of a segment go straight into its final buffer.
     if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_ &&
-        carried() == Carried::kBytes) {
+        carried() == 0) {
       size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
       if (want >= kDirectReadBytes) {
         char* dst =
@@ -128,12 +134,13 @@ bool StreamConnection::feedForTesting(
     size_t size,
     std::vector<int> fds) {
   if (state_ == State::kHandshake || state_ == State::kConnecting) {
+    openChannels(expectedPeerId_);
     std::lock_guard<std::mutex> lock(writeMutex_);
     peerId_ = expectedPeerId_;
     state_ = State::kReady;
   }
   receivedFds_.insert(receivedFds_.end(), fds.begin(), fds.end());
-  if (receivedFds_.size() > maxPendingFds()) {
+  if (receivedFds_.size() > maxPendingFds_) {
     rejectFromLoop("peer sent unexpected file descriptors");
     return false;
   }
@@ -180,18 +187,22 @@ bool StreamConnection::consumeFromLoop() {
           !onLengthsAndHeadFromLoop()) {
         return false;
       }
-    } else if (carried() != Carried::kBytes) {
-      // A record: the bytes travel out of band; the backend places them.
+    } else if (carried() != 0) {
+      // A record: the bytes travel out of band; the channel places them.
       size_t take = std::min(avail, sizeof(record_) - recordFilled_);
       std::memcpy(reinterpret_cast<char*>(&record_) + recordFilled_, src, take);
       recordFilled_ += take;
       stagedBegin_ += take;
       if (recordFilled_ == sizeof(record_)) {
         recordFilled_ = 0;
-        int64_t placed = onSegmentRecordFromLoop(
-            carried() == Carried::kChunks ? kChunkedSegmentBit
-                                          : kRegionSegmentBit,
-            record_);
+        size_t i = segmentIndex_;
+        bool region = !inbound_.provided.empty();
+        channel::InboundSegment segment{
+            segmentSizes_[i], segmentFilled_, inbound_.segments[i],
+            region ? &inbound_.provided[i] : nullptr,
+            region ? &inbound_.regions[i] : nullptr};
+        int64_t placed =
+            channels_[carried() - 1]->onRecordFromLoop(record_, segment);
         if (placed < 0 || state_ == State::kClosed) {
           return false;
         }
@@ -229,7 +240,9 @@ bool StreamConnection::onHeaderFromLoop() {
       ok = kind == FrameKind::kMessage || kind == FrameKind::kPing ||
           kind == FrameKind::kPong ||
           (kind > FrameKind::kPong &&
-           acceptsControlFrame(kind, header_.headLength));
+           std::any_of(channels_.begin(), channels_.end(), [&](const auto& c) {
+             return c->acceptsControlFrame(kind, header_.headLength);
+           }));
     }
     if (!ok) {
       why = "unexpected frame kind " + std::to_string(header_.kind) +
@@ -239,7 +252,10 @@ bool StreamConnection::onHeaderFromLoop() {
       why = "control frame with segments";
     } else if (
         header_.flags == kFlagChunkedSegments &&
-        !acceptsRecordSegments(kChunkedSegmentBit)) {
+        std::none_of(channels_.begin(), channels_.end(), [](const auto& c) {
+          return c->context().mode() == channel::Channel::Mode::kChunks &&
+              c->acceptsRecords();
+        })) {
       why = "chunked segments on a connection without a chunk channel";
     }
   }
@@ -265,18 +281,26 @@ bool StreamConnection::onLengthsAndHeadFromLoop() {
   uint64_t sum = 0;
   for (size_t i = 0; i < n; ++i) {
     std::memcpy(&segmentSizes_[i], lengthsAndHead_.data() + 8 * i, 8);
-    uint64_t bits = segmentSizes_[i] & (kChunkedSegmentBit | kRegionSegmentBit);
-    if (bits != 0) {
-      segmentSizes_[i] &= ~bits;
-      bool chunks = bits == kChunkedSegmentBit;
-      if ((bits != kChunkedSegmentBit && bits != kRegionSegmentBit) ||
-          segmentSizes_[i] == 0 || !acceptsRecordSegments(bits) ||
+    auto wireId = static_cast<uint8_t>(segmentSizes_[i] >> kChannelIdShift);
+    if (wireId != 0) {
+      segmentSizes_[i] &= kSegmentLengthMask;
+      uint8_t slot = channelSlot(wireId);
+      if (slot == 0) {
+        rejectFromLoop(
+            "rejected frame: segment " + std::to_string(i) +
+            " names channel " + std::to_string(wireId) +
+            ", which this connection does not use");
+        return false;
+      }
+      auto& ch = *channels_[slot - 1];
+      bool chunks = ch.context().mode() == channel::Channel::Mode::kChunks;
+      if (segmentSizes_[i] == 0 || !ch.acceptsRecords() ||
           (chunks && header_.flags != kFlagChunkedSegments)) {
         rejectFromLoop("rejected frame: bad record segment length");
         return false;
       }
-      carried_.resize(n, Carried::kBytes);
-      carried_[i] = chunks ? Carried::kChunks : Carried::kRegion;
+      carried_.resize(n, 0);
+      carried_[i] = slot;
       if (!chunks) {
         provided.resize(n);
         provided[i] = true;
@@ -310,7 +334,13 @@ bool StreamConnection::onLengthsAndHeadFromLoop() {
     if (kind == FrameKind::kPong) {
       return true;
     }
-    return onControlFrameFromLoop(kind) && state_ != State::kClosed;
+    for (auto& ch : channels_) {
+      if (ch->acceptsControlFrame(kind, header_.headLength)) {
+        return ch->onControlFrameFromLoop(kind, head_, receivedFds_) &&
+            state_ != State::kClosed;
+      }
+    }
+    return true; // unreachable: onHeaderFromLoop() let no other kind in
   }
   try {
     inbound_ = observer_->onFrameHead(*this, head_, segmentSizes_, provided);

@@ -7,9 +7,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
 
 #include "csrc/common/logging.h"
 #include "csrc/transport/stream/connection.h"
@@ -22,7 +24,7 @@ constexpr int kMaxIov = 1024;
 
 } // namespace
 
-void StreamConnection::chunkChannelFreedFromLoop() {
+void StreamConnection::chunkRoomFromLoop() {
   std::string error;
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
@@ -36,14 +38,90 @@ void StreamConnection::chunkChannelFreedFromLoop() {
 }
 
 StreamConnection::PendingWrite StreamConnection::controlFrame(
-    FrameKind kind,
-    std::string head) {
+    channel::ControlFrame frame) {
   PendingWrite w;
-  FrameHeader h{kFrameMagic, kProtocolVersion, uint8_t(kind), 0,
-                static_cast<uint32_t>(head.size()), 0, 0};
+  FrameHeader h{kFrameMagic, kProtocolVersion, uint8_t(frame.kind), 0,
+                static_cast<uint32_t>(frame.head.size()), 0, 0};
   w.prefix.assign(reinterpret_cast<const char*>(&h), sizeof(h));
-  w.prefix += head;
+  w.prefix += frame.head;
+  w.passFds = std::move(frame.fds);
+  w.frame.keepAlive = std::move(frame.keepAlive);
   return w;
+}
+
+void StreamConnection::sendControl(channel::ControlFrame frame) {
+  PendingWrite w = controlFrame(std::move(frame));
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ != State::kReady) {
+      if (w.frame.keepAlive) {
+        finished_.push_back(std::move(w.frame.keepAlive));
+      }
+    } else {
+      // Ahead of message frames not yet started, as queueControl().
+      auto pos = writes_.begin();
+      if (pos != writes_.end() && pos->started()) {
+        ++pos;
+      }
+      writes_.insert(pos, std::move(w));
+      error = flushLocked();
+    }
+  }
+  afterFlush(error);
+}
+
+void StreamConnection::planSegments(
+    OutboundFrame& frame,
+    PendingWrite& w,
+    std::vector<uint8_t>& region,
+    std::vector<channel::ControlFrame>& before) {
+  if (channels_.empty()) {
+    for (const auto& segment : frame.segments) {
+      if (segment.device != uint8_t(channel::DeviceKind::kCpu)) {
+        throw std::invalid_argument(
+            "no channel of " + describe() +
+            " carries memory of device type " + std::to_string(segment.device));
+      }
+    }
+    return;
+  }
+  for (size_t i = 0; i < frame.segments.size(); ++i) {
+    const auto& segment = frame.segments[i];
+    if (segment.size == 0) {
+      continue;
+    }
+    bool taken = false;
+    for (size_t k = 0; k < channels_.size() && !taken; ++k) {
+      auto& ch = *channels_[k];
+      const auto& ctx = ch.context();
+      if (uint8_t(ctx.device()) != segment.device) {
+        continue;
+      }
+      if (ctx.mode() == channel::Channel::Mode::kRegion) {
+        SegmentRecord record{};
+        if (ch.takeRegion(segment, &record, &before)) {
+          if (region.empty()) {
+            region.resize(frame.segments.size());
+            // Reserved once: the frame's segments will point into it.
+            w.regionRecords.reserve(frame.segments.size());
+          }
+          region[i] = static_cast<uint8_t>(k + 1);
+          w.regionRecords.push_back(record);
+          taken = true;
+        }
+      } else if (ch.takeChunks(segment)) {
+        w.chunked.resize(frame.segments.size());
+        w.chunked[i] = static_cast<uint8_t>(k + 1);
+        taken = true;
+      }
+    }
+    if (!taken && segment.device != uint8_t(channel::DeviceKind::kCpu)) {
+      throw std::invalid_argument(
+          "no channel of " + describe() + " carries memory of device type " +
+          std::to_string(segment.device));
+    }
+  }
 }
 
 void StreamConnection::queueControl(uint8_t kind, std::string head) {
@@ -82,13 +160,13 @@ bool StreamConnection::write(OutboundFrame frame) {
         std::to_string(options_.limits.maxFrameBytes) + ")");
   }
   PendingWrite w;
-  // The backend chooses how segments travel (a region's copy happens now,
+  // The channels choose how segments travel (a region's copy happens now,
   // on this thread, with no lock held); a region segment's place on the
   // wire takes its record. `region` stays empty (no allocation) for a frame
   // with none.
-  std::vector<bool> region;
-  std::vector<PendingWrite> before;
-  planFrameSegments(frame, w, region, before);
+  std::vector<uint8_t> region;
+  std::vector<channel::ControlFrame> before;
+  planSegments(frame, w, region, before);
   FrameHeader h{};
   h.magic = kFrameMagic;
   h.version = kProtocolVersion;
@@ -109,13 +187,16 @@ bool StreamConnection::write(OutboundFrame frame) {
     // The decision is made: the queue must not hold regions (their last
     // reference could then die under writeMutex_, and a dying lease takes it).
     frame.segments[i].origin = nullptr;
-    if (!region.empty() && region[i]) {
-      n |= kRegionSegmentBit;
+    uint8_t slot = !region.empty() && region[i] != 0 ? region[i]
+        : !w.chunked.empty()                       ? w.chunked[i]
+                                                   : 0;
+    if (slot != 0) {
+      n |= uint64_t(channels_[slot - 1]->context().wireId()) << kChannelIdShift;
+    }
+    if (!region.empty() && region[i] != 0) {
       // The record goes on the wire in the segment's place.
       frame.segments[i].data = &w.regionRecords[nextRecord++];
       frame.segments[i].size = sizeof(SegmentRecord);
-    } else if (!w.chunked.empty() && w.chunked[i]) {
-      n |= kChunkedSegmentBit;
     }
     w.prefix.append(reinterpret_cast<const char*>(&n), 8);
   }
@@ -129,11 +210,13 @@ bool StreamConnection::write(OutboundFrame frame) {
       return false;
     }
     bool wasEmpty = writes_.empty();
-    // The backend's waiting control traffic takes this ride; a new region
+    // The channels' waiting control traffic takes this ride; a new region
     // reaches the peer before the first record that names it.
-    queueBeforeMessageLocked();
+    for (auto& ch : channels_) {
+      ch->collectPendingLocked(&before);
+    }
     for (auto& b : before) {
-      writes_.push_back(std::move(b));
+      writes_.push_back(controlFrame(std::move(b)));
     }
     writes_.push_back(std::move(w));
     if (state_ == State::kReady && wasEmpty) {
@@ -156,13 +239,25 @@ std::string StreamConnection::flushLocked() {
       if (chunksBlocked_) {
         break;
       }
-      // Before its first byte, the backend may set up (or resize) its chunk
-      // channel with a control frame that must reach the peer first.
+      // Before its first byte, each chunk channel it uses may set itself up
+      // (or resize) with a control frame that must reach the peer first.
       if (!writes_.front().started() && !writes_.front().channelChecked) {
         writes_.front().channelChecked = true;
-        std::optional<PendingWrite> setup = prepareChunkChannelLocked();
-        if (setup) {
-          writes_.push_front(std::move(*setup));
+        std::vector<PendingWrite> setups;
+        for (size_t k = 0; k < channels_.size(); ++k) {
+          const auto& used = writes_.front().chunked;
+          if (std::find(used.begin(), used.end(), uint8_t(k + 1)) ==
+              used.end()) {
+            continue;
+          }
+          if (auto setup = channels_[k]->prepareChunksLocked()) {
+            setups.push_back(controlFrame(std::move(*setup)));
+          }
+        }
+        for (auto it = setups.rbegin(); it != setups.rend(); ++it) {
+          writes_.push_front(std::move(*it));
+        }
+        if (!setups.empty()) {
           continue;
         }
       }
@@ -320,9 +415,9 @@ StreamConnection::ChunkFlush StreamConnection::flushChunkedFrameLocked(
       w.pieceOffset = 0;
       continue;
     }
-    if (w.piece > 0 && w.chunked[w.piece - 1]) {
+    if (w.piece > 0 && w.chunked[w.piece - 1] != 0) {
       SegmentRecord record{};
-      size_t n = produceChunkLocked(
+      size_t n = channels_[w.chunked[w.piece - 1] - 1]->produceChunkLocked(
           data + w.pieceOffset, size - w.pieceOffset, &record, error);
       if (!error->empty()) {
         return ChunkFlush::kSocketFull;

@@ -5,9 +5,9 @@
 
 namespace torch_rpc_ext::transport::tcp {
 
-// A TCP connection: the stream core with Nagle off and keepalive on. Every
-// byte of a frame travels in the stream; it speaks no control frames and no
-// record segments beyond the core's.
+// A TCP connection: the stream core with Nagle off and keepalive on. It
+// passes no descriptors, so it hosts none of the shm channels: every byte
+// of a frame travels in the stream.
 class TcpConnection final : public stream::StreamConnection {
  public:
   TcpConnection(

@@ -21,6 +21,9 @@ class TcpTransport final : public stream::StreamTransport {
   bool crossesHosts() const override {
     return true;
   }
+  bool passesDescriptors() const override {
+    return false;
+  }
   std::shared_ptr<Listener> listen() override;
 
  protected:

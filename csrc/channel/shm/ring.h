@@ -6,15 +6,15 @@
 #include <cstdint>
 #include <string>
 
-namespace torch_rpc_ext::transport::shm {
+namespace torch_rpc_ext::channel::shm {
 
 // A single-producer, single-consumer byte ring in a memfd shared by two
-// processes on one host: the bulk data path of the "shm" transport.
+// processes on one host: the memory of the shm_ring channel.
 //
 // Each direction of a connection has its own ring, created by the sending
 // side when it first needs one and handed to the receiver over the
 // connection's Unix socket (SCM_RIGHTS) in a kRing frame; see
-// shm/connection.h for how rings are sized, grown and dropped. The socket stays the control
+// ring_channel.h for how rings are sized, grown and dropped. The socket stays the control
 // path: for every chunk the producer copies into the ring it writes a 16-byte
 // ChunkRecord on the socket, and the consumer copies the chunk straight into
 // the message's final buffer. So a tensor crosses with one copy per side and
@@ -39,6 +39,14 @@ struct ChunkRecord {
   uint64_t length;
 };
 static_assert(sizeof(ChunkRecord) == 16, "ChunkRecord is 16 bytes on the wire");
+
+// The ring traffic of one process's connections, for its counters.
+struct RingCounters {
+  std::atomic<uint64_t> segments{0}; // segments sent through a ring
+  std::atomic<uint64_t> bytes{0}; // bytes copied into rings
+  std::atomic<uint64_t> created{0}; // rings made, first or larger
+  std::atomic<uint64_t> dropped{0}; // rings unmapped when idle
+};
 
 constexpr uint64_t kRingMagic = 0x474e495258505254ull; // "TRPXRING"
 constexpr size_t kRingHeaderBytes = 4096;
@@ -112,4 +120,4 @@ class Ring {
   }
 };
 
-} // namespace torch_rpc_ext::transport::shm
+} // namespace torch_rpc_ext::channel::shm

@@ -7,11 +7,11 @@
 #include <memory>
 #include <string>
 
-namespace torch_rpc_ext::transport::shm {
+namespace torch_rpc_ext::channel::shm {
 
 // A sealed memfd mapping that carries one large tensor segment between two
-// processes of one host without a receive-side copy: the zero-copy path of
-// the "shm" transport (docs/architecture.md, "Shared slabs").
+// processes of one host without a receive-side copy: the memory of the
+// shm_slab channel (slab_channel.h; docs/architecture.md, "Shared slabs").
 //
 // The sender copies the segment into one of its slabs (the one copy of that
 // direction) and sends a SlabRecord in the segment's place; the receiver's
@@ -80,22 +80,23 @@ constexpr uint64_t kSlabPage = 4096;
 uint64_t slabCapacityFor(uint64_t segmentBytes);
 // Per connection and direction: at most this many slabs exist, and at most
 // kMaxLentSlabBytes of them may be lent out at once; past either bound the
-// sender falls back to the ring (a copy per side) rather than grow.
+// sender declines the segment (the next channel, shm_ring, takes it: a copy
+// per side) rather than grow.
 constexpr size_t kMaxSlabs = 1024;
 constexpr uint64_t kMaxLentSlabBytes = uint64_t(1) << 35; // 32 GiB
 // A free slab unused this long is unmapped (and the peer told to unmap it).
 constexpr int64_t kSlabIdleMs = 2000;
 
-// The slab traffic of one transport's connections, for its counters.
+// The slab traffic of one process's connections, for its counters.
 struct SlabCounters {
   std::atomic<uint64_t> segments{0}; // segments sent through a slab
   std::atomic<uint64_t> copiedBytes{0}; // bytes copied into slabs
   std::atomic<uint64_t> handedBack{0}; // sent with no copy (kReturned)
   std::atomic<uint64_t> created{0};
   std::atomic<uint64_t> unmapped{0}; // own slabs dropped when idle
-  std::atomic<uint64_t> fallbacks{0}; // over a slab bound: ring instead
-  std::atomic<uint64_t> ringsCreated{0}; // rings made, first or larger
-  std::atomic<uint64_t> ringsDropped{0}; // rings unmapped when idle
+  // Segments declined (over a slab bound, or no slab could be made): the
+  // next channel took them.
+  std::atomic<uint64_t> declined{0};
 };
 
-} // namespace torch_rpc_ext::transport::shm
+} // namespace torch_rpc_ext::channel::shm

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: BSD-3-Clause
-#include "csrc/transport/shm/ring.h"
+#include "csrc/channel/shm/ring.h"
 
 #include <fcntl.h>
 #include <sys/eventfd.h>
@@ -16,7 +16,7 @@
 
 #include "csrc/common/logging.h"
 
-namespace torch_rpc_ext::transport::shm {
+namespace torch_rpc_ext::channel::shm {
 
 Ring Ring::create(uint64_t capacity) {
   if (capacity < kMinRingBytes || capacity > kMaxRingBytes ||
@@ -200,4 +200,4 @@ std::string Ring::consume(
   return {};
 }
 
-} // namespace torch_rpc_ext::transport::shm
+} // namespace torch_rpc_ext::channel::shm

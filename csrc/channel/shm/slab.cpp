@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: BSD-3-Clause
-#include "csrc/transport/shm/slab.h"
+#include "csrc/channel/shm/slab.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -14,7 +14,7 @@
 #define MADV_POPULATE_WRITE 23
 #endif
 
-namespace torch_rpc_ext::transport::shm {
+namespace torch_rpc_ext::channel::shm {
 
 namespace {
 
@@ -114,4 +114,4 @@ Slab::~Slab() {
   closeFd();
 }
 
-} // namespace torch_rpc_ext::transport::shm
+} // namespace torch_rpc_ext::channel::shm

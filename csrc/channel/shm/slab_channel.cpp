@@ -1,17 +1,21 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// The shared-slab side of ShmConnection (slab.h): our pool of
-// slabs lent to the peer, the peer's slabs we map, and the leases that tie a
-// received tensor's storage to a slab.
+// shm_slab (slab_channel.h): our pool of slabs lent to the peer, the peer's
+// slabs we map, and the leases that tie a received tensor's storage to a
+// slab.
+#include "csrc/channel/shm/slab_channel.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 
 #include "csrc/common/logging.h"
-#include "csrc/transport/shm/connection.h"
 
-namespace torch_rpc_ext::transport::shm {
+namespace torch_rpc_ext::channel::shm {
 
 namespace {
+
+using transport::FrameKind;
+using transport::SegmentRecord;
 
 // The peer may have at most this many bytes of slabs mapped into us.
 constexpr uint64_t kMaxPeerSlabBytes = 2 * kMaxLentSlabBytes;
@@ -24,17 +28,19 @@ constexpr uint64_t kMaxPeerSlabBytes = 2 * kMaxLentSlabBytes;
 // meanwhile.
 constexpr uint64_t kDeferredReleaseBytes = uint64_t(1) << 20;
 constexpr size_t kMaxPendingReleases = 64;
+// A kSlabRelease frame names at most this many bytes of slab ids.
+constexpr uint32_t kMaxReleaseHead = 4096;
 
 // A received segment's memory: a span of a slab, valid while this lives.
 // When the last tensor viewing it dies, the slab goes back to its owner:
 // the peer (kSlabRelease) for a lent slab, our pool for one of ours the
 // peer handed back. handOn() passes the peer's slab back to it in a frame
 // instead.
-class SlabLease final : public SharedRegion {
+class SlabLease final : public transport::SharedRegion {
  public:
   SlabLease(
-      std::weak_ptr<ShmConnection> conn,
-      const ShmConnection* via,
+      std::weak_ptr<SlabChannel> conn,
+      const SlabChannel* via,
       std::shared_ptr<Slab> slab,
       uint32_t id,
       bool own)
@@ -48,7 +54,7 @@ class SlabLease final : public SharedRegion {
     if (handedOn_.load()) {
       return;
     }
-    // A closed or destroyed connection has nobody left to tell.
+    // A destroyed connection has nobody left to tell.
     if (auto c = conn_.lock()) {
       if (own_) {
         c->freeOwnSlab(id_);
@@ -58,7 +64,7 @@ class SlabLease final : public SharedRegion {
     }
   }
 
-  const ShmConnection* via() const {
+  const SlabChannel* via() const {
     return via_;
   }
   const Slab& slab() const {
@@ -76,8 +82,8 @@ class SlabLease final : public SharedRegion {
   }
 
  private:
-  std::weak_ptr<ShmConnection> conn_;
-  const ShmConnection* via_;
+  std::weak_ptr<SlabChannel> conn_;
+  const SlabChannel* via_;
   std::shared_ptr<Slab> slab_;
   uint32_t id_;
   bool own_;
@@ -90,16 +96,22 @@ std::string idHead(uint32_t id) {
 
 } // namespace
 
-bool ShmConnection::prepareSlabSegment(
-    const OutboundFrame::Segment& segment,
-    SlabRecord* record,
-    std::shared_ptr<Slab>* setup) {
-  // Tests only: TORCH_RPC_EXT_TEST_NO_SLABS=1 sends everything through the
-  // ring, the path otherwise taken only when the slabs are at their bounds.
-  static const bool slabsOff = std::getenv("TORCH_RPC_EXT_TEST_NO_SLABS") != nullptr;
-  if (slabsOff || segment.size < kSlabMinSegment) {
+SlabChannel::SlabChannel(
+    const Context& context,
+    std::weak_ptr<Host> host,
+    SlabCounters& counters)
+    : Channel(context), host_(std::move(host)), counters_(counters) {}
+
+bool SlabChannel::takeRegion(
+    const transport::OutboundFrame::Segment& segment,
+    SegmentRecord* out,
+    std::vector<ControlFrame>* before) {
+  if (segment.size < kSlabMinSegment) {
     return false;
   }
+  SlabRecord r{};
+  SlabRecord* record = &r;
+  static_assert(sizeof(r) == sizeof(*out));
   auto& counters = counters_;
   // A storage that lives in a slab the peer lent us on this connection,
   // and that nothing else can reach any more, goes back as it is. (Our own
@@ -120,6 +132,7 @@ bool ShmConnection::prepareSlabSegment(
       record->offset = uint64_t(p - lease->slab().data());
       counters.handedBack.fetch_add(1, std::memory_order_relaxed);
       counters.segments.fetch_add(1, std::memory_order_relaxed);
+      std::memcpy(out, &r, sizeof(r));
       return true;
     }
   }
@@ -148,7 +161,7 @@ bool ShmConnection::prepareSlabSegment(
     } else if (
         ownSlabs_.size() + slabsBeingMapped_ >= kMaxSlabs ||
         lentSlabBytes_ + want > kMaxLentSlabBytes) {
-      counters.fallbacks.fetch_add(1, std::memory_order_relaxed);
+      counters.declined.fetch_add(1, std::memory_order_relaxed);
       return false;
     } else {
       // Counted against the bounds now, mapped below without the lock, and
@@ -163,11 +176,14 @@ bool ShmConnection::prepareSlabSegment(
     try {
       slab = Slab::create(want);
     } catch (const std::exception& e) {
-      logDebug(std::string("torch_rpc_ext: no slab, using the ring: ") + e.what());
+      logDebug(
+          std::string("torch_rpc_ext: no slab, the next channel takes the "
+                      "segment: ") +
+          e.what());
       std::lock_guard<std::mutex> lock(slabMutex_);
       --slabsBeingMapped_;
       lentSlabBytes_ -= want;
-      counters.fallbacks.fetch_add(1, std::memory_order_relaxed);
+      counters.declined.fetch_add(1, std::memory_order_relaxed);
       return false;
     }
     {
@@ -176,7 +192,15 @@ bool ShmConnection::prepareSlabSegment(
       ownSlabs_.emplace(id, OwnSlab{slab, OwnSlab::State::kLent, {}});
     }
     counters.created.fetch_add(1, std::memory_order_relaxed);
-    *setup = slab;
+    // A new slab reaches the peer before the first record naming it. Once
+    // the frame is out (or dropped) we need the descriptor no more: the
+    // mapping lives on without it.
+    uint64_t capacity = slab->capacity();
+    std::string head = idHead(id);
+    head.append(reinterpret_cast<const char*>(&capacity), sizeof(capacity));
+    before->push_back(ControlFrame{
+        FrameKind::kSlab, std::move(head), {slab->fd()},
+        std::shared_ptr<void>(nullptr, [slab](void*) { slab->closeFd(); })});
   }
   // The one copy of this direction.
   std::memcpy(slab->data(), segment.data, segment.size);
@@ -185,31 +209,18 @@ bool ShmConnection::prepareSlabSegment(
   record->offset = 0;
   counters.segments.fetch_add(1, std::memory_order_relaxed);
   counters.copiedBytes.fetch_add(segment.size, std::memory_order_relaxed);
+  std::memcpy(out, &r, sizeof(r));
   return true;
 }
 
-ShmConnection::PendingWrite ShmConnection::slabSetupFrame(
-    uint32_t id,
-    std::shared_ptr<Slab> slab) {
-  uint64_t capacity = slab->capacity();
-  std::string head = idHead(id);
-  head.append(reinterpret_cast<const char*>(&capacity), sizeof(capacity));
-  PendingWrite w = controlFrame(FrameKind::kSlab, std::move(head));
-  w.passFds = {slab->fd()};
-  // Once the frame is out (or dropped) we need the descriptor no more: the
-  // mapping lives on without it.
-  w.frame.keepAlive =
-      std::shared_ptr<void>(nullptr, [slab](void*) { slab->closeFd(); });
-  return w;
-}
-
-void ShmConnection::releasePeerSlab(uint32_t id, uint64_t capacity) {
+void SlabChannel::releasePeerSlab(uint32_t id, uint64_t capacity) {
+  auto host = host_.lock();
+  if (!host || host->isClosed()) {
+    return; // nobody left to tell
+  }
   bool now = capacity >= kDeferredReleaseBytes;
   {
-    std::lock_guard<std::mutex> lock(writeMutex_);
-    if (state_ == State::kClosed) {
-      return;
-    }
+    std::lock_guard<std::mutex> lock(releaseMutex_);
     pendingReleases_ += idHead(id);
     now = now ||
         pendingReleases_.size() >= kMaxPendingReleases * sizeof(uint32_t);
@@ -219,33 +230,44 @@ void ShmConnection::releasePeerSlab(uint32_t id, uint64_t capacity) {
   }
 }
 
-void ShmConnection::flushReleases() {
-  std::string error;
+void SlabChannel::flushReleases() {
+  auto host = host_.lock();
+  if (!host || host->isClosed()) {
+    return;
+  }
+  ControlFrame frame;
   {
-    std::lock_guard<std::mutex> lock(writeMutex_);
-    if (state_ == State::kClosed || pendingReleases_.empty()) {
+    std::lock_guard<std::mutex> lock(releaseMutex_);
+    if (pendingReleases_.empty()) {
       return;
     }
-    queueReleasesLocked();
-    if (state_ == State::kReady && writes_.size() == 1) {
-      error = flushLocked();
-    }
+    frame = takeReleasesLocked();
   }
-  afterFlush(error);
+  host->sendControl(std::move(frame));
 }
 
-void ShmConnection::queueReleasesLocked() {
-  PendingWrite w;
-  FrameHeader h{kFrameMagic, kProtocolVersion,
-                uint8_t(FrameKind::kSlabRelease), 0,
-                static_cast<uint32_t>(pendingReleases_.size()), 0, 0};
-  w.prefix.assign(reinterpret_cast<const char*>(&h), sizeof(h));
-  w.prefix += pendingReleases_;
+void SlabChannel::collectPendingLocked(std::vector<ControlFrame>* out) {
+  // Releases waiting for a ride take this one.
+  std::lock_guard<std::mutex> lock(releaseMutex_);
+  if (!pendingReleases_.empty()) {
+    out->push_back(takeReleasesLocked());
+  }
+}
+
+ControlFrame SlabChannel::takeReleasesLocked() {
+  ControlFrame frame{FrameKind::kSlabRelease, std::move(pendingReleases_), {}, nullptr};
   pendingReleases_.clear();
-  writes_.push_back(std::move(w));
+  return frame;
 }
 
-void ShmConnection::freeOwnSlab(uint32_t id) {
+void SlabChannel::onTickFromLoop() {
+  // Memory goes back once traffic stops: releases still waiting for a frame
+  // to ride with, and our free slabs idle for kSlabIdleMs.
+  flushReleases();
+  trim();
+}
+
+void SlabChannel::freeOwnSlab(uint32_t id) {
   std::lock_guard<std::mutex> lock(slabMutex_);
   auto it = ownSlabs_.find(id);
   if (it != ownSlabs_.end() && it->second.state == OwnSlab::State::kLocal) {
@@ -254,7 +276,7 @@ void ShmConnection::freeOwnSlab(uint32_t id) {
   }
 }
 
-void ShmConnection::trimSlabs() {
+void SlabChannel::trim() {
   std::vector<uint32_t> dropped;
   {
     std::lock_guard<std::mutex> lock(slabMutex_);
@@ -272,22 +294,64 @@ void ShmConnection::trimSlabs() {
   }
   counters_.unmapped.fetch_add(
       dropped.size(), std::memory_order_relaxed);
+  auto host = host_.lock();
+  if (!host) {
+    return;
+  }
   for (uint32_t id : dropped) {
-    queueControl(uint8_t(FrameKind::kSlabDrop), idHead(id));
+    host->sendControl(ControlFrame{FrameKind::kSlabDrop, idHead(id), {}, nullptr});
   }
 }
 
-bool ShmConnection::onSlabSetupFromLoop() {
-  if (receivedFds_.empty()) {
-    rejectFromLoop("rejected frame: slab setup without its descriptor");
+bool SlabChannel::acceptsControlFrame(FrameKind kind, uint32_t headLength)
+    const {
+  switch (kind) {
+    case FrameKind::kSlab:
+      return headLength == sizeof(uint32_t) + sizeof(uint64_t);
+    case FrameKind::kSlabRelease:
+      return headLength >= sizeof(uint32_t) && headLength <= kMaxReleaseHead &&
+          headLength % sizeof(uint32_t) == 0;
+    case FrameKind::kSlabDrop:
+      return headLength == sizeof(uint32_t);
+    default:
+      return false;
+  }
+}
+
+bool SlabChannel::onControlFrameFromLoop(
+    FrameKind kind,
+    const std::string& head,
+    std::vector<int>& fds) {
+  auto host = host_.lock();
+  if (!host) {
     return false;
   }
-  int fd = receivedFds_.front();
-  receivedFds_.erase(receivedFds_.begin());
+  switch (kind) {
+    case FrameKind::kSlab:
+      return onSetupFromLoop(*host, head, fds);
+    case FrameKind::kSlabRelease:
+      return onReleaseFromLoop(*host, head);
+    case FrameKind::kSlabDrop:
+      return onDropFromLoop(*host, head);
+    default: // acceptsControlFrame() let no other kind through
+      return true;
+  }
+}
+
+bool SlabChannel::onSetupFromLoop(
+    Host& host,
+    const std::string& head,
+    std::vector<int>& fds) {
+  if (fds.empty()) {
+    host.rejectFromLoop("rejected frame: slab setup without its descriptor");
+    return false;
+  }
+  int fd = fds.front();
+  fds.erase(fds.begin());
   uint32_t id;
   uint64_t capacity;
-  std::memcpy(&id, head_.data(), sizeof(id));
-  std::memcpy(&capacity, head_.data() + sizeof(id), sizeof(capacity));
+  std::memcpy(&id, head.data(), sizeof(id));
+  std::memcpy(&capacity, head.data() + sizeof(id), sizeof(capacity));
   std::shared_ptr<Slab> slab;
   std::string why = Slab::attach(fd, capacity, &slab);
   if (why.empty() && peerSlabs_.count(id) != 0) {
@@ -300,7 +364,7 @@ bool ShmConnection::onSlabSetupFromLoop() {
         " or " + std::to_string(kMaxPeerSlabBytes) + " bytes";
   }
   if (!why.empty()) {
-    rejectFromLoop("rejected slab: " + why);
+    host.rejectFromLoop("rejected slab: " + why);
     return false;
   }
   peerSlabBytes_ += capacity;
@@ -308,15 +372,15 @@ bool ShmConnection::onSlabSetupFromLoop() {
   return true;
 }
 
-bool ShmConnection::onSlabReleaseFromLoop() {
+bool SlabChannel::onReleaseFromLoop(Host& host, const std::string& head) {
   uint32_t unheld = 0;
   bool ok = true;
   {
     std::lock_guard<std::mutex> lock(slabMutex_);
     auto now = std::chrono::steady_clock::now();
-    for (size_t at = 0; ok && at < head_.size(); at += sizeof(uint32_t)) {
+    for (size_t at = 0; ok && at < head.size(); at += sizeof(uint32_t)) {
       uint32_t id;
-      std::memcpy(&id, head_.data() + at, sizeof(id));
+      std::memcpy(&id, head.data() + at, sizeof(id));
       auto it = ownSlabs_.find(id);
       if (it == ownSlabs_.end() || it->second.state != OwnSlab::State::kLent) {
         ok = false;
@@ -330,21 +394,21 @@ bool ShmConnection::onSlabReleaseFromLoop() {
   }
   if (!ok) {
     // No risk to us, but a peer that loses track of its leases is broken.
-    rejectFromLoop(
+    host.rejectFromLoop(
         "rejected frame: the peer released slab " + std::to_string(unheld) +
         ", which it does not hold");
     return false;
   }
-  trimSlabs();
-  return state_ != State::kClosed;
+  trim();
+  return !host.isClosed();
 }
 
-bool ShmConnection::onSlabDropFromLoop() {
+bool SlabChannel::onDropFromLoop(Host& host, const std::string& head) {
   uint32_t id;
-  std::memcpy(&id, head_.data(), sizeof(id));
+  std::memcpy(&id, head.data(), sizeof(id));
   auto it = peerSlabs_.find(id);
   if (it == peerSlabs_.end()) {
-    rejectFromLoop(
+    host.rejectFromLoop(
         "rejected frame: the peer dropped slab " + std::to_string(id) +
         ", which it never announced");
     return false;
@@ -355,8 +419,13 @@ bool ShmConnection::onSlabDropFromLoop() {
   return true;
 }
 
-int64_t ShmConnection::onSlabRecordFromLoop(const SlabRecord& r) {
-  uint64_t size = segmentSizes_[segmentIndex_];
+int64_t SlabChannel::onRecordFromLoop(
+    const SegmentRecord& record,
+    InboundSegment& segment) {
+  SlabRecord r;
+  static_assert(sizeof(r) == sizeof(record));
+  std::memcpy(&r, &record, sizeof(r));
+  uint64_t size = segment.size;
   std::shared_ptr<Slab> slab;
   bool own = r.kind == SlabRecord::kReturned;
   std::string why;
@@ -387,15 +456,15 @@ int64_t ShmConnection::onSlabRecordFromLoop(const SlabRecord& r) {
         std::to_string(r.offset) + " overruns slab " + std::to_string(r.id);
   }
   if (!why.empty()) {
-    rejectFromLoop("rejected frame: " + why);
+    if (auto host = host_.lock()) {
+      host->rejectFromLoop("rejected frame: " + why);
+    }
     return -1;
   }
-  size_t i = segmentIndex_;
-  inbound_.provided[i] = slab->data() + r.offset;
-  inbound_.regions[i] = std::make_shared<SlabLease>(
-      std::static_pointer_cast<ShmConnection>(shared_from_this()), this,
-      std::move(slab), r.id, own);
+  *segment.provided = slab->data() + r.offset;
+  *segment.region = std::make_shared<SlabLease>(
+      weak_from_this(), this, std::move(slab), r.id, own);
   return static_cast<int64_t>(size);
 }
 
-} // namespace torch_rpc_ext::transport::shm
+} // namespace torch_rpc_ext::channel::shm

@@ -1,0 +1,227 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "csrc/transport/frame.h"
+
+namespace torch_rpc_ext::channel {
+
+// The channel seam: how a tensor's bytes travel, apart from the control
+// stream that carries frames (docs/architecture.md, "Channels").
+//
+// A transport connection carries every frame. By default each segment's bytes
+// travel in that stream too ("basic"). A channel may carry a segment out of
+// band instead, and put 16-byte SegmentRecords in the stream in its place
+// (frame.h): shm_slab lends the receiver a shared slab the tensor then views,
+// shm_ring copies it through a shared ring; CUDA IPC and pinned staging are
+// next. Which channels a connection uses is negotiated per peer as transports
+// are: each process publishes its viable channels with their domain
+// descriptors at rendezvous, and a connection uses the channels both ends
+// offer in the same domain that its transport can host, in the registry's
+// order of preference (registry.cpp). The sender offers each segment to the
+// channels of the segment's device in that order; one that declines (too
+// small, over its bounds, out of memory) passes it to the next, and the
+// stream takes whatever none took.
+//
+// On the wire, the top byte of an announced segment length names the channel
+// that carries it (its wireId(); 0: the stream itself). A receiver rejects a
+// frame that names a channel its connection did not negotiate.
+
+// Where a segment's memory lives. Values are c10::DeviceType's.
+enum class DeviceKind : uint8_t {
+  kCpu = 0,
+  kCuda = 1,
+};
+
+// A control frame a channel sends its peer channel: kind, head, descriptors
+// passed with its first byte (kept open by keepAlive until it is written or
+// dropped).
+struct ControlFrame {
+  transport::FrameKind kind;
+  std::string head;
+  std::vector<int> fds;
+  std::shared_ptr<void> keepAlive;
+};
+
+// What a channel needs from the connection that hosts it. Implemented by the
+// stream core (transport/stream/connection.h).
+class Host {
+ public:
+  virtual ~Host() = default;
+  // Any thread, once the connection is ready: send `frame` ahead of message
+  // frames not yet started. Dropped if the connection is closed.
+  virtual void sendControl(ControlFrame frame) = 0;
+  // Any thread: run `fn` on the connection's loop thread (dropped once the
+  // connection is gone).
+  virtual void post(std::function<void()> fn) = 0;
+  // Loop thread: call `onReadable` on the loop thread whenever `fd` is
+  // readable, until unwatchFromLoop(fd).
+  virtual void watchFromLoop(int fd, std::function<void()> onReadable) = 0;
+  virtual void unwatchFromLoop(int fd) = 0;
+  // Loop thread: a chunk channel that returned 0 from produceChunkLocked()
+  // has room again.
+  virtual void chunkRoomFromLoop() = 0;
+  // Loop thread: the peer broke the protocol; close the connection.
+  virtual void rejectFromLoop(const std::string& reason) = 0;
+  virtual bool isClosed() const = 0;
+};
+
+class Context;
+
+// The segment being received, as a channel's record fills it.
+struct InboundSegment {
+  uint64_t size; // the whole segment
+  uint64_t filled; // bytes already in place
+  void* buffer; // the receiver's buffer (chunks), or nullptr (regions)
+  // For a region channel: the memory the receiver's tensor will view, and
+  // what keeps it valid.
+  void** provided;
+  std::shared_ptr<transport::SharedRegion>* region;
+};
+
+// One connection's end of a channel. Created per connection by its Context
+// once the peer is known, destroyed with the connection (a region it lent
+// out may outlive it: SharedRegion).
+//
+// Threads, as in the stream core: *FromLoop on the loop thread; *Locked with
+// the connection's write lock held (never while copying large buffers in
+// another thread's name: takeRegion runs with no lock held).
+class Channel {
+ public:
+  enum class Mode {
+    // One record names shared memory holding the whole segment; the
+    // receiver's tensor views it (InboundBuffers::provided).
+    kRegion,
+    // The bytes go in chunks through the channel, one record per chunk, and
+    // the receiver copies each into its buffer.
+    kChunks,
+  };
+
+  explicit Channel(const Context& context) : context_(context) {}
+  virtual ~Channel() = default;
+  const Context& context() const {
+    return context_;
+  }
+
+  // ---- Sender -------------------------------------------------------------
+  // kRegion, any thread, no lock held: carry `segment` (copying it now if it
+  // must) and fill `record`, with any frame the peer needs first (a new
+  // region's setup) in `before`; or decline.
+  virtual bool takeRegion(
+      const transport::OutboundFrame::Segment& segment,
+      transport::SegmentRecord* record,
+      std::vector<ControlFrame>* before) {
+    return false;
+  }
+  // kChunks, any thread, no lock held: whether to carry `segment` in chunks.
+  virtual bool takeChunks(const transport::OutboundFrame::Segment& segment) {
+    return false;
+  }
+  // kChunks: a frame with chunks of ours is about to start; a control frame
+  // the peer needs first (set up or resize the channel), or nothing.
+  virtual std::optional<ControlFrame> prepareChunksLocked() {
+    return std::nullopt;
+  }
+  // kChunks: put up to `size` bytes into the channel and fill `record`.
+  // Returns the bytes taken; 0 when full (then Host::chunkRoomFromLoop()
+  // follows), with `error` set on failure.
+  virtual size_t produceChunkLocked(
+      const char* data,
+      size_t size,
+      transport::SegmentRecord* record,
+      std::string* error) {
+    *error = "channel carries no chunks";
+    return 0;
+  }
+  // Frames waiting for a ride with the next message frame (batched
+  // notifications), appended to `out`.
+  virtual void collectPendingLocked(std::vector<ControlFrame>* out) {}
+  // No queued frame uses this channel: release idle resources, returning
+  // the frame that tells the peer, if any.
+  virtual std::optional<ControlFrame> dropIfIdleLocked() {
+    return std::nullopt;
+  }
+
+  // ---- Receiver -----------------------------------------------------------
+  // Whether records of this channel can be taken now (a ring must have been
+  // set up first).
+  virtual bool acceptsRecords() const {
+    return true;
+  }
+  // A record for `segment` has arrived: place (part of) it and return how
+  // many bytes are now in place (the whole segment for a region), or -1
+  // after Host::rejectFromLoop().
+  virtual int64_t onRecordFromLoop(
+      const transport::SegmentRecord& record,
+      InboundSegment& segment) = 0;
+  // Control frames of its own: whether a frame of `kind` with a head of
+  // `headLength` bytes is one, and handling it (`fds`: descriptors received
+  // and not yet claimed; take the ones it owns from the front). False once
+  // the connection is closed.
+  virtual bool acceptsControlFrame(
+      transport::FrameKind kind,
+      uint32_t headLength) const {
+    return false;
+  }
+  virtual bool onControlFrameFromLoop(
+      transport::FrameKind kind,
+      const std::string& head,
+      std::vector<int>& fds) {
+    return true;
+  }
+  // Descriptors that may wait for one of its frames at most.
+  virtual size_t maxPendingFds() const {
+    return 0;
+  }
+
+  // ---- Both ---------------------------------------------------------------
+  // Every heartbeat tick while ready (idle housekeeping), and once at close.
+  virtual void onTickFromLoop() {}
+  virtual void onClosedFromLoop() {}
+
+ private:
+  const Context& context_;
+};
+
+// A way of moving tensor bytes, per process: what the registry lists and
+// rendezvous negotiates. Thread-safe; outlives its channels.
+class Context {
+ public:
+  virtual ~Context() = default;
+  virtual std::string name() const = 0;
+  // The segment-length top byte naming it on the wire (1..255, unique).
+  virtual uint8_t wireId() const = 0;
+  virtual DeviceKind device() const = 0;
+  virtual Channel::Mode mode() const = 0;
+  // Why it cannot work in this process ("" when it can).
+  virtual std::string unviableReason() const = 0;
+  bool isViable() const {
+    return unviableReason().empty();
+  }
+  // Two processes whose contexts of one name report equal descriptors can
+  // use it between them (shm channels: one booted kernel).
+  virtual std::string domainDescriptor() const = 0;
+  // It passes descriptors over its connection (SCM_RIGHTS): only a transport
+  // whose connections can host it.
+  virtual bool needsDescriptorPassing() const = 0;
+  // One connection's end, talking to the peer through `host`.
+  virtual std::shared_ptr<Channel> open(std::weak_ptr<Host> host) = 0;
+  // Counters for RpcAgent::getMetrics(), by name.
+  virtual std::map<std::string, uint64_t> counters() const = 0;
+};
+
+// The channels one connection uses, in order of preference: what a
+// transport asks its owner for once the peer is known (TransportOptions).
+using ChannelsFor = std::function<std::vector<std::shared_ptr<Context>>(
+    int32_t peerId,
+    bool hostPassesDescriptors)>;
+
+} // namespace torch_rpc_ext::channel

@@ -1,0 +1,24 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "csrc/channel/channel.h"
+
+namespace torch_rpc_ext::channel {
+
+// What the stream itself is called where channels are listed: it carries
+// every segment no channel takes, on every transport, and is not negotiated.
+inline constexpr const char* kStreamChannelName = "basic";
+
+// Names of the out-of-band channels this build has, in default preference
+// order.
+std::vector<std::string> channelNames();
+
+// A new channel context by name; throws std::invalid_argument for an unknown
+// name.
+std::shared_ptr<Context> createChannel(const std::string& name);
+
+} // namespace torch_rpc_ext::channel

@@ -1,0 +1,90 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/channel/shm/context.h"
+
+#include <fstream>
+
+#include "csrc/channel/shm/factory.h"
+#include "csrc/channel/shm/ring_channel.h"
+#include "csrc/channel/shm/slab_channel.h"
+
+namespace torch_rpc_ext::channel::shm {
+
+namespace {
+
+// Equal in two processes exactly when they run on the same booted kernel:
+// then a memfd one of them passes is memory both can map. Empty if unknown.
+std::string thisKernel() {
+  std::string boot;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot);
+  return boot;
+}
+
+} // namespace
+
+template <typename Probe>
+ShmContext::ShmContext(Probe probe) : domain_(thisKernel()) {
+  if (domain_.empty()) {
+    unviable_ = "cannot identify this host's kernel (no boot id)";
+    return;
+  }
+  // Fail here, not on first use, if shared memory is unavailable (seccomp,
+  // no memfd, no sealing).
+  try {
+    probe();
+  } catch (const std::exception& e) {
+    unviable_ = e.what();
+  }
+}
+
+SlabContext::SlabContext()
+    : ShmContext([] { Slab::create(kSlabMinSegment); }) {}
+
+std::string SlabContext::name() const {
+  return "shm_slab";
+}
+
+std::shared_ptr<Channel> SlabContext::open(std::weak_ptr<Host> host) {
+  return std::make_shared<SlabChannel>(*this, std::move(host), counters_);
+}
+
+std::map<std::string, uint64_t> SlabContext::counters() const {
+  return {
+      {"segments", counters_.segments.load()},
+      {"copied_bytes", counters_.copiedBytes.load()},
+      {"handbacks", counters_.handedBack.load()},
+      {"slabs_created", counters_.created.load()},
+      {"slabs_unmapped", counters_.unmapped.load()},
+      {"declined", counters_.declined.load()},
+  };
+}
+
+RingContext::RingContext()
+    : ShmContext([] { Ring::create(kMinRingBytes); }) {}
+
+std::string RingContext::name() const {
+  return "shm_ring";
+}
+
+std::shared_ptr<Channel> RingContext::open(std::weak_ptr<Host> host) {
+  return std::make_shared<RingChannel>(*this, std::move(host), counters_);
+}
+
+std::map<std::string, uint64_t> RingContext::counters() const {
+  return {
+      {"segments", counters_.segments.load()},
+      {"copied_bytes", counters_.bytes.load()},
+      {"rings_created", counters_.created.load()},
+      {"rings_dropped", counters_.dropped.load()},
+  };
+}
+
+std::shared_ptr<Context> createSlabChannel() {
+  return std::make_shared<SlabContext>();
+}
+
+std::shared_ptr<Context> createRingChannel() {
+  return std::make_shared<RingContext>();
+}
+
+} // namespace torch_rpc_ext::channel::shm

@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "csrc/channel/channel.h"
+#include "csrc/channel/shm/ring.h"
+
+namespace torch_rpc_ext::channel::shm {
+
+// shm_ring: segments of 64 KiB or more in chunks through a shared ring
+// (ring.h), one copy per side, both copies running in parallel on two cores.
+// Second choice after shm_slab, which declines a segment when its slabs are
+// at their bounds.
+//
+// Memory is paid for by use, so a host full of workers (N x (N-1)
+// connections) stays small: a connection maps nothing on connect. Its ring
+// is created on the first chunked segment at kInitialRingBytes, replaced by
+// one up to 4x larger (to kLargestRingBytes) at the start of a frame when the
+// last one filled up, and dropped (kRingDrop; the peer unmaps it too) after
+// kIdleRingMs without use.
+//
+// Frames: kRing (head: uint64 capacity; descriptors: the ring's memfd and its
+// wake-up eventfd) and kRingDrop (empty).
+class RingChannel final : public Channel,
+                          public std::enable_shared_from_this<RingChannel> {
+ public:
+  static constexpr uint64_t kInitialRingBytes = 256 * 1024;
+  static constexpr uint64_t kLargestRingBytes = 8 * 1024 * 1024;
+  static constexpr int64_t kIdleRingMs = 2000;
+
+  RingChannel(
+      const Context& context,
+      std::weak_ptr<Host> host,
+      RingCounters& counters);
+
+  bool takeChunks(const transport::OutboundFrame::Segment& segment) override;
+  std::optional<ControlFrame> prepareChunksLocked() override;
+  size_t produceChunkLocked(
+      const char* data,
+      size_t size,
+      transport::SegmentRecord* record,
+      std::string* error) override;
+  std::optional<ControlFrame> dropIfIdleLocked() override;
+
+  bool acceptsRecords() const override {
+    return ringIn_.valid();
+  }
+  int64_t onRecordFromLoop(
+      const transport::SegmentRecord& record,
+      InboundSegment& segment) override;
+  bool acceptsControlFrame(transport::FrameKind kind, uint32_t headLength)
+      const override;
+  bool onControlFrameFromLoop(
+      transport::FrameKind kind,
+      const std::string& head,
+      std::vector<int>& fds) override;
+  size_t maxPendingFds() const override {
+    return 2; // a kRing frame's memfd and eventfd
+  }
+  void onClosedFromLoop() override;
+
+ private:
+  // The peer released ring space we wait for (loop thread).
+  void onWakeFromLoop();
+  // Loop thread: watch `ring`'s wake-up eventfd instead of the last one's.
+  void watchFromLoop(const std::shared_ptr<Ring>& ring);
+  // Any thread: have the loop stop watching `ring` and let it go.
+  void retire(std::shared_ptr<Ring> ring);
+
+  std::weak_ptr<Host> host_;
+  RingCounters& counters_;
+
+  std::mutex mutex_; // guards the three below
+  std::shared_ptr<Ring> out_; // ours
+  std::chrono::steady_clock::time_point used_; // last written to
+  bool filled_ = false; // it filled up since it was made
+
+  std::shared_ptr<Ring> watched_; // loop thread: its eventfd is watched
+  Ring ringIn_; // the peer's, read on the loop thread
+};
+
+} // namespace torch_rpc_ext::channel::shm
