@@ -53,6 +53,8 @@ from _harness import emit, memory_mb, rss_mb, run_forked_world
 import torch_rpc_ext  # registers TORCH_RPC_EXT before the forks
 
 BACKENDS = ["ext-shm", "ext-tcp", "tensorpipe"]
+# Diagnostic variants (not run by default): shm with only some channels.
+CHANNEL_VARIANTS = {"ext-shm-ring": ("shm_ring",), "ext-shm-stream": ()}
 STAGES = ["forked", "init_rpc", "barrier", "all_to_all", "shutdown", "done"]
 MB_FLOATS = (1 << 20) // 4
 METRICS = ["init_s", "a2a_first_s", "a2a_warm_s", "shutdown_s"]
@@ -63,6 +65,8 @@ def _options(backend, cfg):
     if backend == "tensorpipe":
         return rpc.BackendType.TENSORPIPE, rpc.TensorPipeRpcBackendOptions(**common)
     transport = backend.split("-")[1]
+    if backend in CHANNEL_VARIANTS:
+        common["channels"] = CHANNEL_VARIANTS[backend]
     return rpc.BackendType.TORCH_RPC_EXT, torch_rpc_ext.RpcExtBackendOptions(
         transports=(transport,), address="127.0.0.1", **common
     )
@@ -374,7 +378,14 @@ def chart(rows, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[16, 32, 64])
-    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=BACKENDS)
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKENDS + list(CHANNEL_VARIANTS),
+        default=BACKENDS,
+        help="ext-shm-ring / ext-shm-stream: shm with only the ring channel / "
+        "no channel (the stream carries every byte), for diagnosis",
+    )
     p.add_argument(
         "--rounds",
         type=int,

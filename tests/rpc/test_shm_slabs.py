@@ -76,7 +76,13 @@ def slabs(rank, world_size):
         out["total"] = total
         small = torch.randn(1000, generator=g)
 
-        # The callee's tensor is a view of our slab; a small one is not.
+        # A connection's first large segment is a one-off: it travels in
+        # the stream, and no slab is made for it.
+        name, s = rpc.rpc_sync("worker1", where, args=(x,))
+        out["first_lands_in"], out["first_sum_ok"] = name, s == total
+        out["first_counters"] = slab_counters()
+        # From the next one on (within 2 s), the callee's tensor is a view
+        # of our slab; a small one is not.
         name, s = rpc.rpc_sync("worker1", where, args=(x,))
         out["big_lands_in"], out["big_sum_ok"] = name, s == total
         out["small_lands_in"] = rpc.rpc_sync("worker1", where, args=(small,))[0]
@@ -150,6 +156,9 @@ def slabs(rank, world_size):
 def test_large_tensors_cross_through_slabs_with_copy_semantics():
     out = run_world(slabs, timeout=150)
     r0 = out[0]
+    assert r0["first_lands_in"] != SLAB_MAPPING and r0["first_sum_ok"]
+    first = r0["first_counters"]
+    assert (first["one_offs"], first["slabs_created"], first["segments"]) == (1, 0, 0), first
     assert r0["big_lands_in"] == SLAB_MAPPING and r0["big_sum_ok"]
     assert r0["small_lands_in"] != SLAB_MAPPING
     assert r0["mid_lands_in"] == SLAB_MAPPING and r0["mid_ok"]

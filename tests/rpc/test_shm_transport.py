@@ -359,6 +359,10 @@ def ring_lifecycle(rank, world_size):
             out["idle"] = [shm_counters(), rpc.rpc_sync("worker1", shm_counters)]
             if all(side["rings_dropped"] >= 1 for side in out["idle"]):
                 break
+        # After the idle time, a one-off large segment travels in the stream
+        # (no ring for one segment); the next one within 2 s gets a ring.
+        ok.append(torch.equal(rpc.rpc_sync("worker1", echo, args=(x,)), x))
+        out["one_off"] = [shm_counters(), rpc.rpc_sync("worker1", shm_counters)]
         ok.append(torch.equal(rpc.rpc_sync("worker1", echo, args=(x,)), x))
         out["again"] = [shm_counters(), rpc.rpc_sync("worker1", shm_counters)]
         out["ok"] = ok
@@ -372,14 +376,21 @@ def test_rings_are_made_on_demand_grown_under_load_and_dropped_when_idle():
     # Small calls never map a ring.
     for side in out["small_only"]:
         assert side["rings_created"] == 0, out
-    # 8 MB segments fill the first 256 KiB ring; each later frame starts on a
-    # ring 4x larger, up to 8 MiB: 256 KiB, 1 MiB, 4 MiB, 8 MiB.
+    # The first 8 MB segment is a one-off (the stream carries it); from the
+    # second on, the segments fill the first 256 KiB ring and each later
+    # frame starts on a ring 4x larger, up to 8 MiB: 256 KiB, 1 MiB, 4 MiB,
+    # 8 MiB for the 2nd to 5th segment; the 6th uses the 8 MiB ring.
     for side in out["loaded"]:
+        assert side["one_offs"] == 1, out
+        assert side["segments"] == 5, out
         assert side["rings_created"] == 4, out
         assert side["slab_segments"] == 0, out
     # Idle, both sides drop their ring (and unmap the peer's)...
     for side in out["idle"]:
         assert side["rings_dropped"] == 1, out
-    # ...and the next large segment starts over with a small one.
+    # ...the next large segment, a one-off again, makes no ring...
+    for side in out["one_off"]:
+        assert (side["one_offs"], side["rings_created"]) == (2, 4), out
+    # ...and the one after it starts over with a small one.
     for side in out["again"]:
         assert side["rings_created"] == 5, out

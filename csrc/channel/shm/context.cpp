@@ -56,6 +56,7 @@ std::map<std::string, uint64_t> SlabContext::counters() const {
       {"slabs_created", counters_.created.load()},
       {"slabs_unmapped", counters_.unmapped.load()},
       {"declined", counters_.declined.load()},
+      {"one_offs", counters_.oneOffs.load()},
   };
 }
 
@@ -76,6 +77,7 @@ std::map<std::string, uint64_t> RingContext::counters() const {
       {"copied_bytes", counters_.bytes.load()},
       {"rings_created", counters_.created.load()},
       {"rings_dropped", counters_.dropped.load()},
+      {"one_offs", counters_.oneOffs.load()},
   };
 }
 

@@ -46,6 +46,7 @@ struct RingCounters {
   std::atomic<uint64_t> bytes{0}; // bytes copied into rings
   std::atomic<uint64_t> created{0}; // rings made, first or larger
   std::atomic<uint64_t> dropped{0}; // rings unmapped when idle
+  std::atomic<uint64_t> oneOffs{0}; // declined: no ring, no recent use
 };
 
 constexpr uint64_t kRingMagic = 0x474e495258505254ull; // "TRPXRING"

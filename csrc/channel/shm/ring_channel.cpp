@@ -29,6 +29,19 @@ bool RingChannel::takeChunks(const transport::OutboundFrame::Segment& segment) {
   if (segment.size < kSlabMinSegment) {
     return false; // the stream is cheaper
   }
+  const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+  const int64_t last = lastOffered_.exchange(now, std::memory_order_relaxed);
+  const bool warm = last != 0 &&
+      std::chrono::steady_clock::duration(now - last) <
+          std::chrono::milliseconds(kWarmWithinMs);
+  if (!warm) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!out_) {
+      // A one-off: a new ring would cost more than it saves.
+      counters_.oneOffs.fetch_add(1, std::memory_order_relaxed);
+      return false;
+    }
+  }
   counters_.segments.fetch_add(1, std::memory_order_relaxed);
   counters_.bytes.fetch_add(segment.size, std::memory_order_relaxed);
   return true;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -20,7 +21,8 @@ namespace torch_rpc_ext::channel::shm {
 //
 // Memory is paid for by use, so a host full of workers (N x (N-1)
 // connections) stays small: a connection maps nothing on connect. Its ring
-// is created on the first chunked segment at kInitialRingBytes, replaced by
+// is created at kInitialRingBytes for a large segment offered within
+// kWarmWithinMs of another one (slab.h: a one-off goes on), replaced by
 // one up to 4x larger (to kLargestRingBytes) at the start of a frame when the
 // last one filled up, and dropped (kRingDrop; the peer unmaps it too) after
 // kIdleRingMs without use.
@@ -75,6 +77,8 @@ class RingChannel final : public Channel,
 
   std::weak_ptr<Host> host_;
   RingCounters& counters_;
+  // steady_clock ticks of the last large segment offered (kWarmWithinMs).
+  std::atomic<int64_t> lastOffered_{0};
 
   std::mutex mutex_; // guards the three below
   std::shared_ptr<Ring> out_; // ours

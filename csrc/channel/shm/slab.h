@@ -86,6 +86,14 @@ constexpr size_t kMaxSlabs = 1024;
 constexpr uint64_t kMaxLentSlabBytes = uint64_t(1) << 35; // 32 GiB
 // A free slab unused this long is unmapped (and the peer told to unmap it).
 constexpr int64_t kSlabIdleMs = 2000;
+// Shared memory pays for itself only when it is used again: making a slab
+// (or a ring) and mapping it on both sides costs more than the two copies of
+// sending the bytes in the stream. So a connection maps new shared memory
+// for a large segment only if it offered the channel another one less than
+// this long ago; a one-off travels in the stream (at 64 workers all-to-all,
+// slabs made for one segment each and unmapped idle made the pass 1.6x
+// slower than the stream).
+constexpr int64_t kWarmWithinMs = 2000;
 
 // The slab traffic of one process's connections, for its counters.
 struct SlabCounters {
@@ -97,6 +105,8 @@ struct SlabCounters {
   // Segments declined (over a slab bound, or no slab could be made): the
   // next channel took them.
   std::atomic<uint64_t> declined{0};
+  // Segments declined as one-offs (kWarmWithinMs).
+  std::atomic<uint64_t> oneOffs{0};
 };
 
 } // namespace torch_rpc_ext::channel::shm

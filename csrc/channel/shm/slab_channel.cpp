@@ -113,6 +113,11 @@ bool SlabChannel::takeRegion(
   SlabRecord* record = &r;
   static_assert(sizeof(r) == sizeof(*out));
   auto& counters = counters_;
+  const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+  const int64_t last = lastOffered_.exchange(now, std::memory_order_relaxed);
+  const bool warm = last != 0 &&
+      std::chrono::steady_clock::duration(now - last) <
+          std::chrono::milliseconds(kWarmWithinMs);
   // A storage that lives in a slab the peer lent us on this connection,
   // and that nothing else can reach any more, goes back as it is. (Our own
   // slabs handed back to us are copied like any memory when sent again:
@@ -158,6 +163,11 @@ bool SlabChannel::takeRegion(
       own.state = OwnSlab::State::kLent;
       lentSlabBytes_ += own.slab->capacity();
       slab = own.slab;
+    } else if (!warm) {
+      // A one-off: a new slab would cost more than it saves.
+      counters.oneOffs.fetch_add(1, std::memory_order_relaxed);
+      counters.declined.fetch_add(1, std::memory_order_relaxed);
+      return false;
     } else if (
         ownSlabs_.size() + slabsBeingMapped_ >= kMaxSlabs ||
         lentSlabBytes_ + want > kMaxLentSlabBytes) {

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -18,7 +19,8 @@ namespace torch_rpc_ext::channel::shm {
 // at all for a storage handed back to the peer it came from. When the
 // connection's slabs are at their bounds, it declines the segment and the
 // next channel (shm_ring) takes it. Slabs are pooled and unmapped after
-// kSlabIdleMs free.
+// kSlabIdleMs free, and a new one is made only for a connection that offered
+// another large segment within kWarmWithinMs (a one-off goes on).
 //
 // Frames: kSlab (head: uint32 id, uint64 capacity; descriptor: the memfd),
 // kSlabRelease (uint32 ids) and kSlabDrop (uint32 id).
@@ -70,6 +72,8 @@ class SlabChannel final : public Channel,
 
   std::weak_ptr<Host> host_;
   SlabCounters& counters_;
+  // steady_clock ticks of the last large segment offered (kWarmWithinMs).
+  std::atomic<int64_t> lastOffered_{0};
 
   // The peer's slabs we have mapped, by id (loop thread).
   std::unordered_map<uint32_t, std::shared_ptr<Slab>> peerSlabs_;

@@ -13,6 +13,8 @@ namespace torch_rpc_ext::transport::shm {
 // and rings), which carry its large segments.
 class ShmConnection final : public stream::StreamConnection {
  public:
+  static constexpr int kSendBufferBytes = 4 << 20;
+
   ShmConnection(
       stream::Loop& loop,
       const TransportOptions& options,
@@ -23,6 +25,7 @@ class ShmConnection final : public stream::StreamConnection {
       ConnectionObserver* observer);
 
  protected:
+  void tuneSocket() override;
   bool passesDescriptors() const override {
     return true;
   }
