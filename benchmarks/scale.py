@@ -55,6 +55,9 @@ import torch_rpc_ext  # registers TORCH_RPC_EXT before the forks
 BACKENDS = ["ext-shm", "ext-tcp", "tensorpipe"]
 # Diagnostic variants (not run by default): shm with only some channels.
 CHANNEL_VARIANTS = {"ext-shm-ring": ("shm_ring",), "ext-shm-stream": ()}
+# TensorPipe over TCP only (its "uv" transport, "basic" channel): its default
+# (shm transport, cma channel) does not fit 64 processes in 24 GB.
+TP_UV = "tensorpipe-uv"
 STAGES = ["forked", "init_rpc", "barrier", "all_to_all", "shutdown", "done"]
 MB_FLOATS = (1 << 20) // 4
 METRICS = ["init_s", "a2a_first_s", "a2a_warm_s", "shutdown_s"]
@@ -64,6 +67,10 @@ def _options(backend, cfg):
     common = {"num_worker_threads": cfg.threads, "rpc_timeout": cfg.rpc_timeout}
     if backend == "tensorpipe":
         return rpc.BackendType.TENSORPIPE, rpc.TensorPipeRpcBackendOptions(**common)
+    if backend == TP_UV:
+        return rpc.BackendType.TENSORPIPE, rpc.TensorPipeRpcBackendOptions(
+            _transports=["uv"], _channels=["basic"], **common
+        )
     transport = backend.split("-")[1]
     if backend in CHANNEL_VARIANTS:
         common["channels"] = CHANNEL_VARIANTS[backend]
@@ -296,6 +303,8 @@ def ratios(rows, sizes, backends):
     pairs = [
         ("ext-shm", "tensorpipe"),
         ("ext-tcp", "tensorpipe"),
+        ("ext-shm", TP_UV),
+        ("ext-tcp", TP_UV),
         ("ext-shm", "ext-tcp"),
     ]
     out = []
@@ -381,10 +390,12 @@ def main(argv=None):
     p.add_argument(
         "--backends",
         nargs="+",
-        choices=BACKENDS + list(CHANNEL_VARIANTS),
+        choices=BACKENDS + list(CHANNEL_VARIANTS) + [TP_UV],
         default=BACKENDS,
         help="ext-shm-ring / ext-shm-stream: shm with only the ring channel / "
-        "no channel (the stream carries every byte), for diagnosis",
+        "no channel (the stream carries every byte), for diagnosis; "
+        "tensorpipe-uv: TensorPipe over TCP only (fits where its default "
+        "does not)",
     )
     p.add_argument(
         "--rounds",

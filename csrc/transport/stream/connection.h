@@ -155,6 +155,8 @@ class StreamConnection : public Connection,
   int fd() const {
     return fd_;
   }
+
+ private:
   // Queue a control frame (jumps the queue, see queueControl).
   void queueControl(uint8_t kind, std::string head);
   // A channel's control frame, ready for writes_ (not queued).
@@ -188,7 +190,6 @@ class StreamConnection : public Connection,
   size_t segmentFilled_ = 0;
   InboundBuffers inbound_;
 
- private:
   enum class ReadPhase { kHeader, kLengthsAndHead, kSegments };
 
   void startFromLoop(bool connecting);
