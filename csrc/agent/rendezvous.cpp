@@ -104,6 +104,11 @@ void Agent::rendezvous() {
   // transports, one that is not viable here is left out with a warning: the
   // next one (at last the stream) carries its segments.
   for (const auto& name : options_.channels) {
+    if (std::any_of(channels_.begin(), channels_.end(), [&](const auto& c) {
+          return c->name() == name;
+        })) {
+      continue; // listed twice (the Python options refuse that already)
+    }
     auto c = channel::createChannel(name);
     if (!c->isViable()) {
       unavailable += " " + name + ": " + c->unviableReason();

@@ -105,10 +105,13 @@ class Channel {
     kChunks,
   };
 
-  explicit Channel(const Context& context) : context_(context) {}
+  // The context (and the counters it holds) lives as long as its channels:
+  // a connection may outlive the agent that made it.
+  explicit Channel(std::shared_ptr<const Context> context)
+      : context_(std::move(context)) {}
   virtual ~Channel() = default;
   const Context& context() const {
-    return context_;
+    return *context_;
   }
 
   // ---- Sender -------------------------------------------------------------
@@ -188,12 +191,12 @@ class Channel {
   virtual void onClosedFromLoop() {}
 
  private:
-  const Context& context_;
+  const std::shared_ptr<const Context> context_;
 };
 
 // A way of moving tensor bytes, per process: what the registry lists and
 // rendezvous negotiates. Thread-safe; outlives its channels.
-class Context {
+class Context : public std::enable_shared_from_this<Context> {
  public:
   virtual ~Context() = default;
   virtual std::string name() const = 0;

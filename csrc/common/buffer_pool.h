@@ -12,10 +12,11 @@ namespace torch_rpc_ext {
 // Large receive buffers, recycled.
 //
 // A fresh 400 MB allocation costs ~100k page faults on first touch (upstream
-// TensorPipe's 400 MB round trip is dominated by them). Blocks here are
-// 2 MiB-aligned mmaps with MADV_HUGEPAGE, so first touch costs 512x fewer
-// faults, and a released block is kept (already faulted) for the next
-// message of a similar size. The cache is bounded by `maxCachedBytes` and
+// TensorPipe's 400 MB round trip is dominated by them). Blocks of 2 MiB and
+// more here are 2 MiB-aligned mmaps with MADV_HUGEPAGE, so first touch costs
+// 512x fewer faults (smaller ones are plain mappings: a huge page would
+// zero more than they hold), and a released block is kept (already faulted)
+// for the next message of a similar size. The cache is bounded by `maxCachedBytes` and
 // blocks idle for `idleRelease` go back to the kernel on the next trim(), so
 // memory returns to baseline once traffic stops.
 //

@@ -45,7 +45,8 @@ std::string SlabContext::name() const {
 }
 
 std::shared_ptr<Channel> SlabContext::open(std::weak_ptr<Host> host) {
-  return std::make_shared<SlabChannel>(*this, std::move(host), counters_);
+  return std::make_shared<SlabChannel>(
+      shared_from_this(), std::move(host), counters_);
 }
 
 std::map<std::string, uint64_t> SlabContext::counters() const {
@@ -68,7 +69,8 @@ std::string RingContext::name() const {
 }
 
 std::shared_ptr<Channel> RingContext::open(std::weak_ptr<Host> host) {
-  return std::make_shared<RingChannel>(*this, std::move(host), counters_);
+  return std::make_shared<RingChannel>(
+      shared_from_this(), std::move(host), counters_);
 }
 
 std::map<std::string, uint64_t> RingContext::counters() const {

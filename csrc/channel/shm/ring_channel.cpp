@@ -20,10 +20,10 @@ constexpr size_t kRingChunk = 256 * 1024;
 } // namespace
 
 RingChannel::RingChannel(
-    const Context& context,
+    std::shared_ptr<const Context> context,
     std::weak_ptr<Host> host,
     RingCounters& counters)
-    : Channel(context), host_(std::move(host)), counters_(counters) {}
+    : Channel(std::move(context)), host_(std::move(host)), counters_(counters) {}
 
 bool RingChannel::takeChunks(const transport::OutboundFrame::Segment& segment) {
   if (segment.size < kSlabMinSegment) {
@@ -34,21 +34,77 @@ bool RingChannel::takeChunks(const transport::OutboundFrame::Segment& segment) {
   const bool warm = last != 0 &&
       std::chrono::steady_clock::duration(now - last) <
           std::chrono::milliseconds(kWarmWithinMs);
-  if (!warm) {
+  {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!out_) {
+    if (out_) {
+      used_ = std::chrono::steady_clock::now(); // not idle: it will be used
+    } else if (!warm) {
       // A one-off: a new ring would cost more than it saves.
       counters_.oneOffs.fetch_add(1, std::memory_order_relaxed);
       return false;
     }
+  }
+  if (!haveRing() && !makeFirstRing()) {
+    return false; // no shared memory now: the stream takes the segment
   }
   counters_.segments.fetch_add(1, std::memory_order_relaxed);
   counters_.bytes.fetch_add(segment.size, std::memory_order_relaxed);
   return true;
 }
 
+bool RingChannel::haveRing() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return out_ != nullptr;
+}
+
+bool RingChannel::makeFirstRing() {
+  // Made here, with no lock held, so that a failure declines the segment
+  // rather than failing its frame; announced by prepareChunksLocked().
+  auto ring = std::make_shared<Ring>();
+  try {
+    *ring = Ring::create(kInitialRingBytes);
+  } catch (const std::exception& e) {
+    logDebug(
+        std::string("torch_rpc_ext: no shared-memory ring, the stream takes "
+                    "the segment: ") +
+        e.what());
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!out_) {
+    out_ = std::move(ring);
+    filled_ = false;
+    announce_ = true;
+    used_ = std::chrono::steady_clock::now();
+    counters_.created.fetch_add(1, std::memory_order_relaxed);
+  }
+  return true;
+}
+
+ControlFrame RingChannel::setupFrame(const std::shared_ptr<Ring>& ring) {
+  if (auto host = host_.lock()) {
+    std::weak_ptr<RingChannel> weak = shared_from_this();
+    host->post([weak, ring] {
+      if (auto self = weak.lock()) {
+        self->watchFromLoop(ring);
+      }
+    });
+  }
+  uint64_t cap = ring->capacity();
+  // The descriptors live as long as the ring; the frame keeps it alive.
+  return ControlFrame{
+      FrameKind::kRing,
+      std::string(reinterpret_cast<const char*>(&cap), sizeof(cap)),
+      {ring->fd(), ring->wakeFd()},
+      ring};
+}
+
 std::optional<ControlFrame> RingChannel::prepareChunksLocked() {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (announce_) {
+    announce_ = false;
+    return setupFrame(out_);
+  }
   uint64_t capacity = kInitialRingBytes;
   if (out_) {
     // Grow only if the ring filled up since it was made. The new ring is a
@@ -79,21 +135,7 @@ std::optional<ControlFrame> RingChannel::prepareChunksLocked() {
   out_ = ring;
   filled_ = false;
   used_ = std::chrono::steady_clock::now();
-  if (auto host = host_.lock()) {
-    std::weak_ptr<RingChannel> weak = shared_from_this();
-    host->post([weak, ring] {
-      if (auto self = weak.lock()) {
-        self->watchFromLoop(ring);
-      }
-    });
-  }
-  uint64_t cap = ring->capacity();
-  // The descriptors live as long as the ring; the frame keeps it alive.
-  return ControlFrame{
-      FrameKind::kRing,
-      std::string(reinterpret_cast<const char*>(&cap), sizeof(cap)),
-      {ring->fd(), ring->wakeFd()},
-      ring};
+  return setupFrame(ring);
 }
 
 size_t RingChannel::produceChunkLocked(
@@ -119,6 +161,7 @@ size_t RingChannel::produceChunkLocked(
 
 std::optional<ControlFrame> RingChannel::dropIfIdleLocked() {
   std::shared_ptr<Ring> dropped;
+  bool announced;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!out_ || !out_->drained() ||
@@ -129,8 +172,13 @@ std::optional<ControlFrame> RingChannel::dropIfIdleLocked() {
     dropped = std::move(out_);
     out_.reset();
     filled_ = false;
+    announced = !announce_;
+    announce_ = false;
   }
   counters_.dropped.fetch_add(1, std::memory_order_relaxed);
+  if (!announced) {
+    return std::nullopt; // the peer never heard of it (its frame never went)
+  }
   retire(std::move(dropped));
   // Queued after every record that names the ring (they are all on the
   // wire: the caller checked that no queued frame uses the ring).

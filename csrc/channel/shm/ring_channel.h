@@ -37,7 +37,7 @@ class RingChannel final : public Channel,
   static constexpr int64_t kIdleRingMs = 2000;
 
   RingChannel(
-      const Context& context,
+      std::shared_ptr<const Context> context,
       std::weak_ptr<Host> host,
       RingCounters& counters);
 
@@ -68,6 +68,12 @@ class RingChannel final : public Channel,
   void onClosedFromLoop() override;
 
  private:
+  // Whether we have a ring; make the first one (false if none can be made).
+  bool haveRing();
+  bool makeFirstRing();
+  // The kRing frame handing `ring` to the peer (mutex_ held); has the loop
+  // watch its eventfd.
+  ControlFrame setupFrame(const std::shared_ptr<Ring>& ring);
   // The peer released ring space we wait for (loop thread).
   void onWakeFromLoop();
   // Loop thread: watch `ring`'s wake-up eventfd instead of the last one's.
@@ -80,10 +86,11 @@ class RingChannel final : public Channel,
   // steady_clock ticks of the last large segment offered (kWarmWithinMs).
   std::atomic<int64_t> lastOffered_{0};
 
-  std::mutex mutex_; // guards the three below
+  std::mutex mutex_; // guards the four below
   std::shared_ptr<Ring> out_; // ours
   std::chrono::steady_clock::time_point used_; // last written to
   bool filled_ = false; // it filled up since it was made
+  bool announce_ = false; // made by makeFirstRing(), not yet sent
 
   std::shared_ptr<Ring> watched_; // loop thread: its eventfd is watched
   Ring ringIn_; // the peer's, read on the loop thread

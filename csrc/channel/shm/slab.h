@@ -102,8 +102,8 @@ struct SlabCounters {
   std::atomic<uint64_t> handedBack{0}; // sent with no copy (kReturned)
   std::atomic<uint64_t> created{0};
   std::atomic<uint64_t> unmapped{0}; // own slabs dropped when idle
-  // Segments declined (over a slab bound, or no slab could be made): the
-  // next channel took them.
+  // Segments declined (one-offs, over a slab bound, or no slab could be
+  // made): the next channel took them.
   std::atomic<uint64_t> declined{0};
   // Segments declined as one-offs (kWarmWithinMs).
   std::atomic<uint64_t> oneOffs{0};

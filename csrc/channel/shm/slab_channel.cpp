@@ -97,10 +97,10 @@ std::string idHead(uint32_t id) {
 } // namespace
 
 SlabChannel::SlabChannel(
-    const Context& context,
+    std::shared_ptr<const Context> context,
     std::weak_ptr<Host> host,
     SlabCounters& counters)
-    : Channel(context), host_(std::move(host)), counters_(counters) {}
+    : Channel(std::move(context)), host_(std::move(host)), counters_(counters) {}
 
 bool SlabChannel::takeRegion(
     const transport::OutboundFrame::Segment& segment,

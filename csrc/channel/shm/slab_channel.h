@@ -28,7 +28,7 @@ class SlabChannel final : public Channel,
                           public std::enable_shared_from_this<SlabChannel> {
  public:
   SlabChannel(
-      const Context& context,
+      std::shared_ptr<const Context> context,
       std::weak_ptr<Host> host,
       SlabCounters& counters);
 

@@ -101,14 +101,6 @@ uint8_t StreamConnection::channelSlot(uint8_t wireId) const {
   return 0;
 }
 
-std::vector<std::string> StreamConnection::channelNames() const {
-  std::vector<std::string> names;
-  for (const auto& ch : channels_) {
-    names.push_back(ch->context().name());
-  }
-  return names;
-}
-
 void StreamConnection::post(std::function<void()> fn) {
   loop_.post(std::move(fn));
 }

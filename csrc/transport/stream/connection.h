@@ -89,10 +89,6 @@ class StreamConnection : public Connection,
     closeInternal(reason, false);
   }
 
-  // The names of the channels this connection uses, in order of preference
-  // (empty until the peer is known).
-  std::vector<std::string> channelNames() const;
-
   // Fuzzing and tests only (tests/fuzz/fuzz_stream.cpp): parse `data` on the
   // calling thread as if a ready connection had just read it from its socket
   // (the handshake skipped), with `fds` as the descriptors that came with

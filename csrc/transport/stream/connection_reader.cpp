@@ -203,6 +203,9 @@ bool StreamConnection::consumeFromLoop() {
             region ? &inbound_.regions[i] : nullptr};
         int64_t placed =
             channels_[carried() - 1]->onRecordFromLoop(record_, segment);
+        if (placed < 0 && state_ != State::kClosed) {
+          rejectFromLoop("rejected frame: a record its channel refused");
+        }
         if (placed < 0 || state_ == State::kClosed) {
           return false;
         }
@@ -336,8 +339,11 @@ bool StreamConnection::onLengthsAndHeadFromLoop() {
     }
     for (auto& ch : channels_) {
       if (ch->acceptsControlFrame(kind, header_.headLength)) {
-        return ch->onControlFrameFromLoop(kind, head_, receivedFds_) &&
-            state_ != State::kClosed;
+        if (!ch->onControlFrameFromLoop(kind, head_, receivedFds_) &&
+            state_ != State::kClosed) {
+          rejectFromLoop("rejected frame: a control frame its channel refused");
+        }
+        return state_ != State::kClosed;
       }
     }
     return true; // unreachable: onHeaderFromLoop() let no other kind in

@@ -51,6 +51,8 @@ StreamConnection::PendingWrite StreamConnection::controlFrame(
 
 void StreamConnection::sendControl(channel::ControlFrame frame) {
   PendingWrite w = controlFrame(std::move(frame));
+  // Our own housekeeping proves nothing of the peer (heartbeat).
+  w.control = true;
   std::string error;
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
@@ -59,13 +61,20 @@ void StreamConnection::sendControl(channel::ControlFrame frame) {
         finished_.push_back(std::move(w.frame.keepAlive));
       }
     } else {
-      // Ahead of message frames not yet started, as queueControl().
+      // Ahead of message frames not yet started, as queueControl(). The
+      // caller may be any thread (a dying tensor's): it sends only this
+      // frame, if nothing else waits; else the loop thread sends it.
+      bool wasEmpty = writes_.empty();
       auto pos = writes_.begin();
       if (pos != writes_.end() && pos->started()) {
         ++pos;
       }
       writes_.insert(pos, std::move(w));
-      error = flushLocked();
+      if (wasEmpty) {
+        error = flushLocked();
+      } else {
+        updateEventsLocked();
+      }
     }
   }
   afterFlush(error);
@@ -76,14 +85,24 @@ void StreamConnection::planSegments(
     PendingWrite& w,
     std::vector<uint8_t>& region,
     std::vector<channel::ControlFrame>& before) {
-  if (channels_.empty()) {
-    for (const auto& segment : frame.segments) {
-      if (segment.device != uint8_t(channel::DeviceKind::kCpu)) {
-        throw std::invalid_argument(
-            "no channel of " + describe() +
-            " carries memory of device type " + std::to_string(segment.device));
-      }
+  // Every segment must have a way to travel before any channel takes one
+  // (taking may lend a slab or hand one back). The stream carries CPU
+  // memory; other devices need a channel of theirs.
+  for (const auto& segment : frame.segments) {
+    if (segment.device == uint8_t(channel::DeviceKind::kCpu) ||
+        segment.size == 0) {
+      continue;
     }
+    bool carried = std::any_of(channels_.begin(), channels_.end(), [&](const auto& c) {
+      return uint8_t(c->context().device()) == segment.device;
+    });
+    if (!carried) {
+      throw std::invalid_argument(
+          "no channel of " + describe() + " carries memory of device type " +
+          std::to_string(segment.device));
+    }
+  }
+  if (channels_.empty()) {
     return;
   }
   for (size_t i = 0; i < frame.segments.size(); ++i) {
@@ -117,9 +136,11 @@ void StreamConnection::planSegments(
       }
     }
     if (!taken && segment.device != uint8_t(channel::DeviceKind::kCpu)) {
-      throw std::invalid_argument(
-          "no channel of " + describe() + " carries memory of device type " +
-          std::to_string(segment.device));
+      // Its channels declined it: nothing else can carry device memory.
+      throw std::runtime_error(
+          "every channel of " + describe() + " for device type " +
+          std::to_string(segment.device) + " declined a segment of " +
+          std::to_string(segment.size) + " bytes");
     }
   }
 }
@@ -150,6 +171,9 @@ void StreamConnection::queueControl(uint8_t kind, std::string head) {
 }
 
 bool StreamConnection::write(OutboundFrame frame) {
+  if (state_ == State::kClosed) {
+    return false;
+  }
   if (frame.segments.size() > options_.limits.maxSegments ||
       frame.head.size() > options_.limits.maxHeadBytes ||
       frame.wireSize() > options_.limits.maxFrameBytes) {

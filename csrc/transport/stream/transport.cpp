@@ -53,8 +53,10 @@ std::shared_ptr<Connection> StreamTransport::connect(
   }
   int fd = ::socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   auto conn = newConnection(fd, /*outbound=*/true, expectedPeerId, address, observer);
-  adopt(conn);
+  // Started (its channels opened) before stop() can see it: adopt() closes
+  // it if the transport stopped meanwhile.
   conn->startConnect(address);
+  adopt(conn);
   return conn;
 }
 
