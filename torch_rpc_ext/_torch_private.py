@@ -7,7 +7,7 @@ from typing import Any
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import api, backend_registry
 
-__all__ = ["register_backend", "init_rpc_states"]
+__all__ = ["register_backend", "init_rpc_states", "validate_device_maps"]
 
 
 def register_backend(
@@ -30,3 +30,20 @@ def register_backend(
 def init_rpc_states(agent: Any) -> None:
     """Publish the agent's worker names and make it the current, started agent."""
     api._init_rpc_states(agent)
+
+
+def validate_device_maps(
+    names: list[str],
+    counts: dict[str, int],
+    device_maps: dict[str, dict],
+    devices: dict[str, list],
+    my_name: str,
+) -> tuple[dict, list]:
+    """Upstream's checks of every worker's device maps and devices, with its
+    error texts (``ValueError("Node worker0 has ...")``), then this worker's
+    reverse maps (peer -> {its device: ours}) and its device list, as
+    TensorPipe computes them at init."""
+    backend_registry._validate_device_maps(names, counts, device_maps, devices)
+    reverse = backend_registry._create_reverse_mapping(my_name, names, device_maps)
+    mine = backend_registry._create_device_list(devices[my_name], device_maps[my_name], reverse)
+    return reverse, mine

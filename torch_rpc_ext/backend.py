@@ -2,6 +2,7 @@
 """Construct and init handlers of the TORCH_RPC_EXT backend; idempotent registration."""
 
 import os
+import pickle
 from typing import Any
 
 import torch
@@ -35,6 +36,60 @@ def _agent_options(opts: RpcExtBackendOptions) -> "_C._RpcExtBackendOptionsBase"
     return out
 
 
+_DEVICES_KEY = "torch_rpc_ext/devices/"
+_COUNT_KEY = "torch_rpc_ext/device_count/"
+_READ_KEY = "torch_rpc_ext/devices_read/"
+
+
+def _gathered(store: Any, rank: int, world_size: int, key: str, value: Any) -> list:
+    """Publish ``value`` under ``key`` and read every worker's. Rank 0 (which
+    hosts the store under torch's rendezvous, and may fail init right after)
+    returns only once every other worker has read: a worker must not lose
+    the store between its reads."""
+    store.set(f"{key}{rank}", pickle.dumps(value))
+    out = [pickle.loads(store.get(f"{key}{r}")) for r in range(world_size)]
+    store.set(f"{_READ_KEY}{key}{rank}", b"1")
+    if rank == 0:
+        store.wait([f"{_READ_KEY}{key}{r}" for r in range(1, world_size)])
+    return out
+
+
+def _check_device_maps(
+    store: Any, name: str, rank: int, world_size: int, opts: RpcExtBackendOptions
+) -> tuple[dict, list]:
+    """Gather every worker's device maps and devices through the store and
+    check them with upstream's validator, so a bad map fails init on every
+    worker with TensorPipe's text (before any agent exists). Returns this
+    worker's reverse maps and devices.
+
+    A group where nobody names a device costs one store round and never asks
+    torch about CUDA. Otherwise a second round publishes device counts: the
+    real one from the workers whose own maps and devices, or a map to them,
+    name a CUDA device (so no other worker asks torch about CUDA), 0 from
+    the others, whose count no check reads.
+    """
+    mine = (name, opts.device_maps, opts.devices or [])
+    entries = _gathered(store, rank, world_size, _DEVICES_KEY, mine)
+    names = [n for n, _, _ in entries]
+    maps = {n: m for n, m, _ in entries}
+    devices = {n: d for n, _, d in entries}
+    if not any(maps.values()) and not any(devices.values()):
+        return {}, []
+    count = torch.cuda.device_count() if _names_cuda(opts, name, maps) else 0
+    counts = dict(zip(names, _gathered(store, rank, world_size, _COUNT_KEY, count)))
+    return _torch_private.validate_device_maps(names, counts, maps, devices, name)
+
+
+def _names_cuda(opts: RpcExtBackendOptions, name: str, maps: dict) -> bool:
+    """Whether this worker's own maps and devices, or a map that targets it,
+    name a CUDA device (only then is torch asked for a device count)."""
+    if opts.uses_cuda():
+        return True
+    return any(
+        dev.type == "cuda" for m in maps.values() for dev in m.get(name, {}).values()
+    )
+
+
 def _init_backend(
     store: Any,
     name: str,
@@ -51,11 +106,9 @@ def _init_backend(
         raise ValueError(
             "TORCH_RPC_EXT supports static groups only: pass world_size to init_rpc"
         )
-    if rpc_backend_options.uses_cuda():
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "device_maps/devices name CUDA devices but CUDA is not available"
-            )
+    _, devices = _check_device_maps(store, name, rank, world_size, rpc_backend_options)
+    if devices or rpc_backend_options.uses_cuda():
+        # Only reachable where the maps name GPUs this machine has.
         raise NotImplementedError(
             "TORCH_RPC_EXT does not move CUDA tensors yet; remove device_maps "
             "and devices, or use BackendType.TENSORPIPE for CUDA RPC"

@@ -24,10 +24,14 @@ DeviceLike = int | str | torch.device
 def _device(d: DeviceLike, what: str) -> torch.device:
     if isinstance(d, int) and not isinstance(d, bool):
         # torch.device(int) would probe the accelerator; an int means CUDA.
-        d = f"cuda:{d}"
+        # A negative index raises torch's own RuntimeError ("Device index
+        # must not be negative"), as TensorPipe's options do.
+        return torch.device("cuda", d)
     try:
         dev = torch.device(d)
     except (RuntimeError, TypeError) as e:
+        if "must not be negative" in str(e):
+            raise
         raise ValueError(f"{what}: {d!r} is not a device ({e})") from None
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"{what}: only cpu and cuda devices are supported, got {dev}")
@@ -42,9 +46,29 @@ def _check_map(to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> dict:
     if not isinstance(device_map, Mapping):
         raise ValueError(f"device map for {to} must be a dict, got {device_map!r}")
     out: dict[torch.device, torch.device] = {}
+    reverse: dict[torch.device, torch.device] = {}
     for k, v in device_map.items():
-        out[_device(k, f"device map for {to}")] = _device(v, f"device map for {to}")
+        k, v = _device(k, f"device map for {to}"), _device(v, f"device map for {to}")
+        if v in reverse:
+            # TensorPipe's text (torch/distributed/rpc/options.py).
+            raise ValueError(
+                "`device_map` only supports 1-to-1 mapping, "
+                f"trying to map {k} and {reverse[v]} to {v}"
+            )
+        out[k] = v
+        reverse[v] = k
     return out
+
+
+def _cuda_device(d: DeviceLike) -> torch.device:
+    dev = _device(d, "devices")
+    if dev.type != "cuda":
+        # TensorPipe's text.
+        raise ValueError(
+            "`set_devices` expect a list of CUDA devices, but got "
+            f"device type {dev.type}."
+        )
+    return dev
 
 
 class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
@@ -225,9 +249,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
         for to, device_map in (device_maps or {}).items():
             self.set_device_map(to, device_map)
-        self.devices = (
-            [_device(d, "devices") for d in devices] if devices is not None else None
-        )
+        self.devices = [_cuda_device(d) for d in devices] if devices is not None else None
         # The rest is stored in the core's fields (_RpcExtBackendOptionsBase).
         self.num_worker_threads = num_worker_threads
         self.transports = transports
@@ -241,29 +263,32 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         self.max_cached_receive_bytes = max_cached_receive_bytes
 
     def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:
-        """Map local devices to devices of worker ``to`` (merged, 1-to-1).
+        """Map local devices to devices of worker ``to``, merged with what was
+        set before, with TensorPipe's semantics: ints are CUDA indices,
+        ``"cpu"`` keys map CPU tensors to a device of the callee, responses
+        follow the inverse map. Two local devices mapped to one remote device
+        across calls is caught at ``init_rpc``, as upstream does.
 
         Raises:
-            ValueError: a device is malformed, or two local devices map to one
-                remote device.
+            ValueError: a device is malformed, one map sends two devices to
+                one, or a device already mapped is mapped elsewhere (the
+                texts of ``TensorPipeRpcBackendOptions``).
+            RuntimeError: a negative device index (torch's own).
         """
         new = _check_map(to, device_map)
         merged = dict(self.device_maps.get(to, {}))
         for k, v in new.items():
             if k in merged and merged[k] != v:
                 raise ValueError(
-                    f"device {k} is already mapped to {merged[k]} for {to}, "
-                    f"cannot remap it to {v}"
+                    "`set_device_map` only supports 1-to-1 mapping, trying"
+                    f" to map {k} to {v} and {merged[k]}"
                 )
             merged[k] = v
-        targets = list(merged.values())
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"device map for {to} is not 1-to-1: {merged}")
         self.device_maps[to] = merged
 
     def set_devices(self, devices: Sequence[DeviceLike]) -> None:
-        """Set the local devices the agent may use."""
-        self.devices = [_device(d, "devices") for d in devices]
+        """Set the local (CUDA) devices the agent may use."""
+        self.devices = [_cuda_device(d) for d in devices]
 
     def uses_cuda(self) -> bool:
         """Whether any device map or device names a CUDA device."""

@@ -57,8 +57,10 @@ def test_base_fields_stay_writable():
         ({"handshake_timeout": 0}, "handshake_timeout must be > 0"),
         ({"device_maps": {"w1": {"cuda": "cuda:0"}}}, "needs an index"),
         ({"device_maps": {"w1": {"tpu:0": "cpu"}}}, "not a device|only cpu and cuda"),
-        ({"device_maps": {"w1": {"cuda:0": "cuda:0", "cuda:1": "cuda:0"}}}, "not 1-to-1"),
+        ({"device_maps": {"w1": {"cuda:0": "cuda:0", "cuda:1": "cuda:0"}}},
+         "`device_map` only supports 1-to-1 mapping"),
         ({"devices": ["banana"]}, "is not a device"),
+        ({"devices": ["cpu"]}, "`set_devices` expect a list of CUDA devices"),
     ],
 )
 def test_bad_options_are_rejected_with_the_reason(kwargs, match):
@@ -80,8 +82,15 @@ def test_set_device_map_merges_and_refuses_remaps():
         torch.device("cuda:2"): torch.device("cuda:3"),
     }
     assert opts.uses_cuda()
-    with pytest.raises(ValueError, match="already mapped"):
+    # TensorPipe's texts; two devices mapped to one across calls is left to
+    # init's check of every worker's maps (tests/rpc/test_device_maps.py).
+    with pytest.raises(ValueError, match="`set_device_map` only supports 1-to-1 mapping"):
         opts.set_device_map("w1", {0: 2})
+    opts.set_device_map("w1", {4: 1})
+    with pytest.raises(RuntimeError, match="Device index must not be negative"):
+        opts.set_device_map("w1", {-1: 0})
+    with pytest.raises(RuntimeError, match="Device index must not be negative"):
+        opts.set_device_map("w1", {0: -1})
 
 
 def test_construction_does_not_touch_cuda(monkeypatch):
