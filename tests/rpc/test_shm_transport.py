@@ -377,20 +377,22 @@ def test_rings_are_made_on_demand_grown_under_load_and_dropped_when_idle():
     for side in out["small_only"]:
         assert side["rings_created"] == 0, out
     # The first 8 MB segment is a one-off (the stream carries it); from the
-    # second on, the segments fill the first 256 KiB ring and each later
-    # frame starts on a ring 4x larger, up to 8 MiB: 256 KiB, 1 MiB, 4 MiB,
-    # 8 MiB for the 2nd to 5th segment; the 6th uses the 8 MiB ring.
+    # second on, the segments go through a 256 KiB ring, and a frame that
+    # starts after the ring filled up starts on one 4x larger, up to 8 MiB:
+    # at most 256 KiB, 1 MiB, 4 MiB, 8 MiB for the 2nd to 5th segment. A ring
+    # "fills" only when its consumer falls behind, which depends on the
+    # scheduling of two cores: at least one growth, at most three.
     for side in out["loaded"]:
         assert side["one_offs"] == 1, out
         assert side["segments"] == 5, out
-        assert side["rings_created"] == 4, out
+        assert 2 <= side["rings_created"] <= 4, out
         assert side["slab_segments"] == 0, out
     # Idle, both sides drop their ring (and unmap the peer's)...
     for side in out["idle"]:
         assert side["rings_dropped"] == 1, out
     # ...the next large segment, a one-off again, makes no ring...
-    for side in out["one_off"]:
-        assert (side["one_offs"], side["rings_created"]) == (2, 4), out
-    # ...and the one after it starts over with a small one.
-    for side in out["again"]:
-        assert side["rings_created"] == 5, out
+    for loaded, side in zip(out["loaded"], out["one_off"]):
+        assert (side["one_offs"], side["rings_created"]) == (2, loaded["rings_created"]), out
+    # ...and the one after it starts over with a new ring.
+    for loaded, side in zip(out["loaded"], out["again"]):
+        assert side["rings_created"] == loaded["rings_created"] + 1, out
