@@ -42,16 +42,10 @@ _READ_KEY = "torch_rpc_ext/devices_read/"
 
 
 def _gathered(store: Any, rank: int, world_size: int, key: str, value: Any) -> list:
-    """Publish ``value`` under ``key`` and read every worker's. Rank 0 (which
-    hosts the store under torch's rendezvous, and may fail init right after)
-    returns only once every other worker has read: a worker must not lose
-    the store between its reads."""
+    """Publish ``value`` under ``key`` and read every worker's (one request:
+    ``multi_get`` waits for keys not set yet, as ``get`` does)."""
     store.set(f"{key}{rank}", pickle.dumps(value))
-    out = [pickle.loads(store.get(f"{key}{r}")) for r in range(world_size)]
-    store.set(f"{_READ_KEY}{key}{rank}", b"1")
-    if rank == 0:
-        store.wait([f"{_READ_KEY}{key}{r}" for r in range(1, world_size)])
-    return out
+    return [pickle.loads(v) for v in store.multi_get([f"{key}{r}" for r in range(world_size)])]
 
 
 def _check_device_maps(
@@ -77,7 +71,16 @@ def _check_device_maps(
         return {}, []
     count = torch.cuda.device_count() if _names_cuda(opts, name, maps) else 0
     counts = dict(zip(names, _gathered(store, rank, world_size, _COUNT_KEY, count)))
-    return _torch_private.validate_device_maps(names, counts, maps, devices, name)
+    store.set(f"{_READ_KEY}{rank}", b"1")
+    try:
+        return _torch_private.validate_device_maps(names, counts, maps, devices, name)
+    except ValueError:
+        # Every worker fails alike. Rank 0 hosts the store under torch's
+        # rendezvous and takes it down as it fails: it waits until the
+        # others have read.
+        if rank == 0:
+            store.wait([f"{_READ_KEY}{r}" for r in range(1, world_size)])
+        raise
 
 
 def _names_cuda(opts: RpcExtBackendOptions, name: str, maps: dict) -> bool:

@@ -18,7 +18,6 @@ size_t roundUp(size_t n, size_t to) {
   return (n + to - 1) / to * to;
 }
 
-// A 2 MiB-aligned anonymous mapping of `capacity` bytes (a multiple of 2 MiB).
 // A mapping of `capacity` bytes (a multiple of kPage). From kHugePage up it
 // is 2 MiB-aligned and advised for transparent huge pages: the whole 2 MiB
 // extents in it fault in a huge page at a time, a partial one at its end in

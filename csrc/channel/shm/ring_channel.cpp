@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "csrc/channel/shm/slab.h"
 #include "csrc/common/logging.h"
 
 namespace torch_rpc_ext::channel::shm {
@@ -29,14 +28,12 @@ bool RingChannel::takeChunks(const transport::OutboundFrame::Segment& segment) {
   if (segment.size < kSlabMinSegment) {
     return false; // the stream is cheaper
   }
-  const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
-  const int64_t last = lastOffered_.exchange(now, std::memory_order_relaxed);
-  const bool warm = last != 0 &&
-      std::chrono::steady_clock::duration(now - last) <
-          std::chrono::milliseconds(kWarmWithinMs);
+  const bool warm = offers_.offerIsWarm();
+  bool haveRing;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (out_) {
+    haveRing = out_ != nullptr;
+    if (haveRing) {
       used_ = std::chrono::steady_clock::now(); // not idle: it will be used
     } else if (!warm) {
       // A one-off: a new ring would cost more than it saves.
@@ -44,17 +41,12 @@ bool RingChannel::takeChunks(const transport::OutboundFrame::Segment& segment) {
       return false;
     }
   }
-  if (!haveRing() && !makeFirstRing()) {
+  if (!haveRing && !makeFirstRing()) {
     return false; // no shared memory now: the stream takes the segment
   }
   counters_.segments.fetch_add(1, std::memory_order_relaxed);
   counters_.bytes.fetch_add(segment.size, std::memory_order_relaxed);
   return true;
-}
-
-bool RingChannel::haveRing() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return out_ != nullptr;
 }
 
 bool RingChannel::makeFirstRing() {

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -11,6 +10,7 @@
 
 #include "csrc/channel/channel.h"
 #include "csrc/channel/shm/ring.h"
+#include "csrc/channel/shm/slab.h"
 
 namespace torch_rpc_ext::channel::shm {
 
@@ -68,8 +68,7 @@ class RingChannel final : public Channel,
   void onClosedFromLoop() override;
 
  private:
-  // Whether we have a ring; make the first one (false if none can be made).
-  bool haveRing();
+  // Make the first ring (false if none can be made).
   bool makeFirstRing();
   // The kRing frame handing `ring` to the peer (mutex_ held); has the loop
   // watch its eventfd.
@@ -83,8 +82,7 @@ class RingChannel final : public Channel,
 
   std::weak_ptr<Host> host_;
   RingCounters& counters_;
-  // steady_clock ticks of the last large segment offered (kWarmWithinMs).
-  std::atomic<int64_t> lastOffered_{0};
+  OfferClock offers_; // of large segments (kWarmWithinMs)
 
   std::mutex mutex_; // guards the four below
   std::shared_ptr<Ring> out_; // ours

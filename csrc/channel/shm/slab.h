@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -94,6 +95,22 @@ constexpr int64_t kSlabIdleMs = 2000;
 // slabs made for one segment each and unmapped idle made the pass 1.6x
 // slower than the stream).
 constexpr int64_t kWarmWithinMs = 2000;
+
+// When a connection's channel was last offered a large segment.
+class OfferClock {
+ public:
+  // Record an offer now; true if the previous one was within kWarmWithinMs.
+  bool offerIsWarm() {
+    const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+    const int64_t last = last_.exchange(now, std::memory_order_relaxed);
+    return last != 0 &&
+        std::chrono::steady_clock::duration(now - last) <
+        std::chrono::milliseconds(kWarmWithinMs);
+  }
+
+ private:
+  std::atomic<int64_t> last_{0}; // steady_clock ticks; 0: never
+};
 
 // The slab traffic of one process's connections, for its counters.
 struct SlabCounters {

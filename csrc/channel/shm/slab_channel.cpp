@@ -109,15 +109,8 @@ bool SlabChannel::takeRegion(
   if (segment.size < kSlabMinSegment) {
     return false;
   }
-  SlabRecord r{};
-  SlabRecord* record = &r;
-  static_assert(sizeof(r) == sizeof(*out));
-  auto& counters = counters_;
-  const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
-  const int64_t last = lastOffered_.exchange(now, std::memory_order_relaxed);
-  const bool warm = last != 0 &&
-      std::chrono::steady_clock::duration(now - last) <
-          std::chrono::milliseconds(kWarmWithinMs);
+  static_assert(sizeof(SlabRecord) == sizeof(*out));
+  const bool warm = offers_.offerIsWarm();
   // A storage that lives in a slab the peer lent us on this connection,
   // and that nothing else can reach any more, goes back as it is. (Our own
   // slabs handed back to us are copied like any memory when sent again:
@@ -132,11 +125,10 @@ bool SlabChannel::takeRegion(
         uint64_t(p - lease->slab().data()) <=
             lease->slab().capacity() - segment.size &&
         lease->handOn()) {
-      record->id = lease->id();
-      record->kind = SlabRecord::kReturned;
-      record->offset = uint64_t(p - lease->slab().data());
-      counters.handedBack.fetch_add(1, std::memory_order_relaxed);
-      counters.segments.fetch_add(1, std::memory_order_relaxed);
+      SlabRecord r{lease->id(), SlabRecord::kReturned,
+                   uint64_t(p - lease->slab().data())};
+      counters_.handedBack.fetch_add(1, std::memory_order_relaxed);
+      counters_.segments.fetch_add(1, std::memory_order_relaxed);
       std::memcpy(out, &r, sizeof(r));
       return true;
     }
@@ -165,13 +157,13 @@ bool SlabChannel::takeRegion(
       slab = own.slab;
     } else if (!warm) {
       // A one-off: a new slab would cost more than it saves.
-      counters.oneOffs.fetch_add(1, std::memory_order_relaxed);
-      counters.declined.fetch_add(1, std::memory_order_relaxed);
+      counters_.oneOffs.fetch_add(1, std::memory_order_relaxed);
+      counters_.declined.fetch_add(1, std::memory_order_relaxed);
       return false;
     } else if (
         ownSlabs_.size() + slabsBeingMapped_ >= kMaxSlabs ||
         lentSlabBytes_ + want > kMaxLentSlabBytes) {
-      counters.declined.fetch_add(1, std::memory_order_relaxed);
+      counters_.declined.fetch_add(1, std::memory_order_relaxed);
       return false;
     } else {
       // Counted against the bounds now, mapped below without the lock, and
@@ -193,7 +185,7 @@ bool SlabChannel::takeRegion(
       std::lock_guard<std::mutex> lock(slabMutex_);
       --slabsBeingMapped_;
       lentSlabBytes_ -= want;
-      counters.declined.fetch_add(1, std::memory_order_relaxed);
+      counters_.declined.fetch_add(1, std::memory_order_relaxed);
       return false;
     }
     {
@@ -201,7 +193,7 @@ bool SlabChannel::takeRegion(
       --slabsBeingMapped_;
       ownSlabs_.emplace(id, OwnSlab{slab, OwnSlab::State::kLent, {}});
     }
-    counters.created.fetch_add(1, std::memory_order_relaxed);
+    counters_.created.fetch_add(1, std::memory_order_relaxed);
     // A new slab reaches the peer before the first record naming it. Once
     // the frame is out (or dropped) we need the descriptor no more: the
     // mapping lives on without it.
@@ -214,11 +206,9 @@ bool SlabChannel::takeRegion(
   }
   // The one copy of this direction.
   std::memcpy(slab->data(), segment.data, segment.size);
-  record->id = id;
-  record->kind = SlabRecord::kLent;
-  record->offset = 0;
-  counters.segments.fetch_add(1, std::memory_order_relaxed);
-  counters.copiedBytes.fetch_add(segment.size, std::memory_order_relaxed);
+  SlabRecord r{id, SlabRecord::kLent, 0};
+  counters_.segments.fetch_add(1, std::memory_order_relaxed);
+  counters_.copiedBytes.fetch_add(segment.size, std::memory_order_relaxed);
   std::memcpy(out, &r, sizeof(r));
   return true;
 }

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -72,8 +71,7 @@ class SlabChannel final : public Channel,
 
   std::weak_ptr<Host> host_;
   SlabCounters& counters_;
-  // steady_clock ticks of the last large segment offered (kWarmWithinMs).
-  std::atomic<int64_t> lastOffered_{0};
+  OfferClock offers_; // of large segments (kWarmWithinMs)
 
   // The peer's slabs we have mapped, by id (loop thread).
   std::unordered_map<uint32_t, std::shared_ptr<Slab>> peerSlabs_;

@@ -153,8 +153,10 @@ class StreamConnection : public Connection,
   }
 
  private:
-  // Queue a control frame (jumps the queue, see queueControl).
+  // Queue a control frame of the core's (may go before kReady) and flush.
   void queueControl(uint8_t kind, std::string head);
+  // Put `w` ahead of every frame not yet started.
+  void insertControlLocked(PendingWrite w);
   // A channel's control frame, ready for writes_ (not queued).
   static PendingWrite controlFrame(channel::ControlFrame frame);
   // Write as much as the socket takes. Returns an error text or "".

@@ -61,15 +61,10 @@ void StreamConnection::sendControl(channel::ControlFrame frame) {
         finished_.push_back(std::move(w.frame.keepAlive));
       }
     } else {
-      // Ahead of message frames not yet started, as queueControl(). The
-      // caller may be any thread (a dying tensor's): it sends only this
+      // The caller may be any thread (a dying tensor's): it sends only this
       // frame, if nothing else waits; else the loop thread sends it.
       bool wasEmpty = writes_.empty();
-      auto pos = writes_.begin();
-      if (pos != writes_.end() && pos->started()) {
-        ++pos;
-      }
-      writes_.insert(pos, std::move(w));
+      insertControlLocked(std::move(w));
       if (wasEmpty) {
         error = flushLocked();
       } else {
@@ -145,12 +140,18 @@ void StreamConnection::planSegments(
   }
 }
 
+void StreamConnection::insertControlLocked(PendingWrite w) {
+  // Control frames jump the queue: nothing else is sent before kReady, and
+  // a pong may not split a frame that is partly written.
+  auto pos = writes_.begin();
+  if (pos != writes_.end() && pos->started()) {
+    ++pos;
+  }
+  writes_.insert(pos, std::move(w));
+}
+
 void StreamConnection::queueControl(uint8_t kind, std::string head) {
-  PendingWrite w;
-  FrameHeader h{kFrameMagic, kProtocolVersion, kind, 0,
-                static_cast<uint32_t>(head.size()), 0, 0};
-  w.prefix.assign(reinterpret_cast<const char*>(&h), sizeof(h));
-  w.prefix += head;
+  PendingWrite w = controlFrame({FrameKind(kind), std::move(head), {}, nullptr});
   w.control = true;
   std::string error;
   {
@@ -158,13 +159,7 @@ void StreamConnection::queueControl(uint8_t kind, std::string head) {
     if (state_ == State::kClosed) {
       return;
     }
-    // Control frames jump the queue: nothing else is sent before kReady, and
-    // a pong may not split a frame that is partly written.
-    auto pos = writes_.begin();
-    if (pos != writes_.end() && pos->started()) {
-      ++pos;
-    }
-    writes_.insert(pos, std::move(w));
+    insertControlLocked(std::move(w));
     error = flushLocked();
   }
   afterFlush(error);
