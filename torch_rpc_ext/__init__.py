@@ -18,11 +18,18 @@ import atexit
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed.rpc  # noqa: F401  (registers RpcAgent for _C)
 
-from torch_rpc_ext import _C
+from torch_rpc_ext import _C, scripting
 from torch_rpc_ext.backend import BACKEND_NAME, register
 from torch_rpc_ext.options import RpcExtBackendOptions
 
-__all__ = ["BACKEND", "BACKEND_NAME", "RpcExtBackendOptions", "register", "__version__"]
+__all__ = [
+    "BACKEND",
+    "BACKEND_NAME",
+    "RpcExtBackendOptions",
+    "register",
+    "scripting",
+    "__version__",
+]
 __version__ = "0.1.0"
 
 register()

@@ -7,7 +7,13 @@ from typing import Any
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import api, backend_registry
 
-__all__ = ["register_backend", "init_rpc_states", "validate_device_maps"]
+__all__ = [
+    "register_backend",
+    "init_rpc_states",
+    "validate_device_maps",
+    "register_ordered_effect",
+    "unset_fake_mode",
+]
 
 
 def register_backend(
@@ -47,3 +53,20 @@ def validate_device_maps(
     reverse = backend_registry._create_reverse_mapping(my_name, names, device_maps)
     mine = backend_registry._create_device_list(devices[my_name], device_maps[my_name], reverse)
     return reverse, mine
+
+
+def register_ordered_effect(qualname: str) -> None:
+    """Mark an operator as an ordered side effect for torch.compile: AOT
+    autograd threads a token through every call, so a call whose value is
+    unused is not eliminated and calls keep their program order."""
+    import torch
+    from torch._library.effects import EffectType
+
+    torch.library._register_effectful_op(qualname, EffectType.ORDERED)
+
+
+def unset_fake_mode() -> Any:
+    """A context in which tensors are real again (inside a fake impl)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()

@@ -1,10 +1,15 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/agent/serve_callback.h"
 
+#include "csrc/agent/named_functions.h"
+
 #include <torch/csrc/distributed/rpc/profiler/server_process_global_profiler.h>
 #include <torch/csrc/distributed/rpc/rpc_agent.h>
 #include <torch/csrc/distributed/rpc/rref_context.h>
+#include <torch/csrc/distributed/rpc/script_resp.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+
+#include <atomic>
 
 namespace torch_rpc_ext {
 
@@ -99,9 +104,41 @@ std::unique_ptr<rpc::ScriptCall> ServeCallback::decodeScriptCall(
   return std::make_unique<rpc::ScriptCall>(std::move(op), std::move(ivalues));
 }
 
+c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processScriptCall(
+    rpc::RpcCommandBase& rpc,
+    const std::vector<c10::Stream>& streams) const {
+  auto& call = static_cast<rpc::ScriptCall&>(rpc);
+  if (call.hasQualifiedName()) {
+    const std::string& name = call.qualifiedName().qualifiedName();
+    if (name.starts_with(kNamedFunctionPrefix)) {
+      const NamedFunctions* table = namedFunctions();
+      TORCH_CHECK(
+          table != nullptr,
+          "no remote functions can be called on this worker: its "
+          "torch_rpc_ext has no scripting layer");
+      c10::IValue value = table->call(
+          name.substr(kNamedFunctionPrefix.size()), call.stackRef());
+      return asFuture(rpc::ScriptResp(std::move(value)).toMessage());
+    }
+  }
+  return RequestCallbackImpl::processScriptCall(rpc, streams);
+}
+
 size_t ServeCallback::cachedOperators() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return operators_.size();
+}
+
+namespace {
+std::atomic<const NamedFunctions*> gNamedFunctions{nullptr};
+} // namespace
+
+void installNamedFunctions(const NamedFunctions* table) {
+  gNamedFunctions.store(table, std::memory_order_release);
+}
+
+const NamedFunctions* namedFunctions() {
+  return gNamedFunctions.load(std::memory_order_acquire);
 }
 
 } // namespace torch_rpc_ext

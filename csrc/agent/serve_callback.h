@@ -22,6 +22,10 @@ namespace torch_rpc_ext {
 // server time). We resolve each text once, the same way (through upstream's
 // own ScriptCall::fromMessage), and remember the operator it named.
 //
+// A SCRIPT_CALL naming kNamedFunctionPrefix + name is served by the
+// scripting layer's table (named_functions.h), on every path that reaches
+// processScriptCall (plain, wrapped for dist autograd, or profiled).
+//
 // Everything else about serving is upstream's: pending RRefs in arguments,
 // the server-side process-global profiler, errors, autograd and profiling
 // wrappers (which arrive as other message types and take the base path).
@@ -35,6 +39,10 @@ class ServeCallback final : public torch::distributed::rpc::RequestCallbackImpl 
   c10::intrusive_ptr<torch::distributed::rpc::JitFuture> processMessage(
       torch::distributed::rpc::Message& request,
       std::vector<c10::Stream> streams) const override;
+
+  c10::intrusive_ptr<torch::distributed::rpc::JitFuture> processScriptCall(
+      torch::distributed::rpc::RpcCommandBase& rpc,
+      const std::vector<c10::Stream>& streams) const override;
 
   // Schema texts resolved so far (for tests).
   size_t cachedOperators() const;

@@ -18,6 +18,9 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
   torch_rpc_ext::bindings::bindOptions(m);
   torch_rpc_ext::bindings::bindAgent(m);
+  auto scripting = m.def_submodule(
+      "_scripting", "the remote-function registry (torch_rpc_ext.scripting)");
+  torch_rpc_ext::bindings::bindScripting(scripting);
   auto testing = m.def_submodule("_testing", "hooks for tests only");
   torch_rpc_ext::bindings::bindTesting(testing);
 }

@@ -1,0 +1,183 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// The operators callers use to reach registered remote functions, from eager
+// Python (torch.ops.torch_rpc_ext.*, or torch_rpc_ext.scripting's wrappers),
+// from TorchScript (scripted code, and modules saved with torch.jit.save and
+// loaded without any Python source) and from torch.compile (through
+// torch_rpc_ext.scripting's custom op, which calls rpc_sync).
+//
+// A call is an ordinary SCRIPT_CALL naming kNamedFunctionPrefix + name: it
+// goes through upstream's rpcTorchscript, so dist autograd, timeouts,
+// profiling and error responses are exactly TorchScript RPC's.
+//
+// The schemas are CONSERVATIVE for alias analysis: TorchScript then treats a
+// call as having side effects, so one whose value is unused is neither
+// eliminated nor moved across other side effects.
+#include <torch/csrc/distributed/rpc/rpc_agent.h>
+#include <torch/csrc/distributed/rpc/torchscript_functions.h>
+#include <torch/library.h>
+
+#include "csrc/agent/agent.h"
+#include "scripting/registry.h"
+
+namespace torch_rpc_ext::scripting {
+
+namespace {
+
+namespace rpc = torch::distributed::rpc;
+
+c10::intrusive_ptr<c10::ivalue::Future> callAsync(
+    const std::string& to,
+    const std::string& name,
+    const c10::IValue& args,
+    double timeout) {
+  checkName(name);
+  TORCH_CHECK_TYPE(
+      args.isNone() || args.isTuple(),
+      "remote function '",
+      name,
+      "' on ",
+      to,
+      ": args must be a tuple of the call's positional arguments, got ",
+      args.tagKind());
+  TORCH_CHECK(
+      rpc::RpcAgent::isCurrentRpcAgentSet(),
+      "remote function '",
+      name,
+      "' on ",
+      to,
+      ": RPC is not initialized in this process (call rpc.init_rpc with "
+      "backend=rpc.BackendType.TORCH_RPC_EXT first)");
+  auto agent = rpc::RpcAgent::getCurrentRpcAgent();
+  TORCH_CHECK(
+      dynamic_cast<Agent*>(agent.get()) != nullptr,
+      "remote function '",
+      name,
+      "' on ",
+      to,
+      ": remote functions need the TORCH_RPC_EXT backend, and this process "
+      "runs another RPC backend");
+  // The value's type is known only on the callee: the future holds Any.
+  static const c10::FunctionSchema kReturnsAny(
+      "", "", {}, {c10::Argument("", c10::AnyType::get())});
+  std::vector<c10::IValue> stack;
+  if (args.isTuple()) {
+    stack = args.toTupleRef().elements().vec();
+  }
+  return rpc::rpcTorchscript(
+      to,
+      c10::QualifiedName(std::string(kNamedFunctionPrefix) + name),
+      kReturnsAny,
+      std::move(stack),
+      static_cast<float>(timeout));
+}
+
+void rpcAsyncKernel(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  double timeout = torch::jit::pop(*stack).toDouble();
+  c10::IValue args = torch::jit::pop(*stack);
+  std::string name = torch::jit::pop(*stack).toStringRef();
+  std::string to = torch::jit::pop(*stack).toStringRef();
+  torch::jit::push(*stack, callAsync(to, name, args, timeout));
+}
+
+void rpcSyncKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  rpcAsyncKernel(op, stack);
+  auto future = torch::jit::pop(*stack).toFuture();
+  future->waitAndThrow();
+  torch::jit::push(*stack, future->value());
+}
+
+// torch.compile's op: tensors in, tensors out (what fake tensors and
+// functionalization can see through). Its fake implementation and its
+// ordering effect are registered from Python (torch_rpc_ext.scripting).
+std::vector<at::Tensor> callTensors(
+    const std::string& to,
+    const std::string& name,
+    at::TensorList args,
+    double timeout) {
+  std::vector<c10::IValue> elements(args.begin(), args.end());
+  auto future = callAsync(
+      to, name, c10::ivalue::Tuple::create(std::move(elements)), timeout);
+  future->waitAndThrow();
+  const c10::IValue& value = future->value();
+  std::vector<at::Tensor> out;
+  if (value.isTensor()) {
+    out.push_back(value.toTensor());
+  } else if (value.isTuple() || value.isList()) {
+    auto elems = value.isTuple() ? value.toTupleRef().elements().vec()
+                                 : value.toListRef().vec();
+    for (const auto& e : elems) {
+      TORCH_CHECK_TYPE(
+          e.isTensor(),
+          "remote function '",
+          name,
+          "' on ",
+          to,
+          " returned a ",
+          e.tagKind(),
+          " among its values: a call from torch.compile returns tensors only");
+      out.push_back(e.toTensor());
+    }
+  } else {
+    TORCH_CHECK_TYPE(
+        false,
+        "remote function '",
+        name,
+        "' on ",
+        to,
+        " returned a ",
+        value.tagKind(),
+        ": a call from torch.compile returns a tensor or a tuple of tensors");
+  }
+  // An operator's outputs must not alias its inputs, and a tensor a callee
+  // on this host returns unchanged comes back as a view of the caller's own
+  // storage (shared slabs).
+  for (auto& t : out) {
+    for (const auto& a : args) {
+      if (t.is_alias_of(a)) {
+        t = t.clone();
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+} // namespace
+
+TORCH_LIBRARY(torch_rpc_ext, m) {
+  // Where the fake implementation of call_tensors lives (torch imports it
+  // on demand under fake tensors).
+  m.set_python_module("torch_rpc_ext.scripting");
+  // `args`: a tuple of positional arguments (TorchScript accepts a tuple
+  // literal of mixed types for Any; a list must hold one type). `timeout` in
+  // seconds; -1: the agent's rpc_timeout, 0: none.
+  m.def(torch::schema(
+      "torch_rpc_ext::rpc_async(str to, str name, Any? args=None, float "
+      "timeout=-1.) -> Future(Any)",
+      c10::AliasAnalysisKind::CONSERVATIVE));
+  m.def(torch::schema(
+      "torch_rpc_ext::rpc_sync(str to, str name, Any? args=None, float "
+      "timeout=-1.) -> Any",
+      c10::AliasAnalysisKind::CONSERVATIVE));
+  m.def(torch::schema(
+      "torch_rpc_ext::call_tensors(str to, str name, Tensor[] args, float "
+      "timeout=-1.) -> Tensor[]",
+      c10::AliasAnalysisKind::CONSERVATIVE));
+}
+
+// No tensor among the arguments the dispatcher looks at: one kernel for
+// every dispatch key.
+TORCH_LIBRARY_IMPL(torch_rpc_ext, CatchAll, m) {
+  m.impl(
+      "rpc_async", torch::CppFunction::makeFromBoxedFunction<&rpcAsyncKernel>());
+  m.impl(
+      "rpc_sync", torch::CppFunction::makeFromBoxedFunction<&rpcSyncKernel>());
+}
+
+// Dispatched on its tensors (an empty list reaches this kernel too); the
+// fake kernel comes from Python.
+TORCH_LIBRARY_IMPL(torch_rpc_ext, CompositeExplicitAutograd, m) {
+  m.impl("call_tensors", TORCH_FN(callTensors));
+}
+
+} // namespace torch_rpc_ext::scripting

@@ -1,0 +1,59 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// The remote-function registry: what this worker serves by name
+// (torch_rpc_ext.scripting.register), for callers in eager Python,
+// TorchScript and torch.compile (scripting/ops.cpp).
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/jit/api/compilation_unit.h>
+
+#include "csrc/agent/named_functions.h"
+
+namespace torch_rpc_ext::scripting {
+
+// A registered function as the registry runs it: the call's arguments in,
+// its value out; throws with the text the caller should see. A Python
+// function arrives as a Body from the bindings, which own the GIL policy.
+using Body = std::function<c10::IValue(std::vector<c10::IValue>& args)>;
+
+// Names are dotted identifiers ("ps.get_weights"); throws ValueError text
+// otherwise.
+void checkName(const std::string& name);
+
+class RemoteFunctions final : public NamedFunctions {
+ public:
+  // The process's registry, installed as the agent's NamedFunctions table.
+  static RemoteFunctions& instance();
+
+  // Register (or replace) `name`. `kind` says what it is, for listings.
+  void add(const std::string& name, Body body, std::string kind);
+  // A TorchScript function runs without the GIL; its arguments are checked
+  // against its schema first (a wrong type is a TypeError for the caller,
+  // never an interpreter fault).
+  void addScript(const std::string& name, torch::jit::StrongFunctionPtr fn);
+  // Whether `name` was registered.
+  bool remove(const std::string& name);
+  // name -> kind, sorted by name.
+  std::map<std::string, std::string> list() const;
+
+  c10::IValue call(const std::string& name, std::vector<c10::IValue>& args)
+      const override;
+
+ private:
+  struct Entry {
+    Body body;
+    std::string kind;
+  };
+  // Entries are shared so a call runs without the lock, and a replaced or
+  // removed one (which may hold a Python object) is destroyed outside it.
+  mutable std::shared_mutex mutex_;
+  std::map<std::string, std::shared_ptr<const Entry>> entries_;
+};
+
+} // namespace torch_rpc_ext::scripting

@@ -1,0 +1,253 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Remote functions by name (torch_rpc_ext.scripting, scripting/): two real
+processes, the callee registering Python and TorchScript functions, the
+caller reaching them from eager Python, TorchScript and torch.compile, and
+every error case reaching the caller with the remote type and message."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch.distributed import rpc
+
+from tests.rpc.world import init, run_world
+from torch_rpc_ext import scripting
+
+pytestmark = pytest.mark.timeout(240)
+
+CALLS: list[int] = []
+
+
+def scale(x, k):
+    return x * k
+
+
+def sum_and_difference(x, y):
+    return x + y, x - y
+
+
+def record_call(x):
+    CALLS.append(1)
+    return x + 1
+
+
+def calls_recorded():
+    return len(CALLS)
+
+
+def raise_value_error(value):
+    raise ValueError(f"bad input: {value}")
+
+
+def not_representable():
+    return object()
+
+
+@torch.jit.script
+def script_affine(x: torch.Tensor, a: int, b: float) -> torch.Tensor:
+    return x * a + b
+
+
+@torch.jit.script
+def scripted_caller(x: torch.Tensor) -> torch.Tensor:
+    # A Python function, then a TorchScript one, both by name on worker1;
+    # the call whose value is unused must still run.
+    a = torch.ops.torch_rpc_ext.rpc_sync("worker1", "scale", (x, 3))
+    assert isinstance(a, torch.Tensor)
+    fut = torch.ops.torch_rpc_ext.rpc_async("worker1", "script_affine", (a, 2, 0.5))
+    torch.ops.torch_rpc_ext.rpc_sync("worker1", "record_call", (x,))
+    b = fut.wait()
+    assert isinstance(b, torch.Tensor)
+    return b
+
+
+@torch.jit.script
+def scripted_error(name: str, x: torch.Tensor) -> torch.Tensor:
+    r = torch.ops.torch_rpc_ext.rpc_sync("worker1", name, (x,))
+    assert isinstance(r, torch.Tensor)
+    return r
+
+
+def register_callee_functions():
+    scripting.register("scale", scale, fake=lambda x, k: torch.empty_like(x))
+    scripting.register(
+        "sum_and_difference",
+        sum_and_difference,
+        fake=lambda x, y: (torch.empty_like(x), torch.empty_like(x)),
+    )
+    scripting.register("record_call", record_call, fake=lambda x: torch.empty_like(x))
+    scripting.register("calls_recorded", calls_recorded)
+    scripting.register("script_affine", script_affine)
+    scripting.register("raise_value_error", raise_value_error)
+    scripting.register("not_representable", not_representable)
+    scripting.register("no_fake", scale)
+
+
+def barrier(rank):
+    # Every function is registered once each worker has answered the other.
+    peer = "worker1" if rank == 0 else "worker0"
+    rpc.rpc_sync(peer, torch.add, args=(torch.ones(1), 1))
+
+
+def error_text(call):
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test compares type and text
+        return type(e).__name__, str(e)
+    return None, None
+
+
+def eager_and_script_calls(rank, world_size):
+    init(rank, world_size)
+    out = {}
+    if rank == 1:
+        register_callee_functions()
+        out["registered"] = scripting.registered()
+    barrier(rank)
+    if rank == 0:
+        x = torch.arange(4.0)
+        out["eager"] = scripting.rpc_sync("worker1", "scale", x, 2.0)
+        out["eager_tuple"] = scripting.rpc_sync("worker1", "sum_and_difference", x, x)
+        out["eager_async"] = scripting.rpc_async("worker1", "script_affine", x, 3, 1.0).wait()
+        out["torch_ops"] = torch.ops.torch_rpc_ext.rpc_sync("worker1", "scale", (x, 4))
+        out["script"] = scripted_caller(x)
+        out["calls_recorded"] = scripting.rpc_sync("worker1", "calls_recorded")
+        # A remote function of this very worker: the caller's thread must not
+        # hold the GIL while it waits.
+        scripting.register("local_scale", scale)
+        out["self_call"] = scripting.rpc_sync("worker0", "local_scale", x, 5)
+        # Dist autograd through a remote Python function.
+        w = torch.ones(4, requires_grad=True)
+        with dist_autograd.context() as ctx:
+            y = scripting.rpc_sync("worker1", "scale", w, 3.0)
+            dist_autograd.backward(ctx, [y.sum()])
+            out["grad"] = dist_autograd.get_gradients(ctx)[w]
+        # Errors, eager: the remote exception's own type.
+        out["eager_value_error"] = error_text(
+            lambda: scripting.rpc_sync("worker1", "raise_value_error", "x")
+        )
+        out["eager_unknown"] = error_text(lambda: scripting.rpc_sync("worker1", "nope", x))
+        out["eager_script_types"] = error_text(
+            lambda: scripting.rpc_sync("worker1", "script_affine", "x", 1, 2.0)
+        )
+        out["eager_python_arity"] = error_text(lambda: scripting.rpc_sync("worker1", "scale", x))
+        out["eager_unrepresentable"] = error_text(
+            lambda: scripting.rpc_sync("worker1", "not_representable")
+        )
+        out["eager_unknown_worker"] = error_text(
+            lambda: scripting.rpc_sync("worker9", "scale", x, 1)
+        )
+        out["eager_bad_name"] = error_text(lambda: scripting.rpc_sync("worker1", "a..b", x))
+        out["eager_args_not_tuple"] = error_text(
+            lambda: torch.ops.torch_rpc_ext.rpc_sync("worker1", "scale", [x])
+        )
+        # Errors, TorchScript: a RuntimeError naming the remote type.
+        out["script_value_error"] = error_text(lambda: scripted_error("raise_value_error", x))
+        out["script_unknown"] = error_text(lambda: scripted_error("nope", x))
+    barrier(rank)
+    rpc.shutdown()
+    return out
+
+
+def test_eager_and_torchscript_callers_reach_python_and_torchscript_functions():
+    results = run_world(eager_and_script_calls, 2, timeout=180)
+    callee, out = results[1], results[0]
+    assert callee["registered"]["scale"] == "python"
+    assert callee["registered"]["script_affine"].startswith("torchscript ")
+    x = torch.arange(4.0)
+    assert torch.equal(out["eager"], x * 2)
+    assert isinstance(out["eager_tuple"], tuple)
+    assert torch.equal(out["eager_tuple"][0], x + x)
+    assert torch.equal(out["eager_tuple"][1], x - x)
+    assert torch.equal(out["eager_async"], x * 3 + 1.0)
+    assert torch.equal(out["torch_ops"], x * 4)
+    assert torch.equal(out["script"], x * 3 * 2 + 0.5)
+    assert out["calls_recorded"] == 1  # the scripted call with an unused value ran
+    assert torch.equal(out["self_call"], x * 5)
+    assert torch.equal(out["grad"], torch.full((4,), 3.0))
+
+    kind, text = out["eager_value_error"]
+    assert kind == "ValueError"
+    assert "ValueError: bad input: x (remote function 'raise_value_error' on worker1)" in text
+    kind, text = out["eager_unknown"]
+    assert kind == "LookupError"
+    assert "no remote function 'nope' is registered on worker1 (registered:" in text
+    assert "script_affine" in text
+    kind, text = out["eager_script_types"]
+    assert kind == "TypeError"
+    assert "Expected a value of type 'Tensor' for argument 'x' but instead found type 'str'" in text
+    kind, text = out["eager_python_arity"]
+    assert kind == "TypeError"
+    assert "scale() missing 1 required positional argument: 'k'" in text
+    kind, text = out["eager_unrepresentable"]
+    assert kind == "TypeError"
+    assert "returned a value of type 'object', which TorchScript cannot represent" in text
+    kind, text = out["eager_unknown_worker"]
+    assert kind == "RuntimeError" and "worker9" in text
+    kind, text = out["eager_bad_name"]
+    assert kind == "ValueError" and "invalid remote function name 'a..b'" in text
+    kind, text = out["eager_args_not_tuple"]
+    assert kind == "TypeError" and "args must be a tuple" in text
+
+    kind, text = out["script_value_error"]
+    assert kind == "RuntimeError"
+    assert "ValueError: bad input: " in text and "'raise_value_error' on worker1" in text
+    kind, text = out["script_unknown"]
+    assert kind == "RuntimeError" and "LookupError: no remote function 'nope'" in text
+    # No C++ backtrace in what a caller reads.
+    assert "frame #" not in out["eager_script_types"][1]
+
+
+def compiled_calls(rank, world_size, backend):
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    init(rank, world_size)
+    out = {}
+    if rank == 1:
+        register_callee_functions()
+    barrier(rank)
+    if rank == 0:
+
+        def step(x):
+            a = scripting.rpc_sync("worker1", "scale", x, torch.tensor(3.0))
+            s, d = scripting.rpc_sync("worker1", "sum_and_difference", a, x)
+            scripting.rpc_sync("worker1", "record_call", x)  # value unused
+            return s * 2 + d
+
+        x = torch.arange(4.0)
+        out["eager"] = step(x)
+        compiled = torch.compile(step, fullgraph=True, backend=backend, dynamic=False)
+        out["compiled"] = compiled(x)
+        out["compiled_again"] = compiled(x + 1)
+        out["eager_again"] = step(x + 1)
+        out["calls_recorded"] = scripting.rpc_sync("worker1", "calls_recorded")
+
+        def no_fake(x):
+            return scripting.rpc_sync("worker1", "no_fake", x, x)
+
+        def not_tensor(x):
+            return scripting.rpc_sync("worker1", "scale", x, 2)
+
+        for fn in (no_fake, not_tensor):
+            out[fn.__name__] = error_text(
+                lambda fn=fn: torch.compile(fn, fullgraph=True, backend=backend)(x)
+            )
+    barrier(rank)
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_function_calling_remote_functions_equals_eager(backend):
+    out = run_world(compiled_calls, 2, timeout=220, backend=backend)[0]
+    assert torch.equal(out["compiled"], out["eager"])
+    assert torch.equal(out["compiled_again"], out["eager_again"])
+    # Eager twice, compiled twice: the unused call was neither dropped nor
+    # left out of the compiled graph.
+    assert out["calls_recorded"] == 4
+    kind, text = out["no_fake"]
+    # Dynamo quotes the fake's exception with repr(): look for the pieces.
+    assert "no_fake" in text and "has no fake: register it with fake=" in text
+    kind, text = out["not_tensor"]
+    assert "a call from torch.compile takes tensors only, argument 1 is a int" in text

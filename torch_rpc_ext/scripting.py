@@ -1,0 +1,174 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Remote functions called by name, from eager Python, TorchScript and torch.compile.
+
+On the worker that serves a function (Python or TorchScript)::
+
+    torch_rpc_ext.scripting.register("ps.scale", scale, fake=lambda x, k: torch.empty_like(x))
+
+From any worker of the group (``init_rpc`` on TORCH_RPC_EXT)::
+
+    y = torch_rpc_ext.scripting.rpc_sync("ps", "ps.scale", x, 2.0)  # eager or compiled
+    # TorchScript, also in a module saved with torch.jit.save and loaded where
+    # only ``import torch_rpc_ext`` is available:
+    y = torch.ops.torch_rpc_ext.rpc_sync("ps", "ps.scale", (x, 2.0))
+
+A call is a SCRIPT_CALL of upstream's TorchScript RPC (scripting/ops.cpp), so
+timeouts, dist autograd and error responses behave as TorchScript RPC's. A
+remote failure reaches the caller as a RuntimeError whose text starts with
+the remote exception's type and message ("ValueError: ..."); ``rpc_sync``
+here re-raises it as that type when it is a builtin exception.
+
+torch.compile(fullgraph=True): ``rpc_sync`` called from compiled code becomes
+one operator, ``torch_rpc_ext::call_tensors``, ordered with the program's
+other side effects. Its outputs' shapes come from the ``fake`` the owner gave
+at registration, asked once per (worker, name, input shapes) at compile time
+and run there on meta tensors, so callers declare nothing. Compiled calls take
+and return tensors (static shapes) and carry no gradient.
+"""
+
+import builtins
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed import rpc
+
+from torch_rpc_ext import _C, _torch_private
+
+__all__ = ["register", "unregister", "registered", "rpc_sync", "rpc_async"]
+
+# name -> fake, for the functions this worker registered.
+_FAKES: dict[str, Callable[..., Any]] = {}
+# On callers: (to, name, input shapes and dtypes) -> (returns one tensor,
+# [(shape, dtype)] of the outputs), asked of the owner at compile time.
+_SPECS: dict[tuple, tuple[bool, list]] = {}
+_RETURNS_TENSOR: dict[tuple[str, str], bool] = {}
+_REMOTE_TYPE = re.compile(r"^(?:Error on Node \d+: )?([A-Za-z_]\w*): ")
+
+
+def register(name: str, fn: Callable[..., Any], *, fake: Callable[..., Any] | None = None) -> None:
+    """Serve ``fn`` (a Python function or a ``torch.jit.script`` function) as ``name``.
+
+    ``fake(*args)``, if given, returns tensors of the shapes and dtypes ``fn``
+    would return for ``args`` (it receives meta tensors); callers need it to
+    call ``name`` from torch.compile. Registering a name again replaces it.
+    """
+    _C._scripting.check_name(name)
+    if fake is not None and not callable(fake):
+        raise TypeError(f"fake for {name!r} must be callable, got {type(fake).__name__}")
+    if isinstance(fn, torch.jit.ScriptFunction):
+        _C._scripting.register_script(name, fn)
+    elif callable(fn):
+        _C._scripting.register_python(name, fn)
+    else:
+        raise TypeError(f"remote function {name!r} must be callable, got {type(fn).__name__}")
+    if fake is None:
+        _FAKES.pop(name, None)
+    else:
+        _FAKES[name] = fake
+
+
+def unregister(name: str) -> bool:
+    """Stop serving ``name``; whether it was registered."""
+    _FAKES.pop(name, None)
+    return _C._scripting.unregister(name)
+
+
+def registered() -> dict[str, str]:
+    """The names this worker serves, with what each is ("python", "torchscript <qualname>")."""
+    return dict(_C._scripting.registered())
+
+
+def rpc_async(to: str | rpc.WorkerInfo, name: str, *args: Any, timeout: float = -1.0) -> Any:
+    """Call ``name`` on ``to`` with ``args``; a ``torch.futures.Future`` of its value.
+
+    ``timeout`` in seconds: -1 is the agent's ``rpc_timeout``, 0 none.
+    """
+    return torch.ops.torch_rpc_ext.rpc_async(_worker_name(to), name, args, timeout)
+
+
+def rpc_sync(to: str | rpc.WorkerInfo, name: str, *args: Any, timeout: float = -1.0) -> Any:
+    """Call ``name`` on ``to`` with ``args`` and return its value (see ``rpc_async``)."""
+    to = _worker_name(to)
+    if torch.compiler.is_compiling():
+        return _compiled_call(to, name, args, timeout)
+    try:
+        return torch.ops.torch_rpc_ext.rpc_sync(to, name, args, timeout)
+    except RuntimeError as e:
+        raise _as_remote_type(e) from e
+
+
+def _worker_name(to: str | rpc.WorkerInfo) -> str:
+    return to.name if isinstance(to, rpc.WorkerInfo) else to
+
+
+def _as_remote_type(error: RuntimeError) -> Exception:
+    """The remote exception's builtin type, with the whole text, else ``error``."""
+    match = _REMOTE_TYPE.match(str(error))
+    kind = getattr(builtins, match.group(1), None) if match else None
+    if isinstance(kind, type) and issubclass(kind, Exception) and kind is not RuntimeError:
+        try:
+            return kind(str(error))
+        except TypeError:  # a builtin exception with a constructor of its own
+            pass
+    return error
+
+
+def _compiled_call(to: str, name: str, args: tuple, timeout: float) -> Any:
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(
+                f"remote function {name!r} on {to}: a call from torch.compile takes "
+                f"tensors only, argument {i} is a {type(a).__name__} (call it outside "
+                "the compiled region, or pass it as a tensor)"
+            )
+    outs = torch.ops.torch_rpc_ext.call_tensors(to, name, list(args), timeout)
+    return outs[0] if _returns_tensor(to, name) else tuple(outs)
+
+
+@torch._dynamo.assume_constant_result
+def _returns_tensor(to: str, name: str) -> bool:
+    # Known once the fake implementation below has run for this call site.
+    return _RETURNS_TENSOR.get((to, name), False)
+
+
+@torch.library.register_fake("torch_rpc_ext::call_tensors")
+def _call_tensors_fake(to: str, name: str, args: list, timeout: float = -1.0) -> list:
+    shapes = []
+    for a in args:
+        if not all(isinstance(d, int) for d in a.shape):
+            raise RuntimeError(
+                f"remote function {name!r} on {to}: torch.compile calls need static "
+                f"shapes, got {tuple(a.shape)} (compile with dynamic=False)"
+            )
+        shapes.append((tuple(a.shape), a.dtype))
+    key = (to, name, tuple(shapes))
+    if key not in _SPECS:
+        with _torch_private.unset_fake_mode():
+            _SPECS[key] = rpc.rpc_sync(to, _output_spec, args=(name, shapes))
+    returns_tensor, outs = _SPECS[key]
+    _RETURNS_TENSOR[(to, name)] = returns_tensor
+    return [torch.empty(shape, dtype=dtype) for shape, dtype in outs]
+
+
+def _output_spec(name: str, shapes: list) -> tuple[bool, list]:
+    """On the owner: run ``name``'s fake on meta tensors of ``shapes``."""
+    fake = _FAKES.get(name)
+    if fake is None:
+        me = rpc.get_worker_info().name
+        if name in registered():
+            raise LookupError(
+                f"remote function {name!r} on {me} has no fake: register it with "
+                "fake=... to call it from torch.compile"
+            )
+        raise LookupError(f"no remote function {name!r} is registered on {me}")
+    out = fake(*(torch.empty(s, dtype=d, device="meta") for s, d in shapes))
+    returns_tensor = isinstance(out, torch.Tensor)
+    outs = [out] if returns_tensor else list(out)
+    if not all(isinstance(o, torch.Tensor) for o in outs):
+        raise TypeError(f"the fake of {name!r} must return a tensor or a tuple of tensors")
+    return returns_tensor, [(tuple(o.shape), o.dtype) for o in outs]
+
+
+_torch_private.register_ordered_effect("torch_rpc_ext::call_tensors")
