@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""torch_rpc_ext.scripting without processes: the registry's API, names,
+and the operators' contracts with TorchScript (no RPC needed)."""
+
+import pytest
+import torch
+
+from torch_rpc_ext import scripting
+
+
+def double(x):
+    return x * 2
+
+
+@torch.jit.script
+def script_double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_register_list_replace_and_unregister():
+    scripting.register("unit.double", double)
+    scripting.register("unit.script_double", script_double)
+    listed = scripting.registered()
+    assert listed["unit.double"] == "python"
+    assert listed["unit.script_double"].startswith("torchscript __torch__.")
+    scripting.register("unit.double", script_double)  # replaced
+    assert scripting.registered()["unit.double"].startswith("torchscript ")
+    assert scripting.unregister("unit.double") is True
+    assert scripting.unregister("unit.double") is False
+    assert scripting.unregister("unit.script_double") is True
+    assert "unit.double" not in scripting.registered()
+
+
+@pytest.mark.parametrize("name", ["", "a..b", ".a", "a.", "1abc", "a-b", "a b", "x" * 257])
+def test_names_must_be_dotted_identifiers(name):
+    with pytest.raises(ValueError, match="invalid remote function name"):
+        scripting.register(name, double)
+    assert name not in scripting.registered()
+
+
+def test_functions_and_fakes_must_be_callable():
+    with pytest.raises(TypeError, match="must be callable, got int"):
+        scripting.register("unit.not_callable", 3)
+    with pytest.raises(TypeError, match="fake for 'unit.bad_fake' must be callable"):
+        scripting.register("unit.bad_fake", double, fake="shape")
+    assert not {"unit.not_callable", "unit.bad_fake"} & set(scripting.registered())
+
+
+def test_calls_without_rpc_say_so():
+    with pytest.raises(RuntimeError, match="RPC is not initialized in this process"):
+        scripting.rpc_sync("worker1", "unit.double", torch.ones(1))
+    with pytest.raises(RuntimeError, match="RPC is not initialized in this process"):
+        torch.ops.torch_rpc_ext.call_tensors("worker1", "unit.double", [torch.ones(1)])
+
+
+def test_torchscript_keeps_a_call_whose_value_is_unused():
+    # CONSERVATIVE alias analysis marks the call as a side effect; with
+    # upstream's default (FROM_SCHEMA) dead-code elimination removes it.
+    @torch.jit.script
+    def notify(x: torch.Tensor) -> torch.Tensor:
+        torch.ops.torch_rpc_ext.rpc_sync("worker1", "unit.double", (x,))
+        return x
+
+    graph = notify.graph.copy()
+    torch._C._jit_pass_dce(graph)
+    kinds = [n.kind() for n in graph.nodes()]
+    assert "torch_rpc_ext::rpc_sync" in kinds
+
+
+def test_operator_schemas():
+    ops = torch.ops.torch_rpc_ext
+    assert str(ops.rpc_sync.default._schema) == (
+        "torch_rpc_ext::rpc_sync(str to, str name, Any? args=None, float timeout=-1.) -> Any"
+    )
+    assert str(ops.rpc_async.default._schema).endswith("-> Future(Any)")
+    assert str(ops.call_tensors.default._schema) == (
+        "torch_rpc_ext::call_tensors(str to, str name, Tensor[] args, float timeout=-1.) -> Tensor[]"
+    )
