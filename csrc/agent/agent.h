@@ -19,6 +19,7 @@
 #include "csrc/agent/call_table.h"
 #include "csrc/agent/options.h"
 #include "csrc/agent/peer_stats.h"
+#include "csrc/agent/remote_profiling.h"
 #include "csrc/common/buffer_pool.h"
 #include "csrc/common/thread_pool.h"
 #include "csrc/transport/transport.h"
@@ -163,6 +164,9 @@ class Agent final : public rpc::RpcAgent,
       c10::intrusive_ptr<rpc::Message> response,
       bool lastInFlight);
   void settleWithError(CallTable::Call call, std::string error);
+  // Complete a client call's future with its response (or the error the
+  // response carries).
+  void complete(CallTable::Call& call, c10::intrusive_ptr<rpc::Message> response);
   void callFinished();
 
   const c10::intrusive_ptr<::c10d::Store> store_;
@@ -188,6 +192,8 @@ class Agent final : public rpc::RpcAgent,
   // call) gets another thread after 20 ms, as in pool_.
   ThreadPool completions_;
   std::unique_ptr<FaultInjector> faults_; // tests only
+  // Remote work in the caller's torch.profiler trace.
+  RemoteProfiling profiling_;
   // Receive buffers for large tensors; storages keep it alive past us.
   std::shared_ptr<BufferPool> buffers_;
   CallTable calls_;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -13,6 +14,8 @@
 #include <vector>
 
 #include <ATen/core/ivalue.h>
+
+#include "csrc/agent/remote_profiling.h"
 
 namespace torch_rpc_ext {
 
@@ -35,6 +38,8 @@ class CallTable {
     // No other call was in flight when this one was registered (set by
     // add()): the rpc_sync pattern.
     bool sentAlone = false;
+    // Set while torch.profiler profiles the caller (remote_profiling.h).
+    std::shared_ptr<CallProfile> profile;
   };
   using ExpireFn = std::function<void(int64_t id, Call call)>;
 

@@ -1,0 +1,219 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/agent/remote_profiling.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <map>
+#include <vector>
+
+#include <c10/util/ApproximateClock.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+#include <torch/csrc/autograd/profiler_legacy.h>
+#include <torch/csrc/distributed/autograd/rpc_messages/rpc_with_profiling_req.h>
+#include <torch/csrc/distributed/autograd/rpc_messages/rpc_with_profiling_resp.h>
+#include <torch/csrc/distributed/rpc/profiler/remote_profiler_manager.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
+
+namespace torch_rpc_ext {
+
+namespace {
+
+namespace rpc = torch::distributed::rpc;
+namespace autograd = torch::distributed::autograd;
+namespace profiler = torch::profiler::impl;
+using torch::autograd::profiler::LegacyEvent;
+
+int64_t nowUs() {
+  return c10::getTime() / 1000; // the clock Kineto's own events use
+}
+
+bool profilable(rpc::MessageType type) {
+  switch (type) {
+    case rpc::MessageType::SCRIPT_CALL:
+    case rpc::MessageType::PYTHON_CALL:
+    case rpc::MessageType::SCRIPT_REMOTE_CALL:
+    case rpc::MessageType::PYTHON_REMOTE_CALL:
+    case rpc::MessageType::FORWARD_AUTOGRAD_REQ:
+      return true;
+    default:
+      return false;
+  }
+}
+
+struct Range {
+  std::string name;
+  int64_t startUs;
+  int64_t endUs;
+};
+
+// The callee's push/pop pairs as ranges (marks and unmatched halves, e.g. of
+// a range still open when the response left, are dropped).
+std::vector<Range> rangesOf(const std::vector<LegacyEvent>& events) {
+  std::map<std::pair<uint64_t, at::RecordFunctionHandle>, const LegacyEvent*> open;
+  std::vector<Range> out;
+  for (const auto& e : events) {
+    auto key = std::make_pair(e.threadId(), e.handle());
+    if (e.kind() == torch::autograd::profiler::EventKind::PushRange) {
+      open[key] = &e;
+    } else if (e.kind() == torch::autograd::profiler::EventKind::PopRange) {
+      auto it = open.find(key);
+      if (it != open.end()) {
+        out.push_back(Range{
+            it->second->name(),
+            static_cast<int64_t>(it->second->cpuUs()),
+            static_cast<int64_t>(e.cpuUs())});
+        open.erase(it);
+      }
+    }
+  }
+  return out;
+}
+
+// Callee times -> caller times (see the header).
+void toCallerClock(std::vector<Range>& ranges, int64_t sentUs, int64_t readUs) {
+  if (ranges.empty()) {
+    return;
+  }
+  int64_t first = ranges.front().startUs, last = ranges.front().endUs;
+  for (const auto& r : ranges) {
+    first = std::min(first, r.startUs);
+    last = std::max(last, r.endUs);
+  }
+  if (first >= sentUs && last <= readUs) {
+    return;
+  }
+  int64_t offset = ((first - sentUs) + (last - readUs)) / 2;
+  for (auto& r : ranges) {
+    r.startUs = std::clamp(r.startUs - offset, sentUs, readUs);
+    r.endUs = std::clamp(r.endUs - offset, r.startUs, readUs);
+  }
+}
+
+void report(const Range& r, const std::string& backend, at::RecordScope scope) {
+  torch::autograd::profiler::reportBackendEventToActiveKinetoProfiler(
+      r.startUs, r.endUs, /*debug_handle=*/-1, scope, r.name, backend);
+}
+
+} // namespace
+
+std::shared_ptr<CallProfile> RemoteProfiling::begin(
+    c10::intrusive_ptr<rpc::Message>& message) {
+  if (profiler::profilerType() != profiler::ActiveProfilerType::KINETO ||
+      profiler::ProfilerStateBase::get(/*global=*/true) != nullptr ||
+      !profilable(message->type())) {
+    return nullptr;
+  }
+  auto profile = std::make_shared<CallProfile>();
+  message = autograd::RpcWithProfilingReq(
+                rpc::MessageType::RUN_WITH_PROFILING_REQ,
+                std::move(message),
+                torch::autograd::profiler::ProfilerConfig(
+                    torch::autograd::profiler::ProfilerState::CPU),
+                rpc::RemoteProfilerManager::getInstance().getNextProfilerId())
+                .toMessage();
+  return profile;
+}
+
+void RemoteProfiling::markSent(CallProfile* profile) {
+  if (profile != nullptr) {
+    profile->sentUs = nowUs();
+  }
+}
+
+std::unique_ptr<at::RecordFunction> RemoteProfiling::span(
+    const CallProfile* profile,
+    const char* name) {
+  std::unique_ptr<at::RecordFunction> range;
+  if (profile != nullptr) {
+    range = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+    if (range->isActive()) {
+      range->before(name);
+    }
+  }
+  return range;
+}
+
+ThreadPool& RemoteProfiling::trackOf(int32_t peerId) {
+  auto& pool = tracks_[peerId];
+  if (!pool) {
+    pool = std::make_unique<ThreadPool>(1, 1);
+  }
+  return *pool;
+}
+
+void RemoteProfiling::finish(
+    int32_t peerId,
+    const std::string& peerName,
+    std::shared_ptr<CallProfile> profile,
+    c10::intrusive_ptr<rpc::Message> response,
+    std::function<void(c10::intrusive_ptr<rpc::Message>)> complete) {
+  int64_t readUs = nowUs();
+  auto task = [peerName, profile = std::move(profile), readUs,
+               response = std::move(response),
+               complete = std::move(complete)]() mutable {
+    static thread_local bool named = false;
+    if (!named) {
+      // Kineto names a track after its thread: "thread N (rpc:<worker>)".
+      std::string threadName = ("rpc:" + peerName).substr(0, 15);
+      pthread_setname_np(pthread_self(), threadName.c_str());
+      named = true;
+    }
+    if (response->type() != rpc::MessageType::RUN_WITH_PROFILING_RESP) {
+      complete(std::move(response)); // an error, or the callee's own reply
+      return;
+    }
+    at::ThreadLocalStateGuard guard(profile->callerState);
+    std::vector<Range> ranges;
+    c10::intrusive_ptr<rpc::Message> reply;
+    try {
+      auto wrapped = autograd::RpcWithProfilingResp::fromMessage(*response);
+      ranges = rangesOf(wrapped->getProfiledEvents());
+      reply = std::move(*std::move(*wrapped).moveWrappedRpc()).toMessage();
+      reply->setId(response->id());
+    } catch (const std::exception& e) {
+      complete(rpc::createExceptionResponse(
+          std::string("torch_rpc_ext: a profiled response could not be "
+                      "read: ") +
+              e.what(),
+          response->id()));
+      return;
+    }
+    int64_t decodedUs = nowUs();
+    const std::string backend = "torch_rpc_ext:" + peerName;
+    toCallerClock(ranges, profile->sentUs, readUs);
+    report(
+        Range{"torch_rpc_ext::wait", profile->sentUs, readUs},
+        backend,
+        at::RecordScope::USER_SCOPE);
+    for (const auto& r : ranges) {
+      report(r, backend, at::RecordScope::FUNCTION);
+    }
+    report(
+        Range{"torch_rpc_ext::decode", readUs, decodedUs},
+        backend,
+        at::RecordScope::USER_SCOPE);
+    complete(std::move(reply));
+  };
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (stopped_) {
+    lock.unlock();
+    task();
+    return;
+  }
+  trackOf(peerId).run(std::move(task));
+}
+
+void RemoteProfiling::stop() {
+  std::unordered_map<int32_t, std::unique_ptr<ThreadPool>> tracks;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopped_ = true;
+    tracks.swap(tracks_);
+  }
+  for (auto& [peer, pool] : tracks) {
+    pool->stop();
+  }
+}
+
+} // namespace torch_rpc_ext
