@@ -16,6 +16,9 @@
 #include <torch/csrc/distributed/rpc/torchscript_functions.h>
 #include <torch/library.h>
 
+#include <map>
+
+
 #include "csrc/agent/agent.h"
 #include "scripting/registry.h"
 
@@ -86,15 +89,17 @@ void rpcSyncKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   torch::jit::push(*stack, future->value());
 }
 
-// torch.compile's op: tensors in, tensors out (what fake tensors and
-// functionalization can see through). Its fake implementation and its
-// ordering effect are registered from Python (torch_rpc_ext.scripting).
+// torch.compile's op: tensors (and compile-time constants) in, tensors out:
+// what fake tensors and functionalization can see through. Its fake
+// implementation and its ordering effect are registered from Python
+// (torch_rpc_ext.scripting).
 std::vector<at::Tensor> callTensors(
     const std::string& to,
     const std::string& name,
     at::TensorList args,
+    const std::string& constants,
     double timeout) {
-  std::vector<c10::IValue> elements(args.begin(), args.end());
+  std::vector<c10::IValue> elements = compiledArguments(args, constants);
   auto future = callAsync(
       to, name, c10::ivalue::Tuple::create(std::move(elements)), timeout);
   future->waitAndThrow();
@@ -144,6 +149,46 @@ std::vector<at::Tensor> callTensors(
 
 } // namespace
 
+std::vector<c10::IValue> compiledArguments(
+    at::TensorList tensors,
+    const std::string& constants) {
+  std::map<size_t, c10::IValue> fixed;
+  for (size_t start = 0; start < constants.size();) {
+    size_t end = constants.find('\x1f', start);
+    end = end == std::string::npos ? constants.size() : end;
+    std::string entry = constants.substr(start, end - start);
+    start = end + 1;
+    size_t eq = entry.find('=');
+    TORCH_CHECK_VALUE(
+        eq != std::string::npos && eq + 1 < entry.size(),
+        "malformed compiled-call constant '", entry, "'");
+    size_t at = std::stoul(entry.substr(0, eq));
+    char tag = entry[eq + 1];
+    std::string value = entry.substr(eq + 2);
+    switch (tag) {
+      case 'n': fixed[at] = c10::IValue(); break;
+      case 'b': fixed[at] = value == "1"; break;
+      case 'i': fixed[at] = static_cast<int64_t>(std::stoll(value)); break;
+      case 'f': fixed[at] = std::stod(value); break;
+      case 's': fixed[at] = value; break;
+      default:
+        TORCH_CHECK_VALUE(false, "malformed compiled-call constant '", entry, "'");
+    }
+  }
+  std::vector<c10::IValue> out;
+  size_t next = 0;
+  for (size_t i = 0; i < tensors.size() + fixed.size(); ++i) {
+    auto it = fixed.find(i);
+    if (it != fixed.end()) {
+      out.push_back(std::move(it->second));
+    } else {
+      TORCH_CHECK_VALUE(next < tensors.size(), "compiled-call constants out of range");
+      out.emplace_back(tensors[next++]);
+    }
+  }
+  return out;
+}
+
 TORCH_LIBRARY(torch_rpc_ext, m) {
   // Where the fake implementation of call_tensors lives (torch imports it
   // on demand under fake tensors).
@@ -160,8 +205,8 @@ TORCH_LIBRARY(torch_rpc_ext, m) {
       "timeout=-1.) -> Any",
       c10::AliasAnalysisKind::CONSERVATIVE));
   m.def(torch::schema(
-      "torch_rpc_ext::call_tensors(str to, str name, Tensor[] args, float "
-      "timeout=-1.) -> Tensor[]",
+      "torch_rpc_ext::call_tensors(str to, str name, Tensor[] args, str "
+      "constants=\"\", float timeout=-1.) -> Tensor[]",
       c10::AliasAnalysisKind::CONSERVATIVE));
 }
 

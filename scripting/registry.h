@@ -26,6 +26,15 @@ using Body = std::function<c10::IValue(std::vector<c10::IValue>& args)>;
 // otherwise.
 void checkName(const std::string& name);
 
+// The positional arguments of a torch.compile call (ops.cpp): its tensors,
+// with its compile-time constants put back at their positions. `constants`
+// is torch_rpc_ext.scripting's encoding: "<position>=<tag><value>" entries
+// joined by \x1f; tags n (None), b (bool, 0/1), i (int), f (float, repr), s
+// (str). Throws ValueError text on a malformed encoding.
+std::vector<c10::IValue> compiledArguments(
+    at::TensorList tensors,
+    const std::string& constants);
+
 class RemoteFunctions final : public NamedFunctions {
  public:
   // The process's registry, installed as the agent's NamedFunctions table.

@@ -21,9 +21,10 @@ here re-raises it as that type when it is a builtin exception.
 torch.compile(fullgraph=True): ``rpc_sync`` called from compiled code becomes
 one operator, ``torch_rpc_ext::call_tensors``, ordered with the program's
 other side effects. Its outputs' shapes come from the ``fake`` the owner gave
-at registration, asked once per (worker, name, input shapes) at compile time
-and run there on meta tensors, so callers declare nothing. Compiled calls take
-and return tensors (static shapes) and carry no gradient.
+at registration, asked once per (worker, name, input shapes, constants) at
+compile time and run there on meta tensors, so callers declare nothing.
+Compiled calls take tensors (static shapes) and compile-time constants (None,
+bool, int, float, str), return tensors, and carry no gradient.
 """
 
 import builtins
@@ -115,16 +116,44 @@ def _as_remote_type(error: RuntimeError) -> Exception:
     return error
 
 
+_CONSTANT_TYPES = (type(None), bool, int, float, str)
+
+
 def _compiled_call(to: str, name: str, args: tuple, timeout: float) -> Any:
+    tensors, constants = [], []
     for i, a in enumerate(args):
-        if not isinstance(a, torch.Tensor):
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+        elif isinstance(a, _CONSTANT_TYPES) and not (isinstance(a, str) and "\x1f" in a):
+            constants.append((i, a))
+        else:
             raise TypeError(
                 f"remote function {name!r} on {to}: a call from torch.compile takes "
-                f"tensors only, argument {i} is a {type(a).__name__} (call it outside "
-                "the compiled region, or pass it as a tensor)"
+                "tensors and constants (None, bool, int, float, str), argument "
+                f"{i} is a {type(a).__name__} (call it outside the compiled region)"
             )
-    outs = torch.ops.torch_rpc_ext.call_tensors(to, name, list(args), timeout)
+    outs = torch.ops.torch_rpc_ext.call_tensors(
+        to, name, tensors, _encode_constants(tuple(constants)), timeout
+    )
     return outs[0] if _returns_tensor(to, name) else tuple(outs)
+
+
+@torch._dynamo.assume_constant_result
+def _encode_constants(constants: tuple) -> str:
+    """The constants of a compiled call, for call_tensors (scripting/registry.h)."""
+
+    def tagged(v: Any) -> str:
+        if v is None:
+            return "n"
+        if isinstance(v, bool):
+            return "b1" if v else "b0"
+        if isinstance(v, int):
+            return f"i{v}"
+        if isinstance(v, float):
+            return f"f{v!r}"
+        return f"s{v}"
+
+    return "\x1f".join(f"{i}={tagged(v)}" for i, v in constants)
 
 
 @torch._dynamo.assume_constant_result
@@ -134,7 +163,9 @@ def _returns_tensor(to: str, name: str) -> bool:
 
 
 @torch.library.register_fake("torch_rpc_ext::call_tensors")
-def _call_tensors_fake(to: str, name: str, args: list, timeout: float = -1.0) -> list:
+def _call_tensors_fake(
+    to: str, name: str, args: list, constants: str = "", timeout: float = -1.0
+) -> list:
     shapes = []
     for a in args:
         if not all(isinstance(d, int) for d in a.shape):
@@ -143,17 +174,18 @@ def _call_tensors_fake(to: str, name: str, args: list, timeout: float = -1.0) ->
                 f"shapes, got {tuple(a.shape)} (compile with dynamic=False)"
             )
         shapes.append((tuple(a.shape), a.dtype))
-    key = (to, name, tuple(shapes))
+    key = (to, name, tuple(shapes), constants)
     if key not in _SPECS:
         with _torch_private.unset_fake_mode():
-            _SPECS[key] = rpc.rpc_sync(to, _output_spec, args=(name, shapes))
+            _SPECS[key] = rpc.rpc_sync(to, _output_spec, args=(name, shapes, constants))
     returns_tensor, outs = _SPECS[key]
     _RETURNS_TENSOR[(to, name)] = returns_tensor
     return [torch.empty(shape, dtype=dtype) for shape, dtype in outs]
 
 
-def _output_spec(name: str, shapes: list) -> tuple[bool, list]:
-    """On the owner: run ``name``'s fake on meta tensors of ``shapes``."""
+def _output_spec(name: str, shapes: list, constants: str) -> tuple[bool, list]:
+    """On the owner: run ``name``'s fake on meta tensors of ``shapes``, with
+    the call's constants at their positions."""
     fake = _FAKES.get(name)
     if fake is None:
         me = rpc.get_worker_info().name
@@ -163,7 +195,8 @@ def _output_spec(name: str, shapes: list) -> tuple[bool, list]:
                 "fake=... to call it from torch.compile"
             )
         raise LookupError(f"no remote function {name!r} is registered on {me}")
-    out = fake(*(torch.empty(s, dtype=d, device="meta") for s, d in shapes))
+    metas = [torch.empty(s, dtype=d, device="meta") for s, d in shapes]
+    out = fake(*_C._scripting.compiled_arguments(metas, constants))
     returns_tensor = isinstance(out, torch.Tensor)
     outs = [out] if returns_tensor else list(out)
     if not all(isinstance(o, torch.Tensor) for o in outs):

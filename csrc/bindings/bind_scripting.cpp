@@ -98,6 +98,17 @@ void bindScripting(py::module_& m) {
       py::arg("name"));
   m.def("registered", [] { return RemoteFunctions::instance().list(); });
   m.def("check_name", &scripting::checkName, py::arg("name"));
+  m.def(
+      "compiled_arguments",
+      [](const std::vector<at::Tensor>& tensors, const std::string& constants) {
+        py::list out;
+        for (auto& v : scripting::compiledArguments(tensors, constants)) {
+          out.append(torch::jit::toPyObject(std::move(v)));
+        }
+        return out;
+      },
+      py::arg("tensors"),
+      py::arg("constants"));
 }
 
 } // namespace torch_rpc_ext::bindings

@@ -210,7 +210,7 @@ def compiled_calls(rank, world_size, backend):
     if rank == 0:
 
         def step(x):
-            a = scripting.rpc_sync("worker1", "scale", x, torch.tensor(3.0))
+            a = scripting.rpc_sync("worker1", "scale", x, 3.0)  # a constant
             s, d = scripting.rpc_sync("worker1", "sum_and_difference", a, x)
             scripting.rpc_sync("worker1", "record_call", x)  # value unused
             return s * 2 + d
@@ -227,7 +227,7 @@ def compiled_calls(rank, world_size, backend):
             return scripting.rpc_sync("worker1", "no_fake", x, x)
 
         def not_tensor(x):
-            return scripting.rpc_sync("worker1", "scale", x, 2)
+            return scripting.rpc_sync("worker1", "scale", x, [2])
 
         for fn in (no_fake, not_tensor):
             out[fn.__name__] = error_text(
@@ -250,4 +250,5 @@ def test_compiled_function_calling_remote_functions_equals_eager(backend):
     # Dynamo quotes the fake's exception with repr(): look for the pieces.
     assert "no_fake" in text and "has no fake: register it with fake=" in text
     kind, text = out["not_tensor"]
-    assert "a call from torch.compile takes tensors only, argument 1 is a int" in text
+    assert "a call from torch.compile takes tensors and constants" in text
+    assert "argument 1 is a list" in text

@@ -50,7 +50,7 @@ def test_calls_without_rpc_say_so():
     with pytest.raises(RuntimeError, match="RPC is not initialized in this process"):
         scripting.rpc_sync("worker1", "unit.double", torch.ones(1))
     with pytest.raises(RuntimeError, match="RPC is not initialized in this process"):
-        torch.ops.torch_rpc_ext.call_tensors("worker1", "unit.double", [torch.ones(1)])
+        torch.ops.torch_rpc_ext.call_tensors("worker1", "unit.double", [torch.ones(1)], "")
 
 
 def test_torchscript_keeps_a_call_whose_value_is_unused():
@@ -74,5 +74,21 @@ def test_operator_schemas():
     )
     assert str(ops.rpc_async.default._schema).endswith("-> Future(Any)")
     assert str(ops.call_tensors.default._schema) == (
-        "torch_rpc_ext::call_tensors(str to, str name, Tensor[] args, float timeout=-1.) -> Tensor[]"
+        "torch_rpc_ext::call_tensors(str to, str name, Tensor[] args, "
+        'str constants="", float timeout=-1.) -> Tensor[]'
     )
+
+
+def test_compiled_call_constants_go_back_to_their_positions():
+    from torch_rpc_ext import _C
+
+    t = torch.ones(1)
+    encoded = scripting._encode_constants(((0, None), (2, 2.5), (3, "a=b"), (4, True), (5, -7)))
+    args = _C._scripting.compiled_arguments([t, t * 2], encoded)
+    assert args[0] is None and args[2] == 2.5 and args[3] == "a=b"
+    assert args[4] is True and args[5] == -7
+    assert torch.equal(args[1], t) and torch.equal(args[6], t * 2)
+    with pytest.raises(ValueError, match="malformed compiled-call constant"):
+        _C._scripting.compiled_arguments([t], "0=x1")
+    with pytest.raises(ValueError, match="out of range"):
+        _C._scripting.compiled_arguments([], "1=i3")
