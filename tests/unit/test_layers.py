@@ -127,3 +127,24 @@ def test_rings_and_slabs_live_in_the_shm_channels_only():
             if pattern.search(line):
                 bad.append((p.relative_to(ROOT).as_posix(), line.strip()))
     assert not bad, bad
+
+
+def test_scripting_sits_above_the_agent():
+    # scripting/ may use the agent and torch, never pybind11 or the bindings;
+    # below the bindings nothing includes scripting/ (the agent serves named
+    # functions through csrc/agent/named_functions.h, which the scripting
+    # layer installs).
+    scripting = ROOT / "scripting"
+    bad = []
+    for p in sources(scripting):
+        for inc in includes(p):
+            if inc.startswith("csrc/bindings/") or "pybind" in inc:
+                bad.append((p.relative_to(ROOT).as_posix(), inc))
+        text = p.read_text()
+        if re.search(r"#\s*include\s*<(pybind11|torch/csrc/utils/pybind|torch/csrc/jit/python)", text):
+            bad.append((p.relative_to(ROOT).as_posix(), "a Python header"))
+    for p in sources(CSRC):
+        if (CSRC / "bindings") in p.parents:
+            continue
+        bad += [(p.relative_to(ROOT).as_posix(), inc) for inc in includes(p) if inc.startswith("scripting/")]
+    assert not bad, bad
