@@ -16,8 +16,8 @@
 #include <torch/csrc/distributed/rpc/torchscript_functions.h>
 #include <torch/library.h>
 
+#include <charconv>
 #include <map>
-
 
 #include "csrc/agent/agent.h"
 #include "scripting/registry.h"
@@ -135,14 +135,13 @@ std::vector<at::Tensor> callTensors(
   }
   // An operator's outputs must not alias its inputs, and a tensor a callee
   // on this host returns unchanged comes back as a view of the caller's own
-  // storage (shared slabs).
+  // storage (shared slabs). Outputs are contiguous, as the fake promises.
   for (auto& t : out) {
+    bool aliases = false;
     for (const auto& a : args) {
-      if (t.is_alias_of(a)) {
-        t = t.clone();
-        break;
-      }
+      aliases = aliases || t.is_alias_of(a);
     }
+    t = aliases ? t.clone(at::MemoryFormat::Contiguous) : t.contiguous();
   }
   return out;
 }
@@ -156,24 +155,53 @@ std::vector<c10::IValue> compiledArguments(
   for (size_t start = 0; start < constants.size();) {
     size_t end = constants.find('\x1f', start);
     end = end == std::string::npos ? constants.size() : end;
-    std::string entry = constants.substr(start, end - start);
+    const std::string entry = constants.substr(start, end - start);
     start = end + 1;
+    auto bad = [&entry](const char* why) {
+      TORCH_CHECK_VALUE(
+          false, "malformed compiled-call constant '", entry, "': ", why);
+    };
+    // Whole-field parses only: "12abc" is not 12.
+    auto whole = [](const std::string& text, auto& out) {
+      const char* last = text.data() + text.size();
+      auto [ptr, ec] = std::from_chars(text.data(), last, out);
+      return ec == std::errc() && ptr == last;
+    };
     size_t eq = entry.find('=');
-    TORCH_CHECK_VALUE(
-        eq != std::string::npos && eq + 1 < entry.size(),
-        "malformed compiled-call constant '", entry, "'");
-    size_t at = std::stoul(entry.substr(0, eq));
-    char tag = entry[eq + 1];
-    std::string value = entry.substr(eq + 2);
-    switch (tag) {
-      case 'n': fixed[at] = c10::IValue(); break;
-      case 'b': fixed[at] = value == "1"; break;
-      case 'i': fixed[at] = static_cast<int64_t>(std::stoll(value)); break;
-      case 'f': fixed[at] = std::stod(value); break;
-      case 's': fixed[at] = value; break;
-      default:
-        TORCH_CHECK_VALUE(false, "malformed compiled-call constant '", entry, "'");
+    size_t at = 0;
+    if (eq == std::string::npos || eq + 1 >= entry.size() ||
+        !whole(entry.substr(0, eq), at)) {
+      bad("expected <position>=<tag><value>");
     }
+    const char tag = entry[eq + 1];
+    const std::string value = entry.substr(eq + 2);
+    c10::IValue parsed;
+    if (tag == 'n' && value.empty()) {
+      parsed = c10::IValue();
+    } else if (tag == 'b' && (value == "0" || value == "1")) {
+      parsed = value == "1";
+    } else if (tag == 'i') {
+      int64_t i = 0;
+      if (!whole(value, i)) {
+        bad("not a 64-bit integer");
+      }
+      parsed = i;
+    } else if (tag == 'f') {
+      double f = 0;
+      if (!whole(value, f)) {
+        bad("not a float");
+      }
+      parsed = f;
+    } else if (tag == 's') {
+      parsed = value;
+    } else {
+      bad("unknown tag or value");
+    }
+    TORCH_CHECK_VALUE(
+        fixed.emplace(at, std::move(parsed)).second,
+        "malformed compiled-call constants: position ",
+        at,
+        " given twice");
   }
   std::vector<c10::IValue> out;
   size_t next = 0;
@@ -182,7 +210,8 @@ std::vector<c10::IValue> compiledArguments(
     if (it != fixed.end()) {
       out.push_back(std::move(it->second));
     } else {
-      TORCH_CHECK_VALUE(next < tensors.size(), "compiled-call constants out of range");
+      TORCH_CHECK_VALUE(
+          next < tensors.size(), "compiled-call constants out of range");
       out.emplace_back(tensors[next++]);
     }
   }

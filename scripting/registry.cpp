@@ -23,14 +23,6 @@ bool isIdentifier(std::string_view atom) {
   return true;
 }
 
-std::string thisWorker() {
-  namespace rpc = torch::distributed::rpc;
-  if (rpc::RpcAgent::isCurrentRpcAgentSet()) {
-    return rpc::RpcAgent::getCurrentRpcAgent()->getWorkerInfo().name_;
-  }
-  return "this process";
-}
-
 // Installs the registry as the agent's table when the extension loads.
 const bool kInstalled = [] {
   installNamedFunctions(&RemoteFunctions::instance());
@@ -38,6 +30,14 @@ const bool kInstalled = [] {
 }();
 
 } // namespace
+
+std::string currentWorker() {
+  namespace rpc = torch::distributed::rpc;
+  if (rpc::RpcAgent::isCurrentRpcAgentSet()) {
+    return rpc::RpcAgent::getCurrentRpcAgent()->getWorkerInfo().name_;
+  }
+  return "this process";
+}
 
 void checkName(const std::string& name) {
   bool ok = name.size() <= 256 && !name.empty();
@@ -91,10 +91,21 @@ void RemoteFunctions::addScript(
               " (remote function '",
               name,
               "' on ",
-              thisWorker(),
+              currentWorker(),
               ")"));
         }
-        f.run(args);
+        try {
+          f.run(args);
+        } catch (const c10::Error& e) {
+          throw std::runtime_error(c10::str(
+              "RuntimeError: ",
+              e.what_without_backtrace(),
+              " (remote function '",
+              name,
+              "' on ",
+              currentWorker(),
+              ")"));
+        }
         TORCH_INTERNAL_ASSERT(args.size() == 1, "a TorchScript function returns one value");
         return std::move(args.front());
       },
@@ -143,7 +154,7 @@ c10::IValue RemoteFunctions::call(
         "LookupError: no remote function '",
         name,
         "' is registered on ",
-        thisWorker(),
+        currentWorker(),
         names.empty() ? std::string(" (none is)")
                       : " (registered: " + c10::Join(", ", names) + ")"));
   }

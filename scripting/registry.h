@@ -22,6 +22,9 @@ namespace torch_rpc_ext::scripting {
 // function arrives as a Body from the bindings, which own the GIL policy.
 using Body = std::function<c10::IValue(std::vector<c10::IValue>& args)>;
 
+// This worker's name in errors ("this process" before init_rpc).
+std::string currentWorker();
+
 // Names are dotted identifiers ("ps.get_weights"); throws ValueError text
 // otherwise.
 void checkName(const std::string& name);

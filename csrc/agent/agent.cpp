@@ -138,10 +138,11 @@ void Agent::shutdownImpl() {
   }
   failPending();
   calls_.stop();
-  // Complete what the completion thread still holds (never dropped: each
-  // is a caller waiting).
-  completions_.stop();
+  // Report what the profiling tracks still hold; they hand completions to
+  // the completion thread, which then completes what it holds (never
+  // dropped: each is a caller waiting).
   profiling_.stop();
+  completions_.stop();
   // Finish what the pool holds: completions just posted, and responses of
   // requests that were running (they are dropped, the transport is down).
   pool_.stop();
@@ -273,6 +274,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     callFinished();
     throw;
   }
+  RemoteProfiling::markSent(profile.get()); // before the call is visible
   const size_t alreadyInFlight = calls_.add(
       id,
       CallTable::Call{
@@ -288,7 +290,6 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   stats.bytesSent.fetch_add(wireBytes, std::memory_order_relaxed);
   auto delay = faults_ ? faults_->delay(message->type())
                        : std::chrono::milliseconds(0);
-  RemoteProfiling::markSent(profile.get());
   if (delay.count() == 0) {
     auto sendSpan = RemoteProfiling::span(profile.get(), "torch_rpc_ext::send");
     writeRequest(conn, std::move(frame), id, to.id_);
@@ -349,12 +350,17 @@ void Agent::settle(
         std::move(response),
         [self, call = std::move(call)](
             c10::intrusive_ptr<rpc::Message> reply) mutable {
-          self->complete(call, std::move(reply));
+          // Callbacks may block (a nested rpc_sync): the completion
+          // thread grows, a track does not.
+          self->completions_.run(
+              [self, call = std::move(call), reply = std::move(reply)]() mutable {
+                self->complete(call, std::move(reply));
+              });
         });
     return;
   }
   const bool lone = call.sentAlone && lastInFlight;
-  auto complete = [self, call = std::move(call), response = std::move(response)]() mutable {
+  auto completion = [self, call = std::move(call), response = std::move(response)]() mutable {
     self->complete(call, std::move(response));
   };
   if (!lone) {
@@ -367,7 +373,7 @@ void Agent::settle(
     // Measured, 2000 pipelined calls, 3 alternating runs of 7 bursts:
     // 37.0k/22.4k/20.1k -> 43.5k/31.9k/25.6k calls/s (median burst), loop
     // takeovers per 7 bursts 2-27 -> 0 (docs/performance.md).
-    self->completions_.run(std::move(complete));
+    self->completions_.run(std::move(completion));
     return;
   }
   // A lone call completed (the rpc_sync pattern): on the loop thread that
@@ -377,7 +383,7 @@ void Agent::settle(
   // waking that caller cheap: on this VM a wake-up onto an idle (halted)
   // vCPU costs ~25 us. Measured, 4 alternating runs of 3000 calls: builtin
   // 51.8 -> 29.7 us, Python UDF 54.9 -> 31.3 us.
-  conn.runAfterDispatch(std::move(complete), /*expectMore=*/true);
+  conn.runAfterDispatch(std::move(completion), /*expectMore=*/true);
 }
 
 void Agent::complete(

@@ -151,57 +151,64 @@ void RemoteProfiling::finish(
   int64_t readUs = nowUs();
   auto task = [peerName, profile = std::move(profile), readUs,
                response = std::move(response),
-               complete = std::move(complete)]() mutable {
-    static thread_local bool named = false;
-    if (!named) {
-      // Kineto names a track after its thread: "thread N (rpc:<worker>)".
-      std::string threadName = ("rpc:" + peerName).substr(0, 15);
-      pthread_setname_np(pthread_self(), threadName.c_str());
-      named = true;
-    }
+               complete = std::move(complete)](bool onTrack) mutable {
     if (response->type() != rpc::MessageType::RUN_WITH_PROFILING_RESP) {
       complete(std::move(response)); // an error, or the callee's own reply
       return;
     }
-    at::ThreadLocalStateGuard guard(profile->callerState);
-    std::vector<Range> ranges;
+    if (onTrack) {
+      static thread_local bool named = false;
+      if (!named) {
+        // Kineto names a track after its thread: "thread N (rpc:<worker>)"
+        // (at most 15 characters: longer worker names are cut).
+        std::string threadName = ("rpc:" + peerName).substr(0, 15);
+        pthread_setname_np(pthread_self(), threadName.c_str());
+        named = true;
+      }
+    }
     c10::intrusive_ptr<rpc::Message> reply;
     try {
+      // The caller's profiler is the active one here, for this block only:
+      // the caller's callbacks run elsewhere (complete()), unprofiled.
+      at::ThreadLocalStateGuard guard(profile->callerState);
       auto wrapped = autograd::RpcWithProfilingResp::fromMessage(*response);
-      ranges = rangesOf(wrapped->getProfiledEvents());
+      std::vector<Range> ranges = rangesOf(wrapped->getProfiledEvents());
       reply = std::move(*std::move(*wrapped).moveWrappedRpc()).toMessage();
       reply->setId(response->id());
+      int64_t decodedUs = nowUs();
+      const std::string backend = "torch_rpc_ext:" + peerName;
+      toCallerClock(ranges, profile->sentUs, readUs);
+      report(
+          Range{"torch_rpc_ext::wait", profile->sentUs, readUs},
+          backend,
+          at::RecordScope::USER_SCOPE);
+      for (const auto& r : ranges) {
+        report(r, backend, at::RecordScope::FUNCTION);
+      }
+      report(
+          Range{"torch_rpc_ext::decode", readUs, decodedUs},
+          backend,
+          at::RecordScope::USER_SCOPE);
     } catch (const std::exception& e) {
-      complete(rpc::createExceptionResponse(
-          std::string("torch_rpc_ext: a profiled response could not be "
-                      "read: ") +
-              e.what(),
-          response->id()));
-      return;
+      // The reply, if it was read, still completes the call: only its
+      // events are lost (e.g. an on-demand profiler started meanwhile).
+      if (!reply) {
+        reply = rpc::createExceptionResponse(
+            std::string("torch_rpc_ext: a profiled response could not be "
+                        "read: ") +
+                e.what(),
+            response->id());
+      }
     }
-    int64_t decodedUs = nowUs();
-    const std::string backend = "torch_rpc_ext:" + peerName;
-    toCallerClock(ranges, profile->sentUs, readUs);
-    report(
-        Range{"torch_rpc_ext::wait", profile->sentUs, readUs},
-        backend,
-        at::RecordScope::USER_SCOPE);
-    for (const auto& r : ranges) {
-      report(r, backend, at::RecordScope::FUNCTION);
-    }
-    report(
-        Range{"torch_rpc_ext::decode", readUs, decodedUs},
-        backend,
-        at::RecordScope::USER_SCOPE);
     complete(std::move(reply));
   };
   std::unique_lock<std::mutex> lock(mutex_);
   if (stopped_) {
     lock.unlock();
-    task();
+    task(/*onTrack=*/false);
     return;
   }
-  trackOf(peerId).run(std::move(task));
+  trackOf(peerId).run([task = std::move(task)]() mutable { task(true); });
 }
 
 void RemoteProfiling::stop() {

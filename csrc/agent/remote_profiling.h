@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <unordered_map>
 
@@ -62,9 +61,11 @@ class RemoteProfiling {
 
   // Called when the response to a profiled call has been read: on the
   // track thread of `peerName`, under the caller's profiler, report the
-  // wait, the callee's events and the decode, then run `complete(reply)`
-  // with the unwrapped reply, so the caller's future completes after the
-  // events are in its profile.
+  // wait, the callee's events and the decode, then call `complete(reply)`
+  // with the unwrapped reply (outside the caller's profiler state), so the
+  // caller's future completes after the events are in its profile.
+  // `complete` must not block: it should hand the completion to a thread
+  // that may (the track has one thread). Never throws.
   void finish(
       int32_t peerId,
       const std::string& peerName,

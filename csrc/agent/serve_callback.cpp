@@ -112,10 +112,7 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processScriptCall(
     const std::string& name = call.qualifiedName().qualifiedName();
     if (name.starts_with(kNamedFunctionPrefix)) {
       const NamedFunctions* table = namedFunctions();
-      TORCH_CHECK(
-          table != nullptr,
-          "no remote functions can be called on this worker: its "
-          "torch_rpc_ext has no scripting layer");
+      TORCH_INTERNAL_ASSERT(table != nullptr, "the scripting layer installs it at load");
       c10::IValue value = table->call(
           name.substr(kNamedFunctionPrefix.size()), call.stackRef());
       return asFuture(rpc::ScriptResp(std::move(value)).toMessage());

@@ -4,7 +4,6 @@
 // touch Python: the Body takes the GIL, converts the call's values to Python
 // objects and the result back, and turns a Python exception into the text
 // its caller sees ("ValueError: ...").
-#include <torch/csrc/distributed/rpc/rpc_agent.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include "csrc/bindings/bind.h"
@@ -16,20 +15,13 @@ namespace {
 
 using scripting::RemoteFunctions;
 
-std::string thisWorker() {
-  namespace rpc = torch::distributed::rpc;
-  return rpc::RpcAgent::isCurrentRpcAgentSet()
-      ? rpc::RpcAgent::getCurrentRpcAgent()->getWorkerInfo().name_
-      : std::string("this process");
-}
-
 // "<type>: <message> (remote function '<name>' on <worker>)", from the
 // Python exception being handled; GIL held.
 std::string describe(const py::error_already_set& e, const std::string& name) {
   std::string type = py::handle(e.type()).attr("__qualname__").cast<std::string>();
   std::string message = py::str(e.value()).cast<std::string>();
   return type + ": " + message + " (remote function '" + name + "' on " +
-      thisWorker() + ")";
+      scripting::currentWorker() + ")";
 }
 
 scripting::Body pythonBody(py::function fn, std::string name) {
@@ -60,7 +52,7 @@ scripting::Body pythonBody(py::function fn, std::string name) {
           "TypeError: remote function '",
           name,
           "' on ",
-          thisWorker(),
+          scripting::currentWorker(),
           " returned a value of type '",
           py::str(py::type::handle_of(out).attr("__name__")).cast<std::string>(),
           "', which TorchScript cannot represent (",
