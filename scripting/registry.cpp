@@ -94,12 +94,18 @@ void RemoteFunctions::addScript(
               currentWorker(),
               ")"));
         }
+        std::string failure;
         try {
           f.run(args);
         } catch (const c10::Error& e) {
+          failure = e.what_without_backtrace();
+        } catch (const std::exception& e) { // the interpreter's own errors
+          failure = e.what();
+        }
+        if (!failure.empty()) {
           throw std::runtime_error(c10::str(
               "RuntimeError: ",
-              e.what_without_backtrace(),
+              failure,
               " (remote function '",
               name,
               "' on ",

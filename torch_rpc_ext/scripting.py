@@ -82,7 +82,9 @@ def registered() -> dict[str, str]:
 
 
 def rpc_async(to: str | rpc.WorkerInfo, name: str, *args: Any, timeout: float = -1.0) -> Any:
-    """Call ``name`` on ``to`` with ``args``; a ``torch.futures.Future`` of its value.
+    """Call ``name`` on ``to`` with ``args``; a future (``torch._C.Future``)
+    of its value, whose ``wait()`` raises a RuntimeError naming the remote
+    exception's type and message on failure.
 
     ``timeout`` in seconds: -1 is the agent's ``rpc_timeout``, 0 none.
     """
@@ -124,7 +126,7 @@ def _compiled_call(to: str, name: str, args: tuple, timeout: float) -> Any:
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             tensors.append(a)
-        elif isinstance(a, _CONSTANT_TYPES) and not (isinstance(a, str) and "\x1f" in a):
+        elif isinstance(a, _CONSTANT_TYPES) and _encodable(a):
             constants.append((i, a))
         else:
             raise TypeError(
@@ -136,6 +138,14 @@ def _compiled_call(to: str, name: str, args: tuple, timeout: float) -> Any:
         to, name, tensors, _encode_constants(tuple(constants)), timeout
     )
     return outs[0] if _returns_tensor(to, name) else tuple(outs)
+
+
+def _encodable(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x1f" not in value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -(2**63) <= value < 2**63
+    return True
 
 
 @torch._dynamo.assume_constant_result

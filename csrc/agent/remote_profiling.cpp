@@ -41,12 +41,6 @@ bool profilable(rpc::MessageType type) {
   }
 }
 
-struct Range {
-  std::string name;
-  int64_t startUs;
-  int64_t endUs;
-};
-
 // The callee's push/pop pairs as ranges (marks and unmatched halves, e.g. of
 // a range still open when the response left, are dropped).
 std::vector<Range> rangesOf(const std::vector<LegacyEvent>& events) {
@@ -70,8 +64,18 @@ std::vector<Range> rangesOf(const std::vector<LegacyEvent>& events) {
   return out;
 }
 
-// Callee times -> caller times (see the header).
-void toCallerClock(std::vector<Range>& ranges, int64_t sentUs, int64_t readUs) {
+void report(const Range& r, const std::string& backend, at::RecordScope scope) {
+  torch::autograd::profiler::reportBackendEventToActiveKinetoProfiler(
+      r.startUs, r.endUs, /*debug_handle=*/-1, scope, r.name, backend);
+}
+
+} // namespace
+
+void RemoteProfiling::toCallerClock(
+    int32_t peerId,
+    std::vector<Range>& ranges,
+    int64_t sentUs,
+    int64_t readUs) {
   if (ranges.empty()) {
     return;
   }
@@ -80,22 +84,29 @@ void toCallerClock(std::vector<Range>& ranges, int64_t sentUs, int64_t readUs) {
     first = std::min(first, r.startUs);
     last = std::max(last, r.endUs);
   }
+  // This call's NTP sample: the offset, and the round trip it is good to
+  // (wait minus the callee's work). The sample with the shortest round trip
+  // seen from this peer is the best estimate (as NTP filters).
+  ClockSample sample{
+      ((first - sentUs) + (last - readUs)) / 2,
+      (readUs - sentUs) - (last - first)};
+  ClockSample best;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto [it, fresh] = clocks_.emplace(peerId, sample);
+    if (!fresh && sample.roundTripUs < it->second.roundTripUs) {
+      it->second = sample;
+    }
+    best = it->second;
+  }
   if (first >= sentUs && last <= readUs) {
-    return;
+    return; // consistent with one clock: nothing to correct
   }
-  int64_t offset = ((first - sentUs) + (last - readUs)) / 2;
   for (auto& r : ranges) {
-    r.startUs = std::clamp(r.startUs - offset, sentUs, readUs);
-    r.endUs = std::clamp(r.endUs - offset, r.startUs, readUs);
+    r.startUs = std::clamp(r.startUs - best.offsetUs, sentUs, readUs);
+    r.endUs = std::clamp(r.endUs - best.offsetUs, r.startUs, readUs);
   }
 }
-
-void report(const Range& r, const std::string& backend, at::RecordScope scope) {
-  torch::autograd::profiler::reportBackendEventToActiveKinetoProfiler(
-      r.startUs, r.endUs, /*debug_handle=*/-1, scope, r.name, backend);
-}
-
-} // namespace
 
 std::shared_ptr<CallProfile> RemoteProfiling::begin(
     c10::intrusive_ptr<rpc::Message>& message) {
@@ -149,7 +160,7 @@ void RemoteProfiling::finish(
     c10::intrusive_ptr<rpc::Message> response,
     std::function<void(c10::intrusive_ptr<rpc::Message>)> complete) {
   int64_t readUs = nowUs();
-  auto task = [peerName, profile = std::move(profile), readUs,
+  auto task = [this, peerId, peerName, profile = std::move(profile), readUs,
                response = std::move(response),
                complete = std::move(complete)](bool onTrack) mutable {
     if (response->type() != rpc::MessageType::RUN_WITH_PROFILING_RESP) {
@@ -177,7 +188,7 @@ void RemoteProfiling::finish(
       reply->setId(response->id());
       int64_t decodedUs = nowUs();
       const std::string backend = "torch_rpc_ext:" + peerName;
-      toCallerClock(ranges, profile->sentUs, readUs);
+      toCallerClock(peerId, ranges, profile->sentUs, readUs);
       report(
           Range{"torch_rpc_ext::wait", profile->sentUs, readUs},
           backend,

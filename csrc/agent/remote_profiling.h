@@ -19,8 +19,8 @@
 //     worker in the exported trace.
 // Remote times are moved onto the caller's clock: unchanged when the
 // callee's events fall inside the wait (one host, one clock), else shifted by
-// the NTP estimate ((first - sent) + (last - received)) / 2 and clamped into
-// the wait. Calls made while no Kineto profiler runs on the calling thread
+// the NTP estimate ((first - sent) + (last - received)) / 2 of the call with
+// the shortest round trip seen from that peer, and clamped into the wait. Calls made while no Kineto profiler runs on the calling thread
 // take none of this: one thread-local read in send().
 #pragma once
 
@@ -29,6 +29,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
@@ -39,6 +40,13 @@
 namespace torch_rpc_ext {
 
 // What a profiled call keeps from send() to its response.
+// A range of the callee, in microseconds.
+struct Range {
+  std::string name;
+  int64_t startUs;
+  int64_t endUs;
+};
+
 struct CallProfile {
   at::ThreadLocalState callerState; // the caller's profiler, for reporting
   int64_t sentUs = 0; // set by markSent()
@@ -78,9 +86,20 @@ class RemoteProfiling {
   void stop();
 
  private:
+  struct ClockSample {
+    int64_t offsetUs = 0; // callee clock - caller clock
+    int64_t roundTripUs = 0;
+  };
   ThreadPool& trackOf(int32_t peerId);
+  // Track thread: callee times -> caller times (see above).
+  void toCallerClock(
+      int32_t peerId,
+      std::vector<Range>& ranges,
+      int64_t sentUs,
+      int64_t readUs);
 
   std::mutex mutex_;
+  std::unordered_map<int32_t, ClockSample> clocks_; // best sample per peer
   bool stopped_ = false;
   std::unordered_map<int32_t, std::unique_ptr<ThreadPool>> tracks_;
 };

@@ -51,6 +51,11 @@ def script_affine(x: torch.Tensor, a: int, b: float) -> torch.Tensor:
 
 
 @torch.jit.script
+def script_view(x: torch.Tensor) -> torch.Tensor:
+    return x.view(-1, 3)  # a runtime error for 4 elements
+
+
+@torch.jit.script
 def scripted_caller(x: torch.Tensor) -> torch.Tensor:
     # A Python function, then a TorchScript one, both by name on worker1;
     # the call whose value is unused must still run.
@@ -80,13 +85,14 @@ def register_callee_functions():
     scripting.register("record_call", record_call, fake=lambda x: torch.empty_like(x))
     scripting.register("calls_recorded", calls_recorded)
     scripting.register("script_affine", script_affine)
+    scripting.register("script_view", script_view)
     scripting.register("raise_value_error", raise_value_error)
     scripting.register("not_representable", not_representable)
     scripting.register("no_fake", scale)
 
 
 def barrier(rank):
-    # Every function is registered once each worker has answered the other.
+    # Neither worker shuts down while the other still calls it.
     peer = "worker1" if rank == 0 else "worker0"
     rpc.rpc_sync(peer, torch.add, args=(torch.ones(1), 1))
 
@@ -100,12 +106,11 @@ def error_text(call):
 
 
 def eager_and_script_calls(rank, world_size):
-    init(rank, world_size)
     out = {}
-    if rank == 1:
+    if rank == 1:  # before init_rpc: served from the first request on
         register_callee_functions()
         out["registered"] = scripting.registered()
-    barrier(rank)
+    init(rank, world_size)
     if rank == 0:
         x = torch.arange(4.0)
         out["eager"] = scripting.rpc_sync("worker1", "scale", x, 2.0)
@@ -133,6 +138,9 @@ def eager_and_script_calls(rank, world_size):
             lambda: scripting.rpc_sync("worker1", "script_affine", "x", 1, 2.0)
         )
         out["eager_python_arity"] = error_text(lambda: scripting.rpc_sync("worker1", "scale", x))
+        out["eager_script_runtime"] = error_text(
+            lambda: scripting.rpc_sync("worker1", "script_view", x)
+        )
         out["eager_unrepresentable"] = error_text(
             lambda: scripting.rpc_sync("worker1", "not_representable")
         )
@@ -181,6 +189,10 @@ def test_eager_and_torchscript_callers_reach_python_and_torchscript_functions():
     kind, text = out["eager_python_arity"]
     assert kind == "TypeError"
     assert "scale() missing 1 required positional argument: 'k'" in text
+    kind, text = out["eager_script_runtime"]
+    assert kind == "RuntimeError" and "RuntimeError: " in text
+    assert "(remote function 'script_view' on worker1)" in text
+    assert "frame #" not in text
     kind, text = out["eager_unrepresentable"]
     assert kind == "TypeError"
     assert "returned a value of type 'object', which TorchScript cannot represent" in text
@@ -202,11 +214,10 @@ def test_eager_and_torchscript_callers_reach_python_and_torchscript_functions():
 
 def compiled_calls(rank, world_size, backend):
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    init(rank, world_size)
     out = {}
     if rank == 1:
         register_callee_functions()
-    barrier(rank)
+    init(rank, world_size)
     if rank == 0:
 
         def step(x):

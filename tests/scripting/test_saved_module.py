@@ -54,11 +54,11 @@ def scale(x, k):
 def offset(y: torch.Tensor, b: float) -> torch.Tensor:
     return y + b
 
+scripting.register("shard.scale", scale)  # served from the first request on
+scripting.register("shard.offset", offset)
 rpc.init_rpc("worker1", rank=1, world_size=2, backend=rpc.BackendType.TORCH_RPC_EXT,
              rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(address="127.0.0.1"))
-scripting.register("shard.scale", scale)
-scripting.register("shard.offset", offset)
-rpc.rpc_sync("worker0", torch.add, args=(torch.ones(1), 1))  # registered: tell worker0
+rpc.rpc_sync("worker0", torch.add, args=(torch.ones(1), 1))  # worker0 is done calling
 rpc.shutdown()
 """
 
@@ -70,11 +70,11 @@ import torch_rpc_ext
 
 rpc.init_rpc("worker0", rank=0, world_size=2, backend=rpc.BackendType.TORCH_RPC_EXT,
              rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(address="127.0.0.1"))
-rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))  # worker1 has registered
 model = torch.jit.load(sys.argv[1])
 x = torch.arange(4.0)
 out = model(x)
 modules = sorted(m for m in sys.modules if m.split(".")[0] in ("shard_model", "callee"))
+rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
 rpc.shutdown()
 print(json.dumps({"out": out.tolist(), "modules": modules}))
 """

@@ -88,7 +88,12 @@ def test_compiled_call_constants_go_back_to_their_positions():
     assert args[0] is None and args[2] == 2.5 and args[3] == "a=b"
     assert args[4] is True and args[5] == -7
     assert torch.equal(args[1], t) and torch.equal(args[6], t * 2)
-    with pytest.raises(ValueError, match="malformed compiled-call constant"):
-        _C._scripting.compiled_arguments([t], "0=x1")
+    for bad in ("0=x1", "0=i12abc", "-1=i3", "0=b2", "0=n1", "0", "0=i99999999999999999999"):
+        with pytest.raises(ValueError, match="malformed compiled-call constant"):
+            _C._scripting.compiled_arguments([t], bad)
+    with pytest.raises(ValueError, match="position 0 given twice"):
+        _C._scripting.compiled_arguments([t], "0=i1\x1f0=i2")
+    assert not scripting._encodable(2**63) and scripting._encodable(2**63 - 1)
+    assert not scripting._encodable("a\x1fb") and scripting._encodable(2.5)
     with pytest.raises(ValueError, match="out of range"):
         _C._scripting.compiled_arguments([], "1=i3")
