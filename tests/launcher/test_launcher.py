@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""python -m torch_rpc_ext.run: unmodified programs written for TensorPipe
+(tests/launcher/programs, in the style of upstream's RPC examples) run on
+TORCH_RPC_EXT and give TensorPipe's results; TensorPipe-only settings are
+reported as ignored; without the launcher nothing of torch is patched."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.rpc.world import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+
+
+def run(*argv: str, launcher: bool) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TORCH_RPC_EXT_LAUNCH", None)
+    cmd = [sys.executable, *(["-m", "torch_rpc_ext.run"] if launcher else []), *argv]
+    proc = subprocess.run(cmd, cwd=PROGRAMS, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize(
+    "program, key",
+    [
+        ("rnn_ps.py", "losses"),
+        ("batch_ps.py", "weights"),
+        ("pipeline.py", "losses"),
+        ("rl_observers.py", "losses"),
+    ],
+)
+def test_program_gives_tensorpipes_results_under_the_launcher(program, key):
+    (tp,) = json_lines(run(program, str(free_port()), launcher=False).stdout)
+    launched = run(program, str(free_port()), launcher=True)
+    (ours,) = json_lines(launched.stdout)
+    assert tp["agent"] == "TensorPipeAgent"
+    assert ours["agent"] == "Agent"  # torch_rpc_ext._C.Agent
+    flat = lambda v: [x for row in v for x in row] if v and isinstance(v[0], list) else v  # noqa: E731
+    assert flat(ours[key]) == pytest.approx(flat(tp[key]), rel=1e-5, abs=1e-6)
+    if program == "rl_observers.py":
+        assert ours["rewards"] == tp["rewards"]
+        assert "_channels=['basic']" in launched.stderr
+    if program == "rnn_ps.py":
+        # _transports=["uv"]: reported by each process, once.
+        notes = [line for line in launched.stderr.splitlines() if "ignoring TensorPipe-only" in line]
+        assert len(notes) == 2, launched.stderr[-2000:]
+        assert "_transports=['uv']" in notes[0]
+
+
+def test_nproc_per_node_starts_a_torchrun_style_world():
+    proc = run("--nproc-per-node", "3", "env_world.py", launcher=True)
+    rows = sorted(json_lines(proc.stdout), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1, 2]
+    assert all(r["agent"] == "Agent" for r in rows)
+    assert [r["value"] for r in rows] == [10, 11, 12]  # each rank: its rank + 10, added by the next
+
+
+def test_under_torchrun():
+    proc = run(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "torch_rpc_ext.run", "env_world.py", launcher=False,
+    )
+    rows = sorted(json_lines(proc.stdout), key=lambda r: r["rank"])
+    assert [(r["rank"], r["agent"], r["value"]) for r in rows] == [(0, "Agent", 10), (1, "Agent", 11)]
+
+
+def test_a_failing_copy_fails_the_launch(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_rpc_ext.run", "--nproc-per-node", "2", str(bad)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 3
+
+
+def test_without_the_launcher_nothing_is_patched():
+    code = (
+        "import torch.distributed.rpc as rpc; import torch_rpc_ext;"
+        "assert not getattr(rpc.init_rpc, '_torch_rpc_ext_launcher', False);"
+        "print('untouched')"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "untouched", out.stderr
+
+
+def test_options_translation():
+    import torch
+    from torch.distributed import rpc
+
+    from torch_rpc_ext import RpcExtBackendOptions, _launcher
+
+    tp = rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=7, rpc_timeout=12, init_method="tcp://127.0.0.1:1234"
+    )
+    ours = _launcher.translate_options(tp)
+    assert isinstance(ours, RpcExtBackendOptions)
+    assert (ours.num_worker_threads, ours.rpc_timeout, ours.init_method) == (7, 12, "tcp://127.0.0.1:1234")
+    assert _launcher.translate_options(None).num_worker_threads == RpcExtBackendOptions().num_worker_threads
+    mine = RpcExtBackendOptions(num_worker_threads=3)
+    assert _launcher.translate_options(mine) is mine
+    maps = rpc.TensorPipeRpcBackendOptions(device_maps={"w1": {"cpu": "cpu"}})
+    assert _launcher.translate_options(maps).device_maps == {"w1": {torch.device("cpu"): torch.device("cpu")}}
