@@ -342,12 +342,9 @@ void Agent::settle(
   if (call.profile) {
     // Reported on the callee's track, then completed (remote_profiling.h).
     auto profile = std::move(call.profile);
-    int32_t peer = call.peerId;
+    const int32_t peer = call.peerId; // read before the lambda takes call
     profiling_.finish(
-        peer,
-        workers_[peer].name_,
-        std::move(profile),
-        std::move(response),
+        peer, workers_[peer].name_, std::move(profile), std::move(response),
         [self, call = std::move(call)](
             c10::intrusive_ptr<rpc::Message> reply) mutable {
           // Callbacks may block (a nested rpc_sync): the completion
