@@ -44,7 +44,6 @@ _FAKES: dict[str, Callable[..., Any]] = {}
 # On callers: (to, name, input shapes and dtypes) -> (returns one tensor,
 # [(shape, dtype)] of the outputs), asked of the owner at compile time.
 _SPECS: dict[tuple, tuple[bool, list]] = {}
-_RETURNS_TENSOR: dict[tuple[str, str], bool] = {}
 _REMOTE_TYPE = re.compile(r"^(?:Error on Node \d+: )?([A-Za-z_]\w*): ")
 
 
@@ -134,10 +133,10 @@ def _compiled_call(to: str, name: str, args: tuple, timeout: float) -> Any:
                 "tensors and constants (None, bool, int, float, str), argument "
                 f"{i} is a {type(a).__name__} (call it outside the compiled region)"
             )
-    outs = torch.ops.torch_rpc_ext.call_tensors(
-        to, name, tensors, _encode_constants(tuple(constants)), timeout
-    )
-    return outs[0] if _returns_tensor(to, name) else tuple(outs)
+    encoded = _encode_constants(tuple(constants))
+    outs = torch.ops.torch_rpc_ext.call_tensors(to, name, tensors, encoded, timeout)
+    shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
+    return outs[0] if _returns_tensor((to, name, shapes, encoded)) else tuple(outs)
 
 
 def _encodable(value: Any) -> bool:
@@ -167,9 +166,10 @@ def _encode_constants(constants: tuple) -> str:
 
 
 @torch._dynamo.assume_constant_result
-def _returns_tensor(to: str, name: str) -> bool:
-    # Known once the fake implementation below has run for this call site.
-    return _RETURNS_TENSOR.get((to, name), False)
+def _returns_tensor(key: tuple) -> bool:
+    # The owner's answer, asked by the fake implementation when the call
+    # above was traced (same key).
+    return _SPECS[key][0]
 
 
 @torch.library.register_fake("torch_rpc_ext::call_tensors")
@@ -188,8 +188,7 @@ def _call_tensors_fake(
     if key not in _SPECS:
         with _torch_private.unset_fake_mode():
             _SPECS[key] = rpc.rpc_sync(to, _output_spec, args=(name, shapes, constants))
-    returns_tensor, outs = _SPECS[key]
-    _RETURNS_TENSOR[(to, name)] = returns_tensor
+    _, outs = _SPECS[key]
     return [torch.empty(shape, dtype=dtype) for shape, dtype in outs]
 
 
