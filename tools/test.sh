@@ -18,7 +18,8 @@ fi
 # aborts or hangs on first use), so unit tests get a process of their own.
 # Same-host peers use the shm transport by default; the conformance suites
 # run again with it forced off, over TCP only.
-python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance tests/rpc tests/scripting tests/launcher
+python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance tests/rpc tests/scripting tests/launcher \
+  tests/tutorials
 TORCH_RPC_EXT_TRANSPORTS=tcp \
   python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance
 # Upstream's fault-injection suites: a process of their own (see the module).
