@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""The runnable examples of docs/scripting.md and docs/profiling.md run as
-written (on a free port) and print what they promise."""
+"""The runnable examples of docs/scripting.md, docs/profiling.md and the
+migration example of docs/guide.md run as written (on a free port) and print
+what they promise."""
 
 import json
 import os
@@ -47,3 +48,8 @@ def test_profiling_example(tmp_path):
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in events if e.get("ph") == "X"}
     assert {"torch_rpc_ext::encode", "torch_rpc_ext::wait", "remote_block"} <= names
+
+
+def test_guide_migration_example(tmp_path):
+    out = run_example("guide.md", tmp_path).splitlines()
+    assert out == ["tensor([2., 2.])", "1", "shm"], out
