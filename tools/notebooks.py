@@ -5,15 +5,23 @@
     python tools/notebooks.py tutorials/03_*.ipynb
     python tools/notebooks.py --check             # run, compare with what is stored
 
-Storing writes each notebook back with the outputs its code produced and the
-line of its first cell that begins with ``*Run`` set to the measured run time
-and this machine's hardware. ``--check`` (what CI does, through
-tests/tutorials) writes nothing: it fails on any cell error, and on stored
-outputs that this code no longer produces. Outputs are compared by shape:
-per cell the same outputs in the same order, the same MIME types, and the
-same stdout and text with every number masked and spaces collapsed (timings and losses vary from
-run to run; wording, structure and the set of printed lines do not). A cell
-tagged ``varies`` is compared by output types only. stderr is not compared.
+Storing writes each notebook back with the outputs its code produced (less
+stderr: worker logs and profiler chatter, which no check reads) and the line
+of its first cell that begins with ``*Run`` set to the measured run time and
+this machine's hardware. ``--check`` (what CI does, through tests/tutorials)
+writes nothing: it fails on any cell error, and on stored outputs that this
+code no longer produces. Outputs are compared by shape: per cell the same
+outputs in the same order, the same MIME types (a figure is compared as a
+figure, not by its pixels), and the same stdout and text with every number
+masked and runs of spaces collapsed (timings and losses vary from run to run;
+wording, structure and the set of printed lines do not). A cell tagged
+``exact`` is compared to the letter, one tagged ``varies`` by output types
+only (its text depends on the machine, e.g. whether it has a GPU).
+
+Notebooks run with TMPDIR set to a directory that is removed afterwards, so
+their scratch files go with it. Worker processes must not print: ipykernel
+forwards what they write to its file descriptors into whichever cell runs at
+that moment; they report to the notebook (a queue), which prints.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import os
 import platform
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +42,8 @@ from nbclient.exceptions import CellExecutionError
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = ROOT / "tutorials"
 RUN_LINE = re.compile(r"^\*Run[^\n]*\*$", re.M)
-NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+# Grouped thousands (1,945) are one number, as 945 is.
+NUMBER = re.compile(r"[-+]?(\d{1,3}(,\d{3})+(\.\d*)?|\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
 
 
 def notebooks() -> list[Path]:
@@ -43,7 +53,7 @@ def notebooks() -> list[Path]:
 def hardware() -> str:
     import torch
 
-    cores = os.cpu_count()
+    cores = len(os.sched_getaffinity(0))
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{cores} CPU cores ({platform.machine()}), {gpu}, "
             f"torch {torch.__version__}, Python {platform.python_version()}")
@@ -56,9 +66,18 @@ def execute(path: Path, timeout: int = 600) -> tuple[nbformat.NotebookNode, floa
         nb, timeout=timeout, kernel_name="python3",
         resources={"metadata": {"path": str(path.parent)}},
     )
-    start = time.perf_counter()
-    client.execute()
-    return nb, time.perf_counter() - start
+    saved = os.environ.get("TMPDIR")
+    with tempfile.TemporaryDirectory(prefix="notebook-") as scratch:
+        os.environ["TMPDIR"] = scratch  # the kernel and its workers inherit it
+        try:
+            start = time.perf_counter()
+            client.execute()
+            return nb, time.perf_counter() - start
+        finally:
+            if saved is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = saved
 
 
 def _streams(outputs: list) -> list:
@@ -81,17 +100,17 @@ def _masked(text: str) -> str:
     return re.sub(r"[ \t]+", " ", NUMBER.sub("#", text))
 
 
-def _shape(out: dict, with_text: bool) -> tuple:
+def _shape(out: dict, text_of) -> tuple:
     kind = out["output_type"]
     if kind == "stream":
-        return (kind, out["name"], _masked(out["text"]) if with_text else "")
+        return (kind, out["name"], text_of(out["text"]))
     if kind in ("display_data", "execute_result"):
         data = out.get("data", {})
         text = data.get("text/plain", "")
         # A figure's repr names its size and address; compare its MIME types only.
         if "image/png" in data:
             text = ""
-        return (kind, tuple(sorted(data)), _masked(text) if with_text else "")
+        return (kind, tuple(sorted(data)), text_of(text))
     return (kind, out.get("ename", ""))
 
 
@@ -102,9 +121,10 @@ def compare(stored: nbformat.NotebookNode, produced: nbformat.NotebookNode) -> l
     for index, (a, b) in enumerate(zip(stored.cells, produced.cells)):
         if a.cell_type != "code":
             continue
-        with_text = "varies" not in a.get("metadata", {}).get("tags", [])
-        want = [_shape(o, with_text) for o in _streams(a.get("outputs", []))]
-        got = [_shape(o, with_text) for o in _streams(b.get("outputs", []))]
+        tags = a.get("metadata", {}).get("tags", [])
+        text_of = (str if "exact" in tags else (lambda t: "") if "varies" in tags else _masked)
+        want = [_shape(o, text_of) for o in _streams(a.get("outputs", []))]
+        got = [_shape(o, text_of) for o in _streams(b.get("outputs", []))]
         if want != got:
             problems.append(f"cell {index}: stored {want!r}\n    produced {got!r}")
         if any(o["output_type"] == "error" for o in a.get("outputs", [])):
@@ -118,6 +138,11 @@ def compare(stored: nbformat.NotebookNode, produced: nbformat.NotebookNode) -> l
 
 def store(path: Path) -> float:
     nb, seconds = execute(path)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [o for o in cell.outputs
+                            if not (o["output_type"] == "stream" and o["name"] == "stderr")]
+            cell.metadata.pop("execution", None)  # timestamps: noise in every diff
     line = f"*Run in {seconds:.0f} s on {hardware()}; outputs stored from that run.*"
     first = nb.cells[0]
     if RUN_LINE.search(first.source):

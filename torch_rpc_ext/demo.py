@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Train a model split between a trainer and a parameter server over TORCH_RPC_EXT.
 
-The parameter server owns the embedding-like first layer; the trainer owns the
-head. Every step runs the forward pass across both processes, backpropagates
+The parameter server owns the first layer (32 -> 64 features); the trainer
+owns the head. Every step runs the forward pass across both processes, backpropagates
 with distributed autograd and updates both halves with DistributedOptimizer.
 With --backend TENSORPIPE the same program runs over TensorPipe for comparison;
 the seeds are fixed, so both backends print the same losses.

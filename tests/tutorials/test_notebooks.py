@@ -55,3 +55,9 @@ def test_compare_sees_a_changed_output():
     stream = next(o for o in produced.cells[index].outputs if o["output_type"] == "stream")
     stream["text"] = notebooks.NUMBER.sub("7", stream["text"])
     assert notebooks.compare(stored, produced) == []
+    # ...unless the cell is tagged exact; a cell tagged varies keeps only its kinds.
+    stored.cells[index].metadata["tags"] = ["exact"]
+    assert any(f"cell {index}" in p for p in notebooks.compare(stored, produced))
+    stored.cells[index].metadata["tags"] = ["varies"]
+    stream["text"] = "other words entirely\n"
+    assert notebooks.compare(stored, produced) == []
