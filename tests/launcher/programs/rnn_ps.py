@@ -10,6 +10,7 @@ RPC examples (pytorch/examples distributed/rpc/rnn). Prints one JSON line.
 import json
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -29,6 +30,12 @@ def _remote_method(method, rref, *args, **kwargs):
     return rpc.rpc_sync(rref.owner(), _call_method, args=args, kwargs=kwargs)
 
 
+# The parameter server builds both of its modules at once (two rpc.remote calls
+# served side by side) and torch's RNG is global: seed and draw under one lock,
+# or the weights depend on how the two constructors interleave.
+_SEEDED_INIT = threading.Lock()
+
+
 def _parameter_rrefs(module):
     return [rpc.RRef(p) for p in module.parameters()]
 
@@ -36,8 +43,9 @@ def _parameter_rrefs(module):
 class EmbeddingTable(nn.Module):
     def __init__(self, ntoken, ninp):
         super().__init__()
-        torch.manual_seed(0)
-        self.encoder = nn.Embedding(ntoken, ninp)
+        with _SEEDED_INIT:
+            torch.manual_seed(0)
+            self.encoder = nn.Embedding(ntoken, ninp)
 
     def forward(self, input):
         return self.encoder(input)
@@ -46,8 +54,9 @@ class EmbeddingTable(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, ntoken, nhid):
         super().__init__()
-        torch.manual_seed(1)
-        self.decoder = nn.Linear(nhid, ntoken)
+        with _SEEDED_INIT:
+            torch.manual_seed(1)
+            self.decoder = nn.Linear(nhid, ntoken)
 
     def forward(self, output):
         return self.decoder(output)
