@@ -12,11 +12,8 @@ from torch.distributed.rpc import backend_registry
 from torch_rpc_ext.backend import BACKEND_NAME
 from torch_rpc_ext.options import RpcExtBackendOptions
 
-__all__ = ["install", "translate_options", "ENV"]
+__all__ = ["install", "translate_options"]
 
-# Set for a launched program and the processes it starts (sitecustomize in
-# _launch/ installs the patch in each of them).
-ENV = "TORCH_RPC_EXT_LAUNCH"
 _reported: set[str] = set()
 
 

@@ -36,7 +36,7 @@ _ROOT = str(Path(__file__).resolve().parent.parent)
 
 def _launch_env(env: dict) -> dict:
     env = dict(env)
-    env["TORCH_RPC_EXT_LAUNCH"] = "1"
+    env["TORCH_RPC_EXT_LAUNCH"] = "1"  # _launch/sitecustomize.py installs the patch then
     paths = [_LAUNCH_DIR, _ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env

@@ -41,8 +41,9 @@ __all__ = ["register", "unregister", "registered", "rpc_sync", "rpc_async"]
 
 # name -> fake, for the functions this worker registered.
 _FAKES: dict[str, Callable[..., Any]] = {}
-# On callers: (to, name, input shapes and dtypes) -> (returns one tensor,
-# [(shape, dtype)] of the outputs), asked of the owner at compile time.
+# On callers: (to, name, input shapes and dtypes, encoded constants) ->
+# (returns one tensor, [(shape, dtype)] of the outputs), asked of the owner
+# at compile time.
 _SPECS: dict[tuple, tuple[bool, list]] = {}
 _REMOTE_TYPE = re.compile(r"^(?:Error on Node \d+: )?([A-Za-z_]\w*): ")
 

@@ -20,8 +20,9 @@
 // Remote times are moved onto the caller's clock: unchanged when the
 // callee's events fall inside the wait (one host, one clock), else shifted by
 // the NTP estimate ((first - sent) + (last - received)) / 2 of the call with
-// the shortest round trip seen from that peer, and clamped into the wait. Calls made while no Kineto profiler runs on the calling thread
-// take none of this: one thread-local read in send().
+// the shortest round trip seen from that peer, and clamped into the wait.
+// Calls made while no Kineto profiler runs on the calling thread take none
+// of this: one thread-local read in send().
 #pragma once
 
 #include <cstdint>
@@ -39,7 +40,6 @@
 
 namespace torch_rpc_ext {
 
-// What a profiled call keeps from send() to its response.
 // A range of the callee, in microseconds.
 struct Range {
   std::string name;
@@ -47,6 +47,7 @@ struct Range {
   int64_t endUs;
 };
 
+// What a profiled call keeps from send() to its response.
 struct CallProfile {
   at::ThreadLocalState callerState; // the caller's profiler, for reporting
   int64_t sentUs = 0; // set by markSent()
