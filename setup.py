@@ -1,23 +1,44 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Build torch_rpc_ext and its native core torch_rpc_ext._C.
 
-MAX_JOBS=2 pip install --no-build-isolation -e .
+The extension is built against the torch installed where it is built, and
+only that torch can load it, so build without isolation:
+
+    MAX_JOBS=2 pip install --no-build-isolation .        # or -e . for development
+    pip wheel --no-build-isolation --no-deps -w dist .
+    python -m build --no-isolation                        # sdist + wheel
+
 DEBUG=1 builds with -O0 -g; SANITIZE=address|thread adds a sanitizer.
+Objects are kept in build/temp-torch<version>-py<version>/, so the editable
+install, a wheel and an in-place build of one tree compile each source once.
 """
 
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+NAME = "torch_rpc_ext"
+VERSION = "0.1.0"
+# The torch versions this release is tested with (README, "Install").
+TORCH_REQUIREMENT = "torch>=2.11,<2.15"
+# Commands that compile; the others (metadata, sdist) need neither torch
+# nor a compiler.
+BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
 
 
 def sources() -> list[str]:
     files = glob.glob("csrc/**/*.cpp", recursive=True)
     files += glob.glob("scripting/*.cpp")
     return sorted(files)
+
+
+def headers() -> list[str]:
+    # Listed as the extension's depends: setuptools relinks (and ninja
+    # recompiles what includes them) when only a header changed.
+    return sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("scripting/*.h"))
 
 
 def compile_args() -> list[str]:
@@ -37,22 +58,69 @@ def link_args() -> list[str]:
     return []
 
 
-setup(
-    name="torch_rpc_ext",
-    version="0.1.0",
-    description="A fast, authenticated RPC backend for torch.distributed.rpc",
-    packages=find_packages(include=["torch_rpc_ext", "torch_rpc_ext.*"]),
-    python_requires=">=3.10",
-    install_requires=["torch>=2.13,<2.15"],
-    ext_modules=[
-        CppExtension(
-            "torch_rpc_ext._C",
-            sources(),
-            include_dirs=[ROOT],
-            extra_compile_args=compile_args(),
-            extra_link_args=link_args(),
-            libraries=["torch_python"],
+def write_build_info(torch) -> None:
+    """torch_rpc_ext/_build_info.py: the torch this build is for, which
+    ``import torch_rpc_ext`` compares with the torch it finds."""
+    cuda = torch.version.cuda
+    text = (
+        "# Written by setup.py at build time; not tracked.\n"
+        f"TORCH_VERSION = {torch.__version__!r}\n"
+        f"TORCH_CUDA = {cuda!r}\n"
+        f"CXX11_ABI = {bool(torch.compiled_with_cxx11_abi())!r}\n"
+    )
+    path = os.path.join(ROOT, NAME, "_build_info.py")
+    old = open(path).read() if os.path.exists(path) else None
+    if old != text:
+        with open(path, "w") as f:
+            f.write(text)
+
+
+def extensions() -> tuple[list, dict]:
+    if not BUILD_COMMANDS & set(sys.argv[1:]):
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        sys.exit(
+            "torch_rpc_ext is built against the torch it will run with, and no torch "
+            "is importable here. Install torch first, then build without build "
+            "isolation (an isolated build cannot see it):\n"
+            "    pip install 'torch>=2.11,<2.15'\n"
+            "    pip install --no-build-isolation ."
         )
-    ],
-    cmdclass={"build_ext": BuildExtension},
+    write_build_info(torch)
+    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+
+    class Build(BuildExtension):
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            # One object folder per torch and Python, whoever builds
+            # (pip's editable and wheel builds each pass a temporary one).
+            self.build_temp = os.path.join(ROOT, "build", f"temp-{tag}")
+
+    ext = CppExtension(
+        f"{NAME}._C",
+        sources(),
+        depends=headers(),
+        include_dirs=[ROOT],
+        extra_compile_args=compile_args(),
+        extra_link_args=link_args(),
+        libraries=["torch_python"],
+    )
+    return [ext], {"build_ext": Build}
+
+
+ext_modules, cmdclass = extensions()
+setup(
+    name=NAME,
+    version=VERSION,
+    description="A fast, authenticated RPC backend for torch.distributed.rpc",
+    packages=find_packages(include=[NAME, f"{NAME}.*"]),
+    # The launcher's start-up hook: a folder put on PYTHONPATH, not a package.
+    package_data={NAME: ["_launch/sitecustomize.py"]},
+    python_requires=">=3.10",
+    install_requires=[TORCH_REQUIREMENT],
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )

@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: BSD-3-Clause
 # Create .venv (if missing), install the pinned toolchain, build torch_rpc_ext.
-# Idempotent: a second run only rebuilds what changed. Sourced by demo.sh/test.sh.
+# Idempotent and quick the second time: packages are installed again only
+# when the list below (or the Python) changed, and the build is incremental
+# (objects kept in build/temp-*). Sourced by demo.sh/test.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
+PACKAGES=(
+  "torch==2.13.0" numpy pytest pytest-timeout expecttest hypothesis grpcio
+  matplotlib nbclient ipykernel gymnasium  # tutorials/ run in a Jupyter kernel; 01 uses gymnasium
+)
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pip install -q --upgrade pip setuptools wheel >/dev/null
-python -m pip install -q "torch==2.13.0" numpy pytest pytest-timeout expecttest hypothesis grpcio \
-  matplotlib nbclient ipykernel gymnasium  # tutorials/ run in a Jupyter kernel; 01 uses gymnasium
-MAX_JOBS=${MAX_JOBS:-2} python -m pip install -q --no-build-isolation -e .
+stamp=".venv/.packages-$(printf '%s\n' "${PACKAGES[@]}" "$(python -VV)" | sha1sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  python -m pip install -q --upgrade pip setuptools wheel >/dev/null
+  python -m pip install -q "${PACKAGES[@]}"
+  rm -f .venv/.packages-*
+  touch "$stamp"
+fi
+# Built against the torch just installed (no build isolation). The editable
+# install once; after it, an in-place build recompiles only what changed.
+if compgen -G ".venv/lib/python*/site-packages/__editable__.torch_rpc_ext-*.pth" >/dev/null; then
+  MAX_JOBS=${MAX_JOBS:-2} python setup.py -q build_ext --inplace >/dev/null
+else
+  MAX_JOBS=${MAX_JOBS:-2} python -m pip install -q --no-build-isolation --no-deps -e .
+fi
 python -c "import torch_rpc_ext" # fail here, not in the first test, if the build is broken

@@ -3,7 +3,8 @@
 # The test suite: upstream's RPC conformance suites on TORCH_RPC_EXT, our
 # multi-process tests, the in-process unit tests, then a bounded round of the
 # libFuzzer targets. Arguments, if any, are passed to a single pytest run
-# instead.
+# instead (`bash tools/test.sh tests/rpc/test_exit.py`): with .venv set up,
+# that reinstalls nothing and rebuilds only what changed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . tools/setup_env.sh
@@ -19,7 +20,7 @@ fi
 # Same-host peers use the shm transport by default; the conformance suites
 # run again with it forced off, over TCP only.
 python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance tests/rpc tests/scripting tests/launcher \
-  tests/tutorials
+  tests/wheel tests/tutorials
 TORCH_RPC_EXT_TRANSPORTS=tcp \
   python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance
 # Upstream's fault-injection suites: a process of their own (see the module).

@@ -18,9 +18,22 @@ import atexit
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed.rpc  # noqa: F401  (registers RpcAgent for _C)
 
-from torch_rpc_ext import _C, scripting
-from torch_rpc_ext.backend import BACKEND_NAME, register
-from torch_rpc_ext.options import RpcExtBackendOptions
+from torch_rpc_ext._torch_version import check_torch, load_error
+
+check_torch()  # a clear ImportError, not an undefined symbol, for another torch
+try:
+    from torch_rpc_ext import _C
+except ImportError as _e:
+    if "undefined symbol" in str(_e):
+        raise load_error(_e) from _e
+    raise
+
+from torch_rpc_ext import scripting  # noqa: E402
+from torch_rpc_ext._tensorpipe_options import (  # noqa: E402
+    remember_tensorpipe_only_settings,
+)
+from torch_rpc_ext.backend import BACKEND_NAME, register  # noqa: E402
+from torch_rpc_ext.options import RpcExtBackendOptions  # noqa: E402
 
 __all__ = [
     "BACKEND",
@@ -33,6 +46,10 @@ __all__ = [
 __version__ = "0.1.0"
 
 register()
+# TensorPipe's options keep their _transports/_channels on the Python object
+# (nothing else about them changes), so that TORCH_RPC_EXT, given them, can
+# name what it ignores.
+remember_tensorpipe_only_settings()
 # A program that ends with an agent still running (no rpc.shutdown()): our
 # threads stop touching Python and torch before finalisation tears them down
 # (csrc/common/exit_gate.h). Registered at import, so it runs after the

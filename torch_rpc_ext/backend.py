@@ -9,6 +9,7 @@ import torch
 from torch.distributed.rpc import constants
 
 from torch_rpc_ext import _C, _torch_private
+from torch_rpc_ext._tensorpipe_options import translate_options
 from torch_rpc_ext.options import RpcExtBackendOptions
 
 __all__ = ["BACKEND_NAME", "register"]
@@ -98,13 +99,11 @@ def _init_backend(
     name: str,
     rank: int,
     world_size: int | None,
-    rpc_backend_options: RpcExtBackendOptions,
+    rpc_backend_options: Any,
 ) -> Any:
-    if not isinstance(rpc_backend_options, RpcExtBackendOptions):
-        raise TypeError(
-            f"TORCH_RPC_EXT needs RpcExtBackendOptions, got "
-            f"{type(rpc_backend_options).__name__}"
-        )
+    # TensorPipe's options are taken as the launcher takes them: a program
+    # that changes only its backend runs (TensorPipe-only settings reported).
+    rpc_backend_options = translate_options(rpc_backend_options)
     if world_size is None:
         raise ValueError(
             "TORCH_RPC_EXT supports static groups only: pass world_size to init_rpc"

@@ -11,7 +11,11 @@ TORCH_RPC_EXT: ``num_worker_threads``, ``rpc_timeout``, ``init_method``,
 ``device_maps`` and ``devices`` carry over, and TensorPipe-only settings
 (``_transports``, ``_channels``) are reported once as ignored. A program that
 asks for ``BackendType.TORCH_RPC_EXT`` (or another backend) is left as it is.
-Without the launcher nothing of torch is patched.
+Each process says on stderr when it switches a worker to TORCH_RPC_EXT
+(worker, what was asked for, what it got); ``TORCH_RPC_EXT_LOG=error``
+silences it. Before running the program the launcher checks that a Python
+process it starts will load its start-up hook, and fails, naming the cause,
+if not. Without the launcher ``init_rpc`` is not patched.
 
 With ``--nproc-per-node N`` the launcher starts N copies of the program with
 RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, as torchrun
@@ -30,8 +34,60 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-_LAUNCH_DIR = str(Path(__file__).resolve().parent / "_launch")
-_ROOT = str(Path(__file__).resolve().parent.parent)
+_PACKAGE = Path(__file__).resolve().parent
+_LAUNCH_DIR = str(_PACKAGE / "_launch")
+_HOOK = _PACKAGE / "_launch" / "sitecustomize.py"
+_ROOT = str(_PACKAGE.parent)
+
+# Run in a child Python with the launch environment: which sitecustomize it
+# loaded and where it finds torch_rpc_ext (torch is not imported).
+_PROBE = """
+import importlib.util, sys
+hook = sys.modules.get("sitecustomize")
+spec = importlib.util.find_spec("torch_rpc_ext")
+print(getattr(hook, "__file__", None) if getattr(hook, "TORCH_RPC_EXT_HOOK", False) else None)
+print(spec.origin if spec else None)
+"""
+
+
+class HookError(RuntimeError):
+    """The start-up hook would not be in place in the processes a launched
+    program starts (they would run TensorPipe)."""
+
+
+def check_hook(env: dict | None = None) -> None:
+    """Start a Python the way a launched program starts one (this
+    interpreter, its flags, the launch environment) and check that it loads
+    our start-up hook and imports this torch_rpc_ext.
+
+    Raises:
+        HookError: naming what is missing or in the way.
+    """
+    if not _HOOK.is_file():
+        raise HookError(
+            f"{_HOOK} is missing: this install of torch_rpc_ext is incomplete "
+            "(reinstall it: pip install --no-build-isolation --force-reinstall .)"
+        )
+    probe_env = _launch_env(os.environ if env is None else env)
+    probe_env["TORCH_RPC_EXT_LAUNCH"] = "probe"
+    flags = subprocess._args_from_interpreter_flags()  # what multiprocessing passes on
+    out = subprocess.run(
+        [sys.executable, *flags, "-c", _PROBE], env=probe_env,
+        capture_output=True, text=True, timeout=60,
+    )
+    lines = out.stdout.split("\n")
+    if out.returncode != 0 or len(lines) < 2:
+        raise HookError(f"a child Python failed to start: {out.stderr.strip()[-500:]}")
+    hook, package = lines[0].strip(), lines[1].strip()
+    if hook == "None":
+        ignores = {"-E", "-I"} & set(flags)
+        why = (f"this Python runs with {' '.join(sorted(ignores))}, which ignores PYTHONPATH"
+               if ignores else "another sitecustomize module comes first on its path")
+        raise HookError(f"a child Python does not load {_HOOK}: {why}")
+    if package == "None" or Path(package).resolve().parent != _PACKAGE:
+        raise HookError(
+            f"a child Python imports torch_rpc_ext from {package}, not {_PACKAGE}"
+        )
 
 
 def _launch_env(env: dict) -> dict:
@@ -96,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     cfg = p.parse_args(argv)
+    try:
+        check_hook()
+    except HookError as e:
+        print(f"torch_rpc_ext.run: {e}; processes the program starts would run "
+              "TensorPipe, so nothing was launched", file=sys.stderr)
+        return 2
     if cfg.nproc_per_node > 0:
         return _run_copies(cfg.nproc_per_node, cfg.master_addr, cfg.master_port or _free_port(),
                            cfg.script, cfg.args)

@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""torch_rpc_ext as users install it: a wheel built from this tree, installed
+into a fresh virtual environment, used from a directory outside the checkout.
+
+The wheel is built once per run (pip wheel --no-build-isolation reuses this
+tree's objects in build/temp-*, so it links rather than compiles). The fresh
+environment gets torch from the test's own environment through a .pth file
+(no download, no copy) and nothing of torch_rpc_ext but the wheel.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.rpc.world import free_port
+
+pytestmark = pytest.mark.timeout(600)
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAMS = ROOT / "tests" / "launcher" / "programs"
+HOOK = "torch_rpc_ext/_launch/sitecustomize.py"
+
+
+def _run(cmd, cwd, env=None, timeout=300, ok=True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )
+    if ok:
+        assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    return proc
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation",
+          "--no-deps", "-w", out, ROOT], cwd=ROOT, env=env, timeout=1200)
+    (whl,) = out.glob("torch_rpc_ext-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="module")
+def user_env(tmp_path_factory, wheel) -> dict:
+    """A fresh venv with the wheel installed, torch borrowed, and an
+    environment that points nowhere near the checkout."""
+    base = tmp_path_factory.mktemp("user")
+    prefix = base / "venv"
+    venv.EnvBuilder(with_pip=False).create(prefix)
+    python = prefix / "bin" / "python"
+    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                     cwd=base).stdout.strip())
+    # torch and its dependencies (and pip) from our environment, linked one
+    # by one: torch_rpc_ext's own entries (the editable install) left out.
+    borrowed = base / "borrowed"
+    borrowed.mkdir()
+    for entry in Path(sysconfig.get_path("purelib")).iterdir():
+        if not entry.name.lower().startswith(("torch_rpc_ext", "__editable__")):
+            (borrowed / entry.name).symlink_to(entry)
+    (site / "borrowed.pth").write_text(f"{borrowed}\n")
+    _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel], cwd=base)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTHON", "TORCH_RPC_EXT", "VIRTUAL_ENV"))}
+    env["PATH"] = f"{prefix / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    work = base / "work"
+    work.mkdir()
+    return {"python": python, "env": env, "cwd": work, "site": site}
+
+
+def test_the_wheel_ships_the_core_and_the_launchers_hook(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert HOOK in names
+    assert any(re.fullmatch(r"torch_rpc_ext/_C\..*\.so", n) for n in names)
+    assert "torch_rpc_ext/_build_info.py" in names
+    assert not [n for n in names if n.startswith(("tests/", "csrc/", "benchmarks/"))]
+    meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    requires = [line for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
+                if line.startswith("Requires-Dist:")]
+    assert requires == ["Requires-Dist: torch<2.15,>=2.11"], requires
+
+
+def test_installed_package_is_the_wheels(user_env):
+    out = _run([user_env["python"], "-c", "import torch_rpc_ext; print(torch_rpc_ext.__file__)"],
+               cwd=user_env["cwd"], env=user_env["env"])
+    assert Path(out.stdout.strip()).is_relative_to(user_env["site"]), out.stdout
+    assert (user_env["site"] / HOOK).is_file()
+
+
+def test_launcher_switches_workers_started_with_mp_spawn(user_env, tmp_path):
+    program = tmp_path / "spawned.py"
+    program.write_text((PROGRAMS / "spawned.py").read_text())
+    proc = _run([user_env["python"], "-m", "torch_rpc_ext.run", program, free_port()],
+                cwd=user_env["cwd"], env=user_env["env"], timeout=240)
+    rows = sorted(
+        (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+        key=lambda r: r["rank"],
+    )
+    assert [(r["rank"], r["agent"], r["value"]) for r in rows] == [
+        (0, "Agent", 10), (1, "Agent", 11)
+    ], proc.stderr[-3000:]
+    switched = [line for line in proc.stderr.splitlines()
+                if line.startswith("torch_rpc_ext.run: worker ")]
+    assert len(switched) == 2, proc.stderr[-3000:]
+    assert all("asked for no backend with TensorPipeRpcBackendOptions; "
+               "runs BackendType.TORCH_RPC_EXT" in line for line in switched)
+    # TORCH_RPC_EXT_LOG=error: the same launch, silent.
+    quiet = _run([user_env["python"], "-m", "torch_rpc_ext.run", program, free_port()],
+                 cwd=user_env["cwd"], env=dict(user_env["env"], TORCH_RPC_EXT_LOG="error"),
+                 timeout=240)
+    assert "torch_rpc_ext" not in quiet.stderr, quiet.stderr[-2000:]
+
+
+def test_plain_init_rpc_with_the_backend(user_env):
+    code = f"""
+import torch, torch.distributed.rpc as rpc, torch_rpc_ext
+rpc.init_rpc("solo", rank=0, world_size=1, backend=rpc.BackendType.TORCH_RPC_EXT,
+             rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(
+                 init_method="tcp://127.0.0.1:{free_port()}"))
+print(type(rpc.api._get_current_rpc_agent()).__name__,
+      rpc.rpc_sync("solo", torch.add, args=(torch.ones(2), 1)).tolist())
+rpc.shutdown()
+"""
+    out = _run([user_env["python"], "-c", code], cwd=user_env["cwd"], env=user_env["env"],
+               timeout=120)
+    assert out.stdout.split() == ["Agent", "[2.0,", "2.0]"], out.stdout
+
+
+def test_another_torch_gets_a_clear_error(user_env):
+    code = "import torch; torch.__version__ = '2.99.0+other'; import torch_rpc_ext"
+    out = _run([user_env["python"], "-c", code], cwd=user_env["cwd"], env=user_env["env"],
+               ok=False, timeout=120)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: torch_rpc_ext was built against torch "
+                           f"{torch.__version__}, but torch 2.99.0+other is running"), last
+    assert "pip install --no-build-isolation" in last
+
+
+def test_launcher_refuses_when_its_hook_is_not_in_place(user_env, tmp_path):
+    # A python that ignores PYTHONPATH (-E) cannot load the hook in the
+    # processes the program starts: the launch fails before running it.
+    program = tmp_path / "never.py"
+    program.write_text("print('ran')\n")
+    out = _run([user_env["python"], "-E", "-m", "torch_rpc_ext.run", program],
+               cwd=user_env["cwd"], env=user_env["env"], ok=False, timeout=120)
+    assert out.returncode == 2
+    assert "ran" not in out.stdout
+    assert "ignores PYTHONPATH" in out.stderr and "nothing was launched" in out.stderr, out.stderr
+    # The hook removed from the install: named, nothing launched.
+    hook = user_env["site"] / HOOK
+    saved = hook.read_bytes()
+    hook.unlink()
+    try:
+        out = _run([user_env["python"], "-m", "torch_rpc_ext.run", program],
+                   cwd=user_env["cwd"], env=user_env["env"], ok=False, timeout=120)
+    finally:
+        hook.write_bytes(saved)
+    assert out.returncode == 2 and "ran" not in out.stdout
+    assert f"{hook} is missing" in out.stderr, out.stderr
+
+
+def _included(path: Path) -> set[str]:
+    return set(re.findall(r'^#include "([^"]+)"', path.read_text(), re.MULTILINE))
+
+
+def test_the_sdist_holds_everything_the_build_reads(tmp_path):
+    _run([sys.executable, "setup.py", "-q", "sdist", "-d", tmp_path], cwd=ROOT, timeout=300)
+    (archive,) = tmp_path.glob("torch_rpc_ext-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    sources = [p.relative_to(ROOT).as_posix()
+               for p in [*ROOT.glob("csrc/**/*.cpp"), *ROOT.glob("scripting/*.cpp")]]
+    assert sources and set(sources) <= names
+    needed = {inc for s in sources for inc in _included(ROOT / s)}
+    headers = [p for p in ROOT.glob("csrc/**/*.h")] + list(ROOT.glob("scripting/*.h"))
+    needed |= {inc for h in headers for inc in _included(h)}
+    ours = {n for n in needed if n.startswith(("csrc/", "scripting/"))}
+    assert ours and ours <= names, sorted(ours - names)
+    assert {"setup.py", "pyproject.toml", HOOK} <= names
+    assert "torch_rpc_ext/_build_info.py" not in names  # written by the build that installs it

@@ -1,0 +1,43 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The torch this build of torch_rpc_ext is for, checked before its C++ core
+loads: a C++ extension runs only with the torch it was compiled against, and
+another torch would otherwise surface as an undefined-symbol traceback."""
+
+import torch
+
+__all__ = ["built_for", "check_torch"]
+
+_REBUILD = (
+    "rebuild torch_rpc_ext against the torch you run: from its source, "
+    "`pip install --no-build-isolation --force-reinstall --no-deps .`"
+)
+
+
+def built_for() -> str | None:
+    """The torch version this build was compiled against (setup.py writes
+    ``_build_info.py``), or None for a tree built before it did."""
+    try:
+        from torch_rpc_ext._build_info import TORCH_VERSION
+    except ImportError:
+        return None
+    return TORCH_VERSION
+
+
+def check_torch() -> None:
+    """Raise ImportError naming both versions if the running torch is not the
+    one this build was compiled against."""
+    want, have = built_for(), str(torch.__version__)
+    if want is not None and want != have:
+        raise ImportError(
+            f"torch_rpc_ext was built against torch {want}, but torch {have} is "
+            f"running; {_REBUILD}"
+        )
+
+
+def load_error(e: ImportError) -> ImportError:
+    """The core failed to load although the versions match (a torch of the
+    same version but another build): the same advice, with the loader's text."""
+    return ImportError(
+        f"torch_rpc_ext's C++ core does not load with torch {torch.__version__} "
+        f"(built against {built_for() or 'an unrecorded torch'}): {e}; {_REBUILD}"
+    )
