@@ -108,7 +108,13 @@ def _slab_case(sock: socket.socket, rng: random.Random) -> None:
     """Hand over one sealed 2 MiB slab (id 1), then send random slab-protocol
     frames. The shm_slab protocol: csrc/channel/shm/slab.h, docs/wire-format.md."""
     from torch_rpc_ext._C import _testing
-    from torch_rpc_ext.testing import MESSAGE, SLAB, SLAB_DROP, SLAB_RELEASE, frame_header
+    from torch_rpc_ext.testing import (
+        MESSAGE,
+        SLAB,
+        SLAB_DROP,
+        SLAB_RELEASE,
+        frame_header,
+    )
 
     slab = 2 << 20
     fd = _sealed_slab(slab)
@@ -150,7 +156,13 @@ def _slab_case(sock: socket.socket, rng: random.Random) -> None:
 
 def _send_case(kind: str, address: str, rng: random.Random) -> str:
     from torch_rpc_ext.testing import (
-        HELLO, MESSAGE, closed_by_peer, connect_raw, frame_header, handshake)
+        HELLO,
+        MESSAGE,
+        closed_by_peer,
+        connect_raw,
+        frame_header,
+        handshake,
+    )
 
     wait = HANDSHAKE_TIMEOUT + 2
     if kind == "auth_slab":

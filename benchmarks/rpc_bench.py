@@ -86,7 +86,9 @@ def pair_cases(rank, world_size, backend_key, opts, cases, cfg):
                 ("small_udf", noop_int, (1,)),
                 ("small_script", script_add, (one, one)),
             ]:
-                s = timed(lambda: rpc.rpc_sync(dst, fn, args=args), cfg.iters, cfg.warmup)
+                # timed() runs the call now; the defaults bind this case's values.
+                s = timed(lambda fn=fn, args=args: rpc.rpc_sync(dst, fn, args=args),
+                          cfg.iters, cfg.warmup)
                 rows.append({"case": label, **summarize(s)})
         if "pipelined" in cases:
             n = cfg.pipelined
@@ -112,7 +114,7 @@ def pair_cases(rank, world_size, backend_key, opts, cases, cfg):
                     for inflight in (1, 10):
                         if inflight == 10 and mb > 64:
                             continue  # 10 x 400 MB in flight exceeds the paper's RAM budget here
-                        def call():
+                        def call(fn=fn, x=x, inflight=inflight):
                             futs = [rpc.rpc_async(dst, fn, args=(x,)) for _ in range(inflight)]
                             torch.futures.wait_all(futs)
                         reps = cfg.repeats if mb <= 64 else cfg.repeats_large

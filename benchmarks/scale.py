@@ -48,9 +48,9 @@ from torch.distributed import rpc
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(HERE.parent))  # a source checkout works without installing
-from _harness import emit, memory_mb, rss_mb, run_forked_world
+from _harness import emit, memory_mb, rss_mb, run_forked_world  # noqa: E402
 
-import torch_rpc_ext  # registers TORCH_RPC_EXT before the forks
+import torch_rpc_ext  # noqa: E402  (registers TORCH_RPC_EXT before the forks)
 
 BACKENDS = ["ext-shm", "ext-tcp", "tensorpipe"]
 # Diagnostic variants (not run by default): shm with only some channels.

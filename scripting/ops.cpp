@@ -225,25 +225,29 @@ TORCH_LIBRARY(torch_rpc_ext, m) {
   // `args`: a tuple of positional arguments (TorchScript accepts a tuple
   // literal of mixed types for Any; a list must hold one type). `timeout` in
   // seconds; -1: the agent's rpc_timeout, 0: none.
-  m.def(torch::schema(
-      "torch_rpc_ext::rpc_async(str to, str name, Any? args=None, float "
-      "timeout=-1.) -> Future(Any)",
-      c10::AliasAnalysisKind::CONSERVATIVE));
-  m.def(torch::schema(
-      "torch_rpc_ext::rpc_sync(str to, str name, Any? args=None, float "
-      "timeout=-1.) -> Any",
-      c10::AliasAnalysisKind::CONSERVATIVE));
-  m.def(torch::schema(
-      "torch_rpc_ext::call_tensors(str to, str name, Tensor[] args, str "
-      "constants=\"\", float timeout=-1.) -> Tensor[]",
-      c10::AliasAnalysisKind::CONSERVATIVE));
+  m.def(
+      torch::schema(
+          "torch_rpc_ext::rpc_async(str to, str name, Any? args=None, float "
+          "timeout=-1.) -> Future(Any)",
+          c10::AliasAnalysisKind::CONSERVATIVE));
+  m.def(
+      torch::schema(
+          "torch_rpc_ext::rpc_sync(str to, str name, Any? args=None, float "
+          "timeout=-1.) -> Any",
+          c10::AliasAnalysisKind::CONSERVATIVE));
+  m.def(
+      torch::schema(
+          "torch_rpc_ext::call_tensors(str to, str name, Tensor[] args, str "
+          "constants=\"\", float timeout=-1.) -> Tensor[]",
+          c10::AliasAnalysisKind::CONSERVATIVE));
 }
 
 // No tensor among the arguments the dispatcher looks at: one kernel for
 // every dispatch key.
 TORCH_LIBRARY_IMPL(torch_rpc_ext, CatchAll, m) {
   m.impl(
-      "rpc_async", torch::CppFunction::makeFromBoxedFunction<&rpcAsyncKernel>());
+      "rpc_async",
+      torch::CppFunction::makeFromBoxedFunction<&rpcAsyncKernel>());
   m.impl(
       "rpc_sync", torch::CppFunction::makeFromBoxedFunction<&rpcSyncKernel>());
 }

@@ -43,8 +43,9 @@ void checkName(const std::string& name) {
   bool ok = name.size() <= 256 && !name.empty();
   for (size_t start = 0; ok;) {
     size_t dot = name.find('.', start);
-    ok = isIdentifier(std::string_view(name).substr(
-        start, dot == std::string::npos ? std::string::npos : dot - start));
+    ok = isIdentifier(
+        std::string_view(name).substr(
+            start, dot == std::string::npos ? std::string::npos : dot - start));
     if (dot == std::string::npos) {
       break;
     }
@@ -63,9 +64,13 @@ RemoteFunctions& RemoteFunctions::instance() {
   return *registry;
 }
 
-void RemoteFunctions::add(const std::string& name, Body body, std::string kind) {
+void RemoteFunctions::add(
+    const std::string& name,
+    Body body,
+    std::string kind) {
   checkName(name);
-  auto entry = std::make_shared<const Entry>(Entry{std::move(body), std::move(kind)});
+  auto entry =
+      std::make_shared<const Entry>(Entry{std::move(body), std::move(kind)});
   std::unique_lock<std::shared_mutex> lock(mutex_);
   entries_[name].swap(entry);
   lock.unlock(); // the replaced entry, if any, dies here, unlocked
@@ -85,14 +90,15 @@ void RemoteFunctions::addScript(
         } catch (const c10::Error& e) {
           // Plain exceptions: the error response carries what() as it is,
           // and a c10::Error's would carry a C++ backtrace.
-          throw std::runtime_error(c10::str(
-              "TypeError: ",
-              e.what_without_backtrace(),
-              " (remote function '",
-              name,
-              "' on ",
-              currentWorker(),
-              ")"));
+          throw std::runtime_error(
+              c10::str(
+                  "TypeError: ",
+                  e.what_without_backtrace(),
+                  " (remote function '",
+                  name,
+                  "' on ",
+                  currentWorker(),
+                  ")"));
         }
         std::string failure;
         try {
@@ -103,16 +109,18 @@ void RemoteFunctions::addScript(
           failure = e.what();
         }
         if (!failure.empty()) {
-          throw std::runtime_error(c10::str(
-              "RuntimeError: ",
-              failure,
-              " (remote function '",
-              name,
-              "' on ",
-              currentWorker(),
-              ")"));
+          throw std::runtime_error(
+              c10::str(
+                  "RuntimeError: ",
+                  failure,
+                  " (remote function '",
+                  name,
+                  "' on ",
+                  currentWorker(),
+                  ")"));
         }
-        TORCH_INTERNAL_ASSERT(args.size() == 1, "a TorchScript function returns one value");
+        TORCH_INTERNAL_ASSERT(
+            args.size() == 1, "a TorchScript function returns one value");
         return std::move(args.front());
       },
       "torchscript " + qualified);
@@ -156,13 +164,14 @@ c10::IValue RemoteFunctions::call(
     for (const auto& [known, kind] : list()) {
       names.push_back(known);
     }
-    throw std::runtime_error(c10::str(
-        "LookupError: no remote function '",
-        name,
-        "' is registered on ",
-        currentWorker(),
-        names.empty() ? std::string(" (none is)")
-                      : " (registered: " + c10::Join(", ", names) + ")"));
+    throw std::runtime_error(
+        c10::str(
+            "LookupError: no remote function '",
+            name,
+            "' is registered on ",
+            currentWorker(),
+            names.empty() ? std::string(" (none is)")
+                          : " (registered: " + c10::Join(", ", names) + ")"));
   }
   return entry->body(args);
 }

@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/agent/agent.h"
 
+#include <ATen/ThreadLocalState.h>
 #include <torch/csrc/distributed/rpc/agent_utils.h>
 #include <torch/csrc/distributed/rpc/request_callback_impl.h>
 #include <torch/csrc/distributed/rpc/utils.h>
 #include <torch/csrc/utils/pybind.h>
-#include <ATen/ThreadLocalState.h>
 
 #include <optional>
 #include <thread>
@@ -76,19 +76,21 @@ Agent::Agent(
           static_cast<size_t>(std::max(1, options_.numWorkerThreads)),
           kMaxPoolThreads),
       completions_(1, kMaxPoolThreads),
-      buffers_(std::make_shared<BufferPool>(
-          options_.maxCachedReceiveBytes,
-          std::chrono::milliseconds(2000))),
-      calls_([this](int64_t id, CallTable::Call call) {
-        auto ms = call.timeout.count();
-        stats_[call.peerId].timeouts.fetch_add(1, std::memory_order_relaxed);
-        settleWithError(
-            std::move(call),
-            rpc::makeRPCError(
-                timeoutText(ms),
-                rpc::RPCErrorType::TIMEOUT));
-        (void)id;
-      }, [this] { buffers_->trim(); }),
+      buffers_(
+          std::make_shared<BufferPool>(
+              options_.maxCachedReceiveBytes,
+              std::chrono::milliseconds(2000))),
+      calls_(
+          [this](int64_t id, CallTable::Call call) {
+            auto ms = call.timeout.count();
+            stats_[call.peerId].timeouts.fetch_add(
+                1, std::memory_order_relaxed);
+            settleWithError(
+                std::move(call),
+                rpc::makeRPCError(timeoutText(ms), rpc::RPCErrorType::TIMEOUT));
+            (void)id;
+          },
+          [this] { buffers_->trim(); }),
       stats_(new PeerStats[worldSize]) {
   TORCH_CHECK(
       worldSize > 0 && worldSize <= 32767,
@@ -164,13 +166,15 @@ const rpc::WorkerInfo& Agent::getWorkerInfo(
       " could not find destination name ",
       workerName,
       " (known workers: ",
-      c10::Join(", ", [this] {
-        std::vector<std::string> names;
-        for (const auto& w : workers_) {
-          names.push_back(w.name_);
-        }
-        return names;
-      }()),
+      c10::Join(
+          ", ",
+          [this] {
+            std::vector<std::string> names;
+            for (const auto& w : workers_) {
+              names.push_back(w.name_);
+            }
+            return names;
+          }()),
       ")");
   return workers_[it->second];
 }
@@ -199,7 +203,8 @@ std::shared_ptr<transport::Connection> Agent::connectionTo(int32_t peerId) {
   auto& slot = outbound_[peerId];
   if (!slot || slot->isClosed()) {
     const Route& route = routes_.at(peerId);
-    slot = transports_.at(route.transport)->connect(route.address, peerId, this);
+    slot =
+        transports_.at(route.transport)->connect(route.address, peerId, this);
   }
   return slot;
 }
@@ -235,8 +240,8 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       ")");
   if (faults_) {
     if (auto error = faults_->failure(*message)) {
-      auto failed = c10::make_intrusive<JitFuture>(
-          at::AnyClassType::get(), getDevices());
+      auto failed =
+          c10::make_intrusive<JitFuture>(at::AnyClassType::get(), getDevices());
       failed->setError(std::make_exception_ptr(std::runtime_error(*error)));
       return failed;
     }
@@ -245,7 +250,8 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   // Under torch.profiler (Kineto) the callee profiles the call too.
   std::shared_ptr<CallProfile> profile = RemoteProfiling::begin(message);
   int64_t id = nextId_.fetch_add(1, std::memory_order_relaxed);
-  auto encodeSpan = RemoteProfiling::span(profile.get(), "torch_rpc_ext::encode");
+  auto encodeSpan =
+      RemoteProfiling::span(profile.get(), "torch_rpc_ext::encode");
   transport::OutboundFrame frame = wire::encodeMessage(message, id);
   encodeSpan.reset();
   uint64_t wireBytes = frame.wireSize();
@@ -258,8 +264,8 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       " exceeds max_frame_bytes=",
       options_.maxFrameBytes);
 
-  auto future = c10::make_intrusive<JitFuture>(
-      at::AnyClassType::get(), getDevices());
+  auto future =
+      c10::make_intrusive<JitFuture>(at::AnyClassType::get(), getDevices());
   auto timeout = rpcTimeoutSeconds == rpc::kUnsetRpcTimeout
       ? getRpcTimeout()
       : toMs(rpcTimeoutSeconds);
@@ -288,8 +294,8 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   auto& stats = stats_[to.id_];
   stats.callsSent.fetch_add(1, std::memory_order_relaxed);
   stats.bytesSent.fetch_add(wireBytes, std::memory_order_relaxed);
-  auto delay = faults_ ? faults_->delay(message->type())
-                       : std::chrono::milliseconds(0);
+  auto delay =
+      faults_ ? faults_->delay(message->type()) : std::chrono::milliseconds(0);
   if (delay.count() == 0) {
     auto sendSpan = RemoteProfiling::span(profile.get(), "torch_rpc_ext::send");
     writeRequest(conn, std::move(frame), id, to.id_);
@@ -344,22 +350,27 @@ void Agent::settle(
     auto profile = std::move(call.profile);
     const int32_t peer = call.peerId; // read before the lambda takes call
     profiling_.finish(
-        peer, workers_[peer].name_, std::move(profile), std::move(response),
+        peer,
+        workers_[peer].name_,
+        std::move(profile),
+        std::move(response),
         [self, call = std::move(call)](
             c10::intrusive_ptr<rpc::Message> reply) mutable {
           // Callbacks may block (a nested rpc_sync): the completion
           // thread grows, a track does not.
-          self->completions_.run(
-              [self, call = std::move(call), reply = std::move(reply)]() mutable {
-                self->complete(call, std::move(reply));
-              });
+          self->completions_.run([self,
+                                  call = std::move(call),
+                                  reply = std::move(reply)]() mutable {
+            self->complete(call, std::move(reply));
+          });
         });
     return;
   }
   const bool lone = call.sentAlone && lastInFlight;
-  auto completion = [self, call = std::move(call), response = std::move(response)]() mutable {
-    self->complete(call, std::move(response));
-  };
+  auto completion =
+      [self, call = std::move(call), response = std::move(response)]() mutable {
+        self->complete(call, std::move(response));
+      };
   if (!lone) {
     // One of several calls in flight (pipelined rpc_async, or concurrent
     // callers): completed on the completion thread. Its callbacks usually
@@ -399,7 +410,8 @@ void Agent::complete(
 void Agent::settleWithError(CallTable::Call call, std::string error) {
   auto future = call.future;
   auto task = [this, future, error = std::move(error)] {
-    future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(error)));
+    future->setErrorIfNeeded(
+        std::make_exception_ptr(std::runtime_error(error)));
     callFinished();
   };
   // After shutdown the pool no longer runs tasks; settle inline then.
@@ -426,7 +438,8 @@ transport::InboundBuffers Agent::onFrameHead(
     const std::vector<uint64_t>& segmentSizes,
     const std::vector<bool>& provided) {
   // A throw rejects the frame; onClosed counts it (rejectedPeer()).
-  auto in = wire::InboundMessage::prepare(head, segmentSizes, buffers_, provided);
+  auto in =
+      wire::InboundMessage::prepare(head, segmentSizes, buffers_, provided);
   return in->buffers(in);
 }
 
@@ -524,7 +537,8 @@ void Agent::sendResponse(
   }
   c10::intrusive_ptr<rpc::Message> response;
   if (result.hasError()) {
-    response = rpc::createExceptionResponse(result.tryRetrieveErrorMessage(), id);
+    response =
+        rpc::createExceptionResponse(result.tryRetrieveErrorMessage(), id);
   } else {
     response = result.value().toCustomClass<rpc::Message>();
   }
@@ -542,7 +556,8 @@ void Agent::sendResponse(
   }
   int32_t peer = conn.peerId();
   if (peer >= 0 && peer < worldSize_) {
-    stats_[peer].bytesSent.fetch_add(frame.wireSize(), std::memory_order_relaxed);
+    stats_[peer].bytesSent.fetch_add(
+        frame.wireSize(), std::memory_order_relaxed);
   }
   conn.write(std::move(frame));
 }
@@ -559,7 +574,8 @@ void Agent::onClosed(transport::Connection& conn, const std::string& reason) {
   }
   int32_t authenticated = conn.peerId();
   if (conn.rejectedPeer() && authenticated >= 0 && authenticated < worldSize_) {
-    stats_[authenticated].rejectedFrames.fetch_add(1, std::memory_order_relaxed);
+    stats_[authenticated].rejectedFrames.fetch_add(
+        1, std::memory_order_relaxed);
   }
   if (!conn.isOutbound() && conn.peerId() < 0 && !reason.empty()) {
     rejectedConnections_.fetch_add(1, std::memory_order_relaxed);

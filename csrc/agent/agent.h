@@ -118,10 +118,7 @@ class Agent final : public rpc::RpcAgent,
   void serveRequest(
       std::shared_ptr<transport::Connection> conn,
       c10::intrusive_ptr<rpc::Message> request);
-  void sendResponse(
-      transport::Connection& conn,
-      int64_t id,
-      JitFuture& result);
+  void sendResponse(transport::Connection& conn, int64_t id, JitFuture& result);
   // How we reach each worker: the first transport of our preference order
   // that it offers in the same domain (Transport::domainDescriptor()).
   struct Route {
@@ -166,7 +163,9 @@ class Agent final : public rpc::RpcAgent,
   void settleWithError(CallTable::Call call, std::string error);
   // Complete a client call's future with its response (or the error the
   // response carries).
-  void complete(CallTable::Call& call, c10::intrusive_ptr<rpc::Message> response);
+  void complete(
+      CallTable::Call& call,
+      c10::intrusive_ptr<rpc::Message> response);
   void callFinished();
 
   const c10::intrusive_ptr<::c10d::Store> store_;

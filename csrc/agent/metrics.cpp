@@ -31,10 +31,12 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
   m["rpc_ext.rejected_connections"] =
       std::to_string(rejectedConnections_.load());
   m["rpc_ext.late_responses"] = std::to_string(lateResponses_.load());
-  m["rpc_ext.cached_operators"] = std::to_string(
-      static_cast<const ServeCallback&>(*cb_).cachedOperators());
-  m["rpc_ext.receive_pool_cached_bytes"] = std::to_string(buffers_->cachedBytes());
-  m["rpc_ext.receive_pool_live_blocks"] = std::to_string(buffers_->liveBlocks());
+  m["rpc_ext.cached_operators"] =
+      std::to_string(static_cast<const ServeCallback&>(*cb_).cachedOperators());
+  m["rpc_ext.receive_pool_cached_bytes"] =
+      std::to_string(buffers_->cachedBytes());
+  m["rpc_ext.receive_pool_live_blocks"] =
+      std::to_string(buffers_->liveBlocks());
   for (const auto& [name, t] : transports_) {
     for (const auto& [counter, value] : t->counters()) {
       m["rpc_ext." + name + "." + counter] = std::to_string(value);

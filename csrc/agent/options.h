@@ -11,8 +11,8 @@
 
 #include "csrc/agent/faults.h"
 #include "csrc/channel/registry.h"
-#include "csrc/transport/registry.h"
 #include "csrc/common/option_defaults.h"
+#include "csrc/transport/registry.h"
 
 namespace torch_rpc_ext {
 

@@ -44,7 +44,8 @@ bool profilable(rpc::MessageType type) {
 // The callee's push/pop pairs as ranges (marks and unmatched halves, e.g. of
 // a range still open when the response left, are dropped).
 std::vector<Range> rangesOf(const std::vector<LegacyEvent>& events) {
-  std::map<std::pair<uint64_t, at::RecordFunctionHandle>, const LegacyEvent*> open;
+  std::map<std::pair<uint64_t, at::RecordFunctionHandle>, const LegacyEvent*>
+      open;
   std::vector<Range> out;
   for (const auto& e : events) {
     auto key = std::make_pair(e.threadId(), e.handle());
@@ -53,10 +54,11 @@ std::vector<Range> rangesOf(const std::vector<LegacyEvent>& events) {
     } else if (e.kind() == torch::autograd::profiler::EventKind::PopRange) {
       auto it = open.find(key);
       if (it != open.end()) {
-        out.push_back(Range{
-            it->second->name(),
-            static_cast<int64_t>(it->second->cpuUs()),
-            static_cast<int64_t>(e.cpuUs())});
+        out.push_back(
+            Range{
+                it->second->name(),
+                static_cast<int64_t>(it->second->cpuUs()),
+                static_cast<int64_t>(e.cpuUs())});
         open.erase(it);
       }
     }
@@ -160,7 +162,11 @@ void RemoteProfiling::finish(
     c10::intrusive_ptr<rpc::Message> response,
     std::function<void(c10::intrusive_ptr<rpc::Message>)> complete) {
   int64_t readUs = nowUs();
-  auto task = [this, peerId, peerName, profile = std::move(profile), readUs,
+  auto task = [this,
+               peerId,
+               peerName,
+               profile = std::move(profile),
+               readUs,
                response = std::move(response),
                complete = std::move(complete)](bool onTrack) mutable {
     if (response->type() != rpc::MessageType::RUN_WITH_PROFILING_RESP) {
@@ -205,8 +211,9 @@ void RemoteProfiling::finish(
       // events are lost (e.g. an on-demand profiler started meanwhile).
       if (!reply) {
         reply = rpc::createExceptionResponse(
-            std::string("torch_rpc_ext: a profiled response could not be "
-                        "read: ") +
+            std::string(
+                "torch_rpc_ext: a profiled response could not be "
+                "read: ") +
                 e.what(),
             response->id());
       }

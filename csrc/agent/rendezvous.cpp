@@ -12,10 +12,10 @@
 #include <c10/util/StringUtil.h>
 
 #include "csrc/agent/agent.h"
+#include "csrc/channel/registry.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
-#include "csrc/channel/registry.h"
 #include "csrc/transport/registry.h"
 
 namespace torch_rpc_ext {
@@ -122,8 +122,7 @@ void Agent::rendezvous() {
     logWarning("torch_rpc_ext: " + self.name_ + " runs without" + unavailable);
   }
 
-  store_->set(
-      kWorkerKeyPrefix + std::to_string(self.id_), toBytes(entry));
+  store_->set(kWorkerKeyPrefix + std::to_string(self.id_), toBytes(entry));
   workers_.reserve(worldSize_);
   routes_.resize(worldSize_);
   for (int r = 0; r < worldSize_; ++r) {
@@ -132,7 +131,8 @@ void Agent::rendezvous() {
     auto nl = entry.find('\n');
     TORCH_CHECK(nl != std::string::npos, "malformed rendezvous entry ", r);
     std::string name = entry.substr(0, nl);
-    auto [it, fresh] = idByName_.emplace(name, static_cast<rpc::worker_id_t>(r));
+    auto [it, fresh] =
+        idByName_.emplace(name, static_cast<rpc::worker_id_t>(r));
     TORCH_CHECK(
         fresh,
         "RPC worker name ",

@@ -112,7 +112,8 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processScriptCall(
     const std::string& name = call.qualifiedName().qualifiedName();
     if (name.starts_with(kNamedFunctionPrefix)) {
       const NamedFunctions* table = namedFunctions();
-      TORCH_INTERNAL_ASSERT(table != nullptr, "the scripting layer installs it at load");
+      TORCH_INTERNAL_ASSERT(
+          table != nullptr, "the scripting layer installs it at load");
       c10::IValue value = table->call(
           name.substr(kNamedFunctionPrefix.size()), call.stackRef());
       return asFuture(rpc::ScriptResp(std::move(value)).toMessage());

@@ -29,7 +29,8 @@ namespace torch_rpc_ext {
 // Everything else about serving is upstream's: pending RRefs in arguments,
 // the server-side process-global profiler, errors, autograd and profiling
 // wrappers (which arrive as other message types and take the base path).
-class ServeCallback final : public torch::distributed::rpc::RequestCallbackImpl {
+class ServeCallback final
+    : public torch::distributed::rpc::RequestCallbackImpl {
  public:
   // Distinct schema texts remembered at most; past it, lookups still work
   // and take upstream's slow path. Only texts that named a registered

@@ -15,8 +15,8 @@ void bindAgent(py::module_& m) {
   py::module_::import("torch.distributed.rpc");
 
   using Base = torch::distributed::rpc::RpcAgent;
-  using torch::distributed::rpc::WorkerInfo;
   using torch::distributed::rpc::worker_id_t;
+  using torch::distributed::rpc::WorkerInfo;
   // Without the GIL: an agent dropped without shutdown() joins its threads,
   // and they take the GIL on their way out (python_threads.cpp).
   py::class_<Agent, Base, std::shared_ptr<Agent>>(

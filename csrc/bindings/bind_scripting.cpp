@@ -18,7 +18,8 @@ using scripting::RemoteFunctions;
 // "<type>: <message> (remote function '<name>' on <worker>)", from the
 // Python exception being handled; GIL held.
 std::string describe(const py::error_already_set& e, const std::string& name) {
-  std::string type = py::handle(e.type()).attr("__qualname__").cast<std::string>();
+  std::string type =
+      py::handle(e.type()).attr("__qualname__").cast<std::string>();
   std::string message = py::str(e.value()).cast<std::string>();
   return type + ": " + message + " (remote function '" + name + "' on " +
       scripting::currentWorker() + ")";
@@ -48,16 +49,18 @@ scripting::Body pythonBody(py::function fn, std::string name) {
       } catch (const std::exception& e) {
         why = e.what();
       }
-      throw std::runtime_error(c10::str(
-          "TypeError: remote function '",
-          name,
-          "' on ",
-          scripting::currentWorker(),
-          " returned a value of type '",
-          py::str(py::type::handle_of(out).attr("__name__")).cast<std::string>(),
-          "', which TorchScript cannot represent (",
-          why,
-          ")"));
+      throw std::runtime_error(
+          c10::str(
+              "TypeError: remote function '",
+              name,
+              "' on ",
+              scripting::currentWorker(),
+              " returned a value of type '",
+              py::str(py::type::handle_of(out).attr("__name__"))
+                  .cast<std::string>(),
+              "', which TorchScript cannot represent (",
+              why,
+              ")"));
     } catch (py::error_already_set& e) {
       throw std::runtime_error(describe(e, name));
     }

@@ -60,8 +60,7 @@ void bindTesting(py::module_& m) {
         auto frame = wire::encodeMessage(msg, id);
         py::list segments;
         for (const auto& s : frame.segments) {
-          segments.append(
-              py::bytes(static_cast<const char*>(s.data), s.size));
+          segments.append(py::bytes(static_cast<const char*>(s.data), s.size));
         }
         return py::make_tuple(py::bytes(frame.head), segments);
       });
@@ -102,19 +101,17 @@ void bindTesting(py::module_& m) {
       });
 
   // "" if a 24-byte frame header is acceptable, else the reason.
-  m.def(
-      "validate_header",
-      [](const py::bytes& raw, uint64_t maxFrameBytes) {
-        std::string s = raw;
-        if (s.size() != sizeof(transport::FrameHeader)) {
-          throw py::value_error("a frame header is 24 bytes");
-        }
-        transport::FrameHeader h;
-        std::memcpy(&h, s.data(), sizeof(h));
-        transport::FrameLimits limits;
-        limits.maxFrameBytes = maxFrameBytes;
-        return transport::validateHeader(h, limits);
-      });
+  m.def("validate_header", [](const py::bytes& raw, uint64_t maxFrameBytes) {
+    std::string s = raw;
+    if (s.size() != sizeof(transport::FrameHeader)) {
+      throw py::value_error("a frame header is 24 bytes");
+    }
+    transport::FrameHeader h;
+    std::memcpy(&h, s.data(), sizeof(h));
+    transport::FrameLimits limits;
+    limits.maxFrameBytes = maxFrameBytes;
+    return transport::validateHeader(h, limits);
+  });
 
   // Post `n` tasks to a pool of `core` threads, each blocking until the next
   // one has started (as nested RPCs do). Returns (all finished, pool size).
@@ -136,7 +133,8 @@ void bindTesting(py::module_& m) {
               std::unique_lock<std::mutex> lock(mu);
               started[i] = 1;
               cv.notify_all();
-              cv.wait_until(lock, deadline, [&] { return started[i + 1] != 0; });
+              cv.wait_until(
+                  lock, deadline, [&] { return started[i + 1] != 0; });
               ++done;
               cv.notify_all();
             });
@@ -204,7 +202,8 @@ void bindTesting(py::module_& m) {
             for (int i = 0; i < n; ++i) {
               loop.runAfterDispatch([&, i] {
                 if (i == 0) {
-                  std::this_thread::sleep_for(std::chrono::milliseconds(sleepMs));
+                  std::this_thread::sleep_for(
+                      std::chrono::milliseconds(sleepMs));
                 }
                 ran.fetch_add(1);
               });
@@ -222,8 +221,7 @@ void bindTesting(py::module_& m) {
   py::class_<BufferPool, std::shared_ptr<BufferPool>>(m, "BufferPool")
       .def(py::init([](size_t maxCached, double idleSeconds) {
         return std::make_shared<BufferPool>(
-            maxCached,
-            std::chrono::milliseconds(int64_t(idleSeconds * 1000)));
+            maxCached, std::chrono::milliseconds(int64_t(idleSeconds * 1000)));
       }))
       .def(
           "acquire",
@@ -231,7 +229,8 @@ void bindTesting(py::module_& m) {
             auto b = p.acquire(size);
             // Touch every page so reuse can be told apart from a new mapping.
             std::memset(b.data, 0x5a, size);
-            return py::make_tuple(reinterpret_cast<uintptr_t>(b.data), b.capacity);
+            return py::make_tuple(
+                reinterpret_cast<uintptr_t>(b.data), b.capacity);
           })
       .def(
           "release",

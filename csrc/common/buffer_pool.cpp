@@ -28,8 +28,12 @@ size_t roundUp(size_t n, size_t to) {
 void* mapBlock(size_t capacity) {
   if (capacity < kHugePage) {
     void* p = ::mmap(
-        nullptr, capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-        -1, 0);
+        nullptr,
+        capacity,
+        PROT_READ | PROT_WRITE,
+        MAP_PRIVATE | MAP_ANONYMOUS,
+        -1,
+        0);
     if (p == MAP_FAILED) {
       throw std::bad_alloc();
     }
@@ -37,7 +41,12 @@ void* mapBlock(size_t capacity) {
   }
   size_t span = capacity + kHugePage;
   void* raw = ::mmap(
-      nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      nullptr,
+      span,
+      PROT_READ | PROT_WRITE,
+      MAP_PRIVATE | MAP_ANONYMOUS,
+      -1,
+      0);
   if (raw == MAP_FAILED) {
     throw std::bad_alloc();
   }
@@ -48,7 +57,8 @@ void* mapBlock(size_t capacity) {
   }
   uintptr_t end = start + span;
   if (end > aligned + capacity) {
-    ::munmap(reinterpret_cast<void*>(aligned + capacity), end - aligned - capacity);
+    ::munmap(
+        reinterpret_cast<void*>(aligned + capacity), end - aligned - capacity);
   }
   void* p = reinterpret_cast<void*>(aligned);
   ::madvise(p, capacity, MADV_HUGEPAGE); // best effort: THP may be off
@@ -94,7 +104,8 @@ void BufferPool::release(Block block) {
     // Make room by dropping the stalest blocks; a block bigger than the
     // whole budget is not kept at all.
     if (block.capacity <= maxCachedBytes_) {
-      while (cachedBytes_ + block.capacity > maxCachedBytes_ && !cache_.empty()) {
+      while (cachedBytes_ + block.capacity > maxCachedBytes_ &&
+             !cache_.empty()) {
         auto oldest = cache_.begin();
         for (auto it = cache_.begin(); it != cache_.end(); ++it) {
           if (it->second.since < oldest->second.since) {

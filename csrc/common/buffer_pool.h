@@ -16,9 +16,9 @@ namespace torch_rpc_ext {
 // more here are 2 MiB-aligned mmaps with MADV_HUGEPAGE, so first touch costs
 // 512x fewer faults (smaller ones are plain mappings: a huge page would
 // zero more than they hold), and a released block is kept (already faulted)
-// for the next message of a similar size. The cache is bounded by `maxCachedBytes` and
-// blocks idle for `idleRelease` go back to the kernel on the next trim(), so
-// memory returns to baseline once traffic stops.
+// for the next message of a similar size. The cache is bounded by
+// `maxCachedBytes` and blocks idle for `idleRelease` go back to the kernel on
+// the next trim(), so memory returns to baseline once traffic stops.
 //
 // Thread-safe. Blocks may be released after the pool's owner is gone: hold
 // the pool by shared_ptr in whatever frees them.

@@ -25,8 +25,14 @@ Digest hmacSha256(std::string_view key, std::string_view message) {
       : reinterpret_cast<const unsigned char*>(message.data());
   Digest out;
   unsigned int size = 0;
-  if (lib.hmac(lib.sha256, k, static_cast<int>(key.size()), m,
-               message.size(), out.data(), &size) == nullptr ||
+  if (lib.hmac(
+          lib.sha256,
+          k,
+          static_cast<int>(key.size()),
+          m,
+          message.size(),
+          out.data(),
+          &size) == nullptr ||
       size != out.size()) {
     throw std::runtime_error("libcrypto's HMAC-SHA256 failed");
   }

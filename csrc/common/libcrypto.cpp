@@ -13,9 +13,11 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 // Where the headers exist, our declarations must be theirs.
-static_assert(std::is_same_v<torch_rpc_ext::Libcrypto::HmacFn, decltype(&::HMAC)>);
+static_assert(
+    std::is_same_v<torch_rpc_ext::Libcrypto::HmacFn, decltype(&::HMAC)>);
 static_assert(std::is_same_v<const evp_md_st* (*)(), decltype(&::EVP_sha256)>);
-static_assert(std::is_same_v<unsigned long (*)(), decltype(&::OpenSSL_version_num)>);
+static_assert(
+    std::is_same_v<unsigned long (*)(), decltype(&::OpenSSL_version_num)>);
 #endif
 
 namespace torch_rpc_ext {
@@ -25,7 +27,9 @@ namespace {
 constexpr const char* kTestOverrideEnv = "TORCH_RPC_EXT_TEST_LIBCRYPTO";
 // Newest first; the unversioned name is the development symlink.
 constexpr const char* kNames[] = {
-    "libcrypto.so.3", "libcrypto.so.1.1", "libcrypto.so"};
+    "libcrypto.so.3",
+    "libcrypto.so.1.1",
+    "libcrypto.so"};
 // OpenSSL_version_num() of 1.1.0: HMAC() and EVP_sha256() as declared.
 constexpr unsigned long kMinVersion = 0x10100000UL;
 constexpr int kOpensslVersionText = 0; // OPENSSL_VERSION
@@ -40,7 +44,8 @@ std::string bind(void* handle, Libcrypto& out) {
   using VersionFn = unsigned long (*)();
   using VersionTextFn = const char* (*)(int);
   using MdFn = const evp_md_st* (*)();
-  auto version = reinterpret_cast<VersionFn>(dlsym(handle, "OpenSSL_version_num"));
+  auto version =
+      reinterpret_cast<VersionFn>(dlsym(handle, "OpenSSL_version_num"));
   if (version == nullptr) {
     return "no OpenSSL_version_num (OpenSSL older than 1.1, or not libcrypto)";
   }
@@ -70,8 +75,11 @@ std::string bind(void* handle, Libcrypto& out) {
 
 // Tries `name` with `flags`; true once `out` is filled. A failure is added
 // to `tried` unless the name was merely not loaded yet (RTLD_NOLOAD).
-bool tryLoad(const std::string& name, int flags, Libcrypto& out,
-             std::string& tried) {
+bool tryLoad(
+    const std::string& name,
+    int flags,
+    Libcrypto& out,
+    std::string& tried) {
   dlerror();
   void* handle = dlopen(name.c_str(), flags);
   if (handle == nullptr) {

@@ -16,13 +16,14 @@ namespace torch_rpc_ext {
 
 struct Libcrypto {
   // HMAC(3), one-shot, as in OpenSSL 1.1 and 3.x.
-  using HmacFn = unsigned char* (*)(const evp_md_st* md,
-                                    const void* key,
-                                    int keyLen,
-                                    const unsigned char* data,
-                                    size_t dataLen,
-                                    unsigned char* out,
-                                    unsigned int* outLen);
+  using HmacFn = unsigned char* (*)(
+      const evp_md_st* md,
+      const void* key,
+      int keyLen,
+      const unsigned char* data,
+      size_t dataLen,
+      unsigned char* out,
+      unsigned int* outLen);
 
   HmacFn hmac = nullptr;
   const evp_md_st* sha256 = nullptr; // EVP_sha256()

@@ -67,9 +67,8 @@ void ThreadPool::workerLoop(bool core) {
     if (core) {
       workCv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
     } else {
-      timedOut = !workCv_.wait_for(lock, kExtraThreadIdle, [&] {
-        return stopping_ || !queue_.empty();
-      });
+      timedOut = !workCv_.wait_for(
+          lock, kExtraThreadIdle, [&] { return stopping_ || !queue_.empty(); });
     }
     --idle_;
     if (queue_.empty() && (stopping_ || timedOut)) {

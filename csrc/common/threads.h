@@ -13,7 +13,9 @@ using ThreadsById = std::unordered_map<std::thread::id, std::thread>;
 
 // Join and forget the threads listed in `finished` (each has left its work
 // for good, so joining is prompt), then clear the list.
-inline void reapFinished(ThreadsById& threads, std::vector<std::thread::id>& finished) {
+inline void reapFinished(
+    ThreadsById& threads,
+    std::vector<std::thread::id>& finished) {
   for (auto id : finished) {
     auto it = threads.find(id);
     if (it != threads.end()) {

@@ -12,7 +12,8 @@ std::string validateHeader(const FrameHeader& h, const FrameLimits& limits) {
         " (this build speaks " + std::to_string(kProtocolVersion) + ")";
   }
   if (h.flags != 0 &&
-      !(h.flags == kFlagChunkedSegments && h.kind == uint8_t(FrameKind::kMessage))) {
+      !(h.flags == kFlagChunkedSegments &&
+        h.kind == uint8_t(FrameKind::kMessage))) {
     return "reserved flags set";
   }
   if (h.kind < uint8_t(FrameKind::kHello) ||
@@ -27,8 +28,8 @@ std::string validateHeader(const FrameHeader& h, const FrameLimits& limits) {
     return std::to_string(h.numSegments) + " segments exceed " +
         std::to_string(limits.maxSegments);
   }
-  uint64_t fixed = sizeof(FrameHeader) + uint64_t(h.numSegments) * 8 +
-      h.headLength;
+  uint64_t fixed =
+      sizeof(FrameHeader) + uint64_t(h.numSegments) * 8 + h.headLength;
   if (h.dataLength > limits.maxFrameBytes ||
       fixed > limits.maxFrameBytes - h.dataLength) {
     return "frame of " + std::to_string(h.dataLength + fixed) +

@@ -135,10 +135,17 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
     serverNonce_ = randomBytes(kNonceBytes);
     step.hasReply = true;
     step.replyKind = FrameKind::kChallenge;
-    step.replyHead = encodeChallenge(Challenge{
-        selfId_,
-        serverNonce_,
-        makeProof(secret_, "server", clientNonce_, serverNonce_, peerId_, selfId_)});
+    step.replyHead = encodeChallenge(
+        Challenge{
+            selfId_,
+            serverNonce_,
+            makeProof(
+                secret_,
+                "server",
+                clientNonce_,
+                serverNonce_,
+                peerId_,
+                selfId_)});
     stage_ = Stage::kProof;
     return step;
   }
@@ -155,7 +162,12 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
       return step;
     }
     std::string expected = makeProof(
-        secret_, "server", clientNonce_, ch->serverNonce, selfId_, ch->serverId);
+        secret_,
+        "server",
+        clientNonce_,
+        ch->serverNonce,
+        selfId_,
+        ch->serverId);
     if (!proofMatches(ch->serverProof, expected)) {
       step.error = kBadSecret;
       return step;
@@ -164,7 +176,12 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
     step.hasReply = true;
     step.replyKind = FrameKind::kProof;
     step.replyHead = makeProof(
-        secret_, "client", clientNonce_, ch->serverNonce, selfId_, ch->serverId);
+        secret_,
+        "client",
+        clientNonce_,
+        ch->serverNonce,
+        selfId_,
+        ch->serverId);
     stage_ = Stage::kDone;
     step.done = true;
     return step;

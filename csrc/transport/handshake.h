@@ -60,7 +60,11 @@ bool proofMatches(const std::string& received, const std::string& expected);
 // connection drives it from its loop thread.
 class Handshake {
  public:
-  Handshake(bool client, std::string secret, int32_t selfId, int32_t expectedPeerId);
+  Handshake(
+      bool client,
+      std::string secret,
+      int32_t selfId,
+      int32_t expectedPeerId);
 
   // What to do after a frame: close with `error`, and/or send `reply`.
   struct Step {

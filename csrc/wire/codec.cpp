@@ -112,7 +112,8 @@ bool reachableOnlyThrough(const at::Tensor& t) {
   return soleHolder(t.use_count(), t.unsafeGetTensorImpl()->pyobj_slot()) &&
       t.weak_use_count() == 1 &&
       soleHolder(
-             storage.use_count(), storage.unsafeGetStorageImpl()->pyobj_slot()) &&
+             storage.use_count(),
+             storage.unsafeGetStorageImpl()->pyobj_slot()) &&
       storage.getWeakStorageImpl().weak_use_count() == 2;
 }
 
@@ -281,7 +282,8 @@ InboundMessage::DenseMeta readDense(
     uint64_t end = uint64_t(m.offset + last + 1) * uint64_t(item);
     if (end > segmentSizes[m.segment]) {
       throw std::invalid_argument(
-          "tensor needs " + std::to_string(end) + " bytes but its segment has " +
+          "tensor needs " + std::to_string(end) +
+          " bytes but its segment has " +
           std::to_string(segmentSizes[m.segment]));
     }
   }
@@ -375,7 +377,10 @@ transport::OutboundFrame encodeMessage(
   entries.reserve(message->tensors().size());
   for (const auto& t : message->tensors()) {
     if (t.layout() == at::kSparse) {
-      TORCH_CHECK(t.device().is_cpu(), "TORCH_RPC_EXT can only send CPU tensors for now, got a tensor on ", t.device());
+      TORCH_CHECK(
+          t.device().is_cpu(),
+          "TORCH_RPC_EXT can only send CPU tensors for now, got a tensor on ",
+          t.device());
       at::Tensor indices = plan.admit(t._indices());
       at::Tensor values = plan.admit(t._values().detach());
       entries.push_back({true, values, indices, t});
@@ -501,7 +506,8 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   for (size_t i = 1; i < segmentSizes.size(); ++i) {
     // A provided segment becomes a storage in finish(), around its memory.
     m->storages_.push_back(
-        isProvided(i) ? c10::Storage() : allocateSegment(segmentSizes[i], pool));
+        isProvided(i) ? c10::Storage()
+                      : allocateSegment(segmentSizes[i], pool));
   }
   return m;
 }
@@ -545,7 +551,9 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
   for (size_t i = 0; i < storages_.size(); ++i) {
     // Only a provided segment (never empty) can lack its storage here.
     TORCH_CHECK(
-        storages_[i], "segment ", i + 1,
+        storages_[i],
+        "segment ",
+        i + 1,
         " was announced as provided but never arrived");
   }
   std::vector<at::Tensor> tensors;

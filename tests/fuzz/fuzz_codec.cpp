@@ -66,10 +66,10 @@ void checkInsideStorage(const at::Tensor& t, const char* what) {
   Wide item = t.element_size();
   Wide end = (last + 1) * item;
   Wide nbytes = Wide(t.storage().nbytes());
-  FUZZ_CHECK(end <= nbytes,
-             std::string(what) + " reaches byte " +
-                 std::to_string(int64_t(end)) + " of a storage of " +
-                 std::to_string(int64_t(nbytes)));
+  FUZZ_CHECK(
+      end <= nbytes,
+      std::string(what) + " reaches byte " + std::to_string(int64_t(end)) +
+          " of a storage of " + std::to_string(int64_t(nbytes)));
   const char* base = static_cast<const char*>(t.storage().data());
   volatile char sink;
   sink = base[t.storage_offset() * t.element_size()];
@@ -82,15 +82,16 @@ void checkSparse(const at::Tensor& s) {
   at::Tensor values = s._values();
   checkInsideStorage(indices, "sparse indices");
   checkInsideStorage(values, "sparse values");
-  FUZZ_CHECK(indices.dim() == 2 && indices.scalar_type() == at::kLong,
-             "sparse indices of the wrong shape or dtype");
+  FUZZ_CHECK(
+      indices.dim() == 2 && indices.scalar_type() == at::kLong,
+      "sparse indices of the wrong shape or dtype");
   // Validating them reads every index: they must be bytes received, not a
   // zero-stride view standing for any number of them.
-  FUZZ_CHECK(__int128(indices.numel()) * 8 <=
-                 __int128(indices.storage().nbytes()),
-             "sparse indices not backed by received bytes: " +
-                 std::to_string(indices.numel()) + " in a storage of " +
-                 std::to_string(indices.storage().nbytes()) + " bytes");
+  FUZZ_CHECK(
+      __int128(indices.numel()) * 8 <= __int128(indices.storage().nbytes()),
+      "sparse indices not backed by received bytes: " +
+          std::to_string(indices.numel()) + " in a storage of " +
+          std::to_string(indices.storage().nbytes()) + " bytes");
   int64_t sparseDims = indices.size(0);
   int64_t nnz = indices.size(1);
   FUZZ_CHECK(sparseDims <= s.dim(), "more sparse dims than dims");
@@ -98,9 +99,10 @@ void checkSparse(const at::Tensor& s) {
   auto ix = indices.accessor<int64_t, 2>();
   for (int64_t d = 0; d < sparseDims; ++d) {
     for (int64_t j = 0; j < nnz; ++j) {
-      FUZZ_CHECK(ix[d][j] >= 0 && ix[d][j] < s.size(d),
-                 "sparse index " + std::to_string(ix[d][j]) +
-                     " outside size " + std::to_string(s.size(d)));
+      FUZZ_CHECK(
+          ix[d][j] >= 0 && ix[d][j] < s.size(d),
+          "sparse index " + std::to_string(ix[d][j]) + " outside size " +
+              std::to_string(s.size(d)));
     }
   }
   // Small enough to densify: a later user of the tensor must not crash.
@@ -194,10 +196,10 @@ int fuzzOne(const uint8_t* data, size_t size) {
   FUZZ_CHECK(message->type() == im->type(), "message type changed");
   FUZZ_CHECK(message->id() == im->id(), "message id changed");
   const auto& p = message->payload();
-  FUZZ_CHECK(p.size() == sizes[0] &&
-                 (p.empty() ||
-                  std::memcmp(p.data(), payload.data(), p.size()) == 0),
-             "payload differs from segment 0");
+  FUZZ_CHECK(
+      p.size() == sizes[0] &&
+          (p.empty() || std::memcmp(p.data(), payload.data(), p.size()) == 0),
+      "payload differs from segment 0");
   for (const auto& t : message->tensors()) {
     if (t.is_sparse()) {
       checkSparse(t);

@@ -66,9 +66,10 @@ int fuzzOne(const uint8_t* data, size_t size) {
   }
   std::string why = transport::validateHeader(h, limits);
   bool expected = keepsTheRules(h, limits);
-  FUZZ_CHECK(why.empty() == expected,
-             why.empty() ? "accepted a header that breaks a rule"
-                         : "refused a valid header: " + why);
+  FUZZ_CHECK(
+      why.empty() == expected,
+      why.empty() ? "accepted a header that breaks a rule"
+                  : "refused a valid header: " + why);
   return 0;
 }
 

@@ -157,25 +157,38 @@ void fuzzClient(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
     bool correct = !done && head.size() == kChallengeBytes &&
         idAt(head, 0) == expected &&
         head.substr(4 + kNonceBytes) ==
-            proof(kSecret, "server", peer.clientNonce,
-                  head.substr(4, kNonceBytes), selfId, expected);
+            proof(
+                kSecret,
+                "server",
+                peer.clientNonce,
+                head.substr(4, kNonceBytes),
+                selfId,
+                expected);
     if (done) {
       FUZZ_CHECK(!step.error.empty(), "a frame after the handshake passed");
       return;
     }
-    FUZZ_CHECK(step.done == correct,
-               step.done ? "client accepted a bad challenge"
-                         : "client refused a correct challenge: " + step.error);
+    FUZZ_CHECK(
+        step.done == correct,
+        step.done ? "client accepted a bad challenge"
+                  : "client refused a correct challenge: " + step.error);
     if (!step.done) {
       return;
     }
     FUZZ_CHECK(hs.expectedHeadBytes() == kProofBytes, "state after done");
-    FUZZ_CHECK(step.hasReply && step.replyKind == FrameKind::kProof,
-               "client completed without sending its proof");
-    FUZZ_CHECK(step.replyHead ==
-                   proof(kSecret, "client", peer.clientNonce,
-                         head.substr(4, kNonceBytes), selfId, expected),
-               "client sent a wrong proof");
+    FUZZ_CHECK(
+        step.hasReply && step.replyKind == FrameKind::kProof,
+        "client completed without sending its proof");
+    FUZZ_CHECK(
+        step.replyHead ==
+            proof(
+                kSecret,
+                "client",
+                peer.clientNonce,
+                head.substr(4, kNonceBytes),
+                selfId,
+                expected),
+        "client sent a wrong proof");
     FUZZ_CHECK(hs.peerId() == expected, "client authenticated another id");
     done = true;
   }
@@ -185,9 +198,10 @@ void fuzzServer(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
   Handshake hs(false, kSecret, selfId, expected);
   enum { kHello, kProof, kDone } stage = kHello;
   for (size_t i = 0; i < kMaxSteps && !in.empty(); ++i) {
-    FUZZ_CHECK(hs.expectedKind() ==
-                   (stage == kHello ? FrameKind::kHello : FrameKind::kProof),
-               "server expects the wrong kind");
+    FUZZ_CHECK(
+        hs.expectedKind() ==
+            (stage == kHello ? FrameKind::kHello : FrameKind::kProof),
+        "server expects the wrong kind");
     FUZZ_CHECK(
         hs.expectedHeadBytes() == (stage == kHello ? kHelloBytes : kProofBytes),
         "server expects the wrong head size");
@@ -200,35 +214,48 @@ void fuzzServer(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
     }
     if (stage == kHello) {
       bool wellFormed = head.size() == kHelloBytes && idAt(head, 0) >= 0;
-      FUZZ_CHECK(step.error.empty() == wellFormed,
-                 wellFormed
-                     ? "server refused a well-formed hello: " + step.error
+      FUZZ_CHECK(
+          step.error.empty() == wellFormed,
+          wellFormed ? "server refused a well-formed hello: " + step.error
                      : std::string("server accepted a malformed hello"));
       if (!wellFormed) {
         return;
       }
       FUZZ_CHECK(!step.done, "server completed on a hello");
-      FUZZ_CHECK(step.hasReply && step.replyKind == FrameKind::kChallenge &&
-                     step.replyHead.size() == kChallengeBytes,
-                 "server did not answer a hello with a challenge");
+      FUZZ_CHECK(
+          step.hasReply && step.replyKind == FrameKind::kChallenge &&
+              step.replyHead.size() == kChallengeBytes,
+          "server did not answer a hello with a challenge");
       peer.clientId = idAt(head, 0);
       peer.clientNonce = head.substr(4, kNonceBytes);
       peer.serverId = idAt(step.replyHead, 0);
       peer.serverNonce = step.replyHead.substr(4, kNonceBytes);
       FUZZ_CHECK(peer.serverId == selfId, "challenge names another id");
       FUZZ_CHECK(peer.serverNonce != peer.clientNonce, "nonce echoed back");
-      FUZZ_CHECK(step.replyHead.substr(4 + kNonceBytes) ==
-                     proof(kSecret, "server", peer.clientNonce,
-                           peer.serverNonce, peer.clientId, selfId),
-                 "server sent a wrong proof");
+      FUZZ_CHECK(
+          step.replyHead.substr(4 + kNonceBytes) ==
+              proof(
+                  kSecret,
+                  "server",
+                  peer.clientNonce,
+                  peer.serverNonce,
+                  peer.clientId,
+                  selfId),
+          "server sent a wrong proof");
       stage = kProof;
       continue;
     }
-    bool correct = head == proof(kSecret, "client", peer.clientNonce,
-                                 peer.serverNonce, peer.clientId, selfId);
-    FUZZ_CHECK(step.done == correct,
-               step.done ? "server accepted a bad proof"
-                         : "server refused a correct proof: " + step.error);
+    bool correct = head ==
+        proof(kSecret,
+              "client",
+              peer.clientNonce,
+              peer.serverNonce,
+              peer.clientId,
+              selfId);
+    FUZZ_CHECK(
+        step.done == correct,
+        step.done ? "server accepted a bad proof"
+                  : "server refused a correct proof: " + step.error);
     if (!step.done) {
       return;
     }

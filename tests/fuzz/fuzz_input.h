@@ -104,11 +104,12 @@ inline void fillRepeating(
 
 } // namespace torch_rpc_ext::fuzz
 
-#define FUZZ_CHECK(cond, what)                                          \
-  do {                                                                  \
-    if (!(cond)) {                                                      \
-      ::torch_rpc_ext::fuzz::finding(                                   \
-          __FILE__, __LINE__, std::string("check failed: " #cond ": ") + \
-              (what));                                                  \
-    }                                                                   \
+#define FUZZ_CHECK(cond, what)                                \
+  do {                                                        \
+    if (!(cond)) {                                            \
+      ::torch_rpc_ext::fuzz::finding(                         \
+          __FILE__,                                           \
+          __LINE__,                                           \
+          std::string("check failed: " #cond ": ") + (what)); \
+    }                                                         \
   } while (0)

@@ -58,7 +58,10 @@ using channel::shm::RingHeader;
 
 constexpr size_t kMaxOps = 64;
 constexpr uint64_t kCapacities[] = {
-    kMinRingBytes, kMinRingBytes + 4096, 2 * kMinRingBytes, 4 * kMinRingBytes,
+    kMinRingBytes,
+    kMinRingBytes + 4096,
+    2 * kMinRingBytes,
+    4 * kMinRingBytes,
     uint64_t(1) << 20};
 
 enum class WakeKind : uint8_t {
@@ -85,8 +88,8 @@ uint64_t capacityFrom(FuzzInput& in) {
 }
 
 uint64_t fileSizeFrom(FuzzInput& in, uint64_t capacity) {
-  uint64_t exact = capacity > kMaxFileBytes ? kMaxFileBytes
-                                            : kRingHeaderBytes + capacity;
+  uint64_t exact =
+      capacity > kMaxFileBytes ? kMaxFileBytes : kRingHeaderBytes + capacity;
   uint8_t sel = in.take<uint8_t>();
   uint64_t size;
   switch (sel & 3) {
@@ -117,13 +120,13 @@ struct PeerMapping {
 
   void map(int f) {
     fd = f;
-    struct stat st {};
+    struct stat st{};
     if (f < 0 || ::fstat(f, &st) != 0 || !S_ISREG(st.st_mode) ||
         st.st_size < off_t(sizeof(RingHeader))) {
       return;
     }
-    void* p = ::mmap(nullptr, size_t(st.st_size), PROT_READ | PROT_WRITE,
-                     MAP_SHARED, f, 0);
+    void* p = ::mmap(
+        nullptr, size_t(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
     if (p != MAP_FAILED) {
       base = static_cast<char*>(p);
       size = size_t(st.st_size);
@@ -165,8 +168,11 @@ uint64_t eventCount(int fd) {
 }
 
 // Returns false when the connection would close.
-bool consume(Consumer& c, const PeerMapping& peer, const ChunkRecord& record,
-             size_t dstRoom) {
+bool consume(
+    Consumer& c,
+    const PeerMapping& peer,
+    const ChunkRecord& record,
+    size_t dstRoom) {
   std::unique_ptr<char[]> dst(new char[std::max<size_t>(dstRoom, 1)]);
   uint32_t waiting =
       peer.base != nullptr ? peer.header()->writerWaiting.load() : 0;
@@ -180,21 +186,23 @@ bool consume(Consumer& c, const PeerMapping& peer, const ChunkRecord& record,
     FUZZ_CHECK(!why.empty(), "consume accepted a bad record");
     return false;
   }
-  FUZZ_CHECK(why.empty() || wakeFails,
-             "consume refused an honest record: " + why);
+  FUZZ_CHECK(
+      why.empty() || wakeFails, "consume refused an honest record: " + why);
   c.position += record.length;
   if (!why.empty()) {
     return false;
   }
   if (const char* mine = peer.data(record.offset, record.length)) {
-    FUZZ_CHECK(std::memcmp(mine, dst.get(), record.length) == 0,
-               "consume copied other bytes than the ring's");
+    FUZZ_CHECK(
+        std::memcmp(mine, dst.get(), record.length) == 0,
+        "consume copied other bytes than the ring's");
   }
   if (peer.base != nullptr) {
-    FUZZ_CHECK(peer.header()->consumed.load() == c.position,
-               "consumer position not published");
-    FUZZ_CHECK(peer.header()->writerWaiting.load() == 0,
-               "writerWaiting not cleared");
+    FUZZ_CHECK(
+        peer.header()->consumed.load() == c.position,
+        "consumer position not published");
+    FUZZ_CHECK(
+        peer.header()->writerWaiting.load() == 0, "writerWaiting not cleared");
   }
   if (waiting != 0 && c.wakeKind == WakeKind::kEventfd) {
     FUZZ_CHECK(eventCount(c.wakeDup) >= 1, "a waiting producer was not woken");
@@ -222,8 +230,9 @@ bool produce(Producer& p, const PeerMapping& peer, FuzzInput& in) {
   std::string error;
   size_t n = p.ring->produce(bytes.data(), size, maxChunk, &record, &error);
   if (impossible) {
-    FUZZ_CHECK(n == 0 && !error.empty(),
-               "produce went on from an impossible consumer position");
+    FUZZ_CHECK(
+        n == 0 && !error.empty(),
+        "produce went on from an impossible consumer position");
     return false;
   }
   FUZZ_CHECK(error.empty(), "produce failed on a possible position: " + error);
@@ -231,21 +240,25 @@ bool produce(Producer& p, const PeerMapping& peer, FuzzInput& in) {
   uint64_t offset = p.produced % cap;
   uint64_t expected = std::min<uint64_t>(
       {space, cap - offset, uint64_t(size), uint64_t(maxChunk)});
-  FUZZ_CHECK(n == expected,
-             "produce copied " + std::to_string(n) + " bytes, expected " +
-                 std::to_string(expected));
+  FUZZ_CHECK(
+      n == expected,
+      "produce copied " + std::to_string(n) + " bytes, expected " +
+          std::to_string(expected));
   if (space == 0) {
-    FUZZ_CHECK(peer.header()->writerWaiting.load() != 0,
-               "a full ring did not ask for a wake-up");
+    FUZZ_CHECK(
+        peer.header()->writerWaiting.load() != 0,
+        "a full ring did not ask for a wake-up");
   }
   if (n == 0) {
     return true;
   }
-  FUZZ_CHECK(record.offset == offset && record.length == n,
-             "produce described its chunk wrongly");
+  FUZZ_CHECK(
+      record.offset == offset && record.length == n,
+      "produce described its chunk wrongly");
   const char* mine = peer.data(record.offset, n);
-  FUZZ_CHECK(mine != nullptr && std::memcmp(mine, bytes.data(), n) == 0,
-             "produce put other bytes in the ring");
+  FUZZ_CHECK(
+      mine != nullptr && std::memcmp(mine, bytes.data(), n) == 0,
+      "produce put other bytes in the ring");
   p.produced += n;
   p.pending.push_back(record);
   return true;
@@ -311,7 +324,7 @@ void runOps(FuzzInput& in, Consumer& c, PeerMapping& peer, Producer* producer) {
         break;
       }
       case 4: { // the peer grows the file or tries to shrink it
-        struct stat st {};
+        struct stat st{};
         if (peer.fd < 0 || ::fstat(peer.fd, &st) != 0) {
           break;
         }
@@ -322,8 +335,9 @@ void runOps(FuzzInput& in, Consumer& c, PeerMapping& peer, Producer* producer) {
             : size - std::min<uint64_t>(size, 1 + delta);
         if (want <= kMaxFileBytes) {
           int rv = ::ftruncate(peer.fd, off_t(want));
-          FUZZ_CHECK(want >= size || rv != 0,
-                     "the peer shrank a ring the consumer had accepted");
+          FUZZ_CHECK(
+              want >= size || rv != 0,
+              "the peer shrank a ring the consumer had accepted");
         }
         break;
       }
@@ -336,8 +350,11 @@ void runOps(FuzzInput& in, Consumer& c, PeerMapping& peer, Producer* producer) {
   }
 }
 
-bool attachShouldSucceed(FileKind kind, uint64_t capacity, uint64_t size,
-                         const std::string& header) {
+bool attachShouldSucceed(
+    FileKind kind,
+    uint64_t capacity,
+    uint64_t size,
+    const std::string& header) {
   bool memfd = kind != FileKind::kEventfd && kind != FileKind::kPipe &&
       kind != FileKind::kClosed;
   bool shrinkSealed = kind == FileKind::kSealedMemfd ||
@@ -399,23 +416,27 @@ void fuzzAttach(FuzzInput& in) {
   bool expected = attachShouldSucceed(kind, capacity, size, header);
   std::string why = Ring::attach(c.memFd, c.wakeFd, capacity, &c.ring);
   if (!why.empty()) {
-    FUZZ_CHECK(!expected || kind == FileKind::kWriteSealed ||
-                   kind == FileKind::kFutureWriteSealed,
-               "attach refused a good ring: " + why);
+    FUZZ_CHECK(
+        !expected || kind == FileKind::kWriteSealed ||
+            kind == FileKind::kFutureWriteSealed,
+        "attach refused a good ring: " + why);
     FUZZ_CHECK(!c.ring.valid(), "a failed attach left a ring");
-    FUZZ_CHECK(!isOpen(c.memFd) && !isOpen(c.wakeFd),
-               "a failed attach left a descriptor open");
+    FUZZ_CHECK(
+        !isOpen(c.memFd) && !isOpen(c.wakeFd),
+        "a failed attach left a descriptor open");
   } else {
     FUZZ_CHECK(expected, "attach accepted a bad ring");
-    FUZZ_CHECK(c.ring.valid() && c.ring.capacity() == capacity &&
-                   c.ring.fd() == c.memFd && c.ring.wakeFd() == c.wakeFd,
-               "attached ring does not match");
+    FUZZ_CHECK(
+        c.ring.valid() && c.ring.capacity() == capacity &&
+            c.ring.fd() == c.memFd && c.ring.wakeFd() == c.wakeFd,
+        "attached ring does not match");
     PeerMapping peer;
     peer.map(peerFd);
     runOps(in, c, peer, nullptr);
     c.ring = Ring();
-    FUZZ_CHECK(!isOpen(c.memFd) && !isOpen(c.wakeFd),
-               "a released ring left a descriptor open");
+    FUZZ_CHECK(
+        !isOpen(c.memFd) && !isOpen(c.wakeFd),
+        "a released ring left a descriptor open");
   }
   if (peerFd >= 0) {
     ::close(peerFd);

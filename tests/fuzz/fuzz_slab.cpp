@@ -40,7 +40,10 @@ using channel::shm::Slab;
 
 constexpr size_t kMaxOps = 16;
 constexpr uint64_t kSizes[] = {
-    kSlabPage, uint64_t(64) << 10, uint64_t(128) << 10, uint64_t(2) << 20};
+    kSlabPage,
+    uint64_t(64) << 10,
+    uint64_t(128) << 10,
+    uint64_t(2) << 20};
 
 uint64_t sizeFrom(FuzzInput& in) {
   uint8_t sel = in.take<uint8_t>();
@@ -110,8 +113,9 @@ void runOps(FuzzInput& in, int peerFd, const Slab& slab) {
       }
       case 2: { // the peer tries to shrink the file
         uint64_t want = cap - std::min<uint64_t>(cap, 1 + in.take<uint16_t>());
-        FUZZ_CHECK(::ftruncate(peerFd, off_t(want)) != 0,
-                   "the peer shrank a slab the receiver had accepted");
+        FUZZ_CHECK(
+            ::ftruncate(peerFd, off_t(want)) != 0,
+            "the peer shrank a slab the receiver had accepted");
         break;
       }
       default: { // the peer grows it (allowed unless sealed against)
@@ -143,14 +147,16 @@ int fuzzOne(const uint8_t* data, size_t size) {
   bool expected = attachShouldSucceed(kind, fileSize, capacity);
   if (why.empty()) {
     FUZZ_CHECK(expected, "attach accepted a bad slab");
-    FUZZ_CHECK(slab != nullptr && slab->data() != nullptr &&
-                   slab->capacity() == capacity && slab->fd() == -1,
-               "attached slab does not match");
+    FUZZ_CHECK(
+        slab != nullptr && slab->data() != nullptr &&
+            slab->capacity() == capacity && slab->fd() == -1,
+        "attached slab does not match");
     runOps(in, peerFd, *slab);
   } else {
-    FUZZ_CHECK(!expected || kind == FileKind::kWriteSealed ||
-                   kind == FileKind::kFutureWriteSealed,
-               "attach refused a good slab: " + why);
+    FUZZ_CHECK(
+        !expected || kind == FileKind::kWriteSealed ||
+            kind == FileKind::kFutureWriteSealed,
+        "attach refused a good slab: " + why);
     FUZZ_CHECK(slab == nullptr, "a failed attach produced a slab");
   }
   slab.reset();

@@ -69,8 +69,9 @@ class Observer final : public ConnectionObserver {
       const std::shared_ptr<transport::Connection>&,
       std::string /*head*/,
       InboundBuffers buffers) override {
-    FUZZ_CHECK(buffers.segments.size() == announced_.size(),
-          "frame delivered with another segment count than announced");
+    FUZZ_CHECK(
+        buffers.segments.size() == announced_.size(),
+        "frame delivered with another segment count than announced");
     for (size_t i = 0; i < buffers.provided.size(); ++i) {
       if (buffers.provided[i] == nullptr || announced_[i] == 0) {
         continue;
@@ -89,8 +90,14 @@ class Observer final : public ConnectionObserver {
 };
 
 std::string header(FrameKind kind, uint32_t headLength) {
-  FrameHeader h{transport::kFrameMagic, transport::kProtocolVersion,
-                uint8_t(kind), 0, headLength, 0, 0};
+  FrameHeader h{
+      transport::kFrameMagic,
+      transport::kProtocolVersion,
+      uint8_t(kind),
+      0,
+      headLength,
+      0,
+      0};
   return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
 }
 
@@ -101,8 +108,9 @@ struct Harness {
     options.limits.maxFrameBytes = 1 << 20;
     options.heartbeatTimeout = std::chrono::milliseconds(0);
     // Both shm channels, as negotiated between two workers of one host.
-    channels = {std::make_shared<channel::shm::SlabContext>(),
-                std::make_shared<channel::shm::RingContext>()};
+    channels = {
+        std::make_shared<channel::shm::SlabContext>(),
+        std::make_shared<channel::shm::RingContext>()};
     options.channelsFor = [this](int32_t, bool) { return channels; };
   }
   transport::stream::Loop loop;
@@ -126,8 +134,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzInput in(data, size);
   uint8_t setup = in.take<uint8_t>();
   auto conn = std::make_shared<transport::shm::ShmConnection>(
-      h.loop, h.options, /*fd=*/-1, /*outbound=*/false,
-      /*expectedPeerId=*/0, "fuzz peer", &h.observer);
+      h.loop,
+      h.options,
+      /*fd=*/-1,
+      /*outbound=*/false,
+      /*expectedPeerId=*/0,
+      "fuzz peer",
+      &h.observer);
   bool open = true;
   // The sender's side of the ring and slab stay ours; the connection maps
   // its own views from duplicates of their descriptors.
@@ -149,7 +162,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::string frame = header(FrameKind::kSlab, sizeof(id) + sizeof(cap));
     frame.append(reinterpret_cast<const char*>(&id), sizeof(id));
     frame.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
-    open = conn->feedForTesting(frame.data(), frame.size(), {::dup(slab->fd())});
+    open =
+        conn->feedForTesting(frame.data(), frame.size(), {::dup(slab->fd())});
     FUZZ_CHECK(open, "a valid slab setup was refused");
   }
   std::string rest = in.takeRest();

@@ -10,7 +10,6 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.distributed import rpc
 from torch.distributed.optim import DistributedOptimizer
-from torch.futures import Future
 
 from tests.rpc.world import init, run_world
 

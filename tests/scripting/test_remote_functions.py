@@ -5,7 +5,6 @@ caller reaching them from eager Python, TorchScript and torch.compile, and
 every error case reaching the caller with the remote type and message."""
 
 import os
-import time
 
 import pytest
 import torch

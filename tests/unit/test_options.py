@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed import rpc
 
-from torch_rpc_ext import RpcExtBackendOptions, _C
+from torch_rpc_ext import _C, RpcExtBackendOptions
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SPEC = _C.option_spec()  # {name: (default, min, max)}

@@ -61,8 +61,7 @@ std::map<std::string, uint64_t> SlabContext::counters() const {
   };
 }
 
-RingContext::RingContext()
-    : ShmContext([] { Ring::create(kMinRingBytes); }) {}
+RingContext::RingContext() : ShmContext([] { Ring::create(kMinRingBytes); }) {}
 
 std::string RingContext::name() const {
   return "shm_ring";

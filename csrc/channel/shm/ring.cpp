@@ -44,8 +44,12 @@ Ring Ring::create(uint64_t capacity) {
   }
   // Populated now, so the data path never takes a first-touch fault.
   void* p = ::mmap(
-      nullptr, r.mapped_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
-      r.fd_, 0);
+      nullptr,
+      r.mapped_,
+      PROT_READ | PROT_WRITE,
+      MAP_SHARED | MAP_POPULATE,
+      r.fd_,
+      0);
   if (p == MAP_FAILED) {
     throw std::runtime_error(errnoText("mmap failed"));
   }
@@ -67,7 +71,7 @@ std::string Ring::attach(int fd, int wakeFd, uint64_t capacity, Ring* out) {
       capacity % 4096 != 0) {
     return "ring capacity " + std::to_string(capacity) + " is out of range";
   }
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd, &st) != 0) {
     return errnoText("fstat of the peer's ring failed");
   }
@@ -81,8 +85,12 @@ std::string Ring::attach(int fd, int wakeFd, uint64_t capacity, Ring* out) {
         std::to_string(r.mapped_) + " bytes";
   }
   void* p = ::mmap(
-      nullptr, r.mapped_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
-      fd, 0);
+      nullptr,
+      r.mapped_,
+      PROT_READ | PROT_WRITE,
+      MAP_SHARED | MAP_POPULATE,
+      fd,
+      0);
   if (p == MAP_FAILED) {
     return errnoText("mmap of the peer's ring failed");
   }

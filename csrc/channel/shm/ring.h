@@ -14,13 +14,13 @@ namespace torch_rpc_ext::channel::shm {
 // Each direction of a connection has its own ring, created by the sending
 // side when it first needs one and handed to the receiver over the
 // connection's Unix socket (SCM_RIGHTS) in a kRing frame; see
-// ring_channel.h for how rings are sized, grown and dropped. The socket stays the control
-// path: for every chunk the producer copies into the ring it writes a 16-byte
-// ChunkRecord on the socket, and the consumer copies the chunk straight into
-// the message's final buffer. So a tensor crosses with one copy per side and
-// both copies run in parallel on two cores, while wake-ups stay event-driven:
-// nobody spins. The consumer publishes its position in the shared header;
-// a producer that finds the ring full raises `writerWaiting`, and the
+// ring_channel.h for how rings are sized, grown and dropped. The socket stays
+// the control path: for every chunk the producer copies into the ring it writes
+// a 16-byte ChunkRecord on the socket, and the consumer copies the chunk
+// straight into the message's final buffer. So a tensor crosses with one copy
+// per side and both copies run in parallel on two cores, while wake-ups stay
+// event-driven: nobody spins. The consumer publishes its position in the shared
+// header; a producer that finds the ring full raises `writerWaiting`, and the
 // consumer then signals the ring's eventfd, which the producer's loop thread
 // watches. (The wake-up cannot travel on the consumer's own socket: that
 // stream may itself be stuck mid-frame behind a full ring.)
@@ -30,7 +30,8 @@ struct RingHeader {
   uint64_t magic;
   uint64_t capacity;
   std::atomic<uint64_t> consumed; // written by the consumer only
-  std::atomic<uint32_t> writerWaiting; // set by the producer, cleared by the consumer
+  std::atomic<uint32_t>
+      writerWaiting; // set by the producer, cleared by the consumer
 };
 
 // What the producer writes on the socket for each chunk it put in the ring.

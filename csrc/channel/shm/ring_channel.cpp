@@ -22,7 +22,9 @@ RingChannel::RingChannel(
     std::shared_ptr<const Context> context,
     std::weak_ptr<Host> host,
     RingCounters& counters)
-    : Channel(std::move(context)), host_(std::move(host)), counters_(counters) {}
+    : Channel(std::move(context)),
+      host_(std::move(host)),
+      counters_(counters) {}
 
 bool RingChannel::takeChunks(const transport::OutboundFrame::Segment& segment) {
   if (segment.size < kSlabMinSegment) {
@@ -57,8 +59,9 @@ bool RingChannel::makeFirstRing() {
     *ring = Ring::create(kInitialRingBytes);
   } catch (const std::exception& e) {
     logDebug(
-        std::string("torch_rpc_ext: no shared-memory ring, the stream takes "
-                    "the segment: ") +
+        std::string(
+            "torch_rpc_ext: no shared-memory ring, the stream takes "
+            "the segment: ") +
         e.what());
     return false;
   }
@@ -248,7 +251,8 @@ int64_t RingChannel::onRecordFromLoop(
     why = "ring chunk without a ring";
   } else {
     why = ringIn_.consume(
-        chunk, static_cast<char*>(segment.buffer) + segment.filled,
+        chunk,
+        static_cast<char*>(segment.buffer) + segment.filled,
         segment.size - segment.filled);
   }
   if (!why.empty()) {

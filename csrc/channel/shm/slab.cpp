@@ -41,7 +41,8 @@ std::shared_ptr<Slab> Slab::create(uint64_t capacity) {
         std::to_string(kSlabPage));
   }
   std::shared_ptr<Slab> s(new Slab());
-  s->fd_ = ::memfd_create("torch_rpc_ext-slab", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  s->fd_ =
+      ::memfd_create("torch_rpc_ext-slab", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (s->fd_ < 0) {
     throw std::runtime_error(errnoText("memfd_create failed"));
   }
@@ -51,8 +52,8 @@ std::shared_ptr<Slab> Slab::create(uint64_t capacity) {
   if (::fcntl(s->fd_, F_ADD_SEALS, kRequiredSeals) != 0) {
     throw std::runtime_error(errnoText("sealing a slab failed"));
   }
-  void* p = ::mmap(
-      nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd_, 0);
+  void* p =
+      ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd_, 0);
   if (p == MAP_FAILED) {
     throw std::runtime_error(errnoText("mmap of a slab failed"));
   }
@@ -67,7 +68,10 @@ std::shared_ptr<Slab> Slab::create(uint64_t capacity) {
   return s;
 }
 
-std::string Slab::attach(int fd, uint64_t capacity, std::shared_ptr<Slab>* out) {
+std::string Slab::attach(
+    int fd,
+    uint64_t capacity,
+    std::shared_ptr<Slab>* out) {
   struct Closer {
     int fd;
     ~Closer() {
@@ -75,10 +79,10 @@ std::string Slab::attach(int fd, uint64_t capacity, std::shared_ptr<Slab>* out) 
     }
   } closer{fd};
   if (capacity == 0 || capacity % kSlabPage != 0) {
-    return "slab capacity " + std::to_string(capacity) + " is not a multiple of " +
-        std::to_string(kSlabPage);
+    return "slab capacity " + std::to_string(capacity) +
+        " is not a multiple of " + std::to_string(kSlabPage);
   }
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd, &st) != 0) {
     return errnoText("fstat of the peer's slab failed");
   }
@@ -89,7 +93,8 @@ std::string Slab::attach(int fd, uint64_t capacity, std::shared_ptr<Slab>* out) 
     return "the peer's slab is not a sealed shared-memory file of " +
         std::to_string(capacity) + " bytes";
   }
-  void* p = ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* p =
+      ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     return errnoText("mmap of the peer's slab failed");
   }

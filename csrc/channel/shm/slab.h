@@ -33,7 +33,10 @@ class Slab {
   // Map the peer's slab from `fd` (receiver side; closes `fd` in all cases:
   // the mapping needs no descriptor, so a receiver never holds one per slab).
   // Returns an error text, or "".
-  static std::string attach(int fd, uint64_t capacity, std::shared_ptr<Slab>* out);
+  static std::string attach(
+      int fd,
+      uint64_t capacity,
+      std::shared_ptr<Slab>* out);
 
   Slab(const Slab&) = delete;
   Slab& operator=(const Slab&) = delete;
@@ -101,7 +104,8 @@ class OfferClock {
  public:
   // Record an offer now; true if the previous one was within kWarmWithinMs.
   bool offerIsWarm() {
-    const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+    const int64_t now =
+        std::chrono::steady_clock::now().time_since_epoch().count();
     const int64_t last = last_.exchange(now, std::memory_order_relaxed);
     return last != 0 &&
         std::chrono::steady_clock::duration(now - last) <

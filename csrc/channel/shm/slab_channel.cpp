@@ -100,7 +100,9 @@ SlabChannel::SlabChannel(
     std::shared_ptr<const Context> context,
     std::weak_ptr<Host> host,
     SlabCounters& counters)
-    : Channel(std::move(context)), host_(std::move(host)), counters_(counters) {}
+    : Channel(std::move(context)),
+      host_(std::move(host)),
+      counters_(counters) {}
 
 bool SlabChannel::takeRegion(
     const transport::OutboundFrame::Segment& segment,
@@ -120,13 +122,14 @@ bool SlabChannel::takeRegion(
     auto* lease = dynamic_cast<SlabLease*>(segment.origin.get());
     const char* p = static_cast<const char*>(segment.data);
     if (lease != nullptr && lease->via() == this && !lease->own() &&
-        p >= lease->slab().data() &&
-        segment.size <= lease->slab().capacity() &&
+        p >= lease->slab().data() && segment.size <= lease->slab().capacity() &&
         uint64_t(p - lease->slab().data()) <=
             lease->slab().capacity() - segment.size &&
         lease->handOn()) {
-      SlabRecord r{lease->id(), SlabRecord::kReturned,
-                   uint64_t(p - lease->slab().data())};
+      SlabRecord r{
+          lease->id(),
+          SlabRecord::kReturned,
+          uint64_t(p - lease->slab().data())};
       counters_.handedBack.fetch_add(1, std::memory_order_relaxed);
       counters_.segments.fetch_add(1, std::memory_order_relaxed);
       std::memcpy(out, &r, sizeof(r));
@@ -179,8 +182,9 @@ bool SlabChannel::takeRegion(
       slab = Slab::create(want);
     } catch (const std::exception& e) {
       logDebug(
-          std::string("torch_rpc_ext: no slab, the next channel takes the "
-                      "segment: ") +
+          std::string(
+              "torch_rpc_ext: no slab, the next channel takes the "
+              "segment: ") +
           e.what());
       std::lock_guard<std::mutex> lock(slabMutex_);
       --slabsBeingMapped_;
@@ -200,9 +204,13 @@ bool SlabChannel::takeRegion(
     uint64_t capacity = slab->capacity();
     std::string head = idHead(id);
     head.append(reinterpret_cast<const char*>(&capacity), sizeof(capacity));
-    before->push_back(ControlFrame{
-        FrameKind::kSlab, std::move(head), {slab->fd()},
-        std::shared_ptr<void>(nullptr, [slab](void*) { slab->closeFd(); })});
+    before->push_back(
+        ControlFrame{
+            FrameKind::kSlab,
+            std::move(head),
+            {slab->fd()},
+            std::shared_ptr<void>(
+                nullptr, [slab](void*) { slab->closeFd(); })});
   }
   // The one copy of this direction.
   std::memcpy(slab->data(), segment.data, segment.size);
@@ -255,7 +263,8 @@ void SlabChannel::collectPendingLocked(std::vector<ControlFrame>* out) {
 }
 
 ControlFrame SlabChannel::takeReleasesLocked() {
-  ControlFrame frame{FrameKind::kSlabRelease, std::move(pendingReleases_), {}, nullptr};
+  ControlFrame frame{
+      FrameKind::kSlabRelease, std::move(pendingReleases_), {}, nullptr};
   pendingReleases_.clear();
   return frame;
 }
@@ -283,8 +292,7 @@ void SlabChannel::trim() {
     auto now = std::chrono::steady_clock::now();
     for (auto it = ownSlabs_.begin(); it != ownSlabs_.end();) {
       if (it->second.state == OwnSlab::State::kFree &&
-          now - it->second.lastUsed >=
-              std::chrono::milliseconds(kSlabIdleMs)) {
+          now - it->second.lastUsed >= std::chrono::milliseconds(kSlabIdleMs)) {
         dropped.push_back(it->first);
         it = ownSlabs_.erase(it);
       } else {
@@ -292,14 +300,14 @@ void SlabChannel::trim() {
       }
     }
   }
-  counters_.unmapped.fetch_add(
-      dropped.size(), std::memory_order_relaxed);
+  counters_.unmapped.fetch_add(dropped.size(), std::memory_order_relaxed);
   auto host = host_.lock();
   if (!host) {
     return;
   }
   for (uint32_t id : dropped) {
-    host->sendControl(ControlFrame{FrameKind::kSlabDrop, idHead(id), {}, nullptr});
+    host->sendControl(
+        ControlFrame{FrameKind::kSlabDrop, idHead(id), {}, nullptr});
   }
 }
 
@@ -360,8 +368,8 @@ bool SlabChannel::onSetupFromLoop(
   if (why.empty() &&
       (peerSlabs_.size() >= kMaxSlabs ||
        capacity > kMaxPeerSlabBytes - peerSlabBytes_)) {
-    why = "the peer's slabs exceed " + std::to_string(kMaxSlabs) +
-        " or " + std::to_string(kMaxPeerSlabBytes) + " bytes";
+    why = "the peer's slabs exceed " + std::to_string(kMaxSlabs) + " or " +
+        std::to_string(kMaxPeerSlabBytes) + " bytes";
   }
   if (!why.empty()) {
     host.rejectFromLoop("rejected slab: " + why);

@@ -58,7 +58,10 @@ class SlabChannel final : public Channel,
   void freeOwnSlab(uint32_t id);
 
  private:
-  bool onSetupFromLoop(Host& host, const std::string& head, std::vector<int>& fds);
+  bool onSetupFromLoop(
+      Host& host,
+      const std::string& head,
+      std::vector<int>& fds);
   bool onReleaseFromLoop(Host& host, const std::string& head);
   bool onDropFromLoop(Host& host, const std::string& head);
   // Unmap free slabs idle for kSlabIdleMs, telling the peer to unmap them

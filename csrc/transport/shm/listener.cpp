@@ -26,10 +26,6 @@ ShmListener::ShmListener(ShmTransport& transport)
     : ShmListener(transport, freshName()) {}
 
 ShmListener::ShmListener(ShmTransport& transport, const std::string& name)
-    : StreamListener(
-          transport,
-          stream::SocketAddress::parse(name),
-          name,
-          "") {}
+    : StreamListener(transport, stream::SocketAddress::parse(name), name, "") {}
 
 } // namespace torch_rpc_ext::transport::shm

@@ -60,8 +60,13 @@ std::shared_ptr<stream::StreamConnection> ShmTransport::newConnection(
     std::string peerAddress,
     ConnectionObserver* observer) {
   return std::make_shared<ShmConnection>(
-      loop(), options_, fd, outbound, expectedPeerId,
-      std::move(peerAddress), observer);
+      loop(),
+      options_,
+      fd,
+      outbound,
+      expectedPeerId,
+      std::move(peerAddress),
+      observer);
 }
 
 } // namespace torch_rpc_ext::transport::shm

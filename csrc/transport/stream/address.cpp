@@ -46,8 +46,8 @@ SocketAddress SocketAddress::unixAbstract(const std::string& name) {
   un->sun_family = AF_UNIX;
   un->sun_path[0] = '\0';
   std::memcpy(un->sun_path + 1, name.data(), name.size());
-  a.length = static_cast<socklen_t>(
-      offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  a.length =
+      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
   return a;
 }
 

@@ -105,10 +105,9 @@ void StreamConnection::post(std::function<void()> fn) {
   loop_.post(std::move(fn));
 }
 
-void StreamConnection::watchFromLoop(
-    int fd,
-    std::function<void()> onReadable) {
-  loop_.addFromLoop(fd, std::make_shared<Watcher>(std::move(onReadable)), EPOLLIN);
+void StreamConnection::watchFromLoop(int fd, std::function<void()> onReadable) {
+  loop_.addFromLoop(
+      fd, std::make_shared<Watcher>(std::move(onReadable)), EPOLLIN);
 }
 
 void StreamConnection::unwatchFromLoop(int fd) {
@@ -131,10 +130,12 @@ void StreamConnection::tickChannelsFromLoop() {
       if (channels_[k]->context().mode() != channel::Channel::Mode::kChunks) {
         continue;
       }
-      bool used = std::any_of(writes_.begin(), writes_.end(), [&](const auto& w) {
-        return std::find(w.chunked.begin(), w.chunked.end(), uint8_t(k + 1)) !=
-            w.chunked.end();
-      });
+      bool used =
+          std::any_of(writes_.begin(), writes_.end(), [&](const auto& w) {
+            return std::find(
+                       w.chunked.begin(), w.chunked.end(), uint8_t(k + 1)) !=
+                w.chunked.end();
+          });
       if (used) {
         continue;
       }
@@ -224,8 +225,9 @@ void StreamConnection::handshakeTimeoutFromLoop() {
   // slot for more than kMaxHandshakeTimeouts timeouts in all.
   if (now - handshakeStartedAt_ < kMaxHandshakeTimeouts * timeout) {
     if (now - heard < timeout) {
-      armHandshakeTimer(duration_cast<milliseconds>(timeout - (now - heard)) +
-                        milliseconds(1));
+      armHandshakeTimer(
+          duration_cast<milliseconds>(timeout - (now - heard)) +
+          milliseconds(1));
       return;
     }
     int unread = 0;
@@ -331,8 +333,7 @@ void StreamConnection::heartbeatFromLoop() {
       // the peer more time, up to kMaxHandshakeTimeouts timeouts in all.
       int unread = 0;
       bool waiting = ::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0;
-      bool late =
-          std::chrono::steady_clock::now() - tickDue_ > timeout / 5;
+      bool late = std::chrono::steady_clock::now() - tickDue_ > timeout / 5;
       bool busy = waiting || late ||
           (silent < kBusyHostTimeouts * timeout &&
            cpuPressurePercent() >= kStarvedPressurePercent);

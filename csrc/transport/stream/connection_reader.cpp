@@ -55,7 +55,8 @@ ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
         // set the bound) are not open yet, while one read may already bring
         // the descriptors of the peer's first frame after it: they wait,
         // and are counted once the channels are (openChannels()).
-        size_t bound = state_ == State::kReady ? maxPendingFds_ : kMaxFdsPerRead;
+        size_t bound =
+            state_ == State::kReady ? maxPendingFds_ : kMaxFdsPerRead;
         if ((msg.msg_flags & MSG_CTRUNC) != 0 || receivedFds_.size() > bound) {
           rejectFromLoop("peer sent unexpected file descriptors");
           return -1;
@@ -101,8 +102,8 @@ void StreamConnection::onReadableFromLoop() {
         carried() == 0) {
       size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
       if (want >= kDirectReadBytes) {
-        char* dst =
-            static_cast<char*>(inbound_.segments[segmentIndex_]) + segmentFilled_;
+        char* dst = static_cast<char*>(inbound_.segments[segmentIndex_]) +
+            segmentFilled_;
         ssize_t got = readFromLoop(dst, want);
         if (got <= 0) {
           return;
@@ -198,7 +199,9 @@ bool StreamConnection::consumeFromLoop() {
         size_t i = segmentIndex_;
         bool region = !inbound_.provided.empty();
         channel::InboundSegment segment{
-            segmentSizes_[i], segmentFilled_, inbound_.segments[i],
+            segmentSizes_[i],
+            segmentFilled_,
+            inbound_.segments[i],
             region ? &inbound_.provided[i] : nullptr,
             region ? &inbound_.regions[i] : nullptr};
         int64_t placed =
@@ -290,9 +293,8 @@ bool StreamConnection::onLengthsAndHeadFromLoop() {
       uint8_t slot = channelSlot(wireId);
       if (slot == 0) {
         rejectFromLoop(
-            "rejected frame: segment " + std::to_string(i) +
-            " names channel " + std::to_string(wireId) +
-            ", which this connection does not use");
+            "rejected frame: segment " + std::to_string(i) + " names channel " +
+            std::to_string(wireId) + ", which this connection does not use");
         return false;
       }
       auto& ch = *channels_[slot - 1];

@@ -40,8 +40,14 @@ void StreamConnection::chunkRoomFromLoop() {
 StreamConnection::PendingWrite StreamConnection::controlFrame(
     channel::ControlFrame frame) {
   PendingWrite w;
-  FrameHeader h{kFrameMagic, kProtocolVersion, uint8_t(frame.kind), 0,
-                static_cast<uint32_t>(frame.head.size()), 0, 0};
+  FrameHeader h{
+      kFrameMagic,
+      kProtocolVersion,
+      uint8_t(frame.kind),
+      0,
+      static_cast<uint32_t>(frame.head.size()),
+      0,
+      0};
   w.prefix.assign(reinterpret_cast<const char*>(&h), sizeof(h));
   w.prefix += frame.head;
   w.passFds = std::move(frame.fds);
@@ -88,9 +94,10 @@ void StreamConnection::planSegments(
         segment.size == 0) {
       continue;
     }
-    bool carried = std::any_of(channels_.begin(), channels_.end(), [&](const auto& c) {
-      return uint8_t(c->context().device()) == segment.device;
-    });
+    bool carried =
+        std::any_of(channels_.begin(), channels_.end(), [&](const auto& c) {
+          return uint8_t(c->context().device()) == segment.device;
+        });
     if (!carried) {
       throw std::invalid_argument(
           "no channel of " + describe() + " carries memory of device type " +
@@ -151,7 +158,8 @@ void StreamConnection::insertControlLocked(PendingWrite w) {
 }
 
 void StreamConnection::queueControl(uint8_t kind, std::string head) {
-  PendingWrite w = controlFrame({FrameKind(kind), std::move(head), {}, nullptr});
+  PendingWrite w =
+      controlFrame({FrameKind(kind), std::move(head), {}, nullptr});
   w.control = true;
   std::string error;
   {
@@ -207,8 +215,8 @@ bool StreamConnection::write(OutboundFrame frame) {
     // reference could then die under writeMutex_, and a dying lease takes it).
     frame.segments[i].origin = nullptr;
     uint8_t slot = !region.empty() && region[i] != 0 ? region[i]
-        : !w.chunked.empty()                       ? w.chunked[i]
-                                                   : 0;
+        : !w.chunked.empty()                         ? w.chunked[i]
+                                                     : 0;
     if (slot != 0) {
       n |= uint64_t(channels_[slot - 1]->context().wireId()) << kChannelIdShift;
     }
@@ -406,7 +414,8 @@ StreamConnection::ChunkFlush StreamConnection::flushChunkedFrameLocked(
     if (w.recordsWritten < w.records.size()) {
       ssize_t got = sendSome(
           w.records.data() + w.recordsWritten,
-          w.records.size() - w.recordsWritten, error);
+          w.records.size() - w.recordsWritten,
+          error);
       if (got <= 0) {
         return ChunkFlush::kSocketFull;
       }
@@ -485,6 +494,5 @@ void StreamConnection::updateEventsLocked() {
     loop_.modify(fd_, EPOLLIN | (want ? uint32_t(EPOLLOUT) : 0u));
   }
 }
-
 
 } // namespace torch_rpc_ext::transport::stream

@@ -32,7 +32,8 @@ StreamListener::StreamListener(
   }
   int one = 1;
   ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (::bind(fd_, reinterpret_cast<const sockaddr*>(&at.storage), at.length) != 0 ||
+  if (::bind(fd_, reinterpret_cast<const sockaddr*>(&at.storage), at.length) !=
+          0 ||
       ::listen(fd_, SOMAXCONN) != 0) {
     int err = errno;
     ::close(fd_);
@@ -86,7 +87,9 @@ void StreamListener::handleEventsFromLoop(uint32_t /*events*/) {
     sockaddr_storage peer{};
     socklen_t len = sizeof(peer);
     int fd = ::accept4(
-        fd_, reinterpret_cast<sockaddr*>(&peer), &len,
+        fd_,
+        reinterpret_cast<sockaddr*>(&peer),
+        &len,
         SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) {

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/transport/stream/loop.h"
 
-#include <sys/epoll.h>
 #include <sched.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -274,7 +274,9 @@ bool Loop::runDeferred(uint64_t generation) {
         monitorIdle_.exchange(false)) {
       // Under the mutex, so the monitor cannot miss it between its check
       // and its wait.
-      { std::lock_guard<std::mutex> lock(threadsMutex_); }
+      {
+        std::lock_guard<std::mutex> lock(threadsMutex_);
+      }
       threadsCv_.notify_all();
     }
     tlsDeferredOf = this;
@@ -310,7 +312,8 @@ void Loop::monitor() {
     if (quietTicks >= kQuietTicksBeforeSleep) {
       // Nothing deferred for a second: sleep until the leader starts some.
       monitorIdle_.store(true);
-      threadsCv_.wait(lock, [&] { return monitorStop_ || !monitorIdle_.load(); });
+      threadsCv_.wait(
+          lock, [&] { return monitorStop_ || !monitorIdle_.load(); });
       quietTicks = 0;
       watchedSeq = ~uint64_t(0);
       continue;

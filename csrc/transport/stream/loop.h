@@ -47,7 +47,8 @@ class Loop {
 
   // `busyPoll`: after serving work deferred with spinAfter, poll for new
   // events this long before sleeping in the kernel (0: never spin).
-  explicit Loop(std::chrono::microseconds busyPoll = std::chrono::microseconds(0));
+  explicit Loop(
+      std::chrono::microseconds busyPoll = std::chrono::microseconds(0));
   ~Loop();
 
   // Watch `fd` (level-triggered) and keep `p` alive until removeFromLoop().

@@ -52,7 +52,8 @@ std::shared_ptr<Connection> StreamTransport::connect(
     // startConnect() reports the malformed address as the close reason.
   }
   int fd = ::socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  auto conn = newConnection(fd, /*outbound=*/true, expectedPeerId, address, observer);
+  auto conn =
+      newConnection(fd, /*outbound=*/true, expectedPeerId, address, observer);
   // Started (its channels opened) before stop() can see it: adopt() closes
   // it if the transport stopped meanwhile.
   conn->startConnect(address);

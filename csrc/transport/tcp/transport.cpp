@@ -34,7 +34,12 @@ std::shared_ptr<stream::StreamConnection> TcpTransport::newConnection(
     std::string peerAddress,
     ConnectionObserver* observer) {
   return std::make_shared<TcpConnection>(
-      loop(), options_, fd, outbound, expectedPeerId, std::move(peerAddress),
+      loop(),
+      options_,
+      fd,
+      outbound,
+      expectedPeerId,
+      std::move(peerAddress),
       observer);
 }
 
