@@ -2,7 +2,8 @@
 """python -m torch_rpc_ext.run: unmodified programs written for TensorPipe
 (tests/launcher/programs, in the style of upstream's RPC examples) run on
 TORCH_RPC_EXT and give TensorPipe's results; TensorPipe-only settings are
-reported as ignored; without the launcher nothing of torch is patched."""
+reported as ignored; each switch is reported; without the launcher init_rpc
+is not patched, and TORCH_RPC_EXT translates TensorPipe's options itself."""
 
 import json
 import os
@@ -34,15 +35,15 @@ def json_lines(text: str) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "program, key",
+    "program, key, workers",
     [
-        ("rnn_ps.py", "losses"),
-        ("batch_ps.py", "weights"),
-        ("pipeline.py", "losses"),
-        ("rl_observers.py", "losses"),
+        ("rnn_ps.py", "losses", 2),
+        ("batch_ps.py", "weights", 3),
+        ("pipeline.py", "losses", 3),
+        ("rl_observers.py", "losses", 3),
     ],
 )
-def test_program_gives_tensorpipes_results_under_the_launcher(program, key):
+def test_program_gives_tensorpipes_results_under_the_launcher(program, key, workers):
     (tp,) = json_lines(run(program, str(free_port()), launcher=False).stdout)
     launched = run(program, str(free_port()), launcher=True)
     (ours,) = json_lines(launched.stdout)
@@ -53,6 +54,10 @@ def test_program_gives_tensorpipes_results_under_the_launcher(program, key):
     if program == "rl_observers.py":
         assert ours["rewards"] == tp["rewards"]
         assert "_channels=['basic']" in launched.stderr
+    # One line per worker the launcher switched, naming it.
+    switched = [line for line in launched.stderr.splitlines() if line.startswith("torch_rpc_ext.run: worker ")]
+    assert len(switched) == workers, launched.stderr[-2000:]
+    assert all(line.endswith("runs BackendType.TORCH_RPC_EXT") for line in switched)
     if program == "rnn_ps.py":
         # _transports=["uv"]: reported by each process, once.
         notes = [line for line in launched.stderr.splitlines() if "ignoring TensorPipe-only" in line]
@@ -99,11 +104,12 @@ def test_without_the_launcher_nothing_is_patched():
     assert out.stdout.strip() == "untouched", out.stderr
 
 
-def test_options_translation():
+def test_options_translation(capfd):
     import torch
     from torch.distributed import rpc
 
-    from torch_rpc_ext import RpcExtBackendOptions, _launcher
+    from torch_rpc_ext import RpcExtBackendOptions
+    from torch_rpc_ext import _tensorpipe_options as _launcher
 
     tp = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=7, rpc_timeout=12, init_method="tcp://127.0.0.1:1234"
@@ -116,3 +122,17 @@ def test_options_translation():
     assert _launcher.translate_options(mine) is mine
     maps = rpc.TensorPipeRpcBackendOptions(device_maps={"w1": {"cpu": "cpu"}})
     assert _launcher.translate_options(maps).device_maps == {"w1": {torch.device("cpu"): torch.device("cpu")}}
+
+    # TensorPipe-only settings: named once per process and value, on stderr.
+    capfd.readouterr()
+    odd = rpc.TensorPipeRpcBackendOptions(_transports=["ibv"], _channels=["cma"])
+    _launcher.translate_options(odd)
+    _launcher.translate_options(odd)
+    err = capfd.readouterr().err.splitlines()
+    assert err == [
+        "torch_rpc_ext: ignoring TensorPipe-only settings _transports=['ibv'], "
+        "_channels=['cma']: TORCH_RPC_EXT chooses its transports and channels per "
+        "peer (RpcExtBackendOptions(transports=..., channels=...))"
+    ]
+    with pytest.raises(TypeError, match="takes RpcExtBackendOptions or TensorPipeRpcBackendOptions, got"):
+        _launcher.translate_options({"rpc_timeout": 5})
