@@ -29,10 +29,16 @@ TORCH_REQUIREMENT = "torch>=2.11,<2.15"
 BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
 
 
+# The test hooks (torch_rpc_ext._testing): a module of their own, linked
+# against _C, built only with TORCH_RPC_EXT_BUILD_TESTING=1 (tools/setup_env.sh
+# sets it), so a wheel never ships them.
+TESTING_SOURCES = ["csrc/bindings/bind_testing.cpp", "csrc/bindings/testing_module.cpp"]
+
+
 def sources() -> list[str]:
     files = glob.glob("csrc/**/*.cpp", recursive=True)
     files += glob.glob("scripting/*.cpp")
-    return sorted(files)
+    return sorted(set(files) - set(TESTING_SOURCES))
 
 
 def headers() -> list[str]:
@@ -91,6 +97,7 @@ def extensions() -> tuple[list, dict]:
         )
     write_build_info(torch)
     tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    testing = os.environ.get("TORCH_RPC_EXT_BUILD_TESTING") == "1"
 
     class Build(BuildExtension):
         def finalize_options(self) -> None:
@@ -99,16 +106,41 @@ def extensions() -> tuple[list, dict]:
             # (pip's editable and wheel builds each pass a temporary one).
             self.build_temp = os.path.join(ROOT, "build", f"temp-{tag}")
 
-    ext = CppExtension(
-        f"{NAME}._C",
-        sources(),
-        depends=headers(),
-        include_dirs=[ROOT],
-        extra_compile_args=compile_args(),
-        extra_link_args=link_args(),
-        libraries=["torch_python"],
-    )
-    return [ext], {"build_ext": Build}
+        def run(self) -> None:
+            if not testing:
+                # A build with the hooks left them in build/lib, which a
+                # wheel would pack: a user's build never ships them.
+                pattern = os.path.join(self.build_lib, NAME, "_testing.*")
+                for stale in glob.glob(pattern):
+                    os.remove(stale)
+            super().run()
+
+        def build_extension(self, ext) -> None:
+            if ext.name == f"{NAME}._testing":
+                # Linked against _C (built first) where it lands, found
+                # beside it at run time.
+                core = self.get_ext_fullpath(f"{NAME}._C")
+                ext.library_dirs = [*ext.library_dirs, os.path.dirname(core)]
+                ext.extra_link_args = [
+                    *link_args(), f"-l:{os.path.basename(core)}", "-Wl,-rpath,$ORIGIN"
+                ]
+            super().build_extension(ext)
+
+    def extension(name: str, files: list[str]):
+        return CppExtension(
+            f"{NAME}.{name}",
+            files,
+            depends=headers(),
+            include_dirs=[ROOT],
+            extra_compile_args=compile_args(),
+            extra_link_args=link_args(),
+            libraries=["torch_python"],
+        )
+
+    exts = [extension("_C", sources())]
+    if testing:
+        exts.append(extension("_testing", TESTING_SOURCES))
+    return exts, {"build_ext": Build}
 
 
 ext_modules, cmdclass = extensions()

@@ -84,7 +84,7 @@ def _flip(data: bytes, rng: random.Random) -> bytes:
 
 
 def _message_frame(rng: random.Random) -> bytes:
-    from torch_rpc_ext._C import _testing
+    from torch_rpc_ext import _testing
     from torch_rpc_ext.testing import MESSAGE, frame_header
 
     tensors = [torch.randn(rng.randint(0, 64)) for _ in range(rng.randint(0, 3))]
@@ -107,7 +107,7 @@ def _sealed_slab(size: int) -> int:
 def _slab_case(sock: socket.socket, rng: random.Random) -> None:
     """Hand over one sealed 2 MiB slab (id 1), then send random slab-protocol
     frames. The shm_slab protocol: csrc/channel/shm/slab.h, docs/wire-format.md."""
-    from torch_rpc_ext._C import _testing
+    from torch_rpc_ext import _testing
     from torch_rpc_ext.testing import (
         MESSAGE,
         SLAB,

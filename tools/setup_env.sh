@@ -23,11 +23,13 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.packages-*
   touch "$stamp"
 fi
-# Built against the torch just installed (no build isolation). The editable
-# install once; after it, an in-place build recompiles only what changed.
+# Built against the torch just installed (no build isolation), with the test
+# hooks (torch_rpc_ext._testing, never in a wheel). The editable install
+# once; after it, an in-place build recompiles only what changed.
+export TORCH_RPC_EXT_BUILD_TESTING=1
 if compgen -G ".venv/lib/python*/site-packages/__editable__.torch_rpc_ext-*.pth" >/dev/null; then
   MAX_JOBS=${MAX_JOBS:-2} python setup.py -q build_ext --inplace >/dev/null
 else
   MAX_JOBS=${MAX_JOBS:-2} python -m pip install -q --no-build-isolation --no-deps -e .
 fi
-python -c "import torch_rpc_ext" # fail here, not in the first test, if the build is broken
+python -c "import torch_rpc_ext, torch_rpc_ext._testing" # fail here, not in the first test, if the build is broken

@@ -113,8 +113,8 @@ def frame_header(kind, head_len, nseg=0, data=0, magic=None, version=None, flags
     """The 24-byte frame header; any field can be forged."""
     return struct.pack(
         "<IBBHIIQ",
-        _C._testing.FRAME_MAGIC if magic is None else magic,
-        _C._testing.PROTOCOL_VERSION if version is None else version,
+        _C.FRAME_MAGIC if magic is None else magic,
+        _C.PROTOCOL_VERSION if version is None else version,
         kind, flags, head_len, nseg, data,
     )
 

@@ -3,6 +3,7 @@
 
 #include "csrc/bindings/bind.h"
 #include "csrc/common/exit_gate.h"
+#include "csrc/transport/frame.h"
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_rpc_ext native core";
@@ -21,6 +22,8 @@ PYBIND11_MODULE(_C, m) {
   auto scripting = m.def_submodule(
       "_scripting", "the remote-function registry (torch_rpc_ext.scripting)");
   torch_rpc_ext::bindings::bindScripting(scripting);
-  auto testing = m.def_submodule("_testing", "hooks for tests only");
-  torch_rpc_ext::bindings::bindTesting(testing);
+  // The wire's identity, for torch_rpc_ext.testing's raw client. The test
+  // hooks are a module of their own (testing_module.cpp).
+  m.attr("FRAME_MAGIC") = torch_rpc_ext::transport::kFrameMagic;
+  m.attr("PROTOCOL_VERSION") = torch_rpc_ext::transport::kProtocolVersion;
 }

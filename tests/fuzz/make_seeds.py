@@ -134,7 +134,7 @@ def codec_input(head, segments, flags=None, use_pool=False):
 def codec_seeds():
     import torch
 
-    from torch_rpc_ext._C import _testing
+    from torch_rpc_ext import _testing
 
     call, ret = 0x02 | 0x100, 0x03 | 0x200  # PYTHON_CALL, PYTHON_RET
 

@@ -34,7 +34,7 @@ def call_unknown_operator(addr):
     (the bytes it got back within 2 s, the connection still open?)."""
     import pickle
 
-    from torch_rpc_ext._C import _testing
+    from torch_rpc_ext import _testing
 
     sock, _ = handshake(addr, SECRET)
     # Upstream's SCRIPT_CALL layout: (args..., schema text, qualified name).

@@ -23,7 +23,7 @@ PROBE = r"""
 import hmac, json, os, sys
 import _hashlib  # as any Python with hashlib has: loads its libcrypto
 import torch.distributed as dist
-from torch_rpc_ext import _C
+from torch_rpc_ext import _C, _testing
 
 def mapped():
     with open("/proc/self/maps") as f:
@@ -32,9 +32,9 @@ def mapped():
 
 out = {"before": mapped()}
 try:
-    d = _C._testing.hmac_sha256(b"key", b"message")
+    d = _testing.hmac_sha256(b"key", b"message")
     out["hmac_ok"] = d == hmac.new(b"key", b"message", "sha256").digest()
-    out["libcrypto"] = _C._testing.libcrypto()
+    out["libcrypto"] = _testing.libcrypto()
 except RuntimeError as e:
     out["hmac_error"] = str(e)
 if "agent" in sys.argv:

@@ -18,7 +18,7 @@ from torch.distributed import rpc
 
 from tests.rpc.test_hostile_peers import SECRET
 from tests.rpc.world import init, run_world
-from torch_rpc_ext._C import _testing
+from torch_rpc_ext import _testing
 from torch_rpc_ext.testing import (
     MESSAGE,
     RING,

@@ -3,7 +3,7 @@
 
 import time
 
-from torch_rpc_ext._C import _testing
+from torch_rpc_ext import _testing
 
 MB = 1 << 20
 

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from torch_rpc_ext._C import _testing
+from torch_rpc_ext import _testing
 
 MAGIC = _testing.FRAME_MAGIC
 VERSION = _testing.PROTOCOL_VERSION

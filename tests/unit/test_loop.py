@@ -4,7 +4,7 @@ hands itself to a new thread when such work blocks (tcp/loop.h)."""
 
 import pytest
 
-from torch_rpc_ext._C import _testing
+from torch_rpc_ext import _testing
 
 
 @pytest.mark.parametrize("n", [2, 5, 32])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed import rpc
 
-from torch_rpc_ext import _C, RpcExtBackendOptions
+from torch_rpc_ext import _C, RpcExtBackendOptions, _testing
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SPEC = _C.option_spec()  # {name: (default, min, max)}
@@ -185,7 +185,7 @@ def test_signature_core_and_readme_agree_on_defaults(monkeypatch):
         assert getattr(effective, name) == want, f"effective default of {name}"
         assert readme[name] == want, f"README default of {name}"
     # transport::TransportOptions, which the agent fills from AgentOptions.
-    for name, value in _C._testing.transport_option_defaults().items():
+    for name, value in _testing.transport_option_defaults().items():
         assert value == SPEC[name][0], f"TransportOptions default of {name}"
 
 

@@ -3,7 +3,7 @@
 
 import pytest
 
-from torch_rpc_ext._C import _testing
+from torch_rpc_ext import _testing
 
 
 @pytest.mark.parametrize("core, n", [(1, 2), (1, 16), (4, 64), (2, 3)])

@@ -6,7 +6,7 @@ import struct
 import pytest
 import torch
 
-from torch_rpc_ext._C import _testing
+from torch_rpc_ext import _testing
 
 PYTHON_CALL = 0x0C | 0x100  # a request type
 PYTHON_RET = 0x0D | 0x200  # a response type

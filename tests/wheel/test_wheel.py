@@ -45,6 +45,7 @@ def _run(cmd, cwd, env=None, timeout=300, ok=True) -> subprocess.CompletedProces
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+    env.pop("TORCH_RPC_EXT_BUILD_TESTING", None)  # a user's build: no test hooks
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation",
           "--no-deps", "-w", out, ROOT], cwd=ROOT, env=env, timeout=1200)
     (whl,) = out.glob("torch_rpc_ext-*.whl")
@@ -83,6 +84,7 @@ def test_the_wheel_ships_the_core_and_the_launchers_hook(wheel):
     assert HOOK in names
     assert any(re.fullmatch(r"torch_rpc_ext/_C\..*\.so", n) for n in names)
     assert "torch_rpc_ext/_build_info.py" in names
+    assert not [n for n in names if n.startswith("torch_rpc_ext/_testing")]  # test hooks stay home
     assert not [n for n in names if n.startswith(("tests/", "csrc/", "benchmarks/"))]
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     requires = [line for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
