@@ -3,6 +3,11 @@
 thread that read them, a stalled one hands the loop to a new thread, and a
 serving loop busy-polls (bounded) for the next request."""
 
+import collections
+import functools
+import gc
+import itertools
+import mmap
 import threading
 import time
 
@@ -35,46 +40,76 @@ def wait_for_all(timeout):
     return _barrier.wait(timeout=timeout) >= 0
 
 
-_hold = {"started": threading.Event(), "end": None}
-
-
 @torch.jit.script
 def script_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x + y
 
 
-def hold_gil():
-    # One C call that never releases the GIL: ~1-3 s with it held.
-    def run():
-        _hold["started"].set()
-        sum(range(2 * 10**8))
-        _hold["end"] = time.time()
+# The callee's hold on its GIL is one C call that lasts until the caller lets
+# go: it marks _HOLDING in a page both processes share (an anonymous shared
+# mapping made before the fork), then spins, all in C, until the caller
+# writes _RELEASE there. So the hold covers the caller's calls however slowly
+# a loaded machine runs them, and no result is read from a flag or a clock
+# another thread sets unsynchronised.
+_HOLDING, _RELEASE = 0, 1
+_hold = {"flags": None, "ended": threading.Event()}
 
-    threading.Thread(target=run).start()
-    _hold["started"].wait()
+
+def hold_gil():
+    flags = _hold["flags"]
+
+    def run():
+        # No collection inside the hold: a finalizer it ran would be Python
+        # code, which lets the GIL go.
+        gc.disable()
+        try:
+            collections.deque(
+                itertools.chain(
+                    map(flags.__setitem__, [_HOLDING], [1]),
+                    iter(functools.partial(flags.__getitem__, _RELEASE), 1),
+                ),
+                maxlen=0,
+            )
+        finally:
+            gc.enable()
+        _hold["ended"].set()
+
+    threading.Thread(target=run, daemon=True).start()
     return True
 
 
 def hold_end():
-    return _hold["end"]
+    return _hold["ended"].wait(60)
 
 
-def gil_free(rank, world_size):
+def gil_free(rank, world_size, flags):
+    _hold["flags"] = flags
     init(rank, world_size)
     out = {}
     if rank == 0:
         one = torch.ones(1)
         rpc.rpc_sync("worker1", torch.add, args=(one, one))
         rpc.rpc_sync("worker1", script_add, args=(one, one))
+        # hold_gil itself returns only after the hold: its response needs
+        # the GIL the thread it starts takes.
         held = rpc.rpc_async("worker1", hold_gil)
-        time.sleep(0.3)
-        done = []
-        for _ in range(20):
-            assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(one, one)), one * 2)
-            assert torch.equal(rpc.rpc_sync("worker1", script_add, args=(one, one)), one * 2)
-            done.append(time.time())
-        held.wait()
-        out = {"done": done, "hold_end": rpc.rpc_sync("worker1", hold_end)}
+        try:
+            deadline = time.monotonic() + 60
+            while flags[_HOLDING] != 1:
+                assert time.monotonic() < deadline, "the hold never started"
+                time.sleep(0.01)
+            # worker1's GIL is held from here until _RELEASE is written. A
+            # Python UDF sent now waits for it (and says when the hold ended).
+            ended = rpc.rpc_async("worker1", hold_end)
+            served = 0
+            for _ in range(20):
+                assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(one, one)), one * 2)
+                assert torch.equal(rpc.rpc_sync("worker1", script_add, args=(one, one)), one * 2)
+                served += 2
+            out["udf_waited"] = not ended.done()
+        finally:
+            flags[_RELEASE] = 1
+        out.update(served=served, hold_ended=ended.wait() and held.wait())
     rpc.shutdown()
     return out
 
@@ -226,9 +261,11 @@ def test_blocking_requests_hand_the_loop_on():
 def test_builtin_and_torchscript_calls_do_not_need_the_callees_gil():
     # While a thread of the callee holds its GIL, builtin ops and TorchScript
     # functions are still served (a Python UDF would wait for the GIL).
-    r = run_world(gil_free, 2, timeout=150)[0]
-    assert r["hold_end"] is not None
-    assert max(r["done"]) < r["hold_end"], r
+    # Every call below is served between the callee's mark that its hold
+    # began and the caller's release, and a Python UDF sent in between was
+    # not (so the GIL was indeed held).
+    r = run_world(gil_free, 2, timeout=150, flags=mmap.mmap(-1, 2))[0]
+    assert r == {"udf_waited": True, "served": 40, "hold_ended": True}, r
 
 
 def test_serving_threads_keep_one_python_thread_state():
