@@ -47,12 +47,13 @@ SCRIPT = textwrap.dedent(
     stop = threading.Event()
 
     def storm():
-        # Calls to the peer until told to stop. A Python thread still inside
-        # an RPC when finalisation begins is ended by Python itself (a forced
-        # unwind through C++ that aborts the process, with any backend), so
-        # this one is joined before the end; the peer's storm goes on while
-        # this process exits: its frames are being decoded, its requests
-        # served and its Python UDFs are waiting for the GIL here.
+        # Calls to the peer until told to stop or a call fails (the peer is
+        # gone). A Python thread still inside an RPC when finalisation
+        # begins is ended by Python itself (a forced unwind through C++ that
+        # aborts the process, with any backend), so this one is joined
+        # before the end; the peer's storm goes on while this process exits:
+        # its frames are being decoded, its requests served and its Python
+        # UDFs are waiting for the GIL here.
         futs = []
         k = 0
         while not stop.is_set():
@@ -70,8 +71,11 @@ SCRIPT = textwrap.dedent(
 
     thread = threading.Thread(target=storm)
     thread.start()
-    time.sleep(1.0 if rank == 0 else 3.0)
-    stop.set()
+    if rank == 0:
+        time.sleep(1.0)
+        stop.set()
+    # worker1 storms until its calls fail: worker0 is gone (however long a
+    # busy host took to get it there), so worker0 always exits mid-storm.
     thread.join()
     print("leaving", flush=True)
     if how == "c-exit":

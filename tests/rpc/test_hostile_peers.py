@@ -5,10 +5,10 @@ oversized frames. Each is refused and counted; legitimate calls keep working."""
 import os
 import socket
 import struct
-import time
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from torch.distributed import rpc
 
 from tests.rpc.world import init, run_world
@@ -138,7 +138,7 @@ def test_agent_refuses_strangers_and_keeps_serving():
     assert out["rejected_delta"] == 5
 
 
-def mismatched_secrets(rank, world_size):
+def mismatched_secrets(rank, world_size, both_refused):
     secret = SECRET if rank == 0 else b"another-secret-another-secret-!!"
     init(rank, world_size, secret=secret, rpc_timeout=5)
     err = None
@@ -146,13 +146,13 @@ def mismatched_secrets(rank, world_size):
         rpc.rpc_sync(f"worker{1 - rank}", torch.add, args=(torch.ones(1), 1))
     except RuntimeError as e:
         err = str(e)
-    time.sleep(1)  # keep serving until the other side has seen our proof too
+    both_refused.wait(60)  # keep serving until the other side has seen our proof too
     rpc.api._get_current_rpc_agent().shutdown()
     return err
 
 
 def test_workers_with_different_secrets_cannot_talk():
-    errs = run_world(mismatched_secrets)
+    errs = run_world(mismatched_secrets, both_refused=mp.get_context("fork").Barrier(2))
     for rank, err in errs.items():
         assert err is not None
         assert f"worker{1 - rank}" in err and "authentication failed" in err

@@ -68,4 +68,8 @@ def test_cut_link_fails_pending_call_via_heartbeat(two_hosts):
     assert out["before_cut_ok"]
     assert out["error"] is not None and "worker1" in out["error"], out
     assert "heartbeat" in out["error"], out
-    assert out["detect_s"] < 8, out  # heartbeat_timeout is 2 s; rpc_timeout 60 s
+    # heartbeat_timeout is 2 s: ~2-2.4 s on a quiet host; a starved process
+    # or a busy host gives the peer more time, up to 6 timeouts in all
+    # (connection.cpp, kMaxHandshakeTimeouts), and that cap is what is
+    # checked against: rpc_timeout is 60 s.
+    assert out["detect_s"] < 6 * 2 + 3, out
