@@ -26,9 +26,11 @@ import argparse
 import os
 import runpy
 import signal
+import site
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -90,10 +92,20 @@ def check_hook(env: dict | None = None) -> None:
         )
 
 
+def _installed() -> bool:
+    """Whether torch_rpc_ext is imported from this Python's site-packages
+    (else from a source tree, which children must be pointed at)."""
+    sites = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib"), *site.getsitepackages()}
+    return any(Path(s).resolve() == Path(_ROOT) for s in sites if s)
+
+
 def _launch_env(env: dict) -> dict:
     env = dict(env)
     env["TORCH_RPC_EXT_LAUNCH"] = "1"  # _launch/sitecustomize.py installs the patch then
-    paths = [_LAUNCH_DIR, _ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # Never site-packages itself on PYTHONPATH: every other Python the
+    # program starts (another version, a tool's) would import from it.
+    ours = [_LAUNCH_DIR] if _installed() else [_LAUNCH_DIR, _ROOT]
+    paths = ours + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
 

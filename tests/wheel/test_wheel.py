@@ -123,6 +123,16 @@ def test_launcher_switches_workers_started_with_mp_spawn(user_env, tmp_path):
     assert "torch_rpc_ext" not in quiet.stderr, quiet.stderr[-2000:]
 
 
+def test_launched_programs_get_the_hook_not_site_packages_on_their_path(user_env, tmp_path):
+    # Another Python the program starts (a tool, another version) must not
+    # be pointed at this environment's site-packages.
+    program = tmp_path / "path.py"
+    program.write_text("import os; print(os.environ['PYTHONPATH'])\n")
+    out = _run([user_env["python"], "-m", "torch_rpc_ext.run", program],
+               cwd=user_env["cwd"], env=user_env["env"], timeout=120)
+    assert out.stdout.strip() == str(user_env["site"] / "torch_rpc_ext" / "_launch")
+
+
 def test_plain_init_rpc_with_the_backend(user_env):
     code = f"""
 import torch, torch.distributed.rpc as rpc, torch_rpc_ext
