@@ -125,7 +125,7 @@ def bump():
 
 
 def thread_states(rank, world_size):
-    from torch_rpc_ext._C import _testing
+    from torch_rpc_ext import _testing
 
     before = _testing.python_thread_states()
     init(rank, world_size, rpc_timeout=60)
