@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// _C._testing: the codec, frame checks and crypto, reachable from pytest
-// without processes. For tests only.
+// torch_rpc_ext._testing (testing_module.cpp): the codec, frame checks and
+// crypto, reachable from pytest without processes. For tests only.
 #include <torch/csrc/distributed/rpc/message.h>
 
 #include "csrc/bindings/bind.h"
