@@ -10,7 +10,9 @@ only that torch can load it, so build without isolation:
 
 DEBUG=1 builds with -O0 -g; SANITIZE=address|thread adds a sanitizer.
 Objects are kept in build/temp-torch<version>-py<version>/, so the editable
-install, a wheel and an in-place build of one tree compile each source once.
+install, a wheel and an in-place build of one tree compile each source once;
+torch_rpc_ext/_build_info.py records the torch and the flags, and a change of
+either relinks (and ninja recompiles what its command line changed).
 """
 
 import glob
@@ -22,11 +24,15 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 NAME = "torch_rpc_ext"
 VERSION = "0.1.0"
-# The torch versions this release is tested with (README, "Install").
-TORCH_REQUIREMENT = "torch>=2.11,<2.15"
+# The torch versions this release is tested with (README, "Install"): 2.13
+# by CI, 2.11 (CUDA) known to build.
+TORCH_REQUIREMENT = "torch>=2.11,<2.14"
 # Commands that compile; the others (metadata, sdist) need neither torch
 # nor a compiler.
-BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
+BUILD_COMMANDS = {
+    "build", "build_ext", "bdist", "bdist_wheel", "bdist_egg", "editable_wheel",
+    "develop", "install",
+}
 
 
 # The test hooks (torch_rpc_ext._testing): a module of their own, linked
@@ -64,47 +70,53 @@ def link_args() -> list[str]:
     return []
 
 
+BUILD_INFO = os.path.join(NAME, "_build_info.py")
+
+
 def write_build_info(torch) -> None:
-    """torch_rpc_ext/_build_info.py: the torch this build is for, which
-    ``import torch_rpc_ext`` compares with the torch it finds."""
-    cuda = torch.version.cuda
+    """torch_rpc_ext/_build_info.py: the torch this build is for (which
+    ``import torch_rpc_ext`` compares with the torch it finds) and how it was
+    built. Rewritten only when that changes; every extension depends on it,
+    so a new torch or new flags relink what build/lib already holds."""
     text = (
         "# Written by setup.py at build time; not tracked.\n"
-        f"TORCH_VERSION = {torch.__version__!r}\n"
-        f"TORCH_CUDA = {cuda!r}\n"
-        f"CXX11_ABI = {bool(torch.compiled_with_cxx11_abi())!r}\n"
+        f"TORCH_VERSION = {str(torch.__version__)!r}\n"
+        f"BUILD_FLAGS = {(compile_args(), link_args())!r}\n"
     )
-    path = os.path.join(ROOT, NAME, "_build_info.py")
+    path = os.path.join(ROOT, BUILD_INFO)
     old = open(path).read() if os.path.exists(path) else None
     if old != text:
         with open(path, "w") as f:
             f.write(text)
 
 
-def extensions() -> tuple[list, dict]:
-    if not BUILD_COMMANDS & set(sys.argv[1:]):
-        return [], {}
+def import_torch():
+    """torch and its extension helpers, or exit naming the supported build."""
     try:
         import torch
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        from torch.utils import cpp_extension
     except ImportError:
         sys.exit(
             "torch_rpc_ext is built against the torch it will run with, and no torch "
             "is importable here. Install torch first, then build without build "
             "isolation (an isolated build cannot see it):\n"
-            "    pip install 'torch>=2.11,<2.15'\n"
+            f"    pip install '{TORCH_REQUIREMENT}'\n"
             "    pip install --no-build-isolation ."
         )
-    write_build_info(torch)
-    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-    testing = os.environ.get("TORCH_RPC_EXT_BUILD_TESTING") == "1"
+    return torch, cpp_extension
 
-    class Build(BuildExtension):
+
+def build_command(cpp_extension, tag: str, testing: bool):
+    """torch's BuildExtension with our object folder, the test hooks' link
+    against _C, and no stale test hooks in a user's build."""
+
+    class Build(cpp_extension.BuildExtension):
         def finalize_options(self) -> None:
             super().finalize_options()
             # One object folder per torch and Python, whoever builds
             # (pip's editable and wheel builds each pass a temporary one).
             self.build_temp = os.path.join(ROOT, "build", f"temp-{tag}")
+            self.parallel = None  # _testing links against _C: in order
 
         def run(self) -> None:
             if not testing:
@@ -126,11 +138,23 @@ def extensions() -> tuple[list, dict]:
                 ]
             super().build_extension(ext)
 
+    return Build
+
+
+def extensions() -> tuple[list, dict]:
+    """The extensions and the build command, for commands that compile."""
+    if not BUILD_COMMANDS & set(sys.argv[1:]):
+        return [], {}
+    torch, cpp_extension = import_torch()
+    testing = os.environ.get("TORCH_RPC_EXT_BUILD_TESTING") == "1"
+    write_build_info(torch)
+    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+
     def extension(name: str, files: list[str]):
-        return CppExtension(
+        return cpp_extension.CppExtension(
             f"{NAME}.{name}",
             files,
-            depends=headers(),
+            depends=[*headers(), BUILD_INFO],
             include_dirs=[ROOT],
             extra_compile_args=compile_args(),
             extra_link_args=link_args(),
@@ -140,7 +164,7 @@ def extensions() -> tuple[list, dict]:
     exts = [extension("_C", sources())]
     if testing:
         exts.append(extension("_testing", TESTING_SOURCES))
-    return exts, {"build_ext": Build}
+    return exts, {"build_ext": build_command(cpp_extension, tag, testing)}
 
 
 ext_modules, cmdclass = extensions()

@@ -5,7 +5,7 @@ another torch would otherwise surface as an undefined-symbol traceback."""
 
 import torch
 
-__all__ = ["built_for", "check_torch"]
+__all__ = ["built_for", "check_torch", "load_error"]
 
 _REBUILD = (
     "rebuild torch_rpc_ext against the torch you run: from its source, "
@@ -25,7 +25,9 @@ def built_for() -> str | None:
 
 def check_torch() -> None:
     """Raise ImportError naming both versions if the running torch is not the
-    one this build was compiled against."""
+    one this build was compiled against. The rule is strict, version and
+    local tag alike (2.13.0+cpu is not 2.13.0+cu130): the two are other
+    binaries."""
     want, have = built_for(), str(torch.__version__)
     if want is not None and want != have:
         raise ImportError(

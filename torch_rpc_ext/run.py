@@ -43,12 +43,13 @@ _ROOT = str(_PACKAGE.parent)
 
 # Run in a child Python with the launch environment: which sitecustomize it
 # loaded and where it finds torch_rpc_ext (torch is not imported).
-_PROBE = """
+_PROBE_MARK = "torch_rpc_ext.run probe:"
+_PROBE = f"""
 import importlib.util, sys
 hook = sys.modules.get("sitecustomize")
 spec = importlib.util.find_spec("torch_rpc_ext")
-print(getattr(hook, "__file__", None) if getattr(hook, "TORCH_RPC_EXT_HOOK", False) else None)
-print(spec.origin if spec else None)
+ours = getattr(hook, "TORCH_RPC_EXT_HOOK", False)
+print({_PROBE_MARK!r}, ours, spec.origin if spec else None)
 """
 
 
@@ -77,14 +78,18 @@ def check_hook(env: dict | None = None) -> None:
         [sys.executable, *flags, "-c", _PROBE], env=probe_env,
         capture_output=True, text=True, timeout=60,
     )
-    lines = out.stdout.split("\n")
-    if out.returncode != 0 or len(lines) < 2:
+    # The last marked line: a chained sitecustomize may print too.
+    marked = [line for line in out.stdout.splitlines() if line.startswith(_PROBE_MARK)]
+    if out.returncode != 0 or not marked:
         raise HookError(f"a child Python failed to start: {out.stderr.strip()[-500:]}")
-    hook, package = lines[0].strip(), lines[1].strip()
-    if hook == "None":
-        ignores = {"-E", "-I"} & set(flags)
-        why = (f"this Python runs with {' '.join(sorted(ignores))}, which ignores PYTHONPATH"
-               if ignores else "another sitecustomize module comes first on its path")
+    hook, package = marked[-1][len(_PROBE_MARK):].split(maxsplit=1)
+    if hook != "True":
+        if ignores := {"-E", "-I"} & set(flags):
+            why = f"this Python runs with {' '.join(sorted(ignores))}, which ignores PYTHONPATH"
+        elif "-S" in flags:
+            why = "this Python runs with -S, which loads no sitecustomize"
+        else:
+            why = "another sitecustomize module comes before it on the path"
         raise HookError(f"a child Python does not load {_HOOK}: {why}")
     if package == "None" or Path(package).resolve().parent != _PACKAGE:
         raise HookError(
@@ -95,11 +100,15 @@ def check_hook(env: dict | None = None) -> None:
 def _installed() -> bool:
     """Whether torch_rpc_ext is imported from this Python's site-packages
     (else from a source tree, which children must be pointed at)."""
-    sites = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib"), *site.getsitepackages()}
+    sites = {
+        sysconfig.get_path("purelib"), sysconfig.get_path("platlib"),
+        *site.getsitepackages(), site.getusersitepackages(),
+    }
     return any(Path(s).resolve() == Path(_ROOT) for s in sites if s)
 
 
 def _launch_env(env: dict) -> dict:
+    """``env`` plus what makes a Python load the start-up hook."""
     env = dict(env)
     env["TORCH_RPC_EXT_LAUNCH"] = "1"  # _launch/sitecustomize.py installs the patch then
     # Never site-packages itself on PYTHONPATH: every other Python the
@@ -111,12 +120,14 @@ def _launch_env(env: dict) -> dict:
 
 
 def _free_port() -> int:
+    """A port free on the loopback now, for MASTER_PORT."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def _run_here(script: str, args: list[str]) -> None:
+    """Run ``script`` in this process, switched, as ``python script`` would."""
     os.environ.update(_launch_env(os.environ))
     # This process started before the variables were set: install here too.
     from torch_rpc_ext import _launcher
@@ -128,6 +139,7 @@ def _run_here(script: str, args: list[str]) -> None:
 
 
 def _run_copies(n: int, addr: str, port: int, script: str, args: list[str]) -> int:
+    """Start ``n`` switched copies as torchrun would; the first failure's status."""
     procs = []
     for rank in range(n):
         env = _launch_env(os.environ)

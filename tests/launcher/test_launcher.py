@@ -136,3 +136,41 @@ def test_options_translation(capfd):
     ]
     with pytest.raises(TypeError, match="takes RpcExtBackendOptions or TensorPipeRpcBackendOptions, got"):
         _launcher.translate_options({"rpc_timeout": 5})
+
+
+def test_only_the_backend_changed_runs_on_ours_with_tensorpipes_options():
+    proc = run("explicit_backend.py", str(free_port()), launcher=False)
+    rows = sorted(json_lines(proc.stdout), key=lambda r: r["rank"])
+    assert [(r["agent"], r["value"], r["timeout"], r["threads"]) for r in rows] == [
+        ("Agent", 10, 42, 5), ("Agent", 11, 42, 5)
+    ]
+    notes = [line for line in proc.stderr.splitlines() if "ignoring TensorPipe-only" in line]
+    assert len(notes) == 2 and all("_transports=['uv']" in n for n in notes), proc.stderr[-2000:]
+
+
+def test_children_get_the_switch_a_broken_one_refuses_rpc_and_user_hooks_still_run(tmp_path):
+    # A user's own sitecustomize (on PYTHONPATH) still runs in every child.
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text(
+        "import sys; sys.stderr.write('user sitecustomize ran\\n')\n")
+    # A torch_rpc_ext that cannot load, first on the second child's path.
+    planted = tmp_path / "planted" / "torch_rpc_ext"
+    planted.mkdir(parents=True)
+    (planted / "__init__.py").write_text("raise ImportError('planted breakage')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(user)]))
+    env.pop("TORCH_RPC_EXT_LAUNCH", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_rpc_ext.run", "children.py", str(planted.parent),
+         str(free_port())],
+        cwd=PROGRAMS, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (seen,) = json_lines(proc.stdout)
+    assert seen["good"] == {"switched": True, "init": "Agent"}
+    assert not seen["broken"]["switched"] and "init" not in seen["broken"]
+    assert seen["broken"]["error"].startswith(
+        "torch_rpc_ext.run: cannot switch init_rpc to TORCH_RPC_EXT in process ")
+    assert "ImportError: planted breakage; refusing to start TensorPipe" in seen["broken"]["error"]
+    # The probe, both children: the user's hook ran after ours each time.
+    assert proc.stderr.count("user sitecustomize ran") >= 3, proc.stderr[-2000:]

@@ -3,7 +3,7 @@
 into a fresh virtual environment, used from a directory outside the checkout.
 
 The wheel is built once per run (pip wheel --no-build-isolation reuses this
-tree's objects in build/temp-*, so it links rather than compiles). The fresh
+tree's objects in build/temp-*: it compiles nothing the tree has built). The fresh
 environment gets torch from the test's own environment through a .pth file
 (no download, no copy) and nothing of torch_rpc_ext but the wheel.
 """
@@ -47,7 +47,7 @@ def wheel(tmp_path_factory) -> Path:
     env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
     env.pop("TORCH_RPC_EXT_BUILD_TESTING", None)  # a user's build: no test hooks
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation",
-          "--no-deps", "-w", out, ROOT], cwd=ROOT, env=env, timeout=1200)
+          "--no-deps", "-w", out, ROOT], cwd=ROOT, env=env, timeout=500)
     (whl,) = out.glob("torch_rpc_ext-*.whl")
     return whl
 
@@ -89,7 +89,7 @@ def test_the_wheel_ships_the_core_and_the_launchers_hook(wheel):
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     requires = [line for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
                 if line.startswith("Requires-Dist:")]
-    assert requires == ["Requires-Dist: torch<2.15,>=2.11"], requires
+    assert requires == ["Requires-Dist: torch<2.14,>=2.11"], requires
 
 
 def test_installed_package_is_the_wheels(user_env):
