@@ -1,13 +1,11 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/agent/agent.h"
 
-#include <ATen/ThreadLocalState.h>
 #include <torch/csrc/distributed/rpc/agent_utils.h>
 #include <torch/csrc/distributed/rpc/request_callback_impl.h>
 #include <torch/csrc/distributed/rpc/utils.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <optional>
 #include <thread>
 
 #include "csrc/agent/serve_callback.h"
@@ -482,84 +480,6 @@ void Agent::onFrame(
     return;
   }
   settle(*conn, std::move(*call), std::move(message), remaining == 0);
-}
-
-void Agent::serveRequest(
-    std::shared_ptr<transport::Connection> conn,
-    c10::intrusive_ptr<rpc::Message> request) {
-  int64_t id = request->id();
-  // Serve every request with the thread-local state this pool thread had
-  // before it ran any request. Upstream's legacy profiler leaves per-thread
-  // state behind after RUN_WITH_PROFILING_REQ, so a second profiled request on
-  // the same thread would record no events (TensorPipe has the same bug; it
-  // is hit there less often only because its pool rotates threads).
-  thread_local std::optional<at::ThreadLocalState> pristine;
-  if (!pristine) {
-    pristine.emplace();
-  }
-  at::ThreadLocalStateGuard tls(*pristine);
-  c10::intrusive_ptr<JitFuture> result;
-  try {
-    result = (*cb_)(*request, {});
-  } catch (...) {
-    result = c10::make_intrusive<JitFuture>(at::AnyClassType::get());
-    result->setError(std::current_exception());
-  }
-  // The callback has taken what it needs. Holding the request any longer
-  // would keep its tensors referenced while the response is encoded, and a
-  // tensor sent back unchanged (identity, in-place updates) could then not
-  // hand its shared slab back without a copy (shm/slab.h).
-  request.reset();
-  bool async = !result->completed();
-  if (async) {
-    ++serverActiveAsyncCalls_;
-  }
-  std::weak_ptr<Agent> weak = shared_from_this();
-  result->addCallback([weak, conn, id, async](JitFuture& f) {
-    auto self = weak.lock();
-    if (!self) {
-      return;
-    }
-    self->sendResponse(*conn, id, f);
-    --self->serverActiveCalls_;
-    if (async) {
-      --self->serverActiveAsyncCalls_;
-    }
-  });
-}
-
-void Agent::sendResponse(
-    transport::Connection& conn,
-    int64_t id,
-    JitFuture& result) {
-  if (!rpcAgentRunning_.load()) {
-    return;
-  }
-  c10::intrusive_ptr<rpc::Message> response;
-  if (result.hasError()) {
-    response =
-        rpc::createExceptionResponse(result.tryRetrieveErrorMessage(), id);
-  } else {
-    response = result.value().toCustomClass<rpc::Message>();
-  }
-  transport::OutboundFrame frame;
-  try {
-    frame = wire::encodeMessage(response, id);
-    TORCH_CHECK(
-        frame.wireSize() <= options_.maxFrameBytes,
-        "RPC response of ",
-        frame.wireSize(),
-        " bytes exceeds max_frame_bytes=",
-        options_.maxFrameBytes);
-  } catch (const std::exception& e) {
-    frame = wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id);
-  }
-  int32_t peer = conn.peerId();
-  if (peer >= 0 && peer < worldSize_) {
-    stats_[peer].bytesSent.fetch_add(
-        frame.wireSize(), std::memory_order_relaxed);
-  }
-  conn.write(std::move(frame));
 }
 
 void Agent::onClosed(transport::Connection& conn, const std::string& reason) {
