@@ -58,7 +58,7 @@ class HookError(RuntimeError):
     program starts (they would run TensorPipe)."""
 
 
-def check_hook(env: dict | None = None) -> None:
+def check_hook() -> None:
     """Start a Python the way a launched program starts one (this
     interpreter, its flags, the launch environment) and check that it loads
     our start-up hook and imports this torch_rpc_ext.
@@ -71,7 +71,7 @@ def check_hook(env: dict | None = None) -> None:
             f"{_HOOK} is missing: this install of torch_rpc_ext is incomplete "
             "(reinstall it: pip install --no-build-isolation --force-reinstall .)"
         )
-    probe_env = _launch_env(os.environ if env is None else env)
+    probe_env = _launch_env(os.environ)
     probe_env["TORCH_RPC_EXT_LAUNCH"] = "probe"
     flags = subprocess._args_from_interpreter_flags()  # what multiprocessing passes on
     out = subprocess.run(
