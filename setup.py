@@ -16,6 +16,7 @@ either relinks (and ninja recompiles what its command line changed).
 """
 
 import glob
+import importlib.util
 import os
 import sys
 
@@ -38,7 +39,11 @@ BUILD_COMMANDS = {
 # The test hooks (torch_rpc_ext._testing): a module of their own, linked
 # against _C, built only with TORCH_RPC_EXT_BUILD_TESTING=1 (tools/setup_env.sh
 # sets it), so a wheel never ships them.
-TESTING_SOURCES = ["csrc/bindings/bind_testing.cpp", "csrc/bindings/testing_module.cpp"]
+TESTING_SOURCES = [
+    "csrc/bindings/bind_testing.cpp",
+    "csrc/bindings/bind_testing_cuda.cpp",
+    "csrc/bindings/testing_module.cpp",
+]
 
 
 def sources() -> list[str]:
@@ -88,6 +93,22 @@ def write_build_info(torch) -> None:
     if old != text:
         with open(path, "w") as f:
             f.write(text)
+
+
+def cuda_include_args() -> list[str]:
+    """-isystem for cuda.h (types and ABI names only: csrc/common/libcuda.h
+    loads the driver at run time), or exit saying how to get it."""
+    path = os.path.join(ROOT, NAME, "_cuda", "headers.py")
+    spec = importlib.util.spec_from_file_location("_torch_rpc_ext_headers", path)
+    headers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(headers)
+    include = headers.cuda_include_dir()
+    if include is None:
+        sys.exit(
+            "torch_rpc_ext needs cuda.h to build (one build serves CPU and CUDA "
+            f"torch; no GPU and no CUDA library is needed): {headers.HOW_TO_GET}."
+        )
+    return ["-isystem", str(include)]
 
 
 def import_torch():
@@ -156,7 +177,7 @@ def extensions() -> tuple[list, dict]:
             files,
             depends=[*headers(), BUILD_INFO],
             include_dirs=[ROOT],
-            extra_compile_args=compile_args(),
+            extra_compile_args=compile_args() + cuda_include_args(),
             extra_link_args=link_args(),
             libraries=["torch_python"],
         )

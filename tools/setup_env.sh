@@ -11,6 +11,7 @@ PACKAGES=(
   "torch==2.13.0" numpy pytest pytest-timeout expecttest hypothesis grpcio
   matplotlib nbclient ipykernel gymnasium  # tutorials/ run in a Jupyter kernel; 01 uses gymnasium
   numba "numba-cuda==0.30.4" "nvidia-nvvm==13.0.*" "nvidia-cuda-nvrtc==13.0.*" "numpy<2.5"  # torch_rpc_ext/_cuda: copy kernels to PTX, no GPU needed; numba-cuda 0.30.4 breaks on numpy 2.5
+  "nvidia-cuda-runtime==13.0.*"  # cuda.h, for building (csrc/common/libcuda.h); no GPU needed
 )
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv

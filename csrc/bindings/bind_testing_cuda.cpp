@@ -1,0 +1,150 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// torch_rpc_ext._testing.cuda: the CUDA driver layer and the copy engine,
+// reached directly so tests can drive them against the fake driver
+// (tests/cuda_fake) on a machine without a GPU, and against the real one on
+// a GPU. A test hook, like the rest of _testing: it may reach into a
+// channel's folder, which nothing else outside the channel registry does.
+#include <map>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "csrc/bindings/bind.h"
+#include "csrc/channel/cuda/copy_engine.h"
+#include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/exported_memory.h"
+#include "csrc/common/libcuda.h"
+
+namespace torch_rpc_ext::bindings {
+
+namespace {
+
+namespace cuda = channel::cuda;
+
+CUstream asStream(uintptr_t s) {
+  return reinterpret_cast<CUstream>(s);
+}
+
+} // namespace
+
+void bindTestingCuda(py::module_& parent) {
+  auto m = parent.def_submodule("cuda", "CUDA driver layer test hooks");
+  m.def("libcuda_description", [] { return libcuda().description; });
+  m.def("libcuda_load_attempted", &libcudaLoadAttempted);
+  m.def("device_count", &cuda::deviceCount);
+  m.def("device_uuid", &cuda::deviceUuid);
+  m.def("multiprocessors", &cuda::multiprocessors);
+  m.def("supports_fd_export", &cuda::supportsFdExport);
+  m.def("granularity", &cuda::ExportedMemory::granularity);
+
+  // Plain device memory and copies, for setting up and checking.
+  m.def("mem_alloc", [](int device, size_t bytes) {
+    cuda::CurrentDevice current(device);
+    CUdeviceptr p = 0;
+    TORCH_RPC_EXT_CUDA_CHECK(cuMemAlloc, &p, bytes);
+    return static_cast<uintptr_t>(p);
+  });
+  m.def("mem_free", [](int device, uintptr_t p) {
+    cuda::CurrentDevice current(device);
+    TORCH_RPC_EXT_CUDA_CHECK(cuMemFree, p);
+  });
+  m.def("write", [](int device, uintptr_t p, const py::bytes& data) {
+    std::string s = data;
+    cuda::CurrentDevice current(device);
+    TORCH_RPC_EXT_CUDA_CHECK(cuMemcpyHtoD, p, s.data(), s.size());
+  });
+  m.def("read", [](int device, uintptr_t p, size_t n) {
+    std::string s(n, '\0');
+    cuda::CurrentDevice current(device);
+    TORCH_RPC_EXT_CUDA_CHECK(cuMemcpyDtoH, s.data(), p, n);
+    return py::bytes(s);
+  });
+  m.def("stream_create", [](int device) {
+    cuda::CurrentDevice current(device);
+    CUstream s = nullptr;
+    TORCH_RPC_EXT_CUDA_CHECK(cuStreamCreate, &s, CU_STREAM_NON_BLOCKING);
+    return reinterpret_cast<uintptr_t>(s);
+  });
+  m.def("stream_synchronize", [](int device, uintptr_t s) {
+    py::gil_scoped_release unlocked;
+    cuda::CurrentDevice current(device);
+    TORCH_RPC_EXT_CUDA_CHECK(cuStreamSynchronize, asStream(s));
+  });
+  m.def("stream_destroy", [](int device, uintptr_t s) {
+    cuda::CurrentDevice current(device);
+    TORCH_RPC_EXT_CUDA_CHECK(cuStreamDestroy, asStream(s));
+  });
+
+  py::class_<cuda::ExportedMemory>(m, "ExportedMemory")
+      .def_static("create", &cuda::ExportedMemory::create)
+      .def_static("import_fd", &cuda::ExportedMemory::import)
+      .def("export_fd", &cuda::ExportedMemory::exportFd)
+      .def_property_readonly(
+          "address",
+          [](const cuda::ExportedMemory& e) {
+            return static_cast<uintptr_t>(e.address());
+          })
+      .def_property_readonly("size", &cuda::ExportedMemory::size)
+      .def_property_readonly("device", &cuda::ExportedMemory::device);
+
+  py::class_<cuda::CopyEngine>(m, "CopyEngine")
+      .def(
+          py::init([](int device,
+                      const std::map<
+                          std::string,
+                          std::pair<std::string, std::string>>& images) {
+            cuda::KernelImages k;
+            for (const auto& [name, image] : images) {
+              k[name] = {image.first, image.second};
+            }
+            return std::make_unique<cuda::CopyEngine>(device, k);
+          }),
+          py::arg("device"),
+          py::arg("images"))
+      .def(
+          "copy",
+          [](cuda::CopyEngine& e,
+             uintptr_t s,
+             uintptr_t d,
+             uintptr_t src,
+             uint64_t n) { e.copy(asStream(s), d, src, n); })
+      .def(
+          "copy_segments",
+          [](cuda::CopyEngine& e,
+             uintptr_t s,
+             const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t>>&
+                 rows) {
+            std::vector<cuda::CopyEngine::Segment> segments;
+            for (const auto& [d, src, n] : rows) {
+              segments.push_back({d, src, n});
+            }
+            e.copySegments(asStream(s), segments);
+          })
+      .def(
+          "pack",
+          [](cuda::CopyEngine& e,
+             uintptr_t s,
+             uintptr_t d,
+             uintptr_t src,
+             const std::vector<int64_t>& sizes,
+             const std::vector<int64_t>& strides,
+             size_t elem) {
+            e.pack(asStream(s), d, src, sizes, strides, elem);
+          })
+      .def(
+          "unpack",
+          [](cuda::CopyEngine& e,
+             uintptr_t s,
+             uintptr_t d,
+             uintptr_t src,
+             const std::vector<int64_t>& sizes,
+             const std::vector<int64_t>& strides,
+             size_t elem) {
+            e.unpack(asStream(s), d, src, sizes, strides, elem);
+          })
+      .def("launches", &cuda::CopyEngine::launches)
+      .def_static("merge_dims", &cuda::CopyEngine::mergeDims);
+}
+
+} // namespace torch_rpc_ext::bindings

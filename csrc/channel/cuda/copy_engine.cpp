@@ -1,0 +1,317 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/channel/cuda/copy_engine.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <stdexcept>
+
+#include "csrc/channel/cuda/device.h"
+#include "csrc/common/libcuda.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+namespace {
+
+// In torch_rpc_ext/_cuda/abi.py's KERNELS order.
+constexpr const char* kNames[] = {
+    "copy_contiguous",
+    "copy_segments",
+    "pack_strided",
+    "unpack_strided"};
+constexpr uint64_t kThreads = 256;
+// Each thread of a contiguous copy moves at least this many 16-byte vectors
+// before another block is worth launching.
+constexpr uint64_t kVectorsPerThread = 4;
+// The most bytes of one row a copy_segments block copies at a time: a
+// multiple of 16 (the vector path), small enough that a message of one big
+// tensor still spreads over every multiprocessor.
+constexpr uint64_t kChunkBytes = 64 << 10;
+constexpr uint64_t kSegmentRowWords = 4; // abi.SEGMENT_ROW_WORDS
+constexpr size_t kMinStaging = 4096;
+
+uint64_t ceilDiv(uint64_t a, uint64_t b) {
+  return (a + b - 1) / b;
+}
+
+} // namespace
+
+CopyEngine::CopyEngine(int device, const KernelImages& images)
+    : device_(device) {
+  CurrentDevice current(device);
+  // Enough blocks to fill every multiprocessor several times over; kernels
+  // stride over what is left.
+  maxBlocks_ = static_cast<uint64_t>(multiprocessors(device)) * 8;
+  for (int k = 0; k < kNumKernels; ++k) {
+    auto it = images.find(kNames[k]);
+    if (it == images.end()) {
+      throw std::invalid_argument(
+          std::string("copy kernel '") + kNames[k] + "' missing from the PTX");
+    }
+    std::string text = it->second.ptx; // NUL-terminated by std::string
+    CUresult rc = libcuda().cuModuleLoadData(&modules_[k], text.c_str());
+    if (rc != CUDA_SUCCESS) {
+      throw std::runtime_error(
+          cudaErrorText("cuModuleLoadData", rc) + " loading the copy kernel " +
+          kNames[k] +
+          (rc == CUDA_ERROR_UNSUPPORTED_PTX_VERSION
+               ? ": its PTX ISA is newer than this driver accepts (pin "
+                 "nvidia-nvvm to the driver's CUDA version; docs/cuda.md)"
+               : std::string()));
+    }
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuModuleGetFunction,
+        &functions_[k],
+        modules_[k],
+        it->second.entry.c_str());
+  }
+}
+
+CopyEngine::~CopyEngine() {
+  try {
+    CurrentDevice current(device_);
+    const Libcuda& cu = libcuda();
+    for (auto& s : staging_) {
+      // A launch still reading it would read freed memory: wait for it (only
+      // here, at teardown).
+      if (s->done != nullptr) {
+        cu.cuEventSynchronize(s->done);
+        cu.cuEventDestroy(s->done);
+      }
+      if (s->device != 0) {
+        cu.cuMemFree(s->device);
+      }
+      if (s->host != nullptr) {
+        cu.cuMemFreeHost(s->host);
+      }
+    }
+    for (CUmodule m : modules_) {
+      if (m != nullptr) {
+        cu.cuModuleUnload(m);
+      }
+    }
+  } catch (const std::exception&) {
+    // The driver is gone (process exit).
+  }
+}
+
+void CopyEngine::launch(
+    Kernel k,
+    CUstream stream,
+    uint64_t blocks,
+    uint64_t a,
+    uint64_t b,
+    uint64_t c) {
+  void* args[] = {&a, &b, &c};
+  const auto grid =
+      static_cast<unsigned>(std::clamp<uint64_t>(blocks, 1, maxBlocks_));
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuLaunchKernel,
+      functions_[k],
+      grid,
+      1,
+      1,
+      static_cast<unsigned>(kThreads),
+      1,
+      1,
+      0,
+      stream,
+      args,
+      nullptr);
+  launches_[k].fetch_add(1, std::memory_order_relaxed);
+}
+
+void CopyEngine::copy(
+    CUstream stream,
+    CUdeviceptr dst,
+    CUdeviceptr src,
+    uint64_t nbytes) {
+  if (nbytes == 0) {
+    return;
+  }
+  CurrentDevice current(device_);
+  launch(
+      kCopy,
+      stream,
+      ceilDiv(ceilDiv(nbytes, 16), kThreads * kVectorsPerThread),
+      dst,
+      src,
+      nbytes);
+}
+
+template <typename Then>
+void CopyEngine::withTable(
+    CUstream stream,
+    const std::vector<uint64_t>& words,
+    Then then) {
+  const Libcuda& cu = libcuda();
+  const size_t bytes = words.size() * sizeof(uint64_t);
+  Staging* slot = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& s : staging_) {
+      if (!s->claimed && s->capacity >= bytes &&
+          cu.cuEventQuery(s->done) == CUDA_SUCCESS) {
+        slot = s.get();
+        break;
+      }
+    }
+    if (slot == nullptr) {
+      // Every buffer is in flight (or too small): one more, so no thread
+      // ever waits for the GPU here. Their number is bounded by the
+      // launches in flight at once.
+      auto s = std::make_unique<Staging>();
+      s->capacity = std::max(kMinStaging, std::bit_ceil(bytes));
+      TORCH_RPC_EXT_CUDA_CHECK(cuMemHostAlloc, &s->host, s->capacity, 0);
+      TORCH_RPC_EXT_CUDA_CHECK(cuMemAlloc, &s->device, s->capacity);
+      TORCH_RPC_EXT_CUDA_CHECK(
+          cuEventCreate, &s->done, CU_EVENT_DISABLE_TIMING);
+      staging_.push_back(std::move(s));
+      slot = staging_.back().get();
+    }
+    slot->claimed = true;
+  }
+  std::memcpy(slot->host, words.data(), bytes);
+  try {
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuMemcpyHtoDAsync, slot->device, slot->host, bytes, stream);
+    then(slot->device);
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, slot->done, stream);
+  } catch (...) {
+    // What was enqueued may still read it: never reuse this one.
+    std::lock_guard<std::mutex> lock(mu_);
+    slot->capacity = 0;
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  slot->claimed = false;
+}
+
+void CopyEngine::copySegments(
+    CUstream stream,
+    const std::vector<Segment>& segments) {
+  std::vector<uint64_t> table;
+  table.reserve(segments.size() * kSegmentRowWords);
+  uint64_t chunks = 0;
+  for (const Segment& s : segments) {
+    if (s.nbytes == 0) {
+      continue; // copies nothing; keeps the table short
+    }
+    table.insert(table.end(), {s.dst, s.src, s.nbytes, chunks});
+    chunks += ceilDiv(s.nbytes, kChunkBytes);
+  }
+  if (chunks == 0) {
+    return;
+  }
+  CurrentDevice current(device_);
+  if (table.size() == kSegmentRowWords) {
+    launch(
+        kCopy,
+        stream,
+        ceilDiv(ceilDiv(table[2], 16), kThreads * kVectorsPerThread),
+        table[0],
+        table[1],
+        table[2]);
+    return;
+  }
+  const uint64_t rows = table.size() / kSegmentRowWords;
+  withTable(stream, table, [&](CUdeviceptr device) {
+    launch(kSegments, stream, chunks, device, rows, kChunkBytes);
+  });
+}
+
+std::vector<std::pair<int64_t, int64_t>> CopyEngine::mergeDims(
+    const std::vector<int64_t>& sizes,
+    const std::vector<int64_t>& strides) {
+  if (sizes.size() != strides.size()) {
+    throw std::invalid_argument("a view's sizes and strides differ in length");
+  }
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] < 0 || strides[d] < 0) {
+      throw std::invalid_argument("a view with a negative size or stride");
+    }
+    if (sizes[d] == 0) {
+      return {{0, 1}};
+    }
+    if (sizes[d] == 1) {
+      continue;
+    }
+    // The outer dimension steps over whole runs of this one: one dimension.
+    if (!dims.empty() && dims.back().second == sizes[d] * strides[d]) {
+      dims.back() = {dims.back().first * sizes[d], strides[d]};
+    } else {
+      dims.emplace_back(sizes[d], strides[d]);
+    }
+  }
+  return dims;
+}
+
+void CopyEngine::strided(
+    Kernel k,
+    CUstream stream,
+    CUdeviceptr dst,
+    CUdeviceptr src,
+    const std::vector<int64_t>& sizes,
+    const std::vector<int64_t>& strides,
+    size_t elemSize) {
+  if (elemSize != 1 && elemSize != 2 && elemSize != 4 && elemSize != 8 &&
+      elemSize != 16) {
+    throw std::invalid_argument(
+        "strided copy of " + std::to_string(elemSize) +
+        "-byte elements (1, 2, 4, 8 or 16)");
+  }
+  auto dims = mergeDims(sizes, strides);
+  uint64_t numel = 1;
+  for (const auto& [size, stride] : dims) {
+    numel *= static_cast<uint64_t>(size);
+  }
+  if (numel == 0) {
+    return;
+  }
+  if (dims.empty() || (dims.size() == 1 && dims[0].second == 1)) {
+    copy(stream, dst, src, numel * elemSize);
+    return;
+  }
+  std::vector<uint64_t> desc = {dims.size(), elemSize, numel};
+  for (const auto& d : dims) {
+    desc.push_back(static_cast<uint64_t>(d.first));
+  }
+  for (const auto& d : dims) {
+    desc.push_back(static_cast<uint64_t>(d.second));
+  }
+  CurrentDevice current(device_);
+  withTable(stream, desc, [&](CUdeviceptr device) {
+    launch(k, stream, ceilDiv(numel, kThreads), dst, src, device);
+  });
+}
+
+void CopyEngine::pack(
+    CUstream stream,
+    CUdeviceptr contiguousDst,
+    CUdeviceptr stridedSrc,
+    const std::vector<int64_t>& sizes,
+    const std::vector<int64_t>& strides,
+    size_t elemSize) {
+  strided(kPack, stream, contiguousDst, stridedSrc, sizes, strides, elemSize);
+}
+
+void CopyEngine::unpack(
+    CUstream stream,
+    CUdeviceptr stridedDst,
+    CUdeviceptr contiguousSrc,
+    const std::vector<int64_t>& sizes,
+    const std::vector<int64_t>& strides,
+    size_t elemSize) {
+  strided(kUnpack, stream, stridedDst, contiguousSrc, sizes, strides, elemSize);
+}
+
+std::map<std::string, uint64_t> CopyEngine::launches() const {
+  std::map<std::string, uint64_t> out;
+  for (int k = 0; k < kNumKernels; ++k) {
+    out[kNames[k]] = launches_[k].load(std::memory_order_relaxed);
+  }
+  return out;
+}
+
+} // namespace torch_rpc_ext::channel::cuda

@@ -1,0 +1,52 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <cuda.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+namespace torch_rpc_ext::channel::cuda {
+
+// Facts about one CUDA device and the driver state a thread needs to use it,
+// all through the run-time driver table (csrc/common/libcuda.h).
+//
+// Every thread that calls the driver needs a current context: a new thread
+// has none, and c10's SetDevice returns early when the device index already
+// matches (cuda-design.md, pitfall 2). The extension uses the devices'
+// primary contexts only, the ones the CUDA runtime and torch use, so handles
+// opened or modules loaded here are valid for torch's streams and memory.
+
+// The device's primary context, retained on first use and kept for the life
+// of the process (released by the driver at exit; never from a static
+// destructor). Throws naming the device if it does not exist.
+CUcontext primaryContext(int device);
+
+// Makes `device`'s primary context current on this thread for the guard's
+// life, then restores the one that was current.
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device);
+  ~CurrentDevice();
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  CUcontext previous_ = nullptr;
+  bool switched_ = false;
+};
+
+int deviceCount();
+
+// The device's UUID, which names it across processes whatever their
+// CUDA_VISIBLE_DEVICES (pitfall 11), as 32 hex digits.
+std::string deviceUuid(int device);
+
+int multiprocessors(int device);
+
+// Whether the device can create memory (cuMemCreate) that exports as a POSIX
+// file descriptor: what the cuda_ipc channel's shared blocks need.
+bool supportsFdExport(int device);
+
+} // namespace torch_rpc_ext::channel::cuda

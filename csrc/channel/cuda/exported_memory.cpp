@@ -1,0 +1,127 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/channel/cuda/exported_memory.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+
+#include "csrc/channel/cuda/device.h"
+#include "csrc/common/libcuda.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+namespace {
+
+CUmemAllocationProp properties(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return prop;
+}
+
+} // namespace
+
+size_t ExportedMemory::granularity(int device) {
+  CurrentDevice current(device);
+  CUmemAllocationProp prop = properties(device);
+  size_t out = 0;
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuMemGetAllocationGranularity,
+      &out,
+      &prop,
+      CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+  return out;
+}
+
+std::unique_ptr<ExportedMemory> ExportedMemory::create(
+    int device,
+    size_t bytes) {
+  const size_t unit = granularity(device);
+  const size_t size = (std::max<size_t>(bytes, 1) + unit - 1) / unit * unit;
+  CurrentDevice current(device);
+  CUmemAllocationProp prop = properties(device);
+  CUmemGenericAllocationHandle handle;
+  TORCH_RPC_EXT_CUDA_CHECK(cuMemCreate, &handle, size, &prop, 0);
+  std::unique_ptr<ExportedMemory> out(
+      new ExportedMemory(device, size, handle, /*owner=*/true));
+  out->map();
+  return out;
+}
+
+std::unique_ptr<ExportedMemory> ExportedMemory::import(
+    int fd,
+    size_t bytes,
+    int device) {
+  if (bytes == 0 || bytes % granularity(device) != 0) {
+    throw std::invalid_argument(
+        "imported CUDA memory of " + std::to_string(bytes) +
+        " bytes: not a multiple of the allocation granularity");
+  }
+  CurrentDevice current(device);
+  CUmemGenericAllocationHandle handle;
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuMemImportFromShareableHandle,
+      &handle,
+      reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
+      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  std::unique_ptr<ExportedMemory> out(
+      new ExportedMemory(device, bytes, handle, /*owner=*/false));
+  out->map();
+  return out;
+}
+
+ExportedMemory::ExportedMemory(
+    int device,
+    size_t size,
+    CUmemGenericAllocationHandle h,
+    bool owner)
+    : device_(device), size_(size), handle_(h), owner_(owner) {}
+
+void ExportedMemory::map() {
+  // On failure the destructor (run by the unique_ptr the caller holds)
+  // undoes what was done.
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuMemAddressReserve, &address_, size_, granularity(device_), 0, 0);
+  TORCH_RPC_EXT_CUDA_CHECK(cuMemMap, address_, size_, 0, handle_, 0);
+  mapped_ = true;
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  TORCH_RPC_EXT_CUDA_CHECK(cuMemSetAccess, address_, size_, &access, 1);
+}
+
+ExportedMemory::~ExportedMemory() {
+  try {
+    CurrentDevice current(device_);
+    const Libcuda& cu = libcuda();
+    if (mapped_) {
+      cu.cuMemUnmap(address_, size_);
+    }
+    if (address_ != 0) {
+      cu.cuMemAddressFree(address_, size_);
+    }
+    cu.cuMemRelease(handle_);
+  } catch (const std::exception&) {
+    // The driver is gone (process exit): nothing left to release.
+  }
+}
+
+int ExportedMemory::exportFd() const {
+  if (!owner_) {
+    throw std::logic_error("imported CUDA memory is exported by its creator");
+  }
+  CurrentDevice current(device_);
+  int fd = -1;
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuMemExportToShareableHandle,
+      &fd,
+      handle_,
+      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+      0);
+  return fd;
+}
+
+} // namespace torch_rpc_ext::channel::cuda

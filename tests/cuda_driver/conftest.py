@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The driver for this folder's tests: the machine's own where it has one
+(a GPU machine: tools/gpu_check.sh), else the fake (tests/cuda_fake, built
+once); loaded only by spawned processes (worker.py says why)."""
+
+import ctypes.util
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from tests import cuda_fake
+from tests.cuda_driver import worker
+
+
+def _start(env: dict[str, str]) -> None:
+    os.environ.update(env)
+
+
+class Remote:
+    """Calls worker functions in the pool's one process."""
+
+    def __init__(self, pool: ProcessPoolExecutor) -> None:
+        self._pool = pool
+
+    def __getattr__(self, name: str):
+        fn = getattr(worker, name)
+        return lambda *args: self._pool.submit(fn, *args).result(timeout=300)
+
+
+REAL_DRIVER = ctypes.util.find_library("cuda") is not None
+
+
+@pytest.fixture(scope="session")
+def driver_env() -> dict[str, str]:
+    """The environment a process needs to load the driver under test."""
+    if REAL_DRIVER:
+        return {}
+    return {"TORCH_RPC_EXT_LIBCUDA": str(cuda_fake.build())}
+
+
+@pytest.fixture(scope="session")
+def driver(driver_env):
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, context, initializer=_start, initargs=(driver_env,)) as pool:
+        yield Remote(pool)
+
+
+@pytest.fixture
+def spawn(driver_env, monkeypatch):
+    """A spawn context whose processes load the driver under test."""
+    for key, value in driver_env.items():
+        monkeypatch.setenv(key, value)
+    return multiprocessing.get_context("spawn")

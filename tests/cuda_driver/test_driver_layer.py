@@ -1,0 +1,184 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The CUDA driver layer (csrc/common/libcuda, csrc/channel/cuda) on this
+machine: the loader without a driver, and device memory, export/import and
+the copy engine against the fake driver (tests/cuda_fake), or the real one where the
+machine has it (tools/gpu_check.sh).
+
+What this proves is logic (descriptor tables, dimension merging, staging
+reuse, launch parameters, the fd export/import sequence, lifetimes, error
+texts), never hardware: the fake's device memory is host memory and its
+kernels are memcpy by entry name. tools/gpu_check.sh runs the same worker
+functions on a GPU.
+"""
+
+import ctypes.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.cuda_driver import worker
+from tests.cuda_driver.conftest import REAL_DRIVER
+
+pytestmark = pytest.mark.unit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    full = {**os.environ, **env}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=120, env=full, cwd=ROOT,
+    )
+
+
+LOAD = """
+    from torch_rpc_ext import _testing
+    for _ in range(2):  # the same error on every call
+        try:
+            _testing.cuda.libcuda_description()
+        except RuntimeError as e:
+            print("ERROR", e)
+"""
+
+
+@pytest.mark.skipif(REAL_DRIVER, reason="this machine has a CUDA driver")
+def test_no_driver_is_a_clear_error():
+    out = run_python(LOAD, {"TORCH_RPC_EXT_LIBCUDA": ""})
+    assert out.returncode == 0, out.stderr
+    errors = [line for line in out.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 2 and errors[0] == errors[1]
+    assert 'dlopen("libcuda.so.1")' in errors[0]
+    assert "LD_LIBRARY_PATH" in out.stdout and "TORCH_RPC_EXT_LIBCUDA" in out.stdout
+
+
+def test_a_named_library_that_is_missing_or_not_cuda():
+    out = run_python(LOAD, {"TORCH_RPC_EXT_LIBCUDA": "/nonexistent/libcuda.so.1"})
+    assert "/nonexistent/libcuda.so.1" in out.stdout
+    assert "(named by TORCH_RPC_EXT_LIBCUDA)" in out.stdout
+    libc = ctypes.util.find_library("c")
+    out = run_python(LOAD, {"TORCH_RPC_EXT_LIBCUDA": libc})
+    assert "cannot use the CUDA library" in out.stdout
+    assert "it lacks cuInit, cuDriverGetVersion" in out.stdout, out.stdout
+
+
+def test_cpu_rpc_loads_no_cuda_library():
+    code = """
+        import os, torch
+        import torch.distributed.rpc as rpc
+        import torch_rpc_ext
+        from torch_rpc_ext import _testing
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+        rpc.init_rpc("solo", rank=0, world_size=1, backend=rpc.BackendType.TORCH_RPC_EXT)
+        r = rpc.rpc_sync("solo", torch.add, args=(torch.ones(4), 1))
+        rpc.shutdown()
+        maps = open("/proc/self/maps").read()
+        print(int(r.sum()), _testing.cuda.libcuda_load_attempted(), "libcuda" in maps)
+    """
+    out = run_python(code, {})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["8", "False", "False"]
+
+
+def test_the_driver_loads(driver_env, driver):
+    description, count, uuids = driver.describe()
+    assert description.startswith("CUDA driver 1")
+    if not REAL_DRIVER:
+        assert driver_env["TORCH_RPC_EXT_LIBCUDA"] in description
+        assert description.startswith("CUDA driver 13.0 (")
+    assert count >= 1 and all(len(u) == 32 for u in uuids)
+    assert len(set(uuids)) == count
+
+
+@pytest.mark.parametrize(
+    "sizes,strides,want",
+    [
+        ([4, 5], [5, 1], [(20, 1)]),  # contiguous: one dimension
+        ([4, 5], [1, 4], [(4, 1), (5, 4)]),  # transposed: nothing merges
+        ([2, 1, 3, 4], [12, 99, 4, 1], [(24, 1)]),  # size-1 dimensions drop
+        ([3, 4, 5], [40, 5, 1], [(3, 40), (20, 1)]),  # a row-sliced block
+        ([6, 7], [0, 1], [(6, 0), (7, 1)]),  # expanded
+        ([3, 0, 2], [1, 1, 1], [(0, 1)]),  # empty
+        ([], [], []),  # a scalar
+    ],
+)
+def test_merge_dims(driver, sizes, strides, want):
+    assert driver.merge_dims(sizes, strides) == want
+
+
+def test_copy_any_size_and_alignment(driver):
+    cases = [(1, 0, 0), (15, 1, 3), (16, 0, 0), (17, 16, 16), (4097, 5, 5),
+             ((1 << 20) + 3, 7, 2), (0, 0, 0)]
+    assert driver.copies(cases) == [True] * len(cases)
+
+
+def test_gather_and_scatter_many_tensors_in_one_launch(driver):
+    sizes = [1024] * 1000 + [0, 1, 7, (256 << 10) + 5]
+    ok, launches = driver.gather(sizes, 3)
+    assert ok
+    # Each round: one launch to gather, one to scatter.
+    assert launches["copy_segments"] == 6 and launches["copy_contiguous"] == 0
+
+
+def test_one_segment_is_a_plain_copy(driver):
+    ok, launches = driver.gather([0, 5000, 0])
+    assert ok and launches == {**launches, "copy_segments": 0, "copy_contiguous": 2}
+
+
+def test_strided_views_pack_and_unpack(driver):
+    cases = [
+        ([513, 257], [1, 513], 4, 513 * 257),  # a transpose
+        ([64, 33], [99, 3], 2, 64 * 99),  # every third column
+        ([7, 5, 6], [1, 42, 7], 8, 5 * 6 * 7),  # a permutation
+        ([32, 63], [1, 65], 1, 65 * 63),  # a sliced transpose of bytes
+        ([11, 9], [1, 11], 16, 99),  # complex128
+        ([4, 30, 40], [0, 40, 1], 4, 1200),  # expanded: pack only
+        ([3, 4, 5], [40, 5, 1], 4, 120),  # merges into a 2-d view
+        ([100], [1], 8, 100),  # contiguous: a plain copy
+    ]
+    assert driver.strided(cases) == [True] * len(cases)
+
+
+def test_missing_or_refused_kernels_are_named(driver):
+    images = worker.kernel_images()
+    del images["copy_segments"]
+    assert "copy kernel 'copy_segments' missing" in driver.engine_error(images)
+    images = worker.kernel_images()
+    entry, ptx = images["pack_strided"]
+    images["pack_strided"] = (entry, ptx.replace(".version 9.0", ".version 9.9"))
+    error = driver.engine_error(images)
+    assert "CUDA_ERROR_UNSUPPORTED_PTX_VERSION" in error
+    assert "pack_strided" in error and "pin nvidia-nvvm" in error
+    images = worker.kernel_images()
+    images["copy_contiguous"] = ("no_such_entry", images["copy_contiguous"][1])
+    assert "cuModuleGetFunction: CUDA_ERROR_NOT_FOUND" in driver.engine_error(images)
+
+
+def test_exported_memory_outlives_its_creator(spawn):
+    pattern = bytes(range(256)) * 64
+    a_conn, b_conn = spawn.Pipe()
+    ctl_here, ctl_b = spawn.Pipe()
+    owner = spawn.Process(target=worker.export_memory, args=(a_conn, 3 << 20, pattern))
+    peer = spawn.Process(target=worker.import_memory, args=(b_conn, ctl_b, pattern))
+    owner.start()
+    peer.start()
+    try:
+        owner.join(120)
+        assert owner.exitcode == 0
+        ctl_here.send("the owner exited")
+        assert ctl_here.poll(120)
+        size, granularity, seen, from_owner, after_exit, reexport = ctl_here.recv()
+    finally:
+        for p in (owner, peer):
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert size % granularity == 0 and size >= 3 << 20
+    assert seen == pattern  # the peer sees what the owner wrote
+    assert from_owner == pattern[::-1]  # and the owner what the peer wrote
+    assert after_exit == pattern[::-1]  # still mapped after the owner exited
+    assert "exported by its creator" in reexport
+    assert peer.exitcode == 0

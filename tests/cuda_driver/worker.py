@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""What the tests of this folder run in spawned processes that load the fake
+CUDA driver (tests/cuda_fake) through TORCH_RPC_EXT_LIBCUDA.
+
+A process whose driver table is loaded holds driver threads and cannot be
+forked safely, and the table is loaded once per process: so nothing here
+runs in the pytest process, which forks the multi-process RPC tests.
+"""
+
+import os
+from multiprocessing import reduction
+
+import numpy as np
+
+DEVICE = 0
+
+
+def testing():
+    from torch_rpc_ext import _testing
+
+    return _testing.cuda
+
+
+def kernel_images() -> dict[str, tuple[str, str]]:
+    from torch_rpc_ext._cuda import ptx
+
+    return {name: (k.entry, k.ptx) for name, k in ptx.kernel_ptx().items()}
+
+
+def describe() -> tuple[str, int, list[str]]:
+    cu = testing()
+    n = cu.device_count()
+    return cu.libcuda_description(), n, [cu.device_uuid(d) for d in range(n)]
+
+
+class Device:
+    """Device memory and one stream of the fake, for the checks below."""
+
+    def __init__(self):
+        self.cu = testing()
+        self.stream = self.cu.stream_create(DEVICE)
+        self.engine = self.cu.CopyEngine(DEVICE, kernel_images())
+        self.live = []
+
+    def alloc(self, data: bytes | int) -> int:
+        size = data if isinstance(data, int) else len(data)
+        p = self.cu.mem_alloc(DEVICE, max(size, 1))
+        self.live.append(p)
+        if not isinstance(data, int):
+            self.cu.write(DEVICE, p, data)
+        return p
+
+    def read(self, p: int, n: int) -> bytes:
+        self.cu.stream_synchronize(DEVICE, self.stream)
+        return self.cu.read(DEVICE, p, n)
+
+    def close(self):
+        self.cu.stream_synchronize(DEVICE, self.stream)
+        for p in self.live:
+            self.cu.mem_free(DEVICE, p)
+        self.cu.stream_destroy(DEVICE, self.stream)
+
+
+def copies(cases: list[tuple[int, int, int]]) -> list[bool]:
+    """copy() of (nbytes, dst offset, src offset) each, checked byte for byte."""
+    dev, rng, out = Device(), np.random.default_rng(0), []
+    for nbytes, dst_off, src_off in cases:
+        src_bytes = rng.integers(0, 256, nbytes + 64, dtype=np.uint8).tobytes()
+        src, dst = dev.alloc(src_bytes), dev.alloc(bytes(nbytes + 64))
+        dev.engine.copy(dev.stream, dst + dst_off, src + src_off, nbytes)
+        want = bytearray(nbytes + 64)
+        want[dst_off : dst_off + nbytes] = src_bytes[src_off : src_off + nbytes]
+        out.append(dev.read(dst, nbytes + 64) == bytes(want))
+    dev.close()
+    return out
+
+
+def gather(sizes: list[int], rounds: int = 1) -> tuple[bool, dict[str, int]]:
+    """copy_segments of tensors of `sizes` into one block, `rounds` times
+    (reusing the staging of the descriptor table), then scattered back out."""
+    dev, rng, ok = Device(), np.random.default_rng(1), True
+    for _ in range(rounds):
+        datas = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+        srcs = [dev.alloc(d) for d in datas]
+        block = dev.alloc(sum(sizes) + 1)
+        back = [dev.alloc(n) for n in sizes]
+        rows, offset = [], 0
+        for p, n in zip(srcs, sizes):
+            rows.append((block + offset, p, n))
+            offset += n
+        dev.engine.copy_segments(dev.stream, rows)
+        dev.engine.copy_segments(
+            dev.stream, [(b, dst, n) for b, (dst, _, n) in zip(back, rows)]
+        )
+        ok &= dev.read(block, sum(sizes)) == b"".join(datas)
+        ok &= all(dev.read(b, n) == d for b, n, d in zip(back, sizes, datas))
+    launches = dev.engine.launches()
+    dev.close()
+    return ok, launches
+
+
+def strided(cases: list[tuple[list[int], list[int], int, int]]) -> list[bool]:
+    """pack then unpack of each (sizes, strides, elem_size, storage elements)
+    view, against numpy's as_strided of the same bytes."""
+    from numpy.lib.stride_tricks import as_strided
+
+    dev, rng, out = Device(), np.random.default_rng(2), []
+    pair = np.dtype([("lo", "<u8"), ("hi", "<u8")])
+    dtypes = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: pair}
+    for sizes, strides, elem, storage in cases:
+        dtype = dtypes[elem]
+        base = rng.integers(0, 256, storage * elem, dtype=np.uint8).view(dtype)
+        view = as_strided(base, sizes, [s * elem for s in strides])
+        want = np.ascontiguousarray(view).tobytes()
+        src = dev.alloc(base.tobytes())
+        packed = dev.alloc(max(len(want), 1))
+        dev.engine.pack(dev.stream, packed, src, sizes, strides, elem)
+        ok = dev.read(packed, len(want)) == want
+        if 0 not in strides:
+            target = dev.alloc(bytes(storage * elem))
+            dev.engine.unpack(dev.stream, target, packed, sizes, strides, elem)
+            got = np.frombuffer(dev.read(target, storage * elem), dtype)
+            got = as_strided(got, sizes, [s * elem for s in strides])
+            ok &= np.ascontiguousarray(got).tobytes() == want
+        out.append(bool(ok))
+    dev.close()
+    return out
+
+
+def engine_error(images: dict[str, tuple[str, str]]) -> str:
+    try:
+        testing().CopyEngine(DEVICE, images)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def merge_dims(sizes, strides):
+    return testing().CopyEngine.merge_dims(sizes, strides)
+
+
+def export_memory(conn, nbytes: int, pattern: bytes) -> None:
+    """Creates memory, fills it, sends its fd to the peer on `conn`, then
+    waits for the peer's word, checks what the peer wrote, and exits when
+    told (the memory freed with it)."""
+    cu = testing()
+    mem = cu.ExportedMemory.create(DEVICE, nbytes)
+    cu.write(DEVICE, mem.address, pattern)
+    fd = mem.export_fd()
+    conn.send((mem.size, cu.granularity(DEVICE)))
+    peer_pid = conn.recv()
+    reduction.send_handle(conn, fd, peer_pid)
+    os.close(fd)
+    conn.recv()  # the peer wrote
+    conn.send(cu.read(DEVICE, mem.address, len(pattern)))
+    conn.recv()  # exit now
+    del mem
+
+
+def import_memory(conn, ctl, pattern: bytes) -> None:
+    cu = testing()
+    size, granularity = conn.recv()
+    conn.send(os.getpid())
+    fd = reduction.recv_handle(conn)
+    mem = cu.ExportedMemory.import_fd(fd, size, DEVICE)
+    os.close(fd)
+    seen = cu.read(DEVICE, mem.address, len(pattern))
+    cu.write(DEVICE, mem.address, pattern[::-1])
+    conn.send("wrote")
+    from_owner = conn.recv()
+    conn.send("exit")
+    ctl.recv()  # the owner has exited
+    after_exit = cu.read(DEVICE, mem.address, len(pattern))
+    try:
+        mem.export_fd()
+        reexport = ""
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        reexport = str(e)
+    ctl.send((size, granularity, seen, from_owner, after_exit, reexport))

@@ -1,0 +1,44 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Where cuda.h is, for building: the extension (setup.py loads this file by
+path, before the package exists) and the fake driver of the tests.
+
+Only the header is needed: the extension resolves the driver at run time
+(csrc/common/libcuda.h). It comes from NVIDIA's ``nvidia-cuda-runtime``
+wheel (``nvidia/cu13/include``, or ``nvidia/cuda_runtime/include`` for CUDA
+12) or from ``$CUDA_HOME/include``.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+__all__ = ["HOW_TO_GET", "cuda_include_dir"]
+
+HOW_TO_GET = (
+    "pip install 'nvidia-cuda-runtime==13.0.*' (2 MB; the header only is "
+    "used, no GPU needed), or set CUDA_HOME to a CUDA toolkit"
+)
+_WHEEL_DIRS = ("cu13/include", "cuda_runtime/include")
+
+
+def _candidates() -> list[Path]:
+    found = []
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        found.append(Path(home) / "include")
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations or () if spec else ():
+        found.extend(Path(root) / sub for sub in _WHEEL_DIRS)
+    return found
+
+
+def cuda_include_dir() -> Path | None:
+    """The first directory holding cuda.h, or None."""
+    for path in _candidates():
+        if (path / "cuda.h").is_file():
+            return path
+    return None
+
+
+if __name__ == "__main__":
+    print(cuda_include_dir() or f"cuda.h not found: {HOW_TO_GET}")
