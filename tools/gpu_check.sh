@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
+# The project's GPU check, for a machine with an NVIDIA GPU and a CUDA torch
+# (see docs/cuda.md, "Checking on a GPU"). From the project root:
+#   bash tools/gpu_check.sh [PYTEST_ARGS...]
+# Steps, each logged under $OUT (default /tmp/gpu_check), each timed:
+#   1. wheels carried in .whl/ (numpy<2.5, expecttest; ../shared/tools/
+#      gpu_wheels.sh fetches them) go to /tmp/site, ahead of the system's;
+#   2. the extension builds in place against the machine's torch;
+#   3. the copy kernels' PTX is made there by numba-cuda and compared with a
+#      PTX folder carried in .gpu/ptx, if any;
+#   4. tools/gpu_probe.py runs the kernels and CUDA IPC on the device;
+#   5. pytest runs the CUDA tests (tests/cuda*) and the given arguments.
+# Exit status: the number of failed steps (0 = all passed).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+failed=0
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, time it
+  local name=$1 start rc
+  shift
+  start=$(date +%s)
+  "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $(($(date +%s) - start))}" |
+    tee -a "$OUT/steps.jsonl"
+  [ "$rc" -eq 0 ] || { failed=$((failed + 1)); tail -n 40 "$OUT/$name.log"; }
+  return "$rc"
+}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    --upgrade .whl/*.whl >"$OUT/wheels.log" 2>&1 || { cat "$OUT/wheels.log"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TORCH_RPC_EXT_BUILD_TESTING=1
+export TORCH_RPC_EXT_CACHE_DIR=/tmp/torch_rpc_ext_cache
+{ nvidia-smi; python3 -m pip list 2>/dev/null | grep -iE '^(torch|numba|numpy|nvidia|cuda)'; } \
+  >"$OUT/machine.txt" 2>&1
+step build env MAX_JOBS=${MAX_JOBS:-14} python3 setup.py build_ext --inplace
+step ptx python3 -m torch_rpc_ext._cuda.ptx --out /tmp/gpu_ptx
+ptx=/tmp/gpu_ptx
+if [ -d .gpu/ptx ]; then
+  if ! diff -r -q /tmp/gpu_ptx .gpu/ptx >"$OUT/ptx_diff.txt" 2>&1; then
+    echo "PTX made here differs from the carried .gpu/ptx (see ptx_diff.txt)"
+  fi
+  [ -f /tmp/gpu_ptx/kernels.json ] || ptx=.gpu/ptx
+fi
+step probe python3 tools/gpu_probe.py --ptx "$ptx"
+cp "$OUT/probe.log" "$OUT/probe.jsonl" 2>/dev/null
+step pytest python3 -m pytest -p no:cacheprovider -q --timeout 300 -rfE \
+  $(ls -d tests/cuda* 2>/dev/null) "$@"
+tail -n 5 "$OUT/pytest.log"
+exit "$failed"
