@@ -25,7 +25,9 @@ TORCH_RPC_EXT_TRANSPORTS=tcp \
   python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance
 # Upstream's fault-injection suites: a process of their own (see the module).
 python -m pytest -p no:cacheprovider -q --timeout 900 tests/faulty
-python -m pytest -p no:cacheprovider -q --timeout 300 tests/unit
+# With them, the fake CUDA driver's own tests (they load it in this process)
+# and the driver layer's against it (in spawned processes).
+python -m pytest -p no:cacheprovider -q --timeout 300 tests/unit tests/cuda_fake tests/cuda_driver
 # The in-process fuzzers (tests/fuzz; docs/reliability.md, "In-process
 # fuzzing"): build them (clang-14 + libFuzzer, ASan + UBSan), then a bounded
 # round of about a minute over the parsers a peer reaches, from the seed

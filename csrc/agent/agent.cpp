@@ -250,7 +250,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   int64_t id = nextId_.fetch_add(1, std::memory_order_relaxed);
   auto encodeSpan =
       RemoteProfiling::span(profile.get(), "torch_rpc_ext::encode");
-  transport::OutboundFrame frame = wire::encodeMessage(message, id);
+  frame::OutboundFrame frame = wire::encodeMessage(message, id);
   encodeSpan.reset();
   uint64_t wireBytes = frame.wireSize();
   TORCH_CHECK(
@@ -309,7 +309,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   } else {
     // Held back (fault injection): the call's timeout runs meanwhile, as
     // it would on a slow network.
-    auto held = std::make_shared<transport::OutboundFrame>(std::move(frame));
+    auto held = std::make_shared<frame::OutboundFrame>(std::move(frame));
     auto self = shared_from_this();
     pool_.run([self, conn, held, id, peer = to.id_, delay] {
       std::this_thread::sleep_for(delay);
@@ -321,7 +321,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
 
 void Agent::writeRequest(
     const std::shared_ptr<transport::Connection>& conn,
-    transport::OutboundFrame frame,
+    frame::OutboundFrame frame,
     int64_t id,
     int32_t peerId) {
   // If the connection closed before the call was registered, onClosed has
@@ -430,7 +430,7 @@ void Agent::callFinished() {
 
 void Agent::onReady(const std::shared_ptr<transport::Connection>& /*conn*/) {}
 
-transport::InboundBuffers Agent::onFrameHead(
+frame::InboundBuffers Agent::onFrameHead(
     transport::Connection& /*conn*/,
     const std::string& head,
     const std::vector<uint64_t>& segmentSizes,
@@ -444,7 +444,7 @@ transport::InboundBuffers Agent::onFrameHead(
 void Agent::onFrame(
     const std::shared_ptr<transport::Connection>& conn,
     std::string /*head*/,
-    transport::InboundBuffers buffers) {
+    frame::InboundBuffers buffers) {
   auto* in = static_cast<wire::InboundMessage*>(buffers.keepAlive.get());
   int32_t peer = conn->peerId();
   c10::intrusive_ptr<rpc::Message> message;

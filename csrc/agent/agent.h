@@ -101,7 +101,7 @@ class Agent final : public rpc::RpcAgent,
 
   // ConnectionObserver: loop thread.
   void onReady(const std::shared_ptr<transport::Connection>& conn) override;
-  transport::InboundBuffers onFrameHead(
+  frame::InboundBuffers onFrameHead(
       transport::Connection& conn,
       const std::string& head,
       const std::vector<uint64_t>& segmentSizes,
@@ -109,7 +109,7 @@ class Agent final : public rpc::RpcAgent,
   void onFrame(
       const std::shared_ptr<transport::Connection>& conn,
       std::string head,
-      transport::InboundBuffers buffers) override;
+      frame::InboundBuffers buffers) override;
   void onClosed(transport::Connection& conn, const std::string& reason)
       override;
 
@@ -148,7 +148,7 @@ class Agent final : public rpc::RpcAgent,
   // Write a registered call's frame; fail the call if the connection is gone.
   void writeRequest(
       const std::shared_ptr<transport::Connection>& conn,
-      transport::OutboundFrame frame,
+      frame::OutboundFrame frame,
       int64_t id,
       int32_t peerId);
   Route chooseRoute(const std::string& peerName, const std::string& offers)

@@ -70,7 +70,7 @@ void Agent::sendResponse(
   } else {
     response = result.value().toCustomClass<rpc::Message>();
   }
-  transport::OutboundFrame frame;
+  frame::OutboundFrame frame;
   try {
     frame = wire::encodeMessage(response, id);
     TORCH_CHECK(

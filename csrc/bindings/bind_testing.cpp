@@ -7,7 +7,7 @@
 #include "csrc/common/buffer_pool.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/thread_pool.h"
-#include "csrc/transport/frame.h"
+#include "csrc/frame/frame.h"
 #include "csrc/transport/handshake.h"
 #include "csrc/transport/stream/loop.h"
 #include "csrc/transport/transport.h"
@@ -103,14 +103,14 @@ void bindTesting(py::module_& m) {
   // "" if a 24-byte frame header is acceptable, else the reason.
   m.def("validate_header", [](const py::bytes& raw, uint64_t maxFrameBytes) {
     std::string s = raw;
-    if (s.size() != sizeof(transport::FrameHeader)) {
+    if (s.size() != sizeof(frame::FrameHeader)) {
       throw py::value_error("a frame header is 24 bytes");
     }
-    transport::FrameHeader h;
+    frame::FrameHeader h;
     std::memcpy(&h, s.data(), sizeof(h));
-    transport::FrameLimits limits;
+    frame::FrameLimits limits;
     limits.maxFrameBytes = maxFrameBytes;
-    return transport::validateHeader(h, limits);
+    return frame::validateHeader(h, limits);
   });
 
   // Post `n` tasks to a pool of `core` threads, each blocking until the next
@@ -241,8 +241,8 @@ void bindTesting(py::module_& m) {
       .def_property_readonly("cached_bytes", &BufferPool::cachedBytes)
       .def_property_readonly("live_blocks", &BufferPool::liveBlocks);
 
-  m.attr("FRAME_MAGIC") = transport::kFrameMagic;
-  m.attr("PROTOCOL_VERSION") = transport::kProtocolVersion;
+  m.attr("FRAME_MAGIC") = frame::kFrameMagic;
+  m.attr("PROTOCOL_VERSION") = frame::kProtocolVersion;
   // The defaults of a TransportOptions nobody set, in option_spec()'s units.
   m.def("transport_option_defaults", [] {
     transport::TransportOptions o;

@@ -3,7 +3,7 @@
 
 #include "csrc/bindings/bind.h"
 #include "csrc/common/exit_gate.h"
-#include "csrc/transport/frame.h"
+#include "csrc/frame/frame.h"
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_rpc_ext native core";
@@ -24,6 +24,6 @@ PYBIND11_MODULE(_C, m) {
   torch_rpc_ext::bindings::bindScripting(scripting);
   // The wire's identity, for torch_rpc_ext.testing's raw client. The test
   // hooks are a module of their own (testing_module.cpp).
-  m.attr("FRAME_MAGIC") = torch_rpc_ext::transport::kFrameMagic;
-  m.attr("PROTOCOL_VERSION") = torch_rpc_ext::transport::kProtocolVersion;
+  m.attr("FRAME_MAGIC") = torch_rpc_ext::frame::kFrameMagic;
+  m.attr("PROTOCOL_VERSION") = torch_rpc_ext::frame::kProtocolVersion;
 }

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "csrc/transport/frame.h"
+#include "csrc/frame/frame.h"
 
 namespace torch_rpc_ext::channel {
 
@@ -45,7 +45,7 @@ enum class DeviceKind : uint8_t {
 // passed with its first byte (kept open by keepAlive until it is written or
 // dropped).
 struct ControlFrame {
-  transport::FrameKind kind;
+  frame::FrameKind kind;
   std::string head;
   std::vector<int> fds;
   std::shared_ptr<void> keepAlive;
@@ -84,7 +84,7 @@ struct InboundSegment {
   // For a region channel: the memory the receiver's tensor will view, and
   // what keeps it valid.
   void** provided;
-  std::shared_ptr<transport::SharedRegion>* region;
+  std::shared_ptr<frame::SharedRegion>* region;
 };
 
 // One connection's end of a channel. Created per connection by its Context
@@ -119,13 +119,13 @@ class Channel {
   // must) and fill `record`, with any frame the peer needs first (a new
   // region's setup) in `before`; or decline.
   virtual bool takeRegion(
-      const transport::OutboundFrame::Segment& segment,
-      transport::SegmentRecord* record,
+      const frame::OutboundFrame::Segment& segment,
+      frame::SegmentRecord* record,
       std::vector<ControlFrame>* before) {
     return false;
   }
   // kChunks, any thread, no lock held: whether to carry `segment` in chunks.
-  virtual bool takeChunks(const transport::OutboundFrame::Segment& segment) {
+  virtual bool takeChunks(const frame::OutboundFrame::Segment& segment) {
     return false;
   }
   // kChunks: a frame with chunks of ours is about to start; a control frame
@@ -139,7 +139,7 @@ class Channel {
   virtual size_t produceChunkLocked(
       const char* data,
       size_t size,
-      transport::SegmentRecord* record,
+      frame::SegmentRecord* record,
       std::string* error) {
     *error = "channel carries no chunks";
     return 0;
@@ -163,19 +163,18 @@ class Channel {
   // many bytes are now in place (the whole segment for a region), or -1
   // after Host::rejectFromLoop().
   virtual int64_t onRecordFromLoop(
-      const transport::SegmentRecord& record,
+      const frame::SegmentRecord& record,
       InboundSegment& segment) = 0;
   // Control frames of its own: whether a frame of `kind` with a head of
   // `headLength` bytes is one, and handling it (`fds`: descriptors received
   // and not yet claimed; take the ones it owns from the front). False once
   // the connection is closed.
-  virtual bool acceptsControlFrame(
-      transport::FrameKind kind,
-      uint32_t headLength) const {
+  virtual bool acceptsControlFrame(frame::FrameKind kind, uint32_t headLength)
+      const {
     return false;
   }
   virtual bool onControlFrameFromLoop(
-      transport::FrameKind kind,
+      frame::FrameKind kind,
       const std::string& head,
       std::vector<int>& fds) {
     return true;

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "csrc/transport/frame.h"
+#include "csrc/frame/frame.h"
 
 namespace torch_rpc_ext::transport {
 
@@ -27,7 +27,7 @@ class ConnectionObserver {
   // the transport then brings that segment's memory itself, in
   // InboundBuffers::provided). Throwing rejects the frame: the connection
   // closes with the exception's text as reason.
-  virtual InboundBuffers onFrameHead(
+  virtual frame::InboundBuffers onFrameHead(
       Connection& conn,
       const std::string& head,
       const std::vector<uint64_t>& segmentSizes,
@@ -37,7 +37,7 @@ class ConnectionObserver {
   virtual void onFrame(
       const std::shared_ptr<Connection>& conn,
       std::string head,
-      InboundBuffers buffers) = 0;
+      frame::InboundBuffers buffers) = 0;
 
   // The connection is gone, reported exactly once. `reason` is empty only
   // for a local close() during shutdown.
@@ -54,7 +54,7 @@ class Connection {
   virtual ~Connection() = default;
 
   // Queue `frame`. Returns false (and drops it) if the connection is closed.
-  virtual bool write(OutboundFrame frame) = 0;
+  virtual bool write(frame::OutboundFrame frame) = 0;
 
   // Close now; queued frames are dropped. Idempotent.
   virtual void close(const std::string& reason) = 0;

@@ -97,14 +97,14 @@ std::string Handshake::hello() {
   return encodeHello(Hello{selfId_, clientNonce_});
 }
 
-FrameKind Handshake::expectedKind() const {
+frame::FrameKind Handshake::expectedKind() const {
   switch (stage_) {
     case Stage::kHello:
-      return FrameKind::kHello;
+      return frame::FrameKind::kHello;
     case Stage::kChallenge:
-      return FrameKind::kChallenge;
+      return frame::FrameKind::kChallenge;
     default:
-      return FrameKind::kProof;
+      return frame::FrameKind::kProof;
   }
 }
 
@@ -134,7 +134,7 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
     clientNonce_ = hello->clientNonce;
     serverNonce_ = randomBytes(kNonceBytes);
     step.hasReply = true;
-    step.replyKind = FrameKind::kChallenge;
+    step.replyKind = frame::FrameKind::kChallenge;
     step.replyHead = encodeChallenge(
         Challenge{
             selfId_,
@@ -174,7 +174,7 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
     }
     peerId_ = ch->serverId;
     step.hasReply = true;
-    step.replyKind = FrameKind::kProof;
+    step.replyKind = frame::FrameKind::kProof;
     step.replyHead = makeProof(
         secret_,
         "client",

@@ -5,7 +5,7 @@
 #include <optional>
 #include <string>
 
-#include "csrc/transport/frame.h"
+#include "csrc/frame/frame.h"
 
 namespace torch_rpc_ext::transport {
 
@@ -70,7 +70,7 @@ class Handshake {
   struct Step {
     std::string error;
     bool hasReply = false;
-    FrameKind replyKind = FrameKind::kHello;
+    frame::FrameKind replyKind = frame::FrameKind::kHello;
     std::string replyHead;
     bool done = false; // the peer is authenticated
   };
@@ -78,7 +78,7 @@ class Handshake {
   // Client: the hello to send once the transport is connected.
   std::string hello();
   // The only frame accepted next, and its exact head size.
-  FrameKind expectedKind() const;
+  frame::FrameKind expectedKind() const;
   size_t expectedHeadBytes() const;
   // Feed the head of the expected frame.
   Step onFrame(const std::string& head);

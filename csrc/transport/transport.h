@@ -19,7 +19,7 @@ struct TransportOptions {
   int32_t selfId = 0;
   // The group secret; both ends prove knowledge of it in the handshake.
   std::string secret;
-  FrameLimits limits;
+  frame::FrameLimits limits;
   // A connection that has not authenticated within this time is closed.
   std::chrono::milliseconds handshakeTimeout = kDefaultHandshakeTimeout;
   // A ready connection that shows no sign of life (no byte received, none of

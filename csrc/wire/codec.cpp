@@ -73,7 +73,7 @@ int64_t extentBytes(const at::Tensor& t) {
 // A storage viewing memory a transport provided (a shared slab): the region
 // is released when the last tensor viewing it dies, on whatever thread.
 struct ProvidedRegion {
-  std::shared_ptr<transport::SharedRegion> region;
+  std::shared_ptr<frame::SharedRegion> region;
 };
 
 void releaseProvided(void* ctx) {
@@ -85,7 +85,7 @@ bool viewsProvidedMemory(const c10::Storage& storage) {
 }
 
 // The region behind `storage`, if a transport provided its memory.
-std::shared_ptr<transport::SharedRegion> regionOf(const c10::Storage& storage) {
+std::shared_ptr<frame::SharedRegion> regionOf(const c10::Storage& storage) {
   if (!viewsProvidedMemory(storage)) {
     return nullptr;
   }
@@ -165,7 +165,7 @@ class StoragePlan {
   }
 
   // Finalise spans; must run after every admit() and before describe().
-  void seal(transport::OutboundFrame& frame) {
+  void seal(frame::OutboundFrame& frame) {
     for (const auto& t : tensors_) {
       auto& s = spans_.at(t.storage().unsafeGetStorageImpl());
       int64_t off = t.storage_offset() * int64_t(t.element_size());
@@ -178,7 +178,7 @@ class StoragePlan {
       auto& s = spans_.at(impl);
       s.segment = static_cast<uint32_t>(frame.segments.size());
       const char* base = static_cast<const char*>(s.storage.data());
-      transport::OutboundFrame::Segment seg{
+      frame::OutboundFrame::Segment seg{
           base == nullptr ? nullptr : base + s.lo, size_t(s.hi - s.lo)};
       seg.origin = regionOf(s.storage);
       seg.exclusive = seg.origin != nullptr && s.exclusive;
@@ -360,7 +360,7 @@ at::Tensor buildDense(
 
 } // namespace
 
-transport::OutboundFrame encodeMessage(
+frame::OutboundFrame encodeMessage(
     const c10::intrusive_ptr<rpc::Message>& message,
     int64_t id) {
   auto hold = std::make_shared<OutboundHold>();
@@ -393,8 +393,8 @@ transport::OutboundFrame encodeMessage(
     }
   }
 
-  transport::OutboundFrame frame;
-  frame.kind = transport::FrameKind::kMessage;
+  frame::OutboundFrame frame;
+  frame.kind = frame::FrameKind::kMessage;
   const auto& payload = message->payload();
   frame.segments.push_back({payload.data(), payload.size()});
   plan.seal(frame);
@@ -512,9 +512,9 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   return m;
 }
 
-transport::InboundBuffers InboundMessage::buffers(
+frame::InboundBuffers InboundMessage::buffers(
     const std::shared_ptr<InboundMessage>& self) {
-  transport::InboundBuffers b;
+  frame::InboundBuffers b;
   b.segments.reserve(1 + storages_.size());
   b.segments.push_back(payload_.empty() ? nullptr : payload_.data());
   for (auto& s : storages_) {
@@ -525,7 +525,7 @@ transport::InboundBuffers InboundMessage::buffers(
 }
 
 c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
-    const transport::InboundBuffers& buffers) {
+    const frame::InboundBuffers& buffers) {
   for (size_t i = 0; i < buffers.regions.size() && i < sizes_.size(); ++i) {
     if (buffers.regions[i] == nullptr) {
       continue;

@@ -9,7 +9,7 @@
 #include <torch/csrc/distributed/rpc/message.h>
 
 #include "csrc/common/buffer_pool.h"
-#include "csrc/transport/frame.h"
+#include "csrc/frame/frame.h"
 
 namespace torch_rpc_ext::wire {
 
@@ -28,7 +28,7 @@ namespace rpc = torch::distributed::rpc;
 // copies) alive. Throws c10::Error for tensors that cannot travel (non-CPU,
 // quantized, unsupported layout). Does not modify `message`, so retries can
 // send it again.
-transport::OutboundFrame encodeMessage(
+frame::OutboundFrame encodeMessage(
     const c10::intrusive_ptr<rpc::Message>& message,
     int64_t id);
 
@@ -49,13 +49,12 @@ class InboundMessage {
       const std::vector<bool>& provided = {});
 
   // Where the transport writes each segment.
-  transport::InboundBuffers buffers(
-      const std::shared_ptr<InboundMessage>& self);
+  frame::InboundBuffers buffers(const std::shared_ptr<InboundMessage>& self);
 
   // Build the message once every segment is in place (`buffers`: what the
   // transport filled in, including provided memory).
   c10::intrusive_ptr<rpc::Message> finish(
-      const transport::InboundBuffers& buffers = {});
+      const frame::InboundBuffers& buffers = {});
 
   rpc::MessageType type() const {
     return type_;

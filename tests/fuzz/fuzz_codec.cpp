@@ -47,7 +47,7 @@ constexpr size_t kMaxSegments = 16;
 constexpr int64_t kDensifyLimit = int64_t(1) << 16;
 
 // A provided segment: memory the transport owns, as a shared slab would be.
-struct FakeRegion : transport::SharedRegion {
+struct FakeRegion : frame::SharedRegion {
   explicit FakeRegion(size_t n) : bytes(n) {}
   std::vector<char> bytes;
 };
@@ -160,7 +160,7 @@ int fuzzOne(const uint8_t* data, size_t size) {
     return 0; // refused: the connection would close
   }
   FUZZ_CHECK(im != nullptr, "prepare returned nothing");
-  transport::InboundBuffers buffers = im->buffers(im);
+  frame::InboundBuffers buffers = im->buffers(im);
   FUZZ_CHECK(buffers.segments.size() == n, "wrong buffer count");
   if (anyProvided) {
     buffers.provided.assign(n, nullptr);

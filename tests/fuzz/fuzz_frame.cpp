@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: BSD-3-Clause
 //
-// Fuzzes transport::validateHeader (csrc/transport/frame.h): the first thing
+// Fuzzes frame::validateHeader (csrc/frame/frame.h): the first thing
 // every connection parses from a peer, before authentication, and the check
 // that bounds every allocation made for a frame. The harness checks the
 // verdict against its own statement of the rules (docs/wire-format.md),
@@ -20,19 +20,18 @@
 #include <cstdint>
 #include <string>
 
-#include "csrc/transport/frame.h"
+#include "csrc/frame/frame.h"
 #include "tests/fuzz/fuzz_input.h"
 
 namespace torch_rpc_ext::fuzz {
 namespace {
 
-using transport::FrameHeader;
-using transport::FrameKind;
-using transport::FrameLimits;
+using frame::FrameHeader;
+using frame::FrameKind;
+using frame::FrameLimits;
 
 bool keepsTheRules(const FrameHeader& h, const FrameLimits& limits) {
-  if (h.magic != transport::kFrameMagic ||
-      h.version != transport::kProtocolVersion) {
+  if (h.magic != frame::kFrameMagic || h.version != frame::kProtocolVersion) {
     return false;
   }
   if (h.kind < uint8_t(FrameKind::kHello) ||
@@ -40,7 +39,7 @@ bool keepsTheRules(const FrameHeader& h, const FrameLimits& limits) {
     return false;
   }
   bool flagsOk = h.flags == 0 ||
-      (h.flags == transport::kFlagChunkedSegments &&
+      (h.flags == frame::kFlagChunkedSegments &&
        h.kind == uint8_t(FrameKind::kMessage));
   if (!flagsOk || h.headLength > limits.maxHeadBytes ||
       h.numSegments > limits.maxSegments) {
@@ -64,7 +63,7 @@ int fuzzOne(const uint8_t* data, size_t size) {
     limits.maxHeadBytes = in.take<uint32_t>();
     limits.maxSegments = in.take<uint32_t>();
   }
-  std::string why = transport::validateHeader(h, limits);
+  std::string why = frame::validateHeader(h, limits);
   bool expected = keepsTheRules(h, limits);
   FUZZ_CHECK(
       why.empty() == expected,

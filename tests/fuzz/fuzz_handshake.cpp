@@ -31,7 +31,7 @@
 namespace torch_rpc_ext::fuzz {
 namespace {
 
-using transport::FrameKind;
+using frame::FrameKind;
 using transport::Handshake;
 using transport::kChallengeBytes;
 using transport::kHelloBytes;

@@ -38,10 +38,10 @@
 namespace torch_rpc_ext::fuzz {
 namespace {
 
+using frame::FrameHeader;
+using frame::FrameKind;
+using frame::InboundBuffers;
 using transport::ConnectionObserver;
-using transport::FrameHeader;
-using transport::FrameKind;
-using transport::InboundBuffers;
 
 // Receives what the parser delivers; owns the segment buffers it hands out.
 class Observer final : public ConnectionObserver {
@@ -91,8 +91,8 @@ class Observer final : public ConnectionObserver {
 
 std::string header(FrameKind kind, uint32_t headLength) {
   FrameHeader h{
-      transport::kFrameMagic,
-      transport::kProtocolVersion,
+      frame::kFrameMagic,
+      frame::kProtocolVersion,
       uint8_t(kind),
       0,
       headLength,

@@ -8,7 +8,8 @@ shared stream core knows none of them. Likewise a channel (how tensor bytes
 travel): a folder of its own plus one line in channel/registry.cpp; the
 agent, the bindings, the stream core and the transports include no concrete
 channel, and channels include no transport (only the wire vocabulary of
-transport/frame.h).
+csrc/frame/frame.h, which sits below both and needs nothing but the
+standard library and common/).
 """
 
 import re
@@ -118,14 +119,27 @@ def test_channels_are_a_seam_of_their_own():
         ):
             continue
         bad += [(p.relative_to(ROOT).as_posix(), inc) for inc in includes(p) if inc.startswith(concrete)]
-    # ...and channels know no transport: only the frame vocabulary.
+    # ...and channels know no transport: only the frame vocabulary, which
+    # lives below both.
     for p in sources(CSRC / "channel"):
         bad += [
             (p.relative_to(ROOT).as_posix(), inc)
             for inc in includes(p)
-            if inc.startswith("csrc/transport/") and inc != "csrc/transport/frame.h"
+            if inc.startswith("csrc/transport/")
         ]
     assert not bad, bad
+
+
+def test_the_frame_vocabulary_sits_below_transports_and_channels():
+    bad = [
+        (p.relative_to(ROOT).as_posix(), inc)
+        for p in sources(CSRC / "frame")
+        for inc in includes(p)
+        if not inc.startswith(("csrc/frame/", "csrc/common/"))
+    ]
+    assert not bad, bad
+    text = "\n".join(p.read_text() for p in sources(CSRC / "frame"))
+    assert not re.search(r"#\s*include\s*<(torch|c10|ATen|pybind11)", text)
 
 
 def test_rings_and_slabs_live_in_the_shm_channels_only():

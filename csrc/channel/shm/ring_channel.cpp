@@ -10,8 +10,8 @@ namespace torch_rpc_ext::channel::shm {
 
 namespace {
 
-using transport::FrameKind;
-using transport::SegmentRecord;
+using frame::FrameKind;
+using frame::SegmentRecord;
 
 // The ring takes a chunked segment in chunks of at most this many bytes.
 constexpr size_t kRingChunk = 256 * 1024;
@@ -26,7 +26,7 @@ RingChannel::RingChannel(
       host_(std::move(host)),
       counters_(counters) {}
 
-bool RingChannel::takeChunks(const transport::OutboundFrame::Segment& segment) {
+bool RingChannel::takeChunks(const frame::OutboundFrame::Segment& segment) {
   if (segment.size < kSlabMinSegment) {
     return false; // the stream is cheaper
   }

@@ -41,12 +41,12 @@ class RingChannel final : public Channel,
       std::weak_ptr<Host> host,
       RingCounters& counters);
 
-  bool takeChunks(const transport::OutboundFrame::Segment& segment) override;
+  bool takeChunks(const frame::OutboundFrame::Segment& segment) override;
   std::optional<ControlFrame> prepareChunksLocked() override;
   size_t produceChunkLocked(
       const char* data,
       size_t size,
-      transport::SegmentRecord* record,
+      frame::SegmentRecord* record,
       std::string* error) override;
   std::optional<ControlFrame> dropIfIdleLocked() override;
 
@@ -54,12 +54,12 @@ class RingChannel final : public Channel,
     return ringIn_.valid();
   }
   int64_t onRecordFromLoop(
-      const transport::SegmentRecord& record,
+      const frame::SegmentRecord& record,
       InboundSegment& segment) override;
-  bool acceptsControlFrame(transport::FrameKind kind, uint32_t headLength)
+  bool acceptsControlFrame(frame::FrameKind kind, uint32_t headLength)
       const override;
   bool onControlFrameFromLoop(
-      transport::FrameKind kind,
+      frame::FrameKind kind,
       const std::string& head,
       std::vector<int>& fds) override;
   size_t maxPendingFds() const override {

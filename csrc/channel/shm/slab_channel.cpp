@@ -14,8 +14,8 @@ namespace torch_rpc_ext::channel::shm {
 
 namespace {
 
-using transport::FrameKind;
-using transport::SegmentRecord;
+using frame::FrameKind;
+using frame::SegmentRecord;
 
 // The peer may have at most this many bytes of slabs mapped into us.
 constexpr uint64_t kMaxPeerSlabBytes = 2 * kMaxLentSlabBytes;
@@ -36,7 +36,7 @@ constexpr uint32_t kMaxReleaseHead = 4096;
 // the peer (kSlabRelease) for a lent slab, our pool for one of ours the
 // peer handed back. handOn() passes the peer's slab back to it in a frame
 // instead.
-class SlabLease final : public transport::SharedRegion {
+class SlabLease final : public frame::SharedRegion {
  public:
   SlabLease(
       std::weak_ptr<SlabChannel> conn,
@@ -105,7 +105,7 @@ SlabChannel::SlabChannel(
       counters_(counters) {}
 
 bool SlabChannel::takeRegion(
-    const transport::OutboundFrame::Segment& segment,
+    const frame::OutboundFrame::Segment& segment,
     SegmentRecord* out,
     std::vector<ControlFrame>* before) {
   if (segment.size < kSlabMinSegment) {

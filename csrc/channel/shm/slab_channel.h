@@ -32,18 +32,18 @@ class SlabChannel final : public Channel,
       SlabCounters& counters);
 
   bool takeRegion(
-      const transport::OutboundFrame::Segment& segment,
-      transport::SegmentRecord* record,
+      const frame::OutboundFrame::Segment& segment,
+      frame::SegmentRecord* record,
       std::vector<ControlFrame>* before) override;
   void collectPendingLocked(std::vector<ControlFrame>* out) override;
 
   int64_t onRecordFromLoop(
-      const transport::SegmentRecord& record,
+      const frame::SegmentRecord& record,
       InboundSegment& segment) override;
-  bool acceptsControlFrame(transport::FrameKind kind, uint32_t headLength)
+  bool acceptsControlFrame(frame::FrameKind kind, uint32_t headLength)
       const override;
   bool onControlFrameFromLoop(
-      transport::FrameKind kind,
+      frame::FrameKind kind,
       const std::string& head,
       std::vector<int>& fds) override;
   size_t maxPendingFds() const override {

@@ -348,7 +348,7 @@ void StreamConnection::heartbeatFromLoop() {
       }
     }
     if (silent >= timeout / 5) {
-      queueControl(uint8_t(FrameKind::kPing), {});
+      queueControl(uint8_t(frame::FrameKind::kPing), {});
     }
   }
   tickChannelsFromLoop();
@@ -370,7 +370,7 @@ void StreamConnection::onConnectedFromLoop() {
     std::lock_guard<std::mutex> lock(writeMutex_);
     state_ = State::kHandshake;
   }
-  queueControl(uint8_t(FrameKind::kHello), handshake_.hello());
+  queueControl(uint8_t(frame::FrameKind::kHello), handshake_.hello());
 }
 
 bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {

@@ -50,7 +50,7 @@ class StreamConnection : public Connection,
   // Accepted socket: the handshake starts at once. Loop thread.
   void startAcceptedFromLoop();
 
-  bool write(OutboundFrame frame) override;
+  bool write(frame::OutboundFrame frame) override;
   void close(const std::string& reason) override;
   int32_t peerId() const override {
     return peerId_.load();
@@ -101,7 +101,7 @@ class StreamConnection : public Connection,
 
   struct PendingWrite {
     std::string prefix; // header + segment lengths + head
-    OutboundFrame frame;
+    frame::OutboundFrame frame;
     size_t written = 0; // bytes of this frame already on the wire
     bool control = false; // handshake frame: may go before kReady
     // Descriptors sent with the frame's first byte (SCM_RIGHTS); owned by
@@ -119,7 +119,7 @@ class StreamConnection : public Connection,
     size_t recordsWritten = 0;
     // What goes on the wire in place of region segments (the frame's
     // segments point here).
-    std::vector<SegmentRecord> regionRecords;
+    std::vector<frame::SegmentRecord> regionRecords;
     // Partly on the wire: nothing may be sent before the rest of it.
     bool started() const {
       return written > 0 || piece > 0 || pieceOffset > 0;
@@ -186,7 +186,7 @@ class StreamConnection : public Connection,
   std::vector<uint64_t> segmentSizes_;
   size_t segmentIndex_ = 0;
   size_t segmentFilled_ = 0;
-  InboundBuffers inbound_;
+  frame::InboundBuffers inbound_;
 
   enum class ReadPhase { kHeader, kLengthsAndHead, kSegments };
 
@@ -219,7 +219,7 @@ class StreamConnection : public Connection,
   // Sender: choose how each segment travels (the channels' copies happen
   // now, on the calling thread, with no lock held).
   void planSegments(
-      OutboundFrame& frame,
+      frame::OutboundFrame& frame,
       PendingWrite& w,
       std::vector<uint8_t>& region,
       std::vector<channel::ControlFrame>& before);
@@ -280,11 +280,11 @@ class StreamConnection : public Connection,
   size_t stagedBegin_ = 0;
   size_t stagedEnd_ = 0;
   ReadPhase phase_ = ReadPhase::kHeader;
-  FrameHeader header_{};
+  frame::FrameHeader header_{};
   size_t phaseFilled_ = 0;
   std::string lengthsAndHead_;
   std::vector<uint8_t> carried_; // of the frame being read (empty: bytes)
-  SegmentRecord record_{};
+  frame::SegmentRecord record_{};
   size_t recordFilled_ = 0;
 };
 

@@ -234,8 +234,8 @@ bool StreamConnection::consumeFromLoop() {
 }
 
 bool StreamConnection::onHeaderFromLoop() {
-  std::string why = validateHeader(header_, options_.limits);
-  auto kind = static_cast<FrameKind>(header_.kind);
+  std::string why = frame::validateHeader(header_, options_.limits);
+  auto kind = static_cast<frame::FrameKind>(header_.kind);
   if (why.empty()) {
     State s = state_;
     bool ok = false;
@@ -243,9 +243,9 @@ bool StreamConnection::onHeaderFromLoop() {
       ok = kind == handshake_.expectedKind() &&
           header_.headLength == handshake_.expectedHeadBytes();
     } else if (s == State::kReady) {
-      ok = kind == FrameKind::kMessage || kind == FrameKind::kPing ||
-          kind == FrameKind::kPong ||
-          (kind > FrameKind::kPong &&
+      ok = kind == frame::FrameKind::kMessage ||
+          kind == frame::FrameKind::kPing || kind == frame::FrameKind::kPong ||
+          (kind > frame::FrameKind::kPong &&
            std::any_of(channels_.begin(), channels_.end(), [&](const auto& c) {
              return c->acceptsControlFrame(kind, header_.headLength);
            }));
@@ -254,10 +254,10 @@ bool StreamConnection::onHeaderFromLoop() {
       why = "unexpected frame kind " + std::to_string(header_.kind) +
           " of head " + std::to_string(header_.headLength) +
           " bytes in this connection state";
-    } else if (kind != FrameKind::kMessage && header_.numSegments != 0) {
+    } else if (kind != frame::FrameKind::kMessage && header_.numSegments != 0) {
       why = "control frame with segments";
     } else if (
-        header_.flags == kFlagChunkedSegments &&
+        header_.flags == frame::kFlagChunkedSegments &&
         std::none_of(channels_.begin(), channels_.end(), [](const auto& c) {
           return c->context().mode() == channel::Channel::Mode::kChunks &&
               c->acceptsRecords();
@@ -287,9 +287,10 @@ bool StreamConnection::onLengthsAndHeadFromLoop() {
   uint64_t sum = 0;
   for (size_t i = 0; i < n; ++i) {
     std::memcpy(&segmentSizes_[i], lengthsAndHead_.data() + 8 * i, 8);
-    auto wireId = static_cast<uint8_t>(segmentSizes_[i] >> kChannelIdShift);
+    auto wireId =
+        static_cast<uint8_t>(segmentSizes_[i] >> frame::kChannelIdShift);
     if (wireId != 0) {
-      segmentSizes_[i] &= kSegmentLengthMask;
+      segmentSizes_[i] &= frame::kSegmentLengthMask;
       uint8_t slot = channelSlot(wireId);
       if (slot == 0) {
         rejectFromLoop(
@@ -300,7 +301,7 @@ bool StreamConnection::onLengthsAndHeadFromLoop() {
       auto& ch = *channels_[slot - 1];
       bool chunks = ch.context().mode() == channel::Channel::Mode::kChunks;
       if (segmentSizes_[i] == 0 || !ch.acceptsRecords() ||
-          (chunks && header_.flags != kFlagChunkedSegments)) {
+          (chunks && header_.flags != frame::kFlagChunkedSegments)) {
         rejectFromLoop("rejected frame: bad record segment length");
         return false;
       }
@@ -328,15 +329,15 @@ bool StreamConnection::onLengthsAndHeadFromLoop() {
     phase_ = ReadPhase::kHeader;
     return onHandshakeFrameFromLoop(std::move(head_));
   }
-  auto kind = static_cast<FrameKind>(header_.kind);
-  if (kind != FrameKind::kMessage) {
+  auto kind = static_cast<frame::FrameKind>(header_.kind);
+  if (kind != frame::FrameKind::kMessage) {
     // A control frame is done once its head is in.
     phase_ = ReadPhase::kHeader;
-    if (kind == FrameKind::kPing) {
-      queueControl(uint8_t(FrameKind::kPong), {});
+    if (kind == frame::FrameKind::kPing) {
+      queueControl(uint8_t(frame::FrameKind::kPong), {});
       return state_ != State::kClosed;
     }
-    if (kind == FrameKind::kPong) {
+    if (kind == frame::FrameKind::kPong) {
       return true;
     }
     for (auto& ch : channels_) {
@@ -386,7 +387,7 @@ void StreamConnection::skipEmptySegments() {
 void StreamConnection::finishFrameFromLoop() {
   phase_ = ReadPhase::kHeader;
   auto buffers = std::move(inbound_);
-  inbound_ = InboundBuffers{};
+  inbound_ = frame::InboundBuffers{};
   observer_->onFrame(shared_from_this(), std::move(head_), std::move(buffers));
 }
 

@@ -40,9 +40,9 @@ void StreamConnection::chunkRoomFromLoop() {
 StreamConnection::PendingWrite StreamConnection::controlFrame(
     channel::ControlFrame frame) {
   PendingWrite w;
-  FrameHeader h{
-      kFrameMagic,
-      kProtocolVersion,
+  frame::FrameHeader h{
+      frame::kFrameMagic,
+      frame::kProtocolVersion,
       uint8_t(frame.kind),
       0,
       static_cast<uint32_t>(frame.head.size()),
@@ -82,7 +82,7 @@ void StreamConnection::sendControl(channel::ControlFrame frame) {
 }
 
 void StreamConnection::planSegments(
-    OutboundFrame& frame,
+    frame::OutboundFrame& frame,
     PendingWrite& w,
     std::vector<uint8_t>& region,
     std::vector<channel::ControlFrame>& before) {
@@ -120,7 +120,7 @@ void StreamConnection::planSegments(
         continue;
       }
       if (ctx.mode() == channel::Channel::Mode::kRegion) {
-        SegmentRecord record{};
+        frame::SegmentRecord record{};
         if (ch.takeRegion(segment, &record, &before)) {
           if (region.empty()) {
             region.resize(frame.segments.size());
@@ -159,7 +159,7 @@ void StreamConnection::insertControlLocked(PendingWrite w) {
 
 void StreamConnection::queueControl(uint8_t kind, std::string head) {
   PendingWrite w =
-      controlFrame({FrameKind(kind), std::move(head), {}, nullptr});
+      controlFrame({frame::FrameKind(kind), std::move(head), {}, nullptr});
   w.control = true;
   std::string error;
   {
@@ -173,7 +173,7 @@ void StreamConnection::queueControl(uint8_t kind, std::string head) {
   afterFlush(error);
 }
 
-bool StreamConnection::write(OutboundFrame frame) {
+bool StreamConnection::write(frame::OutboundFrame frame) {
   if (state_ == State::kClosed) {
     return false;
   }
@@ -194,9 +194,9 @@ bool StreamConnection::write(OutboundFrame frame) {
   std::vector<uint8_t> region;
   std::vector<channel::ControlFrame> before;
   planSegments(frame, w, region, before);
-  FrameHeader h{};
-  h.magic = kFrameMagic;
-  h.version = kProtocolVersion;
+  frame::FrameHeader h{};
+  h.magic = frame::kFrameMagic;
+  h.version = frame::kProtocolVersion;
   h.kind = uint8_t(frame.kind);
   h.headLength = static_cast<uint32_t>(frame.head.size());
   h.numSegments = static_cast<uint32_t>(frame.segments.size());
@@ -204,7 +204,7 @@ bool StreamConnection::write(OutboundFrame frame) {
     h.dataLength += segment.size;
   }
   if (!w.chunked.empty()) {
-    h.flags = kFlagChunkedSegments;
+    h.flags = frame::kFlagChunkedSegments;
   }
   w.prefix.reserve(sizeof(h) + 8 * frame.segments.size() + frame.head.size());
   w.prefix.append(reinterpret_cast<const char*>(&h), sizeof(h));
@@ -218,12 +218,13 @@ bool StreamConnection::write(OutboundFrame frame) {
         : !w.chunked.empty()                         ? w.chunked[i]
                                                      : 0;
     if (slot != 0) {
-      n |= uint64_t(channels_[slot - 1]->context().wireId()) << kChannelIdShift;
+      n |= uint64_t(channels_[slot - 1]->context().wireId())
+          << frame::kChannelIdShift;
     }
     if (!region.empty() && region[i] != 0) {
       // The record goes on the wire in the segment's place.
       frame.segments[i].data = &w.regionRecords[nextRecord++];
-      frame.segments[i].size = sizeof(SegmentRecord);
+      frame.segments[i].size = sizeof(frame::SegmentRecord);
     }
     w.prefix.append(reinterpret_cast<const char*>(&n), 8);
   }
@@ -444,7 +445,7 @@ StreamConnection::ChunkFlush StreamConnection::flushChunkedFrameLocked(
       continue;
     }
     if (w.piece > 0 && w.chunked[w.piece - 1] != 0) {
-      SegmentRecord record{};
+      frame::SegmentRecord record{};
       size_t n = channels_[w.chunked[w.piece - 1] - 1]->produceChunkLocked(
           data + w.pieceOffset, size - w.pieceOffset, &record, error);
       if (!error->empty()) {

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
-#include "csrc/transport/frame.h"
+#include "csrc/frame/frame.h"
 
-namespace torch_rpc_ext::transport {
+namespace torch_rpc_ext::frame {
 
 std::string validateHeader(const FrameHeader& h, const FrameLimits& limits) {
   if (h.magic != kFrameMagic) {
@@ -47,4 +47,4 @@ uint64_t OutboundFrame::wireSize() const {
   return n;
 }
 
-} // namespace torch_rpc_ext::transport
+} // namespace torch_rpc_ext::frame

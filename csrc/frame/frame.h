@@ -9,7 +9,7 @@
 
 #include "csrc/common/option_defaults.h"
 
-namespace torch_rpc_ext::transport {
+namespace torch_rpc_ext::frame {
 
 // Every transport carries the same frames (docs/wire-format.md):
 //
@@ -134,4 +134,4 @@ struct InboundBuffers {
   std::vector<std::shared_ptr<SharedRegion>> regions;
 };
 
-} // namespace torch_rpc_ext::transport
+} // namespace torch_rpc_ext::frame
