@@ -53,6 +53,9 @@ void bindTestingCuda(py::module_& parent) {
     std::string s = data;
     cuda::CurrentDevice current(device);
     TORCH_RPC_EXT_CUDA_CHECK(cuMemcpyHtoD, p, s.data(), s.size());
+    // From pageable memory the call may return before the DMA is done, and
+    // work on non-blocking streams is not ordered after it.
+    TORCH_RPC_EXT_CUDA_CHECK(cuStreamSynchronize, nullptr);
   });
   m.def("read", [](int device, uintptr_t p, size_t n) {
     std::string s(n, '\0');
@@ -144,6 +147,7 @@ void bindTestingCuda(py::module_& parent) {
             e.unpack(asStream(s), d, src, sizes, strides, elem);
           })
       .def("launches", &cuda::CopyEngine::launches)
+      .def("staging_buffers", &cuda::CopyEngine::stagingBuffers)
       .def_static("merge_dims", &cuda::CopyEngine::mergeDims);
 }
 

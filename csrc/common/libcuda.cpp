@@ -59,6 +59,9 @@ std::string bind(void* handle, Libcuda& out) {
         "older than CUDA " +
         versionText(kMinDriverVersion) + ")";
   }
+  if (out.driverVersion == 0) {
+    return "cuDriverGetVersion failed";
+  }
   return "";
 }
 
@@ -85,9 +88,14 @@ struct Loaded {
       return;
     }
     std::string why = bind(handle, lib);
+    bool initCalled = false;
     if (why.empty()) {
+      initCalled = true;
       CUresult rc = lib.cuInit(0);
-      if (rc != CUDA_SUCCESS) {
+      if (rc == CUDA_ERROR_NO_DEVICE) {
+        why = cudaErrorTextWith(lib, "cuInit", rc) +
+            " (no GPU visible to this process: check CUDA_VISIBLE_DEVICES)";
+      } else if (rc != CUDA_SUCCESS) {
         why = cudaErrorTextWith(lib, "cuInit", rc) +
             " (no usable GPU, or a driver that does not match the kernel "
             "module)";
@@ -96,8 +104,10 @@ struct Loaded {
     if (!why.empty()) {
       error = "torch_rpc_ext cannot use the CUDA library " + name + where +
           ": " + why;
+      if (lib.cuInit == nullptr || !initCalled) {
+        dlclose(handle);
+      } // else kept: cuInit may have started threads or exit handlers.
       lib = Libcuda{};
-      dlclose(handle);
       return;
     }
     lib.description = "CUDA driver " + versionText(lib.driverVersion);

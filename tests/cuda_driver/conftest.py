@@ -6,6 +6,8 @@ once); loaded only by spawned processes (worker.py says why)."""
 import ctypes.util
 import multiprocessing
 import os
+import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -29,7 +31,21 @@ class Remote:
         return lambda *args: self._pool.submit(fn, *args).result(timeout=300)
 
 
-REAL_DRIVER = ctypes.util.find_library("cuda") is not None
+def _real_driver() -> bool:
+    """A driver with a GPU behind it (cuInit succeeds), asked in a child so
+    this process never initialises CUDA."""
+    if ctypes.util.find_library("cuda") is None:
+        return False
+    code = "import ctypes; print(ctypes.CDLL('libcuda.so.1').cuInit(0))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                             text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return False
+    return out.stdout.strip() == "0"
+
+
+REAL_DRIVER = _real_driver()
 
 
 @pytest.fixture(scope="session")

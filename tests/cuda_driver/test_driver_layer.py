@@ -57,10 +57,12 @@ def test_no_driver_is_a_clear_error():
 
 def test_a_named_library_that_is_missing_or_not_cuda():
     out = run_python(LOAD, {"TORCH_RPC_EXT_LIBCUDA": "/nonexistent/libcuda.so.1"})
+    assert out.returncode == 0, out.stderr
     assert "/nonexistent/libcuda.so.1" in out.stdout
     assert "(named by TORCH_RPC_EXT_LIBCUDA)" in out.stdout
     libc = ctypes.util.find_library("c")
     out = run_python(LOAD, {"TORCH_RPC_EXT_LIBCUDA": libc})
+    assert out.returncode == 0, out.stderr
     assert "cannot use the CUDA library" in out.stdout
     assert "it lacks cuInit, cuDriverGetVersion" in out.stdout, out.stdout
 
@@ -103,6 +105,9 @@ def test_the_driver_loads(driver_env, driver):
         ([6, 7], [0, 1], [(6, 0), (7, 1)]),  # expanded
         ([3, 0, 2], [1, 1, 1], [(0, 1)]),  # empty
         ([], [], []),  # a scalar
+        ([2, 3], [0, 0], [(6, 0)]),  # one element, broadcast
+        ([3, 2], [2, 0], [(3, 2), (2, 0)]),  # inner broadcast
+        ([3, 4], [1, 1], [(3, 1), (4, 1)]),  # overlapping
     ],
 )
 def test_merge_dims(driver, sizes, strides, want):
@@ -138,8 +143,20 @@ def test_strided_views_pack_and_unpack(driver):
         ([4, 30, 40], [0, 40, 1], 4, 1200),  # expanded: pack only
         ([3, 4, 5], [40, 5, 1], 4, 120),  # merges into a 2-d view
         ([100], [1], 8, 100),  # contiguous: a plain copy
+        ([40, 30], [1, 40], 4, 1200, 1),  # misaligned: moved as bytes
+        ([10, 10], [1, 10], 16, 100, 8),  # 16-byte elements, 8-aligned
     ]
     assert driver.strided(cases) == [True] * len(cases)
+    if not REAL_DRIVER:  # the fake counts misaligned element accesses
+        assert driver.fake_stats()["kernel_errors"] == 0
+
+
+def test_threads_share_an_engine_and_its_staging(driver):
+    ok, staging = driver.concurrent_gathers(2, 20)
+    assert ok
+    # 40 tables in flight at most; buffers are reused once their launch is
+    # done, and never shared while in flight (the results say so).
+    assert 1 <= staging <= 40
 
 
 def test_missing_or_refused_kernels_are_named(driver):
@@ -155,6 +172,8 @@ def test_missing_or_refused_kernels_are_named(driver):
     images = worker.kernel_images()
     images["copy_contiguous"] = ("no_such_entry", images["copy_contiguous"][1])
     assert "cuModuleGetFunction: CUDA_ERROR_NOT_FOUND" in driver.engine_error(images)
+    if not REAL_DRIVER:  # what a failed engine loaded, it unloaded
+        assert driver.fake_stats()["live"]["modules"] == 0
 
 
 def test_exported_memory_outlives_its_creator(spawn):

@@ -99,25 +99,27 @@ def gather(sizes: list[int], rounds: int = 1) -> tuple[bool, dict[str, int]]:
     return ok, launches
 
 
-def strided(cases: list[tuple[list[int], list[int], int, int]]) -> list[bool]:
-    """pack then unpack of each (sizes, strides, elem_size, storage elements)
-    view, against numpy's as_strided of the same bytes."""
+def strided(cases: list[tuple]) -> list[bool]:
+    """pack then unpack of each (sizes, strides, elem_size, storage elements
+    [, byte offset of the view]) view, against numpy's as_strided of the
+    same bytes."""
     from numpy.lib.stride_tricks import as_strided
 
     dev, rng, out = Device(), np.random.default_rng(2), []
     pair = np.dtype([("lo", "<u8"), ("hi", "<u8")])
     dtypes = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: pair}
-    for sizes, strides, elem, storage in cases:
+    for sizes, strides, elem, storage, *rest in cases:
+        offset = rest[0] if rest else 0
         dtype = dtypes[elem]
         base = rng.integers(0, 256, storage * elem, dtype=np.uint8).view(dtype)
         view = as_strided(base, sizes, [s * elem for s in strides])
         want = np.ascontiguousarray(view).tobytes()
-        src = dev.alloc(base.tobytes())
+        src = dev.alloc(bytes(offset) + base.tobytes()) + offset
         packed = dev.alloc(max(len(want), 1))
         dev.engine.pack(dev.stream, packed, src, sizes, strides, elem)
         ok = dev.read(packed, len(want)) == want
         if 0 not in strides:
-            target = dev.alloc(bytes(storage * elem))
+            target = dev.alloc(bytes(offset + storage * elem)) + offset
             dev.engine.unpack(dev.stream, target, packed, sizes, strides, elem)
             got = np.frombuffer(dev.read(target, storage * elem), dtype)
             got = as_strided(got, sizes, [s * elem for s in strides])
@@ -125,6 +127,62 @@ def strided(cases: list[tuple[list[int], list[int], int, int]]) -> list[bool]:
         out.append(bool(ok))
     dev.close()
     return out
+
+
+def concurrent_gathers(threads: int, rounds: int) -> tuple[bool, int]:
+    """Threads sharing one engine, each gathering on a stream of its own
+    with no synchronisation between rounds (so staging buffers are in flight
+    together), checked at the end; and how many staging buffers it made."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cu = testing()
+    engine = cu.CopyEngine(DEVICE, kernel_images())
+    sizes = [3000 + 17 * i for i in range(64)]
+
+    def run(seed: int) -> bool:
+        stream = cu.stream_create(DEVICE)
+        rng = np.random.default_rng(seed)
+        checks, live = [], []
+        for _ in range(rounds):
+            datas = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+            srcs = []
+            for d in datas:
+                p = cu.mem_alloc(DEVICE, len(d))
+                cu.write(DEVICE, p, d)
+                srcs.append(p)
+            block = cu.mem_alloc(DEVICE, sum(sizes))
+            rows, offset = [], 0
+            for p, n in zip(srcs, sizes):
+                rows.append((block + offset, p, n))
+                offset += n
+            engine.copy_segments(stream, rows)
+            checks.append((block, b"".join(datas)))
+            live += srcs + [block]
+        cu.stream_synchronize(DEVICE, stream)
+        ok = all(cu.read(DEVICE, b, len(want)) == want for b, want in checks)
+        for p in live:
+            cu.mem_free(DEVICE, p)
+        cu.stream_destroy(DEVICE, stream)
+        return ok
+
+    with ThreadPoolExecutor(threads) as pool:
+        ok = all(pool.map(run, range(threads)))
+    return ok, engine.staging_buffers()
+
+
+def fake_stats() -> dict | None:
+    """The fake driver's counters (tests/cuda_fake), or None on a real one."""
+    import ctypes
+    import json
+
+    path = os.environ.get("TORCH_RPC_EXT_LIBCUDA")
+    if not path:
+        return None
+    testing().libcuda_description()  # loaded by the extension first
+    lib = ctypes.CDLL(path)
+    buf = ctypes.create_string_buffer(1 << 16)
+    n = lib.fake_cuda_stats(buf, len(buf))
+    return json.loads(buf.raw[:n])
 
 
 def engine_error(images: dict[str, tuple[str, str]]) -> str:

@@ -30,6 +30,20 @@ constexpr uint64_t kChunkBytes = 64 << 10;
 constexpr uint64_t kSegmentRowWords = 4; // abi.SEGMENT_ROW_WORDS
 constexpr size_t kMinStaging = 4096;
 
+std::string loadHint(CUresult rc) {
+  switch (rc) {
+    case CUDA_ERROR_UNSUPPORTED_PTX_VERSION:
+      return ": its PTX ISA is newer than this driver accepts (pin "
+             "nvidia-nvvm to the driver's CUDA version; docs/cuda.md)";
+    case CUDA_ERROR_JIT_COMPILER_NOT_FOUND:
+    case CUDA_ERROR_INVALID_PTX:
+      return ": the driver could not JIT-compile PTX (a container without "
+             "the driver's PTX compiler, libnvidia-ptxjitcompiler.so)";
+    default:
+      return "";
+  }
+}
+
 uint64_t ceilDiv(uint64_t a, uint64_t b) {
   return (a + b - 1) / b;
 }
@@ -42,6 +56,15 @@ CopyEngine::CopyEngine(int device, const KernelImages& images)
   // Enough blocks to fill every multiprocessor several times over; kernels
   // stride over what is left.
   maxBlocks_ = static_cast<uint64_t>(multiprocessors(device)) * 8;
+  try {
+    loadKernels(images);
+  } catch (...) {
+    unloadModules();
+    throw;
+  }
+}
+
+void CopyEngine::loadKernels(const KernelImages& images) {
   for (int k = 0; k < kNumKernels; ++k) {
     auto it = images.find(kNames[k]);
     if (it == images.end()) {
@@ -53,11 +76,7 @@ CopyEngine::CopyEngine(int device, const KernelImages& images)
     if (rc != CUDA_SUCCESS) {
       throw std::runtime_error(
           cudaErrorText("cuModuleLoadData", rc) + " loading the copy kernel " +
-          kNames[k] +
-          (rc == CUDA_ERROR_UNSUPPORTED_PTX_VERSION
-               ? ": its PTX ISA is newer than this driver accepts (pin "
-                 "nvidia-nvvm to the driver's CUDA version; docs/cuda.md)"
-               : std::string()));
+          kNames[k] + loadHint(rc));
     }
     TORCH_RPC_EXT_CUDA_CHECK(
         cuModuleGetFunction,
@@ -70,28 +89,34 @@ CopyEngine::CopyEngine(int device, const KernelImages& images)
 CopyEngine::~CopyEngine() {
   try {
     CurrentDevice current(device_);
-    const Libcuda& cu = libcuda();
-    for (auto& s : staging_) {
-      // A launch still reading it would read freed memory: wait for it (only
-      // here, at teardown).
-      if (s->done != nullptr) {
-        cu.cuEventSynchronize(s->done);
-        cu.cuEventDestroy(s->done);
-      }
-      if (s->device != 0) {
-        cu.cuMemFree(s->device);
-      }
-      if (s->host != nullptr) {
-        cu.cuMemFreeHost(s->host);
-      }
-    }
-    for (CUmodule m : modules_) {
-      if (m != nullptr) {
-        cu.cuModuleUnload(m);
-      }
-    }
+    staging_.clear();
+    unloadModules();
   } catch (const std::exception&) {
     // The driver is gone (process exit).
+  }
+}
+
+void CopyEngine::unloadModules() noexcept {
+  for (CUmodule& m : modules_) {
+    if (m != nullptr) {
+      libcuda().cuModuleUnload(m);
+      m = nullptr;
+    }
+  }
+}
+
+CopyEngine::Staging::~Staging() {
+  const Libcuda& cu = libcuda(); // made only once the driver had loaded
+  if (done != nullptr) {
+    // A launch still reading it would read freed memory.
+    cu.cuEventSynchronize(done);
+    cu.cuEventDestroy(done);
+  }
+  if (device != 0) {
+    cu.cuMemFree(device);
+  }
+  if (host != nullptr) {
+    cu.cuMemFreeHost(host);
   }
 }
 
@@ -178,9 +203,14 @@ void CopyEngine::withTable(
     then(slot->device);
     TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, slot->done, stream);
   } catch (...) {
-    // What was enqueued may still read it: never reuse this one.
+    // What was enqueued may still read it: reusable once the stream passes
+    // this point, if that can be recorded; else never again.
+    bool recorded = cu.cuEventRecord(slot->done, stream) == CUDA_SUCCESS;
     std::lock_guard<std::mutex> lock(mu_);
-    slot->capacity = 0;
+    if (!recorded) {
+      slot->capacity = 0;
+    }
+    slot->claimed = false;
     throw;
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -261,7 +291,21 @@ void CopyEngine::strided(
         "strided copy of " + std::to_string(elemSize) +
         "-byte elements (1, 2, 4, 8 or 16)");
   }
-  auto dims = mergeDims(sizes, strides);
+  // The kernels access whole elements, aligned to min(elemSize, 8): an
+  // address that is not (a view made with from_blob, say) goes as bytes,
+  // since a misaligned access would leave the context unusable.
+  const uint64_t align = std::min<size_t>(elemSize, 8);
+  std::vector<int64_t> sizesIn = sizes;
+  std::vector<int64_t> stridesIn = strides;
+  if ((dst | src) % align != 0) {
+    for (int64_t& st : stridesIn) {
+      st *= static_cast<int64_t>(elemSize);
+    }
+    sizesIn.push_back(static_cast<int64_t>(elemSize));
+    stridesIn.push_back(1);
+    elemSize = 1;
+  }
+  auto dims = mergeDims(sizesIn, stridesIn);
   uint64_t numel = 1;
   for (const auto& [size, stride] : dims) {
     numel *= static_cast<uint64_t>(size);
@@ -304,6 +348,11 @@ void CopyEngine::unpack(
     const std::vector<int64_t>& strides,
     size_t elemSize) {
   strided(kUnpack, stream, stridedDst, contiguousSrc, sizes, strides, elemSize);
+}
+
+size_t CopyEngine::stagingBuffers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return staging_.size();
 }
 
 std::map<std::string, uint64_t> CopyEngine::launches() const {

@@ -75,6 +75,8 @@ class CopyEngine {
 
   // Kernel launches so far, by kernel name.
   std::map<std::string, uint64_t> launches() const;
+  // Pinned staging buffers made so far (each reused once its launch is done).
+  size_t stagingBuffers() const;
 
   // The merged (size, stride) dimensions of a view, outermost first, with
   // size-1 dimensions dropped: what the strided kernels get. Public for
@@ -85,13 +87,18 @@ class CopyEngine {
 
  private:
   enum Kernel { kCopy, kSegments, kPack, kUnpack, kNumKernels };
+  // Freed by its destructor (with the engine's device current), after
+  // waiting for `done`: only at teardown.
   struct Staging {
+    ~Staging();
     void* host = nullptr; // pinned
     CUdeviceptr device = 0;
     size_t capacity = 0;
     CUevent done = nullptr; // recorded after the launch that read it
     bool claimed = false; // between acquire and the record of `done`
   };
+  void loadKernels(const KernelImages& images);
+  void unloadModules() noexcept;
 
   void launch(
       Kernel k,

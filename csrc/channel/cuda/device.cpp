@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/channel/cuda/device.h"
 
+#include <atomic>
 #include <mutex>
 #include <stdexcept>
-#include <vector>
 
 #include "csrc/common/libcuda.h"
 
@@ -21,30 +21,51 @@ int attribute(int device, CUdevice_attribute which) {
 
 } // namespace
 
+// Primary contexts by device index: leaked, so the destructors of static
+// objects holding device memory can still switch contexts at exit; read
+// without a lock once set (every launch makes one current).
+constexpr int kMaxDevices = 64;
+struct Contexts {
+  std::mutex mu;
+  std::atomic<CUcontext> byDevice[kMaxDevices] = {};
+};
+
+Contexts& contexts() {
+  static Contexts* c = new Contexts();
+  return *c;
+}
+
 int deviceCount() {
-  int count = 0;
-  TORCH_RPC_EXT_CUDA_CHECK(cuDeviceGetCount, &count);
+  // Fixed for the life of the process (CUDA_VISIBLE_DEVICES is read once,
+  // at cuInit).
+  static const int count = [] {
+    int n = 0;
+    TORCH_RPC_EXT_CUDA_CHECK(cuDeviceGetCount, &n);
+    return n;
+  }();
   return count;
 }
 
 CUcontext primaryContext(int device) {
-  static std::mutex mu;
-  static std::vector<CUcontext> contexts;
-  std::lock_guard<std::mutex> lock(mu);
-  if (device < 0 || device >= deviceCount()) {
+  if (device < 0 || device >= deviceCount() || device >= kMaxDevices) {
     throw std::out_of_range(
         "CUDA device " + std::to_string(device) + " does not exist (" +
         std::to_string(deviceCount()) + " visible to this process)");
   }
-  if (contexts.size() <= static_cast<size_t>(device)) {
-    contexts.resize(device + 1, nullptr);
+  Contexts& c = contexts();
+  CUcontext ctx = c.byDevice[device].load(std::memory_order_acquire);
+  if (ctx != nullptr) {
+    return ctx;
   }
-  if (contexts[device] == nullptr) {
+  std::lock_guard<std::mutex> lock(c.mu);
+  ctx = c.byDevice[device].load(std::memory_order_relaxed);
+  if (ctx == nullptr) {
     CUdevice dev;
     TORCH_RPC_EXT_CUDA_CHECK(cuDeviceGet, &dev, device);
-    TORCH_RPC_EXT_CUDA_CHECK(cuDevicePrimaryCtxRetain, &contexts[device], dev);
+    TORCH_RPC_EXT_CUDA_CHECK(cuDevicePrimaryCtxRetain, &ctx, dev);
+    c.byDevice[device].store(ctx, std::memory_order_release);
   }
-  return contexts[device];
+  return ctx;
 }
 
 CurrentDevice::CurrentDevice(int device) {
