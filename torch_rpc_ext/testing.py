@@ -14,7 +14,11 @@ counterpart of upstream's ``FAULTY_TENSORPIPE`` with the same knobs::
 A failed send's future carries an RPC error of type INTENTIONAL_FAILURE, so
 upstream's retrying senders (RRef and dist-autograd control messages) retry
 it. Delays do not block the caller: the message waits on the agent's pool
-while its timeout runs. Everything else is the TORCH_RPC_EXT agent.
+while its timeout runs. Only a call whose timeout ends before its message is
+written (timeout <= delay) makes the caller wait, for the timeout: it is
+returned already failed, as FAULTY_TENSORPIPE (which sleeps through every
+delay in send()) returns it, which upstream's rpc.remote() to self relies on.
+Everything else is the TORCH_RPC_EXT agent.
 
 The second half is a raw client of the wire protocol (docs/wire-format.md) for
 tests and fuzzing: frame headers, the client side of the handshake, and a

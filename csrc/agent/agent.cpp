@@ -315,6 +315,17 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       std::this_thread::sleep_for(delay);
       self->writeRequest(conn, std::move(*held), id, peer);
     });
+    // A call that times out before its message is even written is returned
+    // failed, as FAULTY_TENSORPIPE (whose send() sleeps through the delay)
+    // returns it: callbacks that the caller attaches then run on its own
+    // thread, before it can look at the result. Upstream relies on this:
+    // rpc.remote() to self marks its OwnerRRef timed out in such a callback,
+    // and a future failed by another thread is seen completed before its
+    // callbacks have run, so to_here() could pass the timed-out check and
+    // wait forever for a value the late request can no longer set.
+    if (timeout.count() > 0 && timeout <= delay) {
+      future->wait(); // the timeout settles it; no callback is attached yet
+    }
   }
   return future;
 }

@@ -19,7 +19,9 @@ namespace rpc = torch::distributed::rpc;
 // (torch_rpc_ext.testing registers it as FAULTY_TORCH_RPC_EXT): fail the
 // first `numFailSends` sends of every distinct message of the listed types,
 // and hold messages of other listed types back for a number of seconds
-// before they are written. Names are rpc::MessageType names
+// before they are written (on the agent's pool; Agent::send() waits only for
+// a call that times out before its message is written, and returns it
+// failed, as FAULTY_TENSORPIPE does). Names are rpc::MessageType names
 // ("RREF_FORK_REQUEST", "SCRIPT_CALL", ...).
 struct FaultInjection {
   int numFailSends = 0;

@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """FAULTY_TORCH_RPC_EXT (torch_rpc_ext.testing): the options upstream's faulty
 fixture uses, bad names refused at init, intentional failures typed so that
-upstream's retrying senders retry them, and delays that do not block callers.
-Upstream's own FAULTY_AGENT_TESTS run in tests/conformance."""
+upstream's retrying senders retry them, delays that do not block callers, and
+a held-back call that times out before it is written returned already failed.
+Upstream's own FAULTY_AGENT_TESTS run in tests/faulty."""
 
+import threading
 import time
 
 import pytest
@@ -95,3 +97,53 @@ def test_intentional_failures_then_success_and_non_blocking_delays():
     assert out["returned_after"] < 1.0  # held back on the pool, not the caller
     assert out["value"] == 4 and out["completed_after"] >= 2.0
     assert "RPC ran for more than" in out["timeout_error"]
+
+
+@torch.jit.script
+def _double(t: torch.Tensor) -> torch.Tensor:
+    return t + t
+
+
+def timed_out_while_held(rank, world_size):
+    # Only one RRef may fail per process: upstream's RRef::handleError keeps
+    # the handlers of the first RRef it saw (a function-local static that
+    # captures `this`).
+    _init(rank, world_size, messages_to_delay={"PYTHON_CALL": 2, "SCRIPT_REMOTE_CALL": 2})
+    out = {}
+    t0 = time.monotonic()
+    fut = rpc.rpc_async("worker0", max, args=(3, 4), timeout=0.3)
+    out["returned_after"] = time.monotonic() - t0
+    out["done_on_return"] = fut.done()
+    try:
+        fut.wait()
+    except RuntimeError as e:
+        out["error"] = str(e)
+    # upstream's _test_remote_message_delay_timeout to self, without the
+    # race: the creation future must have failed, and the OwnerRRef been
+    # marked timed out, before rpc.remote() returns. Otherwise to_here()
+    # waits for a value that never comes (the late request finds the
+    # OwnerRRef gone), so it runs on a thread given 10 s.
+    rref = rpc.remote("worker0", _double, args=(torch.ones(1),), timeout=0.3)
+    out["remote_done_on_return"] = rref._get_future().done()
+
+    def to_here():
+        try:
+            out["to_here"] = rref.to_here()
+        except RuntimeError as e:
+            out["to_here"] = str(e)
+
+    t = threading.Thread(target=to_here, daemon=True)
+    t.start()
+    t.join(10)
+    out.setdefault("to_here", "still waiting after 10 s")
+    rpc.shutdown()
+    return out
+
+
+def test_call_timing_out_while_held_back_is_returned_failed():
+    out = run_world(timed_out_while_held, world_size=1)[0]
+    assert out["done_on_return"], out
+    assert 0.3 <= out["returned_after"] < 1.5, out
+    assert "RPC ran for more than set timeout (300 ms)" in out["error"], out
+    assert out["remote_done_on_return"], out
+    assert "RRef creation via rpc.remote() timed out" in out["to_here"], out
