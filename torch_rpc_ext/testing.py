@@ -109,8 +109,19 @@ FAULTY_BACKEND = register_faulty()
 
 # ---- raw wire client -------------------------------------------------------
 
-HELLO, CHALLENGE, PROOF, MESSAGE, PING, PONG, RING = 1, 2, 3, 4, 5, 6, 7
-SLAB, SLAB_RELEASE, SLAB_DROP, RING_DROP = 8, 9, 10, 11
+HELLO, CHALLENGE, PROOF, MESSAGE, PING, PONG = 1, 2, 3, 4, 5, 6
+
+
+def channel_frame_kind(channel: str, offset: int) -> int:
+    """The kind of a channel's control frame number ``offset``: the registry
+    gives the channel at position i of ``channel_names()`` its own kinds
+    (docs/wire-format.md)."""
+    position = list(_C.channel_names()).index(channel)
+    return _C.FIRST_CHANNEL_FRAME_KIND + position * _C.FRAME_KINDS_PER_CHANNEL + offset
+
+
+SLAB, SLAB_RELEASE, SLAB_DROP = (channel_frame_kind("shm_slab", k) for k in range(3))
+RING, RING_DROP = (channel_frame_kind("shm_ring", k) for k in range(2))
 
 
 def frame_header(kind, head_len, nseg=0, data=0, magic=None, version=None, flags=0):

@@ -26,4 +26,10 @@ PYBIND11_MODULE(_C, m) {
   // hooks are a module of their own (testing_module.cpp).
   m.attr("FRAME_MAGIC") = torch_rpc_ext::frame::kFrameMagic;
   m.attr("PROTOCOL_VERSION") = torch_rpc_ext::frame::kProtocolVersion;
+  // Channel i of channel_names() has the control-frame kinds from
+  // FIRST_CHANNEL_FRAME_KIND + i * FRAME_KINDS_PER_CHANNEL (frame.h).
+  m.attr("FIRST_CHANNEL_FRAME_KIND") =
+      torch_rpc_ext::frame::kFirstChannelFrameKind;
+  m.attr("FRAME_KINDS_PER_CHANNEL") =
+      torch_rpc_ext::frame::kFrameKindsPerChannel;
 }

@@ -32,8 +32,10 @@ namespace torch_rpc_ext::channel {
 // stream takes whatever none took.
 //
 // On the wire, the top byte of an announced segment length names the channel
-// that carries it (its wireId(); 0: the stream itself). A receiver rejects a
-// frame that names a channel its connection did not negotiate.
+// that carries it (its wireId(); 0: the stream itself), and a channel's
+// control frames have kinds of its own; the registry hands both out by the
+// channel's position in its list (WireIds). A receiver rejects a frame that
+// names a channel its connection did not negotiate.
 
 // Where a segment's memory lives. Values are c10::DeviceType's.
 enum class DeviceKind : uint8_t {
@@ -75,6 +77,23 @@ class Host {
 };
 
 class Context;
+
+// How a channel is named on the wire, handed out by the registry: `channel`
+// is the segment-length top byte of its segments (1..255), and its control
+// frames use the kFrameKindsPerChannel kinds from `firstKind` on.
+struct WireIds {
+  uint8_t channel = 0;
+  uint8_t firstKind = 0;
+  // The kind of the channel's control frame number `offset`.
+  frame::FrameKind kind(uint8_t offset) const {
+    return static_cast<frame::FrameKind>(firstKind + offset);
+  }
+  // Which of its control frames `kind` is, or -1 if not one of them.
+  int offsetOf(frame::FrameKind kind) const {
+    int offset = static_cast<int>(kind) - firstKind;
+    return offset >= 0 && offset < frame::kFrameKindsPerChannel ? offset : -1;
+  }
+};
 
 // The segment being received, as a channel's record fills it.
 struct InboundSegment {
@@ -197,10 +216,17 @@ class Channel {
 // rendezvous negotiates. Thread-safe; outlives its channels.
 class Context : public std::enable_shared_from_this<Context> {
  public:
+  explicit Context(WireIds ids) : ids_(ids) {}
   virtual ~Context() = default;
   virtual std::string name() const = 0;
+  // Its ids on the wire, as the registry gave them.
+  const WireIds& wireIds() const {
+    return ids_;
+  }
   // The segment-length top byte naming it on the wire (1..255, unique).
-  virtual uint8_t wireId() const = 0;
+  uint8_t wireId() const {
+    return ids_.channel;
+  }
   virtual DeviceKind device() const = 0;
   virtual Channel::Mode mode() const = 0;
   // Why it cannot work in this process ("" when it can).
@@ -218,6 +244,9 @@ class Context : public std::enable_shared_from_this<Context> {
   virtual std::shared_ptr<Channel> open(std::weak_ptr<Host> host) = 0;
   // Counters for RpcAgent::getMetrics(), by name.
   virtual std::map<std::string, uint64_t> counters() const = 0;
+
+ private:
+  const WireIds ids_;
 };
 
 // The channels one connection uses, in order of preference: what a

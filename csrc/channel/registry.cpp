@@ -3,6 +3,7 @@
 // (or a class in one) plus one line in kChannels.
 #include "csrc/channel/registry.h"
 
+#include <iterator>
 #include <stdexcept>
 
 #include "csrc/channel/shm/factory.h"
@@ -13,7 +14,7 @@ namespace {
 
 struct Entry {
   const char* name;
-  std::shared_ptr<Context> (*create)();
+  std::shared_ptr<Context> (*create)(WireIds);
 };
 
 // In default preference order: a segment is offered to the channels of its
@@ -33,10 +34,19 @@ std::vector<std::string> channelNames() {
   return names;
 }
 
+static_assert(
+    std::size(kChannels) <= frame::kMaxChannels,
+    "no frame kinds left for another channel");
+
 std::shared_ptr<Context> createChannel(const std::string& name) {
-  for (const auto& e : kChannels) {
-    if (name == e.name) {
-      return e.create();
+  for (size_t i = 0; i < std::size(kChannels); ++i) {
+    if (name == kChannels[i].name) {
+      // By position: both ends of a connection run the same list.
+      WireIds ids;
+      ids.channel = static_cast<uint8_t>(i + 1);
+      ids.firstKind = static_cast<uint8_t>(
+          frame::kFirstChannelFrameKind + i * frame::kFrameKindsPerChannel);
+      return kChannels[i].create(ids);
     }
   }
   throw std::invalid_argument("unknown channel '" + name + "'");

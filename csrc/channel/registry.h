@@ -17,8 +17,8 @@ inline constexpr const char* kStreamChannelName = "basic";
 // order.
 std::vector<std::string> channelNames();
 
-// A new channel context by name; throws std::invalid_argument for an unknown
-// name.
+// A new channel context by name, with the wire ids of its position in the
+// list; throws std::invalid_argument for an unknown name.
 std::shared_ptr<Context> createChannel(const std::string& name);
 
 } // namespace torch_rpc_ext::channel

@@ -22,7 +22,8 @@ namespace torch_rpc_ext::frame {
 // The receiver checks every length against FrameLimits before it allocates
 // anything, so a peer cannot make it allocate more than maxFrameBytes.
 constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
-constexpr uint8_t kProtocolVersion = 1;
+// 2: channel frame kinds from 16 up, handed out by the channel registry.
+constexpr uint8_t kProtocolVersion = 2;
 
 enum class FrameKind : uint8_t {
   kHello = 1, // client -> server: version, identity, nonce
@@ -31,15 +32,17 @@ enum class FrameKind : uint8_t {
   kMessage = 4, // an rpc::Message (request or response), see wire/codec.h
   kPing = 5, // liveness probe; answered with kPong
   kPong = 6,
-  // Kinds 7 and up belong to the channel that sends them (a connection
-  // rejects the ones of channels it did not negotiate): the shm channels'
-  // rings and slabs, see channel/shm/.
-  kRing = 7,
-  kSlab = 8,
-  kSlabRelease = 9,
-  kSlabDrop = 10,
-  kRingDrop = 11,
+  // Kinds 7 to 15 are reserved (rejected). Kinds 16 and up belong to the
+  // channels: the registry gives the channel at position i of its list
+  // (channel/registry.cpp) the kFrameKindsPerChannel kinds from
+  // kFirstChannelFrameKind + i * kFrameKindsPerChannel, and a connection
+  // rejects the kinds of channels it did not negotiate.
 };
+constexpr uint8_t kFirstChannelFrameKind = 16;
+constexpr uint8_t kFrameKindsPerChannel = 8;
+// The most channels the frame kinds leave room for.
+constexpr int kMaxChannels =
+    (256 - kFirstChannelFrameKind) / kFrameKindsPerChannel;
 
 // Record segments. A segment's bytes need not travel in the stream: a
 // channel (csrc/channel/channel.h) may carry them out of band and put

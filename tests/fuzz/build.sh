@@ -26,7 +26,7 @@ TARGETS=(
   "codec     torch  csrc/wire/codec.cpp csrc/common/buffer_pool.cpp"
   "ring      -      csrc/channel/shm/ring.cpp csrc/common/logging.cpp"
   "slab      -      csrc/channel/shm/slab.cpp csrc/common/logging.cpp"
-  "stream    -      csrc/transport/stream/connection.cpp csrc/transport/stream/connection_reader.cpp csrc/transport/stream/connection_writer.cpp csrc/transport/stream/loop.cpp csrc/transport/stream/address.cpp csrc/transport/stream/host_load.cpp csrc/transport/shm/connection.cpp csrc/channel/shm/context.cpp csrc/channel/shm/slab_channel.cpp csrc/channel/shm/ring_channel.cpp csrc/channel/shm/ring.cpp csrc/channel/shm/slab.cpp csrc/frame/frame.cpp csrc/transport/handshake.cpp csrc/common/crypto.cpp csrc/common/libcrypto.cpp csrc/common/logging.cpp csrc/common/exit_gate.cpp"
+  "stream    -      csrc/transport/stream/connection.cpp csrc/transport/stream/connection_reader.cpp csrc/transport/stream/connection_writer.cpp csrc/transport/stream/loop.cpp csrc/transport/stream/address.cpp csrc/transport/stream/host_load.cpp csrc/transport/shm/connection.cpp csrc/channel/registry.cpp csrc/channel/shm/context.cpp csrc/channel/shm/slab_channel.cpp csrc/channel/shm/ring_channel.cpp csrc/channel/shm/ring.cpp csrc/channel/shm/slab.cpp csrc/frame/frame.cpp csrc/transport/handshake.cpp csrc/common/crypto.cpp csrc/common/libcrypto.cpp csrc/common/logging.cpp csrc/common/exit_gate.cpp"
 )
 
 if [ "${1:-}" = "--list" ]; then

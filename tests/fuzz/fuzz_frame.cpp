@@ -35,7 +35,8 @@ bool keepsTheRules(const FrameHeader& h, const FrameLimits& limits) {
     return false;
   }
   if (h.kind < uint8_t(FrameKind::kHello) ||
-      h.kind > uint8_t(FrameKind::kRingDrop)) {
+      (h.kind > uint8_t(FrameKind::kPong) &&
+       h.kind < frame::kFirstChannelFrameKind)) {
     return false;
   }
   bool flagsOk = h.flags == 0 ||

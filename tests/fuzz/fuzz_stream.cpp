@@ -29,9 +29,12 @@
 #include <string>
 #include <vector>
 
+#include "csrc/channel/registry.h"
 #include "csrc/channel/shm/context.h"
 #include "csrc/channel/shm/ring.h"
+#include "csrc/channel/shm/ring_channel.h"
 #include "csrc/channel/shm/slab.h"
+#include "csrc/channel/shm/slab_channel.h"
 #include "csrc/transport/shm/connection.h"
 #include "tests/fuzz/fuzz_input.h"
 
@@ -109,8 +112,7 @@ struct Harness {
     options.heartbeatTimeout = std::chrono::milliseconds(0);
     // Both shm channels, as negotiated between two workers of one host.
     channels = {
-        std::make_shared<channel::shm::SlabContext>(),
-        std::make_shared<channel::shm::RingContext>()};
+        channel::createChannel("shm_slab"), channel::createChannel("shm_ring")};
     options.channelsFor = [this](int32_t, bool) { return channels; };
   }
   transport::stream::Loop loop;
@@ -149,7 +151,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (setup & 1) {
     ring = channel::shm::Ring::create(channel::shm::kMinRingBytes);
     uint64_t cap = ring.capacity();
-    std::string frame = header(FrameKind::kRing, sizeof(cap));
+    std::string frame = header(
+        harness().channels[1]->wireIds().kind(channel::shm::kRingSetup),
+        sizeof(cap));
     frame.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
     open = conn->feedForTesting(
         frame.data(), frame.size(), {::dup(ring.fd()), ::dup(ring.wakeFd())});
@@ -159,7 +163,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     slab = channel::shm::Slab::create(channel::shm::kSlabMinSegment);
     uint32_t id = 1;
     uint64_t cap = slab->capacity();
-    std::string frame = header(FrameKind::kSlab, sizeof(id) + sizeof(cap));
+    std::string frame = header(
+        harness().channels[0]->wireIds().kind(channel::shm::kSlabSetup),
+        sizeof(id) + sizeof(cap));
     frame.append(reinterpret_cast<const char*>(&id), sizeof(id));
     frame.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
     open =

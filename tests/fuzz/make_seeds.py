@@ -54,13 +54,13 @@ DEFAULT_LIMITS, FUZZ_AGENT_LIMITS, CUSTOM_LIMITS = b"\0", b"\1", b"\2"
 
 
 def frame_header(kind, flags=0, head=0, segments=0, data=0, magic=FRAME_MAGIC,
-                 version=1):
+                 version=2):
     return struct.pack("<IBBHIIQ", magic, version, kind, flags, head, segments,
                        data)
 
 
 def frame_seeds():
-    for kind in range(1, 11):
+    for kind in [*range(1, 8), 15, *range(16, 20), 24, 25, 255]:
         write("frame", f"kind{kind}", frame_header(kind, head=36) + DEFAULT_LIMITS)
     write("frame", "message",
           frame_header(4, head=100, segments=3, data=4096) + DEFAULT_LIMITS)
@@ -291,24 +291,30 @@ def message(segments, head=b"h" * 16, flags=0, lengths=None):
             + b"".join(u64(n) for n in lengths) + head + b"".join(segments))
 
 
+# The shm channels' frame kinds: the registry's first and second channels
+# (csrc/channel/registry.cpp) get kinds 16.. and 24.. (frame.h).
+SLAB_SETUP, SLAB_RELEASE, SLAB_DROP = 16, 17, 18
+RING_SETUP, RING_DROP = 24, 25
+
+
 def stream_seeds():
     ping, pong = frame_header(5), frame_header(6)
     write("stream", "ping-pong", bytes([0]) + ping + pong)
     write("stream", "message", bytes([0]) + message([b"a" * 100, b"", b"b" * 20000]))
     write("stream", "messages-small-pieces",
           bytes([7 << 2]) + message([b"x" * 3]) + ping + message([b"y" * 70000]))
-    write("stream", "ring-drop-without-ring", bytes([0]) + frame_header(11))
-    write("stream", "slab-release-unheld", bytes([0]) + frame_header(9, head=4) + u32(1))
+    write("stream", "ring-drop-without-ring", bytes([0]) + frame_header(RING_DROP))
+    write("stream", "slab-release-unheld", bytes([0]) + frame_header(SLAB_RELEASE, head=4) + u32(1))
     # Chunked: 70,000 bytes through the 64 KiB ring, two records.
     chunked = message([u64(0) + u64(65536) + u64(0) + u64(4464)], flags=1,
                       lengths=[70000 | CHUNKED_BIT])
-    write("stream", "ring-chunks", bytes([STREAM_RING]) + chunked + frame_header(11))
+    write("stream", "ring-chunks", bytes([STREAM_RING]) + chunked + frame_header(RING_DROP))
     write("stream", "ring-chunk-misplaced",
           bytes([STREAM_RING]) + message([u64(4096) + u64(100)], flags=1,
                                          lengths=[100 | CHUNKED_BIT]))
     # Region: 4096 bytes at offset 0 of the peer's slab 1 (kind 1: lent).
     region = message([b"s" * 8, u32(1) + u32(1) + u64(0)], lengths=[8, 4096 | REGION_BIT])
-    write("stream", "slab-region", bytes([STREAM_SLAB]) + region + frame_header(10, head=4) + u32(1))
+    write("stream", "slab-region", bytes([STREAM_SLAB]) + region + frame_header(SLAB_DROP, head=4) + u32(1))
     write("stream", "slab-overrun",
           bytes([STREAM_SLAB]) + message([u32(1) + u32(1) + u64(65536 - 8)],
                                          lengths=[4096 | REGION_BIT]))

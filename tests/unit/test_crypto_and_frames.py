@@ -71,6 +71,13 @@ def test_valid_header_passes():
     assert _testing.validate_header(header(), 1 << 20) == ""
 
 
+@pytest.mark.parametrize("kind", [1, 6, 16, 23, 24, 255])
+def test_transport_and_channel_kinds_pass_the_header_check(kind):
+    # Kinds from 16 up belong to channels; whether the connection negotiated
+    # the channel is checked later, by the connection.
+    assert _testing.validate_header(header(kind=kind, nseg=0, data=0), 1 << 20) == ""
+
+
 @pytest.mark.parametrize(
     "fields, reason",
     [
@@ -79,7 +86,8 @@ def test_valid_header_passes():
         ({"flags": 2}, "reserved flags"),
         ({"flags": 1, "kind": 1}, "reserved flags"),  # ring flag on a handshake frame
         ({"kind": 0}, "unknown frame kind 0"),
-        ({"kind": 200}, "unknown frame kind 200"),
+        ({"kind": 7}, "unknown frame kind 7"),  # 7..15: reserved
+        ({"kind": 15}, "unknown frame kind 15"),
         ({"data": 1 << 21}, "exceeds max_frame_bytes=1048576"),
         ({"data": (1 << 64) - 1}, "exceeds max_frame_bytes"),
         ({"head": 1 << 30}, "head of 1073741824 bytes exceeds"),

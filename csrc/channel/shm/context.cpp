@@ -23,7 +23,8 @@ std::string thisKernel() {
 } // namespace
 
 template <typename Probe>
-ShmContext::ShmContext(Probe probe) : domain_(thisKernel()) {
+ShmContext::ShmContext(WireIds ids, Probe probe)
+    : Context(ids), domain_(thisKernel()) {
   if (domain_.empty()) {
     unviable_ = "cannot identify this host's kernel (no boot id)";
     return;
@@ -37,8 +38,8 @@ ShmContext::ShmContext(Probe probe) : domain_(thisKernel()) {
   }
 }
 
-SlabContext::SlabContext()
-    : ShmContext([] { Slab::create(kSlabMinSegment); }) {}
+SlabContext::SlabContext(WireIds ids)
+    : ShmContext(ids, [] { Slab::create(kSlabMinSegment); }) {}
 
 std::string SlabContext::name() const {
   return "shm_slab";
@@ -61,7 +62,8 @@ std::map<std::string, uint64_t> SlabContext::counters() const {
   };
 }
 
-RingContext::RingContext() : ShmContext([] { Ring::create(kMinRingBytes); }) {}
+RingContext::RingContext(WireIds ids)
+    : ShmContext(ids, [] { Ring::create(kMinRingBytes); }) {}
 
 std::string RingContext::name() const {
   return "shm_ring";
@@ -82,12 +84,12 @@ std::map<std::string, uint64_t> RingContext::counters() const {
   };
 }
 
-std::shared_ptr<Context> createSlabChannel() {
-  return std::make_shared<SlabContext>();
+std::shared_ptr<Context> createSlabChannel(WireIds ids) {
+  return std::make_shared<SlabContext>(ids);
 }
 
-std::shared_ptr<Context> createRingChannel() {
-  return std::make_shared<RingContext>();
+std::shared_ptr<Context> createRingChannel(WireIds ids) {
+  return std::make_shared<RingContext>(ids);
 }
 
 } // namespace torch_rpc_ext::channel::shm

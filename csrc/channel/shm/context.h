@@ -34,7 +34,7 @@ class ShmContext : public Context {
   // `probe` makes (and drops) the smallest object of the channel, throwing
   // what is missing.
   template <typename Probe>
-  explicit ShmContext(Probe probe);
+  ShmContext(WireIds ids, Probe probe);
 
  private:
   std::string domain_;
@@ -44,11 +44,8 @@ class ShmContext : public Context {
 // shm_slab (slab_channel.h).
 class SlabContext final : public ShmContext {
  public:
-  SlabContext();
+  explicit SlabContext(WireIds ids);
   std::string name() const override;
-  uint8_t wireId() const override {
-    return 1;
-  }
   Channel::Mode mode() const override {
     return Channel::Mode::kRegion;
   }
@@ -62,11 +59,8 @@ class SlabContext final : public ShmContext {
 // shm_ring (ring_channel.h).
 class RingContext final : public ShmContext {
  public:
-  RingContext();
+  explicit RingContext(WireIds ids);
   std::string name() const override;
-  uint8_t wireId() const override {
-    return 2;
-  }
   Channel::Mode mode() const override {
     return Channel::Mode::kChunks;
   }

@@ -8,7 +8,7 @@
 namespace torch_rpc_ext::channel::shm {
 
 // The shm channels' contexts (context.h), for the registry.
-std::shared_ptr<Context> createSlabChannel();
-std::shared_ptr<Context> createRingChannel();
+std::shared_ptr<Context> createSlabChannel(WireIds ids);
+std::shared_ptr<Context> createRingChannel(WireIds ids);
 
 } // namespace torch_rpc_ext::channel::shm

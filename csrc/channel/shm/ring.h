@@ -13,7 +13,7 @@ namespace torch_rpc_ext::channel::shm {
 //
 // Each direction of a connection has its own ring, created by the sending
 // side when it first needs one and handed to the receiver over the
-// connection's Unix socket (SCM_RIGHTS) in a kRing frame; see
+// connection's Unix socket (SCM_RIGHTS) in a kRingSetup frame; see
 // ring_channel.h for how rings are sized, grown and dropped. The socket stays
 // the control path: for every chunk the producer copies into the ring it writes
 // a 16-byte ChunkRecord on the socket, and the consumer copies the chunk

@@ -88,7 +88,7 @@ ControlFrame RingChannel::setupFrame(const std::shared_ptr<Ring>& ring) {
   uint64_t cap = ring->capacity();
   // The descriptors live as long as the ring; the frame keeps it alive.
   return ControlFrame{
-      FrameKind::kRing,
+      context().wireIds().kind(kRingSetup),
       std::string(reinterpret_cast<const char*>(&cap), sizeof(cap)),
       {ring->fd(), ring->wakeFd()},
       ring};
@@ -177,7 +177,7 @@ std::optional<ControlFrame> RingChannel::dropIfIdleLocked() {
   retire(std::move(dropped));
   // Queued after every record that names the ring (they are all on the
   // wire: the caller checked that no queued frame uses the ring).
-  return ControlFrame{FrameKind::kRingDrop, {}, {}, nullptr};
+  return ControlFrame{context().wireIds().kind(kRingDrop), {}, {}, nullptr};
 }
 
 void RingChannel::onWakeFromLoop() {
@@ -266,10 +266,10 @@ int64_t RingChannel::onRecordFromLoop(
 
 bool RingChannel::acceptsControlFrame(FrameKind kind, uint32_t headLength)
     const {
-  switch (kind) {
-    case FrameKind::kRing:
+  switch (context().wireIds().offsetOf(kind)) {
+    case kRingSetup:
       return headLength == sizeof(uint64_t);
-    case FrameKind::kRingDrop:
+    case kRingDrop:
       return headLength == 0;
     default:
       return false;
@@ -284,7 +284,7 @@ bool RingChannel::onControlFrameFromLoop(
   if (!host) {
     return false;
   }
-  if (kind == FrameKind::kRingDrop) {
+  if (context().wireIds().offsetOf(kind) == kRingDrop) {
     if (!ringIn_.valid()) {
       host->rejectFromLoop(
           "rejected frame: the peer dropped a ring it never set up");

@@ -14,6 +14,13 @@
 
 namespace torch_rpc_ext::channel::shm {
 
+// Its control frames, as offsets into the kinds the registry gave the
+// channel (WireIds::kind): docs/wire-format.md.
+enum RingFrame : uint8_t {
+  kRingSetup = 0, // a new ring: uint64 capacity + memfd and eventfd
+  kRingDrop = 1, // the sender drops its ring (empty head)
+};
+
 // shm_ring: segments of 64 KiB or more in chunks through a shared ring
 // (ring.h), one copy per side, both copies running in parallel on two cores.
 // Second choice after shm_slab, which declines a segment when its slabs are
@@ -27,8 +34,8 @@ namespace torch_rpc_ext::channel::shm {
 // last one filled up, and dropped (kRingDrop; the peer unmaps it too) after
 // kIdleRingMs without use.
 //
-// Frames: kRing (head: uint64 capacity; descriptors: the ring's memfd and its
-// wake-up eventfd) and kRingDrop (empty).
+// Frames: kRingSetup (head: uint64 capacity; descriptors: the ring's memfd and
+// its wake-up eventfd) and kRingDrop (empty).
 class RingChannel final : public Channel,
                           public std::enable_shared_from_this<RingChannel> {
  public:
@@ -63,14 +70,14 @@ class RingChannel final : public Channel,
       const std::string& head,
       std::vector<int>& fds) override;
   size_t maxPendingFds() const override {
-    return 2; // a kRing frame's memfd and eventfd
+    return 2; // a kRingSetup frame's memfd and eventfd
   }
   void onClosedFromLoop() override;
 
  private:
   // Make the first ring (false if none can be made).
   bool makeFirstRing();
-  // The kRing frame handing `ring` to the peer (mutex_ held); has the loop
+  // The kRingSetup frame handing `ring` to the peer (mutex_ held); has the loop
   // watch its eventfd.
   ControlFrame setupFrame(const std::shared_ptr<Ring>& ring);
   // The peer released ring space we wait for (loop thread).

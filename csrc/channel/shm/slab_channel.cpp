@@ -206,7 +206,7 @@ bool SlabChannel::takeRegion(
     head.append(reinterpret_cast<const char*>(&capacity), sizeof(capacity));
     before->push_back(
         ControlFrame{
-            FrameKind::kSlab,
+            context().wireIds().kind(kSlabSetup),
             std::move(head),
             {slab->fd()},
             std::shared_ptr<void>(
@@ -264,7 +264,10 @@ void SlabChannel::collectPendingLocked(std::vector<ControlFrame>* out) {
 
 ControlFrame SlabChannel::takeReleasesLocked() {
   ControlFrame frame{
-      FrameKind::kSlabRelease, std::move(pendingReleases_), {}, nullptr};
+      context().wireIds().kind(kSlabRelease),
+      std::move(pendingReleases_),
+      {},
+      nullptr};
   pendingReleases_.clear();
   return frame;
 }
@@ -307,19 +310,20 @@ void SlabChannel::trim() {
   }
   for (uint32_t id : dropped) {
     host->sendControl(
-        ControlFrame{FrameKind::kSlabDrop, idHead(id), {}, nullptr});
+        ControlFrame{
+            context().wireIds().kind(kSlabDrop), idHead(id), {}, nullptr});
   }
 }
 
 bool SlabChannel::acceptsControlFrame(FrameKind kind, uint32_t headLength)
     const {
-  switch (kind) {
-    case FrameKind::kSlab:
+  switch (context().wireIds().offsetOf(kind)) {
+    case kSlabSetup:
       return headLength == sizeof(uint32_t) + sizeof(uint64_t);
-    case FrameKind::kSlabRelease:
+    case kSlabRelease:
       return headLength >= sizeof(uint32_t) && headLength <= kMaxReleaseHead &&
           headLength % sizeof(uint32_t) == 0;
-    case FrameKind::kSlabDrop:
+    case kSlabDrop:
       return headLength == sizeof(uint32_t);
     default:
       return false;
@@ -334,12 +338,12 @@ bool SlabChannel::onControlFrameFromLoop(
   if (!host) {
     return false;
   }
-  switch (kind) {
-    case FrameKind::kSlab:
+  switch (context().wireIds().offsetOf(kind)) {
+    case kSlabSetup:
       return onSetupFromLoop(*host, head, fds);
-    case FrameKind::kSlabRelease:
+    case kSlabRelease:
       return onReleaseFromLoop(*host, head);
-    case FrameKind::kSlabDrop:
+    case kSlabDrop:
       return onDropFromLoop(*host, head);
     default: // acceptsControlFrame() let no other kind through
       return true;

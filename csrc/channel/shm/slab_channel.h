@@ -13,6 +13,14 @@
 
 namespace torch_rpc_ext::channel::shm {
 
+// Its control frames, as offsets into the kinds the registry gave the
+// channel (WireIds::kind): docs/wire-format.md.
+enum SlabFrame : uint8_t {
+  kSlabSetup = 0, // a new slab: {uint32 id, uint64 capacity} + its memfd
+  kSlabRelease = 1, // uint32 ids the receiver no longer views
+  kSlabDrop = 2, // uint32 id: the sender unmaps an idle slab
+};
+
 // shm_slab: segments of 64 KiB or more through shared slabs (slab.h) as
 // regions: one copy on the sender's side, none on the receiver's, and none
 // at all for a storage handed back to the peer it came from. When the
@@ -21,7 +29,7 @@ namespace torch_rpc_ext::channel::shm {
 // kSlabIdleMs free, and a new one is made only for a connection that offered
 // another large segment within kWarmWithinMs (a one-off goes on).
 //
-// Frames: kSlab (head: uint32 id, uint64 capacity; descriptor: the memfd),
+// Frames: kSlabSetup (head: uint32 id, uint64 capacity; descriptor: the memfd),
 // kSlabRelease (uint32 ids) and kSlabDrop (uint32 id).
 class SlabChannel final : public Channel,
                           public std::enable_shared_from_this<SlabChannel> {
@@ -47,7 +55,7 @@ class SlabChannel final : public Channel,
       const std::string& head,
       std::vector<int>& fds) override;
   size_t maxPendingFds() const override {
-    return 1; // a kSlab frame's memfd
+    return 1; // a kSlabSetup frame's memfd
   }
   void onTickFromLoop() override;
 
