@@ -26,6 +26,20 @@ CUstream asStream(uintptr_t s) {
   return reinterpret_cast<CUstream>(s);
 }
 
+// CopyEngine::pack and ::unpack, which take the same arguments, for Python.
+template <auto method>
+auto strided() {
+  return [](cuda::CopyEngine& e,
+            uintptr_t stream,
+            uintptr_t dst,
+            uintptr_t src,
+            const std::vector<int64_t>& sizes,
+            const std::vector<int64_t>& strides,
+            size_t elemSize) {
+    (e.*method)(asStream(stream), dst, src, sizes, strides, elemSize);
+  };
+}
+
 } // namespace
 
 void bindTestingCuda(py::module_& parent) {
@@ -124,28 +138,8 @@ void bindTestingCuda(py::module_& parent) {
             }
             e.copySegments(asStream(s), segments);
           })
-      .def(
-          "pack",
-          [](cuda::CopyEngine& e,
-             uintptr_t s,
-             uintptr_t d,
-             uintptr_t src,
-             const std::vector<int64_t>& sizes,
-             const std::vector<int64_t>& strides,
-             size_t elem) {
-            e.pack(asStream(s), d, src, sizes, strides, elem);
-          })
-      .def(
-          "unpack",
-          [](cuda::CopyEngine& e,
-             uintptr_t s,
-             uintptr_t d,
-             uintptr_t src,
-             const std::vector<int64_t>& sizes,
-             const std::vector<int64_t>& strides,
-             size_t elem) {
-            e.unpack(asStream(s), d, src, sizes, strides, elem);
-          })
+      .def("pack", strided<&cuda::CopyEngine::pack>())
+      .def("unpack", strided<&cuda::CopyEngine::unpack>())
       .def("launches", &cuda::CopyEngine::launches)
       .def("staging_buffers", &cuda::CopyEngine::stagingBuffers)
       .def_static("merge_dims", &cuda::CopyEngine::mergeDims);

@@ -14,21 +14,11 @@ import pytest
 
 from tests import cuda_fake
 from tests.cuda_driver import worker
+from tests.remote import Remote
 
 
 def _start(env: dict[str, str]) -> None:
     os.environ.update(env)
-
-
-class Remote:
-    """Calls worker functions in the pool's one process."""
-
-    def __init__(self, pool: ProcessPoolExecutor) -> None:
-        self._pool = pool
-
-    def __getattr__(self, name: str):
-        fn = getattr(worker, name)
-        return lambda *args: self._pool.submit(fn, *args).result(timeout=300)
 
 
 def _real_driver() -> bool:
@@ -60,7 +50,7 @@ def driver_env() -> dict[str, str]:
 def driver(driver_env):
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, context, initializer=_start, initargs=(driver_env,)) as pool:
-        yield Remote(pool)
+        yield Remote(pool, worker)
 
 
 @pytest.fixture
