@@ -57,6 +57,7 @@ void Agent::rendezvous() {
 
   transport::TransportOptions topts;
   topts.selfId = self.id_;
+  topts.peerIdLimit = worldSize_;
   topts.secret = secret_;
   topts.limits.maxFrameBytes = options_.maxFrameBytes;
   topts.handshakeTimeout = options_.handshakeTimeout;

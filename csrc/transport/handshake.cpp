@@ -85,11 +85,13 @@ Handshake::Handshake(
     bool client,
     std::string secret,
     int32_t selfId,
-    int32_t expectedPeerId)
+    int32_t expectedPeerId,
+    int32_t peerIdLimit)
     : client_(client),
       secret_(std::move(secret)),
       selfId_(selfId),
       expectedPeerId_(expectedPeerId),
+      peerIdLimit_(peerIdLimit),
       stage_(client ? Stage::kChallenge : Stage::kHello) {}
 
 std::string Handshake::hello() {
@@ -127,6 +129,13 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
     auto hello = decodeHello(head);
     if (!hello || hello->clientId < 0) {
       step.error = "rejected handshake: malformed hello";
+      return step;
+    }
+    if (peerIdLimit_ > 0 && hello->clientId >= peerIdLimit_) {
+      // Ids index the agent's per-peer tables: never let one past them.
+      step.error = "rejected handshake: worker id " +
+          std::to_string(hello->clientId) + " is not in this group of " +
+          std::to_string(peerIdLimit_) + " workers";
       return step;
     }
     // Trusted only once the client's proof checks out.

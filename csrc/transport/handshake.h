@@ -64,7 +64,8 @@ class Handshake {
       bool client,
       std::string secret,
       int32_t selfId,
-      int32_t expectedPeerId);
+      int32_t expectedPeerId,
+      int32_t peerIdLimit = 0);
 
   // What to do after a frame: close with `error`, and/or send `reply`.
   struct Step {
@@ -93,6 +94,7 @@ class Handshake {
   const std::string secret_;
   const int32_t selfId_;
   const int32_t expectedPeerId_;
+  const int32_t peerIdLimit_; // TransportOptions::peerIdLimit
   Stage stage_;
   int32_t peerId_ = -1;
   std::string clientNonce_;

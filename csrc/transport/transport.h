@@ -17,6 +17,10 @@ namespace torch_rpc_ext::transport {
 // What every transport needs to authenticate and bound its connections.
 struct TransportOptions {
   int32_t selfId = 0;
+  // Peers' worker ids are below this (the group's size); a peer that claims
+  // another id is refused in the handshake, even if it knows the secret.
+  // 0: any id.
+  int32_t peerIdLimit = 0;
   // The group secret; both ends prove knowledge of it in the handshake.
   std::string secret;
   frame::FrameLimits limits;

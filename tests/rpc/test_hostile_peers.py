@@ -94,6 +94,19 @@ def attacks(rank, world_size):
         out["bad_head_closed"] = closed_by_peer(sock)
         sock.close()
 
+        # 2b. Right secret but a worker id outside the group (ids index the
+        #     agent's per-peer tables): refused in the handshake.
+        for bad_id in (world_size, (1 << 31) - 1):
+            try:
+                sock, _ = handshake(addr, SECRET, client_id=bad_id)
+                sock.settimeout(2)
+                sock.sendall(frame_header(MESSAGE, len(bad_head), nseg=1, data=0)
+                             + struct.pack("<Q", 0) + bad_head)
+                out[f"id_{bad_id}_refused"] = closed_by_peer(sock)
+                sock.close()
+            except (ConnectionError, OSError):
+                out[f"id_{bad_id}_refused"] = True
+
         # 3. Wrong protocol version, 4. garbage, 5. an absurd length: each is
         #    closed after the 24-byte header, before anything is allocated.
         host, port = addr.rsplit(":", 1)
@@ -129,13 +142,15 @@ def test_agent_refuses_strangers_and_keeps_serving():
     assert out["right_secret_server_proof_ok"] is True
     assert out["right_secret_stays_open"]
     assert out["bad_head_closed"]
+    assert out["id_2_refused"] and out["id_2147483647_refused"]
     for label in ["wrong_version", "garbage", "absurd_length", "message_before_auth"]:
         assert out[label], label
     assert out["unknown_op_answered"] and out["unknown_op_open"]
     assert out["unknown_op_cached"] == 0
     assert torch.equal(out["still_serves"], torch.full((2,), 2.0))
-    # wrong secret + 4 pre-auth rejections (the bad head came after auth).
-    assert out["rejected_delta"] == 5
+    # wrong secret + 2 ids outside the group + 4 pre-auth rejections (the bad
+    # head came after auth).
+    assert out["rejected_delta"] == 7
 
 
 def mismatched_secrets(rank, world_size, both_refused):

@@ -66,7 +66,12 @@ StreamConnection::StreamConnection(
       expectedPeerId_(expectedPeerId),
       peerAddress_(std::move(peerAddress)),
       observer_(observer),
-      handshake_(outbound, options.secret, options.selfId, expectedPeerId) {}
+      handshake_(
+          outbound,
+          options.secret,
+          options.selfId,
+          expectedPeerId,
+          options.peerIdLimit) {}
 
 StreamConnection::~StreamConnection() {
   if (fd_ >= 0) {
