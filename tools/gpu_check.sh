@@ -10,7 +10,9 @@
 #   3. the copy kernels' PTX is made there by numba-cuda and compared with a
 #      PTX folder carried in .gpu/ptx, if any;
 #   4. tools/gpu_probe.py runs the kernels and CUDA IPC on the device;
-#   5. pytest runs the CUDA tests (tests/cuda*) and the given arguments.
+#   5. pytest runs the CUDA tests (tests/cuda*) and the given arguments;
+#   6. upstream's CUDA suites (tests/conformance_cuda, spawned processes),
+#      each test cut at 120 s and the step at 420 s.
 # Exit status: the number of failed steps (0 = all passed).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -53,4 +55,7 @@ cp "$OUT/probe.log" "$OUT/probe.jsonl" 2>/dev/null
 step pytest python3 -m pytest -p no:cacheprovider -q --timeout 300 -rfE \
   $(ls -d tests/cuda* 2>/dev/null) "$@"
 tail -n 5 "$OUT/pytest.log"
+step upstream_cuda env DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=60 timeout 420 \
+  python3 -m pytest -p no:cacheprovider -q --timeout 120 -rfE tests/conformance_cuda
+tail -n 3 "$OUT/upstream_cuda.log"
 exit "$failed"

@@ -20,7 +20,7 @@ fi
 # Same-host peers use the shm transport by default; the conformance suites
 # run again with it forced off, over TCP only.
 python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance tests/rpc tests/scripting tests/launcher \
-  tests/wheel tests/tutorials tests/cuda_kernels
+  tests/wheel tests/tutorials tests/cuda_kernels tests/conformance_cuda
 TORCH_RPC_EXT_TRANSPORTS=tcp \
   python -m pytest -p no:cacheprovider -q --timeout 900 tests/conformance
 # Upstream's fault-injection suites: a process of their own (see the module).
