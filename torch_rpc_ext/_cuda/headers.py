@@ -26,8 +26,9 @@ def _candidates() -> list[Path]:
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home:
         found.append(Path(home) / "include")
-    spec = importlib.util.find_spec("nvidia")
-    for root in spec.submodule_search_locations or () if spec else ():
+    spec = importlib.util.find_spec("nvidia")  # NVIDIA's wheels' namespace
+    roots = (spec.submodule_search_locations or []) if spec else []
+    for root in roots:
         found.extend(Path(root) / sub for sub in _WHEEL_DIRS)
     return found
 
