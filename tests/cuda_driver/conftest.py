@@ -3,7 +3,6 @@
 (a GPU machine: tools/gpu_check.sh), else the fake (tests/cuda_fake, built
 once); loaded only by spawned processes (worker.py says why)."""
 
-import ctypes.util
 import multiprocessing
 import os
 import subprocess
@@ -23,10 +22,15 @@ def _start(env: dict[str, str]) -> None:
 
 def _real_driver() -> bool:
     """A driver with a GPU behind it (cuInit succeeds), asked in a child so
-    this process never initialises CUDA."""
-    if ctypes.util.find_library("cuda") is None:
-        return False
-    code = "import ctypes; print(ctypes.CDLL('libcuda.so.1').cuInit(0))"
+    this process never initialises CUDA. dlopen itself is asked, not
+    ldconfig: GPU machines often have libcuda only on LD_LIBRARY_PATH."""
+    code = (
+        "import ctypes\n"
+        "try:\n"
+        "    print(ctypes.CDLL('libcuda.so.1').cuInit(0))\n"
+        "except OSError:\n"
+        "    print(-1)\n"
+    )
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                              text=True, timeout=60)
