@@ -171,13 +171,15 @@ def extensions() -> tuple[list, dict]:
     write_build_info(torch)
     tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
 
+    cuda_args = cuda_include_args()
+
     def extension(name: str, files: list[str]):
         return cpp_extension.CppExtension(
             f"{NAME}.{name}",
             files,
             depends=[*headers(), BUILD_INFO],
             include_dirs=[ROOT],
-            extra_compile_args=compile_args() + cuda_include_args(),
+            extra_compile_args=compile_args() + cuda_args,
             extra_link_args=link_args(),
             libraries=["torch_python"],
         )

@@ -9,7 +9,8 @@
 #   2. the extension builds in place against the machine's torch;
 #   3. the copy kernels' PTX is made there by numba-cuda and compared with a
 #      PTX folder carried in .gpu/ptx, if any;
-#   4. tools/gpu_probe.py runs the kernels and CUDA IPC on the device;
+#   4. tools/gpu_probe.py times the copy engine beside torch and checks
+#      CUDA IPC of memory and events between two processes (probe.log);
 #   5. pytest runs the CUDA tests (tests/cuda*) and the given arguments;
 #   6. upstream's CUDA suites (tests/conformance_cuda, spawned processes),
 #      each test cut at 120 s and the step at 420 s.
@@ -51,7 +52,6 @@ if [ -d .gpu/ptx ]; then
   [ -f /tmp/gpu_ptx/kernels.json ] || ptx=.gpu/ptx
 fi
 step probe python3 tools/gpu_probe.py --ptx "$ptx"
-cp "$OUT/probe.log" "$OUT/probe.jsonl" 2>/dev/null
 step pytest python3 -m pytest -p no:cacheprovider -q --timeout 300 -rfE \
   $(ls -d tests/cuda* 2>/dev/null) "$@"
 tail -n 5 "$OUT/pytest.log"

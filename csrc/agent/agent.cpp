@@ -458,12 +458,6 @@ void Agent::onFrame(
     frame::InboundBuffers buffers) {
   auto* in = static_cast<wire::InboundMessage*>(buffers.keepAlive.get());
   int32_t peer = conn->peerId();
-  if (peer < 0 || peer >= worldSize_) { // the handshake refuses such ids
-    conn->close(
-        "message from worker id " + std::to_string(peer) +
-        ", outside this group");
-    return;
-  }
   c10::intrusive_ptr<rpc::Message> message;
   try {
     message = in->finish(buffers);

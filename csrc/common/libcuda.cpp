@@ -88,9 +88,8 @@ struct Loaded {
       return;
     }
     std::string why = bind(handle, lib);
-    bool initCalled = false;
-    if (why.empty()) {
-      initCalled = true;
+    const bool initCalled = why.empty();
+    if (initCalled) {
       CUresult rc = lib.cuInit(0);
       if (rc == CUDA_ERROR_NO_DEVICE) {
         why = cudaErrorTextWith(lib, "cuInit", rc) +
@@ -104,7 +103,7 @@ struct Loaded {
     if (!why.empty()) {
       error = "torch_rpc_ext cannot use the CUDA library " + name + where +
           ": " + why;
-      if (lib.cuInit == nullptr || !initCalled) {
+      if (!initCalled) {
         dlclose(handle);
       } // else kept: cuInit may have started threads or exit handlers.
       lib = Libcuda{};

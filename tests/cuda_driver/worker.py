@@ -34,12 +34,13 @@ def describe() -> tuple[str, int, list[str]]:
 
 
 class Device:
-    """Device memory and one stream of the fake, for the checks below."""
+    """Device memory, one stream and a copy engine (its own, or a shared
+    one), for the checks below."""
 
-    def __init__(self):
+    def __init__(self, engine=None):
         self.cu = testing()
         self.stream = self.cu.stream_create(DEVICE)
-        self.engine = self.cu.CopyEngine(DEVICE, kernel_images())
+        self.engine = engine or self.cu.CopyEngine(DEVICE, kernel_images())
         self.live = []
 
     def alloc(self, data: bytes | int) -> int:
@@ -75,25 +76,34 @@ def copies(cases: list[tuple[int, int, int]]) -> list[bool]:
     return out
 
 
+def enqueue_gather(dev: Device, sizes: list[int], rng) -> tuple[list, bytes]:
+    """Random tensors of `sizes` gathered into one new block by one
+    copy_segments on dev's stream (not waited for): its rows and the bytes
+    the block will hold."""
+    datas = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    srcs = [dev.alloc(d) for d in datas]
+    block = dev.alloc(sum(sizes) + 1)
+    rows, offset = [], 0
+    for p, n in zip(srcs, sizes):
+        rows.append((block + offset, p, n))
+        offset += n
+    dev.engine.copy_segments(dev.stream, rows)
+    return rows, b"".join(datas)
+
+
 def gather(sizes: list[int], rounds: int = 1) -> tuple[bool, dict[str, int]]:
     """copy_segments of tensors of `sizes` into one block, `rounds` times
     (reusing the staging of the descriptor table), then scattered back out."""
     dev, rng, ok = Device(), np.random.default_rng(1), True
     for _ in range(rounds):
-        datas = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
-        srcs = [dev.alloc(d) for d in datas]
-        block = dev.alloc(sum(sizes) + 1)
+        rows, want = enqueue_gather(dev, sizes, rng)
         back = [dev.alloc(n) for n in sizes]
-        rows, offset = [], 0
-        for p, n in zip(srcs, sizes):
-            rows.append((block + offset, p, n))
-            offset += n
-        dev.engine.copy_segments(dev.stream, rows)
         dev.engine.copy_segments(
             dev.stream, [(b, dst, n) for b, (dst, _, n) in zip(back, rows)]
         )
-        ok &= dev.read(block, sum(sizes)) == b"".join(datas)
-        ok &= all(dev.read(b, n) == d for b, n, d in zip(back, sizes, datas))
+        ok &= dev.read(rows[0][0], len(want)) == want
+        got = b"".join(dev.read(b, n) for b, n in zip(back, sizes))
+        ok &= got == want
     launches = dev.engine.launches()
     dev.close()
     return ok, launches
@@ -135,34 +145,14 @@ def concurrent_gathers(threads: int, rounds: int) -> tuple[bool, int]:
     together), checked at the end; and how many staging buffers it made."""
     from concurrent.futures import ThreadPoolExecutor
 
-    cu = testing()
-    engine = cu.CopyEngine(DEVICE, kernel_images())
+    engine = testing().CopyEngine(DEVICE, kernel_images())
     sizes = [3000 + 17 * i for i in range(64)]
 
     def run(seed: int) -> bool:
-        stream = cu.stream_create(DEVICE)
-        rng = np.random.default_rng(seed)
-        checks, live = [], []
-        for _ in range(rounds):
-            datas = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
-            srcs = []
-            for d in datas:
-                p = cu.mem_alloc(DEVICE, len(d))
-                cu.write(DEVICE, p, d)
-                srcs.append(p)
-            block = cu.mem_alloc(DEVICE, sum(sizes))
-            rows, offset = [], 0
-            for p, n in zip(srcs, sizes):
-                rows.append((block + offset, p, n))
-                offset += n
-            engine.copy_segments(stream, rows)
-            checks.append((block, b"".join(datas)))
-            live += srcs + [block]
-        cu.stream_synchronize(DEVICE, stream)
-        ok = all(cu.read(DEVICE, b, len(want)) == want for b, want in checks)
-        for p in live:
-            cu.mem_free(DEVICE, p)
-        cu.stream_destroy(DEVICE, stream)
+        dev, rng = Device(engine), np.random.default_rng(seed)
+        checks = [enqueue_gather(dev, sizes, rng) for _ in range(rounds)]
+        ok = all(dev.read(rows[0][0], len(want)) == want for rows, want in checks)
+        dev.close()
         return ok
 
     with ThreadPoolExecutor(threads) as pool:

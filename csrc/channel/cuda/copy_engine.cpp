@@ -233,17 +233,11 @@ void CopyEngine::copySegments(
   if (chunks == 0) {
     return;
   }
-  CurrentDevice current(device_);
   if (table.size() == kSegmentRowWords) {
-    launch(
-        kCopy,
-        stream,
-        ceilDiv(ceilDiv(table[2], 16), kThreads * kVectorsPerThread),
-        table[0],
-        table[1],
-        table[2]);
+    copy(stream, table[0], table[1], table[2]);
     return;
   }
+  CurrentDevice current(device_);
   const uint64_t rows = table.size() / kSegmentRowWords;
   withTable(stream, table, [&](CUdeviceptr device) {
     launch(kSegments, stream, chunks, device, rows, kChunkBytes);

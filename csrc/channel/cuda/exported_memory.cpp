@@ -46,7 +46,7 @@ std::unique_ptr<ExportedMemory> ExportedMemory::create(
   TORCH_RPC_EXT_CUDA_CHECK(cuMemCreate, &handle, size, &prop, 0);
   std::unique_ptr<ExportedMemory> out(
       new ExportedMemory(device, size, handle, /*owner=*/true));
-  out->map();
+  out->map(unit);
   return out;
 }
 
@@ -54,7 +54,8 @@ std::unique_ptr<ExportedMemory> ExportedMemory::import(
     int fd,
     size_t bytes,
     int device) {
-  if (bytes == 0 || bytes % granularity(device) != 0) {
+  const size_t unit = granularity(device);
+  if (bytes == 0 || bytes % unit != 0) {
     throw std::invalid_argument(
         "imported CUDA memory of " + std::to_string(bytes) +
         " bytes: not a multiple of the allocation granularity");
@@ -68,7 +69,7 @@ std::unique_ptr<ExportedMemory> ExportedMemory::import(
       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   std::unique_ptr<ExportedMemory> out(
       new ExportedMemory(device, bytes, handle, /*owner=*/false));
-  out->map();
+  out->map(unit);
   return out;
 }
 
@@ -79,11 +80,11 @@ ExportedMemory::ExportedMemory(
     bool owner)
     : device_(device), size_(size), handle_(h), owner_(owner) {}
 
-void ExportedMemory::map() {
+void ExportedMemory::map(size_t alignment) {
   // On failure the destructor (run by the unique_ptr the caller holds)
   // undoes what was done.
   TORCH_RPC_EXT_CUDA_CHECK(
-      cuMemAddressReserve, &address_, size_, granularity(device_), 0, 0);
+      cuMemAddressReserve, &address_, size_, alignment, 0, 0);
   TORCH_RPC_EXT_CUDA_CHECK(cuMemMap, address_, size_, 0, handle_, 0);
   mapped_ = true;
   CUmemAccessDesc access{};

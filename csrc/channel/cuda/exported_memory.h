@@ -59,7 +59,9 @@ class ExportedMemory {
       size_t size,
       CUmemGenericAllocationHandle h,
       bool owner);
-  void map();
+  // Reserves, maps and opens the whole block to this process's device;
+  // `alignment`: the granularity.
+  void map(size_t alignment);
 
   const int device_;
   const size_t size_;
