@@ -189,7 +189,13 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         if isinstance(channels, str):
             channels = (channels,)
         channels = tuple(channels)
-        known = _C.channel_names()
+        known = _C.channel_names("cpu")
+        if device := sorted(set(channels) & set(_C.channel_names("cuda"))):
+            raise ValueError(
+                f"channels lists {device}, which carry CUDA tensors: "
+                f"channels names the CPU channels {known}; device channels "
+                f"follow device_maps"
+            )
         if unknown := sorted(set(channels) - set(known)):
             raise ValueError(
                 f"unknown channels {unknown}; known: {known} (the stream, "

@@ -130,7 +130,7 @@ class Agent final : public rpc::RpcAgent,
   // The channels a connection to `peerId` uses: ours (in our order of
   // preference) that the peer offers in the same domain and the connection
   // can host. Both ends compute the same set.
-  std::vector<std::shared_ptr<channel::Context>> channelsFor(
+  std::vector<channel::Offer> channelsFor(
       int32_t peerId,
       bool hostPassesDescriptors) const;
   // One barrier of join(): publish `value`, wait for every worker's (failing

@@ -83,7 +83,7 @@ std::unordered_map<std::string, std::string> Agent::getDebugInfo() {
     auto t = transports_.find(routes_[r].transport);
     if (t != transports_.end()) {
       for (const auto& c : channelsFor(r, t->second->passesDescriptors())) {
-        used += c->name() + ",";
+        used += c.context->name() + ",";
       }
     }
     m[p + "channels"] = used + channel::kStreamChannelName;

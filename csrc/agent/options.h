@@ -38,9 +38,10 @@ struct AgentOptions : rpc::RpcBackendOptions {
   int numWorkerThreads = kDefaultNumWorkerThreads;
   // Transports by preference; the first one both peers have is used.
   std::vector<std::string> transports = transport::transportNames();
-  // Channels for tensor bytes by preference (channel/registry.h); the
+  // Channels for CPU tensor bytes by preference (channel/registry.h); the
   // stream carries what none of them takes. Empty: the stream carries all.
-  std::vector<std::string> channels = channel::channelNames();
+  std::vector<std::string> channels =
+      channel::channelNames(channel::DeviceKind::kCpu);
   // Address to bind and advertise; empty means defaultAdvertisedAddress().
   std::string address;
   // Shared secret; empty means "create one at rendezvous, share via store".

@@ -188,10 +188,10 @@ Agent::Route Agent::chooseRoute(
       " (a transport is shared only within its domain, e.g. one host)");
 }
 
-std::vector<std::shared_ptr<channel::Context>> Agent::channelsFor(
+std::vector<channel::Offer> Agent::channelsFor(
     int32_t peerId,
     bool hostPassesDescriptors) const {
-  std::vector<std::shared_ptr<channel::Context>> out;
+  std::vector<channel::Offer> out;
   if (peerId < 0 || static_cast<size_t>(peerId) >= routes_.size()) {
     return out;
   }
@@ -201,8 +201,8 @@ std::vector<std::shared_ptr<channel::Context>> Agent::channelsFor(
       continue;
     }
     auto it = offered.find(c->name());
-    if (it != offered.end() && it->second == c->domainDescriptor()) {
-      out.push_back(c);
+    if (it != offered.end() && c->reaches(it->second)) {
+      out.push_back(channel::Offer{c, it->second});
     }
   }
   return out;

@@ -13,6 +13,7 @@ void bindAgent(py::module_& m);
 void bindTesting(py::module_& m);
 // _testing.cuda: the CUDA driver layer and copy engine (bind_testing_cuda.cpp).
 void bindTestingCuda(py::module_& m);
+void bindTestingEndpoint(py::module_& m);
 // _C._scripting: the remote-function registry (scripting/).
 void bindScripting(py::module_& m);
 // Give every thread the core starts a Python thread state for its life.

@@ -48,7 +48,27 @@ void bindAgent(py::module_& m) {
       .def_property_readonly("address", &Agent::address);
 
   m.def("transport_names", &transport::transportNames);
-  m.def("channel_names", &channel::channelNames);
+  // All channels, or those of one device type ("cpu", "cuda").
+  m.def(
+      "channel_names",
+      [](const std::optional<std::string>& device) {
+        if (!device) {
+          return channel::channelNames();
+        }
+        if (*device != "cpu" && *device != "cuda") {
+          throw py::value_error("device must be 'cpu' or 'cuda'");
+        }
+        return channel::channelNames(
+            *device == "cpu" ? channel::DeviceKind::kCpu
+                             : channel::DeviceKind::kCuda);
+      },
+      py::arg("device") = py::none());
+  // The CUDA copy kernels' PTX for the engines of this process
+  // (torch_rpc_ext._cuda.load_kernels): {name: (entry, ptx)}.
+  m.def(
+      "_set_cuda_kernel_images",
+      [](const std::map<std::string, std::pair<std::string, std::string>>&
+             images) { channel::setCudaKernels(images); });
   m.def("default_address", &transport::stream::defaultAdvertisedAddress);
 }
 

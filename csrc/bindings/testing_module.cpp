@@ -8,4 +8,5 @@ PYBIND11_MODULE(_testing, m) {
   m.doc() = "torch_rpc_ext test hooks (source tree only)";
   torch_rpc_ext::bindings::bindTesting(m);
   torch_rpc_ext::bindings::bindTestingCuda(m);
+  torch_rpc_ext::bindings::bindTestingEndpoint(m);
 }

@@ -78,6 +78,20 @@ class Host {
 
 class Context;
 
+// Received memory on a device (a region a device channel provides): the
+// bytes are in place once the channel's event completes, which the receiver
+// orders its work after with waitOn(), never waiting on the host.
+class DeviceRegion : public frame::SharedRegion {
+ public:
+  // The device index, in this process, of the memory.
+  virtual int device() const = 0;
+  // Work queued on `stream` (a CUstream, as an integer, of device()) after
+  // this call runs once the bytes are in place. The region's memory is then
+  // in use on `stream`: when the region dies, the memory goes back to its
+  // owner only once the work queued on `stream` by then has finished.
+  virtual void waitOn(uintptr_t stream) = 0;
+};
+
 // How a channel is named on the wire, handed out by the registry: `channel`
 // is the segment-length top byte of its segments (1..255), and its control
 // frames use the kFrameKindsPerChannel kinds from `firstKind` on.
@@ -234,14 +248,22 @@ class Context : public std::enable_shared_from_this<Context> {
   bool isViable() const {
     return unviableReason().empty();
   }
-  // Two processes whose contexts of one name report equal descriptors can
-  // use it between them (shm channels: one booted kernel).
+  // What a process publishes about the channel at rendezvous: the shm
+  // channels' one booted kernel, cuda_ipc's too plus the devices it serves.
   virtual std::string domainDescriptor() const = 0;
+  // Whether this process can use the channel with a peer that published
+  // `peerDescriptor`; symmetric. By default: equal descriptors.
+  virtual bool reaches(const std::string& peerDescriptor) const {
+    return peerDescriptor == domainDescriptor();
+  }
   // It passes descriptors over its connection (SCM_RIGHTS): only a transport
   // whose connections can host it.
   virtual bool needsDescriptorPassing() const = 0;
-  // One connection's end, talking to the peer through `host`.
-  virtual std::shared_ptr<Channel> open(std::weak_ptr<Host> host) = 0;
+  // One connection's end, talking through `host` to a peer that published
+  // `peerDescriptor` (one this context reaches()).
+  virtual std::shared_ptr<Channel> open(
+      std::weak_ptr<Host> host,
+      const std::string& peerDescriptor) = 0;
   // Counters for RpcAgent::getMetrics(), by name.
   virtual std::map<std::string, uint64_t> counters() const = 0;
 
@@ -249,10 +271,15 @@ class Context : public std::enable_shared_from_this<Context> {
   const WireIds ids_;
 };
 
+// A channel a connection uses: our context, and what the peer published.
+struct Offer {
+  std::shared_ptr<Context> context;
+  std::string peerDescriptor;
+};
+
 // The channels one connection uses, in order of preference: what a
 // transport asks its owner for once the peer is known (TransportOptions).
-using ChannelsFor = std::function<std::vector<std::shared_ptr<Context>>(
-    int32_t peerId,
-    bool hostPassesDescriptors)>;
+using ChannelsFor = std::function<
+    std::vector<Offer>(int32_t peerId, bool hostPassesDescriptors)>;
 
 } // namespace torch_rpc_ext::channel

@@ -6,6 +6,8 @@
 #include <iterator>
 #include <stdexcept>
 
+#include "csrc/channel/cuda/engines.h"
+#include "csrc/channel/cuda/ipc_channel.h"
 #include "csrc/channel/shm/factory.h"
 
 namespace torch_rpc_ext::channel {
@@ -14,22 +16,26 @@ namespace {
 
 struct Entry {
   const char* name;
+  DeviceKind device; // Context::device() of what it creates
   std::shared_ptr<Context> (*create)(WireIds);
 };
 
 // In default preference order: a segment is offered to the channels of its
 // device in this order, and the stream takes what none took.
 constexpr Entry kChannels[] = {
-    {"shm_slab", shm::createSlabChannel},
-    {"shm_ring", shm::createRingChannel},
+    {"shm_slab", DeviceKind::kCpu, shm::createSlabChannel},
+    {"shm_ring", DeviceKind::kCpu, shm::createRingChannel},
+    {"cuda_ipc", DeviceKind::kCuda, cuda::createIpcChannel},
 };
 
 } // namespace
 
-std::vector<std::string> channelNames() {
+std::vector<std::string> channelNames(std::optional<DeviceKind> device) {
   std::vector<std::string> names;
   for (const auto& e : kChannels) {
-    names.emplace_back(e.name);
+    if (!device || e.device == *device) {
+      names.emplace_back(e.name);
+    }
   }
   return names;
 }
@@ -50,6 +56,15 @@ std::shared_ptr<Context> createChannel(const std::string& name) {
     }
   }
   throw std::invalid_argument("unknown channel '" + name + "'");
+}
+
+void setCudaKernels(
+    const std::map<std::string, std::pair<std::string, std::string>>& kernels) {
+  cuda::KernelImages images;
+  for (const auto& [name, image] : kernels) {
+    images[name] = cuda::KernelImage{image.first, image.second};
+  }
+  cuda::setKernelImages(std::move(images));
 }
 
 } // namespace torch_rpc_ext::channel

@@ -118,6 +118,12 @@ struct OutboundFrame {
     // Where the bytes live (channel::DeviceKind, c10::DeviceType's values):
     // only channels of this device may carry them.
     uint8_t device = 0;
+    // Device memory only: the device's index in this process, and the
+    // stream (a CUstream, as an integer) on which the bytes are ready. A
+    // channel orders its copy after that stream's work and never waits for
+    // it on the host.
+    int16_t deviceIndex = -1;
+    uintptr_t stream = 0;
   };
   std::vector<Segment> segments;
   std::shared_ptr<void> keepAlive;

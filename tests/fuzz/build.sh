@@ -17,7 +17,9 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
 # One line per target: its name (the harness is tests/fuzz/fuzz_<name>.cpp),
-# "torch" if it links libtorch (else "-"), then the project sources it
+# "torch" if it links libtorch, "cuda" if it needs cuda.h (the channel
+# registry knows the CUDA channels; no CUDA library is linked), else "-",
+# then the project sources it
 # compiles, from the repo root. Adding a target is its harness plus one line
 # here; a moved source file is an edit here only.
 TARGETS=(
@@ -26,7 +28,7 @@ TARGETS=(
   "codec     torch  csrc/wire/codec.cpp csrc/common/buffer_pool.cpp"
   "ring      -      csrc/channel/shm/ring.cpp csrc/common/logging.cpp"
   "slab      -      csrc/channel/shm/slab.cpp csrc/common/logging.cpp"
-  "stream    -      csrc/transport/stream/connection.cpp csrc/transport/stream/connection_reader.cpp csrc/transport/stream/connection_writer.cpp csrc/transport/stream/loop.cpp csrc/transport/stream/address.cpp csrc/transport/stream/host_load.cpp csrc/transport/shm/connection.cpp csrc/channel/registry.cpp csrc/channel/shm/context.cpp csrc/channel/shm/slab_channel.cpp csrc/channel/shm/ring_channel.cpp csrc/channel/shm/ring.cpp csrc/channel/shm/slab.cpp csrc/frame/frame.cpp csrc/transport/handshake.cpp csrc/common/crypto.cpp csrc/common/libcrypto.cpp csrc/common/logging.cpp csrc/common/exit_gate.cpp"
+  "stream    cuda   csrc/transport/stream/connection.cpp csrc/transport/stream/connection_reader.cpp csrc/transport/stream/connection_writer.cpp csrc/transport/stream/loop.cpp csrc/transport/stream/address.cpp csrc/transport/stream/host_load.cpp csrc/transport/shm/connection.cpp csrc/channel/registry.cpp csrc/channel/shm/context.cpp csrc/channel/shm/slab_channel.cpp csrc/channel/shm/ring_channel.cpp csrc/channel/shm/ring.cpp csrc/channel/shm/slab.cpp csrc/channel/cuda/ipc_channel.cpp csrc/channel/cuda/engines.cpp csrc/channel/cuda/copy_engine.cpp csrc/channel/cuda/device.cpp csrc/channel/cuda/exported_memory.cpp csrc/common/libcuda.cpp csrc/frame/frame.cpp csrc/transport/handshake.cpp csrc/common/crypto.cpp csrc/common/libcrypto.cpp csrc/common/logging.cpp csrc/common/exit_gate.cpp"
 )
 
 if [ "${1:-}" = "--list" ]; then
@@ -126,7 +128,14 @@ for line in "${TARGETS[@]}"; do
   bin="$out/fuzz_$name"
   extra=()
   libs=()
-  if [ "$kind" = torch ]; then
+  if [ "$kind" = cuda ]; then
+    py=python3
+    [ -x "$root/.venv/bin/python" ] && py="$root/.venv/bin/python"
+    inc=$("$py" "$root/torch_rpc_ext/_cuda/headers.py")
+    [ -f "$inc/cuda.h" ] || die "target $name: $inc"
+    extra=(-isystem "$inc")
+    srcs_dep=()
+  elif [ "$kind" = torch ]; then
     torch_flags
     extra=("${TORCH_CXXFLAGS[@]}")
     libs=("${TORCH_LDFLAGS[@]}")

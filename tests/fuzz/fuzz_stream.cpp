@@ -111,13 +111,15 @@ struct Harness {
     options.limits.maxFrameBytes = 1 << 20;
     options.heartbeatTimeout = std::chrono::milliseconds(0);
     // Both shm channels, as negotiated between two workers of one host.
-    channels = {
-        channel::createChannel("shm_slab"), channel::createChannel("shm_ring")};
+    for (const char* name : {"shm_slab", "shm_ring"}) {
+      auto c = channel::createChannel(name);
+      channels.push_back(channel::Offer{c, c->domainDescriptor()});
+    }
     options.channelsFor = [this](int32_t, bool) { return channels; };
   }
   transport::stream::Loop loop;
   transport::TransportOptions options;
-  std::vector<std::shared_ptr<channel::Context>> channels;
+  std::vector<channel::Offer> channels;
   Observer observer;
 };
 
@@ -152,7 +154,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     ring = channel::shm::Ring::create(channel::shm::kMinRingBytes);
     uint64_t cap = ring.capacity();
     std::string frame = header(
-        harness().channels[1]->wireIds().kind(channel::shm::kRingSetup),
+        harness().channels[1].context->wireIds().kind(channel::shm::kRingSetup),
         sizeof(cap));
     frame.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
     open = conn->feedForTesting(
@@ -164,7 +166,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     uint32_t id = 1;
     uint64_t cap = slab->capacity();
     std::string frame = header(
-        harness().channels[0]->wireIds().kind(channel::shm::kSlabSetup),
+        harness().channels[0].context->wireIds().kind(channel::shm::kSlabSetup),
         sizeof(id) + sizeof(cap));
     frame.append(reinterpret_cast<const char*>(&id), sizeof(id));
     frame.append(reinterpret_cast<const char*>(&cap), sizeof(cap));

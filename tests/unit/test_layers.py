@@ -26,7 +26,7 @@ CHANNEL_FOLDERS = tuple(sorted(p.name for p in (CSRC / "channel").iterdir() if p
 # The test hooks (setup.py's TESTING_SOURCES, never in a wheel) reach into a
 # channel's folder to drive its parts alone.
 TEST_HOOKS = {CSRC / "bindings" / "bind_testing_cuda.cpp"}
-CHANNELS = ("shm_slab", "shm_ring")
+CHANNELS = ("shm_slab", "shm_ring", "cuda_ipc")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 # A C++ string literal naming a transport: "shm", "tcp", or one starting
 # with the name and a space/colon ("shm: ...").

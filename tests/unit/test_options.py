@@ -118,8 +118,9 @@ def test_transports_default_comes_from_the_environment(monkeypatch):
 
 
 def test_channels_default_to_the_registry_and_may_be_narrowed():
-    assert RpcExtBackendOptions().channels == tuple(_C.channel_names())
-    assert _C.channel_names() == ["shm_slab", "shm_ring"]
+    assert RpcExtBackendOptions().channels == tuple(_C.channel_names("cpu"))
+    assert _C.channel_names("cpu") == ["shm_slab", "shm_ring"]
+    assert _C.channel_names() == ["shm_slab", "shm_ring", "cuda_ipc"]
     assert RpcExtBackendOptions(channels="shm_ring").channels == ("shm_ring",)
     assert RpcExtBackendOptions(channels=()).channels == ()
 
@@ -240,3 +241,8 @@ def test_the_agent_gets_a_copy_with_the_secret_from_the_environment(monkeypatch)
     monkeypatch.setenv("TORCH_RPC_EXT_SECRET", "short")
     with pytest.raises(ValueError, match="TORCH_RPC_EXT_SECRET must be at least 16"):
         _agent_options(opts)
+
+
+def test_device_channels_are_not_listed_in_channels():
+    with pytest.raises(ValueError, match=r"\['cuda_ipc'\], which carry CUDA tensors"):
+        RpcExtBackendOptions(channels=["shm_slab", "cuda_ipc"])

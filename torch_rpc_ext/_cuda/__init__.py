@@ -19,3 +19,13 @@ NUMBA_REQUIREMENTS = (
 def missing_numba(what: str) -> ImportError:
     """The error for a missing numba-cuda, saying what to install."""
     return ImportError(f"{what} needs numba-cuda: pip install {NUMBA_REQUIREMENTS}")
+
+
+def load_kernels() -> None:
+    """Compile the copy kernels to PTX (cached on disk, ptx.py) and hand them
+    to this process's CUDA channels: done once before a CUDA tensor moves.
+    Loads no CUDA library: the driver loads the PTX when an engine is made."""
+    from torch_rpc_ext import _C
+    from torch_rpc_ext._cuda import ptx
+
+    _C._set_cuda_kernel_images({name: (k.entry, k.ptx) for name, k in ptx.kernel_ptx().items()})

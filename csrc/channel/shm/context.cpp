@@ -45,7 +45,9 @@ std::string SlabContext::name() const {
   return "shm_slab";
 }
 
-std::shared_ptr<Channel> SlabContext::open(std::weak_ptr<Host> host) {
+std::shared_ptr<Channel> SlabContext::open(
+    std::weak_ptr<Host> host,
+    const std::string& /*peerDescriptor*/) {
   return std::make_shared<SlabChannel>(
       shared_from_this(), std::move(host), counters_);
 }
@@ -69,7 +71,9 @@ std::string RingContext::name() const {
   return "shm_ring";
 }
 
-std::shared_ptr<Channel> RingContext::open(std::weak_ptr<Host> host) {
+std::shared_ptr<Channel> RingContext::open(
+    std::weak_ptr<Host> host,
+    const std::string& /*peerDescriptor*/) {
   return std::make_shared<RingChannel>(
       shared_from_this(), std::move(host), counters_);
 }

@@ -49,7 +49,9 @@ class SlabContext final : public ShmContext {
   Channel::Mode mode() const override {
     return Channel::Mode::kRegion;
   }
-  std::shared_ptr<Channel> open(std::weak_ptr<Host> host) override;
+  std::shared_ptr<Channel> open(
+      std::weak_ptr<Host> host,
+      const std::string& peerDescriptor) override;
   std::map<std::string, uint64_t> counters() const override;
 
  private:
@@ -64,7 +66,9 @@ class RingContext final : public ShmContext {
   Channel::Mode mode() const override {
     return Channel::Mode::kChunks;
   }
-  std::shared_ptr<Channel> open(std::weak_ptr<Host> host) override;
+  std::shared_ptr<Channel> open(
+      std::weak_ptr<Host> host,
+      const std::string& peerDescriptor) override;
   std::map<std::string, uint64_t> counters() const override;
 
  private:

@@ -90,8 +90,8 @@ void StreamConnection::openChannels(int32_t peerId) {
   std::weak_ptr<channel::Host> host =
       std::static_pointer_cast<channel::Host>(shared_from_this());
   size_t fds = 0;
-  for (const auto& ctx : options_.channelsFor(peerId, passesDescriptors())) {
-    channels_.push_back(ctx->open(host));
+  for (const auto& offer : options_.channelsFor(peerId, passesDescriptors())) {
+    channels_.push_back(offer.context->open(host, offer.peerDescriptor));
     fds += channels_.back()->maxPendingFds();
   }
   maxPendingFds_ = fds;

@@ -1,0 +1,332 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// torch_rpc_ext._testing.Endpoint: one transport connection with its
+// channels and no agent above it, so tests can send frames whose segments
+// live anywhere (device memory of the fake driver, say) and look at what
+// the peer's channels provide, in two processes. A test hook.
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "csrc/bindings/bind.h"
+#include "csrc/channel/channel.h"
+#include "csrc/channel/registry.h"
+#include "csrc/transport/registry.h"
+#include "csrc/transport/transport.h"
+
+namespace torch_rpc_ext::bindings {
+
+namespace {
+
+// Memory a channel provided for a received segment, held from Python.
+struct Region {
+  std::shared_ptr<frame::SharedRegion> region;
+  uintptr_t address = 0;
+  uint64_t size = 0;
+};
+
+// (address, size, device type, device index, stream) of an outbound
+// segment; the caller keeps the memory alive until the frame is written.
+using SegmentSpec = std::tuple<uintptr_t, uint64_t, int, int, uintptr_t>;
+
+class Endpoint final : public transport::ConnectionObserver {
+ public:
+  Endpoint(
+      int32_t selfId,
+      int32_t worldSize,
+      const std::string& secret,
+      const std::string& transportName,
+      const std::vector<std::string>& channelNames) {
+    for (const auto& name : channelNames) {
+      auto c = channel::createChannel(name);
+      if (!c->isViable()) {
+        throw std::runtime_error(
+            name + " is not viable: " + c->unviableReason());
+      }
+      channels_.push_back(c);
+    }
+    transport::TransportOptions o;
+    o.selfId = selfId;
+    o.peerIdLimit = worldSize;
+    o.secret = secret;
+    o.channelsFor = [this](int32_t, bool passesDescriptors) {
+      std::vector<channel::Offer> out;
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& c : channels_) {
+        auto it = peerDescriptors_.find(c->name());
+        if ((!c->needsDescriptorPassing() || passesDescriptors) &&
+            it != peerDescriptors_.end() && c->reaches(it->second)) {
+          out.push_back(channel::Offer{c, it->second});
+        }
+      }
+      return out;
+    };
+    transport_ = transport::createTransport(transportName, o);
+    listener_ = transport_->listen();
+    listener_->start(this);
+  }
+
+  ~Endpoint() override {
+    close();
+  }
+
+  std::string address() const {
+    return listener_->address();
+  }
+
+  std::map<std::string, std::string> descriptors() const {
+    std::map<std::string, std::string> out;
+    for (const auto& c : channels_) {
+      out[c->name()] = c->domainDescriptor();
+    }
+    return out;
+  }
+
+  // What the peer published, before a connection to or from it opens.
+  void setPeer(const std::map<std::string, std::string>& descriptors) {
+    std::lock_guard<std::mutex> lock(mu_);
+    peerDescriptors_ = descriptors;
+  }
+
+  void connect(const std::string& address, int32_t peerId) {
+    transport_->connect(address, peerId, this);
+  }
+
+  // Waits until a connection is ready; false on timeout or close.
+  bool waitReady(double timeoutSeconds) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, seconds(timeoutSeconds), [&] {
+      return conn_ != nullptr || !closeReason_.empty();
+    });
+    return conn_ != nullptr && !conn_->isClosed();
+  }
+
+  // `handBack[i]`: segment i lies in that received region, which nothing
+  // else will use again (the channel may hand it back without a copy).
+  void send(
+      const std::string& head,
+      const std::vector<SegmentSpec>& specs,
+      const std::vector<std::optional<Region>>& handBack) {
+    std::shared_ptr<transport::Connection> conn;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      conn = conn_;
+    }
+    if (!conn) {
+      throw std::runtime_error("no connection");
+    }
+    frame::OutboundFrame f;
+    f.head = head;
+    for (const auto& [address, size, device, index, stream] : specs) {
+      frame::OutboundFrame::Segment s{
+          reinterpret_cast<const void*>(address), size};
+      s.device = static_cast<uint8_t>(device);
+      s.deviceIndex = static_cast<int16_t>(index);
+      s.stream = stream;
+      const size_t i = f.segments.size();
+      if (i < handBack.size() && handBack[i]) {
+        s.origin = handBack[i]->region;
+        s.exclusive = true;
+      }
+      f.segments.push_back(s);
+    }
+    if (!conn->write(std::move(f))) {
+      throw std::runtime_error("connection closed: " + conn->closeReason());
+    }
+  }
+
+  // (head, segments): a segment is bytes, or a Region for provided memory.
+  // None on timeout.
+  py::object receive(double timeoutSeconds) {
+    Inbound in;
+    {
+      py::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(mu_);
+      if (!cv_.wait_for(lock, seconds(timeoutSeconds), [&] {
+            return !inbound_.empty();
+          })) {
+        return py::none();
+      }
+      in = std::move(inbound_.front());
+      inbound_.pop_front();
+    }
+    py::list segments;
+    for (size_t i = 0; i < in.sizes.size(); ++i) {
+      if (in.buffers.provided.size() > i && in.buffers.provided[i]) {
+        segments.append(
+            Region{
+                in.buffers.regions[i],
+                reinterpret_cast<uintptr_t>(in.buffers.provided[i]),
+                in.sizes[i]});
+      } else {
+        segments.append(py::bytes(in.data[i].data(), in.data[i].size()));
+      }
+    }
+    return py::make_tuple(py::bytes(in.head), segments);
+  }
+
+  std::string closeReason() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return closeReason_;
+  }
+
+  std::map<std::string, std::map<std::string, uint64_t>> counters() const {
+    std::map<std::string, std::map<std::string, uint64_t>> out;
+    for (const auto& c : channels_) {
+      out[c->name()] = c->counters();
+    }
+    return out;
+  }
+
+  void close() {
+    if (transport_) {
+      transport_->stop();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    conn_.reset();
+    inbound_.clear();
+  }
+
+  // ---- ConnectionObserver (loop thread) ----
+  void onReady(const std::shared_ptr<transport::Connection>& conn) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    conn_ = conn;
+    cv_.notify_all();
+  }
+
+  frame::InboundBuffers onFrameHead(
+      transport::Connection&,
+      const std::string&,
+      const std::vector<uint64_t>& sizes,
+      const std::vector<bool>& provided) override {
+    auto data = std::make_shared<Received>();
+    frame::InboundBuffers b;
+    data->sizes = sizes;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      data->bytes.emplace_back(provided[i] ? 0 : sizes[i]);
+      b.segments.push_back(provided[i] ? nullptr : data->bytes.back().data());
+    }
+    b.keepAlive = data;
+    return b;
+  }
+
+  void onFrame(
+      const std::shared_ptr<transport::Connection>&,
+      std::string head,
+      frame::InboundBuffers buffers) override {
+    Inbound in;
+    in.head = std::move(head);
+    auto data = std::static_pointer_cast<Received>(buffers.keepAlive);
+    in.sizes = std::move(data->sizes);
+    in.data = std::move(data->bytes);
+    in.buffers = std::move(buffers);
+    std::lock_guard<std::mutex> lock(mu_);
+    inbound_.push_back(std::move(in));
+    cv_.notify_all();
+  }
+
+  void onClosed(transport::Connection& conn, const std::string& reason)
+      override {
+    std::lock_guard<std::mutex> lock(mu_);
+    closeReason_ = reason.empty() ? "closed" : reason;
+    cv_.notify_all();
+  }
+
+ private:
+  static std::chrono::milliseconds seconds(double s) {
+    return std::chrono::milliseconds(int64_t(s * 1000));
+  }
+
+  // A frame's segments as they arrive: the announced sizes, and a buffer
+  // for each one the stream carries.
+  struct Received {
+    std::vector<uint64_t> sizes;
+    std::vector<std::vector<char>> bytes;
+  };
+  struct Inbound {
+    std::string head;
+    std::vector<uint64_t> sizes;
+    std::vector<std::vector<char>> data;
+    frame::InboundBuffers buffers;
+  };
+
+  std::vector<std::shared_ptr<channel::Context>> channels_;
+  std::shared_ptr<transport::Transport> transport_;
+  std::shared_ptr<transport::Listener> listener_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::string> peerDescriptors_;
+  std::shared_ptr<transport::Connection> conn_;
+  std::deque<Inbound> inbound_;
+  std::string closeReason_;
+};
+
+} // namespace
+
+void bindTestingEndpoint(py::module_& m) {
+  py::class_<Region>(m, "Region")
+      .def_readonly("address", &Region::address)
+      .def_readonly("size", &Region::size)
+      .def_property_readonly(
+          "device",
+          [](const Region& r) -> py::object {
+            auto* d = dynamic_cast<channel::DeviceRegion*>(r.region.get());
+            return d ? py::object(py::int_(d->device())) : py::none();
+          })
+      .def(
+          "wait_on",
+          [](Region& r, uintptr_t stream) {
+            auto* d = dynamic_cast<channel::DeviceRegion*>(r.region.get());
+            if (d == nullptr) {
+              throw py::type_error("not device memory");
+            }
+            d->waitOn(stream);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      // Drop our hold: the channel takes the memory back once nothing else
+      // holds it.
+      .def(
+          "release",
+          [](Region& r) { r.region.reset(); },
+          py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Endpoint>(m, "Endpoint")
+      .def(
+          py::init<
+              int32_t,
+              int32_t,
+              const std::string&,
+              const std::string&,
+              const std::vector<std::string>&>(),
+          py::arg("self_id"),
+          py::arg("world_size"),
+          py::arg("secret"),
+          py::arg("transport"),
+          py::arg("channels"))
+      .def_property_readonly("address", &Endpoint::address)
+      .def("descriptors", &Endpoint::descriptors)
+      .def("set_peer", &Endpoint::setPeer)
+      .def("connect", &Endpoint::connect)
+      .def(
+          "wait_ready",
+          &Endpoint::waitReady,
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "send",
+          &Endpoint::send,
+          py::arg("head"),
+          py::arg("segments"),
+          py::arg("hand_back") = std::vector<std::optional<Region>>{},
+          py::call_guard<py::gil_scoped_release>())
+      .def("receive", &Endpoint::receive, py::arg("timeout"))
+      .def("close_reason", &Endpoint::closeReason)
+      .def("counters", &Endpoint::counters)
+      .def("close", &Endpoint::close, py::call_guard<py::gil_scoped_release>());
+}
+
+} // namespace torch_rpc_ext::bindings

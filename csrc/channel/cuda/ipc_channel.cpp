@@ -1,0 +1,708 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// cuda_ipc (ipc_channel.h): our pool of device blocks lent to the peer, the
+// peer's blocks we map, and the leases that tie a received tensor's storage
+// to a block.
+#include "csrc/channel/cuda/ipc_channel.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/engines.h"
+#include "csrc/common/libcuda.h"
+#include "csrc/common/logging.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+namespace {
+
+using frame::FrameKind;
+using frame::SegmentRecord;
+
+// The peer may have at most this many bytes of blocks mapped into us.
+constexpr uint64_t kMaxPeerBlockBytes = 2 * kMaxLentBlockBytes;
+constexpr uint32_t kMaxReleaseHead = 4096;
+
+CUevent newIpcEvent() {
+  CUevent e = nullptr;
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuEventCreate, &e, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+  return e;
+}
+
+std::string idHead(uint32_t id) {
+  return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+std::string bootId() {
+  std::string boot;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot);
+  return boot;
+}
+
+// "<boot id>;<uuid>,<uuid>..." <-> its parts.
+std::pair<std::string, std::set<std::string>> parseDescriptor(
+    const std::string& d) {
+  auto semi = d.find(';');
+  if (semi == std::string::npos) {
+    return {d, {}};
+  }
+  std::set<std::string> uuids;
+  std::stringstream rest(d.substr(semi + 1));
+  std::string uuid;
+  while (std::getline(rest, uuid, ',')) {
+    if (!uuid.empty()) {
+      uuids.insert(uuid);
+    }
+  }
+  return {d.substr(0, semi), std::move(uuids)};
+}
+
+// A received segment's memory: a span of a block, valid while this lives.
+// When it dies, the block goes back to its owner once the work queued on
+// the stream it was used on has finished (the `released` event).
+class BlockLease final : public DeviceRegion {
+ public:
+  BlockLease(
+      std::weak_ptr<IpcChannel> conn,
+      const IpcChannel* via,
+      std::shared_ptr<Block> block,
+      uint32_t id,
+      bool own)
+      : conn_(std::move(conn)),
+        via_(via),
+        block_(std::move(block)),
+        id_(id),
+        own_(own) {}
+
+  ~BlockLease() override {
+    if (handedOn_.load()) {
+      return; // the frame that passed it on recorded `released`
+    }
+    try {
+      uintptr_t stream = useStream_.load();
+      if (usedOnStream_.load()) {
+        CurrentDevice current(block_->device());
+        TORCH_RPC_EXT_CUDA_CHECK(
+            cuEventRecord,
+            block_->released(),
+            reinterpret_cast<CUstream>(stream));
+      }
+    } catch (const std::exception& e) {
+      // The block is not given back: the next copy must not race this
+      // use. It is freed with the connection.
+      logWarning(
+          std::string(
+              "torch_rpc_ext: cuda_ipc keeps a block it could not "
+              "release: ") +
+          e.what());
+      return;
+    }
+    if (auto c = conn_.lock()) {
+      if (own_) {
+        c->freeOwnBlock(id_);
+      } else {
+        c->releasePeerBlock(id_);
+      }
+    }
+  }
+
+  int device() const override {
+    return block_->device();
+  }
+
+  void waitOn(uintptr_t stream) override {
+    CurrentDevice current(block_->device());
+    // A block the peer filled is ready at its `ready` record; one of ours
+    // it handed back, at its `released` record.
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuStreamWaitEvent,
+        reinterpret_cast<CUstream>(stream),
+        own_ ? block_->released() : block_->ready(),
+        0);
+    useStream_.store(stream);
+    usedOnStream_.store(true);
+  }
+
+  const IpcChannel* via() const {
+    return via_;
+  }
+  const Block& block() const {
+    return *block_;
+  }
+  uint32_t id() const {
+    return id_;
+  }
+  bool own() const {
+    return own_;
+  }
+  bool handOn() {
+    return !handedOn_.exchange(true);
+  }
+
+ private:
+  std::weak_ptr<IpcChannel> conn_;
+  const IpcChannel* via_;
+  std::shared_ptr<Block> block_;
+  uint32_t id_;
+  bool own_;
+  std::atomic<uintptr_t> useStream_{0};
+  std::atomic<bool> usedOnStream_{false};
+  std::atomic<bool> handedOn_{false};
+};
+
+class IpcContext final : public Context {
+ public:
+  explicit IpcContext(WireIds ids) : Context(ids) {}
+
+  std::string name() const override {
+    return "cuda_ipc";
+  }
+  DeviceKind device() const override {
+    return DeviceKind::kCuda;
+  }
+  Channel::Mode mode() const override {
+    return Channel::Mode::kRegion;
+  }
+  std::string unviableReason() const override {
+    probe();
+    return unviable_;
+  }
+  std::string domainDescriptor() const override {
+    probe();
+    return descriptor_;
+  }
+  bool reaches(const std::string& peerDescriptor) const override {
+    probe();
+    auto [peerHost, peerDevices] = parseDescriptor(peerDescriptor);
+    auto [host, devices] = parseDescriptor(descriptor_);
+    if (host.empty() || host != peerHost) {
+      return false;
+    }
+    for (const auto& uuid : devices) {
+      if (peerDevices.count(uuid) != 0) {
+        return true;
+      }
+    }
+    return false;
+  }
+  bool needsDescriptorPassing() const override {
+    return true;
+  }
+  std::shared_ptr<Channel> open(
+      std::weak_ptr<Host> host,
+      const std::string& peerDescriptor) override {
+    return std::make_shared<IpcChannel>(
+        shared_from_this(),
+        std::move(host),
+        counters_,
+        parseDescriptor(peerDescriptor).second);
+  }
+  std::map<std::string, uint64_t> counters() const override {
+    return {
+        {"segments", counters_.segments.load()},
+        {"copied_bytes", counters_.copiedBytes.load()},
+        {"handbacks", counters_.handedBack.load()},
+        {"blocks_created", counters_.created.load()},
+        {"blocks_imported", counters_.imported.load()},
+        {"blocks_unmapped", counters_.unmapped.load()},
+        {"declined", counters_.declined.load()},
+    };
+  }
+
+ private:
+  // The driver is loaded here, on the first question that needs it, never
+  // when the context is made.
+  void probe() const {
+    std::call_once(probed_, [this] {
+      std::string boot = bootId();
+      if (boot.empty()) {
+        unviable_ = "cannot identify this host's kernel (no boot id)";
+        return;
+      }
+      std::string uuids;
+      try {
+        for (int d = 0; d < deviceCount(); ++d) {
+          if (supportsFdExport(d)) {
+            uuids += (uuids.empty() ? "" : ",") + deviceUuid(d);
+          }
+        }
+      } catch (const std::exception& e) {
+        unviable_ = e.what();
+        return;
+      }
+      if (uuids.empty()) {
+        unviable_ =
+            "no CUDA device here can export memory as a file descriptor";
+        return;
+      }
+      descriptor_ = boot + ";" + uuids;
+    });
+  }
+
+  mutable std::once_flag probed_;
+  mutable std::string unviable_;
+  mutable std::string descriptor_;
+  mutable IpcCounters counters_;
+};
+
+} // namespace
+
+// ---- Block -----------------------------------------------------------------
+
+std::shared_ptr<Block> Block::create(int device, uint64_t bytes) {
+  std::shared_ptr<Block> b(new Block());
+  b->owner_ = true;
+  b->memory_ = ExportedMemory::create(device, bytes);
+  CurrentDevice current(device);
+  b->ready_ = newIpcEvent();
+  b->released_ = newIpcEvent();
+  return b;
+}
+
+std::shared_ptr<Block> Block::import(
+    const BlockSetup& setup,
+    int fd,
+    int device) {
+  std::shared_ptr<Block> b(new Block());
+  b->memory_ = ExportedMemory::import(fd, setup.size, device);
+  CurrentDevice current(device);
+  TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->ready_, setup.ready);
+  TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->released_, setup.released);
+  return b;
+}
+
+Block::~Block() {
+  try {
+    CurrentDevice current(memory_->device());
+    // Unmapping under a copy or a kernel still reading it would fault the
+    // device: wait for both ends' last records (teardown only; a block is
+    // never freed on an RPC's path).
+    for (CUevent e : {ready_, released_}) {
+      if (e != nullptr) {
+        libcuda().cuEventSynchronize(e);
+        libcuda().cuEventDestroy(e);
+      }
+    }
+  } catch (const std::exception& e) {
+    logWarning(
+        std::string("torch_rpc_ext: freeing a cuda_ipc block: ") + e.what());
+  }
+}
+
+BlockSetup Block::describe(uint32_t id) const {
+  BlockSetup s{};
+  s.id = id;
+  s.size = memory_->size();
+  std::string uuid = deviceUuid(memory_->device());
+  std::memcpy(
+      s.deviceUuid, uuid.data(), std::min(uuid.size(), sizeof(s.deviceUuid)));
+  CurrentDevice current(memory_->device());
+  TORCH_RPC_EXT_CUDA_CHECK(cuIpcGetEventHandle, &s.ready, ready_);
+  TORCH_RPC_EXT_CUDA_CHECK(cuIpcGetEventHandle, &s.released, released_);
+  return s;
+}
+
+// ---- IpcChannel ------------------------------------------------------------
+
+IpcChannel::IpcChannel(
+    std::shared_ptr<const Context> context,
+    std::weak_ptr<Host> host,
+    IpcCounters& counters,
+    std::set<std::string> peerDevices)
+    : Channel(std::move(context)),
+      host_(std::move(host)),
+      counters_(counters),
+      peerDevices_(std::move(peerDevices)) {
+  for (int d = 0; d < deviceCount(); ++d) {
+    localDevices_.emplace(deviceUuid(d), d);
+    if (supportsFdExport(d)) {
+      granularity_.emplace(d, ExportedMemory::granularity(d));
+    }
+  }
+}
+
+IpcChannel::~IpcChannel() = default;
+
+bool IpcChannel::takeRegion(
+    const frame::OutboundFrame::Segment& segment,
+    SegmentRecord* out,
+    std::vector<ControlFrame>* before) {
+  const int device = segment.deviceIndex;
+  const auto stream = reinterpret_cast<CUstream>(segment.stream);
+  std::string uuid;
+  for (const auto& [u, d] : localDevices_) {
+    if (d == device) {
+      uuid = u;
+    }
+  }
+  if (granularity_.count(device) == 0 || peerDevices_.count(uuid) == 0) {
+    counters_.declined.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  static_assert(sizeof(BlockRecord) == sizeof(*out));
+  // A storage in a block the peer lent us on this connection, that nothing
+  // else can reach, goes back as it is: the owner's next use waits for ours
+  // through `released`.
+  if (segment.exclusive && segment.origin != nullptr) {
+    auto* lease = dynamic_cast<BlockLease*>(segment.origin.get());
+    const auto p = reinterpret_cast<CUdeviceptr>(segment.data);
+    if (lease != nullptr && lease->via() == this && !lease->own() &&
+        lease->block().device() == device && p >= lease->block().address() &&
+        segment.size <= lease->block().size() &&
+        p - lease->block().address() <= lease->block().size() - segment.size &&
+        lease->handOn()) {
+      {
+        // After the bytes arrived (in case `stream` never waited for them)
+        // and after the caller's work on `stream`.
+        CurrentDevice current(device);
+        TORCH_RPC_EXT_CUDA_CHECK(
+            cuStreamWaitEvent, stream, lease->block().ready(), 0);
+        TORCH_RPC_EXT_CUDA_CHECK(
+            cuEventRecord, lease->block().released(), stream);
+      }
+      BlockRecord r{
+          lease->id(), BlockRecord::kReturned, p - lease->block().address()};
+      counters_.handedBack.fetch_add(1, std::memory_order_relaxed);
+      counters_.segments.fetch_add(1, std::memory_order_relaxed);
+      std::memcpy(out, &r, sizeof(r));
+      return true;
+    }
+  }
+  const uint64_t want = std::max<uint64_t>(segment.size, 1);
+  std::shared_ptr<Block> block;
+  uint32_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // The smallest free block of the device that fits without wasting
+    // more than half.
+    uint64_t best = std::numeric_limits<uint64_t>::max();
+    for (auto& [blockId, own] : ownBlocks_) {
+      uint64_t size = own.block->size();
+      if (own.state == OwnBlock::State::kFree &&
+          own.block->device() == device && size >= want &&
+          (size <= 2 * want || size == granularity_.at(device)) &&
+          size < best) {
+        best = size;
+        id = blockId;
+      }
+    }
+    if (id != 0) {
+      auto& own = ownBlocks_[id];
+      own.state = OwnBlock::State::kLent;
+      lentBytes_ += own.block->size();
+      block = own.block;
+    } else if (
+        ownBlocks_.size() + blocksBeingMade_ >= kMaxBlocks ||
+        lentBytes_ + want > kMaxLentBlockBytes) {
+      counters_.declined.fetch_add(1, std::memory_order_relaxed);
+      return false;
+    } else {
+      id = nextBlockId_++;
+      lentBytes_ += want;
+      ++blocksBeingMade_;
+    }
+  }
+  const bool fresh = block == nullptr;
+  if (fresh) {
+    BlockSetup setup;
+    int fd = -1;
+    try {
+      block = Block::create(device, want);
+      setup = block->describe(id);
+      fd = block->exportFd();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      --blocksBeingMade_;
+      lentBytes_ -= want;
+      throw;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --blocksBeingMade_;
+      lentBytes_ += block->size() - want;
+      ownBlocks_.emplace(id, OwnBlock{block, OwnBlock::State::kLent, {}});
+    }
+    counters_.created.fetch_add(1, std::memory_order_relaxed);
+    // The setup reaches the peer before the first record naming the block;
+    // the descriptor is closed once the frame is out (or dropped).
+    before->push_back(
+        ControlFrame{
+            context().wireIds().kind(kBlockSetup),
+            std::string(reinterpret_cast<const char*>(&setup), sizeof(setup)),
+            {fd},
+            std::shared_ptr<void>(nullptr, [fd](void*) { ::close(fd); })});
+  }
+  // The one copy of this direction, after the caller's work on `stream` and
+  // the peer's last use of the block.
+  try {
+    CurrentDevice current(device);
+    TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, block->released(), 0);
+    copyEngine(device).copy(
+        stream,
+        block->address(),
+        reinterpret_cast<CUdeviceptr>(segment.data),
+        segment.size);
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block->ready(), stream);
+  } catch (...) {
+    // The frame is not sent: a pooled block goes back to the pool, a new
+    // one (which the peer will never hear of) goes.
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ownBlocks_.find(id);
+    if (it != ownBlocks_.end()) {
+      lentBytes_ -= block->size();
+      if (fresh) {
+        ownBlocks_.erase(it);
+      } else {
+        it->second.state = OwnBlock::State::kFree;
+        it->second.lastUsed = std::chrono::steady_clock::now();
+      }
+    }
+    throw;
+  }
+  BlockRecord r{id, BlockRecord::kLent, 0};
+  counters_.segments.fetch_add(1, std::memory_order_relaxed);
+  counters_.copiedBytes.fetch_add(segment.size, std::memory_order_relaxed);
+  std::memcpy(out, &r, sizeof(r));
+  return true;
+}
+
+void IpcChannel::releasePeerBlock(uint32_t id) {
+  auto host = host_.lock();
+  if (!host || host->isClosed()) {
+    return; // nobody left to tell
+  }
+  // Device blocks are large and few: each goes back at once, so that its
+  // owner does not make another meanwhile.
+  host->sendControl(
+      ControlFrame{
+          context().wireIds().kind(kBlockRelease), idHead(id), {}, nullptr});
+}
+
+void IpcChannel::freeOwnBlock(uint32_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ownBlocks_.find(id);
+  if (it != ownBlocks_.end() && it->second.state == OwnBlock::State::kLocal) {
+    it->second.state = OwnBlock::State::kFree;
+    it->second.lastUsed = std::chrono::steady_clock::now();
+  }
+}
+
+void IpcChannel::onTickFromLoop() {
+  trim();
+}
+
+void IpcChannel::trim() {
+  std::vector<uint32_t> dropped;
+  std::vector<std::shared_ptr<Block>> unmap; // outside the lock
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto now = std::chrono::steady_clock::now();
+    for (auto it = ownBlocks_.begin(); it != ownBlocks_.end();) {
+      if (it->second.state == OwnBlock::State::kFree &&
+          now - it->second.lastUsed >=
+              std::chrono::milliseconds(kBlockIdleMs)) {
+        dropped.push_back(it->first);
+        unmap.push_back(std::move(it->second.block));
+        it = ownBlocks_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  counters_.unmapped.fetch_add(dropped.size(), std::memory_order_relaxed);
+  auto host = host_.lock();
+  if (!host) {
+    return;
+  }
+  for (uint32_t id : dropped) {
+    host->sendControl(
+        ControlFrame{
+            context().wireIds().kind(kBlockDrop), idHead(id), {}, nullptr});
+  }
+}
+
+bool IpcChannel::acceptsControlFrame(FrameKind kind, uint32_t headLength)
+    const {
+  switch (context().wireIds().offsetOf(kind)) {
+    case kBlockSetup:
+      return headLength == sizeof(BlockSetup);
+    case kBlockRelease:
+      return headLength >= sizeof(uint32_t) && headLength <= kMaxReleaseHead &&
+          headLength % sizeof(uint32_t) == 0;
+    case kBlockDrop:
+      return headLength == sizeof(uint32_t);
+    default:
+      return false;
+  }
+}
+
+bool IpcChannel::onControlFrameFromLoop(
+    FrameKind kind,
+    const std::string& head,
+    std::vector<int>& fds) {
+  auto host = host_.lock();
+  if (!host) {
+    return false;
+  }
+  switch (context().wireIds().offsetOf(kind)) {
+    case kBlockSetup:
+      return onSetupFromLoop(*host, head, fds);
+    case kBlockRelease:
+      return onReleaseFromLoop(*host, head);
+    case kBlockDrop:
+      return onDropFromLoop(*host, head);
+    default:
+      return true;
+  }
+}
+
+bool IpcChannel::onSetupFromLoop(
+    Host& host,
+    const std::string& head,
+    std::vector<int>& fds) {
+  if (fds.empty()) {
+    host.rejectFromLoop(
+        "rejected frame: CUDA block setup without its "
+        "descriptor");
+    return false;
+  }
+  int fd = fds.front();
+  fds.erase(fds.begin());
+  BlockSetup setup;
+  std::memcpy(&setup, head.data(), sizeof(setup));
+  std::string uuid(setup.deviceUuid, sizeof(setup.deviceUuid));
+  std::string why;
+  auto device = localDevices_.find(uuid);
+  if (device == localDevices_.end()) {
+    why = "block " + std::to_string(setup.id) + " is on device " + uuid +
+        ", which this process does not see";
+  } else if (peerBlocks_.count(setup.id) != 0) {
+    why = "block " + std::to_string(setup.id) + " announced twice";
+  } else if (
+      peerBlocks_.size() >= kMaxBlocks ||
+      setup.size > kMaxPeerBlockBytes - peerBlockBytes_) {
+    why = "the peer's blocks exceed " + std::to_string(kMaxBlocks) + " or " +
+        std::to_string(kMaxPeerBlockBytes) + " bytes";
+  }
+  std::shared_ptr<Block> block;
+  if (why.empty()) {
+    try {
+      block = Block::import(setup, fd, device->second);
+    } catch (const std::exception& e) {
+      why = std::string("cannot map the peer's CUDA block: ") + e.what();
+    }
+  }
+  ::close(fd);
+  if (!why.empty()) {
+    host.rejectFromLoop("rejected CUDA block: " + why);
+    return false;
+  }
+  counters_.imported.fetch_add(1, std::memory_order_relaxed);
+  peerBlockBytes_ += setup.size;
+  peerBlocks_.emplace(setup.id, std::move(block));
+  return true;
+}
+
+bool IpcChannel::onReleaseFromLoop(Host& host, const std::string& head) {
+  uint32_t unheld = 0;
+  bool ok = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto now = std::chrono::steady_clock::now();
+    for (size_t at = 0; at < head.size(); at += sizeof(uint32_t)) {
+      uint32_t id;
+      std::memcpy(&id, head.data() + at, sizeof(id));
+      auto it = ownBlocks_.find(id);
+      if (it == ownBlocks_.end() ||
+          it->second.state != OwnBlock::State::kLent) {
+        ok = false;
+        unheld = id;
+        break;
+      }
+      it->second.state = OwnBlock::State::kFree;
+      it->second.lastUsed = now;
+      lentBytes_ -= it->second.block->size();
+    }
+  }
+  if (!ok) {
+    host.rejectFromLoop(
+        "rejected frame: the peer released CUDA block " +
+        std::to_string(unheld) + ", which it does not hold");
+    return false;
+  }
+  return true;
+}
+
+bool IpcChannel::onDropFromLoop(Host& host, const std::string& head) {
+  uint32_t id;
+  std::memcpy(&id, head.data(), sizeof(id));
+  auto it = peerBlocks_.find(id);
+  if (it == peerBlocks_.end()) {
+    host.rejectFromLoop(
+        "rejected frame: the peer dropped CUDA block " + std::to_string(id) +
+        ", which it never announced");
+    return false;
+  }
+  peerBlockBytes_ -= it->second->size();
+  peerBlocks_.erase(it); // leases keep their own reference
+  return true;
+}
+
+int64_t IpcChannel::onRecordFromLoop(
+    const SegmentRecord& record,
+    InboundSegment& segment) {
+  BlockRecord r;
+  std::memcpy(&r, &record, sizeof(r));
+  std::shared_ptr<Block> block;
+  const bool own = r.kind == BlockRecord::kReturned;
+  std::string why;
+  if (r.kind == BlockRecord::kLent) {
+    auto it = peerBlocks_.find(r.id);
+    if (it == peerBlocks_.end()) {
+      why = "record names unknown CUDA block " + std::to_string(r.id);
+    } else {
+      block = it->second;
+    }
+  } else if (own) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ownBlocks_.find(r.id);
+    if (it == ownBlocks_.end() || it->second.state != OwnBlock::State::kLent) {
+      why = "the peer handed back CUDA block " + std::to_string(r.id) +
+          ", which it does not hold";
+    } else {
+      block = it->second.block;
+      it->second.state = OwnBlock::State::kLocal;
+      lentBytes_ -= block->size();
+    }
+  } else {
+    why = "unknown CUDA block record kind " + std::to_string(r.kind);
+  }
+  if (why.empty() &&
+      (r.offset > block->size() || segment.size > block->size() - r.offset)) {
+    why = "segment of " + std::to_string(segment.size) + " bytes at offset " +
+        std::to_string(r.offset) + " overruns CUDA block " +
+        std::to_string(r.id);
+  }
+  if (!why.empty()) {
+    if (auto host = host_.lock()) {
+      host->rejectFromLoop("rejected frame: " + why);
+    }
+    return -1;
+  }
+  *segment.provided = reinterpret_cast<void*>(block->address() + r.offset);
+  *segment.region = std::make_shared<BlockLease>(
+      weak_from_this(), this, std::move(block), r.id, own);
+  return static_cast<int64_t>(segment.size);
+}
+
+std::shared_ptr<Context> createIpcChannel(WireIds ids) {
+  return std::make_shared<IpcContext>(ids);
+}
+
+} // namespace torch_rpc_ext::channel::cuda

@@ -1,0 +1,216 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <cuda.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "csrc/channel/channel.h"
+#include "csrc/channel/cuda/exported_memory.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+// cuda_ipc: CUDA tensors between two processes of one host, as shm_slab
+// moves CPU ones (docs/cuda.md, "The cuda_ipc channel").
+//
+// The sender copies a segment with one kernel, on the stream the bytes are
+// ready on, into a block of its own device memory (ExportedMemory: made with
+// cuMemCreate, exported once as a POSIX file descriptor that travels over
+// the connection's Unix socket, imported and mapped once by the peer), and
+// sends a BlockRecord in the segment's place. The receiver's tensor is a
+// view of the mapped block for as long as it lives. When it dies, the block
+// goes back to the sender's pool (kBlockRelease) and is reused for the next
+// segment that fits. A received storage sent back to the peer it came from,
+// with nothing else holding it, is handed back with no copy (kReturned).
+//
+// No host thread waits on the GPU. Each block has two interprocess events,
+// made by its owner and opened by the peer: `ready`, recorded by whoever
+// filled the block after the copy, which the receiver's streams wait on
+// (DeviceRegion::waitOn); and `released`, recorded by whoever used it last
+// on the stream of that use before giving it back, which the next copy into
+// the block waits on. A block is filled by one side at a time, so each
+// event has one record outstanding at a time.
+//
+// Reach: both ends see the same physical device. A process publishes its
+// host (boot id) and the UUIDs of its devices that can export memory; two
+// processes reach each other on one host when they share a device, and a
+// segment on a device the peer does not see is declined (the next device
+// channel, or an error naming the device, follows).
+
+// Its control frames, as offsets into its kinds (WireIds::kind).
+enum IpcFrame : uint8_t {
+  kBlockSetup = 0, // BlockSetup + the block's file descriptor
+  kBlockRelease = 1, // uint32 ids the receiver no longer uses
+  kBlockDrop = 2, // uint32 id: the owner unmaps an idle block
+};
+
+#pragma pack(push, 1)
+struct BlockSetup {
+  uint32_t id;
+  uint32_t reserved; // 0
+  uint64_t size;
+  char deviceUuid[32]; // hex digits, as deviceUuid()
+  CUipcEventHandle ready;
+  CUipcEventHandle released;
+};
+#pragma pack(pop)
+static_assert(sizeof(BlockSetup) == 176, "BlockSetup layout is fixed");
+
+// What travels in the stream in place of a segment's bytes.
+struct BlockRecord {
+  enum Kind : uint32_t {
+    kLent = 1, // the sender's block `id`
+    kReturned = 2, // the receiver's own block `id`, handed back
+  };
+  uint32_t id;
+  uint32_t kind;
+  uint64_t offset;
+};
+static_assert(sizeof(BlockRecord) == 16, "BlockRecord is 16 bytes");
+
+// Per connection and direction: at most this many blocks, and this many
+// bytes of them lent at once; past either the segment is declined.
+constexpr size_t kMaxBlocks = 256;
+constexpr uint64_t kMaxLentBlockBytes = uint64_t(16) << 30;
+// A free block unused this long is unmapped, and the peer told.
+constexpr int64_t kBlockIdleMs = 5000;
+
+struct IpcCounters {
+  std::atomic<uint64_t> segments{0};
+  std::atomic<uint64_t> copiedBytes{0};
+  std::atomic<uint64_t> handedBack{0};
+  std::atomic<uint64_t> created{0}; // blocks made
+  std::atomic<uint64_t> imported{0}; // peers' blocks mapped
+  std::atomic<uint64_t> unmapped{0}; // own idle blocks dropped
+  // Segments on a device the peer does not see, or over the bounds.
+  std::atomic<uint64_t> declined{0};
+};
+
+// One device block and its two events, on either side: ours (created,
+// exported) or the peer's (imported, events opened).
+class Block {
+ public:
+  // Ours, on `device`, of at least `bytes`.
+  static std::shared_ptr<Block> create(int device, uint64_t bytes);
+  // The peer's, from its setup; takes nothing from `fd` (the caller closes
+  // it).
+  static std::shared_ptr<Block> import(
+      const BlockSetup& setup,
+      int fd,
+      int device);
+  ~Block();
+  Block(const Block&) = delete;
+  Block& operator=(const Block&) = delete;
+
+  int device() const {
+    return memory_->device();
+  }
+  CUdeviceptr address() const {
+    return memory_->address();
+  }
+  uint64_t size() const {
+    return memory_->size();
+  }
+  // Setup frame head and a new descriptor (ours only).
+  BlockSetup describe(uint32_t id) const;
+  int exportFd() const {
+    return memory_->exportFd();
+  }
+  CUevent ready() const {
+    return ready_;
+  }
+  CUevent released() const {
+    return released_;
+  }
+
+ private:
+  Block() = default;
+  std::unique_ptr<ExportedMemory> memory_;
+  CUevent ready_ = nullptr;
+  CUevent released_ = nullptr;
+  bool owner_ = false;
+};
+
+class IpcChannel final : public Channel,
+                         public std::enable_shared_from_this<IpcChannel> {
+ public:
+  IpcChannel(
+      std::shared_ptr<const Context> context,
+      std::weak_ptr<Host> host,
+      IpcCounters& counters,
+      std::set<std::string> peerDevices);
+  ~IpcChannel() override;
+
+  bool takeRegion(
+      const frame::OutboundFrame::Segment& segment,
+      frame::SegmentRecord* record,
+      std::vector<ControlFrame>* before) override;
+
+  int64_t onRecordFromLoop(
+      const frame::SegmentRecord& record,
+      InboundSegment& segment) override;
+  bool acceptsControlFrame(frame::FrameKind kind, uint32_t headLength)
+      const override;
+  bool onControlFrameFromLoop(
+      frame::FrameKind kind,
+      const std::string& head,
+      std::vector<int>& fds) override;
+  size_t maxPendingFds() const override {
+    return 1; // a kBlockSetup frame's descriptor
+  }
+  void onTickFromLoop() override;
+
+  // From a lease's destructor, any thread, after recording the block's
+  // `released` event: the peer's block `id` goes back to the peer, or our
+  // own block `id` (handed back to us) is free again.
+  void releasePeerBlock(uint32_t id);
+  void freeOwnBlock(uint32_t id);
+
+ private:
+  bool onSetupFromLoop(
+      Host& host,
+      const std::string& head,
+      std::vector<int>& fds);
+  bool onReleaseFromLoop(Host& host, const std::string& head);
+  bool onDropFromLoop(Host& host, const std::string& head);
+  void trim();
+
+  std::weak_ptr<Host> host_;
+  IpcCounters& counters_;
+  // UUIDs of the devices the peer sees.
+  const std::set<std::string> peerDevices_;
+  // UUID -> our device index, for the devices we see (filled on first use).
+  std::map<std::string, int> localDevices_;
+  // Device index -> its block granularity, for the devices that can export.
+  std::map<int, uint64_t> granularity_;
+
+  // The peer's blocks we have mapped, by id (loop thread).
+  std::unordered_map<uint32_t, std::shared_ptr<Block>> peerBlocks_;
+  uint64_t peerBlockBytes_ = 0;
+
+  struct OwnBlock {
+    enum class State { kFree, kLent, kLocal };
+    std::shared_ptr<Block> block;
+    State state = State::kFree;
+    std::chrono::steady_clock::time_point lastUsed;
+  };
+  std::mutex mu_; // the members below; never held across a driver call
+  std::unordered_map<uint32_t, OwnBlock> ownBlocks_;
+  uint32_t nextBlockId_ = 1;
+  size_t blocksBeingMade_ = 0;
+  uint64_t lentBytes_ = 0;
+};
+
+// The process's cuda_ipc (registry.cpp). Loads the driver only when asked
+// whether it is viable or for its descriptor.
+std::shared_ptr<Context> createIpcChannel(WireIds ids);
+
+} // namespace torch_rpc_ext::channel::cuda

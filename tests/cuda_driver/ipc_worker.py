@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The two ends of a cuda_ipc connection with no agent above it
+(_testing.Endpoint over the shm transport), each in a spawned process that
+loads the driver under test (worker.py says why not in pytest's).
+
+Both ends run `run(role, conn, ctl, scenario)`: they trade addresses and
+channel descriptors on `conn`, connect, and play the scenario; each sends
+what it saw on `ctl`, its pipe to the test. Frames are ordered on the
+connection, so a reply frame arrives after every control frame its sender
+queued before it (a block's release, say)."""
+
+import os
+
+from tests.cuda_driver.worker import DEVICE, kernel_images, testing
+
+SECRET = b"s" * 32
+CUDA = 1  # c10::DeviceType::CUDA
+TIMEOUT = 60.0
+
+
+def pattern(n: int, seed: int) -> bytes:
+    return bytes((i * 7 + seed) % 251 for i in range(n))
+
+
+class End:
+    def __init__(self, role: str, conn, channels=("cuda_ipc",), offer=True):
+        from torch_rpc_ext import _C, _testing
+
+        _C._set_cuda_kernel_images(kernel_images())
+        self.cu = testing()
+        self.role = role
+        self.conn = conn
+        me = 0 if role == "sender" else 1
+        self.ep = _testing.Endpoint(me, 2, SECRET, "shm", list(channels))
+        conn.send((self.ep.address, self.ep.descriptors() if offer else {}))
+        address, peer = conn.recv()
+        self.ep.set_peer(peer)
+        # Both ends know each other's descriptors before either connects.
+        conn.send("ready")
+        assert conn.recv() == "ready"
+        if role == "sender":
+            self.ep.connect(address, 1)
+        assert self.ep.wait_ready(TIMEOUT), self.ep.close_reason()
+        self.stream = self.cu.stream_create(DEVICE)
+        self.live = []
+
+    def alloc(self, data: bytes) -> int:
+        p = self.cu.mem_alloc(DEVICE, len(data))
+        self.live.append(p)
+        self.cu.write(DEVICE, p, data)
+        return p
+
+    def send_device(self, head: bytes, p: int, n: int, hand_back=None):
+        self.ep.send(head, [(p, n, CUDA, DEVICE, self.stream)], [hand_back])
+
+    def receive(self):
+        got = self.ep.receive(TIMEOUT)
+        assert got is not None, f"{self.role}: nothing arrived ({self.ep.close_reason()})"
+        return got
+
+    def read_region(self, region) -> bytes:
+        region.wait_on(self.stream)
+        self.cu.stream_synchronize(DEVICE, self.stream)
+        return self.cu.read(DEVICE, region.address, region.size)
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.ep.counters()["cuda_ipc"])
+
+    def close(self):
+        self.cu.stream_synchronize(DEVICE, self.stream)
+        self.ep.close()
+        for p in self.live:
+            self.cu.mem_free(DEVICE, p)
+
+
+def run(role: str, conn, ctl, scenario: str) -> None:
+    globals()[f"{scenario}_{role}"](conn, ctl)
+
+
+# ---- pooled: four messages in two blocks, released in between ---------------
+
+# Two of each: a large segment and a large one that fits its block, a small
+# one (too small to tie up the large block: a block of its own) and a tiny
+# one that fits that.
+SIZES = (3 << 20, (3 << 20) - 5, 5000, 1)
+
+
+def pooled_sender(conn, ctl):
+    end = End("sender", conn)
+    for i, n in enumerate(SIZES):
+        p = end.alloc(pattern(n, i))
+        end.send_device(b"m%d" % i, p, n)
+        head, _ = end.receive()  # the receiver's reply: its release came first
+        assert head == b"ok%d" % i
+    ctl.send(end.counters())
+    end.close()
+
+
+def pooled_receiver(conn, ctl):
+    end = End("receiver", conn)
+    seen = []
+    for i, n in enumerate(SIZES):
+        head, (region,) = end.receive()
+        seen.append((head, region.size, region.device, end.read_region(region) == pattern(n, i)))
+        region.release()
+        end.ep.send(b"ok%d" % i, [])
+    ctl.send((seen, end.counters()))
+    end.close()
+
+
+# ---- outlives: the view stays valid after the sender frees, closes, exits --
+
+
+def outlives_sender(conn, ctl):
+    end = End("sender", conn)
+    p = end.alloc(pattern(1 << 20, 3))
+    end.send_device(b"x", p, 1 << 20)
+    end.receive()  # the receiver has the region
+    end.close()  # frees its memory and its side of the block, then exits
+    ctl.send("closed")
+
+
+def outlives_receiver(conn, ctl):
+    end = End("receiver", conn)
+    head, (region,) = end.receive()
+    end.ep.send(b"got", [])
+    assert ctl.recv() == "exited"  # the test saw the sender's process end
+    data = end.read_region(region)
+    closed = end.ep.close_reason()
+    region.release()  # nobody to tell: a no-op, not a crash
+    ctl.send((data == pattern(1 << 20, 3), closed))
+    end.close()
+
+
+# ---- hand back: a received block sent back unchanged costs no copy ---------
+
+
+def handback_sender(conn, ctl):
+    end = End("sender", conn)
+    n = 1 << 20
+    p = end.alloc(pattern(n, 5))
+    end.send_device(b"a", p, n)
+    head, (region,) = end.receive()  # our own block, handed back
+    back = (head, region.size, end.read_region(region) == pattern(n, 5))
+    region.release()  # free in our pool again
+    end.send_device(b"b", p, n)
+    end.receive()
+    ctl.send((back, end.counters()))
+    end.close()
+
+
+def handback_receiver(conn, ctl):
+    end = End("receiver", conn)
+    head, (region,) = end.receive()
+    end.send_device(b"back", region.address, region.size, hand_back=region)
+    del region
+    head, (region,) = end.receive()
+    region.release()
+    end.ep.send(b"done", [])
+    ctl.send(end.counters())
+    end.close()
+
+
+# ---- unreached: a CUDA segment to a peer without cuda_ipc -------------------
+
+
+def unreached_sender(conn, ctl):
+    end = End("sender", conn, offer=False)
+    p = end.alloc(b"z" * 4096)
+    try:
+        end.send_device(b"x", p, 4096)
+        error = ""
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        error = f"{type(e).__name__}: {e}"
+    end.ep.send(b"after", [])  # the connection still works
+    ctl.send((error, end.counters()))
+    end.close()
+
+
+def unreached_receiver(conn, ctl):
+    end = End("receiver", conn, offer=False)
+    head, segments = end.receive()
+    ctl.send((head, segments))
+    end.close()
+
+
+if __name__ == "__main__":  # pragma: no cover - used by spawn only
+    os._exit(1)

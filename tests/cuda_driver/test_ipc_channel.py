@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The cuda_ipc channel through the channel seam: two processes, one shm
+connection each way with no agent above it (_testing.Endpoint), device
+memory of the driver under test (the fake here, the GPU's on a GPU
+machine). What passes against the fake proves the protocol (setup frames
+with descriptors, events, pooling, hand-back, lifetimes), not the hardware:
+docs/cuda.md says which is which."""
+
+import pytest
+
+from tests.cuda_driver import ipc_worker
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def play(spawn, scenario: str, after_sender_exits=None):
+    """Runs both ends of `scenario`; returns (sender's results, receiver's)."""
+    conn_s, conn_r = spawn.Pipe()
+    ctl_s, ctl_s_child = spawn.Pipe()
+    ctl_r, ctl_r_child = spawn.Pipe()
+    sender = spawn.Process(target=ipc_worker.run, args=("sender", conn_s, ctl_s_child, scenario))
+    receiver = spawn.Process(target=ipc_worker.run, args=("receiver", conn_r, ctl_r_child, scenario))
+    sender.start()
+    receiver.start()
+    try:
+        out_s = ctl_s.recv() if ctl_s.poll(120) else None
+        if after_sender_exits is not None:
+            sender.join(120)
+            assert sender.exitcode == 0
+            ctl_r.send(after_sender_exits)
+        out_r = ctl_r.recv() if ctl_r.poll(120) else None
+        for p in (sender, receiver):
+            p.join(120)
+        assert (sender.exitcode, receiver.exitcode) == (0, 0)
+        return out_s, out_r
+    finally:
+        for p in (sender, receiver):
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+
+
+def test_segments_travel_in_one_pooled_block(spawn):
+    sender, (seen, receiver) = play(spawn, "pooled")
+    assert seen == [
+        (b"m%d" % i, n, ipc_worker.DEVICE, True) for i, n in enumerate(ipc_worker.SIZES)
+    ]
+    # Two blocks made, exported and mapped once each, each reused after its
+    # release.
+    assert sender["blocks_created"] == 2
+    assert sender["segments"] == 4
+    assert sender["copied_bytes"] == sum(ipc_worker.SIZES)
+    assert receiver["blocks_imported"] == 2
+    assert sender["declined"] == receiver["declined"] == 0
+
+
+def test_a_received_view_outlives_its_sender(spawn):
+    _, (intact, closed) = play(spawn, "outlives", after_sender_exits="exited")
+    assert intact  # read after the sender freed its side, closed and exited
+    assert closed  # and the connection is gone
+
+
+def test_a_block_sent_back_unchanged_is_handed_back_without_a_copy(spawn):
+    (back, sender), receiver = play(spawn, "handback")
+    head, size, intact = back
+    assert (head, intact) == (b"back", True)
+    assert size >= 1 << 20
+    assert receiver["handbacks"] == 1 and receiver["copied_bytes"] == 0
+    assert receiver["blocks_created"] == 0
+    # The handed-back block, freed by the sender, carries its next segment.
+    assert sender["blocks_created"] == 1 and sender["segments"] == 2
+
+
+def test_a_cuda_segment_to_a_peer_without_cuda_ipc_is_refused_before_sending(spawn):
+    (error, counters), (head, segments) = play(spawn, "unreached")
+    assert "no channel of" in error and "device type 1" in error
+    assert counters["segments"] == 0
+    assert (head, segments) == (b"after", [])  # nothing of it reached the peer
