@@ -42,6 +42,7 @@ BUILD_COMMANDS = {
 TESTING_SOURCES = [
     "csrc/bindings/bind_testing.cpp",
     "csrc/bindings/bind_testing_cuda.cpp",
+    "csrc/bindings/bind_testing_cuda_torch.cpp",
     "csrc/bindings/bind_testing_endpoint.cpp",
     "csrc/bindings/testing_module.cpp",
 ]

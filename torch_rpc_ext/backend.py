@@ -108,14 +108,22 @@ def _init_backend(
         raise ValueError(
             "TORCH_RPC_EXT supports static groups only: pass world_size to init_rpc"
         )
-    _, devices = _check_device_maps(store, name, rank, world_size, rpc_backend_options)
-    if devices or rpc_backend_options.uses_cuda():
-        # Only reachable where the maps name GPUs this machine has.
-        raise NotImplementedError(
-            "TORCH_RPC_EXT does not move CUDA tensors yet; remove device_maps "
-            "and devices, or use BackendType.TENSORPIPE for CUDA RPC"
-        )
-    agent = _C.Agent(store, name, rank, world_size, _agent_options(rpc_backend_options))
+    reverse, devices = _check_device_maps(store, name, rank, world_size, rpc_backend_options)
+    options = _agent_options(rpc_backend_options)
+    # The devices whose tensors need a device channel (a CPU-to-CPU map
+    # needs none).
+    devices = [d for d in devices if d.type == "cuda"]
+    if devices:
+        # Only reachable where the maps name GPUs this machine has. The copy
+        # kernels are compiled (or read from the cache) before the agent
+        # connects to anyone.
+        from torch_rpc_ext._cuda import load_kernels
+
+        load_kernels()
+        options._devices = devices
+        options._device_maps = rpc_backend_options.device_maps
+        options._reverse_device_maps = reverse
+    agent = _C.Agent(store, name, rank, world_size, options)
     try:
         _torch_private.init_rpc_states(agent)
     except Exception:

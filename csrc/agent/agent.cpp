@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/agent/agent.h"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <torch/csrc/distributed/rpc/agent_utils.h>
 #include <torch/csrc/distributed/rpc/request_callback_impl.h>
 #include <torch/csrc/distributed/rpc/utils.h>
@@ -211,7 +214,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     const rpc::WorkerInfo& to,
     c10::intrusive_ptr<rpc::Message> message,
     const float rpcTimeoutSeconds,
-    const rpc::DeviceMap& /*deviceMap*/) {
+    const rpc::DeviceMap& deviceMap) {
   TORCH_CHECK(
       rpcAgentRunning_.load(),
       "Node ",
@@ -250,7 +253,14 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   int64_t id = nextId_.fetch_add(1, std::memory_order_relaxed);
   auto encodeSpan =
       RemoteProfiling::span(profile.get(), "torch_rpc_ext::encode");
-  frame::OutboundFrame frame = wire::encodeMessage(message, id);
+  std::optional<wire::DeviceRoute> route;
+  if (!options_.devices.empty()) {
+    // A per-call map (dist autograd's backward pass) overrides the options'.
+    route = routeTo(to.id_, deviceMap.empty() ? getDeviceMap(to) : deviceMap);
+  }
+  frame::OutboundFrame frame =
+      wire::encodeMessage(message, id, route ? &*route : nullptr);
+  recordCudaUse(*message);
   encodeSpan.reset();
   uint64_t wireBytes = frame.wireSize();
   TORCH_CHECK(
@@ -406,12 +416,18 @@ void Agent::settle(
 void Agent::complete(
     CallTable::Call& call,
     c10::intrusive_ptr<rpc::Message> response) {
+  // The future records its events on the streams the tensors arrived on;
+  // a waiter's stream then waits for them, never the host.
+  c10::MultiStreamGuard streams(call.arrival);
   if (response->type() == rpc::MessageType::EXCEPTION) {
     std::string text(response->payload().begin(), response->payload().end());
     call.future->setErrorIfNeeded(
         std::make_exception_ptr(std::runtime_error(text)));
   } else {
-    call.future->markCompleted(c10::IValue(response));
+    // With the storages named: a future with devices cannot look inside a
+    // Message to find them.
+    auto storages = response->getStorages();
+    call.future->markCompleted(c10::IValue(response), std::move(storages));
   }
   callFinished();
 }
@@ -459,8 +475,25 @@ void Agent::onFrame(
   auto* in = static_cast<wire::InboundMessage*>(buffers.keepAlive.get());
   int32_t peer = conn->peerId();
   c10::intrusive_ptr<rpc::Message> message;
+  std::vector<c10::Stream> streams;
   try {
-    message = in->finish(buffers);
+    if (!in->cudaDevices().empty()) {
+      streams = arrivalStreams();
+    }
+    message = in->finish(buffers, [&](c10::DeviceIndex device) {
+      for (const auto& s : streams) {
+        if (s.device_index() == device) {
+          c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+          return reinterpret_cast<uintptr_t>(impl.getStreamNativeHandle(s));
+        }
+      }
+      TORCH_CHECK(
+          false,
+          "a tensor arrived on cuda:",
+          int(device),
+          ", which is not among the devices of ",
+          workerInfo_.name_);
+    });
   } catch (const std::exception& e) {
     stats_[peer].rejectedFrames.fetch_add(1, std::memory_order_relaxed);
     conn->close(std::string("rejected message: ") + e.what());
@@ -477,8 +510,12 @@ void Agent::onFrame(
     // Served on this loop thread after the read pass: no hop (see settle).
     auto self = shared_from_this();
     conn->runAfterDispatch(
-        [self, conn, message = std::move(message)]() mutable {
-          self->serveRequest(std::move(conn), std::move(message));
+        [self,
+         conn,
+         message = std::move(message),
+         streams = std::move(streams)]() mutable {
+          self->serveRequest(
+              std::move(conn), std::move(message), std::move(streams));
         },
         /*expectMore=*/true);
     return;
@@ -490,6 +527,7 @@ void Agent::onFrame(
     lateResponses_.fetch_add(1, std::memory_order_relaxed);
     return;
   }
+  call->arrival = std::move(streams);
   settle(*conn, std::move(*call), std::move(message), remaining == 0);
 }
 
@@ -541,6 +579,50 @@ void Agent::onClosed(transport::Connection& conn, const std::string& reason) {
         "RPC to " + workers_[peer].name_ + " failed: connection " +
             conn.describe() + " lost: " + why);
   }
+}
+
+rpc::DeviceMap Agent::getDeviceMap(const rpc::WorkerInfo& dst) const {
+  auto it = options_.deviceMaps.find(dst.name_);
+  return it == options_.deviceMaps.end() ? rpc::DeviceMap{} : it->second;
+}
+
+void Agent::recordCudaUse(const rpc::Message& message) {
+  std::optional<c10::impl::VirtualGuardImpl> impl;
+  for (const auto& t : message.tensors()) {
+    if (t.is_cuda()) {
+      if (!impl) {
+        impl.emplace(c10::kCUDA);
+      }
+      impl->recordDataPtrOnStream(
+          t.storage().data_ptr(), impl->getStream(t.device()));
+    }
+  }
+}
+
+std::vector<c10::Stream> Agent::arrivalStreams() const {
+  std::vector<c10::Stream> out;
+  c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+  for (const auto& d : options_.devices) {
+    out.push_back(impl.getStreamFromGlobalPool(d));
+  }
+  return out;
+}
+
+wire::DeviceRoute Agent::routeTo(int32_t peer, const rpc::DeviceMap& map)
+    const {
+  wire::DeviceRoute route;
+  route.map = map;
+  route.peer = workers_[peer].name_;
+  // A tensor's bytes are read on the sender's current stream of its device,
+  // after whatever it queued there (recordCudaUse() tells the caching
+  // allocator, so a storage freed meanwhile is not reused before the copy
+  // is done).
+  route.readyStream = [](c10::Device device) {
+    c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+    return reinterpret_cast<uintptr_t>(
+        impl.getStreamNativeHandle(impl.getStream(device)));
+  };
+  return route;
 }
 
 } // namespace torch_rpc_ext

@@ -23,6 +23,7 @@
 #include "csrc/common/buffer_pool.h"
 #include "csrc/common/thread_pool.h"
 #include "csrc/transport/transport.h"
+#include "csrc/wire/codec.h"
 
 namespace torch_rpc_ext {
 
@@ -76,6 +77,11 @@ class Agent final : public rpc::RpcAgent,
   void startImpl() override;
   void shutdownImpl() override;
 
+  const std::vector<c10::Device>& getDevices() const override {
+    return options_.devices;
+  }
+  rpc::DeviceMap getDeviceMap(const rpc::WorkerInfo& dst) const override;
+
   std::unordered_map<std::string, std::string> getMetrics() override;
   std::unordered_map<std::string, std::string> getDebugInfo() override;
 
@@ -114,10 +120,20 @@ class Agent final : public rpc::RpcAgent,
       override;
 
   std::shared_ptr<transport::Connection> connectionTo(int32_t peerId);
-  // Pool thread: run the request and arrange for its response.
+  // Pool thread: run the request (its CUDA tensors ready on `streams`, one
+  // per device of ours) and arrange for its response.
   void serveRequest(
       std::shared_ptr<transport::Connection> conn,
-      c10::intrusive_ptr<rpc::Message> request);
+      c10::intrusive_ptr<rpc::Message> request,
+      std::vector<c10::Stream> streams);
+  // A stream from the pool for each of our devices, for an arriving message
+  // (empty without devices).
+  std::vector<c10::Stream> arrivalStreams() const;
+  // Tell the caching allocator that `message`'s CUDA storages are read on
+  // the current streams of their devices (by the channels' copies).
+  static void recordCudaUse(const rpc::Message& message);
+  // How CUDA tensors to `peer` travel under `map`.
+  wire::DeviceRoute routeTo(int32_t peer, const rpc::DeviceMap& map) const;
   void sendResponse(transport::Connection& conn, int64_t id, JitFuture& result);
   // How we reach each worker: the first transport of our preference order
   // that it offers in the same domain (Transport::domainDescriptor()).

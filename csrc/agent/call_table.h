@@ -40,6 +40,9 @@ class CallTable {
     bool sentAlone = false;
     // Set while torch.profiler profiles the caller (remote_profiling.h).
     std::shared_ptr<CallProfile> profile;
+    // The streams the response's CUDA tensors arrived on (set with the
+    // response): the future completes under them.
+    std::vector<c10::Stream> arrival;
   };
   using ExpireFn = std::function<void(int64_t id, Call call)>;
 

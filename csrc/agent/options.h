@@ -56,6 +56,13 @@ struct AgentOptions : rpc::RpcBackendOptions {
   uint64_t maxCachedReceiveBytes = kDefaultMaxCachedReceiveBytes;
   // Test-only fault injection (torch_rpc_ext.testing); empty in production.
   FaultInjection faults;
+  // CUDA (torch_rpc_ext/backend.py fills these from device_maps and
+  // devices after checking them as TensorPipe does): the devices this agent
+  // uses, its maps to each peer (its device -> the peer's), and the reverse
+  // maps its responses follow (peer -> {our device: the peer's}).
+  std::vector<c10::Device> devices;
+  std::unordered_map<std::string, rpc::DeviceMap> deviceMaps;
+  std::unordered_map<std::string, rpc::DeviceMap> reverseDeviceMaps;
   // Limit on how long init waits for all peers to publish their address.
   std::chrono::milliseconds rendezvousTimeout = kDefaultRendezvousTimeout;
 };

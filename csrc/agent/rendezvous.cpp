@@ -104,7 +104,15 @@ void Agent::rendezvous() {
   // Then one line per channel we can use: "channel <name> <domain>". As for
   // transports, one that is not viable here is left out with a warning: the
   // next one (at last the stream) carries its segments.
-  for (const auto& name : options_.channels) {
+  // The device channels join the CPU ones for an agent with devices (a
+  // program without device maps loads no CUDA library).
+  std::vector<std::string> channelNames = options_.channels;
+  if (!options_.devices.empty()) {
+    for (auto& name : channel::channelNames(channel::DeviceKind::kCuda)) {
+      channelNames.push_back(std::move(name));
+    }
+  }
+  for (const auto& name : channelNames) {
     if (std::any_of(channels_.begin(), channels_.end(), [&](const auto& c) {
           return c->name() == name;
         })) {

@@ -14,7 +14,8 @@ namespace torch_rpc_ext {
 
 void Agent::serveRequest(
     std::shared_ptr<transport::Connection> conn,
-    c10::intrusive_ptr<rpc::Message> request) {
+    c10::intrusive_ptr<rpc::Message> request,
+    std::vector<c10::Stream> streams) {
   int64_t id = request->id();
   // Serve every request with the thread-local state this pool thread had
   // before it ran any request. Upstream's legacy profiler leaves per-thread
@@ -28,7 +29,12 @@ void Agent::serveRequest(
   at::ThreadLocalStateGuard tls(*pristine);
   c10::intrusive_ptr<JitFuture> result;
   try {
-    result = (*cb_)(*request, {});
+    // One stream per device of ours (those the request's CUDA tensors
+    // arrived on): the user's function runs under them.
+    if (streams.empty() && !options_.devices.empty()) {
+      streams = arrivalStreams();
+    }
+    result = (*cb_)(*request, std::move(streams));
   } catch (...) {
     result = c10::make_intrusive<JitFuture>(at::AnyClassType::get());
     result->setError(std::current_exception());
@@ -71,8 +77,20 @@ void Agent::sendResponse(
     response = result.value().toCustomClass<rpc::Message>();
   }
   frame::OutboundFrame frame;
+  int32_t peer = conn.peerId();
   try {
-    frame = wire::encodeMessage(response, id);
+    std::optional<wire::DeviceRoute> route;
+    if (!options_.devices.empty() && peer >= 0 && peer < worldSize_) {
+      // Back through the reverse of the caller's map. (This callback runs
+      // under streams that wait for the result's events: the current ones.)
+      auto it = options_.reverseDeviceMaps.find(workers_[peer].name_);
+      route = routeTo(
+          peer,
+          it == options_.reverseDeviceMaps.end() ? rpc::DeviceMap{}
+                                                 : it->second);
+    }
+    frame = wire::encodeMessage(response, id, route ? &*route : nullptr);
+    recordCudaUse(*response);
     TORCH_CHECK(
         frame.wireSize() <= options_.maxFrameBytes,
         "RPC response of ",
@@ -82,7 +100,6 @@ void Agent::sendResponse(
   } catch (const std::exception& e) {
     frame = wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id);
   }
-  int32_t peer = conn.peerId();
   if (peer >= 0 && peer < worldSize_) {
     stats_[peer].bytesSent.fetch_add(
         frame.wireSize(), std::memory_order_relaxed);

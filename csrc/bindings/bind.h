@@ -14,6 +14,8 @@ void bindTesting(py::module_& m);
 // _testing.cuda: the CUDA driver layer and copy engine (bind_testing_cuda.cpp).
 void bindTestingCuda(py::module_& m);
 void bindTestingEndpoint(py::module_& m);
+// _testing.cuda's torch side: a CUDA device guard for a CPU torch.
+void bindTestingCudaTorch(py::module_& m);
 // _C._scripting: the remote-function registry (scripting/).
 void bindScripting(py::module_& m);
 // Give every thread the core starts a Python thread state for its life.

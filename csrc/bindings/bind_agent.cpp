@@ -45,6 +45,14 @@ void bindAgent(py::module_& m) {
           "get_worker_info",
           [](const Agent& a, worker_id_t id) { return a.getWorkerInfo(id); },
           py::call_guard<py::gil_scoped_release>())
+      // As TensorPipeAgent's (RemoteModule and dist autograd read the map).
+      .def(
+          "_get_device_map",
+          [](const Agent& a, const rpc::WorkerInfo& dst) {
+            return a.getDeviceMap(dst);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def("_get_devices", &Agent::getDevices)
       .def_property_readonly("address", &Agent::address);
 
   m.def("transport_names", &transport::transportNames);

@@ -111,6 +111,9 @@ void bindOptions(py::module_& m) {
             o.secret = v ? std::string(*v) : std::string();
           })
       .def_readwrite("max_frame_bytes", &O::maxFrameBytes)
+      .def_readwrite("_devices", &O::devices)
+      .def_readwrite("_device_maps", &O::deviceMaps)
+      .def_readwrite("_reverse_device_maps", &O::reverseDeviceMaps)
       .def_property(
           "handshake_timeout",
           [](const O& o) { return toSeconds(o.handshakeTimeout); },

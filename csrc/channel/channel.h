@@ -78,19 +78,7 @@ class Host {
 
 class Context;
 
-// Received memory on a device (a region a device channel provides): the
-// bytes are in place once the channel's event completes, which the receiver
-// orders its work after with waitOn(), never waiting on the host.
-class DeviceRegion : public frame::SharedRegion {
- public:
-  // The device index, in this process, of the memory.
-  virtual int device() const = 0;
-  // Work queued on `stream` (a CUstream, as an integer, of device()) after
-  // this call runs once the bytes are in place. The region's memory is then
-  // in use on `stream`: when the region dies, the memory goes back to its
-  // owner only once the work queued on `stream` by then has finished.
-  virtual void waitOn(uintptr_t stream) = 0;
-};
+using frame::DeviceRegion;
 
 // How a channel is named on the wire, handed out by the registry: `channel`
 // is the segment-length top byte of its segments (1..255), and its control

@@ -23,7 +23,8 @@ namespace torch_rpc_ext::frame {
 // anything, so a peer cannot make it allocate more than maxFrameBytes.
 constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 // 2: channel frame kinds from 16 up, handed out by the channel registry.
-constexpr uint8_t kProtocolVersion = 2;
+// 3: each tensor's device in the message head (wire/codec.h).
+constexpr uint8_t kProtocolVersion = 3;
 
 enum class FrameKind : uint8_t {
   kHello = 1, // client -> server: version, identity, nonce
@@ -99,6 +100,20 @@ std::string validateHeader(const FrameHeader& h, const FrameLimits& limits);
 class SharedRegion {
  public:
   virtual ~SharedRegion() = default;
+};
+
+// Provided memory on a device (what a device channel lends): the bytes are
+// in place once the channel's event completes, which the receiver orders its
+// work after with waitOn(), never waiting on the host.
+class DeviceRegion : public SharedRegion {
+ public:
+  // The device index, in this process, of the memory.
+  virtual int device() const = 0;
+  // Work queued on `stream` (a CUstream, as an integer, of device()) after
+  // this call runs once the bytes are in place. The region's memory is then
+  // in use on `stream`: when the region dies, the memory goes back to its
+  // owner only once the work queued on `stream` by then has finished.
+  virtual void waitOn(uintptr_t stream) = 0;
 };
 
 // An outbound frame: a head and segments that point into memory kept alive by

@@ -3,7 +3,9 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/TensorImpl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
@@ -121,18 +123,41 @@ bool reachableOnlyThrough(const at::Tensor& t) {
 // storage's used byte span.
 class StoragePlan {
  public:
-  explicit StoragePlan(OutboundHold& hold) : hold_(hold) {}
+  StoragePlan(OutboundHold& hold, const DeviceRoute* route)
+      : hold_(hold), route_(route) {}
 
   // A tensor that can be sent as is: compact it first if its span would
   // waste more than half the bytes on the wire. `exclusive`: the message is
   // the tensor's only holder (reachableOnlyThrough, checked by the caller
   // before it took its own references).
   at::Tensor admit(at::Tensor t, bool exclusive = false) {
-    TORCH_CHECK(
-        t.device().is_cpu(),
-        "TORCH_RPC_EXT can only send CPU tensors for now, got a tensor on ",
-        t.device(),
-        "; move it to CPU before sending it over RPC");
+    int8_t target = -1;
+    if (t.is_cuda()) {
+      TORCH_CHECK(
+          route_ != nullptr && route_->map.count(t.device()) != 0,
+          "TORCH_RPC_EXT cannot send a tensor on ",
+          t.device(),
+          route_ != nullptr ? " to " + route_->peer : std::string(),
+          ": no device map names ",
+          t.device(),
+          " (set one with RpcExtBackendOptions.set_device_map, or move the "
+          "tensor to CPU before sending it)");
+      c10::Device to = route_->map.at(t.device());
+      TORCH_CHECK(
+          to.is_cuda(),
+          "TORCH_RPC_EXT maps ",
+          t.device(),
+          " to ",
+          to,
+          ": a CUDA tensor lands on a CUDA device");
+      target = static_cast<int8_t>(to.index());
+    } else {
+      TORCH_CHECK(
+          t.device().is_cpu(),
+          "TORCH_RPC_EXT sends CPU and CUDA tensors, got a tensor on ",
+          t.device(),
+          "; move it to CPU before sending it over RPC");
+    }
     TORCH_CHECK(
         t.layout() == at::kStrided,
         "TORCH_RPC_EXT cannot send tensors of layout ",
@@ -143,7 +168,9 @@ class StoragePlan {
     TORCH_CHECK(t.dim() <= int64_t(kMaxDims), "tensor has too many dims");
     int64_t own = static_cast<int64_t>(t.numel() * t.element_size());
     int64_t span = extentBytes(t);
-    if (span > 2 * own && span >= kCompactMinBytes) {
+    // (A CUDA view goes with its span: compacting it would take a kernel on
+    // the caller's behalf.)
+    if (!t.is_cuda() && span > 2 * own && span >= kCompactMinBytes) {
       t = t.contiguous(at::MemoryFormat::Contiguous).clone();
       hold_.compacted.push_back(t);
     }
@@ -152,7 +179,7 @@ class StoragePlan {
     int64_t hi = lo + extentBytes(t);
     auto it = spans_.find(impl);
     if (it == spans_.end()) {
-      spans_.emplace(impl, Span{lo, hi, t.storage(), 0, exclusive});
+      spans_.emplace(impl, Span{lo, hi, t.storage(), 0, exclusive, target});
       order_.push_back(impl);
     } else {
       it->second.lo = std::min(it->second.lo, lo);
@@ -182,6 +209,12 @@ class StoragePlan {
           base == nullptr ? nullptr : base + s.lo, size_t(s.hi - s.lo)};
       seg.origin = regionOf(s.storage);
       seg.exclusive = seg.origin != nullptr && s.exclusive;
+      if (s.target >= 0) {
+        const c10::Device device = s.storage.device();
+        seg.device = static_cast<uint8_t>(c10::DeviceType::CUDA);
+        seg.deviceIndex = device.index();
+        seg.stream = route_->readyStream(device);
+      }
       frame.segments.push_back(std::move(seg));
     }
   }
@@ -200,6 +233,7 @@ class StoragePlan {
     int64_t off = t.storage_offset() * int64_t(t.element_size()) - s.lo;
     w.put<int64_t>(off / int64_t(t.element_size()));
     w.put<uint32_t>(s.segment);
+    w.put<int8_t>(s.target);
   }
 
  private:
@@ -209,8 +243,10 @@ class StoragePlan {
     c10::Storage storage;
     uint32_t segment = 0;
     bool exclusive = false;
+    int8_t target = -1; // the peer's CUDA device, or -1: CPU
   };
   OutboundHold& hold_;
+  const DeviceRoute* route_;
   std::unordered_map<c10::StorageImpl*, Span> spans_;
   std::vector<c10::StorageImpl*> order_;
   std::vector<at::Tensor> tensors_;
@@ -247,6 +283,11 @@ InboundMessage::DenseMeta readDense(
   }
   m.offset = r.get<int64_t>("offset");
   m.segment = r.get<uint32_t>("segment");
+  m.device = r.get<int8_t>("device");
+  if (m.device < -1) {
+    throw std::invalid_argument(
+        "bad device index " + std::to_string(int(m.device)));
+  }
   if (m.segment == 0 || m.segment >= segmentSizes.size()) {
     throw std::invalid_argument(
         "tensor refers to segment " + std::to_string(m.segment) + " of " +
@@ -350,8 +391,20 @@ c10::Storage allocateSegment(
 at::Tensor buildDense(
     const InboundMessage::DenseMeta& m,
     const std::vector<c10::Storage>& storages) {
-  auto t = at::empty({0}, at::TensorOptions().dtype(m.dtype));
-  t.set_(storages.at(m.segment - 1), m.offset, m.sizes, m.strides);
+  at::Tensor t;
+  if (m.device >= 0) {
+    // A view of device memory: made directly, since at::empty() and set_()
+    // would go through the device's kernels.
+    t = at::detail::make_tensor<c10::TensorImpl>(
+        c10::Storage(storages.at(m.segment - 1)),
+        c10::DispatchKeySet(c10::DispatchKey::CUDA),
+        caffe2::TypeMeta::fromScalarType(m.dtype));
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(
+        m.sizes, m.strides, m.offset);
+  } else {
+    t = at::empty({0}, at::TensorOptions().dtype(m.dtype));
+    t.set_(storages.at(m.segment - 1), m.offset, m.sizes, m.strides);
+  }
   if (m.requiresGrad) {
     t.requires_grad_(true);
   }
@@ -362,10 +415,11 @@ at::Tensor buildDense(
 
 frame::OutboundFrame encodeMessage(
     const c10::intrusive_ptr<rpc::Message>& message,
-    int64_t id) {
+    int64_t id,
+    const DeviceRoute* route) {
   auto hold = std::make_shared<OutboundHold>();
   hold->message = message;
-  StoragePlan plan(*hold);
+  StoragePlan plan(*hold, route);
 
   struct Entry {
     bool sparse;
@@ -379,7 +433,7 @@ frame::OutboundFrame encodeMessage(
     if (t.layout() == at::kSparse) {
       TORCH_CHECK(
           t.device().is_cpu(),
-          "TORCH_RPC_EXT can only send CPU tensors for now, got a tensor on ",
+          "TORCH_RPC_EXT sends sparse tensors from CPU only, got one on ",
           t.device());
       at::Tensor indices = plan.admit(t._indices());
       at::Tensor values = plan.admit(t._values().detach());
@@ -489,6 +543,38 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   if (!r.done()) {
     throw std::invalid_argument("trailing bytes after the message head");
   }
+  // Every tensor of a segment is on one device; a CUDA segment's bytes come
+  // from a device channel, never through the stream.
+  m->segmentDevices_.assign(segmentSizes.size() - 1, -2);
+  auto place = [&](const DenseMeta& d) {
+    int8_t& seen = m->segmentDevices_[d.segment - 1];
+    if (seen != -2 && seen != d.device) {
+      throw std::invalid_argument(
+          "segment " + std::to_string(d.segment) +
+          " holds tensors of two devices");
+    }
+    seen = d.device;
+    bool cameProvided = d.segment < provided.size() && provided[d.segment];
+    if (d.device >= 0 && !cameProvided) {
+      throw std::invalid_argument(
+          "a CUDA tensor's segment " + std::to_string(d.segment) +
+          " came through the stream, not a device channel");
+    }
+    if (d.device >= 0 &&
+        std::find(m->cudaDevices_.begin(), m->cudaDevices_.end(), d.device) ==
+            m->cudaDevices_.end()) {
+      m->cudaDevices_.push_back(d.device);
+    }
+  };
+  for (const auto& t : m->tensors_) {
+    place(t.dense);
+    if (t.sparse) {
+      if (t.dense.device >= 0 || t.indices.device >= 0) {
+        throw std::invalid_argument("a sparse tensor on a CUDA device");
+      }
+      place(t.indices);
+    }
+  }
   // Only now, with every length checked, allocate.
   for (auto n : segmentSizes) {
     m->bytes_ += n;
@@ -525,7 +611,8 @@ frame::InboundBuffers InboundMessage::buffers(
 }
 
 c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
-    const frame::InboundBuffers& buffers) {
+    const frame::InboundBuffers& buffers,
+    const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream) {
   for (size_t i = 0; i < buffers.regions.size() && i < sizes_.size(); ++i) {
     if (buffers.regions[i] == nullptr) {
       continue;
@@ -538,9 +625,40 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
       continue;
     }
     TORCH_CHECK(!storages_[i - 1], "segment ", i, " was provided twice");
+    const int8_t want =
+        i - 1 < segmentDevices_.size() ? segmentDevices_[i - 1] : -2;
+    auto* onDevice =
+        dynamic_cast<frame::DeviceRegion*>(buffers.regions[i].get());
+    c10::Device device(c10::kCPU);
+    if (onDevice != nullptr) {
+      TORCH_CHECK(
+          want >= 0 || want == -2,
+          "segment ",
+          i,
+          " holds CPU tensors but arrived in device memory");
+      TORCH_CHECK(
+          want == -2 || want == onDevice->device(),
+          "a tensor for cuda:",
+          int(want),
+          " arrived in memory of cuda:",
+          onDevice->device(),
+          " (a device map between two different devices is not supported "
+          "yet)");
+      TORCH_CHECK(
+          arrivalStream != nullptr,
+          "a CUDA tensor arrived at an agent without devices");
+      device = c10::Device(
+          c10::kCUDA, static_cast<c10::DeviceIndex>(onDevice->device()));
+      onDevice->waitOn(arrivalStream(device.index()));
+    } else {
+      TORCH_CHECK(
+          want < 0,
+          "segment ",
+          i,
+          " holds CUDA tensors but arrived in host memory");
+    }
     auto* owned = new ProvidedRegion{buffers.regions[i]};
-    c10::DataPtr data(
-        buffers.provided[i], owned, &releaseProvided, c10::Device(c10::kCPU));
+    c10::DataPtr data(buffers.provided[i], owned, &releaseProvided, device);
     storages_[i - 1] = c10::Storage(
         c10::Storage::use_byte_size_t(),
         static_cast<int64_t>(sizes_[i]),

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <torch/csrc/distributed/rpc/message.h>
@@ -24,13 +26,29 @@ namespace rpc = torch::distributed::rpc;
 // or copied). A strided view whose span is over twice its own size is sent
 // as a compact copy instead of dragging its whole base along.
 
+// How a message's CUDA tensors travel, for an agent with devices: each
+// tensor's device is mapped to the peer's, and its bytes are read on the
+// stream they are ready on.
+struct DeviceRoute {
+  // Local device -> the peer's device a tensor on it lands on (an
+  // rpc::DeviceMap).
+  std::unordered_map<c10::Device, c10::Device> map;
+  // The stream (a CUstream, as an integer) a tensor on `device` is ready
+  // on: the sender's current stream of that device.
+  std::function<uintptr_t(c10::Device)> readyStream;
+  // The peer's name, for errors.
+  std::string peer;
+};
+
 // Encode `message` under `id`. The frame keeps the message (and any compact
-// copies) alive. Throws c10::Error for tensors that cannot travel (non-CPU,
+// copies) alive. Throws c10::Error for tensors that cannot travel (a CUDA
+// tensor without `route` or whose device it does not map, other devices,
 // quantized, unsupported layout). Does not modify `message`, so retries can
-// send it again.
+// send it again. A strided CUDA view is sent with its span (no compaction).
 frame::OutboundFrame encodeMessage(
     const c10::intrusive_ptr<rpc::Message>& message,
-    int64_t id);
+    int64_t id,
+    const DeviceRoute* route = nullptr);
 
 // An inbound message whose head has been validated and whose buffers are
 // allocated, waiting for its segments.
@@ -52,9 +70,19 @@ class InboundMessage {
   frame::InboundBuffers buffers(const std::shared_ptr<InboundMessage>& self);
 
   // Build the message once every segment is in place (`buffers`: what the
-  // transport filled in, including provided memory).
+  // transport filled in, including provided memory). CUDA tensors view the
+  // device memory a channel provided, ready for work queued on
+  // `arrivalStream(device)` (a CUstream, as an integer) from now on; without
+  // it, a CUDA tensor is an error.
   c10::intrusive_ptr<rpc::Message> finish(
-      const frame::InboundBuffers& buffers = {});
+      const frame::InboundBuffers& buffers = {},
+      const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream =
+          nullptr);
+
+  // The CUDA devices this message's tensors are on (after prepare()).
+  const std::vector<c10::DeviceIndex>& cudaDevices() const {
+    return cudaDevices_;
+  }
 
   rpc::MessageType type() const {
     return type_;
@@ -74,6 +102,7 @@ class InboundMessage {
     std::vector<int64_t> strides;
     int64_t offset;
     uint32_t segment;
+    int8_t device; // CUDA device index, or -1: CPU
   };
   struct TensorMeta {
     bool sparse;
@@ -92,6 +121,9 @@ class InboundMessage {
   std::vector<uint64_t> sizes_; // of every segment, if any is provided
   std::vector<c10::Storage> storages_; // one per segment after the payload
   std::vector<TensorMeta> tensors_;
+  // Per segment after the payload: the CUDA device of its tensors, or -1.
+  std::vector<int8_t> segmentDevices_;
+  std::vector<c10::DeviceIndex> cudaDevices_;
 };
 
 } // namespace torch_rpc_ext::wire

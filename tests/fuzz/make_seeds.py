@@ -53,14 +53,22 @@ FRAME_MAGIC = 0x58505254
 DEFAULT_LIMITS, FUZZ_AGENT_LIMITS, CUSTOM_LIMITS = b"\0", b"\1", b"\2"
 
 
+def protocol_version():
+    from torch_rpc_ext import _testing
+
+    return _testing.PROTOCOL_VERSION
+
+
 def frame_header(kind, flags=0, head=0, segments=0, data=0, magic=FRAME_MAGIC,
-                 version=2):
+                 version=None):
+    version = protocol_version() if version is None else version
     return struct.pack("<IBBHIIQ", magic, version, kind, flags, head, segments,
                        data)
 
 
 def frame_seeds():
-    for kind in [*range(1, 8), 15, *range(16, 20), 24, 25, 255]:
+    # The channels' kinds: shm_slab 16-18, shm_ring 24-25, cuda_ipc 32-34.
+    for kind in [*range(1, 8), 15, *range(16, 20), 24, 25, 32, 33, 34, 255]:
         write("frame", f"kind{kind}", frame_header(kind, head=36) + DEFAULT_LIMITS)
     write("frame", "message",
           frame_header(4, head=100, segments=3, data=4096) + DEFAULT_LIMITS)
@@ -80,7 +88,8 @@ def frame_seeds():
           frame_header(4, head=0xFFFF, segments=0xFFFF, data=(1 << 64) - 16)
           + CUSTOM_LIMITS + struct.pack("<QII", (1 << 64) - 1, 2**32 - 1, 2**32 - 1))
     write("frame", "bad-magic", frame_header(1, magic=0x12345678) + DEFAULT_LIMITS)
-    write("frame", "bad-version", frame_header(1, version=2) + DEFAULT_LIMITS)
+    write("frame", "bad-version",
+          frame_header(1, version=protocol_version() - 1) + DEFAULT_LIMITS)
 
 
 # --- handshake ---------------------------------------------------------------

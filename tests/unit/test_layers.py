@@ -25,7 +25,7 @@ TRANSPORTS = ("tcp", "shm")
 CHANNEL_FOLDERS = tuple(sorted(p.name for p in (CSRC / "channel").iterdir() if p.is_dir()))
 # The test hooks (setup.py's TESTING_SOURCES, never in a wheel) reach into a
 # channel's folder to drive its parts alone.
-TEST_HOOKS = {CSRC / "bindings" / "bind_testing_cuda.cpp"}
+TEST_HOOKS = {CSRC / "bindings" / f"bind_testing_cuda{s}.cpp" for s in ("", "_torch")}
 CHANNELS = ("shm_slab", "shm_ring", "cuda_ipc")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 # A C++ string literal naming a transport: "shm", "tcp", or one starting

@@ -77,24 +77,29 @@ def test_sparse_coo_round_trip():
     assert torch.equal(y.to_dense(), s.to_dense())
 
 
-def test_cuda_and_quantized_tensors_are_refused_at_encode():
+def test_unmapped_cuda_other_devices_and_quantized_tensors_are_refused_at_encode():
     q = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
     with pytest.raises(RuntimeError, match="quantized"):
         _testing.encode_message(PYTHON_CALL, b"", [q], 1)
     meta = torch.empty(2, device="meta")
-    with pytest.raises(RuntimeError, match="only send CPU tensors"):
+    with pytest.raises(RuntimeError, match="sends CPU and CUDA tensors, got a tensor on meta"):
         _testing.encode_message(PYTHON_CALL, b"", [meta], 1)
+    # A CUDA tensor (a view of an address no one reads: encoding refuses it
+    # before touching its bytes) needs a device map, which this call lacks.
+    cuda = _testing.cuda.device_tensor(0x1000, [4], torch.ones(1), 0)
+    with pytest.raises(RuntimeError, match="no device map names cuda:0"):
+        _testing.encode_message(PYTHON_CALL, b"", [cuda], 1)
 
 
 # --- rejections: what a hostile or broken peer could send -------------------
 
 
 def dense_head(dtype=6, ndim=1, sizes=(4,), strides=(1,), offset=0, segment=1,
-               ntensors=1, type_=PYTHON_CALL, layout=0):
+               ntensors=1, type_=PYTHON_CALL, layout=0, device=-1):
     h = struct.pack("<Iqi", type_, 7, ntensors)
     h += struct.pack("<BBBB", layout, dtype, 0, ndim)
     h += struct.pack(f"<{ndim}q", *sizes) + struct.pack(f"<{ndim}q", *strides)
-    h += struct.pack("<qI", offset, segment)
+    h += struct.pack("<qIb", offset, segment, device)
     return h
 
 
@@ -123,6 +128,9 @@ def test_handmade_head_decodes():
         # Request bit set, but beyond rpc::MessageType's range (0..0x3FF).
         (dense_head(type_=0x1164), [b"", bytes(16)], "bad message type"),
         (dense_head(), [], "without a payload segment"),
+        (dense_head(device=-2), [b"", bytes(16)], "bad device index -2"),
+        # CUDA bytes come from a device channel, never through the stream.
+        (dense_head(device=0), [b"", bytes(16)], "came through the stream"),
     ],
 )
 def test_malformed_heads_are_rejected_with_a_reason(head, segments, match):

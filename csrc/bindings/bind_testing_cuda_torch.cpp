@@ -1,0 +1,232 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// torch_rpc_ext._testing.cuda, the torch side: what lets the agent's CUDA
+// paths run with a CPU-only torch against the fake driver (tests/cuda_fake).
+//
+// c10 reaches a device's streams and events only through the device guard
+// registered for its type; a CPU torch registers none for CUDA. This one
+// implements the same interface with the driver table (csrc/common/
+// libcuda.h): streams are CUstreams (id 0: the legacy default stream, then
+// one per stream handed out), events CUevents, the current stream is per
+// thread and device, as in c10::cuda. A CUDA tensor here is a view of
+// device memory made with from_blob: torch can hold it, pass it around,
+// pickle it into an RPC message, but runs no kernel on it. Installed only
+// where torch has no CUDA guard of its own. A test hook.
+#include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "csrc/bindings/bind.h"
+#include "csrc/channel/cuda/device.h"
+#include "csrc/common/libcuda.h"
+
+namespace torch_rpc_ext::bindings {
+
+namespace {
+
+namespace cuda = channel::cuda;
+
+class FakeCudaGuard final : public c10::impl::DeviceGuardImplInterface {
+ public:
+  c10::DeviceType type() const override {
+    return c10::kCUDA;
+  }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    c10::Device old = getDevice();
+    setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override {
+    return c10::Device(c10::kCUDA, current_);
+  }
+  void setDevice(c10::Device d) const override {
+    cuda::primaryContext(d.index()); // throws for a device that is not there
+    current_ = d.index();
+    TORCH_RPC_EXT_CUDA_CHECK(cuCtxSetCurrent, cuda::primaryContext(d.index()));
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    try {
+      setDevice(d);
+    } catch (...) {
+    }
+  }
+  c10::Stream getStream(c10::Device d) const override {
+    auto& m = currentStreams();
+    auto it = m.find(d.index());
+    return it == m.end() ? stream(d.index(), 0) : it->second;
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return stream(d.index(), 0);
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    return getNewStream(d, 0);
+  }
+  c10::Stream getNewStream(c10::Device d, int) const override {
+    cuda::CurrentDevice current(d.index());
+    CUstream s = nullptr;
+    TORCH_RPC_EXT_CUDA_CHECK(cuStreamCreate, &s, CU_STREAM_NON_BLOCKING);
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_.push_back(s);
+    return stream(d.index(), static_cast<c10::StreamId>(streams_.size()));
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    c10::Stream old = getStream(s.device());
+    currentStreams().insert_or_assign(s.device_index(), s);
+    return old;
+  }
+  void* getStreamNativeHandle(const c10::Stream s) const override {
+    if (s.id() == 0) {
+      return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(
+        s.id() > 0 && size_t(s.id()) <= streams_.size(), "unknown stream");
+    return streams_[s.id() - 1];
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex d)
+      const noexcept override {
+    if (event != nullptr) {
+      libcuda().cuEventDestroy(static_cast<CUevent>(event));
+    }
+  }
+  void record(
+      void** event,
+      const c10::Stream& s,
+      const c10::DeviceIndex d,
+      const c10::EventFlag) const override {
+    cuda::CurrentDevice current(s.device_index());
+    if (*event == nullptr) {
+      CUevent e = nullptr;
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventCreate, &e, CU_EVENT_DISABLE_TIMING);
+      *event = e;
+    }
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuEventRecord, static_cast<CUevent>(*event), native(s));
+  }
+  void block(void* event, const c10::Stream& s) const override {
+    if (event == nullptr) {
+      return;
+    }
+    cuda::CurrentDevice current(s.device_index());
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuStreamWaitEvent, native(s), static_cast<CUevent>(event), 0);
+  }
+  bool queryEvent(void* event) const override {
+    return event == nullptr ||
+        libcuda().cuEventQuery(static_cast<CUevent>(event)) == CUDA_SUCCESS;
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event != nullptr) {
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventSynchronize, static_cast<CUevent>(event));
+    }
+  }
+  void synchronizeStream(const c10::Stream& s) const override {
+    cuda::CurrentDevice current(s.device_index());
+    TORCH_RPC_EXT_CUDA_CHECK(cuStreamSynchronize, native(s));
+  }
+  bool queryStream(const c10::Stream& s) const override {
+    synchronizeStream(s);
+    return true;
+  }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    try {
+      return static_cast<c10::DeviceIndex>(cuda::deviceCount());
+    } catch (...) {
+      return 0;
+    }
+  }
+
+  CUstream native(const c10::Stream& s) const {
+    return static_cast<CUstream>(getStreamNativeHandle(s));
+  }
+
+ private:
+  static c10::Stream stream(c10::DeviceIndex d, c10::StreamId id) {
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::kCUDA, d), id);
+  }
+  static std::map<c10::DeviceIndex, c10::Stream>& currentStreams() {
+    thread_local std::map<c10::DeviceIndex, c10::Stream> m;
+    return m;
+  }
+  static thread_local c10::DeviceIndex current_;
+  mutable std::mutex mu_;
+  mutable std::vector<CUstream> streams_; // never destroyed: ids stay valid
+};
+
+thread_local c10::DeviceIndex FakeCudaGuard::current_ = 0;
+
+FakeCudaGuard* fakeGuard() {
+  static FakeCudaGuard* g = new FakeCudaGuard();
+  return g;
+}
+
+} // namespace
+
+void bindTestingCudaTorch(py::module_& parent) {
+  auto m = parent.attr("cuda").cast<py::module_>();
+
+  // Whether torch now has a CUDA device guard: its own, or this fake one
+  // (installed only if it had none; returns which).
+  m.def("install_fake_cuda_guard", [] {
+    if (c10::impl::hasDeviceGuardImpl(c10::kCUDA)) {
+      return c10::impl::getDeviceGuardImpl(c10::kCUDA) == fakeGuard()
+          ? std::string("fake")
+          : std::string("torch");
+    }
+    c10::impl::DeviceGuardImplRegistrar(c10::kCUDA, fakeGuard());
+    return std::string("fake");
+  });
+
+  // A CUDA tensor viewing `address` (device memory of `device`), as torch
+  // would hold one; the memory stays the caller's.
+  // (of `like`'s dtype)
+  m.def(
+      "device_tensor",
+      [](uintptr_t address,
+         const std::vector<int64_t>& sizes,
+         const at::Tensor& like,
+         int device) {
+        return at::from_blob(
+            reinterpret_cast<void*>(address),
+            sizes,
+            [](void*) {},
+            at::TensorOptions()
+                .dtype(like.scalar_type())
+                .device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)),
+            c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+      });
+  // The CUstream behind the current stream of `device` (0: the legacy
+  // default stream).
+  m.def("current_stream", [](int device) {
+    auto* g = c10::impl::getDeviceGuardImpl(c10::kCUDA);
+    return reinterpret_cast<uintptr_t>(g->getStreamNativeHandle(
+        g->getStream(c10::Device(c10::kCUDA, device))));
+  });
+
+  // The bytes of a CUDA tensor's used span, read after the work queued on
+  // the current stream of its device (a host wait: tests only).
+  m.def("tensor_bytes", [](const at::Tensor& t) {
+    TORCH_CHECK(t.is_cuda(), "not a CUDA tensor");
+    TORCH_CHECK(t.is_contiguous(), "not contiguous");
+    auto* g = c10::impl::getDeviceGuardImpl(c10::kCUDA);
+    auto s = g->getStream(t.device());
+    {
+      cuda::CurrentDevice current(t.device().index());
+      TORCH_RPC_EXT_CUDA_CHECK(
+          cuStreamSynchronize,
+          static_cast<CUstream>(g->getStreamNativeHandle(s)));
+    }
+    std::string out(t.numel() * t.element_size(), '\0');
+    cuda::CurrentDevice current(t.device().index());
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuMemcpyDtoH,
+        out.data(),
+        reinterpret_cast<CUdeviceptr>(t.data_ptr()),
+        out.size());
+    return py::bytes(out);
+  });
+}
+
+} // namespace torch_rpc_ext::bindings

@@ -1,0 +1,128 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Two RPC workers moving CUDA tensors over TORCH_RPC_EXT, each in a
+spawned process that loads the driver under test (worker.py says why).
+
+With a CUDA torch (a GPU machine) the tensors are torch's own. With the CPU
+torch of CI they are views of the fake driver's device memory
+(_testing.cuda.device_tensor) and c10 reaches streams and events through
+the fake CUDA device guard (_testing.cuda.install_fake_cuda_guard): torch
+holds them, pickles them into messages and hands them to the agent, which
+moves them through cuda_ipc exactly as on a GPU; only kernels on them are
+out of reach, so the functions below move bytes and read them back, and
+never compute."""
+
+import os
+
+import torch
+from torch.distributed import rpc
+
+import torch_rpc_ext
+
+DEVICE = 0
+TIMEOUT = 60
+
+
+def cu():
+    from torch_rpc_ext import _testing
+
+    return _testing.cuda
+
+
+def real_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def setup_torch() -> None:
+    """A CPU torch gets the fake guard, and a device count that agrees
+    with the driver (init validates device maps against it)."""
+    if real_cuda():
+        return
+    assert cu().install_fake_cuda_guard() == "fake"
+    torch.cuda.device_count = lambda: cu().device_count()
+
+
+_KEEP = []  # device memory behind fake-torch tensors: lives with the process
+
+
+def cuda_tensor(data: bytes) -> torch.Tensor:
+    host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if real_cuda():
+        return host.to(f"cuda:{DEVICE}")
+    p = cu().mem_alloc(DEVICE, max(len(data), 1))
+    cu().write(DEVICE, p, data)
+    _KEEP.append(p)
+    return cu().device_tensor(p, [len(data)], host, DEVICE)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    if real_cuda():
+        return t.cpu().numpy().tobytes()
+    return cu().tensor_bytes(t)
+
+
+# ---- run on the callee -------------------------------------------------------
+
+
+def identity(t):
+    return t
+
+
+def describe(t):
+    return str(t.device), tensor_bytes(t)
+
+
+def ipc_counters() -> dict[str, int]:
+    metrics = rpc.api._get_current_rpc_agent().get_metrics()
+    prefix = "rpc_ext.channel.cuda_ipc."
+    return {k[len(prefix):]: int(v) for k, v in metrics.items() if k.startswith(prefix)}
+
+
+# ---- the workers -------------------------------------------------------------
+
+
+def pattern(n: int, seed: int = 0) -> bytes:
+    return bytes((i * 13 + seed) % 251 for i in range(n))
+
+
+def run(rank: int, port: int, ctl) -> None:
+    setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=TIMEOUT)
+    if rank == 0:
+        # worker1 answers through the reverse map: it needs none of its own.
+        opts.set_device_map("worker1", {DEVICE: DEVICE})
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    out = {}
+    agent = rpc.api._get_current_rpc_agent()
+    out["devices"] = [str(d) for d in agent._get_devices()]
+    out["map"] = {str(k): str(v) for k, v in
+                  agent._get_device_map(agent.get_worker_info(f"worker{1 - rank}")).items()}
+    if rank == 0:
+        data = pattern(3 << 20, 1)
+        t = cuda_tensor(data)
+        out["seen_by_callee"] = rpc.rpc_sync("worker1", describe, args=(t,)) == (
+            f"cuda:{DEVICE}", data)
+        back = rpc.rpc_sync("worker1", identity, args=(t,))
+        out["back"] = (str(back.device), tensor_bytes(back) == data)
+        small = pattern(100, 2)
+        got = rpc.rpc_async("worker1", identity, args=(cuda_tensor(small),)).wait()
+        out["small"] = tensor_bytes(got) == small
+        out["channels"] = agent.get_debug_info().get("rpc_ext.peer.worker1.channels")
+    else:
+        # No map from worker1 to worker0: a CUDA tensor is refused, naming it.
+        try:
+            rpc.rpc_sync("worker0", identity, args=(cuda_tensor(b"x" * 64),))
+            out["unmapped"] = ""
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["unmapped"] = str(e)
+    if rank == 0:
+        out["ipc"] = ipc_counters()
+        out["callee_ipc"] = rpc.rpc_sync("worker1", ipc_counters)
+    rpc.shutdown()
+    ctl.send(out)
+
+
+if __name__ == "__main__":  # pragma: no cover - used by spawn only
+    os._exit(1)

@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""CUDA tensors through the agent: device maps, cuda_ipc, arrival streams
+and futures with devices, two workers in spawned processes on the driver
+under test (the fake, with a fake CUDA device guard for the CPU torch, in
+CI; the GPU and torch's own on a GPU machine: agent_worker.py)."""
+
+import time
+
+import pytest
+
+from tests.cuda_driver import agent_worker
+from tests.rpc.world import free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
+    port = free_port()
+    pipes = [spawn.Pipe() for _ in range(2)]
+    procs = [
+        spawn.Process(target=agent_worker.run, args=(rank, port, pipes[rank][1]))
+        for rank in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        out = [None, None]
+        deadline = time.monotonic() + 180
+        # Until both report, or one dies (then its peer would wait for it).
+        while None in out and time.monotonic() < deadline:
+            for r in range(2):
+                if out[r] is None and pipes[r][0].poll(0.2):
+                    out[r] = pipes[r][0].recv()
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0], out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    caller, callee = out
+    assert caller["seen_by_callee"]  # on cuda:0, bytes intact
+    assert caller["back"] == ("cuda:0", True)  # the response maps back
+    assert caller["small"]
+    assert "cuda_ipc" in caller["channels"]
+    # Each CUDA tensor crossed once through a block: three out, two back.
+    assert caller["ipc"]["segments"] == 3
+    assert caller["callee_ipc"]["segments"] == 2, caller["callee_ipc"]
+    assert caller["devices"] == callee["devices"] == ["cuda:0"]
+    assert caller["map"] == {"cuda:0": "cuda:0"} and callee["map"] == {}
+    assert "no device map names cuda:0" in callee["unmapped"]
+    assert "worker0" in callee["unmapped"]
