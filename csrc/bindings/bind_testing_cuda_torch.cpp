@@ -60,8 +60,20 @@ class FakeCudaGuard final : public c10::impl::DeviceGuardImplInterface {
   c10::Stream getDefaultStream(c10::Device d) const override {
     return stream(d.index(), 0);
   }
+  // A fixed pool per device, handed out in turn (as c10::cuda's), so that
+  // a long test does not grow streams and their threads without bound.
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
-    return getNewStream(d, 0);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& pool = pools_[d.index()];
+      if (pool.streams.size() >= kPoolSize) {
+        return pool.streams[pool.next++ % kPoolSize];
+      }
+    }
+    c10::Stream s = getNewStream(d, 0); // takes mu_ itself
+    std::lock_guard<std::mutex> lock(mu_);
+    pools_[d.index()].streams.push_back(s);
+    return s;
   }
   c10::Stream getNewStream(c10::Device d, int) const override {
     cuda::CurrentDevice current(d.index());
@@ -151,8 +163,14 @@ class FakeCudaGuard final : public c10::impl::DeviceGuardImplInterface {
     return m;
   }
   static thread_local c10::DeviceIndex current_;
+  static constexpr size_t kPoolSize = 4;
+  struct Pool {
+    std::vector<c10::Stream> streams;
+    size_t next = 0;
+  };
   mutable std::mutex mu_;
   mutable std::vector<CUstream> streams_; // never destroyed: ids stay valid
+  mutable std::map<c10::DeviceIndex, Pool> pools_;
 };
 
 thread_local c10::DeviceIndex FakeCudaGuard::current_ = 0;
@@ -210,6 +228,9 @@ void bindTestingCudaTorch(py::module_& parent) {
   m.def("tensor_bytes", [](const at::Tensor& t) {
     TORCH_CHECK(t.is_cuda(), "not a CUDA tensor");
     TORCH_CHECK(t.is_contiguous(), "not contiguous");
+    if (t.numel() == 0) {
+      return py::bytes();
+    }
     auto* g = c10::impl::getDeviceGuardImpl(c10::kCUDA);
     auto s = g->getStream(t.device());
     {

@@ -555,7 +555,8 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
     }
     seen = d.device;
     bool cameProvided = d.segment < provided.size() && provided[d.segment];
-    if (d.device >= 0 && !cameProvided) {
+    // (An empty one has no bytes to carry: the stream takes it.)
+    if (d.device >= 0 && !cameProvided && segmentSizes[d.segment] != 0) {
       throw std::invalid_argument(
           "a CUDA tensor's segment " + std::to_string(d.segment) +
           " came through the stream, not a device channel");
@@ -591,6 +592,18 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   m->storages_.reserve(segmentSizes.size() - 1);
   for (size_t i = 1; i < segmentSizes.size(); ++i) {
     // A provided segment becomes a storage in finish(), around its memory.
+    const int8_t device = m->segmentDevices_[i - 1];
+    if (device >= 0 && !isProvided(i)) {
+      // An empty CUDA storage (prepare() let no other through).
+      m->storages_.push_back(
+          c10::Storage(
+              c10::Storage::use_byte_size_t(),
+              0,
+              c10::DataPtr(nullptr, c10::Device(c10::kCUDA, device)),
+              /*allocator=*/nullptr,
+              /*resizable=*/false));
+      continue;
+    }
     m->storages_.push_back(
         isProvided(i) ? c10::Storage()
                       : allocateSegment(segmentSizes[i], pool));
@@ -618,6 +631,10 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
       continue;
     }
     if (i == 0) {
+      TORCH_CHECK(
+          dynamic_cast<frame::DeviceRegion*>(buffers.regions[0].get()) ==
+              nullptr,
+          "the message payload arrived in device memory");
       // The payload is parsed from a vector: one copy, and the slab goes
       // back at once.
       const char* p = static_cast<const char*>(buffers.provided[0]);

@@ -45,11 +45,12 @@ _KEEP = []  # device memory behind fake-torch tensors: lives with the process
 
 
 def cuda_tensor(data: bytes) -> torch.Tensor:
-    host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    host = torch.tensor(list(data), dtype=torch.uint8)
     if real_cuda():
         return host.to(f"cuda:{DEVICE}")
     p = cu().mem_alloc(DEVICE, max(len(data), 1))
-    cu().write(DEVICE, p, data)
+    if data:
+        cu().write(DEVICE, p, data)
     _KEEP.append(p)
     return cu().device_tensor(p, [len(data)], host, DEVICE)
 
@@ -106,6 +107,8 @@ def run(rank: int, port: int, ctl) -> None:
             f"cuda:{DEVICE}", data)
         back = rpc.rpc_sync("worker1", identity, args=(t,))
         out["back"] = (str(back.device), tensor_bytes(back) == data)
+        # An empty one has no bytes to carry: it rides in the stream.
+        out["empty"] = rpc.rpc_sync("worker1", describe, args=(cuda_tensor(b""),))
         small = pattern(100, 2)
         got = rpc.rpc_async("worker1", identity, args=(cuda_tensor(small),)).wait()
         out["small"] = tensor_bytes(got) == small

@@ -14,6 +14,14 @@ from tests.rpc.world import free_port
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.fixture(autouse=True)
+def slow_kernels(monkeypatch):
+    """The fake runs each kernel 50 ms after its stream reaches it, so a
+    reader not ordered after the channel's copy (by its event) sees the old
+    bytes. (A real driver ignores the variable.)"""
+    monkeypatch.setenv("FAKE_CUDA_KERNEL_DELAY_MS", "50")
+
+
 def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
     port = free_port()
     pipes = [spawn.Pipe() for _ in range(2)]
@@ -44,6 +52,7 @@ def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
     assert caller["seen_by_callee"]  # on cuda:0, bytes intact
     assert caller["back"] == ("cuda:0", True)  # the response maps back
     assert caller["small"]
+    assert caller["empty"] == ("cuda:0", b"")
     assert "cuda_ipc" in caller["channels"]
     # Each CUDA tensor crossed once through a block: three out, two back.
     assert caller["ipc"]["segments"] == 3

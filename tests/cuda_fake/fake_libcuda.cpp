@@ -26,8 +26,10 @@
 //   A mapping stays PROT_NONE until cuMemSetAccess, so touching it earlier
 //   kills the process with SIGSEGV, as a kernel touching it would fault.
 // - Streams: a worker thread each, running work strictly in order after the
-//   enqueuing call has returned. Host functions run there and may not call
-//   the driver (CUDA_ERROR_NOT_PERMITTED). Events are two counters (see
+//   enqueuing call has returned ($FAKE_CUDA_KERNEL_DELAY_MS delays each
+//   kernel there, so readers not ordered after it see old bytes). Host
+//   functions run there and may not call the driver
+//   (CUDA_ERROR_NOT_PERMITTED). Events are two counters (see
 //   cuEventRecord); an interprocess event keeps them in a shared memfd, so a
 //   record in one process releases waits in another.
 // - Kernels: cuModuleLoadData reads the PTX's .version (above 9.0 is
@@ -254,6 +256,9 @@ struct State {
   std::mutex mu; // guards what follows; never held while waiting on work
   int devices = 0;
   bool noVmm = false;
+  // Each kernel runs this long after its stream reaches it: work that is not
+  // ordered after a kernel sees its old bytes, as on a GPU under load.
+  long kernelDelayMs = 0;
   std::string salt;
   std::vector<std::unique_ptr<CUctx_st>> contexts; // the primary ones
   std::map<uintptr_t, Alloc> allocs;
@@ -913,6 +918,13 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
         "$FAKE_CUDA_DEVICES is not 0..64");
   }
   REQUIRE(devices > 0, CUDA_ERROR_NO_DEVICE, "FAKE_CUDA_DEVICES=0");
+  if (const char* env = getenv("FAKE_CUDA_KERNEL_DELAY_MS"); env && *env) {
+    s.kernelDelayMs = strtol(env, &end, 10);
+    REQUIRE(
+        *end == '\0' && s.kernelDelayMs >= 0 && s.kernelDelayMs <= 10000,
+        CUDA_ERROR_INVALID_VALUE,
+        "$FAKE_CUDA_KERNEL_DELAY_MS is not 0..10000");
+  }
   const char* noVmm = getenv("FAKE_CUDA_NO_VMM");
   const char* salt = getenv("FAKE_CUDA_UUID_SALT");
   s.noVmm = noVmm && strcmp(noVmm, "1") == 0;
@@ -1794,7 +1806,13 @@ CUresult CUDAAPI cuLaunchKernel(
   }
   FakeKernel kernel = fn.kernel;
   state().stats.launches[kernel]++;
-  enqueue(*s, [=] { runKernel(kernel, p[0], p[1], p[2]); });
+  const long delayMs = state().kernelDelayMs;
+  enqueue(*s, [=] {
+    if (delayMs > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
+    }
+    runKernel(kernel, p[0], p[1], p[2]);
+  });
   return CUDA_SUCCESS;
 }
 

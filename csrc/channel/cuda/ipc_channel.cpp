@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -25,17 +26,12 @@ using frame::SegmentRecord;
 
 // The peer may have at most this many bytes of blocks mapped into us.
 constexpr uint64_t kMaxPeerBlockBytes = 2 * kMaxLentBlockBytes;
-constexpr uint32_t kMaxReleaseHead = 4096;
 
 CUevent newIpcEvent() {
   CUevent e = nullptr;
   TORCH_RPC_EXT_CUDA_CHECK(
       cuEventCreate, &e, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
   return e;
-}
-
-std::string idHead(uint32_t id) {
-  return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
 }
 
 std::string bootId() {
@@ -64,34 +60,34 @@ std::pair<std::string, std::set<std::string>> parseDescriptor(
 }
 
 // A received segment's memory: a span of a block, valid while this lives.
-// When it dies, the block goes back to its owner once the work queued on
-// the stream it was used on has finished (the `released` event).
+// When it dies, the block goes back to its owner once the work queued by
+// then on every stream it was used on has finished (the `released` event).
 class BlockLease final : public DeviceRegion {
  public:
   BlockLease(
       std::weak_ptr<IpcChannel> conn,
-      const IpcChannel* via,
       std::shared_ptr<Block> block,
       uint32_t id,
       bool own)
-      : conn_(std::move(conn)),
-        via_(via),
-        block_(std::move(block)),
-        id_(id),
-        own_(own) {}
+      : conn_(std::move(conn)), block_(std::move(block)), id_(id), own_(own) {}
 
   ~BlockLease() override {
     if (handedOn_.load()) {
       return; // the frame that passed it on recorded `released`
     }
     try {
-      uintptr_t stream = useStream_.load();
-      if (usedOnStream_.load()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!streams_.empty()) {
         CurrentDevice current(block_->device());
-        TORCH_RPC_EXT_CUDA_CHECK(
-            cuEventRecord,
-            block_->released(),
-            reinterpret_cast<CUstream>(stream));
+        const auto last = reinterpret_cast<CUstream>(streams_.back());
+        joinUsesLocked(last);
+        // Ours, which the block waits for before it is unmapped; and,
+        // while the peer is there (its events may be gone with it), the
+        // one the next copy into the block waits for.
+        TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->localUse(), last);
+        if (!block_->orphaned()) {
+          TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->released(), last);
+        }
       }
     } catch (const std::exception& e) {
       // The block is not given back: the next copy must not race this
@@ -125,13 +121,30 @@ class BlockLease final : public DeviceRegion {
         reinterpret_cast<CUstream>(stream),
         own_ ? block_->released() : block_->ready(),
         0);
-    useStream_.store(stream);
-    usedOnStream_.store(true);
+    recordUse(stream);
   }
 
-  const IpcChannel* via() const {
-    return via_;
+  // The memory is read or written on `stream` too (a copy of it sent on).
+  void recordUse(uintptr_t stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (std::find(streams_.begin(), streams_.end(), stream) == streams_.end()) {
+      streams_.push_back(stream);
+    }
   }
+
+  // Makes `into` wait for the work queued so far on every other stream the
+  // memory was used on.
+  void joinUses(CUstream into) {
+    std::lock_guard<std::mutex> lock(mu_);
+    joinUsesLocked(into);
+  }
+
+  // Whether this lease came from `channel` (a live one: a new channel may
+  // sit at a closed one's address).
+  bool isOf(const IpcChannel* channel) const {
+    return conn_.lock().get() == channel;
+  }
+
   const Block& block() const {
     return *block_;
   }
@@ -146,13 +159,26 @@ class BlockLease final : public DeviceRegion {
   }
 
  private:
+  void joinUsesLocked(CUstream into) {
+    for (uintptr_t s : streams_) {
+      const auto other = reinterpret_cast<CUstream>(s);
+      if (other == into) {
+        continue;
+      }
+      CUevent e = nullptr;
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventCreate, &e, CU_EVENT_DISABLE_TIMING);
+      libcuda().cuEventRecord(e, other);
+      libcuda().cuStreamWaitEvent(into, e, 0);
+      libcuda().cuEventDestroy(e); // freed once its record completes
+    }
+  }
+
   std::weak_ptr<IpcChannel> conn_;
-  const IpcChannel* via_;
   std::shared_ptr<Block> block_;
   uint32_t id_;
   bool own_;
-  std::atomic<uintptr_t> useStream_{0};
-  std::atomic<bool> usedOnStream_{false};
+  std::mutex mu_;
+  std::vector<uintptr_t> streams_; // of device(), in first-use order
   std::atomic<bool> handedOn_{false};
 };
 
@@ -262,6 +288,8 @@ std::shared_ptr<Block> Block::create(int device, uint64_t bytes) {
   CurrentDevice current(device);
   b->ready_ = newIpcEvent();
   b->released_ = newIpcEvent();
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuEventCreate, &b->localUse_, CU_EVENT_DISABLE_TIMING);
   return b;
 }
 
@@ -274,18 +302,34 @@ std::shared_ptr<Block> Block::import(
   CurrentDevice current(device);
   TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->ready_, setup.ready);
   TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->released_, setup.released);
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuEventCreate, &b->localUse_, CU_EVENT_DISABLE_TIMING);
   return b;
 }
 
 Block::~Block() {
+  if (memory_ == nullptr) {
+    return; // making or importing it failed: nothing else was made
+  }
   try {
     CurrentDevice current(memory_->device());
     // Unmapping under a copy or a kernel still reading it would fault the
-    // device: wait for both ends' last records (teardown only; a block is
-    // never freed on an RPC's path).
-    for (CUevent e : {ready_, released_}) {
+    // device: wait for the last records (teardown only; a block is never
+    // freed on an RPC's path): ours, and the peer's while it is there (a
+    // peer gone may have left records that never complete; our own last use
+    // of its memory was waited for when its lease died).
+    const bool peerThere = !orphaned_.load();
+    if (localUse_ != nullptr) {
+      libcuda().cuEventSynchronize(localUse_);
+    }
+    if (ready_ != nullptr && (owner_ || peerThere)) {
+      libcuda().cuEventSynchronize(ready_);
+    }
+    if (released_ != nullptr && peerThere) {
+      libcuda().cuEventSynchronize(released_);
+    }
+    for (CUevent e : {ready_, released_, localUse_}) {
       if (e != nullptr) {
-        libcuda().cuEventSynchronize(e);
         libcuda().cuEventDestroy(e);
       }
     }
@@ -349,10 +393,10 @@ bool IpcChannel::takeRegion(
   // A storage in a block the peer lent us on this connection, that nothing
   // else can reach, goes back as it is: the owner's next use waits for ours
   // through `released`.
-  if (segment.exclusive && segment.origin != nullptr) {
-    auto* lease = dynamic_cast<BlockLease*>(segment.origin.get());
+  auto* lease = dynamic_cast<BlockLease*>(segment.origin.get());
+  if (segment.exclusive && lease != nullptr) {
     const auto p = reinterpret_cast<CUdeviceptr>(segment.data);
-    if (lease != nullptr && lease->via() == this && !lease->own() &&
+    if (lease->isOf(this) && !lease->own() &&
         lease->block().device() == device && p >= lease->block().address() &&
         segment.size <= lease->block().size() &&
         p - lease->block().address() <= lease->block().size() - segment.size &&
@@ -363,6 +407,7 @@ bool IpcChannel::takeRegion(
         CurrentDevice current(device);
         TORCH_RPC_EXT_CUDA_CHECK(
             cuStreamWaitEvent, stream, lease->block().ready(), 0);
+        lease->joinUses(stream);
         TORCH_RPC_EXT_CUDA_CHECK(
             cuEventRecord, lease->block().released(), stream);
       }
@@ -438,6 +483,11 @@ bool IpcChannel::takeRegion(
             {fd},
             std::shared_ptr<void>(nullptr, [fd](void*) { ::close(fd); })});
   }
+  // A received storage sent on by copy is in use on `stream` until the
+  // copy is done: its own block must not go back before.
+  if (lease != nullptr) {
+    lease->recordUse(segment.stream);
+  }
   // The one copy of this direction, after the caller's work on `stream` and
   // the peer's last use of the block.
   try {
@@ -497,21 +547,55 @@ void IpcChannel::onTickFromLoop() {
   trim();
 }
 
+void IpcChannel::onClosedFromLoop() {
+  for (auto& [id, block] : peerBlocks_) {
+    block->orphan();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, own] : ownBlocks_) {
+    own.block->orphan();
+  }
+}
+
 void IpcChannel::trim() {
+  // Free blocks idle for kBlockIdleMs whose events have completed (so that
+  // unmapping one never waits on the loop thread for the GPU, ours or the
+  // peer's), asked outside the lock.
+  std::vector<std::pair<uint32_t, std::shared_ptr<Block>>> idle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto now = std::chrono::steady_clock::now();
+    for (auto& [id, own] : ownBlocks_) {
+      if (own.state == OwnBlock::State::kFree &&
+          now - own.lastUsed >= std::chrono::milliseconds(kBlockIdleMs)) {
+        idle.emplace_back(id, own.block);
+      }
+    }
+  }
+  if (idle.empty()) {
+    return;
+  }
+  std::vector<uint32_t> quiet;
+  for (const auto& [id, block] : idle) {
+    CurrentDevice current(block->device());
+    if (libcuda().cuEventQuery(block->ready()) == CUDA_SUCCESS &&
+        libcuda().cuEventQuery(block->released()) == CUDA_SUCCESS &&
+        libcuda().cuEventQuery(block->localUse()) == CUDA_SUCCESS) {
+      quiet.push_back(id);
+    }
+  }
+  idle.clear();
   std::vector<uint32_t> dropped;
   std::vector<std::shared_ptr<Block>> unmap; // outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto now = std::chrono::steady_clock::now();
-    for (auto it = ownBlocks_.begin(); it != ownBlocks_.end();) {
-      if (it->second.state == OwnBlock::State::kFree &&
-          now - it->second.lastUsed >=
-              std::chrono::milliseconds(kBlockIdleMs)) {
-        dropped.push_back(it->first);
+    for (uint32_t id : quiet) {
+      auto it = ownBlocks_.find(id);
+      if (it != ownBlocks_.end() &&
+          it->second.state == OwnBlock::State::kFree) {
+        dropped.push_back(id);
         unmap.push_back(std::move(it->second.block));
-        it = ownBlocks_.erase(it);
-      } else {
-        ++it;
+        ownBlocks_.erase(it);
       }
     }
   }
@@ -529,17 +613,8 @@ void IpcChannel::trim() {
 
 bool IpcChannel::acceptsControlFrame(FrameKind kind, uint32_t headLength)
     const {
-  switch (context().wireIds().offsetOf(kind)) {
-    case kBlockSetup:
-      return headLength == sizeof(BlockSetup);
-    case kBlockRelease:
-      return headLength >= sizeof(uint32_t) && headLength <= kMaxReleaseHead &&
-          headLength % sizeof(uint32_t) == 0;
-    case kBlockDrop:
-      return headLength == sizeof(uint32_t);
-    default:
-      return false;
-  }
+  return lendingFrameFits(
+      context().wireIds(), kind, headLength, sizeof(BlockSetup));
 }
 
 bool IpcChannel::onControlFrameFromLoop(
@@ -615,9 +690,7 @@ bool IpcChannel::onReleaseFromLoop(Host& host, const std::string& head) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto now = std::chrono::steady_clock::now();
-    for (size_t at = 0; at < head.size(); at += sizeof(uint32_t)) {
-      uint32_t id;
-      std::memcpy(&id, head.data() + at, sizeof(id));
+    for (uint32_t id : idsOf(head)) {
       auto it = ownBlocks_.find(id);
       if (it == ownBlocks_.end() ||
           it->second.state != OwnBlock::State::kLent) {
@@ -659,6 +732,9 @@ int64_t IpcChannel::onRecordFromLoop(
     InboundSegment& segment) {
   BlockRecord r;
   std::memcpy(&r, &record, sizeof(r));
+  auto fits = [&](const Block& b) {
+    return r.offset <= b.size() && segment.size <= b.size() - r.offset;
+  };
   std::shared_ptr<Block> block;
   const bool own = r.kind == BlockRecord::kReturned;
   std::string why;
@@ -675,7 +751,7 @@ int64_t IpcChannel::onRecordFromLoop(
     if (it == ownBlocks_.end() || it->second.state != OwnBlock::State::kLent) {
       why = "the peer handed back CUDA block " + std::to_string(r.id) +
           ", which it does not hold";
-    } else {
+    } else if (fits(*it->second.block)) {
       block = it->second.block;
       it->second.state = OwnBlock::State::kLocal;
       lentBytes_ -= block->size();
@@ -683,8 +759,7 @@ int64_t IpcChannel::onRecordFromLoop(
   } else {
     why = "unknown CUDA block record kind " + std::to_string(r.kind);
   }
-  if (why.empty() &&
-      (r.offset > block->size() || segment.size > block->size() - r.offset)) {
+  if (why.empty() && (block == nullptr || !fits(*block))) {
     why = "segment of " + std::to_string(segment.size) + " bytes at offset " +
         std::to_string(r.offset) + " overruns CUDA block " +
         std::to_string(r.id);
@@ -697,7 +772,7 @@ int64_t IpcChannel::onRecordFromLoop(
   }
   *segment.provided = reinterpret_cast<void*>(block->address() + r.offset);
   *segment.region = std::make_shared<BlockLease>(
-      weak_from_this(), this, std::move(block), r.id, own);
+      weak_from_this(), std::move(block), r.id, own);
   return static_cast<int64_t>(segment.size);
 }
 

@@ -15,6 +15,7 @@
 
 #include "csrc/channel/channel.h"
 #include "csrc/channel/cuda/exported_memory.h"
+#include "csrc/channel/lending.h"
 
 namespace torch_rpc_ext::channel::cuda {
 
@@ -45,11 +46,11 @@ namespace torch_rpc_ext::channel::cuda {
 // segment on a device the peer does not see is declined (the next device
 // channel, or an error naming the device, follows).
 
-// Its control frames, as offsets into its kinds (WireIds::kind).
+// Its control frames: the lending channels' three (lending.h).
 enum IpcFrame : uint8_t {
-  kBlockSetup = 0, // BlockSetup + the block's file descriptor
-  kBlockRelease = 1, // uint32 ids the receiver no longer uses
-  kBlockDrop = 2, // uint32 id: the owner unmaps an idle block
+  kBlockSetup = kLendSetup, // BlockSetup + the block's file descriptor
+  kBlockRelease = kLendRelease, // uint32 ids the receiver no longer uses
+  kBlockDrop = kLendDrop, // uint32 id: the owner unmaps an idle block
 };
 
 #pragma pack(push, 1)
@@ -130,13 +131,31 @@ class Block {
   CUevent released() const {
     return released_;
   }
+  // Recorded (here only) after this process's last use of the memory.
+  CUevent localUse() const {
+    return localUse_;
+  }
+  bool own() const {
+    return owner_;
+  }
+  // The connection closed: the peer may be gone, with records of ours it
+  // made that will never complete, and the events it exported destroyed.
+  // From now on nothing waits for or records on the peer's side of it.
+  void orphan() {
+    orphaned_.store(true);
+  }
+  bool orphaned() const {
+    return orphaned_.load();
+  }
 
  private:
   Block() = default;
   std::unique_ptr<ExportedMemory> memory_;
   CUevent ready_ = nullptr;
   CUevent released_ = nullptr;
+  CUevent localUse_ = nullptr;
   bool owner_ = false;
+  std::atomic<bool> orphaned_{false};
 };
 
 class IpcChannel final : public Channel,
@@ -167,6 +186,7 @@ class IpcChannel final : public Channel,
     return 1; // a kBlockSetup frame's descriptor
   }
   void onTickFromLoop() override;
+  void onClosedFromLoop() override;
 
   // From a lease's destructor, any thread, after recording the block's
   // `released` event: the peer's block `id` goes back to the peer, or our

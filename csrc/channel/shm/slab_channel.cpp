@@ -28,8 +28,6 @@ constexpr uint64_t kMaxPeerSlabBytes = 2 * kMaxLentSlabBytes;
 // meanwhile.
 constexpr uint64_t kDeferredReleaseBytes = uint64_t(1) << 20;
 constexpr size_t kMaxPendingReleases = 64;
-// A kSlabRelease frame names at most this many bytes of slab ids.
-constexpr uint32_t kMaxReleaseHead = 4096;
 
 // A received segment's memory: a span of a slab, valid while this lives.
 // When the last tensor viewing it dies, the slab goes back to its owner:
@@ -40,15 +38,10 @@ class SlabLease final : public frame::SharedRegion {
  public:
   SlabLease(
       std::weak_ptr<SlabChannel> conn,
-      const SlabChannel* via,
       std::shared_ptr<Slab> slab,
       uint32_t id,
       bool own)
-      : conn_(std::move(conn)),
-        via_(via),
-        slab_(std::move(slab)),
-        id_(id),
-        own_(own) {}
+      : conn_(std::move(conn)), slab_(std::move(slab)), id_(id), own_(own) {}
 
   ~SlabLease() override {
     if (handedOn_.load()) {
@@ -64,8 +57,10 @@ class SlabLease final : public frame::SharedRegion {
     }
   }
 
-  const SlabChannel* via() const {
-    return via_;
+  // Whether this lease came from `channel` (a live one: a new channel may
+  // sit at a closed one's address).
+  bool isOf(const SlabChannel* channel) const {
+    return conn_.lock().get() == channel;
   }
   const Slab& slab() const {
     return *slab_;
@@ -83,16 +78,11 @@ class SlabLease final : public frame::SharedRegion {
 
  private:
   std::weak_ptr<SlabChannel> conn_;
-  const SlabChannel* via_;
   std::shared_ptr<Slab> slab_;
   uint32_t id_;
   bool own_;
   std::atomic<bool> handedOn_{false};
 };
-
-std::string idHead(uint32_t id) {
-  return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
-}
 
 } // namespace
 
@@ -121,7 +111,7 @@ bool SlabChannel::takeRegion(
   if (segment.exclusive && segment.origin != nullptr) {
     auto* lease = dynamic_cast<SlabLease*>(segment.origin.get());
     const char* p = static_cast<const char*>(segment.data);
-    if (lease != nullptr && lease->via() == this && !lease->own() &&
+    if (lease != nullptr && lease->isOf(this) && !lease->own() &&
         p >= lease->slab().data() && segment.size <= lease->slab().capacity() &&
         uint64_t(p - lease->slab().data()) <=
             lease->slab().capacity() - segment.size &&
@@ -317,17 +307,11 @@ void SlabChannel::trim() {
 
 bool SlabChannel::acceptsControlFrame(FrameKind kind, uint32_t headLength)
     const {
-  switch (context().wireIds().offsetOf(kind)) {
-    case kSlabSetup:
-      return headLength == sizeof(uint32_t) + sizeof(uint64_t);
-    case kSlabRelease:
-      return headLength >= sizeof(uint32_t) && headLength <= kMaxReleaseHead &&
-          headLength % sizeof(uint32_t) == 0;
-    case kSlabDrop:
-      return headLength == sizeof(uint32_t);
-    default:
-      return false;
-  }
+  return lendingFrameFits(
+      context().wireIds(),
+      kind,
+      headLength,
+      sizeof(uint32_t) + sizeof(uint64_t));
 }
 
 bool SlabChannel::onControlFrameFromLoop(
@@ -390,9 +374,7 @@ bool SlabChannel::onReleaseFromLoop(Host& host, const std::string& head) {
   {
     std::lock_guard<std::mutex> lock(slabMutex_);
     auto now = std::chrono::steady_clock::now();
-    for (size_t at = 0; ok && at < head.size(); at += sizeof(uint32_t)) {
-      uint32_t id;
-      std::memcpy(&id, head.data() + at, sizeof(id));
+    for (uint32_t id : idsOf(head)) {
       auto it = ownSlabs_.find(id);
       if (it == ownSlabs_.end() || it->second.state != OwnSlab::State::kLent) {
         ok = false;
@@ -474,8 +456,8 @@ int64_t SlabChannel::onRecordFromLoop(
     return -1;
   }
   *segment.provided = slab->data() + r.offset;
-  *segment.region = std::make_shared<SlabLease>(
-      weak_from_this(), this, std::move(slab), r.id, own);
+  *segment.region =
+      std::make_shared<SlabLease>(weak_from_this(), std::move(slab), r.id, own);
   return static_cast<int64_t>(size);
 }
 

@@ -9,16 +9,18 @@
 #include <vector>
 
 #include "csrc/channel/channel.h"
+#include "csrc/channel/lending.h"
 #include "csrc/channel/shm/slab.h"
 
 namespace torch_rpc_ext::channel::shm {
 
 // Its control frames, as offsets into the kinds the registry gave the
 // channel (WireIds::kind): docs/wire-format.md.
+// docs/wire-format.md. The lending channels' three frames (lending.h).
 enum SlabFrame : uint8_t {
-  kSlabSetup = 0, // a new slab: {uint32 id, uint64 capacity} + its memfd
-  kSlabRelease = 1, // uint32 ids the receiver no longer views
-  kSlabDrop = 2, // uint32 id: the sender unmaps an idle slab
+  kSlabSetup = kLendSetup, // {uint32 id, uint64 capacity} + its memfd
+  kSlabRelease = kLendRelease, // uint32 ids the receiver no longer views
+  kSlabDrop = kLendDrop, // uint32 id: the sender unmaps an idle slab
 };
 
 // shm_slab: segments of 64 KiB or more through shared slabs (slab.h) as
