@@ -63,3 +63,11 @@ def spawn(driver_env, monkeypatch):
     for key, value in driver_env.items():
         monkeypatch.setenv(key, value)
     return multiprocessing.get_context("spawn")
+
+
+@pytest.fixture
+def slow_kernels(monkeypatch):
+    """The fake runs each kernel 50 ms after its stream reaches it, so a
+    reader not ordered after a copy (by its event) sees the old bytes. (A
+    real driver ignores the variable.)"""
+    monkeypatch.setenv("FAKE_CUDA_KERNEL_DELAY_MS", "50")

@@ -10,15 +10,7 @@ import pytest
 
 from tests.cuda_driver import ipc_worker
 
-pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(autouse=True)
-def slow_kernels(monkeypatch):
-    """The fake runs each kernel 50 ms after its stream reaches it, so a
-    reader not ordered after the channel's copy (by its event) sees the old
-    bytes. (A real driver ignores the variable.)"""
-    monkeypatch.setenv("FAKE_CUDA_KERNEL_DELAY_MS", "50")
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
 
 
 def play(spawn, scenario: str, after_sender_exits=None):
