@@ -601,6 +601,9 @@ void Agent::recordCudaUse(const rpc::Message& message) {
 
 std::vector<c10::Stream> Agent::arrivalStreams() const {
   std::vector<c10::Stream> out;
+  if (options_.devices.empty()) {
+    return out; // (finish() then names the device no stream is for)
+  }
   c10::impl::VirtualGuardImpl impl(c10::kCUDA);
   for (const auto& d : options_.devices) {
     out.push_back(impl.getStreamFromGlobalPool(d));
