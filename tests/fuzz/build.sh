@@ -25,10 +25,10 @@ root=$(cd "$here/../.." && pwd)
 TARGETS=(
   "frame     -      csrc/frame/frame.cpp"
   "handshake -      csrc/transport/handshake.cpp csrc/common/crypto.cpp csrc/common/libcrypto.cpp"
-  "codec     torch  csrc/wire/codec.cpp csrc/common/buffer_pool.cpp"
+  "codec     torch  csrc/wire/codec.cpp csrc/wire/inbound.cpp csrc/common/buffer_pool.cpp"
   "ring      -      csrc/channel/shm/ring.cpp csrc/common/logging.cpp"
   "slab      -      csrc/channel/shm/slab.cpp csrc/common/logging.cpp"
-  "stream    cuda   csrc/transport/stream/connection.cpp csrc/transport/stream/connection_reader.cpp csrc/transport/stream/connection_writer.cpp csrc/transport/stream/loop.cpp csrc/transport/stream/address.cpp csrc/transport/stream/host_load.cpp csrc/transport/shm/connection.cpp csrc/channel/registry.cpp csrc/channel/shm/context.cpp csrc/channel/shm/slab_channel.cpp csrc/channel/shm/ring_channel.cpp csrc/channel/shm/ring.cpp csrc/channel/shm/slab.cpp csrc/channel/cuda/ipc_channel.cpp csrc/channel/cuda/engines.cpp csrc/channel/cuda/copy_engine.cpp csrc/channel/cuda/device.cpp csrc/channel/cuda/exported_memory.cpp csrc/common/libcuda.cpp csrc/frame/frame.cpp csrc/transport/handshake.cpp csrc/common/crypto.cpp csrc/common/libcrypto.cpp csrc/common/logging.cpp csrc/common/exit_gate.cpp"
+  "stream    cuda   csrc/transport/stream/connection.cpp csrc/transport/stream/connection_reader.cpp csrc/transport/stream/connection_writer.cpp csrc/transport/stream/loop.cpp csrc/transport/stream/address.cpp csrc/transport/stream/host_load.cpp csrc/transport/shm/connection.cpp csrc/channel/registry.cpp csrc/channel/shm/context.cpp csrc/channel/shm/slab_channel.cpp csrc/channel/shm/ring_channel.cpp csrc/channel/shm/ring.cpp csrc/channel/shm/slab.cpp csrc/channel/cuda/ipc_channel.cpp csrc/channel/cuda/ipc_context.cpp csrc/channel/cuda/block.cpp csrc/channel/cuda/engines.cpp csrc/channel/cuda/copy_engine.cpp csrc/channel/cuda/device.cpp csrc/channel/cuda/exported_memory.cpp csrc/common/libcuda.cpp csrc/common/host.cpp csrc/frame/frame.cpp csrc/transport/handshake.cpp csrc/common/crypto.cpp csrc/common/libcrypto.cpp csrc/common/logging.cpp csrc/common/exit_gate.cpp"
 )
 
 if [ "${1:-}" = "--list" ]; then

@@ -8,9 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 #include <limits>
-#include <sstream>
 
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/engines.h"
@@ -26,38 +24,6 @@ using frame::SegmentRecord;
 
 // The peer may have at most this many bytes of blocks mapped into us.
 constexpr uint64_t kMaxPeerBlockBytes = 2 * kMaxLentBlockBytes;
-
-CUevent newIpcEvent() {
-  CUevent e = nullptr;
-  TORCH_RPC_EXT_CUDA_CHECK(
-      cuEventCreate, &e, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
-  return e;
-}
-
-std::string bootId() {
-  std::string boot;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::getline(in, boot);
-  return boot;
-}
-
-// "<boot id>;<uuid>,<uuid>..." <-> its parts.
-std::pair<std::string, std::set<std::string>> parseDescriptor(
-    const std::string& d) {
-  auto semi = d.find(';');
-  if (semi == std::string::npos) {
-    return {d, {}};
-  }
-  std::set<std::string> uuids;
-  std::stringstream rest(d.substr(semi + 1));
-  std::string uuid;
-  while (std::getline(rest, uuid, ',')) {
-    if (!uuid.empty()) {
-      uuids.insert(uuid);
-    }
-  }
-  return {d.substr(0, semi), std::move(uuids)};
-}
 
 // A received segment's memory: a span of a block, valid while this lives.
 // When it dies, the block goes back to its owner once the work queued by
@@ -182,175 +148,7 @@ class BlockLease final : public DeviceRegion {
   std::atomic<bool> handedOn_{false};
 };
 
-class IpcContext final : public Context {
- public:
-  explicit IpcContext(WireIds ids) : Context(ids) {}
-
-  std::string name() const override {
-    return "cuda_ipc";
-  }
-  DeviceKind device() const override {
-    return DeviceKind::kCuda;
-  }
-  Channel::Mode mode() const override {
-    return Channel::Mode::kRegion;
-  }
-  std::string unviableReason() const override {
-    probe();
-    return unviable_;
-  }
-  std::string domainDescriptor() const override {
-    probe();
-    return descriptor_;
-  }
-  bool reaches(const std::string& peerDescriptor) const override {
-    probe();
-    auto [peerHost, peerDevices] = parseDescriptor(peerDescriptor);
-    auto [host, devices] = parseDescriptor(descriptor_);
-    if (host.empty() || host != peerHost) {
-      return false;
-    }
-    for (const auto& uuid : devices) {
-      if (peerDevices.count(uuid) != 0) {
-        return true;
-      }
-    }
-    return false;
-  }
-  bool needsDescriptorPassing() const override {
-    return true;
-  }
-  std::shared_ptr<Channel> open(
-      std::weak_ptr<Host> host,
-      const std::string& peerDescriptor) override {
-    return std::make_shared<IpcChannel>(
-        shared_from_this(),
-        std::move(host),
-        counters_,
-        parseDescriptor(peerDescriptor).second);
-  }
-  std::map<std::string, uint64_t> counters() const override {
-    return {
-        {"segments", counters_.segments.load()},
-        {"copied_bytes", counters_.copiedBytes.load()},
-        {"handbacks", counters_.handedBack.load()},
-        {"blocks_created", counters_.created.load()},
-        {"blocks_imported", counters_.imported.load()},
-        {"blocks_unmapped", counters_.unmapped.load()},
-        {"declined", counters_.declined.load()},
-    };
-  }
-
- private:
-  // The driver is loaded here, on the first question that needs it, never
-  // when the context is made.
-  void probe() const {
-    std::call_once(probed_, [this] {
-      std::string boot = bootId();
-      if (boot.empty()) {
-        unviable_ = "cannot identify this host's kernel (no boot id)";
-        return;
-      }
-      std::string uuids;
-      try {
-        for (int d = 0; d < deviceCount(); ++d) {
-          if (supportsFdExport(d)) {
-            uuids += (uuids.empty() ? "" : ",") + deviceUuid(d);
-          }
-        }
-      } catch (const std::exception& e) {
-        unviable_ = e.what();
-        return;
-      }
-      if (uuids.empty()) {
-        unviable_ =
-            "no CUDA device here can export memory as a file descriptor";
-        return;
-      }
-      descriptor_ = boot + ";" + uuids;
-    });
-  }
-
-  mutable std::once_flag probed_;
-  mutable std::string unviable_;
-  mutable std::string descriptor_;
-  mutable IpcCounters counters_;
-};
-
 } // namespace
-
-// ---- Block -----------------------------------------------------------------
-
-std::shared_ptr<Block> Block::create(int device, uint64_t bytes) {
-  std::shared_ptr<Block> b(new Block());
-  b->owner_ = true;
-  b->memory_ = ExportedMemory::create(device, bytes);
-  CurrentDevice current(device);
-  b->ready_ = newIpcEvent();
-  b->released_ = newIpcEvent();
-  TORCH_RPC_EXT_CUDA_CHECK(
-      cuEventCreate, &b->localUse_, CU_EVENT_DISABLE_TIMING);
-  return b;
-}
-
-std::shared_ptr<Block> Block::import(
-    const BlockSetup& setup,
-    int fd,
-    int device) {
-  std::shared_ptr<Block> b(new Block());
-  b->memory_ = ExportedMemory::import(fd, setup.size, device);
-  CurrentDevice current(device);
-  TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->ready_, setup.ready);
-  TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->released_, setup.released);
-  TORCH_RPC_EXT_CUDA_CHECK(
-      cuEventCreate, &b->localUse_, CU_EVENT_DISABLE_TIMING);
-  return b;
-}
-
-Block::~Block() {
-  if (memory_ == nullptr) {
-    return; // making or importing it failed: nothing else was made
-  }
-  try {
-    CurrentDevice current(memory_->device());
-    // Unmapping under a copy or a kernel still reading it would fault the
-    // device: wait for the last records (teardown only; a block is never
-    // freed on an RPC's path): ours, and the peer's while it is there (a
-    // peer gone may have left records that never complete; our own last use
-    // of its memory was waited for when its lease died).
-    const bool peerThere = !orphaned_.load();
-    if (localUse_ != nullptr) {
-      libcuda().cuEventSynchronize(localUse_);
-    }
-    if (ready_ != nullptr && (owner_ || peerThere)) {
-      libcuda().cuEventSynchronize(ready_);
-    }
-    if (released_ != nullptr && peerThere) {
-      libcuda().cuEventSynchronize(released_);
-    }
-    for (CUevent e : {ready_, released_, localUse_}) {
-      if (e != nullptr) {
-        libcuda().cuEventDestroy(e);
-      }
-    }
-  } catch (const std::exception& e) {
-    logWarning(
-        std::string("torch_rpc_ext: freeing a cuda_ipc block: ") + e.what());
-  }
-}
-
-BlockSetup Block::describe(uint32_t id) const {
-  BlockSetup s{};
-  s.id = id;
-  s.size = memory_->size();
-  std::string uuid = deviceUuid(memory_->device());
-  std::memcpy(
-      s.deviceUuid, uuid.data(), std::min(uuid.size(), sizeof(s.deviceUuid)));
-  CurrentDevice current(memory_->device());
-  TORCH_RPC_EXT_CUDA_CHECK(cuIpcGetEventHandle, &s.ready, ready_);
-  TORCH_RPC_EXT_CUDA_CHECK(cuIpcGetEventHandle, &s.released, released_);
-  return s;
-}
 
 // ---- IpcChannel ------------------------------------------------------------
 
@@ -774,10 +572,6 @@ int64_t IpcChannel::onRecordFromLoop(
   *segment.region = std::make_shared<BlockLease>(
       weak_from_this(), std::move(block), r.id, own);
   return static_cast<int64_t>(segment.size);
-}
-
-std::shared_ptr<Context> createIpcChannel(WireIds ids) {
-  return std::make_shared<IpcContext>(ids);
 }
 
 } // namespace torch_rpc_ext::channel::cuda

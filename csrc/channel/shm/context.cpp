@@ -1,30 +1,16 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/channel/shm/context.h"
 
-#include <fstream>
-
 #include "csrc/channel/shm/factory.h"
 #include "csrc/channel/shm/ring_channel.h"
 #include "csrc/channel/shm/slab_channel.h"
+#include "csrc/common/host.h"
 
 namespace torch_rpc_ext::channel::shm {
 
-namespace {
-
-// Equal in two processes exactly when they run on the same booted kernel:
-// then a memfd one of them passes is memory both can map. Empty if unknown.
-std::string thisKernel() {
-  std::string boot;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::getline(in, boot);
-  return boot;
-}
-
-} // namespace
-
 template <typename Probe>
 ShmContext::ShmContext(WireIds ids, Probe probe)
-    : Context(ids), domain_(thisKernel()) {
+    : Context(ids), domain_(bootId()) {
   if (domain_.empty()) {
     unviable_ = "cannot identify this host's kernel (no boot id)";
     return;

@@ -3,9 +3,9 @@
 
 #include <unistd.h>
 
-#include <fstream>
 #include <stdexcept>
 
+#include "csrc/common/host.h"
 #include "csrc/transport/shm/connection.h"
 #include "csrc/transport/shm/listener.h"
 
@@ -16,9 +16,7 @@ namespace {
 // Equal in two processes exactly when they run on the same booted kernel in
 // the same network namespace. Empty if unknown.
 std::string thisHost() {
-  std::string boot;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::getline(in, boot);
+  const std::string& boot = bootId();
   char ns[128] = {};
   ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
   if (boot.empty() || n <= 0) {

@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/channel/cuda/block.h"
+
+#include <cstring>
+#include <string>
+
+#include "csrc/channel/cuda/device.h"
+#include "csrc/common/libcuda.h"
+#include "csrc/common/logging.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+namespace {
+
+CUevent newIpcEvent() {
+  CUevent e = nullptr;
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuEventCreate, &e, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+  return e;
+}
+
+} // namespace
+
+std::shared_ptr<Block> Block::create(int device, uint64_t bytes) {
+  std::shared_ptr<Block> b(new Block());
+  b->owner_ = true;
+  b->memory_ = ExportedMemory::create(device, bytes);
+  CurrentDevice current(device);
+  b->ready_ = newIpcEvent();
+  b->released_ = newIpcEvent();
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuEventCreate, &b->localUse_, CU_EVENT_DISABLE_TIMING);
+  return b;
+}
+
+std::shared_ptr<Block> Block::import(
+    const BlockSetup& setup,
+    int fd,
+    int device) {
+  std::shared_ptr<Block> b(new Block());
+  b->memory_ = ExportedMemory::import(fd, setup.size, device);
+  CurrentDevice current(device);
+  TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->ready_, setup.ready);
+  TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->released_, setup.released);
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuEventCreate, &b->localUse_, CU_EVENT_DISABLE_TIMING);
+  return b;
+}
+
+Block::~Block() {
+  if (memory_ == nullptr) {
+    return; // making or importing it failed: nothing else was made
+  }
+  try {
+    CurrentDevice current(memory_->device());
+    // Unmapping under a copy or a kernel still reading it would fault the
+    // device: wait for the last records (teardown only; a block is never
+    // freed on an RPC's path): ours, and the peer's while it is there (a
+    // peer gone may have left records that never complete; our own last use
+    // of its memory was waited for when its lease died).
+    const bool peerThere = !orphaned_.load();
+    if (localUse_ != nullptr) {
+      libcuda().cuEventSynchronize(localUse_);
+    }
+    if (ready_ != nullptr && (owner_ || peerThere)) {
+      libcuda().cuEventSynchronize(ready_);
+    }
+    if (released_ != nullptr && peerThere) {
+      libcuda().cuEventSynchronize(released_);
+    }
+    for (CUevent e : {ready_, released_, localUse_}) {
+      if (e != nullptr) {
+        libcuda().cuEventDestroy(e);
+      }
+    }
+  } catch (const std::exception& e) {
+    logWarning(
+        std::string("torch_rpc_ext: freeing a cuda_ipc block: ") + e.what());
+  }
+}
+
+BlockSetup Block::describe(uint32_t id) const {
+  BlockSetup s{};
+  s.id = id;
+  s.size = memory_->size();
+  std::string uuid = deviceUuid(memory_->device());
+  std::memcpy(
+      s.deviceUuid, uuid.data(), std::min(uuid.size(), sizeof(s.deviceUuid)));
+  CurrentDevice current(memory_->device());
+  TORCH_RPC_EXT_CUDA_CHECK(cuIpcGetEventHandle, &s.ready, ready_);
+  TORCH_RPC_EXT_CUDA_CHECK(cuIpcGetEventHandle, &s.released, released_);
+  return s;
+}
+
+} // namespace torch_rpc_ext::channel::cuda

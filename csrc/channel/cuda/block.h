@@ -1,0 +1,91 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <cuda.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "csrc/channel/cuda/exported_memory.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+// The cuda_ipc channel's unit of memory (ipc_channel.h) and the frame that
+// announces it to the peer (docs/wire-format.md, kind 32).
+#pragma pack(push, 1)
+struct BlockSetup {
+  uint32_t id;
+  uint32_t reserved; // 0
+  uint64_t size;
+  char deviceUuid[32]; // hex digits, as deviceUuid()
+  CUipcEventHandle ready;
+  CUipcEventHandle released;
+};
+#pragma pack(pop)
+static_assert(sizeof(BlockSetup) == 176, "BlockSetup layout is fixed");
+
+// One device block and its two events, on either side: ours (created,
+// exported) or the peer's (imported, events opened).
+class Block {
+ public:
+  // Ours, on `device`, of at least `bytes`.
+  static std::shared_ptr<Block> create(int device, uint64_t bytes);
+  // The peer's, from its setup; takes nothing from `fd` (the caller closes
+  // it).
+  static std::shared_ptr<Block> import(
+      const BlockSetup& setup,
+      int fd,
+      int device);
+  ~Block();
+  Block(const Block&) = delete;
+  Block& operator=(const Block&) = delete;
+
+  int device() const {
+    return memory_->device();
+  }
+  CUdeviceptr address() const {
+    return memory_->address();
+  }
+  uint64_t size() const {
+    return memory_->size();
+  }
+  // Setup frame head and a new descriptor (ours only).
+  BlockSetup describe(uint32_t id) const;
+  int exportFd() const {
+    return memory_->exportFd();
+  }
+  CUevent ready() const {
+    return ready_;
+  }
+  CUevent released() const {
+    return released_;
+  }
+  // Recorded (here only) after this process's last use of the memory.
+  CUevent localUse() const {
+    return localUse_;
+  }
+  bool own() const {
+    return owner_;
+  }
+  // The connection closed: the peer may be gone, with records of ours it
+  // made that will never complete, and the events it exported destroyed.
+  // From now on nothing waits for or records on the peer's side of it.
+  void orphan() {
+    orphaned_.store(true);
+  }
+  bool orphaned() const {
+    return orphaned_.load();
+  }
+
+ private:
+  Block() = default;
+  std::unique_ptr<ExportedMemory> memory_;
+  CUevent ready_ = nullptr;
+  CUevent released_ = nullptr;
+  CUevent localUse_ = nullptr;
+  bool owner_ = false;
+  std::atomic<bool> orphaned_{false};
+};
+
+} // namespace torch_rpc_ext::channel::cuda

@@ -1,0 +1,14 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <string>
+
+namespace torch_rpc_ext {
+
+// This boot of this host's kernel (/proc/sys/kernel/random/boot_id): equal in
+// two processes exactly when they run on the same booted kernel, so memory
+// one of them passes as a descriptor is memory both can map. Empty if
+// unknown. Read once.
+const std::string& bootId();
+
+} // namespace torch_rpc_ext

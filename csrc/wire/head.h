@@ -1,0 +1,68 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+// What the encoding (codec.cpp) and decoding (inbound.cpp) halves of the
+// message codec share: the head's layout constants and readers, and the
+// storages that view memory a transport provided. Internal to wire/.
+
+#include <c10/core/Storage.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "csrc/frame/frame.h"
+
+namespace torch_rpc_ext::wire::detail {
+
+constexpr uint8_t kLayoutStrided = 0;
+constexpr uint8_t kLayoutSparseCoo = 1;
+constexpr size_t kMaxDims = 64;
+
+class HeadWriter {
+ public:
+  template <typename T>
+  void put(T v) {
+    out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+  }
+  std::string out;
+};
+
+class HeadReader {
+ public:
+  explicit HeadReader(const std::string& in) : in_(in) {}
+  template <typename T>
+  T get(const char* what) {
+    if (in_.size() - pos_ < sizeof(T)) {
+      throw std::invalid_argument(
+          std::string("message head truncated while reading ") + what);
+    }
+    T v;
+    std::memcpy(&v, in_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return v;
+  }
+  bool done() const {
+    return pos_ == in_.size();
+  }
+
+ private:
+  const std::string& in_;
+  size_t pos_ = 0;
+};
+
+// A storage viewing memory a transport provided (a shared slab): the region
+// is released when the last tensor viewing it dies, on whatever thread.
+struct ProvidedRegion {
+  std::shared_ptr<frame::SharedRegion> region;
+};
+
+// A ProvidedRegion's deleter (inbound.cpp).
+void releaseProvided(void* ctx);
+
+inline bool viewsProvidedMemory(const c10::Storage& storage) {
+  return storage.data_ptr().get_deleter() == &releaseProvided;
+}
+
+} // namespace torch_rpc_ext::wire::detail

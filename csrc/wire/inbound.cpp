@@ -1,0 +1,427 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// The decoding half of the message codec (codec.h): InboundMessage.
+#include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/TensorImpl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+#include "csrc/wire/codec.h"
+#include "csrc/wire/head.h"
+
+namespace torch_rpc_ext::wire {
+
+namespace detail {
+
+void releaseProvided(void* ctx) {
+  delete static_cast<ProvidedRegion*>(ctx);
+}
+
+} // namespace detail
+
+namespace {
+
+using namespace detail;
+
+InboundMessage::DenseMeta readDense(
+    HeadReader& r,
+    const std::vector<uint64_t>& segmentSizes) {
+  InboundMessage::DenseMeta m;
+  auto dtype = r.get<uint8_t>("dtype");
+  if (dtype >= static_cast<uint8_t>(c10::ScalarType::NumOptions)) {
+    throw std::invalid_argument("unknown dtype " + std::to_string(dtype));
+  }
+  m.dtype = static_cast<c10::ScalarType>(dtype);
+  if (c10::isQIntType(m.dtype) || m.dtype == c10::ScalarType::Undefined) {
+    throw std::invalid_argument("unsupported dtype " + std::to_string(dtype));
+  }
+  m.requiresGrad = r.get<uint8_t>("requires_grad") != 0;
+  if (m.requiresGrad &&
+      !(c10::isFloatingType(m.dtype) || c10::isComplexType(m.dtype))) {
+    throw std::invalid_argument("requires_grad on a non-floating dtype");
+  }
+  size_t ndim = r.get<uint8_t>("ndim");
+  if (ndim > kMaxDims) {
+    throw std::invalid_argument("too many dims: " + std::to_string(ndim));
+  }
+  m.sizes.resize(ndim);
+  m.strides.resize(ndim);
+  for (auto& s : m.sizes) {
+    s = r.get<int64_t>("size");
+  }
+  for (auto& s : m.strides) {
+    s = r.get<int64_t>("stride");
+  }
+  m.offset = r.get<int64_t>("offset");
+  m.segment = r.get<uint32_t>("segment");
+  m.device = r.get<int8_t>("device");
+  if (m.device < -1) {
+    throw std::invalid_argument(
+        "bad device index " + std::to_string(int(m.device)));
+  }
+  if (m.segment == 0 || m.segment >= segmentSizes.size()) {
+    throw std::invalid_argument(
+        "tensor refers to segment " + std::to_string(m.segment) + " of " +
+        std::to_string(segmentSizes.size()));
+  }
+  // The span this tensor touches must lie inside its segment; check with
+  // overflow-safe arithmetic.
+  const int64_t kMax = std::numeric_limits<int64_t>::max() / 2;
+  int64_t item = static_cast<int64_t>(c10::elementSize(m.dtype));
+  if (m.offset < 0 || m.offset > kMax / item) {
+    throw std::invalid_argument("bad storage offset");
+  }
+  bool empty = false;
+  int64_t last = 0;
+  for (size_t d = 0; d < ndim; ++d) {
+    if (m.sizes[d] < 0 || m.strides[d] < 0 || m.sizes[d] > kMax ||
+        m.strides[d] > kMax) {
+      throw std::invalid_argument("negative or huge size/stride");
+    }
+    if (m.sizes[d] == 0) {
+      empty = true;
+      continue;
+    }
+    if (m.strides[d] != 0 && (m.sizes[d] - 1) > (kMax - last) / m.strides[d]) {
+      throw std::invalid_argument("tensor extent overflows");
+    }
+    last += (m.sizes[d] - 1) * m.strides[d];
+  }
+  if (!empty) {
+    if (last > kMax / item - m.offset - 1) {
+      throw std::invalid_argument("tensor extent overflows");
+    }
+    uint64_t end = uint64_t(m.offset + last + 1) * uint64_t(item);
+    if (end > segmentSizes[m.segment]) {
+      throw std::invalid_argument(
+          "tensor needs " + std::to_string(end) +
+          " bytes but its segment has " +
+          std::to_string(segmentSizes[m.segment]));
+    }
+  }
+  return m;
+}
+
+// Whether `m` describes more elements than its segment holds. Zero strides
+// let a few bytes stand for any number of elements: fine for a dense tensor
+// (a broadcast view costs nothing to receive), not for sparse indices, which
+// finish() reads one by one to validate them.
+bool moreElementsThanSegment(
+    const InboundMessage::DenseMeta& m,
+    const std::vector<uint64_t>& segmentSizes) {
+  for (int64_t s : m.sizes) {
+    if (s == 0) {
+      return false;
+    }
+  }
+  uint64_t room = segmentSizes[m.segment] / c10::elementSize(m.dtype);
+  uint64_t n = 1;
+  for (int64_t s : m.sizes) {
+    if (uint64_t(s) > room / n) {
+      return true;
+    }
+    n *= uint64_t(s);
+  }
+  return false;
+}
+
+// A pooled block owned by a storage: returned to its pool (which it keeps
+// alive) when the last tensor viewing it dies, on whatever thread that is.
+struct PooledBlock {
+  std::shared_ptr<BufferPool> pool;
+  BufferPool::Block block;
+};
+
+void releasePooled(void* ctx) {
+  auto* owned = static_cast<PooledBlock*>(ctx);
+  owned->pool->release(owned->block);
+  delete owned;
+}
+
+c10::Storage allocateSegment(
+    uint64_t size,
+    const std::shared_ptr<BufferPool>& pool) {
+  if (pool == nullptr || size < BufferPool::kMinPooledBytes) {
+    return c10::Storage(
+        c10::Storage::use_byte_size_t(),
+        static_cast<int64_t>(size),
+        c10::GetCPUAllocator(),
+        /*resizable=*/false);
+  }
+  auto* owned = new PooledBlock{pool, pool->acquire(size)};
+  c10::DataPtr data(
+      owned->block.data, owned, &releasePooled, c10::Device(c10::kCPU));
+  return c10::Storage(
+      c10::Storage::use_byte_size_t(),
+      static_cast<int64_t>(size),
+      std::move(data),
+      /*allocator=*/nullptr,
+      /*resizable=*/false);
+}
+
+at::Tensor buildDense(
+    const InboundMessage::DenseMeta& m,
+    const std::vector<c10::Storage>& storages) {
+  at::Tensor t;
+  if (m.device >= 0) {
+    // A view of device memory: made directly, since at::empty() and set_()
+    // would go through the device's kernels.
+    t = at::detail::make_tensor<c10::TensorImpl>(
+        c10::Storage(storages.at(m.segment - 1)),
+        c10::DispatchKeySet(c10::DispatchKey::CUDA),
+        caffe2::TypeMeta::fromScalarType(m.dtype));
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(
+        m.sizes, m.strides, m.offset);
+  } else {
+    t = at::empty({0}, at::TensorOptions().dtype(m.dtype));
+    t.set_(storages.at(m.segment - 1), m.offset, m.sizes, m.strides);
+  }
+  if (m.requiresGrad) {
+    t.requires_grad_(true);
+  }
+  return t;
+}
+
+} // namespace
+
+std::shared_ptr<InboundMessage> InboundMessage::prepare(
+    const std::string& head,
+    const std::vector<uint64_t>& segmentSizes,
+    const std::shared_ptr<BufferPool>& pool,
+    const std::vector<bool>& provided) {
+  if (segmentSizes.empty()) {
+    throw std::invalid_argument("message frame without a payload segment");
+  }
+  auto m = std::make_shared<InboundMessage>();
+  HeadReader r(head);
+  uint32_t type = r.get<uint32_t>("type");
+  // rpc::MessageType has no fixed underlying type, so it can only hold the
+  // values of its smallest bit-field, 0..0x3FF (the two flag bits and the
+  // byte under them): casting anything larger to it is undefined behaviour.
+  constexpr uint32_t kFlags = rpc::MessageTypeFlags::REQUEST_TYPE |
+      rpc::MessageTypeFlags::RESPONSE_TYPE;
+  if ((type & kFlags) == 0 || type > (kFlags | 0xFF)) {
+    throw std::invalid_argument("bad message type " + std::to_string(type));
+  }
+  m->type_ = static_cast<rpc::MessageType>(type);
+  m->id_ = r.get<int64_t>("id");
+  uint32_t n = r.get<uint32_t>("tensor count");
+  // Each tensor takes at least 20 head bytes; this bounds `n` by the head.
+  if (n > head.size() / 20) {
+    throw std::invalid_argument("tensor count exceeds what the head can hold");
+  }
+  m->tensors_.reserve(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    TensorMeta t{};
+    uint8_t layout = r.get<uint8_t>("layout");
+    if (layout == kLayoutStrided) {
+      t.sparse = false;
+      t.dense = readDense(r, segmentSizes);
+    } else if (layout == kLayoutSparseCoo) {
+      t.sparse = true;
+      t.requiresGrad = r.get<uint8_t>("requires_grad") != 0;
+      t.coalesced = r.get<uint8_t>("coalesced") != 0;
+      size_t ndim = r.get<uint8_t>("ndim");
+      if (ndim > kMaxDims) {
+        throw std::invalid_argument("too many sparse dims");
+      }
+      t.sparseSizes.resize(ndim);
+      for (auto& s : t.sparseSizes) {
+        s = r.get<int64_t>("sparse size");
+        if (s < 0) {
+          throw std::invalid_argument("negative sparse size");
+        }
+      }
+      t.indices = readDense(r, segmentSizes);
+      t.dense = readDense(r, segmentSizes);
+      if (t.indices.dtype != c10::ScalarType::Long) {
+        throw std::invalid_argument("sparse indices must be int64");
+      }
+      if (moreElementsThanSegment(t.indices, segmentSizes)) {
+        throw std::invalid_argument(
+            "sparse indices have more elements than their segment holds");
+      }
+    } else {
+      throw std::invalid_argument("unknown layout " + std::to_string(layout));
+    }
+    m->tensors_.push_back(std::move(t));
+  }
+  if (!r.done()) {
+    throw std::invalid_argument("trailing bytes after the message head");
+  }
+  // Every tensor of a segment is on one device; a CUDA segment's bytes come
+  // from a device channel, never through the stream.
+  m->segmentDevices_.assign(segmentSizes.size() - 1, -2);
+  auto place = [&](const DenseMeta& d) {
+    int8_t& seen = m->segmentDevices_[d.segment - 1];
+    if (seen != -2 && seen != d.device) {
+      throw std::invalid_argument(
+          "segment " + std::to_string(d.segment) +
+          " holds tensors of two devices");
+    }
+    seen = d.device;
+    bool cameProvided = d.segment < provided.size() && provided[d.segment];
+    // (An empty one has no bytes to carry: the stream takes it.)
+    if (d.device >= 0 && !cameProvided && segmentSizes[d.segment] != 0) {
+      throw std::invalid_argument(
+          "a CUDA tensor's segment " + std::to_string(d.segment) +
+          " came through the stream, not a device channel");
+    }
+    if (d.device >= 0 &&
+        std::find(m->cudaDevices_.begin(), m->cudaDevices_.end(), d.device) ==
+            m->cudaDevices_.end()) {
+      m->cudaDevices_.push_back(d.device);
+    }
+  };
+  for (const auto& t : m->tensors_) {
+    place(t.dense);
+    if (t.sparse) {
+      if (t.dense.device >= 0 || t.indices.device >= 0) {
+        throw std::invalid_argument("a sparse tensor on a CUDA device");
+      }
+      place(t.indices);
+    }
+  }
+  // Only now, with every length checked, allocate.
+  for (auto n : segmentSizes) {
+    m->bytes_ += n;
+  }
+  auto isProvided = [&](size_t i) {
+    return i < provided.size() && provided[i];
+  };
+  if (!provided.empty()) {
+    m->sizes_ = segmentSizes; // finish() sizes the provided segments
+  }
+  if (!isProvided(0)) {
+    m->payload_.resize(segmentSizes[0]);
+  }
+  m->storages_.reserve(segmentSizes.size() - 1);
+  for (size_t i = 1; i < segmentSizes.size(); ++i) {
+    // A provided segment becomes a storage in finish(), around its memory.
+    const int8_t device = m->segmentDevices_[i - 1];
+    if (device >= 0 && !isProvided(i)) {
+      // An empty CUDA storage (prepare() let no other through).
+      m->storages_.push_back(
+          c10::Storage(
+              c10::Storage::use_byte_size_t(),
+              0,
+              c10::DataPtr(nullptr, c10::Device(c10::kCUDA, device)),
+              /*allocator=*/nullptr,
+              /*resizable=*/false));
+      continue;
+    }
+    m->storages_.push_back(
+        isProvided(i) ? c10::Storage()
+                      : allocateSegment(segmentSizes[i], pool));
+  }
+  return m;
+}
+
+frame::InboundBuffers InboundMessage::buffers(
+    const std::shared_ptr<InboundMessage>& self) {
+  frame::InboundBuffers b;
+  b.segments.reserve(1 + storages_.size());
+  b.segments.push_back(payload_.empty() ? nullptr : payload_.data());
+  for (auto& s : storages_) {
+    b.segments.push_back(s ? s.mutable_data() : nullptr);
+  }
+  b.keepAlive = self;
+  return b;
+}
+
+c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
+    const frame::InboundBuffers& buffers,
+    const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream) {
+  for (size_t i = 0; i < buffers.regions.size() && i < sizes_.size(); ++i) {
+    if (buffers.regions[i] == nullptr) {
+      continue;
+    }
+    if (i == 0) {
+      TORCH_CHECK(
+          dynamic_cast<frame::DeviceRegion*>(buffers.regions[0].get()) ==
+              nullptr,
+          "the message payload arrived in device memory");
+      // The payload is parsed from a vector: one copy, and the slab goes
+      // back at once.
+      const char* p = static_cast<const char*>(buffers.provided[0]);
+      payload_.assign(p, p + sizes_[0]);
+      continue;
+    }
+    TORCH_CHECK(!storages_[i - 1], "segment ", i, " was provided twice");
+    const int8_t want =
+        i - 1 < segmentDevices_.size() ? segmentDevices_[i - 1] : -2;
+    auto* onDevice =
+        dynamic_cast<frame::DeviceRegion*>(buffers.regions[i].get());
+    c10::Device device(c10::kCPU);
+    if (onDevice != nullptr) {
+      TORCH_CHECK(
+          want >= 0 || want == -2,
+          "segment ",
+          i,
+          " holds CPU tensors but arrived in device memory");
+      TORCH_CHECK(
+          want == -2 || want == onDevice->device(),
+          "a tensor for cuda:",
+          int(want),
+          " arrived in memory of cuda:",
+          onDevice->device(),
+          " (a device map between two different devices is not supported "
+          "yet)");
+      TORCH_CHECK(
+          arrivalStream != nullptr,
+          "a CUDA tensor arrived at an agent without devices");
+      device = c10::Device(
+          c10::kCUDA, static_cast<c10::DeviceIndex>(onDevice->device()));
+      onDevice->waitOn(arrivalStream(device.index()));
+    } else {
+      TORCH_CHECK(
+          want < 0,
+          "segment ",
+          i,
+          " holds CUDA tensors but arrived in host memory");
+    }
+    auto* owned = new ProvidedRegion{buffers.regions[i]};
+    c10::DataPtr data(buffers.provided[i], owned, &releaseProvided, device);
+    storages_[i - 1] = c10::Storage(
+        c10::Storage::use_byte_size_t(),
+        static_cast<int64_t>(sizes_[i]),
+        std::move(data),
+        /*allocator=*/nullptr,
+        /*resizable=*/false);
+  }
+  for (size_t i = 0; i < storages_.size(); ++i) {
+    // Only a provided segment (never empty) can lack its storage here.
+    TORCH_CHECK(
+        storages_[i],
+        "segment ",
+        i + 1,
+        " was announced as provided but never arrived");
+  }
+  std::vector<at::Tensor> tensors;
+  tensors.reserve(tensors_.size());
+  for (const auto& t : tensors_) {
+    if (!t.sparse) {
+      tensors.push_back(buildDense(t.dense, storages_));
+      continue;
+    }
+    at::Tensor indices = buildDense(t.indices, storages_);
+    at::Tensor values = buildDense(t.dense, storages_);
+    // Reject out-of-range indices here: a sparse tensor with bad indices
+    // would crash the process later, far from the cause.
+    at::_validate_sparse_coo_tensor_args(indices, values, t.sparseSizes);
+    at::Tensor sparse =
+        at::_sparse_coo_tensor_unsafe(indices, values, t.sparseSizes)
+            ._coalesced_(t.coalesced);
+    if (t.requiresGrad) {
+      sparse.requires_grad_(true);
+    }
+    tensors.push_back(sparse);
+  }
+  return c10::make_intrusive<rpc::Message>(
+      std::move(payload_), std::move(tensors), type_, id_);
+}
+
+} // namespace torch_rpc_ext::wire
