@@ -33,12 +33,24 @@ from torch_rpc_ext._tensorpipe_options import (  # noqa: E402
     remember_tensorpipe_only_settings,
 )
 from torch_rpc_ext.backend import BACKEND_NAME, register  # noqa: E402
+from torch_rpc_ext.elastic import (  # noqa: E402
+    Member,
+    MembershipEvent,
+    membership,
+    on_membership_change,
+    remove_membership_callback,
+)
 from torch_rpc_ext.options import RpcExtBackendOptions  # noqa: E402
 
 __all__ = [
     "BACKEND",
     "BACKEND_NAME",
+    "Member",
+    "MembershipEvent",
     "RpcExtBackendOptions",
+    "membership",
+    "on_membership_change",
+    "remove_membership_callback",
     "register",
     "scripting",
     "__version__",

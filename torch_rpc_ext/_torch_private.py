@@ -13,6 +13,9 @@ __all__ = [
     "validate_device_maps",
     "register_ordered_effect",
     "unset_fake_mode",
+    "current_agent",
+    "update_worker_names",
+    "install_dynamic_shutdown",
 ]
 
 
@@ -70,3 +73,70 @@ def unset_fake_mode() -> Any:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def current_agent() -> Any:
+    """The running RPC agent (RuntimeError naming the problem if none)."""
+    return api._get_current_rpc_agent()
+
+
+def update_worker_names(agent: Any) -> None:
+    """Keep ``api._ALL_WORKER_NAMES`` (what ``_all_gather`` waits for) equal to
+    the current members of a dynamic group."""
+    names = {info.name for info in agent.get_worker_infos()}
+    with api._all_gather_dict_lock:
+        api._ALL_WORKER_NAMES = names
+
+
+def _is_dynamic_agent() -> bool:
+    try:
+        agent = api._get_current_rpc_agent()
+    except RuntimeError:
+        return False
+    return bool(getattr(agent, "is_dynamic", False))
+
+
+_SHUTDOWN_RREF_WAIT_S = 5.0
+
+
+def install_dynamic_shutdown() -> None:
+    """Make ``rpc.shutdown()`` right for a dynamic TORCH_RPC_EXT member.
+
+    ``api.shutdown`` runs its static path for every agent that is not a
+    TensorPipeAgent: ``_wait_all_workers`` (an all-gather across the group,
+    which a member leaving alone would wait on forever) and
+    ``_delete_all_user_and_unforked_owner_rrefs`` (which waits until every
+    peer dropped our RRefs). For a dynamic member the first is skipped (it
+    leaves alone; ``agent.join(shutdown=True)`` drains its calls and tells
+    the group), the second runs with a bounded wait. Both are looked up as
+    module globals when ``shutdown`` runs, so wrapping them here is enough;
+    other agents get the originals. Idempotent.
+    """
+    if getattr(api._wait_all_workers, "_torch_rpc_ext", False):
+        return
+    wait_all = api._wait_all_workers
+    delete_all = api._delete_all_user_and_unforked_owner_rrefs
+
+    def _wait_all_workers(*args: Any, **kwargs: Any) -> Any:
+        if _is_dynamic_agent():
+            return None
+        return wait_all(*args, **kwargs)
+
+    def _delete_all_user_and_unforked_owner_rrefs(*args: Any, **kwargs: Any) -> Any:
+        if not _is_dynamic_agent():
+            return delete_all(*args, **kwargs)
+        from datetime import timedelta
+
+        try:
+            return delete_all(timedelta(seconds=_SHUTDOWN_RREF_WAIT_S))
+        except RuntimeError as e:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "torch_rpc_ext: leaving with RRefs still referenced: %s", e
+            )
+            return None
+
+    _wait_all_workers._torch_rpc_ext = True  # type: ignore[attr-defined]
+    api._wait_all_workers = _wait_all_workers
+    api._delete_all_user_and_unforked_owner_rrefs = _delete_all_user_and_unforked_owner_rrefs

@@ -104,10 +104,9 @@ def _init_backend(
     # TensorPipe's options are taken as the launcher takes them: a program
     # that changes only its backend runs (TensorPipe-only settings reported).
     rpc_backend_options = translate_options(rpc_backend_options)
+    _claim_group_kind(store, dynamic=world_size is None)
     if world_size is None:
-        raise ValueError(
-            "TORCH_RPC_EXT supports static groups only: pass world_size to init_rpc"
-        )
+        return _init_dynamic(store, name, rank, rpc_backend_options)
     reverse, devices = _check_device_maps(store, name, rank, world_size, rpc_backend_options)
     options = _agent_options(rpc_backend_options)
     # The devices whose tensors need a device channel (a CPU-to-CPU map
@@ -126,6 +125,47 @@ def _init_backend(
     agent = _C.Agent(store, name, rank, world_size, options)
     try:
         _torch_private.init_rpc_states(agent)
+    except Exception:
+        agent.shutdown()
+        raise
+    return agent
+
+
+_GROUP_KIND_KEY = "torch_rpc_ext/group_kind"
+# Where a dynamic group's membership log lives, on the store beneath
+# init_rpc's per-call prefix (so a process that calls init_rpc again, under
+# another prefix, finds the same group).
+_ELASTIC_PREFIX = "torch_rpc_ext/elastic/default/"
+
+
+def _claim_group_kind(store: Any, dynamic: bool) -> None:
+    """The first member decides whether the group is static or dynamic;
+    a member of the other kind fails with upstream's text."""
+    kind = b"dynamic" if dynamic else b"static"
+    if store.compare_set(_GROUP_KIND_KEY, b"", kind) != kind:
+        raise RuntimeError(
+            "RPC group mixes statically and dynamically initialized members "
+            "which is not supported."
+        )
+
+
+def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions) -> Any:
+    """Join (or start) the dynamic group whose membership log is in ``store``."""
+    if opts.device_maps or opts.devices:
+        raise ValueError(
+            "TORCH_RPC_EXT: device_maps and devices are not supported in a dynamic "
+            "group (init_rpc without world_size) yet; pass world_size to use them"
+        )
+    import torch.distributed as dist
+
+    base = getattr(store, "underlying_store", store)
+    agent = _C.Agent(dist.PrefixStore(_ELASTIC_PREFIX, base), name, rank, 0, _agent_options(opts))
+    try:
+        _torch_private.install_dynamic_shutdown()
+        _torch_private.init_rpc_states(agent)
+        from torch_rpc_ext.elastic import start_event_thread
+
+        start_event_thread(agent)
     except Exception:
         agent.shutdown()
         raise

@@ -84,25 +84,26 @@ Agent::Agent(
       calls_(
           [this](int64_t id, CallTable::Call call) {
             auto ms = call.timeout.count();
-            stats_[call.peerId].timeouts.fetch_add(
-                1, std::memory_order_relaxed);
+            call.peer->stats.timeouts.fetch_add(1, std::memory_order_relaxed);
             settleWithError(
                 std::move(call),
                 rpc::makeRPCError(timeoutText(ms), rpc::RPCErrorType::TIMEOUT));
             (void)id;
           },
           [this] { buffers_->trim(); }),
-      stats_(new PeerStats[worldSize]) {
+      view_(std::make_shared<View>()) {
+  // worldSize 0 is a dynamic group: any rank that fits dist autograd's
+  // 16-bit worker ids.
   TORCH_CHECK(
-      worldSize > 0 && worldSize <= 32767,
+      worldSize >= 0 && worldSize <= 32767,
       "world_size must be in [1, 32767], got ",
       worldSize);
   TORCH_CHECK(
-      rank >= 0 && rank < worldSize,
+      rank >= 0 && rank < (worldSize > 0 ? worldSize : 32768),
       "rank ",
       rank,
-      " is outside [0, world_size=",
-      worldSize,
+      worldSize > 0 ? " is outside [0, world_size=" : " is outside [0, ",
+      worldSize > 0 ? worldSize : 32768,
       ")");
   if (!options_.faults.empty()) {
     faults_ = std::make_unique<FaultInjector>(options_.faults);
@@ -124,6 +125,21 @@ void Agent::shutdownImpl() {
     return;
   }
   shuttingDown_ = true;
+  if (log_ && !left_.exchange(true)) {
+    // Not a graceful leave (shutdown(graceful=False), or an error): tell the
+    // group at once rather than let our lease run out.
+    try {
+      std::lock_guard<std::mutex> lock(rosterMutex_);
+      log_->append(leaveRecord(incarnation_), roster_.epoch());
+      log_->forget(incarnation_);
+    } catch (const std::exception& e) {
+      logWarning(
+          "torch_rpc_ext: " + workerInfo_.name_ +
+          " could not record leaving the group (its lease will run out): " +
+          e.what());
+    }
+  }
+  stopWatcher();
   // Fail pending calls first: a request running on a loop thread may wait on
   // one of them, and stopping a transport waits for that request. Then again
   // for calls registered meanwhile by sends already past their check.
@@ -157,9 +173,30 @@ void Agent::shutdownImpl() {
 
 const rpc::WorkerInfo& Agent::getWorkerInfo(
     const std::string& workerName) const {
-  auto it = idByName_.find(workerName);
+  auto v = view();
+  auto it = v->byName.find(workerName);
+  if (it != v->byName.end()) {
+    return it->second->info; // peers live as long as we do
+  }
+  auto gone = lastPeerNamed(workerName);
   TORCH_CHECK(
-      it != idByName_.end(),
+      !gone,
+      "name:",
+      workerInfo_.name_,
+      ",rank:",
+      workerInfo_.id_,
+      " could not find destination name ",
+      workerName,
+      ": ",
+      gone ? gone->departure() : "");
+  std::vector<std::string> names;
+  for (const auto& p : v->byId) {
+    if (p) {
+      names.push_back(p->info.name_);
+    }
+  }
+  TORCH_CHECK(
+      false,
       "name:",
       workerInfo_.name_,
       ",rank:",
@@ -167,45 +204,92 @@ const rpc::WorkerInfo& Agent::getWorkerInfo(
       " could not find destination name ",
       workerName,
       " (known workers: ",
-      c10::Join(
-          ", ",
-          [this] {
-            std::vector<std::string> names;
-            for (const auto& w : workers_) {
-              names.push_back(w.name_);
-            }
-            return names;
-          }()),
+      c10::Join(", ", names),
       ")");
-  return workers_[it->second];
 }
 
 const rpc::WorkerInfo& Agent::getWorkerInfo(rpc::worker_id_t id) const {
+  auto v = view();
+  if (Peer* p = v->find(id)) {
+    return p->info;
+  }
+  std::string why = worldSize_ > 0
+      ? " (world size " + std::to_string(worldSize_) + ")"
+      : " (no member holds it at epoch " + std::to_string(v->epoch) + ")";
+  {
+    std::lock_guard<std::mutex> lock(peersMutex_);
+    for (auto it = peers_.rbegin(); it != peers_.rend(); ++it) {
+      if ((*it)->info.id_ == id && (*it)->departed()) {
+        why = ": " + (*it)->departure();
+        break;
+      }
+    }
+  }
   TORCH_CHECK(
-      id >= 0 && id < static_cast<int>(workers_.size()),
+      false,
       "name:",
       workerInfo_.name_,
       ",rank:",
       workerInfo_.id_,
       " could not find destination id ",
       id,
-      " (world size ",
-      workers_.size(),
-      ")");
-  return workers_[id];
+      why);
 }
 
 std::vector<rpc::WorkerInfo> Agent::getWorkerInfos() const {
-  return workers_;
+  return view()->infos();
 }
 
-std::shared_ptr<transport::Connection> Agent::connectionTo(int32_t peerId) {
+void Agent::publish(std::shared_ptr<const View> view) {
+  view_.store(std::move(view), std::memory_order_release);
+}
+
+Peer* Agent::memberOn(const transport::Connection& conn) const {
+  return view()->find(conn.peerId());
+}
+
+std::shared_ptr<Peer> Agent::lastPeerNamed(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(peersMutex_);
+  for (auto it = peers_.rbegin(); it != peers_.rend(); ++it) {
+    if ((*it)->info.name_ == name) {
+      return *it;
+    }
+  }
+  return nullptr;
+}
+
+std::shared_ptr<Peer> Agent::adopt(
+    rpc::WorkerInfo info,
+    uint64_t incarnation,
+    Route route) {
+  auto peer =
+      std::make_shared<Peer>(std::move(info), incarnation, std::move(route));
+  std::lock_guard<std::mutex> lock(peersMutex_);
+  peers_.push_back(peer);
+  return peer;
+}
+
+std::shared_ptr<transport::Connection> Agent::connectionTo(const Peer& peer) {
   std::lock_guard<std::mutex> lock(connMutex_);
-  auto& slot = outbound_[peerId];
+  // A departing peer's connection is closed under this lock after it is
+  // marked departed (elastic.cpp), so none is opened to it afterwards.
+  TORCH_CHECK(
+      !peer.departed(),
+      "RPC to ",
+      peer.info.name_,
+      " failed: ",
+      peer.departure());
+  TORCH_CHECK(
+      !peer.route.transport.empty(),
+      "RPC to ",
+      peer.info.name_,
+      " failed: ",
+      peer.route.address); // why no route was found (elastic.cpp)
+  auto& slot = outbound_[&peer];
   if (!slot || slot->isClosed()) {
-    const Route& route = routes_.at(peerId);
-    slot =
-        transports_.at(route.transport)->connect(route.address, peerId, this);
+    const Route& route = peer.route;
+    slot = transports_.at(route.transport)
+               ->connect(route.address, peer.info.id_, this);
   }
   return slot;
 }
@@ -233,12 +317,25 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       "send() only carries requests, got message type ",
       message->type());
   TORCH_CHECK(
-      to.id_ >= 0 && to.id_ < worldSize_ && workers_[to.id_].name_ == to.name_,
-      "unknown destination worker ",
+      !fenced_.load(),
+      "RPC from ",
+      workerInfo_.name_,
+      " to ",
       to.name_,
-      " (id ",
-      to.id_,
-      ")");
+      " failed: ",
+      fencedReason_);
+  Peer* peer = view()->find(to.id_);
+  if (!peer || peer->info.name_ != to.name_ || peer->departed()) {
+    auto gone = lastPeerNamed(to.name_);
+    TORCH_CHECK(
+        !(gone && gone->departed()),
+        "RPC to ",
+        to.name_,
+        " failed: ",
+        gone ? gone->departure() : "");
+    TORCH_CHECK(
+        false, "unknown destination worker ", to.name_, " (id ", to.id_, ")");
+  }
   if (faults_) {
     if (auto error = faults_->failure(*message)) {
       auto failed =
@@ -256,7 +353,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   std::optional<wire::DeviceRoute> route;
   if (!options_.devices.empty()) {
     // A per-call map (dist autograd's backward pass) overrides the options'.
-    route = routeTo(to.id_, deviceMap.empty() ? getDeviceMap(to) : deviceMap);
+    route = routeTo(*peer, deviceMap.empty() ? getDeviceMap(to) : deviceMap);
   }
   frame::OutboundFrame frame =
       wire::encodeMessage(message, id, route ? &*route : nullptr);
@@ -283,7 +380,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   }
   std::shared_ptr<transport::Connection> conn;
   try {
-    conn = connectionTo(to.id_);
+    conn = connectionTo(*peer);
   } catch (...) {
     callFinished();
     throw;
@@ -294,20 +391,20 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       CallTable::Call{
           future,
           conn.get(),
-          to.id_,
+          peer,
           timeout,
           std::chrono::steady_clock::now() + timeout,
           /*sentAlone=*/false,
           profile,
           /*arrival=*/{}});
-  auto& stats = stats_[to.id_];
+  auto& stats = peer->stats;
   stats.callsSent.fetch_add(1, std::memory_order_relaxed);
   stats.bytesSent.fetch_add(wireBytes, std::memory_order_relaxed);
   auto delay =
       faults_ ? faults_->delay(message->type()) : std::chrono::milliseconds(0);
   if (delay.count() == 0) {
     auto sendSpan = RemoteProfiling::span(profile.get(), "torch_rpc_ext::send");
-    writeRequest(conn, std::move(frame), id, to.id_);
+    writeRequest(conn, std::move(frame), id, *peer);
     // A lone call (the rpc_sync pattern): let a sleeping loop start polling
     // for the response now, so its wake-up overlaps the peer's work instead
     // of following it. With calls already in flight (pipelined rpc_async)
@@ -322,9 +419,9 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     // it would on a slow network.
     auto held = std::make_shared<frame::OutboundFrame>(std::move(frame));
     auto self = shared_from_this();
-    pool_.run([self, conn, held, id, peer = to.id_, delay] {
+    pool_.run([self, conn, held, id, peer, delay] {
       std::this_thread::sleep_for(delay);
-      self->writeRequest(conn, std::move(*held), id, peer);
+      self->writeRequest(conn, std::move(*held), id, *peer);
     });
     // A call that times out before its message is even written is returned
     // failed, as FAULTY_TENSORPIPE (whose send() sleeps through the delay)
@@ -345,15 +442,15 @@ void Agent::writeRequest(
     const std::shared_ptr<transport::Connection>& conn,
     frame::OutboundFrame frame,
     int64_t id,
-    int32_t peerId) {
+    Peer& peer) {
   // If the connection closed before the call was registered, onClosed has
   // already swept the table: fail the call here so it is not orphaned.
   if (!conn->write(std::move(frame)) || conn->isClosed()) {
     if (auto call = calls_.take(id)) {
-      stats_[peerId].errors.fetch_add(1, std::memory_order_relaxed);
+      peer.stats.errors.fetch_add(1, std::memory_order_relaxed);
       settleWithError(
           std::move(*call),
-          "RPC to " + workers_[peerId].name_ + " failed: connection " +
+          "RPC to " + peer.info.name_ + " failed: connection " +
               conn->describe() + " is closed: " + conn->closeReason());
     }
   }
@@ -368,10 +465,10 @@ void Agent::settle(
   if (call.profile) {
     // Reported on the callee's track, then completed (remote_profiling.h).
     auto profile = std::move(call.profile);
-    const int32_t peer = call.peerId; // read before the lambda takes call
+    const Peer* peer = call.peer; // read before the lambda takes call
     profiling_.finish(
-        peer,
-        workers_[peer].name_,
+        static_cast<int32_t>(peer->info.id_),
+        peer->info.name_,
         std::move(profile),
         std::move(response),
         [self, call = std::move(call)](
@@ -456,7 +553,22 @@ void Agent::callFinished() {
   callCountCv_.notify_all();
 }
 
-void Agent::onReady(const std::shared_ptr<transport::Connection>& /*conn*/) {}
+void Agent::onReady(const std::shared_ptr<transport::Connection>& conn) {
+  if (conn->isOutbound()) {
+    return;
+  }
+  // Ids the handshake admitted (it knew the secret) but no member holds:
+  // a departed worker's process, or one whose join we have not applied.
+  if (Peer* p = memberOn(*conn); !p || p->departed()) {
+    conn->close(
+        "worker id " + std::to_string(conn->peerId()) +
+        " is not a member of the group at epoch " +
+        std::to_string(view()->epoch));
+    return;
+  }
+  std::lock_guard<std::mutex> lock(connMutex_);
+  inbound_.emplace(conn->peerId(), conn);
+}
 
 frame::InboundBuffers Agent::onFrameHead(
     transport::Connection& /*conn*/,
@@ -474,7 +586,7 @@ void Agent::onFrame(
     std::string /*head*/,
     frame::InboundBuffers buffers) {
   auto* in = static_cast<wire::InboundMessage*>(buffers.keepAlive.get());
-  int32_t peer = conn->peerId();
+  Peer* peer = memberOn(*conn); // null: it departed (responses still count)
   c10::intrusive_ptr<rpc::Message> message;
   std::vector<c10::Stream> streams;
   try {
@@ -496,17 +608,28 @@ void Agent::onFrame(
           workerInfo_.name_);
     });
   } catch (const std::exception& e) {
-    stats_[peer].rejectedFrames.fetch_add(1, std::memory_order_relaxed);
+    if (peer) {
+      peer->stats.rejectedFrames.fetch_add(1, std::memory_order_relaxed);
+    }
     conn->close(std::string("rejected message: ") + e.what());
     logWarning(
         "torch_rpc_ext: rejected message from " + conn->describe() + ": " +
         e.what());
     return;
   }
-  stats_[peer].bytesReceived.fetch_add(
-      in->byteSize(), std::memory_order_relaxed);
   if (message->isRequest()) {
-    stats_[peer].callsServed.fetch_add(1, std::memory_order_relaxed);
+    if (!peer || peer->departed()) {
+      // Nothing a departed member sends is served: it drained its own calls
+      // before leaving, or was declared dead (and is fenced).
+      conn->close(
+          "worker id " + std::to_string(conn->peerId()) +
+          " is not a member of the group at epoch " +
+          std::to_string(view()->epoch));
+      return;
+    }
+    peer->stats.bytesReceived.fetch_add(
+        in->byteSize(), std::memory_order_relaxed);
+    peer->stats.callsServed.fetch_add(1, std::memory_order_relaxed);
     ++serverActiveCalls_;
     // Served on this loop thread after the read pass: no hop (see settle).
     auto self = shared_from_this();
@@ -528,6 +651,8 @@ void Agent::onFrame(
     lateResponses_.fetch_add(1, std::memory_order_relaxed);
     return;
   }
+  call->peer->stats.bytesReceived.fetch_add(
+      in->byteSize(), std::memory_order_relaxed);
   call->arrival = std::move(streams);
   settle(*conn, std::move(*call), std::move(message), remaining == 0);
 }
@@ -541,11 +666,16 @@ void Agent::onClosed(transport::Connection& conn, const std::string& reason) {
         break;
       }
     }
+    auto range = inbound_.equal_range(conn.peerId());
+    for (auto it = range.first; it != range.second;) {
+      auto held = it->second.lock();
+      it = !held || held.get() == &conn ? inbound_.erase(it) : std::next(it);
+    }
   }
-  int32_t authenticated = conn.peerId();
-  if (conn.rejectedPeer() && authenticated >= 0 && authenticated < worldSize_) {
-    stats_[authenticated].rejectedFrames.fetch_add(
-        1, std::memory_order_relaxed);
+  if (conn.rejectedPeer()) {
+    if (Peer* p = memberOn(conn)) {
+      p->stats.rejectedFrames.fetch_add(1, std::memory_order_relaxed);
+    }
   }
   if (!conn.isOutbound() && conn.peerId() < 0 && !reason.empty()) {
     rejectedConnections_.fetch_add(1, std::memory_order_relaxed);
@@ -571,13 +701,13 @@ void Agent::onClosed(transport::Connection& conn, const std::string& reason) {
         conn.describe() + " with " + std::to_string(failed.size()) +
         " calls pending: " + reason);
   }
-  int32_t peer = failed.front().second.peerId;
+  const Peer* peer = failed.front().second.peer;
   std::string why = reason.empty() ? "RPC agent is shutting down" : reason;
   for (auto& [id, call] : failed) {
-    stats_[call.peerId].errors.fetch_add(1, std::memory_order_relaxed);
+    call.peer->stats.errors.fetch_add(1, std::memory_order_relaxed);
     settleWithError(
         std::move(call),
-        "RPC to " + workers_[peer].name_ + " failed: connection " +
+        "RPC to " + peer->info.name_ + " failed: connection " +
             conn.describe() + " lost: " + why);
   }
 }

@@ -4,11 +4,13 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include <torch/csrc/distributed/rpc/rpc_agent.h>
 
 #include "csrc/agent/call_table.h"
+#include "csrc/agent/membership.h"
 #include "csrc/agent/options.h"
 #include "csrc/agent/peer_stats.h"
 #include "csrc/agent/remote_profiling.h"
@@ -51,6 +54,8 @@ class Agent final : public rpc::RpcAgent,
   // Rendezvous through `store`: share the group secret, publish this
   // worker's name and address, learn everyone else's. Blocks until all
   // `worldSize` workers have published. Throws on duplicate names.
+  // worldSize 0: join the dynamic group whose membership log is in `store`
+  // (elastic.cpp); returns once every member knows us.
   static std::shared_ptr<Agent> create(
       const c10::intrusive_ptr<::c10d::Store>& store,
       std::string name,
@@ -94,6 +99,24 @@ class Agent final : public rpc::RpcAgent,
     return options_;
   }
 
+  // ---- Membership, as the program sees it (docs/elastic.md) ----
+  bool isDynamic() const {
+    return worldSize_ == 0;
+  }
+  // Ours: random per join; 0 in a static group.
+  uint64_t incarnation() const {
+    return incarnation_;
+  }
+  // The current members (with their incarnations) and the epoch.
+  std::shared_ptr<const View> currentView() const {
+    return view();
+  }
+  // Membership changes applied since our join and not taken yet, in epoch
+  // order, waiting up to `timeout` for one; nullopt once the agent is shut
+  // down. (torch_rpc_ext/elastic.py turns them into callbacks.)
+  std::optional<std::vector<MembershipEvent>> takeMembershipEvents(
+      std::chrono::milliseconds timeout);
+
  private:
   Agent(
       const c10::intrusive_ptr<::c10d::Store>& store,
@@ -119,7 +142,7 @@ class Agent final : public rpc::RpcAgent,
   void onClosed(transport::Connection& conn, const std::string& reason)
       override;
 
-  std::shared_ptr<transport::Connection> connectionTo(int32_t peerId);
+  std::shared_ptr<transport::Connection> connectionTo(const Peer& peer);
   // Pool thread: run the request (its CUDA tensors ready on `streams`, one
   // per device of ours) and arrange for its response.
   void serveRequest(
@@ -133,16 +156,8 @@ class Agent final : public rpc::RpcAgent,
   // the current streams of their devices (by the channels' copies).
   static void recordCudaUse(const rpc::Message& message);
   // How CUDA tensors to `peer` travel under `map`.
-  wire::DeviceRoute routeTo(int32_t peer, const rpc::DeviceMap& map) const;
+  wire::DeviceRoute routeTo(const Peer& peer, const rpc::DeviceMap& map) const;
   void sendResponse(transport::Connection& conn, int64_t id, JitFuture& result);
-  // How we reach each worker: the first transport of our preference order
-  // that it offers in the same domain (Transport::domainDescriptor()).
-  struct Route {
-    std::string transport;
-    std::string address;
-    // The peer's channels: name -> domain descriptor.
-    std::map<std::string, std::string> channels;
-  };
   // The channels a connection to `peerId` uses: ours (in our order of
   // preference) that the peer offers in the same domain and the connection
   // can host. Both ends compute the same set.
@@ -166,7 +181,7 @@ class Agent final : public rpc::RpcAgent,
       const std::shared_ptr<transport::Connection>& conn,
       frame::OutboundFrame frame,
       int64_t id,
-      int32_t peerId);
+      Peer& peer);
   Route chooseRoute(const std::string& peerName, const std::string& offers)
       const;
   // Complete a client call on `conn`'s loop thread, after its read pass.
@@ -185,13 +200,83 @@ class Agent final : public rpc::RpcAgent,
   void callFinished();
 
   const c10::intrusive_ptr<::c10d::Store> store_;
-  const int worldSize_;
+  const int worldSize_; // 0: a dynamic group
   const AgentOptions options_;
   std::string secret_;
-  std::vector<rpc::WorkerInfo> workers_; // by id
-  std::vector<Route> routes_; // by id
-  std::unordered_map<std::string, rpc::worker_id_t> idByName_;
   std::string address_;
+
+  // ---- Membership (membership.h) ----
+  // The current members. Loaded per call (one atomic shared_ptr load);
+  // replaced whole by the membership watcher of a dynamic group.
+  std::shared_ptr<const View> view() const {
+    return view_.load(std::memory_order_acquire);
+  }
+  void publish(std::shared_ptr<const View> view);
+  // The member holding the id `conn` is authenticated as, if any. (A dead
+  // holder's connections are closed as it is declared dead; one that left
+  // closes its own once its last responses are out.)
+  Peer* memberOn(const transport::Connection& conn) const;
+  // Every peer ever seen by name (the newest holder of each name), for
+  // errors and metrics.
+  std::shared_ptr<Peer> lastPeerNamed(const std::string& name) const;
+  // Our rendezvous entry: the name line, then a line per transport we
+  // listen on and per channel we offer. Starts the transports.
+  std::string openTransports();
+  std::shared_ptr<Peer> adopt(
+      rpc::WorkerInfo info,
+      uint64_t incarnation,
+      Route route);
+  // ---- Dynamic groups (elastic.cpp) ----
+  void joinGroup(const std::string& entry);
+  void watchMembership();
+  // Apply what the log holds past our roster; true if anything changed.
+  bool catchUp();
+  void applyEvent(const MembershipEvent& ev);
+  void checkLeases();
+  void leaveGroup(
+      std::optional<std::chrono::steady_clock::time_point> deadline);
+  // Wait until every member of the current view other than us has
+  // acknowledged `epoch` (or departed); false at `deadline`.
+  bool awaitAcks(
+      int64_t epoch,
+      std::chrono::steady_clock::time_point deadline,
+      std::vector<std::string>* missing);
+  void stopWatcher();
+  // How long a member's lease may go unrenewed before it is declared dead:
+  // the heartbeat timeout (its default when heartbeats are off).
+  std::chrono::milliseconds leaseTimeout() const;
+
+  std::atomic<std::shared_ptr<const View>> view_;
+  mutable std::mutex peersMutex_;
+  std::vector<std::shared_ptr<Peer>> peers_; // every peer ever seen
+  uint64_t incarnation_ = 0; // ours; 0 in a static group
+  std::unique_ptr<MembershipLog> log_;
+  std::mutex rosterMutex_; // roster_, the watcher's state
+  Roster roster_;
+  struct Lease {
+    int64_t beats = -1;
+    std::chrono::steady_clock::time_point changed;
+  };
+  std::unordered_map<uint64_t, Lease> leases_; // by incarnation
+  std::chrono::steady_clock::time_point nextBeat_, nextLeaseCheck_;
+  std::thread watcher_;
+  std::mutex watcherMutex_;
+  std::condition_variable watcherCv_;
+  bool watcherStop_ = false;
+  // Set when the log says we were declared dead: every send fails.
+  std::atomic<bool> fenced_{false};
+  std::string fencedReason_;
+  std::atomic<bool> left_{false};
+  std::string joinRefusal_; // why the log ignored our join record
+  std::mutex eventsMutex_;
+  std::condition_variable eventsCv_;
+  std::deque<MembershipEvent> events_;
+  bool reportEvents_ = false; // from our join on
+  bool eventsClosed_ = false;
+  // Accepted connections by peer id (outbound_ holds ours), so a departing
+  // peer's connections are closed as it departs.
+  std::unordered_multimap<int32_t, std::weak_ptr<transport::Connection>>
+      inbound_;
 
   std::map<std::string, std::shared_ptr<transport::Transport>> transports_;
   // Our viable channels, in order of preference (rendezvous()).
@@ -199,7 +284,8 @@ class Agent final : public rpc::RpcAgent,
   std::vector<std::shared_ptr<transport::Listener>> listeners_;
   std::map<std::string, std::string> listenAddresses_; // by transport
   std::mutex connMutex_;
-  std::unordered_map<int32_t, std::shared_ptr<transport::Connection>> outbound_;
+  std::unordered_map<const Peer*, std::shared_ptr<transport::Connection>>
+      outbound_;
 
   ThreadPool pool_;
   // Completes the futures of calls that were not alone in flight, in order,
@@ -213,7 +299,6 @@ class Agent final : public rpc::RpcAgent,
   std::shared_ptr<BufferPool> buffers_;
   CallTable calls_;
   std::atomic<int64_t> nextId_{0};
-  std::unique_ptr<PeerStats[]> stats_; // by peer id
   std::atomic<uint64_t> rejectedConnections_{0};
   std::atomic<uint64_t> lateResponses_{0};
 

@@ -19,6 +19,8 @@
 
 namespace torch_rpc_ext {
 
+struct Peer; // membership.h
+
 using JitFuture = c10::ivalue::Future;
 
 // The client calls in flight: id -> future, the connection it went out on,
@@ -32,7 +34,8 @@ class CallTable {
   struct Call {
     c10::intrusive_ptr<JitFuture> future;
     const void* connection; // identity only, never dereferenced
-    int32_t peerId;
+    // The callee (membership.h: peers live as long as the agent).
+    Peer* peer;
     std::chrono::milliseconds timeout; // 0: never expires
     std::chrono::steady_clock::time_point deadline;
     // No other call was in flight when this one was registered (set by

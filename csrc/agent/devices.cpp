@@ -39,11 +39,11 @@ std::vector<c10::Stream> Agent::arrivalStreams() const {
   return out;
 }
 
-wire::DeviceRoute Agent::routeTo(int32_t peer, const rpc::DeviceMap& map)
+wire::DeviceRoute Agent::routeTo(const Peer& peer, const rpc::DeviceMap& map)
     const {
   wire::DeviceRoute route;
   route.map = map;
-  route.peer = workers_[peer].name_;
+  route.peer = peer.info.name_;
   // A tensor's bytes are read on the sender's current stream of its device,
   // after whatever it queued there (recordCudaUse() tells the caching
   // allocator, so a storage freed meanwhile is not reused before the copy

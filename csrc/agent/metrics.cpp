@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // What Agent reports: upstream's agent.* keys, GIL wait, and our per-peer
 // counters (get_metrics / get_debug_info).
+#include <array>
+#include <map>
+
 #include "csrc/agent/agent.h"
 #include "csrc/agent/serve_callback.h"
 #include "csrc/channel/registry.h"
@@ -49,17 +52,41 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
   }
   // Every peer is listed from the start, idle or not: the key set must not
   // change with traffic (upstream's test_debug_info compares the keys of two
-  // snapshots taken while other workers may already be calling us).
-  for (int r = 0; r < worldSize_; ++r) {
-    const auto& s = stats_[r];
-    std::string p = "rpc_ext.peer." + workers_[r].name_ + ".";
-    m[p + "calls_sent"] = std::to_string(s.callsSent.load());
-    m[p + "calls_served"] = std::to_string(s.callsServed.load());
-    m[p + "bytes_sent"] = std::to_string(s.bytesSent.load());
-    m[p + "bytes_received"] = std::to_string(s.bytesReceived.load());
-    m[p + "errors"] = std::to_string(s.errors.load());
-    m[p + "timeouts"] = std::to_string(s.timeouts.load());
-    m[p + "rejected_frames"] = std::to_string(s.rejectedFrames.load());
+  // snapshots taken while other workers may already be calling us). In a
+  // dynamic group it changes only as members join: every name ever seen
+  // stays, its counters summed over the workers that held it.
+  std::map<std::string, std::array<uint64_t, 7>> byName;
+  {
+    std::lock_guard<std::mutex> lock(peersMutex_);
+    for (const auto& peer : peers_) {
+      const auto& s = peer->stats;
+      auto& sum = byName[peer->info.name_];
+      sum[0] += s.callsSent.load();
+      sum[1] += s.callsServed.load();
+      sum[2] += s.bytesSent.load();
+      sum[3] += s.bytesReceived.load();
+      sum[4] += s.errors.load();
+      sum[5] += s.timeouts.load();
+      sum[6] += s.rejectedFrames.load();
+    }
+  }
+  static const char* const kCounters[] = {
+      "calls_sent",
+      "calls_served",
+      "bytes_sent",
+      "bytes_received",
+      "errors",
+      "timeouts",
+      "rejected_frames"};
+  for (const auto& [name, sum] : byName) {
+    for (size_t i = 0; i < sum.size(); ++i) {
+      m["rpc_ext.peer." + name + "." + kCounters[i]] = std::to_string(sum[i]);
+    }
+  }
+  if (worldSize_ == 0) {
+    auto v = view();
+    m["rpc_ext.membership.epoch"] = std::to_string(v->epoch);
+    m["rpc_ext.membership.size"] = std::to_string(v->byName.size());
   }
   return m;
 }
@@ -75,14 +102,18 @@ std::unordered_map<std::string, std::string> Agent::getDebugInfo() {
     ours += c->name() + ",";
   }
   m["rpc_ext.channels"] = ours + channel::kStreamChannelName;
-  for (int r = 0; r < worldSize_; ++r) {
-    std::string p = "rpc_ext.peer." + workers_[r].name_ + ".";
-    m[p + "transport"] = routes_[r].transport;
+  for (const auto& peer : view()->byId) {
+    if (!peer) {
+      continue;
+    }
+    std::string p = "rpc_ext.peer." + peer->info.name_ + ".";
+    m[p + "transport"] = peer->route.transport;
     // What our connection to it uses, in order; the stream comes last.
     std::string used;
-    auto t = transports_.find(routes_[r].transport);
+    auto t = transports_.find(peer->route.transport);
     if (t != transports_.end()) {
-      for (const auto& c : channelsFor(r, t->second->passesDescriptors())) {
+      for (const auto& c :
+           channelsFor(peer->info.id_, t->second->passesDescriptors())) {
         used += c.context->name() + ",";
       }
     }

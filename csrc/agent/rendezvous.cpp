@@ -48,16 +48,57 @@ void Agent::rendezvous() {
   const auto& self = getWorkerInfo();
   if (!options_.secret.empty()) {
     secret_ = options_.secret;
+  } else if (worldSize_ == 0) {
+    // A dynamic group: whoever comes first creates it (no rank is special).
+    secret_ = fromBytes(
+        store_->compareSet(kSecretKey, {}, toBytes(randomBytes(kSecretBytes))));
   } else if (self.id_ == 0) {
     secret_ = randomBytes(kSecretBytes);
     store_->set(kSecretKey, toBytes(secret_));
   } else {
     secret_ = fromBytes(store_->get(kSecretKey));
   }
+  std::string entry = openTransports();
+  if (worldSize_ == 0) {
+    joinGroup(entry);
+    return;
+  }
 
+  store_->set(kWorkerKeyPrefix + std::to_string(self.id_), toBytes(entry));
+  auto view = std::make_shared<View>();
+  view->byId.resize(worldSize_);
+  for (int r = 0; r < worldSize_; ++r) {
+    std::string entry =
+        fromBytes(store_->get(kWorkerKeyPrefix + std::to_string(r)));
+    auto nl = entry.find('\n');
+    TORCH_CHECK(nl != std::string::npos, "malformed rendezvous entry ", r);
+    std::string name = entry.substr(0, nl);
+    auto it = view->byName.find(name);
+    TORCH_CHECK(
+        it == view->byName.end(),
+        "RPC worker name ",
+        name,
+        " is not unique: ranks ",
+        it == view->byName.end() ? 0 : it->second->info.id_,
+        " and ",
+        r,
+        " both use it");
+    view->byId[r] = adopt(
+        rpc::WorkerInfo(name, static_cast<int64_t>(r)),
+        /*incarnation=*/0,
+        chooseRoute(name, entry.substr(nl + 1)));
+    view->byName[name] = view->byId[r];
+  }
+  publish(std::move(view));
+}
+
+std::string Agent::openTransports() {
+  const auto& self = getWorkerInfo();
   transport::TransportOptions topts;
   topts.selfId = self.id_;
-  topts.peerIdLimit = worldSize_;
+  // A dynamic group admits any rank at the handshake; onReady then refuses
+  // ids that no member holds.
+  topts.peerIdLimit = worldSize_ > 0 ? worldSize_ : 32768;
   topts.secret = secret_;
   topts.limits.maxFrameBytes = options_.maxFrameBytes;
   topts.handshakeTimeout = options_.handshakeTimeout;
@@ -130,35 +171,11 @@ void Agent::rendezvous() {
   if (!unavailable.empty()) {
     logWarning("torch_rpc_ext: " + self.name_ + " runs without" + unavailable);
   }
-
-  store_->set(kWorkerKeyPrefix + std::to_string(self.id_), toBytes(entry));
-  workers_.reserve(worldSize_);
-  routes_.resize(worldSize_);
-  for (int r = 0; r < worldSize_; ++r) {
-    std::string entry =
-        fromBytes(store_->get(kWorkerKeyPrefix + std::to_string(r)));
-    auto nl = entry.find('\n');
-    TORCH_CHECK(nl != std::string::npos, "malformed rendezvous entry ", r);
-    std::string name = entry.substr(0, nl);
-    auto [it, fresh] =
-        idByName_.emplace(name, static_cast<rpc::worker_id_t>(r));
-    TORCH_CHECK(
-        fresh,
-        "RPC worker name ",
-        name,
-        " is not unique: ranks ",
-        it->second,
-        " and ",
-        r,
-        " both use it");
-    workers_.emplace_back(name, static_cast<int64_t>(r));
-    routes_[r] = chooseRoute(name, entry.substr(nl + 1));
-  }
+  return entry;
 }
 
-Agent::Route Agent::chooseRoute(
-    const std::string& peerName,
-    const std::string& offers) const {
+Route Agent::chooseRoute(const std::string& peerName, const std::string& offers)
+    const {
   // The peer's transports whose domain matches ours (shm: the same host),
   // and the channels it offers.
   std::map<std::string, std::string> reachable;
@@ -200,10 +217,13 @@ std::vector<channel::Offer> Agent::channelsFor(
     int32_t peerId,
     bool hostPassesDescriptors) const {
   std::vector<channel::Offer> out;
-  if (peerId < 0 || static_cast<size_t>(peerId) >= routes_.size()) {
+  // Held while the transport sets up the connection: a peer that departs
+  // meanwhile cannot be freed (peers never are; see membership.h).
+  Peer* peer = view()->find(peerId);
+  if (!peer) {
     return out;
   }
-  const auto& offered = routes_[peerId].channels;
+  const auto& offered = peer->route.channels;
   for (const auto& c : channels_) {
     if (c->needsDescriptorPassing() && !hostPassesDescriptors) {
       continue;
@@ -230,24 +250,35 @@ void Agent::join(bool shutdown, float timeout) {
     deadline = std::chrono::steady_clock::now() +
         std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
   }
-  while (true) {
-    {
-      std::unique_lock<std::mutex> lock(callCountMutex_);
-      auto idle = [this] { return clientActiveCalls_ == 0; };
-      if (!deadline) {
-        callCountCv_.wait(lock, idle);
-      } else {
-        TORCH_CHECK(
-            callCountCv_.wait_until(lock, *deadline, idle),
-            "RPC join timed out after ",
-            timeout,
-            " s: ",
-            clientActiveCalls_,
-            " calls of ",
-            workerInfo_.name_,
-            " are still waiting for responses");
-      }
+  auto drain = [&] {
+    std::unique_lock<std::mutex> lock(callCountMutex_);
+    auto idle = [this] { return clientActiveCalls_ == 0; };
+    if (!deadline) {
+      callCountCv_.wait(lock, idle);
+    } else {
+      TORCH_CHECK(
+          callCountCv_.wait_until(lock, *deadline, idle),
+          "RPC join timed out after ",
+          timeout,
+          " s: ",
+          clientActiveCalls_,
+          " calls of ",
+          workerInfo_.name_,
+          " are still waiting for responses");
     }
+  };
+  if (worldSize_ == 0) {
+    // A dynamic group has no barrier: a member leaves alone, once its own
+    // calls are answered (elastic.cpp).
+    drain();
+    if (shutdown) {
+      leaveGroup(deadline);
+      shuttingDown_ = true;
+    }
+    return;
+  }
+  while (true) {
+    drain();
     // Everyone arrives with no calls of their own in flight...
     joinRound(0, deadline, timeout);
     // ...then counts what started meanwhile (nested or follow-up calls). The
@@ -341,12 +372,13 @@ int64_t Agent::joinRound(
     // us wait forever: its connection fails (refused, reset, or no
     // handshake within handshake_timeout) and we say so. Connections opened
     // by this probe get a moment to succeed or fail.
-    std::vector<int> missingRanks;
+    std::vector<Peer*> missingPeers;
     std::vector<std::shared_ptr<transport::Connection>> conns;
+    auto v = view();
     for (int r = 0; r < worldSize_; ++r) {
       if (!store_->check({keys[r]})) {
-        missingRanks.push_back(r);
-        conns.push_back(connectionTo(r));
+        missingPeers.push_back(v->find(r));
+        conns.push_back(connectionTo(*missingPeers.back()));
       }
     }
     auto settleBy = std::chrono::steady_clock::now() + kJoinSlice / 4;
@@ -357,8 +389,8 @@ int64_t Agent::joinRound(
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     std::vector<std::string> missing, unreachable;
-    for (size_t i = 0; i < missingRanks.size(); ++i) {
-      const std::string& name = workers_[missingRanks[i]].name_;
+    for (size_t i = 0; i < missingPeers.size(); ++i) {
+      const std::string& name = missingPeers[i]->info.name_;
       missing.push_back(name);
       if (conns[i]->isClosed() && !conns[i]->closeReason().empty()) {
         unreachable.push_back(name + " (" + conns[i]->closeReason() + ")");

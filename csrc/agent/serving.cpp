@@ -77,15 +77,15 @@ void Agent::sendResponse(
     response = result.value().toCustomClass<rpc::Message>();
   }
   frame::OutboundFrame frame;
-  int32_t peer = conn.peerId();
+  Peer* peer = memberOn(conn);
   try {
     std::optional<wire::DeviceRoute> route;
-    if (!options_.devices.empty() && peer >= 0 && peer < worldSize_) {
+    if (!options_.devices.empty() && peer) {
       // Back through the reverse of the caller's map. (This callback runs
       // under streams that wait for the result's events: the current ones.)
-      auto it = options_.reverseDeviceMaps.find(workers_[peer].name_);
+      auto it = options_.reverseDeviceMaps.find(peer->info.name_);
       route = routeTo(
-          peer,
+          *peer,
           it == options_.reverseDeviceMaps.end() ? rpc::DeviceMap{}
                                                  : it->second);
     }
@@ -100,8 +100,8 @@ void Agent::sendResponse(
   } catch (const std::exception& e) {
     frame = wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id);
   }
-  if (peer >= 0 && peer < worldSize_) {
-    stats_[peer].bytesSent.fetch_add(
+  if (peer) {
+    peer->stats.bytesSent.fetch_add(
         frame.wireSize(), std::memory_order_relaxed);
   }
   conn.write(std::move(frame));

@@ -53,6 +53,56 @@ void bindAgent(py::module_& m) {
           },
           py::call_guard<py::gil_scoped_release>())
       .def("_get_devices", &Agent::getDevices)
+      .def_property_readonly("is_dynamic", &Agent::isDynamic)
+      .def_property_readonly("incarnation", &Agent::incarnation)
+      // (epoch, [(name, rank, incarnation)]) of the current view.
+      .def(
+          "_membership",
+          [](const Agent& a) {
+            auto v = a.currentView();
+            std::vector<std::tuple<std::string, int64_t, uint64_t>> members;
+            for (const auto& p : v->byId) {
+              if (p) {
+                members.emplace_back(
+                    p->info.name_, p->info.id_, p->incarnation);
+              }
+            }
+            return std::make_pair(v->epoch, members);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      // [(kind, epoch, name, rank, incarnation, reason)] applied since the
+      // last call, waiting up to `timeout` s; None once shut down.
+      .def(
+          "_take_membership_events",
+          [](Agent& a, float timeout) -> py::object {
+            auto events = a.takeMembershipEvents(
+                std::chrono::milliseconds(
+                    static_cast<int64_t>(timeout * 1000)));
+            if (!events) {
+              return py::none();
+            }
+            std::vector<std::tuple<
+                std::string,
+                int64_t,
+                std::string,
+                int32_t,
+                uint64_t,
+                std::string>>
+                out;
+            for (const auto& ev : *events) {
+              out.emplace_back(
+                  eventKindName(ev.kind),
+                  ev.epoch,
+                  ev.member.name,
+                  ev.member.rank,
+                  ev.member.incarnation,
+                  ev.reason);
+            }
+            py::gil_scoped_acquire gil;
+            return py::cast(out);
+          },
+          py::arg("timeout"),
+          py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("address", &Agent::address);
 
   m.def("transport_names", &transport::transportNames);

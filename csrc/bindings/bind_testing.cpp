@@ -3,6 +3,9 @@
 // crypto, reachable from pytest without processes. For tests only.
 #include <torch/csrc/distributed/rpc/message.h>
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "csrc/agent/membership.h"
 #include "csrc/bindings/bind.h"
 #include "csrc/common/buffer_pool.h"
 #include "csrc/common/crypto.h"
@@ -255,6 +258,62 @@ void bindTesting(py::module_& m) {
     d["busy_poll_us"] = o.busyPoll.count();
     return d;
   });
+
+  // The membership log's rules (agent/membership.h), without an agent.
+  py::class_<Roster>(m, "Roster")
+      .def(py::init<>())
+      // -> (kind, epoch, name, rank, reason)
+      .def(
+          "apply",
+          [](Roster& r, const py::bytes& record) {
+            auto ev = r.apply(std::string(record));
+            return py::make_tuple(
+                eventKindName(ev.kind),
+                ev.epoch,
+                ev.member.name,
+                ev.member.rank,
+                ev.reason);
+          })
+      .def_property_readonly("epoch", &Roster::epoch)
+      .def("members", [](const Roster& r) {
+        std::vector<std::pair<int32_t, std::string>> out;
+        for (const auto& [rank, m] : r.members()) {
+          out.emplace_back(rank, m.name);
+        }
+        return out;
+      });
+  m.def(
+      "join_record",
+      [](int32_t rank,
+         const std::string& name,
+         uint64_t incarnation,
+         int64_t leaseMs) {
+        Member mb;
+        mb.rank = rank;
+        mb.name = name;
+        mb.incarnation = incarnation;
+        mb.leaseMs = leaseMs;
+        mb.offers = "tcp x 127.0.0.1:1";
+        return py::bytes(joinRecord(mb));
+      });
+  m.def("leave_record", [](uint64_t incarnation) {
+    return py::bytes(leaveRecord(incarnation));
+  });
+  m.def(
+      "dead_record",
+      [](uint64_t incarnation, uint64_t reporter, const std::string& reason) {
+        return py::bytes(deadRecord(incarnation, reporter, reason));
+      });
+  // Append to the log in `store` at the first free epoch after `after`.
+  m.def(
+      "log_append",
+      [](const c10::intrusive_ptr<::c10d::Store>& store,
+         const py::bytes& record,
+         int64_t after) {
+        std::string rec(record);
+        py::gil_scoped_release nogil;
+        return MembershipLog(store).append(rec, after);
+      });
 }
 
 } // namespace torch_rpc_ext::bindings

@@ -1,0 +1,459 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// The agent in a dynamic group (init_rpc with world_size=None;
+// docs/elastic.md): joining through the membership log, the watcher thread that
+// applies the log, renews our lease and declares dead the members whose lease
+// ran out, and leaving.
+#include <algorithm>
+#include <cstring>
+
+#include <c10/util/StringUtil.h>
+
+#include "csrc/agent/agent.h"
+#include "csrc/common/crypto.h"
+#include "csrc/common/logging.h"
+
+namespace torch_rpc_ext {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The watcher looks at the log this often when it changes, backing off to
+// kIdlePoll while it does not.
+constexpr auto kBusyPoll = std::chrono::milliseconds(20);
+constexpr auto kIdlePoll = std::chrono::milliseconds(200);
+
+uint64_t drawIncarnation() {
+  uint64_t inc = 0;
+  while (inc == 0) {
+    std::string bytes = randomBytes(sizeof(inc));
+    std::memcpy(&inc, bytes.data(), sizeof(inc));
+  }
+  return inc;
+}
+
+std::string seconds(std::chrono::milliseconds ms) {
+  auto tenths = ms.count() / 100;
+  return std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + " s";
+}
+
+} // namespace
+
+std::chrono::milliseconds Agent::leaseTimeout() const {
+  return options_.heartbeatTimeout.count() > 0 ? options_.heartbeatTimeout
+                                               : kDefaultHeartbeatTimeout;
+}
+
+void Agent::joinGroup(const std::string& entry) {
+  const auto& self = getWorkerInfo();
+  log_ = std::make_unique<MembershipLog>(store_);
+  incarnation_ = drawIncarnation();
+  log_->beat(incarnation_);
+  // A member that died meanwhile is declared dead by its lease, which ends
+  // any wait for it; this bounds the rest (a store that stopped answering).
+  const auto joinTimeout = std::max<std::chrono::milliseconds>(
+      getRpcTimeout().count() > 0 ? getRpcTimeout()
+                                  : options_.rendezvousTimeout,
+      3 * leaseTimeout());
+  const auto deadline = Clock::now() + joinTimeout;
+  Member me;
+  me.rank = static_cast<int32_t>(self.id_);
+  me.name = self.name_;
+  me.incarnation = incarnation_;
+  me.leaseMs = leaseTimeout().count();
+  me.offers = entry.substr(std::min(entry.size(), entry.find('\n') + 1));
+
+  int64_t epoch = 0;
+  {
+    std::unique_lock<std::mutex> lock(rosterMutex_);
+    catchUp();
+    // Our rank or name may still be held: by a worker that is alive (an
+    // error), or by one that died and was not declared dead yet (a
+    // replacement arriving before the heartbeat noticed): we declare it
+    // dead once its lease has not been renewed for the lease timeout.
+    while (true) {
+      const Member* holder = roster_.byRank(me.rank);
+      if (!holder) {
+        holder = roster_.byName(me.name);
+      }
+      if (!holder) {
+        break;
+      }
+      Member held = *holder;
+      const std::string what = held.rank == me.rank
+          ? "rank " + std::to_string(me.rank)
+          : "name " + me.name;
+      const std::chrono::milliseconds lease(held.leaseMs);
+      int64_t beats = log_->beats(held.incarnation);
+      auto quietSince = Clock::now();
+      while (Clock::now() - quietSince < lease) {
+        TORCH_CHECK(
+            Clock::now() < deadline,
+            "init_rpc of ",
+            me.name,
+            " timed out: ",
+            what,
+            " is still held by ",
+            held.name);
+        lock.unlock();
+        std::this_thread::sleep_for(lease / 10);
+        lock.lock();
+        catchUp();
+        if (!roster_.byIncarnation(held.incarnation)) {
+          break; // it left meanwhile
+        }
+        int64_t now = log_->beats(held.incarnation);
+        TORCH_CHECK(
+            now == beats,
+            "init_rpc of ",
+            me.name,
+            " (rank ",
+            me.rank,
+            "): ",
+            what,
+            " is held by ",
+            held.name,
+            " (rank ",
+            held.rank,
+            "), which is alive; a worker name and rank are reusable once "
+            "their holder has left or died");
+      }
+      if (roster_.byIncarnation(held.incarnation)) {
+        log_->append(
+            deadRecord(
+                held.incarnation,
+                incarnation_,
+                "its lease was not renewed for " + seconds(lease) +
+                    " (seen by " + me.name + ", which takes its " + what + ")"),
+            roster_.epoch());
+        catchUp();
+      }
+    }
+    epoch = log_->append(joinRecord(me), roster_.epoch());
+    while (roster_.epoch() < epoch) {
+      catchUp();
+    }
+    Peer* mine = view()->find(me.rank);
+    if (!mine || mine->incarnation != incarnation_) {
+      TORCH_CHECK(
+          false,
+          "init_rpc of ",
+          me.name,
+          " (rank ",
+          me.rank,
+          ") failed: ",
+          joinRefusal_.empty() ? "the group did not take our join"
+                               : joinRefusal_);
+    }
+    log_->ack(incarnation_, epoch);
+    std::lock_guard<std::mutex> events(eventsMutex_);
+    reportEvents_ = true;
+  }
+  {
+    std::lock_guard<std::mutex> lock(watcherMutex_);
+    watcherStop_ = false;
+  }
+  watcher_ = std::thread([this] { watchMembership(); });
+  // Return once every member knows us: a member may call us as soon as our
+  // init_rpc returned (upstream's test_dynamic_rpc_existing_rank_...).
+  std::vector<std::string> missing;
+  if (!awaitAcks(epoch, deadline, &missing)) {
+    try {
+      std::lock_guard<std::mutex> lock(rosterMutex_);
+      log_->append(leaveRecord(incarnation_), roster_.epoch());
+    } catch (const std::exception&) {
+    }
+    stopWatcher();
+    TORCH_CHECK(
+        false,
+        "init_rpc of ",
+        me.name,
+        " timed out after ",
+        seconds(joinTimeout),
+        " waiting for ",
+        c10::Join(", ", missing),
+        " to acknowledge its join");
+  }
+}
+
+bool Agent::catchUp() {
+  bool changed = false;
+  while (auto record = log_->read(roster_.epoch() + 1)) {
+    applyEvent(roster_.apply(*record));
+    changed = true;
+  }
+  return changed;
+}
+
+void Agent::applyEvent(const MembershipEvent& ev) {
+  auto old = view();
+  auto next = std::make_shared<View>(*old);
+  next->epoch = ev.epoch;
+  const std::string epochText = " at epoch " + std::to_string(ev.epoch);
+  switch (ev.kind) {
+    case MembershipEvent::Kind::kIgnored:
+      if (ev.member.incarnation == incarnation_) {
+        joinRefusal_ = ev.reason;
+      }
+      break;
+    case MembershipEvent::Kind::kJoin: {
+      Route route;
+      try {
+        route = chooseRoute(ev.member.name, ev.member.offers);
+      } catch (const std::exception& e) {
+        // Calls to it fail with this text (connectionTo).
+        route.address = e.what();
+      }
+      auto peer = adopt(
+          rpc::WorkerInfo(ev.member.name, static_cast<int64_t>(ev.member.rank)),
+          ev.member.incarnation,
+          std::move(route));
+      if (next->byId.size() <= static_cast<size_t>(ev.member.rank)) {
+        next->byId.resize(static_cast<size_t>(ev.member.rank) + 1);
+      }
+      next->byId[static_cast<size_t>(ev.member.rank)] = peer;
+      next->byName[ev.member.name] = peer;
+      break;
+    }
+    case MembershipEvent::Kind::kLeave:
+    case MembershipEvent::Kind::kDead: {
+      std::shared_ptr<Peer> peer;
+      if (Peer* p = old->find(ev.member.rank);
+          p && p->incarnation == ev.member.incarnation) {
+        peer = old->byId[static_cast<size_t>(ev.member.rank)];
+      }
+      const std::string why = ev.kind == MembershipEvent::Kind::kLeave
+          ? ev.member.name + " left the group" + epochText
+          : ev.member.name + " was declared dead" + epochText + ": " +
+              ev.reason;
+      next->byId[static_cast<size_t>(ev.member.rank)].reset();
+      next->byName.erase(ev.member.name);
+      leases_.erase(ev.member.incarnation);
+      if (ev.member.incarnation == incarnation_) {
+        if (ev.kind == MembershipEvent::Kind::kDead && !left_.load()) {
+          // Fenced: the others no longer talk to us, nor we to them.
+          fencedReason_ = "this worker (" + ev.member.name +
+              ") was declared dead by the group" + epochText + ": " + ev.reason;
+          fenced_ = true;
+          logWarning("torch_rpc_ext: " + fencedReason_);
+          std::lock_guard<std::mutex> lock(connMutex_);
+          for (auto& [p, conn] : outbound_) {
+            conn->close(fencedReason_);
+          }
+        }
+        break;
+      }
+      if (!peer) {
+        break;
+      }
+      // Departed first, then its connections closed under connMutex_: no
+      // connection to it is opened afterwards (connectionTo), and calls on
+      // the closed ones fail naming why (onClosed).
+      // A member that left drained its own calls first and still answers
+      // ours in flight: its connections stay open until it closes them. A
+      // dead one's are closed now, failing our calls to it.
+      peer->depart(why);
+      std::vector<std::shared_ptr<transport::Connection>> closing;
+      {
+        std::lock_guard<std::mutex> lock(connMutex_);
+        auto out = outbound_.find(peer.get());
+        if (out != outbound_.end()) {
+          closing.push_back(out->second);
+          outbound_.erase(out);
+        }
+        auto range = inbound_.equal_range(ev.member.rank);
+        for (auto it = range.first; it != range.second; ++it) {
+          if (auto conn = it->second.lock()) {
+            closing.push_back(std::move(conn));
+          }
+        }
+        inbound_.erase(ev.member.rank);
+      }
+      if (ev.kind == MembershipEvent::Kind::kDead) {
+        for (auto& conn : closing) {
+          conn->close(why);
+        }
+      }
+      break;
+    }
+  }
+  publish(std::move(next));
+  if (ev.kind != MembershipEvent::Kind::kIgnored) {
+    std::lock_guard<std::mutex> lock(eventsMutex_);
+    if (reportEvents_) {
+      events_.push_back(ev);
+      eventsCv_.notify_all();
+    }
+  }
+}
+
+void Agent::watchMembership() {
+  auto pause = kBusyPoll;
+  std::string lastError;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(watcherMutex_);
+      if (watcherCv_.wait_for(lock, pause, [this] { return watcherStop_; })) {
+        return;
+      }
+    }
+    try {
+      auto now = Clock::now();
+      if (now >= nextBeat_) {
+        log_->beat(incarnation_);
+        nextBeat_ = now + leaseTimeout() / 5;
+      }
+      bool changed;
+      {
+        std::lock_guard<std::mutex> lock(rosterMutex_);
+        changed = catchUp();
+        if (changed) {
+          log_->ack(incarnation_, roster_.epoch());
+        }
+        if (now >= nextLeaseCheck_) {
+          checkLeases();
+          nextLeaseCheck_ = now +
+              std::min<std::chrono::milliseconds>(
+                                leaseTimeout() / 5, std::chrono::seconds(1));
+        }
+      }
+      pause = changed ? kBusyPoll : std::min(pause * 2, kIdlePoll);
+      lastError.clear();
+    } catch (const std::exception& e) {
+      // The store is unreachable (its host exited, say): say so once per
+      // new error, keep trying.
+      if (lastError != e.what()) {
+        lastError = e.what();
+        logWarning(
+            "torch_rpc_ext: " + workerInfo_.name_ +
+            " cannot read the group's membership from the store: " + lastError);
+      }
+      pause = kIdlePoll;
+    }
+  }
+}
+
+void Agent::checkLeases() {
+  const auto now = Clock::now();
+  std::vector<Member> stale;
+  for (const auto& [rank, m] : roster_.members()) {
+    if (m.incarnation == incarnation_) {
+      continue;
+    }
+    int64_t beats = log_->beats(m.incarnation);
+    auto [it, fresh] = leases_.try_emplace(m.incarnation, Lease{beats, now});
+    if (fresh || it->second.beats != beats) {
+      it->second = Lease{beats, now};
+    } else if (
+        now - it->second.changed > std::chrono::milliseconds(m.leaseMs)) {
+      stale.push_back(m);
+    }
+  }
+  for (const auto& m : stale) {
+    if (!roster_.byIncarnation(m.incarnation)) {
+      continue; // declared by the record just applied
+    }
+    log_->append(
+        deadRecord(
+            m.incarnation,
+            incarnation_,
+            "its lease was not renewed for " +
+                seconds(std::chrono::milliseconds(m.leaseMs)) + " (seen by " +
+                workerInfo_.name_ + ")"),
+        roster_.epoch());
+    catchUp();
+  }
+}
+
+bool Agent::awaitAcks(
+    int64_t epoch,
+    Clock::time_point deadline,
+    std::vector<std::string>* missing) {
+  auto pause = std::chrono::milliseconds(2);
+  while (true) {
+    missing->clear();
+    for (const auto& peer : view()->byId) {
+      if (peer && peer->incarnation != incarnation_ &&
+          log_->acked(peer->incarnation) < epoch) {
+        missing->push_back(peer->info.name_);
+      }
+    }
+    if (missing->empty()) {
+      return true;
+    }
+    if (Clock::now() >= deadline) {
+      return false;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, kBusyPoll * 2);
+  }
+}
+
+void Agent::leaveGroup(std::optional<Clock::time_point> deadline) {
+  if (left_.exchange(true) || !log_) {
+    return;
+  }
+  int64_t epoch;
+  {
+    std::lock_guard<std::mutex> lock(rosterMutex_);
+    catchUp();
+    epoch = log_->append(leaveRecord(incarnation_), roster_.epoch());
+    while (roster_.epoch() < epoch) {
+      catchUp();
+    }
+  }
+  // Once every member has applied our leave, nobody starts a call to us;
+  // then the calls we are serving finish (their responses still go out).
+  auto until = Clock::now() + 2 * leaseTimeout();
+  if (deadline && *deadline < until) {
+    until = *deadline;
+  }
+  std::vector<std::string> missing;
+  if (!awaitAcks(epoch, until, &missing)) {
+    logWarning(
+        "torch_rpc_ext: " + workerInfo_.name_ + " leaves before " +
+        c10::Join(", ", missing) + " acknowledged it");
+  }
+  auto pause = std::chrono::milliseconds(1);
+  while (serverActiveCalls_.load() > 0 && Clock::now() < until) {
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, kBusyPoll);
+  }
+  stopWatcher();
+  try {
+    log_->forget(incarnation_);
+  } catch (const std::exception&) {
+    // The store may be gone already: nothing depends on these keys.
+  }
+}
+
+void Agent::stopWatcher() {
+  {
+    std::lock_guard<std::mutex> lock(eventsMutex_);
+    eventsClosed_ = true;
+  }
+  eventsCv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(watcherMutex_);
+    watcherStop_ = true;
+  }
+  watcherCv_.notify_all();
+  if (watcher_.joinable() && watcher_.get_id() != std::this_thread::get_id()) {
+    watcher_.join();
+  }
+}
+
+std::optional<std::vector<MembershipEvent>> Agent::takeMembershipEvents(
+    std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(eventsMutex_);
+  eventsCv_.wait_for(
+      lock, timeout, [this] { return eventsClosed_ || !events_.empty(); });
+  if (events_.empty() && eventsClosed_) {
+    return std::nullopt;
+  }
+  std::vector<MembershipEvent> out(events_.begin(), events_.end());
+  events_.clear();
+  return out;
+}
+
+} // namespace torch_rpc_ext

@@ -1,0 +1,274 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/agent/membership.h"
+
+#include <cinttypes>
+#include <cstdio>
+#include <sstream>
+
+namespace torch_rpc_ext {
+
+namespace {
+
+// Ranks fit dist autograd's 16-bit worker ids, as in a static group.
+constexpr int32_t kMaxRank = 32767;
+// Names are WorkerInfo's (at most 128 characters of [A-Za-z0-9_:-]); the
+// offers a handful of short lines. Anything longer is not ours.
+constexpr size_t kMaxRecordBytes = 64 * 1024;
+// A day: longer is not a lease.
+constexpr int64_t kMaxLeaseMs = 86400 * 1000;
+
+std::string fromBytes(const std::vector<uint8_t>& v) {
+  return std::string(v.begin(), v.end());
+}
+
+std::vector<uint8_t> toBytes(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+std::string logKey(int64_t epoch) {
+  return "log/" + std::to_string(epoch);
+}
+
+std::optional<uint64_t> parseIncarnation(const std::string& text) {
+  if (text.empty() || text.size() > 16) {
+    return std::nullopt;
+  }
+  uint64_t v = 0;
+  for (char c : text) {
+    int d;
+    if (c >= '0' && c <= '9') {
+      d = c - '0';
+    } else if (c >= 'a' && c <= 'f') {
+      d = c - 'a' + 10;
+    } else {
+      return std::nullopt;
+    }
+    v = (v << 4) | static_cast<uint64_t>(d);
+  }
+  return v == 0 ? std::nullopt : std::optional<uint64_t>(v);
+}
+
+// What a record says, fit for a log line and a Python str: printable ASCII,
+// at most `n` characters.
+std::string printable(const std::string& text, size_t n) {
+  std::string out = text.substr(0, n);
+  for (char& c : out) {
+    if (c < 0x20 || c > 0x7e) {
+      c = '?';
+    }
+  }
+  return out;
+}
+
+bool validName(const std::string& name) {
+  if (name.empty() || name.size() > 128) {
+    return false;
+  }
+  for (char c : name) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' ||
+          c == ':')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+} // namespace
+
+std::vector<rpc::WorkerInfo> View::infos() const {
+  std::vector<rpc::WorkerInfo> out;
+  for (const auto& p : byId) {
+    if (p) {
+      out.push_back(p->info);
+    }
+  }
+  return out;
+}
+
+const char* eventKindName(MembershipEvent::Kind kind) {
+  switch (kind) {
+    case MembershipEvent::Kind::kJoin:
+      return "join";
+    case MembershipEvent::Kind::kLeave:
+      return "leave";
+    case MembershipEvent::Kind::kDead:
+      return "dead";
+    case MembershipEvent::Kind::kIgnored:
+      return "ignored";
+  }
+  return "?";
+}
+
+std::string incarnationText(uint64_t incarnation) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016" PRIx64, incarnation);
+  return buf;
+}
+
+std::string joinRecord(const Member& m) {
+  return "join " + incarnationText(m.incarnation) + " " +
+      std::to_string(m.rank) + " " + m.name + " " + std::to_string(m.leaseMs) +
+      "\n" + m.offers;
+}
+
+std::string leaveRecord(uint64_t incarnation) {
+  return "leave " + incarnationText(incarnation);
+}
+
+std::string deadRecord(
+    uint64_t incarnation,
+    uint64_t reporter,
+    const std::string& reason) {
+  return "dead " + incarnationText(incarnation) + " " +
+      incarnationText(reporter) + " " + reason;
+}
+
+const Member* Roster::byRank(int32_t rank) const {
+  auto it = members_.find(rank);
+  return it == members_.end() ? nullptr : &it->second;
+}
+
+const Member* Roster::byName(const std::string& name) const {
+  for (const auto& [rank, m] : members_) {
+    if (m.name == name) {
+      return &m;
+    }
+  }
+  return nullptr;
+}
+
+const Member* Roster::byIncarnation(uint64_t incarnation) const {
+  for (const auto& [rank, m] : members_) {
+    if (m.incarnation == incarnation) {
+      return &m;
+    }
+  }
+  return nullptr;
+}
+
+MembershipEvent Roster::apply(const std::string& record) {
+  MembershipEvent ev;
+  ev.epoch = ++epoch_;
+  auto ignore = [&](std::string why) {
+    ev.kind = MembershipEvent::Kind::kIgnored;
+    ev.reason = std::move(why);
+    return ev;
+  };
+  if (record.size() > kMaxRecordBytes) {
+    return ignore("record of " + std::to_string(record.size()) + " bytes");
+  }
+  auto nl = record.find('\n');
+  std::istringstream head(record.substr(0, nl));
+  std::string kind, incText;
+  head >> kind >> incText;
+  auto inc = parseIncarnation(incText);
+  if (!inc) {
+    return ignore("malformed record '" + printable(record, 64) + "'");
+  }
+  if (kind == "join") {
+    int64_t rank = -1, leaseMs = 0;
+    std::string name, extra;
+    head >> rank >> name >> leaseMs;
+    if (head.fail() || (head >> extra) || rank < 0 || rank > kMaxRank ||
+        !validName(name) || leaseMs <= 0 || leaseMs > kMaxLeaseMs) {
+      return ignore("malformed join record '" + printable(record, 64) + "'");
+    }
+    ev.member.rank = static_cast<int32_t>(rank);
+    ev.member.name = name;
+    ev.member.incarnation = *inc;
+    ev.member.leaseMs = leaseMs;
+    ev.member.offers = nl == std::string::npos ? "" : record.substr(nl + 1);
+    if (const Member* held = byRank(ev.member.rank)) {
+      return ignore(
+          "rank " + std::to_string(rank) + " is held by " + held->name);
+    }
+    if (const Member* held = byName(name)) {
+      return ignore(
+          "name " + name + " is held by rank " + std::to_string(held->rank));
+    }
+    if (byIncarnation(*inc)) {
+      return ignore("incarnation " + incText + " joined twice");
+    }
+    ev.kind = MembershipEvent::Kind::kJoin;
+    members_[ev.member.rank] = ev.member;
+    return ev;
+  }
+  if (kind != "leave" && kind != "dead") {
+    return ignore("unknown record kind '" + printable(kind, 16) + "'");
+  }
+  const Member* m = byIncarnation(*inc);
+  if (!m) {
+    // Someone else recorded it first (several survivors may declare the
+    // same member dead), or it is not ours.
+    return ignore(kind + " of a non-member (" + incText + ")");
+  }
+  ev.member = *m;
+  if (kind == "dead") {
+    std::string reporter;
+    head >> reporter;
+    std::string rest;
+    std::getline(head, rest);
+    if (!rest.empty() && rest[0] == ' ') {
+      rest.erase(0, 1);
+    }
+    ev.kind = MembershipEvent::Kind::kDead;
+    ev.reason = printable(rest, 512);
+  } else {
+    ev.kind = MembershipEvent::Kind::kLeave;
+  }
+  members_.erase(m->rank);
+  return ev;
+}
+
+std::optional<std::string> MembershipLog::read(int64_t epoch) const {
+  std::string key = logKey(epoch);
+  if (!store_->check({key})) {
+    return std::nullopt;
+  }
+  return fromBytes(store_->get(key));
+}
+
+int64_t MembershipLog::append(const std::string& record, int64_t after) const {
+  auto bytes = toBytes(record);
+  for (int64_t e = after + 1;; ++e) {
+    // Claiming the key and writing the record are one step: no holes, no
+    // lock to leave behind.
+    auto got = store_->compareSet(logKey(e), {}, bytes);
+    if (got == bytes) {
+      return e;
+    }
+  }
+}
+
+void MembershipLog::beat(uint64_t incarnation) const {
+  store_->add("beat/" + incarnationText(incarnation), 1);
+}
+
+int64_t MembershipLog::beats(uint64_t incarnation) const {
+  // add(0) reads a counter without waiting for it to exist.
+  return store_->add("beat/" + incarnationText(incarnation), 0);
+}
+
+void MembershipLog::ack(uint64_t incarnation, int64_t epoch) const {
+  store_->set(
+      "ack/" + incarnationText(incarnation), toBytes(std::to_string(epoch)));
+}
+
+int64_t MembershipLog::acked(uint64_t incarnation) const {
+  std::string key = "ack/" + incarnationText(incarnation);
+  if (!store_->check({key})) {
+    return 0;
+  }
+  try {
+    return std::stoll(fromBytes(store_->get(key)));
+  } catch (const std::logic_error&) {
+    return 0;
+  }
+}
+
+void MembershipLog::forget(uint64_t incarnation) const {
+  store_->deleteKey("beat/" + incarnationText(incarnation));
+  store_->deleteKey("ack/" + incarnationText(incarnation));
+}
+
+} // namespace torch_rpc_ext

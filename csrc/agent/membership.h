@@ -1,0 +1,197 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+// Who is in the group (docs/elastic.md): the peers an agent knows, the view
+// of the current members that its threads read without locks, and the
+// membership log of a dynamic group, kept in the c10d store.
+//
+// A static group (init_rpc with world_size) has one view for its whole life,
+// built at rendezvous. A dynamic group (world_size=None) is a log of records
+// appended to the store with compare-and-set, "log/1", "log/2", ...: joins,
+// leaves and deaths. Every member applies the same records in the same order
+// with the same rules (Roster), so all reach the same membership at the same
+// epoch (the number of the last record applied) with no coordinator: no rank
+// is special, and nothing is ever locked (a member that dies mid-join holds
+// nothing; its lease runs out and it is declared dead like any other).
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/rpc/rpc_agent.h>
+
+#include "csrc/agent/peer_stats.h"
+
+namespace torch_rpc_ext {
+
+namespace rpc = torch::distributed::rpc;
+
+// How we reach a worker: the first transport of our preference order that it
+// offers in the same domain (Transport::domainDescriptor()).
+struct Route {
+  std::string transport;
+  std::string address;
+  // The peer's channels: name -> domain descriptor.
+  std::map<std::string, std::string> channels;
+};
+
+// One holder of a name and rank, for as long as it holds them. A worker that
+// leaves and one that later takes its name and rank are two Peers with
+// different incarnations. Peers are never destroyed while the agent lives
+// (the WorkerInfo references handed out stay valid; metrics list every peer
+// ever seen).
+struct Peer {
+  Peer(rpc::WorkerInfo info, uint64_t incarnation, Route route)
+      : info(std::move(info)),
+        incarnation(incarnation),
+        route(std::move(route)) {}
+
+  const rpc::WorkerInfo info;
+  // Random per join; 0 in static groups.
+  const uint64_t incarnation;
+  const Route route;
+  PeerStats stats;
+
+  // Set once, when the membership log says it left or died.
+  void depart(std::string why) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!gone_.load(std::memory_order_relaxed)) {
+      departure_ = std::move(why);
+      gone_.store(true, std::memory_order_release);
+    }
+  }
+  bool departed() const {
+    return gone_.load(std::memory_order_acquire);
+  }
+  // "worker1 left the group at epoch 7", or "" while it is a member.
+  std::string departure() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return departure_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::atomic<bool> gone_{false};
+  std::string departure_;
+};
+
+// The members at one epoch. Immutable once published: the agent swaps whole
+// views (Agent::view()), so a thread that loaded one reads it without locks.
+struct View {
+  int64_t epoch = 0;
+  std::vector<std::shared_ptr<Peer>> byId; // nullptr: no member holds the id
+  std::unordered_map<std::string, std::shared_ptr<Peer>> byName;
+
+  Peer* find(int64_t id) const {
+    return id >= 0 && static_cast<size_t>(id) < byId.size()
+        ? byId[static_cast<size_t>(id)].get()
+        : nullptr;
+  }
+  std::vector<rpc::WorkerInfo> infos() const;
+};
+
+// ---- The membership log of a dynamic group --------------------------------
+
+// A member as the log knows it.
+struct Member {
+  int32_t rank = -1;
+  std::string name;
+  uint64_t incarnation = 0;
+  // How long its lease may go unrenewed before it is declared dead: its own
+  // heartbeat timeout, so each member is judged by the period it renews at.
+  int64_t leaseMs = 0;
+  // Its rendezvous entry after the name line: one line per transport it
+  // listens on and per channel it offers (rendezvous.cpp).
+  std::string offers;
+};
+
+// What one record did to the membership.
+struct MembershipEvent {
+  enum class Kind { kJoin, kLeave, kDead, kIgnored };
+  Kind kind = Kind::kIgnored;
+  int64_t epoch = 0;
+  Member member;
+  // kDead: why it was declared dead; kIgnored: why the record changed
+  // nothing (a join for a name or rank already held, a second leave, a
+  // record no version of us wrote).
+  std::string reason;
+};
+
+const char* eventKindName(MembershipEvent::Kind kind);
+
+// Records, as written to the store. Text, one header line then the body:
+//   join <incarnation> <rank> <name> <lease ms>\n<offers>
+//   leave <incarnation>
+//   dead <incarnation> <reporter incarnation> <reason>
+std::string joinRecord(const Member& m);
+std::string leaveRecord(uint64_t incarnation);
+std::string deadRecord(
+    uint64_t incarnation,
+    uint64_t reporter,
+    const std::string& reason);
+
+// The membership at an epoch: a pure function of log records 1..epoch.
+class Roster {
+ public:
+  // Apply the record at epoch() + 1. Garbage is ignored with a reason (the
+  // store is shared with whoever knows it; no record can make us crash).
+  MembershipEvent apply(const std::string& record);
+
+  int64_t epoch() const {
+    return epoch_;
+  }
+  const std::map<int32_t, Member>& members() const {
+    return members_;
+  }
+  const Member* byRank(int32_t rank) const;
+  const Member* byName(const std::string& name) const;
+  const Member* byIncarnation(uint64_t incarnation) const;
+
+ private:
+  int64_t epoch_ = 0;
+  std::map<int32_t, Member> members_; // by rank
+};
+
+// The log's keys in the group's store (a PrefixStore the backend makes:
+// torch_rpc_ext/elastic/<group>/): "log/<epoch>", each member's lease
+// "beat/<incarnation>" (a counter it bumps) and acknowledgement
+// "ack/<incarnation>" (the last epoch it applied).
+class MembershipLog {
+ public:
+  explicit MembershipLog(c10::intrusive_ptr<::c10d::Store> store)
+      : store_(std::move(store)) {}
+
+  // The record at `epoch`, if it has been written.
+  std::optional<std::string> read(int64_t epoch) const;
+  // Append `record` at the first free epoch after `after`; returns that
+  // epoch. Records that others appended in between are left for the caller
+  // to read and apply.
+  int64_t append(const std::string& record, int64_t after) const;
+
+  void beat(uint64_t incarnation) const;
+  // A member's lease counter (0 before its first beat).
+  int64_t beats(uint64_t incarnation) const;
+  void ack(uint64_t incarnation, int64_t epoch) const;
+  // The last epoch `incarnation` acknowledged (0: none).
+  int64_t acked(uint64_t incarnation) const;
+  // Remove a departed member's lease and acknowledgement keys.
+  void forget(uint64_t incarnation) const;
+
+  ::c10d::Store& store() const {
+    return *store_;
+  }
+
+ private:
+  c10::intrusive_ptr<::c10d::Store> store_;
+};
+
+std::string incarnationText(uint64_t incarnation);
+
+} // namespace torch_rpc_ext

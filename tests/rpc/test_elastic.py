@@ -1,0 +1,313 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Dynamic groups (init_rpc without world_size; docs/elastic.md): workers join
+a running group under load, leave while others keep calling, die and are
+declared dead, and their name and rank are taken again; a join that fails
+leaves the group able to take the next one."""
+
+import os
+import signal
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.distributed import rpc
+
+import torch_rpc_ext
+from tests.rpc.world import run_world
+
+pytestmark = pytest.mark.timeout(180)
+
+_ctx = mp.get_context("fork")
+
+
+def join(rank, store_path, **options):
+    """init_rpc as worker{rank} into the dynamic group kept in ``store_path``."""
+    options.setdefault("rpc_timeout", 30)
+    options.setdefault("num_worker_threads", 4)
+    options.setdefault("address", "127.0.0.1")
+    rpc.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        backend=rpc.BackendType.TORCH_RPC_EXT,
+        rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(
+            init_method=f"file://{store_path}", **options
+        ),
+    )
+
+
+def members():
+    return sorted(m.name for m in torch_rpc_ext.membership().members)
+
+
+def wait_for(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def add(a, b):
+    return a + b
+
+
+def getpid():
+    return os.getpid()
+
+
+@pytest.fixture
+def store_path():
+    with tempfile.TemporaryDirectory() as d:
+        yield os.path.join(d, "store")
+
+
+# ---- join under load, graceful leave, callbacks --------------------------
+
+
+def _join_and_leave(rank, world_size, store_path, gates):
+    out = {}
+    events = []
+    torch_rpc_ext.on_membership_change(events.append)
+    if rank == 0:
+        join(0, store_path)
+        gates["0"].set()
+        gates["1"].wait(30)
+        wait_for(lambda: "worker1" in members(), what="worker1")
+        # Calls to worker1 keep flowing while worker2 joins.
+        stop = threading.Event()
+        answers = []
+
+        def load():
+            while not stop.is_set():
+                futs = [rpc.rpc_async("worker1", add, (i, 1)) for i in range(8)]
+                answers.extend(f.wait() - i for i, f in enumerate(futs))
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        gates["go2"].set()
+        gates["2"].wait(30)
+        stop.set()
+        loader.join()
+        out["load"] = (len(answers), set(answers))
+        # worker2's init_rpc has returned: we can call it at once.
+        out["to2"] = rpc.rpc_sync("worker2", add, (40, 2))
+        gates["leave1"].set()
+        wait_for(lambda: "worker1" not in members(), what="worker1 to leave")
+        try:
+            rpc.rpc_sync("worker1", add, (1, 1))
+        except RuntimeError as e:
+            out["after_leave"] = str(e)
+        out["to2_after"] = rpc.rpc_sync("worker2", add, (1, 1))
+        out["members"] = members()
+        metrics = rpc.api._get_current_rpc_agent().get_metrics()
+        out["epoch_metric"] = int(metrics["rpc_ext.membership.epoch"])
+        out["peer_keys"] = sorted(k for k in metrics if k.endswith(".calls_sent"))
+        gates["done0"].set()
+        gates["done2"].wait(30)
+    elif rank == 1:
+        gates["0"].wait(30)
+        join(1, store_path)
+        gates["1"].set()
+        gates["leave1"].wait(60)
+    else:
+        gates["go2"].wait(30)
+        join(2, store_path)
+        gates["2"].set()
+        out["from2"] = [rpc.rpc_sync(f"worker{r}", add, (r, 10)) for r in (0, 1)]
+        gates["done0"].wait(60)
+        gates["done2"].set()
+    rpc.shutdown()
+    time.sleep(0.3)  # the event thread delivers what it holds
+    out["events"] = [(e.kind, e.name) for e in events]
+    return out
+
+
+def test_join_under_load_and_graceful_leave(store_path):
+    gates = {k: _ctx.Event() for k in ("0", "1", "go2", "2", "leave1", "done0", "done2")}
+    res = run_world(_join_and_leave, 3, timeout=120, store_path=store_path, gates=gates)
+    count, values = res[0]["load"]
+    assert count > 0 and values == {1}
+    assert res[0]["to2"] == 42 and res[2]["from2"] == [10, 11]
+    assert "worker1 left the group" in res[0]["after_leave"]
+    assert res[0]["to2_after"] == 2
+    assert res[0]["members"] == ["worker0", "worker2"]
+    # Three joins and a leave: epoch 4; worker1's counters stay listed.
+    assert res[0]["epoch_metric"] == 4
+    assert res[0]["peer_keys"] == [f"rpc_ext.peer.worker{r}.calls_sent" for r in range(3)]
+    # Each change once, after our own join (worker0 then sees 1, 2 join, 1 leave,
+    # and 2 leave if it left first).
+    ev0 = res[0]["events"]
+    assert ev0[:3] == [("join", "worker1"), ("join", "worker2"), ("leave", "worker1")]
+    assert len(ev0) == len(set(ev0))
+    assert res[2]["events"][0] == ("leave", "worker1")
+
+
+# ---- SIGKILL: declared dead, then replaced -------------------------------
+
+
+def _owned_value(v):
+    return torch.tensor([v])
+
+
+def _kill_and_replace(rank, world_size, store_path, gates):
+    out = {}
+    if rank == 0:
+        dead = []
+        torch_rpc_ext.on_membership_change(
+            lambda e: dead.append((e.name, e.reason)) if e.kind == "dead" else None
+        )
+        join(0, store_path, heartbeat_timeout=1.0)
+        gates["0"].set()
+        gates["1"].wait(30)
+        wait_for(lambda: "worker1" in members(), what="worker1")
+        rref = rpc.remote("worker1", _owned_value, (3,))
+        assert rref.to_here().item() == 3
+        pending = rpc.rpc_async("worker1", time.sleep, (30,))
+        pid = rpc.rpc_sync("worker1", getpid)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        try:
+            pending.wait()
+        except RuntimeError as e:
+            out["pending"] = str(e)
+        wait_for(lambda: "worker1" not in members(), what="worker1 declared dead")
+        out["declared_s"] = time.monotonic() - t0
+        out["dead"] = list(dead)
+        try:
+            rpc.rpc_sync("worker1", add, (1, 1))
+        except RuntimeError as e:
+            out["new_call"] = str(e)
+        try:
+            rref.to_here()
+        except RuntimeError as e:
+            out["rref"] = str(e)
+        gates["replace"].set()
+        gates["replaced"].wait(60)
+        out["replacement"] = rpc.rpc_sync("worker1", add, (100, 1))
+        out["replacement_pid_differs"] = rpc.rpc_sync("worker1", getpid) != pid
+        gates["done"].set()
+        rpc.shutdown()
+    elif rank == 1:
+        gates["0"].wait(30)
+        join(1, store_path, heartbeat_timeout=1.0)
+        gates["1"].set()
+        time.sleep(120)  # killed by worker0
+    else:
+        gates["replace"].wait(60)
+        join(1, store_path, heartbeat_timeout=1.0)  # the dead one's name and rank
+        gates["replaced"].set()
+        gates["done"].wait(60)
+        rpc.shutdown()
+    return out
+
+
+def test_killed_member_is_declared_dead_and_replaced(store_path):
+    gates = {k: _ctx.Event() for k in ("0", "1", "replace", "replaced", "done")}
+    res = run_world(
+        _kill_and_replace, 3, timeout=120, dies=frozenset({1}), store_path=store_path, gates=gates
+    )
+    out = res[0]
+    assert "worker1" in out["pending"]
+    # The lease (heartbeat_timeout 1 s) runs out and a survivor records it.
+    assert out["declared_s"] < 10, out["declared_s"]
+    assert [name for name, _ in out["dead"]] == ["worker1"]
+    assert "lease was not renewed" in out["dead"][0][1]
+    assert "worker1 was declared dead" in out["new_call"]
+    assert "worker1" in out["rref"]
+    assert out["replacement"] == 101 and out["replacement_pid_differs"]
+
+
+# ---- a failed join leaves nothing held; rank 0 may leave ----------------
+
+
+def _failed_join_then_good(rank, world_size, store_path, gates):
+    out = {}
+    if rank == 0:
+        join(0, store_path, heartbeat_timeout=2.0)
+        gates["0"].set()
+        gates["dup_tried"].wait(60)
+        gates["1"].wait(60)
+        out["after_dup"] = members()
+        gates["leave0"].wait(60)
+        rpc.shutdown()  # the first member leaves first; the others go on
+    elif rank == 2:
+        gates["0"].wait(30)
+        t0 = time.monotonic()
+        try:
+            # worker0's name and rank, held by a live worker: the joiner
+            # watches its lease for the holder's heartbeat_timeout (2 s),
+            # not its own (1 s would misjudge it dead).
+            rpc.init_rpc(
+                "worker0",
+                rank=0,
+                backend=rpc.BackendType.TORCH_RPC_EXT,
+                rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(
+                    init_method=f"file://{store_path}",
+                    heartbeat_timeout=1.0,
+                    address="127.0.0.1",
+                ),
+            )
+            out["dup"] = "joined"
+        except RuntimeError as e:
+            out["dup"] = str(e)
+        out["dup_s"] = time.monotonic() - t0
+        gates["dup_tried"].set()
+    else:
+        gates["dup_tried"].wait(60)
+        join(1, store_path)
+        gates["1"].set()
+        out["call0"] = rpc.rpc_sync("worker0", add, (2, 3))
+        gates["leave0"].set()
+        wait_for(lambda: members() == ["worker1"], what="worker0 to leave")
+        try:
+            rpc.rpc_sync("worker0", add, (1, 1))
+        except RuntimeError as e:
+            out["after0"] = str(e)
+        out["self"] = rpc.rpc_sync("worker1", add, (1, 1))
+        rpc.shutdown()
+    return out
+
+
+def test_failed_join_leaves_group_usable_and_rank0_leaves(store_path):
+    gates = {k: _ctx.Event() for k in ("0", "1", "dup_tried", "leave0")}
+    res = run_world(_failed_join_then_good, 3, timeout=120, store_path=store_path, gates=gates)
+    assert "rank 0 is held by worker0" in res[2]["dup"] and "alive" in res[2]["dup"]
+    assert res[0]["after_dup"] == ["worker0", "worker1"]
+    assert res[1]["call0"] == 5
+    assert "worker0 left the group" in res[1]["after0"]
+    assert res[1]["self"] == 2
+
+
+def _static_refuses_dynamic(rank, world_size, store_path, gates):
+    # A dynamic group exists in the store: a static member is refused.
+    if rank == 0:
+        join(0, store_path)
+        gates["0"].set()
+        gates["tried"].wait(60)
+        rpc.shutdown()
+        return None
+    gates["0"].wait(60)
+    try:
+        rpc.init_rpc(
+            "worker1",
+            rank=1,
+            world_size=2,
+            backend=rpc.BackendType.TORCH_RPC_EXT,
+            rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(
+                init_method=f"file://{store_path}", rpc_timeout=5
+            ),
+        )
+        out = "joined"
+    except RuntimeError as e:
+        out = str(e)
+    gates["tried"].set()
+    return out
+
+
+def test_static_member_refused_by_dynamic_group(store_path):
+    gates = {k: _ctx.Event() for k in ("0", "tried")}
+    res = run_world(_static_refuses_dynamic, 2, timeout=60, store_path=store_path, gates=gates)
+    assert "mixes statically and dynamically" in res[1]

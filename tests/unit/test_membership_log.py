@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The membership log's rules (csrc/agent/membership.{h,cpp}; docs/elastic.md):
+every member applies the same records in the same order to the same result,
+and no record, however malformed, changes more than it should."""
+
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from torch_rpc_ext import _testing as t
+
+
+def apply_all(records):
+    r = t.Roster()
+    return r, [r.apply(rec) for rec in records]
+
+
+def test_join_leave_dead_and_reuse():
+    r, evs = apply_all(
+        [
+            t.join_record(0, "w0", 0xA, 1000),
+            t.join_record(1, "w1", 0xB, 1000),
+            t.leave_record(0xA),
+            t.dead_record(0xB, 0xA, "its lease was not renewed"),
+            t.join_record(1, "w1", 0xC, 1000),  # a new holder of name and rank
+        ]
+    )
+    assert [e[0] for e in evs] == ["join", "join", "leave", "dead", "join"]
+    assert [e[1] for e in evs] == [1, 2, 3, 4, 5]
+    assert evs[3][4] == "its lease was not renewed"
+    assert r.members() == [(1, "w1")] and r.epoch == 5
+
+
+def test_conflicts_and_duplicates_are_ignored_with_a_reason():
+    r, evs = apply_all(
+        [
+            t.join_record(0, "w0", 0xA, 1000),
+            t.join_record(0, "other", 0xB, 1000),  # rank held
+            t.join_record(2, "w0", 0xC, 1000),  # name held
+            t.join_record(3, "w3", 0xA, 1000),  # incarnation reused
+            t.dead_record(0xA, 0xD, "x"),
+            t.dead_record(0xA, 0xE, "y"),  # a second survivor's report
+            t.leave_record(0xA),  # and its own late leave
+        ]
+    )
+    kinds = [e[0] for e in evs]
+    assert kinds == ["join", "ignored", "ignored", "ignored", "dead", "ignored", "ignored"]
+    assert "rank 0 is held by w0" in evs[1][4]
+    assert "name w0 is held by rank 0" in evs[2][4]
+    assert r.members() == []
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        b"",
+        b"join",
+        b"join 00000000000000zz 1 w 1000\n",
+        b"join 0000000000000001 -1 w 1000\n",
+        b"join 0000000000000001 40000 w 1000\n",
+        b"join 0000000000000001 1 bad/name 1000\n",
+        b"join 0000000000000001 1 w 0\n",
+        b"join 0000000000000001 1 w 1000 extra\n",
+        b"join 0000000000000000 1 w 1000\n",
+        b"leave",
+        b"resign 0000000000000001",
+        b"\xff" * 100,
+        b"join 0000000000000001 1 w 1000\n" + b"x" * 70000,
+    ],
+)
+def test_malformed_records_change_nothing(record):
+    r = t.Roster()
+    r.apply(t.join_record(0, "w0", 0xA, 1000))
+    kind, epoch, *_ = r.apply(record)
+    assert kind == "ignored" and epoch == 2
+    assert r.members() == [(0, "w0")]
+
+
+@pytest.mark.parametrize("store_kind", ["hash", "file"])
+def test_concurrent_appenders_get_distinct_epochs_without_holes(tmp_path, store_kind):
+    store = dist.HashStore() if store_kind == "hash" else dist.FileStore(str(tmp_path / "s"), -1)
+    epochs = []
+    lock = threading.Lock()
+
+    def appender(k):
+        for i in range(10):
+            e = t.log_append(store, t.join_record(100 * k + i, f"w{k}_{i}", 1 + 100 * k + i, 1000), 0)
+            with lock:
+                epochs.append(e)
+
+    threads = [threading.Thread(target=appender, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert sorted(epochs) == list(range(1, 41))
+    # Replaying the log gives every appended member.
+    r = t.Roster()
+    for e in range(1, 41):
+        assert r.apply(store.get(f"log/{e}"))[0] == "join"
+    assert len(r.members()) == 40
