@@ -233,6 +233,8 @@ class Agent final : public rpc::RpcAgent,
   bool catchUp();
   void applyEvent(const MembershipEvent& ev);
   void checkLeases();
+  // As the owner: drop the forks a departed peer held (torch_private.h).
+  void releaseForksOf(const Peer& peer);
   void leaveGroup(
       std::optional<std::chrono::steady_clock::time_point> deadline);
   // Wait until every member of the current view other than us has
@@ -272,6 +274,7 @@ class Agent final : public rpc::RpcAgent,
   std::condition_variable eventsCv_;
   std::deque<MembershipEvent> events_;
   bool reportEvents_ = false; // from our join on
+  std::atomic<uint64_t> droppedForks_{0};
   bool eventsClosed_ = false;
   // Accepted connections by peer id (outbound_ holds ours), so a departing
   // peer's connections are closed as it departs.

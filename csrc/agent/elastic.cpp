@@ -8,7 +8,11 @@
 
 #include <c10/util/StringUtil.h>
 
+#include <torch/csrc/distributed/rpc/rpc_agent.h>
+#include <torch/csrc/utils/pybind.h>
+
 #include "csrc/agent/agent.h"
+#include "csrc/agent/torch_private.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/logging.h"
 
@@ -129,6 +133,9 @@ void Agent::joinGroup(const std::string& entry) {
         catchUp();
       }
     }
+    // Our RRef and autograd ids start past every earlier holder's of this
+    // rank (torch derives them from the rank alone).
+    torch_private::reserveIdRange(me.rank, log_->nextGeneration(me.rank));
     epoch = log_->append(joinRecord(me), roster_.epoch());
     while (roster_.epoch() < epoch) {
       catchUp();
@@ -274,6 +281,7 @@ void Agent::applyEvent(const MembershipEvent& ev) {
           conn->close(why);
         }
       }
+      releaseForksOf(*peer);
       break;
     }
   }
@@ -284,6 +292,34 @@ void Agent::applyEvent(const MembershipEvent& ev) {
       events_.push_back(ev);
       eventsCv_.notify_all();
     }
+  }
+}
+
+void Agent::releaseForksOf(const Peer& peer) {
+  // Only once we are torch's current agent (a departure applied while we
+  // join concerns nothing of ours), and before we acknowledge the departure,
+  // so no later holder of its id can have created anything here yet.
+  if (!reportEvents_ || !rpc::RpcAgent::isCurrentRpcAgentSet() ||
+      rpc::RpcAgent::getCurrentRpcAgent().get() != this) {
+    return;
+  }
+  try {
+    size_t n = torch_private::dropForksCreatedBy(
+        static_cast<rpc::worker_id_t>(peer.info.id_),
+        [this](c10::intrusive_ptr<rpc::RRef> owner) {
+          // A Python value is dropped with the GIL, off this thread.
+          pool_.run([owner = std::move(owner)]() mutable {
+            pybind11::gil_scoped_acquire gil;
+            owner.reset();
+          });
+        });
+    droppedForks_.fetch_add(n, std::memory_order_relaxed);
+  } catch (const std::exception& e) {
+    logWarning(
+        "torch_rpc_ext: " + workerInfo_.name_ +
+        " could not release the RRef "
+        "forks of " +
+        peer.info.name_ + ": " + e.what());
   }
 }
 

@@ -240,6 +240,10 @@ int64_t MembershipLog::append(const std::string& record, int64_t after) const {
   }
 }
 
+int64_t MembershipLog::nextGeneration(int32_t rank) const {
+  return store_->add("gen/" + std::to_string(rank), 1);
+}
+
 void MembershipLog::beat(uint64_t incarnation) const {
   store_->add("beat/" + incarnationText(incarnation), 1);
 }

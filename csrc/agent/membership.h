@@ -175,6 +175,8 @@ class MembershipLog {
   // to read and apply.
   int64_t append(const std::string& record, int64_t after) const;
 
+  // How many times `rank` has been taken in this group, counting this one.
+  int64_t nextGeneration(int32_t rank) const;
   void beat(uint64_t incarnation) const;
   // A member's lease counter (0 before its first beat).
   int64_t beats(uint64_t incarnation) const;

@@ -152,6 +152,19 @@ def _owned_value(v):
     return torch.tensor([v])
 
 
+_kept = []  # an RRef a worker holds until it dies
+
+
+def _rref_ids(rref):
+    # "UserRRef(RRefId = GloballyUniqueId(created_on=1, local_id=0), ForkId = ...)"
+    return repr(rref).split("ForkId")[0]
+
+
+def _owner_counts():
+    info = rpc._rref_context_get_debug_info()
+    return int(info["num_owner_rrefs"]), int(info["num_forks"])
+
+
 def _kill_and_replace(rank, world_size, store_path, gates):
     out = {}
     if rank == 0:
@@ -160,9 +173,11 @@ def _kill_and_replace(rank, world_size, store_path, gates):
             lambda e: dead.append((e.name, e.reason)) if e.kind == "dead" else None
         )
         join(0, store_path, heartbeat_timeout=1.0)
+        baseline = _owner_counts()
         gates["0"].set()
         gates["1"].wait(30)
         wait_for(lambda: "worker1" in members(), what="worker1")
+        out["owning_for_1"] = _owner_counts()
         rref = rpc.remote("worker1", _owned_value, (3,))
         assert rref.to_here().item() == 3
         pending = rpc.rpc_async("worker1", time.sleep, (30,))
@@ -175,6 +190,10 @@ def _kill_and_replace(rank, world_size, store_path, gates):
             out["pending"] = str(e)
         wait_for(lambda: "worker1" not in members(), what="worker1 declared dead")
         out["declared_s"] = time.monotonic() - t0
+        # What the dead worker held of ours is released.
+        wait_for(lambda: _owner_counts() == baseline, what="worker1's forks dropped")
+        metrics = rpc.api._get_current_rpc_agent().get_metrics()
+        out["dropped"] = int(metrics["rpc_ext.membership.dropped_forks"])
         out["dead"] = list(dead)
         try:
             rpc.rpc_sync("worker1", add, (1, 1))
@@ -193,11 +212,21 @@ def _kill_and_replace(rank, world_size, store_path, gates):
     elif rank == 1:
         gates["0"].wait(30)
         join(1, store_path, heartbeat_timeout=1.0)
+        # An RRef owned by worker0, held until this process is killed.
+        _kept.append(rpc.remote("worker0", _owned_value, (3,)))
+        assert _kept[0].to_here().item() == 3
+        gates["ids1"].put(_rref_ids(_kept[0]))
         gates["1"].set()
         time.sleep(120)  # killed by worker0
     else:
         gates["replace"].wait(60)
         join(1, store_path, heartbeat_timeout=1.0)  # the dead one's name and rank
+        # The issue's case: on TensorPipe the owner hands back the old
+        # holder's value (3), since the new process reissues its RRef ids.
+        fresh = rpc.remote("worker0", _owned_value, (101,))
+        out["fresh"] = fresh.to_here().item()
+        out["fresh_ids"] = _rref_ids(fresh)
+        del fresh
         gates["replaced"].set()
         gates["done"].wait(60)
         rpc.shutdown()
@@ -206,10 +235,16 @@ def _kill_and_replace(rank, world_size, store_path, gates):
 
 def test_killed_member_is_declared_dead_and_replaced(store_path):
     gates = {k: _ctx.Event() for k in ("0", "1", "replace", "replaced", "done")}
+    gates["ids1"] = _ctx.Queue()
     res = run_world(
         _kill_and_replace, 3, timeout=120, dies=frozenset({1}), store_path=store_path, gates=gates
     )
     out = res[0]
+    assert out["owning_for_1"] == (1, 1)  # worker1's RRef, one fork
+    assert out["dropped"] == 1
+    assert res[2]["fresh"] == 101
+    old_ids = gates["ids1"].get(timeout=5)
+    assert "created_on=1" in old_ids and res[2]["fresh_ids"] != old_ids
     assert "worker1" in out["pending"]
     # The lease (heartbeat_timeout 1 s) runs out and a survivor records it.
     assert out["declared_s"] < 10, out["declared_s"]
@@ -311,3 +346,66 @@ def test_static_member_refused_by_dynamic_group(store_path):
     gates = {k: _ctx.Event() for k in ("0", "tried")}
     res = run_world(_static_refuses_dynamic, 2, timeout=60, store_path=store_path, gates=gates)
     assert "mixes statically and dynamically" in res[1]
+
+
+# ---- dist autograd and DistributedOptimizer with a late joiner ----------
+
+
+class _Param:
+    """A parameter kept on its owner, stepped through DistributedOptimizer."""
+
+    def __init__(self):
+        self.w = torch.ones(3, requires_grad=True)
+
+
+_params = {}
+
+
+def _make_param():
+    p = _Param()
+    _params["p"] = p
+    return p.w
+
+
+def _param_value():
+    return _params["p"].w.detach().clone()
+
+
+def _late_joiner_trains(rank, world_size, store_path, gates):
+    import torch.distributed.autograd as dist_autograd
+    from torch import optim
+    from torch.distributed.optim import DistributedOptimizer
+
+    if rank == 0:
+        join(0, store_path)
+        gates["0"].set()
+        gates["trained"].wait(60)
+        out = {"w": _param_value().tolist()}
+        rpc.shutdown()
+        return out
+    # worker1 joins after worker0 has been running, owns nothing, and trains
+    # a parameter that lives on worker0.
+    gates["0"].wait(30)
+    time.sleep(0.2)
+    join(1, store_path)
+    w = rpc.remote("worker0", _make_param)
+    opt = DistributedOptimizer(optim.SGD, [w], lr=0.5)
+    losses = []
+    for _ in range(3):
+        with dist_autograd.context() as ctx:
+            remote_w = w.remote().__mul__(1.0)  # an op on the owner
+            loss = (remote_w.to_here() * 2).sum()
+            dist_autograd.backward(ctx, [loss])
+            opt.step(ctx)
+            losses.append(loss.item())
+    gates["trained"].set()
+    rpc.shutdown()
+    return {"losses": losses}
+
+
+def test_dist_autograd_and_optimizer_with_a_late_joiner(store_path):
+    gates = {k: _ctx.Event() for k in ("0", "trained")}
+    res = run_world(_late_joiner_trains, 2, timeout=120, store_path=store_path, gates=gates)
+    # d(loss)/dw = 2 per element; SGD lr 0.5: w goes 1 -> 0 -> -1 -> -2.
+    assert res[1]["losses"] == [6.0, 0.0, -6.0]
+    assert res[0]["w"] == [-2.0, -2.0, -2.0]

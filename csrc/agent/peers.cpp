@@ -1,0 +1,134 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// Who the agent talks to: worker lookups by name and id (with the reason a
+// departed worker is gone), the membership view and the peers behind it
+// (membership.h), and the connection to each peer.
+#include <c10/util/StringUtil.h>
+
+#include "csrc/agent/agent.h"
+
+namespace torch_rpc_ext {
+
+const rpc::WorkerInfo& Agent::getWorkerInfo(
+    const std::string& workerName) const {
+  auto v = view();
+  auto it = v->byName.find(workerName);
+  if (it != v->byName.end()) {
+    return it->second->info; // peers live as long as we do
+  }
+  auto gone = lastPeerNamed(workerName);
+  TORCH_CHECK(
+      !gone,
+      "name:",
+      workerInfo_.name_,
+      ",rank:",
+      workerInfo_.id_,
+      " could not find destination name ",
+      workerName,
+      ": ",
+      gone ? gone->departure() : "");
+  std::vector<std::string> names;
+  for (const auto& p : v->byId) {
+    if (p) {
+      names.push_back(p->info.name_);
+    }
+  }
+  TORCH_CHECK(
+      false,
+      "name:",
+      workerInfo_.name_,
+      ",rank:",
+      workerInfo_.id_,
+      " could not find destination name ",
+      workerName,
+      " (known workers: ",
+      c10::Join(", ", names),
+      ")");
+}
+
+const rpc::WorkerInfo& Agent::getWorkerInfo(rpc::worker_id_t id) const {
+  auto v = view();
+  if (Peer* p = v->find(id)) {
+    return p->info;
+  }
+  std::string why = worldSize_ > 0
+      ? " (world size " + std::to_string(worldSize_) + ")"
+      : " (no member holds it at epoch " + std::to_string(v->epoch) + ")";
+  {
+    std::lock_guard<std::mutex> lock(peersMutex_);
+    for (auto it = peers_.rbegin(); it != peers_.rend(); ++it) {
+      if ((*it)->info.id_ == id && (*it)->departed()) {
+        why = ": " + (*it)->departure();
+        break;
+      }
+    }
+  }
+  TORCH_CHECK(
+      false,
+      "name:",
+      workerInfo_.name_,
+      ",rank:",
+      workerInfo_.id_,
+      " could not find destination id ",
+      id,
+      why);
+}
+
+std::vector<rpc::WorkerInfo> Agent::getWorkerInfos() const {
+  return view()->infos();
+}
+
+void Agent::publish(std::shared_ptr<const View> view) {
+  view_.store(std::move(view), std::memory_order_release);
+}
+
+Peer* Agent::memberOn(const transport::Connection& conn) const {
+  return view()->find(conn.peerId());
+}
+
+std::shared_ptr<Peer> Agent::lastPeerNamed(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(peersMutex_);
+  for (auto it = peers_.rbegin(); it != peers_.rend(); ++it) {
+    if ((*it)->info.name_ == name) {
+      return *it;
+    }
+  }
+  return nullptr;
+}
+
+std::shared_ptr<Peer> Agent::adopt(
+    rpc::WorkerInfo info,
+    uint64_t incarnation,
+    Route route) {
+  auto peer =
+      std::make_shared<Peer>(std::move(info), incarnation, std::move(route));
+  std::lock_guard<std::mutex> lock(peersMutex_);
+  peers_.push_back(peer);
+  return peer;
+}
+
+std::shared_ptr<transport::Connection> Agent::connectionTo(const Peer& peer) {
+  std::lock_guard<std::mutex> lock(connMutex_);
+  // A departing peer's connection is closed under this lock after it is
+  // marked departed (elastic.cpp), so none is opened to it afterwards.
+  TORCH_CHECK(
+      !peer.departed(),
+      "RPC to ",
+      peer.info.name_,
+      " failed: ",
+      peer.departure());
+  TORCH_CHECK(
+      !peer.route.transport.empty(),
+      "RPC to ",
+      peer.info.name_,
+      " failed: ",
+      peer.route.address); // why no route was found (elastic.cpp)
+  auto& slot = outbound_[&peer];
+  if (!slot || slot->isClosed()) {
+    const Route& route = peer.route;
+    slot = transports_.at(route.transport)
+               ->connect(route.address, peer.info.id_, this);
+  }
+  return slot;
+}
+
+} // namespace torch_rpc_ext

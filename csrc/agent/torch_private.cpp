@@ -1,0 +1,126 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/agent/torch_private.h"
+
+#include <algorithm>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include <torch/csrc/distributed/autograd/context/container.h>
+#include <torch/csrc/distributed/rpc/rpc_agent.h>
+#include <torch/csrc/distributed/rpc/rref_context.h>
+
+namespace torch_rpc_ext::torch_private {
+
+namespace {
+
+namespace rpc = torch::distributed::rpc;
+using torch::distributed::autograd::DistAutogradContainer;
+
+// The access idiom: an explicit instantiation may name private members, and
+// the friend it defines hands the pointer out. One tag per member.
+template <typename Tag, typename Tag::type Member>
+struct Reach {
+  friend typename Tag::type reach(Tag) {
+    return Member;
+  }
+};
+
+struct NextLocalId {
+  using type = std::atomic<rpc::local_id_t>*;
+  friend type reach(NextLocalId);
+};
+template struct Reach<NextLocalId, &rpc::RRefContext::nextLocalId_>;
+
+struct Forks {
+  using type = std::unordered_map<
+      rpc::RRefId,
+      std::unordered_set<rpc::ForkId, rpc::ForkId::Hash>,
+      rpc::RRefId::Hash>
+      rpc::RRefContext::*;
+  friend type reach(Forks);
+};
+template struct Reach<Forks, &rpc::RRefContext::forks_>;
+
+struct ContextMutex {
+  using type = std::mutex rpc::RRefContext::*;
+  friend type reach(ContextMutex);
+};
+template struct Reach<ContextMutex, &rpc::RRefContext::mutex_>;
+
+struct NextContextId {
+  using type = std::atomic<int64_t> DistAutogradContainer::*;
+  friend type reach(NextContextId);
+};
+template struct Reach<NextContextId, &DistAutogradContainer::next_context_id_>;
+
+struct NextMessageId {
+  using type = std::atomic<int64_t> DistAutogradContainer::*;
+  friend type reach(NextMessageId);
+};
+template struct Reach<
+    NextMessageId,
+    &DistAutogradContainer::next_autograd_message_id_>;
+
+// Ids below 2^36 per generation: 68 billion RRefs, forks and autograd
+// contexts per process lifetime, 4096 generations in torch's 48 bits.
+constexpr int kGenerationShift = 36;
+
+void advanceTo(std::atomic<int64_t>& counter, int64_t floor) {
+  int64_t cur = counter.load();
+  while (cur < floor && !counter.compare_exchange_weak(cur, floor)) {
+  }
+}
+
+} // namespace
+
+int64_t idRangeStart(int64_t generation) {
+  return generation << kGenerationShift;
+}
+
+void reserveIdRange(int rank, int64_t generation) {
+  TORCH_CHECK(
+      generation >= 1 && generation < kMaxGenerations,
+      "rank ",
+      rank,
+      " has been taken ",
+      generation,
+      " times in this group, more than the ",
+      kMaxGenerations - 1,
+      " whose ids torch_rpc_ext can keep apart");
+  advanceTo(*reach(NextLocalId{}), idRangeStart(generation));
+  // Autograd ids are (worker id << 48) + a counter; this holder's counter
+  // starts at its generation's range.
+  auto& container = DistAutogradContainer::getInstance();
+  const int64_t floor =
+      (static_cast<int64_t>(rank) << 48) + idRangeStart(generation);
+  advanceTo(container.*reach(NextContextId{}), floor);
+  advanceTo(container.*reach(NextMessageId{}), floor);
+}
+
+size_t dropForksCreatedBy(
+    rpc::worker_id_t holder,
+    const std::function<void(c10::intrusive_ptr<rpc::RRef>)>& releasePython) {
+  auto& ctx = rpc::RRefContext::getInstance();
+  std::vector<std::pair<rpc::RRefId, rpc::ForkId>> held;
+  {
+    std::lock_guard<std::mutex> lock(ctx.*reach(ContextMutex{}));
+    for (const auto& [rrefId, forks] : ctx.*reach(Forks{})) {
+      for (const auto& forkId : forks) {
+        if (forkId.createdOn_ == holder) {
+          held.emplace_back(rrefId, forkId);
+        }
+      }
+    }
+  }
+  for (const auto& [rrefId, forkId] : held) {
+    // As the owner does when a RRefUserDelete arrives (idempotent).
+    auto owner = ctx.delForkOfOwner(rrefId, forkId);
+    if (owner && owner->isPyObj()) {
+      releasePython(std::move(owner));
+    }
+  }
+  return held.size();
+}
+
+} // namespace torch_rpc_ext::torch_private

@@ -1,0 +1,42 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+// The torch internals a dynamic group must reach and torch offers no
+// accessor for (docs/elastic.md, "Incarnations"). Each member is named in
+// torch_private.cpp through an explicit template instantiation, where access
+// is not checked: a torch that renames or retypes one fails to build; none
+// depends on a layout guessed here.
+
+#include <cstdint>
+#include <functional>
+
+#include <torch/csrc/distributed/rpc/rref_impl.h>
+#include <torch/csrc/distributed/rpc/types.h>
+
+namespace torch_rpc_ext::torch_private {
+
+// How many incarnations of one rank fit in its id space (below).
+constexpr int64_t kMaxGenerations = 4096;
+
+// Make this process mint RRef, fork, autograd context and autograd message
+// ids from the range of the `generation`-th holder of `rank` (1-based):
+// torch derives them from the rank alone, so a new process on a reused rank
+// would otherwise reissue its predecessor's ids, and an owner would hand it
+// the predecessor's values. Counters only move forward.
+void reserveIdRange(int rank, int64_t generation);
+
+// The first RRef local id of `generation`'s range.
+int64_t idRangeStart(int64_t generation);
+
+// As the owner: forget the forks that `holder` created (its UserRRefs of our
+// OwnerRRefs from its own rpc.remote calls, and the forks it sent on), as if
+// they had been deleted; OwnerRRefs left with no fork are released. Called
+// as `holder` departs, before any later holder of its id can be admitted.
+// OwnerRRefs holding Python values are handed to `releasePython`, which must
+// drop them with the GIL held. Returns how many forks were dropped.
+size_t dropForksCreatedBy(
+    torch::distributed::rpc::worker_id_t holder,
+    const std::function<void(
+        c10::intrusive_ptr<torch::distributed::rpc::RRef>)>& releasePython);
+
+} // namespace torch_rpc_ext::torch_private
