@@ -167,22 +167,29 @@ def connect_raw(address: str, timeout: float = 5) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=timeout)
 
 
-def _proof(secret, role, cn, sn, cid, sid):
-    msg = b"torch_rpc_ext/1/" + role + cn + sn + struct.pack("<ii", cid, sid)
+def _proof(secret, role, cn, sn, cid, sid, cinc, sinc):
+    msg = b"torch_rpc_ext/2/" + role + cn + sn + struct.pack("<iiQQ", cid, sid, cinc, sinc)
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
-def handshake(address: str, secret: bytes, client_id: int = 0):
-    """Run the client side of the handshake; return (socket, server proof ok?)."""
+def handshake(address: str, secret: bytes, client_id: int = 0, incarnation: int = 0):
+    """Run the client side of the handshake (docs/wire-format.md) as worker
+    ``client_id`` of ``incarnation`` (0 in a static group); return (socket,
+    server proof ok?)."""
     sock = connect_raw(address)
     cn = os.urandom(32)
-    sock.sendall(frame_header(HELLO, 36) + struct.pack("<i", client_id) + cn)
+    hello = struct.pack("<iQ", client_id, incarnation) + cn
+    sock.sendall(frame_header(HELLO, len(hello)) + hello)
     hdr = recv_exact(sock, 24)
     if struct.unpack("<IBBHIIQ", hdr)[2] != CHALLENGE:
         raise ConnectionError("the agent did not answer with a challenge")
-    body = recv_exact(sock, 68)
-    sid = struct.unpack("<i", body[:4])[0]
-    sn, server_proof = body[4:36], body[36:68]
-    ok = hmac.compare_digest(server_proof, _proof(secret, b"server", cn, sn, client_id, sid))
-    sock.sendall(frame_header(PROOF, 32) + _proof(secret, b"client", cn, sn, client_id, sid))
+    body = recv_exact(sock, 76)
+    sid, sinc = struct.unpack("<iQ", body[:12])
+    sn, server_proof = body[12:44], body[44:76]
+    expected = _proof(secret, b"server", cn, sn, client_id, sid, incarnation, sinc)
+    ok = hmac.compare_digest(server_proof, expected)
+    sock.sendall(
+        frame_header(PROOF, 32)
+        + _proof(secret, b"client", cn, sn, client_id, sid, incarnation, sinc)
+    )
     return sock, ok

@@ -32,6 +32,9 @@ namespace torch_rpc_ext {
 
 namespace rpc = torch::distributed::rpc;
 
+// A random nonzero incarnation (membership.h).
+uint64_t drawIncarnation();
+
 // The torch_rpc_ext RpcAgent.
 //
 // Threads (docs/architecture.md):
@@ -247,6 +250,9 @@ class Agent final : public rpc::RpcAgent,
   // How long a member's lease may go unrenewed before it is declared dead:
   // the heartbeat timeout (its default when heartbeats are off).
   std::chrono::milliseconds leaseTimeout() const;
+  // Why a peer authenticated as `id` with `incarnation` may not stay ("" if
+  // it may): it must be the current holder of the id.
+  std::string admissionError(int32_t id, uint64_t incarnation) const;
 
   std::atomic<std::shared_ptr<const View>> view_;
   mutable std::mutex peersMutex_;

@@ -27,6 +27,13 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kBusyPoll = std::chrono::milliseconds(20);
 constexpr auto kIdlePoll = std::chrono::milliseconds(200);
 
+std::string seconds(std::chrono::milliseconds ms) {
+  auto tenths = ms.count() / 100;
+  return std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + " s";
+}
+
+} // namespace
+
 uint64_t drawIncarnation() {
   uint64_t inc = 0;
   while (inc == 0) {
@@ -36,12 +43,21 @@ uint64_t drawIncarnation() {
   return inc;
 }
 
-std::string seconds(std::chrono::milliseconds ms) {
-  auto tenths = ms.count() / 100;
-  return std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + " s";
+std::string Agent::admissionError(int32_t id, uint64_t incarnation) const {
+  auto v = view();
+  Peer* p = v->find(id);
+  if (!p || p->departed()) {
+    return "worker id " + std::to_string(id) +
+        " is not a member of the group at epoch " + std::to_string(v->epoch);
+  }
+  if (p->incarnation != incarnation) {
+    return "worker id " + std::to_string(id) + " (incarnation " +
+        incarnationText(incarnation) + ") is not its current holder " +
+        p->info.name_ + " (incarnation " + incarnationText(p->incarnation) +
+        ")";
+  }
+  return "";
 }
-
-} // namespace
 
 std::chrono::milliseconds Agent::leaseTimeout() const {
   return options_.heartbeatTimeout.count() > 0 ? options_.heartbeatTimeout
@@ -51,7 +67,6 @@ std::chrono::milliseconds Agent::leaseTimeout() const {
 void Agent::joinGroup(const std::string& entry) {
   const auto& self = getWorkerInfo();
   log_ = std::make_unique<MembershipLog>(store_);
-  incarnation_ = drawIncarnation();
   log_->beat(incarnation_);
   // A member that died meanwhile is declared dead by its lease, which ends
   // any wait for it; this bounds the rest (a store that stopped answering).

@@ -82,7 +82,9 @@ void Agent::publish(std::shared_ptr<const View> view) {
 }
 
 Peer* Agent::memberOn(const transport::Connection& conn) const {
-  return view()->find(conn.peerId());
+  // The id's current holder, if it is who authenticated on `conn`.
+  Peer* p = view()->find(conn.peerId());
+  return p && p->incarnation == conn.peerIncarnation() ? p : nullptr;
 }
 
 std::shared_ptr<Peer> Agent::lastPeerNamed(const std::string& name) const {

@@ -58,6 +58,9 @@ void Agent::rendezvous() {
   } else {
     secret_ = fromBytes(store_->get(kSecretKey));
   }
+  if (worldSize_ == 0) {
+    incarnation_ = drawIncarnation(); // proven in every handshake
+  }
   std::string entry = openTransports();
   if (worldSize_ == 0) {
     joinGroup(entry);
@@ -99,6 +102,13 @@ std::string Agent::openTransports() {
   // A dynamic group admits any rank at the handshake; onReady then refuses
   // ids that no member holds.
   topts.peerIdLimit = worldSize_ > 0 ? worldSize_ : 32768;
+  topts.selfIncarnation = incarnation_;
+  if (worldSize_ == 0) {
+    // Both ends: only the current holder of an id is admitted.
+    topts.admit = [this](int32_t id, uint64_t incarnation) {
+      return admissionError(id, incarnation);
+    };
+  }
   topts.secret = secret_;
   topts.limits.maxFrameBytes = options_.maxFrameBytes;
   topts.handshakeTimeout = options_.handshakeTimeout;

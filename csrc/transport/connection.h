@@ -62,6 +62,8 @@ class Connection {
   // The peer's worker id once authenticated, else -1 (also after a close
   // that happened before authentication).
   virtual int32_t peerId() const = 0;
+  // The peer's incarnation (handshake.h), once authenticated.
+  virtual uint64_t peerIncarnation() const = 0;
 
   virtual bool isReady() const = 0;
   virtual bool isClosed() const = 0;

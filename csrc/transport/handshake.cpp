@@ -21,11 +21,24 @@ int32_t getId(const std::string& in, size_t at) {
   return id;
 }
 
+void putInc(std::string& out, uint64_t inc) {
+  char b[8];
+  std::memcpy(b, &inc, 8);
+  out.append(b, 8);
+}
+
+uint64_t getInc(const std::string& in, size_t at) {
+  uint64_t inc;
+  std::memcpy(&inc, in.data() + at, 8);
+  return inc;
+}
+
 } // namespace
 
 std::string encodeHello(const Hello& h) {
   std::string out;
   putId(out, h.clientId);
+  putInc(out, h.clientInc);
   out += h.clientNonce;
   return out;
 }
@@ -34,12 +47,13 @@ std::optional<Hello> decodeHello(const std::string& head) {
   if (head.size() != kHelloBytes) {
     return std::nullopt;
   }
-  return Hello{getId(head, 0), head.substr(4, kNonceBytes)};
+  return Hello{getId(head, 0), getInc(head, 4), head.substr(12, kNonceBytes)};
 }
 
 std::string encodeChallenge(const Challenge& c) {
   std::string out;
   putId(out, c.serverId);
+  putInc(out, c.serverInc);
   out += c.serverNonce;
   out += c.serverProof;
   return out;
@@ -51,8 +65,9 @@ std::optional<Challenge> decodeChallenge(const std::string& head) {
   }
   return Challenge{
       getId(head, 0),
-      head.substr(4, kNonceBytes),
-      head.substr(4 + kNonceBytes, kProofBytes)};
+      getInc(head, 4),
+      head.substr(12, kNonceBytes),
+      head.substr(12 + kNonceBytes, kProofBytes)};
 }
 
 std::string makeProof(
@@ -61,12 +76,16 @@ std::string makeProof(
     const std::string& clientNonce,
     const std::string& serverNonce,
     int32_t clientId,
-    int32_t serverId) {
-  std::string msg = std::string("torch_rpc_ext/1/") + role;
+    int32_t serverId,
+    uint64_t clientInc,
+    uint64_t serverInc) {
+  std::string msg = std::string("torch_rpc_ext/2/") + role;
   msg += clientNonce;
   msg += serverNonce;
   putId(msg, clientId);
   putId(msg, serverId);
+  putInc(msg, clientInc);
+  putInc(msg, serverInc);
   Digest d = hmacSha256(secret, msg);
   return std::string(reinterpret_cast<const char*>(d.data()), d.size());
 }
@@ -86,17 +105,21 @@ Handshake::Handshake(
     std::string secret,
     int32_t selfId,
     int32_t expectedPeerId,
-    int32_t peerIdLimit)
+    int32_t peerIdLimit,
+    uint64_t selfInc,
+    AdmitFn admit)
     : client_(client),
       secret_(std::move(secret)),
       selfId_(selfId),
       expectedPeerId_(expectedPeerId),
       peerIdLimit_(peerIdLimit),
+      selfInc_(selfInc),
+      admit_(std::move(admit)),
       stage_(client ? Stage::kChallenge : Stage::kHello) {}
 
 std::string Handshake::hello() {
   clientNonce_ = randomBytes(kNonceBytes);
-  return encodeHello(Hello{selfId_, clientNonce_});
+  return encodeHello(Hello{selfId_, selfInc_, clientNonce_});
 }
 
 frame::FrameKind Handshake::expectedKind() const {
@@ -140,6 +163,7 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
     }
     // Trusted only once the client's proof checks out.
     peerId_ = hello->clientId;
+    peerInc_ = hello->clientInc;
     clientNonce_ = hello->clientNonce;
     serverNonce_ = randomBytes(kNonceBytes);
     step.hasReply = true;
@@ -147,6 +171,7 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
     step.replyHead = encodeChallenge(
         Challenge{
             selfId_,
+            selfInc_,
             serverNonce_,
             makeProof(
                 secret_,
@@ -154,7 +179,9 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
                 clientNonce_,
                 serverNonce_,
                 peerId_,
-                selfId_)});
+                selfId_,
+                peerInc_,
+                selfInc_)});
     stage_ = Stage::kProof;
     return step;
   }
@@ -176,12 +203,22 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
         clientNonce_,
         ch->serverNonce,
         selfId_,
-        ch->serverId);
+        ch->serverId,
+        selfInc_,
+        ch->serverInc);
     if (!proofMatches(ch->serverProof, expected)) {
       step.error = kBadSecret;
       return step;
     }
+    if (admit_) {
+      std::string why = admit_(ch->serverId, ch->serverInc);
+      if (!why.empty()) {
+        step.error = "rejected handshake: " + why;
+        return step;
+      }
+    }
     peerId_ = ch->serverId;
+    peerInc_ = ch->serverInc;
     step.hasReply = true;
     step.replyKind = frame::FrameKind::kProof;
     step.replyHead = makeProof(
@@ -190,18 +227,35 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
         clientNonce_,
         ch->serverNonce,
         selfId_,
-        ch->serverId);
+        ch->serverId,
+        selfInc_,
+        ch->serverInc);
     stage_ = Stage::kDone;
     step.done = true;
     return step;
   }
   if (stage_ == Stage::kProof) {
     std::string expected = makeProof(
-        secret_, "client", clientNonce_, serverNonce_, peerId_, selfId_);
+        secret_,
+        "client",
+        clientNonce_,
+        serverNonce_,
+        peerId_,
+        selfId_,
+        peerInc_,
+        selfInc_);
     if (!proofMatches(head, expected)) {
       peerId_ = -1;
       step.error = kBadSecret;
       return step;
+    }
+    if (admit_) {
+      std::string why = admit_(peerId_, peerInc_);
+      if (!why.empty()) {
+        peerId_ = -1;
+        step.error = "rejected handshake: " + why;
+        return step;
+      }
     }
     stage_ = Stage::kDone;
     step.done = true;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -13,30 +14,41 @@ namespace torch_rpc_ext::transport {
 // challenge-response over HMAC-SHA256 with fresh 32-byte nonces from both
 // ends, so neither a proof nor a recorded session can be replayed:
 //
-//   client -> server  kHello     {clientId, clientNonce}
-//   server -> client  kChallenge {serverId, serverNonce, serverProof}
+//   client -> server  kHello     {clientId, clientInc, clientNonce}
+//   server -> client  kChallenge {serverId, serverInc, serverNonce,
+//                                 serverProof}
 //   client -> server  kProof     {clientProof}
 //
-//   proof(role) = HMAC(secret, "torch_rpc_ext/1/" role || clientNonce ||
-//                      serverNonce || clientId || serverId)
+//   proof(role) = HMAC(secret, "torch_rpc_ext/2/" role || clientNonce ||
+//                      serverNonce || clientId || serverId || clientInc ||
+//                      serverInc)
 //
+// An incarnation is the 64-bit id of one holder of a worker id in a dynamic
+// group (docs/elastic.md), 0 in a static group: both ends prove theirs, so a
+// process that held an id before cannot pass for its current holder.
 // Nothing but these three fixed-size heads is parsed before the proof of the
 // peer checks out.
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kProofBytes = 32;
-constexpr size_t kHelloBytes = 4 + kNonceBytes;
-constexpr size_t kChallengeBytes = 4 + kNonceBytes + kProofBytes;
+constexpr size_t kHelloBytes = 4 + 8 + kNonceBytes;
+constexpr size_t kChallengeBytes = 4 + 8 + kNonceBytes + kProofBytes;
 
 struct Hello {
   int32_t clientId;
+  uint64_t clientInc;
   std::string clientNonce;
 };
 
 struct Challenge {
   int32_t serverId;
+  uint64_t serverInc;
   std::string serverNonce;
   std::string serverProof;
 };
+
+// Whether an authenticated peer (its id and incarnation) may stay: "" if so,
+// else why not. Asked once per connection, after the peer's proof.
+using AdmitFn = std::function<std::string(int32_t id, uint64_t incarnation)>;
 
 std::string encodeHello(const Hello& h);
 std::optional<Hello> decodeHello(const std::string& head);
@@ -50,7 +62,9 @@ std::string makeProof(
     const std::string& clientNonce,
     const std::string& serverNonce,
     int32_t clientId,
-    int32_t serverId);
+    int32_t serverId,
+    uint64_t clientInc,
+    uint64_t serverInc);
 
 // Constant-time comparison of a received proof with the expected one.
 bool proofMatches(const std::string& received, const std::string& expected);
@@ -65,7 +79,9 @@ class Handshake {
       std::string secret,
       int32_t selfId,
       int32_t expectedPeerId,
-      int32_t peerIdLimit = 0);
+      int32_t peerIdLimit = 0,
+      uint64_t selfInc = 0,
+      AdmitFn admit = nullptr);
 
   // What to do after a frame: close with `error`, and/or send `reply`.
   struct Step {
@@ -87,6 +103,9 @@ class Handshake {
   int32_t peerId() const {
     return peerId_;
   }
+  uint64_t peerIncarnation() const {
+    return peerInc_;
+  }
 
  private:
   enum class Stage { kHello, kChallenge, kProof, kDone };
@@ -95,8 +114,11 @@ class Handshake {
   const int32_t selfId_;
   const int32_t expectedPeerId_;
   const int32_t peerIdLimit_; // TransportOptions::peerIdLimit
+  const uint64_t selfInc_;
+  const AdmitFn admit_;
   Stage stage_;
   int32_t peerId_ = -1;
+  uint64_t peerInc_ = 0;
   std::string clientNonce_;
   std::string serverNonce_;
 };

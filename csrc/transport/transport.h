@@ -11,6 +11,7 @@
 #include "csrc/channel/channel.h"
 #include "csrc/common/option_defaults.h"
 #include "csrc/transport/connection.h"
+#include "csrc/transport/handshake.h"
 
 namespace torch_rpc_ext::transport {
 
@@ -23,6 +24,10 @@ struct TransportOptions {
   int32_t peerIdLimit = 0;
   // The group secret; both ends prove knowledge of it in the handshake.
   std::string secret;
+  // This worker's incarnation (0 in a static group), proven in the
+  // handshake, and the check of each peer's (handshake.h). Unset: any.
+  uint64_t selfIncarnation = 0;
+  AdmitFn admit;
   frame::FrameLimits limits;
   // A connection that has not authenticated within this time is closed.
   std::chrono::milliseconds handshakeTimeout = kDefaultHandshakeTimeout;

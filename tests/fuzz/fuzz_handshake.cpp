@@ -54,6 +54,27 @@ int32_t idAt(const std::string& s, size_t at) {
   return v;
 }
 
+std::string le64(uint64_t v) {
+  char b[8];
+  std::memcpy(b, &v, 8);
+  return std::string(b, 8);
+}
+
+uint64_t incAt(const std::string& s, size_t at) {
+  uint64_t v;
+  std::memcpy(&v, s.data() + at, 8);
+  return v;
+}
+
+// The incarnation of the end under test, and its admission rule (the
+// agent's is "the current holder of the id"): odd incarnations are refused.
+constexpr uint64_t kSelfInc = 0x1122334455667788ULL;
+constexpr size_t kNonceAt = 12; // after the id and the incarnation
+
+std::string admitEven(int32_t id, uint64_t inc) {
+  return inc % 2 == 0 ? "" : "odd incarnation";
+}
+
 // The protocol's proof, written out here independently of makeProof().
 std::string proof(
     const std::string& secret,
@@ -61,11 +82,13 @@ std::string proof(
     const std::string& clientNonce,
     const std::string& serverNonce,
     int32_t clientId,
-    int32_t serverId) {
+    int32_t serverId,
+    uint64_t clientInc,
+    uint64_t serverInc) {
   Digest d = hmacSha256(
       secret,
-      std::string("torch_rpc_ext/1/") + role + clientNonce + serverNonce +
-          le32(clientId) + le32(serverId));
+      std::string("torch_rpc_ext/2/") + role + clientNonce + serverNonce +
+          le32(clientId) + le32(serverId) + le64(clientInc) + le64(serverInc));
   return std::string(reinterpret_cast<const char*>(d.data()), d.size());
 }
 
@@ -85,6 +108,8 @@ struct Peer {
   std::string serverNonce;
   int32_t clientId = 0;
   int32_t serverId = 0;
+  uint64_t clientInc = 0;
+  uint64_t serverInc = 0;
   std::string lastValid; // replayed once the handshake is done
 
   std::string validNext(FuzzInput& in, bool done) {
@@ -93,15 +118,31 @@ struct Peer {
     }
     if (client) {
       // A challenge to the client's hello.
+      uint64_t inc = in.take<uint64_t>();
       std::string nonce = nonceFrom(in);
-      lastValid = le32(id) + nonce +
-          proof(secret, "server", clientNonce, nonce, clientId, id);
+      lastValid = le32(id) + le64(inc) + nonce +
+          proof(secret,
+                "server",
+                clientNonce,
+                nonce,
+                clientId,
+                id,
+                clientInc,
+                inc);
     } else if (clientNonce.empty()) {
       // A hello; what the server saw is taken from the head it accepted.
-      lastValid = le32(id) + nonceFrom(in);
+      uint64_t inc = in.take<uint64_t>();
+      lastValid = le32(id) + le64(inc) + nonceFrom(in);
     } else {
-      lastValid =
-          proof(secret, "client", clientNonce, serverNonce, clientId, serverId);
+      lastValid = proof(
+          secret,
+          "client",
+          clientNonce,
+          serverNonce,
+          clientId,
+          serverId,
+          clientInc,
+          serverInc);
     }
     return lastValid;
   }
@@ -140,12 +181,14 @@ void checkStepShape(const Handshake::Step& step) {
 }
 
 void fuzzClient(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
-  Handshake hs(true, kSecret, selfId, expected);
+  Handshake hs(true, kSecret, selfId, expected, 0, kSelfInc, admitEven);
   std::string hello = hs.hello();
   FUZZ_CHECK(hello.size() == kHelloBytes, "hello of the wrong size");
   FUZZ_CHECK(idAt(hello, 0) == selfId, "hello names another id");
+  FUZZ_CHECK(incAt(hello, 4) == kSelfInc, "hello names another incarnation");
   peer.clientId = selfId;
-  peer.clientNonce = hello.substr(4, kNonceBytes);
+  peer.clientInc = kSelfInc;
+  peer.clientNonce = hello.substr(kNonceAt, kNonceBytes);
   bool done = false;
   for (size_t i = 0; i < kMaxSteps && !in.empty(); ++i) {
     FUZZ_CHECK(
@@ -155,15 +198,17 @@ void fuzzClient(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
     Handshake::Step step = hs.onFrame(head);
     checkStepShape(step);
     bool correct = !done && head.size() == kChallengeBytes &&
-        idAt(head, 0) == expected &&
-        head.substr(4 + kNonceBytes) ==
+        idAt(head, 0) == expected && incAt(head, 4) % 2 == 0 &&
+        head.substr(kNonceAt + kNonceBytes) ==
             proof(
                 kSecret,
                 "server",
                 peer.clientNonce,
-                head.substr(4, kNonceBytes),
+                head.substr(kNonceAt, kNonceBytes),
                 selfId,
-                expected);
+                expected,
+                kSelfInc,
+                incAt(head, 4));
     if (done) {
       FUZZ_CHECK(!step.error.empty(), "a frame after the handshake passed");
       return;
@@ -185,17 +230,22 @@ void fuzzClient(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
                 kSecret,
                 "client",
                 peer.clientNonce,
-                head.substr(4, kNonceBytes),
+                head.substr(kNonceAt, kNonceBytes),
                 selfId,
-                expected),
+                expected,
+                kSelfInc,
+                incAt(head, 4)),
         "client sent a wrong proof");
     FUZZ_CHECK(hs.peerId() == expected, "client authenticated another id");
+    FUZZ_CHECK(
+        hs.peerIncarnation() == incAt(head, 4),
+        "client authenticated another incarnation");
     done = true;
   }
 }
 
 void fuzzServer(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
-  Handshake hs(false, kSecret, selfId, expected);
+  Handshake hs(false, kSecret, selfId, expected, 0, kSelfInc, admitEven);
   enum { kHello, kProof, kDone } stage = kHello;
   for (size_t i = 0; i < kMaxSteps && !in.empty(); ++i) {
     FUZZ_CHECK(
@@ -227,31 +277,41 @@ void fuzzServer(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
               step.replyHead.size() == kChallengeBytes,
           "server did not answer a hello with a challenge");
       peer.clientId = idAt(head, 0);
-      peer.clientNonce = head.substr(4, kNonceBytes);
+      peer.clientInc = incAt(head, 4);
+      peer.clientNonce = head.substr(kNonceAt, kNonceBytes);
       peer.serverId = idAt(step.replyHead, 0);
-      peer.serverNonce = step.replyHead.substr(4, kNonceBytes);
+      peer.serverInc = incAt(step.replyHead, 4);
+      peer.serverNonce = step.replyHead.substr(kNonceAt, kNonceBytes);
       FUZZ_CHECK(peer.serverId == selfId, "challenge names another id");
+      FUZZ_CHECK(
+          peer.serverInc == kSelfInc, "challenge names another incarnation");
       FUZZ_CHECK(peer.serverNonce != peer.clientNonce, "nonce echoed back");
       FUZZ_CHECK(
-          step.replyHead.substr(4 + kNonceBytes) ==
+          step.replyHead.substr(kNonceAt + kNonceBytes) ==
               proof(
                   kSecret,
                   "server",
                   peer.clientNonce,
                   peer.serverNonce,
                   peer.clientId,
-                  selfId),
+                  selfId,
+                  peer.clientInc,
+                  kSelfInc),
           "server sent a wrong proof");
       stage = kProof;
       continue;
     }
-    bool correct = head ==
-        proof(kSecret,
-              "client",
-              peer.clientNonce,
-              peer.serverNonce,
-              peer.clientId,
-              selfId);
+    bool correct = peer.clientInc % 2 == 0 &&
+        head ==
+            proof(
+                kSecret,
+                "client",
+                peer.clientNonce,
+                peer.serverNonce,
+                peer.clientId,
+                selfId,
+                peer.clientInc,
+                kSelfInc);
     FUZZ_CHECK(
         step.done == correct,
         step.done ? "server accepted a bad proof"
@@ -261,6 +321,9 @@ void fuzzServer(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
     }
     FUZZ_CHECK(!step.hasReply, "server replied to a proof");
     FUZZ_CHECK(hs.peerId() == peer.clientId, "server authenticated another id");
+    FUZZ_CHECK(
+        hs.peerIncarnation() == peer.clientInc,
+        "server authenticated another incarnation");
     stage = kDone;
   }
 }

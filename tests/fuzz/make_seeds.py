@@ -99,25 +99,30 @@ RAW, VALID, FLIP, RESIZE = range(4)
 
 def handshake_seeds():
     nonce = bytes(range(32))
+    inc = bytes(range(2, 10))  # even: admitted by the harness's rule
+    odd = bytes([1]) + bytes(7)  # refused by it
     # Server role (config bit 0 clear): hello, proof, then a replay.
     server = b"\0" + i32(0) + i32(-1) + i32(1)
-    hello = bytes([VALID]) + nonce
+    hello = bytes([VALID]) + inc + nonce
     write("handshake", "server-complete", server + hello + bytes([VALID, VALID]))
     write("handshake", "server-bad-proof", server + hello + bytes([FLIP, 5, 0x80]))
     write("handshake", "server-short-proof", server + hello + bytes([RESIZE, 31]))
+    write("handshake", "server-refused-incarnation",
+          server + bytes([VALID]) + odd + nonce + bytes([VALID]))
     write("handshake", "server-negative-id",
           b"\0" + i32(0) + i32(-1) + i32(-7) + hello)
-    write("handshake", "server-raw-hello", server + bytes([RAW, 36]) + i32(3) + nonce)
+    write("handshake", "server-raw-hello", server + bytes([RAW, 44]) + i32(3) + inc + nonce)
     write("handshake", "server-wrong-secret",
           b"\2" + i32(0) + i32(-1) + i32(1) + hello + bytes([VALID]))
     # Client role (bit 0), the peer claiming the expected id (bit 2).
     client = b"\5" + i32(1) + i32(0) + i32(0)
     write("handshake", "client-complete", client + hello + bytes([VALID]))
+    write("handshake", "client-refused-incarnation", client + bytes([VALID]) + odd + nonce)
     write("handshake", "client-bad-proof",
-          client + bytes([FLIP]) + nonce + bytes([40, 1]))
+          client + bytes([FLIP]) + inc + nonce + bytes([48, 1]))
     write("handshake", "client-wrong-id", b"\1" + i32(1) + i32(0) + i32(5) + hello)
     write("handshake", "client-wrong-secret", b"\7" + i32(1) + i32(0) + i32(0) + hello)
-    write("handshake", "client-long", client + bytes([RESIZE]) + nonce + bytes([73, 0]))
+    write("handshake", "client-long", client + bytes([RESIZE]) + inc + nonce + bytes([81, 0]))
 
 
 # --- codec -------------------------------------------------------------------

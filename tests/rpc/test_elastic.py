@@ -409,3 +409,48 @@ def test_dist_autograd_and_optimizer_with_a_late_joiner(store_path):
     # d(loss)/dw = 2 per element; SGD lr 0.5: w goes 1 -> 0 -> -1 -> -2.
     assert res[1]["losses"] == [6.0, 0.0, -6.0]
     assert res[0]["w"] == [-2.0, -2.0, -2.0]
+
+
+# ---- incarnations in the handshake ---------------------------------------
+
+_SECRET = b"elastic-test-secret-0123456789ab"
+
+
+def _listen_address():
+    return rpc.api._get_current_rpc_agent().get_debug_info()["rpc_ext.listen.tcp"]
+
+
+def _handshakes(rank, world_size, store_path, gates):
+    from torch_rpc_ext.testing import closed_by_peer, handshake
+
+    join(rank, store_path, secret=_SECRET)
+    out = {}
+    if rank == 0:
+        gates["1"].wait(30)
+        wait_for(lambda: "worker1" in members(), what="worker1")
+        addr = rpc.rpc_sync("worker1", _listen_address)
+        mine = rpc.api._get_current_rpc_agent().incarnation
+        for label, client_id, inc in [
+            ("current", 0, mine),  # us, as we are: admitted
+            ("stale", 0, mine ^ 1),  # our id, another incarnation
+            ("absent", 5, mine),  # an id nobody holds
+        ]:
+            sock, proof_ok = handshake(addr, _SECRET, client_id=client_id, incarnation=inc)
+            sock.settimeout(1.0)
+            out[label] = (proof_ok, closed_by_peer(sock))
+            sock.close()
+        gates["done"].set()
+    else:
+        gates["1"].set()
+        gates["done"].wait(60)
+    rpc.shutdown()
+    return out
+
+
+def test_handshake_admits_only_current_incarnations(store_path):
+    gates = {k: _ctx.Event() for k in ("1", "done")}
+    res = run_world(_handshakes, 2, timeout=60, store_path=store_path, gates=gates)
+    # The secret is right every time: the server's proof checks out.
+    assert res[0]["current"] == (True, False)
+    assert res[0]["stale"] == (True, True)
+    assert res[0]["absent"] == (True, True)

@@ -111,9 +111,9 @@ def attacks(rank, world_size):
         #    closed after the 24-byte header, before anything is allocated.
         host, port = addr.rsplit(":", 1)
         for label, data in [
-            ("wrong_version", frame_header(HELLO, 36, version=9) + bytes(36)),
+            ("wrong_version", frame_header(HELLO, 44, version=9) + bytes(44)),
             ("garbage", os.urandom(4096)),
-            ("absurd_length", frame_header(HELLO, 36, nseg=0, data=1 << 62)),
+            ("absurd_length", frame_header(HELLO, 44, nseg=0, data=1 << 62)),
             ("message_before_auth", frame_header(MESSAGE, 8) + bytes(8)),
         ]:
             s = socket.create_connection((host, int(port)), timeout=5)

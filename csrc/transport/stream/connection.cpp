@@ -71,7 +71,9 @@ StreamConnection::StreamConnection(
           options.secret,
           options.selfId,
           expectedPeerId,
-          options.peerIdLimit) {}
+          options.peerIdLimit,
+          options.selfIncarnation,
+          options.admit) {}
 
 StreamConnection::~StreamConnection() {
   if (fd_ >= 0) {
@@ -405,6 +407,7 @@ bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
     if (state_ == State::kClosed) {
       return false;
     }
+    peerInc_ = handshake_.peerIncarnation();
     peerId_ = handshake_.peerId();
     state_ = State::kReady;
     error = flushLocked();

@@ -55,6 +55,11 @@ class StreamConnection : public Connection,
   int32_t peerId() const override {
     return peerId_.load();
   }
+  uint64_t peerIncarnation() const override {
+    // Written before peerId_ (release by its atomic store): valid once
+    // peerId() is.
+    return peerInc_;
+  }
   bool isReady() const override {
     return state_.load() == State::kReady;
   }
@@ -258,6 +263,7 @@ class StreamConnection : public Connection,
   const std::string peerAddress_;
   ConnectionObserver* const observer_;
   std::atomic<int32_t> peerId_{-1}; // set once authenticated
+  uint64_t peerInc_ = 0;
   std::atomic<bool> rejected_{false};
   // steady_clock ticks of the last byte received or accepted by the socket.
   std::atomic<int64_t> lastActivity_{0};
