@@ -391,6 +391,9 @@ void Agent::settle(
 void Agent::complete(
     CallTable::Call& call,
     c10::intrusive_ptr<rpc::Message> response) {
+  // Counted as finished even if a callback of the future throws (upstream's
+  // RRef callbacks do when a notification failed).
+  CallFinished finished(*this);
   // The future records its events on the streams the tensors arrived on;
   // a waiter's stream then waits for them, never the host.
   c10::MultiStreamGuard streams(call.arrival);
@@ -404,15 +407,25 @@ void Agent::complete(
     auto storages = response->getStorages();
     call.future->markCompleted(c10::IValue(response), std::move(storages));
   }
-  callFinished();
 }
 
 void Agent::settleWithError(CallTable::Call call, std::string error) {
   auto future = call.future;
   auto task = [this, future, error = std::move(error)] {
-    future->setErrorIfNeeded(
-        std::make_exception_ptr(std::runtime_error(error)));
-    callFinished();
+    CallFinished finished(*this);
+    try {
+      future->setErrorIfNeeded(
+          std::make_exception_ptr(std::runtime_error(error)));
+    } catch (const c10::Error& e) {
+      // A callback threw (upstream's RRef callbacks rethrow the error).
+      logWarning(
+          "torch_rpc_ext: a callback of a failed call threw: " +
+          std::string(e.what_without_backtrace()));
+    } catch (const std::exception& e) {
+      logWarning(
+          "torch_rpc_ext: a callback of a failed call threw: " +
+          std::string(e.what()));
+    }
   };
   // After shutdown the pool no longer runs tasks; settle inline then.
   if (shutdownDone_.load()) {

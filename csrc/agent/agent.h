@@ -201,6 +201,14 @@ class Agent final : public rpc::RpcAgent,
       CallTable::Call& call,
       c10::intrusive_ptr<rpc::Message> response);
   void callFinished();
+  // callFinished() at the end of a scope, however it ends.
+  struct CallFinished {
+    explicit CallFinished(Agent& agent) : agent(agent) {}
+    ~CallFinished() {
+      agent.callFinished();
+    }
+    Agent& agent;
+  };
 
   const c10::intrusive_ptr<::c10d::Store> store_;
   const int worldSize_; // 0: a dynamic group
@@ -264,7 +272,10 @@ class Agent final : public rpc::RpcAgent,
   struct Lease {
     int64_t beats = -1;
     std::chrono::steady_clock::time_point changed;
+    bool probing = false; // a connection was opened to see if it lives
   };
+  // Whether a member whose lease lapsed answers on the transport.
+  bool reachable(const Member& m);
   std::unordered_map<uint64_t, Lease> leases_; // by incarnation
   std::chrono::steady_clock::time_point nextBeat_, nextLeaseCheck_;
   std::thread watcher_;

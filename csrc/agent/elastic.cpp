@@ -394,7 +394,7 @@ void Agent::checkLeases() {
     int64_t beats = log_->beats(m.incarnation);
     auto [it, fresh] = leases_.try_emplace(m.incarnation, Lease{beats, now});
     if (fresh || it->second.beats != beats) {
-      it->second = Lease{beats, now};
+      it->second = Lease{beats, now, false};
     } else if (
         now - it->second.changed > std::chrono::milliseconds(m.leaseMs)) {
       stale.push_back(m);
@@ -403,6 +403,16 @@ void Agent::checkLeases() {
   for (const auto& m : stale) {
     if (!roster_.byIncarnation(m.incarnation)) {
       continue; // declared by the record just applied
+    }
+    // A lease can lapse while its holder lives: the store is slow, or the
+    // host too busy to run the holder's watcher in time. The transport
+    // tells better: a ready connection to it would have been closed by its
+    // heartbeat had the holder gone quiet. So a stale lease makes us probe;
+    // only a holder we cannot reach (refused, reset, or no handshake by the
+    // next check) is declared dead.
+    if (reachable(m)) {
+      leases_[m.incarnation].changed = now;
+      continue;
     }
     log_->append(
         deadRecord(
@@ -414,6 +424,30 @@ void Agent::checkLeases() {
         roster_.epoch());
     catchUp();
   }
+}
+
+bool Agent::reachable(const Member& m) {
+  auto v = view();
+  Peer* peer = v->find(m.rank);
+  if (!peer || peer->incarnation != m.incarnation) {
+    return false;
+  }
+  std::shared_ptr<transport::Connection> conn;
+  try {
+    conn = connectionTo(*peer);
+  } catch (const std::exception&) {
+    return false;
+  }
+  if (conn->isReady() && !conn->isClosed()) {
+    return true;
+  }
+  // Still connecting: one more lease check to finish its handshake.
+  auto& lease = leases_[m.incarnation];
+  if (!conn->isClosed() && !lease.probing) {
+    lease.probing = true;
+    return true;
+  }
+  return false;
 }
 
 bool Agent::awaitAcks(

@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/common/thread_pool.h"
 
+#include <c10/util/Exception.h>
+
 #include "csrc/common/exit_gate.h"
+#include "csrc/common/logging.h"
 
 namespace torch_rpc_ext {
 
@@ -85,7 +88,22 @@ void ThreadPool::workerLoop(bool core) {
     ExitGate::parkIfClosed();
     {
       ExitGate::Busy busy;
-      task();
+      // A task must not throw; one that does anyway is logged, not allowed
+      // to take the process down (as c10's pool does). Upstream throws from
+      // future callbacks: RRefContext::handleException, run when an RRef
+      // notification to a worker that is gone fails.
+      try {
+        task();
+      } catch (const c10::Error& e) {
+        logWarning(
+            std::string("torch_rpc_ext: a pool task threw: ") +
+            e.what_without_backtrace());
+      } catch (const std::exception& e) {
+        logWarning(
+            std::string("torch_rpc_ext: a pool task threw: ") + e.what());
+      } catch (...) {
+        logWarning("torch_rpc_ext: a pool task threw a non-exception");
+      }
       task = nullptr; // run destructors outside the lock
     }
     lock.lock();
