@@ -443,23 +443,6 @@ void Agent::callFinished() {
   callCountCv_.notify_all();
 }
 
-void Agent::onReady(const std::shared_ptr<transport::Connection>& conn) {
-  if (conn->isOutbound()) {
-    return;
-  }
-  // Ids the handshake admitted (it knew the secret) but no member holds:
-  // a departed worker's process, or one whose join we have not applied.
-  if (Peer* p = memberOn(*conn); !p || p->departed()) {
-    conn->close(
-        "worker id " + std::to_string(conn->peerId()) +
-        " is not a member of the group at epoch " +
-        std::to_string(view()->epoch));
-    return;
-  }
-  std::lock_guard<std::mutex> lock(connMutex_);
-  inbound_.emplace(conn->peerId(), conn);
-}
-
 frame::InboundBuffers Agent::onFrameHead(
     transport::Connection& /*conn*/,
     const std::string& head,
@@ -545,61 +528,6 @@ void Agent::onFrame(
       in->byteSize(), std::memory_order_relaxed);
   call->arrival = std::move(streams);
   settle(*conn, std::move(*call), std::move(message), remaining == 0);
-}
-
-void Agent::onClosed(transport::Connection& conn, const std::string& reason) {
-  {
-    std::lock_guard<std::mutex> lock(connMutex_);
-    for (auto it = outbound_.begin(); it != outbound_.end(); ++it) {
-      if (it->second.get() == &conn) {
-        outbound_.erase(it);
-        break;
-      }
-    }
-    auto range = inbound_.equal_range(conn.peerId());
-    for (auto it = range.first; it != range.second;) {
-      auto held = it->second.lock();
-      it = !held || held.get() == &conn ? inbound_.erase(it) : std::next(it);
-    }
-  }
-  if (conn.rejectedPeer()) {
-    if (Peer* p = memberOn(conn)) {
-      p->stats.rejectedFrames.fetch_add(1, std::memory_order_relaxed);
-    }
-  }
-  if (!conn.isOutbound() && conn.peerId() < 0 && !reason.empty()) {
-    rejectedConnections_.fetch_add(1, std::memory_order_relaxed);
-    logWarning(
-        "torch_rpc_ext: " + workerInfo_.name_ + " refused connection " +
-        conn.describe() + ": " + reason);
-  }
-  auto failed = calls_.takeConnection(&conn);
-  if (failed.empty()) {
-    // A peer's connection we closed because it broke the protocol is worth
-    // a line even with no call of ours on it.
-    if (!conn.isOutbound() && conn.peerId() >= 0 && !shuttingDown_.load() &&
-        conn.rejectedPeer()) {
-      logWarning(
-          "torch_rpc_ext: " + workerInfo_.name_ + " closed connection " +
-          conn.describe() + ": " + reason);
-    }
-    return;
-  }
-  if (!shuttingDown_.load()) {
-    logWarning(
-        "torch_rpc_ext: " + workerInfo_.name_ + " lost connection " +
-        conn.describe() + " with " + std::to_string(failed.size()) +
-        " calls pending: " + reason);
-  }
-  const Peer* peer = failed.front().second.peer;
-  std::string why = reason.empty() ? "RPC agent is shutting down" : reason;
-  for (auto& [id, call] : failed) {
-    call.peer->stats.errors.fetch_add(1, std::memory_order_relaxed);
-    settleWithError(
-        std::move(call),
-        "RPC to " + peer->info.name_ + " failed: connection " +
-            conn.describe() + " lost: " + why);
-  }
 }
 
 } // namespace torch_rpc_ext

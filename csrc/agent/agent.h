@@ -217,10 +217,11 @@ class Agent final : public rpc::RpcAgent,
   std::string address_;
 
   // ---- Membership (membership.h) ----
-  // The current members. Loaded per call (one atomic shared_ptr load);
+  // The current members. Loaded per call (one shared_ptr copy);
   // replaced whole by the membership watcher of a dynamic group.
   std::shared_ptr<const View> view() const {
-    return view_.load(std::memory_order_acquire);
+    std::lock_guard<std::mutex> lock(viewMutex_);
+    return view_;
   }
   void publish(std::shared_ptr<const View> view);
   // The member holding the id `conn` is authenticated as, if any. (A dead
@@ -262,7 +263,10 @@ class Agent final : public rpc::RpcAgent,
   // it may): it must be the current holder of the id.
   std::string admissionError(int32_t id, uint64_t incarnation) const;
 
-  std::atomic<std::shared_ptr<const View>> view_;
+  // (A mutex, not std::atomic<std::shared_ptr>: libstdc++ 12's has had
+  // races; an uncontended lock costs about as much.)
+  mutable std::mutex viewMutex_;
+  std::shared_ptr<const View> view_;
   mutable std::mutex peersMutex_;
   std::vector<std::shared_ptr<Peer>> peers_; // every peer ever seen
   uint64_t incarnation_ = 0; // ours; 0 in a static group

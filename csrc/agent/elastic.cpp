@@ -457,7 +457,8 @@ bool Agent::awaitAcks(
   auto pause = std::chrono::milliseconds(2);
   while (true) {
     missing->clear();
-    for (const auto& peer : view()->byId) {
+    auto v = view(); // held: a range-for does not keep a temporary alive
+    for (const auto& peer : v->byId) {
       if (peer && peer->incarnation != incarnation_ &&
           log_->acked(peer->incarnation) < epoch) {
         missing->push_back(peer->info.name_);

@@ -104,7 +104,8 @@ std::unordered_map<std::string, std::string> Agent::getDebugInfo() {
     ours += c->name() + ",";
   }
   m["rpc_ext.channels"] = ours + channel::kStreamChannelName;
-  for (const auto& peer : view()->byId) {
+  auto v = view(); // held: a range-for does not keep a temporary alive
+  for (const auto& peer : v->byId) {
     if (!peer) {
       continue;
     }

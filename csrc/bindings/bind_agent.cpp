@@ -78,6 +78,7 @@ void bindAgent(py::module_& m) {
             auto events = a.takeMembershipEvents(
                 std::chrono::milliseconds(
                     static_cast<int64_t>(timeout * 1000)));
+            py::gil_scoped_acquire gil; // (None is reference-counted too)
             if (!events) {
               return py::none();
             }
@@ -98,7 +99,6 @@ void bindAgent(py::module_& m) {
                   ev.member.incarnation,
                   ev.reason);
             }
-            py::gil_scoped_acquire gil;
             return py::cast(out);
           },
           py::arg("timeout"),

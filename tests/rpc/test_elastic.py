@@ -94,6 +94,7 @@ def _join_and_leave(rank, world_size, store_path, gates):
         out["load"] = (len(answers), set(answers))
         # worker2's init_rpc has returned: we can call it at once.
         out["to2"] = rpc.rpc_sync("worker2", add, (40, 2))
+        gates["called"].wait(30)  # worker2 has called worker1
         gates["leave1"].set()
         wait_for(lambda: "worker1" not in members(), what="worker1 to leave")
         try:
@@ -117,6 +118,7 @@ def _join_and_leave(rank, world_size, store_path, gates):
         join(2, store_path)
         gates["2"].set()
         out["from2"] = [rpc.rpc_sync(f"worker{r}", add, (r, 10)) for r in (0, 1)]
+        gates["called"].set()
         gates["done0"].wait(60)
         gates["done2"].set()
     rpc.shutdown()
@@ -126,7 +128,9 @@ def _join_and_leave(rank, world_size, store_path, gates):
 
 
 def test_join_under_load_and_graceful_leave(store_path):
-    gates = {k: _ctx.Event() for k in ("0", "1", "go2", "2", "leave1", "done0", "done2")}
+    gates = {
+        k: _ctx.Event() for k in ("0", "1", "go2", "2", "called", "leave1", "done0", "done2")
+    }
     res = run_world(_join_and_leave, 3, timeout=120, store_path=store_path, gates=gates)
     count, values = res[0]["load"]
     assert count > 0 and values == {1}

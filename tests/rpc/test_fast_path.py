@@ -121,7 +121,9 @@ def bump():
     # threading.local lives in the Python thread state: it survives from one
     # call to the next only if the serving thread keeps its state.
     _local.n = getattr(_local, "n", 0) + 1
-    return threading.get_ident(), _local.n
+    # The kernel's thread id: a thread that exits (a retired loop thread)
+    # may hand its pthread id, which get_ident() returns, to a new one.
+    return threading.get_native_id(), _local.n
 
 
 def thread_states(rank, world_size):
