@@ -108,9 +108,10 @@ def install_dynamic_shutdown() -> None:
     ``_delete_all_user_and_unforked_owner_rrefs`` (which waits until every
     peer dropped our RRefs). For a dynamic member the first is skipped (it
     leaves alone; ``agent.join(shutdown=True)`` drains its calls and tells
-    the group), the second runs with a bounded wait. Both are looked up as
-    module globals when ``shutdown`` runs, so wrapping them here is enough;
-    other agents get the originals. Idempotent.
+    the group), the second runs with a bounded wait; and ``_finalize_shutdown``
+    stops the membership watcher before torch tears down its RRef state. All
+    are looked up as module globals when ``shutdown`` runs, so wrapping them
+    here is enough; other agents get the originals. Idempotent.
     """
     if getattr(api._wait_all_workers, "_torch_rpc_ext", False):
         return
@@ -137,6 +138,17 @@ def install_dynamic_shutdown() -> None:
             )
             return None
 
+    finalize = api._finalize_shutdown
+
+    def _finalize_shutdown(*args: Any, **kwargs: Any) -> Any:
+        # torch tears down its RRef state before the agent's shutdown: our
+        # membership watcher, which releases departed members' forks there,
+        # stops first (a graceful leave has stopped it already).
+        if _is_dynamic_agent():
+            api._get_current_rpc_agent()._stop_membership()
+        return finalize(*args, **kwargs)
+
     _wait_all_workers._torch_rpc_ext = True  # type: ignore[attr-defined]
     api._wait_all_workers = _wait_all_workers
+    api._finalize_shutdown = _finalize_shutdown
     api._delete_all_user_and_unforked_owner_rrefs = _delete_all_user_and_unforked_owner_rrefs

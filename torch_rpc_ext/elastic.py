@@ -97,7 +97,10 @@ def start_event_thread(agent: Any) -> threading.Thread:
                 return
             for raw in events:
                 event = MembershipEvent(*raw)
-                _torch_private.update_worker_names(agent)
+                try:
+                    _torch_private.update_worker_names(agent)
+                except Exception:
+                    _log.exception("torch_rpc_ext: updating the worker names failed")
                 with _callbacks_lock:
                     callbacks = list(_callbacks)
                 for fn in callbacks:

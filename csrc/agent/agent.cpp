@@ -118,6 +118,7 @@ void Agent::startImpl() {
   for (auto& l : listeners_) {
     l->start(this);
   }
+  rrefsLive_ = worldSize_ == 0; // torch has made us its agent
 }
 
 void Agent::shutdownImpl() {
@@ -125,21 +126,7 @@ void Agent::shutdownImpl() {
     return;
   }
   shuttingDown_ = true;
-  if (log_ && !left_.exchange(true)) {
-    // Not a graceful leave (shutdown(graceful=False), or an error): tell the
-    // group at once rather than let our lease run out.
-    try {
-      std::lock_guard<std::mutex> lock(rosterMutex_);
-      log_->append(leaveRecord(incarnation_), roster_.epoch());
-      log_->forget(incarnation_);
-    } catch (const std::exception& e) {
-      logWarning(
-          "torch_rpc_ext: " + workerInfo_.name_ +
-          " could not record leaving the group (its lease will run out): " +
-          e.what());
-    }
-  }
-  stopWatcher();
+  stopMembership();
   // Fail pending calls first: a request running on a loop thread may wait on
   // one of them, and stopping a transport waits for that request. Then again
   // for calls registered meanwhile by sends already past their check.

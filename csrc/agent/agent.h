@@ -114,6 +114,9 @@ class Agent final : public rpc::RpcAgent,
   std::shared_ptr<const View> currentView() const {
     return view();
   }
+  // Stop applying the membership log (recording our leave if not done):
+  // before torch tears down its RRef state at shutdown.
+  void stopMembership();
   // Membership changes applied since our join and not taken yet, in epoch
   // order, waiting up to `timeout` for one; nullopt once the agent is shut
   // down. (torch_rpc_ext/elastic.py turns them into callbacks.)
@@ -245,6 +248,8 @@ class Agent final : public rpc::RpcAgent,
   bool catchUp();
   void applyEvent(const MembershipEvent& ev);
   void checkLeases();
+  // Acknowledge the epoch applied, if not yet (rosterMutex_ held).
+  void ackApplied();
   // As the owner: drop the forks a departed peer held (torch_private.h).
   void releaseForksOf(const Peer& peer);
   void leaveGroup(
@@ -273,10 +278,15 @@ class Agent final : public rpc::RpcAgent,
   std::unique_ptr<MembershipLog> log_;
   std::mutex rosterMutex_; // roster_, the watcher's state
   Roster roster_;
+  int64_t ackedEpoch_ = 0;
   struct Lease {
     int64_t beats = -1;
     std::chrono::steady_clock::time_point changed;
     bool probing = false; // a connection was opened to see if it lives
+    // When it was first found stale (and kept only because it answered a
+    // probe): a member reachable but renewing nothing for kMaxLeaseProbing
+    // leases (its watcher lost the store, say) is declared dead anyway.
+    std::optional<std::chrono::steady_clock::time_point> staleSince;
   };
   // Whether a member whose lease lapsed answers on the transport.
   bool reachable(const Member& m);
@@ -295,6 +305,14 @@ class Agent final : public rpc::RpcAgent,
   std::condition_variable eventsCv_;
   std::deque<MembershipEvent> events_;
   bool reportEvents_ = false; // from our join on
+  // Whether torch's RRef state may be touched (started, not torn down).
+  std::atomic<bool> rrefsLive_{false};
+  // Forks registered here by a fork request, by the worker that sent it
+  // (their ids name the worker that forked them on): dynamic groups only.
+  std::mutex forkHoldersMutex_;
+  std::unordered_map<rpc::ForkId, rpc::worker_id_t, rpc::ForkId::Hash>
+      forkHolders_;
+  void trackForks(const rpc::Message& request, int32_t from);
   std::atomic<uint64_t> droppedForks_{0};
   bool eventsClosed_ = false;
   // Accepted connections by peer id (outbound_ holds ours), so a departing

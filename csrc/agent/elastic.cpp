@@ -9,6 +9,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <torch/csrc/distributed/rpc/rpc_agent.h>
+#include <torch/csrc/distributed/rpc/rref_proto.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "csrc/agent/agent.h"
@@ -26,6 +27,9 @@ using Clock = std::chrono::steady_clock;
 // kIdlePoll while it does not.
 constexpr auto kBusyPoll = std::chrono::milliseconds(20);
 constexpr auto kIdlePoll = std::chrono::milliseconds(200);
+// How many leases a member reachable on the transport may go without
+// renewing its own before it is declared dead all the same.
+constexpr int kMaxLeaseProbing = 3;
 
 std::string seconds(std::chrono::milliseconds ms) {
   auto tenths = ms.count() / 100;
@@ -167,7 +171,7 @@ void Agent::joinGroup(const std::string& entry) {
           joinRefusal_.empty() ? "the group did not take our join"
                                : joinRefusal_);
     }
-    log_->ack(incarnation_, epoch);
+    ackApplied();
     std::lock_guard<std::mutex> events(eventsMutex_);
     reportEvents_ = true;
   }
@@ -311,16 +315,30 @@ void Agent::applyEvent(const MembershipEvent& ev) {
 }
 
 void Agent::releaseForksOf(const Peer& peer) {
-  // Only once we are torch's current agent (a departure applied while we
-  // join concerns nothing of ours), and before we acknowledge the departure,
-  // so no later holder of its id can have created anything here yet.
-  if (!reportEvents_ || !rpc::RpcAgent::isCurrentRpcAgentSet() ||
-      rpc::RpcAgent::getCurrentRpcAgent().get() != this) {
+  // Only while we are torch's running agent (a departure applied while we
+  // join concerns nothing of ours; RRefContext is torn down before our
+  // shutdown), and before we acknowledge the departure, so no later holder
+  // of its id can have created anything here yet.
+  if (!rrefsLive_.load()) {
     return;
   }
+  const auto departed = static_cast<rpc::worker_id_t>(peer.info.id_);
   try {
-    size_t n = torch_private::dropForksCreatedBy(
-        static_cast<rpc::worker_id_t>(peer.info.id_),
+    size_t n = torch_private::dropForks(
+        [&](const rpc::RRefId& /*rrefId*/, const rpc::ForkId& forkId) {
+          // Who holds a fork: the worker that asked us to register it (a
+          // fork request), else the one that minted it (its own remote()).
+          std::lock_guard<std::mutex> lock(forkHoldersMutex_);
+          auto it = forkHolders_.find(forkId);
+          if (it != forkHolders_.end()) {
+            if (it->second != departed) {
+              return false;
+            }
+            forkHolders_.erase(it);
+            return true;
+          }
+          return forkId.createdOn_ == departed;
+        },
         [this](c10::intrusive_ptr<rpc::RRef> owner) {
           // A Python value is dropped with the GIL, off this thread.
           pool_.run([owner = std::move(owner)]() mutable {
@@ -358,11 +376,10 @@ void Agent::watchMembership() {
       {
         std::lock_guard<std::mutex> lock(rosterMutex_);
         changed = catchUp();
-        if (changed) {
-          log_->ack(incarnation_, roster_.epoch());
-        }
+        ackApplied();
         if (now >= nextLeaseCheck_) {
           checkLeases();
+          ackApplied(); // a death it recorded itself
           nextLeaseCheck_ = now +
               std::min<std::chrono::milliseconds>(
                                 leaseTimeout() / 5, std::chrono::seconds(1));
@@ -381,6 +398,15 @@ void Agent::watchMembership() {
       }
       pause = kIdlePoll;
     }
+  }
+}
+
+void Agent::ackApplied() {
+  // Everything applied is acknowledged, however it was applied (by this
+  // loop, by join or leave, by a lease check): a joiner waits for it.
+  if (roster_.epoch() > ackedEpoch_) {
+    log_->ack(incarnation_, roster_.epoch());
+    ackedEpoch_ = roster_.epoch();
   }
 }
 
@@ -410,8 +436,14 @@ void Agent::checkLeases() {
     // heartbeat had the holder gone quiet. So a stale lease makes us probe;
     // only a holder we cannot reach (refused, reset, or no handshake by the
     // next check) is declared dead.
-    if (reachable(m)) {
-      leases_[m.incarnation].changed = now;
+    auto& lease = leases_[m.incarnation];
+    if (!lease.staleSince) {
+      lease.staleSince = now;
+    }
+    if (now - *lease.staleSince <
+            kMaxLeaseProbing * std::chrono::milliseconds(m.leaseMs) &&
+        reachable(m)) {
+      lease.changed = now;
       continue;
     }
     log_->append(
@@ -510,6 +542,41 @@ void Agent::leaveGroup(std::optional<Clock::time_point> deadline) {
     log_->forget(incarnation_);
   } catch (const std::exception&) {
     // The store may be gone already: nothing depends on these keys.
+  }
+}
+
+void Agent::stopMembership() {
+  rrefsLive_ = false;
+  if (log_ && !left_.exchange(true)) {
+    // Not a graceful leave (shutdown(graceful=False), or an error): tell the
+    // group at once rather than let our lease run out.
+    try {
+      std::lock_guard<std::mutex> lock(rosterMutex_);
+      log_->append(leaveRecord(incarnation_), roster_.epoch());
+      log_->forget(incarnation_);
+    } catch (const std::exception& e) {
+      logWarning(
+          "torch_rpc_ext: " + workerInfo_.name_ +
+          " could not record leaving the group (its lease will run out): " +
+          e.what());
+    }
+  }
+  stopWatcher();
+}
+
+void Agent::trackForks(const rpc::Message& request, int32_t from) {
+  try {
+    if (request.type() == rpc::MessageType::RREF_FORK_REQUEST) {
+      auto req = rpc::RRefForkRequest::fromMessage(request);
+      std::lock_guard<std::mutex> lock(forkHoldersMutex_);
+      forkHolders_[req->forkId()] = from;
+    } else if (request.type() == rpc::MessageType::RREF_USER_DELETE) {
+      auto req = rpc::RRefUserDelete::fromMessage(request);
+      std::lock_guard<std::mutex> lock(forkHoldersMutex_);
+      forkHolders_.erase(req->forkId());
+    }
+  } catch (const std::exception&) {
+    // Malformed: the callback refuses it with its own error.
   }
 }
 

@@ -249,8 +249,16 @@ void MembershipLog::beat(uint64_t incarnation) const {
 }
 
 int64_t MembershipLog::beats(uint64_t incarnation) const {
-  // add(0) reads a counter without waiting for it to exist.
-  return store_->add("beat/" + incarnationText(incarnation), 0);
+  // Read, not add(0): that would create the key again after forget().
+  std::string key = "beat/" + incarnationText(incarnation);
+  if (!store_->check({key})) {
+    return 0;
+  }
+  try {
+    return std::stoll(fromBytes(store_->get(key)));
+  } catch (const std::logic_error&) {
+    return 0;
+  }
 }
 
 void MembershipLog::ack(uint64_t incarnation, int64_t epoch) const {

@@ -149,8 +149,17 @@ void Agent::onReady(const std::shared_ptr<transport::Connection>& conn) {
         std::to_string(view()->epoch));
     return;
   }
-  std::lock_guard<std::mutex> lock(connMutex_);
-  inbound_.emplace(conn->peerId(), conn);
+  {
+    std::lock_guard<std::mutex> lock(connMutex_);
+    // Departures sweep inbound_ under this lock after marking the peer: one
+    // that departed meanwhile is refused below (outside the lock: closing on
+    // the loop thread reports onClosed, which takes it), not left open.
+    if (Peer* p = memberOn(*conn); p && !p->departed()) {
+      inbound_.emplace(conn->peerId(), conn);
+      return;
+    }
+  }
+  conn->close("worker id " + std::to_string(conn->peerId()) + " departed");
 }
 
 void Agent::onClosed(transport::Connection& conn, const std::string& reason) {

@@ -34,6 +34,10 @@ void Agent::serveRequest(
     if (streams.empty() && !options_.devices.empty()) {
       streams = arrivalStreams();
     }
+    if (worldSize_ == 0) {
+      // Who holds which of our forks, for when a holder departs.
+      trackForks(*request, conn->peerId());
+    }
     result = (*cb_)(*request, std::move(streams));
   } catch (...) {
     result = c10::make_intrusive<JitFuture>(at::AnyClassType::get());

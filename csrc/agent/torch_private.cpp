@@ -98,8 +98,8 @@ void reserveIdRange(int rank, int64_t generation) {
   advanceTo(container.*reach(NextMessageId{}), floor);
 }
 
-size_t dropForksCreatedBy(
-    rpc::worker_id_t holder,
+size_t dropForks(
+    const std::function<bool(const rpc::RRefId&, const rpc::ForkId&)>& heldBy,
     const std::function<void(c10::intrusive_ptr<rpc::RRef>)>& releasePython) {
   auto& ctx = rpc::RRefContext::getInstance();
   std::vector<std::pair<rpc::RRefId, rpc::ForkId>> held;
@@ -107,7 +107,7 @@ size_t dropForksCreatedBy(
     std::lock_guard<std::mutex> lock(ctx.*reach(ContextMutex{}));
     for (const auto& [rrefId, forks] : ctx.*reach(Forks{})) {
       for (const auto& forkId : forks) {
-        if (forkId.createdOn_ == holder) {
+        if (heldBy(rrefId, forkId)) {
           held.emplace_back(rrefId, forkId);
         }
       }

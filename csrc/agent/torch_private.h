@@ -28,14 +28,16 @@ void reserveIdRange(int rank, int64_t generation);
 // The first RRef local id of `generation`'s range.
 int64_t idRangeStart(int64_t generation);
 
-// As the owner: forget the forks that `holder` created (its UserRRefs of our
-// OwnerRRefs from its own rpc.remote calls, and the forks it sent on), as if
-// they had been deleted; OwnerRRefs left with no fork are released. Called
-// as `holder` departs, before any later holder of its id can be admitted.
+// As the owner: forget the forks for which `heldBy(rrefId, forkId)` is true,
+// as if their holder had deleted them; OwnerRRefs left with no fork are
+// released. Called as a holder departs, before any later holder of its id
+// can be admitted.
 // OwnerRRefs holding Python values are handed to `releasePython`, which must
 // drop them with the GIL held. Returns how many forks were dropped.
-size_t dropForksCreatedBy(
-    torch::distributed::rpc::worker_id_t holder,
+size_t dropForks(
+    const std::function<bool(
+        const torch::distributed::rpc::RRefId&,
+        const torch::distributed::rpc::ForkId&)>& heldBy,
     const std::function<void(
         c10::intrusive_ptr<torch::distributed::rpc::RRef>)>& releasePython);
 

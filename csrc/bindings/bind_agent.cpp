@@ -54,6 +54,10 @@ void bindAgent(py::module_& m) {
           py::call_guard<py::gil_scoped_release>())
       .def("_get_devices", &Agent::getDevices)
       .def_property_readonly("is_dynamic", &Agent::isDynamic)
+      .def(
+          "_stop_membership",
+          &Agent::stopMembership,
+          py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("incarnation", &Agent::incarnation)
       // (epoch, [(name, rank, incarnation)]) of the current view.
       .def(

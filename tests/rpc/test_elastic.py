@@ -600,3 +600,54 @@ def test_elastic_soak_short_run_loses_nothing():
     assert row["wrong"] == 0 and row["unnamed"] == 0, row
     assert row["init_errors"] == 0 and not row["shutdown_errors"], row
     assert row["hung_at_end"] == [], row
+
+
+# ---- an RRef passed on by a member that then leaves ----------------------
+
+_held = []
+
+
+def _keep(rref):
+    _held.append(rref)
+    return True
+
+
+def _fetch_held():
+    return _held[0].to_here().item()
+
+
+def _passed_on(rank, world_size, store_path, gates):
+    out = {}
+    join(rank, store_path)
+    if rank == 0:  # the owner
+        gates["0"].set()
+        wait_for(lambda: _owner_counts() == (1, 2), what="worker1's and worker2's forks")
+        gates["forked"].set()
+        wait_for(lambda: "worker1" not in members(), what="worker1 to leave")
+        # worker1 forked worker2's fork, but worker2 holds it: it stays.
+        time.sleep(0.5)
+        out["after"] = _owner_counts()
+        gates["check"].set()
+        gates["done"].wait(60)
+    elif rank == 1:  # creates the RRef, passes it on, leaves
+        gates["0"].wait(30)
+        gates["2"].wait(30)
+        rref = rpc.remote("worker0", _owned_value, (7,))
+        assert rpc.rpc_sync("worker2", _keep, (rref,))
+        gates["forked"].wait(30)
+        del rref
+    else:  # holds it past its creator's departure
+        gates["2"].set()
+        gates["check"].wait(60)
+        out["value"] = _fetch_held()
+        _held.clear()
+        gates["done"].set()
+    rpc.shutdown()
+    return out
+
+
+def test_rref_passed_on_survives_its_creators_departure(store_path):
+    gates = {k: _ctx.Event() for k in ("0", "2", "forked", "check", "done")}
+    res = run_world(_passed_on, 3, timeout=90, store_path=store_path, gates=gates)
+    assert res[0]["after"] == (1, 1)
+    assert res[2]["value"] == 7
