@@ -188,7 +188,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       to.name_,
       " failed: ",
       fencedReason_);
-  Peer* peer = view()->find(to.id_);
+  Peer* peer = peerById(to.id_);
   if (!peer || peer->info.name_ != to.name_ || peer->departed()) {
     auto gone = lastPeerNamed(to.name_);
     TORCH_CHECK(

@@ -231,6 +231,9 @@ class Agent final : public rpc::RpcAgent,
   // holder's connections are closed as it is declared dead; one that left
   // closes its own once its last responses are out.)
   Peer* memberOn(const transport::Connection& conn) const;
+  // The current holder of `id` (no copy of the view: the per-call and
+  // per-frame lookups), or null.
+  Peer* peerById(int64_t id) const;
   // Every peer ever seen by name (the newest holder of each name), for
   // errors and metrics.
   std::shared_ptr<Peer> lastPeerNamed(const std::string& name) const;

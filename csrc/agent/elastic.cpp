@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // The agent in a dynamic group (init_rpc with world_size=None;
 // docs/elastic.md): joining through the membership log, the watcher thread that
-// applies the log, renews our lease and declares dead the members whose lease
-// ran out, and leaving.
+// applies the log and renews our lease (leases.cpp judges the others'), and
+// leaving.
 #include <algorithm>
 #include <cstring>
 
@@ -27,14 +27,6 @@ using Clock = std::chrono::steady_clock;
 // kIdlePoll while it does not.
 constexpr auto kBusyPoll = std::chrono::milliseconds(20);
 constexpr auto kIdlePoll = std::chrono::milliseconds(200);
-// How many leases a member reachable on the transport may go without
-// renewing its own before it is declared dead all the same.
-constexpr int kMaxLeaseProbing = 3;
-
-std::string seconds(std::chrono::milliseconds ms) {
-  auto tenths = ms.count() / 100;
-  return std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + " s";
-}
 
 } // namespace
 
@@ -61,11 +53,6 @@ std::string Agent::admissionError(int32_t id, uint64_t incarnation) const {
         ")";
   }
   return "";
-}
-
-std::chrono::milliseconds Agent::leaseTimeout() const {
-  return options_.heartbeatTimeout.count() > 0 ? options_.heartbeatTimeout
-                                               : kDefaultHeartbeatTimeout;
 }
 
 void Agent::joinGroup(const std::string& entry) {
@@ -146,7 +133,7 @@ void Agent::joinGroup(const std::string& entry) {
             deadRecord(
                 held.incarnation,
                 incarnation_,
-                "its lease was not renewed for " + seconds(lease) +
+                "its lease was not renewed for " + secondsText(lease) +
                     " (seen by " + me.name + ", which takes its " + what + ")"),
             roster_.epoch());
         catchUp();
@@ -195,7 +182,7 @@ void Agent::joinGroup(const std::string& entry) {
         "init_rpc of ",
         me.name,
         " timed out after ",
-        seconds(joinTimeout),
+        secondsText(joinTimeout),
         " waiting for ",
         c10::Join(", ", missing),
         " to acknowledge its join");
@@ -227,8 +214,7 @@ void Agent::applyEvent(const MembershipEvent& ev) {
       try {
         route = chooseRoute(ev.member.name, ev.member.offers);
       } catch (const std::exception& e) {
-        // Calls to it fail with this text (connectionTo).
-        route.address = e.what();
+        route.unreachable = e.what(); // calls to it fail with this
       }
       auto peer = adopt(
           rpc::WorkerInfo(ev.member.name, static_cast<int64_t>(ev.member.rank)),
@@ -408,78 +394,6 @@ void Agent::ackApplied() {
     log_->ack(incarnation_, roster_.epoch());
     ackedEpoch_ = roster_.epoch();
   }
-}
-
-void Agent::checkLeases() {
-  const auto now = Clock::now();
-  std::vector<Member> stale;
-  for (const auto& [rank, m] : roster_.members()) {
-    if (m.incarnation == incarnation_) {
-      continue;
-    }
-    int64_t beats = log_->beats(m.incarnation);
-    auto [it, fresh] = leases_.try_emplace(m.incarnation, Lease{beats, now});
-    if (fresh || it->second.beats != beats) {
-      it->second = Lease{beats, now, false};
-    } else if (
-        now - it->second.changed > std::chrono::milliseconds(m.leaseMs)) {
-      stale.push_back(m);
-    }
-  }
-  for (const auto& m : stale) {
-    if (!roster_.byIncarnation(m.incarnation)) {
-      continue; // declared by the record just applied
-    }
-    // A lease can lapse while its holder lives: the store is slow, or the
-    // host too busy to run the holder's watcher in time. The transport
-    // tells better: a ready connection to it would have been closed by its
-    // heartbeat had the holder gone quiet. So a stale lease makes us probe;
-    // only a holder we cannot reach (refused, reset, or no handshake by the
-    // next check) is declared dead.
-    auto& lease = leases_[m.incarnation];
-    if (!lease.staleSince) {
-      lease.staleSince = now;
-    }
-    if (now - *lease.staleSince <
-            kMaxLeaseProbing * std::chrono::milliseconds(m.leaseMs) &&
-        reachable(m)) {
-      lease.changed = now;
-      continue;
-    }
-    log_->append(
-        deadRecord(
-            m.incarnation,
-            incarnation_,
-            "its lease was not renewed for " +
-                seconds(std::chrono::milliseconds(m.leaseMs)) + " (seen by " +
-                workerInfo_.name_ + ")"),
-        roster_.epoch());
-    catchUp();
-  }
-}
-
-bool Agent::reachable(const Member& m) {
-  auto v = view();
-  Peer* peer = v->find(m.rank);
-  if (!peer || peer->incarnation != m.incarnation) {
-    return false;
-  }
-  std::shared_ptr<transport::Connection> conn;
-  try {
-    conn = connectionTo(*peer);
-  } catch (const std::exception&) {
-    return false;
-  }
-  if (conn->isReady() && !conn->isClosed()) {
-    return true;
-  }
-  // Still connecting: one more lease check to finish its handshake.
-  auto& lease = leases_[m.incarnation];
-  if (!conn->isClosed() && !lease.probing) {
-    lease.probing = true;
-    return true;
-  }
-  return false;
 }
 
 bool Agent::awaitAcks(

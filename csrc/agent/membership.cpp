@@ -105,6 +105,11 @@ std::string incarnationText(uint64_t incarnation) {
   return buf;
 }
 
+std::string secondsText(std::chrono::milliseconds ms) {
+  auto tenths = ms.count() / 100;
+  return std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + " s";
+}
+
 std::string joinRecord(const Member& m) {
   return "join " + incarnationText(m.incarnation) + " " +
       std::to_string(m.rank) + " " + m.name + " " + std::to_string(m.leaseMs) +
@@ -248,9 +253,7 @@ void MembershipLog::beat(uint64_t incarnation) const {
   store_->add("beat/" + incarnationText(incarnation), 1);
 }
 
-int64_t MembershipLog::beats(uint64_t incarnation) const {
-  // Read, not add(0): that would create the key again after forget().
-  std::string key = "beat/" + incarnationText(incarnation);
+int64_t MembershipLog::readNumber(const std::string& key) const {
   if (!store_->check({key})) {
     return 0;
   }
@@ -259,6 +262,11 @@ int64_t MembershipLog::beats(uint64_t incarnation) const {
   } catch (const std::logic_error&) {
     return 0;
   }
+}
+
+int64_t MembershipLog::beats(uint64_t incarnation) const {
+  // Read, not add(0): that would create the key again after forget().
+  return readNumber("beat/" + incarnationText(incarnation));
 }
 
 void MembershipLog::ack(uint64_t incarnation, int64_t epoch) const {
@@ -267,15 +275,7 @@ void MembershipLog::ack(uint64_t incarnation, int64_t epoch) const {
 }
 
 int64_t MembershipLog::acked(uint64_t incarnation) const {
-  std::string key = "ack/" + incarnationText(incarnation);
-  if (!store_->check({key})) {
-    return 0;
-  }
-  try {
-    return std::stoll(fromBytes(store_->get(key)));
-  } catch (const std::logic_error&) {
-    return 0;
-  }
+  return readNumber("ack/" + incarnationText(incarnation));
 }
 
 void MembershipLog::forget(uint64_t incarnation) const {

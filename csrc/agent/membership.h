@@ -15,6 +15,7 @@
 // nothing; its lease runs out and it is declared dead like any other).
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -40,6 +41,9 @@ struct Route {
   std::string address;
   // The peer's channels: name -> domain descriptor.
   std::map<std::string, std::string> channels;
+  // Why no transport of ours reaches it (then `transport` is empty): calls
+  // to it fail with this.
+  std::string unreachable;
 };
 
 // One holder of a name and rank, for as long as it holds them. A worker that
@@ -186,14 +190,15 @@ class MembershipLog {
   // Remove a departed member's lease and acknowledgement keys.
   void forget(uint64_t incarnation) const;
 
-  ::c10d::Store& store() const {
-    return *store_;
-  }
-
  private:
+  // A counter or epoch stored as decimal text; 0 if absent or not a number.
+  int64_t readNumber(const std::string& key) const;
+
   c10::intrusive_ptr<::c10d::Store> store_;
 };
 
 std::string incarnationText(uint64_t incarnation);
+// "1.5 s", for errors and records.
+std::string secondsText(std::chrono::milliseconds ms);
 
 } // namespace torch_rpc_ext

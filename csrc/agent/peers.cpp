@@ -17,22 +17,17 @@ const rpc::WorkerInfo& Agent::getWorkerInfo(
   if (it != v->byName.end()) {
     return it->second->info; // peers live as long as we do
   }
-  auto gone = lastPeerNamed(workerName);
-  TORCH_CHECK(
-      !gone,
-      "name:",
-      workerInfo_.name_,
-      ",rank:",
-      workerInfo_.id_,
-      " could not find destination name ",
-      workerName,
-      ": ",
-      gone ? gone->departure() : "");
-  std::vector<std::string> names;
-  for (const auto& p : v->byId) {
-    if (p) {
-      names.push_back(p->info.name_);
+  std::string why;
+  if (auto gone = lastPeerNamed(workerName)) {
+    why = ": " + gone->departure();
+  } else {
+    std::vector<std::string> names;
+    for (const auto& p : v->byId) {
+      if (p) {
+        names.push_back(p->info.name_);
+      }
     }
+    why = " (known workers: " + c10::Join(", ", names) + ")";
   }
   TORCH_CHECK(
       false,
@@ -42,9 +37,7 @@ const rpc::WorkerInfo& Agent::getWorkerInfo(
       workerInfo_.id_,
       " could not find destination name ",
       workerName,
-      " (known workers: ",
-      c10::Join(", ", names),
-      ")");
+      why);
 }
 
 const rpc::WorkerInfo& Agent::getWorkerInfo(rpc::worker_id_t id) const {
@@ -84,9 +77,14 @@ void Agent::publish(std::shared_ptr<const View> view) {
   view_ = std::move(view);
 }
 
+Peer* Agent::peerById(int64_t id) const {
+  std::lock_guard<std::mutex> lock(viewMutex_);
+  return view_->find(id);
+}
+
 Peer* Agent::memberOn(const transport::Connection& conn) const {
   // The id's current holder, if it is who authenticated on `conn`.
-  Peer* p = view()->find(conn.peerId());
+  Peer* p = peerById(conn.peerId());
   return p && p->incarnation == conn.peerIncarnation() ? p : nullptr;
 }
 
@@ -122,11 +120,11 @@ std::shared_ptr<transport::Connection> Agent::connectionTo(const Peer& peer) {
       " failed: ",
       peer.departure());
   TORCH_CHECK(
-      !peer.route.transport.empty(),
+      peer.route.unreachable.empty(),
       "RPC to ",
       peer.info.name_,
       " failed: ",
-      peer.route.address); // why no route was found (elastic.cpp)
+      peer.route.unreachable);
   auto& slot = outbound_[&peer];
   if (!slot || slot->isClosed()) {
     const Route& route = peer.route;

@@ -229,7 +229,7 @@ std::vector<channel::Offer> Agent::channelsFor(
   std::vector<channel::Offer> out;
   // Held while the transport sets up the connection: a peer that departs
   // meanwhile cannot be freed (peers never are; see membership.h).
-  Peer* peer = view()->find(peerId);
+  Peer* peer = peerById(peerId);
   if (!peer) {
     return out;
   }

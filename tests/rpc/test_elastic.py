@@ -16,25 +16,20 @@ import torch.multiprocessing as mp
 from torch.distributed import rpc
 
 import torch_rpc_ext
-from tests.rpc.world import run_world
+from tests.rpc.world import options, run_world
 
 pytestmark = pytest.mark.timeout(180)
 
 _ctx = mp.get_context("fork")
 
 
-def join(rank, store_path, **options):
+def join(rank, store_path, **kwargs):
     """init_rpc as worker{rank} into the dynamic group kept in ``store_path``."""
-    options.setdefault("rpc_timeout", 30)
-    options.setdefault("num_worker_threads", 4)
-    options.setdefault("address", "127.0.0.1")
     rpc.init_rpc(
         f"worker{rank}",
         rank=rank,
         backend=rpc.BackendType.TORCH_RPC_EXT,
-        rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(
-            init_method=f"file://{store_path}", **options
-        ),
+        rpc_backend_options=options(init_method=f"file://{store_path}", **kwargs),
     )
 
 

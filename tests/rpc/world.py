@@ -21,17 +21,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init(rank: int, world_size: int, **options: Any) -> None:
-    """init_rpc on TORCH_RPC_EXT as worker{rank}, env:// rendezvous."""
+def options(**options: Any) -> torch_rpc_ext.RpcExtBackendOptions:
+    """The tests' options: short timeouts, few threads, loopback."""
     options.setdefault("rpc_timeout", 30)
     options.setdefault("num_worker_threads", 4)
     options.setdefault("address", "127.0.0.1")
+    return torch_rpc_ext.RpcExtBackendOptions(**options)
+
+
+def init(rank: int, world_size: int, **kwargs: Any) -> None:
+    """init_rpc on TORCH_RPC_EXT as worker{rank}, env:// rendezvous."""
     rpc.init_rpc(
         f"worker{rank}",
         rank=rank,
         world_size=world_size,
         backend=rpc.BackendType.TORCH_RPC_EXT,
-        rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(**options),
+        rpc_backend_options=options(**kwargs),
     )
 
 
