@@ -104,6 +104,13 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             per side), both for segments of 64 KiB or more over ``shm``. A
             segment no channel takes travels in the transport's stream
             (``"basic"``, always on); ``()`` sends everything that way.
+        device_channels: Channels for CUDA tensors by preference, used when
+            ``device_maps`` or ``devices`` name a GPU: ``"cuda_ipc"`` (the
+            receiver's tensor views the sender's device memory, mapped once:
+            one device-to-device copy; processes of one host sharing the
+            device) and ``"cuda_staged"`` (through pinned host memory in
+            chunks, copied out and in as the stream goes: any peer, any
+            two devices). ``("cuda_staged",)`` forces staging.
         address: IP address to listen on and advertise. Defaults to
             ``TORCH_RPC_EXT_ADDR``, else the first IPv4 address of
             ``TORCH_RPC_EXT_SOCKET_IFNAME``, else the hostname's address,
@@ -146,6 +153,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         devices: Sequence[DeviceLike] | None = None,
         transports: Sequence[str] | None = None,
         channels: Sequence[str] = _DEFAULT["channels"],
+        device_channels: Sequence[str] = _DEFAULT["device_channels"],
         address: str | None = _DEFAULT["address"],
         secret: bytes | str | None = _DEFAULT["secret"],
         max_frame_bytes: int = _DEFAULT["max_frame_bytes"],
@@ -203,6 +211,19 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             )
         if len(set(channels)) != len(channels):
             raise ValueError(f"channels lists a channel twice: {channels}")
+        if isinstance(device_channels, str):
+            device_channels = (device_channels,)
+        device_channels = tuple(device_channels)
+        known = _C.channel_names("cuda")
+        if not device_channels or set(device_channels) - set(known):
+            raise ValueError(
+                f"device_channels must name one or more of {known}, "
+                f"got {device_channels!r}"
+            )
+        if len(set(device_channels)) != len(device_channels):
+            raise ValueError(
+                f"device_channels lists a channel twice: {device_channels}"
+            )
         if address is not None and (not isinstance(address, str) or not address):
             raise ValueError(f"address must be a non-empty str, got {address!r}")
         if isinstance(secret, str):
@@ -260,6 +281,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         self.num_worker_threads = num_worker_threads
         self.transports = transports
         self.channels = channels
+        self.device_channels = device_channels
         self.address = address
         self.secret = secret
         self.max_frame_bytes = max_frame_bytes
@@ -308,6 +330,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             f"RpcExtBackendOptions(num_worker_threads={self.num_worker_threads}, "
             f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r}, "
             f"transports={self.transports}, channels={self.channels}, "
+            f"device_channels={self.device_channels}, "
             f"address={self.address!r}, "
             f"max_frame_bytes={self.max_frame_bytes})"
         )

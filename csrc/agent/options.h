@@ -42,6 +42,11 @@ struct AgentOptions : rpc::RpcBackendOptions {
   // stream carries what none of them takes. Empty: the stream carries all.
   std::vector<std::string> channels =
       channel::channelNames(channel::DeviceKind::kCpu);
+  // Channels for CUDA tensor bytes by preference, used by an agent with
+  // devices: cuda_ipc (same host), cuda_staged (any peer, through host
+  // memory). Never empty when devices are in use.
+  std::vector<std::string> deviceChannels =
+      channel::channelNames(channel::DeviceKind::kCuda);
   // Address to bind and advertise; empty means defaultAdvertisedAddress().
   std::string address;
   // Shared secret; empty means "create one at rendezvous, share via store".

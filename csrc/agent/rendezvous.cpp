@@ -159,8 +159,8 @@ std::string Agent::openTransports() {
   // program without device maps loads no CUDA library).
   std::vector<std::string> channelNames = options_.channels;
   if (!options_.devices.empty()) {
-    for (auto& name : channel::channelNames(channel::DeviceKind::kCuda)) {
-      channelNames.push_back(std::move(name));
+    for (const auto& name : options_.deviceChannels) {
+      channelNames.push_back(name);
     }
   }
   for (const auto& name : channelNames) {

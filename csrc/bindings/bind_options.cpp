@@ -54,6 +54,10 @@ py::dict optionSpec() {
       py::make_tuple(std::string(rpc::kDefaultInitMethod), none, none);
   spec["transports"] = py::make_tuple(transports, none, none);
   spec["channels"] = py::make_tuple(channels, none, none);
+  spec["device_channels"] = py::make_tuple(
+      py::tuple(py::cast(channel::channelNames(channel::DeviceKind::kCuda))),
+      none,
+      none);
   spec["address"] = py::make_tuple(none, none, none);
   spec["secret"] = py::make_tuple(none, kMinSecretBytes, none);
   spec["max_frame_bytes"] =
@@ -98,6 +102,12 @@ void bindOptions(py::module_& m) {
           "channels",
           [](const O& o) { return py::tuple(py::cast(o.channels)); },
           [](O& o, std::vector<std::string> v) { o.channels = std::move(v); })
+      .def_property(
+          "device_channels",
+          [](const O& o) { return py::tuple(py::cast(o.deviceChannels)); },
+          [](O& o, std::vector<std::string> v) {
+            o.deviceChannels = std::move(v);
+          })
       .def_property(
           "address",
           [](const O& o) { return noneIfEmpty(o.address, false); },

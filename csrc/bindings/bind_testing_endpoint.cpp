@@ -3,6 +3,7 @@
 // channels and no agent above it, so tests can send frames whose segments
 // live anywhere (device memory of the fake driver, say) and look at what
 // the peer's channels provide, in two processes. A test hook.
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -211,8 +212,14 @@ class Endpoint final : public transport::ConnectionObserver {
       data->bytes.emplace_back(provided[i] ? 0 : sizes[i]);
       b.segments.push_back(provided[i] ? nullptr : data->bytes.back().data());
     }
+    // A staging channel lands device bytes on this device (-1: refuse).
+    b.devices.assign(sizes.size(), landingDevice_.load());
     b.keepAlive = data;
     return b;
+  }
+
+  void setLandingDevice(int device) {
+    landingDevice_ = static_cast<int8_t>(device);
   }
 
   void onFrame(
@@ -256,6 +263,7 @@ class Endpoint final : public transport::ConnectionObserver {
   };
 
   std::vector<std::shared_ptr<channel::Context>> channels_;
+  std::atomic<int8_t> landingDevice_{0};
   std::shared_ptr<transport::Transport> transport_;
   std::shared_ptr<transport::Listener> listener_;
   std::mutex mu_;
@@ -326,6 +334,7 @@ void bindTestingEndpoint(py::module_& m) {
       .def("receive", &Endpoint::receive, py::arg("timeout"))
       .def("close_reason", &Endpoint::closeReason)
       .def("counters", &Endpoint::counters)
+      .def("set_landing_device", &Endpoint::setLandingDevice)
       .def("close", &Endpoint::close, py::call_guard<py::gil_scoped_release>());
 }
 

@@ -68,9 +68,10 @@ class Host {
   // readable, until unwatchFromLoop(fd).
   virtual void watchFromLoop(int fd, std::function<void()> onReadable) = 0;
   virtual void unwatchFromLoop(int fd) = 0;
-  // Loop thread: a chunk channel that returned 0 from produceChunkLocked()
-  // has room again.
-  virtual void chunkRoomFromLoop() = 0;
+  // Loop thread: a frame a channel held back can go on (a chunk channel that
+  // returned 0 from produceChunkLocked() has room again; staged bytes became
+  // ready, StagedOut).
+  virtual void resumeWritesFromLoop() = 0;
   // Loop thread: the peer broke the protocol; close the connection.
   virtual void rejectFromLoop(const std::string& reason) = 0;
   virtual bool isClosed() const = 0;
@@ -102,10 +103,24 @@ struct InboundSegment {
   uint64_t size; // the whole segment
   uint64_t filled; // bytes already in place
   void* buffer; // the receiver's buffer (chunks), or nullptr (regions)
-  // For a region channel: the memory the receiver's tensor will view, and
-  // what keeps it valid.
+  // For a region or staging channel: the memory the receiver's tensor will
+  // view, and what keeps it valid.
   void** provided;
   std::shared_ptr<frame::SharedRegion>* region;
+  // The CUDA device its tensors go to, or -1 (InboundBuffers::devices).
+  int8_t device = -1;
+};
+
+// A segment a staging channel copies out of device memory before the stream
+// writes it: `data` is host memory that holds its first `readyBytes()` bytes
+// already (the rest is on its way; the channel calls
+// Host::resumeWritesFromLoop() as more become ready). Kept alive by the
+// frame until it is written or dropped.
+class StagedOut {
+ public:
+  virtual ~StagedOut() = default;
+  virtual const char* data() const = 0;
+  virtual uint64_t readyBytes() const = 0;
 };
 
 // One connection's end of a channel. Created per connection by its Context
@@ -124,6 +139,13 @@ class Channel {
     // The bytes go in chunks through the channel, one record per chunk, and
     // the receiver copies each into its buffer.
     kChunks,
+    // The bytes travel in the stream itself, staged through host memory on
+    // both sides: the sender copies them out of the device as the stream
+    // needs them (stageOut), the receiver lands them in host memory and
+    // copies them onto its device (landFromLoop), and its tensor views that
+    // device memory. No records: the segment's bytes follow its frame's head
+    // as the stream's own do.
+    kStaged,
   };
 
   // The context (and the counters it holds) lives as long as its channels:
@@ -155,7 +177,7 @@ class Channel {
     return std::nullopt;
   }
   // kChunks: put up to `size` bytes into the channel and fill `record`.
-  // Returns the bytes taken; 0 when full (then Host::chunkRoomFromLoop()
+  // Returns the bytes taken; 0 when full (then Host::resumeWritesFromLoop()
   // follows), with `error` set on failure.
   virtual size_t produceChunkLocked(
       const char* data,
@@ -164,6 +186,13 @@ class Channel {
       std::string* error) {
     *error = "channel carries no chunks";
     return 0;
+  }
+  // kStaged, any thread, no lock held: start copying `segment` out of its
+  // device, returning the host memory the stream will write it from, or
+  // nullptr to decline.
+  virtual std::shared_ptr<StagedOut> stageOut(
+      const frame::OutboundFrame::Segment& segment) {
+    return nullptr;
   }
   // Frames waiting for a ride with the next message frame (batched
   // notifications), appended to `out`.
@@ -186,6 +215,18 @@ class Channel {
   virtual int64_t onRecordFromLoop(
       const frame::SegmentRecord& record,
       InboundSegment& segment) = 0;
+  // kStaged: the first byte of `segment` is about to be read: where its
+  // bytes go (host memory of at least segment.size bytes), or nullptr after
+  // Host::rejectFromLoop().
+  virtual char* landFromLoop(InboundSegment& segment) {
+    return nullptr;
+  }
+  // kStaged: the segment's first `filled` bytes are in the landing memory;
+  // once they are all there, the channel fills segment.provided and
+  // segment.region. False after Host::rejectFromLoop().
+  virtual bool landedFromLoop(InboundSegment& segment, uint64_t filled) {
+    return false;
+  }
   // Control frames of its own: whether a frame of `kind` with a head of
   // `headLength` bytes is one, and handling it (`fds`: descriptors received
   // and not yet claimed; take the ones it owns from the front). False once

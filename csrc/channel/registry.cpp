@@ -8,6 +8,7 @@
 
 #include "csrc/channel/cuda/engines.h"
 #include "csrc/channel/cuda/ipc_channel.h"
+#include "csrc/channel/cuda/staged_channel.h"
 #include "csrc/channel/shm/factory.h"
 
 namespace torch_rpc_ext::channel {
@@ -26,6 +27,7 @@ constexpr Entry kChannels[] = {
     {"shm_slab", DeviceKind::kCpu, shm::createSlabChannel},
     {"shm_ring", DeviceKind::kCpu, shm::createRingChannel},
     {"cuda_ipc", DeviceKind::kCuda, cuda::createIpcChannel},
+    {"cuda_staged", DeviceKind::kCuda, cuda::createStagedChannel},
 };
 
 } // namespace

@@ -153,6 +153,10 @@ struct OutboundFrame {
 struct InboundBuffers {
   std::vector<void*> segments; // one per announced segment
   std::shared_ptr<void> keepAlive;
+  // Per segment, the CUDA device (in this process) its tensors go to, or -1
+  // (host memory, or not said): where a staging channel lands device bytes
+  // that travel in the stream. Empty: none said.
+  std::vector<int8_t> devices;
   // Filled by the transport: per segment, the provided memory (or null).
   std::vector<void*> provided;
   std::vector<std::shared_ptr<SharedRegion>> regions;

@@ -253,7 +253,8 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
     throw std::invalid_argument("trailing bytes after the message head");
   }
   // Every tensor of a segment is on one device; a CUDA segment's bytes come
-  // from a device channel, never through the stream.
+  // from a device channel (cuda_staged's through the stream, landed by the
+  // channel), never as the stream's own bytes.
   m->segmentDevices_.assign(segmentSizes.size() - 1, -2);
   auto place = [&](const DenseMeta& d) {
     int8_t& seen = m->segmentDevices_[d.segment - 1];
@@ -327,6 +328,14 @@ frame::InboundBuffers InboundMessage::buffers(
   b.segments.push_back(payload_.empty() ? nullptr : payload_.data());
   for (auto& s : storages_) {
     b.segments.push_back(s ? s.mutable_data() : nullptr);
+  }
+  if (!cudaDevices_.empty()) {
+    // Where a staging channel lands each segment's bytes.
+    b.devices.reserve(b.segments.size());
+    b.devices.push_back(-1);
+    for (int8_t d : segmentDevices_) {
+      b.devices.push_back(d >= 0 ? d : -1);
+    }
   }
   b.keepAlive = self;
   return b;

@@ -72,9 +72,9 @@ def describe(t):
     return str(t.device), tensor_bytes(t)
 
 
-def ipc_counters() -> dict[str, int]:
+def channel_counters(channel: str = "cuda_ipc") -> dict[str, int]:
     metrics = rpc.api._get_current_rpc_agent().get_metrics()
-    prefix = "rpc_ext.channel.cuda_ipc."
+    prefix = f"rpc_ext.channel.{channel}."
     return {k[len(prefix):]: int(v) for k, v in metrics.items() if k.startswith(prefix)}
 
 
@@ -85,14 +85,18 @@ def pattern(n: int, seed: int = 0) -> bytes:
     return bytes((i * 13 + seed) % 251 for i in range(n))
 
 
-def run(rank: int, port: int, ctl) -> None:
+def run(rank: int, port: int, ctl, channel: str = "cuda_ipc", target: int = DEVICE) -> None:
+    """`channel`: the one device channel both use; `target`: the device of
+    worker1's that worker0's cuda:0 maps to."""
     setup_torch()
     opts = torch_rpc_ext.RpcExtBackendOptions(
         init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
-        num_worker_threads=4, rpc_timeout=TIMEOUT)
+        num_worker_threads=4, rpc_timeout=TIMEOUT, device_channels=(channel,),
+        # Staging goes through the stream: TCP, as between hosts.
+        transports=("tcp",) if channel == "cuda_staged" else None)
     if rank == 0:
         # worker1 answers through the reverse map: it needs none of its own.
-        opts.set_device_map("worker1", {DEVICE: DEVICE})
+        opts.set_device_map("worker1", {DEVICE: target})
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
                  backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
     out = {}
@@ -104,7 +108,7 @@ def run(rank: int, port: int, ctl) -> None:
         data = pattern(3 << 20, 1)
         t = cuda_tensor(data)
         out["seen_by_callee"] = rpc.rpc_sync("worker1", describe, args=(t,)) == (
-            f"cuda:{DEVICE}", data)
+            f"cuda:{target}", data)
         back = rpc.rpc_sync("worker1", identity, args=(t,))
         out["back"] = (str(back.device), tensor_bytes(back) == data)
         # An empty one has no bytes to carry: it rides in the stream.
@@ -121,8 +125,8 @@ def run(rank: int, port: int, ctl) -> None:
         except Exception as e:  # noqa: BLE001 - the message is the result
             out["unmapped"] = str(e)
     if rank == 0:
-        out["ipc"] = ipc_counters()
-        out["callee_ipc"] = rpc.rpc_sync("worker1", ipc_counters)
+        out["ipc"] = channel_counters(channel)
+        out["callee_ipc"] = rpc.rpc_sync("worker1", channel_counters, args=(channel,))
     rpc.shutdown()
     ctl.send(out)
 

@@ -23,7 +23,7 @@ def pattern(n: int, seed: int) -> bytes:
 
 
 class End:
-    def __init__(self, role: str, conn, channels=("cuda_ipc",), offer=True):
+    def __init__(self, role: str, conn, channels=("cuda_ipc",), offer=True, transport="shm"):
         from torch_rpc_ext import _C, _testing
 
         _C._set_cuda_kernel_images(kernel_images())
@@ -31,7 +31,7 @@ class End:
         self.role = role
         self.conn = conn
         me = 0 if role == "sender" else 1
-        self.ep = _testing.Endpoint(me, 2, SECRET, "shm", list(channels))
+        self.ep = _testing.Endpoint(me, 2, SECRET, transport, list(channels))
         conn.send((self.ep.address, self.ep.descriptors() if offer else {}))
         address, peer = conn.recv()
         self.ep.set_peer(peer)
@@ -63,8 +63,8 @@ class End:
         self.cu.stream_synchronize(DEVICE, self.stream)
         return self.cu.read(DEVICE, region.address, region.size)
 
-    def counters(self) -> dict[str, int]:
-        return dict(self.ep.counters()["cuda_ipc"])
+    def counters(self, channel: str = "cuda_ipc") -> dict[str, int]:
+        return dict(self.ep.counters()[channel])
 
     def close(self):
         self.cu.stream_synchronize(DEVICE, self.stream)

@@ -14,11 +14,13 @@ from tests.rpc.world import free_port
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
 
 
-def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
+def play(spawn, channel="cuda_ipc", target=0):
+    """Runs both workers; returns what each reported."""
     port = free_port()
     pipes = [spawn.Pipe() for _ in range(2)]
     procs = [
-        spawn.Process(target=agent_worker.run, args=(rank, port, pipes[rank][1]))
+        spawn.Process(target=agent_worker.run,
+                      args=(rank, port, pipes[rank][1], channel, target))
         for rank in range(2)
     ]
     for p in procs:
@@ -40,7 +42,11 @@ def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
         for p in procs:
             if p.is_alive():
                 p.kill()
-    caller, callee = out
+    return out
+
+
+def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
+    caller, callee = play(spawn)
     assert caller["seen_by_callee"]  # on cuda:0, bytes intact
     assert caller["back"] == ("cuda:0", True)  # the response maps back
     assert caller["small"]
@@ -52,4 +58,24 @@ def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
     assert caller["devices"] == callee["devices"] == ["cuda:0"]
     assert caller["map"] == {"cuda:0": "cuda:0"} and callee["map"] == {}
     assert "no device map names cuda:0" in callee["unmapped"]
+    assert "worker0" in callee["unmapped"]
+
+
+@pytest.mark.parametrize("target", [0, 1], ids=["same-device", "other-device"])
+def test_cuda_tensors_staged_through_host_memory(spawn, monkeypatch, target):
+    """cuda_staged alone, over TCP (as between hosts); with two devices, a
+    map from cuda:0 to the peer's cuda:1, which cuda_ipc cannot serve."""
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+    caller, callee = play(spawn, "cuda_staged", target)
+    assert caller["seen_by_callee"]  # on cuda:<target>, bytes intact
+    assert caller["back"] == ("cuda:0", True)  # through the reverse map
+    assert caller["small"]
+    assert caller["empty"] == (f"cuda:{target}", b"")
+    assert "cuda_staged" in caller["channels"] and "cuda_ipc" not in caller["channels"]
+    # Three tensors with bytes out (3 MiB, 3 MiB, 100 B), two back.
+    assert caller["ipc"]["segments_sent"] == 3
+    assert caller["ipc"]["segments_received"] == 2
+    assert caller["callee_ipc"]["segments_received"] == 3
+    assert caller["devices"] == ["cuda:0"] and callee["devices"] == [f"cuda:{target}"]
+    assert caller["map"] == {"cuda:0": f"cuda:{target}"}
     assert "worker0" in callee["unmapped"]

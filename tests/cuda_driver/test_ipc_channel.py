@@ -13,13 +13,14 @@ from tests.cuda_driver import ipc_worker
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
 
 
-def play(spawn, scenario: str, after_sender_exits=None):
-    """Runs both ends of `scenario`; returns (sender's results, receiver's)."""
+def play(spawn, scenario: str, after_sender_exits=None, worker=ipc_worker):
+    """Runs both ends of `scenario` (of `worker`); returns (sender's
+    results, receiver's)."""
     conn_s, conn_r = spawn.Pipe()
     ctl_s, ctl_s_child = spawn.Pipe()
     ctl_r, ctl_r_child = spawn.Pipe()
-    sender = spawn.Process(target=ipc_worker.run, args=("sender", conn_s, ctl_s_child, scenario))
-    receiver = spawn.Process(target=ipc_worker.run, args=("receiver", conn_r, ctl_r_child, scenario))
+    sender = spawn.Process(target=worker.run, args=("sender", conn_s, ctl_s_child, scenario))
+    receiver = spawn.Process(target=worker.run, args=("receiver", conn_r, ctl_r_child, scenario))
     sender.start()
     receiver.start()
     try:

@@ -27,7 +27,8 @@
 //   kills the process with SIGSEGV, as a kernel touching it would fault.
 // - Streams: a worker thread each, running work strictly in order after the
 //   enqueuing call has returned ($FAKE_CUDA_KERNEL_DELAY_MS delays each
-//   kernel there, so readers not ordered after it see old bytes). Host
+//   kernel and asynchronous copy there, so readers not ordered after it see
+//   old bytes). Host
 //   functions run there and may not call the driver
 //   (CUDA_ERROR_NOT_PERMITTED). Events are two counters (see
 //   cuEventRecord); an interprocess event keeps them in a shared memfd, so a
@@ -867,7 +868,13 @@ CUresult copyOn(
   }
   state().stats.memcpys++;
   state().stats.memcpyBytes += n;
+  // An asynchronous copy runs late as a kernel does ($FAKE_CUDA_KERNEL_
+  // DELAY_MS), so a reader of either side not ordered after it is caught.
+  const long delayMs = wait ? 0 : state().kernelDelayMs;
   enqueue(*s, [=] {
+    if (delayMs > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
+    }
     memmove(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), n);
   });
   if (wait) {

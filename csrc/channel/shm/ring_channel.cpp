@@ -185,7 +185,7 @@ void RingChannel::onWakeFromLoop() {
     watched_->drainWakeups();
   }
   if (auto host = host_.lock()) {
-    host->chunkRoomFromLoop();
+    host->resumeWritesFromLoop();
   }
 }
 

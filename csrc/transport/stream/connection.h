@@ -88,7 +88,7 @@ class StreamConnection : public Connection,
   void post(std::function<void()> fn) override;
   void watchFromLoop(int fd, std::function<void()> onReadable) override;
   void unwatchFromLoop(int fd) override;
-  void chunkRoomFromLoop() override;
+  void resumeWritesFromLoop() override;
   void rejectFromLoop(const std::string& reason) override {
     rejected_ = true;
     closeInternal(reason, false);
@@ -125,6 +125,9 @@ class StreamConnection : public Connection,
     // What goes on the wire in place of region segments (the frame's
     // segments point here).
     std::vector<frame::SegmentRecord> regionRecords;
+    // Per segment, the bytes a staging channel copies out of a device
+    // (empty: none): written only as far as they are ready.
+    std::vector<std::shared_ptr<channel::StagedOut>> staged;
     // Partly on the wire: nothing may be sent before the rest of it.
     bool started() const {
       return written > 0 || piece > 0 || pieceOffset > 0;
@@ -177,6 +180,8 @@ class StreamConnection : public Connection,
   mutable std::mutex writeMutex_;
   std::deque<PendingWrite> writes_;
   bool chunksBlocked_ = false; // a frame waits for chunk room (writeMutex_)
+  // The next bytes to write are staged ones not yet ready (writeMutex_).
+  bool stagingBlocked_ = false;
   // The channels, in order of preference: set once (outbound: on connect;
   // accepted: when the peer is authenticated) and read-only afterwards.
   std::vector<std::shared_ptr<channel::Channel>> channels_;
@@ -192,6 +197,8 @@ class StreamConnection : public Connection,
   size_t segmentIndex_ = 0;
   size_t segmentFilled_ = 0;
   frame::InboundBuffers inbound_;
+  // Where a staging channel lands the current segment's bytes.
+  char* landing_ = nullptr;
 
   enum class ReadPhase { kHeader, kLengthsAndHead, kSegments };
 
@@ -216,17 +223,30 @@ class StreamConnection : public Connection,
   uint8_t carried() const {
     return carried_.empty() ? 0 : carried_[segmentIndex_];
   }
+  // Whether the current segment's bytes follow in the stream (its own, or
+  // a staging channel's), rather than records.
+  bool bytesInline() const {
+    uint8_t c = carried();
+    return c == 0 ||
+        channels_[c - 1]->context().mode() == channel::Channel::Mode::kStaged;
+  }
+  // Inline bytes of the current segment: where the next ones go, and
+  // taking `n` of them that arrived there.
+  char* inlineTargetFromLoop();
+  bool inlineArrivedFromLoop(size_t n);
+  channel::InboundSegment inboundSegment();
   // Open the channels for talking to `peerId` (once, before any frame of
   // theirs can be written or read).
   void openChannels(int32_t peerId);
   // The channel slot (index plus one) named by `wireId` on the wire, or 0.
   uint8_t channelSlot(uint8_t wireId) const;
   // Sender: choose how each segment travels (the channels' copies happen
-  // now, on the calling thread, with no lock held).
+  // now, on the calling thread, with no lock held). `slots`: per segment,
+  // the channel slot that carries it as a region or staged (empty: none).
   void planSegments(
       frame::OutboundFrame& frame,
       PendingWrite& w,
-      std::vector<uint8_t>& region,
+      std::vector<uint8_t>& slots,
       std::vector<channel::ControlFrame>& before);
   // Heartbeat tick: the channels' housekeeping.
   void tickChannelsFromLoop();

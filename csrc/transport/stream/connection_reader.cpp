@@ -99,16 +99,20 @@ void StreamConnection::onReadableFromLoop() {
   while (state_ != State::kClosed) {
     // Large remainders of a segment go straight into its final buffer.
     if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_ &&
-        carried() == 0) {
+        bytesInline()) {
       size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
       if (want >= kDirectReadBytes) {
-        char* dst = static_cast<char*>(inbound_.segments[segmentIndex_]) +
-            segmentFilled_;
+        char* dst = inlineTargetFromLoop();
+        if (dst == nullptr) {
+          return;
+        }
         ssize_t got = readFromLoop(dst, want);
         if (got <= 0) {
           return;
         }
-        advanceSegmentFromLoop(static_cast<size_t>(got));
+        if (!inlineArrivedFromLoop(static_cast<size_t>(got))) {
+          return;
+        }
         continue;
       }
     }
@@ -188,7 +192,7 @@ bool StreamConnection::consumeFromLoop() {
           !onLengthsAndHeadFromLoop()) {
         return false;
       }
-    } else if (carried() != 0) {
+    } else if (!bytesInline()) {
       // A record: the bytes travel out of band; the channel places them.
       size_t take = std::min(avail, sizeof(record_) - recordFilled_);
       std::memcpy(reinterpret_cast<char*>(&record_) + recordFilled_, src, take);
@@ -196,14 +200,7 @@ bool StreamConnection::consumeFromLoop() {
       stagedBegin_ += take;
       if (recordFilled_ == sizeof(record_)) {
         recordFilled_ = 0;
-        size_t i = segmentIndex_;
-        bool region = !inbound_.provided.empty();
-        channel::InboundSegment segment{
-            segmentSizes_[i],
-            segmentFilled_,
-            inbound_.segments[i],
-            region ? &inbound_.provided[i] : nullptr,
-            region ? &inbound_.regions[i] : nullptr};
+        channel::InboundSegment segment = inboundSegment();
         int64_t placed =
             channels_[carried() - 1]->onRecordFromLoop(record_, segment);
         if (placed < 0 && state_ != State::kClosed) {
@@ -222,14 +219,70 @@ bool StreamConnection::consumeFromLoop() {
     } else {
       size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
       size_t take = std::min(avail, want);
-      std::memcpy(
-          static_cast<char*>(inbound_.segments[segmentIndex_]) + segmentFilled_,
-          src,
-          take);
+      char* dst = inlineTargetFromLoop();
+      if (dst == nullptr) {
+        return false;
+      }
+      std::memcpy(dst, src, take);
       stagedBegin_ += take;
-      advanceSegmentFromLoop(take);
+      if (!inlineArrivedFromLoop(take)) {
+        return false;
+      }
     }
   }
+  return state_ != State::kClosed;
+}
+
+channel::InboundSegment StreamConnection::inboundSegment() {
+  size_t i = segmentIndex_;
+  bool region = !inbound_.provided.empty();
+  channel::InboundSegment segment{
+      segmentSizes_[i],
+      segmentFilled_,
+      inbound_.segments[i],
+      region ? &inbound_.provided[i] : nullptr,
+      region ? &inbound_.regions[i] : nullptr};
+  if (i < inbound_.devices.size()) {
+    segment.device = inbound_.devices[i];
+  }
+  return segment;
+}
+
+char* StreamConnection::inlineTargetFromLoop() {
+  uint8_t slot = carried();
+  if (slot == 0) {
+    return static_cast<char*>(inbound_.segments[segmentIndex_]) +
+        segmentFilled_;
+  }
+  // A staging channel's segment: it says where the bytes land, once.
+  if (segmentFilled_ == 0) {
+    channel::InboundSegment segment = inboundSegment();
+    landing_ = channels_[slot - 1]->landFromLoop(segment);
+    if (landing_ == nullptr) {
+      if (state_ != State::kClosed) {
+        rejectFromLoop("rejected frame: a staged segment with nowhere to land");
+      }
+      return nullptr;
+    }
+  }
+  return landing_ + segmentFilled_;
+}
+
+bool StreamConnection::inlineArrivedFromLoop(size_t n) {
+  uint8_t slot = carried();
+  if (slot != 0) {
+    channel::InboundSegment segment = inboundSegment();
+    if (!channels_[slot - 1]->landedFromLoop(segment, segmentFilled_ + n)) {
+      if (state_ != State::kClosed) {
+        rejectFromLoop("rejected frame: a staged segment its channel refused");
+      }
+      return false;
+    }
+    if (segmentFilled_ + n == segmentSizes_[segmentIndex_]) {
+      landing_ = nullptr;
+    }
+  }
+  advanceSegmentFromLoop(n);
   return state_ != State::kClosed;
 }
 

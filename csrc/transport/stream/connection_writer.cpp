@@ -24,7 +24,7 @@ constexpr int kMaxIov = 1024;
 
 } // namespace
 
-void StreamConnection::chunkRoomFromLoop() {
+void StreamConnection::resumeWritesFromLoop() {
   std::string error;
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
@@ -84,7 +84,7 @@ void StreamConnection::sendControl(channel::ControlFrame frame) {
 void StreamConnection::planSegments(
     frame::OutboundFrame& frame,
     PendingWrite& w,
-    std::vector<uint8_t>& region,
+    std::vector<uint8_t>& slots,
     std::vector<channel::ControlFrame>& before) {
   // Every segment must have a way to travel before any channel takes one
   // (taking may lend a slab or hand one back). The stream carries CPU
@@ -122,13 +122,23 @@ void StreamConnection::planSegments(
       if (ctx.mode() == channel::Channel::Mode::kRegion) {
         frame::SegmentRecord record{};
         if (ch.takeRegion(segment, &record, &before)) {
-          if (region.empty()) {
-            region.resize(frame.segments.size());
+          if (slots.empty()) {
+            slots.resize(frame.segments.size());
+          }
+          if (w.regionRecords.empty()) {
             // Reserved once: the frame's segments will point into it.
             w.regionRecords.reserve(frame.segments.size());
           }
-          region[i] = static_cast<uint8_t>(k + 1);
+          slots[i] = static_cast<uint8_t>(k + 1);
           w.regionRecords.push_back(record);
+          taken = true;
+        }
+      } else if (ctx.mode() == channel::Channel::Mode::kStaged) {
+        if (auto staged = ch.stageOut(segment)) {
+          slots.resize(frame.segments.size());
+          w.staged.resize(frame.segments.size());
+          slots[i] = static_cast<uint8_t>(k + 1);
+          w.staged[i] = std::move(staged);
           taken = true;
         }
       } else if (ch.takeChunks(segment)) {
@@ -191,9 +201,19 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
   // on this thread, with no lock held); a region segment's place on the
   // wire takes its record. `region` stays empty (no allocation) for a frame
   // with none.
-  std::vector<uint8_t> region;
+  std::vector<uint8_t> slots;
   std::vector<channel::ControlFrame> before;
-  planSegments(frame, w, region, before);
+  planSegments(frame, w, slots, before);
+  if (!w.staged.empty()) {
+    // The frame holds its staged bytes too: they go back (outside
+    // writeMutex_) when it is written or dropped.
+    struct Held {
+      std::shared_ptr<void> keepAlive;
+      std::vector<std::shared_ptr<channel::StagedOut>> staged;
+    };
+    frame.keepAlive =
+        std::make_shared<Held>(Held{std::move(frame.keepAlive), w.staged});
+  }
   frame::FrameHeader h{};
   h.magic = frame::kFrameMagic;
   h.version = frame::kProtocolVersion;
@@ -214,14 +234,17 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
     // The decision is made: the queue must not hold regions (their last
     // reference could then die under writeMutex_, and a dying lease takes it).
     frame.segments[i].origin = nullptr;
-    uint8_t slot = !region.empty() && region[i] != 0 ? region[i]
-        : !w.chunked.empty()                         ? w.chunked[i]
-                                                     : 0;
+    uint8_t slot = !slots.empty() && slots[i] != 0 ? slots[i]
+        : !w.chunked.empty()                       ? w.chunked[i]
+                                                   : 0;
     if (slot != 0) {
       n |= uint64_t(channels_[slot - 1]->context().wireId())
           << frame::kChannelIdShift;
     }
-    if (!region.empty() && region[i] != 0) {
+    if (!w.staged.empty() && w.staged[i]) {
+      // Written from host memory, as far as the copies out have come.
+      frame.segments[i].data = w.staged[i]->data();
+    } else if (!slots.empty() && slots[i] != 0) {
       // The record goes on the wire in the segment's place.
       frame.segments[i].data = &w.regionRecords[nextRecord++];
       frame.segments[i].size = sizeof(frame::SegmentRecord);
@@ -259,6 +282,7 @@ std::string StreamConnection::flushLocked() {
   if (state_ == State::kClosed || !registered_) {
     return {};
   }
+  stagingBlocked_ = false;
   while (!writes_.empty()) {
     if (state_ != State::kReady && !writes_.front().control) {
       break;
@@ -336,8 +360,20 @@ std::string StreamConnection::flushLocked() {
         ++n;
       };
       add(w.prefix.data(), w.prefix.size());
-      for (const auto& s : w.frame.segments) {
-        add(s.data, s.size);
+      bool held = false;
+      for (size_t j = 0; j < w.frame.segments.size() && !held; ++j) {
+        const auto& s = w.frame.segments[j];
+        size_t len = s.size;
+        if (!w.staged.empty() && w.staged[j]) {
+          // Up to what the copies out of the device have made ready.
+          len = std::min<size_t>(len, w.staged[j]->readyBytes());
+          held = len < s.size;
+        }
+        add(s.data, len);
+      }
+      if (held) {
+        stagingBlocked_ = n == 0; // resumeWritesFromLoop() comes next
+        break;
       }
       if (n == kMaxIov || fds != nullptr) {
         break;
@@ -444,6 +480,12 @@ StreamConnection::ChunkFlush StreamConnection::flushChunkedFrameLocked(
       w.pieceOffset = 0;
       continue;
     }
+    if (w.piece > 0 && !w.staged.empty() && w.staged[w.piece - 1]) {
+      size = std::min<size_t>(size, w.staged[w.piece - 1]->readyBytes());
+      if (w.pieceOffset == size) {
+        return ChunkFlush::kChannelFull; // until more is ready
+      }
+    }
     if (w.piece > 0 && w.chunked[w.piece - 1] != 0) {
       frame::SegmentRecord record{};
       size_t n = channels_[w.chunked[w.piece - 1] - 1]->produceChunkLocked(
@@ -489,7 +531,7 @@ ssize_t StreamConnection::sendSome(
 void StreamConnection::updateEventsLocked() {
   bool want = !writes_.empty() &&
       (state_ == State::kReady || writes_.front().control) &&
-      !(chunksBlocked_ && !writes_.front().chunked.empty());
+      !(chunksBlocked_ && !writes_.front().chunked.empty()) && !stagingBlocked_;
   if (registered_ && want != wantWrite_ && state_ != State::kClosed) {
     wantWrite_ = want;
     loop_.modify(fd_, EPOLLIN | (want ? uint32_t(EPOLLOUT) : 0u));

@@ -1,0 +1,268 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// cuda_staged's pinned buffers, device blocks and events (staging_pool.h).
+#include "csrc/channel/cuda/staging_pool.h"
+
+#include <array>
+#include <stdexcept>
+
+#include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/staged_channel.h"
+#include "csrc/common/libcuda.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+namespace {
+
+constexpr uint64_t kMiB = uint64_t(1) << 20;
+constexpr int kMaxPoolDevices = 64;
+
+struct Pools {
+  std::mutex mu;
+  std::array<StagingPool*, kMaxPoolDevices> byDevice{};
+};
+
+Pools& pools() {
+  static Pools* p = new Pools(); // leaked with the process
+  return *p;
+}
+
+} // namespace
+
+uint64_t stagingCapacity(uint64_t bytes) {
+  if (bytes <= 64 * kMiB) {
+    uint64_t c = 64 * 1024;
+    while (c < bytes) {
+      c <<= 1;
+    }
+    return c;
+  }
+  return (bytes + 2 * kMiB - 1) / (2 * kMiB) * (2 * kMiB);
+}
+
+StagingPool& StagingPool::of(int device) {
+  primaryContext(device); // throws naming a device that does not exist
+  Pools& p = pools();
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (device >= kMaxPoolDevices) {
+    throw std::out_of_range("cuda_staged serves devices 0..63");
+  }
+  if (p.byDevice[device] == nullptr) {
+    p.byDevice[device] = new StagingPool(device);
+  }
+  return *p.byDevice[device];
+}
+
+StagingPool::HostBuffer StagingPool::takeHost(
+    uint64_t bytes,
+    std::string* why) {
+  uint64_t capacity = stagingCapacity(bytes);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reapRetiredLocked();
+    // The smallest free buffer that fits, if it is not over twice the need.
+    auto it = freeHost_.lower_bound(bytes);
+    if (it != freeHost_.end() && it->first <= 2 * capacity) {
+      HostBuffer b = it->second.first;
+      freeHost_.erase(it);
+      pinnedInUse_ += b.capacity;
+      return b;
+    }
+    if (pinnedInUse_ + capacity > kMaxPinnedBytes) {
+      *why = "cuda_staged has " + std::to_string(pinnedInUse_ >> 20) +
+          " MiB of pinned memory of cuda:" + std::to_string(device_) +
+          " in use, and " + std::to_string(capacity >> 20) +
+          " MiB more would pass its limit of " +
+          std::to_string(kMaxPinnedBytes >> 20) + " MiB";
+      return {};
+    }
+    pinnedInUse_ += capacity;
+  }
+  HostBuffer b;
+  b.capacity = capacity;
+  try {
+    CurrentDevice current(device_);
+    void* p = nullptr;
+    TORCH_RPC_EXT_CUDA_CHECK(cuMemHostAlloc, &p, capacity, 0);
+    b.data = static_cast<char*>(p);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pinnedInUse_ -= capacity;
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  pinnedBytes_ += capacity;
+  return b;
+}
+
+void StagingPool::giveHost(HostBuffer buffer) {
+  if (buffer.data == nullptr) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  pinnedInUse_ -= buffer.capacity;
+  freeHost_.emplace(buffer.capacity, std::make_pair(buffer, Clock::now()));
+}
+
+void StagingPool::retireHost(HostBuffer buffer, PooledEvent after) {
+  if (buffer.data == nullptr) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  retiredHost_.emplace_back(buffer, std::move(after));
+}
+
+void StagingPool::reapRetiredLocked() {
+  for (size_t i = 0; i < retiredHost_.size();) {
+    // A query, never a wait. An error (a broken context) keeps it: memory
+    // the device may still write must not be reused.
+    if (libcuda().cuEventQuery(retiredHost_[i].second.get()) != CUDA_SUCCESS) {
+      ++i;
+      continue;
+    }
+    HostBuffer b = retiredHost_[i].first;
+    pinnedInUse_ -= b.capacity;
+    freeHost_.emplace(b.capacity, std::make_pair(b, Clock::now()));
+    retiredHost_[i] = std::move(retiredHost_.back());
+    retiredHost_.pop_back();
+  }
+}
+
+std::shared_ptr<StagingPool::Block> StagingPool::takeBlock(uint64_t bytes) {
+  uint64_t capacity = stagingCapacity(bytes);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = freeBlocks_.lower_bound(bytes);
+    if (it != freeBlocks_.end() && it->first <= 2 * capacity) {
+      auto b = std::move(it->second.first);
+      freeBlocks_.erase(it);
+      return b;
+    }
+  }
+  CurrentDevice current(device_);
+  auto b = std::make_shared<Block>();
+  TORCH_RPC_EXT_CUDA_CHECK(cuMemAlloc, &b->address, capacity);
+  b->capacity = capacity;
+  CUresult rc = libcuda().cuEventCreate(&b->lastUse, CU_EVENT_DISABLE_TIMING);
+  if (rc != CUDA_SUCCESS) {
+    libcuda().cuMemFree(b->address);
+    checkCuda("cuEventCreate", rc);
+  }
+  return b;
+}
+
+void StagingPool::giveBlock(std::shared_ptr<Block> block) {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t c = block->capacity;
+  freeBlocks_.emplace(c, std::make_pair(std::move(block), Clock::now()));
+}
+
+PooledEvent StagingPool::takeEvent() {
+  CUevent e = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(eventsMu_);
+    if (!freeEvents_.empty()) {
+      e = freeEvents_.back();
+      freeEvents_.pop_back();
+    }
+  }
+  if (e == nullptr) {
+    CurrentDevice current(device_);
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventCreate, &e, CU_EVENT_DISABLE_TIMING);
+  }
+  // The pool outlives every event (it is never destroyed).
+  // (Dropped under mu_ too, by reapRetiredLocked: hence a lock of its own.)
+  return PooledEvent(e, [this](CUevent done) {
+    std::lock_guard<std::mutex> lock(eventsMu_);
+    freeEvents_.push_back(done);
+  });
+}
+
+CUstream StagingPool::copyStream() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (copyStream_ == nullptr) {
+    CurrentDevice current(device_);
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuStreamCreate, &copyStream_, CU_STREAM_NON_BLOCKING);
+  }
+  return copyStream_;
+}
+
+void StagingPool::trim() {
+  std::vector<HostBuffer> hosts;
+  std::vector<std::shared_ptr<Block>> blocks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto now = Clock::now();
+    if (now - lastTrim_ < std::chrono::milliseconds(kStagedIdleMs / 5)) {
+      return;
+    }
+    lastTrim_ = now;
+    reapRetiredLocked();
+    auto idle = [&](Clock::time_point t) {
+      return now - t > std::chrono::milliseconds(kStagedIdleMs);
+    };
+    for (auto it = freeHost_.begin(); it != freeHost_.end();) {
+      if (idle(it->second.second)) {
+        hosts.push_back(it->second.first);
+        pinnedBytes_ -= it->second.first.capacity;
+        it = freeHost_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto it = freeBlocks_.begin(); it != freeBlocks_.end();) {
+      const auto& b = it->second.first;
+      if (idle(it->second.second) &&
+          (!b->used || libcuda().cuEventQuery(b->lastUse) == CUDA_SUCCESS)) {
+        blocks.push_back(b);
+        it = freeBlocks_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  if (hosts.empty() && blocks.empty()) {
+    return;
+  }
+  CurrentDevice current(device_);
+  for (auto& h : hosts) {
+    libcuda().cuMemFreeHost(h.data);
+  }
+  for (auto& b : blocks) {
+    libcuda().cuEventDestroy(b->lastUse);
+    libcuda().cuMemFree(b->address);
+  }
+}
+
+namespace {
+
+std::vector<StagingPool*> madePools() {
+  Pools& p = pools();
+  std::lock_guard<std::mutex> lock(p.mu);
+  std::vector<StagingPool*> made;
+  for (auto* pool : p.byDevice) {
+    if (pool != nullptr) {
+      made.push_back(pool);
+    }
+  }
+  return made;
+}
+
+} // namespace
+
+void StagingPool::trimAll() {
+  for (auto* pool : madePools()) {
+    pool->trim();
+  }
+}
+
+uint64_t StagingPool::pinnedBytesAll() {
+  uint64_t n = 0;
+  for (auto* pool : madePools()) {
+    std::lock_guard<std::mutex> lock(pool->mu_);
+    n += pool->pinnedBytes_;
+  }
+  return n;
+}
+
+} // namespace torch_rpc_ext::channel::cuda

@@ -1,0 +1,47 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The cuda_staged channel through the channel seam: two processes, one TCP
+connection with no agent above it (_testing.Endpoint), device memory of the
+driver under test. The fake runs every asynchronous copy 50 ms late
+(slow_kernels), so a stream that wrote a chunk before its copy out of the
+device had completed, or a reader not ordered after the copies onto the
+device, would see old bytes. What passes against the fake proves the
+protocol and the ordering, not the hardware (docs/cuda.md)."""
+
+import pytest
+
+from tests.cuda_driver import staged_worker
+from tests.cuda_driver.test_ipc_channel import play
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
+
+
+def run(spawn, scenario):
+    return play(spawn, scenario, worker=staged_worker)
+
+
+def test_segments_travel_out_and_back_through_host_memory(spawn):
+    (back, pinned, sender), (seen, receiver) = run(spawn, "roundtrip")
+    sizes = staged_worker.SIZES * staged_worker.ROUNDS
+    assert seen == [(b"m%d" % (i % 4), n, 0, True) for i, n in enumerate(sizes)]
+    assert back == [(b"back%d" % (i % 4), n, True) for i, n in enumerate(sizes)]
+    for counters in (sender, receiver):
+        assert counters["segments_sent"] == counters["segments_received"] == len(sizes)
+        assert counters["bytes_sent"] == sum(sizes)
+        assert counters["declined"] == 0
+    # Chunked: 3 + 1 + 1 + 1 copies per round and direction, out and in.
+    assert sender["chunk_copies"] == staged_worker.ROUNDS * 2 * 6
+    # Pinned buffers come from the pool: once both directions have theirs,
+    # another round allocates none.
+    assert pinned[1] == pinned[2] > 0
+
+
+def test_host_and_device_segments_share_a_frame(spawn):
+    _, (head, ok) = run(spawn, "mixed")
+    assert (head, ok) == (b"mix", (True, True))
+
+
+def test_a_staged_segment_for_host_memory_closes_the_connection_naming_it(spawn):
+    (got_s, reason_s), (got_r, reason_r) = run(spawn, "hostlanding")
+    assert got_r is None and got_s is None
+    assert "cuda_staged" in reason_r and "host memory" in reason_r
+    assert reason_s  # the sender saw the connection go
