@@ -139,6 +139,9 @@ struct OutboundFrame {
     // it on the host.
     int16_t deviceIndex = -1;
     uintptr_t stream = 0;
+    // Device memory only: the device, in the peer's process, the bytes go
+    // to (after the device map), or -1 (not said).
+    int16_t peerDevice = -1;
   };
   std::vector<Segment> segments;
   std::shared_ptr<void> keepAlive;

@@ -170,6 +170,7 @@ class StoragePlan {
         seg.device = static_cast<uint8_t>(c10::DeviceType::CUDA);
         seg.deviceIndex = device.index();
         seg.stream = route_->readyStream(device);
+        seg.peerDevice = static_cast<int16_t>(s.target);
       }
       frame.segments.push_back(std::move(seg));
     }

@@ -376,9 +376,7 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
           "a tensor for cuda:",
           int(want),
           " arrived in memory of cuda:",
-          onDevice->device(),
-          " (a device map between two different devices is not supported "
-          "yet)");
+          onDevice->device());
       TORCH_CHECK(
           arrivalStream != nullptr,
           "a CUDA tensor arrived at an agent without devices");

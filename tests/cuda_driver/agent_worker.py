@@ -85,15 +85,15 @@ def pattern(n: int, seed: int = 0) -> bytes:
     return bytes((i * 13 + seed) % 251 for i in range(n))
 
 
-def run(rank: int, port: int, ctl, channel: str = "cuda_ipc", target: int = DEVICE) -> None:
-    """`channel`: the one device channel both use; `target`: the device of
+def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
+        transports=None) -> None:
+    """`channels`: the device channels both use; `target`: the device of
     worker1's that worker0's cuda:0 maps to."""
     setup_torch()
     opts = torch_rpc_ext.RpcExtBackendOptions(
         init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
-        num_worker_threads=4, rpc_timeout=TIMEOUT, device_channels=(channel,),
-        # Staging goes through the stream: TCP, as between hosts.
-        transports=("tcp",) if channel == "cuda_staged" else None)
+        num_worker_threads=4, rpc_timeout=TIMEOUT, device_channels=channels,
+        transports=transports)
     if rank == 0:
         # worker1 answers through the reverse map: it needs none of its own.
         opts.set_device_map("worker1", {DEVICE: target})
@@ -125,8 +125,9 @@ def run(rank: int, port: int, ctl, channel: str = "cuda_ipc", target: int = DEVI
         except Exception as e:  # noqa: BLE001 - the message is the result
             out["unmapped"] = str(e)
     if rank == 0:
-        out["ipc"] = channel_counters(channel)
-        out["callee_ipc"] = rpc.rpc_sync("worker1", channel_counters, args=(channel,))
+        out["counters"] = {c: channel_counters(c) for c in channels}
+        out["callee_counters"] = {
+            c: rpc.rpc_sync("worker1", channel_counters, args=(c,)) for c in channels}
     rpc.shutdown()
     ctl.send(out)
 

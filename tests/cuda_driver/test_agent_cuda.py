@@ -14,13 +14,13 @@ from tests.rpc.world import free_port
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
 
 
-def play(spawn, channel="cuda_ipc", target=0):
+def play(spawn, channels=("cuda_ipc",), target=0, transports=None):
     """Runs both workers; returns what each reported."""
     port = free_port()
     pipes = [spawn.Pipe() for _ in range(2)]
     procs = [
         spawn.Process(target=agent_worker.run,
-                      args=(rank, port, pipes[rank][1], channel, target))
+                      args=(rank, port, pipes[rank][1], channels, target, transports))
         for rank in range(2)
     ]
     for p in procs:
@@ -53,29 +53,43 @@ def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
     assert caller["empty"] == ("cuda:0", b"")
     assert "cuda_ipc" in caller["channels"]
     # Each CUDA tensor crossed once through a block: three out, two back.
-    assert caller["ipc"]["segments"] == 3
-    assert caller["callee_ipc"]["segments"] == 2, caller["callee_ipc"]
+    ipc = caller["counters"]["cuda_ipc"]
+    assert ipc["segments"] == 3
+    assert caller["callee_counters"]["cuda_ipc"]["segments"] == 2
     assert caller["devices"] == callee["devices"] == ["cuda:0"]
     assert caller["map"] == {"cuda:0": "cuda:0"} and callee["map"] == {}
     assert "no device map names cuda:0" in callee["unmapped"]
     assert "worker0" in callee["unmapped"]
 
 
-@pytest.mark.parametrize("target", [0, 1], ids=["same-device", "other-device"])
-def test_cuda_tensors_staged_through_host_memory(spawn, monkeypatch, target):
-    """cuda_staged alone, over TCP (as between hosts); with two devices, a
-    map from cuda:0 to the peer's cuda:1, which cuda_ipc cannot serve."""
+@pytest.mark.parametrize(
+    "channels,target,transports",
+    [
+        (("cuda_staged",), 0, ("tcp",)),
+        (("cuda_staged",), 1, ("tcp",)),
+        (("cuda_ipc", "cuda_staged"), 1, None),
+    ],
+    ids=["tcp-same-device", "tcp-other-device", "shm-other-device-ipc-declines"],
+)
+def test_cuda_tensors_staged_through_host_memory(spawn, monkeypatch, channels, target,
+                                                 transports):
+    """cuda_staged over TCP (as between hosts); with two devices, a map from
+    cuda:0 to the peer's cuda:1, which cuda_ipc declines (its blocks map on
+    the device they live on) and cuda_staged carries."""
     monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
-    caller, callee = play(spawn, "cuda_staged", target)
+    caller, callee = play(spawn, channels, target, transports)
     assert caller["seen_by_callee"]  # on cuda:<target>, bytes intact
     assert caller["back"] == ("cuda:0", True)  # through the reverse map
     assert caller["small"]
     assert caller["empty"] == (f"cuda:{target}", b"")
-    assert "cuda_staged" in caller["channels"] and "cuda_ipc" not in caller["channels"]
+    assert "cuda_staged" in caller["channels"]
     # Three tensors with bytes out (3 MiB, 3 MiB, 100 B), two back.
-    assert caller["ipc"]["segments_sent"] == 3
-    assert caller["ipc"]["segments_received"] == 2
-    assert caller["callee_ipc"]["segments_received"] == 3
+    staged = caller["counters"]["cuda_staged"]
+    assert staged["segments_sent"] == 3 and staged["segments_received"] == 2
+    assert caller["callee_counters"]["cuda_staged"]["segments_received"] == 3
+    if "cuda_ipc" in channels:
+        assert caller["counters"]["cuda_ipc"]["segments"] == 0
+        assert caller["counters"]["cuda_ipc"]["declined"] == 3
     assert caller["devices"] == ["cuda:0"] and callee["devices"] == [f"cuda:{target}"]
     assert caller["map"] == {"cuda:0": f"cuda:{target}"}
     assert "worker0" in callee["unmapped"]

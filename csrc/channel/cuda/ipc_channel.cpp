@@ -156,7 +156,7 @@ IpcChannel::IpcChannel(
     std::shared_ptr<const Context> context,
     std::weak_ptr<Host> host,
     IpcCounters& counters,
-    std::set<std::string> peerDevices)
+    std::vector<std::string> peerDevices)
     : Channel(std::move(context)),
       host_(std::move(host)),
       counters_(counters),
@@ -183,7 +183,17 @@ bool IpcChannel::takeRegion(
       uuid = u;
     }
   }
-  if (granularity_.count(device) == 0 || peerDevices_.count(uuid) == 0) {
+  // The peer must see the device, and, where the sender's map says which of
+  // the peer's devices the bytes go to, that must be this one: a block is
+  // mapped on the device it lives on (a map between two devices is left to
+  // the next channel, cuda_staged).
+  const bool seen = !uuid.empty() &&
+      std::find(peerDevices_.begin(), peerDevices_.end(), uuid) !=
+          peerDevices_.end();
+  const bool target = segment.peerDevice < 0 ||
+      (size_t(segment.peerDevice) < peerDevices_.size() &&
+       peerDevices_[segment.peerDevice] == uuid);
+  if (granularity_.count(device) == 0 || !seen || !target) {
     counters_.declined.fetch_add(1, std::memory_order_relaxed);
     return false;
   }

@@ -90,7 +90,7 @@ class IpcChannel final : public Channel,
       std::shared_ptr<const Context> context,
       std::weak_ptr<Host> host,
       IpcCounters& counters,
-      std::set<std::string> peerDevices);
+      std::vector<std::string> peerDevices);
   ~IpcChannel() override;
 
   bool takeRegion(
@@ -130,8 +130,8 @@ class IpcChannel final : public Channel,
 
   std::weak_ptr<Host> host_;
   IpcCounters& counters_;
-  // UUIDs of the devices the peer sees.
-  const std::set<std::string> peerDevices_;
+  // UUIDs of the peer's devices by its index ("": one that cannot export).
+  const std::vector<std::string> peerDevices_;
   // UUID -> our device index, for the devices we see (filled on first use).
   std::map<std::string, int> localDevices_;
   // Device index -> its block granularity, for the devices that can export.

@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // cuda_ipc's context (ipc_channel.h): viability, the descriptor a process
 // publishes, reach, counters.
+#include <algorithm>
 #include <map>
 #include <mutex>
-#include <set>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/ipc_channel.h"
@@ -15,20 +16,20 @@ namespace torch_rpc_ext::channel::cuda {
 
 namespace {
 
-// "<boot id>;<uuid>,<uuid>..." <-> its parts.
-std::pair<std::string, std::set<std::string>> parseDescriptor(
+// "<boot id>;<uuid of device 0>,<uuid of device 1>,..." <-> its parts: the
+// UUID of every device of the process in index order, "-" for one that
+// cannot export memory.
+std::pair<std::string, std::vector<std::string>> parseDescriptor(
     const std::string& d) {
   auto semi = d.find(';');
   if (semi == std::string::npos) {
     return {d, {}};
   }
-  std::set<std::string> uuids;
+  std::vector<std::string> uuids;
   std::stringstream rest(d.substr(semi + 1));
   std::string uuid;
   while (std::getline(rest, uuid, ',')) {
-    if (!uuid.empty()) {
-      uuids.insert(uuid);
-    }
+    uuids.push_back(uuid == "-" ? std::string() : uuid);
   }
   return {d.substr(0, semi), std::move(uuids)};
 }
@@ -62,7 +63,9 @@ class IpcContext final : public Context {
       return false;
     }
     for (const auto& uuid : devices) {
-      if (peerDevices.count(uuid) != 0) {
+      if (!uuid.empty() &&
+          std::find(peerDevices.begin(), peerDevices.end(), uuid) !=
+              peerDevices.end()) {
         return true;
       }
     }
@@ -103,17 +106,18 @@ class IpcContext final : public Context {
         return;
       }
       std::string uuids;
+      bool any = false;
       try {
         for (int d = 0; d < deviceCount(); ++d) {
-          if (supportsFdExport(d)) {
-            uuids += (uuids.empty() ? "" : ",") + deviceUuid(d);
-          }
+          bool exports = supportsFdExport(d);
+          any = any || exports;
+          uuids += (d == 0 ? "" : ",") + (exports ? deviceUuid(d) : "-");
         }
       } catch (const std::exception& e) {
         unviable_ = e.what();
         return;
       }
-      if (uuids.empty()) {
+      if (!any) {
         unviable_ =
             "no CUDA device here can export memory as a file descriptor";
         return;
