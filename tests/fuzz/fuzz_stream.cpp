@@ -5,8 +5,9 @@
 // the channels of csrc/channel/shm/): frame headers and segment lengths and
 // the channel ids in them, every control frame (ping, pong, ring setup and
 // drop, slab setup, release and drop), and message frames whose segments
-// travel in the stream, in chunks through the peer's ring (shm_ring), or in
-// the peer's slabs (shm_slab).
+// travel in the stream, in chunks through the peer's ring (shm_ring), in
+// the peer's slabs (shm_slab), or staged (cuda_staged: bytes in the stream
+// that the channel would land on a device; with no driver here, refused).
 //
 // Input: one setup byte, then the bytes the peer sends, fed to a fresh
 // connection in pieces of up to 257 bytes at a time (so every phase of the
@@ -63,6 +64,12 @@ class Observer final : public ConnectionObserver {
       owned->emplace_back(byPeer ? 0 : sizes[i]);
       b.segments.push_back(byPeer ? nullptr : owned->back().data());
     }
+    // Odd segments go to cuda:0 (a staged one then needs the driver, which
+    // the fuzzer has not: its landing is refused), even ones stay on the
+    // host (a staged one is refused before any driver call).
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      b.devices.push_back(i % 2 == 1 ? 0 : -1);
+    }
     announced_ = sizes;
     b.keepAlive = owned;
     return b;
@@ -110,8 +117,9 @@ struct Harness {
     options.secret = std::string(32, 's');
     options.limits.maxFrameBytes = 1 << 20;
     options.heartbeatTimeout = std::chrono::milliseconds(0);
-    // Both shm channels, as negotiated between two workers of one host.
-    for (const char* name : {"shm_slab", "shm_ring"}) {
+    // Both shm channels, as negotiated between two workers of one host, and
+    // cuda_staged (its segments' bytes follow in the stream).
+    for (const char* name : {"shm_slab", "shm_ring", "cuda_staged"}) {
       auto c = channel::createChannel(name);
       channels.push_back(channel::Offer{c, c->domainDescriptor()});
     }

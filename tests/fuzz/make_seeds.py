@@ -294,8 +294,9 @@ def slab_seeds():
 # bits 2-7: the piece size the input is fed in), then the peer's frames.
 
 STREAM_RING, STREAM_SLAB = 1, 2
-# The top byte of a segment length names its channel: shm_slab 1, shm_ring 2.
-REGION_BIT, CHUNKED_BIT = 1 << 56, 2 << 56
+# The top byte of a segment length names its channel: shm_slab 1, shm_ring 2,
+# cuda_staged 4 (its bytes follow in the stream).
+REGION_BIT, CHUNKED_BIT, STAGED_BIT = 1 << 56, 2 << 56, 4 << 56
 
 
 def message(segments, head=b"h" * 16, flags=0, lengths=None):
@@ -334,6 +335,12 @@ def stream_seeds():
                                          lengths=[4096 | REGION_BIT]))
     write("stream", "ring-and-slab",
           bytes([STREAM_RING | STREAM_SLAB]) + chunked + region + ping)
+    # Staged: segment 1 lands on cuda:0 (no driver in the harness: refused),
+    # segment 0 in host memory (refused before any driver call).
+    write("stream", "staged-device",
+          bytes([0]) + message([b"p" * 8, b"d" * 5000], lengths=[8, 5000 | STAGED_BIT]))
+    write("stream", "staged-host",
+          bytes([0]) + message([b"d" * 300], lengths=[300 | STAGED_BIT]) + ping)
     write("stream", "unknown-channel",
           bytes([STREAM_RING | STREAM_SLAB]) + message([u64(0) + u64(0)], lengths=[4096 | (7 << 56)]))
 

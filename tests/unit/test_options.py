@@ -120,9 +120,21 @@ def test_transports_default_comes_from_the_environment(monkeypatch):
 def test_channels_default_to_the_registry_and_may_be_narrowed():
     assert RpcExtBackendOptions().channels == tuple(_C.channel_names("cpu"))
     assert _C.channel_names("cpu") == ["shm_slab", "shm_ring"]
-    assert _C.channel_names() == ["shm_slab", "shm_ring", "cuda_ipc"]
+    assert _C.channel_names() == ["shm_slab", "shm_ring", "cuda_ipc", "cuda_staged"]
     assert RpcExtBackendOptions(channels="shm_ring").channels == ("shm_ring",)
     assert RpcExtBackendOptions(channels=()).channels == ()
+
+
+def test_device_channels_default_to_every_cuda_channel_and_may_force_staging():
+    assert RpcExtBackendOptions().device_channels == ("cuda_ipc", "cuda_staged")
+    opts = RpcExtBackendOptions(device_channels="cuda_staged")
+    assert opts.device_channels == ("cuda_staged",)
+    assert "device_channels=('cuda_staged',)" in repr(opts)
+    for bad in ((), ("shm_slab",), ("cuda_nvlink",)):
+        with pytest.raises(ValueError, match="device_channels must name one or more of"):
+            RpcExtBackendOptions(device_channels=bad)
+    with pytest.raises(ValueError, match="lists a channel twice"):
+        RpcExtBackendOptions(device_channels=("cuda_ipc", "cuda_ipc"))
 
 
 # ---- one source of truth: the core, the Python signature, the README ------
