@@ -200,6 +200,11 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     TORCH_CHECK(
         false, "unknown destination worker ", to.name_, " (id ", to.id_, ")");
   }
+  if (hasStaleRRefs_.load(std::memory_order_acquire)) {
+    if (auto refused = refuseStaleRRefUse(to, *message)) {
+      return refused;
+    }
+  }
   if (faults_) {
     if (auto error = faults_->failure(*message)) {
       auto failed =

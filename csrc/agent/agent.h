@@ -316,7 +316,17 @@ class Agent final : public rpc::RpcAgent,
   std::unordered_map<rpc::ForkId, rpc::worker_id_t, rpc::ForkId::Hash>
       forkHolders_;
   void trackForks(const rpc::Message& request, int32_t from);
+  // Requests naming an RRef a departed member owned (a fetch, fork or
+  // deletion, sent to a later holder of its id): a completed future (an
+  // error; a deletion succeeds), or null for any other message.
+  c10::intrusive_ptr<JitFuture> refuseStaleRRefUse(
+      const rpc::WorkerInfo& to,
+      const rpc::Message& message);
+  std::mutex staleRRefsMutex_;
+  std::unordered_map<rpc::RRefId, std::string, rpc::RRefId::Hash> staleRRefs_;
+  std::atomic<bool> hasStaleRRefs_{false};
   std::atomic<uint64_t> droppedForks_{0};
+  std::atomic<uint64_t> droppedAutogradContexts_{0};
   bool eventsClosed_ = false;
   // Accepted connections by peer id (outbound_ holds ours), so a departing
   // peer's connections are closed as it departs.

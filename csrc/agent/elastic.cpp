@@ -5,6 +5,7 @@
 // leaving.
 #include <algorithm>
 #include <cstring>
+#include <sstream>
 
 #include <c10/util/StringUtil.h>
 
@@ -333,11 +334,29 @@ void Agent::releaseForksOf(const Peer& peer) {
           });
         });
     droppedForks_.fetch_add(n, std::memory_order_relaxed);
+    // The distributed autograd contexts it created here (its forward
+    // passes' RPCs to us): it will never release them. Autograd context ids
+    // carry their creator's worker id in the top 16 bits.
+    size_t contexts = torch_private::dropAutogradContexts([&](int64_t id) {
+      return (id >> 48) == static_cast<int64_t>(departed);
+    });
+    droppedAutogradContexts_.fetch_add(contexts, std::memory_order_relaxed);
+    // The RRefs we use that it owned: their values are gone with it. A
+    // later holder of its id must never be asked for them (it would wait
+    // for a value that cannot come); send() refuses such requests.
+    auto owned = torch_private::userRRefsOwnedBy(departed);
+    if (!owned.empty()) {
+      std::string why = peer.departure();
+      std::lock_guard<std::mutex> lock(staleRRefsMutex_);
+      for (const auto& id : owned) {
+        staleRRefs_[id] = why;
+      }
+      hasStaleRRefs_.store(true, std::memory_order_release);
+    }
   } catch (const std::exception& e) {
     logWarning(
         "torch_rpc_ext: " + workerInfo_.name_ +
-        " could not release the RRef "
-        "forks of " +
+        " could not release the RRef forks and autograd contexts of " +
         peer.info.name_ + ": " + e.what());
   }
 }
@@ -476,6 +495,59 @@ void Agent::stopMembership() {
     }
   }
   stopWatcher();
+}
+
+c10::intrusive_ptr<JitFuture> Agent::refuseStaleRRefUse(
+    const rpc::WorkerInfo& to,
+    const rpc::Message& message) {
+  std::optional<rpc::RRefId> id;
+  bool deletion = false;
+  try {
+    switch (message.type()) {
+      case rpc::MessageType::SCRIPT_RREF_FETCH_CALL:
+        id.emplace(rpc::ScriptRRefFetchCall::fromMessage(message)->rrefId());
+        break;
+      case rpc::MessageType::PYTHON_RREF_FETCH_CALL:
+        id.emplace(rpc::PythonRRefFetchCall::fromMessage(message)->rrefId());
+        break;
+      case rpc::MessageType::RREF_FORK_REQUEST:
+        id.emplace(rpc::RRefForkRequest::fromMessage(message)->rrefId());
+        break;
+      case rpc::MessageType::RREF_USER_DELETE:
+        id.emplace(rpc::RRefUserDelete::fromMessage(message)->rrefId());
+        deletion = true;
+        break;
+      default:
+        return nullptr;
+    }
+  } catch (const std::exception&) {
+    return nullptr; // not ours to judge: the callee refuses it
+  }
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(staleRRefsMutex_);
+    auto it = staleRRefs_.find(*id);
+    if (it == staleRRefs_.end()) {
+      return nullptr;
+    }
+    why = it->second;
+    if (deletion) {
+      staleRRefs_.erase(it); // its last use
+    }
+  }
+  auto done =
+      c10::make_intrusive<JitFuture>(at::AnyClassType::get(), getDevices());
+  if (deletion) {
+    // Nothing to delete: the owner and its value are gone.
+    done->markCompleted(c10::IValue(rpc::RRefAck().toMessage()));
+    return done;
+  }
+  std::ostringstream text;
+  text << "RRef " << *id << " was owned by a previous holder of " << to.name_
+       << ", and its value is gone with it (" << why << "); the current "
+       << to.name_ << " does not have it";
+  done->setError(std::make_exception_ptr(std::runtime_error(text.str())));
+  return done;
 }
 
 void Agent::trackForks(const rpc::Message& request, int32_t from) {

@@ -89,6 +89,8 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
     m["rpc_ext.membership.size"] = std::to_string(v->byName.size());
     m["rpc_ext.membership.dropped_forks"] =
         std::to_string(droppedForks_.load());
+    m["rpc_ext.membership.dropped_autograd_contexts"] =
+        std::to_string(droppedAutogradContexts_.load());
   }
   return m;
 }

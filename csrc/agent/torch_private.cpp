@@ -62,6 +62,34 @@ template struct Reach<
     NextMessageId,
     &DistAutogradContainer::next_autograd_message_id_>;
 
+// The container's shards of contexts: their type is private too, so this
+// one is reached through a deduced type rather than named.
+template <typename Tag, auto Member>
+struct ReachDeduced {
+  friend auto reachDeduced(Tag) {
+    return Member;
+  }
+};
+
+struct Contexts {
+  friend auto reachDeduced(Contexts);
+};
+template struct ReachDeduced<
+    Contexts,
+    &DistAutogradContainer::autograd_contexts_>;
+
+struct PendingUsers {
+  friend auto reachDeduced(PendingUsers);
+};
+template struct ReachDeduced<PendingUsers, &rpc::RRefContext::pendingUsers_>;
+
+struct ConfirmedUsers {
+  friend auto reachDeduced(ConfirmedUsers);
+};
+template struct ReachDeduced<
+    ConfirmedUsers,
+    &rpc::RRefContext::confirmedUsers_>;
+
 // Ids below 2^36 per generation: 68 billion RRefs, forks and autograd
 // contexts per process lifetime, 4096 generations in torch's 48 bits.
 constexpr int kGenerationShift = 36;
@@ -121,6 +149,55 @@ size_t dropForks(
     }
   }
   return held.size();
+}
+
+} // namespace torch_rpc_ext::torch_private
+
+namespace torch_rpc_ext::torch_private {
+
+size_t dropAutogradContexts(const std::function<bool(int64_t)>& drop) {
+  auto& container = DistAutogradContainer::getInstance();
+  auto& shards = container.*reachDeduced(Contexts{});
+  size_t n = 0;
+  for (auto& shard : shards) {
+    // Destroyed outside the shard's lock: a context's destructor may take
+    // locks of its own.
+    std::vector<torch::distributed::autograd::ContextPtr> dropped;
+    {
+      std::lock_guard<std::mutex> lock(shard.lock);
+      for (auto it = shard.contexts.begin(); it != shard.contexts.end();) {
+        if (drop(it->first)) {
+          dropped.push_back(std::move(it->second));
+          it = shard.contexts.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    n += dropped.size();
+  }
+  return n;
+}
+
+} // namespace torch_rpc_ext::torch_private
+
+namespace torch_rpc_ext::torch_private {
+
+std::vector<rpc::RRefId> userRRefsOwnedBy(rpc::worker_id_t owner) {
+  auto& ctx = rpc::RRefContext::getInstance();
+  std::vector<rpc::RRefId> ids;
+  std::lock_guard<std::mutex> lock(ctx.*reach(ContextMutex{}));
+  for (const auto& [forkId, state] : ctx.*reachDeduced(PendingUsers{})) {
+    if (state && state->rref_ && state->rref_->owner() == owner) {
+      ids.push_back(state->rref_->rrefId());
+    }
+  }
+  for (const auto& [forkId, weak] : ctx.*reachDeduced(ConfirmedUsers{})) {
+    if (auto rref = weak.lock(); rref && rref->owner() == owner) {
+      ids.push_back(rref->rrefId());
+    }
+  }
+  return ids;
 }
 
 } // namespace torch_rpc_ext::torch_private

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include <torch/csrc/distributed/rpc/rref_impl.h>
 #include <torch/csrc/distributed/rpc/types.h>
@@ -40,5 +41,15 @@ size_t dropForks(
         const torch::distributed::rpc::ForkId&)>& heldBy,
     const std::function<void(
         c10::intrusive_ptr<torch::distributed::rpc::RRef>)>& releasePython);
+
+// The ids of the RRefs this process uses (UserRRefs, confirmed or not)
+// that `owner` owns.
+std::vector<torch::distributed::rpc::RRefId> userRRefsOwnedBy(
+    torch::distributed::rpc::worker_id_t owner);
+
+// Forget the distributed autograd contexts whose id `drop` picks, as
+// releasing them would, but without telling other workers (each releases
+// its own). Returns how many were dropped.
+size_t dropAutogradContexts(const std::function<bool(int64_t)>& drop);
 
 } // namespace torch_rpc_ext::torch_private

@@ -189,7 +189,8 @@ class Channel {
   }
   // kStaged, any thread, no lock held: start copying `segment` out of its
   // device, returning the host memory the stream will write it from, or
-  // nullptr to decline.
+  // nullptr to decline; throws, naming why, when it cannot carry the
+  // segment now (over its memory limit, a failing driver call).
   virtual std::shared_ptr<StagedOut> stageOut(
       const frame::OutboundFrame::Segment& segment) {
     return nullptr;

@@ -164,6 +164,12 @@ def _owner_counts():
     return int(info["num_owner_rrefs"]), int(info["num_forks"])
 
 
+def _autograd_contexts():
+    import torch.distributed.autograd as dist_autograd
+
+    return int(dist_autograd._get_debug_info()["num_autograd_contexts"])
+
+
 def _kill_and_replace(rank, world_size, store_path, gates):
     out = {}
     if rank == 0:
@@ -177,6 +183,7 @@ def _kill_and_replace(rank, world_size, store_path, gates):
         gates["1"].wait(30)
         wait_for(lambda: "worker1" in members(), what="worker1")
         out["owning_for_1"] = _owner_counts()
+        out["contexts_for_1"] = _autograd_contexts()
         rref = rpc.remote("worker1", _owned_value, (3,))
         assert rref.to_here().item() == 3
         pending = rpc.rpc_async("worker1", time.sleep, (30,))
@@ -191,8 +198,10 @@ def _kill_and_replace(rank, world_size, store_path, gates):
         out["declared_s"] = time.monotonic() - t0
         # What the dead worker held of ours is released.
         wait_for(lambda: _owner_counts() == baseline, what="worker1's forks dropped")
+        wait_for(lambda: _autograd_contexts() == 0, what="worker1's autograd context dropped")
         metrics = rpc.api._get_current_rpc_agent().get_metrics()
         out["dropped"] = int(metrics["rpc_ext.membership.dropped_forks"])
+        out["dropped_contexts"] = int(metrics["rpc_ext.membership.dropped_autograd_contexts"])
         out["dead"] = list(dead)
         try:
             rpc.rpc_sync("worker1", add, (1, 1))
@@ -206,6 +215,14 @@ def _kill_and_replace(rank, world_size, store_path, gates):
         gates["replaced"].wait(60)
         out["replacement"] = rpc.rpc_sync("worker1", add, (100, 1))
         out["replacement_pid_differs"] = rpc.rpc_sync("worker1", getpid) != pid
+        # The dead worker's RRef, asked of the new worker1: refused at once
+        # (upstream's owner would wait for a value that never comes).
+        t0 = time.monotonic()
+        try:
+            rref.to_here()
+        except RuntimeError as e:
+            out["stale"] = (str(e), time.monotonic() - t0)
+        del rref  # its deletion is not sent to the new worker1 either
         gates["done"].set()
         rpc.shutdown()
     elif rank == 1:
@@ -214,6 +231,14 @@ def _kill_and_replace(rank, world_size, store_path, gates):
         # An RRef owned by worker0, held until this process is killed.
         _kept.append(rpc.remote("worker0", _owned_value, (3,)))
         assert _kept[0].to_here().item() == 3
+        # A forward pass into worker0 under a context this process never
+        # releases: worker0 holds the context until it learns of the death.
+        import torch.distributed.autograd as dist_autograd
+
+        context = dist_autograd.context()
+        context.__enter__()
+        _kept.append(context)
+        rpc.rpc_sync("worker0", torch.add, (torch.ones(2, requires_grad=True), 1))
         gates["ids1"].put(_rref_ids(_kept[0]))
         gates["1"].set()
         time.sleep(120)  # killed by worker0
@@ -241,6 +266,8 @@ def test_killed_member_is_declared_dead_and_replaced(store_path):
     out = res[0]
     assert out["owning_for_1"] == (1, 1)  # worker1's RRef, one fork
     assert out["dropped"] == 1
+    # Its autograd context on worker0, released when it was declared dead.
+    assert out["contexts_for_1"] == 1 and out["dropped_contexts"] == 1
     assert res[2]["fresh"] == 101
     old_ids = gates["ids1"].get(timeout=5)
     assert "created_on=1" in old_ids and res[2]["fresh_ids"] != old_ids
@@ -252,6 +279,9 @@ def test_killed_member_is_declared_dead_and_replaced(store_path):
     assert "worker1 was declared dead" in out["new_call"]
     assert "worker1" in out["rref"]
     assert out["replacement"] == 101 and out["replacement_pid_differs"]
+    stale, seconds = out["stale"]
+    assert "previous holder of worker1" in stale and "declared dead" in stale
+    assert seconds < 5, seconds
 
 
 # ---- a failed join leaves nothing held; rank 0 may leave ----------------

@@ -38,8 +38,12 @@ class StagedBytes final : public StagedOut {
   uint64_t readyBytes() const override {
     return ready_.load(std::memory_order_acquire);
   }
-  void setReady(uint64_t bytes) {
-    ready_.store(bytes, std::memory_order_release);
+  void raiseReady(uint64_t bytes) {
+    uint64_t cur = ready_.load(std::memory_order_relaxed);
+    while (
+        cur < bytes &&
+        !ready_.compare_exchange_weak(cur, bytes, std::memory_order_release)) {
+    }
   }
   char* buffer() {
     return buffer_.data;
@@ -51,9 +55,12 @@ class StagedBytes final : public StagedOut {
   std::atomic<uint64_t> ready_{0};
 };
 
-// The one thread that waits for the copies out of devices, in the order
-// they were queued (a stream completes its work in order), and lets each
-// connection write what became ready. Leaked with the process.
+// The one thread that watches the copies out of devices and lets each
+// connection write what became ready. It polls their events (cuEventQuery:
+// a stream stuck behind the caller's work holds back only its own chunks,
+// and no thread spins inside the driver), sleeping longer while nothing
+// completes, and trims the staging pools now and then (freeing memory may
+// wait for the device: never on a transport loop). Leaked with the process.
 class StagingThread {
  public:
   struct Item {
@@ -84,48 +91,92 @@ class StagingThread {
 
   void run() {
     pthread_setname_np(pthread_self(), "rpcext-staging");
+    using std::chrono::microseconds;
+    std::vector<Item> pending;
+    auto pause = microseconds(20);
+    auto lastTrim = std::chrono::steady_clock::now();
     while (true) {
-      Item item;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return !queue_.empty(); });
-        item = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      std::string error;
-      try {
-        CurrentDevice current(item.device);
-        checkCuda(
-            "cuEventSynchronize",
-            libcuda().cuEventSynchronize(item.copied.get()));
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
-      auto host = item.host.lock();
-      if (error.empty()) {
-        item.staged->setReady(item.readyAfter);
-      }
-      item.copied.reset();
-      item.staged.reset();
-      if (!host) {
-        continue;
-      }
-      std::weak_ptr<Host> weak = host;
-      host->post([weak, error, device = item.device] {
-        auto h = weak.lock();
-        if (!h) {
-          return;
+        if (pending.empty() && queue_.empty()) {
+          // Idle: wake for new work, or to trim the pools.
+          cv_.wait_for(lock, std::chrono::milliseconds(kStagedIdleMs / 5));
+        } else if (queue_.empty()) {
+          cv_.wait_for(lock, pause);
         }
-        if (error.empty()) {
-          h->resumeWritesFromLoop();
-        } else {
-          // Its bytes will never be ready: the frame cannot be written.
-          h->rejectFromLoop(
-              "cuda_staged: copying a segment out of cuda:" +
-              std::to_string(device) + " failed: " + error);
+        for (auto& item : queue_) {
+          pending.push_back(std::move(item));
         }
-      });
+        queue_.clear();
+      }
+      bool progressed = false;
+      for (size_t i = 0; i < pending.size();) {
+        if (!poll(pending[i])) {
+          ++i;
+          continue;
+        }
+        progressed = true;
+        pending[i] = std::move(pending.back());
+        pending.pop_back();
+      }
+      pause = progressed ? microseconds(20)
+                         : std::min(pause * 2, microseconds(1000));
+      auto now = std::chrono::steady_clock::now();
+      if (now - lastTrim > std::chrono::milliseconds(kStagedIdleMs / 5)) {
+        lastTrim = now;
+        try {
+          StagingPool::trimAll();
+        } catch (const std::exception& e) {
+          logWarning(
+              std::string(
+                  "torch_rpc_ext: cuda_staged could not free idle "
+                  "memory: ") +
+              e.what());
+        }
+      }
     }
+  }
+
+  // Whether `item` is done with (its copy completed, or failed).
+  static bool poll(Item& item) {
+    std::string error;
+    try {
+      CurrentDevice current(item.device);
+      CUresult rc = libcuda().cuEventQuery(item.copied.get());
+      if (rc == CUDA_ERROR_NOT_READY) {
+        return false;
+      }
+      checkCuda("cuEventQuery", rc);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    if (error.empty()) {
+      // Chunks of one segment complete in order on its stream, but may be
+      // seen out of order here: the mark only moves forward.
+      item.staged->raiseReady(item.readyAfter);
+    }
+    item.copied.reset();
+    item.staged.reset();
+    auto host = item.host.lock();
+    if (!host) {
+      return true;
+    }
+    std::weak_ptr<Host> weak = host;
+    host->post([weak, error, device = item.device] {
+      auto h = weak.lock();
+      if (!h) {
+        return;
+      }
+      if (error.empty()) {
+        h->resumeWritesFromLoop();
+      } else {
+        // Its bytes will never be ready: the frame cannot be written.
+        h->rejectFromLoop(
+            "cuda_staged: copying a segment out of cuda:" +
+            std::to_string(device) + " failed: " + error);
+      }
+    });
+    return true;
   }
 
   std::mutex mu_;
@@ -210,7 +261,7 @@ struct StagedChannel::Landing {
   uint64_t copied = 0; // bytes queued for the device
   StagingPool::HostBuffer host;
   std::shared_ptr<StagingPool::Block> block;
-  CUstream stream;
+  CUstream stream = nullptr;
 };
 
 StagedChannel::StagedChannel(
@@ -244,15 +295,23 @@ std::shared_ptr<StagedOut> StagedChannel::stageOut(
   const auto src = reinterpret_cast<CUdeviceptr>(segment.data);
   // Chunk by chunk on the stream the bytes are ready on: the stream writes
   // the first chunk while the next ones are still copying.
-  for (uint64_t at = 0; at < segment.size; at += kStagedChunkBytes) {
-    uint64_t n = std::min<uint64_t>(kStagedChunkBytes, segment.size - at);
-    TORCH_RPC_EXT_CUDA_CHECK(
-        cuMemcpyDtoHAsync, staged->buffer() + at, src + at, n, stream);
-    auto copied = pool.takeEvent();
-    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, copied.get(), stream);
-    StagingThread::get().add(
-        {segment.deviceIndex, std::move(copied), staged, at + n, host_});
-    counters_.chunks++;
+  try {
+    for (uint64_t at = 0; at < segment.size; at += kStagedChunkBytes) {
+      uint64_t n = std::min<uint64_t>(kStagedChunkBytes, segment.size - at);
+      TORCH_RPC_EXT_CUDA_CHECK(
+          cuMemcpyDtoHAsync, staged->buffer() + at, src + at, n, stream);
+      auto copied = pool.takeEvent();
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, copied.get(), stream);
+      StagingThread::get().add(
+          {segment.deviceIndex, std::move(copied), staged, at + n, host_});
+      counters_.chunks++;
+    }
+  } catch (...) {
+    // A copy queued without an event to follow may still write into the
+    // buffer: it must not go back to the pool before that copy is done (a
+    // host wait, on this failing path only).
+    libcuda().cuStreamSynchronize(stream);
+    throw;
   }
   counters_.sent++;
   counters_.sentBytes += segment.size;
@@ -364,7 +423,8 @@ void StagedChannel::abandonLanding() {
   }
   auto l = std::move(landing_);
   try {
-    if (l->copied > 0 || (l->block && l->block->used)) {
+    if (l->stream != nullptr &&
+        (l->copied > 0 || (l->block && l->block->used))) {
       // Copies may still read the host buffer and write the block.
       CurrentDevice current(l->pool->device());
       auto done = l->pool->takeEvent();
@@ -388,12 +448,6 @@ void StagedChannel::abandonLanding() {
             "not release: ") +
         e.what());
   }
-}
-
-void StagedChannel::onTickFromLoop() {
-  // Housekeeping for the pools this process uses: the heartbeat ticks every
-  // connection, so an idle pool is trimmed while any connection lives.
-  StagingPool::trimAll();
 }
 
 void StagedChannel::onClosedFromLoop() {

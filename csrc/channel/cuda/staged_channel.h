@@ -19,8 +19,10 @@ namespace torch_rpc_ext::channel::cuda {
 // in chunks of kStagedChunkBytes, on the stream its bytes are ready on (so
 // after whatever the caller queued there). The stream writes each chunk as
 // soon as its copy has completed, while the next ones are still copying: a
-// staging thread waits for each chunk's event (never the caller's thread,
-// never the connection's loop) and lets the connection go on.
+// staging thread polls each chunk's event (never the caller's thread, never
+// the connection's loop) and lets the connection go on. A frame starts only
+// once each of its staged segments has its first chunk, so a stream busy
+// with the caller's work holds no pings behind a started frame.
 //
 // Receiver: the bytes land in pinned host memory as the stream reads them;
 // each whole chunk is copied onto the receiving device (the one the message
@@ -34,8 +36,10 @@ namespace torch_rpc_ext::channel::cuda {
 // Memory: pinned buffers and device blocks are pooled per device and
 // process, shared by every connection, and freed after kStagedIdleMs unused.
 // At most kMaxPinnedBytes of pinned memory per device are in use at once
-// (both directions); a segment past that is declined (sending: the error
-// names the limit) or refused (receiving: the connection closes naming it).
+// (both directions); a segment past that fails (sending: stageOut throws,
+// naming the limit) or is refused (receiving: the connection closes naming
+// it). A received segment takes its whole pinned buffer and device block at
+// its first byte, on the loop thread.
 
 constexpr uint64_t kStagedChunkBytes = uint64_t(4) << 20;
 constexpr uint64_t kMaxPinnedBytes = uint64_t(8) << 30;
@@ -66,7 +70,6 @@ class StagedChannel final : public Channel {
       InboundSegment& segment) override;
   char* landFromLoop(InboundSegment& segment) override;
   bool landedFromLoop(InboundSegment& segment, uint64_t filled) override;
-  void onTickFromLoop() override;
   void onClosedFromLoop() override;
 
  private:

@@ -61,7 +61,8 @@ StagingPool::HostBuffer StagingPool::takeHost(
     reapRetiredLocked();
     // The smallest free buffer that fits, if it is not over twice the need.
     auto it = freeHost_.lower_bound(bytes);
-    if (it != freeHost_.end() && it->first <= 2 * capacity) {
+    if (it != freeHost_.end() && it->first <= 2 * capacity &&
+        pinnedInUse_ + it->first <= kMaxPinnedBytes) {
       HostBuffer b = it->second.first;
       freeHost_.erase(it);
       pinnedInUse_ += b.capacity;

@@ -266,6 +266,8 @@ class StreamConnection : public Connection,
   // allow.
   enum class ChunkFlush { kDone, kSocketFull, kChannelFull };
   ChunkFlush flushChunkedFrameLocked(PendingWrite& w, std::string* error);
+  // Whether `w` may start: each of its staged segments has bytes ready.
+  static bool stagedStartable(const PendingWrite& w);
   // send(2) what the socket takes now: bytes sent, 0 if it would block,
   // -1 with `error` set.
   ssize_t sendSome(const char* data, size_t size, std::string* error);

@@ -254,8 +254,9 @@ char* StreamConnection::inlineTargetFromLoop() {
     return static_cast<char*>(inbound_.segments[segmentIndex_]) +
         segmentFilled_;
   }
-  // A staging channel's segment: it says where the bytes land, once.
-  if (segmentFilled_ == 0) {
+  // A staging channel's segment: it says where the bytes land, once (a read
+  // that found nothing at the segment's start comes back here).
+  if (landing_ == nullptr) {
     channel::InboundSegment segment = inboundSegment();
     landing_ = channels_[slot - 1]->landFromLoop(segment);
     if (landing_ == nullptr) {

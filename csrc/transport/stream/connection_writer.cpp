@@ -359,8 +359,15 @@ std::string StreamConnection::flushLocked() {
         skip = 0;
         ++n;
       };
-      add(w.prefix.data(), w.prefix.size());
       bool held = false;
+      if (w.written == 0 && !stagedStartable(w)) {
+        // Not started until each staged segment has its first chunk: a
+        // started frame holds pings and every later frame behind it, and
+        // the copies out may wait on the caller's work for long.
+        stagingBlocked_ = n == 0;
+        break;
+      }
+      add(w.prefix.data(), w.prefix.size());
       for (size_t j = 0; j < w.frame.segments.size() && !held; ++j) {
         const auto& s = w.frame.segments[j];
         size_t len = s.size;
@@ -446,6 +453,9 @@ StreamConnection::ChunkFlush StreamConnection::flushChunkedFrameLocked(
     PendingWrite& w,
     std::string* error) {
   const auto& segments = w.frame.segments;
+  if (!w.started() && !stagedStartable(w)) {
+    return ChunkFlush::kChannelFull; // as in flushLocked()
+  }
   while (true) {
     // Records first: the consumer can only take chunks it has heard of.
     if (w.recordsWritten < w.records.size()) {
@@ -506,6 +516,15 @@ StreamConnection::ChunkFlush StreamConnection::flushChunkedFrameLocked(
     }
     w.pieceOffset += static_cast<size_t>(got);
   }
+}
+
+bool StreamConnection::stagedStartable(const PendingWrite& w) {
+  for (size_t j = 0; j < w.staged.size(); ++j) {
+    if (w.staged[j] && w.staged[j]->readyBytes() == 0) {
+      return false;
+    }
+  }
+  return true;
 }
 
 ssize_t StreamConnection::sendSome(
