@@ -167,6 +167,13 @@ class Channel {
       std::vector<ControlFrame>* before) {
     return false;
   }
+  // kRegion, any thread, no lock held: the record takeRegion() filled for
+  // `segment` will not be sent (a later segment of its frame could not
+  // travel): give back what it took. The frames it put in `before` are still
+  // sent, so the peer knows of any region it made.
+  virtual void abandonRegion(
+      const frame::OutboundFrame::Segment& segment,
+      const frame::SegmentRecord& record) {}
   // kChunks, any thread, no lock held: whether to carry `segment` in chunks.
   virtual bool takeChunks(const frame::OutboundFrame::Segment& segment) {
     return false;

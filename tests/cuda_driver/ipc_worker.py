@@ -184,5 +184,45 @@ def unreached_receiver(conn, ctl):
     end.close()
 
 
+# ---- abandoned: a frame whose later segment no channel takes --------------
+#
+# The sender sees two devices, the receiver only the first: a frame with a
+# segment on each is refused at send(), and the block its first segment took
+# (a new one, set up meanwhile) goes back to the pool rather than staying
+# lent: the next frame reuses it.
+
+
+def abandoned_sender(conn, ctl):
+    os.environ["FAKE_CUDA_DEVICES"] = "2"
+    end = End("sender", conn)
+    n = 3 << 20
+    p = end.alloc(pattern(n, 4))
+    other = end.cu.mem_alloc(1, 4096)
+    other_stream = end.cu.stream_create(1)
+    try:
+        end.ep.send(b"x", [(p, n, CUDA, DEVICE, end.stream),
+                           (other, 4096, CUDA, 1, other_stream)], [])
+        error = ""
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        error = str(e)
+    end.send_device(b"y", p, n)
+    head, _ = end.receive()
+    ctl.send((error, head, end.counters()))
+    end.cu.stream_synchronize(1, other_stream)
+    end.cu.mem_free(1, other)
+    end.close()
+
+
+def abandoned_receiver(conn, ctl):
+    os.environ["FAKE_CUDA_DEVICES"] = "1"
+    end = End("receiver", conn)
+    head, (region,) = end.receive()
+    seen = (head, end.read_region(region) == pattern(3 << 20, 4))
+    region.release()
+    end.ep.send(b"ok", [])
+    ctl.send((seen, end.counters()))
+    end.close()
+
+
 if __name__ == "__main__":  # pragma: no cover - used by spawn only
     os._exit(1)

@@ -77,3 +77,13 @@ def test_a_cuda_segment_to_a_peer_without_cuda_ipc_is_refused_before_sending(spa
     assert "no channel of" in error and "device type 1" in error
     assert counters["segments"] == 0
     assert (head, segments) == (b"after", [])  # nothing of it reached the peer
+
+
+def test_blocks_of_a_frame_refused_at_send_go_back_to_the_pool(spawn):
+    (error, head, sender), (seen, receiver) = play(spawn, "abandoned")
+    assert "declined a segment of 4096 bytes" in error
+    assert head == b"ok" and seen == (b"y", True)
+    # One block made: the refused frame's, reused by the next one (whose
+    # record names a block the peer heard of, or it would close).
+    assert sender["blocks_created"] == 1 and receiver["blocks_imported"] == 1
+    assert sender["segments"] == 1 and sender["declined"] == 1

@@ -123,6 +123,11 @@ class BlockLease final : public DeviceRegion {
   bool handOn() {
     return !handedOn_.exchange(true);
   }
+  // That frame was not sent after all: the lease gives the block back
+  // itself (the records the hand-back made only order more work).
+  void keep() {
+    handedOn_.store(false);
+  }
 
  private:
   void joinUsesLocked(CUstream into) {
@@ -328,6 +333,54 @@ bool IpcChannel::takeRegion(
   counters_.copiedBytes.fetch_add(segment.size, std::memory_order_relaxed);
   std::memcpy(out, &r, sizeof(r));
   return true;
+}
+
+void IpcChannel::abandonRegion(
+    const frame::OutboundFrame::Segment& segment,
+    const SegmentRecord& record) {
+  BlockRecord r;
+  std::memcpy(&r, &record, sizeof(r));
+  counters_.segments.fetch_sub(1, std::memory_order_relaxed);
+  if (r.kind == BlockRecord::kReturned) {
+    if (auto* lease = dynamic_cast<BlockLease*>(segment.origin.get())) {
+      lease->keep();
+    }
+    counters_.handedBack.fetch_sub(1, std::memory_order_relaxed);
+    return;
+  }
+  std::shared_ptr<Block> block;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ownBlocks_.find(r.id);
+    if (it == ownBlocks_.end() || it->second.state != OwnBlock::State::kLent) {
+      return;
+    }
+    block = it->second.block;
+  }
+  try {
+    // The next copy into the block waits on `released`: recorded here, after
+    // the copy that will not be sent, it orders that copy too.
+    CurrentDevice current(block->device());
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuEventRecord,
+        block->released(),
+        reinterpret_cast<CUstream>(segment.stream));
+  } catch (const std::exception& e) {
+    logWarning(
+        std::string(
+            "torch_rpc_ext: cuda_ipc keeps lent a block it could not "
+            "take back: ") +
+        e.what());
+    return;
+  }
+  counters_.copiedBytes.fetch_sub(segment.size, std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ownBlocks_.find(r.id);
+  if (it != ownBlocks_.end() && it->second.state == OwnBlock::State::kLent) {
+    it->second.state = OwnBlock::State::kFree;
+    it->second.lastUsed = std::chrono::steady_clock::now();
+    lentBytes_ -= it->second.block->size();
+  }
 }
 
 void IpcChannel::releasePeerBlock(uint32_t id) {

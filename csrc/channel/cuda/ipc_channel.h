@@ -97,6 +97,9 @@ class IpcChannel final : public Channel,
       const frame::OutboundFrame::Segment& segment,
       frame::SegmentRecord* record,
       std::vector<ControlFrame>* before) override;
+  void abandonRegion(
+      const frame::OutboundFrame::Segment& segment,
+      const frame::SegmentRecord& record) override;
 
   int64_t onRecordFromLoop(
       const frame::SegmentRecord& record,

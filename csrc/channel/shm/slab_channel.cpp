@@ -75,6 +75,10 @@ class SlabLease final : public frame::SharedRegion {
   bool handOn() {
     return !handedOn_.exchange(true);
   }
+  // That frame was not sent after all: the lease gives the slab back itself.
+  void keep() {
+    handedOn_.store(false);
+  }
 
  private:
   std::weak_ptr<SlabChannel> conn_;
@@ -267,6 +271,30 @@ void SlabChannel::onTickFromLoop() {
   // to ride with, and our free slabs idle for kSlabIdleMs.
   flushReleases();
   trim();
+}
+
+void SlabChannel::abandonRegion(
+    const frame::OutboundFrame::Segment& segment,
+    const SegmentRecord& record) {
+  SlabRecord r;
+  std::memcpy(&r, &record, sizeof(r));
+  if (r.kind == SlabRecord::kReturned) {
+    if (auto* lease = dynamic_cast<SlabLease*>(segment.origin.get())) {
+      lease->keep();
+    }
+    counters_.handedBack.fetch_sub(1, std::memory_order_relaxed);
+  } else {
+    // Lent, but the peer never hears of it: ours again (the copy into it
+    // is done: it ran on the sender's thread).
+    std::lock_guard<std::mutex> lock(slabMutex_);
+    auto it = ownSlabs_.find(r.id);
+    if (it != ownSlabs_.end() && it->second.state == OwnSlab::State::kLent) {
+      it->second.state = OwnSlab::State::kFree;
+      it->second.lastUsed = std::chrono::steady_clock::now();
+      lentSlabBytes_ -= it->second.slab->capacity();
+    }
+  }
+  counters_.segments.fetch_sub(1, std::memory_order_relaxed);
 }
 
 void SlabChannel::freeOwnSlab(uint32_t id) {

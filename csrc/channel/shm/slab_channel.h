@@ -45,6 +45,9 @@ class SlabChannel final : public Channel,
       const frame::OutboundFrame::Segment& segment,
       frame::SegmentRecord* record,
       std::vector<ControlFrame>* before) override;
+  void abandonRegion(
+      const frame::OutboundFrame::Segment& segment,
+      const frame::SegmentRecord& record) override;
   void collectPendingLocked(std::vector<ControlFrame>* out) override;
 
   int64_t onRecordFromLoop(

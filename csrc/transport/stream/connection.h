@@ -248,6 +248,13 @@ class StreamConnection : public Connection,
       PendingWrite& w,
       std::vector<uint8_t>& slots,
       std::vector<channel::ControlFrame>& before);
+  // A frame whose planning failed: the region channels give back what they
+  // took for it, and the frames they queued in `before` are sent.
+  void abandonPlan(
+      const frame::OutboundFrame& frame,
+      const PendingWrite& w,
+      const std::vector<uint8_t>& slots,
+      std::vector<channel::ControlFrame> before);
   // Heartbeat tick: the channels' housekeeping.
   void tickChannelsFromLoop();
   // (Re-)arm the handshake timer; see handshakeTimeoutFromLoop().

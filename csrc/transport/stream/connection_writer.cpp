@@ -203,7 +203,12 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
   // with none.
   std::vector<uint8_t> slots;
   std::vector<channel::ControlFrame> before;
-  planSegments(frame, w, slots, before);
+  try {
+    planSegments(frame, w, slots, before);
+  } catch (...) {
+    abandonPlan(frame, w, slots, std::move(before));
+    throw;
+  }
   if (!w.staged.empty()) {
     // The frame holds its staged bytes too: they go back (outside
     // writeMutex_) when it is written or dropped.
@@ -276,6 +281,49 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
   }
   afterFlush(error);
   return true;
+}
+
+void StreamConnection::abandonPlan(
+    const frame::OutboundFrame& frame,
+    const PendingWrite& w,
+    const std::vector<uint8_t>& slots,
+    std::vector<channel::ControlFrame> before) {
+  // What the region channels took for the earlier segments goes back (the
+  // staged copies go back with `w`, once they are done).
+  size_t nextRecord = 0;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] == 0 || (!w.staged.empty() && w.staged[i])) {
+      continue;
+    }
+    try {
+      channels_[slots[i] - 1]->abandonRegion(
+          frame.segments[i], w.regionRecords.at(nextRecord++));
+    } catch (const std::exception& e) {
+      logWarning(
+          "torch_rpc_ext: " + describe() +
+          " could not give back a region of an unsent frame: " + e.what());
+    }
+  }
+  if (before.empty()) {
+    return;
+  }
+  // The peer must still hear of regions made meanwhile: they are in our
+  // pools now, and a later record may name them.
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    bool wasEmpty = writes_.empty();
+    for (auto& b : before) {
+      writes_.push_back(controlFrame(std::move(b)));
+    }
+    if (state_ == State::kReady && wasEmpty) {
+      error = flushLocked();
+    }
+  }
+  afterFlush(error);
 }
 
 std::string StreamConnection::flushLocked() {
