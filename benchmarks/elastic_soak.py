@@ -235,7 +235,8 @@ def main(argv=None):
     p.add_argument("--period", type=float, default=3.0,
                    help="seconds between churn events")
     p.add_argument("--timeout", type=float, default=10.0, help="rpc_timeout")
-    p.add_argument("--backend", nargs="+", default=["TORCH_RPC_EXT", "TENSORPIPE"])
+    p.add_argument("--backend", nargs="+", default=["TORCH_RPC_EXT", "TENSORPIPE"],
+                   choices=["TORCH_RPC_EXT", "TENSORPIPE"])
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     import torch_rpc_ext  # noqa: F401  (registers the backend before forking)
