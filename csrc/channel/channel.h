@@ -167,6 +167,28 @@ class Channel {
       std::vector<ControlFrame>* before) {
     return false;
   }
+  // kRegion, any thread, no lock held: the segments of one frame this
+  // channel's device kind may carry (`offered`: indices into `segments`,
+  // ascending), all at once, so that a channel may pack small ones into one
+  // region and copy them in one go. Appends a TakenRegion for each it
+  // carries. A throw leaves appended what stays taken: the caller gives
+  // those back (abandonRegion). By default, takeRegion() for each.
+  struct TakenRegion {
+    size_t segment;
+    frame::SegmentRecord record;
+  };
+  virtual void takeRegions(
+      const std::vector<frame::OutboundFrame::Segment>& segments,
+      const std::vector<size_t>& offered,
+      std::vector<TakenRegion>* taken,
+      std::vector<ControlFrame>* before) {
+    for (size_t i : offered) {
+      frame::SegmentRecord record{};
+      if (takeRegion(segments[i], &record, before)) {
+        taken->push_back({i, record});
+      }
+    }
+  }
   // kRegion, any thread, no lock held: the record takeRegion() filled for
   // `segment` will not be sent (a later segment of its frame could not
   // travel): give back what it took. The frames it put in `before` are still

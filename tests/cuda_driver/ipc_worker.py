@@ -224,5 +224,67 @@ def abandoned_receiver(conn, ctl):
     end.close()
 
 
+# ---- gathered: many small segments of one frame share a block and a launch -
+#
+# A frame of GATHERED small segments (odd sizes) and one large one: the small
+# ones are packed into one block at aligned offsets, the large one has its
+# own, and one launch copies them all. The receiver hands one small region
+# back: it shares its block, so it is copied, not handed back. Its block goes
+# back only when the last of its regions is released: the second frame reuses
+# both blocks.
+
+GATHERED = [1000 + 37 * i for i in range(300)]
+LARGE = 3 << 20
+
+
+def gathered_frame(end, seed: int) -> list[int]:
+    ptrs = [end.alloc(pattern(n, seed + i)) for i, n in enumerate(GATHERED)]
+    ptrs.append(end.alloc(pattern(LARGE, seed)))
+    sizes = GATHERED + [LARGE]
+    end.ep.send(b"g%d" % seed, [(p, n, CUDA, DEVICE, end.stream) for p, n in zip(ptrs, sizes)], [])
+    return sizes
+
+
+def gathered_sender(conn, ctl):
+    end = End("sender", conn)
+    gathered_frame(end, 0)
+    head, (back,) = end.receive()  # one region sent back: a copy
+    back_ok = (head, end.read_region(back) == pattern(GATHERED[5], 5))
+    del back
+    assert end.receive()[0] == b"released"
+    after_first = end.counters()
+    gathered_frame(end, 1)
+    assert end.receive()[0] == b"ok"
+    ctl.send((back_ok, after_first, end.counters()))
+    end.close()
+
+
+def gathered_receiver(conn, ctl):
+    end = End("receiver", conn)
+    seen = []
+    for seed in (0, 1):
+        head, regions = end.receive()
+        sizes = GATHERED + [LARGE]
+        intact = all(
+            end.read_region(r) == pattern(n, seed + i if i < len(GATHERED) else seed)
+            for i, (r, n) in enumerate(zip(regions, sizes))
+        )
+        small = [r.address for r in regions[:-1]]
+        seen.append((head, intact, all(a % 256 == 0 for a in small), max(small) - min(small)))
+        if seed == 0:
+            end.send_device(b"back", regions[5].address, regions[5].size, hand_back=regions[5])
+            imported = end.counters()["blocks_imported"]
+            for r in regions:
+                r.release()
+            del regions
+            end.ep.send(b"released", [])
+        else:
+            for r in regions:
+                r.release()
+            end.ep.send(b"ok", [])
+    ctl.send((seen, imported, end.counters()))
+    end.close()
+
+
 if __name__ == "__main__":  # pragma: no cover - used by spawn only
     os._exit(1)

@@ -87,3 +87,24 @@ def test_blocks_of_a_frame_refused_at_send_go_back_to_the_pool(spawn):
     # record names a block the peer heard of, or it would close).
     assert sender["blocks_created"] == 1 and receiver["blocks_imported"] == 1
     assert sender["segments"] == 1 and sender["declined"] == 1
+
+
+def test_small_segments_of_a_frame_share_a_block_and_one_launch(spawn):
+    (back_ok, first, sender), (seen, imported, receiver) = play(spawn, "gathered")
+    n = len(ipc_worker.GATHERED)
+    span = sum((k + 255) // 256 * 256 for k in ipc_worker.GATHERED[:-1])
+    # Both frames whole; the small segments 256-aligned, side by side in one
+    # block.
+    assert seen == [(b"g0", True, True, span), (b"g1", True, True, span)]
+    # Frame one: two blocks (the packed one and the large segment's), one
+    # launch for all n + 1 segments.
+    assert (first["blocks_created"], first["launches"], first["packed"]) == (2, 1, n)
+    assert imported == 2
+    # A region sharing its block is sent back by copy, not handed back.
+    assert back_ok == (b"back", True)
+    assert receiver["handbacks"] == 0 and receiver["segments"] == 1
+    assert receiver["copied_bytes"] == ipc_worker.GATHERED[5]
+    # Frame two reuses both blocks, released once their last region went.
+    assert (sender["blocks_created"], sender["launches"], sender["packed"]) == (2, 2, 2 * n)
+    assert sender["segments"] == 2 * (n + 1) and sender["declined"] == 0
+    assert receiver["blocks_imported"] == 2

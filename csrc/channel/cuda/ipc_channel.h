@@ -19,18 +19,24 @@
 
 namespace torch_rpc_ext::channel::cuda {
 
+class BlockLease;
+
 // cuda_ipc: CUDA tensors between two processes of one host, as shm_slab
 // moves CPU ones (docs/cuda.md, "The cuda_ipc channel").
 //
-// The sender copies a segment with one kernel, on the stream the bytes are
-// ready on, into a block of its own device memory (ExportedMemory: made with
-// cuMemCreate, exported once as a POSIX file descriptor that travels over
-// the connection's Unix socket, imported and mapped once by the peer), and
-// sends a BlockRecord in the segment's place. The receiver's tensor is a
-// view of the mapped block for as long as it lives. When it dies, the block
-// goes back to the sender's pool (kBlockRelease) and is reused for the next
-// segment that fits. A received storage sent back to the peer it came from,
-// with nothing else holding it, is handed back with no copy (kReturned).
+// The sender copies a segment, on the stream the bytes are ready on, into a
+// block of its own device memory (ExportedMemory: made with cuMemCreate,
+// exported once as a POSIX file descriptor that travels over the
+// connection's Unix socket, imported and mapped once by the peer), and sends
+// a BlockRecord in the segment's place. The small segments of one frame
+// (up to kPackMaxBytes each) share one block, at aligned offsets, and every
+// segment of a frame on one device is copied by one kernel launch (a
+// gather from its descriptor table). The receiver's tensor is a view of the
+// mapped block for as long as it lives (the segments of one block share a
+// lease). When the last view dies, the block goes back to the sender's pool
+// (kBlockRelease) and is reused for the next segment that fits. A received
+// storage sent back to the peer it came from, with nothing else holding it
+// or its block, is handed back with no copy (kReturned).
 //
 // No host thread waits on the GPU. Each block has two interprocess events,
 // made by its owner and opened by the peer: `ready`, recorded by whoever
@@ -71,6 +77,10 @@ constexpr size_t kMaxBlocks = 256;
 constexpr uint64_t kMaxLentBlockBytes = uint64_t(16) << 30;
 // A free block unused this long is unmapped, and the peer told.
 constexpr int64_t kBlockIdleMs = 5000;
+// Segments up to this size, of one frame and device, are packed into one
+// block, each at an offset aligned to kPackAlign (as cudaMalloc's).
+constexpr uint64_t kPackMaxBytes = uint64_t(1) << 20;
+constexpr uint64_t kPackAlign = 256;
 
 struct IpcCounters {
   std::atomic<uint64_t> segments{0};
@@ -81,6 +91,8 @@ struct IpcCounters {
   std::atomic<uint64_t> unmapped{0}; // own idle blocks dropped
   // Segments on a device the peer does not see, or over the bounds.
   std::atomic<uint64_t> declined{0};
+  std::atomic<uint64_t> launches{0}; // copies of frames (one per device)
+  std::atomic<uint64_t> packed{0}; // segments that shared a block
 };
 
 class IpcChannel final : public Channel,
@@ -93,9 +105,10 @@ class IpcChannel final : public Channel,
       std::vector<std::string> peerDevices);
   ~IpcChannel() override;
 
-  bool takeRegion(
-      const frame::OutboundFrame::Segment& segment,
-      frame::SegmentRecord* record,
+  void takeRegions(
+      const std::vector<frame::OutboundFrame::Segment>& segments,
+      const std::vector<size_t>& offered,
+      std::vector<TakenRegion>* taken,
       std::vector<ControlFrame>* before) override;
   void abandonRegion(
       const frame::OutboundFrame::Segment& segment,
@@ -123,6 +136,33 @@ class IpcChannel final : public Channel,
   void freeOwnBlock(uint32_t id);
 
  private:
+  // A block of ours lent for one frame: `fresh` if made for it.
+  struct Lent {
+    uint32_t id = 0;
+    std::shared_ptr<Block> block;
+    bool fresh = false;
+  };
+  // Whether the peer can map `segment`'s device, as its map wants: the
+  // block lives on the segment's device and is mapped on that one.
+  bool reachable(const frame::OutboundFrame::Segment& segment);
+  // A storage the peer lent us, sent back whole: its record, or false.
+  bool handBack(
+      const frame::OutboundFrame::Segment& segment,
+      frame::SegmentRecord* out);
+  // A free block of `device` of at least `want` bytes from the pool, or a
+  // new one (its setup frame appended to `before`); id 0 when over the
+  // bounds.
+  Lent lend(int device, uint64_t want, std::vector<ControlFrame>* before);
+  // A block lent for a frame that will not use it goes back to the pool
+  // (the peer knows of a fresh one already: its setup is sent regardless).
+  void unlend(const Lent& lent);
+  // The segments `group` (one device and stream) into blocks, with one
+  // launch; appends their records to `taken`.
+  void takeGroup(
+      const std::vector<frame::OutboundFrame::Segment>& segments,
+      const std::vector<size_t>& group,
+      std::vector<TakenRegion>* taken,
+      std::vector<ControlFrame>* before);
   bool onSetupFromLoop(
       Host& host,
       const std::string& head,
@@ -143,6 +183,9 @@ class IpcChannel final : public Channel,
   // The peer's blocks we have mapped, by id (loop thread).
   std::unordered_map<uint32_t, std::shared_ptr<Block>> peerBlocks_;
   uint64_t peerBlockBytes_ = 0;
+  // The live lease on each of them (the segments of one frame packed into
+  // one block share it; the block is lent again only once it died).
+  std::unordered_map<uint32_t, std::weak_ptr<BlockLease>> peerLeases_;
 
   struct OwnBlock {
     enum class State { kFree, kLent, kLocal };

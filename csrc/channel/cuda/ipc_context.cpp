@@ -92,6 +92,8 @@ class IpcContext final : public Context {
         {"blocks_imported", counters_.imported.load()},
         {"blocks_unmapped", counters_.unmapped.load()},
         {"declined", counters_.declined.load()},
+        {"launches", counters_.launches.load()},
+        {"packed", counters_.packed.load()},
     };
   }
 

@@ -107,47 +107,70 @@ void StreamConnection::planSegments(
   if (channels_.empty()) {
     return;
   }
-  for (size_t i = 0; i < frame.segments.size(); ++i) {
-    const auto& segment = frame.segments[i];
-    if (segment.size == 0) {
+  // Channels in order of preference; each is offered the segments of its
+  // device that none before it took (a region channel all at once).
+  const size_t n = frame.segments.size();
+  std::vector<bool> taken(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    taken[i] = frame.segments[i].size == 0;
+  }
+  std::vector<size_t> offered;
+  for (size_t k = 0; k < channels_.size(); ++k) {
+    auto& ch = *channels_[k];
+    const auto& ctx = ch.context();
+    offered.clear();
+    for (size_t i = 0; i < n; ++i) {
+      if (!taken[i] && frame.segments[i].device == uint8_t(ctx.device())) {
+        offered.push_back(i);
+      }
+    }
+    if (offered.empty()) {
       continue;
     }
-    bool taken = false;
-    for (size_t k = 0; k < channels_.size() && !taken; ++k) {
-      auto& ch = *channels_[k];
-      const auto& ctx = ch.context();
-      if (uint8_t(ctx.device()) != segment.device) {
-        continue;
-      }
-      if (ctx.mode() == channel::Channel::Mode::kRegion) {
-        frame::SegmentRecord record{};
-        if (ch.takeRegion(segment, &record, &before)) {
-          if (slots.empty()) {
-            slots.resize(frame.segments.size());
-          }
+    const auto slot = static_cast<uint8_t>(k + 1);
+    if (ctx.mode() == channel::Channel::Mode::kRegion) {
+      std::vector<channel::Channel::TakenRegion> took;
+      auto mark = [&] {
+        for (const auto& t : took) {
           if (w.regionRecords.empty()) {
-            // Reserved once: the frame's segments will point into it.
-            w.regionRecords.reserve(frame.segments.size());
+            // Sized once: the frame's segments will point into it.
+            w.regionRecords.resize(n);
           }
-          slots[i] = static_cast<uint8_t>(k + 1);
-          w.regionRecords.push_back(record);
-          taken = true;
+          slots.resize(n);
+          slots[t.segment] = slot;
+          w.regionRecords[t.segment] = t.record;
+          taken[t.segment] = true;
         }
-      } else if (ctx.mode() == channel::Channel::Mode::kStaged) {
+      };
+      try {
+        ch.takeRegions(frame.segments, offered, &took, &before);
+      } catch (...) {
+        mark(); // for abandonPlan to give back
+        throw;
+      }
+      mark();
+      continue;
+    }
+    for (size_t i : offered) {
+      const auto& segment = frame.segments[i];
+      if (ctx.mode() == channel::Channel::Mode::kStaged) {
         if (auto staged = ch.stageOut(segment)) {
-          slots.resize(frame.segments.size());
-          w.staged.resize(frame.segments.size());
-          slots[i] = static_cast<uint8_t>(k + 1);
+          slots.resize(n);
+          w.staged.resize(n);
+          slots[i] = slot;
           w.staged[i] = std::move(staged);
-          taken = true;
+          taken[i] = true;
         }
       } else if (ch.takeChunks(segment)) {
-        w.chunked.resize(frame.segments.size());
-        w.chunked[i] = static_cast<uint8_t>(k + 1);
-        taken = true;
+        w.chunked.resize(n);
+        w.chunked[i] = slot;
+        taken[i] = true;
       }
     }
-    if (!taken && segment.device != uint8_t(channel::DeviceKind::kCpu)) {
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const auto& segment = frame.segments[i];
+    if (!taken[i] && segment.device != uint8_t(channel::DeviceKind::kCpu)) {
       // Its channels declined it: nothing else can carry device memory.
       throw std::runtime_error(
           "every channel of " + describe() + " for device type " +
@@ -233,7 +256,6 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
   }
   w.prefix.reserve(sizeof(h) + 8 * frame.segments.size() + frame.head.size());
   w.prefix.append(reinterpret_cast<const char*>(&h), sizeof(h));
-  size_t nextRecord = 0;
   for (size_t i = 0; i < frame.segments.size(); ++i) {
     uint64_t n = frame.segments[i].size;
     // The decision is made: the queue must not hold regions (their last
@@ -251,7 +273,7 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
       frame.segments[i].data = w.staged[i]->data();
     } else if (!slots.empty() && slots[i] != 0) {
       // The record goes on the wire in the segment's place.
-      frame.segments[i].data = &w.regionRecords[nextRecord++];
+      frame.segments[i].data = &w.regionRecords[i];
       frame.segments[i].size = sizeof(frame::SegmentRecord);
     }
     w.prefix.append(reinterpret_cast<const char*>(&n), 8);
@@ -290,14 +312,13 @@ void StreamConnection::abandonPlan(
     std::vector<channel::ControlFrame> before) {
   // What the region channels took for the earlier segments goes back (the
   // staged copies go back with `w`, once they are done).
-  size_t nextRecord = 0;
   for (size_t i = 0; i < slots.size(); ++i) {
     if (slots[i] == 0 || (!w.staged.empty() && w.staged[i])) {
       continue;
     }
     try {
       channels_[slots[i] - 1]->abandonRegion(
-          frame.segments[i], w.regionRecords.at(nextRecord++));
+          frame.segments[i], w.regionRecords.at(i));
     } catch (const std::exception& e) {
       logWarning(
           "torch_rpc_ext: " + describe() +

@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// cuda_ipc's lease on a received block (ipc_lease.h).
+#include "csrc/channel/cuda/ipc_lease.h"
+
+#include <algorithm>
+#include <exception>
+#include <string>
+
+#include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/ipc_channel.h"
+#include "csrc/common/libcuda.h"
+#include "csrc/common/logging.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+BlockLease::~BlockLease() {
+  if (handedOn_.load()) {
+    return; // the frame that passed it on recorded `released`
+  }
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!streams_.empty()) {
+      CurrentDevice current(block_->device());
+      const auto last = reinterpret_cast<CUstream>(streams_.back());
+      joinUsesLocked(last);
+      // Ours, which the block waits for before it is unmapped; and,
+      // while the peer is there (its events may be gone with it), the
+      // one the next copy into the block waits for.
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->localUse(), last);
+      if (!block_->orphaned()) {
+        TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->released(), last);
+      }
+    }
+  } catch (const std::exception& e) {
+    // The block is not given back: the next copy must not race this
+    // use. It is freed with the connection.
+    logWarning(
+        std::string(
+            "torch_rpc_ext: cuda_ipc keeps a block it could not "
+            "release: ") +
+        e.what());
+    return;
+  }
+  if (auto c = conn_.lock()) {
+    if (own_) {
+      c->freeOwnBlock(id_);
+    } else {
+      c->releasePeerBlock(id_);
+    }
+  }
+}
+
+void BlockLease::waitOn(uintptr_t stream) {
+  CurrentDevice current(block_->device());
+  // A block the peer filled is ready at its `ready` record; one of ours
+  // it handed back, at its `released` record.
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuStreamWaitEvent,
+      reinterpret_cast<CUstream>(stream),
+      own_ ? block_->released() : block_->ready(),
+      0);
+  recordUse(stream);
+}
+
+void BlockLease::recordUse(uintptr_t stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (std::find(streams_.begin(), streams_.end(), stream) == streams_.end()) {
+    streams_.push_back(stream);
+  }
+}
+
+void BlockLease::joinUses(CUstream into) {
+  std::lock_guard<std::mutex> lock(mu_);
+  joinUsesLocked(into);
+}
+
+bool BlockLease::isOf(const IpcChannel* channel) const {
+  return conn_.lock().get() == channel;
+}
+
+void BlockLease::joinUsesLocked(CUstream into) {
+  for (uintptr_t s : streams_) {
+    const auto other = reinterpret_cast<CUstream>(s);
+    if (other == into) {
+      continue;
+    }
+    CUevent e = nullptr;
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventCreate, &e, CU_EVENT_DISABLE_TIMING);
+    libcuda().cuEventRecord(e, other);
+    libcuda().cuStreamWaitEvent(into, e, 0);
+    libcuda().cuEventDestroy(e); // freed once its record completes
+  }
+}
+
+} // namespace torch_rpc_ext::channel::cuda

@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <cuda.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "csrc/channel/channel.h"
+#include "csrc/channel/cuda/block.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+class IpcChannel;
+
+// A received segment's memory: a span of a block, valid while this lives.
+// The segments of one frame that the sender packed into one block share
+// one lease. When it dies, the block goes back to its owner once the work
+// queued by then on every stream it was used on has finished (the
+// `released` event).
+class BlockLease final : public DeviceRegion {
+ public:
+  BlockLease(
+      std::weak_ptr<IpcChannel> conn,
+      std::shared_ptr<Block> block,
+      uint32_t id,
+      bool own)
+      : conn_(std::move(conn)), block_(std::move(block)), id_(id), own_(own) {}
+  ~BlockLease() override;
+
+  int device() const override {
+    return block_->device();
+  }
+  void waitOn(uintptr_t stream) override;
+
+  // The memory is read or written on `stream` too (a copy of it sent on).
+  void recordUse(uintptr_t stream);
+  // Makes `into` wait for the work queued so far on every other stream the
+  // memory was used on.
+  void joinUses(CUstream into);
+
+  // Whether this lease came from `channel` (a live one: a new channel may
+  // sit at a closed one's address).
+  bool isOf(const IpcChannel* channel) const;
+
+  const Block& block() const {
+    return *block_;
+  }
+  uint32_t id() const {
+    return id_;
+  }
+  bool own() const {
+    return own_;
+  }
+  // Another segment of the frame views the same block: the block can no
+  // longer be handed back whole by one of them.
+  void share() {
+    shared_.store(true);
+  }
+  bool shared() const {
+    return shared_.load();
+  }
+  bool handOn() {
+    return !handedOn_.exchange(true);
+  }
+  // That frame was not sent after all: the lease gives the block back
+  // itself (the records the hand-back made only order more work).
+  void keep() {
+    handedOn_.store(false);
+  }
+
+ private:
+  void joinUsesLocked(CUstream into);
+
+  std::weak_ptr<IpcChannel> conn_;
+  std::shared_ptr<Block> block_;
+  uint32_t id_;
+  bool own_;
+  std::mutex mu_;
+  std::vector<uintptr_t> streams_; // of device(), in first-use order
+  std::atomic<bool> shared_{false};
+  std::atomic<bool> handedOn_{false};
+};
+
+} // namespace torch_rpc_ext::channel::cuda
