@@ -16,6 +16,7 @@
 
 #include <map>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "csrc/bindings/bind.h"
@@ -205,16 +206,27 @@ void bindTestingCudaTorch(py::module_& parent) {
       [](uintptr_t address,
          const std::vector<int64_t>& sizes,
          const at::Tensor& like,
-         int device) {
-        return at::from_blob(
-            reinterpret_cast<void*>(address),
-            sizes,
-            [](void*) {},
+         int device,
+         std::optional<std::vector<int64_t>> strides) {
+        const auto options =
             at::TensorOptions()
                 .dtype(like.scalar_type())
-                .device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)),
-            c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
-      });
+                .device(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
+        const c10::Device target(
+            c10::kCUDA, static_cast<c10::DeviceIndex>(device));
+        auto* data = reinterpret_cast<void*>(address);
+        if (strides) {
+          // A view (the CPU torch has no CUDA as_strided to make one).
+          return at::from_blob(
+              data, sizes, *strides, [](void*) {}, options, target);
+        }
+        return at::from_blob(data, sizes, [](void*) {}, options, target);
+      },
+      py::arg("address"),
+      py::arg("sizes"),
+      py::arg("like"),
+      py::arg("device"),
+      py::arg("strides") = py::none());
   // The CUstream behind the current stream of `device` (0: the legacy
   // default stream).
   m.def("current_stream", [](int device) {

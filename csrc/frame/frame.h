@@ -116,6 +116,14 @@ class DeviceRegion : public SharedRegion {
   virtual void waitOn(uintptr_t stream) = 0;
 };
 
+// A strided view of device memory, sizes and strides in elements (none
+// negative), as torch has them.
+struct StridedView {
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  uint64_t elementSize = 1;
+};
+
 // An outbound frame: a head and segments that point into memory kept alive by
 // `keepAlive` until the transport has written the frame (or dropped it).
 struct OutboundFrame {
@@ -142,6 +150,10 @@ struct OutboundFrame {
     // Device memory only: the device, in the peer's process, the bytes go
     // to (after the device map), or -1 (not said).
     int16_t peerDevice = -1;
+    // Device memory only, if set: `data` is the first element of this
+    // view, whose elements travel packed in row-major order (`size` bytes);
+    // a device channel packs them as it copies (never the whole span).
+    std::shared_ptr<const StridedView> view = nullptr;
   };
   std::vector<Segment> segments;
   std::shared_ptr<void> keepAlive;

@@ -124,9 +124,16 @@ class StoragePlan {
     TORCH_CHECK(t.dim() <= int64_t(kMaxDims), "tensor has too many dims");
     int64_t own = static_cast<int64_t>(t.numel() * t.element_size());
     int64_t span = extentBytes(t);
-    // (A CUDA view goes with its span: compacting it would take a kernel on
-    // the caller's behalf.)
-    if (!t.is_cuda() && span > 2 * own && span >= kCompactMinBytes) {
+    if (span > 2 * own && span >= kCompactMinBytes) {
+      if (t.is_cuda()) {
+        // A segment of its own, packed by the device channel as it copies
+        // (no clone on the caller's stream): it arrives contiguous.
+        if (packed_.emplace(t.unsafeGetTensorImpl(), Packed{t, 0, target})
+                .second) {
+          packedOrder_.push_back(t.unsafeGetTensorImpl());
+        }
+        return t;
+      }
       t = t.contiguous(at::MemoryFormat::Contiguous).clone();
       hold_.compacted.push_back(t);
     }
@@ -174,9 +181,52 @@ class StoragePlan {
       }
       frame.segments.push_back(std::move(seg));
     }
+    for (auto* impl : packedOrder_) {
+      auto& p = packed_.at(impl);
+      const at::Tensor& t = p.tensor;
+      p.segment = static_cast<uint32_t>(frame.segments.size());
+      auto view = std::make_shared<frame::StridedView>();
+      view->sizes.assign(t.sizes().begin(), t.sizes().end());
+      view->strides.assign(t.strides().begin(), t.strides().end());
+      view->elementSize = static_cast<uint64_t>(t.element_size());
+      frame::OutboundFrame::Segment seg{
+          t.data_ptr(), size_t(t.numel() * t.element_size())};
+      // A received storage read by the copy stays its owner's until then.
+      seg.origin = regionOf(t.storage());
+      const c10::Device device = t.device();
+      seg.device = static_cast<uint8_t>(c10::DeviceType::CUDA);
+      seg.deviceIndex = device.index();
+      seg.stream = route_->readyStream(device);
+      seg.peerDevice = static_cast<int16_t>(p.target);
+      seg.view = std::move(view);
+      frame.segments.push_back(std::move(seg));
+    }
   }
 
   void describe(HeadWriter& w, const at::Tensor& t) const {
+    auto packed = packed_.find(t.unsafeGetTensorImpl());
+    if (packed != packed_.end()) {
+      // Contiguous, at the start of a segment of its own.
+      w.put<uint8_t>(static_cast<uint8_t>(t.scalar_type()));
+      w.put<uint8_t>(t.requires_grad() ? 1 : 0);
+      w.put<uint8_t>(static_cast<uint8_t>(t.dim()));
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        w.put<int64_t>(t.size(d));
+      }
+      int64_t stride = 1;
+      std::vector<int64_t> strides(t.dim());
+      for (int64_t d = t.dim() - 1; d >= 0; --d) {
+        strides[d] = stride;
+        stride *= std::max<int64_t>(t.size(d), 1);
+      }
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        w.put<int64_t>(strides[d]);
+      }
+      w.put<int64_t>(0);
+      w.put<uint32_t>(packed->second.segment);
+      w.put<int8_t>(packed->second.target);
+      return;
+    }
     const auto& s = spans_.at(t.storage().unsafeGetStorageImpl());
     w.put<uint8_t>(static_cast<uint8_t>(t.scalar_type()));
     w.put<uint8_t>(t.requires_grad() ? 1 : 0);
@@ -202,8 +252,16 @@ class StoragePlan {
     bool exclusive = false;
     int8_t target = -1; // the peer's CUDA device, or -1: CPU
   };
+  // A CUDA view sent packed (admit()): its segment, its peer device.
+  struct Packed {
+    at::Tensor tensor;
+    uint32_t segment = 0;
+    int8_t target = -1;
+  };
   OutboundHold& hold_;
   const DeviceRoute* route_;
+  std::unordered_map<c10::TensorImpl*, Packed> packed_;
+  std::vector<c10::TensorImpl*> packedOrder_;
   std::unordered_map<c10::StorageImpl*, Span> spans_;
   std::vector<c10::StorageImpl*> order_;
   std::vector<at::Tensor> tensors_;

@@ -23,8 +23,11 @@ namespace rpc = torch::distributed::rpc;
 // (layout, dtype, sizes, strides, offset, which segment holds its bytes).
 // Segment 0 is the message payload; every further segment is the used span
 // of one tensor storage, sent straight from the storage (nothing is pickled
-// or copied). A strided view whose span is over twice its own size is sent
-// as a compact copy instead of dragging its whole base along.
+// or copied). A strided view whose span is over twice its own size (and
+// 64 KiB) is sent compact instead of dragging its whole base along: a CPU
+// one as a contiguous copy, a CUDA one as a segment of its own that its
+// device channel packs as it copies (OutboundFrame::Segment::view); either
+// arrives contiguous.
 
 // How a message's CUDA tensors travel, for an agent with devices: each
 // tensor's device is mapped to the peer's, and its bytes are read on the
@@ -44,7 +47,7 @@ struct DeviceRoute {
 // copies) alive. Throws c10::Error for tensors that cannot travel (a CUDA
 // tensor without `route` or whose device it does not map, other devices,
 // quantized, unsupported layout). Does not modify `message`, so retries can
-// send it again. A strided CUDA view is sent with its span (no compaction).
+// send it again.
 frame::OutboundFrame encodeMessage(
     const c10::intrusive_ptr<rpc::Message>& message,
     int64_t id,

@@ -55,6 +55,23 @@ def cuda_tensor(data: bytes) -> torch.Tensor:
     return cu().device_tensor(p, [len(data)], host, DEVICE)
 
 
+def cuda_view(data: bytes, shape, index) -> tuple[torch.Tensor, bytes]:
+    """A float32 CUDA tensor of `shape` holding `data`, viewed through
+    `index`; and the bytes of that view, packed in row-major order."""
+    host = torch.frombuffer(bytearray(data), dtype=torch.float32).view(shape)
+    want = host[index]
+    if real_cuda():
+        return host.to(f"cuda:{DEVICE}")[index], want.contiguous().numpy().tobytes()
+    p = cu().mem_alloc(DEVICE, len(data))
+    cu().write(DEVICE, p, data)
+    _KEEP.append(p)
+    # The CPU torch cannot slice a CUDA tensor (no CUDA as_strided): the
+    # view is made as the slice would make it.
+    view = cu().device_tensor(p + want.storage_offset() * 4, list(want.shape), host, DEVICE,
+                              list(want.stride()))
+    return view, want.contiguous().numpy().tobytes()
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
     if real_cuda():
         return t.cpu().numpy().tobytes()
@@ -70,6 +87,10 @@ def identity(t):
 
 def describe(t):
     return str(t.device), tensor_bytes(t)
+
+
+def layout(t):
+    return str(t.device), tuple(t.shape), t.stride(), tensor_bytes(t)
 
 
 def channel_counters(channel: str = "cuda_ipc") -> dict[str, int]:
@@ -116,6 +137,11 @@ def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
         small = pattern(100, 2)
         got = rpc.rpc_async("worker1", identity, args=(cuda_tensor(small),)).wait()
         out["small"] = tensor_bytes(got) == small
+        # A strided view (every fourth column: a quarter of its span) travels
+        # packed and arrives contiguous.
+        view, packed = cuda_view(pattern(1 << 20, 3), (256, 1024), (slice(None), slice(3, None, 4)))
+        out["view"] = rpc.rpc_sync("worker1", layout, args=(view,)) == (
+            f"cuda:{target}", (256, 256), (256, 1), packed)
         out["channels"] = agent.get_debug_info().get("rpc_ext.peer.worker1.channels")
     else:
         # No map from worker1 to worker0: a CUDA tensor is refused, naming it.

@@ -51,10 +51,15 @@ def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
     assert caller["back"] == ("cuda:0", True)  # the response maps back
     assert caller["small"]
     assert caller["empty"] == ("cuda:0", b"")
+    assert caller["view"]  # packed, contiguous, bytes intact
     assert "cuda_ipc" in caller["channels"]
-    # Each CUDA tensor crossed once through a block: three out, two back.
+    # Each CUDA tensor crossed once through a block, one launch each (one
+    # per message): four out, two back; of the view, only its quarter of
+    # its span, packed by the launch.
     ipc = caller["counters"]["cuda_ipc"]
-    assert ipc["segments"] == 3
+    assert ipc["segments"] == 4
+    assert ipc["copied_bytes"] == 2 * (3 << 20) + 100 + (256 << 10)
+    assert ipc["launches"] == 4
     assert caller["callee_counters"]["cuda_ipc"]["segments"] == 2
     assert caller["devices"] == callee["devices"] == ["cuda:0"]
     assert caller["map"] == {"cuda:0": "cuda:0"} and callee["map"] == {}
@@ -82,14 +87,18 @@ def test_cuda_tensors_staged_through_host_memory(spawn, monkeypatch, channels, t
     assert caller["back"] == ("cuda:0", True)  # through the reverse map
     assert caller["small"]
     assert caller["empty"] == (f"cuda:{target}", b"")
+    assert caller["view"]  # packed on the device, then staged
     assert "cuda_staged" in caller["channels"]
-    # Three tensors with bytes out (3 MiB, 3 MiB, 100 B), two back.
+    # Four tensors with bytes out (3 MiB, 3 MiB, 100 B, a 256 KiB view of
+    # 1 MiB), two back.
     staged = caller["counters"]["cuda_staged"]
-    assert staged["segments_sent"] == 3 and staged["segments_received"] == 2
-    assert caller["callee_counters"]["cuda_staged"]["segments_received"] == 3
+    assert staged["segments_sent"] == 4 and staged["segments_received"] == 2
+    assert staged["bytes_sent"] == 2 * (3 << 20) + 100 + (256 << 10)
+    assert staged["packed"] == 1
+    assert caller["callee_counters"]["cuda_staged"]["segments_received"] == 4
     if "cuda_ipc" in channels:
         assert caller["counters"]["cuda_ipc"]["segments"] == 0
-        assert caller["counters"]["cuda_ipc"]["declined"] == 3
+        assert caller["counters"]["cuda_ipc"]["declined"] == 4
     assert caller["devices"] == ["cuda:0"] and callee["devices"] == [f"cuda:{target}"]
     assert caller["map"] == {"cuda:0": f"cuda:{target}"}
     assert "worker0" in callee["unmapped"]

@@ -242,6 +242,7 @@ void IpcChannel::takeGroup(
   std::vector<Lent> lent;
   std::vector<Placed> placed;
   size_t packed = 0;
+  size_t launches = 0;
   try {
     if (!small.empty()) {
       Lent block = lend(device, packedBytes, before);
@@ -272,14 +273,23 @@ void IpcChannel::takeGroup(
     }
     // The one copy of this direction, one launch for the whole group, after
     // the caller's work on `stream` and the peer's last use of each block.
+    // Strided views are packed by a launch each.
     std::vector<CopyEngine::Segment> copies;
+    std::vector<CopyEngine::Segment> views;
+    std::vector<const frame::StridedView*> viewShapes;
     copies.reserve(placed.size());
     for (const auto& p : placed) {
       const auto& segment = segments[p.segment];
-      copies.push_back(
-          {lent[p.lent].block->address() + p.offset,
-           reinterpret_cast<CUdeviceptr>(segment.data),
-           segment.size});
+      CopyEngine::Segment copy{
+          lent[p.lent].block->address() + p.offset,
+          reinterpret_cast<CUdeviceptr>(segment.data),
+          segment.size};
+      if (segment.view) {
+        views.push_back(copy);
+        viewShapes.push_back(segment.view.get());
+      } else {
+        copies.push_back(copy);
+      }
       // A received storage sent on by copy is in use on `stream` until the
       // copy is done: its own block must not go back before.
       if (auto* lease = dynamic_cast<BlockLease*>(segment.origin.get())) {
@@ -291,7 +301,19 @@ void IpcChannel::takeGroup(
       TORCH_RPC_EXT_CUDA_CHECK(
           cuStreamWaitEvent, stream, l.block->released(), 0);
     }
-    copyEngine(device).copySegments(stream, copies);
+    CopyEngine& engine = copyEngine(device);
+    engine.copySegments(stream, copies);
+    for (size_t v = 0; v < views.size(); ++v) {
+      const frame::StridedView& shape = *viewShapes[v];
+      engine.pack(
+          stream,
+          views[v].dst,
+          views[v].src,
+          shape.sizes,
+          shape.strides,
+          shape.elementSize);
+    }
+    launches = (copies.empty() ? 0 : 1) + views.size();
     for (const auto& l : lent) {
       TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, l.block->ready(), stream);
     }
@@ -303,7 +325,7 @@ void IpcChannel::takeGroup(
     }
     throw;
   }
-  counters_.launches.fetch_add(1, std::memory_order_relaxed);
+  counters_.launches.fetch_add(launches, std::memory_order_relaxed);
   counters_.packed.fetch_add(packed, std::memory_order_relaxed);
   for (const auto& p : placed) {
     BlockRecord r{lent[p.lent].id, BlockRecord::kLent, p.offset};

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/engines.h"
 #include "csrc/channel/cuda/staging_pool.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
@@ -292,10 +293,36 @@ std::shared_ptr<StagedOut> StagedChannel::stageOut(
   auto staged = std::make_shared<StagedBytes>(pool, buffer);
   CurrentDevice current(segment.deviceIndex);
   const auto stream = reinterpret_cast<CUstream>(segment.stream);
-  const auto src = reinterpret_cast<CUdeviceptr>(segment.data);
+  auto src = reinterpret_cast<CUdeviceptr>(segment.data);
+  // A strided view is packed on the device first, into a block of the
+  // pool's that goes back once the copies out of it are done.
+  std::shared_ptr<StagingPool::Block> packed;
+  auto givePacked = [&] {
+    if (packed) {
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, packed->lastUse, stream);
+      packed->used = true;
+      pool.giveBlock(std::move(packed));
+    }
+  };
   // Chunk by chunk on the stream the bytes are ready on: the stream writes
   // the first chunk while the next ones are still copying.
   try {
+    if (segment.view) {
+      packed = pool.takeBlock(segment.size);
+      if (packed->used) {
+        TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, packed->lastUse, 0);
+      }
+      copyEngine(segment.deviceIndex)
+          .pack(
+              stream,
+              packed->address,
+              src,
+              segment.view->sizes,
+              segment.view->strides,
+              segment.view->elementSize);
+      src = packed->address;
+      counters_.packed++;
+    }
     for (uint64_t at = 0; at < segment.size; at += kStagedChunkBytes) {
       uint64_t n = std::min<uint64_t>(kStagedChunkBytes, segment.size - at);
       TORCH_RPC_EXT_CUDA_CHECK(
@@ -306,11 +333,16 @@ std::shared_ptr<StagedOut> StagedChannel::stageOut(
           {segment.deviceIndex, std::move(copied), staged, at + n, host_});
       counters_.chunks++;
     }
+    givePacked();
   } catch (...) {
     // A copy queued without an event to follow may still write into the
     // buffer: it must not go back to the pool before that copy is done (a
     // host wait, on this failing path only).
     libcuda().cuStreamSynchronize(stream);
+    if (packed) {
+      packed->used = false; // nothing of the stream uses it any more
+      pool.giveBlock(std::move(packed));
+    }
     throw;
   }
   counters_.sent++;
@@ -501,6 +533,7 @@ class StagedContext final : public Context {
         {"bytes_received", counters_.receivedBytes.load()},
         {"chunk_copies", counters_.chunks.load()},
         {"declined", counters_.declined.load()},
+        {"packed", counters_.packed.load()},
         {"pinned_bytes", StagingPool::pinnedBytesAll()},
     };
   }

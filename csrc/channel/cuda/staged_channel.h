@@ -52,6 +52,7 @@ struct StagedCounters {
   std::atomic<uint64_t> receivedBytes{0};
   std::atomic<uint64_t> chunks{0}; // copies either way
   std::atomic<uint64_t> declined{0}; // over the pinned limit
+  std::atomic<uint64_t> packed{0}; // strided views packed on the device
 };
 
 class StagedChannel final : public Channel {
