@@ -12,17 +12,24 @@
 #   4. tools/gpu_probe.py times the copy engine beside torch and checks
 #      CUDA IPC of memory and events between two processes (probe.log);
 #   5. pytest runs the CUDA tests (tests/cuda*) and the given arguments;
-#   6. upstream's CUDA suites (tests/conformance_cuda, spawned processes),
+#   6. benchmarks/cuda_bench.py, ours and TensorPipe (cuda_bench.jsonl,
+#      cuda_bench.png, a ratio per case);
+#   7. upstream's CUDA suites (tests/conformance_cuda, spawned processes),
 #      each test cut at 120 s and the step at 420 s.
+# STEPS="ptx probe pytest bench upstream_cuda" (the default: all) runs only
+# those after the build, so that one device call's 10 minutes need not hold
+# them all: a second call on the still-warm machine rebuilds nothing.
 # Exit status: the number of failed steps (0 = all passed).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 failed=0
+STEPS=${STEPS:-ptx probe pytest bench upstream_cuda}
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, time it
   local name=$1 start rc
   shift
+  case " build $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   start=$(date +%s)
   "$@" >"$OUT/$name.log" 2>&1
   rc=$?
@@ -54,8 +61,11 @@ fi
 step probe python3 tools/gpu_probe.py --ptx "$ptx"
 step pytest python3 -m pytest -p no:cacheprovider -q --timeout 300 -rfE \
   $(ls -d tests/cuda* 2>/dev/null) "$@"
-tail -n 5 "$OUT/pytest.log"
+[ -f "$OUT/pytest.log" ] && tail -n 5 "$OUT/pytest.log"
+step bench python3 benchmarks/cuda_bench.py --out "$OUT/cuda_bench.jsonl" \
+  --chart "$OUT/cuda_bench.png"
+[ -f "$OUT/cuda_bench.jsonl" ] && grep '"ratio"' "$OUT/cuda_bench.jsonl"
 step upstream_cuda env DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=60 timeout 420 \
   python3 -m pytest -p no:cacheprovider -q --timeout 120 -rfE tests/conformance_cuda
-tail -n 3 "$OUT/upstream_cuda.log"
+[ -f "$OUT/upstream_cuda.log" ] && tail -n 3 "$OUT/upstream_cuda.log"
 exit "$failed"

@@ -124,7 +124,10 @@ class StoragePlan {
     TORCH_CHECK(t.dim() <= int64_t(kMaxDims), "tensor has too many dims");
     int64_t own = static_cast<int64_t>(t.numel() * t.element_size());
     int64_t span = extentBytes(t);
-    if (span > 2 * own && span >= kCompactMinBytes) {
+    // A CUDA view is packed as it is copied, at no cost of its own: past an
+    // eighth of its span unused; a CPU one is cloned first: past half.
+    const int64_t waste = t.is_cuda() ? own / 8 : own;
+    if (span > own + waste && span >= kCompactMinBytes) {
       if (t.is_cuda()) {
         // A segment of its own, packed by the device channel as it copies
         // (no clone on the caller's stream): it arrives contiguous.

@@ -23,11 +23,11 @@ namespace rpc = torch::distributed::rpc;
 // (layout, dtype, sizes, strides, offset, which segment holds its bytes).
 // Segment 0 is the message payload; every further segment is the used span
 // of one tensor storage, sent straight from the storage (nothing is pickled
-// or copied). A strided view whose span is over twice its own size (and
-// 64 KiB) is sent compact instead of dragging its whole base along: a CPU
-// one as a contiguous copy, a CUDA one as a segment of its own that its
-// device channel packs as it copies (OutboundFrame::Segment::view); either
-// arrives contiguous.
+// or copied). A strided view of 64 KiB of span or more that leaves much of
+// it unused is sent compact instead of dragging its whole base along: a CPU
+// one past half unused as a contiguous copy, a CUDA one past an eighth as a
+// segment of its own that its device channel packs as it copies
+// (OutboundFrame::Segment::view); either arrives contiguous.
 
 // How a message's CUDA tensors travel, for an agent with devices: each
 // tensor's device is mapped to the peer's, and its bytes are read on the
