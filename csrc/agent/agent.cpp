@@ -227,6 +227,9 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   frame::OutboundFrame frame =
       wire::encodeMessage(message, id, route ? &*route : nullptr);
   recordCudaUse(*message);
+  if (worldSize_ == 0) {
+    trackOwnForks(*message, to.id_); // an RRef of ours passed to `to`
+  }
   encodeSpan.reset();
   uint64_t wireBytes = frame.wireSize();
   TORCH_CHECK(

@@ -310,12 +310,15 @@ class Agent final : public rpc::RpcAgent,
   bool reportEvents_ = false; // from our join on
   // Whether torch's RRef state may be touched (started, not torn down).
   std::atomic<bool> rrefsLive_{false};
-  // Forks registered here by a fork request, by the worker that sent it
-  // (their ids name the worker that forked them on): dynamic groups only.
+  // The holders of forks of our RRefs whose ids do not name them
+  // (fork_holders.cpp): those registered by a fork request, by the worker
+  // that sent it, and those we forked ourselves, by the peer the message
+  // that carried them went to. Dynamic groups only.
   std::mutex forkHoldersMutex_;
   std::unordered_map<rpc::ForkId, rpc::worker_id_t, rpc::ForkId::Hash>
       forkHolders_;
   void trackForks(const rpc::Message& request, int32_t from);
+  void trackOwnForks(const rpc::Message& message, int32_t to);
   // Requests naming an RRef a departed member owned (a fetch, fork or
   // deletion, sent to a later holder of its id): a completed future (an
   // error; a deletion succeeds), or null for any other message.

@@ -550,22 +550,6 @@ c10::intrusive_ptr<JitFuture> Agent::refuseStaleRRefUse(
   return done;
 }
 
-void Agent::trackForks(const rpc::Message& request, int32_t from) {
-  try {
-    if (request.type() == rpc::MessageType::RREF_FORK_REQUEST) {
-      auto req = rpc::RRefForkRequest::fromMessage(request);
-      std::lock_guard<std::mutex> lock(forkHoldersMutex_);
-      forkHolders_[req->forkId()] = from;
-    } else if (request.type() == rpc::MessageType::RREF_USER_DELETE) {
-      auto req = rpc::RRefUserDelete::fromMessage(request);
-      std::lock_guard<std::mutex> lock(forkHoldersMutex_);
-      forkHolders_.erase(req->forkId());
-    }
-  } catch (const std::exception&) {
-    // Malformed: the callback refuses it with its own error.
-  }
-}
-
 void Agent::stopWatcher() {
   {
     std::lock_guard<std::mutex> lock(eventsMutex_);

@@ -95,6 +95,9 @@ void Agent::sendResponse(
     }
     frame = wire::encodeMessage(response, id, route ? &*route : nullptr);
     recordCudaUse(*response);
+    if (worldSize_ == 0) {
+      trackOwnForks(*response, conn.peerId()); // an RRef of ours returned
+    }
     TORCH_CHECK(
         frame.wireSize() <= options_.maxFrameBytes,
         "RPC response of ",

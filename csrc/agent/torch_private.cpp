@@ -126,6 +126,21 @@ void reserveIdRange(int rank, int64_t generation) {
   advanceTo(container.*reach(NextMessageId{}), floor);
 }
 
+std::vector<std::pair<rpc::RRefId, rpc::ForkId>> forksOf(
+    rpc::worker_id_t forker) {
+  auto& ctx = rpc::RRefContext::getInstance();
+  std::vector<std::pair<rpc::RRefId, rpc::ForkId>> out;
+  std::lock_guard<std::mutex> lock(ctx.*reach(ContextMutex{}));
+  for (const auto& [rrefId, forks] : ctx.*reach(Forks{})) {
+    for (const auto& forkId : forks) {
+      if (forkId.createdOn_ == forker) {
+        out.emplace_back(rrefId, forkId);
+      }
+    }
+  }
+  return out;
+}
+
 size_t dropForks(
     const std::function<bool(const rpc::RRefId&, const rpc::ForkId&)>& heldBy,
     const std::function<void(c10::intrusive_ptr<rpc::RRef>)>& releasePython) {

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include <torch/csrc/distributed/rpc/rref_impl.h>
@@ -41,6 +42,13 @@ size_t dropForks(
         const torch::distributed::rpc::ForkId&)>& heldBy,
     const std::function<void(
         c10::intrusive_ptr<torch::distributed::rpc::RRef>)>& releasePython);
+
+// As the owner: the forks of our RRefs that `forker` made (its own
+// remote() calls, or, for us, our RRefs pickled into messages), with their
+// RRef ids.
+std::vector<
+    std::pair<torch::distributed::rpc::RRefId, torch::distributed::rpc::ForkId>>
+forksOf(torch::distributed::rpc::worker_id_t forker);
 
 // The ids of the RRefs this process uses (UserRRefs, confirmed or not)
 // that `owner` owns.

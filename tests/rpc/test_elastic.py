@@ -154,6 +154,14 @@ def _owned_value(v):
 _kept = []  # an RRef a worker holds until it dies
 
 
+def _hold(rref):
+    _kept.append(rref)
+
+
+def _make_owned(v):
+    return rpc.RRef(torch.tensor([v]))  # ours, forked to the caller
+
+
 def _rref_ids(rref):
     # "UserRRef(RRefId = GloballyUniqueId(created_on=1, local_id=0), ForkId = ...)"
     return repr(rref).split("ForkId")[0]
@@ -182,6 +190,10 @@ def _kill_and_replace(rank, world_size, store_path, gates):
         gates["0"].set()
         gates["1"].wait(30)
         wait_for(lambda: "worker1" in members(), what="worker1")
+        # An RRef of ours that we fork to worker1 ourselves (no fork request
+        # tells us who holds it: the message that carries it does).
+        own = rpc.RRef(torch.tensor([7]))
+        rpc.rpc_sync("worker1", _hold, (own,))
         out["owning_for_1"] = _owner_counts()
         out["contexts_for_1"] = _autograd_contexts()
         rref = rpc.remote("worker1", _owned_value, (3,))
@@ -231,6 +243,8 @@ def _kill_and_replace(rank, world_size, store_path, gates):
         # An RRef owned by worker0, held until this process is killed.
         _kept.append(rpc.remote("worker0", _owned_value, (3,)))
         assert _kept[0].to_here().item() == 3
+        # One worker0 creates and returns: forked to us in its response.
+        _kept.append(rpc.rpc_sync("worker0", _make_owned, (5,)))
         # A forward pass into worker0 under a context this process never
         # releases: worker0 holds the context until it learns of the death.
         import torch.distributed.autograd as dist_autograd
@@ -264,8 +278,10 @@ def test_killed_member_is_declared_dead_and_replaced(store_path):
         _kill_and_replace, 3, timeout=120, dies=frozenset({1}), store_path=store_path, gates=gates
     )
     out = res[0]
-    assert out["owning_for_1"] == (1, 1)  # worker1's RRef, one fork
-    assert out["dropped"] == 1
+    # worker1's RRef, one worker0 returned to it and one worker0 passed it:
+    # a fork each, all dropped when it died.
+    assert out["owning_for_1"] == (3, 3)
+    assert out["dropped"] == 3
     # Its autograd context on worker0, released when it was declared dead.
     assert out["contexts_for_1"] == 1 and out["dropped_contexts"] == 1
     assert res[2]["fresh"] == 101
