@@ -149,17 +149,63 @@ def _claim_group_kind(store: Any, dynamic: bool) -> None:
         )
 
 
+def _dynamic_devices(name: str, opts: RpcExtBackendOptions) -> list:
+    """The CUDA devices a member of a dynamic group uses: those it names in
+    ``devices`` and the sources of its maps. Its maps are checked here
+    against its own devices; against its peers' when it joins (their
+    records name the devices they receive on: dynamic_devices.h)."""
+    maps = opts.device_maps or {}
+    named = list(opts.devices or [])
+    if not maps and not named:
+        return []
+    count = torch.cuda.device_count()
+
+    def local(device: torch.device, what: str) -> torch.device:
+        if device.type != "cuda":
+            raise ValueError(
+                f"TORCH_RPC_EXT: {name}'s {what} names {device}: a dynamic group maps "
+                "CUDA devices only"
+            )
+        if device.index is None or device.index >= count:
+            raise ValueError(
+                f"TORCH_RPC_EXT: {name}'s {what} names {device}, but this process "
+                f"sees {count} CUDA device(s)"
+            )
+        return device
+
+    devices = {local(d, "devices") for d in named}
+    for peer, mapping in maps.items():
+        targets = list(mapping.values())
+        for target in targets:
+            if target.type != "cuda" or target.index is None:
+                raise ValueError(
+                    f"TORCH_RPC_EXT: {name}'s device map to {peer} names {target}: a "
+                    "dynamic group maps CUDA devices only"
+                )
+        if len(set(targets)) != len(targets):
+            raise ValueError(
+                f"TORCH_RPC_EXT: {name}'s device map to {peer} maps two devices to one "
+                f"({dict(mapping)})"
+            )
+        devices |= {local(d, f"device map to {peer}") for d in mapping}
+    return sorted(devices, key=lambda d: d.index)
+
+
 def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions) -> Any:
     """Join (or start) the dynamic group whose membership log is in ``store``."""
-    if opts.device_maps or opts.devices:
-        raise ValueError(
-            "TORCH_RPC_EXT: device_maps and devices are not supported in a dynamic "
-            "group (init_rpc without world_size) yet; pass world_size to use them"
-        )
     import torch.distributed as dist
 
+    options = _agent_options(opts)
+    devices = _dynamic_devices(name, opts)
+    if devices:
+        from torch_rpc_ext._cuda import load_kernels
+
+        load_kernels()
+        options._devices = devices
+        options._device_maps = opts.device_maps
+        options._reverse_device_maps = {}  # per peer, from its join record
     base = getattr(store, "underlying_store", store)
-    agent = _C.Agent(dist.PrefixStore(_ELASTIC_PREFIX, base), name, rank, 0, _agent_options(opts))
+    agent = _C.Agent(dist.PrefixStore(_ELASTIC_PREFIX, base), name, rank, 0, options)
     try:
         _torch_private.install_dynamic_shutdown()
         _torch_private.init_rpc_states(agent)

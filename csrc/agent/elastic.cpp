@@ -14,6 +14,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "csrc/agent/agent.h"
+#include "csrc/agent/dynamic_devices.h"
 #include "csrc/agent/torch_private.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/logging.h"
@@ -139,6 +140,21 @@ void Agent::joinGroup(const std::string& entry) {
             roster_.epoch());
         catchUp();
       }
+    }
+    // Our device maps and the members' must land on devices their targets
+    // publish, checked before we hold anything in the log.
+    const DeviceOffer ours = parseDeviceOffer(me.offers);
+    for (const auto& [rank, member] : roster_.members()) {
+      const std::string conflict = deviceMapConflict(
+          me.name, ours, member.name, parseDeviceOffer(member.offers));
+      TORCH_CHECK(
+          conflict.empty(),
+          "init_rpc of ",
+          me.name,
+          " (rank ",
+          me.rank,
+          ") failed: ",
+          conflict);
     }
     // Our RRef and autograd ids start past every earlier holder's of this
     // rank (torch derives them from the rank alone).

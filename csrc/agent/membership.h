@@ -44,6 +44,9 @@ struct Route {
   // Why no transport of ours reaches it (then `transport` is empty): calls
   // to it fail with this.
   std::string unreachable;
+  // Dynamic groups: our responses' device map to it, the reverse of its map
+  // to us (dynamic_devices.h). Static groups take the options' reverse maps.
+  rpc::DeviceMap reverseDeviceMap;
 };
 
 // One holder of a name and rank, for as long as it holds them. A worker that

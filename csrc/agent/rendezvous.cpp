@@ -12,6 +12,7 @@
 #include <c10/util/StringUtil.h>
 
 #include "csrc/agent/agent.h"
+#include "csrc/agent/dynamic_devices.h"
 #include "csrc/channel/registry.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/exit_gate.h"
@@ -181,6 +182,11 @@ std::string Agent::openTransports() {
   if (!unavailable.empty()) {
     logWarning("torch_rpc_ext: " + self.name_ + " runs without" + unavailable);
   }
+  if (worldSize_ == 0) {
+    // A dynamic group's members learn our devices and maps from our join
+    // record (static groups exchanged them before the agent existed).
+    entry += deviceOfferLines(options_.devices, options_.deviceMaps);
+  }
   return entry;
 }
 
@@ -209,7 +215,12 @@ Route Agent::chooseRoute(const std::string& peerName, const std::string& offers)
   for (const auto& name : options_.transports) {
     auto it = reachable.find(name);
     if (it != reachable.end()) {
-      return Route{name, it->second, std::move(channels)};
+      Route route{name, it->second, std::move(channels)};
+      if (worldSize_ == 0) {
+        route.reverseDeviceMap =
+            reverseMapOf(parseDeviceOffer(offers), workerInfo_.name_);
+      }
+      return route;
     }
   }
   TORCH_CHECK(

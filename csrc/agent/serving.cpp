@@ -90,8 +90,9 @@ void Agent::sendResponse(
       auto it = options_.reverseDeviceMaps.find(peer->info.name_);
       route = routeTo(
           *peer,
-          it == options_.reverseDeviceMaps.end() ? rpc::DeviceMap{}
-                                                 : it->second);
+          worldSize_ == 0 ? peer->route.reverseDeviceMap
+              : it == options_.reverseDeviceMaps.end() ? rpc::DeviceMap{}
+                                                       : it->second);
     }
     frame = wire::encodeMessage(response, id, route ? &*route : nullptr);
     recordCudaUse(*response);

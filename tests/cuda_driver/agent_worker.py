@@ -158,5 +158,60 @@ def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
     ctl.send(out)
 
 
+# ---- a dynamic group (init_rpc without world_size) ---------------------------
+
+
+def run_dynamic(rank: int, store_path: str, ctl, gates) -> None:
+    """worker0 joins receiving on cuda:0; worker2 tries to join with a map
+    to a device worker0 does not receive on, and is refused; then worker1
+    joins with a map {0: 0} to worker0 and moves CUDA tensors both ways (the
+    answers through the reverse of its map, which worker0 learns from its
+    join record)."""
+    setup_torch()
+    name = f"worker{rank}"
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"file://{store_path}", address="127.0.0.1", num_worker_threads=4,
+        rpc_timeout=TIMEOUT)
+    out = {}
+
+    def join():
+        rpc.init_rpc(name, rank=rank, backend=rpc.BackendType.TORCH_RPC_EXT,
+                     rpc_backend_options=opts)
+
+    if rank == 0:
+        opts.devices = [torch.device("cuda", DEVICE)]
+        join()
+        gates["0"].set()
+        gates["done"].wait(120)
+        out["counters"] = channel_counters()
+        out["devices"] = [str(d) for d in rpc.api._get_current_rpc_agent()._get_devices()]
+    elif rank == 2:
+        gates["0"].wait(120)
+        opts.set_device_map("worker0", {DEVICE: 1})
+        try:
+            join()
+            out["refused"] = ""
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["refused"] = str(e)
+        gates["2"].set()
+        ctl.send(out)
+        return
+    else:
+        gates["2"].wait(120)
+        opts.set_device_map("worker0", {DEVICE: DEVICE})
+        join()
+        data = pattern(3 << 20, 4)
+        t = cuda_tensor(data)
+        out["seen_by_worker0"] = rpc.rpc_sync("worker0", describe, args=(t,)) == (
+            f"cuda:{DEVICE}", data)
+        back = rpc.rpc_sync("worker0", identity, args=(t,))
+        out["back"] = (str(back.device), tensor_bytes(back) == data)
+        out["channels"] = rpc.api._get_current_rpc_agent().get_debug_info().get(
+            "rpc_ext.peer.worker0.channels")
+        gates["done"].set()
+    rpc.shutdown()
+    ctl.send(out)
+
+
 if __name__ == "__main__":  # pragma: no cover - used by spawn only
     os._exit(1)

@@ -102,3 +102,34 @@ def test_cuda_tensors_staged_through_host_memory(spawn, monkeypatch, channels, t
     assert caller["devices"] == ["cuda:0"] and callee["devices"] == [f"cuda:{target}"]
     assert caller["map"] == {"cuda:0": f"cuda:{target}"}
     assert "worker0" in callee["unmapped"]
+
+
+def test_device_maps_in_a_dynamic_group(spawn, tmp_path):
+    """A member of a dynamic group maps its CUDA tensors to a member that
+    receives on that device; a joiner whose map lands on a device the
+    member does not receive on is refused before it joins, and the group
+    takes the next joiner."""
+    gates = {k: spawn.Event() for k in ("0", "2", "done")}
+    pipes = [spawn.Pipe() for _ in range(3)]
+    store = str(tmp_path / "store")
+    procs = [spawn.Process(target=agent_worker.run_dynamic,
+                           args=(rank, store, pipes[rank][1], gates)) for rank in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        out = [pipes[r][0].recv() if pipes[r][0].poll(180) else None for r in range(3)]
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0, 0], out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    w0, w1, w2 = out
+    assert "worker2 maps its cuda:0 to cuda:1 of worker0" in w2["refused"]
+    assert "[cuda:0] only" in w2["refused"]
+    assert w1["seen_by_worker0"]
+    assert w1["back"] == ("cuda:0", True)  # through worker0's reverse map
+    assert "cuda_ipc" in w1["channels"]
+    assert w0["devices"] == ["cuda:0"]
+    assert w0["counters"]["segments"] == 1  # the answer, by cuda_ipc
