@@ -293,6 +293,16 @@ class Agent final : public rpc::RpcAgent,
   };
   // Whether a member whose lease lapsed answers on the transport.
   bool reachable(const Member& m);
+  // Joining: wait until `held` (holding our rank or name) is gone: it
+  // leaves, or its lease lapses and we declare it dead (leases.cpp);
+  // throws if it is alive, or at `deadline` (which the wait may extend).
+  void awaitHolderGone(
+      Member held,
+      const Member& me,
+      std::chrono::steady_clock::time_point& deadline,
+      std::unique_lock<std::mutex>& lock);
+  // Whether `m`'s listener on a transport we share accepts a connection.
+  bool listenerAnswers(const Member& m, std::chrono::milliseconds within);
   std::unordered_map<uint64_t, Lease> leases_; // by incarnation
   std::chrono::steady_clock::time_point nextBeat_, nextLeaseCheck_;
   std::thread watcher_;

@@ -67,7 +67,7 @@ void Agent::joinGroup(const std::string& entry) {
       getRpcTimeout().count() > 0 ? getRpcTimeout()
                                   : options_.rendezvousTimeout,
       3 * leaseTimeout());
-  const auto deadline = Clock::now() + joinTimeout;
+  auto deadline = Clock::now() + joinTimeout;
   Member me;
   me.rank = static_cast<int32_t>(self.id_);
   me.name = self.name_;
@@ -82,7 +82,8 @@ void Agent::joinGroup(const std::string& entry) {
     // Our rank or name may still be held: by a worker that is alive (an
     // error), or by one that died and was not declared dead yet (a
     // replacement arriving before the heartbeat noticed): we declare it
-    // dead once its lease has not been renewed for the lease timeout.
+    // dead once its lease has not been renewed for the lease timeout (for
+    // up to kMaxLeaseProbing more while its listener answers).
     while (true) {
       const Member* holder = roster_.byRank(me.rank);
       if (!holder) {
@@ -91,55 +92,7 @@ void Agent::joinGroup(const std::string& entry) {
       if (!holder) {
         break;
       }
-      Member held = *holder;
-      const std::string what = held.rank == me.rank
-          ? "rank " + std::to_string(me.rank)
-          : "name " + me.name;
-      const std::chrono::milliseconds lease(held.leaseMs);
-      int64_t beats = log_->beats(held.incarnation);
-      auto quietSince = Clock::now();
-      while (Clock::now() - quietSince < lease) {
-        TORCH_CHECK(
-            Clock::now() < deadline,
-            "init_rpc of ",
-            me.name,
-            " timed out: ",
-            what,
-            " is still held by ",
-            held.name);
-        lock.unlock();
-        std::this_thread::sleep_for(lease / 10);
-        lock.lock();
-        catchUp();
-        if (!roster_.byIncarnation(held.incarnation)) {
-          break; // it left meanwhile
-        }
-        int64_t now = log_->beats(held.incarnation);
-        TORCH_CHECK(
-            now == beats,
-            "init_rpc of ",
-            me.name,
-            " (rank ",
-            me.rank,
-            "): ",
-            what,
-            " is held by ",
-            held.name,
-            " (rank ",
-            held.rank,
-            "), which is alive; a worker name and rank are reusable once "
-            "their holder has left or died");
-      }
-      if (roster_.byIncarnation(held.incarnation)) {
-        log_->append(
-            deadRecord(
-                held.incarnation,
-                incarnation_,
-                "its lease was not renewed for " + secondsText(lease) +
-                    " (seen by " + me.name + ", which takes its " + what + ")"),
-            roster_.epoch());
-        catchUp();
-      }
+      awaitHolderGone(*holder, me, deadline, lock);
     }
     // Our device maps and the members' must land on devices their targets
     // publish, checked before we hold anything in the log.

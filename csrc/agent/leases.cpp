@@ -5,15 +5,14 @@
 // cannot reach.
 #include "csrc/agent/agent.h"
 
+#include <algorithm>
+#include <thread>
+
 namespace torch_rpc_ext {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// How many leases a member reachable on the transport may go without
-// renewing its own before it is declared dead all the same.
-constexpr int kMaxLeaseProbing = 3;
 
 } // namespace
 
@@ -92,6 +91,90 @@ bool Agent::reachable(const Member& m) {
     return true;
   }
   return false;
+}
+
+void Agent::awaitHolderGone(
+    Member held,
+    const Member& me,
+    Clock::time_point& deadline,
+    std::unique_lock<std::mutex>& lock) {
+  const std::string what = held.rank == me.rank
+      ? "rank " + std::to_string(me.rank)
+      : "name " + me.name;
+  const std::chrono::milliseconds lease(held.leaseMs);
+  const int64_t beats = log_->beats(held.incarnation);
+  // Time enough to judge it as a member would (below).
+  deadline = std::max(deadline, Clock::now() + (kMaxLeaseProbing + 2) * lease);
+  auto quietSince = Clock::now();
+  int probes = 0;
+  while (roster_.byIncarnation(held.incarnation)) {
+    if (Clock::now() - quietSince >= lease) {
+      // Its lease lapsed. As a member would (checkLeases), give a holder
+      // that still answers (its listener accepts: a live process, perhaps
+      // stalled) up to kMaxLeaseProbing more leases; we cannot probe it
+      // with a handshake, which it refuses to a non-member.
+      if (probes >= kMaxLeaseProbing || !listenerAnswers(held, lease)) {
+        break;
+      }
+      ++probes;
+      quietSince = Clock::now();
+    }
+    TORCH_CHECK(
+        Clock::now() < deadline,
+        "init_rpc of ",
+        me.name,
+        " timed out: ",
+        what,
+        " is still held by ",
+        held.name);
+    lock.unlock();
+    std::this_thread::sleep_for(lease / 10);
+    lock.lock();
+    catchUp();
+    if (!roster_.byIncarnation(held.incarnation)) {
+      return; // it left meanwhile, or a member declared it dead
+    }
+    TORCH_CHECK(
+        log_->beats(held.incarnation) == beats,
+        "init_rpc of ",
+        me.name,
+        " (rank ",
+        me.rank,
+        "): ",
+        what,
+        " is held by ",
+        held.name,
+        " (rank ",
+        held.rank,
+        "), which is alive; a worker name and rank are reusable once "
+        "their holder has left or died");
+  }
+  if (!roster_.byIncarnation(held.incarnation)) {
+    return;
+  }
+  log_->append(
+      deadRecord(
+          held.incarnation,
+          incarnation_,
+          "its lease was not renewed for " + secondsText((probes + 1) * lease) +
+              (probes > 0 ? " (its listener still answered)" : "") +
+              " (seen by " + me.name + ", which takes its " + what + ")"),
+      roster_.epoch());
+  catchUp();
+}
+
+bool Agent::listenerAnswers(const Member& m, std::chrono::milliseconds within) {
+  try {
+    Route route = chooseRoute(m.name, m.offers);
+    auto it = transports_.find(route.transport);
+    return it != transports_.end() &&
+        it->second->listenerAnswers(
+            route.address,
+            std::min<std::chrono::milliseconds>(
+                within, std::chrono::seconds(1)));
+  } catch (const std::exception&) {
+    return false; // no transport of ours reaches it
+  }
 }
 
 } // namespace torch_rpc_ext

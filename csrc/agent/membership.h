@@ -106,6 +106,11 @@ struct View {
 
 // ---- The membership log of a dynamic group --------------------------------
 
+// How many leases a member that still answers may go without renewing its
+// own before it is declared dead all the same (by a member that reaches it
+// on the transport, or a joiner whose listener probe it answers).
+constexpr int kMaxLeaseProbing = 3;
+
 // A member as the log knows it.
 struct Member {
   int32_t rank = -1;

@@ -104,6 +104,14 @@ class Transport {
       int32_t expectedPeerId,
       ConnectionObserver* observer) = 0;
 
+  // Whether something listens at `address` now: a connection to it is
+  // accepted within `timeout` (no handshake; nothing is sent). A process
+  // that died no longer listens; one that is alive, even stopped, does (its
+  // kernel accepts for it).
+  virtual bool listenerAnswers(
+      const std::string& address,
+      std::chrono::milliseconds timeout) const = 0;
+
   // Close every listener and connection, then join the loop thread.
   virtual void stop() = 0;
 

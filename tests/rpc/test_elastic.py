@@ -393,6 +393,48 @@ def test_static_member_refused_by_dynamic_group(store_path):
     assert "mixes statically and dynamically" in res[1]
 
 
+# ---- a stalled holder is not taken over by a joiner ----------------------
+
+
+def _stalled_holder(rank, world_size, store_path, gates):
+    out = {}
+    if rank == 0:
+        join(0, store_path, heartbeat_timeout=1.0)
+        gates["pid"].put(os.getpid())
+        gates["tried"].wait(60)
+        out["members"] = members()  # still ours: nobody took the rank
+        rpc.shutdown()
+    else:
+        pid = gates["pid"].get(timeout=30)
+        # The only member stops (as under a debugger, or a stalled host):
+        # its lease lapses, but its kernel still accepts connections for it.
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(2.5, os.kill, (pid, signal.SIGCONT)).start()
+        t0 = time.monotonic()
+        try:
+            join(0, store_path, heartbeat_timeout=1.0)
+            out["joined"] = "joined"
+            rpc.shutdown()
+        except RuntimeError as e:
+            out["joined"] = str(e)
+        out["seconds"] = time.monotonic() - t0
+        gates["tried"].set()
+    return out
+
+
+def test_joiner_does_not_declare_a_stalled_holder_dead(store_path):
+    """A joiner that finds its rank held by a member whose lease lapsed
+    probes the member's listener: a stopped process still answers, so the
+    joiner waits (up to three more leases, as members do) rather than
+    declaring it dead after one; once the holder resumes and renews its
+    lease, the joiner is refused (holding nothing). Judged by the lease
+    alone, it took over 1 s after the stop, while the holder lived."""
+    gates = {"pid": _ctx.Queue(), "tried": _ctx.Event()}
+    res = run_world(_stalled_holder, 2, timeout=120, store_path=store_path, gates=gates)
+    assert "which is alive" in res[1]["joined"], res[1]
+    assert res[0]["members"] == ["worker0"]
+
+
 # ---- dist autograd and DistributedOptimizer with a late joiner ----------
 
 

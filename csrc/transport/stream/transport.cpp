@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/transport/stream/transport.h"
 
+#include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <stdexcept>
 
 #include "csrc/transport/stream/address.h"
@@ -59,6 +62,34 @@ std::shared_ptr<Connection> StreamTransport::connect(
   conn->startConnect(address);
   adopt(conn);
   return conn;
+}
+
+bool StreamTransport::listenerAnswers(
+    const std::string& address,
+    std::chrono::milliseconds timeout) const {
+  SocketAddress to;
+  try {
+    to = SocketAddress::parse(address);
+  } catch (const std::exception&) {
+    return false;
+  }
+  int fd = ::socket(to.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    return false;
+  }
+  bool answers = false;
+  if (::connect(
+          fd, reinterpret_cast<const sockaddr*>(&to.storage), to.length) == 0) {
+    answers = true;
+  } else if (errno == EINPROGRESS || errno == EAGAIN) {
+    pollfd p{fd, POLLOUT, 0};
+    int error = 0;
+    socklen_t len = sizeof(error);
+    answers = ::poll(&p, 1, static_cast<int>(timeout.count())) == 1 &&
+        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0;
+  }
+  ::close(fd);
+  return answers;
 }
 
 void StreamTransport::acceptedFromLoop(

@@ -26,6 +26,9 @@ class StreamTransport : public Transport {
       const std::string& address,
       int32_t expectedPeerId,
       ConnectionObserver* observer) override;
+  bool listenerAnswers(
+      const std::string& address,
+      std::chrono::milliseconds timeout) const override;
   void stop() override;
   std::map<std::string, uint64_t> counters() const override;
 
