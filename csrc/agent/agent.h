@@ -282,6 +282,9 @@ class Agent final : public rpc::RpcAgent,
   std::mutex rosterMutex_; // roster_, the watcher's state
   Roster roster_;
   int64_t ackedEpoch_ = 0;
+  // The snapshot we started from (0: epoch 1), and the last one we wrote.
+  std::atomic<int64_t> startEpoch_{0};
+  int64_t snapshotWritten_ = 0;
   struct Lease {
     int64_t beats = -1;
     std::chrono::steady_clock::time_point changed;

@@ -161,6 +161,23 @@ void Agent::joinGroup(const std::string& entry) {
 
 bool Agent::catchUp() {
   bool changed = false;
+  if (roster_.epoch() == 0) {
+    // A joiner starts from the newest snapshot, if any, not from epoch 1.
+    auto [epoch, text] = log_->latestSnapshot();
+    Roster from;
+    if (epoch > 0 && from.restore(epoch, text)) {
+      roster_ = std::move(from);
+      startEpoch_ = epoch;
+      for (const auto& [rank, member] : roster_.members()) {
+        MembershipEvent ev;
+        ev.kind = MembershipEvent::Kind::kJoin;
+        ev.epoch = epoch;
+        ev.member = member;
+        applyEvent(ev);
+      }
+      changed = true;
+    }
+  }
   while (auto record = log_->read(roster_.epoch() + 1)) {
     applyEvent(roster_.apply(*record));
     changed = true;
@@ -351,6 +368,12 @@ void Agent::watchMembership() {
         std::lock_guard<std::mutex> lock(rosterMutex_);
         changed = catchUp();
         ackApplied();
+        // Every snapshotEvery() epochs, the roster as a snapshot for joiners.
+        const int64_t every = MembershipLog::snapshotEvery();
+        if (roster_.epoch() / every > snapshotWritten_ / every) {
+          log_->writeSnapshot(roster_.epoch(), roster_.snapshot());
+          snapshotWritten_ = roster_.epoch();
+        }
         if (now >= nextLeaseCheck_) {
           checkLeases();
           ackApplied(); // a death it recorded itself

@@ -3,6 +3,7 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <sstream>
 
 namespace torch_rpc_ext {
@@ -225,6 +226,43 @@ MembershipEvent Roster::apply(const std::string& record) {
   return ev;
 }
 
+std::string Roster::snapshot() const {
+  // Each member's join record, after its length: "<bytes>\n<record>".
+  std::string out;
+  for (const auto& [rank, m] : members_) {
+    std::string record = joinRecord(m);
+    out += std::to_string(record.size()) + "\n" + record;
+  }
+  return out;
+}
+
+bool Roster::restore(int64_t epoch, const std::string& text) {
+  Roster r;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t nl = text.find('\n', at);
+    if (nl == std::string::npos || nl - at > 8) {
+      return false;
+    }
+    size_t n = 0;
+    try {
+      n = std::stoul(text.substr(at, nl - at));
+    } catch (const std::exception&) {
+      return false;
+    }
+    if (n > kMaxRecordBytes || n > text.size() - nl - 1) {
+      return false;
+    }
+    if (r.apply(text.substr(nl + 1, n)).kind != MembershipEvent::Kind::kJoin) {
+      return false;
+    }
+    at = nl + 1 + n;
+  }
+  r.epoch_ = epoch;
+  *this = std::move(r);
+  return true;
+}
+
 std::optional<std::string> MembershipLog::read(int64_t epoch) const {
   std::string key = logKey(epoch);
   if (!store_->check({key})) {
@@ -276,6 +314,47 @@ void MembershipLog::ack(uint64_t incarnation, int64_t epoch) const {
 
 int64_t MembershipLog::acked(uint64_t incarnation) const {
   return readNumber("ack/" + incarnationText(incarnation));
+}
+
+void MembershipLog::writeSnapshot(int64_t epoch, const std::string& text)
+    const {
+  const std::string key = "snap/" + std::to_string(epoch);
+  store_->compareSet(key, {}, toBytes(text));
+  // Then the pointer, which only moves forward.
+  int64_t latest = readNumber("snap/latest");
+  while (latest < epoch) {
+    auto expected =
+        latest == 0 ? std::vector<uint8_t>{} : toBytes(std::to_string(latest));
+    auto got = store_->compareSet(
+        "snap/latest", expected, toBytes(std::to_string(epoch)));
+    try {
+      latest = std::stoll(fromBytes(got));
+    } catch (const std::logic_error&) {
+      return; // not ours
+    }
+  }
+}
+
+std::pair<int64_t, std::string> MembershipLog::latestSnapshot() const {
+  const int64_t epoch = readNumber("snap/latest");
+  const std::string key = "snap/" + std::to_string(epoch);
+  if (epoch <= 0 || !store_->check({key})) {
+    return {0, ""};
+  }
+  return {epoch, fromBytes(store_->get(key))};
+}
+
+int64_t MembershipLog::snapshotEvery() {
+  if (const char* env = std::getenv("TORCH_RPC_EXT_LOG_SNAPSHOT_EVERY")) {
+    try {
+      const int64_t n = std::stoll(env);
+      if (n > 0) {
+        return n;
+      }
+    } catch (const std::logic_error&) {
+    }
+  }
+  return kSnapshotEvery;
 }
 
 void MembershipLog::forget(uint64_t incarnation) const {

@@ -23,6 +23,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -106,6 +107,9 @@ struct View {
 
 // ---- The membership log of a dynamic group --------------------------------
 
+// Epochs between snapshots of the roster (MembershipLog::writeSnapshot).
+constexpr int64_t kSnapshotEvery = 64;
+
 // How many leases a member that still answers may go without renewing its
 // own before it is declared dead all the same (by a member that reaches it
 // on the transport, or a joiner whose listener probe it answers).
@@ -166,6 +170,13 @@ class Roster {
   const Member* byName(const std::string& name) const;
   const Member* byIncarnation(uint64_t incarnation) const;
 
+  // The members as one text (their join records, in rank order), and back:
+  // a joiner starts from the newest snapshot, not from epoch 1.
+  std::string snapshot() const;
+  // This roster becomes `text`'s at `epoch`; false (nothing changed) if
+  // `text` is not a snapshot.
+  bool restore(int64_t epoch, const std::string& text);
+
  private:
   int64_t epoch_ = 0;
   std::map<int32_t, Member> members_; // by rank
@@ -197,6 +208,14 @@ class MembershipLog {
   int64_t acked(uint64_t incarnation) const;
   // Remove a departed member's lease and acknowledgement keys.
   void forget(uint64_t incarnation) const;
+  // Snapshots of the roster ("snap/<epoch>", the newest epoch in
+  // "snap/latest"), written every `snapshotEvery()` epochs by the members
+  // that reach one (the same text for an epoch: whoever writes first wins).
+  void writeSnapshot(int64_t epoch, const std::string& text) const;
+  // The newest snapshot's epoch and text, or epoch 0.
+  std::pair<int64_t, std::string> latestSnapshot() const;
+  // kSnapshotEvery, or TORCH_RPC_EXT_LOG_SNAPSHOT_EVERY.
+  static int64_t snapshotEvery();
 
  private:
   // A counter or epoch stored as decimal text; 0 if absent or not a number.

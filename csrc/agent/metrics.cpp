@@ -87,6 +87,7 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
     auto v = view();
     m["rpc_ext.membership.epoch"] = std::to_string(v->epoch);
     m["rpc_ext.membership.size"] = std::to_string(v->byName.size());
+    m["rpc_ext.membership.start_epoch"] = std::to_string(startEpoch_.load());
     m["rpc_ext.membership.dropped_forks"] =
         std::to_string(droppedForks_.load());
     m["rpc_ext.membership.dropped_autograd_contexts"] =

@@ -435,6 +435,60 @@ def test_joiner_does_not_declare_a_stalled_holder_dead(store_path):
     assert res[0]["members"] == ["worker0"]
 
 
+# ---- the log's snapshots: a joiner starts from the newest -----------------
+
+
+def _snapshots(rank, world_size, store_path, gates):
+    os.environ["TORCH_RPC_EXT_LOG_SNAPSHOT_EVERY"] = "4"
+    out = {}
+    if rank == 0:
+        join(0, store_path)
+        gates["0"].set()
+        gates["churned"].wait(60)
+        gates["2"].wait(60)
+        out["members"] = members()
+        out["call2"] = rpc.rpc_sync("worker2", add, (2, 2))
+        gates["done"].set()
+        rpc.shutdown()
+    elif rank == 1:
+        gates["0"].wait(30)
+        for _ in range(4):  # 8 epochs: a join and a leave each
+            join(1, store_path)
+            rpc.rpc_sync("worker0", add, (1, 1))
+            rpc.shutdown()
+        join(1, store_path)
+        gates["churned"].set()
+        gates["done"].wait(60)
+        rpc.shutdown()
+    else:
+        gates["churned"].wait(60)
+        join(2, store_path)
+        metrics = rpc.api._get_current_rpc_agent().get_metrics()
+        out["start_epoch"] = int(metrics["rpc_ext.membership.start_epoch"])
+        out["epoch"] = int(metrics["rpc_ext.membership.epoch"])
+        out["members"] = members()
+        out["calls"] = [rpc.rpc_sync(w, add, (3, 4)) for w in ("worker0", "worker1")]
+        gates["2"].set()
+        gates["done"].wait(60)
+        rpc.shutdown()
+    return out
+
+
+def test_joiner_starts_from_the_logs_newest_snapshot(store_path):
+    """Members write the roster as a snapshot every few epochs (4 here); a
+    joiner reads the newest and only the records after it, and sees the
+    same group as one replaying the whole log."""
+    gates = {k: _ctx.Event() for k in ("0", "churned", "2", "done")}
+    res = run_world(_snapshots, 3, timeout=120, store_path=store_path, gates=gates)
+    w2 = res[2]
+    assert w2["start_epoch"] >= 8, w2  # 1 + 8 + 1 epochs before it joined
+    assert w2["epoch"] > w2["start_epoch"]
+    assert w2["members"] == ["worker0", "worker1", "worker2"]
+    assert w2["calls"] == [7, 7]
+    assert res[0]["members"] == ["worker0", "worker1", "worker2"]
+    assert res[0]["call2"] == 4
+
+
 # ---- dist autograd and DistributedOptimizer with a late joiner ----------
 
 
