@@ -62,6 +62,7 @@ step probe python3 tools/gpu_probe.py --ptx "$ptx"
 step pytest python3 -m pytest -p no:cacheprovider -q --timeout 300 -rfE \
   $(ls -d tests/cuda* 2>/dev/null) "$@"
 [ -f "$OUT/pytest.log" ] && tail -n 5 "$OUT/pytest.log"
+rm -f "$OUT/cuda_bench.jsonl" "$OUT/cuda_bench.png"
 step bench python3 benchmarks/cuda_bench.py --out "$OUT/cuda_bench.jsonl" \
   --chart "$OUT/cuda_bench.png"
 [ -f "$OUT/cuda_bench.jsonl" ] && grep '"ratio"' "$OUT/cuda_bench.jsonl"

@@ -113,7 +113,13 @@ void Agent::awaitHolderGone(
       // that still answers (its listener accepts: a live process, perhaps
       // stalled) up to kMaxLeaseProbing more leases; we cannot probe it
       // with a handshake, which it refuses to a non-member.
-      if (probes >= kMaxLeaseProbing || !listenerAnswers(held, lease)) {
+      if (probes >= kMaxLeaseProbing) {
+        break;
+      }
+      lock.unlock(); // a probe may take a second
+      const bool answers = listenerAnswers(held, lease);
+      lock.lock();
+      if (!answers) {
         break;
       }
       ++probes;

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/agent/membership.h"
 
+#include "csrc/agent/dynamic_devices.h"
+
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -194,6 +196,16 @@ MembershipEvent Roster::apply(const std::string& record) {
     }
     if (byIncarnation(*inc)) {
       return ignore("incarnation " + incText + " joined twice");
+    }
+    // Every member judges device maps alike (a joiner checks them before
+    // it appends, but two joining at once do not see each other).
+    const DeviceOffer offer = parseDeviceOffer(ev.member.offers);
+    for (const auto& [r, m] : members_) {
+      std::string conflict =
+          deviceMapConflict(name, offer, m.name, parseDeviceOffer(m.offers));
+      if (!conflict.empty()) {
+        return ignore(conflict);
+      }
     }
     ev.kind = MembershipEvent::Kind::kJoin;
     members_[ev.member.rank] = ev.member;

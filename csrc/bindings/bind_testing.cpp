@@ -275,6 +275,12 @@ void bindTesting(py::module_& m) {
                 ev.reason);
           })
       .def_property_readonly("epoch", &Roster::epoch)
+      .def("snapshot", [](const Roster& r) { return py::bytes(r.snapshot()); })
+      .def(
+          "restore",
+          [](Roster& r, int64_t epoch, const py::bytes& text) {
+            return r.restore(epoch, std::string(text));
+          })
       .def("members", [](const Roster& r) {
         std::vector<std::pair<int32_t, std::string>> out;
         for (const auto& [rank, m] : r.members()) {
@@ -287,15 +293,21 @@ void bindTesting(py::module_& m) {
       [](int32_t rank,
          const std::string& name,
          uint64_t incarnation,
-         int64_t leaseMs) {
+         int64_t leaseMs,
+         const std::string& offers) {
         Member mb;
         mb.rank = rank;
         mb.name = name;
         mb.incarnation = incarnation;
         mb.leaseMs = leaseMs;
-        mb.offers = ""; // the rules never read a member's offers
+        mb.offers = offers; // the rules read only its device lines
         return py::bytes(joinRecord(mb));
-      });
+      },
+      py::arg("rank"),
+      py::arg("name"),
+      py::arg("incarnation"),
+      py::arg("lease_ms"),
+      py::arg("offers") = "");
   m.def("leave_record", [](uint64_t incarnation) {
     return py::bytes(leaveRecord(incarnation));
   });

@@ -224,6 +224,20 @@ class Channel {
       const frame::OutboundFrame::Segment& segment) {
     return nullptr;
   }
+  // kStaged, any thread, no lock held: the segments of one frame this
+  // channel's device kind may carry (`offered`, ascending), all at once, so
+  // that it may gather small ones with one launch. Sets staged[i] (`staged`
+  // has a slot per segment) for each it carries; throws as stageOut() does,
+  // leaving set what it carries (released with `staged`). By default,
+  // stageOut() for each.
+  virtual void stageOutAll(
+      const std::vector<frame::OutboundFrame::Segment>& segments,
+      const std::vector<size_t>& offered,
+      std::vector<std::shared_ptr<StagedOut>>& staged) {
+    for (size_t i : offered) {
+      staged[i] = stageOut(segments[i]);
+    }
+  }
   // Frames waiting for a ride with the next message frame (batched
   // notifications), appended to `out`.
   virtual void collectPendingLocked(std::vector<ControlFrame>* out) {}

@@ -20,6 +20,8 @@ import torch_rpc_ext
 
 DEVICE = 0
 TIMEOUT = 60
+MANY = 20  # small tensors in one call
+MANY_BYTES = sum(1000 + i for i in range(MANY))
 
 
 def cu():
@@ -137,6 +139,11 @@ def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
         small = pattern(100, 2)
         got = rpc.rpc_async("worker1", identity, args=(cuda_tensor(small),)).wait()
         out["small"] = tensor_bytes(got) == small
+        # Many small tensors in one call: packed together (cuda_ipc) or
+        # gathered (cuda_staged), one launch each way.
+        many = [pattern(1000 + i, i) for i in range(MANY)]
+        got = rpc.rpc_sync("worker1", identity, args=([cuda_tensor(b) for b in many],))
+        out["many"] = [tensor_bytes(g) for g in got] == many
         # A strided view (every fourth column: a quarter of its span) travels
         # packed and arrives contiguous.
         view, packed = cuda_view(pattern(1 << 20, 3), (256, 1024), (slice(None), slice(3, None, 4)))

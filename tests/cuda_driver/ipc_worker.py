@@ -161,6 +161,43 @@ def handback_receiver(conn, ctl):
     end.close()
 
 
+# ---- handback_kept: the block lent again while our handed-back view lives ---
+#
+# The receiver hands a block back but keeps its view alive; the owner frees
+# the block and lends it again. The new segment gets a lease of its own
+# (sharing the handed-back one would never release the block): the third
+# segment reuses the block.
+
+
+def handback_kept_sender(conn, ctl):
+    end = End("sender", conn)
+    n = 1 << 20
+    p = end.alloc(pattern(n, 6))
+    end.send_device(b"a", p, n)
+    head, (region,) = end.receive()  # our block, handed back
+    region.release()
+    del region
+    for head in (b"b", b"c"):
+        end.send_device(head, p, n)
+        assert end.receive()[0] == b"ok"
+    ctl.send(end.counters())
+    end.close()
+
+
+def handback_kept_receiver(conn, ctl):
+    end = End("receiver", conn)
+    head, (first,) = end.receive()
+    end.send_device(b"back", first.address, first.size, hand_back=first)
+    for _ in range(2):
+        head, (region,) = end.receive()
+        intact = end.read_region(region) == pattern(1 << 20, 6)
+        region.release()
+        end.ep.send(b"ok", [])
+    first.release()  # handed back long ago: nothing to tell
+    ctl.send((intact, end.counters()))
+    end.close()
+
+
 # ---- unreached: a CUDA segment to a peer without cuda_ipc -------------------
 
 

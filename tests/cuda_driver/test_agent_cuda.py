@@ -52,15 +52,16 @@ def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
     assert caller["small"]
     assert caller["empty"] == ("cuda:0", b"")
     assert caller["view"]  # packed, contiguous, bytes intact
+    assert caller["many"]
     assert "cuda_ipc" in caller["channels"]
-    # Each CUDA tensor crossed once through a block, one launch each (one
-    # per message): four out, two back; of the view, only its quarter of
-    # its span, packed by the launch.
+    # Each CUDA tensor crossed once through a block, one launch per message:
+    # 4 + MANY out, 2 + MANY back; of the view, only its quarter of its
+    # span, packed by the launch; the small ones packed into one block.
     ipc = caller["counters"]["cuda_ipc"]
-    assert ipc["segments"] == 4
-    assert ipc["copied_bytes"] == 2 * (3 << 20) + 100 + (256 << 10)
-    assert ipc["launches"] == 4
-    assert caller["callee_counters"]["cuda_ipc"]["segments"] == 2
+    assert ipc["segments"] == 4 + agent_worker.MANY
+    assert ipc["copied_bytes"] == 2 * (3 << 20) + 100 + (256 << 10) + agent_worker.MANY_BYTES
+    assert ipc["launches"] == 5 and ipc["packed"] == agent_worker.MANY
+    assert caller["callee_counters"]["cuda_ipc"]["segments"] == 2 + agent_worker.MANY
     assert caller["devices"] == callee["devices"] == ["cuda:0"]
     assert caller["map"] == {"cuda:0": "cuda:0"} and callee["map"] == {}
     assert "no device map names cuda:0" in callee["unmapped"]
@@ -88,17 +89,20 @@ def test_cuda_tensors_staged_through_host_memory(spawn, monkeypatch, channels, t
     assert caller["small"]
     assert caller["empty"] == (f"cuda:{target}", b"")
     assert caller["view"]  # packed on the device, then staged
+    assert caller["many"]  # gathered by one launch, then staged
     assert "cuda_staged" in caller["channels"]
-    # Four tensors with bytes out (3 MiB, 3 MiB, 100 B, a 256 KiB view of
-    # 1 MiB), two back.
+    # Tensors with bytes out: 3 MiB, 3 MiB, 100 B, MANY small ones, a 256 KiB
+    # view of 1 MiB; back: 3 MiB, 100 B and the MANY.
+    n = agent_worker.MANY
     staged = caller["counters"]["cuda_staged"]
-    assert staged["segments_sent"] == 4 and staged["segments_received"] == 2
-    assert staged["bytes_sent"] == 2 * (3 << 20) + 100 + (256 << 10)
-    assert staged["packed"] == 1
-    assert caller["callee_counters"]["cuda_staged"]["segments_received"] == 4
+    assert staged["segments_sent"] == 4 + n and staged["segments_received"] == 2 + n
+    assert staged["bytes_sent"] == 2 * (3 << 20) + 100 + (256 << 10) + agent_worker.MANY_BYTES
+    assert staged["packed"] == 1 and staged["gathered"] == n
+    theirs = caller["callee_counters"]["cuda_staged"]
+    assert theirs["segments_received"] == 4 + n and theirs["gathered"] == n
     if "cuda_ipc" in channels:
         assert caller["counters"]["cuda_ipc"]["segments"] == 0
-        assert caller["counters"]["cuda_ipc"]["declined"] == 4
+        assert caller["counters"]["cuda_ipc"]["declined"] == 4 + n
     assert caller["devices"] == ["cuda:0"] and callee["devices"] == [f"cuda:{target}"]
     assert caller["map"] == {"cuda:0": f"cuda:{target}"}
     assert "worker0" in callee["unmapped"]

@@ -72,6 +72,13 @@ def test_a_block_sent_back_unchanged_is_handed_back_without_a_copy(spawn):
     assert sender["blocks_created"] == 1 and sender["segments"] == 2
 
 
+def test_a_block_lent_again_while_a_handed_back_view_lives_is_released(spawn):
+    sender, (intact, receiver) = play(spawn, "handback_kept")
+    assert intact and receiver["handbacks"] == 1
+    # One block for all three segments: each later lending was released.
+    assert sender["blocks_created"] == 1 and sender["segments"] == 3
+
+
 def test_a_cuda_segment_to_a_peer_without_cuda_ipc_is_refused_before_sending(spawn):
     (error, counters), (head, segments) = play(spawn, "unreached")
     assert "no channel of" in error and "device type 1" in error

@@ -51,6 +51,46 @@ def test_conflicts_and_duplicates_are_ignored_with_a_reason():
     assert r.members() == []
 
 
+def test_a_join_whose_device_maps_conflict_is_ignored_by_every_member():
+    """Device maps are judged by the rules, so two joiners that checked
+    before seeing each other are still sorted out alike everywhere."""
+    r, evs = apply_all(
+        [
+            t.join_record(0, "w0", 0xA, 1000, "devices 0"),
+            t.join_record(2, "w2", 0xB, 1000, "devices 0\ndevicemap w0 0:1"),
+            t.join_record(1, "w1", 0xC, 1000, "devices 0\ndevicemap w0 0:0"),
+            t.join_record(3, "w3", 0xD, 1000, "devicemap w4 0:2"),  # w4 not here yet
+            t.join_record(4, "w4", 0xE, 1000, "devices 0,1"),  # w3's map lands off it
+        ]
+    )
+    assert [e[0] for e in evs] == ["join", "ignored", "join", "join", "ignored"]
+    assert "w2 maps its cuda:0 to cuda:1 of w0" in evs[1][4]
+    assert "w3 maps its cuda:0 to cuda:2 of w4" in evs[4][4]
+    assert r.members() == [(0, "w0"), (1, "w1"), (3, "w3")]
+
+
+def test_a_snapshot_restores_the_same_roster():
+    r, _ = apply_all(
+        [
+            t.join_record(0, "w0", 0xA, 1000, "tcp x 1.2.3.4:5\ndevices 0"),
+            t.join_record(1, "w1", 0xB, 2000),
+            t.leave_record(0xA),
+            t.join_record(0, "w0", 0xC, 1000),
+        ]
+    )
+    copy = t.Roster()
+    assert copy.restore(r.epoch, r.snapshot())
+    assert copy.epoch == 4 and copy.members() == r.members()
+    assert copy.snapshot() == r.snapshot()
+    # And goes on as the original does.
+    assert copy.apply(t.leave_record(0xB))[:2] == r.apply(t.leave_record(0xB))[:2]
+    assert copy.members() == r.members() == [(0, "w0")]
+    for garbage in (b"x", b"5\nabc", b"999\n" + r.snapshot(), t.leave_record(0xA)):
+        fresh = t.Roster()
+        assert not fresh.restore(7, garbage)
+        assert fresh.epoch == 0 and fresh.members() == []
+
+
 @pytest.mark.parametrize(
     "record",
     [

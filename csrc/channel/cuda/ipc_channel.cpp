@@ -319,9 +319,13 @@ void IpcChannel::takeGroup(
     }
   } catch (...) {
     // The frame is not sent: the blocks go back to the pool (the peer hears
-    // of new ones all the same).
+    // of new ones all the same), after whatever was queued into them (the
+    // next copy waits on `released`); one whose record fails stays lent.
     for (const auto& l : lent) {
-      unlend(l);
+      if (libcuda().cuEventRecord(l.block->released(), stream) ==
+          CUDA_SUCCESS) {
+        unlend(l);
+      }
     }
     throw;
   }
@@ -352,8 +356,12 @@ void IpcChannel::abandonRegion(
     return;
   }
   counters_.copiedBytes.fetch_sub(segment.size, std::memory_order_relaxed);
-  // The first record of a packed block gives it back; the others find it
-  // free already.
+  if (r.offset != 0) {
+    // A packed block goes back with its record at offset 0 (each lent block
+    // has one), once: another frame may have it by the time a second
+    // record of it would.
+    return;
+  }
   std::shared_ptr<Block> block;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -66,6 +66,10 @@ class BlockLease final : public DeviceRegion {
   bool handOn() {
     return !handedOn_.exchange(true);
   }
+  // Handed back to its owner, which may lend the block again meanwhile.
+  bool handedOn() const {
+    return handedOn_.load();
+  }
   // That frame was not sent after all: the lease gives the block back
   // itself (the records the hand-back made only order more work).
   void keep() {

@@ -181,10 +181,11 @@ int64_t IpcChannel::onRecordFromLoop(
   }
   *segment.provided = reinterpret_cast<void*>(block->address() + r.offset);
   if (!own) {
-    // A block the peer lends again only once our lease on it died: a live
-    // one is this frame's, whose segments share it.
+    // A block the peer lends again only once our lease on it died or was
+    // handed back: a live one that was not is this frame's, whose segments
+    // share it.
     auto& live = peerLeases_[r.id];
-    if (auto lease = live.lock()) {
+    if (auto lease = live.lock(); lease && !lease->handedOn()) {
       lease->share();
       *segment.region = std::move(lease);
       return static_cast<int64_t>(segment.size);

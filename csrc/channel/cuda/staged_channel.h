@@ -44,6 +44,10 @@ namespace torch_rpc_ext::channel::cuda {
 constexpr uint64_t kStagedChunkBytes = uint64_t(4) << 20;
 constexpr uint64_t kMaxPinnedBytes = uint64_t(8) << 30;
 constexpr int64_t kStagedIdleMs = 5000;
+// Segments up to this size, of one frame, device and stream, are gathered
+// into one buffer (each at an offset aligned to kStagedAlign).
+constexpr uint64_t kGatherMaxBytes = uint64_t(1) << 20;
+constexpr uint64_t kStagedAlign = 256;
 
 struct StagedCounters {
   std::atomic<uint64_t> sent{0}; // segments
@@ -53,6 +57,7 @@ struct StagedCounters {
   std::atomic<uint64_t> chunks{0}; // copies either way
   std::atomic<uint64_t> declined{0}; // over the pinned limit
   std::atomic<uint64_t> packed{0}; // strided views packed on the device
+  std::atomic<uint64_t> gathered{0}; // small segments sent in a group
 };
 
 class StagedChannel final : public Channel {
@@ -65,6 +70,10 @@ class StagedChannel final : public Channel {
 
   std::shared_ptr<StagedOut> stageOut(
       const frame::OutboundFrame::Segment& segment) override;
+  void stageOutAll(
+      const std::vector<frame::OutboundFrame::Segment>& segments,
+      const std::vector<size_t>& offered,
+      std::vector<std::shared_ptr<StagedOut>>& staged) override;
 
   int64_t onRecordFromLoop(
       const frame::SegmentRecord& record,
@@ -74,6 +83,13 @@ class StagedChannel final : public Channel {
   void onClosedFromLoop() override;
 
  private:
+  // The small segments `group` (of one device and stream) into one pinned
+  // buffer: one launch gathers them into a device block, then copies out
+  // of it chunk by chunk.
+  void gatherOut(
+      const std::vector<frame::OutboundFrame::Segment>& segments,
+      const std::vector<size_t>& group,
+      std::vector<std::shared_ptr<StagedOut>>& staged);
   struct Landing;
   // Gives back what a landing holds once its copies are done.
   void abandonLanding();

@@ -151,17 +151,31 @@ void StreamConnection::planSegments(
       mark();
       continue;
     }
+    if (ctx.mode() == channel::Channel::Mode::kStaged) {
+      std::vector<std::shared_ptr<channel::StagedOut>> staged(n);
+      auto mark = [&] {
+        for (size_t i : offered) {
+          if (staged[i]) {
+            slots.resize(n);
+            w.staged.resize(n);
+            slots[i] = slot;
+            w.staged[i] = std::move(staged[i]);
+            taken[i] = true;
+          }
+        }
+      };
+      try {
+        ch.stageOutAll(frame.segments, offered, staged);
+      } catch (...) {
+        mark(); // released with `w`, once their copies are done
+        throw;
+      }
+      mark();
+      continue;
+    }
     for (size_t i : offered) {
       const auto& segment = frame.segments[i];
-      if (ctx.mode() == channel::Channel::Mode::kStaged) {
-        if (auto staged = ch.stageOut(segment)) {
-          slots.resize(n);
-          w.staged.resize(n);
-          slots[i] = slot;
-          w.staged[i] = std::move(staged);
-          taken[i] = true;
-        }
-      } else if (ch.takeChunks(segment)) {
+      if (ch.takeChunks(segment)) {
         w.chunked.resize(n);
         w.chunked[i] = slot;
         taken[i] = true;

@@ -83,9 +83,13 @@ bool StreamTransport::listenerAnswers(
     answers = true;
   } else if (errno == EINPROGRESS || errno == EAGAIN) {
     pollfd p{fd, POLLOUT, 0};
+    int ready;
+    do {
+      ready = ::poll(&p, 1, static_cast<int>(timeout.count()));
+    } while (ready < 0 && errno == EINTR);
     int error = 0;
     socklen_t len = sizeof(error);
-    answers = ::poll(&p, 1, static_cast<int>(timeout.count())) == 1 &&
+    answers = ready == 1 &&
         ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0;
   }
   ::close(fd);
