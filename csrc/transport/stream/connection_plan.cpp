@@ -1,0 +1,169 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// How StreamConnection::write() sends a frame's segments: which channel
+// carries each (the region channels' copies and the staged copies out of a
+// device start here, on the caller's thread), and what a frame that cannot
+// be sent gives back.
+#include <algorithm>
+#include <stdexcept>
+
+#include "csrc/common/logging.h"
+#include "csrc/transport/stream/connection.h"
+
+namespace torch_rpc_ext::transport::stream {
+
+void StreamConnection::planSegments(
+    frame::OutboundFrame& frame,
+    PendingWrite& w,
+    std::vector<uint8_t>& slots,
+    std::vector<channel::ControlFrame>& before) {
+  // Every segment must have a way to travel before any channel takes one
+  // (taking may lend a slab or hand one back). The stream carries CPU
+  // memory; other devices need a channel of theirs.
+  for (const auto& segment : frame.segments) {
+    if (segment.device == uint8_t(channel::DeviceKind::kCpu) ||
+        segment.size == 0) {
+      continue;
+    }
+    bool carried =
+        std::any_of(channels_.begin(), channels_.end(), [&](const auto& c) {
+          return uint8_t(c->context().device()) == segment.device;
+        });
+    if (!carried) {
+      throw std::invalid_argument(
+          "no channel of " + describe() + " carries memory of device type " +
+          std::to_string(segment.device));
+    }
+  }
+  if (channels_.empty()) {
+    return;
+  }
+  // Channels in order of preference; each is offered the segments of its
+  // device that none before it took (a region channel all at once).
+  const size_t n = frame.segments.size();
+  std::vector<bool> taken(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    taken[i] = frame.segments[i].size == 0;
+  }
+  std::vector<size_t> offered;
+  for (size_t k = 0; k < channels_.size(); ++k) {
+    auto& ch = *channels_[k];
+    const auto& ctx = ch.context();
+    offered.clear();
+    for (size_t i = 0; i < n; ++i) {
+      if (!taken[i] && frame.segments[i].device == uint8_t(ctx.device())) {
+        offered.push_back(i);
+      }
+    }
+    if (offered.empty()) {
+      continue;
+    }
+    const auto slot = static_cast<uint8_t>(k + 1);
+    if (ctx.mode() == channel::Channel::Mode::kRegion) {
+      std::vector<channel::Channel::TakenRegion> took;
+      auto mark = [&] {
+        for (const auto& t : took) {
+          if (w.regionRecords.empty()) {
+            // Sized once: the frame's segments will point into it.
+            w.regionRecords.resize(n);
+          }
+          slots.resize(n);
+          slots[t.segment] = slot;
+          w.regionRecords[t.segment] = t.record;
+          taken[t.segment] = true;
+        }
+      };
+      try {
+        ch.takeRegions(frame.segments, offered, &took, &before);
+      } catch (...) {
+        mark(); // for abandonPlan to give back
+        throw;
+      }
+      mark();
+      continue;
+    }
+    if (ctx.mode() == channel::Channel::Mode::kStaged) {
+      std::vector<std::shared_ptr<channel::StagedOut>> staged(n);
+      auto mark = [&] {
+        for (size_t i : offered) {
+          if (staged[i]) {
+            slots.resize(n);
+            w.staged.resize(n);
+            slots[i] = slot;
+            w.staged[i] = std::move(staged[i]);
+            taken[i] = true;
+          }
+        }
+      };
+      try {
+        ch.stageOutAll(frame.segments, offered, staged);
+      } catch (...) {
+        mark(); // released with `w`, once their copies are done
+        throw;
+      }
+      mark();
+      continue;
+    }
+    for (size_t i : offered) {
+      const auto& segment = frame.segments[i];
+      if (ch.takeChunks(segment)) {
+        w.chunked.resize(n);
+        w.chunked[i] = slot;
+        taken[i] = true;
+      }
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const auto& segment = frame.segments[i];
+    if (!taken[i] && segment.device != uint8_t(channel::DeviceKind::kCpu)) {
+      // Its channels declined it: nothing else can carry device memory.
+      throw std::runtime_error(
+          "every channel of " + describe() + " for device type " +
+          std::to_string(segment.device) + " declined a segment of " +
+          std::to_string(segment.size) + " bytes");
+    }
+  }
+}
+
+void StreamConnection::abandonPlan(
+    const frame::OutboundFrame& frame,
+    const PendingWrite& w,
+    const std::vector<uint8_t>& slots,
+    std::vector<channel::ControlFrame> before) {
+  // What the region channels took for the earlier segments goes back (the
+  // staged copies go back with `w`, once they are done).
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] == 0 || (!w.staged.empty() && w.staged[i])) {
+      continue;
+    }
+    try {
+      channels_[slots[i] - 1]->abandonRegion(
+          frame.segments[i], w.regionRecords.at(i));
+    } catch (const std::exception& e) {
+      logWarning(
+          "torch_rpc_ext: " + describe() +
+          " could not give back a region of an unsent frame: " + e.what());
+    }
+  }
+  if (before.empty()) {
+    return;
+  }
+  // The peer must still hear of regions made meanwhile: they are in our
+  // pools now, and a later record may name them.
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    bool wasEmpty = writes_.empty();
+    for (auto& b : before) {
+      writes_.push_back(controlFrame(std::move(b)));
+    }
+    if (state_ == State::kReady && wasEmpty) {
+      error = flushLocked();
+    }
+  }
+  afterFlush(error);
+}
+
+} // namespace torch_rpc_ext::transport::stream
