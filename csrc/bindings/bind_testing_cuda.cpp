@@ -14,6 +14,7 @@
 #include "csrc/channel/cuda/copy_engine.h"
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/exported_memory.h"
+#include "csrc/channel/cuda/ipc_channel.h"
 #include "csrc/common/libcuda.h"
 
 namespace torch_rpc_ext::bindings {
@@ -50,7 +51,23 @@ void bindTestingCuda(py::module_& parent) {
   m.def("device_uuid", &cuda::deviceUuid);
   m.def("multiprocessors", &cuda::multiprocessors);
   m.def("supports_fd_export", &cuda::supportsFdExport);
-  m.def("granularity", &cuda::ExportedMemory::granularity);
+  m.def("granularity", [](int device) {
+    return cuda::ExportedMemory::granularity(device);
+  });
+  // How cuda_ipc shares blocks of device `uuid` between two processes that
+  // published these descriptors: "fd", "legacy" or None.
+  m.def(
+      "ipc_sharing",
+      [](const std::string& local,
+         const std::string& peer,
+         const std::string& uuid) -> py::object {
+        auto sharing = cuda::IpcDomain::parse(local).sharingWith(
+            cuda::IpcDomain::parse(peer), uuid);
+        if (!sharing) {
+          return py::none();
+        }
+        return py::str(*sharing == cuda::Sharing::kFd ? "fd" : "legacy");
+      });
 
   // Plain device memory and copies, for setting up and checking.
   m.def("mem_alloc", [](int device, size_t bytes) {
@@ -94,7 +111,11 @@ void bindTestingCuda(py::module_& parent) {
   });
 
   py::class_<cuda::ExportedMemory>(m, "ExportedMemory")
-      .def_static("create", &cuda::ExportedMemory::create)
+      .def_static(
+          "create",
+          [](int device, size_t bytes) {
+            return cuda::ExportedMemory::create(device, bytes);
+          })
       .def_static("import_fd", &cuda::ExportedMemory::import)
       .def("export_fd", &cuda::ExportedMemory::exportFd)
       .def_property_readonly(

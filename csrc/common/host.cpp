@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/common/host.h"
 
+#include <unistd.h>
+
 #include <fstream>
 
 namespace torch_rpc_ext {
@@ -13,6 +15,15 @@ const std::string& bootId() {
     return boot;
   }();
   return id;
+}
+
+const std::string& pidNamespace() {
+  static const std::string ns = [] {
+    char target[128];
+    ssize_t n = ::readlink("/proc/self/ns/pid", target, sizeof(target) - 1);
+    return n > 0 ? std::string(target, size_t(n)) : std::string();
+  }();
+  return ns;
 }
 
 } // namespace torch_rpc_ext

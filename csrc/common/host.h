@@ -11,4 +11,9 @@ namespace torch_rpc_ext {
 // unknown. Read once.
 const std::string& bootId();
 
+// This process's PID namespace (the target of /proc/self/ns/pid, such as
+// "pid:[4026531836]"): legacy CUDA IPC handles open only between processes
+// of one namespace. Empty if unknown. Read once.
+const std::string& pidNamespace();
+
 } // namespace torch_rpc_ext

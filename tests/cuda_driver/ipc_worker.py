@@ -132,6 +132,37 @@ def outlives_receiver(conn, ctl):
     end.close()
 
 
+# ---- kept: a second segment while the first one's view is still held ------
+#
+# Under descriptors (kFd) the held view keeps its block lent, so the second
+# segment needs another; a legacy block (kLegacy) was copied out and released
+# on arrival, so the second reuses it, and the first view keeps its bytes.
+
+
+def kept_sender(conn, ctl):
+    end = End("sender", conn)
+    n = 1 << 20
+    for seed in (7, 8):
+        end.send_device(b"k%d" % seed, end.alloc(pattern(n, seed)), n)
+        end.receive()
+    ctl.send(end.counters())
+    end.close()
+
+
+def kept_receiver(conn, ctl):
+    end = End("receiver", conn)
+    _, (first,) = end.receive()
+    end.ep.send(b"got", [])
+    _, (second,) = end.receive()
+    intact = (end.read_region(first) == pattern(1 << 20, 7),
+              end.read_region(second) == pattern(1 << 20, 8))
+    first.release()
+    second.release()
+    end.ep.send(b"ok", [])
+    ctl.send((intact, end.counters()))
+    end.close()
+
+
 # ---- hand back: a received block sent back unchanged costs no copy ---------
 
 

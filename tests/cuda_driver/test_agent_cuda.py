@@ -68,6 +68,23 @@ def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
     assert "worker0" in callee["unmapped"]
 
 
+def test_cuda_tensors_travel_through_legacy_ipc_handles(spawn, monkeypatch):
+    """Both workers publish legacy handles only (as where a device cannot
+    export descriptors): the same calls, each tensor copied out of the
+    sender's block on arrival into the receiver's own memory."""
+    monkeypatch.setenv("TORCH_RPC_EXT_CUDA_IPC_LEGACY", "1")
+    caller, _ = play(spawn)
+    assert caller["seen_by_callee"] and caller["back"] == ("cuda:0", True)
+    assert caller["small"] and caller["view"] and caller["many"]
+    assert caller["empty"] == ("cuda:0", b"")
+    ipc = caller["counters"]["cuda_ipc"]
+    assert ipc["segments"] == 4 + agent_worker.MANY
+    assert ipc["blocks_legacy"] == ipc["blocks_created"] > 0
+    # What came back (2 + MANY tensors) was copied out of the callee's blocks.
+    assert ipc["copied_out"] == 2 + agent_worker.MANY
+    assert caller["callee_counters"]["cuda_ipc"]["copied_out"] == 4 + agent_worker.MANY
+
+
 @pytest.mark.parametrize(
     "channels,target,transports",
     [

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/channel/cuda/block.h"
 
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "csrc/channel/cuda/device.h"
 #include "csrc/common/libcuda.h"
@@ -11,6 +13,10 @@
 namespace torch_rpc_ext::channel::cuda {
 
 namespace {
+
+// How long freeing a legacy block whose peer is gone waits for its copies
+// out of it.
+constexpr int64_t kLegacyTeardownWaitMs = 2000;
 
 CUevent newIpcEvent() {
   CUevent e = nullptr;
@@ -21,10 +27,13 @@ CUevent newIpcEvent() {
 
 } // namespace
 
-std::shared_ptr<Block> Block::create(int device, uint64_t bytes) {
+std::shared_ptr<Block> Block::create(
+    int device,
+    uint64_t bytes,
+    Sharing sharing) {
   std::shared_ptr<Block> b(new Block());
   b->owner_ = true;
-  b->memory_ = ExportedMemory::create(device, bytes);
+  b->memory_ = ExportedMemory::create(device, bytes, sharing);
   CurrentDevice current(device);
   b->ready_ = newIpcEvent();
   b->released_ = newIpcEvent();
@@ -36,9 +45,12 @@ std::shared_ptr<Block> Block::create(int device, uint64_t bytes) {
 std::shared_ptr<Block> Block::import(
     const BlockSetup& setup,
     int fd,
+    const CUipcMemHandle* legacy,
     int device) {
   std::shared_ptr<Block> b(new Block());
-  b->memory_ = ExportedMemory::import(fd, setup.size, device);
+  b->memory_ = legacy != nullptr
+      ? ExportedMemory::importLegacy(*legacy, setup.size, device)
+      : ExportedMemory::import(fd, setup.size, device);
   CurrentDevice current(device);
   TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->ready_, setup.ready);
   TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->released_, setup.released);
@@ -67,6 +79,18 @@ Block::~Block() {
     }
     if (released_ != nullptr && peerThere) {
       libcuda().cuEventSynchronize(released_);
+    } else if (
+        released_ != nullptr && owner_ && sharing() == Sharing::kLegacy) {
+      // A legacy block dies with our allocation, and the peer may still be
+      // copying out of it (after a clean close it is): wait a while for
+      // its `released`, but not for ever (a peer gone mid-copy never
+      // completes it).
+      const auto until = std::chrono::steady_clock::now() +
+          std::chrono::milliseconds(kLegacyTeardownWaitMs);
+      while (libcuda().cuEventQuery(released_) == CUDA_ERROR_NOT_READY &&
+             std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
     }
     for (CUevent e : {ready_, released_, localUse_}) {
       if (e != nullptr) {
@@ -79,9 +103,10 @@ Block::~Block() {
   }
 }
 
-BlockSetup Block::describe(uint32_t id) const {
+std::string Block::describe(uint32_t id) const {
   BlockSetup s{};
   s.id = id;
+  s.sharing = static_cast<uint32_t>(memory_->sharing());
   s.size = memory_->size();
   std::string uuid = deviceUuid(memory_->device());
   std::memcpy(
@@ -89,7 +114,12 @@ BlockSetup Block::describe(uint32_t id) const {
   CurrentDevice current(memory_->device());
   TORCH_RPC_EXT_CUDA_CHECK(cuIpcGetEventHandle, &s.ready, ready_);
   TORCH_RPC_EXT_CUDA_CHECK(cuIpcGetEventHandle, &s.released, released_);
-  return s;
+  std::string head(reinterpret_cast<const char*>(&s), sizeof(s));
+  if (memory_->sharing() == Sharing::kLegacy) {
+    CUipcMemHandle h = memory_->legacyHandle();
+    head.append(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
+  return head;
 }
 
 } // namespace torch_rpc_ext::channel::cuda

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "csrc/channel/cuda/exported_memory.h"
 
@@ -16,7 +17,8 @@ namespace torch_rpc_ext::channel::cuda {
 #pragma pack(push, 1)
 struct BlockSetup {
   uint32_t id;
-  uint32_t reserved; // 0
+  uint32_t sharing; // Sharing: kFd (a descriptor rides with the frame) or
+                    // kLegacy (a CUipcMemHandle follows this head)
   uint64_t size;
   char deviceUuid[32]; // hex digits, as deviceUuid()
   CUipcEventHandle ready;
@@ -24,18 +26,25 @@ struct BlockSetup {
 };
 #pragma pack(pop)
 static_assert(sizeof(BlockSetup) == 176, "BlockSetup layout is fixed");
+// A kLegacy setup's head: the above, then the memory's handle.
+constexpr size_t kLegacySetupBytes = sizeof(BlockSetup) + CU_IPC_HANDLE_SIZE;
+static_assert(sizeof(CUipcMemHandle) == CU_IPC_HANDLE_SIZE);
 
 // One device block and its two events, on either side: ours (created,
 // exported) or the peer's (imported, events opened).
 class Block {
  public:
   // Ours, on `device`, of at least `bytes`.
-  static std::shared_ptr<Block> create(int device, uint64_t bytes);
-  // The peer's, from its setup; takes nothing from `fd` (the caller closes
-  // it).
+  static std::shared_ptr<Block> create(
+      int device,
+      uint64_t bytes,
+      Sharing sharing);
+  // The peer's, from its setup: kFd with `fd` (nothing taken: the caller
+  // closes it), kLegacy with `legacy`.
   static std::shared_ptr<Block> import(
       const BlockSetup& setup,
       int fd,
+      const CUipcMemHandle* legacy,
       int device);
   ~Block();
   Block(const Block&) = delete;
@@ -50,8 +59,12 @@ class Block {
   uint64_t size() const {
     return memory_->size();
   }
-  // Setup frame head and a new descriptor (ours only).
-  BlockSetup describe(uint32_t id) const;
+  Sharing sharing() const {
+    return memory_->sharing();
+  }
+  // Setup frame head (ours only): BlockSetup, and for kLegacy the handle.
+  std::string describe(uint32_t id) const;
+  // A new descriptor (ours, kFd only).
   int exportFd() const {
     return memory_->exportFd();
   }

@@ -111,4 +111,8 @@ bool supportsFdExport(int device) {
           CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) != 0;
 }
 
+bool supportsLegacyIpc(int device) {
+  return attribute(device, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) != 0;
+}
+
 } // namespace torch_rpc_ext::channel::cuda

@@ -49,4 +49,9 @@ int multiprocessors(int device);
 // file descriptor: what the cuda_ipc channel's shared blocks need.
 bool supportsFdExport(int device);
 
+// Whether the device's cuMemAlloc memory can be shared through legacy IPC
+// handles (cuIpcGetMemHandle): a unified address space, which every 64-bit
+// Linux device has. What cuda_ipc falls back on where fd export is missing.
+bool supportsLegacyIpc(int device);
+
 } // namespace torch_rpc_ext::channel::cuda

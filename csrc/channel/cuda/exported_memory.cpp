@@ -21,9 +21,16 @@ CUmemAllocationProp properties(int device) {
   return prop;
 }
 
+// Legacy blocks are sized as cudaMalloc's large pool rounds (2 MiB): an
+// allocation holds one block, so a small one is not worth making.
+constexpr size_t kLegacyGranularity = size_t(2) << 20;
+
 } // namespace
 
-size_t ExportedMemory::granularity(int device) {
+size_t ExportedMemory::granularity(int device, Sharing sharing) {
+  if (sharing == Sharing::kLegacy) {
+    return kLegacyGranularity;
+  }
   CurrentDevice current(device);
   CUmemAllocationProp prop = properties(device);
   size_t out = 0;
@@ -37,15 +44,22 @@ size_t ExportedMemory::granularity(int device) {
 
 std::unique_ptr<ExportedMemory> ExportedMemory::create(
     int device,
-    size_t bytes) {
-  const size_t unit = granularity(device);
+    size_t bytes,
+    Sharing sharing) {
+  const size_t unit = granularity(device, sharing);
   const size_t size = (std::max<size_t>(bytes, 1) + unit - 1) / unit * unit;
   CurrentDevice current(device);
+  if (sharing == Sharing::kLegacy) {
+    std::unique_ptr<ExportedMemory> out(
+        new ExportedMemory(device, size, sharing, 0, /*owner=*/true));
+    TORCH_RPC_EXT_CUDA_CHECK(cuMemAlloc, &out->address_, size);
+    return out;
+  }
   CUmemAllocationProp prop = properties(device);
   CUmemGenericAllocationHandle handle;
   TORCH_RPC_EXT_CUDA_CHECK(cuMemCreate, &handle, size, &prop, 0);
   std::unique_ptr<ExportedMemory> out(
-      new ExportedMemory(device, size, handle, /*owner=*/true));
+      new ExportedMemory(device, size, sharing, handle, /*owner=*/true));
   out->map(unit);
   return out;
 }
@@ -68,17 +82,42 @@ std::unique_ptr<ExportedMemory> ExportedMemory::import(
       reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   std::unique_ptr<ExportedMemory> out(
-      new ExportedMemory(device, bytes, handle, /*owner=*/false));
+      new ExportedMemory(device, bytes, Sharing::kFd, handle, /*owner=*/false));
   out->map(unit);
+  return out;
+}
+
+std::unique_ptr<ExportedMemory> ExportedMemory::importLegacy(
+    const CUipcMemHandle& handle,
+    size_t bytes,
+    int device) {
+  if (bytes == 0 || bytes % kLegacyGranularity != 0) {
+    throw std::invalid_argument(
+        "imported CUDA memory of " + std::to_string(bytes) +
+        " bytes: not a multiple of 2 MiB");
+  }
+  CurrentDevice current(device);
+  std::unique_ptr<ExportedMemory> out(
+      new ExportedMemory(device, bytes, Sharing::kLegacy, 0, /*owner=*/false));
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuIpcOpenMemHandle,
+      &out->address_,
+      handle,
+      CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
   return out;
 }
 
 ExportedMemory::ExportedMemory(
     int device,
     size_t size,
+    Sharing sharing,
     CUmemGenericAllocationHandle h,
     bool owner)
-    : device_(device), size_(size), handle_(h), owner_(owner) {}
+    : device_(device),
+      size_(size),
+      sharing_(sharing),
+      handle_(h),
+      owner_(owner) {}
 
 void ExportedMemory::map(size_t alignment) {
   // On failure the destructor (run by the unique_ptr the caller holds)
@@ -98,6 +137,12 @@ ExportedMemory::~ExportedMemory() {
   try {
     CurrentDevice current(device_);
     const Libcuda& cu = libcuda();
+    if (sharing_ == Sharing::kLegacy) {
+      if (address_ != 0) {
+        owner_ ? cu.cuMemFree(address_) : cu.cuIpcCloseMemHandle(address_);
+      }
+      return;
+    }
     if (mapped_) {
       cu.cuMemUnmap(address_, size_);
     }
@@ -114,6 +159,10 @@ int ExportedMemory::exportFd() const {
   if (!owner_) {
     throw std::logic_error("imported CUDA memory is exported by its creator");
   }
+  if (sharing_ != Sharing::kFd) {
+    throw std::logic_error(
+        "CUDA memory with a legacy handle has no descriptor");
+  }
   CurrentDevice current(device_);
   int fd = -1;
   TORCH_RPC_EXT_CUDA_CHECK(
@@ -123,6 +172,17 @@ int ExportedMemory::exportFd() const {
       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
       0);
   return fd;
+}
+
+CUipcMemHandle ExportedMemory::legacyHandle() const {
+  if (!owner_ || sharing_ != Sharing::kLegacy) {
+    throw std::logic_error(
+        "CUDA memory has a legacy handle only where it was made, as kLegacy");
+  }
+  CurrentDevice current(device_);
+  CUipcMemHandle handle;
+  TORCH_RPC_EXT_CUDA_CHECK(cuIpcGetMemHandle, &handle, address_);
+  return handle;
 }
 
 } // namespace torch_rpc_ext::channel::cuda

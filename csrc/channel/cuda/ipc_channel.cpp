@@ -25,15 +25,18 @@ IpcChannel::IpcChannel(
     std::shared_ptr<const Context> context,
     std::weak_ptr<Host> host,
     IpcCounters& counters,
-    std::vector<std::string> peerDevices)
-    : Channel(std::move(context)),
-      host_(std::move(host)),
-      counters_(counters),
-      peerDevices_(std::move(peerDevices)) {
+    const IpcDomain& local,
+    const IpcDomain& peer)
+    : Channel(std::move(context)), host_(std::move(host)), counters_(counters) {
+  for (const auto& d : peer.devices) {
+    peerDevices_.push_back(d.uuid);
+  }
   for (int d = 0; d < deviceCount(); ++d) {
-    localDevices_.emplace(deviceUuid(d), d);
-    if (supportsFdExport(d)) {
-      granularity_.emplace(d, ExportedMemory::granularity(d));
+    const std::string uuid = deviceUuid(d);
+    localDevices_.emplace(uuid, d);
+    if (auto sharing = local.sharingWith(peer, uuid)) {
+      sharing_.emplace(d, *sharing);
+      granularity_.emplace(d, ExportedMemory::granularity(d, *sharing));
     }
   }
 }
@@ -58,7 +61,7 @@ bool IpcChannel::reachable(const frame::OutboundFrame::Segment& segment) {
   const bool target = segment.peerDevice < 0 ||
       (size_t(segment.peerDevice) < peerDevices_.size() &&
        peerDevices_[segment.peerDevice] == uuid);
-  return granularity_.count(device) != 0 && seen && target;
+  return sharing_.count(device) != 0 && seen && target;
 }
 
 bool IpcChannel::handBack(
@@ -134,12 +137,15 @@ IpcChannel::Lent IpcChannel::lend(
     ++blocksBeingMade_;
   }
   lent.fresh = true;
-  BlockSetup setup;
+  const Sharing sharing = sharing_.at(device);
+  std::string setup;
   int fd = -1;
   try {
-    lent.block = Block::create(device, want);
+    lent.block = Block::create(device, want, sharing);
     setup = lent.block->describe(lent.id);
-    fd = lent.block->exportFd();
+    if (sharing == Sharing::kFd) {
+      fd = lent.block->exportFd();
+    }
   } catch (...) {
     std::lock_guard<std::mutex> lock(mu_);
     --blocksBeingMade_;
@@ -154,12 +160,22 @@ IpcChannel::Lent IpcChannel::lend(
         lent.id, OwnBlock{lent.block, OwnBlock::State::kLent, {}});
   }
   counters_.created.fetch_add(1, std::memory_order_relaxed);
+  if (sharing == Sharing::kLegacy) {
+    counters_.legacyBlocks.fetch_add(1, std::memory_order_relaxed);
+    before->push_back(
+        ControlFrame{
+            context().wireIds().kind(kBlockSetup),
+            std::move(setup),
+            {},
+            nullptr});
+    return lent;
+  }
   // The setup reaches the peer before the first record naming the block;
   // the descriptor is closed once the frame is out (or dropped).
   before->push_back(
       ControlFrame{
           context().wireIds().kind(kBlockSetup),
-          std::string(reinterpret_cast<const char*>(&setup), sizeof(setup)),
+          std::move(setup),
           {fd},
           std::shared_ptr<void>(nullptr, [fd](void*) { ::close(fd); })});
   return lent;
@@ -331,8 +347,19 @@ void IpcChannel::takeGroup(
   }
   counters_.launches.fetch_add(launches, std::memory_order_relaxed);
   counters_.packed.fetch_add(packed, std::memory_order_relaxed);
+  // A legacy block's peer copies each segment out and releases the block
+  // after the last of them in the frame (the one of the highest index: the
+  // frame carries records in segment order).
+  std::vector<size_t> lastOf(lent.size(), 0);
+  for (const auto& p : placed) {
+    lastOf[p.lent] = std::max(lastOf[p.lent], p.segment);
+  }
   for (const auto& p : placed) {
     BlockRecord r{lent[p.lent].id, BlockRecord::kLent, p.offset};
+    if (lent[p.lent].block->sharing() == Sharing::kLegacy) {
+      r.kind = p.segment == lastOf[p.lent] ? BlockRecord::kCopyOutLast
+                                           : BlockRecord::kCopyOut;
+    }
     SegmentRecord record;
     std::memcpy(&record, &r, sizeof(r));
     taken->push_back({p.segment, record});
@@ -422,6 +449,9 @@ void IpcChannel::onTickFromLoop() {
 }
 
 void IpcChannel::onClosedFromLoop() {
+  // A frame cut short: its copies out are never made, and nothing waits
+  // for them (its message is not delivered).
+  copyOuts_.clear();
   for (auto& [id, block] : peerBlocks_) {
     block->orphan();
   }

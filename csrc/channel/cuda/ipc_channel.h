@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -15,6 +16,8 @@
 
 #include "csrc/channel/channel.h"
 #include "csrc/channel/cuda/block.h"
+#include "csrc/channel/cuda/copy_engine.h"
+#include "csrc/channel/cuda/staging_pool.h"
 #include "csrc/channel/lending.h"
 
 namespace torch_rpc_ext::channel::cuda {
@@ -47,10 +50,19 @@ class BlockLease;
 // event has one record outstanding at a time.
 //
 // Reach: both ends see the same physical device. A process publishes its
-// host (boot id) and the UUIDs of its devices that can export memory; two
+// host (boot id) and the UUIDs of its devices that can share memory; two
 // processes reach each other on one host when they share a device, and a
 // segment on a device the peer does not see is declined (the next device
 // channel, or an error naming the device, follows).
+//
+// Legacy handles. Where either end's device cannot export a descriptor
+// (no VMM), blocks are made with cuMemAlloc and named by legacy IPC handles
+// (Sharing::kLegacy; both processes must share a PID namespace). Such memory
+// dies with its owner, so the receiver does not view it: it copies the
+// frame's segments out, with one launch per block on its own stream after
+// `ready`, each into a block of its own (the device's StagingPool, as
+// cuda_staged lands), records `released` after that launch and releases
+// the block at once. Two copies per direction; no hand-back.
 
 // Its control frames: the lending channels' three (lending.h).
 enum IpcFrame : uint8_t {
@@ -62,8 +74,10 @@ enum IpcFrame : uint8_t {
 // What travels in the stream in place of a segment's bytes.
 struct BlockRecord {
   enum Kind : uint32_t {
-    kLent = 1, // the sender's block `id`
+    kLent = 1, // the sender's block `id` (kFd)
     kReturned = 2, // the receiver's own block `id`, handed back
+    kCopyOut = 3, // the sender's block `id` (kLegacy): copy the bytes out
+    kCopyOutLast = 4, // ... the last of the frame's in it: then release it
   };
   uint32_t id;
   uint32_t kind;
@@ -75,6 +89,9 @@ static_assert(sizeof(BlockRecord) == 16, "BlockRecord is 16 bytes");
 // bytes of them lent at once; past either the segment is declined.
 constexpr size_t kMaxBlocks = 256;
 constexpr uint64_t kMaxLentBlockBytes = uint64_t(16) << 30;
+// A peer's legacy block holds at most this many segments of one frame (a
+// record past it closes the connection).
+constexpr size_t kMaxCopyOutBatch = size_t(1) << 16;
 // A free block unused this long is unmapped, and the peer told.
 constexpr int64_t kBlockIdleMs = 5000;
 // Segments up to this size, of one frame and device, are packed into one
@@ -93,6 +110,31 @@ struct IpcCounters {
   std::atomic<uint64_t> declined{0};
   std::atomic<uint64_t> launches{0}; // copies of frames (one per device)
   std::atomic<uint64_t> packed{0}; // segments that shared a block
+  std::atomic<uint64_t> legacyBlocks{0}; // of `created`, kLegacy ones
+  std::atomic<uint64_t> copiedOut{0}; // segments copied out of kLegacy ones
+};
+
+// A process's cuda_ipc domain descriptor, as published at rendezvous:
+// "<boot id>;<device>,<device>,...;<PID namespace>", one device per index:
+// its UUID where it exports memory as a descriptor, "~" and its UUID where
+// it has legacy handles only, "-" where it shares no memory.
+struct IpcDomain {
+  struct Device {
+    std::string uuid; // "": shares no memory
+    bool fd = false;
+  };
+  std::string host;
+  std::vector<Device> devices;
+  std::string pidNamespace;
+
+  static IpcDomain parse(const std::string& descriptor);
+  std::string format() const;
+  // How a block of the device `uuid` goes from a process of this domain to
+  // one of `peer`: kFd where both export descriptors, else kLegacy within
+  // one PID namespace; nothing where either lacks the device.
+  std::optional<Sharing> sharingWith(
+      const IpcDomain& peer,
+      const std::string& uuid) const;
 };
 
 class IpcChannel final : public Channel,
@@ -102,7 +144,8 @@ class IpcChannel final : public Channel,
       std::shared_ptr<const Context> context,
       std::weak_ptr<Host> host,
       IpcCounters& counters,
-      std::vector<std::string> peerDevices);
+      const IpcDomain& local,
+      const IpcDomain& peer);
   ~IpcChannel() override;
 
   void takeRegions(
@@ -169,15 +212,23 @@ class IpcChannel final : public Channel,
       std::vector<int>& fds);
   bool onReleaseFromLoop(Host& host, const std::string& head);
   bool onDropFromLoop(Host& host, const std::string& head);
+  // A kCopyOut record: the bytes copied out of the peer's kLegacy `block`
+  // into memory of ours, which the segment then views; -1 after rejecting.
+  int64_t copyOutFromLoop(
+      const BlockRecord& record,
+      const std::shared_ptr<Block>& block,
+      InboundSegment& segment);
   void trim();
 
   std::weak_ptr<Host> host_;
   IpcCounters& counters_;
-  // UUIDs of the peer's devices by its index ("": one that cannot export).
-  const std::vector<std::string> peerDevices_;
-  // UUID -> our device index, for the devices we see (filled on first use).
+  // UUIDs of the peer's devices by its index ("": one that shares none).
+  std::vector<std::string> peerDevices_;
+  // UUID -> our device index, for the devices we see.
   std::map<std::string, int> localDevices_;
-  // Device index -> its block granularity, for the devices that can export.
+  // Device index -> how its blocks reach this peer and their granularity,
+  // for the devices whose blocks can.
+  std::map<int, Sharing> sharing_;
   std::map<int, uint64_t> granularity_;
 
   // The peer's blocks we have mapped, by id (loop thread).
@@ -186,6 +237,13 @@ class IpcChannel final : public Channel,
   // The live lease on each of them (the segments of one frame packed into
   // one block share it; the block is lent again only once it died).
   std::unordered_map<uint32_t, std::weak_ptr<BlockLease>> peerLeases_;
+  // The copies out of each legacy block of the frame being received, made
+  // with one launch at its last record; their regions wait on `ready`.
+  struct CopyOut {
+    std::vector<CopyEngine::Segment> copies;
+    PooledEvent ready;
+  };
+  std::unordered_map<uint32_t, CopyOut> copyOuts_;
 
   struct OwnBlock {
     enum class State { kFree, kLent, kLocal };

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // cuda_ipc's context (ipc_channel.h): viability, the descriptor a process
-// publishes, reach, counters.
+// publishes (IpcDomain), reach, counters.
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -14,25 +15,79 @@
 
 namespace torch_rpc_ext::channel::cuda {
 
-namespace {
-
-// "<boot id>;<uuid of device 0>,<uuid of device 1>,..." <-> its parts: the
-// UUID of every device of the process in index order, "-" for one that
-// cannot export memory.
-std::pair<std::string, std::vector<std::string>> parseDescriptor(
-    const std::string& d) {
-  auto semi = d.find(';');
-  if (semi == std::string::npos) {
-    return {d, {}};
+IpcDomain IpcDomain::parse(const std::string& descriptor) {
+  IpcDomain out;
+  std::vector<std::string> parts;
+  std::stringstream in(descriptor);
+  std::string part;
+  while (std::getline(in, part, ';')) {
+    parts.push_back(part);
   }
-  std::vector<std::string> uuids;
-  std::stringstream rest(d.substr(semi + 1));
-  std::string uuid;
-  while (std::getline(rest, uuid, ',')) {
-    uuids.push_back(uuid == "-" ? std::string() : uuid);
+  if (parts.empty()) {
+    return out;
   }
-  return {d.substr(0, semi), std::move(uuids)};
+  out.host = parts[0];
+  if (parts.size() > 1) {
+    std::stringstream list(parts[1]);
+    std::string entry;
+    while (std::getline(list, entry, ',')) {
+      Device d;
+      if (entry == "-") {
+        // shares no memory
+      } else if (!entry.empty() && entry[0] == '~') {
+        d.uuid = entry.substr(1);
+      } else {
+        d.uuid = entry;
+        d.fd = true;
+      }
+      out.devices.push_back(std::move(d));
+    }
+  }
+  if (parts.size() > 2) {
+    out.pidNamespace = parts[2];
+  }
+  return out;
 }
+
+std::string IpcDomain::format() const {
+  std::string out = host + ";";
+  for (size_t i = 0; i < devices.size(); ++i) {
+    const Device& d = devices[i];
+    out += (i == 0 ? "" : ",") +
+        (d.uuid.empty() ? std::string("-") : (d.fd ? "" : "~") + d.uuid);
+  }
+  return out + ";" + pidNamespace;
+}
+
+std::optional<Sharing> IpcDomain::sharingWith(
+    const IpcDomain& peer,
+    const std::string& uuid) const {
+  if (host.empty() || host != peer.host || uuid.empty()) {
+    return std::nullopt;
+  }
+  auto find = [&](const std::vector<Device>& list) -> const Device* {
+    for (const Device& d : list) {
+      if (d.uuid == uuid) {
+        return &d;
+      }
+    }
+    return nullptr;
+  };
+  const Device* mine = find(devices);
+  const Device* theirs = find(peer.devices);
+  if (mine == nullptr || theirs == nullptr) {
+    return std::nullopt;
+  }
+  if (mine->fd && theirs->fd) {
+    return Sharing::kFd;
+  }
+  if (!pidNamespace.empty() && pidNamespace == peer.pidNamespace) {
+    return Sharing::kLegacy;
+  }
+  return std::nullopt;
+}
+
+namespace {
 
 class IpcContext final : public Context {
  public:
@@ -57,15 +112,10 @@ class IpcContext final : public Context {
   }
   bool reaches(const std::string& peerDescriptor) const override {
     probe();
-    auto [peerHost, peerDevices] = parseDescriptor(peerDescriptor);
-    auto [host, devices] = parseDescriptor(descriptor_);
-    if (host.empty() || host != peerHost) {
-      return false;
-    }
-    for (const auto& uuid : devices) {
-      if (!uuid.empty() &&
-          std::find(peerDevices.begin(), peerDevices.end(), uuid) !=
-              peerDevices.end()) {
+    const IpcDomain peer = IpcDomain::parse(peerDescriptor);
+    const IpcDomain local = IpcDomain::parse(descriptor_);
+    for (const auto& d : local.devices) {
+      if (local.sharingWith(peer, d.uuid)) {
         return true;
       }
     }
@@ -77,11 +127,13 @@ class IpcContext final : public Context {
   std::shared_ptr<Channel> open(
       std::weak_ptr<Host> host,
       const std::string& peerDescriptor) override {
+    probe();
     return std::make_shared<IpcChannel>(
         shared_from_this(),
         std::move(host),
         counters_,
-        parseDescriptor(peerDescriptor).second);
+        IpcDomain::parse(descriptor_),
+        IpcDomain::parse(peerDescriptor));
   }
   std::map<std::string, uint64_t> counters() const override {
     return {
@@ -94,6 +146,8 @@ class IpcContext final : public Context {
         {"declined", counters_.declined.load()},
         {"launches", counters_.launches.load()},
         {"packed", counters_.packed.load()},
+        {"blocks_legacy", counters_.legacyBlocks.load()},
+        {"copied_out", counters_.copiedOut.load()},
     };
   }
 
@@ -107,13 +161,24 @@ class IpcContext final : public Context {
         unviable_ = "cannot identify this host's kernel (no boot id)";
         return;
       }
-      std::string uuids;
+      IpcDomain domain;
+      domain.host = boot;
+      domain.pidNamespace = pidNamespace();
+      // Legacy handles only, even where descriptors work (to check that
+      // path on a GPU that has both).
+      const char* legacyOnly = std::getenv("TORCH_RPC_EXT_CUDA_IPC_LEGACY");
+      const bool fdAllowed =
+          legacyOnly == nullptr || std::string(legacyOnly) != "1";
       bool any = false;
       try {
         for (int d = 0; d < deviceCount(); ++d) {
-          bool exports = supportsFdExport(d);
-          any = any || exports;
-          uuids += (d == 0 ? "" : ",") + (exports ? deviceUuid(d) : "-");
+          IpcDomain::Device device;
+          device.fd = fdAllowed && supportsFdExport(d);
+          if (device.fd || supportsLegacyIpc(d)) {
+            device.uuid = deviceUuid(d);
+            any = true;
+          }
+          domain.devices.push_back(std::move(device));
         }
       } catch (const std::exception& e) {
         unviable_ = e.what();
@@ -121,10 +186,11 @@ class IpcContext final : public Context {
       }
       if (!any) {
         unviable_ =
-            "no CUDA device here can export memory as a file descriptor";
+            "no CUDA device here can share memory with another process "
+            "(neither as a file descriptor nor by a legacy IPC handle)";
         return;
       }
-      descriptor_ = boot + ";" + uuids;
+      descriptor_ = domain.format();
     });
   }
 

@@ -1,14 +1,18 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // cuda_ipc's receiving side (ipc_channel.h): the peer's block setups,
 // releases and drops, and the records that make a received segment a view
-// of a block.
+// of a block (or, for a legacy block, a copy out of it).
 #include <unistd.h>
 
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
+#include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/engines.h"
 #include "csrc/channel/cuda/ipc_channel.h"
 #include "csrc/channel/cuda/ipc_lease.h"
+#include "csrc/channel/cuda/staging_pool.h"
 #include "csrc/common/libcuda.h"
 
 namespace torch_rpc_ext::channel::cuda {
@@ -21,8 +25,12 @@ constexpr uint64_t kMaxPeerBlockBytes = 2 * kMaxLentBlockBytes;
 
 bool IpcChannel::acceptsControlFrame(FrameKind kind, uint32_t headLength)
     const {
+  // A setup's head is one of two sizes (kFd, kLegacy): onSetupFromLoop()
+  // checks which its `sharing` says.
   return lendingFrameFits(
-      context().wireIds(), kind, headLength, sizeof(BlockSetup));
+             context().wireIds(), kind, headLength, sizeof(BlockSetup)) ||
+      lendingFrameFits(
+             context().wireIds(), kind, headLength, kLegacySetupBytes);
 }
 
 bool IpcChannel::onControlFrameFromLoop(
@@ -49,16 +57,35 @@ bool IpcChannel::onSetupFromLoop(
     Host& host,
     const std::string& head,
     std::vector<int>& fds) {
-  if (fds.empty()) {
+  BlockSetup setup;
+  std::memcpy(&setup, head.data(), sizeof(setup));
+  const auto sharing = static_cast<Sharing>(setup.sharing);
+  const bool legacy = sharing == Sharing::kLegacy;
+  if (sharing != Sharing::kFd && !legacy) {
+    host.rejectFromLoop(
+        "rejected frame: CUDA block setup of unknown sharing " +
+        std::to_string(setup.sharing));
+    return false;
+  }
+  if (head.size() != (legacy ? kLegacySetupBytes : sizeof(BlockSetup))) {
+    host.rejectFromLoop(
+        "rejected frame: CUDA block setup of " + std::to_string(head.size()) +
+        " bytes for its sharing");
+    return false;
+  }
+  CUipcMemHandle handle{};
+  int fd = -1;
+  if (legacy) {
+    std::memcpy(&handle, head.data() + sizeof(setup), sizeof(handle));
+  } else if (fds.empty()) {
     host.rejectFromLoop(
         "rejected frame: CUDA block setup without its "
         "descriptor");
     return false;
+  } else {
+    fd = fds.front();
+    fds.erase(fds.begin());
   }
-  int fd = fds.front();
-  fds.erase(fds.begin());
-  BlockSetup setup;
-  std::memcpy(&setup, head.data(), sizeof(setup));
   std::string uuid(setup.deviceUuid, sizeof(setup.deviceUuid));
   std::string why;
   auto device = localDevices_.find(uuid);
@@ -76,12 +103,15 @@ bool IpcChannel::onSetupFromLoop(
   std::shared_ptr<Block> block;
   if (why.empty()) {
     try {
-      block = Block::import(setup, fd, device->second);
+      block =
+          Block::import(setup, fd, legacy ? &handle : nullptr, device->second);
     } catch (const std::exception& e) {
       why = std::string("cannot map the peer's CUDA block: ") + e.what();
     }
   }
-  ::close(fd);
+  if (fd >= 0) {
+    ::close(fd);
+  }
   if (!why.empty()) {
     host.rejectFromLoop("rejected CUDA block: " + why);
     return false;
@@ -146,11 +176,18 @@ int64_t IpcChannel::onRecordFromLoop(
   };
   std::shared_ptr<Block> block;
   const bool own = r.kind == BlockRecord::kReturned;
+  const bool copyOut =
+      r.kind == BlockRecord::kCopyOut || r.kind == BlockRecord::kCopyOutLast;
   std::string why;
-  if (r.kind == BlockRecord::kLent) {
+  if (r.kind == BlockRecord::kLent || copyOut) {
     auto it = peerBlocks_.find(r.id);
     if (it == peerBlocks_.end()) {
       why = "record names unknown CUDA block " + std::to_string(r.id);
+    } else if ((it->second->sharing() == Sharing::kLegacy) != copyOut) {
+      // A legacy block dies with its owner: it is never viewed, and a
+      // descriptor's block is never copied out of.
+      why = "record kind " + std::to_string(r.kind) + " for CUDA block " +
+          std::to_string(r.id) + " of the other sharing";
     } else {
       block = it->second;
     }
@@ -179,6 +216,9 @@ int64_t IpcChannel::onRecordFromLoop(
     }
     return -1;
   }
+  if (copyOut) {
+    return copyOutFromLoop(r, block, segment);
+  }
   *segment.provided = reinterpret_cast<void*>(block->address() + r.offset);
   if (!own) {
     // A block the peer lends again only once our lease on it died or was
@@ -198,6 +238,63 @@ int64_t IpcChannel::onRecordFromLoop(
   }
   *segment.region = std::make_shared<BlockLease>(
       weak_from_this(), std::move(block), r.id, own);
+  return static_cast<int64_t>(segment.size);
+}
+
+int64_t IpcChannel::copyOutFromLoop(
+    const BlockRecord& r,
+    const std::shared_ptr<Block>& block,
+    InboundSegment& segment) {
+  const bool last = r.kind == BlockRecord::kCopyOutLast;
+  const int device = block->device();
+  try {
+    StagingPool& pool = StagingPool::of(device);
+    const CUstream stream = pool.copyStream();
+    CopyOut& batch = copyOuts_[r.id];
+    if (batch.copies.size() >= kMaxCopyOutBatch) {
+      throw std::runtime_error(
+          "over " + std::to_string(kMaxCopyOutBatch) +
+          " segments in it without its last");
+    }
+    if (!batch.ready) {
+      batch.ready = pool.takeEvent();
+    }
+    auto landed = pool.takeBlock(segment.size);
+    CurrentDevice current(device);
+    if (landed->used) {
+      // The block's last user must be done before the copy overwrites it.
+      TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, landed->lastUse, 0);
+    }
+    batch.copies.push_back(
+        {landed->address, block->address() + r.offset, segment.size});
+    *segment.provided = reinterpret_cast<void*>(landed->address);
+    *segment.region = std::make_shared<PooledRegion>(
+        pool, std::move(landed), batch.ready, stream);
+    if (last) {
+      // One launch for the frame's segments in the block, after the peer's
+      // copy in; the owner's next copy into it waits for ours (`released`).
+      TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, block->ready(), 0);
+      copyEngine(device).copySegments(stream, batch.copies);
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, batch.ready.get(), stream);
+      // Our last read of the peer's memory, for the block's teardown.
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block->localUse(), stream);
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block->released(), stream);
+      counters_.copiedOut.fetch_add(
+          batch.copies.size(), std::memory_order_relaxed);
+      copyOuts_.erase(r.id);
+    }
+  } catch (const std::exception& e) {
+    copyOuts_.erase(r.id);
+    if (auto host = host_.lock()) {
+      host->rejectFromLoop(
+          "cuda_ipc: copying segments out of the peer's CUDA block " +
+          std::to_string(r.id) + " failed: " + e.what());
+    }
+    return -1;
+  }
+  if (last) {
+    releasePeerBlock(r.id);
+  }
   return static_cast<int64_t>(segment.size);
 }
 

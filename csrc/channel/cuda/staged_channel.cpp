@@ -15,78 +15,6 @@
 
 namespace torch_rpc_ext::channel::cuda {
 
-namespace {
-
-// A received segment's device memory: a block of the device's pool, filled
-// by the channel's copies, ready at `ready`. When it dies, the block goes
-// back once the work queued by then on every stream it was used on has
-// finished (the block's lastUse event, which the next copy into it waits
-// for).
-class StagedRegion final : public frame::DeviceRegion {
- public:
-  StagedRegion(
-      StagingPool& pool,
-      std::shared_ptr<StagingPool::Block> block,
-      PooledEvent ready,
-      CUstream copyStream)
-      : pool_(pool),
-        block_(std::move(block)),
-        ready_(std::move(ready)),
-        copyStream_(copyStream) {}
-
-  ~StagedRegion() override {
-    try {
-      std::lock_guard<std::mutex> lock(mu_);
-      CurrentDevice current(pool_.device());
-      // Unused: the copy onto the device was its last use.
-      CUstream last = streams_.empty() ? copyStream_ : streams_.back();
-      for (CUstream other : streams_) {
-        if (other == last) {
-          continue;
-        }
-        auto joined = pool_.takeEvent();
-        TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, joined.get(), other);
-        TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, last, joined.get(), 0);
-      }
-      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->lastUse, last);
-      block_->used = true;
-    } catch (const std::exception& e) {
-      // Not given back: the next copy into it must not race this use.
-      logWarning(
-          std::string(
-              "torch_rpc_ext: cuda_staged keeps a block it could not "
-              "release: ") +
-          e.what());
-      return;
-    }
-    pool_.giveBlock(std::move(block_));
-  }
-
-  int device() const override {
-    return pool_.device();
-  }
-
-  void waitOn(uintptr_t stream) override {
-    const auto s = reinterpret_cast<CUstream>(stream);
-    CurrentDevice current(pool_.device());
-    TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, s, ready_.get(), 0);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (std::find(streams_.begin(), streams_.end(), s) == streams_.end()) {
-      streams_.push_back(s);
-    }
-  }
-
- private:
-  StagingPool& pool_;
-  std::shared_ptr<StagingPool::Block> block_;
-  PooledEvent ready_;
-  const CUstream copyStream_;
-  std::mutex mu_;
-  std::vector<CUstream> streams_; // it was used on
-};
-
-} // namespace
-
 struct StagedChannel::Landing {
   StagingPool* pool;
   uint64_t size;
@@ -188,7 +116,7 @@ bool StagedChannel::landedFromLoop(InboundSegment& segment, uint64_t filled) {
     l->pool->retireHost(l->host, ready);
     l->host = {};
     *segment.provided = reinterpret_cast<void*>(l->block->address);
-    *segment.region = std::make_shared<StagedRegion>(
+    *segment.region = std::make_shared<PooledRegion>(
         *l->pool, std::move(l->block), std::move(ready), l->stream);
   } catch (const std::exception& e) {
     abandonLanding();

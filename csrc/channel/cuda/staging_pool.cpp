@@ -1,13 +1,17 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// cuda_staged's pinned buffers, device blocks and events (staging_pool.h).
+// cuda_staged's pinned buffers, device blocks and events, and the regions
+// received tensors view in them (staging_pool.h).
 #include "csrc/channel/cuda/staging_pool.h"
 
+#include <algorithm>
 #include <array>
 #include <stdexcept>
+#include <string>
 
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/staged_channel.h"
 #include "csrc/common/libcuda.h"
+#include "csrc/common/logging.h"
 
 namespace torch_rpc_ext::channel::cuda {
 
@@ -264,6 +268,44 @@ uint64_t StagingPool::pinnedBytesAll() {
     n += pool->pinnedBytes_;
   }
   return n;
+}
+
+PooledRegion::~PooledRegion() {
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    CurrentDevice current(pool_.device());
+    // Unused: the copy onto the device was its last use.
+    CUstream last = streams_.empty() ? copyStream_ : streams_.back();
+    for (CUstream other : streams_) {
+      if (other == last) {
+        continue;
+      }
+      auto joined = pool_.takeEvent();
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, joined.get(), other);
+      TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, last, joined.get(), 0);
+    }
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->lastUse, last);
+    block_->used = true;
+  } catch (const std::exception& e) {
+    // Not given back: the next copy into it must not race this use.
+    logWarning(
+        std::string(
+            "torch_rpc_ext: keeping a pooled CUDA block that could not be "
+            "released: ") +
+        e.what());
+    return;
+  }
+  pool_.giveBlock(std::move(block_));
+}
+
+void PooledRegion::waitOn(uintptr_t stream) {
+  const auto s = reinterpret_cast<CUstream>(stream);
+  CurrentDevice current(pool_.device());
+  TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, s, ready_.get(), 0);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (std::find(streams_.begin(), streams_.end(), s) == streams_.end()) {
+    streams_.push_back(s);
+  }
 }
 
 } // namespace torch_rpc_ext::channel::cuda

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "csrc/frame/frame.h"
+
 namespace torch_rpc_ext::channel::cuda {
 
 // What cuda_staged (staged_channel.h) draws on, per device and process:
@@ -95,6 +97,38 @@ class StagingPool {
   uint64_t pinnedInUse_ = 0; // taken and not yet given back
   CUstream copyStream_ = nullptr;
   Clock::time_point lastTrim_ = Clock::now();
+};
+
+// A received segment's device memory: a block of `pool`, filled by copies on
+// `copyStream` (cuda_staged's from pinned memory, cuda_ipc's out of a
+// legacy block), ready at `ready`. When it dies, the block goes back once the
+// work queued by then on every stream it was used on has finished (the
+// block's lastUse event, which the next copy into it waits for).
+class PooledRegion final : public frame::DeviceRegion {
+ public:
+  PooledRegion(
+      StagingPool& pool,
+      std::shared_ptr<StagingPool::Block> block,
+      PooledEvent ready,
+      CUstream copyStream)
+      : pool_(pool),
+        block_(std::move(block)),
+        ready_(std::move(ready)),
+        copyStream_(copyStream) {}
+  ~PooledRegion() override;
+
+  int device() const override {
+    return pool_.device();
+  }
+  void waitOn(uintptr_t stream) override;
+
+ private:
+  StagingPool& pool_;
+  std::shared_ptr<StagingPool::Block> block_;
+  PooledEvent ready_;
+  const CUstream copyStream_;
+  std::mutex mu_;
+  std::vector<CUstream> streams_; // it was used on
 };
 
 // What to allocate for a request of `bytes`: powers of two up to 64 MiB

@@ -1,0 +1,99 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""cuda_ipc over legacy IPC handles (cuIpcGetMemHandle), its fallback where a
+device cannot export memory as a file descriptor. A legacy block dies with
+its owner, so the receiver copies each segment out into memory of its own
+and releases the block at once (docs/cuda.md). TORCH_RPC_EXT_CUDA_IPC_LEGACY=1
+makes a process publish legacy handles only, so these tests take that path
+on the fake and on a GPU that has both; FAKE_CUDA_NO_VMM=1 makes the fake a
+device without descriptors."""
+
+import pytest
+
+from tests.cuda_driver import ipc_worker
+from tests.cuda_driver.conftest import REAL_DRIVER
+from tests.cuda_driver.test_ipc_channel import play
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
+
+
+@pytest.fixture
+def legacy(monkeypatch):
+    monkeypatch.setenv("TORCH_RPC_EXT_CUDA_IPC_LEGACY", "1")
+
+
+def test_sharing_is_by_descriptor_where_both_can_else_legacy_in_one_pid_namespace():
+    from torch_rpc_ext._testing import cuda
+
+    a, b = "a" * 32, "b" * 32
+    both = f"boot;{a},{b};pid:[1]"
+    assert cuda.ipc_sharing(both, both, a) == "fd"
+    # One end has legacy handles only for `a`: legacy both ways.
+    mixed = f"boot;~{a},-;pid:[1]"
+    assert cuda.ipc_sharing(both, mixed, a) == cuda.ipc_sharing(mixed, both, a) == "legacy"
+    # `b` is not shared by the other end; another PID namespace or another
+    # host reaches nothing without descriptors.
+    assert cuda.ipc_sharing(both, mixed, b) is None
+    assert cuda.ipc_sharing(both, f"boot;~{a};pid:[2]", a) is None
+    assert cuda.ipc_sharing(both, f"boot;{a};pid:[2]", a) == "fd"
+    assert cuda.ipc_sharing(both, f"other;{a};pid:[1]", a) is None
+    # A descriptor without a PID namespace (an older peer) has fd blocks only.
+    assert cuda.ipc_sharing(both, f"boot;{a}", a) == "fd"
+    assert cuda.ipc_sharing(mixed, f"boot;{a}", a) is None
+
+
+def test_a_held_view_keeps_its_descriptor_block_lent(spawn):
+    sender, (intact, receiver) = play(spawn, "kept")
+    assert intact == (True, True)
+    assert sender["blocks_created"] == 2 and sender["blocks_legacy"] == 0
+    assert receiver["copied_out"] == 0
+
+
+@pytest.mark.usefixtures("legacy")
+def test_legacy_segments_are_copied_out_and_their_block_released_at_once(spawn):
+    sender, (intact, receiver) = play(spawn, "kept")
+    # The first view keeps its bytes though its block carried the second.
+    assert intact == (True, True)
+    assert sender["blocks_created"] == sender["blocks_legacy"] == 1
+    assert sender["segments"] == 2 and receiver["blocks_imported"] == 1
+    assert receiver["copied_out"] == 2
+
+
+@pytest.mark.usefixtures("legacy")
+def test_legacy_blocks_are_pooled(spawn):
+    sender, (seen, receiver) = play(spawn, "pooled")
+    assert seen == [
+        (b"m%d" % i, n, ipc_worker.DEVICE, True) for i, n in enumerate(ipc_worker.SIZES)
+    ]
+    assert sender["blocks_created"] == sender["blocks_legacy"] == 2
+    assert receiver["blocks_imported"] == 2
+    assert receiver["copied_out"] == 4
+
+
+@pytest.mark.usefixtures("legacy")
+def test_a_segment_copied_out_of_a_legacy_block_outlives_its_sender(spawn):
+    _, (intact, closed) = play(spawn, "outlives", after_sender_exits="exited")
+    assert intact and closed
+
+
+@pytest.mark.usefixtures("legacy")
+def test_a_packed_legacy_block_is_released_after_its_last_segment(spawn):
+    (back_ok, first, sender), (seen, imported, receiver) = play(spawn, "gathered")
+    n = len(ipc_worker.GATHERED)
+    assert [(head, intact) for head, intact, _, _ in seen] == [(b"g0", True), (b"g1", True)]
+    assert (first["blocks_created"], first["launches"], first["packed"]) == (2, 1, n)
+    assert first["blocks_legacy"] == 2 and imported == 2
+    # The region sent back is the receiver's own memory: copied, not handed back.
+    assert back_ok == (b"back", True)
+    assert receiver["handbacks"] == 0 and receiver["segments"] == 1
+    # Frame two reuses both blocks: each was released after the frame's last
+    # segment in it was copied out.
+    assert sender["blocks_created"] == 2 and sender["segments"] == 2 * (n + 1)
+    assert receiver["copied_out"] == 2 * (n + 1)
+
+
+@pytest.mark.skipif(REAL_DRIVER, reason="FAKE_CUDA_NO_VMM is the fake's")
+def test_a_device_without_descriptor_export_shares_by_legacy_handles(spawn, monkeypatch):
+    monkeypatch.setenv("FAKE_CUDA_NO_VMM", "1")
+    sender, (seen, receiver) = play(spawn, "pooled")
+    assert all(ok for *_, ok in seen)
+    assert sender["blocks_legacy"] == 2 and receiver["copied_out"] == 4
