@@ -271,6 +271,13 @@ class Channel {
   virtual bool landedFromLoop(InboundSegment& segment, uint64_t filled) {
     return false;
   }
+  // The message frame whose segments were just placed is complete, before
+  // it is delivered: false after Host::rejectFromLoop() (work a channel
+  // defers to a frame's last record was never finished: the frame must not
+  // be delivered).
+  virtual bool onFrameEndFromLoop() {
+    return true;
+  }
   // Control frames of its own: whether a frame of `kind` with a head of
   // `headLength` bytes is one, and handling it (`fds`: descriptors received
   // and not yet claimed; take the ones it owns from the front). False once

@@ -14,10 +14,6 @@ namespace torch_rpc_ext::channel::cuda {
 
 namespace {
 
-// How long freeing a legacy block whose peer is gone waits for its copies
-// out of it.
-constexpr int64_t kLegacyTeardownWaitMs = 2000;
-
 CUevent newIpcEvent() {
   CUevent e = nullptr;
   TORCH_RPC_EXT_CUDA_CHECK(
@@ -71,26 +67,31 @@ Block::~Block() {
     // peer gone may have left records that never complete; our own last use
     // of its memory was waited for when its lease died).
     const bool peerThere = !orphaned_.load();
+    const bool legacy = sharing() == Sharing::kLegacy;
+    // A legacy block is read by the peer's copies out of our allocation,
+    // and ours out of the peer's: after the connection closed, wait for
+    // those until the channel's deadline (they may have been queued behind
+    // a dead peer's record, which never completes), not for ever.
+    auto waitAWhile = [this](CUevent e) {
+      while (libcuda().cuEventQuery(e) == CUDA_ERROR_NOT_READY &&
+             std::chrono::steady_clock::now() < patience_) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    };
     if (localUse_ != nullptr) {
-      libcuda().cuEventSynchronize(localUse_);
+      if (legacy && !owner_ && !peerThere) {
+        waitAWhile(localUse_);
+      } else {
+        libcuda().cuEventSynchronize(localUse_);
+      }
     }
     if (ready_ != nullptr && (owner_ || peerThere)) {
       libcuda().cuEventSynchronize(ready_);
     }
     if (released_ != nullptr && peerThere) {
       libcuda().cuEventSynchronize(released_);
-    } else if (
-        released_ != nullptr && owner_ && sharing() == Sharing::kLegacy) {
-      // A legacy block dies with our allocation, and the peer may still be
-      // copying out of it (after a clean close it is): wait a while for
-      // its `released`, but not for ever (a peer gone mid-copy never
-      // completes it).
-      const auto until = std::chrono::steady_clock::now() +
-          std::chrono::milliseconds(kLegacyTeardownWaitMs);
-      while (libcuda().cuEventQuery(released_) == CUDA_ERROR_NOT_READY &&
-             std::chrono::steady_clock::now() < until) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
+    } else if (released_ != nullptr && owner_ && legacy) {
+      waitAWhile(released_);
     }
     for (CUevent e : {ready_, released_, localUse_}) {
       if (e != nullptr) {

@@ -4,6 +4,7 @@
 #include <cuda.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -84,7 +85,10 @@ class Block {
   // The connection closed: the peer may be gone, with records of ours it
   // made that will never complete, and the events it exported destroyed.
   // From now on nothing waits for or records on the peer's side of it.
-  void orphan() {
+  // `patience`: until when freeing a legacy block waits for the copies out
+  // of it still running (block.cpp).
+  void orphan(std::chrono::steady_clock::time_point patience) {
+    patience_ = patience;
     orphaned_.store(true);
   }
   bool orphaned() const {
@@ -99,6 +103,7 @@ class Block {
   CUevent localUse_ = nullptr;
   bool owner_ = false;
   std::atomic<bool> orphaned_{false};
+  std::chrono::steady_clock::time_point patience_{};
 };
 
 } // namespace torch_rpc_ext::channel::cuda

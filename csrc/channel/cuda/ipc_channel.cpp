@@ -452,13 +452,52 @@ void IpcChannel::onClosedFromLoop() {
   // A frame cut short: its copies out are never made, and nothing waits
   // for them (its message is not delivered).
   copyOuts_.clear();
+  // One deadline for the whole channel's legacy teardown waits.
+  const auto patience = std::chrono::steady_clock::now() +
+      std::chrono::milliseconds(kLegacyTeardownWaitMs);
   for (auto& [id, block] : peerBlocks_) {
-    block->orphan();
+    block->orphan(patience);
   }
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [id, own] : ownBlocks_) {
-    own.block->orphan();
+    own.block->orphan(patience);
   }
+}
+
+bool IpcChannel::onFrameEndFromLoop() {
+  if (copyOuts_.empty()) {
+    return true;
+  }
+  const uint32_t id = copyOuts_.begin()->first;
+  copyOuts_.clear();
+  if (auto host = host_.lock()) {
+    host->rejectFromLoop(
+        "rejected frame: it ended with segments of CUDA block " +
+        std::to_string(id) + " not copied out (no record marked last)");
+  }
+  return false;
+}
+
+std::shared_ptr<CUstream_st> IpcChannel::copyOutStream(int device) {
+  auto it = copyOutStreams_.find(device);
+  if (it != copyOutStreams_.end()) {
+    return it->second;
+  }
+  CurrentDevice current(device);
+  CUstream raw = nullptr;
+  TORCH_RPC_EXT_CUDA_CHECK(cuStreamCreate, &raw, CU_STREAM_NON_BLOCKING);
+  // Destroyed with the last region that may still record on it (the
+  // driver frees it once its queued work is done).
+  std::shared_ptr<CUstream_st> stream(raw, [device](CUstream_st* s) {
+    try {
+      CurrentDevice current(device);
+      libcuda().cuStreamDestroy(s);
+    } catch (const std::exception&) {
+      // The driver is gone (process exit).
+    }
+  });
+  copyOutStreams_.emplace(device, stream);
+  return stream;
 }
 
 void IpcChannel::trim() {

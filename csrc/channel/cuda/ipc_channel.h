@@ -92,6 +92,9 @@ constexpr uint64_t kMaxLentBlockBytes = uint64_t(16) << 30;
 // A peer's legacy block holds at most this many segments of one frame (a
 // record past it closes the connection).
 constexpr size_t kMaxCopyOutBatch = size_t(1) << 16;
+// After the connection closed, freeing the channel's legacy blocks waits
+// this long at most for copies out of them still running.
+constexpr int64_t kLegacyTeardownWaitMs = 2000;
 // A free block unused this long is unmapped, and the peer told.
 constexpr int64_t kBlockIdleMs = 5000;
 // Segments up to this size, of one frame and device, are packed into one
@@ -169,6 +172,7 @@ class IpcChannel final : public Channel,
   size_t maxPendingFds() const override {
     return 1; // a kBlockSetup frame's descriptor
   }
+  bool onFrameEndFromLoop() override;
   void onTickFromLoop() override;
   void onClosedFromLoop() override;
 
@@ -238,12 +242,18 @@ class IpcChannel final : public Channel,
   // one block share it; the block is lent again only once it died).
   std::unordered_map<uint32_t, std::weak_ptr<BlockLease>> peerLeases_;
   // The copies out of each legacy block of the frame being received, made
-  // with one launch at its last record; their regions wait on `ready`.
+  // with one launch at its last record (the frame is refused if it ends
+  // with any left); their regions wait on `ready`.
   struct CopyOut {
+    std::shared_ptr<Block> block;
     std::vector<CopyEngine::Segment> copies;
     PooledEvent ready;
   };
   std::unordered_map<uint32_t, CopyOut> copyOuts_;
+  // This connection's stream per device for copies out of legacy blocks
+  // (its own: a peer's `ready` that never completes stalls only it).
+  std::shared_ptr<CUstream_st> copyOutStream(int device);
+  std::map<int, std::shared_ptr<CUstream_st>> copyOutStreams_;
 
   struct OwnBlock {
     enum class State { kFree, kLent, kLocal };

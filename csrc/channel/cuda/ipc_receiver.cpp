@@ -197,6 +197,9 @@ int64_t IpcChannel::onRecordFromLoop(
     if (it == ownBlocks_.end() || it->second.state != OwnBlock::State::kLent) {
       why = "the peer handed back CUDA block " + std::to_string(r.id) +
           ", which it does not hold";
+    } else if (it->second.block->sharing() == Sharing::kLegacy) {
+      // Never viewed by the peer, so never handed back.
+      why = "the peer handed back legacy CUDA block " + std::to_string(r.id);
     } else if (fits(*it->second.block)) {
       block = it->second.block;
       it->second.state = OwnBlock::State::kLocal;
@@ -249,7 +252,8 @@ int64_t IpcChannel::copyOutFromLoop(
   const int device = block->device();
   try {
     StagingPool& pool = StagingPool::of(device);
-    const CUstream stream = pool.copyStream();
+    const std::shared_ptr<CUstream_st> owned = copyOutStream(device);
+    const CUstream stream = owned.get();
     CopyOut& batch = copyOuts_[r.id];
     if (batch.copies.size() >= kMaxCopyOutBatch) {
       throw std::runtime_error(
@@ -257,19 +261,24 @@ int64_t IpcChannel::copyOutFromLoop(
           " segments in it without its last");
     }
     if (!batch.ready) {
+      batch.block = block;
       batch.ready = pool.takeEvent();
     }
     auto landed = pool.takeBlock(segment.size);
+    const CUdeviceptr address = landed->address;
+    const bool used = landed->used;
+    const CUevent lastUse = landed->lastUse;
+    // From here the region gives the block back, whatever follows.
+    *segment.region = std::make_shared<PooledRegion>(
+        pool, std::move(landed), batch.ready, owned);
+    *segment.provided = reinterpret_cast<void*>(address);
     CurrentDevice current(device);
-    if (landed->used) {
+    if (used) {
       // The block's last user must be done before the copy overwrites it.
-      TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, landed->lastUse, 0);
+      TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, lastUse, 0);
     }
     batch.copies.push_back(
-        {landed->address, block->address() + r.offset, segment.size});
-    *segment.provided = reinterpret_cast<void*>(landed->address);
-    *segment.region = std::make_shared<PooledRegion>(
-        pool, std::move(landed), batch.ready, stream);
+        {address, block->address() + r.offset, segment.size});
     if (last) {
       // One launch for the frame's segments in the block, after the peer's
       // copy in; the owner's next copy into it waits for ours (`released`).

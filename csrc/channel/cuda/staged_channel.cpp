@@ -117,7 +117,11 @@ bool StagedChannel::landedFromLoop(InboundSegment& segment, uint64_t filled) {
     l->host = {};
     *segment.provided = reinterpret_cast<void*>(l->block->address);
     *segment.region = std::make_shared<PooledRegion>(
-        *l->pool, std::move(l->block), std::move(ready), l->stream);
+        *l->pool,
+        std::move(l->block),
+        std::move(ready),
+        // The pool's stream lives as long as the process: not owned.
+        std::shared_ptr<CUstream_st>(l->stream, [](CUstream_st*) {}));
   } catch (const std::exception& e) {
     abandonLanding();
     if (auto h = host_.lock()) {

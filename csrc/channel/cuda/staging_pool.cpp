@@ -275,7 +275,7 @@ PooledRegion::~PooledRegion() {
     std::lock_guard<std::mutex> lock(mu_);
     CurrentDevice current(pool_.device());
     // Unused: the copy onto the device was its last use.
-    CUstream last = streams_.empty() ? copyStream_ : streams_.back();
+    CUstream last = streams_.empty() ? copyStream_.get() : streams_.back();
     for (CUstream other : streams_) {
       if (other == last) {
         continue;

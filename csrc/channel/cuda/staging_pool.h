@@ -100,8 +100,9 @@ class StagingPool {
 };
 
 // A received segment's device memory: a block of `pool`, filled by copies on
-// `copyStream` (cuda_staged's from pinned memory, cuda_ipc's out of a
-// legacy block), ready at `ready`. When it dies, the block goes back once the
+// `copyStream` (cuda_staged's from pinned memory, on the pool's stream;
+// cuda_ipc's out of a legacy block, on its connection's, which the region
+// keeps alive), ready at `ready`. When it dies, the block goes back once the
 // work queued by then on every stream it was used on has finished (the
 // block's lastUse event, which the next copy into it waits for).
 class PooledRegion final : public frame::DeviceRegion {
@@ -110,11 +111,11 @@ class PooledRegion final : public frame::DeviceRegion {
       StagingPool& pool,
       std::shared_ptr<StagingPool::Block> block,
       PooledEvent ready,
-      CUstream copyStream)
+      std::shared_ptr<CUstream_st> copyStream)
       : pool_(pool),
         block_(std::move(block)),
         ready_(std::move(ready)),
-        copyStream_(copyStream) {}
+        copyStream_(std::move(copyStream)) {}
   ~PooledRegion() override;
 
   int device() const override {
@@ -126,7 +127,7 @@ class PooledRegion final : public frame::DeviceRegion {
   StagingPool& pool_;
   std::shared_ptr<StagingPool::Block> block_;
   PooledEvent ready_;
-  const CUstream copyStream_;
+  const std::shared_ptr<CUstream_st> copyStream_;
   std::mutex mu_;
   std::vector<CUstream> streams_; // it was used on
 };

@@ -440,6 +440,11 @@ void StreamConnection::skipEmptySegments() {
 
 void StreamConnection::finishFrameFromLoop() {
   phase_ = ReadPhase::kHeader;
+  for (const auto& channel : channels_) {
+    if (!channel->onFrameEndFromLoop()) {
+      return; // rejected: the connection is closing
+    }
+  }
   auto buffers = std::move(inbound_);
   inbound_ = frame::InboundBuffers{};
   observer_->onFrame(shared_from_this(), std::move(head_), std::move(buffers));
