@@ -163,6 +163,28 @@ def kept_receiver(conn, ctl):
     end.close()
 
 
+# ---- unmarked: legacy records none of which is marked last ----------------
+#
+# The receiver can never make the copies out (they wait for the last
+# record), so it refuses the frame rather than deliver tensors with no bytes.
+
+
+def unmarked_sender(conn, ctl):
+    os.environ["TORCH_RPC_EXT_TEST_CUDA_IPC_NO_LAST"] = "1"
+    end = End("sender", conn)
+    end.send_device(b"u", end.alloc(pattern(4096, 9)), 4096)
+    got = end.ep.receive(TIMEOUT)  # nothing: the receiver closes
+    ctl.send((got, end.counters()))
+    end.close()
+
+
+def unmarked_receiver(conn, ctl):
+    end = End("receiver", conn)
+    got = end.ep.receive(TIMEOUT)
+    ctl.send((got, end.ep.close_reason(), end.counters()))
+    end.close()
+
+
 # ---- hand back: a received block sent back unchanged costs no copy ---------
 
 

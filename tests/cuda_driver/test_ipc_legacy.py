@@ -91,6 +91,14 @@ def test_a_packed_legacy_block_is_released_after_its_last_segment(spawn):
     assert receiver["copied_out"] == 2 * (n + 1)
 
 
+@pytest.mark.usefixtures("legacy")
+def test_a_frame_whose_copies_out_are_never_marked_last_is_refused(spawn):
+    (got_s, sender), (got, reason, receiver) = play(spawn, "unmarked")
+    assert got is None and got_s is None  # nothing delivered either way
+    assert "not copied out" in reason and "CUDA block" in reason
+    assert sender["blocks_legacy"] == 1 and receiver["copied_out"] == 0
+
+
 @pytest.mark.skipif(REAL_DRIVER, reason="FAKE_CUDA_NO_VMM is the fake's")
 def test_a_device_without_descriptor_export_shares_by_legacy_handles(spawn, monkeypatch):
     monkeypatch.setenv("FAKE_CUDA_NO_VMM", "1")

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -31,6 +32,10 @@ IpcChannel::IpcChannel(
   for (const auto& d : peer.devices) {
     peerDevices_.push_back(d.uuid);
   }
+  // Tests only: a sender that never marks a legacy block's last record
+  // (tests/cuda_driver/test_ipc_legacy.py: the receiver refuses the frame).
+  const char* noLast = std::getenv("TORCH_RPC_EXT_TEST_CUDA_IPC_NO_LAST");
+  markLast_ = noLast == nullptr || std::string(noLast) != "1";
   for (int d = 0; d < deviceCount(); ++d) {
     const std::string uuid = deviceUuid(d);
     localDevices_.emplace(uuid, d);
@@ -357,8 +362,9 @@ void IpcChannel::takeGroup(
   for (const auto& p : placed) {
     BlockRecord r{lent[p.lent].id, BlockRecord::kLent, p.offset};
     if (lent[p.lent].block->sharing() == Sharing::kLegacy) {
-      r.kind = p.segment == lastOf[p.lent] ? BlockRecord::kCopyOutLast
-                                           : BlockRecord::kCopyOut;
+      r.kind = p.segment == lastOf[p.lent] && markLast_
+          ? BlockRecord::kCopyOutLast
+          : BlockRecord::kCopyOut;
     }
     SegmentRecord record;
     std::memcpy(&record, &r, sizeof(r));

@@ -234,6 +234,7 @@ class IpcChannel final : public Channel,
   // for the devices whose blocks can.
   std::map<int, Sharing> sharing_;
   std::map<int, uint64_t> granularity_;
+  bool markLast_ = true; // kCopyOutLast on a legacy block's last record
 
   // The peer's blocks we have mapped, by id (loop thread).
   std::unordered_map<uint32_t, std::shared_ptr<Block>> peerBlocks_;
