@@ -22,14 +22,21 @@ otherwise (a bug); or still pending at the end (lost).
   python benchmarks/elastic_soak.py --backend TENSORPIPE ...        # the same churn on TensorPipe
 
 Prints one JSON line per backend run with the totals.
+
+Nothing the controller shares with a worker holds a lock: a process killed
+inside ``multiprocessing.Event.is_set()`` leaves the event's lock held (the
+next ``set()`` then blocks forever), and one killed while its queue feeder
+holds the queue's write lock stops every other writer. So the stop and leave
+flags are lock-free shared bytes, and each worker writes its reports to files
+of its own.
 """
 
 import argparse
 import json
 import os
-import queue as queue_module
 import random
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -60,7 +67,16 @@ def _members():
     return [w.name for w in agent.get_worker_infos()]
 
 
-def worker(slot, backend, store_path, leave, stop, reports, timeout):
+def _report(store_path, slot, kind, row):
+    # One file per report, made whole by a rename: a worker killed while
+    # writing leaves only a .tmp the controller ignores.
+    path = os.path.join(os.path.dirname(store_path), f"report-{slot}-{os.getpid()}-{kind}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"slot": slot, **row}, f)
+    os.replace(path + ".tmp", path)
+
+
+def worker(slot, backend, store_path, leave, stop, timeout):
     import torch.distributed.autograd as dist_autograd
 
     import torch_rpc_ext
@@ -81,9 +97,9 @@ def worker(slot, backend, store_path, leave, stop, reports, timeout):
         rpc.init_rpc(name, rank=slot, backend=getattr(rpc.BackendType, backend),
                      rpc_backend_options=options)
     except Exception as e:  # noqa: BLE001
-        reports.put({"slot": slot, "init_error": f"{type(e).__name__}: {e}"[:300]})
+        _report(store_path, slot, "init", {"init_error": f"{type(e).__name__}: {e}"[:300]})
         return
-    reports.put({"slot": slot, "joined": time.monotonic()})
+    _report(store_path, slot, "joined", {"joined": time.monotonic()})
     rng = random.Random(slot * 7919 + os.getpid())
     seq = 0
 
@@ -109,7 +125,7 @@ def worker(slot, backend, store_path, leave, stop, reports, timeout):
         tally["ok" if check(value, expected) else "wrong"] += 1
 
     next_rss = 0.0
-    while not stop.is_set() and not leave.is_set():
+    while not stop.value and not leave.value:
         peers = [m for m in _members() if m != name] or [name]
         target = rng.choice(peers)
         futs = []
@@ -148,22 +164,20 @@ def worker(slot, backend, store_path, leave, stop, reports, timeout):
         shutdown = {"shutdown_s": round(time.monotonic() - t0, 2)}
     except Exception as e:  # noqa: BLE001
         shutdown = {"shutdown_error": str(e)[:300]}
-    reports.put({"slot": slot, "tally": tally, "unnamed": unnamed, "kinds": kinds, "rss": rss,
-                 **shutdown})
+    _report(store_path, slot, "end",
+            {"tally": tally, "unnamed": unnamed, "kinds": kinds, "rss": rss, **shutdown})
 
 
 def soak(backend, workers, duration, period, timeout, seed):
     rng = random.Random(seed)
     store_dir = tempfile.mkdtemp(prefix="elastic_soak_")
     store_path = os.path.join(store_dir, "store")
-    reports = _ctx.Queue()
-    stop = _ctx.Event()
-    procs = {}  # slot -> (process, leave event)
+    stop = _ctx.RawValue("b", 0)
+    procs = {}  # slot -> (process, leave flag)
 
     def start(slot):
-        leave = _ctx.Event()
-        p = _ctx.Process(target=worker,
-                         args=(slot, backend, store_path, leave, stop, reports, timeout))
+        leave = _ctx.RawValue("b", 0)
+        p = _ctx.Process(target=worker, args=(slot, backend, store_path, leave, stop, timeout))
         p.start()
         procs[slot] = (p, leave)
 
@@ -182,14 +196,14 @@ def soak(backend, workers, duration, period, timeout, seed):
                 os.kill(p.pid, signal.SIGKILL)
                 events["kill"] += 1
             else:
-                leave.set()
+                leave.value = 1
                 events["leave"] += 1
         for slot, (p, _) in list(procs.items()):
             if not p.is_alive():
                 p.join()
                 start(slot)  # the departed one's name and rank
                 events["start"] += 1
-    stop.set()
+    stop.value = 1
     deadline = time.monotonic() + 3 * timeout + 30
     for p, _ in procs.values():
         p.join(max(1.0, deadline - time.monotonic()))
@@ -199,11 +213,8 @@ def soak(backend, workers, duration, period, timeout, seed):
     totals = {"ok": 0, "wrong": 0, "named": 0, "unnamed": 0, "steps": 0}
     init_errors, unnamed, shutdown_errors, rss = [], [], [], []
     kinds = {}
-    while True:
-        try:
-            r = reports.get(timeout=1)
-        except queue_module.Empty:
-            break
+    for path in sorted(Path(store_dir).glob("report-*.json")):
+        r = json.loads(path.read_text())
         if "init_error" in r:
             init_errors.append(r["init_error"])
         if "tally" in r:
@@ -216,6 +227,7 @@ def soak(backend, workers, duration, period, timeout, seed):
                 rss = r["rss"]
         if "shutdown_error" in r:
             shutdown_errors.append(r["shutdown_error"])
+    shutil.rmtree(store_dir, ignore_errors=True)
     return {
         "backend": backend, "workers": workers, "duration_s": duration,
         "churn": events, **totals,
