@@ -11,6 +11,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -73,7 +74,7 @@ class Endpoint final : public transport::ConnectionObserver {
   }
 
   ~Endpoint() override {
-    close();
+    close(0);
   }
 
   std::string address() const {
@@ -184,7 +185,21 @@ class Endpoint final : public transport::ConnectionObserver {
     return out;
   }
 
-  void close() {
+  // Waits (at most `drainSeconds`) until the frames already queued are
+  // written, then closes: a connection's close() drops queued frames, and
+  // the peer may be waiting for the last one.
+  void close(double drainSeconds) {
+    std::shared_ptr<transport::Connection> conn;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      conn = conn_;
+    }
+    const auto deadline =
+        std::chrono::steady_clock::now() + seconds(drainSeconds);
+    while (conn && !conn->isClosed() && conn->hasQueuedWrites() &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     if (transport_) {
       transport_->stop();
     }
@@ -335,7 +350,11 @@ void bindTestingEndpoint(py::module_& m) {
       .def("close_reason", &Endpoint::closeReason)
       .def("counters", &Endpoint::counters)
       .def("set_landing_device", &Endpoint::setLandingDevice)
-      .def("close", &Endpoint::close, py::call_guard<py::gil_scoped_release>());
+      .def(
+          "close",
+          &Endpoint::close,
+          py::arg("drain_seconds") = 5.0,
+          py::call_guard<py::gil_scoped_release>());
 }
 
 } // namespace torch_rpc_ext::bindings

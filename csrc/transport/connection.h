@@ -59,6 +59,11 @@ class Connection {
   // Close now; queued frames are dropped. Idempotent.
   virtual void close(const std::string& reason) = 0;
 
+  // True while a frame (or control frame) queued by write() is not yet
+  // wholly written to the peer. A caller that wants its last frames
+  // delivered waits for false before close().
+  virtual bool hasQueuedWrites() const = 0;
+
   // The peer's worker id once authenticated, else -1 (also after a close
   // that happened before authentication).
   virtual int32_t peerId() const = 0;

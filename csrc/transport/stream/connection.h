@@ -52,6 +52,10 @@ class StreamConnection : public Connection,
 
   bool write(frame::OutboundFrame frame) override;
   void close(const std::string& reason) override;
+  bool hasQueuedWrites() const override {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    return !writes_.empty();
+  }
   int32_t peerId() const override {
     return peerId_.load();
   }
