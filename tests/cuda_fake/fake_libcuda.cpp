@@ -13,6 +13,9 @@
 //   CUDA_ERROR_NO_DEVICE) of compute capability 9.0; UUIDs stable per index,
 //   changed by $FAKE_CUDA_UUID_SALT (another machine); VMM with POSIX fd
 //   handles unless $FAKE_CUDA_NO_VMM=1.
+// - IPC handles (events, legacy memory) open in another process only
+//   (CUDA_ERROR_INVALID_CONTEXT in their own), unless $FAKE_CUDA_IPC_SELF=1:
+//   for a one-process harness playing both ends (tests/fuzz/fuzz_stream.cpp).
 // - Primary contexts, refcounted, current per thread: a new thread has none,
 //   and calls that need one fail with CUDA_ERROR_INVALID_CONTEXT
 //   (CUDA_ERROR_CONTEXT_IS_DESTROYED once its last retain was released).
@@ -257,6 +260,7 @@ struct State {
   std::mutex mu; // guards what follows; never held while waiting on work
   int devices = 0;
   bool noVmm = false;
+  bool ipcSelf = false; // $FAKE_CUDA_IPC_SELF=1
   // Each kernel runs this long after its stream reaches it: work that is not
   // ordered after a kernel sees its old bytes, as on a GPU under load.
   long kernelDelayMs = 0;
@@ -589,7 +593,7 @@ CUresult decodeHandle(
   if (h->magic != kIpcMagic || h->kind != kind) {
     return fail(fn, CUDA_ERROR_INVALID_HANDLE, "not a handle of that kind");
   }
-  if (h->pid == getpid()) { // as real drivers refuse them
+  if (h->pid == getpid() && !state().ipcSelf) { // as real drivers refuse them
     return fail(fn, CUDA_ERROR_INVALID_CONTEXT, "this very process's handle");
   }
   return CUDA_SUCCESS;
@@ -935,6 +939,8 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
   const char* noVmm = getenv("FAKE_CUDA_NO_VMM");
   const char* salt = getenv("FAKE_CUDA_UUID_SALT");
   s.noVmm = noVmm && strcmp(noVmm, "1") == 0;
+  const char* ipcSelf = getenv("FAKE_CUDA_IPC_SELF");
+  s.ipcSelf = ipcSelf && strcmp(ipcSelf, "1") == 0;
   s.salt = salt ? salt : "";
   s.devices = static_cast<int>(devices);
   for (int d = 0; d < s.devices; ++d) {

@@ -298,7 +298,12 @@ def fresh(lib_path, tmp_path, monkeypatch):
     file once), with the FAKE_CUDA_* variables given, read at its cuInit."""
 
     def load(**env) -> Cuda:
-        for name in ("FAKE_CUDA_DEVICES", "FAKE_CUDA_NO_VMM", "FAKE_CUDA_UUID_SALT"):
+        for name in (
+            "FAKE_CUDA_DEVICES",
+            "FAKE_CUDA_NO_VMM",
+            "FAKE_CUDA_UUID_SALT",
+            "FAKE_CUDA_IPC_SELF",
+        ):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
@@ -641,6 +646,28 @@ def test_interprocess_event_rules_in_one_process(cu):
     assert cu.rc("cuIpcOpenEventHandle", byref(event), handle) == INVALID_CONTEXT
     cu("cuEventDestroy_v2", plain)
     cu("cuEventDestroy_v2", ipc)
+
+
+def test_ipc_handles_open_in_their_own_process_only_when_asked(fresh):
+    # FAKE_CUDA_IPC_SELF=1: for the fuzz harness, which plays both ends of
+    # cuda_ipc in one process.
+    cu = fresh(FAKE_CUDA_IPC_SELF="1").setup()
+    data = b"self" * 100
+    base = cu.upload(data)
+    mem, ev_handle = Handle(), Handle()
+    cu("cuIpcGetMemHandle", byref(mem), base)
+    ptr = u64()
+    cu("cuIpcOpenMemHandle_v2", byref(ptr), mem, LAZY_PEER_ACCESS)
+    assert cu.dtoh(ptr.value, len(data)) == data
+    cu("cuIpcCloseMemHandle", ptr.value)
+    ipc, opened = cu.event(EVENT_IPC), c_void_p()
+    cu("cuIpcGetEventHandle", byref(ev_handle), ipc)
+    cu("cuIpcOpenEventHandle", byref(opened), ev_handle)
+    # Any other value keeps the real drivers' rule.
+    strict = fresh(FAKE_CUDA_IPC_SELF="0").setup()
+    base = strict.upload(data)
+    strict("cuIpcGetMemHandle", byref(mem), base)
+    assert strict.rc("cuIpcOpenMemHandle_v2", byref(ptr), mem, LAZY_PEER_ACCESS) == INVALID_CONTEXT
 
 
 def _legacy_ipc_child(cu, conn):

@@ -7,14 +7,20 @@
 // drop, slab setup, release and drop), and message frames whose segments
 // travel in the stream, in chunks through the peer's ring (shm_ring), in
 // the peer's slabs (shm_slab), or staged (cuda_staged: bytes in the stream
-// that the channel would land on a device; with no driver here, refused).
+// that the channel would land on a device; with no driver here, refused),
+// and, with a CUDA driver (run.sh points TORCH_RPC_EXT_LIBCUDA at the fake
+// of tests/cuda_fake), cuda_ipc: block setups, block records of every kind
+// (views, hand-backs, copies out of legacy blocks), releases and drops.
 //
 // Input: one setup byte, then the bytes the peer sends, fed to a fresh
 // connection in pieces of up to 257 bytes at a time (so every phase of the
 // parser is also entered mid-way). Setup bit 0: before the input, the peer
 // hands over a real sealed 64 KiB ring (a kRing frame with the ring's memfd
 // and eventfd), so chunk records are checked against a mapped ring; bit 1:
-// likewise a real sealed 64 KiB slab, id 1. The layout of a frame is in
+// likewise a real sealed 64 KiB slab, id 1; with the driver, bit 2: a real
+// 2 MiB cuda_ipc block (the fake's memory exported as a descriptor), id 1,
+// and bit 3: a real 2 MiB legacy block (a legacy IPC handle), id 2. Bits
+// 2-7 also pick the piece size. The layout of a frame is in
 // docs/wire-format.md; make_seeds.py writes valid ones.
 //
 // A finding: a sanitizer report, a crash or a hang; a frame delivered with a
@@ -23,13 +29,18 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "csrc/channel/cuda/block.h"
+#include "csrc/channel/cuda/ipc_channel.h"
 #include "csrc/channel/registry.h"
 #include "csrc/channel/shm/context.h"
 #include "csrc/channel/shm/ring.h"
@@ -111,6 +122,26 @@ std::string header(FrameKind kind, uint32_t headLength) {
   return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
 }
 
+// The peer's cuda_ipc blocks: one allocation granule (the fake's and most
+// GPUs'), as make_seeds.py assumes.
+constexpr uint64_t kIpcBlockBytes = uint64_t(2) << 20;
+
+// Stand-ins for the copy kernels' PTX that the fake driver loads and runs by
+// entry name (three .u64 parameters each, as torch_rpc_ext/_cuda/abi.py).
+std::map<std::string, std::pair<std::string, std::string>> fakeKernels() {
+  std::map<std::string, std::pair<std::string, std::string>> k;
+  for (const char* name :
+       {"copy_contiguous", "copy_segments", "pack_strided", "unpack_strided"}) {
+    std::string entry = name; // the fake runs a kernel by its name
+    k[name] = {
+        entry,
+        ".version 8.0\n.target sm_70\n.address_size 64\n.visible .entry " +
+            entry +
+            "(.param .u64 a, .param .u64 b, .param .u64 c)\n{\n ret;\n}\n"};
+  }
+  return k;
+}
+
 struct Harness {
   Harness() : loop(), observer() {
     options.selfId = 1;
@@ -118,8 +149,22 @@ struct Harness {
     options.limits.maxFrameBytes = 1 << 20;
     options.heartbeatTimeout = std::chrono::milliseconds(0);
     // Both shm channels, as negotiated between two workers of one host, and
-    // cuda_staged (its segments' bytes follow in the stream).
-    for (const char* name : {"shm_slab", "shm_ring", "cuda_staged"}) {
+    // cuda_staged (its segments' bytes follow in the stream); cuda_ipc with
+    // a driver, as between two processes of this host (the peer publishes
+    // our own descriptor: the same boot, devices and PID namespace).
+    std::vector<const char*> names = {"shm_slab", "shm_ring", "cuda_staged"};
+    const char* lib = std::getenv("TORCH_RPC_EXT_LIBCUDA");
+    if (lib != nullptr && *lib != '\0') {
+      auto ipc = channel::createChannel("cuda_ipc");
+      FUZZ_CHECK(
+          ipc->unviableReason().empty(),
+          "cuda_ipc is not viable with the driver named by "
+          "TORCH_RPC_EXT_LIBCUDA");
+      channel::setCudaKernels(fakeKernels());
+      names.push_back("cuda_ipc");
+      cuda = true;
+    }
+    for (const char* name : names) {
       auto c = channel::createChannel(name);
       channels.push_back(channel::Offer{c, c->domainDescriptor()});
     }
@@ -129,6 +174,7 @@ struct Harness {
   transport::TransportOptions options;
   std::vector<channel::Offer> channels;
   Observer observer;
+  bool cuda = false;
 };
 
 Harness& harness() {
@@ -182,6 +228,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         conn->feedForTesting(frame.data(), frame.size(), {::dup(slab->fd())});
     FUZZ_CHECK(open, "a valid slab setup was refused");
   }
+  // The peer's blocks stay ours (the owner's side) until the input is done.
+  std::vector<std::shared_ptr<channel::cuda::Block>> blocks;
+  for (int bit = 0; bit < 2 && h.cuda; ++bit) {
+    if (!open || !(setup & (4 << bit))) {
+      continue;
+    }
+    const uint32_t id = 1 + bit;
+    auto sharing = bit == 0 ? channel::cuda::Sharing::kFd
+                            : channel::cuda::Sharing::kLegacy;
+    auto block = channel::cuda::Block::create(0, kIpcBlockBytes, sharing);
+    std::string head = block->describe(id);
+    std::string frame = header(
+        h.channels[3].context->wireIds().kind(channel::cuda::kBlockSetup),
+        head.size());
+    frame += head;
+    std::vector<int> fds;
+    if (sharing == channel::cuda::Sharing::kFd) {
+      fds.push_back(block->exportFd());
+    }
+    open = conn->feedForTesting(frame.data(), frame.size(), fds);
+    FUZZ_CHECK(open, "a valid cuda_ipc block setup was refused");
+    blocks.push_back(std::move(block));
+  }
   std::string rest = in.takeRest();
   size_t at = 0;
   size_t piece = 1 + (setup >> 2) % 257;
@@ -191,5 +260,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     at += n;
   }
   conn->close("");
+  for (auto& b : blocks) {
+    b->orphan(std::chrono::steady_clock::now()); // nobody records on them
+  }
   return 0;
 }

@@ -291,7 +291,9 @@ def slab_seeds():
 
 # --- stream ----------------------------------------------------------------
 # A setup byte (bit 0: a real ring is set up first, bit 1: a real slab, id 1;
-# bits 2-7: the piece size the input is fed in), then the peer's frames.
+# with the fake CUDA driver, bit 2: a cuda_ipc block, id 1, bit 3: a legacy
+# one, id 2; bits 2-7: the piece size the input is fed in), then the peer's
+# frames.
 
 STREAM_RING, STREAM_SLAB = 1, 2
 # The top byte of a segment length names its channel: shm_slab 1, shm_ring 2,
@@ -310,6 +312,13 @@ def message(segments, head=b"h" * 16, flags=0, lengths=None):
 # (csrc/channel/registry.cpp) get kinds 16.. and 24.. (frame.h).
 SLAB_SETUP, SLAB_RELEASE, SLAB_DROP = 16, 17, 18
 RING_SETUP, RING_DROP = 24, 25
+# cuda_ipc, the third: kinds 32.., segment top byte 3, records
+# {uint32 id, uint32 kind, uint64 offset}; setup bits 2 and 3.
+IPC_SETUP, IPC_RELEASE, IPC_DROP = 32, 33, 34
+IPC_BIT = 3 << 56
+IPC_LENT, IPC_RETURNED, IPC_COPY_OUT, IPC_COPY_OUT_LAST = 1, 2, 3, 4
+STREAM_IPC_FD, STREAM_IPC_LEGACY = 4, 8
+IPC_BLOCK = 2 << 20  # the harness's blocks
 
 
 def stream_seeds():
@@ -341,6 +350,25 @@ def stream_seeds():
           bytes([0]) + message([b"p" * 8, b"d" * 5000], lengths=[8, 5000 | STAGED_BIT]))
     write("stream", "staged-host",
           bytes([0]) + message([b"d" * 300], lengths=[300 | STAGED_BIT]) + ping)
+    # cuda_ipc (channel 3, kinds 32-34; the harness has it with the fake
+    # driver): segment 1 goes to cuda:0; block 1 is a descriptor block
+    # (setup bit 2), block 2 a legacy one (bit 3).
+    lent = message([b"p" * 8, u32(1) + u32(IPC_LENT) + u64(256)], lengths=[8, 4096 | IPC_BIT])
+    write("stream", "ipc-lent", bytes([STREAM_IPC_FD]) + lent + frame_header(IPC_DROP, head=4) + u32(1))
+    write("stream", "ipc-lent-overrun",
+          bytes([STREAM_IPC_FD]) + message([b"p", u32(1) + u32(IPC_LENT) + u64(IPC_BLOCK - 100)],
+                                           lengths=[1, 4096 | IPC_BIT]))
+    copy_out = message([b"p" * 8, u32(2) + u32(IPC_COPY_OUT) + u64(0), b"q",
+                        u32(2) + u32(IPC_COPY_OUT_LAST) + u64(8192)],
+                       lengths=[8, 5000 | IPC_BIT, 1, 3000 | IPC_BIT])
+    write("stream", "ipc-copy-out", bytes([STREAM_IPC_LEGACY]) + copy_out + ping)
+    write("stream", "ipc-copy-out-unmarked",
+          bytes([STREAM_IPC_LEGACY]) + message([b"p", u32(2) + u32(IPC_COPY_OUT) + u64(0)],
+                                               lengths=[1, 100 | IPC_BIT]))
+    write("stream", "ipc-both-returned-release",
+          bytes([STREAM_IPC_FD | STREAM_IPC_LEGACY]) + lent
+          + message([b"p", u32(1) + u32(IPC_RETURNED) + u64(0)], lengths=[1, 64 | IPC_BIT])
+          + frame_header(IPC_RELEASE, head=8) + u32(1) + u32(2))
     write("stream", "unknown-channel",
           bytes([STREAM_RING | STREAM_SLAB]) + message([u64(0) + u64(0)], lengths=[4096 | (7 << 56)]))
 

@@ -48,6 +48,20 @@ ASAN_OPTIONS="$(IFS=:; echo "${asan[*]}")${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 UBSAN_OPTIONS="$(IFS=:; echo "${ubsan[*]}")${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
 export ASAN_OPTIONS UBSAN_OPTIONS
 
+# The stream target fuzzes cuda_ipc too when it has a driver: the fake of
+# tests/cuda_fake (built here unless TORCH_RPC_EXT_LIBCUDA names one; a
+# build failure is a failure: it needs only cuda.h and g++, as the target).
+root=$(cd "$here/../.." && pwd)
+if [[ " ${targets[*]} " == *" stream "* && -z "${TORCH_RPC_EXT_LIBCUDA:-}" ]]; then
+  py=python3
+  [ -x "$root/.venv/bin/python" ] && py="$root/.venv/bin/python"
+  TORCH_RPC_EXT_LIBCUDA=$(cd "$root" && "$py" -c \
+    'from tests.cuda_fake import build; print(build())')
+  export TORCH_RPC_EXT_LIBCUDA
+fi
+# The harness plays both ends of cuda_ipc in one process.
+export FAKE_CUDA_IPC_SELF=1
+
 out="$here/build"
 mkdir -p "$out/artifacts"
 failed=()
