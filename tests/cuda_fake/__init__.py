@@ -7,8 +7,9 @@ top of fake_libcuda.cpp for what it models and what not). Point the extension
 at it with ``TORCH_RPC_EXT_LIBCUDA=<build()>``; environment variables the fake
 reads at cuInit: FAKE_CUDA_DEVICES (default 1), FAKE_CUDA_UUID_SALT (another
 salt, another machine), FAKE_CUDA_NO_VMM=1, FAKE_CUDA_IPC_SELF=1 (IPC handles
-open in their own process too), FAKE_CUDA_TRACE=1 (print every error). ``fake_cuda_stats(char*, size_t)`` in the library writes a JSON
-object of counters; test_fake_driver.py shows it read with ctypes.
+open in their own process too), FAKE_CUDA_TRACE=1 (print every error).
+``fake_cuda_stats(char*, size_t)`` in the library writes a JSON object of
+counters; test_fake_driver.py shows it read with ctypes.
 
 Importing this module imports neither torch nor torch_rpc_ext.
 """
