@@ -145,7 +145,13 @@ def install_dynamic_shutdown() -> None:
         # membership watcher, which releases departed members' forks there,
         # stops first (a graceful leave has stopped it already).
         if _is_dynamic_agent():
-            api._get_current_rpc_agent()._stop_membership()
+            from torch_rpc_ext.elastic import drain_event_thread
+
+            agent = api._get_current_rpc_agent()
+            agent._stop_membership()
+            # Callbacks see every event up to this worker's own leave
+            # before shutdown returns (and torch's RPC state is still up).
+            drain_event_thread(agent)
         return finalize(*args, **kwargs)
 
     _wait_all_workers._torch_rpc_ext = True  # type: ignore[attr-defined]

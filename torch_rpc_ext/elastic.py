@@ -56,6 +56,10 @@ class Membership(NamedTuple):
 
 _callbacks: list[Callable[[MembershipEvent], Any]] = []
 _callbacks_lock = threading.Lock()
+# The event thread of each live dynamic agent, by id(agent).
+_event_threads: dict[int, threading.Thread] = {}
+# rpc.shutdown() waits this long at most for callbacks still running.
+_CALLBACK_DRAIN_S = 10.0
 
 
 def membership() -> Membership:
@@ -72,9 +76,12 @@ def membership() -> Membership:
 def on_membership_change(fn: Callable[[MembershipEvent], Any]) -> Callable:
     """Call ``fn(event)`` for each join, leave and death this worker applies
     after its own join, once per event, in epoch order, on one thread of its
-    own (not the caller's; a slow callback delays later ones only). May be
-    used as a decorator; callbacks registered before ``init_rpc`` apply to
-    every later group. Returns ``fn``."""
+    own (not the caller's; a slow callback delays later ones only). The last
+    event is this worker's own leave (on a graceful ``rpc.shutdown()``, which
+    returns once the callbacks for every event up to it have run, waiting
+    10 s at most; a worker that is no longer a member sees no more). May
+    be used as a decorator; callbacks registered before ``init_rpc`` apply
+    to every later group. Returns ``fn``."""
     with _callbacks_lock:
         _callbacks.append(fn)
     return fn
@@ -111,4 +118,22 @@ def start_event_thread(agent: Any) -> threading.Thread:
 
     thread = threading.Thread(target=run, name="torch_rpc_ext-membership", daemon=True)
     thread.start()
+    _event_threads[id(agent)] = thread
     return thread
+
+
+def drain_event_thread(agent: Any) -> None:
+    """After the agent stopped its membership watcher (no event follows):
+    wait until the callbacks for the events already applied have run, its
+    own leave among them, so that they are not cut off by the process
+    exiting right after ``rpc.shutdown()``."""
+    thread = _event_threads.pop(id(agent), None)
+    if thread is None or thread is threading.current_thread():
+        return  # shutdown called from a callback: it runs the rest itself
+    thread.join(_CALLBACK_DRAIN_S)
+    if thread.is_alive():
+        _log.warning(
+            "torch_rpc_ext: membership callbacks still running %.0f s into "
+            "rpc.shutdown(); not waiting for them",
+            _CALLBACK_DRAIN_S,
+        )

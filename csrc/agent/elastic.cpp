@@ -282,6 +282,12 @@ void Agent::applyEvent(const MembershipEvent& ev) {
     std::lock_guard<std::mutex> lock(eventsMutex_);
     if (reportEvents_) {
       events_.push_back(ev);
+      // Our own leave is the last change we report: we are no longer a
+      // member of what follows.
+      if (ev.kind == MembershipEvent::Kind::kLeave &&
+          ev.member.incarnation == incarnation_) {
+        reportEvents_ = false;
+      }
       eventsCv_.notify_all();
     }
   }

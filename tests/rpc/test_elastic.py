@@ -65,6 +65,10 @@ def store_path():
 def _join_and_leave(rank, world_size, store_path, gates):
     out = {}
     events = []
+    # A slow callback first: the list below gets each event 0.2 s after it
+    # was applied, so only a shutdown that waits for the callbacks sees its
+    # own leave there.
+    torch_rpc_ext.on_membership_change(lambda e: time.sleep(0.2))
     torch_rpc_ext.on_membership_change(events.append)
     if rank == 0:
         join(0, store_path)
@@ -116,8 +120,7 @@ def _join_and_leave(rank, world_size, store_path, gates):
         gates["called"].set()
         gates["done0"].wait(60)
         gates["done2"].set()
-    rpc.shutdown()
-    time.sleep(0.3)  # the event thread delivers what it holds
+    rpc.shutdown()  # returns once the callbacks have seen our own leave
     out["events"] = [(e.kind, e.name) for e in events]
     return out
 
@@ -142,6 +145,10 @@ def test_join_under_load_and_graceful_leave(store_path):
     assert ev0[:3] == [("join", "worker1"), ("join", "worker2"), ("leave", "worker1")]
     assert len(ev0) == len(set(ev0))
     assert res[2]["events"][0] == ("leave", "worker1")
+    # Each one's last event is its own leave, seen before rpc.shutdown()
+    # returned.
+    for rank in range(3):
+        assert res[rank]["events"][-1] == ("leave", f"worker{rank}"), res[rank]["events"]
 
 
 # ---- SIGKILL: declared dead, then replaced -------------------------------
