@@ -79,7 +79,8 @@ def on_membership_change(fn: Callable[[MembershipEvent], Any]) -> Callable:
     own (not the caller's; a slow callback delays later ones only). The last
     event is this worker's own leave (on a graceful ``rpc.shutdown()``, which
     returns once the callbacks for every event up to it have run, waiting
-    10 s at most; a worker that is no longer a member sees no more). May
+    10 s at most) or its own death (declared by the others: it is fenced);
+    a worker that is no longer a member sees no more. May
     be used as a decorator; callbacks registered before ``init_rpc`` apply
     to every later group. Returns ``fn``."""
     with _callbacks_lock:

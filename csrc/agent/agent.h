@@ -320,7 +320,7 @@ class Agent final : public rpc::RpcAgent,
   std::mutex eventsMutex_;
   std::condition_variable eventsCv_;
   std::deque<MembershipEvent> events_;
-  bool reportEvents_ = false; // from our join to our leave
+  bool reportEvents_ = false; // from our join to our leave or death
   // Whether torch's RRef state may be touched (started, not torn down).
   std::atomic<bool> rrefsLive_{false};
   // The holders of forks of our RRefs whose ids do not name them

@@ -282,9 +282,10 @@ void Agent::applyEvent(const MembershipEvent& ev) {
     std::lock_guard<std::mutex> lock(eventsMutex_);
     if (reportEvents_) {
       events_.push_back(ev);
-      // Our own leave is the last change we report: we are no longer a
-      // member of what follows.
-      if (ev.kind == MembershipEvent::Kind::kLeave &&
+      // Our own leave (or death) is the last change we report: we are no
+      // longer a member of what follows.
+      if ((ev.kind == MembershipEvent::Kind::kLeave ||
+           ev.kind == MembershipEvent::Kind::kDead) &&
           ev.member.incarnation == incarnation_) {
         reportEvents_ = false;
       }

@@ -99,13 +99,15 @@ class Endpoint final : public transport::ConnectionObserver {
     transport_->connect(address, peerId, this);
   }
 
-  // Waits until a connection is ready; false on timeout or close.
+  // Waits until a connection is ready; false on timeout, or if it closed
+  // before it was ever ready. Once ready, true even if the peer has closed
+  // it since (it may have sent its frames and gone: they are received).
   bool waitReady(double timeoutSeconds) {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, seconds(timeoutSeconds), [&] {
       return conn_ != nullptr || !closeReason_.empty();
     });
-    return conn_ != nullptr && !conn_->isClosed();
+    return conn_ != nullptr;
   }
 
   // `handBack[i]`: segment i lies in that received region, which nothing

@@ -60,8 +60,8 @@ class Connection {
   virtual void close(const std::string& reason) = 0;
 
   // True while a frame (or control frame) queued by write() is not yet
-  // wholly written to the peer. A caller that wants its last frames
-  // delivered waits for false before close().
+  // wholly handed to the socket. A caller that wants its last frames to
+  // reach the peer waits for false before close().
   virtual bool hasQueuedWrites() const = 0;
 
   // The peer's worker id once authenticated, else -1 (also after a close

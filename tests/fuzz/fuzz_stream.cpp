@@ -7,10 +7,11 @@
 // drop, slab setup, release and drop), and message frames whose segments
 // travel in the stream, in chunks through the peer's ring (shm_ring), in
 // the peer's slabs (shm_slab), or staged (cuda_staged: bytes in the stream
-// that the channel would land on a device; with no driver here, refused),
-// and, with a CUDA driver (run.sh points TORCH_RPC_EXT_LIBCUDA at the fake
-// of tests/cuda_fake), cuda_ipc: block setups, block records of every kind
-// (views, hand-backs, copies out of legacy blocks), releases and drops.
+// that the channel lands on a device: with no driver, refused; with the
+// fake, in its device memory), and, with a CUDA driver (run.sh points
+// TORCH_RPC_EXT_LIBCUDA at the fake of tests/cuda_fake), cuda_ipc: block
+// setups, block records of every kind (views, hand-backs, copies out of legacy
+// blocks), releases and drops.
 //
 // Input: one setup byte, then the bytes the peer sends, fed to a fresh
 // connection in pieces of up to 257 bytes at a time (so every phase of the
@@ -75,9 +76,10 @@ class Observer final : public ConnectionObserver {
       owned->emplace_back(byPeer ? 0 : sizes[i]);
       b.segments.push_back(byPeer ? nullptr : owned->back().data());
     }
-    // Odd segments go to cuda:0 (a staged one then needs the driver, which
-    // the fuzzer has not: its landing is refused), even ones stay on the
-    // host (a staged one is refused before any driver call).
+    // Odd segments go to cuda:0 (a staged one lands in the fake driver's
+    // device memory, or is refused with no driver; a cuda_ipc one views a
+    // block), even ones stay on the host (a staged or cuda_ipc one there is
+    // refused before any driver call).
     for (size_t i = 0; i < sizes.size(); ++i) {
       b.devices.push_back(i % 2 == 1 ? 0 : -1);
     }
@@ -97,7 +99,9 @@ class Observer final : public ConnectionObserver {
       if (buffers.provided[i] == nullptr || announced_[i] == 0) {
         continue;
       }
-      // Provided memory is a view of a mapped slab: all of it is readable.
+      // Provided memory is a view of a mapped slab, a cuda_ipc block or a
+      // staged landing (the fake's device memory is host memory): all of it
+      // is readable.
       const volatile char* p = static_cast<const char*>(buffers.provided[i]);
       sink_ = static_cast<char>(sink_ + p[0] + p[announced_[i] - 1]);
     }

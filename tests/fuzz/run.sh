@@ -48,11 +48,12 @@ ASAN_OPTIONS="$(IFS=:; echo "${asan[*]}")${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 UBSAN_OPTIONS="$(IFS=:; echo "${ubsan[*]}")${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
 export ASAN_OPTIONS UBSAN_OPTIONS
 
-# The stream target fuzzes cuda_ipc too when it has a driver: the fake of
-# tests/cuda_fake (built here unless TORCH_RPC_EXT_LIBCUDA names one; a
-# build failure is a failure: it needs only cuda.h and g++, as the target).
+# The stream target fuzzes cuda_ipc too, against the fake driver of
+# tests/cuda_fake, always (a real driver refuses a process its own IPC
+# handles; a failure to build the fake is a failure: it needs only cuda.h
+# and g++, as the target).
 root=$(cd "$here/../.." && pwd)
-if [[ " ${targets[*]} " == *" stream "* && -z "${TORCH_RPC_EXT_LIBCUDA:-}" ]]; then
+if [[ " ${targets[*]} " == *" stream "* ]]; then
   py=python3
   [ -x "$root/.venv/bin/python" ] && py="$root/.venv/bin/python"
   TORCH_RPC_EXT_LIBCUDA=$(cd "$root" && "$py" -c \
