@@ -56,6 +56,7 @@
 #include <cuda.h>
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -288,8 +289,33 @@ State& state() {
 }
 
 std::atomic<pid_t> g_initPid{0}; // the process that called cuInit
-thread_local CUctx_st* t_context = nullptr;
-thread_local bool t_inWorker = false;
+// Per-thread state lives in pthread keys, not thread_local: this library is
+// dlopen'ed, and LeakSanitizer's scan of a dlopen'ed module's dynamic TLS
+// faults now and then in the fuzzers ("Tracer caught signal 11", clang 14).
+pthread_key_t threadKey(int which) {
+  static pthread_key_t keys[2] = {};
+  static std::once_flag once;
+  std::call_once(once, [] {
+    pthread_key_create(&keys[0], nullptr);
+    pthread_key_create(&keys[1], nullptr);
+  });
+  return keys[which];
+}
+// The context current on this thread.
+CUctx_st* currentContext() {
+  return static_cast<CUctx_st*>(pthread_getspecific(threadKey(0)));
+}
+void setCurrentContext(CUctx_st* ctx) {
+  pthread_setspecific(threadKey(0), ctx);
+}
+// Whether this thread is a stream's worker (host functions run there).
+bool inWorker() {
+  return pthread_getspecific(threadKey(1)) != nullptr;
+}
+void setInWorker() {
+  static char yes;
+  pthread_setspecific(threadKey(1), &yes);
+}
 
 using Lock = std::lock_guard<std::mutex>;
 using u64 = unsigned long long; // printf's %llu
@@ -342,17 +368,17 @@ CUresult fail(const char* fn, CUresult rc, const char* why) {
 // cuGetError* starts with.
 CUresult enter(const char* fn, bool needContext) {
   pid_t pid = g_initPid.load();
-  if (t_inWorker) {
+  if (inWorker()) {
     return fail(fn, CUDA_ERROR_NOT_PERMITTED, "called from a stream's work");
   }
   if (pid == 0 || pid != getpid()) {
     const char* why = pid ? "used after fork()" : "cuInit(0) first";
     return fail(fn, CUDA_ERROR_NOT_INITIALIZED, why);
   }
-  if (needContext && t_context == nullptr) {
+  if (needContext && currentContext() == nullptr) {
     return fail(fn, CUDA_ERROR_INVALID_CONTEXT, "no current context");
   }
-  if (needContext && t_context->retains.load() == 0) {
+  if (needContext && currentContext()->retains.load() == 0) {
     return fail(fn, CUDA_ERROR_CONTEXT_IS_DESTROYED, "released context");
   }
   return CUDA_SUCCESS;
@@ -367,7 +393,7 @@ bool validDevice(int device) {
 // ---------------------------------------------------------------- streams
 
 void runWorker(std::shared_ptr<CUstream_st> s) {
-  t_inWorker = true;
+  setInWorker();
   std::unique_lock<std::mutex> lock(s->mu);
   for (;;) {
     s->cv.wait(lock, [&] { return !s->work.empty() || s->stopping; });
@@ -432,13 +458,13 @@ CUresult getStream(
     std::shared_ptr<CUstream_st>* s) {
   Lock lock(state().mu);
   if (h == nullptr || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) {
-    if (t_context == nullptr) {
+    if (currentContext() == nullptr) {
       return fail(fn, CUDA_ERROR_INVALID_CONTEXT, "NULL stream, no context");
     }
-    if (!t_context->nullStream) {
-      t_context->nullStream = startStream(t_context->device);
+    if (!currentContext()->nullStream) {
+      currentContext()->nullStream = startStream(currentContext()->device);
     }
-    *s = t_context->nullStream;
+    *s = currentContext()->nullStream;
     return CUDA_SUCCESS;
   }
   auto it = state().streams.find(h);
@@ -1057,7 +1083,7 @@ CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev) {
 CUresult CUDAAPI cuCtxGetCurrent(CUcontext* ctx) {
   ENTER(false);
   REQUIRE(ctx, CUDA_ERROR_INVALID_VALUE, "null pointer");
-  *ctx = t_context;
+  *ctx = currentContext();
   return CUDA_SUCCESS;
 }
 
@@ -1067,7 +1093,7 @@ CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
   bool known = std::any_of(
       all.begin(), all.end(), [&](auto& c) { return c.get() == ctx; });
   REQUIRE(!ctx || known, CUDA_ERROR_INVALID_CONTEXT, "not a context");
-  t_context = ctx;
+  setCurrentContext(ctx);
   return CUDA_SUCCESS;
 }
 
@@ -1537,7 +1563,7 @@ CUresult CUDAAPI cuStreamCreate(CUstream* stream, unsigned flags) {
       CUDA_ERROR_INVALID_VALUE,
       "null pointer or unknown flags");
   Lock lock(state().mu);
-  std::shared_ptr<CUstream_st> s = startStream(t_context->device);
+  std::shared_ptr<CUstream_st> s = startStream(currentContext()->device);
   state().streams[s.get()] = s;
   *stream = s.get();
   return CUDA_SUCCESS;
@@ -1611,7 +1637,7 @@ CUresult CUDAAPI cuEventCreate(CUevent* ev, unsigned flags) {
       "INTERPROCESS needs DISABLE_TIMING");
   auto e = std::make_unique<CUevent_st>();
   e->flags = flags;
-  e->device = t_context->device;
+  e->device = currentContext()->device;
   e->block = std::make_shared<FakeCounterBlock>();
   if (!ipc) {
     e->block->counters = new FakeCounters();
@@ -1698,7 +1724,7 @@ CUresult CUDAAPI cuIpcOpenEventHandle(CUevent* ev, CUipcEventHandle handle) {
   REQUIRE(p, CUDA_ERROR_MAP_FAILED, "mmap");
   auto e = std::make_unique<CUevent_st>();
   e->flags = CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING;
-  e->device = t_context->device;
+  e->device = currentContext()->device;
   e->block = std::make_shared<FakeCounterBlock>();
   e->block->fd = fd;
   e->block->counters = static_cast<FakeCounters*>(p);
@@ -1725,7 +1751,7 @@ CUresult CUDAAPI cuModuleLoadData(CUmodule* module, const void* image) {
       CUDA_ERROR_INVALID_IMAGE,
       "only PTX is modelled, not cubins");
   auto mod = std::make_unique<CUmod_st>();
-  mod->context = t_context;
+  mod->context = currentContext();
   const char* why = "";
   CUresult rc = parsePtx(text, mod.get(), &why);
   REQUIRE(rc == CUDA_SUCCESS, rc, why);
@@ -1794,7 +1820,8 @@ CUresult CUDAAPI cuLaunchKernel(
     fn = *f;
   }
   REQUIRE(
-      fn.module->context == t_context && s->device == t_context->device,
+      fn.module->context == currentContext() &&
+          s->device == currentContext()->device,
       CUDA_ERROR_INVALID_CONTEXT,
       "module or stream of another context");
   uint64_t threads = uint64_t{blockDimX} * blockDimY * blockDimZ;
