@@ -113,9 +113,8 @@ class IpcContext final : public Context {
   bool reaches(const std::string& peerDescriptor) const override {
     probe();
     const IpcDomain peer = IpcDomain::parse(peerDescriptor);
-    const IpcDomain local = IpcDomain::parse(descriptor_);
-    for (const auto& d : local.devices) {
-      if (local.sharingWith(peer, d.uuid)) {
+    for (const auto& d : domain_.devices) {
+      if (domain_.sharingWith(peer, d.uuid)) {
         return true;
       }
     }
@@ -132,7 +131,7 @@ class IpcContext final : public Context {
         shared_from_this(),
         std::move(host),
         counters_,
-        IpcDomain::parse(descriptor_),
+        domain_,
         IpcDomain::parse(peerDescriptor));
   }
   std::map<std::string, uint64_t> counters() const override {
@@ -191,12 +190,14 @@ class IpcContext final : public Context {
         return;
       }
       descriptor_ = domain.format();
+      domain_ = std::move(domain);
     });
   }
 
   mutable std::once_flag probed_;
   mutable std::string unviable_;
   mutable std::string descriptor_;
+  mutable IpcDomain domain_; // what descriptor_ publishes
   mutable IpcCounters counters_;
 };
 
