@@ -6,7 +6,6 @@
 #include "csrc/bindings/bind.h"
 #include "csrc/channel/registry.h"
 #include "csrc/transport/registry.h"
-#include "csrc/transport/stream/address.h"
 
 namespace torch_rpc_ext::bindings {
 
@@ -131,7 +130,7 @@ void bindAgent(py::module_& m) {
       "_set_cuda_kernel_images",
       [](const std::map<std::string, std::pair<std::string, std::string>>&
              images) { channel::setCudaKernels(images); });
-  m.def("default_address", &transport::stream::defaultAdvertisedAddress);
+  m.def("default_address", &transport::defaultAdvertisedAddress);
 }
 
 } // namespace torch_rpc_ext::bindings

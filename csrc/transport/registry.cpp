@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "csrc/transport/shm/factory.h"
+#include "csrc/transport/stream/address.h"
 #include "csrc/transport/tcp/factory.h"
 
 namespace torch_rpc_ext::transport {
@@ -42,6 +43,10 @@ std::shared_ptr<Transport> createTransport(
     }
   }
   throw std::invalid_argument("unknown transport '" + name + "'");
+}
+
+std::string defaultAdvertisedAddress() {
+  return stream::defaultAdvertisedAddress();
 }
 
 } // namespace torch_rpc_ext::transport

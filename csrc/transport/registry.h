@@ -17,4 +17,9 @@ std::shared_ptr<Transport> createTransport(
     const std::string& name,
     const TransportOptions& options);
 
+// The address a worker advertises when its options name none (the stream
+// core's rule: TORCH_RPC_EXT_ADDR, TORCH_RPC_EXT_SOCKET_IFNAME, the
+// hostname, else 127.0.0.1).
+std::string defaultAdvertisedAddress();
+
 } // namespace torch_rpc_ext::transport

@@ -23,9 +23,14 @@ TRANSPORTS = ("tcp", "shm")
 # Every folder under csrc/channel/ is a concrete channel (or a family of
 # them): a new one is checked without editing this file.
 CHANNEL_FOLDERS = tuple(sorted(p.name for p in (CSRC / "channel").iterdir() if p.is_dir()))
-# The test hooks (setup.py's TESTING_SOURCES, never in a wheel) reach into a
-# channel's folder to drive its parts alone.
-TEST_HOOKS = {CSRC / "bindings" / f"bind_testing_cuda{s}.cpp" for s in ("", "_torch")}
+# The test hooks (setup.py's TESTING_SOURCES, never in a wheel) may reach
+# into a transport's or channel's folder to drive its parts alone.
+TEST_HOOKS = {
+    ROOT / src
+    for src in re.findall(
+        r'"(csrc/[^"]+)"', re.search(r"TESTING_SOURCES = \[(.*?)\]", (ROOT / "setup.py").read_text(), re.S)[1]
+    )
+}
 CHANNELS = ("shm_slab", "shm_ring", "cuda_ipc")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 # A C++ string literal naming a transport: "shm", "tcp", or one starting
@@ -60,13 +65,21 @@ def test_the_tree_has_the_layers():
             assert {f"{base}.h", f"{base}.cpp"} <= names, (backend, base)
 
 
-@pytest.mark.parametrize("layer", ["agent", "bindings"])
-def test_agent_and_bindings_include_no_transport_folder(layer):
+def test_the_test_hooks_are_found():
+    assert CSRC / "bindings" / "bind_testing_cuda.cpp" in TEST_HOOKS
+    assert all(p.is_file() for p in TEST_HOOKS)
+
+
+@pytest.mark.parametrize("layer", [CSRC / "agent", CSRC / "bindings", ROOT / "scripting"])
+def test_agent_bindings_and_scripting_use_only_the_seams(layer):
+    # transport/*.h and channel/*.h, never a folder below them (the stream
+    # core included); only the test hooks may.
     bad = [
         (p.relative_to(ROOT).as_posix(), inc)
-        for p in sources(CSRC / layer)
+        for p in sources(layer)
+        if p not in TEST_HOOKS
         for inc in includes(p)
-        if any(inc.startswith(f"csrc/transport/{t}/") for t in TRANSPORTS)
+        if re.match(r"csrc/(transport|channel)/[^/]+/", inc)
     ]
     assert not bad, bad
 
