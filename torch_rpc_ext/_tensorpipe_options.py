@@ -25,7 +25,12 @@ def note(text: str, who: str = "torch_rpc_ext") -> None:
     ``error`` or ``off`` (the core's switch for warnings)."""
     if os.environ.get("TORCH_RPC_EXT_LOG") in ("error", "off"):
         return
-    print(f"{who}: {text}", file=sys.stderr, flush=True)
+    # One write per line: the workers a launcher starts share stderr, and
+    # print() writes the text and its newline separately when stderr is
+    # unbuffered (PYTHONUNBUFFERED=1, python -u), so two workers' notes
+    # could be spliced into one line.
+    sys.stderr.write(f"{who}: {text}\n")
+    sys.stderr.flush()
 
 
 def remember_tensorpipe_only_settings() -> None:

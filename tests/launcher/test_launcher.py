@@ -174,3 +174,28 @@ def test_children_get_the_switch_a_broken_one_refuses_rpc_and_user_hooks_still_r
     assert "ImportError: planted breakage; refusing to start TensorPipe" in seen["broken"]["error"]
     # The probe, both children: the user's hook ran after ours each time.
     assert proc.stderr.count("user sitecustomize ran") >= 3, proc.stderr[-2000:]
+
+
+def test_each_note_is_one_write(monkeypatch):
+    # Workers share stderr; under PYTHONUNBUFFERED=1 each write() is a
+    # syscall, so a note written in two pieces (print's text, then its
+    # newline) could be spliced with another worker's (seen in CI).
+    from torch_rpc_ext._tensorpipe_options import note
+
+    class Recorder:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, s):
+            self.writes.append(s)
+
+        def flush(self):
+            pass
+
+    rec = Recorder()
+    monkeypatch.setattr(sys, "stderr", rec)
+    monkeypatch.delenv("TORCH_RPC_EXT_LOG", raising=False)
+    note("worker 'a' (rank 0) asked for no backend; runs BackendType.TORCH_RPC_EXT", who="torch_rpc_ext.run")
+    assert rec.writes == [
+        "torch_rpc_ext.run: worker 'a' (rank 0) asked for no backend; runs BackendType.TORCH_RPC_EXT\n"
+    ]
