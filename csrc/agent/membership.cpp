@@ -2,6 +2,7 @@
 #include "csrc/agent/membership.h"
 
 #include "csrc/agent/dynamic_devices.h"
+#include "csrc/agent/store_bytes.h"
 
 #include <cinttypes>
 #include <cstdio>
@@ -19,14 +20,6 @@ constexpr int32_t kMaxRank = 32767;
 constexpr size_t kMaxRecordBytes = 64 * 1024;
 // A day: longer is not a lease.
 constexpr int64_t kMaxLeaseMs = 86400 * 1000;
-
-std::string fromBytes(const std::vector<uint8_t>& v) {
-  return std::string(v.begin(), v.end());
-}
-
-std::vector<uint8_t> toBytes(const std::string& s) {
-  return std::vector<uint8_t>(s.begin(), s.end());
-}
 
 std::string logKey(int64_t epoch) {
   return "log/" + std::to_string(epoch);

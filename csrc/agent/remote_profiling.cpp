@@ -15,6 +15,8 @@
 #include <torch/csrc/distributed/rpc/profiler/remote_profiler_manager.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
+#include "csrc/agent/torch_version.h"
+
 namespace torch_rpc_ext {
 
 namespace {
@@ -113,8 +115,7 @@ void RemoteProfiling::toCallerClock(
 std::shared_ptr<CallProfile> RemoteProfiling::begin(
     c10::intrusive_ptr<rpc::Message>& message) {
   if (profiler::profilerType() != profiler::ActiveProfilerType::KINETO ||
-      profiler::ProfilerStateBase::get(/*global=*/true) != nullptr ||
-      !profilable(message->type())) {
+      torch_version::globalProfilerActive() || !profilable(message->type())) {
     return nullptr;
   }
   auto profile = std::make_shared<CallProfile>();

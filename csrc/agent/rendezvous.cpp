@@ -13,6 +13,7 @@
 
 #include "csrc/agent/agent.h"
 #include "csrc/agent/dynamic_devices.h"
+#include "csrc/agent/store_bytes.h"
 #include "csrc/channel/registry.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/exit_gate.h"
@@ -34,14 +35,6 @@ constexpr auto kLeaveWait = std::chrono::seconds(10);
 constexpr size_t kSecretBytes = 32;
 // Rendezvous lines that offer a channel start with this word.
 constexpr const char* kChannelLine = "channel";
-
-std::string fromBytes(const std::vector<uint8_t>& v) {
-  return std::string(v.begin(), v.end());
-}
-
-std::vector<uint8_t> toBytes(const std::string& s) {
-  return std::vector<uint8_t>(s.begin(), s.end());
-}
 
 } // namespace
 

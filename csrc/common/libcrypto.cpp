@@ -20,6 +20,8 @@ static_assert(
     std::is_same_v<unsigned long (*)(), decltype(&::OpenSSL_version_num)>);
 #endif
 
+#include "csrc/common/dl_error.h"
+
 namespace torch_rpc_ext {
 
 namespace {
@@ -33,11 +35,6 @@ constexpr const char* kNames[] = {
 // OpenSSL_version_num() of 1.1.0: HMAC() and EVP_sha256() as declared.
 constexpr unsigned long kMinVersion = 0x10100000UL;
 constexpr int kOpensslVersionText = 0; // OPENSSL_VERSION
-
-std::string dlerrorText() {
-  const char* e = dlerror();
-  return e != nullptr ? e : "unknown dlopen error";
-}
 
 // Fills `out` from `handle`; "" on success, else why this one is unusable.
 std::string bind(void* handle, Libcrypto& out) {
@@ -132,8 +129,8 @@ Libcrypto load(std::string& error) {
   return Libcrypto{};
 }
 
-struct Loaded {
-  Loaded() : lib(load(error)) {}
+struct LoadedLibcrypto {
+  LoadedLibcrypto() : lib(load(error)) {}
   std::string error;
   Libcrypto lib;
 };
@@ -141,7 +138,7 @@ struct Loaded {
 } // namespace
 
 const Libcrypto& libcrypto() {
-  static const Loaded loaded; // Once, thread-safe (C++11 magic static).
+  static const LoadedLibcrypto loaded; // Once, thread-safe (C++11 magic static).
   if (loaded.lib.hmac == nullptr) {
     throw std::runtime_error(loaded.error);
   }

@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "csrc/common/dl_error.h"
+
 namespace torch_rpc_ext {
 
 namespace {
@@ -23,11 +25,6 @@ constexpr int kMinDriverVersion = 11040;
 #define TORCH_RPC_EXT_STR(x) TORCH_RPC_EXT_STR2(x)
 
 std::atomic<bool> attempted{false};
-
-std::string dlerrorText() {
-  const char* e = dlerror();
-  return e != nullptr ? e : "unknown dlopen error";
-}
 
 std::string versionText(int version) {
   return std::to_string(version / 1000) + "." +
@@ -65,8 +62,8 @@ std::string bind(void* handle, Libcuda& out) {
   return "";
 }
 
-struct Loaded {
-  Loaded() {
+struct LoadedDriver {
+  LoadedDriver() {
     attempted = true;
     const char* override = std::getenv(kOverrideEnv);
     const bool overridden = override != nullptr && *override != '\0';
@@ -143,15 +140,15 @@ struct Loaded {
   Libcuda lib;
 };
 
-const Loaded& loaded() {
-  static const Loaded instance; // Once, thread-safe (C++11 magic static).
+const LoadedDriver& loaded() {
+  static const LoadedDriver instance; // Once, thread-safe (C++11 magic static).
   return instance;
 }
 
 } // namespace
 
 const Libcuda& libcuda() {
-  const Loaded& l = loaded();
+  const LoadedDriver& l = loaded();
   if (l.lib.cuInit == nullptr) {
     throw std::runtime_error(l.error);
   }
@@ -164,7 +161,7 @@ bool libcudaLoadAttempted() {
 
 std::string cudaErrorText(const char* what, CUresult rc) {
   // Only reached after a call through the table, so the library is loaded.
-  return Loaded::cudaErrorTextWith(libcuda(), what, rc);
+  return LoadedDriver::cudaErrorTextWith(libcuda(), what, rc);
 }
 
 void checkCuda(const char* what, CUresult rc) {
