@@ -138,7 +138,8 @@ struct LoadedLibcrypto {
 } // namespace
 
 const Libcrypto& libcrypto() {
-  static const LoadedLibcrypto loaded; // Once, thread-safe (C++11 magic static).
+  static const LoadedLibcrypto
+      loaded; // Once, thread-safe (C++11 magic static).
   if (loaded.lib.hmac == nullptr) {
     throw std::runtime_error(loaded.error);
   }
