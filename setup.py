@@ -25,9 +25,21 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 NAME = "torch_rpc_ext"
 VERSION = "0.1.0"
-# The torch versions this release is tested with (README, "Install"): 2.13
-# by CI, 2.11 (CUDA) known to build.
-TORCH_REQUIREMENT = "torch>=2.11,<2.14"
+
+
+def load_by_path(name: str, relative: str):
+    """A module of the package that needs no torch, loaded before the package
+    exists (and where torch may be missing)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relative))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The torch releases this release is tested with (docs/development.md,
+# "Other torch versions").
+TORCH_RANGE = load_by_path("_torch_rpc_ext_range", f"{NAME}/_torch_range.py")
+TORCH_REQUIREMENT = TORCH_RANGE.REQUIREMENT
 # Commands that compile; the others (metadata, sdist) need neither torch
 # nor a compiler.
 BUILD_COMMANDS = {
@@ -144,10 +156,7 @@ def write_build_info(torch) -> None:
 def cuda_include_args() -> list[str]:
     """-isystem for cuda.h (types and ABI names only: csrc/common/libcuda.h
     loads the driver at run time), or exit saying how to get it."""
-    path = os.path.join(ROOT, NAME, "_cuda", "headers.py")
-    spec = importlib.util.spec_from_file_location("_torch_rpc_ext_headers", path)
-    headers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(headers)
+    headers = load_by_path("_torch_rpc_ext_headers", f"{NAME}/_cuda/headers.py")
     include = headers.cuda_include_dir()
     if include is None:
         sys.exit(
@@ -170,7 +179,42 @@ def import_torch():
             f"    pip install '{TORCH_REQUIREMENT}'\n"
             "    pip install --no-build-isolation ."
         )
+    if not TORCH_RANGE.in_range(torch.__version__) and os.environ.get(TORCH_RANGE.ALLOW_ENV) != "1":
+        sys.exit(
+            f"torch_rpc_ext {VERSION} is tested with {TORCH_RANGE.range_text()}, and "
+            f"torch {torch.__version__} is installed here. Install a torch in that range "
+            f"first, or set {TORCH_RANGE.ALLOW_ENV}=1 to build against this one anyway."
+        )
     return torch, cpp_extension
+
+
+def built_torch() -> str | None:
+    """The torch a wheel or an install built here is for: the importable one,
+    for every command but sdist (an sdist is for any torch in the range)."""
+    if "sdist" in sys.argv[1:] or importlib.util.find_spec("torch") is None:
+        return None
+    from importlib.metadata import version
+
+    return version("torch")
+
+
+def package_version(torch_version: str | None) -> str:
+    """VERSION, with the torch a build is for as its local label (a wheel
+    built against torch 2.15.0+cu132 is 0.1.0+torch2.15.0.cu132), so its
+    name says which torch it runs with. pip computes the metadata and builds
+    the wheel in two calls: both must give the same answer, and do, since
+    both see the same torch."""
+    if torch_version is None:
+        return VERSION
+    return f"{VERSION}+torch{torch_version.replace('+', '.')}"
+
+
+def torch_requirement(torch_version: str | None) -> str:
+    """A build runs only with the torch it was compiled against: it requires
+    that release (as torchvision's wheels do); an sdist, the tested range."""
+    if torch_version is None:
+        return TORCH_REQUIREMENT
+    return f"torch=={torch_version.split('+')[0]}"
 
 
 def build_command(cpp_extension, tag: str, testing: bool):
@@ -244,15 +288,16 @@ def extensions() -> tuple[list, dict]:
 
 
 ext_modules, cmdclass = extensions()
+BUILT_TORCH = built_torch()
 setup(
     name=NAME,
-    version=VERSION,
+    version=package_version(BUILT_TORCH),
     description="A fast, authenticated RPC backend for torch.distributed.rpc",
     packages=find_packages(include=[NAME, f"{NAME}.*"]),
     # The launcher's start-up hook: a folder put on PYTHONPATH, not a package.
     package_data={NAME: ["_launch/sitecustomize.py"]},
     python_requires=">=3.10",
-    install_requires=[TORCH_REQUIREMENT],
+    install_requires=[torch_requirement(BUILT_TORCH)],
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

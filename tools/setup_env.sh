@@ -1,37 +1,100 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: BSD-3-Clause
-# Create .venv (if missing), install the pinned toolchain, build torch_rpc_ext.
-# Idempotent and quick the second time: packages are installed again only
-# when the list below (or the Python) changed, and the build is incremental
-# (objects kept in build/temp-*). Sourced by demo.sh/test.sh.
+# Create .venv (if missing), install torch and what the caller needs, build
+# torch_rpc_ext. Sourced by demo.sh (SETUP_FOR=demo) and test.sh (the
+# default, SETUP_FOR=test). Idempotent and quick the second time: packages
+# are installed again only when the list (or the Python) changed, and the
+# build is incremental (objects kept in build/temp-*).
+#
+#   SETUP_FOR=demo   torch, cuda.h and the core extension: what the demo runs
+#   SETUP_FOR=test   the whole test toolchain and the test hooks (_testing)
+#
+# TORCH_RPC_EXT_TORCH picks the torch (default below, the one CI runs the
+# whole suite on). This script installs exactly that release, from the
+# registry if need be: the pip configuration's own cap on torch, if the
+# machine has one, is lifted for this install (the pin is the project's
+# choice, and the script says which torch it installed). Another torch than
+# the default belongs in its own tree (tools/with_torch.sh), never in the
+# checkout's .venv: an extension is built for one torch.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
-PACKAGES=(
-  "torch==2.13.0" numpy pytest pytest-timeout expecttest hypothesis grpcio
-  matplotlib nbclient ipykernel gymnasium  # tutorials/ run in a Jupyter kernel; 01 uses gymnasium
-  numba "numba-cuda==0.30.4" "nvidia-nvvm==13.0.*" "nvidia-cuda-nvrtc==13.0.*" "numpy<2.5"  # torch_rpc_ext/_cuda: copy kernels to PTX, no GPU needed; numba-cuda 0.30.4 breaks on numpy 2.5
-  "nvidia-cuda-runtime==13.0.*"  # cuda.h, for building (csrc/common/libcuda.h); no GPU needed
+DEFAULT_TORCH=2.13.0
+TORCH_VERSION=${TORCH_RPC_EXT_TORCH:-$DEFAULT_TORCH}
+SETUP_FOR=${SETUP_FOR:-test}
+# What the multi-process stages need on any torch.
+TEST_PACKAGES=(numpy pytest pytest-timeout expecttest hypothesis grpcio)
+# The rest of the suite, on the default (CPU) torch: tutorials/ run in a
+# Jupyter kernel (01 uses gymnasium); torch_rpc_ext/_cuda compiles the copy
+# kernels to PTX and runs them in numba's simulator, no GPU needed
+# (numba-cuda 0.30.4 breaks on numpy 2.5).
+FULL_PACKAGES=(
+  matplotlib nbclient ipykernel gymnasium
+  numba "numba-cuda==0.30.4" "nvidia-nvvm==13.0.*" "nvidia-cuda-nvrtc==13.0.*" "numpy<2.5"
 )
+DEMO=("torch==$TORCH_VERSION")
+TEST=("torch==$TORCH_VERSION" "${TEST_PACKAGES[@]}")
+if [ "$TORCH_VERSION" = "$DEFAULT_TORCH" ]; then
+  TEST+=("${FULL_PACKAGES[@]}")
+fi
+case "$SETUP_FOR" in
+  demo) PACKAGES=("${DEMO[@]}") ;;
+  test) PACKAGES=("${TEST[@]}") ;;
+  *) echo "setup_env.sh: SETUP_FOR is demo or test, not '$SETUP_FOR'" >&2; exit 2 ;;
+esac
+if [ "$TORCH_VERSION" != "$DEFAULT_TORCH" ] && [ ! -f .synced-files ]; then
+  echo "setup_env.sh: torch $TORCH_VERSION is not this checkout's ($DEFAULT_TORCH);" \
+    "run through tools/with_torch.sh $TORCH_VERSION, which gives it a tree of its own" >&2
+  exit 2
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-stamp=".venv/.packages-$(printf '%s\n' "${PACKAGES[@]}" "$(python -VV)" | sha1sum | cut -c1-16)"
-if [ ! -f "$stamp" ]; then
+# A stamp per package list. The tests' list holds the demo's, so a .venv
+# set up for the tests serves the demo as it is.
+stamp() { echo ".venv/.packages-$1-$(printf '%s\n' "${@:2}" "$(python -VV)" | sha1sum | cut -c1-16)"; }
+ready=$(stamp "$SETUP_FOR" "${PACKAGES[@]}")
+if [ "$SETUP_FOR" = demo ] && [ -f "$(stamp test "${TEST[@]}")" ]; then
+  ready=$(stamp test "${TEST[@]}")
+fi
+if [ ! -f "$ready" ]; then
+  have=$(python -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)
+  echo "setup_env.sh: installing torch==$TORCH_VERSION (found: $have) and what the $SETUP_FOR needs into $PWD/.venv" >&2
   python -m pip install -q --upgrade pip setuptools wheel >/dev/null
-  python -m pip install -q "${PACKAGES[@]}"
-  rm -f .venv/.packages-*
-  touch "$stamp"
+  PIP_CONSTRAINT=/dev/null python -m pip install -q "${PACKAGES[@]}"
+  # cuda.h for the build (csrc/common/libcuda.h; no GPU needed): a CUDA
+  # torch brings it with its NVIDIA wheels, a CPU torch does not.
+  if ! python torch_rpc_ext/_cuda/headers.py >/dev/null; then
+    python -m pip install -q "nvidia-cuda-runtime==13.0.*"
+  fi
+  rm -f .venv/.packages-"$SETUP_FOR"-*
+  touch "$ready"
 fi
-# Built against the torch just installed (no build isolation), with the test
-# hooks (torch_rpc_ext._testing, never in a wheel). The editable install
-# once; after it, an in-place build recompiles only what changed.
-export TORCH_RPC_EXT_BUILD_TESTING=1
+# Built against the torch just installed (no build isolation). The editable
+# install once; after it, an in-place build recompiles only what changed.
+# The tests add the test hooks (torch_rpc_ext._testing, never in a wheel).
+if [ "$SETUP_FOR" = test ]; then
+  export TORCH_RPC_EXT_BUILD_TESTING=1
+fi
+mkdir -p build
+log=build/setup-build.log
 if compgen -G ".venv/lib/python*/site-packages/__editable__.torch_rpc_ext-*.pth" >/dev/null; then
-  MAX_JOBS=${MAX_JOBS:-2} python setup.py -q build_ext --inplace >/dev/null
+  build=(python setup.py -q build_ext --inplace)
 else
-  MAX_JOBS=${MAX_JOBS:-2} python -m pip install -q --no-build-isolation --no-deps -e .
+  echo "setup_env.sh: building torch_rpc_ext against torch $TORCH_VERSION (a few minutes the first time)" >&2
+  build=(python -m pip install -q --no-build-isolation --no-deps -e .)
 fi
-python -c "import torch_rpc_ext, torch_rpc_ext._testing" # fail here, not in the first test, if the build is broken
+# The build's output (setuptools' notices included) goes to the log, and
+# is shown only if the build fails.
+if ! MAX_JOBS=${MAX_JOBS:-2} "${build[@]}" >"$log" 2>&1; then
+  cat "$log" >&2
+  echo "setup_env.sh: the build failed (log: $PWD/$log)" >&2
+  exit 1
+fi
+if [ "$SETUP_FOR" = test ]; then
+  python -c "import torch_rpc_ext, torch_rpc_ext._testing" # fail here, not in the first test, if the build is broken
+else
+  python -c "import torch_rpc_ext"
+fi

@@ -18,7 +18,9 @@ import atexit
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed.rpc  # noqa: F401  (registers RpcAgent for _C)
 
-from torch_rpc_ext._torch_version import check_torch, load_error
+__version__ = "0.1.0"  # setup.py VERSION
+
+from torch_rpc_ext._torch_version import check_torch, load_error  # noqa: E402
 
 check_torch()  # a clear ImportError, not an undefined symbol, for another torch
 try:
@@ -55,8 +57,6 @@ __all__ = [
     "scripting",
     "__version__",
 ]
-__version__ = "0.1.0"
-
 register()
 # TensorPipe's options keep their _transports/_channels on the Python object
 # (nothing else about them changes), so that TORCH_RPC_EXT, given them, can

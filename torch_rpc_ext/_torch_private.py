@@ -1,13 +1,30 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Every private torch.distributed.rpc touchpoint, so a torch upgrade edits one file."""
+"""Every private torch.distributed.rpc touchpoint, and every difference
+between the torch releases we run on (the tested range: _torch_range), so a
+torch upgrade edits one file. The C++ side's are csrc/agent/torch_version.h."""
 
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import api, backend_registry
 
+# (major, minor) of the running torch.
+TORCH_MINOR = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+# torch 2.14 checks device maps against the current accelerator's device type
+# (backend_registry._tensorpipe_validate_devices); 2.13 against "cuda".
+VALIDATES_DEVICES_BY_ACCELERATOR = TORCH_MINOR >= (2, 14)
+# Before 2.14, DistributedOptimizer compiles each worker's optimizer with
+# TorchScript (its steps arrive as TorchScript calls, and torch 2.13 warns
+# that TorchScript support for functional optimizers is deprecated); from
+# 2.14 on, they are plain Python objects and calls.
+DIST_OPTIMIZER_USES_TORCHSCRIPT = TORCH_MINOR < (2, 14)
+
 __all__ = [
+    "DIST_OPTIMIZER_USES_TORCHSCRIPT",
+    "TORCH_MINOR",
+    "VALIDATES_DEVICES_BY_ACCELERATOR",
     "register_backend",
     "init_rpc_states",
     "validate_device_maps",

@@ -41,6 +41,11 @@ def setup_torch() -> None:
         return
     assert cu().install_fake_cuda_guard() == "fake"
     torch.cuda.device_count = lambda: cu().device_count()
+    from torch_rpc_ext import _torch_private
+
+    if _torch_private.VALIDATES_DEVICES_BY_ACCELERATOR:
+        # A CPU torch has no accelerator; the fake devices are CUDA's.
+        torch.accelerator.current_accelerator = lambda *args, **kwargs: torch.device("cuda")
 
 
 _KEEP = []  # device memory behind fake-torch tensors: lives with the process

@@ -89,7 +89,11 @@ def test_the_wheel_ships_the_core_and_the_launchers_hook(wheel):
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     requires = [line for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
                 if line.startswith("Requires-Dist:")]
-    assert requires == ["Requires-Dist: torch<2.14,>=2.11"], requires
+    # Built for this torch and no other: its name says which, and it
+    # requires that release.
+    assert requires == [f"Requires-Dist: torch=={torch.__version__.split('+')[0]}"], requires
+    label = "torch" + torch.__version__.replace("+", ".")
+    assert wheel.name.startswith(f"torch_rpc_ext-0.1.0+{label}-"), wheel.name
 
 
 def test_installed_package_is_the_wheels(user_env):
@@ -148,15 +152,71 @@ rpc.shutdown()
     assert out.stdout.split() == ["Agent", "[2.0,", "2.0]"], out.stdout
 
 
+def _import_with_torch_version(user_env, version: str, env: dict | None = None) -> str:
+    """The last line of what importing torch_rpc_ext prints where torch says
+    it is ``version`` (the import fails)."""
+    code = f"import torch; torch.__version__ = {version!r}; import torch_rpc_ext"
+    out = _run([user_env["python"], "-c", code], cwd=user_env["cwd"],
+               env={**user_env["env"], **(env or {})}, ok=False, timeout=120)
+    assert out.returncode != 0
+    return out.stderr.strip().splitlines()[-1]
+
+
 def test_another_torch_gets_a_clear_error(user_env):
-    code = "import torch; torch.__version__ = '2.99.0+other'; import torch_rpc_ext"
-    out = _run([user_env["python"], "-c", code], cwd=user_env["cwd"], env=user_env["env"],
-               ok=False, timeout=120)
+    other = "2.14.1+other" if not torch.__version__.startswith("2.14.") else "2.13.0+other"
+    last = _import_with_torch_version(user_env, other)
+    assert last.startswith("ImportError: torch_rpc_ext was built against torch "
+                           f"{torch.__version__}, but torch {other} is running"), last
+    assert "pip install --no-build-isolation" in last
+
+
+def test_a_torch_outside_the_tested_range_is_named_with_the_range(user_env):
+    last = _import_with_torch_version(user_env, "2.99.0")
+    assert last.startswith("ImportError: torch_rpc_ext 0.1.0 is tested with torch>=2.11,<2.16 "
+                           "(tested: "), last
+    assert f"torch 2.99.0 is running (this build is for torch {torch.__version__})" in last
+    assert "TORCH_RPC_EXT_ALLOW_UNTESTED_TORCH=1 tries it anyway" in last
+    # Allowed: the next rule speaks (this build is for another torch).
+    last = _import_with_torch_version(
+        user_env, "2.99.0", env={"TORCH_RPC_EXT_ALLOW_UNTESTED_TORCH": "1"})
+    assert last.startswith("ImportError: torch_rpc_ext was built against torch "), last
+
+
+OTHER_TORCH_SITE = os.environ.get("TORCH_RPC_EXT_OTHER_TORCH_SITE")
+
+
+@pytest.mark.skipif(
+    not OTHER_TORCH_SITE,
+    reason="needs a site-packages with another torch in TORCH_RPC_EXT_OTHER_TORCH_SITE "
+    "(tools/test.sh sets it for the newest torch's stage: the default .venv's)",
+)
+def test_the_wheel_beside_a_real_other_torch_fails_at_import_naming_both(tmp_path, wheel):
+    # A fresh venv whose torch is another release, really installed (the
+    # default .venv's); the wheel goes in without its pinned requirement.
+    prefix = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(prefix)
+    python = prefix / "bin" / "python"
+    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                     cwd=tmp_path).stdout.strip())
+    borrowed = tmp_path / "borrowed"
+    borrowed.mkdir()
+    for entry in Path(OTHER_TORCH_SITE).iterdir():
+        if not entry.name.lower().startswith(("torch_rpc_ext", "__editable__")):
+            (borrowed / entry.name).symlink_to(entry)
+    (site / "borrowed.pth").write_text(f"{borrowed}\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTHON", "TORCH_RPC_EXT", "VIRTUAL_ENV"))}
+    other = _run([python, "-c", "import torch; print(torch.__version__)"],
+                 cwd=tmp_path, env=env).stdout.strip()
+    assert other != torch.__version__, "the other site-packages has this very torch"
+    _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel],
+         cwd=tmp_path, env=env)
+    out = _run([python, "-c", "import torch_rpc_ext"], cwd=tmp_path, env=env, ok=False,
+               timeout=120)
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: torch_rpc_ext was built against torch "
-                           f"{torch.__version__}, but torch 2.99.0+other is running"), last
-    assert "pip install --no-build-isolation" in last
+    assert last.startswith(f"ImportError: torch_rpc_ext was built against torch "
+                           f"{torch.__version__}, but torch {other} is running"), last
 
 
 def test_launcher_refuses_when_its_hook_is_not_in_place(user_env, tmp_path):
