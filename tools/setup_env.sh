@@ -23,13 +23,13 @@ DEFAULT_TORCH=2.13.0
 TORCH_VERSION=${TORCH_RPC_EXT_TORCH:-$DEFAULT_TORCH}
 SETUP_FOR=${SETUP_FOR:-test}
 # What the multi-process stages need on any torch.
-TEST_PACKAGES=(numpy pytest pytest-timeout expecttest hypothesis grpcio)
+TEST_PACKAGES=(numpy pytest pytest-timeout expecttest hypothesis grpcio matplotlib)
 # The rest of the suite, on the default (CPU) torch: tutorials/ run in a
 # Jupyter kernel (01 uses gymnasium); torch_rpc_ext/_cuda compiles the copy
 # kernels to PTX and runs them in numba's simulator, no GPU needed
 # (numba-cuda 0.30.4 breaks on numpy 2.5).
 FULL_PACKAGES=(
-  matplotlib nbclient ipykernel gymnasium
+  nbclient ipykernel gymnasium
   numba "numba-cuda==0.30.4" "nvidia-nvvm==13.0.*" "nvidia-cuda-nvrtc==13.0.*" "numpy<2.5"
 )
 DEMO=("torch==$TORCH_VERSION")
