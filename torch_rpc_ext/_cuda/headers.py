@@ -42,4 +42,8 @@ def cuda_include_dir() -> Path | None:
 
 
 if __name__ == "__main__":
-    print(cuda_include_dir() or f"cuda.h not found: {HOW_TO_GET}")
+    # The folder, or exit status 1 (tools/setup_env.sh asks before building).
+    found = cuda_include_dir()
+    if found is None:
+        raise SystemExit(f"cuda.h not found: {HOW_TO_GET}")
+    print(found)
