@@ -32,7 +32,8 @@ FULL_PACKAGES=(
   nbclient ipykernel gymnasium
   numba "numba-cuda==0.30.4" "nvidia-nvvm==13.0.*" "nvidia-cuda-nvrtc==13.0.*" "numpy<2.5"
 )
-DEMO=("torch==$TORCH_VERSION")
+# torch warns on every process start without numpy.
+DEMO=("torch==$TORCH_VERSION" numpy)
 TEST=("torch==$TORCH_VERSION" "${TEST_PACKAGES[@]}")
 if [ "$TORCH_VERSION" = "$DEFAULT_TORCH" ]; then
   TEST+=("${FULL_PACKAGES[@]}")
@@ -66,7 +67,7 @@ if [ ! -f "$ready" ]; then
   PIP_CONSTRAINT=/dev/null python -m pip install -q "${PACKAGES[@]}"
   # cuda.h for the build (csrc/common/libcuda.h; no GPU needed): a CUDA
   # torch brings it with its NVIDIA wheels, a CPU torch does not.
-  if ! python torch_rpc_ext/_cuda/headers.py >/dev/null; then
+  if ! python torch_rpc_ext/_cuda/headers.py >/dev/null 2>&1; then
     python -m pip install -q "nvidia-cuda-runtime==13.0.*"
   fi
   rm -f .venv/.packages-"$SETUP_FOR"-*
