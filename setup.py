@@ -193,9 +193,9 @@ def built_torch() -> str | None:
     for every command but sdist (an sdist is for any torch in the range)."""
     if "sdist" in sys.argv[1:] or importlib.util.find_spec("torch") is None:
         return None
-    from importlib.metadata import version
+    import torch  # its __version__ has the local tag (2.15.0+cu132), its metadata may not
 
-    return version("torch")
+    return str(torch.__version__)
 
 
 def package_version(torch_version: str | None) -> str:
