@@ -15,14 +15,8 @@ TORCH_MINOR = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:
 # torch 2.14 checks device maps against the current accelerator's device type
 # (backend_registry._tensorpipe_validate_devices); 2.13 against "cuda".
 VALIDATES_DEVICES_BY_ACCELERATOR = TORCH_MINOR >= (2, 14)
-# Before 2.14, DistributedOptimizer compiles each worker's optimizer with
-# TorchScript (its steps arrive as TorchScript calls, and torch 2.13 warns
-# that TorchScript support for functional optimizers is deprecated); from
-# 2.14 on, they are plain Python objects and calls.
-DIST_OPTIMIZER_USES_TORCHSCRIPT = TORCH_MINOR < (2, 14)
 
 __all__ = [
-    "DIST_OPTIMIZER_USES_TORCHSCRIPT",
     "TORCH_MINOR",
     "VALIDATES_DEVICES_BY_ACCELERATOR",
     "register_backend",

@@ -24,7 +24,6 @@ from torch.distributed import rpc
 from torch.distributed.optim import DistributedOptimizer
 
 import torch_rpc_ext
-from torch_rpc_ext import _torch_private
 
 BACKENDS = {
     "TORCH_RPC_EXT": torch_rpc_ext.RpcExtBackendOptions,
@@ -35,18 +34,16 @@ BACKENDS = {
 def quiet_known_torch_warnings() -> None:
     """Hide the two warnings torch prints on every run of this program, no others.
 
-    Before torch 2.14, DistributedOptimizer's TorchScript optimizers warn that
-    TorchScript is deprecated from inside ``catch_warnings();
-    simplefilter("always")``, which outranks any filter, so that one is dropped
-    where it is shown (2.14 builds them in Python, and has nothing to say).
+    DistributedOptimizer's functional optimizers (compiled with TorchScript
+    before torch 2.14, Python objects since) warn that TorchScript support for
+    them is deprecated from inside ``catch_warnings(); simplefilter("always")``,
+    which outranks any filter, so that one is dropped where it is shown.
     TensorPipe's shutdown warns that it passes a Gloo backend as a process group.
     """
     warnings.filterwarnings(
         "ignore", message="You are using a Backend .* as a ProcessGroup",
         category=UserWarning, module="torch.distributed.distributed_c10d",
     )
-    if not _torch_private.DIST_OPTIMIZER_USES_TORCHSCRIPT:
-        return
     show = warnings.showwarning
 
     def showwarning(message, category, filename, *args, **kwargs):
