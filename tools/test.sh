@@ -36,8 +36,18 @@ if [ "$TORCH_VERSION" != "$DEFAULT_TORCH" ]; then
   # transports, the tests that start processes and the wheel; the unit
   # tests, the fake-CUDA ones, the tutorials and the fuzzers are the
   # default torch's (the fake CUDA device needs a CPU torch).
+  # Of tests/rpc, the tests of our own transports, channels, wire and
+  # crypto against hostile or failing peers and at scale are left to the
+  # first torch: that code is the same C++ on every torch, and CI's 45
+  # minutes hold them once. `bash tools/with_torch.sh VERSION bash
+  # tools/test.sh tests/rpc` runs them all.
   stage "conformance over shm, our multi-process tests"
-  pytest --timeout 900 tests/conformance tests/rpc tests/scripting tests/launcher tests/wheel
+  pytest --timeout 900 tests/conformance tests/rpc tests/scripting tests/launcher tests/wheel \
+    --ignore tests/rpc/test_scale.py --ignore tests/rpc/test_soak.py \
+    --ignore tests/rpc/test_fuzz.py --ignore tests/rpc/test_benchmark_smoke.py \
+    --ignore tests/rpc/test_partition.py --ignore tests/rpc/test_hostile_peers.py \
+    --ignore tests/rpc/test_shm_slabs.py --ignore tests/rpc/test_shm_transport.py \
+    --ignore tests/rpc/test_libcrypto.py
   stage "conformance over TCP"
   TORCH_RPC_EXT_TRANSPORTS=tcp pytest --timeout 900 tests/conformance
   exit 0

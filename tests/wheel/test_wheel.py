@@ -52,28 +52,35 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
-@pytest.fixture(scope="module")
-def user_env(tmp_path_factory, wheel) -> dict:
-    """A fresh venv with the wheel installed, torch borrowed, and an
-    environment that points nowhere near the checkout."""
-    base = tmp_path_factory.mktemp("user")
+def _borrowing_venv(base: Path, borrow_from: Path) -> tuple[Path, Path, dict]:
+    """A fresh venv in ``base`` whose packages (torch and its dependencies,
+    and pip) are those of ``borrow_from``, linked one by one: torch_rpc_ext's
+    own entries (an editable install) left out. Returns its python, its
+    site-packages and an environment that points nowhere near the checkout."""
     prefix = base / "venv"
     venv.EnvBuilder(with_pip=False).create(prefix)
     python = prefix / "bin" / "python"
     site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                      cwd=base).stdout.strip())
-    # torch and its dependencies (and pip) from our environment, linked one
-    # by one: torch_rpc_ext's own entries (the editable install) left out.
     borrowed = base / "borrowed"
     borrowed.mkdir()
-    for entry in Path(sysconfig.get_path("purelib")).iterdir():
+    for entry in borrow_from.iterdir():
         if not entry.name.lower().startswith(("torch_rpc_ext", "__editable__")):
             (borrowed / entry.name).symlink_to(entry)
     (site / "borrowed.pth").write_text(f"{borrowed}\n")
-    _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel], cwd=base)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTHON", "TORCH_RPC_EXT", "VIRTUAL_ENV"))}
     env["PATH"] = f"{prefix / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    return python, site, env
+
+
+@pytest.fixture(scope="module")
+def user_env(tmp_path_factory, wheel) -> dict:
+    """A fresh venv with the wheel installed, torch borrowed, and an
+    environment that points nowhere near the checkout."""
+    base = tmp_path_factory.mktemp("user")
+    python, site, env = _borrowing_venv(base, Path(sysconfig.get_path("purelib")))
+    _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel], cwd=base)
     work = base / "work"
     work.mkdir()
     return {"python": python, "env": env, "cwd": work, "site": site}
@@ -193,19 +200,7 @@ OTHER_TORCH_SITE = os.environ.get("TORCH_RPC_EXT_OTHER_TORCH_SITE")
 def test_the_wheel_beside_a_real_other_torch_fails_at_import_naming_both(tmp_path, wheel):
     # A fresh venv whose torch is another release, really installed (the
     # default .venv's); the wheel goes in without its pinned requirement.
-    prefix = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=False).create(prefix)
-    python = prefix / "bin" / "python"
-    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                     cwd=tmp_path).stdout.strip())
-    borrowed = tmp_path / "borrowed"
-    borrowed.mkdir()
-    for entry in Path(OTHER_TORCH_SITE).iterdir():
-        if not entry.name.lower().startswith(("torch_rpc_ext", "__editable__")):
-            (borrowed / entry.name).symlink_to(entry)
-    (site / "borrowed.pth").write_text(f"{borrowed}\n")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTHON", "TORCH_RPC_EXT", "VIRTUAL_ENV"))}
+    python, _, env = _borrowing_venv(tmp_path, Path(OTHER_TORCH_SITE))
     other = _run([python, "-c", "import torch; print(torch.__version__)"],
                  cwd=tmp_path, env=env).stdout.strip()
     assert other != torch.__version__, "the other site-packages has this very torch"
