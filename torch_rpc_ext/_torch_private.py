@@ -10,8 +10,10 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import api, backend_registry
 
+from torch_rpc_ext._torch_range import minor
+
 # (major, minor) of the running torch.
-TORCH_MINOR = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+TORCH_MINOR = minor(torch.__version__)
 # torch 2.14 checks device maps against the current accelerator's device type
 # (backend_registry._tensorpipe_validate_devices); 2.13 against "cuda".
 VALIDATES_DEVICES_BY_ACCELERATOR = TORCH_MINOR >= (2, 14)

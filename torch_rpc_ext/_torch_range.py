@@ -6,7 +6,7 @@ import check (torch_rpc_ext._torch_version), the README and the docs
 where torch may be missing.
 """
 
-__all__ = ["ALLOW_ENV", "REQUIREMENT", "TESTED", "in_range", "range_text"]
+__all__ = ["ALLOW_ENV", "REQUIREMENT", "TESTED", "in_range", "minor", "range_text"]
 
 # [OLDEST, BELOW) by major.minor.
 OLDEST = (2, 11)
@@ -26,14 +26,14 @@ TESTED = {
 ALLOW_ENV = "TORCH_RPC_EXT_ALLOW_UNTESTED_TORCH"
 
 
-def _minor(version: str) -> tuple[int, int]:
+def minor(version: str) -> tuple[int, int]:
     """(major, minor) of a torch version string ("2.15.0+cu132", "2.16.0a0")."""
     parts = version.split("+")[0].split(".")
     return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
 
 
 def in_range(version: str) -> bool:
-    return OLDEST <= _minor(version) < BELOW
+    return OLDEST <= minor(version) < BELOW
 
 
 def range_text() -> str:
