@@ -269,11 +269,7 @@ bool Roster::restore(int64_t epoch, const std::string& text) {
 }
 
 std::optional<std::string> MembershipLog::read(int64_t epoch) const {
-  std::string key = logKey(epoch);
-  if (!store_->check({key})) {
-    return std::nullopt;
-  }
-  return fromBytes(store_->get(key));
+  return peek(logKey(epoch));
 }
 
 int64_t MembershipLog::append(const std::string& record, int64_t after) const {
@@ -296,12 +292,27 @@ void MembershipLog::beat(uint64_t incarnation) const {
   store_->add("beat/" + incarnationText(incarnation), 1);
 }
 
+std::optional<std::string> MembershipLog::peek(const std::string& key) const {
+  // check() then get() is a race: a member that leaves deletes its keys,
+  // and a get() of a key deleted in between blocks for the store's whole
+  // timeout (60 s by default). A compareSet whose expected value is a text
+  // no key holds writes nothing and answers at once, on every c10d store:
+  // the key's value, or our expected value back when there is no key.
+  static const std::vector<uint8_t> kAbsent = toBytes(std::string("\0absent", 7));
+  auto got = store_->compareSet(key, kAbsent, kAbsent);
+  if (got == kAbsent) {
+    return std::nullopt;
+  }
+  return fromBytes(got);
+}
+
 int64_t MembershipLog::readNumber(const std::string& key) const {
-  if (!store_->check({key})) {
+  auto text = peek(key);
+  if (!text) {
     return 0;
   }
   try {
-    return std::stoll(fromBytes(store_->get(key)));
+    return std::stoll(*text);
   } catch (const std::logic_error&) {
     return 0;
   }
@@ -343,10 +354,11 @@ void MembershipLog::writeSnapshot(int64_t epoch, const std::string& text)
 std::pair<int64_t, std::string> MembershipLog::latestSnapshot() const {
   const int64_t epoch = readNumber("snap/latest");
   const std::string key = "snap/" + std::to_string(epoch);
-  if (epoch <= 0 || !store_->check({key})) {
+  std::optional<std::string> text;
+  if (epoch <= 0 || !(text = peek(key))) {
     return {0, ""};
   }
-  return {epoch, fromBytes(store_->get(key))};
+  return {epoch, *text};
 }
 
 int64_t MembershipLog::snapshotEvery() {

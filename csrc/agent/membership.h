@@ -218,6 +218,8 @@ class MembershipLog {
   static int64_t snapshotEvery();
 
  private:
+  // A key's value without waiting for it: nullopt if there is no such key.
+  std::optional<std::string> peek(const std::string& key) const;
   // A counter or epoch stored as decimal text; 0 if absent or not a number.
   int64_t readNumber(const std::string& key) const;
 

@@ -326,6 +326,13 @@ void bindTesting(py::module_& m) {
         py::gil_scoped_release nogil;
         return MembershipLog(store).append(rec, after);
       });
+  // The epoch `incarnation` last acknowledged in `store` (0: none).
+  m.def(
+      "log_acked",
+      [](const c10::intrusive_ptr<::c10d::Store>& store, uint64_t incarnation) {
+        py::gil_scoped_release nogil;
+        return MembershipLog(store).acked(incarnation);
+      });
 }
 
 } // namespace torch_rpc_ext::bindings

@@ -140,3 +140,33 @@ def test_concurrent_appenders_get_distinct_epochs_without_holes(tmp_path, store_
     for e in range(1, 41):
         assert r.apply(store.get(f"log/{e}"))[0] == "join"
     assert len(r.members()) == 40
+
+
+class _KeyDeletedAfterCheck(dist.Store):
+    """A store in which a member's keys vanish between check() and get(),
+    as when it leaves while a peer reads its acknowledgement: check() still
+    says yes, and get() would block for the store's whole timeout (raised
+    here instead of waited for)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def check(self, keys):
+        return True
+
+    def get(self, key):
+        raise RuntimeError(f"get({key!r}) of a deleted key waits out the store's timeout")
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+
+def test_reading_a_departed_members_acknowledgement_never_waits():
+    """The ack of a member that left reads as 0 at once (found by
+    test_dynamic_rpc_existing_rank_can_communicate_with_new_rank, which
+    waited 60 s in shutdown for a key its peer had just deleted)."""
+    inner = dist.HashStore()
+    assert t.log_acked(_KeyDeletedAfterCheck(inner), 0xA) == 0
+    inner.set("ack/000000000000000a", "7")
+    assert t.log_acked(_KeyDeletedAfterCheck(inner), 0xA) == 7
