@@ -145,15 +145,17 @@ class Endpoint final : public transport::ConnectionObserver {
   }
 
   // (head, segments): a segment is bytes, or a Region for provided memory.
-  // None on timeout.
+  // None on timeout, or at once when the connection has closed and every
+  // frame it delivered has been received (close_reason() says why).
   py::object receive(double timeoutSeconds) {
     Inbound in;
     {
       py::gil_scoped_release release;
       std::unique_lock<std::mutex> lock(mu_);
-      if (!cv_.wait_for(lock, seconds(timeoutSeconds), [&] {
-            return !inbound_.empty();
-          })) {
+      cv_.wait_for(lock, seconds(timeoutSeconds), [&] {
+        return !inbound_.empty() || !closeReason_.empty();
+      });
+      if (inbound_.empty()) {
         return py::none();
       }
       in = std::move(inbound_.front());
