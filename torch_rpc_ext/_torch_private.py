@@ -3,6 +3,7 @@
 between the torch releases we run on (the tested range: _torch_range), so a
 torch upgrade edits one file. The C++ side's are csrc/agent/torch_version.h."""
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "init_rpc_states",
     "validate_device_maps",
     "register_ordered_effect",
+    "assume_constant_result",
     "unset_fake_mode",
     "current_agent",
     "update_worker_names",
@@ -79,6 +81,20 @@ def register_ordered_effect(qualname: str) -> None:
     from torch._library.effects import EffectType
 
     torch.library._register_effectful_op(qualname, EffectType.ORDERED)
+
+
+def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch._dynamo.assume_constant_result, without importing torch._dynamo
+    when nothing has yet: that import costs every process that imports
+    torch_rpc_ext 1.7 s of its start-up (2 cores), though most never compile.
+    On every torch of the range the decorator only sets this attribute
+    (torch/_dynamo/decorators.py), which Dynamo reads when it traces a call;
+    tests/scripting checks that the two still agree."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        return dynamo.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def unset_fake_mode() -> Any:

@@ -148,7 +148,7 @@ def _encodable(value: Any) -> bool:
     return True
 
 
-@torch._dynamo.assume_constant_result
+@_torch_private.assume_constant_result
 def _encode_constants(constants: tuple) -> str:
     """The constants of a compiled call, for call_tensors (scripting/registry.h)."""
 
@@ -166,7 +166,7 @@ def _encode_constants(constants: tuple) -> str:
     return "\x1f".join(f"{i}={tagged(v)}" for i, v in constants)
 
 
-@torch._dynamo.assume_constant_result
+@_torch_private.assume_constant_result
 def _returns_tensor(key: tuple) -> bool:
     # The owner's answer, asked by the fake implementation when the call
     # above was traced (same key).

@@ -2,6 +2,8 @@
 """torch_rpc_ext.scripting without processes: the registry's API, names,
 and the operators' contracts with TorchScript (no RPC needed)."""
 
+import sys
+
 import pytest
 import torch
 
@@ -97,3 +99,36 @@ def test_compiled_call_constants_go_back_to_their_positions():
     assert not scripting._encodable("a\x1fb") and scripting._encodable(2.5)
     with pytest.raises(ValueError, match="out of range"):
         _C._scripting.compiled_arguments([], "1=i3")
+
+
+def test_importing_the_package_leaves_dynamo_unimported():
+    """A worker that never compiles does not pay for torch._dynamo (1.7 s of
+    every process's start on 2 cores, when scripting.py imported it)."""
+    import subprocess
+
+    code = "import sys, torch_rpc_ext; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
+def test_assume_constant_result_without_dynamo_marks_what_dynamos_does():
+    """The shim sets exactly what torch._dynamo.assume_constant_result sets on
+    this torch (a torch that changes the decorator fails here)."""
+    import torch._dynamo
+
+    from torch_rpc_ext import _torch_private
+
+    def theirs():
+        pass
+
+    def ours():
+        pass
+
+    torch._dynamo.assume_constant_result(theirs)
+    dynamo = sys.modules.pop("torch._dynamo")
+    try:
+        _torch_private.assume_constant_result(ours)
+    finally:
+        sys.modules["torch._dynamo"] = dynamo
+    assert vars(ours) == vars(theirs) == {"_dynamo_marked_constant": True}
