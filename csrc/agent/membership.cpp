@@ -298,7 +298,8 @@ std::optional<std::string> MembershipLog::peek(const std::string& key) const {
   // timeout (60 s by default). A compareSet whose expected value is a text
   // no key holds writes nothing and answers at once, on every c10d store:
   // the key's value, or our expected value back when there is no key.
-  static const std::vector<uint8_t> kAbsent = toBytes(std::string("\0absent", 7));
+  static const std::vector<uint8_t> kAbsent =
+      toBytes(std::string("\0absent", 7));
   auto got = store_->compareSet(key, kAbsent, kAbsent);
   if (got == kAbsent) {
     return std::nullopt;
