@@ -6,9 +6,10 @@
 #     TORCH_RPC_EXT, our multi-process tests, the in-process unit tests,
 #     then a bounded round of the libFuzzer targets;
 #   - on the newest (NEWEST_TORCH, a CUDA build from the registry, run on
-#     the CPU), in a tree of its own (tools/with_torch.sh), set up while the
-#     fuzzers run: upstream's conformance suites over TCP only, our
-#     multi-process tests and the wheel.
+#     the CPU), in a tree of its own (tools/with_torch.sh), set up in the
+#     background while the first torch's stages run: upstream's
+#     conformance suites over TCP only, our multi-process tests and the
+#     wheel.
 # Each stage says which torch it runs on and how long it took; a table of
 # the stages ends the run.
 # Arguments, if any, are passed to a single pytest run instead (`bash
@@ -87,6 +88,44 @@ if [ "$TORCH_VERSION" != "$DEFAULT_TORCH" ]; then
   exit 0
 fi
 
+# Two jobs that only build run in the background from here, at the lowest
+# CPU priority (nice 19: they take the cores only when the tests leave
+# them idle, as multi-process tests mostly do; nothing of theirs measures
+# time): the fuzzers' build (clang-14 + libFuzzer, ASan + UBSan; about 5
+# minutes of one core) and the newest torch's tree (a few GB of wheels to
+# fetch, a build). Their logs are in build/ and shown if they fail; the
+# stages that need them wait for them.
+mkdir -p build
+declare -A job_pid job_log
+kill_tree() {
+  local child
+  for child in $(pgrep -P "$1" || true); do kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
+background() {
+  local name=$1 log=$2
+  shift 2
+  nice -n 19 "$@" >"$log" 2>&1 &
+  job_pid[$name]=$!
+  job_log[$name]=$log
+}
+await() {
+  local name=$1 status=0
+  wait "${job_pid[$name]}" || status=$?
+  unset "job_pid[$name]"
+  if [ "$status" != 0 ]; then
+    cat "${job_log[$name]}" >&2
+    echo "tools/test.sh: $name failed (above; log ${job_log[$name]})" >&2
+    exit 1
+  fi
+}
+trap 'for p in "${job_pid[@]}"; do kill_tree "$p"; done' EXIT
+background fuzz-build build/fuzz-build.log bash tests/fuzz/build.sh
+if [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ]; then
+  background newest-torch-setup build/newest-torch-setup.log \
+    bash tools/with_torch.sh "$NEWEST_TORCH" bash -c 'SETUP_FOR=test . tools/setup_env.sh'
+fi
+
 # Multi-process tests fork from the pytest process; it must not have run
 # torch compute first (a forked child inherits ATen's started thread pools and
 # aborts or hangs on first use), so unit tests get a process of their own.
@@ -104,39 +143,17 @@ pytest --timeout 900 tests/faulty
 stage "unit tests, the fake CUDA driver, the driver layer"
 pytest --timeout 300 tests/unit tests/cuda_fake tests/cuda_driver
 # The in-process fuzzers (tests/fuzz; docs/reliability.md, "In-process
-# fuzzing"): build them (clang-14 + libFuzzer, ASan + UBSan), then a bounded
-# round of about a minute over the parsers a peer reaches, from the seed
-# corpus. Any finding fails the run.
-# The newest torch's tree is set up (a few GB of wheels to fetch, a build)
-# while the fuzzers run: they keep one core busy, and nothing of theirs
-# measures time.
-newest=""
-if [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ]; then
-  newest_log=build/newest-torch-setup.log
-  mkdir -p build
-  bash tools/with_torch.sh "$NEWEST_TORCH" bash -c 'SETUP_FOR=test . tools/setup_env.sh' \
-    >"$newest_log" 2>&1 &
-  newest=$!
-  kill_tree() {
-    local child
-    for child in $(pgrep -P "$1" || true); do kill_tree "$child"; done
-    kill "$1" 2>/dev/null || true
-  }
-  trap '[ -z "$newest" ] || kill_tree "$newest"' EXIT
-fi
-stage "fuzzers"
+# fuzzing"): a bounded round of about a minute over the parsers a peer
+# reaches, from the seed corpus, once their build is done (run.sh rebuilds
+# nothing then). Any finding fails the run.
+stage "fuzzers (the rest of their build, then the round)"
+await fuzz-build
+grep -E "^built " build/fuzz-build.log >&2 || true
 bash tests/fuzz/run.sh
-if [ -n "$newest" ]; then
-  stage "setting up torch $NEWEST_TORCH beside the fuzzers (what is left of it)"
-  status=0
-  wait "$newest" || status=$?
-  newest=""
-  if [ "$status" != 0 ]; then
-    cat "$newest_log" >&2
-    echo "tools/test.sh: setting up torch $NEWEST_TORCH failed (above)" >&2
-    exit 1
-  fi
-  grep -E "^(setup_env|with_torch)" "$newest_log" >&2 || true
+if [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ]; then
+  stage "setting up torch $NEWEST_TORCH (what is left of it)"
+  await newest-torch-setup
+  grep -E "^(setup_env|with_torch)" build/newest-torch-setup.log >&2 || true
   stage "torch $NEWEST_TORCH's stages (its own tree, .venv and build)"
   # tests/wheel there installs its wheel beside this .venv's torch too.
   TORCH_RPC_EXT_OTHER_TORCH_SITE=$(python -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
