@@ -17,6 +17,7 @@ import torch
 from torch.distributed import rpc
 
 import torch_rpc_ext
+from tests.cuda_driver.worker import fake_stats
 
 DEVICE = 0
 TIMEOUT = 60
@@ -166,6 +167,38 @@ def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
         out["counters"] = {c: channel_counters(c) for c in channels}
         out["callee_counters"] = {
             c: rpc.rpc_sync("worker1", channel_counters, args=(c,)) for c in channels}
+    # The primary contexts this process holds, by device (the fake's count).
+    stats = fake_stats()
+    out["retains"] = stats["live"]["context_retains_by_device"] if stats else None
+    rpc.shutdown()
+    ctl.send(out)
+
+
+# ---- a worker's calls to itself ----------------------------------------------
+
+
+def run_self(port: int, ctl) -> None:
+    """One worker maps its cuda:0 to its own cuda:0 (upstream's device-map
+    tests send to self) and calls itself with CUDA tensors both ways: its
+    own IPC handles would not open in it, so cuda_ipc declines and
+    cuda_staged carries them."""
+    setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=TIMEOUT)
+    opts.set_device_map("worker0", {DEVICE: DEVICE})
+    rpc.init_rpc("worker0", rank=0, world_size=1,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    out = {}
+    try:
+        data = pattern(3 << 20, 5)
+        out["seen"] = rpc.rpc_sync("worker0", describe, args=(cuda_tensor(data),)) == (
+            f"cuda:{DEVICE}", data)
+        back = rpc.rpc_sync("worker0", identity, args=(cuda_tensor(data),))
+        out["back"] = (str(back.device), tensor_bytes(back) == data)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        out["error"] = str(e)
+    out["counters"] = {c: channel_counters(c) for c in ("cuda_ipc", "cuda_staged")}
     rpc.shutdown()
     ctl.send(out)
 

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.cuda_driver import agent_worker
+from tests.cuda_driver.conftest import REAL_DRIVER
 from tests.rpc.world import free_port
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
@@ -68,6 +69,20 @@ def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
     assert "worker0" in callee["unmapped"]
 
 
+@pytest.mark.skipif(REAL_DRIVER, reason="counts the fake's contexts")
+def test_a_process_holds_contexts_on_the_devices_it_uses_only(spawn, monkeypatch):
+    """On a node of four devices, workers that move tensors of cuda:0 by
+    cuda_ipc hold a primary context there and nowhere else (each costs
+    memory on its GPU, and an EXCLUSIVE_PROCESS device refuses a second
+    process's)."""
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "4")
+    caller, callee = play(spawn)
+    assert caller["seen_by_callee"] and caller["back"] == ("cuda:0", True)
+    assert caller["counters"]["cuda_ipc"]["segments"] > 0
+    for worker in (caller, callee):
+        assert worker["retains"][0] >= 1 and worker["retains"][1:] == [0, 0, 0], worker["retains"]
+
+
 def test_cuda_tensors_travel_through_legacy_ipc_handles(spawn, monkeypatch):
     """Both workers publish legacy handles only (as where a device cannot
     export descriptors): the same calls, each tensor copied out of the
@@ -123,6 +138,41 @@ def test_cuda_tensors_staged_through_host_memory(spawn, monkeypatch, channels, t
     assert caller["devices"] == ["cuda:0"] and callee["devices"] == [f"cuda:{target}"]
     assert caller["map"] == {"cuda:0": f"cuda:{target}"}
     assert "worker0" in callee["unmapped"]
+
+
+def test_cuda_tensors_sent_to_ones_own_worker(spawn):
+    """A worker's calls to itself go over a connection to itself, where the
+    driver refuses the process's own IPC handles (the fake too): cuda_ipc
+    declines such a peer, cuda_staged carries its tensors."""
+    ours, theirs = spawn.Pipe()
+    proc = spawn.Process(target=agent_worker.run_self, args=(free_port(), theirs))
+    proc.start()
+    try:
+        out = ours.recv() if ours.poll(180) else None
+        proc.join(60)
+        assert proc.exitcode == 0, out
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert "error" not in out, out["error"]
+    assert out["seen"] and out["back"] == ("cuda:0", True)
+    assert out["counters"]["cuda_ipc"]["segments"] == 0
+    # Sent by this one agent, caller and callee: 3 MiB out with each call,
+    # and back with identity's answer.
+    assert out["counters"]["cuda_staged"]["segments_sent"] == 3
+
+
+def test_a_device_without_interprocess_events_is_not_offered_to_cuda_ipc(spawn, monkeypatch):
+    """A device that exports memory but has no interprocess events (vGPU,
+    WSL, confidential computing: CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED is
+    0) would fail every cuda_ipc block: cuda_ipc is not offered at all, and
+    cuda_staged carries the tensors."""
+    monkeypatch.setenv("FAKE_CUDA_NO_IPC_EVENTS", "1")
+    caller, _ = play(spawn, ("cuda_ipc", "cuda_staged"))
+    assert caller["seen_by_callee"] and caller["back"] == ("cuda:0", True)
+    assert caller["small"] and caller["view"] and caller["many"]
+    assert "cuda_staged" in caller["channels"] and "cuda_ipc" not in caller["channels"]
+    assert caller["counters"]["cuda_staged"]["segments_sent"] == 4 + agent_worker.MANY
 
 
 def test_device_maps_in_a_dynamic_group(spawn, tmp_path):

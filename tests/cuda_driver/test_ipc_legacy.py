@@ -39,6 +39,12 @@ def test_sharing_is_by_descriptor_where_both_can_else_legacy_in_one_pid_namespac
     # A descriptor without a PID namespace (an older peer) has fd blocks only.
     assert cuda.ipc_sharing(both, f"boot;{a}", a) == "fd"
     assert cuda.ipc_sharing(mixed, f"boot;{a}", a) is None
+    # The same process (a worker's calls to itself): its own IPC handles do
+    # not open in it, so nothing, whatever it could share with another.
+    me = f"boot;{a},{b};pid:[1];42"
+    assert cuda.ipc_sharing(me, me, a) is None
+    assert cuda.ipc_sharing(me, f"boot;{a},{b};pid:[1];43", a) == "fd"
+    assert cuda.ipc_sharing(me, f"boot;{a},{b};pid:[2];42", a) == "fd"
 
 
 def test_a_held_view_keeps_its_descriptor_block_lent(spawn):

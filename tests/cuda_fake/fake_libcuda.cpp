@@ -12,7 +12,10 @@
 // - $FAKE_CUDA_DEVICES devices (default 1; 0 makes cuInit fail with
 //   CUDA_ERROR_NO_DEVICE) of compute capability 9.0; UUIDs stable per index,
 //   changed by $FAKE_CUDA_UUID_SALT (another machine); VMM with POSIX fd
-//   handles unless $FAKE_CUDA_NO_VMM=1.
+//   handles unless $FAKE_CUDA_NO_VMM=1; interprocess events unless
+//   $FAKE_CUDA_NO_IPC_EVENTS=1 (as vGPU, WSL and confidential-computing
+//   devices: CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED is 0 and creating one
+//   fails with CUDA_ERROR_NOT_SUPPORTED).
 // - IPC handles (events, legacy memory) open in another process only
 //   (CUDA_ERROR_INVALID_CONTEXT in their own), unless $FAKE_CUDA_IPC_SELF=1:
 //   for a one-process harness playing both ends (tests/fuzz/fuzz_stream.cpp).
@@ -261,6 +264,7 @@ struct State {
   std::mutex mu; // guards what follows; never held while waiting on work
   int devices = 0;
   bool noVmm = false;
+  bool noIpcEvents = false; // $FAKE_CUDA_NO_IPC_EVENTS=1
   bool ipcSelf = false; // $FAKE_CUDA_IPC_SELF=1
   // Each kernel runs this long after its stream reaches it: work that is not
   // ordered after a kernel sees its old bytes, as on a GPU under load.
@@ -965,6 +969,8 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
   const char* noVmm = getenv("FAKE_CUDA_NO_VMM");
   const char* salt = getenv("FAKE_CUDA_UUID_SALT");
   s.noVmm = noVmm && strcmp(noVmm, "1") == 0;
+  const char* noIpcEvents = getenv("FAKE_CUDA_NO_IPC_EVENTS");
+  s.noIpcEvents = noIpcEvents && strcmp(noIpcEvents, "1") == 0;
   const char* ipcSelf = getenv("FAKE_CUDA_IPC_SELF");
   s.ipcSelf = ipcSelf && strcmp(ipcSelf, "1") == 0;
   s.salt = salt ? salt : "";
@@ -1048,7 +1054,7 @@ cuDeviceGetAttribute(int* value, CUdevice_attribute attrib, CUdevice dev) {
       {CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
        !state().noVmm},
       {CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, 1},
-      {CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED, 1},
+      {CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED, !state().noIpcEvents},
       {CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK, 1024},
       {CU_DEVICE_ATTRIBUTE_WARP_SIZE, 32},
   };
@@ -1635,6 +1641,10 @@ CUresult CUDAAPI cuEventCreate(CUevent* ev, unsigned flags) {
       !ipc || (flags & CU_EVENT_DISABLE_TIMING),
       CUDA_ERROR_INVALID_VALUE,
       "INTERPROCESS needs DISABLE_TIMING");
+  REQUIRE(
+      !ipc || !state().noIpcEvents,
+      CUDA_ERROR_NOT_SUPPORTED,
+      "FAKE_CUDA_NO_IPC_EVENTS=1");
   auto e = std::make_unique<CUevent_st>();
   e->flags = flags;
   e->device = currentContext()->device;
@@ -1887,6 +1897,14 @@ __attribute__((visibility("default"))) int fake_cuda_stats(
     appendJson(j, "events", s.events.size());
     appendJson(j, "modules", s.modules.size());
     appendJson(j, "context_retains", retains);
+    // Per device, by index: a process holds a context only on the devices
+    // it uses (each costs hundreds of MiB on a GPU; EXCLUSIVE_PROCESS
+    // devices refuse a second process's).
+    j += "\"context_retains_by_device\": [";
+    for (size_t d = 0; d < s.contexts.size(); ++d) {
+      j += (d == 0 ? "" : ", ") + std::to_string(s.contexts[d]->retains.load());
+    }
+    j += "], ";
   }
   closeJson(j);
   j += ", ";

@@ -301,6 +301,7 @@ def fresh(lib_path, tmp_path, monkeypatch):
         for name in (
             "FAKE_CUDA_DEVICES",
             "FAKE_CUDA_NO_VMM",
+            "FAKE_CUDA_NO_IPC_EVENTS",
             "FAKE_CUDA_UUID_SALT",
             "FAKE_CUDA_IPC_SELF",
         ):
@@ -634,6 +635,16 @@ def test_events_are_counters(cu):
     for event in (ev, late, after):
         cu("cuEventDestroy_v2", event)
     assert cu.rc("cuEventDestroy_v2", ev) == INVALID_HANDLE
+
+
+def test_without_interprocess_events_an_ipc_event_is_not_supported(fresh):
+    cu = fresh(FAKE_CUDA_NO_IPC_EVENTS="1").setup()
+    ipc_event_supported = 125  # CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED
+    assert cu.attribute(ipc_event_supported) == 0
+    event = c_void_p()
+    assert cu.rc("cuEventCreate", byref(event), EVENT_IPC) == NOT_SUPPORTED
+    cu("cuEventDestroy_v2", cu.event(0x2))  # other events still work
+    assert fresh().setup().attribute(ipc_event_supported) == 1
 
 
 def test_interprocess_event_rules_in_one_process(cu):
@@ -1166,6 +1177,16 @@ def test_strided_copies_record_misalignment_as_a_kernel_error(cu, kernels):
     assert cu.dtoh(out, 32) == bytes(32)
     for ptr in (desc, src, out):
         cu("cuMemFree_v2", ptr)
+
+
+def test_stats_count_context_retains_per_device(fresh):
+    cu = fresh(FAKE_CUDA_DEVICES="4").setup()  # retains device 0's
+    dev, ctx = c_int(), c_void_p()
+    cu("cuDeviceGet", byref(dev), 2)
+    cu("cuDevicePrimaryCtxRetain", byref(ctx), dev)
+    assert cu.stats()["live"]["context_retains_by_device"] == [1, 0, 1, 0]
+    cu("cuDevicePrimaryCtxRelease_v2", dev)
+    assert cu.stats()["live"]["context_retains_by_device"] == [1, 0, 0, 0]
 
 
 def test_stats_count_and_reset(fresh):

@@ -155,7 +155,8 @@ struct Harness {
     // Both shm channels, as negotiated between two workers of one host, and
     // cuda_staged (its segments' bytes follow in the stream); cuda_ipc with
     // a driver, as between two processes of this host (the peer publishes
-    // our own descriptor: the same boot, devices and PID namespace).
+    // our own descriptor, the same boot, devices and PID namespace, under
+    // another pid: cuda_ipc never serves a process's calls to itself).
     std::vector<const char*> names = {"shm_slab", "shm_ring", "cuda_staged"};
     const char* lib = std::getenv("TORCH_RPC_EXT_LIBCUDA");
     if (lib != nullptr && *lib != '\0') {
@@ -170,7 +171,12 @@ struct Harness {
     }
     for (const char* name : names) {
       auto c = channel::createChannel(name);
-      channels.push_back(channel::Offer{c, c->domainDescriptor()});
+      std::string descriptor = c->domainDescriptor();
+      if (std::string(name) == "cuda_ipc") {
+        descriptor = descriptor.substr(0, descriptor.rfind(';') + 1) +
+            std::to_string(::getpid() + 1);
+      }
+      channels.push_back(channel::Offer{c, descriptor});
     }
     options.channelsFor = [this](int32_t, bool) { return channels; };
   }

@@ -111,6 +111,10 @@ bool supportsFdExport(int device) {
           CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) != 0;
 }
 
+bool supportsIpcEvents(int device) {
+  return attribute(device, CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED) != 0;
+}
+
 bool supportsLegacyIpc(int device) {
   return attribute(device, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) != 0;
 }

@@ -49,6 +49,12 @@ int multiprocessors(int device);
 // file descriptor: what the cuda_ipc channel's shared blocks need.
 bool supportsFdExport(int device);
 
+// Whether the device has interprocess events (cuIpcGetEventHandle): every
+// cuda_ipc block orders its writer and readers by a pair of them. vGPU, WSL
+// and confidential-computing devices may lack them while they export
+// memory.
+bool supportsIpcEvents(int device);
+
 // Whether the device's cuMemAlloc memory can be shared through legacy IPC
 // handles (cuIpcGetMemHandle): a unified address space, which every 64-bit
 // Linux device has. What cuda_ipc falls back on where fd export is missing.

@@ -31,7 +31,9 @@ size_t ExportedMemory::granularity(int device, Sharing sharing) {
   if (sharing == Sharing::kLegacy) {
     return kLegacyGranularity;
   }
-  CurrentDevice current(device);
+  // No context needed, and none made current: a guard here retained a
+  // primary context on every device each connection could share (one per
+  // GPU of the node, for every rank), not just the ones it uses.
   CUmemAllocationProp prop = properties(device);
   size_t out = 0;
   TORCH_RPC_EXT_CUDA_CHECK(

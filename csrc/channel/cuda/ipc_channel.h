@@ -118,9 +118,9 @@ struct IpcCounters {
 };
 
 // A process's cuda_ipc domain descriptor, as published at rendezvous:
-// "<boot id>;<device>,<device>,...;<PID namespace>", one device per index:
-// its UUID where it exports memory as a descriptor, "~" and its UUID where
-// it has legacy handles only, "-" where it shares no memory.
+// "<boot id>;<device>,<device>,...;<PID namespace>;<pid>", one device per
+// index: its UUID where it exports memory as a descriptor, "~" and its UUID
+// where it has legacy handles only, "-" where it shares no memory.
 struct IpcDomain {
   struct Device {
     std::string uuid; // "": shares no memory
@@ -129,12 +129,16 @@ struct IpcDomain {
   std::string host;
   std::vector<Device> devices;
   std::string pidNamespace;
+  std::string pid; // "": not published (then never taken for our own)
 
   static IpcDomain parse(const std::string& descriptor);
   std::string format() const;
   // How a block of the device `uuid` goes from a process of this domain to
   // one of `peer`: kFd where both export descriptors, else kLegacy within
-  // one PID namespace; nothing where either lacks the device.
+  // one PID namespace; nothing where either lacks the device, or where the
+  // peer is this very process (a worker's calls to itself): the driver
+  // opens IPC handles, events' and legacy memory's, only in a process other
+  // than the one that made them (as TensorPipe, cuda_staged carries those).
   std::optional<Sharing> sharingWith(
       const IpcDomain& peer,
       const std::string& uuid) const;

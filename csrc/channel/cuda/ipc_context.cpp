@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/ipc_channel.h"
 #include "csrc/common/host.h"
@@ -46,6 +48,9 @@ IpcDomain IpcDomain::parse(const std::string& descriptor) {
   if (parts.size() > 2) {
     out.pidNamespace = parts[2];
   }
+  if (parts.size() > 3) {
+    out.pid = parts[3];
+  }
   return out;
 }
 
@@ -56,7 +61,7 @@ std::string IpcDomain::format() const {
     out += (i == 0 ? "" : ",") +
         (d.uuid.empty() ? std::string("-") : (d.fd ? "" : "~") + d.uuid);
   }
-  return out + ";" + pidNamespace;
+  return out + ";" + pidNamespace + ";" + pid;
 }
 
 std::optional<Sharing> IpcDomain::sharingWith(
@@ -77,6 +82,9 @@ std::optional<Sharing> IpcDomain::sharingWith(
   const Device* theirs = find(peer.devices);
   if (mine == nullptr || theirs == nullptr) {
     return std::nullopt;
+  }
+  if (!pid.empty() && pid == peer.pid && pidNamespace == peer.pidNamespace) {
+    return std::nullopt; // this process: its own handles do not open here
   }
   if (mine->fd && theirs->fd) {
     return Sharing::kFd;
@@ -163,20 +171,25 @@ class IpcContext final : public Context {
       IpcDomain domain;
       domain.host = boot;
       domain.pidNamespace = pidNamespace();
+      domain.pid = std::to_string(::getpid());
       // Legacy handles only, even where descriptors work (to check that
       // path on a GPU that has both).
       const char* legacyOnly = std::getenv("TORCH_RPC_EXT_CUDA_IPC_LEGACY");
       const bool fdAllowed =
           legacyOnly == nullptr || std::string(legacyOnly) != "1";
       bool any = false;
+      bool noEvents = false;
       try {
         for (int d = 0; d < deviceCount(); ++d) {
           IpcDomain::Device device;
-          device.fd = fdAllowed && supportsFdExport(d);
-          if (device.fd || supportsLegacyIpc(d)) {
+          // A block's memory is of no use without its events.
+          const bool events = supportsIpcEvents(d);
+          device.fd = events && fdAllowed && supportsFdExport(d);
+          if (device.fd || (events && supportsLegacyIpc(d))) {
             device.uuid = deviceUuid(d);
             any = true;
           }
+          noEvents = noEvents || !events;
           domain.devices.push_back(std::move(device));
         }
       } catch (const std::exception& e) {
@@ -184,9 +197,12 @@ class IpcContext final : public Context {
         return;
       }
       if (!any) {
-        unviable_ =
-            "no CUDA device here can share memory with another process "
-            "(neither as a file descriptor nor by a legacy IPC handle)";
+        unviable_ = noEvents
+            ? "no CUDA device here has interprocess events "
+              "(CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED is 0: vGPU, WSL, "
+              "confidential computing), which cuda_ipc's blocks need"
+            : "no CUDA device here can share memory with another process "
+              "(neither as a file descriptor nor by a legacy IPC handle)";
         return;
       }
       descriptor_ = domain.format();
