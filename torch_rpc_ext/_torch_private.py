@@ -89,7 +89,7 @@ def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
     torch_rpc_ext 1.7 s of its start-up (2 cores), though most never compile.
     On every torch of the range the decorator only sets this attribute
     (torch/_dynamo/decorators.py), which Dynamo reads when it traces a call;
-    tests/scripting checks that the two still agree."""
+    tests/unit/test_scripting_registry.py checks that the two still agree."""
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         return dynamo.assume_constant_result(fn)
