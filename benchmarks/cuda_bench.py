@@ -14,6 +14,11 @@ after warm-up:
   recipe                           the CUDA RPC recipe: two Linear(1000, 1000)
                                    shards, ten dist-autograd forward and
                                    backward passes (seconds for the ten)
+  (ext_zero_copy)                  ours with cuda_zero_copy=True, the cases
+                                   above but the recipe: what landing received
+                                   tensors in torch's allocator costs
+                                   (`time_copy_over_zero_copy`; each of ours
+                                   rows has `copies_per_call`, both ends)
   staged_400MB                     ours with device_channels=("cuda_staged",),
                                    beside `pcie_floor_400MB`: one copy of
                                    400 MB to pinned host memory and one back,
@@ -113,7 +118,7 @@ class Devices:
             torch.cuda.synchronize(DEVICE)
 
 
-def _init(rank, backend_key, channels, fake) -> Devices:
+def _init(rank, backend_key, channels, fake, zero_copy=False) -> Devices:
     import torch_rpc_ext
 
     dev = Devices(fake)  # the fake guard first, where it applies
@@ -122,7 +127,8 @@ def _init(rank, backend_key, channels, fake) -> Devices:
     if backend_key == "TENSORPIPE":
         opts = rpc.TensorPipeRpcBackendOptions(**kwargs)
     else:
-        opts = torch_rpc_ext.RpcExtBackendOptions(device_channels=channels, **kwargs)
+        opts = torch_rpc_ext.RpcExtBackendOptions(device_channels=channels,
+                                                  cuda_zero_copy=zero_copy, **kwargs)
     if rank == 0:  # the callee answers through the reverse map
         opts.set_device_map("callee", {DEVICE: DEVICE})
     rpc.init_rpc(["caller", "callee"][rank], rank=rank, world_size=2,
@@ -146,8 +152,23 @@ def pcie_floor(dev: Devices, nbytes: int, calls: int) -> float:
     return statistics.median(samples[1:])
 
 
+def device_copies() -> dict[str, int]:
+    """This worker's device copies so far: the landings into torch's memory
+    (segments, launches) and the channels' launches."""
+    m = rpc.api._get_current_rpc_agent().get_metrics()
+    keys = {"rpc_ext.cuda.landed_segments": "landed", "rpc_ext.cuda.landing_launches":
+            "landing_launches", "rpc_ext.channel.cuda_ipc.launches": "ipc_launches"}
+    return {short: int(m.get(k, 0)) for k, short in keys.items()}
+
+
+def both_copies() -> dict[str, int]:
+    """device_copies() of the caller and the callee, summed."""
+    mine, theirs = device_copies(), rpc.rpc_sync("callee", device_copies)
+    return {k: mine[k] + theirs[k] for k in mine}
+
+
 def world(rank, world_size, backend_key, channels, cases, cfg):
-    dev = _init(rank, backend_key, channels, cfg.fake)
+    dev = _init(rank, backend_key, channels, cfg.fake, cfg.zero_copy)
     rows = []
     if rank == 0:
         for case, kind, size in cases:
@@ -160,6 +181,7 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
             else:
                 arg = dev.tensor(size * size * 2)
             calls = cfg.calls if size < 64 * MB else cfg.calls_large
+            counted = backend_key == "TORCH_RPC_EXT" and both_copies()
             samples = []
             for i in range(cfg.warmup + calls):
                 dev.sync()
@@ -169,7 +191,15 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
                 if i >= cfg.warmup:
                     samples.append(time.perf_counter() - t0)
                 del out
-            rows.append({"case": case, **summarize(samples)})
+            row = {"case": case, **summarize(samples)}
+            if counted:
+                # Device copies per round trip, both ends: what landing in
+                # torch's memory adds (compare ext_zero_copy's rows).
+                after = both_copies()
+                row["copies_per_call"] = {
+                    k: round((after[k] - counted[k]) / (cfg.warmup + calls), 2)
+                    for k in after}
+            rows.append(row)
         if cfg.recipe:
             rows.append(recipe(cfg))
         if cfg.staged_floor:
@@ -232,12 +262,17 @@ def main(argv=None):
     plans = [(name, key, None) for name, key in
              (("ext", "TORCH_RPC_EXT"), ("tensorpipe", "TENSORPIPE")) if name in cfg.backends]
     plans.append(("ext_staged", "TORCH_RPC_EXT", ("cuda_staged",)))
+    if "ext" in cfg.backends:
+        plans.append(("ext_zero_copy", "TORCH_RPC_EXT", None))
     for name, key, channels in plans:
-        cfg.recipe = not cfg.fake and name != "ext_staged"
+        cfg.recipe = not cfg.fake and name not in ("ext_staged", "ext_zero_copy")
         cfg.staged_floor = not cfg.fake and name == "ext_staged"
+        cfg.zero_copy = name == "ext_zero_copy"
         these = cases
         if name == "ext_staged":
             these = [c for c in cases if c[0] in ("identity_400MB", "identity_4MB")]
+        if name == "ext_zero_copy":
+            these = [c for c in cases if c[1] != "contiguous"]
         rows, _ = run_world(world, 2, key, channels or ("cuda_ipc", "cuda_staged"), these, cfg,
                             timeout=1800)
         for row in rows:
@@ -251,6 +286,11 @@ def main(argv=None):
             value = round(ext["median_us"] / tp["median_us"], 3)
             chart_rows[case] = value
             record({"case": case, "ratio": "time_ext_over_tp", "value": value})
+    for case in sorted({c for c, _ in results}):
+        ext, zero = results.get((case, "ext")), results.get((case, "ext_zero_copy"))
+        if ext and zero:
+            record({"case": case, "ratio": "time_copy_over_zero_copy",
+                    "value": round(ext["median_us"] / zero["median_us"], 3)})
     staged = results.get(("identity_400MB", "ext_staged"))
     floor = results.get(("pcie_floor_400MB", "ext_staged"))
     if staged and floor:

@@ -111,6 +111,15 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             device) and ``"cuda_staged"`` (through pinned host memory in
             chunks, copied out and in as the stream goes: any peer, any
             two devices). ``("cuda_staged",)`` forces staging.
+        cuda_zero_copy: Received CUDA tensors view the device memory the
+            channel brought them in (the sender's, for ``cuda_ipc``) instead
+            of a copy in torch's caching allocator: one device-to-device
+            copy fewer per tensor, but ``record_stream`` and a future's
+            ``wait()`` cannot see such memory, so a received tensor is safe
+            only on the stream that was current when it arrived (the
+            callee's function, ``wait()``'s caller) unless it stays alive
+            until the work on other streams is done (docs/guide.md,
+            "Streams"). Off by default.
         address: IP address to listen on and advertise. Defaults to
             ``TORCH_RPC_EXT_ADDR``, else the first IPv4 address of
             ``TORCH_RPC_EXT_SOCKET_IFNAME``, else the hostname's address,
@@ -161,6 +170,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         heartbeat_timeout: float = _DEFAULT["heartbeat_timeout"],
         busy_poll_us: int = _DEFAULT["busy_poll_us"],
         max_cached_receive_bytes: int = _DEFAULT["max_cached_receive_bytes"],
+        cuda_zero_copy: bool = _DEFAULT["cuda_zero_copy"],
     ) -> None:
         if isinstance(num_worker_threads, bool) or not isinstance(
             num_worker_threads, int
@@ -272,6 +282,8 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
                 f"max_cached_receive_bytes must be an int >= {lo}, "
                 f"got {max_cached_receive_bytes!r}"
             )
+        if not isinstance(cuda_zero_copy, bool):
+            raise ValueError(f"cuda_zero_copy must be a bool, got {cuda_zero_copy!r}")
         super().__init__(float(rpc_timeout), init_method)
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
         for to, device_map in (device_maps or {}).items():
@@ -289,6 +301,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.busy_poll_us = busy_poll_us
         self.max_cached_receive_bytes = max_cached_receive_bytes
+        self.cuda_zero_copy = cuda_zero_copy
 
     def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:
         """Map local devices to devices of worker ``to``, merged with what was
@@ -331,6 +344,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r}, "
             f"transports={self.transports}, channels={self.channels}, "
             f"device_channels={self.device_channels}, "
+            f"cuda_zero_copy={self.cuda_zero_copy}, "
             f"address={self.address!r}, "
             f"max_frame_bytes={self.max_frame_bytes})"
         )

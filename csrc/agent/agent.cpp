@@ -461,11 +461,10 @@ void Agent::onFrame(
     if (!in->cudaDevices().empty()) {
       streams = arrivalStreams();
     }
-    message = in->finish(buffers, [&](c10::DeviceIndex device) {
+    auto streamOf = [&](c10::DeviceIndex device) -> const c10::Stream& {
       for (const auto& s : streams) {
         if (s.device_index() == device) {
-          c10::impl::VirtualGuardImpl impl(c10::kCUDA);
-          return reinterpret_cast<uintptr_t>(impl.getStreamNativeHandle(s));
+          return s;
         }
       }
       TORCH_CHECK(
@@ -474,7 +473,23 @@ void Agent::onFrame(
           int(device),
           ", which is not among the devices of ",
           workerInfo_.name_);
-    });
+    };
+    wire::InboundMessage::DeviceLanding landing;
+    if (!options_.cudaZeroCopy) {
+      landing = [&](c10::DeviceIndex device,
+                    uintptr_t,
+                    const std::vector<std::pair<uintptr_t, size_t>>& spans) {
+        return landOnDevice(streamOf(device), spans);
+      };
+    }
+    message = in->finish(
+        buffers,
+        [&](c10::DeviceIndex device) {
+          c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+          return reinterpret_cast<uintptr_t>(
+              impl.getStreamNativeHandle(streamOf(device)));
+        },
+        landing);
   } catch (const std::exception& e) {
     if (peer) {
       peer->stats.rejectedFrames.fetch_add(1, std::memory_order_relaxed);

@@ -158,6 +158,15 @@ class Agent final : public rpc::RpcAgent,
   // A stream from the pool for each of our devices, for an arriving message
   // (empty without devices).
   std::vector<c10::Stream> arrivalStreams() const;
+  // A message's CUDA segments of one device (the channel's memory), copied
+  // on its arrival `stream` into memory of torch's CUDA allocator allocated
+  // on that stream (wire::InboundMessage::DeviceLanding), so that received
+  // tensors follow torch's stream rules: record_stream and a future's
+  // wait() on another stream keep the memory from reuse until that
+  // stream's work is done. Not used under cuda_zero_copy.
+  std::vector<c10::DataPtr> landOnDevice(
+      const c10::Stream& stream,
+      const std::vector<std::pair<uintptr_t, size_t>>& spans);
   // Tell the caching allocator that `message`'s CUDA storages are read on
   // the current streams of their devices (by the channels' copies).
   static void recordCudaUse(const rpc::Message& message);
@@ -372,6 +381,10 @@ class Agent final : public rpc::RpcAgent,
   std::atomic<int64_t> nextId_{0};
   std::atomic<uint64_t> rejectedConnections_{0};
   std::atomic<uint64_t> lateResponses_{0};
+  // CUDA segments copied into torch's allocator on arrival, and their bytes.
+  std::atomic<uint64_t> cudaLandings_{0}; // launches (one per device)
+  std::atomic<uint64_t> cudaLanded_{0};
+  std::atomic<uint64_t> cudaLandedBytes_{0};
 
   // Join bookkeeping (as TensorPipe: only client calls are counted, since
   // every server call is some worker's client call).

@@ -1,11 +1,15 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // The agent's CUDA side (docs/cuda.md, "The agent's CUDA path"): its devices
 // and maps, the streams tensors arrive on, how they leave.
+#include <c10/core/Allocator.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <optional>
 
 #include "csrc/agent/agent.h"
+#include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/engines.h"
 
 namespace torch_rpc_ext {
 
@@ -25,6 +29,42 @@ void Agent::recordCudaUse(const rpc::Message& message) {
           t.storage().data_ptr(), impl->getStream(t.device()));
     }
   }
+}
+
+std::vector<c10::DataPtr> Agent::landOnDevice(
+    const c10::Stream& stream,
+    const std::vector<std::pair<uintptr_t, size_t>>& spans) {
+  namespace cuda = channel::cuda;
+  std::vector<c10::DataPtr> out;
+  out.reserve(spans.size());
+  std::vector<cuda::CopyEngine::Segment> copies;
+  copies.reserve(spans.size());
+  uint64_t bytes = 0;
+  {
+    // Torch's caching allocator takes the current stream as the one the
+    // memory is used on: a block freed on it is reused on it at once, and
+    // on any other only after the streams recorded on it (record_stream,
+    // a future's wait()) have passed the free.
+    c10::StreamGuard guard(stream);
+    c10::Allocator* allocator = c10::GetAllocator(c10::kCUDA);
+    for (const auto& [address, size] : spans) {
+      out.push_back(allocator->allocate(size));
+      copies.push_back(
+          {reinterpret_cast<CUdeviceptr>(out.back().get()),
+           static_cast<CUdeviceptr>(address),
+           size});
+      bytes += size;
+    }
+  }
+  const int device = stream.device_index();
+  c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+  cuda::CurrentDevice current(device);
+  cuda::copyEngine(device).copySegments(
+      static_cast<CUstream>(impl.getStreamNativeHandle(stream)), copies);
+  cudaLandings_.fetch_add(1, std::memory_order_relaxed);
+  cudaLanded_.fetch_add(spans.size(), std::memory_order_relaxed);
+  cudaLandedBytes_.fetch_add(bytes, std::memory_order_relaxed);
+  return out;
 }
 
 std::vector<c10::Stream> Agent::arrivalStreams() const {

@@ -34,6 +34,9 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
   m["rpc_ext.rejected_connections"] =
       std::to_string(rejectedConnections_.load());
   m["rpc_ext.late_responses"] = std::to_string(lateResponses_.load());
+  m["rpc_ext.cuda.landing_launches"] = std::to_string(cudaLandings_.load());
+  m["rpc_ext.cuda.landed_segments"] = std::to_string(cudaLanded_.load());
+  m["rpc_ext.cuda.landed_bytes"] = std::to_string(cudaLandedBytes_.load());
   m["rpc_ext.cached_operators"] =
       std::to_string(static_cast<const ServeCallback&>(*cb_).cachedOperators());
   m["rpc_ext.receive_pool_cached_bytes"] =

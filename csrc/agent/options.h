@@ -68,6 +68,10 @@ struct AgentOptions : rpc::RpcBackendOptions {
   std::vector<c10::Device> devices;
   std::unordered_map<std::string, rpc::DeviceMap> deviceMaps;
   std::unordered_map<std::string, rpc::DeviceMap> reverseDeviceMaps;
+  // Received CUDA tensors view the channel's device memory instead of a
+  // copy in torch's allocator (Agent::landOnDevice): one device copy fewer,
+  // but record_stream cannot see them (docs/guide.md, "Streams").
+  bool cudaZeroCopy = false;
   // Limit on how long init waits for all peers to publish their address.
   std::chrono::milliseconds rendezvousTimeout = kDefaultRendezvousTimeout;
 };

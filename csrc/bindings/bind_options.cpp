@@ -72,6 +72,7 @@ py::dict optionSpec() {
       none);
   spec["busy_poll_us"] = py::make_tuple(
       kDefaultBusyPoll.count(), kMinBusyPoll.count(), kMaxBusyPoll.count());
+  spec["cuda_zero_copy"] = py::make_tuple(false, none, none);
   spec["max_cached_receive_bytes"] = py::make_tuple(
       kDefaultMaxCachedReceiveBytes, kMinMaxCachedReceiveBytes, none);
   return spec;
@@ -137,6 +138,7 @@ void bindOptions(py::module_& m) {
           [](const O& o) { return o.busyPoll.count(); },
           [](O& o, int64_t us) { o.busyPoll = std::chrono::microseconds(us); })
       .def_readwrite("max_cached_receive_bytes", &O::maxCachedReceiveBytes)
+      .def_readwrite("cuda_zero_copy", &O::cudaZeroCopy)
       // Fault injection, set only by torch_rpc_ext.testing.
       .def_property(
           "_num_fail_sends",

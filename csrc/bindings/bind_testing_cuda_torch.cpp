@@ -11,9 +11,21 @@
 // device memory made with from_blob: torch can hold it, pass it around,
 // pickle it into an RPC message, but runs no kernel on it. Installed only
 // where torch has no CUDA guard of its own. A test hook.
+//
+// Beside it, a CUDA allocator with the caching allocator's stream rules
+// (c10/cuda/CUDACachingAllocator), so that the agent's received tensors
+// meet them here as on a GPU: memory is allocated for the current stream
+// and reused on it at once once freed; a free after record_stream (torch's
+// recordDataPtrOnStream, which a future's wait() calls on the streams it
+// makes wait) makes the block wait, reusable only once every recorded
+// stream has passed the free (an event per stream, queried); memory it did
+// not allocate is skipped silently, as torch's is.
 #include <ATen/ATen.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -28,6 +40,144 @@ namespace torch_rpc_ext::bindings {
 namespace {
 
 namespace cuda = channel::cuda;
+
+// The allocator (see the top). Blocks are never given back to the driver:
+// a test's process is short.
+class FakeCachingAllocator final : public c10::Allocator {
+ public:
+  struct Stats {
+    uint64_t allocated = 0; // blocks made
+    uint64_t reused = 0; // allocations served from a freed block
+    uint64_t deferred = 0; // frees that waited for recorded streams
+    uint64_t skippedRecords = 0; // record_stream on memory not ours
+  };
+
+  c10::DataPtr allocate(size_t n) override {
+    auto* g = c10::impl::getDeviceGuardImpl(c10::kCUDA);
+    const c10::Device device = g->getDevice();
+    const c10::Stream stream = g->getStream(device);
+    const size_t size = std::max<size_t>(512, (n + 511) / 512 * 512);
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      Block* b = *it;
+      if (b->device == device.index() && b->stream == stream &&
+          b->size == size && passed(*b)) {
+        free_.erase(it);
+        b->uses.clear();
+        ++stats_.reused;
+        return c10::DataPtr(
+            reinterpret_cast<void*>(b->address), b, &release, device);
+      }
+    }
+    cuda::CurrentDevice current(device.index());
+    CUdeviceptr address = 0;
+    TORCH_RPC_EXT_CUDA_CHECK(cuMemAlloc, &address, size);
+    auto* b = new Block{address, size, device.index(), stream, {}, {}};
+    ++stats_.allocated;
+    return c10::DataPtr(reinterpret_cast<void*>(address), b, &release, device);
+  }
+  void copy_data(void* dst, const void* src, size_t n) const override {
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuMemcpyAsync,
+        reinterpret_cast<CUdeviceptr>(dst),
+        reinterpret_cast<CUdeviceptr>(src),
+        n,
+        nullptr);
+    TORCH_RPC_EXT_CUDA_CHECK(cuStreamSynchronize, nullptr);
+  }
+  // torch's recordStream: a block of ours is used on `stream` too.
+  void recordStream(const c10::DataPtr& ptr, const c10::Stream& stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ptr.get() == nullptr || ptr.get_deleter() != &release) {
+      ++stats_.skippedRecords;
+      return;
+    }
+    auto* b = static_cast<Block*>(ptr.get_context());
+    if (stream != b->stream &&
+        std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
+      b->uses.push_back(stream);
+    }
+  }
+  Stats stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+
+ private:
+  struct Block {
+    CUdeviceptr address;
+    size_t size;
+    c10::DeviceIndex device;
+    c10::Stream stream; // allocated for
+    std::vector<c10::Stream> uses; // recorded on, besides `stream`
+    std::vector<CUevent> pending; // recorded at the free on each of `uses`
+  };
+
+  static FakeCachingAllocator& self();
+
+ public:
+  static FakeCachingAllocator& instance() {
+    return self();
+  }
+
+ private:
+  static void release(void* ctx) {
+    auto* b = static_cast<Block*>(ctx);
+    self().free(b);
+  }
+  void free(Block* b) {
+    auto* g = c10::impl::getDeviceGuardImpl(c10::kCUDA);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!b->uses.empty()) {
+      ++stats_.deferred;
+      cuda::CurrentDevice current(b->device);
+      for (const auto& use : b->uses) {
+        CUevent e = nullptr;
+        if (libcuda().cuEventCreate(&e, CU_EVENT_DISABLE_TIMING) ==
+            CUDA_SUCCESS) {
+          libcuda().cuEventRecord(
+              e, static_cast<CUstream>(g->getStreamNativeHandle(use)));
+          b->pending.push_back(e);
+        }
+      }
+    }
+    free_.push_back(b);
+  }
+  // Whether every stream recorded on `b` has passed its free (mu_ held).
+  static bool passed(Block& b) {
+    while (!b.pending.empty()) {
+      if (libcuda().cuEventQuery(b.pending.back()) != CUDA_SUCCESS) {
+        return false;
+      }
+      libcuda().cuEventDestroy(b.pending.back());
+      b.pending.pop_back();
+    }
+    return true;
+  }
+
+  std::mutex mu_;
+  std::vector<Block*> free_;
+  Stats stats_;
+};
+
+FakeCachingAllocator& FakeCachingAllocator::self() {
+  static auto* a = new FakeCachingAllocator();
+  return *a;
+}
+
+// Streams held by hold_stream() until release_stream(): the work queued
+// on them after the hold waits (a busy stream, made on purpose).
+struct StreamHolds {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<uint64_t, bool> open;
+  uint64_t next = 1;
+};
+
+StreamHolds& holds() {
+  static auto* h = new StreamHolds();
+  return *h;
+}
 
 class FakeCudaGuard final : public c10::impl::DeviceGuardImplInterface {
  public:
@@ -139,6 +289,10 @@ class FakeCudaGuard final : public c10::impl::DeviceGuardImplInterface {
     cuda::CurrentDevice current(s.device_index());
     TORCH_RPC_EXT_CUDA_CHECK(cuStreamSynchronize, native(s));
   }
+  void recordDataPtrOnStream(const c10::DataPtr& ptr, const c10::Stream& s)
+      const override {
+    FakeCachingAllocator::instance().recordStream(ptr, s);
+  }
   bool queryStream(const c10::Stream& s) const override {
     synchronizeStream(s);
     return true;
@@ -195,7 +349,87 @@ void bindTestingCudaTorch(py::module_& parent) {
           : std::string("torch");
     }
     c10::impl::DeviceGuardImplRegistrar(c10::kCUDA, fakeGuard());
+    c10::SetAllocator(c10::kCUDA, &FakeCachingAllocator::instance());
     return std::string("fake");
+  });
+  m.def("allocator_stats", [] {
+    const auto s = FakeCachingAllocator::instance().stats();
+    py::dict d;
+    d["allocated"] = s.allocated;
+    d["reused"] = s.reused;
+    d["deferred"] = s.deferred;
+    d["skipped_records"] = s.skippedRecords;
+    return d;
+  });
+
+  // Streams as the Python side of a CPU torch can't reach them: a new one
+  // of `device` (its id), made current on this thread; and the CUstream
+  // behind an id.
+  m.def("new_stream", [](int device) {
+    return fakeGuard()->getNewStream(c10::Device(c10::kCUDA, device), 0).id();
+  });
+  m.def("use_stream", [](int device, int64_t id) {
+    const c10::Stream s(
+        c10::Stream::UNSAFE, c10::Device(c10::kCUDA, device), id);
+    return fakeGuard()->exchangeStream(s).id();
+  });
+  m.def("stream_handle", [](int device, int64_t id) {
+    return reinterpret_cast<uintptr_t>(fakeGuard()->getStreamNativeHandle(
+        c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::kCUDA, device), id)));
+  });
+  // torch's Tensor.record_stream, which a CPU torch cannot dispatch for
+  // CUDA: the same call into the allocator.
+  m.def("record_stream", [](const at::Tensor& t, int64_t id) {
+    fakeGuard()->recordDataPtrOnStream(
+        t.storage().data_ptr(),
+        c10::Stream(c10::Stream::UNSAFE, t.device(), id));
+  });
+  // A device-to-device copy of `n` bytes queued on stream `id`.
+  m.def(
+      "copy_async",
+      [](uintptr_t dst, uintptr_t src, size_t n, int device, int64_t id) {
+        cuda::CurrentDevice current(device);
+        TORCH_RPC_EXT_CUDA_CHECK(
+            cuMemcpyAsync,
+            dst,
+            src,
+            n,
+            static_cast<CUstream>(fakeGuard()->getStreamNativeHandle(
+                c10::Stream(
+                    c10::Stream::UNSAFE,
+                    c10::Device(c10::kCUDA, device),
+                    id))));
+      });
+  // Work queued on stream `id` from now on waits until release_stream(),
+  // as behind a long kernel.
+  m.def("hold_stream", [](int device, int64_t id) {
+    auto& h = holds();
+    uint64_t hold;
+    {
+      std::lock_guard<std::mutex> lock(h.mu);
+      hold = h.next++;
+      h.open[hold] = false;
+    }
+    cuda::CurrentDevice current(device);
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuLaunchHostFunc,
+        static_cast<CUstream>(fakeGuard()->getStreamNativeHandle(
+            c10::Stream(
+                c10::Stream::UNSAFE, c10::Device(c10::kCUDA, device), id))),
+        [](void* arg) {
+          auto& h = holds();
+          const auto key = reinterpret_cast<uintptr_t>(arg);
+          std::unique_lock<std::mutex> lock(h.mu);
+          h.cv.wait(lock, [&] { return h.open[key]; });
+        },
+        reinterpret_cast<void*>(static_cast<uintptr_t>(hold)));
+    return hold;
+  });
+  m.def("release_stream", [](uint64_t hold) {
+    auto& h = holds();
+    std::lock_guard<std::mutex> lock(h.mu);
+    h.open[hold] = true;
+    h.cv.notify_all();
   });
 
   // A CUDA tensor viewing `address` (device memory of `device`), as torch

@@ -72,15 +72,28 @@ class InboundMessage {
   // Where the transport writes each segment.
   frame::InboundBuffers buffers(const std::shared_ptr<InboundMessage>& self);
 
+  // Where CUDA segments' bytes end up: copies of the channel's device
+  // memory in memory of torch's CUDA allocator, made on the arrival stream.
+  // Given `device`, its arrival stream (a CUstream, as an integer) and the
+  // spans (address, bytes) of the channel's memory in segment order, it
+  // returns one allocation per span, each holding that span's bytes for
+  // work queued on the stream from now on.
+  using DeviceLanding = std::function<std::vector<c10::DataPtr>(
+      c10::DeviceIndex device,
+      uintptr_t stream,
+      const std::vector<std::pair<uintptr_t, size_t>>& spans)>;
+
   // Build the message once every segment is in place (`buffers`: what the
-  // transport filled in, including provided memory). CUDA tensors view the
-  // device memory a channel provided, ready for work queued on
-  // `arrivalStream(device)` (a CUstream, as an integer) from now on; without
-  // it, a CUDA tensor is an error.
+  // transport filled in, including provided memory). CUDA tensors are ready
+  // for work queued on `arrivalStream(device)` (a CUstream, as an integer)
+  // from now on; without it, a CUDA tensor is an error. With `landing` they
+  // live in the memory it returns (the channel's goes back at once);
+  // without it they view the device memory the channel provided, for as
+  // long as they live (zero copy).
   c10::intrusive_ptr<rpc::Message> finish(
       const frame::InboundBuffers& buffers = {},
-      const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream =
-          nullptr);
+      const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream = nullptr,
+      const DeviceLanding& landing = nullptr);
 
   // The CUDA devices this message's tensors are on (after prepare()).
   const std::vector<c10::DeviceIndex>& cudaDevices() const {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <stdexcept>
 
 #include "csrc/wire/codec.h"
@@ -343,7 +344,16 @@ frame::InboundBuffers InboundMessage::buffers(
 
 c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
     const frame::InboundBuffers& buffers,
-    const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream) {
+    const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream,
+    const DeviceLanding& landing) {
+  // With `landing`: the device segments of each device, copied once all
+  // are known (one call per device; the copies of many are one launch).
+  struct Landing {
+    uintptr_t stream = 0;
+    std::vector<size_t> segments;
+    std::vector<std::pair<uintptr_t, size_t>> spans;
+  };
+  std::map<c10::DeviceIndex, Landing> landings;
   for (size_t i = 0; i < buffers.regions.size() && i < sizes_.size(); ++i) {
     if (buffers.regions[i] == nullptr) {
       continue;
@@ -382,7 +392,18 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
           "a CUDA tensor arrived at an agent without devices");
       device = c10::Device(
           c10::kCUDA, static_cast<c10::DeviceIndex>(onDevice->device()));
-      onDevice->waitOn(arrivalStream(device.index()));
+      const uintptr_t stream = arrivalStream(device.index());
+      onDevice->waitOn(stream);
+      if (landing) {
+        // The region goes back once `buffers` die, after the copy queued
+        // on `stream` (waitOn() recorded that use).
+        Landing& l = landings[device.index()];
+        l.stream = stream;
+        l.segments.push_back(i);
+        l.spans.emplace_back(
+            reinterpret_cast<uintptr_t>(buffers.provided[i]), sizes_[i]);
+        continue;
+      }
     } else {
       TORCH_CHECK(
           want < 0,
@@ -398,6 +419,25 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
         std::move(data),
         /*allocator=*/nullptr,
         /*resizable=*/false);
+  }
+  for (auto& [device, l] : landings) {
+    std::vector<c10::DataPtr> landed = landing(device, l.stream, l.spans);
+    TORCH_CHECK(
+        landed.size() == l.segments.size(),
+        "CUDA landing returned ",
+        landed.size(),
+        " allocations for ",
+        l.segments.size(),
+        " segments");
+    for (size_t k = 0; k < landed.size(); ++k) {
+      const size_t i = l.segments[k];
+      storages_[i - 1] = c10::Storage(
+          c10::Storage::use_byte_size_t(),
+          static_cast<int64_t>(sizes_[i]),
+          std::move(landed[k]),
+          /*allocator=*/nullptr,
+          /*resizable=*/false);
+    }
   }
   for (size_t i = 0; i < storages_.size(); ++i) {
     // Only a provided segment (never empty) can lack its storage here.

@@ -12,6 +12,7 @@ out of reach, so the functions below move bytes and read them back, and
 never compute."""
 
 import os
+import time
 
 import torch
 from torch.distributed import rpc
@@ -172,6 +173,78 @@ def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
     out["retains"] = stats["live"]["context_retains_by_device"] if stats else None
     rpc.shutdown()
     ctl.send(out)
+
+
+# ---- received tensors on a busy side stream -----------------------------------
+
+
+def make(n: int, seed: int):
+    return cuda_tensor(pattern(n, seed))
+
+
+def run_side_stream(rank: int, port: int, ctl, channels, zero_copy: bool) -> None:
+    """worker0, on a side stream kept busy, receives a tensor, queues a copy
+    of it behind the busy work, drops it, and receives another of the same
+    size: the issue's `r = rpc_sync(...); acc += r; del r`. Under torch's
+    stream rules (the future's wait() records the tensor's memory on the
+    side stream) the copy must read the first tensor's bytes, whatever the
+    second call reused meanwhile."""
+    setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=TIMEOUT, device_channels=channels,
+        cuda_zero_copy=zero_copy)
+    if rank == 0:
+        opts.set_device_map("worker1", {DEVICE: DEVICE})
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    out = {}
+    if rank == 0:
+        n = 1 << 20
+        first, second = pattern(n, 7), pattern(n, 8)
+        if real_cuda():
+            acc = torch.zeros(n, dtype=torch.uint8, device=f"cuda:{DEVICE}")
+            side = torch.cuda.Stream(DEVICE)
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(2_000_000_000)  # about a second of busy stream
+                r = rpc.rpc_sync("worker1", make, args=(n, 7))
+                acc.copy_(r)
+                del r
+                r2 = rpc.rpc_sync("worker1", make, args=(n, 8))
+            side.synchronize()
+            out["second"] = r2.cpu().numpy().tobytes() == second
+            out["first_intact"] = acc.cpu().numpy().tobytes() == first
+        else:
+            acc = cuda_tensor(b"\0" * n)
+            side = cu().new_stream(DEVICE)
+            before = cu().use_stream(DEVICE, side)
+            hold = cu().hold_stream(DEVICE, side)
+            try:
+                r = rpc.rpc_sync("worker1", make, args=(n, 7))
+                cu().copy_async(acc.data_ptr(), r.data_ptr(), n, DEVICE, side)
+                del r
+                r2 = rpc.rpc_sync("worker1", make, args=(n, 8))
+                # The second tensor's bytes are in place (its memory read
+                # outside any stream) before the side stream goes on.
+                deadline = time.monotonic() + 10
+                while (cu().read(DEVICE, r2.data_ptr(), n) != second
+                       and time.monotonic() < deadline):
+                    time.sleep(0.01)
+                out["second"] = cu().read(DEVICE, r2.data_ptr(), n) == second
+            finally:
+                cu().release_stream(hold)
+            cu().stream_synchronize(DEVICE, cu().stream_handle(DEVICE, side))
+            cu().use_stream(DEVICE, before)
+            out["first_intact"] = cu().read(DEVICE, acc.data_ptr(), n) == first
+            out["allocator"] = cu().allocator_stats()
+        out["landed"] = {k: int(v) for k, v in agent_metrics().items()
+                         if k.startswith("rpc_ext.cuda.land")}
+    rpc.shutdown()
+    ctl.send(out)
+
+
+def agent_metrics():
+    return rpc.api._get_current_rpc_agent().get_metrics()
 
 
 # ---- a worker's calls to itself ----------------------------------------------

@@ -17,11 +17,16 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
 
 def play(spawn, channels=("cuda_ipc",), target=0, transports=None):
     """Runs both workers; returns what each reported."""
+    return play_with(spawn, agent_worker.run, channels, target, transports)
+
+
+def play_with(spawn, worker, *args):
+    """Runs `worker(rank, port, pipe, *args)` in two processes; returns what
+    each reported."""
     port = free_port()
     pipes = [spawn.Pipe() for _ in range(2)]
     procs = [
-        spawn.Process(target=agent_worker.run,
-                      args=(rank, port, pipes[rank][1], channels, target, transports))
+        spawn.Process(target=worker, args=(rank, port, pipes[rank][1], *args))
         for rank in range(2)
     ]
     for p in procs:
@@ -67,6 +72,47 @@ def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
     assert caller["map"] == {"cuda:0": "cuda:0"} and callee["map"] == {}
     assert "no device map names cuda:0" in callee["unmapped"]
     assert "worker0" in callee["unmapped"]
+
+
+@pytest.mark.parametrize("channels", [("cuda_ipc",), ("cuda_staged",)],
+                         ids=["cuda_ipc", "cuda_staged"])
+def test_a_received_tensor_is_safe_on_a_busy_side_stream(spawn, channels):
+    """`r = rpc_sync(...); acc += r; del r` on a side stream still busy: the
+    copy of r runs after the next call landed. Received tensors live in
+    torch's caching allocator, allocated on the arrival stream, so the
+    future's wait() records them on the side stream and their memory is
+    not reused until that stream is done; the channel's own memory (the
+    sender's block, a staging block) went back right after the copy into
+    them. Before, r viewed the channel's memory, which torch cannot record,
+    and the second call overwrote it under the queued copy."""
+    caller, _ = play_with(spawn, agent_worker.run_side_stream, channels, False)
+    assert caller["second"]
+    assert caller["first_intact"]
+    assert caller["landed"] == {"rpc_ext.cuda.landed_segments": 2,
+                                "rpc_ext.cuda.landed_bytes": 2 << 20,
+                                "rpc_ext.cuda.landing_launches": 2}
+    if not REAL_DRIVER:
+        # The first tensor's free waited for the side stream, so the second
+        # landed in a block of its own.
+        assert caller["allocator"]["deferred"] >= 1
+        assert caller["allocator"]["skipped_records"] == 0
+
+
+@pytest.mark.skipif(REAL_DRIVER, reason="the fake holds the stream: a GPU races")
+@pytest.mark.parametrize("channels", [("cuda_ipc",), ("cuda_staged",)],
+                         ids=["cuda_ipc", "cuda_staged"])
+def test_under_zero_copy_a_view_is_safe_on_its_arrival_stream_only(spawn, channels):
+    """cuda_zero_copy's stated rule (docs/guide.md, "Streams"): the view's
+    memory is the channel's, which record_stream cannot see, so the same
+    sequence reads the second call's bytes. That the test above catches
+    the defect rests on this."""
+    caller, _ = play_with(spawn, agent_worker.run_side_stream, channels, True)
+    assert caller["second"]
+    assert not caller["first_intact"]
+    assert caller["landed"] == {"rpc_ext.cuda.landed_segments": 0,
+                                "rpc_ext.cuda.landed_bytes": 0,
+                                "rpc_ext.cuda.landing_launches": 0}
+    assert caller["allocator"]["skipped_records"] >= 1
 
 
 @pytest.mark.skipif(REAL_DRIVER, reason="counts the fake's contexts")

@@ -29,6 +29,16 @@ def test_cuda_bench_runs_every_case(driver_env, tmp_path):
              "many_1000x1KB", "strided_128KB", "contiguous_128KB"}
     assert {("ext", c) for c in cases} <= timed
     assert ("ext_staged", "identity_4MB") in timed
+    assert {("ext_zero_copy", c) for c in cases - {"contiguous_128KB"}} <= timed
+    # Landing in torch's memory: one copy per received tensor, one launch
+    # per message, both ends; none under cuda_zero_copy.
+    copies = {(r["backend"], r["case"]): r["copies_per_call"] for r in rows
+              if "copies_per_call" in r}
+    assert copies[("ext", "identity_4MB")]["landed"] == 2
+    assert copies[("ext", "identity_4MB")]["landing_launches"] == 2
+    assert copies[("ext", "many_256x16KB")]["landed"] == 512
+    assert copies[("ext", "many_256x16KB")]["landing_launches"] == 2
+    assert copies[("ext_zero_copy", "identity_4MB")]["landed"] == 0
     assert all(r["median_us"] > 0 for r in rows if "median_us" in r)
     if REAL_DRIVER:
         assert {("tensorpipe", c) for c in cases} <= timed
