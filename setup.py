@@ -294,10 +294,20 @@ setup(
     version=package_version(BUILT_TORCH),
     description="A fast, authenticated RPC backend for torch.distributed.rpc",
     packages=find_packages(include=[NAME, f"{NAME}.*"]),
-    # The launcher's start-up hook: a folder put on PYTHONPATH, not a package.
-    package_data={NAME: ["_launch/sitecustomize.py"]},
+    # The launcher's start-up hook: a folder put on PYTHONPATH, not a package;
+    # the copy kernels' PTX (torch_rpc_ext/_cuda/ptx.py), shipped so that
+    # CUDA tensors move without numba-cuda.
+    package_data={
+        NAME: ["_launch/sitecustomize.py", "_cuda/shipped_ptx/*.ptx", "_cuda/shipped_ptx/kernels.json"]
+    },
     python_requires=">=3.10",
     install_requires=[torch_requirement(BUILT_TORCH)],
+    # numba-cuda remakes the shipped PTX (python -m torch_rpc_ext._cuda.ptx
+    # --ship) and runs the kernels' simulator tests; nothing else needs it.
+    extras_require={
+        "cuda": ["numba", "numba-cuda==0.30.4", "nvidia-nvvm==13.0.*",
+                 "nvidia-cuda-nvrtc==13.0.*"],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

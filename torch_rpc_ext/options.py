@@ -120,6 +120,12 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             callee's function, ``wait()``'s caller) unless it stays alive
             until the work on other streams is done (docs/guide.md,
             "Streams"). Off by default.
+        cuda_ipc_memory_limit: Bytes of device memory, per device, that
+            ``cuda_ipc``'s blocks may hold in this process (they live beside
+            torch's caching allocator; idle ones are freed after 5 s). Past
+            it, or when the device is out of memory even after torch freed
+            its cached blocks, a tensor goes by ``cuda_staged`` instead.
+            0: no bound. Default 2 GiB.
         address: IP address to listen on and advertise. Defaults to
             ``TORCH_RPC_EXT_ADDR``, else the first IPv4 address of
             ``TORCH_RPC_EXT_SOCKET_IFNAME``, else the hostname's address,
@@ -171,6 +177,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         busy_poll_us: int = _DEFAULT["busy_poll_us"],
         max_cached_receive_bytes: int = _DEFAULT["max_cached_receive_bytes"],
         cuda_zero_copy: bool = _DEFAULT["cuda_zero_copy"],
+        cuda_ipc_memory_limit: int = _DEFAULT["cuda_ipc_memory_limit"],
     ) -> None:
         if isinstance(num_worker_threads, bool) or not isinstance(
             num_worker_threads, int
@@ -284,6 +291,15 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             )
         if not isinstance(cuda_zero_copy, bool):
             raise ValueError(f"cuda_zero_copy must be a bool, got {cuda_zero_copy!r}")
+        if (
+            isinstance(cuda_ipc_memory_limit, bool)
+            or not isinstance(cuda_ipc_memory_limit, int)
+            or cuda_ipc_memory_limit < (lo := _MIN["cuda_ipc_memory_limit"])
+        ):
+            raise ValueError(
+                f"cuda_ipc_memory_limit must be an int >= {lo} (0: no bound), "
+                f"got {cuda_ipc_memory_limit!r}"
+            )
         super().__init__(float(rpc_timeout), init_method)
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
         for to, device_map in (device_maps or {}).items():
@@ -302,6 +318,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         self.busy_poll_us = busy_poll_us
         self.max_cached_receive_bytes = max_cached_receive_bytes
         self.cuda_zero_copy = cuda_zero_copy
+        self.cuda_ipc_memory_limit = cuda_ipc_memory_limit
 
     def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:
         """Map local devices to devices of worker ``to``, merged with what was

@@ -158,6 +158,10 @@ class Agent final : public rpc::RpcAgent,
   // A stream from the pool for each of our devices, for an arriving message
   // (empty without devices).
   std::vector<c10::Stream> arrivalStreams() const;
+  // The CUDA channels' own device memory (channel/cuda/device_memory.h):
+  // bounded by cuda_ipc_memory_limit, and out of memory once, torch's
+  // caching allocator frees its cache before they try again.
+  void useTorchForChannelMemory();
   // A message's CUDA segments of one device (the channel's memory), copied
   // on its arrival `stream` into memory of torch's CUDA allocator allocated
   // on that stream (wire::InboundMessage::DeviceLanding), so that received

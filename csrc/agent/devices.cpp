@@ -2,14 +2,14 @@
 // The agent's CUDA side (docs/cuda.md, "The agent's CUDA path"): its devices
 // and maps, the streams tensors arrive on, how they leave.
 #include <c10/core/Allocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <optional>
 
 #include "csrc/agent/agent.h"
-#include "csrc/channel/cuda/device.h"
-#include "csrc/channel/cuda/engines.h"
+#include "csrc/channel/registry.h"
 
 namespace torch_rpc_ext {
 
@@ -31,13 +31,32 @@ void Agent::recordCudaUse(const rpc::Message& message) {
   }
 }
 
+void Agent::useTorchForChannelMemory() {
+  // Process-wide: the last agent's options stand (one agent per process).
+  channel::setCudaMemoryPolicy(options_.cudaIpcMemoryLimit, [](int) {
+    // Torch's allocator frees every device's unused cached blocks (torch
+    // has no per-device call); one that is not a DeviceAllocator has none.
+    try {
+      if (auto* a = dynamic_cast<c10::DeviceAllocator*>(
+              c10::GetAllocator(c10::kCUDA))) {
+        a->emptyCache();
+      }
+    } catch (const std::exception& e) {
+      logWarning(
+          std::string(
+              "torch_rpc_ext: freeing torch's cached CUDA memory "
+              "failed: ") +
+          e.what());
+    }
+  });
+}
+
 std::vector<c10::DataPtr> Agent::landOnDevice(
     const c10::Stream& stream,
     const std::vector<std::pair<uintptr_t, size_t>>& spans) {
-  namespace cuda = channel::cuda;
   std::vector<c10::DataPtr> out;
   out.reserve(spans.size());
-  std::vector<cuda::CopyEngine::Segment> copies;
+  std::vector<channel::DeviceCopy> copies;
   copies.reserve(spans.size());
   uint64_t bytes = 0;
   {
@@ -47,20 +66,22 @@ std::vector<c10::DataPtr> Agent::landOnDevice(
     // a future's wait()) have passed the free.
     c10::StreamGuard guard(stream);
     c10::Allocator* allocator = c10::GetAllocator(c10::kCUDA);
-    for (const auto& [address, size] : spans) {
-      out.push_back(allocator->allocate(size));
-      copies.push_back(
-          {reinterpret_cast<CUdeviceptr>(out.back().get()),
-           static_cast<CUdeviceptr>(address),
-           size});
-      bytes += size;
-    }
+    // Our thread, in relaxed capture mode: a user's global-mode capture
+    // elsewhere stays valid.
+    channel::withRelaxedCudaCapture([&] {
+      for (const auto& [address, size] : spans) {
+        out.push_back(allocator->allocate(size));
+        copies.push_back(
+            {reinterpret_cast<uintptr_t>(out.back().get()), address, size});
+        bytes += size;
+      }
+    });
   }
-  const int device = stream.device_index();
   c10::impl::VirtualGuardImpl impl(c10::kCUDA);
-  cuda::CurrentDevice current(device);
-  cuda::copyEngine(device).copySegments(
-      static_cast<CUstream>(impl.getStreamNativeHandle(stream)), copies);
+  channel::copyOnCudaDevice(
+      stream.device_index(),
+      reinterpret_cast<uintptr_t>(impl.getStreamNativeHandle(stream)),
+      copies);
   cudaLandings_.fetch_add(1, std::memory_order_relaxed);
   cudaLanded_.fetch_add(spans.size(), std::memory_order_relaxed);
   cudaLandedBytes_.fetch_add(bytes, std::memory_order_relaxed);

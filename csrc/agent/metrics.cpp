@@ -34,6 +34,13 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
   m["rpc_ext.rejected_connections"] =
       std::to_string(rejectedConnections_.load());
   m["rpc_ext.late_responses"] = std::to_string(lateResponses_.load());
+  {
+    const auto d = channel::cudaMemoryStats();
+    m["rpc_ext.cuda.ipc_block_bytes"] = std::to_string(d.ipcBlockBytes);
+    m["rpc_ext.cuda.staging_block_bytes"] = std::to_string(d.stagingBlockBytes);
+    m["rpc_ext.cuda.oom_retries"] = std::to_string(d.oomRetries);
+    m["rpc_ext.cuda.ipc_declined_memory"] = std::to_string(d.ipcDeclined);
+  }
   m["rpc_ext.cuda.landing_launches"] = std::to_string(cudaLandings_.load());
   m["rpc_ext.cuda.landed_segments"] = std::to_string(cudaLanded_.load());
   m["rpc_ext.cuda.landed_bytes"] = std::to_string(cudaLandedBytes_.load());

@@ -72,6 +72,9 @@ struct AgentOptions : rpc::RpcBackendOptions {
   // copy in torch's allocator (Agent::landOnDevice): one device copy fewer,
   // but record_stream cannot see them (docs/guide.md, "Streams").
   bool cudaZeroCopy = false;
+  // Bound, per device, on the device memory cuda_ipc's blocks hold in this
+  // process (channel/cuda/device_memory.h); 0: none.
+  uint64_t cudaIpcMemoryLimit = kDefaultCudaIpcMemoryLimit;
   // Limit on how long init waits for all peers to publish their address.
   std::chrono::milliseconds rendezvousTimeout = kDefaultRendezvousTimeout;
 };

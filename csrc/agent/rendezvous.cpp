@@ -156,6 +156,7 @@ std::string Agent::openTransports() {
     for (const auto& name : options_.deviceChannels) {
       channelNames.push_back(name);
     }
+    useTorchForChannelMemory();
   }
   for (const auto& name : channelNames) {
     if (std::any_of(channels_.begin(), channels_.end(), [&](const auto& c) {

@@ -73,6 +73,8 @@ py::dict optionSpec() {
   spec["busy_poll_us"] = py::make_tuple(
       kDefaultBusyPoll.count(), kMinBusyPoll.count(), kMaxBusyPoll.count());
   spec["cuda_zero_copy"] = py::make_tuple(false, none, none);
+  spec["cuda_ipc_memory_limit"] =
+      py::make_tuple(kDefaultCudaIpcMemoryLimit, uint64_t(0), none);
   spec["max_cached_receive_bytes"] = py::make_tuple(
       kDefaultMaxCachedReceiveBytes, kMinMaxCachedReceiveBytes, none);
   return spec;
@@ -139,6 +141,7 @@ void bindOptions(py::module_& m) {
           [](O& o, int64_t us) { o.busyPoll = std::chrono::microseconds(us); })
       .def_readwrite("max_cached_receive_bytes", &O::maxCachedReceiveBytes)
       .def_readwrite("cuda_zero_copy", &O::cudaZeroCopy)
+      .def_readwrite("cuda_ipc_memory_limit", &O::cudaIpcMemoryLimit)
       // Fault injection, set only by torch_rpc_ext.testing.
       .def_property(
           "_num_fail_sends",

@@ -69,6 +69,9 @@ void bindTestingCuda(py::module_& parent) {
         return py::str(*sharing == cuda::Sharing::kFd ? "fd" : "legacy");
       });
 
+  m.def("max_ptx_isa", &cuda::maxPtxIsa);
+  m.def("ptx_isa", &cuda::ptxIsa);
+
   // Plain device memory and copies, for setting up and checking.
   m.def("mem_alloc", [](int device, size_t bytes) {
     cuda::CurrentDevice current(device);

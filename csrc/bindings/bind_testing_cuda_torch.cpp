@@ -22,7 +22,9 @@
 // not allocate is skipped silently, as torch's is.
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -41,16 +43,43 @@ namespace {
 
 namespace cuda = channel::cuda;
 
-// The allocator (see the top). Blocks are never given back to the driver:
-// a test's process is short.
-class FakeCachingAllocator final : public c10::Allocator {
+// The allocator (see the top). Freed blocks stay cached for reuse until
+// emptyCache() (torch.cuda.empty_cache(), or the agent out of device
+// memory) gives those no stream still uses back to the driver.
+class FakeCachingAllocator final : public c10::DeviceAllocator {
  public:
   struct Stats {
     uint64_t allocated = 0; // blocks made
     uint64_t reused = 0; // allocations served from a freed block
     uint64_t deferred = 0; // frees that waited for recorded streams
     uint64_t skippedRecords = 0; // record_stream on memory not ours
+    uint64_t emptied = 0; // cached blocks given back by emptyCache()
   };
+
+  bool initialized() override {
+    return true;
+  }
+  void emptyCache(c10::MempoolId_t) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = free_.begin(); it != free_.end();) {
+      Block* b = *it;
+      if (!passed(*b)) {
+        ++it;
+        continue;
+      }
+      cuda::CurrentDevice current(b->device);
+      libcuda().cuMemFree(b->address);
+      delete b;
+      it = free_.erase(it);
+      ++stats_.emptied;
+    }
+  }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(
+      c10::DeviceIndex) override {
+    return {};
+  }
+  void resetAccumulatedStats(c10::DeviceIndex) override {}
+  void resetPeakStats(c10::DeviceIndex) override {}
 
   c10::DataPtr allocate(size_t n) override {
     auto* g = c10::impl::getDeviceGuardImpl(c10::kCUDA);
@@ -71,7 +100,31 @@ class FakeCachingAllocator final : public c10::Allocator {
     }
     cuda::CurrentDevice current(device.index());
     CUdeviceptr address = 0;
+    const CUresult rc = libcuda().cuMemAlloc(&address, size);
+    if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
+      // As torch's: its own cache first (mu_ is held: inline).
+      for (auto it = free_.begin(); it != free_.end();) {
+        if (passed(**it)) {
+          libcuda().cuMemFree((*it)->address);
+          delete *it;
+          it = free_.erase(it);
+          ++stats_.emptied;
+        } else {
+          ++it;
+        }
+      }
+    } else {
+      checkCuda("cuMemAlloc", rc);
+      return own(address, size, device, stream);
+    }
     TORCH_RPC_EXT_CUDA_CHECK(cuMemAlloc, &address, size);
+    return own(address, size, device, stream);
+  }
+  c10::DataPtr own(
+      CUdeviceptr address,
+      size_t size,
+      c10::Device device,
+      c10::Stream stream) {
     auto* b = new Block{address, size, device.index(), stream, {}, {}};
     ++stats_.allocated;
     return c10::DataPtr(reinterpret_cast<void*>(address), b, &release, device);
@@ -86,7 +139,7 @@ class FakeCachingAllocator final : public c10::Allocator {
     TORCH_RPC_EXT_CUDA_CHECK(cuStreamSynchronize, nullptr);
   }
   // torch's recordStream: a block of ours is used on `stream` too.
-  void recordStream(const c10::DataPtr& ptr, const c10::Stream& stream) {
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (ptr.get() == nullptr || ptr.get_deleter() != &release) {
       ++stats_.skippedRecords;
@@ -352,6 +405,16 @@ void bindTestingCudaTorch(py::module_& parent) {
     c10::SetAllocator(c10::kCUDA, &FakeCachingAllocator::instance());
     return std::string("fake");
   });
+  // `bytes` of `device` through torch's CUDA allocator, freed at once: left
+  // in its cache (as a training step leaves its activations).
+  m.def("cache_bytes", [](int device, size_t bytes) {
+    c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+    const auto before = impl.exchangeDevice(c10::Device(c10::kCUDA, device));
+    {
+      c10::GetAllocator(c10::kCUDA)->allocate(bytes);
+    }
+    impl.exchangeDevice(before);
+  });
   m.def("allocator_stats", [] {
     const auto s = FakeCachingAllocator::instance().stats();
     py::dict d;
@@ -359,6 +422,7 @@ void bindTestingCudaTorch(py::module_& parent) {
     d["reused"] = s.reused;
     d["deferred"] = s.deferred;
     d["skipped_records"] = s.skippedRecords;
+    d["emptied"] = s.emptied;
     return d;
   });
 

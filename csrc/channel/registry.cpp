@@ -6,6 +6,8 @@
 #include <iterator>
 #include <stdexcept>
 
+#include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/device_memory.h"
 #include "csrc/channel/cuda/engines.h"
 #include "csrc/channel/cuda/ipc_channel.h"
 #include "csrc/channel/cuda/staged_channel.h"
@@ -67,6 +69,40 @@ void setCudaKernels(
     images[name] = cuda::KernelImage{image.first, image.second};
   }
   cuda::setKernelImages(std::move(images));
+}
+
+void copyOnCudaDevice(
+    int device,
+    uintptr_t stream,
+    const std::vector<DeviceCopy>& copies) {
+  std::vector<cuda::CopyEngine::Segment> segments;
+  segments.reserve(copies.size());
+  for (const auto& c : copies) {
+    segments.push_back(
+        {static_cast<CUdeviceptr>(c.dst),
+         static_cast<CUdeviceptr>(c.src),
+         c.bytes});
+  }
+  cuda::CurrentDevice current(device);
+  cuda::copyEngine(device).copySegments(
+      reinterpret_cast<CUstream>(stream), segments);
+}
+
+void withRelaxedCudaCapture(const std::function<void()>& fn) {
+  cuda::RelaxedCapture relaxed;
+  fn();
+}
+
+CudaMemoryStats cudaMemoryStats() {
+  const auto d = cuda::deviceMemoryStats();
+  return {d.ipcBytes, d.stagingBytes, d.oomRetries, d.ipcDeclined};
+}
+
+void setCudaMemoryPolicy(
+    uint64_t ipcLimitBytes,
+    std::function<void(int device)> releaseCache) {
+  cuda::setIpcMemoryLimit(ipcLimitBytes);
+  cuda::setCacheRelease(std::move(releaseCache));
 }
 
 } // namespace torch_rpc_ext::channel

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -28,5 +30,37 @@ std::shared_ptr<Context> createChannel(const std::string& name);
 // torch_rpc_ext._cuda.ptx compiles them: needed before a CUDA tensor moves.
 void setCudaKernels(
     const std::map<std::string, std::pair<std::string, std::string>>& kernels);
+
+// The CUDA channels' device side that the agent uses (channel/cuda/), for
+// the tensors it lands in torch's memory and for its metrics.
+struct DeviceCopy {
+  uintptr_t dst;
+  uintptr_t src;
+  uint64_t bytes;
+};
+// `copies` (device memory of `device`) with one launch of the copy kernels
+// on `stream` (a CUstream), queued after the stream's work so far.
+void copyOnCudaDevice(
+    int device,
+    uintptr_t stream,
+    const std::vector<DeviceCopy>& copies);
+// Runs `fn` with this thread in relaxed stream capture mode, so that its
+// driver calls cannot invalidate a user's global-mode CUDA graph capture
+// (channel/cuda/device.h, RelaxedCapture).
+void withRelaxedCudaCapture(const std::function<void()>& fn);
+// The device memory the CUDA channels hold of their own
+// (channel/cuda/device_memory.h).
+struct CudaMemoryStats {
+  uint64_t ipcBlockBytes = 0;
+  uint64_t stagingBlockBytes = 0;
+  uint64_t oomRetries = 0;
+  uint64_t ipcDeclined = 0;
+};
+CudaMemoryStats cudaMemoryStats();
+// cuda_ipc's bound per device (0: none), and how to have torch give back
+// its cached device memory when an allocation of ours is out of memory.
+void setCudaMemoryPolicy(
+    uint64_t ipcLimitBytes,
+    std::function<void(int device)> releaseCache);
 
 } // namespace torch_rpc_ext::channel

@@ -166,7 +166,7 @@ std::string cudaErrorText(const char* what, CUresult rc) {
 
 void checkCuda(const char* what, CUresult rc) {
   if (rc != CUDA_SUCCESS) {
-    throw std::runtime_error(cudaErrorText(what, rc));
+    throw CudaError(cudaErrorText(what, rc), rc);
   }
 }
 

@@ -17,6 +17,7 @@
 
 #include <cuda.h>
 
+#include <stdexcept>
 #include <string>
 
 namespace torch_rpc_ext {
@@ -62,6 +63,7 @@ namespace torch_rpc_ext {
   X(cuStreamDestroy)                      \
   X(cuStreamSynchronize)                  \
   X(cuStreamWaitEvent)                    \
+  X(cuThreadExchangeStreamCaptureMode)    \
   X(cuLaunchHostFunc)                     \
   X(cuEventCreate)                        \
   X(cuEventDestroy)                       \
@@ -101,8 +103,20 @@ bool libcudaLoadAttempted();
 // "cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY (out of memory)".
 std::string cudaErrorText(const char* what, CUresult rc);
 
-// Throws std::runtime_error with cudaErrorText(what, rc) unless rc is
-// CUDA_SUCCESS.
+// What checkCuda() throws: the text of cudaErrorText(), and the code.
+class CudaError : public std::runtime_error {
+ public:
+  CudaError(const std::string& text, CUresult code)
+      : std::runtime_error(text), code_(code) {}
+  CUresult code() const {
+    return code_;
+  }
+
+ private:
+  CUresult code_;
+};
+
+// Throws CudaError with cudaErrorText(what, rc) unless rc is CUDA_SUCCESS.
 void checkCuda(const char* what, CUresult rc);
 
 } // namespace torch_rpc_ext

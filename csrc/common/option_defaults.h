@@ -50,6 +50,10 @@ inline constexpr std::chrono::microseconds kMaxBusyPoll{10000};
 
 // Idle receive buffers kept for reuse.
 inline constexpr uint64_t kDefaultMaxCachedReceiveBytes = uint64_t(1) << 31;
+// Device memory cuda_ipc's blocks may hold per device (0: no bound). Blocks
+// live beside torch's cache, idle ones for 5 s: the bound keeps them from
+// crowding out the user's tensors.
+inline constexpr uint64_t kDefaultCudaIpcMemoryLimit = uint64_t(2) << 30;
 inline constexpr uint64_t kMinMaxCachedReceiveBytes = 0;
 
 // Not a Python option: how long init waits for all peers to publish their

@@ -12,6 +12,7 @@ out of reach, so the functions below move bytes and read them back, and
 never compute."""
 
 import os
+import sys
 import time
 
 import torch
@@ -168,6 +169,7 @@ def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
         out["counters"] = {c: channel_counters(c) for c in channels}
         out["callee_counters"] = {
             c: rpc.rpc_sync("worker1", channel_counters, args=(c,)) for c in channels}
+    out["numba_loaded"] = "numba" in sys.modules
     # The primary contexts this process holds, by device (the fake's count).
     stats = fake_stats()
     out["retains"] = stats["live"]["context_retains_by_device"] if stats else None
@@ -239,6 +241,154 @@ def run_side_stream(rank: int, port: int, ctl, channels, zero_copy: bool) -> Non
             out["allocator"] = cu().allocator_stats()
         out["landed"] = {k: int(v) for k, v in agent_metrics().items()
                          if k.startswith("rpc_ext.cuda.land")}
+    rpc.shutdown()
+    ctl.send(out)
+
+
+# ---- idle blocks dropped --------------------------------------------------------
+
+
+def poisoned_uses() -> int | None:
+    stats = fake_stats()
+    return stats["poisoned_uses"] if stats else None
+
+
+def run_drop(rank: int, port: int, ctl) -> None:
+    """A tensor there and back (a block of each worker's lent to the
+    other), then both idle until each has dropped its block (kBlockIdleMs):
+    the owner frees a block only once the importer closed it, so no process
+    uses an event or legacy mapping its exporter already destroyed or freed
+    (the fake counts such uses)."""
+    setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=TIMEOUT)
+    if rank == 0:
+        opts.set_device_map("worker1", {DEVICE: DEVICE})
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    out = {}
+    if rank == 0:
+        data = pattern(3 << 20, 9)
+        back = rpc.rpc_sync("worker1", identity, args=(cuda_tensor(data),))
+        out["back"] = tensor_bytes(back) == data
+        del back
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            mine = channel_counters()
+            theirs = rpc.rpc_sync("worker1", channel_counters)
+            if mine["blocks_unmapped"] >= 1 and theirs["blocks_unmapped"] >= 1:
+                break
+            time.sleep(0.2)
+        out["unmapped"] = (mine["blocks_unmapped"], theirs["blocks_unmapped"])
+        out["created"] = (mine["blocks_created"], theirs["blocks_created"])
+        time.sleep(0.5)  # a late use would come after the free
+        out["poisoned"] = (poisoned_uses(), rpc.rpc_sync("worker1", poisoned_uses))
+    rpc.shutdown()
+    ctl.send(out)
+
+
+# ---- a graph captured while tensors move -------------------------------------
+
+
+def pound(calls: int) -> bool:
+    """On worker1: `calls` CUDA tensors to worker0 and back, bytes checked."""
+    for i in range(calls):
+        data = pattern((1 << 20) + i, i)
+        back = rpc.rpc_sync("worker0", identity, args=(cuda_tensor(data),))
+        if tensor_bytes(back) != data:
+            return False
+    return True
+
+
+def set_global_capture(on: bool) -> None:
+    """The fake's flag: a stream of this process captures in global mode."""
+    import ctypes
+
+    ctypes.CDLL(os.environ["TORCH_RPC_EXT_LIBCUDA"]).fake_cuda_set_global_capture(int(on))
+
+
+def run_capture(rank: int, port: int, ctl, channels) -> None:
+    """worker0 captures a CUDA graph in global mode (torch.cuda.graph's
+    default) while worker1 moves CUDA tensors to it and back: the agent's
+    threads (loops, staging, landing, trimming) keep making driver calls,
+    which must not invalidate the capture."""
+    setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=TIMEOUT, device_channels=channels)
+    opts.set_device_map(f"worker{1 - rank}", {DEVICE: DEVICE})
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    out = {}
+    if rank == 0:
+        fut = rpc.rpc_async("worker1", pound, args=(8,))
+        try:
+            if real_cuda():
+                x = torch.ones(1 << 20, device=f"cuda:{DEVICE}")
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    y = x * 2
+                    while not fut.done():
+                        time.sleep(0.01)
+                graph.replay()
+                out["graph"] = bool((y == 2).all())
+            else:
+                set_global_capture(True)
+                try:
+                    while not fut.done():
+                        time.sleep(0.01)
+                finally:
+                    set_global_capture(False)
+                stats = fake_stats()
+                out["violations"] = stats["capture_violations"]
+                out["last_error"] = stats["last_error"]
+            out["pounded"] = fut.wait()
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["error"] = str(e)
+    rpc.shutdown()
+    ctl.send(out)
+
+
+# ---- out of device memory -------------------------------------------------------
+
+MIB = 1 << 20
+
+
+def run_memory(rank: int, port: int, ctl, case: str) -> None:
+    """A 3 MiB tensor there and back through cuda_ipc, with worker0 short
+    of memory for its block (both run under $FAKE_CUDA_MEM_LIMIT=16 MiB,
+    where set): `cache`, 10 MiB sit in torch's cache (torch would give them
+    back); `held`, 10 MiB are held by live tensors (nothing to give back);
+    `limit`, no shortage, but cuda_ipc_memory_limit=1 MiB."""
+    setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=TIMEOUT,
+        cuda_ipc_memory_limit=MIB if case == "limit" else 2 << 30)
+    if rank == 0:
+        opts.set_device_map("worker1", {DEVICE: DEVICE})
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    out = {}
+    if rank == 0:
+        data = pattern(3 * MIB, 11)
+        t = cuda_tensor(data)
+        if case == "cache":
+            cu().cache_bytes(DEVICE, 10 * MIB)
+        elif case == "held":
+            cuda_tensor(bytes(10 * MIB))  # kept (_KEEP)
+        try:
+            back = rpc.rpc_sync("worker1", identity, args=(t,))
+            out["back"] = tensor_bytes(back) == data
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["error"] = str(e)
+        out["ipc"] = channel_counters("cuda_ipc")
+        out["staged"] = channel_counters("cuda_staged")
+        out["memory"] = {k[len("rpc_ext.cuda."):]: int(v) for k, v in agent_metrics().items()
+                         if k.startswith("rpc_ext.cuda.") and not k.startswith("rpc_ext.cuda.land")}
+        if not real_cuda():
+            out["allocator"] = cu().allocator_stats()
     rpc.shutdown()
     ctl.send(out)
 

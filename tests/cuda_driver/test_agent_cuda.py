@@ -4,6 +4,7 @@ and futures with devices, two workers in spawned processes on the driver
 under test (the fake, with a fake CUDA device guard for the CPU torch, in
 CI; the GPU and torch's own on a GPU machine: agent_worker.py)."""
 
+import os
 import time
 
 import pytest
@@ -113,6 +114,100 @@ def test_under_zero_copy_a_view_is_safe_on_its_arrival_stream_only(spawn, channe
                                 "rpc_ext.cuda.landed_bytes": 0,
                                 "rpc_ext.cuda.landing_launches": 0}
     assert caller["allocator"]["skipped_records"] >= 1
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["descriptor", "legacy"])
+def test_an_idle_block_is_freed_only_after_the_importer_closed_it(spawn, monkeypatch,
+                                                                  legacy):
+    """Each worker's block goes idle and is dropped (after 5 s). Before, the
+    owner destroyed its events (and freed a legacy block's memory) as it
+    sent the drop, while the importer still had them open: the importer's
+    teardown of its import then used poisoned events (and closed a legacy
+    mapping of freed memory), which cuda.h calls undefined. Now the owner
+    keeps the block until the importer answers that it closed it."""
+    if legacy:
+        monkeypatch.setenv("TORCH_RPC_EXT_CUDA_IPC_LEGACY", "1")
+    caller, _ = play_with(spawn, agent_worker.run_drop)
+    assert caller["back"]
+    assert caller["unmapped"] == caller["created"] == (1, 1)
+    if not REAL_DRIVER:
+        assert caller["poisoned"] == (0, 0)
+
+
+@pytest.mark.parametrize("channels", [("cuda_ipc",), ("cuda_staged",)],
+                         ids=["cuda_ipc", "cuda_staged"])
+def test_tensors_move_while_a_graph_is_captured_in_global_mode(spawn, channels):
+    """While worker0's stream captures a graph in global mode, the agent's
+    threads there keep serving CUDA tensors: each of their driver calls runs
+    in relaxed capture mode (CurrentDevice), so none is refused and none
+    would invalidate the capture. Before, the fake refused the first (a
+    block's cuMemCreate or cuMemAlloc, an event query) and the calls
+    failed."""
+    caller, _ = play_with(spawn, agent_worker.run_capture, channels)
+    assert "error" not in caller, caller
+    assert caller["pounded"] is True
+    if REAL_DRIVER:
+        assert caller["graph"]
+    else:
+        assert caller["violations"] == 0, caller["last_error"]
+
+
+@pytest.mark.skipif(REAL_DRIVER, reason="the fake's memory limit")
+def test_out_of_device_memory_frees_torchs_cache_and_tries_again(spawn, monkeypatch):
+    """worker0's device is full, but 10 MiB of it sit in torch's cache:
+    cuda_ipc's block fails once, torch frees its cache, the block is made
+    and the tensor goes by cuda_ipc. Before, the call failed (cuMemCreate:
+    CUDA_ERROR_OUT_OF_MEMORY)."""
+    monkeypatch.setenv("FAKE_CUDA_MEM_LIMIT", str(16 << 20))
+    caller, _ = play_with(spawn, agent_worker.run_memory, "cache")
+    assert caller.get("back") is True, caller
+    assert caller["memory"]["oom_retries"] >= 1
+    assert caller["allocator"]["emptied"] >= 1
+    assert caller["ipc"]["segments"] == 1 and caller["staged"]["segments_sent"] == 0
+    assert caller["memory"]["ipc_block_bytes"] == 4 << 20  # one block, 2 MiB granules
+
+
+@pytest.mark.skipif(REAL_DRIVER, reason="the fake's memory limit")
+def test_still_out_of_device_memory_declines_to_cuda_staged(spawn, monkeypatch):
+    """Live tensors hold worker0's device: after torch freed its (empty)
+    cache the block still does not fit, so cuda_ipc declines the segment and
+    cuda_staged (pinned host memory on the sending side) carries it."""
+    monkeypatch.setenv("FAKE_CUDA_MEM_LIMIT", str(16 << 20))
+    caller, _ = play_with(spawn, agent_worker.run_memory, "held")
+    assert caller.get("back") is True, caller
+    assert caller["memory"]["oom_retries"] >= 1
+    assert caller["memory"]["ipc_declined_memory"] >= 1
+    assert caller["ipc"]["segments"] == 0 and caller["staged"]["segments_sent"] == 1
+    assert caller["memory"]["ipc_block_bytes"] == 0
+
+
+def test_cuda_ipc_memory_limit_bounds_the_blocks(spawn):
+    """cuda_ipc_memory_limit=1 MiB: a 3 MiB tensor's block would pass it, so
+    cuda_ipc declines and cuda_staged carries the tensor; the metrics say
+    so."""
+    caller, _ = play_with(spawn, agent_worker.run_memory, "limit")
+    assert caller.get("back") is True, caller
+    assert caller["memory"]["ipc_declined_memory"] >= 1
+    assert caller["memory"]["oom_retries"] == 0
+    assert caller["ipc"]["segments"] == 0 and caller["staged"]["segments_sent"] == 1
+
+
+@pytest.mark.skipif(REAL_DRIVER, reason="the fake's driver version")
+def test_cuda_tensors_move_on_an_older_driver_without_numba(spawn, monkeypatch, tmp_path):
+    """A CUDA 12.0 driver (R525) and no numba-cuda: the kernels the package
+    ships (PTX ISA 6.0) load, and nothing imports numba. Before, init_rpc
+    compiled them with numba-cuda (an ImportError without it) into ISA 9.0,
+    which a driver older than CUDA 13.0 refuses."""
+    monkeypatch.setenv("FAKE_CUDA_DRIVER_VERSION", "12000")
+    shim = tmp_path / "shim" / "numba"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('no numba here (a test)')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path / "shim"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    caller, callee = play(spawn)
+    assert caller["seen_by_callee"] and caller["back"] == ("cuda:0", True)
+    assert caller["many"] and caller["view"]
+    assert not caller["numba_loaded"] and not callee["numba_loaded"]
 
 
 @pytest.mark.skipif(REAL_DRIVER, reason="counts the fake's contexts")

@@ -12,7 +12,9 @@ functions on a GPU.
 """
 
 import ctypes.util
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -95,6 +97,43 @@ def test_the_driver_loads(driver_env, driver):
     assert len(set(uuids)) == count
 
 
+def test_the_newest_ptx_isa_of_each_driver(driver):
+    cu = worker.testing()
+    assert [cu.max_ptx_isa(v) for v in (8000, 9000, 11040, 12000, 12040, 12060, 12080,
+                                         13000, 13009)] == [0, 60, 74, 80, 84, 85, 87, 90, 90]
+    assert cu.max_ptx_isa(13010) == -1  # newer than the table: left to the driver
+    assert cu.ptx_isa("// .version 1.0\n.version 6.0\n.target sm_70\n") == 60
+    assert cu.ptx_isa(".target sm_70\n") == -1
+
+
+ENGINES = """
+    import json
+    from tests.cuda_driver import worker
+    out = {}
+    for compiled in (False, True):
+        try:
+            worker.testing().CopyEngine(0, worker.kernel_images(compiled))
+            out[str(compiled)] = "loaded"
+        except RuntimeError as e:
+            out[str(compiled)] = str(e)
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(REAL_DRIVER, reason="the fake's driver version")
+def test_an_older_driver_loads_the_shipped_ptx_and_refuses_newer_naming_both(driver_env):
+    """On a CUDA 12.4 driver (R550): the shipped kernels (ISA 6.0) load;
+    NVVM 13's (ISA 9.0, what numba-cuda makes here) are refused before the
+    driver is asked, with what to do. Before, the engine loaded NVVM's PTX
+    and the driver refused it (CUDA_ERROR_UNSUPPORTED_PTX_VERSION)."""
+    pytest.importorskip("numba.cuda", reason="compiles the ISA 9.0 kernels")
+    done = run_python(ENGINES, {**driver_env, "FAKE_CUDA_DRIVER_VERSION": "12040"})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["False"] == "loaded"
+    assert "PTX is ISA 9.0, newer than this CUDA 12.4 driver loads (ISA 8.4 at most)" in out["True"]
+
+
 @pytest.mark.parametrize(
     "sizes,strides,want",
     [
@@ -165,10 +204,11 @@ def test_missing_or_refused_kernels_are_named(driver):
     assert "copy kernel 'copy_segments' missing" in driver.engine_error(images)
     images = worker.kernel_images()
     entry, ptx = images["pack_strided"]
-    images["pack_strided"] = (entry, ptx.replace(".version 9.0", ".version 9.9"))
+    images["pack_strided"] = (entry, re.sub(r"\.version \S+", ".version 9.9", ptx))
     error = driver.engine_error(images)
-    assert "CUDA_ERROR_UNSUPPORTED_PTX_VERSION" in error
-    assert "pack_strided" in error and "pin nvidia-nvvm" in error
+    # Refused by the engine's own check, before the driver's, naming both.
+    assert "pack_strided's PTX is ISA 9.9, newer than this CUDA 13.0 driver loads" in error
+    assert "use the PTX torch_rpc_ext ships (ISA 6.0" in error
     images = worker.kernel_images()
     images["copy_contiguous"] = ("no_such_entry", images["copy_contiguous"][1])
     assert "cuModuleGetFunction: CUDA_ERROR_NOT_FOUND" in driver.engine_error(images)

@@ -21,10 +21,13 @@ def testing():
     return _testing.cuda
 
 
-def kernel_images() -> dict[str, tuple[str, str]]:
+def kernel_images(compiled: bool = False) -> dict[str, tuple[str, str]]:
+    """The kernels as the package ships them (ISA 6.0), or as numba-cuda
+    compiles them here (`compiled`: NVVM 13's ISA 9.0)."""
     from torch_rpc_ext._cuda import ptx
 
-    return {name: (k.entry, k.ptx) for name, k in ptx.kernel_ptx().items()}
+    kernels = ptx.kernel_ptx() if compiled else ptx.shipped_ptx()
+    return {name: (k.entry, k.ptx) for name, k in kernels.items()}
 
 
 def describe() -> tuple[str, int, list[str]]:

@@ -15,7 +15,9 @@
 //   handles unless $FAKE_CUDA_NO_VMM=1; interprocess events unless
 //   $FAKE_CUDA_NO_IPC_EVENTS=1 (as vGPU, WSL and confidential-computing
 //   devices: CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED is 0 and creating one
-//   fails with CUDA_ERROR_NOT_SUPPORTED).
+//   fails with CUDA_ERROR_NOT_SUPPORTED); $FAKE_CUDA_MEM_LIMIT bytes of
+//   device memory per process (cuMemAlloc and cuMemCreate past it fail with
+//   CUDA_ERROR_OUT_OF_MEMORY; stats `live.device_bytes`).
 // - IPC handles (events, legacy memory) open in another process only
 //   (CUDA_ERROR_INVALID_CONTEXT in their own), unless $FAKE_CUDA_IPC_SELF=1:
 //   for a one-process harness playing both ends (tests/fuzz/fuzz_stream.cpp).
@@ -39,8 +41,23 @@
 //   (CUDA_ERROR_NOT_PERMITTED). Events are two counters (see
 //   cuEventRecord); an interprocess event keeps them in a shared memfd, so a
 //   record in one process releases waits in another.
-// - Kernels: cuModuleLoadData reads the PTX's .version (above 9.0 is
-//   CUDA_ERROR_UNSUPPORTED_PTX_VERSION, as for a CUDA 13.0 driver), .target
+// - Graph capture, as far as other threads see it: fake_cuda_set_global_
+//   capture(1) says a stream is capturing in global mode somewhere in the
+//   process; until fake_cuda_set_global_capture(0), a potentially unsafe
+//   call (allocating or freeing memory, synchronous copies, synchronising
+//   with or querying an event or stream, loading a module) from a thread
+//   not in CU_STREAM_CAPTURE_MODE_RELAXED (cuThreadExchangeStreamCaptureMode;
+//   threads start in global mode) fails with
+//   CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and is counted
+//   (`capture_violations`): on a GPU it would invalidate the capture.
+// - IPC lifetimes (cuda.h calls both undefined): an interprocess event its
+//   exporter destroyed is poisoned, and every later use of it in a process
+//   that opened it (record, wait, query, synchronize, destroy) is counted
+//   (`poisoned_uses`, with a line on stderr); so is a legacy mapping closed
+//   (cuIpcCloseMemHandle) after its exporter, still alive, freed the memory.
+// - Kernels: cuModuleLoadData reads the PTX's .version (newer than the
+//   driver's CUDA version loads is CUDA_ERROR_UNSUPPORTED_PTX_VERSION: 9.0
+//   for the default 13.0, $FAKE_CUDA_DRIVER_VERSION=12040 says 12.4), .target
 //   and .visible .entry lines; a launch runs, on its stream, the semantics of
 //   our four copy kernels (torch_rpc_ext/_cuda/kernels.py and abi.py), picked
 //   by the kernel's name in the mangled entry. What a GPU would get silently
@@ -60,6 +77,7 @@
 
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -109,6 +127,9 @@ struct CUctx_st {
 struct FakeCounters {
   std::atomic<uint64_t> recorded{0};
   std::atomic<uint64_t> completed{0};
+  // An interprocess event's exporter destroyed it: the processes that
+  // opened it may no longer use it.
+  std::atomic<uint64_t> exporterDestroyed{0};
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared memory");
 
@@ -130,6 +151,7 @@ struct FakeCounterBlock {
 struct CUevent_st {
   unsigned flags = 0;
   int device = 0;
+  bool opened = false; // by cuIpcOpenEventHandle (else made here)
   std::shared_ptr<FakeCounterBlock> block; // shared with queued work
 };
 
@@ -159,9 +181,28 @@ namespace {
 
 constexpr size_t kGranularity = size_t(2) << 20;
 constexpr size_t kPage = 4096;
-constexpr int kDriverVersion = 13000;
-constexpr int kMaxPtxMajor = 9; // CUDA 13.0 drivers load PTX ISA <= 9.0
-constexpr int kMaxPtxMinor = 0;
+// The driver's CUDA version ($FAKE_CUDA_DRIVER_VERSION, default 13000) and
+// the newest PTX ISA it loads (major * 10 + minor).
+constexpr int kDefaultDriverVersion = 13000;
+int maxIsaOf(int driverVersion) {
+  static constexpr int kTable[][2] = {
+      {9000, 60},
+      {10000, 63},
+      {11000, 70},
+      {11080, 78},
+      {12000, 80},
+      {12040, 84},
+      {12080, 87},
+      {12090, 88},
+      {13000, 90}};
+  int isa = 0;
+  for (const auto& row : kTable) {
+    if (driverVersion >= row[0]) {
+      isa = row[1];
+    }
+  }
+  return isa;
+}
 constexpr int kSm = 90;
 constexpr uint32_t kIpcMagic = 0x4b414646; // "FFAK"
 constexpr uint32_t kIpcMemory = 1;
@@ -194,7 +235,9 @@ constexpr const char* kKernelNames[] = {
   X(CUDA_ERROR_NOT_READY, "device not ready")                       \
   X(CUDA_ERROR_CONTEXT_IS_DESTROYED, "context is destroyed")        \
   X(CUDA_ERROR_NOT_PERMITTED, "operation not permitted")            \
-  X(CUDA_ERROR_NOT_SUPPORTED, "operation not supported")
+  X(CUDA_ERROR_NOT_SUPPORTED, "operation not supported")            \
+  X(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,                          \
+    "operation not permitted when stream is capturing")
 
 struct ErrorText {
   CUresult code;
@@ -217,11 +260,14 @@ struct IpcMapping { // cuIpcOpenMemHandle: refcounted per exporter's memfd
   size_t size;
   std::pair<uint64_t, uint64_t> file; // st_dev, st_ino
   int refs;
+  pid_t exporter;
+  int exporterFd; // in the exporter
 };
 struct VmmHandle {
   int fd;
   size_t size;
   bool exportable; // made with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+  bool created = false; // by cuMemCreate here (else imported)
 };
 struct Reservation {
   size_t size;
@@ -253,6 +299,8 @@ struct Stats {
   std::atomic<uint64_t> ipcEventOpens{0};
   std::atomic<uint64_t> errors{0};
   std::atomic<uint64_t> kernelErrors{0};
+  std::atomic<uint64_t> poisonedUses{0}; // see "IPC lifetimes" above
+  std::atomic<uint64_t> captureViolations{0}; // see "Graph capture" above
   std::mutex mu; // the two strings
   std::string lastError;
   std::string lastKernelError;
@@ -269,6 +317,10 @@ struct State {
   // Each kernel runs this long after its stream reaches it: work that is not
   // ordered after a kernel sees its old bytes, as on a GPU under load.
   long kernelDelayMs = 0;
+  // $FAKE_CUDA_MEM_LIMIT: the device memory this process may hold
+  // (cuMemAlloc's and cuMemCreate's, page-rounded); 0: no limit.
+  uint64_t memLimit = 0;
+  int driverVersion = kDefaultDriverVersion; // $FAKE_CUDA_DRIVER_VERSION
   std::string salt;
   std::vector<std::unique_ptr<CUctx_st>> contexts; // the primary ones
   std::map<uintptr_t, Alloc> allocs;
@@ -390,6 +442,51 @@ CUresult enter(const char* fn, bool needContext) {
 
 #define ENTER(needContext) CHECK(enter(__func__, needContext))
 
+// The device memory this process holds: cuMemAlloc's allocations and the
+// handles cuMemCreate made here (mu held).
+uint64_t deviceBytesLocked() {
+  uint64_t n = 0;
+  for (const auto& [p, a] : state().allocs) {
+    n += a.length;
+  }
+  for (const auto& [h, v] : state().vmmHandles) {
+    n += v.created ? v.size : 0;
+  }
+  return n;
+}
+
+// CUDA_ERROR_OUT_OF_MEMORY if `bytes` more would pass $FAKE_CUDA_MEM_LIMIT.
+CUresult fitsMemLimit(const char* fn, uint64_t bytes) {
+  State& s = state();
+  if (s.memLimit == 0) {
+    return CUDA_SUCCESS;
+  }
+  Lock lock(s.mu);
+  if (deviceBytesLocked() + bytes > s.memLimit) {
+    return fail(fn, CUDA_ERROR_OUT_OF_MEMORY, "over $FAKE_CUDA_MEM_LIMIT");
+  }
+  return CUDA_SUCCESS;
+}
+
+// Graph capture (see the top).
+std::atomic<bool> g_globalCapture{false};
+thread_local CUstreamCaptureMode t_captureMode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+
+CUresult unsafeInCapture(const char* fn) {
+  if (!g_globalCapture.load() ||
+      t_captureMode == CU_STREAM_CAPTURE_MODE_RELAXED) {
+    return CUDA_SUCCESS;
+  }
+  state().stats.captureViolations++;
+  return fail(
+      fn,
+      CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+      "a global-mode capture is active and this thread is not relaxed");
+}
+
+// A potentially unsafe call during a global-mode capture.
+#define UNSAFE_IN_CAPTURE() CHECK(unsafeInCapture(__func__))
+
 bool validDevice(int device) {
   return device >= 0 && device < state().devices;
 }
@@ -479,6 +576,11 @@ CUresult getStream(
   return CUDA_SUCCESS;
 }
 
+void poisonedUse(const char* fn, const char* what) {
+  state().stats.poisonedUses++;
+  fprintf(stderr, "fake_libcuda: %s: %s\n", fn, what);
+}
+
 // The counters of the event a handle names (and its device).
 CUresult getEvent(
     const char* fn,
@@ -489,6 +591,10 @@ CUresult getEvent(
   auto it = state().events.find(h);
   if (it == state().events.end()) {
     return fail(fn, CUDA_ERROR_INVALID_HANDLE, "unknown event");
+  }
+  if (it->second->opened &&
+      it->second->block->counters->exporterDestroyed.load() != 0) {
+    poisonedUse(fn, "an IPC event its exporter destroyed");
   }
   *block = it->second->block;
   if (device != nullptr) {
@@ -830,8 +936,8 @@ CUresult parsePtx(const char* image, CUmod_st* mod, const char** why) {
       sscanf(ptx.c_str() + at + 8, " %d.%d", &major, &minor) != 2) {
     return CUDA_ERROR_INVALID_PTX;
   }
-  *why = "PTX ISA newer than 9.0, the newest a CUDA 13.0 driver loads";
-  if (major > kMaxPtxMajor || (major == kMaxPtxMajor && minor > kMaxPtxMinor)) {
+  *why = "PTX ISA newer than this driver's CUDA version loads";
+  if (major * 10 + minor > maxIsaOf(state().driverVersion)) {
     return CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
   }
   at = findWord(ptx, ".target", 0);
@@ -966,6 +1072,20 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
         CUDA_ERROR_INVALID_VALUE,
         "$FAKE_CUDA_KERNEL_DELAY_MS is not 0..10000");
   }
+  if (const char* env = getenv("FAKE_CUDA_DRIVER_VERSION"); env && *env) {
+    s.driverVersion = static_cast<int>(strtol(env, &end, 10));
+    REQUIRE(
+        *end == '\0' && s.driverVersion >= 9000,
+        CUDA_ERROR_INVALID_VALUE,
+        "$FAKE_CUDA_DRIVER_VERSION is not a CUDA version such as 12040");
+  }
+  if (const char* env = getenv("FAKE_CUDA_MEM_LIMIT"); env && *env) {
+    s.memLimit = strtoull(env, &end, 10);
+    REQUIRE(
+        *end == '\0',
+        CUDA_ERROR_INVALID_VALUE,
+        "$FAKE_CUDA_MEM_LIMIT is not a number of bytes");
+  }
   const char* noVmm = getenv("FAKE_CUDA_NO_VMM");
   const char* salt = getenv("FAKE_CUDA_UUID_SALT");
   s.noVmm = noVmm && strcmp(noVmm, "1") == 0;
@@ -985,7 +1105,9 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
 
 CUresult CUDAAPI cuDriverGetVersion(int* version) {
   REQUIRE(version, CUDA_ERROR_INVALID_VALUE, "null pointer");
-  *version = kDriverVersion;
+  // Also before cuInit, as the real one (which reads no state either).
+  const char* env = getenv("FAKE_CUDA_DRIVER_VERSION");
+  *version = env && *env ? atoi(env) : kDefaultDriverVersion;
   return CUDA_SUCCESS;
 }
 
@@ -1106,9 +1228,11 @@ CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
 // ---------------------------------------------------------- device memory
 
 CUresult CUDAAPI cuMemAlloc(CUdeviceptr* dptr, size_t bytesize) {
+  UNSAFE_IN_CAPTURE();
   ENTER(true);
   REQUIRE(dptr && bytesize, CUDA_ERROR_INVALID_VALUE, "null pointer, size 0");
   size_t length = roundUp(bytesize, kPage); // page-aligned: 256 at least
+  CHECK(fitsMemLimit(__func__, length));
   int fd = makeMemfd("fake_cuda_alloc", length);
   void* p = fd < 0 ? nullptr : mapShared(fd, length);
   if (p == nullptr) {
@@ -1122,6 +1246,7 @@ CUresult CUDAAPI cuMemAlloc(CUdeviceptr* dptr, size_t bytesize) {
 }
 
 CUresult CUDAAPI cuMemFree(CUdeviceptr dptr) {
+  UNSAFE_IN_CAPTURE();
   ENTER(false);
   Alloc a;
   {
@@ -1168,11 +1293,13 @@ cuMemGetAddressRange(CUdeviceptr* pbase, size_t* psize, CUdeviceptr dptr) {
 }
 
 CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dst, const void* src, size_t n) {
+  UNSAFE_IN_CAPTURE();
   auto s = reinterpret_cast<uintptr_t>(src);
   return copyOn(__func__, nullptr, dst, s, n, true, false, true);
 }
 
 CUresult CUDAAPI cuMemcpyDtoH(void* dst, CUdeviceptr src, size_t n) {
+  UNSAFE_IN_CAPTURE();
   auto d = reinterpret_cast<uintptr_t>(dst);
   return copyOn(__func__, nullptr, d, src, n, false, true, true);
 }
@@ -1196,6 +1323,7 @@ cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream h) {
 }
 
 CUresult CUDAAPI cuMemHostAlloc(void** pp, size_t bytesize, unsigned flags) {
+  UNSAFE_IN_CAPTURE();
   ENTER(true);
   unsigned known = CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP |
       CU_MEMHOSTALLOC_WRITECOMBINED;
@@ -1214,6 +1342,7 @@ CUresult CUDAAPI cuMemHostAlloc(void** pp, size_t bytesize, unsigned flags) {
 }
 
 CUresult CUDAAPI cuMemFreeHost(void* p) {
+  UNSAFE_IN_CAPTURE();
   ENTER(false);
   HostAlloc a;
   {
@@ -1254,6 +1383,7 @@ CUresult CUDAAPI cuMemCreate(
     size_t size,
     const CUmemAllocationProp* prop,
     unsigned long long flags) {
+  UNSAFE_IN_CAPTURE();
   ENTER(true);
   CHECK(checkProp(__func__, prop));
   REQUIRE(
@@ -1265,16 +1395,18 @@ CUresult CUDAAPI cuMemCreate(
       !(types & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
       CUDA_ERROR_NOT_SUPPORTED,
       "only POSIX fd handles are modelled");
+  CHECK(fitsMemLimit(__func__, size));
   int fd = makeMemfd("fake_cuda_vmm", size);
   REQUIRE(fd >= 0, CUDA_ERROR_OUT_OF_MEMORY, "memfd");
   Lock lock(state().mu);
   *handle = state().nextVmmHandle++;
-  state().vmmHandles[*handle] = {fd, size, types != 0};
+  state().vmmHandles[*handle] = {fd, size, types != 0, true};
   return CUDA_SUCCESS;
 }
 
 // The memory lives on while mapped (the mappings hold the memfd).
 CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
+  UNSAFE_IN_CAPTURE();
   ENTER(false);
   Lock lock(state().mu);
   auto it = state().vmmHandles.find(handle);
@@ -1380,6 +1512,7 @@ CUresult CUDAAPI cuMemAddressReserve(
 
 // The fake also refuses a range that is still mapped (unmap first).
 CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  UNSAFE_IN_CAPTURE();
   ENTER(false);
   State& s = state();
   Lock lock(s.mu);
@@ -1436,6 +1569,7 @@ CUresult CUDAAPI cuMemMap(
 
 // Back to a PROT_NONE reservation, once all work queued before is done.
 CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  UNSAFE_IN_CAPTURE();
   ENTER(false);
   drainAll();
   State& s = state();
@@ -1531,7 +1665,7 @@ cuIpcOpenMemHandle(CUdeviceptr* dptr, CUipcMemHandle handle, unsigned flags) {
   close(fd);
   REQUIRE(p, CUDA_ERROR_MAP_FAILED, "mmap");
   auto base = reinterpret_cast<uintptr_t>(p);
-  s.ipcMappings[base] = {h.size, {h.dev, h.ino}, 1};
+  s.ipcMappings[base] = {h.size, {h.dev, h.ino}, 1, h.pid, h.fd};
   s.ipcByFile[{h.dev, h.ino}] = base;
   s.stats.ipcMemOpens++;
   *dptr = base;
@@ -1550,6 +1684,21 @@ CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr) {
         "not from cuIpcOpenMemHandle");
     if (--it->second.refs > 0) {
       return CUDA_SUCCESS;
+    }
+    // The exporter, still there, no longer has the memory: it freed it
+    // before this close (a dead exporter's memory is the driver's to keep).
+    IpcHandle h{};
+    h.pid = it->second.exporter;
+    h.fd = it->second.exporterFd;
+    h.dev = it->second.file.first;
+    h.ino = it->second.file.second;
+    if (kill(h.pid, 0) == 0) {
+      int fd = openPeerFile(h);
+      if (fd < 0) {
+        poisonedUse(__func__, "memory its exporter freed");
+      } else {
+        close(fd);
+      }
     }
     size = it->second.size;
     state().ipcByFile.erase(it->second.file);
@@ -1596,6 +1745,7 @@ CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
 }
 
 CUresult CUDAAPI cuStreamSynchronize(CUstream stream) {
+  UNSAFE_IN_CAPTURE();
   ENTER(false);
   std::shared_ptr<CUstream_st> s;
   CHECK(getStream(__func__, stream, &s));
@@ -1623,6 +1773,19 @@ CUresult CUDAAPI cuLaunchHostFunc(CUstream stream, CUhostFn fn, void* data) {
   REQUIRE(fn, CUDA_ERROR_INVALID_VALUE, "null function");
   state().stats.hostFuncs++;
   enqueue(*s, [fn, data] { fn(data); });
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode* mode) {
+  ENTER(false);
+  REQUIRE(mode, CUDA_ERROR_INVALID_VALUE, "null pointer");
+  REQUIRE(
+      *mode == CU_STREAM_CAPTURE_MODE_GLOBAL ||
+          *mode == CU_STREAM_CAPTURE_MODE_THREAD_LOCAL ||
+          *mode == CU_STREAM_CAPTURE_MODE_RELAXED,
+      CUDA_ERROR_INVALID_VALUE,
+      "unknown mode");
+  std::swap(*mode, t_captureMode);
   return CUDA_SUCCESS;
 }
 
@@ -1667,11 +1830,20 @@ CUresult CUDAAPI cuEventCreate(CUevent* ev, unsigned flags) {
   return CUDA_SUCCESS;
 }
 
-// Work already queued on the event keeps its counters alive.
+// Work already queued on the event keeps its counters alive. An exporter's
+// destroy poisons the processes' that opened it.
 CUresult CUDAAPI cuEventDestroy(CUevent ev) {
   ENTER(false);
   Lock lock(state().mu);
-  REQUIRE(state().events.erase(ev), CUDA_ERROR_INVALID_HANDLE, "no event");
+  auto it = state().events.find(ev);
+  REQUIRE(it != state().events.end(), CUDA_ERROR_INVALID_HANDLE, "no event");
+  const auto& e = *it->second;
+  if (e.block->fd >= 0 && !e.opened) {
+    e.block->counters->exporterDestroyed.store(1);
+  } else if (e.opened && e.block->counters->exporterDestroyed.load() != 0) {
+    poisonedUse(__func__, "an IPC event its exporter destroyed");
+  }
+  state().events.erase(it);
   return CUDA_SUCCESS;
 }
 
@@ -1691,6 +1863,7 @@ CUresult CUDAAPI cuEventRecord(CUevent ev, CUstream stream) {
 }
 
 CUresult CUDAAPI cuEventQuery(CUevent ev) {
+  UNSAFE_IN_CAPTURE();
   ENTER(false);
   std::shared_ptr<FakeCounterBlock> block;
   CHECK(getEvent(__func__, ev, &block));
@@ -1700,6 +1873,7 @@ CUresult CUDAAPI cuEventQuery(CUevent ev) {
 }
 
 CUresult CUDAAPI cuEventSynchronize(CUevent ev) {
+  UNSAFE_IN_CAPTURE();
   ENTER(false);
   std::shared_ptr<FakeCounterBlock> block;
   CHECK(getEvent(__func__, ev, &block));
@@ -1735,6 +1909,7 @@ CUresult CUDAAPI cuIpcOpenEventHandle(CUevent* ev, CUipcEventHandle handle) {
   auto e = std::make_unique<CUevent_st>();
   e->flags = CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING;
   e->device = currentContext()->device;
+  e->opened = true;
   e->block = std::make_shared<FakeCounterBlock>();
   e->block->fd = fd;
   e->block->counters = static_cast<FakeCounters*>(p);
@@ -1749,6 +1924,7 @@ CUresult CUDAAPI cuIpcOpenEventHandle(CUevent* ev, CUipcEventHandle handle) {
 
 // PTX text only (no cubin or fatbin).
 CUresult CUDAAPI cuModuleLoadData(CUmodule* module, const void* image) {
+  UNSAFE_IN_CAPTURE();
   ENTER(true);
   REQUIRE(module && image, CUDA_ERROR_INVALID_VALUE, "null pointer");
   const char* text = static_cast<const char*>(image);
@@ -1887,6 +2063,7 @@ __attribute__((visibility("default"))) int fake_cuda_stats(
       retains += c->retains.load();
     }
     appendJson(j, "allocations", s.allocs.size());
+    appendJson(j, "device_bytes", deviceBytesLocked());
     appendJson(j, "host_allocations", s.hostAllocs.size());
     appendJson(j, "ipc_mem_mappings", s.ipcMappings.size());
     appendJson(j, "vmm_handles", s.vmmHandles.size());
@@ -1916,6 +2093,8 @@ __attribute__((visibility("default"))) int fake_cuda_stats(
   appendJson(j, "ipc_event_opens", s.stats.ipcEventOpens.load());
   appendJson(j, "errors", s.stats.errors.load());
   appendJson(j, "kernel_errors", s.stats.kernelErrors.load());
+  appendJson(j, "poisoned_uses", s.stats.poisonedUses.load());
+  appendJson(j, "capture_violations", s.stats.captureViolations.load());
   {
     Lock lock(s.stats.mu);
     appendJson(j, "last_error", s.stats.lastError);
@@ -1931,6 +2110,12 @@ __attribute__((visibility("default"))) int fake_cuda_stats(
 }
 
 // Zeroes the counters (not the live objects).
+// Whether a stream of this process is capturing in global mode (tests).
+__attribute__((visibility("default"))) void fake_cuda_set_global_capture(
+    int on) {
+  g_globalCapture.store(on != 0);
+}
+
 __attribute__((visibility("default"))) void fake_cuda_reset_stats(void) {
   Stats& s = state().stats;
   for (auto& n : s.launches) {
@@ -1944,7 +2129,9 @@ __attribute__((visibility("default"))) void fake_cuda_reset_stats(void) {
         &s.ipcMemOpens,
         &s.ipcEventOpens,
         &s.errors,
-        &s.kernelErrors}) {
+        &s.kernelErrors,
+        &s.poisonedUses,
+        &s.captureViolations}) {
     *n = 0;
   }
   Lock lock(s.mu);

@@ -44,6 +44,7 @@ GRANULARITY = 2 * MiB
 # CUresult values (test_error_names checks them against the fake's names).
 SUCCESS = 0
 INVALID_VALUE = 1
+OUT_OF_MEMORY = 2
 NOT_INITIALIZED = 3
 NO_DEVICE = 100
 INVALID_DEVICE = 101
@@ -57,6 +58,9 @@ NOT_READY = 600
 CONTEXT_IS_DESTROYED = 709
 NOT_PERMITTED = 800
 NOT_SUPPORTED = 801
+STREAM_CAPTURE_UNSUPPORTED = 900
+
+GLOBAL, RELAXED = 0, 2  # CUstreamCaptureMode
 
 POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 READWRITE = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
@@ -143,6 +147,7 @@ SIGNATURES = {
     "cuStreamDestroy_v2": [c_void_p],
     "cuStreamSynchronize": [c_void_p],
     "cuStreamWaitEvent": [c_void_p, c_void_p, c_uint],
+    "cuThreadExchangeStreamCaptureMode": [P(c_int)],
     "cuLaunchHostFunc": [c_void_p, HOSTFN, c_void_p],
     "cuEventCreate": [P(c_void_p), c_uint],
     "cuEventDestroy_v2": [c_void_p],
@@ -304,6 +309,8 @@ def fresh(lib_path, tmp_path, monkeypatch):
             "FAKE_CUDA_NO_IPC_EVENTS",
             "FAKE_CUDA_UUID_SALT",
             "FAKE_CUDA_IPC_SELF",
+            "FAKE_CUDA_MEM_LIMIT",
+            "FAKE_CUDA_DRIVER_VERSION",
         ):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
@@ -382,7 +389,8 @@ def test_exports_exactly_the_abi_names_of_libcuda_h(lib_path):
         check=True,
     ).stdout
     exported = {line.split()[-1] for line in listing.splitlines()}
-    assert exported == {*abi, "fake_cuda_stats", "fake_cuda_reset_stats"}
+    assert exported == {*abi, "fake_cuda_stats", "fake_cuda_reset_stats",
+                        "fake_cuda_set_global_capture"}
     assert set(SIGNATURES) == set(abi)  # what the tests below call
 
 
@@ -900,6 +908,71 @@ def test_an_interprocess_event_orders_work_in_two_processes(cu, lib_path):
     cu("cuMemFree_v2", buf)
 
 
+def _poisoned_child(cu, conn):
+    memory, event = conn.recv()
+    ptr, ev = u64(), c_void_p()
+    cu("cuIpcOpenMemHandle_v2", byref(ptr), Handle.from_buffer_copy(memory), 1)
+    cu("cuIpcOpenEventHandle", byref(ev), Handle.from_buffer_copy(event))
+    cu("cuEventQuery", ev)  # while the exporter has it: fine
+    conn.send(cu.stats()["poisoned_uses"])
+    assert conn.recv() == "destroyed and freed"
+    s = cu.stream()
+    cu("cuStreamWaitEvent", s, ev, 0)  # each use from now on is counted
+    cu("cuEventQuery", ev)
+    cu("cuEventDestroy_v2", ev)
+    cu("cuIpcCloseMemHandle", ptr.value)
+    conn.send(cu.stats()["poisoned_uses"])
+
+
+def test_ipc_events_and_legacy_memory_are_poisoned_once_their_exporter_lets_go(cu, lib_path):
+    """cuda.h calls it undefined to use an imported event after its
+    exporter destroyed it, or to close a legacy mapping after the exporter
+    freed the memory: the fake counts each such use in the importer."""
+    buf = cu.alloc(4096)
+    ev = cu.event(EVENT_IPC)
+    memory, event = Handle(), Handle()
+    cu("cuIpcGetMemHandle", byref(memory), buf)
+    cu("cuIpcGetEventHandle", byref(event), ev)
+    with child(_poisoned_child, lib_path) as (proc, conn):
+        conn.send((bytes(memory), bytes(event)))
+        assert recv(conn) == 0
+        cu("cuEventDestroy_v2", ev)
+        cu("cuMemFree_v2", buf)
+        conn.send("destroyed and freed")
+        # wait, query, destroy of the event; the close of the mapping.
+        assert recv(conn) == 4
+    assert proc.exitcode == 0
+    assert cu.stats()["poisoned_uses"] == 0  # the exporter's own calls are fine
+
+
+def test_a_global_capture_refuses_unsafe_calls_from_threads_not_relaxed(cu):
+    """While a stream captures in global mode, a thread in global mode (the
+    default) may not allocate, free, query or synchronise: the call fails
+    and is counted; a thread that exchanged its mode for relaxed may."""
+    cu.lib.fake_cuda_reset_stats()
+    ev = cu.event(0)
+    cu.lib.fake_cuda_set_global_capture(1)
+    try:
+        ptr = u64()
+        refused = [cu.rc("cuMemAlloc_v2", byref(ptr), 64), cu.rc("cuEventQuery", ev)]
+        mode = c_int(RELAXED)
+        cu("cuThreadExchangeStreamCaptureMode", byref(mode))
+        assert mode.value == GLOBAL  # what the thread had
+        allowed = [cu.rc("cuMemAlloc_v2", byref(ptr), 64), cu.rc("cuEventQuery", ev),
+                   cu.rc("cuMemFree_v2", ptr.value)]
+        cu("cuThreadExchangeStreamCaptureMode", byref(mode))
+        assert mode.value == RELAXED
+    finally:
+        cu.lib.fake_cuda_set_global_capture(0)
+    assert refused == [STREAM_CAPTURE_UNSUPPORTED] * 2
+    assert allowed == [SUCCESS] * 3
+    assert cu.stats()["capture_violations"] == 2
+    assert cu.rc("cuEventQuery", ev) == SUCCESS  # capture over
+    bad = c_int(7)
+    assert cu.rc("cuThreadExchangeStreamCaptureMode", byref(bad)) == INVALID_VALUE
+    cu("cuEventDestroy_v2", ev)
+
+
 # ------------------------------------------------------------- kernels
 
 
@@ -974,6 +1047,25 @@ def test_ptx_loading_rules(cu):
     assert cu.launch(fn, dst, src, 8) == INVALID_HANDLE  # its module is gone
     cu("cuMemFree_v2", dst)
     cu("cuMemFree_v2", src)
+
+
+def test_an_older_driver_version_loads_older_ptx_only(fresh):
+    """$FAKE_CUDA_DRIVER_VERSION=12040: cuDriverGetVersion says CUDA 12.4
+    (before cuInit too, as the real one), and PTX newer than ISA 8.4 is
+    refused as such a driver refuses it."""
+    cu = fresh(FAKE_CUDA_DRIVER_VERSION="12040")
+    version = c_int()
+    assert cu.rc("cuDriverGetVersion", byref(version)) == SUCCESS and version.value == 12040
+    cu.setup()
+    module = c_void_p()
+    entry = "_Z15copy_contiguousyyy"
+    assert cu.rc("cuModuleLoadData", byref(module), _ptx(entry, version="8.5")) == (
+        UNSUPPORTED_PTX_VERSION)
+    assert cu.rc("cuModuleLoadData", byref(module), _ptx(entry, version="8.4")) == SUCCESS
+    cu("cuModuleUnload", module)
+    assert cu.rc("cuModuleLoadData", byref(module), _ptx(entry, version="6.0",
+                                                          target="sm_70")) == SUCCESS
+    cu("cuModuleUnload", module)
 
 
 def test_kernels_are_told_apart_by_their_mangled_names(cu):
@@ -1177,6 +1269,25 @@ def test_strided_copies_record_misalignment_as_a_kernel_error(cu, kernels):
     assert cu.dtoh(out, 32) == bytes(32)
     for ptr in (desc, src, out):
         cu("cuMemFree_v2", ptr)
+
+
+def test_a_memory_limit_makes_allocations_past_it_fail(fresh):
+    """$FAKE_CUDA_MEM_LIMIT bounds the device memory a process holds
+    (cuMemAlloc's, page-rounded, and cuMemCreate's): past it, out of memory;
+    freeing makes room again."""
+    cu = fresh(FAKE_CUDA_MEM_LIMIT=str(5 << 20)).setup()
+    first = cu.alloc(3 << 20)
+    ptr = u64()
+    assert cu.rc("cuMemAlloc_v2", byref(ptr), 3 << 20) == OUT_OF_MEMORY
+    handle = c_uint64()
+    assert cu.rc("cuMemCreate", byref(handle), 4 << 20, byref(prop()), 0) == OUT_OF_MEMORY
+    assert cu.stats()["live"]["device_bytes"] == 3 << 20
+    cu("cuMemFree_v2", first)
+    cu("cuMemCreate", byref(handle), 4 << 20, byref(prop()), 0)
+    assert cu.stats()["live"]["device_bytes"] == 4 << 20
+    assert cu.rc("cuMemAlloc_v2", byref(ptr), 2 << 20) == OUT_OF_MEMORY
+    cu("cuMemRelease", handle)
+    assert cu.stats()["live"]["device_bytes"] == 0
 
 
 def test_stats_count_context_retains_per_device(fresh):

@@ -61,6 +61,9 @@ def test_base_fields_stay_writable():
          "`device_map` only supports 1-to-1 mapping"),
         ({"devices": ["banana"]}, "is not a device"),
         ({"devices": ["cpu"]}, "`set_devices` expect a list of CUDA devices"),
+        ({"cuda_zero_copy": 1}, "cuda_zero_copy must be a bool"),
+        ({"cuda_ipc_memory_limit": 1.5}, "cuda_ipc_memory_limit must be an int >= 0"),
+        ({"cuda_ipc_memory_limit": True}, "cuda_ipc_memory_limit must be an int >= 0"),
     ],
 )
 def test_bad_options_are_rejected_with_the_reason(kwargs, match):

@@ -97,8 +97,16 @@ def test_the_wheel_ships_the_core_and_the_launchers_hook(wheel):
     requires = [line for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
                 if line.startswith("Requires-Dist:")]
     # Built for this torch and no other: its name says which, and it
-    # requires that release.
-    assert requires == [f"Requires-Dist: torch=={torch.__version__.split('+')[0]}"], requires
+    # requires that release; numba-cuda only with the [cuda] extra (it
+    # remakes the shipped PTX, which CUDA tensors need, not numba).
+    plain = [r for r in requires if "extra ==" not in r]
+    assert plain == [f"Requires-Dist: torch=={torch.__version__.split('+')[0]}"], requires
+    assert any(r.startswith("Requires-Dist: numba-cuda") and 'extra == "cuda"' in r
+               for r in requires), requires
+    shipped = {n for n in names if n.startswith("torch_rpc_ext/_cuda/shipped_ptx/")}
+    assert shipped == {f"torch_rpc_ext/_cuda/shipped_ptx/{f}" for f in (
+        "kernels.json", "copy_contiguous.ptx", "copy_segments.ptx", "pack_strided.ptx",
+        "unpack_strided.ptx")}, shipped
     label = "torch" + torch.__version__.replace("+", ".")
     assert wheel.name.startswith(f"torch_rpc_ext-0.1.0+{label}-"), wheel.name
 

@@ -18,14 +18,29 @@ NUMBA_REQUIREMENTS = (
 
 def missing_numba(what: str) -> ImportError:
     """The error for a missing numba-cuda, saying what to install."""
-    return ImportError(f"{what} needs numba-cuda: pip install {NUMBA_REQUIREMENTS}")
+    return ImportError(
+        f"{what} needs numba-cuda: pip install 'torch_rpc_ext[cuda]' "
+        f"(or pip install {NUMBA_REQUIREMENTS})"
+    )
 
 
 def load_kernels() -> None:
-    """Compile the copy kernels to PTX (cached on disk, ptx.py) and hand them
-    to this process's CUDA channels: done once before a CUDA tensor moves.
-    Loads no CUDA library: the driver loads the PTX when an engine is made."""
+    """Hand the copy kernels' PTX to this process's CUDA channels: done once
+    before a CUDA tensor moves. The PTX the package ships (ptx.py: ISA 6.0,
+    sm_70, any driver from CUDA 9.0 on; no numba needed), unless
+    TORCH_RPC_EXT_PTX=compile asks for it to be compiled here with numba-cuda
+    (cached on disk; NVVM 13 writes ISA 9.0, for R580 drivers only). Loads no
+    CUDA library: the driver loads the PTX when an engine is made, after the
+    engine checked its ISA against the driver's version."""
+    import os
+
     from torch_rpc_ext import _C
     from torch_rpc_ext._cuda import ptx
 
-    _C._set_cuda_kernel_images({name: (k.entry, k.ptx) for name, k in ptx.kernel_ptx().items()})
+    mode = os.environ.get("TORCH_RPC_EXT_PTX", "shipped")
+    if mode not in ("shipped", "compile"):
+        raise ValueError(f"TORCH_RPC_EXT_PTX must be 'shipped' or 'compile', got {mode!r}")
+    kernels = ptx.shipped_ptx() if mode == "shipped" else None
+    if kernels is None:
+        kernels = ptx.kernel_ptx()
+    _C._set_cuda_kernel_images({name: (k.entry, k.ptx) for name, k in kernels.items()})

@@ -12,11 +12,23 @@ A cache hit imports no numba.
 
 The target is sm_75: the oldest that CUDA 13's NVVM still accepts (it rejects
 compute_70), so the PTX JIT-compiles on Turing and every newer GPU. NVVM
-13.0 writes ``.version 9.0``, which CUDA 13.0 drivers load.
+13.0 writes ``.version 9.0``, which only CUDA 13.0 drivers (R580) load.
 
-Command line (a build step, or the GPU machine):
-``python -m torch_rpc_ext._cuda.ptx --out DIR`` writes DIR/<kernel>.ptx and
-DIR/kernels.json (entry names, parameters, versions).
+What the package ships and loads is that PTX lowered (``lower()``): the
+kernels use nothing newer than PTX ISA 5.0 (``.common`` globals; the rest
+is integer arithmetic, branches, global loads and stores), so the shipped
+files say ``.version 6.0`` and ``.target sm_70``, the lowest pair ptxas
+accepts for Volta, and load on any driver from CUDA 9.0 (R384) on, every
+GPU from sm_70 on. They live in ``torch_rpc_ext/_cuda/shipped_ptx/`` with a
+manifest (``kernels.json``: entries, parameters, ISA, target, the versions
+that compiled them and a hash of the kernels' sources);
+tests/cuda_kernels/test_shipped_ptx.py checks they are current and
+assembles them with ptxas 12.0 (sm_70 to sm_90) and 13.0 (sm_75 to
+sm_120). numba-cuda is needed only to remake them (the ``[cuda]`` extra).
+
+Command line: ``python -m torch_rpc_ext._cuda.ptx --out DIR`` writes
+DIR/<kernel>.ptx and DIR/kernels.json as NVVM made them; ``--ship``
+remakes the package's shipped, lowered files.
 """
 
 import argparse
@@ -43,6 +55,11 @@ __all__ = [
 ]
 
 DEFAULT_CC = (7, 5)
+# What the shipped PTX says (lower()).
+SHIPPED_ISA = "6.0"
+SHIPPED_TARGET = "sm_70"
+# The sources the kernels are made from (what the shipped files' hash covers).
+KERNEL_SOURCES = ("abi.py", "kernels.py", "_memory.py", "_memory_nvvm.py")
 _FORMAT = 1  # bump when the cache file's layout changes
 _ENTRY = re.compile(r"^\.visible \.entry (\S+)\($", re.MULTILINE)
 _PARAM = re.compile(r"^\s*\.param \.(\w+) (\S+?),?$", re.MULTILINE)
@@ -87,6 +104,62 @@ def _sources_hash() -> str:
     for path in sorted(Path(__file__).parent.glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def kernel_sources_hash() -> str:
+    """A hash of the files the kernels are compiled from."""
+    digest = hashlib.sha256()
+    for name in KERNEL_SOURCES:
+        path = Path(__file__).parent / name
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def shipped_dir() -> Path:
+    """Where the package keeps its lowered PTX."""
+    return Path(__file__).parent / "shipped_ptx"
+
+
+def lower(ptx: str) -> str:
+    """NVVM's PTX with ``.version`` SHIPPED_ISA and ``.target``
+    SHIPPED_TARGET (the kernels need nothing newer: see the module's
+    docstring; ptxas checks it in tests)."""
+    text, n = _VERSION.subn(f".version {SHIPPED_ISA}", ptx)
+    text, m = _TARGET.subn(f".target {SHIPPED_TARGET}", text)
+    if n != 1 or m != 1:
+        raise ValueError("PTX without exactly one .version and one .target")
+    return text
+
+
+def shipped_ptx() -> dict[str, KernelPtx] | None:
+    """The package's lowered PTX by kernel name, in abi.KERNELS order, or
+    None where the package has none (a checkout whose files were removed).
+
+    Raises:
+        ValueError: The files do not agree with their manifest or abi.KERNELS.
+    """
+    manifest_path = shipped_dir() / "kernels.json"
+    if not manifest_path.exists():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    rows = {row["name"]: row for row in manifest["kernels"]}
+    result = {}
+    for spec in abi.KERNELS:
+        if spec.name not in rows:
+            raise ValueError(f"{manifest_path}: no kernel {spec.name}")
+        text = (shipped_dir() / rows[spec.name]["file"]).read_text()
+        result[spec.name] = _describe(spec, text)
+        if result[spec.name].entry != rows[spec.name]["entry"]:
+            raise ValueError(f"{spec.name}: entry differs from {manifest_path}")
+    return result
+
+
+def _describe(spec: "abi.KernelSpec", text: str) -> KernelPtx:
+    entry, params = parse_entry(text)
+    if params != ("u64",) * len(spec.params):
+        raise ValueError(f"{spec.name}: parameters {params}, want {spec.params}")
+    isa, target = _VERSION.search(text).group(1), _TARGET.search(text).group(1)
+    return KernelPtx(spec.name, entry, params, isa, target, text)
 
 
 def cache_key(cc: tuple[int, int] = DEFAULT_CC) -> dict[str, str]:
@@ -190,21 +263,19 @@ def kernel_ptx(cc: tuple[int, int] = DEFAULT_CC) -> dict[str, KernelPtx]:
     except (OSError, ValueError, KeyError, TypeError):
         ptx = _compile(cc)
         write_atomically(path, json.dumps({"key": key, "ptx": ptx}, sort_keys=True))
-    result = {}
-    for spec in abi.KERNELS:
-        entry, params = parse_entry(ptx[spec.name])
-        if params != ("u64",) * len(spec.params):
-            raise ValueError(f"{spec.name}: parameters {params}, want {spec.params}")
-        text = ptx[spec.name]
-        isa, target = _VERSION.search(text).group(1), _TARGET.search(text).group(1)
-        result[spec.name] = KernelPtx(spec.name, entry, params, isa, target, text)
-    return result
+    return {spec.name: _describe(spec, ptx[spec.name]) for spec in abi.KERNELS}
 
 
-def write_dir(out: Path, cc: tuple[int, int] = DEFAULT_CC) -> Path:
-    """DIR/<kernel>.ptx per kernel and DIR/kernels.json describing them."""
+def write_dir(out: Path, cc: tuple[int, int] = DEFAULT_CC, lowered: bool = False) -> Path:
+    """DIR/<kernel>.ptx per kernel and DIR/kernels.json describing them
+    (`lowered`: as the package ships them)."""
     kernels = kernel_ptx(cc)
-    manifest = {"key": cache_key(cc), "kernels": []}
+    if lowered:
+        kernels = {name: _describe(spec, lower(kernels[name].ptx))
+                   for spec in abi.KERNELS for name in [spec.name]}
+    manifest = {"key": {**cache_key(cc), "kernel_sources": kernel_sources_hash()},
+                "kernels": []}
+    del manifest["key"]["sources"]  # the package's: not what the files depend on
     for spec in abi.KERNELS:
         k = kernels[spec.name]
         write_atomically(out / f"{k.name}.ptx", k.ptx)
@@ -219,13 +290,19 @@ def write_dir(out: Path, cc: tuple[int, int] = DEFAULT_CC) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=Path, help="output directory")
+    where.add_argument("--ship", action="store_true",
+                       help="remake the package's shipped, lowered PTX")
     parser.add_argument(
         "--cc", default="{}.{}".format(*DEFAULT_CC), help="compute capability"
     )
     args = parser.parse_args(argv)
     major, minor = (int(part) for part in args.cc.split("."))
-    print(write_dir(args.out, (major, minor)))
+    if args.ship:
+        print(write_dir(shipped_dir(), (major, minor), lowered=True))
+    else:
+        print(write_dir(args.out, (major, minor)))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/device_memory.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
 
@@ -29,7 +30,26 @@ std::shared_ptr<Block> Block::create(
     Sharing sharing) {
   std::shared_ptr<Block> b(new Block());
   b->owner_ = true;
-  b->memory_ = ExportedMemory::create(device, bytes, sharing);
+  // Bounded per device (device_memory.h); out of memory once, torch's
+  // cache is freed and the block made again.
+  const uint64_t g = ExportedMemory::granularity(device, sharing);
+  const uint64_t size = (std::max<uint64_t>(bytes, 1) + g - 1) / g * g;
+  if (!reserveIpc(device, size)) {
+    return nullptr;
+  }
+  b->device_ = device;
+  b->accounted_ = size; // given back by ~Block, whatever follows
+  try {
+    allocateWithRetry(device, [&] {
+      b->memory_ = ExportedMemory::create(device, bytes, sharing);
+    });
+  } catch (const CudaError& e) {
+    if (e.code() != CUDA_ERROR_OUT_OF_MEMORY) {
+      throw;
+    }
+    countIpcDeclined();
+    return nullptr;
+  }
   CurrentDevice current(device);
   b->ready_ = newIpcEvent();
   b->released_ = newIpcEvent();
@@ -56,6 +76,9 @@ std::shared_ptr<Block> Block::import(
 }
 
 Block::~Block() {
+  if (accounted_ != 0) {
+    releaseIpc(memory_ ? memory_->device() : device_, accounted_);
+  }
   if (memory_ == nullptr) {
     return; // making or importing it failed: nothing else was made
   }

@@ -35,7 +35,9 @@ static_assert(sizeof(CUipcMemHandle) == CU_IPC_HANDLE_SIZE);
 // exported) or the peer's (imported, events opened).
 class Block {
  public:
-  // Ours, on `device`, of at least `bytes`.
+  // Ours, on `device`, of at least `bytes`; null where cuda_ipc's bound on
+  // the device's blocks, or the device's memory even after torch freed its
+  // cache, does not allow it (device_memory.h: the segment is declined).
   static std::shared_ptr<Block> create(
       int device,
       uint64_t bytes,
@@ -102,6 +104,8 @@ class Block {
   CUevent released_ = nullptr;
   CUevent localUse_ = nullptr;
   bool owner_ = false;
+  int device_ = 0;
+  uint64_t accounted_ = 0; // of cuda_ipc's bound (device_memory.h)
   std::atomic<bool> orphaned_{false};
   std::chrono::steady_clock::time_point patience_{};
 };

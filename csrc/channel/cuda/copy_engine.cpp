@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <stdexcept>
 
 #include "csrc/channel/cuda/device.h"
@@ -48,7 +50,52 @@ uint64_t ceilDiv(uint64_t a, uint64_t b) {
   return (a + b - 1) / b;
 }
 
+std::string isaText(int isa) {
+  return std::to_string(isa / 10) + "." + std::to_string(isa % 10);
+}
+
+std::string cudaText(int driverVersion) {
+  return std::to_string(driverVersion / 1000) + "." +
+      std::to_string(driverVersion % 1000 / 10);
+}
+
 } // namespace
+
+int maxPtxIsa(int driverVersion) {
+  // CUDA release -> the PTX ISA it introduced (the PTX ISA notes).
+  static constexpr std::pair<int, int> kTable[] = {
+      {9000, 60},  {9010, 61},  {9020, 62},  {10000, 63}, {10010, 64},
+      {10020, 65}, {11000, 70}, {11010, 71}, {11020, 72}, {11030, 73},
+      {11040, 74}, {11050, 75}, {11060, 76}, {11070, 77}, {11080, 78},
+      {12000, 80}, {12010, 81}, {12020, 82}, {12030, 83}, {12040, 84},
+      {12050, 85}, {12060, 85}, {12080, 87}, {12090, 88}, {13000, 90}};
+  if (driverVersion > kTable[std::size(kTable) - 1].first + 9) {
+    return -1; // newer than we know: the driver decides
+  }
+  int isa = 0;
+  for (const auto& [version, max] : kTable) {
+    if (driverVersion >= version) {
+      isa = max;
+    }
+  }
+  return isa;
+}
+
+int ptxIsa(const std::string& ptx) {
+  for (size_t at = ptx.find(".version"); at != std::string::npos;
+       at = ptx.find(".version", at + 1)) {
+    const size_t line = ptx.rfind('\n', at);
+    const size_t start = line == std::string::npos ? 0 : line + 1;
+    if (ptx.find_first_not_of(" \t", start) != at) {
+      continue; // in a comment or a string
+    }
+    int major = 0, minor = 0;
+    if (std::sscanf(ptx.c_str() + at + 8, " %d.%d", &major, &minor) == 2) {
+      return major * 10 + minor;
+    }
+  }
+  return -1;
+}
 
 CopyEngine::CopyEngine(int device, const KernelImages& images)
     : device_(device) {
@@ -72,6 +119,19 @@ void CopyEngine::loadKernels(const KernelImages& images) {
           std::string("copy kernel '") + kNames[k] + "' missing from the PTX");
     }
     std::string text = it->second.ptx; // NUL-terminated by std::string
+    // A clear error before the driver's: PTX newer than it loads (as NVVM
+    // 13's, ISA 9.0, on a driver older than CUDA 13.0).
+    const int isa = ptxIsa(text);
+    const int driver = libcuda().driverVersion;
+    const int most = maxPtxIsa(driver);
+    if (isa > 0 && most >= 0 && isa > most) {
+      throw std::runtime_error(
+          std::string("the copy kernel ") + kNames[k] + "'s PTX is ISA " +
+          isaText(isa) + ", newer than this CUDA " + cudaText(driver) +
+          " driver loads (ISA " + isaText(most) +
+          " at most): use the PTX torch_rpc_ext ships (ISA 6.0; unset "
+          "TORCH_RPC_EXT_PTX) or a newer driver");
+    }
     CUresult rc = libcuda().cuModuleLoadData(&modules_[k], text.c_str());
     if (rc != CUDA_SUCCESS) {
       throw std::runtime_error(
@@ -170,6 +230,7 @@ void CopyEngine::withTable(
     const std::vector<uint64_t>& words,
     Then then) {
   const Libcuda& cu = libcuda();
+  RelaxedCapture relaxed; // its staging queries (device.h)
   const size_t bytes = words.size() * sizeof(uint64_t);
   Staging* slot = nullptr;
   {

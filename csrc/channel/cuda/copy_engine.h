@@ -28,6 +28,13 @@ using KernelImages = std::map<std::string, KernelImage>;
 // Descriptor tables travel to the device through pinned staging that is
 // reused only once the launch that read it has completed (an event per
 // staging buffer, queried, never waited on). Thread-safe.
+// The newest PTX ISA (major * 10 + minor: 90 for 9.0) that a driver of
+// `driverVersion` (cuDriverGetVersion: 12040 for CUDA 12.4) loads; 0 for
+// one older than CUDA 9.0; -1 for one newer than the table (not checked).
+int maxPtxIsa(int driverVersion);
+// The ISA a PTX text declares (".version 6.0": 60), or -1 without one.
+int ptxIsa(const std::string& ptx);
+
 class CopyEngine {
  public:
   // Loads the kernels into `device`'s primary context. Throws if a kernel

@@ -68,6 +68,14 @@ CUcontext primaryContext(int device) {
   return ctx;
 }
 
+RelaxedCapture::RelaxedCapture() {
+  TORCH_RPC_EXT_CUDA_CHECK(cuThreadExchangeStreamCaptureMode, &previous_);
+}
+
+RelaxedCapture::~RelaxedCapture() {
+  libcuda().cuThreadExchangeStreamCaptureMode(&previous_);
+}
+
 CurrentDevice::CurrentDevice(int device) {
   CUcontext wanted = primaryContext(device);
   TORCH_RPC_EXT_CUDA_CHECK(cuCtxGetCurrent, &previous_);

@@ -23,8 +23,28 @@ namespace torch_rpc_ext::channel::cuda {
 // destructor). Throws naming the device if it does not exist.
 CUcontext primaryContext(int device);
 
+// Relaxed stream capture mode on this thread for the guard's life
+// (cuThreadExchangeStreamCaptureMode), then the mode it had. While a user's
+// stream captures a CUDA graph in global mode (torch.cuda.graph's default),
+// a potentially unsafe call (cuEventQuery, cuMemAlloc, a free, a
+// synchronisation) from any thread in global mode fails and invalidates
+// that capture, as PyTorch found with its NCCL watchdog. Our calls never
+// touch a capturing stream: every one runs under this guard, most through
+// CurrentDevice.
+//
 // Makes `device`'s primary context current on this thread for the guard's
-// life, then restores the one that was current.
+// life, then restores the one that was current; relaxed meanwhile.
+class RelaxedCapture {
+ public:
+  RelaxedCapture();
+  ~RelaxedCapture();
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  CUstreamCaptureMode previous_ = CU_STREAM_CAPTURE_MODE_RELAXED;
+};
+
 class CurrentDevice {
  public:
   explicit CurrentDevice(int device);
@@ -33,6 +53,7 @@ class CurrentDevice {
   CurrentDevice& operator=(const CurrentDevice&) = delete;
 
  private:
+  RelaxedCapture relaxed_;
   CUcontext previous_ = nullptr;
   bool switched_ = false;
 };

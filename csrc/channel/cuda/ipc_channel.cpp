@@ -147,6 +147,13 @@ IpcChannel::Lent IpcChannel::lend(
   int fd = -1;
   try {
     lent.block = Block::create(device, want, sharing);
+    if (lent.block == nullptr) {
+      // Over the bound or out of memory: declined, to the next channel.
+      std::lock_guard<std::mutex> lock(mu_);
+      --blocksBeingMade_;
+      lentBytes_ -= want;
+      return Lent{};
+    }
     setup = lent.block->describe(lent.id);
     if (sharing == Sharing::kFd) {
       fd = lent.block->exportFd();
@@ -451,6 +458,7 @@ void IpcChannel::freeOwnBlock(uint32_t id) {
 }
 
 void IpcChannel::onTickFromLoop() {
+  closeDropped();
   trim();
 }
 
@@ -534,8 +542,8 @@ void IpcChannel::trim() {
     }
   }
   idle.clear();
+  // Kept until the peer answers that it closed them (kBlockDropped).
   std::vector<uint32_t> dropped;
-  std::vector<std::shared_ptr<Block>> unmap; // outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (uint32_t id : quiet) {
@@ -543,12 +551,10 @@ void IpcChannel::trim() {
       if (it != ownBlocks_.end() &&
           it->second.state == OwnBlock::State::kFree) {
         dropped.push_back(id);
-        unmap.push_back(std::move(it->second.block));
-        ownBlocks_.erase(it);
+        it->second.state = OwnBlock::State::kDropping;
       }
     }
   }
-  counters_.unmapped.fetch_add(dropped.size(), std::memory_order_relaxed);
   auto host = host_.lock();
   if (!host) {
     return;

@@ -64,11 +64,19 @@ class BlockLease;
 // cuda_staged lands), records `released` after that launch and releases
 // the block at once. Two copies per direction; no hand-back.
 
-// Its control frames: the lending channels' three (lending.h).
+// Its control frames: the lending channels' three (lending.h), and the
+// importer's answer to a drop.
+//
+// A drop has two phases, as cuda.h wants: an exported event may not be
+// destroyed while another process has it open, nor legacy memory freed
+// before the importer's cuIpcCloseMemHandle. The owner sends kBlockDrop and
+// keeps the block (State::kDropping); the importer unmaps it, closes its
+// events and answers kBlockDropped; only then does the owner free it.
 enum IpcFrame : uint8_t {
   kBlockSetup = kLendSetup, // BlockSetup + the block's file descriptor
   kBlockRelease = kLendRelease, // uint32 ids the receiver no longer uses
   kBlockDrop = kLendDrop, // uint32 id: the owner unmaps an idle block
+  kBlockDropped = 3, // uint32 id: the importer closed it; the owner frees it
 };
 
 // What travels in the stream in place of a segment's bytes.
@@ -108,7 +116,7 @@ struct IpcCounters {
   std::atomic<uint64_t> handedBack{0};
   std::atomic<uint64_t> created{0}; // blocks made
   std::atomic<uint64_t> imported{0}; // peers' blocks mapped
-  std::atomic<uint64_t> unmapped{0}; // own idle blocks dropped
+  std::atomic<uint64_t> unmapped{0}; // own idle blocks dropped (and freed)
   // Segments on a device the peer does not see, or over the bounds.
   std::atomic<uint64_t> declined{0};
   std::atomic<uint64_t> launches{0}; // copies of frames (one per device)
@@ -220,6 +228,10 @@ class IpcChannel final : public Channel,
       std::vector<int>& fds);
   bool onReleaseFromLoop(Host& host, const std::string& head);
   bool onDropFromLoop(Host& host, const std::string& head);
+  bool onDroppedFromLoop(Host& host, const std::string& head);
+  // The peer's dropped blocks whose imports nothing uses any more are
+  // closed, and each answered with kBlockDropped.
+  void closeDropped();
   // A kCopyOut record: the bytes copied out of the peer's kLegacy `block`
   // into memory of ours, which the segment then views; -1 after rejecting.
   int64_t copyOutFromLoop(
@@ -246,6 +258,8 @@ class IpcChannel final : public Channel,
   // The live lease on each of them (the segments of one frame packed into
   // one block share it; the block is lent again only once it died).
   std::unordered_map<uint32_t, std::weak_ptr<BlockLease>> peerLeases_;
+  // The peer dropped these; closed and answered once only this holds them.
+  std::vector<std::pair<uint32_t, std::shared_ptr<Block>>> peerDropped_;
   // The copies out of each legacy block of the frame being received, made
   // with one launch at its last record (the frame is refused if it ends
   // with any left); their regions wait on `ready`.
@@ -261,7 +275,8 @@ class IpcChannel final : public Channel,
   std::map<int, std::shared_ptr<CUstream_st>> copyOutStreams_;
 
   struct OwnBlock {
-    enum class State { kFree, kLent, kLocal };
+    // kDropping: the peer was told to close it and has not answered.
+    enum class State { kFree, kLent, kLocal, kDropping };
     std::shared_ptr<Block> block;
     State state = State::kFree;
     std::chrono::steady_clock::time_point lastUsed;

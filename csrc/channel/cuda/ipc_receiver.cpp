@@ -25,6 +25,9 @@ constexpr uint64_t kMaxPeerBlockBytes = 2 * kMaxLentBlockBytes;
 
 bool IpcChannel::acceptsControlFrame(FrameKind kind, uint32_t headLength)
     const {
+  if (context().wireIds().offsetOf(kind) == kBlockDropped) {
+    return headLength == sizeof(uint32_t);
+  }
   // A setup's head is one of two sizes (kFd, kLegacy): onSetupFromLoop()
   // checks which its `sharing` says.
   return lendingFrameFits(
@@ -48,6 +51,8 @@ bool IpcChannel::onControlFrameFromLoop(
       return onReleaseFromLoop(*host, head);
     case kBlockDrop:
       return onDropFromLoop(*host, head);
+    case kBlockDropped:
+      return onDroppedFromLoop(*host, head);
     default:
       return true;
   }
@@ -161,8 +166,58 @@ bool IpcChannel::onDropFromLoop(Host& host, const std::string& head) {
     return false;
   }
   peerBlockBytes_ -= it->second->size();
-  peerBlocks_.erase(it); // leases keep their own reference
+  // Closed once no lease or copy out holds it any more (the owner drops
+  // only blocks we released, so that is at once but for a misbehaving
+  // peer), then answered: the owner frees it only after.
+  peerDropped_.emplace_back(id, std::move(it->second));
+  peerBlocks_.erase(it);
   peerLeases_.erase(id);
+  closeDropped();
+  return true;
+}
+
+void IpcChannel::closeDropped() {
+  auto host = host_.lock();
+  for (auto it = peerDropped_.begin(); it != peerDropped_.end();) {
+    if (it->second.use_count() > 1) {
+      ++it;
+      continue;
+    }
+    const uint32_t id = it->first;
+    // Unmaps the memory (cuIpcCloseMemHandle for a legacy block) and
+    // destroys the opened events, after our last use of them.
+    it = peerDropped_.erase(it);
+    if (host) {
+      host->sendControl(
+          ControlFrame{
+              context().wireIds().kind(kBlockDropped),
+              idHead(id),
+              {},
+              nullptr});
+    }
+  }
+}
+
+bool IpcChannel::onDroppedFromLoop(Host& host, const std::string& head) {
+  uint32_t id;
+  std::memcpy(&id, head.data(), sizeof(id));
+  std::shared_ptr<Block> block; // freed outside the lock
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ownBlocks_.find(id);
+    if (it != ownBlocks_.end() &&
+        it->second.state == OwnBlock::State::kDropping) {
+      block = std::move(it->second.block);
+      ownBlocks_.erase(it);
+    }
+  }
+  if (block == nullptr) {
+    host.rejectFromLoop(
+        "rejected frame: the peer closed CUDA block " + std::to_string(id) +
+        ", which was not dropped");
+    return false;
+  }
+  counters_.unmapped.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/device_memory.h"
 #include "csrc/channel/cuda/staged_channel.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
@@ -117,6 +118,7 @@ void StagingPool::retireHost(HostBuffer buffer, PooledEvent after) {
 }
 
 void StagingPool::reapRetiredLocked() {
+  RelaxedCapture relaxed; // (device.h)
   for (size_t i = 0; i < retiredHost_.size();) {
     // A query, never a wait. An error (a broken context) keeps it: memory
     // the device may still write must not be reused.
@@ -145,13 +147,17 @@ std::shared_ptr<StagingPool::Block> StagingPool::takeBlock(uint64_t bytes) {
   }
   CurrentDevice current(device_);
   auto b = std::make_shared<Block>();
-  TORCH_RPC_EXT_CUDA_CHECK(cuMemAlloc, &b->address, capacity);
+  // Out of memory once: torch's cached blocks are freed, and again.
+  allocateWithRetry(device_, [&] {
+    TORCH_RPC_EXT_CUDA_CHECK(cuMemAlloc, &b->address, capacity);
+  });
   b->capacity = capacity;
   CUresult rc = libcuda().cuEventCreate(&b->lastUse, CU_EVENT_DISABLE_TIMING);
   if (rc != CUDA_SUCCESS) {
     libcuda().cuMemFree(b->address);
     checkCuda("cuEventCreate", rc);
   }
+  addStagingBytes(static_cast<int64_t>(capacity));
   return b;
 }
 
@@ -193,6 +199,7 @@ CUstream StagingPool::copyStream() {
 }
 
 void StagingPool::trim() {
+  RelaxedCapture relaxed; // its queries and frees (device.h)
   std::vector<HostBuffer> hosts;
   std::vector<std::shared_ptr<Block>> blocks;
   {
@@ -236,6 +243,7 @@ void StagingPool::trim() {
   for (auto& b : blocks) {
     libcuda().cuEventDestroy(b->lastUse);
     libcuda().cuMemFree(b->address);
+    addStagingBytes(-static_cast<int64_t>(b->capacity));
   }
 }
 
