@@ -106,9 +106,9 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             (``"basic"``, always on); ``()`` sends everything that way.
         device_channels: Channels for CUDA tensors by preference, used when
             ``device_maps`` or ``devices`` name a GPU: ``"cuda_ipc"`` (the
-            receiver's tensor views the sender's device memory, mapped once:
-            one device-to-device copy; processes of one host sharing the
-            device) and ``"cuda_staged"`` (through pinned host memory in
+            sender copies into device memory of its own that the receiver
+            maps once and copies out of into torch's allocator: processes
+            of one host sharing the device) and ``"cuda_staged"`` (through pinned host memory in
             chunks, copied out and in as the stream goes: any peer, any
             two devices). ``("cuda_staged",)`` forces staging.
         cuda_zero_copy: Received CUDA tensors view the device memory the
