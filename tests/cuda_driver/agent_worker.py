@@ -116,20 +116,27 @@ def pattern(n: int, seed: int = 0) -> bytes:
     return bytes((i * 13 + seed) % 251 for i in range(n))
 
 
+def join_pair(rank: int, port: int, target: int | None = DEVICE, both: bool = False,
+              **options) -> None:
+    """Joins a group of two as worker<rank>: worker0 maps its cuda:0 to
+    worker1's cuda:<target> (worker1 answers through the reverse map and
+    needs none of its own) and, with `both`, worker1 maps back as well;
+    `options`: RpcExtBackendOptions' others."""
+    setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=TIMEOUT, **options)
+    if rank == 0 or both:
+        opts.set_device_map(f"worker{1 - rank}", {DEVICE: target if rank == 0 else DEVICE})
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+
+
 def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
         transports=None) -> None:
     """`channels`: the device channels both use; `target`: the device of
     worker1's that worker0's cuda:0 maps to."""
-    setup_torch()
-    opts = torch_rpc_ext.RpcExtBackendOptions(
-        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
-        num_worker_threads=4, rpc_timeout=TIMEOUT, device_channels=channels,
-        transports=transports)
-    if rank == 0:
-        # worker1 answers through the reverse map: it needs none of its own.
-        opts.set_device_map("worker1", {DEVICE: target})
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
-                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    join_pair(rank, port, target, device_channels=channels, transports=transports)
     out = {}
     agent = rpc.api._get_current_rpc_agent()
     out["devices"] = [str(d) for d in agent._get_devices()]
@@ -191,15 +198,7 @@ def run_side_stream(rank: int, port: int, ctl, channels, zero_copy: bool) -> Non
     stream rules (the future's wait() records the tensor's memory on the
     side stream) the copy must read the first tensor's bytes, whatever the
     second call reused meanwhile."""
-    setup_torch()
-    opts = torch_rpc_ext.RpcExtBackendOptions(
-        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
-        num_worker_threads=4, rpc_timeout=TIMEOUT, device_channels=channels,
-        cuda_zero_copy=zero_copy)
-    if rank == 0:
-        opts.set_device_map("worker1", {DEVICE: DEVICE})
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
-                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    join_pair(rank, port, device_channels=channels, cuda_zero_copy=zero_copy)
     out = {}
     if rank == 0:
         n = 1 << 20
@@ -259,14 +258,7 @@ def run_drop(rank: int, port: int, ctl) -> None:
     the owner frees a block only once the importer closed it, so no process
     uses an event or legacy mapping its exporter already destroyed or freed
     (the fake counts such uses)."""
-    setup_torch()
-    opts = torch_rpc_ext.RpcExtBackendOptions(
-        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
-        num_worker_threads=4, rpc_timeout=TIMEOUT)
-    if rank == 0:
-        opts.set_device_map("worker1", {DEVICE: DEVICE})
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
-                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    join_pair(rank, port)
     out = {}
     if rank == 0:
         data = pattern(3 << 20, 9)
@@ -313,13 +305,7 @@ def run_capture(rank: int, port: int, ctl, channels) -> None:
     default) while worker1 moves CUDA tensors to it and back: the agent's
     threads (loops, staging, landing, trimming) keep making driver calls,
     which must not invalidate the capture."""
-    setup_torch()
-    opts = torch_rpc_ext.RpcExtBackendOptions(
-        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
-        num_worker_threads=4, rpc_timeout=TIMEOUT, device_channels=channels)
-    opts.set_device_map(f"worker{1 - rank}", {DEVICE: DEVICE})
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
-                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    join_pair(rank, port, both=True, device_channels=channels)
     out = {}
     if rank == 0:
         fut = rpc.rpc_async("worker1", pound, args=(8,))
@@ -361,15 +347,7 @@ def run_memory(rank: int, port: int, ctl, case: str) -> None:
     where set): `cache`, 10 MiB sit in torch's cache (torch would give them
     back); `held`, 10 MiB are held by live tensors (nothing to give back);
     `limit`, no shortage, but cuda_ipc_memory_limit=1 MiB."""
-    setup_torch()
-    opts = torch_rpc_ext.RpcExtBackendOptions(
-        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
-        num_worker_threads=4, rpc_timeout=TIMEOUT,
-        cuda_ipc_memory_limit=MIB if case == "limit" else 2 << 30)
-    if rank == 0:
-        opts.set_device_map("worker1", {DEVICE: DEVICE})
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
-                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    join_pair(rank, port, cuda_ipc_memory_limit=MIB if case == "limit" else 2 << 30)
     out = {}
     if rank == 0:
         data = pattern(3 * MIB, 11)

@@ -126,6 +126,15 @@ def bump():
     return threading.get_native_id(), _local.n
 
 
+_NOTED = []  # worker1's thread states, counted while it served worker0
+
+
+def note_thread_states():
+    from torch_rpc_ext import _testing
+
+    _NOTED.append(_testing.python_thread_states())
+
+
 def thread_states(rank, world_size):
     from torch_rpc_ext import _testing
 
@@ -138,8 +147,13 @@ def thread_states(rank, world_size):
         # exit while the world runs: their states must go with them.
         out["depth"] = rpc.rpc_sync("worker1", ping_back, args=("worker0", 4))
         out["takeovers"] = int(rpc.rpc_sync("worker1", metrics)["rpc_ext.shm.loop_takeovers"])
+        rpc.rpc_sync("worker1", note_thread_states)
+    # worker1's count is the one taken while it served worker0's calls: here,
+    # straight after init, it may not have served any yet.
     during = _testing.python_thread_states()
     rpc.shutdown()
+    if rank == 1:
+        during = _NOTED[-1]
     out.update(before=before, during=during, after=_testing.python_thread_states())
     return out
 
