@@ -10,6 +10,7 @@
 
 #include "csrc/agent/agent.h"
 #include "csrc/channel/registry.h"
+#include "csrc/common/logging.h"
 
 namespace torch_rpc_ext {
 
