@@ -29,13 +29,17 @@ PTXAS = {
 REMAKE = "remake them: python -m torch_rpc_ext._cuda.ptx --ship"
 
 
-def _code(text: str) -> str:
-    """PTX without its comment lines (NVVM's banner names its build), and
-    with numba's per-process counters in mangled names (`B2v1B`: the
-    function's uid) made equal: the rest of each name, and the code, must
-    agree."""
-    lines = [line for line in text.splitlines() if not line.startswith("//")]
-    return re.sub(r"B\d+v\d+B", "BvB", "\n".join(lines))
+def _code(text: str) -> tuple[list[str], list[str]]:
+    """PTX without its comment lines (NVVM's banner names its build), with
+    numba's per-process counters in mangled names (`B2v1B`: the function's
+    uid) made equal, and its `.common` declarations apart and sorted (their
+    order follows the order numba first compiled the device functions in,
+    which depends on what the process did before): the rest of each name,
+    and the code, must agree."""
+    lines = [re.sub(r"B\d+v\d+B", "BvB", line) for line in text.splitlines()
+             if not line.startswith("//")]
+    common = sorted(line for line in lines if line.startswith(".common"))
+    return common, [line for line in lines if not line.startswith(".common")]
 
 
 def test_the_shipped_ptx_is_lowered_and_agrees_with_its_manifest():
