@@ -349,11 +349,12 @@ std::atomic<pid_t> g_initPid{0}; // the process that called cuInit
 // dlopen'ed, and LeakSanitizer's scan of a dlopen'ed module's dynamic TLS
 // faults now and then in the fuzzers ("Tracer caught signal 11", clang 14).
 pthread_key_t threadKey(int which) {
-  static pthread_key_t keys[2] = {};
+  static pthread_key_t keys[3] = {};
   static std::once_flag once;
   std::call_once(once, [] {
     pthread_key_create(&keys[0], nullptr);
     pthread_key_create(&keys[1], nullptr);
+    pthread_key_create(&keys[2], nullptr); // capture mode + 1 (0: global)
   });
   return keys[which];
 }
@@ -470,11 +471,20 @@ CUresult fitsMemLimit(const char* fn, uint64_t bytes) {
 
 // Graph capture (see the top).
 std::atomic<bool> g_globalCapture{false};
-thread_local CUstreamCaptureMode t_captureMode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+// This thread's capture mode (a pthread key, as the state above).
+CUstreamCaptureMode captureMode() {
+  auto v = reinterpret_cast<uintptr_t>(pthread_getspecific(threadKey(2)));
+  return v == 0 ? CU_STREAM_CAPTURE_MODE_GLOBAL
+                : static_cast<CUstreamCaptureMode>(v - 1);
+}
+void setCaptureMode(CUstreamCaptureMode mode) {
+  pthread_setspecific(
+      threadKey(2), reinterpret_cast<void*>(static_cast<uintptr_t>(mode) + 1));
+}
 
 CUresult unsafeInCapture(const char* fn) {
   if (!g_globalCapture.load() ||
-      t_captureMode == CU_STREAM_CAPTURE_MODE_RELAXED) {
+      captureMode() == CU_STREAM_CAPTURE_MODE_RELAXED) {
     return CUDA_SUCCESS;
   }
   state().stats.captureViolations++;
@@ -1785,7 +1795,9 @@ CUresult CUDAAPI cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode* mode) {
           *mode == CU_STREAM_CAPTURE_MODE_RELAXED,
       CUDA_ERROR_INVALID_VALUE,
       "unknown mode");
-  std::swap(*mode, t_captureMode);
+  const CUstreamCaptureMode previous = captureMode();
+  setCaptureMode(*mode);
+  *mode = previous;
   return CUDA_SUCCESS;
 }
 
