@@ -53,6 +53,7 @@ BUILD_COMMANDS = {
 # sets it), so a wheel never ships them.
 TESTING_SOURCES = [
     "csrc/bindings/bind_testing.cpp",
+    "csrc/bindings/bind_testing_agent.cpp",
     "csrc/bindings/bind_testing_cuda.cpp",
     "csrc/bindings/bind_testing_cuda_torch.cpp",
     "csrc/bindings/bind_testing_endpoint.cpp",

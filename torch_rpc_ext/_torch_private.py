@@ -128,7 +128,7 @@ def _is_dynamic_agent() -> bool:
 _SHUTDOWN_RREF_WAIT_S = 5.0
 
 
-def install_dynamic_shutdown() -> None:
+def install_dynamic_shutdown(before_teardown: Callable[[Any], None]) -> None:
     """Make ``rpc.shutdown()`` right for a dynamic TORCH_RPC_EXT member.
 
     ``api.shutdown`` runs its static path for every agent that is not a
@@ -138,7 +138,9 @@ def install_dynamic_shutdown() -> None:
     peer dropped our RRefs). For a dynamic member the first is skipped (it
     leaves alone; ``agent.join(shutdown=True)`` drains its calls and tells
     the group), the second runs with a bounded wait; and ``_finalize_shutdown``
-    stops the membership watcher before torch tears down its RRef state. All
+    calls ``before_teardown(agent)`` (which stops the membership watcher:
+    ``torch_rpc_ext.elastic.stop_membership``) before torch tears down its
+    RRef state. All
     are looked up as module globals when ``shutdown`` runs, so wrapping them
     here is enough; other agents get the originals. Idempotent.
     """
@@ -174,13 +176,7 @@ def install_dynamic_shutdown() -> None:
         # membership watcher, which releases departed members' forks there,
         # stops first (a graceful leave has stopped it already).
         if _is_dynamic_agent():
-            from torch_rpc_ext.elastic import drain_event_thread
-
-            agent = api._get_current_rpc_agent()
-            agent._stop_membership()
-            # Callbacks see every event up to this worker's own leave
-            # before shutdown returns (and torch's RPC state is still up).
-            drain_event_thread(agent)
+            before_teardown(api._get_current_rpc_agent())
         return finalize(*args, **kwargs)
 
     _wait_all_workers._torch_rpc_ext = True  # type: ignore[attr-defined]

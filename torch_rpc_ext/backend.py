@@ -207,11 +207,11 @@ def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions) 
     base = getattr(store, "underlying_store", store)
     agent = _C.Agent(dist.PrefixStore(_ELASTIC_PREFIX, base), name, rank, 0, options)
     try:
-        _torch_private.install_dynamic_shutdown()
-        _torch_private.init_rpc_states(agent)
-        from torch_rpc_ext.elastic import start_event_thread
+        from torch_rpc_ext import elastic
 
-        start_event_thread(agent)
+        _torch_private.install_dynamic_shutdown(elastic.stop_membership)
+        _torch_private.init_rpc_states(agent)
+        elastic.start_event_thread(agent)
     except Exception:
         agent.shutdown()
         raise

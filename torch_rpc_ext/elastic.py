@@ -123,6 +123,16 @@ def start_event_thread(agent: Any) -> threading.Thread:
     return thread
 
 
+def stop_membership(agent: Any) -> None:
+    """At ``rpc.shutdown()``, before torch tears down its RRef state
+    (``_torch_private.install_dynamic_shutdown``): stop the membership
+    watcher, which releases departed members' forks there, then let the
+    callbacks see every event up to this worker's own leave while torch's
+    RPC state is still up."""
+    agent._stop_membership()
+    drain_event_thread(agent)
+
+
 def drain_event_thread(agent: Any) -> None:
     """After the agent stopped its membership watcher (no event follows):
     wait until the callbacks for the events already applied have run, its

@@ -1,21 +1,22 @@
 // SPDX-License-Identifier: BSD-3-Clause
+// The agent (agent.h): its life cycle (rendezvous, start, shutdown, join),
+// the glue between its parts, and what it reports.
 #include "csrc/agent/agent.h"
 
-#include <c10/core/StreamGuard.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
+#include <array>
+#include <map>
 
 #include <torch/csrc/distributed/rpc/agent_utils.h>
 #include <torch/csrc/distributed/rpc/request_callback_impl.h>
 #include <torch/csrc/distributed/rpc/utils.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <thread>
-
+#include "csrc/agent/dynamic_devices.h"
 #include "csrc/agent/serve_callback.h"
+#include "csrc/agent/torch_private.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
-#include "csrc/wire/codec.h"
 
 namespace torch_rpc_ext {
 
@@ -70,7 +71,6 @@ Agent::Agent(
           rpc::WorkerInfo(std::move(name), static_cast<int64_t>(rank)),
           std::make_unique<ServeCallback>(),
           toMs(options.rpcTimeoutSeconds)),
-      store_(store),
       worldSize_(worldSize),
       options_(std::move(options)),
       pool_(
@@ -91,7 +91,13 @@ Agent::Agent(
             (void)id;
           },
           [this] { buffers_->trim(); }),
-      view_(std::make_shared<View>()) {
+      devices_(options_, workerInfo_.name_),
+      rrefs_(
+          static_cast<rpc::worker_id_t>(rank),
+          workerInfo_.name_,
+          [this](std::function<void()> task) { pool_.run(std::move(task)); }),
+      group_(store, workerInfo_, worldSize, options_, *this),
+      connections_(options_, workerInfo_, worldSize, group_, *this, pool_) {
   // worldSize 0 is a dynamic group: any rank that fits dist autograd's
   // 16-bit worker ids.
   TORCH_CHECK(
@@ -115,10 +121,8 @@ Agent::~Agent() {
 }
 
 void Agent::startImpl() {
-  for (auto& l : listeners_) {
-    l->start(this);
-  }
-  rrefsLive_ = worldSize_ == 0; // torch has made us its agent
+  connections_.start();
+  rrefs_.setLive(worldSize_ == 0); // torch has made us its agent
 }
 
 void Agent::shutdownImpl() {
@@ -139,9 +143,7 @@ void Agent::shutdownImpl() {
     }
   };
   failPending();
-  for (auto& [name, t] : transports_) {
-    t->stop();
-  }
+  connections_.stop();
   failPending();
   calls_.stop();
   // Report what the profiling tracks still hold; they hand completions to
@@ -152,392 +154,207 @@ void Agent::shutdownImpl() {
   // Finish what the pool holds: completions just posted, and responses of
   // requests that were running (they are dropped, the transport is down).
   pool_.stop();
-  {
-    std::lock_guard<std::mutex> lock(connMutex_);
-    outbound_.clear();
-  }
+  connections_.dropAll();
 }
 
-c10::intrusive_ptr<JitFuture> Agent::send(
-    const rpc::WorkerInfo& to,
-    c10::intrusive_ptr<rpc::Message> message,
-    const float rpcTimeoutSeconds,
-    const rpc::DeviceMap& deviceMap) {
-  TORCH_CHECK(
-      rpcAgentRunning_.load(),
-      "Node ",
-      workerInfo_.id_,
-      " tried to send() a message of type ",
-      message->type(),
-      " but RPC is no longer running on this node.");
+void Agent::rendezvous() {
+  const std::string& secret = group_.establishSecret();
+  if (!options_.devices.empty()) {
+    devices_.useTorchForChannelMemory();
+  }
+  // Our entry: the name, then a line per transport we listen on and per
+  // channel we offer.
+  std::string entry =
+      workerInfo_.name_ + connections_.open(secret, group_.incarnation());
+  if (worldSize_ == 0) {
+    // A dynamic group's members learn our devices and maps from our join
+    // record (static groups exchanged them before the agent existed).
+    entry += deviceOfferLines(options_.devices, options_.deviceMaps);
+  }
+  group_.join(entry, getRpcTimeout());
+}
+
+void Agent::stopMembership() {
+  rrefs_.setLive(false);
+  group_.stop();
+}
+
+void Agent::join(bool shutdown, float timeout) {
+  // Exiting with the agent alive: its threads are parked, nothing would
+  // ever complete (common/exit_gate.h).
   TORCH_CHECK(
       !ExitGate::closed(),
-      "RPC from ",
+      "RPC join on ",
       workerInfo_.name_,
-      ": the process is exiting (call rpc.shutdown() before the end of the "
-      "program)");
-  TORCH_CHECK(
-      message->isRequest(),
-      "send() only carries requests, got message type ",
-      message->type());
-  TORCH_CHECK(
-      !fenced_.load(),
-      "RPC from ",
-      workerInfo_.name_,
-      " to ",
-      to.name_,
-      " failed: ",
-      fencedReason_);
-  Peer* peer = peerById(to.id_);
-  if (!peer || peer->info.name_ != to.name_ || peer->departed()) {
-    auto gone = lastPeerNamed(to.name_);
-    TORCH_CHECK(
-        !(gone && gone->departed()),
-        "RPC to ",
-        to.name_,
-        " failed: ",
-        gone ? gone->departure() : "");
-    TORCH_CHECK(
-        false, "unknown destination worker ", to.name_, " (id ", to.id_, ")");
+      ": the process is exiting; call rpc.shutdown() before the end of the "
+      "program");
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  if (timeout > 0) {
+    deadline = std::chrono::steady_clock::now() +
+        std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
   }
-  if (hasStaleRRefs_.load(std::memory_order_acquire)) {
-    if (auto refused = refuseStaleRRefUse(to, *message)) {
-      return refused;
-    }
-  }
-  if (faults_) {
-    if (auto error = faults_->failure(*message)) {
-      auto failed =
-          c10::make_intrusive<JitFuture>(at::AnyClassType::get(), getDevices());
-      failed->setError(std::make_exception_ptr(std::runtime_error(*error)));
-      return failed;
-    }
-  }
-
-  // Under torch.profiler (Kineto) the callee profiles the call too.
-  std::shared_ptr<CallProfile> profile = RemoteProfiling::begin(message);
-  int64_t id = nextId_.fetch_add(1, std::memory_order_relaxed);
-  auto encodeSpan =
-      RemoteProfiling::span(profile.get(), "torch_rpc_ext::encode");
-  std::optional<wire::DeviceRoute> route;
-  if (!options_.devices.empty()) {
-    // A per-call map (dist autograd's backward pass) overrides the options'.
-    route = routeTo(*peer, deviceMap.empty() ? getDeviceMap(to) : deviceMap);
-  }
-  frame::OutboundFrame frame =
-      wire::encodeMessage(message, id, route ? &*route : nullptr);
-  recordCudaUse(*message);
-  if (worldSize_ == 0) {
-    trackOwnForks(*message, to.id_); // an RRef of ours passed to `to`
-  }
-  encodeSpan.reset();
-  uint64_t wireBytes = frame.wireSize();
-  TORCH_CHECK(
-      wireBytes <= options_.maxFrameBytes,
-      "RPC message of ",
-      wireBytes,
-      " bytes to ",
-      to.name_,
-      " exceeds max_frame_bytes=",
-      options_.maxFrameBytes);
-
-  auto future =
-      c10::make_intrusive<JitFuture>(at::AnyClassType::get(), getDevices());
-  auto timeout = rpcTimeoutSeconds == rpc::kUnsetRpcTimeout
-      ? getRpcTimeout()
-      : toMs(rpcTimeoutSeconds);
-  {
-    std::lock_guard<std::mutex> lock(callCountMutex_);
-    ++clientActiveCalls_;
-  }
-  std::shared_ptr<transport::Connection> conn;
-  try {
-    conn = connectionTo(*peer);
-  } catch (...) {
-    callFinished();
-    throw;
-  }
-  RemoteProfiling::markSent(profile.get()); // before the call is visible
-  const size_t alreadyInFlight = calls_.add(
-      id,
-      CallTable::Call{
-          future,
-          conn.get(),
-          peer,
+  auto drain = [&] {
+    std::unique_lock<std::mutex> lock(callCountMutex_);
+    auto idle = [this] { return clientActiveCalls_ == 0; };
+    if (!deadline) {
+      callCountCv_.wait(lock, idle);
+    } else {
+      TORCH_CHECK(
+          callCountCv_.wait_until(lock, *deadline, idle),
+          "RPC join timed out after ",
           timeout,
-          std::chrono::steady_clock::now() + timeout,
-          /*sentAlone=*/false,
-          profile,
-          /*arrival=*/{}});
-  auto& stats = peer->stats;
-  stats.callsSent.fetch_add(1, std::memory_order_relaxed);
-  stats.bytesSent.fetch_add(wireBytes, std::memory_order_relaxed);
-  auto delay =
-      faults_ ? faults_->delay(message->type()) : std::chrono::milliseconds(0);
-  if (delay.count() == 0) {
-    auto sendSpan = RemoteProfiling::span(profile.get(), "torch_rpc_ext::send");
-    writeRequest(conn, std::move(frame), id, *peer);
-    // A lone call (the rpc_sync pattern): let a sleeping loop start polling
-    // for the response now, so its wake-up overlaps the peer's work instead
-    // of following it. With calls already in flight (pipelined rpc_async)
-    // responses keep the loop busy anyway, and a poller woken per call only
-    // takes a core from the thread issuing them: measured 3.4x vs 4.2x
-    // TensorPipe's throughput with polling on vs off.
-    if (alreadyInFlight == 0) {
-      conn->expectInput();
-    }
-  } else {
-    // Held back (fault injection): the call's timeout runs meanwhile, as
-    // it would on a slow network.
-    auto held = std::make_shared<frame::OutboundFrame>(std::move(frame));
-    auto self = shared_from_this();
-    pool_.run([self, conn, held, id, peer, delay] {
-      std::this_thread::sleep_for(delay);
-      self->writeRequest(conn, std::move(*held), id, *peer);
-    });
-    // A call that times out before its message is even written is returned
-    // failed, as FAULTY_TENSORPIPE (whose send() sleeps through the delay)
-    // returns it: callbacks that the caller attaches then run on its own
-    // thread, before it can look at the result. Upstream relies on this:
-    // rpc.remote() to self marks its OwnerRRef timed out in such a callback,
-    // and a future failed by another thread is seen completed before its
-    // callbacks have run, so to_here() could pass the timed-out check and
-    // wait forever for a value the late request can no longer set.
-    if (timeout.count() > 0 && timeout <= delay) {
-      future->wait(); // the timeout settles it; no callback is attached yet
-    }
-  }
-  return future;
-}
-
-void Agent::writeRequest(
-    const std::shared_ptr<transport::Connection>& conn,
-    frame::OutboundFrame frame,
-    int64_t id,
-    Peer& peer) {
-  // If the connection closed before the call was registered, onClosed has
-  // already swept the table: fail the call here so it is not orphaned.
-  if (!conn->write(std::move(frame)) || conn->isClosed()) {
-    if (auto call = calls_.take(id)) {
-      peer.stats.errors.fetch_add(1, std::memory_order_relaxed);
-      settleWithError(
-          std::move(*call),
-          "RPC to " + peer.info.name_ + " failed: connection " +
-              conn->describe() + " is closed: " + conn->closeReason());
-    }
-  }
-}
-
-void Agent::settle(
-    transport::Connection& conn,
-    CallTable::Call call,
-    c10::intrusive_ptr<rpc::Message> response,
-    bool lastInFlight) {
-  auto self = shared_from_this();
-  if (call.profile) {
-    // Reported on the callee's track, then completed (remote_profiling.h).
-    auto profile = std::move(call.profile);
-    const Peer* peer = call.peer; // read before the lambda takes call
-    profiling_.finish(
-        static_cast<int32_t>(peer->info.id_),
-        peer->info.name_,
-        std::move(profile),
-        std::move(response),
-        [self, call = std::move(call)](
-            c10::intrusive_ptr<rpc::Message> reply) mutable {
-          // Callbacks may block (a nested rpc_sync): the completion
-          // thread grows, a track does not.
-          self->completions_.run([self,
-                                  call = std::move(call),
-                                  reply = std::move(reply)]() mutable {
-            self->complete(call, std::move(reply));
-          });
-        });
-    return;
-  }
-  const bool lone = call.sentAlone && lastInFlight;
-  auto completion =
-      [self, call = std::move(call), response = std::move(response)]() mutable {
-        self->complete(call, std::move(response));
-      };
-  if (!lone) {
-    // One of several calls in flight (pipelined rpc_async, or concurrent
-    // callers): completed on the completion thread. Its callbacks usually
-    // take the GIL (torch converts the response to a Python object), which
-    // the thread issuing the calls holds most of the time; on the loop that
-    // wait stalled the reading of every other response (and after 2 ms
-    // handed the loop to a new thread, which then stalled the same way).
-    // Measured, 2000 pipelined calls, 3 alternating runs of 7 bursts:
-    // 37.0k/22.4k/20.1k -> 43.5k/31.9k/25.6k calls/s (median burst), loop
-    // takeovers per 7 bursts 2-27 -> 0 (docs/performance.md).
-    self->completions_.run(std::move(completion));
-    return;
-  }
-  // A lone call completed (the rpc_sync pattern): on the loop thread that
-  // read the response, right after the read pass, so the waiting caller is
-  // woken straight from here with no hop. Then poll instead of sleeping: the
-  // caller is about to send its next call. Keeping this core busy also makes
-  // waking that caller cheap: on this VM a wake-up onto an idle (halted)
-  // vCPU costs ~25 us. Measured, 4 alternating runs of 3000 calls: builtin
-  // 51.8 -> 29.7 us, Python UDF 54.9 -> 31.3 us.
-  conn.runAfterDispatch(std::move(completion), /*expectMore=*/true);
-}
-
-void Agent::complete(
-    CallTable::Call& call,
-    c10::intrusive_ptr<rpc::Message> response) {
-  // Counted as finished even if a callback of the future throws (upstream's
-  // RRef callbacks do when a notification failed).
-  CallFinished finished(*this);
-  // The future records its events on the streams the tensors arrived on;
-  // a waiter's stream then waits for them, never the host.
-  c10::MultiStreamGuard streams(call.arrival);
-  if (response->type() == rpc::MessageType::EXCEPTION) {
-    std::string text(response->payload().begin(), response->payload().end());
-    call.future->setErrorIfNeeded(
-        std::make_exception_ptr(std::runtime_error(text)));
-  } else {
-    // With the storages named: a future with devices cannot look inside a
-    // Message to find them.
-    auto storages = response->getStorages();
-    call.future->markCompleted(c10::IValue(response), std::move(storages));
-  }
-}
-
-void Agent::settleWithError(CallTable::Call call, std::string error) {
-  auto future = call.future;
-  auto task = [this, future, error = std::move(error)] {
-    CallFinished finished(*this);
-    try {
-      future->setErrorIfNeeded(
-          std::make_exception_ptr(std::runtime_error(error)));
-    } catch (const c10::Error& e) {
-      // A callback threw (upstream's RRef callbacks rethrow the error).
-      logWarning(
-          "torch_rpc_ext: a callback of a failed call threw: " +
-          std::string(e.what_without_backtrace()));
-    } catch (const std::exception& e) {
-      logWarning(
-          "torch_rpc_ext: a callback of a failed call threw: " +
-          std::string(e.what()));
+          " s: ",
+          clientActiveCalls_,
+          " calls of ",
+          workerInfo_.name_,
+          " are still waiting for responses");
     }
   };
-  // After shutdown the pool no longer runs tasks; settle inline then.
-  if (shutdownDone_.load()) {
-    task();
-  } else {
-    pool_.run(std::move(task));
-  }
-}
-
-void Agent::callFinished() {
-  {
-    std::lock_guard<std::mutex> lock(callCountMutex_);
-    --clientActiveCalls_;
-  }
-  callCountCv_.notify_all();
-}
-
-frame::InboundBuffers Agent::onFrameHead(
-    transport::Connection& /*conn*/,
-    const std::string& head,
-    const std::vector<uint64_t>& segmentSizes,
-    const std::vector<bool>& provided) {
-  // A throw rejects the frame; onClosed counts it (rejectedPeer()).
-  auto in =
-      wire::InboundMessage::prepare(head, segmentSizes, buffers_, provided);
-  return in->buffers(in);
-}
-
-void Agent::onFrame(
-    const std::shared_ptr<transport::Connection>& conn,
-    std::string /*head*/,
-    frame::InboundBuffers buffers) {
-  auto* in = static_cast<wire::InboundMessage*>(buffers.keepAlive.get());
-  Peer* peer = memberOn(*conn); // null: it departed (responses still count)
-  c10::intrusive_ptr<rpc::Message> message;
-  std::vector<c10::Stream> streams;
-  try {
-    if (!in->cudaDevices().empty()) {
-      streams = arrivalStreams();
+  if (worldSize_ == 0) {
+    // A dynamic group has no barrier: a member leaves alone, once its own
+    // calls are answered (group_elastic.cpp).
+    drain();
+    if (shutdown) {
+      group_.leave(deadline);
+      shuttingDown_ = true;
     }
-    auto streamOf = [&](c10::DeviceIndex device) -> const c10::Stream& {
-      for (const auto& s : streams) {
-        if (s.device_index() == device) {
-          return s;
-        }
-      }
-      TORCH_CHECK(
-          false,
-          "a tensor arrived on cuda:",
-          int(device),
-          ", which is not among the devices of ",
-          workerInfo_.name_);
-    };
-    wire::InboundMessage::DeviceLanding landing;
-    if (!options_.cudaZeroCopy) {
-      landing = [&](c10::DeviceIndex device,
-                    uintptr_t,
-                    const std::vector<std::pair<uintptr_t, size_t>>& spans) {
-        return landOnDevice(streamOf(device), spans);
-      };
-    }
-    message = in->finish(
-        buffers,
-        [&](c10::DeviceIndex device) {
-          c10::impl::VirtualGuardImpl impl(c10::kCUDA);
-          return reinterpret_cast<uintptr_t>(
-              impl.getStreamNativeHandle(streamOf(device)));
-        },
-        landing);
-  } catch (const std::exception& e) {
-    if (peer) {
-      peer->stats.rejectedFrames.fetch_add(1, std::memory_order_relaxed);
-    }
-    conn->close(std::string("rejected message: ") + e.what());
-    logWarning(
-        "torch_rpc_ext: rejected message from " + conn->describe() + ": " +
-        e.what());
     return;
   }
-  if (message->isRequest()) {
-    if (!peer || peer->departed()) {
-      // Nothing a departed member sends is served: it drained its own calls
-      // before leaving, or was declared dead (and is fenced).
-      conn->close(
-          "worker id " + std::to_string(conn->peerId()) +
-          " is not a member of the group at epoch " +
-          std::to_string(view()->epoch));
+  while (true) {
+    drain();
+    // Everyone arrives with no calls of their own in flight...
+    group_.barrier(0, deadline, timeout);
+    // ...then counts what started meanwhile (nested or follow-up calls). The
+    // lock keeps our count from going stale while it is summed; another round
+    // runs if anybody still has calls.
+    std::unique_lock<std::mutex> lock(callCountMutex_);
+    if (group_.barrier(clientActiveCalls_, deadline, timeout) == 0) {
+      if (shutdown) {
+        shuttingDown_ = true;
+        group_.leaveBarrier(deadline, timeout);
+      }
       return;
     }
-    peer->stats.bytesReceived.fetch_add(
-        in->byteSize(), std::memory_order_relaxed);
-    peer->stats.callsServed.fetch_add(1, std::memory_order_relaxed);
-    ++serverActiveCalls_;
-    // Served on this loop thread after the read pass: no hop (see settle).
-    auto self = shared_from_this();
-    conn->runAfterDispatch(
-        [self,
-         conn,
-         message = std::move(message),
-         streams = std::move(streams)]() mutable {
-          self->serveRequest(
-              std::move(conn), std::move(message), std::move(streams));
-        },
-        /*expectMore=*/true);
-    return;
   }
-  size_t remaining = 0;
-  auto call = calls_.take(message->id(), &remaining);
-  if (!call) {
-    // Its caller gave up (timeout) or the id is bogus; nothing to settle.
-    lateResponses_.fetch_add(1, std::memory_order_relaxed);
-    return;
+}
+
+// ---- GroupListener: the parts the group hears from -------------------------
+
+Route Agent::routeFor(const std::string& name, const std::string& offers) {
+  return connections_.routeFor(name, offers);
+}
+
+GroupListener::Probe Agent::probe(const Peer& peer) {
+  return connections_.probe(peer);
+}
+
+std::vector<std::string> Agent::whyUnreachable(
+    const std::vector<const Peer*>& peers,
+    std::chrono::milliseconds within) {
+  return connections_.whyUnreachable(peers, within);
+}
+
+bool Agent::listenerAnswers(
+    const std::string& name,
+    const std::string& offers,
+    std::chrono::milliseconds within) {
+  return connections_.listenerAnswers(name, offers, within);
+}
+
+void Agent::onDeparted(const Peer& peer, bool dead) {
+  connections_.dropPeer(peer, dead);
+  rrefs_.release(
+      static_cast<rpc::worker_id_t>(peer.info.id_),
+      peer.info.name_,
+      peer.departure());
+}
+
+void Agent::onFenced(const std::string& reason) {
+  connections_.closeOutbound(reason);
+}
+
+void Agent::reserveIds(int32_t rank, int64_t generation) {
+  torch_private::reserveIdRange(rank, generation);
+}
+
+int64_t Agent::callsBeingServed() {
+  return serverActiveCalls_.load();
+}
+
+// ---- What it reports --------------------------------------------------------
+
+void Agent::addGilWaitTime(std::chrono::microseconds gilWaitTime) {
+  gilWaitTotalUs_.fetch_add(gilWaitTime.count(), std::memory_order_relaxed);
+  gilWaitCount_.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::unordered_map<std::string, std::string> Agent::getMetrics() {
+  std::unordered_map<std::string, std::string> m;
+  m["agent.thread_pool_size"] = std::to_string(pool_.size());
+  m["agent.num_idle_threads"] = std::to_string(pool_.idle());
+  {
+    std::lock_guard<std::mutex> lock(callCountMutex_);
+    m["agent.client_active_calls"] = std::to_string(clientActiveCalls_);
   }
-  call->peer->stats.bytesReceived.fetch_add(
-      in->byteSize(), std::memory_order_relaxed);
-  call->arrival = std::move(streams);
-  settle(*conn, std::move(*call), std::move(message), remaining == 0);
+  m["agent.server_active_calls"] = std::to_string(serverActiveCalls_.load());
+  m["agent.server_active_async_calls"] =
+      std::to_string(serverActiveAsyncCalls_.load());
+  if (isGILProfilingEnabled()) {
+    auto n = gilWaitCount_.load();
+    m["agent.gil_average_wait_time_us"] =
+        std::to_string(n == 0 ? 0 : gilWaitTotalUs_.load() / n);
+  }
+  m["rpc_ext.late_responses"] = std::to_string(lateResponses_.load());
+  m["rpc_ext.cached_operators"] =
+      std::to_string(static_cast<const ServeCallback&>(*cb_).cachedOperators());
+  m["rpc_ext.receive_pool_cached_bytes"] =
+      std::to_string(buffers_->cachedBytes());
+  m["rpc_ext.receive_pool_live_blocks"] =
+      std::to_string(buffers_->liveBlocks());
+  devices_.addMetrics(m);
+  connections_.addMetrics(m);
+  // Every peer is listed from the start, idle or not: the key set must not
+  // change with traffic (upstream's test_debug_info compares the keys of two
+  // snapshots taken while other workers may already be calling us). In a
+  // dynamic group it changes only as members join: every name ever seen
+  // stays, its counters summed over the workers that held it.
+  std::map<std::string, std::array<uint64_t, 7>> byName;
+  for (const auto& peer : group_.everyPeer()) {
+    const auto& s = peer->stats;
+    auto& sum = byName[peer->info.name_];
+    sum[0] += s.callsSent.load();
+    sum[1] += s.callsServed.load();
+    sum[2] += s.bytesSent.load();
+    sum[3] += s.bytesReceived.load();
+    sum[4] += s.errors.load();
+    sum[5] += s.timeouts.load();
+    sum[6] += s.rejectedFrames.load();
+  }
+  static const char* const kCounters[] = {
+      "calls_sent",
+      "calls_served",
+      "bytes_sent",
+      "bytes_received",
+      "errors",
+      "timeouts",
+      "rejected_frames"};
+  for (const auto& [name, sum] : byName) {
+    for (size_t i = 0; i < sum.size(); ++i) {
+      m["rpc_ext.peer." + name + "." + kCounters[i]] = std::to_string(sum[i]);
+    }
+  }
+  if (worldSize_ == 0) {
+    group_.addMetrics(m);
+    rrefs_.addMetrics(m);
+  }
+  return m;
+}
+
+std::unordered_map<std::string, std::string> Agent::getDebugInfo() {
+  auto m = getMetrics();
+  connections_.addDebugInfo(m);
+  m["rpc_ext.pending_calls"] = std::to_string(calls_.size());
+  return m;
 }
 
 } // namespace torch_rpc_ext

@@ -27,8 +27,11 @@ using JitFuture = c10::ivalue::Future;
 // and its deadline. Exactly one of response, timeout, connection failure or
 // shutdown removes an entry, so a future is settled once.
 //
-// A thread wakes at the earliest deadline and hands expired entries to the
-// timeout callback outside the lock.
+// Threads: add() runs on senders' threads; take() on loop threads as
+// responses arrive; takeConnection() on the loop thread reporting a close;
+// takeAll() and stop() at shutdown. The table's own thread wakes at the
+// earliest deadline and hands expired entries to the timeout callback
+// outside the lock. mutex_ guards calls_, deadlines_, wakeAt_, stopping_.
 class CallTable {
  public:
   struct Call {

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// The agent's CUDA side (docs/cuda.md, "The agent's CUDA path"): its devices
-// and maps, the streams tensors arrive on, how they leave.
+// The agent's CUDA side: devices.h.
+#include "csrc/agent/devices.h"
+
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/StreamGuard.h>
@@ -8,18 +9,17 @@
 
 #include <optional>
 
-#include "csrc/agent/agent.h"
 #include "csrc/channel/registry.h"
 #include "csrc/common/logging.h"
 
 namespace torch_rpc_ext {
 
-rpc::DeviceMap Agent::getDeviceMap(const rpc::WorkerInfo& dst) const {
-  auto it = options_.deviceMaps.find(dst.name_);
+rpc::DeviceMap AgentDevices::mapTo(const std::string& name) const {
+  auto it = options_.deviceMaps.find(name);
   return it == options_.deviceMaps.end() ? rpc::DeviceMap{} : it->second;
 }
 
-void Agent::recordCudaUse(const rpc::Message& message) {
+void AgentDevices::recordCudaUse(const rpc::Message& message) {
   std::optional<c10::impl::VirtualGuardImpl> impl;
   for (const auto& t : message.tensors()) {
     if (t.is_cuda()) {
@@ -32,7 +32,7 @@ void Agent::recordCudaUse(const rpc::Message& message) {
   }
 }
 
-void Agent::useTorchForChannelMemory() {
+void AgentDevices::useTorchForChannelMemory() const {
   // Process-wide: the last agent's options stand (one agent per process).
   channel::setCudaMemoryPolicy(options_.cudaIpcMemoryLimit, [](int) {
     // Torch's allocator frees every device's unused cached blocks (torch
@@ -52,7 +52,7 @@ void Agent::useTorchForChannelMemory() {
   });
 }
 
-std::vector<c10::DataPtr> Agent::landOnDevice(
+std::vector<c10::DataPtr> AgentDevices::land(
     const c10::Stream& stream,
     const std::vector<std::pair<uintptr_t, size_t>>& spans) {
   std::vector<c10::DataPtr> out;
@@ -83,13 +83,13 @@ std::vector<c10::DataPtr> Agent::landOnDevice(
       stream.device_index(),
       reinterpret_cast<uintptr_t>(impl.getStreamNativeHandle(stream)),
       copies);
-  cudaLandings_.fetch_add(1, std::memory_order_relaxed);
-  cudaLanded_.fetch_add(spans.size(), std::memory_order_relaxed);
-  cudaLandedBytes_.fetch_add(bytes, std::memory_order_relaxed);
+  landings_.fetch_add(1, std::memory_order_relaxed);
+  landed_.fetch_add(spans.size(), std::memory_order_relaxed);
+  landedBytes_.fetch_add(bytes, std::memory_order_relaxed);
   return out;
 }
 
-std::vector<c10::Stream> Agent::arrivalStreams() const {
+std::vector<c10::Stream> AgentDevices::arrivalStreams() const {
   std::vector<c10::Stream> out;
   if (options_.devices.empty()) {
     return out; // (finish() then names the device no stream is for)
@@ -101,11 +101,12 @@ std::vector<c10::Stream> Agent::arrivalStreams() const {
   return out;
 }
 
-wire::DeviceRoute Agent::routeTo(const Peer& peer, const rpc::DeviceMap& map)
-    const {
+wire::DeviceRoute AgentDevices::routeTo(
+    const std::string& peer,
+    const rpc::DeviceMap& map) const {
   wire::DeviceRoute route;
   route.map = map;
-  route.peer = peer.info.name_;
+  route.peer = peer;
   // A tensor's bytes are read on the sender's current stream of its device,
   // after whatever it queued there (recordCudaUse() tells the caching
   // allocator, so a storage freed meanwhile is not reused before the copy
@@ -116,6 +117,56 @@ wire::DeviceRoute Agent::routeTo(const Peer& peer, const rpc::DeviceMap& map)
         impl.getStreamNativeHandle(impl.getStream(device)));
   };
   return route;
+}
+
+c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
+    wire::InboundMessage& in,
+    frame::InboundBuffers& buffers,
+    std::vector<c10::Stream>& streams) {
+  if (!in.cudaDevices().empty()) {
+    streams = arrivalStreams();
+  }
+  auto streamOf = [&](c10::DeviceIndex device) -> const c10::Stream& {
+    for (const auto& s : streams) {
+      if (s.device_index() == device) {
+        return s;
+      }
+    }
+    TORCH_CHECK(
+        false,
+        "a tensor arrived on cuda:",
+        int(device),
+        ", which is not among the devices of ",
+        self_);
+  };
+  wire::InboundMessage::DeviceLanding landing;
+  if (!options_.cudaZeroCopy) {
+    landing = [&](c10::DeviceIndex device,
+                  uintptr_t,
+                  const std::vector<std::pair<uintptr_t, size_t>>& spans) {
+      return land(streamOf(device), spans);
+    };
+  }
+  return in.finish(
+      buffers,
+      [&](c10::DeviceIndex device) {
+        c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+        return reinterpret_cast<uintptr_t>(
+            impl.getStreamNativeHandle(streamOf(device)));
+      },
+      landing);
+}
+
+void AgentDevices::addMetrics(
+    std::unordered_map<std::string, std::string>& m) const {
+  const auto d = channel::cudaMemoryStats();
+  m["rpc_ext.cuda.ipc_block_bytes"] = std::to_string(d.ipcBlockBytes);
+  m["rpc_ext.cuda.staging_block_bytes"] = std::to_string(d.stagingBlockBytes);
+  m["rpc_ext.cuda.oom_retries"] = std::to_string(d.oomRetries);
+  m["rpc_ext.cuda.ipc_declined_memory"] = std::to_string(d.ipcDeclined);
+  m["rpc_ext.cuda.landing_launches"] = std::to_string(landings_.load());
+  m["rpc_ext.cuda.landed_segments"] = std::to_string(landed_.load());
+  m["rpc_ext.cuda.landed_bytes"] = std::to_string(landedBytes_.load());
 }
 
 } // namespace torch_rpc_ext

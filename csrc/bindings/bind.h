@@ -16,6 +16,8 @@ void bindTestingCuda(py::module_& m);
 void bindTestingEndpoint(py::module_& m);
 // _testing.cuda's torch side: a CUDA device guard for a CPU torch.
 void bindTestingCudaTorch(py::module_& m);
+// _testing.agent: the agent's parts driven alone (Group, RRefGuard).
+void bindTestingAgent(py::module_& m);
 // _C._scripting: the remote-function registry (scripting/).
 void bindScripting(py::module_& m);
 // Give every thread the core starts a Python thread state for its life.

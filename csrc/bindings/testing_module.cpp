@@ -10,4 +10,5 @@ PYBIND11_MODULE(_testing, m) {
   torch_rpc_ext::bindings::bindTestingCuda(m);
   torch_rpc_ext::bindings::bindTestingEndpoint(m);
   torch_rpc_ext::bindings::bindTestingCudaTorch(m);
+  torch_rpc_ext::bindings::bindTestingAgent(m);
 }

@@ -3,10 +3,10 @@
 // "Leases"): each renews a lease in the store; the others watch it, probe a
 // member whose lease lapsed over the transport, and declare dead one they
 // cannot reach.
-#include "csrc/agent/agent.h"
-
 #include <algorithm>
 #include <thread>
+
+#include "csrc/agent/group.h"
 
 namespace torch_rpc_ext {
 
@@ -16,12 +16,12 @@ using Clock = std::chrono::steady_clock;
 
 } // namespace
 
-std::chrono::milliseconds Agent::leaseTimeout() const {
+std::chrono::milliseconds Group::leaseTimeout() const {
   return options_.heartbeatTimeout.count() > 0 ? options_.heartbeatTimeout
                                                : kDefaultHeartbeatTimeout;
 }
 
-void Agent::checkLeases() {
+void Group::checkLeases() {
   const auto now = Clock::now();
   std::vector<Member> stale;
   for (const auto& [rank, m] : roster_.members()) {
@@ -63,37 +63,37 @@ void Agent::checkLeases() {
             incarnation_,
             "its lease was not renewed for " +
                 secondsText(std::chrono::milliseconds(m.leaseMs)) +
-                " (seen by " + workerInfo_.name_ + ")"),
+                " (seen by " + self_.name_ + ")"),
         roster_.epoch());
     catchUp();
   }
 }
 
-bool Agent::reachable(const Member& m) {
+bool Group::reachable(const Member& m) {
   auto v = view();
   Peer* peer = v->find(m.rank);
   if (!peer || peer->incarnation != m.incarnation) {
     return false;
   }
-  std::shared_ptr<transport::Connection> conn;
-  try {
-    conn = connectionTo(*peer);
-  } catch (const std::exception&) {
-    return false;
-  }
-  if (conn->isReady() && !conn->isClosed()) {
-    return true;
-  }
-  // Still connecting: one more lease check to finish its handshake.
-  auto& lease = leases_[m.incarnation];
-  if (!conn->isClosed() && !lease.probing) {
-    lease.probing = true;
-    return true;
+  switch (listener_.probe(*peer)) {
+    case GroupListener::Probe::kReady:
+      return true;
+    case GroupListener::Probe::kConnecting: {
+      // One more lease check to finish its handshake.
+      auto& lease = leases_[m.incarnation];
+      if (!lease.probing) {
+        lease.probing = true;
+        return true;
+      }
+      return false;
+    }
+    case GroupListener::Probe::kUnreachable:
+      break;
   }
   return false;
 }
 
-void Agent::awaitHolderGone(
+void Group::awaitHolderGone(
     Member held,
     const Member& me,
     Clock::time_point& deadline,
@@ -117,7 +117,7 @@ void Agent::awaitHolderGone(
         break;
       }
       lock.unlock(); // a probe may take a second
-      const bool answers = listenerAnswers(held, lease);
+      const bool answers = listener_.listenerAnswers(held.name, held.offers, lease);
       lock.lock();
       if (!answers) {
         break;
@@ -167,20 +167,6 @@ void Agent::awaitHolderGone(
               " (seen by " + me.name + ", which takes its " + what + ")"),
       roster_.epoch());
   catchUp();
-}
-
-bool Agent::listenerAnswers(const Member& m, std::chrono::milliseconds within) {
-  try {
-    Route route = chooseRoute(m.name, m.offers);
-    auto it = transports_.find(route.transport);
-    return it != transports_.end() &&
-        it->second->listenerAnswers(
-            route.address,
-            std::min<std::chrono::milliseconds>(
-                within, std::chrono::seconds(1)));
-  } catch (const std::exception&) {
-    return false; // no transport of ours reaches it
-  }
 }
 
 } // namespace torch_rpc_ext

@@ -32,11 +32,11 @@ void Agent::serveRequest(
     // One stream per device of ours (those the request's CUDA tensors
     // arrived on): the user's function runs under them.
     if (streams.empty() && !options_.devices.empty()) {
-      streams = arrivalStreams();
+      streams = devices_.arrivalStreams();
     }
     if (worldSize_ == 0) {
       // Who holds which of our forks, for when a holder departs.
-      trackForks(*request, conn->peerId());
+      rrefs_.trackForks(*request, conn->peerId());
     }
     result = (*cb_)(*request, std::move(streams));
   } catch (...) {
@@ -81,23 +81,23 @@ void Agent::sendResponse(
     response = result.value().toCustomClass<rpc::Message>();
   }
   frame::OutboundFrame frame;
-  Peer* peer = memberOn(conn);
+  Peer* peer = group_.memberOn(conn.peerId(), conn.peerIncarnation());
   try {
     std::optional<wire::DeviceRoute> route;
     if (!options_.devices.empty() && peer) {
       // Back through the reverse of the caller's map. (This callback runs
       // under streams that wait for the result's events: the current ones.)
       auto it = options_.reverseDeviceMaps.find(peer->info.name_);
-      route = routeTo(
-          *peer,
+      route = devices_.routeTo(
+          peer->info.name_,
           worldSize_ == 0 ? peer->route.reverseDeviceMap
               : it == options_.reverseDeviceMaps.end() ? rpc::DeviceMap{}
                                                        : it->second);
     }
     frame = wire::encodeMessage(response, id, route ? &*route : nullptr);
-    recordCudaUse(*response);
+    AgentDevices::recordCudaUse(*response);
     if (worldSize_ == 0) {
-      trackOwnForks(*response, conn.peerId()); // an RRef of ours returned
+      rrefs_.trackOwnForks(*response, conn.peerId()); // an RRef of ours returned
     }
     TORCH_CHECK(
         frame.wireSize() <= options_.maxFrameBytes,

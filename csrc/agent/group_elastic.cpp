@@ -1,22 +1,16 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// The agent in a dynamic group (init_rpc with world_size=None;
-// docs/elastic.md): joining through the membership log, the watcher thread that
-// applies the log and renews our lease (leases.cpp judges the others'), and
-// leaving.
+// The dynamic group (group.h; init_rpc with world_size=None,
+// docs/elastic.md): joining through the membership log, the watcher thread
+// that applies the log and renews our lease (group_leases.cpp judges the
+// others'), and leaving.
 #include <algorithm>
-#include <cstring>
-#include <sstream>
 
 #include <c10/util/StringUtil.h>
 
-#include <torch/csrc/distributed/rpc/rpc_agent.h>
-#include <torch/csrc/distributed/rpc/rref_proto.h>
-#include <torch/csrc/utils/pybind.h>
+#include <thread>
 
-#include "csrc/agent/agent.h"
 #include "csrc/agent/dynamic_devices.h"
-#include "csrc/agent/torch_private.h"
-#include "csrc/common/crypto.h"
+#include "csrc/agent/group.h"
 #include "csrc/common/logging.h"
 
 namespace torch_rpc_ext {
@@ -32,40 +26,16 @@ constexpr auto kIdlePoll = std::chrono::milliseconds(200);
 
 } // namespace
 
-uint64_t drawIncarnation() {
-  uint64_t inc = 0;
-  while (inc == 0) {
-    std::string bytes = randomBytes(sizeof(inc));
-    std::memcpy(&inc, bytes.data(), sizeof(inc));
-  }
-  return inc;
-}
-
-std::string Agent::admissionError(int32_t id, uint64_t incarnation) const {
-  auto v = view();
-  Peer* p = v->find(id);
-  if (!p || p->departed()) {
-    return "worker id " + std::to_string(id) +
-        " is not a member of the group at epoch " + std::to_string(v->epoch);
-  }
-  if (p->incarnation != incarnation) {
-    return "worker id " + std::to_string(id) + " (incarnation " +
-        incarnationText(incarnation) + ") is not its current holder " +
-        p->info.name_ + " (incarnation " + incarnationText(p->incarnation) +
-        ")";
-  }
-  return "";
-}
-
-void Agent::joinGroup(const std::string& entry) {
-  const auto& self = getWorkerInfo();
+void Group::joinLog(
+    const std::string& entry,
+    std::chrono::milliseconds rpcTimeout) {
+  const auto& self = self_;
   log_ = std::make_unique<MembershipLog>(store_);
   log_->beat(incarnation_);
   // A member that died meanwhile is declared dead by its lease, which ends
   // any wait for it; this bounds the rest (a store that stopped answering).
   const auto joinTimeout = std::max<std::chrono::milliseconds>(
-      getRpcTimeout().count() > 0 ? getRpcTimeout()
-                                  : options_.rendezvousTimeout,
+      rpcTimeout.count() > 0 ? rpcTimeout : options_.rendezvousTimeout,
       3 * leaseTimeout());
   auto deadline = Clock::now() + joinTimeout;
   Member me;
@@ -111,7 +81,7 @@ void Agent::joinGroup(const std::string& entry) {
     }
     // Our RRef and autograd ids start past every earlier holder's of this
     // rank (torch derives them from the rank alone).
-    torch_private::reserveIdRange(me.rank, log_->nextGeneration(me.rank));
+    listener_.reserveIds(me.rank, log_->nextGeneration(me.rank));
     epoch = log_->append(joinRecord(me), roster_.epoch());
     while (roster_.epoch() < epoch) {
       catchUp();
@@ -136,7 +106,7 @@ void Agent::joinGroup(const std::string& entry) {
     std::lock_guard<std::mutex> lock(watcherMutex_);
     watcherStop_ = false;
   }
-  watcher_ = std::thread([this] { watchMembership(); });
+  watcher_ = std::thread([this] { watch(); });
   // Return once every member knows us: a member may call us as soon as our
   // init_rpc returned (upstream's test_dynamic_rpc_existing_rank_...).
   std::vector<std::string> missing;
@@ -159,7 +129,7 @@ void Agent::joinGroup(const std::string& entry) {
   }
 }
 
-bool Agent::catchUp() {
+bool Group::catchUp() {
   bool changed = false;
   if (roster_.epoch() == 0) {
     // A joiner starts from the newest snapshot, if any, not from epoch 1.
@@ -185,7 +155,7 @@ bool Agent::catchUp() {
   return changed;
 }
 
-void Agent::applyEvent(const MembershipEvent& ev) {
+void Group::applyEvent(const MembershipEvent& ev) {
   auto old = view();
   auto next = std::make_shared<View>(*old);
   next->epoch = ev.epoch;
@@ -199,7 +169,7 @@ void Agent::applyEvent(const MembershipEvent& ev) {
     case MembershipEvent::Kind::kJoin: {
       Route route;
       try {
-        route = chooseRoute(ev.member.name, ev.member.offers);
+        route = listener_.routeFor(ev.member.name, ev.member.offers);
       } catch (const std::exception& e) {
         route.unreachable = e.what(); // calls to it fail with this
       }
@@ -235,45 +205,18 @@ void Agent::applyEvent(const MembershipEvent& ev) {
               ") was declared dead by the group" + epochText + ": " + ev.reason;
           fenced_ = true;
           logWarning("torch_rpc_ext: " + fencedReason_);
-          std::lock_guard<std::mutex> lock(connMutex_);
-          for (auto& [p, conn] : outbound_) {
-            conn->close(fencedReason_);
-          }
+          listener_.onFenced(fencedReason_);
         }
         break;
       }
       if (!peer) {
         break;
       }
-      // Departed first, then its connections closed under connMutex_: no
-      // connection to it is opened afterwards (connectionTo), and calls on
-      // the closed ones fail naming why (onClosed).
-      // A member that left drained its own calls first and still answers
-      // ours in flight: its connections stay open until it closes them. A
-      // dead one's are closed now, failing our calls to it.
+      // Departed first, then its connections closed (connectionTo opens
+      // none to a departed peer) and what it left in torch's RRef state
+      // dropped, before we acknowledge the departure.
       peer->depart(why);
-      std::vector<std::shared_ptr<transport::Connection>> closing;
-      {
-        std::lock_guard<std::mutex> lock(connMutex_);
-        auto out = outbound_.find(peer.get());
-        if (out != outbound_.end()) {
-          closing.push_back(out->second);
-          outbound_.erase(out);
-        }
-        auto range = inbound_.equal_range(ev.member.rank);
-        for (auto it = range.first; it != range.second; ++it) {
-          if (auto conn = it->second.lock()) {
-            closing.push_back(std::move(conn));
-          }
-        }
-        inbound_.erase(ev.member.rank);
-      }
-      if (ev.kind == MembershipEvent::Kind::kDead) {
-        for (auto& conn : closing) {
-          conn->close(why);
-        }
-      }
-      releaseForksOf(*peer);
+      listener_.onDeparted(*peer, ev.kind == MembershipEvent::Kind::kDead);
       break;
     }
   }
@@ -294,67 +237,7 @@ void Agent::applyEvent(const MembershipEvent& ev) {
   }
 }
 
-void Agent::releaseForksOf(const Peer& peer) {
-  // Only while we are torch's running agent (a departure applied while we
-  // join concerns nothing of ours; RRefContext is torn down before our
-  // shutdown), and before we acknowledge the departure, so no later holder
-  // of its id can have created anything here yet.
-  if (!rrefsLive_.load()) {
-    return;
-  }
-  const auto departed = static_cast<rpc::worker_id_t>(peer.info.id_);
-  try {
-    size_t n = torch_private::dropForks(
-        [&](const rpc::RRefId& /*rrefId*/, const rpc::ForkId& forkId) {
-          // Who holds a fork: the worker that asked us to register it (a
-          // fork request), else the one that minted it (its own remote()).
-          std::lock_guard<std::mutex> lock(forkHoldersMutex_);
-          auto it = forkHolders_.find(forkId);
-          if (it != forkHolders_.end()) {
-            if (it->second != departed) {
-              return false;
-            }
-            forkHolders_.erase(it);
-            return true;
-          }
-          return forkId.createdOn_ == departed;
-        },
-        [this](c10::intrusive_ptr<rpc::RRef> owner) {
-          // A Python value is dropped with the GIL, off this thread.
-          pool_.run([owner = std::move(owner)]() mutable {
-            pybind11::gil_scoped_acquire gil;
-            owner.reset();
-          });
-        });
-    droppedForks_.fetch_add(n, std::memory_order_relaxed);
-    // The distributed autograd contexts it created here (its forward
-    // passes' RPCs to us): it will never release them. Autograd context ids
-    // carry their creator's worker id in the top 16 bits.
-    size_t contexts = torch_private::dropAutogradContexts([&](int64_t id) {
-      return (id >> 48) == static_cast<int64_t>(departed);
-    });
-    droppedAutogradContexts_.fetch_add(contexts, std::memory_order_relaxed);
-    // The RRefs we use that it owned: their values are gone with it. A
-    // later holder of its id must never be asked for them (it would wait
-    // for a value that cannot come); send() refuses such requests.
-    auto owned = torch_private::userRRefsOwnedBy(departed);
-    if (!owned.empty()) {
-      std::string why = peer.departure();
-      std::lock_guard<std::mutex> lock(staleRRefsMutex_);
-      for (const auto& id : owned) {
-        staleRRefs_[id] = why;
-      }
-      hasStaleRRefs_.store(true, std::memory_order_release);
-    }
-  } catch (const std::exception& e) {
-    logWarning(
-        "torch_rpc_ext: " + workerInfo_.name_ +
-        " could not release the RRef forks and autograd contexts of " +
-        peer.info.name_ + ": " + e.what());
-  }
-}
-
-void Agent::watchMembership() {
+void Group::watch() {
   auto pause = kBusyPoll;
   std::string lastError;
   while (true) {
@@ -397,7 +280,7 @@ void Agent::watchMembership() {
       if (lastError != e.what()) {
         lastError = e.what();
         logWarning(
-            "torch_rpc_ext: " + workerInfo_.name_ +
+            "torch_rpc_ext: " + self_.name_ +
             " cannot read the group's membership from the store: " + lastError);
       }
       pause = kIdlePoll;
@@ -405,7 +288,7 @@ void Agent::watchMembership() {
   }
 }
 
-void Agent::ackApplied() {
+void Group::ackApplied() {
   // Everything applied is acknowledged, however it was applied (by this
   // loop, by join or leave, by a lease check): a joiner waits for it.
   if (roster_.epoch() > ackedEpoch_) {
@@ -414,7 +297,7 @@ void Agent::ackApplied() {
   }
 }
 
-bool Agent::awaitAcks(
+bool Group::awaitAcks(
     int64_t epoch,
     Clock::time_point deadline,
     std::vector<std::string>* missing) {
@@ -439,7 +322,7 @@ bool Agent::awaitAcks(
   }
 }
 
-void Agent::leaveGroup(std::optional<Clock::time_point> deadline) {
+void Group::leave(std::optional<Clock::time_point> deadline) {
   if (left_.exchange(true) || !log_) {
     return;
   }
@@ -461,11 +344,11 @@ void Agent::leaveGroup(std::optional<Clock::time_point> deadline) {
   std::vector<std::string> missing;
   if (!awaitAcks(epoch, until, &missing)) {
     logWarning(
-        "torch_rpc_ext: " + workerInfo_.name_ + " leaves before " +
+        "torch_rpc_ext: " + self_.name_ + " leaves before " +
         c10::Join(", ", missing) + " acknowledged it");
   }
   auto pause = std::chrono::milliseconds(1);
-  while (serverActiveCalls_.load() > 0 && Clock::now() < until) {
+  while (listener_.callsBeingServed() > 0 && Clock::now() < until) {
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, kBusyPoll);
   }
@@ -477,8 +360,7 @@ void Agent::leaveGroup(std::optional<Clock::time_point> deadline) {
   }
 }
 
-void Agent::stopMembership() {
-  rrefsLive_ = false;
+void Group::stop() {
   if (log_ && !left_.exchange(true)) {
     // Not a graceful leave (shutdown(graceful=False), or an error): tell the
     // group at once rather than let our lease run out.
@@ -488,7 +370,7 @@ void Agent::stopMembership() {
       log_->forget(incarnation_);
     } catch (const std::exception& e) {
       logWarning(
-          "torch_rpc_ext: " + workerInfo_.name_ +
+          "torch_rpc_ext: " + self_.name_ +
           " could not record leaving the group (its lease will run out): " +
           e.what());
     }
@@ -496,60 +378,7 @@ void Agent::stopMembership() {
   stopWatcher();
 }
 
-c10::intrusive_ptr<JitFuture> Agent::refuseStaleRRefUse(
-    const rpc::WorkerInfo& to,
-    const rpc::Message& message) {
-  std::optional<rpc::RRefId> id;
-  bool deletion = false;
-  try {
-    switch (message.type()) {
-      case rpc::MessageType::SCRIPT_RREF_FETCH_CALL:
-        id.emplace(rpc::ScriptRRefFetchCall::fromMessage(message)->rrefId());
-        break;
-      case rpc::MessageType::PYTHON_RREF_FETCH_CALL:
-        id.emplace(rpc::PythonRRefFetchCall::fromMessage(message)->rrefId());
-        break;
-      case rpc::MessageType::RREF_FORK_REQUEST:
-        id.emplace(rpc::RRefForkRequest::fromMessage(message)->rrefId());
-        break;
-      case rpc::MessageType::RREF_USER_DELETE:
-        id.emplace(rpc::RRefUserDelete::fromMessage(message)->rrefId());
-        deletion = true;
-        break;
-      default:
-        return nullptr;
-    }
-  } catch (const std::exception&) {
-    return nullptr; // not ours to judge: the callee refuses it
-  }
-  std::string why;
-  {
-    std::lock_guard<std::mutex> lock(staleRRefsMutex_);
-    auto it = staleRRefs_.find(*id);
-    if (it == staleRRefs_.end()) {
-      return nullptr;
-    }
-    why = it->second;
-    if (deletion) {
-      staleRRefs_.erase(it); // its last use
-    }
-  }
-  auto done =
-      c10::make_intrusive<JitFuture>(at::AnyClassType::get(), getDevices());
-  if (deletion) {
-    // Nothing to delete: the owner and its value are gone.
-    done->markCompleted(c10::IValue(rpc::RRefAck().toMessage()));
-    return done;
-  }
-  std::ostringstream text;
-  text << "RRef " << *id << " was owned by a previous holder of " << to.name_
-       << ", and its value is gone with it (" << why << "); the current "
-       << to.name_ << " does not have it";
-  done->setError(std::make_exception_ptr(std::runtime_error(text.str())));
-  return done;
-}
-
-void Agent::stopWatcher() {
+void Group::stopWatcher() {
   {
     std::lock_guard<std::mutex> lock(eventsMutex_);
     eventsClosed_ = true;
@@ -565,7 +394,7 @@ void Agent::stopWatcher() {
   }
 }
 
-std::optional<std::vector<MembershipEvent>> Agent::takeMembershipEvents(
+std::optional<std::vector<MembershipEvent>> Group::takeEvents(
     std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(eventsMutex_);
   eventsCv_.wait_for(

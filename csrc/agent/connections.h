@@ -1,0 +1,168 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+// The agent's connections: the transports and channels it opened, its
+// listeners, a connection per peer it calls (outbound) and those peers
+// opened to it (inbound), and what arrives on them, handed to a FrameSink.
+//
+// Connections is the transports' ConnectionObserver: it admits an inbound
+// connection only from the current holder of its id (the Group says who
+// that is), keeps the maps, and passes frames and closes up.
+//
+// Threads and locks:
+//  - open(), start(): the thread running init_rpc, before any traffic.
+//  - connectionTo(): senders' threads, the join barrier, lease probes.
+//  - onReady(), onFrameHead(), onFrame(), onClosed(): the transports' loop
+//    threads (ConnectionObserver).
+//  - dropPeer(), closeOutbound(): the membership watcher (or the thread
+//    joining or leaving), under the group's roster lock.
+//  - stop(), dropAll(): shutdown.
+// connMutex_ guards outbound_ and inbound_. A connection is never closed
+// under it when closing may report onClosed on this thread (which takes
+// it). transports_, channels_, listeners_ and the addresses are written by
+// open() only, before any other call; read without a lock after.
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "csrc/agent/group.h"
+#include "csrc/agent/membership.h"
+#include "csrc/agent/options.h"
+#include "csrc/common/thread_pool.h"
+#include "csrc/transport/transport.h"
+
+namespace torch_rpc_ext {
+
+// Where what arrives goes (the Agent): the loop threads call it.
+class FrameSink {
+ public:
+  virtual ~FrameSink() = default;
+  // ConnectionObserver's, as the transports call them (transport.h).
+  virtual frame::InboundBuffers onFrameHead(
+      transport::Connection& conn,
+      const std::string& head,
+      const std::vector<uint64_t>& segmentSizes,
+      const std::vector<bool>& provided) = 0;
+  virtual void onFrame(
+      const std::shared_ptr<transport::Connection>& conn,
+      std::string head,
+      frame::InboundBuffers buffers) = 0;
+  // `conn` closed (and is out of the maps): fail the calls it carried.
+  virtual void onConnectionClosed(
+      transport::Connection& conn,
+      const std::string& reason) = 0;
+};
+
+class Connections final : private transport::ConnectionObserver {
+ public:
+  // worldSize 0: a dynamic group. `group` says who the members are; `sink` takes what arrives; `pool`
+  // drops what sent messages held, off the loop threads. All outlive us.
+  Connections(
+      const AgentOptions& options,
+      rpc::WorkerInfo self,
+      int worldSize,
+      const Group& group,
+      FrameSink& sink,
+      ThreadPool& pool);
+
+  // Create the transports and channels the options list and listen on each
+  // transport that is viable here (one that is not is left out with a
+  // warning; one that cannot listen throws). Returns our rendezvous offers:
+  // a line per transport ("\n<transport> <domain> <address>") and per
+  // channel ("\nchannel <name> <domain>").
+  std::string open(const std::string& secret, uint64_t incarnation);
+  // Accept connections (torch has made us its agent).
+  void start();
+  // Stop the transports: every connection closes (onClosed runs for each).
+  void stop();
+  // Forget the outbound connections (the end of shutdown).
+  void dropAll();
+
+  // The address peers on other hosts connect to, e.g. "10.0.0.5:41231"
+  // (the first transport's address when none crosses hosts).
+  const std::string& address() const {
+    return address_;
+  }
+  // How we reach a worker offering `offers` (its rendezvous entry after the
+  // name line): the first transport of our order it offers in our domain;
+  // throws if none.
+  Route routeFor(const std::string& name, const std::string& offers) const;
+  // Our connection to `peer`, opened if there is none; throws if it departed
+  // or no transport reaches it.
+  std::shared_ptr<transport::Connection> connectionTo(const Peer& peer);
+  // The channels a connection to `peerId` uses: ours (in our order of
+  // preference) that the peer offers in the same domain and the connection
+  // can host. Both ends compute the same set.
+  std::vector<channel::Offer> channelsFor(
+      int32_t peerId,
+      bool hostPassesDescriptors) const;
+
+  // ---- For the group (GroupListener) ----
+  GroupListener::Probe probe(const Peer& peer);
+  std::vector<std::string> whyUnreachable(
+      const std::vector<const Peer*>& peers,
+      std::chrono::milliseconds within);
+  bool listenerAnswers(
+      const std::string& name,
+      const std::string& offers,
+      std::chrono::milliseconds within);
+  // `peer` departed: its connections leave the maps, closed now if it was
+  // declared dead (a member that left closes its own once its last
+  // responses are out).
+  void dropPeer(const Peer& peer, bool closeNow);
+  // We were declared dead: close every connection we opened.
+  void closeOutbound(const std::string& reason);
+
+  // rpc_ext.<transport>.*, rpc_ext.channel.*, rejected connections
+  // (get_metrics); addresses, channels, each member's route (get_debug_info).
+  void addMetrics(std::unordered_map<std::string, std::string>& m) const;
+  void addDebugInfo(std::unordered_map<std::string, std::string>& m) const;
+
+ private:
+  // ConnectionObserver: loop threads.
+  void onReady(const std::shared_ptr<transport::Connection>& conn) override;
+  frame::InboundBuffers onFrameHead(
+      transport::Connection& conn,
+      const std::string& head,
+      const std::vector<uint64_t>& segmentSizes,
+      const std::vector<bool>& provided) override;
+  void onFrame(
+      const std::shared_ptr<transport::Connection>& conn,
+      std::string head,
+      frame::InboundBuffers buffers) override;
+  void onClosed(transport::Connection& conn, const std::string& reason)
+      override;
+  // The member holding the id `conn` is authenticated as, if any.
+  Peer* memberOn(const transport::Connection& conn) const;
+
+  const AgentOptions& options_;
+  const rpc::WorkerInfo self_;
+  const int worldSize_; // 0: a dynamic group
+  const Group& group_;
+  FrameSink& sink_;
+  ThreadPool& pool_;
+
+  std::string address_;
+  std::map<std::string, std::shared_ptr<transport::Transport>> transports_;
+  // Our viable channels, in order of preference.
+  std::vector<std::shared_ptr<channel::Context>> channels_;
+  std::vector<std::shared_ptr<transport::Listener>> listeners_;
+  std::map<std::string, std::string> listenAddresses_; // by transport
+
+  std::mutex connMutex_;
+  std::unordered_map<const Peer*, std::shared_ptr<transport::Connection>>
+      outbound_;
+  // Accepted connections by peer id, so a departing peer's connections are
+  // closed as it departs.
+  std::unordered_multimap<int32_t, std::weak_ptr<transport::Connection>>
+      inbound_;
+  std::atomic<uint64_t> rejectedConnections_{0};
+};
+
+} // namespace torch_rpc_ext

@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+// The agent's CUDA side (docs/cuda.md, "The agent's CUDA path"): its
+// devices and maps, the streams tensors arrive on, the copy of received
+// CUDA segments into torch's caching allocator, and how tensors leave.
+//
+// Threads: every member may be called from any thread (the caller's in
+// send(), loop threads as frames arrive, pool threads serving requests).
+// The only state is the options (const) and the landing counters (atomic):
+// no lock.
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <c10/core/Stream.h>
+#include <torch/csrc/distributed/rpc/message.h>
+#include <torch/csrc/distributed/rpc/types.h>
+
+#include "csrc/agent/options.h"
+#include "csrc/wire/codec.h"
+
+namespace torch_rpc_ext {
+
+namespace rpc = torch::distributed::rpc;
+
+class AgentDevices {
+ public:
+  // `self`: our worker name, for errors.
+  AgentDevices(const AgentOptions& options, std::string self)
+      : options_(options), self_(std::move(self)) {}
+
+  const std::vector<c10::Device>& devices() const {
+    return options_.devices;
+  }
+  // The options' map to worker `name` (empty if none).
+  rpc::DeviceMap mapTo(const std::string& name) const;
+  // How CUDA tensors to worker `peer` travel under `map`.
+  wire::DeviceRoute routeTo(const std::string& peer, const rpc::DeviceMap& map)
+      const;
+  // Tell the caching allocator that `message`'s CUDA storages are read on
+  // the current streams of their devices (by the channels' copies).
+  static void recordCudaUse(const rpc::Message& message);
+
+  // A stream from the pool for each of our devices, for an arriving message
+  // (empty without devices).
+  std::vector<c10::Stream> arrivalStreams() const;
+  // Turn a received frame into its message: CUDA tensors are ready on
+  // `streams` (filled with arrivalStreams() if the message has any) and,
+  // unless cuda_zero_copy, copied on them into torch's allocator (land()).
+  // Throws what the wire codec throws, or for a device that is not ours.
+  c10::intrusive_ptr<rpc::Message> finish(
+      wire::InboundMessage& in,
+      frame::InboundBuffers& buffers,
+      std::vector<c10::Stream>& streams);
+
+  // The CUDA channels' own device memory (channel/cuda/device_memory.h):
+  // bounded by cuda_ipc_memory_limit, and out of memory once, torch's
+  // caching allocator frees its cache before they try again. Process-wide.
+  void useTorchForChannelMemory() const;
+
+  // rpc_ext.cuda.* (get_metrics).
+  void addMetrics(std::unordered_map<std::string, std::string>& m) const;
+
+ private:
+  // A message's CUDA segments of one device (the channel's memory), copied
+  // on its arrival `stream` into memory of torch's CUDA allocator allocated
+  // on that stream (wire::InboundMessage::DeviceLanding), so that received
+  // tensors follow torch's stream rules: record_stream and a future's
+  // wait() on another stream keep the memory from reuse until that
+  // stream's work is done.
+  std::vector<c10::DataPtr> land(
+      const c10::Stream& stream,
+      const std::vector<std::pair<uintptr_t, size_t>>& spans);
+
+  const AgentOptions& options_;
+  const std::string self_;
+  // CUDA segments copied into torch's allocator on arrival, and their bytes.
+  std::atomic<uint64_t> landings_{0}; // launches (one per device)
+  std::atomic<uint64_t> landed_{0};
+  std::atomic<uint64_t> landedBytes_{0};
+};
+
+} // namespace torch_rpc_ext

@@ -1,0 +1,273 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+// The group: who the members are and how that changes (docs/elastic.md).
+//
+// A static group (init_rpc with world_size) is settled once, at rendezvous:
+// every worker publishes its entry in the store and reads everyone's; the
+// view never changes; join() is a barrier of store rounds. A dynamic group
+// (world_size=None) is a membership log in the store (membership.h): the
+// group joins by appending its record, a watcher thread applies the others'
+// records and renews our lease, the leases of the others are judged
+// (group_leases.cpp), and leaving appends a leave record. The difference
+// stays inside: the agent asks the same questions of either (a peer by id
+// or name, the current view) and hears from it through GroupListener.
+//
+// Files: group.cpp (start-up, lookups, the static group's rounds),
+// group_elastic.cpp (the dynamic group's join, watcher, log, leave),
+// group_leases.cpp (whether the members of a dynamic group are alive).
+//
+// Threads and locks:
+//  - view(), peerById(), memberOn(), worker(): any thread, on every call and
+//    frame; viewMutex_ guards only the pointer to the immutable View.
+//  - peersMutex_ guards peers_ (every Peer ever seen; never shrinks).
+//  - rosterMutex_ guards the roster and everything the watcher owns
+//    (leases_, ackedEpoch_, snapshotWritten_, joinRefusal_): the watcher
+//    thread, and the threads joining and leaving, apply the log under it.
+//    GroupListener's onDeparted() and onFenced() run under it.
+//  - eventsMutex_ guards events_, reportEvents_, eventsClosed_
+//    (takeEvents() runs on the Python event thread).
+//  - watcherMutex_ guards watcherStop_.
+// The lock order is rosterMutex_, then viewMutex_ / peersMutex_ /
+// eventsMutex_ (each held alone). No lock of ours is held while the
+// listener's probe(), listenerAnswers() or whyUnreachable() run except
+// rosterMutex_ (probe() from a lease check).
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/rpc/rpc_agent.h>
+
+#include "csrc/agent/membership.h"
+#include "csrc/agent/options.h"
+
+namespace torch_rpc_ext {
+
+// What the group needs from the rest of the agent (the Agent implements it;
+// unit tests, a fake). Calls come from the membership watcher thread and
+// the threads joining or leaving.
+class GroupListener {
+ public:
+  virtual ~GroupListener() = default;
+
+  // How we reach a worker that offers `offers` (its rendezvous entry after
+  // the name line); throws if no transport of ours does.
+  virtual Route routeFor(const std::string& name, const std::string& offers) =
+      0;
+  // Whether a member whose lease lapsed answers on the transport.
+  enum class Probe { kReady, kConnecting, kUnreachable };
+  virtual Probe probe(const Peer& peer) = 0;
+  // The static join barrier's check on the workers it waits for: connect
+  // to each, give the connections `within` to settle, return per peer why it
+  // is unreachable ("" if it may still arrive).
+  virtual std::vector<std::string> whyUnreachable(
+      const std::vector<const Peer*>& peers,
+      std::chrono::milliseconds within) = 0;
+  // Whether the listener a member published accepts a connection within
+  // `within` (a joiner probing the holder of its rank: it cannot handshake
+  // with a group it is not in yet).
+  virtual bool listenerAnswers(
+      const std::string& name,
+      const std::string& offers,
+      std::chrono::milliseconds within) = 0;
+  // `peer` left or was declared `dead` (it is marked departed already): its
+  // connections and what it left in torch's RRef state go.
+  virtual void onDeparted(const Peer& peer, bool dead) = 0;
+  // The log declared us dead: no connection of ours may stay.
+  virtual void onFenced(const std::string& reason) = 0;
+  // Before our join record: our RRef and autograd ids must start past every
+  // earlier holder's of `rank` (torch derives them from the rank alone).
+  virtual void reserveIds(int32_t rank, int64_t generation) = 0;
+  // Requests we are serving (a leave waits for them).
+  virtual int64_t callsBeingServed() = 0;
+};
+
+// A random nonzero incarnation (membership.h).
+uint64_t drawIncarnation();
+
+class Group {
+ public:
+  // worldSize 0: a dynamic group. `options`: the secret, heartbeat and
+  // rendezvous timeouts (outlives the group, as `listener` does).
+  Group(
+      c10::intrusive_ptr<::c10d::Store> store,
+      rpc::WorkerInfo self,
+      int worldSize,
+      const AgentOptions& options,
+      GroupListener& listener);
+  ~Group();
+
+  // ---- Start-up, in this order ----
+  // The group's secret (every handshake proves it): the options', or from
+  // the store (rank 0 of a static group, or whoever comes first, makes it).
+  // Draws our incarnation in a dynamic group.
+  const std::string& establishSecret();
+  // Publish our rendezvous `entry` (name line, offers) and learn everyone
+  // else's (static: blocks until all worldSize workers have published), or
+  // join the dynamic group's log: returns once every member knows us.
+  void join(const std::string& entry, std::chrono::milliseconds rpcTimeout);
+
+  bool isDynamic() const {
+    return worldSize_ == 0;
+  }
+  // Ours: random per join; 0 in a static group.
+  uint64_t incarnation() const {
+    return incarnation_;
+  }
+
+  // ---- Lookups (any thread) ----
+  // The current members. Loaded per call (one shared_ptr copy).
+  std::shared_ptr<const View> view() const {
+    std::lock_guard<std::mutex> lock(viewMutex_);
+    return view_;
+  }
+  // The current holder of `id` (no copy of the view), or null.
+  Peer* peerById(int64_t id) const;
+  // The current holder of `id`, if it is the incarnation `incarnation`.
+  Peer* memberOn(int32_t id, uint64_t incarnation) const;
+  // The newest holder of `name` ever seen, member or departed, or null.
+  std::shared_ptr<Peer> lastPeerNamed(const std::string& name) const;
+  // Every peer ever seen, oldest first.
+  std::vector<std::shared_ptr<Peer>> everyPeer() const;
+  // A member by name or id; throws upstream's text, with why it is missing
+  // (departed, or the names known).
+  const rpc::WorkerInfo& worker(const std::string& name) const;
+  const rpc::WorkerInfo& worker(rpc::worker_id_t id) const;
+  // Why a peer authenticated as `id` with `incarnation` may not stay ("" if
+  // it may): it must be the current holder of the id.
+  std::string admissionError(int32_t id, uint64_t incarnation) const;
+  // Set when the log says we were declared dead: every send fails.
+  bool fenced() const {
+    return fenced_.load();
+  }
+  const std::string& fencedReason() const {
+    return fencedReason_;
+  }
+
+  // ---- Join and leave ----
+  // Static: one barrier of join(): publish `value`, wait for every worker's
+  // (failing with the names of the missing, or of an unreachable one,
+  // rather than waiting forever), return the sum.
+  int64_t barrier(
+      int64_t value,
+      std::optional<std::chrono::steady_clock::time_point> deadline,
+      float timeout);
+  // Static: the last barrier of a graceful shutdown, which nobody must
+  // outlive while others still use the store (group.cpp).
+  void leaveBarrier(
+      std::optional<std::chrono::steady_clock::time_point> deadline,
+      float timeout);
+  // Dynamic: record our leave, wait for the members to acknowledge it and
+  // for the calls we serve to finish, stop the watcher.
+  void leave(std::optional<std::chrono::steady_clock::time_point> deadline);
+  // Stop applying the log (recording our leave if not done): before torch
+  // tears down its RRef state at shutdown. Idempotent.
+  void stop();
+  // Membership changes applied since our join and not taken yet, in epoch
+  // order, waiting up to `timeout` for one; nullopt once stopped.
+  std::optional<std::vector<MembershipEvent>> takeEvents(
+      std::chrono::milliseconds timeout);
+
+  // rpc_ext.membership.* (get_metrics; dynamic groups).
+  void addMetrics(std::unordered_map<std::string, std::string>& m) const;
+
+ private:
+  void publish(std::shared_ptr<const View> view);
+  std::shared_ptr<Peer> adopt(
+      rpc::WorkerInfo info,
+      uint64_t incarnation,
+      Route route);
+  // ---- Dynamic groups (group_elastic.cpp) ----
+  void joinLog(const std::string& entry, std::chrono::milliseconds rpcTimeout);
+  void watch();
+  // Apply what the log holds past our roster; true if anything changed.
+  bool catchUp();
+  void applyEvent(const MembershipEvent& ev);
+  // Acknowledge the epoch applied, if not yet (rosterMutex_ held).
+  void ackApplied();
+  // Wait until every member of the current view other than us has
+  // acknowledged `epoch` (or departed); false at `deadline`.
+  bool awaitAcks(
+      int64_t epoch,
+      std::chrono::steady_clock::time_point deadline,
+      std::vector<std::string>* missing);
+  void stopWatcher();
+  // ---- Leases (group_leases.cpp) ----
+  // How long a member's lease may go unrenewed before it is declared dead:
+  // the heartbeat timeout (its default when heartbeats are off).
+  std::chrono::milliseconds leaseTimeout() const;
+  void checkLeases();
+  // Whether a member whose lease lapsed answers on the transport.
+  bool reachable(const Member& m);
+  // Joining: wait until `held` (holding our rank or name) is gone: it
+  // leaves, or its lease lapses and we declare it dead; throws if it is
+  // alive, or at `deadline` (which the wait may extend).
+  void awaitHolderGone(
+      Member held,
+      const Member& me,
+      std::chrono::steady_clock::time_point& deadline,
+      std::unique_lock<std::mutex>& lock);
+
+  const c10::intrusive_ptr<::c10d::Store> store_;
+  const rpc::WorkerInfo self_;
+  const int worldSize_; // 0: a dynamic group
+  const AgentOptions& options_;
+  GroupListener& listener_;
+  std::string secret_;
+  uint64_t incarnation_ = 0; // ours; 0 in a static group
+
+  // (A mutex, not std::atomic<std::shared_ptr>: libstdc++ 12's has had
+  // races; an uncontended lock costs about as much.)
+  mutable std::mutex viewMutex_;
+  std::shared_ptr<const View> view_;
+  mutable std::mutex peersMutex_;
+  std::vector<std::shared_ptr<Peer>> peers_; // every peer ever seen
+  int64_t joinRounds_ = 0; // static barriers passed (same on every worker)
+
+  // ---- A dynamic group's log, applied by the watcher ----
+  std::unique_ptr<MembershipLog> log_;
+  std::mutex rosterMutex_;
+  Roster roster_;
+  int64_t ackedEpoch_ = 0;
+  // The snapshot we started from (0: epoch 1), and the last one we wrote.
+  std::atomic<int64_t> startEpoch_{0};
+  int64_t snapshotWritten_ = 0;
+  std::string joinRefusal_; // why the log ignored our join record
+  struct Lease {
+    int64_t beats = -1;
+    std::chrono::steady_clock::time_point changed;
+    bool probing = false; // a connection was opened to see if it lives
+    // When it was first found stale (and kept only because it answered a
+    // probe): a member reachable but renewing nothing for kMaxLeaseProbing
+    // leases (its watcher lost the store, say) is declared dead anyway.
+    std::optional<std::chrono::steady_clock::time_point> staleSince;
+  };
+  std::unordered_map<uint64_t, Lease> leases_; // by incarnation
+  std::chrono::steady_clock::time_point nextBeat_, nextLeaseCheck_;
+  std::thread watcher_;
+  std::mutex watcherMutex_;
+  std::condition_variable watcherCv_;
+  bool watcherStop_ = false;
+  std::atomic<bool> fenced_{false};
+  std::string fencedReason_; // written once, before fenced_
+  std::atomic<bool> left_{false};
+
+  std::mutex eventsMutex_;
+  std::condition_variable eventsCv_;
+  std::deque<MembershipEvent> events_;
+  bool reportEvents_ = false; // from our join to our leave or death
+  bool eventsClosed_ = false;
+};
+
+} // namespace torch_rpc_ext

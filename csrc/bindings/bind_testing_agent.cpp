@@ -1,0 +1,297 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// torch_rpc_ext._testing.agent: the agent's parts driven alone, without
+// processes or transports (tests/unit/test_agent_parts.py). A Group runs
+// its real log, watcher and leases against a store the test hands it (a
+// HashStore), with a GroupListener that records what it hears; the
+// RRefGuard's fork attribution runs on messages and bytes the test makes.
+// For tests only.
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "csrc/agent/group.h"
+#include "csrc/agent/rref_guard.h"
+#include "csrc/bindings/bind.h"
+
+namespace torch_rpc_ext::bindings {
+
+namespace {
+
+namespace rpc = torch::distributed::rpc;
+
+// A GroupListener with no transport: every worker is routed to "fake" at
+// the address its offers name; probes answer as the test says.
+class RecordingListener final : public GroupListener {
+ public:
+  explicit RecordingListener(bool answers) : answers_(answers) {}
+
+  Route routeFor(const std::string& name, const std::string& offers)
+      override {
+    Route r;
+    r.transport = "fake";
+    r.address = offers;
+    return r;
+  }
+  Probe probe(const Peer& peer) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    probes_.push_back(peer.info.name_);
+    return answers_ ? Probe::kReady : Probe::kUnreachable;
+  }
+  std::vector<std::string> whyUnreachable(
+      const std::vector<const Peer*>& peers,
+      std::chrono::milliseconds) override {
+    return std::vector<std::string>(peers.size());
+  }
+  bool listenerAnswers(
+      const std::string&,
+      const std::string&,
+      std::chrono::milliseconds) override {
+    return answers_;
+  }
+  void onDeparted(const Peer& peer, bool dead) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    departed_.emplace_back(peer.info.name_, dead, peer.departure());
+  }
+  void onFenced(const std::string& reason) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fenced_ = reason;
+  }
+  void reserveIds(int32_t rank, int64_t generation) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    reserved_.emplace_back(rank, generation);
+  }
+  int64_t callsBeingServed() override {
+    return 0;
+  }
+
+  const bool answers_;
+  std::mutex mutex_;
+  std::vector<std::string> probes_;
+  std::vector<std::tuple<std::string, bool, std::string>> departed_;
+  std::string fenced_;
+  std::vector<std::pair<int32_t, int64_t>> reserved_;
+};
+
+// One member: its options, its listener, its Group.
+struct GroupHarness {
+  GroupHarness(
+      const c10::intrusive_ptr<::c10d::Store>& store,
+      const std::string& name,
+      int rank,
+      int worldSize,
+      double leaseSeconds,
+      bool answers)
+      : name(name), listener(answers) {
+    options.heartbeatTimeout = std::chrono::milliseconds(
+        static_cast<int64_t>(leaseSeconds * 1000));
+    options.rendezvousTimeout = std::chrono::seconds(30);
+    group = std::make_unique<Group>(
+        store,
+        rpc::WorkerInfo(name, static_cast<int64_t>(rank)),
+        worldSize,
+        options,
+        listener);
+  }
+  const std::string name;
+  AgentOptions options;
+  RecordingListener listener;
+  std::unique_ptr<Group> group;
+};
+
+py::tuple eventTuple(const MembershipEvent& ev) {
+  return py::make_tuple(
+      eventKindName(ev.kind),
+      ev.epoch,
+      ev.member.name,
+      ev.member.rank,
+      ev.reason);
+}
+
+rpc::RRefId rrefId(const std::pair<int, int64_t>& id) {
+  return rpc::RRefId(static_cast<rpc::worker_id_t>(id.first), id.second);
+}
+
+} // namespace
+
+void bindTestingAgent(py::module_& parent) {
+  auto m = parent.def_submodule("agent", "the agent's parts, driven alone");
+
+  py::class_<GroupHarness>(m, "Group")
+      .def(
+          py::init<
+              const c10::intrusive_ptr<::c10d::Store>&,
+              const std::string&,
+              int,
+              int,
+              double,
+              bool>(),
+          py::arg("store"),
+          py::arg("name"),
+          py::arg("rank"),
+          py::arg("world_size"),
+          py::arg("lease_s") = 1.0,
+          py::arg("answers_probes") = false)
+      // Establish the secret and join with `offers` as the entry's body.
+      .def(
+          "join",
+          [](GroupHarness& h, const std::string& offers) {
+            py::gil_scoped_release nogil;
+            h.group->establishSecret();
+            h.group->join(h.name + "\n" + offers, std::chrono::seconds(0));
+          },
+          py::arg("offers") = "")
+      .def_property_readonly(
+          "incarnation",
+          [](const GroupHarness& h) { return h.group->incarnation(); })
+      .def_property_readonly(
+          "epoch", [](const GroupHarness& h) { return h.group->view()->epoch; })
+      // [(rank, name, incarnation, address)] of the current view.
+      .def(
+          "members",
+          [](const GroupHarness& h) {
+            std::vector<std::tuple<int64_t, std::string, uint64_t, std::string>>
+                out;
+            auto v = h.group->view();
+            for (const auto& p : v->byId) {
+              if (p) {
+                out.emplace_back(
+                    p->info.id_, p->info.name_, p->incarnation,
+                    p->route.address);
+              }
+            }
+            return out;
+          })
+      .def(
+          "worker",
+          [](const GroupHarness& h, const std::string& name) {
+            return h.group->worker(name).id_;
+          })
+      .def(
+          "barrier",
+          [](GroupHarness& h, int64_t value) {
+            py::gil_scoped_release nogil;
+            return h.group->barrier(value, std::nullopt, 0);
+          })
+      .def(
+          "admission_error",
+          [](const GroupHarness& h, int32_t id, uint64_t incarnation) {
+            return h.group->admissionError(id, incarnation);
+          })
+      // Membership events, waiting up to `timeout` s; None once stopped.
+      .def(
+          "events",
+          [](GroupHarness& h, double timeout) -> py::object {
+            std::optional<std::vector<MembershipEvent>> evs;
+            {
+              py::gil_scoped_release nogil;
+              evs = h.group->takeEvents(std::chrono::milliseconds(
+                  static_cast<int64_t>(timeout * 1000)));
+            }
+            if (!evs) {
+              return py::none();
+            }
+            py::list out;
+            for (const auto& ev : *evs) {
+              out.append(eventTuple(ev));
+            }
+            return out;
+          })
+      .def(
+          "leave",
+          [](GroupHarness& h) {
+            py::gil_scoped_release nogil;
+            h.group->leave(std::nullopt);
+          })
+      .def(
+          "stop",
+          [](GroupHarness& h) {
+            py::gil_scoped_release nogil;
+            h.group->stop();
+          })
+      .def_property_readonly(
+          "fenced",
+          [](const GroupHarness& h) {
+            return h.group->fenced() ? h.group->fencedReason() : std::string();
+          })
+      // What the listener heard.
+      .def(
+          "departed",
+          [](GroupHarness& h) {
+            std::lock_guard<std::mutex> lock(h.listener.mutex_);
+            return h.listener.departed_;
+          })
+      .def(
+          "probes",
+          [](GroupHarness& h) {
+            std::lock_guard<std::mutex> lock(h.listener.mutex_);
+            return h.listener.probes_;
+          })
+      .def(
+          "fenced_reason_heard",
+          [](GroupHarness& h) {
+            std::lock_guard<std::mutex> lock(h.listener.mutex_);
+            return h.listener.fenced_;
+          })
+      .def("reserved", [](GroupHarness& h) {
+        std::lock_guard<std::mutex> lock(h.listener.mutex_);
+        return h.listener.reserved_;
+      });
+
+  // The RRef guard's fork attribution. RRef and fork ids are
+  // (worker id, local id) pairs.
+  py::class_<RRefGuard>(m, "RRefGuard")
+      .def(py::init([](int self) {
+        return std::make_unique<RRefGuard>(
+            static_cast<rpc::worker_id_t>(self),
+            "worker" + std::to_string(self),
+            [](std::function<void()> task) { task(); });
+      }))
+      // A fork request from `holder` served (or, `delete`, a user
+      // deletion). (Parsing the request needs a running agent: the
+      // attribution rule is what is driven here.)
+      .def(
+          "serve",
+          [](RRefGuard& g,
+             std::pair<int, int64_t> fork,
+             int holder,
+             bool deletion) {
+            if (deletion) {
+              g.forkDeleted(rrefId(fork));
+            } else {
+              g.forkRegistered(
+                  rrefId(fork), static_cast<rpc::worker_id_t>(holder));
+            }
+          },
+          py::arg("fork"),
+          py::arg("holder") = -1,
+          py::arg("delete") = false)
+      .def(
+          "holder_of",
+          [](const RRefGuard& g, std::pair<int, int64_t> fork) {
+            return static_cast<int>(g.holderOf(rrefId(fork)));
+          });
+
+  // forksCarried(): which of `forks` [(rref, fork)] the payload carries.
+  m.def(
+      "forks_carried",
+      [](const py::bytes& payload,
+         int self,
+         const std::vector<std::pair<
+             std::pair<int, int64_t>,
+             std::pair<int, int64_t>>>& forks) {
+        std::vector<std::pair<rpc::RRefId, rpc::ForkId>> in;
+        for (const auto& [r, f] : forks) {
+          in.emplace_back(rrefId(r), rrefId(f));
+        }
+        std::vector<std::pair<int, int64_t>> out;
+        for (const auto& f : forksCarried(
+                 std::string(payload), static_cast<rpc::worker_id_t>(self), in)) {
+          out.emplace_back(f.createdOn_, f.localId_);
+        }
+        return out;
+      });
+}
+
+} // namespace torch_rpc_ext::bindings

@@ -1,0 +1,200 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The agent's parts driven alone (csrc/agent/group.h, rref_guard.h;
+csrc/bindings/bind_testing_agent.cpp): no processes, no transports.
+
+A Group runs its real rendezvous, membership log, watcher thread and lease
+checks against an in-memory HashStore, and tells a recording GroupListener
+what it would tell the agent (a member departed, we were fenced). The
+RRefGuard attributes forks from fork requests, deletions and pickled bytes.
+"""
+
+import pickle
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from torch_rpc_ext import _testing as t
+
+A = t.agent
+
+
+def wait_for(pred, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def join_all(groups, offers):
+    """Join each group on a thread of its own (a static join blocks until
+    every worker has published)."""
+    errors = []
+
+    def run(g, o):
+        try:
+            g.join(o)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(g, o)) for g, o in zip(groups, offers)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not errors, errors
+
+
+# ---- A static group ----------------------------------------------------------
+
+
+def test_a_static_group_learns_every_worker_and_their_routes():
+    store = dist.HashStore()
+    gs = [A.Group(store, f"w{r}", r, 3) for r in range(3)]
+    join_all(gs, [f"addr{r}" for r in range(3)])
+    for g in gs:
+        assert g.members() == [(r, f"w{r}", 0, f"addr{r}") for r in range(3)]
+        assert g.incarnation == 0 and g.epoch == 0
+    assert gs[0].worker("w2") == 2
+    with pytest.raises(RuntimeError, match=r"could not find destination name w9 \(known workers: w0, w1, w2\)"):
+        gs[0].worker("w9")
+
+
+def test_a_static_groups_barrier_sums_every_workers_value():
+    store = dist.HashStore()
+    gs = [A.Group(store, f"w{r}", r, 2) for r in range(2)]
+    join_all(gs, ["a", "b"])
+    sums = [None, None]
+
+    def run(i, v):
+        sums[i] = gs[i].barrier(v)
+
+    threads = [threading.Thread(target=run, args=(i, v)) for i, v in enumerate((3, 4))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert sums == [7, 7]
+
+
+def test_a_duplicate_name_fails_the_static_rendezvous():
+    store = dist.HashStore()
+    gs = [A.Group(store, "same", r, 2) for r in range(2)]
+    with pytest.raises(AssertionError, match="is not unique"):
+        join_all(gs, ["a", "b"])
+
+
+# ---- A dynamic group: the log, the watcher, the leases ------------------------
+
+
+def test_dynamic_members_see_each_other_join_and_leave():
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0)
+    a.join("addr-a")
+    b = A.Group(store, "b", 1, 0)
+    b.join("addr-b")  # returns once a has acknowledged it
+    assert a.incarnation != 0 and b.incarnation not in (0, a.incarnation)
+    assert [m[:2] for m in a.members()] == [(0, "a"), (1, "b")]
+    assert a.members()[1][3] == "addr-b"  # routed by the listener
+    assert a.events(5) == [("join", 2, "b", 1, "")]
+    b.leave()
+    wait_for(lambda: a.epoch == 3, what="the leave applied")
+    assert a.events(5) == [("leave", 3, "b", 1, "")]
+    # The listener heard it, and calls to b fail with the reason.
+    assert a.departed() == [("b", False, "b left the group at epoch 3")]
+    with pytest.raises(RuntimeError, match="b left the group at epoch 3"):
+        a.worker("b")
+    a.stop()
+    b.stop()
+    assert a.events(0.1) is None  # stopped
+
+
+def test_a_member_whose_lease_lapses_and_does_not_answer_is_declared_dead():
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=0.3)
+    a.join("addr-a")
+    # A member that never renews its lease (its process died right after
+    # its join record landed).
+    ghost = 0xDEAD
+    t.log_append(store, t.join_record(1, "ghost", ghost, 300), 0)
+    wait_for(lambda: any(d[0] == "ghost" for d in a.departed()), what="ghost declared dead")
+    name, dead, why = a.departed()[0]
+    assert dead and "ghost was declared dead at epoch 3" in why
+    assert "its lease was not renewed for 0.3 s (seen by a)" in why
+    assert "ghost" in a.probes()  # asked the transport before declaring it
+    kinds = [e[0] for e in a.events(5)]
+    assert kinds == ["join", "dead"]
+    assert a.admission_error(1, ghost).startswith("worker id 1 is not a member of the group")
+    a.stop()
+
+
+def test_a_member_that_answers_probes_is_kept_for_a_few_leases_only():
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=0.2, answers_probes=True)
+    a.join("addr-a")
+    t.log_append(store, t.join_record(1, "stalled", 0xBEEF, 200), 0)
+    start = time.monotonic()
+    wait_for(lambda: a.departed(), what="stalled declared dead")
+    # Reachable, but renewing nothing: dead after kMaxLeaseProbing (3)
+    # leases of probing, not at the first lapse.
+    assert time.monotonic() - start >= 3 * 0.2
+    assert len(a.probes()) >= 2
+    a.stop()
+
+
+def test_a_member_declared_dead_is_fenced():
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0)
+    a.join("addr-a")
+    t.log_append(store, t.dead_record(a.incarnation, 0x1, "a partition"), 0)
+    wait_for(lambda: a.fenced, what="fenced")
+    assert "this worker (a) was declared dead by the group at epoch 2: a partition" in a.fenced
+    assert a.fenced_reason_heard() == a.fenced  # the listener closes its connections
+    a.stop()
+
+
+def test_a_new_holder_of_a_rank_reserves_the_next_id_range():
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0)
+    a.join("x")
+    b = A.Group(store, "b", 1, 0)
+    b.join("y")
+    b.leave()
+    wait_for(lambda: a.epoch == 3, what="the leave applied")
+    b2 = A.Group(store, "b", 1, 0)
+    b2.join("z")
+    assert a.reserved() == [(0, 1)]
+    assert b.reserved() == [(1, 1)] and b2.reserved() == [(1, 2)]
+    for g in (a, b, b2):
+        g.stop()
+
+
+# ---- The RRef guard ----------------------------------------------------------
+
+
+def test_fork_requests_attribute_forks_to_their_sender_until_deleted():
+    g = A.RRefGuard(0)
+    fork = (2, 9)  # forked by worker 2
+    assert g.holder_of(fork) == 2  # unknown: its minter
+    g.serve(fork, holder=3)  # worker 3 registered it
+    assert g.holder_of(fork) == 3
+    assert g.holder_of((2, 10)) == 2  # another fork stays its minter's
+    g.serve(fork, delete=True)
+    assert g.holder_of(fork) == 2
+
+
+@pytest.mark.parametrize("local", [7, 300, 70_000, 2**33 + 5])
+def test_forks_are_found_in_what_pythons_pickler_writes(local):
+    me = 4
+    ours = ((me, local), (me, local + 1))
+    other = ((me, local + 2), (me, local + 3))
+    # The fork data as _InternalRPCPickler writes it: a tuple of ints, after
+    # the global it reduces RRefs with.
+    data = (me, *ours[0], *ours[1], me)
+    payload = b"\x80\x02c_py_rref_receiver\n" + pickle.dumps(data, protocol=2)
+    assert A.forks_carried(payload, me, [ours, other]) == [ours[1]]
+    # Without the pickler's global, nothing is scanned for.
+    assert A.forks_carried(pickle.dumps(data, protocol=2), me, [ours]) == []
