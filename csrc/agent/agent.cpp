@@ -29,14 +29,6 @@ std::chrono::milliseconds toMs(float seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
-// kRpcTimeoutErrorStr with its "{}" replaced by `ms` (fmt is not exported
-// by libtorch, so it cannot be linked from an extension).
-std::string timeoutText(int64_t ms) {
-  std::string text = rpc::kRpcTimeoutErrorStr;
-  auto at = text.find("{}");
-  return text.replace(at, 2, std::to_string(ms));
-}
-
 } // namespace
 
 std::shared_ptr<Agent> Agent::create(
@@ -57,6 +49,8 @@ std::shared_ptr<Agent> Agent::create(
           torch::impl::destroy_without_gil(a);
         }
       });
+  agent->calls_.setOwner(agent);
+  agent->server_.setOwner(agent);
   agent->rendezvous();
   return agent;
 }
@@ -76,28 +70,26 @@ Agent::Agent(
       pool_(
           static_cast<size_t>(std::max(1, options_.numWorkerThreads)),
           kMaxPoolThreads),
-      completions_(1, kMaxPoolThreads),
       buffers_(
           std::make_shared<BufferPool>(
               options_.maxCachedReceiveBytes,
               std::chrono::milliseconds(2000))),
-      calls_(
-          [this](int64_t id, CallTable::Call call) {
-            auto ms = call.timeout.count();
-            call.peer->stats.timeouts.fetch_add(1, std::memory_order_relaxed);
-            settleWithError(
-                std::move(call),
-                rpc::makeRPCError(timeoutText(ms), rpc::RPCErrorType::TIMEOUT));
-            (void)id;
-          },
-          [this] { buffers_->trim(); }),
+      calls_(workerInfo_.name_, pool_, [this] { buffers_->trim(); }),
       devices_(options_, workerInfo_.name_),
       rrefs_(
           static_cast<rpc::worker_id_t>(rank),
           workerInfo_.name_,
           [this](std::function<void()> task) { pool_.run(std::move(task)); }),
       group_(store, workerInfo_, worldSize, options_, *this),
-      connections_(options_, workerInfo_, worldSize, group_, *this, pool_) {
+      connections_(options_, workerInfo_, worldSize, group_, *this, pool_),
+      server_(
+          *cb_,
+          rpcAgentRunning_,
+          options_,
+          worldSize,
+          devices_,
+          rrefs_,
+          group_) {
   // worldSize 0 is a dynamic group: any rank that fits dist autograd's
   // 16-bit worker ids.
   TORCH_CHECK(
@@ -130,27 +122,17 @@ void Agent::shutdownImpl() {
     return;
   }
   shuttingDown_ = true;
+  calls_.close(); // failures settle inline from now on
   stopMembership();
   // Fail pending calls first: a request running on a loop thread may wait on
   // one of them, and stopping a transport waits for that request. Then again
   // for calls registered meanwhile by sends already past their check.
-  auto failPending = [this] {
-    for (auto& [id, call] : calls_.takeAll()) {
-      settleWithError(
-          std::move(call),
-          "RPC agent of " + workerInfo_.name_ +
-              " shut down before a response arrived");
-    }
-  };
-  failPending();
+  const std::string why = "RPC agent of " + workerInfo_.name_ +
+      " shut down before a response arrived";
+  calls_.failAll(why);
   connections_.stop();
-  failPending();
+  calls_.failAll(why);
   calls_.stop();
-  // Report what the profiling tracks still hold; they hand completions to
-  // the completion thread, which then completes what it holds (never
-  // dropped: each is a caller waiting).
-  profiling_.stop();
-  completions_.stop();
   // Finish what the pool holds: completions just posted, and responses of
   // requests that were running (they are dropped, the transport is down).
   pool_.stop();
@@ -193,27 +175,10 @@ void Agent::join(bool shutdown, float timeout) {
     deadline = std::chrono::steady_clock::now() +
         std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
   }
-  auto drain = [&] {
-    std::unique_lock<std::mutex> lock(callCountMutex_);
-    auto idle = [this] { return clientActiveCalls_ == 0; };
-    if (!deadline) {
-      callCountCv_.wait(lock, idle);
-    } else {
-      TORCH_CHECK(
-          callCountCv_.wait_until(lock, *deadline, idle),
-          "RPC join timed out after ",
-          timeout,
-          " s: ",
-          clientActiveCalls_,
-          " calls of ",
-          workerInfo_.name_,
-          " are still waiting for responses");
-    }
-  };
   if (worldSize_ == 0) {
     // A dynamic group has no barrier: a member leaves alone, once its own
     // calls are answered (group_elastic.cpp).
-    drain();
+    calls_.drain(deadline, timeout);
     if (shutdown) {
       group_.leave(deadline);
       shuttingDown_ = true;
@@ -221,18 +186,23 @@ void Agent::join(bool shutdown, float timeout) {
     return;
   }
   while (true) {
-    drain();
+    calls_.drain(deadline, timeout);
     // Everyone arrives with no calls of their own in flight...
     group_.barrier(0, deadline, timeout);
     // ...then counts what started meanwhile (nested or follow-up calls). The
-    // lock keeps our count from going stale while it is summed; another round
-    // runs if anybody still has calls.
-    std::unique_lock<std::mutex> lock(callCountMutex_);
-    if (group_.barrier(clientActiveCalls_, deadline, timeout) == 0) {
+    // count is held so that it does not go stale while it is summed; another
+    // round runs if anybody still has calls.
+    const bool idle = calls_.withActiveCount([&](int64_t active) {
+      if (group_.barrier(active, deadline, timeout) != 0) {
+        return false;
+      }
       if (shutdown) {
         shuttingDown_ = true;
         group_.leaveBarrier(deadline, timeout);
       }
+      return true;
+    });
+    if (idle) {
       return;
     }
   }
@@ -278,7 +248,7 @@ void Agent::reserveIds(int32_t rank, int64_t generation) {
 }
 
 int64_t Agent::callsBeingServed() {
-  return serverActiveCalls_.load();
+  return server_.active();
 }
 
 // ---- What it reports --------------------------------------------------------
@@ -292,19 +262,13 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
   std::unordered_map<std::string, std::string> m;
   m["agent.thread_pool_size"] = std::to_string(pool_.size());
   m["agent.num_idle_threads"] = std::to_string(pool_.idle());
-  {
-    std::lock_guard<std::mutex> lock(callCountMutex_);
-    m["agent.client_active_calls"] = std::to_string(clientActiveCalls_);
-  }
-  m["agent.server_active_calls"] = std::to_string(serverActiveCalls_.load());
-  m["agent.server_active_async_calls"] =
-      std::to_string(serverActiveAsyncCalls_.load());
+  calls_.addMetrics(m);
+  server_.addMetrics(m);
   if (isGILProfilingEnabled()) {
     auto n = gilWaitCount_.load();
     m["agent.gil_average_wait_time_us"] =
         std::to_string(n == 0 ? 0 : gilWaitTotalUs_.load() / n);
   }
-  m["rpc_ext.late_responses"] = std::to_string(lateResponses_.load());
   m["rpc_ext.cached_operators"] =
       std::to_string(static_cast<const ServeCallback&>(*cb_).cachedOperators());
   m["rpc_ext.receive_pool_cached_bytes"] =
@@ -353,7 +317,7 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
 std::unordered_map<std::string, std::string> Agent::getDebugInfo() {
   auto m = getMetrics();
   connections_.addDebugInfo(m);
-  m["rpc_ext.pending_calls"] = std::to_string(calls_.size());
+  m["rpc_ext.pending_calls"] = std::to_string(calls_.pending());
   return m;
 }
 

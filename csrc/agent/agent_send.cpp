@@ -1,11 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// The client side of a call (agent.h): send() encodes and writes it, the
-// loop thread decodes what arrives (responses settle their calls, requests
-// go to serving.cpp), and every call ends settled exactly once: by its
-// response, its timeout, its connection's loss, or shutdown.
+// The agent's traffic (agent.h): send() checks, encodes and writes a call
+// (Calls settles it); what arrives is decoded on the loop thread, requests
+// handed to the Server, responses to Calls.
 #include "csrc/agent/agent.h"
-
-#include <c10/core/StreamGuard.h>
 
 #include <torch/csrc/distributed/rpc/utils.h>
 
@@ -81,7 +78,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
 
   // Under torch.profiler (Kineto) the callee profiles the call too.
   std::shared_ptr<CallProfile> profile = RemoteProfiling::begin(message);
-  int64_t id = nextId_.fetch_add(1, std::memory_order_relaxed);
+  int64_t id = calls_.nextId();
   auto encodeSpan =
       RemoteProfiling::span(profile.get(), "torch_rpc_ext::encode");
   std::optional<wire::DeviceRoute> route;
@@ -112,15 +109,12 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   auto timeout = rpcTimeoutSeconds == rpc::kUnsetRpcTimeout
       ? getRpcTimeout()
       : callTimeout(rpcTimeoutSeconds);
-  {
-    std::lock_guard<std::mutex> lock(callCountMutex_);
-    ++clientActiveCalls_;
-  }
+  calls_.begin();
   std::shared_ptr<transport::Connection> conn;
   try {
     conn = connections_.connectionTo(*peer);
   } catch (...) {
-    callFinished();
+    calls_.finished();
     throw;
   }
   RemoteProfiling::markSent(profile.get()); // before the call is visible
@@ -142,7 +136,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       faults_ ? faults_->delay(message->type()) : std::chrono::milliseconds(0);
   if (delay.count() == 0) {
     auto sendSpan = RemoteProfiling::span(profile.get(), "torch_rpc_ext::send");
-    writeRequest(conn, std::move(frame), id, *peer);
+    calls_.write(conn, std::move(frame), id, *peer);
     // A lone call (the rpc_sync pattern): let a sleeping loop start polling
     // for the response now, so its wake-up overlaps the peer's work instead
     // of following it. With calls already in flight (pipelined rpc_async)
@@ -159,7 +153,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     auto self = shared_from_this();
     pool_.run([self, conn, held, id, peer, delay] {
       std::this_thread::sleep_for(delay);
-      self->writeRequest(conn, std::move(*held), id, *peer);
+      self->calls_.write(conn, std::move(*held), id, *peer);
     });
     // A call that times out before its message is even written is returned
     // failed, as FAULTY_TENSORPIPE (whose send() sleeps through the delay)
@@ -174,134 +168,6 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     }
   }
   return future;
-}
-
-void Agent::writeRequest(
-    const std::shared_ptr<transport::Connection>& conn,
-    frame::OutboundFrame frame,
-    int64_t id,
-    Peer& peer) {
-  // If the connection closed before the call was registered, onClosed has
-  // already swept the table: fail the call here so it is not orphaned.
-  if (!conn->write(std::move(frame)) || conn->isClosed()) {
-    if (auto call = calls_.take(id)) {
-      peer.stats.errors.fetch_add(1, std::memory_order_relaxed);
-      settleWithError(
-          std::move(*call),
-          "RPC to " + peer.info.name_ + " failed: connection " +
-              conn->describe() + " is closed: " + conn->closeReason());
-    }
-  }
-}
-
-void Agent::settle(
-    transport::Connection& conn,
-    CallTable::Call call,
-    c10::intrusive_ptr<rpc::Message> response,
-    bool lastInFlight) {
-  auto self = shared_from_this();
-  if (call.profile) {
-    // Reported on the callee's track, then completed (remote_profiling.h).
-    auto profile = std::move(call.profile);
-    const Peer* peer = call.peer; // read before the lambda takes call
-    profiling_.finish(
-        static_cast<int32_t>(peer->info.id_),
-        peer->info.name_,
-        std::move(profile),
-        std::move(response),
-        [self, call = std::move(call)](
-            c10::intrusive_ptr<rpc::Message> reply) mutable {
-          // Callbacks may block (a nested rpc_sync): the completion
-          // thread grows, a track does not.
-          self->completions_.run([self,
-                                  call = std::move(call),
-                                  reply = std::move(reply)]() mutable {
-            self->complete(call, std::move(reply));
-          });
-        });
-    return;
-  }
-  const bool lone = call.sentAlone && lastInFlight;
-  auto completion =
-      [self, call = std::move(call), response = std::move(response)]() mutable {
-        self->complete(call, std::move(response));
-      };
-  if (!lone) {
-    // One of several calls in flight (pipelined rpc_async, or concurrent
-    // callers): completed on the completion thread. Its callbacks usually
-    // take the GIL (torch converts the response to a Python object), which
-    // the thread issuing the calls holds most of the time; on the loop that
-    // wait stalled the reading of every other response (and after 2 ms
-    // handed the loop to a new thread, which then stalled the same way).
-    // Measured, 2000 pipelined calls, 3 alternating runs of 7 bursts:
-    // 37.0k/22.4k/20.1k -> 43.5k/31.9k/25.6k calls/s (median burst), loop
-    // takeovers per 7 bursts 2-27 -> 0 (docs/performance.md).
-    self->completions_.run(std::move(completion));
-    return;
-  }
-  // A lone call completed (the rpc_sync pattern): on the loop thread that
-  // read the response, right after the read pass, so the waiting caller is
-  // woken straight from here with no hop. Then poll instead of sleeping: the
-  // caller is about to send its next call. Keeping this core busy also makes
-  // waking that caller cheap: on this VM a wake-up onto an idle (halted)
-  // vCPU costs ~25 us. Measured, 4 alternating runs of 3000 calls: builtin
-  // 51.8 -> 29.7 us, Python UDF 54.9 -> 31.3 us.
-  conn.runAfterDispatch(std::move(completion), /*expectMore=*/true);
-}
-
-void Agent::complete(
-    CallTable::Call& call,
-    c10::intrusive_ptr<rpc::Message> response) {
-  // Counted as finished even if a callback of the future throws (upstream's
-  // RRef callbacks do when a notification failed).
-  CallFinished finished(*this);
-  // The future records its events on the streams the tensors arrived on;
-  // a waiter's stream then waits for them, never the host.
-  c10::MultiStreamGuard streams(call.arrival);
-  if (response->type() == rpc::MessageType::EXCEPTION) {
-    std::string text(response->payload().begin(), response->payload().end());
-    call.future->setErrorIfNeeded(
-        std::make_exception_ptr(std::runtime_error(text)));
-  } else {
-    // With the storages named: a future with devices cannot look inside a
-    // Message to find them.
-    auto storages = response->getStorages();
-    call.future->markCompleted(c10::IValue(response), std::move(storages));
-  }
-}
-
-void Agent::settleWithError(CallTable::Call call, std::string error) {
-  auto future = call.future;
-  auto task = [this, future, error = std::move(error)] {
-    CallFinished finished(*this);
-    try {
-      future->setErrorIfNeeded(
-          std::make_exception_ptr(std::runtime_error(error)));
-    } catch (const c10::Error& e) {
-      // A callback threw (upstream's RRef callbacks rethrow the error).
-      logWarning(
-          "torch_rpc_ext: a callback of a failed call threw: " +
-          std::string(e.what_without_backtrace()));
-    } catch (const std::exception& e) {
-      logWarning(
-          "torch_rpc_ext: a callback of a failed call threw: " +
-          std::string(e.what()));
-    }
-  };
-  // After shutdown the pool no longer runs tasks; settle inline then.
-  if (shutdownDone_.load()) {
-    task();
-  } else {
-    pool_.run(std::move(task));
-  }
-}
-
-void Agent::callFinished() {
-  {
-    std::lock_guard<std::mutex> lock(callCountMutex_);
-    --clientActiveCalls_;
-  }
-  callCountCv_.notify_all();
 }
 
 frame::InboundBuffers Agent::onFrameHead(
@@ -349,63 +215,28 @@ void Agent::onFrame(
     peer->stats.bytesReceived.fetch_add(
         in->byteSize(), std::memory_order_relaxed);
     peer->stats.callsServed.fetch_add(1, std::memory_order_relaxed);
-    ++serverActiveCalls_;
-    // Served on this loop thread after the read pass: no hop (see settle).
+    server_.accepted();
+    // Served on this loop thread after the read pass: no hop (as a lone
+    // call's response is completed: calls.cpp).
     auto self = shared_from_this();
     conn->runAfterDispatch(
         [self,
          conn,
          message = std::move(message),
          streams = std::move(streams)]() mutable {
-          self->serveRequest(
+          self->server_.serve(
               std::move(conn), std::move(message), std::move(streams));
         },
         /*expectMore=*/true);
     return;
   }
-  size_t remaining = 0;
-  auto call = calls_.take(message->id(), &remaining);
-  if (!call) {
-    // Its caller gave up (timeout) or the id is bogus; nothing to settle.
-    lateResponses_.fetch_add(1, std::memory_order_relaxed);
-    return;
-  }
-  call->peer->stats.bytesReceived.fetch_add(
-      in->byteSize(), std::memory_order_relaxed);
-  call->arrival = std::move(streams);
-  settle(*conn, std::move(*call), std::move(message), remaining == 0);
+  calls_.respond(*conn, std::move(message), std::move(streams), in->byteSize());
 }
 
 void Agent::onConnectionClosed(
     transport::Connection& conn,
     const std::string& reason) {
-  auto failed = calls_.takeConnection(&conn);
-  if (failed.empty()) {
-    // A peer's connection we closed because it broke the protocol is worth
-    // a line even with no call of ours on it.
-    if (!conn.isOutbound() && conn.peerId() >= 0 && !shuttingDown_.load() &&
-        conn.rejectedPeer()) {
-      logWarning(
-          "torch_rpc_ext: " + workerInfo_.name_ + " closed connection " +
-          conn.describe() + ": " + reason);
-    }
-    return;
-  }
-  if (!shuttingDown_.load()) {
-    logWarning(
-        "torch_rpc_ext: " + workerInfo_.name_ + " lost connection " +
-        conn.describe() + " with " + std::to_string(failed.size()) +
-        " calls pending: " + reason);
-  }
-  const Peer* peer = failed.front().second.peer;
-  std::string why = reason.empty() ? "RPC agent is shutting down" : reason;
-  for (auto& [id, call] : failed) {
-    call.peer->stats.errors.fetch_add(1, std::memory_order_relaxed);
-    settleWithError(
-        std::move(call),
-        "RPC to " + peer->info.name_ + " failed: connection " +
-            conn.describe() + " lost: " + why);
-  }
+  calls_.connectionLost(conn, reason, shuttingDown_.load());
 }
 
 } // namespace torch_rpc_ext

@@ -37,9 +37,7 @@ Connections::Connections(
       sink_(sink),
       pool_(pool) {}
 
-std::string Connections::open(
-    const std::string& secret,
-    uint64_t incarnation) {
+std::string Connections::open(const std::string& secret, uint64_t incarnation) {
   const auto& self = self_;
   transport::TransportOptions topts;
   topts.selfId = self.id_;
@@ -219,7 +217,8 @@ Peer* Connections::memberOn(const transport::Connection& conn) const {
   return group_.memberOn(conn.peerId(), conn.peerIncarnation());
 }
 
-std::shared_ptr<transport::Connection> Connections::connectionTo(const Peer& peer) {
+std::shared_ptr<transport::Connection> Connections::connectionTo(
+    const Peer& peer) {
   std::lock_guard<std::mutex> lock(connMutex_);
   // A departing peer's connection is closed under this lock after it is
   // marked departed (dropPeer()), so none is opened to it afterwards.
@@ -270,7 +269,9 @@ void Connections::onReady(const std::shared_ptr<transport::Connection>& conn) {
   conn->close("worker id " + std::to_string(conn->peerId()) + " departed");
 }
 
-void Connections::onClosed(transport::Connection& conn, const std::string& reason) {
+void Connections::onClosed(
+    transport::Connection& conn,
+    const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(connMutex_);
     for (auto it = outbound_.begin(); it != outbound_.end(); ++it) {

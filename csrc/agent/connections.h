@@ -61,8 +61,9 @@ class FrameSink {
 
 class Connections final : private transport::ConnectionObserver {
  public:
-  // worldSize 0: a dynamic group. `group` says who the members are; `sink` takes what arrives; `pool`
-  // drops what sent messages held, off the loop threads. All outlive us.
+  // worldSize 0: a dynamic group. `group` says who the members are; `sink`
+  // takes what arrives; `pool` drops what sent messages held, off the loop
+  // threads. All outlive us.
   Connections(
       const AgentOptions& options,
       rpc::WorkerInfo self,

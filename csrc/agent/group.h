@@ -63,8 +63,9 @@ class GroupListener {
 
   // How we reach a worker that offers `offers` (its rendezvous entry after
   // the name line); throws if no transport of ours does.
-  virtual Route routeFor(const std::string& name, const std::string& offers) =
-      0;
+  virtual Route routeFor(
+      const std::string& name,
+      const std::string& offers) = 0;
   // Whether a member whose lease lapsed answers on the transport.
   enum class Probe { kReady, kConnecting, kUnreachable };
   virtual Probe probe(const Peer& peer) = 0;

@@ -117,7 +117,8 @@ void Group::awaitHolderGone(
         break;
       }
       lock.unlock(); // a probe may take a second
-      const bool answers = listener_.listenerAnswers(held.name, held.offers, lease);
+      const bool answers =
+          listener_.listenerAnswers(held.name, held.offers, lease);
       lock.lock();
       if (!answers) {
         break;

@@ -91,7 +91,7 @@ struct Peer {
 };
 
 // The members at one epoch. Immutable once published: the agent swaps whole
-// views (Agent::view()), so a thread that loaded one reads it without locks.
+// views (Group::view()), so a thread that loaded one reads it without locks.
 struct View {
   int64_t epoch = 0;
   std::vector<std::shared_ptr<Peer>> byId; // nullptr: no member holds the id
@@ -124,7 +124,7 @@ struct Member {
   // heartbeat timeout, so each member is judged by the period it renews at.
   int64_t leaseMs = 0;
   // Its rendezvous entry after the name line: one line per transport it
-  // listens on and per channel it offers (rendezvous.cpp).
+  // listens on and per channel it offers (Connections::open()).
   std::string offers;
 };
 

@@ -69,7 +69,7 @@ struct AgentOptions : rpc::RpcBackendOptions {
   std::unordered_map<std::string, rpc::DeviceMap> deviceMaps;
   std::unordered_map<std::string, rpc::DeviceMap> reverseDeviceMaps;
   // Received CUDA tensors view the channel's device memory instead of a
-  // copy in torch's allocator (Agent::landOnDevice): one device copy fewer,
+  // copy in torch's allocator (AgentDevices::land): one device copy fewer,
   // but record_stream cannot see them (docs/guide.md, "Streams").
   bool cudaZeroCopy = false;
   // Bound, per device, on the device memory cuda_ipc's blocks hold in this

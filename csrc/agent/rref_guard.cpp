@@ -130,7 +130,8 @@ std::vector<rpc::ForkId> forksCarried(
 void RRefGuard::trackForks(const rpc::Message& request, rpc::worker_id_t from) {
   try {
     if (request.type() == rpc::MessageType::RREF_FORK_REQUEST) {
-      forkRegistered(rpc::RRefForkRequest::fromMessage(request)->forkId(), from);
+      forkRegistered(
+          rpc::RRefForkRequest::fromMessage(request)->forkId(), from);
     } else if (request.type() == rpc::MessageType::RREF_USER_DELETE) {
       forkDeleted(rpc::RRefUserDelete::fromMessage(request)->forkId());
     }
@@ -151,7 +152,9 @@ void RRefGuard::forkDeleted(const rpc::ForkId& forkId) {
   holders_.erase(forkId);
 }
 
-void RRefGuard::trackOwnForks(const rpc::Message& message, rpc::worker_id_t to) {
+void RRefGuard::trackOwnForks(
+    const rpc::Message& message,
+    rpc::worker_id_t to) {
   const auto& payload = message.payload();
   const std::string_view bytes(payload.data(), payload.size());
   bool python = false;
@@ -282,8 +285,8 @@ c10::intrusive_ptr<c10::ivalue::Future> RRefGuard::refuse(
       stale_.erase(it); // its last use
     }
   }
-  auto done =
-      c10::make_intrusive<c10::ivalue::Future>(at::AnyClassType::get(), devices);
+  auto done = c10::make_intrusive<c10::ivalue::Future>(
+      at::AnyClassType::get(), devices);
   if (deletion) {
     // Nothing to delete: the owner and its value are gone.
     done->markCompleted(c10::IValue(rpc::RRefAck().toMessage()));
@@ -291,8 +294,8 @@ c10::intrusive_ptr<c10::ivalue::Future> RRefGuard::refuse(
   }
   std::ostringstream text;
   text << "RRef " << *id << " was owned by a previous holder of " << to
-       << ", and its value is gone with it (" << why << "); the current "
-       << to << " does not have it";
+       << ", and its value is gone with it (" << why << "); the current " << to
+       << " does not have it";
   done->setError(std::make_exception_ptr(std::runtime_error(text.str())));
   return done;
 }

@@ -101,8 +101,7 @@ class RRefGuard {
   // registered by a fork request, by the worker that sent it, and those we
   // forked ourselves, by the peer the message that carried them went to.
   mutable std::mutex holdersMutex_;
-  std::unordered_map<rpc::ForkId, rpc::worker_id_t, rpc::ForkId::Hash>
-      holders_;
+  std::unordered_map<rpc::ForkId, rpc::worker_id_t, rpc::ForkId::Hash> holders_;
   // RRefs a departed member owned, with why it departed.
   std::mutex staleMutex_;
   std::unordered_map<rpc::RRefId, std::string, rpc::RRefId::Hash> stale_;

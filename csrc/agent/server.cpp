@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// The server side of a call: a request served through the request callback,
-// its response encoded and written back on the connection it came from.
-#include "csrc/agent/agent.h"
+// The agent's server side (server.h).
+#include "csrc/agent/server.h"
 
 #include <ATen/ThreadLocalState.h>
 #include <torch/csrc/distributed/rpc/utils.h>
@@ -12,7 +11,7 @@
 
 namespace torch_rpc_ext {
 
-void Agent::serveRequest(
+void Server::serve(
     std::shared_ptr<transport::Connection> conn,
     c10::intrusive_ptr<rpc::Message> request,
     std::vector<c10::Stream> streams) {
@@ -27,7 +26,7 @@ void Agent::serveRequest(
     pristine.emplace();
   }
   at::ThreadLocalStateGuard tls(*pristine);
-  c10::intrusive_ptr<JitFuture> result;
+  c10::intrusive_ptr<c10::ivalue::Future> result;
   try {
     // One stream per device of ours (those the request's CUDA tensors
     // arrived on): the user's function runs under them.
@@ -38,9 +37,9 @@ void Agent::serveRequest(
       // Who holds which of our forks, for when a holder departs.
       rrefs_.trackForks(*request, conn->peerId());
     }
-    result = (*cb_)(*request, std::move(streams));
+    result = callback_(*request, std::move(streams));
   } catch (...) {
-    result = c10::make_intrusive<JitFuture>(at::AnyClassType::get());
+    result = c10::make_intrusive<c10::ivalue::Future>(at::AnyClassType::get());
     result->setError(std::current_exception());
   }
   // The callback has taken what it needs. Holding the request any longer
@@ -50,27 +49,27 @@ void Agent::serveRequest(
   request.reset();
   bool async = !result->completed();
   if (async) {
-    ++serverActiveAsyncCalls_;
+    ++activeAsync_;
   }
-  std::weak_ptr<Agent> weak = shared_from_this();
-  result->addCallback([weak, conn, id, async](JitFuture& f) {
-    auto self = weak.lock();
-    if (!self) {
-      return;
-    }
-    self->sendResponse(*conn, id, f);
-    --self->serverActiveCalls_;
-    if (async) {
-      --self->serverActiveAsyncCalls_;
-    }
-  });
+  result->addCallback(
+      [this, owner = owner_, conn, id, async](c10::ivalue::Future& f) {
+        auto held = owner.lock();
+        if (!held) {
+          return;
+        }
+        respond(*conn, id, f);
+        --active_;
+        if (async) {
+          --activeAsync_;
+        }
+      });
 }
 
-void Agent::sendResponse(
+void Server::respond(
     transport::Connection& conn,
     int64_t id,
-    JitFuture& result) {
-  if (!rpcAgentRunning_.load()) {
+    c10::ivalue::Future& result) {
+  if (!running_.load()) {
     return;
   }
   c10::intrusive_ptr<rpc::Message> response;
@@ -97,7 +96,8 @@ void Agent::sendResponse(
     frame = wire::encodeMessage(response, id, route ? &*route : nullptr);
     AgentDevices::recordCudaUse(*response);
     if (worldSize_ == 0) {
-      rrefs_.trackOwnForks(*response, conn.peerId()); // an RRef of ours returned
+      rrefs_.trackOwnForks(
+          *response, conn.peerId()); // an RRef of ours returned
     }
     TORCH_CHECK(
         frame.wireSize() <= options_.maxFrameBytes,
@@ -113,6 +113,11 @@ void Agent::sendResponse(
         frame.wireSize(), std::memory_order_relaxed);
   }
   conn.write(std::move(frame));
+}
+
+void Server::addMetrics(std::unordered_map<std::string, std::string>& m) const {
+  m["agent.server_active_calls"] = std::to_string(active_.load());
+  m["agent.server_active_async_calls"] = std::to_string(activeAsync_.load());
 }
 
 } // namespace torch_rpc_ext

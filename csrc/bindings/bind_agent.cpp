@@ -52,17 +52,19 @@ void bindAgent(py::module_& m) {
           },
           py::call_guard<py::gil_scoped_release>())
       .def("_get_devices", &Agent::getDevices)
-      .def_property_readonly("is_dynamic", &Agent::isDynamic)
+      .def_property_readonly(
+          "is_dynamic", [](const Agent& a) { return a.group().isDynamic(); })
       .def(
           "_stop_membership",
           &Agent::stopMembership,
           py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("incarnation", &Agent::incarnation)
+      .def_property_readonly(
+          "incarnation", [](const Agent& a) { return a.group().incarnation(); })
       // (epoch, [(name, rank, incarnation)]) of the current view.
       .def(
           "_membership",
           [](const Agent& a) {
-            auto v = a.currentView();
+            auto v = a.group().view();
             std::vector<std::tuple<std::string, int64_t, uint64_t>> members;
             for (const auto& p : v->byId) {
               if (p) {
@@ -78,7 +80,7 @@ void bindAgent(py::module_& m) {
       .def(
           "_take_membership_events",
           [](Agent& a, float timeout) -> py::object {
-            auto events = a.takeMembershipEvents(
+            auto events = a.group().takeEvents(
                 std::chrono::milliseconds(
                     static_cast<int64_t>(timeout * 1000)));
             py::gil_scoped_acquire gil; // (None is reference-counted too)

@@ -27,8 +27,7 @@ class RecordingListener final : public GroupListener {
  public:
   explicit RecordingListener(bool answers) : answers_(answers) {}
 
-  Route routeFor(const std::string& name, const std::string& offers)
-      override {
+  Route routeFor(const std::string& name, const std::string& offers) override {
     Route r;
     r.transport = "fake";
     r.address = offers;
@@ -84,8 +83,8 @@ struct GroupHarness {
       double leaseSeconds,
       bool answers)
       : name(name), listener(answers) {
-    options.heartbeatTimeout = std::chrono::milliseconds(
-        static_cast<int64_t>(leaseSeconds * 1000));
+    options.heartbeatTimeout =
+        std::chrono::milliseconds(static_cast<int64_t>(leaseSeconds * 1000));
     options.rendezvousTimeout = std::chrono::seconds(30);
     group = std::make_unique<Group>(
         store,
@@ -157,7 +156,9 @@ void bindTestingAgent(py::module_& parent) {
             for (const auto& p : v->byId) {
               if (p) {
                 out.emplace_back(
-                    p->info.id_, p->info.name_, p->incarnation,
+                    p->info.id_,
+                    p->info.name_,
+                    p->incarnation,
                     p->route.address);
               }
             }
@@ -186,8 +187,9 @@ void bindTestingAgent(py::module_& parent) {
             std::optional<std::vector<MembershipEvent>> evs;
             {
               py::gil_scoped_release nogil;
-              evs = h.group->takeEvents(std::chrono::milliseconds(
-                  static_cast<int64_t>(timeout * 1000)));
+              evs = h.group->takeEvents(
+                  std::chrono::milliseconds(
+                      static_cast<int64_t>(timeout * 1000)));
             }
             if (!evs) {
               return py::none();
@@ -267,27 +269,27 @@ void bindTestingAgent(py::module_& parent) {
           py::arg("fork"),
           py::arg("holder") = -1,
           py::arg("delete") = false)
-      .def(
-          "holder_of",
-          [](const RRefGuard& g, std::pair<int, int64_t> fork) {
-            return static_cast<int>(g.holderOf(rrefId(fork)));
-          });
+      .def("holder_of", [](const RRefGuard& g, std::pair<int, int64_t> fork) {
+        return static_cast<int>(g.holderOf(rrefId(fork)));
+      });
 
   // forksCarried(): which of `forks` [(rref, fork)] the payload carries.
   m.def(
       "forks_carried",
       [](const py::bytes& payload,
          int self,
-         const std::vector<std::pair<
-             std::pair<int, int64_t>,
-             std::pair<int, int64_t>>>& forks) {
+         const std::vector<
+             std::pair<std::pair<int, int64_t>, std::pair<int, int64_t>>>&
+             forks) {
         std::vector<std::pair<rpc::RRefId, rpc::ForkId>> in;
         for (const auto& [r, f] : forks) {
           in.emplace_back(rrefId(r), rrefId(f));
         }
         std::vector<std::pair<int, int64_t>> out;
         for (const auto& f : forksCarried(
-                 std::string(payload), static_cast<rpc::worker_id_t>(self), in)) {
+                 std::string(payload),
+                 static_cast<rpc::worker_id_t>(self),
+                 in)) {
           out.emplace_back(f.createdOn_, f.localId_);
         }
         return out;

@@ -1,0 +1,92 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+// The agent's server side: a request served through torch's request
+// callback (ServeCallback: may take the GIL), its response encoded and
+// written back on the connection it came from. Counts the requests being
+// served (a dynamic group's leave waits for them).
+//
+// Threads: accepted() runs on the loop thread that read the request;
+// serve() on that loop thread after its read pass (or a thread the loop
+// handed itself to); the response is written from the result future's
+// callback, on whatever thread completes it (at once for a synchronous
+// function). No lock: the counters are atomic, the rest is set at
+// construction.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <torch/csrc/distributed/rpc/request_callback.h>
+
+#include "csrc/agent/devices.h"
+#include "csrc/agent/group.h"
+#include "csrc/agent/options.h"
+#include "csrc/agent/rref_guard.h"
+#include "csrc/transport/transport.h"
+
+namespace torch_rpc_ext {
+
+class Server {
+ public:
+  // `running`: the agent's (torch's) running flag; no response is written
+  // once it is cleared. The rest outlive us.
+  Server(
+      rpc::RequestCallback& callback,
+      const std::atomic<bool>& running,
+      const AgentOptions& options,
+      int worldSize,
+      AgentDevices& devices,
+      RRefGuard& rrefs,
+      const Group& group)
+      : callback_(callback),
+        running_(running),
+        options_(options),
+        worldSize_(worldSize),
+        devices_(devices),
+        rrefs_(rrefs),
+        group_(group) {}
+
+  // The agent that holds us: a response completing after it is gone is
+  // dropped (set once, right after the agent is made).
+  void setOwner(std::weak_ptr<void> owner) {
+    owner_ = std::move(owner);
+  }
+  // A request was read and will be served.
+  void accepted() {
+    ++active_;
+  }
+  // Run the request (its CUDA tensors ready on `streams`, one per device of
+  // ours) and arrange for its response.
+  void serve(
+      std::shared_ptr<transport::Connection> conn,
+      c10::intrusive_ptr<rpc::Message> request,
+      std::vector<c10::Stream> streams);
+  int64_t active() const {
+    return active_.load();
+  }
+  // agent.server_active_calls, agent.server_active_async_calls.
+  void addMetrics(std::unordered_map<std::string, std::string>& m) const;
+
+ private:
+  void respond(
+      transport::Connection& conn,
+      int64_t id,
+      c10::ivalue::Future& result);
+
+  rpc::RequestCallback& callback_;
+  const std::atomic<bool>& running_;
+  const AgentOptions& options_;
+  const int worldSize_; // 0: a dynamic group
+  AgentDevices& devices_;
+  RRefGuard& rrefs_;
+  const Group& group_;
+  std::weak_ptr<void> owner_;
+  std::atomic<int64_t> active_{0};
+  std::atomic<int64_t> activeAsync_{0};
+};
+
+} // namespace torch_rpc_ext
