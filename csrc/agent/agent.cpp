@@ -11,7 +11,6 @@
 #include <torch/csrc/distributed/rpc/utils.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "csrc/agent/dynamic_devices.h"
 #include "csrc/agent/serve_callback.h"
 #include "csrc/agent/torch_private.h"
 #include "csrc/common/crypto.h"
@@ -65,7 +64,6 @@ Agent::Agent(
           rpc::WorkerInfo(std::move(name), static_cast<int64_t>(rank)),
           std::make_unique<ServeCallback>(),
           toMs(options.rpcTimeoutSeconds)),
-      worldSize_(worldSize),
       options_(std::move(options)),
       pool_(
           static_cast<size_t>(std::max(1, options_.numWorkerThreads)),
@@ -79,17 +77,11 @@ Agent::Agent(
       rrefs_(
           static_cast<rpc::worker_id_t>(rank),
           workerInfo_.name_,
+          /*dynamicGroup=*/worldSize == 0,
           [this](std::function<void()> task) { pool_.run(std::move(task)); }),
       group_(store, workerInfo_, worldSize, options_, *this),
       connections_(options_, workerInfo_, worldSize, group_, *this, pool_),
-      server_(
-          *cb_,
-          rpcAgentRunning_,
-          options_,
-          worldSize,
-          devices_,
-          rrefs_,
-          group_) {
+      server_(*cb_, rpcAgentRunning_, options_, devices_, rrefs_, group_) {
   // worldSize 0 is a dynamic group: any rank that fits dist autograd's
   // 16-bit worker ids.
   TORCH_CHECK(
@@ -114,7 +106,7 @@ Agent::~Agent() {
 
 void Agent::startImpl() {
   connections_.start();
-  rrefs_.setLive(worldSize_ == 0); // torch has made us its agent
+  rrefs_.setLive(true); // torch has made us its agent
 }
 
 void Agent::shutdownImpl() {
@@ -146,14 +138,9 @@ void Agent::rendezvous() {
   }
   // Our entry: the name, then a line per transport we listen on and per
   // channel we offer.
-  std::string entry =
-      workerInfo_.name_ + connections_.open(secret, group_.incarnation());
-  if (worldSize_ == 0) {
-    // A dynamic group's members learn our devices and maps from our join
-    // record (static groups exchanged them before the agent existed).
-    entry += deviceOfferLines(options_.devices, options_.deviceMaps);
-  }
-  group_.join(entry, getRpcTimeout());
+  group_.join(
+      workerInfo_.name_ + connections_.open(secret, group_.incarnation()),
+      getRpcTimeout());
 }
 
 void Agent::stopMembership() {
@@ -175,7 +162,7 @@ void Agent::join(bool shutdown, float timeout) {
     deadline = std::chrono::steady_clock::now() +
         std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
   }
-  if (worldSize_ == 0) {
+  if (group_.isDynamic()) {
     // A dynamic group has no barrier: a member leaves alone, once its own
     // calls are answered (group_elastic.cpp).
     calls_.drain(deadline, timeout);
@@ -307,10 +294,8 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
       m["rpc_ext.peer." + name + "." + kCounters[i]] = std::to_string(sum[i]);
     }
   }
-  if (worldSize_ == 0) {
-    group_.addMetrics(m);
-    rrefs_.addMetrics(m);
-  }
+  group_.addMetrics(m);
+  rrefs_.addMetrics(m);
   return m;
 }
 

@@ -141,7 +141,6 @@ class Agent final : public rpc::RpcAgent,
       transport::Connection& conn,
       const std::string& reason) override;
 
-  const int worldSize_; // 0: a dynamic group
   const AgentOptions options_;
   ThreadPool pool_;
   std::unique_ptr<FaultInjector> faults_; // tests only

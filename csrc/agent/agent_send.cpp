@@ -90,9 +90,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   frame::OutboundFrame frame =
       wire::encodeMessage(message, id, route ? &*route : nullptr);
   AgentDevices::recordCudaUse(*message);
-  if (worldSize_ == 0) {
-    rrefs_.trackOwnForks(*message, to.id_); // an RRef of ours passed to `to`
-  }
+  rrefs_.trackOwnForks(*message, to.id_); // an RRef of ours passed to `to`
   encodeSpan.reset();
   uint64_t wireBytes = frame.wireSize();
   TORCH_CHECK(

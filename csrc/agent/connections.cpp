@@ -10,6 +10,7 @@
 
 #include <c10/util/StringUtil.h>
 
+#include "csrc/agent/dynamic_devices.h"
 #include "csrc/channel/registry.h"
 #include "csrc/common/logging.h"
 #include "csrc/transport/registry.h"
@@ -156,6 +157,10 @@ Route Connections::routeFor(
       if (worldSize_ == 0) {
         route.reverseDeviceMap =
             reverseMapOf(parseDeviceOffer(offers), self_.name_);
+      } else if (
+          auto m = options_.reverseDeviceMaps.find(peerName);
+          m != options_.reverseDeviceMaps.end()) {
+        route.reverseDeviceMap = m->second;
       }
       return route;
     }

@@ -116,7 +116,8 @@ class Group {
   const std::string& establishSecret();
   // Publish our rendezvous `entry` (name line, offers) and learn everyone
   // else's (static: blocks until all worldSize workers have published), or
-  // join the dynamic group's log: returns once every member knows us.
+  // join the dynamic group's log (our record adds our devices and maps):
+  // returns once every member knows us.
   void join(const std::string& entry, std::chrono::milliseconds rpcTimeout);
 
   bool isDynamic() const {

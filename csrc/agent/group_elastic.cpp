@@ -43,7 +43,10 @@ void Group::joinLog(
   me.name = self.name_;
   me.incarnation = incarnation_;
   me.leaseMs = leaseTimeout().count();
-  me.offers = entry.substr(std::min(entry.size(), entry.find('\n') + 1));
+  // The members learn our devices and maps from our join record (a static
+  // group exchanged them before the agent existed).
+  me.offers = entry.substr(std::min(entry.size(), entry.find('\n') + 1)) +
+      deviceOfferLines(options_.devices, options_.deviceMaps);
 
   int64_t epoch = 0;
   {

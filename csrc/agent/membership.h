@@ -45,8 +45,9 @@ struct Route {
   // Why no transport of ours reaches it (then `transport` is empty): calls
   // to it fail with this.
   std::string unreachable;
-  // Dynamic groups: our responses' device map to it, the reverse of its map
-  // to us (dynamic_devices.h). Static groups take the options' reverse maps.
+  // Our responses' device map to it: the reverse of its map to us. A
+  // dynamic group's from its join record (dynamic_devices.h), a static
+  // group's from the options (exchanged before the agent existed).
   rpc::DeviceMap reverseDeviceMap;
 };
 

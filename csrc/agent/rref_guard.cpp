@@ -128,6 +128,9 @@ std::vector<rpc::ForkId> forksCarried(
 }
 
 void RRefGuard::trackForks(const rpc::Message& request, rpc::worker_id_t from) {
+  if (!enabled_) {
+    return;
+  }
   try {
     if (request.type() == rpc::MessageType::RREF_FORK_REQUEST) {
       forkRegistered(
@@ -155,6 +158,9 @@ void RRefGuard::forkDeleted(const rpc::ForkId& forkId) {
 void RRefGuard::trackOwnForks(
     const rpc::Message& message,
     rpc::worker_id_t to) {
+  if (!enabled_) {
+    return;
+  }
   const auto& payload = message.payload();
   const std::string_view bytes(payload.data(), payload.size());
   bool python = false;
@@ -302,6 +308,9 @@ c10::intrusive_ptr<c10::ivalue::Future> RRefGuard::refuse(
 
 void RRefGuard::addMetrics(
     std::unordered_map<std::string, std::string>& m) const {
+  if (!enabled_) {
+    return;
+  }
   m["rpc_ext.membership.dropped_forks"] = std::to_string(droppedForks_.load());
   m["rpc_ext.membership.dropped_autograd_contexts"] =
       std::to_string(droppedAutogradContexts_.load());

@@ -12,7 +12,8 @@
 //
 // A fork id names the worker that forked the RRef, not the one holding it,
 // so the guard attributes forks as messages pass (trackForks(),
-// trackOwnForks()).
+// trackOwnForks()). Only a dynamic group's members depart: in a static
+// group the guard does nothing.
 //
 // Threads: trackForks() runs on the pool threads serving requests,
 // trackOwnForks() on senders' threads and pool threads writing responses,
@@ -41,21 +42,24 @@ namespace rpc = torch::distributed::rpc;
 
 class RRefGuard {
  public:
-  // `self`, `selfName`: our worker id and name. `offThread` runs a task on
-  // another thread (the agent's pool): Python values are dropped there,
-  // with the GIL.
+  // `self`, `selfName`: our worker id and name. `dynamicGroup`: whether
+  // members can depart (else every call is a no-op). `offThread` runs a
+  // task on another thread (the agent's pool): Python values are dropped
+  // there, with the GIL.
   RRefGuard(
       rpc::worker_id_t self,
       std::string selfName,
+      bool dynamicGroup,
       std::function<void(std::function<void()>)> offThread)
       : self_(self),
         selfName_(std::move(selfName)),
+        enabled_(dynamicGroup),
         offThread_(std::move(offThread)) {}
 
   // Whether torch's RRef state may be touched: set once torch has made us
   // its agent, cleared before it tears that state down.
   void setLive(bool live) {
-    live_.store(live);
+    live_.store(live && enabled_);
   }
 
   // A request served: a fork request registers a fork that `from` holds;
@@ -89,12 +93,13 @@ class RRefGuard {
       const rpc::Message& message,
       const std::vector<c10::Device>& devices);
 
-  // rpc_ext.membership.dropped_* (get_metrics).
+  // rpc_ext.membership.dropped_* (get_metrics; dynamic groups).
   void addMetrics(std::unordered_map<std::string, std::string>& m) const;
 
  private:
   const rpc::worker_id_t self_;
   const std::string selfName_;
+  const bool enabled_;
   const std::function<void(std::function<void()>)> offThread_;
   std::atomic<bool> live_{false};
   // The holders of forks of our RRefs whose ids do not name them: those

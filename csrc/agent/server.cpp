@@ -33,10 +33,8 @@ void Server::serve(
     if (streams.empty() && !options_.devices.empty()) {
       streams = devices_.arrivalStreams();
     }
-    if (worldSize_ == 0) {
-      // Who holds which of our forks, for when a holder departs.
-      rrefs_.trackForks(*request, conn->peerId());
-    }
+    // Who holds which of our forks, for when a holder departs.
+    rrefs_.trackForks(*request, conn->peerId());
     result = callback_(*request, std::move(streams));
   } catch (...) {
     result = c10::make_intrusive<c10::ivalue::Future>(at::AnyClassType::get());
@@ -86,19 +84,11 @@ void Server::respond(
     if (!options_.devices.empty() && peer) {
       // Back through the reverse of the caller's map. (This callback runs
       // under streams that wait for the result's events: the current ones.)
-      auto it = options_.reverseDeviceMaps.find(peer->info.name_);
-      route = devices_.routeTo(
-          peer->info.name_,
-          worldSize_ == 0 ? peer->route.reverseDeviceMap
-              : it == options_.reverseDeviceMaps.end() ? rpc::DeviceMap{}
-                                                       : it->second);
+      route = devices_.routeTo(peer->info.name_, peer->route.reverseDeviceMap);
     }
     frame = wire::encodeMessage(response, id, route ? &*route : nullptr);
     AgentDevices::recordCudaUse(*response);
-    if (worldSize_ == 0) {
-      rrefs_.trackOwnForks(
-          *response, conn.peerId()); // an RRef of ours returned
-    }
+    rrefs_.trackOwnForks(*response, conn.peerId()); // an RRef of ours returned
     TORCH_CHECK(
         frame.wireSize() <= options_.maxFrameBytes,
         "RPC response of ",

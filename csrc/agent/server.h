@@ -38,14 +38,12 @@ class Server {
       rpc::RequestCallback& callback,
       const std::atomic<bool>& running,
       const AgentOptions& options,
-      int worldSize,
       AgentDevices& devices,
       RRefGuard& rrefs,
       const Group& group)
       : callback_(callback),
         running_(running),
         options_(options),
-        worldSize_(worldSize),
         devices_(devices),
         rrefs_(rrefs),
         group_(group) {}
@@ -80,7 +78,6 @@ class Server {
   rpc::RequestCallback& callback_;
   const std::atomic<bool>& running_;
   const AgentOptions& options_;
-  const int worldSize_; // 0: a dynamic group
   AgentDevices& devices_;
   RRefGuard& rrefs_;
   const Group& group_;

@@ -248,6 +248,7 @@ void bindTestingAgent(py::module_& parent) {
         return std::make_unique<RRefGuard>(
             static_cast<rpc::worker_id_t>(self),
             "worker" + std::to_string(self),
+            /*dynamicGroup=*/true,
             [](std::function<void()> task) { task(); });
       }))
       // A fork request from `holder` served (or, `delete`, a user

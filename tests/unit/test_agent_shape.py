@@ -140,3 +140,13 @@ def test_the_python_modules_do_not_import_each_other_in_a_circle():
     graph = package_imports()
     assert "elastic" in graph["backend"]
     assert find_cycle(graph) is None
+
+
+def test_the_agent_does_not_branch_on_the_kind_of_group():
+    """A static and a dynamic group differ inside Group (and the parts it
+    configures), not in the facade: only join()'s protocol differs there (a
+    barrier, or leaving alone)."""
+    text = "".join((AGENT / f).read_text() for f in ("agent.h", "agent.cpp", "agent_send.cpp"))
+    assert "worldSize_" not in text
+    assert text.count("isDynamic()") == 1
+    assert "worldSize_" not in (AGENT / "server.cpp").read_text()
