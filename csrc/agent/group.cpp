@@ -172,15 +172,7 @@ const rpc::WorkerInfo& Group::worker(const std::string& workerName) const {
     }
     why = " (known workers: " + c10::Join(", ", names) + ")";
   }
-  TORCH_CHECK(
-      false,
-      "name:",
-      self_.name_,
-      ",rank:",
-      self_.id_,
-      " could not find destination name ",
-      workerName,
-      why);
+  notFound("name " + workerName + why);
 }
 
 const rpc::WorkerInfo& Group::worker(rpc::worker_id_t id) const {
@@ -200,15 +192,19 @@ const rpc::WorkerInfo& Group::worker(rpc::worker_id_t id) const {
       }
     }
   }
+  notFound("id " + std::to_string(id) + why);
+}
+
+void Group::notFound(const std::string& what) const {
+  // Upstream's text, which its tests match.
   TORCH_CHECK(
       false,
       "name:",
       self_.name_,
       ",rank:",
       self_.id_,
-      " could not find destination id ",
-      id,
-      why);
+      " could not find destination ",
+      what);
 }
 
 std::string Group::admissionError(int32_t id, uint64_t incarnation) const {

@@ -186,6 +186,8 @@ class Group {
 
  private:
   void publish(std::shared_ptr<const View> view);
+  // worker()'s error: "... could not find destination <what>".
+  [[noreturn]] void notFound(const std::string& what) const;
   std::shared_ptr<Peer> adopt(
       rpc::WorkerInfo info,
       uint64_t incarnation,
