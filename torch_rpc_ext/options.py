@@ -133,6 +133,21 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         secret: Group secret every connection must prove it knows. Defaults
             to ``TORCH_RPC_EXT_SECRET``, else a random secret created at
             rendezvous and shared through the store.
+        encryption: TLS 1.3 on TCP connections: ``"auto"`` (the default)
+            encrypts every connection whose peer address is not loopback,
+            that is every one that leaves the host; ``"always"`` encrypts
+            loopback ones too; ``"off"`` sends in the clear (for links you
+            trust, such as a private fabric). shm connections never need it
+            (one kernel). Defaults to ``TORCH_RPC_EXT_ENCRYPTION``, else
+            ``"auto"``. Every worker must use the same setting; a mismatch
+            fails the connection naming it. Without certificates, TLS is
+            keyed from the group secret (a pre-shared key with an ephemeral
+            key exchange on top): nothing to manage.
+        tls_cert, tls_key, tls_ca: PEM files for mutual TLS instead of the
+            pre-shared key: this worker's certificate chain and private
+            key, and the CA that must have signed every peer's certificate.
+            All three or none. Default ``TORCH_RPC_EXT_TLS_CERT``,
+            ``TORCH_RPC_EXT_TLS_KEY``, ``TORCH_RPC_EXT_TLS_CA``.
         max_frame_bytes: Largest message accepted or sent; a peer announcing
             more is disconnected before anything is allocated.
         handshake_timeout: Seconds a new connection has to authenticate.
@@ -171,6 +186,10 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         device_channels: Sequence[str] = _DEFAULT["device_channels"],
         address: str | None = _DEFAULT["address"],
         secret: bytes | str | None = _DEFAULT["secret"],
+        encryption: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_ca: str | None = None,
         max_frame_bytes: int = _DEFAULT["max_frame_bytes"],
         handshake_timeout: float = _DEFAULT["handshake_timeout"],
         heartbeat_timeout: float = _DEFAULT["heartbeat_timeout"],
@@ -249,6 +268,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             not isinstance(secret, bytes) or len(secret) < _MIN["secret"]
         ):
             raise ValueError(f"secret must be at least {_MIN['secret']} bytes")
+        encryption, tls_files = _check_encryption(encryption, tls_cert, tls_key, tls_ca)
         if not isinstance(max_frame_bytes, int) or max_frame_bytes < (
             lo := _MIN["max_frame_bytes"]
         ):
@@ -312,6 +332,8 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         self.device_channels = device_channels
         self.address = address
         self.secret = secret
+        self.encryption = encryption
+        self.tls_cert, self.tls_key, self.tls_ca = tls_files
         self.max_frame_bytes = max_frame_bytes
         self.handshake_timeout = float(handshake_timeout)
         self.heartbeat_timeout = float(heartbeat_timeout)
@@ -362,6 +384,49 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             f"transports={self.transports}, channels={self.channels}, "
             f"device_channels={self.device_channels}, "
             f"cuda_zero_copy={self.cuda_zero_copy}, "
-            f"address={self.address!r}, "
+            f"address={self.address!r}, encryption={self.encryption!r}, "
             f"max_frame_bytes={self.max_frame_bytes})"
         )
+
+
+_ENCRYPTION = ("auto", "always", "off")
+_TLS_FILES = (("tls_cert", "TORCH_RPC_EXT_TLS_CERT"), ("tls_key", "TORCH_RPC_EXT_TLS_KEY"),
+              ("tls_ca", "TORCH_RPC_EXT_TLS_CA"))
+
+
+def _check_encryption(
+    encryption: str | None, *files: str | None
+) -> tuple[str, tuple[str | None, str | None, str | None]]:
+    """The encryption mode and the mutual TLS files, from the arguments or
+    the environment, checked: a mode of ``_ENCRYPTION``, and the three files
+    together, each one readable."""
+    where = "encryption"
+    if encryption is None:
+        encryption = os.environ.get("TORCH_RPC_EXT_ENCRYPTION") or _DEFAULT["encryption"]
+        where = "TORCH_RPC_EXT_ENCRYPTION" if os.environ.get("TORCH_RPC_EXT_ENCRYPTION") else where
+    if encryption not in _ENCRYPTION:
+        raise ValueError(
+            f'{where} must be "auto", "always" or "off", got {encryption!r}'
+        )
+    resolved = []
+    for value, (name, env) in zip(files, _TLS_FILES):
+        source = name
+        if value is None and os.environ.get(env):
+            value, source = os.environ[env], env
+        if value is not None:
+            if not isinstance(value, (str, os.PathLike)) or not str(value):
+                raise ValueError(f"{source} must be a path, got {value!r}")
+            value = str(value)
+            if not os.path.isfile(value) or not os.access(value, os.R_OK):
+                raise ValueError(f"{source}: {value!r} is not a readable file")
+        resolved.append(value)
+    given = [name for value, (name, _) in zip(resolved, _TLS_FILES) if value is not None]
+    if given and len(given) != 3:
+        missing = [name for name, _ in _TLS_FILES if name not in given]
+        raise ValueError(
+            f"mutual TLS needs tls_cert, tls_key and tls_ca together; "
+            f"{', '.join(given)} given without {', '.join(missing)}"
+        )
+    if given and encryption == "off":
+        raise ValueError('tls_cert, tls_key and tls_ca are given but encryption is "off"')
+    return encryption, tuple(resolved)

@@ -53,6 +53,10 @@ std::string Connections::open(const std::string& secret, uint64_t incarnation) {
     };
   }
   topts.secret = secret;
+  topts.tls.mode = transport::parseTlsMode(options_.encryption);
+  topts.tls.certFile = options_.tlsCert;
+  topts.tls.keyFile = options_.tlsKey;
+  topts.tls.caFile = options_.tlsCa;
   topts.limits.maxFrameBytes = options_.maxFrameBytes;
   topts.handshakeTimeout = options_.handshakeTimeout;
   topts.heartbeatTimeout = options_.heartbeatTimeout;
@@ -429,9 +433,46 @@ void Connections::addMetrics(
   }
 }
 
+std::string Connections::securityOf(const Peer& peer) const {
+  if (peer.info.id_ == self_.id_) {
+    return "none (self: no connection)";
+  }
+  std::shared_ptr<transport::Connection> conn;
+  {
+    std::lock_guard<std::mutex> lock(connMutex_);
+    auto out = outbound_.find(&peer);
+    if (out != outbound_.end() && out->second->isReady()) {
+      conn = out->second;
+    } else {
+      auto range = inbound_.equal_range(peer.info.id_);
+      for (auto it = range.first; it != range.second && !conn; ++it) {
+        auto in = it->second.lock();
+        if (in && in->isReady()) {
+          conn = in;
+        }
+      }
+    }
+  }
+  if (!conn) {
+    return "not connected";
+  }
+  std::string s = conn->security();
+  if (!s.empty()) {
+    return s;
+  }
+  auto t = transports_.find(peer.route.transport);
+  if (t != transports_.end() && !t->second->crossesHosts()) {
+    return "none (" + peer.route.transport + ": one host)";
+  }
+  return options_.encryption == "off" ? "none (encryption off)"
+                                      : "none (loopback)";
+}
+
 void Connections::addDebugInfo(
     std::unordered_map<std::string, std::string>& m) const {
   m["rpc_ext.address"] = address_;
+  m["rpc_ext.encryption"] =
+      options_.encryption + (options_.tlsCert.empty() ? "" : " (mutual TLS)");
   for (const auto& [name, address] : listenAddresses_) {
     m["rpc_ext.listen." + name] = address;
   }
@@ -457,6 +498,7 @@ void Connections::addDebugInfo(
       }
     }
     m[p + "channels"] = used + channel::kStreamChannelName;
+    m[p + "security"] = securityOf(*peer);
   }
 }
 

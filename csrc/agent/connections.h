@@ -124,6 +124,9 @@ class Connections final : private transport::ConnectionObserver {
   // (get_metrics); addresses, channels, each member's route (get_debug_info).
   void addMetrics(std::unordered_map<std::string, std::string>& m) const;
   void addDebugInfo(std::unordered_map<std::string, std::string>& m) const;
+  // How the connection to `peer` protects its bytes (get_debug_info's
+  // rpc_ext.peer.<name>.security): TLS's description, or why there is none.
+  std::string securityOf(const Peer& peer) const;
 
  private:
   // ConnectionObserver: loop threads.
@@ -156,7 +159,7 @@ class Connections final : private transport::ConnectionObserver {
   std::vector<std::shared_ptr<transport::Listener>> listeners_;
   std::map<std::string, std::string> listenAddresses_; // by transport
 
-  std::mutex connMutex_;
+  mutable std::mutex connMutex_;
   std::unordered_map<const Peer*, std::shared_ptr<transport::Connection>>
       outbound_;
   // Accepted connections by peer id, so a departing peer's connections are

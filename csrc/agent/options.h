@@ -51,6 +51,13 @@ struct AgentOptions : rpc::RpcBackendOptions {
   std::string address;
   // Shared secret; empty means "create one at rendezvous, share via store".
   std::string secret;
+  // TLS on TCP connections (transport/tls.h): "auto" (peers whose address
+  // is not loopback), "always", "off"; mutual TLS with these PEM files when
+  // tlsCert is set, else a key derived from the secret.
+  std::string encryption = "auto";
+  std::string tlsCert;
+  std::string tlsKey;
+  std::string tlsCa;
   uint64_t maxFrameBytes = kDefaultMaxFrameBytes;
   std::chrono::milliseconds handshakeTimeout = kDefaultHandshakeTimeout;
   // See TransportOptions::heartbeatTimeout.

@@ -60,6 +60,10 @@ py::dict optionSpec() {
       none);
   spec["address"] = py::make_tuple(none, none, none);
   spec["secret"] = py::make_tuple(none, kMinSecretBytes, none);
+  spec["encryption"] = py::make_tuple(std::string("auto"), none, none);
+  for (const char* file : {"tls_cert", "tls_key", "tls_ca"}) {
+    spec[file] = py::make_tuple(none, none, none);
+  }
   spec["max_frame_bytes"] =
       py::make_tuple(kDefaultMaxFrameBytes, kMinMaxFrameBytes, none);
   spec["handshake_timeout"] = py::make_tuple(
@@ -123,6 +127,21 @@ void bindOptions(py::module_& m) {
           [](O& o, std::optional<py::bytes> v) {
             o.secret = v ? std::string(*v) : std::string();
           })
+      .def_readwrite("encryption", &O::encryption)
+      .def_property(
+          "tls_cert",
+          [](const O& o) { return noneIfEmpty(o.tlsCert, false); },
+          [](O& o, std::optional<std::string> v) {
+            o.tlsCert = v.value_or("");
+          })
+      .def_property(
+          "tls_key",
+          [](const O& o) { return noneIfEmpty(o.tlsKey, false); },
+          [](O& o, std::optional<std::string> v) { o.tlsKey = v.value_or(""); })
+      .def_property(
+          "tls_ca",
+          [](const O& o) { return noneIfEmpty(o.tlsCa, false); },
+          [](O& o, std::optional<std::string> v) { o.tlsCa = v.value_or(""); })
       .def_readwrite("max_frame_bytes", &O::maxFrameBytes)
       .def_readwrite("_devices", &O::devices)
       .def_readwrite("_device_maps", &O::deviceMaps)

@@ -43,7 +43,9 @@ class Endpoint final : public transport::ConnectionObserver {
       int32_t worldSize,
       const std::string& secret,
       const std::string& transportName,
-      const std::vector<std::string>& channelNames) {
+      const std::vector<std::string>& channelNames,
+      const std::string& encryption,
+      const std::vector<std::string>& tlsFiles) {
     for (const auto& name : channelNames) {
       auto c = channel::createChannel(name);
       if (!c->isViable()) {
@@ -56,6 +58,12 @@ class Endpoint final : public transport::ConnectionObserver {
     o.selfId = selfId;
     o.peerIdLimit = worldSize;
     o.secret = secret;
+    o.tls.mode = transport::parseTlsMode(encryption);
+    if (tlsFiles.size() == 3) {
+      o.tls.certFile = tlsFiles[0];
+      o.tls.keyFile = tlsFiles[1];
+      o.tls.caFile = tlsFiles[2];
+    }
     o.channelsFor = [this](int32_t, bool passesDescriptors) {
       std::vector<channel::Offer> out;
       std::lock_guard<std::mutex> lock(mu_);
@@ -181,6 +189,12 @@ class Endpoint final : public transport::ConnectionObserver {
     return closeReason_;
   }
 
+  // The ready connection's security() ("" in the clear or when none).
+  std::string security() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return conn_ ? conn_->security() : std::string();
+  }
+
   std::map<std::string, std::map<std::string, uint64_t>> counters() const {
     std::map<std::string, std::map<std::string, uint64_t>> out;
     for (const auto& c : channels_) {
@@ -216,6 +230,7 @@ class Endpoint final : public transport::ConnectionObserver {
   void onReady(const std::shared_ptr<transport::Connection>& conn) override {
     std::lock_guard<std::mutex> lock(mu_);
     conn_ = conn;
+    closeReason_.clear(); // a new connection: the endpoint is live again
     cv_.notify_all();
   }
 
@@ -228,8 +243,10 @@ class Endpoint final : public transport::ConnectionObserver {
     frame::InboundBuffers b;
     data->sizes = sizes;
     for (size_t i = 0; i < sizes.size(); ++i) {
-      data->bytes.emplace_back(provided[i] ? 0 : sizes[i]);
-      b.segments.push_back(provided[i] ? nullptr : data->bytes.back().data());
+      // `provided` is empty when no channel provided memory for any.
+      bool byChannel = i < provided.size() && provided[i];
+      data->bytes.emplace_back(byChannel ? 0 : sizes[i]);
+      b.segments.push_back(byChannel ? nullptr : data->bytes.back().data());
     }
     // A staging channel lands device bytes on this device (-1: refuse).
     b.devices.assign(sizes.size(), landingDevice_.load());
@@ -329,12 +346,16 @@ void bindTestingEndpoint(py::module_& m) {
               int32_t,
               const std::string&,
               const std::string&,
+              const std::vector<std::string>&,
+              const std::string&,
               const std::vector<std::string>&>(),
           py::arg("self_id"),
           py::arg("world_size"),
           py::arg("secret"),
           py::arg("transport"),
-          py::arg("channels"))
+          py::arg("channels"),
+          py::arg("encryption") = "auto",
+          py::arg("tls_files") = std::vector<std::string>{})
       .def_property_readonly("address", &Endpoint::address)
       .def("descriptors", &Endpoint::descriptors)
       .def("set_peer", &Endpoint::setPeer)
@@ -352,6 +373,7 @@ void bindTestingEndpoint(py::module_& m) {
           py::call_guard<py::gil_scoped_release>())
       .def("receive", &Endpoint::receive, py::arg("timeout"))
       .def("close_reason", &Endpoint::closeReason)
+      .def("security", &Endpoint::security)
       .def("counters", &Endpoint::counters)
       .def("set_landing_device", &Endpoint::setLandingDevice)
       .def(

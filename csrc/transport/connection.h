@@ -85,6 +85,12 @@ class Connection {
   // Human-readable endpoints, for logs and errors.
   virtual std::string describe() const = 0;
 
+  // How the bytes are protected on the wire once ready: the TLS version,
+  // cipher and how the peer was authenticated (tls.h), or "" in the clear.
+  virtual std::string security() const {
+    return {};
+  }
+
   // From an observer callback only: run `fn` on the calling (loop) thread
   // once the current round of reads is over: no thread hop. Unlike the
   // callbacks, `fn` may block and take the GIL: if it runs for more than a

@@ -12,6 +12,7 @@
 #include "csrc/common/option_defaults.h"
 #include "csrc/transport/connection.h"
 #include "csrc/transport/handshake.h"
+#include "csrc/transport/tls.h"
 
 namespace torch_rpc_ext::transport {
 
@@ -48,6 +49,9 @@ struct TransportOptions {
   // dropping the last reference to a tensor that has a Python object takes
   // the GIL, which the loop thread must never do. Unset: destroyed in place.
   std::function<void(std::shared_ptr<void>)> releaseOffLoop;
+  // Encryption of connections for transports that cross hosts (tls.h); the
+  // pre-shared key comes from `secret`.
+  TlsOptions tls;
   // The channels a connection to a peer uses (channel/channel.h), asked
   // once the peer is known. Unset: every byte travels in the stream.
   channel::ChannelsFor channelsFor;

@@ -261,3 +261,48 @@ def test_the_agent_gets_a_copy_with_the_secret_from_the_environment(monkeypatch)
 def test_device_channels_are_not_listed_in_channels():
     with pytest.raises(ValueError, match=r"\['cuda_ipc'\], which carry CUDA tensors"):
         RpcExtBackendOptions(channels=["shm_slab", "cuda_ipc"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"encryption": "on"}, 'encryption must be "auto", "always" or "off", got \'on\''),
+        ({"encryption": True}, "encryption must be"),
+        ({"tls_cert": "/nonexistent/cert.pem"}, "tls_cert: '/nonexistent/cert.pem' is not a readable file"),
+        ({"tls_cert": ""}, "tls_cert must be a path"),
+    ],
+)
+def test_bad_encryption_options_are_rejected_with_the_reason(kwargs, match):
+    with pytest.raises(ValueError, match=re.escape(match) if "'" in match else match):
+        RpcExtBackendOptions(**kwargs)
+
+
+def test_mutual_tls_takes_its_three_files_together(tmp_path, monkeypatch):
+    for var in ("TORCH_RPC_EXT_ENCRYPTION", "TORCH_RPC_EXT_TLS_CERT", "TORCH_RPC_EXT_TLS_KEY",
+                "TORCH_RPC_EXT_TLS_CA"):
+        monkeypatch.delenv(var, raising=False)
+    cert, key, ca = (tmp_path / n for n in ("c.pem", "k.pem", "ca.pem"))
+    for f in (cert, key, ca):
+        f.write_text("-")
+    with pytest.raises(ValueError, match="tls_cert, tls_key given without tls_ca"):
+        RpcExtBackendOptions(tls_cert=str(cert), tls_key=str(key))
+    with pytest.raises(ValueError, match='given but encryption is "off"'):
+        RpcExtBackendOptions(tls_cert=str(cert), tls_key=str(key), tls_ca=str(ca), encryption="off")
+    o = RpcExtBackendOptions(tls_cert=str(cert), tls_key=str(key), tls_ca=str(ca))
+    assert (o.encryption, o.tls_cert, o.tls_key, o.tls_ca) == ("auto", str(cert), str(key), str(ca))
+    # The environment fills what the arguments leave out, and is checked
+    # the same way, naming the variable.
+    monkeypatch.setenv("TORCH_RPC_EXT_ENCRYPTION", "always")
+    monkeypatch.setenv("TORCH_RPC_EXT_TLS_CERT", str(cert))
+    monkeypatch.setenv("TORCH_RPC_EXT_TLS_KEY", str(key))
+    monkeypatch.setenv("TORCH_RPC_EXT_TLS_CA", str(ca))
+    o = RpcExtBackendOptions()
+    assert (o.encryption, o.tls_ca) == ("always", str(ca))
+    assert RpcExtBackendOptions(encryption="auto").encryption == "auto"
+    monkeypatch.setenv("TORCH_RPC_EXT_ENCRYPTION", "yes")
+    with pytest.raises(ValueError, match="TORCH_RPC_EXT_ENCRYPTION must be"):
+        RpcExtBackendOptions()
+    monkeypatch.setenv("TORCH_RPC_EXT_ENCRYPTION", "auto")
+    monkeypatch.setenv("TORCH_RPC_EXT_TLS_CA", str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="TORCH_RPC_EXT_TLS_CA: .* is not a readable file"):
+        RpcExtBackendOptions()

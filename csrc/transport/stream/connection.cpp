@@ -56,11 +56,13 @@ StreamConnection::StreamConnection(
     bool outbound,
     int32_t expectedPeerId,
     std::string peerAddress,
-    ConnectionObserver* observer)
+    ConnectionObserver* observer,
+    std::shared_ptr<const TlsContext> tls)
     : loop_(loop),
       options_(options),
       state_(outbound ? State::kConnecting : State::kHandshake),
       transportName_(std::move(transportName)),
+      tlsContext_(std::move(tls)),
       fd_(fd),
       outbound_(outbound),
       expectedPeerId_(expectedPeerId),
@@ -183,7 +185,99 @@ void StreamConnection::startConnect(const std::string& address) {
 
 void StreamConnection::startAcceptedFromLoop() {
   tuneSocket();
+  bool encrypts = startTlsFromLoop();
   startFromLoop(/*connecting=*/false);
+  if (encrypts) {
+    driveTlsFromLoop();
+  }
+}
+
+bool StreamConnection::startTlsFromLoop() {
+  if (!tlsContext_) {
+    return false;
+  }
+  sockaddr_storage peer{};
+  socklen_t len = sizeof(peer);
+  if (::getpeername(fd_, reinterpret_cast<sockaddr*>(&peer), &len) != 0 ||
+      !tlsContext_->appliesTo(peer)) {
+    return false;
+  }
+  std::unique_ptr<TlsSession> session;
+  try {
+    session = tlsContext_->newSession(fd_, outbound_);
+  } catch (const std::exception& e) {
+    closeInternal(e.what(), false);
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  if (state_ == State::kClosed) {
+    return false;
+  }
+  tls_ = std::move(session);
+  state_ = State::kTls;
+  return true;
+}
+
+void StreamConnection::driveTlsFromLoop() {
+  if (state_ != State::kTls) {
+    return;
+  }
+  noteActivity();
+  if (!outbound_ && !tlsPeeked_) {
+    // Say so when the two ends disagree: a client in the clear begins with
+    // a frame header, a TLS client with a handshake record (type 22).
+    char first = 0;
+    ssize_t got = ::recv(fd_, &first, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      return; // nothing yet: EPOLLIN brings us back
+    }
+    tlsPeeked_ = true;
+    if (got == 1 && first != 0x16) {
+      rejectFromLoop(
+          "TLS handshake with " + peerAddress_ +
+          ": the peer sent a frame in the clear: it does not encrypt this "
+          "connection and this end does (set the same `encryption` on "
+          "every worker)");
+      return;
+    }
+  }
+  std::string error;
+  TlsSession::Step step = tls_->handshake(&error);
+  if (step == TlsSession::Step::kFailed) {
+    if (outbound_ && error.rfind("peer closed", 0) == 0) {
+      error += " during the TLS handshake (does the peer have encryption off?)";
+    }
+    std::string reason = "TLS handshake with " + peerAddress_ + ": " + error;
+    if (outbound_) {
+      closeInternal(reason, false);
+    } else {
+      rejectFromLoop(reason);
+    }
+    return;
+  }
+  if (step != TlsSession::Step::kDone) {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    wantWrite_ = step == TlsSession::Step::kWantWrite;
+    loop_.modify(fd_, EPOLLIN | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    state_ = State::kHandshake;
+    updateEventsLocked();
+  }
+  if (outbound_) {
+    queueControl(uint8_t(frame::FrameKind::kHello), handshake_.hello());
+  }
+  // TLS read ahead: the peer's first frames may already wait in the
+  // session, where the socket's readiness no longer shows them.
+  onReadableFromLoop();
 }
 
 void StreamConnection::startFromLoop(bool connecting) {
@@ -261,6 +355,12 @@ std::string StreamConnection::describe() const {
                     : "");
 }
 
+std::string StreamConnection::security() const {
+  // tls_ never changes once kTls is reached (writeMutex_ orders the two).
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  return tls_ && state_ == State::kReady ? tls_->describe() : std::string();
+}
+
 std::string StreamConnection::closeReason() const {
   std::lock_guard<std::mutex> lock(writeMutex_);
   return closeReason_;
@@ -274,6 +374,10 @@ void StreamConnection::handleEventsFromLoop(uint32_t events) {
     if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) {
       onConnectedFromLoop();
     }
+    return;
+  }
+  if (state_ == State::kTls) {
+    driveTlsFromLoop();
     return;
   }
   if (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
@@ -371,6 +475,10 @@ void StreamConnection::onConnectedFromLoop() {
   if (err != 0) {
     closeInternal(
         "connect to " + peerAddress_ + " failed: " + std::strerror(err), false);
+    return;
+  }
+  if (startTlsFromLoop()) {
+    driveTlsFromLoop();
     return;
   }
   {

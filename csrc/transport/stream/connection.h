@@ -16,6 +16,7 @@
 #include "csrc/transport/connection.h"
 #include "csrc/transport/handshake.h"
 #include "csrc/transport/stream/loop.h"
+#include "csrc/transport/tls.h"
 #include "csrc/transport/transport.h"
 
 namespace torch_rpc_ext::transport::stream {
@@ -74,6 +75,7 @@ class StreamConnection : public Connection,
     return outbound_;
   }
   std::string describe() const override;
+  std::string security() const override;
   void runAfterDispatch(std::function<void()> fn, bool expectMore) override {
     loop_.runAfterDispatch(std::move(fn), expectMore);
   }
@@ -106,7 +108,9 @@ class StreamConnection : public Connection,
   bool feedForTesting(const char* data, size_t size, std::vector<int> fds = {});
 
  protected:
-  enum class State { kConnecting, kHandshake, kReady, kClosed };
+  // kTls: the TLS handshake, on a connection that encrypts (tls.h), before
+  // the frame protocol's own handshake.
+  enum class State { kConnecting, kTls, kHandshake, kReady, kClosed };
 
   struct PendingWrite {
     std::string prefix; // header + segment lengths + head
@@ -148,7 +152,8 @@ class StreamConnection : public Connection,
       bool outbound,
       int32_t expectedPeerId,
       std::string peerAddress,
-      ConnectionObserver* observer);
+      ConnectionObserver* observer,
+      std::shared_ptr<const TlsContext> tls = nullptr);
 
   // ---- Backend hooks --------------------------------------------------
   // Socket options for the new socket (before connect or the handshake).
@@ -208,6 +213,12 @@ class StreamConnection : public Connection,
 
   void startFromLoop(bool connecting);
   void onConnectedFromLoop();
+  // Whether this connection encrypts (its transport has a TLS context and
+  // the peer's address calls for it); if so, the session is made and the
+  // state is kTls.
+  bool startTlsFromLoop();
+  // Advance the TLS handshake; on its end the frame handshake starts.
+  void driveTlsFromLoop();
   void onReadableFromLoop();
   // read(2) into `dst`: >0 bytes read, 0 would block, -1 closed (the
   // connection has been closed with the reason).
@@ -290,6 +301,16 @@ class StreamConnection : public Connection,
   void releaseFinished();
 
   const std::string transportName_;
+  // The transport's TLS context (null: never encrypts), and this
+  // connection's session once it encrypts: set on the loop thread under
+  // writeMutex_ before kTls and never changed after.
+  const std::shared_ptr<const TlsContext> tlsContext_;
+  std::unique_ptr<TlsSession> tls_;
+  bool tlsPeeked_ = false; // loop thread: an accepted one's first byte seen
+  // The error of the TLS write that failed, and the small pieces of frames
+  // gathered into one record (writeMutex_).
+  std::string tlsWriteError_;
+  std::string tlsGather_;
   int fd_;
   const bool outbound_;
   const int32_t expectedPeerId_;

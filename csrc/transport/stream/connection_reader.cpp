@@ -26,6 +26,16 @@ constexpr size_t kStagingBytes = 64 * 1024;
 } // namespace
 
 ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
+  if (tls_) {
+    std::string error;
+    ssize_t got = tls_->read(dst, size, &error);
+    if (got > 0) {
+      noteActivity();
+    } else if (got < 0) {
+      closeInternal(error, false);
+    }
+    return got;
+  }
   while (true) {
     ssize_t got;
     if (passesDescriptors()) {
@@ -70,7 +80,13 @@ ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
       return got;
     }
     if (got == 0) {
-      closeInternal("peer closed the connection", false);
+      closeInternal(
+          state_ == State::kHandshake
+              ? "peer closed the connection during the handshake (it "
+                "refused us: a different secret or `encryption` setting? "
+                "its log says)"
+              : "peer closed the connection",
+          false);
       return -1;
     }
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -289,6 +305,16 @@ bool StreamConnection::inlineArrivedFromLoop(size_t n) {
 
 bool StreamConnection::onHeaderFromLoop() {
   std::string why = frame::validateHeader(header_, options_.limits);
+  const auto* raw = reinterpret_cast<const unsigned char*>(&header_);
+  if (!why.empty() && state_ == State::kHandshake && !tls_ && raw[0] == 0x16 &&
+      raw[1] == 0x03) {
+    // A TLS handshake record (type 22, version 3.x) where a hello belongs.
+    rejectFromLoop(
+        "the peer began a TLS handshake: it encrypts this connection and "
+        "this end does not (set the same `encryption` on every worker; "
+        "\"auto\" encrypts only peers whose address is not loopback)");
+    return false;
+  }
   auto kind = static_cast<frame::FrameKind>(header_.kind);
   if (why.empty()) {
     State s = state_;

@@ -207,8 +207,20 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
 }
 
 std::string StreamConnection::flushLocked() {
-  if (state_ == State::kClosed || !registered_) {
+  if (state_ == State::kClosed || state_ == State::kTls || !registered_) {
     return {};
+  }
+  if (tls_) {
+    // A record the socket did not take whole goes first.
+    std::string error;
+    int f = tls_->flush(&error);
+    if (f < 0) {
+      return "write failed: " + error;
+    }
+    if (f == 0) {
+      updateEventsLocked();
+      return {};
+    }
   }
   stagingBlocked_ = false;
   while (!writes_.empty()) {
@@ -325,7 +337,8 @@ std::string StreamConnection::flushLocked() {
       if (errno == EINTR) {
         continue;
       }
-      return errnoText("write failed");
+      return tls_ ? "write failed: " + tlsWriteError_
+                  : errnoText("write failed");
     }
     if (sent > 0 && !writes_.front().control) {
       // Our own pings prove nothing: the kernel takes them from a frozen
@@ -360,6 +373,32 @@ ssize_t StreamConnection::sendLocked(
     const iovec* iov,
     int n,
     const std::vector<int>* fds) {
+  if (tls_) {
+    // One record per call (the caller comes back for more): a piece of
+    // 16 KiB or more straight from its buffer, smaller ones gathered so a
+    // small frame is one record, not one per piece.
+    constexpr size_t kRecord = 16384;
+    const void* src = iov[0].iov_base;
+    size_t size = iov[0].iov_len;
+    if (size < kRecord && n > 1) {
+      tlsGather_.clear();
+      for (int i = 0; i < n && tlsGather_.size() < kRecord; ++i) {
+        size_t take = std::min(iov[i].iov_len, kRecord - tlsGather_.size());
+        tlsGather_.append(static_cast<const char*>(iov[i].iov_base), take);
+      }
+      src = tlsGather_.data();
+      size = tlsGather_.size();
+    }
+    ssize_t got = tls_->write(src, size, &tlsWriteError_);
+    if (got == 0) {
+      errno = EAGAIN;
+      return -1;
+    }
+    if (got < 0) {
+      errno = EPROTO;
+    }
+    return got;
+  }
   if (fds == nullptr) {
     return ::writev(fd_, iov, n);
   }
@@ -459,6 +498,16 @@ ssize_t StreamConnection::sendSome(
     const char* data,
     size_t size,
     std::string* error) {
+  if (tls_) {
+    std::string why;
+    ssize_t got = tls_->write(data, size, &why);
+    if (got > 0) {
+      noteActivity();
+    } else if (got < 0) {
+      *error = "write failed: " + why;
+    }
+    return got;
+  }
   while (true) {
     ssize_t got = ::send(fd_, data, size, MSG_NOSIGNAL);
     if (got > 0) {
@@ -476,9 +525,14 @@ ssize_t StreamConnection::sendSome(
 }
 
 void StreamConnection::updateEventsLocked() {
-  bool want = !writes_.empty() &&
-      (state_ == State::kReady || writes_.front().control) &&
-      !(chunksBlocked_ && !writes_.front().chunked.empty()) && !stagingBlocked_;
+  if (state_ == State::kTls) {
+    return; // driveTlsFromLoop() asks for what the TLS handshake needs
+  }
+  bool want = (!writes_.empty() &&
+               (state_ == State::kReady || writes_.front().control) &&
+               !(chunksBlocked_ && !writes_.front().chunked.empty()) &&
+               !stagingBlocked_) ||
+      (tls_ && tls_->hasPendingOutput());
   if (registered_ && want != wantWrite_ && state_ != State::kClosed) {
     wantWrite_ = want;
     loop_.modify(fd_, EPOLLIN | (want ? uint32_t(EPOLLOUT) : 0u));

@@ -14,7 +14,8 @@ TcpConnection::TcpConnection(
     bool outbound,
     int32_t expectedPeerId,
     std::string peerAddress,
-    ConnectionObserver* observer)
+    ConnectionObserver* observer,
+    std::shared_ptr<const TlsContext> tls)
     : StreamConnection(
           loop,
           options,
@@ -23,7 +24,8 @@ TcpConnection::TcpConnection(
           outbound,
           expectedPeerId,
           std::move(peerAddress),
-          observer) {}
+          observer,
+          std::move(tls)) {}
 
 void TcpConnection::tuneSocket() {
   int one = 1;

@@ -17,7 +17,8 @@ class TcpConnection final : public stream::StreamConnection {
       bool outbound,
       int32_t expectedPeerId,
       std::string peerAddress,
-      ConnectionObserver* observer);
+      ConnectionObserver* observer,
+      std::shared_ptr<const TlsContext> tls);
 
  protected:
   void tuneSocket() override;

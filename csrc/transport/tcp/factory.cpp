@@ -6,7 +6,10 @@
 namespace torch_rpc_ext::transport::tcp {
 
 std::shared_ptr<Transport> create(const TransportOptions& options) {
-  return std::make_shared<TcpTransport>(options);
+  // Before the transport starts its loop thread: a certificate that cannot
+  // be used is an error with nothing to stop.
+  auto tls = TlsContext::create(options.tls, options.secret);
+  return std::make_shared<TcpTransport>(options, std::move(tls));
 }
 
 } // namespace torch_rpc_ext::transport::tcp

@@ -6,8 +6,10 @@
 
 namespace torch_rpc_ext::transport::tcp {
 
-TcpTransport::TcpTransport(TransportOptions options)
-    : StreamTransport(std::move(options)) {}
+TcpTransport::TcpTransport(
+    TransportOptions options,
+    std::shared_ptr<const TlsContext> tls)
+    : StreamTransport(std::move(options)), tls_(std::move(tls)) {}
 
 TcpTransport::~TcpTransport() {
   stop();
@@ -40,7 +42,8 @@ std::shared_ptr<stream::StreamConnection> TcpTransport::newConnection(
       outbound,
       expectedPeerId,
       std::move(peerAddress),
-      observer);
+      observer,
+      tls_);
 }
 
 } // namespace torch_rpc_ext::transport::tcp

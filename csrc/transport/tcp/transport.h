@@ -9,7 +9,9 @@ namespace torch_rpc_ext::transport::tcp {
 // TransportOptions::bindAddress, else stream::defaultAdvertisedAddress().
 class TcpTransport final : public stream::StreamTransport {
  public:
-  explicit TcpTransport(TransportOptions options);
+  // `tls`: TlsContext::create(options.tls, options.secret) (null: never
+  // encrypts).
+  TcpTransport(TransportOptions options, std::shared_ptr<const TlsContext> tls);
   ~TcpTransport() override;
 
   std::string name() const override;
@@ -33,6 +35,10 @@ class TcpTransport final : public stream::StreamTransport {
       int32_t expectedPeerId,
       std::string peerAddress,
       ConnectionObserver* observer) override;
+
+ private:
+  // Encrypts its connections as TransportOptions::tls says (null: never).
+  const std::shared_ptr<const TlsContext> tls_;
 };
 
 } // namespace torch_rpc_ext::transport::tcp

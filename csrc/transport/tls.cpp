@@ -1,0 +1,484 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/transport/tls.h"
+
+#include <netinet/in.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+#include "csrc/common/crypto.h"
+#include "csrc/common/libssl.h"
+
+#if __has_include(<openssl/ssl.h>)
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#define TORCH_RPC_EXT_OPENSSL_HEADERS 1
+#endif
+
+namespace torch_rpc_ext::transport {
+
+namespace {
+
+// OpenSSL's values (ssl.h, prov_ssl.h, sslerr.h, x509.h); checked against
+// its headers below where they exist.
+constexpr int kTls13 = 0x0304; // TLS1_3_VERSION
+constexpr int kCtrlMode = 33; // SSL_CTRL_MODE
+constexpr int kCtrlReadAhead = 41; // SSL_CTRL_SET_READ_AHEAD
+constexpr int kCtrlMinProto = 123; // SSL_CTRL_SET_MIN_PROTO_VERSION
+constexpr int kCtrlMaxProto = 124; // SSL_CTRL_SET_MAX_PROTO_VERSION
+constexpr long kModePartialWrite = 0x1; // SSL_MODE_ENABLE_PARTIAL_WRITE
+constexpr long kModeMovingBuffer = 0x2; // SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER
+constexpr uint64_t kOpNoTicket = uint64_t(1) << 14; // SSL_OP_NO_TICKET
+constexpr uint64_t kOpNoCompression = uint64_t(1) << 17;
+constexpr int kVerifyPeer = 0x01; // SSL_VERIFY_PEER
+constexpr int kVerifyFailIfNoPeerCert = 0x02;
+constexpr int kFiletypePem = 1; // SSL_FILETYPE_PEM
+constexpr int kErrorSsl = 1; // SSL_ERROR_SSL
+constexpr int kErrorWantRead = 2;
+constexpr int kErrorWantWrite = 3;
+constexpr int kErrorSyscall = 5;
+constexpr int kErrorZeroReturn = 6;
+// ERR_GET_REASON's mask in 1.1.1 (3.x's is wider; the reasons we name fit).
+constexpr unsigned long kReasonMask = 0xFFF;
+constexpr unsigned long kBadRecordMac = 281; // SSL_R_DECRYPTION_FAILED_...
+constexpr unsigned long kUnexpectedEof = 294; // 3.x: ..._UNEXPECTED_EOF_...
+// The plaintext one SSL_write_ex call takes: one record (TLS's maximum).
+constexpr size_t kRecordBytes = 16384;
+
+#ifdef TORCH_RPC_EXT_OPENSSL_HEADERS
+static_assert(kTls13 == TLS1_3_VERSION);
+static_assert(kCtrlMode == SSL_CTRL_MODE);
+static_assert(kCtrlReadAhead == SSL_CTRL_SET_READ_AHEAD);
+static_assert(kCtrlMinProto == SSL_CTRL_SET_MIN_PROTO_VERSION);
+static_assert(kCtrlMaxProto == SSL_CTRL_SET_MAX_PROTO_VERSION);
+static_assert(kModePartialWrite == SSL_MODE_ENABLE_PARTIAL_WRITE);
+static_assert(kModeMovingBuffer == SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+static_assert(kOpNoTicket == SSL_OP_NO_TICKET);
+static_assert(kOpNoCompression == SSL_OP_NO_COMPRESSION);
+static_assert(kVerifyPeer == SSL_VERIFY_PEER);
+static_assert(kVerifyFailIfNoPeerCert == SSL_VERIFY_FAIL_IF_NO_PEER_CERT);
+static_assert(kFiletypePem == SSL_FILETYPE_PEM);
+static_assert(kErrorSsl == SSL_ERROR_SSL);
+static_assert(kErrorWantRead == SSL_ERROR_WANT_READ);
+static_assert(kErrorWantWrite == SSL_ERROR_WANT_WRITE);
+static_assert(kErrorSyscall == SSL_ERROR_SYSCALL);
+static_assert(kErrorZeroReturn == SSL_ERROR_ZERO_RETURN);
+static_assert(kBadRecordMac == SSL_R_DECRYPTION_FAILED_OR_BAD_RECORD_MAC);
+#ifdef SSL_R_UNEXPECTED_EOF_WHILE_READING
+static_assert(kUnexpectedEof == SSL_R_UNEXPECTED_EOF_WHILE_READING);
+#endif
+static_assert(kRecordBytes == SSL3_RT_MAX_PLAIN_LENGTH);
+#endif
+
+// The pre-shared key's derivation label and the identity a client offers.
+constexpr const char* kPskLabel = "torch_rpc_ext/tls-psk/1";
+constexpr unsigned char kPskIdentity[] = "torch_rpc_ext/1";
+constexpr size_t kPskIdentityBytes = sizeof(kPskIdentity) - 1;
+// TLS_AES_128_GCM_SHA256's IANA code: the suite the PSK is bound to. The
+// suites offered all use SHA-256, as a TLS 1.3 PSK must match its hash.
+constexpr unsigned char kAes128GcmSha256[2] = {0x13, 0x01};
+constexpr const char* kPskSuites =
+    "TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256";
+constexpr const char* kCertSuites =
+    "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:"
+    "TLS_CHACHA20_POLY1305_SHA256";
+// The ex_data slot SSL_set_app_data uses: our TlsContext.
+constexpr int kAppData = 0;
+
+// OpenSSL's error queue as text ("" when empty); empties it.
+std::string drainErrors(const Libssl& lib, unsigned long* first = nullptr) {
+  std::string out;
+  char buf[256];
+  while (unsigned long e = lib.ERR_get_error()) {
+    if (first != nullptr && *first == 0) {
+      *first = e;
+    }
+    lib.ERR_error_string_n(e, buf, sizeof(buf));
+    out += (out.empty() ? "" : "; ") + std::string(buf);
+  }
+  return out;
+}
+
+ssl_session_st* pskSession(ssl_st* ssl, const std::string& psk) {
+  const Libssl& lib = libssl();
+  const ssl_cipher_st* cipher = lib.SSL_CIPHER_find(ssl, kAes128GcmSha256);
+  if (cipher == nullptr) {
+    return nullptr;
+  }
+  ssl_session_st* s = lib.SSL_SESSION_new();
+  if (s == nullptr) {
+    return nullptr;
+  }
+  if (lib.SSL_SESSION_set1_master_key(
+          s, reinterpret_cast<const unsigned char*>(psk.data()), psk.size()) !=
+          1 ||
+      lib.SSL_SESSION_set_cipher(s, cipher) != 1 ||
+      lib.SSL_SESSION_set_protocol_version(s, kTls13) != 1) {
+    lib.SSL_SESSION_free(s);
+    return nullptr;
+  }
+  return s;
+}
+
+const TlsContext& contextOf(ssl_st* ssl) {
+  return *static_cast<const TlsContext*>(
+      libssl().SSL_get_ex_data(ssl, kAppData));
+}
+
+// Client: offer the group's key (OpenSSL frees the session).
+int useSessionCb(
+    ssl_st* ssl,
+    const evp_md_st* /*md*/,
+    const unsigned char** id,
+    size_t* idLength,
+    ssl_session_st** session) {
+  *session = pskSession(ssl, contextOf(ssl).psk());
+  if (*session == nullptr) {
+    return 0; // fails the handshake
+  }
+  *id = kPskIdentity;
+  *idLength = kPskIdentityBytes;
+  return 1;
+}
+
+// Server: the group's key for our identity; nothing for any other (the
+// handshake then fails: the server has no certificate to fall back on).
+int findSessionCb(
+    ssl_st* ssl,
+    const unsigned char* identity,
+    size_t identityLength,
+    ssl_session_st** session) {
+  *session = nullptr;
+  if (identityLength == kPskIdentityBytes &&
+      std::memcmp(identity, kPskIdentity, identityLength) == 0) {
+    *session = pskSession(ssl, contextOf(ssl).psk());
+    return *session != nullptr ? 1 : 0;
+  }
+  return 1;
+}
+
+bool isLoopback(const sockaddr_storage& a) {
+  if (a.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&a);
+    return (ntohl(in->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (a.ss_family == AF_INET6) {
+    const auto& in6 = reinterpret_cast<const sockaddr_in6*>(&a)->sin6_addr;
+    if (IN6_IS_ADDR_LOOPBACK(&in6)) {
+      return true;
+    }
+    return IN6_IS_ADDR_V4MAPPED(&in6) && in6.s6_addr[12] == 127;
+  }
+  return a.ss_family == AF_UNIX; // same kernel
+}
+
+} // namespace
+
+const char* tlsModeName(TlsOptions::Mode mode) {
+  switch (mode) {
+    case TlsOptions::Mode::kOff:
+      return "off";
+    case TlsOptions::Mode::kRemote:
+      return "auto";
+    case TlsOptions::Mode::kAlways:
+      return "always";
+  }
+  return "?";
+}
+
+TlsOptions::Mode parseTlsMode(const std::string& name) {
+  if (name == "off") {
+    return TlsOptions::Mode::kOff;
+  }
+  if (name == "auto") {
+    return TlsOptions::Mode::kRemote;
+  }
+  if (name == "always") {
+    return TlsOptions::Mode::kAlways;
+  }
+  throw std::invalid_argument(
+      "encryption must be \"auto\", \"always\" or \"off\", not \"" + name +
+      "\"");
+}
+
+std::shared_ptr<TlsContext> TlsContext::create(
+    const TlsOptions& options,
+    const std::string& secret) {
+  if (options.mode == TlsOptions::Mode::kOff) {
+    return nullptr;
+  }
+  const Libssl& lib = libssl();
+  bool mutual = !options.certFile.empty();
+  if (mutual && (options.keyFile.empty() || options.caFile.empty())) {
+    throw std::runtime_error(
+        "mutual TLS needs tls_cert, tls_key and tls_ca together");
+  }
+  std::string psk;
+  if (!mutual) {
+    if (secret.size() < 16) {
+      throw std::runtime_error(
+          "TLS's pre-shared key comes from the group secret, which has " +
+          std::to_string(secret.size()) + " bytes (at least 16 needed)");
+    }
+    Digest d = hmacSha256(secret, kPskLabel);
+    psk.assign(reinterpret_cast<const char*>(d.data()), d.size());
+  }
+  std::shared_ptr<TlsContext> c(new TlsContext(options, std::move(psk)));
+  lib.ERR_clear_error();
+  c->ctx_ = lib.SSL_CTX_new(lib.TLS_method());
+  if (c->ctx_ == nullptr) {
+    throw std::runtime_error("SSL_CTX_new failed: " + drainErrors(lib));
+  }
+  auto fail = [&](const std::string& what) {
+    throw std::runtime_error(what + ": " + drainErrors(lib));
+  };
+  if (lib.SSL_CTX_ctrl(c->ctx_, kCtrlMinProto, kTls13, nullptr) != 1 ||
+      lib.SSL_CTX_ctrl(c->ctx_, kCtrlMaxProto, kTls13, nullptr) != 1) {
+    fail("this libssl cannot do TLS 1.3 (" + lib.description + ")");
+  }
+  lib.SSL_CTX_set_options(c->ctx_, kOpNoTicket | kOpNoCompression);
+  lib.SSL_CTX_set_num_tickets(c->ctx_, 0);
+  lib.SSL_CTX_ctrl(
+      c->ctx_, kCtrlMode, kModePartialWrite | kModeMovingBuffer, nullptr);
+  // Whole records per read(2), not a header and a body each.
+  lib.SSL_CTX_ctrl(c->ctx_, kCtrlReadAhead, 1, nullptr);
+  if (lib.SSL_CTX_set_ciphersuites(
+          c->ctx_, mutual ? kCertSuites : kPskSuites) != 1) {
+    fail("SSL_CTX_set_ciphersuites failed");
+  }
+  if (!mutual) {
+    lib.SSL_CTX_set_psk_use_session_callback(c->ctx_, useSessionCb);
+    lib.SSL_CTX_set_psk_find_session_callback(c->ctx_, findSessionCb);
+    return c;
+  }
+  if (lib.SSL_CTX_use_certificate_chain_file(
+          c->ctx_, options.certFile.c_str()) != 1) {
+    fail("cannot use tls_cert " + options.certFile);
+  }
+  if (lib.SSL_CTX_use_PrivateKey_file(
+          c->ctx_, options.keyFile.c_str(), kFiletypePem) != 1) {
+    fail("cannot use tls_key " + options.keyFile);
+  }
+  if (lib.SSL_CTX_check_private_key(c->ctx_) != 1) {
+    fail(
+        "tls_key " + options.keyFile + " does not match tls_cert " +
+        options.certFile);
+  }
+  if (lib.SSL_CTX_load_verify_locations(
+          c->ctx_, options.caFile.c_str(), nullptr) != 1) {
+    fail("cannot load tls_ca " + options.caFile);
+  }
+  lib.SSL_CTX_set_verify(
+      c->ctx_, kVerifyPeer | kVerifyFailIfNoPeerCert, nullptr);
+  return c;
+}
+
+TlsContext::TlsContext(TlsOptions options, std::string psk)
+    : options_(std::move(options)), psk_(std::move(psk)) {}
+
+TlsContext::~TlsContext() {
+  if (ctx_ != nullptr) {
+    libssl().SSL_CTX_free(ctx_);
+  }
+}
+
+bool TlsContext::appliesTo(const sockaddr_storage& peer) const {
+  switch (options_.mode) {
+    case TlsOptions::Mode::kOff:
+      return false;
+    case TlsOptions::Mode::kAlways:
+      return true;
+    case TlsOptions::Mode::kRemote:
+      return !isLoopback(peer);
+  }
+  return true;
+}
+
+std::unique_ptr<TlsSession> TlsContext::newSession(int fd, bool client) const {
+  const Libssl& lib = libssl();
+  lib.ERR_clear_error();
+  ssl_st* ssl = lib.SSL_new(ctx_);
+  if (ssl == nullptr) {
+    throw std::runtime_error("SSL_new failed: " + drainErrors(lib));
+  }
+  std::unique_ptr<TlsSession> s(new TlsSession(shared_from_this(), ssl));
+  if (lib.SSL_set_fd(ssl, fd) != 1 ||
+      lib.SSL_set_ex_data(ssl, kAppData, const_cast<TlsContext*>(this)) != 1) {
+    throw std::runtime_error("SSL_set_fd failed: " + drainErrors(lib));
+  }
+  if (client) {
+    lib.SSL_set_connect_state(ssl);
+  } else {
+    lib.SSL_set_accept_state(ssl);
+  }
+  return s;
+}
+
+TlsSession::TlsSession(std::shared_ptr<const TlsContext> context, ssl_st* ssl)
+    : context_(std::move(context)), ssl_(ssl) {}
+
+TlsSession::~TlsSession() {
+  libssl().SSL_free(ssl_);
+}
+
+std::string TlsSession::errorText(const char* what, int result) const {
+  const Libssl& lib = libssl();
+  int e = lib.SSL_get_error(ssl_, result);
+  int savedErrno = errno;
+  unsigned long first = 0;
+  std::string queue = drainErrors(lib, &first);
+  if (e == kErrorZeroReturn) {
+    return "peer closed the connection (TLS close_notify)";
+  }
+  if (e == kErrorSyscall && queue.empty()) {
+    return savedErrno == 0 || savedErrno == ECONNRESET || savedErrno == EPIPE
+        ? std::string("peer closed the connection") +
+            (savedErrno != 0
+                 ? std::string(" (") + std::strerror(savedErrno) + ")"
+                 : "")
+        : std::string(what) + " failed: " + std::strerror(savedErrno);
+  }
+  if (e == kErrorSsl && (first & kReasonMask) == kUnexpectedEof) {
+    return "peer closed the connection (" + queue + ")";
+  }
+  if (e == kErrorSsl && (first & kReasonMask) == kBadRecordMac) {
+    return "a TLS record failed its integrity check (altered or injected on "
+           "the wire?): " +
+        queue;
+  }
+  std::string out = std::string(what) + " failed: " +
+      (queue.empty() ? "SSL_get_error " + std::to_string(e) : queue);
+  if (context_->mutual()) {
+    long v = lib.SSL_get_verify_result(ssl_);
+    if (v != 0) {
+      out += " (peer certificate: " +
+          std::string(lib.X509_verify_cert_error_string(v)) + ")";
+    }
+  }
+  return out;
+}
+
+TlsSession::Step TlsSession::handshake(std::string* error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Libssl& lib = libssl();
+  lib.ERR_clear_error();
+  errno = 0;
+  int r = lib.SSL_do_handshake(ssl_);
+  if (r == 1) {
+    return Step::kDone;
+  }
+  int e = lib.SSL_get_error(ssl_, r);
+  if (e == kErrorWantRead) {
+    return Step::kWantRead;
+  }
+  if (e == kErrorWantWrite) {
+    return Step::kWantWrite;
+  }
+  *error = errorText("TLS handshake", r);
+  return Step::kFailed;
+}
+
+ssize_t TlsSession::read(void* dst, size_t size, std::string* error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Libssl& lib = libssl();
+  lib.ERR_clear_error();
+  errno = 0;
+  size_t n = 0;
+  int r = lib.SSL_read_ex(ssl_, dst, size, &n);
+  if (r == 1) {
+    return static_cast<ssize_t>(n);
+  }
+  int e = lib.SSL_get_error(ssl_, r);
+  if (e == kErrorWantRead) {
+    return 0;
+  }
+  if (e == kErrorWantWrite) {
+    // Only a renegotiation or a key update makes a read write, and our
+    // peers start neither: a peer that does is not one of ours.
+    drainErrors(lib);
+    *error = "TLS read needs a write (the peer asked for a key update)";
+    return -1;
+  }
+  *error = errorText("TLS read", r);
+  return -1;
+}
+
+int TlsSession::flushLocked(std::string* error) {
+  const Libssl& lib = libssl();
+  while (!pending_.empty()) {
+    lib.ERR_clear_error();
+    errno = 0;
+    size_t n = 0;
+    int r = lib.SSL_write_ex(ssl_, pending_.data(), pending_.size(), &n);
+    if (r == 1) {
+      pending_.erase(0, n);
+      continue;
+    }
+    if (lib.SSL_get_error(ssl_, r) == kErrorWantWrite) {
+      return 0;
+    }
+    *error = errorText("TLS write", r);
+    return -1;
+  }
+  return 1;
+}
+
+int TlsSession::flush(std::string* error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return flushLocked(error);
+}
+
+ssize_t TlsSession::write(const void* src, size_t size, std::string* error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (size == 0) {
+    return 0;
+  }
+  int f = flushLocked(error);
+  if (f <= 0) {
+    return f;
+  }
+  const Libssl& lib = libssl();
+  size_t take = std::min(size, kRecordBytes);
+  lib.ERR_clear_error();
+  errno = 0;
+  size_t n = 0;
+  int r = lib.SSL_write_ex(ssl_, src, take, &n);
+  if (r == 1) {
+    return static_cast<ssize_t>(n);
+  }
+  if (lib.SSL_get_error(ssl_, r) == kErrorWantWrite) {
+    // OpenSSL may have encrypted these bytes into a record it could not
+    // send whole; it must see the same bytes again, and will (flushLocked),
+    // before any other.
+    pending_.assign(static_cast<const char*>(src), take);
+    return static_cast<ssize_t>(take);
+  }
+  *error = errorText("TLS write", r);
+  return -1;
+}
+
+std::string TlsSession::describe() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Libssl& lib = libssl();
+  std::string out = lib.SSL_get_version(ssl_);
+  if (const ssl_cipher_st* c = lib.SSL_get_current_cipher(ssl_)) {
+    out += std::string(" ") + lib.SSL_CIPHER_get_name(c);
+  }
+  if (!context_->mutual()) {
+    return out + ", pre-shared key from the group secret";
+  }
+  std::string subject = "?";
+  if (x509_st* cert = lib.SSL_get1_peer_certificate(ssl_)) {
+    char buf[512];
+    if (lib.X509_NAME_oneline(
+            lib.X509_get_subject_name(cert), buf, sizeof(buf)) != nullptr) {
+      subject = buf;
+    }
+    lib.X509_free(cert);
+  }
+  return out + ", peer certificate " + subject;
+}
+
+} // namespace torch_rpc_ext::transport

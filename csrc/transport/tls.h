@@ -1,0 +1,149 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+// TLS 1.3 over a stream socket, from OpenSSL's libssl loaded at run time
+// (csrc/common/libssl.h). docs/security.md, "Encryption in transit".
+//
+// A connection that leaves the host is encrypted: the TLS handshake runs
+// first on the bare socket, then the frame protocol and its handshake
+// (handshake.h) run inside it. Two ways to authenticate TLS itself:
+//  * a pre-shared key (the default): HMAC-SHA256(group secret,
+//    kPskLabel), with an ephemeral X25519 exchange on top (psk_dhe_ke), so
+//    a recorded connection stays secret even if the group secret leaks
+//    later. Nothing to manage: every member already has the secret.
+//  * certificates (mutual TLS), for sites with a PKI: each end presents
+//    its certificate chain and key and checks the peer's against the CA.
+// Either way the group's own handshake follows inside, as on every
+// connection. A record altered or injected on the wire fails TLS's
+// authentication tag: the read fails and the stream core closes that
+// connection only.
+//
+// Threads: a TlsContext is immutable once made and shared by every
+// connection of a transport. A TlsSession is one connection's: handshake()
+// and read() run on the loop thread, write() and flush() on any thread
+// with the connection's write lock held; the session's own mutex_
+// serialises them all (an OpenSSL SSL object is not safe to use from two
+// threads at once).
+
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+struct ssl_st;
+struct ssl_ctx_st;
+
+namespace torch_rpc_ext::transport {
+
+struct TlsOptions {
+  enum class Mode {
+    kOff, // never
+    kRemote, // connections whose peer address is not loopback (default)
+    kAlways, // every connection of a transport that crosses hosts
+  };
+  Mode mode = Mode::kRemote;
+  // Mutual TLS with these PEM files when certFile is set (all three are,
+  // or none); else the pre-shared key from the group secret.
+  std::string certFile;
+  std::string keyFile;
+  std::string caFile;
+};
+
+// "off", "auto", "always" (the option's values) for a mode, and back;
+// parseTlsMode throws std::invalid_argument naming the value.
+const char* tlsModeName(TlsOptions::Mode mode);
+TlsOptions::Mode parseTlsMode(const std::string& name);
+
+class TlsSession;
+
+class TlsContext : public std::enable_shared_from_this<TlsContext> {
+ public:
+  // Null for Mode::kOff. Throws std::runtime_error naming the problem: no
+  // usable libssl, a certificate, key or CA file that cannot be read or
+  // does not match, a secret too short to derive a key from.
+  static std::shared_ptr<TlsContext> create(
+      const TlsOptions& options,
+      const std::string& secret);
+  ~TlsContext();
+  TlsContext(const TlsContext&) = delete;
+  TlsContext& operator=(const TlsContext&) = delete;
+
+  // Whether a connection to or from `peer` (the socket's peer address) is
+  // encrypted under this context's mode.
+  bool appliesTo(const sockaddr_storage& peer) const;
+  bool mutual() const {
+    return !options_.certFile.empty();
+  }
+  const TlsOptions& options() const {
+    return options_;
+  }
+  // The pre-shared key (32 bytes; empty under mutual TLS).
+  const std::string& psk() const {
+    return psk_;
+  }
+  // A session for the connected socket `fd` (not owned), as the client
+  // (the end that connected) or the server. Throws std::runtime_error.
+  std::unique_ptr<TlsSession> newSession(int fd, bool client) const;
+
+ private:
+  TlsContext(TlsOptions options, std::string psk);
+  friend class TlsSession;
+
+  const TlsOptions options_;
+  const std::string psk_; // 32 bytes; empty under mutual TLS
+  ssl_ctx_st* ctx_ = nullptr;
+};
+
+// One connection's TLS state. Every call returns at once (the socket is
+// non-blocking).
+class TlsSession {
+ public:
+  ~TlsSession();
+  TlsSession(const TlsSession&) = delete;
+  TlsSession& operator=(const TlsSession&) = delete;
+
+  enum class Step { kDone, kWantRead, kWantWrite, kFailed };
+  // Advance the TLS handshake; kFailed with `error` set.
+  Step handshake(std::string* error);
+
+  // Decrypt into `dst`: bytes (>0), 0 if none are ready, -1 when the
+  // connection is over, with `error` saying why (the peer closed, or a
+  // record failed authentication).
+  ssize_t read(void* dst, size_t size, std::string* error);
+
+  // Encrypt and send from `src`: bytes taken (>0), 0 if the socket is full,
+  // -1 with `error`. Bytes taken are the caller's to forget: a record
+  // encrypted but not yet on the socket stays here (hasPendingOutput()) and
+  // goes out first on the next write() or flush().
+  ssize_t write(const void* src, size_t size, std::string* error);
+  // Send what write() left pending: 1 when nothing is left, 0 if the socket
+  // is full, -1 with `error`.
+  int flush(std::string* error);
+  bool hasPendingOutput() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !pending_.empty();
+  }
+
+  // "TLSv1.3 TLS_AES_128_GCM_SHA256, pre-shared key" or, under mutual TLS,
+  // "TLSv1.3 TLS_AES_128_GCM_SHA256, peer certificate <subject>". Once the
+  // handshake is done.
+  std::string describe() const;
+
+ private:
+  TlsSession(std::shared_ptr<const TlsContext> context, ssl_st* ssl);
+  friend class TlsContext;
+  // OpenSSL's error queue and the failing call's result, as text.
+  std::string errorText(const char* what, int result) const;
+  int flushLocked(std::string* error);
+
+  const std::shared_ptr<const TlsContext> context_;
+  ssl_st* const ssl_;
+  mutable std::mutex mutex_;
+  // The plaintext of a record SSL_write_ex encrypted but could not send
+  // whole: OpenSSL must be handed the same bytes again (mutex_).
+  std::string pending_;
+};
+
+} // namespace torch_rpc_ext::transport

@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Four workers on two hosts (network namespaces joined by a bridge,
+netns.py): workers 0 and 1 on host 0, workers 2 and 3 on host 1, rendezvous
+on host 0's address; all of IPv4, or all of IPv6 (the hosts' ULA addresses).
+Worker 0 makes the public calls across the hosts (a builtin, a Python
+function, an RRef, distributed autograd, a RemoteModule), and every pair of
+workers connects: workers of one host must use `shm`, workers of different
+hosts `tcp`. This is the test where the agent meets separate network stacks
+rather than loopback. Needs root and iproute2; skips otherwise.
+
+``OPTIONS`` lists the extra RpcExtBackendOptions keywords each run passes to
+every worker (tests/crosshost/worker.py reads them as JSON)."""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PORT = "29500"  # each run has fresh namespaces: nothing else listens there
+WORLD_SIZE = 4
+DEADLINE_S = 360  # init takes 10-20 s per worker on a busy two-core machine
+
+OPTIONS = {"default": {}}
+
+
+def run_world(hosts, tmp_path, extra, family="ipv4"):
+    """Start the four workers (two per host) on the hosts' "ipv4" or "ipv6"
+    (ULA) addresses, wait for all, return their RESULT objects by rank; fail
+    with their errors if one did not finish."""
+    address = getattr(hosts, family)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCH_RPC_EXT_TRANSPORTS", "TORCH_RPC_EXT_ADDR",
+                        "TORCH_RPC_EXT_SOCKET_IFNAME")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs, logs = [], []
+    for rank in range(WORLD_SIZE):
+        host = rank // 2
+        out, err = tmp_path / f"worker{rank}.out", tmp_path / f"worker{rank}.err"
+        logs.append((out, err))
+        argv = [sys.executable, "-m", "tests.crosshost.worker", str(rank), str(WORLD_SIZE),
+                address(0), PORT, address(host), json.dumps(extra)]
+        with open(out, "w") as o, open(err, "w") as e:
+            procs.append(hosts.run(host, argv, timeout=DEADLINE_S + 30, stdout=o, stderr=e,
+                                   env=env, cwd=ROOT))
+    # Until all have exited, one has failed (the others would then wait for
+    # it, in init or in shutdown, until rpc_timeout) or the deadline passed.
+    deadline = time.monotonic() + DEADLINE_S
+    codes = {}
+    while time.monotonic() < deadline:
+        codes = {rank: p.poll() for rank, p in enumerate(procs)}
+        if all(c is not None for c in codes.values()) or any(c for c in codes.values()):
+            break
+        time.sleep(0.2)
+    results, report = {}, []
+    for rank, (out, err) in enumerate(logs):
+        lines = [ln for ln in out.read_text().splitlines() if ln.startswith("RESULT ")]
+        if lines:
+            results[rank] = json.loads(lines[-1][len("RESULT "):])
+        report.append(f"--- worker{rank} exit {codes.get(rank)}\n"
+                      f"{results.get(rank, {}).get('error', '')}{err.read_text()[-3000:]}")
+    assert all(codes.get(r) == 0 for r in range(WORLD_SIZE)), "\n".join(report)
+    return results
+
+
+@pytest.mark.timeout(DEADLINE_S + 60)
+@pytest.mark.parametrize("extra", list(OPTIONS.values()), ids=list(OPTIONS))
+@pytest.mark.parametrize("family", ["ipv4", "ipv6"])
+def test_public_calls_across_two_hosts(two_hosts, tmp_path, extra, family):
+    hosts = two_hosts
+    res = run_world(hosts, tmp_path, extra, family)
+    r = res[0]
+    assert "error" not in r, r["error"]
+    # "host:port" (IPv6 in brackets): the address the agent listens on.
+    assert r["address"].rsplit(":", 1)[0].strip("[]") == getattr(hosts, family)(0), r["address"]
+    assert r["builtin"] == [[3.0] * 3] * 2
+    assert r["python_remote"]["name"] == "worker2" and r["python_remote"]["value"] == 42
+    assert r["python_local"]["name"] == "worker1"
+    # Worker 2 really is on another network stack, worker 1 on ours.
+    assert r["python_remote"]["netns"] != r["netns"]
+    assert r["python_local"]["netns"] == r["netns"]
+    assert r["rref_owner"] == "worker3" and r["rref"] == [[2.0] * 3] * 2
+    assert r["grad_count"] >= 1
+    assert r["grad"] is not None  # the gradient of w itself, 6 w
+    for got, want in zip(r["grad"], r["grad_expected"]):
+        assert got == pytest.approx(want, rel=1e-5)
+    assert r["remote_module_owner"] == "worker2"
+    assert r["remote_module_max_error"] < 1e-5
+    # shm between the workers of a host, tcp across hosts, seen from both ends.
+    for me in range(WORLD_SIZE):
+        for peer in range(WORLD_SIZE):
+            if peer == me:
+                continue
+            want = "shm" if me // 2 == peer // 2 else "tcp"
+            key = f"rpc_ext.peer.worker{peer}.transport"
+            assert r["transports"][f"worker{me}"][key] == want, (me, peer, r["transports"])
+    assert r["peer_info"]["rpc_ext.peer.worker1.transport"] == "shm"
+    assert r["peer_info"]["rpc_ext.peer.worker2.transport"] == "tcp"
+    assert r["peer_info"]["rpc_ext.peer.worker3.transport"] == "tcp"
+    for rank in range(1, WORLD_SIZE):
+        assert "error" not in res[rank], res[rank]
+    print(json.dumps({rank: {k: v for k, v in res[rank].items() if k.endswith("_s")}
+                      for rank in res}))

@@ -1,0 +1,211 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""TLS on the wire, between two transport endpoints of one process (the
+test hook torch_rpc_ext._testing.Endpoint: a tcp connection with no agent
+above it) with a relay of ours in the middle that can alter or inject
+bytes: a record altered or injected after the handshake fails TLS's
+integrity check and closes that connection, and only it (the endpoint goes
+on accepting); a peer keyed from another secret never gets past the TLS
+handshake; bad certificate files are refused when the transport is made,
+naming the file."""
+
+import re
+import shutil
+import socket
+import threading
+
+import pytest
+
+from tests.rpc.test_tls import _make_ca, _make_cert
+
+_testing = pytest.importorskip("torch_rpc_ext._testing")
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "s" * 32
+
+
+def endpoint(self_id, secret=SECRET, **kwargs):
+    return _testing.Endpoint(self_id, 2, secret, "tcp", [], **kwargs)
+
+
+class Relay:
+    """Forwards one connection to `target`. `mangle(direction, offset,
+    data)` may rewrite each chunk ("up": client to server) before it goes
+    on; `offset` is how many bytes of that direction went before it."""
+
+    def __init__(self, target: str, mangle=None):
+        host, port = target.rsplit(":", 1)
+        self.target = (host.strip("[]"), int(port))
+        self.mangle = mangle or (lambda direction, offset, data: data)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.threads = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        try:
+            client, _ = self.listener.accept()
+        except OSError:
+            return
+        server = socket.create_connection(self.target)
+        for src, dst, direction in ((client, server, "up"), (server, client, "down")):
+            t = threading.Thread(target=self._pump, args=(src, dst, direction), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _pump(self, src, dst, direction):
+        offset = 0
+        try:
+            while data := src.recv(65536):
+                out = self.mangle(direction, offset, data)
+                offset += len(data)
+                dst.sendall(out)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.listener.close()
+
+
+def connect_through(relay_mangle, **kwargs):
+    """A server endpoint, and a client connected to it through a relay."""
+    server = endpoint(0, **kwargs)
+    relay = Relay(server.address, relay_mangle)
+    client = endpoint(1, **kwargs)
+    client.connect(relay.address, 0)
+    return server, client, relay
+
+
+def flip_after(start: int):
+    """Flips one bit of the client's bytes at offset `start` and later."""
+    done = []
+
+    def mangle(direction, offset, data):
+        if direction != "up" or done or offset + len(data) <= start:
+            return data
+        i = max(0, start - offset)
+        done.append(True)
+        return data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+
+    return mangle
+
+
+def test_an_altered_record_closes_that_connection_and_only_it():
+    # Past the handshakes (a few KiB), in the middle of a 1 MiB frame.
+    server, client, relay = connect_through(flip_after(300_000), encryption="always")
+    try:
+        assert client.wait_ready(30)
+        assert client.security().startswith("TLSv1.3 TLS_AES_128_GCM_SHA256"), client.security()
+        payload = bytes(range(256)) * 4096
+        client.send(b"first", [])
+        assert server.receive(30) == (b"first", [])
+        client.send(b"big", [(memoryview_address(payload), len(payload), 0, 0, 0)])
+        # The frame never arrives altered: the connection closes instead.
+        assert server.receive(30) is None
+        reason = server.close_reason()
+        assert "a TLS record failed its integrity check" in reason, reason
+        # The endpoint lives on: a new connection (no relay) works.
+        other = endpoint(1, encryption="always")
+        other.connect(server.address, 0)
+        assert other.wait_ready(30)
+        other.send(b"after", [])
+        assert server.receive(30) == (b"after", [])
+        other.close(0)
+    finally:
+        relay.close()
+        client.close(0)
+        server.close(0)
+
+
+def test_injected_bytes_close_the_connection():
+    injected = []
+
+    def inject(direction, offset, data):
+        # After the handshakes: a forged record (application data, right
+        # length, garbage where the ciphertext and tag belong).
+        if direction == "up" and offset > 4096 and not injected:
+            injected.append(True)
+            return bytes([0x17, 0x03, 0x03, 0x00, 0x40]) + b"\x00" * 0x40 + data
+        return data
+
+    server, client, relay = connect_through(inject, encryption="always")
+    try:
+        assert client.wait_ready(30)
+        client.send(b"first", [])
+        assert server.receive(30) == (b"first", [])
+        payload = b"x" * 200_000
+        client.send(b"big", [(memoryview_address(payload), len(payload), 0, 0, 0)])
+        assert server.receive(30) is None
+        assert "a TLS record failed its integrity check" in server.close_reason()
+    finally:
+        relay.close()
+        client.close(0)
+        server.close(0)
+
+
+def test_without_tls_the_same_alteration_goes_unseen():
+    """What the test above guards against: in the clear, the altered byte
+    reaches the receiver's tensor."""
+    server, client, relay = connect_through(flip_after(300_000), encryption="off")
+    try:
+        assert client.wait_ready(30)
+        assert client.security() == ""
+        client.send(b"first", [])
+        assert server.receive(30) == (b"first", [])
+        payload = bytes(range(256)) * 4096
+        client.send(b"big", [(memoryview_address(payload), len(payload), 0, 0, 0)])
+        got = server.receive(30)
+        assert got is not None and got[0] == b"big"
+        assert got[1][0] != payload
+    finally:
+        relay.close()
+        client.close(0)
+        server.close(0)
+
+
+def test_a_peer_keyed_from_another_secret_fails_the_tls_handshake():
+    server = endpoint(0, encryption="always")
+    client = endpoint(1, secret="t" * 32, encryption="always")
+    try:
+        client.connect(server.address, 0)
+        assert not client.wait_ready(15)
+        assert "TLS handshake" in client.close_reason(), client.close_reason()
+    finally:
+        client.close(0)
+        server.close(0)
+
+
+def test_unusable_certificate_files_are_named_when_the_transport_is_made(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make certificates")
+    _make_ca(tmp_path, "ca")
+    cert, key = _make_cert(tmp_path, "ca", "w0")
+    _, other_key = _make_cert(tmp_path, "ca", "w1")
+    ca = str(tmp_path / "ca.pem")
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a PEM file\n")
+    bad = str(bad)
+    for files, text in [
+        ([bad, key, ca], "cannot use tls_cert " + bad),
+        ([cert, bad, ca], "cannot use tls_key " + bad),
+        # (libssl compares a key with the certificate as it loads it)
+        ([cert, other_key, ca], f"cannot use tls_key {other_key}: "),
+        ([cert, key, bad], "cannot load tls_ca " + bad),
+    ]:
+        with pytest.raises(RuntimeError, match=re.escape(text)):
+            endpoint(0, encryption="always", tls_files=files)
+    # The good ones make a transport.
+    endpoint(0, encryption="always", tls_files=[cert, key, ca]).close(0)
+
+
+def memoryview_address(b: bytes) -> int:
+    """The address of `b`'s bytes (kept alive by the caller)."""
+    import ctypes
+
+    return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value
