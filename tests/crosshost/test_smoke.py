@@ -13,6 +13,7 @@ every worker (tests/crosshost/worker.py reads them as JSON)."""
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,10 @@ PORT = "29500"  # each run has fresh namespaces: nothing else listens there
 WORLD_SIZE = 4
 DEADLINE_S = 360  # init takes 10-20 s per worker on a busy two-core machine
 
-OPTIONS = {"default": {}}
+# The default encrypts across hosts ("auto": the peers' addresses are not
+# loopback); "clear" turns it off.
+OPTIONS = {"default": {}, "clear": {"encryption": "off"}}
+PSK = "TLSv1.3 TLS_AES_128_GCM_SHA256, pre-shared key from the group secret"
 
 
 def run_world(hosts, tmp_path, extra, family="ipv4"):
@@ -70,7 +74,26 @@ def run_world(hosts, tmp_path, extra, family="ipv4"):
 @pytest.mark.parametrize("extra", list(OPTIONS.values()), ids=list(OPTIONS))
 @pytest.mark.parametrize("family", ["ipv4", "ipv6"])
 def test_public_calls_across_two_hosts(two_hosts, tmp_path, extra, family):
-    hosts = two_hosts
+    security = "none (encryption off)" if extra.get("encryption") == "off" else PSK
+    check_public_calls(two_hosts, tmp_path, extra, family, security)
+
+
+@pytest.mark.timeout(DEADLINE_S + 60)
+def test_mutual_tls_across_two_hosts(two_hosts, tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make certificates")
+    from tests.rpc.test_tls import _make_ca, _make_cert
+
+    _make_ca(tmp_path, "ca")
+    # One certificate for the job (a site may as well issue one per host).
+    cert, key = _make_cert(tmp_path, "ca", "rpc-job")
+    extra = {"tls_cert": cert, "tls_key": key, "tls_ca": str(tmp_path / "ca.pem")}
+    check_public_calls(two_hosts, tmp_path, extra, "ipv4", "peer certificate /CN=rpc-job")
+
+
+def check_public_calls(hosts, tmp_path, extra, family, security):
+    """The four workers' calls, and `security` (the whole text, or its end)
+    on every connection across the hosts."""
     res = run_world(hosts, tmp_path, extra, family)
     r = res[0]
     assert "error" not in r, r["error"]
@@ -95,8 +118,14 @@ def test_public_calls_across_two_hosts(two_hosts, tmp_path, extra, family):
             if peer == me:
                 continue
             want = "shm" if me // 2 == peer // 2 else "tcp"
-            key = f"rpc_ext.peer.worker{peer}.transport"
-            assert r["transports"][f"worker{me}"][key] == want, (me, peer, r["transports"])
+            seen = r["transports"][f"worker{me}"]
+            key = f"rpc_ext.peer.worker{peer}"
+            assert seen[key + ".transport"] == want, (me, peer, seen)
+            # shm never encrypts (one kernel); across hosts, as asked.
+            if want == "shm":
+                assert seen[key + ".security"] == "none (shm: one host)", (me, peer, seen)
+            else:
+                assert seen[key + ".security"].endswith(security), (me, peer, seen)
     assert r["peer_info"]["rpc_ext.peer.worker1.transport"] == "shm"
     assert r["peer_info"]["rpc_ext.peer.worker2.transport"] == "tcp"
     assert r["peer_info"]["rpc_ext.peer.worker3.transport"] == "tcp"

@@ -52,7 +52,7 @@ def talk_to_all(world_size):
         if f"worker{r}" != me:
             rpc.rpc_sync(f"worker{r}", torch.add, args=(torch.ones(1), r))
     return {k: v for k, v in debug_info().items()
-            if k.startswith("rpc_ext.peer.") and k.endswith(".transport")}
+            if k.startswith("rpc_ext.peer.") and k.endswith((".transport", ".security"))}
 
 
 def drive(world_size):

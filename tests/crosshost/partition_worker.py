@@ -1,0 +1,87 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""A worker of tests/crosshost/test_partition.py, run inside a namespace host.
+
+usage: python -m tests.crosshost.partition_worker RANK MASTER PORT ADDRESS OPTIONS
+
+Both workers join a static group of two (rendezvous tcp://MASTER:PORT, the
+agent on ADDRESS, OPTIONS a JSON object of RpcExtBackendOptions keywords).
+Worker 1 serves until its stdin closes. Worker 0 takes one JSON command per
+line on stdin and answers each with one JSON line on stdout:
+
+  {"op": "start", "n": N, "sleep": S}   start N calls to worker1, each of
+                                        which records its id there and
+                                        sleeps S seconds; answers at once
+  {"op": "wait"}                        wait for the started calls; answers
+                                        {"results": [...], "elapsed": s},
+                                        each result "ok" or the error text
+  {"op": "executed"}                    the ids worker1 has executed
+  {"op": "quit"}                        shut down and exit
+"""
+
+import json
+import sys
+import time
+
+import torch  # noqa: F401  (torch before torch_rpc_ext, as users do)
+from torch.distributed import rpc
+
+import torch_rpc_ext
+
+_executed: list[int] = []
+
+
+def record_and_sleep(call_id: int, seconds: float) -> int:
+    """Runs on worker1: remembers that call `call_id` ran (at most once is
+    what the test checks), then takes `seconds`."""
+    _executed.append(call_id)
+    time.sleep(seconds)
+    return call_id
+
+
+def executed() -> list[int]:
+    return list(_executed)
+
+
+def main() -> None:
+    rank, master, port, me = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    extra = json.loads(sys.argv[5])
+    rpc.init_rpc(
+        f"worker{rank}", rank=rank, world_size=2,
+        backend=rpc.BackendType.TORCH_RPC_EXT,
+        rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(
+            init_method=f"tcp://{master}:{port}", address=me, **extra),
+    )
+    print(json.dumps({"ready": True}), flush=True)
+    if rank == 1:
+        sys.stdin.read()  # serve until the test closes our stdin
+        rpc.shutdown(graceful=False)
+        return
+    futures, next_id = [], 0
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "start":
+            for _ in range(cmd["n"]):
+                futures.append(rpc.rpc_async(
+                    "worker1", record_and_sleep, args=(next_id, cmd["sleep"])))
+                next_id += 1
+            answer = {"started": len(futures)}
+        elif cmd["op"] == "wait":
+            t0, results = time.monotonic(), []
+            for f in futures:
+                try:
+                    f.wait()
+                    results.append("ok")
+                except RuntimeError as e:
+                    results.append(str(e))
+            answer = {"results": results, "elapsed": time.monotonic() - t0}
+            futures = []
+        elif cmd["op"] == "executed":
+            answer = {"executed": rpc.rpc_sync("worker1", executed)}
+        else:
+            break
+        print(json.dumps(answer), flush=True)
+    rpc.shutdown(graceful=False)
+
+
+if __name__ == "__main__":
+    main()
