@@ -7,6 +7,7 @@
 
 #include "csrc/agent/membership.h"
 #include "csrc/bindings/bind.h"
+#include "csrc/transport/stream/address.h"
 #include "csrc/common/buffer_pool.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/thread_pool.h"
@@ -46,6 +47,9 @@ void bindTesting(py::module_& m) {
     return digestBytes(hmacSha256(key, msg));
   });
   m.def("libcrypto", &libcryptoDescription);
+  // How a worker listening on `self` reaches a peer that advertised `peer`
+  // (stream::routeFrom): ValueError saying why it cannot.
+  m.def("route_from", &transport::stream::routeFrom);
 
   // (head, [segments]) of the frame that would carry this message.
   m.def(

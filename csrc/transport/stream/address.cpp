@@ -3,6 +3,7 @@
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -20,8 +21,36 @@ SocketAddress SocketAddress::fromHost(const std::string& host, int port) {
   if (bare.size() > 2 && bare.front() == '[' && bare.back() == ']') {
     bare = bare.substr(1, bare.size() - 2);
   }
+  // An IPv6 scope: "fe80::1%eth0" (an interface name or index).
+  std::string scope;
+  if (auto pct = bare.find('%'); pct != std::string::npos) {
+    scope = bare.substr(pct + 1);
+    bare.resize(pct);
+  }
   auto* v4 = reinterpret_cast<sockaddr_in*>(&a.storage);
   auto* v6 = reinterpret_cast<sockaddr_in6*>(&a.storage);
+  if (!scope.empty()) {
+    if (::inet_pton(AF_INET6, bare.c_str(), &v6->sin6_addr) != 1) {
+      throw std::invalid_argument(
+          "'" + host + "' is not a numeric IPv6 address with a scope");
+    }
+    unsigned index = ::if_nametoindex(scope.c_str());
+    if (index == 0) {
+      char* end = nullptr;
+      unsigned long n = std::strtoul(scope.c_str(), &end, 10);
+      if (*end != '\0' || n == 0) {
+        throw std::invalid_argument(
+            "'" + host + "': no network interface '" + scope +
+            "' on this host for its scope");
+      }
+      index = static_cast<unsigned>(n);
+    }
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(static_cast<uint16_t>(port));
+    v6->sin6_scope_id = index;
+    a.length = sizeof(sockaddr_in6);
+    return a;
+  }
   if (::inet_pton(AF_INET, bare.c_str(), &v4->sin_addr) == 1) {
     v4->sin_family = AF_INET;
     v4->sin_port = htons(static_cast<uint16_t>(port));
@@ -93,7 +122,17 @@ std::string SocketAddress::str() const {
     auto* v6 = reinterpret_cast<const sockaddr_in6*>(&storage);
     ::inet_ntop(AF_INET6, &v6->sin6_addr, host, sizeof(host));
     port = ntohs(v6->sin6_port);
-    return "[" + std::string(host) + "]:" + std::to_string(port);
+    // A link-local address means nothing without its interface.
+    std::string scope;
+    if (v6->sin6_scope_id != 0) {
+      char name[IF_NAMESIZE] = {};
+      scope = "%" +
+          std::string(
+                  ::if_indextoname(v6->sin6_scope_id, name) != nullptr
+                      ? name
+                      : std::to_string(v6->sin6_scope_id).c_str());
+    }
+    return "[" + std::string(host) + scope + "]:" + std::to_string(port);
   }
   if (family() == AF_UNIX) {
     auto* un = reinterpret_cast<const sockaddr_un*>(&storage);
@@ -114,24 +153,80 @@ std::string interfaceAddress(const std::string& name) {
     throw std::runtime_error(
         std::string("getifaddrs failed: ") + std::strerror(errno));
   }
-  std::string found;
+  // By preference: IPv4, a global or unique-local IPv6, a link-local IPv6
+  // (with the interface as its scope).
+  std::string found[3];
   for (ifaddrs* it = list; it != nullptr; it = it->ifa_next) {
-    if (it->ifa_addr == nullptr || name != it->ifa_name ||
-        it->ifa_addr->sa_family != AF_INET) {
+    if (it->ifa_addr == nullptr || name != it->ifa_name) {
       continue;
     }
-    char host[INET_ADDRSTRLEN];
-    auto* v4 = reinterpret_cast<sockaddr_in*>(it->ifa_addr);
-    ::inet_ntop(AF_INET, &v4->sin_addr, host, sizeof(host));
-    found = host;
-    break;
+    char host[INET6_ADDRSTRLEN];
+    if (it->ifa_addr->sa_family == AF_INET && found[0].empty()) {
+      auto* v4 = reinterpret_cast<sockaddr_in*>(it->ifa_addr);
+      ::inet_ntop(AF_INET, &v4->sin_addr, host, sizeof(host));
+      found[0] = host;
+    } else if (it->ifa_addr->sa_family == AF_INET6) {
+      const auto& in6 = reinterpret_cast<sockaddr_in6*>(it->ifa_addr)->sin6_addr;
+      ::inet_ntop(AF_INET6, &in6, host, sizeof(host));
+      bool linkLocal = IN6_IS_ADDR_LINKLOCAL(&in6);
+      std::string& slot = found[linkLocal ? 2 : 1];
+      if (slot.empty() && !IN6_IS_ADDR_LOOPBACK(&in6)) {
+        slot = linkLocal ? std::string(host) + "%" + name : host;
+      }
+    }
   }
   ::freeifaddrs(list);
-  if (found.empty()) {
-    throw std::invalid_argument(
-        "network interface '" + name + "' has no IPv4 address");
+  for (const auto& f : found) {
+    if (!f.empty()) {
+      return f;
+    }
   }
-  return found;
+  throw std::invalid_argument(
+      "network interface '" + name + "' has no IPv4 or IPv6 address");
+}
+
+std::string routeFrom(const std::string& self, const std::string& peer) {
+  SocketAddress ours = SocketAddress::fromHost(self, 0);
+  // The scope a peer advertised names an interface of its host, not ours:
+  // it is dropped here (and ours put in its place below).
+  std::string unscoped = peer;
+  if (auto pct = unscoped.find('%'); pct != std::string::npos) {
+    auto end = unscoped.find(']', pct);
+    unscoped.erase(pct, end == std::string::npos ? end : end - pct);
+  }
+  SocketAddress to = SocketAddress::parse(unscoped);
+  auto family = [](const SocketAddress& a) {
+    return a.family() == AF_INET ? "IPv4" : "IPv6";
+  };
+  if (ours.family() != to.family()) {
+    throw std::invalid_argument(
+        "cannot reach " + peer + " (" + family(to) +
+        ") from this worker's address " + self + " (" + family(ours) +
+        "): every worker of a group must listen on addresses of one family "
+        "(the `address` option, TORCH_RPC_EXT_ADDR or "
+        "TORCH_RPC_EXT_SOCKET_IFNAME)");
+  }
+  if (to.family() != AF_INET6) {
+    return peer;
+  }
+  auto& in6 = reinterpret_cast<sockaddr_in6*>(&to.storage)->sin6_addr;
+  if (!IN6_IS_ADDR_LINKLOCAL(&in6)) {
+    return peer;
+  }
+  // A link-local address's scope is the interface of the host that wrote
+  // it: ours is the one we listen on, which must be on the same link.
+  auto scope = reinterpret_cast<sockaddr_in6*>(&ours.storage)->sin6_scope_id;
+  const auto& own = reinterpret_cast<sockaddr_in6*>(&ours.storage)->sin6_addr;
+  if (!IN6_IS_ADDR_LINKLOCAL(&own) || scope == 0) {
+    throw std::invalid_argument(
+        "cannot reach the link-local address " + peer +
+        " from this worker's address " + self +
+        ": a link-local address is reachable only over its link; give "
+        "this worker a link-local address of that link (fe80::...%<interface>)"
+        " or give every worker a global or unique-local one");
+  }
+  reinterpret_cast<sockaddr_in6*>(&to.storage)->sin6_scope_id = scope;
+  return to.str();
 }
 
 std::string defaultAdvertisedAddress() {

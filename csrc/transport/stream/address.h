@@ -12,8 +12,9 @@ struct SocketAddress {
   sockaddr_storage storage{};
   socklen_t length = 0;
 
-  // "1.2.3.4:5", "[::1]:5" or "@name". Throws std::invalid_argument
-  // naming the text.
+  // "1.2.3.4:5", "[::1]:5", "[fe80::1%eth0]:5" (a link-local address and
+  // the interface it is on, by name or index) or "@name". Throws
+  // std::invalid_argument naming the text.
   static SocketAddress parse(const std::string& hostPort);
   // The abstract-namespace Unix socket `name` (Linux).
   static SocketAddress unixAbstract(const std::string& name);
@@ -34,7 +35,18 @@ struct SocketAddress {
 // to when it is not loopback, else 127.0.0.1.
 std::string defaultAdvertisedAddress();
 
-// The first IPv4 address of interface `name`; throws if it has none.
+// The address of interface `name` by preference: its first IPv4 address,
+// else a global or unique-local IPv6 one, else its link-local IPv6 address
+// ("fe80::...%name"); throws if it has none.
 std::string interfaceAddress(const std::string& name);
+
+// The address to connect to `peer` (an advertised "host:port") from a
+// worker that listens on `self` (an IP literal): `peer` itself, or for a
+// link-local IPv6 `peer` the same address with our own interface as its
+// scope (the scope it was advertised with names the peer's interface).
+// Throws std::invalid_argument saying why `peer` cannot be reached from
+// `self`: a different family, or a link-local peer and a worker that has no
+// link-local address.
+std::string routeFrom(const std::string& self, const std::string& peer);
 
 } // namespace torch_rpc_ext::transport::stream

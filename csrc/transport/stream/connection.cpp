@@ -159,8 +159,14 @@ void StreamConnection::tickChannelsFromLoop() {
   afterFlush(error);
 }
 
-void StreamConnection::startConnect(const std::string& address) {
+void StreamConnection::startConnect(
+    const std::string& address,
+    const std::string& refused) {
   openChannels(expectedPeerId_);
+  if (!refused.empty()) {
+    closeInternal(refused, false);
+    return;
+  }
   if (fd_ < 0) {
     closeInternal(errnoText("socket"), false);
     return;

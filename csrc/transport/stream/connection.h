@@ -46,8 +46,9 @@ class StreamConnection : public Connection,
   ~StreamConnection() override;
 
   // Outbound: start connecting to `to` (a parsed `address`); the handshake
-  // follows on the loop thread. Errors close the connection.
-  void startConnect(const std::string& address);
+  // follows on the loop thread. Errors close the connection, as does a
+  // non-empty `refused` (why the address cannot be reached from here).
+  void startConnect(const std::string& address, const std::string& refused = {});
   // Accepted socket: the handshake starts at once. Loop thread.
   void startAcceptedFromLoop();
 

@@ -48,18 +48,25 @@ std::shared_ptr<Connection> StreamTransport::connect(
       throw std::runtime_error("transport is stopped");
     }
   }
+  std::string target = address;
+  std::string refused;
+  try {
+    target = routeTo(address);
+  } catch (const std::exception& e) {
+    refused = e.what();
+  }
   int family = AF_INET;
   try {
-    family = SocketAddress::parse(address).family();
+    family = SocketAddress::parse(target).family();
   } catch (const std::exception&) {
     // startConnect() reports the malformed address as the close reason.
   }
   int fd = ::socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   auto conn =
-      newConnection(fd, /*outbound=*/true, expectedPeerId, address, observer);
+      newConnection(fd, /*outbound=*/true, expectedPeerId, target, observer);
   // Started (its channels opened) before stop() can see it: adopt() closes
   // it if the transport stopped meanwhile.
-  conn->startConnect(address);
+  conn->startConnect(target, refused);
   adopt(conn);
   return conn;
 }
@@ -69,7 +76,7 @@ bool StreamTransport::listenerAnswers(
     std::chrono::milliseconds timeout) const {
   SocketAddress to;
   try {
-    to = SocketAddress::parse(address);
+    to = SocketAddress::parse(routeTo(address));
   } catch (const std::exception&) {
     return false;
   }

@@ -56,6 +56,12 @@ class StreamTransport : public Transport {
       int32_t expectedPeerId,
       std::string peerAddress,
       ConnectionObserver* observer) = 0;
+  // The address to connect to for a peer that advertised `address`; throws
+  // std::invalid_argument saying why it cannot be reached from here (the
+  // connection then fails with that reason).
+  virtual std::string routeTo(const std::string& address) const {
+    return address;
+  }
   // Counters of the backend, added to the loop's.
   virtual void addCounters(std::map<std::string, uint64_t>& out) const {}
 

@@ -2,6 +2,7 @@
 #include "csrc/transport/tcp/transport.h"
 
 #include "csrc/transport/tcp/connection.h"
+#include "csrc/transport/stream/address.h"
 #include "csrc/transport/tcp/listener.h"
 
 namespace torch_rpc_ext::transport::tcp {
@@ -21,6 +22,15 @@ std::string TcpTransport::name() const {
 
 std::string TcpTransport::domainDescriptor() const {
   return "any";
+}
+
+std::string TcpTransport::bindHost() const {
+  const auto& host = options_.bindAddress;
+  return host.empty() ? stream::defaultAdvertisedAddress() : host;
+}
+
+std::string TcpTransport::routeTo(const std::string& address) const {
+  return stream::routeFrom(bindHost(), address);
 }
 
 std::shared_ptr<Listener> TcpTransport::listen() {

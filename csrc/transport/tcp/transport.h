@@ -27,6 +27,9 @@ class TcpTransport final : public stream::StreamTransport {
     return false;
   }
   std::shared_ptr<Listener> listen() override;
+  // What the listener binds and advertises: TransportOptions::bindAddress,
+  // else stream::defaultAdvertisedAddress().
+  std::string bindHost() const;
 
  protected:
   std::shared_ptr<stream::StreamConnection> newConnection(
@@ -35,6 +38,9 @@ class TcpTransport final : public stream::StreamTransport {
       int32_t expectedPeerId,
       std::string peerAddress,
       ConnectionObserver* observer) override;
+  // The same family as ours; a link-local peer through our own interface
+  // (stream::routeFrom).
+  std::string routeTo(const std::string& address) const override;
 
  private:
   // Encrypts its connections as TransportOptions::tls says (null: never).
