@@ -15,6 +15,12 @@ line on stdin and answers each with one JSON line on stdout:
                                         {"results": [...], "elapsed": s},
                                         each result "ok" or the error text
   {"op": "executed"}                    the ids worker1 has executed
+  {"op": "hold"}                        an RRef owned by worker1, and a
+                                        distributed autograd context whose
+                                        forward pass went through worker1
+  {"op": "use"}                         the RRef's value and the context's
+                                        backward pass, each a value or the
+                                        error text
   {"op": "quit"}                        shut down and exit
 """
 
@@ -22,7 +28,8 @@ import json
 import sys
 import time
 
-import torch  # noqa: F401  (torch before torch_rpc_ext, as users do)
+import torch
+import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
 import torch_rpc_ext
@@ -77,6 +84,26 @@ def main() -> None:
             futures = []
         elif cmd["op"] == "executed":
             answer = {"executed": rpc.rpc_sync("worker1", executed)}
+        elif cmd["op"] == "hold":
+            rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+            rref.to_here()
+            context = dist_autograd.context()
+            context_id = context.__enter__()
+            x = torch.tensor([3.0], requires_grad=True)
+            y = rpc.rpc_sync("worker1", torch.mul, args=(x, x))
+            answer = {"held": True}
+        elif cmd["op"] == "use":
+            answer = {}
+            try:
+                answer["rref"] = rref.to_here().tolist()
+            except RuntimeError as e:
+                answer["rref"] = str(e)
+            try:
+                dist_autograd.backward(context_id, [y.sum()])
+                answer["grad"] = dist_autograd.get_gradients(context_id)[x].tolist()
+            except RuntimeError as e:
+                answer["grad"] = str(e)
+            context.__exit__(None, None, None)
         else:
             break
         print(json.dumps(answer), flush=True)

@@ -117,3 +117,19 @@ def test_a_longer_partition_fails_the_calls_in_flight_then_new_calls_reconnect(p
     # Each id at most once: none of the failed calls was sent again.
     assert len(ran) == len(set(ran)), ran
     assert {0, 5, 6, 7} <= set(ran), ran
+
+
+def test_rrefs_and_autograd_contexts_outlive_a_partition(pair):
+    """An RRef and a distributed autograd context are names, not
+    connections: both work again once the link is back (a static group: the
+    owner never learnt of the partition)."""
+    hosts, p = pair
+    assert p.ask(op="hold") == {"held": True}
+    assert p.ask(op="start", n=1, sleep=2 * HEARTBEAT_S)["started"] == 1
+    time.sleep(0.3)
+    hosts.link_down(1)
+    out = p.ask(op="wait")
+    assert "heartbeat" in out["results"][0], out
+    hosts.link_up(1)
+    used = p.ask(op="use")
+    assert used == {"rref": [2.0, 2.0], "grad": [6.0]}, used
