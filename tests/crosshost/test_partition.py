@@ -133,3 +133,61 @@ def test_rrefs_and_autograd_contexts_outlive_a_partition(pair):
     hosts.link_up(1)
     used = p.ask(op="use")
     assert used == {"rref": [2.0, 2.0], "grad": [6.0]}, used
+
+
+def test_a_dynamic_member_cut_off_past_its_lease_is_declared_dead_then_rejoins(two_hosts, tmp_path):
+    """Dynamic group (docs/elastic.md): worker1's link is down past its
+    lease, so worker0 declares it dead; when the link returns, worker1
+    finds itself fenced, and rejoins under a new incarnation with
+    rpc.shutdown() and init_rpc: worker0 calls it again, no restart."""
+    hosts = two_hosts
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for k in ("TORCH_RPC_EXT_TRANSPORTS", "TORCH_RPC_EXT_ADDR", "TORCH_RPC_EXT_SOCKET_IFNAME"):
+        env.pop(k, None)
+    store = f"tcp://{hosts.ipv4(0)}:29513"
+    procs = []
+    try:
+        for rank in (0, 1):
+            procs.append(hosts.run(
+                rank, [sys.executable, "-m", "tests.crosshost.elastic_worker", str(rank), store,
+                       hosts.ipv4(rank)],
+                timeout=240, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                cwd=ROOT))
+            assert json.loads(procs[-1].stdout.readline()) == {"ready": True}
+
+        def ask(rank, **cmd):
+            procs[rank].stdin.write(json.dumps(cmd) + "\n")
+            procs[rank].stdin.flush()
+            line = procs[rank].stdout.readline()
+            assert line, f"worker{rank} exited ({procs[rank].poll()})"
+            return json.loads(line)
+
+        assert ask(0, op="call", to="worker1") == {"call": "ok"}
+        hosts.link_down(1)
+        deadline = time.monotonic() + 60
+        while ask(0, op="members")["members"] != ["worker0"]:
+            assert time.monotonic() < deadline, "worker1 was never declared dead"
+            time.sleep(0.5)
+        after = ask(0, op="call", to="worker1")["call"]
+        assert "worker1" in after and "declared dead" in after, after
+        hosts.link_up(1)
+        deadline = time.monotonic() + 60
+        while "declared dead" not in (fenced := ask(1, op="call", to="worker0")["call"]):
+            assert time.monotonic() < deadline, f"worker1 never saw it was declared dead: {fenced}"
+            time.sleep(0.5)
+        assert "this worker (worker1) was declared dead" in fenced, fenced
+        assert ask(1, op="rejoin") == {"rejoined": True}
+        assert ask(0, op="call", to="worker1") == {"call": "ok"}
+        assert ask(1, op="call", to="worker0") == {"call": "ok"}
+        assert ask(0, op="members")["members"] == ["worker0", "worker1"]
+    finally:
+        for p in procs:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
