@@ -7,12 +7,12 @@
 
 #include "csrc/agent/membership.h"
 #include "csrc/bindings/bind.h"
-#include "csrc/transport/stream/address.h"
 #include "csrc/common/buffer_pool.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/thread_pool.h"
 #include "csrc/frame/frame.h"
 #include "csrc/transport/handshake.h"
+#include "csrc/transport/stream/address.h"
 #include "csrc/transport/stream/loop.h"
 #include "csrc/transport/transport.h"
 #include "csrc/wire/codec.h"

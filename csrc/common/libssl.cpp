@@ -35,6 +35,13 @@ TORCH_RPC_EXT_SAME_TYPE(
     SSL_SESSION_set1_master_key);
 TORCH_RPC_EXT_SAME_TYPE(X509_NAME_oneline, X509_NAME_oneline);
 TORCH_RPC_EXT_SAME_TYPE(ERR_error_string_n, ERR_error_string_n);
+TORCH_RPC_EXT_SAME_TYPE(SSL_set_bio, SSL_set_bio);
+TORCH_RPC_EXT_SAME_TYPE(BIO_meth_new, BIO_meth_new);
+TORCH_RPC_EXT_SAME_TYPE(BIO_meth_set_write_ex, BIO_meth_set_write_ex);
+TORCH_RPC_EXT_SAME_TYPE(BIO_meth_set_ctrl, BIO_meth_set_ctrl);
+TORCH_RPC_EXT_SAME_TYPE(BIO_meth_set_create, BIO_meth_set_create);
+TORCH_RPC_EXT_SAME_TYPE(BIO_new, BIO_new);
+TORCH_RPC_EXT_SAME_TYPE(BIO_new_socket, BIO_new_socket);
 #if OPENSSL_VERSION_NUMBER >= 0x30000000L
 TORCH_RPC_EXT_SAME_TYPE(SSL_CTX_set_options, SSL_CTX_set_options);
 TORCH_RPC_EXT_SAME_TYPE(SSL_get1_peer_certificate, SSL_get1_peer_certificate);
@@ -97,7 +104,19 @@ std::string bindSsl(void* handle, Libssl& out) {
   TORCH_RPC_EXT_RESOLVE(SSL_CTX_set_verify);
   TORCH_RPC_EXT_RESOLVE(SSL_new);
   TORCH_RPC_EXT_RESOLVE(SSL_free);
-  TORCH_RPC_EXT_RESOLVE(SSL_set_fd);
+  TORCH_RPC_EXT_RESOLVE(SSL_set_bio);
+  TORCH_RPC_EXT_RESOLVE(SSL_CTX_set_default_read_buffer_len);
+  TORCH_RPC_EXT_RESOLVE(BIO_get_new_index);
+  TORCH_RPC_EXT_RESOLVE(BIO_meth_new);
+  TORCH_RPC_EXT_RESOLVE(BIO_meth_set_write_ex);
+  TORCH_RPC_EXT_RESOLVE(BIO_meth_set_ctrl);
+  TORCH_RPC_EXT_RESOLVE(BIO_meth_set_create);
+  TORCH_RPC_EXT_RESOLVE(BIO_new);
+  TORCH_RPC_EXT_RESOLVE(BIO_free);
+  TORCH_RPC_EXT_RESOLVE(BIO_set_data);
+  TORCH_RPC_EXT_RESOLVE(BIO_get_data);
+  TORCH_RPC_EXT_RESOLVE(BIO_set_init);
+  TORCH_RPC_EXT_RESOLVE(BIO_new_socket);
   TORCH_RPC_EXT_RESOLVE(SSL_set_connect_state);
   TORCH_RPC_EXT_RESOLVE(SSL_set_accept_state);
   TORCH_RPC_EXT_RESOLVE(SSL_set_ex_data);

@@ -21,6 +21,8 @@ struct x509_st;
 struct X509_name_st;
 struct evp_md_st;
 struct x509_store_ctx_st;
+struct bio_st;
+struct bio_method_st;
 
 namespace torch_rpc_ext {
 
@@ -56,7 +58,8 @@ struct Libssl {
   void (*SSL_CTX_set_verify)(CTX*, int, VerifyCb) = nullptr;
   SSL* (*SSL_new)(CTX*) = nullptr;
   void (*SSL_free)(SSL*) = nullptr;
-  int (*SSL_set_fd)(SSL*, int) = nullptr;
+  void (*SSL_set_bio)(SSL*, bio_st*, bio_st*) = nullptr;
+  void (*SSL_CTX_set_default_read_buffer_len)(CTX*, size_t) = nullptr;
   void (*SSL_set_connect_state)(SSL*) = nullptr;
   void (*SSL_set_accept_state)(SSL*) = nullptr;
   int (*SSL_set_ex_data)(SSL*, int, void*) = nullptr;
@@ -84,6 +87,21 @@ struct Libssl {
       nullptr;
   int (*SSL_SESSION_set_protocol_version)(ssl_session_st*, int) = nullptr;
   // libcrypto's, through libssl's handle.
+  int (*BIO_get_new_index)() = nullptr;
+  bio_method_st* (*BIO_meth_new)(int, const char*) = nullptr;
+  int (*BIO_meth_set_write_ex)(
+      bio_method_st*,
+      int (*)(bio_st*, const char*, size_t, size_t*)) = nullptr;
+  int (*BIO_meth_set_ctrl)(
+      bio_method_st*,
+      long (*)(bio_st*, int, long, void*)) = nullptr;
+  int (*BIO_meth_set_create)(bio_method_st*, int (*)(bio_st*)) = nullptr;
+  bio_st* (*BIO_new)(const bio_method_st*) = nullptr;
+  int (*BIO_free)(bio_st*) = nullptr;
+  void (*BIO_set_data)(bio_st*, void*) = nullptr;
+  void* (*BIO_get_data)(bio_st*) = nullptr;
+  void (*BIO_set_init)(bio_st*, int) = nullptr;
+  bio_st* (*BIO_new_socket)(int, int) = nullptr;
   X509_name_st* (*X509_get_subject_name)(const x509_st*) = nullptr;
   char* (*X509_NAME_oneline)(const X509_name_st*, char*, int) = nullptr;
   void (*X509_free)(x509_st*) = nullptr;

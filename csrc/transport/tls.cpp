@@ -2,6 +2,7 @@
 #include "csrc/transport/tls.h"
 
 #include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -46,6 +47,15 @@ constexpr unsigned long kBadRecordMac = 281; // SSL_R_DECRYPTION_FAILED_...
 constexpr unsigned long kUnexpectedEof = 294; // 3.x: ..._UNEXPECTED_EOF_...
 // The plaintext one SSL_write_ex call takes: one record (TLS's maximum).
 constexpr size_t kRecordBytes = 16384;
+// Records encrypted ahead of the socket at most, per connection; and the
+// capacity of the buffer kept once it is drained (a larger one goes).
+constexpr size_t kOutHighWater = 256 * 1024;
+constexpr size_t kOutKeep = 64 * 1024;
+// What one read(2) of OpenSSL's takes at most (with read-ahead).
+constexpr size_t kReadBufferBytes = 64 * 1024;
+constexpr int kBioTypeSourceSink = 0x0400; // BIO_TYPE_SOURCE_SINK
+constexpr int kBioCtrlFlush = 11; // BIO_CTRL_FLUSH
+constexpr int kBioNoClose = 0; // BIO_NOCLOSE
 
 #ifdef TORCH_RPC_EXT_OPENSSL_HEADERS
 static_assert(kTls13 == TLS1_3_VERSION);
@@ -70,6 +80,9 @@ static_assert(kBadRecordMac == SSL_R_DECRYPTION_FAILED_OR_BAD_RECORD_MAC);
 static_assert(kUnexpectedEof == SSL_R_UNEXPECTED_EOF_WHILE_READING);
 #endif
 static_assert(kRecordBytes == SSL3_RT_MAX_PLAIN_LENGTH);
+static_assert(kBioTypeSourceSink == BIO_TYPE_SOURCE_SINK);
+static_assert(kBioCtrlFlush == BIO_CTRL_FLUSH);
+static_assert(kBioNoClose == BIO_NOCLOSE);
 #endif
 
 // The pre-shared key's derivation label and the identity a client offers.
@@ -159,6 +172,38 @@ int findSessionCb(
   return 1;
 }
 
+// Our output BIO: OpenSSL's records go to the session's out_.
+int outputWrite(bio_st* b, const char* data, size_t size, size_t* written) {
+  static_cast<TlsSession*>(libssl().BIO_get_data(b))->appendOutput(data, size);
+  *written = size;
+  return 1;
+}
+
+long outputCtrl(bio_st* /*b*/, int cmd, long /*num*/, void* /*ptr*/) {
+  return cmd == kBioCtrlFlush ? 1 : 0; // nothing else to answer
+}
+
+int outputCreate(bio_st* b) {
+  libssl().BIO_set_init(b, 1);
+  return 1;
+}
+
+// The method of our output BIOs, made once (never freed).
+bio_method_st* outputMethod() {
+  static bio_method_st* method = [] {
+    const Libssl& lib = libssl();
+    bio_method_st* m = lib.BIO_meth_new(
+        lib.BIO_get_new_index() | kBioTypeSourceSink, "torch_rpc_ext output");
+    if (m == nullptr || lib.BIO_meth_set_write_ex(m, outputWrite) != 1 ||
+        lib.BIO_meth_set_ctrl(m, outputCtrl) != 1 ||
+        lib.BIO_meth_set_create(m, outputCreate) != 1) {
+      throw std::runtime_error("BIO_meth_new failed: " + drainErrors(lib));
+    }
+    return m;
+  }();
+  return method;
+}
+
 bool isLoopback(const sockaddr_storage& a) {
   if (a.ss_family == AF_INET) {
     const auto* in = reinterpret_cast<const sockaddr_in*>(&a);
@@ -240,10 +285,12 @@ std::shared_ptr<TlsContext> TlsContext::create(
   }
   lib.SSL_CTX_set_options(c->ctx_, kOpNoTicket | kOpNoCompression);
   lib.SSL_CTX_set_num_tickets(c->ctx_, 0);
+  // (Our BIO never blocks: a write is whole or an error.)
   lib.SSL_CTX_ctrl(
       c->ctx_, kCtrlMode, kModePartialWrite | kModeMovingBuffer, nullptr);
-  // Whole records per read(2), not a header and a body each.
+  // Several whole records per read(2), not a header and a body each.
   lib.SSL_CTX_ctrl(c->ctx_, kCtrlReadAhead, 1, nullptr);
+  lib.SSL_CTX_set_default_read_buffer_len(c->ctx_, kReadBufferBytes);
   if (lib.SSL_CTX_set_ciphersuites(
           c->ctx_, mutual ? kCertSuites : kPskSuites) != 1) {
     fail("SSL_CTX_set_ciphersuites failed");
@@ -303,10 +350,22 @@ std::unique_ptr<TlsSession> TlsContext::newSession(int fd, bool client) const {
   if (ssl == nullptr) {
     throw std::runtime_error("SSL_new failed: " + drainErrors(lib));
   }
-  std::unique_ptr<TlsSession> s(new TlsSession(shared_from_this(), ssl));
-  if (lib.SSL_set_fd(ssl, fd) != 1 ||
-      lib.SSL_set_ex_data(ssl, kAppData, const_cast<TlsContext*>(this)) != 1) {
-    throw std::runtime_error("SSL_set_fd failed: " + drainErrors(lib));
+  std::unique_ptr<TlsSession> s(new TlsSession(shared_from_this(), ssl, fd));
+  bio_st* in = lib.BIO_new_socket(fd, kBioNoClose);
+  bio_st* out = lib.BIO_new(outputMethod());
+  if (in == nullptr || out == nullptr) {
+    if (in != nullptr) {
+      lib.BIO_free(in);
+    }
+    if (out != nullptr) {
+      lib.BIO_free(out);
+    }
+    throw std::runtime_error("BIO_new failed: " + drainErrors(lib));
+  }
+  lib.BIO_set_data(out, s.get());
+  lib.SSL_set_bio(ssl, in, out); // the SSL owns both now
+  if (lib.SSL_set_ex_data(ssl, kAppData, const_cast<TlsContext*>(this)) != 1) {
+    throw std::runtime_error("SSL_set_ex_data failed: " + drainErrors(lib));
   }
   if (client) {
     lib.SSL_set_connect_state(ssl);
@@ -316,8 +375,11 @@ std::unique_ptr<TlsSession> TlsContext::newSession(int fd, bool client) const {
   return s;
 }
 
-TlsSession::TlsSession(std::shared_ptr<const TlsContext> context, ssl_st* ssl)
-    : context_(std::move(context)), ssl_(ssl) {}
+TlsSession::TlsSession(
+    std::shared_ptr<const TlsContext> context,
+    ssl_st* ssl,
+    int fd)
+    : context_(std::move(context)), ssl_(ssl), fd_(fd) {}
 
 TlsSession::~TlsSession() {
   libssl().SSL_free(ssl_);
@@ -366,18 +428,25 @@ TlsSession::Step TlsSession::handshake(std::string* error) {
   lib.ERR_clear_error();
   errno = 0;
   int r = lib.SSL_do_handshake(ssl_);
+  if (r != 1) {
+    int e = lib.SSL_get_error(ssl_, r);
+    if (e != kErrorWantRead && e != kErrorWantWrite) {
+      *error = errorText("TLS handshake", r);
+      std::string ignored;
+      flushLocked(&ignored); // the alert that says why, if the peer listens
+      return Step::kFailed;
+    }
+  }
+  // What this step wrote goes now; what the socket does not take, with the
+  // next write (hasPendingOutput()) or on EPOLLOUT.
+  int sent = flushLocked(error);
+  if (sent < 0) {
+    return Step::kFailed;
+  }
   if (r == 1) {
     return Step::kDone;
   }
-  int e = lib.SSL_get_error(ssl_, r);
-  if (e == kErrorWantRead) {
-    return Step::kWantRead;
-  }
-  if (e == kErrorWantWrite) {
-    return Step::kWantWrite;
-  }
-  *error = errorText("TLS handshake", r);
-  return Step::kFailed;
+  return sent == 0 ? Step::kWantWrite : Step::kWantRead;
 }
 
 ssize_t TlsSession::read(void* dst, size_t size, std::string* error) {
@@ -387,6 +456,13 @@ ssize_t TlsSession::read(void* dst, size_t size, std::string* error) {
   errno = 0;
   size_t n = 0;
   int r = lib.SSL_read_ex(ssl_, dst, size, &n);
+  if (outSent_ < out_.size()) {
+    // A read wrote (an alert): send it; a failure shows on the next write.
+    int saved = errno;
+    std::string ignored;
+    flushLocked(&ignored);
+    errno = saved;
+  }
   if (r == 1) {
     return static_cast<ssize_t>(n);
   }
@@ -406,22 +482,29 @@ ssize_t TlsSession::read(void* dst, size_t size, std::string* error) {
 }
 
 int TlsSession::flushLocked(std::string* error) {
-  const Libssl& lib = libssl();
-  while (!pending_.empty()) {
-    lib.ERR_clear_error();
-    errno = 0;
-    size_t n = 0;
-    int r = lib.SSL_write_ex(ssl_, pending_.data(), pending_.size(), &n);
-    if (r == 1) {
-      pending_.erase(0, n);
+  while (outSent_ < out_.size()) {
+    ssize_t n = ::send(
+        fd_, out_.data() + outSent_, out_.size() - outSent_, MSG_NOSIGNAL);
+    if (n > 0) {
+      outSent_ += static_cast<size_t>(n);
       continue;
     }
-    if (lib.SSL_get_error(ssl_, r) == kErrorWantWrite) {
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       return 0;
     }
-    *error = errorText("TLS write", r);
+    *error = n == 0 ? std::string("send returned 0")
+                    : std::string("write failed: ") + std::strerror(errno);
     return -1;
   }
+  if (out_.capacity() > kOutKeep) {
+    std::string().swap(out_);
+  } else {
+    out_.clear();
+  }
+  outSent_ = 0;
   return 1;
 }
 
@@ -432,31 +515,30 @@ int TlsSession::flush(std::string* error) {
 
 ssize_t TlsSession::write(const void* src, size_t size, std::string* error) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (size == 0) {
-    return 0;
-  }
-  int f = flushLocked(error);
-  if (f <= 0) {
-    return f;
+  if (flushLocked(error) < 0) {
+    return -1;
   }
   const Libssl& lib = libssl();
-  size_t take = std::min(size, kRecordBytes);
-  lib.ERR_clear_error();
-  errno = 0;
-  size_t n = 0;
-  int r = lib.SSL_write_ex(ssl_, src, take, &n);
-  if (r == 1) {
-    return static_cast<ssize_t>(n);
+  const char* p = static_cast<const char*>(src);
+  size_t taken = 0;
+  // Whole records into out_ (our BIO never blocks, so neither does this),
+  // as far as the high-water mark.
+  while (taken < size && out_.size() - outSent_ < kOutHighWater) {
+    lib.ERR_clear_error();
+    errno = 0;
+    size_t n = 0;
+    int r = lib.SSL_write_ex(
+        ssl_, p + taken, std::min(size - taken, kRecordBytes), &n);
+    if (r != 1) {
+      *error = errorText("TLS write", r);
+      return -1;
+    }
+    taken += n;
   }
-  if (lib.SSL_get_error(ssl_, r) == kErrorWantWrite) {
-    // OpenSSL may have encrypted these bytes into a record it could not
-    // send whole; it must see the same bytes again, and will (flushLocked),
-    // before any other.
-    pending_.assign(static_cast<const char*>(src), take);
-    return static_cast<ssize_t>(take);
+  if (flushLocked(error) < 0) {
+    return -1;
   }
-  *error = errorText("TLS write", r);
-  return -1;
+  return static_cast<ssize_t>(taken);
 }
 
 std::string TlsSession::describe() const {

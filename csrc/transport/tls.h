@@ -24,6 +24,13 @@
 // with the connection's write lock held; the session's own mutex_
 // serialises them all (an OpenSSL SSL object is not safe to use from two
 // threads at once).
+//
+// I/O: OpenSSL reads the socket itself, ahead (up to 64 KiB, several
+// records, a read(2)); what it writes goes to a BIO of ours that appends
+// the records to out_, which the session sends with send(MSG_NOSIGNAL) as
+// the socket takes it: up to 256 KiB of records per send(2) rather than one
+// write(2) per 16 KiB record, no SIGPIPE, and no OpenSSL retry rules (its
+// writes never block).
 
 #include <sys/socket.h>
 #include <sys/types.h>
@@ -113,17 +120,22 @@ class TlsSession {
   // record failed authentication).
   ssize_t read(void* dst, size_t size, std::string* error);
 
-  // Encrypt and send from `src`: bytes taken (>0), 0 if the socket is full,
-  // -1 with `error`. Bytes taken are the caller's to forget: a record
-  // encrypted but not yet on the socket stays here (hasPendingOutput()) and
-  // goes out first on the next write() or flush().
+  // Encrypt from `src` and send: bytes taken (>0), 0 while 256 KiB of
+  // records wait for the socket, -1 with `error`. Bytes taken are the
+  // caller's to forget: records not yet on the socket stay here
+  // (hasPendingOutput()) and go out first on the next write() or flush().
   ssize_t write(const void* src, size_t size, std::string* error);
-  // Send what write() left pending: 1 when nothing is left, 0 if the socket
-  // is full, -1 with `error`.
+  // Send what write() left: 1 when nothing is left, 0 if the socket is
+  // full, -1 with `error`.
   int flush(std::string* error);
   bool hasPendingOutput() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return !pending_.empty();
+    return outSent_ < out_.size();
+  }
+  // Our BIO's write: OpenSSL's records, appended to out_ (mutex_ is held:
+  // only SSL calls of ours write).
+  void appendOutput(const char* data, size_t size) {
+    out_.append(data, size);
   }
 
   // "TLSv1.3 TLS_AES_128_GCM_SHA256, pre-shared key" or, under mutual TLS,
@@ -132,18 +144,22 @@ class TlsSession {
   std::string describe() const;
 
  private:
-  TlsSession(std::shared_ptr<const TlsContext> context, ssl_st* ssl);
+  TlsSession(std::shared_ptr<const TlsContext> context, ssl_st* ssl, int fd);
   friend class TlsContext;
   // OpenSSL's error queue and the failing call's result, as text.
   std::string errorText(const char* what, int result) const;
+  // send(2) out_ from outSent_: 1 when all of it is on the socket, 0 if the
+  // socket is full, -1 with `error`.
   int flushLocked(std::string* error);
 
   const std::shared_ptr<const TlsContext> context_;
   ssl_st* const ssl_;
+  const int fd_; // not owned
   mutable std::mutex mutex_;
-  // The plaintext of a record SSL_write_ex encrypted but could not send
-  // whole: OpenSSL must be handed the same bytes again (mutex_).
-  std::string pending_;
+  // Records OpenSSL wrote, and how many of their bytes are on the socket
+  // (mutex_).
+  std::string out_;
+  size_t outSent_ = 0;
 };
 
 } // namespace torch_rpc_ext::transport

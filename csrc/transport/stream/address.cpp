@@ -166,7 +166,8 @@ std::string interfaceAddress(const std::string& name) {
       ::inet_ntop(AF_INET, &v4->sin_addr, host, sizeof(host));
       found[0] = host;
     } else if (it->ifa_addr->sa_family == AF_INET6) {
-      const auto& in6 = reinterpret_cast<sockaddr_in6*>(it->ifa_addr)->sin6_addr;
+      const auto& in6 =
+          reinterpret_cast<sockaddr_in6*>(it->ifa_addr)->sin6_addr;
       ::inet_ntop(AF_INET6, &in6, host, sizeof(host));
       bool linkLocal = IN6_IS_ADDR_LINKLOCAL(&in6);
       std::string& slot = found[linkLocal ? 2 : 1];

@@ -48,7 +48,9 @@ class StreamConnection : public Connection,
   // Outbound: start connecting to `to` (a parsed `address`); the handshake
   // follows on the loop thread. Errors close the connection, as does a
   // non-empty `refused` (why the address cannot be reached from here).
-  void startConnect(const std::string& address, const std::string& refused = {});
+  void startConnect(
+      const std::string& address,
+      const std::string& refused = {});
   // Accepted socket: the handshake starts at once. Loop thread.
   void startAcceptedFromLoop();
 
@@ -56,7 +58,7 @@ class StreamConnection : public Connection,
   void close(const std::string& reason) override;
   bool hasQueuedWrites() const override {
     std::lock_guard<std::mutex> lock(writeMutex_);
-    return !writes_.empty();
+    return !writes_.empty() || (tls_ && tls_->hasPendingOutput());
   }
   int32_t peerId() const override {
     return peerId_.load();

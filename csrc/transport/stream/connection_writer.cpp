@@ -374,9 +374,9 @@ ssize_t StreamConnection::sendLocked(
     int n,
     const std::vector<int>* fds) {
   if (tls_) {
-    // One record per call (the caller comes back for more): a piece of
-    // 16 KiB or more straight from its buffer, smaller ones gathered so a
-    // small frame is one record, not one per piece.
+    // A piece of 16 KiB or more straight from its buffer (up to 256 KiB of
+    // records a call: the caller comes back for more), smaller ones
+    // gathered so a small frame is one record, not one per piece.
     constexpr size_t kRecord = 16384;
     const void* src = iov[0].iov_base;
     size_t size = iov[0].iov_len;

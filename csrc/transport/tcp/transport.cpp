@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/transport/tcp/transport.h"
 
-#include "csrc/transport/tcp/connection.h"
 #include "csrc/transport/stream/address.h"
+#include "csrc/transport/tcp/connection.h"
 #include "csrc/transport/tcp/listener.h"
 
 namespace torch_rpc_ext::transport::tcp {
