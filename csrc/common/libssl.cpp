@@ -27,6 +27,7 @@ TORCH_RPC_EXT_SAME_TYPE(
     SSL_CTX_set_psk_find_session_callback,
     SSL_CTX_set_psk_find_session_callback);
 TORCH_RPC_EXT_SAME_TYPE(SSL_CTX_set_verify, SSL_CTX_set_verify);
+TORCH_RPC_EXT_SAME_TYPE(SSL_set_verify, SSL_set_verify);
 TORCH_RPC_EXT_SAME_TYPE(SSL_read_ex, SSL_read_ex);
 TORCH_RPC_EXT_SAME_TYPE(SSL_write_ex, SSL_write_ex);
 TORCH_RPC_EXT_SAME_TYPE(SSL_CIPHER_find, SSL_CIPHER_find);
@@ -102,6 +103,7 @@ std::string bindSsl(void* handle, Libssl& out) {
   TORCH_RPC_EXT_RESOLVE(SSL_CTX_check_private_key);
   TORCH_RPC_EXT_RESOLVE(SSL_CTX_load_verify_locations);
   TORCH_RPC_EXT_RESOLVE(SSL_CTX_set_verify);
+  TORCH_RPC_EXT_RESOLVE(SSL_set_verify);
   TORCH_RPC_EXT_RESOLVE(SSL_new);
   TORCH_RPC_EXT_RESOLVE(SSL_free);
   TORCH_RPC_EXT_RESOLVE(SSL_set_bio);

@@ -56,6 +56,7 @@ struct Libssl {
   int (*SSL_CTX_load_verify_locations)(CTX*, const char*, const char*) =
       nullptr;
   void (*SSL_CTX_set_verify)(CTX*, int, VerifyCb) = nullptr;
+  void (*SSL_set_verify)(SSL*, int, VerifyCb) = nullptr;
   SSL* (*SSL_new)(CTX*) = nullptr;
   void (*SSL_free)(SSL*) = nullptr;
   void (*SSL_set_bio)(SSL*, bio_st*, bio_st*) = nullptr;

@@ -368,6 +368,12 @@ std::unique_ptr<TlsSession> TlsContext::newSession(int fd, bool client) const {
     throw std::runtime_error("SSL_set_ex_data failed: " + drainErrors(lib));
   }
   if (client) {
+    if (!mutual()) {
+      // A server that ignores our key and shows a certificate instead is
+      // not one of ours: with no CA to check it against, verification
+      // fails the handshake (handshake() also checks the key was used).
+      lib.SSL_set_verify(ssl, kVerifyPeer, nullptr);
+    }
     lib.SSL_set_connect_state(ssl);
   } else {
     lib.SSL_set_accept_state(ssl);
@@ -444,6 +450,12 @@ TlsSession::Step TlsSession::handshake(std::string* error) {
     return Step::kFailed;
   }
   if (r == 1) {
+    if (!context_->mutual() && lib.SSL_session_reused(ssl_) != 1) {
+      *error =
+          "the peer did not use the group's key (a TLS server that is not "
+          "one of ours?)";
+      return Step::kFailed;
+    }
     return Step::kDone;
   }
   return sent == 0 ? Step::kWantWrite : Step::kWantRead;

@@ -215,3 +215,43 @@ def memoryview_address(b: bytes) -> int:
     import ctypes
 
     return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value
+
+
+def test_a_server_that_shows_a_certificate_instead_of_using_the_key_is_refused(tmp_path):
+    """A TLS 1.3 server may ignore the client's pre-shared key and
+    authenticate with a certificate instead: one that is not one of ours
+    (Python's ssl module here, with a self-signed certificate) must not get
+    our frames, or even our hello."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make certificates")
+    import ssl
+
+    _make_ca(tmp_path, "impostor")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(tmp_path / "impostor.pem", tmp_path / "impostor.key")
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = []
+
+    def serve():
+        conn, _ = listener.accept()
+        try:
+            with ctx.wrap_socket(conn, server_side=True) as tls:
+                while data := tls.recv(65536):
+                    received.append(data)
+        except (ssl.SSLError, OSError):
+            pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    client = endpoint(1, encryption="always")
+    try:
+        client.connect("127.0.0.1:%d" % listener.getsockname()[1], 0)
+        assert not client.wait_ready(15)
+        reason = client.close_reason()
+        assert "TLS handshake" in reason and "certificate verify failed" in reason, reason
+        t.join(10)
+        assert received == []
+    finally:
+        client.close(0)
+        listener.close()

@@ -63,3 +63,11 @@ def test_a_group_of_mixed_families_fails_naming_both(self_address, peer):
         _testing.route_from(self_address, peer)
     assert _testing.route_from("10.0.0.1", "10.0.0.2:5") == "10.0.0.2:5"
     assert _testing.route_from("fd00::1", "[fd00::2]:5") == "[fd00::2]:5"
+
+
+@pytest.mark.parametrize("peer", ["fe80::2%eth0:5", "[fe80::2]:5%eth0"])
+def test_a_scope_outside_the_brackets_is_refused_saying_where_it_goes(peer):
+    from torch_rpc_ext import _testing
+
+    with pytest.raises(ValueError, match=r"an IPv6 scope goes inside the brackets"):
+        _testing.route_from("fe80::1%lo", peer)

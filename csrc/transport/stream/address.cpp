@@ -192,8 +192,14 @@ std::string routeFrom(const std::string& self, const std::string& peer) {
   // it is dropped here (and ours put in its place below).
   std::string unscoped = peer;
   if (auto pct = unscoped.find('%'); pct != std::string::npos) {
-    auto end = unscoped.find(']', pct);
-    unscoped.erase(pct, end == std::string::npos ? end : end - pct);
+    auto close = unscoped.find(']', pct);
+    if (unscoped.front() != '[' || close == std::string::npos) {
+      throw std::invalid_argument(
+          "address '" + peer +
+          "': an IPv6 scope goes inside the brackets, as in "
+          "[fe80::1%eth0]:29500");
+    }
+    unscoped.erase(pct, close - pct);
   }
   SocketAddress to = SocketAddress::parse(unscoped);
   auto family = [](const SocketAddress& a) {

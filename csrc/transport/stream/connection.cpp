@@ -191,37 +191,48 @@ void StreamConnection::startConnect(
 
 void StreamConnection::startAcceptedFromLoop() {
   tuneSocket();
-  bool encrypts = startTlsFromLoop();
+  TlsStart tls = startTlsFromLoop();
+  if (tls == TlsStart::kClosed) {
+    return;
+  }
   startFromLoop(/*connecting=*/false);
-  if (encrypts) {
+  if (tls == TlsStart::kEncrypt) {
     driveTlsFromLoop();
   }
 }
 
-bool StreamConnection::startTlsFromLoop() {
+StreamConnection::TlsStart StreamConnection::startTlsFromLoop() {
   if (!tlsContext_) {
-    return false;
+    return TlsStart::kClear;
   }
   sockaddr_storage peer{};
   socklen_t len = sizeof(peer);
-  if (::getpeername(fd_, reinterpret_cast<sockaddr*>(&peer), &len) != 0 ||
-      !tlsContext_->appliesTo(peer)) {
-    return false;
+  if (::getpeername(fd_, reinterpret_cast<sockaddr*>(&peer), &len) != 0) {
+    closeInternal(errnoText("getpeername failed"), false);
+    return TlsStart::kClosed;
   }
+  bool required = tlsContext_->appliesTo(peer);
   std::unique_ptr<TlsSession> session;
-  try {
-    session = tlsContext_->newSession(fd_, outbound_);
-  } catch (const std::exception& e) {
-    closeInternal(e.what(), false);
-    return false;
+  if (outbound_) {
+    if (!required) {
+      return TlsStart::kClear;
+    }
+    try {
+      session = tlsContext_->newSession(fd_, /*client=*/true);
+    } catch (const std::exception& e) {
+      closeInternal(e.what(), false);
+      return TlsStart::kClosed;
+    }
   }
+  // Accepted: the client's first byte decides (driveTlsFromLoop()).
   std::lock_guard<std::mutex> lock(writeMutex_);
   if (state_ == State::kClosed) {
-    return false;
+    return TlsStart::kClosed;
   }
   tls_ = std::move(session);
+  tlsRequired_ = required;
   state_ = State::kTls;
-  return true;
+  return TlsStart::kEncrypt;
 }
 
 void StreamConnection::driveTlsFromLoop() {
@@ -229,21 +240,51 @@ void StreamConnection::driveTlsFromLoop() {
     return;
   }
   noteActivity();
-  if (!outbound_ && !tlsPeeked_) {
-    // Say so when the two ends disagree: a client in the clear begins with
-    // a frame header, a TLS client with a handshake record (type 22).
+  if (!tls_) {
+    // Accepted: a TLS client begins with a handshake record (type 22), one
+    // in the clear with a frame header. TLS is taken from any peer (the two
+    // ends may see different addresses: a NAT, a port forward); the clear
+    // only from one this end need not encrypt for.
     char first = 0;
     ssize_t got = ::recv(fd_, &first, 1, MSG_PEEK | MSG_DONTWAIT);
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       return; // nothing yet: EPOLLIN brings us back
     }
-    tlsPeeked_ = true;
-    if (got == 1 && first != 0x16) {
+    if (got <= 0) {
+      closeInternal(
+          got == 0 ? "peer closed the connection" : errnoText("recv failed"),
+          false);
+      return;
+    }
+    std::unique_ptr<TlsSession> session;
+    if (first == 0x16) {
+      try {
+        session = tlsContext_->newSession(fd_, /*client=*/false);
+      } catch (const std::exception& e) {
+        closeInternal(e.what(), false);
+        return;
+      }
+    } else if (tlsRequired_) {
       rejectFromLoop(
           "TLS handshake with " + peerAddress_ +
           ": the peer sent a frame in the clear: it does not encrypt this "
           "connection and this end does (set the same `encryption` on "
           "every worker)");
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(writeMutex_);
+      if (state_ == State::kClosed) {
+        return;
+      }
+      if (!session) {
+        state_ = State::kHandshake; // in the clear, as the peer began
+        updateEventsLocked();
+      }
+      tls_ = std::move(session);
+    }
+    if (!tls_) {
+      onReadableFromLoop();
       return;
     }
   }
@@ -483,12 +524,20 @@ void StreamConnection::onConnectedFromLoop() {
         "connect to " + peerAddress_ + " failed: " + std::strerror(err), false);
     return;
   }
-  if (startTlsFromLoop()) {
-    driveTlsFromLoop();
-    return;
+  switch (startTlsFromLoop()) {
+    case TlsStart::kClosed:
+      return;
+    case TlsStart::kEncrypt:
+      driveTlsFromLoop();
+      return;
+    case TlsStart::kClear:
+      break;
   }
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
     state_ = State::kHandshake;
   }
   queueControl(uint8_t(frame::FrameKind::kHello), handshake_.hello());

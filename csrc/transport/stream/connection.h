@@ -216,10 +216,12 @@ class StreamConnection : public Connection,
 
   void startFromLoop(bool connecting);
   void onConnectedFromLoop();
-  // Whether this connection encrypts (its transport has a TLS context and
-  // the peer's address calls for it); if so, the session is made and the
-  // state is kTls.
-  bool startTlsFromLoop();
+  // Whether this connection encrypts: kClear (no TLS context, or an
+  // outbound one whose peer's address does not call for it), kEncrypt
+  // (state kTls; outbound: the session is made; accepted: the client's
+  // first byte decides, see driveTlsFromLoop()), kClosed (it failed).
+  enum class TlsStart { kClear, kEncrypt, kClosed };
+  TlsStart startTlsFromLoop();
   // Advance the TLS handshake; on its end the frame handshake starts.
   void driveTlsFromLoop();
   void onReadableFromLoop();
@@ -306,10 +308,14 @@ class StreamConnection : public Connection,
   const std::string transportName_;
   // The transport's TLS context (null: never encrypts), and this
   // connection's session once it encrypts: set on the loop thread under
-  // writeMutex_ before kTls and never changed after.
+  // writeMutex_ while kTls (outbound: as it enters it; accepted: when the
+  // client's first byte is TLS), never changed after; writers use it only
+  // from kHandshake on.
   const std::shared_ptr<const TlsContext> tlsContext_;
   std::unique_ptr<TlsSession> tls_;
-  bool tlsPeeked_ = false; // loop thread: an accepted one's first byte seen
+  // Accepted, in kTls: whether the peer's address requires TLS (a client in
+  // the clear is refused then). Loop thread.
+  bool tlsRequired_ = false;
   // The error of the TLS write that failed, and the small pieces of frames
   // gathered into one record (writeMutex_).
   std::string tlsWriteError_;

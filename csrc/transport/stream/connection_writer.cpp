@@ -400,7 +400,12 @@ ssize_t StreamConnection::sendLocked(
     return got;
   }
   if (fds == nullptr) {
-    return ::writev(fd_, iov, n);
+    // sendmsg, not writev: MSG_NOSIGNAL (a reset peer must not raise
+    // SIGPIPE in a program that restored its default action).
+    msghdr msg{};
+    msg.msg_iov = const_cast<iovec*>(iov);
+    msg.msg_iovlen = static_cast<size_t>(n);
+    return ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
   }
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
   msghdr msg{};

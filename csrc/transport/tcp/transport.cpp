@@ -30,12 +30,26 @@ std::string TcpTransport::bindHost() const {
 }
 
 std::string TcpTransport::routeTo(const std::string& address) const {
-  return stream::routeFrom(bindHost(), address);
+  std::string self;
+  {
+    std::lock_guard<std::mutex> lock(selfMutex_);
+    self = listeningHost_;
+  }
+  return stream::routeFrom(self.empty() ? bindHost() : self, address);
 }
 
 std::shared_ptr<Listener> TcpTransport::listen() {
   auto l = std::make_shared<TcpListener>(*this);
   adoptListener(l);
+  // The host part of what the listener bound ("[fe80::1%eth0]:5" ->
+  // "fe80::1%eth0"): what routeTo() compares peers with, fixed from now on.
+  std::string host = l->address();
+  host = host.substr(0, host.rfind(':'));
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  std::lock_guard<std::mutex> lock(selfMutex_);
+  listeningHost_ = host;
   return l;
 }
 

@@ -1,6 +1,10 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <memory>
+#include <mutex>
+#include <string>
+
 #include "csrc/transport/stream/transport.h"
 
 namespace torch_rpc_ext::transport::tcp {
@@ -45,6 +49,9 @@ class TcpTransport final : public stream::StreamTransport {
  private:
   // Encrypts its connections as TransportOptions::tls says (null: never).
   const std::shared_ptr<const TlsContext> tls_;
+  // The host the listener bound (set by listen(); empty before).
+  mutable std::mutex selfMutex_;
+  std::string listeningHost_;
 };
 
 } // namespace torch_rpc_ext::transport::tcp
