@@ -158,3 +158,22 @@ def test_a_group_of_mixed_address_families_fails_naming_both(two_hosts, tmp_path
     error = res[0].get("error", "")
     assert "(IPv6) from this worker's address 10.213.0.1 (IPv4)" in error, res[0]
     assert "every worker of a group must listen on addresses of one family" in error, res[0]
+
+
+def test_the_interface_option_takes_ipv6_where_an_interface_has_no_ipv4(two_hosts):
+    """TORCH_RPC_EXT_SOCKET_IFNAME: an interface's IPv4 address, else its
+    global or unique-local IPv6 one, else its link-local one with the
+    interface as scope (what the agent listens on and advertises)."""
+    hosts = two_hosts
+    probe = [sys.executable, "-c", "from torch_rpc_ext import _C; print(_C.default_address())"]
+    env = ["env", f"PYTHONPATH={ROOT}", f"TORCH_RPC_EXT_SOCKET_IFNAME={hosts.ifname(0)}",
+           "TORCH_RPC_EXT_ADDR="]
+
+    def chosen():
+        return hosts.execute(0, [*env, *probe], timeout=120).stdout.strip()
+
+    assert chosen() == hosts.ipv4(0)
+    hosts.execute(0, ["ip", "addr", "del", f"{hosts.ipv4(0)}/24", "dev", hosts.ifname(0)])
+    assert chosen() == hosts.ipv6(0)
+    hosts.execute(0, ["ip", "addr", "del", f"{hosts.ipv6(0)}/64", "dev", hosts.ifname(0)])
+    assert chosen() == hosts.link_local(0, via=0)
