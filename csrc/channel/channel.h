@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <sys/socket.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -75,6 +77,23 @@ class Host {
   // Loop thread: the peer broke the protocol; close the connection.
   virtual void rejectFromLoop(const std::string& reason) = 0;
   virtual bool isClosed() const = 0;
+  // Loop thread: a record held back (onRecordFromLoop() returned 0) can be
+  // placed now; the stream offers it to its channel again.
+  virtual void resumeReadsFromLoop() {}
+  // Any thread: bytes of this connection arrived by another way (a lane):
+  // the peer is alive, whatever its stream says (the heartbeat).
+  virtual void noteProgress() {}
+  // The IP addresses of the connection's socket, ours and the peer's;
+  // false if it has none (a Unix socket).
+  virtual bool socketAddresses(sockaddr_storage* local, sockaddr_storage* peer)
+      const {
+    return false;
+  }
+  // Whether the connection is encrypted (TLS): what a channel that moves
+  // bytes by another way must match.
+  virtual bool encrypted() const {
+    return false;
+  }
 };
 
 class Context;
@@ -172,7 +191,9 @@ class Channel {
   // ascending), all at once, so that a channel may pack small ones into one
   // region and copy them in one go. Appends a TakenRegion for each it
   // carries. A throw leaves appended what stays taken: the caller gives
-  // those back (abandonRegion). By default, takeRegion() for each.
+  // those back (abandonRegion). `keepAlive` owns the segments' memory: a
+  // channel that reads it after returning holds on to it. By default,
+  // takeRegion() for each.
   struct TakenRegion {
     size_t segment;
     frame::SegmentRecord record;
@@ -181,7 +202,8 @@ class Channel {
       const std::vector<frame::OutboundFrame::Segment>& segments,
       const std::vector<size_t>& offered,
       std::vector<TakenRegion>* taken,
-      std::vector<ControlFrame>* before) {
+      std::vector<ControlFrame>* before,
+      const std::shared_ptr<void>& keepAlive) {
     for (size_t i : offered) {
       frame::SegmentRecord record{};
       if (takeRegion(segments[i], &record, before)) {
@@ -255,7 +277,9 @@ class Channel {
   }
   // A record for `segment` has arrived: place (part of) it and return how
   // many bytes are now in place (the whole segment for a region), or -1
-  // after Host::rejectFromLoop().
+  // after Host::rejectFromLoop(). 0: the bytes are still on their way; the
+  // stream reads nothing more until Host::resumeReadsFromLoop(), then
+  // offers the same record again.
   virtual int64_t onRecordFromLoop(
       const frame::SegmentRecord& record,
       InboundSegment& segment) = 0;
@@ -298,6 +322,9 @@ class Channel {
   }
 
   // ---- Both ---------------------------------------------------------------
+  // The connection has just become ready (its handshake is done): control
+  // frames sent from here on reach the peer.
+  virtual void onReadyFromLoop() {}
   // Every heartbeat tick while ready (idle housekeeping), and once at close.
   virtual void onTickFromLoop() {}
   virtual void onClosedFromLoop() {}

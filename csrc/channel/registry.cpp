@@ -11,6 +11,7 @@
 #include "csrc/channel/cuda/engines.h"
 #include "csrc/channel/cuda/ipc_channel.h"
 #include "csrc/channel/cuda/staged_channel.h"
+#include "csrc/channel/lanes/factory.h"
 #include "csrc/channel/shm/factory.h"
 
 namespace torch_rpc_ext::channel {
@@ -30,6 +31,8 @@ constexpr Entry kChannels[] = {
     {"shm_ring", DeviceKind::kCpu, shm::createRingChannel},
     {"cuda_ipc", DeviceKind::kCuda, cuda::createIpcChannel},
     {"cuda_staged", DeviceKind::kCuda, cuda::createStagedChannel},
+    // Striped over TCP lanes: only a connection with IP addresses uses it.
+    {"tcp_lanes", DeviceKind::kCpu, lanes::createLanesChannel},
 };
 
 } // namespace

@@ -3,6 +3,7 @@
 
 #include <sys/random.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -53,6 +54,126 @@ bool constantTimeEqual(const Digest& a, const Digest& b) {
     diff |= a[i] ^ b[i];
   }
   return diff == 0;
+}
+
+namespace {
+
+// EVP_CIPHER_CTX_ctrl's GCM operations (openssl/evp.h).
+constexpr int kCtrlGcmSetIvLen = 0x9;
+constexpr int kCtrlGcmGetTag = 0x10;
+constexpr int kCtrlGcmSetTag = 0x11;
+// One EVP update at most this many bytes (its length is an int).
+constexpr size_t kMaxUpdate = size_t(1) << 30;
+
+const Libcrypto& aeadLibcrypto() {
+  const Libcrypto& lib = libcrypto();
+  if (lib.aes128Gcm == nullptr) {
+    throw std::runtime_error(
+        "libcrypto " + lib.description +
+        " has no AES-128-GCM through EVP (EVP_aes_128_gcm and friends)");
+  }
+  return lib;
+}
+
+} // namespace
+
+Aead::Aead(std::string_view key) {
+  if (key.size() != kKeyBytes) {
+    throw std::invalid_argument(
+        "an AES-128-GCM key is 16 bytes, not " + std::to_string(key.size()));
+  }
+  const Libcrypto& lib = aeadLibcrypto();
+  const auto* k = reinterpret_cast<const unsigned char*>(key.data());
+  encrypt_ = lib.cipherCtxNew();
+  decrypt_ = lib.cipherCtxNew();
+  if (encrypt_ == nullptr || decrypt_ == nullptr ||
+      lib.encryptInit(encrypt_, lib.aes128Gcm, nullptr, nullptr, nullptr) !=
+          1 ||
+      lib.cipherCtrl(encrypt_, kCtrlGcmSetIvLen, kNonceBytes, nullptr) != 1 ||
+      lib.encryptInit(encrypt_, nullptr, nullptr, k, nullptr) != 1 ||
+      lib.decryptInit(decrypt_, lib.aes128Gcm, nullptr, nullptr, nullptr) !=
+          1 ||
+      lib.cipherCtrl(decrypt_, kCtrlGcmSetIvLen, kNonceBytes, nullptr) != 1 ||
+      lib.decryptInit(decrypt_, nullptr, nullptr, k, nullptr) != 1) {
+    if (encrypt_ != nullptr) {
+      lib.cipherCtxFree(encrypt_);
+    }
+    if (decrypt_ != nullptr) {
+      lib.cipherCtxFree(decrypt_);
+    }
+    throw std::runtime_error("libcrypto could not set up AES-128-GCM");
+  }
+}
+
+Aead::~Aead() {
+  const Libcrypto& lib = libcrypto();
+  lib.cipherCtxFree(encrypt_);
+  lib.cipherCtxFree(decrypt_);
+}
+
+void Aead::seal(
+    const uint8_t* nonce,
+    std::string_view aad,
+    const void* in,
+    void* out,
+    size_t size,
+    uint8_t* tag) {
+  const Libcrypto& lib = libcrypto();
+  int n = 0;
+  bool ok = lib.encryptInit(encrypt_, nullptr, nullptr, nullptr, nonce) == 1;
+  ok = ok &&
+      (aad.empty() ||
+       lib.encryptUpdate(
+           encrypt_,
+           nullptr,
+           &n,
+           reinterpret_cast<const unsigned char*>(aad.data()),
+           static_cast<int>(aad.size())) == 1);
+  const auto* src = static_cast<const unsigned char*>(in);
+  auto* dst = static_cast<unsigned char*>(out);
+  for (size_t done = 0; ok && done < size;) {
+    int len = static_cast<int>(std::min(size - done, kMaxUpdate));
+    ok = lib.encryptUpdate(encrypt_, dst + done, &n, src + done, len) == 1;
+    done += static_cast<size_t>(len);
+  }
+  unsigned char end[16];
+  ok = ok && lib.encryptFinal(encrypt_, end, &n) == 1 &&
+      lib.cipherCtrl(encrypt_, kCtrlGcmGetTag, kTagBytes, tag) == 1;
+  if (!ok) {
+    throw std::runtime_error("libcrypto's AES-128-GCM encryption failed");
+  }
+}
+
+bool Aead::open(
+    const uint8_t* nonce,
+    std::string_view aad,
+    const void* in,
+    void* out,
+    size_t size,
+    const uint8_t* tag) {
+  const Libcrypto& lib = libcrypto();
+  int n = 0;
+  bool ok = lib.decryptInit(decrypt_, nullptr, nullptr, nullptr, nonce) == 1;
+  ok = ok &&
+      (aad.empty() ||
+       lib.decryptUpdate(
+           decrypt_,
+           nullptr,
+           &n,
+           reinterpret_cast<const unsigned char*>(aad.data()),
+           static_cast<int>(aad.size())) == 1);
+  const auto* src = static_cast<const unsigned char*>(in);
+  auto* dst = static_cast<unsigned char*>(out);
+  for (size_t done = 0; ok && done < size;) {
+    int len = static_cast<int>(std::min(size - done, kMaxUpdate));
+    ok = lib.decryptUpdate(decrypt_, dst + done, &n, src + done, len) == 1;
+    done += static_cast<size_t>(len);
+  }
+  ok = ok &&
+      lib.cipherCtrl(
+          decrypt_, kCtrlGcmSetTag, kTagBytes, const_cast<uint8_t*>(tag)) == 1;
+  unsigned char end[16];
+  return ok && lib.decryptFinal(decrypt_, end, &n) == 1;
 }
 
 std::string randomBytes(size_t n) {

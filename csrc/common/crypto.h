@@ -7,6 +7,8 @@
 #include <string>
 #include <string_view>
 
+struct evp_cipher_ctx_st; // OpenSSL's EVP_CIPHER_CTX (libcrypto.h)
+
 namespace torch_rpc_ext {
 
 using Digest = std::array<uint8_t, 32>;
@@ -27,6 +29,46 @@ std::string libcryptoDescription();
 
 // Compares two digests in time independent of where they differ.
 bool constantTimeEqual(const Digest& a, const Digest& b);
+
+// AES-128-GCM under one key (RFC 5116 AEAD_AES_128_GCM), computed by
+// libcrypto: the records of the lanes channel (channel/lanes). One object
+// per thread (it keeps OpenSSL's cipher context between records); a nonce
+// must never repeat under a key, which the caller's counters see to.
+class Aead {
+ public:
+  static constexpr size_t kKeyBytes = 16;
+  static constexpr size_t kNonceBytes = 12;
+  static constexpr size_t kTagBytes = 16;
+  // Throws std::invalid_argument for a key of the wrong size and
+  // std::runtime_error if libcrypto has no AES-GCM.
+  explicit Aead(std::string_view key);
+  ~Aead();
+  Aead(const Aead&) = delete;
+  Aead& operator=(const Aead&) = delete;
+
+  // Encrypts `size` bytes of `in` into `out` (may be `in`), authenticating
+  // `aad` with them, and writes the tag. Throws std::runtime_error.
+  void seal(
+      const uint8_t* nonce,
+      std::string_view aad,
+      const void* in,
+      void* out,
+      size_t size,
+      uint8_t* tag);
+  // The reverse: false if the tag does not match (altered bytes, header or
+  // nonce, or another key); then `out` holds garbage.
+  bool open(
+      const uint8_t* nonce,
+      std::string_view aad,
+      const void* in,
+      void* out,
+      size_t size,
+      const uint8_t* tag);
+
+ private:
+  evp_cipher_ctx_st* encrypt_ = nullptr;
+  evp_cipher_ctx_st* decrypt_ = nullptr;
+};
 
 // `n` bytes from the kernel CSPRNG (getrandom(2)); throws std::runtime_error
 // if the kernel cannot provide them.

@@ -18,6 +18,18 @@ static_assert(
 static_assert(std::is_same_v<const evp_md_st* (*)(), decltype(&::EVP_sha256)>);
 static_assert(
     std::is_same_v<unsigned long (*)(), decltype(&::OpenSSL_version_num)>);
+static_assert(std::is_same_v<
+              torch_rpc_ext::Libcrypto::CipherInitFn,
+              decltype(&::EVP_EncryptInit_ex)>);
+static_assert(std::is_same_v<
+              torch_rpc_ext::Libcrypto::CipherUpdateFn,
+              decltype(&::EVP_DecryptUpdate)>);
+static_assert(std::is_same_v<
+              torch_rpc_ext::Libcrypto::CipherFinalFn,
+              decltype(&::EVP_EncryptFinal_ex)>);
+static_assert(std::is_same_v<
+              torch_rpc_ext::Libcrypto::CipherCtrlFn,
+              decltype(&::EVP_CIPHER_CTX_ctrl)>);
 #endif
 
 #include "csrc/common/dl_error.h"
@@ -35,6 +47,51 @@ constexpr const char* kNames[] = {
 // OpenSSL_version_num() of 1.1.0: HMAC() and EVP_sha256() as declared.
 constexpr unsigned long kMinVersion = 0x10100000UL;
 constexpr int kOpensslVersionText = 0; // OPENSSL_VERSION
+
+// The AEAD entry points, all or none (OpenSSL 1.1 and 3.x have them all).
+void bindAead(void* handle, Libcrypto& out) {
+  using CipherFn = const evp_cipher_st* (*)();
+  Libcrypto l;
+  auto sym = [&](const char* name) { return dlsym(handle, name); };
+  l.cipherCtxNew =
+      reinterpret_cast<Libcrypto::CipherCtxNewFn>(sym("EVP_CIPHER_CTX_new"));
+  l.cipherCtxFree =
+      reinterpret_cast<Libcrypto::CipherCtxFreeFn>(sym("EVP_CIPHER_CTX_free"));
+  auto gcm = reinterpret_cast<CipherFn>(sym("EVP_aes_128_gcm"));
+  l.encryptInit =
+      reinterpret_cast<Libcrypto::CipherInitFn>(sym("EVP_EncryptInit_ex"));
+  l.encryptUpdate =
+      reinterpret_cast<Libcrypto::CipherUpdateFn>(sym("EVP_EncryptUpdate"));
+  l.encryptFinal =
+      reinterpret_cast<Libcrypto::CipherFinalFn>(sym("EVP_EncryptFinal_ex"));
+  l.decryptInit =
+      reinterpret_cast<Libcrypto::CipherInitFn>(sym("EVP_DecryptInit_ex"));
+  l.decryptUpdate =
+      reinterpret_cast<Libcrypto::CipherUpdateFn>(sym("EVP_DecryptUpdate"));
+  l.decryptFinal =
+      reinterpret_cast<Libcrypto::CipherFinalFn>(sym("EVP_DecryptFinal_ex"));
+  l.cipherCtrl =
+      reinterpret_cast<Libcrypto::CipherCtrlFn>(sym("EVP_CIPHER_CTX_ctrl"));
+  if (!l.cipherCtxNew || !l.cipherCtxFree || !gcm || !l.encryptInit ||
+      !l.encryptUpdate || !l.encryptFinal || !l.decryptInit ||
+      !l.decryptUpdate || !l.decryptFinal || !l.cipherCtrl) {
+    return;
+  }
+  l.aes128Gcm = gcm();
+  if (l.aes128Gcm == nullptr) {
+    return;
+  }
+  out.cipherCtxNew = l.cipherCtxNew;
+  out.cipherCtxFree = l.cipherCtxFree;
+  out.aes128Gcm = l.aes128Gcm;
+  out.encryptInit = l.encryptInit;
+  out.encryptUpdate = l.encryptUpdate;
+  out.encryptFinal = l.encryptFinal;
+  out.decryptInit = l.decryptInit;
+  out.decryptUpdate = l.decryptUpdate;
+  out.decryptFinal = l.decryptFinal;
+  out.cipherCtrl = l.cipherCtrl;
+}
 
 // Fills `out` from `handle`; "" on success, else why this one is unusable.
 std::string bind(void* handle, Libcrypto& out) {
@@ -60,6 +117,7 @@ std::string bind(void* handle, Libcrypto& out) {
   }
   out.hmac = hmac;
   out.sha256 = sha256;
+  bindAead(handle, out);
   auto text = reinterpret_cast<VersionTextFn>(dlsym(handle, "OpenSSL_version"));
   out.description = text != nullptr ? text(kOpensslVersionText) : "OpenSSL";
   Dl_info info;

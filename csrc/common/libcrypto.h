@@ -11,6 +11,9 @@
 // OpenSSL's own opaque name (EVP_MD), so the pointer types below are the
 // ones its headers declare; libcrypto.cpp checks that where they exist.
 struct evp_md_st;
+struct evp_cipher_st;
+struct evp_cipher_ctx_st;
+struct engine_st;
 
 namespace torch_rpc_ext {
 
@@ -27,6 +30,36 @@ struct Libcrypto {
 
   HmacFn hmac = nullptr;
   const evp_md_st* sha256 = nullptr; // EVP_sha256()
+
+  // AES-128-GCM through EVP (crypto.h, Aead): the lanes' records
+  // (channel/lanes). All null if this libcrypto lacks any of them.
+  using CipherCtxNewFn = evp_cipher_ctx_st* (*)();
+  using CipherCtxFreeFn = void (*)(evp_cipher_ctx_st*);
+  using CipherInitFn = int (*)(
+      evp_cipher_ctx_st*,
+      const evp_cipher_st*,
+      engine_st*,
+      const unsigned char* key,
+      const unsigned char* iv);
+  using CipherUpdateFn = int (*)(
+      evp_cipher_ctx_st*,
+      unsigned char* out,
+      int* outLen,
+      const unsigned char* in,
+      int inLen);
+  using CipherFinalFn =
+      int (*)(evp_cipher_ctx_st*, unsigned char* out, int* outLen);
+  using CipherCtrlFn = int (*)(evp_cipher_ctx_st*, int type, int arg, void*);
+  CipherCtxNewFn cipherCtxNew = nullptr;
+  CipherCtxFreeFn cipherCtxFree = nullptr;
+  const evp_cipher_st* aes128Gcm = nullptr; // EVP_aes_128_gcm()
+  CipherInitFn encryptInit = nullptr;
+  CipherUpdateFn encryptUpdate = nullptr;
+  CipherFinalFn encryptFinal = nullptr;
+  CipherInitFn decryptInit = nullptr;
+  CipherUpdateFn decryptUpdate = nullptr;
+  CipherFinalFn decryptFinal = nullptr;
+  CipherCtrlFn cipherCtrl = nullptr;
   // "<OpenSSL_version text> (<file it was loaded from>)".
   std::string description;
 };

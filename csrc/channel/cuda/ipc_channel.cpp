@@ -207,7 +207,8 @@ void IpcChannel::takeRegions(
     const std::vector<frame::OutboundFrame::Segment>& segments,
     const std::vector<size_t>& offered,
     std::vector<TakenRegion>* taken,
-    std::vector<ControlFrame>* before) {
+    std::vector<ControlFrame>* before,
+    const std::shared_ptr<void>& /*keepAlive*/) {
   // One launch per device and stream (the codec readies every segment of a
   // device on one stream: one group per device).
   std::vector<size_t> group;

@@ -167,7 +167,8 @@ class IpcChannel final : public Channel,
       const std::vector<frame::OutboundFrame::Segment>& segments,
       const std::vector<size_t>& offered,
       std::vector<TakenRegion>* taken,
-      std::vector<ControlFrame>* before) override;
+      std::vector<ControlFrame>* before,
+      const std::shared_ptr<void>& keepAlive) override;
   void abandonRegion(
       const frame::OutboundFrame::Segment& segment,
       const frame::SegmentRecord& record) override;

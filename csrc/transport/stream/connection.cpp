@@ -301,6 +301,12 @@ void StreamConnection::handleEventsFromLoop(uint32_t events) {
     driveTlsFromLoop();
     return;
   }
+  if (recordHeld_ && (events & (EPOLLERR | EPOLLHUP))) {
+    // Nothing is read while a record is held, so an error would come back
+    // on every wait: the socket is gone, and so is the connection.
+    closeInternal("peer closed the connection", false);
+    return;
+  }
   if (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
     onReadableFromLoop();
   }
@@ -456,6 +462,12 @@ bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
   }
   noteActivity();
   scheduleHeartbeat();
+  for (auto& ch : channels_) {
+    ch->onReadyFromLoop();
+  }
+  if (state_ == State::kClosed) {
+    return false;
+  }
   observer_->onReady(shared_from_this());
   return state_ != State::kClosed;
 }

@@ -102,6 +102,15 @@ class StreamConnection : public Connection,
     rejected_ = true;
     closeInternal(reason, false);
   }
+  void resumeReadsFromLoop() override;
+  void noteProgress() override {
+    noteActivity();
+  }
+  bool socketAddresses(sockaddr_storage* local, sockaddr_storage* peer)
+      const override;
+  bool encrypted() const override {
+    return tls_ != nullptr;
+  }
 
   // Fuzzing and tests only (tests/fuzz/fuzz_stream.cpp): parse `data` on the
   // calling thread as if a ready connection had just read it from its socket
@@ -233,6 +242,11 @@ class StreamConnection : public Connection,
   void advanceSegmentFromLoop(size_t bytes);
   // Consume staged bytes; false once the connection has closed.
   bool consumeFromLoop();
+  // Offers the complete record_ to its channel: false once the connection
+  // is closing or the record is held (recordHeld_).
+  bool placeRecordFromLoop();
+  // The epoll events to watch besides EPOLLOUT: none while a record is held.
+  uint32_t readEvents() const;
   bool onHeaderFromLoop();
   bool onLengthsAndHeadFromLoop();
   bool onHandshakeFrameFromLoop(std::string head);
@@ -355,6 +369,10 @@ class StreamConnection : public Connection,
   std::vector<uint8_t> carried_; // of the frame being read (empty: bytes)
   frame::SegmentRecord record_{};
   size_t recordFilled_ = 0;
+  // record_ is complete and its channel held it (its bytes are on their way
+  // by another way): nothing more is read until resumeReadsFromLoop(). Set
+  // on the loop thread; read by updateEventsLocked() on any.
+  std::atomic<bool> recordHeld_{false};
 };
 
 } // namespace torch_rpc_ext::transport::stream

@@ -73,7 +73,8 @@ void StreamConnection::planSegments(
         }
       };
       try {
-        ch.takeRegions(frame.segments, offered, &took, &before);
+        ch.takeRegions(
+            frame.segments, offered, &took, &before, frame.keepAlive);
       } catch (...) {
         mark(); // for abandonPlan to give back
         throw;

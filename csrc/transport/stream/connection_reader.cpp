@@ -3,6 +3,7 @@
 // loop thread only; validates each header before allocating anything behind
 // it, and leaves what only a channel knows (its control frames, the records
 // of out-of-band segments) to the connection's channels.
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -112,7 +113,7 @@ void StreamConnection::advanceSegmentFromLoop(size_t bytes) {
 }
 
 void StreamConnection::onReadableFromLoop() {
-  while (state_ != State::kClosed) {
+  while (state_ != State::kClosed && !recordHeld_) {
     // Large remainders of a segment go straight into its final buffer.
     if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_ &&
         bytesInline()) {
@@ -214,23 +215,8 @@ bool StreamConnection::consumeFromLoop() {
       std::memcpy(reinterpret_cast<char*>(&record_) + recordFilled_, src, take);
       recordFilled_ += take;
       stagedBegin_ += take;
-      if (recordFilled_ == sizeof(record_)) {
-        recordFilled_ = 0;
-        channel::InboundSegment segment = inboundSegment();
-        int64_t placed =
-            channels_[carried() - 1]->onRecordFromLoop(record_, segment);
-        if (placed < 0 && state_ != State::kClosed) {
-          rejectFromLoop("rejected frame: a record its channel refused");
-        }
-        if (placed < 0 || state_ == State::kClosed) {
-          return false;
-        }
-        if (placed == 0 ||
-            uint64_t(placed) > segmentSizes_[segmentIndex_] - segmentFilled_) {
-          rejectFromLoop("rejected frame: record overruns its segment");
-          return false;
-        }
-        advanceSegmentFromLoop(static_cast<size_t>(placed));
+      if (recordFilled_ == sizeof(record_) && !placeRecordFromLoop()) {
+        return false;
       }
     } else {
       size_t want = segmentSizes_[segmentIndex_] - segmentFilled_;
@@ -247,6 +233,75 @@ bool StreamConnection::consumeFromLoop() {
     }
   }
   return state_ != State::kClosed;
+}
+
+bool StreamConnection::placeRecordFromLoop() {
+  channel::InboundSegment segment = inboundSegment();
+  int64_t placed = channels_[carried() - 1]->onRecordFromLoop(record_, segment);
+  if (placed < 0 && state_ != State::kClosed) {
+    rejectFromLoop("rejected frame: a record its channel refused");
+  }
+  if (placed < 0 || state_ == State::kClosed) {
+    return false;
+  }
+  if (placed == 0) {
+    // Its bytes come another way (a lane): read nothing more, not even the
+    // socket, until the channel says they are in (resumeReadsFromLoop()).
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    recordHeld_ = true;
+    if (registered_) {
+      loop_.modify(fd_, readEvents() | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
+    }
+    return false;
+  }
+  recordFilled_ = 0;
+  if (uint64_t(placed) > segmentSizes_[segmentIndex_] - segmentFilled_) {
+    rejectFromLoop("rejected frame: record overruns its segment");
+    return false;
+  }
+  advanceSegmentFromLoop(static_cast<size_t>(placed));
+  return state_ != State::kClosed;
+}
+
+void StreamConnection::resumeReadsFromLoop() {
+  if (!recordHeld_ || state_ == State::kClosed) {
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    recordHeld_ = false;
+  }
+  if (!placeRecordFromLoop()) {
+    return; // closed, or held again
+  }
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (registered_ && state_ != State::kClosed) {
+      loop_.modify(fd_, readEvents() | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
+    }
+  }
+  // What was read past the record, then what the socket has meanwhile.
+  if (consumeFromLoop()) {
+    onReadableFromLoop();
+  }
+}
+
+uint32_t StreamConnection::readEvents() const {
+  return recordHeld_ ? 0u : uint32_t(EPOLLIN);
+}
+
+bool StreamConnection::socketAddresses(
+    sockaddr_storage* local,
+    sockaddr_storage* peer) const {
+  socklen_t localLen = sizeof(*local);
+  socklen_t peerLen = sizeof(*peer);
+  if (fd_ < 0 ||
+      ::getsockname(fd_, reinterpret_cast<sockaddr*>(local), &localLen) != 0 ||
+      ::getpeername(fd_, reinterpret_cast<sockaddr*>(peer), &peerLen) != 0) {
+    return false;
+  }
+  return (local->ss_family == AF_INET || local->ss_family == AF_INET6) &&
+      local->ss_family == peer->ss_family;
 }
 
 channel::InboundSegment StreamConnection::inboundSegment() {

@@ -540,7 +540,7 @@ void StreamConnection::updateEventsLocked() {
       (tls_ && tls_->hasPendingOutput());
   if (registered_ && want != wantWrite_ && state_ != State::kClosed) {
     wantWrite_ = want;
-    loop_.modify(fd_, EPOLLIN | (want ? uint32_t(EPOLLOUT) : 0u));
+    loop_.modify(fd_, readEvents() | (want ? uint32_t(EPOLLOUT) : 0u));
   }
 }
 

@@ -1,0 +1,119 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <sys/socket.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "csrc/channel/channel.h"
+#include "csrc/common/buffer_pool.h"
+
+namespace torch_rpc_ext::channel::lanes {
+
+class LanesChannel;
+
+// How many lanes a connection stripes over, and from which segment size.
+// TORCH_RPC_EXT_LANES (1..16, default 4) and TORCH_RPC_EXT_LANES_MIN_BYTES
+// (default 1 MiB).
+struct LanesSettings {
+  uint16_t lanes = 4;
+  uint64_t minBytes = uint64_t(1) << 20;
+};
+
+struct LanesCounters {
+  std::atomic<uint64_t> segments{0}; // striped segments sent
+  std::atomic<uint64_t> bytes{0}; // their bytes
+  std::atomic<uint64_t> lanesOpened{0}; // lanes dialled and accepted
+  std::atomic<uint64_t> lanesFailed{0}; // dials that failed (then: the stream)
+  std::atomic<uint64_t> heldRecords{0}; // records that waited for their bytes
+};
+
+// tcp_lanes: large CPU segments striped over several TCP connections beside
+// the one that hosts the channel, each lane with a thread of its own at
+// both ends, as TensorPipe's multiplexed TCP channel (mpt) does: one stream
+// stops at what one core can copy (and encrypt), lanes use more.
+//
+// Per process, the context keeps one listening socket per local address
+// that hosts lanes (bound on first use, to the address its connections
+// use, on a port the kernel picks) and the single-use tickets that admit
+// dialled lanes; its accept thread reads each lane's Hello and hands the
+// socket to the channel whose ticket it names. Thread-safe.
+class LanesContext final : public Context {
+ public:
+  explicit LanesContext(WireIds ids);
+  ~LanesContext() override;
+
+  std::string name() const override {
+    return "tcp_lanes";
+  }
+  DeviceKind device() const override {
+    return DeviceKind::kCpu;
+  }
+  Channel::Mode mode() const override {
+    return Channel::Mode::kRegion;
+  }
+  std::string unviableReason() const override {
+    return unviable_;
+  }
+  std::string domainDescriptor() const override {
+    return "tcp_lanes/1";
+  }
+  bool needsDescriptorPassing() const override {
+    return false;
+  }
+  std::shared_ptr<Channel> open(
+      std::weak_ptr<Host> host,
+      const std::string& peerDescriptor) override;
+  std::map<std::string, uint64_t> counters() const override;
+
+  const LanesSettings& settings() const {
+    return settings_;
+  }
+  LanesCounters& stats() const {
+    return counters_;
+  }
+  BufferPool& pool() const {
+    return *pool_;
+  }
+  const std::shared_ptr<BufferPool>& sharedPool() const {
+    return pool_;
+  }
+
+  // The port lanes to `local` (a connection's own address) dial; listens
+  // there on first use. Throws std::runtime_error naming the address.
+  uint16_t listenFor(const sockaddr_storage& local);
+  // A new ticket admitting one lane, `lane`, of `channel`.
+  std::string issueTicket(std::weak_ptr<LanesChannel> channel, uint16_t lane);
+  // Forget the tickets `channel` still has out (it is closing).
+  void revokeTickets(const LanesChannel* channel);
+
+ private:
+  struct Listener {
+    int fd = -1;
+    uint16_t port = 0;
+    std::thread thread;
+  };
+  struct Ticket {
+    std::weak_ptr<LanesChannel> channel;
+    const LanesChannel* owner;
+    uint16_t lane;
+  };
+  void acceptLoop(int listenFd);
+  void admit(int fd);
+
+  LanesSettings settings_;
+  std::string unviable_;
+  mutable LanesCounters counters_;
+  std::shared_ptr<BufferPool> pool_;
+  std::atomic<bool> stopping_{false};
+  std::mutex mutex_;
+  std::map<std::string, Listener> listeners_; // by address (mutex_)
+  std::map<std::string, Ticket> tickets_; // by ticket bytes (mutex_)
+};
+
+} // namespace torch_rpc_ext::channel::lanes

@@ -1,0 +1,139 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/channel/lanes/lane.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace torch_rpc_ext::channel::lanes {
+
+namespace {
+
+constexpr int kLaneBufferBytes = 4 << 20;
+
+std::string errnoWhy(const char* what) {
+  return std::string(what) + ": " + std::strerror(errno);
+}
+
+} // namespace
+
+void laneNonce(uint16_t lane, uint64_t sequence, uint8_t out[12]) {
+  std::memset(out, 0, 12);
+  std::memcpy(out, &lane, sizeof(lane));
+  std::memcpy(out + 4, &sequence, sizeof(sequence));
+}
+
+std::string describeAddress(const sockaddr_storage& address) {
+  char text[INET6_ADDRSTRLEN] = {};
+  if (address.ss_family == AF_INET) {
+    const auto& a = reinterpret_cast<const sockaddr_in&>(address);
+    ::inet_ntop(AF_INET, &a.sin_addr, text, sizeof(text));
+    return std::string(text) + ":" + std::to_string(ntohs(a.sin_port));
+  }
+  if (address.ss_family == AF_INET6) {
+    const auto& a = reinterpret_cast<const sockaddr_in6&>(address);
+    ::inet_ntop(AF_INET6, &a.sin6_addr, text, sizeof(text));
+    std::string host = text;
+    char name[IF_NAMESIZE] = {};
+    if (a.sin6_scope_id != 0 && ::if_indextoname(a.sin6_scope_id, name)) {
+      host += std::string("%") + name;
+    }
+    return "[" + host + "]:" + std::to_string(ntohs(a.sin6_port));
+  }
+  return "(address family " + std::to_string(address.ss_family) + ")";
+}
+
+void tuneLaneSocket(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  int size = kLaneBufferBytes;
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, sizeof(size));
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &size, sizeof(size));
+}
+
+int dialLane(
+    const sockaddr_storage& address,
+    int timeoutMs,
+    std::string* error) {
+  int fd = ::socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    *error = errnoWhy("socket failed");
+    return -1;
+  }
+  tuneLaneSocket(fd);
+  int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  socklen_t len = address.ss_family == AF_INET ? sizeof(sockaddr_in)
+                                               : sizeof(sockaddr_in6);
+  int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&address), len);
+  if (rc != 0 && errno == EINPROGRESS) {
+    pollfd p{fd, POLLOUT, 0};
+    do {
+      rc = ::poll(&p, 1, timeoutMs);
+    } while (rc < 0 && errno == EINTR);
+    if (rc == 0) {
+      *error = "connect timed out after " + std::to_string(timeoutMs) + " ms";
+      ::close(fd);
+      return -1;
+    }
+    int soError = 0;
+    socklen_t soLen = sizeof(soError);
+    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &soError, &soLen);
+    errno = soError;
+    rc = soError == 0 ? 0 : -1;
+  }
+  if (rc != 0) {
+    *error = errnoWhy("connect failed");
+    ::close(fd);
+    return -1;
+  }
+  ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  return fd;
+}
+
+bool sendAll(int fd, const void* data, size_t size, std::string* error) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    ssize_t n = ::send(fd, p, size, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      *error = errnoWhy("send failed");
+      return false;
+    }
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+bool recvAll(int fd, void* data, size_t size, std::string* error) {
+  char* p = static_cast<char*>(data);
+  while (size > 0) {
+    ssize_t n = ::recv(fd, p, size, MSG_WAITALL);
+    if (n == 0) {
+      *error = "closed";
+      return false;
+    }
+    if (n < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      *error = errnoWhy("recv failed");
+      return false;
+    }
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+} // namespace torch_rpc_ext::channel::lanes

@@ -1,0 +1,82 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+// One lane of tcp_lanes: a TCP connection that carries stripes of large
+// segments one way, beside the connection whose channel owns it
+// (docs/architecture.md, "Lanes"; docs/wire-format.md, "tcp_lanes").
+//
+// On the wire, the dialling end (the sender of the bytes) opens with a
+// Hello naming the single-use ticket its peer offered for that lane; then
+// chunks follow, each a ChunkHeader and its bytes. On a connection that is
+// encrypted (TLS), each chunk is an AES-128-GCM record under the key the
+// receiver offered inside TLS: header (authenticated, not secret), the
+// bytes encrypted, a 16-byte tag; its nonce is the lane's index and the
+// record's sequence number on the lane, so a record replayed, reordered or
+// moved to another lane fails its tag.
+//
+// These helpers block; lanes run on threads of their own.
+
+#include <sys/socket.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace torch_rpc_ext::channel::lanes {
+
+constexpr uint32_t kHelloMagic = 0x4e4c5254; // "TRLN", little-endian
+constexpr size_t kTicketBytes = 16;
+
+#pragma pack(push, 1)
+struct Hello {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t lane;
+  uint8_t ticket[kTicketBytes];
+};
+static_assert(sizeof(Hello) == 24, "Hello is 24 bytes");
+
+struct ChunkHeader {
+  uint64_t token; // the segment, as its record names it
+  uint64_t segmentSize; // the whole segment
+  uint64_t offset; // of these bytes in the segment
+  uint32_t length; // bytes that follow (before the tag, if encrypted)
+  uint32_t flags; // 0
+};
+static_assert(sizeof(ChunkHeader) == 32, "ChunkHeader is 32 bytes");
+#pragma pack(pop)
+
+// An encrypted record's bytes at most, and a chunk's in the clear.
+constexpr uint64_t kRecordBytes = 256 * 1024;
+constexpr uint64_t kClearChunkBytes = 64ull << 20;
+
+// The channel's control frames, by offset among its kinds.
+constexpr uint8_t kOfferFrame = 0; // receiver -> sender: port, tickets, key
+constexpr uint8_t kAbandonFrame = 1; // sender -> receiver: a token not sent
+
+// What a segment's record in the stream says (a frame::SegmentRecord).
+struct LaneRecord {
+  uint64_t token; // numbers the sender's striped segments, from 1
+  uint64_t size;
+};
+static_assert(sizeof(LaneRecord) == 16, "LaneRecord is a SegmentRecord");
+
+// The nonce of record `sequence` on lane `lane`.
+void laneNonce(uint16_t lane, uint64_t sequence, uint8_t out[12]);
+
+// "10.0.0.2:41234", "[fe80::1%eth0]:41234".
+std::string describeAddress(const sockaddr_storage& address);
+
+// A blocking TCP socket connected to `address` within `timeoutMs`, with
+// TCP_NODELAY and large buffers; -1 with `error` set.
+int dialLane(const sockaddr_storage& address, int timeoutMs, std::string* error);
+
+// Large socket buffers and no Nagle (both ends).
+void tuneLaneSocket(int fd);
+
+// Send or receive exactly `size` bytes on a blocking socket: false with
+// `error` set (the peer closed: "closed").
+bool sendAll(int fd, const void* data, size_t size, std::string* error);
+bool recvAll(int fd, void* data, size_t size, std::string* error);
+
+} // namespace torch_rpc_ext::channel::lanes

@@ -1,0 +1,237 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// LanesChannel's life cycle and control frames; the sender's side is in
+// lanes_sender.cpp, the receiver's in lanes_receiver.cpp.
+#include "csrc/channel/lanes/lanes_channel.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "csrc/channel/lanes/lane.h"
+#include "csrc/common/logging.h"
+
+namespace torch_rpc_ext::channel::lanes {
+
+namespace {
+
+// The offer's head: port (2), lanes (1), encrypted (1), key (16), then a
+// ticket per lane.
+constexpr size_t kOfferFixedBytes = 4 + Aead::kKeyBytes;
+
+} // namespace
+
+LanesChannel::LanesChannel(
+    std::shared_ptr<const LanesContext> context,
+    std::weak_ptr<Host> host)
+    : Channel(context),
+      host_(std::move(host)),
+      lanes_(context->settings().lanes),
+      minBytes_(context->settings().minBytes) {}
+
+LanesChannel::~LanesChannel() {
+  stopAll();
+}
+
+const LanesContext& LanesChannel::lanesContext() const {
+  return static_cast<const LanesContext&>(context());
+}
+
+void LanesChannel::onReadyFromLoop() {
+  sendOfferFromLoop();
+}
+
+void LanesChannel::sendOfferFromLoop() {
+  auto host = host_.lock();
+  sockaddr_storage local{}, peer{};
+  if (!host || host->isClosed() || !host->socketAddresses(&local, &peer)) {
+    return; // not a TCP connection: lanes have nothing to ride beside
+  }
+  uint16_t port;
+  try {
+    port = const_cast<LanesContext&>(lanesContext()).listenFor(local);
+  } catch (const std::exception& e) {
+    logWarning(
+        std::string("torch_rpc_ext: ") + e.what() +
+        "; large tensors from this peer travel in the connection's stream");
+    return;
+  }
+  std::string head(kOfferFixedBytes, '\0');
+  std::memcpy(head.data(), &port, 2);
+  head[2] = static_cast<char>(lanes_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closing_ || offerSent_) {
+      return;
+    }
+    offerSent_ = true;
+    bool encrypted = host->encrypted();
+    head[3] = encrypted ? 1 : 0;
+    if (encrypted) {
+      inKey_ = randomBytes(Aead::kKeyBytes);
+      std::memcpy(head.data() + 4, inKey_.data(), Aead::kKeyBytes);
+    }
+  }
+  auto& context = const_cast<LanesContext&>(lanesContext());
+  for (uint16_t i = 0; i < lanes_; ++i) {
+    head += context.issueTicket(weak_from_this(), i);
+  }
+  host->sendControl(
+      ControlFrame{context.wireIds().kind(kOfferFrame), std::move(head), {}, {}});
+}
+
+bool LanesChannel::acceptsControlFrame(
+    frame::FrameKind kind,
+    uint32_t headLength) const {
+  int offset = context().wireIds().offsetOf(kind);
+  if (offset == kOfferFrame) {
+    return headLength > kOfferFixedBytes &&
+        headLength <= kOfferFixedBytes + 16 * kTicketBytes &&
+        (headLength - kOfferFixedBytes) % kTicketBytes == 0;
+  }
+  return offset == kAbandonFrame && headLength == sizeof(uint64_t);
+}
+
+bool LanesChannel::onControlFrameFromLoop(
+    frame::FrameKind kind,
+    const std::string& head,
+    std::vector<int>& /*fds*/) {
+  auto host = host_.lock();
+  if (!host) {
+    return false;
+  }
+  int offset = context().wireIds().offsetOf(kind);
+  if (offset == kAbandonFrame) {
+    uint64_t token;
+    std::memcpy(&token, head.data(), sizeof(token));
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = landings_.find(token);
+    if (it == landings_.end()) {
+      abandoned_.insert(token); // its stripes are yet to come
+    } else if (it->second->received == it->second->size) {
+      unclaimedBytes_ -= it->second->size;
+      landings_.erase(it);
+    } else {
+      it->second->abandoned = true;
+    }
+    return true;
+  }
+  // The peer's offer of its lanes.
+  sockaddr_storage local{}, peer{};
+  uint16_t port;
+  std::memcpy(&port, head.data(), 2);
+  size_t count = (head.size() - kOfferFixedBytes) / kTicketBytes;
+  bool encrypted = head[3] != 0;
+  std::string why;
+  if (!host->socketAddresses(&local, &peer)) {
+    why = "lanes offered on a connection that has no IP address";
+  } else if (port == 0 || uint8_t(head[2]) != count) {
+    why = "a malformed lanes offer";
+  } else if (encrypted != host->encrypted()) {
+    why = encrypted ? "lanes offered encrypted on a connection in the clear"
+                    : "lanes offered in the clear on an encrypted connection";
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (why.empty() && offered_) {
+    why = "a second lanes offer";
+  }
+  if (!why.empty()) {
+    host->rejectFromLoop("rejected frame: " + why);
+    return false;
+  }
+  offered_ = true;
+  peerLanes_ = peer;
+  if (peer.ss_family == AF_INET) {
+    reinterpret_cast<sockaddr_in&>(peerLanes_).sin_port = htons(port);
+  } else {
+    reinterpret_cast<sockaddr_in6&>(peerLanes_).sin6_port = htons(port);
+  }
+  if (encrypted) {
+    outKey_ = head.substr(4, Aead::kKeyBytes);
+  }
+  outTickets_.clear();
+  for (size_t i = 0; i < count; ++i) {
+    outTickets_.push_back(
+        head.substr(kOfferFixedBytes + i * kTicketBytes, kTicketBytes));
+  }
+  return true;
+}
+
+void LanesChannel::onTickFromLoop() {
+  lanesContext().pool().trim();
+}
+
+void LanesChannel::onClosedFromLoop() {
+  stopAll();
+}
+
+void LanesChannel::failConnection(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closing_) {
+      return;
+    }
+  }
+  auto host = host_.lock();
+  if (!host) {
+    return;
+  }
+  std::weak_ptr<Host> weak = host;
+  host->post([weak, reason] {
+    if (auto h = weak.lock(); h && !h->isClosed()) {
+      h->rejectFromLoop(reason);
+    }
+  });
+}
+
+void LanesChannel::stopAll() {
+  std::vector<std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!closing_) {
+      closing_ = true;
+      if (outState_ != OutState::kUp) {
+        outState_ = OutState::kFailed;
+      }
+    }
+    for (auto& lane : out_) {
+      if (lane.fd >= 0) {
+        ::shutdown(lane.fd, SHUT_RDWR);
+      }
+      lane.queue.clear();
+      if (lane.thread.joinable()) {
+        threads.push_back(std::move(lane.thread));
+      }
+    }
+    for (int fd : inFds_) {
+      ::shutdown(fd, SHUT_RDWR);
+    }
+    for (auto& t : inThreads_) {
+      threads.push_back(std::move(t));
+    }
+    inThreads_.clear();
+  }
+  wake_.notify_all();
+  const_cast<LanesContext&>(lanesContext()).revokeTickets(this);
+  for (auto& t : threads) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach(); // unreachable: lane threads hold no reference to us
+    } else {
+      t.join();
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& lane : out_) {
+    if (lane.fd >= 0) {
+      ::close(lane.fd);
+      lane.fd = -1;
+    }
+  }
+  for (int fd : inFds_) {
+    ::close(fd);
+  }
+  inFds_.clear();
+}
+
+} // namespace torch_rpc_ext::channel::lanes

@@ -1,0 +1,165 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <sys/socket.h>
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "csrc/channel/channel.h"
+#include "csrc/channel/lanes/context.h"
+#include "csrc/common/crypto.h"
+
+namespace torch_rpc_ext::channel::lanes {
+
+// One connection's end of tcp_lanes (context.h), both ways.
+//
+// Receiving: once the connection is ready, the channel listens (through its
+// context), and offers the peer its lanes in a control frame: the port, a
+// ticket per lane and, on an encrypted connection, a fresh AES-128-GCM key,
+// all inside the connection (so inside TLS where it has TLS). Each lane the
+// peer dials gets a reader thread that reads chunks straight into the
+// segment's landing memory (from the context's pool), which the receiving
+// tensor then views (a region).
+//
+// Sending: with the peer's offer in, the first segment of at least
+// `minBytes` dials the lanes (one thread each, which then writes); until
+// every lane is up, segments ride the stream. A segment then goes in
+// stripes, one per lane, queued to the lane threads from the caller's
+// thread with the frame's keepAlive, and its record (token, size) goes in
+// the stream. A record whose stripes are not all in yet holds the stream
+// (onRecordFromLoop() returns 0) until the last lands.
+//
+// A dial that fails (a firewall, NAT) leaves this connection on its stream,
+// with a warning; a lane that fails once up closes the connection, naming
+// the lane, since its stripes are lost.
+//
+// Threads: the Channel calls as channel.h says; lane threads of its own,
+// joined at close. mutex_ guards the queues, the landings and the state.
+class LanesChannel final : public Channel,
+                           public std::enable_shared_from_this<LanesChannel> {
+ public:
+  LanesChannel(
+      std::shared_ptr<const LanesContext> context,
+      std::weak_ptr<Host> host);
+  ~LanesChannel() override;
+
+  // The context's accept thread: lane `lane` of ours has dialled in.
+  void attachInbound(uint16_t lane, int fd);
+
+  // Sender.
+  void takeRegions(
+      const std::vector<frame::OutboundFrame::Segment>& segments,
+      const std::vector<size_t>& offered,
+      std::vector<TakenRegion>* taken,
+      std::vector<ControlFrame>* before,
+      const std::shared_ptr<void>& keepAlive) override;
+  void abandonRegion(
+      const frame::OutboundFrame::Segment& segment,
+      const frame::SegmentRecord& record) override;
+
+  // Receiver.
+  int64_t onRecordFromLoop(
+      const frame::SegmentRecord& record,
+      InboundSegment& segment) override;
+  bool acceptsControlFrame(frame::FrameKind kind, uint32_t headLength)
+      const override;
+  bool onControlFrameFromLoop(
+      frame::FrameKind kind,
+      const std::string& head,
+      std::vector<int>& fds) override;
+
+  // Offers the peer our lanes.
+  void onReadyFromLoop() override;
+  void onTickFromLoop() override;
+  void onClosedFromLoop() override;
+
+ private:
+  // A stripe queued to an outbound lane.
+  struct Stripe {
+    uint64_t token;
+    uint64_t segmentSize;
+    uint64_t offset;
+    uint64_t length;
+    const char* data; // the segment's first byte
+    std::shared_ptr<void> keepAlive;
+  };
+  struct OutLane {
+    int fd = -1;
+    std::deque<Stripe> queue;
+    std::thread thread;
+  };
+  // A segment arriving on our lanes.
+  struct Landing {
+    std::shared_ptr<frame::SharedRegion> region;
+    char* data = nullptr;
+    uint64_t size = 0;
+    uint64_t received = 0;
+    bool held = false; // its record waits in the stream
+    bool abandoned = false; // the sender gave it up: drop when complete
+  };
+  enum class OutState { kIdle, kDialing, kUp, kFailed };
+
+  const LanesContext& lanesContext() const;
+  void sendOfferFromLoop();
+  void startLanesLocked();
+  void runOutLane(uint16_t lane, sockaddr_storage address, std::string ticket);
+  bool writeStripe(
+      int fd,
+      uint16_t lane,
+      const Stripe& stripe,
+      Aead* aead,
+      uint64_t* sequence,
+      std::string* buffer,
+      std::string* error);
+  void runInLane(uint16_t lane, int fd);
+  bool readChunk(
+      int fd,
+      uint16_t lane,
+      Aead* aead,
+      uint64_t* sequence,
+      std::string* error);
+  // The landing of `token`, made if new; null with `error` set.
+  std::shared_ptr<Landing> landingLocked(
+      uint64_t token,
+      uint64_t size,
+      std::string* error);
+  // Lane threads: the connection must close (a lane broke).
+  void failConnection(const std::string& reason);
+  void stopAll();
+
+  const std::weak_ptr<Host> host_;
+  const uint16_t lanes_;
+  const uint64_t minBytes_;
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool closing_ = false;
+  // Sender (mutex_).
+  OutState outState_ = OutState::kIdle;
+  bool offered_ = false; // the peer's offer is in
+  sockaddr_storage peerLanes_{}; // its address and lane port
+  std::string outKey_;
+  std::vector<std::string> outTickets_;
+  std::vector<OutLane> out_;
+  size_t outUp_ = 0;
+  uint64_t nextToken_ = 1;
+  size_t nextFirstLane_ = 0;
+  // Receiver (mutex_).
+  bool offerSent_ = false;
+  std::string inKey_;
+  std::map<uint64_t, std::shared_ptr<Landing>> landings_;
+  std::set<uint64_t> abandoned_;
+  uint64_t unclaimedBytes_ = 0;
+  std::vector<int> inFds_;
+  std::vector<std::thread> inThreads_;
+};
+
+} // namespace torch_rpc_ext::channel::lanes

@@ -1,0 +1,211 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// LanesChannel, sending: segments striped over the peer's lanes, each lane
+// dialled and then written by a thread of its own.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "csrc/channel/lanes/lane.h"
+#include "csrc/channel/lanes/lanes_channel.h"
+#include "csrc/common/logging.h"
+
+namespace torch_rpc_ext::channel::lanes {
+
+namespace {
+
+constexpr uint64_t kStripeAlign = 64 * 1024;
+constexpr int kDialTimeoutMs = 5000;
+
+
+} // namespace
+
+void LanesChannel::takeRegions(
+    const std::vector<frame::OutboundFrame::Segment>& segments,
+    const std::vector<size_t>& offered,
+    std::vector<TakenRegion>* taken,
+    std::vector<ControlFrame>* /*before*/,
+    const std::shared_ptr<void>& keepAlive) {
+  bool any = false;
+  for (size_t i : offered) {
+    any = any || segments[i].size >= minBytes_;
+  }
+  if (!any) {
+    return;
+  }
+  auto& stats = lanesContext().stats();
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (outState_ == OutState::kIdle && offered_ && !closing_) {
+    startLanesLocked(); // this segment and any until they are up: the stream
+  }
+  if (outState_ != OutState::kUp || closing_) {
+    return;
+  }
+  const size_t n = out_.size();
+  for (size_t i : offered) {
+    const auto& segment = segments[i];
+    if (segment.size < minBytes_) {
+      continue;
+    }
+    uint64_t token = nextToken_++;
+    uint64_t stripe = (segment.size + n - 1) / n;
+    stripe = (stripe + kStripeAlign - 1) / kStripeAlign * kStripeAlign;
+    size_t lane = nextFirstLane_;
+    nextFirstLane_ = (nextFirstLane_ + 1) % n;
+    for (uint64_t offset = 0; offset < segment.size; offset += stripe) {
+      out_[lane].queue.push_back(Stripe{
+          token,
+          segment.size,
+          offset,
+          std::min<uint64_t>(stripe, segment.size - offset),
+          static_cast<const char*>(segment.data),
+          keepAlive});
+      lane = (lane + 1) % n;
+    }
+    frame::SegmentRecord record{};
+    LaneRecord r{token, segment.size};
+    std::memcpy(&record, &r, sizeof(record));
+    taken->push_back({i, record});
+    stats.segments.fetch_add(1, std::memory_order_relaxed);
+    stats.bytes.fetch_add(segment.size, std::memory_order_relaxed);
+  }
+  lock.unlock();
+  wake_.notify_all();
+}
+
+void LanesChannel::abandonRegion(
+    const frame::OutboundFrame::Segment& /*segment*/,
+    const frame::SegmentRecord& record) {
+  // Its stripes are queued or on their way: the receiver drops them.
+  LaneRecord r;
+  std::memcpy(&r, &record, sizeof(r));
+  std::string head(sizeof(r.token), '\0');
+  std::memcpy(head.data(), &r.token, sizeof(r.token));
+  if (auto host = host_.lock()) {
+    host->sendControl(
+        ControlFrame{context().wireIds().kind(kAbandonFrame), std::move(head), {}, {}});
+  }
+}
+
+void LanesChannel::startLanesLocked() {
+  outState_ = OutState::kDialing;
+  out_.resize(outTickets_.size());
+  for (uint16_t i = 0; i < out_.size(); ++i) {
+    out_[i].thread = std::thread(
+        [this, i, address = peerLanes_, ticket = outTickets_[i]] {
+          runOutLane(i, address, ticket);
+        });
+  }
+}
+
+void LanesChannel::runOutLane(
+    uint16_t lane,
+    sockaddr_storage address,
+    std::string ticket) {
+  auto& stats = lanesContext().stats();
+  std::string error;
+  int fd = dialLane(address, kDialTimeoutMs, &error);
+  Hello hello{kHelloMagic, 1, lane, {}};
+  std::memcpy(hello.ticket, ticket.data(), kTicketBytes);
+  if (fd >= 0 && !sendAll(fd, &hello, sizeof(hello), &error)) {
+    ::close(fd);
+    fd = -1;
+  }
+  std::unique_ptr<Aead> aead;
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (fd < 0 || closing_) {
+    if (fd >= 0) {
+      ::close(fd);
+    } else if (!closing_) {
+      stats.lanesFailed.fetch_add(1, std::memory_order_relaxed);
+      if (outState_ == OutState::kDialing) {
+        outState_ = OutState::kFailed;
+        logWarning(
+            "torch_rpc_ext: tcp_lanes: lane " + std::to_string(lane) +
+            " to " + describeAddress(address) + " failed (" + error +
+            "); large tensors to this peer travel in the connection's "
+            "stream (is that port reachable? docs/guide.md, firewalls)");
+      }
+    }
+    return;
+  }
+  out_[lane].fd = fd;
+  stats.lanesOpened.fetch_add(1, std::memory_order_relaxed);
+  if (!outKey_.empty()) {
+    aead = std::make_unique<Aead>(outKey_);
+  }
+  if (++outUp_ == out_.size() && outState_ == OutState::kDialing) {
+    outState_ = OutState::kUp;
+  }
+  uint64_t sequence = 0;
+  std::string buffer;
+  while (true) {
+    wake_.wait(lock, [&] { return closing_ || !out_[lane].queue.empty(); });
+    if (closing_) {
+      return;
+    }
+    Stripe stripe = std::move(out_[lane].queue.front());
+    out_[lane].queue.pop_front();
+    lock.unlock();
+    bool ok = writeStripe(
+        fd, lane, stripe, aead.get(), &sequence, &buffer, &error);
+    stripe.keepAlive.reset();
+    lock.lock();
+    if (!ok) {
+      if (!closing_) {
+        lock.unlock();
+        failConnection(
+            "tcp_lanes: lane " + std::to_string(lane) + " to " +
+            describeAddress(address) + " failed: " + error);
+      }
+      return;
+    }
+  }
+}
+
+bool LanesChannel::writeStripe(
+    int fd,
+    uint16_t lane,
+    const Stripe& stripe,
+    Aead* aead,
+    uint64_t* sequence,
+    std::string* buffer,
+    std::string* error) {
+  const uint64_t piece = aead != nullptr ? kRecordBytes : kClearChunkBytes;
+  for (uint64_t done = 0; done < stripe.length;) {
+    uint64_t length = std::min(piece, stripe.length - done);
+    ChunkHeader header{
+        stripe.token,
+        stripe.segmentSize,
+        stripe.offset + done,
+        static_cast<uint32_t>(length),
+        0};
+    const char* src = stripe.data + stripe.offset + done;
+    if (aead == nullptr) {
+      if (!sendAll(fd, &header, sizeof(header), error) ||
+          !sendAll(fd, src, length, error)) {
+        return false;
+      }
+    } else {
+      buffer->resize(sizeof(header) + length + Aead::kTagBytes);
+      char* out = buffer->data();
+      std::memcpy(out, &header, sizeof(header));
+      uint8_t nonce[Aead::kNonceBytes];
+      laneNonce(lane, (*sequence)++, nonce);
+      aead->seal(
+          nonce,
+          std::string_view(out, sizeof(header)),
+          src,
+          out + sizeof(header),
+          length,
+          reinterpret_cast<uint8_t*>(out + sizeof(header) + length));
+      if (!sendAll(fd, out, buffer->size(), error)) {
+        return false;
+      }
+    }
+    done += length;
+  }
+  return true;
+}
+
+} // namespace torch_rpc_ext::channel::lanes
