@@ -92,8 +92,11 @@ RATES = ["unshaped", "10gbit", "25gbit", "100gbit"]
 # basic, in the uv connection); "tensorpipe_basic" leaves out mpt_uv too;
 # "tensorpipe_default" keeps cma, for reference only (its run line shows
 # the link carrying almost nothing).
+LANES = ("shm_slab", "shm_ring", "tcp_lanes")
 BACKENDS = {"ext_tls": ("ext", {"encryption": "auto"}),
             "ext_clear": ("ext", {"encryption": "off"}),
+            "ext_tls_lanes": ("ext", {"encryption": "auto", "channels": LANES}),
+            "ext_clear_lanes": ("ext", {"encryption": "off", "channels": LANES}),
             "tensorpipe": ("tensorpipe", ["mpt_uv", "basic"]),
             "tensorpipe_basic": ("tensorpipe", ["basic"]),
             "tensorpipe_default": ("tensorpipe", None)}

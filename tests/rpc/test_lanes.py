@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""tcp_lanes (docs/architecture.md, "Lanes"): large tensors striped over
+several TCP connections beside the one that carries the frames, in the
+clear and encrypted, driven through init_rpc over loopback TCP with
+``channels=("tcp_lanes",)``. Across hosts (network namespaces, a partition
+with stripes in flight): tests/crosshost/test_lanes.py."""
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch.distributed import rpc
+
+from tests.rpc.world import init, run_world
+
+pytestmark = pytest.mark.timeout(240)
+
+MB = 1 << 20
+
+
+def _lanes_metrics():
+    m = rpc.api._get_current_rpc_agent().get_metrics()
+    prefix = "rpc_ext.channel.tcp_lanes."
+    return {k[len(prefix):]: int(v) for k, v in m.items() if k.startswith(prefix)}
+
+
+def _square(t):
+    return t * t
+
+
+def _echo(*tensors):
+    return tensors
+
+
+def _calls(rank, world_size, **kwargs):
+    init(rank, world_size, transports=["tcp"], channels=["tcp_lanes"], **kwargs)
+    out = {}
+    if rank == 0:
+        # The first large segment dials the lanes and rides the stream.
+        rpc.rpc_sync("worker1", torch.neg, args=(torch.ones(MB),))
+        deadline = time.monotonic() + 30
+        while _lanes_metrics()["lanes_opened"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Odd sizes: stripes end off their 64 KiB alignment; several large
+        # segments and small ones in one message.
+        a = torch.arange(3 * MB + 7, dtype=torch.float32)
+        b = torch.randint(0, 255, (5 * MB + 3,), dtype=torch.uint8)
+        small = torch.arange(10.0)
+        got = rpc.rpc_sync("worker1", _echo, args=(a, small, b))
+        out["mixed"] = torch.equal(got[0], a) and torch.equal(got[1], small) and torch.equal(got[2], b)
+        futs = [rpc.rpc_async("worker1", torch.mul, args=(torch.full((MB,), float(i)), 2)) for i in range(24)]
+        out["pipelined"] = all(bool((f.wait() == 2 * i).all()) for i, f in enumerate(futs))
+        rref = rpc.remote("worker1", torch.add, args=(torch.ones(2 * MB), 1))
+        out["rref"] = bool((rref.to_here() == 2).all())
+        with dist_autograd.context() as ctx:
+            x = torch.full((2 * MB,), 3.0, requires_grad=True)
+            y = rpc.rpc_sync("worker1", _square, args=(x,))
+            dist_autograd.backward(ctx, [y.sum()])
+            out["grad"] = bool((dist_autograd.get_gradients(ctx)[x] == 6).all())
+        out["ours"] = _lanes_metrics()
+        out["theirs"] = rpc.rpc_sync("worker1", _lanes_metrics)
+        out["info"] = rpc.api._get_current_rpc_agent().get_debug_info()
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("encryption", ["off", "always"])
+def test_large_tensors_stripe_over_lanes_both_ways(encryption):
+    out = run_world(_calls, 2, timeout=180, encryption=encryption)[0]
+    assert out["mixed"] and out["pipelined"] and out["rref"] and out["grad"]
+    ours, theirs = out["ours"], out["theirs"]
+    # Four lanes each way per connection: dialled by the sender, accepted by
+    # the receiver (a pair may hold a connection each way).
+    for m in (ours, theirs):
+        assert m["lanes_opened"] >= 8 and m["lanes_opened"] % 4 == 0, m
+    assert ours["lanes_failed"] == 0 and theirs["lanes_failed"] == 0
+    # The large segments went striped, both ways (but the first of each
+    # connection's, which dials its lanes).
+    assert ours["segments"] >= 24 and theirs["segments"] >= 24
+    assert ours["bytes"] >= 24 * 4 * MB
+    info = out["info"]
+    assert info["rpc_ext.peer.worker1.channels"] == "tcp_lanes,basic"
+    expected = "none" if encryption == "off" else "TLSv1.3"
+    assert info["rpc_ext.peer.worker1.security"].startswith(expected)
+
+
+def _small(rank, world_size):
+    init(rank, world_size, transports=["tcp"], channels=["tcp_lanes"])
+    out = None
+    if rank == 0:
+        for _ in range(5):
+            t = torch.ones(MB // 4 - 16)  # just under 1 MiB of bytes
+            assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(t,)), -t)
+        out = (_lanes_metrics(), rpc.rpc_sync("worker1", _lanes_metrics))
+    rpc.shutdown()
+    return out
+
+
+def test_segments_under_the_threshold_stay_in_the_stream():
+    ours, theirs = run_world(_small, 2, timeout=120)[0]
+    assert ours["segments"] == 0 and theirs["segments"] == 0
+    assert ours["lanes_opened"] == 0  # nothing large: no lane dialled
+
+
+def _listening_ports(pid):
+    """TCP ports process `pid` listens on (IPv4, /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    with open(f"/proc/{pid}/net/tcp") as f:
+        next(f)
+        for line in f:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                ports.add(int(cols[1].split(":")[1], 16))
+    return ports
+
+
+def _intruder(rank, world_size):
+    init(rank, world_size, transports=["tcp"], channels=["tcp_lanes"], address="127.0.0.1")
+    out = None
+    if rank == 0:
+        big = torch.ones(2 * MB)
+        for _ in range(2):  # lanes up both ways
+            rpc.rpc_sync("worker1", torch.neg, args=(big,))
+            time.sleep(0.3)
+        pid = rpc.rpc_sync("worker1", os.getpid)
+        before = rpc.rpc_sync("worker1", _lanes_metrics)
+        # Whatever worker1 listens on (its transport's port and its lanes'),
+        # a connection that names no ticket it issued gets nothing.
+        refused = 0
+        for port in _listening_ports(pid):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.settimeout(10)
+                s.sendall(b"TRLN" + b"\x01\x00\x00\x00" + os.urandom(16))
+                try:
+                    refused += s.recv(1) == b""
+                except (ConnectionResetError, socket.timeout):
+                    refused += 1
+        ok = all(torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big) for _ in range(3))
+        after = rpc.rpc_sync("worker1", _lanes_metrics)
+        out = (refused, ok, before, after)
+    rpc.shutdown()
+    return out
+
+
+def test_a_lane_must_name_a_ticket_the_receiver_issued():
+    refused, ok, before, after = run_world(_intruder, 2, timeout=120)[0]
+    assert refused >= 2  # the transport's listener and the lanes' listener
+    assert ok
+    assert after["lanes_opened"] == before["lanes_opened"]
+    assert after["segments"] > before["segments"]  # lanes still in use
+
+
+def _die_soon():
+    threading.Timer(0.02, os._exit, args=(3,)).start()
+    return torch.ones(128 * MB // 4)
+
+
+def _sender_dies(rank, world_size):
+    init(rank, world_size, transports=["tcp"], channels=["tcp_lanes"], rpc_timeout=60)
+    if rank == 1:
+        time.sleep(60)  # killed by its own timer first
+        return None
+    rpc.rpc_sync("worker1", torch.neg, args=(torch.ones(MB),))
+    time.sleep(0.5)  # lanes up both ways
+    rpc.rpc_sync("worker1", torch.neg, args=(torch.ones(MB),))
+    t0 = time.monotonic()
+    try:
+        rpc.rpc_sync("worker1", _die_soon)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    waited = time.monotonic() - t0
+    rpc.shutdown(graceful=False)
+    return error, waited
+
+
+def test_a_peer_that_dies_with_stripes_in_flight_fails_the_call_naming_it():
+    error, waited = run_world(_sender_dies, 2, timeout=120, dies=frozenset({1}))[0]
+    # Either its reply never began, or its stripes stopped mid-way: the call
+    # fails, naming the peer, without waiting for its timeout.
+    assert error is not None and "worker1" in error, error
+    assert waited < 30
+
+
+def _bad_setting(rank, world_size):
+    init(rank, world_size, transports=["tcp"], channels=["tcp_lanes"])
+    info = rpc.api._get_current_rpc_agent().get_debug_info()
+    rpc.shutdown()
+    return info["rpc_ext.peer.worker1.channels"] if rank == 0 else None
+
+
+def test_a_bad_lanes_setting_leaves_the_channel_out(monkeypatch):
+    monkeypatch.setenv("TORCH_RPC_EXT_LANES", "99")
+    assert run_world(_bad_setting, 2, timeout=120)[0] == "basic"
