@@ -11,6 +11,9 @@ line on stdin and answers each with one JSON line on stdout:
   {"op": "start", "n": N, "sleep": S}   start N calls to worker1, each of
                                         which records its id there and
                                         sleeps S seconds; answers at once
+                                        ("bytes": B: each call carries a
+                                        tensor of B bytes there and back,
+                                        "ok" only if it returns intact)
   {"op": "wait"}                        wait for the started calls; answers
                                         {"results": [...], "elapsed": s},
                                         each result "ok" or the error text
@@ -21,6 +24,7 @@ line on stdin and answers each with one JSON line on stdout:
   {"op": "use"}                         the RRef's value and the context's
                                         backward pass, each a value or the
                                         error text
+  {"op": "lanes"}                       the tcp_lanes counters of both ends
   {"op": "quit"}                        shut down and exit
 """
 
@@ -37,12 +41,19 @@ import torch_rpc_ext
 _executed: list[int] = []
 
 
-def record_and_sleep(call_id: int, seconds: float) -> int:
+def record_and_sleep(call_id: int, seconds: float, payload=None):
     """Runs on worker1: remembers that call `call_id` ran (at most once is
-    what the test checks), then takes `seconds`."""
+    what the test checks), then takes `seconds`; returns `payload` too, if
+    it came with one."""
     _executed.append(call_id)
     time.sleep(seconds)
-    return call_id
+    return call_id if payload is None else (call_id, payload)
+
+
+def lanes() -> dict:
+    m = rpc.api._get_current_rpc_agent().get_metrics()
+    prefix = "rpc_ext.channel.tcp_lanes."
+    return {k[len(prefix):]: int(v) for k, v in m.items() if k.startswith(prefix)}
 
 
 def executed() -> list[int]:
@@ -63,27 +74,35 @@ def main() -> None:
         sys.stdin.read()  # serve until the test closes our stdin
         rpc.shutdown(graceful=False)
         return
-    futures, next_id = [], 0
+    futures, payloads, next_id = [], [], 0
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "start":
             for _ in range(cmd["n"]):
-                futures.append(rpc.rpc_async(
-                    "worker1", record_and_sleep, args=(next_id, cmd["sleep"])))
+                args = (next_id, cmd["sleep"])
+                payload = None
+                if cmd.get("bytes"):
+                    payload = torch.full((cmd["bytes"] // 4,), float(next_id))
+                    args += (payload,)
+                futures.append(rpc.rpc_async("worker1", record_and_sleep, args=args))
+                payloads.append(payload)
                 next_id += 1
             answer = {"started": len(futures)}
         elif cmd["op"] == "wait":
             t0, results = time.monotonic(), []
-            for f in futures:
+            for f, payload in zip(futures, payloads):
                 try:
-                    f.wait()
-                    results.append("ok")
+                    got = f.wait()
+                    intact = payload is None or torch.equal(got[1], payload)
+                    results.append("ok" if intact else "payload damaged")
                 except RuntimeError as e:
                     results.append(str(e))
             answer = {"results": results, "elapsed": time.monotonic() - t0}
-            futures = []
+            futures, payloads = [], []
         elif cmd["op"] == "executed":
             answer = {"executed": rpc.rpc_sync("worker1", executed)}
+        elif cmd["op"] == "lanes":
+            answer = {"ours": lanes(), "theirs": rpc.rpc_sync("worker1", lanes)}
         elif cmd["op"] == "hold":
             rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
             rref.to_here()
