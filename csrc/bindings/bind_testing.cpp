@@ -47,6 +47,54 @@ void bindTesting(py::module_& m) {
     return digestBytes(hmacSha256(key, msg));
   });
   m.def("libcrypto", &libcryptoDescription);
+  // AES-128-GCM as the lanes use it (common/crypto.h, Aead): (ciphertext,
+  // tag), and the plaintext or None when the tag does not match.
+  m.def(
+      "aead_seal",
+      [](const py::bytes& key,
+         const py::bytes& nonce,
+         const py::bytes& aad,
+         const py::bytes& plain) {
+        std::string k = key, n = nonce, a = aad, p = plain;
+        if (n.size() != Aead::kNonceBytes) {
+          throw std::invalid_argument("the nonce is 12 bytes");
+        }
+        Aead aead(k);
+        std::string out(p.size(), '\0');
+        std::string tag(Aead::kTagBytes, '\0');
+        aead.seal(
+            reinterpret_cast<const uint8_t*>(n.data()),
+            a,
+            p.data(),
+            out.data(),
+            p.size(),
+            reinterpret_cast<uint8_t*>(tag.data()));
+        return py::make_tuple(py::bytes(out), py::bytes(tag));
+      });
+  m.def(
+      "aead_open",
+      [](const py::bytes& key,
+         const py::bytes& nonce,
+         const py::bytes& aad,
+         const py::bytes& sealed,
+         const py::bytes& tag) -> py::object {
+        std::string k = key, n = nonce, a = aad, c = sealed, t = tag;
+        if (n.size() != Aead::kNonceBytes || t.size() != Aead::kTagBytes) {
+          throw std::invalid_argument("the nonce is 12 bytes, the tag 16");
+        }
+        Aead aead(k);
+        std::string out(c.size(), '\0');
+        if (!aead.open(
+                reinterpret_cast<const uint8_t*>(n.data()),
+                a,
+                c.data(),
+                out.data(),
+                c.size(),
+                reinterpret_cast<const uint8_t*>(t.data()))) {
+          return py::none();
+        }
+        return py::bytes(out);
+      });
   // How a worker listening on `self` reaches a peer that advertised `peer`
   // (stream::routeFrom): ValueError saying why it cannot.
   m.def("route_from", &transport::stream::routeFrom);

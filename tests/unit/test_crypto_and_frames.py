@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""HMAC-SHA256 (libcrypto's) against RFC 4231 and hmac, and frame-header
-validation."""
+"""HMAC-SHA256 (libcrypto's) against RFC 4231 and hmac, AES-128-GCM (the
+lanes' records) against the GCM specification's test vectors, and
+frame-header validation."""
 
 import hmac
 import os
@@ -96,3 +97,42 @@ def test_transport_and_channel_kinds_pass_the_header_check(kind):
 )
 def test_bad_headers_are_rejected_before_allocation(fields, reason):
     assert reason in _testing.validate_header(header(**fields), 1 << 20)
+
+
+# McGrew and Viega, "The Galois/Counter Mode of Operation", test cases 3
+# and 4 (AES-128, 96-bit IV): key, IV, AAD, plaintext, ciphertext, tag.
+_GCM_P = bytes.fromhex(
+    "d9313225f88406e5a55909c5aff5269a86a7a9531534f7da2e4c303d8a318a72"
+    "1c3c0c95956809532fcf0e2449a6b525b16aedf5aa0de657ba637b391aafd255")
+_GCM_C = bytes.fromhex(
+    "42831ec2217774244b7221b784d0d49ce3aa212f2c02a4e035c17e2329aca12e"
+    "21d514b25466931c7d8f6a5aac84aa051ba30b396a0aac973d58e091473f5985")
+GCM = [
+    (bytes.fromhex("feffe9928665731c6d6a8f9467308308"), bytes.fromhex("cafebabefacedbaddecaf888"),
+     b"", _GCM_P, _GCM_C, bytes.fromhex("4d5c2af327cd64a62cf35abd2ba6fab4")),
+    (bytes.fromhex("feffe9928665731c6d6a8f9467308308"), bytes.fromhex("cafebabefacedbaddecaf888"),
+     bytes.fromhex("feedfacedeadbeeffeedfacedeadbeefabaddad2"), _GCM_P[:60], _GCM_C[:60],
+     bytes.fromhex("5bc94fbc3221a5db94fae95ae7121a47")),
+]
+
+
+@pytest.mark.parametrize("case", GCM, ids=["gcm3", "gcm4"])
+def test_aead_matches_the_gcm_test_vectors(case):
+    key, iv, aad, plain, sealed, tag = case
+    assert _testing.aead_seal(key, iv, aad, plain) == (sealed, tag)
+    assert _testing.aead_open(key, iv, aad, sealed, tag) == plain
+
+
+def test_aead_refuses_any_change_to_bytes_header_nonce_or_key():
+    key, nonce, aad = os.urandom(16), os.urandom(12), b"header" * 5
+    plain = os.urandom(300_000)
+    sealed, tag = _testing.aead_seal(key, nonce, aad, plain)
+    assert _testing.aead_open(key, nonce, aad, sealed, tag) == plain
+    flipped = bytearray(sealed)
+    flipped[123_456] ^= 1
+    assert _testing.aead_open(key, nonce, aad, bytes(flipped), tag) is None
+    assert _testing.aead_open(key, nonce, b"Header" + aad[6:], sealed, tag) is None
+    assert _testing.aead_open(key, bytes(12), aad, sealed, tag) is None
+    assert _testing.aead_open(os.urandom(16), nonce, aad, sealed, tag) is None
+    with pytest.raises(ValueError, match="16 bytes"):
+        _testing.aead_seal(b"short", nonce, aad, plain)
