@@ -126,8 +126,7 @@ uint16_t LanesContext::listenFor(const sockaddr_storage& local) {
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &len) != 0) {
     std::string why = std::strerror(errno);
     ::close(fd);
-    throw std::runtime_error(
-        "tcp_lanes: cannot listen on " + key + ": " + why);
+    throw std::runtime_error("tcp_lanes: cannot listen on " + key + ": " + why);
   }
   Listener& l = listeners_[key];
   l.fd = fd;
@@ -181,7 +180,8 @@ void LanesContext::admit(int fd) {
   uint16_t lane = 0;
   if (recvAll(fd, &hello, sizeof(hello), &error) &&
       hello.magic == kHelloMagic && hello.version == 1) {
-    std::string ticket(reinterpret_cast<const char*>(hello.ticket), kTicketBytes);
+    std::string ticket(
+        reinterpret_cast<const char*>(hello.ticket), kTicketBytes);
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = tickets_.find(ticket);
     if (it != tickets_.end() && it->second.lane == hello.lane) {

@@ -70,8 +70,8 @@ int dialLane(
   tuneLaneSocket(fd);
   int flags = ::fcntl(fd, F_GETFL);
   ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
-  socklen_t len = address.ss_family == AF_INET ? sizeof(sockaddr_in)
-                                               : sizeof(sockaddr_in6);
+  socklen_t len =
+      address.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
   int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&address), len);
   if (rc != 0 && errno == EINPROGRESS) {
     pollfd p{fd, POLLOUT, 0};

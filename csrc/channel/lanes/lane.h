@@ -69,7 +69,10 @@ std::string describeAddress(const sockaddr_storage& address);
 
 // A blocking TCP socket connected to `address` within `timeoutMs`, with
 // TCP_NODELAY and large buffers; -1 with `error` set.
-int dialLane(const sockaddr_storage& address, int timeoutMs, std::string* error);
+int dialLane(
+    const sockaddr_storage& address,
+    int timeoutMs,
+    std::string* error);
 
 // Large socket buffers and no Nagle (both ends).
 void tuneLaneSocket(int fd);

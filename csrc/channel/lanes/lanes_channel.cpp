@@ -78,7 +78,8 @@ void LanesChannel::sendOfferFromLoop() {
     head += context.issueTicket(weak_from_this(), i);
   }
   host->sendControl(
-      ControlFrame{context.wireIds().kind(kOfferFrame), std::move(head), {}, {}});
+      ControlFrame{
+          context.wireIds().kind(kOfferFrame), std::move(head), {}, {}});
 }
 
 bool LanesChannel::acceptsControlFrame(

@@ -17,7 +17,6 @@ namespace {
 // connection closes rather than grow without bound.
 constexpr uint64_t kMaxUnclaimedBytes = 4ull << 30;
 
-
 // Landing memory from the context's pool, given back when the last tensor
 // viewing it is gone.
 class LandingRegion final : public frame::SharedRegion {
@@ -75,8 +74,8 @@ std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
     landing->data = region->data();
     landing->region = std::move(region);
   } catch (const std::bad_alloc&) {
-    *error = "out of memory for a segment of " + std::to_string(size) +
-        " bytes";
+    *error =
+        "out of memory for a segment of " + std::to_string(size) + " bytes";
     return nullptr;
   }
   landing->size = size;
@@ -101,8 +100,8 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
   failConnection(
       error == "closed"
           ? "tcp_lanes: the peer closed lane " + std::to_string(lane)
-          : "tcp_lanes: lane " + std::to_string(lane) + " from the peer: " +
-              error);
+          : "tcp_lanes: lane " + std::to_string(lane) +
+              " from the peer: " + error);
 }
 
 bool LanesChannel::readChunk(
@@ -154,8 +153,9 @@ bool LanesChannel::readChunk(
             dst,
             header.length,
             tag)) {
-      *error = "a record failed its integrity check (altered or injected "
-               "on the wire, or not from our peer)";
+      *error =
+          "a record failed its integrity check (altered or injected "
+          "on the wire, or not from our peer)";
       return false;
     }
   }
@@ -167,8 +167,8 @@ bool LanesChannel::readChunk(
     std::lock_guard<std::mutex> lock(mutex_);
     landing->received += header.length;
     if (landing->received > landing->size) {
-      *error = "more bytes than segment " + std::to_string(header.token) +
-          " has";
+      *error =
+          "more bytes than segment " + std::to_string(header.token) + " has";
       return false;
     }
     if (landing->received == landing->size) {

@@ -17,7 +17,6 @@ namespace {
 constexpr uint64_t kStripeAlign = 64 * 1024;
 constexpr int kDialTimeoutMs = 5000;
 
-
 } // namespace
 
 void LanesChannel::takeRegions(
@@ -53,13 +52,14 @@ void LanesChannel::takeRegions(
     size_t lane = nextFirstLane_;
     nextFirstLane_ = (nextFirstLane_ + 1) % n;
     for (uint64_t offset = 0; offset < segment.size; offset += stripe) {
-      out_[lane].queue.push_back(Stripe{
-          token,
-          segment.size,
-          offset,
-          std::min<uint64_t>(stripe, segment.size - offset),
-          static_cast<const char*>(segment.data),
-          keepAlive});
+      out_[lane].queue.push_back(
+          Stripe{
+              token,
+              segment.size,
+              offset,
+              std::min<uint64_t>(stripe, segment.size - offset),
+              static_cast<const char*>(segment.data),
+              keepAlive});
       lane = (lane + 1) % n;
     }
     frame::SegmentRecord record{};
@@ -83,7 +83,8 @@ void LanesChannel::abandonRegion(
   std::memcpy(head.data(), &r.token, sizeof(r.token));
   if (auto host = host_.lock()) {
     host->sendControl(
-        ControlFrame{context().wireIds().kind(kAbandonFrame), std::move(head), {}, {}});
+        ControlFrame{
+            context().wireIds().kind(kAbandonFrame), std::move(head), {}, {}});
   }
 }
 
@@ -91,8 +92,8 @@ void LanesChannel::startLanesLocked() {
   outState_ = OutState::kDialing;
   out_.resize(outTickets_.size());
   for (uint16_t i = 0; i < out_.size(); ++i) {
-    out_[i].thread = std::thread(
-        [this, i, address = peerLanes_, ticket = outTickets_[i]] {
+    out_[i].thread =
+        std::thread([this, i, address = peerLanes_, ticket = outTickets_[i]] {
           runOutLane(i, address, ticket);
         });
   }
@@ -121,8 +122,8 @@ void LanesChannel::runOutLane(
       if (outState_ == OutState::kDialing) {
         outState_ = OutState::kFailed;
         logWarning(
-            "torch_rpc_ext: tcp_lanes: lane " + std::to_string(lane) +
-            " to " + describeAddress(address) + " failed (" + error +
+            "torch_rpc_ext: tcp_lanes: lane " + std::to_string(lane) + " to " +
+            describeAddress(address) + " failed (" + error +
             "); large tensors to this peer travel in the connection's "
             "stream (is that port reachable? docs/guide.md, firewalls)");
       }
@@ -147,8 +148,8 @@ void LanesChannel::runOutLane(
     Stripe stripe = std::move(out_[lane].queue.front());
     out_[lane].queue.pop_front();
     lock.unlock();
-    bool ok = writeStripe(
-        fd, lane, stripe, aead.get(), &sequence, &buffer, &error);
+    bool ok =
+        writeStripe(fd, lane, stripe, aead.get(), &sequence, &buffer, &error);
     stripe.keepAlive.reset();
     lock.lock();
     if (!ok) {
