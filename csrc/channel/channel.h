@@ -89,6 +89,10 @@ class Host {
       const {
     return false;
   }
+  // Any thread: let go of `keepAlive` (a sent frame's tensors) where the
+  // connection lets go of its own, never on a thread that must not take
+  // the GIL.
+  virtual void releaseLater(std::shared_ptr<void> keepAlive) {}
   // Whether the connection is encrypted (TLS): what a channel that moves
   // bytes by another way must match.
   virtual bool encrypted() const {

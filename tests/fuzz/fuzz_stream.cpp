@@ -157,7 +157,10 @@ struct Harness {
     // a driver, as between two processes of this host (the peer publishes
     // our own descriptor, the same boot, devices and PID namespace, under
     // another pid: cuda_ipc never serves a process's calls to itself).
-    std::vector<const char*> names = {"shm_slab", "shm_ring", "cuda_staged"};
+    // And tcp_lanes: its offers, abandons and records (on this connection
+    // without a socket, an offer is refused: no IP address).
+    std::vector<const char*> names = {
+        "shm_slab", "shm_ring", "cuda_staged", "tcp_lanes"};
     const char* lib = std::getenv("TORCH_RPC_EXT_LIBCUDA");
     if (lib != nullptr && *lib != '\0') {
       auto ipc = channel::createChannel("cuda_ipc");

@@ -321,8 +321,21 @@ STREAM_IPC_FD, STREAM_IPC_LEGACY = 4, 8
 IPC_BLOCK = 2 << 20  # the harness's blocks
 
 
+# tcp_lanes, the fifth: kinds 48 (offer), 49 (abandon), segment top byte 5,
+# records {uint64 token, uint64 size}.
+LANES_OFFER, LANES_ABANDON = 48, 49
+LANES_BIT = 5 << 56
+
+
 def stream_seeds():
     ping, pong = frame_header(5), frame_header(6)
+    write("stream", "lanes-offer",
+          bytes([0]) + frame_header(LANES_OFFER, head=36) + bytes([0x10, 0x27, 1, 0]) + bytes(32))
+    write("stream", "lanes-abandon", bytes([0]) + frame_header(LANES_ABANDON, head=8) + u64(7))
+    write("stream", "lanes-record-held",
+          bytes([0]) + message([u64(1) + u64(4096)], lengths=[4096 | LANES_BIT]) + ping)
+    write("stream", "lanes-record-mismatch",
+          bytes([0]) + message([u64(1) + u64(100)], lengths=[4096 | LANES_BIT]))
     write("stream", "ping-pong", bytes([0]) + ping + pong)
     write("stream", "message", bytes([0]) + message([b"a" * 100, b"", b"b" * 20000]))
     write("stream", "messages-small-pieces",

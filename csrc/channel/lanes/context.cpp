@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #include "csrc/channel/lanes/factory.h"
 #include "csrc/channel/lanes/lane.h"
@@ -22,6 +24,7 @@ namespace {
 
 constexpr int kHelloTimeoutMs = 5000;
 constexpr int kAcceptPollMs = 200;
+constexpr size_t kMaxPendingHellos = 64;
 // Landing buffers kept for reuse, and for how long.
 constexpr size_t kPoolBytes = size_t(512) << 20;
 constexpr auto kPoolIdle = std::chrono::seconds(5);
@@ -62,24 +65,29 @@ LanesContext::LanesContext(WireIds ids)
         &settings_.minBytes);
   }
   settings_.lanes = static_cast<uint16_t>(lanes);
+  if (unviable_.empty()) {
+    try {
+      Aead probe(std::string(Aead::kKeyBytes, '\0')); // encrypted lanes
+    } catch (const std::exception& e) {
+      unviable_ = e.what();
+    }
+  }
 }
 
 LanesContext::~LanesContext() {
-  stopping_ = true;
   std::map<std::string, Listener> listeners;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     listeners.swap(listeners_);
   }
   for (auto& [key, l] : listeners) {
-    if (l.thread.joinable()) {
-      if (l.thread.get_id() == std::this_thread::get_id()) {
-        l.thread.detach(); // the last channel let go on the accept thread
-      } else {
-        l.thread.join();
-      }
+    l.state->stop = true;
+    if (l.thread.get_id() == std::this_thread::get_id()) {
+      l.thread.detach(); // it touches only its state from here on
+    } else {
+      l.thread.join();
+      ::close(l.state->fd);
     }
-    ::close(l.fd);
   }
 }
 
@@ -129,11 +137,16 @@ uint16_t LanesContext::listenFor(const sockaddr_storage& local) {
     throw std::runtime_error("tcp_lanes: cannot listen on " + key + ": " + why);
   }
   Listener& l = listeners_[key];
-  l.fd = fd;
+  l.state = std::make_shared<AcceptState>();
+  l.state->fd = fd;
   l.port = address.ss_family == AF_INET
       ? ntohs(reinterpret_cast<sockaddr_in&>(address).sin_port)
       : ntohs(reinterpret_cast<sockaddr_in6&>(address).sin6_port);
-  l.thread = std::thread([this, fd] { acceptLoop(fd); });
+  l.thread = std::thread(
+      acceptLoop,
+      std::static_pointer_cast<LanesContext>(
+          std::const_pointer_cast<Context>(shared_from_this())),
+      l.state);
   return l.port;
 }
 
@@ -154,32 +167,96 @@ void LanesContext::revokeTickets(const LanesChannel* channel) {
   }
 }
 
-void LanesContext::acceptLoop(int listenFd) {
-  while (!stopping_) {
-    pollfd p{listenFd, POLLIN, 0};
-    int rc = ::poll(&p, 1, kAcceptPollMs);
-    if (rc <= 0) {
+void LanesContext::acceptLoop(
+    std::weak_ptr<LanesContext> weak,
+    std::shared_ptr<AcceptState> state) {
+  // Hellos being read: each must come whole within kHelloTimeoutMs; at most
+  // kMaxPendingHellos wait (the oldest goes first), so that nobody holds
+  // the lanes' door by connecting and saying nothing.
+  struct Pending {
+    int fd;
+    std::chrono::steady_clock::time_point due;
+    Hello hello;
+    size_t got;
+  };
+  std::vector<Pending> pending;
+  std::vector<pollfd> polled;
+  auto drop = [&](size_t i) {
+    ::close(pending[i].fd);
+    pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+  };
+  while (!state->stop) {
+    polled.assign(1, pollfd{state->fd, POLLIN, 0});
+    for (const auto& p : pending) {
+      polled.push_back(pollfd{p.fd, POLLIN, 0});
+    }
+    if (::poll(polled.data(), polled.size(), kAcceptPollMs) < 0 &&
+        errno != EINTR) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(kAcceptPollMs));
       continue;
     }
-    int fd = ::accept4(listenFd, nullptr, nullptr, SOCK_CLOEXEC);
+    auto now = std::chrono::steady_clock::now();
+    // Read what came, from the last so that drops keep indices valid.
+    for (size_t k = pending.size(); k-- > 0;) {
+      Pending& p = pending[k];
+      if (polled[k + 1].revents != 0) {
+        ssize_t n = ::recv(
+            p.fd,
+            reinterpret_cast<char*>(&p.hello) + p.got,
+            sizeof(Hello) - p.got,
+            MSG_DONTWAIT);
+        if (n <= 0 && !(n < 0 && (errno == EAGAIN || errno == EINTR))) {
+          drop(k);
+          continue;
+        }
+        p.got += n > 0 ? static_cast<size_t>(n) : 0;
+        if (p.got == sizeof(Hello)) {
+          int fd = p.fd;
+          Hello hello = p.hello;
+          pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(k));
+          if (auto self = weak.lock()) {
+            self->admit(fd, hello);
+          } else {
+            ::close(fd);
+          }
+          if (state->stop) {
+            break; // we may have been the last to hold the context
+          }
+          continue;
+        }
+      }
+      if (now >= p.due) {
+        drop(k);
+      }
+    }
+    if (state->stop || (polled[0].revents & POLLIN) == 0) {
+      continue;
+    }
+    int fd = ::accept4(state->fd, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
+          errno == ENOMEM) {
+        // Out of descriptors or memory: let the process catch up.
+        std::this_thread::sleep_for(std::chrono::milliseconds(kAcceptPollMs));
+      }
       continue;
     }
-    admit(fd);
+    if (pending.size() == kMaxPendingHellos) {
+      drop(0);
+    }
+    pending.push_back(
+        Pending{
+            fd, now + std::chrono::milliseconds(kHelloTimeoutMs), Hello{}, 0});
+  }
+  for (const auto& p : pending) {
+    ::close(p.fd);
   }
 }
 
-void LanesContext::admit(int fd) {
-  // The Hello comes first, at once; a dialler that sends nothing in time,
-  // or anything but a live ticket, is dropped.
-  timeval timeout{kHelloTimeoutMs / 1000, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  Hello hello{};
-  std::string error;
+void LanesContext::admit(int fd, const Hello& hello) {
   std::shared_ptr<LanesChannel> channel;
   uint16_t lane = 0;
-  if (recvAll(fd, &hello, sizeof(hello), &error) &&
-      hello.magic == kHelloMagic && hello.version == 1) {
+  if (hello.magic == kHelloMagic && hello.version == 1) {
     std::string ticket(
         reinterpret_cast<const char*>(hello.ticket), kTicketBytes);
     std::lock_guard<std::mutex> lock(mutex_);
@@ -192,14 +269,11 @@ void LanesContext::admit(int fd) {
   }
   if (!channel) {
     logWarning(
-        "torch_rpc_ext: tcp_lanes refused a connection that named no ticket "
-        "of ours" +
-        (error.empty() ? std::string() : " (" + error + ")"));
+        "torch_rpc_ext: tcp_lanes refused a connection that named no "
+        "ticket of ours");
     ::close(fd);
     return;
   }
-  timeval none{0, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
   tuneLaneSocket(fd);
   channel->attachInbound(lane, fd);
 }

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "csrc/channel/channel.h"
+#include "csrc/channel/lanes/lane.h"
 #include "csrc/common/buffer_pool.h"
 
 namespace torch_rpc_ext::channel::lanes {
@@ -93,8 +94,14 @@ class LanesContext final : public Context {
   void revokeTickets(const LanesChannel* channel);
 
  private:
-  struct Listener {
+  // What a listener's accept thread shares with us: it may outlive us by a
+  // moment (when the last reference to us is dropped on it).
+  struct AcceptState {
+    std::atomic<bool> stop{false};
     int fd = -1;
+  };
+  struct Listener {
+    std::shared_ptr<AcceptState> state;
     uint16_t port = 0;
     std::thread thread;
   };
@@ -103,14 +110,17 @@ class LanesContext final : public Context {
     const LanesChannel* owner;
     uint16_t lane;
   };
-  void acceptLoop(int listenFd);
-  void admit(int fd);
+  static void acceptLoop(
+      std::weak_ptr<LanesContext> weak,
+      std::shared_ptr<AcceptState> state);
+  // A complete Hello on `fd`: hand it to the channel its ticket names, or
+  // close it.
+  void admit(int fd, const Hello& hello);
 
   LanesSettings settings_;
   std::string unviable_;
   mutable LanesCounters counters_;
   std::shared_ptr<BufferPool> pool_;
-  std::atomic<bool> stopping_{false};
   std::mutex mutex_;
   std::map<std::string, Listener> listeners_; // by address (mutex_)
   std::map<std::string, Ticket> tickets_; // by ticket bytes (mutex_)

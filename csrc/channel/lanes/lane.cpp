@@ -17,6 +17,7 @@ namespace torch_rpc_ext::channel::lanes {
 namespace {
 
 constexpr int kLaneBufferBytes = 4 << 20;
+constexpr int kDialSliceMs = 100;
 
 std::string errnoWhy(const char* what) {
   return std::string(what) + ": " + std::strerror(errno);
@@ -61,6 +62,7 @@ void tuneLaneSocket(int fd) {
 int dialLane(
     const sockaddr_storage& address,
     int timeoutMs,
+    const std::function<bool()>& cancelled,
     std::string* error) {
   int fd = ::socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) {
@@ -75,11 +77,24 @@ int dialLane(
   int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&address), len);
   if (rc != 0 && errno == EINPROGRESS) {
     pollfd p{fd, POLLOUT, 0};
-    do {
-      rc = ::poll(&p, 1, timeoutMs);
-    } while (rc < 0 && errno == EINTR);
-    if (rc == 0) {
-      *error = "connect timed out after " + std::to_string(timeoutMs) + " ms";
+    for (int waited = 0; true; waited += kDialSliceMs) {
+      rc = ::poll(&p, 1, kDialSliceMs);
+      if (rc > 0 || (rc < 0 && errno != EINTR)) {
+        break;
+      }
+      if (cancelled()) {
+        *error = "closing";
+        ::close(fd);
+        return -1;
+      }
+      if (waited >= timeoutMs) {
+        *error = "connect timed out after " + std::to_string(timeoutMs) + " ms";
+        ::close(fd);
+        return -1;
+      }
+    }
+    if (rc < 0) {
+      *error = errnoWhy("poll failed");
       ::close(fd);
       return -1;
     }

@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace torch_rpc_ext::channel::lanes {
@@ -49,6 +50,10 @@ static_assert(sizeof(ChunkHeader) == 32, "ChunkHeader is 32 bytes");
 // An encrypted record's bytes at most, and a chunk's in the clear.
 constexpr uint64_t kRecordBytes = 256 * 1024;
 constexpr uint64_t kClearChunkBytes = 64ull << 20;
+// The largest segment a sender stripes (larger ones ride the stream), and
+// the bytes a receiver lets arrive ahead of the records that claim them.
+constexpr uint64_t kMaxStripedBytes = 2ull << 30;
+constexpr uint64_t kMaxUnclaimedBytes = 4ull << 30;
 
 // The channel's control frames, by offset among its kinds.
 constexpr uint8_t kOfferFrame = 0; // receiver -> sender: port, tickets, key
@@ -68,10 +73,12 @@ void laneNonce(uint16_t lane, uint64_t sequence, uint8_t out[12]);
 std::string describeAddress(const sockaddr_storage& address);
 
 // A blocking TCP socket connected to `address` within `timeoutMs`, with
-// TCP_NODELAY and large buffers; -1 with `error` set.
+// TCP_NODELAY and large buffers; -1 with `error` set, also as soon as
+// `cancelled()` says so (it is asked every 100 ms).
 int dialLane(
     const sockaddr_storage& address,
     int timeoutMs,
+    const std::function<bool()>& cancelled,
     std::string* error);
 
 // Large socket buffers and no Nagle (both ends).

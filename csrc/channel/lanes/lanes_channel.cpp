@@ -19,6 +19,8 @@ namespace {
 // The offer's head: port (2), lanes (1), encrypted (1), key (16), then a
 // ticket per lane.
 constexpr size_t kOfferFixedBytes = 4 + Aead::kKeyBytes;
+// Abandoned segments whose stripes have not come yet, at most.
+constexpr size_t kMaxAbandoned = 4096;
 
 } // namespace
 
@@ -103,18 +105,29 @@ bool LanesChannel::onControlFrameFromLoop(
     return false;
   }
   int offset = context().wireIds().offsetOf(kind);
+  std::string why;
   if (offset == kAbandonFrame) {
     uint64_t token;
     std::memcpy(&token, head.data(), sizeof(token));
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = landings_.find(token);
-    if (it == landings_.end()) {
-      abandoned_.insert(token); // its stripes are yet to come
-    } else if (it->second->received == it->second->size) {
-      unclaimedBytes_ -= it->second->size;
-      landings_.erase(it);
-    } else {
-      it->second->abandoned = true;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = landings_.find(token);
+      if (it == landings_.end()) {
+        if (abandoned_.size() < kMaxAbandoned) {
+          abandoned_.insert(token); // its stripes are yet to come
+        } else {
+          why = "more than " + std::to_string(kMaxAbandoned) +
+              " abandoned segments whose stripes never came";
+        }
+      } else if (it->second->received == it->second->size) {
+        eraseLandingLocked(token);
+      } else {
+        it->second->abandoned = true;
+      }
+    }
+    if (!why.empty()) {
+      host->rejectFromLoop("rejected frame: " + why);
+      return false;
     }
     return true;
   }
@@ -124,7 +137,6 @@ bool LanesChannel::onControlFrameFromLoop(
   std::memcpy(&port, head.data(), 2);
   size_t count = (head.size() - kOfferFixedBytes) / kTicketBytes;
   bool encrypted = head[3] != 0;
-  std::string why;
   if (!host->socketAddresses(&local, &peer)) {
     why = "lanes offered on a connection that has no IP address";
   } else if (port == 0 || uint8_t(head[2]) != count) {
@@ -133,28 +145,33 @@ bool LanesChannel::onControlFrameFromLoop(
     why = encrypted ? "lanes offered encrypted on a connection in the clear"
                     : "lanes offered in the clear on an encrypted connection";
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (why.empty() && offered_) {
-    why = "a second lanes offer";
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (why.empty() && offered_) {
+      why = "a second lanes offer";
+    }
+    if (why.empty()) {
+      offered_ = true;
+      peerLanes_ = peer;
+      if (peer.ss_family == AF_INET) {
+        reinterpret_cast<sockaddr_in&>(peerLanes_).sin_port = htons(port);
+      } else {
+        reinterpret_cast<sockaddr_in6&>(peerLanes_).sin6_port = htons(port);
+      }
+      if (encrypted) {
+        outKey_ = head.substr(4, Aead::kKeyBytes);
+      }
+      outTickets_.clear();
+      for (size_t i = 0; i < count; ++i) {
+        outTickets_.push_back(
+            head.substr(kOfferFixedBytes + i * kTicketBytes, kTicketBytes));
+      }
+    }
   }
+  // Never with mutex_ held: closing the connection stops us (stopAll()).
   if (!why.empty()) {
     host->rejectFromLoop("rejected frame: " + why);
     return false;
-  }
-  offered_ = true;
-  peerLanes_ = peer;
-  if (peer.ss_family == AF_INET) {
-    reinterpret_cast<sockaddr_in&>(peerLanes_).sin_port = htons(port);
-  } else {
-    reinterpret_cast<sockaddr_in6&>(peerLanes_).sin6_port = htons(port);
-  }
-  if (encrypted) {
-    outKey_ = head.substr(4, Aead::kKeyBytes);
-  }
-  outTickets_.clear();
-  for (size_t i = 0; i < count; ++i) {
-    outTickets_.push_back(
-        head.substr(kOfferFixedBytes + i * kTicketBytes, kTicketBytes));
   }
   return true;
 }
@@ -174,31 +191,43 @@ void LanesChannel::failConnection(const std::string& reason) {
       return;
     }
   }
-  auto host = host_.lock();
-  if (!host) {
+  if (auto host = host_.lock()) {
+    std::weak_ptr<Host> weak = host;
+    host->post([weak, reason] {
+      if (auto h = weak.lock(); h && !h->isClosed()) {
+        h->rejectFromLoop(reason);
+      }
+    });
+  }
+}
+
+void LanesChannel::release(std::shared_ptr<void> keepAlive) {
+  if (!keepAlive) {
     return;
   }
-  std::weak_ptr<Host> weak = host;
-  host->post([weak, reason] {
-    if (auto h = weak.lock(); h && !h->isClosed()) {
-      h->rejectFromLoop(reason);
-    }
-  });
+  if (auto host = host_.lock()) {
+    host->releaseLater(std::move(keepAlive));
+  }
+  // else: the connection is gone, and with it the frames' other owners; the
+  // last reference goes here.
 }
 
 void LanesChannel::stopAll() {
   std::vector<std::thread> threads;
+  std::vector<std::shared_ptr<void>> queued;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!closing_) {
-      closing_ = true;
-      if (outState_ != OutState::kUp) {
-        outState_ = OutState::kFailed;
-      }
+    closing_ = true;
+    stop_ = true;
+    if (outState_ != OutState::kUp) {
+      outState_ = OutState::kFailed;
     }
     for (auto& lane : out_) {
       if (lane.fd >= 0) {
         ::shutdown(lane.fd, SHUT_RDWR);
+      }
+      for (auto& stripe : lane.queue) {
+        queued.push_back(std::move(stripe.keepAlive));
       }
       lane.queue.clear();
       if (lane.thread.joinable()) {
@@ -214,10 +243,16 @@ void LanesChannel::stopAll() {
     inThreads_.clear();
   }
   wake_.notify_all();
+  budget_.notify_all();
+  for (auto& k : queued) {
+    release(std::move(k));
+  }
   const_cast<LanesContext&>(lanesContext()).revokeTickets(this);
   for (auto& t : threads) {
     if (t.get_id() == std::this_thread::get_id()) {
-      t.detach(); // unreachable: lane threads hold no reference to us
+      // The last lane thread to end let go of us: it touches nothing of
+      // ours after this.
+      t.detach();
     } else {
       t.join();
     }

@@ -3,6 +3,7 @@
 
 #include <sys/socket.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -42,7 +43,10 @@ namespace torch_rpc_ext::channel::lanes {
 // the lane, since its stripes are lost.
 //
 // Threads: the Channel calls as channel.h says; lane threads of its own,
-// joined at close. mutex_ guards the queues, the landings and the state.
+// each holding a reference to the channel, joined at close (the
+// connection's, or the channel's destruction on the last of them to end).
+// mutex_ guards the queues, the landings and the state; nothing calls the
+// host with it held (a reject closes the connection, which stops us).
 class LanesChannel final : public Channel,
                            public std::enable_shared_from_this<LanesChannel> {
  public:
@@ -102,6 +106,10 @@ class LanesChannel final : public Channel,
     char* data = nullptr;
     uint64_t size = 0;
     uint64_t received = 0;
+    // The byte ranges chunks have claimed (offset -> end): no two overlap,
+    // so that `received == size` means every byte came.
+    std::map<uint64_t, uint64_t> ranges;
+    bool claimed = false; // its record came (else: counted as unclaimed)
     bool held = false; // its record waits in the stream
     bool abandoned = false; // the sender gave it up: drop when complete
   };
@@ -126,13 +134,20 @@ class LanesChannel final : public Channel,
       Aead* aead,
       uint64_t* sequence,
       std::string* error);
-  // The landing of `token`, made if new; null with `error` set.
+  // The landing of `token`, made if new (by a record when `claim`, else
+  // by a chunk, which waits while kMaxUnclaimedBytes are unclaimed); null
+  // with `error` set.
   std::shared_ptr<Landing> landingLocked(
+      std::unique_lock<std::mutex>& lock,
       uint64_t token,
       uint64_t size,
+      bool claim,
       std::string* error);
+  void eraseLandingLocked(uint64_t token);
   // Lane threads: the connection must close (a lane broke).
   void failConnection(const std::string& reason);
+  // A keepAlive let go where the GIL may not be taken (Host::releaseLater).
+  void release(std::shared_ptr<void> keepAlive);
   void stopAll();
 
   const std::weak_ptr<Host> host_;
@@ -140,8 +155,10 @@ class LanesChannel final : public Channel,
   const uint64_t minBytes_;
 
   std::mutex mutex_;
-  std::condition_variable wake_;
+  std::condition_variable wake_; // out lanes: a stripe or closing
+  std::condition_variable budget_; // in lanes: unclaimed bytes went down
   bool closing_ = false;
+  std::atomic<bool> stop_{false}; // closing_, for dials without the lock
   // Sender (mutex_).
   OutState outState_ = OutState::kIdle;
   bool offered_ = false; // the peer's offer is in

@@ -3,7 +3,9 @@
 // segment's memory; a record waits in the stream until its segment is in.
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
+#include <iterator>
 
 #include "csrc/channel/lanes/lane.h"
 #include "csrc/channel/lanes/lanes_channel.h"
@@ -12,10 +14,10 @@ namespace torch_rpc_ext::channel::lanes {
 
 namespace {
 
-// Bytes that may arrive on lanes ahead of the records that claim them: a
-// peer past this is misbehaving (or the stream is stuck), and the
-// connection closes rather than grow without bound.
-constexpr uint64_t kMaxUnclaimedBytes = 4ull << 30;
+// How long a chunk may wait for room under kMaxUnclaimedBytes (lane.h)
+// before the connection gives up: only records that never come (a peer
+// that misbehaves) keep it waiting that long.
+constexpr auto kBudgetWait = std::chrono::seconds(30);
 
 // Landing memory from the context's pool, given back when the last tensor
 // viewing it is gone.
@@ -45,27 +47,53 @@ void LanesChannel::attachInbound(uint16_t lane, int fd) {
   }
   lanesContext().stats().lanesOpened.fetch_add(1, std::memory_order_relaxed);
   inFds_.push_back(fd);
-  inThreads_.emplace_back([this, lane, fd] { runInLane(lane, fd); });
+  inThreads_.emplace_back(
+      [self = shared_from_this(), lane, fd] { self->runInLane(lane, fd); });
 }
 
 std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
+    std::unique_lock<std::mutex>& lock,
     uint64_t token,
     uint64_t size,
+    bool claim,
     std::string* error) {
   auto it = landings_.find(token);
+  if (it == landings_.end() && !claim) {
+    // Stripes ahead of their record wait for room: records free it.
+    auto room = [&] {
+      return closing_ || landings_.count(token) != 0 ||
+          size <= kMaxUnclaimedBytes - unclaimedBytes_;
+    };
+    if (!budget_.wait_for(lock, kBudgetWait, room)) {
+      *error = "more than " + std::to_string(kMaxUnclaimedBytes) +
+          " bytes arrived on lanes ahead of their records for " +
+          std::to_string(kBudgetWait.count()) + " s";
+      return nullptr;
+    }
+    if (closing_) {
+      *error = "closed";
+      return nullptr;
+    }
+    it = landings_.find(token);
+  }
   if (it != landings_.end()) {
-    if (it->second->size != size) {
+    auto& landing = it->second;
+    if (landing->size != size) {
       *error = "segment " + std::to_string(token) + " announced as " +
-          std::to_string(it->second->size) + " and " + std::to_string(size) +
+          std::to_string(landing->size) + " and " + std::to_string(size) +
           " bytes";
       return nullptr;
     }
-    return it->second;
-  }
-  if (size > kMaxUnclaimedBytes - unclaimedBytes_) {
-    *error = "more than " + std::to_string(kMaxUnclaimedBytes) +
-        " bytes on lanes ahead of their records";
-    return nullptr;
+    if (claim) {
+      if (landing->claimed) {
+        *error = "two records for segment " + std::to_string(token);
+        return nullptr;
+      }
+      landing->claimed = true;
+      unclaimedBytes_ -= size;
+      budget_.notify_all();
+    }
+    return landing;
   }
   auto landing = std::make_shared<Landing>();
   try {
@@ -79,23 +107,42 @@ std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
     return nullptr;
   }
   landing->size = size;
+  landing->claimed = claim;
   landing->abandoned = abandoned_.erase(token) != 0;
-  unclaimedBytes_ += size;
+  if (!claim) {
+    unclaimedBytes_ += size;
+  }
   landings_.emplace(token, landing);
   return landing;
 }
 
-void LanesChannel::runInLane(uint16_t lane, int fd) {
-  std::unique_ptr<Aead> aead;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!inKey_.empty()) {
-      aead = std::make_unique<Aead>(inKey_);
-    }
+void LanesChannel::eraseLandingLocked(uint64_t token) {
+  auto it = landings_.find(token);
+  if (it == landings_.end()) {
+    return;
   }
-  uint64_t sequence = 0;
+  if (!it->second->claimed) {
+    unclaimedBytes_ -= it->second->size;
+    budget_.notify_all();
+  }
+  landings_.erase(it);
+}
+
+void LanesChannel::runInLane(uint16_t lane, int fd) {
   std::string error;
-  while (readChunk(fd, lane, aead.get(), &sequence, &error)) {
+  try {
+    std::unique_ptr<Aead> aead;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!inKey_.empty()) {
+        aead = std::make_unique<Aead>(inKey_);
+      }
+    }
+    uint64_t sequence = 0;
+    while (readChunk(fd, lane, aead.get(), &sequence, &error)) {
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
   }
   failConnection(
       error == "closed"
@@ -116,8 +163,7 @@ bool LanesChannel::readChunk(
   }
   const uint64_t bound = aead != nullptr ? kRecordBytes : kClearChunkBytes;
   if (header.flags != 0 || header.length == 0 || header.length > bound ||
-      header.segmentSize == 0 ||
-      header.segmentSize > frame::kSegmentLengthMask ||
+      header.segmentSize == 0 || header.segmentSize > kMaxStripedBytes ||
       header.offset > header.segmentSize ||
       header.length > header.segmentSize - header.offset) {
     *error = "a malformed chunk header (segment " +
@@ -126,13 +172,24 @@ bool LanesChannel::readChunk(
         std::to_string(header.length) + ")";
     return false;
   }
+  const uint64_t end = header.offset + header.length;
   std::shared_ptr<Landing> landing;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    landing = landingLocked(header.token, header.segmentSize, error);
-  }
-  if (!landing) {
-    return false;
+    std::unique_lock<std::mutex> lock(mutex_);
+    landing = landingLocked(
+        lock, header.token, header.segmentSize, /*claim=*/false, error);
+    if (!landing) {
+      return false;
+    }
+    // Its range, before any byte lands: no chunk may overwrite another's.
+    auto next = landing->ranges.lower_bound(header.offset);
+    if ((next != landing->ranges.end() && next->first < end) ||
+        (next != landing->ranges.begin() &&
+         std::prev(next)->second > header.offset)) {
+      *error = "chunks overlap in segment " + std::to_string(header.token);
+      return false;
+    }
+    landing->ranges.emplace(header.offset, end);
   }
   char* dst = landing->data + header.offset;
   if (!recvAll(fd, dst, header.length, error)) {
@@ -153,6 +210,7 @@ bool LanesChannel::readChunk(
             dst,
             header.length,
             tag)) {
+      // The segment stays incomplete, so it is never delivered.
       *error =
           "a record failed its integrity check (altered or injected "
           "on the wire, or not from our peer)";
@@ -166,15 +224,9 @@ bool LanesChannel::readChunk(
   {
     std::lock_guard<std::mutex> lock(mutex_);
     landing->received += header.length;
-    if (landing->received > landing->size) {
-      *error =
-          "more bytes than segment " + std::to_string(header.token) + " has";
-      return false;
-    }
     if (landing->received == landing->size) {
       if (landing->abandoned) {
-        unclaimedBytes_ -= landing->size;
-        landings_.erase(header.token);
+        eraseLandingLocked(header.token);
       } else {
         resume = landing->held;
       }
@@ -198,39 +250,45 @@ int64_t LanesChannel::onRecordFromLoop(
     InboundSegment& segment) {
   LaneRecord r;
   std::memcpy(&r, &record, sizeof(r));
-  auto host = host_.lock();
   std::string why;
+  int64_t placed = -1;
   if (r.size != segment.size || segment.filled != 0 ||
-      segment.provided == nullptr) {
+      segment.provided == nullptr || r.size > kMaxStripedBytes) {
     why = "a lanes record of " + std::to_string(r.size) +
         " bytes for a segment of " + std::to_string(segment.size);
-  }
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::shared_ptr<Landing> landing;
-  if (why.empty()) {
-    landing = landingLocked(r.token, r.size, &why);
-  }
-  if (!landing || landing->abandoned) {
-    if (host) {
-      host->rejectFromLoop(
-          "rejected frame: " +
-          (why.empty() ? "a record for an abandoned segment" : why));
+  } else {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = landings_.find(r.token);
+    // A record offered again after a hold has claimed its landing already.
+    std::shared_ptr<Landing> landing;
+    if (it != landings_.end() && it->second->claimed) {
+      landing = it->second;
+    } else {
+      landing = landingLocked(lock, r.token, r.size, /*claim=*/true, &why);
     }
-    return -1;
-  }
-  if (landing->received < landing->size) {
-    if (!landing->held) {
-      landing->held = true;
-      lanesContext().stats().heldRecords.fetch_add(
-          1, std::memory_order_relaxed);
+    if (landing && landing->abandoned) {
+      why = "a record for an abandoned segment";
+    } else if (landing && landing->received < landing->size) {
+      if (!landing->held) {
+        landing->held = true;
+        lanesContext().stats().heldRecords.fetch_add(
+            1, std::memory_order_relaxed);
+      }
+      placed = 0; // the last stripe's reader resumes the stream
+    } else if (landing) {
+      *segment.provided = landing->data;
+      *segment.region = landing->region;
+      eraseLandingLocked(r.token);
+      placed = static_cast<int64_t>(r.size);
     }
-    return 0; // the last stripe's reader resumes the stream
   }
-  *segment.provided = landing->data;
-  *segment.region = landing->region;
-  unclaimedBytes_ -= landing->size;
-  landings_.erase(r.token);
-  return static_cast<int64_t>(r.size);
+  // Never with mutex_ held: closing the connection stops us (stopAll()).
+  if (placed < 0) {
+    if (auto host = host_.lock()) {
+      host->rejectFromLoop("rejected frame: " + why);
+    }
+  }
+  return placed;
 }
 
 } // namespace torch_rpc_ext::channel::lanes

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "csrc/channel/lanes/lane.h"
@@ -25,9 +26,12 @@ void LanesChannel::takeRegions(
     std::vector<TakenRegion>* taken,
     std::vector<ControlFrame>* /*before*/,
     const std::shared_ptr<void>& keepAlive) {
+  auto stripes = [&](const frame::OutboundFrame::Segment& segment) {
+    return segment.size >= minBytes_ && segment.size <= kMaxStripedBytes;
+  };
   bool any = false;
   for (size_t i : offered) {
-    any = any || segments[i].size >= minBytes_;
+    any = any || stripes(segments[i]);
   }
   if (!any) {
     return;
@@ -43,7 +47,7 @@ void LanesChannel::takeRegions(
   const size_t n = out_.size();
   for (size_t i : offered) {
     const auto& segment = segments[i];
-    if (segment.size < minBytes_) {
+    if (!stripes(segment)) {
       continue;
     }
     uint64_t token = nextToken_++;
@@ -92,10 +96,11 @@ void LanesChannel::startLanesLocked() {
   outState_ = OutState::kDialing;
   out_.resize(outTickets_.size());
   for (uint16_t i = 0; i < out_.size(); ++i) {
-    out_[i].thread =
-        std::thread([this, i, address = peerLanes_, ticket = outTickets_[i]] {
-          runOutLane(i, address, ticket);
-        });
+    out_[i].thread = std::thread(
+        [self = shared_from_this(),
+         i,
+         address = peerLanes_,
+         ticket = outTickets_[i]] { self->runOutLane(i, address, ticket); });
   }
 }
 
@@ -105,14 +110,14 @@ void LanesChannel::runOutLane(
     std::string ticket) {
   auto& stats = lanesContext().stats();
   std::string error;
-  int fd = dialLane(address, kDialTimeoutMs, &error);
+  int fd = dialLane(
+      address, kDialTimeoutMs, [this] { return stop_.load(); }, &error);
   Hello hello{kHelloMagic, 1, lane, {}};
   std::memcpy(hello.ticket, ticket.data(), kTicketBytes);
   if (fd >= 0 && !sendAll(fd, &hello, sizeof(hello), &error)) {
     ::close(fd);
     fd = -1;
   }
-  std::unique_ptr<Aead> aead;
   std::unique_lock<std::mutex> lock(mutex_);
   if (fd < 0 || closing_) {
     if (fd >= 0) {
@@ -132,8 +137,15 @@ void LanesChannel::runOutLane(
   }
   out_[lane].fd = fd;
   stats.lanesOpened.fetch_add(1, std::memory_order_relaxed);
-  if (!outKey_.empty()) {
-    aead = std::make_unique<Aead>(outKey_);
+  std::unique_ptr<Aead> aead;
+  try {
+    if (!outKey_.empty()) {
+      aead = std::make_unique<Aead>(outKey_);
+    }
+  } catch (const std::exception& e) {
+    lock.unlock();
+    failConnection(std::string("tcp_lanes: ") + e.what());
+    return;
   }
   if (++outUp_ == out_.size() && outState_ == OutState::kDialing) {
     outState_ = OutState::kUp;
@@ -141,16 +153,29 @@ void LanesChannel::runOutLane(
   uint64_t sequence = 0;
   std::string buffer;
   while (true) {
-    wake_.wait(lock, [&] { return closing_ || !out_[lane].queue.empty(); });
-    if (closing_) {
+    // Woken by a stripe or by closing; a connection that died without
+    // closing (its channels destroyed with it) ends us within a second.
+    wake_.wait_for(lock, std::chrono::seconds(1), [&] {
+      return closing_ || !out_[lane].queue.empty();
+    });
+    if (closing_ || host_.expired()) {
       return;
+    }
+    if (out_[lane].queue.empty()) {
+      continue;
     }
     Stripe stripe = std::move(out_[lane].queue.front());
     out_[lane].queue.pop_front();
     lock.unlock();
-    bool ok =
-        writeStripe(fd, lane, stripe, aead.get(), &sequence, &buffer, &error);
-    stripe.keepAlive.reset();
+    bool ok;
+    try {
+      ok =
+          writeStripe(fd, lane, stripe, aead.get(), &sequence, &buffer, &error);
+    } catch (const std::exception& e) {
+      ok = false;
+      error = e.what();
+    }
+    release(std::move(stripe.keepAlive));
     lock.lock();
     if (!ok) {
       if (!closing_) {
@@ -205,6 +230,11 @@ bool LanesChannel::writeStripe(
       }
     }
     done += length;
+    // Bytes the socket took: the peer is reading (its stream may not be,
+    // while it holds a record for these stripes).
+    if (auto host = host_.lock()) {
+      host->noteProgress();
+    }
   }
   return true;
 }

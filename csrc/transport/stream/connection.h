@@ -111,6 +111,11 @@ class StreamConnection : public Connection,
   bool encrypted() const override {
     return tls_ != nullptr;
   }
+  void releaseLater(std::shared_ptr<void> keepAlive) override {
+    if (options_.releaseOffLoop) {
+      options_.releaseOffLoop(std::move(keepAlive));
+    }
+  }
 
   // Fuzzing and tests only (tests/fuzz/fuzz_stream.cpp): parse `data` on the
   // calling thread as if a ready connection had just read it from its socket
