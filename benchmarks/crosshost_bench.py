@@ -12,6 +12,9 @@ whose address is not loopback), which rpc_bench.py, on one host, never does.
 Backends (all three in one run, side by side, on the same links):
   ext_tls     TORCH_RPC_EXT, the default encryption="auto" (TLS 1.3)
   ext_clear   TORCH_RPC_EXT, encryption="off"
+  ext_tls_lanes, ext_clear_lanes   the same with the tcp_lanes channel:
+              tensors of 1 MiB or more striped over 4 TCP lanes per peer
+              (only when --backends names them)
   tensorpipe  TensorPipe, _transports=["uv"], the channels it uses between
               machines: _channels=["mpt_uv", "basic"]
 and, only when --backends names them (no ratio lines; compare their rows):
@@ -436,7 +439,9 @@ def chart(ratios: list[dict], rates: list[str], path: Path) -> None:
     rates = [r for r in rates if any(x["rate"] == r for x in ratios)]
     cases = list(dict.fromkeys(x["case"] for x in ratios))
     variants = list(dict.fromkeys(x["ratio"] for x in ratios))
-    colors = {"ext_tls_vs_tensorpipe": "tab:blue", "ext_clear_vs_tensorpipe": "tab:orange"}
+    colors = {"ext_tls_vs_tensorpipe": "tab:blue", "ext_clear_vs_tensorpipe": "tab:orange",
+              "ext_tls_lanes_vs_tensorpipe": "lightsteelblue",
+              "ext_clear_lanes_vs_tensorpipe": "navajowhite"}
     fig, axes = plt.subplots(1, len(rates), figsize=(3.6 * len(rates) + 1, 0.45 * len(cases) + 2),
                              sharex=True, sharey=True, squeeze=False)
     height = 0.8 / max(1, len(variants))
