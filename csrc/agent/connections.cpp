@@ -192,7 +192,10 @@ std::vector<channel::Offer> Connections::channelsFor(
   }
   const auto& offered = peer->route.channels;
   for (const auto& c : channels_) {
-    if (c->needsDescriptorPassing() && !hostPassesDescriptors) {
+    // Only a transport that can host it: descriptors need a Unix socket,
+    // lanes a network one.
+    if ((c->needsDescriptorPassing() && !hostPassesDescriptors) ||
+        (c->needsNetworkHost() && hostPassesDescriptors)) {
       continue;
     }
     auto it = offered.find(c->name());

@@ -41,7 +41,7 @@ struct AgentOptions : rpc::RpcBackendOptions {
   // Channels for CPU tensor bytes by preference (channel/registry.h); the
   // stream carries what none of them takes. Empty: the stream carries all.
   std::vector<std::string> channels =
-      channel::channelNames(channel::DeviceKind::kCpu);
+      channel::defaultChannelNames(channel::DeviceKind::kCpu);
   // Channels for CUDA tensor bytes by preference, used by an agent with
   // devices: cuda_ipc (same host), cuda_staged (any peer, through host
   // memory). Never empty when devices are in use.

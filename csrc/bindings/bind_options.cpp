@@ -42,9 +42,10 @@ py::dict optionSpec() {
   auto none = py::none();
   // Transports: the registry's names, in its (default preference) order.
   py::tuple transports(py::cast(transport::transportNames()));
-  // Channels: the CPU ones (device channels serve device_maps).
+  // Channels: the CPU ones but the opt-in ones (device channels serve
+  // device_maps).
   py::tuple channels(
-      py::cast(channel::channelNames(channel::DeviceKind::kCpu)));
+      py::cast(channel::defaultChannelNames(channel::DeviceKind::kCpu)));
   py::dict spec;
   spec["num_worker_threads"] =
       py::make_tuple(kDefaultNumWorkerThreads, kMinNumWorkerThreads, none);

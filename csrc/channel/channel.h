@@ -222,6 +222,13 @@ class Channel {
   virtual void abandonRegion(
       const frame::OutboundFrame::Segment& segment,
       const frame::SegmentRecord& record) {}
+  // kRegion, with the connection's write lock held: the frame whose
+  // segments this channel took (takeRegions) joins the write queue now, in
+  // the order frames go on the wire; `records` are its records of this
+  // channel, which it may still rewrite. (The lanes number their segments
+  // here, so that their stripes and their records keep one order.)
+  virtual void onRegionsQueuedLocked(
+      const std::vector<frame::SegmentRecord*>& records) {}
   // kChunks, any thread, no lock held: whether to carry `segment` in chunks.
   virtual bool takeChunks(const frame::OutboundFrame::Segment& segment) {
     return false;
@@ -370,6 +377,12 @@ class Context : public std::enable_shared_from_this<Context> {
   // It passes descriptors over its connection (SCM_RIGHTS): only a transport
   // whose connections can host it.
   virtual bool needsDescriptorPassing() const = 0;
+  // It opens connections of its own over IP beside its connection
+  // (tcp_lanes): never hosted by a transport that passes descriptors (a
+  // Unix socket on one host, where the shm channels do better).
+  virtual bool needsNetworkHost() const {
+    return false;
+  }
   // One connection's end, talking through `host` to a peer that published
   // `peerDescriptor` (one this context reaches()).
   virtual std::shared_ptr<Channel> open(

@@ -22,6 +22,7 @@ struct Entry {
   const char* name;
   DeviceKind device; // Context::device() of what it creates
   std::shared_ptr<Context> (*create)(WireIds);
+  bool byDefault = true; // in the `channels` option's default
 };
 
 // In default preference order: a segment is offered to the channels of its
@@ -32,7 +33,9 @@ constexpr Entry kChannels[] = {
     {"cuda_ipc", DeviceKind::kCuda, cuda::createIpcChannel},
     {"cuda_staged", DeviceKind::kCuda, cuda::createStagedChannel},
     // Striped over TCP lanes: only a connection with IP addresses uses it.
-    {"tcp_lanes", DeviceKind::kCpu, lanes::createLanesChannel},
+    // Opt in: more sockets, threads and ports per peer, for hosts with
+    // cores to spare on fat links (docs/guide.md, "Fat links").
+    {"tcp_lanes", DeviceKind::kCpu, lanes::createLanesChannel, false},
 };
 
 } // namespace
@@ -41,6 +44,16 @@ std::vector<std::string> channelNames(std::optional<DeviceKind> device) {
   std::vector<std::string> names;
   for (const auto& e : kChannels) {
     if (!device || e.device == *device) {
+      names.emplace_back(e.name);
+    }
+  }
+  return names;
+}
+
+std::vector<std::string> defaultChannelNames(DeviceKind device) {
+  std::vector<std::string> names;
+  for (const auto& e : kChannels) {
+    if (e.device == device && e.byDefault) {
       names.emplace_back(e.name);
     }
   }

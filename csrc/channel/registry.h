@@ -22,6 +22,10 @@ inline constexpr const char* kStreamChannelName = "basic";
 std::vector<std::string> channelNames(
     std::optional<DeviceKind> device = std::nullopt);
 
+// Those of `device` that the options use unless told otherwise (all but
+// the opt-in ones, such as tcp_lanes), in preference order.
+std::vector<std::string> defaultChannelNames(DeviceKind device);
+
 // A new channel context by name, with the wire ids of its position in the
 // list; throws std::invalid_argument for an unknown name.
 std::shared_ptr<Context> createChannel(const std::string& name);

@@ -128,53 +128,25 @@ std::string bind(void* handle, Libcrypto& out) {
   return "";
 }
 
-// Tries `name` with `flags`; true once `out` is filled. A failure is added
-// to `tried` unless the name was merely not loaded yet (RTLD_NOLOAD).
-bool tryLoad(
-    const std::string& name,
-    int flags,
-    Libcrypto& out,
-    std::string& tried) {
-  dlerror();
-  void* handle = dlopen(name.c_str(), flags);
-  if (handle == nullptr) {
-    if ((flags & RTLD_NOLOAD) == 0) {
-      tried += "\n  dlopen(\"" + name + "\"): " + dlerrorText();
-    }
-    return false;
-  }
-  std::string why = bind(handle, out);
-  if (why.empty()) {
-    return true; // Kept open for the life of the process.
-  }
-  tried += "\n  " + name + ": " + why;
-  dlclose(handle);
-  return false;
-}
-
 // The Libcrypto to use, or one whose description is empty and whose
 // `hmac` is null, with `error` saying why.
 Libcrypto load(std::string& error) {
   Libcrypto out;
   std::string tried;
-  const char* override = std::getenv(kTestOverrideEnv);
-  if (override != nullptr && *override != '\0') {
-    if (tryLoad(override, RTLD_NOW | RTLD_LOCAL, out, tried)) {
-      return out;
+  auto usable = [&](void* handle) {
+    std::string why = bind(handle, out);
+    if (!why.empty()) {
+      out = Libcrypto{};
     }
-    tried += std::string("\n  (only this: ") + kTestOverrideEnv + " is set)";
-  } else {
-    for (const char* name : kNames) {
-      if (tryLoad(name, RTLD_NOW | RTLD_NOLOAD, out, tried)) {
-        return out;
-      }
-    }
-    tried += "\n  none of these was loaded in this process already";
-    for (const char* name : kNames) {
-      if (tryLoad(name, RTLD_NOW | RTLD_LOCAL, out, tried)) {
-        return out;
-      }
-    }
+    return why;
+  };
+  if (loadFirstUsable(
+          std::getenv(kTestOverrideEnv),
+          kTestOverrideEnv,
+          kNames,
+          usable,
+          tried)) {
+    return out;
   }
   error =
       "torch_rpc_ext needs OpenSSL's libcrypto (1.1 or 3.x) for the "

@@ -173,50 +173,24 @@ std::string bindSsl(void* handle, Libssl& out) {
   return "";
 }
 
-bool tryLoadSsl(
-    const std::string& name,
-    int flags,
-    Libssl& out,
-    std::string& tried) {
-  dlerror();
-  void* handle = dlopen(name.c_str(), flags);
-  if (handle == nullptr) {
-    if ((flags & RTLD_NOLOAD) == 0) {
-      tried += "\n  dlopen(\"" + name + "\"): " + dlerrorText();
-    }
-    return false;
-  }
-  std::string why = bindSsl(handle, out);
-  if (why.empty()) {
-    return true; // Kept open for the life of the process.
-  }
-  tried += "\n  " + name + ": " + why;
-  out = Libssl{};
-  dlclose(handle);
-  return false;
-}
-
 Libssl loadSsl(std::string& error) {
   Libssl out;
   std::string tried;
-  const char* override = std::getenv(kLibsslTestEnv);
-  if (override != nullptr && *override != '\0') {
-    if (tryLoadSsl(override, RTLD_NOW | RTLD_LOCAL, out, tried)) {
-      return out;
+  auto bind = [&](void* handle) {
+    std::string why = bindSsl(handle, out);
+    if (!why.empty()) {
+      out = Libssl{};
     }
-    tried += std::string("\n  (only this: ") + kLibsslTestEnv + " is set)";
-  } else {
-    // The one Python's ssl module loaded, if any, first.
-    for (const char* name : kLibsslNames) {
-      if (tryLoadSsl(name, RTLD_NOW | RTLD_NOLOAD, out, tried)) {
-        return out;
-      }
-    }
-    for (const char* name : kLibsslNames) {
-      if (tryLoadSsl(name, RTLD_NOW | RTLD_LOCAL, out, tried)) {
-        return out;
-      }
-    }
+    return why;
+  };
+  // The one Python's ssl module loaded, if any, first.
+  if (loadFirstUsable(
+          std::getenv(kLibsslTestEnv),
+          kLibsslTestEnv,
+          kLibsslNames,
+          bind,
+          tried)) {
+    return out;
   }
   error =
       "torch_rpc_ext needs OpenSSL's libssl (1.1.1 or 3.x) to encrypt "

@@ -204,3 +204,23 @@ def _bad_setting(rank, world_size):
 def test_a_bad_lanes_setting_leaves_the_channel_out(monkeypatch):
     monkeypatch.setenv("TORCH_RPC_EXT_LANES", "99")
     assert run_world(_bad_setting, 2, timeout=120)[0] == "basic"
+
+
+def _over_shm(rank, world_size):
+    init(rank, world_size, transports=["shm", "tcp"], channels=["shm_slab", "shm_ring", "tcp_lanes"])
+    out = None
+    if rank == 0:
+        big = torch.ones(4 * MB)
+        assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)
+        info = rpc.api._get_current_rpc_agent().get_debug_info()
+        out = (info["rpc_ext.peer.worker1.transport"], info["rpc_ext.peer.worker1.channels"],
+               _lanes_metrics())
+    rpc.shutdown()
+    return out
+
+
+def test_lanes_are_left_out_between_workers_of_one_host():
+    transport, channels, metrics = run_world(_over_shm, 2, timeout=120)[0]
+    assert transport == "shm"
+    assert channels == "shm_slab,shm_ring,basic"  # no lanes beside a Unix socket
+    assert metrics["lanes_opened"] == 0 and metrics["segments"] == 0

@@ -121,9 +121,11 @@ def test_transports_default_comes_from_the_environment(monkeypatch):
 
 
 def test_channels_default_to_the_registry_and_may_be_narrowed():
-    assert RpcExtBackendOptions().channels == tuple(_C.channel_names("cpu"))
-    assert _C.channel_names("cpu") == ["shm_slab", "shm_ring"]
-    assert _C.channel_names() == ["shm_slab", "shm_ring", "cuda_ipc", "cuda_staged"]
+    # Every CPU channel but tcp_lanes, which is opt in.
+    assert RpcExtBackendOptions().channels == ("shm_slab", "shm_ring")
+    assert _C.channel_names("cpu") == ["shm_slab", "shm_ring", "tcp_lanes"]
+    assert _C.channel_names() == ["shm_slab", "shm_ring", "cuda_ipc", "cuda_staged", "tcp_lanes"]
+    assert RpcExtBackendOptions(channels=("shm_slab", "tcp_lanes")).channels == ("shm_slab", "tcp_lanes")
     assert RpcExtBackendOptions(channels="shm_ring").channels == ("shm_ring",)
     assert RpcExtBackendOptions(channels=()).channels == ()
 

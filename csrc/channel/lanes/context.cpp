@@ -74,6 +74,12 @@ LanesContext::LanesContext(WireIds ids)
   }
 }
 
+LanesContext::AcceptState::~AcceptState() {
+  if (fd >= 0) {
+    ::close(fd);
+  }
+}
+
 LanesContext::~LanesContext() {
   std::map<std::string, Listener> listeners;
   {
@@ -86,7 +92,6 @@ LanesContext::~LanesContext() {
       l.thread.detach(); // it touches only its state from here on
     } else {
       l.thread.join();
-      ::close(l.state->fd);
     }
   }
 }
@@ -136,18 +141,21 @@ uint16_t LanesContext::listenFor(const sockaddr_storage& local) {
     ::close(fd);
     throw std::runtime_error("tcp_lanes: cannot listen on " + key + ": " + why);
   }
-  Listener& l = listeners_[key];
-  l.state = std::make_shared<AcceptState>();
-  l.state->fd = fd;
+  auto state = std::make_shared<AcceptState>();
+  state->fd = fd; // closed with the state from here on
+  Listener l;
+  l.state = state;
   l.port = address.ss_family == AF_INET
       ? ntohs(reinterpret_cast<sockaddr_in&>(address).sin_port)
       : ntohs(reinterpret_cast<sockaddr_in6&>(address).sin6_port);
-  l.thread = std::thread(
-      acceptLoop,
-      std::static_pointer_cast<LanesContext>(
-          std::const_pointer_cast<Context>(shared_from_this())),
-      l.state);
-  return l.port;
+  // Listed only once its thread runs (std::thread may throw).
+  // A weak reference: the thread must not keep us alive.
+  std::weak_ptr<LanesContext> weak =
+      std::static_pointer_cast<LanesContext>(shared_from_this());
+  l.thread = std::thread(acceptLoop, std::move(weak), state);
+  uint16_t port = l.port;
+  listeners_.emplace(key, std::move(l));
+  return port;
 }
 
 std::string LanesContext::issueTicket(
@@ -215,7 +223,15 @@ void LanesContext::acceptLoop(
           Hello hello = p.hello;
           pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(k));
           if (auto self = weak.lock()) {
-            self->admit(fd, hello);
+            try {
+              self->admit(fd, hello);
+            } catch (const std::exception& e) {
+              logWarning(
+                  std::string(
+                      "torch_rpc_ext: tcp_lanes could not take a "
+                      "lane: ") +
+                  e.what());
+            }
           } else {
             ::close(fd);
           }

@@ -67,6 +67,9 @@ class LanesContext final : public Context {
   bool needsDescriptorPassing() const override {
     return false;
   }
+  bool needsNetworkHost() const override {
+    return true;
+  }
   std::shared_ptr<Channel> open(
       std::weak_ptr<Host> host,
       const std::string& peerDescriptor) override;
@@ -97,8 +100,9 @@ class LanesContext final : public Context {
   // What a listener's accept thread shares with us: it may outlive us by a
   // moment (when the last reference to us is dropped on it).
   struct AcceptState {
+    ~AcceptState();
     std::atomic<bool> stop{false};
-    int fd = -1;
+    int fd = -1; // the listening socket, closed with the last of us
   };
   struct Listener {
     std::shared_ptr<AcceptState> state;

@@ -55,13 +55,14 @@ constexpr uint64_t kClearChunkBytes = 64ull << 20;
 constexpr uint64_t kMaxStripedBytes = 2ull << 30;
 constexpr uint64_t kMaxUnclaimedBytes = 4ull << 30;
 
-// The channel's control frames, by offset among its kinds.
-constexpr uint8_t kOfferFrame = 0; // receiver -> sender: port, tickets, key
-constexpr uint8_t kAbandonFrame = 1; // sender -> receiver: a token not sent
+// The channel's control frame, by offset among its kinds: the receiver's
+// offer of its lanes (port, tickets, key).
+constexpr uint8_t kOfferFrame = 0;
 
 // What a segment's record in the stream says (a frame::SegmentRecord).
 struct LaneRecord {
-  uint64_t token; // numbers the sender's striped segments, from 1
+  uint64_t token; // numbers the sender's striped segments, from 1, in the
+                  // order their records go on the wire
   uint64_t size;
 };
 static_assert(sizeof(LaneRecord) == 16, "LaneRecord is a SegmentRecord");

@@ -19,8 +19,6 @@ namespace {
 // The offer's head: port (2), lanes (1), encrypted (1), key (16), then a
 // ticket per lane.
 constexpr size_t kOfferFixedBytes = 4 + Aead::kKeyBytes;
-// Abandoned segments whose stripes have not come yet, at most.
-constexpr size_t kMaxAbandoned = 4096;
 
 } // namespace
 
@@ -93,7 +91,7 @@ bool LanesChannel::acceptsControlFrame(
         headLength <= kOfferFixedBytes + 16 * kTicketBytes &&
         (headLength - kOfferFixedBytes) % kTicketBytes == 0;
   }
-  return offset == kAbandonFrame && headLength == sizeof(uint64_t);
+  return false;
 }
 
 bool LanesChannel::onControlFrameFromLoop(
@@ -104,33 +102,7 @@ bool LanesChannel::onControlFrameFromLoop(
   if (!host) {
     return false;
   }
-  int offset = context().wireIds().offsetOf(kind);
   std::string why;
-  if (offset == kAbandonFrame) {
-    uint64_t token;
-    std::memcpy(&token, head.data(), sizeof(token));
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = landings_.find(token);
-      if (it == landings_.end()) {
-        if (abandoned_.size() < kMaxAbandoned) {
-          abandoned_.insert(token); // its stripes are yet to come
-        } else {
-          why = "more than " + std::to_string(kMaxAbandoned) +
-              " abandoned segments whose stripes never came";
-        }
-      } else if (it->second->received == it->second->size) {
-        eraseLandingLocked(token);
-      } else {
-        it->second->abandoned = true;
-      }
-    }
-    if (!why.empty()) {
-      host->rejectFromLoop("rejected frame: " + why);
-      return false;
-    }
-    return true;
-  }
   // The peer's offer of its lanes.
   sockaddr_storage local{}, peer{};
   uint16_t port;
@@ -234,6 +206,10 @@ void LanesChannel::stopAll() {
         threads.push_back(std::move(lane.thread));
       }
     }
+    for (auto& [id, t] : taken_) {
+      queued.push_back(std::move(t.keepAlive));
+    }
+    taken_.clear();
     for (int fd : inFds_) {
       ::shutdown(fd, SHUT_RDWR);
     }

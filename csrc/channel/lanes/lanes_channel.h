@@ -9,7 +9,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,10 +32,14 @@ namespace torch_rpc_ext::channel::lanes {
 // Sending: with the peer's offer in, the first segment of at least
 // `minBytes` dials the lanes (one thread each, which then writes); until
 // every lane is up, segments ride the stream. A segment then goes in
-// stripes, one per lane, queued to the lane threads from the caller's
-// thread with the frame's keepAlive, and its record (token, size) goes in
-// the stream. A record whose stripes are not all in yet holds the stream
-// (onRecordFromLoop() returns 0) until the last lands.
+// stripes, one per lane, with the frame's keepAlive, and its record (token,
+// size) goes in the stream; the token is given, and the stripes queued to
+// the lane threads, as the frame joins the write queue (with the
+// connection's write lock held), so that the stripes on every lane and the
+// records in the stream come in one order: a receiver holding a record
+// never waits for stripes queued behind ones it cannot take yet. A record whose
+// stripes are not all in yet holds the stream (onRecordFromLoop() returns 0)
+// until the last lands.
 //
 // A dial that fails (a firewall, NAT) leaves this connection on its stream,
 // with a warning; a lane that fails once up closes the connection, naming
@@ -68,6 +71,8 @@ class LanesChannel final : public Channel,
   void abandonRegion(
       const frame::OutboundFrame::Segment& segment,
       const frame::SegmentRecord& record) override;
+  void onRegionsQueuedLocked(
+      const std::vector<frame::SegmentRecord*>& records) override;
 
   // Receiver.
   int64_t onRecordFromLoop(
@@ -111,7 +116,13 @@ class LanesChannel final : public Channel,
     std::map<uint64_t, uint64_t> ranges;
     bool claimed = false; // its record came (else: counted as unclaimed)
     bool held = false; // its record waits in the stream
-    bool abandoned = false; // the sender gave it up: drop when complete
+  };
+  // A segment taken, waiting for its frame to be queued (then it gets its
+  // token and its stripes go to the lanes).
+  struct Taken {
+    const char* data;
+    uint64_t size;
+    std::shared_ptr<void> keepAlive;
   };
   enum class OutState { kIdle, kDialing, kUp, kFailed };
 
@@ -144,6 +155,7 @@ class LanesChannel final : public Channel,
       bool claim,
       std::string* error);
   void eraseLandingLocked(uint64_t token);
+  void queueStripesLocked(uint64_t token, Taken taken);
   // Lane threads: the connection must close (a lane broke).
   void failConnection(const std::string& reason);
   // A keepAlive let go where the GIL may not be taken (Host::releaseLater).
@@ -169,11 +181,12 @@ class LanesChannel final : public Channel,
   size_t outUp_ = 0;
   uint64_t nextToken_ = 1;
   size_t nextFirstLane_ = 0;
+  std::map<uint64_t, Taken> taken_; // by the record's provisional number
+  uint64_t nextTaken_ = 1;
   // Receiver (mutex_).
   bool offerSent_ = false;
   std::string inKey_;
   std::map<uint64_t, std::shared_ptr<Landing>> landings_;
-  std::set<uint64_t> abandoned_;
   uint64_t unclaimedBytes_ = 0;
   std::vector<int> inFds_;
   std::vector<std::thread> inThreads_;

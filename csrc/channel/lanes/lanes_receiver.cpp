@@ -45,10 +45,15 @@ void LanesChannel::attachInbound(uint16_t lane, int fd) {
     ::close(fd);
     return;
   }
-  lanesContext().stats().lanesOpened.fetch_add(1, std::memory_order_relaxed);
+  try {
+    inThreads_.emplace_back(
+        [self = shared_from_this(), lane, fd] { self->runInLane(lane, fd); });
+  } catch (...) {
+    ::close(fd);
+    throw; // the accept thread logs it; the peer's lane fails, and closes
+  }
   inFds_.push_back(fd);
-  inThreads_.emplace_back(
-      [self = shared_from_this(), lane, fd] { self->runInLane(lane, fd); });
+  lanesContext().stats().lanesOpened.fetch_add(1, std::memory_order_relaxed);
 }
 
 std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
@@ -108,7 +113,6 @@ std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
   }
   landing->size = size;
   landing->claimed = claim;
-  landing->abandoned = abandoned_.erase(token) != 0;
   if (!claim) {
     unclaimedBytes_ += size;
   }
@@ -224,13 +228,7 @@ bool LanesChannel::readChunk(
   {
     std::lock_guard<std::mutex> lock(mutex_);
     landing->received += header.length;
-    if (landing->received == landing->size) {
-      if (landing->abandoned) {
-        eraseLandingLocked(header.token);
-      } else {
-        resume = landing->held;
-      }
-    }
+    resume = landing->received == landing->size && landing->held;
   }
   if (resume) {
     if (auto host = host_.lock()) {
@@ -266,9 +264,7 @@ int64_t LanesChannel::onRecordFromLoop(
     } else {
       landing = landingLocked(lock, r.token, r.size, /*claim=*/true, &why);
     }
-    if (landing && landing->abandoned) {
-      why = "a record for an abandoned segment";
-    } else if (landing && landing->received < landing->size) {
+    if (landing && landing->received < landing->size) {
       if (!landing->held) {
         landing->held = true;
         lanesContext().stats().heldRecords.fetch_add(

@@ -36,59 +36,90 @@ void LanesChannel::takeRegions(
   if (!any) {
     return;
   }
-  auto& stats = lanesContext().stats();
-  std::unique_lock<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(mutex_);
   if (outState_ == OutState::kIdle && offered_ && !closing_) {
     startLanesLocked(); // this segment and any until they are up: the stream
   }
   if (outState_ != OutState::kUp || closing_) {
     return;
   }
-  const size_t n = out_.size();
   for (size_t i : offered) {
     const auto& segment = segments[i];
     if (!stripes(segment)) {
       continue;
     }
-    uint64_t token = nextToken_++;
-    uint64_t stripe = (segment.size + n - 1) / n;
-    stripe = (stripe + kStripeAlign - 1) / kStripeAlign * kStripeAlign;
-    size_t lane = nextFirstLane_;
-    nextFirstLane_ = (nextFirstLane_ + 1) % n;
-    for (uint64_t offset = 0; offset < segment.size; offset += stripe) {
-      out_[lane].queue.push_back(
-          Stripe{
-              token,
-              segment.size,
-              offset,
-              std::min<uint64_t>(stripe, segment.size - offset),
-              static_cast<const char*>(segment.data),
-              keepAlive});
-      lane = (lane + 1) % n;
-    }
+    // A provisional number until the frame is queued (the token then).
+    uint64_t id = nextTaken_++;
+    taken_.emplace(
+        id,
+        Taken{static_cast<const char*>(segment.data), segment.size, keepAlive});
     frame::SegmentRecord record{};
-    LaneRecord r{token, segment.size};
+    LaneRecord r{id, segment.size};
     std::memcpy(&record, &r, sizeof(record));
     taken->push_back({i, record});
-    stats.segments.fetch_add(1, std::memory_order_relaxed);
-    stats.bytes.fetch_add(segment.size, std::memory_order_relaxed);
   }
-  lock.unlock();
+}
+
+void LanesChannel::onRegionsQueuedLocked(
+    const std::vector<frame::SegmentRecord*>& records) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (frame::SegmentRecord* record : records) {
+      LaneRecord r;
+      std::memcpy(&r, record, sizeof(r));
+      auto it = taken_.find(r.token);
+      if (it == taken_.end()) {
+        continue; // unreachable: taken, not abandoned
+      }
+      Taken t = std::move(it->second);
+      taken_.erase(it);
+      if (closing_) {
+        continue; // the frame holds its memory too: never the last owner
+      }
+      r.token = nextToken_++;
+      std::memcpy(record, &r, sizeof(r));
+      queueStripesLocked(r.token, std::move(t));
+    }
+  }
   wake_.notify_all();
+}
+
+void LanesChannel::queueStripesLocked(uint64_t token, Taken taken) {
+  auto& stats = lanesContext().stats();
+  const size_t n = out_.size();
+  uint64_t stripe = (taken.size + n - 1) / n;
+  stripe = (stripe + kStripeAlign - 1) / kStripeAlign * kStripeAlign;
+  size_t lane = nextFirstLane_;
+  nextFirstLane_ = (nextFirstLane_ + 1) % n;
+  for (uint64_t offset = 0; offset < taken.size; offset += stripe) {
+    out_[lane].queue.push_back(
+        Stripe{
+            token,
+            taken.size,
+            offset,
+            std::min<uint64_t>(stripe, taken.size - offset),
+            taken.data,
+            taken.keepAlive});
+    lane = (lane + 1) % n;
+  }
+  stats.segments.fetch_add(1, std::memory_order_relaxed);
+  stats.bytes.fetch_add(taken.size, std::memory_order_relaxed);
 }
 
 void LanesChannel::abandonRegion(
     const frame::OutboundFrame::Segment& /*segment*/,
     const frame::SegmentRecord& record) {
-  // Its stripes are queued or on their way: the receiver drops them.
+  // Its frame was never queued: nothing went to the lanes.
   LaneRecord r;
   std::memcpy(&r, &record, sizeof(r));
-  std::string head(sizeof(r.token), '\0');
-  std::memcpy(head.data(), &r.token, sizeof(r.token));
-  if (auto host = host_.lock()) {
-    host->sendControl(
-        ControlFrame{
-            context().wireIds().kind(kAbandonFrame), std::move(head), {}, {}});
+  std::shared_ptr<void> keepAlive;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = taken_.find(r.token);
+    if (it != taken_.end()) {
+      keepAlive = std::move(it->second.keepAlive);
+      taken_.erase(it);
+    }
   }
 }
 
@@ -158,7 +189,12 @@ void LanesChannel::runOutLane(
     wake_.wait_for(lock, std::chrono::seconds(1), [&] {
       return closing_ || !out_[lane].queue.empty();
     });
-    if (closing_ || host_.expired()) {
+    if (closing_) {
+      return;
+    }
+    if (host_.expired()) {
+      // Gone without closing: the peer's reader learns it from us.
+      ::shutdown(fd, SHUT_RDWR);
       return;
     }
     if (out_[lane].queue.empty()) {

@@ -320,6 +320,11 @@ class StreamConnection : public Connection,
   // write(2), or sendmsg(2) with `fds` attached.
   ssize_t sendLocked(const iovec* iov, int n, const std::vector<int>* fds);
   void updateEventsLocked();
+  // Tells the region channels that `w`, whose segments they took, joins
+  // writes_ now (Channel::onRegionsQueuedLocked).
+  void announceRegionsLocked(
+      PendingWrite& w,
+      const std::vector<uint8_t>& slots);
   // Destroy the keepAlives of finished frames; off the loop thread when the
   // options say how. Call without writeMutex_ held.
   void releaseFinished();

@@ -197,6 +197,7 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
     for (auto& b : before) {
       writes_.push_back(controlFrame(std::move(b)));
     }
+    announceRegionsLocked(w, slots);
     writes_.push_back(std::move(w));
     if (state_ == State::kReady && wasEmpty) {
       error = flushLocked();
@@ -204,6 +205,26 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
   }
   afterFlush(error);
   return true;
+}
+
+void StreamConnection::announceRegionsLocked(
+    PendingWrite& w,
+    const std::vector<uint8_t>& slots) {
+  if (w.regionRecords.empty()) {
+    return;
+  }
+  std::vector<frame::SegmentRecord*> records;
+  for (size_t k = 0; k < channels_.size(); ++k) {
+    records.clear();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i] == k + 1 && (w.staged.empty() || !w.staged[i])) {
+        records.push_back(&w.regionRecords[i]);
+      }
+    }
+    if (!records.empty()) {
+      channels_[k]->onRegionsQueuedLocked(records);
+    }
+  }
 }
 
 std::string StreamConnection::flushLocked() {
