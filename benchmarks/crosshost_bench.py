@@ -14,7 +14,7 @@ Backends (all three in one run, side by side, on the same links):
   ext_clear   TORCH_RPC_EXT, encryption="off"
   ext_tls_lanes, ext_clear_lanes   the same with the tcp_lanes channel:
               tensors of 1 MiB or more striped over 4 TCP lanes per peer
-              (only when --backends names them)
+              (only when --backends names them; they get ratio lines too)
   tensorpipe  TensorPipe, _transports=["uv"], the channels it uses between
               machines: _channels=["mpt_uv", "basic"]
 and, only when --backends names them (no ratio lines; compare their rows):
