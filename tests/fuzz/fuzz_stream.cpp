@@ -183,6 +183,16 @@ struct Harness {
     }
     options.channelsFor = [this](int32_t, bool) { return channels; };
   }
+  // The negotiated channel of that name (the harness lists it).
+  const channel::Context& channel(const std::string& name) const {
+    for (const auto& offer : channels) {
+      if (offer.context->name() == name) {
+        return *offer.context;
+      }
+    }
+    FUZZ_CHECK(false, "the harness has no channel " + name);
+    return *channels.front().context;
+  }
   transport::stream::Loop loop;
   transport::TransportOptions options;
   std::vector<channel::Offer> channels;
@@ -221,7 +231,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     ring = channel::shm::Ring::create(channel::shm::kMinRingBytes);
     uint64_t cap = ring.capacity();
     std::string frame = header(
-        harness().channels[1].context->wireIds().kind(channel::shm::kRingSetup),
+        harness().channel("shm_ring").wireIds().kind(channel::shm::kRingSetup),
         sizeof(cap));
     frame.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
     open = conn->feedForTesting(
@@ -233,7 +243,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     uint32_t id = 1;
     uint64_t cap = slab->capacity();
     std::string frame = header(
-        harness().channels[0].context->wireIds().kind(channel::shm::kSlabSetup),
+        harness().channel("shm_slab").wireIds().kind(channel::shm::kSlabSetup),
         sizeof(id) + sizeof(cap));
     frame.append(reinterpret_cast<const char*>(&id), sizeof(id));
     frame.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
@@ -253,7 +263,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     auto block = channel::cuda::Block::create(0, kIpcBlockBytes, sharing);
     std::string head = block->describe(id);
     std::string frame = header(
-        h.channels[3].context->wireIds().kind(channel::cuda::kBlockSetup),
+        h.channel("cuda_ipc").wireIds().kind(channel::cuda::kBlockSetup),
         head.size());
     frame += head;
     std::vector<int> fds;
