@@ -114,7 +114,7 @@ FULL_PIPELINED = ("1MB", MB, 64, 6)
 SMOKE_PIPELINED = ("64KB", 64 * KB, 8, 2)
 BASE_PORT = 29500  # fresh namespaces: nothing else listens there
 # Variables that would override what this benchmark sets per backend.
-STRIP_ENV = ("TORCH_RPC_EXT_TRANSPORTS", "TORCH_RPC_EXT_ADDR", "TORCH_RPC_EXT_SOCKET_IFNAME",
+STRIP_ENV = ("TORCH_RPC_EXT_TRANSPORTS", "TORCH_RPC_EXT_CHANNELS", "TORCH_RPC_EXT_ADDR", "TORCH_RPC_EXT_SOCKET_IFNAME",
              "TORCH_RPC_EXT_ENCRYPTION", "TORCH_RPC_EXT_TLS_CERT", "TORCH_RPC_EXT_TLS_KEY",
              "TORCH_RPC_EXT_TLS_CA")
 

@@ -104,6 +104,10 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             per side), both for segments of 64 KiB or more over ``shm``. A
             segment no channel takes travels in the transport's stream
             (``"basic"``, always on); ``()`` sends everything that way.
+            ``"tcp_lanes"`` (opt in) stripes tensors of 1 MiB or more over
+            several TCP connections per peer across hosts. Defaults to
+            ``TORCH_RPC_EXT_CHANNELS`` (comma-separated; ``basic`` alone:
+            the stream only), else ``("shm_slab", "shm_ring")``.
         device_channels: Channels for CUDA tensors by preference, used when
             ``device_maps`` or ``devices`` name a GPU: ``"cuda_ipc"`` (the
             sender copies into device memory of its own that the receiver
@@ -182,7 +186,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         device_maps: Mapping[str, Mapping[DeviceLike, DeviceLike]] | None = None,
         devices: Sequence[DeviceLike] | None = None,
         transports: Sequence[str] | None = None,
-        channels: Sequence[str] = _DEFAULT["channels"],
+        channels: Sequence[str] | None = None,
         device_channels: Sequence[str] = _DEFAULT["device_channels"],
         address: str | None = _DEFAULT["address"],
         secret: bytes | str | None = _DEFAULT["secret"],
@@ -230,6 +234,13 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             raise ValueError(f"unknown transports {unknown}; known: {known}")
         if len(set(transports)) != len(transports):
             raise ValueError(f"transports lists a transport twice: {transports}")
+        if channels is None:
+            env = os.environ.get("TORCH_RPC_EXT_CHANNELS", "")
+            channels = tuple(c.strip() for c in env.split(",") if c.strip())
+            if channels == ("basic",):
+                channels = ()  # the stream alone
+            else:
+                channels = channels or _DEFAULT["channels"]
         if isinstance(channels, str):
             channels = (channels,)
         channels = tuple(channels)

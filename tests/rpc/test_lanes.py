@@ -224,3 +224,24 @@ def test_lanes_are_left_out_between_workers_of_one_host():
     assert transport == "shm"
     assert channels == "shm_slab,shm_ring,basic"  # no lanes beside a Unix socket
     assert metrics["lanes_opened"] == 0 and metrics["segments"] == 0
+
+
+def _from_environment(rank, world_size):
+    init(rank, world_size, transports=["tcp"])  # no channels: the environment's
+    out = None
+    if rank == 0:
+        big = torch.ones(4 * MB)
+        for _ in range(3):
+            assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)
+            time.sleep(0.2)
+        info = rpc.api._get_current_rpc_agent().get_debug_info()
+        out = (info["rpc_ext.peer.worker1.channels"], _lanes_metrics())
+    rpc.shutdown()
+    return out
+
+
+def test_a_program_that_names_no_channels_gets_lanes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TORCH_RPC_EXT_CHANNELS", "shm_slab,shm_ring,tcp_lanes")
+    channels, metrics = run_world(_from_environment, 2, timeout=120)[0]
+    assert channels == "tcp_lanes,basic"
+    assert metrics["segments"] >= 1 and metrics["lanes_opened"] >= 4

@@ -20,6 +20,7 @@ PYTHON_ONLY = {"device_maps", "devices"}
 
 def test_defaults_match_upstream_constants(monkeypatch):
     monkeypatch.delenv("TORCH_RPC_EXT_TRANSPORTS", raising=False)
+    monkeypatch.delenv("TORCH_RPC_EXT_CHANNELS", raising=False)
     opts = RpcExtBackendOptions()
     assert isinstance(opts, _C._RpcExtBackendOptionsBase)
     assert isinstance(opts, rpc.RpcBackendOptions)
@@ -120,7 +121,19 @@ def test_transports_default_comes_from_the_environment(monkeypatch):
         RpcExtBackendOptions()
 
 
-def test_channels_default_to_the_registry_and_may_be_narrowed():
+def test_channels_default_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TORCH_RPC_EXT_CHANNELS", "shm_slab, shm_ring,tcp_lanes")
+    assert RpcExtBackendOptions().channels == ("shm_slab", "shm_ring", "tcp_lanes")
+    assert RpcExtBackendOptions(channels=["shm_ring"]).channels == ("shm_ring",)
+    monkeypatch.setenv("TORCH_RPC_EXT_CHANNELS", "basic")
+    assert RpcExtBackendOptions().channels == ()
+    monkeypatch.setenv("TORCH_RPC_EXT_CHANNELS", "tcp_lanes,mpt")
+    with pytest.raises(ValueError, match=r"unknown channels \['mpt'\]"):
+        RpcExtBackendOptions()
+
+
+def test_channels_default_to_the_registry_and_may_be_narrowed(monkeypatch):
+    monkeypatch.delenv("TORCH_RPC_EXT_CHANNELS", raising=False)
     # Every CPU channel but tcp_lanes, which is opt in.
     assert RpcExtBackendOptions().channels == ("shm_slab", "shm_ring")
     assert _C.channel_names("cpu") == ["shm_slab", "shm_ring", "tcp_lanes"]
@@ -186,6 +199,7 @@ def _signature_defaults() -> dict:
 
 def test_signature_core_and_readme_agree_on_defaults(monkeypatch):
     monkeypatch.delenv("TORCH_RPC_EXT_TRANSPORTS", raising=False)
+    monkeypatch.delenv("TORCH_RPC_EXT_CHANNELS", raising=False)
     signature, readme = _signature_defaults(), _readme_defaults()
     assert set(readme) == set(signature)
     assert set(SPEC) == set(signature) - PYTHON_ONLY
@@ -197,8 +211,8 @@ def test_signature_core_and_readme_agree_on_defaults(monkeypatch):
             continue
         want = SPEC[name][0]
         assert getattr(core, name) == want, f"AgentOptions default of {name}"
-        # None in the signature means "resolved at construction" (transports:
-        # the environment, else the core's default).
+        # None in the signature means "resolved at construction" (transports,
+        # channels: the environment, else the core's default).
         assert default == want or default is None, f"signature default of {name}"
         assert getattr(effective, name) == want, f"effective default of {name}"
         assert readme[name] == want, f"README default of {name}"
