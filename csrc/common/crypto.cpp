@@ -111,6 +111,41 @@ Aead::~Aead() {
   lib.cipherCtxFree(decrypt_);
 }
 
+namespace {
+
+// Starts a record under `nonce`, takes `aad`, then `size` bytes from `in`
+// to `out` with `init`/`update` (the encrypting or the decrypting pair).
+bool cryptRecord(
+    evp_cipher_ctx_st* ctx,
+    Libcrypto::CipherInitFn init,
+    Libcrypto::CipherUpdateFn update,
+    const uint8_t* nonce,
+    std::string_view aad,
+    const void* in,
+    void* out,
+    size_t size) {
+  int n = 0;
+  bool ok = init(ctx, nullptr, nullptr, nullptr, nonce) == 1;
+  ok = ok &&
+      (aad.empty() ||
+       update(
+           ctx,
+           nullptr,
+           &n,
+           reinterpret_cast<const unsigned char*>(aad.data()),
+           static_cast<int>(aad.size())) == 1);
+  const auto* src = static_cast<const unsigned char*>(in);
+  auto* dst = static_cast<unsigned char*>(out);
+  for (size_t done = 0; ok && done < size;) {
+    int len = static_cast<int>(std::min(size - done, kMaxUpdate));
+    ok = update(ctx, dst + done, &n, src + done, len) == 1;
+    done += static_cast<size_t>(len);
+  }
+  return ok;
+}
+
+} // namespace
+
 void Aead::seal(
     const uint8_t* nonce,
     std::string_view aad,
@@ -120,24 +155,17 @@ void Aead::seal(
     uint8_t* tag) {
   const Libcrypto& lib = libcrypto();
   int n = 0;
-  bool ok = lib.encryptInit(encrypt_, nullptr, nullptr, nullptr, nonce) == 1;
-  ok = ok &&
-      (aad.empty() ||
-       lib.encryptUpdate(
-           encrypt_,
-           nullptr,
-           &n,
-           reinterpret_cast<const unsigned char*>(aad.data()),
-           static_cast<int>(aad.size())) == 1);
-  const auto* src = static_cast<const unsigned char*>(in);
-  auto* dst = static_cast<unsigned char*>(out);
-  for (size_t done = 0; ok && done < size;) {
-    int len = static_cast<int>(std::min(size - done, kMaxUpdate));
-    ok = lib.encryptUpdate(encrypt_, dst + done, &n, src + done, len) == 1;
-    done += static_cast<size_t>(len);
-  }
   unsigned char end[16];
-  ok = ok && lib.encryptFinal(encrypt_, end, &n) == 1 &&
+  bool ok = cryptRecord(
+                encrypt_,
+                lib.encryptInit,
+                lib.encryptUpdate,
+                nonce,
+                aad,
+                in,
+                out,
+                size) &&
+      lib.encryptFinal(encrypt_, end, &n) == 1 &&
       lib.cipherCtrl(encrypt_, kCtrlGcmGetTag, kTagBytes, tag) == 1;
   if (!ok) {
     throw std::runtime_error("libcrypto's AES-128-GCM encryption failed");
@@ -153,27 +181,20 @@ bool Aead::open(
     const uint8_t* tag) {
   const Libcrypto& lib = libcrypto();
   int n = 0;
-  bool ok = lib.decryptInit(decrypt_, nullptr, nullptr, nullptr, nonce) == 1;
-  ok = ok &&
-      (aad.empty() ||
-       lib.decryptUpdate(
-           decrypt_,
-           nullptr,
-           &n,
-           reinterpret_cast<const unsigned char*>(aad.data()),
-           static_cast<int>(aad.size())) == 1);
-  const auto* src = static_cast<const unsigned char*>(in);
-  auto* dst = static_cast<unsigned char*>(out);
-  for (size_t done = 0; ok && done < size;) {
-    int len = static_cast<int>(std::min(size - done, kMaxUpdate));
-    ok = lib.decryptUpdate(decrypt_, dst + done, &n, src + done, len) == 1;
-    done += static_cast<size_t>(len);
-  }
-  ok = ok &&
-      lib.cipherCtrl(
-          decrypt_, kCtrlGcmSetTag, kTagBytes, const_cast<uint8_t*>(tag)) == 1;
   unsigned char end[16];
-  return ok && lib.decryptFinal(decrypt_, end, &n) == 1;
+  return cryptRecord(
+             decrypt_,
+             lib.decryptInit,
+             lib.decryptUpdate,
+             nonce,
+             aad,
+             in,
+             out,
+             size) &&
+      lib.cipherCtrl(
+          decrypt_, kCtrlGcmSetTag, kTagBytes, const_cast<uint8_t*>(tag)) ==
+      1 &&
+      lib.decryptFinal(decrypt_, end, &n) == 1;
 }
 
 std::string randomBytes(size_t n) {
