@@ -16,3 +16,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.rpc)
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture
+def launched_tmpdir(tmp_path, monkeypatch):
+    """TMPDIR, for the processes a test starts, inside the test's tmp_path.
+
+    torchrun (and our launcher, which runs on it) makes a log folder,
+    /tmp/torchelastic_*, per launch and leaves it there; pytest removes
+    old tmp_paths. The pytest process keeps its own temporary directory
+    (tempfile caches it at first use)."""
+    tmp = tmp_path / "launched-tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp

@@ -64,7 +64,13 @@ if [ ! -f "$ready" ]; then
   have=$(python -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)
   echo "setup_env.sh: installing torch==$TORCH_VERSION (found: $have) and what the $SETUP_FOR needs into $PWD/.venv" >&2
   python -m pip install -q --upgrade pip setuptools wheel >/dev/null
-  PIP_CONSTRAINT=/dev/null python -m pip install -q "${PACKAGES[@]}"
+  if ! PIP_CONSTRAINT=/dev/null python -m pip install -q "${PACKAGES[@]}"; then
+    # The usual cause is the disk: a CUDA build of torch and its NVIDIA
+    # wheels take about 8 GB while they install (downloads and venv).
+    free_gb=$(df -Pk . | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }')
+    echo "setup_env.sh: installing torch==$TORCH_VERSION and the $SETUP_FOR's packages failed (above); $free_gb GB is free under $PWD (a CUDA build of torch needs about 8 GB)" >&2
+    exit 1
+  fi
   # cuda.h for the build (csrc/common/libcuda.h; no GPU needed): a CUDA
   # torch brings it with its NVIDIA wheels, a CPU torch does not.
   if ! python torch_rpc_ext/_cuda/headers.py >/dev/null 2>&1; then

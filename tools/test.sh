@@ -125,9 +125,23 @@ await() {
   fi
 }
 trap 'for p in "${job_pid[@]}"; do kill_tree "$p"; done' EXIT
+# The newest torch's tree takes about 8 GB of disk while it installs (a
+# CUDA build and its NVIDIA wheels, downloaded, then unpacked into its
+# .venv; 5.5 GB stays). Too little free fails it with "No space left on
+# device" after the first stages (CI's did, 18 minutes in, when old clones
+# filled the disk); say so now instead. pip keeps no copy of those wheels.
+newest_need_gb=9
+if [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ] &&
+  ! compgen -G "build/torch-$NEWEST_TORCH/.venv/.packages-test-*" >/dev/null; then
+  free_kb=$(df -Pk build | awk 'NR == 2 { print $4 }')
+  if [ "$free_kb" -lt $((newest_need_gb * 1024 * 1024)) ]; then
+    echo "tools/test.sh: torch $NEWEST_TORCH's stages need about $newest_need_gb GB free under $PWD/build; $((free_kb / 1024 / 1024)) GB is free. Free some, or leave those stages out with TORCH_RPC_EXT_SKIP_NEWEST=1." >&2
+    exit 1
+  fi
+fi
 background fuzz-build build/fuzz-build.log bash tests/fuzz/build.sh
 if [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ]; then
-  background newest-torch-setup build/newest-torch-setup.log \
+  PIP_NO_CACHE_DIR=1 background newest-torch-setup build/newest-torch-setup.log \
     bash tools/with_torch.sh "$NEWEST_TORCH" bash -c 'SETUP_FOR=test . tools/setup_env.sh'
 fi
 

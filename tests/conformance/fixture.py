@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Our RpcAgentTestFixture: upstream's agent-agnostic suites run unmodified on it."""
 
+import glob
 import os
 import warnings
 
@@ -101,6 +102,19 @@ class ForkedOnRpcExt:
         # torch, and 4 of them per test is what makes the suites slow on two
         # cores. The test bodies are upstream's, unchanged.
         self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+    def tearDown(self) -> None:
+        super().tearDown()
+        # Upstream's MultiProcessTestCase leaves its rendezvous file in the
+        # temporary directory, and the bodies' FileStores beside it (the
+        # name with "_pg" or "init_2" added): some 9,000 files after a day
+        # of runs. The name comes from NamedTemporaryFile, so what begins
+        # with it is this test's.
+        for path in glob.glob(glob.escape(self.file_name) + "*"):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
 
 
 class RpcExtAgentTestFixture(ForkedOnRpcExt, RpcAgentTestFixture):

@@ -15,7 +15,9 @@ import pytest
 
 from tests.rpc.world import free_port
 
-pytestmark = pytest.mark.timeout(300)
+# torchrun leaves a log folder per launch in TMPDIR: launched_tmpdir
+# (tests/conftest.py) puts it in tmp_path.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("launched_tmpdir")]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = Path(__file__).resolve().parent / "programs"

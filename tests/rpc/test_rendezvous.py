@@ -4,7 +4,6 @@
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -35,13 +34,13 @@ def ping_with(rank, world_size, init_method):
 
 
 @pytest.mark.parametrize("kind", ["env", "tcp", "file"])
-def test_every_init_method_kind(kind):
+def test_every_init_method_kind(kind, tmp_path):
     if kind == "env":
         method = "env://"
     elif kind == "tcp":
         method = f"tcp://127.0.0.1:{free_port()}"
     else:
-        method = f"file://{tempfile.mktemp(prefix='rpc_ext_rdv_')}"
+        method = f"file://{tmp_path / 'rendezvous'}"
     out = run_world(ping_with, world_size=3, init_method=method)
     assert out == {0: 1.0, 1: 2.0, 2: 3.0}
 
@@ -81,7 +80,7 @@ TORCHRUN_SCRIPT = textwrap.dedent(
 )
 
 
-def test_torchrun_launch_with_inferred_backend(tmp_path):
+def test_torchrun_launch_with_inferred_backend(tmp_path, launched_tmpdir):
     script = tmp_path / "job.py"
     script.write_text(TORCHRUN_SCRIPT)
     env = dict(os.environ, TORCH_RPC_EXT_ADDR="127.0.0.1", OMP_NUM_THREADS="1")

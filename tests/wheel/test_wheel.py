@@ -24,7 +24,9 @@ import torch
 
 from tests.rpc.world import free_port
 
-pytestmark = pytest.mark.timeout(600)
+# torchrun leaves a log folder per launch in TMPDIR: launched_tmpdir
+# (tests/conftest.py) puts it in tmp_path.
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("launched_tmpdir")]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = ROOT / "tests" / "launcher" / "programs"
