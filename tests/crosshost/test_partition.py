@@ -242,3 +242,37 @@ def test_a_dynamic_member_cut_off_past_its_lease_is_declared_dead_then_rejoins(t
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+
+def test_stripes_slower_than_the_heartbeat_keep_their_connection(two_hosts, monkeypatch):
+    """In the clear a lane's chunk may be 64 MiB; on a slow link one takes
+    longer to arrive than the heartbeat allows a quiet peer (6 timeouts
+    when its bytes wait unread), while the receiver holds the record and
+    its stream reads nothing. The lanes tell the heartbeat at every MiB
+    they send or receive, so a slow transfer is not a dead peer. It once
+    was: one lane, heartbeat_timeout 1 s, an 8 MiB tensor at 8 Mbit (8.4 s
+    a chunk) closed the connection for "no sign of life"."""
+    monkeypatch.setenv("TORCH_RPC_EXT_LANES", "1")
+    p = Pair(two_hosts, {"encryption": "off", "channels": ["tcp_lanes"], "heartbeat_timeout": 1.0})
+    try:
+        mb = 1 << 20
+        for _ in range(20):  # until a segment went striped each way
+            assert p.ask(op="start", n=1, sleep=0.0, bytes=4 * mb)["started"] == 1
+            assert p.ask(op="wait")["results"] == ["ok"]
+            before = p.ask(op="lanes")
+            if before["ours"]["segments"] > 0 and before["theirs"]["segments"] > 0:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the lanes never came up: {before}")
+        two_hosts.shape(1, "8mbit")
+        assert p.ask(op="start", n=1, sleep=0.0, bytes=8 * mb)["started"] == 1
+        out = p.ask(op="wait")
+        assert out["results"] == ["ok"], out
+        after = p.ask(op="lanes")
+        assert after["ours"]["segments"] > before["ours"]["segments"], (before, after)
+        assert after["theirs"]["segments"] > before["theirs"]["segments"], (before, after)
+    finally:
+        two_hosts.unshape(1)
+        p.close()

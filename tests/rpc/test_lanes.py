@@ -6,6 +6,7 @@ clear and encrypted, driven through init_rpc over loopback TCP with
 with stripes in flight): tests/crosshost/test_lanes.py."""
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -245,3 +246,71 @@ def test_a_program_that_names_no_channels_gets_lanes_from_the_environment(monkey
     channels, metrics = run_world(_from_environment, 2, timeout=120)[0]
     assert channels == "tcp_lanes,basic"
     assert metrics["segments"] >= 1 and metrics["lanes_opened"] >= 4
+
+
+
+def _killed(rank, world_size):
+    init(rank, world_size, transports=["tcp"], channels=["tcp_lanes"])
+    big = torch.ones(MB)
+    for _ in range(3):  # lanes up both ways, stripes each way
+        rpc.rpc_sync(f"worker{1 - rank}", torch.neg, args=(big,))
+        time.sleep(0.1)
+    if rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(2)  # its connection's end has run here (within milliseconds)
+    metrics = rpc.api._get_current_rpc_agent().get_metrics()
+    out = (int(metrics["rpc_ext.peer.worker1.rejected_frames"]), _lanes_metrics()["segments"])
+    rpc.shutdown(graceful=False)
+    return out
+
+
+def test_a_peer_that_dies_between_stripes_is_a_lost_connection_not_a_fault():
+    # Its lanes and its stream end together. Our lane readers see the end
+    # between chunks, with every segment whole: the stream's own end closes
+    # the connection. It once counted as a frame the peer got wrong ("the
+    # peer closed lane 3", rejected_frames 1 or 2 in 4 runs of 4), when a
+    # lane's end won the race.
+    rejected, segments = run_world(_killed, 2, timeout=120, dies=frozenset({1}))[0]
+    assert segments > 0
+    assert rejected == 0
+
+
+def _rejected_from(name):
+    return int(rpc.api._get_current_rpc_agent().get_metrics()[f"rpc_ext.peer.{name}.rejected_frames"])
+
+
+def _forged(rank, world_size, how):
+    if rank == 0:  # its sender forges (read as its lanes' context is made)
+        os.environ["TORCH_RPC_EXT_TEST_LANES_FORGE"] = how
+    init(rank, world_size, transports=["tcp"], channels=["tcp_lanes"])
+    out = None
+    if rank == 0:
+        big = torch.ones(MB)
+        errors = []
+        for _ in range(20):  # the first striped segment carries the forgery
+            try:
+                rpc.rpc_sync("worker1", torch.neg, args=(big,))
+            except RuntimeError as e:
+                errors.append(str(e))
+                break
+            if _lanes_metrics()["segments"] > 0:
+                break
+            time.sleep(0.2)
+        # A new connection: worker1 says what it refused on the old one.
+        out = (errors, rpc.rpc_sync("worker1", _rejected_from, args=("worker0",)),
+               _lanes_metrics()["segments"])
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("how", ["tiny", "scatter"])
+def test_chunks_that_would_pin_memory_past_the_budget_are_refused(how):
+    # A chunk costs its receiver a landing of at least a page: a one-byte
+    # segment ("tiny") would pin 4 KiB for 33 bytes on the wire, and
+    # one-byte chunks with gaps ("scatter") a range each. Both were let in
+    # (the call then went through, the forged bytes held for the
+    # connection's life); now the receiver refuses them and closes.
+    errors, rejected, segments = run_world(_forged, 2, timeout=120, how=how)[0]
+    assert len(errors) == 1 and "worker1" in errors[0], (errors, segments)
+    assert rejected >= 1

@@ -8,6 +8,7 @@ for a peer on another host: tests/crosshost runs that across network
 namespaces). The wire itself (tampering, a wrong key) is in
 tests/rpc/test_tls_wire.py."""
 
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -90,7 +91,7 @@ def test_what_stays_in_the_clear(kwargs, expected):
     assert info["rpc_ext.peer.worker0.security"] == "none (self: no connection)"
 
 
-def _mismatch(rank, world_size):
+def _mismatch(rank, world_size, both_failed):
     init(rank, world_size, transports=["tcp"], rpc_timeout=20,
          encryption="always" if rank == 0 else "off")
     try:
@@ -98,12 +99,16 @@ def _mismatch(rank, world_size):
         error = None
     except RuntimeError as e:
         error = str(e)
+    # Both listeners up until both calls have failed: a worker that left
+    # early refused the other's connect outright ("Connection refused").
+    both_failed.wait(60)
     rpc.shutdown(graceful=False)
     return error
 
 
 def test_workers_that_disagree_on_encryption_fail_naming_it():
-    errors = run_world(_mismatch, 2, timeout=120)
+    both_failed = multiprocessing.get_context("fork").Barrier(2)
+    errors = run_world(_mismatch, 2, timeout=120, both_failed=both_failed)
     # worker0 encrypts, worker1 has encryption off: each refuses the other's
     # connection, saying why in its log, and each caller's error names it.
     # (An end with encryption on takes TLS from any peer: "auto" and

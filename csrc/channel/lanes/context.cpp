@@ -60,11 +60,14 @@ LanesContext::LanesContext(WireIds ids)
   if (unviable_.empty()) {
     unviable_ = readSetting(
         "TORCH_RPC_EXT_LANES_MIN_BYTES",
-        4096,
+        kMinStripedBytes,
         frame::kSegmentLengthMask,
         &settings_.minBytes);
   }
   settings_.lanes = static_cast<uint16_t>(lanes);
+  if (const char* forge = std::getenv("TORCH_RPC_EXT_TEST_LANES_FORGE")) {
+    settings_.testForge = forge;
+  }
   if (unviable_.empty()) {
     try {
       Aead probe(std::string(Aead::kKeyBytes, '\0')); // encrypted lanes

@@ -24,6 +24,12 @@ class LanesChannel;
 struct LanesSettings {
   uint16_t lanes = 4;
   uint64_t minBytes = uint64_t(1) << 20;
+  // Tests only (TORCH_RPC_EXT_TEST_LANES_FORGE): before the sender's first
+  // stripe in the clear, chunks of a segment no record claims, as a peer
+  // that misbehaves would send them: "tiny" (a one-byte segment) or
+  // "scatter" (one-byte chunks with gaps), for the receiver's checks to
+  // refuse (tests/rpc/test_lanes.py).
+  std::string testForge;
 };
 
 struct LanesCounters {

@@ -54,6 +54,16 @@ constexpr uint64_t kClearChunkBytes = 64ull << 20;
 // the bytes a receiver lets arrive ahead of the records that claim them.
 constexpr uint64_t kMaxStripedBytes = 2ull << 30;
 constexpr uint64_t kMaxUnclaimedBytes = 4ull << 30;
+// The smallest segment a sender stripes (TORCH_RPC_EXT_LANES_MIN_BYTES may
+// go no lower), the unclaimed segments a receiver holds at most, and the
+// byte ranges one segment's chunks may leave apart (each lane's stripe
+// lands as one range; adjacent chunks merge).
+constexpr uint64_t kMinStripedBytes = 4096;
+constexpr size_t kMaxUnclaimedSegments = 1024;
+constexpr size_t kMaxRangesPerSegment = 64;
+// A body is sent and received in slices of this size at most, each telling
+// the connection's heartbeat that the peer is alive, however slow the link.
+constexpr uint64_t kProgressSliceBytes = 1 << 20;
 
 // The channel's control frame, by offset among its kinds: the receiver's
 // offer of its lanes (port, tickets, key).

@@ -187,9 +187,15 @@ void LanesChannel::release(std::shared_ptr<void> keepAlive) {
 void LanesChannel::stopAll() {
   std::vector<std::thread> threads;
   std::vector<std::shared_ptr<void>> queued;
+  std::map<uint64_t, std::shared_ptr<Landing>> landings;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     closing_ = true;
+    // Their memory goes back to the pool now (a tensor that views one
+    // keeps its own reference), not when the last lane thread ends.
+    landings.swap(landings_);
+    unclaimedBytes_ = 0;
+    unclaimedSegments_ = 0;
     stop_ = true;
     if (outState_ != OutState::kUp) {
       outState_ = OutState::kFailed;

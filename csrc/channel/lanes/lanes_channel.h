@@ -130,6 +130,8 @@ class LanesChannel final : public Channel,
   void sendOfferFromLoop();
   void startLanesLocked();
   void runOutLane(uint16_t lane, sockaddr_storage address, std::string ticket);
+  // Tests only: the stripe's bytes as a misbehaving peer sends them.
+  bool writeForged(int fd, const Stripe& stripe, std::string* error);
   bool writeStripe(
       int fd,
       uint16_t lane,
@@ -155,6 +157,10 @@ class LanesChannel final : public Channel,
       bool claim,
       std::string* error);
   void eraseLandingLocked(uint64_t token);
+  // Whether every landing has all its bytes (a lane may end quietly).
+  bool landingsCompleteLocked() const;
+  // The connection's heartbeat: our peer is alive (lane bytes moved).
+  void noteProgress();
   void queueStripesLocked(uint64_t token, Taken taken);
   // Lane threads: the connection must close (a lane broke).
   void failConnection(const std::string& reason);
@@ -165,6 +171,7 @@ class LanesChannel final : public Channel,
   const std::weak_ptr<Host> host_;
   const uint16_t lanes_;
   const uint64_t minBytes_;
+  std::atomic<bool> forged_{false}; // testForge done (context.h)
 
   std::mutex mutex_;
   std::condition_variable wake_; // out lanes: a stripe or closing
@@ -187,7 +194,9 @@ class LanesChannel final : public Channel,
   bool offerSent_ = false;
   std::string inKey_;
   std::map<uint64_t, std::shared_ptr<Landing>> landings_;
-  uint64_t unclaimedBytes_ = 0;
+  uint64_t unclaimedBytes_ = 0; // page-rounded: what the landings pin
+  size_t unclaimedSegments_ = 0;
+  bool inLaneEnded_ = false; // a lane the peer closed between chunks
   std::vector<int> inFds_;
   std::vector<std::thread> inThreads_;
 };

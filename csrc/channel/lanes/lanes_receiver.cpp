@@ -3,6 +3,7 @@
 // segment's memory; a record waits in the stream until its segment is in.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <iterator>
@@ -14,10 +15,10 @@ namespace torch_rpc_ext::channel::lanes {
 
 namespace {
 
-// How long a chunk may wait for room under kMaxUnclaimedBytes (lane.h)
-// before the connection gives up: only records that never come (a peer
-// that misbehaves) keep it waiting that long.
-constexpr auto kBudgetWait = std::chrono::seconds(30);
+// What an unclaimed landing pins: its memory comes in whole pages.
+uint64_t pinnedBytes(uint64_t size) {
+  return (size + 4095) / 4096 * 4096;
+}
 
 // Landing memory from the context's pool, given back when the last tensor
 // viewing it is gone.
@@ -64,17 +65,18 @@ std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
     std::string* error) {
   auto it = landings_.find(token);
   if (it == landings_.end() && !claim) {
-    // Stripes ahead of their record wait for room: records free it.
-    auto room = [&] {
+    // Stripes ahead of their record wait for room, as long as it takes:
+    // records free it, and they come (stripes and records are queued in
+    // one order, so the record a held stream waits for never waits behind
+    // this chunk; a later one's record arrives and claims its landing).
+    // A stream that stops (a dead peer, a partition) closes the
+    // connection, which ends the wait. A time limit here would fail a
+    // slow stream that is still moving: the heartbeat watches that.
+    budget_.wait(lock, [&] {
       return closing_ || landings_.count(token) != 0 ||
-          size <= kMaxUnclaimedBytes - unclaimedBytes_;
-    };
-    if (!budget_.wait_for(lock, kBudgetWait, room)) {
-      *error = "more than " + std::to_string(kMaxUnclaimedBytes) +
-          " bytes arrived on lanes ahead of their records for " +
-          std::to_string(kBudgetWait.count()) + " s";
-      return nullptr;
-    }
+          (pinnedBytes(size) <= kMaxUnclaimedBytes - unclaimedBytes_ &&
+           unclaimedSegments_ < kMaxUnclaimedSegments);
+    });
     if (closing_) {
       *error = "closed";
       return nullptr;
@@ -95,7 +97,8 @@ std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
         return nullptr;
       }
       landing->claimed = true;
-      unclaimedBytes_ -= size;
+      unclaimedBytes_ -= pinnedBytes(size);
+      --unclaimedSegments_;
       budget_.notify_all();
     }
     return landing;
@@ -114,9 +117,15 @@ std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
   landing->size = size;
   landing->claimed = claim;
   if (!claim) {
-    unclaimedBytes_ += size;
+    unclaimedBytes_ += pinnedBytes(size);
+    ++unclaimedSegments_;
   }
   landings_.emplace(token, landing);
+  if (claim) {
+    // A lane may wait for room to land this segment's first chunk: its
+    // landing is here now.
+    budget_.notify_all();
+  }
   return landing;
 }
 
@@ -126,10 +135,26 @@ void LanesChannel::eraseLandingLocked(uint64_t token) {
     return;
   }
   if (!it->second->claimed) {
-    unclaimedBytes_ -= it->second->size;
+    unclaimedBytes_ -= pinnedBytes(it->second->size);
+    --unclaimedSegments_;
     budget_.notify_all();
   }
   landings_.erase(it);
+}
+
+bool LanesChannel::landingsCompleteLocked() const {
+  for (const auto& [token, landing] : landings_) {
+    if (landing->received < landing->size) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void LanesChannel::noteProgress() {
+  if (auto host = host_.lock()) {
+    host->noteProgress();
+  }
 }
 
 void LanesChannel::runInLane(uint16_t lane, int fd) {
@@ -148,10 +173,23 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
   } catch (const std::exception& e) {
     error = e.what();
   }
+  if (error == "closed") {
+    // Between chunks. A peer closing its connection shuts its lanes just
+    // before its stream: with every segment whole, the stream's own end
+    // closes the connection, as a close and not as a fault of the peer's.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closing_) {
+      return;
+    }
+    if (landingsCompleteLocked()) {
+      inLaneEnded_ = true; // a record that still needs stripes: reject
+      return;
+    }
+  }
   failConnection(
-      error == "closed"
-          ? "tcp_lanes: the peer closed lane " + std::to_string(lane)
-          : "tcp_lanes: lane " + std::to_string(lane) +
+      error == "closed" ? "tcp_lanes: the peer closed lane " +
+              std::to_string(lane) + " with a segment not all in"
+                        : "tcp_lanes: lane " + std::to_string(lane) +
               " from the peer: " + error);
 }
 
@@ -163,11 +201,12 @@ bool LanesChannel::readChunk(
     std::string* error) {
   ChunkHeader header;
   if (!recvAll(fd, &header, sizeof(header), error)) {
-    return false;
+    return false; // "closed": between chunks
   }
   const uint64_t bound = aead != nullptr ? kRecordBytes : kClearChunkBytes;
   if (header.flags != 0 || header.length == 0 || header.length > bound ||
-      header.segmentSize == 0 || header.segmentSize > kMaxStripedBytes ||
+      header.segmentSize < kMinStripedBytes ||
+      header.segmentSize > kMaxStripedBytes ||
       header.offset > header.segmentSize ||
       header.length > header.segmentSize - header.offset) {
     *error = "a malformed chunk header (segment " +
@@ -186,23 +225,49 @@ bool LanesChannel::readChunk(
       return false;
     }
     // Its range, before any byte lands: no chunk may overwrite another's.
-    auto next = landing->ranges.lower_bound(header.offset);
-    if ((next != landing->ranges.end() && next->first < end) ||
-        (next != landing->ranges.begin() &&
-         std::prev(next)->second > header.offset)) {
+    // Adjacent ranges merge, so a segment keeps one range per lane.
+    auto& ranges = landing->ranges;
+    auto next = ranges.lower_bound(header.offset);
+    auto prev = next == ranges.begin() ? ranges.end() : std::prev(next);
+    if ((next != ranges.end() && next->first < end) ||
+        (prev != ranges.end() && prev->second > header.offset)) {
       *error = "chunks overlap in segment " + std::to_string(header.token);
       return false;
     }
-    landing->ranges.emplace(header.offset, end);
+    uint64_t rangeEnd = end;
+    if (next != ranges.end() && next->first == end) {
+      rangeEnd = next->second;
+      ranges.erase(next);
+    }
+    if (prev != ranges.end() && prev->second == header.offset) {
+      prev->second = rangeEnd;
+    } else if (ranges.size() == kMaxRangesPerSegment) {
+      *error = "segment " + std::to_string(header.token) +
+          " arrives in more than " + std::to_string(kMaxRangesPerSegment) +
+          " pieces";
+      return false;
+    } else {
+      ranges.emplace(header.offset, rangeEnd);
+    }
   }
   char* dst = landing->data + header.offset;
-  if (!recvAll(fd, dst, header.length, error)) {
-    return false;
+  for (uint64_t done = 0; done < header.length;) {
+    uint64_t slice =
+        std::min<uint64_t>(kProgressSliceBytes, header.length - done);
+    if (!recvAll(fd, dst + done, slice, error)) {
+      *error = *error == "closed" ? "closed in the middle of a chunk" : *error;
+      return false;
+    }
+    done += slice;
+    if (done < header.length) {
+      noteProgress();
+    }
   }
   if (aead != nullptr) {
     uint8_t tag[Aead::kTagBytes];
     uint8_t nonce[Aead::kNonceBytes];
     if (!recvAll(fd, tag, sizeof(tag), error)) {
+      *error = *error == "closed" ? "closed in the middle of a chunk" : *error;
       return false;
     }
     laneNonce(lane, (*sequence)++, nonce);
@@ -221,9 +286,7 @@ bool LanesChannel::readChunk(
       return false;
     }
   }
-  if (auto host = host_.lock()) {
-    host->noteProgress();
-  }
+  noteProgress();
   bool resume = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -251,7 +314,8 @@ int64_t LanesChannel::onRecordFromLoop(
   std::string why;
   int64_t placed = -1;
   if (r.size != segment.size || segment.filled != 0 ||
-      segment.provided == nullptr || r.size > kMaxStripedBytes) {
+      segment.provided == nullptr || r.size < kMinStripedBytes ||
+      r.size > kMaxStripedBytes) {
     why = "a lanes record of " + std::to_string(r.size) +
         " bytes for a segment of " + std::to_string(segment.size);
   } else {
@@ -264,7 +328,11 @@ int64_t LanesChannel::onRecordFromLoop(
     } else {
       landing = landingLocked(lock, r.token, r.size, /*claim=*/true, &why);
     }
-    if (landing && landing->received < landing->size) {
+    if (landing && landing->received < landing->size && inLaneEnded_) {
+      why = "segment " + std::to_string(r.token) +
+          " is not all in, and the peer closed a lane";
+      landing.reset();
+    } else if (landing && landing->received < landing->size) {
       if (!landing->held) {
         landing->held = true;
         lanesContext().stats().heldRecords.fetch_add(

@@ -127,11 +127,25 @@ void LanesChannel::startLanesLocked() {
   outState_ = OutState::kDialing;
   out_.resize(outTickets_.size());
   for (uint16_t i = 0; i < out_.size(); ++i) {
-    out_[i].thread = std::thread(
-        [self = shared_from_this(),
-         i,
-         address = peerLanes_,
-         ticket = outTickets_[i]] { self->runOutLane(i, address, ticket); });
+    try {
+      out_[i].thread = std::thread(
+          [self = shared_from_this(),
+           i,
+           address = peerLanes_,
+           ticket = outTickets_[i]] { self->runOutLane(i, address, ticket); });
+    } catch (const std::exception& e) {
+      // Out of threads: this connection stays on its stream (the lanes
+      // started so far dial, then idle until it closes).
+      outState_ = OutState::kFailed;
+      lanesContext().stats().lanesFailed.fetch_add(
+          1, std::memory_order_relaxed);
+      logWarning(
+          std::string("torch_rpc_ext: tcp_lanes: no thread for a lane (") +
+          e.what() +
+          "); large tensors to this peer travel in the "
+          "connection's stream");
+      return;
+    }
   }
 }
 
@@ -225,6 +239,32 @@ void LanesChannel::runOutLane(
   }
 }
 
+bool LanesChannel::writeForged(
+    int fd,
+    const Stripe& stripe,
+    std::string* error) {
+  // For a segment no record will claim: what the receiver lets in of it
+  // would wait there, unclaimed, for the connection's life.
+  const uint64_t token = stripe.token + (uint64_t(1) << 40);
+  const std::string& how = lanesContext().settings().testForge;
+  const char byte = 0;
+  auto chunk = [&](uint64_t segmentSize, uint64_t offset) {
+    ChunkHeader header{token, segmentSize, offset, 1, 0};
+    return sendAll(fd, &header, sizeof(header), error) &&
+        sendAll(fd, &byte, 1, error);
+  };
+  if (how == "tiny") {
+    return chunk(1, 0);
+  }
+  // "scatter": more pieces than a segment may arrive in.
+  for (uint64_t k = 0; k <= kMaxRangesPerSegment; ++k) {
+    if (!chunk(stripe.segmentSize, stripe.offset + 2 * k)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 bool LanesChannel::writeStripe(
     int fd,
     uint16_t lane,
@@ -233,6 +273,10 @@ bool LanesChannel::writeStripe(
     uint64_t* sequence,
     std::string* buffer,
     std::string* error) {
+  if (aead == nullptr && !lanesContext().settings().testForge.empty() &&
+      !forged_.exchange(true) && !writeForged(fd, stripe, error)) {
+    return false;
+  }
   const uint64_t piece = aead != nullptr ? kRecordBytes : kClearChunkBytes;
   for (uint64_t done = 0; done < stripe.length;) {
     uint64_t length = std::min(piece, stripe.length - done);
@@ -244,9 +288,18 @@ bool LanesChannel::writeStripe(
         0};
     const char* src = stripe.data + stripe.offset + done;
     if (aead == nullptr) {
-      if (!sendAll(fd, &header, sizeof(header), error) ||
-          !sendAll(fd, src, length, error)) {
+      if (!sendAll(fd, &header, sizeof(header), error)) {
         return false;
+      }
+      for (uint64_t sent = 0; sent < length;) {
+        uint64_t slice = std::min(kProgressSliceBytes, length - sent);
+        if (!sendAll(fd, src + sent, slice, error)) {
+          return false;
+        }
+        sent += slice;
+        if (sent < length) {
+          noteProgress();
+        }
       }
     } else {
       buffer->resize(sizeof(header) + length + Aead::kTagBytes);
@@ -268,9 +321,7 @@ bool LanesChannel::writeStripe(
     done += length;
     // Bytes the socket took: the peer is reading (its stream may not be,
     // while it holds a record for these stripes).
-    if (auto host = host_.lock()) {
-      host->noteProgress();
-    }
+    noteProgress();
   }
   return true;
 }
