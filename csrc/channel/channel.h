@@ -76,6 +76,11 @@ class Host {
   virtual void resumeWritesFromLoop() = 0;
   // Loop thread: the peer broke the protocol; close the connection.
   virtual void rejectFromLoop(const std::string& reason) = 0;
+  // Loop thread: close the connection, lost rather than refused (another
+  // way of the peer's, e.g. a lane, broke or ended).
+  virtual void loseFromLoop(const std::string& reason) {
+    rejectFromLoop(reason);
+  }
   virtual bool isClosed() const = 0;
   // Loop thread: a record held back (onRecordFromLoop() returned 0) can be
   // placed now; the stream offers it to its channel again.

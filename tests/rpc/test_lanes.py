@@ -5,6 +5,7 @@ clear and encrypted, driven through init_rpc over loopback TCP with
 ``channels=("tcp_lanes",)``. Across hosts (network namespaces, a partition
 with stripes in flight): tests/crosshost/test_lanes.py."""
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -249,12 +250,13 @@ def test_a_program_that_names_no_channels_gets_lanes_from_the_environment(monkey
 
 
 
-def _killed(rank, world_size):
+def _killed(rank, world_size, calls_done):
     init(rank, world_size, transports=["tcp"], channels=["tcp_lanes"])
     big = torch.ones(MB)
     for _ in range(3):  # lanes up both ways, stripes each way
         rpc.rpc_sync(f"worker{1 - rank}", torch.neg, args=(big,))
         time.sleep(0.1)
+    calls_done.wait(60)  # neither has a call in flight when worker1 dies
     if rank == 1:
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -271,7 +273,9 @@ def test_a_peer_that_dies_between_stripes_is_a_lost_connection_not_a_fault():
     # the connection. It once counted as a frame the peer got wrong ("the
     # peer closed lane 3", rejected_frames 1 or 2 in 4 runs of 4), when a
     # lane's end won the race.
-    rejected, segments = run_world(_killed, 2, timeout=120, dies=frozenset({1}))[0]
+    calls_done = multiprocessing.get_context("fork").Barrier(2)
+    rejected, segments = run_world(_killed, 2, timeout=120, dies=frozenset({1}),
+                                   calls_done=calls_done)[0]
     assert segments > 0
     assert rejected == 0
 

@@ -66,7 +66,9 @@ LanesContext::LanesContext(WireIds ids)
   }
   settings_.lanes = static_cast<uint16_t>(lanes);
   if (const char* forge = std::getenv("TORCH_RPC_EXT_TEST_LANES_FORGE")) {
-    settings_.testForge = forge;
+    if (std::string(forge) == "tiny" || std::string(forge) == "scatter") {
+      settings_.testForge = forge; // nothing else: a stray value does nothing
+    }
   }
   if (unviable_.empty()) {
     try {

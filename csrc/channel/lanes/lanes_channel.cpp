@@ -156,7 +156,7 @@ void LanesChannel::onClosedFromLoop() {
   stopAll();
 }
 
-void LanesChannel::failConnection(const std::string& reason) {
+void LanesChannel::failConnection(const std::string& reason, bool refused) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closing_) {
@@ -165,9 +165,13 @@ void LanesChannel::failConnection(const std::string& reason) {
   }
   if (auto host = host_.lock()) {
     std::weak_ptr<Host> weak = host;
-    host->post([weak, reason] {
+    host->post([weak, reason, refused] {
       if (auto h = weak.lock(); h && !h->isClosed()) {
-        h->rejectFromLoop(reason);
+        if (refused) {
+          h->rejectFromLoop(reason);
+        } else {
+          h->loseFromLoop(reason);
+        }
       }
     });
   }

@@ -141,21 +141,25 @@ class LanesChannel final : public Channel,
       std::string* buffer,
       std::string* error);
   void runInLane(uint16_t lane, int fd);
+  // False with `error` set, and `refused` if the peer broke the protocol
+  // (else the lane ended or broke: "closed" between chunks).
   bool readChunk(
       int fd,
       uint16_t lane,
       Aead* aead,
       uint64_t* sequence,
-      std::string* error);
+      std::string* error,
+      bool* refused);
   // The landing of `token`, made if new (by a record when `claim`, else
   // by a chunk, which waits while kMaxUnclaimedBytes are unclaimed); null
-  // with `error` set.
+  // with `error` set, and `refused` if the peer broke the protocol.
   std::shared_ptr<Landing> landingLocked(
       std::unique_lock<std::mutex>& lock,
       uint64_t token,
       uint64_t size,
       bool claim,
-      std::string* error);
+      std::string* error,
+      bool* refused);
   void eraseLandingLocked(uint64_t token);
   // Whether every landing has all its bytes (a lane may end quietly).
   bool landingsCompleteLocked() const;
@@ -163,7 +167,8 @@ class LanesChannel final : public Channel,
   void noteProgress();
   void queueStripesLocked(uint64_t token, Taken taken);
   // Lane threads: the connection must close (a lane broke).
-  void failConnection(const std::string& reason);
+  // `refused`: the peer broke the protocol (else the lane broke or ended).
+  void failConnection(const std::string& reason, bool refused);
   // A keepAlive let go where the GIL may not be taken (Host::releaseLater).
   void release(std::shared_ptr<void> keepAlive);
   void stopAll();

@@ -62,7 +62,8 @@ std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
     uint64_t token,
     uint64_t size,
     bool claim,
-    std::string* error) {
+    std::string* error,
+    bool* refused) {
   auto it = landings_.find(token);
   if (it == landings_.end() && !claim) {
     // Stripes ahead of their record wait for room, as long as it takes:
@@ -72,11 +73,18 @@ std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
     // A stream that stops (a dead peer, a partition) closes the
     // connection, which ends the wait. A time limit here would fail a
     // slow stream that is still moving: the heartbeat watches that.
-    budget_.wait(lock, [&] {
+    auto room = [&] {
       return closing_ || landings_.count(token) != 0 ||
           (pinnedBytes(size) <= kMaxUnclaimedBytes - unclaimedBytes_ &&
            unclaimedSegments_ < kMaxUnclaimedSegments);
-    });
+    };
+    // (A connection dropped without closing: no record comes, ever.)
+    while (!budget_.wait_for(lock, std::chrono::seconds(1), room)) {
+      if (host_.expired()) {
+        *error = "closed";
+        return nullptr;
+      }
+    }
     if (closing_) {
       *error = "closed";
       return nullptr;
@@ -86,6 +94,7 @@ std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
   if (it != landings_.end()) {
     auto& landing = it->second;
     if (landing->size != size) {
+      *refused = true;
       *error = "segment " + std::to_string(token) + " announced as " +
           std::to_string(landing->size) + " and " + std::to_string(size) +
           " bytes";
@@ -93,6 +102,7 @@ std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
     }
     if (claim) {
       if (landing->claimed) {
+        *refused = true;
         *error = "two records for segment " + std::to_string(token);
         return nullptr;
       }
@@ -159,6 +169,7 @@ void LanesChannel::noteProgress() {
 
 void LanesChannel::runInLane(uint16_t lane, int fd) {
   std::string error;
+  bool refused = false;
   try {
     std::unique_ptr<Aead> aead;
     {
@@ -168,7 +179,7 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
       }
     }
     uint64_t sequence = 0;
-    while (readChunk(fd, lane, aead.get(), &sequence, &error)) {
+    while (readChunk(fd, lane, aead.get(), &sequence, &error, &refused)) {
     }
   } catch (const std::exception& e) {
     error = e.what();
@@ -190,7 +201,8 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
       error == "closed" ? "tcp_lanes: the peer closed lane " +
               std::to_string(lane) + " with a segment not all in"
                         : "tcp_lanes: lane " + std::to_string(lane) +
-              " from the peer: " + error);
+              " from the peer: " + error,
+      refused);
 }
 
 bool LanesChannel::readChunk(
@@ -198,7 +210,8 @@ bool LanesChannel::readChunk(
     uint16_t lane,
     Aead* aead,
     uint64_t* sequence,
-    std::string* error) {
+    std::string* error,
+    bool* refused) {
   ChunkHeader header;
   if (!recvAll(fd, &header, sizeof(header), error)) {
     return false; // "closed": between chunks
@@ -209,6 +222,7 @@ bool LanesChannel::readChunk(
       header.segmentSize > kMaxStripedBytes ||
       header.offset > header.segmentSize ||
       header.length > header.segmentSize - header.offset) {
+    *refused = true;
     *error = "a malformed chunk header (segment " +
         std::to_string(header.segmentSize) + " bytes, offset " +
         std::to_string(header.offset) + ", length " +
@@ -220,7 +234,12 @@ bool LanesChannel::readChunk(
   {
     std::unique_lock<std::mutex> lock(mutex_);
     landing = landingLocked(
-        lock, header.token, header.segmentSize, /*claim=*/false, error);
+        lock,
+        header.token,
+        header.segmentSize,
+        /*claim=*/false,
+        error,
+        refused);
     if (!landing) {
       return false;
     }
@@ -231,6 +250,7 @@ bool LanesChannel::readChunk(
     auto prev = next == ranges.begin() ? ranges.end() : std::prev(next);
     if ((next != ranges.end() && next->first < end) ||
         (prev != ranges.end() && prev->second > header.offset)) {
+      *refused = true;
       *error = "chunks overlap in segment " + std::to_string(header.token);
       return false;
     }
@@ -242,6 +262,7 @@ bool LanesChannel::readChunk(
     if (prev != ranges.end() && prev->second == header.offset) {
       prev->second = rangeEnd;
     } else if (ranges.size() == kMaxRangesPerSegment) {
+      *refused = true;
       *error = "segment " + std::to_string(header.token) +
           " arrives in more than " + std::to_string(kMaxRangesPerSegment) +
           " pieces";
@@ -280,6 +301,7 @@ bool LanesChannel::readChunk(
             header.length,
             tag)) {
       // The segment stays incomplete, so it is never delivered.
+      *refused = true;
       *error =
           "a record failed its integrity check (altered or injected "
           "on the wire, or not from our peer)";
@@ -313,6 +335,7 @@ int64_t LanesChannel::onRecordFromLoop(
   std::memcpy(&r, &record, sizeof(r));
   std::string why;
   int64_t placed = -1;
+  bool lost = false; // not the peer's fault: its lanes ended (it closes)
   if (r.size != segment.size || segment.filled != 0 ||
       segment.provided == nullptr || r.size < kMinStripedBytes ||
       r.size > kMaxStripedBytes) {
@@ -326,11 +349,14 @@ int64_t LanesChannel::onRecordFromLoop(
     if (it != landings_.end() && it->second->claimed) {
       landing = it->second;
     } else {
-      landing = landingLocked(lock, r.token, r.size, /*claim=*/true, &why);
+      bool refused = false; // a record: any failure is a reject
+      landing =
+          landingLocked(lock, r.token, r.size, /*claim=*/true, &why, &refused);
     }
     if (landing && landing->received < landing->size && inLaneEnded_) {
       why = "segment " + std::to_string(r.token) +
           " is not all in, and the peer closed a lane";
+      lost = true;
       landing.reset();
     } else if (landing && landing->received < landing->size) {
       if (!landing->held) {
@@ -349,7 +375,11 @@ int64_t LanesChannel::onRecordFromLoop(
   // Never with mutex_ held: closing the connection stops us (stopAll()).
   if (placed < 0) {
     if (auto host = host_.lock()) {
-      host->rejectFromLoop("rejected frame: " + why);
+      if (lost) {
+        host->loseFromLoop("tcp_lanes: " + why);
+      } else {
+        host->rejectFromLoop("rejected frame: " + why);
+      }
     }
   }
   return placed;

@@ -189,7 +189,7 @@ void LanesChannel::runOutLane(
     }
   } catch (const std::exception& e) {
     lock.unlock();
-    failConnection(std::string("tcp_lanes: ") + e.what());
+    failConnection(std::string("tcp_lanes: ") + e.what(), /*refused=*/false);
     return;
   }
   if (++outUp_ == out_.size() && outState_ == OutState::kDialing) {
@@ -232,7 +232,8 @@ void LanesChannel::runOutLane(
         lock.unlock();
         failConnection(
             "tcp_lanes: lane " + std::to_string(lane) + " to " +
-            describeAddress(address) + " failed: " + error);
+                describeAddress(address) + " failed: " + error,
+            /*refused=*/false);
       }
       return;
     }

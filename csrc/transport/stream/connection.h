@@ -102,6 +102,9 @@ class StreamConnection : public Connection,
     rejected_ = true;
     closeInternal(reason, false);
   }
+  void loseFromLoop(const std::string& reason) override {
+    closeInternal(reason, false);
+  }
   void resumeReadsFromLoop() override;
   void noteProgress() override {
     noteActivity();
