@@ -271,12 +271,21 @@ bool LanesChannel::readChunk(
       ranges.emplace(header.offset, rangeEnd);
     }
   }
+  // The rest of the chunk: an end here is mid-chunk, not between chunks.
+  auto recvRest = [&](void* to, size_t size) {
+    if (recvAll(fd, to, size, error)) {
+      return true;
+    }
+    if (*error == "closed") {
+      *error = "closed in the middle of a chunk";
+    }
+    return false;
+  };
   char* dst = landing->data + header.offset;
   for (uint64_t done = 0; done < header.length;) {
     uint64_t slice =
         std::min<uint64_t>(kProgressSliceBytes, header.length - done);
-    if (!recvAll(fd, dst + done, slice, error)) {
-      *error = *error == "closed" ? "closed in the middle of a chunk" : *error;
+    if (!recvRest(dst + done, slice)) {
       return false;
     }
     done += slice;
@@ -287,8 +296,7 @@ bool LanesChannel::readChunk(
   if (aead != nullptr) {
     uint8_t tag[Aead::kTagBytes];
     uint8_t nonce[Aead::kNonceBytes];
-    if (!recvAll(fd, tag, sizeof(tag), error)) {
-      *error = *error == "closed" ? "closed in the middle of a chunk" : *error;
+    if (!recvRest(tag, sizeof(tag))) {
       return false;
     }
     laneNonce(lane, (*sequence)++, nonce);
