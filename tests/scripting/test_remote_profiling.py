@@ -50,8 +50,8 @@ def profiled_calls(rank, world_size, trace_dir):
 
 def spans(trace_path):
     events = json.load(open(trace_path))["traceEvents"]
-    # A thread id can carry two names: Kineto also lists a thread of the
-    # same id that ended earlier (ids are reused).
+    # A thread id can carry two names: Kineto may also give one thread the
+    # name of the thread that wrote the trace (docs/profiling.md, Limits).
     names = {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "thread_name":
