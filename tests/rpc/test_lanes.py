@@ -318,3 +318,75 @@ def test_chunks_that_would_pin_memory_past_the_budget_are_refused(how):
     errors, rejected, segments = run_world(_forged, 2, timeout=120, how=how)[0]
     assert len(errors) == 1 and "worker1" in errors[0], (errors, segments)
     assert rejected >= 1
+
+
+def _capped(rank, world_size, worker1_may_die, done):
+    # TORCH_RPC_EXT_LANES_MAX=4: each process holds one connection's lanes
+    # each way at most. Only worker0 calls; worker1 and worker2 answer.
+    init(rank, world_size, transports=["tcp"], channels=["tcp_lanes"], rpc_timeout=60)
+    big = torch.ones(MB)
+    out = None
+    if rank == 0:
+        def stripes_to(peer):
+            # Calls until one of ours to `peer` goes in stripes (the first
+            # large segment of a connection dials its lanes and rides the
+            # stream); False if none did within 30 s.
+            before = _lanes_metrics()["segments"]
+            deadline = time.monotonic() + 30
+            while _lanes_metrics()["segments"] == before and time.monotonic() < deadline:
+                assert torch.equal(rpc.rpc_sync(peer, torch.neg, args=(big,)), -big)
+                time.sleep(0.05)
+            return _lanes_metrics()["segments"] > before
+
+        out = {"to worker1": stripes_to("worker1"), "held": _lanes_metrics()}
+        before = _lanes_metrics()["segments"]
+        for _ in range(5):  # past the cap both ways: the stream, intact
+            assert torch.equal(rpc.rpc_sync("worker2", torch.neg, args=(big,)), -big)
+            time.sleep(0.05)
+        out["striped to worker2"] = _lanes_metrics()["segments"] - before
+        out["capped"] = _lanes_metrics()
+        out["worker2's"] = rpc.rpc_sync("worker2", _lanes_metrics)
+        worker1_may_die.wait(60)
+        # Its connection closes here and gives its lanes back: worker2's
+        # connection takes them, both ways.
+        out["to worker2 once worker1 is gone"] = stripes_to("worker2")
+        deadline = time.monotonic() + 30
+        while rpc.rpc_sync("worker2", _lanes_metrics)["segments"] == 0 and time.monotonic() < deadline:
+            rpc.rpc_sync("worker2", torch.neg, args=(big,))
+            time.sleep(0.05)
+        out["worker2's at the end"] = rpc.rpc_sync("worker2", _lanes_metrics)
+        out["ours at the end"] = _lanes_metrics()
+        done.wait(60)
+    elif rank == 1:
+        worker1_may_die.wait(60)
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        done.wait(120)
+    rpc.shutdown(graceful=False)
+    return out
+
+
+def test_lanes_past_the_process_cap_ride_the_stream_until_lanes_go_back(monkeypatch):
+    monkeypatch.setenv("TORCH_RPC_EXT_LANES_MAX", "4")
+    fork = multiprocessing.get_context("fork")
+    out = run_world(_capped, 3, timeout=180, dies=frozenset({1}),
+                    worker1_may_die=fork.Barrier(2), done=fork.Barrier(2))[0]
+    assert out["to worker1"]
+    held = out["held"]
+    assert held["lanes_out"] == 4 and held["lanes_in"] == 4, held
+    # worker2's connection found both caps held: no lanes dialled to worker2,
+    # none offered to it (so it dialled none), the calls intact.
+    assert out["striped to worker2"] == 0
+    capped = out["capped"]
+    assert capped["lanes_capped"] == 2 and capped["lanes_out"] == 4 and capped["lanes_in"] == 4, capped
+    assert out["worker2's"]["lanes_opened"] == 0 and out["worker2's"]["segments"] == 0, out["worker2's"]
+    # worker1's end gave its connection's 4 lanes each way back.
+    assert out["to worker2 once worker1 is gone"]
+    assert out["worker2's at the end"]["segments"] > 0, out["worker2's at the end"]
+    end = out["ours at the end"]
+    assert end["lanes_out"] == 4 and end["lanes_in"] == 4 and end["lanes_capped"] == 2, end
+
+
+def test_a_cap_below_the_lanes_of_one_connection_leaves_the_channel_out(monkeypatch):
+    monkeypatch.setenv("TORCH_RPC_EXT_LANES_MAX", "3")  # TORCH_RPC_EXT_LANES is 4
+    assert run_world(_bad_setting, 2, timeout=120)[0] == "basic"

@@ -65,6 +65,10 @@ LanesContext::LanesContext(WireIds ids)
         &settings_.minBytes);
   }
   settings_.lanes = static_cast<uint16_t>(lanes);
+  if (unviable_.empty()) {
+    unviable_ = readSetting(
+        "TORCH_RPC_EXT_LANES_MAX", lanes, 4096, &settings_.maxLanes);
+  }
   if (const char* forge = std::getenv("TORCH_RPC_EXT_TEST_LANES_FORGE")) {
     if (std::string(forge) == "tiny" || std::string(forge) == "scatter") {
       settings_.testForge = forge; // nothing else: a stray value does nothing
@@ -115,7 +119,41 @@ std::map<std::string, uint64_t> LanesContext::counters() const {
       {"lanes_opened", counters_.lanesOpened.load()},
       {"lanes_failed", counters_.lanesFailed.load()},
       {"held_records", counters_.heldRecords.load()},
+      {"lanes_capped", counters_.lanesCapped.load()},
+      {"lanes_in", counters_.lanesIn.load()},
+      {"lanes_out", counters_.lanesOut.load()},
   };
+}
+
+bool LanesContext::holdLanes(bool inbound, uint64_t count) const {
+  auto& held = inbound ? counters_.lanesIn : counters_.lanesOut;
+  uint64_t now = held.load();
+  do {
+    if (now + count > settings_.maxLanes) {
+      return false;
+    }
+  } while (!held.compare_exchange_weak(now, now + count));
+  return true;
+}
+
+void LanesContext::noteCapped(bool inbound, const std::string& peer) const {
+  counters_.lanesCapped.fetch_add(1, std::memory_order_relaxed);
+  if (cappedSaid_[inbound ? 1 : 0].exchange(true)) {
+    return;
+  }
+  logWarning(
+      std::string("torch_rpc_ext: tcp_lanes: this process holds ") +
+      std::to_string(settings_.maxLanes) + " lanes " +
+      (inbound ? "from its peers" : "to its peers") +
+      " (TORCH_RPC_EXT_LANES_MAX): large tensors " +
+      (inbound ? "from " : "to ") + peer +
+      " travel in the connection's stream until some go back, as on "
+      "every connection past the cap (said once; "
+      "rpc_ext.channel.tcp_lanes.lanes_capped counts them)");
+}
+
+void LanesContext::releaseLanes(bool inbound, uint64_t count) const {
+  (inbound ? counters_.lanesIn : counters_.lanesOut).fetch_sub(count);
 }
 
 uint16_t LanesContext::listenFor(const sockaddr_storage& local) {

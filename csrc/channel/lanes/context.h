@@ -24,6 +24,11 @@ class LanesChannel;
 struct LanesSettings {
   uint16_t lanes = 4;
   uint64_t minBytes = uint64_t(1) << 20;
+  // The lanes a process holds each way at most (TORCH_RPC_EXT_LANES_MAX,
+  // `lanes` to 4096, default 128): those it has offered to its peers, and
+  // those it has dialled to theirs, on connections still open. A connection
+  // beyond it stays on its stream. Each lane is a thread and a socket.
+  uint64_t maxLanes = 128;
   // Tests only (TORCH_RPC_EXT_TEST_LANES_FORGE): before the sender's first
   // stripe in the clear, chunks of a segment no record claims, as a peer
   // that misbehaves would send them: "tiny" (a one-byte segment) or
@@ -38,6 +43,12 @@ struct LanesCounters {
   std::atomic<uint64_t> lanesOpened{0}; // lanes dialled and accepted
   std::atomic<uint64_t> lanesFailed{0}; // dials that failed (then: the stream)
   std::atomic<uint64_t> heldRecords{0}; // records that waited for their bytes
+  // Connections that found maxLanes held, each way (an offer not made, or
+  // lanes not dialled: the stream, until lanes go back).
+  std::atomic<uint64_t> lanesCapped{0};
+  // Lanes held now: offered to peers (in), dialled to theirs (out).
+  std::atomic<uint64_t> lanesIn{0};
+  std::atomic<uint64_t> lanesOut{0};
 };
 
 // tcp_lanes: large CPU segments striped over several TCP connections beside
@@ -101,6 +112,13 @@ class LanesContext final : public Context {
   std::string issueTicket(std::weak_ptr<LanesChannel> channel, uint16_t lane);
   // Forget the tickets `channel` still has out (it is closing).
   void revokeTickets(const LanesChannel* channel);
+  // Hold `count` more lanes one way (`inbound`: offered; else dialled), if
+  // that stays within settings().maxLanes; false if not.
+  bool holdLanes(bool inbound, uint64_t count) const;
+  void releaseLanes(bool inbound, uint64_t count) const;
+  // A connection to `peer` found the cap full one way: counted, and said
+  // the first time each way.
+  void noteCapped(bool inbound, const std::string& peer) const;
 
  private:
   // What a listener's accept thread shares with us: it may outlive us by a
@@ -130,6 +148,7 @@ class LanesContext final : public Context {
   LanesSettings settings_;
   std::string unviable_;
   mutable LanesCounters counters_;
+  mutable std::atomic<bool> cappedSaid_[2] = {false, false}; // out, in
   std::shared_ptr<BufferPool> pool_;
   std::mutex mutex_;
   std::map<std::string, Listener> listeners_; // by address (mutex_)

@@ -65,7 +65,17 @@ void LanesChannel::sendOfferFromLoop() {
     if (closing_ || offerSent_) {
       return;
     }
+    if (!lanesContext().holdLanes(/*inbound=*/true, lanes_)) {
+      // Past the process's cap: this peer sends in the stream, until a
+      // tick finds lanes gone back.
+      if (!offerCapped_) {
+        offerCapped_ = true;
+        lanesContext().noteCapped(/*inbound=*/true, describeAddress(peer));
+      }
+      return;
+    }
     offerSent_ = true;
+    heldIn_ = lanes_;
     bool encrypted = host->encrypted();
     head[3] = encrypted ? 1 : 0;
     if (encrypted) {
@@ -150,6 +160,14 @@ bool LanesChannel::onControlFrameFromLoop(
 
 void LanesChannel::onTickFromLoop() {
   lanesContext().pool().trim();
+  bool retry;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    retry = offerCapped_ && !offerSent_ && !closing_;
+  }
+  if (retry) {
+    sendOfferFromLoop(); // (not on a closed host: it checks)
+  }
 }
 
 void LanesChannel::onClosedFromLoop() {
@@ -192,9 +210,12 @@ void LanesChannel::stopAll() {
   std::vector<std::thread> threads;
   std::vector<std::shared_ptr<void>> queued;
   std::map<uint64_t, std::shared_ptr<Landing>> landings;
+  uint64_t heldIn = 0, heldOut = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     closing_ = true;
+    std::swap(heldIn, heldIn_);
+    std::swap(heldOut, heldOut_);
     // Their memory goes back to the pool now (a tensor that views one
     // keeps its own reference), not when the last lane thread ends.
     landings.swap(landings_);
@@ -234,6 +255,13 @@ void LanesChannel::stopAll() {
     release(std::move(k));
   }
   const_cast<LanesContext&>(lanesContext()).revokeTickets(this);
+  // Closing (no offer or dial follows): what we held goes back to the cap.
+  if (heldIn > 0) {
+    lanesContext().releaseLanes(/*inbound=*/true, heldIn);
+  }
+  if (heldOut > 0) {
+    lanesContext().releaseLanes(/*inbound=*/false, heldOut);
+  }
   for (auto& t : threads) {
     if (t.get_id() == std::this_thread::get_id()) {
       // The last lane thread to end let go of us: it touches nothing of

@@ -43,7 +43,10 @@ namespace torch_rpc_ext::channel::lanes {
 //
 // A dial that fails (a firewall, NAT) leaves this connection on its stream,
 // with a warning; a lane that fails once up closes the connection, naming
-// the lane, since its stripes are lost.
+// the lane, since its stripes are lost. Past the context's cap on the lanes
+// a process holds each way, no offer is made, or no lane dialled (the
+// stream, meanwhile); what a connection holds goes back when it closes, and
+// the next tick (offers) or large segment (dials) tries again.
 //
 // Threads: the Channel calls as channel.h says; lane threads of its own,
 // each holding a reference to the channel, joined at close (the
@@ -124,7 +127,8 @@ class LanesChannel final : public Channel,
     uint64_t size;
     std::shared_ptr<void> keepAlive;
   };
-  enum class OutState { kIdle, kDialing, kUp, kFailed };
+  // kCapped: the process held its cap of lanes; a later segment tries again.
+  enum class OutState { kIdle, kCapped, kDialing, kUp, kFailed };
 
   const LanesContext& lanesContext() const;
   void sendOfferFromLoop();
@@ -193,10 +197,13 @@ class LanesChannel final : public Channel,
   size_t outUp_ = 0;
   uint64_t nextToken_ = 1;
   size_t nextFirstLane_ = 0;
+  uint64_t heldOut_ = 0; // lanes held against the context's cap, dialled
   std::map<uint64_t, Taken> taken_; // by the record's provisional number
   uint64_t nextTaken_ = 1;
   // Receiver (mutex_).
   bool offerSent_ = false;
+  uint64_t heldIn_ = 0; // lanes held against the context's cap, offered
+  bool offerCapped_ = false; // no offer for the cap yet: ticks try again
   std::string inKey_;
   std::map<uint64_t, std::shared_ptr<Landing>> landings_;
   uint64_t unclaimedBytes_ = 0; // page-rounded: what the landings pin

@@ -37,7 +37,8 @@ void LanesChannel::takeRegions(
     return;
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (outState_ == OutState::kIdle && offered_ && !closing_) {
+  if ((outState_ == OutState::kIdle || outState_ == OutState::kCapped) &&
+      offered_ && !closing_) {
     startLanesLocked(); // this segment and any until they are up: the stream
   }
   if (outState_ != OutState::kUp || closing_) {
@@ -124,6 +125,16 @@ void LanesChannel::abandonRegion(
 }
 
 void LanesChannel::startLanesLocked() {
+  if (!lanesContext().holdLanes(/*inbound=*/false, outTickets_.size())) {
+    // Past the process's cap: the stream, until lanes go back.
+    if (outState_ != OutState::kCapped) {
+      outState_ = OutState::kCapped;
+      lanesContext().noteCapped(
+          /*inbound=*/false, describeAddress(peerLanes_));
+    }
+    return;
+  }
+  heldOut_ = outTickets_.size();
   outState_ = OutState::kDialing;
   out_.resize(outTickets_.size());
   for (uint16_t i = 0; i < out_.size(); ++i) {
