@@ -2,8 +2,10 @@
 """tcp_lanes (docs/architecture.md, "Lanes"): large tensors striped over
 several TCP connections beside the one that carries the frames, in the
 clear and encrypted, driven through init_rpc over loopback TCP with
-``channels=("tcp_lanes",)``. Across hosts (network namespaces, a partition
-with stripes in flight): tests/crosshost/test_lanes.py."""
+``channels=("tcp_lanes",)``; the per-process cap on lanes; test hooks
+``TORCH_RPC_EXT_TEST_LANES_FORGE`` and ``TORCH_RPC_EXT_TEST_LANES_UNREACHABLE``
+(csrc/channel/lanes/context.h). Across hosts (network namespaces, a
+partition with stripes in flight): tests/crosshost/test_partition.py."""
 
 import multiprocessing
 import os
@@ -320,6 +322,19 @@ def test_chunks_that_would_pin_memory_past_the_budget_are_refused(how):
     assert rejected >= 1
 
 
+def _stripes_to(peer):
+    """Calls `peer` until one of our large segments to it goes in stripes (a
+    connection's first dials its lanes and rides the stream); False if none
+    did within 30 s."""
+    big = torch.ones(MB)
+    before = _lanes_metrics()["segments"]
+    deadline = time.monotonic() + 30
+    while _lanes_metrics()["segments"] == before and time.monotonic() < deadline:
+        assert torch.equal(rpc.rpc_sync(peer, torch.neg, args=(big,)), -big)
+        time.sleep(0.05)
+    return _lanes_metrics()["segments"] > before
+
+
 def _capped(rank, world_size, worker1_may_die, done):
     # TORCH_RPC_EXT_LANES_MAX=4: each process holds one connection's lanes
     # each way at most. Only worker0 calls; worker1 and worker2 answer.
@@ -327,17 +342,7 @@ def _capped(rank, world_size, worker1_may_die, done):
     big = torch.ones(MB)
     out = None
     if rank == 0:
-        def stripes_to(peer):
-            # Calls until one of ours to `peer` goes in stripes (the first
-            # large segment of a connection dials its lanes and rides the
-            # stream); False if none did within 30 s.
-            before = _lanes_metrics()["segments"]
-            deadline = time.monotonic() + 30
-            while _lanes_metrics()["segments"] == before and time.monotonic() < deadline:
-                assert torch.equal(rpc.rpc_sync(peer, torch.neg, args=(big,)), -big)
-                time.sleep(0.05)
-            return _lanes_metrics()["segments"] > before
-
+        stripes_to = _stripes_to
         out = {"to worker1": stripes_to("worker1"), "held": _lanes_metrics()}
         before = _lanes_metrics()["segments"]
         for _ in range(5):  # past the cap both ways: the stream, intact
@@ -390,3 +395,63 @@ def test_lanes_past_the_process_cap_ride_the_stream_until_lanes_go_back(monkeypa
 def test_a_cap_below_the_lanes_of_one_connection_leaves_the_channel_out(monkeypatch):
     monkeypatch.setenv("TORCH_RPC_EXT_LANES_MAX", "3")  # TORCH_RPC_EXT_LANES is 4
     assert run_world(_bad_setting, 2, timeout=120)[0] == "basic"
+
+
+def _uneven(rank, world_size, measured):
+    if rank == 1:  # offers 8 lanes, holds up to 16 each way
+        os.environ.update(TORCH_RPC_EXT_LANES="8", TORCH_RPC_EXT_LANES_MAX="16")
+    init(rank, world_size, transports=["tcp"], channels=["tcp_lanes"])
+    out = None
+    if rank == 0:
+        out = {"striped": _stripes_to("worker1")}
+        big = torch.arange(float(3 * MB))
+        for _ in range(3):  # its answers too, once our offer's lanes are up
+            assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)
+            time.sleep(0.1)
+        out["ours"] = _lanes_metrics()
+        out["theirs"] = rpc.rpc_sync("worker1", _lanes_metrics)
+    # Shutting down, worker1 connects to worker0 (which has no lanes left to
+    # offer it): not before we have measured.
+    measured.wait(60)
+    rpc.shutdown()
+    return out
+
+
+def test_a_sender_dials_what_its_cap_leaves_of_a_larger_offer(monkeypatch):
+    monkeypatch.setenv("TORCH_RPC_EXT_LANES_MAX", "4")  # worker0: 4 each way
+    measured = multiprocessing.get_context("fork").Barrier(2)
+    out = run_world(_uneven, 2, timeout=120, measured=measured)[0]
+    assert out["striped"]
+    ours, theirs = out["ours"], out["theirs"]
+    # worker1 offered 8 lanes; worker0 dialled the 4 its cap left, and
+    # striped over them: no connection went without.
+    assert ours["lanes_out"] == 4 and ours["lanes_in"] == 4 and ours["lanes_capped"] == 0, ours
+    assert theirs["lanes_in"] == 8 and theirs["lanes_out"] == 4 and theirs["segments"] > 0, theirs
+
+
+def _unreachable(rank, world_size, measured):
+    if rank == 1:  # offers a port nothing listens on, as behind a firewall
+        os.environ["TORCH_RPC_EXT_TEST_LANES_UNREACHABLE"] = "1"
+    init(rank, world_size, transports=["tcp"], channels=["tcp_lanes"])
+    out = None
+    if rank == 0:
+        big = torch.arange(float(MB))
+        deadline = time.monotonic() + 30
+        while _lanes_metrics()["lanes_failed"] < 4 and time.monotonic() < deadline:
+            assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)
+            time.sleep(0.1)
+        for _ in range(3):  # after the dials failed: the stream, intact
+            assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)
+        out = _lanes_metrics()
+    measured.wait(60)
+    rpc.shutdown()
+    return out
+
+
+def test_lanes_whose_dials_fail_go_back_to_the_cap_and_the_stream_carries_on():
+    measured = multiprocessing.get_context("fork").Barrier(2)
+    m = run_world(_unreachable, 2, timeout=120, measured=measured)[0]
+    # Each of the 4 dials was refused: the connection stays on its stream,
+    # nothing went in stripes, and no lane is held for it any more.
+    assert m["lanes_failed"] == 4 and m["segments"] == 0, m
+    assert m["lanes_out"] == 0, m

@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -74,6 +75,10 @@ LanesContext::LanesContext(WireIds ids)
       settings_.testForge = forge; // nothing else: a stray value does nothing
     }
   }
+  if (const char* unreachable =
+          std::getenv("TORCH_RPC_EXT_TEST_LANES_UNREACHABLE")) {
+    settings_.testUnreachable = std::string(unreachable) == "1";
+  }
   if (unviable_.empty()) {
     try {
       Aead probe(std::string(Aead::kKeyBytes, '\0')); // encrypted lanes
@@ -125,15 +130,18 @@ std::map<std::string, uint64_t> LanesContext::counters() const {
   };
 }
 
-bool LanesContext::holdLanes(bool inbound, uint64_t count) const {
+uint64_t LanesContext::holdLanes(bool inbound, uint64_t most) const {
   auto& held = inbound ? counters_.lanesIn : counters_.lanesOut;
   uint64_t now = held.load();
+  uint64_t n;
   do {
-    if (now + count > settings_.maxLanes) {
-      return false;
+    n = now >= settings_.maxLanes ? 0
+                                  : std::min(most, settings_.maxLanes - now);
+    if (n == 0) {
+      return 0;
     }
-  } while (!held.compare_exchange_weak(now, now + count));
-  return true;
+  } while (!held.compare_exchange_weak(now, now + n));
+  return n;
 }
 
 void LanesContext::noteCapped(bool inbound, const std::string& peer) const {
@@ -143,12 +151,13 @@ void LanesContext::noteCapped(bool inbound, const std::string& peer) const {
   }
   logWarning(
       std::string("torch_rpc_ext: tcp_lanes: this process holds ") +
-      std::to_string(settings_.maxLanes) + " lanes " +
-      (inbound ? "from its peers" : "to its peers") +
-      " (TORCH_RPC_EXT_LANES_MAX): large tensors " +
-      (inbound ? "from " : "to ") + peer +
-      " travel in the connection's stream until some go back, as on "
-      "every connection past the cap (said once; "
+      std::to_string(
+          (inbound ? counters_.lanesIn : counters_.lanesOut).load()) +
+      " lanes " + (inbound ? "from its peers" : "to its peers") +
+      " of TORCH_RPC_EXT_LANES_MAX=" + std::to_string(settings_.maxLanes) +
+      ", none left for " + peer +
+      ": its large tensors travel in the connection's stream until lanes go "
+      "back, as on every connection past the cap (said once; "
       "rpc_ext.channel.tcp_lanes.lanes_capped counts them)");
 }
 

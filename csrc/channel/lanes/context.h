@@ -24,10 +24,11 @@ class LanesChannel;
 struct LanesSettings {
   uint16_t lanes = 4;
   uint64_t minBytes = uint64_t(1) << 20;
-  // The lanes a process holds each way at most (TORCH_RPC_EXT_LANES_MAX,
-  // `lanes` to 4096, default 128): those it has offered to its peers, and
-  // those it has dialled to theirs, on connections still open. A connection
-  // beyond it stays on its stream. Each lane is a thread and a socket.
+  // The lanes a process (its agent's context) holds each way at most
+  // (TORCH_RPC_EXT_LANES_MAX, `lanes` to 4096, default 128): those it has
+  // offered to its peers, and those it has dialled to theirs, on
+  // connections still open. A connection gets what is left, up to its
+  // lanes, and none past it: its stream. Each lane is a thread and a socket.
   uint64_t maxLanes = 128;
   // Tests only (TORCH_RPC_EXT_TEST_LANES_FORGE): before the sender's first
   // stripe in the clear, chunks of a segment no record claims, as a peer
@@ -35,6 +36,9 @@ struct LanesSettings {
   // "scatter" (one-byte chunks with gaps), for the receiver's checks to
   // refuse (tests/rpc/test_lanes.py).
   std::string testForge;
+  // Tests only (TORCH_RPC_EXT_TEST_LANES_UNREACHABLE=1): offers name a port
+  // nothing listens on, so that the peer's dials fail as behind a firewall.
+  bool testUnreachable = false;
 };
 
 struct LanesCounters {
@@ -112,11 +116,11 @@ class LanesContext final : public Context {
   std::string issueTicket(std::weak_ptr<LanesChannel> channel, uint16_t lane);
   // Forget the tickets `channel` still has out (it is closing).
   void revokeTickets(const LanesChannel* channel);
-  // Hold `count` more lanes one way (`inbound`: offered; else dialled), if
-  // that stays within settings().maxLanes; false if not.
-  bool holdLanes(bool inbound, uint64_t count) const;
+  // Hold up to `most` more lanes one way (`inbound`: offered; else
+  // dialled), as many as settings().maxLanes leaves: how many (0: none).
+  uint64_t holdLanes(bool inbound, uint64_t most) const;
   void releaseLanes(bool inbound, uint64_t count) const;
-  // A connection to `peer` found the cap full one way: counted, and said
+  // A connection to `peer` found no lane left one way: counted, and said
   // the first time each way.
   void noteCapped(bool inbound, const std::string& peer) const;
 

@@ -20,6 +20,33 @@ namespace {
 // ticket per lane.
 constexpr size_t kOfferFixedBytes = 4 + Aead::kKeyBytes;
 
+// Tests only: a port on `local`'s address that nothing listens on (bound,
+// then closed); 0 if none could be had.
+uint16_t closedPortOn(const sockaddr_storage& local) {
+  int fd = ::socket(local.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    return 0;
+  }
+  sockaddr_storage address = local;
+  socklen_t length =
+      local.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+  if (local.ss_family == AF_INET6) {
+    reinterpret_cast<sockaddr_in6&>(address).sin6_port = 0;
+  } else {
+    reinterpret_cast<sockaddr_in&>(address).sin_port = 0;
+  }
+  uint16_t port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), length) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0) {
+    port = ntohs(
+        local.ss_family == AF_INET6
+            ? reinterpret_cast<sockaddr_in6&>(address).sin6_port
+            : reinterpret_cast<sockaddr_in&>(address).sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
 } // namespace
 
 LanesChannel::LanesChannel(
@@ -57,17 +84,23 @@ void LanesChannel::sendOfferFromLoop() {
         "; large tensors from this peer travel in the connection's stream");
     return;
   }
+  if (lanesContext().settings().testUnreachable) {
+    if (uint16_t closed = closedPortOn(local); closed != 0) {
+      port = closed;
+    }
+  }
   std::string head(kOfferFixedBytes, '\0');
   std::memcpy(head.data(), &port, 2);
-  head[2] = static_cast<char>(lanes_);
+  uint64_t offered;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closing_ || offerSent_) {
       return;
     }
-    if (!lanesContext().holdLanes(/*inbound=*/true, lanes_)) {
-      // Past the process's cap: this peer sends in the stream, until a
-      // tick finds lanes gone back.
+    offered = lanesContext().holdLanes(/*inbound=*/true, lanes_);
+    if (offered == 0) {
+      // None left under the process's cap: this peer sends in the stream,
+      // until a tick finds lanes gone back.
       if (!offerCapped_) {
         offerCapped_ = true;
         lanesContext().noteCapped(/*inbound=*/true, describeAddress(peer));
@@ -75,7 +108,8 @@ void LanesChannel::sendOfferFromLoop() {
       return;
     }
     offerSent_ = true;
-    heldIn_ = lanes_;
+    heldIn_ = offered;
+    head[2] = static_cast<char>(offered);
     bool encrypted = host->encrypted();
     head[3] = encrypted ? 1 : 0;
     if (encrypted) {
@@ -84,7 +118,7 @@ void LanesChannel::sendOfferFromLoop() {
     }
   }
   auto& context = const_cast<LanesContext&>(lanesContext());
-  for (uint16_t i = 0; i < lanes_; ++i) {
+  for (uint16_t i = 0; i < offered; ++i) {
     head += context.issueTicket(weak_from_this(), i);
   }
   host->sendControl(
@@ -134,6 +168,7 @@ bool LanesChannel::onControlFrameFromLoop(
     }
     if (why.empty()) {
       offered_ = true;
+      peerAddress_ = peer;
       peerLanes_ = peer;
       if (peer.ss_family == AF_INET) {
         reinterpret_cast<sockaddr_in&>(peerLanes_).sin_port = htons(port);
@@ -255,13 +290,6 @@ void LanesChannel::stopAll() {
     release(std::move(k));
   }
   const_cast<LanesContext&>(lanesContext()).revokeTickets(this);
-  // Closing (no offer or dial follows): what we held goes back to the cap.
-  if (heldIn > 0) {
-    lanesContext().releaseLanes(/*inbound=*/true, heldIn);
-  }
-  if (heldOut > 0) {
-    lanesContext().releaseLanes(/*inbound=*/false, heldOut);
-  }
   for (auto& t : threads) {
     if (t.get_id() == std::this_thread::get_id()) {
       // The last lane thread to end let go of us: it touches nothing of
@@ -270,6 +298,14 @@ void LanesChannel::stopAll() {
     } else {
       t.join();
     }
+  }
+  // Our lanes' threads have ended (or end now, touching nothing): what we
+  // held goes back to the cap (closing: no offer or dial follows).
+  if (heldIn > 0) {
+    lanesContext().releaseLanes(/*inbound=*/true, heldIn);
+  }
+  if (heldOut > 0) {
+    lanesContext().releaseLanes(/*inbound=*/false, heldOut);
   }
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& lane : out_) {

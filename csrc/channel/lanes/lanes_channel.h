@@ -43,10 +43,11 @@ namespace torch_rpc_ext::channel::lanes {
 //
 // A dial that fails (a firewall, NAT) leaves this connection on its stream,
 // with a warning; a lane that fails once up closes the connection, naming
-// the lane, since its stripes are lost. Past the context's cap on the lanes
-// a process holds each way, no offer is made, or no lane dialled (the
-// stream, meanwhile); what a connection holds goes back when it closes, and
-// the next tick (offers) or large segment (dials) tries again.
+// the lane, since its stripes are lost. The context caps the lanes a
+// process holds each way: a connection offers, or dials, what is left of
+// it (up to its lanes); with none left, none (the stream, meanwhile), and
+// the next tick (offers) or large segment (dials) tries again. A dial that
+// fails gives its lane back at once, a closing connection all of its own.
 //
 // Threads: the Channel calls as channel.h says; lane threads of its own,
 // each holding a reference to the channel, joined at close (the
@@ -191,6 +192,7 @@ class LanesChannel final : public Channel,
   OutState outState_ = OutState::kIdle;
   bool offered_ = false; // the peer's offer is in
   sockaddr_storage peerLanes_{}; // its address and lane port
+  sockaddr_storage peerAddress_{}; // its address and the connection's port
   std::string outKey_;
   std::vector<std::string> outTickets_;
   std::vector<OutLane> out_;

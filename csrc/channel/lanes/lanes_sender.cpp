@@ -125,18 +125,21 @@ void LanesChannel::abandonRegion(
 }
 
 void LanesChannel::startLanesLocked() {
-  if (!lanesContext().holdLanes(/*inbound=*/false, outTickets_.size())) {
-    // Past the process's cap: the stream, until lanes go back.
+  // As many of the lanes offered as the process's cap leaves (the peer
+  // takes any of its tickets; the rest are revoked at close).
+  uint64_t n = lanesContext().holdLanes(/*inbound=*/false, outTickets_.size());
+  if (n == 0) {
+    // None left: the stream, until lanes go back.
     if (outState_ != OutState::kCapped) {
       outState_ = OutState::kCapped;
       lanesContext().noteCapped(
-          /*inbound=*/false, describeAddress(peerLanes_));
+          /*inbound=*/false, describeAddress(peerAddress_));
     }
     return;
   }
-  heldOut_ = outTickets_.size();
+  heldOut_ = n;
   outState_ = OutState::kDialing;
-  out_.resize(outTickets_.size());
+  out_.resize(n);
   for (uint16_t i = 0; i < out_.size(); ++i) {
     try {
       out_[i].thread = std::thread(
@@ -146,8 +149,10 @@ void LanesChannel::startLanesLocked() {
            ticket = outTickets_[i]] { self->runOutLane(i, address, ticket); });
     } catch (const std::exception& e) {
       // Out of threads: this connection stays on its stream (the lanes
-      // started so far dial, then idle until it closes).
+      // started so far dial, then idle until it closes; the rest go back).
       outState_ = OutState::kFailed;
+      lanesContext().releaseLanes(/*inbound=*/false, heldOut_ - i);
+      heldOut_ = i;
       lanesContext().stats().lanesFailed.fetch_add(
           1, std::memory_order_relaxed);
       logWarning(
@@ -180,6 +185,8 @@ void LanesChannel::runOutLane(
       ::close(fd);
     } else if (!closing_) {
       stats.lanesFailed.fetch_add(1, std::memory_order_relaxed);
+      --heldOut_; // no thread or socket left of this lane: it goes back
+      lanesContext().releaseLanes(/*inbound=*/false, 1);
       if (outState_ == OutState::kDialing) {
         outState_ = OutState::kFailed;
         logWarning(
