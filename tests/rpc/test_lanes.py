@@ -405,9 +405,11 @@ def _uneven(rank, world_size, measured):
     if rank == 0:
         out = {"striped": _stripes_to("worker1")}
         big = torch.arange(float(3 * MB))
-        for _ in range(3):  # its answers too, once our offer's lanes are up
+        deadline = time.monotonic() + 30
+        # Its answers too, once the lanes we offered it are up.
+        while rpc.rpc_sync("worker1", _lanes_metrics)["segments"] == 0 and time.monotonic() < deadline:
             assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)
-            time.sleep(0.1)
+            time.sleep(0.05)
         out["ours"] = _lanes_metrics()
         out["theirs"] = rpc.rpc_sync("worker1", _lanes_metrics)
     # Shutting down, worker1 connects to worker0 (which has no lanes left to

@@ -299,14 +299,6 @@ void LanesChannel::stopAll() {
       t.join();
     }
   }
-  // Our lanes' threads have ended (or end now, touching nothing): what we
-  // held goes back to the cap (closing: no offer or dial follows).
-  if (heldIn > 0) {
-    lanesContext().releaseLanes(/*inbound=*/true, heldIn);
-  }
-  if (heldOut > 0) {
-    lanesContext().releaseLanes(/*inbound=*/false, heldOut);
-  }
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& lane : out_) {
     if (lane.fd >= 0) {
@@ -318,6 +310,15 @@ void LanesChannel::stopAll() {
     ::close(fd);
   }
   inFds_.clear();
+  // Our lanes' threads have ended (or end now, touching nothing) and their
+  // sockets are closed: what we held goes back to the cap (closing: no
+  // offer or dial follows).
+  if (heldIn > 0) {
+    lanesContext().releaseLanes(/*inbound=*/true, heldIn);
+  }
+  if (heldOut > 0) {
+    lanesContext().releaseLanes(/*inbound=*/false, heldOut);
+  }
 }
 
 } // namespace torch_rpc_ext::channel::lanes
