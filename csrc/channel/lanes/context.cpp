@@ -167,39 +167,27 @@ void LanesContext::releaseLanes(bool inbound, uint64_t count) const {
 
 uint16_t LanesContext::listenFor(const sockaddr_storage& local) {
   sockaddr_storage address = local;
-  socklen_t len;
-  if (address.ss_family == AF_INET) {
-    reinterpret_cast<sockaddr_in&>(address).sin_port = 0;
-    len = sizeof(sockaddr_in);
-  } else {
-    reinterpret_cast<sockaddr_in6&>(address).sin6_port = 0;
-    len = sizeof(sockaddr_in6);
-  }
+  setPort(&address, 0);
   std::string key = describeAddress(address);
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = listeners_.find(key);
   if (it != listeners_.end()) {
     return it->second.port;
   }
-  int fd = ::socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    throw std::runtime_error(
-        std::string("tcp_lanes: socket failed: ") + std::strerror(errno));
-  }
-  if (::bind(fd, reinterpret_cast<const sockaddr*>(&address), len) != 0 ||
-      ::listen(fd, 128) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &len) != 0) {
-    std::string why = std::strerror(errno);
+  Listener l;
+  std::string why;
+  int fd = bindAnyPort(local, &l.port, &why);
+  if (fd >= 0 && ::listen(fd, 128) != 0) {
+    why = std::strerror(errno);
     ::close(fd);
+    fd = -1;
+  }
+  if (fd < 0) {
     throw std::runtime_error("tcp_lanes: cannot listen on " + key + ": " + why);
   }
   auto state = std::make_shared<AcceptState>();
   state->fd = fd; // closed with the state from here on
-  Listener l;
   l.state = state;
-  l.port = address.ss_family == AF_INET
-      ? ntohs(reinterpret_cast<sockaddr_in&>(address).sin_port)
-      : ntohs(reinterpret_cast<sockaddr_in6&>(address).sin6_port);
   // Listed only once its thread runs (std::thread may throw).
   // A weak reference: the thread must not keep us alive.
   std::weak_ptr<LanesContext> weak =

@@ -151,4 +151,42 @@ bool recvAll(int fd, void* data, size_t size, std::string* error) {
   return true;
 }
 
+uint16_t portOf(const sockaddr_storage& address) {
+  return ntohs(
+      address.ss_family == AF_INET6
+          ? reinterpret_cast<const sockaddr_in6&>(address).sin6_port
+          : reinterpret_cast<const sockaddr_in&>(address).sin_port);
+}
+
+void setPort(sockaddr_storage* address, uint16_t port) {
+  if (address->ss_family == AF_INET6) {
+    reinterpret_cast<sockaddr_in6*>(address)->sin6_port = htons(port);
+  } else {
+    reinterpret_cast<sockaddr_in*>(address)->sin_port = htons(port);
+  }
+}
+
+int bindAnyPort(
+    const sockaddr_storage& local,
+    uint16_t* port,
+    std::string* error) {
+  sockaddr_storage address = local;
+  setPort(&address, 0);
+  socklen_t length =
+      local.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+  int fd = ::socket(local.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    *error = std::string("socket failed: ") + std::strerror(errno);
+    return -1;
+  }
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&address), length) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    *error = std::strerror(errno);
+    ::close(fd);
+    return -1;
+  }
+  *port = portOf(address);
+  return fd;
+}
+
 } // namespace torch_rpc_ext::channel::lanes

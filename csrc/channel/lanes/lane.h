@@ -95,6 +95,17 @@ int dialLane(
 // Large socket buffers and no Nagle (both ends).
 void tuneLaneSocket(int fd);
 
+// The port of an IPv4 or IPv6 address (host order), and setting it.
+uint16_t portOf(const sockaddr_storage& address);
+void setPort(sockaddr_storage* address, uint16_t port);
+
+// A TCP socket bound to `local`'s address (its port aside) on a port the
+// kernel picks, which `port` gets; -1 with `error` set.
+int bindAnyPort(
+    const sockaddr_storage& local,
+    uint16_t* port,
+    std::string* error);
+
 // Send or receive exactly `size` bytes on a blocking socket: false with
 // `error` set (the peer closed: "closed").
 bool sendAll(int fd, const void* data, size_t size, std::string* error);

@@ -20,33 +20,6 @@ namespace {
 // ticket per lane.
 constexpr size_t kOfferFixedBytes = 4 + Aead::kKeyBytes;
 
-// Tests only: a port on `local`'s address that nothing listens on (bound,
-// then closed); 0 if none could be had.
-uint16_t closedPortOn(const sockaddr_storage& local) {
-  int fd = ::socket(local.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    return 0;
-  }
-  sockaddr_storage address = local;
-  socklen_t length =
-      local.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
-  if (local.ss_family == AF_INET6) {
-    reinterpret_cast<sockaddr_in6&>(address).sin6_port = 0;
-  } else {
-    reinterpret_cast<sockaddr_in&>(address).sin_port = 0;
-  }
-  uint16_t port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), length) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0) {
-    port = ntohs(
-        local.ss_family == AF_INET6
-            ? reinterpret_cast<sockaddr_in6&>(address).sin6_port
-            : reinterpret_cast<sockaddr_in&>(address).sin_port);
-  }
-  ::close(fd);
-  return port;
-}
-
 } // namespace
 
 LanesChannel::LanesChannel(
@@ -85,8 +58,10 @@ void LanesChannel::sendOfferFromLoop() {
     return;
   }
   if (lanesContext().settings().testUnreachable) {
-    if (uint16_t closed = closedPortOn(local); closed != 0) {
-      port = closed;
+    // Tests only: a port nothing listens on (bound, then closed).
+    std::string ignored;
+    if (int fd = bindAnyPort(local, &port, &ignored); fd >= 0) {
+      ::close(fd);
     }
   }
   std::string head(kOfferFixedBytes, '\0');
@@ -170,11 +145,7 @@ bool LanesChannel::onControlFrameFromLoop(
       offered_ = true;
       peerAddress_ = peer;
       peerLanes_ = peer;
-      if (peer.ss_family == AF_INET) {
-        reinterpret_cast<sockaddr_in&>(peerLanes_).sin_port = htons(port);
-      } else {
-        reinterpret_cast<sockaddr_in6&>(peerLanes_).sin6_port = htons(port);
-      }
+      setPort(&peerLanes_, port);
       if (encrypted) {
         outKey_ = head.substr(4, Aead::kKeyBytes);
       }
