@@ -100,6 +100,7 @@ class Devices:
             self.cu = _testing.cuda
             assert self.cu.install_fake_cuda_guard() == "fake"
             torch.cuda.device_count = lambda: self.cu.device_count()
+            torch.cuda.init = self.cu.torch_cuda_init  # the fake allocator's init
 
     def tensor(self, nbytes: int, shape=None, strides=None, offset: int = 0) -> torch.Tensor:
         shape = list(shape or [nbytes // 4])

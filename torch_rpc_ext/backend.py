@@ -113,13 +113,12 @@ def _init_backend(
     # needs none).
     devices = [d for d in devices if d.type == "cuda"]
     if devices:
-        # Only reachable where the maps name GPUs this machine has. The copy
-        # kernels are compiled (or read from the cache) before the agent
-        # connects to anyone.
-        from torch_rpc_ext._cuda import load_kernels
-
-        load_kernels()
+        # Only reachable where the maps name GPUs this machine has.
+        _prepare_cuda()
         options._devices = devices
+    if devices or any(rpc_backend_options.device_maps.values()) or any(reverse.values()):
+        # Maps between the CPU and a GPU apply on a worker without GPUs of
+        # its own too: {0: "cpu"} to it, its replies go back by {"cpu": 0}.
         options._device_maps = rpc_backend_options.device_maps
         options._reverse_device_maps = reverse
     agent = _C.Agent(store, name, rank, world_size, options)
@@ -129,6 +128,21 @@ def _init_backend(
         agent.shutdown()
         raise
     return agent
+
+
+def _prepare_cuda() -> None:
+    """What a worker with CUDA devices needs before a peer can send it a
+    CUDA tensor: torch's CUDA state (its caching allocator has no tables for
+    a device until torch's lazy init, which a worker that never used CUDA
+    itself, a parameter server say, has not run: its first CUDA tensor would
+    fail; torch's own backend registry does the same for TensorPipe), then
+    the copy kernels (read from the package, before the agent connects to
+    anyone). The agent warms each device's context, streams and kernels as
+    it starts, and checks torch's state again before it first allocates."""
+    torch.cuda.init()
+    from torch_rpc_ext._cuda import load_kernels
+
+    load_kernels()
 
 
 _GROUP_KIND_KEY = "torch_rpc_ext/group_kind"
@@ -198,9 +212,7 @@ def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions) 
     options = _agent_options(opts)
     devices = _dynamic_devices(name, opts)
     if devices:
-        from torch_rpc_ext._cuda import load_kernels
-
-        load_kernels()
+        _prepare_cuda()
         options._devices = devices
         options._device_maps = opts.device_maps
         options._reverse_device_maps = {}  # per peer, from its join record

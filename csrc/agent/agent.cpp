@@ -135,6 +135,7 @@ void Agent::rendezvous() {
   const std::string& secret = group_.establishSecret();
   if (!options_.devices.empty()) {
     devices_.useTorchForChannelMemory();
+    devices_.prepare(); // before any peer can send us a CUDA tensor
   }
   // Our entry: the name, then a line per transport we listen on and per
   // channel we offer.

@@ -140,6 +140,14 @@ class Agent final : public rpc::RpcAgent,
   void onConnectionClosed(
       transport::Connection& conn,
       const std::string& reason) override;
+  // A message that arrived well formed but could not land here
+  // (ReceiveFailure: devices.h): its call fails with `cause`, on both ends,
+  // and the connection stays.
+  void failReceive(
+      const std::shared_ptr<transport::Connection>& conn,
+      const wire::InboundMessage& in,
+      Peer* peer,
+      const std::string& cause);
 
   const AgentOptions options_;
   ThreadPool pool_;

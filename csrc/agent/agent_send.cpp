@@ -82,10 +82,12 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   auto encodeSpan =
       RemoteProfiling::span(profile.get(), "torch_rpc_ext::encode");
   std::optional<wire::DeviceRoute> route;
-  if (!options_.devices.empty()) {
+  {
     // A per-call map (dist autograd's backward pass) overrides the options'.
-    route = devices_.routeTo(
-        to.name_, deviceMap.empty() ? getDeviceMap(to) : deviceMap);
+    rpc::DeviceMap map = deviceMap.empty() ? getDeviceMap(to) : deviceMap;
+    if (AgentDevices::needsRoute(options_.devices, map, *message)) {
+      route = devices_.routeTo(to.name_, map);
+    }
   }
   frame::OutboundFrame frame =
       wire::encodeMessage(message, id, route ? &*route : nullptr);
@@ -190,6 +192,9 @@ void Agent::onFrame(
   std::vector<c10::Stream> streams;
   try {
     message = devices_.finish(*in, buffers, streams);
+  } catch (const ReceiveFailure& e) {
+    failReceive(conn, *in, peer, e.what());
+    return;
   } catch (const std::exception& e) {
     if (peer) {
       peer->stats.rejectedFrames.fetch_add(1, std::memory_order_relaxed);
@@ -229,6 +234,37 @@ void Agent::onFrame(
     return;
   }
   calls_.respond(*conn, std::move(message), std::move(streams), in->byteSize());
+}
+
+void Agent::failReceive(
+    const std::shared_ptr<transport::Connection>& conn,
+    const wire::InboundMessage& in,
+    Peer* peer,
+    const std::string& cause) {
+  const bool request =
+      (static_cast<uint32_t>(in.type()) & rpc::MessageTypeFlags::REQUEST_TYPE) !=
+      0;
+  const std::string from = peer ? peer->info.name_ : conn->describe();
+  const std::string text = workerInfo_.name_ + " could not receive the " +
+      (request ? "request from " : "response from ") + from + ": " + cause;
+  // Once, here; the caller's error says the same.
+  logWarning("torch_rpc_ext: " + text);
+  if (!request) {
+    calls_.respond(
+        *conn,
+        rpc::createExceptionResponse(text, in.id()),
+        {},
+        in.byteSize());
+    return;
+  }
+  if (!peer || peer->departed()) {
+    return; // nothing goes back to a departed member (onFrame says why)
+  }
+  peer->stats.bytesReceived.fetch_add(in.byteSize(), std::memory_order_relaxed);
+  frame::OutboundFrame frame = wire::encodeMessage(
+      rpc::createExceptionResponse(text, in.id()), in.id());
+  peer->stats.bytesSent.fetch_add(frame.wireSize(), std::memory_order_relaxed);
+  conn->write(std::move(frame));
 }
 
 void Agent::onConnectionClosed(

@@ -7,12 +7,48 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <ATen/Context.h>
+#include <ATen/ops/empty.h>
+
 #include <optional>
 
 #include "csrc/channel/registry.h"
 #include "csrc/common/logging.h"
 
 namespace torch_rpc_ext {
+
+namespace {
+
+// Whether torch's CUDA allocator has its per-device tables (one that is
+// not a DeviceAllocator is taken as ready).
+bool torchCudaReady() {
+  auto* a = dynamic_cast<c10::DeviceAllocator*>(c10::GetAllocator(c10::kCUDA));
+  return a == nullptr || a->initialized();
+}
+
+// Torch's lazy CUDA init (what torch.cuda.init() runs, minus Python's own
+// bookkeeping: no GIL needed, so any thread), once; throws naming the fix
+// where this torch cannot run it from C++.
+void initTorchCuda() {
+  static std::atomic<bool> ready{false};
+  if (ready.load(std::memory_order_acquire)) {
+    return;
+  }
+  if (!torchCudaReady() && at::globalContext().hasCUDA()) {
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+  }
+  TORCH_CHECK(
+      torchCudaReady(),
+      "torch's CUDA caching allocator is not initialized in this process "
+      "(call torch.cuda.init() before init_rpc)");
+  ready.store(true, std::memory_order_release);
+}
+
+std::string describeBytes(uint64_t n) {
+  return std::to_string(n) + " bytes";
+}
+
+} // namespace
 
 rpc::DeviceMap AgentDevices::mapTo(const std::string& name) const {
   auto it = options_.deviceMaps.find(name);
@@ -52,9 +88,31 @@ void AgentDevices::useTorchForChannelMemory() const {
   });
 }
 
+void AgentDevices::prepare() const {
+  if (options_.devices.empty()) {
+    return;
+  }
+  try {
+    initTorchCuda();
+    c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+    for (const auto& d : options_.devices) {
+      channel::warmCudaDevice(d.index());
+      impl.getStreamFromGlobalPool(d); // torch makes a device's pool once
+    }
+  } catch (const std::exception& e) {
+    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+    logWarning(
+        "torch_rpc_ext: " + self_ +
+        " could not prepare its CUDA devices, so CUDA tensors sent to it "
+        "will fail their calls: " +
+        (c10 ? c10->what_without_backtrace() : e.what()));
+  }
+}
+
 std::vector<c10::DataPtr> AgentDevices::land(
     const c10::Stream& stream,
     const std::vector<std::pair<uintptr_t, size_t>>& spans) {
+  initTorchCuda(); // the backstop (prepare() ran it at init_rpc)
   std::vector<c10::DataPtr> out;
   out.reserve(spans.size());
   std::vector<channel::DeviceCopy> copies;
@@ -89,6 +147,66 @@ std::vector<c10::DataPtr> AgentDevices::land(
   return out;
 }
 
+std::vector<c10::DataPtr> AgentDevices::landFromHost(
+    const c10::Stream& stream,
+    const std::vector<c10::Storage>& hosts) {
+  initTorchCuda();
+  c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+  const auto handle =
+      reinterpret_cast<uintptr_t>(impl.getStreamNativeHandle(stream));
+  std::vector<c10::DataPtr> out;
+  out.reserve(hosts.size());
+  c10::StreamGuard guard(stream); // allocated for, and copied on, `stream`
+  c10::Allocator* allocator = c10::GetAllocator(c10::kCUDA);
+  for (const auto& host : hosts) {
+    c10::DataPtr p;
+    channel::withRelaxedCudaCapture(
+        [&] { p = allocator->allocate(host.nbytes()); });
+    // The host storage (a pooled buffer, a shared slab) is held until the
+    // stream has read it.
+    channel::copyToDevice(
+        stream.device_index(),
+        handle,
+        reinterpret_cast<uintptr_t>(p.get()),
+        host.data(),
+        host.nbytes(),
+        [held = host]() mutable { held = c10::Storage(); });
+    out.push_back(std::move(p));
+  }
+  fromHost_.fetch_add(hosts.size(), std::memory_order_relaxed);
+  return out;
+}
+
+at::Tensor AgentDevices::toHost(const at::Tensor& t) {
+  // The span of its storage the tensor touches, copied whole: the host
+  // tensor keeps its sizes and strides (the codec compacts it if need be).
+  const int64_t item = static_cast<int64_t>(t.element_size());
+  int64_t extent = 0;
+  if (t.numel() != 0) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      last += (t.size(d) - 1) * t.stride(d);
+    }
+    extent = (last + 1) * item;
+  }
+  at::Tensor bytes = at::empty({extent}, at::TensorOptions().dtype(at::kByte));
+  c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+  const auto stream = reinterpret_cast<uintptr_t>(
+      impl.getStreamNativeHandle(impl.getStream(t.device())));
+  channel::copyToHost(
+      t.device().index(),
+      stream,
+      bytes.data_ptr(),
+      reinterpret_cast<uintptr_t>(t.const_data_ptr()),
+      static_cast<size_t>(extent));
+  at::Tensor host = at::empty({0}, at::TensorOptions().dtype(t.scalar_type()));
+  host.set_(bytes.storage(), 0, t.sizes(), t.strides());
+  if (t.requires_grad()) {
+    host.requires_grad_(true);
+  }
+  return host;
+}
+
 std::vector<c10::Stream> AgentDevices::arrivalStreams() const {
   std::vector<c10::Stream> out;
   if (options_.devices.empty()) {
@@ -111,6 +229,10 @@ wire::DeviceRoute AgentDevices::routeTo(
   // after whatever it queued there (recordCudaUse() tells the caching
   // allocator, so a storage freed meanwhile is not reused before the copy
   // is done).
+  route.toHost = [this](const at::Tensor& t) {
+    toHost_.fetch_add(1, std::memory_order_relaxed);
+    return toHost(t);
+  };
   route.readyStream = [](c10::Device device) {
     c10::impl::VirtualGuardImpl impl(c10::kCUDA);
     return reinterpret_cast<uintptr_t>(
@@ -119,12 +241,29 @@ wire::DeviceRoute AgentDevices::routeTo(
   return route;
 }
 
+template <typename Fn>
+auto AgentDevices::local(const std::string& what, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const ReceiveFailure&) {
+    throw;
+  } catch (const c10::Error& e) {
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    throw ReceiveFailure(what + ": " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    throw ReceiveFailure(what + ": " + e.what());
+  }
+}
+
 c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
     wire::InboundMessage& in,
     frame::InboundBuffers& buffers,
     std::vector<c10::Stream>& streams) {
   if (!in.cudaDevices().empty()) {
-    streams = arrivalStreams();
+    streams = local("no CUDA stream for the message's tensors", [&] {
+      return arrivalStreams();
+    });
   }
   auto streamOf = [&](c10::DeviceIndex device) -> const c10::Stream& {
     for (const auto& s : streams) {
@@ -132,21 +271,43 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
         return s;
       }
     }
-    TORCH_CHECK(
-        false,
-        "a tensor arrived on cuda:",
-        int(device),
-        ", which is not among the devices of ",
-        self_);
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    throw ReceiveFailure(
+        "a tensor arrived for cuda:" + std::to_string(int(device)) +
+        ", which is not among the devices of " + self_);
+  };
+  auto sizeOf = [](const auto& items, auto bytes) {
+    uint64_t n = 0;
+    for (const auto& i : items) {
+      n += bytes(i);
+    }
+    return std::to_string(items.size()) + " CUDA segment(s) of " +
+        describeBytes(n);
   };
   wire::InboundMessage::DeviceLanding landing;
   if (!options_.cudaZeroCopy) {
     landing = [&](c10::DeviceIndex device,
                   uintptr_t,
                   const std::vector<std::pair<uintptr_t, size_t>>& spans) {
-      return land(streamOf(device), spans);
+      const c10::Stream& stream = streamOf(device);
+      return local(
+          "landing " +
+              sizeOf(spans, [](const auto& s) { return uint64_t(s.second); }) +
+              " on cuda:" + std::to_string(int(device)) + " failed",
+          [&] { return land(stream, spans); });
     };
   }
+  auto hostLanding = [&](c10::DeviceIndex device,
+                         uintptr_t,
+                         const std::vector<c10::Storage>& hosts) {
+    const c10::Stream& stream = streamOf(device);
+    return local(
+        "copying " +
+            sizeOf(hosts, [](const auto& h) { return uint64_t(h.nbytes()); }) +
+            " from host memory onto cuda:" + std::to_string(int(device)) +
+            " failed",
+        [&] { return landFromHost(stream, hosts); });
+  };
   return in.finish(
       buffers,
       [&](c10::DeviceIndex device) {
@@ -154,7 +315,8 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
         return reinterpret_cast<uintptr_t>(
             impl.getStreamNativeHandle(streamOf(device)));
       },
-      landing);
+      landing,
+      hostLanding);
 }
 
 void AgentDevices::addMetrics(
@@ -167,6 +329,9 @@ void AgentDevices::addMetrics(
   m["rpc_ext.cuda.landing_launches"] = std::to_string(landings_.load());
   m["rpc_ext.cuda.landed_segments"] = std::to_string(landed_.load());
   m["rpc_ext.cuda.landed_bytes"] = std::to_string(landedBytes_.load());
+  m["rpc_ext.cuda.landed_from_host"] = std::to_string(fromHost_.load());
+  m["rpc_ext.cuda.sent_as_host"] = std::to_string(toHost_.load());
+  m["rpc_ext.cuda.receive_failures"] = std::to_string(failures_.load());
 }
 
 } // namespace torch_rpc_ext

@@ -11,6 +11,7 @@
 // no lock.
 
 #include <atomic>
+#include <stdexcept>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -28,6 +29,15 @@ namespace torch_rpc_ext {
 
 namespace rpc = torch::distributed::rpc;
 
+// A message that arrived whole and well formed but could not be received
+// here: device memory exhausted or refused, torch's CUDA state missing, a
+// device this worker does not have. Our side's failure, not the peer's: the
+// agent fails that one call (on both ends) and keeps the connection.
+class ReceiveFailure : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 class AgentDevices {
  public:
   // `self`: our worker name, for errors.
@@ -42,9 +52,34 @@ class AgentDevices {
   // How CUDA tensors to worker `peer` travel under `map`.
   wire::DeviceRoute routeTo(const std::string& peer, const rpc::DeviceMap& map)
       const;
+  // Whether a message to a peer needs a route (wire::DeviceRoute): our
+  // devices, a map to it, or a CUDA tensor to refuse naming the peer.
+  static bool needsRoute(
+      const std::vector<c10::Device>& devices,
+      const rpc::DeviceMap& map,
+      const rpc::Message& message) {
+    if (!devices.empty() || !map.empty()) {
+      return true;
+    }
+    for (const auto& t : message.tensors()) {
+      if (!t.device().is_cpu()) {
+        return true;
+      }
+    }
+    return false;
+  }
   // Tell the caching allocator that `message`'s CUDA storages are read on
   // the current streams of their devices (by the channels' copies).
   static void recordCudaUse(const rpc::Message& message);
+
+  // At init_rpc, on the caller's thread, for an agent with devices: makes
+  // sure torch's CUDA state exists (its caching allocator has no tables for
+  // a device before torch's lazy CUDA init, which a worker that never used
+  // CUDA itself has not run), then warms what the first message would pay
+  // for on a transport loop: each device's context, torch's stream pool
+  // and the copy engine's kernels. Logs, and does not throw, where that
+  // fails: the first CUDA message then fails its call naming the cause.
+  void prepare() const;
 
   // A stream from the pool for each of our devices, for an arriving message
   // (empty without devices).
@@ -52,7 +87,9 @@ class AgentDevices {
   // Turn a received frame into its message: CUDA tensors are ready on
   // `streams` (filled with arrivalStreams() if the message has any) and,
   // unless cuda_zero_copy, copied on them into torch's allocator (land()).
-  // Throws what the wire codec throws, or for a device that is not ours.
+  // Throws what the wire codec throws (the peer broke the protocol), or
+  // ReceiveFailure (landing failed here: no such device of ours, device
+  // memory, torch's CUDA state).
   c10::intrusive_ptr<rpc::Message> finish(
       wire::InboundMessage& in,
       frame::InboundBuffers& buffers,
@@ -76,6 +113,17 @@ class AgentDevices {
   std::vector<c10::DataPtr> land(
       const c10::Stream& stream,
       const std::vector<std::pair<uintptr_t, size_t>>& spans);
+  // The same for host storages ({"cpu": d} maps): each copied onto the
+  // device on `stream`, and held until the copy has read it.
+  std::vector<c10::DataPtr> landFromHost(
+      const c10::Stream& stream,
+      const std::vector<c10::Storage>& hosts);
+  // A host copy of CUDA tensor `t` ({d: "cpu"} maps), made on the current
+  // stream of its device after the work queued there.
+  static at::Tensor toHost(const at::Tensor& t);
+  // Runs `fn`, turning what it throws into a ReceiveFailure saying `what`.
+  template <typename Fn>
+  auto local(const std::string& what, Fn&& fn) -> decltype(fn());
 
   const AgentOptions& options_;
   const std::string self_;
@@ -83,6 +131,9 @@ class AgentDevices {
   std::atomic<uint64_t> landings_{0}; // launches (one per device)
   std::atomic<uint64_t> landed_{0};
   std::atomic<uint64_t> landedBytes_{0};
+  std::atomic<uint64_t> fromHost_{0}; // segments landed from host bytes
+  mutable std::atomic<uint64_t> toHost_{0}; // CUDA tensors sent as host copies
+  std::atomic<uint64_t> failures_{0}; // messages that could not land
 };
 
 } // namespace torch_rpc_ext

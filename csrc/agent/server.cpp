@@ -81,10 +81,14 @@ void Server::respond(
   Peer* peer = group_.memberOn(conn.peerId(), conn.peerIncarnation());
   try {
     std::optional<wire::DeviceRoute> route;
-    if (!options_.devices.empty() && peer) {
+    if (peer &&
+        AgentDevices::needsRoute(
+            options_.devices, peer->route.reverseDeviceMap, *response)) {
       // Back through the reverse of the caller's map. (This callback runs
       // under streams that wait for the result's events: the current ones.)
       route = devices_.routeTo(peer->info.name_, peer->route.reverseDeviceMap);
+    } else if (!peer && AgentDevices::needsRoute({}, {}, *response)) {
+      route = devices_.routeTo(std::to_string(conn.peerId()), {});
     }
     frame = wire::encodeMessage(response, id, route ? &*route : nullptr);
     AgentDevices::recordCudaUse(*response);

@@ -22,6 +22,7 @@
 // not allocate is skipped silently, as torch's is.
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
+#include <atomic>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -56,8 +57,15 @@ class FakeCachingAllocator final : public c10::DeviceAllocator {
     uint64_t emptied = 0; // cached blocks given back by emptyCache()
   };
 
+  // As torch's: no per-device tables, so no allocation, before torch's
+  // lazy CUDA init, which a CPU torch stands in for with torch_cuda_init()
+  // (the tests' torch.cuda.init). A worker that never ran it fails as
+  // torch's allocator fails on a GPU.
   bool initialized() override {
-    return true;
+    return initialized_.load();
+  }
+  void init() {
+    initialized_.store(true);
   }
   void emptyCache(c10::MempoolId_t) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -84,6 +92,11 @@ class FakeCachingAllocator final : public c10::DeviceAllocator {
   c10::DataPtr allocate(size_t n) override {
     auto* g = c10::impl::getDeviceGuardImpl(c10::kCUDA);
     const c10::Device device = g->getDevice();
+    TORCH_CHECK(
+        initialized_.load(),
+        "Allocator not initialized for device ",
+        int(device.index()),
+        ": did you call init?");
     const c10::Stream stream = g->getStream(device);
     const size_t size = std::max<size_t>(512, (n + 511) / 512 * 512);
     std::lock_guard<std::mutex> lock(mu_);
@@ -211,6 +224,7 @@ class FakeCachingAllocator final : public c10::DeviceAllocator {
   std::mutex mu_;
   std::vector<Block*> free_;
   Stats stats_;
+  std::atomic<bool> initialized_{false};
 };
 
 FakeCachingAllocator& FakeCachingAllocator::self() {
@@ -405,6 +419,9 @@ void bindTestingCudaTorch(py::module_& parent) {
     c10::SetAllocator(c10::kCUDA, &FakeCachingAllocator::instance());
     return std::string("fake");
   });
+  // What torch's lazy CUDA init does for the fake allocator: the tests'
+  // torch.cuda.init() on a CPU torch.
+  m.def("torch_cuda_init", [] { FakeCachingAllocator::instance().init(); });
   // `bytes` of `device` through torch's CUDA allocator, freed at once: left
   // in its cache (as a training step leaves its activations).
   m.def("cache_bytes", [](int device, size_t bytes) {

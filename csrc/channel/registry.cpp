@@ -3,7 +3,9 @@
 // (or a class in one) plus one line in kChannels.
 #include "csrc/channel/registry.h"
 
+#include <functional>
 #include <iterator>
+#include <memory>
 #include <stdexcept>
 
 #include "csrc/channel/cuda/device.h"
@@ -12,6 +14,7 @@
 #include "csrc/channel/cuda/ipc_channel.h"
 #include "csrc/channel/cuda/staged_channel.h"
 #include "csrc/channel/lanes/factory.h"
+#include "csrc/common/libcuda.h"
 #include "csrc/channel/shm/factory.h"
 
 namespace torch_rpc_ext::channel {
@@ -102,6 +105,57 @@ void copyOnCudaDevice(
   cuda::CurrentDevice current(device);
   cuda::copyEngine(device).copySegments(
       reinterpret_cast<CUstream>(stream), segments);
+}
+
+void copyToHost(
+    int device,
+    uintptr_t stream,
+    void* dst,
+    uintptr_t src,
+    size_t bytes) {
+  if (bytes == 0) {
+    return;
+  }
+  cuda::CurrentDevice current(device);
+  auto s = reinterpret_cast<CUstream>(stream);
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuMemcpyDtoHAsync, dst, static_cast<CUdeviceptr>(src), bytes, s);
+  TORCH_RPC_EXT_CUDA_CHECK(cuStreamSynchronize, s);
+}
+
+namespace {
+
+void runDone(void* data) {
+  std::unique_ptr<std::function<void()>> done(
+      static_cast<std::function<void()>*>(data));
+  (*done)();
+}
+
+} // namespace
+
+void copyToDevice(
+    int device,
+    uintptr_t stream,
+    uintptr_t dst,
+    const void* src,
+    size_t bytes,
+    std::function<void()> done) {
+  cuda::CurrentDevice current(device);
+  auto s = reinterpret_cast<CUstream>(stream);
+  if (bytes != 0) {
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuMemcpyHtoDAsync, static_cast<CUdeviceptr>(dst), src, bytes, s);
+  }
+  // The source is held until the stream has read it: the fake driver, like
+  // a real one with pinned memory, reads it when the copy runs.
+  auto held = std::make_unique<std::function<void()>>(std::move(done));
+  TORCH_RPC_EXT_CUDA_CHECK(cuLaunchHostFunc, s, &runDone, held.get());
+  held.release();
+}
+
+void warmCudaDevice(int device) {
+  cuda::CurrentDevice current(device);
+  cuda::copyEngine(device);
 }
 
 void withRelaxedCudaCapture(const std::function<void()>& fn) {

@@ -48,6 +48,20 @@ void copyOnCudaDevice(
     int device,
     uintptr_t stream,
     const std::vector<DeviceCopy>& copies);
+// Between host and device memory of `device`, on `stream` (a CUstream),
+// after the stream's work so far: for device maps between the CPU and a
+// GPU. toHost() returns once the bytes are in `dst` (it waits for the
+// stream); toDevice() returns at once and runs `done` (on a driver thread,
+// no CUDA call allowed there) once the copy has read `src`.
+void copyToHost(int device, uintptr_t stream, void* dst, uintptr_t src,
+                size_t bytes);
+void copyToDevice(int device, uintptr_t stream, uintptr_t dst, const void* src,
+                  size_t bytes, std::function<void()> done);
+// Makes the first CUDA tensor on `device` cheap: the device's primary
+// context retained and current-able, and the copy engine's kernels loaded
+// (a JIT compile of their PTX), on the calling thread rather than a
+// transport loop's as the first message arrives.
+void warmCudaDevice(int device);
 // Runs `fn` with this thread in relaxed stream capture mode, so that its
 // driver calls cannot invalidate a user's global-mode CUDA graph capture
 // (channel/cuda/device.h, RelaxedCapture).

@@ -79,40 +79,56 @@ bool reachableOnlyThrough(const at::Tensor& t) {
 // storage's used byte span.
 class StoragePlan {
  public:
-  StoragePlan(OutboundHold& hold, const DeviceRoute* route)
-      : hold_(hold), route_(route) {}
+  StoragePlan(OutboundHold& hold, const DeviceRoute* route, bool request)
+      : hold_(hold), route_(route), request_(request) {}
 
   // A tensor that can be sent as is: compact it first if its span would
   // waste more than half the bytes on the wire. `exclusive`: the message is
   // the tensor's only holder (reachableOnlyThrough, checked by the caller
   // before it took its own references).
-  at::Tensor admit(at::Tensor t, bool exclusive = false) {
+  at::Tensor admit(at::Tensor t, bool exclusive = false, bool mapCpu = true) {
+    // The peer's CUDA device of the tensor's bytes: >= 0 through a device
+    // channel, hostToDevice(d) as host bytes landed there; -1: CPU.
     int8_t target = -1;
     if (t.is_cuda()) {
       TORCH_CHECK(
           route_ != nullptr && route_->map.count(t.device()) != 0,
-          "TORCH_RPC_EXT cannot send a tensor on ",
-          t.device(),
-          route_ != nullptr ? " to " + route_->peer : std::string(),
-          ": no device map names ",
-          t.device(),
-          " (set one with RpcExtBackendOptions.set_device_map, or move the "
-          "tensor to CPU before sending it)");
+          unmappedDeviceError(
+              t.device(), route_ ? route_->peer : std::string(), request_));
       c10::Device to = route_->map.at(t.device());
-      TORCH_CHECK(
-          to.is_cuda(),
-          "TORCH_RPC_EXT maps ",
-          t.device(),
-          " to ",
-          to,
-          ": a CUDA tensor lands on a CUDA device");
-      target = static_cast<int8_t>(to.index());
+      if (to.is_cpu()) {
+        // Mapped to the peer's CPU: a host copy travels (TensorPipe's
+        // cuda_basic does the same copy, in its channel).
+        TORCH_CHECK(
+            route_->toHost, "no host copy for a CUDA tensor mapped to cpu");
+        t = route_->toHost(t);
+        hold_.compacted.push_back(t);
+        exclusive = false;
+      } else {
+        TORCH_CHECK(
+            to.is_cuda(),
+            "TORCH_RPC_EXT maps ",
+            t.device(),
+            " to ",
+            to,
+            ": a CUDA tensor lands on a CUDA device or the CPU");
+        target = static_cast<int8_t>(to.index());
+      }
     } else {
       TORCH_CHECK(
           t.device().is_cpu(),
           "TORCH_RPC_EXT sends CPU and CUDA tensors, got a tensor on ",
           t.device(),
           "; move it to CPU before sending it over RPC");
+      auto it = route_ != nullptr && mapCpu
+          ? route_->map.find(c10::Device(c10::kCPU))
+          : decltype(route_->map)::const_iterator();
+      if (route_ != nullptr && mapCpu && it != route_->map.end() &&
+          it->second.is_cuda()) {
+        // {"cpu": d}: the bytes travel as any CPU tensor's; the receiver
+        // copies them onto its cuda:d.
+        target = hostToDevice(static_cast<int8_t>(it->second.index()));
+      }
     }
     TORCH_CHECK(
         t.layout() == at::kStrided,
@@ -175,7 +191,7 @@ class StoragePlan {
           base == nullptr ? nullptr : base + s.lo, size_t(s.hi - s.lo)};
       seg.origin = regionOf(s.storage);
       seg.exclusive = seg.origin != nullptr && s.exclusive;
-      if (s.target >= 0) {
+      if (s.target >= 0) { // (a CPU storage mapped to a GPU rides as CPU)
         const c10::Device device = s.storage.device();
         seg.device = static_cast<uint8_t>(c10::DeviceType::CUDA);
         seg.deviceIndex = device.index();
@@ -263,6 +279,7 @@ class StoragePlan {
   };
   OutboundHold& hold_;
   const DeviceRoute* route_;
+  const bool request_; // for errors: TensorPipe's words differ
   std::unordered_map<c10::TensorImpl*, Packed> packed_;
   std::vector<c10::TensorImpl*> packedOrder_;
   std::unordered_map<c10::StorageImpl*, Span> spans_;
@@ -272,13 +289,35 @@ class StoragePlan {
 
 } // namespace
 
+std::string unmappedDeviceError(
+    const c10::Device& device,
+    const std::string& peer,
+    bool request) {
+  std::string to = peer.empty() ? std::string() : " to " + peer;
+  return c10::str(
+      "TORCH_RPC_EXT cannot send a tensor on ",
+      device,
+      to,
+      ": no device map names ",
+      device,
+      " (set one with RpcExtBackendOptions.set_device_map, or move the "
+      "tensor to CPU before sending it). In TensorPipe's words: TensorPipe "
+      "RPC backend only supports CPU tensors by default, please move your "
+      "tensors to CPU before sending them over RPC, or call "
+      "`set_device_map` on `TensorPipeRpcBackendOptions` to explicitly "
+      "configure device mapping. ",
+      request ? "Request" : "Response",
+      " device mapping is not available for destination ",
+      peer.empty() ? std::string("this worker") : peer);
+}
+
 frame::OutboundFrame encodeMessage(
     const c10::intrusive_ptr<rpc::Message>& message,
     int64_t id,
     const DeviceRoute* route) {
   auto hold = std::make_shared<OutboundHold>();
   hold->message = message;
-  StoragePlan plan(*hold, route);
+  StoragePlan plan(*hold, route, message->isRequest());
 
   struct Entry {
     bool sparse;
@@ -294,8 +333,18 @@ frame::OutboundFrame encodeMessage(
           t.device().is_cpu(),
           "TORCH_RPC_EXT sends sparse tensors from CPU only, got one on ",
           t.device());
-      at::Tensor indices = plan.admit(t._indices());
-      at::Tensor values = plan.admit(t._values().detach());
+      TORCH_CHECK(
+          route == nullptr ||
+              route->map.count(c10::Device(c10::kCPU)) == 0 ||
+              route->map.at(c10::Device(c10::kCPU)).is_cpu(),
+          "TORCH_RPC_EXT sends sparse tensors to a peer's CPU only, but the "
+          "device map to ",
+          route ? route->peer : std::string(),
+          " sends CPU tensors to ",
+          route ? route->map.at(c10::Device(c10::kCPU)) : c10::Device(c10::kCPU),
+          ": densify it, or send it to a worker with no such map");
+      at::Tensor indices = plan.admit(t._indices(), false, false);
+      at::Tensor values = plan.admit(t._values().detach(), false, false);
       entries.push_back({true, values, indices, t});
     } else {
       // Only a provided storage can be handed back: skip the check (atomics

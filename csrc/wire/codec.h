@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/rpc/message.h>
 
 #include "csrc/common/buffer_pool.h"
@@ -39,14 +40,27 @@ struct DeviceRoute {
   // The stream (a CUstream, as an integer) a tensor on `device` is ready
   // on: the sender's current stream of that device.
   std::function<uintptr_t(c10::Device)> readyStream;
+  // A copy in host memory of a CUDA tensor the map sends to the peer's CPU,
+  // made after the work queued on its ready stream (the copy is back when
+  // it returns).
+  std::function<at::Tensor(const at::Tensor&)> toHost;
   // The peer's name, for errors.
   std::string peer;
 };
 
+// The text of a CUDA tensor that no map sends anywhere: TensorPipe's words
+// (upstream's tests match them) after ours.
+std::string unmappedDeviceError(
+    const c10::Device& device,
+    const std::string& peer,
+    bool request);
+
 // Encode `message` under `id`. The frame keeps the message (and any compact
 // copies) alive. Throws c10::Error for tensors that cannot travel (a CUDA
 // tensor without `route` or whose device it does not map, other devices,
-// quantized, unsupported layout). Does not modify `message`, so retries can
+// quantized, unsupported layout). Under `route`, a CUDA tensor mapped to
+// "cpu" travels as a host copy (route->toHost) and a CPU tensor mapped to a
+// CUDA device travels as host bytes that the receiver copies onto it. Does not modify `message`, so retries can
 // send it again.
 frame::OutboundFrame encodeMessage(
     const c10::intrusive_ptr<rpc::Message>& message,
@@ -83,6 +97,15 @@ class InboundMessage {
       uintptr_t stream,
       const std::vector<std::pair<uintptr_t, size_t>>& spans)>;
 
+  // Where the host bytes of CUDA tensors sent from a peer's CPU ({"cpu": d}
+  // maps) end up: given `device`, its arrival stream and the host storages
+  // in segment order, one allocation of `device` per storage, each holding
+  // its bytes for work queued on the stream from now on.
+  using HostLanding = std::function<std::vector<c10::DataPtr>(
+      c10::DeviceIndex device,
+      uintptr_t stream,
+      const std::vector<c10::Storage>& hosts)>;
+
   // Build the message once every segment is in place (`buffers`: what the
   // transport filled in, including provided memory). CUDA tensors are ready
   // for work queued on `arrivalStream(device)` (a CUstream, as an integer)
@@ -93,7 +116,8 @@ class InboundMessage {
   c10::intrusive_ptr<rpc::Message> finish(
       const frame::InboundBuffers& buffers = {},
       const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream = nullptr,
-      const DeviceLanding& landing = nullptr);
+      const DeviceLanding& landing = nullptr,
+      const HostLanding& hostLanding = nullptr);
 
   // The CUDA devices this message's tensors are on (after prepare()).
   const std::vector<c10::DeviceIndex>& cudaDevices() const {
@@ -119,6 +143,7 @@ class InboundMessage {
     int64_t offset;
     uint32_t segment;
     int8_t device; // CUDA device index, or -1: CPU
+    bool hostCarried = false; // device >= 0, its bytes sent as host bytes
   };
   struct TensorMeta {
     bool sparse;
@@ -139,6 +164,9 @@ class InboundMessage {
   std::vector<TensorMeta> tensors_;
   // Per segment after the payload: the CUDA device of its tensors, or -1.
   std::vector<int8_t> segmentDevices_;
+  // Per segment after the payload: the CUDA device its host bytes are
+  // copied onto in finish(), or -1.
+  std::vector<int8_t> segmentLandings_;
   std::vector<c10::DeviceIndex> cudaDevices_;
 };
 

@@ -20,6 +20,14 @@ constexpr uint8_t kLayoutStrided = 0;
 constexpr uint8_t kLayoutSparseCoo = 1;
 constexpr size_t kMaxDims = 64;
 
+// A tensor's device byte in the head: -1 the CPU, d >= 0 CUDA device d
+// with the bytes in device memory (a device channel), hostToDevice(d) <= -2
+// CUDA device d with the bytes carried as host bytes (a CPU tensor under a
+// {"cpu": d} map), which the receiver copies onto the device.
+constexpr int8_t hostToDevice(int8_t device) {
+  return static_cast<int8_t>(-2 - device);
+}
+
 class HeadWriter {
  public:
   template <typename T>

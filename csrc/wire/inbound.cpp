@@ -58,11 +58,10 @@ InboundMessage::DenseMeta readDense(
   }
   m.offset = r.get<int64_t>("offset");
   m.segment = r.get<uint32_t>("segment");
-  m.device = r.get<int8_t>("device");
-  if (m.device < -1) {
-    throw std::invalid_argument(
-        "bad device index " + std::to_string(int(m.device)));
-  }
+  const int8_t device = r.get<int8_t>("device");
+  // hostToDevice(d) (head.h): host bytes that land on CUDA device d.
+  m.hostCarried = device <= -2;
+  m.device = m.hostCarried ? static_cast<int8_t>(-2 - device) : device;
   if (m.segment == 0 || m.segment >= segmentSizes.size()) {
     throw std::invalid_argument(
         "tensor refers to segment " + std::to_string(m.segment) + " of " +
@@ -256,18 +255,28 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   // Every tensor of a segment is on one device; a CUDA segment's bytes come
   // from a device channel (cuda_staged's through the stream, landed by the
   // channel), never as the stream's own bytes.
+  // A segment of host bytes a CUDA tensor lands from ({"cpu": d} maps) is
+  // a host segment, copied onto the device in finish().
   m->segmentDevices_.assign(segmentSizes.size() - 1, -2);
+  m->segmentLandings_.assign(segmentSizes.size() - 1, -1);
+  std::vector<int> placed(segmentSizes.size() - 1, -2);
   auto place = [&](const DenseMeta& d) {
-    int8_t& seen = m->segmentDevices_[d.segment - 1];
-    if (seen != -2 && seen != d.device) {
+    const int code = d.hostCarried ? -3 - int(d.device) : int(d.device);
+    int& seen = placed[d.segment - 1];
+    if (seen != -2 && seen != code) {
       throw std::invalid_argument(
           "segment " + std::to_string(d.segment) +
           " holds tensors of two devices");
     }
-    seen = d.device;
+    seen = code;
+    m->segmentDevices_[d.segment - 1] = d.hostCarried ? -1 : d.device;
+    if (d.hostCarried) {
+      m->segmentLandings_[d.segment - 1] = d.device;
+    }
     bool cameProvided = d.segment < provided.size() && provided[d.segment];
     // (An empty one has no bytes to carry: the stream takes it.)
-    if (d.device >= 0 && !cameProvided && segmentSizes[d.segment] != 0) {
+    if (!d.hostCarried && d.device >= 0 && !cameProvided &&
+        segmentSizes[d.segment] != 0) {
       throw std::invalid_argument(
           "a CUDA tensor's segment " + std::to_string(d.segment) +
           " came through the stream, not a device channel");
@@ -281,7 +290,8 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   for (const auto& t : m->tensors_) {
     place(t.dense);
     if (t.sparse) {
-      if (t.dense.device >= 0 || t.indices.device >= 0) {
+      if (t.dense.device >= 0 || t.indices.device >= 0 ||
+          t.dense.hostCarried || t.indices.hostCarried) {
         throw std::invalid_argument("a sparse tensor on a CUDA device");
       }
       place(t.indices);
@@ -345,7 +355,8 @@ frame::InboundBuffers InboundMessage::buffers(
 c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
     const frame::InboundBuffers& buffers,
     const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream,
-    const DeviceLanding& landing) {
+    const DeviceLanding& landing,
+    const HostLanding& hostLanding) {
   // With `landing`: the device segments of each device, copied once all
   // are known (one call per device; the copies of many are one launch).
   struct Landing {
@@ -446,6 +457,42 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
         "segment ",
         i + 1,
         " was announced as provided but never arrived");
+  }
+  // Host bytes of CUDA tensors ({"cpu": d} maps), copied onto their device.
+  std::map<c10::DeviceIndex, std::vector<size_t>> fromHost;
+  for (size_t i = 0; i < segmentLandings_.size(); ++i) {
+    if (segmentLandings_[i] >= 0) {
+      fromHost[segmentLandings_[i]].push_back(i);
+    }
+  }
+  for (const auto& [device, segments] : fromHost) {
+    TORCH_CHECK(
+        arrivalStream != nullptr && hostLanding != nullptr,
+        "a CPU tensor mapped to cuda:",
+        int(device),
+        " arrived at an agent without devices");
+    std::vector<c10::Storage> hosts;
+    hosts.reserve(segments.size());
+    for (size_t i : segments) {
+      hosts.push_back(storages_[i]);
+    }
+    std::vector<c10::DataPtr> landed =
+        hostLanding(device, arrivalStream(device), hosts);
+    TORCH_CHECK(
+        landed.size() == segments.size(),
+        "CUDA landing returned ",
+        landed.size(),
+        " allocations for ",
+        segments.size(),
+        " host segments");
+    for (size_t k = 0; k < landed.size(); ++k) {
+      storages_[segments[k]] = c10::Storage(
+          c10::Storage::use_byte_size_t(),
+          static_cast<int64_t>(hosts[k].nbytes()),
+          std::move(landed[k]),
+          /*allocator=*/nullptr,
+          /*resizable=*/false);
+    }
   }
   std::vector<at::Tensor> tensors;
   tensors.reserve(tensors_.size());

@@ -44,6 +44,9 @@ def setup_torch() -> None:
         return
     assert cu().install_fake_cuda_guard() == "fake"
     torch.cuda.device_count = lambda: cu().device_count()
+    # torch's lazy CUDA init, as far as the fake allocator goes: it refuses
+    # to allocate until this has run, as torch's does.
+    torch.cuda.init = cu().torch_cuda_init
     from torch_rpc_ext import _torch_private
 
     if _torch_private.VALIDATES_DEVICES_BY_ACCELERATOR:

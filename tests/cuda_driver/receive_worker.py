@@ -1,0 +1,237 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Workers for test_agent_receive.py: a worker that never used CUDA itself,
+a receiving side short of device memory, maps between the CPU and a GPU,
+and CUDA tensors no map names. Each runs in a spawned process on the
+driver under test, as agent_worker's do (whose helpers these use)."""
+
+import os
+
+import torch
+from torch.distributed import rpc
+
+import torch_rpc_ext
+from tests.cuda_driver.agent_worker import (
+    DEVICE,
+    TIMEOUT,
+    agent_metrics,
+    cu,
+    cuda_tensor,
+    cuda_view,
+    describe,
+    identity,
+    join_pair,
+    layout,
+    pattern,
+    real_cuda,
+    setup_torch,
+    tensor_bytes,
+)
+
+MIB = 1 << 20
+BIG = 32 * MIB  # past a short worker's memory
+SHORT = 16 * MIB
+
+
+def cuda_metrics() -> dict[str, int]:
+    return {k[len("rpc_ext.cuda."):]: int(v) for k, v in agent_metrics().items()
+            if k.startswith("rpc_ext.cuda.")}
+
+
+def numel(t) -> int:
+    return t.numel()
+
+
+def make(n: int, seed: int):
+    return cuda_tensor(pattern(n, seed))
+
+
+def plain(t):
+    return t + 1
+
+
+def cuda_initialized() -> bool | None:
+    """torch's own answer on a GPU; None on the fake."""
+    return torch.cuda.is_initialized() if real_cuda() else None
+
+
+# ---- a worker that never used CUDA ---------------------------------------------
+
+
+def run_untouched(rank: int, port: int, ctl) -> None:
+    """worker1 does nothing with CUDA itself, not even before init_rpc
+    returns on worker0: the first thing it gets is a CUDA tensor. On a GPU
+    torch's caching allocator had no tables for the device (torch's lazy
+    init had not run) and the landing crashed the connection; the fake's
+    allocator refuses until torch's init, as torch's does."""
+    if rank == 1:
+        setup_torch()
+        before = cuda_initialized()
+    join_pair(rank, port)
+    out = {}
+    if rank == 0:
+        data = pattern(3 * MIB, 21)
+        try:
+            out["seen"] = rpc.rpc_sync("worker1", describe, args=(cuda_tensor(data),)) == (
+                f"cuda:{DEVICE}", data)
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["error"] = str(e)
+        out["callee_initialized"] = rpc.rpc_sync("worker1", cuda_initialized)
+        out["callee_failures"] = rpc.rpc_sync("worker1", cuda_metrics)["receive_failures"]
+    else:
+        out["initialized_before"] = before
+    rpc.shutdown()
+    ctl.send(out)
+
+
+# ---- a receiving side short of device memory -------------------------------------
+
+
+def limit_memory() -> None:
+    """This process may hold little device memory: the fake's limit (read
+    when the driver loads), or torch's allocator capped on a GPU."""
+    if real_cuda():
+        total = torch.cuda.get_device_properties(DEVICE).total_memory
+        torch.cuda.set_per_process_memory_fraction(SHORT / total, DEVICE)
+    else:
+        os.environ["FAKE_CUDA_MEM_LIMIT"] = str(SHORT)
+
+
+def run_short(rank: int, port: int, ctl, short: int) -> None:
+    """Worker `short` cannot allocate what a message brings: with 1, worker0
+    sends worker1 a 32 MiB tensor (the request cannot land); with 0, worker0
+    asks worker1 for one (the response cannot). That call fails, naming the
+    worker, the bytes and the cause; the next, small, on the same
+    connection works."""
+    if rank == short and not real_cuda():
+        limit_memory()  # before the driver loads
+    join_pair(rank, port)
+    if rank == short and real_cuda():
+        limit_memory()
+    out = {}
+    if rank == 0:
+        small = pattern(4096, 3)
+        try:
+            if short == 1:
+                rpc.rpc_sync("worker1", numel, args=(cuda_tensor(bytes(BIG)),))
+            else:
+                rpc.rpc_sync("worker1", make, args=(BIG, 1))
+            out["error"] = ""
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["error"] = str(e)
+        if short == 1:
+            out["after"] = rpc.rpc_sync("worker1", describe, args=(cuda_tensor(small),)) == (
+                f"cuda:{DEVICE}", small)
+        else:
+            out["after"] = tensor_bytes(rpc.rpc_sync("worker1", make, args=(4096, 3))) == small
+        out["failures"] = (cuda_metrics()["receive_failures"],
+                           rpc.rpc_sync("worker1", cuda_metrics)["receive_failures"])
+        metrics = agent_metrics()
+        out["rejected"] = {k: v for k, v in metrics.items() if "rejected" in k and v != "0"}
+    rpc.shutdown()
+    ctl.send(out)
+
+
+# ---- maps between the CPU and a GPU ----------------------------------------------
+
+
+def join_mapped(rank: int, port: int, mapping: dict) -> None:
+    """worker0 maps `mapping` to worker1; worker1 has no map of its own."""
+    setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=TIMEOUT)
+    if rank == 0:
+        opts.set_device_map("worker1", mapping)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+
+
+def run_cpu_to_gpu(rank: int, port: int, ctl) -> None:
+    """{"cpu": 0}: worker0's CPU tensors land on worker1's cuda:0 (the
+    bytes travel as host bytes; worker1 copies them on); worker1's CUDA
+    results come back to worker0's CPU by the reverse map {0: "cpu"}
+    (worker1 sends a host copy). TensorPipe's test_device_map_cpu_to_gpu_*."""
+    join_mapped(rank, port, {"cpu": DEVICE})
+    out = {}
+    if rank == 0:
+        agent = rpc.api._get_current_rpc_agent()
+        out["devices"] = [str(d) for d in agent._get_devices()]
+        data = pattern(3 * MIB, 5)
+        host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out["seen"] = rpc.rpc_sync("worker1", describe, args=(host,)) == (f"cuda:{DEVICE}", data)
+        back = rpc.rpc_sync("worker1", identity, args=(host,))
+        out["back"] = (str(back.device), back.numpy().tobytes() == data)
+        # Small, empty and a strided view, in one message.
+        view = torch.arange(4096, dtype=torch.float32).view(64, 64)[:, ::4]
+        got = rpc.rpc_sync("worker1", identity, args=([host[:100], host[:0], view],))
+        out["mixed"] = ([str(t.device) for t in got],
+                        got[0].numpy().tobytes() == data[:100], got[1].numel(),
+                        torch.equal(got[2], view))
+        out["metrics"] = rpc.rpc_sync("worker1", cuda_metrics)
+    rpc.shutdown()
+    ctl.send(out)
+
+
+def run_gpu_to_cpu(rank: int, port: int, ctl) -> None:
+    """{0: "cpu"}: worker0's CUDA tensors land on worker1's CPU (a host copy
+    made on worker0's stream travels); worker1's CPU results come back on
+    worker0's cuda:0 by the reverse map {"cpu": 0}. worker1 has no CUDA
+    device of its own. TensorPipe's test_device_map_gpu_to_cpu_*."""
+    join_mapped(rank, port, {DEVICE: "cpu"})
+    out = {}
+    if rank == 0:
+        data = pattern(3 * MIB, 6)
+        t = cuda_tensor(data)
+        out["seen"] = rpc.rpc_sync("worker1", describe_host, args=(t,)) == ("cpu", data)
+        back = rpc.rpc_sync("worker1", identity, args=(t,))
+        out["back"] = (str(back.device), tensor_bytes(back) == data)
+        view, packed = cuda_view(pattern(1 << 20, 7), (256, 1024),
+                                 (slice(None), slice(1, None, 4)))
+        got = rpc.rpc_sync("worker1", host_layout, args=(view,))
+        out["view"] = got == ("cpu", (256, 256), packed)
+        out["metrics"] = cuda_metrics()
+        out["callee_devices"] = rpc.rpc_sync("worker1", devices_of_agent)
+    rpc.shutdown()
+    ctl.send(out)
+
+
+def describe_host(t):
+    return str(t.device), t.numpy().tobytes()
+
+
+def host_layout(t):
+    return str(t.device), tuple(t.shape), t.contiguous().numpy().tobytes()
+
+
+def devices_of_agent():
+    return [str(d) for d in rpc.api._get_current_rpc_agent()._get_devices()]
+
+
+# ---- CUDA tensors no map names ---------------------------------------------------
+
+
+def run_unmapped(rank: int, port: int, ctl) -> None:
+    """No maps anywhere: a CUDA argument fails at worker0 and a CUDA result
+    at worker1, each with TensorPipe's text (upstream's
+    test_device_maps_missing_config*), and RPC goes on working."""
+    setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=TIMEOUT)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    out = {}
+    if rank == 0:
+        for what, call in (("request", lambda: rpc.rpc_sync(
+                               "worker1", numel, args=(cuda_tensor(b"x" * 64),))),
+                           ("response", lambda: rpc.rpc_sync("worker1", make, args=(64, 1))),
+                           ("remote", lambda: rpc.remote(
+                               "worker1", make, args=(64, 1)).to_here())):
+            try:
+                call()
+                out[what] = ""
+            except Exception as e:  # noqa: BLE001 - the message is the result
+                out[what] = str(e)
+        out["after"] = rpc.rpc_sync("worker1", plain, args=(torch.ones(2),)).tolist()
+    rpc.shutdown()
+    ctl.send(out)

@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""What the first GPU run (shared/gpu-runs/2026-11-26-h200) found on the
+receiving side, two workers each: a worker that never used CUDA gets a
+CUDA tensor; a message that cannot land for want of device memory fails
+its call, not the connection; device maps between the CPU and a GPU; and
+TensorPipe's texts for CUDA tensors no map names. On the fake driver in CI
+(whose allocator, like torch's, refuses until torch's CUDA init has run),
+and on a GPU as they are (receive_worker.py)."""
+
+import re
+
+import pytest
+
+from tests.cuda_driver import receive_worker
+from tests.cuda_driver.conftest import REAL_DRIVER
+from tests.cuda_driver.test_agent_cuda import play_with
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
+
+
+def test_a_worker_that_never_used_cuda_receives_cuda_tensors(spawn):
+    """init_rpc with devices runs torch's CUDA init (torch.cuda.init(), as
+    torch's registry does for TensorPipe) and the agent warms the device
+    before any peer can send. Before, the first CUDA tensor closed the
+    connection ("Allocator not initialized for device 0")."""
+    caller, callee = play_with(spawn, receive_worker.run_untouched)
+    assert "error" not in caller, caller
+    assert caller["seen"]
+    assert caller["callee_failures"] == 0
+    if REAL_DRIVER:
+        assert callee["initialized_before"] is False
+        assert caller["callee_initialized"] is True
+
+
+@pytest.mark.parametrize("short", [1, 0], ids=["request", "response"])
+def test_a_message_that_cannot_land_fails_its_call_and_keeps_the_connection(spawn, short):
+    """32 MiB arrive at a worker that may hold 16 MiB of device memory: the
+    landing's allocation fails. The call fails on both ends with the worker,
+    the bytes and the cause; the connection is not closed as if the peer had
+    broken the protocol (no rejected frame), and the next call on it works.
+    Before, the connection closed and every call on it failed."""
+    caller, _ = play_with(spawn, receive_worker.run_short, short)
+    receiver, sender = ("worker1", "worker0") if short == 1 else ("worker0", "worker1")
+    kind = "request" if short == 1 else "response"
+    error = caller["error"]
+    assert f"{receiver} could not receive the {kind} from {sender}" in error, error
+    assert "33554432 bytes on cuda:0" in error, error
+    assert re.search("out of memory|OUT_OF_MEMORY", error, re.I), error
+    assert caller["after"] is True
+    assert caller["failures"] == ((0, 1) if short == 1 else (1, 0))
+    assert caller["rejected"] == {}
+
+
+def test_cpu_tensors_land_on_the_gpu_a_map_names_and_come_back_to_the_cpu(spawn):
+    caller, _ = play_with(spawn, receive_worker.run_cpu_to_gpu)
+    assert caller["devices"] == []  # a map from the CPU needs no GPU here
+    assert caller["seen"]
+    assert caller["back"] == ("cpu", True)
+    assert caller["mixed"] == (["cpu", "cpu", "cpu"], True, 0, True)
+    # Segments landed from host bytes (1 + 1 + 2: the two slices of `host`
+    # share one); tensors sent back as host copies (1 + 3).
+    assert caller["metrics"]["landed_from_host"] == 4
+    assert caller["metrics"]["sent_as_host"] == 4
+    assert caller["metrics"]["receive_failures"] == 0
+
+
+def test_cuda_tensors_land_on_the_cpu_a_map_names_and_come_back_to_the_gpu(spawn):
+    caller, _ = play_with(spawn, receive_worker.run_gpu_to_cpu)
+    assert caller["callee_devices"] == []  # worker1 uses no GPU at all
+    assert caller["seen"]
+    assert caller["back"] == ("cuda:0", True)
+    assert caller["view"]  # a strided view: its elements, contiguous
+    assert caller["metrics"]["sent_as_host"] == 3
+    assert caller["metrics"]["landed_from_host"] == 1
+
+
+def test_cuda_tensors_no_map_names_fail_with_tensorpipes_text(spawn):
+    caller, _ = play_with(spawn, receive_worker.run_unmapped)
+    # What upstream's test_device_maps_missing_config* match.
+    request = ("TensorPipe RPC backend only supports CPU tensors by default.*"
+               "`set_device_map` on `TensorPipeRpcBackendOptions`")
+    assert re.search(request, caller["request"]), caller["request"]
+    assert "Request device mapping is not available for destination worker1" in caller["request"]
+    assert "no device map names cuda:0" in caller["request"]
+    for what in ("response", "remote"):
+        assert "Response device mapping is not available for destination worker0" in \
+            caller[what], caller[what]
+    assert caller["after"] == [2.0, 2.0]
