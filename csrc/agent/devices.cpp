@@ -329,8 +329,8 @@ void AgentDevices::addMetrics(
   m["rpc_ext.cuda.landing_launches"] = std::to_string(landings_.load());
   m["rpc_ext.cuda.landed_segments"] = std::to_string(landed_.load());
   m["rpc_ext.cuda.landed_bytes"] = std::to_string(landedBytes_.load());
-  m["rpc_ext.cuda.landed_from_host"] = std::to_string(fromHost_.load());
-  m["rpc_ext.cuda.sent_as_host"] = std::to_string(toHost_.load());
+  m["rpc_ext.cuda.from_host_segments"] = std::to_string(fromHost_.load());
+  m["rpc_ext.cuda.to_host_tensors"] = std::to_string(toHost_.load());
   m["rpc_ext.cuda.receive_failures"] = std::to_string(failures_.load());
 }
 

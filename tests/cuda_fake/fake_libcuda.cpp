@@ -8,7 +8,11 @@
 //
 // Modelled, and enforced as a real driver enforces it:
 // - cuInit(0) before anything else (CUDA_ERROR_NOT_INITIALIZED); in the child
-//   of a fork() after cuInit, every call fails so, cuInit too.
+//   of a fork() after cuInit, every call fails so, cuInit too. At exit the
+//   driver shuts down before the handlers registered ahead of cuInit run:
+//   calls after that fail with CUDA_ERROR_DEINITIALIZED
+//   ($FAKE_CUDA_EXIT_DELAY_MS holds the exit there, to catch threads that
+//   still call).
 // - $FAKE_CUDA_DEVICES devices (default 1; 0 makes cuInit fail with
 //   CUDA_ERROR_NO_DEVICE) of compute capability 9.0; UUIDs stable per index,
 //   changed by $FAKE_CUDA_UUID_SALT (another machine); VMM with POSIX fd
@@ -222,6 +226,7 @@ constexpr const char* kKernelNames[] = {
   X(CUDA_ERROR_INVALID_VALUE, "invalid argument")                   \
   X(CUDA_ERROR_OUT_OF_MEMORY, "out of memory")                      \
   X(CUDA_ERROR_NOT_INITIALIZED, "initialization error")             \
+  X(CUDA_ERROR_DEINITIALIZED, "driver shutting down")               \
   X(CUDA_ERROR_NO_DEVICE, "no CUDA-capable device is detected")     \
   X(CUDA_ERROR_INVALID_DEVICE, "invalid device ordinal")            \
   X(CUDA_ERROR_INVALID_IMAGE, "device kernel image is invalid")     \
@@ -345,6 +350,19 @@ State& state() {
 }
 
 std::atomic<pid_t> g_initPid{0}; // the process that called cuInit
+// Set by the exit handler cuInit registers, as the real driver shuts down
+// at exit: every call after it fails with CUDA_ERROR_DEINITIALIZED.
+std::atomic<bool> g_deinitialized{false};
+long g_exitDelayMs = 0; // $FAKE_CUDA_EXIT_DELAY_MS: the exit handler's wait
+
+void shutDownAtExit() {
+  g_deinitialized = true;
+  // A thread of the program's still calling the driver meets the shut-down
+  // driver in this window (longer than a real exit's, on purpose).
+  if (g_exitDelayMs > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(g_exitDelayMs));
+  }
+}
 // Per-thread state lives in pthread keys, not thread_local: this library is
 // dlopen'ed, and LeakSanitizer's scan of a dlopen'ed module's dynamic TLS
 // faults now and then in the fuzzers ("Tracer caught signal 11", clang 14).
@@ -431,6 +449,9 @@ CUresult enter(const char* fn, bool needContext) {
   if (pid == 0 || pid != getpid()) {
     const char* why = pid ? "used after fork()" : "cuInit(0) first";
     return fail(fn, CUDA_ERROR_NOT_INITIALIZED, why);
+  }
+  if (g_deinitialized.load()) {
+    return fail(fn, CUDA_ERROR_DEINITIALIZED, "the driver shut down at exit");
   }
   if (needContext && currentContext() == nullptr) {
     return fail(fn, CUDA_ERROR_INVALID_CONTEXT, "no current context");
@@ -1109,6 +1130,13 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
     s.contexts.push_back(std::make_unique<CUctx_st>());
     s.contexts.back()->device = d;
   }
+  if (const char* env = getenv("FAKE_CUDA_EXIT_DELAY_MS"); env && *env) {
+    g_exitDelayMs = strtol(env, &end, 10);
+  }
+  // Registered after the program's own exit handlers of its start-up (the
+  // extension's, made at import), so it runs before them, as the real
+  // driver's does.
+  std::atexit(shutDownAtExit);
   g_initPid = getpid();
   return CUDA_SUCCESS;
 }

@@ -17,6 +17,7 @@
 #include "csrc/channel/cuda/engines.h"
 #include "csrc/channel/cuda/staged_channel.h"
 #include "csrc/channel/cuda/staging_pool.h"
+#include "csrc/common/exit_gate.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
 
@@ -98,6 +99,10 @@ class StagingThread {
     auto pause = microseconds(20);
     auto lastTrim = std::chrono::steady_clock::now();
     while (true) {
+      // At exit (ExitGate: Python's atexit, before the driver shuts down)
+      // the thread stops for good: a trim or a query after the driver's own
+      // exit handler would fail (CUDA_ERROR_DEINITIALIZED) and say so.
+      ExitGate::parkIfClosed();
       {
         std::unique_lock<std::mutex> lock(mu_);
         if (pending.empty() && queue_.empty()) {
@@ -111,6 +116,8 @@ class StagingThread {
         }
         queue_.clear();
       }
+      ExitGate::parkIfClosed(); // (the wait may have outlasted the gate)
+      ExitGate::Busy busy;
       bool progressed = false;
       for (size_t i = 0; i < pending.size();) {
         if (!poll(pending[i])) {
@@ -128,6 +135,14 @@ class StagingThread {
         lastTrim = now;
         try {
           StagingPool::trimAll();
+        } catch (const CudaError& e) {
+          if (e.code() != CUDA_ERROR_DEINITIALIZED) { // exiting: not an error
+            logWarning(
+                std::string(
+                    "torch_rpc_ext: cuda_staged could not free idle "
+                    "memory: ") +
+                e.what());
+          }
         } catch (const std::exception& e) {
           logWarning(
               std::string(
