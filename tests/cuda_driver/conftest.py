@@ -20,14 +20,18 @@ def _start(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def _real_driver() -> bool:
-    """A driver with a GPU behind it (cuInit succeeds), asked in a child so
-    this process never initialises CUDA. dlopen itself is asked, not
-    ldconfig: GPU machines often have libcuda only on LD_LIBRARY_PATH."""
+def _real_devices() -> int:
+    """The GPUs of a real driver (cuInit succeeds), or -1 without one, asked
+    in a child so this process never initialises CUDA. dlopen itself is
+    asked, not ldconfig: GPU machines often have libcuda only on
+    LD_LIBRARY_PATH."""
     code = (
         "import ctypes\n"
         "try:\n"
-        "    print(ctypes.CDLL('libcuda.so.1').cuInit(0))\n"
+        "    lib = ctypes.CDLL('libcuda.so.1')\n"
+        "    n = ctypes.c_int(0)\n"
+        "    ok = lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0\n"
+        "    print(n.value if ok else -1)\n"
         "except OSError:\n"
         "    print(-1)\n"
     )
@@ -35,11 +39,20 @@ def _real_driver() -> bool:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                              text=True, timeout=60)
     except subprocess.TimeoutExpired:
-        return False
-    return out.stdout.strip() == "0"
+        return -1
+    try:
+        return int(out.stdout.strip())
+    except ValueError:
+        return -1
 
 
-REAL_DRIVER = _real_driver()
+REAL_DEVICES = _real_devices()
+REAL_DRIVER = REAL_DEVICES >= 0
+# What only the fake can drive (its FAKE_CUDA_* settings: devices, limits,
+# versions, missing features), skipped on a GPU; what needs two GPUs there.
+fake_only = pytest.mark.skipif(REAL_DRIVER, reason="drives the fake driver's settings")
+two_devices = pytest.mark.skipif(
+    REAL_DRIVER and REAL_DEVICES < 2, reason="maps between two GPUs: needs two")
 
 
 @pytest.fixture(scope="session")

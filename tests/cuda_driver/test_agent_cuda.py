@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.cuda_driver import agent_worker
-from tests.cuda_driver.conftest import REAL_DRIVER
+from tests.cuda_driver.conftest import REAL_DRIVER, fake_only, two_devices
 from tests.rpc.world import free_port
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
@@ -245,8 +245,8 @@ def test_cuda_tensors_travel_through_legacy_ipc_handles(spawn, monkeypatch):
     "channels,target,transports",
     [
         (("cuda_staged",), 0, ("tcp",)),
-        (("cuda_staged",), 1, ("tcp",)),
-        (("cuda_ipc", "cuda_staged"), 1, None),
+        pytest.param(("cuda_staged",), 1, ("tcp",), marks=two_devices),
+        pytest.param(("cuda_ipc", "cuda_staged"), 1, None, marks=two_devices),
     ],
     ids=["tcp-same-device", "tcp-other-device", "shm-other-device-ipc-declines"],
 )
@@ -303,6 +303,7 @@ def test_cuda_tensors_sent_to_ones_own_worker(spawn):
     assert out["counters"]["cuda_staged"]["segments_sent"] == 3
 
 
+@fake_only
 def test_a_device_without_interprocess_events_is_not_offered_to_cuda_ipc(spawn, monkeypatch):
     """A device that exports memory but has no interprocess events (vGPU,
     WSL, confidential computing: CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED is

@@ -9,6 +9,7 @@ docs/cuda.md says which is which."""
 import pytest
 
 from tests.cuda_driver import ipc_worker
+from tests.cuda_driver.conftest import fake_only
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
 
@@ -86,6 +87,7 @@ def test_a_cuda_segment_to_a_peer_without_cuda_ipc_is_refused_before_sending(spa
     assert (head, segments) == (b"after", [])  # nothing of it reached the peer
 
 
+@fake_only  # the sender sees two devices, the receiver one (FAKE_CUDA_DEVICES)
 def test_blocks_of_a_frame_refused_at_send_go_back_to_the_pool(spawn):
     (error, head, sender), (seen, receiver) = play(spawn, "abandoned")
     assert "declined a segment of 4096 bytes" in error
