@@ -82,12 +82,11 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   auto encodeSpan =
       RemoteProfiling::span(profile.get(), "torch_rpc_ext::encode");
   std::optional<wire::DeviceRoute> route;
-  {
+  if (!options_.devices.empty() || !options_.deviceMaps.empty() ||
+      !deviceMap.empty() || AgentDevices::needsRoute({}, {}, *message)) {
     // A per-call map (dist autograd's backward pass) overrides the options'.
-    rpc::DeviceMap map = deviceMap.empty() ? getDeviceMap(to) : deviceMap;
-    if (AgentDevices::needsRoute(options_.devices, map, *message)) {
-      route = devices_.routeTo(to.name_, map);
-    }
+    route = devices_.routeTo(
+        to.name_, deviceMap.empty() ? getDeviceMap(to) : deviceMap);
   }
   frame::OutboundFrame frame =
       wire::encodeMessage(message, id, route ? &*route : nullptr);

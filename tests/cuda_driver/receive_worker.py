@@ -5,6 +5,7 @@ and CUDA tensors no map names. Each runs in a spawned process on the
 driver under test, as agent_worker's do (whose helpers these use)."""
 
 import os
+import time
 
 import torch
 from torch.distributed import rpc
@@ -26,6 +27,7 @@ from tests.cuda_driver.agent_worker import (
     setup_torch,
     tensor_bytes,
 )
+from tests.cuda_driver.worker import fake_stats
 
 MIB = 1 << 20
 BIG = 32 * MIB  # past a short worker's memory
@@ -69,6 +71,7 @@ def run_untouched(rank: int, port: int, ctl) -> None:
     join_pair(rank, port)
     out = {}
     if rank == 0:
+        time.sleep(1)  # worker1 looks at what init_rpc prepared first
         data = pattern(3 * MIB, 21)
         try:
             out["seen"] = rpc.rpc_sync("worker1", describe, args=(cuda_tensor(data),)) == (
@@ -79,6 +82,11 @@ def run_untouched(rank: int, port: int, ctl) -> None:
         out["callee_failures"] = rpc.rpc_sync("worker1", cuda_metrics)["receive_failures"]
     else:
         out["initialized_before"] = before
+        # Warmed at init_rpc, not on a loop thread as the first tensor lands:
+        # the copy engine's modules (the fake counts them) and the context.
+        stats = fake_stats()
+        out["warm"] = (stats["live"]["modules"], stats["live"]["context_retains"]) \
+            if stats else None
     rpc.shutdown()
     ctl.send(out)
 

@@ -30,6 +30,9 @@ def test_a_worker_that_never_used_cuda_receives_cuda_tensors(spawn):
     if REAL_DRIVER:
         assert callee["initialized_before"] is False
         assert caller["callee_initialized"] is True
+    else:
+        modules, contexts = callee["warm"]
+        assert modules == 4 and contexts >= 1  # the copy kernels, loaded at init
 
 
 @pytest.mark.parametrize("short", [1, 0], ids=["request", "response"])
