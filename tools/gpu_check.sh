@@ -1,65 +1,276 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: BSD-3-Clause
-# The project's GPU check, for a machine with an NVIDIA GPU and a CUDA torch
-# (see docs/cuda.md, "Checking on a GPU"). From the project root:
-#   bash tools/gpu_check.sh [PYTEST_ARGS...]
-# Steps, each logged under $OUT (default /tmp/gpu_check), each timed:
-#   1. wheels carried in .whl/ (numpy<2.5, expecttest; ../shared/tools/
-#      gpu_wheels.sh fetches them) go to /tmp/site, ahead of the system's;
-#   2. the extension builds in place against the machine's torch;
-#   3. the copy kernels' PTX is made there by numba-cuda (to show numba-cuda
-#      works there; what loads is the PTX the package ships, ISA 6.0);
-#   4. tools/gpu_probe.py times the copy engine beside torch and checks
-#      CUDA IPC of memory and events between two processes (probe.log);
-#   5. pytest runs the CUDA tests (tests/cuda*) and the given arguments;
-#   6. benchmarks/cuda_bench.py, ours and TensorPipe (cuda_bench.jsonl,
-#      cuda_bench.png, a ratio per case);
-#   7. upstream's CUDA suites (tests/conformance_cuda, spawned processes),
-#      each test cut at 120 s and the step at 420 s.
-# STEPS="ptx probe pytest bench upstream_cuda" (the default: all) runs only
-# those after the build, so that one device call's 10 minutes need not hold
-# them all: a second call on the still-warm machine rebuilds nothing.
+# The project's GPU check, sized for one device call of at most 9 minutes
+# from a bare machine (docs/cuda.md, "Checking on a GPU"). From the project
+# root of a machine with an NVIDIA GPU and a CUDA torch:
+#   OUT=DIR bash tools/gpu_check.sh [--fake] [PYTEST_ARGS...]
+# Stages (the build, then the steps of STEPS), each step cut at its own
+# limit, all of them inside BUDGET seconds (540) from the start:
+#   1. wheels: .whl/ (numpy<2.5, expecttest; ../shared/tools/gpu_wheels.sh
+#      fetches them) into /tmp/site, ahead of the system's;
+#   2. build: in place, on every core (120 s; 61 s on a 16-core H200);
+#   3. side by side, none of them timing anything (240 s together):
+#      ptx            the kernels' PTX made there by numba-cuda (to show it
+#                     works there; what loads is the PTX the package ships);
+#      pytest         tests/cuda_driver and tests/cuda_kernels (the real
+#                     driver) and PYTEST_ARGS;
+#      upstream_cuda  upstream's CUDA suites (tests/conformance_cuda, four
+#                     spawned processes a test), on pytest-xdist if there;
+#   4. alone on the GPU, as they time things: probe (tools/gpu_probe.py,
+#      short, and its IPC check matters more than the bench), then bench
+#      (benchmarks/cuda_bench.py, ours beside TensorPipe) in what is left.
+# Files under $OUT, written as the steps go (7: the device tool returns 8):
+#   summary.txt       the machine, one line per step (rc, seconds, tests
+#                     passed/failed, the failing tests, the tests running
+#                     when a step was cut or crashed), the bench's ratios
+#   build.log         wheels, the build (its last lines if it passed), ptx
+#   pytest.log        upstream.log    pytest -v -rfE, one each
+#   bench.log         probe, then bench
+#   cuda_bench.jsonl  cuda_bench.png  the bench's rows and chart
+# A step is cut with SIGINT, so that pytest prints its summary (-rfE: every
+# failure so far) and the test it was in; SIGKILL 10 s later if need be.
+# STEPS="pytest bench" reruns only those (the build always runs; it is
+# incremental). --fake (or FAKE=1) runs the same on a machine without a GPU:
+# no wheels, no build (SKIP_BUILD=1: the .so must be there), .venv's Python,
+# the fake driver for pytest (tests/cuda_driver picks it) and bench
+# (--fake); upstream_cuda skips itself, probe is skipped.
 # Exit status: the number of failed steps (0 = all passed).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+FAKE=${FAKE:-0}
+if [ "${1:-}" = "--fake" ]; then FAKE=1; shift; fi
 OUT=${OUT:-/tmp/gpu_check}
+STEPS=${STEPS:-ptx pytest upstream_cuda probe bench}
+BUDGET=${BUDGET:-540}
+CAP_BUILD=${CAP_BUILD:-120} CAP_TESTS=${CAP_TESTS:-240}
+CAP_PROBE=${CAP_PROBE:-60} CAP_BENCH=${CAP_BENCH:-300}
+# Fewer calls than the bench's defaults (50, 10, 5, 5), as in the 2026-11-26
+# H200 run, so that it fits what stage 4 has.
+BENCH_ARGS=${BENCH_ARGS:---calls 20 --calls-large 5 --warmup 3 --recipe-rounds 3}
+if [ "$FAKE" = 1 ]; then
+  SKIP_BUILD=${SKIP_BUILD:-1}
+  [ -x .venv/bin/python ] && PYTHON=${PYTHON:-.venv/bin/python}
+fi
+SKIP_BUILD=${SKIP_BUILD:-0}
+PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-failed=0
-STEPS=${STEPS:-ptx probe pytest bench upstream_cuda}
-step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, time it
-  local name=$1 start rc
-  shift
-  case " build $STEPS " in *" $name "*) ;; *) return 0 ;; esac
-  start=$(date +%s)
-  "$@" >"$OUT/$name.log" 2>&1
+SUMMARY=$OUT/summary.txt
+rm -f "$SUMMARY" "$OUT"/{build,pytest,upstream,bench}.log "$OUT"/cuda_bench.{jsonl,png}
+export PYTHONUNBUFFERED=1 TORCH_RPC_EXT_BUILD_TESTING=1
+export TORCH_RPC_EXT_CACHE_DIR=/tmp/torch_rpc_ext_cache
+
+wanted() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+
+# limit WANT RESERVE: WANT seconds, or fewer, so that RESERVE seconds for the
+# stages after this one and 10 s for a kill stay inside BUDGET.
+limit() {
+  local most=$((BUDGET - SECONDS - $2 - 10))
+  echo $(($1 < most ? $1 : most))
+}
+
+# pytest_facts LOG RC: the tally, the failing tests and, for a run cut or
+# killed by a signal (a crash too), the tests running then, from pytest's -v
+# progress lines and -rfE summary (its last line is missing when pytest did
+# not end itself: the progress lines are counted).
+pytest_facts() {
+  awk -v cut="$([ "$2" = 124 ] || [ "$2" -gt 128 ] 2>/dev/null && echo 1)" '
+    function short(id) { sub(/^[^:]*\//, "", id); return id }
+    /^=+ .* in [0-9.]+s/ { tally = $0; gsub(/^=+ | =+$/, "", tally) }
+    {
+      id = ""
+      for (i = 1; i <= NF; i++) if ($i ~ /\.py::/) { id = $i; break }
+      progress = $0 ~ /\[ *[0-9]+%\]/
+      # Without xdist, output of a test'"'"'s own processes can split its line:
+      # an outcome with no test id is the last started test'"'"'s.
+      if (id == "" && progress && last != "") id = last
+      if (id == "") next
+      if (match($0, /(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)/)) {
+        word = substr($0, RSTART, RLENGTH)
+        done[id] = 1
+        if (progress) n[word]++
+        if ((word == "FAILED" || word == "ERROR") && !(id in bad)) {
+          bad[id] = 1
+          badlist = badlist " " short(id)
+        }
+      } else { started[id] = 1; last = id }
+    }
+    END {
+      if (tally == "") {
+        for (w in n) tally = tally (tally == "" ? "so far: " : ", ") n[w] " " tolower(w)
+        if (tally == "") tally = "no test ended"
+      }
+      printf "%s", tally
+      if (badlist != "") printf "; failed:%s", badlist
+      if (cut) {
+        run = ""
+        for (id in started) if (!(id in done)) run = run " " short(id)
+        printf "; running then:%s", (run == "" ? " (none seen)" : run)
+      }
+    }' "$1"
+}
+
+# note NAME RC SECONDS [FACTS]: the step's line in summary.txt, and on stdout.
+note() {
+  local rc=$2 facts=${4:-}
+  case $rc in
+    124 | 137) facts="cut at its limit${facts:+; $facts}" ;;
+    1[3-9][0-9]) facts="killed by signal $((rc - 128))${facts:+; $facts}" ;;
+  esac
+  printf '%-13s rc=%-4s %4d s  %s\n' "$1" "$rc" "$3" "$facts" | tee -a "$SUMMARY"
+}
+
+# step NAME LOG SECONDS COMMAND...: run it, appending to LOG, cut after
+# SECONDS (SIGINT, then SIGKILL); note it. Returns its status.
+step() {
+  local name=$1 log=$2 secs=$3 start pid rc facts=""
+  shift 3
+  if [ "$secs" -lt 5 ]; then
+    note "$name" - 0 "not run: the budget was spent"
+    return 1
+  fi
+  start=$SECONDS
+  echo "== ${start} s: $name, cut at ${secs} s: $*" | tee -a "$log"
+  # timeout leads a process group of its own (and resets SIGINT, which a
+  # background job ignores, for the command): what the step left running,
+  # such as a test's spawned workers, is killed with the group, so that it
+  # holds neither the GPU nor the cores while the next steps run.
+  timeout --signal=INT --kill-after=10 "$secs" "$@" >>"$log" 2>&1 &
+  pid=$!
+  wait "$pid"
   rc=$?
-  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $(($(date +%s) - start))}" |
-    tee -a "$OUT/steps.jsonl"
-  [ "$rc" -eq 0 ] || { failed=$((failed + 1)); tail -n 40 "$OUT/$name.log"; }
+  kill -KILL -- "-$pid" 2>/dev/null
+  case $name in
+    pytest | upstream_cuda) facts=$(pytest_facts "$log" "$rc") ;;
+    probe) facts=$(grep -o '"failures": [0-9]*' "$log" | tail -n 1) ;;
+    bench) facts="$(grep -c median_us "$OUT/cuda_bench.jsonl" 2>/dev/null || echo 0) rows" ;;
+  esac
+  note "$name" "$rc" $((SECONDS - start)) "$facts"
   return "$rc"
 }
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    --upgrade .whl/*.whl >"$OUT/wheels.log" 2>&1 || { cat "$OUT/wheels.log"; exit 1; }
+
+{
+  echo "gpu_check $(date -u +%FT%TZ) fake=$FAKE STEPS=\"$STEPS\" budget ${BUDGET} s"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo '(no .git)')"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 |
+      sed 's/^/gpu: /'
+  else
+    echo "gpu: none (no nvidia-smi)"
+  fi
+  echo "cores: $(nproc); python: $PY"
+} >>"$SUMMARY"
+failed=0
+
+# 1. Wheels: the GPU machine has no network. Not under --fake: they are for
+# the GPU machine's Python, and .venv has its own.
+if [ "$FAKE" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
+  step wheels "$OUT/build.log" 60 "$PY" -m pip install -q --no-index --no-deps \
+    --no-compile --no-cache-dir --target /tmp/site --upgrade .whl/*.whl ||
+    failed=$((failed + 1))
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
-export PYTHONUNBUFFERED=1 TORCH_RPC_EXT_BUILD_TESTING=1
-export TORCH_RPC_EXT_CACHE_DIR=/tmp/torch_rpc_ext_cache
-{ nvidia-smi; python3 -m pip list 2>/dev/null | grep -iE '^(torch|numba|numpy|nvidia|cuda)'; } \
-  >"$OUT/machine.txt" 2>&1
-step build env MAX_JOBS=${MAX_JOBS:-14} python3 setup.py build_ext --inplace
-step ptx python3 -m torch_rpc_ext._cuda.ptx --out /tmp/gpu_ptx
-step probe python3 tools/gpu_probe.py --ptx torch_rpc_ext/_cuda/shipped_ptx
-step pytest python3 -m pytest -p no:cacheprovider -q --timeout 300 -rfE \
-  $(ls -d tests/cuda* 2>/dev/null) "$@"
-[ -f "$OUT/pytest.log" ] && tail -n 5 "$OUT/pytest.log"
-rm -f "$OUT/cuda_bench.jsonl" "$OUT/cuda_bench.png"
-step bench python3 benchmarks/cuda_bench.py --out "$OUT/cuda_bench.jsonl" \
-  --chart "$OUT/cuda_bench.png"
-[ -f "$OUT/cuda_bench.jsonl" ] && grep '"ratio"' "$OUT/cuda_bench.jsonl"
-step upstream_cuda env DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=60 timeout 420 \
-  python3 -m pytest -p no:cacheprovider -q --timeout 120 -rfE tests/conformance_cuda
-[ -f "$OUT/upstream_cuda.log" ] && tail -n 3 "$OUT/upstream_cuda.log"
+"$PY" - >>"$SUMMARY" 2>&1 <<'EOF'
+from importlib import metadata
+have = []
+for name in ("torch", "numpy", "numba", "numba-cuda", "pytest-xdist", "expecttest"):
+    try:
+        have.append(f"{name} {metadata.version(name)}")
+    except metadata.PackageNotFoundError:
+        have.append(f"{name} -")
+print("packages:", ", ".join(have))
+EOF
+
+# 2. Build. Everything after it needs the extension: a failed build ends the
+# run (build.log is kept whole then).
+if [ "$SKIP_BUILD" = 1 ]; then
+  if ls torch_rpc_ext/_C*.so >/dev/null 2>&1; then
+    note build skip 0 "SKIP_BUILD=1: the extension built earlier"
+  else
+    note build - 0 "SKIP_BUILD=1 and no torch_rpc_ext/_C*.so: build it first"
+    exit 1
+  fi
+else
+  before=0
+  [ -f "$OUT/build.log" ] && before=$(wc -l <"$OUT/build.log")
+  if ! step build "$OUT/build.log" "$(limit "$CAP_BUILD" 0)" \
+    env MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$PY" setup.py build_ext --inplace; then
+    tail -n 40 "$OUT/build.log"
+    exit $((failed + 1))
+  fi
+  # Passed: the wheels' lines and the build's last 20 are enough.
+  { head -n "$before" "$OUT/build.log"
+    echo "... (the build's last 20 lines)"
+    tail -n 20 "$OUT/build.log"; } >"$OUT/build.tail" && mv "$OUT/build.tail" "$OUT/build.log"
+fi
+
+# 3. Correctness, side by side: nothing here is timed, so sharing the cores
+# and the GPU costs only wall time. Each step writes a log of its own (ptx
+# appends to build.log, which nothing else writes now). 150 s stay for probe
+# and bench.
+secs=$(limit "$CAP_TESTS" 150)
+pids=()
+if wanted ptx; then
+  step ptx "$OUT/build.log" "$secs" "$PY" -m torch_rpc_ext._cuda.ptx --out /tmp/gpu_ptx &
+  pids+=($!)
+fi
+if wanted pytest; then
+  # -v: progress lines name each test as it starts; --timeout: a hung test
+  # fails with its stack, and the next one runs (tests marked otherwise,
+  # such as test_cuda_bench.py's 600 s, keep theirs); --durations: where the
+  # step's time went (217 s alone on the fake, 2 cores).
+  step pytest "$OUT/pytest.log" "$secs" "$PY" -m pytest -p no:cacheprovider -v -rfE \
+    --durations=20 --timeout 90 tests/cuda_driver tests/cuda_kernels "$@" &
+  pids+=($!)
+fi
+if wanted upstream_cuda; then
+  # Each test's own limit is upstream's DISTRIBUTED_TESTS_DEFAULT_TIMEOUT (the
+  # module's timeout mark of 600 s overrides --timeout). Half the cores as
+  # xdist workers, at most 8: each test spawns four processes.
+  xdist=()
+  if "$PY" -c 'import xdist' 2>/dev/null; then
+    n=$(($(nproc) / 2))
+    xdist=(-n $((n < 1 ? 1 : n > 8 ? 8 : n)))
+  fi
+  step upstream_cuda "$OUT/upstream.log" "$secs" env DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=60 \
+    "$PY" -m pytest -p no:cacheprovider -v -rfE --durations=20 "${xdist[@]}" \
+    tests/conformance_cuda &
+  pids+=($!)
+fi
+for pid in "${pids[@]}"; do
+  wait "$pid" || failed=$((failed + 1))
+done
+
+# 4. Timed, alone on the GPU: the probe first (short; its IPC check is a
+# correctness check too), then the bench in what is left of the budget.
+if wanted probe; then
+  if [ "$FAKE" = 1 ]; then
+    note probe skip 0 "no GPU (--fake): the probe has no fake"
+  else
+    step probe "$OUT/bench.log" "$(limit "$CAP_PROBE" 90)" \
+      "$PY" tools/gpu_probe.py --ptx torch_rpc_ext/_cuda/shipped_ptx ||
+      failed=$((failed + 1))
+  fi
+fi
+if wanted bench; then
+  read -ra bench <<<"$BENCH_ARGS"
+  libcuda=()
+  if [ "$FAKE" = 1 ]; then
+    # The fake driver, as tests/cuda_driver builds it (once; kept in build/).
+    libcuda=("TORCH_RPC_EXT_LIBCUDA=$("$PY" -c \
+      'from tests import cuda_fake; print(cuda_fake.build())' 2>>"$OUT/bench.log")")
+    bench=(--fake)
+  fi
+  step bench "$OUT/bench.log" "$(limit "$CAP_BENCH" 0)" env "${libcuda[@]}" \
+    "$PY" benchmarks/cuda_bench.py "${bench[@]}" \
+    --out "$OUT/cuda_bench.jsonl" --chart "$OUT/cuda_bench.png" || failed=$((failed + 1))
+  # The ratios, one line per kind: "time_ext_over_tp: identity_4KB 0.675 ...".
+  sed -n 's/.*"case": "\([^"]*\)", "ratio": "\([^"]*\)", "value": \([0-9.]*\).*/\2 \1 \3/p' \
+    "$OUT/cuda_bench.jsonl" 2>/dev/null |
+    awk '{ line[$1] = line[$1] " " $2 " " $3 } END { for (k in line) print k ":" line[k] }' |
+    tee -a "$SUMMARY"
+fi
+
+echo "failed steps: $failed; ${SECONDS} s in all" | tee -a "$SUMMARY"
 exit "$failed"
