@@ -211,6 +211,11 @@ fi
 # and bench.
 secs=$(limit "$CAP_TESTS" 150)
 pids=()
+# pytest-xdist where the machine has it (the 2026-11-26 H200 had): our tests
+# run one after the other otherwise, some 50 of them spawning two workers
+# each, which on their own may outlast the stage.
+have_xdist=0
+"$PY" -c 'import xdist' 2>/dev/null && have_xdist=1
 if wanted ptx; then
   step ptx "$OUT/build.log" "$secs" "$PY" -m torch_rpc_ext._cuda.ptx --out /tmp/gpu_ptx &
   pids+=($!)
@@ -220,18 +225,21 @@ if wanted pytest; then
   # fails with its stack, and the next one runs (tests marked otherwise,
   # such as test_cuda_bench.py's 600 s, keep theirs); --durations: where the
   # step's time went (217 s alone on the fake, 2 cores).
+  ours=()
+  [ "$have_xdist" = 1 ] && [ "$FAKE" != 1 ] && ours=(-n 4)
   step pytest "$OUT/pytest.log" "$secs" "$PY" -m pytest -p no:cacheprovider -v -rfE \
-    --durations=20 --timeout 90 tests/cuda_driver tests/cuda_kernels "$@" &
+    --durations=20 --timeout 90 "${ours[@]}" tests/cuda_driver tests/cuda_kernels "$@" &
   pids+=($!)
 fi
 if wanted upstream_cuda; then
   # Each test's own limit is upstream's DISTRIBUTED_TESTS_DEFAULT_TIMEOUT (the
-  # module's timeout mark of 600 s overrides --timeout). Half the cores as
-  # xdist workers, at most 8: each test spawns four processes.
+  # module's timeout mark of 600 s overrides --timeout). Half the cores less
+  # the 4 of our own tests as xdist workers, at most 6: each test spawns
+  # four processes.
   xdist=()
-  if "$PY" -c 'import xdist' 2>/dev/null; then
-    n=$(($(nproc) / 2))
-    xdist=(-n $((n < 1 ? 1 : n > 8 ? 8 : n)))
+  if [ "$have_xdist" = 1 ]; then
+    n=$(($(nproc) / 2 - 2))
+    xdist=(-n $((n < 1 ? 1 : n > 6 ? 6 : n)))
   fi
   step upstream_cuda "$OUT/upstream.log" "$secs" env DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=60 \
     "$PY" -m pytest -p no:cacheprovider -v -rfE --durations=20 "${xdist[@]}" \
