@@ -232,6 +232,8 @@ def run_unmapped(rank: int, port: int, ctl) -> None:
     if rank == 0:
         for what, call in (("request", lambda: rpc.rpc_sync(
                                "worker1", numel, args=(cuda_tensor(b"x" * 64),))),
+                           ("remote_request", lambda: rpc.remote(
+                               "worker1", numel, args=(cuda_tensor(b"x" * 64),)).to_here()),
                            ("response", lambda: rpc.rpc_sync("worker1", make, args=(64, 1))),
                            ("remote", lambda: rpc.remote(
                                "worker1", make, args=(64, 1)).to_here())):

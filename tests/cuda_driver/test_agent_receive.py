@@ -82,7 +82,8 @@ def test_cuda_tensors_no_map_names_fail_with_tensorpipes_text(spawn):
     # What upstream's test_device_maps_missing_config* match.
     request = ("TensorPipe RPC backend only supports CPU tensors by default.*"
                "`set_device_map` on `TensorPipeRpcBackendOptions`")
-    assert re.search(request, caller["request"]), caller["request"]
+    for what in ("request", "remote_request"):
+        assert re.search(request, caller[what]), caller[what]
     assert "Request device mapping is not available for destination worker1" in caller["request"]
     assert "no device map names cuda:0" in caller["request"]
     for what in ("response", "remote"):
