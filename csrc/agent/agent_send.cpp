@@ -240,9 +240,8 @@ void Agent::failReceive(
     const wire::InboundMessage& in,
     Peer* peer,
     const std::string& cause) {
-  const bool request =
-      (static_cast<uint32_t>(in.type()) & rpc::MessageTypeFlags::REQUEST_TYPE) !=
-      0;
+  const bool request = (static_cast<uint32_t>(in.type()) &
+                        rpc::MessageTypeFlags::REQUEST_TYPE) != 0;
   const std::string from = peer ? peer->info.name_ : conn->describe();
   const std::string text = workerInfo_.name_ + " could not receive the " +
       (request ? "request from " : "response from ") + from + ": " + cause;
@@ -250,18 +249,15 @@ void Agent::failReceive(
   logWarning("torch_rpc_ext: " + text);
   if (!request) {
     calls_.respond(
-        *conn,
-        rpc::createExceptionResponse(text, in.id()),
-        {},
-        in.byteSize());
+        *conn, rpc::createExceptionResponse(text, in.id()), {}, in.byteSize());
     return;
   }
   if (!peer || peer->departed()) {
     return; // nothing goes back to a departed member (onFrame says why)
   }
   peer->stats.bytesReceived.fetch_add(in.byteSize(), std::memory_order_relaxed);
-  frame::OutboundFrame frame = wire::encodeMessage(
-      rpc::createExceptionResponse(text, in.id()), in.id());
+  frame::OutboundFrame frame =
+      wire::encodeMessage(rpc::createExceptionResponse(text, in.id()), in.id());
   peer->stats.bytesSent.fetch_add(frame.wireSize(), std::memory_order_relaxed);
   conn->write(std::move(frame));
 }

@@ -11,8 +11,8 @@
 // no lock.
 
 #include <atomic>
-#include <stdexcept>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <utility>

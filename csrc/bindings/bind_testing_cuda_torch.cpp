@@ -22,10 +22,10 @@
 // not allocate is skipped silently, as torch's is.
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
-#include <atomic>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <atomic>
 
 #include <algorithm>
 #include <condition_variable>

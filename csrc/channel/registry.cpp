@@ -14,8 +14,8 @@
 #include "csrc/channel/cuda/ipc_channel.h"
 #include "csrc/channel/cuda/staged_channel.h"
 #include "csrc/channel/lanes/factory.h"
-#include "csrc/common/libcuda.h"
 #include "csrc/channel/shm/factory.h"
+#include "csrc/common/libcuda.h"
 
 namespace torch_rpc_ext::channel {
 

@@ -53,10 +53,19 @@ void copyOnCudaDevice(
 // GPU. toHost() returns once the bytes are in `dst` (it waits for the
 // stream); toDevice() returns at once and runs `done` (on a driver thread,
 // no CUDA call allowed there) once the copy has read `src`.
-void copyToHost(int device, uintptr_t stream, void* dst, uintptr_t src,
-                size_t bytes);
-void copyToDevice(int device, uintptr_t stream, uintptr_t dst, const void* src,
-                  size_t bytes, std::function<void()> done);
+void copyToHost(
+    int device,
+    uintptr_t stream,
+    void* dst,
+    uintptr_t src,
+    size_t bytes);
+void copyToDevice(
+    int device,
+    uintptr_t stream,
+    uintptr_t dst,
+    const void* src,
+    size_t bytes,
+    std::function<void()> done);
 // Makes the first CUDA tensor on `device` cheap: the device's primary
 // context retained and current-able, and the copy engine's kernels loaded
 // (a JIT compile of their PTX), on the calling thread rather than a

@@ -334,14 +334,14 @@ frame::OutboundFrame encodeMessage(
           "TORCH_RPC_EXT sends sparse tensors from CPU only, got one on ",
           t.device());
       TORCH_CHECK(
-          route == nullptr ||
-              route->map.count(c10::Device(c10::kCPU)) == 0 ||
+          route == nullptr || route->map.count(c10::Device(c10::kCPU)) == 0 ||
               route->map.at(c10::Device(c10::kCPU)).is_cpu(),
           "TORCH_RPC_EXT sends sparse tensors to a peer's CPU only, but the "
           "device map to ",
           route ? route->peer : std::string(),
           " sends CPU tensors to ",
-          route ? route->map.at(c10::Device(c10::kCPU)) : c10::Device(c10::kCPU),
+          route ? route->map.at(c10::Device(c10::kCPU))
+                : c10::Device(c10::kCPU),
           ": densify it, or send it to a worker with no such map");
       at::Tensor indices = plan.admit(t._indices(), false, false);
       at::Tensor values = plan.admit(t._values().detach(), false, false);

@@ -60,8 +60,8 @@ std::string unmappedDeviceError(
 // tensor without `route` or whose device it does not map, other devices,
 // quantized, unsupported layout). Under `route`, a CUDA tensor mapped to
 // "cpu" travels as a host copy (route->toHost) and a CPU tensor mapped to a
-// CUDA device travels as host bytes that the receiver copies onto it. Does not modify `message`, so retries can
-// send it again.
+// CUDA device travels as host bytes that the receiver copies onto it. Does not
+// modify `message`, so retries can send it again.
 frame::OutboundFrame encodeMessage(
     const c10::intrusive_ptr<rpc::Message>& message,
     int64_t id,

@@ -290,8 +290,8 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   for (const auto& t : m->tensors_) {
     place(t.dense);
     if (t.sparse) {
-      if (t.dense.device >= 0 || t.indices.device >= 0 ||
-          t.dense.hostCarried || t.indices.hostCarried) {
+      if (t.dense.device >= 0 || t.indices.device >= 0 || t.dense.hostCarried ||
+          t.indices.hostCarried) {
         throw std::invalid_argument("a sparse tensor on a CUDA device");
       }
       place(t.indices);
