@@ -253,11 +253,26 @@ void Agent::failReceive(
     return;
   }
   if (!peer || peer->departed()) {
-    return; // nothing goes back to a departed member (onFrame says why)
+    // As onFrame: nothing a departed member sends is served.
+    conn->close(
+        "worker id " + std::to_string(conn->peerId()) +
+        " is not a member of the group at epoch " +
+        std::to_string(group_.view()->epoch));
+    return;
   }
   peer->stats.bytesReceived.fetch_add(in.byteSize(), std::memory_order_relaxed);
-  frame::OutboundFrame frame =
-      wire::encodeMessage(rpc::createExceptionResponse(text, in.id()), in.id());
+  c10::intrusive_ptr<rpc::Message> reply;
+  try {
+    reply = RRefGuard::failRemote(*in.withoutTensors(), text);
+  } catch (const std::exception& e) {
+    logWarning(
+        std::string("torch_rpc_ext: failing a remote() call's OwnerRRef: ") +
+        e.what());
+  }
+  if (!reply) {
+    reply = rpc::createExceptionResponse(text, in.id());
+  }
+  frame::OutboundFrame frame = wire::encodeMessage(reply, in.id());
   peer->stats.bytesSent.fetch_add(frame.wireSize(), std::memory_order_relaxed);
   conn->write(std::move(frame));
 }

@@ -10,7 +10,9 @@
 #include <ATen/Context.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <optional>
+#include <unordered_map>
 
 #include "csrc/channel/registry.h"
 #include "csrc/common/logging.h"
@@ -177,34 +179,88 @@ std::vector<c10::DataPtr> AgentDevices::landFromHost(
   return out;
 }
 
-at::Tensor AgentDevices::toHost(const at::Tensor& t) {
-  // The span of its storage the tensor touches, copied whole: the host
-  // tensor keeps its sizes and strides (the codec compacts it if need be).
-  const int64_t item = static_cast<int64_t>(t.element_size());
-  int64_t extent = 0;
-  if (t.numel() != 0) {
-    int64_t last = 0;
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      last += (t.size(d) - 1) * t.stride(d);
+std::vector<at::Tensor> AgentDevices::toHost(
+    const std::vector<at::Tensor>& ts) {
+  // The byte span of each storage the tensors use, relative to its start.
+  struct Span {
+    int64_t lo;
+    int64_t hi;
+    c10::Device device;
+    at::Tensor bytes;
+  };
+  std::unordered_map<c10::StorageImpl*, Span> spans;
+  std::vector<c10::StorageImpl*> order;
+  auto offsetOf = [](const at::Tensor& t) {
+    return t.storage_offset() * static_cast<int64_t>(t.element_size());
+  };
+  for (const auto& t : ts) {
+    const int64_t item = static_cast<int64_t>(t.element_size());
+    int64_t extent = 0;
+    if (t.numel() != 0) {
+      int64_t last = 0;
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        last += (t.size(d) - 1) * t.stride(d);
+      }
+      extent = (last + 1) * item;
     }
-    extent = (last + 1) * item;
+    const int64_t lo = offsetOf(t);
+    auto* impl = t.storage().unsafeGetStorageImpl();
+    auto [it, added] =
+        spans.emplace(impl, Span{lo, lo + extent, t.device(), {}});
+    if (added) {
+      order.push_back(impl);
+    } else {
+      it->second.lo = std::min(it->second.lo, lo);
+      it->second.hi = std::max(it->second.hi, lo + extent);
+    }
   }
-  at::Tensor bytes = at::empty({extent}, at::TensorOptions().dtype(at::kByte));
+  for (const auto& t : ts) {
+    // Each view's offset into the copy must be whole elements.
+    auto& s = spans.at(t.storage().unsafeGetStorageImpl());
+    if ((offsetOf(t) - s.lo) % static_cast<int64_t>(t.element_size()) != 0) {
+      s.lo = 0;
+    }
+  }
   c10::impl::VirtualGuardImpl impl(c10::kCUDA);
-  const auto stream = reinterpret_cast<uintptr_t>(
-      impl.getStreamNativeHandle(impl.getStream(t.device())));
-  channel::copyToHost(
-      t.device().index(),
-      stream,
-      bytes.data_ptr(),
-      reinterpret_cast<uintptr_t>(t.const_data_ptr()),
-      static_cast<size_t>(extent));
-  at::Tensor host = at::empty({0}, at::TensorOptions().dtype(t.scalar_type()));
-  host.set_(bytes.storage(), 0, t.sizes(), t.strides());
-  if (t.requires_grad()) {
-    host.requires_grad_(true);
+  std::vector<std::pair<c10::DeviceIndex, uintptr_t>> streams;
+  for (auto* storage : order) {
+    auto& s = spans.at(storage);
+    s.bytes = at::empty({s.hi - s.lo}, at::TensorOptions().dtype(at::kByte));
+    const auto stream = reinterpret_cast<uintptr_t>(
+        impl.getStreamNativeHandle(impl.getStream(s.device)));
+    channel::copyToHost(
+        s.device.index(),
+        stream,
+        s.bytes.data_ptr(),
+        reinterpret_cast<uintptr_t>(storage->data()) + s.lo,
+        static_cast<size_t>(s.hi - s.lo));
+    if (std::find(
+            streams.begin(),
+            streams.end(),
+            std::make_pair(s.device.index(), stream)) == streams.end()) {
+      streams.emplace_back(s.device.index(), stream);
+    }
   }
-  return host;
+  for (const auto& [device, stream] : streams) {
+    channel::waitForStream(device, stream);
+  }
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) {
+    const auto& s = spans.at(t.storage().unsafeGetStorageImpl());
+    at::Tensor host =
+        at::empty({0}, at::TensorOptions().dtype(t.scalar_type()));
+    host.set_(
+        s.bytes.storage(),
+        (offsetOf(t) - s.lo) / static_cast<int64_t>(t.element_size()),
+        t.sizes(),
+        t.strides());
+    if (t.requires_grad()) {
+      host.requires_grad_(true);
+    }
+    out.push_back(std::move(host));
+  }
+  return out;
 }
 
 std::vector<c10::Stream> AgentDevices::arrivalStreams() const {
@@ -229,9 +285,9 @@ wire::DeviceRoute AgentDevices::routeTo(
   // after whatever it queued there (recordCudaUse() tells the caching
   // allocator, so a storage freed meanwhile is not reused before the copy
   // is done).
-  route.toHost = [this](const at::Tensor& t) {
-    toHost_.fetch_add(1, std::memory_order_relaxed);
-    return toHost(t);
+  route.toHost = [this](const std::vector<at::Tensor>& ts) {
+    toHost_.fetch_add(ts.size(), std::memory_order_relaxed);
+    return toHost(ts);
   };
   route.readyStream = [](c10::Device device) {
     c10::impl::VirtualGuardImpl impl(c10::kCUDA);
@@ -311,9 +367,11 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
   return in.finish(
       buffers,
       [&](c10::DeviceIndex device) {
+        // (streamOf first: a device not ours is a ReceiveFailure, even
+        // where torch has no CUDA at all.)
+        const c10::Stream& stream = streamOf(device);
         c10::impl::VirtualGuardImpl impl(c10::kCUDA);
-        return reinterpret_cast<uintptr_t>(
-            impl.getStreamNativeHandle(streamOf(device)));
+        return reinterpret_cast<uintptr_t>(impl.getStreamNativeHandle(stream));
       },
       landing,
       hostLanding);

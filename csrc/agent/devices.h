@@ -118,9 +118,10 @@ class AgentDevices {
   std::vector<c10::DataPtr> landFromHost(
       const c10::Stream& stream,
       const std::vector<c10::Storage>& hosts);
-  // A host copy of CUDA tensor `t` ({d: "cpu"} maps), made on the current
-  // stream of its device after the work queued there.
-  static at::Tensor toHost(const at::Tensor& t);
+  // Host copies of CUDA tensors ({d: "cpu"} maps), made on the current
+  // streams of their devices after the work queued there: the span of each
+  // storage they use copied once, each tensor a view of its storage's copy.
+  static std::vector<at::Tensor> toHost(const std::vector<at::Tensor>& ts);
   // Runs `fn`, turning what it throws into a ReceiveFailure saying `what`.
   template <typename Fn>
   auto local(const std::string& what, Fn&& fn) -> decltype(fn());

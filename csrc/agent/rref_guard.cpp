@@ -11,12 +11,16 @@
 // payload as torch's two picklers write it.
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <string_view>
 
 #include <sstream>
 
+#include <torch/csrc/distributed/rpc/python_remote_call.h>
+#include <torch/csrc/distributed/rpc/rref_context.h>
 #include <torch/csrc/distributed/rpc/rref_proto.h>
+#include <torch/csrc/distributed/rpc/script_remote_call.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "csrc/agent/rref_guard.h"
@@ -141,6 +145,53 @@ void RRefGuard::trackForks(const rpc::Message& request, rpc::worker_id_t from) {
   } catch (const std::exception&) {
     // Malformed: the callback refuses it with its own error.
   }
+}
+
+c10::intrusive_ptr<rpc::Message> RRefGuard::failRemote(
+    const rpc::Message& request,
+    const std::string& error) {
+  std::optional<rpc::RRefId> rrefId; // (ids cannot be assigned)
+  std::optional<rpc::ForkId> forkId;
+  c10::TypePtr type;
+  try {
+    // As torch's request callback reads them (the tensors are placeholders:
+    // nothing runs).
+    if (request.type() == rpc::MessageType::PYTHON_REMOTE_CALL) {
+      auto call = rpc::PythonRemoteCall::fromMessage(request);
+      rrefId.emplace(rpc::RRefId::fromIValue(call->retRRefId()));
+      forkId.emplace(rpc::ForkId::fromIValue(call->retForkId()));
+      type = c10::PyObjectType::get();
+    } else if (request.type() == rpc::MessageType::SCRIPT_REMOTE_CALL) {
+      auto call = rpc::ScriptRemoteCall::fromMessage(request);
+      rrefId.emplace(call->retRRefId());
+      forkId.emplace(call->retForkId());
+      // (A TorchScript function's return type needs its compilation unit;
+      // an OwnerRRef holding an error never hands a value out.)
+      type = c10::AnyType::get();
+      if (call->hasOp() && call->op()->schema().returns().size() == 1) {
+        type = call->op()->schema().returns()[0].type();
+      }
+    } else {
+      return {};
+    }
+  } catch (const std::exception&) {
+    return {};
+  }
+  auto& ctx = rpc::RRefContext::getInstance();
+  c10::intrusive_ptr<rpc::OwnerRRef> owner;
+  if (*rrefId == *forkId) {
+    // remote() to ourselves: the caller made the OwnerRRef (torch's
+    // assignOwnerRRef does the same).
+    owner = c10::static_intrusive_pointer_cast<rpc::OwnerRRef>(
+        ctx.getOwnerRRef(*rrefId, /*forceCreated=*/true)
+            ->constValue()
+            .toRRef());
+  } else {
+    owner = ctx.getOrCreateOwnerRRef(*rrefId, type);
+    ctx.addForkOfOwner(*rrefId, *forkId);
+  }
+  owner->setError(std::make_exception_ptr(std::runtime_error(error)));
+  return rpc::RemoteRet(*rrefId, *forkId).toMessage();
 }
 
 void RRefGuard::forkRegistered(

@@ -72,6 +72,17 @@ class RRefGuard {
   // needs a running agent): `holder` registered `forkId`, or deleted it.
   void forkRegistered(const rpc::ForkId& forkId, rpc::worker_id_t holder);
   void forkDeleted(const rpc::ForkId& forkId);
+  // A remote() request that arrived whole but could not land here (its
+  // tensors: devices.h, ReceiveFailure): as for a function that fails, its
+  // OwnerRRef is made holding `error` and the reply is the usual RemoteRet,
+  // so the caller's fork is confirmed and to_here() raises `error` (a plain
+  // exception response would leave the caller's pending fork behind, and
+  // to_here() waiting out its timeout). `request` carries the payload and
+  // placeholders for the tensors. Null for any other request, or if the
+  // request does not parse.
+  static c10::intrusive_ptr<rpc::Message> failRemote(
+      const rpc::Message& request,
+      const std::string& error);
   // Who holds `forkId` of our RRefs, as the guard knows it: the worker it
   // was attributed to, else the one that minted it.
   rpc::worker_id_t holderOf(const rpc::ForkId& forkId) const;

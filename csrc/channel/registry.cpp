@@ -120,18 +120,13 @@ void copyToHost(
   auto s = reinterpret_cast<CUstream>(stream);
   TORCH_RPC_EXT_CUDA_CHECK(
       cuMemcpyDtoHAsync, dst, static_cast<CUdeviceptr>(src), bytes, s);
-  TORCH_RPC_EXT_CUDA_CHECK(cuStreamSynchronize, s);
 }
 
-namespace {
-
-void runDone(void* data) {
-  std::unique_ptr<std::function<void()>> done(
-      static_cast<std::function<void()>*>(data));
-  (*done)();
+void waitForStream(int device, uintptr_t stream) {
+  cuda::CurrentDevice current(device);
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuStreamSynchronize, reinterpret_cast<CUstream>(stream));
 }
-
-} // namespace
 
 void copyToDevice(
     int device,
@@ -140,17 +135,22 @@ void copyToDevice(
     const void* src,
     size_t bytes,
     std::function<void()> done) {
-  cuda::CurrentDevice current(device);
   auto s = reinterpret_cast<CUstream>(stream);
-  if (bytes != 0) {
-    TORCH_RPC_EXT_CUDA_CHECK(
-        cuMemcpyHtoDAsync, static_cast<CUdeviceptr>(dst), src, bytes, s);
+  try {
+    cuda::CurrentDevice current(device);
+    if (bytes != 0) {
+      TORCH_RPC_EXT_CUDA_CHECK(
+          cuMemcpyHtoDAsync, static_cast<CUdeviceptr>(dst), src, bytes, s);
+    }
+  } catch (...) {
+    done(); // nothing was queued
+    throw;
   }
-  // The source is held until the stream has read it: the fake driver, like
-  // a real one with pinned memory, reads it when the copy runs.
-  auto held = std::make_unique<std::function<void()>>(std::move(done));
-  TORCH_RPC_EXT_CUDA_CHECK(cuLaunchHostFunc, s, &runDone, held.get());
-  held.release();
+  // The source is held until the stream has read it (the fake driver, like
+  // a real one with pinned memory, reads it when the copy runs), then let go
+  // on the staging thread: not in a host function, where a storage's last
+  // release (a shared slab's, which writes to its connection) must not run.
+  cuda::releaseAfter(device, s, std::move(done));
 }
 
 void warmCudaDevice(int device) {

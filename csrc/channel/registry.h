@@ -50,15 +50,16 @@ void copyOnCudaDevice(
     const std::vector<DeviceCopy>& copies);
 // Between host and device memory of `device`, on `stream` (a CUstream),
 // after the stream's work so far: for device maps between the CPU and a
-// GPU. toHost() returns once the bytes are in `dst` (it waits for the
-// stream); toDevice() returns at once and runs `done` (on a driver thread,
-// no CUDA call allowed there) once the copy has read `src`.
+// GPU. copyToHost() queues the copy (waitForStream() waits for it);
+// copyToDevice() returns at once and runs `done` on the staging thread
+// (cuda/staged_channel.h, releaseAfter) once the copy has read `src`.
 void copyToHost(
     int device,
     uintptr_t stream,
     void* dst,
     uintptr_t src,
     size_t bytes);
+void waitForStream(int device, uintptr_t stream);
 void copyToDevice(
     int device,
     uintptr_t stream,

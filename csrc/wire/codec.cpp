@@ -82,6 +82,31 @@ class StoragePlan {
   StoragePlan(OutboundHold& hold, const DeviceRoute* route, bool request)
       : hold_(hold), route_(route), request_(request) {}
 
+  // The host copies of the message's CUDA tensors that the map sends to the
+  // peer's CPU, made at once (one copy per storage, one wait per stream).
+  void copyToHost(const std::vector<at::Tensor>& tensors) {
+    if (route_ == nullptr || !route_->toHost) {
+      return;
+    }
+    std::vector<at::Tensor> wanted;
+    for (const auto& t : tensors) {
+      if (t.layout() != at::kStrided || !t.is_cuda()) {
+        continue;
+      }
+      auto to = route_->map.find(t.device());
+      if (to != route_->map.end() && to->second.is_cpu()) {
+        wanted.push_back(t);
+      }
+    }
+    if (wanted.empty()) {
+      return;
+    }
+    std::vector<at::Tensor> copies = route_->toHost(wanted);
+    for (size_t i = 0; i < wanted.size(); ++i) {
+      hosted_.emplace(wanted[i].unsafeGetTensorImpl(), std::move(copies[i]));
+    }
+  }
+
   // A tensor that can be sent as is: compact it first if its span would
   // waste more than half the bytes on the wire. `exclusive`: the message is
   // the tensor's only holder (reachableOnlyThrough, checked by the caller
@@ -99,9 +124,11 @@ class StoragePlan {
       if (to.is_cpu()) {
         // Mapped to the peer's CPU: a host copy travels (TensorPipe's
         // cuda_basic does the same copy, in its channel).
+        auto hosted = hosted_.find(t.unsafeGetTensorImpl());
         TORCH_CHECK(
-            route_->toHost, "no host copy for a CUDA tensor mapped to cpu");
-        t = route_->toHost(t);
+            hosted != hosted_.end(),
+            "no host copy of a CUDA tensor mapped to cpu");
+        t = hosted->second;
         hold_.compacted.push_back(t);
         exclusive = false;
       } else {
@@ -127,6 +154,13 @@ class StoragePlan {
           it->second.is_cuda()) {
         // {"cpu": d}: the bytes travel as any CPU tensor's; the receiver
         // copies them onto its cuda:d.
+        TORCH_CHECK(
+            it->second.index() >= 0 && it->second.index() <= kMaxHostToDevice,
+            "TORCH_RPC_EXT maps cpu to ",
+            it->second,
+            ": CPU tensors land on cuda:0 to cuda:",
+            int(kMaxHostToDevice),
+            " only");
         target = hostToDevice(static_cast<int8_t>(it->second.index()));
       }
     }
@@ -280,6 +314,7 @@ class StoragePlan {
   OutboundHold& hold_;
   const DeviceRoute* route_;
   const bool request_; // for errors: TensorPipe's words differ
+  std::unordered_map<c10::TensorImpl*, at::Tensor> hosted_; // copyToHost()
   std::unordered_map<c10::TensorImpl*, Packed> packed_;
   std::vector<c10::TensorImpl*> packedOrder_;
   std::unordered_map<c10::StorageImpl*, Span> spans_;
@@ -318,6 +353,7 @@ frame::OutboundFrame encodeMessage(
   auto hold = std::make_shared<OutboundHold>();
   hold->message = message;
   StoragePlan plan(*hold, route, message->isRequest());
+  plan.copyToHost(message->tensors());
 
   struct Entry {
     bool sparse;

@@ -40,10 +40,10 @@ struct DeviceRoute {
   // The stream (a CUstream, as an integer) a tensor on `device` is ready
   // on: the sender's current stream of that device.
   std::function<uintptr_t(c10::Device)> readyStream;
-  // A copy in host memory of a CUDA tensor the map sends to the peer's CPU,
-  // made after the work queued on its ready stream (the copy is back when
-  // it returns).
-  std::function<at::Tensor(const at::Tensor&)> toHost;
+  // Copies in host memory of the CUDA tensors the map sends to the peer's
+  // CPU, made after the work queued on their ready streams (back when it
+  // returns): views of one storage stay views of one host copy.
+  std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> toHost;
   // The peer's name, for errors.
   std::string peer;
 };
@@ -118,6 +118,10 @@ class InboundMessage {
       const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream = nullptr,
       const DeviceLanding& landing = nullptr,
       const HostLanding& hostLanding = nullptr);
+
+  // The message with empty CPU tensors in place of its own, for a request
+  // whose tensors could not land (its ids are read, nothing runs).
+  c10::intrusive_ptr<rpc::Message> withoutTensors() const;
 
   // The CUDA devices this message's tensors are on (after prepare()).
   const std::vector<c10::DeviceIndex>& cudaDevices() const {

@@ -24,6 +24,7 @@ constexpr size_t kMaxDims = 64;
 // with the bytes in device memory (a device channel), hostToDevice(d) <= -2
 // CUDA device d with the bytes carried as host bytes (a CPU tensor under a
 // {"cpu": d} map), which the receiver copies onto the device.
+constexpr int8_t kMaxHostToDevice = 126; // -2-126 is -128
 constexpr int8_t hostToDevice(int8_t device) {
   return static_cast<int8_t>(-2 - device);
 }

@@ -352,6 +352,12 @@ frame::InboundBuffers InboundMessage::buffers(
   return b;
 }
 
+c10::intrusive_ptr<rpc::Message> InboundMessage::withoutTensors() const {
+  std::vector<at::Tensor> placeholders(tensors_.size(), at::empty({0}));
+  return c10::make_intrusive<rpc::Message>(
+      std::vector<char>(payload_), std::move(placeholders), type_, id_);
+}
+
 c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
     const frame::InboundBuffers& buffers,
     const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream,

@@ -125,6 +125,14 @@ def run_short(rank: int, port: int, ctl, short: int) -> None:
         except Exception as e:  # noqa: BLE001 - the message is the result
             out["error"] = str(e)
         if short == 1:
+            # remote(): the OwnerRRef holds the error, and to_here() raises
+            # it at once (no pending fork left to wait out its timeout).
+            rref = rpc.remote("worker1", numel, args=(cuda_tensor(bytes(BIG)),))
+            try:
+                rref.to_here()
+                out["remote_error"] = ""
+            except Exception as e:  # noqa: BLE001 - the message is the result
+                out["remote_error"] = str(e)
             out["after"] = rpc.rpc_sync("worker1", describe, args=(cuda_tensor(small),)) == (
                 f"cuda:{DEVICE}", small)
         else:

@@ -50,7 +50,11 @@ def test_a_message_that_cannot_land_fails_its_call_and_keeps_the_connection(spaw
     assert "33554432 bytes on cuda:0" in error, error
     assert re.search("out of memory|OUT_OF_MEMORY", error, re.I), error
     assert caller["after"] is True
-    assert caller["failures"] == ((0, 1) if short == 1 else (1, 0))
+    if short == 1:
+        remote = caller["remote_error"]
+        assert "worker1 could not receive the request from worker0" in remote, remote
+        assert "ran for more than" not in remote  # not a timeout
+    assert caller["failures"] == ((0, 2) if short == 1 else (1, 0))
     assert caller["rejected"] == {}
 
 

@@ -128,7 +128,9 @@ def test_handmade_head_decodes():
         # Request bit set, but beyond rpc::MessageType's range (0..0x3FF).
         (dense_head(type_=0x1164), [b"", bytes(16)], "bad message type"),
         (dense_head(), [], "without a payload segment"),
-        (dense_head(device=-2), [b"", bytes(16)], "bad device index -2"),
+        # -2-d: host bytes that land on cuda:d ({"cpu": d} maps): only an
+        # agent with that device can take them.
+        (dense_head(device=-2), [b"", bytes(16)], "cuda:0 arrived at an agent without devices"),
         # CUDA bytes come from a device channel, never through the stream.
         (dense_head(device=0), [b"", bytes(16)], "came through the stream"),
     ],

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -72,6 +73,9 @@ class StagingThread {
     std::shared_ptr<StagedBytes> staged;
     uint64_t readyAfter;
     std::weak_ptr<Host> host;
+    // Instead of a chunk: what to run, on this thread, once `copied` has
+    // completed (releaseAfter()).
+    std::function<void()> done;
   };
 
   static StagingThread& get() {
@@ -167,6 +171,19 @@ class StagingThread {
     } catch (const std::exception& e) {
       error = e.what();
     }
+    if (item.done) {
+      // Also on an error: a failed stream reads nothing more.
+      item.copied.reset();
+      auto done = std::move(item.done);
+      try {
+        done();
+      } catch (const std::exception& e) {
+        logWarning(
+            std::string("torch_rpc_ext: releasing after a CUDA copy threw: ") +
+            e.what());
+      }
+      return true;
+    }
     if (error.empty()) {
       // Chunks of one segment complete in order on its stream, but may be
       // seen out of order here: the mark only moves forward.
@@ -230,6 +247,26 @@ uint64_t aligned(uint64_t n) {
 }
 
 } // namespace
+
+void releaseAfter(int device, CUstream stream, std::function<void()> release) {
+  PooledEvent done;
+  try {
+    CurrentDevice current(device);
+    done = StagingPool::of(device).takeEvent();
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, done.get(), stream);
+  } catch (const std::exception&) {
+    // No event: wait for the stream here (what it failed with, the stream's
+    // next use reports), so that nothing it still reads goes first.
+    {
+      CurrentDevice current(device);
+      libcuda().cuStreamSynchronize(stream);
+    }
+    release();
+    return;
+  }
+  StagingThread::get().add(
+      {device, std::move(done), nullptr, 0, {}, std::move(release)});
+}
 
 void StagedChannel::stageOutAll(
     const std::vector<frame::OutboundFrame::Segment>& segments,
