@@ -227,6 +227,10 @@ if wanted pytest; then
   # step's time went (217 s alone on the fake, 2 cores).
   ours=()
   [ "$have_xdist" = 1 ] && [ "$FAKE" != 1 ] && ours=(-n 4)
+  # The bench's own test (--smoke, both backends) is what the bench step
+  # runs in full, alone on the GPU: not here too, beside the others.
+  [ "$FAKE" != 1 ] && ours+=(--deselect
+    tests/cuda_driver/test_cuda_bench.py::test_cuda_bench_runs_every_case)
   step pytest "$OUT/pytest.log" "$secs" "$PY" -m pytest -p no:cacheprovider -v -rfE \
     --durations=20 --timeout 90 "${ours[@]}" tests/cuda_driver tests/cuda_kernels "$@" &
   pids+=($!)
