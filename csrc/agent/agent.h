@@ -140,6 +140,9 @@ class Agent final : public rpc::RpcAgent,
   void onConnectionClosed(
       transport::Connection& conn,
       const std::string& reason) override;
+  // A request from `peer` (null: not in the group), which must be a
+  // member: else closes `conn` and returns true.
+  bool refuseFromNonMember(transport::Connection& conn, Peer* peer);
   // A message that arrived well formed but could not land here
   // (ReceiveFailure: devices.h): its call fails with `cause`, on both ends,
   // and the connection stays.

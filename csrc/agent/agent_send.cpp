@@ -205,13 +205,7 @@ void Agent::onFrame(
     return;
   }
   if (message->isRequest()) {
-    if (!peer || peer->departed()) {
-      // Nothing a departed member sends is served: it drained its own calls
-      // before leaving, or was declared dead (and is fenced).
-      conn->close(
-          "worker id " + std::to_string(conn->peerId()) +
-          " is not a member of the group at epoch " +
-          std::to_string(group_.view()->epoch));
+    if (refuseFromNonMember(*conn, peer)) {
       return;
     }
     peer->stats.bytesReceived.fetch_add(
@@ -235,6 +229,19 @@ void Agent::onFrame(
   calls_.respond(*conn, std::move(message), std::move(streams), in->byteSize());
 }
 
+bool Agent::refuseFromNonMember(transport::Connection& conn, Peer* peer) {
+  if (peer && !peer->departed()) {
+    return false;
+  }
+  // Nothing a departed member sends is served: it drained its own calls
+  // before leaving, or was declared dead (and is fenced).
+  conn.close(
+      "worker id " + std::to_string(conn.peerId()) +
+      " is not a member of the group at epoch " +
+      std::to_string(group_.view()->epoch));
+  return true;
+}
+
 void Agent::failReceive(
     const std::shared_ptr<transport::Connection>& conn,
     const wire::InboundMessage& in,
@@ -252,12 +259,7 @@ void Agent::failReceive(
         *conn, rpc::createExceptionResponse(text, in.id()), {}, in.byteSize());
     return;
   }
-  if (!peer || peer->departed()) {
-    // As onFrame: nothing a departed member sends is served.
-    conn->close(
-        "worker id " + std::to_string(conn->peerId()) +
-        " is not a member of the group at epoch " +
-        std::to_string(group_.view()->epoch));
+  if (refuseFromNonMember(*conn, peer)) {
     return;
   }
   peer->stats.bytesReceived.fetch_add(in.byteSize(), std::memory_order_relaxed);
