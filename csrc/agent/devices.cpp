@@ -364,17 +364,24 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
             " failed",
         [&] { return landFromHost(stream, hosts); });
   };
-  return in.finish(
-      buffers,
-      [&](c10::DeviceIndex device) {
-        // (streamOf first: a device not ours is a ReceiveFailure, even
-        // where torch has no CUDA at all.)
-        const c10::Stream& stream = streamOf(device);
-        c10::impl::VirtualGuardImpl impl(c10::kCUDA);
-        return reinterpret_cast<uintptr_t>(impl.getStreamNativeHandle(stream));
-      },
-      landing,
-      hostLanding);
+  try {
+    return in.finish(
+        buffers,
+        [&](c10::DeviceIndex device) {
+          // (streamOf first: a device not ours is a ReceiveFailure, even
+          // where torch has no CUDA at all.)
+          const c10::Stream& stream = streamOf(device);
+          c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+          return reinterpret_cast<uintptr_t>(
+              impl.getStreamNativeHandle(stream));
+        },
+        landing,
+        hostLanding);
+  } catch (const wire::LandingFailure& e) {
+    // (Only this: what else the codec throws is the peer's doing.)
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    throw ReceiveFailure(e.what());
+  }
 }
 
 void AgentDevices::addMetrics(

@@ -116,6 +116,22 @@ class DeviceRegion : public SharedRegion {
   virtual void waitOn(uintptr_t stream) = 0;
 };
 
+// In place of a region, for a segment whose bytes were read (the stream
+// stays in step) but could not be put where the receiver's tensor needs
+// them for a reason of the receiver's own (a device channel out of device
+// or pinned memory): the message cannot be built, and its call fails with
+// `why` (wire::InboundMessage::finish throws wire::LandingFailure).
+class FailedRegion final : public SharedRegion {
+ public:
+  explicit FailedRegion(std::string why) : why_(std::move(why)) {}
+  const std::string& why() const {
+    return why_;
+  }
+
+ private:
+  const std::string why_;
+};
+
 // A strided view of device memory, sizes and strides in elements (none
 // negative), as torch has them.
 struct StridedView {

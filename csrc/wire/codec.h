@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -66,6 +67,13 @@ frame::OutboundFrame encodeMessage(
     const c10::intrusive_ptr<rpc::Message>& message,
     int64_t id,
     const DeviceRoute* route = nullptr);
+
+// What InboundMessage::finish() throws for a segment its channel could not
+// land here (frame::FailedRegion): the receiver's failure, not the peer's.
+class LandingFailure : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 // An inbound message whose head has been validated and whose buffers are
 // allocated, waiting for its segments.

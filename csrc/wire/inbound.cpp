@@ -371,6 +371,11 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
     std::vector<std::pair<uintptr_t, size_t>> spans;
   };
   std::map<c10::DeviceIndex, Landing> landings;
+  for (const auto& region : buffers.regions) {
+    if (auto* failed = dynamic_cast<const frame::FailedRegion*>(region.get())) {
+      throw LandingFailure(failed->why()); // before any work is queued
+    }
+  }
   for (size_t i = 0; i < buffers.regions.size() && i < sizes_.size(); ++i) {
     if (buffers.regions[i] == nullptr) {
       continue;

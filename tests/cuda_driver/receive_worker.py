@@ -102,15 +102,18 @@ def limit_memory() -> None:
         os.environ["FAKE_CUDA_MEM_LIMIT"] = str(SHORT)
 
 
-def run_short(rank: int, port: int, ctl, short: int) -> None:
+def run_short(rank: int, port: int, ctl, short: int, channels=("cuda_ipc",),
+              transports=None) -> None:
     """Worker `short` cannot allocate what a message brings: with 1, worker0
     sends worker1 a 32 MiB tensor (the request cannot land); with 0, worker0
     asks worker1 for one (the response cannot). That call fails, naming the
     worker, the bytes and the cause; the next, small, on the same
-    connection works."""
+    connection works. `channels`, `transports`: cuda_ipc over shm (the
+    landing in torch's memory fails), or cuda_staged over TCP (as between
+    hosts: the channel's own staging block fails first on the fake)."""
     if rank == short and not real_cuda():
         limit_memory()  # before the driver loads
-    join_pair(rank, port)
+    join_pair(rank, port, device_channels=channels, transports=transports)
     if rank == short and real_cuda():
         limit_memory()
     out = {}

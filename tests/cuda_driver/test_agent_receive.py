@@ -35,20 +35,30 @@ def test_a_worker_that_never_used_cuda_receives_cuda_tensors(spawn):
         assert modules == 4 and contexts >= 1  # the copy kernels, loaded at init
 
 
+@pytest.mark.parametrize("channels,transports", [(("cuda_ipc",), None),
+                                                 (("cuda_staged",), ("tcp",))],
+                         ids=["cuda_ipc", "cuda_staged-tcp"])
 @pytest.mark.parametrize("short", [1, 0], ids=["request", "response"])
-def test_a_message_that_cannot_land_fails_its_call_and_keeps_the_connection(spawn, short):
+def test_a_message_that_cannot_land_fails_its_call_and_keeps_the_connection(
+        spawn, short, channels, transports):
     """32 MiB arrive at a worker that may hold 16 MiB of device memory: the
     landing's allocation fails. The call fails on both ends with the worker,
     the bytes and the cause; the connection is not closed as if the peer had
     broken the protocol (no rejected frame), and the next call on it works.
-    Before, the connection closed and every call on it failed."""
-    caller, _ = play_with(spawn, receive_worker.run_short, short)
+    Before, the connection closed and every call on it failed. Through
+    cuda_staged (between hosts) the channel's staging block fails first on
+    the fake: the segment's bytes are read and dropped, and the call fails
+    the same way."""
+    caller, _ = play_with(spawn, receive_worker.run_short, short, channels, transports)
     receiver, sender = ("worker1", "worker0") if short == 1 else ("worker0", "worker1")
     kind = "request" if short == 1 else "response"
     error = caller["error"]
     assert f"{receiver} could not receive the {kind} from {sender}" in error, error
     assert "33554432 bytes on cuda:0" in error, error
     assert re.search("out of memory|OUT_OF_MEMORY", error, re.I), error
+    if "cuda_staged" in channels and not REAL_DRIVER:
+        # The channel's own block, before torch's memory is asked.
+        assert "cuda_staged could not land 33554432 bytes on cuda:0" in error, error
     assert caller["after"] is True
     if short == 1:
         remote = caller["remote_error"]

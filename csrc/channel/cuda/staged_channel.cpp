@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <new>
 #include <vector>
 
 #include "csrc/channel/cuda/device.h"
@@ -22,6 +23,11 @@ struct StagedChannel::Landing {
   StagingPool::HostBuffer host;
   std::shared_ptr<StagingPool::Block> block;
   CUstream stream = nullptr;
+  // A segment that cannot land here (our memory, not the peer's doing): its
+  // bytes are read into `discard`, so that the stream stays in step, and the
+  // message fails with `failure` (frame::FailedRegion).
+  std::unique_ptr<char[]> discard;
+  std::string failure;
 };
 
 StagedChannel::StagedChannel(
@@ -59,6 +65,22 @@ char* StagedChannel::landFromLoop(InboundSegment& segment) {
         " bytes for a tensor this process keeps in host memory");
   }
   abandonLanding(); // none, unless the last frame broke off
+  // Our side's shortage fails the message's call, not the connection: the
+  // bytes are read and dropped. Only where even that memory is missing does
+  // the connection close.
+  auto fail = [&](const std::string& why) -> char* {
+    auto failed = std::make_unique<Landing>();
+    failed->size = segment.size;
+    failed->failure = "cuda_staged could not land " +
+        std::to_string(segment.size) +
+        " bytes on cuda:" + std::to_string(segment.device) + ": " + why;
+    failed->discard.reset(new (std::nothrow) char[segment.size]);
+    if (failed->discard == nullptr) {
+      return reject(failed->failure + " (nor hold them to drop them)");
+    }
+    landing_ = std::move(failed);
+    return landing_->discard.get();
+  };
   auto landing = std::make_unique<Landing>();
   try {
     landing->pool = &StagingPool::of(segment.device);
@@ -66,7 +88,7 @@ char* StagedChannel::landFromLoop(InboundSegment& segment) {
     landing->host = landing->pool->takeHost(segment.size, &why);
     if (landing->host.data == nullptr) {
       counters_.declined++;
-      return reject("cannot take the segment: " + why);
+      return fail(why);
     }
     landing->size = segment.size;
     landing_ = std::move(landing);
@@ -80,9 +102,8 @@ char* StagedChannel::landFromLoop(InboundSegment& segment) {
     }
   } catch (const std::exception& e) {
     abandonLanding();
-    return reject(
-        "cannot land " + std::to_string(segment.size) +
-        " bytes on cuda:" + std::to_string(segment.device) + ": " + e.what());
+    counters_.declined++;
+    return fail(e.what());
   }
   return landing_->host.data;
 }
@@ -91,6 +112,14 @@ bool StagedChannel::landedFromLoop(InboundSegment& segment, uint64_t filled) {
   Landing* l = landing_.get();
   if (l == nullptr || filled > l->size) {
     return false; // unreachable: landFromLoop() came first
+  }
+  if (!l->failure.empty()) {
+    if (filled == l->size) {
+      *segment.provided = nullptr;
+      *segment.region = std::make_shared<frame::FailedRegion>(l->failure);
+      landing_.reset();
+    }
+    return true;
   }
   try {
     CurrentDevice current(l->pool->device());
@@ -144,6 +173,9 @@ void StagedChannel::abandonLanding() {
     return;
   }
   auto l = std::move(landing_);
+  if (!l->failure.empty()) {
+    return; // holds only its discard buffer
+  }
   try {
     if (l->stream != nullptr &&
         (l->copied > 0 || (l->block && l->block->used))) {

@@ -63,7 +63,9 @@ struct StagedCounters {
   std::atomic<uint64_t> received{0};
   std::atomic<uint64_t> receivedBytes{0};
   std::atomic<uint64_t> chunks{0}; // copies either way
-  std::atomic<uint64_t> declined{0}; // over the pinned limit
+  // Segments refused: to send, over the pinned limit; received, for want of
+  // pinned or device memory here (their messages' calls failed).
+  std::atomic<uint64_t> declined{0};
   std::atomic<uint64_t> packed{0}; // strided views packed on the device
   std::atomic<uint64_t> gathered{0}; // small segments sent in a group
 };
