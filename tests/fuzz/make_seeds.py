@@ -195,6 +195,9 @@ def codec_seeds():
     head, segments = cases["dense"]
     write("codec", "dense-pooled",
           codec_input(head, segments, [0, POOL_SIZED], use_pool=True))
+    # The dense tensor's device byte (the head's last) as -2-d: host bytes
+    # that land on cuda:0 ({"cpu": 0} maps; the harness has no devices).
+    write("codec", "host-to-device", codec_input(head[:-1] + b"\xfe", segments))
 
 
 # --- ring --------------------------------------------------------------------
