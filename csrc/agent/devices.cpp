@@ -46,10 +46,6 @@ void initTorchCuda() {
   ready.store(true, std::memory_order_release);
 }
 
-std::string describeBytes(uint64_t n) {
-  return std::to_string(n) + " bytes";
-}
-
 } // namespace
 
 rpc::DeviceMap AgentDevices::mapTo(const std::string& name) const {
@@ -194,15 +190,7 @@ std::vector<at::Tensor> AgentDevices::toHost(
     return t.storage_offset() * static_cast<int64_t>(t.element_size());
   };
   for (const auto& t : ts) {
-    const int64_t item = static_cast<int64_t>(t.element_size());
-    int64_t extent = 0;
-    if (t.numel() != 0) {
-      int64_t last = 0;
-      for (int64_t d = 0; d < t.dim(); ++d) {
-        last += (t.size(d) - 1) * t.stride(d);
-      }
-      extent = (last + 1) * item;
-    }
+    const int64_t extent = wire::extentBytes(t);
     const int64_t lo = offsetOf(t);
     auto* impl = t.storage().unsafeGetStorageImpl();
     auto [it, added] =
@@ -338,7 +326,7 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
       n += bytes(i);
     }
     return std::to_string(items.size()) + " CUDA segment(s) of " +
-        describeBytes(n);
+        std::to_string(n) + " bytes";
   };
   wire::InboundMessage::DeviceLanding landing;
   if (!options_.cudaZeroCopy) {

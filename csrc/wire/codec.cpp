@@ -29,19 +29,6 @@ struct OutboundHold {
   std::vector<at::Tensor> compacted;
 };
 
-// Bytes from the first to one past the last element, relative to the
-// storage offset; 0 for an empty tensor.
-int64_t extentBytes(const at::Tensor& t) {
-  if (t.numel() == 0) {
-    return 0;
-  }
-  int64_t last = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    last += (t.size(d) - 1) * t.stride(d);
-  }
-  return (last + 1) * static_cast<int64_t>(t.element_size());
-}
-
 // The region behind `storage`, if a transport provided its memory.
 std::shared_ptr<frame::SharedRegion> regionOf(const c10::Storage& storage) {
   if (!viewsProvidedMemory(storage)) {
@@ -323,6 +310,17 @@ class StoragePlan {
 };
 
 } // namespace
+
+int64_t extentBytes(const at::Tensor& t) {
+  if (t.numel() == 0) {
+    return 0;
+  }
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  return (last + 1) * static_cast<int64_t>(t.element_size());
+}
 
 std::string unmappedDeviceError(
     const c10::Device& device,

@@ -49,6 +49,10 @@ struct DeviceRoute {
   std::string peer;
 };
 
+// Bytes from a tensor's first element to one past its last, from its
+// storage offset on; 0 for an empty tensor.
+int64_t extentBytes(const at::Tensor& t);
+
 // The text of a CUDA tensor that no map sends anywhere: TensorPipe's words
 // (upstream's tests match them) after ours.
 std::string unmappedDeviceError(
