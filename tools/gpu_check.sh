@@ -27,10 +27,18 @@
 #   pytest.log        upstream.log    pytest -v -rfE, one each
 #   bench.log         probe, then bench
 #   cuda_bench.jsonl  cuda_bench.png  the bench's rows and chart
+#   stacks.log        only when a test step was cut: every thread's Python
+#                     stack in each of its processes (spawned workers too),
+#                     taken 8 s before the cut (faulthandler on SIGUSR1,
+#                     armed by a sitecustomize on the steps' PYTHONPATH)
 # A step is cut with SIGINT, so that pytest prints its summary (-rfE: every
 # failure so far) and the test it was in; SIGKILL 10 s later if need be.
 # STEPS="pytest bench" reruns only those (the build always runs; it is
-# incremental). --fake (or FAKE=1) runs the same on a machine without a GPU:
+# incremental). TESTS and UPSTREAM_TESTS replace what pytest and
+# upstream_cuda run (pytest's arguments: files, node ids, -k), so that a
+# second call can finish what a first one did not reach. On a GPU, TESTS
+# leaves out tests/cuda_kernels/test_sim_*: numba's simulator, which CI runs
+# and no GPU changes. --fake (or FAKE=1) runs the same on a machine without a GPU:
 # no wheels, no build (SKIP_BUILD=1: the .so must be there), .venv's Python,
 # the fake driver for pytest (tests/cuda_driver picks it) and bench
 # (--fake); upstream_cuda skips itself, probe is skipped.
@@ -41,6 +49,11 @@ FAKE=${FAKE:-0}
 if [ "${1:-}" = "--fake" ]; then FAKE=1; shift; fi
 OUT=${OUT:-/tmp/gpu_check}
 STEPS=${STEPS:-ptx pytest upstream_cuda probe bench}
+if [ -z "${TESTS:-}" ]; then
+  TESTS="tests/cuda_driver tests/cuda_kernels"
+  [ "$FAKE" != 1 ] && TESTS+=" --ignore-glob=tests/cuda_kernels/test_sim_*"
+fi
+UPSTREAM_TESTS=${UPSTREAM_TESTS:-tests/conformance_cuda}
 BUDGET=${BUDGET:-540}
 CAP_BUILD=${CAP_BUILD:-120} CAP_TESTS=${CAP_TESTS:-240}
 CAP_PROBE=${CAP_PROBE:-60} CAP_BENCH=${CAP_BENCH:-300}
@@ -55,7 +68,7 @@ SKIP_BUILD=${SKIP_BUILD:-0}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 SUMMARY=$OUT/summary.txt
-rm -f "$SUMMARY" "$OUT"/{build,pytest,upstream,bench}.log "$OUT"/cuda_bench.{jsonl,png}
+rm -f "$SUMMARY" "$OUT"/{build,pytest,upstream,bench,stacks}.log "$OUT"/cuda_bench.{jsonl,png}
 export PYTHONUNBUFFERED=1 TORCH_RPC_EXT_BUILD_TESTING=1
 export TORCH_RPC_EXT_CACHE_DIR=/tmp/torch_rpc_ext_cache
 
@@ -76,6 +89,7 @@ pytest_facts() {
   awk -v cut="$([ "$2" = 124 ] || [ "$2" -gt 128 ] 2>/dev/null && echo 1)" '
     function short(id) { sub(/^[^:]*\//, "", id); return id }
     /^=+ .* in [0-9.]+s/ { tally = $0; gsub(/^=+ | =+$/, "", tally) }
+    /^== [0-9]+ s: / { next }
     {
       id = ""
       for (i = 1; i <= NF; i++) if ($i ~ /\.py::/) { id = $i; break }
@@ -119,6 +133,50 @@ note() {
   printf '%-13s rc=%-4s %4d s  %s\n' "$1" "$rc" "$3" "$facts" | tee -a "$SUMMARY"
 }
 
+# Python stacks on demand: a sitecustomize (on the test steps' PYTHONPATH)
+# makes every Python process of theirs dump all its threads' stacks into
+# STACKS/PID.txt on SIGUSR1. dump_stacks ROOT NAME signals ROOT's Python
+# descendants and appends what they wrote, each under its command line, to
+# $OUT/stacks.log.
+STACKS=/tmp/gpu_check_stacks
+rm -rf "$STACKS"
+mkdir -p "$STACKS/site"
+cat >"$STACKS/site/sitecustomize.py" <<'EOF'
+import faulthandler, os, signal
+_dir = os.environ.get("GPU_CHECK_STACKS")
+if _dir:
+    _file = open(os.path.join(_dir, f"{os.getpid()}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=_file, all_threads=True)
+EOF
+
+descendants() {
+  ps -e -o pid=,ppid= | awk -v root="$1" '
+    { parent[$1] = $2 }
+    END {
+      for (p in parent) {
+        for (q = p; q in parent && q != root && q > 1; q = parent[q]) {}
+        if (q == root && p != root) print p
+      }
+    }'
+}
+
+dump_stacks() {
+  local root=$1 name=$2 pids p
+  pids=$(descendants "$root")
+  for p in $pids; do
+    [ -f "$STACKS/$p.txt" ] && kill -USR1 "$p" 2>/dev/null
+  done
+  sleep 2
+  {
+    echo "== ${SECONDS} s: $name is about to be cut; Python stacks of its processes"
+    for p in $pids; do
+      [ -s "$STACKS/$p.txt" ] || continue
+      echo "-- pid $p: $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-300)"
+      cat "$STACKS/$p.txt"
+    done
+  } >>"$OUT/stacks.log"
+}
+
 # step NAME LOG SECONDS COMMAND...: run it, appending to LOG, cut after
 # SECONDS (SIGINT, then SIGKILL); note it. Returns its status.
 step() {
@@ -136,8 +194,16 @@ step() {
   # holds neither the GPU nor the cores while the next steps run.
   timeout --signal=INT --kill-after=10 "$secs" "$@" >>"$log" 2>&1 &
   pid=$!
+  local watcher=""
+  case $name in
+    pytest | upstream_cuda)
+      (sleep $((secs > 20 ? secs - 8 : secs)) && dump_stacks "$pid" "$name") &
+      watcher=$!
+      ;;
+  esac
   wait "$pid"
   rc=$?
+  [ -n "$watcher" ] && kill "$watcher" 2>/dev/null
   kill -KILL -- "-$pid" 2>/dev/null
   case $name in
     pytest | upstream_cuda) facts=$(pytest_facts "$log" "$rc") ;;
@@ -211,6 +277,7 @@ fi
 # and bench.
 secs=$(limit "$CAP_TESTS" 150)
 pids=()
+stacks_env=(GPU_CHECK_STACKS="$STACKS" PYTHONPATH="$STACKS/site:$PYTHONPATH")
 # pytest-xdist where the machine has it (the 2026-11-26 H200 had): our tests
 # run one after the other otherwise, some 50 of them spawning two workers
 # each, which on their own may outlast the stage.
@@ -226,13 +293,15 @@ if wanted pytest; then
   # such as test_cuda_bench.py's 600 s, keep theirs); --durations: where the
   # step's time went (217 s alone on the fake, 2 cores).
   ours=()
-  [ "$have_xdist" = 1 ] && [ "$FAKE" != 1 ] && ours=(-n 4)
+  [ "$have_xdist" = 1 ] && [ "$FAKE" != 1 ] && ours=(-n 6)
   # The bench's own test (--smoke, both backends) is what the bench step
   # runs in full, alone on the GPU: not here too, beside the others.
   [ "$FAKE" != 1 ] && ours+=(--deselect
     tests/cuda_driver/test_cuda_bench.py::test_cuda_bench_runs_every_case)
-  step pytest "$OUT/pytest.log" "$secs" "$PY" -m pytest -p no:cacheprovider -v -rfE \
-    --durations=20 --timeout 90 "${ours[@]}" tests/cuda_driver tests/cuda_kernels "$@" &
+  read -ra tests <<<"$TESTS"
+  step pytest "$OUT/pytest.log" "$secs" env "${stacks_env[@]}" \
+    "$PY" -m pytest -p no:cacheprovider -v -rfE \
+    --durations=20 --timeout 90 "${ours[@]}" "${tests[@]}" "$@" &
   pids+=($!)
 fi
 if wanted upstream_cuda; then
@@ -245,9 +314,11 @@ if wanted upstream_cuda; then
     n=$(($(nproc) / 2 - 2))
     xdist=(-n $((n < 1 ? 1 : n > 6 ? 6 : n)))
   fi
-  step upstream_cuda "$OUT/upstream.log" "$secs" env DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=60 \
+  read -ra upstream <<<"$UPSTREAM_TESTS"
+  step upstream_cuda "$OUT/upstream.log" "$secs" env "${stacks_env[@]}" \
+    DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=60 \
     "$PY" -m pytest -p no:cacheprovider -v -rfE --durations=20 "${xdist[@]}" \
-    tests/conformance_cuda &
+    "${upstream[@]}" &
   pids+=($!)
 fi
 for pid in "${pids[@]}"; do

@@ -11,6 +11,7 @@ moves them through cuda_ipc exactly as on a GPU; only kernels on them are
 out of reach, so the functions below move bytes and read them back, and
 never compute."""
 
+import faulthandler
 import os
 import sys
 import time
@@ -37,9 +38,18 @@ def real_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# A worker still running after this many seconds is taken as hung: it
+# prints every thread's Python stack to stderr (pytest shows it with the
+# test's failure) and exits 1, so that the test fails naming it rather than
+# waiting out its own limit.
+WATCHDOG_S = float(os.environ.get("TORCH_RPC_EXT_TEST_WATCHDOG_S", "150"))
+
+
 def setup_torch() -> None:
     """A CPU torch gets the fake guard, and a device count that agrees
-    with the driver (init validates device maps against it)."""
+    with the driver (init validates device maps against it). Starts the
+    watchdog (WATCHDOG_S)."""
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     if real_cuda():
         return
     assert cu().install_fake_cuda_guard() == "fake"
@@ -423,30 +433,36 @@ def run_dynamic(rank: int, store_path: str, ctl, gates) -> None:
         rpc_timeout=TIMEOUT)
     out = {}
 
+    def say(what: str) -> None:  # where a hung worker got to, on stderr
+        print(f"{name} {time.monotonic():.1f}: {what}", file=sys.stderr, flush=True)
+
     def join():
+        say("joining")
         rpc.init_rpc(name, rank=rank, backend=rpc.BackendType.TORCH_RPC_EXT,
                      rpc_backend_options=opts)
+        say("joined")
 
     if rank == 0:
         opts.devices = [torch.device("cuda", DEVICE)]
         join()
         gates["0"].set()
-        gates["done"].wait(120)
+        out["done_gate"] = gates["done"].wait(60)
         out["counters"] = channel_counters()
         out["devices"] = [str(d) for d in rpc.api._get_current_rpc_agent()._get_devices()]
     elif rank == 2:
-        gates["0"].wait(120)
+        out["gate0"] = gates["0"].wait(60)
         opts.set_device_map("worker0", {DEVICE: 1})
         try:
             join()
             out["refused"] = ""
         except Exception as e:  # noqa: BLE001 - the message is the result
             out["refused"] = str(e)
+        say(f"refused: {out['refused'][:200]!r}")
         gates["2"].set()
         ctl.send(out)
         return
     else:
-        gates["2"].wait(120)
+        out["gate2"] = gates["2"].wait(60)
         opts.set_device_map("worker0", {DEVICE: DEVICE})
         join()
         data = pattern(3 << 20, 4)
@@ -458,7 +474,9 @@ def run_dynamic(rank: int, store_path: str, ctl, gates) -> None:
         out["channels"] = rpc.api._get_current_rpc_agent().get_debug_info().get(
             "rpc_ext.peer.worker0.channels")
         gates["done"].set()
+    say("shutting down")
     rpc.shutdown()
+    say("shut down")
     ctl.send(out)
 
 

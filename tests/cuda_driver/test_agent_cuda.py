@@ -30,21 +30,32 @@ def play_with(spawn, worker, *args):
         spawn.Process(target=worker, args=(rank, port, pipes[rank][1], *args))
         for rank in range(2)
     ]
+    return gather(procs, pipes)
+
+
+def gather(procs, pipes, limit: float = 180):
+    """Starts the workers; returns what each reported down its pipe, once
+    all have exited with 0, or fails naming those that did not report (a
+    hung worker prints its stacks to stderr first: agent_worker's
+    watchdog)."""
     for p in procs:
         p.start()
     try:
-        out = [None, None]
-        deadline = time.monotonic() + 180
-        # Until both report, or one dies (then its peer would wait for it).
+        out = [None] * len(procs)
+        deadline = time.monotonic() + limit
+        # Until all report, or one dies (then its peers would wait for it).
         while None in out and time.monotonic() < deadline:
-            for r in range(2):
-                if out[r] is None and pipes[r][0].poll(0.2):
-                    out[r] = pipes[r][0].recv()
+            for r, (ours, _) in enumerate(pipes):
+                if out[r] is None and ours.poll(0.2):
+                    out[r] = ours.recv()
             if any(p.exitcode not in (None, 0) for p in procs):
                 break
         for p in procs:
-            p.join(60)
-        assert [p.exitcode for p in procs] == [0, 0], out
+            p.join(max(5.0, min(60.0, deadline - time.monotonic())))
+        silent = [f"worker{r}" for r, o in enumerate(out) if o is None]
+        codes = [p.exitcode for p in procs]
+        assert codes == [0] * len(procs) and not silent, (
+            f"exit codes {codes}; no report from {silent}; reports {out}")
     finally:
         for p in procs:
             if p.is_alive():
@@ -327,18 +338,8 @@ def test_device_maps_in_a_dynamic_group(spawn, tmp_path):
     store = str(tmp_path / "store")
     procs = [spawn.Process(target=agent_worker.run_dynamic,
                            args=(rank, store, pipes[rank][1], gates)) for rank in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        out = [pipes[r][0].recv() if pipes[r][0].poll(180) else None for r in range(3)]
-        for p in procs:
-            p.join(60)
-        assert [p.exitcode for p in procs] == [0, 0, 0], out
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    w0, w1, w2 = out
+    w0, w1, w2 = gather(procs, pipes)
+    assert w2["gate0"] and w1["gate2"] and w0["done_gate"], (w0, w1, w2)
     assert "worker2 maps its cuda:0 to cuda:1 of worker0" in w2["refused"]
     assert "[cuda:0] only" in w2["refused"]
     assert w1["seen_by_worker0"]
