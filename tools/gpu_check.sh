@@ -265,6 +265,15 @@ else
     tail -n 40 "$OUT/build.log"
     exit $((failed + 1))
   fi
+  # The toolchain, and whether it linked pieces of libstdc++'s iostreams or
+  # locale into the extension (the first 2026-11-26 H200 runs: /opt/gcc's
+  # g++ did, and number parsing through a second copy of the locale's
+  # facets crashed; csrc keeps numbers out of iostreams since).
+  {
+    echo "compiler: $(${CXX:-c++} --version 2>&1 | head -n 1)"
+    echo "libstdc++ stream/locale symbols defined in _C: $(nm -DC --defined-only \
+      torch_rpc_ext/_C*.so 2>/dev/null | grep -cE 'std::(locale|istream|ostream|basic_i|basic_o|num_get|num_put|codecvt)')"
+  } >>"$SUMMARY"
   # Passed: the wheels' lines and the build's last 20 are enough.
   { head -n "$before" "$OUT/build.log"
     echo "... (the build's last 20 lines)"

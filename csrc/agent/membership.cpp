@@ -4,10 +4,13 @@
 #include "csrc/agent/dynamic_devices.h"
 #include "csrc/agent/store_bytes.h"
 
+#include <algorithm>
+#include <charconv>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
-#include <sstream>
+#include <optional>
+#include <vector>
 
 namespace torch_rpc_ext {
 
@@ -20,6 +23,41 @@ constexpr int32_t kMaxRank = 32767;
 constexpr size_t kMaxRecordBytes = 64 * 1024;
 // A day: longer is not a lease.
 constexpr int64_t kMaxLeaseMs = 86400 * 1000;
+
+// The record's head line, split at spaces: at most `most` fields, the last
+// one taking the rest of the line (a dead record's reason has spaces).
+// No iostream: its number parsing goes through the locale's num_get facet,
+// which crashed a build whose toolchain linked part of libstdc++ into the
+// extension (a second copy of the facet ids; H200 run of 2026-11-26).
+std::vector<std::string> headFields(const std::string& line, size_t most) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (out.size() < most) {
+    at = line.find_first_not_of(' ', at);
+    if (at == std::string::npos) {
+      break;
+    }
+    if (out.size() + 1 == most) {
+      out.push_back(line.substr(at));
+      break;
+    }
+    size_t end = std::min(line.find(' ', at), line.size());
+    out.push_back(line.substr(at, end - at));
+    at = end;
+  }
+  return out;
+}
+
+// A decimal integer filling `text` whole, or nothing.
+std::optional<int64_t> decimal(const std::string& text) {
+  int64_t v = 0;
+  const char* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(text.data(), end, v);
+  if (ec != std::errc() || ptr != end || text.empty()) {
+    return std::nullopt;
+  }
+  return v;
+}
 
 std::string logKey(int64_t epoch) {
   return "log/" + std::to_string(epoch);
@@ -159,18 +197,23 @@ MembershipEvent Roster::apply(const std::string& record) {
     return ignore("record of " + std::to_string(record.size()) + " bytes");
   }
   auto nl = record.find('\n');
-  std::istringstream head(record.substr(0, nl));
-  std::string kind, incText;
-  head >> kind >> incText;
+  // "join <inc> <rank> <name> <lease ms>", "leave <inc>",
+  // "dead <inc> <reporter> <reason...>".
+  const auto head = headFields(record.substr(0, nl), 5);
+  const std::string kind = head.empty() ? "" : head[0];
+  const std::string incText = head.size() > 1 ? head[1] : "";
   auto inc = parseIncarnation(incText);
   if (!inc) {
     return ignore("malformed record '" + printable(record, 64) + "'");
   }
   if (kind == "join") {
-    int64_t rank = -1, leaseMs = 0;
-    std::string name, extra;
-    head >> rank >> name >> leaseMs;
-    if (head.fail() || (head >> extra) || rank < 0 || rank > kMaxRank ||
+    const std::string name = head.size() > 3 ? head[3] : "";
+    const auto rankOr = head.size() > 2 ? decimal(head[2]) : std::nullopt;
+    // The last field holds the rest of the line: one number, nothing more.
+    const auto leaseOr = head.size() > 4 ? decimal(head[4]) : std::nullopt;
+    const int64_t rank = rankOr.value_or(-1);
+    const int64_t leaseMs = leaseOr.value_or(0);
+    if (!rankOr || !leaseOr || rank < 0 || rank > kMaxRank ||
         !validName(name) || leaseMs <= 0 || leaseMs > kMaxLeaseMs) {
       return ignore("malformed join record '" + printable(record, 64) + "'");
     }
@@ -215,13 +258,9 @@ MembershipEvent Roster::apply(const std::string& record) {
   }
   ev.member = *m;
   if (kind == "dead") {
-    std::string reporter;
-    head >> reporter;
-    std::string rest;
-    std::getline(head, rest);
-    if (!rest.empty() && rest[0] == ' ') {
-      rest.erase(0, 1);
-    }
+    // The reason: what follows the reporter, after one space.
+    const auto dead = headFields(record.substr(0, nl), 4);
+    std::string rest = dead.size() > 3 ? dead[3] : "";
     ev.kind = MembershipEvent::Kind::kDead;
     ev.reason = printable(rest, 512);
   } else {

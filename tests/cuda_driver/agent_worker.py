@@ -48,8 +48,12 @@ WATCHDOG_S = float(os.environ.get("TORCH_RPC_EXT_TEST_WATCHDOG_S", "150"))
 def setup_torch() -> None:
     """A CPU torch gets the fake guard, and a device count that agrees
     with the driver (init validates device maps against it). Starts the
-    watchdog (WATCHDOG_S)."""
+    watchdog (WATCHDOG_S) and the crash reports."""
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    # A crash prints every thread's stack, native (torch's fatal signal
+    # handler) after Python's (faulthandler's, which then chains to it).
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
+    faulthandler.enable()
     if real_cuda():
         return
     assert cu().install_fake_cuda_guard() == "fake"
