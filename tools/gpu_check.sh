@@ -27,10 +27,10 @@
 #   pytest.log        upstream.log    pytest -v -rfE, one each
 #   bench.log         probe, then bench
 #   cuda_bench.jsonl  cuda_bench.png  the bench's rows and chart
-#   stacks.log        only when a test step was cut: every thread's Python
-#                     stack in each of its processes (spawned workers too),
-#                     taken 8 s before the cut (faulthandler on SIGUSR1,
-#                     armed by a sitecustomize on the steps' PYTHONPATH)
+# A test step about to be cut appends to its log every thread's Python
+# stack in each of its processes (spawned workers too), taken 8 s before
+# the cut (faulthandler on SIGUSR1, armed by a sitecustomize on the steps'
+# PYTHONPATH): where a hang was.
 # A step is cut with SIGINT, so that pytest prints its summary (-rfE: every
 # failure so far) and the test it was in; SIGKILL 10 s later if need be.
 # STEPS="pytest bench" reruns only those (the build always runs; it is
@@ -68,7 +68,7 @@ SKIP_BUILD=${SKIP_BUILD:-0}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 SUMMARY=$OUT/summary.txt
-rm -f "$SUMMARY" "$OUT"/{build,pytest,upstream,bench,stacks}.log "$OUT"/cuda_bench.{jsonl,png}
+rm -f "$SUMMARY" "$OUT"/{build,pytest,upstream,bench}.log "$OUT"/cuda_bench.{jsonl,png}
 export PYTHONUNBUFFERED=1 TORCH_RPC_EXT_BUILD_TESTING=1
 export TORCH_RPC_EXT_CACHE_DIR=/tmp/torch_rpc_ext_cache
 
@@ -135,9 +135,9 @@ note() {
 
 # Python stacks on demand: a sitecustomize (on the test steps' PYTHONPATH)
 # makes every Python process of theirs dump all its threads' stacks into
-# STACKS/PID.txt on SIGUSR1. dump_stacks ROOT NAME signals ROOT's Python
-# descendants and appends what they wrote, each under its command line, to
-# $OUT/stacks.log.
+# STACKS/PID.txt on SIGUSR1. dump_stacks ROOT NAME LOG signals ROOT's
+# Python descendants and appends what they wrote, each under its command
+# line, to LOG.
 STACKS=/tmp/gpu_check_stacks
 rm -rf "$STACKS"
 mkdir -p "$STACKS/site"
@@ -161,7 +161,7 @@ descendants() {
 }
 
 dump_stacks() {
-  local root=$1 name=$2 pids p
+  local root=$1 name=$2 log=$3 pids p
   pids=$(descendants "$root")
   for p in $pids; do
     [ -f "$STACKS/$p.txt" ] && kill -USR1 "$p" 2>/dev/null
@@ -174,7 +174,7 @@ dump_stacks() {
       echo "-- pid $p: $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-300)"
       cat "$STACKS/$p.txt"
     done
-  } >>"$OUT/stacks.log"
+  } >>"$log"
 }
 
 # step NAME LOG SECONDS COMMAND...: run it, appending to LOG, cut after
@@ -197,7 +197,7 @@ step() {
   local watcher=""
   case $name in
     pytest | upstream_cuda)
-      (sleep $((secs > 20 ? secs - 8 : secs)) && dump_stacks "$pid" "$name") &
+      (sleep $((secs > 20 ? secs - 8 : secs)) && dump_stacks "$pid" "$name" "$log") &
       watcher=$!
       ;;
   esac
