@@ -2,13 +2,12 @@
 """Construct and init handlers of the TORCH_RPC_EXT backend; idempotent registration."""
 
 import os
-import pickle
 from typing import Any
 
 import torch
 from torch.distributed.rpc import constants
 
-from torch_rpc_ext import _C, _torch_private
+from torch_rpc_ext import _C, _torch_private, store_records
 from torch_rpc_ext._tensorpipe_options import translate_options
 from torch_rpc_ext.options import RpcExtBackendOptions
 
@@ -42,11 +41,16 @@ _COUNT_KEY = "torch_rpc_ext/device_count/"
 _READ_KEY = "torch_rpc_ext/devices_read/"
 
 
-def _gathered(store: Any, rank: int, world_size: int, key: str, value: Any) -> list:
-    """Publish ``value`` under ``key`` and read every worker's (one request:
-    ``multi_get`` waits for keys not set yet, as ``get`` does)."""
-    store.set(f"{key}{rank}", pickle.dumps(value))
-    return [pickle.loads(v) for v in store.multi_get([f"{key}{r}" for r in range(world_size)])]
+def _gathered(
+    store: Any, rank: int, world_size: int, key: str, record: bytes, decode: Any
+) -> list:
+    """Publish ``record`` under ``key`` and read every worker's, each checked
+    by ``decode`` (store_records: JSON, never a pickle; the store is
+    unauthenticated). One request: ``multi_get`` waits for keys not set yet,
+    as ``get`` does."""
+    store.set(f"{key}{rank}", record)
+    values = store.multi_get([f"{key}{r}" for r in range(world_size)])
+    return [decode(v, r, f"{key}{r}") for r, v in enumerate(values)]
 
 
 def _check_device_maps(
@@ -63,15 +67,20 @@ def _check_device_maps(
     name a CUDA device (so no other worker asks torch about CUDA), 0 from
     the others, whose count no check reads.
     """
-    mine = (name, opts.device_maps, opts.devices or [])
-    entries = _gathered(store, rank, world_size, _DEVICES_KEY, mine)
+    mine = store_records.encode_devices(name, opts.device_maps, opts.devices or [])
+    entries = _gathered(
+        store, rank, world_size, _DEVICES_KEY, mine, store_records.decode_devices
+    )
     names = [n for n, _, _ in entries]
     maps = {n: m for n, m, _ in entries}
     devices = {n: d for n, _, d in entries}
     if not any(maps.values()) and not any(devices.values()):
         return {}, []
     count = torch.cuda.device_count() if _names_cuda(opts, name, maps) else 0
-    counts = dict(zip(names, _gathered(store, rank, world_size, _COUNT_KEY, count)))
+    counts = dict(zip(names, _gathered(
+        store, rank, world_size, _COUNT_KEY, store_records.encode_count(count),
+        store_records.decode_count,
+    )))
     store.set(f"{_READ_KEY}{rank}", b"1")
     try:
         return _torch_private.validate_device_maps(names, counts, maps, devices, name)
