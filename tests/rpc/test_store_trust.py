@@ -149,9 +149,9 @@ def test_random_bytes_and_mutations_only_ever_raise_value_error():
                                      [torch.device("cuda:0")]),
         store_records.encode_count(2),
     ]
-    for i in range(3000):
+    for _ in range(3000):
         raw = bytearray(rng.choice(seeds))
-        for _ in range(rng.randint(1, 6)):
+        for _op in range(rng.randint(1, 6)):
             op = rng.randrange(3)
             at = rng.randrange(len(raw) + 1)
             if op == 0 and raw:
