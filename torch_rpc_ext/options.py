@@ -115,6 +115,11 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             of one host sharing the device) and ``"cuda_staged"`` (through pinned host memory in
             chunks, copied out and in as the stream goes: any peer, any
             two devices). ``("cuda_staged",)`` forces staging.
+        shm_peers_any_user: The shm transport's socket (Linux's abstract
+            namespace: any local process can connect to it) accepts only
+            processes of this worker's user and root (``SO_PEERCRED``);
+            ``True`` admits every local user's, which then still has to
+            prove the group secret.
         cuda_zero_copy: Received CUDA tensors view the device memory the
             channel brought them in (the sender's, for ``cuda_ipc``) instead
             of a copy in torch's caching allocator: one device-to-device
@@ -201,6 +206,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         max_cached_receive_bytes: int = _DEFAULT["max_cached_receive_bytes"],
         cuda_zero_copy: bool = _DEFAULT["cuda_zero_copy"],
         cuda_ipc_memory_limit: int = _DEFAULT["cuda_ipc_memory_limit"],
+        shm_peers_any_user: bool = _DEFAULT["shm_peers_any_user"],
     ) -> None:
         if isinstance(num_worker_threads, bool) or not isinstance(
             num_worker_threads, int
@@ -322,6 +328,10 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             )
         if not isinstance(cuda_zero_copy, bool):
             raise ValueError(f"cuda_zero_copy must be a bool, got {cuda_zero_copy!r}")
+        if not isinstance(shm_peers_any_user, bool):
+            raise ValueError(
+                f"shm_peers_any_user must be a bool, got {shm_peers_any_user!r}"
+            )
         if (
             isinstance(cuda_ipc_memory_limit, bool)
             or not isinstance(cuda_ipc_memory_limit, int)
@@ -352,6 +362,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         self.max_cached_receive_bytes = max_cached_receive_bytes
         self.cuda_zero_copy = cuda_zero_copy
         self.cuda_ipc_memory_limit = cuda_ipc_memory_limit
+        self.shm_peers_any_user = shm_peers_any_user
 
     def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:
         """Map local devices to devices of worker ``to``, merged with what was

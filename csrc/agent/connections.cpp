@@ -67,6 +67,7 @@ std::string Connections::open(const std::string& secret, uint64_t incarnation) {
     pool_.run([held = std::move(held)]() mutable { held.reset(); });
   };
   topts.bindAddress = options_.address;
+  topts.localPeersAnyUser = options_.shmPeersAnyUser;
   topts.channelsFor = [this](int32_t peerId, bool passesDescriptors) {
     return channelsFor(peerId, passesDescriptors);
   };
@@ -305,9 +306,11 @@ void Connections::onClosed(
   }
   if (!conn.isOutbound() && conn.peerId() < 0 && !reason.empty()) {
     rejectedConnections_.fetch_add(1, std::memory_order_relaxed);
-    logWarning(
+    // Rate-limited: whoever can reach the port decides how often.
+    logWarningLimited(
+        "refused_connection",
         "torch_rpc_ext: " + self_.name_ + " refused connection " +
-        conn.describe() + ": " + reason);
+            conn.describe() + ": " + reason);
   }
   sink_.onConnectionClosed(conn, reason);
 }

@@ -79,6 +79,9 @@ struct AgentOptions : rpc::RpcBackendOptions {
   // copy in torch's allocator (AgentDevices::land): one device copy fewer,
   // but record_stream cannot see them (docs/guide.md, "Streams").
   bool cudaZeroCopy = false;
+  // The shm transport admits local connections from processes of other
+  // users too (by default, only our user's and root's: SO_PEERCRED).
+  bool shmPeersAnyUser = false;
   // Bound, per device, on the device memory cuda_ipc's blocks hold in this
   // process (channel/cuda/device_memory.h); 0: none.
   uint64_t cudaIpcMemoryLimit = kDefaultCudaIpcMemoryLimit;

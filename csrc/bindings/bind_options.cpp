@@ -78,6 +78,7 @@ py::dict optionSpec() {
   spec["busy_poll_us"] = py::make_tuple(
       kDefaultBusyPoll.count(), kMinBusyPoll.count(), kMaxBusyPoll.count());
   spec["cuda_zero_copy"] = py::make_tuple(false, none, none);
+  spec["shm_peers_any_user"] = py::make_tuple(false, none, none);
   spec["cuda_ipc_memory_limit"] =
       py::make_tuple(kDefaultCudaIpcMemoryLimit, uint64_t(0), none);
   spec["max_cached_receive_bytes"] = py::make_tuple(
@@ -161,6 +162,7 @@ void bindOptions(py::module_& m) {
           [](O& o, int64_t us) { o.busyPoll = std::chrono::microseconds(us); })
       .def_readwrite("max_cached_receive_bytes", &O::maxCachedReceiveBytes)
       .def_readwrite("cuda_zero_copy", &O::cudaZeroCopy)
+      .def_readwrite("shm_peers_any_user", &O::shmPeersAnyUser)
       .def_readwrite("cuda_ipc_memory_limit", &O::cudaIpcMemoryLimit)
       // Fault injection, set only by torch_rpc_ext.testing.
       .def_property(

@@ -1,9 +1,12 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/common/logging.h"
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 namespace torch_rpc_ext {
 
@@ -45,6 +48,35 @@ void logDebug(const std::string& line) {
   if (level() <= Level::kDebug) {
     emit("D", line);
   }
+}
+
+void logWarningLimited(const char* key, const std::string& line) {
+  if (level() > Level::kWarning) {
+    return;
+  }
+  struct Seen {
+    std::chrono::steady_clock::time_point last;
+    uint64_t left = 0;
+  };
+  static std::mutex mutex;
+  static std::map<std::string, Seen> seen;
+  const auto now = std::chrono::steady_clock::now();
+  uint64_t left = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto [it, fresh] = seen.try_emplace(key);
+    if (!fresh && now - it->second.last < std::chrono::seconds(10)) {
+      ++it->second.left;
+      return;
+    }
+    left = it->second.left;
+    it->second = Seen{now, 0};
+  }
+  emit(
+      "W",
+      left == 0 ? line
+                : line + " (and " + std::to_string(left) +
+              " more like it in the last 10 s)");
 }
 
 std::string errnoText(const char* what) {

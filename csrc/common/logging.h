@@ -10,6 +10,11 @@ namespace torch_rpc_ext {
 void logWarning(const std::string& line);
 void logDebug(const std::string& line);
 
+// A warning that may repeat without bound (a peer's doing: refused
+// connections, descriptor exhaustion): at most one line per `key` every 10
+// s, the next one saying how many were left out meanwhile.
+void logWarningLimited(const char* key, const std::string& line);
+
 // "<what>: <strerror(errno)>", for errors from system calls.
 std::string errnoText(const char* what);
 

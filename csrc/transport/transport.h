@@ -55,6 +55,14 @@ struct TransportOptions {
   // The channels a connection to a peer uses (channel/channel.h), asked
   // once the peer is known. Unset: every byte travels in the stream.
   channel::ChannelsFor channelsFor;
+  // Accepted connections that have not authenticated yet, at most, in all
+  // and from one source address (IP; every local socket counts as one):
+  // past either, the oldest such connection is closed for the new one.
+  size_t maxUnauthenticated = 512;
+  size_t maxUnauthenticatedPerHost = 128;
+  // A local (Unix) socket is accepted from a process of our own user or
+  // root only (SO_PEERCRED), unless this is set.
+  bool localPeersAnyUser = false;
 };
 
 // Accepts connections for one transport until close().

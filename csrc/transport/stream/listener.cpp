@@ -3,6 +3,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
@@ -43,6 +45,7 @@ StreamListener::StreamListener(
         hint);
   }
   address_ = SocketAddress::ofSocket(fd_, /*peer=*/false).str();
+  local_ = at.family() == AF_UNIX;
 }
 
 StreamListener::~StreamListener() {
@@ -70,7 +73,7 @@ void StreamListener::close() {
       return;
     }
     self->closed_ = true;
-    if (self->started_) {
+    if (self->started_ && !self->paused_) {
       self->transport_.loop().removeFromLoop(self->fd_);
     }
     ::shutdown(self->fd_, SHUT_RDWR);
@@ -92,19 +95,80 @@ void StreamListener::handleEventsFromLoop(uint32_t /*events*/) {
         &len,
         SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) {
+      int err = errno;
+      if (err == EINTR || err == ECONNABORTED) {
         continue;
       }
-      if (errno != EAGAIN && errno != EWOULDBLOCK) {
-        logWarning(
-            std::string("torch_rpc_ext: accept failed: ") +
-            std::strerror(errno));
+      if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+        pauseFromLoop(err);
+      } else if (err != EAGAIN && err != EWOULDBLOCK) {
+        logWarningLimited(
+            "accept",
+            std::string("torch_rpc_ext: accept failed: ") + std::strerror(err));
       }
       return;
+    }
+    pause_ = std::chrono::milliseconds(50); // a socket came: not exhausted
+    if (local_ && !localPeerAllowed(fd)) {
+      ::close(fd);
+      continue;
     }
     transport_.acceptedFromLoop(
         fd, SocketAddress::ofSocket(fd, /*peer=*/true).str(), observer_);
   }
+}
+
+bool StreamListener::localPeerAllowed(int fd) const {
+  if (transport_.options().localPeersAnyUser) {
+    return true;
+  }
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    logWarningLimited(
+        "peercred",
+        "torch_rpc_ext: SO_PEERCRED failed on " + address_ + " (" +
+            std::strerror(errno) + "): connection refused");
+    return false;
+  }
+  const uid_t self = ::geteuid();
+  if (cred.uid == self || cred.uid == 0) {
+    return true;
+  }
+  logWarningLimited(
+      "peercred",
+      "torch_rpc_ext: refused a local connection to " + address_ +
+          " from pid " + std::to_string(cred.pid) + " of uid " +
+          std::to_string(cred.uid) + ": this worker runs as uid " +
+          std::to_string(self) +
+          " (RpcExtBackendOptions(shm_peers_any_user=True) admits other "
+          "users)");
+  return false;
+}
+
+void StreamListener::pauseFromLoop(int error) {
+  const bool made = transport_.closeOldestUnauthenticatedFromLoop(
+      "closed before it authenticated: the process ran out of descriptors");
+  logWarningLimited(
+      "accept_exhausted",
+      "torch_rpc_ext: accept on " + address_ +
+          " failed: " + std::strerror(error) + "; not accepting for " +
+          std::to_string(pause_.count()) + " ms" +
+          (made ? " (closed the oldest connection that had not authenticated)"
+                : ""));
+  if (paused_ || closed_) {
+    return;
+  }
+  paused_ = true;
+  transport_.loop().removeFromLoop(fd_);
+  auto self = shared_from_this();
+  transport_.loop().runAfter(pause_, [self] {
+    self->paused_ = false;
+    if (!self->closed_) {
+      self->transport_.loop().addFromLoop(self->fd_, self, EPOLLIN);
+    }
+  });
+  pause_ = std::min(pause_ * 2, std::chrono::milliseconds(1000));
 }
 
 } // namespace torch_rpc_ext::transport::stream

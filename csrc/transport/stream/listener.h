@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -44,9 +45,21 @@ class StreamListener : public Listener,
   StreamTransport& transport_;
   int fd_ = -1;
   std::string address_;
+  // Whether a socket accepted from a local peer may stay: its process runs
+  // as our user or root, or TransportOptions::localPeersAnyUser.
+  bool localPeerAllowed(int fd) const;
+  // Out of descriptors or memory: accepting again at once would find the
+  // same, and the level-triggered loop would spin. Stop watching the socket
+  // for `pause_` (doubling up to 1 s while it lasts), closing the oldest
+  // unauthenticated connection to make room.
+  void pauseFromLoop(int error);
+
   ConnectionObserver* observer_ = nullptr;
   bool started_ = false;
   bool closed_ = false;
+  bool paused_ = false;
+  bool local_ = false; // a Unix socket
+  std::chrono::milliseconds pause_{50};
 };
 
 } // namespace torch_rpc_ext::transport::stream

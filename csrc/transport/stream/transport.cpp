@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <stdexcept>
 
@@ -25,6 +26,7 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
       {"loop_takeovers", loop_.takeovers()},
       {"busy_poll_hits", loop_.spinHits()},
       {"busy_poll_misses", loop_.spinMisses()},
+      {"unauthenticated_closed", unauthenticatedClosed_.load()},
   };
   addCounters(c);
   return c;
@@ -103,14 +105,75 @@ bool StreamTransport::listenerAnswers(
   return answers;
 }
 
+namespace {
+
+// The source host of a peer address ("1.2.3.4:5", "[::1]:5"); a local
+// socket's (no port) counts as one host.
+std::string hostOf(const std::string& peerAddress) {
+  auto colon = peerAddress.rfind(':');
+  if (colon == std::string::npos || peerAddress.empty() ||
+      peerAddress[0] == '@' || peerAddress[0] == '/') {
+    return "local";
+  }
+  return peerAddress.substr(0, colon);
+}
+
+} // namespace
+
 void StreamTransport::acceptedFromLoop(
     int fd,
     std::string peerAddress,
     ConnectionObserver* observer) {
+  // Forget the ones that authenticated or closed, then make room: a peer
+  // that connects and says nothing holds a descriptor and buffers until
+  // its handshake times out, so the oldest goes first.
+  std::erase_if(unauthenticated_, [](const Unauthenticated& u) {
+    auto c = u.conn.lock();
+    return !c || c->isClosed() || c->isReady();
+  });
+  std::string host = hostOf(peerAddress);
+  size_t fromHost = 0;
+  for (const auto& u : unauthenticated_) {
+    fromHost += u.host == host ? 1 : 0;
+  }
+  auto evict = [this](
+                   std::deque<Unauthenticated>::iterator it, const char* cap) {
+    if (auto c = it->conn.lock()) {
+      c->close(
+          std::string("closed before it authenticated: the cap on ") + cap +
+          " was reached and it was the oldest");
+    }
+    unauthenticated_.erase(it);
+    ++unauthenticatedClosed_;
+  };
+  if (fromHost >= options_.maxUnauthenticatedPerHost) {
+    auto it = std::find_if(
+        unauthenticated_.begin(),
+        unauthenticated_.end(),
+        [&](const Unauthenticated& u) { return u.host == host; });
+    evict(it, "unauthenticated connections from one host");
+  } else if (unauthenticated_.size() >= options_.maxUnauthenticated) {
+    evict(unauthenticated_.begin(), "unauthenticated connections");
+  }
   auto conn = newConnection(
       fd, /*outbound=*/false, -1, std::move(peerAddress), observer);
   adopt(conn);
+  unauthenticated_.push_back(Unauthenticated{conn, std::move(host)});
   conn->startAcceptedFromLoop();
+}
+
+bool StreamTransport::closeOldestUnauthenticatedFromLoop(
+    const std::string& why) {
+  while (!unauthenticated_.empty()) {
+    auto c = unauthenticated_.front().conn.lock();
+    unauthenticated_.pop_front();
+    if (c && !c->isClosed() && !c->isReady()) {
+      c->close(why);
+      ++unauthenticatedClosed_;
+      return true;
+    }
+  }
+  return false;
 }
 
 void StreamTransport::adopt(const std::shared_ptr<Connection>& conn) {

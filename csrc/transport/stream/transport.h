@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <atomic>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -32,11 +34,16 @@ class StreamTransport : public Transport {
   void stop() override;
   std::map<std::string, uint64_t> counters() const override;
 
-  // Listener, loop thread: a socket accepted for `observer`.
+  // Listener, loop thread: a socket accepted for `observer`. Keeps the
+  // unauthenticated ones within the caps (TransportOptions), closing the
+  // oldest first.
   void acceptedFromLoop(
       int fd,
       std::string peerAddress,
       ConnectionObserver* observer);
+  // Listener, loop thread, out of descriptors: closes the oldest connection
+  // that has not authenticated, if any, to make room. Whether one was.
+  bool closeOldestUnauthenticatedFromLoop(const std::string& why);
   Loop& loop() {
     return loop_;
   }
@@ -70,6 +77,14 @@ class StreamTransport : public Transport {
  private:
   // Track a connection so stop() closes it.
   void adopt(const std::shared_ptr<Connection>& conn);
+
+  // Accepted, not yet authenticated (loop thread only).
+  struct Unauthenticated {
+    std::weak_ptr<Connection> conn;
+    std::string host;
+  };
+  std::deque<Unauthenticated> unauthenticated_;
+  std::atomic<uint64_t> unauthenticatedClosed_{0};
 
   Loop loop_;
   std::mutex mutex_;

@@ -1,0 +1,208 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Before a peer proves the secret it gets little (issue 45): a local
+socket from another user is closed unanswered, idle sockets neither
+exhaust a worker's descriptors into a spin nor keep a real peer out."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from torch_rpc_ext.testing import (
+    HELLO,
+    closed_by_peer,
+    connect_raw,
+    frame_header,
+    handshake,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SECRET = b"0123456789abcdef0123456789abcdef"
+NOBODY = 65534
+
+pytestmark = pytest.mark.timeout(180)
+
+# One worker alone (world_size 1) that prints its addresses, then its
+# counters and CPU time each time it reads a line, until stdin closes.
+WORKER = """
+    import json, os, resource, sys, time
+    nofile = int(sys.argv[2])
+    if nofile:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    import torch.distributed.rpc as rpc
+    import torch_rpc_ext
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        secret=%r, address="127.0.0.1", num_worker_threads=2, handshake_timeout=2,
+        **json.loads(sys.argv[3]))
+    rpc.init_rpc("worker0", rank=0, world_size=1,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    agent = rpc.api._get_current_rpc_agent()
+    info = agent.get_debug_info()
+    print(json.dumps({"tcp": info["rpc_ext.listen.tcp"], "shm": info["rpc_ext.listen.shm"]}),
+          flush=True)
+    for line in sys.stdin:
+        m = agent.get_metrics()
+        t = os.times()
+        print(json.dumps({"cpu": t.user + t.system,
+                          "closed": int(m["rpc_ext.tcp.unauthenticated_closed"])}), flush=True)
+    rpc.shutdown()
+""" % SECRET
+
+
+class Worker:
+    def __init__(self, nofile: int = 0, **options):
+        from tests.rpc.world import free_port
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(WORKER), str(free_port()), str(nofile),
+             json.dumps(options)],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env={**os.environ, "PYTHONPATH": ROOT},
+        )
+        self.addresses = json.loads(self.proc.stdout.readline())
+
+    def stats(self) -> dict:
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def stop(self) -> str:
+        try:
+            _, err = self.proc.communicate(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        return err
+
+
+def _hello_as(uid: int, address: str) -> str:
+    """In a child that runs as `uid`: connect to the shm address and send a
+    hello; "challenge" if the worker answered, "closed" if it hung up."""
+    code = textwrap.dedent(f"""
+        import os, socket, struct, sys
+        from torch_rpc_ext.testing import HELLO, connect_raw, frame_header
+        os.setgid({uid}); os.setuid({uid})  # after the imports: root's files
+        s = connect_raw({address!r})
+        body = struct.pack("<iQ", 0, 0) + os.urandom(32)
+        s.sendall(frame_header(HELLO, len(body)) + body)
+        try:
+            print("challenge" if s.recv(24) else "closed")
+        except OSError:
+            print("closed")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
+def test_a_local_peer_of_another_user_is_closed_unanswered():
+    """The shm socket is in the abstract namespace, open to every local
+    process: one of another user gets no challenge (no HMAC to guess the
+    secret against); one of ours, or any once shm_peers_any_user, does."""
+    w = Worker()
+    try:
+        assert _hello_as(NOBODY, w.addresses["shm"]) == "closed"
+        sock, ok = handshake(w.addresses["shm"], SECRET)
+        assert ok
+        sock.close()
+    finally:
+        err = w.stop()
+    assert f"of uid {NOBODY}: this worker runs as uid 0" in err
+    w = Worker(shm_peers_any_user=True)
+    try:
+        assert _hello_as(NOBODY, w.addresses["shm"]) == "challenge"
+    finally:
+        w.stop()
+
+
+def _cpu_over(w: Worker, seconds: float) -> float:
+    start = w.stats()["cpu"]
+    time.sleep(seconds)
+    return w.stats()["cpu"] - start
+
+
+@pytest.mark.parametrize("nofile", [256, 100])
+def test_idle_sockets_neither_spin_the_loop_nor_keep_a_real_peer_out(nofile):
+    """300 sockets that connect and say nothing, against a worker limited to
+    `nofile` descriptors: with 256 the per-host cap (128) closes the oldest
+    first; with 100 it runs out of descriptors first, and pauses its
+    listener instead of spinning, closing the oldest unauthenticated
+    connection. Either way its CPU stays low, the log says it a bounded
+    number of times, and a real peer still gets through."""
+    w = Worker(nofile=nofile)
+    idle = []
+    try:
+        host, port = w.addresses["tcp"].rsplit(":", 1)
+        for _ in range(300):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex((host, int(port)))
+            idle.append(s)
+        time.sleep(1)  # the worker accepts what it can, then runs out
+        cpu = _cpu_over(w, 3.0)
+        assert cpu < 1.0, f"the worker used {cpu:.2f} s of CPU in 3 s with idle sockets open"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                sock, ok = handshake(w.addresses["tcp"], SECRET)
+                assert ok
+                sock.close()
+                break
+            except (ConnectionError, OSError):
+                assert time.monotonic() < deadline, "a real peer never got in"
+                time.sleep(0.5)
+        assert w.stats()["closed"] > 0
+    finally:
+        for s in idle:
+            s.close()
+        err = w.stop()
+    # Said, but not once per failed accept or per closed connection.
+    if nofile == 100:
+        assert "Too many open files" in err
+    assert err.count("Too many open files") < 10, err[-3000:]
+    assert err.count("refused connection") < 10, err[-3000:]
+
+
+def test_unauthenticated_connections_past_the_cap_close_the_oldest():
+    """Quiet sockets from one host beyond the per-host cap: the oldest are
+    closed, the newest kept; a real peer from that host gets through."""
+    w = Worker()
+    try:
+        host, port = w.addresses["tcp"].rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(140)]
+        time.sleep(1)
+        assert w.stats()["closed"] >= 140 - 128
+        idle[0].settimeout(2)
+        assert closed_by_peer(idle[0])
+        idle[-1].settimeout(0.3)
+        assert not closed_by_peer(idle[-1])
+        sock, ok = handshake(w.addresses["tcp"], SECRET)
+        assert ok
+        sock.close()
+        for s in idle:
+            s.close()
+    finally:
+        w.stop()
+
+
+def test_a_hello_on_a_plain_socket_still_gets_a_challenge():
+    """The bounds leave the protocol alone: a hello from our own user over
+    the shm socket and over tcp is answered."""
+    w = Worker()
+    try:
+        for address in (w.addresses["shm"], w.addresses["tcp"]):
+            s = connect_raw(address)
+            body = b"\0" * 12 + os.urandom(32)
+            s.sendall(frame_header(HELLO, len(body)) + body)
+            assert len(s.recv(24)) > 0
+            s.close()
+    finally:
+        w.stop()
