@@ -132,6 +132,7 @@ std::string bindSsl(void* handle, Libssl& out) {
   TORCH_RPC_EXT_RESOLVE(SSL_CIPHER_get_name);
   TORCH_RPC_EXT_RESOLVE(SSL_CIPHER_find);
   TORCH_RPC_EXT_RESOLVE(SSL_session_reused);
+  TORCH_RPC_EXT_RESOLVE(SSL_export_keying_material);
   TORCH_RPC_EXT_RESOLVE(SSL_get_verify_result);
   TORCH_RPC_EXT_RESOLVE(SSL_SESSION_new);
   TORCH_RPC_EXT_RESOLVE(SSL_SESSION_free);

@@ -74,6 +74,15 @@ struct Libssl {
   const char* (*SSL_CIPHER_get_name)(const ssl_cipher_st*) = nullptr;
   const ssl_cipher_st* (*SSL_CIPHER_find)(SSL*, const unsigned char*) = nullptr;
   int (*SSL_session_reused)(const SSL*) = nullptr;
+  int (*SSL_export_keying_material)(
+      SSL*,
+      unsigned char*,
+      size_t,
+      const char*,
+      size_t,
+      const unsigned char*,
+      size_t,
+      int) = nullptr;
   long (*SSL_get_verify_result)(const SSL*) = nullptr;
   // SSL_get1_peer_certificate in 3.x, SSL_get_peer_certificate in 1.1.1:
   // both return a reference the caller frees.

@@ -24,7 +24,9 @@ namespace torch_rpc_ext::frame {
 constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 // 2: channel frame kinds from 16 up, handed out by the channel registry.
 // 3: each tensor's device in the message head (wire/codec.h).
-constexpr uint8_t kProtocolVersion = 3;
+// 4: on a TLS connection the handshake's proofs cover the TLS session's
+//    exporter value (transport/handshake.h).
+constexpr uint8_t kProtocolVersion = 4;
 
 enum class FrameKind : uint8_t {
   kHello = 1, // client -> server: version, identity, nonce

@@ -78,7 +78,8 @@ std::string makeProof(
     int32_t clientId,
     int32_t serverId,
     uint64_t clientInc,
-    uint64_t serverInc) {
+    uint64_t serverInc,
+    const std::string& binding) {
   std::string msg = std::string("torch_rpc_ext/2/") + role;
   msg += clientNonce;
   msg += serverNonce;
@@ -86,6 +87,7 @@ std::string makeProof(
   putId(msg, serverId);
   putInc(msg, clientInc);
   putInc(msg, serverInc);
+  msg += binding;
   Digest d = hmacSha256(secret, msg);
   return std::string(reinterpret_cast<const char*>(d.data()), d.size());
 }
@@ -146,8 +148,12 @@ size_t Handshake::expectedHeadBytes() const {
 
 Handshake::Step Handshake::onFrame(const std::string& head) {
   Step step;
-  constexpr const char* kBadSecret =
-      "authentication failed: peer does not know the group secret";
+  // On TLS the proofs also cover the session (binding_): a relay between
+  // two sessions fails them as a stranger would.
+  const std::string kBadSecret = binding_.empty()
+      ? "authentication failed: peer does not know the group secret"
+      : "authentication failed: peer does not know the group secret, or its "
+        "proof was made for another TLS session (a relay between us)";
   if (stage_ == Stage::kHello) {
     auto hello = decodeHello(head);
     if (!hello || hello->clientId < 0) {
@@ -181,7 +187,8 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
                 peerId_,
                 selfId_,
                 peerInc_,
-                selfInc_)});
+                selfInc_,
+                binding_)});
     stage_ = Stage::kProof;
     return step;
   }
@@ -205,7 +212,8 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
         selfId_,
         ch->serverId,
         selfInc_,
-        ch->serverInc);
+        ch->serverInc,
+        binding_);
     if (!proofMatches(ch->serverProof, expected)) {
       step.error = kBadSecret;
       return step;
@@ -229,7 +237,8 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
         selfId_,
         ch->serverId,
         selfInc_,
-        ch->serverInc);
+        ch->serverInc,
+        binding_);
     stage_ = Stage::kDone;
     step.done = true;
     return step;
@@ -243,7 +252,8 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
         peerId_,
         selfId_,
         peerInc_,
-        selfInc_);
+        selfInc_,
+        binding_);
     if (!proofMatches(head, expected)) {
       peerId_ = -1;
       step.error = kBadSecret;

@@ -21,7 +21,12 @@ namespace torch_rpc_ext::transport {
 //
 //   proof(role) = HMAC(secret, "torch_rpc_ext/2/" role || clientNonce ||
 //                      serverNonce || clientId || serverId || clientInc ||
-//                      serverInc)
+//                      serverInc [|| binding])
+//
+// binding: on a TLS connection, the session's exporter value
+// (TlsSession::exporter), so both proofs hold for this TLS session only: a
+// relay that terminates TLS with each end (mutual TLS with any certificate
+// from the CA) cannot pass them on. Empty, and left out, in the clear.
 //
 // An incarnation is the 64-bit id of one holder of a worker id in a dynamic
 // group (docs/elastic.md), 0 in a static group: both ends prove theirs, so a
@@ -64,7 +69,8 @@ std::string makeProof(
     int32_t clientId,
     int32_t serverId,
     uint64_t clientInc,
-    uint64_t serverInc);
+    uint64_t serverInc,
+    const std::string& binding = "");
 
 // Constant-time comparison of a received proof with the expected one.
 bool proofMatches(const std::string& received, const std::string& expected);
@@ -92,6 +98,11 @@ class Handshake {
     bool done = false; // the peer is authenticated
   };
 
+  // The channel binding both proofs cover (above); set before the first
+  // frame, once the connection's TLS handshake is done.
+  void bindTo(std::string binding) {
+    binding_ = std::move(binding);
+  }
   // Client: the hello to send once the transport is connected.
   std::string hello();
   // The only frame accepted next, and its exact head size.
@@ -121,6 +132,7 @@ class Handshake {
   uint64_t peerInc_ = 0;
   std::string clientNonce_;
   std::string serverNonce_;
+  std::string binding_;
 };
 
 } // namespace torch_rpc_ext::transport

@@ -553,6 +553,26 @@ ssize_t TlsSession::write(const void* src, size_t size, std::string* error) {
   return static_cast<ssize_t>(taken);
 }
 
+std::string TlsSession::exporter() const {
+  static constexpr char kLabel[] = "EXPORTER-torch_rpc_ext-handshake";
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Libssl& lib = libssl();
+  std::string out(32, '\0');
+  lib.ERR_clear_error();
+  if (lib.SSL_export_keying_material(
+          ssl_,
+          reinterpret_cast<unsigned char*>(out.data()),
+          out.size(),
+          kLabel,
+          sizeof(kLabel) - 1,
+          nullptr,
+          0,
+          0) != 1) {
+    throw std::runtime_error(errorText("SSL_export_keying_material", 0));
+  }
+  return out;
+}
+
 std::string TlsSession::describe() const {
   std::lock_guard<std::mutex> lock(mutex_);
   const Libssl& lib = libssl();

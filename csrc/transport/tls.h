@@ -143,6 +143,12 @@ class TlsSession {
   // handshake is done.
   std::string describe() const;
 
+  // 32 bytes from the session's keys (RFC 8446 exporter, our label), the
+  // same at both ends of this TLS session and at no others: the handshake's
+  // proofs cover it, so a relay that runs two sessions fails them. Once
+  // the handshake is done; throws std::runtime_error if libssl refuses.
+  std::string exporter() const;
+
  private:
   TlsSession(std::shared_ptr<const TlsContext> context, ssl_st* ssl, int fd);
   friend class TlsContext;

@@ -255,3 +255,74 @@ def test_a_server_that_shows_a_certificate_instead_of_using_the_key_is_refused(t
     finally:
         client.close(0)
         listener.close()
+
+
+def test_a_relay_holding_a_certificate_from_the_ca_cannot_pass_the_handshake_on(tmp_path):
+    """Mutual TLS, and an attacker with any certificate the group's CA
+    signed: it terminates TLS with the client (as the server) and with the
+    server (as a client) and forwards the bytes between the two sessions.
+    TLS holds at both ends; our handshake's proofs cover each session's
+    exporter value, so they fail and no frame of ours reaches the relay in
+    the clear."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make certificates")
+    import ssl
+
+    _make_ca(tmp_path, "ca")
+    ca = str(tmp_path / "ca.pem")
+    files = {n: [*_make_cert(tmp_path, "ca", n), ca] for n in ("w0", "w1", "mallory")}
+    server = endpoint(0, encryption="always", tls_files=files["w0"])
+    mallory_cert, mallory_key, _ = files["mallory"]
+    as_server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    as_server.minimum_version = ssl.TLSVersion.TLSv1_3
+    as_server.load_cert_chain(mallory_cert, mallory_key)
+    as_client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    as_client.minimum_version = ssl.TLSVersion.TLSv1_3
+    as_client.check_hostname = False
+    as_client.load_verify_locations(ca)
+    as_client.load_cert_chain(mallory_cert, mallory_key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen = {"up": b"", "down": b""}
+
+    def pump(src, dst, direction):
+        try:
+            while data := src.recv(65536):
+                seen[direction] += data
+                dst.sendall(data)
+        except (ssl.SSLError, OSError):
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def relay():
+        conn, _ = listener.accept()
+        try:
+            down = as_server.wrap_socket(conn, server_side=True)
+            host, port = server.address.rsplit(":", 1)
+            up = as_client.wrap_socket(socket.create_connection((host, int(port))))
+        except (ssl.SSLError, OSError):
+            return
+        for args in ((down, up, "up"), (up, down, "down")):
+            threading.Thread(target=pump, args=args, daemon=True).start()
+
+    threading.Thread(target=relay, daemon=True).start()
+    client = endpoint(1, encryption="always", tls_files=files["w1"])
+    try:
+        client.connect("127.0.0.1:%d" % listener.getsockname()[1], 0)
+        assert not client.wait_ready(15)
+        reason = client.close_reason()
+        assert "proof was made for another TLS session" in reason, reason
+        # The relay saw the hello and the challenge (it had to open TLS to
+        # relay them), and nothing more: the client checks the server's
+        # proof first, and sends neither its own nor any frame.
+        time.sleep(0.5)
+        assert len(seen["up"]) == 24 + 44, seen["up"]
+        assert len(seen["down"]) == 24 + 76, seen["down"]
+    finally:
+        client.close(0)
+        server.close(0)
+        listener.close()

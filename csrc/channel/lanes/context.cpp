@@ -266,11 +266,12 @@ void LanesContext::acceptLoop(
             try {
               self->admit(fd, hello);
             } catch (const std::exception& e) {
-              logWarning(
+              logWarningLimited(
+                  "lanes_admit",
                   std::string(
                       "torch_rpc_ext: tcp_lanes could not take a "
                       "lane: ") +
-                  e.what());
+                      e.what());
             }
           } else {
             ::close(fd);
@@ -324,7 +325,8 @@ void LanesContext::admit(int fd, const Hello& hello) {
     }
   }
   if (!channel) {
-    logWarning(
+    logWarningLimited(
+        "lanes_no_ticket",
         "torch_rpc_ext: tcp_lanes refused a connection that named no "
         "ticket of ours");
     ::close(fd);

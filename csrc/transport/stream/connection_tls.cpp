@@ -122,6 +122,14 @@ void StreamConnection::driveTlsFromLoop() {
     loop_.modify(fd_, EPOLLIN | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
     return;
   }
+  // Our handshake's proofs will cover this TLS session's exporter value
+  // (handshake.h): they hold on this session only.
+  try {
+    handshake_.bindTo(tls_->exporter());
+  } catch (const std::exception& e) {
+    closeInternal(e.what(), false);
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
     if (state_ == State::kClosed) {
