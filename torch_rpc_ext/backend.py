@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.distributed.rpc import constants
 
-from torch_rpc_ext import _C, _torch_private, store_records
+from torch_rpc_ext import _C, _torch_private, secrets, store_records
 from torch_rpc_ext._tensorpipe_options import translate_options
 from torch_rpc_ext.options import RpcExtBackendOptions
 
@@ -26,13 +26,18 @@ def _construct_options(
 
 def _agent_options(opts: RpcExtBackendOptions) -> "_C._RpcExtBackendOptionsBase":
     """What the agent takes: a copy of the core part of ``opts`` (which stays
-    as given), with the secret from ``TORCH_RPC_EXT_SECRET`` if ``opts`` has none.
+    as given), with the secret from ``TORCH_RPC_EXT_SECRET`` if ``opts`` has
+    none, stretched (torch_rpc_ext/secrets.py).
     """
     out = _C._RpcExtBackendOptionsBase(opts)
     if out.secret is None and (env := os.environ.get("TORCH_RPC_EXT_SECRET")):
         if len(env.encode()) < (least := _C.option_spec()["secret"][1]):
             raise ValueError(f"TORCH_RPC_EXT_SECRET must be at least {least} bytes")
+        if why := secrets.weakness(env.encode()):
+            raise ValueError(f"TORCH_RPC_EXT_SECRET is too weak to use: {why}")
         out.secret = env.encode()
+    if out.secret is not None:
+        out.secret = secrets.stretch(out.secret)
     return out
 
 

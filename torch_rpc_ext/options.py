@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from torch_rpc_ext import _C
+from torch_rpc_ext import _C, secrets
 
 __all__ = ["RpcExtBackendOptions", "DEFAULT_MAX_FRAME_BYTES"]
 
@@ -285,6 +285,8 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             not isinstance(secret, bytes) or len(secret) < _MIN["secret"]
         ):
             raise ValueError(f"secret must be at least {_MIN['secret']} bytes")
+        if secret is not None and (why := secrets.weakness(secret)):
+            raise ValueError(f"secret is too weak to use: {why}")
         encryption, tls_files = _check_encryption(encryption, tls_cert, tls_key, tls_ca)
         if not isinstance(max_frame_bytes, int) or max_frame_bytes < (
             lo := _MIN["max_frame_bytes"]
@@ -400,6 +402,11 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         return any(d.type == "cuda" for d in devs)
 
     def __repr__(self) -> str:
+        if "device_maps" not in self.__dict__:
+            # __init__ refused its arguments before the C++ part existed
+            # (a traceback's locals show such an object): reading that part
+            # would crash.
+            return "RpcExtBackendOptions(<not constructed>)"
         return (
             f"RpcExtBackendOptions(num_worker_threads={self.num_worker_threads}, "
             f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r}, "

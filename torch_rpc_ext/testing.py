@@ -176,6 +176,9 @@ def handshake(address: str, secret: bytes, client_id: int = 0, incarnation: int 
     """Run the client side of the handshake (docs/wire-format.md) as worker
     ``client_id`` of ``incarnation`` (0 in a static group); return (socket,
     server proof ok?)."""
+    from torch_rpc_ext.secrets import stretch
+
+    secret = stretch(secret)  # what the agent keys its proofs from
     sock = connect_raw(address)
     cn = os.urandom(32)
     hello = struct.pack("<iQ", client_id, incarnation) + cn

@@ -22,7 +22,7 @@ from torch_rpc_ext.testing import (
 
 pytestmark = pytest.mark.timeout(120)
 
-SECRET = b"0123456789abcdef0123456789abcdef"
+SECRET = b"0123456789abcdefghijklmnopqrstuv"
 
 
 def cached_operators():

@@ -22,7 +22,7 @@ from torch_rpc_ext.testing import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SECRET = b"0123456789abcdef0123456789abcdef"
+SECRET = b"0123456789abcdefghijklmnopqrstuv"
 NOBODY = 65534
 
 pytestmark = pytest.mark.timeout(180)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.distributed import rpc
 
-from torch_rpc_ext import _C, RpcExtBackendOptions, _testing
+from torch_rpc_ext import _C, RpcExtBackendOptions, _testing, secrets
+from torch_rpc_ext.backend import _agent_options
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SPEC = _C.option_spec()  # {name: (default, min, max)}
@@ -108,8 +109,36 @@ def test_construction_does_not_touch_cuda(monkeypatch):
 
 
 def test_secret_accepts_str_and_bytes():
-    assert RpcExtBackendOptions(secret="x" * 16).secret == b"x" * 16
-    assert RpcExtBackendOptions(secret=b"y" * 32).secret == b"y" * 32
+    assert RpcExtBackendOptions(secret="abcdefgh12345678").secret == b"abcdefgh12345678"
+    assert RpcExtBackendOptions(secret=b"y" * 16 + b"0123456789abcdef").secret == (
+        b"y" * 16 + b"0123456789abcdef")
+
+
+@pytest.mark.parametrize(
+    "secret, why",
+    [
+        ("x" * 40, "it has 1 distinct bytes"),
+        ("abcabcabcabcabcabc", "it has 3 distinct bytes"),
+        ("abcdefgh" * 3, "it repeats its first 8 bytes"),
+        ("0123456789" * 2, "it repeats its first 10 bytes"),
+    ],
+)
+def test_a_weak_secret_is_refused_naming_why(secret, why, monkeypatch):
+    with pytest.raises(ValueError, match=f"secret is too weak to use: {why}"):
+        RpcExtBackendOptions(secret=secret)
+    monkeypatch.setenv("TORCH_RPC_EXT_SECRET", secret)
+    with pytest.raises(ValueError, match=f"TORCH_RPC_EXT_SECRET is too weak to use: {why}"):
+        _agent_options(RpcExtBackendOptions())
+
+
+def test_every_user_secret_is_stretched_alike():
+    """What the agent gets is PBKDF2 of the secret, the same from options
+    and from the environment; a secret the group makes itself (None) is
+    left to the agent."""
+    key = _agent_options(RpcExtBackendOptions(secret="correct horse battery")).secret
+    assert key == secrets.stretch(b"correct horse battery") and len(key) == 32
+    assert key != b"correct horse battery"
+    assert _agent_options(RpcExtBackendOptions()).secret is None
 
 
 def test_transports_default_comes_from_the_environment(monkeypatch):
@@ -229,7 +258,7 @@ def test_readme_states_the_core_limits():
 def _limit_cases():
     for name, (_, lo, hi) in SPEC.items():
         if name == "secret":
-            yield name, b"s" * lo, b"s" * (lo - 1)
+            yield name, bytes(range(65, 65 + lo)), bytes(range(65, 64 + lo))
             continue
         if lo is not None:
             below = lo - 1 if isinstance(lo, int) else (lo / 2 if lo > 0 else lo - 0.5)
@@ -261,14 +290,15 @@ def test_the_agent_gets_a_copy_with_the_secret_from_the_environment(monkeypatch)
         transports=["tcp"],
         rpc_timeout=3,
     )
-    monkeypatch.setenv("TORCH_RPC_EXT_SECRET", "e" * 16)
+    monkeypatch.setenv("TORCH_RPC_EXT_SECRET", "env-secret-0123456789")
     out = _agent_options(opts)
     assert type(out) is _C._RpcExtBackendOptionsBase
     assert (out.busy_poll_us, out.transports, out.rpc_timeout) == (7, ("tcp",), 3)
     assert (out._num_fail_sends, out._messages_to_fail) == (2, ["SCRIPT_CALL"])
     assert out._messages_to_delay == {"PYTHON_CALL": 1.5}
-    assert out.secret == b"e" * 16 and opts.secret is None
-    assert _agent_options(RpcExtBackendOptions(secret=b"o" * 16)).secret == b"o" * 16
+    assert out.secret == secrets.stretch(b"env-secret-0123456789") and opts.secret is None
+    assert _agent_options(RpcExtBackendOptions(secret=b"opt-secret-0123456789")).secret == (
+        secrets.stretch(b"opt-secret-0123456789"))
     monkeypatch.setenv("TORCH_RPC_EXT_SECRET", "short")
     with pytest.raises(ValueError, match="TORCH_RPC_EXT_SECRET must be at least 16"):
         _agent_options(opts)
