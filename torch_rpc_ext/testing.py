@@ -172,13 +172,22 @@ def _proof(secret, role, cn, sn, cid, sid, cinc, sinc):
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
-def handshake(address: str, secret: bytes, client_id: int = 0, incarnation: int = 0):
+def handshake(
+    address: str,
+    secret: bytes,
+    client_id: int = 0,
+    incarnation: int = 0,
+    stretch: bool = True,
+):
     """Run the client side of the handshake (docs/wire-format.md) as worker
     ``client_id`` of ``incarnation`` (0 in a static group); return (socket,
-    server proof ok?)."""
-    from torch_rpc_ext.secrets import stretch
+    server proof ok?). ``secret`` is a user's, stretched as the agent
+    stretches it (torch_rpc_ext/secrets.py), or with ``stretch=False`` the
+    key itself (a secret the group made)."""
+    from torch_rpc_ext import secrets
 
-    secret = stretch(secret)  # what the agent keys its proofs from
+    if stretch:
+        secret = secrets.stretch(secret)  # what the agent keys its proofs from
     sock = connect_raw(address)
     cn = os.urandom(32)
     hello = struct.pack("<iQ", client_id, incarnation) + cn

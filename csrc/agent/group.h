@@ -114,6 +114,9 @@ class Group {
   // the store (rank 0 of a static group, or whoever comes first, makes it).
   // Draws our incarnation in a dynamic group.
   const std::string& establishSecret();
+  // A static group's secret without a user-supplied one, shared sealed
+  // (group.cpp).
+  std::string sealedSecret();
   // Publish our rendezvous `entry` (name line, offers) and learn everyone
   // else's (static: blocks until all worldSize workers have published), or
   // join the dynamic group's log (our record adds our devices and maps):

@@ -197,6 +197,85 @@ bool Aead::open(
       lib.decryptFinal(decrypt_, end, &n) == 1;
 }
 
+namespace {
+
+constexpr int kNidX25519 = 1034; // NID_X25519, fixed in OpenSSL 1.1.1 and 3.x
+
+const Libcrypto& x25519Crypto() {
+  const Libcrypto& lib = libcrypto();
+  if (lib.newRawPrivateKey == nullptr) {
+    throw std::runtime_error(
+        "the libcrypto in use (" + lib.description +
+        ") has no X25519 (EVP_PKEY_new_raw_private_key and friends: OpenSSL "
+        "1.1.1 or newer), which a group without a secret of its own needs "
+        "to share one at rendezvous");
+  }
+  return lib;
+}
+
+} // namespace
+
+X25519Key::X25519Key() {
+  const Libcrypto& lib = x25519Crypto();
+  private_ = randomBytes(kBytes);
+  evp_pkey_st* key = lib.newRawPrivateKey(
+      kNidX25519,
+      nullptr,
+      reinterpret_cast<const unsigned char*>(private_.data()),
+      private_.size());
+  if (key == nullptr) {
+    throw std::runtime_error("X25519: EVP_PKEY_new_raw_private_key failed");
+  }
+  public_.assign(kBytes, '\0');
+  size_t len = public_.size();
+  int ok = lib.getRawPublicKey(
+      key, reinterpret_cast<unsigned char*>(public_.data()), &len);
+  lib.pkeyFree(key);
+  if (ok != 1 || len != kBytes) {
+    throw std::runtime_error("X25519: EVP_PKEY_get_raw_public_key failed");
+  }
+}
+
+std::string X25519Key::agree(const std::string& peerPublic) const {
+  const Libcrypto& lib = x25519Crypto();
+  if (peerPublic.size() != kBytes) {
+    throw std::runtime_error(
+        "X25519: a public key has " + std::to_string(peerPublic.size()) +
+        " bytes, not 32");
+  }
+  evp_pkey_st* mine = lib.newRawPrivateKey(
+      kNidX25519,
+      nullptr,
+      reinterpret_cast<const unsigned char*>(private_.data()),
+      private_.size());
+  evp_pkey_st* theirs = lib.newRawPublicKey(
+      kNidX25519,
+      nullptr,
+      reinterpret_cast<const unsigned char*>(peerPublic.data()),
+      peerPublic.size());
+  evp_pkey_ctx_st* ctx = mine ? lib.pkeyCtxNew(mine, nullptr) : nullptr;
+  std::string out(kBytes, '\0');
+  size_t len = out.size();
+  bool ok = ctx && theirs && lib.deriveInit(ctx) == 1 &&
+      lib.deriveSetPeer(ctx, theirs) == 1 &&
+      lib.derive(ctx, reinterpret_cast<unsigned char*>(out.data()), &len) ==
+          1 &&
+      len == kBytes;
+  if (ctx) {
+    lib.pkeyCtxFree(ctx);
+  }
+  if (theirs) {
+    lib.pkeyFree(theirs);
+  }
+  if (mine) {
+    lib.pkeyFree(mine);
+  }
+  if (!ok || out == std::string(kBytes, '\0')) {
+    throw std::runtime_error("X25519: no shared secret with that public key");
+  }
+  return out;
+}
+
 std::string randomBytes(size_t n) {
   std::string out(n, '\0');
   size_t done = 0;

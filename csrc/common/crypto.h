@@ -70,6 +70,28 @@ class Aead {
   evp_cipher_ctx_st* decrypt_ = nullptr;
 };
 
+// An X25519 key pair (RFC 7748) through libcrypto: the sealing of a
+// group's secret at rendezvous (agent/group.cpp). Throws
+// std::runtime_error if libcrypto has no X25519.
+class X25519Key {
+ public:
+  static constexpr size_t kBytes = 32;
+  // A fresh key pair from the kernel CSPRNG.
+  X25519Key();
+  // The 32-byte public key.
+  const std::string& publicKey() const {
+    return public_;
+  }
+  // The shared secret with the holder of `peerPublic` (32 bytes). Throws
+  // std::runtime_error for a key that is not 32 bytes, or one libcrypto
+  // refuses (a small-order point gives an all-zero secret, refused).
+  std::string agree(const std::string& peerPublic) const;
+
+ private:
+  std::string private_;
+  std::string public_;
+};
+
 // `n` bytes from the kernel CSPRNG (getrandom(2)); throws std::runtime_error
 // if the kernel cannot provide them.
 std::string randomBytes(size_t n);

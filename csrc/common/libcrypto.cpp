@@ -93,6 +93,42 @@ void bindAead(void* handle, Libcrypto& out) {
   out.cipherCtrl = l.cipherCtrl;
 }
 
+// The X25519 entry points, all or none (OpenSSL 1.1.1 and 3.x).
+void bindX25519(void* handle, Libcrypto& out) {
+  Libcrypto l;
+  auto sym = [&](const char* name) { return dlsym(handle, name); };
+  l.newRawPrivateKey = reinterpret_cast<Libcrypto::NewRawKeyFn>(
+      sym("EVP_PKEY_new_raw_private_key"));
+  l.newRawPublicKey = reinterpret_cast<Libcrypto::NewRawKeyFn>(
+      sym("EVP_PKEY_new_raw_public_key"));
+  l.getRawPublicKey = reinterpret_cast<Libcrypto::GetRawKeyFn>(
+      sym("EVP_PKEY_get_raw_public_key"));
+  l.pkeyCtxNew =
+      reinterpret_cast<Libcrypto::PkeyCtxNewFn>(sym("EVP_PKEY_CTX_new"));
+  l.deriveInit =
+      reinterpret_cast<Libcrypto::PkeyCtxFn>(sym("EVP_PKEY_derive_init"));
+  l.deriveSetPeer = reinterpret_cast<Libcrypto::DeriveSetPeerFn>(
+      sym("EVP_PKEY_derive_set_peer"));
+  l.derive = reinterpret_cast<Libcrypto::DeriveFn>(sym("EVP_PKEY_derive"));
+  l.pkeyFree = reinterpret_cast<void (*)(evp_pkey_st*)>(sym("EVP_PKEY_free"));
+  l.pkeyCtxFree =
+      reinterpret_cast<void (*)(evp_pkey_ctx_st*)>(sym("EVP_PKEY_CTX_free"));
+  if (!l.newRawPrivateKey || !l.newRawPublicKey || !l.getRawPublicKey ||
+      !l.pkeyCtxNew || !l.deriveInit || !l.deriveSetPeer || !l.derive ||
+      !l.pkeyFree || !l.pkeyCtxFree) {
+    return;
+  }
+  out.newRawPrivateKey = l.newRawPrivateKey;
+  out.newRawPublicKey = l.newRawPublicKey;
+  out.getRawPublicKey = l.getRawPublicKey;
+  out.pkeyCtxNew = l.pkeyCtxNew;
+  out.deriveInit = l.deriveInit;
+  out.deriveSetPeer = l.deriveSetPeer;
+  out.derive = l.derive;
+  out.pkeyFree = l.pkeyFree;
+  out.pkeyCtxFree = l.pkeyCtxFree;
+}
+
 // Fills `out` from `handle`; "" on success, else why this one is unusable.
 std::string bind(void* handle, Libcrypto& out) {
   using VersionFn = unsigned long (*)();
@@ -118,6 +154,7 @@ std::string bind(void* handle, Libcrypto& out) {
   out.hmac = hmac;
   out.sha256 = sha256;
   bindAead(handle, out);
+  bindX25519(handle, out);
   auto text = reinterpret_cast<VersionTextFn>(dlsym(handle, "OpenSSL_version"));
   out.description = text != nullptr ? text(kOpensslVersionText) : "OpenSSL";
   Dl_info info;

@@ -14,6 +14,8 @@ struct evp_md_st;
 struct evp_cipher_st;
 struct evp_cipher_ctx_st;
 struct engine_st;
+struct evp_pkey_st;
+struct evp_pkey_ctx_st;
 
 namespace torch_rpc_ext {
 
@@ -60,6 +62,29 @@ struct Libcrypto {
   CipherUpdateFn decryptUpdate = nullptr;
   CipherFinalFn decryptFinal = nullptr;
   CipherCtrlFn cipherCtrl = nullptr;
+
+  // X25519 through EVP_PKEY (crypto.h, X25519Key): the sealing of a
+  // group's secret at rendezvous. All null if this libcrypto lacks any.
+  using NewRawKeyFn = evp_pkey_st* (*)(
+      int type,
+      engine_st*,
+      const unsigned char* key,
+      size_t keyLen);
+  using GetRawKeyFn =
+      int (*)(const evp_pkey_st*, unsigned char* out, size_t* len);
+  using PkeyCtxNewFn = evp_pkey_ctx_st* (*)(evp_pkey_st*, engine_st*);
+  using PkeyCtxFn = int (*)(evp_pkey_ctx_st*);
+  using DeriveSetPeerFn = int (*)(evp_pkey_ctx_st*, evp_pkey_st*);
+  using DeriveFn = int (*)(evp_pkey_ctx_st*, unsigned char*, size_t*);
+  NewRawKeyFn newRawPrivateKey = nullptr;
+  NewRawKeyFn newRawPublicKey = nullptr;
+  GetRawKeyFn getRawPublicKey = nullptr;
+  PkeyCtxNewFn pkeyCtxNew = nullptr;
+  PkeyCtxFn deriveInit = nullptr;
+  DeriveSetPeerFn deriveSetPeer = nullptr;
+  DeriveFn derive = nullptr;
+  void (*pkeyFree)(evp_pkey_st*) = nullptr;
+  void (*pkeyCtxFree)(evp_pkey_ctx_st*) = nullptr;
   // "<OpenSSL_version text> (<file it was loaded from>)".
   std::string description;
 };

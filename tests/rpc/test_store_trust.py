@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tests.rpc.world import free_port
 from torch_rpc_ext import store_records
+from torch_rpc_ext.testing import handshake
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -165,3 +166,64 @@ def test_random_bytes_and_mutations_only_ever_raise_value_error():
                 decode(bytes(raw), 0, "k")
             except ValueError:
                 pass
+
+
+READER_GROUP = """
+    import json, os, sys
+    import torch
+    import torch.distributed.rpc as rpc
+    import torch_rpc_ext
+    rank = int(sys.argv[2])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    opts = torch_rpc_ext.RpcExtBackendOptions(rpc_timeout=30, address="127.0.0.1",
+                                              transports=["tcp"], encryption="off")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    if rank == 0:
+        print(json.dumps(rpc.api._get_current_rpc_agent().address), flush=True)
+        sys.stdin.readline()  # until the reader is done
+    rpc.shutdown()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_store_reader_learns_no_secret_that_lets_it_in():
+    """A group with no secret of its own, and someone who reads everything
+    the group wrote to the store (as a wire reader of the store's plain TCP
+    traffic could): there is no secret in it, and nothing read there opens a
+    handshake with a worker. (Before: rank 0 wrote the secret itself under
+    torch_rpc_ext/secret, and the reader got in with it.)"""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(READER_GROUP), str(port), str(rank)],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env={**os.environ, "PYTHONPATH": ROOT},
+        )
+        for rank in range(2)
+    ]
+    try:
+        address = json.loads(procs[0].stdout.readline())
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=10))
+        prefix = "rpc_prefix_0/torch_rpc_ext/"
+        if store.check([prefix + "secret"]):  # how it was before
+            leaked = store.get(prefix + "secret")
+            sock, ok = handshake(address, leaked, client_id=1, stretch=False)
+            sock.close()
+            assert not ok, "the secret in the store let its reader in"
+        read = [store.get(prefix + k) for k in (
+            "secret_pub/0", "secret_pub/1", "secret_sealed/1")]
+        assert [len(v) for v in read] == [32, 32, 48]
+        for candidate in read + [v[:32] for v in read]:
+            sock, ok = handshake(address, candidate, client_id=1, stretch=False)
+            assert not ok
+            sock.close()
+        procs[0].stdin.write("\n")
+        procs[0].stdin.flush()
+        for p in procs:
+            assert p.wait(60) == 0, p.stderr.read()[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
