@@ -29,6 +29,25 @@ def endpoint(self_id, secret=SECRET, **kwargs):
     return _testing.Endpoint(self_id, 2, secret, "tcp", [], **kwargs)
 
 
+def pump(src, dst, transform):
+    """Copies `src` to `dst` through `transform(offset, data)` (`offset`: the
+    bytes that went before) until either end stops; then shuts both."""
+    offset = 0
+    try:
+        while data := src.recv(65536):
+            out = transform(offset, data)
+            offset += len(data)
+            dst.sendall(out)
+    except OSError:  # ssl.SSLError too
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 class Relay:
     """Forwards one connection to `target`. `mangle(direction, offset,
     data)` may rewrite each chunk ("up": client to server) before it goes
@@ -55,20 +74,7 @@ class Relay:
             self.threads.append(t)
 
     def _pump(self, src, dst, direction):
-        offset = 0
-        try:
-            while data := src.recv(65536):
-                out = self.mangle(direction, offset, data)
-                offset += len(data)
-                dst.sendall(out)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        pump(src, dst, lambda offset, data: self.mangle(direction, offset, data))
 
     def close(self):
         self.listener.close()
@@ -284,19 +290,12 @@ def test_a_relay_holding_a_certificate_from_the_ca_cannot_pass_the_handshake_on(
     listener = socket.create_server(("127.0.0.1", 0))
     seen = {"up": b"", "down": b""}
 
-    def pump(src, dst, direction):
-        try:
-            while data := src.recv(65536):
-                seen[direction] += data
-                dst.sendall(data)
-        except (ssl.SSLError, OSError):
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+    def recorded(direction):
+        def transform(offset, data):
+            seen[direction] += data
+            return data
+
+        return transform
 
     def relay():
         conn, _ = listener.accept()
@@ -306,8 +305,9 @@ def test_a_relay_holding_a_certificate_from_the_ca_cannot_pass_the_handshake_on(
             up = as_client.wrap_socket(socket.create_connection((host, int(port))))
         except (ssl.SSLError, OSError):
             return
-        for args in ((down, up, "up"), (up, down, "down")):
-            threading.Thread(target=pump, args=args, daemon=True).start()
+        for src, dst, direction in ((down, up, "up"), (up, down, "down")):
+            threading.Thread(target=pump, args=(src, dst, recorded(direction)),
+                             daemon=True).start()
 
     threading.Thread(target=relay, daemon=True).start()
     client = endpoint(1, encryption="always", tls_files=files["w1"])
