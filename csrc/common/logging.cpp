@@ -58,13 +58,18 @@ void logWarningLimited(const char* key, const std::string& line) {
     std::chrono::steady_clock::time_point last;
     uint64_t left = 0;
   };
-  static std::mutex mutex;
-  static std::map<std::string, Seen> seen;
+  struct State {
+    std::mutex mutex;
+    std::map<std::string, Seen> seen;
+  };
+  // Never destroyed: loop threads log while a process exits without
+  // rpc.shutdown(), after static destructors have run.
+  static State* const state = new State;
   const auto now = std::chrono::steady_clock::now();
   uint64_t left = 0;
   {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto [it, fresh] = seen.try_emplace(key);
+    std::lock_guard<std::mutex> lock(state->mutex);
+    auto [it, fresh] = state->seen.try_emplace(key);
     if (!fresh && now - it->second.last < std::chrono::seconds(10)) {
       ++it->second.left;
       return;
