@@ -139,9 +139,12 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             ``TORCH_RPC_EXT_ADDR``, else the first IPv4 address of
             ``TORCH_RPC_EXT_SOCKET_IFNAME``, else the hostname's address,
             else 127.0.0.1.
-        secret: Group secret every connection must prove it knows. Defaults
-            to ``TORCH_RPC_EXT_SECRET``, else a random secret created at
-            rendezvous and shared through the store.
+        secret: Group secret every connection must prove it knows (at least
+            16 bytes, 8 of them distinct, not one short run repeated;
+            stretched with PBKDF2 at ``init_rpc``). Defaults to
+            ``TORCH_RPC_EXT_SECRET``, else a random secret rank 0 creates at
+            rendezvous and seals to each rank through the store
+            (docs/security.md).
         encryption: TLS 1.3 on TCP connections: ``"auto"`` (the default)
             encrypts every connection whose peer address is not loopback,
             that is every one that leaves the host; ``"always"`` encrypts
