@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -131,6 +132,14 @@ const std::string& Group::establishSecret() {
   } else {
     // A dynamic group: whoever comes first creates it (no rank is special).
     // In the store as it is: docs/security.md says what that exposes.
+    static std::once_flag said;
+    std::call_once(said, [] {
+      logWarning(
+          "torch_rpc_ext: this dynamic group has no secret of its own "
+          "(RpcExtBackendOptions(secret=...) or TORCH_RPC_EXT_SECRET), so its "
+          "secret is kept in the rendezvous store, where whoever can read "
+          "the store finds it; give the group one (docs/security.md)");
+    });
     secret_ = fromBytes(
         store_->compareSet(kSecretKey, {}, toBytes(randomBytes(kSecretBytes))));
   }
