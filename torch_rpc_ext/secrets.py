@@ -18,15 +18,13 @@ __all__ = ["KDF_ROUNDS", "stretch", "weakness"]
 
 KDF_ROUNDS = 600_000
 _SALT = b"torch_rpc_ext/secret/v1"
-MIN_BYTES = 16
 MIN_DISTINCT = 8
 
 
 def weakness(secret: bytes) -> str:
-    """Why `secret` is too weak to use ("" if it is not): shorter than 16
-    bytes, fewer than 8 distinct bytes, or one short run repeated."""
-    if len(secret) < MIN_BYTES:
-        return f"it has {len(secret)} bytes (at least {MIN_BYTES} needed)"
+    """Why `secret` is too weak to use ("" if it is not): fewer than 8
+    distinct bytes, or one short run repeated. (Its length is the option
+    spec's to check: the callers do, first.)"""
     distinct = len(set(secret))
     if distinct < MIN_DISTINCT:
         return f"it has {distinct} distinct bytes (at least {MIN_DISTINCT} needed)"

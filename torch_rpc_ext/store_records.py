@@ -32,8 +32,7 @@ VERSION = 1
 # A worker's maps name at most every peer once; 1 MiB is far past any real
 # group's (a map is a few dozen bytes a peer).
 MAX_RECORD_BYTES = 1 << 20
-_MAX_NAME = 128  # WorkerInfo's limit
-_NAME = re.compile(r"[A-Za-z0-9_:\-]{1,128}")
+_NAME = re.compile(r"[A-Za-z0-9_:\-]{1,128}")  # WorkerInfo's names
 _DEVICE = re.compile(r"(cpu|cuda:(\d{1,4}))")
 _MAX_DEVICES = 4096
 
