@@ -88,10 +88,11 @@ def _hello_as(uid: int, address: str) -> str:
         import os, socket, struct, sys
         from torch_rpc_ext.testing import HELLO, connect_raw, frame_header
         os.setgid({uid}); os.setuid({uid})  # after the imports: root's files
-        s = connect_raw({address!r})
         body = struct.pack("<iQ", 0, 0) + os.urandom(32)
-        s.sendall(frame_header(HELLO, len(body)) + body)
         try:
+            s = connect_raw({address!r})
+            # (a refused peer may be closed before its hello is sent)
+            s.sendall(frame_header(HELLO, len(body)) + body)
             print("challenge" if s.recv(24) else "closed")
         except OSError:
             print("closed")
