@@ -47,6 +47,11 @@ void bindTesting(py::module_& m) {
     return digestBytes(hmacSha256(key, msg));
   });
   m.def("libcrypto", &libcryptoDescription);
+  m.def(
+      "hkdf_expand",
+      [](const py::bytes& prk, const py::bytes& info, size_t length) {
+        return py::bytes(hkdfExpand(prk, info, length));
+      });
   // AES-128-GCM as the lanes use it (common/crypto.h, Aead): (ciphertext,
   // tag), and the plaintext or None when the tag does not match.
   m.def(

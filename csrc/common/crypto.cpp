@@ -56,6 +56,36 @@ bool constantTimeEqual(const Digest& a, const Digest& b) {
   return diff == 0;
 }
 
+bool constantTimeEqual(const void* a, const void* b, size_t n) {
+  const auto* x = static_cast<const uint8_t*>(a);
+  const auto* y = static_cast<const uint8_t*>(b);
+  uint8_t diff = 0;
+  for (size_t i = 0; i < n; ++i) {
+    diff |= x[i] ^ y[i];
+  }
+  return diff == 0;
+}
+
+std::string hkdfExpand(
+    std::string_view prk,
+    std::string_view info,
+    size_t length) {
+  if (length > 255 * sizeof(Digest)) {
+    throw std::invalid_argument("hkdfExpand: more than 255 blocks asked for");
+  }
+  std::string out;
+  std::string block; // T(i-1) || info || i
+  for (uint8_t i = 1; out.size() < length; ++i) {
+    block.append(info);
+    block.push_back(static_cast<char>(i));
+    Digest t = hmacSha256(prk, block);
+    block.assign(reinterpret_cast<const char*>(t.data()), t.size());
+    out.append(block);
+  }
+  out.resize(length);
+  return out;
+}
+
 namespace {
 
 // EVP_CIPHER_CTX_ctrl's GCM operations (openssl/evp.h).

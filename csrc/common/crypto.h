@@ -27,8 +27,19 @@ void requireLibcrypto();
 // Throws as requireLibcrypto does.
 std::string libcryptoDescription();
 
-// Compares two digests in time independent of where they differ.
+// Compares two digests (or `n` bytes) in time independent of where they
+// differ.
 bool constantTimeEqual(const Digest& a, const Digest& b);
+bool constantTimeEqual(const void* a, const void* b, size_t n);
+
+// HKDF-Expand (RFC 5869, section 2.3) with HMAC-SHA256: `length` bytes (at
+// most 255 * 32) of key material from the pseudorandom key `prk` (a key
+// that is already uniformly random, such as one from randomBytes, needs no
+// Extract step) for the purpose `info`. Throws as hmacSha256 does.
+std::string hkdfExpand(
+    std::string_view prk,
+    std::string_view info,
+    size_t length);
 
 // AES-128-GCM under one key (RFC 5116 AEAD_AES_128_GCM), computed by
 // libcrypto: the records of the lanes channel (channel/lanes). One object

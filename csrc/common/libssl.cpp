@@ -31,6 +31,7 @@ TORCH_RPC_EXT_SAME_TYPE(SSL_set_verify, SSL_set_verify);
 TORCH_RPC_EXT_SAME_TYPE(SSL_read_ex, SSL_read_ex);
 TORCH_RPC_EXT_SAME_TYPE(SSL_write_ex, SSL_write_ex);
 TORCH_RPC_EXT_SAME_TYPE(SSL_CIPHER_find, SSL_CIPHER_find);
+TORCH_RPC_EXT_SAME_TYPE(SSL_key_update, SSL_key_update);
 TORCH_RPC_EXT_SAME_TYPE(
     SSL_SESSION_set1_master_key,
     SSL_SESSION_set1_master_key);
@@ -133,6 +134,7 @@ std::string bindSsl(void* handle, Libssl& out) {
   TORCH_RPC_EXT_RESOLVE(SSL_CIPHER_find);
   TORCH_RPC_EXT_RESOLVE(SSL_session_reused);
   TORCH_RPC_EXT_RESOLVE(SSL_export_keying_material);
+  TORCH_RPC_EXT_RESOLVE(SSL_key_update);
   TORCH_RPC_EXT_RESOLVE(SSL_get_verify_result);
   TORCH_RPC_EXT_RESOLVE(SSL_SESSION_new);
   TORCH_RPC_EXT_RESOLVE(SSL_SESSION_free);

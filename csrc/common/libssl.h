@@ -74,6 +74,7 @@ struct Libssl {
   const char* (*SSL_CIPHER_get_name)(const ssl_cipher_st*) = nullptr;
   const ssl_cipher_st* (*SSL_CIPHER_find)(SSL*, const unsigned char*) = nullptr;
   int (*SSL_session_reused)(const SSL*) = nullptr;
+  int (*SSL_key_update)(SSL*, int) = nullptr;
   int (*SSL_export_keying_material)(
       SSL*,
       unsigned char*,

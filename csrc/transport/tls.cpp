@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -41,6 +43,7 @@ constexpr int kErrorWantRead = 2;
 constexpr int kErrorWantWrite = 3;
 constexpr int kErrorSyscall = 5;
 constexpr int kErrorZeroReturn = 6;
+constexpr int kKeyUpdateRequested = 1; // SSL_KEY_UPDATE_REQUESTED
 // ERR_GET_REASON's mask in 1.1.1 (3.x's is wider; the reasons we name fit).
 constexpr unsigned long kReasonMask = 0xFFF;
 constexpr unsigned long kBadRecordMac = 281; // SSL_R_DECRYPTION_FAILED_...
@@ -71,6 +74,7 @@ static_assert(kVerifyPeer == SSL_VERIFY_PEER);
 static_assert(kVerifyFailIfNoPeerCert == SSL_VERIFY_FAIL_IF_NO_PEER_CERT);
 static_assert(kFiletypePem == SSL_FILETYPE_PEM);
 static_assert(kErrorSsl == SSL_ERROR_SSL);
+static_assert(kKeyUpdateRequested == SSL_KEY_UPDATE_REQUESTED);
 static_assert(kErrorWantRead == SSL_ERROR_WANT_READ);
 static_assert(kErrorWantWrite == SSL_ERROR_WANT_WRITE);
 static_assert(kErrorSyscall == SSL_ERROR_SYSCALL);
@@ -270,7 +274,22 @@ std::shared_ptr<TlsContext> TlsContext::create(
     Digest d = hmacSha256(secret, kPskLabel);
     psk.assign(reinterpret_cast<const char*>(d.data()), d.size());
   }
-  std::shared_ptr<TlsContext> c(new TlsContext(options, std::move(psk)));
+  TlsOptions effective = options;
+  if (const char* text = std::getenv("TORCH_RPC_EXT_TLS_KEY_UPDATE_BYTES");
+      text != nullptr && *text != '\0') {
+    uint64_t v = 0;
+    const char* end = text + std::strlen(text);
+    auto [ptr, ec] = std::from_chars(text, end, v);
+    if (ec != std::errc() || ptr != end || v < (uint64_t(1) << 20) ||
+        v > (uint64_t(1) << 40)) {
+      throw std::runtime_error(
+          std::string("TORCH_RPC_EXT_TLS_KEY_UPDATE_BYTES=") + text +
+          " is not a whole number of bytes from 1048576 (1 MiB) to "
+          "1099511627776 (1 TiB)");
+    }
+    effective.keyUpdateBytes = v;
+  }
+  std::shared_ptr<TlsContext> c(new TlsContext(effective, std::move(psk)));
   lib.ERR_clear_error();
   c->ctx_ = lib.SSL_CTX_new(lib.TLS_method());
   if (c->ctx_ == nullptr) {
@@ -546,6 +565,17 @@ ssize_t TlsSession::write(const void* src, size_t size, std::string* error) {
       return -1;
     }
     taken += n;
+    sentUnderKey_ += n;
+    if (sentUnderKey_ >= context_->options_.keyUpdateBytes) {
+      // Fresh keys both ways from the next record on: OpenSSL sends the
+      // KeyUpdate with it, and the peer answers with its own.
+      sentUnderKey_ = 0;
+      if (lib.SSL_key_update(ssl_, kKeyUpdateRequested) != 1) {
+        *error = "TLS key update failed: " + drainErrors(lib);
+        return -1;
+      }
+      context_->keyUpdates_.fetch_add(1, std::memory_order_relaxed);
+    }
   }
   if (flushLocked(error) < 0) {
     return -1;

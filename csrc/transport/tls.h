@@ -35,6 +35,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -56,6 +57,11 @@ struct TlsOptions {
   std::string certFile;
   std::string keyFile;
   std::string caFile;
+  // A session asks for fresh keys (a TLS 1.3 KeyUpdate, both ways: the
+  // peer answers with its own) after sending this many bytes under one
+  // key: 32 GiB, far inside AES-GCM's limits for a key (RFC 8446, 5.5).
+  // TORCH_RPC_EXT_TLS_KEY_UPDATE_BYTES (1 MiB to 1 TiB) sets it.
+  uint64_t keyUpdateBytes = uint64_t(32) << 30;
 };
 
 // "off", "auto", "always" (the option's values) for a mode, and back;
@@ -93,6 +99,10 @@ class TlsContext : public std::enable_shared_from_this<TlsContext> {
   // A session for the connected socket `fd` (not owned), as the client
   // (the end that connected) or the server. Throws std::runtime_error.
   std::unique_ptr<TlsSession> newSession(int fd, bool client) const;
+  // KeyUpdates its sessions have asked for (options().keyUpdateBytes).
+  uint64_t keyUpdates() const {
+    return keyUpdates_.load(std::memory_order_relaxed);
+  }
 
  private:
   TlsContext(TlsOptions options, std::string psk);
@@ -101,6 +111,7 @@ class TlsContext : public std::enable_shared_from_this<TlsContext> {
   const TlsOptions options_;
   const std::string psk_; // 32 bytes; empty under mutual TLS
   ssl_ctx_st* ctx_ = nullptr;
+  mutable std::atomic<uint64_t> keyUpdates_{0};
 };
 
 // One connection's TLS state. Every call returns at once (the socket is
@@ -166,6 +177,8 @@ class TlsSession {
   // (mutex_).
   std::string out_;
   size_t outSent_ = 0;
+  // Bytes sent under the current key (mutex_).
+  uint64_t sentUnderKey_ = 0;
 };
 
 } // namespace torch_rpc_ext::transport

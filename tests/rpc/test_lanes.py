@@ -141,15 +141,19 @@ def _intruder(rank, world_size):
         pid = rpc.rpc_sync("worker1", os.getpid)
         before = rpc.rpc_sync("worker1", _lanes_metrics)
         # Whatever worker1 listens on (its transport's port and its lanes'),
-        # a connection that names no ticket it issued gets nothing.
+        # a connection that proves no ticket it issued gets nothing (the
+        # lanes' listener sends its 16-byte challenge first, then closes).
         refused = 0
         for port in _listening_ports(pid):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                 s.settimeout(10)
-                s.sendall(b"TRLN" + b"\x01\x00\x00\x00" + os.urandom(16))
+                s.sendall(b"TRLN" + b"\x02\x00\x00\x00" + os.urandom(32))
+                got = b""
                 try:
-                    refused += s.recv(1) == b""
-                except (ConnectionResetError, socket.timeout):
+                    while chunk := s.recv(64):
+                        got += chunk
+                    refused += len(got) <= 16
+                except ConnectionResetError:
                     refused += 1
         ok = all(torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big) for _ in range(3))
         after = rpc.rpc_sync("worker1", _lanes_metrics)
@@ -163,6 +167,7 @@ def test_a_lane_must_name_a_ticket_the_receiver_issued():
     assert refused >= 2  # the transport's listener and the lanes' listener
     assert ok
     assert after["lanes_opened"] == before["lanes_opened"]
+    assert after["hellos_refused"] == before["hellos_refused"] + 1
     assert after["segments"] > before["segments"]  # lanes still in use
 
 

@@ -66,6 +66,31 @@ def test_the_rpc_api_runs_over_tls_keyed_from_the_group_secret():
     assert info["rpc_ext.peer.worker1.transport"] == "tcp"
 
 
+def _key_updates():
+    return int(rpc.api._get_current_rpc_agent().get_metrics()["rpc_ext.tcp.tls_key_updates"])
+
+
+def _volume(rank, world_size):
+    init(rank, world_size, transports=["tcp"], encryption="always")
+    out = None
+    if rank == 0:
+        big = torch.arange(4 << 20, dtype=torch.float32)  # 16 MiB each way
+        ok = all(bool(torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)) for _ in range(2))
+        out = ok, _key_updates(), rpc.rpc_sync("worker1", _key_updates)
+    rpc.shutdown()
+    return out
+
+
+def test_tls_sessions_take_fresh_keys_by_volume(monkeypatch):
+    """A KeyUpdate (both ways) after every TORCH_RPC_EXT_TLS_KEY_UPDATE_BYTES
+    sent (32 GiB by default; 1 MiB here): 32 MiB each way, and every byte
+    arrives right across the changes of key."""
+    monkeypatch.setenv("TORCH_RPC_EXT_TLS_KEY_UPDATE_BYTES", str(1 << 20))
+    ok, ours, theirs = run_world(_volume, 2, timeout=180)[0]
+    assert ok
+    assert ours >= 30 and theirs >= 30, (ours, theirs)
+
+
 def _security(rank, world_size, **kwargs):
     init(rank, world_size, **kwargs)
     if rank == 0:

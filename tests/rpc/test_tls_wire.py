@@ -193,6 +193,14 @@ def test_a_peer_keyed_from_another_secret_fails_the_tls_handshake():
         server.close(0)
 
 
+@pytest.mark.parametrize("value", ["1000", "lots", str(1 << 41)])
+def test_a_bad_key_update_volume_is_named_when_the_transport_is_made(monkeypatch, value):
+    monkeypatch.setenv("TORCH_RPC_EXT_TLS_KEY_UPDATE_BYTES", value)
+    with pytest.raises(RuntimeError, match="TORCH_RPC_EXT_TLS_KEY_UPDATE_BYTES=%s is not" % value):
+        endpoint(0, encryption="always")
+    endpoint(0, encryption="off").close(0)  # no TLS, nothing to key
+
+
 def test_unusable_certificate_files_are_named_when_the_transport_is_made(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make certificates")

@@ -60,6 +60,26 @@ def test_hmac_matches_stdlib(keylen, msglen):
     assert _testing.hmac_sha256(key, msg) == hmac.new(key, msg, "sha256").digest()
 
 
+def test_hkdf_expand_rfc5869():
+    # RFC 5869, A.1 and A.2 (the Expand step, from their PRKs), and a
+    # cross-check against HMAC by hand for one block.
+    prk = bytes.fromhex("077709362c2e32df0ddc3f0dc47bba6390b6c73bb50f9c3122ec844ad7c2b3e5")
+    info = bytes.fromhex("f0f1f2f3f4f5f6f7f8f9")
+    okm = "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf34007208d5b887185865"
+    assert _testing.hkdf_expand(prk, info, 42).hex() == okm
+    prk = bytes.fromhex("06a6b88c5853361a06104c9ceb35b45cef760014904671014a193f40c15fc244")
+    info = bytes(range(0xB0, 0x100))
+    okm = (
+        "b11e398dc80327a1c8e7f78c596a49344f012eda2d4efad8a050cc4c19afa97c59045a99cac7827271cb41c65e590e09"
+        "da3275600c2f09b8367793a9aca3db71cc30c58179ec3e87c14c01d5c1f3434f1d87"
+    )
+    assert _testing.hkdf_expand(prk, info, 82).hex() == okm
+    key, info = os.urandom(32), b"lane"
+    assert _testing.hkdf_expand(key, info, 16) == hmac.new(key, info + b"\x01", "sha256").digest()[:16]
+    with pytest.raises(ValueError):
+        _testing.hkdf_expand(key, info, 255 * 32 + 1)
+
+
 def test_hmac_comes_from_libcrypto():
     # "<OpenSSL version text> (<file>)": the file dladdr() found HMAC in.
     m = re.fullmatch(r"(\S+ \d+\.\d+\S*.*) \((/.+)\)", _testing.libcrypto())

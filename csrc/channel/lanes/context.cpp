@@ -26,6 +26,12 @@ namespace {
 constexpr int kHelloTimeoutMs = 5000;
 constexpr int kAcceptPollMs = 200;
 constexpr size_t kMaxPendingHellos = 64;
+// A source whose hellos fail this often within kStrikeWindow is held off
+// for kHoldOff; kMaxSources sources are remembered at most.
+constexpr uint32_t kMaxHelloFailures = 8;
+constexpr auto kStrikeWindow = std::chrono::seconds(10);
+constexpr auto kHoldOff = std::chrono::seconds(30);
+constexpr size_t kMaxSources = 4096;
 // Landing buffers kept for reuse, and for how long.
 constexpr size_t kPoolBytes = size_t(512) << 20;
 constexpr auto kPoolIdle = std::chrono::seconds(5);
@@ -69,6 +75,12 @@ LanesContext::LanesContext(WireIds ids)
   if (unviable_.empty()) {
     unviable_ = readSetting(
         "TORCH_RPC_EXT_LANES_MAX", lanes, 4096, &settings_.maxLanes);
+  }
+  if (unviable_.empty()) {
+    uint64_t perKey = settings_.recordsPerKey;
+    unviable_ = readSetting(
+        "TORCH_RPC_EXT_LANES_RECORDS_PER_KEY", 1, kMaxRecordsPerKey, &perKey);
+    settings_.recordsPerKey = static_cast<uint32_t>(perKey);
   }
   if (const char* forge = std::getenv("TORCH_RPC_EXT_TEST_LANES_FORGE")) {
     if (std::string(forge) == "tiny" || std::string(forge) == "scatter") {
@@ -127,6 +139,9 @@ std::map<std::string, uint64_t> LanesContext::counters() const {
       {"lanes_capped", counters_.lanesCapped.load()},
       {"lanes_in", counters_.lanesIn.load()},
       {"lanes_out", counters_.lanesOut.load()},
+      {"rekeys", counters_.rekeys.load()},
+      {"hellos_refused", counters_.hellosRefused.load()},
+      {"sources_held_off", counters_.sourcesHeldOff.load()},
   };
 }
 
@@ -200,11 +215,12 @@ uint16_t LanesContext::listenFor(const sockaddr_storage& local) {
 
 std::string LanesContext::issueTicket(
     std::weak_ptr<LanesChannel> channel,
-    uint16_t lane) {
+    uint16_t lane,
+    const std::string& helloKey) {
   std::string ticket = randomBytes(kTicketBytes);
   const LanesChannel* owner = channel.lock().get();
   std::lock_guard<std::mutex> lock(mutex_);
-  tickets_[ticket] = Ticket{std::move(channel), owner, lane};
+  tickets_[ticket] = Ticket{std::move(channel), owner, lane, helloKey};
   return ticket;
 }
 
@@ -226,6 +242,8 @@ void LanesContext::acceptLoop(
     std::chrono::steady_clock::time_point due;
     Hello hello;
     size_t got;
+    uint8_t challenge[kChallengeBytes];
+    std::string source;
   };
   std::vector<Pending> pending;
   std::vector<pollfd> polled;
@@ -259,12 +277,12 @@ void LanesContext::acceptLoop(
         }
         p.got += n > 0 ? static_cast<size_t>(n) : 0;
         if (p.got == sizeof(Hello)) {
-          int fd = p.fd;
-          Hello hello = p.hello;
+          Pending taken = std::move(p);
           pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(k));
+          int fd = taken.fd;
           if (auto self = weak.lock()) {
             try {
-              self->admit(fd, hello);
+              self->admit(fd, taken.hello, taken.challenge, taken.source);
             } catch (const std::exception& e) {
               logWarningLimited(
                   "lanes_admit",
@@ -289,7 +307,13 @@ void LanesContext::acceptLoop(
     if (state->stop || (polled[0].revents & POLLIN) == 0) {
       continue;
     }
-    int fd = ::accept4(state->fd, nullptr, nullptr, SOCK_CLOEXEC);
+    sockaddr_storage from{};
+    socklen_t fromLength = sizeof(from);
+    int fd = ::accept4(
+        state->fd,
+        reinterpret_cast<sockaddr*>(&from),
+        &fromLength,
+        SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
           errno == ENOMEM) {
@@ -298,37 +322,122 @@ void LanesContext::acceptLoop(
       }
       continue;
     }
+    setPort(&from, 0);
+    std::string source = describeAddress(from);
+    bool refuse;
+    {
+      auto self = weak.lock();
+      refuse = !self || self->heldOff(source);
+    }
+    if (refuse || state->stop) { // (we may have held the last reference)
+      ::close(fd);
+      continue;
+    }
+    Pending p{
+        fd,
+        now + std::chrono::milliseconds(kHelloTimeoutMs),
+        Hello{},
+        0,
+        {},
+        std::move(source)};
+    std::string challenge;
+    try {
+      challenge = randomBytes(kChallengeBytes);
+    } catch (const std::exception&) {
+      ::close(fd);
+      continue;
+    }
+    std::memcpy(p.challenge, challenge.data(), kChallengeBytes);
+    // A fresh socket's buffer takes 16 bytes at once.
+    if (::send(fd, p.challenge, kChallengeBytes, MSG_DONTWAIT | MSG_NOSIGNAL) !=
+        static_cast<ssize_t>(kChallengeBytes)) {
+      ::close(fd);
+      continue;
+    }
     if (pending.size() == kMaxPendingHellos) {
       drop(0);
     }
-    pending.push_back(
-        Pending{
-            fd, now + std::chrono::milliseconds(kHelloTimeoutMs), Hello{}, 0});
+    pending.push_back(std::move(p));
   }
   for (const auto& p : pending) {
     ::close(p.fd);
   }
 }
 
-void LanesContext::admit(int fd, const Hello& hello) {
+bool LanesContext::heldOff(const std::string& source) {
+  std::lock_guard<std::mutex> lock(strikesMutex_);
+  auto it = strikes_.find(source);
+  if (it == strikes_.end() ||
+      it->second.heldOffUntil <= std::chrono::steady_clock::now()) {
+    return false;
+  }
+  counters_.hellosRefused.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+void LanesContext::strike(const std::string& source) {
+  auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(strikesMutex_);
+  if (strikes_.size() >= kMaxSources && strikes_.count(source) == 0) {
+    // Forget the sources neither striking lately nor held off.
+    for (auto it = strikes_.begin(); it != strikes_.end();) {
+      bool stale = now - it->second.since > kStrikeWindow &&
+          it->second.heldOffUntil <= now;
+      it = stale ? strikes_.erase(it) : std::next(it);
+    }
+    if (strikes_.size() >= kMaxSources) {
+      strikes_.erase(strikes_.begin());
+    }
+  }
+  Strikes& s = strikes_[source];
+  if (s.count == 0 || now - s.since > kStrikeWindow) {
+    s.since = now;
+    s.count = 0;
+  }
+  if (++s.count >= kMaxHelloFailures && s.heldOffUntil <= now) {
+    s.heldOffUntil = now + kHoldOff;
+    s.count = 0;
+    counters_.sourcesHeldOff.fetch_add(1, std::memory_order_relaxed);
+    logWarningLimited(
+        "lanes_held_off",
+        "torch_rpc_ext: tcp_lanes: " + source + " sent " +
+            std::to_string(kMaxHelloFailures) +
+            " lane hellos that proved nothing within " +
+            std::to_string(kStrikeWindow.count()) +
+            " s; its lane connections are closed unread for " +
+            std::to_string(kHoldOff.count()) + " s");
+  }
+}
+
+void LanesContext::admit(
+    int fd,
+    const Hello& hello,
+    const uint8_t* challenge,
+    const std::string& source) {
   std::shared_ptr<LanesChannel> channel;
   uint16_t lane = 0;
-  if (hello.magic == kHelloMagic && hello.version == 1) {
+  if (hello.magic == kHelloMagic && hello.version == kHelloVersion) {
     std::string ticket(
         reinterpret_cast<const char*>(hello.ticket), kTicketBytes);
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = tickets_.find(ticket);
     if (it != tickets_.end() && it->second.lane == hello.lane) {
-      channel = it->second.channel.lock();
-      lane = it->second.lane;
-      tickets_.erase(it); // single use
+      uint8_t mac[kHelloMacBytes];
+      helloMac(it->second.helloKey, challenge, hello.lane, hello.ticket, mac);
+      if (constantTimeEqual(mac, hello.mac, kHelloMacBytes)) {
+        channel = it->second.channel.lock();
+        lane = it->second.lane;
+        tickets_.erase(it); // single use; a wrong MAC spends nothing
+      }
     }
   }
   if (!channel) {
+    counters_.hellosRefused.fetch_add(1, std::memory_order_relaxed);
+    strike(source);
     logWarningLimited(
         "lanes_no_ticket",
-        "torch_rpc_ext: tcp_lanes refused a connection that named no "
-        "ticket of ours");
+        "torch_rpc_ext: tcp_lanes refused a lane from " + source +
+            " whose hello proved no ticket of ours");
     ::close(fd);
     return;
   }

@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -30,6 +31,10 @@ struct LanesSettings {
   // connections still open. A connection gets what is left, up to its
   // lanes, and none past it: its stream. Each lane is a thread and a socket.
   uint64_t maxLanes = 128;
+  // Records under one lane key on an encrypted connection
+  // (TORCH_RPC_EXT_LANES_RECORDS_PER_KEY, 1 to 65536, default 65536: 16 GiB
+  // of 256 KiB records), as a receiver offers it.
+  uint32_t recordsPerKey = kMaxRecordsPerKey;
   // Tests only (TORCH_RPC_EXT_TEST_LANES_FORGE): before the sender's first
   // stripe in the clear, chunks of a segment no record claims, as a peer
   // that misbehaves would send them: "tiny" (a one-byte segment) or
@@ -53,6 +58,12 @@ struct LanesCounters {
   // Lanes held now: offered to peers (in), dialled to theirs (out).
   std::atomic<uint64_t> lanesIn{0};
   std::atomic<uint64_t> lanesOut{0};
+  // Lane keys replaced (both ways, recordsPerKey), hellos refused (no
+  // ticket of ours, a wrong MAC, a bad version, or from a source that
+  // failed too often lately) and sources held off for that.
+  std::atomic<uint64_t> rekeys{0};
+  std::atomic<uint64_t> hellosRefused{0};
+  std::atomic<uint64_t> sourcesHeldOff{0};
 };
 
 // tcp_lanes: large CPU segments striped over several TCP connections beside
@@ -63,8 +74,11 @@ struct LanesCounters {
 // Per process, the context keeps one listening socket per local address
 // that hosts lanes (bound on first use, to the address its connections
 // use, on a port the kernel picks) and the single-use tickets that admit
-// dialled lanes; its accept thread reads each lane's Hello and hands the
-// socket to the channel whose ticket it names. Thread-safe.
+// dialled lanes; its accept thread challenges each lane, reads its Hello,
+// checks its MAC and hands the socket to the channel whose ticket it names
+// (lane.h). A source address whose hellos fail kMaxHelloFailures times
+// within a window is held off (its connections closed at once) for a
+// while, so that guessing costs a prober its address. Thread-safe.
 class LanesContext final : public Context {
  public:
   explicit LanesContext(WireIds ids);
@@ -83,7 +97,7 @@ class LanesContext final : public Context {
     return unviable_;
   }
   std::string domainDescriptor() const override {
-    return "tcp_lanes/1";
+    return "tcp_lanes/2";
   }
   bool needsDescriptorPassing() const override {
     return false;
@@ -112,8 +126,12 @@ class LanesContext final : public Context {
   // The port lanes to `local` (a connection's own address) dial; listens
   // there on first use. Throws std::runtime_error naming the address.
   uint16_t listenFor(const sockaddr_storage& local);
-  // A new ticket admitting one lane, `lane`, of `channel`.
-  std::string issueTicket(std::weak_ptr<LanesChannel> channel, uint16_t lane);
+  // A new ticket admitting one lane, `lane`, of `channel`, whose hello
+  // proves knowledge of `helloKey` (lane.h).
+  std::string issueTicket(
+      std::weak_ptr<LanesChannel> channel,
+      uint16_t lane,
+      const std::string& helloKey);
   // Forget the tickets `channel` still has out (it is closing).
   void revokeTickets(const LanesChannel* channel);
   // Hold up to `most` more lanes one way (`inbound`: offered; else
@@ -141,13 +159,29 @@ class LanesContext final : public Context {
     std::weak_ptr<LanesChannel> channel;
     const LanesChannel* owner;
     uint16_t lane;
+    std::string helloKey;
+  };
+  // A source address's recent hello failures.
+  struct Strikes {
+    std::chrono::steady_clock::time_point since; // the window's start
+    uint32_t count = 0;
+    std::chrono::steady_clock::time_point heldOffUntil;
   };
   static void acceptLoop(
       std::weak_ptr<LanesContext> weak,
       std::shared_ptr<AcceptState> state);
-  // A complete Hello on `fd`: hand it to the channel its ticket names, or
+  // A complete Hello on `fd`, answering `challenge`, from `source` (an
+  // address without its port): hand it to the channel its ticket names, or
   // close it.
-  void admit(int fd, const Hello& hello);
+  void admit(
+      int fd,
+      const Hello& hello,
+      const uint8_t* challenge,
+      const std::string& source);
+  // Whether `source` is held off now (accept thread).
+  bool heldOff(const std::string& source);
+  // `source` sent a hello we refused (accept thread).
+  void strike(const std::string& source);
 
   LanesSettings settings_;
   std::string unviable_;
@@ -157,6 +191,8 @@ class LanesContext final : public Context {
   std::mutex mutex_;
   std::map<std::string, Listener> listeners_; // by address (mutex_)
   std::map<std::string, Ticket> tickets_; // by ticket bytes (mutex_)
+  std::map<std::string, Strikes> strikes_; // by source (accept threads)
+  std::mutex strikesMutex_;
 };
 
 } // namespace torch_rpc_ext::channel::lanes

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 namespace torch_rpc_ext::channel::lanes {
@@ -29,6 +30,70 @@ void laneNonce(uint16_t lane, uint64_t sequence, uint8_t out[12]) {
   std::memset(out, 0, 12);
   std::memcpy(out, &lane, sizeof(lane));
   std::memcpy(out + 4, &sequence, sizeof(sequence));
+}
+
+std::string helloKey(std::string_view laneSecret) {
+  return hkdfExpand(laneSecret, "torch_rpc_ext tcp_lanes/2 hello", 32);
+}
+
+void helloMac(
+    std::string_view helloKey,
+    const uint8_t challenge[kChallengeBytes],
+    uint16_t lane,
+    const uint8_t ticket[kTicketBytes],
+    uint8_t out[kHelloMacBytes]) {
+  std::string message("torch_rpc_ext tcp_lanes/2 hello mac");
+  message.append(reinterpret_cast<const char*>(challenge), kChallengeBytes);
+  message.append(reinterpret_cast<const char*>(&lane), sizeof(lane));
+  message.append(reinterpret_cast<const char*>(ticket), kTicketBytes);
+  Digest d = hmacSha256(helloKey, message);
+  std::memcpy(out, d.data(), kHelloMacBytes);
+}
+
+LaneCipher::LaneCipher(
+    std::string laneSecret,
+    uint16_t lane,
+    uint32_t recordsPerKey,
+    std::atomic<uint64_t>* rekeys)
+    : secret_(std::move(laneSecret)),
+      lane_(lane),
+      recordsPerKey_(recordsPerKey == 0 ? 1 : recordsPerKey),
+      rekeys_(rekeys) {}
+
+void LaneCipher::next(uint8_t nonce[Aead::kNonceBytes]) {
+  if (sequence_ % recordsPerKey_ == 0) {
+    uint64_t epoch = sequence_ / recordsPerKey_;
+    std::string info("torch_rpc_ext tcp_lanes/2 record key");
+    info.append(reinterpret_cast<const char*>(&lane_), sizeof(lane_));
+    info.append(reinterpret_cast<const char*>(&epoch), sizeof(epoch));
+    aead_ = std::make_unique<Aead>(hkdfExpand(secret_, info, Aead::kKeyBytes));
+    if (epoch > 0 && rekeys_ != nullptr) {
+      rekeys_->fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  laneNonce(lane_, sequence_++, nonce);
+}
+
+void LaneCipher::seal(
+    std::string_view aad,
+    const void* in,
+    void* out,
+    size_t size,
+    uint8_t* tag) {
+  uint8_t nonce[Aead::kNonceBytes];
+  next(nonce);
+  aead_->seal(nonce, aad, in, out, size, tag);
+}
+
+bool LaneCipher::open(
+    std::string_view aad,
+    const void* in,
+    void* out,
+    size_t size,
+    const uint8_t* tag) {
+  uint8_t nonce[Aead::kNonceBytes];
+  next(nonce);
+  return aead_->open(nonce, aad, in, out, size, tag);
 }
 
 std::string describeAddress(const sockaddr_storage& address) {
@@ -140,6 +205,50 @@ bool recvAll(int fd, void* data, size_t size, std::string* error) {
     }
     if (n < 0) {
       if (errno == EINTR) {
+        continue;
+      }
+      *error = errnoWhy("recv failed");
+      return false;
+    }
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+bool recvWithin(
+    int fd,
+    void* data,
+    size_t size,
+    int timeoutMs,
+    std::string* error) {
+  char* p = static_cast<char*>(data);
+  auto due =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs);
+  while (size > 0) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    due - std::chrono::steady_clock::now())
+                    .count();
+    pollfd pf{fd, POLLIN, 0};
+    int rc = left > 0 ? ::poll(&pf, 1, static_cast<int>(left)) : 0;
+    if (rc == 0) {
+      *error = "timed out";
+      return false;
+    }
+    if (rc < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      *error = errnoWhy("poll failed");
+      return false;
+    }
+    ssize_t n = ::recv(fd, p, size, MSG_DONTWAIT);
+    if (n == 0) {
+      *error = "closed";
+      return false;
+    }
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN) {
         continue;
       }
       *error = errnoWhy("recv failed");

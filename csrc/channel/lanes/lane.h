@@ -5,28 +5,48 @@
 // segments one way, beside the connection whose channel owns it
 // (docs/architecture.md, "Lanes"; docs/wire-format.md, "tcp_lanes").
 //
-// On the wire, the dialling end (the sender of the bytes) opens with a
-// Hello naming the single-use ticket its peer offered for that lane; then
-// chunks follow, each a ChunkHeader and its bytes. On a connection that is
-// encrypted (TLS), each chunk is an AES-128-GCM record under the key the
-// receiver offered inside TLS: header (authenticated, not secret), the
-// bytes encrypted, a 16-byte tag; its nonce is the lane's index and the
-// record's sequence number on the lane, so a record replayed, reordered or
-// moved to another lane fails its tag.
+// On the wire, the listening end (the receiver of the bytes) opens with a
+// fresh 16-byte challenge; the dialling end (the sender) answers with a
+// Hello naming the single-use ticket its peer offered for that lane and a
+// MAC over the challenge, the lane and the ticket under a key derived from
+// the lane secret the receiver offered inside the connection (so inside
+// TLS where it has TLS): a hello seen on the wire is worth nothing on
+// another connection, and one without the secret is refused before any
+// ticket is spent. Then chunks follow, each a ChunkHeader and its bytes. On
+// a connection that is encrypted (TLS), each chunk is an AES-128-GCM record
+// under a key of that lane's own, derived from the lane secret with HKDF
+// and replaced after every `recordsPerKey` records (the receiver's offer
+// says how many): header (authenticated, not secret), the bytes encrypted,
+// a 16-byte tag; its nonce is the lane's index and the record's sequence
+// number on the lane, so a record replayed, reordered or moved to another
+// lane fails its tag.
 //
 // These helpers block; lanes run on threads of their own.
 
 #include <sys/socket.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
+#include <string_view>
+
+#include "csrc/common/crypto.h"
 
 namespace torch_rpc_ext::channel::lanes {
 
 constexpr uint32_t kHelloMagic = 0x4e4c5254; // "TRLN", little-endian
+constexpr uint16_t kHelloVersion = 2;
 constexpr size_t kTicketBytes = 16;
+constexpr size_t kChallengeBytes = 16;
+constexpr size_t kHelloMacBytes = 16;
+// The lane secret a receiver offers per connection (its keys derive from
+// it), and the records under one lane key at most (16 GiB of 256 KiB
+// records; GCM's bounds allow far more under one key).
+constexpr size_t kLaneSecretBytes = 32;
+constexpr uint32_t kMaxRecordsPerKey = 1u << 16;
 
 #pragma pack(push, 1)
 struct Hello {
@@ -34,8 +54,9 @@ struct Hello {
   uint16_t version;
   uint16_t lane;
   uint8_t ticket[kTicketBytes];
+  uint8_t mac[kHelloMacBytes];
 };
-static_assert(sizeof(Hello) == 24, "Hello is 24 bytes");
+static_assert(sizeof(Hello) == 40, "Hello is 40 bytes");
 
 struct ChunkHeader {
   uint64_t token; // the segment, as its record names it
@@ -80,6 +101,53 @@ static_assert(sizeof(LaneRecord) == 16, "LaneRecord is a SegmentRecord");
 // The nonce of record `sequence` on lane `lane`.
 void laneNonce(uint16_t lane, uint64_t sequence, uint8_t out[12]);
 
+// The key a lane hello's MAC is made under, from the lane secret.
+std::string helloKey(std::string_view laneSecret);
+// The MAC a hello for `lane` and `ticket` carries, answering `challenge`.
+void helloMac(
+    std::string_view helloKey,
+    const uint8_t challenge[kChallengeBytes],
+    uint16_t lane,
+    const uint8_t ticket[kTicketBytes],
+    uint8_t out[kHelloMacBytes]);
+
+// One lane's records, one way: AES-128-GCM under the lane's key for the
+// current epoch (records / recordsPerKey), derived from the lane secret
+// with HKDF and replaced as the sequence crosses into the next epoch; each
+// replacement counts in `rekeys`. One per lane thread.
+class LaneCipher {
+ public:
+  LaneCipher(
+      std::string laneSecret,
+      uint16_t lane,
+      uint32_t recordsPerKey,
+      std::atomic<uint64_t>* rekeys);
+  void seal(
+      std::string_view aad,
+      const void* in,
+      void* out,
+      size_t size,
+      uint8_t* tag);
+  // False if the tag does not match (see Aead::open).
+  bool open(
+      std::string_view aad,
+      const void* in,
+      void* out,
+      size_t size,
+      const uint8_t* tag);
+
+ private:
+  // The nonce of the next record, under the right key.
+  void next(uint8_t nonce[Aead::kNonceBytes]);
+
+  const std::string secret_;
+  const uint16_t lane_;
+  const uint32_t recordsPerKey_;
+  std::atomic<uint64_t>* const rekeys_;
+  uint64_t sequence_ = 0;
+  std::unique_ptr<Aead> aead_;
+};
+
 // "10.0.0.2:41234", "[fe80::1%eth0]:41234".
 std::string describeAddress(const sockaddr_storage& address);
 
@@ -110,5 +178,12 @@ int bindAnyPort(
 // `error` set (the peer closed: "closed").
 bool sendAll(int fd, const void* data, size_t size, std::string* error);
 bool recvAll(int fd, void* data, size_t size, std::string* error);
+// recvAll within `timeoutMs` in all ("timed out": not all came in time).
+bool recvWithin(
+    int fd,
+    void* data,
+    size_t size,
+    int timeoutMs,
+    std::string* error);
 
 } // namespace torch_rpc_ext::channel::lanes

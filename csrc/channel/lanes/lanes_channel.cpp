@@ -16,9 +16,9 @@ namespace torch_rpc_ext::channel::lanes {
 
 namespace {
 
-// The offer's head: port (2), lanes (1), encrypted (1), key (16), then a
-// ticket per lane.
-constexpr size_t kOfferFixedBytes = 4 + Aead::kKeyBytes;
+// The offer's head: port (2), lanes (1), encrypted (1), records per key
+// (4), the lane secret (32), then a ticket per lane.
+constexpr size_t kOfferFixedBytes = 8 + kLaneSecretBytes;
 
 } // namespace
 
@@ -85,16 +85,17 @@ void LanesChannel::sendOfferFromLoop() {
     offerSent_ = true;
     heldIn_ = offered;
     head[2] = static_cast<char>(offered);
-    bool encrypted = host->encrypted();
-    head[3] = encrypted ? 1 : 0;
-    if (encrypted) {
-      inKey_ = randomBytes(Aead::kKeyBytes);
-      std::memcpy(head.data() + 4, inKey_.data(), Aead::kKeyBytes);
-    }
+    inEncrypted_ = host->encrypted();
+    head[3] = inEncrypted_ ? 1 : 0;
+    uint32_t perKey = lanesContext().settings().recordsPerKey;
+    std::memcpy(head.data() + 4, &perKey, 4);
+    inSecret_ = randomBytes(kLaneSecretBytes);
+    std::memcpy(head.data() + 8, inSecret_.data(), kLaneSecretBytes);
   }
   auto& context = const_cast<LanesContext&>(lanesContext());
+  const std::string key = helloKey(inSecret_);
   for (uint16_t i = 0; i < offered; ++i) {
-    head += context.issueTicket(weak_from_this(), i);
+    head += context.issueTicket(weak_from_this(), i, key);
   }
   host->sendControl(
       ControlFrame{
@@ -128,9 +129,13 @@ bool LanesChannel::onControlFrameFromLoop(
   std::memcpy(&port, head.data(), 2);
   size_t count = (head.size() - kOfferFixedBytes) / kTicketBytes;
   bool encrypted = head[3] != 0;
+  uint32_t perKey;
+  std::memcpy(&perKey, head.data() + 4, 4);
   if (!host->socketAddresses(&local, &peer)) {
     why = "lanes offered on a connection that has no IP address";
-  } else if (port == 0 || uint8_t(head[2]) != count) {
+  } else if (
+      port == 0 || uint8_t(head[2]) != count || uint8_t(head[3]) > 1 ||
+      perKey == 0 || perKey > kMaxRecordsPerKey) {
     why = "a malformed lanes offer";
   } else if (encrypted != host->encrypted()) {
     why = encrypted ? "lanes offered encrypted on a connection in the clear"
@@ -146,9 +151,9 @@ bool LanesChannel::onControlFrameFromLoop(
       peerAddress_ = peer;
       peerLanes_ = peer;
       setPort(&peerLanes_, port);
-      if (encrypted) {
-        outKey_ = head.substr(4, Aead::kKeyBytes);
-      }
+      outEncrypted_ = encrypted;
+      outRecordsPerKey_ = perKey;
+      outSecret_ = head.substr(8, kLaneSecretBytes);
       outTickets_.clear();
       for (size_t i = 0; i < count; ++i) {
         outTickets_.push_back(

@@ -23,8 +23,10 @@ namespace torch_rpc_ext::channel::lanes {
 //
 // Receiving: once the connection is ready, the channel listens (through its
 // context), and offers the peer its lanes in a control frame: the port, a
-// ticket per lane and, on an encrypted connection, a fresh AES-128-GCM key,
-// all inside the connection (so inside TLS where it has TLS). Each lane the
+// ticket per lane, a fresh lane secret (hello MACs and, on an encrypted
+// connection, the lanes' keys derive from it: lane.h) and how many records
+// go under one key, all inside the connection (so inside TLS where it has
+// TLS). Each lane the
 // peer dials gets a reader thread that reads chunks straight into the
 // segment's landing memory (from the context's pool), which the receiving
 // tensor then views (a region).
@@ -135,26 +137,24 @@ class LanesChannel final : public Channel,
   void sendOfferFromLoop();
   void startLanesLocked();
   void runOutLane(uint16_t lane, sockaddr_storage address, std::string ticket);
+  // A dialled lane's opening: the listener's challenge in, our Hello out.
+  bool sayHello(
+      int fd,
+      uint16_t lane,
+      const std::string& ticket,
+      std::string* error);
   // Tests only: the stripe's bytes as a misbehaving peer sends them.
   bool writeForged(int fd, const Stripe& stripe, std::string* error);
   bool writeStripe(
       int fd,
-      uint16_t lane,
       const Stripe& stripe,
-      Aead* aead,
-      uint64_t* sequence,
+      LaneCipher* cipher,
       std::string* buffer,
       std::string* error);
   void runInLane(uint16_t lane, int fd);
   // False with `error` set, and `refused` if the peer broke the protocol
   // (else the lane ended or broke: "closed" between chunks).
-  bool readChunk(
-      int fd,
-      uint16_t lane,
-      Aead* aead,
-      uint64_t* sequence,
-      std::string* error,
-      bool* refused);
+  bool readChunk(int fd, LaneCipher* cipher, std::string* error, bool* refused);
   // The landing of `token`, made if new (by a record when `claim`, else
   // by a chunk, which waits while kMaxUnclaimedBytes are unclaimed); null
   // with `error` set, and `refused` if the peer broke the protocol.
@@ -193,7 +193,9 @@ class LanesChannel final : public Channel,
   bool offered_ = false; // the peer's offer is in
   sockaddr_storage peerLanes_{}; // its address and lane port
   sockaddr_storage peerAddress_{}; // its address and the connection's port
-  std::string outKey_;
+  std::string outSecret_; // the peer's lane secret (its offer)
+  bool outEncrypted_ = false;
+  uint32_t outRecordsPerKey_ = 0;
   std::vector<std::string> outTickets_;
   std::vector<OutLane> out_;
   size_t outUp_ = 0;
@@ -206,7 +208,8 @@ class LanesChannel final : public Channel,
   bool offerSent_ = false;
   uint64_t heldIn_ = 0; // lanes held against the context's cap, offered
   bool offerCapped_ = false; // no offer for the cap yet: ticks try again
-  std::string inKey_;
+  std::string inSecret_; // the lane secret we offered
+  bool inEncrypted_ = false;
   std::map<uint64_t, std::shared_ptr<Landing>> landings_;
   uint64_t unclaimedBytes_ = 0; // page-rounded: what the landings pin
   size_t unclaimedSegments_ = 0;

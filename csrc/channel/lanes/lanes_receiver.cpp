@@ -171,15 +171,18 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
   std::string error;
   bool refused = false;
   try {
-    std::unique_ptr<Aead> aead;
+    std::unique_ptr<LaneCipher> cipher;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!inKey_.empty()) {
-        aead = std::make_unique<Aead>(inKey_);
+      if (inEncrypted_) {
+        cipher = std::make_unique<LaneCipher>(
+            inSecret_,
+            lane,
+            lanesContext().settings().recordsPerKey,
+            &lanesContext().stats().rekeys);
       }
     }
-    uint64_t sequence = 0;
-    while (readChunk(fd, lane, aead.get(), &sequence, &error, &refused)) {
+    while (readChunk(fd, cipher.get(), &error, &refused)) {
     }
   } catch (const std::exception& e) {
     error = e.what();
@@ -207,16 +210,14 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
 
 bool LanesChannel::readChunk(
     int fd,
-    uint16_t lane,
-    Aead* aead,
-    uint64_t* sequence,
+    LaneCipher* cipher,
     std::string* error,
     bool* refused) {
   ChunkHeader header;
   if (!recvAll(fd, &header, sizeof(header), error)) {
     return false; // "closed": between chunks
   }
-  const uint64_t bound = aead != nullptr ? kRecordBytes : kClearChunkBytes;
+  const uint64_t bound = cipher != nullptr ? kRecordBytes : kClearChunkBytes;
   if (header.flags != 0 || header.length == 0 || header.length > bound ||
       header.segmentSize < kMinStripedBytes ||
       header.segmentSize > kMaxStripedBytes ||
@@ -293,15 +294,12 @@ bool LanesChannel::readChunk(
       noteProgress();
     }
   }
-  if (aead != nullptr) {
+  if (cipher != nullptr) {
     uint8_t tag[Aead::kTagBytes];
-    uint8_t nonce[Aead::kNonceBytes];
     if (!recvRest(tag, sizeof(tag))) {
       return false;
     }
-    laneNonce(lane, (*sequence)++, nonce);
-    if (!aead->open(
-            nonce,
+    if (!cipher->open(
             std::string_view(
                 reinterpret_cast<const char*>(&header), sizeof(header)),
             dst,

@@ -173,9 +173,7 @@ void LanesChannel::runOutLane(
   std::string error;
   int fd = dialLane(
       address, kDialTimeoutMs, [this] { return stop_.load(); }, &error);
-  Hello hello{kHelloMagic, 1, lane, {}};
-  std::memcpy(hello.ticket, ticket.data(), kTicketBytes);
-  if (fd >= 0 && !sendAll(fd, &hello, sizeof(hello), &error)) {
+  if (fd >= 0 && !sayHello(fd, lane, ticket, &error)) {
     ::close(fd);
     fd = -1;
   }
@@ -200,20 +198,14 @@ void LanesChannel::runOutLane(
   }
   out_[lane].fd = fd;
   stats.lanesOpened.fetch_add(1, std::memory_order_relaxed);
-  std::unique_ptr<Aead> aead;
-  try {
-    if (!outKey_.empty()) {
-      aead = std::make_unique<Aead>(outKey_);
-    }
-  } catch (const std::exception& e) {
-    lock.unlock();
-    failConnection(std::string("tcp_lanes: ") + e.what(), /*refused=*/false);
-    return;
+  std::unique_ptr<LaneCipher> cipher;
+  if (outEncrypted_) {
+    cipher = std::make_unique<LaneCipher>(
+        outSecret_, lane, outRecordsPerKey_, &stats.rekeys);
   }
   if (++outUp_ == out_.size() && outState_ == OutState::kDialing) {
     outState_ = OutState::kUp;
   }
-  uint64_t sequence = 0;
   std::string buffer;
   while (true) {
     // Woken by a stripe or by closing; a connection that died without
@@ -237,8 +229,7 @@ void LanesChannel::runOutLane(
     lock.unlock();
     bool ok;
     try {
-      ok =
-          writeStripe(fd, lane, stripe, aead.get(), &sequence, &buffer, &error);
+      ok = writeStripe(fd, stripe, cipher.get(), &buffer, &error);
     } catch (const std::exception& e) {
       ok = false;
       error = e.what();
@@ -284,19 +275,39 @@ bool LanesChannel::writeForged(
   return true;
 }
 
-bool LanesChannel::writeStripe(
+bool LanesChannel::sayHello(
     int fd,
     uint16_t lane,
+    const std::string& ticket,
+    std::string* error) {
+  uint8_t challenge[kChallengeBytes];
+  if (!recvWithin(fd, challenge, sizeof(challenge), kDialTimeoutMs, error)) {
+    *error = "no challenge from the lanes' listener (" + *error + ")";
+    return false;
+  }
+  Hello hello{kHelloMagic, kHelloVersion, lane, {}, {}};
+  std::memcpy(hello.ticket, ticket.data(), kTicketBytes);
+  try {
+    // The secret was set before any lane thread started, and stays.
+    helloMac(helloKey(outSecret_), challenge, lane, hello.ticket, hello.mac);
+  } catch (const std::exception& e) {
+    *error = e.what();
+    return false;
+  }
+  return sendAll(fd, &hello, sizeof(hello), error);
+}
+
+bool LanesChannel::writeStripe(
+    int fd,
     const Stripe& stripe,
-    Aead* aead,
-    uint64_t* sequence,
+    LaneCipher* cipher,
     std::string* buffer,
     std::string* error) {
-  if (aead == nullptr && !lanesContext().settings().testForge.empty() &&
+  if (cipher == nullptr && !lanesContext().settings().testForge.empty() &&
       !forged_.exchange(true) && !writeForged(fd, stripe, error)) {
     return false;
   }
-  const uint64_t piece = aead != nullptr ? kRecordBytes : kClearChunkBytes;
+  const uint64_t piece = cipher != nullptr ? kRecordBytes : kClearChunkBytes;
   for (uint64_t done = 0; done < stripe.length;) {
     uint64_t length = std::min(piece, stripe.length - done);
     ChunkHeader header{
@@ -306,7 +317,7 @@ bool LanesChannel::writeStripe(
         static_cast<uint32_t>(length),
         0};
     const char* src = stripe.data + stripe.offset + done;
-    if (aead == nullptr) {
+    if (cipher == nullptr) {
       if (!sendAll(fd, &header, sizeof(header), error)) {
         return false;
       }
@@ -324,10 +335,7 @@ bool LanesChannel::writeStripe(
       buffer->resize(sizeof(header) + length + Aead::kTagBytes);
       char* out = buffer->data();
       std::memcpy(out, &header, sizeof(header));
-      uint8_t nonce[Aead::kNonceBytes];
-      laneNonce(lane, (*sequence)++, nonce);
-      aead->seal(
-          nonce,
+      cipher->seal(
           std::string_view(out, sizeof(header)),
           src,
           out + sizeof(header),

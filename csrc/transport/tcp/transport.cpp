@@ -16,6 +16,10 @@ TcpTransport::~TcpTransport() {
   stop();
 }
 
+void TcpTransport::addCounters(std::map<std::string, uint64_t>& out) const {
+  out["tls_key_updates"] = tls_ ? tls_->keyUpdates() : 0;
+}
+
 std::string TcpTransport::name() const {
   return "tcp";
 }

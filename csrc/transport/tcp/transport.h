@@ -45,6 +45,8 @@ class TcpTransport final : public stream::StreamTransport {
   // The same family as ours; a link-local peer through our own interface
   // (stream::routeFrom).
   std::string routeTo(const std::string& address) const override;
+  // tls_key_updates: KeyUpdates asked for (TlsOptions::keyUpdateBytes).
+  void addCounters(std::map<std::string, uint64_t>& out) const override;
 
  private:
   // Encrypts its connections as TransportOptions::tls says (null: never).

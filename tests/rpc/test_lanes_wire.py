@@ -1,0 +1,304 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""tcp_lanes on a hostile network (issue 45, docs/security.md): two
+transport endpoints (``_testing.Endpoint``, TLS always) whose connection
+and whose lanes pass through relays of ours. The endpoints listen on
+127.0.0.1; the client dials the server at 127.0.0.2, so its lanes dial
+127.0.0.2 too (a lane goes to the connection's peer address), where the
+test listens on each lanes port the server opened and forwards to
+127.0.0.1: a man in the middle of every byte, as a router would be.
+
+What it tries: a lane hello seen on the wire, replayed on a connection of
+its own (the hello answers a challenge of the listener's, so it proves
+nothing on another one); a record altered and a record replayed (each
+closes that connection, and only it); lane keys replaced by volume; a
+source that keeps sending hellos that prove nothing is held off."""
+
+import ctypes
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.rpc.test_lanes import _listening_ports
+
+_testing = pytest.importorskip("torch_rpc_ext._testing")
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "lanes-wire-" + "x" * 24
+MB = 1 << 20
+HELLO_BYTES = 40  # magic, version, lane, ticket, MAC (lane.h)
+CHALLENGE_BYTES = 16
+HEADER_BYTES = 32  # a chunk's header; an encrypted record adds a 16-byte tag
+
+
+def endpoint(self_id):
+    return _testing.Endpoint(self_id, 2, SECRET, "tcp", ["tcp_lanes"], encryption="always")
+
+
+def lanes(ep):
+    return ep.counters()["tcp_lanes"]
+
+
+def recv_exact(sock, n, timeout=5.0):
+    """`n` bytes, or fewer if the peer closes or stays silent `timeout` s."""
+    sock.settimeout(timeout)
+    got = b""
+    try:
+        while len(got) < n and (chunk := sock.recv(n - len(got))):
+            got += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return got
+
+
+def closed_within(sock, seconds):
+    """Whether the peer closes `sock` within `seconds` (what it sends first
+    is read and dropped)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def pump(src, dst, mangle=None):
+    """`src` to `dst` through `mangle(offset, data)` until either ends."""
+    offset = 0
+    try:
+        while data := src.recv(65536):
+            out = mangle(offset, data) if mangle else data
+            offset += len(data)
+            dst.sendall(out)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def splice(a, b, mangle_up=None):
+    """Both ways between `a` (the dialler) and `b`, in threads."""
+    threading.Thread(target=pump, args=(a, b, mangle_up), daemon=True).start()
+    threading.Thread(target=pump, args=(b, a), daemon=True).start()
+
+
+class Tap:
+    """Listens on 127.0.0.2:`port` (0: any) and hands each connection, with
+    a fresh one to 127.0.0.1:`target`, to `handle(dialler, upstream,
+    index)`."""
+
+    def __init__(self, port, handle, target=None):
+        self.target = target or port
+        self.handle = handle
+        self.listener = socket.create_server(("127.0.0.2", port))
+        self.port = self.listener.getsockname()[1]
+        self.count = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                dialler, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+            upstream.settimeout(None)
+            index, self.count = self.count, self.count + 1
+            threading.Thread(target=self.handle, args=(dialler, upstream, index), daemon=True).start()
+
+    def close(self):
+        self.listener.close()
+
+
+class Wired:
+    """A server and a client connected through a relay at 127.0.0.2, with
+    `lane_handler` tapping every lanes port the server opens."""
+
+    def __init__(self, lane_handler):
+        self.server = endpoint(0)
+        self.client = endpoint(1)
+        self.server.set_peer(self.client.descriptors())
+        self.client.set_peer(self.server.descriptors())
+        ports_before = _listening_ports(os.getpid())
+        host, port = self.server.address.rsplit(":", 1)
+        assert host == "127.0.0.1", self.server.address
+        self.relay = Tap(0, lambda d, u, i: splice(d, u), target=int(port))
+        self.client.connect("127.0.0.2:%d" % self.relay.port, 0)
+        assert self.client.wait_ready(30)
+        self.client.send(b"first", [])
+        assert self.server.receive(30) == (b"first", [])
+        # The server's lanes listener (and the client's: both offer) is up
+        # once the offers are out; tap every new port on 127.0.0.2.
+        deadline = time.monotonic() + 10
+        while len(new := _listening_ports(os.getpid()) - ports_before - {self.relay.port}) < 2:
+            assert time.monotonic() < deadline, new
+            time.sleep(0.02)
+        self.taps = [Tap(p, lane_handler) for p in new]
+
+    def send_big(self, size):
+        payload = (bytes(range(256)) * (size // 256 + 1))[:size]
+        buf = ctypes.create_string_buffer(payload, size)
+        self.client.send(b"big", [(ctypes.addressof(buf), size, 0, 0, 0)])
+        return payload, buf
+
+    def received(self, timeout=30):
+        got = self.server.receive(timeout)
+        if got is None:
+            return None
+        head, segments = got
+        out = []
+        for s in segments:
+            out.append(s if isinstance(s, bytes) else ctypes.string_at(s.address, s.size))
+        return head, out
+
+    def close(self):
+        for t in self.taps + [self.relay]:
+            t.close()
+        self.client.close(0)
+        self.server.close(0)
+
+
+def expect_only_that_connection_closed(w, what):
+    """The server closed the tapped connection naming `what`, and a new
+    connection (no relay) to it works."""
+    assert w.server.receive(30) is None
+    reason = w.server.close_reason()
+    assert what in reason, reason
+    other = endpoint(1)
+    other.set_peer(w.server.descriptors())
+    other.connect(w.server.address, 0)
+    assert other.wait_ready(30)
+    other.send(b"after", [])
+    deadline = time.monotonic() + 30
+    while (got := w.server.receive(1)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got == (b"after", [])
+    other.close(0)
+
+
+def test_a_lane_hello_seen_on_the_wire_proves_nothing_on_another_connection():
+    seen = {}
+
+    def replay_first(dialler, upstream, index):
+        if index > 0 or "hello" in seen:
+            return splice(dialler, upstream)
+        # Relay the listener's challenge, keep the hello the client answers
+        # with, and present it first on a connection of our own.
+        challenge = recv_exact(upstream, CHALLENGE_BYTES, timeout=1.0)
+        dialler.sendall(challenge)
+        hello = recv_exact(dialler, HELLO_BYTES, timeout=2.0)
+        seen["hello"] = hello
+        with socket.create_connection(("127.0.0.1", upstream.getpeername()[1]), timeout=5) as mine:
+            recv_exact(mine, CHALLENGE_BYTES, timeout=1.0)  # a fresh one, not answered
+            mine.sendall(hello)
+            seen["replay_closed"] = closed_within(mine, 5)
+        # The original then goes on, untouched: its hello answers its own
+        # challenge, so the ticket it names was not spent by the replay.
+        upstream.sendall(hello)
+        splice(dialler, upstream)
+
+    w = Wired(replay_first)
+    try:
+        payload, keep = w.send_big(8 * MB)  # dials the lanes; rides the stream
+        assert w.received() == (b"big", [payload])
+        payload, keep = w.send_big(8 * MB)  # striped
+        assert w.received() == (b"big", [payload])
+        assert len(seen["hello"]) == HELLO_BYTES, seen
+        assert seen["replay_closed"], "a replayed lane hello was admitted"
+        counters = lanes(w.server)
+        assert counters["hellos_refused"] == 1, counters
+        assert lanes(w.client)["lanes_opened"] == 4 and counters["segments"] == 0
+        assert lanes(w.client)["segments"] >= 1
+    finally:
+        w.close()
+
+
+def tamper_after_hello(mutate):
+    """A lane handler applying `mutate(record) -> bytes` to the first
+    encrypted record of the first lane (the rest pass untouched)."""
+
+    def handle(dialler, upstream, index):
+        if index > 0:
+            return splice(dialler, upstream)
+        dialler.sendall(recv_exact(upstream, CHALLENGE_BYTES))
+        upstream.sendall(recv_exact(dialler, HELLO_BYTES))
+        header = recv_exact(dialler, HEADER_BYTES, timeout=30)
+        length = int.from_bytes(header[24:28], "little")
+        record = header + recv_exact(dialler, length + 16, timeout=30)
+        upstream.sendall(mutate(record))
+        splice(dialler, upstream)
+
+    return handle
+
+
+@pytest.mark.parametrize(
+    "mutate,why",
+    [
+        # A bit of its ciphertext: the tag fails.
+        (lambda r: r[:100] + bytes([r[100] ^ 1]) + r[101:], "failed its integrity check"),
+        # Twice: its bytes were claimed already (were its header altered to
+        # claim others, its tag would fail).
+        (lambda r: r + r, "chunks overlap"),
+    ],
+    ids=["altered", "replayed"],
+)
+def test_a_lane_record_altered_or_replayed_closes_that_connection_only(mutate, why):
+    w = Wired(tamper_after_hello(mutate))
+    try:
+        payload, keep = w.send_big(8 * MB)  # dials the lanes; rides the stream
+        assert w.received() == (b"big", [payload])
+        w.send_big(8 * MB)  # striped: lane 0's first record is tampered with
+        expect_only_that_connection_closed(w, why)
+    finally:
+        w.close()
+
+
+def test_lane_keys_are_replaced_by_volume(monkeypatch):
+    # Two records under each key: 8 MiB in 256 KiB records over 4 lanes
+    # is 8 records a lane, so 3 replacements a lane, each end.
+    monkeypatch.setenv("TORCH_RPC_EXT_LANES_RECORDS_PER_KEY", "2")
+    w = Wired(lambda d, u, i: splice(d, u))
+    try:
+        payload, keep = w.send_big(8 * MB)
+        assert w.received() == (b"big", [payload])
+        payload, keep = w.send_big(8 * MB)
+        assert w.received() == (b"big", [payload])
+        ours, theirs = lanes(w.client), lanes(w.server)
+        assert ours["segments"] == 1, ours
+        assert ours["rekeys"] == theirs["rekeys"] == 4 * 3, (ours, theirs)
+    finally:
+        w.close()
+
+
+def test_a_source_whose_hellos_prove_nothing_is_held_off():
+    w = Wired(lambda d, u, i: splice(d, u))
+    try:
+        port = w.taps[0].port
+        for _ in range(8):  # a prober at 127.0.0.3
+            with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.3", 0)) as s:
+                recv_exact(s, CHALLENGE_BYTES, timeout=2)
+                s.sendall(b"TRLN\x02\x00\x00\x00" + os.urandom(32))
+                assert closed_within(s, 5)
+        counters = [lanes(w.server), lanes(w.client)]
+        assert sum(c["sources_held_off"] for c in counters) == 1, counters
+        # Held off: closed before any challenge.
+        with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.3", 0)) as s:
+            assert recv_exact(s, CHALLENGE_BYTES, timeout=2) == b""
+        # Others are not: the lanes come up from 127.0.0.2 as before.
+        payload, keep = w.send_big(8 * MB)
+        assert w.received() == (b"big", [payload])
+        payload, keep = w.send_big(8 * MB)
+        assert w.received() == (b"big", [payload])
+        assert lanes(w.client)["segments"] == 1
+    finally:
+        w.close()
