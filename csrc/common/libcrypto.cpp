@@ -39,11 +39,9 @@ namespace torch_rpc_ext {
 namespace {
 
 constexpr const char* kTestOverrideEnv = "TORCH_RPC_EXT_TEST_LIBCRYPTO";
-// Newest first; the unversioned name is the development symlink.
-constexpr const char* kNames[] = {
-    "libcrypto.so.3",
-    "libcrypto.so.1.1",
-    "libcrypto.so"};
+// Newest first; never the unversioned development symlink (any OpenSSL,
+// or another library altogether, may sit behind it).
+constexpr const char* kNames[] = {"libcrypto.so.3", "libcrypto.so.1.1"};
 // OpenSSL_version_num() of 1.1.0: HMAC() and EVP_sha256() as declared.
 constexpr unsigned long kMinVersion = 0x10100000UL;
 constexpr int kOpensslVersionText = 0; // OPENSSL_VERSION
@@ -142,6 +140,13 @@ std::string bind(void* handle, Libcrypto& out) {
   if (version() < kMinVersion) {
     return "OpenSSL older than 1.1";
   }
+  auto text = reinterpret_cast<VersionTextFn>(dlsym(handle, "OpenSSL_version"));
+  std::string versionText = text != nullptr ? text(kOpensslVersionText) : "";
+  if (versionText.rfind("LibreSSL", 0) == 0) {
+    return versionText +
+        ": LibreSSL is not supported (OpenSSL 1.1 or 3.x is; its TLS 1.3 "
+        "pre-shared keys and exporter are what our handshake is tested on)";
+  }
   auto hmac = reinterpret_cast<Libcrypto::HmacFn>(dlsym(handle, "HMAC"));
   auto md = reinterpret_cast<MdFn>(dlsym(handle, "EVP_sha256"));
   if (hmac == nullptr || md == nullptr) {
@@ -155,12 +160,12 @@ std::string bind(void* handle, Libcrypto& out) {
   out.sha256 = sha256;
   bindAead(handle, out);
   bindX25519(handle, out);
-  auto text = reinterpret_cast<VersionTextFn>(dlsym(handle, "OpenSSL_version"));
-  out.description = text != nullptr ? text(kOpensslVersionText) : "OpenSSL";
+  out.description = versionText.empty() ? "OpenSSL" : versionText;
   Dl_info info;
   if (dladdr(reinterpret_cast<void*>(hmac), &info) != 0 &&
       info.dli_fname != nullptr) {
     out.description += std::string(" (") + info.dli_fname + ")";
+    out.base = info.dli_fbase;
   }
   return "";
 }

@@ -87,12 +87,17 @@ struct Libcrypto {
   void (*pkeyCtxFree)(evp_pkey_ctx_st*) = nullptr;
   // "<OpenSSL_version text> (<file it was loaded from>)".
   std::string description;
+  // Where that file is mapped (dladdr's dli_fbase): libssl must use this
+  // one (libssl.cpp), so that one OpenSSL serves the process.
+  const void* base = nullptr;
 };
 
 // The process's libcrypto, resolved on the first call only (thread-safe;
 // never unloaded). Throws std::runtime_error naming libcrypto, every place
 // tried and how to fix it, on this and every later call, if none is usable
-// (absent, older than 1.1, or missing HMAC/EVP_sha256).
+// (absent, older than 1.1, LibreSSL, or missing HMAC/EVP_sha256). Only
+// versioned names are tried (libcrypto.so.3, then .so.1.1), never the
+// development symlink libcrypto.so, which may name any OpenSSL.
 //
 // TORCH_RPC_EXT_TEST_LIBCRYPTO=<path or name>, for tests only: try that
 // instead (not the already-loaded one, not the usual names).

@@ -52,16 +52,15 @@ TORCH_RPC_EXT_SAME_TYPE(SSL_get1_peer_certificate, SSL_get1_peer_certificate);
 #endif
 
 #include "csrc/common/dl_error.h"
+#include "csrc/common/libcrypto.h"
 
 namespace torch_rpc_ext {
 
 namespace {
 
 constexpr const char* kLibsslTestEnv = "TORCH_RPC_EXT_TEST_LIBSSL";
-constexpr const char* kLibsslNames[] = {
-    "libssl.so.3",
-    "libssl.so.1.1",
-    "libssl.so"};
+// Never the unversioned development symlink (see libcrypto.cpp).
+constexpr const char* kLibsslNames[] = {"libssl.so.3", "libssl.so.1.1"};
 // OpenSSL_version_num() of 1.1.1: TLS 1.3 and its PSK callbacks.
 constexpr unsigned long kLibsslMinVersion = 0x10101000UL;
 
@@ -76,8 +75,9 @@ bool resolveSsl(void* handle, const char* name, Fn& fn, std::string& missing) {
   return true;
 }
 
-// Fills `out` from `handle`; "" on success, else why this one is unusable.
-std::string bindSsl(void* handle, Libssl& out) {
+// Fills `out` from `handle`, a libssl that must use `ours`; "" on success,
+// else why this one is unusable.
+std::string bindSsl(void* handle, const Libcrypto& ours, Libssl& out) {
   using VersionFn = unsigned long (*)();
   using VersionTextFn = const char* (*)(int);
   auto version =
@@ -87,6 +87,18 @@ std::string bindSsl(void* handle, Libssl& out) {
   }
   if (version() < kLibsslMinVersion) {
     return "OpenSSL older than 1.1.1 (no TLS 1.3)";
+  }
+  // Its libcrypto (where its OpenSSL_version_num comes from) must be the
+  // one the handshake's HMAC and the lanes' AES-GCM use: two OpenSSLs in
+  // one process each keep their own state (their error queues, their
+  // providers), and a structure of one passed to the other breaks.
+  Dl_info mine;
+  if (dladdr(reinterpret_cast<void*>(version), &mine) == 0 ||
+      mine.dli_fbase != ours.base) {
+    return std::string("its libcrypto is ") +
+        (mine.dli_fname != nullptr ? mine.dli_fname : "unknown") +
+        ", not the one this process uses (" + ours.description +
+        "): two OpenSSLs in one process are refused";
   }
   std::string missing;
 #define TORCH_RPC_EXT_RESOLVE(fn) resolveSsl(handle, #fn, out.fn, missing)
@@ -168,6 +180,9 @@ std::string bindSsl(void* handle, Libssl& out) {
   }
   auto text = reinterpret_cast<VersionTextFn>(dlsym(handle, "OpenSSL_version"));
   out.description = text != nullptr ? text(0) : "OpenSSL";
+  if (out.description.rfind("LibreSSL", 0) == 0) {
+    return out.description + ": LibreSSL is not supported";
+  }
   Dl_info info;
   if (dladdr(reinterpret_cast<void*>(out.SSL_new), &info) != 0 &&
       info.dli_fname != nullptr) {
@@ -179,8 +194,15 @@ std::string bindSsl(void* handle, Libssl& out) {
 Libssl loadSsl(std::string& error) {
   Libssl out;
   std::string tried;
+  const Libcrypto* ours = nullptr;
+  try {
+    ours = &libcrypto();
+  } catch (const std::exception& e) {
+    error = e.what();
+    return Libssl{};
+  }
   auto bind = [&](void* handle) {
-    std::string why = bindSsl(handle, out);
+    std::string why = bindSsl(handle, *ours, out);
     if (!why.empty()) {
       out = Libssl{};
     }
@@ -197,12 +219,13 @@ Libssl loadSsl(std::string& error) {
   }
   error =
       "torch_rpc_ext needs OpenSSL's libssl (1.1.1 or 3.x) to encrypt "
-      "connections with TLS 1.3, and could not load it. Tried:" +
-      tried +
-      "\nFix: install OpenSSL (Debian/Ubuntu: libssl3; Fedora/RHEL: "
-      "openssl-libs; conda: openssl), or put the directory holding "
-      "libssl.so.3 on LD_LIBRARY_PATH; or, where every link is private, "
-      "RpcExtBackendOptions(encryption=\"off\").";
+      "connections with TLS 1.3, from the same OpenSSL as the libcrypto "
+      "this process uses (" +
+      ours->description + "), and could not load it. Tried:" + tried +
+      "\nFix: install that OpenSSL's libssl (Debian/Ubuntu: libssl3; "
+      "Fedora/RHEL: openssl-libs; conda: openssl), or put the directory "
+      "holding its libssl.so.3 on LD_LIBRARY_PATH; or, where every link is "
+      "private, RpcExtBackendOptions(encryption=\"off\").";
   return Libssl{};
 }
 

@@ -8,6 +8,7 @@ TORCH_RPC_EXT_TEST_LIBCRYPTO replaces the search with the one name given.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,12 @@ try:
     out["libcrypto"] = _testing.libcrypto()
 except RuntimeError as e:
     out["hmac_error"] = str(e)
+if "tls" in sys.argv:
+    try:
+        _testing.Endpoint(0, 2, "s" * 32, "tcp", [], encryption="always").close(0)
+        out["tls"] = "ok"
+    except RuntimeError as e:
+        out["tls_error"] = str(e)
 if "agent" in sys.argv:
     try:
         _C.Agent(dist.HashStore(), "w0", 0, 1, _C._RpcExtBackendOptionsBase())
@@ -49,12 +56,15 @@ os._exit(0)  # an agent created by mistake must not keep us alive
 """
 
 
-def probe(override=None, *args):
+def probe(override=None, *args, libssl=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.pop("TORCH_RPC_EXT_TEST_LIBCRYPTO", None)
+    env.pop("TORCH_RPC_EXT_TEST_LIBSSL", None)
     if override is not None:
         env["TORCH_RPC_EXT_TEST_LIBCRYPTO"] = override
+    if libssl is not None:
+        env["TORCH_RPC_EXT_TEST_LIBSSL"] = libssl
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, *args],
         env=env, capture_output=True, text=True, timeout=120,
@@ -103,3 +113,58 @@ def test_a_library_that_is_not_libcrypto_is_refused():
     out = probe("libc.so.6", "agent")
     assert "agent" not in out, out
     assert "libc.so.6: no OpenSSL_version_num" in out["agent_error"], out
+
+
+# A stand-in for another OpenSSL's libcrypto (or LibreSSL's): the entry
+# points the loader asks for, nothing behind them.
+FAKE_LIBCRYPTO = r"""
+#include <stddef.h>
+unsigned long OpenSSL_version_num(void) { return VERSION; }
+const char* OpenSSL_version(int t) { (void)t; return TEXT; }
+unsigned char* HMAC(const void* md, const void* key, int keylen,
+                    const unsigned char* d, size_t n, unsigned char* md_out,
+                    unsigned int* md_len) { return 0; }
+const void* EVP_sha256(void) { static int md; return &md; }
+"""
+
+
+def build(tmp_path, name, source, *flags):
+    if shutil.which("cc") is None:
+        pytest.skip("needs a C compiler to build a stand-in library")
+    src = tmp_path / (name + ".c")
+    src.write_text(source)
+    out = tmp_path / name
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src), *flags],
+                   check=True, capture_output=True, timeout=120)
+    return str(out)
+
+
+def test_libressl_is_refused_naming_it(tmp_path):
+    libre = build(tmp_path, "libcrypto.so.50", FAKE_LIBCRYPTO,
+                  "-DVERSION=0x20000000UL", '-DTEXT="LibreSSL 3.9.2"')
+    out = probe(libre, "agent")
+    assert "agent" not in out, out
+    assert "LibreSSL 3.9.2: LibreSSL is not supported" in out["agent_error"], out
+
+
+def test_a_libssl_built_on_another_libcrypto_is_refused(tmp_path):
+    # A "libssl" whose libcrypto is another OpenSSL's: TLS must not start
+    # with two OpenSSLs in the process, and the error names both.
+    other = build(tmp_path, "libcrypto.so.3", FAKE_LIBCRYPTO,
+                  "-DVERSION=0x30000020UL", '-DTEXT="OpenSSL 3.0.2 (elsewhere)"')
+    ssl = build(tmp_path, "libssl.so.3", "int stand_in_libssl;\n",
+                "-Wl,--no-as-needed", other, "-Wl,-rpath," + str(tmp_path))
+    out = probe(None, "tls", libssl=ssl)
+    assert "tls" not in out, out
+    text = out["tls_error"]
+    assert f"its libcrypto is {other}, not the one this process uses" in text, text
+    assert out["libcrypto"] in text  # ours, named
+    assert "two OpenSSLs in one process are refused" in text
+
+
+def test_tls_uses_the_libcrypto_the_handshake_uses():
+    out = probe(None, "tls")
+    assert out.get("tls") == "ok", out
+    # One libcrypto file mapped, before and after TLS came up.
+    assert len(set(out["after"])) == 1, out
+    assert loaded_file(out["libcrypto"]) in out["after"], out
