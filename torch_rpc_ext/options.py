@@ -160,6 +160,16 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             key, and the CA that must have signed every peer's certificate.
             All three or none. Default ``TORCH_RPC_EXT_TLS_CERT``,
             ``TORCH_RPC_EXT_TLS_KEY``, ``TORCH_RPC_EXT_TLS_CA``.
+        tls_peer_names: With mutual TLS, who a peer must be, beside being
+            signed by ``tls_ca``: glob patterns (``fnmatch``: ``*``, ``?``,
+            ``[...]``), one of which must match one of the peer
+            certificate's names (its DNS and URI subject alternative names,
+            or its subject's CN when it has none), e.g.
+            ``("spiffe://cluster.local/ns/train/sa/*",)`` or
+            ``("*.workers.example.com",)``. Both ends check, at every
+            connection; a certificate that matches none fails it naming its
+            names. Default ``TORCH_RPC_EXT_TLS_PEER_NAMES`` (comma-separated),
+            else ``()``: any certificate the CA signed.
         max_frame_bytes: Largest message accepted or sent; a peer announcing
             more is disconnected before anything is allocated.
         handshake_timeout: Seconds a new connection has to authenticate.
@@ -202,6 +212,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         tls_cert: str | None = None,
         tls_key: str | None = None,
         tls_ca: str | None = None,
+        tls_peer_names: Sequence[str] | None = None,
         max_frame_bytes: int = _DEFAULT["max_frame_bytes"],
         handshake_timeout: float = _DEFAULT["handshake_timeout"],
         heartbeat_timeout: float = _DEFAULT["heartbeat_timeout"],
@@ -291,6 +302,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         if secret is not None and (why := secrets.weakness(secret)):
             raise ValueError(f"secret is too weak to use: {why}")
         encryption, tls_files = _check_encryption(encryption, tls_cert, tls_key, tls_ca)
+        tls_peer_names = _check_peer_names(tls_peer_names, tls_files[0] is not None)
         if not isinstance(max_frame_bytes, int) or max_frame_bytes < (
             lo := _MIN["max_frame_bytes"]
         ):
@@ -360,6 +372,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         self.secret = secret
         self.encryption = encryption
         self.tls_cert, self.tls_key, self.tls_ca = tls_files
+        self.tls_peer_names = tls_peer_names
         self.max_frame_bytes = max_frame_bytes
         self.handshake_timeout = float(handshake_timeout)
         self.heartbeat_timeout = float(heartbeat_timeout)
@@ -424,6 +437,29 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
 _ENCRYPTION = ("auto", "always", "off")
 _TLS_FILES = (("tls_cert", "TORCH_RPC_EXT_TLS_CERT"), ("tls_key", "TORCH_RPC_EXT_TLS_KEY"),
               ("tls_ca", "TORCH_RPC_EXT_TLS_CA"))
+
+
+def _check_peer_names(names: Sequence[str] | None, mutual: bool) -> tuple[str, ...]:
+    """``tls_peer_names`` from the argument or TORCH_RPC_EXT_TLS_PEER_NAMES,
+    checked: non-empty patterns without NUL or comma, and only with mutual
+    TLS (a pre-shared key has no certificate to match)."""
+    source = "tls_peer_names"
+    if names is None:
+        text = os.environ.get("TORCH_RPC_EXT_TLS_PEER_NAMES", "")
+        names = [n.strip() for n in text.split(",")] if text.strip() else []
+        source = "TORCH_RPC_EXT_TLS_PEER_NAMES"
+    elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"tls_peer_names must be a sequence of patterns, got {names!r}")
+    names = tuple(names)
+    for n in names:
+        if not n or "\0" in n or "," in n:
+            raise ValueError(f"{source}: {n!r} is not a name pattern (empty, or with NUL or comma)")
+    if names and not mutual:
+        raise ValueError(
+            f"{source} needs mutual TLS (tls_cert, tls_key, tls_ca): without "
+            "certificates there are no names to check"
+        )
+    return names
 
 
 def _check_encryption(

@@ -57,6 +57,7 @@ std::string Connections::open(const std::string& secret, uint64_t incarnation) {
   topts.tls.certFile = options_.tlsCert;
   topts.tls.keyFile = options_.tlsKey;
   topts.tls.caFile = options_.tlsCa;
+  topts.tls.peerNames = options_.tlsPeerNames;
   topts.limits.maxFrameBytes = options_.maxFrameBytes;
   topts.handshakeTimeout = options_.handshakeTimeout;
   topts.heartbeatTimeout = options_.heartbeatTimeout;

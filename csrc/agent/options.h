@@ -58,6 +58,9 @@ struct AgentOptions : rpc::RpcBackendOptions {
   std::string tlsCert;
   std::string tlsKey;
   std::string tlsCa;
+  // Mutual TLS: patterns one of a peer certificate's names must match
+  // (TlsOptions::peerNames); empty: any the CA signed.
+  std::vector<std::string> tlsPeerNames;
   uint64_t maxFrameBytes = kDefaultMaxFrameBytes;
   std::chrono::milliseconds handshakeTimeout = kDefaultHandshakeTimeout;
   // See TransportOptions::heartbeatTimeout.

@@ -79,6 +79,7 @@ py::dict optionSpec() {
       kDefaultBusyPoll.count(), kMinBusyPoll.count(), kMaxBusyPoll.count());
   spec["cuda_zero_copy"] = py::make_tuple(false, none, none);
   spec["shm_peers_any_user"] = py::make_tuple(false, none, none);
+  spec["tls_peer_names"] = py::make_tuple(py::tuple(), none, none);
   spec["cuda_ipc_memory_limit"] =
       py::make_tuple(kDefaultCudaIpcMemoryLimit, uint64_t(0), none);
   spec["max_cached_receive_bytes"] = py::make_tuple(
@@ -163,6 +164,12 @@ void bindOptions(py::module_& m) {
       .def_readwrite("max_cached_receive_bytes", &O::maxCachedReceiveBytes)
       .def_readwrite("cuda_zero_copy", &O::cudaZeroCopy)
       .def_readwrite("shm_peers_any_user", &O::shmPeersAnyUser)
+      .def_property(
+          "tls_peer_names",
+          [](const O& o) { return py::tuple(py::cast(o.tlsPeerNames)); },
+          [](O& o, std::vector<std::string> v) {
+            o.tlsPeerNames = std::move(v);
+          })
       .def_readwrite("cuda_ipc_memory_limit", &O::cudaIpcMemoryLimit)
       // Fault injection, set only by torch_rpc_ext.testing.
       .def_property(

@@ -11,6 +11,7 @@
 #include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
+#include <openssl/x509v3.h>
 // Where the headers exist, our declarations must be theirs.
 #define TORCH_RPC_EXT_SAME_TYPE(field, fn) \
   static_assert(                           \
@@ -36,6 +37,12 @@ TORCH_RPC_EXT_SAME_TYPE(
     SSL_SESSION_set1_master_key,
     SSL_SESSION_set1_master_key);
 TORCH_RPC_EXT_SAME_TYPE(X509_NAME_oneline, X509_NAME_oneline);
+TORCH_RPC_EXT_SAME_TYPE(X509_get_ext_d2i, X509_get_ext_d2i);
+TORCH_RPC_EXT_SAME_TYPE(OPENSSL_sk_num, OPENSSL_sk_num);
+TORCH_RPC_EXT_SAME_TYPE(OPENSSL_sk_value, OPENSSL_sk_value);
+TORCH_RPC_EXT_SAME_TYPE(GENERAL_NAMES_free, GENERAL_NAMES_free);
+TORCH_RPC_EXT_SAME_TYPE(ASN1_STRING_get0_data, ASN1_STRING_get0_data);
+TORCH_RPC_EXT_SAME_TYPE(ASN1_STRING_length, ASN1_STRING_length);
 TORCH_RPC_EXT_SAME_TYPE(ERR_error_string_n, ERR_error_string_n);
 TORCH_RPC_EXT_SAME_TYPE(SSL_set_bio, SSL_set_bio);
 TORCH_RPC_EXT_SAME_TYPE(BIO_meth_new, BIO_meth_new);
@@ -156,6 +163,13 @@ std::string bindSsl(void* handle, const Libcrypto& ours, Libssl& out) {
   TORCH_RPC_EXT_RESOLVE(X509_get_subject_name);
   TORCH_RPC_EXT_RESOLVE(X509_NAME_oneline);
   TORCH_RPC_EXT_RESOLVE(X509_free);
+  TORCH_RPC_EXT_RESOLVE(X509_get_ext_d2i);
+  TORCH_RPC_EXT_RESOLVE(OPENSSL_sk_num);
+  TORCH_RPC_EXT_RESOLVE(OPENSSL_sk_value);
+  TORCH_RPC_EXT_RESOLVE(GENERAL_NAMES_free);
+  TORCH_RPC_EXT_RESOLVE(ASN1_STRING_get0_data);
+  TORCH_RPC_EXT_RESOLVE(ASN1_STRING_length);
+  TORCH_RPC_EXT_RESOLVE(X509_NAME_get_text_by_NID);
   TORCH_RPC_EXT_RESOLVE(X509_verify_cert_error_string);
   TORCH_RPC_EXT_RESOLVE(ERR_get_error);
   TORCH_RPC_EXT_RESOLVE(ERR_error_string_n);

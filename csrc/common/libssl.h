@@ -23,6 +23,9 @@ struct evp_md_st;
 struct x509_store_ctx_st;
 struct bio_st;
 struct bio_method_st;
+struct stack_st;
+struct stack_st_GENERAL_NAME;
+struct asn1_string_st;
 
 namespace torch_rpc_ext {
 
@@ -116,6 +119,17 @@ struct Libssl {
   X509_name_st* (*X509_get_subject_name)(const x509_st*) = nullptr;
   char* (*X509_NAME_oneline)(const X509_name_st*, char*, int) = nullptr;
   void (*X509_free)(x509_st*) = nullptr;
+  // A certificate's names, for tls_peer_names (transport/tls.cpp).
+  void* (*X509_get_ext_d2i)(const x509_st*, int, int*, int*) = nullptr;
+  int (*OPENSSL_sk_num)(const stack_st*) = nullptr;
+  void* (*OPENSSL_sk_value)(const stack_st*, int) = nullptr;
+  void (*GENERAL_NAMES_free)(stack_st_GENERAL_NAME*) = nullptr;
+  const unsigned char* (*ASN1_STRING_get0_data)(const asn1_string_st*) =
+      nullptr;
+  int (*ASN1_STRING_length)(const asn1_string_st*) = nullptr;
+  // (1.1.1's first parameter is not const; the same ABI.)
+  int (*X509_NAME_get_text_by_NID)(const X509_name_st*, int, char*, int) =
+      nullptr;
   const char* (*X509_verify_cert_error_string)(long) = nullptr;
   unsigned long (*ERR_get_error)() = nullptr;
   void (*ERR_error_string_n)(unsigned long, char*, size_t) = nullptr;

@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/transport/tls.h"
 
+#include <fnmatch.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -17,6 +19,7 @@
 #if __has_include(<openssl/ssl.h>)
 #include <openssl/err.h>
 #include <openssl/ssl.h>
+#include <openssl/x509v3.h>
 #define TORCH_RPC_EXT_OPENSSL_HEADERS 1
 #endif
 
@@ -44,6 +47,16 @@ constexpr int kErrorWantWrite = 3;
 constexpr int kErrorSyscall = 5;
 constexpr int kErrorZeroReturn = 6;
 constexpr int kKeyUpdateRequested = 1; // SSL_KEY_UPDATE_REQUESTED
+constexpr int kNidSubjectAltName = 85; // NID_subject_alt_name
+constexpr int kNidCommonName = 13; // NID_commonName
+constexpr int kGenDns = 2; // GEN_DNS
+constexpr int kGenUri = 6; // GEN_URI
+// OpenSSL's GENERAL_NAME: its type, then a union of pointers (the DNS and
+// URI names are ASN1_IA5STRINGs), a layout public since 0.9.
+struct GeneralName {
+  int type;
+  const asn1_string_st* value;
+};
 // ERR_GET_REASON's mask in 1.1.1 (3.x's is wider; the reasons we name fit).
 constexpr unsigned long kReasonMask = 0xFFF;
 constexpr unsigned long kBadRecordMac = 281; // SSL_R_DECRYPTION_FAILED_...
@@ -75,6 +88,11 @@ static_assert(kVerifyFailIfNoPeerCert == SSL_VERIFY_FAIL_IF_NO_PEER_CERT);
 static_assert(kFiletypePem == SSL_FILETYPE_PEM);
 static_assert(kErrorSsl == SSL_ERROR_SSL);
 static_assert(kKeyUpdateRequested == SSL_KEY_UPDATE_REQUESTED);
+static_assert(kNidSubjectAltName == NID_subject_alt_name);
+static_assert(kNidCommonName == NID_commonName);
+static_assert(kGenDns == GEN_DNS && kGenUri == GEN_URI);
+static_assert(offsetof(GENERAL_NAME, d) == offsetof(GeneralName, value));
+static_assert(offsetof(GENERAL_NAME, type) == offsetof(GeneralName, type));
 static_assert(kErrorWantRead == SSL_ERROR_WANT_READ);
 static_assert(kErrorWantWrite == SSL_ERROR_WANT_WRITE);
 static_assert(kErrorSyscall == SSL_ERROR_SYSCALL);
@@ -447,6 +465,61 @@ std::string TlsSession::errorText(const char* what, int result) const {
   return out;
 }
 
+bool TlsSession::peerNameMatches(std::string* error) const {
+  const Libssl& lib = libssl();
+  x509_st* cert = lib.SSL_get1_peer_certificate(ssl_);
+  if (cert == nullptr) {
+    *error = "the peer showed no certificate";
+    return false;
+  }
+  std::vector<std::string> names; // "DNS:x", "URI:y", "CN:z"
+  if (auto* sans = static_cast<stack_st_GENERAL_NAME*>(
+          lib.X509_get_ext_d2i(cert, kNidSubjectAltName, nullptr, nullptr))) {
+    auto* stack = reinterpret_cast<const stack_st*>(sans);
+    for (int i = 0; i < lib.OPENSSL_sk_num(stack); ++i) {
+      const auto* name =
+          static_cast<const GeneralName*>(lib.OPENSSL_sk_value(stack, i));
+      if (name == nullptr || (name->type != kGenDns && name->type != kGenUri)) {
+        continue;
+      }
+      const auto* text = lib.ASN1_STRING_get0_data(name->value);
+      int length = lib.ASN1_STRING_length(name->value);
+      std::string value(reinterpret_cast<const char*>(text), length);
+      if (value.find('\0') == std::string::npos) { // (else: a forgery)
+        names.push_back((name->type == kGenDns ? "DNS:" : "URI:") + value);
+      }
+    }
+    lib.GENERAL_NAMES_free(sans);
+  } else {
+    char cn[256] = {};
+    if (lib.X509_NAME_get_text_by_NID(
+            lib.X509_get_subject_name(cert), kNidCommonName, cn, sizeof(cn)) >
+        0) {
+      names.push_back(std::string("CN:") + cn);
+    }
+  }
+  lib.X509_free(cert);
+  const auto& patterns = context_->options_.peerNames;
+  for (const auto& name : names) {
+    const char* value = name.c_str() + name.find(':') + 1;
+    for (const auto& pattern : patterns) {
+      if (::fnmatch(pattern.c_str(), value, 0) == 0) {
+        return true;
+      }
+    }
+  }
+  auto join = [](const std::vector<std::string>& v) {
+    std::string out;
+    for (const auto& s : v) {
+      out += (out.empty() ? "" : ", ") + s;
+    }
+    return out.empty() ? std::string("none") : out;
+  };
+  *error = "the peer's certificate (names: " + join(names) +
+      ") matches none of tls_peer_names (" + join(patterns) + ")";
+  return false;
+}
+
 TlsSession::Step TlsSession::handshake(std::string* error) {
   std::lock_guard<std::mutex> lock(mutex_);
   const Libssl& lib = libssl();
@@ -473,6 +546,10 @@ TlsSession::Step TlsSession::handshake(std::string* error) {
       *error =
           "the peer did not use the group's key (a TLS server that is not "
           "one of ours?)";
+      return Step::kFailed;
+    }
+    if (context_->mutual() && !context_->options_.peerNames.empty() &&
+        !peerNameMatches(error)) {
       return Step::kFailed;
     }
     return Step::kDone;

@@ -39,6 +39,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 struct ssl_st;
 struct ssl_ctx_st;
@@ -57,6 +58,11 @@ struct TlsOptions {
   std::string certFile;
   std::string keyFile;
   std::string caFile;
+  // Mutual TLS only: glob patterns (fnmatch(3)), one of which a peer's
+  // certificate must match with one of its names (its DNS and URI subject
+  // alternative names; its subject's CN if it has none), beside being
+  // signed by the CA. Empty: any certificate the CA signed.
+  std::vector<std::string> peerNames;
   // A session asks for fresh keys (a TLS 1.3 KeyUpdate, both ways: the
   // peer answers with its own) after sending this many bytes under one
   // key: 32 GiB, far inside AES-GCM's limits for a key (RFC 8446, 5.5).
@@ -163,6 +169,9 @@ class TlsSession {
  private:
   TlsSession(std::shared_ptr<const TlsContext> context, ssl_st* ssl, int fd);
   friend class TlsContext;
+  // Whether the peer's certificate has a name tls_peer_names allows; else
+  // false with `error` naming its names and the patterns (mutex_ held).
+  bool peerNameMatches(std::string* error) const;
   // OpenSSL's error queue and the failing call's result, as text.
   std::string errorText(const char* what, int result) const;
   // send(2) out_ from outSent_: 1 when all of it is on the socket, 0 if the

@@ -154,11 +154,15 @@ def _make_ca(d: Path, name: str):
              "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}", cwd=d)
 
 
-def _make_cert(d: Path, ca: str, name: str) -> tuple[str, str]:
+def _make_cert(d: Path, ca: str, name: str, san: str | None = None) -> tuple[str, str]:
     _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
              "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+    ext = []
+    if san:
+        (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+        ext = ["-extfile", f"{name}.ext"]
     _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-             "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", cwd=d)
+             "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", *ext, cwd=d)
     return str(d / f"{name}.pem"), str(d / f"{name}.key")
 
 
@@ -173,16 +177,18 @@ def pki(tmp_path_factory):
     _make_ca(d, "rogue-ca")
     return {
         "ca": str(d / "ca.pem"),
-        "worker0": _make_cert(d, "ca", "worker0"),
-        "worker1": _make_cert(d, "ca", "worker1"),
+        "worker0": _make_cert(d, "ca", "worker0", "URI:spiffe://rpc.test/worker0,DNS:worker0.rpc.test"),
+        "worker1": _make_cert(d, "ca", "worker1", "URI:spiffe://rpc.test/worker1,DNS:worker1.rpc.test"),
+        # Signed by the same CA, for another service.
+        "intruder": _make_cert(d, "ca", "intruder", "URI:spiffe://rpc.test/billing,DNS:billing.rpc.test"),
         "rogue": _make_cert(d, "rogue-ca", "rogue"),
     }
 
 
-def _mutual(rank, world_size, files, trusted=True):
+def _mutual(rank, world_size, files, trusted=True, peer_names=None):
     cert, key, ca = files[rank]
     init(rank, world_size, transports=["tcp"], encryption="always", rpc_timeout=20,
-         tls_cert=cert, tls_key=key, tls_ca=ca)
+         tls_cert=cert, tls_key=key, tls_ca=ca, tls_peer_names=peer_names)
     out = {}
     if rank == 0:
         try:
@@ -224,3 +230,43 @@ def test_mutual_tls_refuses_a_certificate_its_ca_did_not_sign(pki):
     out = run_world(_mutual, 2, timeout=120, files=files, trusted=False)[0]
     assert "error" in out, out
     assert "TLS handshake" in out["error"], out
+
+
+WORKERS = ("spiffe://rpc.test/worker*",)
+
+
+def test_tls_peer_names_admit_the_certificates_they_name(pki):
+    files = {r: (*pki[f"worker{r}"], pki["ca"]) for r in (0, 1)}
+    out = run_world(_mutual, 2, timeout=120, files=files, peer_names=WORKERS)[0]
+    assert out.get("ok"), out
+    # A DNS name matches as well as a URI.
+    out = run_world(_mutual, 2, timeout=120, files=files, peer_names=("*.rpc.test",))[0]
+    assert out.get("ok"), out
+
+
+def test_tls_peer_names_refuse_a_certificate_from_the_same_ca_for_someone_else(pki):
+    """The CA signs certificates for other services too: without
+    tls_peer_names any of them passes (as the mutual-TLS relay test shows);
+    with them, worker0 refuses billing's certificate naming what it saw."""
+    files = {0: (*pki["worker0"], pki["ca"]), 1: (*pki["intruder"], pki["ca"])}
+    out = run_world(_mutual, 2, timeout=120, files=files)[0]
+    assert out.get("ok"), out  # the CA alone admits it
+    out = run_world(_mutual, 2, timeout=120, files=files, trusted=False, peer_names=WORKERS)[0]
+    assert "error" in out, out
+    assert ("the peer's certificate (names: URI:spiffe://rpc.test/billing, DNS:billing.rpc.test) "
+            "matches none of tls_peer_names (spiffe://rpc.test/worker*)") in out["error"], out
+
+
+def test_tls_peer_names_are_checked_when_options_are_made(pki, monkeypatch):
+    from torch_rpc_ext import RpcExtBackendOptions
+
+    with pytest.raises(ValueError, match="tls_peer_names needs mutual TLS"):
+        RpcExtBackendOptions(tls_peer_names=WORKERS)
+    with pytest.raises(ValueError, match="sequence of patterns"):
+        RpcExtBackendOptions(tls_peer_names="spiffe://x/*")
+    cert, key = pki["worker0"]
+    with pytest.raises(ValueError, match="is not a name pattern"):
+        RpcExtBackendOptions(tls_cert=cert, tls_key=key, tls_ca=pki["ca"], tls_peer_names=("",))
+    monkeypatch.setenv("TORCH_RPC_EXT_TLS_PEER_NAMES", "a.example, spiffe://x/*")
+    o = RpcExtBackendOptions(tls_cert=cert, tls_key=key, tls_ca=pki["ca"])
+    assert o.tls_peer_names == ("a.example", "spiffe://x/*")
