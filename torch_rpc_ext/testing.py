@@ -168,7 +168,7 @@ def connect_raw(address: str, timeout: float = 5) -> socket.socket:
 
 
 def _proof(secret, role, cn, sn, cid, sid, cinc, sinc):
-    msg = b"torch_rpc_ext/2/" + role + cn + sn + struct.pack("<iiQQ", cid, sid, cinc, sinc)
+    msg = b"torch_rpc_ext/3/" + role + cn + sn + struct.pack("<iiQQ", cid, sid, cinc, sinc)
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
@@ -181,7 +181,8 @@ def handshake(
 ):
     """Run the client side of the handshake (docs/wire-format.md) as worker
     ``client_id`` of ``incarnation`` (0 in a static group); return (socket,
-    server proof ok?). ``secret`` is a user's, stretched as the agent
+    server proof ok?): the client proves first, and a server that refuses
+    the proof closes without one (False). ``secret`` is a user's, stretched as the agent
     stretches it (torch_rpc_ext/secrets.py), or with ``stretch=False`` the
     key itself (a secret the group made)."""
     from torch_rpc_ext import secrets
@@ -195,13 +196,19 @@ def handshake(
     hdr = recv_exact(sock, 24)
     if struct.unpack("<IBBHIIQ", hdr)[2] != CHALLENGE:
         raise ConnectionError("the agent did not answer with a challenge")
-    body = recv_exact(sock, 76)
+    body = recv_exact(sock, 44)
     sid, sinc = struct.unpack("<iQ", body[:12])
-    sn, server_proof = body[12:44], body[44:76]
-    expected = _proof(secret, b"server", cn, sn, client_id, sid, incarnation, sinc)
-    ok = hmac.compare_digest(server_proof, expected)
+    sn = body[12:44]
     sock.sendall(
         frame_header(PROOF, 32)
         + _proof(secret, b"client", cn, sn, client_id, sid, incarnation, sinc)
     )
-    return sock, ok
+    try:
+        hdr = recv_exact(sock, 24)
+        if struct.unpack("<IBBHIIQ", hdr)[2] != PROOF:
+            return sock, False
+        server_proof = recv_exact(sock, 32)
+    except (ConnectionError, OSError):
+        return sock, False  # refused: closed without a proof
+    expected = _proof(secret, b"server", cn, sn, client_id, sid, incarnation, sinc)
+    return sock, hmac.compare_digest(server_proof, expected)

@@ -26,12 +26,14 @@ constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 // 3: each tensor's device in the message head (wire/codec.h).
 // 4: on a TLS connection the handshake's proofs cover the TLS session's
 //    exporter value (transport/handshake.h).
-constexpr uint8_t kProtocolVersion = 4;
+// 5: the client proves first; the server's proof follows in a kProof of
+//    its own (transport/handshake.h).
+constexpr uint8_t kProtocolVersion = 5;
 
 enum class FrameKind : uint8_t {
   kHello = 1, // client -> server: version, identity, nonce
-  kChallenge = 2, // server -> client: identity, nonce, server proof
-  kProof = 3, // client -> server: client proof
+  kChallenge = 2, // server -> client: identity, nonce
+  kProof = 3, // client -> server: client proof; then server -> client
   kMessage = 4, // an rpc::Message (request or response), see wire/codec.h
   kPing = 5, // liveness probe; answered with kPong
   kPong = 6,

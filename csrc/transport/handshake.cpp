@@ -55,7 +55,6 @@ std::string encodeChallenge(const Challenge& c) {
   putId(out, c.serverId);
   putInc(out, c.serverInc);
   out += c.serverNonce;
-  out += c.serverProof;
   return out;
 }
 
@@ -64,10 +63,7 @@ std::optional<Challenge> decodeChallenge(const std::string& head) {
     return std::nullopt;
   }
   return Challenge{
-      getId(head, 0),
-      getInc(head, 4),
-      head.substr(12, kNonceBytes),
-      head.substr(12 + kNonceBytes, kProofBytes)};
+      getId(head, 0), getInc(head, 4), head.substr(12, kNonceBytes)};
 }
 
 std::string makeProof(
@@ -80,7 +76,7 @@ std::string makeProof(
     uint64_t clientInc,
     uint64_t serverInc,
     const std::string& binding) {
-  std::string msg = std::string("torch_rpc_ext/2/") + role;
+  std::string msg = std::string("torch_rpc_ext/3/") + role;
   msg += clientNonce;
   msg += serverNonce;
   putId(msg, clientId);
@@ -154,6 +150,39 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
       ? "authentication failed: peer does not know the group secret"
       : "authentication failed: peer does not know the group secret, or its "
         "proof was made for another TLS session (a relay between us)";
+  auto proofOf = [&](const char* role) {
+    return client_ ? makeProof(
+                         secret_,
+                         role,
+                         clientNonce_,
+                         serverNonce_,
+                         selfId_,
+                         peerId_,
+                         selfInc_,
+                         peerInc_,
+                         binding_)
+                   : makeProof(
+                         secret_,
+                         role,
+                         clientNonce_,
+                         serverNonce_,
+                         peerId_,
+                         selfId_,
+                         peerInc_,
+                         selfInc_,
+                         binding_);
+  };
+  // The peer's proof checks out: may it stay?
+  auto admitted = [&]() {
+    if (admit_) {
+      std::string why = admit_(peerId_, peerInc_);
+      if (!why.empty()) {
+        step.error = "rejected handshake: " + why;
+        return false;
+      }
+    }
+    return true;
+  };
   if (stage_ == Stage::kHello) {
     auto hello = decodeHello(head);
     if (!hello || hello->clientId < 0) {
@@ -167,28 +196,16 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
           std::to_string(peerIdLimit_) + " workers";
       return step;
     }
-    // Trusted only once the client's proof checks out.
+    // Trusted only once the client's proof checks out; until then the
+    // client gets a nonce and nothing computed from the secret.
     peerId_ = hello->clientId;
     peerInc_ = hello->clientInc;
     clientNonce_ = hello->clientNonce;
     serverNonce_ = randomBytes(kNonceBytes);
     step.hasReply = true;
     step.replyKind = frame::FrameKind::kChallenge;
-    step.replyHead = encodeChallenge(
-        Challenge{
-            selfId_,
-            selfInc_,
-            serverNonce_,
-            makeProof(
-                secret_,
-                "server",
-                clientNonce_,
-                serverNonce_,
-                peerId_,
-                selfId_,
-                peerInc_,
-                selfInc_,
-                binding_)});
+    step.replyHead =
+        encodeChallenge(Challenge{selfId_, selfInc_, serverNonce_});
     stage_ = Stage::kProof;
     return step;
   }
@@ -204,68 +221,42 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
           std::to_string(ch->serverId);
       return step;
     }
-    std::string expected = makeProof(
-        secret_,
-        "server",
-        clientNonce_,
-        ch->serverNonce,
-        selfId_,
-        ch->serverId,
-        selfInc_,
-        ch->serverInc,
-        binding_);
-    if (!proofMatches(ch->serverProof, expected)) {
-      step.error = kBadSecret;
-      return step;
-    }
-    if (admit_) {
-      std::string why = admit_(ch->serverId, ch->serverInc);
-      if (!why.empty()) {
-        step.error = "rejected handshake: " + why;
-        return step;
-      }
-    }
     peerId_ = ch->serverId;
     peerInc_ = ch->serverInc;
+    serverNonce_ = ch->serverNonce;
     step.hasReply = true;
     step.replyKind = frame::FrameKind::kProof;
-    step.replyHead = makeProof(
-        secret_,
-        "client",
-        clientNonce_,
-        ch->serverNonce,
-        selfId_,
-        ch->serverId,
-        selfInc_,
-        ch->serverInc,
-        binding_);
-    stage_ = Stage::kDone;
-    step.done = true;
+    step.replyHead = proofOf("client");
+    stage_ = Stage::kServerProof;
     return step;
   }
   if (stage_ == Stage::kProof) {
-    std::string expected = makeProof(
-        secret_,
-        "client",
-        clientNonce_,
-        serverNonce_,
-        peerId_,
-        selfId_,
-        peerInc_,
-        selfInc_,
-        binding_);
-    if (!proofMatches(head, expected)) {
+    // The server: the client proves first.
+    if (!proofMatches(head, proofOf("client"))) {
       peerId_ = -1;
       step.error = kBadSecret;
       return step;
     }
-    if (admit_) {
-      std::string why = admit_(peerId_, peerInc_);
-      if (!why.empty()) {
-        peerId_ = -1;
-        step.error = "rejected handshake: " + why;
-        return step;
-      }
+    if (!admitted()) {
+      peerId_ = -1;
+      return step;
+    }
+    step.hasReply = true;
+    step.replyKind = frame::FrameKind::kProof;
+    step.replyHead = proofOf("server");
+    stage_ = Stage::kDone;
+    step.done = true;
+    return step;
+  }
+  if (stage_ == Stage::kServerProof) {
+    if (!proofMatches(head, proofOf("server"))) {
+      peerId_ = -1;
+      step.error = kBadSecret;
+      return step;
+    }
+    if (!admitted()) {
+      peerId_ = -1;
+      return step;
     }
     stage_ = Stage::kDone;
     step.done = true;

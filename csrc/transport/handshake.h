@@ -15,11 +15,11 @@ namespace torch_rpc_ext::transport {
 // ends, so neither a proof nor a recorded session can be replayed:
 //
 //   client -> server  kHello     {clientId, clientInc, clientNonce}
-//   server -> client  kChallenge {serverId, serverInc, serverNonce,
-//                                 serverProof}
+//   server -> client  kChallenge {serverId, serverInc, serverNonce}
 //   client -> server  kProof     {clientProof}
+//   server -> client  kProof     {serverProof}
 //
-//   proof(role) = HMAC(secret, "torch_rpc_ext/2/" role || clientNonce ||
+//   proof(role) = HMAC(secret, "torch_rpc_ext/3/" role || clientNonce ||
 //                      serverNonce || clientId || serverId || clientInc ||
 //                      serverInc [|| binding])
 //
@@ -31,12 +31,15 @@ namespace torch_rpc_ext::transport {
 // An incarnation is the 64-bit id of one holder of a worker id in a dynamic
 // group (docs/elastic.md), 0 in a static group: both ends prove theirs, so a
 // process that held an id before cannot pass for its current holder.
-// Nothing but these three fixed-size heads is parsed before the proof of the
-// peer checks out.
+// The client proves first: the server, which anyone who reaches its port
+// can talk to, sends nothing computed from the secret until the client has
+// proved it (no oracle for guessing the secret offline); the client sends
+// no message until the server has proved it in turn. Nothing but these
+// fixed-size heads is parsed before the proof of the peer checks out.
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kProofBytes = 32;
 constexpr size_t kHelloBytes = 4 + 8 + kNonceBytes;
-constexpr size_t kChallengeBytes = 4 + 8 + kNonceBytes + kProofBytes;
+constexpr size_t kChallengeBytes = 4 + 8 + kNonceBytes;
 
 struct Hello {
   int32_t clientId;
@@ -48,7 +51,6 @@ struct Challenge {
   int32_t serverId;
   uint64_t serverInc;
   std::string serverNonce;
-  std::string serverProof;
 };
 
 // Whether an authenticated peer (its id and incarnation) may stay: "" if so,
@@ -117,9 +119,15 @@ class Handshake {
   uint64_t peerIncarnation() const {
     return peerInc_;
   }
+  // Client: our proof is out, the server's not yet in (a close now is the
+  // server refusing our proof).
+  bool awaitingServerProof() const {
+    return stage_ == Stage::kServerProof;
+  }
 
  private:
-  enum class Stage { kHello, kChallenge, kProof, kDone };
+  // Server: kHello, kProof, kDone. Client: kChallenge, kServerProof, kDone.
+  enum class Stage { kHello, kChallenge, kProof, kServerProof, kDone };
   const bool client_;
   const std::string secret_;
   const int32_t selfId_;

@@ -87,7 +87,7 @@ std::string proof(
     uint64_t serverInc) {
   Digest d = hmacSha256(
       secret,
-      std::string("torch_rpc_ext/2/") + role + clientNonce + serverNonce +
+      std::string("torch_rpc_ext/3/") + role + clientNonce + serverNonce +
           le32(clientId) + le32(serverId) + le64(clientInc) + le64(serverInc));
   return std::string(reinterpret_cast<const char*>(d.data()), d.size());
 }
@@ -117,18 +117,23 @@ struct Peer {
       return lastValid;
     }
     if (client) {
-      // A challenge to the client's hello.
-      uint64_t inc = in.take<uint64_t>();
-      std::string nonce = nonceFrom(in);
-      lastValid = le32(id) + le64(inc) + nonce +
-          proof(secret,
-                "server",
-                clientNonce,
-                nonce,
-                clientId,
-                id,
-                clientInc,
-                inc);
+      if (serverNonce.empty()) {
+        // A challenge to the client's hello; what the client saw is taken
+        // from the head it accepted.
+        uint64_t inc = in.take<uint64_t>();
+        lastValid = le32(id) + le64(inc) + nonceFrom(in);
+      } else {
+        // The server's proof, after the client's.
+        lastValid = proof(
+            secret,
+            "server",
+            clientNonce,
+            serverNonce,
+            clientId,
+            serverId,
+            clientInc,
+            serverInc);
+      }
     } else if (clientNonce.empty()) {
       // A hello; what the server saw is taken from the head it accepted.
       uint64_t inc = in.take<uint64_t>();
@@ -189,58 +194,77 @@ void fuzzClient(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
   peer.clientId = selfId;
   peer.clientInc = kSelfInc;
   peer.clientNonce = hello.substr(kNonceAt, kNonceBytes);
-  bool done = false;
+  enum { kChallenge, kServerProof, kDone } stage = kChallenge;
   for (size_t i = 0; i < kMaxSteps && !in.empty(); ++i) {
     FUZZ_CHECK(
-        hs.expectedKind() == (done ? FrameKind::kProof : FrameKind::kChallenge),
+        hs.expectedKind() ==
+            (stage == kChallenge ? FrameKind::kChallenge : FrameKind::kProof),
         "client expects the wrong kind");
-    std::string head = peer.nextHead(in, done);
+    FUZZ_CHECK(
+        hs.expectedHeadBytes() ==
+            (stage == kChallenge ? kChallengeBytes : kProofBytes),
+        "client expects the wrong head size");
+    std::string head = peer.nextHead(in, stage == kDone);
     Handshake::Step step = hs.onFrame(head);
     checkStepShape(step);
-    bool correct = !done && head.size() == kChallengeBytes &&
-        idAt(head, 0) == expected && incAt(head, 4) % 2 == 0 &&
-        head.substr(kNonceAt + kNonceBytes) ==
+    if (stage == kDone) {
+      FUZZ_CHECK(!step.error.empty(), "a frame after the handshake passed");
+      return;
+    }
+    if (stage == kChallenge) {
+      bool wellFormed =
+          head.size() == kChallengeBytes && idAt(head, 0) == expected;
+      FUZZ_CHECK(
+          step.error.empty() == wellFormed,
+          wellFormed ? "client refused a well-formed challenge: " + step.error
+                     : std::string("client accepted a bad challenge"));
+      if (!wellFormed) {
+        return;
+      }
+      FUZZ_CHECK(!step.done, "client completed before the server's proof");
+      peer.serverId = idAt(head, 0);
+      peer.serverInc = incAt(head, 4);
+      peer.serverNonce = head.substr(kNonceAt, kNonceBytes);
+      FUZZ_CHECK(
+          step.hasReply && step.replyKind == FrameKind::kProof &&
+              step.replyHead ==
+                  proof(
+                      kSecret,
+                      "client",
+                      peer.clientNonce,
+                      peer.serverNonce,
+                      selfId,
+                      expected,
+                      kSelfInc,
+                      peer.serverInc),
+          "client did not answer a challenge with its proof");
+      stage = kServerProof;
+      continue;
+    }
+    bool correct = peer.serverInc % 2 == 0 &&
+        head ==
             proof(
                 kSecret,
                 "server",
                 peer.clientNonce,
-                head.substr(kNonceAt, kNonceBytes),
+                peer.serverNonce,
                 selfId,
                 expected,
                 kSelfInc,
-                incAt(head, 4));
-    if (done) {
-      FUZZ_CHECK(!step.error.empty(), "a frame after the handshake passed");
-      return;
-    }
+                peer.serverInc);
     FUZZ_CHECK(
         step.done == correct,
-        step.done ? "client accepted a bad challenge"
-                  : "client refused a correct challenge: " + step.error);
+        step.done ? "client accepted a bad server proof"
+                  : "client refused a correct server proof: " + step.error);
     if (!step.done) {
       return;
     }
-    FUZZ_CHECK(hs.expectedHeadBytes() == kProofBytes, "state after done");
-    FUZZ_CHECK(
-        step.hasReply && step.replyKind == FrameKind::kProof,
-        "client completed without sending its proof");
-    FUZZ_CHECK(
-        step.replyHead ==
-            proof(
-                kSecret,
-                "client",
-                peer.clientNonce,
-                head.substr(kNonceAt, kNonceBytes),
-                selfId,
-                expected,
-                kSelfInc,
-                incAt(head, 4)),
-        "client sent a wrong proof");
+    FUZZ_CHECK(!step.hasReply, "client replied to the server's proof");
     FUZZ_CHECK(hs.peerId() == expected, "client authenticated another id");
     FUZZ_CHECK(
-        hs.peerIncarnation() == incAt(head, 4),
+        hs.peerIncarnation() == peer.serverInc,
         "client authenticated another incarnation");
-    done = true;
+    stage = kDone;
   }
 }
 
@@ -272,6 +296,7 @@ void fuzzServer(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
         return;
       }
       FUZZ_CHECK(!step.done, "server completed on a hello");
+      // A nonce and who it is: nothing computed from the secret.
       FUZZ_CHECK(
           step.hasReply && step.replyKind == FrameKind::kChallenge &&
               step.replyHead.size() == kChallengeBytes,
@@ -286,18 +311,6 @@ void fuzzServer(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
       FUZZ_CHECK(
           peer.serverInc == kSelfInc, "challenge names another incarnation");
       FUZZ_CHECK(peer.serverNonce != peer.clientNonce, "nonce echoed back");
-      FUZZ_CHECK(
-          step.replyHead.substr(kNonceAt + kNonceBytes) ==
-              proof(
-                  kSecret,
-                  "server",
-                  peer.clientNonce,
-                  peer.serverNonce,
-                  peer.clientId,
-                  selfId,
-                  peer.clientInc,
-                  kSelfInc),
-          "server sent a wrong proof");
       stage = kProof;
       continue;
     }
@@ -319,7 +332,20 @@ void fuzzServer(FuzzInput& in, Peer& peer, int32_t selfId, int32_t expected) {
     if (!step.done) {
       return;
     }
-    FUZZ_CHECK(!step.hasReply, "server replied to a proof");
+    // Only now the server proves the secret in turn.
+    FUZZ_CHECK(
+        step.hasReply && step.replyKind == FrameKind::kProof &&
+            step.replyHead ==
+                proof(
+                    kSecret,
+                    "server",
+                    peer.clientNonce,
+                    peer.serverNonce,
+                    peer.clientId,
+                    selfId,
+                    peer.clientInc,
+                    kSelfInc),
+        "server did not answer a correct proof with its own");
     FUZZ_CHECK(hs.peerId() == peer.clientId, "server authenticated another id");
     FUZZ_CHECK(
         hs.peerIncarnation() == peer.clientInc,

@@ -114,14 +114,17 @@ def handshake_seeds():
     write("handshake", "server-raw-hello", server + bytes([RAW, 44]) + i32(3) + inc + nonce)
     write("handshake", "server-wrong-secret",
           b"\2" + i32(0) + i32(-1) + i32(1) + hello + bytes([VALID]))
-    # Client role (bit 0), the peer claiming the expected id (bit 2).
+    # Client role (bit 0), the peer claiming the expected id (bit 2): a
+    # challenge, then the server's proof.
     client = b"\5" + i32(1) + i32(0) + i32(0)
-    write("handshake", "client-complete", client + hello + bytes([VALID]))
-    write("handshake", "client-refused-incarnation", client + bytes([VALID]) + odd + nonce)
-    write("handshake", "client-bad-proof",
-          client + bytes([FLIP]) + inc + nonce + bytes([48, 1]))
+    write("handshake", "client-complete", client + hello + bytes([VALID, VALID]))
+    write("handshake", "client-refused-incarnation",
+          client + bytes([VALID]) + odd + nonce + bytes([VALID]))
+    write("handshake", "client-bad-proof", client + hello + bytes([FLIP, 5, 0x80]))
+    write("handshake", "client-short-proof", client + hello + bytes([RESIZE, 31]))
     write("handshake", "client-wrong-id", b"\1" + i32(1) + i32(0) + i32(5) + hello)
-    write("handshake", "client-wrong-secret", b"\7" + i32(1) + i32(0) + i32(0) + hello)
+    write("handshake", "client-wrong-secret",
+          b"\7" + i32(1) + i32(0) + i32(0) + hello + bytes([VALID]))
     write("handshake", "client-long", client + bytes([RESIZE]) + inc + nonce + bytes([81, 0]))
 
 

@@ -15,9 +15,12 @@ from tests.rpc.world import init, run_world
 from torch_rpc_ext.testing import (
     HELLO,
     MESSAGE,
+    PROOF,
     closed_by_peer,
+    connect_raw,
     frame_header,
     handshake,
+    recv_exact,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,12 +77,27 @@ def attacks(rank, world_size):
         addr = rpc.rpc_sync("worker1", my_address)
         before = rpc.rpc_sync("worker1", rejected)
 
-        # 1. Wrong secret: the server's proof does not verify for us, and our
-        #    proof is refused.
+        # 1. Wrong secret: our proof is refused, and the server closes
+        #    without a proof of its own.
         sock, ok = handshake(addr, b"not-the-secret-at-all-0123456789")
         out["wrong_secret_server_proof_ok"] = ok
         out["wrong_secret_closed"] = closed_by_peer(sock)
         sock.close()
+        # 1b. Nothing a stranger gets is computed from the secret (no
+        #     offline guessing oracle): the challenge is an id, an
+        #     incarnation and a nonce, and a wrong proof gets no bytes back.
+        s = connect_raw(addr)
+        s.sendall(frame_header(HELLO, 44) + struct.pack("<iQ", 0, 0) + os.urandom(32))
+        challenge = struct.unpack("<IBBHIIQ", recv_exact(s, 24))
+        out["challenge_head_bytes"] = challenge[4]
+        recv_exact(s, challenge[4])
+        s.sendall(frame_header(PROOF, 32) + os.urandom(32))
+        s.settimeout(5)
+        try:
+            out["after_wrong_proof"] = s.recv(65536)
+        except ConnectionResetError:
+            out["after_wrong_proof"] = b""
+        s.close()
 
         # 2. Right secret: mutual proof verifies and the connection stays up.
         sock, ok = handshake(addr, SECRET)
@@ -139,6 +157,8 @@ def test_agent_refuses_strangers_and_keeps_serving():
     out = run_world(attacks)[0]
     assert out["wrong_secret_server_proof_ok"] is False
     assert out["wrong_secret_closed"]
+    assert out["challenge_head_bytes"] == 44  # id, incarnation, nonce: no proof
+    assert out["after_wrong_proof"] == b""
     assert out["right_secret_server_proof_ok"] is True
     assert out["right_secret_stays_open"]
     assert out["bad_head_closed"]
@@ -148,9 +168,9 @@ def test_agent_refuses_strangers_and_keeps_serving():
     assert out["unknown_op_answered"] and out["unknown_op_open"]
     assert out["unknown_op_cached"] == 0
     assert torch.equal(out["still_serves"], torch.full((2,), 2.0))
-    # wrong secret + 2 ids outside the group + 4 pre-auth rejections (the bad
-    # head came after auth).
-    assert out["rejected_delta"] == 7
+    # 2 wrong secrets + 2 ids outside the group + 4 pre-auth rejections (the
+    # bad head came after auth).
+    assert out["rejected_delta"] == 8
 
 
 def mismatched_secrets(rank, world_size, both_refused):

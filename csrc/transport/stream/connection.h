@@ -245,6 +245,8 @@ class StreamConnection : public Connection,
   // read(2) into `dst`: >0 bytes read, 0 would block, -1 closed (the
   // connection has been closed with the reason).
   ssize_t readFromLoop(void* dst, size_t size);
+  // Why the connection ended when the peer closed it after our proof.
+  std::string refusedProofText() const;
   // `bytes` more of the current segment are in; finish the frame when the
   // last segment is complete.
   void advanceSegmentFromLoop(size_t bytes);

@@ -26,6 +26,12 @@ constexpr size_t kStagingBytes = 64 * 1024;
 
 } // namespace
 
+std::string StreamConnection::refusedProofText() const {
+  return "authentication failed: the peer closed the connection after our "
+         "proof, refusing it (a different secret, or a relay between us; "
+         "its log says)";
+}
+
 ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
   if (tls_) {
     std::string error;
@@ -33,7 +39,11 @@ ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
     if (got > 0) {
       noteActivity();
     } else if (got < 0) {
-      closeInternal(error, false);
+      closeInternal(
+          handshake_.awaitingServerProof()
+              ? refusedProofText() + " (TLS: " + error + ")"
+              : error,
+          false);
     }
     return got;
   }
@@ -82,11 +92,12 @@ ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
     }
     if (got == 0) {
       closeInternal(
-          state_ == State::kHandshake
-              ? "peer closed the connection during the handshake (it "
+          state_ != State::kHandshake ? "peer closed the connection"
+              : handshake_.awaitingServerProof()
+              ? refusedProofText()
+              : "peer closed the connection during the handshake (it "
                 "refused us: a different secret or `encryption` setting? "
-                "its log says)"
-              : "peer closed the connection",
+                "its log says)",
           false);
       return -1;
     }
