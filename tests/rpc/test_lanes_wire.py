@@ -125,6 +125,7 @@ class Wired:
     `lane_handler` tapping every lanes port the server opens."""
 
     def __init__(self, lane_handler):
+        self.kept = []
         self.server = endpoint(0)
         self.client = endpoint(1)
         self.server.set_peer(self.client.descriptors())
@@ -146,10 +147,14 @@ class Wired:
         self.taps = [Tap(p, lane_handler) for p in new]
 
     def send_big(self, size):
+        """Sends `size` bytes; returns them. The endpoint sends from our
+        memory by address: it is kept until close() (lanes read it from
+        their threads after send() returns)."""
         payload = (bytes(range(256)) * (size // 256 + 1))[:size]
         buf = ctypes.create_string_buffer(payload, size)
+        self.kept.append(buf)
         self.client.send(b"big", [(ctypes.addressof(buf), size, 0, 0, 0)])
-        return payload, buf
+        return payload
 
     def received(self, timeout=30):
         got = self.server.receive(timeout)
@@ -166,6 +171,7 @@ class Wired:
             t.close()
         self.client.close(0)
         self.server.close(0)
+        self.kept.clear()
 
 
 def expect_only_that_connection_closed(w, what):
@@ -209,9 +215,9 @@ def test_a_lane_hello_seen_on_the_wire_proves_nothing_on_another_connection():
 
     w = Wired(replay_first)
     try:
-        payload, keep = w.send_big(8 * MB)  # dials the lanes; rides the stream
+        payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
         assert w.received() == (b"big", [payload])
-        payload, keep = w.send_big(8 * MB)  # striped
+        payload = w.send_big(8 * MB)  # striped
         assert w.received() == (b"big", [payload])
         assert len(seen["hello"]) == HELLO_BYTES, seen
         assert seen["replay_closed"], "a replayed lane hello was admitted"
@@ -255,7 +261,7 @@ def tamper_after_hello(mutate):
 def test_a_lane_record_altered_or_replayed_closes_that_connection_only(mutate, why):
     w = Wired(tamper_after_hello(mutate))
     try:
-        payload, keep = w.send_big(8 * MB)  # dials the lanes; rides the stream
+        payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
         assert w.received() == (b"big", [payload])
         w.send_big(8 * MB)  # striped: lane 0's first record is tampered with
         expect_only_that_connection_closed(w, why)
@@ -269,9 +275,9 @@ def test_lane_keys_are_replaced_by_volume(monkeypatch):
     monkeypatch.setenv("TORCH_RPC_EXT_LANES_RECORDS_PER_KEY", "2")
     w = Wired(lambda d, u, i: splice(d, u))
     try:
-        payload, keep = w.send_big(8 * MB)
+        payload = w.send_big(8 * MB)
         assert w.received() == (b"big", [payload])
-        payload, keep = w.send_big(8 * MB)
+        payload = w.send_big(8 * MB)
         assert w.received() == (b"big", [payload])
         ours, theirs = lanes(w.client), lanes(w.server)
         assert ours["segments"] == 1, ours
@@ -295,9 +301,9 @@ def test_a_source_whose_hellos_prove_nothing_is_held_off():
         with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.3", 0)) as s:
             assert recv_exact(s, CHALLENGE_BYTES, timeout=2) == b""
         # Others are not: the lanes come up from 127.0.0.2 as before.
-        payload, keep = w.send_big(8 * MB)
+        payload = w.send_big(8 * MB)
         assert w.received() == (b"big", [payload])
-        payload, keep = w.send_big(8 * MB)
+        payload = w.send_big(8 * MB)
         assert w.received() == (b"big", [payload])
         assert lanes(w.client)["segments"] == 1
     finally:
