@@ -21,7 +21,6 @@ namespace torch_rpc_ext {
 
 namespace {
 
-constexpr const char* kSecretKey = "torch_rpc_ext/secret";
 constexpr const char* kWorkerKeyPrefix = "torch_rpc_ext/worker/";
 constexpr const char* kJoinKeyPrefix = "torch_rpc_ext/join/";
 // How often join looks at who is missing (and probes them), at most.
@@ -29,68 +28,6 @@ constexpr auto kJoinSlice = std::chrono::milliseconds(200);
 // How long rank 0 waits, after the last barrier, for the others to say they
 // are done with the store.
 constexpr auto kLeaveWait = std::chrono::seconds(10);
-constexpr size_t kSecretBytes = 32;
-// A static group without a secret of its own: each worker's X25519 public
-// key, and rank 0's secret sealed to each other rank (sealSecret).
-constexpr const char* kSecretPubPrefix = "torch_rpc_ext/secret_pub/";
-constexpr const char* kSecretSealedPrefix = "torch_rpc_ext/secret_sealed/";
-constexpr const char* kSealLabel = "torch_rpc_ext/seal/v1";
-
-// The AES-128-GCM key that seals the secret from rank 0's key pair to
-// rank r's (or opens it at r): from their X25519 shared secret, bound to
-// both public keys and r. Each pair of fresh keys seals once, so the
-// nonce (all zero) never repeats under a key.
-std::string sealKey(
-    const X25519Key& mine,
-    const std::string& peerPublic,
-    const std::string& pub0,
-    const std::string& pubR,
-    int64_t rank) {
-  std::string shared = mine.agree(peerPublic);
-  Digest d = hmacSha256(
-      shared, std::string(kSealLabel) + pub0 + pubR + std::to_string(rank));
-  return std::string(reinterpret_cast<const char*>(d.data()), Aead::kKeyBytes);
-}
-
-std::string sealFor(
-    const std::string& key,
-    const std::string& secret,
-    int64_t rank) {
-  Aead aead(key);
-  const uint8_t nonce[Aead::kNonceBytes] = {};
-  std::string out(secret.size() + Aead::kTagBytes, '\0');
-  aead.seal(
-      nonce,
-      std::string(kSealLabel) + std::to_string(rank),
-      secret.data(),
-      out.data(),
-      secret.size(),
-      reinterpret_cast<uint8_t*>(out.data() + secret.size()));
-  return out;
-}
-
-std::optional<std::string> openFor(
-    const std::string& key,
-    const std::string& sealed,
-    int64_t rank) {
-  if (sealed.size() != kSecretBytes + Aead::kTagBytes) {
-    return std::nullopt;
-  }
-  Aead aead(key);
-  const uint8_t nonce[Aead::kNonceBytes] = {};
-  std::string out(kSecretBytes, '\0');
-  if (!aead.open(
-          nonce,
-          std::string(kSealLabel) + std::to_string(rank),
-          sealed.data(),
-          out.data(),
-          kSecretBytes,
-          reinterpret_cast<const uint8_t*>(sealed.data() + kSecretBytes))) {
-    return std::nullopt;
-  }
-  return out;
-}
-
 } // namespace
 
 uint64_t drawIncarnation() {
@@ -113,6 +50,7 @@ Group::Group(
       worldSize_(worldSize),
       options_(options),
       listener_(listener),
+      exchange_(store_, self_.name_, self_.id_),
       view_(std::make_shared<View>()) {}
 
 Group::~Group() {
@@ -125,80 +63,21 @@ const std::string& Group::establishSecret() {
     // a secret of its own or not, so that none waits on another's choice:
     // a rank with a secret of its own keeps it (and never publishes it), so
     // ranks that disagree fail their calls' handshakes, not init.
-    std::string sealed = sealedSecret();
+    std::string sealed = exchange_.forStaticGroup(worldSize_);
     secret_ = options_.secret.empty() ? sealed : options_.secret;
   } else if (!options_.secret.empty()) {
     secret_ = options_.secret;
   } else {
-    // A dynamic group: whoever comes first creates it (no rank is special).
-    // In the store as it is: docs/security.md says what that exposes.
-    static std::once_flag said;
-    std::call_once(said, [] {
-      logWarning(
-          "torch_rpc_ext: this dynamic group has no secret of its own "
-          "(RpcExtBackendOptions(secret=...) or TORCH_RPC_EXT_SECRET), so its "
-          "secret is kept in the rendezvous store, where whoever can read "
-          "the store finds it; give the group one (docs/security.md)");
-    });
-    secret_ = fromBytes(
-        store_->compareSet(kSecretKey, {}, toBytes(randomBytes(kSecretBytes))));
+    // A dynamic group: whoever comes first makes it; a member seals it to
+    // each joiner's key (group_secret.cpp).
+    secret_ = exchange_.forDynamicGroup(
+        std::max<std::chrono::milliseconds>(
+            options_.rendezvousTimeout, 3 * leaseTimeout()));
   }
   if (worldSize_ == 0) {
     incarnation_ = drawIncarnation(); // proven in every handshake
   }
   return secret_;
-}
-
-std::string Group::sealedSecret() {
-  // Rank 0 makes the secret and seals it to each other rank's public key
-  // (X25519, then AES-GCM): the store, and a wire reader of its traffic,
-  // see public keys and sealed bytes only. Someone who can write the store
-  // can still put their key in place of a rank's before rank 0 reads it
-  // (docs/security.md): a secret given out of band closes that.
-  const int64_t rank = self_.id_;
-  X25519Key key;
-  store_->set(
-      kSecretPubPrefix + std::to_string(rank), toBytes(key.publicKey()));
-  if (rank == 0) {
-    std::string secret = randomBytes(kSecretBytes);
-    for (int r = 1; r < worldSize_; ++r) {
-      std::string pubR =
-          fromBytes(store_->get(kSecretPubPrefix + std::to_string(r)));
-      std::string sealed;
-      try {
-        sealed =
-            sealFor(sealKey(key, pubR, key.publicKey(), pubR, r), secret, r);
-      } catch (const std::exception& e) {
-        TORCH_CHECK(
-            false,
-            "init_rpc: rank ",
-            r,
-            "'s public key in the rendezvous store is unusable (",
-            e.what(),
-            "): something other than a torch_rpc_ext worker wrote it");
-      }
-      store_->set(kSecretSealedPrefix + std::to_string(r), toBytes(sealed));
-    }
-    return secret;
-  }
-  std::string pub0 =
-      fromBytes(store_->get(kSecretPubPrefix + std::string("0")));
-  std::string sealed =
-      fromBytes(store_->get(kSecretSealedPrefix + std::to_string(rank)));
-  std::optional<std::string> secret;
-  try {
-    secret =
-        openFor(sealKey(key, pub0, pub0, key.publicKey(), rank), sealed, rank);
-  } catch (const std::exception&) {
-  }
-  TORCH_CHECK(
-      secret.has_value(),
-      "init_rpc of rank ",
-      rank,
-      ": the group secret rank 0 sealed for us in the rendezvous store does "
-      "not open with our key: the store's contents were altered, or another "
-      "group shares this store and prefix");
-  return *secret;
 }
 
 void Group::join(

@@ -49,6 +49,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/rpc/rpc_agent.h>
 
+#include "csrc/agent/group_secret.h"
 #include "csrc/agent/membership.h"
 #include "csrc/agent/options.h"
 
@@ -114,9 +115,6 @@ class Group {
   // the store (rank 0 of a static group, or whoever comes first, makes it).
   // Draws our incarnation in a dynamic group.
   const std::string& establishSecret();
-  // A static group's secret without a user-supplied one, shared sealed
-  // (group.cpp).
-  std::string sealedSecret();
   // Publish our rendezvous `entry` (name line, offers) and learn everyone
   // else's (static: blocks until all worldSize workers have published), or
   // join the dynamic group's log (our record adds our devices and maps):
@@ -215,6 +213,7 @@ class Group {
   // the heartbeat timeout (its default when heartbeats are off).
   std::chrono::milliseconds leaseTimeout() const;
   void checkLeases();
+
   // Whether a member whose lease lapsed answers on the transport.
   bool reachable(const Member& m);
   // Joining: wait until `held` (holding our rank or name) is gone: it
@@ -232,6 +231,8 @@ class Group {
   const AgentOptions& options_;
   GroupListener& listener_;
   std::string secret_;
+  // Without a user's secret: how the group shares the one it makes.
+  SecretExchange exchange_;
   uint64_t incarnation_ = 0; // ours; 0 in a static group
 
   // (A mutex, not std::atomic<std::shared_ptr>: libstdc++ 12's has had

@@ -130,6 +130,9 @@ void Group::joinLog(
         c10::Join(", ", missing),
         " to acknowledge its join");
   }
+  if (options_.secret.empty()) {
+    exchange_.noteJoined();
+  }
 }
 
 bool Group::catchUp() {
@@ -275,6 +278,7 @@ void Group::watch() {
                                 leaseTimeout() / 5, std::chrono::seconds(1));
         }
       }
+      exchange_.serve(secret_);
       pause = changed ? kBusyPoll : std::min(pause * 2, kIdlePoll);
       lastError.clear();
     } catch (const std::exception& e) {

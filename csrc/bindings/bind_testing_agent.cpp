@@ -81,8 +81,10 @@ struct GroupHarness {
       int rank,
       int worldSize,
       double leaseSeconds,
-      bool answers)
+      bool answers,
+      const std::string& secret)
       : name(name), listener(answers) {
+    options.secret = secret;
     options.heartbeatTimeout =
         std::chrono::milliseconds(static_cast<int64_t>(leaseSeconds * 1000));
     options.rendezvousTimeout = std::chrono::seconds(30);
@@ -125,20 +127,27 @@ void bindTestingAgent(py::module_& parent) {
               int,
               int,
               double,
-              bool>(),
+              bool,
+              const std::string&>(),
           py::arg("store"),
           py::arg("name"),
           py::arg("rank"),
           py::arg("world_size"),
           py::arg("lease_s") = 1.0,
-          py::arg("answers_probes") = false)
-      // Establish the secret and join with `offers` as the entry's body.
+          py::arg("answers_probes") = false,
+          py::arg("secret") = "")
+      // Establish the secret and join with `offers` as the entry's body;
+      // returns the secret (what every handshake proves).
       .def(
           "join",
           [](GroupHarness& h, const std::string& offers) {
-            py::gil_scoped_release nogil;
-            h.group->establishSecret();
-            h.group->join(h.name + "\n" + offers, std::chrono::seconds(0));
+            std::string secret;
+            {
+              py::gil_scoped_release nogil;
+              secret = h.group->establishSecret();
+              h.group->join(h.name + "\n" + offers, std::chrono::seconds(0));
+            }
+            return py::bytes(secret);
           },
           py::arg("offers") = "")
       .def_property_readonly(

@@ -198,3 +198,104 @@ def test_forks_are_found_in_what_pythons_pickler_writes(local):
     assert A.forks_carried(payload, me, [ours, other]) == [ours[1]]
     # Without the pickler's global, nothing is scanned for.
     assert A.forks_carried(pickle.dumps(data, protocol=2), me, [ours]) == []
+
+
+# ---- a dynamic group's secret (csrc/agent/group_secret.cpp) ----------------
+
+
+class RecordingRelay:
+    """Forwards connections to 127.0.0.1:`port` and keeps every byte that
+    crosses it, both ways: what a tap on the store's plain TCP sees."""
+
+    def __init__(self, port):
+        import socket
+
+        self.seen = bytearray()
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.target = port
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import socket
+
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.target))
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, a, b):
+        try:
+            while data := a.recv(65536):
+                with self.lock:
+                    self.seen += data
+                b.sendall(data)
+        except OSError:
+            pass
+
+    def close(self):
+        self.listener.close()
+
+
+def test_a_dynamic_groups_secret_never_crosses_the_store_in_the_clear():
+    """Without a secret of its own, the first member makes the group's
+    secret and a member seals it to each joiner's X25519 key: everything
+    the store carried (recorded at its port, as a tap would) holds neither
+    the secret nor anything it could be read from. (Before: the first
+    member wrote it under torch_rpc_ext/secret, and it crossed in the
+    clear.)"""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    relay = RecordingRelay(server.port)
+    stores = [
+        dist.TCPStore("127.0.0.1", relay.port, is_master=False, wait_for_workers=False)
+        for _ in range(3)
+    ]
+    gs = [A.Group(stores[r], f"w{r}", r, 0, lease_s=2.0) for r in range(3)]
+    try:
+        secrets = [g.join(f"addr{r}") for r, g in enumerate(gs)]
+        assert len(secrets[0]) == 32 and secrets[1] == secrets[0] == secrets[2]
+        with relay.lock:
+            seen = bytes(relay.seen)
+        assert len(seen) > 1000  # the joins went through the tap
+        assert secrets[0] not in seen
+        assert b"dyn_secret/0/sealed/2" in seen  # the sealed exchange, seen
+    finally:
+        for g in gs:
+            g.stop()
+        relay.close()
+
+
+def test_a_dynamic_group_that_lost_every_member_starts_over_with_a_new_secret():
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=2.0)
+    first = a.join("addr-a")
+    b = A.Group(store, "b", 1, 0, lease_s=2.0)
+    assert b.join("addr-b") == first  # sealed to b by a
+    b.leave()
+    a.leave()
+    a.stop()
+    b.stop()
+    # Nobody left to seal the old secret: a new group, a new secret, and
+    # its joiners share it.
+    c = A.Group(store, "c", 2, 0, lease_s=2.0)
+    t0 = time.monotonic()
+    renewed = c.join("addr-c")
+    assert time.monotonic() - t0 < 10
+    assert len(renewed) == 32 and renewed != first
+    d = A.Group(store, "d", 3, 0, lease_s=2.0)
+    assert d.join("addr-d") == renewed
+    d.stop()
+    c.stop()
+
+
+def test_a_member_with_a_secret_of_its_own_seals_nothing():
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=2.0, secret=b"s" * 32)
+    assert a.join("addr-a") == b"s" * 32
+    assert not store.check(["torch_rpc_ext/dyn_secret/0/maker"])
+    a.stop()

@@ -1,0 +1,295 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// SecretExchange (group_secret.h).
+//
+// A dynamic group's exchange, under torch_rpc_ext/dyn_secret/ in the store:
+//   epoch                 the group's current secret epoch (a counter)
+//   <e>/maker             the public key of the epoch's maker (compareSet:
+//                         the first joiner to set it makes the secret)
+//   <e>/requests          joiners' requests so far (a counter)
+//   <e>/request/<n>       request n: the joiner's public key
+//   <e>/sealed/<n>        a member's public key, then the secret sealed to
+//                         request n (compareSet: the first member's stands)
+//   <e>/joined            set once a member of epoch e is in the group
+// A joiner that finds the epoch's members all gone (it was joined once, and
+// the membership log lists nobody) starts the next epoch: a new secret for
+// a new group.
+#include <chrono>
+#include <optional>
+#include <thread>
+#include <utility>
+
+#include <c10/util/Exception.h>
+
+#include "csrc/agent/group_secret.h"
+#include "csrc/agent/membership.h"
+#include "csrc/agent/store_bytes.h"
+#include "csrc/common/crypto.h"
+#include "csrc/common/logging.h"
+
+namespace torch_rpc_ext {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kSecretBytes = 32; // a group-made secret
+// A static group without a secret of its own: each worker's X25519 public
+// key, and rank 0's secret sealed to each other rank (sealSecret).
+constexpr const char* kSecretPubPrefix = "torch_rpc_ext/secret_pub/";
+constexpr const char* kSecretSealedPrefix = "torch_rpc_ext/secret_sealed/";
+constexpr const char* kSealLabel = "torch_rpc_ext/seal/v1";
+
+// The AES-128-GCM key that seals the secret from rank 0's key pair to
+// rank r's (or opens it at r): from their X25519 shared secret, bound to
+// both public keys and r. Each pair of fresh keys seals once, so the
+// nonce (all zero) never repeats under a key.
+std::string sealKey(
+    const X25519Key& mine,
+    const std::string& peerPublic,
+    const std::string& pub0,
+    const std::string& pubR,
+    int64_t rank) {
+  std::string shared = mine.agree(peerPublic);
+  Digest d = hmacSha256(
+      shared, std::string(kSealLabel) + pub0 + pubR + std::to_string(rank));
+  return std::string(reinterpret_cast<const char*>(d.data()), Aead::kKeyBytes);
+}
+
+std::string sealFor(
+    const std::string& key,
+    const std::string& secret,
+    int64_t rank) {
+  Aead aead(key);
+  const uint8_t nonce[Aead::kNonceBytes] = {};
+  std::string out(secret.size() + Aead::kTagBytes, '\0');
+  aead.seal(
+      nonce,
+      std::string(kSealLabel) + std::to_string(rank),
+      secret.data(),
+      out.data(),
+      secret.size(),
+      reinterpret_cast<uint8_t*>(out.data() + secret.size()));
+  return out;
+}
+
+std::optional<std::string> openFor(
+    const std::string& key,
+    const std::string& sealed,
+    int64_t rank) {
+  if (sealed.size() != kSecretBytes + Aead::kTagBytes) {
+    return std::nullopt;
+  }
+  Aead aead(key);
+  const uint8_t nonce[Aead::kNonceBytes] = {};
+  std::string out(kSecretBytes, '\0');
+  if (!aead.open(
+          nonce,
+          std::string(kSealLabel) + std::to_string(rank),
+          sealed.data(),
+          out.data(),
+          kSecretBytes,
+          reinterpret_cast<const uint8_t*>(sealed.data() + kSecretBytes))) {
+    return std::nullopt;
+  }
+  return out;
+}
+
+
+// A dynamic group's exchange (above).
+constexpr const char* kDynEpochKey = "torch_rpc_ext/dyn_secret/epoch";
+// How often a joiner looks for its sealed secret, and for an empty group.
+constexpr auto kSealPoll = std::chrono::milliseconds(20);
+constexpr auto kEmptyCheck = std::chrono::milliseconds(500);
+
+std::string dynKey(int64_t epoch, const std::string& what) {
+  return "torch_rpc_ext/dyn_secret/" + std::to_string(epoch) + "/" + what;
+}
+
+} // namespace
+
+SecretExchange::SecretExchange(
+    c10::intrusive_ptr<::c10d::Store> store,
+    std::string selfName,
+    int64_t rank)
+    : store_(std::move(store)), selfName_(std::move(selfName)), rank_(rank) {}
+
+std::string SecretExchange::forStaticGroup(int worldSize) {
+  // Rank 0 makes the secret and seals it to each other rank's public key
+  // (X25519, then AES-GCM): the store, and a wire reader of its traffic,
+  // see public keys and sealed bytes only. Someone who can write the store
+  // can still put their key in place of a rank's before rank 0 reads it
+  // (docs/security.md): a secret given out of band closes that.
+  const int64_t rank = rank_;
+  X25519Key key;
+  store_->set(
+      kSecretPubPrefix + std::to_string(rank), toBytes(key.publicKey()));
+  if (rank == 0) {
+    std::string secret = randomBytes(kSecretBytes);
+    for (int r = 1; r < worldSize; ++r) {
+      std::string pubR =
+          fromBytes(store_->get(kSecretPubPrefix + std::to_string(r)));
+      std::string sealed;
+      try {
+        sealed =
+            sealFor(sealKey(key, pubR, key.publicKey(), pubR, r), secret, r);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(
+            false,
+            "init_rpc: rank ",
+            r,
+            "'s public key in the rendezvous store is unusable (",
+            e.what(),
+            "): something other than a torch_rpc_ext worker wrote it");
+      }
+      store_->set(kSecretSealedPrefix + std::to_string(r), toBytes(sealed));
+    }
+    return secret;
+  }
+  std::string pub0 =
+      fromBytes(store_->get(kSecretPubPrefix + std::string("0")));
+  std::string sealed =
+      fromBytes(store_->get(kSecretSealedPrefix + std::to_string(rank)));
+  std::optional<std::string> secret;
+  try {
+    secret =
+        openFor(sealKey(key, pub0, pub0, key.publicKey(), rank), sealed, rank);
+  } catch (const std::exception&) {
+  }
+  TORCH_CHECK(
+      secret.has_value(),
+      "init_rpc of rank ",
+      rank,
+      ": the group secret rank 0 sealed for us in the rendezvous store does "
+      "not open with our key: the store's contents were altered, or another "
+      "group shares this store and prefix");
+  return *secret;
+}
+
+std::string SecretExchange::forDynamicGroup(std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  X25519Key key;
+  const std::string pub = key.publicKey();
+  while (true) {
+    const int64_t epoch = store_->add(kDynEpochKey, 0);
+    if (fromBytes(store_->compareSet(dynKey(epoch, "maker"), {}, toBytes(pub))) ==
+        pub) {
+      epoch_ = epoch; // ours to make: it never leaves this process
+      return randomBytes(kSecretBytes);
+    }
+    const int64_t n = store_->add(dynKey(epoch, "requests"), 1);
+    store_->set(dynKey(epoch, "request/" + std::to_string(n)), toBytes(pub));
+    const std::string sealedKey = dynKey(epoch, "sealed/" + std::to_string(n));
+    auto nextCheck = Clock::now() + kEmptyCheck;
+    bool newEpoch = false;
+    while (!newEpoch) {
+      if (store_->check({sealedKey})) {
+        const std::string value = fromBytes(store_->get(sealedKey));
+        std::optional<std::string> secret;
+        if (value.size() > X25519Key::kBytes) {
+          const std::string member = value.substr(0, X25519Key::kBytes);
+          try {
+            secret = openFor(
+                sealKey(key, member, member, pub, -n),
+                value.substr(X25519Key::kBytes),
+                -n);
+          } catch (const std::exception&) {
+          }
+        }
+        TORCH_CHECK(
+            secret.has_value(),
+            "init_rpc of ",
+            selfName_,
+            ": the group secret a member sealed for us in the rendezvous "
+            "store does not open with our key: the store's contents were "
+            "altered, or another group shares this store and prefix");
+        epoch_ = epoch;
+        return *secret;
+      }
+      const auto now = Clock::now();
+      TORCH_CHECK(
+          now < deadline,
+          "init_rpc of ",
+          selfName_,
+          " timed out after ",
+          std::chrono::duration_cast<std::chrono::seconds>(timeout).count(),
+          " s waiting for a member of the dynamic group to seal the group's "
+          "secret for us (members do it from their watcher thread, reading "
+          "the rendezvous store; are they alive? A member that died without "
+          "leaving stays listed until another member declares it dead). A "
+          "group given a secret of its own (RpcExtBackendOptions(secret=...) "
+          "or TORCH_RPC_EXT_SECRET) needs no member for this");
+      if (now >= nextCheck) {
+        nextCheck = now + kEmptyCheck;
+        if (store_->add(kDynEpochKey, 0) != epoch) {
+          newEpoch = true; // another joiner began a new group
+        } else if (
+            store_->check({dynKey(epoch, "joined")}) && membersListed() == 0) {
+          // The epoch's members have all gone: a new group, a new secret.
+          store_->add(kDynEpochKey, 1);
+          newEpoch = true;
+        }
+      }
+      if (!newEpoch) {
+        std::this_thread::sleep_for(kSealPoll);
+      }
+    }
+  }
+}
+
+void SecretExchange::noteJoined() {
+  if (epoch_ >= 0) {
+    store_->set(dynKey(epoch_, "joined"), toBytes(std::string("1")));
+  }
+}
+
+void SecretExchange::serve(const std::string& secret) {
+  if (epoch_ < 0) {
+    return; // the user's secret: nothing of ours to seal
+  }
+  const int64_t asked = store_->add(dynKey(epoch_, "requests"), 0);
+  while (served_ < asked) {
+    const int64_t n = served_ + 1;
+    const std::string sealedKey =
+        dynKey(epoch_, "sealed/" + std::to_string(n));
+    if (!store_->check({sealedKey})) {
+      const std::string requestKey =
+          dynKey(epoch_, "request/" + std::to_string(n));
+      if (!store_->check({requestKey})) {
+        return; // counted, its key not written yet: the next look
+      }
+      const std::string joiner = fromBytes(store_->get(requestKey));
+      X25519Key mine; // fresh per request: each pair seals once
+      try {
+        std::string value = mine.publicKey() +
+            sealFor(sealKey(mine, joiner, mine.publicKey(), joiner, -n),
+                    secret,
+                    -n);
+        store_->compareSet(sealedKey, {}, toBytes(value));
+      } catch (const std::exception& e) {
+        logWarningLimited(
+            "unusable_secret_request",
+            "torch_rpc_ext: " + selfName_ +
+                " skipped a request for the group secret whose public key "
+                "is unusable (" +
+                e.what() + "): something other than a joiner wrote it");
+      }
+    }
+    served_ = n;
+  }
+}
+
+size_t SecretExchange::membersListed() const {
+  // A roster of our own, read from the log: nothing applied to the view.
+  MembershipLog log(store_);
+  Roster roster;
+  auto [epoch, text] = log.latestSnapshot();
+  if (epoch > 0) {
+    roster.restore(epoch, text);
+  }
+  while (auto record = log.read(roster.epoch() + 1)) {
+    roster.apply(*record);
+  }
+  return roster.members().size();
+}
+
+} // namespace torch_rpc_ext
