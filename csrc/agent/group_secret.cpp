@@ -94,7 +94,6 @@ std::optional<std::string> openFor(
   return out;
 }
 
-
 // A dynamic group's exchange (above).
 constexpr const char* kDynEpochKey = "torch_rpc_ext/dyn_secret/epoch";
 // How often a joiner looks for its sealed secret, and for an empty group.
@@ -171,8 +170,8 @@ std::string SecretExchange::forDynamicGroup(std::chrono::milliseconds timeout) {
   const std::string pub = key.publicKey();
   while (true) {
     const int64_t epoch = store_->add(kDynEpochKey, 0);
-    if (fromBytes(store_->compareSet(dynKey(epoch, "maker"), {}, toBytes(pub))) ==
-        pub) {
+    if (fromBytes(store_->compareSet(
+            dynKey(epoch, "maker"), {}, toBytes(pub))) == pub) {
       epoch_ = epoch; // ours to make: it never leaves this process
       return randomBytes(kSecretBytes);
     }
@@ -249,8 +248,7 @@ void SecretExchange::serve(const std::string& secret) {
   const int64_t asked = store_->add(dynKey(epoch_, "requests"), 0);
   while (served_ < asked) {
     const int64_t n = served_ + 1;
-    const std::string sealedKey =
-        dynKey(epoch_, "sealed/" + std::to_string(n));
+    const std::string sealedKey = dynKey(epoch_, "sealed/" + std::to_string(n));
     if (!store_->check({sealedKey})) {
       const std::string requestKey =
           dynKey(epoch_, "request/" + std::to_string(n));
