@@ -308,3 +308,61 @@ def test_a_source_whose_hellos_prove_nothing_is_held_off():
         assert lanes(w.client)["segments"] == 1
     finally:
         w.close()
+
+
+def test_mutated_hellos_are_all_refused_and_the_lanes_carry_on():
+    """A small mutation fuzz of the lane hello against a live listener:
+    a real hello (taken off the wire, as in the replay test above) with
+    bytes flipped, cut short or extended, each on a connection of its own.
+    Every one is refused; the prober's address ends up held off; the
+    connection's own lanes carry on."""
+    import random
+
+    seen = {}
+
+    def capture_first(dialler, upstream, index):
+        if index > 0 or "hello" in seen:
+            return splice(dialler, upstream)
+        challenge = recv_exact(upstream, CHALLENGE_BYTES, timeout=1.0)
+        dialler.sendall(challenge)
+        seen["hello"] = hello = recv_exact(dialler, HELLO_BYTES, timeout=2.0)
+        upstream.sendall(hello)
+        splice(dialler, upstream)
+
+    w = Wired(capture_first)
+    try:
+        payload = w.send_big(8 * MB)
+        assert w.received() == (b"big", [payload])
+        hello = seen["hello"]
+        tapped = next(t for t in w.taps if t.count > 0)  # the server's lanes
+        port = tapped.port
+        rng = random.Random(45)
+        admitted = 0
+        # Cut-short ones last: each waits out the listener's 5 s for a whole
+        # hello (unless the prober is held off by then).
+        for i in range(42):
+            h = bytearray(hello)
+            kind = 1 if i >= 40 else i % 2 * 2
+            if kind == 0:
+                for _ in range(rng.randint(1, 4)):
+                    h[rng.randrange(len(h))] ^= rng.randrange(1, 256)
+            elif kind == 1:
+                del h[rng.randrange(len(h)):]
+            else:
+                h += os.urandom(rng.randint(1, 64))
+            with socket.create_connection(("127.0.0.1", port), timeout=5,
+                                          source_address=("127.0.0.3", 0)) as s:
+                recv_exact(s, CHALLENGE_BYTES, timeout=2)
+                try:
+                    s.sendall(bytes(h))
+                except OSError:
+                    pass  # held off: closed before we wrote
+                admitted += not closed_within(s, 7)
+        assert admitted == 0
+        counters = lanes(w.server)
+        assert counters["hellos_refused"] >= 8 and counters["sources_held_off"] >= 1, counters
+        payload = w.send_big(8 * MB)
+        assert w.received() == (b"big", [payload])
+        assert lanes(w.client)["segments"] == 1  # striped, on the lanes it has
+    finally:
+        w.close()
