@@ -72,7 +72,8 @@ const std::string& Group::establishSecret() {
     // each joiner's key (group_secret.cpp).
     secret_ = exchange_.forDynamicGroup(
         std::max<std::chrono::milliseconds>(
-            options_.rendezvousTimeout, 3 * leaseTimeout()));
+            options_.rendezvousTimeout, 3 * leaseTimeout()),
+        leaseTimeout());
   }
   if (worldSize_ == 0) {
     incarnation_ = drawIncarnation(); // proven in every handshake

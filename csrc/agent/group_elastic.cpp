@@ -130,8 +130,21 @@ void Group::joinLog(
         c10::Join(", ", missing),
         " to acknowledge its join");
   }
-  if (options_.secret.empty()) {
-    exchange_.noteJoined();
+  if (options_.secret.empty() && !exchange_.noteJoined()) {
+    try {
+      std::lock_guard<std::mutex> lock(rosterMutex_);
+      log_->append(leaveRecord(incarnation_), roster_.epoch());
+    } catch (const std::exception&) {
+    }
+    stopWatcher();
+    TORCH_CHECK(
+        false,
+        "init_rpc of ",
+        me.name,
+        " failed: the dynamic group started over with a new secret while we "
+        "joined (nobody alive was left to seal the old one to newcomers); "
+        "call init_rpc again to join the new group, or give the group a "
+        "secret of its own");
   }
 }
 

@@ -10,9 +10,13 @@
 //   <e>/sealed/<n>        a member's public key, then the secret sealed to
 //                         request n (compareSet: the first member's stands)
 //   <e>/joined            set once a member of epoch e is in the group
-// A joiner that finds the epoch's members all gone (it was joined once, and
-// the membership log lists nobody) starts the next epoch: a new secret for
-// a new group.
+//   <e>/ended             the public key of the joiner that ended epoch e
+// A joiner that finds nobody alive to seal the epoch's secret (its members
+// all left, or died: their leases lapsed; or its maker never joined) ends
+// the epoch (compareSet: one joiner does) and starts the next: a new secret
+// for a new group. A member that finds, once joined, that its epoch ended
+// meanwhile leaves and fails its init_rpc (Group::joinLog), so that no two
+// secrets serve one group.
 #include <chrono>
 #include <optional>
 #include <thread>
@@ -96,9 +100,11 @@ std::optional<std::string> openFor(
 
 // A dynamic group's exchange (above).
 constexpr const char* kDynEpochKey = "torch_rpc_ext/dyn_secret/epoch";
-// How often a joiner looks for its sealed secret, and for an empty group.
+// How often a joiner looks for its sealed secret, and for an empty group;
+// the requests a member keeps looking at whose key is not written yet.
 constexpr auto kSealPoll = std::chrono::milliseconds(20);
 constexpr auto kEmptyCheck = std::chrono::milliseconds(500);
+constexpr size_t kMaxWaitingRequests = 256;
 
 std::string dynKey(int64_t epoch, const std::string& what) {
   return "torch_rpc_ext/dyn_secret/" + std::to_string(epoch) + "/" + what;
@@ -164,7 +170,9 @@ std::string SecretExchange::forStaticGroup(int worldSize) {
   return *secret;
 }
 
-std::string SecretExchange::forDynamicGroup(std::chrono::milliseconds timeout) {
+std::string SecretExchange::forDynamicGroup(
+    std::chrono::milliseconds timeout,
+    std::chrono::milliseconds lease) {
   const auto deadline = Clock::now() + timeout;
   X25519Key key;
   const std::string pub = key.publicKey();
@@ -178,9 +186,10 @@ std::string SecretExchange::forDynamicGroup(std::chrono::milliseconds timeout) {
     const int64_t n = store_->add(dynKey(epoch, "requests"), 1);
     store_->set(dynKey(epoch, "request/" + std::to_string(n)), toBytes(pub));
     const std::string sealedKey = dynKey(epoch, "sealed/" + std::to_string(n));
-    auto nextCheck = Clock::now() + kEmptyCheck;
-    bool newEpoch = false;
-    while (!newEpoch) {
+    const auto asked = Clock::now();
+    auto nextCheck = asked + kEmptyCheck;
+    std::map<uint64_t, Beat> beats; // the listed members' leases, as seen
+    while (true) {
       if (store_->check({sealedKey})) {
         const std::string value = fromBytes(store_->get(sealedKey));
         std::optional<std::string> secret;
@@ -213,32 +222,67 @@ std::string SecretExchange::forDynamicGroup(std::chrono::milliseconds timeout) {
           std::chrono::duration_cast<std::chrono::seconds>(timeout).count(),
           " s waiting for a member of the dynamic group to seal the group's "
           "secret for us (members do it from their watcher thread, reading "
-          "the rendezvous store; are they alive? A member that died without "
-          "leaving stays listed until another member declares it dead). A "
-          "group given a secret of its own (RpcExtBackendOptions(secret=...) "
-          "or TORCH_RPC_EXT_SECRET) needs no member for this");
+          "the rendezvous store; are they alive and reading it?). A group "
+          "given a secret of its own (RpcExtBackendOptions(secret=...) or "
+          "TORCH_RPC_EXT_SECRET) needs no member for this");
       if (now >= nextCheck) {
         nextCheck = now + kEmptyCheck;
         if (store_->add(kDynEpochKey, 0) != epoch) {
-          newEpoch = true; // another joiner began a new group
-        } else if (
-            store_->check({dynKey(epoch, "joined")}) && membersListed() == 0) {
-          // The epoch's members have all gone: a new group, a new secret.
+          break; // a new group began: ask there
+        }
+        // The epoch's group has nobody alive to seal it: its members all
+        // left or died (leases lapsed), or its maker never joined. A new
+        // group, with a new secret; one joiner ends the epoch.
+        const bool joined = store_->check({dynKey(epoch, "joined")});
+        if ((joined || now - asked > 3 * lease) &&
+            liveMembers(lease, now, beats) == 0 &&
+            fromBytes(store_->compareSet(
+                dynKey(epoch, "ended"), {}, toBytes(pub))) == pub) {
           store_->add(kDynEpochKey, 1);
-          newEpoch = true;
+          break;
         }
       }
-      if (!newEpoch) {
-        std::this_thread::sleep_for(kSealPoll);
-      }
+      std::this_thread::sleep_for(kSealPoll);
     }
   }
 }
 
-void SecretExchange::noteJoined() {
-  if (epoch_ >= 0) {
-    store_->set(dynKey(epoch_, "joined"), toBytes(std::string("1")));
+bool SecretExchange::noteJoined() {
+  if (epoch_ < 0) {
+    return true;
   }
+  store_->set(dynKey(epoch_, "joined"), toBytes(std::string("1")));
+  // A group that started over while we joined holds another secret.
+  return store_->add(kDynEpochKey, 0) == epoch_ &&
+      !store_->check({dynKey(epoch_, "ended")});
+}
+
+bool SecretExchange::sealTo(int64_t n, const std::string& secret) {
+  const std::string sealedKey = dynKey(epoch_, "sealed/" + std::to_string(n));
+  if (store_->check({sealedKey})) {
+    return true; // another member answered
+  }
+  const std::string requestKey = dynKey(epoch_, "request/" + std::to_string(n));
+  if (!store_->check({requestKey})) {
+    return false; // counted, its key not written yet
+  }
+  const std::string joiner = fromBytes(store_->get(requestKey));
+  X25519Key mine; // fresh per request: each pair seals once
+  try {
+    std::string value =
+        mine.publicKey() +
+        sealFor(
+            sealKey(mine, joiner, mine.publicKey(), joiner, -n), secret, -n);
+    store_->compareSet(sealedKey, {}, toBytes(value));
+  } catch (const std::exception& e) {
+    logWarningLimited(
+        "unusable_secret_request",
+        "torch_rpc_ext: " + selfName_ +
+            " skipped a request for the group secret whose public key is "
+            "unusable (" +
+            e.what() + "): something other than a joiner wrote it");
+  }
+  return true;
 }
 
 void SecretExchange::serve(const std::string& secret) {
@@ -246,37 +290,24 @@ void SecretExchange::serve(const std::string& secret) {
     return; // the user's secret: nothing of ours to seal
   }
   const int64_t asked = store_->add(dynKey(epoch_, "requests"), 0);
-  while (served_ < asked) {
-    const int64_t n = served_ + 1;
-    const std::string sealedKey = dynKey(epoch_, "sealed/" + std::to_string(n));
-    if (!store_->check({sealedKey})) {
-      const std::string requestKey =
-          dynKey(epoch_, "request/" + std::to_string(n));
-      if (!store_->check({requestKey})) {
-        return; // counted, its key not written yet: the next look
-      }
-      const std::string joiner = fromBytes(store_->get(requestKey));
-      X25519Key mine; // fresh per request: each pair seals once
-      try {
-        std::string value = mine.publicKey() +
-            sealFor(sealKey(mine, joiner, mine.publicKey(), joiner, -n),
-                    secret,
-                    -n);
-        store_->compareSet(sealedKey, {}, toBytes(value));
-      } catch (const std::exception& e) {
-        logWarningLimited(
-            "unusable_secret_request",
-            "torch_rpc_ext: " + selfName_ +
-                " skipped a request for the group secret whose public key "
-                "is unusable (" +
-                e.what() + "): something other than a joiner wrote it");
-      }
-    }
-    served_ = n;
+  for (int64_t n = served_ + 1; n <= asked; ++n) {
+    waiting_.insert(n);
+  }
+  served_ = std::max(served_, asked);
+  // A request counted but not written (its joiner died between the two)
+  // waits here without holding up those after it; the oldest are let go.
+  while (waiting_.size() > kMaxWaitingRequests) {
+    waiting_.erase(waiting_.begin());
+  }
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    it = sealTo(*it, secret) ? waiting_.erase(it) : std::next(it);
   }
 }
 
-size_t SecretExchange::membersListed() const {
+size_t SecretExchange::liveMembers(
+    std::chrono::milliseconds lease,
+    Clock::time_point now,
+    std::map<uint64_t, Beat>& beats) const {
   // A roster of our own, read from the log: nothing applied to the view.
   MembershipLog log(store_);
   Roster roster;
@@ -287,7 +318,19 @@ size_t SecretExchange::membersListed() const {
   while (auto record = log.read(roster.epoch() + 1)) {
     roster.apply(*record);
   }
-  return roster.members().size();
+  // Listed, and its lease renewed within `lease` of our watching it (a
+  // member that died without leaving stays listed until a member declares
+  // it dead: there may be none left to).
+  size_t live = 0;
+  for (const auto& [rank, member] : roster.members()) {
+    const int64_t count = log.beats(member.incarnation);
+    auto [it, added] = beats.try_emplace(member.incarnation, Beat{count, now});
+    if (!added && it->second.count != count) {
+      it->second = Beat{count, now};
+    }
+    live += now - it->second.since <= lease ? 1 : 0;
+  }
+  return live;
 }
 
 } // namespace torch_rpc_ext

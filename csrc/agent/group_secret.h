@@ -3,6 +3,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
+#include <set>
 #include <string>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -29,25 +31,44 @@ class SecretExchange {
   // Rank 0 makes the secret and seals it to every other rank of
   // `worldSize`; the others open theirs. Throws naming the problem.
   std::string forStaticGroup(int worldSize);
-  // Makes the secret if we come first (or the group lost every member),
-  // else waits up to `timeout` for a member to seal it to us. Throws
-  // naming the problem.
-  std::string forDynamicGroup(std::chrono::milliseconds timeout);
-  // We joined the dynamic group: its epoch has had a member.
-  void noteJoined();
+  // Makes the secret if we come first (or the group has nobody alive to
+  // seal it: members whose `lease` lapsed count as gone), else waits up to
+  // `timeout` for a member to seal it to us. Throws naming the problem.
+  std::string forDynamicGroup(
+      std::chrono::milliseconds timeout,
+      std::chrono::milliseconds lease);
+  // We joined the dynamic group: its epoch has had a member. False if the
+  // epoch ended meanwhile (the group started over with another secret).
+  bool noteJoined();
   // Seal `secret` to every joiner that asked since the last call (a no-op
   // unless forDynamicGroup gave us the secret).
   void serve(const std::string& secret);
 
  private:
-  // How many members the dynamic group's membership log lists now.
-  size_t membersListed() const;
+  using Clock = std::chrono::steady_clock;
+  // A listed member's lease counter, and since when we have seen it.
+  struct Beat {
+    int64_t count;
+    Clock::time_point since;
+  };
+  // The members the membership log lists whose lease was renewed within
+  // `lease` (`beats`: what the caller saw of them so far).
+  size_t liveMembers(
+      std::chrono::milliseconds lease,
+      Clock::time_point now,
+      std::map<uint64_t, Beat>& beats) const;
+  // Seal `secret` to request n of our epoch: false if its key is not there
+  // yet (watcher thread).
+  bool sealTo(int64_t n, const std::string& secret);
 
   const c10::intrusive_ptr<::c10d::Store> store_;
   const std::string selfName_;
   const int64_t rank_;
   int64_t epoch_ = -1; // the dynamic group's secret epoch we hold
-  int64_t served_ = 0; // requests of that epoch sealed (watcher thread)
+  // Requests of that epoch counted so far, and those not yet sealed whose
+  // key was not written when we looked (watcher thread).
+  int64_t served_ = 0;
+  std::set<int64_t> waiting_;
 };
 
 } // namespace torch_rpc_ext

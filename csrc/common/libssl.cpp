@@ -66,8 +66,11 @@ namespace torch_rpc_ext {
 namespace {
 
 constexpr const char* kLibsslTestEnv = "TORCH_RPC_EXT_TEST_LIBSSL";
-// Never the unversioned development symlink (see libcrypto.cpp).
+// Never the unversioned development symlink (see libcrypto.cpp). The one
+// of our libcrypto's version first, so that the other (which would load a
+// second libcrypto, to be refused) is tried only if that one is absent.
 constexpr const char* kLibsslNames[] = {"libssl.so.3", "libssl.so.1.1"};
+constexpr const char* kLibsslNames11[] = {"libssl.so.1.1", "libssl.so.3"};
 // OpenSSL_version_num() of 1.1.1: TLS 1.3 and its PSK callbacks.
 constexpr unsigned long kLibsslMinVersion = 0x10101000UL;
 
@@ -223,12 +226,20 @@ Libssl loadSsl(std::string& error) {
     return why;
   };
   // The one Python's ssl module loaded, if any, first.
-  if (loadFirstUsable(
-          std::getenv(kLibsslTestEnv),
-          kLibsslTestEnv,
-          kLibsslNames,
-          bind,
-          tried)) {
+  const bool ours11 =
+      ours->description.find("libcrypto.so.1.1") != std::string::npos;
+  if (ours11 ? loadFirstUsable(
+                   std::getenv(kLibsslTestEnv),
+                   kLibsslTestEnv,
+                   kLibsslNames11,
+                   bind,
+                   tried)
+             : loadFirstUsable(
+                   std::getenv(kLibsslTestEnv),
+                   kLibsslTestEnv,
+                   kLibsslNames,
+                   bind,
+                   tried)) {
     return out;
   }
   error =

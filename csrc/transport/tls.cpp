@@ -473,8 +473,16 @@ bool TlsSession::peerNameMatches(std::string* error) const {
     return false;
   }
   std::vector<std::string> names; // "DNS:x", "URI:y", "CN:z"
-  if (auto* sans = static_cast<stack_st_GENERAL_NAME*>(
-          lib.X509_get_ext_d2i(cert, kNidSubjectAltName, nullptr, nullptr))) {
+  int critical = -1; // -1: no SAN extension; -2: more than one (refused)
+  auto* sans = static_cast<stack_st_GENERAL_NAME*>(
+      lib.X509_get_ext_d2i(cert, kNidSubjectAltName, &critical, nullptr));
+  if (sans == nullptr && critical == -2) {
+    lib.X509_free(cert);
+    *error =
+        "the peer's certificate has more than one subjectAltName extension";
+    return false;
+  }
+  if (sans != nullptr) {
     auto* stack = reinterpret_cast<const stack_st*>(sans);
     for (int i = 0; i < lib.OPENSSL_sk_num(stack); ++i) {
       const auto* name =
@@ -492,9 +500,11 @@ bool TlsSession::peerNameMatches(std::string* error) const {
     lib.GENERAL_NAMES_free(sans);
   } else {
     char cn[256] = {};
-    if (lib.X509_NAME_get_text_by_NID(
-            lib.X509_get_subject_name(cert), kNidCommonName, cn, sizeof(cn)) >
-        0) {
+    int length = lib.X509_NAME_get_text_by_NID(
+        lib.X509_get_subject_name(cert), kNidCommonName, cn, sizeof(cn));
+    // Whole and without NUL (a forgery would hide a suffix behind one).
+    if (length > 0 && length < static_cast<int>(sizeof(cn)) - 1 &&
+        std::strlen(cn) == static_cast<size_t>(length)) {
       names.push_back(std::string("CN:") + cn);
     }
   }
@@ -502,8 +512,11 @@ bool TlsSession::peerNameMatches(std::string* error) const {
   const auto& patterns = context_->options_.peerNames;
   for (const auto& name : names) {
     const char* value = name.c_str() + name.find(':') + 1;
+    // DNS names (and CNs, which hold them) compare without case; URIs as
+    // they are. `*` matches across dots and slashes (fnmatch without flags).
+    const int flags = name.rfind("URI:", 0) == 0 ? 0 : FNM_CASEFOLD;
     for (const auto& pattern : patterns) {
-      if (::fnmatch(pattern.c_str(), value, 0) == 0) {
+      if (::fnmatch(pattern.c_str(), value, flags) == 0) {
         return true;
       }
     }

@@ -8,6 +8,7 @@ what it would tell the agent (a member departed, we were fenced). The
 RRefGuard attributes forks from fork requests, deletions and pickled bytes.
 """
 
+import os
 import pickle
 import threading
 import time
@@ -299,3 +300,54 @@ def test_a_member_with_a_secret_of_its_own_seals_nothing():
     assert a.join("addr-a") == b"s" * 32
     assert not store.check(["torch_rpc_ext/dyn_secret/0/maker"])
     a.stop()
+
+
+def test_a_request_counted_but_never_written_holds_up_nobody_after_it():
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=2.0)
+    first = a.join("addr-a")
+    # A joiner that died between counting its request and writing its key.
+    store.add("torch_rpc_ext/dyn_secret/0/requests", 1)
+    b = A.Group(store, "b", 1, 0, lease_s=2.0)
+    assert b.join("addr-b") == first
+    b.stop()
+    a.stop()
+
+
+def _join_and_die(port, out):
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    a = A.Group(store, "a", 0, 0, lease_s=1.0)
+    out.put(a.join("addr-a"))
+    time.sleep(0.5)
+    os._exit(0)  # no leave: still listed, its lease lapses
+
+
+def test_a_group_whose_members_died_without_leaving_starts_over_after_their_leases():
+    import multiprocessing
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    p = ctx.Process(target=_join_and_die, args=(server.port, out))
+    p.start()
+    first = out.get(timeout=60)
+    p.join(30)
+    assert p.exitcode == 0
+    store = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
+    c = A.Group(store, "c", 2, 0, lease_s=1.0)
+    t0 = time.monotonic()
+    renewed = c.join("addr-c")
+    assert renewed != first and time.monotonic() - t0 < 20
+    c.stop()
+
+
+def test_a_maker_that_never_joined_is_given_up_on():
+    store = dist.HashStore()
+    # Someone won epoch 0's maker key and was never seen again.
+    store.compare_set("torch_rpc_ext/dyn_secret/0/maker", "", b"m" * 32)
+    c = A.Group(store, "c", 2, 0, lease_s=1.0)
+    t0 = time.monotonic()
+    assert len(c.join("addr-c")) == 32
+    assert time.monotonic() - t0 < 20
+    assert store.add("torch_rpc_ext/dyn_secret/epoch", 0) == 1
+    c.stop()

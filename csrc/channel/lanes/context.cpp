@@ -32,6 +32,9 @@ constexpr uint32_t kMaxHelloFailures = 8;
 constexpr auto kStrikeWindow = std::chrono::seconds(10);
 constexpr auto kHoldOff = std::chrono::seconds(30);
 constexpr size_t kMaxSources = 4096;
+// Revoked tickets are remembered this long (at most kMaxRevoked of them).
+constexpr auto kRevokedKept = std::chrono::seconds(30);
+constexpr size_t kMaxRevoked = 4096;
 // Landing buffers kept for reuse, and for how long.
 constexpr size_t kPoolBytes = size_t(512) << 20;
 constexpr auto kPoolIdle = std::chrono::seconds(5);
@@ -225,9 +228,25 @@ std::string LanesContext::issueTicket(
 }
 
 void LanesContext::revokeTickets(const LanesChannel* channel) {
+  auto now = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> lock(mutex_);
+  // Kept a while: their peer may be dialling them now (not a prober).
+  for (auto it = revoked_.begin(); it != revoked_.end();) {
+    it = it->second.revokedAt + kRevokedKept < now ? revoked_.erase(it)
+                                                   : std::next(it);
+  }
   for (auto it = tickets_.begin(); it != tickets_.end();) {
-    it = it->second.owner == channel ? tickets_.erase(it) : std::next(it);
+    if (it->second.owner != channel) {
+      ++it;
+      continue;
+    }
+    if (revoked_.size() < kMaxRevoked) {
+      Ticket t = it->second;
+      t.channel.reset();
+      t.revokedAt = now;
+      revoked_.emplace(it->first, std::move(t));
+    }
+    it = tickets_.erase(it);
   }
 }
 
@@ -385,8 +404,14 @@ void LanesContext::strike(const std::string& source) {
           it->second.heldOffUntil <= now;
       it = stale ? strikes_.erase(it) : std::next(it);
     }
+    // Then any that is not held off; with every one held off, this
+    // source goes uncounted (a hold-off is never cut short).
+    for (auto it = strikes_.begin();
+         strikes_.size() >= kMaxSources && it != strikes_.end();) {
+      it = it->second.heldOffUntil <= now ? strikes_.erase(it) : std::next(it);
+    }
     if (strikes_.size() >= kMaxSources) {
-      strikes_.erase(strikes_.begin());
+      return;
     }
   }
   Strikes& s = strikes_[source];
@@ -416,24 +441,43 @@ void LanesContext::admit(
     const std::string& source) {
   std::shared_ptr<LanesChannel> channel;
   uint16_t lane = 0;
-  if (hello.magic == kHelloMagic && hello.version == kHelloVersion) {
-    std::string ticket(
-        reinterpret_cast<const char*>(hello.ticket), kTicketBytes);
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = tickets_.find(ticket);
-    if (it != tickets_.end() && it->second.lane == hello.lane) {
-      uint8_t mac[kHelloMacBytes];
-      helloMac(it->second.helloKey, challenge, hello.lane, hello.ticket, mac);
-      if (constantTimeEqual(mac, hello.mac, kHelloMacBytes)) {
+  // A hello that proves a ticket (a valid MAC) is no prober's, even when
+  // its channel closed meanwhile or revoked it: refused, never a strike.
+  bool proved = false;
+  try {
+    if (hello.magic == kHelloMagic && hello.version == kHelloVersion) {
+      std::string ticket(
+          reinterpret_cast<const char*>(hello.ticket), kTicketBytes);
+      auto proves = [&](const Ticket& t) {
+        uint8_t mac[kHelloMacBytes];
+        helloMac(t.helloKey, challenge, hello.lane, hello.ticket, mac);
+        return t.lane == hello.lane &&
+            constantTimeEqual(mac, hello.mac, kHelloMacBytes);
+      };
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = tickets_.find(ticket);
+      if (it != tickets_.end() && proves(it->second)) {
+        proved = true;
         channel = it->second.channel.lock();
         lane = it->second.lane;
         tickets_.erase(it); // single use; a wrong MAC spends nothing
+      } else if (
+          auto r = revoked_.find(ticket);
+          r != revoked_.end() && proves(r->second)) {
+        proved = true; // its connection closed as its peer dialled
       }
     }
+    if (!channel) {
+      counters_.hellosRefused.fetch_add(1, std::memory_order_relaxed);
+      if (!proved) {
+        strike(source);
+      }
+    }
+  } catch (...) {
+    ::close(fd);
+    throw;
   }
   if (!channel) {
-    counters_.hellosRefused.fetch_add(1, std::memory_order_relaxed);
-    strike(source);
     logWarningLimited(
         "lanes_no_ticket",
         "torch_rpc_ext: tcp_lanes refused a lane from " + source +

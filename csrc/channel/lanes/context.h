@@ -160,6 +160,7 @@ class LanesContext final : public Context {
     const LanesChannel* owner;
     uint16_t lane;
     std::string helloKey;
+    std::chrono::steady_clock::time_point revokedAt{}; // in revoked_
   };
   // A source address's recent hello failures.
   struct Strikes {
@@ -191,6 +192,7 @@ class LanesContext final : public Context {
   std::mutex mutex_;
   std::map<std::string, Listener> listeners_; // by address (mutex_)
   std::map<std::string, Ticket> tickets_; // by ticket bytes (mutex_)
+  std::map<std::string, Ticket> revoked_; // lately revoked (mutex_)
   std::map<std::string, Strikes> strikes_; // by source (accept threads)
   std::mutex strikesMutex_;
 };

@@ -9,6 +9,7 @@
 #include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -221,6 +222,7 @@ bool recvWithin(
     void* data,
     size_t size,
     int timeoutMs,
+    const std::function<bool()>& cancelled,
     std::string* error) {
   char* p = static_cast<char*>(data);
   auto due =
@@ -229,9 +231,19 @@ bool recvWithin(
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
                     due - std::chrono::steady_clock::now())
                     .count();
+    if (cancelled()) {
+      *error = "closing";
+      return false;
+    }
     pollfd pf{fd, POLLIN, 0};
-    int rc = left > 0 ? ::poll(&pf, 1, static_cast<int>(left)) : 0;
+    int rc = left > 0
+        ? ::poll(
+              &pf, 1, static_cast<int>(std::min<int64_t>(left, kDialSliceMs)))
+        : 0;
     if (rc == 0) {
+      if (left > kDialSliceMs) {
+        continue;
+      }
       *error = "timed out";
       return false;
     }

@@ -178,12 +178,14 @@ int bindAnyPort(
 // `error` set (the peer closed: "closed").
 bool sendAll(int fd, const void* data, size_t size, std::string* error);
 bool recvAll(int fd, void* data, size_t size, std::string* error);
-// recvAll within `timeoutMs` in all ("timed out": not all came in time).
+// recvAll within `timeoutMs` in all ("timed out": not all came in time),
+// or until `cancelled()` says so (asked every 100 ms: "closing").
 bool recvWithin(
     int fd,
     void* data,
     size_t size,
     int timeoutMs,
+    const std::function<bool()>& cancelled,
     std::string* error);
 
 } // namespace torch_rpc_ext::channel::lanes

@@ -281,7 +281,13 @@ bool LanesChannel::sayHello(
     const std::string& ticket,
     std::string* error) {
   uint8_t challenge[kChallengeBytes];
-  if (!recvWithin(fd, challenge, sizeof(challenge), kDialTimeoutMs, error)) {
+  if (!recvWithin(
+          fd,
+          challenge,
+          sizeof(challenge),
+          kDialTimeoutMs,
+          [this] { return stop_.load(); },
+          error)) {
     *error = "no challenge from the lanes' listener (" + *error + ")";
     return false;
   }
