@@ -112,36 +112,25 @@ void Group::joinLog(
   watcher_ = std::thread([this] { watch(); });
   // Return once every member knows us: a member may call us as soon as our
   // init_rpc returned (upstream's test_dynamic_rpc_existing_rank_...).
+  // Joined, but init_rpc fails: we leave again, then say why.
+  auto abandon = [&](const std::string& why) {
+    try {
+      std::lock_guard<std::mutex> lock(rosterMutex_);
+      log_->append(leaveRecord(incarnation_), roster_.epoch());
+    } catch (const std::exception&) {
+    }
+    stopWatcher();
+    TORCH_CHECK(false, "init_rpc of ", me.name, " ", why);
+  };
   std::vector<std::string> missing;
   if (!awaitAcks(epoch, deadline, &missing)) {
-    try {
-      std::lock_guard<std::mutex> lock(rosterMutex_);
-      log_->append(leaveRecord(incarnation_), roster_.epoch());
-    } catch (const std::exception&) {
-    }
-    stopWatcher();
-    TORCH_CHECK(
-        false,
-        "init_rpc of ",
-        me.name,
-        " timed out after ",
-        secondsText(joinTimeout),
-        " waiting for ",
-        c10::Join(", ", missing),
-        " to acknowledge its join");
+    abandon(
+        "timed out after " + secondsText(joinTimeout) + " waiting for " +
+        c10::Join(", ", missing) + " to acknowledge its join");
   }
   if (options_.secret.empty() && !exchange_.noteJoined()) {
-    try {
-      std::lock_guard<std::mutex> lock(rosterMutex_);
-      log_->append(leaveRecord(incarnation_), roster_.epoch());
-    } catch (const std::exception&) {
-    }
-    stopWatcher();
-    TORCH_CHECK(
-        false,
-        "init_rpc of ",
-        me.name,
-        " failed: the dynamic group started over with a new secret while we "
+    abandon(
+        "failed: the dynamic group started over with a new secret while we "
         "joined (nobody alive was left to seal the old one to newcomers); "
         "call init_rpc again to join the new group, or give the group a "
         "secret of its own");

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from tests.rpc.test_lanes import _listening_ports
+from tests.rpc.test_tls_wire import pump
 
 _testing = pytest.importorskip("torch_rpc_ext._testing")
 
@@ -68,28 +69,15 @@ def closed_within(sock, seconds):
         return False
 
 
-def pump(src, dst, mangle=None):
-    """`src` to `dst` through `mangle(offset, data)` until either ends."""
-    offset = 0
-    try:
-        while data := src.recv(65536):
-            out = mangle(offset, data) if mangle else data
-            offset += len(data)
-            dst.sendall(out)
-    except OSError:
-        pass
-    finally:
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+def _as_is(offset, data):
+    return data
 
 
-def splice(a, b, mangle_up=None):
-    """Both ways between `a` (the dialler) and `b`, in threads."""
+def splice(a, b, mangle_up=_as_is):
+    """Both ways between `a` (the dialler) and `b`, in threads (pump:
+    test_tls_wire.py's)."""
     threading.Thread(target=pump, args=(a, b, mangle_up), daemon=True).start()
-    threading.Thread(target=pump, args=(b, a), daemon=True).start()
+    threading.Thread(target=pump, args=(b, a, _as_is), daemon=True).start()
 
 
 class Tap:
