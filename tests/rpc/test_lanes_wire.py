@@ -144,6 +144,14 @@ class Wired:
         self.client.send(b"big", [(ctypes.addressof(buf), size, 0, 0, 0)])
         return payload
 
+    def lanes_up(self, timeout=30):
+        """Waits until the client's four lanes are dialled (until then
+        large segments ride the stream)."""
+        deadline = time.monotonic() + timeout
+        while lanes(self.client)["lanes_opened"] < 4:
+            assert time.monotonic() < deadline, lanes(self.client)
+            time.sleep(0.02)
+
     def received(self, timeout=30):
         got = self.server.receive(timeout)
         if got is None:
@@ -205,6 +213,7 @@ def test_a_lane_hello_seen_on_the_wire_proves_nothing_on_another_connection():
     try:
         payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
         assert w.received() == (b"big", [payload])
+        w.lanes_up()
         payload = w.send_big(8 * MB)  # striped
         assert w.received() == (b"big", [payload])
         assert len(seen["hello"]) == HELLO_BYTES, seen
@@ -251,6 +260,7 @@ def test_a_lane_record_altered_or_replayed_closes_that_connection_only(mutate, w
     try:
         payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
         assert w.received() == (b"big", [payload])
+        w.lanes_up()
         w.send_big(8 * MB)  # striped: lane 0's first record is tampered with
         expect_only_that_connection_closed(w, why)
     finally:
@@ -265,6 +275,7 @@ def test_lane_keys_are_replaced_by_volume(monkeypatch):
     try:
         payload = w.send_big(8 * MB)
         assert w.received() == (b"big", [payload])
+        w.lanes_up()
         payload = w.send_big(8 * MB)
         assert w.received() == (b"big", [payload])
         ours, theirs = lanes(w.client), lanes(w.server)
@@ -291,6 +302,7 @@ def test_a_source_whose_hellos_prove_nothing_is_held_off():
         # Others are not: the lanes come up from 127.0.0.2 as before.
         payload = w.send_big(8 * MB)
         assert w.received() == (b"big", [payload])
+        w.lanes_up()
         payload = w.send_big(8 * MB)
         assert w.received() == (b"big", [payload])
         assert lanes(w.client)["segments"] == 1
@@ -321,6 +333,7 @@ def test_mutated_hellos_are_all_refused_and_the_lanes_carry_on():
     try:
         payload = w.send_big(8 * MB)
         assert w.received() == (b"big", [payload])
+        w.lanes_up()
         hello = seen["hello"]
         tapped = next(t for t in w.taps if t.count > 0)  # the server's lanes
         port = tapped.port
