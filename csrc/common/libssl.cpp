@@ -228,18 +228,12 @@ Libssl loadSsl(std::string& error) {
   // The one Python's ssl module loaded, if any, first.
   const bool ours11 =
       ours->description.find("libcrypto.so.1.1") != std::string::npos;
-  if (ours11 ? loadFirstUsable(
-                   std::getenv(kLibsslTestEnv),
-                   kLibsslTestEnv,
-                   kLibsslNames11,
-                   bind,
-                   tried)
-             : loadFirstUsable(
-                   std::getenv(kLibsslTestEnv),
-                   kLibsslTestEnv,
-                   kLibsslNames,
-                   bind,
-                   tried)) {
+  if (loadFirstUsable(
+          std::getenv(kLibsslTestEnv),
+          kLibsslTestEnv,
+          ours11 ? kLibsslNames11 : kLibsslNames,
+          bind,
+          tried)) {
     return out;
   }
   error =

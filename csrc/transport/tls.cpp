@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/transport/tls.h"
 
-#include <fnmatch.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 
@@ -15,11 +14,11 @@
 
 #include "csrc/common/crypto.h"
 #include "csrc/common/libssl.h"
+#include "csrc/transport/tls_peer.h"
 
 #if __has_include(<openssl/ssl.h>)
 #include <openssl/err.h>
 #include <openssl/ssl.h>
-#include <openssl/x509v3.h>
 #define TORCH_RPC_EXT_OPENSSL_HEADERS 1
 #endif
 
@@ -47,16 +46,6 @@ constexpr int kErrorWantWrite = 3;
 constexpr int kErrorSyscall = 5;
 constexpr int kErrorZeroReturn = 6;
 constexpr int kKeyUpdateRequested = 1; // SSL_KEY_UPDATE_REQUESTED
-constexpr int kNidSubjectAltName = 85; // NID_subject_alt_name
-constexpr int kNidCommonName = 13; // NID_commonName
-constexpr int kGenDns = 2; // GEN_DNS
-constexpr int kGenUri = 6; // GEN_URI
-// OpenSSL's GENERAL_NAME: its type, then a union of pointers (the DNS and
-// URI names are ASN1_IA5STRINGs), a layout public since 0.9.
-struct GeneralName {
-  int type;
-  const asn1_string_st* value;
-};
 // ERR_GET_REASON's mask in 1.1.1 (3.x's is wider; the reasons we name fit).
 constexpr unsigned long kReasonMask = 0xFFF;
 constexpr unsigned long kBadRecordMac = 281; // SSL_R_DECRYPTION_FAILED_...
@@ -88,11 +77,6 @@ static_assert(kVerifyFailIfNoPeerCert == SSL_VERIFY_FAIL_IF_NO_PEER_CERT);
 static_assert(kFiletypePem == SSL_FILETYPE_PEM);
 static_assert(kErrorSsl == SSL_ERROR_SSL);
 static_assert(kKeyUpdateRequested == SSL_KEY_UPDATE_REQUESTED);
-static_assert(kNidSubjectAltName == NID_subject_alt_name);
-static_assert(kNidCommonName == NID_commonName);
-static_assert(kGenDns == GEN_DNS && kGenUri == GEN_URI);
-static_assert(offsetof(GENERAL_NAME, d) == offsetof(GeneralName, value));
-static_assert(offsetof(GENERAL_NAME, type) == offsetof(GeneralName, type));
 static_assert(kErrorWantRead == SSL_ERROR_WANT_READ);
 static_assert(kErrorWantWrite == SSL_ERROR_WANT_WRITE);
 static_assert(kErrorSyscall == SSL_ERROR_SYSCALL);
@@ -107,20 +91,13 @@ static_assert(kBioCtrlFlush == BIO_CTRL_FLUSH);
 static_assert(kBioNoClose == BIO_NOCLOSE);
 #endif
 
-// The pre-shared key's derivation label and the identity a client offers.
+// The pre-shared key's derivation label.
 constexpr const char* kPskLabel = "torch_rpc_ext/tls-psk/1";
-constexpr unsigned char kPskIdentity[] = "torch_rpc_ext/1";
-constexpr size_t kPskIdentityBytes = sizeof(kPskIdentity) - 1;
-// TLS_AES_128_GCM_SHA256's IANA code: the suite the PSK is bound to. The
-// suites offered all use SHA-256, as a TLS 1.3 PSK must match its hash.
-constexpr unsigned char kAes128GcmSha256[2] = {0x13, 0x01};
 constexpr const char* kPskSuites =
     "TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256";
 constexpr const char* kCertSuites =
     "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:"
     "TLS_CHACHA20_POLY1305_SHA256";
-// The ex_data slot SSL_set_app_data uses: our TlsContext.
-constexpr int kAppData = 0;
 
 // OpenSSL's error queue as text ("" when empty); empties it.
 std::string drainErrors(const Libssl& lib, unsigned long* first = nullptr) {
@@ -134,64 +111,6 @@ std::string drainErrors(const Libssl& lib, unsigned long* first = nullptr) {
     out += (out.empty() ? "" : "; ") + std::string(buf);
   }
   return out;
-}
-
-ssl_session_st* pskSession(ssl_st* ssl, const std::string& psk) {
-  const Libssl& lib = libssl();
-  const ssl_cipher_st* cipher = lib.SSL_CIPHER_find(ssl, kAes128GcmSha256);
-  if (cipher == nullptr) {
-    return nullptr;
-  }
-  ssl_session_st* s = lib.SSL_SESSION_new();
-  if (s == nullptr) {
-    return nullptr;
-  }
-  if (lib.SSL_SESSION_set1_master_key(
-          s, reinterpret_cast<const unsigned char*>(psk.data()), psk.size()) !=
-          1 ||
-      lib.SSL_SESSION_set_cipher(s, cipher) != 1 ||
-      lib.SSL_SESSION_set_protocol_version(s, kTls13) != 1) {
-    lib.SSL_SESSION_free(s);
-    return nullptr;
-  }
-  return s;
-}
-
-const TlsContext& contextOf(ssl_st* ssl) {
-  return *static_cast<const TlsContext*>(
-      libssl().SSL_get_ex_data(ssl, kAppData));
-}
-
-// Client: offer the group's key (OpenSSL frees the session).
-int useSessionCb(
-    ssl_st* ssl,
-    const evp_md_st* /*md*/,
-    const unsigned char** id,
-    size_t* idLength,
-    ssl_session_st** session) {
-  *session = pskSession(ssl, contextOf(ssl).psk());
-  if (*session == nullptr) {
-    return 0; // fails the handshake
-  }
-  *id = kPskIdentity;
-  *idLength = kPskIdentityBytes;
-  return 1;
-}
-
-// Server: the group's key for our identity; nothing for any other (the
-// handshake then fails: the server has no certificate to fall back on).
-int findSessionCb(
-    ssl_st* ssl,
-    const unsigned char* identity,
-    size_t identityLength,
-    ssl_session_st** session) {
-  *session = nullptr;
-  if (identityLength == kPskIdentityBytes &&
-      std::memcmp(identity, kPskIdentity, identityLength) == 0) {
-    *session = pskSession(ssl, contextOf(ssl).psk());
-    return *session != nullptr ? 1 : 0;
-  }
-  return 1;
 }
 
 // Our output BIO: OpenSSL's records go to the session's out_.
@@ -333,8 +252,7 @@ std::shared_ptr<TlsContext> TlsContext::create(
     fail("SSL_CTX_set_ciphersuites failed");
   }
   if (!mutual) {
-    lib.SSL_CTX_set_psk_use_session_callback(c->ctx_, useSessionCb);
-    lib.SSL_CTX_set_psk_find_session_callback(c->ctx_, findSessionCb);
+    usePreSharedKey(lib, c->ctx_);
     return c;
   }
   if (lib.SSL_CTX_use_certificate_chain_file(
@@ -401,7 +319,8 @@ std::unique_ptr<TlsSession> TlsContext::newSession(int fd, bool client) const {
   }
   lib.BIO_set_data(out, s.get());
   lib.SSL_set_bio(ssl, in, out); // the SSL owns both now
-  if (lib.SSL_set_ex_data(ssl, kAppData, const_cast<TlsContext*>(this)) != 1) {
+  if (lib.SSL_set_ex_data(
+          ssl, kTlsContextSlot, const_cast<TlsContext*>(this)) != 1) {
     throw std::runtime_error("SSL_set_ex_data failed: " + drainErrors(lib));
   }
   if (client) {
@@ -465,74 +384,6 @@ std::string TlsSession::errorText(const char* what, int result) const {
   return out;
 }
 
-bool TlsSession::peerNameMatches(std::string* error) const {
-  const Libssl& lib = libssl();
-  x509_st* cert = lib.SSL_get1_peer_certificate(ssl_);
-  if (cert == nullptr) {
-    *error = "the peer showed no certificate";
-    return false;
-  }
-  std::vector<std::string> names; // "DNS:x", "URI:y", "CN:z"
-  int critical = -1; // -1: no SAN extension; -2: more than one (refused)
-  auto* sans = static_cast<stack_st_GENERAL_NAME*>(
-      lib.X509_get_ext_d2i(cert, kNidSubjectAltName, &critical, nullptr));
-  if (sans == nullptr && critical == -2) {
-    lib.X509_free(cert);
-    *error =
-        "the peer's certificate has more than one subjectAltName extension";
-    return false;
-  }
-  if (sans != nullptr) {
-    auto* stack = reinterpret_cast<const stack_st*>(sans);
-    for (int i = 0; i < lib.OPENSSL_sk_num(stack); ++i) {
-      const auto* name =
-          static_cast<const GeneralName*>(lib.OPENSSL_sk_value(stack, i));
-      if (name == nullptr || (name->type != kGenDns && name->type != kGenUri)) {
-        continue;
-      }
-      const auto* text = lib.ASN1_STRING_get0_data(name->value);
-      int length = lib.ASN1_STRING_length(name->value);
-      std::string value(reinterpret_cast<const char*>(text), length);
-      if (value.find('\0') == std::string::npos) { // (else: a forgery)
-        names.push_back((name->type == kGenDns ? "DNS:" : "URI:") + value);
-      }
-    }
-    lib.GENERAL_NAMES_free(sans);
-  } else {
-    char cn[256] = {};
-    int length = lib.X509_NAME_get_text_by_NID(
-        lib.X509_get_subject_name(cert), kNidCommonName, cn, sizeof(cn));
-    // Whole and without NUL (a forgery would hide a suffix behind one).
-    if (length > 0 && length < static_cast<int>(sizeof(cn)) - 1 &&
-        std::strlen(cn) == static_cast<size_t>(length)) {
-      names.push_back(std::string("CN:") + cn);
-    }
-  }
-  lib.X509_free(cert);
-  const auto& patterns = context_->options_.peerNames;
-  for (const auto& name : names) {
-    const char* value = name.c_str() + name.find(':') + 1;
-    // DNS names (and CNs, which hold them) compare without case; URIs as
-    // they are. `*` matches across dots and slashes (fnmatch without flags).
-    const int flags = name.rfind("URI:", 0) == 0 ? 0 : FNM_CASEFOLD;
-    for (const auto& pattern : patterns) {
-      if (::fnmatch(pattern.c_str(), value, flags) == 0) {
-        return true;
-      }
-    }
-  }
-  auto join = [](const std::vector<std::string>& v) {
-    std::string out;
-    for (const auto& s : v) {
-      out += (out.empty() ? "" : ", ") + s;
-    }
-    return out.empty() ? std::string("none") : out;
-  };
-  *error = "the peer's certificate (names: " + join(names) +
-      ") matches none of tls_peer_names (" + join(patterns) + ")";
-  return false;
-}
-
 TlsSession::Step TlsSession::handshake(std::string* error) {
   std::lock_guard<std::mutex> lock(mutex_);
   const Libssl& lib = libssl();
@@ -561,9 +412,11 @@ TlsSession::Step TlsSession::handshake(std::string* error) {
           "one of ours?)";
       return Step::kFailed;
     }
-    if (context_->mutual() && !context_->options_.peerNames.empty() &&
-        !peerNameMatches(error)) {
-      return Step::kFailed;
+    if (context_->mutual() && !context_->options_.peerNames.empty()) {
+      *error = peerNameMismatch(lib, ssl_, context_->options_.peerNames);
+      if (!error->empty()) {
+        return Step::kFailed;
+      }
     }
     return Step::kDone;
   }
@@ -703,16 +556,7 @@ std::string TlsSession::describe() const {
   if (!context_->mutual()) {
     return out + ", pre-shared key from the group secret";
   }
-  std::string subject = "?";
-  if (x509_st* cert = lib.SSL_get1_peer_certificate(ssl_)) {
-    char buf[512];
-    if (lib.X509_NAME_oneline(
-            lib.X509_get_subject_name(cert), buf, sizeof(buf)) != nullptr) {
-      subject = buf;
-    }
-    lib.X509_free(cert);
-  }
-  return out + ", peer certificate " + subject;
+  return out + ", peer certificate " + peerSubject(lib, ssl_);
 }
 
 } // namespace torch_rpc_ext::transport

@@ -169,9 +169,6 @@ class TlsSession {
  private:
   TlsSession(std::shared_ptr<const TlsContext> context, ssl_st* ssl, int fd);
   friend class TlsContext;
-  // Whether the peer's certificate has a name tls_peer_names allows; else
-  // false with `error` naming its names and the patterns (mutex_ held).
-  bool peerNameMatches(std::string* error) const;
   // OpenSSL's error queue and the failing call's result, as text.
   std::string errorText(const char* what, int result) const;
   // send(2) out_ from outSent_: 1 when all of it is on the socket, 0 if the

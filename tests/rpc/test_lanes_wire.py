@@ -73,6 +73,13 @@ def _as_is(offset, data):
     return data
 
 
+def take_hello(dialler, upstream):
+    """Relays the listener's challenge to the dialler and returns the hello
+    it answers with, not passed on (the caller decides)."""
+    dialler.sendall(recv_exact(upstream, CHALLENGE_BYTES))
+    return recv_exact(dialler, HELLO_BYTES)
+
+
 def splice(a, b, mangle_up=_as_is):
     """Both ways between `a` (the dialler) and `b`, in threads (pump:
     test_tls_wire.py's)."""
@@ -194,12 +201,9 @@ def test_a_lane_hello_seen_on_the_wire_proves_nothing_on_another_connection():
     def replay_first(dialler, upstream, index):
         if index > 0 or "hello" in seen:
             return splice(dialler, upstream)
-        # Relay the listener's challenge, keep the hello the client answers
-        # with, and present it first on a connection of our own.
-        challenge = recv_exact(upstream, CHALLENGE_BYTES, timeout=1.0)
-        dialler.sendall(challenge)
-        hello = recv_exact(dialler, HELLO_BYTES, timeout=2.0)
-        seen["hello"] = hello
+        # Keep the hello the client answers with, and present it first on a
+        # connection of our own.
+        seen["hello"] = hello = take_hello(dialler, upstream)
         with socket.create_connection(("127.0.0.1", upstream.getpeername()[1]), timeout=5) as mine:
             recv_exact(mine, CHALLENGE_BYTES, timeout=1.0)  # a fresh one, not answered
             mine.sendall(hello)
@@ -233,8 +237,7 @@ def tamper_after_hello(mutate):
     def handle(dialler, upstream, index):
         if index > 0:
             return splice(dialler, upstream)
-        dialler.sendall(recv_exact(upstream, CHALLENGE_BYTES))
-        upstream.sendall(recv_exact(dialler, HELLO_BYTES))
+        upstream.sendall(take_hello(dialler, upstream))
         header = recv_exact(dialler, HEADER_BYTES, timeout=30)
         length = int.from_bytes(header[24:28], "little")
         record = header + recv_exact(dialler, length + 16, timeout=30)
@@ -323,9 +326,7 @@ def test_mutated_hellos_are_all_refused_and_the_lanes_carry_on():
     def capture_first(dialler, upstream, index):
         if index > 0 or "hello" in seen:
             return splice(dialler, upstream)
-        challenge = recv_exact(upstream, CHALLENGE_BYTES, timeout=1.0)
-        dialler.sendall(challenge)
-        seen["hello"] = hello = recv_exact(dialler, HELLO_BYTES, timeout=2.0)
+        seen["hello"] = hello = take_hello(dialler, upstream)
         upstream.sendall(hello)
         splice(dialler, upstream)
 
