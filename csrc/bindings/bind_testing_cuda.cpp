@@ -14,7 +14,7 @@
 #include "csrc/channel/cuda/copy_engine.h"
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/exported_memory.h"
-#include "csrc/channel/cuda/ipc_channel.h"
+#include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/common/libcuda.h"
 
 namespace torch_rpc_ext::bindings {

@@ -40,8 +40,8 @@
 #include <string>
 #include <vector>
 
-#include "csrc/channel/cuda/block.h"
-#include "csrc/channel/cuda/ipc_channel.h"
+#include "csrc/channel/cuda_ipc/block.h"
+#include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/channel/registry.h"
 #include "csrc/channel/shm/context.h"
 #include "csrc/channel/shm/ring.h"

@@ -53,7 +53,24 @@ def code_without_comments(path: Path) -> str:
 
 
 def test_the_channel_folders_are_found():
-    assert {"shm", "cuda"} <= set(CHANNEL_FOLDERS)
+    assert {"shm", "cuda", "cuda_ipc", "cuda_staged"} <= set(CHANNEL_FOLDERS)
+
+
+def test_the_cuda_channels_share_the_device_layer_and_not_each_other():
+    # csrc/channel/cuda is the device layer (driver, memory, copy engine,
+    # staging pools) under the two CUDA channels, as TensorPipe's cuda
+    # helpers sit under its cuda_ipc and cuda_basic: it includes neither,
+    # and neither includes the other.
+    rules = {"cuda": ("cuda_ipc", "cuda_staged"), "cuda_ipc": ("cuda_staged",),
+             "cuda_staged": ("cuda_ipc",)}
+    bad = [
+        (p.relative_to(ROOT).as_posix(), inc)
+        for folder, banned in rules.items()
+        for p in sources(CSRC / "channel" / folder)
+        for inc in includes(p)
+        if any(inc.startswith(f"csrc/channel/{b}/") for b in banned)
+    ]
+    assert not bad, bad
 
 
 def test_the_tree_has_the_layers():

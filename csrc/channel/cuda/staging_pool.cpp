@@ -10,7 +10,6 @@
 
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/device_memory.h"
-#include "csrc/channel/cuda/staged_channel.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
 

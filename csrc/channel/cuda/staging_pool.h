@@ -21,6 +21,11 @@ namespace torch_rpc_ext::channel::cuda {
 // whose last use may still run is reused or freed only once an event says
 // it has finished).
 
+// At most this much pinned memory per device is in use at once (both
+// directions), and what stays unused this long is freed.
+constexpr uint64_t kMaxPinnedBytes = uint64_t(8) << 30;
+constexpr int64_t kStagedIdleMs = 5000;
+
 // A CUevent of the pool's, back in the pool when the last holder lets go.
 using PooledEvent = std::shared_ptr<CUevent_st>;
 

@@ -10,9 +10,9 @@
 
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/engines.h"
-#include "csrc/channel/cuda/ipc_channel.h"
-#include "csrc/channel/cuda/ipc_lease.h"
 #include "csrc/channel/cuda/staging_pool.h"
+#include "csrc/channel/cuda_ipc/ipc_channel.h"
+#include "csrc/channel/cuda_ipc/ipc_lease.h"
 #include "csrc/common/libcuda.h"
 
 namespace torch_rpc_ext::channel::cuda {

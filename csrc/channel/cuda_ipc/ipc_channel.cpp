@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // cuda_ipc's sending side (ipc_channel.h): our pool of device blocks lent
 // to the peer, the copies of a frame's segments into them, and their return.
-#include "csrc/channel/cuda/ipc_channel.h"
+#include "csrc/channel/cuda_ipc/ipc_channel.h"
 
 #include <unistd.h>
 
@@ -12,7 +12,7 @@
 
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/engines.h"
-#include "csrc/channel/cuda/ipc_lease.h"
+#include "csrc/channel/cuda_ipc/ipc_lease.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
 

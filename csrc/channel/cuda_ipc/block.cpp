@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: BSD-3-Clause
-#include "csrc/channel/cuda/block.h"
+#include "csrc/channel/cuda_ipc/block.h"
 
 #include <chrono>
 #include <cstring>

@@ -50,8 +50,6 @@ void releaseAfter(int device, CUstream stream, std::function<void()> release);
 // its first byte, on the loop thread.
 
 constexpr uint64_t kStagedChunkBytes = uint64_t(4) << 20;
-constexpr uint64_t kMaxPinnedBytes = uint64_t(8) << 30;
-constexpr int64_t kStagedIdleMs = 5000;
 // Segments up to this size, of one frame, device and stream, are gathered
 // into one buffer (each at an offset aligned to kStagedAlign).
 constexpr uint64_t kGatherMaxBytes = uint64_t(1) << 20;

@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // cuda_ipc's lease on a received block (ipc_lease.h).
-#include "csrc/channel/cuda/ipc_lease.h"
+#include "csrc/channel/cuda_ipc/ipc_lease.h"
 
 #include <algorithm>
 #include <exception>
 #include <string>
 
 #include "csrc/channel/cuda/device.h"
-#include "csrc/channel/cuda/ipc_channel.h"
+#include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
 

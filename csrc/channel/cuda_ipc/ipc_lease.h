@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "csrc/channel/channel.h"
-#include "csrc/channel/cuda/block.h"
+#include "csrc/channel/cuda_ipc/block.h"
 
 namespace torch_rpc_ext::channel::cuda {
 

@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "csrc/channel/channel.h"
-#include "csrc/channel/cuda/block.h"
 #include "csrc/channel/cuda/copy_engine.h"
 #include "csrc/channel/cuda/staging_pool.h"
+#include "csrc/channel/cuda_ipc/block.h"
 #include "csrc/channel/lending.h"
 
 namespace torch_rpc_ext::channel::cuda {

@@ -2,7 +2,7 @@
 // cuda_staged (staged_channel.h), receiving: the pinned memory a segment
 // lands in, the copies onto its device, and the device memory a received
 // tensor views; and the channel's context. Sending: staged_sender.cpp.
-#include "csrc/channel/cuda/staged_channel.h"
+#include "csrc/channel/cuda_staged/staged_channel.h"
 
 #include <algorithm>
 #include <mutex>

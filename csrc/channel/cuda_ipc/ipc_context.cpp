@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "csrc/channel/cuda/device.h"
-#include "csrc/channel/cuda/ipc_channel.h"
+#include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/common/host.h"
 
 namespace torch_rpc_ext::channel::cuda {
