@@ -17,8 +17,15 @@ after warm-up:
   (ext_zero_copy)                  ours with cuda_zero_copy=True, the cases
                                    above but the recipe: what landing received
                                    tensors in torch's allocator costs
-                                   (`time_copy_over_zero_copy`; each of ours
-                                   rows has `copies_per_call`, both ends)
+                                   (`time_copy_over_zero_copy`)
+
+Each of ours rows has `costs_per_call`: what one round trip costs after
+warm-up, both ends, less the harness's own syncs: device copies (`landed`,
+`landing_launches`, `landing_allocations`, `ipc_launches`), frames and control frames sent, socket
+reads and writes, loop wake-ups, torch's allocations, and on the fake driver
+every driver call by entry point and grouped (allocations, launches,
+memcpys, stream waits, event records/queries/creates, context switches, host
+waits). tests/cuda_driver/test_cuda_bench.py holds budgets for them.
   staged_400MB                     ours with device_channels=("cuda_staged",),
                                    beside `pcie_floor_400MB`: one copy of
                                    400 MB to pinned host memory and one back,
@@ -158,20 +165,128 @@ def device_copies() -> dict[str, int]:
     (segments, launches) and the channels' launches."""
     m = rpc.api._get_current_rpc_agent().get_metrics()
     keys = {"rpc_ext.cuda.landed_segments": "landed", "rpc_ext.cuda.landing_launches":
-            "landing_launches", "rpc_ext.channel.cuda_ipc.launches": "ipc_launches"}
+            "landing_launches", "rpc_ext.cuda.landing_allocations": "landing_allocations",
+            "rpc_ext.channel.cuda_ipc.launches": "ipc_launches"}
     return {short: int(m.get(k, 0)) for k, short in keys.items()}
 
 
-def both_copies() -> dict[str, int]:
-    """device_copies() of the caller and the callee, summed."""
-    mine, theirs = device_copies(), rpc.rpc_sync("callee", device_copies)
-    return {k: mine[k] + theirs[k] for k in mine}
+# What a message costs, from the agent's transports (every backend's
+# counters summed: shm and tcp) ...
+WIRE = {"frames_sent": "frames", "control_frames_sent": "control_frames",
+        "socket_writes": "socket_writes", "socket_reads": "socket_reads",
+        "loop_wakes": "loop_wakes"}
+# ... and, on the fake driver, in driver calls, grouped by what they do.
+DRIVER_GROUPS = {
+    "allocations": ("cuMemAlloc_v2", "cuMemCreate", "cuMemHostAlloc"),
+    "frees": ("cuMemFree_v2", "cuMemRelease", "cuMemFreeHost"),
+    "launches": ("cuLaunchKernel",),
+    "memcpys": ("cuMemcpyAsync", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2",
+                "cuMemcpyDtoDAsync_v2"),
+    "stream_waits": ("cuStreamWaitEvent",),
+    "event_records": ("cuEventRecord",),
+    "event_queries": ("cuEventQuery",),
+    "event_creates": ("cuEventCreate",),
+    "context_switches": ("cuCtxSetCurrent", "cuCtxGetCurrent"),
+    "host_waits": ("cuStreamSynchronize", "cuEventSynchronize"),
+}
+
+
+def fake_driver_stats() -> dict | None:
+    """The fake driver's counters (tests/cuda_fake), None on a real one."""
+    import ctypes
+    import json
+
+    path = os.environ.get("TORCH_RPC_EXT_LIBCUDA")
+    if not path:
+        return None
+    lib = ctypes.CDLL(path)  # the library the extension loaded: one state
+    if not hasattr(lib, "fake_cuda_stats"):
+        return None
+    buf = ctypes.create_string_buffer(1 << 17)
+    n = lib.fake_cuda_stats(buf, len(buf))
+    return json.loads(buf.raw[:n])
+
+
+def costs() -> dict[str, int]:
+    """This worker's running totals of what messages cost: frames, system
+    calls and wake-ups (any driver); on the fake driver, every driver call
+    by entry point (`cu*` keys) and torch's allocations (the fake caching
+    allocator's blocks made); on a GPU, torch's cudaMalloc segments."""
+    out = {short: 0 for short in WIRE.values()}
+    for key, value in rpc.api._get_current_rpc_agent().get_metrics().items():
+        counter = key.rsplit(".", 1)[-1]
+        if counter in WIRE and key.count(".") == 2:  # rpc_ext.<transport>.<counter>
+            out[WIRE[counter]] += int(value)
+    out.update(device_copies())
+    stats = fake_driver_stats()
+    if stats is not None:
+        out.update(stats["calls"])
+        from torch_rpc_ext import _testing
+
+        out["torch_allocations"] = _testing.cuda.allocator_stats()["allocated"]
+    elif torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["torch_allocations"] = torch.cuda.memory_stats(DEVICE).get(
+            "segment.all.allocated", 0)
+    return out
+
+
+def both_costs() -> tuple[dict[str, int], dict[str, int]]:
+    """costs() of the callee, then of the caller (in that order, so that the
+    caller's window holds none of this call's own frames)."""
+    theirs = rpc.rpc_sync("callee", costs)
+    return costs(), theirs
+
+
+def window(before, after) -> tuple[dict[str, int], dict[str, int]]:
+    """What each end (caller, callee) counted between two both_costs()."""
+    return tuple({k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}
+                 for a, b in zip(after, before))
+
+
+def harness_cost(dev: Devices, calls: int) -> tuple:
+    """What a window costs each end with no RPC in it: once (the counting
+    calls at its ends) and per call (the two syncs around each)."""
+    empty = window(both_costs(), both_costs())
+    before = both_costs()
+    for _ in range(calls):
+        dev.sync()
+        dev.sync()
+    synced = window(before, both_costs())
+    each = tuple({k: (s.get(k, 0) - e.get(k, 0)) / calls for k in s}
+                 for s, e in zip(synced, empty))
+    return empty, each
+
+
+def summarize_costs(delta: tuple, calls: int, harness: tuple) -> dict:
+    """Per round trip, both ends summed, less the harness's own share
+    (`harness`: harness_cost()): the groups of DRIVER_GROUPS, the wire
+    counters, and every driver entry point that moved, per end."""
+    once, each = harness
+    ends = [{k: round((d.get(k, 0) - o.get(k, 0)) / calls - e.get(k, 0), 2) for k in d}
+            for d, o, e in zip(delta, once, each)]
+    net = {k: round(sum(end.get(k, 0) for end in ends), 2) for end in ends for k in end}
+    out = {short: net.get(short, 0) for short in WIRE.values()}
+    out["torch_allocations"] = net.get("torch_allocations", 0)
+    for k in ("landed", "landing_launches", "landing_allocations", "ipc_launches"):
+        out[k] = net.get(k, 0)
+    if any(k.startswith("cu") for k in net):  # the fake driver's counts
+        driver = {k: v for k, v in net.items() if k.startswith("cu") and v}
+        for group, names in DRIVER_GROUPS.items():
+            out[group] = round(sum(driver.get(n, 0) for n in names), 2)
+        out["allocations"] = round(out["allocations"] + out["torch_allocations"], 2)
+        out["driver_calls"] = round(sum(driver.values()), 2)
+        out["driver"] = {
+            end: dict(sorted((k, v) for k, v in counts.items() if k.startswith("cu") and v))
+            for end, counts in zip(("caller", "callee"), ends)}
+    return out
 
 
 def world(rank, world_size, backend_key, channels, cases, cfg):
     dev = _init(rank, backend_key, channels, cfg.fake, cfg.zero_copy)
     rows = []
     if rank == 0:
+        ours = backend_key == "TORCH_RPC_EXT"
+        harness = harness_cost(dev, cfg.calls) if ours else None
         for case, kind, size in cases:
             if kind == "identity":
                 arg = dev.tensor(size)
@@ -182,9 +297,10 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
             else:
                 arg = dev.tensor(size * size * 2)
             calls = cfg.calls if size < 64 * MB else cfg.calls_large
-            counted = backend_key == "TORCH_RPC_EXT" and both_copies()
             samples = []
             for i in range(cfg.warmup + calls):
+                if ours and i == cfg.warmup:
+                    before = both_costs()  # after warm-up: the steady state
                 dev.sync()
                 t0 = time.perf_counter()
                 out = rpc.rpc_sync("callee", identity, args=(arg,))
@@ -193,13 +309,12 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
                     samples.append(time.perf_counter() - t0)
                 del out
             row = {"case": case, **summarize(samples)}
-            if counted:
-                # Device copies per round trip, both ends: what landing in
-                # torch's memory adds (compare ext_zero_copy's rows).
-                after = both_copies()
-                row["copies_per_call"] = {
-                    k: round((after[k] - counted[k]) / (cfg.warmup + calls), 2)
-                    for k in after}
+            if ours:
+                # What one round trip costs, both ends, after warm-up:
+                # device copies (compare ext_zero_copy's rows), frames,
+                # system calls, wake-ups, and on the fake every driver call.
+                row["costs_per_call"] = summarize_costs(
+                    window(before, both_costs()), calls, harness)
             rows.append(row)
         if cfg.recipe:
             rows.append(recipe(cfg))
@@ -242,6 +357,8 @@ def main(argv=None):
     p.add_argument("--recipe-rounds", type=int, default=5)
     p.add_argument("--backends", nargs="+", default=["ext", "tensorpipe"],
                    choices=["ext", "tensorpipe"])
+    p.add_argument("--cases", nargs="+", metavar="CASE",
+                   help="only these cases (e.g. identity_4KB many_1000x1KB)")
     p.add_argument("--chart", type=Path, help="write a PNG chart of the ratios (matplotlib)")
     p.add_argument("--out", type=Path)
     cfg = p.parse_args(argv)
@@ -250,7 +367,7 @@ def main(argv=None):
             p.error("--fake needs TORCH_RPC_EXT_LIBCUDA naming the fake driver")
         cfg.backends = ["ext"]
     if cfg.fake or cfg.smoke:
-        cfg.calls, cfg.calls_large, cfg.warmup, cfg.recipe_rounds = 5, 2, 1, 1
+        cfg.calls, cfg.calls_large, cfg.warmup, cfg.recipe_rounds = 5, 2, 2, 1
     out = cfg.out.open("w") if cfg.out else None
 
     def record(row):
@@ -259,6 +376,11 @@ def main(argv=None):
             emit(row, out)
 
     cases = cases_for(cfg)
+    if cfg.cases:
+        unknown = set(cfg.cases) - {c[0] for c in cases}
+        if unknown:
+            p.error(f"unknown cases {sorted(unknown)}: {[c[0] for c in cases]}")
+        cases = [c for c in cases if c[0] in cfg.cases]
     results: dict[tuple[str, str], dict] = {}
     plans = [(name, key, None) for name, key in
              (("ext", "TORCH_RPC_EXT"), ("tensorpipe", "TENSORPIPE")) if name in cfg.backends]
@@ -274,6 +396,8 @@ def main(argv=None):
             these = [c for c in cases if c[0] in ("identity_400MB", "identity_4MB")]
         if name == "ext_zero_copy":
             these = [c for c in cases if c[1] != "contiguous"]
+        if not these:
+            continue
         rows, _ = run_world(world, 2, key, channels or ("cuda_ipc", "cuda_staged"), these, cfg,
                             timeout=1800)
         for row in rows:

@@ -10,6 +10,8 @@
 #include <ATen/Context.h>
 #include <ATen/ops/empty.h>
 
+#include <c10/core/Event.h>
+
 #include <algorithm>
 #include <optional>
 #include <unordered_map>
@@ -107,41 +109,106 @@ void AgentDevices::prepare() const {
   }
 }
 
-std::vector<c10::DataPtr> AgentDevices::land(
-    const c10::Stream& stream,
+AgentDevices::Landing& AgentDevices::landingLocked(
+    c10::DeviceIndex device) const {
+  for (auto& l : landingStreams_) {
+    if (l->stream.device_index() == device) {
+      return *l;
+    }
+  }
+  // One per device for the process's agent, from torch's high-priority
+  // pool (the landing copies are short and gate the user's work).
+  c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+  landingStreams_.push_back(
+      std::make_unique<Landing>(Landing{
+          impl.getStreamFromGlobalPool(
+              c10::Device(c10::kCUDA, device), /*isHighPriority=*/true),
+          c10::Event(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT)}));
+  return *landingStreams_.back();
+}
+
+c10::Stream AgentDevices::landingStream(c10::DeviceIndex device) const {
+  std::lock_guard<std::mutex> lock(landingMu_);
+  return landingLocked(device).stream;
+}
+
+wire::InboundMessage::Landed AgentDevices::land(
+    const c10::Stream& arrival,
     const std::vector<std::pair<uintptr_t, size_t>>& spans) {
   initTorchCuda(); // the backstop (prepare() ran it at init_rpc)
-  std::vector<c10::DataPtr> out;
-  out.reserve(spans.size());
+  const c10::Stream stream = landingStream(arrival.device_index());
+  wire::InboundMessage::Landed out;
+  out.places.reserve(spans.size());
   std::vector<channel::DeviceCopy> copies;
   copies.reserve(spans.size());
+  // Where each span goes: small ones packed into shared allocations of up
+  // to kLandPackBytes (each at a 256-byte-aligned offset), a larger one in
+  // an allocation of its own.
+  std::optional<uint32_t> pack; // the allocation small spans go into
+  for (const auto& [address, size] : spans) {
+    const uint64_t at = pack ? (out.sizes[*pack] + 255) / 256 * 256 : 0;
+    if (size > kLandPackMaxSegment || !pack || at + size > kLandPackBytes) {
+      if (size <= kLandPackMaxSegment) {
+        pack = static_cast<uint32_t>(out.sizes.size());
+      }
+      out.places.emplace_back(static_cast<uint32_t>(out.sizes.size()), 0);
+      out.sizes.push_back(size);
+      continue;
+    }
+    out.places.emplace_back(*pack, at);
+    out.sizes[*pack] = at + size;
+  }
   uint64_t bytes = 0;
   {
     // Torch's caching allocator takes the current stream as the one the
-    // memory is used on: a block freed on it is reused on it at once, and
-    // on any other only after the streams recorded on it (record_stream,
-    // a future's wait()) have passed the free.
+    // memory is used on: all landings of a device allocate on its one
+    // landing stream, so a block freed by an earlier message is reused at
+    // once (on any other stream only after the streams recorded on it, by
+    // record_stream or a future's wait(), have passed its free).
     c10::StreamGuard guard(stream);
     c10::Allocator* allocator = c10::GetAllocator(c10::kCUDA);
     // Our thread, in relaxed capture mode: a user's global-mode capture
     // elsewhere stays valid.
     channel::withRelaxedCudaCapture([&] {
-      for (const auto& [address, size] : spans) {
-        out.push_back(allocator->allocate(size));
-        copies.push_back(
-            {reinterpret_cast<uintptr_t>(out.back().get()), address, size});
-        bytes += size;
+      for (uint64_t size : out.sizes) {
+        out.allocations.push_back(allocator->allocate(size));
       }
     });
+  }
+  for (size_t k = 0; k < spans.size(); ++k) {
+    const auto [a, offset] = out.places[k];
+    copies.push_back(
+        {reinterpret_cast<uintptr_t>(out.allocations[a].get()) + offset,
+         spans[k].first,
+         spans[k].second});
+    bytes += spans[k].second;
   }
   c10::impl::VirtualGuardImpl impl(c10::kCUDA);
   channel::copyOnCudaDevice(
       stream.device_index(),
       reinterpret_cast<uintptr_t>(impl.getStreamNativeHandle(stream)),
       copies);
+  // The message's work runs on its arrival stream: after the copies, and
+  // known to the allocator as a user of the memory (so a block is reused
+  // only once that stream's work queued by the tensors' death is done).
+  if (arrival != stream) {
+    {
+      // One event per device, recorded and waited on under the lock: a
+      // wait takes the record made just before it.
+      std::lock_guard<std::mutex> lock(landingMu_);
+      Landing& l = landingLocked(stream.device_index());
+      l.copied.record(stream);
+      l.copied.block(arrival);
+    }
+    for (const auto& p : out.allocations) {
+      impl.recordDataPtrOnStream(p, arrival);
+    }
+  }
   landings_.fetch_add(1, std::memory_order_relaxed);
   landed_.fetch_add(spans.size(), std::memory_order_relaxed);
   landedBytes_.fetch_add(bytes, std::memory_order_relaxed);
+  landedAllocations_.fetch_add(
+      out.allocations.size(), std::memory_order_relaxed);
   return out;
 }
 
@@ -332,7 +399,8 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
   if (!options_.cudaZeroCopy) {
     landing = [&](c10::DeviceIndex device,
                   uintptr_t,
-                  const std::vector<std::pair<uintptr_t, size_t>>& spans) {
+                  const std::vector<std::pair<uintptr_t, size_t>>& spans)
+        -> wire::InboundMessage::Landed {
       const c10::Stream& stream = streamOf(device);
       return local(
           "landing " +
@@ -357,8 +425,15 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
         buffers,
         [&](c10::DeviceIndex device) {
           // (streamOf first: a device not ours is a ReceiveFailure, even
-          // where torch has no CUDA at all.)
-          const c10::Stream& stream = streamOf(device);
+          // where torch has no CUDA at all.) The regions are made ready on
+          // the stream that reads them: the device's landing stream where
+          // they are copied into torch's memory, else the arrival stream.
+          const c10::Stream& arrival = streamOf(device);
+          const c10::Stream stream = options_.cudaZeroCopy
+              ? arrival
+              : local("no CUDA landing stream", [&] {
+                  return landingStream(device);
+                });
           c10::impl::VirtualGuardImpl impl(c10::kCUDA);
           return reinterpret_cast<uintptr_t>(
               impl.getStreamNativeHandle(stream));
@@ -382,6 +457,8 @@ void AgentDevices::addMetrics(
   m["rpc_ext.cuda.landing_launches"] = std::to_string(landings_.load());
   m["rpc_ext.cuda.landed_segments"] = std::to_string(landed_.load());
   m["rpc_ext.cuda.landed_bytes"] = std::to_string(landedBytes_.load());
+  m["rpc_ext.cuda.landing_allocations"] =
+      std::to_string(landedAllocations_.load());
   m["rpc_ext.cuda.from_host_segments"] = std::to_string(fromHost_.load());
   m["rpc_ext.cuda.to_host_tensors"] = std::to_string(toHost_.load());
   m["rpc_ext.cuda.receive_failures"] = std::to_string(failures_.load());

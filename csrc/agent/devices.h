@@ -7,17 +7,20 @@
 //
 // Threads: every member may be called from any thread (the caller's in
 // send(), loop threads as frames arrive, pool threads serving requests).
-// The only state is the options (const) and the landing counters (atomic):
-// no lock.
+// The state is the options (const), the landing counters (atomic) and the
+// landing streams (landingMu_).
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/rpc/message.h>
 #include <torch/csrc/distributed/rpc/types.h>
@@ -37,6 +40,11 @@ class ReceiveFailure : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+// Received CUDA segments up to this size share torch allocations of up to
+// kLandPackBytes (AgentDevices::land).
+constexpr uint64_t kLandPackMaxSegment = uint64_t(1) << 20;
+constexpr uint64_t kLandPackBytes = uint64_t(4) << 20;
 
 class AgentDevices {
  public:
@@ -110,9 +118,23 @@ class AgentDevices {
   // tensors follow torch's stream rules: record_stream and a future's
   // wait() on another stream keep the memory from reuse until that
   // stream's work is done.
-  std::vector<c10::DataPtr> land(
-      const c10::Stream& stream,
+  //
+  // The copies run on the device's landing stream (landingStream()), where
+  // all landings allocate, so torch's cache serves them after the first
+  // messages; the arrival stream waits for them. Segments up to
+  // kLandPackMaxSegment share allocations of up to kLandPackBytes: one
+  // allocation for a message of many small tensors, whose storages are then
+  // one (each tensor a view at its own offset).
+  wire::InboundMessage::Landed land(
+      const c10::Stream& arrival,
       const std::vector<std::pair<uintptr_t, size_t>>& spans);
+  // The device's landing stream, taken from torch's pool once.
+  c10::Stream landingStream(c10::DeviceIndex device) const;
+  struct Landing {
+    c10::Stream stream;
+    c10::Event copied; // recorded after each landing's copies
+  };
+  Landing& landingLocked(c10::DeviceIndex device) const; // landingMu_ held
   // The same for host storages ({"cpu": d} maps): each copied onto the
   // device on `stream`, and held until the copy has read it.
   std::vector<c10::DataPtr> landFromHost(
@@ -132,6 +154,9 @@ class AgentDevices {
   std::atomic<uint64_t> landings_{0}; // launches (one per device)
   std::atomic<uint64_t> landed_{0};
   std::atomic<uint64_t> landedBytes_{0};
+  std::atomic<uint64_t> landedAllocations_{0};
+  mutable std::mutex landingMu_;
+  mutable std::vector<std::unique_ptr<Landing>> landingStreams_; // per device
   std::atomic<uint64_t> fromHost_{0}; // segments landed from host bytes
   mutable std::atomic<uint64_t> toHost_{0}; // CUDA tensors sent as host copies
   std::atomic<uint64_t> failures_{0}; // messages that could not land

@@ -278,19 +278,21 @@ class FakeCudaGuard final : public c10::impl::DeviceGuardImplInterface {
   c10::Stream getDefaultStream(c10::Device d) const override {
     return stream(d.index(), 0);
   }
-  // A fixed pool per device, handed out in turn (as c10::cuda's), so that
-  // a long test does not grow streams and their threads without bound.
-  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+  // A fixed pool per device and priority, handed out in turn (as
+  // c10::cuda's), so that a long test does not grow streams and their
+  // threads without bound.
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool high) const override {
+    const auto key = std::make_pair(d.index(), high);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto& pool = pools_[d.index()];
+      auto& pool = pools_[key];
       if (pool.streams.size() >= kPoolSize) {
         return pool.streams[pool.next++ % kPoolSize];
       }
     }
     c10::Stream s = getNewStream(d, 0); // takes mu_ itself
     std::lock_guard<std::mutex> lock(mu_);
-    pools_[d.index()].streams.push_back(s);
+    pools_[key].streams.push_back(s);
     return s;
   }
   c10::Stream getNewStream(c10::Device d, int) const override {
@@ -392,7 +394,7 @@ class FakeCudaGuard final : public c10::impl::DeviceGuardImplInterface {
   };
   mutable std::mutex mu_;
   mutable std::vector<CUstream> streams_; // never destroyed: ids stay valid
-  mutable std::map<c10::DeviceIndex, Pool> pools_;
+  mutable std::map<std::pair<c10::DeviceIndex, bool>, Pool> pools_;
 };
 
 thread_local c10::DeviceIndex FakeCudaGuard::current_ = 0;

@@ -99,12 +99,19 @@ class InboundMessage {
   frame::InboundBuffers buffers(const std::shared_ptr<InboundMessage>& self);
 
   // Where CUDA segments' bytes end up: copies of the channel's device
-  // memory in memory of torch's CUDA allocator, made on the arrival stream.
-  // Given `device`, its arrival stream (a CUstream, as an integer) and the
+  // memory in memory of torch's CUDA allocator. Given `device`, the stream
+  // the regions were made ready on (a CUstream, as an integer) and the
   // spans (address, bytes) of the channel's memory in segment order, it
-  // returns one allocation per span, each holding that span's bytes for
-  // work queued on the stream from now on.
-  using DeviceLanding = std::function<std::vector<c10::DataPtr>(
+  // returns allocations and, per span, the allocation and byte offset that
+  // hold its bytes for work queued on the arrival stream from now on.
+  // Several small spans may share one allocation (their tensors then view
+  // one storage at different offsets); an offset is a multiple of 256.
+  struct Landed {
+    std::vector<c10::DataPtr> allocations;
+    std::vector<uint64_t> sizes; // of each allocation, bytes
+    std::vector<std::pair<uint32_t, uint64_t>> places; // per span
+  };
+  using DeviceLanding = std::function<Landed(
       c10::DeviceIndex device,
       uintptr_t stream,
       const std::vector<std::pair<uintptr_t, size_t>>& spans)>;
@@ -177,6 +184,9 @@ class InboundMessage {
   std::vector<char> payload_;
   std::vector<uint64_t> sizes_; // of every segment, if any is provided
   std::vector<c10::Storage> storages_; // one per segment after the payload
+  // Per segment after the payload, where a landing packed several into one
+  // storage: the byte offset of its bytes in it (else empty).
+  std::vector<uint64_t> storageOffsets_;
   std::vector<TensorMeta> tensors_;
   // Per segment after the payload: the CUDA device of its tensors, or -1.
   std::vector<int8_t> segmentDevices_;

@@ -164,17 +164,24 @@ c10::Storage allocateSegment(
 
 at::Tensor buildDense(
     const InboundMessage::DenseMeta& m,
-    const std::vector<c10::Storage>& storages) {
+    const std::vector<c10::Storage>& storages,
+    const std::vector<uint64_t>& storageOffsets) {
   at::Tensor t;
   if (m.device >= 0) {
     // A view of device memory: made directly, since at::empty() and set_()
-    // would go through the device's kernels.
+    // would go through the device's kernels. A segment landed in a shared
+    // storage starts at its offset there (a multiple of 256 bytes: whole
+    // elements of any dtype).
+    int64_t offset = m.offset;
+    if (!storageOffsets.empty()) {
+      offset += static_cast<int64_t>(storageOffsets.at(m.segment - 1)) /
+          static_cast<int64_t>(c10::elementSize(m.dtype));
+    }
     t = at::detail::make_tensor<c10::TensorImpl>(
         c10::Storage(storages.at(m.segment - 1)),
         c10::DispatchKeySet(c10::DispatchKey::CUDA),
         caffe2::TypeMeta::fromScalarType(m.dtype));
-    t.unsafeGetTensorImpl()->set_sizes_and_strides(
-        m.sizes, m.strides, m.offset);
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(m.sizes, m.strides, offset);
   } else {
     t = at::empty({0}, at::TensorOptions().dtype(m.dtype));
     t.set_(storages.at(m.segment - 1), m.offset, m.sizes, m.strides);
@@ -443,22 +450,39 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
         /*resizable=*/false);
   }
   for (auto& [device, l] : landings) {
-    std::vector<c10::DataPtr> landed = landing(device, l.stream, l.spans);
+    Landed landed = landing(device, l.stream, l.spans);
     TORCH_CHECK(
-        landed.size() == l.segments.size(),
-        "CUDA landing returned ",
-        landed.size(),
-        " allocations for ",
+        landed.places.size() == l.segments.size() &&
+            landed.sizes.size() == landed.allocations.size(),
+        "CUDA landing placed ",
+        landed.places.size(),
+        " of ",
         l.segments.size(),
         " segments");
-    for (size_t k = 0; k < landed.size(); ++k) {
-      const size_t i = l.segments[k];
-      storages_[i - 1] = c10::Storage(
+    std::vector<c10::Storage> made;
+    made.reserve(landed.allocations.size());
+    for (size_t a = 0; a < landed.allocations.size(); ++a) {
+      made.emplace_back(
           c10::Storage::use_byte_size_t(),
-          static_cast<int64_t>(sizes_[i]),
-          std::move(landed[k]),
+          static_cast<int64_t>(landed.sizes[a]),
+          std::move(landed.allocations[a]),
           /*allocator=*/nullptr,
           /*resizable=*/false);
+    }
+    for (size_t k = 0; k < l.segments.size(); ++k) {
+      const size_t i = l.segments[k];
+      const auto [a, offset] = landed.places[k];
+      TORCH_CHECK(
+          a < made.size() && offset % 256 == 0 &&
+              offset + sizes_[i] <= landed.sizes[a],
+          "CUDA landing placed segment ",
+          i,
+          " outside its allocation");
+      storages_[i - 1] = made[a];
+      if (offset != 0 || made[a].nbytes() != sizes_[i]) {
+        storageOffsets_.resize(storages_.size(), 0);
+        storageOffsets_[i - 1] = offset;
+      }
     }
   }
   for (size_t i = 0; i < storages_.size(); ++i) {
@@ -509,11 +533,11 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
   tensors.reserve(tensors_.size());
   for (const auto& t : tensors_) {
     if (!t.sparse) {
-      tensors.push_back(buildDense(t.dense, storages_));
+      tensors.push_back(buildDense(t.dense, storages_, storageOffsets_));
       continue;
     }
-    at::Tensor indices = buildDense(t.indices, storages_);
-    at::Tensor values = buildDense(t.dense, storages_);
+    at::Tensor indices = buildDense(t.indices, storages_, storageOffsets_);
+    at::Tensor values = buildDense(t.dense, storages_, storageOffsets_);
     // Reject out-of-range indices here: a sparse tensor with bad indices
     // would crash the process later, far from the cause.
     at::_validate_sparse_coo_tensor_args(indices, values, t.sparseSizes);

@@ -120,6 +120,13 @@ def layout(t):
     return str(t.device), tuple(t.shape), t.stride(), tensor_bytes(t)
 
 
+def echo_with_storages(ts):
+    """The tensors back, and how they lay in storages as received: the
+    number of distinct ones and each tensor's storage offset in bytes."""
+    ptrs = {t.untyped_storage().data_ptr() for t in ts}
+    return ts, (len(ptrs), [t.storage_offset() * t.element_size() for t in ts])
+
+
 def channel_counters(channel: str = "cuda_ipc") -> dict[str, int]:
     metrics = rpc.api._get_current_rpc_agent().get_metrics()
     prefix = f"rpc_ext.channel.{channel}."
@@ -174,7 +181,10 @@ def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
         # Many small tensors in one call: packed together (cuda_ipc) or
         # gathered (cuda_staged), one launch each way.
         many = [pattern(1000 + i, i) for i in range(MANY)]
-        got = rpc.rpc_sync("worker1", identity, args=([cuda_tensor(b) for b in many],))
+        # Landed in torch's memory, the small tensors of one message share
+        # one allocation (views of one storage at 256-byte-aligned offsets).
+        got, out["many_storages"] = rpc.rpc_sync(
+            "worker1", echo_with_storages, args=([cuda_tensor(b) for b in many],))
         out["many"] = [tensor_bytes(g) for g in got] == many
         # A strided view (every fourth column: a quarter of its span) travels
         # packed and arrives contiguous.

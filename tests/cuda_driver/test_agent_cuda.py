@@ -73,13 +73,18 @@ def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
     assert caller["many"]
     assert "cuda_ipc" in caller["channels"]
     # Each CUDA tensor crossed once through a block, one launch per message:
-    # 4 + MANY out, 2 + MANY back; of the view, only its quarter of its
+    # 4 + MANY out, 2 + 1 back (below); of the view, only its quarter of its
     # span, packed by the launch; the small ones packed into one block.
     ipc = caller["counters"]["cuda_ipc"]
     assert ipc["segments"] == 4 + agent_worker.MANY
     assert ipc["copied_bytes"] == 2 * (3 << 20) + 100 + (256 << 10) + agent_worker.MANY_BYTES
     assert ipc["launches"] == 5 and ipc["packed"] == agent_worker.MANY
-    assert caller["callee_counters"]["cuda_ipc"]["segments"] == 2 + agent_worker.MANY
+    # The callee landed the MANY tensors in one allocation, so they share a
+    # storage, and its reply carries that storage's span as one segment.
+    assert caller["callee_counters"]["cuda_ipc"]["segments"] == 2 + 1
+    count, offsets = caller["many_storages"]
+    assert count == 1 and all(o % 256 == 0 for o in offsets)
+    assert sorted(offsets) == offsets and len(set(offsets)) == agent_worker.MANY
     assert caller["devices"] == callee["devices"] == ["cuda:0"]
     assert caller["map"] == {"cuda:0": "cuda:0"} and callee["map"] == {}
     assert "no device map names cuda:0" in callee["unmapped"]
@@ -102,7 +107,8 @@ def test_a_received_tensor_is_safe_on_a_busy_side_stream(spawn, channels):
     assert caller["first_intact"]
     assert caller["landed"] == {"rpc_ext.cuda.landed_segments": 2,
                                 "rpc_ext.cuda.landed_bytes": 2 << 20,
-                                "rpc_ext.cuda.landing_launches": 2}
+                                "rpc_ext.cuda.landing_launches": 2,
+                                "rpc_ext.cuda.landing_allocations": 2}
     if not REAL_DRIVER:
         # The first tensor's free waited for the side stream, so the second
         # landed in a block of its own.
@@ -123,7 +129,8 @@ def test_under_zero_copy_a_view_is_safe_on_its_arrival_stream_only(spawn, channe
     assert not caller["first_intact"]
     assert caller["landed"] == {"rpc_ext.cuda.landed_segments": 0,
                                 "rpc_ext.cuda.landed_bytes": 0,
-                                "rpc_ext.cuda.landing_launches": 0}
+                                "rpc_ext.cuda.landing_launches": 0,
+                                "rpc_ext.cuda.landing_allocations": 0}
     assert caller["allocator"]["skipped_records"] >= 1
 
 
@@ -247,8 +254,9 @@ def test_cuda_tensors_travel_through_legacy_ipc_handles(spawn, monkeypatch):
     ipc = caller["counters"]["cuda_ipc"]
     assert ipc["segments"] == 4 + agent_worker.MANY
     assert ipc["blocks_legacy"] == ipc["blocks_created"] > 0
-    # What came back (2 + MANY tensors) was copied out of the callee's blocks.
-    assert ipc["copied_out"] == 2 + agent_worker.MANY
+    # What came back (2 tensors, and the MANY in the one storage the callee
+    # landed them in) was copied out of the callee's blocks.
+    assert ipc["copied_out"] == 2 + 1
     assert caller["callee_counters"]["cuda_ipc"]["copied_out"] == 4 + agent_worker.MANY
 
 
@@ -276,14 +284,16 @@ def test_cuda_tensors_staged_through_host_memory(spawn, monkeypatch, channels, t
     assert caller["many"]  # gathered by one launch, then staged
     assert "cuda_staged" in caller["channels"]
     # Tensors with bytes out: 3 MiB, 3 MiB, 100 B, MANY small ones, a 256 KiB
-    # view of 1 MiB; back: 3 MiB, 100 B and the MANY.
+    # view of 1 MiB; back: 3 MiB, 100 B and the MANY in the one storage the
+    # callee landed them in.
     n = agent_worker.MANY
     staged = caller["counters"]["cuda_staged"]
-    assert staged["segments_sent"] == 4 + n and staged["segments_received"] == 2 + n
+    assert staged["segments_sent"] == 4 + n and staged["segments_received"] == 2 + 1
     assert staged["bytes_sent"] == 2 * (3 << 20) + 100 + (256 << 10) + agent_worker.MANY_BYTES
     assert staged["packed"] == 1 and staged["gathered"] == n
     theirs = caller["callee_counters"]["cuda_staged"]
-    assert theirs["segments_received"] == 4 + n and theirs["gathered"] == n
+    # (Its reply had one segment for the MANY: nothing to gather.)
+    assert theirs["segments_received"] == 4 + n and theirs["gathered"] == 0
     if "cuda_ipc" in channels:
         assert caller["counters"]["cuda_ipc"]["segments"] == 0
         assert caller["counters"]["cuda_ipc"]["declined"] == 4 + n

@@ -306,9 +306,13 @@ struct Stats {
   std::atomic<uint64_t> kernelErrors{0};
   std::atomic<uint64_t> poisonedUses{0}; // see "IPC lifetimes" above
   std::atomic<uint64_t> captureViolations{0}; // see "Graph capture" above
-  std::mutex mu; // the two strings
+  std::mutex mu; // the two strings and `calls`
   std::string lastError;
   std::string lastKernelError;
+  // Calls by entry point (ABI name), for what a message costs in driver
+  // calls (benchmarks/cuda_bench.py --fake). cuInit, cuDriverGetVersion and
+  // cuGetError* are not counted.
+  std::map<std::string, uint64_t> calls;
 };
 
 // Everything, on the heap and never freed: detached stream workers may run
@@ -442,6 +446,11 @@ CUresult fail(const char* fn, CUresult rc, const char* why) {
 // The checks every entry point but cuInit, cuDriverGetVersion and
 // cuGetError* starts with.
 CUresult enter(const char* fn, bool needContext) {
+  {
+    Stats& stats = state().stats;
+    Lock lock(stats.mu);
+    ++stats.calls[fn];
+  }
   pid_t pid = g_initPid.load();
   if (inWorker()) {
     return fail(fn, CUDA_ERROR_NOT_PERMITTED, "called from a stream's work");
@@ -2139,6 +2148,16 @@ __attribute__((visibility("default"))) int fake_cuda_stats(
     Lock lock(s.stats.mu);
     appendJson(j, "last_error", s.stats.lastError);
     appendJson(j, "last_kernel_error", s.stats.lastKernelError);
+    j += "\"calls\": {";
+    for (const auto& [fn, n] : s.stats.calls) {
+      appendJson(j, fn.c_str(), n);
+    }
+    if (s.stats.calls.empty()) {
+      j += "}, ";
+    } else {
+      closeJson(j);
+      j += ", ";
+    }
   }
   closeJson(j);
   if (buf != nullptr && len > 0) {
@@ -2177,6 +2196,7 @@ __attribute__((visibility("default"))) void fake_cuda_reset_stats(void) {
   Lock lock(s.mu);
   s.lastError.clear();
   s.lastKernelError.clear();
+  s.calls.clear();
 }
 
 } // extern "C"

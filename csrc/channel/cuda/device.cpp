@@ -68,24 +68,52 @@ CUcontext primaryContext(int device) {
   return ctx;
 }
 
+namespace {
+
+// Guards of this thread now open: an inner one finds the mode and the
+// context its outer one set, and makes no driver call (a message opens
+// them nested many times over).
+thread_local int t_relaxedDepth = 0;
+thread_local CUcontext t_guardContext = nullptr;
+
+} // namespace
+
 RelaxedCapture::RelaxedCapture() {
-  TORCH_RPC_EXT_CUDA_CHECK(cuThreadExchangeStreamCaptureMode, &previous_);
+  if (t_relaxedDepth == 0) {
+    TORCH_RPC_EXT_CUDA_CHECK(cuThreadExchangeStreamCaptureMode, &previous_);
+  }
+  ++t_relaxedDepth;
 }
 
 RelaxedCapture::~RelaxedCapture() {
-  libcuda().cuThreadExchangeStreamCaptureMode(&previous_);
+  if (--t_relaxedDepth == 0) {
+    libcuda().cuThreadExchangeStreamCaptureMode(&previous_);
+  }
 }
 
 CurrentDevice::CurrentDevice(int device) {
   CUcontext wanted = primaryContext(device);
+  outer_ = t_guardContext;
+  if (outer_ == wanted) {
+    return; // an enclosing guard of this thread made it current
+  }
   TORCH_RPC_EXT_CUDA_CHECK(cuCtxGetCurrent, &previous_);
   if (previous_ != wanted) {
     TORCH_RPC_EXT_CUDA_CHECK(cuCtxSetCurrent, wanted);
-    switched_ = true;
+    // A thread that had no context keeps the device's primary one current
+    // after the guard, as after any CUDA runtime call (no restore: two
+    // driver calls per guard saved on our own threads); one that had
+    // another gets it back.
+    switched_ = previous_ != nullptr;
   }
+  t_guardContext = wanted;
 }
 
 CurrentDevice::~CurrentDevice() {
+  if (t_guardContext == outer_) {
+    return; // nested in a guard of the same device
+  }
+  t_guardContext = outer_;
   if (switched_) {
     libcuda().cuCtxSetCurrent(previous_); // Nothing to do if it fails.
   }

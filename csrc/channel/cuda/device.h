@@ -33,7 +33,10 @@ CUcontext primaryContext(int device);
 // CurrentDevice.
 //
 // Makes `device`'s primary context current on this thread for the guard's
-// life, then restores the one that was current; relaxed meanwhile.
+// life, then restores the one that was current (a thread that had none
+// keeps the primary context current, as the CUDA runtime leaves it);
+// relaxed meanwhile. Nested guards of one thread and device make no driver
+// call.
 class RelaxedCapture {
  public:
   RelaxedCapture();
@@ -55,6 +58,7 @@ class CurrentDevice {
  private:
   RelaxedCapture relaxed_;
   CUcontext previous_ = nullptr;
+  CUcontext outer_ = nullptr; // an enclosing guard's of this thread
   bool switched_ = false;
 };
 

@@ -437,16 +437,55 @@ void IpcChannel::abandonRegion(
   }
 }
 
-void IpcChannel::releasePeerBlock(uint32_t id) {
+void IpcChannel::releasePeerBlock(uint32_t id, uint64_t bytes) {
   auto host = host_.lock();
   if (!host || host->isClosed()) {
     return; // nobody left to tell
   }
-  // Device blocks are large and few: each goes back at once, so that its
-  // owner does not make another meanwhile.
-  host->sendControl(
-      ControlFrame{
-          context().wireIds().kind(kBlockRelease), idHead(id), {}, nullptr});
+  bool now = bytes > kDeferredReleaseBytes;
+  {
+    std::lock_guard<std::mutex> lock(releaseMutex_);
+    pendingReleases_ += idHead(id);
+    now = now ||
+        pendingReleases_.size() >= kMaxPendingReleases * sizeof(uint32_t);
+  }
+  counters_.releases.fetch_add(1, std::memory_order_relaxed);
+  if (now) {
+    flushReleases();
+  }
+}
+
+void IpcChannel::flushReleases() {
+  auto host = host_.lock();
+  if (!host || host->isClosed()) {
+    return;
+  }
+  std::string ids;
+  {
+    std::lock_guard<std::mutex> lock(releaseMutex_);
+    ids.swap(pendingReleases_);
+  }
+  if (!ids.empty()) {
+    counters_.releaseFrames.fetch_add(1, std::memory_order_relaxed);
+    host->sendControl(
+        ControlFrame{
+            context().wireIds().kind(kBlockRelease), std::move(ids), {}, {}});
+  }
+}
+
+void IpcChannel::collectPendingLocked(std::vector<ControlFrame>* out) {
+  // Releases waiting for a ride take this one.
+  std::lock_guard<std::mutex> lock(releaseMutex_);
+  if (!pendingReleases_.empty()) {
+    counters_.releaseFrames.fetch_add(1, std::memory_order_relaxed);
+    out->push_back(
+        ControlFrame{
+            context().wireIds().kind(kBlockRelease),
+            std::move(pendingReleases_),
+            {},
+            {}});
+    pendingReleases_.clear();
+  }
 }
 
 void IpcChannel::freeOwnBlock(uint32_t id) {
@@ -459,6 +498,8 @@ void IpcChannel::freeOwnBlock(uint32_t id) {
 }
 
 void IpcChannel::onTickFromLoop() {
+  // Blocks go back once traffic stops: releases still waiting for a frame.
+  flushReleases();
   closeDropped();
   trim();
 }

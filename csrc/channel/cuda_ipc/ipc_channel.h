@@ -109,6 +109,14 @@ constexpr int64_t kBlockIdleMs = 5000;
 // block, each at an offset aligned to kPackAlign (as cudaMalloc's).
 constexpr uint64_t kPackMaxBytes = uint64_t(1) << 20;
 constexpr uint64_t kPackAlign = 256;
+// Releases of blocks up to this size wait to ride with our next frame (RPC
+// traffic goes both ways: a request's block goes back with its response,
+// a response's with the next request), at most kMaxPendingReleases of them
+// and at most until the next tick: a release frame of its own costs a
+// socket write and a wake-up of the peer's loop per message. A larger block
+// goes back at once, so that its owner does not make another meanwhile.
+constexpr uint64_t kDeferredReleaseBytes = uint64_t(8) << 20;
+constexpr size_t kMaxPendingReleases = 32;
 
 struct IpcCounters {
   std::atomic<uint64_t> segments{0};
@@ -123,6 +131,8 @@ struct IpcCounters {
   std::atomic<uint64_t> packed{0}; // segments that shared a block
   std::atomic<uint64_t> legacyBlocks{0}; // of `created`, kLegacy ones
   std::atomic<uint64_t> copiedOut{0}; // segments copied out of kLegacy ones
+  std::atomic<uint64_t> releases{0}; // peers' blocks given back
+  std::atomic<uint64_t> releaseFrames{0}; // the frames that said so
 };
 
 // A process's cuda_ipc domain descriptor, as published at rendezvous:
@@ -186,13 +196,15 @@ class IpcChannel final : public Channel,
     return 1; // a kBlockSetup frame's descriptor
   }
   bool onFrameEndFromLoop() override;
+  void collectPendingLocked(std::vector<ControlFrame>* out) override;
   void onTickFromLoop() override;
   void onClosedFromLoop() override;
 
   // From a lease's destructor, any thread, after recording the block's
-  // `released` event: the peer's block `id` goes back to the peer, or our
+  // `released` event: the peer's block `id` (of `bytes`) goes back to the
+  // peer (with our next frame, or at once: kDeferredReleaseBytes), or our
   // own block `id` (handed back to us) is free again.
-  void releasePeerBlock(uint32_t id);
+  void releasePeerBlock(uint32_t id, uint64_t bytes);
   void freeOwnBlock(uint32_t id);
 
  private:
@@ -240,8 +252,12 @@ class IpcChannel final : public Channel,
       const std::shared_ptr<Block>& block,
       InboundSegment& segment);
   void trim();
+  // Sends the releases waiting for a ride now.
+  void flushReleases();
 
   std::weak_ptr<Host> host_;
+  std::mutex releaseMutex_;
+  std::string pendingReleases_; // ids (idHead) waiting for our next frame
   IpcCounters& counters_;
   // UUIDs of the peer's devices by its index ("": one that shares none).
   std::vector<std::string> peerDevices_;

@@ -155,6 +155,8 @@ class IpcContext final : public Context {
         {"packed", counters_.packed.load()},
         {"blocks_legacy", counters_.legacyBlocks.load()},
         {"copied_out", counters_.copiedOut.load()},
+        {"releases", counters_.releases.load()},
+        {"release_frames", counters_.releaseFrames.load()},
     };
   }
 

@@ -45,12 +45,18 @@ BlockLease::~BlockLease() {
     if (own_) {
       c->freeOwnBlock(id_);
     } else {
-      c->releasePeerBlock(id_);
+      c->releasePeerBlock(id_, block_->size());
     }
   }
 }
 
 void BlockLease::waitOn(uintptr_t stream) {
+  // The segments of a frame packed into one block share this lease and its
+  // one record: a stream waits on it once (1000 tensors: one wait).
+  std::lock_guard<std::mutex> lock(mu_);
+  if (std::find(streams_.begin(), streams_.end(), stream) != streams_.end()) {
+    return;
+  }
   CurrentDevice current(block_->device());
   // A block the peer filled is ready at its `ready` record; one of ours
   // it handed back, at its `released` record.
@@ -59,7 +65,7 @@ void BlockLease::waitOn(uintptr_t stream) {
       reinterpret_cast<CUstream>(stream),
       own_ ? block_->released() : block_->ready(),
       0);
-  recordUse(stream);
+  streams_.push_back(stream);
 }
 
 void BlockLease::recordUse(uintptr_t stream) {

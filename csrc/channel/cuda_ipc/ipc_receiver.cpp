@@ -357,7 +357,7 @@ int64_t IpcChannel::copyOutFromLoop(
     return -1;
   }
   if (last) {
-    releasePeerBlock(r.id);
+    releasePeerBlock(r.id, block->size());
   }
   return static_cast<int64_t>(segment.size);
 }

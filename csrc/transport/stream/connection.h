@@ -195,7 +195,7 @@ class StreamConnection : public Connection,
   // Put `w` ahead of every frame not yet started.
   void insertControlLocked(PendingWrite w);
   // A channel's control frame, ready for writes_ (not queued).
-  static PendingWrite controlFrame(channel::ControlFrame frame);
+  PendingWrite controlFrame(channel::ControlFrame frame);
   // Write as much as the socket takes. Returns an error text or "".
   std::string flushLocked();
   // After a flush under writeMutex_ (released by now): releaseFinished(),

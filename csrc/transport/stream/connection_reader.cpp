@@ -33,6 +33,7 @@ std::string StreamConnection::refusedProofText() const {
 }
 
 ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
+  Loop::Io::add(loop_.io().reads);
   if (tls_) {
     std::string error;
     ssize_t got = tls_->read(dst, size, &error);

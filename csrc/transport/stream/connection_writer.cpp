@@ -39,6 +39,7 @@ void StreamConnection::resumeWritesFromLoop() {
 
 StreamConnection::PendingWrite StreamConnection::controlFrame(
     channel::ControlFrame frame) {
+  Loop::Io::add(loop_.io().controlFrames);
   PendingWrite w;
   frame::FrameHeader h{
       frame::kFrameMagic,
@@ -120,6 +121,7 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
         " segments exceeds this agent's limits (max_frame_bytes=" +
         std::to_string(options_.limits.maxFrameBytes) + ")");
   }
+  Loop::Io::add(loop_.io().frames);
   PendingWrite w;
   // The channels choose how segments travel (a region's copy happens now,
   // on this thread, with no lock held); a region segment's place on the
@@ -394,6 +396,7 @@ ssize_t StreamConnection::sendLocked(
     const iovec* iov,
     int n,
     const std::vector<int>* fds) {
+  Loop::Io::add(loop_.io().writes);
   if (tls_) {
     // A piece of 16 KiB or more straight from its buffer (up to 256 KiB of
     // records a call: the caller comes back for more), smaller ones
@@ -524,6 +527,7 @@ ssize_t StreamConnection::sendSome(
     const char* data,
     size_t size,
     std::string* error) {
+  Loop::Io::add(loop_.io().writes);
   if (tls_) {
     std::string why;
     ssize_t got = tls_->write(data, size, &why);

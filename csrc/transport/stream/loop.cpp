@@ -180,6 +180,7 @@ bool Loop::inLoop() const {
 }
 
 void Loop::wake() {
+  Io::add(io_.wakes);
   uint64_t one = 1;
   ssize_t rv = ::write(wakeFd_, &one, sizeof(one));
   (void)rv;

@@ -93,6 +93,27 @@ class Loop {
     return takeovers_.load(std::memory_order_relaxed);
   }
 
+  // What the connections on this loop put through their sockets, counted
+  // relaxed (one uncontended add each): what a message costs in frames,
+  // system calls and wake-ups (benchmarks/cuda_bench.py --fake reads them).
+  struct Io {
+    std::atomic<uint64_t> frames{0}; // message frames queued
+    std::atomic<uint64_t> controlFrames{0}; // connection and channel frames
+    std::atomic<uint64_t> writes{0}; // sendmsg/send calls (TLS: writes)
+    std::atomic<uint64_t> reads{0}; // read/recvmsg calls (TLS: reads)
+    std::atomic<uint64_t> wakes{0}; // the loop woken from another thread
+
+    static void add(std::atomic<uint64_t>& n) {
+      n.fetch_add(1, std::memory_order_relaxed);
+    }
+  };
+  Io& io() {
+    return io_;
+  }
+  const Io& io() const {
+    return io_;
+  }
+
   // Run pending work, drop every handler and join the threads. Idempotent.
   void stop();
 
@@ -133,6 +154,7 @@ class Loop {
   std::atomic<uint64_t> deferredSeq_{0}; // pieces started so far
   std::atomic<std::thread::id> leader_;
   std::atomic<uint64_t> takeovers_{0};
+  Io io_;
 
   // Threads: the current leader, stalled ex-leaders, the monitor.
   std::mutex threadsMutex_;

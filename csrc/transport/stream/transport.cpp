@@ -27,6 +27,12 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
       {"busy_poll_hits", loop_.spinHits()},
       {"busy_poll_misses", loop_.spinMisses()},
       {"unauthenticated_closed", unauthenticatedClosed_.load()},
+      {"frames_sent", loop_.io().frames.load(std::memory_order_relaxed)},
+      {"control_frames_sent",
+       loop_.io().controlFrames.load(std::memory_order_relaxed)},
+      {"socket_writes", loop_.io().writes.load(std::memory_order_relaxed)},
+      {"socket_reads", loop_.io().reads.load(std::memory_order_relaxed)},
+      {"loop_wakes", loop_.io().wakes.load(std::memory_order_relaxed)},
   };
   addCounters(c);
   return c;
