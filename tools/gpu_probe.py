@@ -92,9 +92,17 @@ def bench(eng):
     out = torch.empty(v.numel(), device="cuda")
     t = timed(partial(eng.pack, stream(), out.data_ptr(), v.data_ptr(), list(v.shape),
                       list(v.stride()), 4), 20)
-    row("engine_pack_every_other_row", v.numel() * 4, t)
+    # Rows of 16 KB: one pitched copy (cuMemcpy2DAsync) since issue 46.
+    row("engine_pack_every_other_row", v.numel() * 4, t,
+        path="row_copy" if eng.launches().get("row_copies") else "kernel")
     row("torch_contiguous_every_other_row", v.numel() * 4,
         timed(partial(v.contiguous), 20))
+    w = x[:, ::2]  # every other column: the strided kernel
+    t = timed(partial(eng.pack, stream(), out.data_ptr(), w.data_ptr(), list(w.shape),
+                      list(w.stride()), 4), 20)
+    row("engine_pack_every_other_column", w.numel() * 4, t)
+    row("torch_contiguous_every_other_column", w.numel() * 4,
+        timed(partial(w.contiguous), 20))
 
 
 class Handle(ctypes.Structure):  # CUipcMemHandle and CUipcEventHandle: 64 bytes

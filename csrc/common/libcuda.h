@@ -42,6 +42,7 @@ namespace torch_rpc_ext {
   X(cuMemcpyHtoD)                         \
   X(cuMemcpyDtoH)                         \
   X(cuMemcpyAsync)                        \
+  X(cuMemcpy2DAsync)                      \
   X(cuMemcpyHtoDAsync)                    \
   X(cuMemcpyDtoHAsync)                    \
   X(cuMemHostAlloc)                       \

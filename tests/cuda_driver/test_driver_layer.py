@@ -194,9 +194,29 @@ def test_strided_views_pack_and_unpack(driver):
         ([40, 30], [1, 40], 4, 1200, 1),  # misaligned: moved as bytes
         ([10, 10], [1, 10], 16, 100, 8),  # 16-byte elements, 8-aligned
     ]
-    assert driver.strided(cases) == [True] * len(cases)
+    ok, launches = driver.strided(cases)
+    assert ok == [True] * len(cases)
+    # Only the expanded view has rows of 512 bytes and more, and they
+    # overlap (stride 0): the kernel moves it.
+    assert launches["row_copies"] == 0
     if not REAL_DRIVER:  # the fake counts misaligned element accesses
         assert driver.fake_stats()["kernel_errors"] == 0
+
+
+def test_views_of_whole_rows_move_by_one_pitched_copy(driver):
+    # Rows contiguous inside, of 512 bytes or more: one cuMemcpy2DAsync
+    # each way, no strided kernel (issue 46: the kernel moved one element
+    # at a time, 2.6x torch's .contiguous() on an H200).
+    cases = [
+        ([32, 256], [512, 1], 4, 64 * 256),  # every other row of 64 x 256
+        ([10, 600], [1000, 1], 1, 10 * 1000, 24),  # a column slice, offset
+        ([4, 8, 128], [2048, 128, 1], 8, 4 * 2048),  # merges into rows
+        ([3, 129], [300, 1], 4, 900),  # 516-byte rows, odd pitch
+    ]
+    ok, launches = driver.strided(cases)
+    assert ok == [True] * len(cases)
+    assert launches["row_copies"] == 2 * len(cases)  # a pack and an unpack each
+    assert launches["pack_strided"] == launches["unpack_strided"] == 0
 
 
 def test_threads_share_an_engine_and_its_staging(driver):

@@ -112,10 +112,10 @@ def gather(sizes: list[int], rounds: int = 1) -> tuple[bool, dict[str, int]]:
     return ok, launches
 
 
-def strided(cases: list[tuple]) -> list[bool]:
+def strided(cases: list[tuple]) -> tuple[list[bool], dict[str, int]]:
     """pack then unpack of each (sizes, strides, elem_size, storage elements
     [, byte offset of the view]) view, against numpy's as_strided of the
-    same bytes."""
+    same bytes; and the engine's launches by kernel (and row copies)."""
     from numpy.lib.stride_tricks import as_strided
 
     dev, rng, out = Device(), np.random.default_rng(2), []
@@ -138,8 +138,9 @@ def strided(cases: list[tuple]) -> list[bool]:
             got = as_strided(got, sizes, [s * elem for s in strides])
             ok &= np.ascontiguousarray(got).tobytes() == want
         out.append(bool(ok))
+    launches = dev.engine.launches()
     dev.close()
-    return out
+    return out, launches
 
 
 def concurrent_gathers(threads: int, rounds: int) -> tuple[bool, int]:

@@ -1357,6 +1357,69 @@ cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream h) {
   return copyOn(__func__, h, dst, src, n, false, false, false);
 }
 
+// A pitched copy of Height rows of WidthInBytes (the driver's 2D copy, what
+// a strided view whose rows are contiguous moves by). Device, host and
+// unified sides; each row must lie in memory of the side's kind.
+CUresult CUDAAPI cuMemcpy2DAsync(const CUDA_MEMCPY2D* c, CUstream h) {
+  const char* fn = __func__;
+  std::shared_ptr<CUstream_st> s;
+  CHECK(enter(fn, true));
+  CHECK(getStream(fn, h, &s));
+  REQUIRE(c != nullptr, CUDA_ERROR_INVALID_VALUE, "null CUDA_MEMCPY2D");
+  auto side = [](CUmemorytype type, CUdeviceptr d, const void* host) {
+    return type == CU_MEMORYTYPE_HOST ? reinterpret_cast<uintptr_t>(host)
+                                      : static_cast<uintptr_t>(d);
+  };
+  auto known = [](CUmemorytype t) {
+    return t == CU_MEMORYTYPE_HOST || t == CU_MEMORYTYPE_DEVICE ||
+        t == CU_MEMORYTYPE_UNIFIED;
+  };
+  REQUIRE(
+      known(c->srcMemoryType) && known(c->dstMemoryType),
+      CUDA_ERROR_INVALID_VALUE,
+      "memory type not host, device or unified");
+  REQUIRE(
+      c->WidthInBytes <= c->srcPitch && c->WidthInBytes <= c->dstPitch,
+      CUDA_ERROR_INVALID_VALUE,
+      "a pitch narrower than the width");
+  const uintptr_t src = side(c->srcMemoryType, c->srcDevice, c->srcHost) +
+      c->srcXInBytes + c->srcY * c->srcPitch;
+  const uintptr_t dst = side(c->dstMemoryType, c->dstDevice, c->dstHost) +
+      c->dstXInBytes + c->dstY * c->dstPitch;
+  const size_t width = c->WidthInBytes;
+  const size_t rows = c->Height;
+  const size_t srcPitch = c->srcPitch;
+  const size_t dstPitch = c->dstPitch;
+  if (width != 0 && rows != 0) {
+    Lock lock(state().mu);
+    REQUIRE(src != 0 && dst != 0, CUDA_ERROR_INVALID_VALUE, "null pointer");
+    const size_t srcSpan = (rows - 1) * srcPitch + width;
+    const size_t dstSpan = (rows - 1) * dstPitch + width;
+    REQUIRE(
+        (c->dstMemoryType != CU_MEMORYTYPE_DEVICE ||
+         accessible(dst, dstSpan, PROT_WRITE)) &&
+            (c->srcMemoryType != CU_MEMORYTYPE_DEVICE ||
+             accessible(src, srcSpan, PROT_READ)),
+        CUDA_ERROR_INVALID_VALUE,
+        "not device memory");
+  }
+  state().stats.memcpys++;
+  state().stats.memcpyBytes += width * rows;
+  const long delayMs = state().kernelDelayMs;
+  enqueue(*s, [=] {
+    if (delayMs > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
+    }
+    for (size_t r = 0; r < rows; ++r) {
+      memmove(
+          reinterpret_cast<void*>(dst + r * dstPitch),
+          reinterpret_cast<void*>(src + r * srcPitch),
+          width);
+    }
+  });
+  return CUDA_SUCCESS;
+}
+
 CUresult CUDAAPI
 cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream h) {
   auto s = reinterpret_cast<uintptr_t>(src);

@@ -99,6 +99,18 @@ class Handle(ctypes.Structure):  # CUipcMemHandle, CUipcEventHandle
     _fields_ = [("reserved", c_char * 64)]
 
 
+class Memcpy2D(ctypes.Structure):  # CUDA_MEMCPY2D
+    _fields_ = [
+        ("srcXInBytes", c_size_t), ("srcY", c_size_t), ("srcMemoryType", c_int),
+        ("srcHost", c_void_p), ("srcDevice", c_uint64), ("srcArray", c_void_p),
+        ("srcPitch", c_size_t),
+        ("dstXInBytes", c_size_t), ("dstY", c_size_t), ("dstMemoryType", c_int),
+        ("dstHost", c_void_p), ("dstDevice", c_uint64), ("dstArray", c_void_p),
+        ("dstPitch", c_size_t),
+        ("WidthInBytes", c_size_t), ("Height", c_size_t),
+    ]
+
+
 class Uuid(ctypes.Structure):
     _fields_ = [("bytes", c_char * 16)]
 
@@ -126,6 +138,7 @@ SIGNATURES = {
     "cuMemcpyHtoD_v2": [u64, c_void_p, c_size_t],
     "cuMemcpyDtoH_v2": [c_void_p, u64, c_size_t],
     "cuMemcpyAsync": [u64, u64, c_size_t, c_void_p],
+    "cuMemcpy2DAsync_v2": [P(Memcpy2D), c_void_p],
     "cuMemcpyHtoDAsync_v2": [u64, c_void_p, c_size_t, c_void_p],
     "cuMemcpyDtoHAsync_v2": [c_void_p, u64, c_size_t, c_void_p],
     "cuMemHostAlloc": [P(c_void_p), c_size_t, c_uint],
@@ -548,6 +561,30 @@ def test_device_memory_ranges_and_copies(cu):
     cu("cuMemFree_v2", base)
     assert cu.rc("cuMemFree_v2", base) == INVALID_VALUE
     assert cu.stats()["live"]["allocations"] == live
+
+
+def test_a_pitched_copy_moves_rows_and_is_counted(cu):
+    # Every other row of 8 rows of 16 bytes, device to device, packed into
+    # 4 rows: what a strided view whose rows are contiguous travels by.
+    DEVICE_MEM = 2
+    src = cu.upload(bytes(range(128)))
+    dst = cu.alloc(64)
+    before = cu.stats()["calls"].get("cuMemcpy2DAsync_v2", 0)
+    c = Memcpy2D(srcMemoryType=DEVICE_MEM, srcDevice=src, srcPitch=32,
+                 dstMemoryType=DEVICE_MEM, dstDevice=dst, dstPitch=16,
+                 WidthInBytes=16, Height=4)
+    s = cu.stream()
+    cu("cuMemcpy2DAsync_v2", byref(c), s)
+    cu("cuStreamSynchronize", s)
+    assert cu.dtoh(dst, 64) == b"".join(bytes(range(r, r + 16)) for r in range(0, 128, 32))
+    assert cu.stats()["calls"]["cuMemcpy2DAsync_v2"] == before + 1
+    # A pitch narrower than the width, and rows past the allocation.
+    c.srcPitch = 8
+    assert cu.rc("cuMemcpy2DAsync_v2", byref(c), s) == INVALID_VALUE
+    c.srcPitch, c.Height = 32, 5
+    assert cu.rc("cuMemcpy2DAsync_v2", byref(c), s) == INVALID_VALUE
+    cu("cuMemFree_v2", src)
+    cu("cuMemFree_v2", dst)
 
 
 def test_pinned_host_memory(cu):

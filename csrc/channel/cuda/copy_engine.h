@@ -64,7 +64,10 @@ class CopyEngine {
   // A strided view (sizes and strides in elements, torch's convention, none
   // negative) to and from a contiguous buffer in row-major order. Dimensions
   // that are contiguous with each other are merged first; a view that turns
-  // out contiguous is one plain copy.
+  // out contiguous is one plain copy, one of rows contiguous inside of at
+  // least kRowCopyMinBytes (two dimensions after merging, the inner of
+  // stride 1) one pitched copy (cuMemcpy2DAsync), any other the strided
+  // kernel.
   void pack(
       CUstream stream,
       CUdeviceptr contiguousDst,
@@ -80,7 +83,11 @@ class CopyEngine {
       const std::vector<int64_t>& strides,
       size_t elemSize);
 
-  // Kernel launches so far, by kernel name.
+  // Rows at least this long go by one pitched copy (above).
+  static constexpr uint64_t kRowCopyMinBytes = 512;
+
+  // Kernel launches so far, by kernel name, and "row_copies": the pitched
+  // copies made in their place.
   std::map<std::string, uint64_t> launches() const;
   // Pinned staging buffers made so far (each reused once its launch is done).
   size_t stagingBuffers() const;
@@ -135,6 +142,7 @@ class CopyEngine {
   CUmodule modules_[kNumKernels] = {};
   CUfunction functions_[kNumKernels] = {};
   std::atomic<uint64_t> launches_[kNumKernels] = {};
+  std::atomic<uint64_t> rowCopies_{0};
   mutable std::mutex mu_;
   std::vector<std::unique_ptr<Staging>> staging_;
 };
