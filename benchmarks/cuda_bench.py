@@ -24,8 +24,8 @@ warm-up, both ends, less the harness's own syncs: device copies (`landed`,
 `landing_launches`, `landing_allocations`, `ipc_launches`), frames and control frames sent, socket
 reads and writes, loop wake-ups, torch's allocations, and on the fake driver
 every driver call by entry point and grouped (allocations, launches,
-memcpys, stream waits, event records/queries/creates, context switches, host
-waits). tests/cuda_driver/test_cuda_bench.py holds budgets for them.
+memcpys, stream waits, event records/queries/creates, context get/set calls,
+host waits). tests/cuda_driver/test_cuda_bench.py holds budgets for them.
   staged_400MB                     ours with device_channels=("cuda_staged",),
                                    beside `pcie_floor_400MB`: one copy of
                                    400 MB to pinned host memory and one back,
@@ -181,12 +181,12 @@ DRIVER_GROUPS = {
     "frees": ("cuMemFree_v2", "cuMemRelease", "cuMemFreeHost"),
     "launches": ("cuLaunchKernel",),
     "memcpys": ("cuMemcpyAsync", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2",
-                "cuMemcpyDtoDAsync_v2"),
+                "cuMemcpyDtoDAsync_v2", "cuMemcpy2DAsync_v2"),
     "stream_waits": ("cuStreamWaitEvent",),
     "event_records": ("cuEventRecord",),
     "event_queries": ("cuEventQuery",),
     "event_creates": ("cuEventCreate",),
-    "context_switches": ("cuCtxSetCurrent", "cuCtxGetCurrent"),
+    "context_calls": ("cuCtxSetCurrent", "cuCtxGetCurrent"),
     "host_waits": ("cuStreamSynchronize", "cuEventSynchronize"),
 }
 
@@ -286,7 +286,6 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
     rows = []
     if rank == 0:
         ours = backend_key == "TORCH_RPC_EXT"
-        harness = harness_cost(dev, cfg.calls) if ours else None
         for case, kind, size in cases:
             if kind == "identity":
                 arg = dev.tensor(size)
@@ -300,7 +299,10 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
             samples = []
             for i in range(cfg.warmup + calls):
                 if ours and i == cfg.warmup:
-                    before = both_costs()  # after warm-up: the steady state
+                    # After warm-up: the steady state, less what the window
+                    # itself costs on this warm connection.
+                    harness = harness_cost(dev, calls)
+                    before = both_costs()
                 dev.sync()
                 t0 = time.perf_counter()
                 out = rpc.rpc_sync("callee", identity, args=(arg,))

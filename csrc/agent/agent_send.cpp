@@ -190,7 +190,10 @@ void Agent::onFrame(
   c10::intrusive_ptr<rpc::Message> message;
   std::vector<c10::Stream> streams;
   try {
-    message = devices_.finish(*in, buffers, streams);
+    message = devices_.finish(*in, buffers, streams, conn->peerId());
+    // The channels' regions go now (a landed message's copies are queued):
+    // a cuda_ipc block's release then rides with our very next frame.
+    buffers.regions.clear();
   } catch (const ReceiveFailure& e) {
     failReceive(conn, *in, peer, e.what());
     return;

@@ -109,34 +109,35 @@ void AgentDevices::prepare() const {
   }
 }
 
-AgentDevices::Landing& AgentDevices::landingLocked(
-    c10::DeviceIndex device) const {
+AgentDevices::Landing& AgentDevices::landingFor(
+    c10::DeviceIndex device,
+    int32_t peer) const {
+  const int slot = static_cast<int>(
+      static_cast<uint32_t>(peer) % static_cast<uint32_t>(kLandingSlots));
+  std::lock_guard<std::mutex> lock(landingMu_);
   for (auto& l : landingStreams_) {
-    if (l->stream.device_index() == device) {
+    if (l->stream.device_index() == device && l->slot == slot) {
       return *l;
     }
   }
-  // One per device for the process's agent, from torch's high-priority
-  // pool (the landing copies are short and gate the user's work).
+  // From torch's high-priority pool: never an arrival stream (those come
+  // from the low-priority one), and the landing copies are short and gate
+  // the user's work.
   c10::impl::VirtualGuardImpl impl(c10::kCUDA);
   landingStreams_.push_back(
-      std::make_unique<Landing>(Landing{
+      std::make_unique<Landing>(
+          slot,
           impl.getStreamFromGlobalPool(
-              c10::Device(c10::kCUDA, device), /*isHighPriority=*/true),
-          c10::Event(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT)}));
+              c10::Device(c10::kCUDA, device), /*isHighPriority=*/true)));
   return *landingStreams_.back();
 }
 
-c10::Stream AgentDevices::landingStream(c10::DeviceIndex device) const {
-  std::lock_guard<std::mutex> lock(landingMu_);
-  return landingLocked(device).stream;
-}
-
 wire::InboundMessage::Landed AgentDevices::land(
+    Landing& landing,
     const c10::Stream& arrival,
     const std::vector<std::pair<uintptr_t, size_t>>& spans) {
   initTorchCuda(); // the backstop (prepare() ran it at init_rpc)
-  const c10::Stream stream = landingStream(arrival.device_index());
+  const c10::Stream& stream = landing.stream;
   wire::InboundMessage::Landed out;
   out.places.reserve(spans.size());
   std::vector<channel::DeviceCopy> copies;
@@ -161,10 +162,13 @@ wire::InboundMessage::Landed AgentDevices::land(
   uint64_t bytes = 0;
   {
     // Torch's caching allocator takes the current stream as the one the
-    // memory is used on: all landings of a device allocate on its one
-    // landing stream, so a block freed by an earlier message is reused at
-    // once (on any other stream only after the streams recorded on it, by
-    // record_stream or a future's wait(), have passed its free).
+    // memory is used on, and reuses a freed block at once only on that
+    // stream. Every landing of a peer's slot allocates and copies on its
+    // landing stream, so after the first messages the cache serves them
+    // all (with a pool stream per message, early calls paid cudaMalloc and
+    // up to 32 times the largest message sat cached per device); the copy
+    // runs on the stream the memory is allocated for, so it is ordered
+    // after the work of the block's last user there.
     c10::StreamGuard guard(stream);
     c10::Allocator* allocator = c10::GetAllocator(c10::kCUDA);
     // Our thread, in relaxed capture mode: a user's global-mode capture
@@ -188,21 +192,18 @@ wire::InboundMessage::Landed AgentDevices::land(
       stream.device_index(),
       reinterpret_cast<uintptr_t>(impl.getStreamNativeHandle(stream)),
       copies);
-  // The message's work runs on its arrival stream: after the copies, and
-  // known to the allocator as a user of the memory (so a block is reused
-  // only once that stream's work queued by the tensors' death is done).
-  if (arrival != stream) {
-    {
-      // One event per device, recorded and waited on under the lock: a
-      // wait takes the record made just before it.
-      std::lock_guard<std::mutex> lock(landingMu_);
-      Landing& l = landingLocked(stream.device_index());
-      l.copied.record(stream);
-      l.copied.block(arrival);
-    }
-    for (const auto& p : out.allocations) {
-      impl.recordDataPtrOnStream(p, arrival);
-    }
+  {
+    // The message's work runs on its arrival stream, after the copies (one
+    // event per landing stream, recorded and waited on under its lock: a
+    // wait takes the record made just before it), and the allocator knows
+    // that stream uses the memory (a block is reused only once it has
+    // passed the free).
+    std::lock_guard<std::mutex> lock(landing.mu);
+    landing.copied.record(stream);
+    landing.copied.block(arrival);
+  }
+  for (const auto& p : out.allocations) {
+    impl.recordDataPtrOnStream(p, arrival);
   }
   landings_.fetch_add(1, std::memory_order_relaxed);
   landed_.fetch_add(spans.size(), std::memory_order_relaxed);
@@ -370,7 +371,8 @@ auto AgentDevices::local(const std::string& what, Fn&& fn) -> decltype(fn()) {
 c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
     wire::InboundMessage& in,
     frame::InboundBuffers& buffers,
-    std::vector<c10::Stream>& streams) {
+    std::vector<c10::Stream>& streams,
+    int32_t peer) {
   if (!in.cudaDevices().empty()) {
     streams = local("no CUDA stream for the message's tensors", [&] {
       return arrivalStreams();
@@ -406,7 +408,7 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
           "landing " +
               sizeOf(spans, [](const auto& s) { return uint64_t(s.second); }) +
               " on cuda:" + std::to_string(int(device)) + " failed",
-          [&] { return land(stream, spans); });
+          [&] { return land(landingFor(device, peer), stream, spans); });
     };
   }
   auto hostLanding = [&](c10::DeviceIndex device,
@@ -420,19 +422,27 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
             " failed",
         [&] { return landFromHost(stream, hosts); });
   };
+  // The tensors are built under the arrival streams: what building reads
+  // on the device (a sparse tensor's indices, validated) is ordered after
+  // the landing's copies and the regions' readiness.
+  std::optional<c10::MultiStreamGuard> onArrival;
+  if (!streams.empty()) {
+    onArrival.emplace(streams);
+  }
   try {
     return in.finish(
         buffers,
         [&](c10::DeviceIndex device) {
           // (streamOf first: a device not ours is a ReceiveFailure, even
-          // where torch has no CUDA at all.) The regions are made ready on
-          // the stream that reads them: the device's landing stream where
-          // they are copied into torch's memory, else the arrival stream.
+          // where torch has no CUDA at all.)
+          // The regions are made ready on the stream that reads them: the
+          // landing stream where they are copied into torch's memory, else
+          // the arrival stream.
           const c10::Stream& arrival = streamOf(device);
           const c10::Stream stream = options_.cudaZeroCopy
               ? arrival
               : local("no CUDA landing stream", [&] {
-                  return landingStream(device);
+                  return landingFor(device, peer).stream;
                 });
           c10::impl::VirtualGuardImpl impl(c10::kCUDA);
           return reinterpret_cast<uintptr_t>(

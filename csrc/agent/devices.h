@@ -45,6 +45,8 @@ class ReceiveFailure : public std::runtime_error {
 // kLandPackBytes (AgentDevices::land).
 constexpr uint64_t kLandPackMaxSegment = uint64_t(1) << 20;
 constexpr uint64_t kLandPackBytes = uint64_t(4) << 20;
+// Landing streams per device (AgentDevices::landingFor).
+constexpr int kLandingSlots = 8;
 
 class AgentDevices {
  public:
@@ -98,10 +100,12 @@ class AgentDevices {
   // Throws what the wire codec throws (the peer broke the protocol), or
   // ReceiveFailure (landing failed here: no such device of ours, device
   // memory, torch's CUDA state).
+  // `peer`: the sender's worker id (which landing stream its messages use).
   c10::intrusive_ptr<rpc::Message> finish(
       wire::InboundMessage& in,
       frame::InboundBuffers& buffers,
-      std::vector<c10::Stream>& streams);
+      std::vector<c10::Stream>& streams,
+      int32_t peer);
 
   // The CUDA channels' own device memory (channel/cuda/device_memory.h):
   // bounded by cuda_ipc_memory_limit, and out of memory once, torch's
@@ -119,22 +123,28 @@ class AgentDevices {
   // wait() on another stream keep the memory from reuse until that
   // stream's work is done.
   //
-  // The copies run on the device's landing stream (landingStream()), where
-  // all landings allocate, so torch's cache serves them after the first
-  // messages; the arrival stream waits for them. Segments up to
-  // kLandPackMaxSegment share allocations of up to kLandPackBytes: one
-  // allocation for a message of many small tensors, whose storages are then
-  // one (each tensor a view at its own offset).
-  wire::InboundMessage::Landed land(
-      const c10::Stream& arrival,
-      const std::vector<std::pair<uintptr_t, size_t>>& spans);
-  // The device's landing stream, taken from torch's pool once.
-  c10::Stream landingStream(c10::DeviceIndex device) const;
+  // The copies run on a landing stream of the device (landingFor()), where
+  // the memory is allocated too, so torch's cache serves every landing after
+  // the first messages; the arrival stream waits for them on one event.
+  // Segments up to kLandPackMaxSegment share allocations of up to
+  // kLandPackBytes: one allocation for a message of many small tensors,
+  // whose storages are then one (each tensor a view at its own offset).
   struct Landing {
-    c10::Stream stream;
+    Landing(int s, c10::Stream st) : slot(s), stream(st), copied(c10::kCUDA) {}
+    const int slot;
+    const c10::Stream stream;
+    std::mutex mu; // record + block of `copied`
     c10::Event copied; // recorded after each landing's copies
   };
-  Landing& landingLocked(c10::DeviceIndex device) const; // landingMu_ held
+  wire::InboundMessage::Landed land(
+      Landing& landing,
+      const c10::Stream& arrival,
+      const std::vector<std::pair<uintptr_t, size_t>>& spans);
+  // The landing stream of `device` for messages from worker `peer`: one of
+  // kLandingSlots per device (peers share them by id), so a peer whose
+  // tensors are late (its `ready` recorded behind long work) holds back the
+  // landings of the few peers of its slot, not every peer's; made once.
+  Landing& landingFor(c10::DeviceIndex device, int32_t peer) const;
   // The same for host storages ({"cpu": d} maps): each copied onto the
   // device on `stream`, and held until the copy has read it.
   std::vector<c10::DataPtr> landFromHost(
@@ -156,7 +166,7 @@ class AgentDevices {
   std::atomic<uint64_t> landedBytes_{0};
   std::atomic<uint64_t> landedAllocations_{0};
   mutable std::mutex landingMu_;
-  mutable std::vector<std::unique_ptr<Landing>> landingStreams_; // per device
+  mutable std::vector<std::unique_ptr<Landing>> landingStreams_;
   std::atomic<uint64_t> fromHost_{0}; // segments landed from host bytes
   mutable std::atomic<uint64_t> toHost_{0}; // CUDA tensors sent as host copies
   std::atomic<uint64_t> failures_{0}; // messages that could not land

@@ -3,6 +3,7 @@
 
 #include <sys/socket.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -66,6 +67,12 @@ class Host {
   // Any thread: run `fn` on the connection's loop thread (dropped once the
   // connection is gone).
   virtual void post(std::function<void()> fn) = 0;
+  // The same, `delay` from now.
+  virtual void postAfter(
+      std::chrono::milliseconds delay,
+      std::function<void()> fn) {
+    post(std::move(fn));
+  }
   // Loop thread: call `onReadable` on the loop thread whenever `fd` is
   // readable, until unwatchFromLoop(fd).
   virtual void watchFromLoop(int fd, std::function<void()> onReadable) = 0;

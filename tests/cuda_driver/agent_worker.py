@@ -211,6 +211,34 @@ def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
     ctl.send(out)
 
 
+# ---- a block's release while the callee is busy --------------------------------
+
+
+def slow_len(t, seconds: float) -> int:
+    time.sleep(seconds)
+    return t.numel()
+
+
+def run_release_ride(rank: int, port: int, ctl, ride_ms: str) -> None:
+    """worker0 sends a CUDA tensor to a function that sleeps 3 s; meanwhile
+    it asks worker1 (a CPU call) how many releases it sent. A block's
+    release waits to ride with worker1's next frame, at most
+    TORCH_RPC_EXT_CUDA_RELEASE_RIDE_MS (`ride_ms`): with the default it goes
+    on its own long before the slow function returns."""
+    os.environ["TORCH_RPC_EXT_CUDA_RELEASE_RIDE_MS"] = ride_ms
+    join_pair(rank, port)
+    out = {}
+    if rank == 0:
+        slow = rpc.rpc_async("worker1", slow_len, args=(cuda_tensor(b"r" * 4096), 3.0))
+        time.sleep(1.0)
+        during = rpc.rpc_sync("worker1", channel_counters)
+        out["during"] = (during["releases"], during["release_frames"])
+        out["len"] = slow.wait()
+        out["after"] = channel_counters()  # ours: the owner's side
+    rpc.shutdown()
+    ctl.send(out)
+
+
 # ---- received tensors on a busy side stream -----------------------------------
 
 

@@ -91,6 +91,22 @@ def test_cuda_tensors_travel_both_ways_under_a_device_map(spawn):
     assert "worker0" in callee["unmapped"]
 
 
+@pytest.mark.parametrize("ride_ms", ["10", "10000"])
+def test_a_release_waits_for_a_ride_only_so_long(spawn, ride_ms):
+    """Issue 46: a block's release rides with the receiver's next frame
+    rather than costing a frame of its own, but waits for one at most
+    TORCH_RPC_EXT_CUDA_RELEASE_RIDE_MS: while a slow function runs, the
+    caller's block goes back after 10 ms (default), not when it returns.
+    With 10 s, the control: nothing is sent until the response."""
+    caller, _ = play_with(spawn, agent_worker.run_release_ride, ride_ms)
+    assert caller["len"] == 4096
+    releases, frames = caller["during"]
+    if ride_ms == "10":
+        assert releases == frames == 1
+    else:
+        assert releases == 1 and frames == 0
+
+
 @pytest.mark.parametrize("channels", [("cuda_ipc",), ("cuda_staged",)],
                          ids=["cuda_ipc", "cuda_staged"])
 def test_a_received_tensor_is_safe_on_a_busy_side_stream(spawn, channels):

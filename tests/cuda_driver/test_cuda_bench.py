@@ -33,7 +33,10 @@ def bench_rows(tmp_path_factory, driver_env):
     mode = "--smoke" if REAL_DRIVER else "--fake"
     subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "cuda_bench.py"), mode, "--out", str(out)],
-        cwd=tmp, env={**os.environ, **driver_env}, check=True, timeout=540)
+        cwd=tmp, check=True, timeout=540,
+        # A release always rides with the next frame (none waits long
+        # enough to go alone): counts that do not depend on timing.
+        env={**os.environ, **driver_env, "TORCH_RPC_EXT_CUDA_RELEASE_RIDE_MS": "10000"})
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 

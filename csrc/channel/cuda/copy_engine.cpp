@@ -374,9 +374,11 @@ void CopyEngine::strided(
   }
   if (dims.size() == 2 && dims[1].second == 1 &&
       static_cast<uint64_t>(dims[1].first) * elemSize >= kRowCopyMinBytes &&
-      dims[0].second >= dims[1].first) {
+      dims[0].second >= dims[1].first &&
+      static_cast<uint64_t>(dims[0].second) * elemSize <= kMaxRowPitch) {
     // (Rows that do not overlap: an expanded view, stride 0, goes by the
-    // kernel, since a pitch narrower than a row is no pitched copy.)
+    // kernel, since a pitch narrower than a row is no pitched copy; as does
+    // a pitch past what the driver takes.)
     // Rows contiguous inside (a slice of rows, every other row): one
     // pitched copy moves them whole, rather than the strided kernel one
     // element at a time with a division per dimension each.

@@ -85,6 +85,9 @@ class CopyEngine {
 
   // Rows at least this long go by one pitched copy (above).
   static constexpr uint64_t kRowCopyMinBytes = 512;
+  // The largest pitch a pitched copy takes (CU_DEVICE_ATTRIBUTE_MAX_PITCH
+  // is 2^31 - 1 on every current GPU); wider strides go by the kernel.
+  static constexpr uint64_t kMaxRowPitch = (uint64_t(1) << 31) - 1;
 
   // Kernel launches so far, by kernel name, and "row_copies": the pitched
   // copies made in their place.

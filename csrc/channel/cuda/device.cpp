@@ -100,11 +100,10 @@ CurrentDevice::CurrentDevice(int device) {
   TORCH_RPC_EXT_CUDA_CHECK(cuCtxGetCurrent, &previous_);
   if (previous_ != wanted) {
     TORCH_RPC_EXT_CUDA_CHECK(cuCtxSetCurrent, wanted);
-    // A thread that had no context keeps the device's primary one current
-    // after the guard, as after any CUDA runtime call (no restore: two
-    // driver calls per guard saved on our own threads); one that had
-    // another gets it back.
-    switched_ = previous_ != nullptr;
+    // Restored after, even to none: a thread that runs users' functions
+    // (a loop, the serving pool) must keep the device torch's runtime
+    // would report there (cudaGetDevice follows the current context).
+    switched_ = true;
   }
   t_guardContext = wanted;
 }

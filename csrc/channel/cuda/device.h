@@ -33,10 +33,8 @@ CUcontext primaryContext(int device);
 // CurrentDevice.
 //
 // Makes `device`'s primary context current on this thread for the guard's
-// life, then restores the one that was current (a thread that had none
-// keeps the primary context current, as the CUDA runtime leaves it);
-// relaxed meanwhile. Nested guards of one thread and device make no driver
-// call.
+// life, then restores the one that was current (or none); relaxed
+// meanwhile. Nested guards of one thread and device make no driver call.
 class RelaxedCapture {
  public:
   RelaxedCapture();

@@ -437,14 +437,29 @@ void IpcChannel::abandonRegion(
   }
 }
 
+namespace {
+std::atomic<int64_t> g_releaseRideMs{kReleaseRideMs};
+} // namespace
+
+void setReleaseRideMs(int64_t ms) {
+  g_releaseRideMs.store(ms, std::memory_order_relaxed);
+}
+
+int64_t releaseRideMs() {
+  return g_releaseRideMs.load(std::memory_order_relaxed);
+}
+
 void IpcChannel::releasePeerBlock(uint32_t id, uint64_t bytes) {
   auto host = host_.lock();
   if (!host || host->isClosed()) {
     return; // nobody left to tell
   }
-  bool now = bytes > kDeferredReleaseBytes;
+  const int64_t ride = releaseRideMs();
+  bool now = bytes > kDeferredReleaseBytes || ride == 0;
+  bool first = false;
   {
     std::lock_guard<std::mutex> lock(releaseMutex_);
+    first = pendingReleases_.empty();
     pendingReleases_ += idHead(id);
     now = now ||
         pendingReleases_.size() >= kMaxPendingReleases * sizeof(uint32_t);
@@ -452,6 +467,16 @@ void IpcChannel::releasePeerBlock(uint32_t id, uint64_t bytes) {
   counters_.releases.fetch_add(1, std::memory_order_relaxed);
   if (now) {
     flushReleases();
+  } else if (first) {
+    // No frame of ours within the ride's wait (a slow function, a one-way
+    // burst): the releases go on their own, so the owner's blocks are not
+    // held for a tick.
+    std::weak_ptr<IpcChannel> weak = shared_from_this();
+    host->postAfter(std::chrono::milliseconds(ride), [weak] {
+      if (auto self = weak.lock()) {
+        self->flushReleases();
+      }
+    });
   }
 }
 

@@ -112,11 +112,17 @@ constexpr uint64_t kPackAlign = 256;
 // Releases of blocks up to this size wait to ride with our next frame (RPC
 // traffic goes both ways: a request's block goes back with its response,
 // a response's with the next request), at most kMaxPendingReleases of them
-// and at most until the next tick: a release frame of its own costs a
-// socket write and a wake-up of the peer's loop per message. A larger block
-// goes back at once, so that its owner does not make another meanwhile.
+// and at most kReleaseRideMs (a slow function, a one-way burst: the owner's
+// blocks are not held for long): a release frame of its own costs a socket
+// write and a wake-up of the peer's loop per message. A larger block goes
+// back at once, so that its owner does not make another meanwhile.
 constexpr uint64_t kDeferredReleaseBytes = uint64_t(8) << 20;
 constexpr size_t kMaxPendingReleases = 32;
+constexpr int64_t kReleaseRideMs = 10;
+// How long a release waits for a ride ($TORCH_RPC_EXT_CUDA_RELEASE_RIDE_MS,
+// 0..10000, checked when the channel is probed; 0: at once, no ride).
+void setReleaseRideMs(int64_t ms);
+int64_t releaseRideMs();
 
 struct IpcCounters {
   std::atomic<uint64_t> segments{0};

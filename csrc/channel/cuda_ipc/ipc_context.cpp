@@ -2,6 +2,7 @@
 // cuda_ipc's context (ipc_channel.h): viability, the descriptor a process
 // publishes (IpcDomain), reach, counters.
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -169,6 +170,18 @@ class IpcContext final : public Context {
       if (boot.empty()) {
         unviable_ = "cannot identify this host's kernel (no boot id)";
         return;
+      }
+      if (const char* ride = std::getenv("TORCH_RPC_EXT_CUDA_RELEASE_RIDE_MS");
+          ride != nullptr && *ride != '\0') {
+        char* end = nullptr;
+        errno = 0;
+        const long ms = std::strtol(ride, &end, 10);
+        if (errno != 0 || end == ride || *end != '\0' || ms < 0 || ms > 10000) {
+          unviable_ = std::string("TORCH_RPC_EXT_CUDA_RELEASE_RIDE_MS=") +
+              ride + " is not a whole number of milliseconds from 0 to 10000";
+          return;
+        }
+        setReleaseRideMs(ms);
       }
       IpcDomain domain;
       domain.host = boot;

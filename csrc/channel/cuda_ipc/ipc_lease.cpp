@@ -54,7 +54,7 @@ void BlockLease::waitOn(uintptr_t stream) {
   // The segments of a frame packed into one block share this lease and its
   // one record: a stream waits on it once (1000 tensors: one wait).
   std::lock_guard<std::mutex> lock(mu_);
-  if (std::find(streams_.begin(), streams_.end(), stream) != streams_.end()) {
+  if (std::find(waited_.begin(), waited_.end(), stream) != waited_.end()) {
     return;
   }
   CurrentDevice current(block_->device());
@@ -65,7 +65,10 @@ void BlockLease::waitOn(uintptr_t stream) {
       reinterpret_cast<CUstream>(stream),
       own_ ? block_->released() : block_->ready(),
       0);
-  streams_.push_back(stream);
+  waited_.push_back(stream);
+  if (std::find(streams_.begin(), streams_.end(), stream) == streams_.end()) {
+    streams_.push_back(stream);
+  }
 }
 
 void BlockLease::recordUse(uintptr_t stream) {

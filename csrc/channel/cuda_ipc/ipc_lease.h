@@ -85,6 +85,7 @@ class BlockLease final : public DeviceRegion {
   bool own_;
   std::mutex mu_;
   std::vector<uintptr_t> streams_; // of device(), in first-use order
+  std::vector<uintptr_t> waited_; // streams that waited on the block's record
   std::atomic<bool> shared_{false};
   std::atomic<bool> handedOn_{false};
 };

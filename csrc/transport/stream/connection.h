@@ -95,6 +95,10 @@ class StreamConnection : public Connection,
   // channel::Host.
   void sendControl(channel::ControlFrame frame) override;
   void post(std::function<void()> fn) override;
+  void postAfter(std::chrono::milliseconds delay, std::function<void()> fn)
+      override {
+    loop_.runAfter(delay, std::move(fn));
+  }
   void watchFromLoop(int fd, std::function<void()> onReadable) override;
   void unwatchFromLoop(int fd) override;
   void resumeWritesFromLoop() override;

@@ -121,7 +121,6 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
         " segments exceeds this agent's limits (max_frame_bytes=" +
         std::to_string(options_.limits.maxFrameBytes) + ")");
   }
-  Loop::Io::add(loop_.io().frames);
   PendingWrite w;
   // The channels choose how segments travel (a region's copy happens now,
   // on this thread, with no lock held); a region segment's place on the
@@ -184,6 +183,7 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
   w.prefix += frame.head;
   frame.head.clear();
   w.frame = std::move(frame);
+  Loop::Io::add(loop_.io().frames);
   std::string error;
   {
     std::lock_guard<std::mutex> lock(writeMutex_);

@@ -110,7 +110,9 @@ void Loop::post(std::function<void()> fn) {
     }
     posted_.push_back(std::move(fn));
   }
-  wake();
+  if (!inLoop()) { // the leader picks it up before it next waits
+    wake();
+  }
 }
 
 void Loop::runAfter(std::chrono::milliseconds delay, std::function<void()> fn) {
@@ -121,7 +123,9 @@ void Loop::runAfter(std::chrono::milliseconds delay, std::function<void()> fn) {
     }
     timers_.emplace(std::chrono::steady_clock::now() + delay, std::move(fn));
   }
-  wake();
+  if (!inLoop()) { // the leader computes its timeout before it next waits
+    wake();
+  }
 }
 
 void Loop::runAfterDispatch(std::function<void()> fn, bool spinAfter) {

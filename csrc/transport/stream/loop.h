@@ -96,7 +96,7 @@ class Loop {
   // What the connections on this loop put through their sockets, counted
   // relaxed (one uncontended add each): what a message costs in frames,
   // system calls and wake-ups (benchmarks/cuda_bench.py --fake reads them).
-  struct Io {
+  struct alignas(64) Io { // its own cache line: written by every sender
     std::atomic<uint64_t> frames{0}; // message frames queued
     std::atomic<uint64_t> controlFrames{0}; // connection and channel frames
     std::atomic<uint64_t> writes{0}; // sendmsg/send calls (TLS: writes)
