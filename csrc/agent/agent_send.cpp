@@ -195,6 +195,7 @@ void Agent::onFrame(
     // a cuda_ipc block's release then rides with our very next frame.
     buffers.regions.clear();
   } catch (const ReceiveFailure& e) {
+    buffers.regions.clear(); // (a release rides with the failure's frame)
     failReceive(conn, *in, peer, e.what());
     return;
   } catch (const std::exception& e) {

@@ -427,7 +427,9 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
   // the landing's copies and the regions' readiness.
   std::optional<c10::MultiStreamGuard> onArrival;
   if (!streams.empty()) {
-    onArrival.emplace(streams);
+    local("no CUDA stream for the message's tensors", [&] {
+      onArrival.emplace(streams);
+    });
   }
   try {
     return in.finish(

@@ -226,7 +226,8 @@ def run_release_ride(rank: int, port: int, ctl, ride_ms: str) -> None:
     TORCH_RPC_EXT_CUDA_RELEASE_RIDE_MS (`ride_ms`): with the default it goes
     on its own long before the slow function returns."""
     os.environ["TORCH_RPC_EXT_CUDA_RELEASE_RIDE_MS"] = ride_ms
-    join_pair(rank, port)
+    # (No heartbeat tick, which flushes waiting releases too, in the window.)
+    join_pair(rank, port, heartbeat_timeout=60)
     out = {}
     if rank == 0:
         slow = rpc.rpc_async("worker1", slow_len, args=(cuda_tensor(b"r" * 4096), 3.0))

@@ -260,10 +260,15 @@ class IpcChannel final : public Channel,
   void trim();
   // Sends the releases waiting for a ride now.
   void flushReleases();
+  // The ride's timer: sends the batch waiting once it is the ride's wait
+  // old, or waits on for a younger one.
+  void armRide(Host& host, std::chrono::milliseconds after);
 
   std::weak_ptr<Host> host_;
   std::mutex releaseMutex_;
   std::string pendingReleases_; // ids (idHead) waiting for our next frame
+  std::chrono::steady_clock::time_point batchSince_; // its first release
+  bool rideArmed_ = false; // a timer for pendingReleases_ is pending
   IpcCounters& counters_;
   // UUIDs of the peer's devices by its index ("": one that shares none).
   std::vector<std::string> peerDevices_;
