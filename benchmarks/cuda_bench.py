@@ -11,6 +11,7 @@ after warm-up:
   many_256x16KB, many_1000x1KB     a list of tensors in one call
   strided_32MB, contiguous_32MB    every other row of a 4096 x 4096 float32
                                    (a 32 MB view of 64 MB), and 32 MB whole
+  cpu_4KB                          a CPU tensor between the same workers
   recipe                           the CUDA RPC recipe: two Linear(1000, 1000)
                                    shards, ten dist-autograd forward and
                                    backward passes (seconds for the ten)
@@ -90,6 +91,9 @@ def cases_for(cfg) -> list[tuple[str, str, int]]:
     half = side * side * 2  # bytes of every other row
     label = f"{half // MB}MB" if half >= MB else f"{half >> 10}KB"
     out += [(f"strided_{label}", "strided", side), (f"contiguous_{label}", "contiguous", side)]
+    # A CPU tensor between the same two workers (their device maps on): what
+    # a CPU-only call costs on the GPU side, beside the CUDA cases.
+    out += [("cpu_4KB", "cpu", 4 << 10)]
     return out
 
 
@@ -291,6 +295,8 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
                 arg = dev.tensor(size)
             elif kind == "many":
                 arg = [dev.tensor(size) for _ in range(256 if size == 16 << 10 else 1000)]
+            elif kind == "cpu":
+                arg = torch.rand(size // 4)
             elif kind == "strided":
                 arg = dev.tensor(size * size * 4, [size // 2, size], [2 * size, 1])
             else:
@@ -397,7 +403,7 @@ def main(argv=None):
         if name == "ext_staged":
             these = [c for c in cases if c[0] in ("identity_400MB", "identity_4MB")]
         if name == "ext_zero_copy":
-            these = [c for c in cases if c[1] != "contiguous"]
+            these = [c for c in cases if c[1] not in ("contiguous", "cpu")]
         if not these:
             continue
         rows, _ = run_world(world, 2, key, channels or ("cuda_ipc", "cuda_staged"), these, cfg,

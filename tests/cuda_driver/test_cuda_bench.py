@@ -23,7 +23,7 @@ from tests.cuda_driver.conftest import REAL_DRIVER
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(600)
 CASES = {"identity_4KB", "identity_64KB", "identity_4MB", "many_256x16KB",
-         "many_1000x1KB", "strided_128KB", "contiguous_128KB"}
+         "many_1000x1KB", "strided_128KB", "contiguous_128KB", "cpu_4KB"}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_cuda_bench_runs_every_case(bench_rows):
     timed = {(r["backend"], r["case"]) for r in rows if "median_us" in r}
     assert {("ext", c) for c in CASES} <= timed
     assert ("ext_staged", "identity_4MB") in timed
-    assert {("ext_zero_copy", c) for c in CASES - {"contiguous_128KB"}} <= timed
+    assert {("ext_zero_copy", c) for c in CASES - {"contiguous_128KB", "cpu_4KB"}} <= timed
     assert all(r["median_us"] > 0 for r in rows if "median_us" in r)
     if REAL_DRIVER:
         assert {("tensorpipe", c) for c in CASES} <= timed
@@ -94,3 +94,15 @@ def test_a_round_trip_stays_within_its_budget(bench_rows, case):
     assert c["launches"] <= 4, c
     assert c["event_creates"] <= 16 and c["event_records"] <= 24, c
     assert c["driver_calls"] <= 210, c
+
+
+def test_a_cpu_call_between_cuda_workers_touches_no_gpu(bench_rows):
+    # Both workers have devices and maps; a CPU tensor's round trip makes
+    # no event, stream, memory, copy or launch call (the fake counts only
+    # torch's device guard making the device current, as cudaSetDevice).
+    c = costs(bench_rows)["cpu_4KB"]
+    assert c["frames"] == 2 and c["socket_writes"] <= 2, c
+    assert c["landed"] == 0 and c["torch_allocations"] == 0, c
+    if REAL_DRIVER:
+        return
+    assert c["driver_calls"] == c["context_calls"], c
