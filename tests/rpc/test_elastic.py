@@ -221,6 +221,9 @@ def _kill_and_replace(rank, world_size, store_path, gates):
         metrics = rpc.api._get_current_rpc_agent().get_metrics()
         out["dropped"] = int(metrics["rpc_ext.membership.dropped_forks"])
         out["dropped_contexts"] = int(metrics["rpc_ext.membership.dropped_autograd_contexts"])
+        # Membership callbacks run on a thread of their own, after the view
+        # changed: under load the event may come after the checks above.
+        wait_for(lambda: dead, what="the dead event's callback")
         out["dead"] = list(dead)
         try:
             rpc.rpc_sync("worker1", add, (1, 1))
