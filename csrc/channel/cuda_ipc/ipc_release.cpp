@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// cuda_ipc: giving the peer's blocks back, batched to ride with our next
+// frame (ipc_channel.h, kDeferredReleaseBytes).
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "csrc/channel/cuda_ipc/ipc_channel.h"
+#include "csrc/channel/lending.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+namespace {
+std::atomic<int64_t> g_releaseRideMs{kReleaseRideMs};
+} // namespace
+
+void setReleaseRideMs(int64_t ms) {
+  g_releaseRideMs.store(ms, std::memory_order_relaxed);
+}
+
+int64_t releaseRideMs() {
+  return g_releaseRideMs.load(std::memory_order_relaxed);
+}
+
+void IpcChannel::releasePeerBlock(uint32_t id, uint64_t bytes) {
+  auto host = host_.lock();
+  if (!host || host->isClosed()) {
+    return; // nobody left to tell
+  }
+  const int64_t ride = releaseRideMs();
+  bool now = bytes > kDeferredReleaseBytes || ride == 0;
+  bool arm = false;
+  {
+    std::lock_guard<std::mutex> lock(releaseMutex_);
+    if (pendingReleases_.empty()) {
+      batchSince_ = std::chrono::steady_clock::now();
+    }
+    pendingReleases_ += idHead(id);
+    now = now ||
+        pendingReleases_.size() >= kMaxPendingReleases * sizeof(uint32_t);
+    // One timer at a time: it re-arms itself for a younger batch.
+    arm = !now && !rideArmed_;
+    rideArmed_ = rideArmed_ || arm;
+  }
+  counters_.releases.fetch_add(1, std::memory_order_relaxed);
+  if (now) {
+    flushReleases();
+  } else if (arm) {
+    armRide(*host, std::chrono::milliseconds(ride));
+  }
+}
+
+void IpcChannel::armRide(Host& host, std::chrono::milliseconds after) {
+  // No frame of ours within the ride's wait (a slow function, a one-way
+  // burst): the releases go on their own, so the owner's blocks are not
+  // held for a tick.
+  std::weak_ptr<IpcChannel> weak = shared_from_this();
+  host.postAfter(after, [weak] {
+    auto self = weak.lock();
+    if (!self) {
+      return;
+    }
+    auto host = self->host_.lock();
+    const auto ride = std::chrono::milliseconds(releaseRideMs());
+    std::chrono::milliseconds left{0};
+    {
+      std::lock_guard<std::mutex> lock(self->releaseMutex_);
+      if (self->pendingReleases_.empty()) {
+        self->rideArmed_ = false; // a frame took them
+        return;
+      }
+      const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(
+          std::chrono::steady_clock::now() - self->batchSince_);
+      if (age < ride && host) {
+        left = ride - age; // a younger batch than the one armed for
+      } else {
+        self->rideArmed_ = false;
+      }
+    }
+    if (left.count() > 0) {
+      self->armRide(*host, left);
+    } else {
+      self->flushReleases();
+    }
+  });
+}
+
+void IpcChannel::flushReleases() {
+  auto host = host_.lock();
+  if (!host || host->isClosed()) {
+    return;
+  }
+  std::string ids;
+  {
+    std::lock_guard<std::mutex> lock(releaseMutex_);
+    ids.swap(pendingReleases_);
+  }
+  if (!ids.empty()) {
+    counters_.releaseFrames.fetch_add(1, std::memory_order_relaxed);
+    host->sendControl(
+        ControlFrame{
+            context().wireIds().kind(kBlockRelease), std::move(ids), {}, {}});
+  }
+}
+
+void IpcChannel::collectPendingLocked(std::vector<ControlFrame>* out) {
+  // Releases waiting for a ride take this one.
+  std::lock_guard<std::mutex> lock(releaseMutex_);
+  if (!pendingReleases_.empty()) {
+    counters_.releaseFrames.fetch_add(1, std::memory_order_relaxed);
+    out->push_back(
+        ControlFrame{
+            context().wireIds().kind(kBlockRelease),
+            std::move(pendingReleases_),
+            {},
+            {}});
+    pendingReleases_.clear();
+  }
+}
+
+
+} // namespace torch_rpc_ext::channel::cuda
