@@ -119,5 +119,4 @@ void IpcChannel::collectPendingLocked(std::vector<ControlFrame>* out) {
   }
 }
 
-
 } // namespace torch_rpc_ext::channel::cuda
