@@ -109,7 +109,10 @@ class Devices:
             from torch_rpc_ext import _testing
 
             self.cu = _testing.cuda
-            assert self.cu.install_fake_cuda_guard() == "fake"
+            if self.cu.install_fake_cuda_guard() != "fake":
+                raise SystemExit(
+                    f"cuda_bench.py --fake: torch {torch.__version__} is a CUDA build; the fake "
+                    "driver's tensors need a CPU torch (its device guard is torch's own here)")
             torch.cuda.device_count = lambda: self.cu.device_count()
             torch.cuda.init = self.cu.torch_cuda_init  # the fake allocator's init
 

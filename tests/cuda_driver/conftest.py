@@ -10,6 +10,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
+import torch
 
 from tests import cuda_fake
 from tests.cuda_driver import worker
@@ -48,6 +49,24 @@ def _real_devices() -> int:
 
 REAL_DEVICES = _real_devices()
 REAL_DRIVER = REAL_DEVICES >= 0
+# Without a GPU these tests drive the fake driver through a CPU torch, which
+# holds its memory as CUDA tensors under a fake device guard. A CUDA build of
+# torch has its own guard and allocator, bound to the real driver: the fake
+# cannot stand in for them there.
+FAKE_NEEDS_CPU_TORCH = (
+    "no GPU here, and torch " + torch.__version__ + " is a CUDA build: the fake driver "
+    "needs a CPU torch (tools/test.sh runs this folder on its default torch, a CPU one)"
+    if not REAL_DRIVER and torch.version.cuda is not None else None)
+
+
+def pytest_collection_modifyitems(config, items):
+    if FAKE_NEEDS_CPU_TORCH is None:
+        return
+    here = os.path.dirname(__file__)
+    skip = pytest.mark.skip(reason=FAKE_NEEDS_CPU_TORCH)
+    for item in items:
+        if str(item.fspath).startswith(here):
+            item.add_marker(skip)
 # What only the fake can drive (its FAKE_CUDA_* settings: devices, limits,
 # versions, missing features), skipped on a GPU; what needs two GPUs there.
 fake_only = pytest.mark.skipif(REAL_DRIVER, reason="drives the fake driver's settings")
