@@ -80,7 +80,8 @@ class Shard(torch.nn.Module):
 
 
 def cases_for(cfg) -> list[tuple[str, str, int]]:
-    """(case, kind, size): kind is identity | many | strided | contiguous."""
+    """(case, kind, size): kind is identity | many | strided | contiguous |
+    cpu | self."""
     if cfg.fake or cfg.smoke:
         sizes = [("4KB", 4 << 10), ("64KB", 64 << 10), ("4MB", 4 * MB)]
     else:
@@ -94,6 +95,8 @@ def cases_for(cfg) -> list[tuple[str, str, int]]:
     # A CPU tensor between the same two workers (their device maps on): what
     # a CPU-only call costs on the GPU side, beside the CUDA cases.
     out += [("cpu_4KB", "cpu", 4 << 10)]
+    # The caller to itself (cuda_self; TensorPipe's cuda_xth).
+    out += [("self_4MB", "self", 4 * MB)]
     return out
 
 
@@ -146,6 +149,7 @@ def _init(rank, backend_key, channels, fake, zero_copy=False) -> Devices:
                                                   cuda_zero_copy=zero_copy, **kwargs)
     if rank == 0:  # the callee answers through the reverse map
         opts.set_device_map("callee", {DEVICE: DEVICE})
+        opts.set_device_map("caller", {DEVICE: DEVICE})  # the self case
     rpc.init_rpc(["caller", "callee"][rank], rank=rank, world_size=2,
                  backend=rpc.BackendType[backend_key], rpc_backend_options=opts)
     return dev
@@ -300,6 +304,8 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
                 arg = [dev.tensor(size) for _ in range(256 if size == 16 << 10 else 1000)]
             elif kind == "cpu":
                 arg = torch.rand(size // 4)
+            elif kind == "self":
+                arg = dev.tensor(size)
             elif kind == "strided":
                 arg = dev.tensor(size * size * 4, [size // 2, size], [2 * size, 1])
             else:
@@ -314,7 +320,8 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
                     before = both_costs()
                 dev.sync()
                 t0 = time.perf_counter()
-                out = rpc.rpc_sync("callee", identity, args=(arg,))
+                out = rpc.rpc_sync("caller" if kind == "self" else "callee", identity,
+                                   args=(arg,))
                 dev.sync()
                 if i >= cfg.warmup:
                     samples.append(time.perf_counter() - t0)
@@ -409,7 +416,7 @@ def main(argv=None):
             these = [c for c in cases if c[1] not in ("contiguous", "cpu")]
         if not these:
             continue
-        rows, _ = run_world(world, 2, key, channels or ("cuda_ipc", "cuda_staged"), these, cfg,
+        rows, _ = run_world(world, 2, key, channels or ("cuda_ipc", "cuda_self", "cuda_staged"), these, cfg,
                             timeout=1800)
         for row in rows:
             row = {"backend": name, **row}

@@ -112,9 +112,12 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             ``device_maps`` or ``devices`` name a GPU: ``"cuda_ipc"`` (the
             sender copies into device memory of its own that the receiver
             maps once and copies out of into torch's allocator: processes
-            of one host sharing the device) and ``"cuda_staged"`` (through pinned host memory in
-            chunks, copied out and in as the stream goes: any peer, any
-            two devices). ``("cuda_staged",)`` forces staging.
+            of one host sharing the device), ``"cuda_self"`` (a worker's
+            calls to itself: the sender copies into a pooled device block
+            that the receiver reads, nothing through host memory) and
+            ``"cuda_staged"`` (through pinned host memory in chunks, copied
+            out and in as the stream goes: any peer, any two devices).
+            ``("cuda_staged",)`` forces staging.
         shm_peers_any_user: The shm transport's socket (Linux's abstract
             namespace: any local process can connect to it) accepts only
             processes of this worker's user and root (``SO_PEERCRED``);

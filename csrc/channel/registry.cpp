@@ -12,6 +12,7 @@
 #include "csrc/channel/cuda/device_memory.h"
 #include "csrc/channel/cuda/engines.h"
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
+#include "csrc/channel/cuda_self/self_channel.h"
 #include "csrc/channel/cuda_staged/staged_channel.h"
 #include "csrc/channel/lanes/factory.h"
 #include "csrc/channel/shm/factory.h"
@@ -34,6 +35,9 @@ constexpr Entry kChannels[] = {
     {"shm_slab", DeviceKind::kCpu, shm::createSlabChannel},
     {"shm_ring", DeviceKind::kCpu, shm::createRingChannel},
     {"cuda_ipc", DeviceKind::kCuda, cuda::createIpcChannel},
+    // A worker's calls to itself only (its descriptor names the process),
+    // ahead of cuda_staged, which would take them through host memory.
+    {"cuda_self", DeviceKind::kCuda, cuda::createSelfChannel},
     {"cuda_staged", DeviceKind::kCuda, cuda::createStagedChannel},
     // Striped over TCP lanes: only a connection with IP addresses uses it.
     // Opt in: more sockets, threads and ports per peer, for hosts with

@@ -434,15 +434,16 @@ def agent_metrics():
 # ---- a worker's calls to itself ----------------------------------------------
 
 
-def run_self(port: int, ctl) -> None:
+def run_self(port: int, ctl, zero_copy: bool = False) -> None:
     """One worker maps its cuda:0 to its own cuda:0 (upstream's device-map
-    tests send to self) and calls itself with CUDA tensors both ways: its
-    own IPC handles would not open in it, so cuda_ipc declines and
-    cuda_staged carries them."""
+    tests send to self) and calls itself with CUDA tensors both ways, a
+    strided view and many small ones among them: its own IPC handles would
+    not open in it, so cuda_ipc declines, and cuda_self copies them on the
+    device."""
     setup_torch()
     opts = torch_rpc_ext.RpcExtBackendOptions(
         init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
-        num_worker_threads=4, rpc_timeout=TIMEOUT)
+        num_worker_threads=4, rpc_timeout=TIMEOUT, cuda_zero_copy=zero_copy)
     opts.set_device_map("worker0", {DEVICE: DEVICE})
     rpc.init_rpc("worker0", rank=0, world_size=1,
                  backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
@@ -451,11 +452,20 @@ def run_self(port: int, ctl) -> None:
         data = pattern(3 << 20, 5)
         out["seen"] = rpc.rpc_sync("worker0", describe, args=(cuda_tensor(data),)) == (
             f"cuda:{DEVICE}", data)
-        back = rpc.rpc_sync("worker0", identity, args=(cuda_tensor(data),))
+        sent = cuda_tensor(data)
+        back = rpc.rpc_sync("worker0", identity, args=(sent,))
         out["back"] = (str(back.device), tensor_bytes(back) == data)
+        # A copy, not the sender's memory, even under cuda_zero_copy.
+        out["distinct"] = back.data_ptr() != sent.data_ptr()
+        view, packed = cuda_view(pattern(1 << 20, 3), (256, 1024), (slice(None), slice(3, None, 4)))
+        out["view"] = rpc.rpc_sync("worker0", layout, args=(view,)) == (
+            f"cuda:{DEVICE}", (256, 256), (256, 1), packed)
+        many = [pattern(1024, k) for k in range(MANY)]
+        got = rpc.rpc_sync("worker0", identity, args=([cuda_tensor(m) for m in many],))
+        out["many"] = [tensor_bytes(t) for t in got] == many
     except Exception as e:  # noqa: BLE001 - the message is the result
         out["error"] = str(e)
-    out["counters"] = {c: channel_counters(c) for c in ("cuda_ipc", "cuda_staged")}
+    out["counters"] = {c: channel_counters(c) for c in ("cuda_ipc", "cuda_self", "cuda_staged")}
     rpc.shutdown()
     ctl.send(out)
 

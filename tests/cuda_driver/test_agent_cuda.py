@@ -318,12 +318,16 @@ def test_cuda_tensors_staged_through_host_memory(spawn, monkeypatch, channels, t
     assert "worker0" in callee["unmapped"]
 
 
-def test_cuda_tensors_sent_to_ones_own_worker(spawn):
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["landed", "zero_copy"])
+def test_cuda_tensors_sent_to_ones_own_worker(spawn, zero_copy):
     """A worker's calls to itself go over a connection to itself, where the
     driver refuses the process's own IPC handles (the fake too): cuda_ipc
-    declines such a peer, cuda_staged carries its tensors."""
+    declines such a peer, and cuda_self copies each frame's tensors into
+    one pooled block on the device (no host memory, nothing in the socket
+    but records), which the receiver lands from or, under cuda_zero_copy,
+    views: never the sender's own memory."""
     ours, theirs = spawn.Pipe()
-    proc = spawn.Process(target=agent_worker.run_self, args=(free_port(), theirs))
+    proc = spawn.Process(target=agent_worker.run_self, args=(free_port(), theirs, zero_copy))
     proc.start()
     try:
         out = ours.recv() if ours.poll(180) else None
@@ -334,10 +338,18 @@ def test_cuda_tensors_sent_to_ones_own_worker(spawn):
             proc.kill()
     assert "error" not in out, out["error"]
     assert out["seen"] and out["back"] == ("cuda:0", True)
+    assert out["distinct"] and out["view"] and out["many"]
     assert out["counters"]["cuda_ipc"]["segments"] == 0
-    # Sent by this one agent, caller and callee: 3 MiB out with each call,
-    # and back with identity's answer.
-    assert out["counters"]["cuda_staged"]["segments_sent"] == 3
+    assert out["counters"]["cuda_staged"]["segments_sent"] == 0
+    # Sent by this one agent, caller and callee: 3 MiB out with each call
+    # and back with identity's answer, the view out, MANY out and back
+    # (landed, as one segment: they share the storage they landed in).
+    self_counts = out["counters"]["cuda_self"]
+    sent = 3 + 1 + agent_worker.MANY + (agent_worker.MANY if zero_copy else 1)
+    assert self_counts["segments_sent"] == self_counts["segments_received"] == sent
+    # One launch per frame with tensors (six): the view's is its packing.
+    assert self_counts["launches"] == 6
+    assert self_counts["declined"] == 0
 
 
 @fake_only

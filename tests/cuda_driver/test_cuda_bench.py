@@ -23,7 +23,7 @@ from tests.cuda_driver.conftest import REAL_DRIVER
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(600)
 CASES = {"identity_4KB", "identity_64KB", "identity_4MB", "many_256x16KB",
-         "many_1000x1KB", "strided_128KB", "contiguous_128KB", "cpu_4KB"}
+         "many_1000x1KB", "strided_128KB", "contiguous_128KB", "cpu_4KB", "self_4MB"}
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +106,18 @@ def test_a_cpu_call_between_cuda_workers_touches_no_gpu(bench_rows):
     if REAL_DRIVER:
         return
     assert c["driver_calls"] == c["context_calls"], c
+
+
+def test_a_call_to_oneself_stays_on_the_device(bench_rows):
+    # The caller to itself: cuda_self copies each direction into a pooled
+    # block on the device, and the landing copies it into torch's memory.
+    # Before cuda_self, cuda_staged took it through pinned host memory (4
+    # host copies per round trip) and the socket.
+    c = costs(bench_rows)["self_4MB"]
+    assert c["frames"] == 2 and c["socket_writes"] <= 2, c
+    assert c["landing_launches"] == 2 and c["torch_allocations"] == 0, c
+    if REAL_DRIVER:
+        return
+    assert c["memcpys"] == 0, c  # nothing through host memory
+    assert c["allocations"] == 0 and c["host_waits"] == 0, c
+    assert c["launches"] <= 4 and c["driver_calls"] <= 210, c

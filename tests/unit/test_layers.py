@@ -53,16 +53,18 @@ def code_without_comments(path: Path) -> str:
 
 
 def test_the_channel_folders_are_found():
-    assert {"shm", "cuda", "cuda_ipc", "cuda_staged"} <= set(CHANNEL_FOLDERS)
+    assert {"shm", "cuda", "cuda_ipc", "cuda_self", "cuda_staged"} <= set(CHANNEL_FOLDERS)
 
 
 def test_the_cuda_channels_share_the_device_layer_and_not_each_other():
     # csrc/channel/cuda is the device layer (driver, memory, copy engine,
-    # staging pools) under the two CUDA channels, as TensorPipe's cuda
+    # staging pools) under the CUDA channels, as TensorPipe's cuda
     # helpers sit under its cuda_ipc and cuda_basic: it includes neither,
-    # and neither includes the other.
-    rules = {"cuda": ("cuda_ipc", "cuda_staged"), "cuda_ipc": ("cuda_staged",),
-             "cuda_staged": ("cuda_ipc",)}
+    # and none includes another.
+    rules = {"cuda": ("cuda_ipc", "cuda_self", "cuda_staged"),
+             "cuda_ipc": ("cuda_self", "cuda_staged"),
+             "cuda_self": ("cuda_ipc", "cuda_staged"),
+             "cuda_staged": ("cuda_ipc", "cuda_self")}
     bad = [
         (p.relative_to(ROOT).as_posix(), inc)
         for folder, banned in rules.items()

@@ -307,12 +307,15 @@ PooledRegion::~PooledRegion() {
 
 void PooledRegion::waitOn(uintptr_t stream) {
   const auto s = reinterpret_cast<CUstream>(stream);
+  std::lock_guard<std::mutex> lock(mu_);
+  // `ready` has one record: a stream that waited on it once is ordered
+  // after it for good (the segments of one block share a region).
+  if (std::find(streams_.begin(), streams_.end(), s) != streams_.end()) {
+    return;
+  }
   CurrentDevice current(pool_.device());
   TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, s, ready_.get(), 0);
-  std::lock_guard<std::mutex> lock(mu_);
-  if (std::find(streams_.begin(), streams_.end(), s) == streams_.end()) {
-    streams_.push_back(s);
-  }
+  streams_.push_back(s);
 }
 
 } // namespace torch_rpc_ext::channel::cuda
