@@ -3,6 +3,7 @@
 // (or a class in one) plus one line in kChannels.
 #include "csrc/channel/registry.h"
 
+#include <algorithm>
 #include <functional>
 #include <iterator>
 #include <memory>
@@ -26,32 +27,49 @@ struct Entry {
   const char* name;
   DeviceKind device; // Context::device() of what it creates
   std::shared_ptr<Context> (*create)(WireIds);
+  // Its place in the default preference order (the options' defaults, the
+  // names listed), apart from its place in kChannels, which is its wire id.
+  int preference;
   bool byDefault = true; // in the `channels` option's default
 };
 
 // In default preference order: a segment is offered to the channels of its
 // device in this order, and the stream takes what none took.
+// In the order of their wire ids (position + 1, docs/wire-format.md): a
+// new channel goes last, whatever its preference.
 constexpr Entry kChannels[] = {
-    {"shm_slab", DeviceKind::kCpu, shm::createSlabChannel},
-    {"shm_ring", DeviceKind::kCpu, shm::createRingChannel},
-    {"cuda_ipc", DeviceKind::kCuda, cuda::createIpcChannel},
-    // A worker's calls to itself only (its descriptor names the process),
-    // ahead of cuda_staged, which would take them through host memory.
-    {"cuda_self", DeviceKind::kCuda, cuda::createSelfChannel},
-    {"cuda_staged", DeviceKind::kCuda, cuda::createStagedChannel},
+    {"shm_slab", DeviceKind::kCpu, shm::createSlabChannel, 0},
+    {"shm_ring", DeviceKind::kCpu, shm::createRingChannel, 1},
+    {"cuda_ipc", DeviceKind::kCuda, cuda::createIpcChannel, 2},
+    {"cuda_staged", DeviceKind::kCuda, cuda::createStagedChannel, 4},
     // Striped over TCP lanes: only a connection with IP addresses uses it.
     // Opt in: more sockets, threads and ports per peer, for hosts with
     // cores to spare on fat links (docs/guide.md, "Fat links").
-    {"tcp_lanes", DeviceKind::kCpu, lanes::createLanesChannel, false},
+    {"tcp_lanes", DeviceKind::kCpu, lanes::createLanesChannel, 5, false},
+    // A worker's calls to itself only (its descriptor names the process),
+    // preferred to cuda_staged, which would take them through host memory.
+    {"cuda_self", DeviceKind::kCuda, cuda::createSelfChannel, 3},
 };
+
+// The entries by preference.
+std::vector<const Entry*> byPreference() {
+  std::vector<const Entry*> out;
+  for (const auto& e : kChannels) {
+    out.push_back(&e);
+  }
+  std::stable_sort(out.begin(), out.end(), [](const Entry* a, const Entry* b) {
+    return a->preference < b->preference;
+  });
+  return out;
+}
 
 } // namespace
 
 std::vector<std::string> channelNames(std::optional<DeviceKind> device) {
   std::vector<std::string> names;
-  for (const auto& e : kChannels) {
-    if (!device || e.device == *device) {
-      names.emplace_back(e.name);
+  for (const Entry* e : byPreference()) {
+    if (!device || e->device == *device) {
+      names.emplace_back(e->name);
     }
   }
   return names;
@@ -59,9 +77,9 @@ std::vector<std::string> channelNames(std::optional<DeviceKind> device) {
 
 std::vector<std::string> defaultChannelNames(DeviceKind device) {
   std::vector<std::string> names;
-  for (const auto& e : kChannels) {
-    if (e.device == device && e.byDefault) {
-      names.emplace_back(e.name);
+  for (const Entry* e : byPreference()) {
+    if (e->device == device && e->byDefault) {
+      names.emplace_back(e->name);
     }
   }
   return names;
