@@ -69,6 +69,17 @@ void bindTestingCuda(py::module_& parent) {
         return py::str(*sharing == cuda::Sharing::kFd ? "fd" : "legacy");
       });
 
+  // A cuda_ipc descriptor as parsed: (formatted again, per device the
+  // indices of the devices that reach it peer to peer).
+  m.def("ipc_domain", [](const std::string& descriptor) {
+    const auto domain = cuda::IpcDomain::parse(descriptor);
+    std::vector<std::vector<int>> peers;
+    for (const auto& d : domain.devices) {
+      peers.push_back(d.peers);
+    }
+    return py::make_tuple(domain.format(), peers);
+  });
+
   m.def("max_ptx_isa", &cuda::maxPtxIsa);
   m.def("ptx_isa", &cuda::ptxIsa);
 

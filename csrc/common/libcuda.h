@@ -32,6 +32,7 @@ namespace torch_rpc_ext {
   X(cuDeviceGet)                          \
   X(cuDeviceGetUuid)                      \
   X(cuDeviceGetAttribute)                 \
+  X(cuDeviceCanAccessPeer)                \
   X(cuDevicePrimaryCtxRetain)             \
   X(cuDevicePrimaryCtxRelease)            \
   X(cuCtxGetCurrent)                      \

@@ -287,10 +287,12 @@ def test_cuda_tensors_travel_through_legacy_ipc_handles(spawn, monkeypatch):
 )
 def test_cuda_tensors_staged_through_host_memory(spawn, monkeypatch, channels, target,
                                                  transports):
-    """cuda_staged over TCP (as between hosts); with two devices, a map from
-    cuda:0 to the peer's cuda:1, which cuda_ipc declines (its blocks map on
-    the device they live on) and cuda_staged carries."""
+    """cuda_staged over TCP (as between hosts); with two devices that cannot
+    reach each other peer to peer, a map from cuda:0 to the peer's cuda:1,
+    which cuda_ipc declines (the peer's cuda:1 cannot read a block of
+    cuda:0) and cuda_staged carries."""
     monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+    monkeypatch.setenv("FAKE_CUDA_NO_PEER_ACCESS", "1")
     caller, callee = play(spawn, channels, target, transports)
     assert caller["seen_by_callee"]  # on cuda:<target>, bytes intact
     assert caller["back"] == ("cuda:0", True)  # through the reverse map
@@ -316,6 +318,31 @@ def test_cuda_tensors_staged_through_host_memory(spawn, monkeypatch, channels, t
     assert caller["devices"] == ["cuda:0"] and callee["devices"] == [f"cuda:{target}"]
     assert caller["map"] == {"cuda:0": f"cuda:{target}"}
     assert "worker0" in callee["unmapped"]
+
+
+@two_devices
+def test_a_map_between_two_devices_goes_peer_to_peer(spawn, monkeypatch):
+    """A map from cuda:0 to the peer's cuda:1 on one node whose devices reach
+    each other (NVLink; the fake's default): cuda_ipc lends a block of cuda:0,
+    the peer opens it to its cuda:1 (cuMemSetAccess) and lands it there by a
+    kernel of cuda:1 reading cuda:0's memory, and the answers come back the
+    same way through the reverse map. Nothing goes through host memory. (The
+    fake's copy kernels refuse memory their device was not granted, and it
+    refuses a grant between devices without peer access.)"""
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+    caller, callee = play(spawn, ("cuda_ipc", "cuda_staged"), 1)
+    assert caller["seen_by_callee"]  # on cuda:1, bytes intact
+    assert caller["back"] == ("cuda:0", True)  # through the reverse map
+    assert caller["small"] and caller["view"] and caller["many"]
+    assert caller["empty"] == ("cuda:1", b"")
+    n = agent_worker.MANY
+    ipc = caller["counters"]["cuda_ipc"]
+    assert ipc["segments"] == 4 + n and ipc["declined"] == 0
+    assert caller["callee_counters"]["cuda_ipc"]["segments"] == 2 + 1
+    for counters in (caller["counters"], caller["callee_counters"]):
+        assert counters["cuda_staged"]["segments_sent"] == 0
+    assert caller["devices"] == ["cuda:0"] and callee["devices"] == ["cuda:1"]
+    assert caller["map"] == {"cuda:0": "cuda:1"}
 
 
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["landed", "zero_copy"])

@@ -45,6 +45,13 @@ def test_sharing_is_by_descriptor_where_both_can_else_legacy_in_one_pid_namespac
     assert cuda.ipc_sharing(me, me, a) is None
     assert cuda.ipc_sharing(me, f"boot;{a},{b};pid:[1];43", a) == "fd"
     assert cuda.ipc_sharing(me, f"boot;{a},{b};pid:[2];42", a) == "fd"
+    # After a descriptor device's UUID, the devices that read it peer to
+    # peer (an NVLink node: a map {0: 1} goes by cuda_ipc); what is not an
+    # index is ignored, and a legacy device lists none.
+    nvlink = f"boot;{a}+1+2,{b}+0,~{a}+1;pid:[1];42"
+    assert cuda.ipc_domain(nvlink) == (f"boot;{a}+1+2,{b}+0,~{a};pid:[1];42", [[1, 2], [0], []])
+    assert cuda.ipc_domain(f"boot;{a}+x+-1+99999+3;p;1") == (f"boot;{a}+3;p;1", [[3]])
+    assert cuda.ipc_sharing(both, nvlink, a) == "fd"
 
 
 def test_a_held_view_keeps_its_descriptor_block_lent(spawn):

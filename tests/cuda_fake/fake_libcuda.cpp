@@ -21,7 +21,9 @@
 //   devices: CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED is 0 and creating one
 //   fails with CUDA_ERROR_NOT_SUPPORTED); $FAKE_CUDA_MEM_LIMIT bytes of
 //   device memory per process (cuMemAlloc and cuMemCreate past it fail with
-//   CUDA_ERROR_OUT_OF_MEMORY; stats `live.device_bytes`).
+//   CUDA_ERROR_OUT_OF_MEMORY; stats `live.device_bytes`). Every two devices
+//   can access each other's memory (cuDeviceCanAccessPeer, as on an NVLink
+//   node) unless $FAKE_CUDA_NO_PEER_ACCESS=1.
 // - IPC handles (events, legacy memory) open in another process only
 //   (CUDA_ERROR_INVALID_CONTEXT in their own), unless $FAKE_CUDA_IPC_SELF=1:
 //   for a one-process harness playing both ends (tests/fuzz/fuzz_stream.cpp).
@@ -37,6 +39,9 @@
 // - VMM: memfds in 2 MiB granules, exported as a new fd that the caller owns.
 //   A mapping stays PROT_NONE until cuMemSetAccess, so touching it earlier
 //   kills the process with SIGSEGV, as a kernel touching it would fault.
+//   cuMemSetAccess grants access per device: two devices on one mapping
+//   need peer access, and our copy kernels touch a mapping only from a
+//   device it was granted to (else a kernel error, nothing copied).
 // - Streams: a worker thread each, running work strictly in order after the
 //   enqueuing call has returned ($FAKE_CUDA_KERNEL_DELAY_MS delays each
 //   kernel and asynchronous copy there, so readers not ordered after it see
@@ -69,8 +74,9 @@
 //   overlapping copies) is counted as a kernel error in fake_cuda_stats().
 //
 // Not modelled: timing; device faults (a bad address crashes the process);
-// per-device access rights (READWRITE for any device opens a VMM mapping to
-// all); peer access; the legacy NULL stream's implicit synchronisation with
+// per-device access rights beyond the copy kernels' (READWRITE for any
+// device opens a VMM mapping to the host, memcpys check no device); the
+// legacy NULL stream's implicit synchronisation with
 // other streams (every stream behaves as CU_STREAM_NON_BLOCKING, which is
 // stricter); freeing a destroyed primary context's resources; more than one
 // context per device; kernels other than the four; entry points that
@@ -280,6 +286,7 @@ struct Reservation {
 struct Mapping {
   size_t size;
   int prot; // PROT_NONE until cuMemSetAccess
+  std::set<int> devices; // granted access by cuMemSetAccess
 };
 
 // The first bytes of a CUipcMemHandle or CUipcEventHandle.
@@ -322,6 +329,7 @@ struct State {
   int devices = 0;
   bool noVmm = false;
   bool noIpcEvents = false; // $FAKE_CUDA_NO_IPC_EVENTS=1
+  bool noPeerAccess = false; // $FAKE_CUDA_NO_PEER_ACCESS=1
   bool ipcSelf = false; // $FAKE_CUDA_IPC_SELF=1
   // Each kernel runs this long after its stream reaches it: work that is not
   // ordered after a kernel sees its old bytes, as on a GPU under load.
@@ -816,9 +824,38 @@ void kernelError(const char* format, ...) {
 
 // What the copy kernels do with [src, src + n) and dst. They assume the two
 // do not overlap (their threads copy in no particular order).
+// The device whose stream runs the kernel being run on this thread (a
+// stream's worker), or -1.
+thread_local int tKernelDevice = -1;
+
+// Whether a copy kernel on tKernelDevice may touch [p, p + n): a VMM
+// mapping only if cuMemSetAccess granted that device access.
+bool reachableFromKernel(u64 p, u64 n) {
+  if (tKernelDevice < 0 || n == 0) {
+    return true;
+  }
+  State& s = state();
+  Lock lock(s.mu);
+  for (u64 at : {p, p + n - 1}) {
+    auto it = containing(s.mappings, at);
+    if (it != s.mappings.end() && !it->second.devices.count(tKernelDevice)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void copyBytes(const char* kernel, u64 dst, u64 src, u64 n) {
   if (n == 0) {
     return;
+  }
+  if (!reachableFromKernel(dst, n) || !reachableFromKernel(src, n)) {
+    return kernelError(
+        "%s: %#llx or %#llx is memory device %d was not granted access to",
+        kernel,
+        dst,
+        src,
+        tKernelDevice);
   }
   if (dst != src && (dst < src ? src - dst : dst - src) < n) {
     kernelError("%s: dst %#llx and src %#llx overlap", kernel, dst, src);
@@ -1131,6 +1168,8 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
   s.noVmm = noVmm && strcmp(noVmm, "1") == 0;
   const char* noIpcEvents = getenv("FAKE_CUDA_NO_IPC_EVENTS");
   s.noIpcEvents = noIpcEvents && strcmp(noIpcEvents, "1") == 0;
+  const char* noPeer = getenv("FAKE_CUDA_NO_PEER_ACCESS");
+  s.noPeerAccess = noPeer && strcmp(noPeer, "1") == 0;
   const char* ipcSelf = getenv("FAKE_CUDA_IPC_SELF");
   s.ipcSelf = ipcSelf && strcmp(ipcSelf, "1") == 0;
   s.salt = salt ? salt : "";
@@ -1230,6 +1269,18 @@ cuDeviceGetAttribute(int* value, CUdevice_attribute attrib, CUdevice dev) {
   auto it = attributes.find(attrib);
   REQUIRE(it != attributes.end(), CUDA_ERROR_INVALID_VALUE, "not modelled");
   *value = it->second;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI
+cuDeviceCanAccessPeer(int* canAccess, CUdevice dev, CUdevice peer) {
+  ENTER(false);
+  REQUIRE(canAccess, CUDA_ERROR_INVALID_VALUE, "null pointer");
+  REQUIRE(
+      validDevice(dev) && validDevice(peer),
+      CUDA_ERROR_INVALID_DEVICE,
+      "no such device");
+  *canAccess = dev != peer && !state().noPeerAccess;
   return CUDA_SUCCESS;
 }
 
@@ -1695,7 +1746,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
 }
 
 // Whole mappings only. The most any descriptor grants applies to the whole
-// process (per-device access is not modelled).
+// process on the host side; our copy kernels check the devices granted.
 CUresult CUDAAPI cuMemSetAccess(
     CUdeviceptr ptr,
     size_t size,
@@ -1704,6 +1755,7 @@ CUresult CUDAAPI cuMemSetAccess(
   ENTER(true);
   REQUIRE(desc && count, CUDA_ERROR_INVALID_VALUE, "no descriptors");
   int prot = PROT_NONE;
+  std::set<int> devices;
   for (size_t i = 0; i < count; ++i) {
     const CUmemLocation& where = desc[i].location;
     REQUIRE(
@@ -1721,15 +1773,36 @@ CUresult CUDAAPI cuMemSetAccess(
     prot |= f == CU_MEM_ACCESS_FLAGS_PROT_NONE ? PROT_NONE
         : f == CU_MEM_ACCESS_FLAGS_PROT_READ   ? PROT_READ
                                                : PROT_READ | PROT_WRITE;
+    if (f != CU_MEM_ACCESS_FLAGS_PROT_NONE) {
+      devices.insert(where.id);
+    }
   }
+
   State& s = state();
   Lock lock(s.mu);
   std::vector<uintptr_t> bases = mappingsCovering(ptr, size);
   REQUIRE(!bases.empty(), CUDA_ERROR_INVALID_VALUE, "not whole mappings");
+  // Each call sets the access of the devices it names (others keep
+  // theirs). Memory lives on one device; another reaches it only peer to
+  // peer.
+  for (uintptr_t base : bases) {
+    std::set<int> all = s.mappings[base].devices;
+    all.insert(devices.begin(), devices.end());
+    REQUIRE(
+        all.size() < 2 || !s.noPeerAccess,
+        CUDA_ERROR_INVALID_DEVICE,
+        "access for two devices without peer access");
+  }
   for (uintptr_t base : bases) {
     Mapping& m = s.mappings[base];
-    mprotect(reinterpret_cast<void*>(base), m.size, prot);
-    m.prot = prot;
+    if (prot == PROT_NONE) {
+      m.prot = PROT_NONE;
+      m.devices.clear();
+    } else {
+      m.prot |= prot;
+      m.devices.insert(devices.begin(), devices.end());
+    }
+    mprotect(reinterpret_cast<void*>(base), m.size, m.prot);
   }
   return CUDA_SUCCESS;
 }
@@ -2145,11 +2218,14 @@ CUresult CUDAAPI cuLaunchKernel(
   FakeKernel kernel = fn.kernel;
   state().stats.launches[kernel]++;
   const long delayMs = state().kernelDelayMs;
+  const int device = s->device;
   enqueue(*s, [=] {
     if (delayMs > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
     }
+    tKernelDevice = device;
     runKernel(kernel, p[0], p[1], p[2]);
+    tKernelDevice = -1;
   });
   return CUDA_SUCCESS;
 }

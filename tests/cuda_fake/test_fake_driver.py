@@ -128,6 +128,7 @@ SIGNATURES = {
     "cuDeviceGet": [P(c_int), c_int],
     "cuDeviceGetUuid_v2": [P(Uuid), c_int],
     "cuDeviceGetAttribute": [P(c_int), c_int, c_int],
+    "cuDeviceCanAccessPeer": [P(c_int), c_int, c_int],
     "cuDevicePrimaryCtxRetain": [P(c_void_p), c_int],
     "cuDevicePrimaryCtxRelease_v2": [c_int],
     "cuCtxGetCurrent": [P(c_void_p)],
@@ -837,6 +838,24 @@ def test_vmm_export_import_across_processes(cu, lib_path):
     assert cu.rc("cuMemUnmap", ptr, GRANULARITY) == INVALID_VALUE  # part of one
     cu.vmm_unmap(ptr, size)
     assert [cu.stats()["live"][key] for key in vmm] == before
+
+
+def test_peer_access_and_grants_for_two_devices(fresh):
+    """Every two devices reach each other (an NVLink node) unless
+    FAKE_CUDA_NO_PEER_ACCESS=1; a mapping opens to a second device only
+    then (cuda_ipc's peer-to-peer landing asks for it)."""
+    for no_peer in ("0", "1"):
+        cu = fresh(FAKE_CUDA_DEVICES="2", FAKE_CUDA_NO_PEER_ACCESS=no_peer).setup()
+        can = c_int(7)
+        cu("cuDeviceCanAccessPeer", byref(can), 1, 0)
+        assert can.value == (no_peer == "0")
+        cu("cuDeviceCanAccessPeer", byref(can), 0, 0)
+        assert can.value == 0  # not a peer of itself
+        assert cu.rc("cuDeviceCanAccessPeer", byref(can), 0, 2) == INVALID_DEVICE
+        ptr = cu.vmm_map(cu.vmm_create(GRANULARITY), GRANULARITY)  # device 0's
+        second = AccessDesc(Location(1, 1), READWRITE)
+        rc = cu.rc("cuMemSetAccess", ptr, GRANULARITY, byref(second), 1)
+        assert rc == (SUCCESS if no_peer == "0" else INVALID_DEVICE)
 
 
 def test_vmm_map_and_import_rules(cu):

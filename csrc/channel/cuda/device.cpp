@@ -154,4 +154,17 @@ bool supportsLegacyIpc(int device) {
   return attribute(device, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) != 0;
 }
 
+bool canAccessPeer(int device, int peer) {
+  if (device == peer) {
+    return false;
+  }
+  CUdevice a;
+  CUdevice b;
+  TORCH_RPC_EXT_CUDA_CHECK(cuDeviceGet, &a, device);
+  TORCH_RPC_EXT_CUDA_CHECK(cuDeviceGet, &b, peer);
+  int can = 0;
+  TORCH_RPC_EXT_CUDA_CHECK(cuDeviceCanAccessPeer, &can, a, b);
+  return can != 0;
+}
+
 } // namespace torch_rpc_ext::channel::cuda

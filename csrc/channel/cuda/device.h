@@ -83,4 +83,9 @@ bool supportsIpcEvents(int device);
 // Linux device has. What cuda_ipc falls back on where fd export is missing.
 bool supportsLegacyIpc(int device);
 
+// Whether `device` can read and write memory that lives on `peer` (NVLink
+// or PCIe peer-to-peer: cuDeviceCanAccessPeer); false for the same device.
+// What lets cuda_ipc land a block of the peer's cuda:x on our cuda:y.
+bool canAccessPeer(int device, int peer);
+
 } // namespace torch_rpc_ext::channel::cuda

@@ -135,6 +135,27 @@ void ExportedMemory::map(size_t alignment) {
   TORCH_RPC_EXT_CUDA_CHECK(cuMemSetAccess, address_, size_, &access, 1);
 }
 
+void ExportedMemory::grantAccess(int device) {
+  if (device == device_ || grantedTo(device)) {
+    return;
+  }
+  if (sharing_ != Sharing::kFd || !mapped_) {
+    throw std::logic_error("only a mapped descriptor's memory opens to peers");
+  }
+  CurrentDevice current(device_);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  TORCH_RPC_EXT_CUDA_CHECK(cuMemSetAccess, address_, size_, &access, 1);
+  peers_.push_back(device);
+}
+
+bool ExportedMemory::grantedTo(int device) const {
+  return device == device_ ||
+      std::find(peers_.begin(), peers_.end(), device) != peers_.end();
+}
+
 ExportedMemory::~ExportedMemory() {
   try {
     CurrentDevice current(device_);

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <vector>
 
 namespace torch_rpc_ext::channel::cuda {
 
@@ -75,6 +76,13 @@ class ExportedMemory {
     return sharing_;
   }
 
+  // Opens the memory (kFd) to another device of this process too, which
+  // then reads and writes it peer to peer (NVLink, PCIe): only where
+  // canAccessPeer(device, this->device()) holds. Once per device; the
+  // caller serialises calls (cuda_ipc: its loop thread).
+  void grantAccess(int device);
+  bool grantedTo(int device) const;
+
   // The granularity sizes are rounded up to on `device`.
   static size_t granularity(int device, Sharing sharing = Sharing::kFd);
 
@@ -96,6 +104,7 @@ class ExportedMemory {
   const bool owner_;
   CUdeviceptr address_ = 0;
   bool mapped_ = false;
+  std::vector<int> peers_; // other devices granted access (grantAccess)
 };
 
 } // namespace torch_rpc_ext::channel::cuda

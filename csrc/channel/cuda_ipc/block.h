@@ -65,6 +65,14 @@ class Block {
   Sharing sharing() const {
     return memory_->sharing();
   }
+  // A peer's kFd block read from another device of ours, peer to peer
+  // (ExportedMemory::grantAccess; loop thread).
+  void grantAccess(int device) {
+    memory_->grantAccess(device);
+  }
+  bool grantedTo(int device) const {
+    return memory_->grantedTo(device);
+  }
   // Setup frame head (ours only): BlockSetup, and for kLegacy the handle.
   std::string describe(uint32_t id) const;
   // A new descriptor (ours, kFd only).

@@ -31,6 +31,7 @@ IpcChannel::IpcChannel(
     : Channel(std::move(context)), host_(std::move(host)), counters_(counters) {
   for (const auto& d : peer.devices) {
     peerDevices_.push_back(d.uuid);
+    peerReach_.push_back(d.fd ? d.peers : std::vector<int>());
   }
   // Tests only: a sender that never marks a legacy block's last record
   // (tests/cuda_driver/test_ipc_legacy.py: the receiver refuses the frame).
@@ -57,16 +58,25 @@ bool IpcChannel::reachable(const frame::OutboundFrame::Segment& segment) {
     }
   }
   // The peer must see the device, and, where the sender's map says which of
-  // the peer's devices the bytes go to, that must be this one: a block is
-  // mapped on the device it lives on (a map between two devices is left to
-  // the next channel, cuda_staged).
-  const bool seen = !uuid.empty() &&
-      std::find(peerDevices_.begin(), peerDevices_.end(), uuid) !=
-          peerDevices_.end();
-  const bool target = segment.peerDevice < 0 ||
-      (size_t(segment.peerDevice) < peerDevices_.size() &&
-       peerDevices_[segment.peerDevice] == uuid);
-  return sharing_.count(device) != 0 && seen && target;
+  // the peer's devices the bytes go to, that must be this one, or one that
+  // the peer says reads this one's memory peer to peer (a descriptor's
+  // block only: a map {0: 1} on an NVLink node). Else the next channel,
+  // cuda_staged, carries it through host memory.
+  const auto seen = uuid.empty()
+      ? peerDevices_.end()
+      : std::find(peerDevices_.begin(), peerDevices_.end(), uuid);
+  auto sharing = sharing_.find(device);
+  if (sharing == sharing_.end() || seen == peerDevices_.end()) {
+    return false;
+  }
+  const int target = segment.peerDevice;
+  if (target < 0 ||
+      (size_t(target) < peerDevices_.size() && peerDevices_[target] == uuid)) {
+    return true;
+  }
+  const auto& reach = peerReach_[seen - peerDevices_.begin()];
+  return sharing->second == Sharing::kFd &&
+      std::find(reach.begin(), reach.end(), target) != reach.end();
 }
 
 bool IpcChannel::handBack(

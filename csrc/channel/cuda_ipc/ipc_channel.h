@@ -144,11 +144,15 @@ struct IpcCounters {
 // A process's cuda_ipc domain descriptor, as published at rendezvous:
 // "<boot id>;<device>,<device>,...;<PID namespace>;<pid>", one device per
 // index: its UUID where it exports memory as a descriptor, "~" and its UUID
-// where it has legacy handles only, "-" where it shares no memory.
+// where it has legacy handles only, "-" where it shares no memory; after a
+// descriptor device's UUID, "+<index>" for each other device of the process
+// that can read its memory peer to peer (what lets a peer send a block of
+// that device for a tensor of the other: a map {0: 1} on one node).
 struct IpcDomain {
   struct Device {
     std::string uuid; // "": shares no memory
     bool fd = false;
+    std::vector<int> peers; // indices of the devices that reach it (fd only)
   };
   std::string host;
   std::vector<Device> devices;
@@ -270,8 +274,10 @@ class IpcChannel final : public Channel,
   std::chrono::steady_clock::time_point batchSince_; // its first release
   bool rideArmed_ = false; // a timer for pendingReleases_ is pending
   IpcCounters& counters_;
-  // UUIDs of the peer's devices by its index ("": one that shares none).
+  // UUIDs of the peer's devices by its index ("": one that shares none),
+  // and by the same index the peer's devices that reach each peer to peer.
   std::vector<std::string> peerDevices_;
+  std::vector<std::vector<int>> peerReach_;
   // UUID -> our device index, for the devices we see.
   std::map<std::string, int> localDevices_;
   // Device index -> how its blocks reach this peer and their granularity,

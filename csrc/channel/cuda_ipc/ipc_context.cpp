@@ -38,10 +38,22 @@ IpcDomain IpcDomain::parse(const std::string& descriptor) {
       if (entry == "-") {
         // shares no memory
       } else if (!entry.empty() && entry[0] == '~') {
-        d.uuid = entry.substr(1);
+        // (A legacy block is copied out, never read peer to peer.)
+        d.uuid = entry.substr(1, entry.find('+') - 1);
       } else {
-        d.uuid = entry;
+        std::stringstream fields(entry);
+        std::string field;
+        std::getline(fields, d.uuid, '+');
         d.fd = true;
+        while (std::getline(fields, field, '+')) {
+          char* end = nullptr;
+          errno = 0;
+          const long index = std::strtol(field.c_str(), &end, 10);
+          if (errno == 0 && !field.empty() && *end == '\0' && index >= 0 &&
+              index < 1024) {
+            d.peers.push_back(static_cast<int>(index));
+          }
+        }
       }
       out.devices.push_back(std::move(d));
     }
@@ -61,6 +73,11 @@ std::string IpcDomain::format() const {
     const Device& d = devices[i];
     out += (i == 0 ? "" : ",") +
         (d.uuid.empty() ? std::string("-") : (d.fd ? "" : "~") + d.uuid);
+    if (d.fd && !d.uuid.empty()) {
+      for (int peer : d.peers) {
+        out += "+" + std::to_string(peer);
+      }
+    }
   }
   return out + ";" + pidNamespace + ";" + pid;
 }
@@ -195,7 +212,8 @@ class IpcContext final : public Context {
       bool any = false;
       bool noEvents = false;
       try {
-        for (int d = 0; d < deviceCount(); ++d) {
+        const int devices = deviceCount();
+        for (int d = 0; d < devices; ++d) {
           IpcDomain::Device device;
           // A block's memory is of no use without its events.
           const bool events = supportsIpcEvents(d);
@@ -203,6 +221,12 @@ class IpcContext final : public Context {
           if (device.fd || (events && supportsLegacyIpc(d))) {
             device.uuid = deviceUuid(d);
             any = true;
+          }
+          // (No context needed: device attributes only.)
+          for (int other = 0; device.fd && other < devices; ++other) {
+            if (canAccessPeer(other, d)) {
+              device.peers.push_back(other);
+            }
           }
           noEvents = noEvents || !events;
           domain.devices.push_back(std::move(device));

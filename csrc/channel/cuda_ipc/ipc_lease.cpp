@@ -7,6 +7,7 @@
 #include <string>
 
 #include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/staging_pool.h"
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
@@ -19,7 +20,26 @@ BlockLease::~BlockLease() {
   }
   try {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!streams_.empty()) {
+    if (!streams_.empty() && target_ != block_->device()) {
+      // Read peer to peer: the uses are streams of `target_`, and the
+      // block's events (of its own device) are recorded on a stream of the
+      // block's device once they are done.
+      PooledEvent used;
+      {
+        CurrentDevice current(target_);
+        const auto last = reinterpret_cast<CUstream>(streams_.back());
+        joinUsesLocked(last);
+        used = StagingPool::of(target_).takeEvent();
+        TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, used.get(), last);
+      }
+      CurrentDevice current(block_->device());
+      const CUstream home = StagingPool::of(block_->device()).copyStream();
+      TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, home, used.get(), 0);
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->localUse(), home);
+      if (!block_->orphaned()) {
+        TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->released(), home);
+      }
+    } else if (!streams_.empty()) {
       CurrentDevice current(block_->device());
       const auto last = reinterpret_cast<CUstream>(streams_.back());
       joinUsesLocked(last);
@@ -57,7 +77,7 @@ void BlockLease::waitOn(uintptr_t stream) {
   if (std::find(waited_.begin(), waited_.end(), stream) != waited_.end()) {
     return;
   }
-  CurrentDevice current(block_->device());
+  CurrentDevice current(target_);
   // A block the peer filled is ready at its `ready` record; one of ours
   // it handed back, at its `released` record.
   TORCH_RPC_EXT_CUDA_CHECK(

@@ -23,16 +23,25 @@ class IpcChannel;
 // `released` event).
 class BlockLease final : public DeviceRegion {
  public:
+  // `target`: the device that reads the memory, where not the block's own
+  // (peer to peer: Block::grantAccess done); its streams are the uses.
   BlockLease(
       std::weak_ptr<IpcChannel> conn,
       std::shared_ptr<Block> block,
       uint32_t id,
-      bool own)
-      : conn_(std::move(conn)), block_(std::move(block)), id_(id), own_(own) {}
+      bool own,
+      int target = -1)
+      : conn_(std::move(conn)),
+        block_(std::move(block)),
+        id_(id),
+        own_(own),
+        target_(target < 0 ? block_->device() : target) {}
   ~BlockLease() override;
 
+  // The device the receiver's tensors are on: the block's, or the one
+  // that reads it peer to peer.
   int device() const override {
-    return block_->device();
+    return target_;
   }
   void waitOn(uintptr_t stream) override;
 
@@ -83,6 +92,7 @@ class BlockLease final : public DeviceRegion {
   std::shared_ptr<Block> block_;
   uint32_t id_;
   bool own_;
+  const int target_;
   std::mutex mu_;
   std::vector<uintptr_t> streams_; // of device(), in first-use order
   std::vector<uintptr_t> waited_; // streams that waited on the block's record

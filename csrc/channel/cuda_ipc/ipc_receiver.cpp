@@ -277,19 +277,54 @@ int64_t IpcChannel::onRecordFromLoop(
   if (copyOut) {
     return copyOutFromLoop(r, block, segment);
   }
+  // A tensor for another device of ours than the block's: read peer to
+  // peer, where that device reaches the block's (the sender's map, which
+  // our descriptor allowed: IpcDomain::Device::peers).
+  const int target = segment.device >= 0 ? segment.device : block->device();
+  if (!own && target != block->device()) {
+    std::string no;
+    if (block->sharing() != Sharing::kFd ||
+        !canAccessPeer(target, block->device())) {
+      no = "cuda:" + std::to_string(target) +
+          " cannot read memory of cuda:" + std::to_string(block->device()) +
+          " peer to peer";
+    } else {
+      try {
+        block->grantAccess(target);
+      } catch (const std::exception& e) {
+        no = e.what();
+      }
+    }
+    if (!no.empty()) {
+      if (auto host = host_.lock()) {
+        host->rejectFromLoop(
+            "rejected frame: a tensor for cuda:" + std::to_string(target) +
+            " in CUDA block " + std::to_string(r.id) + ": " + no);
+      }
+      return -1;
+    }
+  }
   *segment.provided = reinterpret_cast<void*>(block->address() + r.offset);
   if (!own) {
     // A block the peer lends again only once our lease on it died or was
     // handed back: a live one that was not is this frame's, whose segments
-    // share it.
+    // share it (and go to one device: the sender's map is per device).
     auto& live = peerLeases_[r.id];
     if (auto lease = live.lock(); lease && !lease->handedOn()) {
+      if (lease->device() != target) {
+        if (auto host = host_.lock()) {
+          host->rejectFromLoop(
+              "rejected frame: CUDA block " + std::to_string(r.id) +
+              " holds tensors for two devices");
+        }
+        return -1;
+      }
       lease->share();
       *segment.region = std::move(lease);
       return static_cast<int64_t>(segment.size);
     }
     auto lease = std::make_shared<BlockLease>(
-        weak_from_this(), std::move(block), r.id, own);
+        weak_from_this(), std::move(block), r.id, own, target);
     live = lease;
     *segment.region = std::move(lease);
     return static_cast<int64_t>(segment.size);
