@@ -118,6 +118,10 @@ class DeviceRegion : public SharedRegion {
   // in use on `stream`: when the region dies, the memory goes back to its
   // owner only once the work queued on `stream` by then has finished.
   virtual void waitOn(uintptr_t stream) = 0;
+  // The memory is read on `stream` too (a received tensor sent on by a
+  // copy on that stream): it goes back only after that read, as after the
+  // work of the streams waitOn() was given.
+  virtual void recordUse(uintptr_t stream) {}
 };
 
 // In place of a region, for a segment whose bytes were read (the stream

@@ -197,6 +197,16 @@ CUstream StagingPool::copyStream() {
   return copyStream_;
 }
 
+CUstream StagingPool::joinStream() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (joinStream_ == nullptr) {
+    CurrentDevice current(device_);
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuStreamCreate, &joinStream_, CU_STREAM_NON_BLOCKING);
+  }
+  return joinStream_;
+}
+
 void StagingPool::trim() {
   RelaxedCapture relaxed; // its queries and frees (device.h)
   std::vector<HostBuffer> hosts;
@@ -303,6 +313,14 @@ PooledRegion::~PooledRegion() {
     return;
   }
   pool_.giveBlock(std::move(block_));
+}
+
+void PooledRegion::recordUse(uintptr_t stream) {
+  const auto s = reinterpret_cast<CUstream>(stream);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (std::find(streams_.begin(), streams_.end(), s) == streams_.end()) {
+    streams_.push_back(s);
+  }
 }
 
 void PooledRegion::waitOn(uintptr_t stream) {

@@ -92,7 +92,14 @@ bool IpcChannel::handBack(
   const int device = segment.deviceIndex;
   const auto p = reinterpret_cast<CUdeviceptr>(segment.data);
   const Block& block = lease->block();
-  if (!lease->isOf(this) || lease->own() || lease->shared() ||
+  // Handed back, the block is its owner's on its own device: only where the
+  // map sends the tensor there (not to another device that reaches it).
+  const int target = segment.peerDevice;
+  const bool home = target < 0 ||
+      (size_t(target) < peerDevices_.size() &&
+       localDevices_.count(peerDevices_[target]) != 0 &&
+       localDevices_.at(peerDevices_[target]) == block.device());
+  if (!home || !lease->isOf(this) || lease->own() || lease->shared() ||
       block.device() != device || p < block.address() ||
       segment.size > block.size() ||
       p - block.address() > block.size() - segment.size || !lease->handOn()) {
@@ -331,8 +338,9 @@ void IpcChannel::takeGroup(
       }
       // A received storage sent on by copy is in use on `stream` until the
       // copy is done: its own block must not go back before.
-      if (auto* lease = dynamic_cast<BlockLease*>(segment.origin.get())) {
-        lease->recordUse(segment.stream);
+      if (auto* region =
+              dynamic_cast<frame::DeviceRegion*>(segment.origin.get())) {
+        region->recordUse(segment.stream);
       }
     }
     CurrentDevice current(device);

@@ -227,6 +227,10 @@ class IpcChannel final : public Channel,
   // Whether the peer can map `segment`'s device, as its map wants: the
   // block lives on the segment's device and is mapped on that one.
   bool reachable(const frame::OutboundFrame::Segment& segment);
+  // Whether our `target` reads memory of our `device` peer to peer
+  // (canAccessPeer, asked once per pair; loop thread).
+  bool reaches(int target, int device);
+  std::map<std::pair<int, int>, bool> reach_;
   // A storage the peer lent us, sent back whole: its record, or false.
   bool handBack(
       const frame::OutboundFrame::Segment& segment,

@@ -33,7 +33,7 @@ BlockLease::~BlockLease() {
         TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, used.get(), last);
       }
       CurrentDevice current(block_->device());
-      const CUstream home = StagingPool::of(block_->device()).copyStream();
+      const CUstream home = StagingPool::of(block_->device()).joinStream();
       TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, home, used.get(), 0);
       TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->localUse(), home);
       if (!block_->orphaned()) {

@@ -46,7 +46,7 @@ class BlockLease final : public DeviceRegion {
   void waitOn(uintptr_t stream) override;
 
   // The memory is read or written on `stream` too (a copy of it sent on).
-  void recordUse(uintptr_t stream);
+  void recordUse(uintptr_t stream) override;
   // Makes `into` wait for the work queued so far on every other stream the
   // memory was used on.
   void joinUses(CUstream into);

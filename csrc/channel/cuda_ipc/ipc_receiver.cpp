@@ -20,6 +20,21 @@ namespace torch_rpc_ext::channel::cuda {
 using frame::FrameKind;
 using frame::SegmentRecord;
 
+bool IpcChannel::reaches(int target, int device) {
+  const auto key = std::make_pair(target, device);
+  auto it = reach_.find(key);
+  if (it == reach_.end()) {
+    bool can = false;
+    try {
+      can = canAccessPeer(target, device);
+    } catch (const std::exception&) {
+      // (a device index the driver refuses: no)
+    }
+    it = reach_.emplace(key, can).first;
+  }
+  return it->second;
+}
+
 // The peer may have at most this many bytes of blocks mapped into us.
 constexpr uint64_t kMaxPeerBlockBytes = 2 * kMaxLentBlockBytes;
 
@@ -283,8 +298,7 @@ int64_t IpcChannel::onRecordFromLoop(
   const int target = segment.device >= 0 ? segment.device : block->device();
   if (!own && target != block->device()) {
     std::string no;
-    if (block->sharing() != Sharing::kFd ||
-        !canAccessPeer(target, block->device())) {
+    if (block->sharing() != Sharing::kFd || !reaches(target, block->device())) {
       no = "cuda:" + std::to_string(target) +
           " cannot read memory of cuda:" + std::to_string(block->device()) +
           " peer to peer";

@@ -6,14 +6,15 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <mutex>
-#include <random>
 #include <unordered_map>
 #include <vector>
 
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/engines.h"
 #include "csrc/channel/cuda/staging_pool.h"
+#include "csrc/common/crypto.h"
 #include "csrc/common/host.h"
 #include "csrc/common/libcuda.h"
 
@@ -51,12 +52,14 @@ struct Sent {
 // and its random tag.
 class SentTable {
  public:
-  SentTable() : tags_(std::random_device{}()) {}
-
   frame::SegmentRecord add(Sent sent) {
+    // From the kernel's CSPRNG: a record cannot be guessed from others.
+    uint64_t tag = 0;
+    const std::string drawn = randomBytes(sizeof(tag));
+    std::memcpy(&tag, drawn.data(), sizeof(tag));
     std::lock_guard<std::mutex> lock(mu_);
     const uint64_t id = next_++;
-    sent.tag = tags_();
+    sent.tag = tag;
     frame::SegmentRecord record{id, sent.tag};
     sends_.emplace(id, std::move(sent));
     return record;
@@ -95,7 +98,6 @@ class SentTable {
   std::mutex mu_;
   std::unordered_map<uint64_t, Sent> sends_;
   uint64_t next_ = 1;
-  std::mt19937_64 tags_;
 };
 
 class SelfChannel final : public Channel {
@@ -230,6 +232,10 @@ class SelfChannel final : public Channel {
         const auto& s = segments[group[k]];
         const CopyEngine::Segment copy{
             base + offsets[k], reinterpret_cast<CUdeviceptr>(s.data), s.size};
+        // A received tensor sent on: its memory is read on `stream` now.
+        if (auto* origin = dynamic_cast<frame::DeviceRegion*>(s.origin.get())) {
+          origin->recordUse(s.stream);
+        }
         if (s.view) {
           engine.pack(
               stream,
@@ -276,8 +282,9 @@ class SelfChannel final : public Channel {
 class SelfContext final : public Context {
  public:
   explicit SelfContext(WireIds ids) : Context(ids) {
-    std::random_device random;
-    const uint64_t drawn = (uint64_t(random()) << 32) | random();
+    uint64_t drawn = 0;
+    const std::string bytes = randomBytes(sizeof(drawn));
+    std::memcpy(&drawn, bytes.data(), sizeof(drawn));
     descriptor_ = bootId() + ";" + pidNamespace() + ";" +
         std::to_string(::getpid()) + ";" + std::to_string(drawn);
   }

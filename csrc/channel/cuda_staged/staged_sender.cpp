@@ -327,6 +327,12 @@ void StagedChannel::gatherOut(
   auto whole = std::make_shared<StagedBytes>(pool, buffer);
   CurrentDevice current(device);
   const auto stream = reinterpret_cast<CUstream>(lead.stream);
+  for (size_t i : group) {
+    if (auto* origin =
+            dynamic_cast<frame::DeviceRegion*>(segments[i].origin.get())) {
+      origin->recordUse(segments[i].stream);
+    }
+  }
   std::shared_ptr<StagingPool::Block> block;
   try {
     // One launch gathers them into a block of the pool, after the caller's
@@ -400,6 +406,10 @@ std::shared_ptr<StagedOut> StagedChannel::stageOut(
   CurrentDevice current(segment.deviceIndex);
   const auto stream = reinterpret_cast<CUstream>(segment.stream);
   auto src = reinterpret_cast<CUdeviceptr>(segment.data);
+  // A received tensor sent on: its memory is read on `stream` now.
+  if (auto* origin = dynamic_cast<frame::DeviceRegion*>(segment.origin.get())) {
+    origin->recordUse(segment.stream);
+  }
   // A strided view is packed on the device first, into a block of the
   // pool's that goes back once the copies out of it are done.
   std::shared_ptr<StagingPool::Block> packed;
