@@ -306,6 +306,7 @@ setup(
     # numba-cuda remakes the shipped PTX (python -m torch_rpc_ext._cuda.ptx
     # --ship) and runs the kernels' simulator tests; nothing else needs it.
     extras_require={
+        "metrics": ["prometheus_client"],
         "cuda": ["numba", "numba-cuda==0.30.4", "nvidia-nvvm==13.0.*",
                  "nvidia-cuda-nvrtc==13.0.*"],
     },

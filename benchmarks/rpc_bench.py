@@ -61,10 +61,13 @@ def script_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _init(rank, world_size, backend_key, opts, names):
+    import os
+
     import torch_rpc_ext  # noqa: F401  (registers TORCH_RPC_EXT)
 
     backend = rpc.BackendType[backend_key]
     kwargs = dict(opts, rpc_timeout=600)
+    os.environ.update(kwargs.pop("_env", {}))  # (the worker's own process)
     if backend_key == "TENSORPIPE":
         options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, **kwargs)
     else:
@@ -161,6 +164,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=1,
                    help="run every backend this many times, alternating; ratios are "
                         "medians of the per-round ratios")
+    p.add_argument("--call-costs-off", action="store_true",
+                   help="also run ours with TORCH_RPC_EXT_CALL_COSTS=0 (no latency or size "
+                        "histograms: torch_rpc_ext.metrics) and report on/off ratios")
     p.add_argument("--out", type=Path)
     cfg = p.parse_args(argv)
     backends_all, backends_tcp = dict(BACKENDS), dict(TCP_ONLY)
@@ -168,6 +174,10 @@ def main(argv=None):
         for table in (backends_all, backends_tcp):
             key, opts = table["ext"]
             table["ext"] = (key, {**opts, "busy_poll_us": cfg.busy_poll_us})
+    if cfg.call_costs_off:
+        for table in (backends_all, backends_tcp):
+            key, opts = table["ext"]
+            table["ext_costs_off"] = (key, {**opts, "_env": {"TORCH_RPC_EXT_CALL_COSTS": "0"}})
     if cfg.smoke:
         cfg.iters, cfg.warmup, cfg.repeats, cfg.repeats_large = 20, 5, 3, 2
         cfg.pipelined, cfg.sizes_mb, cfg.fanout = 50, [1], 2
@@ -229,6 +239,16 @@ def main(argv=None):
             record({"case": case, "ratio": "speedup_ext_over_grpc",
                     "value": round(grpc_row["median_us"] / ext["median_us"], 1)})
         ext_runs, tp_runs = runs.get((case, "ext")), runs.get((case, "tensorpipe"))
+        off_runs = runs.get((case, "ext_costs_off"))
+        if ext_runs and off_runs:
+            # What the histograms cost: ours with them over ours without.
+            if "calls_per_s" in ext_runs[0]:
+                costs = [o["calls_per_s"] / e["calls_per_s"] for e, o in zip(ext_runs, off_runs)]
+            else:
+                costs = [e["median_us"] / o["median_us"] for e, o in zip(ext_runs, off_runs)]
+            record({"case": case, "ratio": "time_costs_on_over_off",
+                    "value": round(statistics.median(costs), 3),
+                    "per_round": [round(x, 3) for x in costs]})
         if not (ext_runs and tp_runs):
             continue
         if "calls_per_s" in ext_runs[0]:

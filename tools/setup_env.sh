@@ -27,9 +27,10 @@ TEST_PACKAGES=(numpy pytest pytest-timeout expecttest hypothesis grpcio matplotl
 # The rest of the suite, on the default (CPU) torch: tutorials/ run in a
 # Jupyter kernel (01 uses gymnasium); torch_rpc_ext/_cuda compiles the copy
 # kernels to PTX and runs them in numba's simulator, no GPU needed
-# (numba-cuda 0.30.4 breaks on numpy 2.5).
+# (numba-cuda 0.30.4 breaks on numpy 2.5); torch_rpc_ext.metrics serves
+# Prometheus's format through prometheus_client (the [metrics] extra).
 FULL_PACKAGES=(
-  nbclient ipykernel gymnasium
+  nbclient ipykernel gymnasium prometheus_client
   numba "numba-cuda==0.30.4" "nvidia-nvvm==13.0.*" "nvidia-cuda-nvrtc==13.0.*" "numpy<2.5"
 )
 # torch warns on every process start without numpy.

@@ -118,9 +118,10 @@ def _init_backend(
     # TensorPipe's options are taken as the launcher takes them: a program
     # that changes only its backend runs (TensorPipe-only settings reported).
     rpc_backend_options = translate_options(rpc_backend_options)
+    metrics_port = _metrics_port()  # a bad value fails before anything starts
     _claim_group_kind(store, dynamic=world_size is None)
     if world_size is None:
-        return _init_dynamic(store, name, rank, rpc_backend_options)
+        return _init_dynamic(store, name, rank, rpc_backend_options, metrics_port)
     reverse, devices = _check_device_maps(store, name, rank, world_size, rpc_backend_options)
     options = _agent_options(rpc_backend_options)
     # The devices whose tensors need a device channel (a CPU-to-CPU map
@@ -138,10 +139,30 @@ def _init_backend(
     agent = _C.Agent(store, name, rank, world_size, options)
     try:
         _torch_private.init_rpc_states(agent)
+        _serve_metrics(store, name, metrics_port)
     except Exception:
         agent.shutdown()
         raise
     return agent
+
+
+def _metrics_port() -> int | None:
+    """TORCH_RPC_EXT_METRICS_PORT: Prometheus metrics from init_rpc, for a
+    program one does not edit (torch_rpc_ext.metrics)."""
+    import os
+
+    if not os.environ.get("TORCH_RPC_EXT_METRICS_PORT", "").strip():
+        return None
+    from torch_rpc_ext import metrics
+
+    return metrics.port_from_env()
+
+
+def _serve_metrics(store: Any, name: str, port: int | None) -> None:
+    if port is not None:
+        from torch_rpc_ext import metrics
+
+        metrics.serve_from_env(store, name, port)
 
 
 def _prepare_cuda() -> None:
@@ -219,7 +240,8 @@ def _dynamic_devices(name: str, opts: RpcExtBackendOptions) -> list:
     return sorted(devices, key=lambda d: d.index)
 
 
-def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions) -> Any:
+def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions,
+                  metrics_port: int | None = None) -> Any:
     """Join (or start) the dynamic group whose membership log is in ``store``."""
     import torch.distributed as dist
 
@@ -238,6 +260,7 @@ def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions) 
         _torch_private.install_dynamic_shutdown(elastic.stop_membership)
         _torch_private.init_rpc_states(agent)
         elastic.start_event_thread(agent)
+        _serve_metrics(store, name, metrics_port)
     except Exception:
         agent.shutdown()
         raise

@@ -117,6 +117,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     throw;
   }
   RemoteProfiling::markSent(profile.get()); // before the call is visible
+  const CallKind kind = callKindOf(message->type());
   const size_t alreadyInFlight = calls_.add(
       id,
       CallTable::Call{
@@ -127,10 +128,14 @@ c10::intrusive_ptr<JitFuture> Agent::send(
           std::chrono::steady_clock::now() + timeout,
           /*sentAlone=*/false,
           profile,
-          /*arrival=*/{}});
+          /*arrival=*/{},
+          callCostsOn() ? std::chrono::steady_clock::now()
+                        : std::chrono::steady_clock::time_point{},
+          kind});
   auto& stats = peer->stats;
   stats.callsSent.fetch_add(1, std::memory_order_relaxed);
   stats.bytesSent.fetch_add(wireBytes, std::memory_order_relaxed);
+  stats.costs.observe(CallCosts::kRequestBytes, kind, wireBytes);
   auto delay =
       faults_ ? faults_->delay(message->type()) : std::chrono::milliseconds(0);
   if (delay.count() == 0) {
@@ -215,6 +220,13 @@ void Agent::onFrame(
     peer->stats.bytesReceived.fetch_add(
         in->byteSize(), std::memory_order_relaxed);
     peer->stats.callsServed.fetch_add(1, std::memory_order_relaxed);
+    const Server::Served served{
+        peer,
+        callKindOf(message->type()),
+        callCostsOn() ? std::chrono::steady_clock::now()
+                      : std::chrono::steady_clock::time_point{}};
+    peer->stats.costs.observe(
+        CallCosts::kServedRequestBytes, served.kind, in->byteSize());
     server_.accepted();
     // Served on this loop thread after the read pass: no hop (as a lone
     // call's response is completed: calls.cpp).
@@ -223,9 +235,10 @@ void Agent::onFrame(
         [self,
          conn,
          message = std::move(message),
-         streams = std::move(streams)]() mutable {
+         streams = std::move(streams),
+         served]() mutable {
           self->server_.serve(
-              std::move(conn), std::move(message), std::move(streams));
+              std::move(conn), std::move(message), std::move(streams), served);
         },
         /*expectMore=*/true);
     return;

@@ -15,6 +15,7 @@
 
 #include <ATen/core/ivalue.h>
 
+#include "csrc/agent/latency.h"
 #include "csrc/agent/remote_profiling.h"
 
 namespace torch_rpc_ext {
@@ -49,6 +50,10 @@ class CallTable {
     // The streams the response's CUDA tensors arrived on (set with the
     // response): the future completes under them.
     std::vector<c10::Stream> arrival;
+    // When the request was sent, and what it is (the round trip goes into
+    // the peer's CallCosts).
+    std::chrono::steady_clock::time_point sentAt{};
+    CallKind kind = CallKind::kOther;
   };
   using ExpireFn = std::function<void(int64_t id, Call call)>;
 

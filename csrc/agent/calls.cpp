@@ -94,7 +94,15 @@ void Calls::respond(
     lateResponses_.fetch_add(1, std::memory_order_relaxed);
     return;
   }
-  call->peer->stats.bytesReceived.fetch_add(bytes, std::memory_order_relaxed);
+  auto& stats = call->peer->stats;
+  stats.bytesReceived.fetch_add(bytes, std::memory_order_relaxed);
+  if (callCostsOn()) {
+    stats.costs.observeTime(
+        CallCosts::kCallSeconds,
+        call->kind,
+        std::chrono::steady_clock::now() - call->sentAt);
+    stats.costs.observe(CallCosts::kResponseBytes, call->kind, bytes);
+  }
   call->arrival = std::move(streams);
   settle(conn, std::move(*call), std::move(response), remaining == 0);
 }

@@ -4,6 +4,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "csrc/agent/latency.h"
+
 namespace torch_rpc_ext {
 
 // Per-peer counters reported by get_metrics() as
@@ -16,6 +18,8 @@ struct PeerStats {
   std::atomic<uint64_t> errors{0};
   std::atomic<uint64_t> timeouts{0};
   std::atomic<uint64_t> rejectedFrames{0};
+  // Distributions by call kind (latency.h): torch_rpc_ext.metrics.
+  CallCosts costs;
 };
 
 } // namespace torch_rpc_ext

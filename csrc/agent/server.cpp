@@ -14,8 +14,16 @@ namespace torch_rpc_ext {
 void Server::serve(
     std::shared_ptr<transport::Connection> conn,
     c10::intrusive_ptr<rpc::Message> request,
-    std::vector<c10::Stream> streams) {
+    std::vector<c10::Stream> streams,
+    Served served) {
   int64_t id = request->id();
+  const bool costs = served.peer != nullptr && callCostsOn();
+  const auto started = costs ? std::chrono::steady_clock::now()
+                             : std::chrono::steady_clock::time_point{};
+  if (costs) {
+    served.peer->stats.costs.observeTime(
+        CallCosts::kQueueSeconds, served.kind, started - served.arrived);
+  }
   // Serve every request with the thread-local state this pool thread had
   // before it ran any request. Upstream's legacy profiler leaves per-thread
   // state behind after RUN_WITH_PROFILING_REQ, so a second profiled request on
@@ -50,12 +58,23 @@ void Server::serve(
     ++activeAsync_;
   }
   result->addCallback(
-      [this, owner = owner_, conn, id, async](c10::ivalue::Future& f) {
+      [this, owner = owner_, conn, id, async, served, started, costs](
+          c10::ivalue::Future& f) {
         auto held = owner.lock();
         if (!held) {
           return;
         }
-        respond(*conn, id, f);
+        if (costs) {
+          served.peer->stats.costs.observeTime(
+              CallCosts::kServeSeconds,
+              served.kind,
+              std::chrono::steady_clock::now() - started);
+        }
+        const uint64_t bytes = respond(*conn, id, f);
+        if (costs && bytes != 0) {
+          served.peer->stats.costs.observe(
+              CallCosts::kServedResponseBytes, served.kind, bytes);
+        }
         --active_;
         if (async) {
           --activeAsync_;
@@ -63,12 +82,12 @@ void Server::serve(
       });
 }
 
-void Server::respond(
+uint64_t Server::respond(
     transport::Connection& conn,
     int64_t id,
     c10::ivalue::Future& result) {
   if (!running_.load()) {
-    return;
+    return 0;
   }
   c10::intrusive_ptr<rpc::Message> response;
   if (result.hasError()) {
@@ -102,11 +121,12 @@ void Server::respond(
   } catch (const std::exception& e) {
     frame = wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id);
   }
+  const uint64_t bytes = frame.wireSize();
   if (peer) {
-    peer->stats.bytesSent.fetch_add(
-        frame.wireSize(), std::memory_order_relaxed);
+    peer->stats.bytesSent.fetch_add(bytes, std::memory_order_relaxed);
   }
   conn.write(std::move(frame));
+  return bytes;
 }
 
 void Server::addMetrics(std::unordered_map<std::string, std::string>& m) const {

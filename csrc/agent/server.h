@@ -14,6 +14,7 @@
 // construction.
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -57,12 +58,20 @@ class Server {
   void accepted() {
     ++active_;
   }
+  // Who sent a request, what it is and when it arrived: where its queue
+  // wait, run time and response size are counted (peer_stats.h).
+  struct Served {
+    Peer* peer = nullptr;
+    CallKind kind = CallKind::kOther;
+    std::chrono::steady_clock::time_point arrived{};
+  };
   // Run the request (its CUDA tensors ready on `streams`, one per device of
   // ours) and arrange for its response.
   void serve(
       std::shared_ptr<transport::Connection> conn,
       c10::intrusive_ptr<rpc::Message> request,
-      std::vector<c10::Stream> streams);
+      std::vector<c10::Stream> streams,
+      Served served);
   int64_t active() const {
     return active_.load();
   }
@@ -70,7 +79,8 @@ class Server {
   void addMetrics(std::unordered_map<std::string, std::string>& m) const;
 
  private:
-  void respond(
+  // The response's bytes on the wire (0: none sent).
+  uint64_t respond(
       transport::Connection& conn,
       int64_t id,
       c10::ivalue::Future& result);

@@ -108,7 +108,37 @@ void bindAgent(py::module_& m) {
           },
           py::arg("timeout"),
           py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("address", &Agent::address);
+      .def_property_readonly("address", &Agent::address)
+      // [(peer, kind, metric, bounds, counts, sum)]: the call-cost
+      // histograms with values (latency.h; torch_rpc_ext.metrics).
+      .def(
+          "_call_costs",
+          [](const Agent& a) {
+            std::vector<std::pair<std::string, const CallCosts*>> peers;
+            const auto all = a.group().everyPeer();
+            for (const auto& p : all) {
+              peers.emplace_back(p->info.name_, &p->stats.costs);
+            }
+            std::vector<std::tuple<
+                std::string,
+                std::string,
+                std::string,
+                std::vector<double>,
+                std::vector<uint64_t>,
+                double>>
+                out;
+            for (auto& s : snapshotCosts(peers)) {
+              out.emplace_back(
+                  std::move(s.peer),
+                  std::move(s.kind),
+                  std::move(s.metric),
+                  std::move(s.bounds),
+                  std::move(s.counts),
+                  s.sum);
+            }
+            return out;
+          },
+          py::call_guard<py::gil_scoped_release>());
 
   m.def("transport_names", &transport::transportNames);
   // All channels, or those of one device type ("cpu", "cuda").

@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""torch_rpc_ext.metrics (issue 47): latency and size histograms per peer
+and call kind, counters and gauges, served in Prometheus's text format by
+each worker, scraped here over HTTP and parsed by prometheus_client's own
+parser."""
+
+import os
+import time
+import urllib.request
+
+import pytest
+import torch
+from torch.distributed import rpc
+
+from tests.rpc.world import init, run_world
+
+prometheus_client = pytest.importorskip(
+    "prometheus_client", reason="torch_rpc_ext[metrics] needs prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+CALLS = 20
+
+
+def slow_echo(x, seconds):
+    time.sleep(seconds)
+    return x
+
+
+def scrape(port: int) -> dict:
+    """{family: [(sample name, labels, value)]} of http://127.0.0.1:port."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        out[fam.name] = [(s.name, s.labels, s.value) for s in fam.samples]
+    return out
+
+
+def traffic(rank, world_size):
+    from torch_rpc_ext import metrics
+
+    os.environ.pop("TORCH_RPC_EXT_METRICS_PORT", None)
+    init(rank, world_size)
+    port = metrics.serve(0, addr="127.0.0.1")
+    out = {"port_again": metrics.serve(0) == port}
+    if rank == 0:
+        x = torch.ones(1000)  # 4000 bytes
+        for _ in range(CALLS):
+            rpc.rpc_sync("worker1", torch.add, args=(x, x))
+        for _ in range(CALLS):
+            rpc.rpc_sync("worker1", slow_echo, args=(x, 0.02))
+        rref = rpc.remote("worker1", torch.add, args=(x, 1))
+        rref.to_here()
+        out["scrape"] = scrape(port)  # (before the barrier's own calls)
+    rpc.api._barrier(["worker0", "worker1"])
+    if rank == 1:
+        out["scrape"] = scrape(port)
+    rpc.shutdown()
+    # The endpoint outlives the agent: nothing of it is served any more.
+    out["after_shutdown"] = scrape(port)
+    return out
+
+
+def samples(scraped, family, name=None, **labels):
+    return [(n, lab, v) for n, lab, v in scraped.get(family, [])
+            if (name is None or n == name) and all(lab.get(k) == w for k, w in labels.items())]
+
+
+def value(scraped, family, name, **labels):
+    found = samples(scraped, family, name, **labels)
+    assert len(found) == 1, (family, name, labels, scraped.get(family))
+    return found[0][2]
+
+
+def test_histograms_and_counters_scraped_from_both_workers():
+    out = run_world(traffic, 2, timeout=150)
+    caller, callee = out[0], out[1]
+    assert caller["port_again"] and callee["port_again"]
+    s = caller["scrape"]
+    # Counters per peer: every call made by worker0 to worker1.
+    made = value(s, "torch_rpc_ext_calls", "torch_rpc_ext_calls_total",
+                 worker="worker0", peer="worker1", direction="made")
+    assert made >= 2 * CALLS + 1
+    # Round trips by kind: the builtin op (script), the Python function,
+    # the remote() and its fetch (rref).
+    fam = "torch_rpc_ext_call_duration_seconds"
+    script = value(s, fam, fam + "_count", worker="worker0", peer="worker1", kind="script")
+    python = value(s, fam, fam + "_count", worker="worker0", peer="worker1", kind="python")
+    assert script == CALLS and python == CALLS
+    assert value(s, fam, fam + "_count", worker="worker0", peer="worker1", kind="rref") >= 1
+    # The slow function's round trips sum to at least 20 x 20 ms.
+    assert value(s, fam, fam + "_sum", kind="python", worker="worker0") >= CALLS * 0.02
+    # Buckets: cumulative, +Inf equals the count; the 20 ms calls lie above
+    # the 16.384 ms bound.
+    buckets = samples(s, fam, fam + "_bucket", kind="python", worker="worker0")
+    counts = [v for _, _, v in sorted(buckets, key=lambda b: float(b[1]["le"]))]
+    assert counts == sorted(counts) and counts[-1] == CALLS
+    below = [v for _, lab, v in buckets if float(lab["le"]) <= 0.016384]
+    assert max(below) == 0
+    # Request bytes made: the 4000-byte storage (both arguments view it) in
+    # a frame of a few hundred bytes more.
+    fam = "torch_rpc_ext_request_bytes"
+    assert value(s, fam, fam + "_count", kind="script", direction="made", worker="worker0") == CALLS
+    script_bytes = value(s, fam, fam + "_sum", kind="script", direction="made", worker="worker0")
+    assert CALLS * 4000 < script_bytes < CALLS * 8000
+
+    # The callee served them: queue wait and run time per kind.
+    c = callee["scrape"]
+    fam = "torch_rpc_ext_serve_duration_seconds"
+    # (The barrier's Python calls are served too.)
+    assert value(c, fam, fam + "_count", worker="worker1", peer="worker0", kind="python") >= CALLS
+    assert value(c, fam, fam + "_sum", worker="worker1", kind="python") >= CALLS * 0.02
+    fam = "torch_rpc_ext_serve_queue_seconds"
+    assert value(c, fam, fam + "_count", worker="worker1", peer="worker0", kind="script") == CALLS
+    served = value(c, "torch_rpc_ext_calls", "torch_rpc_ext_calls_total",
+                   worker="worker1", peer="worker0", direction="served")
+    assert served >= 2 * CALLS + 1
+    fam = "torch_rpc_ext_response_bytes"
+    assert value(c, fam, fam + "_count", kind="python", direction="served", worker="worker1") >= (
+        CALLS)
+    # Gauges, and the rest of get_metrics() as torch_rpc_ext_agent{key}.
+    assert value(c, "torch_rpc_ext_serving", "torch_rpc_ext_serving", worker="worker1") >= 0
+    assert samples(c, "torch_rpc_ext_agent", key="agent.thread_pool_size")
+    assert caller["after_shutdown"] == {}
+
+
+def from_env(rank, world_size, value):
+    from torch_rpc_ext import metrics
+
+    os.environ["TORCH_RPC_EXT_METRICS_PORT"] = value
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        init(rank, world_size)
+    except ValueError as e:
+        return {"error": str(e)}
+    out = {"port": metrics.endpoint()}
+    rpc.api._barrier(["worker0", "worker1"])
+    out["scrape"] = scrape(out["port"]) if out["port"] else {}
+    rpc.shutdown()
+    return out
+
+
+def test_the_environment_serves_metrics_from_init_rpc():
+    """TORCH_RPC_EXT_METRICS_PORT, for a program one does not edit: each
+    worker serves from init_rpc (0: any free port; else port + LOCAL_RANK),
+    and a value that is not a port fails init_rpc naming it."""
+    out = run_world(from_env, 2, timeout=120, value="0")
+    assert all(out[r]["port"] for r in (0, 1)) and out[0]["port"] != out[1]["port"]
+    assert samples(out[1]["scrape"], "torch_rpc_ext_calls", worker="worker1")
+    bad = run_world(from_env, 1, timeout=60, value="http")
+    assert "TORCH_RPC_EXT_METRICS_PORT='http' is not a port" in bad[0]["error"]
+
+
+def traffic_without_costs(rank, world_size):
+    os.environ["TORCH_RPC_EXT_CALL_COSTS"] = "0"
+    return traffic(rank, world_size)
+
+
+def test_call_costs_can_be_turned_off():
+    """TORCH_RPC_EXT_CALL_COSTS=0 (the benchmark's "off" rows): no
+    histogram is kept; the counters still are."""
+    out = run_world(traffic_without_costs, 2, timeout=150)
+    s = out[0]["scrape"]
+    assert not [f for f in s
+                if f.endswith("_seconds") or (f.endswith("_bytes") and f != "torch_rpc_ext_bytes")]
+    assert value(s, "torch_rpc_ext_calls", "torch_rpc_ext_calls_total",
+                 worker="worker0", peer="worker1", direction="made") >= 2 * CALLS

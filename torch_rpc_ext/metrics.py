@@ -1,0 +1,230 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Prometheus metrics of a running worker (docs/observability.md).
+
+``serve(port)`` starts an HTTP endpoint in this process that Prometheus
+scrapes (the text exposition format, by the ``prometheus_client`` library:
+``pip install 'torch_rpc_ext[metrics]'``). What it serves is read at each
+scrape from the worker's current agent, so one endpoint outlives
+``rpc.shutdown()`` and a later ``init_rpc`` of the same process:
+
+- counters per peer: ``torch_rpc_ext_calls_total{direction="made"|"served"}``,
+  ``torch_rpc_ext_bytes_total{direction="sent"|"received"}``,
+  ``torch_rpc_ext_errors_total``, ``torch_rpc_ext_timeouts_total``,
+  ``torch_rpc_ext_rejected_frames_total``;
+- histograms per peer and call kind (``script``: builtin operators and
+  TorchScript functions, ``python``, ``rref``, ``autograd``, ``other``):
+  ``torch_rpc_ext_call_duration_seconds`` (calls made: request sent to
+  response received), ``torch_rpc_ext_serve_queue_seconds`` and
+  ``torch_rpc_ext_serve_duration_seconds`` (calls served: waiting for a
+  thread, then running), ``torch_rpc_ext_request_bytes`` and
+  ``torch_rpc_ext_response_bytes`` (``direction="made"|"served"``);
+- gauges: ``torch_rpc_ext_calls_in_flight``, ``torch_rpc_ext_serving``,
+  ``torch_rpc_ext_idle_threads``, and every other numeric value of the
+  agent's ``get_metrics()`` as ``torch_rpc_ext_agent{key="..."}``.
+
+Every series has the label ``worker`` (this worker's name); per-peer ones
+have ``peer``. A program that does not call ``serve`` gets it from the
+environment: ``TORCH_RPC_EXT_METRICS_PORT=<port>`` serves on ``port +
+LOCAL_RANK`` (0 without a launcher; port 0: any free port) from
+``init_rpc``, and the worker's endpoint is written to the store
+(``torch_rpc_ext/metrics/<worker>``), where ``python -m torch_rpc_ext.top``
+finds it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Iterator
+
+__all__ = ["serve", "collector", "endpoint"]
+
+_PEER_COUNTERS = {
+    # get_metrics() name: (family, help, labels)
+    "calls_sent": ("calls", "RPC calls", {"direction": "made"}),
+    "calls_served": ("calls", "RPC calls", {"direction": "served"}),
+    "bytes_sent": ("bytes", "Bytes of frames on the wire", {"direction": "sent"}),
+    "bytes_received": ("bytes", "Bytes of frames on the wire", {"direction": "received"}),
+    "errors": ("errors", "Calls made that failed", {}),
+    "timeouts": ("timeouts", "Calls made that timed out", {}),
+    "rejected_frames": ("rejected_frames", "Frames from the peer refused as malformed", {}),
+}
+_HISTOGRAMS = {
+    # _call_costs() metric: (family, help, extra labels)
+    "call_seconds": ("call_duration_seconds",
+                     "Calls made: from the request sent to its response received", {}),
+    "queue_seconds": ("serve_queue_seconds",
+                      "Calls served: from the request read to its function started", {}),
+    "serve_seconds": ("serve_duration_seconds",
+                      "Calls served: from the function started to the response queued", {}),
+    "request_bytes": ("request_bytes", "Request frames' bytes", {"direction": "made"}),
+    "served_request_bytes": ("request_bytes", "Request frames' bytes", {"direction": "served"}),
+    "response_bytes": ("response_bytes", "Response frames' bytes", {"direction": "made"}),
+    "served_response_bytes": ("response_bytes", "Response frames' bytes",
+                              {"direction": "served"}),
+}
+_PREFIX = "torch_rpc_ext_"
+_STORE_KEY = "torch_rpc_ext/metrics/"
+
+
+def _prometheus():
+    try:
+        import prometheus_client  # noqa: F401
+        from prometheus_client import core
+    except ImportError as e:
+        raise ImportError(
+            "torch_rpc_ext.metrics needs prometheus_client: "
+            "pip install 'torch_rpc_ext[metrics]' (or pip install prometheus_client)"
+        ) from e
+    return core
+
+
+def _agent():
+    from torch.distributed.rpc import api
+
+    try:
+        return api._get_current_rpc_agent()
+    except RuntimeError:
+        return None  # not initialised, or shut down
+
+
+class _Collector:
+    """Reads the current agent at each scrape (prometheus_client's custom
+    collector protocol)."""
+
+    def describe(self):
+        return []  # families depend on the peers: no registration-time check
+
+    def collect(self) -> Iterator[Any]:
+        core = _prometheus()
+        agent = _agent()
+        if agent is None or not hasattr(agent, "_call_costs"):
+            return
+        worker = agent.get_worker_info().name
+        metrics = agent.get_metrics()
+        families: dict[str, Any] = {}
+
+        def counter(name, help_text, labels):
+            fam = families.get(name)
+            if fam is None:
+                fam = families[name] = core.CounterMetricFamily(
+                    _PREFIX + name, help_text, labels=labels)
+            return fam
+
+        peer_prefix = "rpc_ext.peer."
+        gauges = core.GaugeMetricFamily(
+            _PREFIX + "agent", "Other values of the agent's get_metrics()",
+            labels=["worker", "key"])
+        for key, value in sorted(metrics.items()):
+            if key.startswith(peer_prefix):
+                peer, _, what = key[len(peer_prefix):].rpartition(".")
+                spec = _PEER_COUNTERS.get(what)
+                if spec is not None and peer:
+                    family, help_text, extra = spec
+                    labels = ["worker", "peer", *extra]
+                    counter(family, help_text, labels).add_metric(
+                        [worker, peer, *extra.values()], float(value))
+                    continue
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+            gauges.add_metric([worker, key], number)
+        for fam in families.values():
+            yield fam
+        in_flight = core.GaugeMetricFamily(
+            _PREFIX + "calls_in_flight", "Calls made and not yet answered", labels=["worker"])
+        in_flight.add_metric([worker], float(metrics.get("agent.client_active_calls", 0)))
+        yield in_flight
+        serving = core.GaugeMetricFamily(
+            _PREFIX + "serving", "Calls being served", labels=["worker"])
+        serving.add_metric([worker], float(metrics.get("agent.server_active_calls", 0)))
+        yield serving
+        idle = core.GaugeMetricFamily(
+            _PREFIX + "idle_threads", "Idle threads of the agent's pool", labels=["worker"])
+        idle.add_metric([worker], float(metrics.get("agent.num_idle_threads", 0)))
+        yield idle
+        yield gauges
+
+        histograms: dict[str, Any] = {}
+        for peer, kind, metric, bounds, counts, total in agent._call_costs():
+            spec = _HISTOGRAMS.get(metric)
+            if spec is None:
+                continue
+            family, help_text, extra = spec
+            fam = histograms.get(family)
+            if fam is None:
+                fam = histograms[family] = core.HistogramMetricFamily(
+                    _PREFIX + family, help_text,
+                    labels=["worker", "peer", "kind", *extra])
+            cumulative, buckets = 0, []
+            for bound, count in zip([*bounds, float("inf")], counts):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)),
+                                float(cumulative)))
+            fam.add_metric([worker, peer, kind, *extra.values()], buckets, total)
+        yield from histograms.values()
+
+
+_lock = threading.Lock()
+_served: dict[str, Any] = {}
+
+
+def collector() -> _Collector:
+    """The collector ``serve`` registers: for a registry of one's own
+    (``registry.register(torch_rpc_ext.metrics.collector())``)."""
+    _prometheus()
+    return _Collector()
+
+
+def serve(port: int = 0, addr: str = "0.0.0.0") -> int:
+    """Serves this worker's metrics at ``http://<addr>:<port>/metrics`` from
+    a thread of its own; returns the port (``port=0``: a free one). Once per
+    process: a second call returns the first's port."""
+    core = _prometheus()
+    import prometheus_client
+
+    with _lock:
+        if "port" in _served:
+            return _served["port"]
+        registry = core.CollectorRegistry(auto_describe=False)
+        registry.register(_Collector())
+        started = prometheus_client.start_http_server(port, addr=addr, registry=registry)
+        server = started[0] if isinstance(started, tuple) else None
+        actual = server.server_port if server is not None else port
+        _served.update(port=actual, server=started)
+        return actual
+
+
+def endpoint() -> int | None:
+    """The port ``serve`` serves on in this process, or None."""
+    return _served.get("port")
+
+
+def port_from_env() -> int | None:
+    """The port ``TORCH_RPC_EXT_METRICS_PORT`` asks for (plus LOCAL_RANK;
+    0: any free one), None if unset; ValueError naming a bad value."""
+    value = os.environ.get("TORCH_RPC_EXT_METRICS_PORT", "").strip()
+    if not value:
+        return None
+    try:
+        base = int(value)
+        if not 0 <= base <= 65535:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"TORCH_RPC_EXT_METRICS_PORT={value!r} is not a port (0 to 65535; 0: any free one)"
+        ) from None
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    return base + local if base else 0
+
+
+def serve_from_env(store: Any, name: str, port: int) -> None:
+    """``TORCH_RPC_EXT_METRICS_PORT`` (called by ``init_rpc`` with
+    port_from_env()): serve, and write where to the store for
+    ``torch_rpc_ext.top``."""
+    port = serve(port)
+    from torch_rpc_ext._C import default_address
+
+    host = os.environ.get("TORCH_RPC_EXT_METRICS_HOST") or default_address()
+    store.set(_STORE_KEY + name, f"{host}:{port}")
