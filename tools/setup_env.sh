@@ -86,6 +86,20 @@ fi
 if [ "$SETUP_FOR" = test ]; then
   export TORCH_RPC_EXT_BUILD_TESTING=1
 fi
+# A real Prometheus scrapes a live group in tests/rpc/test_metrics.py:
+# Debian's package where apt is there to install it (as root); else that
+# test is skipped, saying why.
+if [ "$SETUP_FOR" = test ] && [ "$TORCH_VERSION" = "$DEFAULT_TORCH" ] &&
+  ! command -v prometheus >/dev/null && command -v apt-get >/dev/null &&
+  [ "$(id -u)" = 0 ]; then
+  echo "setup_env.sh: installing Debian's prometheus (for tests/rpc/test_metrics.py)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  if ! apt-get install -y -q prometheus >/dev/null 2>&1; then
+    apt-get update -q >/dev/null 2>&1 || true
+    apt-get install -y -q prometheus >/dev/null 2>&1 ||
+      echo "setup_env.sh: could not install prometheus; its test will be skipped" >&2
+  fi
+fi
 mkdir -p build
 log=build/setup-build.log
 if compgen -G ".venv/lib/python*/site-packages/__editable__.torch_rpc_ext-*.pth" >/dev/null; then

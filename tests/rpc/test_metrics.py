@@ -166,3 +166,94 @@ def test_call_costs_can_be_turned_off():
                 if f.endswith("_seconds") or (f.endswith("_bytes") and f != "torch_rpc_ext_bytes")]
     assert value(s, "torch_rpc_ext_calls", "torch_rpc_ext_calls_total",
                  worker="worker0", peer="worker1", direction="made") >= 2 * CALLS
+
+
+# ---- a real Prometheus scraping a live group ---------------------------------
+
+
+def live_group(rank, world_size, ports, stop_file):
+    """Serve on `ports[rank]`; worker0 calls the others until `stop_file`
+    appears (at most 90 s)."""
+    from torch_rpc_ext import metrics
+
+    os.environ.pop("TORCH_RPC_EXT_METRICS_PORT", None)
+    init(rank, world_size)
+    metrics.serve(ports[rank], addr="127.0.0.1")
+    calls = 0
+    if rank == 0:
+        x = torch.ones(100)
+        deadline = time.monotonic() + 90
+        while not os.path.exists(stop_file) and time.monotonic() < deadline:
+            for peer in ("worker1", "worker2"):
+                rpc.rpc_sync(peer, torch.add, args=(x, x))
+                calls += 1
+            time.sleep(0.005)
+    rpc.shutdown()
+    return calls
+
+
+def query(base: str, promql: str) -> list:
+    import json
+    import urllib.parse
+
+    url = f"{base}/api/v1/query?query={urllib.parse.quote(promql)}"
+    body = json.loads(urllib.request.urlopen(url, timeout=5).read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def test_a_real_prometheus_scrapes_a_live_group(tmp_path):
+    """Debian's prometheus, started here on a free port with a generated
+    config, scrapes a 3-worker group every second; a call rate and a p99
+    come back through its HTTP query API."""
+    import shutil
+    import subprocess
+    import threading
+
+    from tests.rpc.world import free_port
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("no prometheus binary (Debian's `prometheus` package: "
+                    "tools/setup_env.sh installs it where apt is available)")
+    ports = [free_port() for _ in range(3)]
+    web = free_port()
+    config = tmp_path / "prometheus.yml"
+    targets = ", ".join(f"'127.0.0.1:{p}'" for p in ports)
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: rpc\n    static_configs: [{{targets: [{targets}]}}]\n")
+    server = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{web}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stop_file = str(tmp_path / "stop")
+    results = {}
+    group = threading.Thread(target=lambda: results.update(
+        run_world(live_group, 3, timeout=150, ports=ports, stop_file=stop_file)))
+    group.start()
+    base = f"http://127.0.0.1:{web}"
+    rate, p99, up = [], [], []
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (rate and p99 and len(up) == 3):
+            time.sleep(1)
+            try:
+                up = [r for r in query(base, 'up{job="rpc"} == 1')]
+                rate = query(base, 'sum(rate(torch_rpc_ext_calls_total'
+                                   '{worker="worker0", direction="made"}[5s])) > 0')
+                p99 = query(base, 'histogram_quantile(0.99, sum by (le) (rate('
+                                  'torch_rpc_ext_call_duration_seconds_bucket'
+                                  '{worker="worker0", kind="script"}[5s])))')
+            except OSError:
+                continue  # not listening yet
+    finally:
+        open(stop_file, "w").close()
+        group.join(180)
+        server.terminate()
+        _, err = server.communicate(timeout=30)
+    assert len(up) == 3, err[-2000:]
+    assert rate and float(rate[0]["value"][1]) > 0
+    assert p99 and 0 < float(p99[0]["value"][1]) < 10
+    assert results and results[0] > 0
