@@ -192,6 +192,46 @@ def live_group(rank, world_size, ports, stop_file):
     return calls
 
 
+class LiveGroup:
+    """live_group's three workers, forked from this (the main) thread: a
+    fork from a helper thread could copy a lock the main thread holds (an
+    import's, a resolver's) into a worker that then never gets it."""
+
+    def __init__(self, ports, stop_file):
+        import torch.multiprocessing as mp
+
+        from tests.rpc import world
+
+        ctx = mp.get_context("fork")
+        self.queue = ctx.Queue()
+        self.stop_file = stop_file
+        master = world.free_port()
+        self.procs = [
+            ctx.Process(target=world._entry, args=(
+                live_group, r, 3, master, self.queue, {"ports": ports, "stop_file": stop_file}))
+            for r in range(3)]
+        for p in self.procs:
+            p.start()
+
+    def stop(self, timeout=120) -> dict:
+        """Stops the calls; what each worker returned (its traceback if it
+        failed)."""
+        import pickle
+
+        open(self.stop_file, "w").close()
+        results = {}
+        try:
+            for _ in self.procs:
+                rank, ok, value = self.queue.get(timeout=timeout)
+                results[rank] = pickle.loads(value) if ok else value
+        finally:
+            for p in self.procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+        return results
+
+
 def query(base: str, promql: str) -> list:
     import json
     import urllib.parse
@@ -208,7 +248,6 @@ def test_a_real_prometheus_scrapes_a_live_group(tmp_path):
     come back through its HTTP query API."""
     import shutil
     import subprocess
-    import threading
 
     from tests.rpc.world import free_port
 
@@ -228,11 +267,7 @@ def test_a_real_prometheus_scrapes_a_live_group(tmp_path):
         [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
          f"--web.listen-address=127.0.0.1:{web}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    stop_file = str(tmp_path / "stop")
-    results = {}
-    group = threading.Thread(target=lambda: results.update(
-        run_world(live_group, 3, timeout=150, ports=ports, stop_file=stop_file)))
-    group.start()
+    group = LiveGroup(ports, str(tmp_path / "stop"))
     base = f"http://127.0.0.1:{web}"
     rate, p99, up = [], [], []
     try:
@@ -249,11 +284,81 @@ def test_a_real_prometheus_scrapes_a_live_group(tmp_path):
             except OSError:
                 continue  # not listening yet
     finally:
-        open(stop_file, "w").close()
-        group.join(180)
+        results = group.stop()
         server.terminate()
         _, err = server.communicate(timeout=30)
     assert len(up) == 3, err[-2000:]
     assert rate and float(rate[0]["value"][1]) > 0
     assert p99 and 0 < float(p99[0]["value"][1]) < 10
-    assert results and results[0] > 0
+    assert isinstance(results[0], int) and results[0] > 0, results
+
+
+# ---- python -m torch_rpc_ext.top ---------------------------------------------
+
+
+def test_top_quantile_interpolates_as_prometheus_does():
+    from torch_rpc_ext.top import quantile
+
+    before = {0.001: 0.0, 0.002: 0.0, 0.004: 0.0, float("inf"): 0.0}
+    # 100 calls: 50 at or below 1 ms, 99 at or below 2 ms, 100 below 4 ms.
+    after = {0.001: 50.0, 0.002: 99.0, 0.004: 100.0, float("inf"): 100.0}
+    assert quantile(0.5, before, after) == pytest.approx(0.001)
+    assert quantile(0.99, before, after) == pytest.approx(0.002)
+    assert quantile(0.995, before, after) == pytest.approx(0.003)
+    assert quantile(0.99, after, after) is None  # nothing in between
+
+
+def test_top_shows_every_worker_of_a_live_group(tmp_path):
+    """`python -m torch_rpc_ext.top` in a pseudo-terminal against a live
+    3-worker group: its first screen has every worker, worker0's calls to
+    both peers, and a p99."""
+    import pty
+    import re
+    import select
+    import subprocess
+    import sys
+
+    from tests.rpc.world import free_port
+
+    ports = [free_port() for _ in range(3)]
+    group = LiveGroup(ports, str(tmp_path / "stop"))
+    screen, proc = "", None
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until all three serve
+            try:
+                for p in ports:
+                    urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        ours, theirs = pty.openpty()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch_rpc_ext.top", *(f"127.0.0.1:{p}" for p in ports)],
+            stdin=theirs, stdout=theirs, stderr=theirs, close_fds=True)
+        os.close(theirs)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([ours], [], [], 1)
+            if ready:
+                try:
+                    screen += os.read(ours, 65536).decode(errors="replace")
+                except OSError:
+                    break
+            first = screen.split("\x1b[H\x1b[2J")
+            if len(first) > 1 and all(f"worker{r}" in first[1] for r in range(3)):
+                break
+        os.close(ours)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+        results = group.stop()
+    assert all(isinstance(results[r], int) for r in range(3)), results
+    first = screen.split("\x1b[H\x1b[2J")[1]
+    lines = first.splitlines()
+    for r in range(3):
+        assert any(line.startswith(f"worker{r} ") for line in lines), first
+    # worker0's rows for each peer, with a rate and a p99 in milliseconds.
+    assert re.search(r"^\s+worker1\s+\d+", first, re.M) and re.search(r"^\s+worker2\s+", first, re.M)
+    assert re.search(r"worker0\s+\(all\)\s+[1-9]\d*\s+\d+\s+[\d.]+ms", first), first
