@@ -140,6 +140,9 @@ def render(endpoints: list[str], now: dict, last: dict) -> str:
                      f"{_seconds(p99):>11}{errors:>8.0f}{timeouts:>9.0f}{_bytes(sent):>11}"
                      f"{_bytes(received):>11}{after.in_flight:>10.0f}")
         for p in peers:
+            if not any(after.counters.get((p, k)) for k in
+                       ("made", "served", "sent", "received", "errors", "timeouts")):
+                continue  # never talked to (itself, among others)
             p99 = (quantile(0.99, before.buckets.get(p, {}), after.buckets.get(p, {}))
                    if before else None)
             lines.append(
