@@ -283,6 +283,20 @@ def test_a_real_prometheus_scrapes_a_live_group(tmp_path):
                                   '{worker="worker0", kind="script"}[5s])))')
             except OSError:
                 continue  # not listening yet
+        # Every query of the Grafana dashboard (docs/grafana) is valid
+        # PromQL over what the workers serve; most have data already.
+        dashboard = []
+        if rate and p99:
+            import json
+            from pathlib import Path
+
+            spec = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana"
+                               / "torch_rpc_ext.json").read_text())
+            for panel in spec["panels"]:
+                for target in panel["targets"]:
+                    expr = (target["expr"].replace("$__rate_interval", "5s")
+                            .replace("$worker", ".*"))
+                    dashboard.append((panel["title"], expr, query(base, expr)))
     finally:
         results = group.stop()
         server.terminate()
@@ -291,6 +305,10 @@ def test_a_real_prometheus_scrapes_a_live_group(tmp_path):
     assert rate and float(rate[0]["value"][1]) > 0
     assert p99 and 0 < float(p99[0]["value"][1]) < 10
     assert isinstance(results[0], int) and results[0] > 0, results
+    assert len(dashboard) >= 8
+    with_data = {title for title, _, result in dashboard if result}
+    assert {"Calls per second, made and served", "Round trip p50 / p99 by peer (calls made)",
+            "Bytes per second on the wire", "Calls made per second by kind"} <= with_data, dashboard
 
 
 # ---- python -m torch_rpc_ext.top ---------------------------------------------
