@@ -307,6 +307,7 @@ setup(
     # --ship) and runs the kernels' simulator tests; nothing else needs it.
     extras_require={
         "metrics": ["prometheus_client"],
+        "tracing": ["opentelemetry-api"],
         "cuda": ["numba", "numba-cuda==0.30.4", "nvidia-nvvm==13.0.*",
                  "nvidia-cuda-nvrtc==13.0.*"],
     },

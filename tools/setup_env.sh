@@ -28,9 +28,10 @@ TEST_PACKAGES=(numpy pytest pytest-timeout expecttest hypothesis grpcio matplotl
 # Jupyter kernel (01 uses gymnasium); torch_rpc_ext/_cuda compiles the copy
 # kernels to PTX and runs them in numba's simulator, no GPU needed
 # (numba-cuda 0.30.4 breaks on numpy 2.5); torch_rpc_ext.metrics serves
-# Prometheus's format through prometheus_client (the [metrics] extra).
+# Prometheus's format through prometheus_client (the [metrics] extra);
+# tests/rpc/test_tracing.py records spans with OpenTelemetry's SDK.
 FULL_PACKAGES=(
-  nbclient ipykernel gymnasium prometheus_client
+  nbclient ipykernel gymnasium prometheus_client opentelemetry-sdk
   numba "numba-cuda==0.30.4" "nvidia-nvvm==13.0.*" "nvidia-cuda-nvrtc==13.0.*" "numpy<2.5"
 )
 # torch warns on every process start without numpy.

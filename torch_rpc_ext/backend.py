@@ -119,6 +119,11 @@ def _init_backend(
     # that changes only its backend runs (TensorPipe-only settings reported).
     rpc_backend_options = translate_options(rpc_backend_options)
     metrics_port = _metrics_port()  # a bad value fails before anything starts
+    # OpenTelemetry, where a provider is configured: before the agent (and
+    # torch's Python call handler) starts.
+    from torch_rpc_ext import tracing
+
+    tracing.enable_if_configured()
     _claim_group_kind(store, dynamic=world_size is None)
     if world_size is None:
         return _init_dynamic(store, name, rank, rpc_backend_options, metrics_port)

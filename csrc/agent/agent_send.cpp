@@ -2,6 +2,7 @@
 // The agent's traffic (agent.h): send() checks, encodes and writes a call
 // (Calls settles it); what arrives is decoded on the loop thread, requests
 // handed to the Server, responses to Calls.
+#include "csrc/agent/tracing.h"
 #include "csrc/agent/agent.h"
 
 #include <torch/csrc/distributed/rpc/utils.h>
@@ -88,8 +89,10 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     route = devices_.routeTo(
         to.name_, deviceMap.empty() ? getDeviceMap(to) : deviceMap);
   }
-  frame::OutboundFrame frame =
-      wire::encodeMessage(message, id, route ? &*route : nullptr);
+  // The caller's trace context, where torch_rpc_ext.tracing set one for
+  // this thread's call (tracing.h).
+  frame::OutboundFrame frame = wire::encodeMessage(
+      message, id, route ? &*route : nullptr, tracing::outgoing());
   AgentDevices::recordCudaUse(*message);
   rrefs_.trackOwnForks(*message, to.id_); // an RRef of ours passed to `to`
   encodeSpan.reset();
@@ -220,11 +223,15 @@ void Agent::onFrame(
     peer->stats.bytesReceived.fetch_add(
         in->byteSize(), std::memory_order_relaxed);
     peer->stats.callsServed.fetch_add(1, std::memory_order_relaxed);
-    const Server::Served served{
+    Server::Served served{
         peer,
         callKindOf(message->type()),
         callCostsOn() ? std::chrono::steady_clock::now()
-                      : std::chrono::steady_clock::time_point{}};
+                      : std::chrono::steady_clock::time_point{},
+        in->traceContext()};
+    if (in->traceIgnored()) {
+      server_.traceIgnored();
+    }
     peer->stats.costs.observe(
         CallCosts::kServedRequestBytes, served.kind, in->byteSize());
     server_.accepted();

@@ -7,6 +7,7 @@
 
 #include <optional>
 
+#include "csrc/agent/tracing.h"
 #include "csrc/wire/codec.h"
 
 namespace torch_rpc_ext {
@@ -43,6 +44,9 @@ void Server::serve(
     }
     // Who holds which of our forks, for when a holder departs.
     rrefs_.trackForks(*request, conn->peerId());
+    // While the function runs, its caller's trace context (tracing.h): the
+    // callee's span is its child.
+    tracing::Incoming traced(served.trace);
     result = callback_(*request, std::move(streams));
   } catch (...) {
     result = c10::make_intrusive<c10::ivalue::Future>(at::AnyClassType::get());
@@ -132,6 +136,7 @@ uint64_t Server::respond(
 void Server::addMetrics(std::unordered_map<std::string, std::string>& m) const {
   m["agent.server_active_calls"] = std::to_string(active_.load());
   m["agent.server_active_async_calls"] = std::to_string(activeAsync_.load());
+  m["rpc_ext.trace_contexts_ignored"] = std::to_string(tracesIgnored_.load());
 }
 
 } // namespace torch_rpc_ext

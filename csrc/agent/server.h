@@ -64,7 +64,13 @@ class Server {
     Peer* peer = nullptr;
     CallKind kind = CallKind::kOther;
     std::chrono::steady_clock::time_point arrived{};
+    std::string trace; // the caller's traceparent, if it sent one
   };
+  // A request's trace context was not a traceparent: ignored, counted
+  // (rpc_ext.trace_contexts_ignored).
+  void traceIgnored() {
+    tracesIgnored_.fetch_add(1, std::memory_order_relaxed);
+  }
   // Run the request (its CUDA tensors ready on `streams`, one per device of
   // ours) and arrange for its response.
   void serve(
@@ -94,6 +100,7 @@ class Server {
   std::weak_ptr<void> owner_;
   std::atomic<int64_t> active_{0};
   std::atomic<int64_t> activeAsync_{0};
+  std::atomic<uint64_t> tracesIgnored_{0};
 };
 
 } // namespace torch_rpc_ext

@@ -3,6 +3,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "csrc/agent/agent.h"
+#include "csrc/agent/tracing.h"
 #include "csrc/bindings/bind.h"
 #include "csrc/channel/registry.h"
 #include "csrc/transport/registry.h"
@@ -140,6 +141,12 @@ void bindAgent(py::module_& m) {
           },
           py::call_guard<py::gil_scoped_release>());
 
+  // torch_rpc_ext.tracing: what this thread's calls carry, and the trace
+  // context of the request this thread serves (csrc/agent/tracing.h).
+  m.def("_set_trace_outgoing", [](std::string traceparent) {
+    tracing::setOutgoing(std::move(traceparent));
+  });
+  m.def("_trace_incoming", [] { return tracing::incoming(); });
   m.def("transport_names", &transport::transportNames);
   // All channels, or those of one device type ("cpu", "cuda").
   m.def(

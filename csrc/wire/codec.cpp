@@ -344,10 +344,31 @@ std::string unmappedDeviceError(
       peer.empty() ? std::string("this worker") : peer);
 }
 
+bool isTraceparent(const std::string& s) {
+  // version "00": 2-32-16-2 hex digits, lowercase, ids not all zero.
+  if (s.size() != 55 || s.compare(0, 3, "00-") != 0 || s[35] != '-' ||
+      s[52] != '-') {
+    return false;
+  }
+  auto hex = [&](size_t from, size_t n) {
+    bool nonzero = false;
+    for (size_t i = from; i < from + n; ++i) {
+      const char c = s[i];
+      if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) {
+        return 0;
+      }
+      nonzero = nonzero || c != '0';
+    }
+    return nonzero ? 2 : 1;
+  };
+  return hex(3, 32) == 2 && hex(36, 16) == 2 && hex(53, 2) != 0;
+}
+
 frame::OutboundFrame encodeMessage(
     const c10::intrusive_ptr<rpc::Message>& message,
     int64_t id,
-    const DeviceRoute* route) {
+    const DeviceRoute* route,
+    const std::string& trace) {
   auto hold = std::make_shared<OutboundHold>();
   hold->message = message;
   StoragePlan plan(*hold, route, message->isRequest());
@@ -396,7 +417,9 @@ frame::OutboundFrame encodeMessage(
   plan.seal(frame);
 
   HeadWriter w;
-  w.put<uint32_t>(static_cast<uint32_t>(message->type()));
+  const bool traced = !trace.empty() && trace.size() <= kMaxTraceContext;
+  w.put<uint32_t>(
+      static_cast<uint32_t>(message->type()) | (traced ? kTraceFlag : 0));
   w.put<int64_t>(id);
   w.put<uint32_t>(static_cast<uint32_t>(entries.size()));
   for (const auto& e : entries) {
@@ -414,6 +437,10 @@ frame::OutboundFrame encodeMessage(
     }
     plan.describe(w, e.indices);
     plan.describe(w, e.dense);
+  }
+  if (traced) {
+    w.put<uint8_t>(static_cast<uint8_t>(trace.size()));
+    w.out += trace;
   }
   frame.head = std::move(w.out);
   frame.keepAlive = hold;

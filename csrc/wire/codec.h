@@ -67,10 +67,21 @@ std::string unmappedDeviceError(
 // "cpu" travels as a host copy (route->toHost) and a CPU tensor mapped to a
 // CUDA device travels as host bytes that the receiver copies onto it. Does not
 // modify `message`, so retries can send it again.
+//
+// `trace`, if not empty: the caller's trace context (a W3C traceparent, at
+// most kMaxTraceContext bytes), carried at the end of the head
+// (docs/wire-format.md) for the callee's spans (torch_rpc_ext.tracing).
 frame::OutboundFrame encodeMessage(
     const c10::intrusive_ptr<rpc::Message>& message,
     int64_t id,
-    const DeviceRoute* route = nullptr);
+    const DeviceRoute* route = nullptr,
+    const std::string& trace = {});
+
+// The longest trace context a head carries (a traceparent is 55 bytes).
+constexpr size_t kMaxTraceContext = 255;
+// Whether `s` is a W3C traceparent a callee may use: "00-" + 32 lowercase
+// hex digits (not all zero) + "-" + 16 (not all zero) + "-" + 2.
+bool isTraceparent(const std::string& s);
 
 // What InboundMessage::finish() throws for a segment its channel could not
 // land here (frame::FailedRegion): the receiver's failure, not the peer's.
@@ -157,6 +168,14 @@ class InboundMessage {
   uint64_t byteSize() const {
     return bytes_;
   }
+  // The caller's trace context, if it sent one that is a valid traceparent
+  // (else empty; traceIgnored() says one was there and was not).
+  const std::string& traceContext() const {
+    return trace_;
+  }
+  bool traceIgnored() const {
+    return traceIgnored_;
+  }
 
   struct DenseMeta {
     c10::ScalarType dtype;
@@ -181,6 +200,8 @@ class InboundMessage {
   rpc::MessageType type_;
   int64_t id_;
   uint64_t bytes_ = 0;
+  std::string trace_;
+  bool traceIgnored_ = false;
   std::vector<char> payload_;
   std::vector<uint64_t> sizes_; // of every segment, if any is provided
   std::vector<c10::Storage> storages_; // one per segment after the payload

@@ -17,6 +17,9 @@
 namespace torch_rpc_ext::wire::detail {
 
 constexpr uint8_t kLayoutStrided = 0;
+// Set in a head's message type word when the caller's trace context follows
+// the tensors (a u8 length, then its bytes).
+constexpr uint32_t kTraceFlag = 0x80000000u;
 constexpr uint8_t kLayoutSparseCoo = 1;
 constexpr size_t kMaxDims = 64;
 
@@ -54,6 +57,16 @@ class HeadReader {
   }
   bool done() const {
     return pos_ == in_.size();
+  }
+  // `n` raw bytes.
+  std::string bytes(size_t n, const char* what) {
+    if (in_.size() - pos_ < n) {
+      throw std::invalid_argument(
+          std::string("message head truncated while reading ") + what);
+    }
+    std::string v = in_.substr(pos_, n);
+    pos_ += n;
+    return v;
   }
 
  private:

@@ -205,6 +205,8 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   auto m = std::make_shared<InboundMessage>();
   HeadReader r(head);
   uint32_t type = r.get<uint32_t>("type");
+  const bool traced = (type & kTraceFlag) != 0;
+  type &= ~kTraceFlag;
   // rpc::MessageType has no fixed underlying type, so it can only hold the
   // values of its smallest bit-field, 0..0x3FF (the two flag bits and the
   // byte under them): casting anything larger to it is undefined behaviour.
@@ -255,6 +257,17 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
       throw std::invalid_argument("unknown layout " + std::to_string(layout));
     }
     m->tensors_.push_back(std::move(t));
+  }
+  if (traced) {
+    // The caller's trace context: used only if it is a traceparent, else
+    // ignored (and counted by the agent), never trusted further.
+    const size_t n = r.get<uint8_t>("trace context length");
+    std::string trace = r.bytes(n, "trace context");
+    if (isTraceparent(trace)) {
+      m->trace_ = std::move(trace);
+    } else {
+      m->traceIgnored_ = true;
+    }
   }
   if (!r.done()) {
     throw std::invalid_argument("trailing bytes after the message head");

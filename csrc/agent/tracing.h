@@ -1,0 +1,32 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <string>
+
+namespace torch_rpc_ext::tracing {
+
+// Trace contexts across the RPC boundary (torch_rpc_ext.tracing, issue 47),
+// per thread: no lock, nothing read when tracing is off (empty strings).
+//
+// Outgoing: what this thread's requests carry from now on (a W3C
+// traceparent; "" none). torch_rpc_ext.tracing sets it around the send of
+// a call made while a span is current, on the calling thread, where the
+// agent's send runs.
+void setOutgoing(std::string traceparent);
+const std::string& outgoing();
+
+// Incoming: the traceparent of the request this thread is serving, while
+// its function runs (Server::serve); what the callee's span is a child of.
+class Incoming {
+ public:
+  explicit Incoming(const std::string& traceparent);
+  ~Incoming();
+  Incoming(const Incoming&) = delete;
+  Incoming& operator=(const Incoming&) = delete;
+
+ private:
+  bool set_;
+};
+const std::string& incoming();
+
+} // namespace torch_rpc_ext::tracing

@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""torch_rpc_ext.tracing (issue 47): OpenTelemetry traces across the RPC
+boundary, with the SDK's in-memory exporter in the caller and the callee:
+one trace id across both, parents right, for sync, async, remote, nested
+and failing calls; a garbage trace context from a peer ignored and
+counted."""
+
+import pytest
+import torch
+from torch.distributed import rpc
+
+from tests.rpc.world import init, run_world
+
+pytest.importorskip("opentelemetry.sdk", reason="needs opentelemetry-sdk")
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def double(x):
+    return x * 2
+
+
+def fails(x):
+    raise ValueError(f"no {x}")
+
+
+def nested(x):
+    # On worker1, under its server span: a call back to worker0.
+    return rpc.rpc_sync("worker0", double, args=(x,)) + 1
+
+
+def traced(rank, world_size, garbage=False):
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    init(rank, world_size)
+    out = {}
+    if rank == 0:
+        tracer = trace.get_tracer("test")
+        with tracer.start_as_current_span("step"):
+            out["sync"] = rpc.rpc_sync("worker1", double, args=(1,))
+            out["async"] = rpc.rpc_async("worker1", double, args=(2,)).wait()
+            out["remote"] = rpc.remote("worker1", double, args=(3,)).to_here()
+            out["nested"] = rpc.rpc_sync("worker1", nested, args=(4,))
+            try:
+                rpc.rpc_sync("worker1", fails, args=(5,))
+            except ValueError as e:
+                out["failed"] = str(e)
+        # Outside any span: nothing carried, no client span.
+        out["untraced"] = rpc.rpc_sync("worker1", double, args=(6,))
+        if garbage:
+            from torch_rpc_ext import _C
+
+            _C._set_trace_outgoing("00-not-a-traceparent")
+            out["garbage"] = rpc.rpc_sync("worker1", double, args=(7,))
+            _C._set_trace_outgoing("")
+    rpc.api._barrier(["worker0", "worker1"])
+    out["ignored"] = int(rpc.api._get_current_rpc_agent().get_metrics()[
+        "rpc_ext.trace_contexts_ignored"])
+    rpc.shutdown()
+    out["spans"] = [
+        {"name": s.name, "trace": s.context.trace_id, "id": s.context.span_id,
+         "parent": s.parent.span_id if s.parent else None, "kind": s.kind.name,
+         "error": s.status.status_code.name == "ERROR"}
+        for s in exporter.get_finished_spans()]
+    return out
+
+
+def by_name(spans, name):
+    found = [s for s in spans if s["name"] == name]
+    return found
+
+
+def test_one_trace_across_caller_and_callee():
+    out = run_world(traced, 2, timeout=150)
+    caller, callee = out[0], out[1]
+    assert caller["sync"] == 2 and caller["async"] == 4 and caller["remote"] == 6
+    assert caller["nested"] == 9 and "no 5" in caller["failed"] and caller["untraced"] == 12
+    step = by_name(caller["spans"], "step")[0]
+    calls = by_name(caller["spans"], "rpc.call double")
+    # sync, async, remote (each a client span, children of the step); the
+    # untraced call made none.
+    assert len(calls) == 3
+    assert all(c["trace"] == step["trace"] and c["parent"] == step["id"] for c in calls)
+    assert all(c["kind"] == "CLIENT" for c in calls)
+    serves = by_name(callee["spans"], "rpc.serve double")
+    # Each served under its client span, in the caller's trace; the
+    # untraced call (and the barrier's) under none.
+    assert len(serves) == 3
+    assert {s["parent"] for s in serves} == {c["id"] for c in calls}
+    assert all(s["trace"] == step["trace"] and s["kind"] == "SERVER" for s in serves)
+    # Nested: step -> call nested -> serve nested (worker1) -> call double
+    # (worker1) -> serve double (worker0).
+    call_nested = by_name(caller["spans"], "rpc.call nested")[0]
+    serve_nested = by_name(callee["spans"], "rpc.serve nested")[0]
+    assert serve_nested["parent"] == call_nested["id"]
+    inner_call = [s for s in by_name(callee["spans"], "rpc.call double")
+                  if s["parent"] == serve_nested["id"]]
+    assert len(inner_call) == 1 and inner_call[0]["trace"] == step["trace"]
+    inner_serve = [s for s in by_name(caller["spans"], "rpc.serve double")
+                   if s["parent"] == inner_call[0]["id"]]
+    assert len(inner_serve) == 1 and inner_serve[0]["trace"] == step["trace"]
+    # The failing call: an error on both sides.
+    assert by_name(caller["spans"], "rpc.call fails")[0]["error"]
+    assert by_name(callee["spans"], "rpc.serve fails")[0]["error"]
+    assert callee["ignored"] == 0
+
+
+def test_a_garbage_trace_context_is_ignored_and_counted():
+    out = run_world(traced, 2, timeout=150, garbage=True)
+    assert out[0]["garbage"] == 14  # the call itself is served
+    assert out[1]["ignored"] == 1
+    # No server span came of it: four traced double calls served, as above.
+    assert len(by_name(out[1]["spans"], "rpc.serve double")) == 3
