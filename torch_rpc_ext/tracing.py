@@ -66,7 +66,9 @@ def enable() -> None:
         return
     from opentelemetry import trace
     from opentelemetry.trace import SpanKind, Status, StatusCode
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    from opentelemetry.trace.propagation.tracecontext import (
+        TraceContextTextMapPropagator,
+    )
     from torch.distributed import rpc
     from torch.distributed.rpc import api, internal
 

@@ -2,8 +2,8 @@
 // The agent's traffic (agent.h): send() checks, encodes and writes a call
 // (Calls settles it); what arrives is decoded on the loop thread, requests
 // handed to the Server, responses to Calls.
-#include "csrc/agent/tracing.h"
 #include "csrc/agent/agent.h"
+#include "csrc/agent/tracing.h"
 
 #include <torch/csrc/distributed/rpc/utils.h>
 

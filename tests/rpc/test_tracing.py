@@ -6,7 +6,6 @@ and failing calls; a garbage trace context from a peer ignored and
 counted."""
 
 import pytest
-import torch
 from torch.distributed import rpc
 
 from tests.rpc.world import init, run_world
@@ -33,7 +32,9 @@ def traced(rank, world_size, garbage=False):
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+        InMemorySpanExporter,
+    )
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
