@@ -154,6 +154,17 @@ bool supportsLegacyIpc(int device) {
   return attribute(device, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) != 0;
 }
 
+std::string noCudaDeviceReason() {
+  try {
+    if (deviceCount() == 0) {
+      return "no CUDA device is visible to this process";
+    }
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 bool canAccessPeer(int device, int peer) {
   if (device == peer) {
     return false;

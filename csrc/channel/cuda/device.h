@@ -61,6 +61,9 @@ class CurrentDevice {
 };
 
 int deviceCount();
+// Why a CUDA channel cannot work in this process: the driver does not load
+// (its error), or it sees no device; "" when it can. Loads the driver.
+std::string noCudaDeviceReason();
 
 // The device's UUID, which names it across processes whatever their
 // CUDA_VISIBLE_DEVICES (pitfall 11), as 32 hex digits.

@@ -299,15 +299,7 @@ class SelfContext final : public Context {
     return Channel::Mode::kRegion;
   }
   std::string unviableReason() const override {
-    std::call_once(probed_, [this] {
-      try {
-        if (deviceCount() == 0) {
-          unviable_ = "no CUDA device is visible to this process";
-        }
-      } catch (const std::exception& e) {
-        unviable_ = e.what();
-      }
-    });
+    std::call_once(probed_, [this] { unviable_ = noCudaDeviceReason(); });
     return unviable_;
   }
   std::string domainDescriptor() const override {

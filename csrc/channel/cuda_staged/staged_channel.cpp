@@ -224,15 +224,7 @@ class StagedContext final : public Context {
     return Channel::Mode::kStaged;
   }
   std::string unviableReason() const override {
-    std::call_once(probed_, [this] {
-      try {
-        if (deviceCount() == 0) {
-          unviable_ = "no CUDA device is visible to this process";
-        }
-      } catch (const std::exception& e) {
-        unviable_ = e.what();
-      }
-    });
+    std::call_once(probed_, [this] { unviable_ = noCudaDeviceReason(); });
     return unviable_;
   }
   // Reaches every peer that offers it: the bytes go through the stream.
