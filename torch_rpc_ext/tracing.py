@@ -13,8 +13,11 @@ provider is configured or no span is current. ``TORCH_RPC_EXT_TRACING=0``
 turns it off. A peer's trace context that is not a traceparent is ignored
 and counted (``rpc_ext.trace_contexts_ignored``), never trusted further.
 
-Builtin operators and TorchScript functions carry the caller's context, but
-the callee makes no span for them (they run without Python).
+A builtin operator or TorchScript function is served under a server span
+too (``rpc.serve aten::add``, ``rpc.serve <qualified name>``), made from
+C++ through a hook that takes the GIL only when a trace context came with
+the request; calls TorchScript makes do not carry it on (no Python context
+there).
 """
 
 from __future__ import annotations
@@ -51,7 +54,16 @@ def enable_if_configured() -> None:
 
 
 def _name_of(func: Any) -> str:
-    for attr in ("__qualname__", "__name__", "qualified_name", "name"):
+    """A TorchScript function's qualified name, a builtin operator's name
+    (torch.add: "add"), else the function's qualified name."""
+    import types
+
+    qualified = getattr(func, "qualified_name", None)
+    if isinstance(qualified, str) and qualified:
+        return qualified
+    if isinstance(func, types.BuiltinFunctionType):
+        return func.__name__
+    for attr in ("__qualname__", "__name__", "name"):
         value = getattr(func, attr, None)
         if isinstance(value, str) and value:
             return value
@@ -151,7 +163,20 @@ def enable() -> None:
                                        if result.msg else "remote exception"))
             return result
 
+    def begin_serve(incoming: str, name: str):
+        """A builtin operator's or TorchScript function's span (called from
+        C++: no Python runs them)."""
+        context = propagator.extract({"traceparent": incoming})
+        return tracer.start_span(f"rpc.serve {name}", context=context, kind=SpanKind.SERVER,
+                                 attributes={"rpc.system": "torch_rpc_ext", "rpc.method": name})
+
+    def end_serve(span, error: str) -> None:
+        if error:
+            span.set_status(Status(StatusCode.ERROR, error.splitlines()[0]))
+        span.end()
+
     api._invoke_rpc = _invoke_rpc
     api.remote = rpc.remote = remote
     internal._run_function = _run_function
+    _C._set_trace_serve_hook(begin_serve, end_serve)
     _state["on"] = True

@@ -3,6 +3,7 @@
 #include "csrc/agent/server.h"
 
 #include <ATen/ThreadLocalState.h>
+#include <torch/csrc/distributed/rpc/script_call.h>
 #include <torch/csrc/distributed/rpc/utils.h>
 
 #include <optional>
@@ -11,6 +12,28 @@
 #include "csrc/wire/codec.h"
 
 namespace torch_rpc_ext {
+
+namespace {
+
+// The builtin operator or TorchScript function a SCRIPT_CALL runs (its
+// server span's name): read from the request only when a trace context
+// came with it.
+std::string scriptName(const rpc::Message& request) {
+  try {
+    auto call = rpc::ScriptCall::fromMessage(request);
+    if (call->hasOp()) {
+      return call->op()->schema().name();
+    }
+    if (call->hasQualifiedName()) {
+      return call->qualifiedName().qualifiedName();
+    }
+  } catch (const std::exception&) {
+    // (torch reports a malformed call when it runs it)
+  }
+  return "script";
+}
+
+} // namespace
 
 void Server::serve(
     std::shared_ptr<transport::Connection> conn,
@@ -36,6 +59,7 @@ void Server::serve(
   }
   at::ThreadLocalStateGuard tls(*pristine);
   c10::intrusive_ptr<c10::ivalue::Future> result;
+  std::shared_ptr<tracing::ServeSpan> span;
   try {
     // One stream per device of ours (those the request's CUDA tensors
     // arrived on): the user's function runs under them.
@@ -45,8 +69,12 @@ void Server::serve(
     // Who holds which of our forks, for when a holder departs.
     rrefs_.trackForks(*request, conn->peerId());
     // While the function runs, its caller's trace context (tracing.h): the
-    // callee's span is its child.
+    // callee's span is its child (a Python function's made in Python; a
+    // builtin operator's or TorchScript function's here).
     tracing::Incoming traced(served.trace);
+    if (!served.trace.empty() && served.kind == CallKind::kScript) {
+      span = tracing::beginServe(served.trace, scriptName(*request));
+    }
     result = callback_(*request, std::move(streams));
   } catch (...) {
     result = c10::make_intrusive<c10::ivalue::Future>(at::AnyClassType::get());
@@ -62,7 +90,7 @@ void Server::serve(
     ++activeAsync_;
   }
   result->addCallback(
-      [this, owner = owner_, conn, id, async, served, started, costs](
+      [this, owner = owner_, span, conn, id, async, served, started, costs](
           c10::ivalue::Future& f) {
         auto held = owner.lock();
         if (!held) {
@@ -73,6 +101,9 @@ void Server::serve(
               CallCosts::kServeSeconds,
               served.kind,
               std::chrono::steady_clock::now() - started);
+        }
+        if (span) {
+          span->end(f.hasError() ? f.tryRetrieveErrorMessage() : std::string());
         }
         const uint64_t bytes = respond(*conn, id, f);
         if (costs && bytes != 0) {

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <functional>
+#include <memory>
 #include <string>
 
 namespace torch_rpc_ext::tracing {
@@ -28,5 +30,22 @@ class Incoming {
   bool set_;
 };
 const std::string& incoming();
+
+// A span the callee makes where no Python runs (builtin operators and
+// TorchScript functions): begun by the hook torch_rpc_ext.tracing sets,
+// ended once the call's result is known ("" or the error).
+class ServeSpan {
+ public:
+  virtual ~ServeSpan() = default;
+  virtual void end(const std::string& error) = 0;
+};
+using ServeHook = std::function<std::unique_ptr<ServeSpan>(
+    const std::string& traceparent,
+    const std::string& name)>;
+void setServeHook(ServeHook hook);
+// The span for a request served under `traceparent`, or null (no hook).
+std::unique_ptr<ServeSpan> beginServe(
+    const std::string& traceparent,
+    const std::string& name);
 
 } // namespace torch_rpc_ext::tracing

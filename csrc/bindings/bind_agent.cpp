@@ -10,6 +10,36 @@
 
 namespace torch_rpc_ext::bindings {
 
+namespace {
+
+// A span of torch_rpc_ext.tracing's, ended (and let go) with the GIL.
+class PyServeSpan final : public tracing::ServeSpan {
+ public:
+  PyServeSpan(const py::object* endFn, py::object span)
+      : endFn_(endFn), span_(std::move(span)) {}
+  ~PyServeSpan() override {
+    if (span_) {
+      py::gil_scoped_acquire gil;
+      span_ = py::object();
+    }
+  }
+  void end(const std::string& error) override {
+    py::gil_scoped_acquire gil;
+    try {
+      (*endFn_)(span_, error);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("torch_rpc_ext tracing: ending a span");
+    }
+    span_ = py::object();
+  }
+
+ private:
+  const py::object* endFn_;
+  py::object span_;
+};
+
+} // namespace
+
 void bindAgent(py::module_& m) {
   // RpcAgent's and Store's Python types are registered by torch.
   py::module_::import("torch.distributed.rpc");
@@ -147,6 +177,34 @@ void bindAgent(py::module_& m) {
     tracing::setOutgoing(std::move(traceparent));
   });
   m.def("_trace_incoming", [] { return tracing::incoming(); });
+  // The callee's spans where no Python runs: begin(traceparent, name) ->
+  // span or None, end(span, error) (torch_rpc_ext.tracing); None, None
+  // clears. The functions are kept for the life of the process (never
+  // released: a static's destructor would run without the GIL).
+  m.def("_set_trace_serve_hook", [](py::object begin, py::object end) {
+    if (begin.is_none()) {
+      tracing::setServeHook(nullptr);
+      return;
+    }
+    auto* beginFn = new py::object(std::move(begin));
+    auto* endFn = new py::object(std::move(end));
+    tracing::setServeHook(
+        [beginFn, endFn](
+            const std::string& traceparent,
+            const std::string& name) -> std::unique_ptr<tracing::ServeSpan> {
+          py::gil_scoped_acquire gil;
+          try {
+            py::object span = (*beginFn)(traceparent, name);
+            if (span.is_none()) {
+              return nullptr;
+            }
+            return std::make_unique<PyServeSpan>(endFn, std::move(span));
+          } catch (py::error_already_set& e) {
+            e.discard_as_unraisable("torch_rpc_ext tracing: beginning a span");
+            return nullptr;
+          }
+        });
+  });
   m.def("transport_names", &transport::transportNames);
   // All channels, or those of one device type ("cpu", "cuda").
   m.def(

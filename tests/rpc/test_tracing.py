@@ -6,6 +6,7 @@ and failing calls; a garbage trace context from a peer ignored and
 counted."""
 
 import pytest
+import torch
 from torch.distributed import rpc
 
 from tests.rpc.world import init, run_world
@@ -21,6 +22,11 @@ def double(x):
 
 def fails(x):
     raise ValueError(f"no {x}")
+
+
+@torch.jit.script
+def script_triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
 
 
 def nested(x):
@@ -53,6 +59,9 @@ def traced(rank, world_size, garbage=False):
                 rpc.rpc_sync("worker1", fails, args=(5,))
             except ValueError as e:
                 out["failed"] = str(e)
+            one = torch.ones(2)
+            out["builtin"] = rpc.rpc_sync("worker1", torch.add, args=(one, one)).tolist()
+            out["script"] = rpc.rpc_sync("worker1", script_triple, args=(one,)).tolist()
         # Outside any span: nothing carried, no client span.
         out["untraced"] = rpc.rpc_sync("worker1", double, args=(6,))
         if garbage:
@@ -107,6 +116,17 @@ def test_one_trace_across_caller_and_callee():
     inner_serve = [s for s in by_name(caller["spans"], "rpc.serve double")
                    if s["parent"] == inner_call[0]["id"]]
     assert len(inner_serve) == 1 and inner_serve[0]["trace"] == step["trace"]
+    # A builtin operator and a TorchScript function: served under spans
+    # made from C++, named by the operator and the function.
+    assert caller["builtin"] == [2.0, 2.0] and caller["script"] == [3.0, 3.0]
+    for call_name, serve_name in (("rpc.call add", "rpc.serve aten::add"),
+                                  ("rpc.call " + script_triple.qualified_name,
+                                   "rpc.serve " + script_triple.qualified_name)):
+        call = by_name(caller["spans"], call_name)
+        serve = by_name(callee["spans"], serve_name)
+        assert len(call) == 1 and len(serve) == 1, (call_name, callee["spans"])
+        assert serve[0]["parent"] == call[0]["id"] and serve[0]["trace"] == step["trace"]
+        assert serve[0]["kind"] == "SERVER"
     # The failing call: an error on both sides.
     assert by_name(caller["spans"], "rpc.call fails")[0]["error"]
     assert by_name(callee["spans"], "rpc.serve fails")[0]["error"]
