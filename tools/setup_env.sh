@@ -95,9 +95,10 @@ if [ "$SETUP_FOR" = test ] && [ "$TORCH_VERSION" = "$DEFAULT_TORCH" ] &&
   [ "$(id -u)" = 0 ]; then
   echo "setup_env.sh: installing Debian's prometheus (for tests/rpc/test_metrics.py)" >&2
   export DEBIAN_FRONTEND=noninteractive
-  if ! apt-get install -y -q prometheus >/dev/null 2>&1; then
-    apt-get update -q >/dev/null 2>&1 || true
-    apt-get install -y -q prometheus >/dev/null 2>&1 ||
+  # (Bounded: a machine without a reachable mirror must not hold the run.)
+  if ! timeout 300 apt-get install -y -q prometheus >/dev/null 2>&1; then
+    timeout 300 apt-get update -q >/dev/null 2>&1 || true
+    timeout 300 apt-get install -y -q prometheus >/dev/null 2>&1 ||
       echo "setup_env.sh: could not install prometheus; its test will be skipped" >&2
   fi
 fi

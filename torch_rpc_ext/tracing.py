@@ -35,12 +35,14 @@ def enabled() -> bool:
 
 
 def _configured() -> bool:
-    """OpenTelemetry's API is importable and a provider is set (not the
-    proxy or no-op one that stand in until an SDK is configured)."""
-    try:
-        from opentelemetry import trace
-    except ImportError:
+    """OpenTelemetry's API is loaded and a provider is set (not the proxy or
+    no-op one that stand in until an SDK is configured). A program that
+    configured one has imported it: nothing is imported here otherwise."""
+    import sys
+
+    if "opentelemetry.trace" not in sys.modules:
         return False
+    from opentelemetry import trace
     provider = trace.get_tracer_provider()
     return type(provider).__name__ not in ("ProxyTracerProvider", "NoOpTracerProvider")
 
