@@ -240,11 +240,15 @@ def test_pipelined_completions_do_not_stall_the_loop():
 
 def test_serving_loop_busy_polls_for_the_next_request():
     m = run_world(call_loop, 2, timeout=120, busy_poll_us=2000, calls=300)[0]
-    # Back-to-back calls: most next requests arrive while the callee's loop
-    # polls, and most responses while the caller's loop polls (it starts
+    # Back-to-back calls: the next requests arrive while the callee's loop
+    # polls, and the responses while the caller's loop polls (it starts
     # when the previous call completes, or when send() finds it asleep).
-    assert int(m["callee"]["rpc_ext.shm.busy_poll_hits"]) > 100, m
-    assert int(m["caller"]["rpc_ext.shm.busy_poll_hits"]) > 100, m
+    # On an idle 2-core machine nearly all of the 300 do (299-302 each,
+    # 2026-11-26); with a build on the same cores (CI's first stage runs
+    # the fuzzers' build beside it) 72 did. Without polling, none do
+    # (test_busy_poll_off_never_polls).
+    assert int(m["callee"]["rpc_ext.shm.busy_poll_hits"]) > 30, m
+    assert int(m["caller"]["rpc_ext.shm.busy_poll_hits"]) > 30, m
 
 
 def test_caller_loop_polls_after_its_last_call_completes():
