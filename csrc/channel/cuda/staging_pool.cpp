@@ -187,24 +187,21 @@ PooledEvent StagingPool::takeEvent() {
   });
 }
 
-CUstream StagingPool::copyStream() {
+CUstream StagingPool::madeOnce(CUstream& stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (copyStream_ == nullptr) {
+  if (stream == nullptr) {
     CurrentDevice current(device_);
-    TORCH_RPC_EXT_CUDA_CHECK(
-        cuStreamCreate, &copyStream_, CU_STREAM_NON_BLOCKING);
+    TORCH_RPC_EXT_CUDA_CHECK(cuStreamCreate, &stream, CU_STREAM_NON_BLOCKING);
   }
-  return copyStream_;
+  return stream;
+}
+
+CUstream StagingPool::copyStream() {
+  return madeOnce(copyStream_);
 }
 
 CUstream StagingPool::joinStream() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (joinStream_ == nullptr) {
-    CurrentDevice current(device_);
-    TORCH_RPC_EXT_CUDA_CHECK(
-        cuStreamCreate, &joinStream_, CU_STREAM_NON_BLOCKING);
-  }
-  return joinStream_;
+  return madeOnce(joinStream_);
 }
 
 void StagingPool::trim() {
