@@ -239,6 +239,19 @@ def build_command(cpp_extension, tag: str, testing: bool):
                     os.remove(stale)
             super().run()
 
+        def build_extensions(self) -> None:
+            # The linker is the C++ driver with the link flags setuptools
+            # took from Python's build (distutils' rule for a C++ target).
+            linker = list(self.compiler.linker_so)
+            if getattr(self.compiler, "compiler_cxx", None):
+                linker[0] = self.compiler.compiler_cxx[0]
+            toolchain = load_by_path("_torch_rpc_ext_toolchain", f"{NAME}/_toolchain.py")
+            flags, what = toolchain.libstdcxx_link_args(linker)
+            if what:
+                print(f"torch_rpc_ext: {what}", file=sys.stderr)
+            self.libstdcxx_flags = flags
+            super().build_extensions()
+
         def build_extension(self, ext) -> None:
             if not hasattr(ext, "own_sources"):
                 ext.own_sources = list(ext.sources)
@@ -253,8 +266,11 @@ def build_command(cpp_extension, tag: str, testing: bool):
                 core = self.get_ext_fullpath(f"{NAME}._C")
                 ext.library_dirs = [*ext.library_dirs, os.path.dirname(core)]
                 ext.extra_link_args = [
-                    *link_args(), f"-l:{os.path.basename(core)}", "-Wl,-rpath,$ORIGIN"
+                    *link_args(), *self.libstdcxx_flags,
+                    f"-l:{os.path.basename(core)}", "-Wl,-rpath,$ORIGIN",
                 ]
+            else:
+                ext.extra_link_args = [*link_args(), *self.libstdcxx_flags]
             super().build_extension(ext)
 
     return Build

@@ -90,6 +90,8 @@ pytest_facts() {
     function short(id) { sub(/^[^:]*\//, "", id); return id }
     /^=+ .* in [0-9.]+s/ { tally = $0; gsub(/^=+ | =+$/, "", tally) }
     /^== [0-9]+ s: / { next }
+    # A stack dump names each process by its command line (--deselect ids).
+    /^-- pid [0-9]+: / { next }
     {
       id = ""
       for (i = 1; i <= NF; i++) if ($i ~ /\.py::/) { id = $i; break }
@@ -273,6 +275,8 @@ else
     echo "compiler: $(${CXX:-c++} --version 2>&1 | head -n 1)"
     echo "libstdc++ stream/locale symbols defined in _C: $(nm -DC --defined-only \
       torch_rpc_ext/_C*.so 2>/dev/null | grep -cE 'std::(locale|istream|ostream|basic_i|basic_o|num_get|num_put|codecvt)')"
+    # setup.py's word on the toolchain (torch_rpc_ext/_toolchain.py), if any.
+    grep -a '^torch_rpc_ext: ' "$OUT/build.log" | sort -u
   } >>"$SUMMARY"
   # Passed: the wheels' lines and the build's last 20 are enough.
   { head -n "$before" "$OUT/build.log"
