@@ -18,7 +18,14 @@ scrape from the worker's current agent, so one endpoint outlives
   ``torch_rpc_ext_serve_duration_seconds`` (calls served: waiting for a
   thread, then running), ``torch_rpc_ext_request_bytes`` and
   ``torch_rpc_ext_response_bytes`` (``direction="made"|"served"``);
-- gauges: ``torch_rpc_ext_calls_in_flight``, ``torch_rpc_ext_serving``,
+- connection events per peer: ``torch_rpc_ext_connections_total{direction=
+  "outbound"|"inbound"}``, ``torch_rpc_ext_reconnects_total``,
+  ``torch_rpc_ext_dial_failures_total``, ``torch_rpc_ext_connection_losses_total``;
+- counters per worker: TLS handshakes (``outcome="ok"|"failed"``), heartbeat
+  timeouts, unauthenticated and rejected connections, a dynamic group's
+  membership changes and lapsed leases, bytes and segments per channel, CUDA
+  landings (docs/observability.md lists them);
+- gauges: ``torch_rpc_ext_calls_in_flight`` (per peer), ``torch_rpc_ext_serving``,
   ``torch_rpc_ext_idle_threads``, and every other numeric value of the
   agent's ``get_metrics()`` as ``torch_rpc_ext_agent{key="..."}``.
 
@@ -48,6 +55,54 @@ _PEER_COUNTERS = {
     "errors": ("errors", "Calls made that failed", {}),
     "timeouts": ("timeouts", "Calls made that timed out", {}),
     "rejected_frames": ("rejected_frames", "Frames from the peer refused as malformed", {}),
+    "dials": ("connections", "Connections opened with the peer", {"direction": "outbound"}),
+    "accepted": ("connections", "Connections opened with the peer", {"direction": "inbound"}),
+    "reconnects": ("reconnects", "Connections to the peer opened after an earlier one", {}),
+    "dial_failures": ("dial_failures",
+                      "Connections to the peer that closed before their handshake ended", {}),
+    "connections_lost": ("connection_losses",
+                         "Ready connections with the peer closed for a reason, not at shutdown",
+                         {}),
+}
+# Other counters of get_metrics(), by key: (family, help, labels); a "{}" in
+# the key is a transport's or channel's name, the first label's value.
+_AGENT_COUNTERS = {
+    "rpc_ext.{}.tls_handshakes": ("tls_handshakes", "TLS handshakes, both ends",
+                                  {"transport": None, "outcome": "ok"}),
+    "rpc_ext.{}.tls_handshake_failures": ("tls_handshakes", "TLS handshakes, both ends",
+                                          {"transport": None, "outcome": "failed"}),
+    "rpc_ext.{}.heartbeat_timeouts": (
+        "heartbeat_timeouts", "Connections closed for the peer's silence (heartbeat_timeout)",
+        {"transport": None}),
+    "rpc_ext.{}.unauthenticated_closed": (
+        "unauthenticated_closed", "Inbound connections closed before they authenticated",
+        {"transport": None}),
+    "rpc_ext.rejected_connections": (
+        "rejected_connections", "Inbound connections refused (no member, a bad handshake)", {}),
+    "rpc_ext.membership.joins": ("membership_changes", "Membership changes of a dynamic group",
+                                 {"change": "joined"}),
+    "rpc_ext.membership.leaves": ("membership_changes", "Membership changes of a dynamic group",
+                                  {"change": "left"}),
+    "rpc_ext.membership.deaths": ("membership_changes", "Membership changes of a dynamic group",
+                                  {"change": "declared_dead"}),
+    "rpc_ext.membership.lease_lapses": (
+        "lease_lapses", "Members' leases found lapsed (the member then probed)", {}),
+    "rpc_ext.channel.{}.copied_bytes": ("channel_bytes", "Bytes a channel moved",
+                                        {"channel": None}),
+    "rpc_ext.channel.{}.segments": ("channel_segments", "Tensors' segments a channel moved",
+                                    {"channel": None}),
+    "rpc_ext.cuda.landed_bytes": ("cuda_landed_bytes",
+                                  "Bytes of CUDA tensors received, copied into torch's memory", {}),
+    "rpc_ext.cuda.landed_segments": ("cuda_landed_segments", "CUDA tensors' segments received",
+                                     {}),
+    "rpc_ext.cuda.landing_launches": ("cuda_landing_launches",
+                                      "Copy kernel launches that landed received segments", {}),
+    "rpc_ext.cuda.receive_failures": (
+        "cuda_receive_failures", "Messages whose CUDA tensors could not land here", {}),
+    "rpc_ext.late_responses": ("late_responses", "Responses that came after their call ended",
+                               {}),
+    "rpc_ext.trace_contexts_ignored": (
+        "trace_contexts_ignored", "Trace contexts from peers ignored as malformed", {}),
 }
 _HISTOGRAMS = {
     # _call_costs() metric: (family, help, extra labels)
@@ -64,6 +119,23 @@ _HISTOGRAMS = {
                               {"direction": "served"}),
 }
 _PREFIX = "torch_rpc_ext_"
+
+
+def _agent_counter(key: str):
+    """(family, help, labels) for a key of _AGENT_COUNTERS, with the name a
+    "{}" stands for filled in; None for another key."""
+    spec = _AGENT_COUNTERS.get(key)
+    if spec is not None:
+        return spec
+    head, _, tail = key.rpartition(".")
+    for prefix in ("rpc_ext.channel.", "rpc_ext."):
+        if head.startswith(prefix) and "." not in head[len(prefix):]:
+            spec = _AGENT_COUNTERS.get(f"{prefix}{{}}.{tail}")
+            if spec is not None:
+                family, help_text, labels = spec
+                first = next(iter(labels))
+                return family, help_text, {**labels, first: head[len(prefix):]}
+    return None
 _STORE_KEY = "torch_rpc_ext/metrics/"
 
 
@@ -115,9 +187,15 @@ class _Collector:
         gauges = core.GaugeMetricFamily(
             _PREFIX + "agent", "Other values of the agent's get_metrics()",
             labels=["worker", "key"])
+        in_flight = core.GaugeMetricFamily(
+            _PREFIX + "calls_in_flight", "Calls made to the peer and not yet answered",
+            labels=["worker", "peer"])
         for key, value in sorted(metrics.items()):
             if key.startswith(peer_prefix):
                 peer, _, what = key[len(peer_prefix):].rpartition(".")
+                if what == "in_flight" and peer:
+                    in_flight.add_metric([worker, peer], float(value))
+                    continue
                 spec = _PEER_COUNTERS.get(what)
                 if spec is not None and peer:
                     family, help_text, extra = spec
@@ -129,12 +207,15 @@ class _Collector:
                 number = float(value)
             except ValueError:
                 continue
+            spec = _agent_counter(key)
+            if spec is not None:
+                family, help_text, extra = spec
+                counter(family, help_text, ["worker", *extra]).add_metric(
+                    [worker, *extra.values()], number)
+                continue
             gauges.add_metric([worker, key], number)
         for fam in families.values():
             yield fam
-        in_flight = core.GaugeMetricFamily(
-            _PREFIX + "calls_in_flight", "Calls made and not yet answered", labels=["worker"])
-        in_flight.add_metric([worker], float(metrics.get("agent.client_active_calls", 0)))
         yield in_flight
         serving = core.GaugeMetricFamily(
             _PREFIX + "serving", "Calls being served", labels=["worker"])

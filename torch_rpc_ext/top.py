@@ -65,7 +65,7 @@ def scrape(endpoint: str, timeout: float = 2.0) -> Sample:
                 per = sample.buckets.setdefault(peer, {})
                 per[le] = per.get(le, 0.0) + s.value
             elif name == "calls_in_flight":
-                sample.in_flight = s.value
+                sample.in_flight += s.value  # per peer: the worker's sum
     return sample
 
 

@@ -270,18 +270,6 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
   // snapshots taken while other workers may already be calling us). In a
   // dynamic group it changes only as members join: every name ever seen
   // stays, its counters summed over the workers that held it.
-  std::map<std::string, std::array<uint64_t, 7>> byName;
-  for (const auto& peer : group_.everyPeer()) {
-    const auto& s = peer->stats;
-    auto& sum = byName[peer->info.name_];
-    sum[0] += s.callsSent.load();
-    sum[1] += s.callsServed.load();
-    sum[2] += s.bytesSent.load();
-    sum[3] += s.bytesReceived.load();
-    sum[4] += s.errors.load();
-    sum[5] += s.timeouts.load();
-    sum[6] += s.rejectedFrames.load();
-  }
   static const char* const kCounters[] = {
       "calls_sent",
       "calls_served",
@@ -289,7 +277,37 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
       "bytes_received",
       "errors",
       "timeouts",
-      "rejected_frames"};
+      "rejected_frames",
+      "dials",
+      "reconnects",
+      "dial_failures",
+      "accepted",
+      "connections_lost",
+      "in_flight"};
+  const auto inFlight = calls_.pendingByPeer();
+  std::map<std::string, std::array<uint64_t, std::size(kCounters)>> byName;
+  for (const auto& peer : group_.everyPeer()) {
+    const auto& s = peer->stats;
+    auto& sum = byName[peer->info.name_];
+    size_t i = 0;
+    for (const auto* n :
+         {&s.callsSent,
+          &s.callsServed,
+          &s.bytesSent,
+          &s.bytesReceived,
+          &s.errors,
+          &s.timeouts,
+          &s.rejectedFrames,
+          &s.dials,
+          &s.reconnects,
+          &s.dialFailures,
+          &s.accepted,
+          &s.connectionsLost}) {
+      sum[i++] += n->load(std::memory_order_relaxed);
+    }
+    auto it = inFlight.find(peer.get());
+    sum[i] += it == inFlight.end() ? 0 : it->second;
+  }
   for (const auto& [name, sum] : byName) {
     for (size_t i = 0; i < sum.size(); ++i) {
       m["rpc_ext.peer." + name + "." + kCounters[i]] = std::to_string(sum[i]);

@@ -100,6 +100,15 @@ size_t CallTable::size() const {
   return calls_.size();
 }
 
+std::unordered_map<const Peer*, size_t> CallTable::sizeByPeer() const {
+  std::unordered_map<const Peer*, size_t> out;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& [id, call] : calls_) {
+    ++out[call.peer];
+  }
+  return out;
+}
+
 void CallTable::timeoutLoop() {
   std::unique_lock<std::mutex> lock(mutex_);
   auto nextTick = std::chrono::steady_clock::now() + kTick;

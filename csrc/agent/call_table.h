@@ -72,6 +72,9 @@ class CallTable {
   // Remove and return every call.
   std::vector<std::pair<int64_t, Call>> takeAll();
   size_t size() const;
+  // Calls in flight by callee (get_metrics' rpc_ext.peer.<name>.in_flight):
+  // a walk of the table under its lock, for a scrape, not a hot path.
+  std::unordered_map<const Peer*, size_t> sizeByPeer() const;
 
   // Join the timeout thread. Idempotent.
   void stop();

@@ -111,6 +111,9 @@ class Calls {
   size_t pending() const {
     return table_.size();
   }
+  std::unordered_map<const Peer*, size_t> pendingByPeer() const {
+    return table_.sizeByPeer();
+  }
 
  private:
   // Complete a call on `conn`'s loop thread after its read pass, or on the

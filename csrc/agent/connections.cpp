@@ -250,6 +250,9 @@ std::shared_ptr<transport::Connection> Connections::connectionTo(
       peer.route.unreachable);
   auto& slot = outbound_[&peer];
   if (!slot || slot->isClosed()) {
+    if (peer.stats.dials.fetch_add(1, std::memory_order_relaxed) > 0) {
+      peer.stats.reconnects.fetch_add(1, std::memory_order_relaxed);
+    }
     const Route& route = peer.route;
     slot = transports_.at(route.transport)
                ->connect(route.address, peer.info.id_, this);
@@ -259,6 +262,8 @@ std::shared_ptr<transport::Connection> Connections::connectionTo(
 
 void Connections::onReady(const std::shared_ptr<transport::Connection>& conn) {
   if (conn->isOutbound()) {
+    std::lock_guard<std::mutex> lock(connMutex_);
+    readyOutbound_.insert(conn.get());
     return;
   }
   // Ids the handshake admitted (it knew the secret) but no member holds:
@@ -277,6 +282,7 @@ void Connections::onReady(const std::shared_ptr<transport::Connection>& conn) {
     // the loop thread reports onClosed, which takes it), not left open.
     if (Peer* p = memberOn(*conn); p && !p->departed()) {
       inbound_.emplace(conn->peerId(), conn);
+      p->stats.accepted.fetch_add(1, std::memory_order_relaxed);
       return;
     }
   }
@@ -286,18 +292,32 @@ void Connections::onReady(const std::shared_ptr<transport::Connection>& conn) {
 void Connections::onClosed(
     transport::Connection& conn,
     const std::string& reason) {
+  const Peer* dialed = nullptr; // the callee of an outbound connection
+  bool wasReady = false;
   {
     std::lock_guard<std::mutex> lock(connMutex_);
     for (auto it = outbound_.begin(); it != outbound_.end(); ++it) {
       if (it->second.get() == &conn) {
+        dialed = it->first;
         outbound_.erase(it);
         break;
       }
     }
+    wasReady = readyOutbound_.erase(&conn) > 0;
     auto range = inbound_.equal_range(conn.peerId());
     for (auto it = range.first; it != range.second;) {
       auto held = it->second.lock();
+      wasReady |= held.get() == &conn;
       it = !held || held.get() == &conn ? inbound_.erase(it) : std::next(it);
+    }
+  }
+  // Connection events (an empty reason: closed by us, at shutdown).
+  if (!reason.empty()) {
+    const Peer* peer = dialed ? dialed : memberOn(conn);
+    if (peer && wasReady) {
+      peer->stats.connectionsLost.fetch_add(1, std::memory_order_relaxed);
+    } else if (dialed) {
+      dialed->stats.dialFailures.fetch_add(1, std::memory_order_relaxed);
     }
   }
   if (conn.rejectedPeer()) {

@@ -17,10 +17,10 @@
 //  - dropPeer(), closeOutbound(): the membership watcher (or the thread
 //    joining or leaving), under the group's roster lock.
 //  - stop(), dropAll(): shutdown.
-// connMutex_ guards outbound_ and inbound_. A connection is never closed
-// under it when closing may report onClosed on this thread (which takes
-// it). transports_, channels_, listeners_ and the addresses are written by
-// open() only, before any other call; read without a lock after.
+// connMutex_ guards outbound_, inbound_ and readyOutbound_. A connection is
+// never closed under it when closing may report onClosed on this thread (which
+// takes it). transports_, channels_, listeners_ and the addresses are written
+// by open() only, before any other call; read without a lock after.
 
 #include <atomic>
 #include <chrono>
@@ -29,6 +29,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "csrc/agent/group.h"
@@ -166,6 +167,9 @@ class Connections final : private transport::ConnectionObserver {
   // closed as it departs.
   std::unordered_multimap<int32_t, std::weak_ptr<transport::Connection>>
       inbound_;
+  // Outbound connections that became ready and have not closed (identity
+  // only): a close then is a loss, before then a failed dial.
+  std::unordered_set<const transport::Connection*> readyOutbound_;
   std::atomic<uint64_t> rejectedConnections_{0};
 };
 

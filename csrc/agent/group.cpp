@@ -236,6 +236,10 @@ void Group::addMetrics(std::unordered_map<std::string, std::string>& m) const {
   m["rpc_ext.membership.epoch"] = std::to_string(v->epoch);
   m["rpc_ext.membership.size"] = std::to_string(v->byName.size());
   m["rpc_ext.membership.start_epoch"] = std::to_string(startEpoch_.load());
+  m["rpc_ext.membership.joins"] = std::to_string(joins_.load());
+  m["rpc_ext.membership.leaves"] = std::to_string(leaves_.load());
+  m["rpc_ext.membership.deaths"] = std::to_string(deaths_.load());
+  m["rpc_ext.membership.lease_lapses"] = std::to_string(leaseLapses_.load());
 }
 
 // ---- The static group's join barrier ----------------------------------------

@@ -262,6 +262,10 @@ class Group {
     std::optional<std::chrono::steady_clock::time_point> staleSince;
   };
   std::unordered_map<uint64_t, Lease> leases_; // by incarnation
+  // Membership changes applied from the log (joins, leaves, members
+  // declared dead, ourselves included), and leases found lapsed (a member
+  // then probed, alive or not): get_metrics' rpc_ext.membership.*.
+  std::atomic<uint64_t> joins_{0}, leaves_{0}, deaths_{0}, leaseLapses_{0};
   std::chrono::steady_clock::time_point nextBeat_, nextLeaseCheck_;
   std::thread watcher_;
   std::mutex watcherMutex_;

@@ -175,6 +175,7 @@ void Group::applyEvent(const MembershipEvent& ev) {
       }
       break;
     case MembershipEvent::Kind::kJoin: {
+      joins_.fetch_add(1, std::memory_order_relaxed);
       Route route;
       try {
         route = listener_.routeFor(ev.member.name, ev.member.offers);
@@ -194,6 +195,8 @@ void Group::applyEvent(const MembershipEvent& ev) {
     }
     case MembershipEvent::Kind::kLeave:
     case MembershipEvent::Kind::kDead: {
+      (ev.kind == MembershipEvent::Kind::kLeave ? leaves_ : deaths_)
+          .fetch_add(1, std::memory_order_relaxed);
       std::shared_ptr<Peer> peer;
       if (Peer* p = old->find(ev.member.rank);
           p && p->incarnation == ev.member.incarnation) {

@@ -50,6 +50,7 @@ void Group::checkLeases() {
     auto& lease = leases_[m.incarnation];
     if (!lease.staleSince) {
       lease.staleSince = now;
+      leaseLapses_.fetch_add(1, std::memory_order_relaxed);
     }
     if (now - *lease.staleSince <
             kMaxLeaseProbing * std::chrono::milliseconds(m.leaseMs) &&

@@ -66,7 +66,8 @@ struct Peer {
   // Random per join; 0 in static groups.
   const uint64_t incarnation;
   const Route route;
-  PeerStats stats;
+  // Statistics, counted wherever the peer is in hand (const or not).
+  mutable PeerStats stats;
 
   // Set once, when the membership log says it left or died.
   void depart(std::string why) {

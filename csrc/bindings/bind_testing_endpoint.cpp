@@ -200,6 +200,9 @@ class Endpoint final : public transport::ConnectionObserver {
     for (const auto& c : channels_) {
       out[c->name()] = c->counters();
     }
+    if (transport_) {
+      out["transport"] = transport_->counters(); // beside the channels'
+    }
     return out;
   }
 

@@ -385,6 +385,16 @@ std::string TlsSession::errorText(const char* what, int result) const {
 }
 
 TlsSession::Step TlsSession::handshake(std::string* error) {
+  Step step = handshakeStep(error);
+  if (step == Step::kDone) {
+    context_->handshakes_.fetch_add(1, std::memory_order_relaxed);
+  } else if (step == Step::kFailed) {
+    context_->handshakeFailures_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return step;
+}
+
+TlsSession::Step TlsSession::handshakeStep(std::string* error) {
   std::lock_guard<std::mutex> lock(mutex_);
   const Libssl& lib = libssl();
   lib.ERR_clear_error();

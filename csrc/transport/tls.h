@@ -109,6 +109,14 @@ class TlsContext : public std::enable_shared_from_this<TlsContext> {
   uint64_t keyUpdates() const {
     return keyUpdates_.load(std::memory_order_relaxed);
   }
+  // Its sessions' handshakes that completed, and that failed (the peer's
+  // key, certificate or name refused, a reset or garbage mid-handshake).
+  uint64_t handshakes() const {
+    return handshakes_.load(std::memory_order_relaxed);
+  }
+  uint64_t handshakeFailures() const {
+    return handshakeFailures_.load(std::memory_order_relaxed);
+  }
 
  private:
   TlsContext(TlsOptions options, std::string psk);
@@ -118,6 +126,8 @@ class TlsContext : public std::enable_shared_from_this<TlsContext> {
   const std::string psk_; // 32 bytes; empty under mutual TLS
   ssl_ctx_st* ctx_ = nullptr;
   mutable std::atomic<uint64_t> keyUpdates_{0};
+  mutable std::atomic<uint64_t> handshakes_{0};
+  mutable std::atomic<uint64_t> handshakeFailures_{0};
 };
 
 // One connection's TLS state. Every call returns at once (the socket is
@@ -174,6 +184,8 @@ class TlsSession {
   // send(2) out_ from outSent_: 1 when all of it is on the socket, 0 if the
   // socket is full, -1 with `error`.
   int flushLocked(std::string* error);
+  // handshake()'s step, which it counts in the context when it ends.
+  Step handshakeStep(std::string* error);
 
   const std::shared_ptr<const TlsContext> context_;
   ssl_st* const ssl_;

@@ -221,6 +221,8 @@ def _kill_and_replace(rank, world_size, store_path, gates):
         metrics = rpc.api._get_current_rpc_agent().get_metrics()
         out["dropped"] = int(metrics["rpc_ext.membership.dropped_forks"])
         out["dropped_contexts"] = int(metrics["rpc_ext.membership.dropped_autograd_contexts"])
+        out["changes"] = {k: int(metrics[f"rpc_ext.membership.{k}"])
+                          for k in ("joins", "leaves", "deaths", "lease_lapses")}
         # Membership callbacks run on a thread of their own, after the view
         # changed: under load the event may come after the checks above.
         wait_for(lambda: dead, what="the dead event's callback")
@@ -294,6 +296,13 @@ def test_killed_member_is_declared_dead_and_replaced(store_path):
     assert out["dropped"] == 3
     # Its autograd context on worker0, released when it was declared dead.
     assert out["contexts_for_1"] == 1 and out["dropped_contexts"] == 1
+    # Membership counters (torch_rpc_ext_membership_changes_total,
+    # torch_rpc_ext_lease_lapses_total): worker0's and worker1's joins, one
+    # death after its lease lapsed (worker0 the only survivor to see it), no
+    # leave.
+    changes = out["changes"]
+    assert changes["joins"] >= 2 and changes["deaths"] == 1 and changes["leaves"] == 0, changes
+    assert changes["lease_lapses"] >= 1, changes
     assert res[2]["fresh"] == 101
     old_ids = gates["ids1"].get(timeout=5)
     assert "created_on=1" in old_ids and res[2]["fresh_ids"] != old_ids

@@ -122,6 +122,24 @@ def test_histograms_and_counters_scraped_from_both_workers():
     # Gauges, and the rest of get_metrics() as torch_rpc_ext_agent{key}.
     assert value(c, "torch_rpc_ext_serving", "torch_rpc_ext_serving", worker="worker1") >= 0
     assert samples(c, "torch_rpc_ext_agent", key="agent.thread_pool_size")
+    # Connection events per peer: worker0 dialled worker1, which accepted it.
+    fam = "torch_rpc_ext_connections"
+    assert value(s, fam, fam + "_total", worker="worker0", peer="worker1",
+                 direction="outbound") >= 1
+    assert value(c, fam, fam + "_total", worker="worker1", peer="worker0",
+                 direction="inbound") >= 1
+    for fam in ("torch_rpc_ext_connection_losses", "torch_rpc_ext_reconnects",
+                "torch_rpc_ext_dial_failures"):
+        assert value(s, fam, fam + "_total", worker="worker0", peer="worker1") == 0
+    # In flight per peer (none now), and counters by transport and channel
+    # instead of torch_rpc_ext_agent gauges.
+    assert value(s, "torch_rpc_ext_calls_in_flight", "torch_rpc_ext_calls_in_flight",
+                 worker="worker0", peer="worker1") == 0
+    fam = "torch_rpc_ext_heartbeat_timeouts"
+    assert value(s, fam, fam + "_total", worker="worker0", transport="shm") == 0
+    assert samples(s, "torch_rpc_ext_tls_handshakes", transport="tcp", outcome="failed")
+    assert samples(s, "torch_rpc_ext_channel_bytes", channel="shm_ring")
+    assert not samples(s, "torch_rpc_ext_agent", key="rpc_ext.shm.heartbeat_timeouts")
     assert caller["after_shutdown"] == {}
 
 
@@ -162,8 +180,7 @@ def test_call_costs_can_be_turned_off():
     histogram is kept; the counters still are."""
     out = run_world(traffic_without_costs, 2, timeout=150)
     s = out[0]["scrape"]
-    assert not [f for f in s
-                if f.endswith("_seconds") or (f.endswith("_bytes") and f != "torch_rpc_ext_bytes")]
+    assert not [f for f, found in s.items() if any(n.endswith("_bucket") for n, _, _ in found)]
     assert value(s, "torch_rpc_ext_calls", "torch_rpc_ext_calls_total",
                  worker="worker0", peer="worker1", direction="made") >= 2 * CALLS
 

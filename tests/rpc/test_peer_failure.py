@@ -53,9 +53,12 @@ def scenario(rank, world_size, done_with_2):
                 out["new_call_error"] = str(e)
             out["new_call_s"] = time.monotonic() - t0
             out["survivor"] = rpc.rpc_sync("worker2", torch.add, args=(torch.ones(1), 41)).item()
-            out["errors_metric"] = int(
-                rpc.api._get_current_rpc_agent().get_metrics()["rpc_ext.peer.worker1.errors"]
-            )
+            metrics = rpc.api._get_current_rpc_agent().get_metrics()
+            out["errors_metric"] = int(metrics["rpc_ext.peer.worker1.errors"])
+            out["events_1"] = {k: int(metrics[f"rpc_ext.peer.worker1.{k}"]) for k in (
+                "dials", "reconnects", "dial_failures", "accepted", "connections_lost",
+                "in_flight")}
+            out["accepted_2"] = int(metrics["rpc_ext.peer.worker2.accepted"])
         finally:
             done_with_2.set()  # worker2 may leave now (also if the above failed)
     if rank == 1:
@@ -80,6 +83,14 @@ def test_sigkilled_peer_fails_pending_calls_promptly_and_survivors_continue():
     assert out["new_call_s"] < 5
     assert out["survivor"] == 42.0
     assert out["errors_metric"] >= 3
+    # Connection events (torch_rpc_ext_connections_total and the rest): the
+    # connection to worker1 was ready, then lost; the new call dialled again
+    # (a reconnect) and that dial failed; nothing is left in flight.
+    events = out["events_1"]
+    assert events["dials"] >= 2 and events["reconnects"] >= 1, events
+    assert events["connections_lost"] >= 1 and events["dial_failures"] >= 1, events
+    assert events["in_flight"] == 0, events
+    assert out["accepted_2"] >= 1  # worker2 called us
 
 
 def frozen(rank, world_size):
@@ -103,6 +114,9 @@ def frozen(rank, world_size):
                 out["errors"].append(str(e))
         now = time.monotonic()
         out["since_asked_s"], out["since_frozen_s"] = now - asked, now - frozen_at
+        metrics = rpc.api._get_current_rpc_agent().get_metrics()
+        out["heartbeat_timeouts"] = sum(
+            int(v) for k, v in metrics.items() if k.endswith(".heartbeat_timeouts"))
         os.kill(pid, signal.SIGKILL)
     else:
         time.sleep(60)
@@ -122,6 +136,7 @@ def test_frozen_peer_is_detected_by_the_heartbeat():
     assert out["since_frozen_s"] < 6 * 2 + 3, out
     for err in out["errors"]:
         assert err is not None and "worker1" in err and "heartbeat" in err, err
+    assert out["heartbeat_timeouts"] >= 1  # torch_rpc_ext_heartbeat_timeouts_total
 
 
 def _gone(pid):

@@ -64,6 +64,9 @@ def test_the_rpc_api_runs_over_tls_keyed_from_the_group_secret():
     assert info["rpc_ext.encryption"] == "always"
     assert info["rpc_ext.peer.worker1.security"] == PSK
     assert info["rpc_ext.peer.worker1.transport"] == "tcp"
+    # Connection events: TLS handshakes done (this end of each), none failed.
+    assert int(info["rpc_ext.tcp.tls_handshakes"]) >= 1
+    assert info["rpc_ext.tcp.tls_handshake_failures"] == "0"
 
 
 def _key_updates():

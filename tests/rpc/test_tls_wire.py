@@ -188,6 +188,10 @@ def test_a_peer_keyed_from_another_secret_fails_the_tls_handshake():
         client.connect(server.address, 0)
         assert not client.wait_ready(15)
         assert "TLS handshake" in client.close_reason(), client.close_reason()
+        # Counted as failed (torch_rpc_ext_tls_handshakes_total{outcome=
+        # "failed"}), none as done.
+        counted = client.counters()["transport"]
+        assert counted["tls_handshake_failures"] >= 1 and counted["tls_handshakes"] == 0
     finally:
         client.close(0)
         server.close(0)

@@ -377,6 +377,7 @@ void StreamConnection::heartbeatFromLoop() {
            cpuPressurePercent() >= kStarvedPressurePercent);
       if (!busy || silent >= kMaxHandshakeTimeouts * timeout) {
         auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(silent);
+        Loop::Io::add(loop_.io().heartbeatTimeouts);
         closeInternal(
             "no sign of life from the peer for " +
                 std::to_string(ms.count() / 1000.0).substr(0, 5) +

@@ -102,6 +102,8 @@ class Loop {
     std::atomic<uint64_t> writes{0}; // sendmsg/send calls (TLS: writes)
     std::atomic<uint64_t> reads{0}; // read/recvmsg calls (TLS: reads)
     std::atomic<uint64_t> wakes{0}; // the loop woken from another thread
+    // Ready connections closed for their peer's silence (heartbeat_timeout).
+    std::atomic<uint64_t> heartbeatTimeouts{0};
 
     static void add(std::atomic<uint64_t>& n) {
       n.fetch_add(1, std::memory_order_relaxed);

@@ -33,6 +33,8 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
       {"socket_writes", loop_.io().writes.load(std::memory_order_relaxed)},
       {"socket_reads", loop_.io().reads.load(std::memory_order_relaxed)},
       {"loop_wakes", loop_.io().wakes.load(std::memory_order_relaxed)},
+      {"heartbeat_timeouts",
+       loop_.io().heartbeatTimeouts.load(std::memory_order_relaxed)},
   };
   addCounters(c);
   return c;

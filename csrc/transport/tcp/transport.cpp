@@ -18,6 +18,8 @@ TcpTransport::~TcpTransport() {
 
 void TcpTransport::addCounters(std::map<std::string, uint64_t>& out) const {
   out["tls_key_updates"] = tls_ ? tls_->keyUpdates() : 0;
+  out["tls_handshakes"] = tls_ ? tls_->handshakes() : 0;
+  out["tls_handshake_failures"] = tls_ ? tls_->handshakeFailures() : 0;
 }
 
 std::string TcpTransport::name() const {

@@ -45,7 +45,9 @@ class TcpTransport final : public stream::StreamTransport {
   // The same family as ours; a link-local peer through our own interface
   // (stream::routeFrom).
   std::string routeTo(const std::string& address) const override;
-  // tls_key_updates: KeyUpdates asked for (TlsOptions::keyUpdateBytes).
+  // tls_key_updates: KeyUpdates asked for (TlsOptions::keyUpdateBytes);
+  // tls_handshakes, tls_handshake_failures: TLS handshakes that completed
+  // and that failed, both ends.
   void addCounters(std::map<std::string, uint64_t>& out) const override;
 
  private:
