@@ -7,7 +7,9 @@ span is current becomes a client span (``rpc.call <function>``), and its
 context travels with the request (a W3C ``traceparent`` at the end of the
 message head: docs/wire-format.md). The callee runs a Python function under
 a server span (``rpc.serve <function>``) that is that span's child, so one
-trace holds both sides, and calls the function makes go on in the same
+trace holds both sides (the client span's other children, ``rpc.encode``
+and ``rpc.send``, are the agent building the frame and handing it to the
+connection), and calls the function makes go on in the same
 trace. Nothing is carried, and nothing costs beyond a check, when no
 provider is configured or no span is current. ``TORCH_RPC_EXT_TRACING=0``
 turns it off. A peer's trace context that is not a traceparent is ignored
@@ -107,9 +109,11 @@ def enable() -> None:
                                              "rpc.method": _name_of(func),
                                              "peer.service": str(peer)})
         with trace.use_span(span, end_on_exit=False):
+            _C._take_send_phases()  # none left from an untraced send
             _C._set_trace_outgoing(traceparent())
             try:
                 result = send()
+                phases(_C._take_send_phases())
             except BaseException as e:
                 span.record_exception(e)
                 span.set_status(Status(StatusCode.ERROR, str(e)))
@@ -118,6 +122,16 @@ def enable() -> None:
             finally:
                 _C._set_trace_outgoing("")
         return result, span
+
+    def phases(times) -> None:
+        """The agent's encode and send of the call, children of its client
+        span (under use_span), from the times the agent took."""
+        if times is None:
+            return
+        encode_start, encode_end, send_end = times
+        tracer.start_span("rpc.encode", start_time=encode_start).end(end_time=encode_end)
+        if send_end:
+            tracer.start_span("rpc.send", start_time=encode_end).end(end_time=send_end)
 
     def finish(span, fut) -> None:
         def done(f):

@@ -80,6 +80,12 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   // Under torch.profiler (Kineto) the callee profiles the call too.
   std::shared_ptr<CallProfile> profile = RemoteProfiling::begin(message);
   int64_t id = calls_.nextId();
+  // A traced call's phases (tracing.h): its first send's only.
+  tracing::SendPhases* phases = nullptr;
+  if (!tracing::outgoing().empty() && tracing::sendPhases().encodeStart == 0) {
+    phases = &tracing::sendPhases();
+    phases->encodeStart = tracing::wallNanos();
+  }
   auto encodeSpan =
       RemoteProfiling::span(profile.get(), "torch_rpc_ext::encode");
   std::optional<wire::DeviceRoute> route;
@@ -96,6 +102,9 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   AgentDevices::recordCudaUse(*message);
   rrefs_.trackOwnForks(*message, to.id_); // an RRef of ours passed to `to`
   encodeSpan.reset();
+  if (phases) {
+    phases->encodeEnd = tracing::wallNanos();
+  }
   uint64_t wireBytes = frame.wireSize();
   TORCH_CHECK(
       wireBytes <= options_.maxFrameBytes,
@@ -144,6 +153,9 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   if (delay.count() == 0) {
     auto sendSpan = RemoteProfiling::span(profile.get(), "torch_rpc_ext::send");
     calls_.write(conn, std::move(frame), id, *peer);
+    if (phases) {
+      phases->sendEnd = tracing::wallNanos();
+    }
     // A lone call (the rpc_sync pattern): let a sleeping loop start polling
     // for the response now, so its wake-up overlaps the peer's work instead
     // of following it. With calls already in flight (pipelined rpc_async)

@@ -2,14 +2,31 @@
 // Per-thread trace contexts (tracing.h).
 #include "csrc/agent/tracing.h"
 
+#include <chrono>
 #include <mutex>
+#include <utility>
 
 namespace torch_rpc_ext::tracing {
 
 namespace {
 thread_local std::string tOutgoing;
 thread_local std::string tIncoming;
+thread_local SendPhases tPhases;
 } // namespace
+
+SendPhases& sendPhases() {
+  return tPhases;
+}
+
+SendPhases takeSendPhases() {
+  return std::exchange(tPhases, SendPhases{});
+}
+
+int64_t wallNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
 
 void setOutgoing(std::string traceparent) {
   tOutgoing = std::move(traceparent);

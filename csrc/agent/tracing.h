@@ -17,6 +17,24 @@ namespace torch_rpc_ext::tracing {
 void setOutgoing(std::string traceparent);
 const std::string& outgoing();
 
+// What the first send of this thread's traced call spent, in the system
+// clock's nanoseconds since the epoch (OpenTelemetry's clock), set by
+// Agent::send while outgoing() is set and unset since the last take:
+// building the frame (the head, the tensors' segments, the device route),
+// then handing it to the connection (dialling it first if need be; written,
+// or queued for its loop). sendEnd stays 0 for a frame held back (fault
+// injection). torch_rpc_ext.tracing takes them after the send for its
+// rpc.encode and rpc.send spans.
+struct SendPhases {
+  int64_t encodeStart = 0;
+  int64_t encodeEnd = 0;
+  int64_t sendEnd = 0;
+};
+SendPhases& sendPhases();
+// Returns and clears them.
+SendPhases takeSendPhases();
+int64_t wallNanos();
+
 // Incoming: the traceparent of the request this thread is serving, while
 // its function runs (Server::serve); what the callee's span is a child of.
 class Incoming {

@@ -177,6 +177,15 @@ void bindAgent(py::module_& m) {
     tracing::setOutgoing(std::move(traceparent));
   });
   m.def("_trace_incoming", [] { return tracing::incoming(); });
+  // The phases of this thread's last traced send (tracing.h), taken:
+  // (encode start, encode end, send end) in ns since the epoch, or None.
+  m.def("_take_send_phases", []() -> py::object {
+    auto p = tracing::takeSendPhases();
+    if (p.encodeStart == 0) {
+      return py::none();
+    }
+    return py::make_tuple(p.encodeStart, p.encodeEnd, p.sendEnd);
+  });
   // The callee's spans where no Python runs: begin(traceparent, name) ->
   // span or None, end(span, error) (torch_rpc_ext.tracing); None, None
   // clears. The functions are kept for the life of the process (never

@@ -24,7 +24,6 @@ import pickle
 import queue as queue_module
 import re
 import signal
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch.multiprocessing as mp
 from torch.distributed import rpc
 
 import torch_rpc_ext
+from tests.rpc.world import free_port
 
 WORLD = 32
 MB_FLOATS = (1 << 20) // 4  # a 1 MB float32 tensor
@@ -42,12 +42,6 @@ DEADLINE_S = 75  # per world, from the first fork to the last exit
 pytestmark = pytest.mark.timeout(DEADLINE_S + 45)
 
 STAGES = ["forked", "init_rpc", "calls", "shutdown", "reported", "returned"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn, rank, port, log_dir, stage, results, kwargs):

@@ -77,7 +77,8 @@ def traced(rank, world_size, garbage=False):
     out["spans"] = [
         {"name": s.name, "trace": s.context.trace_id, "id": s.context.span_id,
          "parent": s.parent.span_id if s.parent else None, "kind": s.kind.name,
-         "error": s.status.status_code.name == "ERROR"}
+         "error": s.status.status_code.name == "ERROR", "start": s.start_time,
+         "end": s.end_time}
         for s in exporter.get_finished_spans()]
     return out
 
@@ -99,6 +100,17 @@ def test_one_trace_across_caller_and_callee():
     assert len(calls) == 3
     assert all(c["trace"] == step["trace"] and c["parent"] == step["id"] for c in calls)
     assert all(c["kind"] == "CLIENT" for c in calls)
+    # Under each client span, the agent's encode, then its send, inside it.
+    for call in calls:
+        encode = [s for s in by_name(caller["spans"], "rpc.encode") if s["parent"] == call["id"]]
+        send = [s for s in by_name(caller["spans"], "rpc.send") if s["parent"] == call["id"]]
+        assert len(encode) == 1 and len(send) == 1, (call, caller["spans"])
+        assert call["start"] <= encode[0]["start"] <= encode[0]["end"] == send[0]["start"]
+        assert send[0]["start"] <= send[0]["end"] <= call["end"]
+        assert encode[0]["trace"] == send[0]["trace"] == step["trace"]
+    # Every traced call has its pair; untraced ones (the barrier's) none.
+    traced_calls = [s for s in caller["spans"] if s["name"].startswith("rpc.call")]
+    assert len(by_name(caller["spans"], "rpc.encode")) == len(traced_calls)
     serves = by_name(callee["spans"], "rpc.serve double")
     # Each served under its client span, in the caller's trace; the
     # untraced call (and the barrier's) under none.
