@@ -133,6 +133,13 @@ def enable() -> None:
         if send_end:
             tracer.start_span("rpc.send", start_time=encode_end).end(end_time=send_end)
 
+    def landed(times) -> None:
+        """The request's CUDA tensors landing here (copies into torch's
+        memory enqueued before the function ran), a child of the current
+        server span."""
+        if times is not None:
+            tracer.start_span("rpc.land", start_time=times[0]).end(end_time=times[1])
+
     def finish(span, fut) -> None:
         def done(f):
             try:
@@ -173,6 +180,7 @@ def enable() -> None:
         with tracer.start_as_current_span(
                 f"rpc.serve {name}", context=context, kind=SpanKind.SERVER,
                 attributes={"rpc.system": "torch_rpc_ext", "rpc.method": name}) as span:
+            landed(_C._trace_incoming_landing())
             result = original_run(python_udf)
             if isinstance(result, internal.RemoteException):
                 span.set_status(Status(StatusCode.ERROR, result.msg.splitlines()[0]
@@ -183,8 +191,11 @@ def enable() -> None:
         """A builtin operator's or TorchScript function's span (called from
         C++: no Python runs them)."""
         context = propagator.extract({"traceparent": incoming})
-        return tracer.start_span(f"rpc.serve {name}", context=context, kind=SpanKind.SERVER,
+        span = tracer.start_span(f"rpc.serve {name}", context=context, kind=SpanKind.SERVER,
                                  attributes={"rpc.system": "torch_rpc_ext", "rpc.method": name})
+        with trace.use_span(span, end_on_exit=False):
+            landed(_C._trace_incoming_landing())
+        return span
 
     def end_serve(span, error: str) -> None:
         if error:

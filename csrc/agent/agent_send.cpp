@@ -209,8 +209,15 @@ void Agent::onFrame(
   Peer* peer = group_.memberOn(conn->peerId(), conn->peerIncarnation());
   c10::intrusive_ptr<rpc::Message> message;
   std::vector<c10::Stream> streams;
+  tracing::Landing landing;
   try {
+    const bool traced = !in->traceContext().empty();
+    landing.start = traced ? tracing::wallNanos() : 0;
     message = devices_.finish(*in, buffers, streams, conn->peerId());
+    // Only a landing of CUDA tensors (arrival streams) is worth a span.
+    landing = traced && !streams.empty()
+        ? tracing::Landing{landing.start, tracing::wallNanos()}
+        : tracing::Landing{};
     // The channels' regions go now (a landed message's copies are queued):
     // a cuda_ipc block's release then rides with our very next frame.
     buffers.regions.clear();
@@ -240,7 +247,8 @@ void Agent::onFrame(
         callKindOf(message->type()),
         callCostsOn() ? std::chrono::steady_clock::now()
                       : std::chrono::steady_clock::time_point{},
-        in->traceContext()};
+        in->traceContext(),
+        landing};
     if (in->traceIgnored()) {
       server_.traceIgnored();
     }

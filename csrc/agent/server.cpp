@@ -71,7 +71,7 @@ void Server::serve(
     // While the function runs, its caller's trace context (tracing.h): the
     // callee's span is its child (a Python function's made in Python; a
     // builtin operator's or TorchScript function's here).
-    tracing::Incoming traced(served.trace);
+    tracing::Incoming traced(served.trace, served.landing);
     if (!served.trace.empty() && served.kind == CallKind::kScript) {
       span = tracing::beginServe(served.trace, scriptName(*request));
     }

@@ -27,6 +27,7 @@
 #include "csrc/agent/group.h"
 #include "csrc/agent/options.h"
 #include "csrc/agent/rref_guard.h"
+#include "csrc/agent/tracing.h"
 #include "csrc/transport/transport.h"
 
 namespace torch_rpc_ext {
@@ -65,6 +66,8 @@ class Server {
     CallKind kind = CallKind::kOther;
     std::chrono::steady_clock::time_point arrived{};
     std::string trace; // the caller's traceparent, if it sent one
+    // A traced request's CUDA tensors landing here (tracing.h), or zeros.
+    tracing::Landing landing;
   };
   // A request's trace context was not a traceparent: ignored, counted
   // (rpc_ext.trace_contexts_ignored).

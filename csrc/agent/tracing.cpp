@@ -12,6 +12,7 @@ namespace {
 thread_local std::string tOutgoing;
 thread_local std::string tIncoming;
 thread_local SendPhases tPhases;
+thread_local Landing tLanding;
 } // namespace
 
 SendPhases& sendPhases() {
@@ -36,21 +37,27 @@ const std::string& outgoing() {
   return tOutgoing;
 }
 
-Incoming::Incoming(const std::string& traceparent)
+Incoming::Incoming(const std::string& traceparent, Landing landing)
     : set_(!traceparent.empty()) {
   if (set_) {
     tIncoming = traceparent;
+    tLanding = landing;
   }
 }
 
 Incoming::~Incoming() {
   if (set_) {
     tIncoming.clear();
+    tLanding = {};
   }
 }
 
 const std::string& incoming() {
   return tIncoming;
+}
+
+const Landing& incomingLanding() {
+  return tLanding;
 }
 
 namespace {

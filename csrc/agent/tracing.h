@@ -35,11 +35,20 @@ SendPhases& sendPhases();
 SendPhases takeSendPhases();
 int64_t wallNanos();
 
+// When a traced request's CUDA tensors were landed (Agent::onFrame: copies
+// into torch's memory enqueued on the arrival streams, allocations made),
+// system clock nanoseconds; zeros for a request with none. torch_rpc_ext.
+// tracing makes it the server span's rpc.land child.
+struct Landing {
+  int64_t start = 0;
+  int64_t end = 0;
+};
+
 // Incoming: the traceparent of the request this thread is serving, while
 // its function runs (Server::serve); what the callee's span is a child of.
 class Incoming {
  public:
-  explicit Incoming(const std::string& traceparent);
+  explicit Incoming(const std::string& traceparent, Landing landing = {});
   ~Incoming();
   Incoming(const Incoming&) = delete;
   Incoming& operator=(const Incoming&) = delete;
@@ -48,6 +57,7 @@ class Incoming {
   bool set_;
 };
 const std::string& incoming();
+const Landing& incomingLanding();
 
 // A span the callee makes where no Python runs (builtin operators and
 // TorchScript functions): begun by the hook torch_rpc_ext.tracing sets,

@@ -177,6 +177,15 @@ void bindAgent(py::module_& m) {
     tracing::setOutgoing(std::move(traceparent));
   });
   m.def("_trace_incoming", [] { return tracing::incoming(); });
+  // When the served request's CUDA tensors landed: (start, end) ns since
+  // the epoch, or None (tracing.h).
+  m.def("_trace_incoming_landing", []() -> py::object {
+    const auto& l = tracing::incomingLanding();
+    if (l.start == 0) {
+      return py::none();
+    }
+    return py::make_tuple(l.start, l.end);
+  });
   // The phases of this thread's last traced send (tracing.h), taken:
   // (encode start, encode end, send end) in ns since the epoch, or None.
   m.def("_take_send_phases", []() -> py::object {

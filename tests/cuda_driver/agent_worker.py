@@ -470,6 +470,50 @@ def run_self(port: int, ctl, zero_copy: bool = False) -> None:
     ctl.send(out)
 
 
+def device_of(t) -> str:
+    return str(t.device)
+
+
+def run_traced_self(port: int, ctl) -> None:
+    """run_self's worker traced with OpenTelemetry's SDK: a Python function
+    served a CUDA tensor has an rpc.land span (the tensor's landing) under
+    its rpc.serve span; a call with CPU tensors only has none."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+        InMemorySpanExporter,
+    )
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=TIMEOUT)
+    opts.set_device_map("worker0", {DEVICE: DEVICE})
+    rpc.init_rpc("worker0", rank=0, world_size=1,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    out = {}
+    try:
+        data = pattern(1 << 20, 7)
+        with trace.get_tracer("test").start_as_current_span("step"):
+            out["seen"] = rpc.rpc_sync("worker0", describe, args=(cuda_tensor(data),)) == (
+                f"cuda:{DEVICE}", data)
+            out["cpu"] = rpc.rpc_sync("worker0", device_of, args=(torch.ones(4),)) == "cpu"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        out["error"] = str(e)
+    rpc.shutdown()
+    out["spans"] = [
+        {"name": s.name, "id": s.context.span_id, "trace": s.context.trace_id,
+         "parent": s.parent.span_id if s.parent else None,
+         "start": s.start_time, "end": s.end_time}
+        for s in exporter.get_finished_spans()]
+    ctl.send(out)
+
+
 # ---- a dynamic group (init_rpc without world_size) ---------------------------
 
 

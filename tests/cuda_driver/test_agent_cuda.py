@@ -379,6 +379,33 @@ def test_cuda_tensors_sent_to_ones_own_worker(spawn, zero_copy):
     assert self_counts["declined"] == 0
 
 
+def test_a_traced_call_shows_its_cuda_tensors_landing(spawn):
+    """OpenTelemetry (torch_rpc_ext.tracing, docs/observability.md): a
+    request's CUDA tensors landing on the callee is an rpc.land span under
+    the function's rpc.serve span, in the caller's trace; a request with
+    CPU tensors only has none."""
+    pytest.importorskip("opentelemetry.sdk", reason="needs opentelemetry-sdk")
+    ours, theirs = spawn.Pipe()
+    proc = spawn.Process(target=agent_worker.run_traced_self, args=(free_port(), theirs))
+    proc.start()
+    try:
+        out = ours.recv() if ours.poll(180) else None
+        proc.join(60)
+        assert proc.exitcode == 0, out
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert "error" not in out, out["error"]
+    assert out["seen"] and out["cpu"]
+    spans = out["spans"]
+    step = next(s for s in spans if s["name"] == "step")
+    (serve,) = [s for s in spans if s["name"] == "rpc.serve describe"]
+    lands = [s for s in spans if s["name"] == "rpc.land"]
+    assert len(lands) == 1, spans  # describe's request; layout's had no CUDA tensor
+    assert lands[0]["parent"] == serve["id"] and lands[0]["trace"] == step["trace"]
+    assert lands[0]["start"] <= lands[0]["end"] <= serve["end"]
+
+
 @fake_only
 def test_a_device_without_interprocess_events_is_not_offered_to_cuda_ipc(spawn, monkeypatch):
     """A device that exports memory but has no interprocess events (vGPU,
