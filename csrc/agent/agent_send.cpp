@@ -3,6 +3,7 @@
 // (Calls settles it); what arrives is decoded on the loop thread, requests
 // handed to the Server, responses to Calls.
 #include "csrc/agent/agent.h"
+#include "csrc/agent/call_trace.h"
 #include "csrc/agent/tracing.h"
 
 #include <torch/csrc/distributed/rpc/utils.h>
@@ -80,6 +81,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   // Under torch.profiler (Kineto) the callee profiles the call too.
   std::shared_ptr<CallProfile> profile = RemoteProfiling::begin(message);
   int64_t id = calls_.nextId();
+  call_trace::stamp(id, call_trace::kSendEntry);
   // A traced call's phases (tracing.h): its first send's only.
   tracing::SendPhases* phases = nullptr;
   if (!tracing::outgoing().empty() && tracing::sendPhases().encodeStart == 0) {
@@ -102,6 +104,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   AgentDevices::recordCudaUse(*message);
   rrefs_.trackOwnForks(*message, to.id_); // an RRef of ours passed to `to`
   encodeSpan.reset();
+  call_trace::stamp(id, call_trace::kEncoded);
   if (phases) {
     phases->encodeEnd = tracing::wallNanos();
   }
@@ -153,6 +156,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   if (delay.count() == 0) {
     auto sendSpan = RemoteProfiling::span(profile.get(), "torch_rpc_ext::send");
     calls_.write(conn, std::move(frame), id, *peer);
+    call_trace::stamp(id, call_trace::kWritten);
     if (phases) {
       phases->sendEnd = tracing::wallNanos();
     }
@@ -205,6 +209,13 @@ void Agent::onFrame(
     std::string /*head*/,
     frame::InboundBuffers buffers) {
   auto* in = static_cast<wire::InboundMessage*>(buffers.keepAlive.get());
+  if (call_trace::on()) {
+    const bool request = (static_cast<uint32_t>(in->type()) &
+                          rpc::MessageTypeFlags::REQUEST_TYPE) != 0;
+    call_trace::stampAlways(
+        in->id(),
+        request ? call_trace::kRequestRead : call_trace::kResponseRead);
+  }
   // Null: it departed (responses still count).
   Peer* peer = group_.memberOn(conn->peerId(), conn->peerIncarnation());
   c10::intrusive_ptr<rpc::Message> message;

@@ -9,6 +9,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "csrc/agent/call_trace.h"
 #include "csrc/common/logging.h"
 
 namespace torch_rpc_ext {
@@ -175,6 +176,7 @@ void Calls::complete(
   // The future records its events on the streams the tensors arrived on;
   // a waiter's stream then waits for them, never the host.
   c10::MultiStreamGuard streams(call.arrival);
+  call_trace::stamp(response->id(), call_trace::kCompleting);
   if (response->type() == rpc::MessageType::EXCEPTION) {
     std::string text(response->payload().begin(), response->payload().end());
     call.future->setErrorIfNeeded(

@@ -8,6 +8,7 @@
 
 #include <optional>
 
+#include "csrc/agent/call_trace.h"
 #include "csrc/agent/tracing.h"
 #include "csrc/wire/codec.h"
 
@@ -41,6 +42,7 @@ void Server::serve(
     std::vector<c10::Stream> streams,
     Served served) {
   int64_t id = request->id();
+  call_trace::stamp(id, call_trace::kServeStart);
   const bool costs = served.peer != nullptr && callCostsOn();
   const auto started = costs ? std::chrono::steady_clock::now()
                              : std::chrono::steady_clock::time_point{};
@@ -124,6 +126,7 @@ uint64_t Server::respond(
   if (!running_.load()) {
     return 0;
   }
+  call_trace::stamp(id, call_trace::kServeDone);
   c10::intrusive_ptr<rpc::Message> response;
   if (result.hasError()) {
     response =
@@ -161,6 +164,7 @@ uint64_t Server::respond(
     peer->stats.bytesSent.fetch_add(bytes, std::memory_order_relaxed);
   }
   conn.write(std::move(frame));
+  call_trace::stamp(id, call_trace::kResponseWritten);
   return bytes;
 }
 

@@ -3,6 +3,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "csrc/agent/agent.h"
+#include "csrc/agent/call_trace.h"
 #include "csrc/agent/tracing.h"
 #include "csrc/bindings/bind.h"
 #include "csrc/channel/registry.h"
@@ -177,6 +178,9 @@ void bindAgent(py::module_& m) {
     tracing::setOutgoing(std::move(traceparent));
   });
   m.def("_trace_incoming", [] { return tracing::incoming(); });
+  // TORCH_RPC_EXT_CALL_TRACE=1's stamps (call_trace.h): [(call id, point,
+  // CLOCK_MONOTONIC ns)], taken; benchmarks/small_call_breakdown.py.
+  m.def("_call_trace_take", [] { return call_trace::take(); });
   // When the served request's CUDA tensors landed: (start, end) ns since
   // the epoch, or None (tracing.h).
   m.def("_trace_incoming_landing", []() -> py::object {

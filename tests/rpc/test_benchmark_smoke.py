@@ -36,3 +36,36 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
     speedups = {r["case"] for r in rows if r.get("ratio") == "speedup_ext_over_grpc"}
     assert "identity_1MB_x1" in speedups
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(600)
+def test_small_call_breakdown_accounts_for_each_round_trip():
+    """benchmarks/small_call_breakdown.py (issue 48): the agent's per-call
+    stamps (TORCH_RPC_EXT_CALL_TRACE=1), joined across both processes, split
+    nearly every call of each kind into its ten segments, beside TensorPipe
+    and the ping-pong floor."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "small_call_breakdown.py"),
+         "--calls", "60", "--warmup", "20"],
+        capture_output=True, text=True, timeout=540, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert any(r.get("case") == "floor_unix_ping_pong" and r["median_us"] > 0 for r in rows)
+    for kind in ("builtin", "python", "script"):
+        segments = {r["segment"]: r for r in rows
+                    if r.get("kind") == kind and r.get("backend") == "ext"}
+        assert len(segments) == 11, segments  # ten segments and the total
+        # Nearly every call came back with all nine stamps. (A hand-off's
+        # two stamps are taken by two processes: on a busy host the callee
+        # can read a request before the caller's thread, preempted after its
+        # write, stamps it written, so one segment's median may go below 0;
+        # the run of the function and the whole cannot.)
+        assert all(r["n"] >= 50 for r in segments.values()), segments
+        assert segments["callee_run"]["median_us"] > 0 and segments["total"]["median_us"] > 0
+        assert any(r.get("kind") == kind and r.get("backend") == "tensorpipe" for r in rows)
+        ratios = {r["ratio"]: r["value"] for r in rows if r.get("kind") == kind and "ratio" in r}
+        # (The medians' sum is near the median whole on a quiet host only:
+        # reported, not held here.)
+        assert ratios["segments_median_sum_over_total"] > 0 and ratios["time_ext_over_tp"] > 0

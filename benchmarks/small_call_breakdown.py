@@ -1,0 +1,217 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Where a small call's time goes, hand-off by hand-off (issue 48;
+docs/performance.md, "A small call, hand-off by hand-off").
+
+Two processes on one host. With TORCH_RPC_EXT_CALL_TRACE=1 the agent stamps
+each call at its hand-offs (csrc/agent/call_trace.h) on the clock Python's
+``time.perf_counter_ns`` reads, in both processes; the caller times each
+``rpc_sync`` around it. Joined by call id, every call splits into:
+
+  python_to_agent  API entry to our send (torch's frontend: pickling, C++)
+  encode           the request's frame made
+  write            the frame written (or queued) to the connection
+  to_callee        to the whole request read by the callee's loop thread
+  callee_dispatch  to the callee's thread starting the function
+  callee_run       torch's request callback: unpickle, run, pickle
+  respond          the response's frame made and written
+  to_caller        to the whole response read by the caller's loop thread
+  settle           to the call's future about to complete
+  agent_to_python  completing it, waking the waiting thread, torch's
+                   conversion of the result, back to the caller
+
+(each from one stamp to the next: they add up to the whole; two taken by
+different processes can cross on a busy host, the callee reading a request
+before the caller's thread, preempted after its write, stamps it written,
+so a run's to_callee may come out below 0 and its write that much longer)
+for a builtin operator, a Python function and a TorchScript function, with
+the floor beside it (a blocking ping-pong of a few bytes between two Python
+processes over a Unix socket) and TensorPipe's round trip for each kind, in
+one run. JSON lines: a row per kind and segment (median and p90 in us), a
+row per kind's total for each backend, the floor, and ratios.
+
+    python benchmarks/small_call_breakdown.py [--calls 3000] [--warmup 300]
+"""
+
+import argparse
+import bisect
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+from torch.distributed import rpc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import emit, free_port  # noqa: E402
+
+import torch_rpc_ext  # noqa: E402,F401  (registers the backend)
+
+SEGMENTS = [
+    ("python_to_agent", None, 0), ("encode", 0, 1), ("write", 1, 2), ("to_callee", 2, 3),
+    ("callee_dispatch", 3, 4), ("callee_run", 4, 5), ("respond", 5, 6), ("to_caller", 6, 7),
+    ("settle", 7, 8), ("agent_to_python", 8, None),
+]
+
+
+def udf(x):
+    return x
+
+
+@torch.jit.script
+def script_fn(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def take():
+    from torch_rpc_ext import _C
+
+    return _C._call_trace_take()
+
+
+def calls_of(kind):
+    one = torch.ones(1)
+    if kind == "builtin":
+        return lambda: rpc.rpc_sync("worker1", torch.add, args=(one, one))
+    if kind == "python":
+        return lambda: rpc.rpc_sync("worker1", udf, args=(one,))
+    return lambda: rpc.rpc_sync("worker1", script_fn, args=(one,))
+
+
+def worker(rank, port, backend, calls, warmup, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, backend=backend)
+    if rank == 0:
+        result = {}
+        for kind in ("builtin", "python", "script"):
+            call = calls_of(kind)
+            for _ in range(warmup):
+                call()
+            traced = backend == rpc.BackendType.TORCH_RPC_EXT
+            if traced:
+                take()
+                rpc.rpc_sync("worker1", take)
+            windows = []
+            for _ in range(calls):
+                t0 = time.perf_counter_ns()
+                call()
+                windows.append((t0, time.perf_counter_ns()))
+            result[kind] = {"windows": windows,
+                            "caller": take() if traced else [],
+                            "callee": rpc.rpc_sync("worker1", take) if traced else []}
+        out.put(result)
+    rpc.shutdown()
+
+
+def run_world(backend, calls, warmup):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, backend, calls, warmup, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=900)
+    for p in procs:
+        p.join(60)
+    return result
+
+
+def by_id(stamps):
+    calls = {}
+    for id_, point, ns in stamps:
+        calls.setdefault(id_, {})[point] = ns
+    return calls
+
+
+def breakdown(result):
+    """Per segment, the per-call durations (us) of the calls whose every
+    stamp came back."""
+    caller, callee = by_id(result["caller"]), by_id(result["callee"])
+    sent = sorted((points[0], id_) for id_, points in caller.items() if 0 in points)
+    entries = [entry for entry, _ in sent]
+    durations = {name: [] for name, _, _ in SEGMENTS}
+    totals = []
+    for t0, t1 in result["windows"]:
+        # The call whose send began inside this rpc_sync (calls are one at
+        # a time; the rings' other calls, e.g. the one that cleared the
+        # callee's, fall outside every window).
+        k = bisect.bisect_left(entries, t0)
+        if k == len(sent) or sent[k][0] > t1:
+            continue
+        id_ = sent[k][1]
+        points = {**callee.get(id_, {}), **caller[id_]}
+        if len(points) < 9:
+            continue
+        ends = {None: None, **points}
+        for name, a, b in SEGMENTS:
+            start = t0 if a is None else ends[a]
+            end = t1 if b is None else ends[b]
+            durations[name].append((end - start) / 1e3)
+        totals.append((t1 - t0) / 1e3)
+    return durations, totals
+
+
+def stats(xs):
+    xs = sorted(xs)
+    return {"median_us": round(statistics.median(xs), 2),
+            "p90_us": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 2), "n": len(xs)}
+
+
+def ping_pong(n=5000):
+    """The floor: a blocking round trip of 8 bytes between two Python
+    processes over a Unix socket."""
+    ours, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        try:
+            while data := theirs.recv(64):
+                theirs.sendall(data)
+        finally:
+            os._exit(0)
+    theirs.close()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        ours.sendall(b"12345678")
+        ours.recv(64)
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    ours.close()
+    os.waitpid(pid, 0)
+    return times[n // 10:]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--warmup", type=int, default=300)
+    args = parser.parse_args()
+    os.environ["TORCH_RPC_EXT_CALL_TRACE"] = "1"  # inherited by the workers
+    floor = stats(ping_pong())
+    emit({"case": "floor_unix_ping_pong", **floor})
+    ours = run_world(rpc.BackendType.TORCH_RPC_EXT, args.calls, args.warmup)
+    tp = run_world(rpc.BackendType.TENSORPIPE, args.calls, args.warmup)
+    for kind in ("builtin", "python", "script"):
+        durations, totals = breakdown(ours[kind])
+        if not totals:
+            raise SystemExit(f"no {kind} call came back whole: is the build's call trace on?")
+        for name, _, _ in SEGMENTS:
+            emit({"backend": "ext", "kind": kind, "segment": name, **stats(durations[name])})
+        total = stats(totals)
+        tp_total = stats([(t1 - t0) / 1e3 for t0, t1 in tp[kind]["windows"]])
+        emit({"backend": "ext", "kind": kind, "segment": "total", **total})
+        emit({"backend": "tensorpipe", "kind": kind, "segment": "total", **tp_total})
+        emit({"kind": kind, "ratio": "time_ext_over_tp",
+              "value": round(total["median_us"] / tp_total["median_us"], 3)})
+        emit({"kind": kind, "ratio": "time_ext_over_floor",
+              "value": round(total["median_us"] / floor["median_us"], 2)})
+        parts = sum(statistics.median(durations[name]) for name, _, _ in SEGMENTS)
+        emit({"kind": kind, "ratio": "segments_median_sum_over_total",
+              "value": round(parts / total["median_us"], 3)})
+
+
+if __name__ == "__main__":
+    main()
