@@ -16,8 +16,9 @@ each call at its hand-offs (csrc/agent/call_trace.h) on the clock Python's
   respond          the response's frame made and written
   to_caller        to the whole response read by the caller's loop thread
   settle           to the call's future about to complete
-  agent_to_python  completing it, waking the waiting thread, torch's
-                   conversion of the result, back to the caller
+  complete         completing it: its callbacks (torch's conversion of the
+                   response into the caller's future) on our thread
+  to_python        the waiting Python thread woken, back to the caller
 
 (each from one stamp to the next: they add up to the whole; two taken by
 different processes can cross on a busy host, the callee reading a request
@@ -52,7 +53,7 @@ import torch_rpc_ext  # noqa: E402,F401  (registers the backend)
 SEGMENTS = [
     ("python_to_agent", None, 0), ("encode", 0, 1), ("write", 1, 2), ("to_callee", 2, 3),
     ("callee_dispatch", 3, 4), ("callee_run", 4, 5), ("respond", 5, 6), ("to_caller", 6, 7),
-    ("settle", 7, 8), ("agent_to_python", 8, None),
+    ("settle", 7, 8), ("complete", 8, 9), ("to_python", 9, None),
 ]
 
 
@@ -143,7 +144,7 @@ def breakdown(result):
             continue
         id_ = sent[k][1]
         points = {**callee.get(id_, {}), **caller[id_]}
-        if len(points) < 9:
+        if len(points) < 10:
             continue
         ends = {None: None, **points}
         for name, a, b in SEGMENTS:
@@ -160,15 +161,25 @@ def stats(xs):
             "p90_us": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 2), "n": len(xs)}
 
 
-def ping_pong(n=5000):
-    """The floor: a blocking round trip of 8 bytes between two Python
-    processes over a Unix socket."""
+def _recv(sock, spin):
+    while True:
+        try:
+            return sock.recv(64, socket.MSG_DONTWAIT if spin else 0)
+        except BlockingIOError:
+            continue
+
+
+def ping_pong(spin, n=5000):
+    """The floor: a round trip of 8 bytes between two Python processes over
+    a Unix socket, each end blocking in recv (woken by the kernel: on an
+    idle VM a wake-up onto a halted vCPU is most of it) or spinning on it
+    (no wake-up: what busy polling can reach)."""
     ours, theirs = socket.socketpair()
     pid = os.fork()
     if pid == 0:
         ours.close()
         try:
-            while data := theirs.recv(64):
+            while data := _recv(theirs, spin):
                 theirs.sendall(data)
         finally:
             os._exit(0)
@@ -177,7 +188,7 @@ def ping_pong(n=5000):
     for _ in range(n):
         t0 = time.perf_counter_ns()
         ours.sendall(b"12345678")
-        ours.recv(64)
+        _recv(ours, spin)
         times.append((time.perf_counter_ns() - t0) / 1e3)
     ours.close()
     os.waitpid(pid, 0)
@@ -190,8 +201,10 @@ def main():
     parser.add_argument("--warmup", type=int, default=300)
     args = parser.parse_args()
     os.environ["TORCH_RPC_EXT_CALL_TRACE"] = "1"  # inherited by the workers
-    floor = stats(ping_pong())
+    floor = stats(ping_pong(spin=False))
     emit({"case": "floor_unix_ping_pong", **floor})
+    spinning = stats(ping_pong(spin=True))
+    emit({"case": "floor_unix_ping_pong_spinning", **spinning})
     ours = run_world(rpc.BackendType.TORCH_RPC_EXT, args.calls, args.warmup)
     tp = run_world(rpc.BackendType.TENSORPIPE, args.calls, args.warmup)
     for kind in ("builtin", "python", "script"):
@@ -208,6 +221,8 @@ def main():
               "value": round(total["median_us"] / tp_total["median_us"], 3)})
         emit({"kind": kind, "ratio": "time_ext_over_floor",
               "value": round(total["median_us"] / floor["median_us"], 2)})
+        emit({"kind": kind, "ratio": "time_ext_over_spinning_floor",
+              "value": round(total["median_us"] / spinning["median_us"], 2)})
         parts = sum(statistics.median(durations[name]) for name, _, _ in SEGMENTS)
         emit({"kind": kind, "ratio": "segments_median_sum_over_total",
               "value": round(parts / total["median_us"], 3)})

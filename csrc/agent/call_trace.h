@@ -28,6 +28,7 @@ enum Point : uint8_t {
   kResponseWritten, // callee: the response's frame written (or queued)
   kResponseRead, // caller: the whole response read (Calls::respond)
   kCompleting, // caller: the call's future about to be completed
+  kCompleted, // caller: completed, its callbacks run (torch's conversions)
   kPoints
 };
 

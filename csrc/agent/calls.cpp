@@ -176,7 +176,8 @@ void Calls::complete(
   // The future records its events on the streams the tensors arrived on;
   // a waiter's stream then waits for them, never the host.
   c10::MultiStreamGuard streams(call.arrival);
-  call_trace::stamp(response->id(), call_trace::kCompleting);
+  const int64_t id = response->id();
+  call_trace::stamp(id, call_trace::kCompleting);
   if (response->type() == rpc::MessageType::EXCEPTION) {
     std::string text(response->payload().begin(), response->payload().end());
     call.future->setErrorIfNeeded(
@@ -187,6 +188,7 @@ void Calls::complete(
     auto storages = response->getStorages();
     call.future->markCompleted(c10::IValue(response), std::move(storages));
   }
+  call_trace::stamp(id, call_trace::kCompleted);
 }
 
 void Calls::settleWithError(CallTable::Call call, std::string error) {

@@ -42,7 +42,7 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
 def test_small_call_breakdown_accounts_for_each_round_trip():
     """benchmarks/small_call_breakdown.py (issue 48): the agent's per-call
     stamps (TORCH_RPC_EXT_CALL_TRACE=1), joined across both processes, split
-    nearly every call of each kind into its ten segments, beside TensorPipe
+    nearly every call of each kind into its eleven segments, beside TensorPipe
     and the ping-pong floor."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
@@ -56,8 +56,8 @@ def test_small_call_breakdown_accounts_for_each_round_trip():
     for kind in ("builtin", "python", "script"):
         segments = {r["segment"]: r for r in rows
                     if r.get("kind") == kind and r.get("backend") == "ext"}
-        assert len(segments) == 11, segments  # ten segments and the total
-        # Nearly every call came back with all nine stamps. (A hand-off's
+        assert len(segments) == 12, segments  # eleven segments and the total
+        # Nearly every call came back with all ten stamps. (A hand-off's
         # two stamps are taken by two processes: on a busy host the callee
         # can read a request before the caller's thread, preempted after its
         # write, stamps it written, so one segment's median may go below 0;
