@@ -434,19 +434,24 @@ def agent_metrics():
 # ---- a worker's calls to itself ----------------------------------------------
 
 
+def init_self(port: int, **options) -> None:
+    """A world of one, worker0, its cuda:DEVICE mapped to itself."""
+    setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=TIMEOUT, **options)
+    opts.set_device_map("worker0", {DEVICE: DEVICE})
+    rpc.init_rpc("worker0", rank=0, world_size=1,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+
+
 def run_self(port: int, ctl, zero_copy: bool = False) -> None:
     """One worker maps its cuda:0 to its own cuda:0 (upstream's device-map
     tests send to self) and calls itself with CUDA tensors both ways, a
     strided view and many small ones among them: its own IPC handles would
     not open in it, so cuda_ipc declines, and cuda_self copies them on the
     device."""
-    setup_torch()
-    opts = torch_rpc_ext.RpcExtBackendOptions(
-        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
-        num_worker_threads=4, rpc_timeout=TIMEOUT, cuda_zero_copy=zero_copy)
-    opts.set_device_map("worker0", {DEVICE: DEVICE})
-    rpc.init_rpc("worker0", rank=0, world_size=1,
-                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    init_self(port, cuda_zero_copy=zero_copy)
     out = {}
     try:
         data = pattern(3 << 20, 5)
@@ -489,13 +494,7 @@ def run_traced_self(port: int, ctl) -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
-    setup_torch()
-    opts = torch_rpc_ext.RpcExtBackendOptions(
-        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
-        num_worker_threads=4, rpc_timeout=TIMEOUT)
-    opts.set_device_map("worker0", {DEVICE: DEVICE})
-    rpc.init_rpc("worker0", rank=0, world_size=1,
-                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    init_self(port)
     out = {}
     try:
         data = pattern(1 << 20, 7)

@@ -345,16 +345,11 @@ def test_a_map_between_two_devices_goes_peer_to_peer(spawn, monkeypatch):
     assert caller["map"] == {"cuda:0": "cuda:1"}
 
 
-@pytest.mark.parametrize("zero_copy", [False, True], ids=["landed", "zero_copy"])
-def test_cuda_tensors_sent_to_ones_own_worker(spawn, zero_copy):
-    """A worker's calls to itself go over a connection to itself, where the
-    driver refuses the process's own IPC handles (the fake too): cuda_ipc
-    declines such a peer, and cuda_self copies each frame's tensors into
-    one pooled block on the device (no host memory, nothing in the socket
-    but records), which the receiver lands from or, under cuda_zero_copy,
-    views: never the sender's own memory."""
+def run_alone(spawn, target, *args):
+    """TARGET(port, pipe, *ARGS) in a spawned process of its own (a world of
+    one): what it sent down the pipe, once it exited with 0 and no error."""
     ours, theirs = spawn.Pipe()
-    proc = spawn.Process(target=agent_worker.run_self, args=(free_port(), theirs, zero_copy))
+    proc = spawn.Process(target=target, args=(free_port(), theirs, *args))
     proc.start()
     try:
         out = ours.recv() if ours.poll(180) else None
@@ -364,6 +359,18 @@ def test_cuda_tensors_sent_to_ones_own_worker(spawn, zero_copy):
         if proc.is_alive():
             proc.kill()
     assert "error" not in out, out["error"]
+    return out
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["landed", "zero_copy"])
+def test_cuda_tensors_sent_to_ones_own_worker(spawn, zero_copy):
+    """A worker's calls to itself go over a connection to itself, where the
+    driver refuses the process's own IPC handles (the fake too): cuda_ipc
+    declines such a peer, and cuda_self copies each frame's tensors into
+    one pooled block on the device (no host memory, nothing in the socket
+    but records), which the receiver lands from or, under cuda_zero_copy,
+    views: never the sender's own memory."""
+    out = run_alone(spawn, agent_worker.run_self, zero_copy)
     assert out["seen"] and out["back"] == ("cuda:0", True)
     assert out["distinct"] and out["view"] and out["many"]
     assert out["counters"]["cuda_ipc"]["segments"] == 0
@@ -385,17 +392,7 @@ def test_a_traced_call_shows_its_cuda_tensors_landing(spawn):
     the function's rpc.serve span, in the caller's trace; a request with
     CPU tensors only has none."""
     pytest.importorskip("opentelemetry.sdk", reason="needs opentelemetry-sdk")
-    ours, theirs = spawn.Pipe()
-    proc = spawn.Process(target=agent_worker.run_traced_self, args=(free_port(), theirs))
-    proc.start()
-    try:
-        out = ours.recv() if ours.poll(180) else None
-        proc.join(60)
-        assert proc.exitcode == 0, out
-    finally:
-        if proc.is_alive():
-            proc.kill()
-    assert "error" not in out, out["error"]
+    out = run_alone(spawn, agent_worker.run_traced_self)
     assert out["seen"] and out["cpu"]
     spans = out["spans"]
     step = next(s for s in spans if s["name"] == "step")
