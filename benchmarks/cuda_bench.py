@@ -31,10 +31,15 @@ host waits). tests/cuda_driver/test_cuda_bench.py holds budgets for them.
                                    beside `pcie_floor_400MB`: one copy of
                                    400 MB to pinned host memory and one back,
                                    timed in the caller (two PCIe copies)
+  ring_400MB                       the same with ("cuda_ring", "cuda_staged"):
+                                   staging through a shared pinned ring, no
+                                   socket (what one host uses where cuda_ipc
+                                   cannot join the devices)
 
 Output: JSON lines, one per (backend, case), then one ratio per case
-(`time_ext_over_tp`) and `staged_over_pcie_floor` (a round trip staged
-costs two directions: the ratio divides by twice the floor).
+(`time_ext_over_tp`), `staged_over_pcie_floor` and `ring_over_pcie_floor`
+(a round trip staged costs two directions: the ratio divides by twice the
+floor).
 
   python benchmarks/cuda_bench.py --out cuda.jsonl --chart cuda.png
   python benchmarks/cuda_bench.py --smoke     # small sizes, few calls
@@ -185,6 +190,7 @@ def device_copies() -> dict[str, int]:
 # counters summed: shm and tcp) ...
 WIRE = {"frames_sent": "frames", "control_frames_sent": "control_frames",
         "socket_writes": "socket_writes", "socket_reads": "socket_reads",
+        "socket_bytes_written": "socket_bytes",
         "loop_wakes": "loop_wakes"}
 # ... and, on the fake driver, in driver calls, grouped by what they do.
 DRIVER_GROUPS = {
@@ -403,14 +409,15 @@ def main(argv=None):
     plans = [(name, key, None) for name, key in
              (("ext", "TORCH_RPC_EXT"), ("tensorpipe", "TENSORPIPE")) if name in cfg.backends]
     plans.append(("ext_staged", "TORCH_RPC_EXT", ("cuda_staged",)))
+    plans.append(("ext_ring", "TORCH_RPC_EXT", ("cuda_ring", "cuda_staged")))
     if "ext" in cfg.backends:
         plans.append(("ext_zero_copy", "TORCH_RPC_EXT", None))
     for name, key, channels in plans:
-        cfg.recipe = not cfg.fake and name not in ("ext_staged", "ext_zero_copy")
-        cfg.staged_floor = not cfg.fake and name == "ext_staged"
+        cfg.recipe = not cfg.fake and name not in ("ext_staged", "ext_ring", "ext_zero_copy")
+        cfg.staged_floor = not cfg.fake and name in ("ext_staged", "ext_ring")
         cfg.zero_copy = name == "ext_zero_copy"
         these = cases
-        if name == "ext_staged":
+        if name in ("ext_staged", "ext_ring"):
             these = [c for c in cases if c[0] in ("identity_400MB", "identity_4MB")]
         if name == "ext_zero_copy":
             these = [c for c in cases if c[1] not in ("contiguous", "cpu")]
@@ -434,11 +441,13 @@ def main(argv=None):
         if ext and zero:
             record({"case": case, "ratio": "time_copy_over_zero_copy",
                     "value": round(ext["median_us"] / zero["median_us"], 3)})
-    staged = results.get(("identity_400MB", "ext_staged"))
-    floor = results.get(("pcie_floor_400MB", "ext_staged"))
-    if staged and floor:
-        record({"case": "staged_400MB", "ratio": "staged_over_pcie_floor",
-                "value": round(staged["median_us"] / (2 * floor["median_us"]), 3)})
+    for plan, case, ratio in (("ext_staged", "staged_400MB", "staged_over_pcie_floor"),
+                              ("ext_ring", "ring_400MB", "ring_over_pcie_floor")):
+        staged = results.get(("identity_400MB", plan))
+        floor = results.get(("pcie_floor_400MB", plan))
+        if staged and floor:
+            record({"case": case, "ratio": ratio,
+                    "value": round(staged["median_us"] / (2 * floor["median_us"]), 3)})
     if cfg.chart and chart_rows:
         try:
             chart(chart_rows, cfg.chart)

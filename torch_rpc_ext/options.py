@@ -114,9 +114,13 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             maps once and copies out of into torch's allocator: processes
             of one host sharing the device), ``"cuda_self"`` (a worker's
             calls to itself: the sender copies into a pooled device block
-            that the receiver reads, nothing through host memory) and
-            ``"cuda_staged"`` (through pinned host memory in chunks, copied
-            out and in as the stream goes: any peer, any two devices).
+            that the receiver reads, nothing through host memory),
+            ``"cuda_ring"`` (one host, where cuda_ipc cannot join the two
+            devices: tensors of 1 MiB or more in chunks through a ring of
+            pinned shared memory, copied out and in chunk by chunk, no
+            socket) and ``"cuda_staged"`` (through pinned host memory in
+            chunks, copied out and in as the stream goes: any peer, any two
+            devices).
             ``("cuda_staged",)`` forces staging.
         shm_peers_any_user: The shm transport's socket (Linux's abstract
             namespace: any local process can connect to it) accepts only

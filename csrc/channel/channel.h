@@ -242,7 +242,13 @@ class Channel {
   virtual void onRegionsQueuedLocked(
       const std::vector<frame::SegmentRecord*>& records) {}
   // kChunks, any thread, no lock held: whether to carry `segment` in chunks.
-  virtual bool takeChunks(const frame::OutboundFrame::Segment& segment) {
+  // A channel that copies the bytes out of a device first (cuda_ring) sets
+  // `*staged`: the stream then starts the frame only once its readyBytes()
+  // are more than zero and produces chunks only as far as they go, and
+  // passes it back to produceChunkLocked().
+  virtual bool takeChunks(
+      const frame::OutboundFrame::Segment& segment,
+      std::shared_ptr<StagedOut>* staged) {
     return false;
   }
   // kChunks: a frame with chunks of ours is about to start; a control frame
@@ -252,10 +258,12 @@ class Channel {
   }
   // kChunks: put up to `size` bytes into the channel and fill `record`.
   // Returns the bytes taken; 0 when full (then Host::resumeWritesFromLoop()
-  // follows), with `error` set on failure.
+  // follows), with `error` set on failure. `staged`: what takeChunks() set
+  // for the segment (then `data` is its data() plus the offset), or null.
   virtual size_t produceChunkLocked(
       const char* data,
       size_t size,
+      StagedOut* staged,
       frame::SegmentRecord* record,
       std::string* error) {
     *error = "channel carries no chunks";

@@ -13,6 +13,7 @@
 #include "csrc/channel/cuda/device_memory.h"
 #include "csrc/channel/cuda/engines.h"
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
+#include "csrc/channel/cuda_ring/cuda_ring_channel.h"
 #include "csrc/channel/cuda_self/self_channel.h"
 #include "csrc/channel/cuda_staged/staged_channel.h"
 #include "csrc/channel/lanes/factory.h"
@@ -41,14 +42,17 @@ constexpr Entry kChannels[] = {
     {"shm_slab", DeviceKind::kCpu, shm::createSlabChannel, 0},
     {"shm_ring", DeviceKind::kCpu, shm::createRingChannel, 1},
     {"cuda_ipc", DeviceKind::kCuda, cuda::createIpcChannel, 2},
-    {"cuda_staged", DeviceKind::kCuda, cuda::createStagedChannel, 4},
+    {"cuda_staged", DeviceKind::kCuda, cuda::createStagedChannel, 5},
     // Striped over TCP lanes: only a connection with IP addresses uses it.
     // Opt in: more sockets, threads and ports per peer, for hosts with
     // cores to spare on fat links (docs/guide.md, "Fat links").
-    {"tcp_lanes", DeviceKind::kCpu, lanes::createLanesChannel, 5, false},
+    {"tcp_lanes", DeviceKind::kCpu, lanes::createLanesChannel, 6, false},
     // A worker's calls to itself only (its descriptor names the process),
     // preferred to cuda_staged, which would take them through host memory.
     {"cuda_self", DeviceKind::kCuda, cuda::createSelfChannel, 3},
+    // One host, through a shared pinned ring, where cuda_ipc cannot join
+    // the two processes' devices: preferred to cuda_staged's socket.
+    {"cuda_ring", DeviceKind::kCuda, cuda::createRingChannel, 4},
 };
 
 // The entries by preference.

@@ -52,7 +52,7 @@ void copyOnCudaDevice(
 // after the stream's work so far: for device maps between the CPU and a
 // GPU. copyToHost() queues the copy (waitForStream() waits for it);
 // copyToDevice() returns at once and runs `done` on the staging thread
-// (cuda/staged_channel.h, releaseAfter) once the copy has read `src`.
+// (cuda/staging_thread.h, releaseAfter) once the copy has read `src`.
 void copyToHost(
     int device,
     uintptr_t stream,

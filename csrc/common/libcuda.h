@@ -48,6 +48,8 @@ namespace torch_rpc_ext {
   X(cuMemcpyDtoHAsync)                    \
   X(cuMemHostAlloc)                       \
   X(cuMemFreeHost)                        \
+  X(cuMemHostRegister)                    \
+  X(cuMemHostUnregister)                  \
   X(cuMemGetAllocationGranularity)        \
   X(cuMemCreate)                          \
   X(cuMemRelease)                         \

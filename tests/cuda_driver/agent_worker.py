@@ -211,6 +211,66 @@ def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
     ctl.send(out)
 
 
+# ---- cuda_ring: large tensors through a shared pinned ring ---------------------
+
+RING_SIZES = (40 << 20, (5 << 20) + 123, 1 << 20)  # past the ring; odd; its minimum
+RING_CONCURRENT = 4  # calls of RING_CONCURRENT_BYTES at once, both ways
+RING_CONCURRENT_BYTES = 12 << 20
+
+
+def big_cuda_tensor(data: bytes) -> torch.Tensor:
+    """cuda_tensor() for megabytes (no list of ints on the way)."""
+    if real_cuda():
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(f"cuda:{DEVICE}")
+    return cuda_tensor_from(data)
+
+
+def cuda_tensor_from(data: bytes) -> torch.Tensor:
+    p = cu().mem_alloc(DEVICE, len(data))
+    cu().write(DEVICE, p, data)
+    _KEEP.append(p)
+    return cu().device_tensor(p, [len(data)], torch.empty(len(data), dtype=torch.uint8), DEVICE)
+
+
+def run_ring(rank: int, port: int, ctl, channels, target: int = DEVICE) -> None:
+    """worker0 sends tensors of 1 MiB to 40 MiB (past the ring's 32 MiB, so
+    its slots are reused within one tensor) to worker1 and gets them back,
+    then RING_CONCURRENT such calls at once (requests and responses in
+    flight both ways, each direction's ring waiting on the other's
+    releases). Reports whether every byte came back, both sides' cuda_ring
+    and cuda_staged counters and the driver's (fake's) copies of pageable
+    host memory."""
+    import random
+
+    join_pair(rank, port, target, device_channels=channels)
+    out = {}
+    if rank == 0:
+        try:
+            rng = random.Random(7)
+            datas = [rng.randbytes(n) for n in RING_SIZES]
+            backs = [rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(d),))
+                     for d in datas]
+            out["back"] = [(str(b.device), tensor_bytes(b) == d) for b, d in zip(backs, datas)]
+            datas = [rng.randbytes(RING_CONCURRENT_BYTES) for _ in range(RING_CONCURRENT)]
+            futs = [rpc.rpc_async("worker1", identity, args=(big_cuda_tensor(d),))
+                    for d in datas]
+            out["concurrent"] = [tensor_bytes(f.wait()) == d for f, d in zip(futs, datas)]
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["error"] = str(e)
+        out["counters"] = {c: channel_counters(c) for c in channels}
+        out["callee_counters"] = {
+            c: rpc.rpc_sync("worker1", channel_counters, args=(c,)) for c in channels}
+        out["callee_pageable"] = rpc.rpc_sync("worker1", pageable_copies)
+        out["pageable"] = pageable_copies()
+    rpc.shutdown()
+    ctl.send(out)
+
+
+def pageable_copies():
+    stats = fake_stats()
+    return stats["pageable_copies"] if stats else None
+
+
 # ---- a block's release while the callee is busy --------------------------------
 
 
@@ -419,6 +479,7 @@ def run_memory(rank: int, port: int, ctl, case: str) -> None:
             out["error"] = str(e)
         out["ipc"] = channel_counters("cuda_ipc")
         out["staged"] = channel_counters("cuda_staged")
+        out["ring"] = channel_counters("cuda_ring")
         out["memory"] = {k[len("rpc_ext.cuda."):]: int(v) for k, v in agent_metrics().items()
                          if k.startswith("rpc_ext.cuda.") and not k.startswith("rpc_ext.cuda.land")}
         if not real_cuda():

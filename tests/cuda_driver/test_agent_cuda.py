@@ -202,28 +202,30 @@ def test_out_of_device_memory_frees_torchs_cache_and_tries_again(spawn, monkeypa
 
 
 @pytest.mark.skipif(REAL_DRIVER, reason="the fake's memory limit")
-def test_still_out_of_device_memory_declines_to_cuda_staged(spawn, monkeypatch):
+def test_still_out_of_device_memory_declines_to_the_next_channel(spawn, monkeypatch):
     """Live tensors hold worker0's device: after torch freed its (empty)
     cache the block still does not fit, so cuda_ipc declines the segment and
-    cuda_staged (pinned host memory on the sending side) carries it."""
+    cuda_ring (pinned host memory on the sending side, as cuda_staged's
+    where the peer is on another host) carries it."""
     monkeypatch.setenv("FAKE_CUDA_MEM_LIMIT", str(16 << 20))
     caller, _ = play_with(spawn, agent_worker.run_memory, "held")
     assert caller.get("back") is True, caller
     assert caller["memory"]["oom_retries"] >= 1
     assert caller["memory"]["ipc_declined_memory"] >= 1
-    assert caller["ipc"]["segments"] == 0 and caller["staged"]["segments_sent"] == 1
+    assert caller["ipc"]["segments"] == 0 and caller["ring"]["segments_sent"] == 1
+    assert caller["staged"]["segments_sent"] == 0
     assert caller["memory"]["ipc_block_bytes"] == 0
 
 
 def test_cuda_ipc_memory_limit_bounds_the_blocks(spawn):
     """cuda_ipc_memory_limit=1 MiB: a 3 MiB tensor's block would pass it, so
-    cuda_ipc declines and cuda_staged carries the tensor; the metrics say
+    cuda_ipc declines and cuda_ring carries the tensor; the metrics say
     so."""
     caller, _ = play_with(spawn, agent_worker.run_memory, "limit")
     assert caller.get("back") is True, caller
     assert caller["memory"]["ipc_declined_memory"] >= 1
     assert caller["memory"]["oom_retries"] == 0
-    assert caller["ipc"]["segments"] == 0 and caller["staged"]["segments_sent"] == 1
+    assert caller["ipc"]["segments"] == 0 and caller["ring"]["segments_sent"] == 1
 
 
 @pytest.mark.skipif(REAL_DRIVER, reason="the fake's driver version")
@@ -318,6 +320,51 @@ def test_cuda_tensors_staged_through_host_memory(spawn, monkeypatch, channels, t
     assert caller["devices"] == ["cuda:0"] and callee["devices"] == [f"cuda:{target}"]
     assert caller["map"] == {"cuda:0": f"cuda:{target}"}
     assert "worker0" in callee["unmapped"]
+
+
+@pytest.mark.parametrize(
+    "channels,target",
+    [
+        (("cuda_ring", "cuda_staged"), 0),
+        pytest.param(("cuda_ipc", "cuda_ring", "cuda_staged"), 1, marks=two_devices),
+    ],
+    ids=["same-device", "other-device-ipc-declines"],
+)
+def test_large_cuda_tensors_go_through_a_shared_pinned_ring(spawn, monkeypatch, channels,
+                                                             target):
+    """On one host, where cuda_ipc does not join the two devices (listed
+    without it; or two devices without peer access, which cuda_ipc
+    declines), tensors of 1 MiB or more go through cuda_ring: the sender
+    copies each 4 MiB chunk out of its device into a slot of a pinned memfd
+    ring both processes registered, the receiver copies the slot onto its
+    device and releases it through the ring's header. A 40 MiB tensor
+    reuses the 8 slots within itself; four 12 MiB calls at once wait on
+    both directions' releases at the same time. Nothing goes through
+    cuda_staged (the socket), and no copy reads or writes pageable memory
+    (the fake counts copies whose host side is neither cuMemHostAlloc's nor
+    registered)."""
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+    monkeypatch.setenv("FAKE_CUDA_NO_PEER_ACCESS", "1")
+    caller, _ = play_with(spawn, agent_worker.run_ring, channels, target)
+    assert "error" not in caller, caller.get("error")
+    assert caller["back"] == [("cuda:0", True)] * len(agent_worker.RING_SIZES)
+    assert caller["concurrent"] == [True] * agent_worker.RING_CONCURRENT
+    ours, theirs = caller["counters"]["cuda_ring"], caller["callee_counters"]["cuda_ring"]
+    total = sum(agent_worker.RING_SIZES) + (
+        agent_worker.RING_CONCURRENT * agent_worker.RING_CONCURRENT_BYTES)
+    calls = len(agent_worker.RING_SIZES) + agent_worker.RING_CONCURRENT
+    assert ours["segments_sent"] == theirs["segments_received"] == calls
+    assert theirs["segments_sent"] == ours["segments_received"] == calls
+    assert ours["bytes_sent"] == theirs["bytes_received"] == total
+    assert ours["made"] == theirs["made"] == 1  # one ring per direction
+    chunks = sum(-(-n // (4 << 20)) for n in agent_worker.RING_SIZES) + (
+        agent_worker.RING_CONCURRENT * 3)
+    assert ours["chunk_copies"] == theirs["chunk_copies"] == 2 * chunks  # out and in
+    assert ours["declined"] == theirs["declined"] == 0
+    staged = caller["counters"]["cuda_staged"]
+    assert staged["segments_sent"] == staged["segments_received"] == 0
+    if not REAL_DRIVER:
+        assert caller["pageable"] == caller["callee_pageable"] == 0
 
 
 @two_devices

@@ -50,6 +50,7 @@ def test_cuda_bench_runs_every_case(bench_rows):
     timed = {(r["backend"], r["case"]) for r in rows if "median_us" in r}
     assert {("ext", c) for c in CASES} <= timed
     assert ("ext_staged", "identity_4MB") in timed
+    assert ("ext_ring", "identity_4MB") in timed
     assert {("ext_zero_copy", c) for c in CASES - {"contiguous_128KB", "cpu_4KB"}} <= timed
     assert all(r["median_us"] > 0 for r in rows if "median_us" in r)
     if REAL_DRIVER:
@@ -121,3 +122,22 @@ def test_a_call_to_oneself_stays_on_the_device(bench_rows):
     assert c["memcpys"] == 0, c  # nothing through host memory
     assert c["allocations"] == 0 and c["host_waits"] == 0, c
     assert c["launches"] <= 4 and c["driver_calls"] <= 210, c
+
+
+def test_staging_on_one_host_goes_through_the_ring_not_the_socket(bench_rows):
+    # 4 MiB there and back where cuda_ipc is not listed: cuda_staged puts
+    # every byte through the socket (both ways: 8 MiB written); cuda_ring
+    # puts a 16-byte record per 4 MiB chunk in the stream and the bytes in
+    # a shared pinned slot: one copy out of the device and one onto the
+    # other per direction, no socket copy, and the receiver's release goes
+    # through the ring's header (no control frame).
+    staged, ring = costs(bench_rows, "ext_staged")["identity_4MB"], \
+        costs(bench_rows, "ext_ring")["identity_4MB"]
+    assert staged["socket_bytes"] >= 2 * (4 << 20), staged
+    assert ring["socket_bytes"] < 64 << 10, ring
+    assert ring["frames"] == 2 and ring["control_frames"] == 0, ring
+    assert ring["landing_launches"] == 2 and ring["torch_allocations"] == 0, ring
+    if REAL_DRIVER:
+        return
+    assert ring["memcpys"] == 4, ring  # out and in, each direction
+    assert ring["allocations"] == 0 and ring["host_waits"] == 0, ring

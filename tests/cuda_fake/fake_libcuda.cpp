@@ -244,6 +244,10 @@ constexpr const char* kKernelNames[] = {
   X(CUDA_ERROR_INVALID_HANDLE, "invalid resource handle")           \
   X(CUDA_ERROR_NOT_FOUND, "named symbol not found")                 \
   X(CUDA_ERROR_NOT_READY, "device not ready")                       \
+  X(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,                      \
+    "part or all of the requested memory range is already mapped")  \
+  X(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,                          \
+    "pointer does not correspond to a registered memory region")    \
   X(CUDA_ERROR_CONTEXT_IS_DESTROYED, "context is destroyed")        \
   X(CUDA_ERROR_NOT_PERMITTED, "operation not permitted")            \
   X(CUDA_ERROR_NOT_SUPPORTED, "operation not supported")            \
@@ -313,6 +317,10 @@ struct Stats {
   std::atomic<uint64_t> kernelErrors{0};
   std::atomic<uint64_t> poisonedUses{0}; // see "IPC lifetimes" above
   std::atomic<uint64_t> captureViolations{0}; // see "Graph capture" above
+  // Asynchronous copies whose host side is not pinned (neither
+  // cuMemHostAlloc's nor registered): a GPU runs them synchronously,
+  // through a bounce buffer, at a fraction of the bus's speed.
+  std::atomic<uint64_t> pageableCopies{0};
   std::mutex mu; // the two strings and `calls`
   std::string lastError;
   std::string lastKernelError;
@@ -342,6 +350,8 @@ struct State {
   std::vector<std::unique_ptr<CUctx_st>> contexts; // the primary ones
   std::map<uintptr_t, Alloc> allocs;
   std::map<uintptr_t, HostAlloc> hostAllocs;
+  // cuMemHostRegister's ranges: pinned as cuMemHostAlloc's are.
+  std::map<uintptr_t, HostAlloc> hostRegistered;
   std::map<uintptr_t, IpcMapping> ipcMappings;
   std::map<std::pair<uint64_t, uint64_t>, uintptr_t> ipcByFile;
   std::map<uint64_t, VmmHandle> vmmHandles;
@@ -1082,6 +1092,16 @@ CUresult copyOn(
         (srcDevice && !accessible(src, n, PROT_READ))) {
       return fail(fn, CUDA_ERROR_INVALID_VALUE, "not device memory");
     }
+    if (!wait && n != 0 && dstDevice != srcDevice) {
+      const uintptr_t host = dstDevice ? src : dst;
+      auto pinnedIn = [&](auto& m) {
+        auto it = containing(m, host);
+        return it != m.end() && host + n - it->first <= it->second.size;
+      };
+      if (!pinnedIn(state().hostAllocs) && !pinnedIn(state().hostRegistered)) {
+        state().stats.pageableCopies++;
+      }
+    }
   }
   state().stats.memcpys++;
   state().stats.memcpyBytes += n;
@@ -1518,6 +1538,47 @@ CUresult CUDAAPI cuMemFreeHost(void* p) {
   }
   drainAll();
   munmap(p, a.length);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemHostRegister(void* p, size_t bytesize, unsigned flags) {
+  UNSAFE_IN_CAPTURE();
+  ENTER(true);
+  unsigned known = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP |
+      CU_MEMHOSTREGISTER_READ_ONLY;
+  REQUIRE(
+      p && bytesize && !(flags & ~known),
+      CUDA_ERROR_INVALID_VALUE,
+      "null pointer, size 0 or unknown flags");
+  auto base = reinterpret_cast<uintptr_t>(p);
+  Lock lock(state().mu);
+  auto& m = state().hostRegistered;
+  auto next = m.lower_bound(base);
+  bool overlaps = (next != m.end() && next->first < base + bytesize) ||
+      (next != m.begin() &&
+       std::prev(next)->first + std::prev(next)->second.size > base);
+  REQUIRE(
+      !overlaps,
+      CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+      "a range already registered");
+  m[base] = {bytesize, bytesize};
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemHostUnregister(void* p) {
+  UNSAFE_IN_CAPTURE();
+  ENTER(true);
+  {
+    Lock lock(state().mu);
+    auto it = state().hostRegistered.find(reinterpret_cast<uintptr_t>(p));
+    REQUIRE(
+        it != state().hostRegistered.end(),
+        CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
+        "not the start of a registered range");
+    state().hostRegistered.erase(it);
+  }
+  // As on a GPU, work still using the range must be done first.
+  drainAll();
   return CUDA_SUCCESS;
 }
 
@@ -2253,6 +2314,7 @@ __attribute__((visibility("default"))) int fake_cuda_stats(
     appendJson(j, "allocations", s.allocs.size());
     appendJson(j, "device_bytes", deviceBytesLocked());
     appendJson(j, "host_allocations", s.hostAllocs.size());
+    appendJson(j, "host_registered", s.hostRegistered.size());
     appendJson(j, "ipc_mem_mappings", s.ipcMappings.size());
     appendJson(j, "vmm_handles", s.vmmHandles.size());
     appendJson(j, "vmm_reservations", s.reservations.size());
@@ -2283,6 +2345,7 @@ __attribute__((visibility("default"))) int fake_cuda_stats(
   appendJson(j, "kernel_errors", s.stats.kernelErrors.load());
   appendJson(j, "poisoned_uses", s.stats.poisonedUses.load());
   appendJson(j, "capture_violations", s.stats.captureViolations.load());
+  appendJson(j, "pageable_copies", s.stats.pageableCopies.load());
   {
     Lock lock(s.stats.mu);
     appendJson(j, "last_error", s.stats.lastError);

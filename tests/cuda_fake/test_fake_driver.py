@@ -15,6 +15,7 @@ Synchronisation is by gates and events, never by sleeping.
 import ctypes
 import faulthandler
 import json
+import mmap
 import multiprocessing
 import os
 import re
@@ -144,6 +145,8 @@ SIGNATURES = {
     "cuMemcpyDtoHAsync_v2": [c_void_p, u64, c_size_t, c_void_p],
     "cuMemHostAlloc": [P(c_void_p), c_size_t, c_uint],
     "cuMemFreeHost": [c_void_p],
+    "cuMemHostRegister_v2": [c_void_p, c_size_t, c_uint],
+    "cuMemHostUnregister": [c_void_p],
     "cuMemGetAllocationGranularity": [P(c_size_t), P(Prop), c_int],
     "cuMemCreate": [P(u64), c_size_t, P(Prop), u64],
     "cuMemRelease": [u64],
@@ -600,6 +603,38 @@ def test_pinned_host_memory(cu):
     assert cu.rc("cuMemFreeHost", ptr) == INVALID_VALUE
     assert cu.rc("cuMemFreeHost", np.zeros(8).ctypes.data) == INVALID_VALUE
     cu("cuMemFree_v2", dev)
+
+
+def test_registered_host_memory_is_pinned_and_pageable_copies_are_counted(cu):
+    # An asynchronous copy whose host side is neither cuMemHostAlloc's nor
+    # registered runs, but is counted (a GPU would run it synchronously,
+    # through a bounce buffer); registered memory counts as pinned until it
+    # is unregistered. Overlapping or unknown ranges are refused as cuda.h
+    # says.
+    already, unknown = 712, 713
+    page = mmap.mmap(-1, 8192)
+    host = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    dev, s = cu.alloc(64), cu.stream()
+    before = cu.stats()["pageable_copies"]
+    cu("cuMemcpyHtoDAsync_v2", dev, host, 64, s)
+    assert cu.stats()["pageable_copies"] == before + 1
+    cu("cuMemHostRegister_v2", host, 8192, 1)
+    assert cu.stats()["live"]["host_registered"] == 1
+    assert cu.rc("cuMemHostRegister_v2", host + 4096, 4096, 1) == already
+    assert cu.rc("cuMemHostRegister_v2", host, 64, 0x80) == INVALID_VALUE
+    cu("cuMemcpyHtoDAsync_v2", dev, host + 4096, 64, s)
+    cu("cuMemcpyDtoHAsync_v2", host, dev, 64, s)
+    assert cu.stats()["pageable_copies"] == before + 1
+    assert cu.rc("cuMemHostUnregister", host + 4096) == unknown
+    cu("cuMemHostUnregister", host)
+    assert cu.stats()["live"]["host_registered"] == 0
+    cu("cuMemcpyDtoHAsync_v2", host, dev, 64, s)
+    assert cu.stats()["pageable_copies"] == before + 2
+    cu("cuStreamSynchronize", s)
+    cu("cuStreamDestroy_v2", s)
+    cu("cuMemFree_v2", dev)
+    del host
+    page.close()
 
 
 def test_a_stream_runs_its_work_in_order_after_the_calls_returned(cu):

@@ -166,15 +166,15 @@ def test_channels_default_to_the_registry_and_may_be_narrowed(monkeypatch):
     # Every CPU channel but tcp_lanes, which is opt in.
     assert RpcExtBackendOptions().channels == ("shm_slab", "shm_ring")
     assert _C.channel_names("cpu") == ["shm_slab", "shm_ring", "tcp_lanes"]
-    assert _C.channel_names() == ["shm_slab", "shm_ring", "cuda_ipc", "cuda_self", "cuda_staged",
-                                  "tcp_lanes"]
+    assert _C.channel_names() == ["shm_slab", "shm_ring", "cuda_ipc", "cuda_self", "cuda_ring",
+                                  "cuda_staged", "tcp_lanes"]
     assert RpcExtBackendOptions(channels=("shm_slab", "tcp_lanes")).channels == ("shm_slab", "tcp_lanes")
     assert RpcExtBackendOptions(channels="shm_ring").channels == ("shm_ring",)
     assert RpcExtBackendOptions(channels=()).channels == ()
 
 
 def test_device_channels_default_to_every_cuda_channel_and_may_force_staging():
-    assert RpcExtBackendOptions().device_channels == ("cuda_ipc", "cuda_self", "cuda_staged")
+    assert RpcExtBackendOptions().device_channels == ("cuda_ipc", "cuda_self", "cuda_ring", "cuda_staged")
     opts = RpcExtBackendOptions(device_channels="cuda_staged")
     assert opts.device_channels == ("cuda_staged",)
     assert "device_channels=('cuda_staged',)" in repr(opts)

@@ -9,15 +9,9 @@
 #include <memory>
 
 #include "csrc/channel/channel.h"
+#include "csrc/channel/cuda/staging_thread.h"
 
 namespace torch_rpc_ext::channel::cuda {
-
-// Runs `release` once the work queued on `stream` (of `device`) so far has
-// completed, on cuda_staged's staging thread (which polls an event: no
-// thread waits, and `release` may do anything a normal thread may, unlike a
-// CUDA host function). Where no event can be recorded, waits for the stream
-// here and runs it at once.
-void releaseAfter(int device, CUstream stream, std::function<void()> release);
 
 // cuda_staged: CUDA tensors to any peer, through host memory (docs/cuda.md,
 // "The cuda_staged channel"). What carries them to another host, to a peer

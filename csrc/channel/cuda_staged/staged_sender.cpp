@@ -1,22 +1,18 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // cuda_staged (staged_channel.h), sending: device bytes staged through
-// pinned host memory (a frame's small segments gathered by one launch), and
-// the thread that lets the stream write each chunk once its copy has
-// completed.
-#include <pthread.h>
-
+// pinned host memory (a frame's small segments gathered by one launch),
+// each chunk written once the staging thread (cuda/staging_thread.h) has
+// seen its copy complete.
 #include <algorithm>
-#include <condition_variable>
-#include <deque>
 #include <functional>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 #include "csrc/channel/cuda/copy_engine.h"
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/engines.h"
 #include "csrc/channel/cuda/staging_pool.h"
+#include "csrc/channel/cuda/staging_thread.h"
 #include "csrc/channel/cuda_staged/staged_channel.h"
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/libcuda.h"
@@ -59,144 +55,26 @@ class StagedBytes final : public StagedOut {
   std::atomic<uint64_t> ready_{0};
 };
 
-// The one thread that watches the copies out of devices and lets each
-// connection write what became ready. It polls their events (cuEventQuery:
-// a stream stuck behind the caller's work holds back only its own chunks,
-// and no thread spins inside the driver), sleeping longer while nothing
-// completes, and trims the staging pools now and then (freeing memory may
-// wait for the device: never on a transport loop). Leaked with the process.
-class StagingThread {
- public:
-  struct Item {
-    int device;
-    PooledEvent copied;
-    std::shared_ptr<StagedBytes> staged;
-    uint64_t readyAfter;
-    std::weak_ptr<Host> host;
-    // Instead of a chunk: what to run, on this thread, once `copied` has
-    // completed (releaseAfter()).
-    std::function<void()> done;
-  };
-
-  static StagingThread& get() {
-    static StagingThread* t = new StagingThread();
-    return *t;
-  }
-
-  void add(Item item) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(item));
-    }
-    cv_.notify_one();
-  }
-
- private:
-  StagingThread() : thread_([this] { run(); }) {
-    thread_.detach();
-  }
-
-  void run() {
-    pthread_setname_np(pthread_self(), "rpcext-staging");
-    using std::chrono::microseconds;
-    std::vector<Item> pending;
-    auto pause = microseconds(20);
-    auto lastTrim = std::chrono::steady_clock::now();
-    while (true) {
-      // At exit (ExitGate: Python's atexit, before the driver shuts down)
-      // the thread stops for good: a trim or a query after the driver's own
-      // exit handler would fail (CUDA_ERROR_DEINITIALIZED) and say so.
-      ExitGate::parkIfClosed();
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        if (pending.empty() && queue_.empty()) {
-          // Idle: wake for new work, or to trim the pools.
-          cv_.wait_for(lock, std::chrono::milliseconds(kStagedIdleMs / 5));
-        } else if (queue_.empty()) {
-          cv_.wait_for(lock, pause);
-        }
-        for (auto& item : queue_) {
-          pending.push_back(std::move(item));
-        }
-        queue_.clear();
-      }
-      ExitGate::parkIfClosed(); // (the wait may have outlasted the gate)
-      ExitGate::Busy busy;
-      bool progressed = false;
-      for (size_t i = 0; i < pending.size();) {
-        if (!poll(pending[i])) {
-          ++i;
-          continue;
-        }
-        progressed = true;
-        pending[i] = std::move(pending.back());
-        pending.pop_back();
-      }
-      pause = progressed ? microseconds(20)
-                         : std::min(pause * 2, microseconds(1000));
-      auto now = std::chrono::steady_clock::now();
-      if (now - lastTrim > std::chrono::milliseconds(kStagedIdleMs / 5)) {
-        lastTrim = now;
-        try {
-          StagingPool::trimAll();
-        } catch (const CudaError& e) {
-          if (e.code() != CUDA_ERROR_DEINITIALIZED) { // exiting: not an error
-            logWarning(
-                std::string(
-                    "torch_rpc_ext: cuda_staged could not free idle "
-                    "memory: ") +
-                e.what());
-          }
-        } catch (const std::exception& e) {
-          logWarning(
-              std::string(
-                  "torch_rpc_ext: cuda_staged could not free idle "
-                  "memory: ") +
-              e.what());
-        }
-      }
-    }
-  }
-
-  // Whether `item` is done with (its copy completed, or failed).
-  static bool poll(Item& item) {
-    std::string error;
-    try {
-      CurrentDevice current(item.device);
-      CUresult rc = libcuda().cuEventQuery(item.copied.get());
-      if (rc == CUDA_ERROR_NOT_READY) {
-        return false;
-      }
-      checkCuda("cuEventQuery", rc);
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    if (item.done) {
-      // Also on an error: a failed stream reads nothing more.
-      item.copied.reset();
-      auto done = std::move(item.done);
-      try {
-        done();
-      } catch (const std::exception& e) {
-        logWarning(
-            std::string("torch_rpc_ext: releasing after a CUDA copy threw: ") +
-            e.what());
-      }
-      return true;
-    }
+// What follows the copy out of a segment's bytes up to `readyAfter`: the
+// connection may write them; where the copy failed, it must close (they will
+// never be ready).
+std::function<void(const std::string&)> chunkReady(
+    std::shared_ptr<StagedBytes> staged,
+    uint64_t readyAfter,
+    std::weak_ptr<Host> host) {
+  return [staged = std::move(staged), readyAfter, host = std::move(host)](
+             const std::string& error) {
     if (error.empty()) {
       // Chunks of one segment complete in order on its stream, but may be
       // seen out of order here: the mark only moves forward.
-      item.staged->raiseReady(item.readyAfter);
+      staged->raiseReady(readyAfter);
     }
-    item.copied.reset();
-    item.staged.reset();
-    auto host = item.host.lock();
-    if (!host) {
-      return true;
+    auto h = host.lock();
+    if (!h) {
+      return;
     }
-    std::weak_ptr<Host> weak = host;
-    host->post([weak, error, device = item.device] {
+    std::weak_ptr<Host> weak = h;
+    h->post([weak, error] {
       auto h = weak.lock();
       if (!h) {
         return;
@@ -204,20 +82,13 @@ class StagingThread {
       if (error.empty()) {
         h->resumeWritesFromLoop();
       } else {
-        // Its bytes will never be ready: the frame cannot be written.
         h->rejectFromLoop(
-            "cuda_staged: copying a segment out of cuda:" +
-            std::to_string(device) + " failed: " + error);
+            "cuda_staged: copying a segment out of its device failed: " +
+            error);
       }
     });
-    return true;
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Item> queue_;
-  std::thread thread_;
-};
+  };
+}
 
 // One segment of a gathered buffer: its bytes are ready as far as the
 // buffer's are past its offset.
@@ -247,26 +118,6 @@ uint64_t aligned(uint64_t n) {
 }
 
 } // namespace
-
-void releaseAfter(int device, CUstream stream, std::function<void()> release) {
-  PooledEvent done;
-  try {
-    CurrentDevice current(device);
-    done = StagingPool::of(device).takeEvent();
-    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, done.get(), stream);
-  } catch (const std::exception&) {
-    // No event: wait for the stream here (what it failed with, the stream's
-    // next use reports), so that nothing it still reads goes first.
-    {
-      CurrentDevice current(device);
-      libcuda().cuStreamSynchronize(stream);
-    }
-    release();
-    return;
-  }
-  StagingThread::get().add(
-      {device, std::move(done), nullptr, 0, {}, std::move(release)});
-}
 
 void StagedChannel::stageOutAll(
     const std::vector<frame::OutboundFrame::Segment>& segments,
@@ -363,8 +214,7 @@ void StagedChannel::gatherOut(
           stream);
       auto copied = pool.takeEvent();
       TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, copied.get(), stream);
-      StagingThread::get().add(
-          {device, std::move(copied), whole, at + n, host_});
+      whenComplete(device, std::move(copied), chunkReady(whole, at + n, host_));
       counters_.chunks++;
     }
     TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block->lastUse, stream);
@@ -445,8 +295,10 @@ std::shared_ptr<StagedOut> StagedChannel::stageOut(
           cuMemcpyDtoHAsync, staged->buffer() + at, src + at, n, stream);
       auto copied = pool.takeEvent();
       TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, copied.get(), stream);
-      StagingThread::get().add(
-          {segment.deviceIndex, std::move(copied), staged, at + n, host_});
+      whenComplete(
+          segment.deviceIndex,
+          std::move(copied),
+          chunkReady(staged, at + n, host_));
       counters_.chunks++;
     }
     givePacked();

@@ -26,7 +26,9 @@ RingChannel::RingChannel(
       host_(std::move(host)),
       counters_(counters) {}
 
-bool RingChannel::takeChunks(const frame::OutboundFrame::Segment& segment) {
+bool RingChannel::takeChunks(
+    const frame::OutboundFrame::Segment& segment,
+    std::shared_ptr<StagedOut>* /*staged*/) {
   if (segment.size < kSlabMinSegment) {
     return false; // the stream is cheaper
   }
@@ -136,6 +138,7 @@ std::optional<ControlFrame> RingChannel::prepareChunksLocked() {
 size_t RingChannel::produceChunkLocked(
     const char* data,
     size_t size,
+    StagedOut* /*staged*/,
     SegmentRecord* record,
     std::string* error) {
   std::lock_guard<std::mutex> lock(mutex_);

@@ -48,11 +48,14 @@ class RingChannel final : public Channel,
       std::weak_ptr<Host> host,
       RingCounters& counters);
 
-  bool takeChunks(const frame::OutboundFrame::Segment& segment) override;
+  bool takeChunks(
+      const frame::OutboundFrame::Segment& segment,
+      std::shared_ptr<StagedOut>* staged) override;
   std::optional<ControlFrame> prepareChunksLocked() override;
   size_t produceChunkLocked(
       const char* data,
       size_t size,
+      StagedOut* staged,
       frame::SegmentRecord* record,
       std::string* error) override;
   std::optional<ControlFrame> dropIfIdleLocked() override;

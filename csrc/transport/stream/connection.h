@@ -321,6 +321,8 @@ class StreamConnection : public Connection,
   // allow.
   enum class ChunkFlush { kDone, kSocketFull, kChannelFull };
   ChunkFlush flushChunkedFrameLocked(PendingWrite& w, std::string* error);
+  // `written` (a send's result), counted in the loop's bytesWritten.
+  ssize_t counted(ssize_t written);
   // Whether `w` may start: each of its staged segments has bytes ready.
   static bool stagedStartable(const PendingWrite& w);
   // send(2) what the socket takes now: bytes sent, 0 if it would block,

@@ -106,10 +106,16 @@ void StreamConnection::planSegments(
     }
     for (size_t i : offered) {
       const auto& segment = frame.segments[i];
-      if (ch.takeChunks(segment)) {
+      std::shared_ptr<channel::StagedOut> staged;
+      if (ch.takeChunks(segment, &staged)) {
         w.chunked.resize(n);
         w.chunked[i] = slot;
         taken[i] = true;
+        if (staged) {
+          // Copied out of a device as the stream needs it (cuda_ring).
+          w.staged.resize(n);
+          w.staged[i] = std::move(staged);
+        }
       }
     }
   }

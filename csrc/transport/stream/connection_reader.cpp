@@ -454,7 +454,9 @@ bool StreamConnection::onLengthsAndHeadFromLoop() {
       }
       carried_.resize(n, 0);
       carried_[i] = slot;
-      if (!chunks) {
+      if (!chunks || ch.context().device() != channel::DeviceKind::kCpu) {
+        // The channel provides the memory (a device channel's chunks land
+        // in device memory of its own, as a region's bytes do).
         provided.resize(n);
         provided[i] = true;
       }

@@ -413,7 +413,7 @@ ssize_t StreamConnection::sendLocked(
       src = tlsGather_.data();
       size = tlsGather_.size();
     }
-    ssize_t got = tls_->write(src, size, &tlsWriteError_);
+    ssize_t got = counted(tls_->write(src, size, &tlsWriteError_));
     if (got == 0) {
       errno = EAGAIN;
       return -1;
@@ -429,7 +429,7 @@ ssize_t StreamConnection::sendLocked(
     msghdr msg{};
     msg.msg_iov = const_cast<iovec*>(iov);
     msg.msg_iovlen = static_cast<size_t>(n);
-    return ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    return counted(::sendmsg(fd_, &msg, MSG_NOSIGNAL));
   }
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
   msghdr msg{};
@@ -442,7 +442,15 @@ ssize_t StreamConnection::sendLocked(
   c->cmsg_type = SCM_RIGHTS;
   c->cmsg_len = CMSG_LEN(sizeof(int) * fds->size());
   std::memcpy(CMSG_DATA(c), fds->data(), sizeof(int) * fds->size());
-  return ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+  return counted(::sendmsg(fd_, &msg, MSG_NOSIGNAL));
+}
+
+ssize_t StreamConnection::counted(ssize_t written) {
+  if (written > 0) {
+    loop_.io().bytesWritten.fetch_add(
+        static_cast<uint64_t>(written), std::memory_order_relaxed);
+  }
+  return written;
 }
 
 StreamConnection::ChunkFlush StreamConnection::flushChunkedFrameLocked(
@@ -494,8 +502,10 @@ StreamConnection::ChunkFlush StreamConnection::flushChunkedFrameLocked(
     }
     if (w.piece > 0 && w.chunked[w.piece - 1] != 0) {
       frame::SegmentRecord record{};
+      channel::StagedOut* staged =
+          w.staged.empty() ? nullptr : w.staged[w.piece - 1].get();
       size_t n = channels_[w.chunked[w.piece - 1] - 1]->produceChunkLocked(
-          data + w.pieceOffset, size - w.pieceOffset, &record, error);
+          data + w.pieceOffset, size - w.pieceOffset, staged, &record, error);
       if (!error->empty()) {
         return ChunkFlush::kSocketFull;
       }
@@ -530,7 +540,7 @@ ssize_t StreamConnection::sendSome(
   Loop::Io::add(loop_.io().writes);
   if (tls_) {
     std::string why;
-    ssize_t got = tls_->write(data, size, &why);
+    ssize_t got = counted(tls_->write(data, size, &why));
     if (got > 0) {
       noteActivity();
     } else if (got < 0) {
@@ -539,7 +549,7 @@ ssize_t StreamConnection::sendSome(
     return got;
   }
   while (true) {
-    ssize_t got = ::send(fd_, data, size, MSG_NOSIGNAL);
+    ssize_t got = counted(::send(fd_, data, size, MSG_NOSIGNAL));
     if (got > 0) {
       noteActivity();
       return got;

@@ -100,6 +100,8 @@ class Loop {
     std::atomic<uint64_t> frames{0}; // message frames queued
     std::atomic<uint64_t> controlFrames{0}; // connection and channel frames
     std::atomic<uint64_t> writes{0}; // sendmsg/send calls (TLS: writes)
+    // Bytes those calls put in the socket (TLS: plaintext bytes).
+    std::atomic<uint64_t> bytesWritten{0};
     std::atomic<uint64_t> reads{0}; // read/recvmsg calls (TLS: reads)
     std::atomic<uint64_t> wakes{0}; // the loop woken from another thread
     // Ready connections closed for their peer's silence (heartbeat_timeout).

@@ -31,6 +31,8 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
       {"control_frames_sent",
        loop_.io().controlFrames.load(std::memory_order_relaxed)},
       {"socket_writes", loop_.io().writes.load(std::memory_order_relaxed)},
+      {"socket_bytes_written",
+       loop_.io().bytesWritten.load(std::memory_order_relaxed)},
       {"socket_reads", loop_.io().reads.load(std::memory_order_relaxed)},
       {"loop_wakes", loop_.io().wakes.load(std::memory_order_relaxed)},
       {"heartbeat_timeouts",

@@ -1,0 +1,438 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// cuda_ring (cuda_ring_channel.h): the shared ring, receiving (the copies out of
+// its slots onto the device, the releases), and the channel's context.
+// Sending: cuda_ring_sender.cpp.
+#include "csrc/channel/cuda_ring/cuda_ring_channel.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/staging_pool.h"
+#include "csrc/channel/cuda/staging_thread.h"
+#include "csrc/channel/shm/slab.h"
+#include "csrc/common/exit_gate.h"
+#include "csrc/common/host.h"
+#include "csrc/common/libcuda.h"
+#include "csrc/common/logging.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+// ---- The ring ---------------------------------------------------------------
+
+std::shared_ptr<RingMemory> RingMemory::create(
+    uint64_t generation,
+    uint32_t slots,
+    uint64_t slotBytes) {
+  std::shared_ptr<RingMemory> r(new RingMemory());
+  r->file_ = shm::Slab::create(kRingHeaderBytes + slots * slotBytes);
+  r->wakeFd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (r->wakeFd_ < 0) {
+    throw std::runtime_error(errnoText("eventfd for a cuda_ring failed"));
+  }
+  r->generation_ = generation;
+  r->slots_ = slots;
+  r->slotBytes_ = slotBytes;
+  return r;
+}
+
+std::string RingMemory::attach(
+    const RingSetup& setup,
+    int memFd,
+    int wakeFd,
+    std::shared_ptr<RingMemory>* out) {
+  std::shared_ptr<RingMemory> r(new RingMemory());
+  r->wakeFd_ = wakeFd; // closed with `r` on every way out
+  if (setup.slots == 0 || setup.slots > kMaxRingSlots ||
+      setup.reserved != 0 || setup.slotBytes == 0 ||
+      setup.slotBytes > kMaxRingSlotBytes ||
+      setup.slotBytes % shm::kSlabPage != 0) {
+    ::close(memFd);
+    return "a ring of " + std::to_string(setup.slots) + " slots of " +
+        std::to_string(setup.slotBytes) + " bytes (at most " +
+        std::to_string(kMaxRingSlots) + " of " +
+        std::to_string(kMaxRingSlotBytes) + ", in whole pages)";
+  }
+  std::string why = shm::Slab::attach(
+      memFd, kRingHeaderBytes + setup.slots * setup.slotBytes, &r->file_);
+  if (!why.empty()) {
+    return why;
+  }
+  r->generation_ = setup.generation;
+  r->slots_ = setup.slots;
+  r->slotBytes_ = setup.slotBytes;
+  *out = std::move(r);
+  return {};
+}
+
+RingMemory::~RingMemory() {
+  if (pinnedDevice_ >= 0 && file_ && !ExitGate::closed()) {
+    try {
+      CurrentDevice current(pinnedDevice_);
+      TORCH_RPC_EXT_CUDA_CHECK(cuMemHostUnregister, slot(0));
+    } catch (const std::exception& e) {
+      logWarning(
+          std::string("torch_rpc_ext: cuda_ring could not unregister a "
+                      "ring: ") +
+          e.what());
+    }
+  }
+  if (wakeFd_ >= 0) {
+    ::close(wakeFd_);
+  }
+}
+
+char* RingMemory::slot(uint32_t i) const {
+  return file_->data() + kRingHeaderBytes + i * slotBytes_;
+}
+
+int RingMemory::memFd() const {
+  return file_->fd();
+}
+
+uint64_t RingMemory::released(uint32_t i) const {
+  return __atomic_load_n(
+      reinterpret_cast<uint64_t*>(file_->data() + i * kRingCounterStride),
+      __ATOMIC_ACQUIRE);
+}
+
+void RingMemory::release(uint32_t i) {
+  __atomic_fetch_add(
+      reinterpret_cast<uint64_t*>(file_->data() + i * kRingCounterStride),
+      1,
+      __ATOMIC_RELEASE);
+  uint64_t one = 1;
+  // Full (2^64 - 2 wake-ups pending) or closed: the sender wakes anyway.
+  (void)!::write(wakeFd_, &one, sizeof(one));
+}
+
+void RingMemory::drainWakeups() {
+  uint64_t n;
+  while (::read(wakeFd_, &n, sizeof(n)) == sizeof(n)) {
+  }
+}
+
+void RingMemory::pin(int device) {
+  std::lock_guard<std::mutex> lock(pinMu_);
+  if (pinnedDevice_ >= 0) {
+    return;
+  }
+  CurrentDevice current(device);
+  TORCH_RPC_EXT_CUDA_CHECK(
+      cuMemHostRegister,
+      slot(0),
+      slots_ * slotBytes_,
+      CU_MEMHOSTREGISTER_PORTABLE);
+  pinnedDevice_ = device;
+}
+
+// ---- Receiving --------------------------------------------------------------
+
+namespace {
+
+// The receiver's slots pinned, or (where the driver refuses to register
+// them) copied from as they are: a copy out of pageable memory is correct,
+// only slower (the driver runs it synchronously through a buffer of its
+// own). Said once per process.
+void pinOrWarn(RingMemory& ring, int device) {
+  try {
+    ring.pin(device);
+  } catch (const std::exception& e) {
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      logWarning(
+          std::string("torch_rpc_ext: cuda_ring could not pin a peer's "
+                      "ring, copies from it run at pageable speed: ") +
+          e.what());
+    });
+  }
+}
+
+} // namespace
+
+struct RingChannel::Landing {
+  StagingPool* pool = nullptr;
+  std::shared_ptr<StagingPool::Block> block;
+  CUstream stream = nullptr;
+  bool copied = false; // a copy onto the block was queued
+  // Our side could not land it (no device memory): its chunks are released
+  // unread and the message fails with this (frame::FailedRegion).
+  std::string failure;
+};
+
+RingChannel::RingChannel(
+    std::shared_ptr<const Context> context,
+    std::weak_ptr<Host> host,
+    SlotRingCounters& counters)
+    : Channel(std::move(context)),
+      host_(std::move(host)),
+      counters_(counters),
+      used_(std::chrono::steady_clock::now()) {}
+
+RingChannel::~RingChannel() {
+  abandonLanding();
+}
+
+int64_t RingChannel::onRecordFromLoop(
+    const frame::SegmentRecord& raw,
+    InboundSegment& segment) {
+  auto host = host_.lock();
+  SlotRecord record;
+  static_assert(sizeof(record) == sizeof(raw));
+  std::memcpy(&record, &raw, sizeof(record));
+  auto reject = [&](const std::string& why) -> int64_t {
+    if (host) {
+      host->rejectFromLoop("rejected frame: cuda_ring " + why);
+    }
+    return -1;
+  };
+  const std::shared_ptr<RingMemory> ring = ringIn_;
+  if (!ring || record.generation != ring->generation()) {
+    return reject("record names a ring that is not the peer's current one");
+  }
+  if (record.slot >= ring->slots() || record.bytes == 0 ||
+      record.bytes > ring->slotBytes() ||
+      record.bytes > segment.size - segment.filled) {
+    return reject(
+        "record of " + std::to_string(record.bytes) + " bytes in slot " +
+        std::to_string(record.slot) + " does not fit its ring or segment");
+  }
+  if (segment.device < 0 || segment.provided == nullptr) {
+    return reject(
+        "segment of " + std::to_string(segment.size) +
+        " bytes for a tensor this process keeps in host memory");
+  }
+  const bool last = segment.filled + record.bytes == segment.size;
+  if (segment.filled == 0) {
+    abandonLanding(); // none, unless the last frame broke off
+    landing_ = std::make_unique<Landing>();
+    try {
+      landing_->pool = &StagingPool::of(segment.device);
+      landing_->block = landing_->pool->takeBlock(segment.size);
+      landing_->stream = landing_->pool->copyStream();
+      pinOrWarn(*ring, segment.device);
+      if (landing_->block->used) {
+        CurrentDevice current(segment.device);
+        // The block's last user must be done before the copies overwrite it.
+        TORCH_RPC_EXT_CUDA_CHECK(
+            cuStreamWaitEvent, landing_->stream, landing_->block->lastUse, 0);
+      }
+    } catch (const std::exception& e) {
+      // Our shortage fails the message's call, not the connection.
+      abandonLanding();
+      landing_ = std::make_unique<Landing>();
+      landing_->failure = "cuda_ring could not land " +
+          std::to_string(segment.size) +
+          " bytes on cuda:" + std::to_string(segment.device) + ": " + e.what();
+      counters_.declined++;
+    }
+  }
+  Landing* l = landing_.get();
+  if (l == nullptr) {
+    return reject("record in the middle of a segment it did not begin");
+  }
+  if (!l->failure.empty()) {
+    ring->release(record.slot); // read by no one
+    if (last) {
+      *segment.provided = nullptr;
+      *segment.region = std::make_shared<frame::FailedRegion>(l->failure);
+      landing_.reset();
+    }
+    return record.bytes;
+  }
+  try {
+    CurrentDevice current(l->pool->device());
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuMemcpyHtoDAsync,
+        l->block->address + segment.filled,
+        ring->slot(record.slot),
+        record.bytes,
+        l->stream);
+    l->copied = true;
+    counters_.chunks++;
+    const uint32_t slot = record.slot;
+    // The slot goes back once the copy out of it has completed.
+    releaseAfter(
+        l->pool->device(), l->stream, [ring, slot] { ring->release(slot); });
+    if (!last) {
+      return record.bytes;
+    }
+    auto ready = l->pool->takeEvent();
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, ready.get(), l->stream);
+    *segment.provided = reinterpret_cast<void*>(l->block->address);
+    *segment.region = std::make_shared<PooledRegion>(
+        *l->pool,
+        std::move(l->block),
+        std::move(ready),
+        // The pool's stream lives as long as the process: not owned.
+        std::shared_ptr<CUstream_st>(l->stream, [](CUstream_st*) {}));
+  } catch (const std::exception& e) {
+    abandonLanding();
+    return reject(std::string("copying onto the device failed: ") + e.what());
+  }
+  landing_.reset();
+  counters_.received++;
+  counters_.receivedBytes += segment.size;
+  return record.bytes;
+}
+
+void RingChannel::abandonLanding() {
+  if (!landing_) {
+    return;
+  }
+  auto l = std::move(landing_);
+  if (!l->failure.empty() || !l->block) {
+    return;
+  }
+  try {
+    if (l->copied || l->block->used) {
+      // Copies may still write the block.
+      CurrentDevice current(l->pool->device());
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, l->block->lastUse, l->stream);
+      l->block->used = true;
+    }
+    l->pool->giveBlock(std::move(l->block));
+  } catch (const std::exception& e) {
+    logWarning(
+        std::string("torch_rpc_ext: cuda_ring keeps a landing block it "
+                    "could not release: ") +
+        e.what());
+  }
+}
+
+bool RingChannel::acceptsControlFrame(frame::FrameKind kind, uint32_t headLength)
+    const {
+  switch (context().wireIds().offsetOf(kind)) {
+    case kRingSetup:
+      return headLength == sizeof(RingSetup);
+    case kRingDrop:
+      return headLength == sizeof(uint64_t);
+    default:
+      return false;
+  }
+}
+
+bool RingChannel::onControlFrameFromLoop(
+    frame::FrameKind kind,
+    const std::string& head,
+    std::vector<int>& fds) {
+  auto host = host_.lock();
+  if (!host) {
+    return false;
+  }
+  if (context().wireIds().offsetOf(kind) == kRingDrop) {
+    uint64_t generation;
+    std::memcpy(&generation, head.data(), sizeof(generation));
+    if (!ringIn_ || ringIn_->generation() != generation) {
+      host->rejectFromLoop(
+          "rejected frame: the peer dropped a cuda_ring it never set up");
+      return false;
+    }
+    ringIn_.reset(); // copies still reading a slot hold it
+    return true;
+  }
+  if (fds.size() < 2) {
+    host->rejectFromLoop(
+        "rejected frame: cuda_ring setup without its descriptors");
+    return false;
+  }
+  RingSetup setup;
+  std::memcpy(&setup, head.data(), sizeof(setup));
+  int memFd = fds[0];
+  int wakeFd = fds[1];
+  fds.erase(fds.begin(), fds.begin() + 2);
+  std::shared_ptr<RingMemory> ring;
+  std::string why = RingMemory::attach(setup, memFd, wakeFd, &ring);
+  if (!why.empty()) {
+    host->rejectFromLoop("rejected cuda_ring: " + why);
+    return false;
+  }
+  ringIn_ = std::move(ring); // every record naming the last one came before
+  return true;
+}
+
+void RingChannel::onClosedFromLoop() {
+  abandonLanding();
+  if (watched_) {
+    if (auto host = host_.lock()) {
+      host->unwatchFromLoop(watched_->wakeFd());
+    }
+    watched_.reset();
+  }
+}
+
+// ---- The context ------------------------------------------------------------
+
+namespace {
+
+class RingContext final : public Context {
+ public:
+  explicit RingContext(WireIds ids) : Context(ids) {}
+
+  std::string name() const override {
+    return "cuda_ring";
+  }
+  DeviceKind device() const override {
+    return DeviceKind::kCuda;
+  }
+  Channel::Mode mode() const override {
+    return Channel::Mode::kChunks;
+  }
+  std::string unviableReason() const override {
+    std::call_once(probed_, [this] {
+      unviable_ = noCudaDeviceReason();
+      if (unviable_.empty() && bootId().empty()) {
+        unviable_ = "cannot identify this host's kernel (no boot id)";
+      }
+      if (unviable_.empty()) {
+        try {
+          shm::Slab::create(shm::kSlabPage); // memfds and their seals
+        } catch (const std::exception& e) {
+          unviable_ = e.what();
+        }
+      }
+    });
+    return unviable_;
+  }
+  // Two processes of one booted kernel: the ring is a memfd.
+  std::string domainDescriptor() const override {
+    return bootId();
+  }
+  bool needsDescriptorPassing() const override {
+    return true;
+  }
+  std::shared_ptr<Channel> open(std::weak_ptr<Host> host, const std::string&)
+      override {
+    return std::make_shared<RingChannel>(
+        shared_from_this(), std::move(host), counters_);
+  }
+  std::map<std::string, uint64_t> counters() const override {
+    return {
+        {"segments_sent", counters_.sent.load()},
+        {"bytes_sent", counters_.sentBytes.load()},
+        {"segments_received", counters_.received.load()},
+        {"bytes_received", counters_.receivedBytes.load()},
+        {"chunk_copies", counters_.chunks.load()},
+        {"made", counters_.created.load()},
+        {"dropped", counters_.dropped.load()},
+        {"declined", counters_.declined.load()},
+        {"slot_waits", counters_.slotWaits.load()},
+    };
+  }
+
+ private:
+  mutable std::once_flag probed_;
+  mutable std::string unviable_;
+  mutable SlotRingCounters counters_;
+};
+
+} // namespace
+
+std::shared_ptr<Context> createRingChannel(WireIds ids) {
+  return std::make_shared<RingContext>(ids);
+}
+
+} // namespace torch_rpc_ext::channel::cuda
