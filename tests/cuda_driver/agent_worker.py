@@ -266,6 +266,31 @@ def run_ring(rank: int, port: int, ctl, channels, target: int = DEVICE) -> None:
     ctl.send(out)
 
 
+def run_ring_idle(rank: int, port: int, ctl) -> None:
+    """A 2 MiB round trip through cuda_ring, a pause past the rings' idle
+    time (the test sets TORCH_RPC_EXT_CUDA_RING_IDLE_MS; heartbeat ticks
+    every 200 ms look for idle rings), then another: reports both sides'
+    counters after the pause and at the end, and whether the bytes came
+    back each time."""
+    import random
+
+    join_pair(rank, port, device_channels=("cuda_ring", "cuda_staged"), heartbeat_timeout=1)
+    out = {}
+    if rank == 0:
+        rng = random.Random(3)
+        out["back"] = []
+        for _ in range(2):
+            data = rng.randbytes(2 << 20)
+            back = rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(data),))
+            out["back"].append(tensor_bytes(back) == data)
+            time.sleep(1.5)
+            out.setdefault("ours", []).append(channel_counters("cuda_ring"))
+            out.setdefault("theirs", []).append(
+                rpc.rpc_sync("worker1", channel_counters, args=("cuda_ring",)))
+    rpc.shutdown()
+    ctl.send(out)
+
+
 def pageable_copies():
     stats = fake_stats()
     return stats["pageable_copies"] if stats else None

@@ -367,6 +367,21 @@ def test_large_cuda_tensors_go_through_a_shared_pinned_ring(spawn, monkeypatch, 
         assert caller["pageable"] == caller["callee_pageable"] == 0
 
 
+def test_an_idle_ring_is_dropped_and_made_again_when_needed(spawn, monkeypatch):
+    """A ring unused past TORCH_RPC_EXT_CUDA_RING_IDLE_MS with every slot
+    released is dropped (kRingDrop: the peer unmaps and unregisters it
+    too); the next large tensor makes a new one, which the peer accepts
+    after the drop."""
+    monkeypatch.setenv("TORCH_RPC_EXT_CUDA_RING_IDLE_MS", "300")
+    caller, _ = play_with(spawn, agent_worker.run_ring_idle)
+    assert caller["back"] == [True, True], caller
+    for side in ("ours", "theirs"):
+        first, last = caller[side]
+        assert (first["made"], first["dropped"]) == (1, 1), caller
+        assert (last["made"], last["dropped"]) == (2, 2), caller
+        assert last["segments_sent"] == last["segments_received"] == 2
+
+
 @two_devices
 def test_a_map_between_two_devices_goes_peer_to_peer(spawn, monkeypatch):
     """A map from cuda:0 to the peer's cuda:1 on one node whose devices reach

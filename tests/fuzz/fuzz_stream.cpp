@@ -11,7 +11,8 @@
 // fake, in its device memory), and, with a CUDA driver (run.sh points
 // TORCH_RPC_EXT_LIBCUDA at the fake of tests/cuda_fake), cuda_ipc: block
 // setups, block records of every kind (views, hand-backs, copies out of legacy
-// blocks), releases and drops.
+// blocks), releases and drops; and cuda_ring: ring setups (garbage ones
+// too), chunk records and drops.
 //
 // Input: one setup byte, then the bytes the peer sends, fed to a fresh
 // connection in pieces of up to 257 bytes at a time (so every phase of the
@@ -20,8 +21,9 @@
 // and eventfd), so chunk records are checked against a mapped ring; bit 1:
 // likewise a real sealed 64 KiB slab, id 1; with the driver, bit 2: a real
 // 2 MiB cuda_ipc block (the fake's memory exported as a descriptor), id 1,
-// and bit 3: a real 2 MiB legacy block (a legacy IPC handle), id 2. Bits
-// 2-7 also pick the piece size. The layout of a frame is in
+// bit 3: a real 2 MiB legacy block (a legacy IPC handle), id 2, and bit 4:
+// a real cuda_ring of 2 slots of 64 KiB, generation 1 (its memfd and
+// eventfd). Bits 2-7 also pick the piece size. The layout of a frame is in
 // docs/wire-format.md; make_seeds.py writes valid ones.
 //
 // A finding: a sanitizer report, a crash or a hang; a frame delivered with a
@@ -42,6 +44,7 @@
 
 #include "csrc/channel/cuda_ipc/block.h"
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
+#include "csrc/channel/cuda_ring/cuda_ring_channel.h"
 #include "csrc/channel/registry.h"
 #include "csrc/channel/shm/context.h"
 #include "csrc/channel/shm/ring.h"
@@ -170,6 +173,7 @@ struct Harness {
           "TORCH_RPC_EXT_LIBCUDA");
       channel::setCudaKernels(fakeKernels());
       names.push_back("cuda_ipc");
+      names.push_back("cuda_ring");
       cuda = true;
     }
     for (const char* name : names) {
@@ -273,6 +277,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     open = conn->feedForTesting(frame.data(), frame.size(), fds);
     FUZZ_CHECK(open, "a valid cuda_ipc block setup was refused");
     blocks.push_back(std::move(block));
+  }
+  // The peer's cuda_ring (the sender's side) stays ours too.
+  std::shared_ptr<channel::cuda::RingMemory> cudaRing;
+  if (open && h.cuda && (setup & 16)) {
+    cudaRing = channel::cuda::RingMemory::create(1, 2, 64 << 10);
+    channel::cuda::RingSetup ringSetup{1, 2, 0, 64 << 10};
+    std::string frame = header(
+        h.channel("cuda_ring").wireIds().kind(channel::cuda::kRingSetup),
+        sizeof(ringSetup));
+    frame.append(reinterpret_cast<const char*>(&ringSetup), sizeof(ringSetup));
+    open = conn->feedForTesting(
+        frame.data(),
+        frame.size(),
+        {::dup(cudaRing->memFd()), ::dup(cudaRing->wakeFd())});
+    FUZZ_CHECK(open, "a valid cuda_ring setup was refused");
   }
   std::string rest = in.takeRest();
   size_t at = 0;

@@ -333,6 +333,13 @@ LANES_OFFER, LANES_ABANDON = 48, 49
 LANES_BIT = 5 << 56
 
 
+# cuda_ring, the seventh: kinds 64 (setup), 65 (drop), segment top byte 7,
+# records {uint64 generation, uint32 slot, uint32 bytes}; setup bit 4.
+CUDA_RING_SETUP, CUDA_RING_DROP = 64, 65
+CUDA_RING_BIT = 7 << 56
+STREAM_CUDA_RING = 16
+
+
 def stream_seeds():
     ping, pong = frame_header(5), frame_header(6)
     write("stream", "lanes-offer",
@@ -389,7 +396,23 @@ def stream_seeds():
           + message([b"p", u32(1) + u32(IPC_RETURNED) + u64(0)], lengths=[1, 64 | IPC_BIT])
           + frame_header(IPC_RELEASE, head=8) + u32(1) + u32(2))
     write("stream", "unknown-channel",
-          bytes([STREAM_RING | STREAM_SLAB]) + message([u64(0) + u64(0)], lengths=[4096 | (7 << 56)]))
+          bytes([STREAM_RING | STREAM_SLAB]) + message([u64(0) + u64(0)], lengths=[4096 | (9 << 56)]))
+    # cuda_ring (channel 7, kinds 64-65; with the fake driver, setup bit 4:
+    # a ring of 2 slots of 64 KiB, generation 1): segment 1 goes to cuda:0
+    # in two chunks through slots 0 and 1, then the ring is dropped; a
+    # record past its slot; a record for host memory; a setup of garbage.
+    cuda_ring = message([b"p" * 8, u64(1) + u32(0) + u32(65536) + u64(1) + u32(1) + u32(4464)],
+                        flags=1, lengths=[8, 70000 | CUDA_RING_BIT])
+    write("stream", "cuda-ring-chunks",
+          bytes([STREAM_CUDA_RING]) + cuda_ring + frame_header(CUDA_RING_DROP, head=8) + u64(1))
+    write("stream", "cuda-ring-overrun",
+          bytes([STREAM_CUDA_RING]) + message([b"p", u64(1) + u32(1) + u32(70000)], flags=1,
+                                              lengths=[1, 70000 | CUDA_RING_BIT]))
+    write("stream", "cuda-ring-host",
+          bytes([STREAM_CUDA_RING]) + message([u64(1) + u32(0) + u32(100)], flags=1,
+                                              lengths=[100 | CUDA_RING_BIT]) + ping)
+    write("stream", "cuda-ring-setup-garbage",
+          bytes([0]) + frame_header(CUDA_RING_SETUP, head=24) + u64(2) + u32(65) + u32(0) + u64(4096))
 
 
 if __name__ == "__main__":

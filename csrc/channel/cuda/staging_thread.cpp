@@ -168,8 +168,9 @@ void releaseAfter(int device, CUstream stream, std::function<void()> release) {
     return;
   }
   StagingThread::get().add(
-      {device, std::move(done), [release = std::move(release)](
-                                    const std::string&) { release(); }});
+      {device,
+       std::move(done),
+       [release = std::move(release)](const std::string&) { release(); }});
 }
 
 } // namespace torch_rpc_ext::channel::cuda

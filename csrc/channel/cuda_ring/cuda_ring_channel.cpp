@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// cuda_ring (cuda_ring_channel.h): the shared ring, receiving (the copies out of
-// its slots onto the device, the releases), and the channel's context.
+// cuda_ring (cuda_ring_channel.h): the shared ring, receiving (the copies out
+// of its slots onto the device, the releases), and the channel's context.
 // Sending: cuda_ring_sender.cpp.
 #include "csrc/channel/cuda_ring/cuda_ring_channel.h"
 
@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "csrc/channel/cuda/device.h"
@@ -46,9 +47,8 @@ std::string RingMemory::attach(
     std::shared_ptr<RingMemory>* out) {
   std::shared_ptr<RingMemory> r(new RingMemory());
   r->wakeFd_ = wakeFd; // closed with `r` on every way out
-  if (setup.slots == 0 || setup.slots > kMaxRingSlots ||
-      setup.reserved != 0 || setup.slotBytes == 0 ||
-      setup.slotBytes > kMaxRingSlotBytes ||
+  if (setup.slots == 0 || setup.slots > kMaxRingSlots || setup.reserved != 0 ||
+      setup.slotBytes == 0 || setup.slotBytes > kMaxRingSlotBytes ||
       setup.slotBytes % shm::kSlabPage != 0) {
     ::close(memFd);
     return "a ring of " + std::to_string(setup.slots) + " slots of " +
@@ -75,8 +75,9 @@ RingMemory::~RingMemory() {
       TORCH_RPC_EXT_CUDA_CHECK(cuMemHostUnregister, slot(0));
     } catch (const std::exception& e) {
       logWarning(
-          std::string("torch_rpc_ext: cuda_ring could not unregister a "
-                      "ring: ") +
+          std::string(
+              "torch_rpc_ext: cuda_ring could not unregister a "
+              "ring: ") +
           e.what());
     }
   }
@@ -144,8 +145,9 @@ void pinOrWarn(RingMemory& ring, int device) {
     static std::once_flag said;
     std::call_once(said, [&] {
       logWarning(
-          std::string("torch_rpc_ext: cuda_ring could not pin a peer's "
-                      "ring, copies from it run at pageable speed: ") +
+          std::string(
+              "torch_rpc_ext: cuda_ring could not pin a peer's "
+              "ring, copies from it run at pageable speed: ") +
           e.what());
     });
   }
@@ -297,14 +299,16 @@ void RingChannel::abandonLanding() {
     l->pool->giveBlock(std::move(l->block));
   } catch (const std::exception& e) {
     logWarning(
-        std::string("torch_rpc_ext: cuda_ring keeps a landing block it "
-                    "could not release: ") +
+        std::string(
+            "torch_rpc_ext: cuda_ring keeps a landing block it "
+            "could not release: ") +
         e.what());
   }
 }
 
-bool RingChannel::acceptsControlFrame(frame::FrameKind kind, uint32_t headLength)
-    const {
+bool RingChannel::acceptsControlFrame(
+    frame::FrameKind kind,
+    uint32_t headLength) const {
   switch (context().wireIds().offsetOf(kind)) {
     case kRingSetup:
       return headLength == sizeof(RingSetup);
@@ -368,6 +372,26 @@ void RingChannel::onClosedFromLoop() {
 
 namespace {
 
+std::atomic<int64_t> idleMs{kRingIdleMs};
+
+// $TORCH_RPC_EXT_CUDA_RING_IDLE_MS, or why it cannot be used ("" if unset or
+// good).
+std::string readIdleMs() {
+  const char* v = std::getenv("TORCH_RPC_EXT_CUDA_RING_IDLE_MS");
+  if (v == nullptr || *v == '\0') {
+    return {};
+  }
+  char* end = nullptr;
+  errno = 0;
+  const long long ms = std::strtoll(v, &end, 10);
+  if (errno != 0 || end == v || *end != '\0' || ms < 0 || ms > 600000) {
+    return std::string("TORCH_RPC_EXT_CUDA_RING_IDLE_MS=") + v +
+        " is not a whole number of milliseconds from 0 to 600000";
+  }
+  idleMs = ms;
+  return {};
+}
+
 class RingContext final : public Context {
  public:
   explicit RingContext(WireIds ids) : Context(ids) {}
@@ -383,7 +407,10 @@ class RingContext final : public Context {
   }
   std::string unviableReason() const override {
     std::call_once(probed_, [this] {
-      unviable_ = noCudaDeviceReason();
+      unviable_ = readIdleMs();
+      if (unviable_.empty()) {
+        unviable_ = noCudaDeviceReason();
+      }
       if (unviable_.empty() && bootId().empty()) {
         unviable_ = "cannot identify this host's kernel (no boot id)";
       }
@@ -430,6 +457,10 @@ class RingContext final : public Context {
 };
 
 } // namespace
+
+int64_t ringIdleMs() {
+  return idleMs.load(std::memory_order_relaxed);
+}
 
 std::shared_ptr<Context> createRingChannel(WireIds ids) {
   return std::make_shared<RingContext>(ids);

@@ -49,6 +49,10 @@ constexpr uint32_t kRingSlots = 8;
 constexpr uint64_t kRingSlotBytes = uint64_t(4) << 20;
 constexpr uint64_t kRingMinSegment = uint64_t(1) << 20;
 constexpr int64_t kRingIdleMs = 5000;
+// How long an idle ring stays: kRingIdleMs, or
+// $TORCH_RPC_EXT_CUDA_RING_IDLE_MS (0 to 600000) where the context's probe
+// read it.
+int64_t ringIdleMs();
 // The header before the slots: a release counter per slot, a cache line
 // each.
 constexpr uint64_t kRingHeaderBytes = 4096;
@@ -162,7 +166,8 @@ class RingChannel final : public Channel,
       SlotRingCounters& counters);
   ~RingChannel() override;
 
-  // ---- Sender (cuda_ring_sender.cpp) -------------------------------------------
+  // ---- Sender (cuda_ring_sender.cpp)
+  // -------------------------------------------
   bool takeChunks(
       const frame::OutboundFrame::Segment& segment,
       std::shared_ptr<StagedOut>* staged) override;
@@ -175,7 +180,8 @@ class RingChannel final : public Channel,
       std::string* error) override;
   std::optional<ControlFrame> dropIfIdleLocked() override;
 
-  // ---- Receiver (cuda_ring_channel.cpp) ----------------------------------------
+  // ---- Receiver (cuda_ring_channel.cpp)
+  // ----------------------------------------
   bool acceptsRecords() const override {
     return ringIn_ != nullptr;
   }

@@ -8,8 +8,8 @@
 
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/staging_pool.h"
-#include "csrc/channel/cuda_ring/cuda_ring_channel.h"
 #include "csrc/channel/cuda/staging_thread.h"
+#include "csrc/channel/cuda_ring/cuda_ring_channel.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
 
@@ -112,8 +112,9 @@ bool RingChannel::takeChunks(
     } catch (const std::exception& e) {
       counters_.declined++;
       logDebug(
-          std::string("torch_rpc_ext: cuda_ring made no ring, cuda_staged "
-                      "takes the segment: ") +
+          std::string(
+              "torch_rpc_ext: cuda_ring made no ring, cuda_staged "
+              "takes the segment: ") +
           e.what());
       return false;
     }
@@ -300,8 +301,8 @@ void RingChannel::forget(RingOut& out) {
       continue;
     }
     // A copy still running frees its slot when it completes.
-    slots_[chunk.slot] = slots_[chunk.slot] == Slot::kCopying ? Slot::kOrphan
-                                                              : Slot::kFree;
+    slots_[chunk.slot] =
+        slots_[chunk.slot] == Slot::kCopying ? Slot::kOrphan : Slot::kFree;
   }
   out.chunks_.clear();
 }
@@ -313,7 +314,7 @@ std::optional<ControlFrame> RingChannel::dropIfIdleLocked() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!out_ ||
         std::chrono::steady_clock::now() - used_ <
-            std::chrono::milliseconds(kRingIdleMs)) {
+            std::chrono::milliseconds(ringIdleMs())) {
       return std::nullopt;
     }
     reclaimLocked();
