@@ -216,6 +216,7 @@ def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
 RING_SIZES = (40 << 20, (5 << 20) + 123, 1 << 20)  # past the ring; odd; its minimum
 RING_CONCURRENT = 4  # calls of RING_CONCURRENT_BYTES at once, both ways
 RING_CONCURRENT_BYTES = 12 << 20
+RING_VIEW_SPAN = 4 << 20  # a float32 1024 x 1024, every other column sent
 
 
 def big_cuda_tensor(data: bytes) -> torch.Tensor:
@@ -251,6 +252,12 @@ def run_ring(rank: int, port: int, ctl, channels, target: int = DEVICE) -> None:
             backs = [rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(d),))
                      for d in datas]
             out["back"] = [(str(b.device), tensor_bytes(b) == d) for b, d in zip(backs, datas)]
+            # A strided view (every other column of 4 MiB): packed on the
+            # device as it is copied at the send, then through the ring.
+            view, packed = cuda_view(rng.randbytes(RING_VIEW_SPAN), (1024, 1024),
+                                     (slice(None), slice(0, None, 2)))
+            back = rpc.rpc_sync("worker1", identity, args=(view,))
+            out["view"] = (tuple(back.shape), tensor_bytes(back) == packed)
             datas = [rng.randbytes(RING_CONCURRENT_BYTES) for _ in range(RING_CONCURRENT)]
             futs = [rpc.rpc_async("worker1", identity, args=(big_cuda_tensor(d),))
                     for d in datas]

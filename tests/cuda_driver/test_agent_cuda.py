@@ -204,16 +204,17 @@ def test_out_of_device_memory_frees_torchs_cache_and_tries_again(spawn, monkeypa
 @pytest.mark.skipif(REAL_DRIVER, reason="the fake's memory limit")
 def test_still_out_of_device_memory_declines_to_the_next_channel(spawn, monkeypatch):
     """Live tensors hold worker0's device: after torch freed its (empty)
-    cache the block still does not fit, so cuda_ipc declines the segment and
-    cuda_ring (pinned host memory on the sending side, as cuda_staged's
-    where the peer is on another host) carries it."""
+    cache the block still does not fit, so cuda_ipc declines the segment;
+    cuda_ring, whose snapshot of the tensor needs a device block too,
+    declines it as well, and cuda_staged (pinned host memory on the sending
+    side) carries it."""
     monkeypatch.setenv("FAKE_CUDA_MEM_LIMIT", str(16 << 20))
     caller, _ = play_with(spawn, agent_worker.run_memory, "held")
     assert caller.get("back") is True, caller
     assert caller["memory"]["oom_retries"] >= 1
     assert caller["memory"]["ipc_declined_memory"] >= 1
-    assert caller["ipc"]["segments"] == 0 and caller["ring"]["segments_sent"] == 1
-    assert caller["staged"]["segments_sent"] == 0
+    assert caller["ipc"]["segments"] == 0 and caller["ring"]["segments_sent"] == 0
+    assert caller["ring"]["declined"] >= 1 and caller["staged"]["segments_sent"] == 1
     assert caller["memory"]["ipc_block_bytes"] == 0
 
 
@@ -338,7 +339,8 @@ def test_large_cuda_tensors_go_through_a_shared_pinned_ring(spawn, monkeypatch, 
     copies each 4 MiB chunk out of its device into a slot of a pinned memfd
     ring both processes registered, the receiver copies the slot onto its
     device and releases it through the ring's header. A 40 MiB tensor
-    reuses the 8 slots within itself; four 12 MiB calls at once wait on
+    reuses the 8 slots within itself; a strided view is packed as it is
+    copied at the send; four 12 MiB calls at once wait on
     both directions' releases at the same time. Nothing goes through
     cuda_staged (the socket), and no copy reads or writes pageable memory
     (the fake counts copies whose host side is neither cuMemHostAlloc's nor
@@ -349,15 +351,17 @@ def test_large_cuda_tensors_go_through_a_shared_pinned_ring(spawn, monkeypatch, 
     assert "error" not in caller, caller.get("error")
     assert caller["back"] == [("cuda:0", True)] * len(agent_worker.RING_SIZES)
     assert caller["concurrent"] == [True] * agent_worker.RING_CONCURRENT
+    assert caller["view"] == ((1024, 512), True)
     ours, theirs = caller["counters"]["cuda_ring"], caller["callee_counters"]["cuda_ring"]
-    total = sum(agent_worker.RING_SIZES) + (
+    view = agent_worker.RING_VIEW_SPAN // 2
+    total = sum(agent_worker.RING_SIZES) + view + (
         agent_worker.RING_CONCURRENT * agent_worker.RING_CONCURRENT_BYTES)
-    calls = len(agent_worker.RING_SIZES) + agent_worker.RING_CONCURRENT
+    calls = len(agent_worker.RING_SIZES) + 1 + agent_worker.RING_CONCURRENT
     assert ours["segments_sent"] == theirs["segments_received"] == calls
     assert theirs["segments_sent"] == ours["segments_received"] == calls
     assert ours["bytes_sent"] == theirs["bytes_received"] == total
     assert ours["made"] == theirs["made"] == 1  # one ring per direction
-    chunks = sum(-(-n // (4 << 20)) for n in agent_worker.RING_SIZES) + (
+    chunks = sum(-(-n // (4 << 20)) for n in agent_worker.RING_SIZES) + 1 + (
         agent_worker.RING_CONCURRENT * 3)
     assert ours["chunk_copies"] == theirs["chunk_copies"] == 2 * chunks  # out and in
     assert ours["declined"] == theirs["declined"] == 0

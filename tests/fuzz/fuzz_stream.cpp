@@ -23,7 +23,8 @@
 // 2 MiB cuda_ipc block (the fake's memory exported as a descriptor), id 1,
 // bit 3: a real 2 MiB legacy block (a legacy IPC handle), id 2, and bit 4:
 // a real cuda_ring of 2 slots of 64 KiB, generation 1 (its memfd and
-// eventfd). Bits 2-7 also pick the piece size. The layout of a frame is in
+// eventfd), and bit 5: a cuda_ring setup whose wake-up is a pipe (refused,
+// checked). Bits 2-7 also pick the piece size. The layout of a frame is in
 // docs/wire-format.md; make_seeds.py writes valid ones.
 //
 // A finding: a sanitizer report, a crash or a hang; a frame delivered with a
@@ -292,6 +293,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         frame.size(),
         {::dup(cudaRing->memFd()), ::dup(cudaRing->wakeFd())});
     FUZZ_CHECK(open, "a valid cuda_ring setup was refused");
+  }
+  if (open && h.cuda && (setup & 32)) {
+    // A setup whose wake-up is a pipe, not an eventfd: a full pipe would
+    // block the receiver's staging thread on a release. Refused.
+    auto ring = channel::cuda::RingMemory::create(2, 2, 64 << 10);
+    channel::cuda::RingSetup ringSetup{2, 2, 0, 64 << 10};
+    std::string frame = header(
+        h.channel("cuda_ring").wireIds().kind(channel::cuda::kRingSetup),
+        sizeof(ringSetup));
+    frame.append(reinterpret_cast<const char*>(&ringSetup), sizeof(ringSetup));
+    int pipeFds[2];
+    FUZZ_CHECK(::pipe(pipeFds) == 0, "pipe");
+    ::close(pipeFds[0]);
+    const bool accepted = conn->feedForTesting(
+        frame.data(), frame.size(), {::dup(ring->memFd()), pipeFds[1]});
+    FUZZ_CHECK(!accepted, "a cuda_ring setup with a pipe for its eventfd");
+    open = false;
   }
   std::string rest = in.takeRest();
   size_t at = 0;

@@ -411,6 +411,7 @@ def stream_seeds():
     write("stream", "cuda-ring-host",
           bytes([STREAM_CUDA_RING]) + message([u64(1) + u32(0) + u32(100)], flags=1,
                                               lengths=[100 | CUDA_RING_BIT]) + ping)
+    write("stream", "cuda-ring-pipe-wake", bytes([32]) + ping)
     write("stream", "cuda-ring-setup-garbage",
           bytes([0]) + frame_header(CUDA_RING_SETUP, head=24) + u64(2) + u32(65) + u32(0) + u64(4096))
 

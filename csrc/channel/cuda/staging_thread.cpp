@@ -114,6 +114,18 @@ class StagingThread {
   // Whether `item` is done with (its copy completed, or failed).
   static bool poll(Item& item) {
     std::string error;
+    if (!item.copied) {
+      // Work with nothing to wait for (runOnStagingThread()).
+      auto done = std::move(item.done);
+      try {
+        done(error);
+      } catch (const std::exception& e) {
+        logWarning(
+            std::string("torch_rpc_ext: staging thread work threw: ") +
+            e.what());
+      }
+      return true;
+    }
     try {
       CurrentDevice current(item.device);
       CUresult rc = libcuda().cuEventQuery(item.copied.get());
@@ -143,6 +155,11 @@ class StagingThread {
 };
 
 } // namespace
+
+void runOnStagingThread(std::function<void()> fn) {
+  StagingThread::get().add(
+      {-1, nullptr, [fn = std::move(fn)](const std::string&) { fn(); }});
+}
 
 void whenComplete(
     int device,

@@ -25,6 +25,10 @@ void whenComplete(
     PooledEvent event,
     std::function<void(const std::string& error)> done);
 
+// Runs `fn` on the staging thread soon (what must not run on a transport
+// loop: unregistering or freeing pinned memory may wait for the device).
+void runOnStagingThread(std::function<void()> fn);
+
 // Runs `release` once the work queued on `stream` (of `device`) so far has
 // completed, on the staging thread (also where that work failed: a failed
 // stream reads nothing more). Where no event can be recorded, waits for the

@@ -4,6 +4,7 @@
 // Sending: cuda_ring_sender.cpp.
 #include "csrc/channel/cuda_ring/cuda_ring_channel.h"
 
+#include <fcntl.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -24,11 +25,23 @@ namespace torch_rpc_ext::channel::cuda {
 
 // ---- The ring ---------------------------------------------------------------
 
+namespace {
+
+// Unregistering and unmapping pinned memory may wait for the device: never
+// on a transport loop, so the last holder's release runs on the staging
+// thread, wherever it lets go.
+std::shared_ptr<RingMemory> ownedOffLoop(RingMemory* r) {
+  return std::shared_ptr<RingMemory>(
+      r, [](RingMemory* m) { runOnStagingThread([m] { delete m; }); });
+}
+
+} // namespace
+
 std::shared_ptr<RingMemory> RingMemory::create(
     uint64_t generation,
     uint32_t slots,
     uint64_t slotBytes) {
-  std::shared_ptr<RingMemory> r(new RingMemory());
+  auto r = ownedOffLoop(new RingMemory());
   r->file_ = shm::Slab::create(kRingHeaderBytes + slots * slotBytes);
   r->wakeFd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (r->wakeFd_ < 0) {
@@ -45,16 +58,32 @@ std::string RingMemory::attach(
     int memFd,
     int wakeFd,
     std::shared_ptr<RingMemory>* out) {
-  std::shared_ptr<RingMemory> r(new RingMemory());
+  std::unique_ptr<RingMemory> r(new RingMemory());
   r->wakeFd_ = wakeFd; // closed with `r` on every way out
   if (setup.slots == 0 || setup.slots > kMaxRingSlots || setup.reserved != 0 ||
       setup.slotBytes == 0 || setup.slotBytes > kMaxRingSlotBytes ||
-      setup.slotBytes % shm::kSlabPage != 0) {
+      setup.slotBytes % shm::kSlabPage != 0 ||
+      setup.slots * setup.slotBytes > kMaxRingBytes) {
     ::close(memFd);
     return "a ring of " + std::to_string(setup.slots) + " slots of " +
         std::to_string(setup.slotBytes) + " bytes (at most " +
         std::to_string(kMaxRingSlots) + " of " +
-        std::to_string(kMaxRingSlotBytes) + ", in whole pages)";
+        std::to_string(kMaxRingSlotBytes) + ", in whole pages, " +
+        std::to_string(kMaxRingBytes) + " in all)";
+  }
+  // The sender's wake-up must be a non-blocking eventfd: a write to a pipe
+  // or a socket nobody reads would block the staging thread.
+  char link[64] = {};
+  const std::string self = "/proc/self/fd/" + std::to_string(wakeFd);
+  const ssize_t n = ::readlink(self.c_str(), link, sizeof(link) - 1);
+  if (n <= 0 || std::string(link, n) != "anon_inode:[eventfd]") {
+    ::close(memFd);
+    return "its wake-up descriptor is not an eventfd";
+  }
+  const int flags = ::fcntl(wakeFd, F_GETFL);
+  if (flags < 0 || ::fcntl(wakeFd, F_SETFL, flags | O_NONBLOCK) != 0) {
+    ::close(memFd);
+    return errnoText("making the ring's eventfd non-blocking failed");
   }
   std::string why = shm::Slab::attach(
       memFd, kRingHeaderBytes + setup.slots * setup.slotBytes, &r->file_);
@@ -64,7 +93,7 @@ std::string RingMemory::attach(
   r->generation_ = setup.generation;
   r->slots_ = setup.slots;
   r->slotBytes_ = setup.slotBytes;
-  *out = std::move(r);
+  *out = ownedOffLoop(r.release());
   return {};
 }
 
@@ -121,12 +150,20 @@ void RingMemory::pin(int device) {
   if (pinnedDevice_ >= 0) {
     return;
   }
-  CurrentDevice current(device);
-  TORCH_RPC_EXT_CUDA_CHECK(
-      cuMemHostRegister,
-      slot(0),
-      slots_ * slotBytes_,
-      CU_MEMHOSTREGISTER_PORTABLE);
+  if (!pinError_.empty()) {
+    throw std::runtime_error(pinError_); // tried once: no second wait
+  }
+  try {
+    CurrentDevice current(device);
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuMemHostRegister,
+        slot(0),
+        slots_ * slotBytes_,
+        CU_MEMHOSTREGISTER_PORTABLE);
+  } catch (const std::exception& e) {
+    pinError_ = e.what();
+    throw;
+  }
   pinnedDevice_ = device;
 }
 
@@ -256,9 +293,31 @@ int64_t RingChannel::onRecordFromLoop(
     l->copied = true;
     counters_.chunks++;
     const uint32_t slot = record.slot;
-    // The slot goes back once the copy out of it has completed.
-    releaseAfter(
-        l->pool->device(), l->stream, [ring, slot] { ring->release(slot); });
+    const int device = l->pool->device();
+    // The slot goes back once the copy out of it has completed; a copy
+    // that failed leaves a tensor that must not be used: the connection
+    // closes (as the device's next use would fail anyway).
+    auto copied = l->pool->takeEvent();
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, copied.get(), l->stream);
+    std::weak_ptr<Host> weakHost = host_;
+    whenComplete(
+        device,
+        std::move(copied),
+        [ring, slot, weakHost, device](const std::string& error) {
+          ring->release(slot);
+          if (error.empty()) {
+            return;
+          }
+          if (auto h = weakHost.lock()) {
+            h->post([weakHost, device, error] {
+              if (auto host = weakHost.lock()) {
+                host->rejectFromLoop(
+                    "cuda_ring: copying a chunk onto cuda:" +
+                    std::to_string(device) + " failed: " + error);
+              }
+            });
+          }
+        });
     if (!last) {
       return record.bytes;
     }

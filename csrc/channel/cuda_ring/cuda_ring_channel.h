@@ -26,9 +26,11 @@ namespace torch_rpc_ext::channel::cuda {
 //
 // The sender owns the ring: a sealed memfd of kRingSlots slots of
 // kRingSlotBytes, registered with the driver (cuMemHostRegister) in both
-// processes, and an eventfd. A segment goes in chunks of one slot: once the
-// caller's stream has passed the send (an event the staging thread polls),
-// the sender copies chunk k out of the device into a free slot, and when
+// processes, and an eventfd. At the send the tensor is copied on the
+// caller's stream into a device block of the pool (its value at the send
+// travels; a strided view is packed); once that copy has completed (an
+// event the staging thread polls) the segment goes in chunks of one slot:
+// the sender copies chunk k out of the block into a free slot, and when
 // that copy has completed puts a SlotRecord naming the slot in the stream,
 // while the next chunks are still copying. The receiver copies the slot onto
 // its device (the block its tensor will view, as cuda_staged's) and, once
@@ -42,8 +44,8 @@ namespace torch_rpc_ext::channel::cuda {
 //
 // Memory is paid for by use: a connection makes its ring for its first
 // segment of kRingMinSegment or more, and drops it (kRingDrop) after
-// kRingIdleMs unused. Segments below that, and strided views, are left to
-// cuda_staged (which gathers and packs them).
+// kRingIdleMs unused. Segments below that are left to cuda_staged (which
+// gathers them into one copy).
 
 constexpr uint32_t kRingSlots = 8;
 constexpr uint64_t kRingSlotBytes = uint64_t(4) << 20;
@@ -59,6 +61,8 @@ constexpr uint64_t kRingHeaderBytes = 4096;
 constexpr uint64_t kRingCounterStride = 64;
 constexpr uint32_t kMaxRingSlots = kRingHeaderBytes / kRingCounterStride;
 constexpr uint64_t kMaxRingSlotBytes = uint64_t(64) << 20;
+// The most a peer's ring may be (what the receiver maps and pins for it).
+constexpr uint64_t kMaxRingBytes = uint64_t(256) << 20;
 
 // Its control frames (WireIds::kind offsets; docs/wire-format.md).
 enum RingFrame : uint8_t {
@@ -153,6 +157,7 @@ class RingMemory {
   uint64_t slotBytes_ = 0;
   std::mutex pinMu_;
   int pinnedDevice_ = -1;
+  std::string pinError_; // the registration failed once: why
 };
 
 class RingOut;
@@ -213,6 +218,8 @@ class RingChannel final : public Channel,
   // their slots back.
   void forget(RingOut& out);
   void watchFromLoop(const std::shared_ptr<RingMemory>& ring);
+  // A copy failed (the staging thread): the connection closes naming it.
+  void failFromStagingThread(const std::string& why);
   void retire(std::shared_ptr<RingMemory> ring);
   void wakeWriter();
 
@@ -229,6 +236,7 @@ class RingChannel final : public Channel,
   uint64_t nextGeneration_ = 1;
   std::vector<Slot> slots_;
   std::vector<uint64_t> sentCount_; // records sent per slot
+  size_t outs_ = 0; // segments taken whose frames are not done with
 
   std::shared_ptr<RingMemory> watched_; // loop thread: its eventfd
   std::shared_ptr<RingMemory> ringIn_; // the peer's (loop thread)

@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/engines.h"
 #include "csrc/channel/cuda/staging_pool.h"
 #include "csrc/channel/cuda/staging_thread.h"
 #include "csrc/channel/cuda_ring/cuda_ring_channel.h"
@@ -35,12 +36,30 @@ CUstream outStream(int device) {
   return streams[device];
 }
 
+// When the last ring failed to be made or pinned in this process (steady
+// clock ticks; 0: never): for a minute after, segments go to cuda_staged at
+// once rather than each paying for a ring that will fail again.
+std::atomic<int64_t> ringFailedAt{0};
+constexpr std::chrono::seconds kRingRetryAfter{60};
+
+bool ringFailedRecently() {
+  const int64_t at = ringFailedAt.load(std::memory_order_relaxed);
+  return at != 0 &&
+      std::chrono::steady_clock::now() -
+          std::chrono::steady_clock::time_point(
+              std::chrono::steady_clock::duration(at)) <
+      kRingRetryAfter;
+}
+
 } // namespace
 
-// A segment on its way out: copied into slots chunk by chunk as the stream
-// asks for them. Its bytes are ready at the source (readyBytes() is its
-// size) once the caller's stream has passed the send; until then its frame
-// does not start.
+// A segment on its way out. At the send, its bytes are copied on the
+// caller's stream into a block of the device's pool (a strided view packed
+// as it is copied): the value at the time of the send travels, whatever the
+// caller queues there afterwards, and the caller's stream never waits for
+// the ring. Once that copy has completed (readyBytes() is then its size;
+// until then its frame does not start), the block is copied into slots
+// chunk by chunk as the stream asks for them.
 class RingOut final : public StagedOut {
  public:
   struct Chunk {
@@ -51,16 +70,39 @@ class RingOut final : public StagedOut {
 
   RingOut(
       std::weak_ptr<RingChannel> channel,
-      const frame::OutboundFrame::Segment& segment)
+      const frame::OutboundFrame::Segment& segment,
+      StagingPool& pool,
+      std::shared_ptr<StagingPool::Block> block,
+      PooledEvent snapshot)
       : channel_(std::move(channel)),
         device_(segment.deviceIndex),
         base_(static_cast<const char*>(segment.data)),
-        size_(segment.size) {}
+        size_(segment.size),
+        pool_(pool),
+        block_(std::move(block)),
+        snapshot_(std::move(snapshot)) {}
   ~RingOut() override {
     if (auto ch = channel_.lock()) {
       ch->forget(*this);
     }
+    // The block goes back once the snapshot and every copy out of it are
+    // done (the next copy into it waits for its lastUse on the device).
+    try {
+      CurrentDevice current(device_);
+      CUstream out = outStream(device_);
+      TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, out, snapshot_.get(), 0);
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->lastUse, out);
+      block_->used = true;
+      pool_.giveBlock(std::move(block_));
+    } catch (const std::exception& e) {
+      logWarning(
+          std::string(
+              "torch_rpc_ext: cuda_ring keeps a block it could not "
+              "give back: ") +
+          e.what());
+    }
   }
+  // The segment's own address (the stream passes it back plus the offset).
   const char* data() const override {
     return base_;
   }
@@ -70,16 +112,22 @@ class RingOut final : public StagedOut {
   void markSourceReady() {
     sourceReady_.store(true, std::memory_order_release);
   }
+  CUdeviceptr source() const {
+    return block_->address;
+  }
 
   const std::weak_ptr<RingChannel> channel_;
   const int device_;
-  const char* const base_; // device memory
+  const char* const base_;
   const uint64_t size_;
   // The channel's mutex_ guards these.
   std::vector<Chunk> chunks_; // copying or copied, not yet sent, in order
   uint64_t copiedTo_ = 0; // bytes whose copy has started
 
  private:
+  StagingPool& pool_;
+  std::shared_ptr<StagingPool::Block> block_;
+  const PooledEvent snapshot_; // recorded after the copy into block_
   std::atomic<bool> sourceReady_{false};
 };
 
@@ -87,10 +135,11 @@ bool RingChannel::takeChunks(
     const frame::OutboundFrame::Segment& segment,
     std::shared_ptr<StagedOut>* staged) {
   if (segment.device != uint8_t(DeviceKind::kCuda) ||
-      segment.size < kRingMinSegment || segment.view != nullptr ||
-      segment.deviceIndex < 0) {
-    return false; // cuda_staged gathers the small ones and packs views
+      segment.size < kRingMinSegment || segment.deviceIndex < 0 ||
+      ringFailedRecently()) {
+    return false; // cuda_staged gathers the small ones
   }
+  const int device = segment.deviceIndex;
   bool haveRing;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -108,13 +157,17 @@ bool RingChannel::takeChunks(
         generation = nextGeneration_++;
       }
       ring = RingMemory::create(generation, kRingSlots, kRingSlotBytes);
-      ring->pin(segment.deviceIndex);
+      ring->pin(device);
     } catch (const std::exception& e) {
+      ringFailedAt.store(
+          std::chrono::steady_clock::now().time_since_epoch().count(),
+          std::memory_order_relaxed);
       counters_.declined++;
-      logDebug(
+      logWarning(
           std::string(
-              "torch_rpc_ext: cuda_ring made no ring, cuda_staged "
-              "takes the segment: ") +
+              "torch_rpc_ext: cuda_ring made no ring (cuda_staged "
+              "carries large CUDA tensors on one host for a "
+              "minute): ") +
           e.what());
       return false;
     }
@@ -127,19 +180,80 @@ bool RingChannel::takeChunks(
       counters_.created++;
     }
   }
-  auto out = std::make_shared<RingOut>(shared_from_this(), segment);
-  // The copies out start only once the caller's stream has passed the send
-  // (on our own stream: the caller's may be long busy by then).
+  // The snapshot, on the caller's stream after its work there.
+  auto& pool = StagingPool::of(device);
+  std::shared_ptr<StagingPool::Block> block;
+  PooledEvent snapshot;
+  const auto stream = reinterpret_cast<CUstream>(segment.stream);
+  try {
+    CurrentDevice current(device);
+    block = pool.takeBlock(segment.size);
+    if (block->used) {
+      TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, block->lastUse, 0);
+    }
+    // A received tensor sent on: its memory is read on `stream` now.
+    if (auto* origin =
+            dynamic_cast<frame::DeviceRegion*>(segment.origin.get())) {
+      origin->recordUse(segment.stream);
+    }
+    const auto src = reinterpret_cast<CUdeviceptr>(segment.data);
+    if (segment.view) {
+      copyEngine(device).pack(
+          stream,
+          block->address,
+          src,
+          segment.view->sizes,
+          segment.view->strides,
+          segment.view->elementSize);
+    } else {
+      TORCH_RPC_EXT_CUDA_CHECK(
+          cuMemcpyAsync, block->address, src, segment.size, stream);
+    }
+    snapshot = pool.takeEvent();
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, snapshot.get(), stream);
+  } catch (const std::exception& e) {
+    if (block) {
+      try {
+        // A copy into it may have been queued: it goes back after it.
+        CurrentDevice current(device);
+        TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block->lastUse, stream);
+        block->used = true;
+        pool.giveBlock(std::move(block));
+      } catch (const std::exception&) {
+        // Kept, not reused: a copy may still write it.
+      }
+    }
+    counters_.declined++;
+    logDebug(
+        std::string("torch_rpc_ext: cuda_ring declined a segment: ") +
+        e.what());
+    return false;
+  }
+  auto out = std::make_shared<RingOut>(
+      shared_from_this(), segment, pool, std::move(block), snapshot);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++outs_; // the ring stays while a segment may still use it
+  }
   std::weak_ptr<RingOut> weakOut = out;
   std::weak_ptr<RingChannel> weak = shared_from_this();
-  releaseAfter(
-      segment.deviceIndex,
-      reinterpret_cast<CUstream>(segment.stream),
-      [weakOut, weak] {
+  whenComplete(
+      device,
+      std::move(snapshot),
+      [weakOut, weak, device](const std::string& error) {
+        auto self = weak.lock();
+        if (!error.empty()) {
+          if (self) {
+            self->failFromStagingThread(
+                "copying a segment on cuda:" + std::to_string(device) +
+                " failed: " + error);
+          }
+          return;
+        }
         if (auto o = weakOut.lock()) {
           o->markSourceReady();
         }
-        if (auto self = weak.lock()) {
+        if (self) {
           self->wakeWriter();
         }
       });
@@ -147,6 +261,17 @@ bool RingChannel::takeChunks(
   counters_.sentBytes += segment.size;
   *staged = std::move(out);
   return true;
+}
+
+void RingChannel::failFromStagingThread(const std::string& why) {
+  if (auto host = host_.lock()) {
+    std::weak_ptr<Host> weakHost = host;
+    host->post([weakHost, why] {
+      if (auto h = weakHost.lock()) {
+        h->rejectFromLoop("cuda_ring: " + why);
+      }
+    });
+  }
 }
 
 void RingChannel::wakeWriter() {
@@ -211,7 +336,7 @@ void RingChannel::startCopiesLocked(RingOut& out) {
       TORCH_RPC_EXT_CUDA_CHECK(
           cuMemcpyDtoHAsync,
           out_->slot(slot),
-          reinterpret_cast<CUdeviceptr>(out.base_ + out.copiedTo_),
+          out.source() + out.copiedTo_,
           n,
           stream);
     }
@@ -224,15 +349,36 @@ void RingChannel::startCopiesLocked(RingOut& out) {
     std::weak_ptr<Host> weakHost = host_;
     auto ring = out_; // the mapping outlives the copy, whatever closes
     const uint64_t generation = out_->generation();
-    releaseAfter(out.device_, stream, [weak, weakHost, ring, generation, slot] {
-      if (auto h = weakHost.lock()) {
-        h->post([weak, generation, slot] {
-          if (auto self = weak.lock()) {
-            self->onCopiedFromLoop(generation, slot);
+    const int device = out.device_;
+    auto copied = StagingPool::of(device).takeEvent();
+    {
+      CurrentDevice current(device);
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, copied.get(), stream);
+    }
+    whenComplete(
+        device,
+        std::move(copied),
+        [weak, weakHost, ring, generation, slot, device](
+            const std::string& error) {
+          auto h = weakHost.lock();
+          if (!h) {
+            return;
           }
+          h->post([weak, weakHost, generation, slot, device, error] {
+            if (!error.empty()) {
+              // Its bytes will never be in the slot: the frame cannot go.
+              if (auto host = weakHost.lock()) {
+                host->rejectFromLoop(
+                    "cuda_ring: copying a chunk out of cuda:" +
+                    std::to_string(device) + " failed: " + error);
+              }
+              return;
+            }
+            if (auto self = weak.lock()) {
+              self->onCopiedFromLoop(generation, slot);
+            }
+          });
         });
-      }
-    });
   }
 }
 
@@ -296,6 +442,7 @@ size_t RingChannel::produceChunkLocked(
 
 void RingChannel::forget(RingOut& out) {
   std::lock_guard<std::mutex> lock(mutex_);
+  --outs_;
   for (const auto& chunk : out.chunks_) {
     if (chunk.slot >= slots_.size()) {
       continue;
@@ -312,7 +459,7 @@ std::optional<ControlFrame> RingChannel::dropIfIdleLocked() {
   bool announced;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!out_ ||
+    if (!out_ || outs_ > 0 ||
         std::chrono::steady_clock::now() - used_ <
             std::chrono::milliseconds(ringIdleMs())) {
       return std::nullopt;

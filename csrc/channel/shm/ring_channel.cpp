@@ -296,15 +296,17 @@ bool RingChannel::onControlFrameFromLoop(
     ringIn_ = Ring();
     return true;
   }
-  if (fds.size() != 2) {
+  if (fds.size() < 2) {
     host->rejectFromLoop("rejected frame: ring setup without its descriptors");
     return false;
   }
   uint64_t capacity;
   std::memcpy(&capacity, head.data(), sizeof(capacity));
+  // Its two from the front: descriptors of a later frame (another
+  // channel's setup read in the same call) may follow.
   int memFd = fds[0];
   int wakeFd = fds[1];
-  fds.clear();
+  fds.erase(fds.begin(), fds.begin() + 2);
   // Replaces the peer's last ring, if any: every record naming that one
   // came before this frame and has been consumed.
   Ring ring;
