@@ -27,10 +27,11 @@ so a run's to_callee may come out below 0 and its write that much longer)
 for a builtin operator, a Python function and a TorchScript function, with
 the floor beside it (a blocking ping-pong of a few bytes between two Python
 processes over a Unix socket) and TensorPipe's round trip for each kind, in
-one run. JSON lines: a row per kind and segment (median and p90 in us), a
-row per kind's total for each backend, the floor, and ratios.
+one run. JSON lines: a row per kind and segment (the median in us, of the
+rounds' medians with --rounds, and each round's), a row per kind's total
+for each backend, the floor, and ratios (the median of the rounds').
 
-    python benchmarks/small_call_breakdown.py [--calls 3000] [--warmup 300]
+    python benchmarks/small_call_breakdown.py [--calls 3000] [--warmup 300] [--rounds 5]
 """
 
 import argparse
@@ -195,37 +196,63 @@ def ping_pong(spin, n=5000):
     return times[n // 10:]
 
 
+def per_round_median(values):
+    return round(statistics.median(values), 3) if values else None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="alternate ours and TensorPipe this many times; each row is "
+                             "the median of the rounds' medians, with `per_round` (this "
+                             "VM's speed drifts between minutes: one round can mislead)")
     args = parser.parse_args()
     os.environ["TORCH_RPC_EXT_CALL_TRACE"] = "1"  # inherited by the workers
     floor = stats(ping_pong(spin=False))
     emit({"case": "floor_unix_ping_pong", **floor})
     spinning = stats(ping_pong(spin=True))
     emit({"case": "floor_unix_ping_pong_spinning", **spinning})
-    ours = run_world(rpc.BackendType.TORCH_RPC_EXT, args.calls, args.warmup)
-    tp = run_world(rpc.BackendType.TENSORPIPE, args.calls, args.warmup)
+    rounds = []
+    for _ in range(max(1, args.rounds)):
+        ours = run_world(rpc.BackendType.TORCH_RPC_EXT, args.calls, args.warmup)
+        tp = run_world(rpc.BackendType.TENSORPIPE, args.calls, args.warmup)
+        rounds.append((ours, tp))
     for kind in ("builtin", "python", "script"):
-        durations, totals = breakdown(ours[kind])
-        if not totals:
-            raise SystemExit(f"no {kind} call came back whole: is the build's call trace on?")
+        seg_rounds = {name: [] for name, _, _ in SEGMENTS}
+        seg_n = {name: 0 for name, _, _ in SEGMENTS}
+        totals_r, tp_r, sums_r, n_total = [], [], [], 0
+        for ours, tp in rounds:
+            durations, totals = breakdown(ours[kind])
+            if not totals:
+                raise SystemExit(f"no {kind} call came back whole: is the build's call trace on?")
+            for name, _, _ in SEGMENTS:
+                seg_rounds[name].append(statistics.median(durations[name]))
+                seg_n[name] += len(durations[name])
+            totals_r.append(statistics.median(totals))
+            n_total += len(totals)
+            tp_r.append(statistics.median([(t1 - t0) / 1e3 for t0, t1 in tp[kind]["windows"]]))
+            sums_r.append(sum(statistics.median(durations[name]) for name, _, _ in SEGMENTS))
         for name, _, _ in SEGMENTS:
-            emit({"backend": "ext", "kind": kind, "segment": name, **stats(durations[name])})
-        total = stats(totals)
-        tp_total = stats([(t1 - t0) / 1e3 for t0, t1 in tp[kind]["windows"]])
-        emit({"backend": "ext", "kind": kind, "segment": "total", **total})
-        emit({"backend": "tensorpipe", "kind": kind, "segment": "total", **tp_total})
-        emit({"kind": kind, "ratio": "time_ext_over_tp",
-              "value": round(total["median_us"] / tp_total["median_us"], 3)})
+            emit({"backend": "ext", "kind": kind, "segment": name,
+                  "median_us": round(statistics.median(seg_rounds[name]), 2),
+                  "per_round": [round(v, 2) for v in seg_rounds[name]], "n": seg_n[name]})
+        total = round(statistics.median(totals_r), 2)
+        tp_total = round(statistics.median(tp_r), 2)
+        emit({"backend": "ext", "kind": kind, "segment": "total", "median_us": total,
+              "per_round": [round(v, 2) for v in totals_r], "n": n_total})
+        emit({"backend": "tensorpipe", "kind": kind, "segment": "total", "median_us": tp_total,
+              "per_round": [round(v, 2) for v in tp_r]})
+        ratios = [o / t for o, t in zip(totals_r, tp_r)]
+        emit({"kind": kind, "ratio": "time_ext_over_tp", "value": per_round_median(ratios),
+              "per_round": [round(r, 3) for r in ratios]})
         emit({"kind": kind, "ratio": "time_ext_over_floor",
-              "value": round(total["median_us"] / floor["median_us"], 2)})
+              "value": round(total / floor["median_us"], 2)})
         emit({"kind": kind, "ratio": "time_ext_over_spinning_floor",
-              "value": round(total["median_us"] / spinning["median_us"], 2)})
-        parts = sum(statistics.median(durations[name]) for name, _, _ in SEGMENTS)
+              "value": round(total / spinning["median_us"], 2)})
         emit({"kind": kind, "ratio": "segments_median_sum_over_total",
-              "value": round(parts / total["median_us"], 3)})
+              "value": per_round_median([sm / t for sm, t in zip(sums_r, totals_r)])})
 
 
 if __name__ == "__main__":
