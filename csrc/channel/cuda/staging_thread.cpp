@@ -111,38 +111,29 @@ class StagingThread {
     }
   }
 
-  // Whether `item` is done with (its copy completed, or failed).
+  // Whether `item` is done with (its copy completed, or failed; or it had
+  // nothing to wait for: runOnStagingThread()).
   static bool poll(Item& item) {
     std::string error;
-    if (!item.copied) {
-      // Work with nothing to wait for (runOnStagingThread()).
-      auto done = std::move(item.done);
+    if (item.copied) {
       try {
-        done(error);
+        CurrentDevice current(item.device);
+        CUresult rc = libcuda().cuEventQuery(item.copied.get());
+        if (rc == CUDA_ERROR_NOT_READY) {
+          return false;
+        }
+        checkCuda("cuEventQuery", rc);
       } catch (const std::exception& e) {
-        logWarning(
-            std::string("torch_rpc_ext: staging thread work threw: ") +
-            e.what());
+        error = e.what();
       }
-      return true;
+      item.copied.reset();
     }
-    try {
-      CurrentDevice current(item.device);
-      CUresult rc = libcuda().cuEventQuery(item.copied.get());
-      if (rc == CUDA_ERROR_NOT_READY) {
-        return false;
-      }
-      checkCuda("cuEventQuery", rc);
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    item.copied.reset();
     auto done = std::move(item.done);
     try {
       done(error);
     } catch (const std::exception& e) {
       logWarning(
-          std::string("torch_rpc_ext: what followed a CUDA copy threw: ") +
+          std::string("torch_rpc_ext: work on the staging thread threw: ") +
           e.what());
     }
     return true;
