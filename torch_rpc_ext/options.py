@@ -104,10 +104,14 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             per side), both for segments of 64 KiB or more over ``shm``. A
             segment no channel takes travels in the transport's stream
             (``"basic"``, always on); ``()`` sends everything that way.
-            ``"tcp_lanes"`` (opt in) stripes tensors of 1 MiB or more over
-            several TCP connections per peer across hosts. Defaults to
+            ``"tcp_lanes"`` stripes tensors of 1 MiB or more over several
+            TCP connections per peer across hosts. Defaults to
             ``TORCH_RPC_EXT_CHANNELS`` (comma-separated; ``basic`` alone:
-            the stream only), else ``("shm_slab", "shm_ring")``.
+            the stream only), else ``("shm_slab", "shm_ring")`` and, on
+            encrypted connections only, ``tcp_lanes`` (the cipher's work
+            spread over the lanes' threads;
+            ``TORCH_RPC_EXT_LANES_WHEN_ENCRYPTED=0`` keeps them off). Named
+            here, lanes serve every TCP connection.
         device_channels: Channels for CUDA tensors by preference, used when
             ``device_maps`` or ``devices`` name a GPU: ``"cuda_ipc"`` (the
             sender copies into device memory of its own that the receiver
@@ -261,12 +265,20 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             raise ValueError(f"unknown transports {unknown}; known: {known}")
         if len(set(transports)) != len(transports):
             raise ValueError(f"transports lists a transport twice: {transports}")
+        # Left at its default, `channels` also puts tcp_lanes on encrypted
+        # connections (across hosts with TLS: the cipher's work spread over
+        # the lanes' threads); TORCH_RPC_EXT_LANES_WHEN_ENCRYPTED=0 keeps
+        # them off. Named, they serve every TCP connection; left out of a
+        # `channels` given, none.
+        lanes_when_encrypted = False
         if channels is None:
             env = os.environ.get("TORCH_RPC_EXT_CHANNELS", "")
             channels = tuple(c.strip() for c in env.split(",") if c.strip())
             if channels == ("basic",):
                 channels = ()  # the stream alone
             else:
+                lanes_when_encrypted = not channels and os.environ.get(
+                    "TORCH_RPC_EXT_LANES_WHEN_ENCRYPTED", "1") != "0"
                 channels = channels or _DEFAULT["channels"]
         if isinstance(channels, str):
             channels = (channels,)
@@ -374,6 +386,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         self.num_worker_threads = num_worker_threads
         self.transports = transports
         self.channels = channels
+        self._lanes_when_encrypted = lanes_when_encrypted
         self.device_channels = device_channels
         self.address = address
         self.secret = secret

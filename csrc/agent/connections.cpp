@@ -107,6 +107,12 @@ std::string Connections::open(const std::string& secret, uint64_t incarnation) {
   // The device channels join the CPU ones for an agent with devices (a
   // program without device maps loads no CUDA library).
   std::vector<std::string> channelNames = options_.channels;
+  const bool lanesOnlyEncrypted = options_.lanesWhenEncrypted &&
+      std::find(channelNames.begin(), channelNames.end(), "tcp_lanes") ==
+          channelNames.end();
+  if (lanesOnlyEncrypted) {
+    channelNames.push_back("tcp_lanes");
+  }
   if (!options_.devices.empty()) {
     for (const auto& name : options_.deviceChannels) {
       channelNames.push_back(name);
@@ -119,8 +125,13 @@ std::string Connections::open(const std::string& secret, uint64_t incarnation) {
       continue; // listed twice (the Python options refuse that already)
     }
     auto c = channel::createChannel(name);
+    if (lanesOnlyEncrypted && name == "tcp_lanes") {
+      c->setEncryptedOnly(true);
+    }
     if (!c->isViable()) {
-      unavailable += " " + name + ": " + c->unviableReason();
+      if (!(lanesOnlyEncrypted && name == "tcp_lanes")) {
+        unavailable += " " + name + ": " + c->unviableReason();
+      }
       continue;
     }
     channels_.push_back(c);

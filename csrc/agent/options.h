@@ -42,6 +42,11 @@ struct AgentOptions : rpc::RpcBackendOptions {
   // stream carries what none of them takes. Empty: the stream carries all.
   std::vector<std::string> channels =
       channel::defaultChannelNames(channel::DeviceKind::kCpu);
+  // tcp_lanes besides, on encrypted connections only (the Python options
+  // set it when `channels` is left at its default): across hosts with TLS
+  // one stream is bound by the cipher on one thread at each end; lanes
+  // spread it. Lanes listed in `channels` serve every TCP connection.
+  bool lanesWhenEncrypted = false;
   // Channels for CUDA tensor bytes by preference, used by an agent with
   // devices: cuda_ipc (same host), cuda_staged (any peer, through host
   // memory). Never empty when devices are in use.

@@ -112,6 +112,10 @@ void bindOptions(py::module_& m) {
           "channels",
           [](const O& o) { return py::tuple(py::cast(o.channels)); },
           [](O& o, std::vector<std::string> v) { o.channels = std::move(v); })
+      // Whether tcp_lanes also serves encrypted connections though
+      // `channels` leaves it out: set by RpcExtBackendOptions when
+      // `channels` is left at its default.
+      .def_readwrite("_lanes_when_encrypted", &O::lanesWhenEncrypted)
       .def_property(
           "device_channels",
           [](const O& o) { return py::tuple(py::cast(o.deviceChannels)); },

@@ -403,6 +403,13 @@ class Context : public std::enable_shared_from_this<Context> {
   virtual bool needsNetworkHost() const {
     return false;
   }
+  // Before any channel is opened: take part only on connections that
+  // encrypt (the agent's default for tcp_lanes, whose threads spread the
+  // cipher's work). Its channels still exist on every connection it is
+  // negotiated for, so a peer that uses it everywhere can; they just never
+  // start using it themselves on a connection in the clear. A channel
+  // without such a mode ignores it.
+  virtual void setEncryptedOnly(bool encryptedOnly) {}
   // One connection's end, talking through `host` to a peer that published
   // `peerDescriptor` (one this context reaches()).
   virtual std::shared_ptr<Channel> open(

@@ -257,6 +257,48 @@ def test_a_program_that_names_no_channels_gets_lanes_from_the_environment(monkey
 
 
 
+def _defaults(rank, world_size, encryption):
+    init(rank, world_size, transports=["tcp"], encryption=encryption)  # no channels named
+    out = None
+    if rank == 0:
+        big = torch.arange(4 * MB, dtype=torch.float32)
+        for _ in range(3):  # the first dials the lanes (and rides the stream)
+            assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)
+            time.sleep(0.2)
+        info = rpc.api._get_current_rpc_agent().get_debug_info()
+        out = (info["rpc_ext.peer.worker1.channels"], _lanes_metrics(),
+               rpc.rpc_sync("worker1", _lanes_metrics))
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("encryption,lanes", [("always", True), ("off", False)])
+def test_default_channels_put_lanes_on_encrypted_connections_only(monkeypatch, encryption,
+                                                                  lanes):
+    """Left at their default, the channels add tcp_lanes on connections
+    that encrypt (across hosts, TLS: AES-GCM on one thread at each end is
+    what bounds one stream; the lanes spread it), never on one in the
+    clear, where they cost threads for little (docs/performance.md)."""
+    monkeypatch.delenv("TORCH_RPC_EXT_CHANNELS", raising=False)
+    monkeypatch.delenv("TORCH_RPC_EXT_LANES_WHEN_ENCRYPTED", raising=False)
+    channels, ours, theirs = run_world(_defaults, 2, timeout=120, encryption=encryption)[0]
+    assert "tcp_lanes" in channels  # negotiated either way ...
+    if lanes:  # ... and used only here: striped, both ways
+        assert ours["segments"] >= 1 and theirs["segments"] >= 1, (ours, theirs)
+        assert ours["lanes_opened"] >= 4 and theirs["lanes_opened"] >= 4
+    else:
+        assert ours["segments"] == theirs["segments"] == 0, (ours, theirs)
+        assert ours["lanes_in"] == theirs["lanes_in"] == 0  # none offered
+
+
+def test_lanes_when_encrypted_can_be_turned_off(monkeypatch):
+    monkeypatch.delenv("TORCH_RPC_EXT_CHANNELS", raising=False)
+    monkeypatch.setenv("TORCH_RPC_EXT_LANES_WHEN_ENCRYPTED", "0")
+    channels, ours, theirs = run_world(_defaults, 2, timeout=120, encryption="always")[0]
+    assert "tcp_lanes" not in channels
+    assert ours == theirs == {}  # no lanes channel at all
+
+
 def _killed(rank, world_size, calls_done):
     init(rank, world_size, transports=["tcp"], channels=["tcp_lanes"])
     big = torch.ones(MB)

@@ -74,7 +74,11 @@ def _key_updates():
 
 
 def _volume(rank, world_size):
-    init(rank, world_size, transports=["tcp"], encryption="always")
+    # Channels named, so that the bytes go through the TLS stream (left at
+    # their default, encrypted connections stripe large tensors over lanes,
+    # whose keys change by their own count: test_lanes.py).
+    init(rank, world_size, transports=["tcp"], encryption="always",
+         channels=["shm_slab", "shm_ring"])
     out = None
     if rank == 0:
         big = torch.arange(4 << 20, dtype=torch.float32)  # 16 MiB each way

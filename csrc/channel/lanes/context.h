@@ -105,6 +105,14 @@ class LanesContext final : public Context {
   bool needsNetworkHost() const override {
     return true;
   }
+  // Offers lanes only on encrypted connections (it still dials a peer's
+  // offer on any).
+  void setEncryptedOnly(bool encryptedOnly) override {
+    encryptedOnly_ = encryptedOnly;
+  }
+  bool encryptedOnly() const {
+    return encryptedOnly_;
+  }
   std::shared_ptr<Channel> open(
       std::weak_ptr<Host> host,
       const std::string& peerDescriptor) override;
@@ -143,6 +151,7 @@ class LanesContext final : public Context {
   void noteCapped(bool inbound, const std::string& peer) const;
 
  private:
+  std::atomic<bool> encryptedOnly_{false};
   // What a listener's accept thread shares with us: it may outlive us by a
   // moment (when the last reference to us is dropped on it).
   struct AcceptState {

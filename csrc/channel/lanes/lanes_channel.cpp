@@ -48,6 +48,9 @@ void LanesChannel::sendOfferFromLoop() {
   if (!host || host->isClosed() || !host->socketAddresses(&local, &peer)) {
     return; // not a TCP connection: lanes have nothing to ride beside
   }
+  if (lanesContext().encryptedOnly() && !host->encrypted()) {
+    return; // the default: lanes where the cipher's work is to spread
+  }
   uint16_t port;
   try {
     port = const_cast<LanesContext&>(lanesContext()).listenFor(local);
