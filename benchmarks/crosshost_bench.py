@@ -195,6 +195,11 @@ def drive(cfg: dict, torch, rpc) -> dict:
                         **in_ms(s), "calls_s": round(inflight / med, 1),
                         "gbit_s": round(inflight * nbytes * 8 / med / 1e9, 3)})
     out["payload_mb"] = round(payload / MB, 1)  # each way
+    if cfg["backend"][0] == "ext":
+        # Tensors striped over tcp_lanes (by default on encrypted
+        # connections), this end's.
+        metrics = rpc.api._get_current_rpc_agent().get_metrics()
+        out["lane_segments"] = int(metrics.get("rpc_ext.channel.tcp_lanes.segments", 0))
     return out
 
 
@@ -372,6 +377,8 @@ def main(argv=None) -> int:
                         if "security" in res:
                             run_row["transport"] = res.get("transport")
                             run_row["security"] = res["security"]
+                        if "lane_segments" in res:
+                            run_row["lane_segments"] = res["lane_segments"]
                         if "error" in res:
                             failed += 1
                             run_row["error"] = res["error_short"]

@@ -55,8 +55,11 @@ def test_crosshost_bench_smoke(tmp_path):
         assert not r.get("link_bypassed"), r
         if r["backend"] == "ext_tls":
             assert r["security"].startswith("TLSv1.3"), r
+            # Its defaults stripe 1 MiB tensors over lanes when encrypted.
+            assert r["lane_segments"] >= 1, r
         elif r["backend"] == "ext_clear":
             assert r["security"] == "none (encryption off)", r
+            assert r["lane_segments"] == 0, r
     ratios = {(r["rate"], r["case"], r["ratio"]): r["value"] for r in rows if "ratio" in r}
     for rate in ("unshaped", "10gbit"):
         for variant in ("ext_tls_vs_tensorpipe", "ext_clear_vs_tensorpipe"):
