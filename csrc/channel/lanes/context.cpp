@@ -167,8 +167,10 @@ void LanesContext::noteCapped(bool inbound, const std::string& peer) const {
   if (cappedSaid_[inbound ? 1 : 0].exchange(true)) {
     return;
   }
-  logWarning(
-      std::string("torch_rpc_ext: tcp_lanes: this process holds ") +
+  // Lanes the program asked for say so; the default's (encrypted
+  // connections only) is an optimisation the program never chose: a note.
+  auto say = encryptedOnly_ ? &logDebug : &logWarning;
+  say(std::string("torch_rpc_ext: tcp_lanes: this process holds ") +
       std::to_string(
           (inbound ? counters_.lanesIn : counters_.lanesOut).load()) +
       " lanes " + (inbound ? "from its peers" : "to its peers") +

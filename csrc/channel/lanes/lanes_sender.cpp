@@ -187,11 +187,22 @@ void LanesChannel::runOutLane(
       lanesContext().releaseLanes(/*inbound=*/false, 1);
       if (outState_ == OutState::kDialing) {
         outState_ = OutState::kFailed;
-        logWarning(
-            "torch_rpc_ext: tcp_lanes: lane " + std::to_string(lane) + " to " +
-            describeAddress(address) + " failed (" + error +
+        const std::string line = "torch_rpc_ext: tcp_lanes: lane " +
+            std::to_string(lane) + " to " + describeAddress(address) +
+            " failed (" + error +
             "); large tensors to this peer travel in the connection's "
-            "stream (is that port reachable? docs/guide.md, firewalls)");
+            "stream (is that port reachable? docs/guide.md, firewalls)";
+        if (lanesContext().encryptedOnly()) {
+          // Lanes the program did not name (the default on encrypted
+          // connections): said now and then, not for every peer.
+          logWarningLimited(
+              "tcp_lanes default dial",
+              line +
+                  "; lanes are on by default for encrypted connections, "
+                  "TORCH_RPC_EXT_LANES_WHEN_ENCRYPTED=0 turns them off");
+        } else {
+          logWarning(line);
+        }
       }
     }
     return;
