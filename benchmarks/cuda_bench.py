@@ -150,8 +150,9 @@ def _init(rank, backend_key, channels, fake, zero_copy=False) -> Devices:
     if backend_key == "TENSORPIPE":
         opts = rpc.TensorPipeRpcBackendOptions(**kwargs)
     else:
-        opts = torch_rpc_ext.RpcExtBackendOptions(device_channels=channels,
-                                                  cuda_zero_copy=zero_copy, **kwargs)
+        if channels:  # else the options' default
+            kwargs["device_channels"] = channels
+        opts = torch_rpc_ext.RpcExtBackendOptions(cuda_zero_copy=zero_copy, **kwargs)
     if rank == 0:  # the callee answers through the reverse map
         opts.set_device_map("callee", {DEVICE: DEVICE})
         opts.set_device_map("caller", {DEVICE: DEVICE})  # the self case
@@ -423,7 +424,7 @@ def main(argv=None):
             these = [c for c in cases if c[1] not in ("contiguous", "cpu")]
         if not these:
             continue
-        rows, _ = run_world(world, 2, key, channels or ("cuda_ipc", "cuda_self", "cuda_staged"), these, cfg,
+        rows, _ = run_world(world, 2, key, channels, these, cfg,
                             timeout=1800)
         for row in rows:
             row = {"backend": name, **row}

@@ -299,23 +299,17 @@ int64_t RingChannel::onRecordFromLoop(
     // closes (as the device's next use would fail anyway).
     auto copied = l->pool->takeEvent();
     TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, copied.get(), l->stream);
-    std::weak_ptr<Host> weakHost = host_;
+    std::weak_ptr<RingChannel> weak = shared_from_this();
     whenComplete(
         device,
         std::move(copied),
-        [ring, slot, weakHost, device](const std::string& error) {
+        [ring, slot, weak, device](const std::string& error) {
           ring->release(slot);
-          if (error.empty()) {
-            return;
-          }
-          if (auto h = weakHost.lock()) {
-            h->post([weakHost, device, error] {
-              if (auto host = weakHost.lock()) {
-                host->rejectFromLoop(
-                    "cuda_ring: copying a chunk onto cuda:" +
-                    std::to_string(device) + " failed: " + error);
-              }
-            });
+          auto self = weak.lock();
+          if (!error.empty() && self) {
+            self->failFromStagingThread(
+                "copying a chunk onto cuda:" + std::to_string(device) +
+                " failed: " + error);
           }
         });
     if (!last) {

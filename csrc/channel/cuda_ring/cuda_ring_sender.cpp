@@ -346,7 +346,6 @@ void RingChannel::startCopiesLocked(RingOut& out) {
     counters_.chunks++;
     // Its completion comes back to the loop (never runs here: mutex_ held).
     std::weak_ptr<RingChannel> weak = shared_from_this();
-    std::weak_ptr<Host> weakHost = host_;
     auto ring = out_; // the mapping outlives the copy, whatever closes
     const uint64_t generation = out_->generation();
     const int device = out.device_;
@@ -358,26 +357,25 @@ void RingChannel::startCopiesLocked(RingOut& out) {
     whenComplete(
         device,
         std::move(copied),
-        [weak, weakHost, ring, generation, slot, device](
-            const std::string& error) {
-          auto h = weakHost.lock();
-          if (!h) {
+        [weak, ring, generation, slot, device](const std::string& error) {
+          auto self = weak.lock();
+          if (!self) {
             return;
           }
-          h->post([weak, weakHost, generation, slot, device, error] {
-            if (!error.empty()) {
-              // Its bytes will never be in the slot: the frame cannot go.
-              if (auto host = weakHost.lock()) {
-                host->rejectFromLoop(
-                    "cuda_ring: copying a chunk out of cuda:" +
-                    std::to_string(device) + " failed: " + error);
+          if (!error.empty()) {
+            // Its bytes will never be in the slot: the frame cannot go.
+            self->failFromStagingThread(
+                "copying a chunk out of cuda:" + std::to_string(device) +
+                " failed: " + error);
+            return;
+          }
+          if (auto host = self->host_.lock()) {
+            host->post([weak, generation, slot] {
+              if (auto s = weak.lock()) {
+                s->onCopiedFromLoop(generation, slot);
               }
-              return;
-            }
-            if (auto self = weak.lock()) {
-              self->onCopiedFromLoop(generation, slot);
-            }
-          });
+            });
+          }
         });
   }
 }
