@@ -28,19 +28,17 @@ by function, in a second pass of the same calls).
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ["TORCH_RPC_EXT_CALL_TRACE"] = "1"  # before the extension loads
 
-import torch  # noqa: E402
-from torch.distributed import rpc  # noqa: E402
-
 import cuda_bench  # noqa: E402
 import small_call_breakdown as scb  # noqa: E402
+import torch  # noqa: E402
 from _harness import emit, run_world  # noqa: E402
+from torch.distributed import rpc  # noqa: E402
 
 CASES = ("cpu_4KB", "cuda_4KB", "self_4KB", "many_1000x1KB")
 
@@ -94,7 +92,7 @@ def world(rank, world_size, fake, calls, warmup, cases, zero_copy):
             results[case] = {"windows": windows, "caller": mine, "callee": theirs}
             if case == "cuda_4KB":
 
-                def call():
+                def call(to=to, arg=arg):
                     dev.sync()
                     rpc.rpc_sync(to, cuda_bench.identity, args=(arg,))
                     dev.sync()
