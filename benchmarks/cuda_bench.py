@@ -239,6 +239,9 @@ def costs() -> dict[str, int]:
     stats = fake_driver_stats()
     if stats is not None:
         out.update(stats["calls"])
+        # "from:<library>:<entry point>": torch_rpc_ext's own calls (_C)
+        # apart from those of the fake's stand-in for torch (_testing).
+        out.update({"from:" + k: v for k, v in stats.get("calls_from", {}).items()})
         from torch_rpc_ext import _testing
 
         out["torch_allocations"] = _testing.cuda.allocator_stats()["allocated"]
@@ -293,6 +296,14 @@ def summarize_costs(delta: tuple, calls: int, harness: tuple) -> dict:
             out[group] = round(sum(driver.get(n, 0) for n in names), 2)
         out["allocations"] = round(out["allocations"] + out["torch_allocations"], 2)
         out["driver_calls"] = round(sum(driver.values()), 2)
+        # Whose calls they are: torch_rpc_ext's own (_C), or the fake's
+        # stand-in for torch's CUDA runtime (_testing: what torch's futures,
+        # guards and caching allocator would call), both ends summed.
+        from_ = {k[5:]: v for k, v in net.items() if k.startswith("from:") and v}
+        out["driver_calls_by_library"] = {
+            lib: round(sum(v for k, v in from_.items() if k.split(":")[0] == lib), 2)
+            for lib in sorted({k.split(":")[0] for k in from_})}
+        out["driver_from"] = dict(sorted(from_.items()))
         out["driver"] = {
             end: dict(sorted((k, v) for k, v in counts.items() if k.startswith("cu") and v))
             for end, counts in zip(("caller", "callee"), ends)}

@@ -85,6 +85,7 @@
 
 #include <cuda.h>
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -328,6 +329,11 @@ struct Stats {
   // calls (benchmarks/cuda_bench.py --fake). cuInit, cuDriverGetVersion and
   // cuGetError* are not counted.
   std::map<std::string, uint64_t> calls;
+  // The same by the library the call came from ("_C", "_testing", ...: the
+  // file name up to its first dot), "module:entry point": which driver
+  // calls a message costs are torch_rpc_ext's own (_C) and which the
+  // fake's stand-in for torch's CUDA runtime makes (_testing).
+  std::map<std::string, uint64_t> callsFrom;
 };
 
 // Everything, on the heap and never freed: detached stream workers may run
@@ -463,11 +469,33 @@ CUresult fail(const char* fn, CUresult rc, const char* why) {
 
 // The checks every entry point but cuInit, cuDriverGetVersion and
 // cuGetError* starts with.
-CUresult enter(const char* fn, bool needContext) {
+// The library holding `address` (a return address), as "_C" for
+// ".../_C.cpython-311-x86_64-linux-gnu.so"; cached by address.
+std::string moduleOf(const void* address) {
+  static std::mutex mu;
+  static std::map<const void*, std::string> known;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find(address);
+  if (it != known.end()) {
+    return it->second;
+  }
+  Dl_info info{};
+  std::string name = "?";
+  if (dladdr(address, &info) != 0 && info.dli_fname != nullptr) {
+    name = info.dli_fname;
+    name = name.substr(name.rfind('/') + 1);
+    name = name.substr(0, name.find('.'));
+  }
+  return known.emplace(address, name).first->second;
+}
+
+CUresult enter(const char* fn, bool needContext, const void* caller) {
   {
+    std::string from = moduleOf(caller) + ":" + fn;
     Stats& stats = state().stats;
     Lock lock(stats.mu);
     ++stats.calls[fn];
+    ++stats.callsFrom[from];
   }
   pid_t pid = g_initPid.load();
   if (inWorker()) {
@@ -489,7 +517,8 @@ CUresult enter(const char* fn, bool needContext) {
   return CUDA_SUCCESS;
 }
 
-#define ENTER(needContext) CHECK(enter(__func__, needContext))
+#define ENTER(needContext) \
+  CHECK(enter(__func__, needContext, __builtin_return_address(0)))
 
 // The device memory this process holds: cuMemAlloc's allocations and the
 // handles cuMemCreate made here (mu held).
@@ -1073,6 +1102,7 @@ CUresult parsePtx(const char* image, CUmod_st* mod, const char** why) {
 // for. The sides said to be on the device must be device memory.
 CUresult copyOn(
     const char* fn,
+    const void* caller,
     CUstream h,
     uintptr_t dst,
     uintptr_t src,
@@ -1081,7 +1111,7 @@ CUresult copyOn(
     bool srcDevice,
     bool wait) {
   std::shared_ptr<CUstream_st> s;
-  CHECK(enter(fn, true));
+  CHECK(enter(fn, true, caller));
   CHECK(getStream(fn, h, &s));
   {
     Lock lock(state().mu);
@@ -1413,19 +1443,46 @@ cuMemGetAddressRange(CUdeviceptr* pbase, size_t* psize, CUdeviceptr dptr) {
 CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dst, const void* src, size_t n) {
   UNSAFE_IN_CAPTURE();
   auto s = reinterpret_cast<uintptr_t>(src);
-  return copyOn(__func__, nullptr, dst, s, n, true, false, true);
+  return copyOn(
+      __func__,
+      __builtin_return_address(0),
+      nullptr,
+      dst,
+      s,
+      n,
+      true,
+      false,
+      true);
 }
 
 CUresult CUDAAPI cuMemcpyDtoH(void* dst, CUdeviceptr src, size_t n) {
   UNSAFE_IN_CAPTURE();
   auto d = reinterpret_cast<uintptr_t>(dst);
-  return copyOn(__func__, nullptr, d, src, n, false, true, true);
+  return copyOn(
+      __func__,
+      __builtin_return_address(0),
+      nullptr,
+      d,
+      src,
+      n,
+      false,
+      true,
+      true);
 }
 
 // Any two addresses (unified addressing), as the real one.
 CUresult CUDAAPI
 cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream h) {
-  return copyOn(__func__, h, dst, src, n, false, false, false);
+  return copyOn(
+      __func__,
+      __builtin_return_address(0),
+      h,
+      dst,
+      src,
+      n,
+      false,
+      false,
+      false);
 }
 
 // A pitched copy of Height rows of WidthInBytes (the driver's 2D copy, what
@@ -1434,7 +1491,7 @@ cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream h) {
 CUresult CUDAAPI cuMemcpy2DAsync(const CUDA_MEMCPY2D* c, CUstream h) {
   const char* fn = __func__;
   std::shared_ptr<CUstream_st> s;
-  CHECK(enter(fn, true));
+  CHECK(enter(fn, true, __builtin_return_address(0)));
   CHECK(getStream(fn, h, &s));
   REQUIRE(c != nullptr, CUDA_ERROR_INVALID_VALUE, "null CUDA_MEMCPY2D");
   auto side = [](CUmemorytype type, CUdeviceptr d, const void* host) {
@@ -1494,13 +1551,15 @@ CUresult CUDAAPI cuMemcpy2DAsync(const CUDA_MEMCPY2D* c, CUstream h) {
 CUresult CUDAAPI
 cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream h) {
   auto s = reinterpret_cast<uintptr_t>(src);
-  return copyOn(__func__, h, dst, s, n, true, false, false);
+  return copyOn(
+      __func__, __builtin_return_address(0), h, dst, s, n, true, false, false);
 }
 
 CUresult CUDAAPI
 cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream h) {
   auto d = reinterpret_cast<uintptr_t>(dst);
-  return copyOn(__func__, h, d, src, n, false, true, false);
+  return copyOn(
+      __func__, __builtin_return_address(0), h, d, src, n, false, true, false);
 }
 
 CUresult CUDAAPI cuMemHostAlloc(void** pp, size_t bytesize, unsigned flags) {
@@ -2360,6 +2419,16 @@ __attribute__((visibility("default"))) int fake_cuda_stats(
       closeJson(j);
       j += ", ";
     }
+    j += "\"calls_from\": {";
+    for (const auto& [fn, n] : s.stats.callsFrom) {
+      appendJson(j, fn.c_str(), n);
+    }
+    if (s.stats.callsFrom.empty()) {
+      j += "}, ";
+    } else {
+      closeJson(j);
+      j += ", ";
+    }
   }
   closeJson(j);
   if (buf != nullptr && len > 0) {
@@ -2399,6 +2468,7 @@ __attribute__((visibility("default"))) void fake_cuda_reset_stats(void) {
   s.lastError.clear();
   s.lastKernelError.clear();
   s.calls.clear();
+  s.callsFrom.clear();
 }
 
 } // extern "C"

@@ -1,0 +1,242 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""What the pieces of a CUDA RPC cost on this machine's GPU and CPUs (issue
+46): the host-side price of each driver and torch operation a CUDA message
+makes, the machine's wake-up latency, and what an interprocess event adds to
+a hop between two processes. Torch and the driver only (ctypes): nothing of
+torch_rpc_ext is built or loaded, so it runs on a bare GPU machine at once.
+
+The GPU run of 2026-11-27 (docs/gpu-runs/2026-11-27-h200/) found a 4 KB
+CUDA round trip ~250-300 us dearer than a CPU one, spread evenly over the
+call's hand-offs (benchmarks/cuda_call_breakdown.py); these rows say which
+primitives can explain that and which cannot.
+
+One JSON object per line: {"op": ..., "us": median per operation, "n": ...}.
+
+    python tools/gpu_costs.py [--n 3000]
+"""
+
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+import torch
+
+DISABLE_TIMING, INTERPROCESS = 0x2, 0x4
+
+
+class Handle(ctypes.Structure):  # CUipcEventHandle: 64 bytes
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+def driver():
+    cu = ctypes.CDLL("libcuda.so.1")
+    p = ctypes.c_void_p
+    cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(p)]
+    cu.cuEventCreate.argtypes = [ctypes.POINTER(p), ctypes.c_uint]
+    cu.cuEventDestroy_v2.argtypes = [p]
+    cu.cuEventRecord.argtypes = [p, p]
+    cu.cuEventQuery.argtypes = [p]
+    cu.cuStreamWaitEvent.argtypes = [p, p, ctypes.c_uint]
+    cu.cuStreamSynchronize.argtypes = [p]
+    cu.cuIpcGetEventHandle.argtypes = [ctypes.POINTER(Handle), p]
+    cu.cuIpcOpenEventHandle.argtypes = [ctypes.POINTER(p), Handle]
+    return cu
+
+
+def check(rc, what):
+    if rc != 0:
+        raise RuntimeError(f"{what}: CUresult {rc}")
+
+
+def event(cu, flags):
+    e = ctypes.c_void_p()
+    check(cu.cuEventCreate(ctypes.byref(e), flags), "cuEventCreate")
+    return e
+
+
+def per_op(fn, n, batch=50):
+    """Median us per call of fn over batches of `batch` calls."""
+    for _ in range(batch):
+        fn()
+    samples = []
+    for _ in range(max(1, n // batch)):
+        t0 = time.perf_counter_ns()
+        for _ in range(batch):
+            fn()
+        samples.append((time.perf_counter_ns() - t0) / batch / 1e3)
+    torch.cuda.synchronize()
+    return round(statistics.median(samples), 2)
+
+
+def emit(op, us, **more):
+    print(json.dumps({"op": op, "us": us, **more}), flush=True)
+
+
+def host_costs(n):
+    cu = driver()
+    x = torch.rand(1024, device="cuda")  # the primary context, current here
+    y = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    s = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    s2 = ctypes.c_void_p(side.cuda_stream)
+    ctx = ctypes.c_void_p()
+    emit("ctypes_cuCtxGetCurrent (the ctypes floor)",
+         per_op(lambda: cu.cuCtxGetCurrent(ctypes.byref(ctx)), n))
+
+    def create_destroy(flags):
+        def fn():
+            e = ctypes.c_void_p()
+            cu.cuEventCreate(ctypes.byref(e), flags)
+            cu.cuEventDestroy_v2(e)
+        return fn
+
+    emit("cuEventCreate+cuEventDestroy", per_op(create_destroy(DISABLE_TIMING), n))
+    emit("cuEventCreate+cuEventDestroy interprocess",
+         per_op(create_destroy(DISABLE_TIMING | INTERPROCESS), n))
+    plain, ipc = event(cu, DISABLE_TIMING), event(cu, DISABLE_TIMING | INTERPROCESS)
+    emit("cuEventRecord", per_op(lambda: cu.cuEventRecord(plain, s), n))
+    emit("cuEventRecord interprocess", per_op(lambda: cu.cuEventRecord(ipc, s), n))
+    emit("cuEventQuery (completed)", per_op(lambda: cu.cuEventQuery(plain), n))
+    emit("cuStreamWaitEvent", per_op(lambda: cu.cuStreamWaitEvent(s2, plain, 0), n))
+    emit("cuStreamWaitEvent interprocess (own)",
+         per_op(lambda: cu.cuStreamWaitEvent(s2, ipc, 0), n))
+    emit("torch copy_ 4KB (launch only)", per_op(lambda: y.copy_(x), n))
+    emit("torch copy_ 4KB + synchronize", per_op(
+        lambda: (y.copy_(x), torch.cuda.synchronize()), n))
+    emit("torch.cuda.synchronize (idle)", per_op(torch.cuda.synchronize, n))
+    emit("torch.cuda.current_stream()", per_op(torch.cuda.current_stream, n))
+
+    def alloc():
+        t = torch.empty(1024, device="cuda")
+        del t
+
+    def alloc_recorded():
+        t = torch.empty(1024, device="cuda")
+        t.record_stream(side)
+        del t
+
+    emit("torch.empty 4KB + free (cached)", per_op(alloc, n))
+    emit("torch.empty 4KB + record_stream(other) + free", per_op(alloc_recorded, n))
+
+    def torch_event():
+        e = torch.cuda.Event()
+        e.record()
+        e.wait(side)
+
+    emit("torch.cuda.Event() + record + wait(other)", per_op(torch_event, n))
+
+    def future(devices):
+        def fn():
+            f = torch.futures.Future(devices=devices)
+            f.set_result(x)
+            f.wait()
+        return fn
+
+    emit("torch Future set_result + wait, CPU future", per_op(future(None), n))
+    emit("torch Future set_result + wait, devices=[cuda:0]", per_op(future(["cuda:0"]), n))
+
+    def future_then():
+        f = torch.futures.Future(devices=["cuda:0"])
+        child = f.then(lambda f: f.value())
+        f.set_result(x)
+        child.wait()
+
+    emit("torch Future(cuda) .then + set_result + wait", per_op(future_then, n))
+
+    def stream_context():
+        with torch.cuda.stream(side):
+            pass
+
+    emit("torch.cuda.stream(side) enter+exit", per_op(stream_context, n))
+
+
+def _pong(conn, spin):
+    """The child of the ping-pongs: answers each byte; with an interprocess
+    event handle, waits on the event on its stream and copies 4 KB first."""
+    import torch as t  # noqa: F401  (spawned: import anew)
+
+    msg = conn.recv()
+    cu = ev = None
+    if msg is not None:
+        cu = driver()
+        y = t.empty(1024, device="cuda")
+        x = t.empty(1024, device="cuda")
+        s = ctypes.c_void_p(t.cuda.current_stream().cuda_stream)
+        ev = ctypes.c_void_p()
+        t0 = time.perf_counter_ns()
+        check(cu.cuIpcOpenEventHandle(ctypes.byref(ev), Handle.from_buffer_copy(msg)),
+              "cuIpcOpenEventHandle")
+        conn.send((time.perf_counter_ns() - t0) / 1e3)
+        waits = []
+    while True:
+        if spin:
+            while not conn.poll(0):
+                pass
+        b = conn.recv()
+        if b is None:
+            break
+        if ev is not None:
+            t0 = time.perf_counter_ns()
+            cu.cuStreamWaitEvent(s, ev, 0)
+            waits.append(time.perf_counter_ns() - t0)
+            y.copy_(x)
+            cu.cuStreamSynchronize(s)
+        conn.send(b)
+    if ev is not None:
+        conn.send(statistics.median(waits) / 1e3)
+
+
+def ping_pongs(n):
+    ctx = mp.get_context("spawn")
+    for label, with_event, spin in (("pipe round trip, blocking (the wake-up floor)", False, False),
+                                    ("pipe round trip, spinning (no wake-up)", False, True),
+                                    ("pipe round trip + interprocess event wait + 4 KB copy "
+                                     "+ stream sync in the other process", True, False)):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_pong, args=(b, spin))
+        p.start()
+        extra = {}
+        if with_event:
+            cu = driver()
+            x = torch.rand(1024, device="cuda")
+            y = torch.empty_like(x)
+            s = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            ev = event(cu, DISABLE_TIMING | INTERPROCESS)
+            h = Handle()
+            check(cu.cuIpcGetEventHandle(ctypes.byref(h), ev), "cuIpcGetEventHandle")
+            a.send(bytes(h))
+            extra["cuIpcOpenEventHandle_us"] = round(a.recv(), 1)
+        else:
+            a.send(None)
+        times = []
+        for i in range(n // 3):
+            if with_event:
+                y.copy_(x)
+                cu.cuEventRecord(ev, s)
+            t0 = time.perf_counter_ns()
+            a.send(i)
+            a.recv()
+            times.append((time.perf_counter_ns() - t0) / 1e3)
+        a.send(None)
+        if with_event:
+            extra["cuStreamWaitEvent_opened_us"] = round(a.recv(), 2)
+        p.join(30)
+        emit(label, round(statistics.median(times[len(times) // 10:]), 1), **extra)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=3000)
+    args = ap.parse_args()
+    emit("device", 0, name=torch.cuda.get_device_name(0), torch=torch.__version__,
+         cores=os.cpu_count())
+    host_costs(args.n)
+    ping_pongs(args.n)
+
+
+if __name__ == "__main__":
+    main()
