@@ -10,9 +10,17 @@ CUDA round trip ~250-300 us dearer than a CPU one, spread evenly over the
 call's hand-offs (benchmarks/cuda_call_breakdown.py); these rows say which
 primitives can explain that and which cannot.
 
-One JSON object per line: {"op": ..., "us": median per operation, "n": ...}.
+A hop: this process copies 4 KB on the GPU and records an interprocess
+event, sends a byte over a pipe; the other process does what HOPS says,
+copies 4 KB itself, synchronises its stream and answers. On one GPU the
+two processes' contexts share it: a stream of one waiting on the other's
+event costs what no host-side primitive does (the H200, 2026-11-27: 302 us
+a hop against a 32 us pipe round trip), and the modes say how much of it a
+host-side wait would save.
 
-    python tools/gpu_costs.py [--n 3000]
+One JSON object per line: {"op": ..., "us": median per operation}.
+
+    python tools/gpu_costs.py [--n 3000] [--hops-only]
 """
 
 import argparse
@@ -42,6 +50,7 @@ def driver():
     cu.cuEventQuery.argtypes = [p]
     cu.cuStreamWaitEvent.argtypes = [p, p, ctypes.c_uint]
     cu.cuStreamSynchronize.argtypes = [p]
+    cu.cuEventSynchronize.argtypes = [p]
     cu.cuIpcGetEventHandle.argtypes = [ctypes.POINTER(Handle), p]
     cu.cuIpcOpenEventHandle.argtypes = [ctypes.POINTER(p), Handle]
     return cu
@@ -154,57 +163,73 @@ def host_costs(n):
     emit("torch.cuda.stream(side) enter+exit", per_op(stream_context, n))
 
 
-def _pong(conn, spin):
-    """The child of the ping-pongs: answers each byte; with an interprocess
-    event handle, waits on the event on its stream and copies 4 KB first."""
+HOPS = {
+    # mode: what the other process does before its own 4 KB copy + stream
+    # sync, after the byte arrives (this one always copies 4 KB and records
+    # the interprocess event first)
+    "blocking": "nothing, and no CUDA (the wake-up floor)",
+    "spinning": "nothing, spinning on the pipe (no wake-up)",
+    "no_dependency": "nothing: both use the GPU, neither waits for the other",
+    "stream_wait": "its stream waits on the event (cuStreamWaitEvent; what cuda_ipc does)",
+    "host_sync": "its thread waits on the event (cuEventSynchronize)",
+    "query_poll": "its thread polls the event (cuEventQuery) until done",
+    "sender_sync": "nothing; this side synchronises its stream before sending",
+}
+
+
+def _pong(conn, mode):
+    """The other end of a hop: answers each byte, after what HOPS says."""
     import torch as t  # noqa: F401  (spawned: import anew)
 
     msg = conn.recv()
-    cu = ev = None
-    if msg is not None:
+    cuda = mode not in ("blocking", "spinning")
+    if cuda:
         cu = driver()
         y = t.empty(1024, device="cuda")
         x = t.empty(1024, device="cuda")
         s = ctypes.c_void_p(t.cuda.current_stream().cuda_stream)
+    ev = None
+    if msg is not None:
         ev = ctypes.c_void_p()
         t0 = time.perf_counter_ns()
         check(cu.cuIpcOpenEventHandle(ctypes.byref(ev), Handle.from_buffer_copy(msg)),
               "cuIpcOpenEventHandle")
         conn.send((time.perf_counter_ns() - t0) / 1e3)
-        waits = []
     while True:
-        if spin:
+        if mode == "spinning":
             while not conn.poll(0):
                 pass
         b = conn.recv()
         if b is None:
             break
-        if ev is not None:
-            t0 = time.perf_counter_ns()
+        if mode == "stream_wait":
             cu.cuStreamWaitEvent(s, ev, 0)
-            waits.append(time.perf_counter_ns() - t0)
+        elif mode == "host_sync":
+            cu.cuEventSynchronize(ev)
+        elif mode == "query_poll":
+            while cu.cuEventQuery(ev) != 0:
+                pass
+        if cuda:
             y.copy_(x)
             cu.cuStreamSynchronize(s)
         conn.send(b)
-    if ev is not None:
-        conn.send(statistics.median(waits) / 1e3)
 
 
 def ping_pongs(n):
     ctx = mp.get_context("spawn")
-    for label, with_event, spin in (("pipe round trip, blocking (the wake-up floor)", False, False),
-                                    ("pipe round trip, spinning (no wake-up)", False, True),
-                                    ("pipe round trip + interprocess event wait + 4 KB copy "
-                                     "+ stream sync in the other process", True, False)):
+    for mode, label in HOPS.items():
         a, b = ctx.Pipe()
-        p = ctx.Process(target=_pong, args=(b, spin))
+        p = ctx.Process(target=_pong, args=(b, mode))
         p.start()
         extra = {}
-        if with_event:
+        cuda = mode not in ("blocking", "spinning")
+        event_used = mode in ("stream_wait", "host_sync", "query_poll")
+        if cuda:
             cu = driver()
             x = torch.rand(1024, device="cuda")
             y = torch.empty_like(x)
             s = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        if event_used:
             ev = event(cu, DISABLE_TIMING | INTERPROCESS)
             h = Handle()
             check(cu.cuIpcGetEventHandle(ctypes.byref(h), ev), "cuIpcGetEventHandle")
@@ -214,27 +239,31 @@ def ping_pongs(n):
             a.send(None)
         times = []
         for i in range(n // 3):
-            if with_event:
-                y.copy_(x)
-                cu.cuEventRecord(ev, s)
             t0 = time.perf_counter_ns()
+            if cuda:
+                y.copy_(x)
+            if event_used:
+                cu.cuEventRecord(ev, s)
+            if mode == "sender_sync":
+                cu.cuStreamSynchronize(s)
             a.send(i)
             a.recv()
             times.append((time.perf_counter_ns() - t0) / 1e3)
         a.send(None)
-        if with_event:
-            extra["cuStreamWaitEvent_opened_us"] = round(a.recv(), 2)
         p.join(30)
-        emit(label, round(statistics.median(times[len(times) // 10:]), 1), **extra)
+        emit(f"hop {mode}: {label}", round(statistics.median(times[len(times) // 10:]), 1),
+             p90=round(sorted(times)[int(0.9 * len(times))], 1), **extra)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=3000)
+    ap.add_argument("--hops-only", action="store_true", help="only the two-process hops")
     args = ap.parse_args()
     emit("device", 0, name=torch.cuda.get_device_name(0), torch=torch.__version__,
          cores=os.cpu_count())
-    host_costs(args.n)
+    if not args.hops_only:
+        host_costs(args.n)
     ping_pongs(args.n)
 
 
