@@ -395,6 +395,9 @@ def main(argv=None):
                    choices=["ext", "tensorpipe"])
     p.add_argument("--cases", nargs="+", metavar="CASE",
                    help="only these cases (e.g. identity_4KB many_1000x1KB)")
+    p.add_argument("--main-plans-only", action="store_true",
+                   help="ours and TensorPipe only: no staged, ring or zero-copy plans "
+                        "(tools/gpu_check.sh's run under MPS)")
     p.add_argument("--chart", type=Path, help="write a PNG chart of the ratios (matplotlib)")
     p.add_argument("--out", type=Path)
     cfg = p.parse_args(argv)
@@ -420,9 +423,10 @@ def main(argv=None):
     results: dict[tuple[str, str], dict] = {}
     plans = [(name, key, None) for name, key in
              (("ext", "TORCH_RPC_EXT"), ("tensorpipe", "TENSORPIPE")) if name in cfg.backends]
-    plans.append(("ext_staged", "TORCH_RPC_EXT", ("cuda_staged",)))
-    plans.append(("ext_ring", "TORCH_RPC_EXT", ("cuda_ring", "cuda_staged")))
-    if "ext" in cfg.backends:
+    if not cfg.main_plans_only:
+        plans.append(("ext_staged", "TORCH_RPC_EXT", ("cuda_staged",)))
+        plans.append(("ext_ring", "TORCH_RPC_EXT", ("cuda_ring", "cuda_staged")))
+    if "ext" in cfg.backends and not cfg.main_plans_only:
         plans.append(("ext_zero_copy", "TORCH_RPC_EXT", None))
     for name, key, channels in plans:
         cfg.recipe = not cfg.fake and name not in ("ext_staged", "ext_ring", "ext_zero_copy")

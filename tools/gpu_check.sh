@@ -19,14 +19,19 @@
 #                     than there are skip unspawned), on pytest-xdist if there;
 #   4. alone on the GPU, as they time things: probe (tools/gpu_probe.py,
 #      short, and its IPC check matters more than the bench), then bench
-#      (benchmarks/cuda_bench.py, ours beside TensorPipe) in what is left.
+#      (benchmarks/cuda_bench.py, ours beside TensorPipe) in what is left;
+#   5. costs (tools/gpu_costs.py: each CUDA primitive's host-side price and
+#      a hop between two processes that share the GPU, ~20 s), then
+#      mps_bench (the bench's main cases, ours and TensorPipe, under an MPS
+#      daemon the step starts and stops: the workers' GPU work in one
+#      context, not time-sliced between two; skipped without MPS).
 # Files under $OUT, written as the steps go (7: the device tool returns 8):
 #   summary.txt       the machine, one line per step (rc, seconds, tests
 #                     passed/failed, the failing tests, the tests running
 #                     when a step was cut or crashed), the bench's ratios
 #   build.log         wheels, the build (its last lines if it passed), ptx
 #   pytest.log        upstream.log    pytest -v -rfE, one each
-#   bench.log         probe, then bench
+#   bench.log         probe, bench, costs, mps_bench (their rows)
 #   cuda_bench.jsonl  cuda_bench.png  the bench's rows and chart
 # A test step about to be cut appends to its log every thread's Python
 # stack in each of its processes (spawned workers too), taken 8 s before
@@ -49,7 +54,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 FAKE=${FAKE:-0}
 if [ "${1:-}" = "--fake" ]; then FAKE=1; shift; fi
 OUT=${OUT:-/tmp/gpu_check}
-STEPS=${STEPS:-ptx pytest upstream_cuda probe bench}
+STEPS=${STEPS:-ptx pytest upstream_cuda probe bench costs mps_bench}
 if [ -z "${TESTS:-}" ]; then
   TESTS="tests/cuda_driver tests/cuda_kernels"
   [ "$FAKE" != 1 ] && TESTS+=" --ignore-glob=tests/cuda_kernels/test_sim_*"
@@ -367,6 +372,47 @@ if wanted bench; then
     "$OUT/cuda_bench.jsonl" 2>/dev/null |
     awk '{ line[$1] = line[$1] " " $2 " " $3 } END { for (k in line) print k ":" line[k] }' |
     tee -a "$SUMMARY"
+fi
+
+# 5. What the bench's small-call figures rest on (issue 46): the price of
+# each CUDA primitive and of a hop between two processes sharing the GPU
+# (tools/gpu_costs.py, no build needed; ~20 s), then the bench's main cases
+# again under MPS, where the two workers' work shares one GPU context
+# instead of time-slicing two (the 2026-11-27 H200: a hop in which both
+# processes touch the GPU cost ~320 us against a 40 us pipe round trip).
+if wanted costs; then
+  if [ "$FAKE" = 1 ]; then
+    note costs skip 0 "no GPU (--fake)"
+  else
+    step costs "$OUT/bench.log" "$(limit 60 0)" "$PY" tools/gpu_costs.py --n 1500 ||
+      failed=$((failed + 1))
+  fi
+fi
+if wanted mps_bench; then
+  if [ "$FAKE" = 1 ]; then
+    note mps_bench skip 0 "no GPU (--fake)"
+  elif ! command -v nvidia-cuda-mps-control >/dev/null; then
+    note mps_bench skip 0 "no nvidia-cuda-mps-control on this machine"
+  else
+    mps=/tmp/gpu_check_mps
+    mkdir -p "$mps/pipe" "$mps/log"
+    export CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log
+    if nvidia-cuda-mps-control -d >>"$OUT/bench.log" 2>&1; then
+      read -ra bench <<<"$BENCH_ARGS"
+      step mps_bench "$OUT/bench.log" "$(limit 150 0)" \
+        "$PY" benchmarks/cuda_bench.py "${bench[@]}" --main-plans-only \
+        --cases identity_4KB identity_4MB identity_400MB many_1000x1KB strided_32MB cpu_4KB \
+        --out "$mps/cuda_bench.jsonl" || failed=$((failed + 1))
+      echo quit | nvidia-cuda-mps-control >>"$OUT/bench.log" 2>&1
+      sed -n 's/.*"case": "\([^"]*\)", "ratio": "\([^"]*\)", "value": \([0-9.]*\).*/\2 \1 \3/p' \
+        "$mps/cuda_bench.jsonl" 2>/dev/null |
+        awk '{ line[$1] = line[$1] " " $2 " " $3 } END { for (k in line) print "mps " k ":" line[k] }' |
+        tee -a "$SUMMARY"
+    else
+      note mps_bench skip 0 "the MPS daemon did not start (bench.log)"
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
 fi
 
 echo "failed steps: $failed; ${SECONDS} s in all" | tee -a "$SUMMARY"
