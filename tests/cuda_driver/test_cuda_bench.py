@@ -143,3 +143,22 @@ def test_staging_on_one_host_goes_through_the_ring_not_the_socket(bench_rows):
         return
     assert ring["memcpys"] == 6, ring  # snapshot, out and in, each direction
     assert ring["allocations"] == 0 and ring["host_waits"] == 0, ring
+
+
+def test_driver_calls_are_told_apart_by_the_library_making_them(bench_rows):
+    # The fake attributes each call to the library it came from: ours (_C)
+    # apart from its stand-in for torch's CUDA runtime (_testing), so that a
+    # budget can say whose calls grew. Both together are every call counted.
+    if REAL_DRIVER:
+        pytest.skip("the fake driver's attribution (a GPU has no such counts)")
+    c = costs(bench_rows)["identity_4KB"]
+    by = c["driver_calls_by_library"]
+    assert set(by) >= {"_C", "_testing"}, by
+    assert sum(by.values()) == pytest.approx(c["driver_calls"], abs=0.5), c
+    # The copy kernels are launched by us alone, once per direction's
+    # snapshot and once per landing.
+    assert c["driver_from"].get("_C:cuLaunchKernel") == c["launches"], c
+    # A CPU call's only driver calls are torch's guard making the device
+    # current: none is ours.
+    cpu = costs(bench_rows)["cpu_4KB"]["driver_calls_by_library"]
+    assert cpu.get("_C", 0) == 0, cpu
