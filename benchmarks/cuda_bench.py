@@ -239,8 +239,8 @@ def costs() -> dict[str, int]:
     stats = fake_driver_stats()
     if stats is not None:
         out.update(stats["calls"])
-        # "from:<library>:<entry point>": torch_rpc_ext's own calls (_C)
-        # apart from those of the fake's stand-in for torch (_testing).
+        # "from:<library>:<entry point>": the calls by the library holding
+        # the call site (_C, _testing; see summarize_costs).
         out.update({"from:" + k: v for k, v in stats.get("calls_from", {}).items()})
         from torch_rpc_ext import _testing
 
@@ -296,9 +296,11 @@ def summarize_costs(delta: tuple, calls: int, harness: tuple) -> dict:
             out[group] = round(sum(driver.get(n, 0) for n in names), 2)
         out["allocations"] = round(out["allocations"] + out["torch_allocations"], 2)
         out["driver_calls"] = round(sum(driver.values()), 2)
-        # Whose calls they are: torch_rpc_ext's own (_C), or the fake's
-        # stand-in for torch's CUDA runtime (_testing: what torch's futures,
-        # guards and caching allocator would call), both ends summed.
+        # Where they were made, both ends summed: in _C (torch_rpc_ext, and
+        # the device guard the fake's stand-in for torch borrows from it:
+        # context and capture-mode calls) or in _testing (the stand-in's
+        # events, streams and memory: what torch's futures, guards and
+        # caching allocator would call).
         from_ = {k[5:]: v for k, v in net.items() if k.startswith("from:") and v}
         out["driver_calls_by_library"] = {
             lib: round(sum(v for k, v in from_.items() if k.split(":")[0] == lib), 2)

@@ -3,8 +3,7 @@
 
 The GPU run of 2026-11-27 (docs/gpu-runs/2026-11-27-h200/) put a round trip
 of one 4 KB CUDA tensor at 447 us and a CPU call between the same two
-workers at 197 us, and a worker's call to itself (no IPC at all) at 473 us:
-the difference is host-side handling, not copies (4 us). This splits it the
+workers at 197 us: the difference is not the copy (4 us). This splits it the
 way small_call_breakdown.py splits a CPU call: both workers run with
 TORCH_RPC_EXT_CALL_TRACE=1, the caller times each `rpc_sync` (device
 synchronised before and after, as cuda_bench.py does) and the stamps are

@@ -11,8 +11,10 @@ call's hand-offs (benchmarks/cuda_call_breakdown.py); these rows say which
 primitives can explain that and which cannot.
 
 A hop: this process copies 4 KB on the GPU and records an interprocess
-event, sends a byte over a pipe; the other process does what HOPS says,
-copies 4 KB itself, synchronises its stream and answers. On one GPU the
+event (where the mode uses one), sends a byte over a pipe; the other
+process does what HOPS says, copies 4 KB itself, synchronises its stream
+and answers (`other_only`: only the other side uses the GPU, the control
+for two contexts taking turns). On one GPU the
 two processes' contexts share it: a stream of one waiting on the other's
 event costs what no host-side primitive does (the H200, 2026-11-27: 302 us
 a hop against a 32 us pipe round trip), and the modes say how much of it a
@@ -164,17 +166,23 @@ def host_costs(n):
 
 
 HOPS = {
-    # mode: what the other process does before its own 4 KB copy + stream
-    # sync, after the byte arrives (this one always copies 4 KB and records
-    # the interprocess event first)
-    "blocking": "nothing, and no CUDA (the wake-up floor)",
-    "spinning": "nothing, spinning on the pipe (no wake-up)",
+    # mode: what the other process does after the byte arrives, before its
+    # own 4 KB copy and stream sync (where it uses CUDA); this one copies
+    # 4 KB first wherever it uses CUDA, and records the interprocess event
+    # where the other side uses it
+    "blocking": "nothing, and no CUDA on either side (the wake-up floor)",
+    "spinning": "nothing, no CUDA, spinning on the pipe (this side blocks)",
+    "other_only": "its copy and sync; this side no CUDA (one context uses the GPU)",
     "no_dependency": "nothing: both use the GPU, neither waits for the other",
     "stream_wait": "its stream waits on the event (cuStreamWaitEvent; what cuda_ipc does)",
     "host_sync": "its thread waits on the event (cuEventSynchronize)",
     "query_poll": "its thread polls the event (cuEventQuery) until done",
     "sender_sync": "nothing; this side synchronises its stream before sending",
 }
+# Which side uses the GPU in each mode (this, other).
+_NO_CUDA = ("blocking", "spinning")
+_EVENT = ("stream_wait", "host_sync", "query_poll")
+NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
 def _pong(conn, mode):
@@ -182,7 +190,7 @@ def _pong(conn, mode):
     import torch as t  # noqa: F401  (spawned: import anew)
 
     msg = conn.recv()
-    cuda = mode not in ("blocking", "spinning")
+    cuda = mode not in _NO_CUDA
     if cuda:
         cu = driver()
         y = t.empty(1024, device="cuda")
@@ -203,16 +211,25 @@ def _pong(conn, mode):
         if b is None:
             break
         if mode == "stream_wait":
-            cu.cuStreamWaitEvent(s, ev, 0)
+            check(cu.cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
         elif mode == "host_sync":
-            cu.cuEventSynchronize(ev)
+            check(cu.cuEventSynchronize(ev), "cuEventSynchronize")
         elif mode == "query_poll":
-            while cu.cuEventQuery(ev) != 0:
+            while (rc := cu.cuEventQuery(ev)) == NOT_READY:
                 pass
+            check(rc, "cuEventQuery")
         if cuda:
             y.copy_(x)
-            cu.cuStreamSynchronize(s)
+            check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
         conn.send(b)
+
+
+def _answer(conn, p, timeout=60):
+    """The other side's next message; an error, not a hang, if it died."""
+    if not conn.poll(timeout):
+        raise RuntimeError(f"the other process sent nothing in {timeout} s "
+                           f"(alive: {p.is_alive()}, exit code {p.exitcode})")
+    return conn.recv()
 
 
 def ping_pongs(n):
@@ -221,38 +238,48 @@ def ping_pongs(n):
         a, b = ctx.Pipe()
         p = ctx.Process(target=_pong, args=(b, mode))
         p.start()
+        b.close()  # ours: the child's end only in the child, so its death is an EOF
         extra = {}
-        cuda = mode not in ("blocking", "spinning")
-        event_used = mode in ("stream_wait", "host_sync", "query_poll")
+        cuda = mode not in _NO_CUDA and mode != "other_only"
+        event_used = mode in _EVENT
         if cuda:
             cu = driver()
             x = torch.rand(1024, device="cuda")
             y = torch.empty_like(x)
             s = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        if event_used:
-            ev = event(cu, DISABLE_TIMING | INTERPROCESS)
-            h = Handle()
-            check(cu.cuIpcGetEventHandle(ctypes.byref(h), ev), "cuIpcGetEventHandle")
-            a.send(bytes(h))
-            extra["cuIpcOpenEventHandle_us"] = round(a.recv(), 1)
-        else:
-            a.send(None)
-        times = []
-        for i in range(n // 3):
-            t0 = time.perf_counter_ns()
-            if cuda:
-                y.copy_(x)
+        ev = None
+        try:
             if event_used:
-                cu.cuEventRecord(ev, s)
-            if mode == "sender_sync":
+                ev = event(cu, DISABLE_TIMING | INTERPROCESS)
+                h = Handle()
+                check(cu.cuIpcGetEventHandle(ctypes.byref(h), ev), "cuIpcGetEventHandle")
+                a.send(bytes(h))
+                extra["cuIpcOpenEventHandle_us"] = round(_answer(a, p), 1)
+            else:
+                a.send(None)
+            times = []
+            for i in range(n // 3):
+                t0 = time.perf_counter_ns()
+                if cuda:
+                    y.copy_(x)
+                if event_used:
+                    check(cu.cuEventRecord(ev, s), "cuEventRecord")
+                if mode == "sender_sync":
+                    check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
+                a.send(i)
+                _answer(a, p)
+                times.append((time.perf_counter_ns() - t0) / 1e3)
+            a.send(None)
+        finally:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+            if ev is not None:
                 cu.cuStreamSynchronize(s)
-            a.send(i)
-            a.recv()
-            times.append((time.perf_counter_ns() - t0) / 1e3)
-        a.send(None)
-        p.join(30)
-        emit(f"hop {mode}: {label}", round(statistics.median(times[len(times) // 10:]), 1),
-             p90=round(sorted(times)[int(0.9 * len(times))], 1), **extra)
+                cu.cuEventDestroy_v2(ev)
+        kept = sorted(times[len(times) // 10:])  # less the first tenth (warm-up)
+        emit(f"hop {mode}: {label}", round(statistics.median(kept), 1),
+             p90=round(kept[int(0.9 * (len(kept) - 1))], 1), **extra)
 
 
 def main():

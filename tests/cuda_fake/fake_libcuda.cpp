@@ -322,17 +322,19 @@ struct Stats {
   // cuMemHostAlloc's nor registered): a GPU runs them synchronously,
   // through a bounce buffer, at a fraction of the bus's speed.
   std::atomic<uint64_t> pageableCopies{0};
-  std::mutex mu; // the two strings and `calls`
+  std::mutex mu; // the two strings, `calls` and `callsFrom`
   std::string lastError;
   std::string lastKernelError;
   // Calls by entry point (ABI name), for what a message costs in driver
   // calls (benchmarks/cuda_bench.py --fake). cuInit, cuDriverGetVersion and
   // cuGetError* are not counted.
   std::map<std::string, uint64_t> calls;
-  // The same by the library the call came from ("_C", "_testing", ...: the
-  // file name up to its first dot), "module:entry point": which driver
-  // calls a message costs are torch_rpc_ext's own (_C) and which the
-  // fake's stand-in for torch's CUDA runtime makes (_testing).
+  // The same by the library holding the call site ("_C", "_testing", ...:
+  // the file name up to its first dot), "library:entry point". "_C" is
+  // torch_rpc_ext's code, and also the device guard (cuda::CurrentDevice)
+  // that the fake's stand-in for torch's CUDA runtime (_testing) borrows
+  // from it: its context and capture-mode calls count as "_C"; the
+  // stand-in's event, stream and memory calls count as "_testing".
   std::map<std::string, uint64_t> callsFrom;
 };
 
@@ -467,17 +469,19 @@ CUresult fail(const char* fn, CUresult rc, const char* why) {
     }                            \
   } while (0)
 
-// The checks every entry point but cuInit, cuDriverGetVersion and
-// cuGetError* starts with.
 // The library holding `address` (a return address), as "_C" for
-// ".../_C.cpython-311-x86_64-linux-gnu.so"; cached by address.
+// ".../_C.cpython-311-x86_64-linux-gnu.so"; cached by address. Its cache
+// lives on the heap and is never freed, as the rest of the fake's state:
+// threads still call the driver while the process exits.
 std::string moduleOf(const void* address) {
-  static std::mutex mu;
-  static std::map<const void*, std::string> known;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = known.find(address);
-  if (it != known.end()) {
-    return it->second;
+  static auto* mu = new std::mutex();
+  static auto* known = new std::map<const void*, std::string>();
+  {
+    std::lock_guard<std::mutex> lock(*mu);
+    auto it = known->find(address);
+    if (it != known->end()) {
+      return it->second;
+    }
   }
   Dl_info info{};
   std::string name = "?";
@@ -486,9 +490,12 @@ std::string moduleOf(const void* address) {
     name = name.substr(name.rfind('/') + 1);
     name = name.substr(0, name.find('.'));
   }
-  return known.emplace(address, name).first->second;
+  std::lock_guard<std::mutex> lock(*mu);
+  return known->emplace(address, name).first->second;
 }
 
+// The checks every entry point but cuInit, cuDriverGetVersion and
+// cuGetError* starts with; `caller` is the entry point's return address.
 CUresult enter(const char* fn, bool needContext, const void* caller) {
   {
     std::string from = moduleOf(caller) + ":" + fn;
@@ -2409,25 +2416,20 @@ __attribute__((visibility("default"))) int fake_cuda_stats(
     Lock lock(s.stats.mu);
     appendJson(j, "last_error", s.stats.lastError);
     appendJson(j, "last_kernel_error", s.stats.lastKernelError);
-    j += "\"calls\": {";
-    for (const auto& [fn, n] : s.stats.calls) {
-      appendJson(j, fn.c_str(), n);
-    }
-    if (s.stats.calls.empty()) {
-      j += "}, ";
-    } else {
-      closeJson(j);
-      j += ", ";
-    }
-    j += "\"calls_from\": {";
-    for (const auto& [fn, n] : s.stats.callsFrom) {
-      appendJson(j, fn.c_str(), n);
-    }
-    if (s.stats.callsFrom.empty()) {
-      j += "}, ";
-    } else {
-      closeJson(j);
-      j += ", ";
+    // "name": {"key": n, ...}, for each map of counts.
+    for (const auto& [name, counts] :
+         {std::pair{"calls", &s.stats.calls},
+          std::pair{"calls_from", &s.stats.callsFrom}}) {
+      j += std::string("\"") + name + "\": {";
+      for (const auto& [key, n] : *counts) {
+        appendJson(j, key.c_str(), n);
+      }
+      if (counts->empty()) {
+        j += "}, ";
+      } else {
+        closeJson(j);
+        j += ", ";
+      }
     }
   }
   closeJson(j);
