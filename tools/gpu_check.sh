@@ -188,6 +188,16 @@ dump_stacks() {
 
 # step NAME LOG SECONDS COMMAND...: run it, appending to LOG, cut after
 # SECONDS (SIGINT, then SIGKILL); note it. Returns its status.
+# ratios FILE PREFIX: the bench's ratio lines into the summary, one line
+# per kind: "PREFIXtime_ext_over_tp: identity_4KB 0.675 ...".
+ratios() {
+  sed -n 's/.*"case": "\([^"]*\)", "ratio": "\([^"]*\)", "value": \([0-9.]*\).*/\2 \1 \3/p' \
+    "$1" 2>/dev/null |
+    awk -v prefix="$2" '{ line[$1] = line[$1] " " $2 " " $3 }
+      END { for (k in line) print prefix k ":" line[k] }' |
+    tee -a "$SUMMARY"
+}
+
 step() {
   local name=$1 log=$2 secs=$3 start pid rc facts=""
   shift 3
@@ -368,11 +378,7 @@ if wanted bench; then
   step bench "$OUT/bench.log" "$(limit "$CAP_BENCH" 0)" env "${libcuda[@]}" \
     "$PY" benchmarks/cuda_bench.py "${bench[@]}" \
     --out "$OUT/cuda_bench.jsonl" --chart "$OUT/cuda_bench.png" || failed=$((failed + 1))
-  # The ratios, one line per kind: "time_ext_over_tp: identity_4KB 0.675 ...".
-  sed -n 's/.*"case": "\([^"]*\)", "ratio": "\([^"]*\)", "value": \([0-9.]*\).*/\2 \1 \3/p' \
-    "$OUT/cuda_bench.jsonl" 2>/dev/null |
-    awk '{ line[$1] = line[$1] " " $2 " " $3 } END { for (k in line) print k ":" line[k] }' |
-    tee -a "$SUMMARY"
+  ratios "$OUT/cuda_bench.jsonl" ""
 fi
 
 # 5. What the bench's small-call figures rest on (issue 46): the price of
@@ -423,10 +429,7 @@ if wanted mps_bench; then
         --out "$mps/cuda_bench.jsonl" || failed=$((failed + 1))
       echo quit | nvidia-cuda-mps-control >>"$OUT/bench.log" 2>&1
       trap - EXIT
-      sed -n 's/.*"case": "\([^"]*\)", "ratio": "\([^"]*\)", "value": \([0-9.]*\).*/\2 \1 \3/p' \
-        "$mps/cuda_bench.jsonl" 2>/dev/null |
-        awk '{ line[$1] = line[$1] " " $2 " " $3 } END { for (k in line) print "mps " k ":" line[k] }' |
-        tee -a "$SUMMARY"
+      ratios "$mps/cuda_bench.jsonl" "mps "
     else
       note mps_bench skip 0 "the MPS daemon did not start (bench.log)"
     fi

@@ -34,16 +34,15 @@ import statistics
 import time
 
 import torch
+from gpu_probe import Handle, check, libcuda  # tools/: this script's folder
 
 DISABLE_TIMING, INTERPROCESS = 0x2, 0x4
 
 
-class Handle(ctypes.Structure):  # CUipcEventHandle: 64 bytes
-    _fields_ = [("reserved", ctypes.c_char * 64)]
-
-
 def driver():
-    cu = ctypes.CDLL("libcuda.so.1")
+    """libcuda.so.1 as tools/gpu_probe.py opens it, with the argument types
+    of the calls timed here."""
+    cu = libcuda()
     p = ctypes.c_void_p
     cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(p)]
     cu.cuEventCreate.argtypes = [ctypes.POINTER(p), ctypes.c_uint]
@@ -54,13 +53,7 @@ def driver():
     cu.cuStreamSynchronize.argtypes = [p]
     cu.cuEventSynchronize.argtypes = [p]
     cu.cuIpcGetEventHandle.argtypes = [ctypes.POINTER(Handle), p]
-    cu.cuIpcOpenEventHandle.argtypes = [ctypes.POINTER(p), Handle]
     return cu
-
-
-def check(rc, what):
-    if rc != 0:
-        raise RuntimeError(f"{what}: CUresult {rc}")
 
 
 def event(cu, flags):
