@@ -291,6 +291,21 @@ class Channel {
       staged[i] = stageOut(segments[i]);
     }
   }
+  // kRegion, any thread, no lock held: carry a device segment whose bytes a
+  // staging channel is copying out into host memory (`staged`: its data()
+  // fills up to readyBytes(); `segment` is the device segment), writing
+  // them as they become ready, and fill `record`; or decline. The receiver
+  // gets a region of host memory for a device segment, which the agent
+  // copies onto its device (tcp_lanes: CUDA tensors across hosts).
+  // `keepAlive` owns the frame; the channel holds `staged` as long as it
+  // reads it.
+  virtual bool takeStaged(
+      const frame::OutboundFrame::Segment& segment,
+      const std::shared_ptr<StagedOut>& staged,
+      frame::SegmentRecord* record,
+      const std::shared_ptr<void>& keepAlive) {
+    return false;
+  }
   // Frames waiting for a ride with the next message frame (batched
   // notifications), appended to `out`.
   virtual void collectPendingLocked(std::vector<ControlFrame>* out) {}

@@ -446,12 +446,11 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
             reinterpret_cast<uintptr_t>(buffers.provided[i]), sizes_[i]);
         continue;
       }
-    } else {
-      TORCH_CHECK(
-          want < 0,
-          "segment ",
-          i,
-          " holds CUDA tensors but arrived in host memory");
+    } else if (want >= 0) {
+      // A CUDA segment a host channel carried (tcp_lanes striping what
+      // cuda_staged copied out): copied onto its device, as the host bytes
+      // of a {"cpu": d} map are.
+      segmentLandings_[i - 1] = want;
     }
     auto* owned = new ProvidedRegion{buffers.regions[i]};
     c10::DataPtr data(buffers.provided[i], owned, &releaseProvided, device);

@@ -386,6 +386,37 @@ def test_an_idle_ring_is_dropped_and_made_again_when_needed(spawn, monkeypatch):
         assert last["segments_sent"] == last["segments_received"] == 2
 
 
+@pytest.mark.parametrize("encryption", ["off", "always"])
+def test_large_cuda_tensors_across_hosts_go_over_the_lanes(spawn, encryption):
+    """Between hosts (TCP, tcp_lanes on), a CUDA tensor of 1 MiB or more is
+    copied out of its device by cuda_staged chunk by chunk, and the lanes
+    write each stripe as its chunks complete (the fake completes copies
+    late: a stripe written before its copy would carry stale bytes); the
+    receiver lands the lanes' host memory on its device. The connection's
+    stream carries 16-byte records only."""
+    from tests.cuda_driver import lanes_worker
+
+    caller, _ = play_with(spawn, lanes_worker.run, encryption)
+    assert "error" not in caller, caller.get("error")
+    assert caller["lanes_up"], repr(caller)
+    assert caller["back"] == [("cuda:0", True)] * len(lanes_worker.SIZES)
+    assert caller["view"] == ((1024, 512), True)
+    assert caller["concurrent"] == [True] * lanes_worker.CONCURRENT
+    calls = len(lanes_worker.SIZES) + 1 + lanes_worker.CONCURRENT
+
+    def delta(channel, side, key):
+        return caller["after"][channel][side][key] - caller["before"][channel][side][key]
+
+    for side in (0, 1):  # worker0's requests, worker1's answers
+        # Every one copied out by cuda_staged and striped over the lanes;
+        # none landed by cuda_staged (the stream carried records only).
+        assert delta("tcp_lanes", side, "staged_segments") == calls, repr(caller)
+        assert delta("cuda_staged", side, "segments_sent") == calls, repr(caller)
+        assert delta("cuda_staged", side, "segments_received") == 0, repr(caller)
+    sent = delta("cuda_staged", 0, "bytes_sent")
+    assert sent == delta("tcp_lanes", 0, "bytes") == delta("tcp_lanes", 1, "bytes")
+
+
 @two_devices
 def test_a_map_between_two_devices_goes_peer_to_peer(spawn, monkeypatch):
     """A map from cuda:0 to the peer's cuda:1 on one node whose devices reach

@@ -135,6 +135,7 @@ std::shared_ptr<Channel> LanesContext::open(
 std::map<std::string, uint64_t> LanesContext::counters() const {
   return {
       {"segments", counters_.segments.load()},
+      {"staged_segments", counters_.stagedSegments.load()},
       {"bytes", counters_.bytes.load()},
       {"lanes_opened", counters_.lanesOpened.load()},
       {"lanes_failed", counters_.lanesFailed.load()},

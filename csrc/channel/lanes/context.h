@@ -49,6 +49,8 @@ struct LanesSettings {
 struct LanesCounters {
   std::atomic<uint64_t> segments{0}; // striped segments sent
   std::atomic<uint64_t> bytes{0}; // their bytes
+  // Of them, CUDA segments cuda_staged copied out (takeStaged).
+  std::atomic<uint64_t> stagedSegments{0};
   std::atomic<uint64_t> lanesOpened{0}; // lanes dialled and accepted
   std::atomic<uint64_t> lanesFailed{0}; // dials that failed (then: the stream)
   std::atomic<uint64_t> heldRecords{0}; // records that waited for their bytes

@@ -74,6 +74,12 @@ class LanesChannel final : public Channel,
       std::vector<TakenRegion>* taken,
       std::vector<ControlFrame>* before,
       const std::shared_ptr<void>& keepAlive) override;
+  // A CUDA segment cuda_staged copies out: striped as its bytes get ready.
+  bool takeStaged(
+      const frame::OutboundFrame::Segment& segment,
+      const std::shared_ptr<StagedOut>& staged,
+      frame::SegmentRecord* record,
+      const std::shared_ptr<void>& keepAlive) override;
   void abandonRegion(
       const frame::OutboundFrame::Segment& segment,
       const frame::SegmentRecord& record) override;
@@ -105,6 +111,9 @@ class LanesChannel final : public Channel,
     uint64_t length;
     const char* data; // the segment's first byte
     std::shared_ptr<void> keepAlive;
+    // A staged segment's bytes, written only as far as they are ready
+    // (kept alive by keepAlive); null: all there.
+    const StagedOut* staged = nullptr;
   };
   struct OutLane {
     int fd = -1;
@@ -129,6 +138,7 @@ class LanesChannel final : public Channel,
     const char* data;
     uint64_t size;
     std::shared_ptr<void> keepAlive;
+    const StagedOut* staged = nullptr;
   };
   // kCapped: the process held its cap of lanes; a later segment tries again.
   enum class OutState { kIdle, kCapped, kDialing, kUp, kFailed };
@@ -136,6 +146,12 @@ class LanesChannel final : public Channel,
   const LanesContext& lanesContext() const;
   void sendOfferFromLoop();
   void startLanesLocked();
+  // Whether a segment of `size` goes over the lanes now (dialling them if
+  // they are not up yet: this one rides the stream meanwhile).
+  bool lanesTakeLocked(uint64_t size);
+  // A staged stripe's bytes up to `end` are out of the device; false with
+  // `error` set once the channel closes first (a failed copy closes it).
+  bool waitStaged(const StagedOut& staged, uint64_t end, std::string* error);
   void runOutLane(uint16_t lane, sockaddr_storage address, std::string ticket);
   // A dialled lane's opening: the listener's challenge in, our Hello out.
   bool sayHello(

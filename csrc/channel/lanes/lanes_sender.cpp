@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "csrc/channel/lanes/lane.h"
 #include "csrc/channel/lanes/lanes_channel.h"
@@ -37,11 +38,7 @@ void LanesChannel::takeRegions(
     return;
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  if ((outState_ == OutState::kIdle || outState_ == OutState::kCapped) &&
-      offered_ && !closing_) {
-    startLanesLocked(); // this segment and any until they are up: the stream
-  }
-  if (outState_ != OutState::kUp || closing_) {
+  if (!lanesTakeLocked(minBytes_)) {
     return;
   }
   for (size_t i : offered) {
@@ -59,6 +56,65 @@ void LanesChannel::takeRegions(
     std::memcpy(&record, &r, sizeof(record));
     taken->push_back({i, record});
   }
+}
+
+bool LanesChannel::takeStaged(
+    const frame::OutboundFrame::Segment& segment,
+    const std::shared_ptr<StagedOut>& staged,
+    frame::SegmentRecord* record,
+    const std::shared_ptr<void>& keepAlive) {
+  if (segment.size < minBytes_ || segment.size > kMaxStripedBytes) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!lanesTakeLocked(segment.size)) {
+    return false;
+  }
+  // The stripes hold the frame and the staged bytes.
+  struct Both {
+    std::shared_ptr<void> frame;
+    std::shared_ptr<StagedOut> staged;
+  };
+  uint64_t id = nextTaken_++;
+  taken_.emplace(
+      id,
+      Taken{
+          staged->data(),
+          segment.size,
+          std::make_shared<Both>(Both{keepAlive, staged}),
+          staged.get()});
+  LaneRecord r{id, segment.size};
+  std::memcpy(record, &r, sizeof(*record));
+  return true;
+}
+
+bool LanesChannel::lanesTakeLocked(uint64_t size) {
+  if (size < minBytes_ || closing_) {
+    return false;
+  }
+  if ((outState_ == OutState::kIdle || outState_ == OutState::kCapped) &&
+      offered_) {
+    startLanesLocked(); // this segment and any until they are up: the stream
+  }
+  return outState_ == OutState::kUp;
+}
+
+bool LanesChannel::waitStaged(
+    const StagedOut& staged,
+    uint64_t end,
+    std::string* error) {
+  // The staging thread raises the mark chunk by chunk (4 MiB at PCIe
+  // speed: ~100-300 us each); polled, backing off to 200 us.
+  auto pause = std::chrono::microseconds(2);
+  while (staged.readyBytes() < end) {
+    if (stop_.load()) {
+      *error = "closed while its device copy was under way";
+      return false;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(200));
+  }
+  return true;
 }
 
 void LanesChannel::onRegionsQueuedLocked(
@@ -100,10 +156,14 @@ void LanesChannel::queueStripesLocked(uint64_t token, Taken taken) {
             offset,
             std::min<uint64_t>(stripe, taken.size - offset),
             taken.data,
-            taken.keepAlive});
+            taken.keepAlive,
+            taken.staged});
     lane = (lane + 1) % n;
   }
   stats.segments.fetch_add(1, std::memory_order_relaxed);
+  if (taken.staged != nullptr) {
+    stats.stagedSegments.fetch_add(1, std::memory_order_relaxed);
+  }
   stats.bytes.fetch_add(taken.size, std::memory_order_relaxed);
 }
 
@@ -334,6 +394,10 @@ bool LanesChannel::writeStripe(
         static_cast<uint32_t>(length),
         0};
     const char* src = stripe.data + stripe.offset + done;
+    if (stripe.staged != nullptr &&
+        !waitStaged(*stripe.staged, stripe.offset + done + length, error)) {
+      return false;
+    }
     if (cipher == nullptr) {
       if (!sendAll(fd, &header, sizeof(header), error)) {
         return false;

@@ -296,6 +296,15 @@ class StreamConnection : public Connection,
       PendingWrite& w,
       std::vector<uint8_t>& slots,
       std::vector<channel::ControlFrame>& before);
+  // Sender: a staged segment `i` (copying out of its device) offered to the
+  // host region channels (tcp_lanes), which write it as it gets ready;
+  // true (and `staged` moved to the channel, `slots[i]` set) if one took it.
+  bool offerStagedToHostChannels(
+      const frame::OutboundFrame& frame,
+      size_t i,
+      std::shared_ptr<channel::StagedOut>& staged,
+      PendingWrite& w,
+      std::vector<uint8_t>& slots);
   // A frame whose planning failed: the region channels give back what they
   // took for it, and the frames they queued in `before` are sent.
   void abandonPlan(

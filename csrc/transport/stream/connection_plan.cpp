@@ -101,6 +101,14 @@ void StreamConnection::planSegments(
         mark(); // released with `w`, once their copies are done
         throw;
       }
+      // Large staged segments may leave the stream for a host channel that
+      // writes them as their bytes come out of the device (tcp_lanes).
+      for (size_t i : offered) {
+        if (staged[i] &&
+            offerStagedToHostChannels(frame, i, staged[i], w, slots)) {
+          taken[i] = true;
+        }
+      }
       mark();
       continue;
     }
@@ -129,6 +137,34 @@ void StreamConnection::planSegments(
           std::to_string(segment.size) + " bytes");
     }
   }
+}
+
+bool StreamConnection::offerStagedToHostChannels(
+    const frame::OutboundFrame& frame,
+    size_t i,
+    std::shared_ptr<channel::StagedOut>& staged,
+    PendingWrite& w,
+    std::vector<uint8_t>& slots) {
+  for (size_t k = 0; k < channels_.size(); ++k) {
+    auto& ch = *channels_[k];
+    if (ch.context().mode() != channel::Channel::Mode::kRegion ||
+        ch.context().device() != channel::DeviceKind::kCpu) {
+      continue;
+    }
+    frame::SegmentRecord record{};
+    if (ch.takeStaged(frame.segments[i], staged, &record, frame.keepAlive)) {
+      const size_t n = frame.segments.size();
+      if (w.regionRecords.empty()) {
+        w.regionRecords.resize(n); // the frame's segments will point into it
+      }
+      slots.resize(n);
+      slots[i] = static_cast<uint8_t>(k + 1);
+      w.regionRecords[i] = record;
+      staged.reset(); // the channel holds it now; the stream writes a record
+      return true;
+    }
+  }
+  return false;
 }
 
 void StreamConnection::abandonPlan(

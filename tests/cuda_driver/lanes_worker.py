@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""A worker of test_agent_cuda.py's lanes test: CUDA tensors between hosts
+(TCP, no shared memory) go through cuda_staged's copies out of the device
+and then over tcp_lanes, striped as the copies complete."""
+
+import random
+import time
+
+from torch.distributed import rpc
+
+from tests.cuda_driver.agent_worker import (
+    big_cuda_tensor,
+    channel_counters,
+    cuda_view,
+    identity,
+    join_pair,
+    tensor_bytes,
+)
+
+# Past cuda_staged's 4 MiB chunk many times over; odd (stripes end off
+# their 64 KiB alignment); the lanes' minimum.
+SIZES = (40 << 20, (3 << 20) + 7, 1 << 20)
+CONCURRENT = 4  # calls of CONCURRENT_BYTES at once, both ways
+CONCURRENT_BYTES = 6 << 20
+VIEW_SPAN = 4 << 20  # a float32 1024 x 1024, every other column sent
+
+
+def lanes_opened() -> int:
+    return channel_counters("tcp_lanes").get("lanes_opened", 0)
+
+
+def dial_lanes(rng, timeout: float = 30) -> bool:
+    """1 MiB calls (each large segment dials its sender's lanes if the
+    peer's offer is in; it rides the stream meanwhile) until both
+    processes have their 4 lanes out and 4 in, and the bytes came back."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        data = rng.randbytes(1 << 20)
+        back = rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(data),))
+        if tensor_bytes(back) != data:
+            return False
+        if lanes_opened() >= 8 and rpc.rpc_sync("worker1", lanes_opened) >= 8:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def counters():
+    """Both processes' tcp_lanes and cuda_staged counters."""
+    return {c: (channel_counters(c), rpc.rpc_sync("worker1", channel_counters, args=(c,)))
+            for c in ("tcp_lanes", "cuda_staged")}
+
+
+def run(rank: int, port: int, ctl, encryption: str) -> None:
+    """worker0 sends CUDA tensors of 1 to 40 MiB to worker1 and gets them
+    back, a strided view, then CONCURRENT calls at once, once both sides'
+    lanes are up (dial_lanes). Reports whether every byte came back and
+    both sides' tcp_lanes and cuda_staged counters before and after."""
+    join_pair(rank, port, device_channels=("cuda_staged",), transports=("tcp",),
+              channels=("tcp_lanes",), encryption=encryption)
+    out = {}
+    if rank == 0:
+        try:
+            rng = random.Random(11)
+            out["lanes_up"] = dial_lanes(rng)
+            out["before"] = counters()
+            datas = [rng.randbytes(n) for n in SIZES]
+            backs = [rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(d),))
+                     for d in datas]
+            out["back"] = [(str(b.device), tensor_bytes(b) == d) for b, d in zip(backs, datas)]
+            view, packed = cuda_view(rng.randbytes(VIEW_SPAN), (1024, 1024),
+                                     (slice(None), slice(0, None, 2)))
+            back = rpc.rpc_sync("worker1", identity, args=(view,))
+            out["view"] = (tuple(back.shape), tensor_bytes(back) == packed)
+            datas = [rng.randbytes(CONCURRENT_BYTES) for _ in range(CONCURRENT)]
+            futs = [rpc.rpc_async("worker1", identity, args=(big_cuda_tensor(d),))
+                    for d in datas]
+            out["concurrent"] = [tensor_bytes(f.wait()) == d for f, d in zip(futs, datas)]
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["error"] = str(e)
+        out["after"] = counters()
+    rpc.shutdown()
+    ctl.send(out)
