@@ -35,6 +35,10 @@ host waits). tests/cuda_driver/test_cuda_bench.py holds budgets for them.
                                    staging through a shared pinned ring, no
                                    socket (what one host uses where cuda_ipc
                                    cannot join the devices)
+  ext_tls_stream, ext_tls_lanes    identity 4 MB and 400 MB as between hosts:
+                                   TCP with TLS, cuda_staged copying out, the
+                                   bytes through the connection's stream or
+                                   over tcp_lanes (`tls_lanes_over_stream`)
 
 Output: JSON lines, one per (backend, case), then one ratio per case
 (`time_ext_over_tp`), `staged_over_pcie_floor` and `ring_over_pcie_floor`
@@ -150,7 +154,9 @@ def _init(rank, backend_key, channels, fake, zero_copy=False) -> Devices:
     if backend_key == "TENSORPIPE":
         opts = rpc.TensorPipeRpcBackendOptions(**kwargs)
     else:
-        if channels:  # else the options' default
+        if isinstance(channels, dict):  # options of the plan's own
+            kwargs.update(channels)
+        elif channels:  # else the options' default
             kwargs["device_channels"] = channels
         opts = torch_rpc_ext.RpcExtBackendOptions(cuda_zero_copy=zero_copy, **kwargs)
     if rank == 0:  # the callee answers through the reverse map
@@ -400,6 +406,9 @@ def main(argv=None):
     p.add_argument("--main-plans-only", action="store_true",
                    help="ours and TensorPipe only: no staged, ring or zero-copy plans "
                         "(tools/gpu_check.sh's run under MPS)")
+    p.add_argument("--plans", nargs="+", metavar="PLAN",
+                   help="only these backends (ext, tensorpipe, ext_staged, ext_ring, "
+                   "ext_tls_stream, ext_tls_lanes, ext_zero_copy)")
     p.add_argument("--chart", type=Path, help="write a PNG chart of the ratios (matplotlib)")
     p.add_argument("--out", type=Path)
     cfg = p.parse_args(argv)
@@ -428,14 +437,27 @@ def main(argv=None):
     if not cfg.main_plans_only:
         plans.append(("ext_staged", "TORCH_RPC_EXT", ("cuda_staged",)))
         plans.append(("ext_ring", "TORCH_RPC_EXT", ("cuda_ring", "cuda_staged")))
+        # As between hosts: TCP with TLS, cuda_staged, its bytes through the
+        # connection's stream or over the lanes (the default there).
+        across = dict(device_channels=("cuda_staged",), transports=("tcp",),
+                      encryption="always")
+        plans.append(("ext_tls_stream", "TORCH_RPC_EXT", {**across, "channels": ()}))
+        plans.append(("ext_tls_lanes", "TORCH_RPC_EXT",
+                      {**across, "channels": ("tcp_lanes",)}))
     if "ext" in cfg.backends and not cfg.main_plans_only:
         plans.append(("ext_zero_copy", "TORCH_RPC_EXT", None))
+    if cfg.plans:
+        unknown = set(cfg.plans) - {name for name, _, _ in plans}
+        if unknown:
+            p.error(f"unknown plans {sorted(unknown)}: {[name for name, _, _ in plans]}")
+        plans = [plan for plan in plans if plan[0] in cfg.plans]
     for name, key, channels in plans:
-        cfg.recipe = not cfg.fake and name not in ("ext_staged", "ext_ring", "ext_zero_copy")
+        staging = ("ext_staged", "ext_ring", "ext_tls_stream", "ext_tls_lanes")
+        cfg.recipe = not cfg.fake and name not in (*staging, "ext_zero_copy")
         cfg.staged_floor = not cfg.fake and name in ("ext_staged", "ext_ring")
         cfg.zero_copy = name == "ext_zero_copy"
         these = cases
-        if name in ("ext_staged", "ext_ring"):
+        if name in staging:
             these = [c for c in cases if c[0] in ("identity_400MB", "identity_4MB")]
         if name == "ext_zero_copy":
             these = [c for c in cases if c[1] not in ("contiguous", "cpu")]
@@ -466,6 +488,11 @@ def main(argv=None):
         if staged and floor:
             record({"case": case, "ratio": ratio,
                     "value": round(staged["median_us"] / (2 * floor["median_us"]), 3)})
+    for case in ("identity_4MB", "identity_400MB"):
+        lanes, stream = results.get((case, "ext_tls_lanes")), results.get((case, "ext_tls_stream"))
+        if lanes and stream:
+            record({"case": case, "ratio": "tls_lanes_over_stream",
+                    "value": round(lanes["median_us"] / stream["median_us"], 3)})
     if cfg.chart and chart_rows:
         try:
             chart(chart_rows, cfg.chart)

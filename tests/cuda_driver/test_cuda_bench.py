@@ -145,6 +145,21 @@ def test_staging_on_one_host_goes_through_the_ring_not_the_socket(bench_rows):
     assert ring["allocations"] == 0 and ring["host_waits"] == 0, ring
 
 
+def test_staging_between_hosts_goes_over_the_lanes_not_the_stream(bench_rows):
+    # As between hosts (TCP with TLS, cuda_staged): 4 MiB there and back
+    # through the connection's stream puts every byte in it (8 MiB written,
+    # encrypted); with tcp_lanes up, the stream carries a 16-byte record a
+    # segment and the bytes go striped over the lanes' own connections.
+    stream, lanes = costs(bench_rows, "ext_tls_stream")["identity_4MB"], \
+        costs(bench_rows, "ext_tls_lanes")["identity_4MB"]
+    assert stream["socket_bytes"] >= 2 * (4 << 20), stream
+    assert lanes["socket_bytes"] < 64 << 10, lanes
+    assert lanes["frames"] == 2 and lanes["control_frames"] == 0, lanes
+    ratios = {r["case"]: r["value"] for r in bench_rows
+              if r.get("ratio") == "tls_lanes_over_stream"}
+    assert ratios.get("identity_4MB", 0) > 0, ratios
+
+
 @pytest.mark.skipif(REAL_DRIVER, reason="the fake driver's attribution (a GPU counts nothing)")
 def test_driver_calls_are_told_apart_by_the_library_making_them(bench_rows):
     # The fake attributes each call to the library holding its call site:
