@@ -233,6 +233,26 @@ def cuda_tensor_from(data: bytes) -> torch.Tensor:
     return cu().device_tensor(p, [len(data)], torch.empty(len(data), dtype=torch.uint8), DEVICE)
 
 
+def large_round_trips(rng, sizes, view_span: int, concurrent: int,
+                      concurrent_bytes: int) -> dict:
+    """worker0's side: a tensor of each of `sizes` to worker1's identity and
+    back (`back`: device, bytes intact), a strided view (every other column
+    of a float32 1024 x 1024 of `view_span` bytes: `view`, shape and bytes),
+    then `concurrent` calls of `concurrent_bytes` at once (`concurrent`)."""
+    out = {}
+    datas = [rng.randbytes(n) for n in sizes]
+    backs = [rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(d),)) for d in datas]
+    out["back"] = [(str(b.device), tensor_bytes(b) == d) for b, d in zip(backs, datas)]
+    view, packed = cuda_view(rng.randbytes(view_span), (1024, 1024),
+                             (slice(None), slice(0, None, 2)))
+    back = rpc.rpc_sync("worker1", identity, args=(view,))
+    out["view"] = (tuple(back.shape), tensor_bytes(back) == packed)
+    datas = [rng.randbytes(concurrent_bytes) for _ in range(concurrent)]
+    futs = [rpc.rpc_async("worker1", identity, args=(big_cuda_tensor(d),)) for d in datas]
+    out["concurrent"] = [tensor_bytes(f.wait()) == d for f, d in zip(futs, datas)]
+    return out
+
+
 def run_ring(rank: int, port: int, ctl, channels, target: int = DEVICE) -> None:
     """worker0 sends tensors of 1 MiB to 40 MiB (past the ring's 32 MiB, so
     its slots are reused within one tensor) to worker1 and gets them back,
@@ -247,21 +267,10 @@ def run_ring(rank: int, port: int, ctl, channels, target: int = DEVICE) -> None:
     out = {}
     if rank == 0:
         try:
-            rng = random.Random(7)
-            datas = [rng.randbytes(n) for n in RING_SIZES]
-            backs = [rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(d),))
-                     for d in datas]
-            out["back"] = [(str(b.device), tensor_bytes(b) == d) for b, d in zip(backs, datas)]
-            # A strided view (every other column of 4 MiB): packed on the
-            # device as it is copied at the send, then through the ring.
-            view, packed = cuda_view(rng.randbytes(RING_VIEW_SPAN), (1024, 1024),
-                                     (slice(None), slice(0, None, 2)))
-            back = rpc.rpc_sync("worker1", identity, args=(view,))
-            out["view"] = (tuple(back.shape), tensor_bytes(back) == packed)
-            datas = [rng.randbytes(RING_CONCURRENT_BYTES) for _ in range(RING_CONCURRENT)]
-            futs = [rpc.rpc_async("worker1", identity, args=(big_cuda_tensor(d),))
-                    for d in datas]
-            out["concurrent"] = [tensor_bytes(f.wait()) == d for f, d in zip(futs, datas)]
+            # The strided view: packed on the device as it is copied at the
+            # send, then through the ring.
+            out.update(large_round_trips(random.Random(7), RING_SIZES, RING_VIEW_SPAN,
+                                         RING_CONCURRENT, RING_CONCURRENT_BYTES))
         except Exception as e:  # noqa: BLE001 - the message is the result
             out["error"] = str(e)
         out["counters"] = {c: channel_counters(c) for c in channels}

@@ -11,9 +11,9 @@ from torch.distributed import rpc
 from tests.cuda_driver.agent_worker import (
     big_cuda_tensor,
     channel_counters,
-    cuda_view,
     identity,
     join_pair,
+    large_round_trips,
     tensor_bytes,
 )
 
@@ -64,18 +64,7 @@ def run(rank: int, port: int, ctl, encryption: str) -> None:
             rng = random.Random(11)
             out["lanes_up"] = dial_lanes(rng)
             out["before"] = counters()
-            datas = [rng.randbytes(n) for n in SIZES]
-            backs = [rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(d),))
-                     for d in datas]
-            out["back"] = [(str(b.device), tensor_bytes(b) == d) for b, d in zip(backs, datas)]
-            view, packed = cuda_view(rng.randbytes(VIEW_SPAN), (1024, 1024),
-                                     (slice(None), slice(0, None, 2)))
-            back = rpc.rpc_sync("worker1", identity, args=(view,))
-            out["view"] = (tuple(back.shape), tensor_bytes(back) == packed)
-            datas = [rng.randbytes(CONCURRENT_BYTES) for _ in range(CONCURRENT)]
-            futs = [rpc.rpc_async("worker1", identity, args=(big_cuda_tensor(d),))
-                    for d in datas]
-            out["concurrent"] = [tensor_bytes(f.wait()) == d for f, d in zip(futs, datas)]
+            out.update(large_round_trips(rng, SIZES, VIEW_SPAN, CONCURRENT, CONCURRENT_BYTES))
         except Exception as e:  # noqa: BLE001 - the message is the result
             out["error"] = str(e)
         out["after"] = counters()
