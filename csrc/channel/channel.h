@@ -156,6 +156,11 @@ class StagedOut {
   virtual ~StagedOut() = default;
   virtual const char* data() const = 0;
   virtual uint64_t readyBytes() const = 0;
+  // A copy out failed: the bytes past what was ready will never be (the
+  // connection closes; a reader off the loop must stop waiting).
+  virtual bool failed() const {
+    return false;
+  }
 };
 
 // One connection's end of a channel. Created per connection by its Context

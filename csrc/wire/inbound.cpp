@@ -515,7 +515,7 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
   for (const auto& [device, segments] : fromHost) {
     TORCH_CHECK(
         arrivalStream != nullptr && hostLanding != nullptr,
-        "a CPU tensor mapped to cuda:",
+        "host bytes of a tensor for cuda:",
         int(device),
         " arrived at an agent without devices");
     std::vector<c10::Storage> hosts;

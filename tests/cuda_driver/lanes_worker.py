@@ -70,3 +70,39 @@ def run(rank: int, port: int, ctl, encryption: str) -> None:
         out["after"] = counters()
     rpc.shutdown()
     ctl.send(out)
+
+
+def fail_copy_out_after(n: int) -> None:
+    """The fake driver: the (n+1)-th asynchronous copy out of a device from
+    now on faults (tests/cuda_fake: fake_cuda_fail_dtoh_after)."""
+    import ctypes
+    import os
+
+    lib = ctypes.CDLL(os.environ["TORCH_RPC_EXT_LIBCUDA"])  # the one loaded
+    lib.fake_cuda_fail_dtoh_after(ctypes.c_long(n))
+
+
+def run_failed_copy(rank: int, port: int, ctl) -> None:
+    """With the lanes up, worker0's copy out of its device faults at the
+    third 4 MiB chunk of a 40 MiB tensor whose first stripes the lanes are
+    writing: reports the call's error, how long it took, and whether calls
+    after it work (CPU and CUDA, over a new connection)."""
+    join_pair(rank, port, device_channels=("cuda_staged",), transports=("tcp",),
+              channels=("tcp_lanes",), encryption="off")
+    out = {}
+    if rank == 0:
+        rng = random.Random(5)
+        out["lanes_up"] = dial_lanes(rng)
+        fail_copy_out_after(2)
+        t0 = time.monotonic()
+        try:
+            rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(rng.randbytes(40 << 20)),))
+            out["error"] = ""
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["error"] = str(e)
+        out["seconds"] = time.monotonic() - t0
+        data = rng.randbytes(3 << 20)
+        back = rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(data),))
+        out["after"] = tensor_bytes(back) == data
+    rpc.shutdown()
+    ctl.send(out)

@@ -417,6 +417,20 @@ def test_large_cuda_tensors_across_hosts_go_over_the_lanes(spawn, encryption):
     assert sent == delta("tcp_lanes", 0, "bytes") == delta("tcp_lanes", 1, "bytes")
 
 
+@fake_only
+def test_a_failed_copy_out_stops_the_lanes_waiting_for_it(spawn):
+    """A copy out of the device that fails while the lanes wait for its
+    bytes (the fake faults the third chunk of 40 MiB): the lane threads
+    stop waiting, the connection closes naming the failed copy, the call
+    fails with it, and the next calls go over a new connection."""
+    from tests.cuda_driver import lanes_worker
+
+    caller, _ = play_with(spawn, lanes_worker.run_failed_copy)
+    assert caller["lanes_up"], caller
+    assert "copying a segment out of its device failed" in caller["error"], caller
+    assert caller["after"], caller
+
+
 @two_devices
 def test_a_map_between_two_devices_goes_peer_to_peer(spawn, monkeypatch):
     """A map from cuda:0 to the peer's cuda:1 on one node whose devices reach

@@ -73,6 +73,12 @@
 //   wrong (an inconsistent segment table, misaligned strided copies,
 //   overlapping copies) is counted as a kernel error in fake_cuda_stats().
 //
+// - A copy that fails on the device: fake_cuda_fail_dtoh_after(n) makes the
+//   (n+1)-th asynchronous device-to-host copy from then on write nothing,
+//   and a query of the next event recorded on its stream after it return
+//   CUDA_ERROR_LAUNCH_FAILED, once (not sticky, unlike a GPU's error: the
+//   process goes on).
+//
 // Not modelled: timing; device faults (a bad address crashes the process);
 // per-device access rights beyond the copy kernels' (READWRITE for any
 // device opens a VMM mapping to the host, memcpys check no device); the
@@ -125,6 +131,9 @@ struct CUstream_st {
   uint64_t enqueued = 0;
   uint64_t done = 0;
   bool stopping = false;
+  // A copy on it faulted (fake_cuda_fail_dtoh_after); the next event
+  // recorded on it reports that. Its worker thread's alone.
+  bool faultPending = false;
 };
 
 struct CUctx_st {
@@ -141,6 +150,8 @@ struct FakeCounters {
   // An interprocess event's exporter destroyed it: the processes that
   // opened it may no longer use it.
   std::atomic<uint64_t> exporterDestroyed{0};
+  // Work before it on its stream faulted: its next query says so, once.
+  std::atomic<uint64_t> faulted{0};
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared memory");
 
@@ -245,6 +256,7 @@ constexpr const char* kKernelNames[] = {
   X(CUDA_ERROR_INVALID_HANDLE, "invalid resource handle")           \
   X(CUDA_ERROR_NOT_FOUND, "named symbol not found")                 \
   X(CUDA_ERROR_NOT_READY, "device not ready")                       \
+  X(CUDA_ERROR_LAUNCH_FAILED, "unspecified launch failure")         \
   X(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,                      \
     "part or all of the requested memory range is already mapped")  \
   X(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,                          \
@@ -350,6 +362,9 @@ struct State {
   // Each kernel runs this long after its stream reaches it: work that is not
   // ordered after a kernel sees its old bytes, as on a GPU under load.
   long kernelDelayMs = 0;
+  // fake_cuda_fail_dtoh_after(): asynchronous device-to-host copies left
+  // before one faults (-1: none will).
+  std::atomic<long> dtohLeft{-1};
   // $FAKE_CUDA_MEM_LIMIT: the device memory this process may hold
   // (cuMemAlloc's and cuMemCreate's, page-rounded); 0: no limit.
   uint64_t memLimit = 0;
@@ -1145,9 +1160,16 @@ CUresult copyOn(
   // An asynchronous copy runs late as a kernel does ($FAKE_CUDA_KERNEL_
   // DELAY_MS), so a reader of either side not ordered after it is caught.
   const long delayMs = wait ? 0 : state().kernelDelayMs;
+  const bool fault = !wait && srcDevice && !dstDevice &&
+      state().dtohLeft.load() >= 0 && state().dtohLeft.fetch_sub(1) == 0;
+  CUstream_st* stream = s.get(); // (alive while its work runs)
   enqueue(*s, [=] {
     if (delayMs > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
+    }
+    if (fault) {
+      stream->faultPending = true; // the next event recorded on it says so
+      return;
     }
     memmove(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), n);
   });
@@ -2170,7 +2192,14 @@ CUresult CUDAAPI cuEventRecord(CUevent ev, CUstream stream) {
   CHECK(getEvent(__func__, ev, &block, &device));
   REQUIRE(device == s->device, CUDA_ERROR_INVALID_HANDLE, "another device");
   uint64_t n = ++block->counters->recorded;
-  enqueue(*s, [block, n] { completeUpTo(block->counters, n); });
+  CUstream_st* on = s.get(); // (alive while its work runs)
+  enqueue(*s, [block, n, on] {
+    if (on->faultPending) {
+      on->faultPending = false;
+      block->counters->faulted = 1;
+    }
+    completeUpTo(block->counters, n);
+  });
   return CUDA_SUCCESS;
 }
 
@@ -2181,6 +2210,9 @@ CUresult CUDAAPI cuEventQuery(CUevent ev) {
   CHECK(getEvent(__func__, ev, &block));
   FakeCounters* c = block->counters;
   bool done = c->completed.load() >= c->recorded.load();
+  if (done && c->faulted.exchange(0) != 0) {
+    return fail(__func__, CUDA_ERROR_LAUNCH_FAILED, "a copy faulted (test)");
+  }
   return done ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY; // not an error
 }
 
@@ -2361,6 +2393,12 @@ CUresult CUDAAPI cuLaunchKernel(
 
 // A JSON object of counters (tests/cuda_fake/test_fake_driver.py reads it);
 // returns its length and writes what fits in len, NUL-terminated.
+// The (n+1)-th asynchronous device-to-host copy from now faults (see the
+// top of this file); n < 0: none.
+__attribute__((visibility("default"))) void fake_cuda_fail_dtoh_after(long n) {
+  state().dtohLeft = n < 0 ? -1 : n;
+}
+
 __attribute__((visibility("default"))) int fake_cuda_stats(
     char* buf,
     size_t len) {

@@ -56,6 +56,7 @@ UNSUPPORTED_PTX_VERSION = 222
 INVALID_HANDLE = 400
 NOT_FOUND = 500
 NOT_READY = 600
+LAUNCH_FAILED = 719
 CONTEXT_IS_DESTROYED = 709
 NOT_PERMITTED = 800
 NOT_SUPPORTED = 801
@@ -407,7 +408,7 @@ def test_exports_exactly_the_abi_names_of_libcuda_h(lib_path):
     ).stdout
     exported = {line.split()[-1] for line in listing.splitlines()}
     assert exported == {*abi, "fake_cuda_stats", "fake_cuda_reset_stats",
-                        "fake_cuda_set_global_capture"}
+                        "fake_cuda_set_global_capture", "fake_cuda_fail_dtoh_after"}
     assert set(SIGNATURES) == set(abi)  # what the tests below call
 
 
@@ -689,6 +690,39 @@ def test_stream_destroy_returns_at_once_and_the_work_still_runs(cu):
     gate.set()
     cu("cuEventSynchronize", ev)
     cu("cuEventDestroy_v2", ev)
+
+
+def test_a_faulted_copy_out_is_reported_by_the_next_event_on_its_stream(cu):
+    # fake_cuda_fail_dtoh_after(1): the second copy out of the device from
+    # now writes nothing and the next event recorded after it on its stream
+    # reports CUDA_ERROR_LAUNCH_FAILED, once; other streams' events do not.
+    dev, s, other = cu.alloc(64), cu.stream(), cu.stream()
+    src = np.arange(64, dtype=np.uint8)
+    first, second = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
+    cu("cuMemcpyHtoD_v2", dev, src.ctypes.data, 64)
+    ev, elsewhere = cu.event(), cu.event()
+    cu.lib.fake_cuda_fail_dtoh_after(ctypes.c_long(1))
+    try:
+        cu("cuMemcpyDtoHAsync_v2", first.ctypes.data, dev, 64, s)
+        cu("cuMemcpyDtoHAsync_v2", second.ctypes.data, dev, 64, s)
+        cu("cuEventRecord", ev, s)
+        cu("cuEventRecord", elsewhere, other)
+        cu("cuStreamSynchronize", s)
+        cu("cuStreamSynchronize", other)
+        assert (first == src).all() and not second.any()
+        assert cu.rc("cuEventQuery", elsewhere) == SUCCESS
+        assert cu.rc("cuEventQuery", ev) == LAUNCH_FAILED
+        assert cu.rc("cuEventQuery", ev) == SUCCESS  # reported once
+        cu("cuMemcpyDtoHAsync_v2", second.ctypes.data, dev, 64, s)  # one fault only
+        cu("cuStreamSynchronize", s)
+        assert (second == src).all()
+    finally:
+        cu.lib.fake_cuda_fail_dtoh_after(ctypes.c_long(-1))
+    for e in (ev, elsewhere):
+        cu("cuEventDestroy_v2", e)
+    for stream in (s, other):
+        cu("cuStreamDestroy_v2", stream)
+    cu("cuMemFree_v2", dev)
 
 
 def test_events_are_counters(cu):

@@ -38,6 +38,12 @@ class StagedBytes final : public StagedOut {
   uint64_t readyBytes() const override {
     return ready_.load(std::memory_order_acquire);
   }
+  bool failed() const override {
+    return failed_.load(std::memory_order_acquire);
+  }
+  void markFailed() {
+    failed_.store(true, std::memory_order_release);
+  }
   void raiseReady(uint64_t bytes) {
     uint64_t cur = ready_.load(std::memory_order_relaxed);
     while (
@@ -53,6 +59,7 @@ class StagedBytes final : public StagedOut {
   StagingPool& pool_;
   const StagingPool::HostBuffer buffer_;
   std::atomic<uint64_t> ready_{0};
+  std::atomic<bool> failed_{false};
 };
 
 // What follows the copy out of a segment's bytes up to `readyAfter`: the
@@ -68,6 +75,8 @@ std::function<void(const std::string&)> chunkReady(
       // Chunks of one segment complete in order on its stream, but may be
       // seen out of order here: the mark only moves forward.
       staged->raiseReady(readyAfter);
+    } else {
+      staged->markFailed(); // (a lane thread may be waiting: it stops)
     }
     auto h = host.lock();
     if (!h) {
@@ -105,6 +114,9 @@ class StagedSlice final : public StagedOut {
   uint64_t readyBytes() const override {
     const uint64_t ready = whole_->readyBytes();
     return ready <= offset_ ? 0 : std::min(size_, ready - offset_);
+  }
+  bool failed() const override {
+    return whole_->failed();
   }
 
  private:

@@ -104,15 +104,22 @@ bool LanesChannel::waitStaged(
     uint64_t end,
     std::string* error) {
   // The staging thread raises the mark chunk by chunk (4 MiB at PCIe
-  // speed: ~100-300 us each); polled, backing off to 200 us.
+  // speed: ~100-300 us each); polled, backing off to 200 us. A failed copy
+  // closes the connection where it still exists; one gone without closing
+  // never stops us, so that is checked too.
   auto pause = std::chrono::microseconds(2);
-  while (staged.readyBytes() < end) {
-    if (stop_.load()) {
+  while (staged.readyBytes() < end && !staged.failed()) {
+    if (stop_.load() || host_.expired()) {
       *error = "closed while its device copy was under way";
       return false;
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(200));
+  }
+  if (staged.failed()) {
+    // (Chunks seen out of order may have raised the mark past it.)
+    *error = "copying the segment out of its device failed";
+    return false;
   }
   return true;
 }

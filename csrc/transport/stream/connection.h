@@ -160,6 +160,10 @@ class StreamConnection : public Connection,
     // Per segment, the bytes a staging channel copies out of a device
     // (empty: none): written only as far as they are ready.
     std::vector<std::shared_ptr<channel::StagedOut>> staged;
+    // Staged segments a host channel carries (tcp_lanes: their records go
+    // in the stream): held, and the frame starts only once each has bytes
+    // ready, as for `staged`.
+    std::vector<std::shared_ptr<channel::StagedOut>> stagedElsewhere;
     // Partly on the wire: nothing may be sent before the rest of it.
     bool started() const {
       return written > 0 || piece > 0 || pieceOffset > 0;
@@ -298,7 +302,8 @@ class StreamConnection : public Connection,
       std::vector<channel::ControlFrame>& before);
   // Sender: a staged segment `i` (copying out of its device) offered to the
   // host region channels (tcp_lanes), which write it as it gets ready;
-  // true (and `staged` moved to the channel, `slots[i]` set) if one took it.
+  // true (`staged` moved to w.stagedElsewhere, `slots[i]` set) if one took
+  // it.
   bool offerStagedToHostChannels(
       const frame::OutboundFrame& frame,
       size_t i,

@@ -97,17 +97,18 @@ void StreamConnection::planSegments(
       };
       try {
         ch.stageOutAll(frame.segments, offered, staged);
+        // Large staged segments may leave the stream for a host channel
+        // that writes them as their bytes come out of the device
+        // (tcp_lanes).
+        for (size_t i : offered) {
+          if (staged[i] &&
+              offerStagedToHostChannels(frame, i, staged[i], w, slots)) {
+            taken[i] = true;
+          }
+        }
       } catch (...) {
         mark(); // released with `w`, once their copies are done
         throw;
-      }
-      // Large staged segments may leave the stream for a host channel that
-      // writes them as their bytes come out of the device (tcp_lanes).
-      for (size_t i : offered) {
-        if (staged[i] &&
-            offerStagedToHostChannels(frame, i, staged[i], w, slots)) {
-          taken[i] = true;
-        }
       }
       mark();
       continue;
@@ -160,7 +161,9 @@ bool StreamConnection::offerStagedToHostChannels(
       slots.resize(n);
       slots[i] = static_cast<uint8_t>(k + 1);
       w.regionRecords[i] = record;
-      staged.reset(); // the channel holds it now; the stream writes a record
+      // The stream writes a record; the frame still starts only once the
+      // first bytes are out of the device (stagedStartable).
+      w.stagedElsewhere.push_back(std::move(staged));
       return true;
     }
   }

@@ -530,6 +530,11 @@ bool StreamConnection::stagedStartable(const PendingWrite& w) {
       return false;
     }
   }
+  for (const auto& s : w.stagedElsewhere) {
+    if (s->readyBytes() == 0) {
+      return false;
+    }
+  }
   return true;
 }
 
