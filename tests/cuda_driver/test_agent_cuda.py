@@ -427,6 +427,8 @@ def test_a_failed_copy_out_stops_the_lanes_waiting_for_it(spawn):
 
     caller, _ = play_with(spawn, lanes_worker.run_failed_copy)
     assert caller["lanes_up"], caller
+    # (Said by cuda_staged closing the connection, or by the lane that
+    # stopped waiting, whichever comes first.)
     assert "copying a segment out of its device failed" in caller["error"], caller
     assert caller["after"], caller
 

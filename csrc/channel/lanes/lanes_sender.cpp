@@ -118,7 +118,7 @@ bool LanesChannel::waitStaged(
   }
   if (staged.failed()) {
     // (Chunks seen out of order may have raised the mark past it.)
-    *error = "copying the segment out of its device failed";
+    *error = "cuda_staged: copying a segment out of its device failed";
     return false;
   }
   return true;
