@@ -3,6 +3,7 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "csrc/frame/frame.h"
@@ -160,6 +162,19 @@ class StagedOut {
   // connection closes; a reader off the loop must stop waiting).
   virtual bool failed() const {
     return false;
+  }
+  // A reader off the loop (a lane thread): returns once readyBytes() >= end
+  // or failed(), or after `timeout` (then the caller checks whether to go
+  // on waiting). By default it polls.
+  virtual void waitReady(uint64_t end, std::chrono::microseconds timeout)
+      const {
+    auto pause = std::chrono::microseconds(2);
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    while (readyBytes() < end && !failed() &&
+           std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(200));
+    }
   }
 };
 

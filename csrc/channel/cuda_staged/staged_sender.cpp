@@ -4,6 +4,7 @@
 // each chunk written once the staging thread (cuda/staging_thread.h) has
 // seen its copy complete.
 #include <algorithm>
+#include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <vector>
@@ -41,8 +42,15 @@ class StagedBytes final : public StagedOut {
   bool failed() const override {
     return failed_.load(std::memory_order_acquire);
   }
+  void waitReady(uint64_t end, std::chrono::microseconds timeout)
+      const override {
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait_for(
+        lock, timeout, [&] { return readyBytes() >= end || failed(); });
+  }
   void markFailed() {
     failed_.store(true, std::memory_order_release);
+    notify();
   }
   void raiseReady(uint64_t bytes) {
     uint64_t cur = ready_.load(std::memory_order_relaxed);
@@ -50,6 +58,7 @@ class StagedBytes final : public StagedOut {
         cur < bytes &&
         !ready_.compare_exchange_weak(cur, bytes, std::memory_order_release)) {
     }
+    notify();
   }
   char* buffer() {
     return buffer_.data;
@@ -58,8 +67,19 @@ class StagedBytes final : public StagedOut {
  private:
   StagingPool& pool_;
   const StagingPool::HostBuffer buffer_;
+  // Wakes a lane thread waiting for the mark (waitReady); taken only to
+  // notify, so that a wait cannot miss a raise between its check and sleep.
+  void notify() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+    }
+    changed_.notify_all();
+  }
+
   std::atomic<uint64_t> ready_{0};
   std::atomic<bool> failed_{false};
+  mutable std::mutex mu_;
+  mutable std::condition_variable changed_;
 };
 
 // What follows the copy out of a segment's bytes up to `readyAfter`: the
@@ -117,6 +137,10 @@ class StagedSlice final : public StagedOut {
   }
   bool failed() const override {
     return whole_->failed();
+  }
+  void waitReady(uint64_t end, std::chrono::microseconds timeout)
+      const override {
+    whole_->waitReady(offset_ + end, timeout);
   }
 
  private:

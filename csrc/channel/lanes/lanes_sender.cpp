@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <thread>
 
 #include "csrc/channel/lanes/lane.h"
 #include "csrc/channel/lanes/lanes_channel.h"
@@ -104,17 +103,15 @@ bool LanesChannel::waitStaged(
     uint64_t end,
     std::string* error) {
   // The staging thread raises the mark chunk by chunk (4 MiB at PCIe
-  // speed: ~100-300 us each); polled, backing off to 200 us. A failed copy
-  // closes the connection where it still exists; one gone without closing
-  // never stops us, so that is checked too.
-  auto pause = std::chrono::microseconds(2);
+  // speed: ~100-300 us each) and wakes us (StagedOut::waitReady). A failed
+  // copy closes the connection where it still exists; one gone without
+  // closing never stops us, so that is checked every 10 ms too.
   while (staged.readyBytes() < end && !staged.failed()) {
     if (stop_.load() || host_.expired()) {
       *error = "closed while its device copy was under way";
       return false;
     }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(200));
+    staged.waitReady(end, std::chrono::milliseconds(10));
   }
   if (staged.failed()) {
     // (Chunks seen out of order may have raised the mark past it.)
