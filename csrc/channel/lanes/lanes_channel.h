@@ -146,9 +146,9 @@ class LanesChannel final : public Channel,
   const LanesContext& lanesContext() const;
   void sendOfferFromLoop();
   void startLanesLocked();
-  // Whether a segment of `size` goes over the lanes now (dialling them if
-  // they are not up yet: this one rides the stream meanwhile).
-  bool lanesTakeLocked(uint64_t size);
+  // Whether a large segment goes over the lanes now (dialling them if they
+  // are not up yet: this one rides the stream meanwhile).
+  bool lanesTakeLocked();
   // A staged stripe's bytes up to `end` are out of the device; false with
   // `error` set once the channel closes first (a failed copy closes it).
   bool waitStaged(const StagedOut& staged, uint64_t end, std::string* error);

@@ -37,7 +37,7 @@ void LanesChannel::takeRegions(
     return;
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!lanesTakeLocked(minBytes_)) {
+  if (!lanesTakeLocked()) {
     return;
   }
   for (size_t i : offered) {
@@ -66,7 +66,7 @@ bool LanesChannel::takeStaged(
     return false;
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!lanesTakeLocked(segment.size)) {
+  if (!lanesTakeLocked()) {
     return false;
   }
   // The stripes hold the frame and the staged bytes.
@@ -87,8 +87,8 @@ bool LanesChannel::takeStaged(
   return true;
 }
 
-bool LanesChannel::lanesTakeLocked(uint64_t size) {
-  if (size < minBytes_ || closing_) {
+bool LanesChannel::lanesTakeLocked() {
+  if (closing_) {
     return false;
   }
   if ((outState_ == OutState::kIdle || outState_ == OutState::kCapped) &&
