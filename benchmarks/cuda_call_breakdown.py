@@ -7,7 +7,8 @@ workers at 197 us: the difference is not the copy (4 us). This splits it the
 way small_call_breakdown.py splits a CPU call: both workers run with
 TORCH_RPC_EXT_CALL_TRACE=1, the caller times each `rpc_sync` (device
 synchronised before and after, as cuda_bench.py does) and the stamps are
-joined by call id into the same eleven segments, for
+joined by call id into the same eleven segments (and callee_run's two
+parts: the function's run, and what follows until the response starts), for
 
   cpu_4KB        a CPU tensor between the two workers (device maps on)
   cuda_4KB       one CUDA tensor there and back (cuda_ipc)
@@ -120,6 +121,9 @@ def main(argv=None):
             raise SystemExit(f"no {case} call came back whole: is the build's call trace on?")
         for name, _, _ in scb.SEGMENTS:
             emit({"case": case, "segment": name, **scb.stats(durations[name])})
+        for name, _, _, of in scb.PARTS:
+            if durations[name]:
+                emit({"case": case, "part": name, "of": of, **scb.stats(durations[name])})
         emit({"case": case, "segment": "total", "fake": cfg.fake, "zero_copy": cfg.zero_copy,
               **scb.stats(totals)})
         if "profile" in results[case]:

@@ -20,6 +20,16 @@ each call at its hand-offs (csrc/agent/call_trace.h) on the clock Python's
                    response into the caller's future) on our thread
   to_python        the waiting Python thread woken, back to the caller
 
+and callee_run in two parts (rows with "part" and "of"):
+
+  callee_call      torch's request callback running the function, to its
+                   return (decode, run, and for a synchronous function the
+                   result's future completed: a device-aware one records
+                   its events)
+  callee_result    from there to the response's start: an asynchronous
+                   function's completion, and the responding callback's
+                   setup (a device-aware future makes its streams wait)
+
 (each from one stamp to the next: they add up to the whole; two taken by
 different processes can cross on a busy host, the callee reading a request
 before the caller's thread, preempted after its write, stamps it written,
@@ -56,6 +66,10 @@ SEGMENTS = [
     ("callee_dispatch", 3, 4), ("callee_run", 4, 5), ("respond", 5, 6), ("to_caller", 6, 7),
     ("settle", 7, 8), ("complete", 8, 9), ("to_python", 9, None),
 ]
+# Parts of a segment, through a stamp outside the chain (kServeReturned, 10):
+# (name, from, to, the segment they split).
+PARTS = [("callee_call", 4, 10, "callee_run"), ("callee_result", 10, 5, "callee_run")]
+CHAIN = range(10)  # the stamps every whole call has
 
 
 def udf(x):
@@ -134,7 +148,7 @@ def breakdown(result):
     caller, callee = by_id(result["caller"]), by_id(result["callee"])
     sent = sorted((points[0], id_) for id_, points in caller.items() if 0 in points)
     entries = [entry for entry, _ in sent]
-    durations = {name: [] for name, _, _ in SEGMENTS}
+    durations = {name: [] for name, _, _ in SEGMENTS + [p[:3] for p in PARTS]}
     totals = []
     for t0, t1 in result["windows"]:
         # The call whose send began inside this rpc_sync (calls are one at
@@ -145,13 +159,16 @@ def breakdown(result):
             continue
         id_ = sent[k][1]
         points = {**callee.get(id_, {}), **caller[id_]}
-        if len(points) < 10:
+        if any(p not in points for p in CHAIN):
             continue
         ends = {None: None, **points}
         for name, a, b in SEGMENTS:
             start = t0 if a is None else ends[a]
             end = t1 if b is None else ends[b]
             durations[name].append((end - start) / 1e3)
+        for name, a, b, _ in PARTS:
+            if a in points and b in points:  # (not if the callback threw)
+                durations[name].append((points[b] - points[a]) / 1e3)
         totals.append((t1 - t0) / 1e3)
     return durations, totals
 
@@ -222,11 +239,15 @@ def main():
     for kind in ("builtin", "python", "script"):
         seg_rounds = {name: [] for name, _, _ in SEGMENTS}
         seg_n = {name: 0 for name, _, _ in SEGMENTS}
+        part_rounds = {name: [] for name, _, _, _ in PARTS}
         totals_r, tp_r, sums_r, n_total = [], [], [], 0
         for ours, tp in rounds:
             durations, totals = breakdown(ours[kind])
             if not totals:
                 raise SystemExit(f"no {kind} call came back whole: is the build's call trace on?")
+            for name in part_rounds:
+                if durations[name]:
+                    part_rounds[name].append(statistics.median(durations[name]))
             for name, _, _ in SEGMENTS:
                 seg_rounds[name].append(statistics.median(durations[name]))
                 seg_n[name] += len(durations[name])
@@ -238,6 +259,12 @@ def main():
             emit({"backend": "ext", "kind": kind, "segment": name,
                   "median_us": round(statistics.median(seg_rounds[name]), 2),
                   "per_round": [round(v, 2) for v in seg_rounds[name]], "n": seg_n[name]})
+        for name, _, _, of in PARTS:
+            per_round = part_rounds[name]
+            if per_round:
+                emit({"backend": "ext", "kind": kind, "part": name, "of": of,
+                      "median_us": round(statistics.median(per_round), 2),
+                      "per_round": [round(v, 2) for v in per_round]})
         total = round(statistics.median(totals_r), 2)
         tp_total = round(statistics.median(tp_r), 2)
         emit({"backend": "ext", "kind": kind, "segment": "total", "median_us": total,

@@ -29,6 +29,12 @@ enum Point : uint8_t {
   kResponseRead, // caller: the whole response read (Calls::respond)
   kCompleting, // caller: the call's future about to be completed
   kCompleted, // caller: completed, its callbacks run (torch's conversions)
+  // callee: torch's request callback returned (Server::serve), its future
+  // completed or not: it splits kServeStart..kServeDone into the function's
+  // run and what follows (the future's completion, for a device-aware one
+  // its events, and the stream waits of the callback that responds). Last,
+  // so that the points above keep their numbers.
+  kServeReturned,
   kPoints
 };
 

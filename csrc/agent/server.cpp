@@ -78,6 +78,7 @@ void Server::serve(
       span = tracing::beginServe(served.trace, scriptName(*request));
     }
     result = callback_(*request, std::move(streams));
+    call_trace::stamp(id, call_trace::kServeReturned);
   } catch (...) {
     result = c10::make_intrusive<c10::ivalue::Future>(at::AnyClassType::get());
     result->setError(std::current_exception());

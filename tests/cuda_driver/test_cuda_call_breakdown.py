@@ -41,5 +41,13 @@ def test_a_cuda_call_splits_into_its_hand_offs(tmp_path, driver_env):
         assert set(parts) == set(SEGMENTS), parts
         assert 0.5 * total["median_us"] < sum(parts.values()) < 1.5 * total["median_us"], \
             (case, parts, total)
+        # callee_run in two (kServeReturned): the function's run, then the
+        # rest until the response starts; together about the whole of it.
+        split = {r["part"]: r for r in rows if r.get("case") == case and "part" in r}
+        assert set(split) == {"callee_call", "callee_result"}, split
+        assert all(r["of"] == "callee_run" and r["n"] >= calls - 2 for r in split.values()), split
+        run = parts["callee_run"]
+        assert split["callee_call"]["median_us"] > 0 and split["callee_result"]["median_us"] > 0
+        assert 0.5 * run < sum(r["median_us"] for r in split.values()) < 1.5 * run, (split, run)
     profile = next(r["caller_profile"] for r in rows if "caller_profile" in r)
     assert any("rpc_sync" in p["function"] for p in profile), profile

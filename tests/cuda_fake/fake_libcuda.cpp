@@ -87,11 +87,14 @@
 // stricter); freeing a destroyed primary context's resources; more than one
 // context per device; kernels other than the four; entry points that
 // libcuda.h does not list. Where real drivers' error codes vary, the fake
-// picks one and says so. $FAKE_CUDA_TRACE=1 prints every error.
+// picks one and says so. $FAKE_CUDA_TRACE=1 prints every error;
+// $FAKE_CUDA_BACKTRACE=cuEventCreate,... the stack of every call of the
+// entry points named (whose code a count comes from).
 
 #include <cuda.h>
 
 #include <dlfcn.h>
+#include <execinfo.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -509,9 +512,31 @@ std::string moduleOf(const void* address) {
   return known->emplace(address, name).first->second;
 }
 
+// $FAKE_CUDA_BACKTRACE=cuEventCreate,cuEventRecord: a diagnostic, not a
+// model: each call of a named entry point prints the stack that made it
+// (symbols as the dynamic linker knows them; c++filt reads them), to find
+// whose code a count in fake_cuda_stats() comes from.
+void maybeBacktrace(const char* fn) {
+  static const std::string* wanted = [] {
+    const char* env = getenv("FAKE_CUDA_BACKTRACE");
+    return new std::string(env ? "," + std::string(env) + "," : "");
+  }();
+  if (wanted->empty() ||
+      wanted->find("," + std::string(fn) + ",") == std::string::npos) {
+    return;
+  }
+  void* frames[24];
+  int n = backtrace(frames, 24);
+  static auto* mu = new std::mutex();
+  std::lock_guard<std::mutex> lock(*mu);
+  fprintf(stderr, "fake_libcuda: backtrace of %s (pid %d)\n", fn, getpid());
+  backtrace_symbols_fd(frames, n, 2);
+}
+
 // The checks every entry point but cuInit, cuDriverGetVersion and
 // cuGetError* starts with; `caller` is the entry point's return address.
 CUresult enter(const char* fn, bool needContext, const void* caller) {
+  maybeBacktrace(fn);
   {
     std::string from = moduleOf(caller) + ":" + fn;
     Stats& stats = state().stats;

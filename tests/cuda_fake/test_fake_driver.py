@@ -23,6 +23,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import traceback
 from contextlib import contextmanager
@@ -1443,3 +1444,29 @@ def test_stats_count_and_reset(fresh):
     n = cu.lib.fake_cuda_stats(buf, 8)
     assert n > 8 and len(buf.value) == 7  # truncated, NUL-terminated
     cu("cuMemFree_v2", ptr)
+
+
+_BACKTRACE_CHILD = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+assert lib.cuInit(0) == 0
+n, dev = ctypes.c_int(), ctypes.c_int()
+assert lib.cuDeviceGetCount(ctypes.byref(n)) == 0
+assert lib.cuDeviceGetCount(ctypes.byref(n)) == 0
+assert lib.cuDeviceGet(ctypes.byref(dev), 0) == 0
+"""
+
+
+def test_named_entry_points_print_the_stack_that_called_them(lib_path):
+    """$FAKE_CUDA_BACKTRACE (a diagnostic: whose code a count in the stats
+    comes from) prints a stack at each call of the entry points it names,
+    and only of those."""
+    done = subprocess.run(
+        [sys.executable, "-c", _BACKTRACE_CHILD, str(lib_path)],
+        env={**os.environ, "FAKE_CUDA_BACKTRACE": "cuDeviceGetCount,cuMemAlloc_v2"},
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    heads = re.findall(r"fake_libcuda: backtrace of (\w+) \(pid \d+\)", done.stderr)
+    assert heads == ["cuDeviceGetCount", "cuDeviceGetCount"], done.stderr
+    # Frames follow each head: the fake's own entry point among them.
+    assert done.stderr.count("libfake") + done.stderr.count("fake_libcuda") > 2, done.stderr

@@ -55,7 +55,7 @@ def test_small_call_breakdown_accounts_for_each_round_trip():
     assert any(r.get("case") == "floor_unix_ping_pong" and r["median_us"] > 0 for r in rows)
     for kind in ("builtin", "python", "script"):
         segments = {r["segment"]: r for r in rows
-                    if r.get("kind") == kind and r.get("backend") == "ext"}
+                    if r.get("kind") == kind and r.get("backend") == "ext" and "segment" in r}
         assert len(segments) == 12, segments  # eleven segments and the total
         # Nearly every call came back with all ten stamps. (A hand-off's
         # two stamps are taken by two processes: on a busy host the callee
@@ -64,6 +64,12 @@ def test_small_call_breakdown_accounts_for_each_round_trip():
         # the run of the function and the whole cannot.)
         assert all(r["n"] >= 50 for r in segments.values()), segments
         assert segments["callee_run"]["median_us"] > 0 and segments["total"]["median_us"] > 0
+        # callee_run's two parts, through the stamp taken as torch's request
+        # callback returns (its future completed or not).
+        split = {r["part"]: r for r in rows if r.get("kind") == kind and "part" in r}
+        assert set(split) == {"callee_call", "callee_result"}, split
+        assert split["callee_call"]["median_us"] > 0, split
+        assert split["callee_result"]["median_us"] >= 0, split
         assert any(r.get("kind") == kind and r.get("backend") == "tensorpipe" for r in rows)
         ratios = {r["ratio"]: r["value"] for r in rows if r.get("kind") == kind and "ratio" in r}
         # (The medians' sum is near the median whole on a quiet host only:
