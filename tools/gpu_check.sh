@@ -25,14 +25,17 @@
 #      and a hop between two processes that share the GPU, <= 45 s), then
 #      mps_bench (the bench's main cases, ours and TensorPipe, under an MPS
 #      daemon the step starts and stops: the workers' GPU work in one
-#      context, not time-sliced between two; <= 100 s; skipped without MPS).
+#      context, not time-sliced between two; <= 100 s; skipped without MPS),
+#      then mps_breakdown under the same daemon (benchmarks/
+#      cuda_call_breakdown.py: a 4 KB call's segments, callee_run in its two
+#      parts; <= 45 s).
 # Files under $OUT, written as the steps go (7: the device tool returns 8):
 #   summary.txt       the machine, one line per step (rc, seconds, tests
 #                     passed/failed, the failing tests, the tests running
 #                     when a step was cut or crashed), the bench's ratios
 #   build.log         wheels, the build (its last lines if it passed), ptx
 #   pytest.log        upstream.log    pytest -v -rfE, one each
-#   bench.log         probe, bench, costs, mps_bench (their rows)
+#   bench.log         probe, bench, costs, mps_bench, mps_breakdown (rows)
 #   cuda_bench.jsonl  cuda_bench.png  the bench's rows and chart
 # A test step about to be cut appends to its log every thread's Python
 # stack in each of its processes (spawned workers too), taken 8 s before
@@ -55,7 +58,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 FAKE=${FAKE:-0}
 if [ "${1:-}" = "--fake" ]; then FAKE=1; shift; fi
 OUT=${OUT:-/tmp/gpu_check}
-STEPS=${STEPS:-ptx pytest upstream_cuda probe bench costs mps_bench}
+STEPS=${STEPS:-ptx pytest upstream_cuda probe bench costs mps_bench mps_breakdown}
 if [ -z "${TESTS:-}" ]; then
   TESTS="tests/cuda_driver tests/cuda_kernels"
   [ "$FAKE" != 1 ] && TESTS+=" --ignore-glob=tests/cuda_kernels/test_sim_*"
@@ -406,7 +409,7 @@ if wanted costs; then
       tee -a "$SUMMARY"
   fi
 fi
-if wanted mps_bench; then
+if wanted mps_bench || wanted mps_breakdown; then
   if [ "$FAKE" = 1 ]; then
     note mps_bench skip 0 "no GPU (--fake)"
   elif ! command -v nvidia-cuda-mps-control >/dev/null; then
@@ -423,13 +426,33 @@ if wanted mps_bench; then
       # The daemon goes with the script, however the script ends.
       trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
       read -ra bench <<<"$BENCH_ARGS"
-      step mps_bench "$OUT/bench.log" "$secs" \
-        "$PY" benchmarks/cuda_bench.py "${bench[@]}" --main-plans-only \
-        --cases identity_4KB identity_4MB identity_400MB many_1000x1KB strided_32MB cpu_4KB \
-        --out "$mps/cuda_bench.jsonl" || failed=$((failed + 1))
+      if wanted mps_bench; then
+        step mps_bench "$OUT/bench.log" "$(limit 100 45)" \
+          "$PY" benchmarks/cuda_bench.py "${bench[@]}" --main-plans-only \
+          --cases identity_4KB identity_4MB identity_400MB many_1000x1KB strided_32MB cpu_4KB \
+          --out "$mps/cuda_bench.jsonl" || failed=$((failed + 1))
+        ratios "$mps/cuda_bench.jsonl" "mps "
+      fi
+      # Where a CUDA call's extra over a CPU call goes with the GPU's
+      # time-slicing out of the way (session 39: +146 us, callee_run +52 of
+      # it, unsplit then); its rows go to bench.log.
+      if wanted mps_breakdown; then
+        secs=$(limit 45 0)
+        if [ "$secs" -lt 15 ]; then
+          note mps_breakdown skip 0 "no time left in the budget (optional)"
+        else
+          step mps_breakdown "$OUT/bench.log" "$secs" \
+            "$PY" benchmarks/cuda_call_breakdown.py --calls 300 \
+            --cases cpu_4KB cuda_4KB self_4KB || failed=$((failed + 1))
+          # "mps callee_run parts (us): cuda_4KB callee_call 60.1 ..."
+          sed -n 's/.*"case": "\([A-Za-z0-9_]*\)", "part": "\([a-z_]*\)", "of": "callee_run", "median_us": \([0-9.]*\).*/\1 \2 \3/p' \
+            "$OUT/bench.log" | tail -n 6 |
+            awk '{ s = s " " $1 " " $2 " " $3 } END { if (s != "") print "mps callee_run parts (us):" s }' |
+            tee -a "$SUMMARY"
+        fi
+      fi
       echo quit | nvidia-cuda-mps-control >>"$OUT/bench.log" 2>&1
       trap - EXIT
-      ratios "$mps/cuda_bench.jsonl" "mps "
     else
       note mps_bench skip 0 "the MPS daemon did not start (bench.log)"
     fi
