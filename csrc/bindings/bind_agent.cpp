@@ -13,6 +13,56 @@ namespace torch_rpc_ext::bindings {
 
 namespace {
 
+// torch's frontend resolves an rpc_sync / rpc_async / remote destination
+// given by name or rank with agent.get_worker_info() on every call.
+// Upstream's binding makes a new Python WorkerInfo each time (a copy, its
+// pybind11 registration and release) and hands the GIL over around a lookup
+// that never blocks. This keeps one Python object per worker while the
+// membership view it came from is current (a join, a leave or a death
+// publishes a new view, and the cache starts again: a departed worker's
+// lookup raises as before), and keeps the GIL. Used under the GIL only.
+// Measured (session 40, pipelined rpc_async, six alternations): 1.01x to
+// 1.24x the calls/s without it, 1.19x the median.
+class WorkerInfoCache {
+ public:
+  template <typename Key>
+  py::object get(const Agent& a, const Key& key) {
+    auto view = a.group().view();
+    if (agent_ != &a || view_.lock() != view) {
+      byName_.clear();
+      byId_.clear();
+      agent_ = &a;
+      view_ = view;
+    }
+    auto& map = table(key);
+    auto it = map.find(key);
+    if (it == map.end()) {
+      // Throws for a worker the view does not hold (nothing cached then).
+      it = map.emplace(key, py::cast(a.getWorkerInfo(key))).first;
+    }
+    return it->second;
+  }
+
+ private:
+  std::unordered_map<std::string, py::object>& table(const std::string&) {
+    return byName_;
+  }
+  std::unordered_map<rpc::worker_id_t, py::object>& table(rpc::worker_id_t) {
+    return byId_;
+  }
+
+  const Agent* agent_ = nullptr;
+  std::weak_ptr<const View> view_;
+  std::unordered_map<std::string, py::object> byName_;
+  std::unordered_map<rpc::worker_id_t, py::object> byId_;
+};
+
+// Never destroyed: its objects must not be released after the interpreter.
+WorkerInfoCache& workerInfoCache() {
+  static auto* cache = new WorkerInfoCache();
+  return *cache;
+}
+
 // A span of torch_rpc_ext.tracing's, ended (and let go) with the GIL.
 class PyServeSpan final : public tracing::ServeSpan {
  public:
@@ -66,16 +116,17 @@ void bindAgent(py::module_& m) {
           "get_worker_info",
           [](const Agent& a) { return a.getWorkerInfo(); },
           py::call_guard<py::gil_scoped_release>())
+      // (Every call's destination: workerInfoCache() above.)
       .def(
           "get_worker_info",
           [](const Agent& a, const std::string& name) {
-            return a.getWorkerInfo(name);
-          },
-          py::call_guard<py::gil_scoped_release>())
+            return workerInfoCache().get(a, name);
+          })
       .def(
           "get_worker_info",
-          [](const Agent& a, worker_id_t id) { return a.getWorkerInfo(id); },
-          py::call_guard<py::gil_scoped_release>())
+          [](const Agent& a, worker_id_t id) {
+            return workerInfoCache().get(a, id);
+          })
       // As TensorPipeAgent's (RemoteModule and dist autograd read the map).
       .def(
           "_get_device_map",

@@ -231,6 +231,12 @@ def _kill_and_replace(rank, world_size, store_path, gates):
             rpc.rpc_sync("worker1", add, (1, 1))
         except RuntimeError as e:
             out["new_call"] = str(e)
+        # worker1's WorkerInfo, looked up (and kept) for the calls above, is
+        # not handed out once the view without it is published.
+        try:
+            out["info_after_death"] = rpc.get_worker_info("worker1")
+        except RuntimeError as e:
+            out["info_after_death"] = str(e)
         try:
             rref.to_here()
         except RuntimeError as e:
@@ -312,6 +318,7 @@ def test_killed_member_is_declared_dead_and_replaced(store_path):
     assert [name for name, _ in out["dead"]] == ["worker1"]
     assert "lease was not renewed" in out["dead"][0][1]
     assert "worker1 was declared dead" in out["new_call"]
+    assert "worker1 was declared dead" in out["info_after_death"], out["info_after_death"]
     assert "worker1" in out["rref"]
     assert out["replacement"] == 101 and out["replacement_pid_differs"]
     stale, seconds = out["stale"]

@@ -79,6 +79,14 @@ def every_call(rank, world_size):
             out["remote_error"] = ("ValueError", str(e))
         out["info_by_name"] = rpc.get_worker_info("worker1").id
         out["info_by_id"] = rpc.get_worker_info(1).name
+        # Every call resolves its destination this way: one object per
+        # worker while the membership holds, not a new one per call.
+        out["info_kept"] = (rpc.get_worker_info("worker1") is rpc.get_worker_info("worker1"),
+                            rpc.get_worker_info(1) is rpc.get_worker_info(1))
+        try:
+            rpc.get_worker_info("nobody")
+        except RuntimeError as e:
+            out["info_unknown"] = str(e)
         with dist_autograd.context() as ctx:
             w = torch.ones(2, 2, requires_grad=True)
             loss = rpc.rpc_sync("worker1", torch.matmul, args=(w, w)).sum()
@@ -121,6 +129,8 @@ def test_every_public_call_returns_the_local_result():
     assert out["nested"] == 7
     assert out["remote_error"][0] == "ValueError" and "missing" in out["remote_error"][1]
     assert out["info_by_name"] == 1 and out["info_by_id"] == "worker1"
+    assert out["info_kept"] == (True, True)
+    assert "nobody" in out["info_unknown"] and "worker1" in out["info_unknown"]
     assert torch.equal(out["dist_grad"], torch.full((2, 2), 4.0))
     assert out["metric_keys"] == [
         "agent.client_active_calls",
