@@ -153,7 +153,10 @@ def test_a_member_declared_dead_is_fenced():
     t.log_append(store, t.dead_record(a.incarnation, 0x1, "a partition"), 0)
     wait_for(lambda: a.fenced, what="fenced")
     assert "this worker (a) was declared dead by the group at epoch 2: a partition" in a.fenced
-    assert a.fenced_reason_heard() == a.fenced  # the listener closes its connections
+    # The flag is set first (sends are refused from then on), then the
+    # listener is told (it closes the connections): wait for the second.
+    wait_for(lambda: a.fenced_reason_heard(), what="the listener told")
+    assert a.fenced_reason_heard() == a.fenced
     a.stop()
 
 
