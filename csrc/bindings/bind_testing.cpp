@@ -177,7 +177,7 @@ void bindTesting(py::module_& m) {
   // one has started (as nested RPCs do). Returns (all finished, pool size).
   m.def(
       "pool_chain",
-      [](size_t core, int n, double timeoutSeconds) {
+      [](size_t core, int n, double timeoutSeconds, double stallMs) {
         std::mutex mu;
         std::condition_variable cv;
         std::vector<char> started(n + 1, 0);
@@ -187,7 +187,10 @@ void bindTesting(py::module_& m) {
             std::chrono::milliseconds(int64_t(timeoutSeconds * 1000));
         size_t size = 0;
         {
-          ThreadPool pool(core, 1024);
+          ThreadPool pool(
+              core,
+              1024,
+              std::chrono::milliseconds(static_cast<int64_t>(stallMs)));
           for (int i = 0; i < n; ++i) {
             pool.run([&, i] {
               std::unique_lock<std::mutex> lock(mu);
@@ -205,6 +208,10 @@ void bindTesting(py::module_& m) {
         }
         return std::make_pair(done == n, size);
       },
+      py::arg("core"),
+      py::arg("n"),
+      py::arg("timeout"),
+      py::arg("stall_ms") = 20.0,
       py::call_guard<py::gil_scoped_release>());
 
   // From the loop thread, defer `n` pieces of work, each blocking until the
