@@ -66,6 +66,11 @@ class Host {
   // Any thread, once the connection is ready: send `frame` ahead of message
   // frames not yet started. Dropped if the connection is closed.
   virtual void sendControl(ControlFrame frame) = 0;
+  // Any thread: send what the channels keep for a ride (their
+  // collectPendingLocked) now, taken under the lock a message frame takes
+  // them with, so a frame queued after this returns goes after them (a
+  // release taken first and sent after could trail the next frame).
+  virtual void sendPendingControl() = 0;
   // Any thread: run `fn` on the connection's loop thread (dropped once the
   // connection is gone).
   virtual void post(std::function<void()> fn) = 0;

@@ -126,7 +126,9 @@ def outlives_receiver(conn, ctl):
     end.ep.send(b"got", [])
     assert ctl.recv() == "exited"  # the test saw the sender's process end
     data = end.read_region(region)
-    closed = end.ep.close_reason()
+    # The sender's exit reaches our loop thread on its own schedule: wait
+    # for the close (receive returns None once it is known) before asking.
+    closed = end.ep.receive(TIMEOUT) is None and end.ep.close_reason()
     region.release()  # nobody to tell: a no-op, not a crash
     ctl.send((data == pattern(1 << 20, 3), closed))
     end.close()

@@ -91,17 +91,9 @@ void IpcChannel::flushReleases() {
   if (!host || host->isClosed()) {
     return;
   }
-  std::string ids;
-  {
-    std::lock_guard<std::mutex> lock(releaseMutex_);
-    ids.swap(pendingReleases_);
-  }
-  if (!ids.empty()) {
-    counters_.releaseFrames.fetch_add(1, std::memory_order_relaxed);
-    host->sendControl(
-        ControlFrame{
-            context().wireIds().kind(kBlockRelease), std::move(ids), {}, {}});
-  }
+  // Taken under the connection's write lock (collectPendingLocked), as a
+  // frame's ride takes them: a frame sent after this goes after them.
+  host->sendPendingControl();
 }
 
 void IpcChannel::collectPendingLocked(std::vector<ControlFrame>* out) {

@@ -237,15 +237,7 @@ void SlabChannel::flushReleases() {
   if (!host || host->isClosed()) {
     return;
   }
-  ControlFrame frame;
-  {
-    std::lock_guard<std::mutex> lock(releaseMutex_);
-    if (pendingReleases_.empty()) {
-      return;
-    }
-    frame = takeReleasesLocked();
-  }
-  host->sendControl(std::move(frame));
+  host->sendPendingControl(); // collectPendingLocked, under the write lock
 }
 
 void SlabChannel::collectPendingLocked(std::vector<ControlFrame>* out) {

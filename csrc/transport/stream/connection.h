@@ -94,6 +94,7 @@ class StreamConnection : public Connection,
 
   // channel::Host.
   void sendControl(channel::ControlFrame frame) override;
+  void sendPendingControl() override;
   void post(std::function<void()> fn) override;
   void postAfter(std::chrono::milliseconds delay, std::function<void()> fn)
       override {

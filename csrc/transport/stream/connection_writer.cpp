@@ -82,6 +82,35 @@ void StreamConnection::sendControl(channel::ControlFrame frame) {
   afterFlush(error);
 }
 
+void StreamConnection::sendPendingControl() {
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ != State::kReady) {
+      return; // nothing rides before kReady; after the close, nothing goes
+    }
+    std::vector<channel::ControlFrame> pending;
+    for (auto& ch : channels_) {
+      ch->collectPendingLocked(&pending);
+    }
+    if (pending.empty()) {
+      return;
+    }
+    bool wasEmpty = writes_.empty();
+    for (auto& frame : pending) {
+      PendingWrite w = controlFrame(std::move(frame));
+      w.control = true;
+      insertControlLocked(std::move(w));
+    }
+    if (wasEmpty) {
+      error = flushLocked();
+    } else {
+      updateEventsLocked();
+    }
+  }
+  afterFlush(error);
+}
+
 void StreamConnection::insertControlLocked(PendingWrite w) {
   // Control frames jump the queue: nothing else is sent before kReady, and
   // a pong may not split a frame that is partly written.
