@@ -24,6 +24,7 @@ __all__ = [
     "VALIDATES_DEVICES_BY_ACCELERATOR",
     "register_backend",
     "init_rpc_states",
+    "release_agent",
     "validate_device_maps",
     "register_ordered_effect",
     "assume_constant_result",
@@ -52,8 +53,45 @@ def register_backend(
 
 
 def init_rpc_states(agent: Any) -> None:
-    """Publish the agent's worker names and make it the current, started agent."""
+    """Publish the agent's worker names and make it the current, started
+    agent, whose Python object is then kept until ``rpc.shutdown`` (below)."""
+    _install_agent_release()
     api._init_rpc_states(agent)
+    _KEPT_AGENT[:] = [agent]
+
+
+# The current agent's Python object, while it is current. torch's frontend
+# fetches the current agent on every rpc_sync / rpc_async / remote
+# (``_to_worker_info``); with no Python reference alive, each fetch made a
+# new wrapper (pybind11 registers and unregisters it) and dropped it, and
+# dropping our agent's wrapper releases the GIL (its destructor may join
+# threads that take it): a GIL hand-off to the completion thread on every
+# call of the issuing thread. Kept, each fetch finds the same object.
+_KEPT_AGENT: list[Any] = []
+
+
+def release_agent() -> None:
+    """Drop the kept agent object (shutdown; an init that failed after
+    ``init_rpc_states``)."""
+    _KEPT_AGENT.clear()
+
+
+def _install_agent_release() -> None:
+    """``rpc.shutdown`` (graceful or not) ends in ``api._finalize_shutdown``,
+    looked up as a module global: the kept object is dropped after it, when
+    torch no longer names the agent current. Idempotent."""
+    if getattr(api._finalize_shutdown, "_torch_rpc_ext_release", False):
+        return
+    finalize = api._finalize_shutdown
+
+    def _finalize_shutdown(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return finalize(*args, **kwargs)
+        finally:
+            release_agent()
+
+    _finalize_shutdown._torch_rpc_ext_release = True  # type: ignore[attr-defined]
+    api._finalize_shutdown = _finalize_shutdown
 
 
 def validate_device_maps(

@@ -146,6 +146,7 @@ def _init_backend(
         _torch_private.init_rpc_states(agent)
         _serve_metrics(store, name, metrics_port)
     except Exception:
+        _torch_private.release_agent()
         agent.shutdown()
         raise
     return agent
@@ -267,6 +268,7 @@ def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions,
         elastic.start_event_thread(agent)
         _serve_metrics(store, name, metrics_port)
     except Exception:
+        _torch_private.release_agent()
         agent.shutdown()
         raise
     return agent

@@ -3,6 +3,7 @@
 local results (and the same calls on TensorPipe in one test)."""
 
 import time
+import weakref
 
 import pytest
 import torch
@@ -83,6 +84,11 @@ def every_call(rank, world_size):
         # worker while the membership holds, not a new one per call.
         out["info_kept"] = (rpc.get_worker_info("worker1") is rpc.get_worker_info("worker1"),
                             rpc.get_worker_info(1) is rpc.get_worker_info(1))
+        # And the agent they are asked of: torch's frontend fetches it on
+        # every call; its Python object is kept while it is current (a
+        # wrapper made and dropped per call handed the GIL off each time).
+        kept = weakref.ref(rpc.api._get_current_rpc_agent())
+        out["agent_kept"] = kept() is rpc.api._get_current_rpc_agent()
         try:
             rpc.get_worker_info("nobody")
         except RuntimeError as e:
@@ -106,7 +112,10 @@ def every_call(rank, world_size):
         out["metric_keys"] = sorted(k for k in metrics if k.startswith("agent."))
         out["calls_sent"] = int(metrics["rpc_ext.peer.worker1.calls_sent"])
         out["debug_keys_busy"] = sorted(agent.get_debug_info())
+        del agent
     rpc.shutdown()
+    if rank == 0:
+        out["agent_released"] = kept() is None  # by shutdown
     return out
 
 
@@ -130,6 +139,7 @@ def test_every_public_call_returns_the_local_result():
     assert out["remote_error"][0] == "ValueError" and "missing" in out["remote_error"][1]
     assert out["info_by_name"] == 1 and out["info_by_id"] == "worker1"
     assert out["info_kept"] == (True, True)
+    assert out["agent_kept"] and out["agent_released"]
     assert "nobody" in out["info_unknown"] and "worker1" in out["info_unknown"]
     assert torch.equal(out["dist_grad"], torch.full((2, 2), 4.0))
     assert out["metric_keys"] == [
