@@ -203,6 +203,11 @@ class StreamConnection : public Connection,
   void queueControl(uint8_t kind, std::string head);
   // Put `w` ahead of every frame not yet started.
   void insertControlLocked(PendingWrite w);
+  // sendControl and sendPendingControl: `frames`, and with `collect` the
+  // channels' waiting ones, queued ahead of message frames not yet started.
+  void sendControlFrames(
+      std::vector<channel::ControlFrame> frames,
+      bool collect);
   // A channel's control frame, ready for writes_ (not queued).
   PendingWrite controlFrame(channel::ControlFrame frame);
   // Write as much as the socket takes. Returns an error text or "".

@@ -57,55 +57,51 @@ StreamConnection::PendingWrite StreamConnection::controlFrame(
 }
 
 void StreamConnection::sendControl(channel::ControlFrame frame) {
-  PendingWrite w = controlFrame(std::move(frame));
-  // Our own housekeeping proves nothing of the peer (heartbeat).
-  w.control = true;
-  std::string error;
-  {
-    std::lock_guard<std::mutex> lock(writeMutex_);
-    if (state_ != State::kReady) {
-      if (w.frame.keepAlive) {
-        finished_.push_back(std::move(w.frame.keepAlive));
-      }
-    } else {
-      // The caller may be any thread (a dying tensor's): it sends only this
-      // frame, if nothing else waits; else the loop thread sends it.
-      bool wasEmpty = writes_.empty();
-      insertControlLocked(std::move(w));
-      if (wasEmpty) {
-        error = flushLocked();
-      } else {
-        updateEventsLocked();
-      }
-    }
-  }
-  afterFlush(error);
+  std::vector<channel::ControlFrame> frames;
+  frames.push_back(std::move(frame));
+  sendControlFrames(std::move(frames), /*collect=*/false);
 }
 
 void StreamConnection::sendPendingControl() {
+  sendControlFrames({}, /*collect=*/true);
+}
+
+void StreamConnection::sendControlFrames(
+    std::vector<channel::ControlFrame> frames,
+    bool collect) {
   std::string error;
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
     if (state_ != State::kReady) {
-      return; // nothing rides before kReady; after the close, nothing goes
-    }
-    std::vector<channel::ControlFrame> pending;
-    for (auto& ch : channels_) {
-      ch->collectPendingLocked(&pending);
-    }
-    if (pending.empty()) {
-      return;
-    }
-    bool wasEmpty = writes_.empty();
-    for (auto& frame : pending) {
-      PendingWrite w = controlFrame(std::move(frame));
-      w.control = true;
-      insertControlLocked(std::move(w));
-    }
-    if (wasEmpty) {
-      error = flushLocked();
+      // Nothing rides before kReady; after the close, nothing goes.
+      for (auto& f : frames) {
+        if (f.keepAlive) {
+          finished_.push_back(std::move(f.keepAlive));
+        }
+      }
     } else {
-      updateEventsLocked();
+      if (collect) {
+        // What the channels keep for a ride, taken under the lock a
+        // message frame takes it with (channel.h, sendPendingControl).
+        for (auto& ch : channels_) {
+          ch->collectPendingLocked(&frames);
+        }
+      }
+      // The caller may be any thread (a dying tensor's): it sends only
+      // these frames, if nothing else waits; else the loop thread does.
+      bool wasEmpty = writes_.empty();
+      // Each goes to the front: in reverse, they keep their order.
+      for (auto it = frames.rbegin(); it != frames.rend(); ++it) {
+        PendingWrite w = controlFrame(std::move(*it));
+        // Our own housekeeping proves nothing of the peer (heartbeat).
+        w.control = true;
+        insertControlLocked(std::move(w));
+      }
+      if (!frames.empty() && wasEmpty) {
+        error = flushLocked();
+      } else if (!frames.empty()) {
+        updateEventsLocked();
+      }
     }
   }
   afterFlush(error);
