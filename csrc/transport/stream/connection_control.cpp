@@ -1,0 +1,109 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// StreamConnection's control frames (the handshake's, pings and pongs, the
+// channels' releases): made, and queued ahead of message frames not yet
+// started. Callers hold writeMutex_ for everything named *Locked.
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "csrc/transport/stream/connection.h"
+
+namespace torch_rpc_ext::transport::stream {
+
+StreamConnection::PendingWrite StreamConnection::controlFrame(
+    channel::ControlFrame frame) {
+  Loop::Io::add(loop_.io().controlFrames);
+  PendingWrite w;
+  frame::FrameHeader h{
+      frame::kFrameMagic,
+      frame::kProtocolVersion,
+      uint8_t(frame.kind),
+      0,
+      static_cast<uint32_t>(frame.head.size()),
+      0,
+      0};
+  w.prefix.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  w.prefix += frame.head;
+  w.passFds = std::move(frame.fds);
+  w.frame.keepAlive = std::move(frame.keepAlive);
+  return w;
+}
+
+void StreamConnection::sendControl(channel::ControlFrame frame) {
+  std::vector<channel::ControlFrame> frames;
+  frames.push_back(std::move(frame));
+  sendControlFrames(std::move(frames), /*collect=*/false);
+}
+
+void StreamConnection::sendPendingControl() {
+  sendControlFrames({}, /*collect=*/true);
+}
+
+void StreamConnection::sendControlFrames(
+    std::vector<channel::ControlFrame> frames,
+    bool collect) {
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ != State::kReady) {
+      // Nothing rides before kReady; after the close, nothing goes.
+      for (auto& f : frames) {
+        if (f.keepAlive) {
+          finished_.push_back(std::move(f.keepAlive));
+        }
+      }
+    } else {
+      if (collect) {
+        // What the channels keep for a ride, taken under the lock a
+        // message frame takes it with (channel.h, sendPendingControl).
+        for (auto& ch : channels_) {
+          ch->collectPendingLocked(&frames);
+        }
+      }
+      // The caller may be any thread (a dying tensor's): it sends only
+      // these frames, if nothing else waits; else the loop thread does.
+      bool wasEmpty = writes_.empty();
+      // Each goes to the front: in reverse, they keep their order.
+      for (auto it = frames.rbegin(); it != frames.rend(); ++it) {
+        PendingWrite w = controlFrame(std::move(*it));
+        // Our own housekeeping proves nothing of the peer (heartbeat).
+        w.control = true;
+        insertControlLocked(std::move(w));
+      }
+      if (!frames.empty() && wasEmpty) {
+        error = flushLocked();
+      } else if (!frames.empty()) {
+        updateEventsLocked();
+      }
+    }
+  }
+  afterFlush(error);
+}
+
+void StreamConnection::insertControlLocked(PendingWrite w) {
+  // Control frames jump the queue: nothing else is sent before kReady, and
+  // a pong may not split a frame that is partly written.
+  auto pos = writes_.begin();
+  if (pos != writes_.end() && pos->started()) {
+    ++pos;
+  }
+  writes_.insert(pos, std::move(w));
+}
+
+void StreamConnection::queueControl(uint8_t kind, std::string head) {
+  PendingWrite w =
+      controlFrame({frame::FrameKind(kind), std::move(head), {}, nullptr});
+  w.control = true;
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (state_ == State::kClosed) {
+      return;
+    }
+    insertControlLocked(std::move(w));
+    error = flushLocked();
+  }
+  afterFlush(error);
+}
+
+} // namespace torch_rpc_ext::transport::stream
