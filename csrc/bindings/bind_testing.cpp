@@ -7,6 +7,7 @@
 
 #include "csrc/agent/membership.h"
 #include "csrc/bindings/bind.h"
+#include "csrc/common/aes_gcm_vaes.h"
 #include "csrc/common/buffer_pool.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/thread_pool.h"
@@ -53,18 +54,34 @@ void bindTesting(py::module_& m) {
         return py::bytes(hkdfExpand(prk, info, length));
       });
   // AES-128-GCM as the lanes use it (common/crypto.h, Aead): (ciphertext,
-  // tag), and the plaintext or None when the tag does not match.
+  // tag), and the plaintext or None when the tag does not match. `engine`:
+  // "auto" (Aead::defaultEngine), "vaes" or "libcrypto"; `in_place` opens
+  // the bytes where they lie, as the lanes' receiver does.
+  auto engineOf = [](const std::string& name) {
+    if (name == "auto") {
+      return Aead::Engine::kAuto;
+    }
+    if (name == "vaes") {
+      return Aead::Engine::kVaes;
+    }
+    if (name == "libcrypto") {
+      return Aead::Engine::kLibcrypto;
+    }
+    throw std::invalid_argument("engine: auto, vaes or libcrypto");
+  };
   m.def(
       "aead_seal",
-      [](const py::bytes& key,
-         const py::bytes& nonce,
-         const py::bytes& aad,
-         const py::bytes& plain) {
+      [engineOf](
+          const py::bytes& key,
+          const py::bytes& nonce,
+          const py::bytes& aad,
+          const py::bytes& plain,
+          const std::string& engine) {
         std::string k = key, n = nonce, a = aad, p = plain;
         if (n.size() != Aead::kNonceBytes) {
           throw std::invalid_argument("the nonce is 12 bytes");
         }
-        Aead aead(k);
+        Aead aead(k, engineOf(engine));
         std::string out(p.size(), '\0');
         std::string tag(Aead::kTagBytes, '\0');
         aead.seal(
@@ -75,31 +92,53 @@ void bindTesting(py::module_& m) {
             p.size(),
             reinterpret_cast<uint8_t*>(tag.data()));
         return py::make_tuple(py::bytes(out), py::bytes(tag));
-      });
+      },
+      py::arg("key"),
+      py::arg("nonce"),
+      py::arg("aad"),
+      py::arg("plain"),
+      py::arg("engine") = "auto");
   m.def(
       "aead_open",
-      [](const py::bytes& key,
-         const py::bytes& nonce,
-         const py::bytes& aad,
-         const py::bytes& sealed,
-         const py::bytes& tag) -> py::object {
+      [engineOf](
+          const py::bytes& key,
+          const py::bytes& nonce,
+          const py::bytes& aad,
+          const py::bytes& sealed,
+          const py::bytes& tag,
+          const std::string& engine,
+          bool inPlace) -> py::object {
         std::string k = key, n = nonce, a = aad, c = sealed, t = tag;
         if (n.size() != Aead::kNonceBytes || t.size() != Aead::kTagBytes) {
           throw std::invalid_argument("the nonce is 12 bytes, the tag 16");
         }
-        Aead aead(k);
-        std::string out(c.size(), '\0');
+        Aead aead(k, engineOf(engine));
+        std::string out(inPlace ? 0 : c.size(), '\0');
+        std::string& into = inPlace ? c : out;
         if (!aead.open(
                 reinterpret_cast<const uint8_t*>(n.data()),
                 a,
                 c.data(),
-                out.data(),
+                into.data(),
                 c.size(),
                 reinterpret_cast<const uint8_t*>(t.data()))) {
           return py::none();
         }
-        return py::bytes(out);
-      });
+        return py::bytes(into);
+      },
+      py::arg("key"),
+      py::arg("nonce"),
+      py::arg("aad"),
+      py::arg("sealed"),
+      py::arg("tag"),
+      py::arg("engine") = "auto",
+      py::arg("in_place") = false);
+  // The engine an Aead made with kAuto uses here (the env var read now),
+  // and whether this CPU runs ours.
+  m.def("aead_engine", [] {
+    return std::string(Aead::engineName(Aead::defaultEngine()));
+  });
+  m.def("aes_gcm_vaes_supported", &aes_gcm_vaes::supported);
   // How a worker listening on `self` reaches a peer that advertised `peer`
   // (stream::routeFrom): ValueError saying why it cannot.
   m.def("route_from", &transport::stream::routeFrom);

@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
+#include "csrc/common/aes_gcm_vaes.h"
 #include "csrc/common/libcrypto.h"
 
 namespace torch_rpc_ext {
@@ -107,13 +109,76 @@ const Libcrypto& aeadLibcrypto() {
 
 } // namespace
 
-Aead::Aead(std::string_view key) {
+struct Aead::VaesKey {
+  aes_gcm_vaes::Schedule schedule;
+  ~VaesKey() {
+    // Not memset: a store to memory about to be freed may be dropped.
+    volatile uint8_t* p = reinterpret_cast<volatile uint8_t*>(&schedule);
+    for (size_t i = 0; i < sizeof(schedule); ++i) {
+      p[i] = 0;
+    }
+  }
+};
+
+namespace {
+
+// The CPU runs our VAES code, unless a test says it does not
+// (TORCH_RPC_EXT_TEST_NO_VAES=1: how a CPU without it behaves, on one with it).
+bool vaesUsable() {
+  const char* off = std::getenv("TORCH_RPC_EXT_TEST_NO_VAES");
+  return aes_gcm_vaes::supported() && !(off != nullptr && off[0] == '1');
+}
+
+} // namespace
+
+Aead::Engine Aead::defaultEngine() {
+  const char* set = std::getenv("TORCH_RPC_EXT_AES_GCM");
+  std::string value = set == nullptr ? "auto" : set;
+  if (value == "auto" || value.empty()) {
+    return vaesUsable() ? Engine::kVaes : Engine::kLibcrypto;
+  }
+  if (value == "libcrypto") {
+    return Engine::kLibcrypto;
+  }
+  if (value == "vaes") {
+    return Engine::kVaes;
+  }
+  throw std::invalid_argument(
+      "TORCH_RPC_EXT_AES_GCM=" + value +
+      ": expected auto (the default), libcrypto or vaes");
+}
+
+const char* Aead::engineName(Engine engine) {
+  switch (engine) {
+    case Engine::kVaes:
+      return "vaes";
+    case Engine::kLibcrypto:
+      return "libcrypto";
+    case Engine::kAuto:
+      break;
+  }
+  return "auto";
+}
+
+Aead::Aead(std::string_view key, Engine engine)
+    : engine_(engine == Engine::kAuto ? defaultEngine() : engine) {
   if (key.size() != kKeyBytes) {
     throw std::invalid_argument(
         "an AES-128-GCM key is 16 bytes, not " + std::to_string(key.size()));
   }
-  const Libcrypto& lib = aeadLibcrypto();
   const auto* k = reinterpret_cast<const unsigned char*>(key.data());
+  if (engine_ == Engine::kVaes) {
+    if (!vaesUsable()) {
+      throw std::runtime_error(
+          "AES-GCM on VAES (TORCH_RPC_EXT_AES_GCM=vaes) needs a CPU with "
+          "AVX-512 F/BW/VL, VAES and VPCLMULQDQ, which this one lacks; "
+          "leave TORCH_RPC_EXT_AES_GCM unset to use libcrypto's");
+    }
+    vaes_ = std::make_unique<VaesKey>();
+    aes_gcm_vaes::expand(k, &vaes_->schedule);
+    return;
+  }
+  const Libcrypto& lib = aeadLibcrypto();
   encrypt_ = lib.cipherCtxNew();
   decrypt_ = lib.cipherCtxNew();
   if (encrypt_ == nullptr || decrypt_ == nullptr ||
@@ -136,12 +201,23 @@ Aead::Aead(std::string_view key) {
 }
 
 Aead::~Aead() {
-  const Libcrypto& lib = libcrypto();
-  lib.cipherCtxFree(encrypt_);
-  lib.cipherCtxFree(decrypt_);
+  if (encrypt_ != nullptr || decrypt_ != nullptr) {
+    const Libcrypto& lib = libcrypto();
+    lib.cipherCtxFree(encrypt_);
+    lib.cipherCtxFree(decrypt_);
+  }
 }
 
 namespace {
+
+// GCM's limit on one message (its 32-bit block counter).
+void requireRecordSize(size_t size) {
+  if (size > aes_gcm_vaes::kMaxBytes) {
+    throw std::invalid_argument(
+        "an AES-GCM record holds at most 64 GiB - 32 bytes, not " +
+        std::to_string(size));
+  }
+}
 
 // Starts a record under `nonce`, takes `aad`, then `size` bytes from `in`
 // to `out` with `init`/`update` (the encrypting or the decrypting pair).
@@ -183,6 +259,19 @@ void Aead::seal(
     void* out,
     size_t size,
     uint8_t* tag) {
+  if (vaes_) {
+    requireRecordSize(size);
+    aes_gcm_vaes::seal(
+        vaes_->schedule,
+        nonce,
+        reinterpret_cast<const uint8_t*>(aad.data()),
+        aad.size(),
+        static_cast<const uint8_t*>(in),
+        static_cast<uint8_t*>(out),
+        size,
+        tag);
+    return;
+  }
   const Libcrypto& lib = libcrypto();
   int n = 0;
   unsigned char end[16];
@@ -209,6 +298,20 @@ bool Aead::open(
     void* out,
     size_t size,
     const uint8_t* tag) {
+  if (vaes_) {
+    requireRecordSize(size);
+    uint8_t expected[kTagBytes];
+    aes_gcm_vaes::open(
+        vaes_->schedule,
+        nonce,
+        reinterpret_cast<const uint8_t*>(aad.data()),
+        aad.size(),
+        static_cast<const uint8_t*>(in),
+        static_cast<uint8_t*>(out),
+        size,
+        expected);
+    return constantTimeEqual(expected, tag, kTagBytes);
+  }
   const Libcrypto& lib = libcrypto();
   int n = 0;
   unsigned char end[16];

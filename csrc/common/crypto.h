@@ -4,6 +4,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -41,21 +42,42 @@ std::string hkdfExpand(
     std::string_view info,
     size_t length);
 
-// AES-128-GCM under one key (RFC 5116 AEAD_AES_128_GCM), computed by
-// libcrypto: the records of the lanes channel (channel/lanes). One object
-// per thread (it keeps OpenSSL's cipher context between records); a nonce
+// AES-128-GCM under one key (RFC 5116 AEAD_AES_128_GCM): the records of
+// the lanes channel (channel/lanes). Computed by our own VAES code
+// (aes_gcm_vaes.h) where the CPU has it, else by libcrypto's EVP;
+// TORCH_RPC_EXT_AES_GCM=libcrypto or =vaes picks one (see Engine). One
+// object per thread (it keeps its cipher state between records); a nonce
 // must never repeat under a key, which the caller's counters see to.
 class Aead {
  public:
   static constexpr size_t kKeyBytes = 16;
   static constexpr size_t kNonceBytes = 12;
   static constexpr size_t kTagBytes = 16;
-  // Throws std::invalid_argument for a key of the wrong size and
-  // std::runtime_error if libcrypto has no AES-GCM.
-  explicit Aead(std::string_view key);
+  // Which code computes the cipher. Both give the same bytes and tags
+  // (tests/unit/test_crypto_and_frames.py), so the two ends of a lane need
+  // not agree on it.
+  enum class Engine {
+    kAuto, // defaultEngine()
+    kLibcrypto,
+    kVaes, // aes_gcm_vaes.h; std::runtime_error where the CPU lacks it
+  };
+  // Throws std::invalid_argument for a key of the wrong size, and
+  // std::runtime_error if the engine cannot run here (libcrypto without
+  // AES-GCM, a CPU without VAES).
+  explicit Aead(std::string_view key, Engine engine = Engine::kAuto);
   ~Aead();
   Aead(const Aead&) = delete;
   Aead& operator=(const Aead&) = delete;
+
+  // What kAuto is in this process: TORCH_RPC_EXT_AES_GCM ("auto", the
+  // default: kVaes where aes_gcm_vaes::supported(), else kLibcrypto;
+  // "libcrypto"; "vaes"). Throws std::invalid_argument naming any other
+  // value. Read on each call (a new Aead per lane key).
+  static Engine defaultEngine();
+  static const char* engineName(Engine engine); // "vaes", "libcrypto"
+  Engine engine() const {
+    return engine_;
+  }
 
   // Encrypts `size` bytes of `in` into `out` (may be `in`), authenticating
   // `aad` with them, and writes the tag. Throws std::runtime_error.
@@ -77,8 +99,11 @@ class Aead {
       const uint8_t* tag);
 
  private:
-  evp_cipher_ctx_st* encrypt_ = nullptr;
+  struct VaesKey; // aes_gcm_vaes::Schedule, wiped on destruction
+  Engine engine_;
+  evp_cipher_ctx_st* encrypt_ = nullptr; // kLibcrypto
   evp_cipher_ctx_st* decrypt_ = nullptr;
+  std::unique_ptr<VaesKey> vaes_; // kVaes
 };
 
 // An X25519 key pair (RFC 7748) through libcrypto: the sealing of a

@@ -20,6 +20,7 @@ import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
 from tests.rpc.world import init, run_world
+from torch_rpc_ext import _testing
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -289,6 +290,35 @@ def test_default_channels_put_lanes_on_encrypted_connections_only(monkeypatch, e
     else:
         assert ours["segments"] == theirs["segments"] == 0, (ours, theirs)
         assert ours["lanes_in"] == theirs["lanes_in"] == 0  # none offered
+
+
+def _mixed_engines(rank, world_size):
+    # One end seals and opens its records with our VAES AES-GCM, the other
+    # with libcrypto's (Aead's engines, csrc/common/crypto.h).
+    os.environ["TORCH_RPC_EXT_AES_GCM"] = "vaes" if rank == 0 else "libcrypto"
+    init(rank, world_size, transports=["tcp"], encryption="always")
+    out = None
+    if rank == 0:
+        big = torch.arange(4 * MB + 5, dtype=torch.float32)
+        same = []
+        for _ in range(3):  # the first dials the lanes (and rides the stream)
+            same.append(torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big))
+            time.sleep(0.2)
+        out = (same, _lanes_metrics(), rpc.rpc_sync("worker1", _lanes_metrics))
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.skipif(not _testing.aes_gcm_vaes_supported(), reason="this CPU has no AVX-512 VAES")
+def test_encrypted_lanes_carry_tensors_between_the_two_aes_gcm_engines(monkeypatch):
+    """Records sealed by our VAES code open under libcrypto's and back: the
+    engines give the same bytes and tags, so the ends of a lane never need
+    to agree on one (TORCH_RPC_EXT_AES_GCM is a process's own choice)."""
+    monkeypatch.delenv("TORCH_RPC_EXT_CHANNELS", raising=False)
+    same, ours, theirs = run_world(_mixed_engines, 2, timeout=120)[0]
+    assert same == [True, True, True]
+    assert ours["aes_gcm_vaes"] == 1 and theirs["aes_gcm_vaes"] == 0
+    assert ours["segments"] >= 1 and theirs["segments"] >= 1, (ours, theirs)
 
 
 def test_lanes_when_encrypted_can_be_turned_off(monkeypatch):

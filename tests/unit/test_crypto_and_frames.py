@@ -5,6 +5,7 @@ frame-header validation."""
 
 import hmac
 import os
+import random
 import re
 import struct
 
@@ -136,23 +137,98 @@ GCM = [
 ]
 
 
+# Both engines of Aead (csrc/common/crypto.h): libcrypto's EVP, and our
+# AVX-512 VAES code (csrc/common/aes_gcm_vaes.cpp) where this CPU runs it.
+ENGINES = [
+    "libcrypto",
+    pytest.param("vaes", marks=pytest.mark.skipif(
+        not _testing.aes_gcm_vaes_supported(), reason="this CPU has no AVX-512 VAES")),
+]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("case", GCM, ids=["gcm3", "gcm4"])
-def test_aead_matches_the_gcm_test_vectors(case):
+def test_aead_matches_the_gcm_test_vectors(case, engine):
     key, iv, aad, plain, sealed, tag = case
-    assert _testing.aead_seal(key, iv, aad, plain) == (sealed, tag)
-    assert _testing.aead_open(key, iv, aad, sealed, tag) == plain
+    assert _testing.aead_seal(key, iv, aad, plain, engine) == (sealed, tag)
+    assert _testing.aead_open(key, iv, aad, sealed, tag, engine) == plain
+    assert _testing.aead_open(key, iv, aad, sealed, tag, engine, in_place=True) == plain
 
 
-def test_aead_refuses_any_change_to_bytes_header_nonce_or_key():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_aead_refuses_any_change_to_bytes_header_nonce_or_key(engine):
     key, nonce, aad = os.urandom(16), os.urandom(12), b"header" * 5
     plain = os.urandom(300_000)
-    sealed, tag = _testing.aead_seal(key, nonce, aad, plain)
-    assert _testing.aead_open(key, nonce, aad, sealed, tag) == plain
+    sealed, tag = _testing.aead_seal(key, nonce, aad, plain, engine)
+    assert _testing.aead_open(key, nonce, aad, sealed, tag, engine) == plain
     flipped = bytearray(sealed)
     flipped[123_456] ^= 1
-    assert _testing.aead_open(key, nonce, aad, bytes(flipped), tag) is None
-    assert _testing.aead_open(key, nonce, b"Header" + aad[6:], sealed, tag) is None
-    assert _testing.aead_open(key, bytes(12), aad, sealed, tag) is None
-    assert _testing.aead_open(os.urandom(16), nonce, aad, sealed, tag) is None
+    assert _testing.aead_open(key, nonce, aad, bytes(flipped), tag, engine) is None
+    assert _testing.aead_open(key, nonce, b"Header" + aad[6:], sealed, tag, engine) is None
+    assert _testing.aead_open(key, bytes(12), aad, sealed, tag, engine) is None
+    assert _testing.aead_open(os.urandom(16), nonce, aad, sealed, tag, engine) is None
     with pytest.raises(ValueError, match="16 bytes"):
-        _testing.aead_seal(b"short", nonce, aad, plain)
+        _testing.aead_seal(b"short", nonce, aad, plain, engine)
+
+
+vaes_only = pytest.mark.skipif(not _testing.aes_gcm_vaes_supported(),
+                               reason="this CPU has no AVX-512 VAES")
+
+
+@vaes_only
+def test_vaes_gives_libcryptos_bytes_and_tags_at_every_length():
+    """Every length from 0 to 600 bytes (the sixteen-block steps, the
+    single blocks after them, a partial last block) and larger odd ones, each
+    with its own key, nonce and header of 0-69 bytes: the same ciphertext and
+    tag as libcrypto's, and each opens the other's, in place or not."""
+    rng = random.Random(48)
+    sizes = list(range(601)) + [4095, 4096, 4097, 65_536 + 17, 262_144, 262_144 + 31]
+    for size in sizes:
+        key, nonce = rng.randbytes(16), rng.randbytes(12)
+        aad, plain = rng.randbytes(rng.randrange(70)), rng.randbytes(size)
+        ours = _testing.aead_seal(key, nonce, aad, plain, "vaes")
+        assert ours == _testing.aead_seal(key, nonce, aad, plain, "libcrypto"), size
+        assert _testing.aead_open(key, nonce, aad, *ours, "libcrypto") == plain, size
+        assert _testing.aead_open(key, nonce, aad, *ours, "vaes", in_place=size % 2 == 0) == plain
+
+
+@vaes_only
+def test_vaes_refuses_a_flipped_bit_anywhere():
+    """A bit changed in any byte of a record (each position of a sixteen-
+    block step and of the blocks after it) or of its tag fails the check."""
+    key, nonce, aad = os.urandom(16), os.urandom(12), b"h" * 32
+    plain = os.urandom(300)
+    sealed, tag = _testing.aead_seal(key, nonce, aad, plain, "vaes")
+    for i in range(len(sealed)):
+        changed = bytearray(sealed)
+        changed[i] ^= 1 << (i % 8)
+        assert _testing.aead_open(key, nonce, aad, bytes(changed), tag, "vaes") is None, i
+    for i in range(16):
+        changed = bytearray(tag)
+        changed[i] ^= 0x80
+        assert _testing.aead_open(key, nonce, aad, sealed, bytes(changed), "vaes") is None, i
+
+
+def test_the_engine_follows_the_environment(monkeypatch):
+    monkeypatch.delenv("TORCH_RPC_EXT_AES_GCM", raising=False)
+    best = "vaes" if _testing.aes_gcm_vaes_supported() else "libcrypto"
+    assert _testing.aead_engine() == best
+    monkeypatch.setenv("TORCH_RPC_EXT_AES_GCM", "libcrypto")
+    assert _testing.aead_engine() == "libcrypto"
+    monkeypatch.setenv("TORCH_RPC_EXT_AES_GCM", "fastest")
+    with pytest.raises(ValueError, match="TORCH_RPC_EXT_AES_GCM=fastest: expected auto"):
+        _testing.aead_engine()
+    with pytest.raises(ValueError, match="TORCH_RPC_EXT_AES_GCM=fastest"):
+        _testing.aead_seal(bytes(16), bytes(12), b"", b"x")
+
+
+def test_a_cpu_without_vaes_gets_libcrypto_and_an_error_if_it_asks(monkeypatch):
+    if _testing.aes_gcm_vaes_supported():  # play the CPU without it
+        monkeypatch.setenv("TORCH_RPC_EXT_TEST_NO_VAES", "1")
+    monkeypatch.delenv("TORCH_RPC_EXT_AES_GCM", raising=False)
+    assert _testing.aead_engine() == "libcrypto"
+    sealed = _testing.aead_seal(bytes(16), bytes(12), b"", b"x")
+    assert sealed == _testing.aead_seal(bytes(16), bytes(12), b"", b"x", "libcrypto")
+    monkeypatch.setenv("TORCH_RPC_EXT_AES_GCM", "vaes")
+    with pytest.raises(RuntimeError, match="needs a CPU with AVX-512 F/BW/VL, VAES"):
+        _testing.aead_seal(bytes(16), bytes(12), b"", b"x")

@@ -97,6 +97,7 @@ LanesContext::LanesContext(WireIds ids)
   if (unviable_.empty()) {
     try {
       Aead probe(std::string(Aead::kKeyBytes, '\0')); // encrypted lanes
+      settings_.aesGcmVaes = probe.engine() == Aead::Engine::kVaes;
     } catch (const std::exception& e) {
       unviable_ = e.what();
     }
@@ -146,6 +147,7 @@ std::map<std::string, uint64_t> LanesContext::counters() const {
       {"rekeys", counters_.rekeys.load()},
       {"hellos_refused", counters_.hellosRefused.load()},
       {"sources_held_off", counters_.sourcesHeldOff.load()},
+      {"aes_gcm_vaes", settings_.aesGcmVaes ? 1u : 0u},
   };
 }
 

@@ -35,6 +35,10 @@ struct LanesSettings {
   // (TORCH_RPC_EXT_LANES_RECORDS_PER_KEY, 1 to 65536, default 65536: 16 GiB
   // of 256 KiB records), as a receiver offers it.
   uint32_t recordsPerKey = kMaxRecordsPerKey;
+  // Whether encrypted records go through our VAES AES-GCM (Aead's default
+  // engine when the context was made: TORCH_RPC_EXT_AES_GCM and the CPU),
+  // the counter "aes_gcm_vaes".
+  bool aesGcmVaes = false;
   // Tests only (TORCH_RPC_EXT_TEST_LANES_FORGE): before the sender's first
   // stripe in the clear, chunks of a segment no record claims, as a peer
   // that misbehaves would send them: "tiny" (a one-byte segment) or
