@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -15,9 +16,11 @@ namespace torch_rpc_ext::aes_gcm_vaes {
 // GCC 12's AVX-512 intrinsics start from deliberately undefined registers
 // (_mm512_undefined_epi32) and warn of them wherever they are inlined (GCC
 // bug 105593, fixed in GCC 13); nothing here reads an undefined value.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 // Every function that uses the instructions is compiled for them (and only
 // they: the rest of the extension stays generic x86-64); supported() guards
@@ -270,13 +273,41 @@ TRE_VAES void crypt(
 
 } // namespace
 
+namespace {
+
+// CPUID and XGETBV directly: GCC's and Clang's __builtin_cpu_supports do not
+// all know "vaes" (Clang 14 does not).
+bool detect() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) {
+    return false;
+  }
+  const bool pclmul = c & (1u << 1), aesni = c & (1u << 25);
+  const bool osxsave = c & (1u << 27);
+  if (!pclmul || !aesni || !osxsave) {
+    return false;
+  }
+  // The OS saves SSE, AVX and the AVX-512 state (opmask, ZMM0-15's upper
+  // halves, ZMM16-31): XCR0 bits 1, 2, 5, 6, 7.
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & 0xe6u) != 0xe6u) {
+    return false;
+  }
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+    return false;
+  }
+  const bool avx2 = b & (1u << 5), avx512f = b & (1u << 16);
+  const bool avx512bw = b & (1u << 30), avx512vl = b & (1u << 31);
+  const bool vaes = c & (1u << 9), vpclmulqdq = c & (1u << 10);
+  return avx2 && avx512f && avx512bw && avx512vl && vaes && vpclmulqdq;
+}
+
+} // namespace
+
 bool supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") &&
-      __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("vaes") &&
-      __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("aes") &&
-      __builtin_cpu_supports("pclmul");
+  static const bool yes = detect();
+  return yes;
 }
 
 TRE_VAES void expand(const uint8_t key[16], Schedule* s) {
@@ -335,7 +366,9 @@ void open(
   crypt(schedule, nonce, aad, aadSize, in, out, size, expectedTag, false);
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 
 #else // not x86-64: supported() is false, so Aead never calls the others
 
