@@ -12,6 +12,9 @@ whose address is not loopback), which rpc_bench.py, on one host, never does.
 Backends (all three in one run, side by side, on the same links):
   ext_tls     TORCH_RPC_EXT, the default encryption="auto" (TLS 1.3)
   ext_clear   TORCH_RPC_EXT, encryption="off"
+  ext_tls_libcrypto   ext_tls with TORCH_RPC_EXT_AES_GCM=libcrypto: the
+              lanes' records sealed by libcrypto's AES-GCM, not by our VAES
+              code (only when --backends names it; a ratio line too)
   ext_tls_lanes, ext_clear_lanes   the same with the tcp_lanes channel:
               tensors of 1 MiB or more striped over 4 TCP lanes per peer
               (only when --backends names them; they get ratio lines too)
@@ -100,10 +103,13 @@ BACKENDS = {"ext_tls": ("ext", {"encryption": "auto"}),
             "ext_clear": ("ext", {"encryption": "off"}),
             "ext_tls_lanes": ("ext", {"encryption": "auto", "channels": LANES}),
             "ext_clear_lanes": ("ext", {"encryption": "off", "channels": LANES}),
+            "ext_tls_libcrypto": ("ext", {"encryption": "auto"}),
             "tensorpipe": ("tensorpipe", ["mpt_uv", "basic"]),
             "tensorpipe_basic": ("tensorpipe", ["basic"]),
             "tensorpipe_default": ("tensorpipe", None)}
 DEFAULT_BACKENDS = ["ext_tls", "ext_clear", "tensorpipe"]
+# Environment a backend's workers get on top of the parent's.
+BACKEND_ENV = {"ext_tls_libcrypto": {"TORCH_RPC_EXT_AES_GCM": "libcrypto"}}
 EXT = [b for b, (kind, _) in BACKENDS.items() if kind == "ext"]
 # (label, bytes, iterations, warm-up): fewer iterations as sizes grow.
 FULL_RTT = [("1KB", KB, 300, 30), ("64KB", 64 * KB, 100, 10), ("1MB", MB, 40, 5),
@@ -116,7 +122,7 @@ BASE_PORT = 29500  # fresh namespaces: nothing else listens there
 # Variables that would override what this benchmark sets per backend.
 STRIP_ENV = ("TORCH_RPC_EXT_TRANSPORTS", "TORCH_RPC_EXT_CHANNELS", "TORCH_RPC_EXT_ADDR", "TORCH_RPC_EXT_SOCKET_IFNAME",
              "TORCH_RPC_EXT_ENCRYPTION", "TORCH_RPC_EXT_TLS_CERT", "TORCH_RPC_EXT_TLS_KEY",
-             "TORCH_RPC_EXT_TLS_CA")
+             "TORCH_RPC_EXT_TLS_CA", "TORCH_RPC_EXT_AES_GCM")
 
 
 # The worker side: one process per host, started by the parent through
@@ -200,6 +206,8 @@ def drive(cfg: dict, torch, rpc) -> dict:
         # connections), this end's.
         metrics = rpc.api._get_current_rpc_agent().get_metrics()
         out["lane_segments"] = int(metrics.get("rpc_ext.channel.tcp_lanes.segments", 0))
+        # 1: the lanes' records went through our VAES AES-GCM (crypto.h).
+        out["aes_gcm_vaes"] = int(metrics.get("rpc_ext.channel.tcp_lanes.aes_gcm_vaes", 0))
     return out
 
 
@@ -235,6 +243,7 @@ def run_pair(hosts, backend: str, port: int, plan: dict, logdir: Path,
         # every backend does no harm.
         env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
                    TP_SOCKET_IFNAME=hosts.ifname(rank), GLOO_SOCKET_IFNAME=hosts.ifname(rank))
+        env.update(BACKEND_ENV.get(backend, {}))
         cfg = {"rank": rank, "master": hosts.ipv4(0), "port": port,
                "address": hosts.ipv4(rank), "backend": BACKENDS[backend],
                "rpc_timeout": max(60, int(deadline_s)), **plan}
@@ -377,8 +386,9 @@ def main(argv=None) -> int:
                         if "security" in res:
                             run_row["transport"] = res.get("transport")
                             run_row["security"] = res["security"]
-                        if "lane_segments" in res:
-                            run_row["lane_segments"] = res["lane_segments"]
+                        for key in ("lane_segments", "aes_gcm_vaes"):
+                            if key in res:
+                                run_row[key] = res[key]
                         if "error" in res:
                             failed += 1
                             run_row["error"] = res["error_short"]
@@ -448,7 +458,8 @@ def chart(ratios: list[dict], rates: list[str], path: Path) -> None:
     variants = list(dict.fromkeys(x["ratio"] for x in ratios))
     colors = {"ext_tls_vs_tensorpipe": "tab:blue", "ext_clear_vs_tensorpipe": "tab:orange",
               "ext_tls_lanes_vs_tensorpipe": "lightsteelblue",
-              "ext_clear_lanes_vs_tensorpipe": "navajowhite"}
+              "ext_clear_lanes_vs_tensorpipe": "navajowhite",
+              "ext_tls_libcrypto_vs_tensorpipe": "tab:gray"}
     fig, axes = plt.subplots(1, len(rates), figsize=(3.6 * len(rates) + 1, 0.45 * len(cases) + 2),
                              sharex=True, sharey=True, squeeze=False)
     height = 0.8 / max(1, len(variants))

@@ -5,6 +5,10 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
 #include "csrc/agent/membership.h"
 #include "csrc/bindings/bind.h"
 #include "csrc/common/aes_gcm_vaes.h"
@@ -133,6 +137,52 @@ void bindTesting(py::module_& m) {
       py::arg("tag"),
       py::arg("engine") = "auto",
       py::arg("in_place") = false);
+  // Seconds to seal (or open in place) `total` bytes as records of
+  // `record` bytes under `engine`, as the lanes do (the best of `rounds`,
+  // GIL released): benchmarks/aead_bench.py's figure, with no Python or
+  // copy between records. Opening here skips the tag check's outcome (the
+  // bytes are not a real record), not its work.
+  m.def(
+      "aead_seconds",
+      [engineOf](
+          const std::string& engine,
+          bool open,
+          size_t record,
+          size_t total,
+          int rounds) {
+        if (record == 0 || total < record || rounds < 1) {
+          throw std::invalid_argument(
+              "record > 0, total >= record, rounds >= 1");
+        }
+        Aead aead(std::string(Aead::kKeyBytes, '\x5a'), engineOf(engine));
+        std::vector<uint8_t> data(total, 7);
+        std::vector<uint8_t> out(record + Aead::kTagBytes);
+        uint8_t nonce[Aead::kNonceBytes] = {};
+        uint8_t tag[Aead::kTagBytes] = {};
+        const std::string header(32, 'h');
+        py::gil_scoped_release release;
+        double best = 0;
+        for (int r = 0; r < rounds; ++r) {
+          auto t0 = std::chrono::steady_clock::now();
+          for (size_t at = 0; at + record <= total; at += record) {
+            if (open) {
+              (void)aead.open(nonce, header, &data[at], &data[at], record, tag);
+            } else {
+              aead.seal(nonce, header, &data[at], out.data(), record, tag);
+            }
+          }
+          double s = std::chrono::duration<double>(
+                         std::chrono::steady_clock::now() - t0)
+                         .count();
+          best = r == 0 ? s : std::min(best, s);
+        }
+        return best;
+      },
+      py::arg("engine"),
+      py::arg("open"),
+      py::arg("record"),
+      py::arg("total"),
+      py::arg("rounds"));
   // The engine an Aead made with kAuto uses here (the env var read now),
   // and whether this CPU runs ours.
   m.def("aead_engine", [] {

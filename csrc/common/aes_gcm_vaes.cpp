@@ -27,8 +27,8 @@ namespace torch_rpc_ext::aes_gcm_vaes {
 // the calls. The fixed loops are unrolled on purpose: at -O2 (setup.py) the
 // compiler keeps their arrays of registers in memory otherwise, at half the
 // speed.
-#define TRE_VAES                                                        \
-  __attribute__((target(                                                \
+#define TRE_VAES         \
+  __attribute__((target( \
       "avx512f,avx512bw,avx512vl,vaes,vpclmulqdq,aes,pclmul,avx2,sse4.1")))
 
 namespace {
@@ -80,7 +80,7 @@ TRE_VAES inline __m128i load16(const uint8_t* p) {
 
 TRE_VAES inline __m128i encryptBlock(const Schedule& s, __m128i b) {
   b = _mm_xor_si128(b, load16(s.roundKeys[0]));
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 1; r < 10; ++r) {
     b = _mm_aesenc_si128(b, load16(s.roundKeys[r]));
   }
@@ -111,11 +111,11 @@ struct Wide {
 };
 
 TRE_VAES inline void widen(const Schedule& s, Wide* w) {
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < 11; ++r) {
     w->roundKeys[r] = _mm512_broadcast_i32x4(load16(s.roundKeys[r]));
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int i = 0; i < 4; ++i) {
     w->powers[i] = _mm512_loadu_si512(s.powers[4 * i]);
   }
@@ -141,7 +141,7 @@ TRE_VAES inline __m128i hash16(
   __m512i lo = _mm512_setzero_si512();
   __m512i mi = _mm512_setzero_si512();
   __m512i hi = _mm512_setzero_si512();
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int i = 0; i < 4; ++i) {
     const __m512i& h = w.powers[i];
     lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128(x[i], h, 0x00));
@@ -205,21 +205,21 @@ TRE_VAES void crypt(
   size_t i = 0;
   for (; size - i >= 256; i += 256) {
     __m512i k[4];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int q = 0; q < 4; ++q) {
       k[q] = _mm512_xor_si512(
           _mm512_shuffle_epi8(counters, w.reverse), w.roundKeys[0]);
       counters = _mm512_add_epi32(counters, four);
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 1; r < 10; ++r) {
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int q = 0; q < 4; ++q) {
         k[q] = _mm512_aesenc_epi128(k[q], w.roundKeys[r]);
       }
     }
     __m512i v[4];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int q = 0; q < 4; ++q) {
       k[q] = _mm512_aesenclast_epi128(k[q], w.roundKeys[10]);
       v[q] = _mm512_loadu_si512(in + i + 64 * q);
@@ -227,7 +227,7 @@ TRE_VAES void crypt(
     if (!encrypt) { // all loaded before any store: `out` may be `in`
       y = hash16(w, y, v[0], v[1], v[2], v[3]);
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int q = 0; q < 4; ++q) {
       v[q] = _mm512_xor_si512(v[q], k[q]);
       _mm512_storeu_si512(out + i + 64 * q, v[q]);
@@ -331,8 +331,7 @@ TRE_VAES void expand(const uint8_t key[16], Schedule* s) {
   // g folded back in when x^0's coefficient (bit 127) falls off.
   __m128i hash = byteReverse(encryptBlock(*s, _mm_setzero_si128()));
   __m128i carries = _mm_srli_epi64(hash, 63);
-  __m128i h = _mm_or_si128(
-      _mm_slli_epi64(hash, 1), _mm_slli_si128(carries, 8));
+  __m128i h = _mm_or_si128(_mm_slli_epi64(hash, 1), _mm_slli_si128(carries, 8));
   __m128i top = _mm_shuffle_epi32(_mm_srai_epi32(hash, 31), 0xff);
   h = _mm_xor_si128(h, _mm_and_si128(top, polynomial()));
   __m128i power = h; // H^1 x^-1; multiply(H^i x^-1, H x^-1) = H^(i+1) x^-1

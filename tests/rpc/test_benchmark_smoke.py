@@ -75,3 +75,29 @@ def test_small_call_breakdown_accounts_for_each_round_trip():
         # (The medians' sum is near the median whole on a quiet host only:
         # reported, not held here.)
         assert ratios["segments_median_sum_over_total"] > 0 and ratios["time_ext_over_tp"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_aead_bench_times_both_engines_on_the_same_records(tmp_path):
+    """benchmarks/aead_bench.py: libcrypto's AES-GCM and, where this CPU
+    has VAES, ours, on the lanes' record sizes, with a ratio line each."""
+    from torch_rpc_ext import _testing
+
+    out = tmp_path / "aead.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "aead_bench.py"), "--records-kib", "16", "256",
+         "--total-mib", "1", "--rounds", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=100, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    engines = {"libcrypto", "vaes"} if _testing.aes_gcm_vaes_supported() else {"libcrypto"}
+    for kib in (16, 256):
+        for op in ("seal", "open"):
+            timed = {r["engine"]: r["gb_s"] for r in rows
+                     if r.get("record_kib") == kib and r.get("op") == op and "engine" in r}
+            assert set(timed) == engines and all(v > 0 for v in timed.values()), (kib, op)
+            ratios = [r for r in rows if r.get("record_kib") == kib and r.get("op") == op
+                      and "ratio" in r]
+            assert len(ratios) == (len(engines) == 2)
