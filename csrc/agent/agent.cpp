@@ -38,6 +38,10 @@ std::shared_ptr<Agent> Agent::create(
     AgentOptions options) {
   // Before anything starts: every handshake needs libcrypto's HMAC.
   requireLibcrypto();
+  // And a TORCH_RPC_EXT_AES_GCM this process cannot honour is named now,
+  // not later as a rendezvous failure (the group secret is sealed with
+  // AES-GCM) or as lanes left out (common/crypto.h, Aead).
+  (void)Aead(std::string(Aead::kKeyBytes, '\0'));
   // Destroy without the GIL: shutdown() asserts the GIL is not held. Once
   // the process exits with the agent alive (common/exit_gate.h), it is left
   // in place: its parked threads still point into it.

@@ -80,7 +80,8 @@ class Aead {
   }
 
   // Encrypts `size` bytes of `in` into `out` (may be `in`), authenticating
-  // `aad` with them, and writes the tag. Throws std::runtime_error.
+  // `aad` with them, and writes the tag. Throws std::runtime_error, and
+  // std::invalid_argument past GCM's 64 GiB - 32 bytes.
   void seal(
       const uint8_t* nonce,
       std::string_view aad,

@@ -534,3 +534,28 @@ def test_lanes_whose_dials_fail_go_back_to_the_cap_and_the_stream_carries_on():
     # nothing went in stripes, and no lane is held for it any more.
     assert m["lanes_failed"] == 4 and m["segments"] == 0, m
     assert m["lanes_out"] == 0, m
+
+
+def _bad_engine(rank, world_size, value):
+    os.environ["TORCH_RPC_EXT_AES_GCM"] = value
+    try:
+        init(rank, world_size, transports=["tcp"], encryption="always")
+    except Exception as e:  # noqa: BLE001 - the error's type and text are the result
+        return f"{type(e).__name__}: {e}"
+    rpc.shutdown()
+    return "started"
+
+
+@pytest.mark.parametrize("value, error", [
+    ("fastest", "ValueError: TORCH_RPC_EXT_AES_GCM=fastest: expected auto (the default), "
+                "libcrypto or vaes"),
+    ("vaes", "needs a CPU with AVX-512 F/BW/VL, VAES and VPCLMULQDQ"),
+])
+def test_an_aes_gcm_engine_the_process_cannot_use_fails_init_naming_it(monkeypatch, value, error):
+    """Named by init_rpc at agent creation, before the rendezvous (where the
+    group secret is sealed with AES-GCM and the error would read as a bad
+    key in the store)."""
+    if value == "vaes" and _testing.aes_gcm_vaes_supported():
+        monkeypatch.setenv("TORCH_RPC_EXT_TEST_NO_VAES", "1")  # play a CPU without it
+    for out in run_world(_bad_engine, 2, timeout=120, value=value).values():
+        assert error in out and "rendezvous" not in out, out
