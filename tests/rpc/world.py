@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 from torch.distributed import rpc
 
@@ -67,6 +68,12 @@ def init(rank: int, world_size: int, **kwargs: Any) -> None:
 
 
 def _entry(fn, rank, world_size, port, queue, kwargs):
+    # Forked from pytest: if a test before ran a parallel torch op in the
+    # parent (tests/unit does, in one pytest run with tests/rpc), the
+    # parent's OpenMP team is copied without its threads and the first
+    # parallel op here waits for them forever. One intra-op thread keeps
+    # torch off OpenMP (two workers on two cores need no more).
+    torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     try:
