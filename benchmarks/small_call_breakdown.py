@@ -41,7 +41,11 @@ one run. JSON lines: a row per kind and segment (the median in us, of the
 rounds' medians with --rounds, and each round's), a row per kind's total
 for each backend, the floor, and ratios (the median of the rounds').
 
-    python benchmarks/small_call_breakdown.py [--calls 3000] [--warmup 300] [--rounds 5]
+    python benchmarks/small_call_breakdown.py [--calls 3000] [--warmup 300] [--rounds 5] \
+        [--chart docs/img/small-call-breakdown.png]
+
+--chart draws the segments as stacked bars per kind, coloured by whose code
+runs in each (OWNER), with the floors as lines, and ours beside TensorPipe.
 """
 
 import argparse
@@ -70,6 +74,13 @@ SEGMENTS = [
 # (name, from, to, the segment they split).
 PARTS = [("callee_call", 4, 10, "callee_run"), ("callee_result", 10, 5, "callee_run")]
 CHAIN = range(10)  # the stamps every whole call has
+# Whose code each segment is (docs/performance.md's table): "ours" is what
+# the floor per kind takes away; the transits stay (the kernel's socket and
+# our loops' reads).
+OWNER = {"python_to_agent": "torch", "encode": "ours", "write": "ours",
+         "to_callee": "transit", "callee_dispatch": "ours", "callee_run": "torch",
+         "respond": "ours", "to_caller": "transit", "settle": "ours",
+         "complete": "torch", "to_python": "torch"}
 
 
 def udf(x):
@@ -221,6 +232,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--chart", help="write a PNG of the segments (matplotlib)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="alternate ours and TensorPipe this many times; each row is "
                              "the median of the rounds' medians, with `per_round` (this "
@@ -231,7 +243,7 @@ def main():
     emit({"case": "floor_unix_ping_pong", **floor})
     spinning = stats(ping_pong(spin=True))
     emit({"case": "floor_unix_ping_pong_spinning", **spinning})
-    rounds = []
+    rounds, drawn = [], {}
     for _ in range(max(1, args.rounds)):
         ours = run_world(rpc.BackendType.TORCH_RPC_EXT, args.calls, args.warmup)
         tp = run_world(rpc.BackendType.TENSORPIPE, args.calls, args.warmup)
@@ -272,6 +284,10 @@ def main():
         emit({"backend": "tensorpipe", "kind": kind, "segment": "total", "median_us": tp_total,
               "per_round": [round(v, 2) for v in tp_r]})
         ratios = [o / t for o, t in zip(totals_r, tp_r)]
+        drawn[kind] = {"segments": {name: statistics.median(seg_rounds[name])
+                                    for name, _, _ in SEGMENTS},
+                       "total": total, "tensorpipe": tp_total,
+                       "ratio": per_round_median(ratios)}
         emit({"kind": kind, "ratio": "time_ext_over_tp", "value": per_round_median(ratios),
               "per_round": [round(r, 3) for r in ratios]})
         emit({"kind": kind, "ratio": "time_ext_over_floor",
@@ -280,6 +296,76 @@ def main():
               "value": round(total / spinning["median_us"], 2)})
         emit({"kind": kind, "ratio": "segments_median_sum_over_total",
               "value": per_round_median([sm / t for sm, t in zip(sums_r, totals_r)])})
+    if args.chart:
+        chart(drawn, floor["median_us"], spinning["median_us"], args.chart)
+
+
+def chart(drawn, floor_us, spinning_us, path):
+    """Left: ours per kind, its segments stacked in order and coloured by
+    whose code runs (a segment whose median came out below 0 on a busy
+    host is drawn as 0), with the two ping-pong floors and the floor per
+    kind (the whole less what is ours). Right: ours beside TensorPipe's
+    round trip, and issue 48's 0.15x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"torch": "tab:gray", "ours": "tab:blue", "transit": "tab:orange"}
+    labels = {"torch": "torch (frontend, request callback, future)",
+              "ours": "ours (encode, write, dispatch, respond, settle)",
+              "transit": "the wire: kernel socket + our loop's read"}
+    kinds = [k for k in ("builtin", "python", "script") if k in drawn]
+    names = {"builtin": "builtin", "python": "Python UDF", "script": "TorchScript"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 1.1 * len(kinds) + 3.2),
+                                      gridspec_kw={"width_ratios": [3, 1.4]})
+    shown = set()
+    for y, kind in enumerate(kinds):
+        x = 0.0
+        for name, _, _ in SEGMENTS:
+            width = max(0.0, drawn[kind]["segments"][name])
+            owner = OWNER[name]
+            left.barh(y, width, left=x, color=colors[owner], edgecolor="white",
+                      label=None if owner in shown else labels[owner])
+            shown.add(owner)
+            if width >= 2.5:
+                left.text(x + width / 2, y, name.replace("_", "\n", 1), ha="center",
+                          va="center", fontsize=6, color="white")
+            x += width
+        ours = sum(max(0.0, drawn[kind]["segments"][n]) for n, _, _ in SEGMENTS
+                   if OWNER[n] == "ours")
+        floor_kind = x - ours
+        left.plot([floor_kind, floor_kind], [y - 0.45, y + 0.45], color="black", linewidth=2)
+        left.text(x + 0.5, y, f"{drawn[kind]['total']:.1f} us (floor {floor_kind:.1f})",
+                  va="center", fontsize=8)
+    left.axvline(spinning_us, color="tab:green", linestyle="--",
+                 label=f"spinning ping-pong {spinning_us:.1f} us")
+    left.axvline(floor_us, color="tab:red", linestyle=":",
+                 label=f"blocking ping-pong {floor_us:.1f} us")
+    left.plot([], [], color="black", linewidth=2, label="floor per kind: the whole less ours")
+    left.set_yticks(range(len(kinds)), [names[k] for k in kinds])
+    left.invert_yaxis()
+    left.set_xlabel("us per round trip (medians of the segments)")
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3)
+    left.set_title("A small rpc_sync, hand-off by hand-off (TORCH_RPC_EXT)", fontsize=10)
+    height = 0.38
+    for y, kind in enumerate(kinds):
+        right.barh(y - height / 2, drawn[kind]["total"], height=height, color="tab:blue",
+                   label="TORCH_RPC_EXT" if y == 0 else None)
+        right.barh(y + height / 2, drawn[kind]["tensorpipe"], height=height, color="tab:gray",
+                   label="TensorPipe" if y == 0 else None)
+        right.plot([0.15 * drawn[kind]["tensorpipe"]] * 2, [y - 0.45, y + 0.05], color="tab:red",
+                   linewidth=1.5, label="0.15x TensorPipe" if y == 0 else None)
+        right.text(drawn[kind]["tensorpipe"], y + height / 2, f" {drawn[kind]['ratio']:.2f}x",
+                   va="center", fontsize=8)
+    right.set_yticks(range(len(kinds)), [names[k] for k in kinds])
+    right.invert_yaxis()
+    right.set_xlim(0, 1.25 * max(drawn[k]["tensorpipe"] for k in kinds))
+    right.set_xlabel("us per round trip")
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
+    right.set_title("ours / TensorPipe, same run", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_small_call_breakdown_accounts_for_each_round_trip():
+def test_small_call_breakdown_accounts_for_each_round_trip(tmp_path):
     """benchmarks/small_call_breakdown.py (issue 48): the agent's per-call
     stamps (TORCH_RPC_EXT_CALL_TRACE=1), joined across both processes, split
     nearly every call of each kind into its eleven segments, beside TensorPipe
@@ -47,12 +47,13 @@ def test_small_call_breakdown_accounts_for_each_round_trip():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "small_call_breakdown.py"),
-         "--calls", "60", "--warmup", "20"],
+         "--calls", "60", "--warmup", "20", "--chart", str(tmp_path / "segments.png")],
         capture_output=True, text=True, timeout=540, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert any(r.get("case") == "floor_unix_ping_pong" and r["median_us"] > 0 for r in rows)
+    assert (tmp_path / "segments.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for kind in ("builtin", "python", "script"):
         segments = {r["segment"]: r for r in rows
                     if r.get("kind") == kind and r.get("backend") == "ext" and "segment" in r}
