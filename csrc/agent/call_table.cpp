@@ -2,6 +2,7 @@
 #include "csrc/agent/call_table.h"
 
 #include "csrc/common/exit_gate.h"
+#include "csrc/common/threads.h"
 
 namespace torch_rpc_ext {
 
@@ -11,7 +12,10 @@ constexpr auto kTick = std::chrono::seconds(1);
 
 CallTable::CallTable(ExpireFn onExpired, std::function<void()> onTick)
     : onExpired_(std::move(onExpired)), onTick_(std::move(onTick)) {
-  thread_ = std::thread([this] { timeoutLoop(); });
+  thread_ = std::thread([this] {
+    nameThisThread("rpcx-timeouts");
+    timeoutLoop();
+  });
 }
 
 CallTable::~CallTable() {

@@ -41,7 +41,11 @@ struct FinishedAtExit {
 Calls::Calls(std::string self, ThreadPool& pool, std::function<void()> onTick)
     : self_(std::move(self)),
       pool_(pool),
-      completions_(1, kMaxCompletionThreads),
+      completions_(
+          1,
+          kMaxCompletionThreads,
+          std::chrono::milliseconds(20),
+          "rpcx-complete"),
       table_(
           [this](int64_t /*id*/, CallTable::Call call) {
             auto ms = call.timeout.count();

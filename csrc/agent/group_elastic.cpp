@@ -12,6 +12,7 @@
 #include "csrc/agent/dynamic_devices.h"
 #include "csrc/agent/group.h"
 #include "csrc/common/logging.h"
+#include "csrc/common/threads.h"
 
 namespace torch_rpc_ext {
 
@@ -109,7 +110,10 @@ void Group::joinLog(
     std::lock_guard<std::mutex> lock(watcherMutex_);
     watcherStop_ = false;
   }
-  watcher_ = std::thread([this] { watch(); });
+  watcher_ = std::thread([this] {
+    nameThisThread("rpcx-group");
+    watch();
+  });
   // Return once every member knows us: a member may call us as soon as our
   // init_rpc returned (upstream's test_dynamic_rpc_existing_rank_...).
   // Joined, but init_rpc fails: we leave again, then say why.

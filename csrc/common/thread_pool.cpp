@@ -15,15 +15,20 @@ constexpr auto kExtraThreadIdle = std::chrono::seconds(5);
 ThreadPool::ThreadPool(
     size_t coreThreads,
     size_t maxThreads,
-    std::chrono::milliseconds stallTimeout)
+    std::chrono::milliseconds stallTimeout,
+    std::string name)
     : coreThreads_(coreThreads < 1 ? 1 : coreThreads),
       maxThreads_(maxThreads < coreThreads_ ? coreThreads_ : maxThreads),
-      stallTimeout_(stallTimeout) {
+      stallTimeout_(stallTimeout),
+      name_(std::move(name)) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (size_t i = 0; i < coreThreads_; ++i) {
     spawnLocked(/*core=*/true);
   }
-  supervisor_ = std::thread([this] { supervisorLoop(); });
+  supervisor_ = std::thread([this] {
+    nameThisThread(name_ + "-sup");
+    supervisorLoop();
+  });
 }
 
 ThreadPool::~ThreadPool() {
@@ -33,7 +38,10 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::spawnLocked(bool core) {
   reapLocked();
   ++alive_;
-  std::thread t([this, core] { workerLoop(core); });
+  std::thread t([this, core] {
+    nameThisThread(name_);
+    workerLoop(core);
+  });
   auto id = t.get_id();
   threads_.emplace(id, std::move(t));
 }

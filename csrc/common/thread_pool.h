@@ -8,6 +8,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -29,7 +30,8 @@ class ThreadPool {
   ThreadPool(
       size_t coreThreads,
       size_t maxThreads,
-      std::chrono::milliseconds stallTimeout = std::chrono::milliseconds(20));
+      std::chrono::milliseconds stallTimeout = std::chrono::milliseconds(20),
+      std::string name = "rpcx-pool");
   ~ThreadPool();
 
   ThreadPool(const ThreadPool&) = delete;
@@ -56,6 +58,8 @@ class ThreadPool {
   const size_t coreThreads_;
   const size_t maxThreads_;
   const std::chrono::milliseconds stallTimeout_;
+  // Its threads' names: the workers' and, with "-sup", the supervisor's.
+  const std::string name_;
 
   mutable std::mutex mutex_;
   std::condition_variable workCv_;

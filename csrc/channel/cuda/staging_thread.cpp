@@ -15,6 +15,7 @@
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
+#include "csrc/common/threads.h"
 
 namespace torch_rpc_ext::channel::cuda {
 
@@ -50,7 +51,7 @@ class StagingThread {
   }
 
   void run() {
-    pthread_setname_np(pthread_self(), "rpcext-staging");
+    nameThisThread("rpcx-staging");
     using std::chrono::microseconds;
     std::vector<Item> pending;
     auto pause = microseconds(20);

@@ -18,6 +18,7 @@
 #include "csrc/channel/lanes/lanes_channel.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/logging.h"
+#include "csrc/common/threads.h"
 
 namespace torch_rpc_ext::channel::lanes {
 
@@ -215,7 +216,10 @@ uint16_t LanesContext::listenFor(const sockaddr_storage& local) {
   // A weak reference: the thread must not keep us alive.
   std::weak_ptr<LanesContext> weak =
       std::static_pointer_cast<LanesContext>(shared_from_this());
-  l.thread = std::thread(acceptLoop, std::move(weak), state);
+  l.thread = std::thread([weak = std::move(weak), state]() mutable {
+    nameThisThread("rpcx-lane-acc");
+    acceptLoop(std::move(weak), state);
+  });
   uint16_t port = l.port;
   listeners_.emplace(key, std::move(l));
   return port;

@@ -10,6 +10,7 @@
 #include "csrc/channel/lanes/lane.h"
 #include "csrc/channel/lanes/lanes_channel.h"
 #include "csrc/common/logging.h"
+#include "csrc/common/threads.h"
 
 namespace torch_rpc_ext::channel::lanes {
 
@@ -206,11 +207,13 @@ void LanesChannel::startLanesLocked() {
   out_.resize(n);
   for (uint16_t i = 0; i < out_.size(); ++i) {
     try {
-      out_[i].thread = std::thread(
-          [self = shared_from_this(),
-           i,
-           address = peerLanes_,
-           ticket = outTickets_[i]] { self->runOutLane(i, address, ticket); });
+      out_[i].thread = std::thread([self = shared_from_this(),
+                                    i,
+                                    address = peerLanes_,
+                                    ticket = outTickets_[i]] {
+        nameThisThread("rpcx-lane-out");
+        self->runOutLane(i, address, ticket);
+      });
     } catch (const std::exception& e) {
       // Out of threads: this connection stays on its stream (the lanes
       // started so far dial, then idle until it closes; the rest go back).

@@ -28,7 +28,7 @@ std::string thisHost() {
 } // namespace
 
 ShmTransport::ShmTransport(TransportOptions options)
-    : StreamTransport(std::move(options)), domain_(thisHost()) {
+    : StreamTransport(std::move(options), "rpcx-shm"), domain_(thisHost()) {
   if (domain_.empty()) {
     unviable_ = "cannot identify this host";
   }

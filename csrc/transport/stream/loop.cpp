@@ -43,7 +43,8 @@ thread_local const Loop* tlsDeferredOf = nullptr;
 // The loop this thread was started for (leader or stalled ex-leader).
 thread_local const Loop* tlsThreadOf = nullptr;
 
-Loop::Loop(std::chrono::microseconds busyPoll) : busyPoll_(busyPoll) {
+Loop::Loop(std::chrono::microseconds busyPoll, std::string name)
+    : busyPoll_(busyPoll), name_(std::move(name)) {
   epollFd_ = ::epoll_create1(EPOLL_CLOEXEC);
   if (epollFd_ < 0) {
     fail("epoll_create1");
@@ -60,7 +61,10 @@ Loop::Loop(std::chrono::microseconds busyPoll) : busyPoll_(busyPoll) {
   }
   std::lock_guard<std::mutex> lock(threadsMutex_);
   spawnLeaderLocked(0);
-  monitor_ = std::thread([this] { monitor(); });
+  monitor_ = std::thread([this] {
+    nameThisThread(name_ + "-mon");
+    monitor();
+  });
 }
 
 Loop::~Loop() {
@@ -71,6 +75,7 @@ Loop::~Loop() {
 
 void Loop::spawnLeaderLocked(uint64_t generation) {
   std::thread t([this, generation] {
+    nameThisThread(name_);
     ThreadHooksScope hooks;
     tlsThreadOf = this;
     run(generation);

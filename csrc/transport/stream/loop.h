@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -47,8 +48,10 @@ class Loop {
 
   // `busyPoll`: after serving work deferred with spinAfter, poll for new
   // events this long before sleeping in the kernel (0: never spin).
+  // `name`: its threads' (the leader's; "-mon" added, the monitor's).
   explicit Loop(
-      std::chrono::microseconds busyPoll = std::chrono::microseconds(0));
+      std::chrono::microseconds busyPoll = std::chrono::microseconds(0),
+      std::string name = "rpcx-loop");
   ~Loop();
 
   // Watch `fd` (level-triggered) and keep `p` alive until removeFromLoop().
@@ -133,6 +136,7 @@ class Loop {
   int waitForEvents(epoll_event* events, int maxEvents, int timeoutMs);
 
   const std::chrono::microseconds busyPoll_;
+  const std::string name_;
   int epollFd_ = -1;
   int wakeFd_ = -1;
 

@@ -14,8 +14,10 @@
 
 namespace torch_rpc_ext::transport::stream {
 
-StreamTransport::StreamTransport(TransportOptions options)
-    : options_(std::move(options)), loop_(options_.busyPoll) {}
+StreamTransport::StreamTransport(
+    TransportOptions options,
+    const std::string& threadName)
+    : options_(std::move(options)), loop_(options_.busyPoll, threadName) {}
 
 StreamTransport::~StreamTransport() {
   stop();

@@ -52,7 +52,8 @@ class StreamTransport : public Transport {
   }
 
  protected:
-  explicit StreamTransport(TransportOptions options);
+  // `threadName`: its loop's threads' (Loop).
+  StreamTransport(TransportOptions options, const std::string& threadName);
 
   // Track a listener so stop() closes it.
   void adoptListener(const std::shared_ptr<Listener>& listener);

@@ -10,7 +10,7 @@ namespace torch_rpc_ext::transport::tcp {
 TcpTransport::TcpTransport(
     TransportOptions options,
     std::shared_ptr<const TlsContext> tls)
-    : StreamTransport(std::move(options)), tls_(std::move(tls)) {}
+    : StreamTransport(std::move(options), "rpcx-tcp"), tls_(std::move(tls)) {}
 
 TcpTransport::~TcpTransport() {
   stop();

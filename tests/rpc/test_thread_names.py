@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Every thread the agent starts names itself after its role ("rpcx-..."),
+as `top -H`, `ps -L`, perf, gdb and py-spy show it. Before, each read
+"python", inherited from the interpreter's thread that started it, so a
+profile of a worker could not tell the transport loop from the pool, the
+completion thread or torch's own threads (docs/guide.md, "Threads")."""
+
+import os
+
+import pytest
+import torch
+from torch.distributed import rpc
+
+from tests.rpc.world import init, run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+# What every worker runs once init_rpc returns and a call has gone each way:
+# each transport's loop and its monitor, the request pool and its
+# supervisor, the completion thread and its supervisor, the call timeouts.
+ROLES = {"rpcx-shm", "rpcx-shm-mon", "rpcx-tcp", "rpcx-tcp-mon", "rpcx-pool",
+         "rpcx-pool-sup", "rpcx-complete", "rpcx-complete-s", "rpcx-timeouts"}
+
+
+def threads() -> dict[int, str]:
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                out[int(tid)] = f.read().strip()
+        except FileNotFoundError:  # (exited meanwhile)
+            pass
+    return out
+
+
+def started_by_init(rank, world_size):
+    before = threads()
+    init(rank, world_size)
+    peer = f"worker{1 - rank}"
+    rpc.rpc_sync(peer, torch.add, args=(torch.ones(1), 1))
+    rpc.api._barrier(["worker0", "worker1"])
+    after = threads()
+    rpc.shutdown()
+    return {"new": sorted(name for tid, name in after.items() if tid not in before),
+            "main": after[os.getpid()]}
+
+
+def test_every_thread_of_ours_is_named_after_its_role():
+    for result in run_world(started_by_init, 2).values():
+        new = result["new"]
+        assert ROLES <= set(new), new
+        ours = [n for n in new if n.startswith("rpcx-")]
+        assert ours.count("rpcx-pool") == 4, new  # num_worker_threads of the tests' options
+        assert ours.count("rpcx-shm") == 1 and ours.count("rpcx-tcp") == 1, new
+        # Nothing we start inherits the interpreter's name: the one new
+        # thread that does is torch's (the base RpcAgent's retry thread,
+        # RpcAgent::retryExpiredRpcs, which its start() spawns).
+        assert new.count(result["main"]) <= 1, new
