@@ -34,6 +34,38 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def thread_cpu_ns() -> dict:
+    """This process's CPU time so far, in ns: each thread's by id, with its
+    name (the kernel's schedstat: time on a CPU; the main thread named
+    "main"), and the whole process's (threads that exited included). Our
+    threads are named by role (docs/architecture.md, "Threads"); TensorPipe's
+    and torch's mostly inherit "python"."""
+    threads = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+            continue
+        threads[int(tid)] = ("main" if int(tid) == os.getpid() else name, ns)
+    return {"threads": threads, "process": time.process_time_ns()}
+
+
+def cpu_us_per_call(before: dict, after: dict, calls: int) -> dict:
+    """CPU per call, in us, by thread name, between two thread_cpu_ns(), the
+    busiest first; what threads that ended meanwhile used (a loop thread
+    handed on, a pool thread retired) as "(ended threads)"."""
+    per: dict[str, float] = {}
+    for tid, (name, ns) in after["threads"].items():
+        start = before["threads"].get(tid, (name, 0))[1]
+        per[name] = per.get(name, 0) + (ns - start) / 1e3 / calls
+    ended = (after["process"] - before["process"]) / 1e3 / calls - sum(per.values())
+    per["(ended threads)"] = ended
+    return {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v >= 0.05}
+
+
 def summarize(samples_s: list[float]) -> dict[str, float]:
     """Median and p90 of per-call seconds, in microseconds."""
     xs = sorted(samples_s)

@@ -6,7 +6,9 @@ rpc_async throughput, identity/heavy x Python/TorchScript x 4 MB/400 MB x
 1/10 calls in flight, a fan-out (one caller, 8 workers) and TCP-only mode.
 Every case runs on each backend in the same invocation; the output is JSON
 lines (one per case and backend, then one ratio line per case) and, with
---chart, a PNG.
+--chart, a PNG. The pipelined rows carry `cpu_us_per_call`: each process's
+CPU per call by thread (the caller's "main" issues the calls; ours are named
+by role, rpcx-*), from the kernel's schedstat.
 
 Examples:
   python benchmarks/rpc_bench.py                 # full matrix (several minutes)
@@ -26,7 +28,14 @@ from torch.distributed import rpc
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(HERE.parent))  # a source checkout works without installing
-from _harness import emit, run_world, summarize, timed  # noqa: E402
+from _harness import (  # noqa: E402
+    cpu_us_per_call,
+    emit,
+    run_world,
+    summarize,
+    thread_cpu_ns,
+    timed,
+)
 from _workloads import heavy, identity  # noqa: E402
 
 BACKENDS = {
@@ -97,14 +106,23 @@ def pair_cases(rank, world_size, backend_key, opts, cases, cfg):
             n = cfg.pipelined
             rpc.rpc_sync(dst, torch.add, args=(one, one))
             samples = []
+            # Where the CPU goes, per call and thread, both processes (the
+            # two calls that read the callee's count are in its window).
+            cpu = (thread_cpu_ns(), rpc.rpc_sync(dst, thread_cpu_ns))
             for _ in range(max(3, cfg.repeats)):
                 t0 = time.perf_counter()
                 futs = [rpc.rpc_async(dst, torch.add, args=(one, one)) for _ in range(n)]
                 torch.futures.wait_all(futs)
                 samples.append(time.perf_counter() - t0)
+            cpu = {"callee": cpu_us_per_call(cpu[1], rpc.rpc_sync(dst, thread_cpu_ns),
+                                             n * len(samples)),
+                   "caller": cpu_us_per_call(cpu[0], thread_cpu_ns(), n * len(samples))}
             best = sorted(samples)[len(samples) // 2]
             rows.append({"case": "pipelined_async", "calls_per_s": round(n / best),
-                         "median_us": round(best / n * 1e6, 2), "n": n})
+                         "median_us": round(best / n * 1e6, 2), "n": n,
+                         "cpu_us_per_call": cpu,
+                         "cpu_us_per_call_total": round(
+                             sum(sum(end.values()) for end in cpu.values()), 2)})
         if "tensor" in cases:
             for mb in cfg.sizes_mb:
                 side = int((mb * (1 << 20) / 4) ** 0.5)

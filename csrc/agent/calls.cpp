@@ -6,6 +6,7 @@
 #include <c10/core/StreamGuard.h>
 
 #include <torch/csrc/distributed/rpc/utils.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <c10/util/Exception.h>
 
@@ -142,12 +143,6 @@ void Calls::settle(
     return;
   }
   const bool lone = call.sentAlone && lastInFlight;
-  auto completion = [this,
-                     owner,
-                     call = std::move(call),
-                     response = std::move(response)]() mutable {
-    complete(call, std::move(response));
-  };
   if (!lone) {
     // One of several calls in flight (pipelined rpc_async, or concurrent
     // callers): completed on the completion thread. Its callbacks usually
@@ -158,7 +153,13 @@ void Calls::settle(
     // Measured, 2000 pipelined calls, 3 alternating runs of 7 bursts:
     // 37.0k/22.4k/20.1k -> 43.5k/31.9k/25.6k calls/s (median burst), loop
     // takeovers per 7 bursts 2-27 -> 0 (docs/performance.md).
-    completions_.run(std::move(completion));
+    completions_.run([this,
+                      owner,
+                      call = std::move(call),
+                      response = std::move(response)]() mutable {
+      complete(call, std::move(response));
+      retire(std::move(call.future));
+    });
     return;
   }
   // A lone call completed (the rpc_sync pattern): on the loop thread that
@@ -168,7 +169,41 @@ void Calls::settle(
   // waking that caller cheap: on this VM a wake-up onto an idle (halted)
   // vCPU costs ~25 us. Measured, 4 alternating runs of 3000 calls: builtin
   // 51.8 -> 29.7 us, Python UDF 54.9 -> 31.3 us.
-  conn.runAfterDispatch(std::move(completion), /*expectMore=*/true);
+  conn.runAfterDispatch(
+      [this,
+       owner,
+       call = std::move(call),
+       response = std::move(response)]() mutable {
+        complete(call, std::move(response));
+      },
+      /*expectMore=*/true);
+}
+
+void Calls::retire(c10::intrusive_ptr<c10::ivalue::Future> future) {
+  // Dropping a completed future takes the GIL when its value's tensors are
+  // Python's too, as a returned tensor is once torch has converted it (its
+  // PyObject preservation: the C++ side's reference to the Python object
+  // goes with the last C++ reference): a second GIL hand-off per call,
+  // beside torch's conversion. Dropped here in batches under one
+  // acquisition: at most kRetireBatch held, none once the queue is empty
+  // (a burst's last completion lets them all go). docs/performance.md,
+  // "The completion thread's second GIL hand-off".
+  constexpr size_t kRetireBatch = 32;
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> batch;
+  {
+    std::lock_guard<std::mutex> lock(retiredMutex_);
+    retired_.push_back(std::move(future));
+    ++retiredCount_;
+    if (retired_.size() < kRetireBatch && completions_.queued() > 0) {
+      return;
+    }
+    batch.swap(retired_);
+    ++retireBatches_;
+  }
+  if (Py_IsInitialized()) {
+    pybind11::gil_scoped_acquire gil;
+    batch.clear();
+  }
 }
 
 void Calls::complete(
@@ -294,6 +329,9 @@ void Calls::addMetrics(std::unordered_map<std::string, std::string>& m) {
     m["agent.client_active_calls"] = std::to_string(active_);
   }
   m["rpc_ext.late_responses"] = std::to_string(lateResponses_.load());
+  std::lock_guard<std::mutex> lock(retiredMutex_);
+  m["rpc_ext.completions.retired_futures"] = std::to_string(retiredCount_);
+  m["rpc_ext.completions.retire_batches"] = std::to_string(retireBatches_);
 }
 
 } // namespace torch_rpc_ext

@@ -105,7 +105,8 @@ class Calls {
   void failAll(const std::string& why);
   void stop();
 
-  // agent.client_active_calls, rpc_ext.late_responses (get_metrics), and
+  // agent.client_active_calls, rpc_ext.late_responses,
+  // rpc_ext.completions.{retired_futures, retire_batches} (get_metrics), and
   // rpc_ext.pending_calls (get_debug_info).
   void addMetrics(std::unordered_map<std::string, std::string>& m);
   size_t pending() const {
@@ -124,6 +125,9 @@ class Calls {
       c10::intrusive_ptr<rpc::Message> response,
       bool lastInFlight);
   void settleWithError(CallTable::Call call, std::string error);
+  // Drop a future the completion thread completed (see calls.cpp: batched
+  // under one GIL acquisition).
+  void retire(c10::intrusive_ptr<c10::ivalue::Future> future);
   // Complete a call's future with its response (or the error it carries).
   void complete(
       CallTable::Call& call,
@@ -136,6 +140,10 @@ class Calls {
   // on one thread; a completion that blocks (a callback waiting on another
   // call) gets another thread after 20 ms, as in the pool.
   ThreadPool completions_;
+  std::mutex retiredMutex_;
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> retired_;
+  uint64_t retiredCount_ = 0; // futures retired, and the batches they went in
+  uint64_t retireBatches_ = 0;
   // Remote work in the caller's torch.profiler trace.
   RemoteProfiling profiling_;
   CallTable table_;

@@ -215,4 +215,9 @@ size_t ThreadPool::idle() const {
   return idle_;
 }
 
+size_t ThreadPool::queued() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return queue_.size();
+}
+
 } // namespace torch_rpc_ext

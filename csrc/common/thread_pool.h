@@ -48,6 +48,8 @@ class ThreadPool {
 
   size_t size() const;
   size_t idle() const;
+  // Tasks waiting for a thread (not the ones running).
+  size_t queued() const;
 
  private:
   void workerLoop(bool core);

@@ -305,3 +305,52 @@ def test_serving_threads_keep_one_python_thread_state():
         # retired loop threads included, freed its state when it exited.
         assert r[rank]["during"] > r[rank]["before"], r[rank]
         assert r[rank]["after"] == r[rank]["before"], r[rank]
+
+
+def pipelined_results_released(rank, world_size):
+    import weakref
+
+    init(rank, world_size)
+    out = {}
+    if rank == 0:
+        one = torch.ones(1000)
+        rpc.rpc_sync("worker1", torch.add, args=(one, 0))
+        before = {k: int(v) for k, v in metrics().items() if k.startswith("rpc_ext.completions.")}
+        # A call in flight throughout, so the burst's calls complete on the
+        # completion thread; they queue there while this thread holds the GIL.
+        slow = rpc.rpc_async("worker1", wait_for_release)
+        futs = [rpc.rpc_async("worker1", torch.add, args=(one, i)) for i in range(200)]
+        sum(range(2 * 10**7))  # (the GIL held while the responses arrive)
+        values = [f.wait() for f in futs]
+        out["right"] = all(torch.equal(v, one + i) for i, v in enumerate(values))
+        rpc.rpc_sync("worker1", release)
+        slow.wait()
+        after = {k: int(v) for k, v in metrics().items() if k.startswith("rpc_ext.completions.")}
+        out["counts"] = {k: after[k] - before.get(k, 0) for k in after}
+        # Nothing of ours holds the results once Python lets them go: a
+        # retired future still held would keep its tensors' Python objects
+        # alive (torch's PyObject preservation), and these refs with them.
+        refs = [weakref.ref(v) for v in values]
+        del values, futs, slow
+        gc.collect()
+        out["alive"] = sum(r() is not None for r in refs)
+    else:
+        _release.wait(60)
+    rpc.shutdown()
+    return out
+
+
+def test_pipelined_futures_are_dropped_in_batches_under_one_gil_hold():
+    # Dropping a completed future whose tensors Python holds takes the GIL
+    # (torch's PyObject preservation): the completion thread drops them in
+    # batches, one acquisition each, instead of one per call, and holds none
+    # once its queue is empty.
+    r = run_world(pipelined_results_released, 2, timeout=120)[0]
+    assert r["right"], r
+    counts = r["counts"]
+    assert counts["rpc_ext.completions.retired_futures"] >= 200, counts
+    # (14-31 batches for 201 here: the completion pool grows threads while
+    # the first completions wait for the GIL, and each flushes its own.)
+    assert counts["rpc_ext.completions.retire_batches"] <= \
+        counts["rpc_ext.completions.retired_futures"] // 2, counts
+    assert r["alive"] == 0, r
