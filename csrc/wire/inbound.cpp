@@ -166,26 +166,25 @@ at::Tensor buildDense(
     const InboundMessage::DenseMeta& m,
     const std::vector<c10::Storage>& storages,
     const std::vector<uint64_t>& storageOffsets) {
-  at::Tensor t;
-  if (m.device >= 0) {
-    // A view of device memory: made directly, since at::empty() and set_()
-    // would go through the device's kernels. A segment landed in a shared
-    // storage starts at its offset there (a multiple of 256 bytes: whole
-    // elements of any dtype).
-    int64_t offset = m.offset;
-    if (!storageOffsets.empty()) {
-      offset += static_cast<int64_t>(storageOffsets.at(m.segment - 1)) /
-          static_cast<int64_t>(c10::elementSize(m.dtype));
-    }
-    t = at::detail::make_tensor<c10::TensorImpl>(
-        c10::Storage(storages.at(m.segment - 1)),
-        c10::DispatchKeySet(c10::DispatchKey::CUDA),
-        caffe2::TypeMeta::fromScalarType(m.dtype));
-    t.unsafeGetTensorImpl()->set_sizes_and_strides(m.sizes, m.strides, offset);
-  } else {
-    t = at::empty({0}, at::TensorOptions().dtype(m.dtype));
-    t.set_(storages.at(m.segment - 1), m.offset, m.sizes, m.strides);
+  // A view of the segment's storage, made directly as torch's empty()
+  // makes a tensor (at::detail::empty_generic): at::empty() then set_()
+  // went through the dispatcher twice and allocated a buffer only to drop
+  // it (a sixth of a transport loop's time reading pipelined responses:
+  // docs/performance.md). readDense() has already checked that the span
+  // lies inside the segment, as set_() would.
+  int64_t offset = m.offset;
+  if (m.device >= 0 && !storageOffsets.empty()) {
+    // A segment landed in a shared device storage starts at its offset
+    // there (a multiple of 256 bytes: whole elements of any dtype).
+    offset += static_cast<int64_t>(storageOffsets.at(m.segment - 1)) /
+        static_cast<int64_t>(c10::elementSize(m.dtype));
   }
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(storages.at(m.segment - 1)),
+      c10::DispatchKeySet(
+          m.device >= 0 ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU),
+      caffe2::TypeMeta::fromScalarType(m.dtype));
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(m.sizes, m.strides, offset);
   if (m.requiresGrad) {
     t.requires_grad_(true);
   }
