@@ -3,7 +3,7 @@
 as `top -H`, `ps -L`, perf, gdb and py-spy show it. Before, each read
 "python", inherited from the interpreter's thread that started it, so a
 profile of a worker could not tell the transport loop from the pool, the
-completion thread or torch's own threads (docs/guide.md, "Threads")."""
+completion thread or torch's own threads (docs/architecture.md, "Threads")."""
 
 import os
 
