@@ -138,6 +138,9 @@ void Calls::settle(
                             call = std::move(call),
                             reply = std::move(reply)]() mutable {
             complete(call, std::move(reply));
+            // (Every completion task retires its future: retire() lets a
+            // batch go only when the queue is empty or the batch full.)
+            retire(std::move(call.future));
           });
         });
     return;

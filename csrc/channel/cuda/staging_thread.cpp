@@ -1,8 +1,5 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/channel/cuda/staging_thread.h"
-
-#include <pthread.h>
-
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
