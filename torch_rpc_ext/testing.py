@@ -109,7 +109,7 @@ FAULTY_BACKEND = register_faulty()
 
 # ---- raw wire client -------------------------------------------------------
 
-HELLO, CHALLENGE, PROOF, MESSAGE, PING, PONG = 1, 2, 3, 4, 5, 6
+HELLO, CHALLENGE, PROOF, MESSAGE, PING, PONG, FRAME_RING = 1, 2, 3, 4, 5, 6, 7
 
 
 def channel_frame_kind(channel: str, offset: int) -> int:

@@ -17,7 +17,8 @@ std::string validateHeader(const FrameHeader& h, const FrameLimits& limits) {
     return "reserved flags set";
   }
   if (h.kind < uint8_t(FrameKind::kHello) ||
-      (h.kind > uint8_t(FrameKind::kPong) && h.kind < kFirstChannelFrameKind)) {
+      (h.kind > uint8_t(FrameKind::kFrameRing) &&
+       h.kind < kFirstChannelFrameKind)) {
     return "unknown frame kind " + std::to_string(h.kind);
   }
   if (h.headLength > limits.maxHeadBytes) {

@@ -37,7 +37,11 @@ enum class FrameKind : uint8_t {
   kMessage = 4, // an rpc::Message (request or response), see wire/codec.h
   kPing = 5, // liveness probe; answered with kPong
   kPong = 6,
-  // Kinds 7 to 15 are reserved (rejected). Kinds 16 and up belong to the
+  // The sender's frames go through shared memory from here on (a connection
+  // that passes descriptors: shm): uint64 capacity + the ring's memfd and
+  // its two eventfds (transport/stream/frame_ring.h).
+  kFrameRing = 7,
+  // Kinds 8 to 15 are reserved (rejected). Kinds 16 and up belong to the
   // channels: the registry gives the channel at position i of its list
   // (channel/registry.cpp) the kFrameKindsPerChannel kinds from
   // kFirstChannelFrameKind + i * kFrameKindsPerChannel, and a connection

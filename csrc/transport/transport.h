@@ -41,6 +41,9 @@ struct TransportOptions {
   // the wake-up (tens of microseconds on a VM). Adaptive, see stream/loop.h.
   // 0 never spins.
   std::chrono::microseconds busyPoll = kDefaultBusyPoll;
+  // A connection that passes descriptors (shm) sends its frames through a
+  // shared ring of this many bytes instead of its socket (0: the socket).
+  uint64_t frameRingBytes = 0;
   // Address to bind and advertise (an IP literal), for transports that need
   // one; empty: the transport's default (stream/address.h).
   std::string bindAddress;

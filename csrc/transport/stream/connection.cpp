@@ -98,7 +98,8 @@ void StreamConnection::openChannels(int32_t peerId) {
     channels_.push_back(offer.context->open(host, offer.peerDescriptor));
     fds += channels_.back()->maxPendingFds();
   }
-  maxPendingFds_ = fds;
+  // A frame ring comes with three, alone (connection_ring.cpp).
+  maxPendingFds_ = passesDescriptors() ? std::max<size_t>(fds, 3) : fds;
 }
 
 uint8_t StreamConnection::channelSlot(uint8_t wireId) const {
@@ -308,6 +309,9 @@ void StreamConnection::handleEventsFromLoop(uint32_t events) {
     return;
   }
   if (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
+    socketReadable_ = inRing_ != nullptr;
+    onReadableFromLoop();
+  } else if (events & kRingInput) {
     onReadableFromLoop();
   }
   if ((events & EPOLLOUT) && state_ != State::kClosed) {
@@ -466,6 +470,9 @@ bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
   for (auto& ch : channels_) {
     ch->onReadyFromLoop();
   }
+  if (state_ != State::kClosed) {
+    offerFrameRingFromLoop();
+  }
   if (state_ == State::kClosed) {
     return false;
   }
@@ -501,6 +508,12 @@ void StreamConnection::closeInternal(std::string reason, bool local) {
   auto finish = [self, reason] {
     if (self->registered_) {
       self->loop_.removeFromLoop(self->fd_);
+    }
+    if (self->inRing_) {
+      self->loop_.removeFromLoop(self->inRing_->dataFd());
+    }
+    if (self->outRing_) {
+      self->loop_.removeFromLoop(self->outRing_->spaceFd());
     }
     for (auto& ch : self->channels_) {
       ch->onClosedFromLoop();

@@ -15,6 +15,7 @@
 #include "csrc/channel/channel.h"
 #include "csrc/transport/connection.h"
 #include "csrc/transport/handshake.h"
+#include "csrc/transport/stream/frame_ring.h"
 #include "csrc/transport/stream/loop.h"
 #include "csrc/transport/tls.h"
 #include "csrc/transport/transport.h"
@@ -91,6 +92,13 @@ class StreamConnection : public Connection,
   }
 
   void handleEventsFromLoop(uint32_t events) override;
+  bool ringInputFromLoop() override;
+  bool parkRingFromLoop() override;
+  void unparkRingFromLoop() override {
+    if (inRing_) {
+      inRing_->unparkReceiver();
+    }
+  }
 
   // channel::Host.
   void sendControl(channel::ControlFrame frame) override;
@@ -151,6 +159,8 @@ class StreamConnection : public Connection,
     // bytes or as chunks announced by records (produceChunkLocked()).
     std::vector<uint8_t> chunked;
     bool channelChecked = false; // prepareChunksLocked() has run
+    // kFrameRing: the frames after it go through the ring (ringOut_).
+    bool switchesToRing = false;
     size_t piece = 0; // 0: prefix; i + 1: segment i
     size_t pieceOffset = 0;
     std::string records; // SegmentRecords not yet on the socket
@@ -348,8 +358,31 @@ class StreamConnection : public Connection,
   // send(2) what the socket takes now: bytes sent, 0 if it would block,
   // -1 with `error` set.
   ssize_t sendSome(const char* data, size_t size, std::string* error);
-  // write(2), or sendmsg(2) with `fds` attached.
+  // write(2), or sendmsg(2) with `fds` attached; into the frame ring
+  // once the frames go there.
   ssize_t sendLocked(const iovec* iov, int n, const std::vector<int>* fds);
+  ssize_t sendSocketLocked(
+      const iovec* iov,
+      int n,
+      const std::vector<int>* fds);
+  // Into outRing_: what fits (-1 with EAGAIN when nothing does, the sender
+  // parked; -1 with EPROTO and ringError_ on a bad peer counter). `fds` go
+  // first on the socket, with one byte.
+  ssize_t sendToRingLocked(
+      const iovec* iov,
+      int n,
+      const std::vector<int>* fds);
+  // Frame ring: offer ours once ready (options_.frameRingBytes), take the
+  // peer's from its kFrameRing frame, and read what its socket still
+  // carries (descriptor carriers: one byte each).
+  void offerFrameRingFromLoop();
+  bool onFrameRingFromLoop();
+  bool takeCarriersFromLoop(const char* data, size_t size);
+  bool drainSocketFromLoop();
+  // The socket's part of readFromLoop(); with !closeAtEnd, the peer's end
+  // returns kSocketEnded instead of closing the connection.
+  static constexpr ssize_t kSocketEnded = -2;
+  ssize_t readSocketFromLoop(void* dst, size_t size, bool closeAtEnd = true);
   void updateEventsLocked();
   // Tells the region channels that `w`, whose segments they took, joins
   // writes_ now (Channel::onRegionsQueuedLocked).
@@ -414,6 +447,19 @@ class StreamConnection : public Connection,
   // by another way): nothing more is read until resumeReadsFromLoop(). Set
   // on the loop thread; read by updateEventsLocked() on any.
   std::atomic<bool> recordHeld_{false};
+
+  // Frame rings. Ours (writeMutex_), used once its kFrameRing frame is on
+  // the socket (ringOut_), and why a write to it failed; the peer's (loop
+  // thread), with the descriptor carriers read so far and whether epoll
+  // said the socket has bytes.
+  std::unique_ptr<FrameRing> outRing_;
+  bool ringOut_ = false;
+  bool carrierBlocked_ = false; // a carrier's send would block (writeMutex_)
+  std::string ringError_;
+  std::unique_ptr<FrameRing> inRing_;
+  uint64_t carriersReceived_ = 0;
+  bool socketReadable_ = false;
+  bool socketEnded_ = false; // the peer closed; its ring is read to the end
 };
 
 } // namespace torch_rpc_ext::transport::stream

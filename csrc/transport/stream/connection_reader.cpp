@@ -32,7 +32,10 @@ std::string StreamConnection::refusedProofText() const {
          "its log says)";
 }
 
-ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
+ssize_t StreamConnection::readSocketFromLoop(
+    void* dst,
+    size_t size,
+    bool closeAtEnd) {
   Loop::Io::add(loop_.io().reads);
   if (tls_) {
     std::string error;
@@ -90,6 +93,9 @@ ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
     if (got > 0) {
       noteActivity();
       return got;
+    }
+    if (got == 0 && !closeAtEnd) {
+      return kSocketEnded;
     }
     if (got == 0) {
       closeInternal(
@@ -392,6 +398,8 @@ bool StreamConnection::onHeaderFromLoop() {
     } else if (s == State::kReady) {
       ok = kind == frame::FrameKind::kMessage ||
           kind == frame::FrameKind::kPing || kind == frame::FrameKind::kPong ||
+          (kind == frame::FrameKind::kFrameRing && passesDescriptors() &&
+           header_.headLength == sizeof(uint64_t)) ||
           (kind > frame::FrameKind::kPong &&
            std::any_of(channels_.begin(), channels_.end(), [&](const auto& c) {
              return c->acceptsControlFrame(kind, header_.headLength);
@@ -488,6 +496,9 @@ bool StreamConnection::onLengthsAndHeadFromLoop() {
     }
     if (kind == frame::FrameKind::kPong) {
       return true;
+    }
+    if (kind == frame::FrameKind::kFrameRing) {
+      return onFrameRingFromLoop();
     }
     for (auto& ch : channels_) {
       if (ch->acceptsControlFrame(kind, header_.headLength)) {

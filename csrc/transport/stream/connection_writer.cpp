@@ -260,6 +260,9 @@ std::string StreamConnection::flushLocked() {
         break;
       }
       add(w.prefix.data(), w.prefix.size());
+      if (w.switchesToRing) {
+        break; // what follows goes through the ring
+      }
       for (size_t j = 0; j < w.frame.segments.size() && !held; ++j) {
         const auto& s = w.frame.segments[j];
         size_t len = s.size;
@@ -289,8 +292,9 @@ std::string StreamConnection::flushLocked() {
       if (errno == EINTR) {
         continue;
       }
-      return tls_ ? "write failed: " + tlsWriteError_
-                  : errnoText("write failed");
+      return !ringError_.empty() ? "write failed: " + ringError_
+          : tls_                   ? "write failed: " + tlsWriteError_
+                                   : errnoText("write failed");
     }
     if (sent > 0 && !writes_.front().control) {
       // Our own pings prove nothing: the kernel takes them from a frozen
@@ -307,6 +311,7 @@ std::string StreamConnection::flushLocked() {
       size_t need = total - w.written;
       if (left >= need) {
         left -= need;
+        ringOut_ = ringOut_ || w.switchesToRing;
         if (w.frame.keepAlive) {
           finished_.push_back(std::move(w.frame.keepAlive));
         }
@@ -322,6 +327,52 @@ std::string StreamConnection::flushLocked() {
 }
 
 ssize_t StreamConnection::sendLocked(
+    const iovec* iov,
+    int n,
+    const std::vector<int>* fds) {
+  return ringOut_ ? sendToRingLocked(iov, n, fds)
+                  : sendSocketLocked(iov, n, fds);
+}
+
+ssize_t StreamConnection::sendToRingLocked(
+    const iovec* iov,
+    int n,
+    const std::vector<int>* fds) {
+  size_t room = outRing_->room(&ringError_);
+  if (room == 0 && ringError_.empty() && outRing_->parkSender()) {
+    room = outRing_->room(&ringError_);
+  }
+  if (!ringError_.empty()) {
+    errno = EPROTO;
+    return -1;
+  }
+  if (room == 0) {
+    errno = EAGAIN; // the receiver signals spaceFd() when it has taken some
+    return -1;
+  }
+  if (fds != nullptr) {
+    // The descriptors, with one byte, before the frame's first: the
+    // receiver reads the socket when the count says it has one to take.
+    char carrier = 'F';
+    iovec one{&carrier, 1};
+    ssize_t sent = sendSocketLocked(&one, 1, fds);
+    if (sent <= 0) {
+      carrierBlocked_ = sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+      return sent < 0 ? -1 : (errno = EAGAIN, -1);
+    }
+    carrierBlocked_ = false;
+    outRing_->countCarrier();
+  }
+  Loop::Io::add(loop_.io().ringWrites);
+  size_t done = outRing_->write(iov, n, room);
+  loop_.io().ringBytes.fetch_add(done, std::memory_order_relaxed);
+  if (outRing_->wakeReceiver()) {
+    Loop::Io::add(loop_.io().ringSignals);
+  }
+  return static_cast<ssize_t>(done);
+}
+
+ssize_t StreamConnection::sendSocketLocked(
     const iovec* iov,
     int n,
     const std::vector<int>* fds) {
@@ -471,6 +522,19 @@ ssize_t StreamConnection::sendSome(
     const char* data,
     size_t size,
     std::string* error) {
+  if (ringOut_) {
+    iovec one{const_cast<char*>(data), size};
+    ssize_t got = sendToRingLocked(&one, 1, nullptr);
+    if (got > 0) {
+      noteActivity();
+      return got;
+    }
+    if (errno == EAGAIN) {
+      return 0;
+    }
+    *error = "write failed: " + ringError_;
+    return -1;
+  }
   Loop::Io::add(loop_.io().writes);
   if (tls_) {
     std::string why;
@@ -502,11 +566,13 @@ void StreamConnection::updateEventsLocked() {
   if (state_ == State::kTls) {
     return; // driveTlsFromLoop() asks for what the TLS handshake needs
   }
-  bool want = (!writes_.empty() &&
-               (state_ == State::kReady || writes_.front().control) &&
-               !(chunksBlocked_ && !writes_.front().chunked.empty()) &&
-               !stagingBlocked_) ||
-      (tls_ && tls_->hasPendingOutput());
+  bool want = ringOut_
+      ? carrierBlocked_ && !writes_.empty()
+      : (!writes_.empty() &&
+         (state_ == State::kReady || writes_.front().control) &&
+         !(chunksBlocked_ && !writes_.front().chunked.empty()) &&
+         !stagingBlocked_) ||
+          (tls_ && tls_->hasPendingOutput());
   if (registered_ && want != wantWrite_ && state_ != State::kClosed) {
     wantWrite_ = want;
     loop_.modify(fd_, readEvents() | (want ? uint32_t(EPOLLOUT) : 0u));

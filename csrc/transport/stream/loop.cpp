@@ -6,6 +6,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
@@ -105,6 +106,40 @@ void Loop::modify(int fd, uint32_t events) {
 void Loop::removeFromLoop(int fd) {
   ::epoll_ctl(epollFd_, EPOLL_CTL_DEL, fd, nullptr);
   handlers_.erase(fd);
+  ringFds_.erase(std::remove(ringFds_.begin(), ringFds_.end(), fd), ringFds_.end());
+}
+
+void Loop::unparkRings() {
+  for (int fd : ringFds_) {
+    auto it = handlers_.find(fd);
+    if (it != handlers_.end()) {
+      it->second->unparkRingFromLoop();
+    }
+  }
+}
+
+void Loop::watchRingFromLoop(int fd) {
+  if (handlers_.count(fd) != 0 &&
+      std::find(ringFds_.begin(), ringFds_.end(), fd) == ringFds_.end()) {
+    ringFds_.push_back(fd);
+  }
+}
+
+int Loop::ringEvents(epoll_event* events, int maxEvents, bool park) {
+  int n = 0;
+  for (int fd : ringFds_) {
+    auto it = handlers_.find(fd);
+    if (it == handlers_.end() || n == maxEvents) {
+      continue;
+    }
+    Pollable& p = *it->second;
+    if (park ? p.parkRingFromLoop() : p.ringInputFromLoop()) {
+      events[n].events = kRingInput;
+      events[n].data.fd = fd;
+      ++n;
+    }
+  }
+  return n;
 }
 
 void Loop::post(std::function<void()> fn) {
@@ -152,8 +187,16 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
     constexpr int kMissesBeforeSkip = 4;
     constexpr int kSkipAfterMisses = 64;
     auto deadline = std::chrono::steady_clock::now() + busyPoll_;
+    // Rings are polled in memory every round; the kernel's descriptors
+    // every kEpollEvery-th round while there are rings (a system call
+    // each), every round otherwise.
+    constexpr unsigned kEpollEvery = 4;
+    unsigned round = 0;
     do {
-      int n = ::epoll_wait(epollFd_, events, maxEvents, 0);
+      int n = ringEvents(events, maxEvents, /*park=*/false);
+      if (n == 0 && (ringFds_.empty() || round++ % kEpollEvery == 0)) {
+        n = ::epoll_wait(epollFd_, events, maxEvents, 0);
+      }
       if (n != 0) {
         spinMissRun_ = 0;
         spinHits_.fetch_add(1, std::memory_order_relaxed);
@@ -169,9 +212,21 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
       spinSkip_ = kSkipAfterMisses;
     }
   }
+  if (!ringFds_.empty()) {
+    // A ring's sender signals its eventfd only for a parked ring; one that
+    // has input already is served instead of sleeping.
+    int n = ringEvents(events, maxEvents, /*park=*/timeoutMs != 0);
+    if (n > 0 || timeoutMs == 0) {
+      unparkRings();
+      if (n > 0) {
+        return n;
+      }
+    }
+  }
   sleeping_.store(true, std::memory_order_seq_cst);
   int n = ::epoll_wait(epollFd_, events, maxEvents, timeoutMs);
   sleeping_.store(false, std::memory_order_relaxed);
+  unparkRings();
   return n;
 }
 

@@ -27,7 +27,21 @@ class Pollable {
   virtual ~Pollable() = default;
   // Loop thread: `events` (EPOLLIN, EPOLLOUT, EPOLLERR, EPOLLHUP) are ready.
   virtual void handleEventsFromLoop(uint32_t events) = 0;
+  // A source of input besides the descriptor (a frame ring, frame_ring.h),
+  // for a Pollable registered with watchRingFromLoop(): input is waiting
+  // (checked while the loop polls, with no system call); and before the
+  // loop sleeps, ask for a wake-up, true if input is waiting already.
+  virtual bool ringInputFromLoop() {
+    return false;
+  }
+  virtual bool parkRingFromLoop() {
+    return false;
+  }
+  virtual void unparkRingFromLoop() {}
 };
+
+// In the events handed to a Pollable: its ring has input (no epoll bit).
+constexpr uint32_t kRingInput = 1u << 27;
 
 // One epoll thread that owns readiness dispatch, deferred work and timers.
 // Handlers run on this thread one at a time; they must not block.
@@ -61,6 +75,10 @@ class Loop {
   void modify(int fd, uint32_t events);
   // Stop watching `fd`. Loop thread only.
   void removeFromLoop(int fd);
+  // The handler of `fd` (added) has a ring too: poll it while spinning,
+  // park it before sleeping, and hand it kRingInput. Loop thread only;
+  // removeFromLoop() ends it.
+  void watchRingFromLoop(int fd);
 
   // Run `fn` on the loop thread, soon. After stop(), `fn` is dropped.
   void post(std::function<void()> fn);
@@ -106,6 +124,13 @@ class Loop {
     // Bytes those calls put in the socket (TLS: plaintext bytes).
     std::atomic<uint64_t> bytesWritten{0};
     std::atomic<uint64_t> reads{0}; // read/recvmsg calls (TLS: reads)
+    // Copies into frame rings (frame_ring.h), no system call, and bytes.
+    std::atomic<uint64_t> ringWrites{0};
+    std::atomic<uint64_t> ringReads{0};
+    // Eventfd signals to the other end of a ring (a parked receiver, a
+    // sender waiting for room): a system call each.
+    std::atomic<uint64_t> ringSignals{0};
+    std::atomic<uint64_t> ringBytes{0};
     std::atomic<uint64_t> wakes{0}; // the loop woken from another thread
     // Ready connections closed for their peer's silence (heartbeat_timeout).
     std::atomic<uint64_t> heartbeatTimeouts{0};
@@ -134,6 +159,10 @@ class Loop {
   void wake();
   // epoll_wait, preceded by a bounded busy poll when one is armed.
   int waitForEvents(epoll_event* events, int maxEvents, int timeoutMs);
+  // The rings with input, as kRingInput events (at most maxEvents); with
+  // `park`, each is parked first.
+  int ringEvents(epoll_event* events, int maxEvents, bool park);
+  void unparkRings();
 
   const std::chrono::microseconds busyPoll_;
   const std::string name_;
@@ -147,6 +176,7 @@ class Loop {
       timers_;
   // Leader only.
   std::unordered_map<int, std::shared_ptr<Pollable>> handlers_;
+  std::vector<int> ringFds_; // of handlers_ with a ring
   std::deque<std::function<void()>> deferred_;
   bool spinArmed_ = false;
   int spinMissRun_ = 0; // consecutive busy polls that found nothing

@@ -37,6 +37,12 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
        loop_.io().bytesWritten.load(std::memory_order_relaxed)},
       {"socket_reads", loop_.io().reads.load(std::memory_order_relaxed)},
       {"loop_wakes", loop_.io().wakes.load(std::memory_order_relaxed)},
+      {"ring_writes", loop_.io().ringWrites.load(std::memory_order_relaxed)},
+      {"ring_bytes_written",
+       loop_.io().ringBytes.load(std::memory_order_relaxed)},
+      {"ring_reads", loop_.io().ringReads.load(std::memory_order_relaxed)},
+      {"ring_signals",
+       loop_.io().ringSignals.load(std::memory_order_relaxed)},
       {"heartbeat_timeouts",
        loop_.io().heartbeatTimeouts.load(std::memory_order_relaxed)},
   };

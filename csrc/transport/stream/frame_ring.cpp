@@ -1,0 +1,242 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/transport/stream/frame_ring.h"
+
+#include <fcntl.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+
+#include "csrc/common/logging.h"
+
+namespace torch_rpc_ext::transport::stream {
+
+namespace {
+
+bool validCapacity(uint64_t capacity) {
+  return capacity >= kMinFrameRingBytes && capacity <= kMaxFrameRingBytes &&
+      capacity % 4096 == 0;
+}
+
+void signal(int fd) {
+  uint64_t one = 1;
+  ssize_t rv = ::write(fd, &one, sizeof(one));
+  (void)rv; // a full counter (2^64 - 2 signals unread) is a signal too
+}
+
+} // namespace
+
+std::unique_ptr<FrameRing> FrameRing::create(uint64_t capacity) {
+  if (!validCapacity(capacity)) {
+    throw std::invalid_argument(
+        "frame ring capacity " + std::to_string(capacity) +
+        " is out of range");
+  }
+  std::unique_ptr<FrameRing> r(new FrameRing());
+  r->memFd_ =
+      ::memfd_create("torch_rpc_ext-frames", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (r->memFd_ < 0) {
+    throw std::runtime_error(errnoText("memfd_create failed"));
+  }
+  r->dataFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  r->spaceFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (r->dataFd_ < 0 || r->spaceFd_ < 0) {
+    throw std::runtime_error(errnoText("eventfd failed"));
+  }
+  r->mapped_ = kFrameRingHeaderBytes + capacity;
+  if (::ftruncate(r->memFd_, static_cast<off_t>(r->mapped_)) != 0) {
+    throw std::runtime_error(errnoText("ftruncate failed"));
+  }
+  // The receiver checks the seal: shrinking the file under its mapping
+  // would turn its reads into SIGBUS.
+  if (::fcntl(r->memFd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
+    throw std::runtime_error(errnoText("sealing the frame ring failed"));
+  }
+  void* p = ::mmap(
+      nullptr,
+      r->mapped_,
+      PROT_READ | PROT_WRITE,
+      MAP_SHARED | MAP_POPULATE,
+      r->memFd_,
+      0);
+  if (p == MAP_FAILED) {
+    throw std::runtime_error(errnoText("mmap failed"));
+  }
+  r->base_ = static_cast<char*>(p);
+  r->capacity_ = capacity;
+  auto* h = new (r->base_) FrameRingHeader{};
+  h->magic = kFrameRingMagic;
+  h->capacity = capacity;
+  return r;
+}
+
+std::unique_ptr<FrameRing> FrameRing::attach(
+    int memFd,
+    int dataFd,
+    int spaceFd,
+    uint64_t capacity,
+    std::string* error) {
+  std::unique_ptr<FrameRing> r(new FrameRing());
+  r->memFd_ = memFd;
+  r->dataFd_ = dataFd;
+  r->spaceFd_ = spaceFd;
+  if (!validCapacity(capacity)) {
+    *error = "frame ring capacity " + std::to_string(capacity) +
+        " is out of range";
+    return nullptr;
+  }
+  r->mapped_ = kFrameRingHeaderBytes + capacity;
+  struct stat st{};
+  int seals = ::fcntl(memFd, F_GET_SEALS);
+  if (::fstat(memFd, &st) != 0 || !S_ISREG(st.st_mode) ||
+      uint64_t(st.st_size) < r->mapped_ || seals < 0 ||
+      (seals & F_SEAL_SHRINK) == 0) {
+    *error = "the peer's frame ring is not a sealed shared-memory file of " +
+        std::to_string(r->mapped_) + " bytes";
+    return nullptr;
+  }
+  // Both signals must be eventfds: a pipe or a socket would let the peer
+  // block our writes to it.
+  for (int fd : {dataFd, spaceFd}) {
+    uint64_t flags = ::fcntl(fd, F_GETFL);
+    if (::fstat(fd, &st) != 0 || (flags & O_NONBLOCK) == 0 ||
+        S_ISREG(st.st_mode) || S_ISSOCK(st.st_mode) || S_ISFIFO(st.st_mode)) {
+      *error = "the peer's frame ring signals are not non-blocking eventfds";
+      return nullptr;
+    }
+  }
+  void* p = ::mmap(
+      nullptr,
+      r->mapped_,
+      PROT_READ | PROT_WRITE,
+      MAP_SHARED | MAP_POPULATE,
+      memFd,
+      0);
+  if (p == MAP_FAILED) {
+    *error = errnoText("mmap of the peer's frame ring failed");
+    return nullptr;
+  }
+  r->base_ = static_cast<char*>(p);
+  r->capacity_ = capacity;
+  if (r->header()->magic != kFrameRingMagic ||
+      r->header()->capacity != capacity) {
+    *error = "the peer's frame ring has a bad header";
+    return nullptr;
+  }
+  // Where the sender starts: a ring is handed over before its first byte.
+  r->position_ = 0;
+  return r;
+}
+
+FrameRing::~FrameRing() {
+  if (base_ != nullptr) {
+    ::munmap(base_, mapped_);
+  }
+  for (int fd : {memFd_, dataFd_, spaceFd_}) {
+    if (fd >= 0) {
+      ::close(fd);
+    }
+  }
+}
+
+size_t FrameRing::room(std::string* error) {
+  uint64_t tail = header()->tail.load(std::memory_order_acquire);
+  if (tail < peerTail_ || tail > position_) {
+    *error = "the peer's frame ring position is impossible (consumed " +
+        std::to_string(tail) + " of " + std::to_string(position_) + ")";
+    return 0;
+  }
+  peerTail_ = tail;
+  return static_cast<size_t>(capacity_ - (position_ - tail));
+}
+
+size_t FrameRing::write(const iovec* iov, int n, size_t max) {
+  size_t done = 0;
+  for (int i = 0; i < n && done < max; ++i) {
+    const char* src = static_cast<const char*>(iov[i].iov_base);
+    size_t len = std::min(iov[i].iov_len, max - done);
+    while (len > 0) {
+      size_t at = static_cast<size_t>((position_ + done) % capacity_);
+      size_t take = std::min(len, static_cast<size_t>(capacity_ - at));
+      std::memcpy(data() + at, src, take);
+      src += take;
+      len -= take;
+      done += take;
+    }
+  }
+  position_ += done;
+  header()->head.store(position_, std::memory_order_seq_cst);
+  return done;
+}
+
+bool FrameRing::wakeReceiver() {
+  // Pairs with parkReceiver(): the head was stored seq_cst before this
+  // load, the flag seq_cst before the receiver's load of the head, so one
+  // of the two sees the other.
+  if (header()->receiverParked.load(std::memory_order_seq_cst) != 0 &&
+      header()->receiverParked.exchange(0, std::memory_order_seq_cst) != 0) {
+    signal(dataFd_);
+    return true;
+  }
+  return false;
+}
+
+bool FrameRing::parkSender() {
+  header()->senderParked.store(1, std::memory_order_seq_cst);
+  uint64_t tail = header()->tail.load(std::memory_order_seq_cst);
+  return tail > peerTail_ && tail <= position_;
+}
+
+int64_t FrameRing::waiting() const {
+  uint64_t head = header()->head.load(std::memory_order_acquire);
+  if (head < position_ || head - position_ > capacity_) {
+    return -1;
+  }
+  return static_cast<int64_t>(head - position_);
+}
+
+int64_t FrameRing::read(void* dst, size_t size, std::string* error) {
+  int64_t avail = waiting();
+  if (avail < 0) {
+    *error = "the peer's frame ring position is impossible (published " +
+        std::to_string(header()->head.load()) + " after " +
+        std::to_string(position_) + " consumed, in a ring of " +
+        std::to_string(capacity_) + ")";
+    return -1;
+  }
+  size_t want = std::min(size, static_cast<size_t>(avail));
+  char* out = static_cast<char*>(dst);
+  size_t done = 0;
+  while (done < want) {
+    size_t at = static_cast<size_t>((position_ + done) % capacity_);
+    size_t take = std::min(want - done, static_cast<size_t>(capacity_ - at));
+    std::memcpy(out + done, data() + at, take);
+    done += take;
+  }
+  if (done > 0) {
+    position_ += done;
+    header()->tail.store(position_, std::memory_order_seq_cst);
+  }
+  return static_cast<int64_t>(done);
+}
+
+bool FrameRing::wakeSender() {
+  if (header()->senderParked.load(std::memory_order_seq_cst) != 0 &&
+      header()->senderParked.exchange(0, std::memory_order_seq_cst) != 0) {
+    signal(spaceFd_);
+    return true;
+  }
+  return false;
+}
+
+bool FrameRing::parkReceiver() {
+  header()->receiverParked.store(1, std::memory_order_seq_cst);
+  return waiting() != 0; // bytes, or an impossible head to report
+}
+
+} // namespace torch_rpc_ext::transport::stream
