@@ -62,9 +62,7 @@ std::string Connections::open(const std::string& secret, uint64_t incarnation) {
   topts.handshakeTimeout = options_.handshakeTimeout;
   topts.heartbeatTimeout = options_.heartbeatTimeout;
   topts.busyPoll = options_.busyPoll;
-  if (const char* kb = std::getenv("TORCH_RPC_EXT_FRAME_RING_KB")) {
-    topts.frameRingBytes = uint64_t(std::atoll(kb)) * 1024;
-  }
+  topts.frameRingBytes = options_.shmFrameRingBytes;
   // Sent messages may hold the last reference to tensors with Python
   // objects; let the pool, not the loop thread, drop them.
   topts.releaseOffLoop = [this](std::shared_ptr<void> held) {

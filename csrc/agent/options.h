@@ -74,6 +74,8 @@ struct AgentOptions : rpc::RpcBackendOptions {
   std::chrono::microseconds busyPoll = kDefaultBusyPoll;
   // Idle receive buffers kept for reuse (released after 2 s unused).
   uint64_t maxCachedReceiveBytes = kDefaultMaxCachedReceiveBytes;
+  // See TransportOptions::frameRingBytes.
+  uint64_t shmFrameRingBytes = kDefaultShmFrameRingBytes;
   // Test-only fault injection (torch_rpc_ext.testing); empty in production.
   FaultInjection faults;
   // CUDA (torch_rpc_ext/backend.py fills these from device_maps and

@@ -84,6 +84,8 @@ py::dict optionSpec() {
       py::make_tuple(kDefaultCudaIpcMemoryLimit, uint64_t(0), none);
   spec["max_cached_receive_bytes"] = py::make_tuple(
       kDefaultMaxCachedReceiveBytes, kMinMaxCachedReceiveBytes, none);
+  spec["shm_frame_ring_bytes"] = py::make_tuple(
+      kDefaultShmFrameRingBytes, kMinShmFrameRingBytes, kMaxShmFrameRingBytes);
   return spec;
 }
 
@@ -166,6 +168,7 @@ void bindOptions(py::module_& m) {
           [](const O& o) { return o.busyPoll.count(); },
           [](O& o, int64_t us) { o.busyPoll = std::chrono::microseconds(us); })
       .def_readwrite("max_cached_receive_bytes", &O::maxCachedReceiveBytes)
+      .def_readwrite("shm_frame_ring_bytes", &O::shmFrameRingBytes)
       .def_readwrite("cuda_zero_copy", &O::cudaZeroCopy)
       .def_readwrite("shm_peers_any_user", &O::shmPeersAnyUser)
       .def_property(

@@ -409,6 +409,7 @@ void bindTesting(py::module_& m) {
     d["heartbeat_timeout"] =
         std::chrono::duration<double>(o.heartbeatTimeout).count();
     d["busy_poll_us"] = o.busyPoll.count();
+    d["shm_frame_ring_bytes"] = o.frameRingBytes;
     return d;
   });
 

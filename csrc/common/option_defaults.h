@@ -55,6 +55,13 @@ inline constexpr uint64_t kDefaultMaxCachedReceiveBytes = uint64_t(1) << 31;
 // crowding out the user's tensors.
 inline constexpr uint64_t kDefaultCudaIpcMemoryLimit = uint64_t(2) << 30;
 inline constexpr uint64_t kMinMaxCachedReceiveBytes = 0;
+// Frame rings (transport/stream/frame_ring.h): the bytes of each direction
+// of an shm connection's ring; 0 keeps its frames on the socket. A multiple
+// of 4 KiB. Small: what a ring holds is frames in flight, not tensors (the
+// shm channels carry those), and a host of N workers maps N x (N - 1).
+inline constexpr uint64_t kDefaultShmFrameRingBytes = 64 * 1024;
+inline constexpr uint64_t kMinShmFrameRingBytes = 64 * 1024;
+inline constexpr uint64_t kMaxShmFrameRingBytes = uint64_t(64) << 20;
 
 // Not a Python option: how long init waits for all peers to publish their
 // address.

@@ -43,7 +43,7 @@ struct TransportOptions {
   std::chrono::microseconds busyPoll = kDefaultBusyPoll;
   // A connection that passes descriptors (shm) sends its frames through a
   // shared ring of this many bytes instead of its socket (0: the socket).
-  uint64_t frameRingBytes = 0;
+  uint64_t frameRingBytes = kDefaultShmFrameRingBytes;
   // Address to bind and advertise (an IP literal), for transports that need
   // one; empty: the transport's default (stream/address.h).
   std::string bindAddress;

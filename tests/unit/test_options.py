@@ -66,6 +66,10 @@ def test_base_fields_stay_writable():
         ({"cuda_zero_copy": 1}, "cuda_zero_copy must be a bool"),
         ({"cuda_ipc_memory_limit": 1.5}, "cuda_ipc_memory_limit must be an int >= 0"),
         ({"cuda_ipc_memory_limit": True}, "cuda_ipc_memory_limit must be an int >= 0"),
+        ({"shm_frame_ring_bytes": 4096}, r"shm_frame_ring_bytes must be 0 \(off\) or a multiple"),
+        ({"shm_frame_ring_bytes": 65536 + 1}, "shm_frame_ring_bytes must be 0"),
+        ({"shm_frame_ring_bytes": 128 << 20}, r"in \[65536, 67108864\]"),
+        ({"shm_frame_ring_bytes": True}, "shm_frame_ring_bytes must be 0"),
     ],
 )
 def test_bad_options_are_rejected_with_the_reason(kwargs, match):

@@ -311,7 +311,10 @@ std::string StreamConnection::flushLocked() {
       size_t need = total - w.written;
       if (left >= need) {
         left -= need;
-        ringOut_ = ringOut_ || w.switchesToRing;
+        if (w.switchesToRing) {
+          ringOut_ = true;
+          outRing_->closeMemFd(); // the peer has it now
+        }
         if (w.frame.keepAlive) {
           finished_.push_back(std::move(w.frame.keepAlive));
         }

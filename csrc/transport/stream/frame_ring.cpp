@@ -130,6 +130,7 @@ std::unique_ptr<FrameRing> FrameRing::attach(
   }
   // Where the sender starts: a ring is handed over before its first byte.
   r->position_ = 0;
+  r->closeMemFd();
   return r;
 }
 
@@ -141,6 +142,13 @@ FrameRing::~FrameRing() {
     if (fd >= 0) {
       ::close(fd);
     }
+  }
+}
+
+void FrameRing::closeMemFd() {
+  if (memFd_ >= 0) {
+    ::close(memFd_);
+    memFd_ = -1;
   }
 }
 

@@ -9,6 +9,8 @@
 #include <memory>
 #include <string>
 
+#include "csrc/common/option_defaults.h"
+
 namespace torch_rpc_ext::transport::stream {
 
 // One direction of a connection's frames (one that passes descriptors: shm), in shared memory instead of
@@ -38,8 +40,8 @@ struct FrameRingHeader {
 
 constexpr uint64_t kFrameRingMagic = 0x474e524d52465852ull; // "RXFRMRNG"
 constexpr size_t kFrameRingHeaderBytes = 4096;
-constexpr uint64_t kMinFrameRingBytes = 64 * 1024;
-constexpr uint64_t kMaxFrameRingBytes = uint64_t(64) << 20;
+constexpr uint64_t kMinFrameRingBytes = kMinShmFrameRingBytes;
+constexpr uint64_t kMaxFrameRingBytes = kMaxShmFrameRingBytes;
 
 class FrameRing {
  public:
@@ -60,6 +62,10 @@ class FrameRing {
   int memFd() const {
     return memFd_;
   }
+  // Once the mapping is made (receiver) or handed over (sender): the memory
+  // lives as long as the mapping, and a host of connections holds one
+  // descriptor fewer each.
+  void closeMemFd();
   // Signalled by the sender for a parked receiver.
   int dataFd() const {
     return dataFd_;
