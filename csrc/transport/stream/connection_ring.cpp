@@ -79,7 +79,7 @@ bool StreamConnection::onFrameRingFromLoop() {
   if (inRing_ || tls_ || receivedFds_.size() < 3 ||
       head_.size() != sizeof(uint64_t)) {
     rejectFromLoop(
-        inRing_ ? "rejected frame: a second frame ring"
+        inRing_    ? "rejected frame: a second frame ring"
             : tls_ ? "rejected frame: a frame ring on an encrypted connection"
                    : "rejected frame: a frame ring without its descriptors");
     return false;
@@ -179,7 +179,8 @@ ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
   std::string error;
   int64_t got = waiting < 0
       ? -1
-      : inRing_->read(dst, std::min(size, static_cast<size_t>(waiting)), &error);
+      : inRing_->read(
+            dst, std::min(size, static_cast<size_t>(waiting)), &error);
   if (got < 0) {
     rejectFromLoop(
         "rejected frame ring: " +

@@ -293,8 +293,8 @@ std::string StreamConnection::flushLocked() {
         continue;
       }
       return !ringError_.empty() ? "write failed: " + ringError_
-          : tls_                   ? "write failed: " + tlsWriteError_
-                                   : errnoText("write failed");
+          : tls_                 ? "write failed: " + tlsWriteError_
+                                 : errnoText("write failed");
     }
     if (sent > 0 && !writes_.front().control) {
       // Our own pings prove nothing: the kernel takes them from a frozen

@@ -34,8 +34,7 @@ void signal(int fd) {
 std::unique_ptr<FrameRing> FrameRing::create(uint64_t capacity) {
   if (!validCapacity(capacity)) {
     throw std::invalid_argument(
-        "frame ring capacity " + std::to_string(capacity) +
-        " is out of range");
+        "frame ring capacity " + std::to_string(capacity) + " is out of range");
   }
   std::unique_ptr<FrameRing> r(new FrameRing());
   r->memFd_ =
@@ -86,8 +85,8 @@ std::unique_ptr<FrameRing> FrameRing::attach(
   r->dataFd_ = dataFd;
   r->spaceFd_ = spaceFd;
   if (!validCapacity(capacity)) {
-    *error = "frame ring capacity " + std::to_string(capacity) +
-        " is out of range";
+    *error =
+        "frame ring capacity " + std::to_string(capacity) + " is out of range";
     return nullptr;
   }
   r->mapped_ = kFrameRingHeaderBytes + capacity;

@@ -13,17 +13,17 @@
 
 namespace torch_rpc_ext::transport::stream {
 
-// One direction of a connection's frames (one that passes descriptors: shm), in shared memory instead of
-// the Unix socket: a single-producer, single-consumer byte ring in a sealed
-// memfd, made by the sending side and handed to the receiver with the
-// kFrameRing control frame (docs/wire-format.md). A frame costs a copy in
-// and a copy out and no system call while the receiver's loop is awake
-// (polling it, Loop::RingSource); the sender signals the ring's data
-// eventfd only when the receiver has parked before sleeping, and the
-// receiver signals the space eventfd only when the sender found the ring
-// full. The socket stays for descriptors: a frame that passes some sends
-// them first, with one byte, and counts the send in `carriers`, so the
-// receiver knows to read the socket before the frame's bytes.
+// One direction of a connection's frames (one that passes descriptors: shm), in
+// shared memory instead of the Unix socket: a single-producer, single-consumer
+// byte ring in a sealed memfd, made by the sending side and handed to the
+// receiver with the kFrameRing control frame (docs/wire-format.md). A frame
+// costs a copy in and a copy out and no system call while the receiver's loop
+// is awake (it polls rings in memory: Pollable::ringInputFromLoop); the sender
+// signals the ring's data eventfd only when the receiver has parked before
+// sleeping, and the receiver signals the space eventfd only when the sender
+// found the ring full. The socket stays for descriptors: a frame that passes
+// some sends them first, with one byte, and counts the send in `carriers`, so
+// the receiver knows to read the socket before the frame's bytes.
 //
 // Both processes can write the whole mapping, so neither trusts the other's
 // counters: each keeps its own position privately and checks the peer's

@@ -106,7 +106,8 @@ void Loop::modify(int fd, uint32_t events) {
 void Loop::removeFromLoop(int fd) {
   ::epoll_ctl(epollFd_, EPOLL_CTL_DEL, fd, nullptr);
   handlers_.erase(fd);
-  ringFds_.erase(std::remove(ringFds_.begin(), ringFds_.end(), fd), ringFds_.end());
+  ringFds_.erase(
+      std::remove(ringFds_.begin(), ringFds_.end(), fd), ringFds_.end());
 }
 
 void Loop::unparkRings() {

@@ -41,8 +41,7 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
       {"ring_bytes_written",
        loop_.io().ringBytes.load(std::memory_order_relaxed)},
       {"ring_reads", loop_.io().ringReads.load(std::memory_order_relaxed)},
-      {"ring_signals",
-       loop_.io().ringSignals.load(std::memory_order_relaxed)},
+      {"ring_signals", loop_.io().ringSignals.load(std::memory_order_relaxed)},
       {"heartbeat_timeouts",
        loop_.io().heartbeatTimeouts.load(std::memory_order_relaxed)},
   };

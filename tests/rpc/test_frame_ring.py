@@ -1,0 +1,218 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Frame rings (shm_frame_ring_bytes, csrc/transport/stream/frame_ring.h):
+each direction of an shm connection sends its frames through a shared ring
+instead of the Unix socket, which keeps only descriptor carriers. Exact
+results for every kind of frame (small calls, pipelined calls, slab
+segments whose descriptors ride on carriers, shm_ring chunks, stream
+segments many times the ring's size), the socket left idle, one side
+without a ring, and hostile use of the protocol by a raw peer."""
+
+import fcntl
+import mmap
+import os
+import socket
+import struct
+import time
+
+import pytest
+import torch
+from torch.distributed import rpc
+
+from tests.rpc.test_hostile_peers import SECRET
+from tests.rpc.world import init, run_world
+from torch_rpc_ext.testing import (
+    FRAME_RING,
+    PING,
+    closed_by_peer,
+    frame_header,
+    handshake,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+RING_BYTES = 64 * 1024
+# FrameRingHeader (frame_ring.h): magic, capacity, then head, tail, the two
+# parked flags and the carriers count, each on its own cache line.
+MAGIC = 0x474E524D52465852
+HEAD, TAIL, RECEIVER_PARKED, CARRIERS = 64, 128, 192, 256
+HEADER_BYTES = 4096
+
+
+def echo(x):
+    return x
+
+
+def counters():
+    m = rpc.api._get_current_rpc_agent().get_metrics()
+    return {k.split(".")[-1]: int(v) for k, v in m.items() if k.startswith("rpc_ext.shm.")}
+
+
+def traffic(rank, world_size, rings, channels=None):
+    init(rank, world_size, shm_frame_ring_bytes=rings[rank],
+         **({"channels": channels} if channels is not None else {}))
+    out = {}
+    if rank == 0:
+        g = torch.Generator().manual_seed(1)
+        ok = []
+        one = torch.ones(3)
+        ok += [torch.equal(rpc.rpc_sync("worker1", torch.add, args=(one, k)), one + k)
+               for k in range(200)]
+        futs = [rpc.rpc_async("worker1", torch.add, args=(one, k)) for k in range(1000)]
+        ok += [torch.equal(f.wait(), one + k) for k, f in enumerate(futs)]
+        for n in (3000, 300_000, 2_359_299, 2_000_000 * 4):
+            x = torch.randn(n, generator=g)
+            ok += [torch.equal(rpc.rpc_sync("worker1", echo, args=(x + k,)), x + k)
+                   for k in range(4)]
+        out["ok"] = ok
+        out["counters"] = [counters(), rpc.rpc_sync("worker1", counters)]
+    rpc.shutdown()
+    return out
+
+
+def test_frames_go_through_the_ring_and_the_socket_stays_quiet():
+    out = run_world(traffic, rings={0: RING_BYTES, 1: RING_BYTES}, timeout=150)[0]
+    assert out["ok"] and all(out["ok"])
+    for side in out["counters"]:
+        # Every message frame went through the ring; the socket carried the
+        # handshake, the ring's own frame and the slabs' descriptors.
+        assert side["frames_sent"] >= 1200, side
+        assert side["ring_writes"] >= side["frames_sent"], side
+        assert side["socket_writes"] <= 40, side
+        assert side["ring_reads"] > 0, side
+
+
+def test_without_rings_every_frame_is_a_socket_write():
+    out = run_world(traffic, rings={0: 0, 1: 0}, timeout=150)[0]
+    assert out["ok"] and all(out["ok"])
+    for side in out["counters"]:
+        assert side["ring_writes"] == side["ring_reads"] == 0, side
+        assert side["socket_writes"] >= side["frames_sent"] * 0.5, side
+
+
+def test_one_side_with_a_ring_and_one_without():
+    out = run_world(traffic, rings={0: RING_BYTES, 1: 0}, timeout=150)[0]
+    assert out["ok"] and all(out["ok"])
+    with_ring, without = out["counters"]
+    assert with_ring["socket_writes"] <= 40 and with_ring["ring_writes"] > 0, with_ring
+    assert without["ring_writes"] == 0 and without["ring_reads"] > 0, without
+    assert without["socket_writes"] >= without["frames_sent"] * 0.5, without
+
+
+def test_frames_many_times_the_ring_go_through_it_in_pieces():
+    # No channel: every tensor byte travels in the frames, up to 32 MB a
+    # frame through a 64 KiB ring, so the sender finds it full and waits
+    # for the receiver's signal, over and over, both ways at once.
+    out = run_world(traffic, rings={0: RING_BYTES, 1: RING_BYTES}, channels=(), timeout=150)[0]
+    assert out["ok"] and all(out["ok"])
+    for side in out["counters"]:
+        assert side["ring_bytes_written"] > 40 << 20, side
+        assert side["ring_signals"] > 0, side
+        assert side["socket_writes"] <= 20, side
+
+
+def eventfd():
+    return os.eventfd(0, os.EFD_NONBLOCK)
+
+
+def ring_file(capacity=RING_BYTES, seal=True, magic=MAGIC):
+    fd = os.memfd_create("frames", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, HEADER_BYTES + capacity)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    m = mmap.mmap(fd, HEADER_BYTES + capacity)
+    m[0:16] = struct.pack("<QQ", magic, capacity)
+    return fd, m
+
+
+def ring_offer(capacity=RING_BYTES):
+    return frame_header(FRAME_RING, 8) + struct.pack("<Q", capacity)
+
+
+def frame_ring_attacks(rank, world_size):
+    init(rank, world_size, secret=SECRET)
+    out = {}
+    if rank == 0:
+        addr = rpc.rpc_sync("worker1", debug_info)["rpc_ext.listen.shm"]
+
+        def attempt(fds, capacity=RING_BYTES, then=None):
+            sock, ok = handshake(addr, SECRET)
+            assert ok
+            socket.send_fds(sock, [ring_offer(capacity)], fds) if fds else sock.sendall(
+                ring_offer(capacity))
+            if then is not None:
+                then(sock)
+            sock.settimeout(1.0)
+            closed = closed_by_peer(sock)
+            sock.close()
+            return closed
+
+        out["without_fds"] = attempt([])
+        mem, m = ring_file(seal=False)
+        out["unsealed"] = attempt([mem, eventfd(), eventfd()])
+        mem, m = ring_file()
+        r, w = os.pipe()
+        out["signal_not_an_eventfd"] = attempt([mem, r, eventfd()])
+        mem, m = ring_file()
+        out["capacity_out_of_range"] = attempt([mem, eventfd(), eventfd()], capacity=4096)
+        mem, m = ring_file(magic=1)
+        out["bad_magic"] = attempt([mem, eventfd(), eventfd()])
+
+        def impossible_head(m, data):
+            def go(sock):
+                m[HEAD:HEAD + 8] = struct.pack("<Q", RING_BYTES + 4096)
+                os.eventfd_write(data, 1)
+            return go
+
+        mem, m = ring_file()
+        data = eventfd()
+        out["impossible_head"] = attempt([mem, data, eventfd()], then=impossible_head(m, data))
+
+        mem, m = ring_file()
+        out["frame_on_the_socket_after"] = attempt(
+            [mem, eventfd(), eventfd()], then=lambda sock: sock.sendall(frame_header(PING, 0)))
+
+        mem, m = ring_file()
+        data = eventfd()
+
+        def lying_carriers(sock):
+            m[CARRIERS:CARRIERS + 8] = struct.pack("<Q", 5)
+            m[HEADER_BYTES:HEADER_BYTES + 24] = frame_header(PING, 0)
+            m[HEAD:HEAD + 8] = struct.pack("<Q", 24)
+            os.eventfd_write(data, 1)
+
+        out["carriers_never_sent"] = attempt([mem, data, eventfd()], then=lying_carriers)
+
+        # A good ring: a ping written into it is read (the agent's tail
+        # moves past it) and the connection stays.
+        mem, m = ring_file()
+        data = eventfd()
+
+        def ping(sock):
+            m[HEADER_BYTES:HEADER_BYTES + 24] = frame_header(PING, 0)
+            m[HEAD:HEAD + 8] = struct.pack("<Q", 24)
+            os.eventfd_write(data, 1)
+            deadline = time.monotonic() + 5
+            while struct.unpack("<Q", m[TAIL:TAIL + 8])[0] != 24 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            out["good_ring_read"] = struct.unpack("<Q", m[TAIL:TAIL + 8])[0] == 24
+
+        out["good_ring_closed"] = attempt([mem, data, eventfd()], then=ping)
+        x = torch.randn(300_000)
+        out["still_serves"] = torch.equal(rpc.rpc_sync("worker1", echo, args=(x,)), x)
+    rpc.shutdown()
+    return out
+
+
+def debug_info():
+    return rpc.api._get_current_rpc_agent().get_debug_info()
+
+
+def test_hostile_frame_rings_are_refused_and_the_agent_keeps_serving():
+    out = run_world(frame_ring_attacks, timeout=150)[0]
+    for label in ["without_fds", "unsealed", "signal_not_an_eventfd", "capacity_out_of_range",
+                  "bad_magic", "impossible_head", "frame_on_the_socket_after",
+                  "carriers_never_sent"]:
+        assert out[label], label
+    assert out["good_ring_read"]
+    assert not out["good_ring_closed"]
+    assert out["still_serves"]
