@@ -75,6 +75,44 @@ void StreamConnection::offerFrameRingFromLoop() {
   afterFlush(error);
 }
 
+ssize_t StreamConnection::sendToRingLocked(
+    const iovec* iov,
+    int n,
+    const std::vector<int>* fds) {
+  size_t room = outRing_->room(&ringError_);
+  if (room == 0 && ringError_.empty() && outRing_->parkSender()) {
+    room = outRing_->room(&ringError_);
+  }
+  if (!ringError_.empty()) {
+    errno = EPROTO;
+    return -1;
+  }
+  if (room == 0) {
+    errno = EAGAIN; // the receiver signals spaceFd() when it has taken some
+    return -1;
+  }
+  if (fds != nullptr) {
+    // The descriptors, with one byte, before the frame's first: the
+    // receiver reads the socket when the count says it has one to take.
+    char carrier = kCarrier;
+    iovec one{&carrier, 1};
+    ssize_t sent = sendSocketLocked(&one, 1, fds);
+    if (sent <= 0) {
+      carrierBlocked_ = sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+      return sent < 0 ? -1 : (errno = EAGAIN, -1);
+    }
+    carrierBlocked_ = false;
+    outRing_->countCarrier();
+  }
+  Loop::Io::add(loop_.io().ringWrites);
+  size_t done = outRing_->write(iov, n, room);
+  loop_.io().ringBytes.fetch_add(done, std::memory_order_relaxed);
+  if (outRing_->wakeReceiver()) {
+    Loop::Io::add(loop_.io().ringSignals);
+  }
+  return static_cast<ssize_t>(done);
+}
+
 bool StreamConnection::onFrameRingFromLoop() {
   if (inRing_ || tls_ || receivedFds_.size() < 3 ||
       head_.size() != sizeof(uint64_t)) {
