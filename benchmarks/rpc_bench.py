@@ -185,6 +185,9 @@ def main(argv=None):
     p.add_argument("--call-costs-off", action="store_true",
                    help="also run ours with TORCH_RPC_EXT_CALL_COSTS=0 (no latency or size "
                         "histograms: torch_rpc_ext.metrics) and report on/off ratios")
+    p.add_argument("--frame-ring-off", action="store_true",
+                   help="also run ours with shm_frame_ring_bytes=0 (frames on the Unix "
+                        "socket, as before frame rings) and report ring/socket ratios")
     p.add_argument("--out", type=Path)
     cfg = p.parse_args(argv)
     backends_all, backends_tcp = dict(BACKENDS), dict(TCP_ONLY)
@@ -196,6 +199,9 @@ def main(argv=None):
         for table in (backends_all, backends_tcp):
             key, opts = table["ext"]
             table["ext_costs_off"] = (key, {**opts, "_env": {"TORCH_RPC_EXT_CALL_COSTS": "0"}})
+    if cfg.frame_ring_off:
+        key, opts = backends_all["ext"]
+        backends_all["ext_socket"] = (key, {**opts, "shm_frame_ring_bytes": 0})
     if cfg.smoke:
         cfg.iters, cfg.warmup, cfg.repeats, cfg.repeats_large = 20, 5, 3, 2
         cfg.pipelined, cfg.sizes_mb, cfg.fanout = 50, [1], 2
@@ -257,14 +263,18 @@ def main(argv=None):
             record({"case": case, "ratio": "speedup_ext_over_grpc",
                     "value": round(grpc_row["median_us"] / ext["median_us"], 1)})
         ext_runs, tp_runs = runs.get((case, "ext")), runs.get((case, "tensorpipe"))
-        off_runs = runs.get((case, "ext_costs_off"))
-        if ext_runs and off_runs:
-            # What the histograms cost: ours with them over ours without.
+        # What the histograms cost (ours with them over ours without), and
+        # what frame rings buy (ours with them over ours on the socket).
+        for other, kind in [("ext_costs_off", "time_costs_on_over_off"),
+                            ("ext_socket", "time_ring_over_socket")]:
+            off_runs = runs.get((case, other))
+            if not (ext_runs and off_runs):
+                continue
             if "calls_per_s" in ext_runs[0]:
                 costs = [o["calls_per_s"] / e["calls_per_s"] for e, o in zip(ext_runs, off_runs)]
             else:
                 costs = [e["median_us"] / o["median_us"] for e, o in zip(ext_runs, off_runs)]
-            record({"case": case, "ratio": "time_costs_on_over_off",
+            record({"case": case, "ratio": kind,
                     "value": round(statistics.median(costs), 3),
                     "per_round": [round(x, 3) for x in costs]})
         if not (ext_runs and tp_runs):

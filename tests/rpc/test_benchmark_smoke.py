@@ -18,7 +18,7 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "rpc_bench.py"), "--smoke",
-         "--cases", "small", "pipelined", "tensor", "--grpc",
+         "--cases", "small", "pipelined", "tensor", "--grpc", "--frame-ring-off",
          "--chart", str(tmp_path / "chart.png"), "--out", str(out)],
         capture_output=True, text=True, timeout=540, env=env,
     )
@@ -29,6 +29,10 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
                  "identity_1MB_x1", "heavy_script_1MB_x10"]:
         assert (case, "ext") in measured and (case, "tensorpipe") in measured, case
     ratios = {r["case"]: r["value"] for r in rows if "ratio" in r}
+    # Ours with frame rings against ours with frames on the socket.
+    assert {r["case"] for r in rows if r.get("ratio") == "time_ring_over_socket"} >= {
+        "small_builtin", "pipelined_async"}
+    assert ("small_builtin", "ext_socket") in measured
     assert set(ratios) >= {"small_builtin", "pipelined_async", "identity_1MB_x1"}
     assert all(v > 0 for v in ratios.values())
     assert all(r["peak_rss_mb"] for r in rows if "backend" in r)

@@ -108,7 +108,7 @@ def test_transport_and_channel_kinds_pass_the_header_check(kind):
         ({"flags": 2}, "reserved flags"),
         ({"flags": 1, "kind": 1}, "reserved flags"),  # ring flag on a handshake frame
         ({"kind": 0}, "unknown frame kind 0"),
-        ({"kind": 7}, "unknown frame kind 7"),  # 7..15: reserved
+        ({"kind": 8}, "unknown frame kind 8"),  # 8..15: reserved (7: frame ring)
         ({"kind": 15}, "unknown frame kind 15"),
         ({"data": 1 << 21}, "exceeds max_frame_bytes=1048576"),
         ({"data": (1 << 64) - 1}, "exceeds max_frame_bytes"),

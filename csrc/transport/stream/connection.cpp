@@ -98,8 +98,8 @@ void StreamConnection::openChannels(int32_t peerId) {
     channels_.push_back(offer.context->open(host, offer.peerDescriptor));
     fds += channels_.back()->maxPendingFds();
   }
-  // A frame ring comes with three, alone (connection_ring.cpp).
-  maxPendingFds_ = passesDescriptors() ? std::max<size_t>(fds, 3) : fds;
+  // A frame ring comes with two, alone (connection_ring.cpp).
+  maxPendingFds_ = passesDescriptors() ? std::max<size_t>(fds, 2) : fds;
 }
 
 uint8_t StreamConnection::channelSlot(uint8_t wireId) const {
@@ -302,16 +302,16 @@ void StreamConnection::handleEventsFromLoop(uint32_t events) {
     driveTlsFromLoop();
     return;
   }
-  if (recordHeld_ && (events & (EPOLLERR | EPOLLHUP))) {
+  if (inRing_ && (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR))) {
+    socketEnded_ = true; // closed once the ring is read to its end
+  }
+  if (recordHeld_ && (events & (EPOLLERR | EPOLLHUP | EPOLLRDHUP))) {
     // Nothing is read while a record is held, so an error would come back
     // on every wait: the socket is gone, and so is the connection.
     closeInternal("peer closed the connection", false);
     return;
   }
-  if (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
-    socketReadable_ = inRing_ != nullptr;
-    onReadableFromLoop();
-  } else if (events & kRingInput) {
+  if (events & (EPOLLIN | EPOLLERR | EPOLLHUP | EPOLLRDHUP | kRingInput)) {
     onReadableFromLoop();
   }
   if ((events & EPOLLOUT) && state_ != State::kClosed) {
@@ -374,7 +374,8 @@ void StreamConnection::heartbeatFromLoop() {
       // process was kept off the CPU), or saturated CPUs (host_load.h) give
       // the peer more time, up to kMaxHandshakeTimeouts timeouts in all.
       int unread = 0;
-      bool waiting = ::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0;
+      bool waiting = (::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0) ||
+          (inRing_ && inRing_->waiting() != 0);
       bool late = std::chrono::steady_clock::now() - tickDue_ > timeout / 5;
       bool busy = waiting || late ||
           (silent < kBusyHostTimeouts * timeout &&
@@ -510,10 +511,10 @@ void StreamConnection::closeInternal(std::string reason, bool local) {
       self->loop_.removeFromLoop(self->fd_);
     }
     if (self->inRing_) {
-      self->loop_.removeFromLoop(self->inRing_->dataFd());
+      self->loop_.removeFromLoop(self->inRing_->signalFd());
     }
     if (self->outRing_) {
-      self->loop_.removeFromLoop(self->outRing_->spaceFd());
+      self->loop_.removeFromLoop(self->outRing_->signalFd());
     }
     for (auto& ch : self->channels_) {
       ch->onClosedFromLoop();

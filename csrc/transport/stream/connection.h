@@ -377,8 +377,12 @@ class StreamConnection : public Connection,
   // carries (descriptor carriers: one byte each).
   void offerFrameRingFromLoop();
   bool onFrameRingFromLoop();
-  bool takeCarriersFromLoop(const char* data, size_t size);
-  bool drainSocketFromLoop();
+  // The other end of a ring signalled (inbound: bytes for a parked
+  // receiver; outbound: room for a parked sender).
+  void onRingSignalFromLoop(bool inbound);
+  // Before a control frame from the ring is handled: its descriptors, if a
+  // carrier is counted and none are waiting. False once closing.
+  bool takeCarrierFromLoop();
   // The socket's part of readFromLoop(); with !closeAtEnd, the peer's end
   // returns kSocketEnded instead of closing the connection.
   static constexpr ssize_t kSocketEnded = -2;
@@ -450,15 +454,16 @@ class StreamConnection : public Connection,
 
   // Frame rings. Ours (writeMutex_), used once its kFrameRing frame is on
   // the socket (ringOut_), and why a write to it failed; the peer's (loop
-  // thread), with the descriptor carriers read so far and whether epoll
-  // said the socket has bytes.
+  // thread), with the descriptor carriers taken so far.
   std::unique_ptr<FrameRing> outRing_;
   bool ringOut_ = false;
   bool carrierBlocked_ = false; // a carrier's send would block (writeMutex_)
   std::string ringError_;
   std::unique_ptr<FrameRing> inRing_;
+  // inRing_ is set: the socket is watched for its end only (readEvents(),
+  // from any thread).
+  std::atomic<bool> ringIn_{false};
   uint64_t carriersReceived_ = 0;
-  bool socketReadable_ = false;
   bool socketEnded_ = false; // the peer closed; its ring is read to the end
 };
 

@@ -305,7 +305,9 @@ void StreamConnection::resumeReadsFromLoop() {
 }
 
 uint32_t StreamConnection::readEvents() const {
-  return recordHeld_ ? 0u : uint32_t(EPOLLIN);
+  // A frame ring's socket carries only descriptors, taken as their frames
+  // are parsed: only its end is watched.
+  return ringIn_ ? uint32_t(EPOLLRDHUP) : recordHeld_ ? 0u : uint32_t(EPOLLIN);
 }
 
 bool StreamConnection::socketAddresses(
@@ -490,6 +492,9 @@ bool StreamConnection::onLengthsAndHeadFromLoop() {
   if (kind != frame::FrameKind::kMessage) {
     // A control frame is done once its head is in.
     phase_ = ReadPhase::kHeader;
+    if (!takeCarrierFromLoop()) {
+      return false;
+    }
     if (kind == frame::FrameKind::kPing) {
       queueControl(uint8_t(frame::FrameKind::kPong), {});
       return state_ != State::kClosed;

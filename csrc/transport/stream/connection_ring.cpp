@@ -22,12 +22,6 @@ namespace {
 
 constexpr char kCarrier = 'F';
 
-void drainEventFd(int fd) {
-  uint64_t n;
-  ssize_t rv = ::read(fd, &n, sizeof(n));
-  (void)rv;
-}
-
 } // namespace
 
 void StreamConnection::offerFrameRingFromLoop() {
@@ -43,36 +37,59 @@ void StreamConnection::offerFrameRingFromLoop() {
         " keeps its frames on the socket: no frame ring (" + e.what() + ")");
     return;
   }
-  std::weak_ptr<StreamConnection> weak = shared_from_this();
-  int spaceFd = ring->spaceFd();
-  watchFromLoop(spaceFd, [weak, spaceFd] {
-    drainEventFd(spaceFd);
-    if (auto self = weak.lock()) {
-      self->resumeWritesFromLoop();
-    }
-  });
   uint64_t capacity = ring->capacity();
   std::string head(sizeof(capacity), '\0');
   std::memcpy(head.data(), &capacity, sizeof(capacity));
   PendingWrite w = controlFrame(
       {frame::FrameKind::kFrameRing,
        std::move(head),
-       {ring->memFd(), ring->dataFd(), ring->spaceFd()},
+       {ring->memFd(), ring->peerSignalFd()},
        nullptr});
   w.switchesToRing = true;
+  std::weak_ptr<StreamConnection> weak = shared_from_this();
   std::string error;
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
     if (state_ == State::kClosed) {
       return;
     }
+    // Watched under the lock: a close from another thread comes after
+    // outRing_ is set, and its teardown (on this thread) unwatches it.
+    watchFromLoop(ring->signalFd(), [weak] {
+      if (auto self = weak.lock()) {
+        self->onRingSignalFromLoop(/*inbound=*/false);
+      }
+    });
     outRing_ = std::move(ring);
-    // Behind what is queued (those go on the socket first), ahead of
-    // nothing: every later frame goes through the ring.
+    // Behind what is queued (those go on the socket first): every later
+    // frame goes through the ring.
     writes_.push_back(std::move(w));
     error = flushLocked();
   }
   afterFlush(error);
+}
+
+void StreamConnection::onRingSignalFromLoop(bool inbound) {
+  FrameRing* ring = inbound ? inRing_.get() : outRing_.get();
+  if (ring == nullptr || state_ == State::kClosed) {
+    return;
+  }
+  if (!ring->drainSignals()) {
+    // Its end closes with the peer's process (or the peer broke the
+    // protocol): the connection ends once the peer's ring is read to its
+    // end, as for the end of its socket.
+    loop_.removeFromLoop(ring->signalFd());
+    if (inRing_) {
+      socketEnded_ = true;
+      onReadableFromLoop();
+    }
+    return;
+  }
+  if (inbound) {
+    onReadableFromLoop();
+  } else {
+    resumeWritesFromLoop();
+  }
 }
 
 ssize_t StreamConnection::sendToRingLocked(
@@ -88,12 +105,13 @@ ssize_t StreamConnection::sendToRingLocked(
     return -1;
   }
   if (room == 0) {
-    errno = EAGAIN; // the receiver signals spaceFd() when it has taken some
+    errno = EAGAIN; // the receiver signals when it has taken some
     return -1;
   }
   if (fds != nullptr) {
     // The descriptors, with one byte, before the frame's first: the
-    // receiver reads the socket when the count says it has one to take.
+    // receiver takes them off the socket when it parses a frame that passes
+    // descriptors and the count says one is there.
     char carrier = kCarrier;
     iovec one{&carrier, 1};
     ssize_t sent = sendSocketLocked(&one, 1, fds);
@@ -114,7 +132,7 @@ ssize_t StreamConnection::sendToRingLocked(
 }
 
 bool StreamConnection::onFrameRingFromLoop() {
-  if (inRing_ || tls_ || receivedFds_.size() < 3 ||
+  if (inRing_ || tls_ || receivedFds_.size() < 2 ||
       head_.size() != sizeof(uint64_t)) {
     rejectFromLoop(
         inRing_    ? "rejected frame: a second frame ring"
@@ -124,11 +142,10 @@ bool StreamConnection::onFrameRingFromLoop() {
   }
   uint64_t capacity;
   std::memcpy(&capacity, head_.data(), sizeof(capacity));
-  int memFd = receivedFds_[0], dataFd = receivedFds_[1];
-  int spaceFd = receivedFds_[2];
-  receivedFds_.erase(receivedFds_.begin(), receivedFds_.begin() + 3);
+  int memFd = receivedFds_[0], signalFd = receivedFds_[1];
+  receivedFds_.erase(receivedFds_.begin(), receivedFds_.begin() + 2);
   std::string error;
-  inRing_ = FrameRing::attach(memFd, dataFd, spaceFd, capacity, &error);
+  inRing_ = FrameRing::attach(memFd, signalFd, capacity, &error);
   if (!inRing_) {
     rejectFromLoop("rejected frame ring: " + error);
     return false;
@@ -136,53 +153,55 @@ bool StreamConnection::onFrameRingFromLoop() {
   // Whatever the socket brought after the frame is carriers.
   size_t rest = stagedEnd_ - stagedBegin_;
   stagedBegin_ = stagedEnd_;
-  if (!takeCarriersFromLoop(staging_.get() + stagedEnd_ - rest, rest)) {
-    return false;
-  }
-  std::weak_ptr<StreamConnection> weak = shared_from_this();
-  watchFromLoop(dataFd, [weak, dataFd] {
-    drainEventFd(dataFd);
-    if (auto self = weak.lock()) {
-      self->onReadableFromLoop();
-    }
-  });
-  loop_.watchRingFromLoop(fd_);
-  return true;
-}
-
-bool StreamConnection::takeCarriersFromLoop(const char* data, size_t size) {
-  for (size_t i = 0; i < size; ++i) {
-    if (data[i] != kCarrier) {
+  for (size_t i = 0; i < rest; ++i) {
+    if (staging_[stagedEnd_ - rest + i] != kCarrier) {
       rejectFromLoop(
           "rejected frame: a byte of a frame on the socket after the frame "
           "ring took over");
       return false;
     }
   }
-  carriersReceived_ += size;
+  carriersReceived_ += rest;
+  std::weak_ptr<StreamConnection> weak = shared_from_this();
+  watchFromLoop(inRing_->signalFd(), [weak] {
+    if (auto self = weak.lock()) {
+      self->onRingSignalFromLoop(/*inbound=*/true);
+    }
+  });
+  {
+    // From now on the socket is watched for its end only: its carriers are
+    // taken as their frames are parsed.
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    ringIn_ = true;
+    if (registered_ && state_ != State::kClosed) {
+      loop_.modify(fd_, readEvents() | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
+    }
+  }
+  loop_.watchRingFromLoop(fd_);
   return true;
 }
 
-bool StreamConnection::drainSocketFromLoop() {
-  char bytes[64];
-  while (!socketEnded_) {
-    ssize_t got =
-        readSocketFromLoop(bytes, sizeof(bytes), /*closeAtEnd=*/false);
-    if (got == kSocketEnded) {
-      socketEnded_ = true; // closed once the ring is read to its end
-      return true;
-    }
-    if (got < 0) {
-      return false;
-    }
-    if (got == 0) {
-      return true;
-    }
-    if (!takeCarriersFromLoop(bytes, static_cast<size_t>(got))) {
-      return false;
-    }
+bool StreamConnection::takeCarrierFromLoop() {
+  if (!inRing_ || !receivedFds_.empty() ||
+      inRing_->carriersSent() <= carriersReceived_) {
+    return true;
   }
-  return true;
+  // Sent before the bytes of the frame being parsed were published, so it
+  // is in the socket by now: one byte, with its descriptors.
+  char byte = 0;
+  ssize_t got = readSocketFromLoop(&byte, 1, /*closeAtEnd=*/false);
+  if (got == 1 && byte == kCarrier) {
+    ++carriersReceived_;
+    return true;
+  }
+  if (got >= 0 || got == kSocketEnded) {
+    rejectFromLoop(
+        got == 1 ? "rejected frame: a byte of a frame on the socket after the "
+                   "frame ring took over"
+                 : "rejected frame ring: the peer counts a descriptor carrier "
+                   "it did not send");
+  }
+  return false;
 }
 
 bool StreamConnection::ringInputFromLoop() {
@@ -199,33 +218,13 @@ ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
   if (!inRing_) {
     return readSocketFromLoop(dst, size);
   }
-  // The bytes first, then the carriers: a frame's descriptors were counted
-  // before its bytes were published, so they are on the socket by now.
-  int64_t waiting = inRing_->waiting();
-  if (socketReadable_ || inRing_->carriersSent() > carriersReceived_) {
-    socketReadable_ = false;
-    if (!drainSocketFromLoop()) {
-      return -1;
-    }
-    if (inRing_->carriersSent() > carriersReceived_) {
-      rejectFromLoop(
-          "rejected frame ring: the peer counts descriptor carriers it did "
-          "not send");
-      return -1;
-    }
-  }
   std::string error;
-  int64_t got = waiting < 0
-      ? -1
-      : inRing_->read(
-            dst, std::min(size, static_cast<size_t>(waiting)), &error);
+  int64_t got = inRing_->read(dst, size, &error);
   if (got < 0) {
-    rejectFromLoop(
-        "rejected frame ring: " +
-        (error.empty() ? std::string("an impossible position") : error));
+    rejectFromLoop("rejected frame ring: " + error);
     return -1;
   }
-  if (got == 0 && socketEnded_) {
+  if (got == 0 && socketEnded_ && inRing_->waiting() == 0) {
     // The peer's last frames are read: now its end counts.
     closeInternal("peer closed the connection", false);
     return -1;

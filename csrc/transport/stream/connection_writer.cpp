@@ -313,7 +313,7 @@ std::string StreamConnection::flushLocked() {
         left -= need;
         if (w.switchesToRing) {
           ringOut_ = true;
-          outRing_->closeMemFd(); // the peer has it now
+          outRing_->closeHandedOver(); // the peer has them now
         }
         if (w.frame.keepAlive) {
           finished_.push_back(std::move(w.frame.keepAlive));

@@ -2,8 +2,8 @@
 #include "csrc/transport/stream/frame_ring.h"
 
 #include <fcntl.h>
-#include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -23,12 +23,6 @@ bool validCapacity(uint64_t capacity) {
       capacity % 4096 == 0;
 }
 
-void signal(int fd) {
-  uint64_t one = 1;
-  ssize_t rv = ::write(fd, &one, sizeof(one));
-  (void)rv; // a full counter (2^64 - 2 signals unread) is a signal too
-}
-
 } // namespace
 
 std::unique_ptr<FrameRing> FrameRing::create(uint64_t capacity) {
@@ -42,11 +36,13 @@ std::unique_ptr<FrameRing> FrameRing::create(uint64_t capacity) {
   if (r->memFd_ < 0) {
     throw std::runtime_error(errnoText("memfd_create failed"));
   }
-  r->dataFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  r->spaceFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (r->dataFd_ < 0 || r->spaceFd_ < 0) {
-    throw std::runtime_error(errnoText("eventfd failed"));
+  int pair[2];
+  if (::socketpair(
+          AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, pair) != 0) {
+    throw std::runtime_error(errnoText("socketpair failed"));
   }
+  r->signalFd_ = pair[0];
+  r->peerSignalFd_ = pair[1];
   r->mapped_ = kFrameRingHeaderBytes + capacity;
   if (::ftruncate(r->memFd_, static_cast<off_t>(r->mapped_)) != 0) {
     throw std::runtime_error(errnoText("ftruncate failed"));
@@ -76,14 +72,12 @@ std::unique_ptr<FrameRing> FrameRing::create(uint64_t capacity) {
 
 std::unique_ptr<FrameRing> FrameRing::attach(
     int memFd,
-    int dataFd,
-    int spaceFd,
+    int signalFd,
     uint64_t capacity,
     std::string* error) {
   std::unique_ptr<FrameRing> r(new FrameRing());
   r->memFd_ = memFd;
-  r->dataFd_ = dataFd;
-  r->spaceFd_ = spaceFd;
+  r->signalFd_ = signalFd;
   if (!validCapacity(capacity)) {
     *error =
         "frame ring capacity " + std::to_string(capacity) + " is out of range";
@@ -99,15 +93,18 @@ std::unique_ptr<FrameRing> FrameRing::attach(
         std::to_string(r->mapped_) + " bytes";
     return nullptr;
   }
-  // Both signals must be eventfds: a pipe or a socket would let the peer
-  // block our writes to it.
-  for (int fd : {dataFd, spaceFd}) {
-    uint64_t flags = ::fcntl(fd, F_GETFL);
-    if (::fstat(fd, &st) != 0 || (flags & O_NONBLOCK) == 0 ||
-        S_ISREG(st.st_mode) || S_ISSOCK(st.st_mode) || S_ISFIFO(st.st_mode)) {
-      *error = "the peer's frame ring signals are not non-blocking eventfds";
-      return nullptr;
-    }
+  // The signal descriptor must be a Unix stream socket (one end of the
+  // ring's pair): we write to it and read from it, never anything else.
+  int domain = 0, type = 0;
+  socklen_t len = sizeof(int);
+  bool unixStream = ::fstat(signalFd, &st) == 0 && S_ISSOCK(st.st_mode) &&
+      ::getsockopt(signalFd, SOL_SOCKET, SO_DOMAIN, &domain, &len) == 0 &&
+      (len = sizeof(int),
+       ::getsockopt(signalFd, SOL_SOCKET, SO_TYPE, &type, &len) == 0) &&
+      domain == AF_UNIX && type == SOCK_STREAM;
+  if (!unixStream) {
+    *error = "the peer's frame ring signal is not a Unix stream socket";
+    return nullptr;
   }
   void* p = ::mmap(
       nullptr,
@@ -129,7 +126,7 @@ std::unique_ptr<FrameRing> FrameRing::attach(
   }
   // Where the sender starts: a ring is handed over before its first byte.
   r->position_ = 0;
-  r->closeMemFd();
+  r->closeHandedOver(); // the mapping keeps the memory
   return r;
 }
 
@@ -137,18 +134,42 @@ FrameRing::~FrameRing() {
   if (base_ != nullptr) {
     ::munmap(base_, mapped_);
   }
-  for (int fd : {memFd_, dataFd_, spaceFd_}) {
+  for (int fd : {memFd_, signalFd_, peerSignalFd_}) {
     if (fd >= 0) {
       ::close(fd);
     }
   }
 }
 
-void FrameRing::closeMemFd() {
-  if (memFd_ >= 0) {
-    ::close(memFd_);
-    memFd_ = -1;
+void FrameRing::closeHandedOver() {
+  for (int* fd : {&memFd_, &peerSignalFd_}) {
+    if (*fd >= 0) {
+      ::close(*fd);
+      *fd = -1;
+    }
   }
+}
+
+bool FrameRing::signal() {
+  char byte = 1;
+  // Full (the other end has not read the signals before it): it is
+  // signalled already.
+  ssize_t rv = ::send(signalFd_, &byte, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+  return rv == 1 || errno == EAGAIN || errno == EWOULDBLOCK;
+}
+
+bool FrameRing::drainSignals() {
+  char bytes[64];
+  for (int i = 0; i < 16; ++i) {
+    ssize_t got = ::recv(signalFd_, bytes, sizeof(bytes), MSG_DONTWAIT);
+    if (got == 0) {
+      return false;
+    }
+    if (got < 0) {
+      return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    }
+  }
+  return true; // more than 1 KiB of signals: the rest wakes us again
 }
 
 size_t FrameRing::room(std::string* error) {
@@ -187,7 +208,7 @@ bool FrameRing::wakeReceiver() {
   // of the two sees the other.
   if (header()->receiverParked.load(std::memory_order_seq_cst) != 0 &&
       header()->receiverParked.exchange(0, std::memory_order_seq_cst) != 0) {
-    signal(dataFd_);
+    signal();
     return true;
   }
   return false;
@@ -199,8 +220,7 @@ bool FrameRing::parkSender() {
   return tail > peerTail_ && tail <= position_;
 }
 
-int64_t FrameRing::waiting() const {
-  uint64_t head = header()->head.load(std::memory_order_acquire);
+int64_t FrameRing::waitingAfter(uint64_t head) const {
   if (head < position_ || head - position_ > capacity_) {
     return -1;
   }
@@ -235,15 +255,19 @@ int64_t FrameRing::read(void* dst, size_t size, std::string* error) {
 bool FrameRing::wakeSender() {
   if (header()->senderParked.load(std::memory_order_seq_cst) != 0 &&
       header()->senderParked.exchange(0, std::memory_order_seq_cst) != 0) {
-    signal(spaceFd_);
+    signal();
     return true;
   }
   return false;
 }
 
 bool FrameRing::parkReceiver() {
+  // Pairs with wakeReceiver(): both the store and this load sequentially
+  // consistent, so either this load sees the sender's head or the sender's
+  // load sees the flag.
   header()->receiverParked.store(1, std::memory_order_seq_cst);
-  return waiting() != 0; // bytes, or an impossible head to report
+  // Bytes, or an impossible head to report.
+  return waitingAfter(header()->head.load(std::memory_order_seq_cst)) != 0;
 }
 
 } // namespace torch_rpc_ext::transport::stream

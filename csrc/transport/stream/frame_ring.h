@@ -13,17 +13,24 @@
 
 namespace torch_rpc_ext::transport::stream {
 
-// One direction of a connection's frames (one that passes descriptors: shm), in
-// shared memory instead of the Unix socket: a single-producer, single-consumer
-// byte ring in a sealed memfd, made by the sending side and handed to the
-// receiver with the kFrameRing control frame (docs/wire-format.md). A frame
-// costs a copy in and a copy out and no system call while the receiver's loop
-// is awake (it polls rings in memory: Pollable::ringInputFromLoop); the sender
-// signals the ring's data eventfd only when the receiver has parked before
-// sleeping, and the receiver signals the space eventfd only when the sender
-// found the ring full. The socket stays for descriptors: a frame that passes
-// some sends them first, with one byte, and counts the send in `carriers`, so
-// the receiver knows to read the socket before the frame's bytes.
+// One direction of a connection's frames (one that passes descriptors: shm)
+// in shared memory instead of the Unix socket: a single-producer,
+// single-consumer byte ring in a sealed memfd, made by the sending side and
+// handed to the receiver with the kFrameRing control frame
+// (docs/wire-format.md, "Frame rings"). A frame costs a copy in and a copy
+// out and no system call while the receiver's loop is awake (it polls its
+// rings in memory: Pollable::ringInputFromLoop).
+//
+// The two ends signal each other through a socket pair of the ring's own
+// (the sender keeps one end and hands over the other): the sender only for
+// a receiver that parked before sleeping, the receiver only for a sender
+// that found the ring full. A socket, not an eventfd: an eventfd's flags
+// are shared with the peer, which could make our reads and writes of it
+// block; a socket end's are our own, and every call passes MSG_DONTWAIT.
+//
+// The socket of the connection stays for descriptors: a frame that passes
+// some sends them first, with one byte, and counts the send in `carriers`,
+// so the receiver knows to read the socket when it parses that frame.
 //
 // Both processes can write the whole mapping, so neither trusts the other's
 // counters: each keeps its own position privately and checks the peer's
@@ -51,65 +58,67 @@ class FrameRing {
   // (owned from now on, even on failure). Returns null with `error` set.
   static std::unique_ptr<FrameRing> attach(
       int memFd,
-      int dataFd,
-      int spaceFd,
+      int signalFd,
       uint64_t capacity,
       std::string* error);
   ~FrameRing();
   FrameRing(const FrameRing&) = delete;
   FrameRing& operator=(const FrameRing&) = delete;
 
+  // Sender: what the kFrameRing frame hands over (the memfd and the
+  // receiver's end of the signal socket), and closing them once it has.
   int memFd() const {
     return memFd_;
   }
-  // Once the mapping is made (receiver) or handed over (sender): the memory
-  // lives as long as the mapping, and a host of connections holds one
-  // descriptor fewer each.
-  void closeMemFd();
-  // Signalled by the sender for a parked receiver.
-  int dataFd() const {
-    return dataFd_;
+  int peerSignalFd() const {
+    return peerSignalFd_;
   }
-  // Signalled by the receiver for a sender that found the ring full.
-  int spaceFd() const {
-    return spaceFd_;
+  void closeHandedOver();
+  // This end of the signal socket: readable when the other end signalled.
+  int signalFd() const {
+    return signalFd_;
   }
   uint64_t capacity() const {
     return capacity_;
   }
+  // Read what the other end signalled (MSG_DONTWAIT). False once it closed
+  // its end (the peer is gone or broke the protocol).
+  bool drainSignals();
 
   // ---- Sender (one thread at a time) ------------------------------------
   // Room for this many bytes now; 0 also when the receiver's counter is
   // impossible (`error` set).
   size_t room(std::string* error);
-  // Copy up to `room()` bytes of `iov` in and publish them; the count.
+  // Copy up to `max` bytes of `iov` in and publish them; the count.
   size_t write(const iovec* iov, int n, size_t max);
   // After a descriptor send on the socket, before the frame's bytes.
   void countCarrier() {
     header()->carriers.fetch_add(1, std::memory_order_seq_cst);
   }
-  // After publishing: wake a parked receiver (one eventfd write, or none);
-  // true if it signalled.
+  // After publishing: wake a parked receiver; true if it signalled.
   bool wakeReceiver();
-  // The ring was full: ask for a signal on spaceFd(). True if room
-  // appeared meanwhile (no signal will come for it: write again).
+  // The ring was full: ask for a signal. True if room appeared meanwhile
+  // (no signal will come for it: write again).
   bool parkSender();
 
   // ---- Receiver (the loop thread) ---------------------------------------
   // Bytes waiting; -1 when the sender's counter is impossible.
-  int64_t waiting() const;
+  int64_t waiting() const {
+    return waitingAfter(header()->head.load(std::memory_order_acquire));
+  }
   // Copy up to `size` bytes out; -1 on an impossible counter (`error`).
   int64_t read(void* dst, size_t size, std::string* error);
   // After consuming: wake a sender that found the ring full; true if it
   // signalled.
   bool wakeSender();
-  // Before the loop sleeps: ask for a signal on dataFd(). True if bytes are
-  // waiting already (no signal will come for them).
+  // Before the loop sleeps: ask for a signal. True if bytes are waiting
+  // already (no signal will come for them).
   bool parkReceiver();
   void unparkReceiver() {
     header()->receiverParked.store(0, std::memory_order_relaxed);
   }
-  // Descriptor sends the sender has made so far.
+  // Descriptor sends the sender has counted so far (checked by the caller
+  // against the carriers that arrived).
   uint64_t carriersSent() const {
     return header()->carriers.load(std::memory_order_seq_cst);
   }
@@ -122,10 +131,12 @@ class FrameRing {
   char* data() const {
     return base_ + kFrameRingHeaderBytes;
   }
+  int64_t waitingAfter(uint64_t head) const;
+  bool signal();
 
   int memFd_ = -1;
-  int dataFd_ = -1;
-  int spaceFd_ = -1;
+  int signalFd_ = -1;
+  int peerSignalFd_ = -1;
   char* base_ = nullptr;
   size_t mapped_ = 0;
   uint64_t capacity_ = 0;

@@ -190,13 +190,15 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
     auto deadline = std::chrono::steady_clock::now() + busyPoll_;
     // Rings are polled in memory every round; the kernel's descriptors
     // every kEpollEvery-th round while there are rings (a system call
-    // each), every round otherwise.
+    // each), every round otherwise, and never skipped for long: a ring that
+    // always has input must not starve the other descriptors.
     constexpr unsigned kEpollEvery = 4;
     unsigned round = 0;
     do {
-      int n = ringEvents(events, maxEvents, /*park=*/false);
-      if (n == 0 && (ringFds_.empty() || round++ % kEpollEvery == 0)) {
-        n = ::epoll_wait(epollFd_, events, maxEvents, 0);
+      int n = ringEvents(events, maxEvents - 1, /*park=*/false);
+      if ((n == 0 && ringFds_.empty()) || round++ % kEpollEvery == 0) {
+        int more = ::epoll_wait(epollFd_, events + n, maxEvents - n, 0);
+        n += std::max(more, 0);
       }
       if (n != 0) {
         spinMissRun_ = 0;
@@ -214,13 +216,15 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
     }
   }
   if (!ringFds_.empty()) {
-    // A ring's sender signals its eventfd only for a parked ring; one that
-    // has input already is served instead of sleeping.
-    int n = ringEvents(events, maxEvents, /*park=*/timeoutMs != 0);
+    // A ring's sender signals only a parked ring; one that has input
+    // already is served instead of sleeping.
+    // (maxEvents - 1 at most: the kernel's turn comes with them.)
+    int n = ringEvents(events, maxEvents - 1, /*park=*/timeoutMs != 0);
     if (n > 0 || timeoutMs == 0) {
       unparkRings();
       if (n > 0) {
-        return n;
+        int more = ::epoll_wait(epollFd_, events + n, maxEvents - n, 0);
+        return n + std::max(more, 0);
       }
     }
   }
