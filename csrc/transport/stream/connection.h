@@ -372,9 +372,8 @@ class StreamConnection : public Connection,
       const iovec* iov,
       int n,
       const std::vector<int>* fds);
-  // Frame ring: offer ours once ready (options_.frameRingBytes), take the
-  // peer's from its kFrameRing frame, and read what its socket still
-  // carries (descriptor carriers: one byte each).
+  // Frame ring: offer ours once ready (options_.frameRingBytes), and take
+  // the peer's from its kFrameRing frame (connection_ring.cpp).
   void offerFrameRingFromLoop();
   bool onFrameRingFromLoop();
   // The other end of a ring signalled (inbound: bytes for a parked

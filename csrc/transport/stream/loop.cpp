@@ -128,9 +128,17 @@ void Loop::watchRingFromLoop(int fd) {
 
 int Loop::ringEvents(epoll_event* events, int maxEvents, bool park) {
   int n = 0;
-  for (int fd : ringFds_) {
+  // From where the last scan stopped: with more busy rings than events,
+  // each gets its turn.
+  const size_t count = ringFds_.size();
+  for (size_t k = 0; k < count; ++k) {
+    int fd = ringFds_[(ringScan_ + k) % count];
+    if (n == maxEvents) {
+      ringScan_ = (ringScan_ + k) % count;
+      return n;
+    }
     auto it = handlers_.find(fd);
-    if (it == handlers_.end() || n == maxEvents) {
+    if (it == handlers_.end()) {
       continue;
     }
     Pollable& p = *it->second;
@@ -189,14 +197,12 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
     constexpr int kSkipAfterMisses = 64;
     auto deadline = std::chrono::steady_clock::now() + busyPoll_;
     // Rings are polled in memory every round; the kernel's descriptors
-    // every kEpollEvery-th round while there are rings (a system call
-    // each), every round otherwise, and never skipped for long: a ring that
-    // always has input must not starve the other descriptors.
-    constexpr unsigned kEpollEvery = 4;
-    unsigned round = 0;
+    // every round without rings, and with rings every kEpollEvery-th round
+    // (a system call each; counted across waits, so a ring that always has
+    // input costs none most of the time and starves no other descriptor).
     do {
       int n = ringEvents(events, maxEvents - 1, /*park=*/false);
-      if ((n == 0 && ringFds_.empty()) || round++ % kEpollEvery == 0) {
+      if (ringFds_.empty() || ringRounds_++ % kEpollEvery == 0) {
         int more = ::epoll_wait(epollFd_, events + n, maxEvents - n, 0);
         n += std::max(more, 0);
       }
@@ -223,8 +229,11 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
     if (n > 0 || timeoutMs == 0) {
       unparkRings();
       if (n > 0) {
-        int more = ::epoll_wait(epollFd_, events + n, maxEvents - n, 0);
-        return n + std::max(more, 0);
+        if (ringRounds_++ % kEpollEvery == 0) {
+          int more = ::epoll_wait(epollFd_, events + n, maxEvents - n, 0);
+          n += std::max(more, 0);
+        }
+        return n;
       }
     }
   }

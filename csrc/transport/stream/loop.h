@@ -177,6 +177,9 @@ class Loop {
   // Leader only.
   std::unordered_map<int, std::shared_ptr<Pollable>> handlers_;
   std::vector<int> ringFds_; // of handlers_ with a ring
+  static constexpr unsigned kEpollEvery = 4;
+  unsigned ringRounds_ = 0; // polls of the rings, for kEpollEvery
+  size_t ringScan_ = 0; // where the next scan of ringFds_ starts
   std::deque<std::function<void()>> deferred_;
   bool spinArmed_ = false;
   int spinMissRun_ = 0; // consecutive busy polls that found nothing
