@@ -198,6 +198,11 @@ def device_copies() -> dict[str, int]:
 WIRE = {"frames_sent": "frames", "control_frames_sent": "control_frames",
         "socket_writes": "socket_writes", "socket_reads": "socket_reads",
         "socket_bytes_written": "socket_bytes",
+        # shm connections' frames go through their frame rings instead of
+        # the socket (shm_frame_ring_bytes): what a message puts in the
+        # connection's stream is socket_bytes + frame_ring_bytes.
+        "frame_ring_writes": "frame_ring_writes",
+        "frame_ring_bytes_written": "frame_ring_bytes",
         "loop_wakes": "loop_wakes"}
 # ... and, on the fake driver, in driver calls, grouped by what they do.
 DRIVER_GROUPS = {
