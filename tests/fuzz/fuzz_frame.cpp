@@ -35,7 +35,7 @@ bool keepsTheRules(const FrameHeader& h, const FrameLimits& limits) {
     return false;
   }
   if (h.kind < uint8_t(FrameKind::kHello) ||
-      (h.kind > uint8_t(FrameKind::kPong) &&
+      (h.kind > uint8_t(FrameKind::kFrameRing) &&
        h.kind < frame::kFirstChannelFrameKind)) {
     return false;
   }
