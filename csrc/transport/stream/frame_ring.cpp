@@ -202,12 +202,12 @@ size_t FrameRing::write(const iovec* iov, int n, size_t max) {
   return done;
 }
 
-bool FrameRing::wakeReceiver() {
-  // Pairs with parkReceiver(): the head was stored seq_cst before this
-  // load, the flag seq_cst before the receiver's load of the head, so one
-  // of the two sees the other.
-  if (header()->receiverParked.load(std::memory_order_seq_cst) != 0 &&
-      header()->receiverParked.exchange(0, std::memory_order_seq_cst) != 0) {
+bool FrameRing::wakeIfParked(std::atomic<uint32_t>& parked) {
+  // Pairs with parkReceiver() / parkSender(): our counter was stored
+  // seq_cst before this load, their flag seq_cst before their load of our
+  // counter, so one of the two sees the other.
+  if (parked.load(std::memory_order_seq_cst) != 0 &&
+      parked.exchange(0, std::memory_order_seq_cst) != 0) {
     signal();
     return true;
   }
@@ -250,15 +250,6 @@ int64_t FrameRing::read(void* dst, size_t size, std::string* error) {
     header()->tail.store(position_, std::memory_order_seq_cst);
   }
   return static_cast<int64_t>(done);
-}
-
-bool FrameRing::wakeSender() {
-  if (header()->senderParked.load(std::memory_order_seq_cst) != 0 &&
-      header()->senderParked.exchange(0, std::memory_order_seq_cst) != 0) {
-    signal();
-    return true;
-  }
-  return false;
 }
 
 bool FrameRing::parkReceiver() {

@@ -96,7 +96,9 @@ class FrameRing {
     header()->carriers.fetch_add(1, std::memory_order_seq_cst);
   }
   // After publishing: wake a parked receiver; true if it signalled.
-  bool wakeReceiver();
+  bool wakeReceiver() {
+    return wakeIfParked(header()->receiverParked);
+  }
   // The ring was full: ask for a signal. True if room appeared meanwhile
   // (no signal will come for it: write again).
   bool parkSender();
@@ -110,7 +112,9 @@ class FrameRing {
   int64_t read(void* dst, size_t size, std::string* error);
   // After consuming: wake a sender that found the ring full; true if it
   // signalled.
-  bool wakeSender();
+  bool wakeSender() {
+    return wakeIfParked(header()->senderParked);
+  }
   // Before the loop sleeps: ask for a signal. True if bytes are waiting
   // already (no signal will come for them).
   bool parkReceiver();
@@ -133,6 +137,8 @@ class FrameRing {
   }
   int64_t waitingAfter(uint64_t head) const;
   bool signal();
+  // Clear `parked` and signal the other end if it was set.
+  bool wakeIfParked(std::atomic<uint32_t>& parked);
 
   int memFd_ = -1;
   int signalFd_ = -1;
