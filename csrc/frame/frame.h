@@ -28,7 +28,7 @@ constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 //    exporter value (transport/handshake.h).
 // 5: the client proves first; the server's proof follows in a kProof of
 //    its own (transport/handshake.h).
-constexpr uint8_t kProtocolVersion = 6;
+constexpr uint8_t kProtocolVersion = 7;
 
 enum class FrameKind : uint8_t {
   kHello = 1, // client -> server: version, identity, nonce

@@ -4,7 +4,9 @@
 // from the side a hostile peer reaches. Two modes:
 //  * attach: Ring::attach on a descriptor the peer chose (a memfd of any
 //    size with any seals and any header contents, or no shared-memory file
-//    at all), an announced capacity and a wake-up descriptor;
+//    at all), an announced capacity and a wake-up descriptor (one end of a
+//    socket pair, its other end open or closed or made blocking and full,
+//    an eventfd, a saturated eventfd, a pipe, or none);
 //  * loopback: a ring of ours (Ring::create) with a consumer attached to it,
 //    the producer side included, so produce() meets a `consumed` position
 //    the peer rewrote.
@@ -21,15 +23,21 @@
 //
 // A finding: a sanitizer report or a crash (SIGBUS included); attach
 // accepting a file that is not a sealed memfd of at least header + capacity
-// bytes with the right magic and capacity, or refusing one that is; consume
+// bytes with the right magic and capacity, or a wake-up that is not a Unix
+// stream socket (an eventfd or a pipe shares its flags and fill with the
+// peer, who could make our write block), or refusing one that is; consume
 // accepting a record that does not start at the consumer's position, is
 // empty or does not fit (the ring or the destination), or refusing an
 // honest one; copied bytes that differ from the ring's; a consumer position
-// or wake-up flag not published; produce() writing outside the data area,
-// past the space the consumer released, or on from an impossible consumer
-// position without an error; a descriptor left open after the ring is gone.
+// or wake-up flag not published, a waiting producer not signalled; produce()
+// writing outside the data area, past the space the consumer released, or on
+// from an impossible consumer position without an error; a descriptor left open
+// after the ring is gone.
 
+#include <fcntl.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -65,6 +73,9 @@ constexpr uint64_t kCapacities[] = {
     uint64_t(1) << 20};
 
 enum class WakeKind : uint8_t {
+  kSocket, // one end of a socket pair (the only kind attach takes)
+  kSocketPeerGone, // ... whose other end is closed: a signal finds no one
+  kSocketBlockingFull, // ... made blocking by the peer, its buffer full
   kEventfd,
   kSaturatedEventfd, // counter at its maximum: a write would block
   kPipe, // the read end: writing fails
@@ -155,16 +166,15 @@ struct Consumer {
   uint64_t position = 0; // what the ring must have consumed so far
   int memFd = -1;
   int wakeFd = -1;
-  WakeKind wakeKind = WakeKind::kEventfd;
-  int wakeDup = -1; // our own reference to the wake-up eventfd
+  WakeKind wakeKind = WakeKind::kSocket;
+  int wakeDup = -1; // the producer's end of the wake-up pair, when open
 };
 
-uint64_t eventCount(int fd) {
-  uint64_t v = 0;
-  if (fd < 0 || ::read(fd, &v, sizeof(v)) != ssize_t(sizeof(v))) {
-    return 0;
-  }
-  return v;
+// The signals waiting at the producer's end (read, so the next counts anew).
+size_t signalCount(int fd) {
+  char bytes[256];
+  ssize_t n = fd < 0 ? -1 : ::recv(fd, bytes, sizeof(bytes), MSG_DONTWAIT);
+  return n > 0 ? size_t(n) : 0;
 }
 
 // Returns false when the connection would close.
@@ -180,18 +190,13 @@ bool consume(
   bool honest = record.offset == offset && record.length != 0 &&
       record.length <= c.capacity - offset && record.length <= dstRoom;
   std::string why = c.ring.consume(record, dst.get(), dstRoom);
-  bool wakeFails = waiting != 0 &&
-      (c.wakeKind == WakeKind::kPipe || c.wakeKind == WakeKind::kClosed);
   if (!honest) {
     FUZZ_CHECK(!why.empty(), "consume accepted a bad record");
     return false;
   }
-  FUZZ_CHECK(
-      why.empty() || wakeFails, "consume refused an honest record: " + why);
+  // (A wake-up never fails a consume: the producer gone is nobody to wake.)
+  FUZZ_CHECK(why.empty(), "consume refused an honest record: " + why);
   c.position += record.length;
-  if (!why.empty()) {
-    return false;
-  }
   if (const char* mine = peer.data(record.offset, record.length)) {
     FUZZ_CHECK(
         std::memcmp(mine, dst.get(), record.length) == 0,
@@ -204,8 +209,8 @@ bool consume(
     FUZZ_CHECK(
         peer.header()->writerWaiting.load() == 0, "writerWaiting not cleared");
   }
-  if (waiting != 0 && c.wakeKind == WakeKind::kEventfd) {
-    FUZZ_CHECK(eventCount(c.wakeDup) >= 1, "a waiting producer was not woken");
+  if (waiting != 0 && c.wakeKind == WakeKind::kSocket) {
+    FUZZ_CHECK(signalCount(c.wakeDup) >= 1, "a waiting producer was not woken");
   }
   return true;
 }
@@ -395,7 +400,28 @@ void fuzzAttach(FuzzInput& in) {
   c.capacity = capacity;
   c.wakeKind = wakeKind;
   int wake = -1;
+  int theirs = -1; // the producer's end of a pair
   switch (wakeKind) {
+    case WakeKind::kSocket:
+    case WakeKind::kSocketPeerGone:
+    case WakeKind::kSocketBlockingFull: {
+      int pair[2];
+      if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0) {
+        wake = pair[0];
+        theirs = pair[1];
+        if (wakeKind == WakeKind::kSocketPeerGone) {
+          ::close(theirs);
+          theirs = -1;
+        } else if (wakeKind == WakeKind::kSocketBlockingFull) {
+          // (Blocking already: made without SOCK_NONBLOCK. Filled until
+          // the kernel takes no more; a signal must still return.)
+          char junk[4096] = {};
+          while (::send(wake, junk, sizeof(junk), MSG_DONTWAIT) > 0) {
+          }
+        }
+      }
+      break;
+    }
     case WakeKind::kEventfd:
     case WakeKind::kSaturatedEventfd:
       wake = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -410,16 +436,24 @@ void fuzzAttach(FuzzInput& in) {
     default:
       break;
   }
-  c.wakeDup = wake >= 0 ? ::dup(wake) : -1;
+  c.wakeDup = theirs;
   c.memFd = peerFd >= 0 ? ::dup(peerFd) : -1;
   c.wakeFd = wake;
-  bool expected = attachShouldSucceed(kind, capacity, size, header);
+  const bool socket = wake >= 0 &&
+      (wakeKind == WakeKind::kSocket || wakeKind == WakeKind::kSocketPeerGone ||
+       wakeKind == WakeKind::kSocketBlockingFull);
+  bool expected = attachShouldSucceed(kind, capacity, size, header) && socket;
   std::string why = Ring::attach(c.memFd, c.wakeFd, capacity, &c.ring);
   if (!why.empty()) {
     FUZZ_CHECK(
         !expected || kind == FileKind::kWriteSealed ||
             kind == FileKind::kFutureWriteSealed,
         "attach refused a good ring: " + why);
+    FUZZ_CHECK(
+        socket || why.find("wake-up") != std::string::npos ||
+            !attachShouldSucceed(kind, capacity, size, header),
+        "attach refused a wake-up that is no socket for another reason: " +
+            why);
     FUZZ_CHECK(!c.ring.valid(), "a failed attach left a ring");
     FUZZ_CHECK(
         !isOpen(c.memFd) && !isOpen(c.wakeFd),
@@ -446,21 +480,39 @@ void fuzzAttach(FuzzInput& in) {
   }
 }
 
+// The producer's side of the wake-up against a consumer that makes its
+// own end blocking (as it may: the descriptor is its): the producer's
+// drain must still return with nothing pending. (With an eventfd, whose
+// flags both sides share, it blocked its loop thread for good: a hang.)
+void blockingConsumerEnd(Ring& mine, int consumerEnd) {
+  const int flags = ::fcntl(consumerEnd, F_GETFL);
+  FUZZ_CHECK(
+      flags >= 0 && ::fcntl(consumerEnd, F_SETFL, flags & ~O_NONBLOCK) == 0,
+      "fcntl of the consumer's wake-up");
+  mine.drainWakeups();
+  char byte = 1;
+  FUZZ_CHECK(::send(consumerEnd, &byte, 1, 0) == 1, "a blocking signal");
+  mine.drainWakeups();
+  mine.drainWakeups();
+}
+
 void fuzzLoopback(FuzzInput& in) {
   uint64_t capacity = kCapacities[in.take<uint8_t>() % 3];
   Ring mine = Ring::create(capacity);
   Consumer c;
   c.capacity = capacity;
   c.memFd = ::dup(mine.fd());
-  c.wakeFd = ::dup(mine.wakeFd());
-  c.wakeDup = mine.wakeFd();
+  c.wakeFd = ::dup(mine.peerWakeFd());
+  c.wakeDup = ::dup(mine.wakeFd());
   std::string why = Ring::attach(c.memFd, c.wakeFd, capacity, &c.ring);
   FUZZ_CHECK(why.empty(), "attach refused a ring of ours: " + why);
+  blockingConsumerEnd(mine, c.wakeFd);
   PeerMapping peer;
   peer.map(mine.fd());
   Producer p;
   p.ring = &mine;
   runOps(in, c, peer, &p);
+  ::close(c.wakeDup);
 }
 
 int fuzzOne(const uint8_t* data, size_t size) {

@@ -18,19 +18,20 @@
 // connection in pieces of up to 257 bytes at a time (so every phase of the
 // parser is also entered mid-way). Setup bit 0: before the input, the peer
 // hands over a real sealed 64 KiB ring (a kRing frame with the ring's memfd
-// and eventfd), so chunk records are checked against a mapped ring; bit 1:
-// likewise a real sealed 64 KiB slab, id 1; with the driver, bit 2: a real
+// and wake-up socket), so chunk records are checked against a mapped ring; bit
+// 1: likewise a real sealed 64 KiB slab, id 1; with the driver, bit 2: a real
 // 2 MiB cuda_ipc block (the fake's memory exported as a descriptor), id 1,
 // bit 3: a real 2 MiB legacy block (a legacy IPC handle), id 2, and bit 4:
 // a real cuda_ring of 2 slots of 64 KiB, generation 1 (its memfd and
-// eventfd), and bit 5: a cuda_ring setup whose wake-up is a pipe (refused,
-// checked). Bits 2-7 also pick the piece size. The layout of a frame is in
-// docs/wire-format.md; make_seeds.py writes valid ones.
+// wake-up socket), and bit 5: a cuda_ring setup whose wake-up is an eventfd
+// (refused, checked). Bits 2-7 also pick the piece size. The layout of a frame
+// is in docs/wire-format.md; make_seeds.py writes valid ones.
 //
 // A finding: a sanitizer report, a crash or a hang; a frame delivered with a
 // segment count other than announced; provided (slab) memory that cannot be
 // read end to end.
 
+#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -240,7 +241,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         sizeof(cap));
     frame.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
     open = conn->feedForTesting(
-        frame.data(), frame.size(), {::dup(ring.fd()), ::dup(ring.wakeFd())});
+        frame.data(),
+        frame.size(),
+        {::dup(ring.fd()), ::dup(ring.peerWakeFd())});
     FUZZ_CHECK(open, "a valid ring setup was refused");
   }
   if (open && (setup & 2)) {
@@ -291,24 +294,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     open = conn->feedForTesting(
         frame.data(),
         frame.size(),
-        {::dup(cudaRing->memFd()), ::dup(cudaRing->wakeFd())});
+        {::dup(cudaRing->memFd()), ::dup(cudaRing->peerWakeFd())});
     FUZZ_CHECK(open, "a valid cuda_ring setup was refused");
   }
   if (open && h.cuda && (setup & 32)) {
-    // A setup whose wake-up is a pipe, not an eventfd: a full pipe would
-    // block the receiver's staging thread on a release. Refused.
+    // A setup whose wake-up is an eventfd, not a socket: its flags and its
+    // count are the peer's too, which could make the receiver's staging
+    // thread block on a release. Refused.
     auto ring = channel::cuda::RingMemory::create(2, 2, 64 << 10);
     channel::cuda::RingSetup ringSetup{2, 2, 0, 64 << 10};
     std::string frame = header(
         h.channel("cuda_ring").wireIds().kind(channel::cuda::kRingSetup),
         sizeof(ringSetup));
     frame.append(reinterpret_cast<const char*>(&ringSetup), sizeof(ringSetup));
-    int pipeFds[2];
-    FUZZ_CHECK(::pipe(pipeFds) == 0, "pipe");
-    ::close(pipeFds[0]);
+    const int event = ::eventfd(0, EFD_CLOEXEC);
+    FUZZ_CHECK(event >= 0, "eventfd");
     const bool accepted = conn->feedForTesting(
-        frame.data(), frame.size(), {::dup(ring->memFd()), pipeFds[1]});
-    FUZZ_CHECK(!accepted, "a cuda_ring setup with a pipe for its eventfd");
+        frame.data(), frame.size(), {::dup(ring->memFd()), event});
+    FUZZ_CHECK(!accepted, "a cuda_ring setup with an eventfd for its wake-up");
     open = false;
   }
   std::string rest = in.takeRest();

@@ -207,7 +207,7 @@ def codec_seeds():
 
 # FileKind and WakeKind of shm_files.h / fuzz_ring.cpp.
 FILE_SEALED, FILE_KINDS = 0, 11
-WAKE_EVENTFD, WAKE_KINDS = 0, 4
+WAKE_SOCKET, WAKE_KINDS = 0, 7
 
 # Ops of fuzz_ring.cpp: op % 6, operands in the other bits.
 R_CONSUME = pick(lambda o: o % 6 == 0)
@@ -221,7 +221,7 @@ R_SHRINK = pick(lambda o: o % 6 == 4 and not o & 8)
 R_PRODUCE = pick(lambda o: o % 6 == 5)
 
 
-def ring_attach(kind=FILE_SEALED, wake=WAKE_EVENTFD):
+def ring_attach(kind=FILE_SEALED, wake=WAKE_SOCKET):
     """Attach mode: a table capacity, a file of exactly its size, a valid
     header (selectors 0 take no operands), consumed 0, writerWaiting 0."""
     return bytes([0, kind, wake, 0, 0, 0]) + u64(0) + u32(0)
@@ -254,11 +254,11 @@ def ring_seeds():
     for wake in range(WAKE_KINDS):
         write("ring", f"attach-wake{wake}",
               ring_attach(wake=wake) + set_field(WAITING, 1) + consume(64))
-    head = bytes([0, FILE_SEALED, WAKE_EVENTFD, 0, 0])
+    head = bytes([0, FILE_SEALED, WAKE_SOCKET, 0, 0])
     write("ring", "attach-bad-magic", head + b"\1" + u64(1) + u64(0) + u32(0))
-    write("ring", "attach-short", bytes([0, FILE_SEALED, WAKE_EVENTFD, 0, 1])
+    write("ring", "attach-short", bytes([0, FILE_SEALED, WAKE_SOCKET, 0, 1])
           + u16(1) + b"\0" + u64(0) + u32(0))
-    write("ring", "attach-raw-capacity", bytes([0, FILE_SEALED, WAKE_EVENTFD, 1])
+    write("ring", "attach-raw-capacity", bytes([0, FILE_SEALED, WAKE_SOCKET, 1])
           + u64(1 << 40) + b"\0\0" + u64(0) + u32(0))
     # Loopback: produce, consume what was produced, let the ring fill, then
     # the peer rewrites `consumed` to something impossible.
@@ -411,7 +411,7 @@ def stream_seeds():
     write("stream", "cuda-ring-host",
           bytes([STREAM_CUDA_RING]) + message([u64(1) + u32(0) + u32(100)], flags=1,
                                               lengths=[100 | CUDA_RING_BIT]) + ping)
-    write("stream", "cuda-ring-pipe-wake", bytes([32]) + ping)
+    write("stream", "cuda-ring-eventfd-wake", bytes([32]) + ping)
     write("stream", "cuda-ring-setup-garbage",
           bytes([0]) + frame_header(CUDA_RING_SETUP, head=24) + u64(2) + u32(65) + u32(0) + u64(4096))
 

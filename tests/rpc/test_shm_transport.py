@@ -211,8 +211,9 @@ def shm_attacks(rank, world_size):
         sock, _ = handshake(addr, SECRET)
         mem = os.memfd_create("tiny")
         os.ftruncate(mem, 4096)
-        ev = os.eventfd(0)
-        socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], [mem, ev])
+        # (The ring's wake-up: the consumer's end of a socket pair.)
+        wake, ev = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], [mem, ev.fileno()])
         out["short_ring"] = closed_by_peer(sock)
         sock.close()
 
@@ -221,7 +222,7 @@ def shm_attacks(rank, world_size):
         os.ftruncate(mem, 4096 + (1 << 20))
         header = struct.pack("<QQQI", 0x474E495258505254, 1 << 20, 0, 0)
         os.pwrite(mem, header, 0)
-        socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], [mem, ev])
+        socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], [mem, ev.fileno()])
         out["unsealed_ring"] = closed_by_peer(sock)
         sock.close()
         os.close(mem)
@@ -232,7 +233,15 @@ def shm_attacks(rank, world_size):
         os.ftruncate(mem, 4096 + (1 << 20))
         fcntl.fcntl(mem, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
         os.pwrite(mem, header, 0)
-        socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], [mem, ev])
+        # ...whose wake-up is an eventfd: its flags and count are ours too,
+        # so we could make the consumer's wake-up write block. Refused.
+        event = os.eventfd(0)
+        socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], [mem, event])
+        out["eventfd_wake"] = closed_by_peer(sock)
+        sock.close()
+        os.close(event)
+        sock, _ = handshake(addr, SECRET)
+        socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], [mem, ev.fileno()])
         sock.settimeout(0.5)
         out["good_ring_accepted"] = not closed_by_peer(sock)
         sock.settimeout(5)
@@ -247,7 +256,8 @@ def shm_attacks(rank, world_size):
         out["bad_record"] = closed_by_peer(sock)
         sock.close()
         os.close(mem)
-        os.close(ev)
+        wake.close()
+        ev.close()
 
         # Slabs. A slab setup without its descriptor.
         def slab_setup(slab_id, capacity):
@@ -325,7 +335,7 @@ def shm_attacks(rank, world_size):
 def test_hostile_ring_use_is_refused_and_the_agent_keeps_serving():
     out = run_world(shm_attacks)[0]
     for label in ["ring_flag_without_ring", "ring_drop_without_ring", "ring_without_fds", "too_many_fds",
-                  "short_ring", "unsealed_ring", "bad_record", "slab_without_fd", "slab_fd_stuffing",
+                  "short_ring", "unsealed_ring", "eventfd_wake", "bad_record", "slab_without_fd", "slab_fd_stuffing",
                   "unsealed_slab", "short_slab", "unknown_slab", "slab_overrun",
                   "never_lent", "bad_record_kind", "release_never_lent", "drop_unknown",
                   "slab_twice"]:

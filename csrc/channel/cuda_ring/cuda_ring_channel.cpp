@@ -4,8 +4,6 @@
 // Sending: cuda_ring_sender.cpp.
 #include "csrc/channel/cuda_ring/cuda_ring_channel.h"
 
-#include <fcntl.h>
-#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -20,6 +18,7 @@
 #include "csrc/common/host.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
+#include "csrc/common/signal_socket.h"
 
 namespace torch_rpc_ext::channel::cuda {
 
@@ -43,10 +42,9 @@ std::shared_ptr<RingMemory> RingMemory::create(
     uint64_t slotBytes) {
   auto r = ownedOffLoop(new RingMemory());
   r->file_ = shm::Slab::create(kRingHeaderBytes + slots * slotBytes);
-  r->wakeFd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (r->wakeFd_ < 0) {
-    throw std::runtime_error(errnoText("eventfd for a cuda_ring failed"));
-  }
+  SignalPair pair = makeSignalPair();
+  r->wakeFd_ = pair.ours;
+  r->peerWakeFd_ = pair.theirs;
   r->generation_ = generation;
   r->slots_ = slots;
   r->slotBytes_ = slotBytes;
@@ -71,19 +69,12 @@ std::string RingMemory::attach(
         std::to_string(kMaxRingSlotBytes) + ", in whole pages, " +
         std::to_string(kMaxRingBytes) + " in all)";
   }
-  // The sender's wake-up must be a non-blocking eventfd: a write to a pipe
-  // or a socket nobody reads would block the staging thread.
-  char link[64] = {};
-  const std::string self = "/proc/self/fd/" + std::to_string(wakeFd);
-  const ssize_t n = ::readlink(self.c_str(), link, sizeof(link) - 1);
-  if (n <= 0 || std::string(link, n) != "anon_inode:[eventfd]") {
+  // The sender's wake-up must be our end of a socket pair: a write to a
+  // pipe, or to an eventfd the peer made blocking and filled, would block
+  // the staging thread that releases a slot.
+  if (!isSignalSocket(wakeFd)) {
     ::close(memFd);
-    return "its wake-up descriptor is not an eventfd";
-  }
-  const int flags = ::fcntl(wakeFd, F_GETFL);
-  if (flags < 0 || ::fcntl(wakeFd, F_SETFL, flags | O_NONBLOCK) != 0) {
-    ::close(memFd);
-    return errnoText("making the ring's eventfd non-blocking failed");
+    return "its wake-up descriptor is not a Unix stream socket";
   }
   std::string why = shm::Slab::attach(
       memFd, kRingHeaderBytes + setup.slots * setup.slotBytes, &r->file_);
@@ -110,8 +101,10 @@ RingMemory::~RingMemory() {
           e.what());
     }
   }
-  if (wakeFd_ >= 0) {
-    ::close(wakeFd_);
+  for (int fd : {wakeFd_, peerWakeFd_}) {
+    if (fd >= 0) {
+      ::close(fd);
+    }
   }
 }
 
@@ -134,15 +127,13 @@ void RingMemory::release(uint32_t i) {
       reinterpret_cast<uint64_t*>(file_->data() + i * kRingCounterStride),
       1,
       __ATOMIC_RELEASE);
-  uint64_t one = 1;
-  // Full (2^64 - 2 wake-ups pending) or closed: the sender wakes anyway.
-  (void)!::write(wakeFd_, &one, sizeof(one));
+  // Never blocks. Full: signals are pending already; the sender gone:
+  // nobody is left to wake.
+  (void)sendSignal(wakeFd_);
 }
 
 void RingMemory::drainWakeups() {
-  uint64_t n;
-  while (::read(wakeFd_, &n, sizeof(n)) == sizeof(n)) {
-  }
+  (void)drainSignals(wakeFd_);
 }
 
 void RingMemory::pin(int device) {

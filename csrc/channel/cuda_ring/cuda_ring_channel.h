@@ -26,8 +26,8 @@ namespace torch_rpc_ext::channel::cuda {
 //
 // The sender owns the ring: a sealed memfd of kRingSlots slots of
 // kRingSlotBytes, registered with the driver (cuMemHostRegister) in both
-// processes, and an eventfd. At the send the tensor is copied on the
-// caller's stream into a device block of the pool (its value at the send
+// processes, and a wake-up socket pair. At the send the tensor is copied on
+// the caller's stream into a device block of the pool (its value at the send
 // travels; a strided view is packed); once that copy has completed (an
 // event the staging thread polls) the segment goes in chunks of one slot:
 // the sender copies chunk k out of the block into a free slot, and when
@@ -35,7 +35,7 @@ namespace torch_rpc_ext::channel::cuda {
 // while the next chunks are still copying. The receiver copies the slot onto
 // its device (the block its tensor will view, as cuda_staged's) and, once
 // that copy has completed, releases the slot: it raises the slot's counter
-// in the ring's header and wakes the sender through the eventfd. Copies out
+// in the ring's header and wakes the sender through the socket. Copies out
 // of one device, hand-off and copies onto the other overlap chunk by chunk.
 //
 // Releases travel through the shared header, not in frames: a frame waiting
@@ -66,7 +66,8 @@ constexpr uint64_t kMaxRingBytes = uint64_t(256) << 20;
 
 // Its control frames (WireIds::kind offsets; docs/wire-format.md).
 enum RingFrame : uint8_t {
-  // A new ring: RingSetup as head; descriptors: the memfd and the eventfd.
+  // A new ring: RingSetup as head; descriptors: the memfd and the
+  // receiver's end of the wake-up socket pair.
   kRingSetup = 0,
   kRingDrop = 1, // head: the ring's uint64 generation
 };
@@ -104,7 +105,7 @@ struct SlotRingCounters {
 };
 
 // One direction's ring, mapped in this process: the slots, their release
-// counters, the wake-up eventfd, and the registration that makes the slots
+// counters, the wake-up socket pair, and the registration that makes the slots
 // pinned memory for the driver. The last holder unregisters and unmaps it
 // (copies still using it hold it too).
 class RingMemory {
@@ -134,8 +135,15 @@ class RingMemory {
   }
   char* slot(uint32_t i) const;
   int memFd() const;
+  // This side's end of the wake-up socket pair (signal_socket.h): the
+  // sender watches it, the receiver signals on it.
   int wakeFd() const {
     return wakeFd_;
+  }
+  // Sender: the receiver's end, handed over in the setup frame and kept
+  // open with the ring, so our watched end never reads as closed.
+  int peerWakeFd() const {
+    return peerWakeFd_;
   }
   // The count of releases of slot `i` (the receiver raises it).
   uint64_t released(uint32_t i) const;
@@ -152,6 +160,7 @@ class RingMemory {
   RingMemory() = default;
   std::shared_ptr<shm::Slab> file_;
   int wakeFd_ = -1;
+  int peerWakeFd_ = -1; // sender only
   uint64_t generation_ = 0;
   uint32_t slots_ = 0;
   uint64_t slotBytes_ = 0;
@@ -200,7 +209,7 @@ class RingChannel final : public Channel,
       const std::string& head,
       std::vector<int>& fds) override;
   size_t maxPendingFds() const override {
-    return 2; // a kRingSetup frame's memfd and eventfd
+    return 2; // a kRingSetup frame's memfd and wake-up socket
   }
   void onClosedFromLoop() override;
 
@@ -238,7 +247,7 @@ class RingChannel final : public Channel,
   std::vector<uint64_t> sentCount_; // records sent per slot
   size_t outs_ = 0; // segments taken whose frames are not done with
 
-  std::shared_ptr<RingMemory> watched_; // loop thread: its eventfd
+  std::shared_ptr<RingMemory> watched_; // loop thread: its wake-up socket
   std::shared_ptr<RingMemory> ringIn_; // the peer's (loop thread)
   std::unique_ptr<Landing> landing_; // the segment being received
 };

@@ -305,7 +305,7 @@ std::optional<ControlFrame> RingChannel::prepareChunksLocked() {
   return ControlFrame{
       context().wireIds().kind(kRingSetup),
       std::string(reinterpret_cast<const char*>(&setup), sizeof(setup)),
-      {ring->memFd(), ring->wakeFd()},
+      {ring->memFd(), ring->peerWakeFd()},
       ring};
 }
 
@@ -514,7 +514,8 @@ void RingChannel::watchFromLoop(const std::shared_ptr<RingMemory>& ring) {
 }
 
 void RingChannel::retire(std::shared_ptr<RingMemory> ring) {
-  // The loop forgets the eventfd before the ring (and its descriptor) goes.
+  // The loop forgets the wake-up socket before the ring (and its
+  // descriptors) goes.
   auto host = host_.lock();
   if (!host) {
     return;

@@ -2,7 +2,6 @@
 #include "csrc/channel/shm/ring.h"
 
 #include <fcntl.h>
-#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,6 +14,7 @@
 #include <utility>
 
 #include "csrc/common/logging.h"
+#include "csrc/common/signal_socket.h"
 
 namespace torch_rpc_ext::channel::shm {
 
@@ -29,10 +29,9 @@ Ring Ring::create(uint64_t capacity) {
   if (r.fd_ < 0) {
     throw std::runtime_error(errnoText("memfd_create failed"));
   }
-  r.wakeFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (r.wakeFd_ < 0) {
-    throw std::runtime_error(errnoText("eventfd failed"));
-  }
+  SignalPair pair = makeSignalPair();
+  r.wakeFd_ = pair.ours;
+  r.peerWakeFd_ = pair.theirs;
   r.mapped_ = kRingHeaderBytes + capacity;
   if (::ftruncate(r.fd_, static_cast<off_t>(r.mapped_)) != 0) {
     throw std::runtime_error(errnoText("ftruncate failed"));
@@ -84,6 +83,11 @@ std::string Ring::attach(int fd, int wakeFd, uint64_t capacity, Ring* out) {
     return "the peer's ring is not a sealed shared-memory file of " +
         std::to_string(r.mapped_) + " bytes";
   }
+  // Its wake-up must be our end of a socket pair, which only we can make
+  // block: a pipe or an eventfd shares its flags and fill with the peer.
+  if (!isSignalSocket(wakeFd)) {
+    return "the peer's ring wake-up is not a Unix stream socket";
+  }
   void* p = ::mmap(
       nullptr,
       r.mapped_,
@@ -112,6 +116,7 @@ Ring& Ring::operator=(Ring&& other) noexcept {
     release();
     fd_ = std::exchange(other.fd_, -1);
     wakeFd_ = std::exchange(other.wakeFd_, -1);
+    peerWakeFd_ = std::exchange(other.peerWakeFd_, -1);
     base_ = std::exchange(other.base_, nullptr);
     mapped_ = std::exchange(other.mapped_, 0);
     capacity_ = std::exchange(other.capacity_, 0);
@@ -133,16 +138,16 @@ void Ring::release() {
     ::close(fd_);
     fd_ = -1;
   }
-  if (wakeFd_ >= 0) {
-    ::close(wakeFd_);
-    wakeFd_ = -1;
+  for (int* fd : {&wakeFd_, &peerWakeFd_}) {
+    if (*fd >= 0) {
+      ::close(*fd);
+      *fd = -1;
+    }
   }
 }
 
 void Ring::drainWakeups() {
-  uint64_t v;
-  while (::read(wakeFd_, &v, sizeof(v)) > 0) {
-  }
+  (void)drainSignals(wakeFd_);
 }
 
 bool Ring::drained() const {
@@ -200,10 +205,9 @@ std::string Ring::consume(
   RingHeader* h = header();
   h->consumed.store(position_, std::memory_order_seq_cst);
   if (h->writerWaiting.exchange(0, std::memory_order_seq_cst) != 0) {
-    uint64_t one = 1;
-    if (::write(wakeFd_, &one, sizeof(one)) < 0 && errno != EAGAIN) {
-      return errnoText("waking the ring's producer failed");
-    }
+    // Never blocks (our own end of the pair). A producer that has closed
+    // its end has dropped the ring: nobody is left to wake.
+    (void)sendSignal(wakeFd_);
   }
   return {};
 }

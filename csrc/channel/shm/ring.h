@@ -21,9 +21,10 @@ namespace torch_rpc_ext::channel::shm {
 // per side and both copies run in parallel on two cores, while wake-ups stay
 // event-driven: nobody spins. The consumer publishes its position in the shared
 // header; a producer that finds the ring full raises `writerWaiting`, and the
-// consumer then signals the ring's eventfd, which the producer's loop thread
-// watches. (The wake-up cannot travel on the consumer's own socket: that
-// stream may itself be stuck mid-frame behind a full ring.)
+// consumer then signals the ring's wake-up socket pair (signal_socket.h), whose
+// other end the producer's loop thread watches. (The wake-up cannot travel on
+// the consumer's own socket: that stream may itself be stuck mid-frame behind
+// a full ring.)
 //
 // Memory layout: one 4 KiB header page, then `capacity` data bytes.
 struct RingHeader {
@@ -60,8 +61,9 @@ class Ring {
   // A new ring (producer side). Throws std::runtime_error naming the failing
   // call (memfd_create, ftruncate, mmap) when shared memory is unavailable.
   static Ring create(uint64_t capacity);
-  // Map the peer's ring from `fd` with its wake-up eventfd `wakeFd`
-  // (consumer side; takes ownership of both). Returns an error text, or "".
+  // Map the peer's ring from `fd` with `wakeFd`, the consumer's end of its
+  // wake-up socket pair (consumer side; takes ownership of both). Returns an
+  // error text, or "".
   static std::string attach(int fd, int wakeFd, uint64_t capacity, Ring* out);
 
   Ring() = default;
@@ -77,11 +79,19 @@ class Ring {
   int fd() const {
     return fd_;
   }
-  // The eventfd the consumer signals when the producer waits for space.
+  // This side's end of the wake-up pair: the producer watches it for the
+  // consumer's signals (room in the ring), the consumer sends them on it.
   int wakeFd() const {
     return wakeFd_;
   }
-  // Producer: reset the eventfd after a wake-up.
+  // Producer: the consumer's end, handed over in the setup frame. Kept open
+  // with the ring, as the memfd is: a setup frame sent again names it, and
+  // our watched end never reads as closed (the loop watches it level-
+  // triggered) when the consumer lets the ring go first.
+  int peerWakeFd() const {
+    return peerWakeFd_;
+  }
+  // Producer: read the signals after a wake-up.
   void drainWakeups();
   // Producer: the consumer has taken every byte produced so far.
   bool drained() const;
@@ -110,6 +120,7 @@ class Ring {
 
   int fd_ = -1;
   int wakeFd_ = -1;
+  int peerWakeFd_ = -1; // producer only
   char* base_ = nullptr;
   size_t mapped_ = 0;
   uint64_t capacity_ = 0;

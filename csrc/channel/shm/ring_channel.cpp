@@ -92,7 +92,7 @@ ControlFrame RingChannel::setupFrame(const std::shared_ptr<Ring>& ring) {
   return ControlFrame{
       context().wireIds().kind(kRingSetup),
       std::string(reinterpret_cast<const char*>(&cap), sizeof(cap)),
-      {ring->fd(), ring->wakeFd()},
+      {ring->fd(), ring->peerWakeFd()},
       ring};
 }
 
@@ -210,12 +210,12 @@ void RingChannel::watchFromLoop(const std::shared_ptr<Ring>& ring) {
       self->onWakeFromLoop();
     }
   });
-  // A wake-up that came before we watched is still pending in the eventfd
+  // A wake-up that came before we watched is still pending in the socket
   // (level-triggered), so nothing is missed.
 }
 
 void RingChannel::retire(std::shared_ptr<Ring> ring) {
-  // The loop forgets the eventfd before the ring (and its descriptors) goes:
+  // The loop forgets the socket before the ring (and its descriptors) goes:
   // a descriptor closed while watched could be reused and then unwatched.
   auto host = host_.lock();
   if (!host) {

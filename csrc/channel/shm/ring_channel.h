@@ -17,7 +17,7 @@ namespace torch_rpc_ext::channel::shm {
 // Its control frames, as offsets into the kinds the registry gave the
 // channel (WireIds::kind): docs/wire-format.md.
 enum RingFrame : uint8_t {
-  kRingSetup = 0, // a new ring: uint64 capacity + memfd and eventfd
+  kRingSetup = 0, // a new ring: uint64 capacity + memfd and wake-up socket
   kRingDrop = 1, // the sender drops its ring (empty head)
 };
 
@@ -35,7 +35,7 @@ enum RingFrame : uint8_t {
 // kIdleRingMs without use.
 //
 // Frames: kRingSetup (head: uint64 capacity; descriptors: the ring's memfd and
-// its wake-up eventfd) and kRingDrop (empty).
+// the consumer's end of its wake-up socket pair) and kRingDrop (empty).
 class RingChannel final : public Channel,
                           public std::enable_shared_from_this<RingChannel> {
  public:
@@ -73,7 +73,7 @@ class RingChannel final : public Channel,
       const std::string& head,
       std::vector<int>& fds) override;
   size_t maxPendingFds() const override {
-    return 2; // a kRingSetup frame's memfd and eventfd
+    return 2; // a kRingSetup frame's memfd and wake-up socket
   }
   void onClosedFromLoop() override;
 
@@ -81,11 +81,11 @@ class RingChannel final : public Channel,
   // Make the first ring (false if none can be made).
   bool makeFirstRing();
   // The kRingSetup frame handing `ring` to the peer (mutex_ held); has the loop
-  // watch its eventfd.
+  // watch its wake-up socket.
   ControlFrame setupFrame(const std::shared_ptr<Ring>& ring);
   // The peer released ring space we wait for (loop thread).
   void onWakeFromLoop();
-  // Loop thread: watch `ring`'s wake-up eventfd instead of the last one's.
+  // Loop thread: watch `ring`'s wake-up socket instead of the last one's.
   void watchFromLoop(const std::shared_ptr<Ring>& ring);
   // Any thread: have the loop stop watching `ring` and let it go.
   void retire(std::shared_ptr<Ring> ring);
@@ -100,7 +100,7 @@ class RingChannel final : public Channel,
   bool filled_ = false; // it filled up since it was made
   bool announce_ = false; // made by makeFirstRing(), not yet sent
 
-  std::shared_ptr<Ring> watched_; // loop thread: its eventfd is watched
+  std::shared_ptr<Ring> watched_; // loop thread: its wake-up socket is watched
   Ring ringIn_; // the peer's, read on the loop thread
 };
 

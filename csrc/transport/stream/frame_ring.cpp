@@ -3,7 +3,6 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -13,6 +12,7 @@
 #include <stdexcept>
 
 #include "csrc/common/logging.h"
+#include "csrc/common/signal_socket.h"
 
 namespace torch_rpc_ext::transport::stream {
 
@@ -36,13 +36,9 @@ std::unique_ptr<FrameRing> FrameRing::create(uint64_t capacity) {
   if (r->memFd_ < 0) {
     throw std::runtime_error(errnoText("memfd_create failed"));
   }
-  int pair[2];
-  if (::socketpair(
-          AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, pair) != 0) {
-    throw std::runtime_error(errnoText("socketpair failed"));
-  }
-  r->signalFd_ = pair[0];
-  r->peerSignalFd_ = pair[1];
+  SignalPair pair = makeSignalPair();
+  r->signalFd_ = pair.ours;
+  r->peerSignalFd_ = pair.theirs;
   r->mapped_ = kFrameRingHeaderBytes + capacity;
   if (::ftruncate(r->memFd_, static_cast<off_t>(r->mapped_)) != 0) {
     throw std::runtime_error(errnoText("ftruncate failed"));
@@ -95,14 +91,7 @@ std::unique_ptr<FrameRing> FrameRing::attach(
   }
   // The signal descriptor must be a Unix stream socket (one end of the
   // ring's pair): we write to it and read from it, never anything else.
-  int domain = 0, type = 0;
-  socklen_t len = sizeof(int);
-  bool unixStream = ::fstat(signalFd, &st) == 0 && S_ISSOCK(st.st_mode) &&
-      ::getsockopt(signalFd, SOL_SOCKET, SO_DOMAIN, &domain, &len) == 0 &&
-      (len = sizeof(int),
-       ::getsockopt(signalFd, SOL_SOCKET, SO_TYPE, &type, &len) == 0) &&
-      domain == AF_UNIX && type == SOCK_STREAM;
-  if (!unixStream) {
+  if (!isSignalSocket(signalFd)) {
     *error = "the peer's frame ring signal is not a Unix stream socket";
     return nullptr;
   }
@@ -151,25 +140,11 @@ void FrameRing::closeHandedOver() {
 }
 
 bool FrameRing::signal() {
-  char byte = 1;
-  // Full (the other end has not read the signals before it): it is
-  // signalled already.
-  ssize_t rv = ::send(signalFd_, &byte, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
-  return rv == 1 || errno == EAGAIN || errno == EWOULDBLOCK;
+  return sendSignal(signalFd_);
 }
 
 bool FrameRing::drainSignals() {
-  char bytes[64];
-  for (int i = 0; i < 16; ++i) {
-    ssize_t got = ::recv(signalFd_, bytes, sizeof(bytes), MSG_DONTWAIT);
-    if (got == 0) {
-      return false;
-    }
-    if (got < 0) {
-      return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
-    }
-  }
-  return true; // more than 1 KiB of signals: the rest wakes us again
+  return torch_rpc_ext::drainSignals(signalFd_);
 }
 
 size_t FrameRing::room(std::string* error) {

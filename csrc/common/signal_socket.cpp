@@ -1,0 +1,58 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "csrc/common/signal_socket.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <cerrno>
+#include <stdexcept>
+
+#include "csrc/common/logging.h"
+
+namespace torch_rpc_ext {
+
+SignalPair makeSignalPair() {
+  int pair[2];
+  if (::socketpair(
+          AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, pair) != 0) {
+    throw std::runtime_error(errnoText("socketpair for a wake-up failed"));
+  }
+  return SignalPair{pair[0], pair[1]};
+}
+
+bool sendSignal(int fd) {
+  const char byte = 1;
+  if (::send(fd, &byte, 1, MSG_DONTWAIT | MSG_NOSIGNAL) == 1) {
+    return true;
+  }
+  return errno == EAGAIN || errno == EWOULDBLOCK;
+}
+
+bool drainSignals(int fd) {
+  char bytes[64];
+  for (int i = 0; i < 16; ++i) {
+    ssize_t got = ::recv(fd, bytes, sizeof(bytes), MSG_DONTWAIT);
+    if (got == 0) {
+      return false;
+    }
+    if (got < 0) {
+      return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    }
+  }
+  return true;
+}
+
+bool isSignalSocket(int fd) {
+  struct stat st{};
+  int domain = 0;
+  int type = 0;
+  socklen_t len = sizeof(int);
+  if (fd < 0 || ::fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode) ||
+      ::getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &len) != 0) {
+    return false;
+  }
+  len = sizeof(int);
+  return ::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0 &&
+      domain == AF_UNIX && type == SOCK_STREAM;
+}
+
+} // namespace torch_rpc_ext
