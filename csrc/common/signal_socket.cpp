@@ -28,7 +28,7 @@ bool sendSignal(int fd) {
 }
 
 bool drainSignals(int fd) {
-  char bytes[64];
+  char bytes[16 << 10];
   for (int i = 0; i < 16; ++i) {
     ssize_t got = ::recv(fd, bytes, sizeof(bytes), MSG_DONTWAIT);
     if (got == 0) {

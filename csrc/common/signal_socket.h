@@ -8,9 +8,14 @@
 // Why not an eventfd (or a pipe): a descriptor handed to a peer shares its
 // open file description, flags included, so the peer can clear O_NONBLOCK
 // or fill it to its maximum, and our next read() or write() on it blocks the
-// loop or staging thread that made it. Each end of a socket pair is a file of
-// its own whose flags the other side cannot touch, and every call here
-// passes MSG_DONTWAIT besides. Used by the frame ring, the shm_ring channel
+// loop or staging thread that made it. Here the end a side reads (`ours`)
+// is never handed out, and every send and receive passes MSG_DONTWAIT,
+// which no flag of the descriptor overrides: no call blocks, whatever the
+// peer does to the end it holds. What a peer can still do is shut its end
+// down (our end then reads as ended: drainSignals() says so, and the caller
+// stops watching it) or send bytes in bulk (a drain reads up to 256 KiB,
+// more than a Unix socket's send buffer holds by default, so a flood costs
+// a drain per 256 KiB sent). Used by the frame ring, the shm_ring channel
 // and the cuda_ring channel (docs/wire-format.md, docs/security.md).
 
 namespace torch_rpc_ext {
@@ -29,8 +34,10 @@ SignalPair makeSignalPair();
 // the send failed otherwise (errno set).
 bool sendSignal(int fd);
 
-// Read the signals that came (never blocks; at most ~1 KiB a call, the rest
-// keeps the descriptor readable). False once the other end has closed.
+// Read the signals that came (never blocks; at most 256 KiB a call, the
+// rest keeps the descriptor readable). False once the other end has closed
+// or shut down its sending side: the descriptor then stays readable for
+// good, so its watcher must stop watching it.
 bool drainSignals(int fd);
 
 // A peer's descriptor is one end of such a pair: a Unix stream socket.

@@ -28,6 +28,9 @@ constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 //    exporter value (transport/handshake.h).
 // 5: the client proves first; the server's proof follows in a kProof of
 //    its own (transport/handshake.h).
+// 6: frame rings on shm connections (kFrameRing).
+// 7: the shm_ring and cuda_ring channels' wake-ups are Unix stream socket
+//    ends, not eventfds (common/signal_socket.h).
 constexpr uint8_t kProtocolVersion = 7;
 
 enum class FrameKind : uint8_t {
@@ -39,7 +42,8 @@ enum class FrameKind : uint8_t {
   kPong = 6,
   // The sender's frames go through shared memory from here on (a connection
   // that passes descriptors: shm): uint64 capacity + the ring's memfd and
-  // its two eventfds (transport/stream/frame_ring.h).
+  // the receiver's end of its signal socket pair
+  // (transport/stream/frame_ring.h).
   kFrameRing = 7,
   // Kinds 8 to 15 are reserved (rejected). Kinds 16 and up belong to the
   // channels: the registry gives the channel at position i of its list

@@ -29,12 +29,15 @@
 // accepting a record that does not start at the consumer's position, is
 // empty or does not fit (the ring or the destination), or refusing an
 // honest one; copied bytes that differ from the ring's; a consumer position
-// or wake-up flag not published, a waiting producer not signalled; produce()
+// or wake-up flag not published, a waiting producer not signalled, a
+// producer's drain that blocks, leaves signals behind or misses a consumer
+// that shut its end down (loopback); produce()
 // writing outside the data area, past the space the consumer released, or on
 // from an impossible consumer position without an error; a descriptor left open
 // after the ring is gone.
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -484,16 +487,34 @@ void fuzzAttach(FuzzInput& in) {
 // own end blocking (as it may: the descriptor is its): the producer's
 // drain must still return with nothing pending. (With an eventfd, whose
 // flags both sides share, it blocked its loop thread for good: a hang.)
+bool readable(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  return ::poll(&p, 1, 0) == 1 && (p.revents & POLLIN) != 0;
+}
+
 void blockingConsumerEnd(Ring& mine, int consumerEnd) {
   const int flags = ::fcntl(consumerEnd, F_GETFL);
   FUZZ_CHECK(
       flags >= 0 && ::fcntl(consumerEnd, F_SETFL, flags & ~O_NONBLOCK) == 0,
       "fcntl of the consumer's wake-up");
-  mine.drainWakeups();
-  char byte = 1;
-  FUZZ_CHECK(::send(consumerEnd, &byte, 1, 0) == 1, "a blocking signal");
-  mine.drainWakeups();
-  mine.drainWakeups();
+  FUZZ_CHECK(mine.drainWakeups(), "an empty wake-up read as ended");
+  // A flood (more than one drain's worth would take: the kernel queues
+  // what it will) is read in one drain.
+  std::vector<char> flood(64 << 10, 1);
+  for (int i = 0; i < 8; ++i) {
+    (void)::send(consumerEnd, flood.data(), flood.size(), MSG_DONTWAIT);
+  }
+  FUZZ_CHECK(mine.drainWakeups(), "a flooded wake-up read as ended");
+  FUZZ_CHECK(!readable(mine.wakeFd()), "a drain left signals behind");
+  FUZZ_CHECK(mine.drainWakeups(), "a drained wake-up read as ended");
+}
+
+// The consumer shuts its end down (its process holds the same socket we
+// keep open for it): our end reads as ended for good, which the drain must
+// report, or the loop watching it would spin.
+void shutDownConsumerEnd(Ring& mine, int consumerEnd) {
+  FUZZ_CHECK(::shutdown(consumerEnd, SHUT_WR) == 0, "shutdown");
+  FUZZ_CHECK(!mine.drainWakeups(), "a shut-down wake-up was not reported");
 }
 
 void fuzzLoopback(FuzzInput& in) {
@@ -512,6 +533,7 @@ void fuzzLoopback(FuzzInput& in) {
   Producer p;
   p.ring = &mine;
   runOps(in, c, peer, &p);
+  shutDownConsumerEnd(mine, c.wakeFd);
   ::close(c.wakeDup);
 }
 

@@ -407,3 +407,95 @@ def test_rings_are_made_on_demand_grown_under_load_and_dropped_when_idle():
     # ...and the one after it starts over with a new ring.
     for loaded, side in zip(out["loaded"], out["again"]):
         assert side["rings_created"] == loaded["rings_created"] + 1, out
+
+
+def shut_down_wakeups_from(pid, delay):
+    """In this worker: after `delay` s, shut down every ring wake-up end that
+    worker `pid` handed us (an unnamed Unix stream socket whose creator is
+    that process; with frame rings off, only shm_ring's wake-ups are such)."""
+    import threading
+
+    def ours_from_peer():
+        found = []
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            try:
+                if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                    continue
+                s = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                if s.family != socket.AF_UNIX or s.type != socket.SOCK_STREAM:
+                    continue
+                if s.getsockname() or s.getpeername():
+                    continue  # a connection (or listener), not a pair's end
+                creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                if struct.unpack("<iII", creds)[0] == pid:
+                    found.append(fd)
+            except OSError:
+                pass
+            finally:
+                s.close()
+        return found
+
+    fds = ours_from_peer()
+
+    def shut():
+        for fd in fds:
+            try:
+                socket.socket(fileno=os.dup(fd)).shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    threading.Timer(delay, shut).start()
+    return len(fds)
+
+
+def loop_cpu_seconds():
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if not f.read().startswith("rpcx-shm"):
+                    continue
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:
+            continue
+    return total / 1e9
+
+
+def shut_wakeup(rank, world_size):
+    # Frame rings off: the ring's wake-up pairs are then the only unnamed
+    # Unix sockets worker1 got from us.
+    init(rank, world_size, channels=("shm_ring",), shm_frame_ring_bytes=0)
+    out = {}
+    if rank == 0:
+        # 800 KB, a few times: the first goes as a one-off, then a ring is
+        # made and handed to worker1.
+        x = torch.arange(200_000, dtype=torch.float32)
+        for k in range(4):
+            assert torch.equal(rpc.rpc_sync("worker1", echo, args=(x + k,)), x + k)
+        out["rings"] = channel_counters("shm_ring").get("rings_created", 0)
+        out["shut"] = rpc.rpc_sync("worker1", shut_down_wakeups_from, args=(os.getpid(), 0.3))
+        time.sleep(1.0)
+        cpu = loop_cpu_seconds()
+        time.sleep(1.0)
+        # The loop did not spin on the ended socket: a spinning loop takes
+        # ~1 s of CPU a second.
+        out["loop_cpu"] = loop_cpu_seconds() - cpu
+        metrics = rpc.api._get_current_rpc_agent().get_metrics()
+        out["rejected"] = int(metrics["rpc_ext.peer.worker1.rejected_frames"])
+        out["again"] = torch.equal(rpc.rpc_sync("worker1", echo, args=(x + 1,)), x + 1)
+    rpc.shutdown()
+    return out
+
+
+def test_a_peer_that_shuts_down_a_ring_wake_up_loses_its_connection_not_our_loop():
+    out = run_world(shut_wakeup)[0]
+    assert out["rings"] >= 1, out
+    assert out["shut"] == 1, out
+    assert out["rejected"] >= 1, out
+    assert out["loop_cpu"] < 0.3, out
+    assert out["again"], out

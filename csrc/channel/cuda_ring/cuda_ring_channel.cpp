@@ -69,9 +69,10 @@ std::string RingMemory::attach(
         std::to_string(kMaxRingSlotBytes) + ", in whole pages, " +
         std::to_string(kMaxRingBytes) + " in all)";
   }
-  // The sender's wake-up must be our end of a socket pair: a write to a
-  // pipe, or to an eventfd the peer made blocking and filled, would block
-  // the staging thread that releases a slot.
+  // The sender's wake-up must be a Unix stream socket, which a release
+  // signals with MSG_DONTWAIT whatever its flags: a write to a pipe, or to
+  // an eventfd the peer made blocking and filled, would block the staging
+  // thread that releases a slot.
   if (!isSignalSocket(wakeFd)) {
     ::close(memFd);
     return "its wake-up descriptor is not a Unix stream socket";
@@ -132,8 +133,8 @@ void RingMemory::release(uint32_t i) {
   (void)sendSignal(wakeFd_);
 }
 
-void RingMemory::drainWakeups() {
-  (void)drainSignals(wakeFd_);
+bool RingMemory::drainWakeups() {
+  return drainSignals(wakeFd_);
 }
 
 void RingMemory::pin(int device) {

@@ -115,8 +115,9 @@ class RingMemory {
       uint64_t generation,
       uint32_t slots,
       uint64_t slotBytes);
-  // The peer's ring from its setup frame (receiver; closes both
-  // descriptors in all cases). Returns an error text, or "".
+  // The peer's ring from its setup frame (receiver; owns both descriptors
+  // from the call on: kept by the ring, or closed on failure). Returns an
+  // error text, or "".
   static std::string attach(
       const RingSetup& setup,
       int memFd,
@@ -141,7 +142,8 @@ class RingMemory {
     return wakeFd_;
   }
   // Sender: the receiver's end, handed over in the setup frame and kept
-  // open with the ring, so our watched end never reads as closed.
+  // open with the ring, so our watched end does not read as ended when the
+  // receiver closes it (shutting it down does: drainWakeups()).
   int peerWakeFd() const {
     return peerWakeFd_;
   }
@@ -150,7 +152,8 @@ class RingMemory {
   // Receiver, any thread: slot `i` may be written again; wakes the sender.
   void release(uint32_t i);
   // Sender, loop thread: reads the wake-ups the receiver's releases left.
-  void drainWakeups();
+  // False once the receiver has shut the wake-up down (stop watching it).
+  bool drainWakeups();
   // Registers the slots with the driver, once, in `device`'s context
   // (portable: every context of the process sees them pinned). Throws
   // naming the failing call (and tries again on the next call).

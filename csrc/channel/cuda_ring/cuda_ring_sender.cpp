@@ -506,8 +506,20 @@ void RingChannel::watchFromLoop(const std::shared_ptr<RingMemory>& ring) {
     if (!self || !self->watched_) {
       return;
     }
-    self->watched_->drainWakeups();
-    if (auto h = self->host_.lock()) {
+    auto h = self->host_.lock();
+    if (!self->watched_->drainWakeups()) {
+      // Shut down by the receiver (it reads as ended on every pass of the
+      // loop from now on): forget it and end the connection.
+      if (h) {
+        h->unwatchFromLoop(self->watched_->wakeFd());
+      }
+      self->watched_.reset();
+      if (h) {
+        h->rejectFromLoop("the peer shut down its cuda_ring wake-up socket");
+      }
+      return;
+    }
+    if (h) {
       h->resumeWritesFromLoop(); // produceChunkLocked() reclaims the slots
     }
   });

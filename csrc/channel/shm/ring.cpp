@@ -83,8 +83,9 @@ std::string Ring::attach(int fd, int wakeFd, uint64_t capacity, Ring* out) {
     return "the peer's ring is not a sealed shared-memory file of " +
         std::to_string(r.mapped_) + " bytes";
   }
-  // Its wake-up must be our end of a socket pair, which only we can make
-  // block: a pipe or an eventfd shares its flags and fill with the peer.
+  // Its wake-up must be a Unix stream socket, which we signal with
+  // MSG_DONTWAIT whatever its flags: a pipe or an eventfd would block our
+  // write once the peer made it blocking and full.
   if (!isSignalSocket(wakeFd)) {
     return "the peer's ring wake-up is not a Unix stream socket";
   }
@@ -146,8 +147,8 @@ void Ring::release() {
   }
 }
 
-void Ring::drainWakeups() {
-  (void)drainSignals(wakeFd_);
+bool Ring::drainWakeups() {
+  return drainSignals(wakeFd_);
 }
 
 bool Ring::drained() const {

@@ -85,14 +85,16 @@ class Ring {
     return wakeFd_;
   }
   // Producer: the consumer's end, handed over in the setup frame. Kept open
-  // with the ring, as the memfd is: a setup frame sent again names it, and
-  // our watched end never reads as closed (the loop watches it level-
-  // triggered) when the consumer lets the ring go first.
+  // with the ring, as the memfd is (the frame names both until it is
+  // written), so our watched end does not read as ended when the consumer
+  // lets the ring go first; a consumer that shuts the socket down ends it
+  // all the same (drainWakeups()).
   int peerWakeFd() const {
     return peerWakeFd_;
   }
-  // Producer: read the signals after a wake-up.
-  void drainWakeups();
+  // Producer: read the signals after a wake-up. False once the consumer
+  // has shut the wake-up down: it reads as ended for good (stop watching).
+  bool drainWakeups();
   // Producer: the consumer has taken every byte produced so far.
   bool drained() const;
   uint64_t capacity() const {

@@ -184,10 +184,21 @@ std::optional<ControlFrame> RingChannel::dropIfIdleLocked() {
 }
 
 void RingChannel::onWakeFromLoop() {
-  if (watched_) {
-    watched_->drainWakeups();
+  auto host = host_.lock();
+  if (watched_ && !watched_->drainWakeups()) {
+    // The consumer shut its end down (an honest one only closes it, and we
+    // hold that end open too): the socket would read as ended on every
+    // pass of the loop. Forget it and end the connection.
+    if (host) {
+      host->unwatchFromLoop(watched_->wakeFd());
+    }
+    watched_.reset();
+    if (host) {
+      host->rejectFromLoop("the peer shut down its shm_ring wake-up socket");
+    }
+    return;
   }
-  if (auto host = host_.lock()) {
+  if (host) {
     host->resumeWritesFromLoop();
   }
 }
