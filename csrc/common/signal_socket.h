@@ -8,10 +8,11 @@
 // Why not an eventfd (or a pipe): a descriptor handed to a peer shares its
 // open file description, flags included, so the peer can clear O_NONBLOCK
 // or fill it to its maximum, and our next read() or write() on it blocks the
-// loop or staging thread that made it. Here the end a side reads (`ours`)
-// is never handed out, and every send and receive passes MSG_DONTWAIT,
-// which no flag of the descriptor overrides: no call blocks, whatever the
-// peer does to the end it holds. What a peer can still do is shut its end
+// loop or staging thread that made it. Here every send and receive passes
+// MSG_DONTWAIT, which no flag of the descriptor overrides: no call blocks,
+// whatever the peer does to an end it holds (the frame ring's receiver
+// reads the end the sender made and handed it; the rings' senders read an
+// end they never hand out). What a peer can still do is shut its end
 // down (our end then reads as ended: drainSignals() says so, and the caller
 // stops watching it) or send bytes in bulk (a drain reads up to 256 KiB,
 // more than a Unix socket's send buffer holds by default, so a flood costs

@@ -208,6 +208,21 @@ def frame_ring_attacks(rank, world_size):
             out["good_ring_read"] = struct.unpack("<Q", m[TAIL:TAIL + 8])[0] == 24
 
         out["good_ring_closed"] = attempt([mem, theirs.fileno()], then=ping)
+
+        # A peer with no ring of its own shuts down the signal socket of the
+        # agent's ring: no signal could ever say that ring has room again,
+        # so the connection ends (it used to stay, its writes to wait once
+        # the ring filled).
+        sock, ok = handshake(addr, SECRET)
+        assert ok
+        frame, agent_fds, _, _ = socket.recv_fds(sock, 32, 4)
+        signal_end = socket.socket(fileno=agent_fds[1])
+        signal_end.shutdown(socket.SHUT_WR)
+        sock.settimeout(2.0)
+        out["signal_shut_down"] = closed_by_peer(sock)
+        sock.close()
+        signal_end.close()
+        os.close(agent_fds[0])
         for fd in kept:
             os.close(fd)
         x = torch.randn(300_000)
@@ -224,7 +239,7 @@ def test_hostile_frame_rings_are_refused_and_the_agent_keeps_serving():
     out = run_world(frame_ring_attacks, timeout=150)[0]
     for label in ["without_fds", "unsealed", "signal_not_a_socket", "capacity_out_of_range",
                   "bad_magic", "impossible_head", "frame_on_the_socket_after",
-                  "carriers_never_sent"]:
+                  "carriers_never_sent", "signal_shut_down"]:
         assert out[label], label
     assert out["good_ring_read"]
     assert not out["good_ring_closed"]

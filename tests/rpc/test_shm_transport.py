@@ -173,9 +173,21 @@ def shm_attacks(rank, world_size):
         info = rpc.rpc_sync("worker1", debug_info)
         addr = info["rpc_ext.listen.shm"]
         assert addr.startswith("@")
+        kept = []
+
+        def connect(addr, secret):
+            # As an honest peer: the agent's frame ring (its last frame on
+            # the socket) taken and its descriptors kept open, since the
+            # agent takes the end of its ring's signal socket for the end
+            # of the peer.
+            sock, ok = handshake(addr, secret)
+            if ok:
+                _, fds, _, _ = socket.recv_fds(sock, 32, 4)
+                kept.extend(fds)
+            return sock, ok
 
         # A message claiming ring segments before any ring was set up.
-        sock, ok = handshake(addr, SECRET)
+        sock, ok = connect(addr, SECRET)
         assert ok
         sock.sendall(frame_header(MESSAGE, 8, nseg=1, data=1 << 20, flags=1)
                      + struct.pack("<Q", (1 << 20) | RING_SEGMENT_BIT) + bytes(8))
@@ -183,20 +195,20 @@ def shm_attacks(rank, world_size):
         sock.close()
 
         # A ring drop before any ring was set up.
-        sock, _ = handshake(addr, SECRET)
+        sock, _ = connect(addr, SECRET)
         sock.sendall(frame_header(RING_DROP, 0))
         out["ring_drop_without_ring"] = closed_by_peer(sock)
         sock.close()
 
         # A ring setup without its descriptors.
-        sock, _ = handshake(addr, SECRET)
+        sock, _ = connect(addr, SECRET)
         sock.sendall(frame_header(RING, 8) + struct.pack("<Q", 1 << 20))
         out["ring_without_fds"] = closed_by_peer(sock)
         sock.close()
 
         def stuffed(frame):
             # More descriptors than any frame carries (at most 3 may wait).
-            sock, _ = handshake(addr, SECRET)
+            sock, _ = connect(addr, SECRET)
             fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(4)]
             socket.send_fds(sock, [frame], fds)
             for fd in fds:
@@ -208,7 +220,7 @@ def shm_attacks(rank, world_size):
         out["too_many_fds"] = stuffed(frame_header(RING, 8) + struct.pack("<Q", 1 << 20))
 
         # A "ring" smaller than it claims (reading past its end would SIGBUS).
-        sock, _ = handshake(addr, SECRET)
+        sock, _ = connect(addr, SECRET)
         mem = os.memfd_create("tiny")
         os.ftruncate(mem, 4096)
         # (The ring's wake-up: the consumer's end of a socket pair.)
@@ -218,7 +230,7 @@ def shm_attacks(rank, world_size):
         sock.close()
 
         # A ring of the right size but unsealed: we could shrink it later.
-        sock, _ = handshake(addr, SECRET)
+        sock, _ = connect(addr, SECRET)
         os.ftruncate(mem, 4096 + (1 << 20))
         header = struct.pack("<QQQI", 0x474E495258505254, 1 << 20, 0, 0)
         os.pwrite(mem, header, 0)
@@ -228,7 +240,7 @@ def shm_attacks(rank, world_size):
         os.close(mem)
 
         # A real (sealed) ring, then a chunk record pointing outside it.
-        sock, _ = handshake(addr, SECRET)
+        sock, _ = connect(addr, SECRET)
         mem = os.memfd_create("ring", os.MFD_ALLOW_SEALING)
         os.ftruncate(mem, 4096 + (1 << 20))
         fcntl.fcntl(mem, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
@@ -240,7 +252,7 @@ def shm_attacks(rank, world_size):
         out["eventfd_wake"] = closed_by_peer(sock)
         sock.close()
         os.close(event)
-        sock, _ = handshake(addr, SECRET)
+        sock, _ = connect(addr, SECRET)
         socket.send_fds(sock, [frame_header(RING, 8) + struct.pack("<Q", 1 << 20)], [mem, ev.fileno()])
         sock.settimeout(0.5)
         out["good_ring_accepted"] = not closed_by_peer(sock)
@@ -263,7 +275,7 @@ def shm_attacks(rank, world_size):
         def slab_setup(slab_id, capacity):
             return frame_header(SLAB, 12) + struct.pack("<IQ", slab_id, capacity)
 
-        sock, _ = handshake(addr, SECRET)
+        sock, _ = connect(addr, SECRET)
         sock.sendall(slab_setup(1, SLAB_BYTES))
         out["slab_without_fd"] = closed_by_peer(sock)
         sock.close()
@@ -271,7 +283,7 @@ def shm_attacks(rank, world_size):
         out["slab_fd_stuffing"] = stuffed(frame_header(SLAB, 12))
 
         # An unsealed slab: we could shrink it under the agent's mapping.
-        sock, _ = handshake(addr, SECRET)
+        sock, _ = connect(addr, SECRET)
         unsealed = os.memfd_create("unsealed")
         os.ftruncate(unsealed, SLAB_BYTES)
         socket.send_fds(sock, [slab_setup(1, SLAB_BYTES)], [unsealed])
@@ -286,7 +298,7 @@ def shm_attacks(rank, world_size):
             return fd
 
         # A sealed slab smaller than announced.
-        sock, _ = handshake(addr, SECRET)
+        sock, _ = connect(addr, SECRET)
         mem = sealed(SLAB_BYTES)
         socket.send_fds(sock, [slab_setup(1, 2 * SLAB_BYTES)], [mem])
         out["short_slab"] = closed_by_peer(sock)
@@ -309,7 +321,7 @@ def shm_attacks(rank, world_size):
             "slab_twice": None,
         }
         for label, frame in bad.items():
-            sock, _ = handshake(addr, SECRET)
+            sock, _ = connect(addr, SECRET)
             socket.send_fds(sock, [slab_setup(1, SLAB_BYTES)], [mem])
             if frame is None:
                 socket.send_fds(sock, [slab_setup(1, SLAB_BYTES)], [mem])
@@ -317,7 +329,7 @@ def shm_attacks(rank, world_size):
                 sock.sendall(frame)
             out[label] = closed_by_peer(sock)
             sock.close()
-        sock, _ = handshake(addr, SECRET)
+        sock, _ = connect(addr, SECRET)
         socket.send_fds(sock, [slab_setup(1, SLAB_BYTES)], [mem])
         sock.sendall(frame_header(SLAB_DROP, 4) + struct.pack("<I", 1))
         sock.settimeout(0.5)
@@ -327,6 +339,8 @@ def shm_attacks(rank, world_size):
 
         # The agent still serves its real peer over shm, with big tensors.
         x = torch.randn(2_000_000)
+        for fd in kept:
+            os.close(fd)
         out["still_serves"] = torch.equal(rpc.rpc_sync("worker1", echo, args=(x,)), x)
     rpc.shutdown()
     return out

@@ -70,16 +70,16 @@ std::string Ring::attach(int fd, int wakeFd, uint64_t capacity, Ring* out) {
       capacity % 4096 != 0) {
     return "ring capacity " + std::to_string(capacity) + " is out of range";
   }
-  struct stat st{};
-  if (::fstat(fd, &st) != 0) {
-    return errnoText("fstat of the peer's ring failed");
-  }
   r.mapped_ = kRingHeaderBytes + capacity;
   // A smaller file would turn our reads past its end into SIGBUS, and so
-  // would one the peer could shrink later: it must be sealed.
+  // would one the peer could shrink later: it must be sealed. The seals
+  // first: they fail at once for anything but shared memory, where fstat()
+  // would ask the file's filesystem (a FUSE one the peer serves could
+  // leave it unanswered).
+  struct stat st{};
   int seals = ::fcntl(fd, F_GET_SEALS);
-  if (!S_ISREG(st.st_mode) || uint64_t(st.st_size) < r.mapped_ || seals < 0 ||
-      (seals & F_SEAL_SHRINK) == 0) {
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0 || ::fstat(fd, &st) != 0 ||
+      !S_ISREG(st.st_mode) || uint64_t(st.st_size) < r.mapped_) {
     return "the peer's ring is not a sealed shared-memory file of " +
         std::to_string(r.mapped_) + " bytes";
   }

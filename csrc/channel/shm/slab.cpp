@@ -82,14 +82,14 @@ std::string Slab::attach(
     return "slab capacity " + std::to_string(capacity) +
         " is not a multiple of " + std::to_string(kSlabPage);
   }
+  // Unsealed, the peer could shrink the file under our mapping later. The
+  // seals first: they fail at once for anything but shared memory, where
+  // fstat() would ask the file's filesystem.
   struct stat st{};
-  if (::fstat(fd, &st) != 0) {
-    return errnoText("fstat of the peer's slab failed");
-  }
   int seals = ::fcntl(fd, F_GET_SEALS);
-  // Unsealed, the peer could shrink the file under our mapping later.
-  if (!S_ISREG(st.st_mode) || uint64_t(st.st_size) != capacity || seals < 0 ||
-      (seals & kRequiredSeals) != kRequiredSeals) {
+  if (seals < 0 || (seals & kRequiredSeals) != kRequiredSeals ||
+      ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+      uint64_t(st.st_size) != capacity) {
     return "the peer's slab is not a sealed shared-memory file of " +
         std::to_string(capacity) + " bytes";
   }

@@ -82,6 +82,12 @@ void StreamConnection::onRingSignalFromLoop(bool inbound) {
     if (inRing_) {
       socketEnded_ = true;
       onReadableFromLoop();
+    } else {
+      // No ring of the peer's to read to its end, and no signal will ever
+      // again say that ours has room: once it fills, our writes would wait
+      // for good. (A peer that died also ends its socket; one that shut our
+      // signal down and lives on would hold the connection open.)
+      loseFromLoop("the peer ended our frame ring's signal socket");
     }
     return;
   }

@@ -80,11 +80,12 @@ std::unique_ptr<FrameRing> FrameRing::attach(
     return nullptr;
   }
   r->mapped_ = kFrameRingHeaderBytes + capacity;
+  // The seals first: they fail at once for anything but shared memory,
+  // where fstat() would ask the file's filesystem.
   struct stat st{};
   int seals = ::fcntl(memFd, F_GET_SEALS);
-  if (::fstat(memFd, &st) != 0 || !S_ISREG(st.st_mode) ||
-      uint64_t(st.st_size) < r->mapped_ || seals < 0 ||
-      (seals & F_SEAL_SHRINK) == 0) {
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0 || ::fstat(memFd, &st) != 0 ||
+      !S_ISREG(st.st_mode) || uint64_t(st.st_size) < r->mapped_) {
     *error = "the peer's frame ring is not a sealed shared-memory file of " +
         std::to_string(r->mapped_) + " bytes";
     return nullptr;
