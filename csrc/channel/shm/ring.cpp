@@ -206,8 +206,9 @@ std::string Ring::consume(
   RingHeader* h = header();
   h->consumed.store(position_, std::memory_order_seq_cst);
   if (h->writerWaiting.exchange(0, std::memory_order_seq_cst) != 0) {
-    // Never blocks (our own end of the pair). A producer that has closed
-    // its end has dropped the ring: nobody is left to wake.
+    // Never blocks (MSG_DONTWAIT, whatever the producer did to the end it
+    // handed us). A producer that has closed its end has dropped the ring:
+    // nobody is left to wake.
     (void)sendSignal(wakeFd_);
   }
   return {};
