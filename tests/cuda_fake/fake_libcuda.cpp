@@ -414,13 +414,16 @@ void shutDownAtExit() {
 // Per-thread state lives in pthread keys, not thread_local: this library is
 // dlopen'ed, and LeakSanitizer's scan of a dlopen'ed module's dynamic TLS
 // faults now and then in the fuzzers ("Tracer caught signal 11", clang 14).
+// tests/cuda_fake/test_fake_driver.py checks the built library has no TLS
+// segment at all.
 pthread_key_t threadKey(int which) {
-  static pthread_key_t keys[3] = {};
+  static pthread_key_t keys[4] = {};
   static std::once_flag once;
   std::call_once(once, [] {
     pthread_key_create(&keys[0], nullptr);
     pthread_key_create(&keys[1], nullptr);
     pthread_key_create(&keys[2], nullptr); // capture mode + 1 (0: global)
+    pthread_key_create(&keys[3], nullptr); // kernel device + 1 (0: none)
   });
   return keys[which];
 }
@@ -911,20 +914,28 @@ void kernelError(const char* format, ...) {
 // What the copy kernels do with [src, src + n) and dst. They assume the two
 // do not overlap (their threads copy in no particular order).
 // The device whose stream runs the kernel being run on this thread (a
-// stream's worker), or -1.
-thread_local int tKernelDevice = -1;
+// stream's worker), or -1 (a pthread key, as the state above).
+int kernelDevice() {
+  auto v = reinterpret_cast<uintptr_t>(pthread_getspecific(threadKey(3)));
+  return static_cast<int>(v) - 1;
+}
+void setKernelDevice(int device) {
+  pthread_setspecific(
+      threadKey(3), reinterpret_cast<void*>(static_cast<uintptr_t>(device + 1)));
+}
 
-// Whether a copy kernel on tKernelDevice may touch [p, p + n): a VMM
+// Whether a copy kernel on kernelDevice() may touch [p, p + n): a VMM
 // mapping only if cuMemSetAccess granted that device access.
 bool reachableFromKernel(u64 p, u64 n) {
-  if (tKernelDevice < 0 || n == 0) {
+  const int device = kernelDevice();
+  if (device < 0 || n == 0) {
     return true;
   }
   State& s = state();
   Lock lock(s.mu);
   for (u64 at : {p, p + n - 1}) {
     auto it = containing(s.mappings, at);
-    if (it != s.mappings.end() && !it->second.devices.count(tKernelDevice)) {
+    if (it != s.mappings.end() && !it->second.devices.count(device)) {
       return false;
     }
   }
@@ -941,7 +952,7 @@ void copyBytes(const char* kernel, u64 dst, u64 src, u64 n) {
         kernel,
         dst,
         src,
-        tKernelDevice);
+        kernelDevice());
   }
   if (dst != src && (dst < src ? src - dst : dst - src) < n) {
     kernelError("%s: dst %#llx and src %#llx overlap", kernel, dst, src);
@@ -2407,9 +2418,9 @@ CUresult CUDAAPI cuLaunchKernel(
     if (delayMs > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
     }
-    tKernelDevice = device;
+    setKernelDevice(device);
     runKernel(kernel, p[0], p[1], p[2]);
-    tKernelDevice = -1;
+    setKernelDevice(-1);
   });
   return CUDA_SUCCESS;
 }

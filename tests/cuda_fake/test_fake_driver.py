@@ -23,6 +23,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import struct
 import sys
 import threading
 import traceback
@@ -411,6 +412,22 @@ def test_exports_exactly_the_abi_names_of_libcuda_h(lib_path):
     assert exported == {*abi, "fake_cuda_stats", "fake_cuda_reset_stats",
                         "fake_cuda_set_global_capture", "fake_cuda_fail_dtoh_after"}
     assert set(SIGNATURES) == set(abi)  # what the tests below call
+
+
+def test_has_no_thread_local_storage(lib_path):
+    """The fake is dlopen'ed (in the stream fuzzer too), and LeakSanitizer's
+    scan of a dlopen'ed module's dynamic TLS crashes its tracer now and then
+    ("Tracer caught signal 11", clang 14), which fails CI's fuzz round: its
+    per-thread state lives in pthread keys. A `thread_local` in it gives the
+    library a PT_TLS program header, read here from the ELF header."""
+    data = lib_path.read_bytes()
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1  # 64-bit LE
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    types = [struct.unpack_from("<I", data, phoff + i * phentsize)[0]
+             for i in range(phnum)]
+    assert 1 in types  # PT_LOAD: the headers were read right
+    assert 7 not in types, "fake_libcuda has a TLS segment (a thread_local)"
 
 
 def test_every_call_before_cuinit_is_not_initialized(fresh):
