@@ -12,6 +12,7 @@
 
 #include "csrc/agent/dynamic_devices.h"
 #include "csrc/channel/registry.h"
+#include "csrc/common/fd_closer.h"
 #include "csrc/common/logging.h"
 #include "csrc/transport/registry.h"
 
@@ -520,6 +521,11 @@ void Connections::addDebugInfo(
     ours += c->name() + ",";
   }
   m["rpc_ext.channels"] = ours + channel::kStreamChannelName;
+  // Descriptors peers handed us, closed off the loops (process-wide; a
+  // pending one that stays is a close a peer's file holds up).
+  FdCloserStats closes = fdCloserStats();
+  m["rpc_ext.peer_fds.closed"] = std::to_string(closes.closed);
+  m["rpc_ext.peer_fds.pending"] = std::to_string(closes.pending);
   auto v = group_.view(); // held: a range-for does not keep a temporary alive
   for (const auto& peer : v->byId) {
     if (!peer) {

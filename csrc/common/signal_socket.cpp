@@ -4,7 +4,9 @@
 #include <sys/socket.h>
 #include <cerrno>
 #include <stdexcept>
+#include <vector>
 
+#include "csrc/common/fd_closer.h"
 #include "csrc/common/logging.h"
 
 namespace torch_rpc_ext {
@@ -26,18 +28,47 @@ bool sendSignal(int fd) {
   return errno == EAGAIN || errno == EWOULDBLOCK;
 }
 
-bool drainSignals(int fd) {
+SignalDrain drainSignals(int fd) {
   char bytes[16 << 10];
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
+  std::vector<int> fds;
   for (int i = 0; i < 16; ++i) {
-    ssize_t got = ::recv(fd, bytes, sizeof(bytes), MSG_DONTWAIT);
+    iovec iov{bytes, sizeof(bytes)};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    ssize_t got = ::recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (got > 0) {
+      collectPassedFds(msg, fds);
+      if (!fds.empty()) {
+        closeOffThread(fds);
+        return SignalDrain::kDescriptors;
+      }
+      continue;
+    }
     if (got == 0) {
-      return false;
+      return SignalDrain::kEnded;
     }
-    if (got < 0) {
-      return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+      return SignalDrain::kOpen;
     }
+    return SignalDrain::kEnded;
   }
-  return true;
+  return SignalDrain::kOpen;
+}
+
+const char* signalMisuseText(SignalDrain drain) {
+  switch (drain) {
+    case SignalDrain::kEnded:
+      return "shut down";
+    case SignalDrain::kDescriptors:
+      return "sent descriptors over";
+    case SignalDrain::kOpen:
+      break;
+  }
+  return "used";
 }
 
 bool isSignalSocket(int fd) {

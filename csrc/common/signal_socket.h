@@ -14,7 +14,8 @@
 // reads the end the sender made and handed it; the rings' senders read an
 // end they never hand out). What a peer can still do is shut its end
 // down (our end then reads as ended: drainSignals() says so, and the caller
-// stops watching it) or send bytes in bulk (a drain reads up to 256 KiB,
+// stops watching it), pass descriptors with a byte (refused the same way)
+// or send bytes in bulk (a drain reads up to 256 KiB,
 // more than a Unix socket's send buffer holds by default, so a flood costs
 // a drain per 256 KiB sent). Used by the frame ring, the shm_ring channel
 // and the cuda_ring channel (docs/wire-format.md, docs/security.md).
@@ -35,11 +36,24 @@ SignalPair makeSignalPair();
 // the send failed otherwise (errno set).
 bool sendSignal(int fd);
 
+// What a drain found.
+enum class SignalDrain {
+  kOpen, // signals (or none): keep watching
+  kEnded, // the other end closed or shut down its sending side: the
+          // descriptor stays readable for good, so stop watching it
+  kDescriptors, // a byte carried descriptors (closed off this thread,
+                // fd_closer.h): not a wake-up, the peer broke the protocol
+};
+
 // Read the signals that came (never blocks; at most 256 KiB a call, the
-// rest keeps the descriptor readable). False once the other end has closed
-// or shut down its sending side: the descriptor then stays readable for
-// good, so its watcher must stop watching it.
-bool drainSignals(int fd);
+// rest keeps the descriptor readable). Read with a control buffer: a byte
+// that carries descriptors hands them to us, where recv() would have the
+// kernel close them on this thread (fd_closer.h says why that can block).
+SignalDrain drainSignals(int fd);
+
+// For an error naming what the peer did to a wake-up socket: "shut down"
+// or "sent descriptors over" (kOpen: "used").
+const char* signalMisuseText(SignalDrain drain);
 
 // A peer's descriptor is one end of such a pair: a Unix stream socket.
 bool isSignalSocket(int fd);

@@ -921,7 +921,8 @@ int kernelDevice() {
 }
 void setKernelDevice(int device) {
   pthread_setspecific(
-      threadKey(3), reinterpret_cast<void*>(static_cast<uintptr_t>(device + 1)));
+      threadKey(3),
+      reinterpret_cast<void*>(static_cast<uintptr_t>(device + 1)));
 }
 
 // Whether a copy kernel on kernelDevice() may touch [p, p + n): a VMM

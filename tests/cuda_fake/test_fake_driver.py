@@ -22,8 +22,8 @@ import re
 import resource
 import shutil
 import signal
-import subprocess
 import struct
+import subprocess
 import sys
 import threading
 import traceback

@@ -459,6 +459,8 @@ void fuzzAttach(FuzzInput& in) {
             why);
     FUZZ_CHECK(!c.ring.valid(), "a failed attach left a ring");
     FUZZ_CHECK(
+        closedOffThread(), "the closer did not close what it was handed");
+    FUZZ_CHECK(
         !isOpen(c.memFd) && !isOpen(c.wakeFd),
         "a failed attach left a descriptor open");
   } else {
@@ -471,6 +473,8 @@ void fuzzAttach(FuzzInput& in) {
     peer.map(peerFd);
     runOps(in, c, peer, nullptr);
     c.ring = Ring();
+    FUZZ_CHECK(
+        closedOffThread(), "the closer did not close what it was handed");
     FUZZ_CHECK(
         !isOpen(c.memFd) && !isOpen(c.wakeFd),
         "a released ring left a descriptor open");
@@ -497,16 +501,22 @@ void blockingConsumerEnd(Ring& mine, int consumerEnd) {
   FUZZ_CHECK(
       flags >= 0 && ::fcntl(consumerEnd, F_SETFL, flags & ~O_NONBLOCK) == 0,
       "fcntl of the consumer's wake-up");
-  FUZZ_CHECK(mine.drainWakeups(), "an empty wake-up read as ended");
+  FUZZ_CHECK(
+      mine.drainWakeups() == SignalDrain::kOpen,
+      "an empty wake-up read as ended");
   // A flood (more than one drain's worth would take: the kernel queues
   // what it will) is read in one drain.
   std::vector<char> flood(64 << 10, 1);
   for (int i = 0; i < 8; ++i) {
     (void)::send(consumerEnd, flood.data(), flood.size(), MSG_DONTWAIT);
   }
-  FUZZ_CHECK(mine.drainWakeups(), "a flooded wake-up read as ended");
+  FUZZ_CHECK(
+      mine.drainWakeups() == SignalDrain::kOpen,
+      "a flooded wake-up read as ended");
   FUZZ_CHECK(!readable(mine.wakeFd()), "a drain left signals behind");
-  FUZZ_CHECK(mine.drainWakeups(), "a drained wake-up read as ended");
+  FUZZ_CHECK(
+      mine.drainWakeups() == SignalDrain::kOpen,
+      "a drained wake-up read as ended");
 }
 
 // The consumer shuts its end down (its process holds the same socket we
@@ -514,7 +524,41 @@ void blockingConsumerEnd(Ring& mine, int consumerEnd) {
 // report, or the loop watching it would spin.
 void shutDownConsumerEnd(Ring& mine, int consumerEnd) {
   FUZZ_CHECK(::shutdown(consumerEnd, SHUT_WR) == 0, "shutdown");
-  FUZZ_CHECK(!mine.drainWakeups(), "a shut-down wake-up was not reported");
+  FUZZ_CHECK(
+      mine.drainWakeups() == SignalDrain::kEnded,
+      "a shut-down wake-up was not reported");
+}
+
+// The consumer passes a descriptor with a wake-up byte: the drain reports
+// it, and the descriptor is closed on a closer thread (read with recv(),
+// the kernel would have closed it on the loop thread: fd_closer.h). The
+// one passed is a pipe's write end whose only other copy is closed here,
+// so its read end reads as ended once the closer has closed ours.
+void descriptorOnConsumerEnd(Ring& mine, int consumerEnd) {
+  int pipeFds[2];
+  FUZZ_CHECK(::pipe2(pipeFds, O_CLOEXEC | O_NONBLOCK) == 0, "pipe2");
+  char byte = 1;
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+  cm->cmsg_level = SOL_SOCKET;
+  cm->cmsg_type = SCM_RIGHTS;
+  cm->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(cm), &pipeFds[1], sizeof(int));
+  FUZZ_CHECK(::sendmsg(consumerEnd, &msg, MSG_DONTWAIT) == 1, "sendmsg");
+  ::close(pipeFds[1]);
+  FUZZ_CHECK(
+      mine.drainWakeups() == SignalDrain::kDescriptors,
+      "a descriptor on a wake-up was not reported");
+  FUZZ_CHECK(closedOffThread(), "the closer did not close what it was handed");
+  FUZZ_CHECK(
+      ::read(pipeFds[0], &byte, 1) == 0, "a passed descriptor was kept open");
+  ::close(pipeFds[0]);
 }
 
 void fuzzLoopback(FuzzInput& in) {
@@ -533,6 +577,7 @@ void fuzzLoopback(FuzzInput& in) {
   Producer p;
   p.ring = &mine;
   runOps(in, c, peer, &p);
+  descriptorOnConsumerEnd(mine, c.wakeFd);
   shutDownConsumerEnd(mine, c.wakeFd);
   ::close(c.wakeDup);
 }

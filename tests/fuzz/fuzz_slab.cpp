@@ -143,6 +143,7 @@ int fuzzOne(const uint8_t* data, size_t size) {
   int fd = peerFd >= 0 ? ::dup(peerFd) : -1;
   std::shared_ptr<Slab> slab;
   std::string why = Slab::attach(fd, capacity, &slab);
+  FUZZ_CHECK(closedOffThread(), "the closer did not close what it was handed");
   FUZZ_CHECK(!isOpen(fd), "attach left the descriptor open");
   bool expected = attachShouldSucceed(kind, fileSize, capacity);
   if (why.empty()) {

@@ -11,9 +11,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <string>
 
+#include "csrc/common/fd_closer.h"
 #include "tests/fuzz/fuzz_input.h"
 
 namespace torch_rpc_ext::fuzz {
@@ -116,6 +118,12 @@ inline int makePeerFile(
 
 inline bool isOpen(int fd) {
   return fd >= 0 && ::fcntl(fd, F_GETFD) != -1;
+}
+
+// The peer's descriptors are closed on a closer thread (fd_closer.h): true
+// once it has closed all it was handed, so isOpen() can be asked.
+inline bool closedOffThread() {
+  return waitForFdClosers(std::chrono::seconds(10));
 }
 
 } // namespace torch_rpc_ext::fuzz

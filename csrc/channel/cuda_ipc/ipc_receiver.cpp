@@ -13,6 +13,7 @@
 #include "csrc/channel/cuda/staging_pool.h"
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/channel/cuda_ipc/ipc_lease.h"
+#include "csrc/common/fd_closer.h"
 #include "csrc/common/libcuda.h"
 
 namespace torch_rpc_ext::channel::cuda {
@@ -129,9 +130,7 @@ bool IpcChannel::onSetupFromLoop(
       why = std::string("cannot map the peer's CUDA block: ") + e.what();
     }
   }
-  if (fd >= 0) {
-    ::close(fd);
-  }
+  closeOffThread(fd); // the peer's (fd_closer.h)
   if (!why.empty()) {
     host.rejectFromLoop("rejected CUDA block: " + why);
     return false;

@@ -15,6 +15,7 @@
 #include "csrc/channel/cuda/staging_thread.h"
 #include "csrc/channel/shm/slab.h"
 #include "csrc/common/exit_gate.h"
+#include "csrc/common/fd_closer.h"
 #include "csrc/common/host.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
@@ -62,7 +63,7 @@ std::string RingMemory::attach(
       setup.slotBytes == 0 || setup.slotBytes > kMaxRingSlotBytes ||
       setup.slotBytes % shm::kSlabPage != 0 ||
       setup.slots * setup.slotBytes > kMaxRingBytes) {
-    ::close(memFd);
+    closeOffThread(memFd);
     return "a ring of " + std::to_string(setup.slots) + " slots of " +
         std::to_string(setup.slotBytes) + " bytes (at most " +
         std::to_string(kMaxRingSlots) + " of " +
@@ -74,7 +75,7 @@ std::string RingMemory::attach(
   // an eventfd the peer made blocking and filled, would block the staging
   // thread that releases a slot.
   if (!isSignalSocket(wakeFd)) {
-    ::close(memFd);
+    closeOffThread(memFd);
     return "its wake-up descriptor is not a Unix stream socket";
   }
   std::string why = shm::Slab::attach(
@@ -102,10 +103,10 @@ RingMemory::~RingMemory() {
           e.what());
     }
   }
+  // An attached ring's wake-up is the peer's (fd_closer.h); ours goes the
+  // same way.
   for (int fd : {wakeFd_, peerWakeFd_}) {
-    if (fd >= 0) {
-      ::close(fd);
-    }
+    closeOffThread(fd);
   }
 }
 
@@ -133,7 +134,7 @@ void RingMemory::release(uint32_t i) {
   (void)sendSignal(wakeFd_);
 }
 
-bool RingMemory::drainWakeups() {
+SignalDrain RingMemory::drainWakeups() {
   return drainSignals(wakeFd_);
 }
 

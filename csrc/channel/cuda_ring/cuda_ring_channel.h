@@ -14,6 +14,7 @@
 
 #include "csrc/channel/channel.h"
 #include "csrc/channel/shm/slab.h"
+#include "csrc/common/signal_socket.h"
 
 namespace torch_rpc_ext::channel::cuda {
 
@@ -152,8 +153,9 @@ class RingMemory {
   // Receiver, any thread: slot `i` may be written again; wakes the sender.
   void release(uint32_t i);
   // Sender, loop thread: reads the wake-ups the receiver's releases left.
-  // False once the receiver has shut the wake-up down (stop watching it).
-  bool drainWakeups();
+  // Anything but kOpen once the receiver has shut the wake-up down or
+  // passed descriptors over it (stop watching it).
+  SignalDrain drainWakeups();
   // Registers the slots with the driver, once, in `device`'s context
   // (portable: every context of the process sees them pinned). Throws
   // naming the failing call (and tries again on the next call).

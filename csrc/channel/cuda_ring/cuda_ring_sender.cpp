@@ -507,15 +507,19 @@ void RingChannel::watchFromLoop(const std::shared_ptr<RingMemory>& ring) {
       return;
     }
     auto h = self->host_.lock();
-    if (!self->watched_->drainWakeups()) {
+    SignalDrain drain = self->watched_->drainWakeups();
+    if (drain != SignalDrain::kOpen) {
       // Shut down by the receiver (it reads as ended on every pass of the
-      // loop from now on): forget it and end the connection.
+      // loop from now on) or used to pass descriptors: forget it and end
+      // the connection.
       if (h) {
         h->unwatchFromLoop(self->watched_->wakeFd());
       }
       self->watched_.reset();
       if (h) {
-        h->rejectFromLoop("the peer shut down its cuda_ring wake-up socket");
+        h->rejectFromLoop(
+            std::string("the peer ") + signalMisuseText(drain) +
+            " its cuda_ring wake-up socket");
       }
       return;
     }

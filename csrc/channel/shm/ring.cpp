@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "csrc/common/fd_closer.h"
 #include "csrc/common/logging.h"
 #include "csrc/common/signal_socket.h"
 
@@ -135,19 +136,14 @@ void Ring::release() {
     ::munmap(base_, mapped_);
     base_ = nullptr;
   }
-  if (fd_ >= 0) {
-    ::close(fd_);
-    fd_ = -1;
-  }
-  for (int* fd : {&wakeFd_, &peerWakeFd_}) {
-    if (*fd >= 0) {
-      ::close(*fd);
-      *fd = -1;
-    }
+  // An attached ring's descriptors are the peer's (fd_closer.h); ours go
+  // the same way.
+  for (int* fd : {&fd_, &wakeFd_, &peerWakeFd_}) {
+    closeOffThread(std::exchange(*fd, -1));
   }
 }
 
-bool Ring::drainWakeups() {
+SignalDrain Ring::drainWakeups() {
   return drainSignals(wakeFd_);
 }
 

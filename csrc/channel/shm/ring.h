@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "csrc/common/signal_socket.h"
+
 namespace torch_rpc_ext::channel::shm {
 
 // A single-producer, single-consumer byte ring in a memfd shared by two
@@ -92,9 +94,10 @@ class Ring {
   int peerWakeFd() const {
     return peerWakeFd_;
   }
-  // Producer: read the signals after a wake-up. False once the consumer
-  // has shut the wake-up down: it reads as ended for good (stop watching).
-  bool drainWakeups();
+  // Producer: read the signals after a wake-up. Anything but kOpen once
+  // the consumer has shut the wake-up down (it reads as ended for good) or
+  // passed descriptors over it: stop watching, end the connection.
+  SignalDrain drainWakeups();
   // Producer: the consumer has taken every byte produced so far.
   bool drained() const;
   uint64_t capacity() const {

@@ -185,16 +185,20 @@ std::optional<ControlFrame> RingChannel::dropIfIdleLocked() {
 
 void RingChannel::onWakeFromLoop() {
   auto host = host_.lock();
-  if (watched_ && !watched_->drainWakeups()) {
+  SignalDrain drain = watched_ ? watched_->drainWakeups() : SignalDrain::kOpen;
+  if (drain != SignalDrain::kOpen) {
     // The consumer shut its end down (an honest one only closes it, and we
-    // hold that end open too): the socket would read as ended on every
-    // pass of the loop. Forget it and end the connection.
+    // hold that end open too: the socket would read as ended on every pass
+    // of the loop) or passed descriptors over it. Forget it and end the
+    // connection.
     if (host) {
       host->unwatchFromLoop(watched_->wakeFd());
     }
     watched_.reset();
     if (host) {
-      host->rejectFromLoop("the peer shut down its shm_ring wake-up socket");
+      host->rejectFromLoop(
+          std::string("the peer ") + signalMisuseText(drain) +
+          " its shm_ring wake-up socket");
     }
     return;
   }

@@ -8,6 +8,7 @@
 
 #include <stdexcept>
 
+#include "csrc/common/fd_closer.h"
 #include "csrc/common/logging.h"
 
 #ifndef MADV_POPULATE_WRITE
@@ -75,7 +76,7 @@ std::string Slab::attach(
   struct Closer {
     int fd;
     ~Closer() {
-      ::close(fd);
+      closeOffThread(fd); // the peer's (fd_closer.h)
     }
   } closer{fd};
   if (capacity == 0 || capacity % kSlabPage != 0) {

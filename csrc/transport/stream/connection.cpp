@@ -12,6 +12,7 @@
 #include <climits>
 #include <cstring>
 
+#include "csrc/common/fd_closer.h"
 #include "csrc/common/logging.h"
 #include "csrc/transport/handshake.h"
 #include "csrc/transport/stream/address.h"
@@ -81,9 +82,7 @@ StreamConnection::~StreamConnection() {
   if (fd_ >= 0) {
     ::close(fd_);
   }
-  for (int fd : receivedFds_) {
-    ::close(fd);
-  }
+  closeOffThread(receivedFds_); // the peer's: fd_closer.h
 }
 
 void StreamConnection::openChannels(int32_t peerId) {

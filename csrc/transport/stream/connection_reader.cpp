@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "csrc/common/fd_closer.h"
 #include "csrc/common/logging.h"
 #include "csrc/transport/stream/connection.h"
 
@@ -19,8 +20,9 @@ namespace torch_rpc_ext::transport::stream {
 namespace {
 
 constexpr size_t kDirectReadBytes = 16 * 1024;
-// Descriptors one read can bring (more truncate the control message, which
-// closes the connection).
+// Descriptors that may wait before the handshake ends (more close the
+// connection; the control buffer takes all a message can carry, so the
+// kernel never drops any).
 constexpr size_t kMaxFdsPerRead = 4;
 constexpr size_t kStagingBytes = 64 * 1024;
 
@@ -56,7 +58,10 @@ ssize_t StreamConnection::readSocketFromLoop(
     if (passesDescriptors()) {
       // recvmsg, not read: read(2) would silently drop passed descriptors.
       iovec iov{dst, size};
-      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
+      // Room for the most one message carries: a smaller buffer would have
+      // the kernel drop (and close, on this thread) what did not fit.
+      alignas(
+          cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
       msghdr msg{};
       msg.msg_iov = &iov;
       msg.msg_iovlen = 1;
@@ -64,17 +69,7 @@ ssize_t StreamConnection::readSocketFromLoop(
       msg.msg_controllen = sizeof(control);
       got = ::recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC);
       if (got >= 0) {
-        for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr;
-             c = CMSG_NXTHDR(&msg, c)) {
-          if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-            size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-            for (size_t i = 0; i < n; ++i) {
-              int fd;
-              std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-              receivedFds_.push_back(fd);
-            }
-          }
-        }
+        collectPassedFds(msg, receivedFds_);
         // More than could be waiting for their frames is an attack on our
         // descriptor table. Before the handshake ends, the channels (which
         // set the bound) are not open yet, while one read may already bring

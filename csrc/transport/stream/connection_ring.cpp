@@ -74,7 +74,13 @@ void StreamConnection::onRingSignalFromLoop(bool inbound) {
   if (ring == nullptr || state_ == State::kClosed) {
     return;
   }
-  if (!ring->drainSignals()) {
+  SignalDrain drain = ring->drainSignals();
+  if (drain == SignalDrain::kDescriptors) {
+    loop_.removeFromLoop(ring->signalFd());
+    loseFromLoop("the peer sent descriptors over a frame ring's signal socket");
+    return;
+  }
+  if (drain == SignalDrain::kEnded) {
     // Its end closes with the peer's process (or the peer broke the
     // protocol): the connection ends once the peer's ring is read to its
     // end, as for the end of its socket.

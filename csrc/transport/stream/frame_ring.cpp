@@ -10,7 +10,9 @@
 #include <cstring>
 #include <new>
 #include <stdexcept>
+#include <utility>
 
+#include "csrc/common/fd_closer.h"
 #include "csrc/common/logging.h"
 #include "csrc/common/signal_socket.h"
 
@@ -124,19 +126,16 @@ FrameRing::~FrameRing() {
   if (base_ != nullptr) {
     ::munmap(base_, mapped_);
   }
+  // An attached ring's descriptors are the peer's (fd_closer.h); ours go
+  // the same way.
   for (int fd : {memFd_, signalFd_, peerSignalFd_}) {
-    if (fd >= 0) {
-      ::close(fd);
-    }
+    closeOffThread(fd);
   }
 }
 
 void FrameRing::closeHandedOver() {
   for (int* fd : {&memFd_, &peerSignalFd_}) {
-    if (*fd >= 0) {
-      ::close(*fd);
-      *fd = -1;
-    }
+    closeOffThread(std::exchange(*fd, -1));
   }
 }
 
@@ -144,7 +143,7 @@ bool FrameRing::signal() {
   return sendSignal(signalFd_);
 }
 
-bool FrameRing::drainSignals() {
+SignalDrain FrameRing::drainSignals() {
   return torch_rpc_ext::drainSignals(signalFd_);
 }
 

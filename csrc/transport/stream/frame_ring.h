@@ -10,6 +10,7 @@
 #include <string>
 
 #include "csrc/common/option_defaults.h"
+#include "csrc/common/signal_socket.h"
 
 namespace torch_rpc_ext::transport::stream {
 
@@ -81,9 +82,10 @@ class FrameRing {
   uint64_t capacity() const {
     return capacity_;
   }
-  // Read what the other end signalled (MSG_DONTWAIT). False once it closed
-  // its end (the peer is gone or broke the protocol).
-  bool drainSignals();
+  // Read what the other end signalled (MSG_DONTWAIT). kEnded once it
+  // closed its end (the peer is gone or broke the protocol), kDescriptors
+  // if it passed descriptors over it (it broke the protocol).
+  SignalDrain drainSignals();
 
   // ---- Sender (one thread at a time) ------------------------------------
   // Room for this many bytes now; 0 also when the receiver's counter is

@@ -1,0 +1,58 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#pragma once
+
+#include <sys/socket.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+// Closing, off the caller's thread, the descriptors a peer handed us.
+//
+// The last close of a file runs that file's release, and a peer chooses the
+// file: a TCP socket it set to linger (SO_LINGER) with bytes the other end
+// will never acknowledge holds close() for the linger time, a file on a
+// FUSE mount the peer serves holds it until the daemon answers the flush.
+// A loop thread that closed such a descriptor (a refused setup, a ring or a
+// slab let go, a connection's leftovers) would stop serving every
+// connection it owns. So every descriptor that came from a peer is closed
+// here: a closer thread takes it, and a closer stuck on one file starts
+// another (up to kMaxClosers) for the rest. A close that took long is
+// logged, naming the time. Only descriptors that came from a peer need
+// this; classes that hold a mix of theirs and ours may send both.
+
+namespace torch_rpc_ext {
+
+// Closes `fd` (>= 0) on a closer thread; never blocks the caller. After a
+// fork the child starts closers of its own.
+void closeOffThread(int fd);
+// The same for each; `fds` is cleared.
+void closeOffThread(std::vector<int>& fds);
+
+struct FdCloserStats {
+  uint64_t closed = 0; // closes that returned
+  uint64_t pending = 0; // handed over, not yet closed (stuck ones included)
+  uint64_t closers = 0; // closer threads started in this process
+};
+FdCloserStats fdCloserStats();
+
+// Waits until every descriptor handed over so far is closed, or `timeout`
+// passed: true if they are. For tests that check a descriptor is gone.
+bool waitForFdClosers(std::chrono::milliseconds timeout);
+
+// The kernel's SCM_MAX_FD: the most descriptors one message carries, and a
+// Unix stream socket hands over one message's at most per recvmsg(). A
+// control buffer of CMSG_SPACE(kMaxFdsPerMessage * sizeof(int)) is never
+// truncated, so the kernel never drops (and closes, on our thread)
+// descriptors that did not fit.
+constexpr size_t kMaxFdsPerMessage = 253;
+
+// Appends to `into` the descriptors (SCM_RIGHTS) recvmsg() put in `msg`.
+void collectPassedFds(const msghdr& msg, std::vector<int>& into);
+
+// Closers at most: each one stuck on a close holds one; descriptors handed
+// over while every closer is stuck wait (and stay open) until one returns.
+constexpr int kMaxClosers = 4;
+
+} // namespace torch_rpc_ext
