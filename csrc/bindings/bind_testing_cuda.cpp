@@ -4,7 +4,10 @@
 // (tests/cuda_fake) on a machine without a GPU, and against the real one on
 // a GPU. A test hook, like the rest of _testing: it may reach into a
 // channel's folder, which nothing else outside the channel registry does.
+#include <chrono>
+#include <condition_variable>
 #include <map>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -14,6 +17,7 @@
 #include "csrc/channel/cuda/copy_engine.h"
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/exported_memory.h"
+#include "csrc/channel/cuda_ipc/block.h"
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/common/libcuda.h"
 
@@ -39,6 +43,20 @@ auto strided() {
             size_t elemSize) {
     (e.*method)(asStream(stream), dst, src, sizes, strides, elemSize);
   };
+}
+
+// A gate a host function waits on: the stream it was launched on stops
+// there (as one stuck behind work that never ends) until the gate opens.
+struct Gate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+};
+
+void CUDA_CB waitAtGate(void* data) {
+  auto* gate = static_cast<Gate*>(data);
+  std::unique_lock<std::mutex> lock(gate->mu);
+  gate->cv.wait(lock, [gate] { return gate->open; });
 }
 
 } // namespace
@@ -123,6 +141,44 @@ void bindTestingCuda(py::module_& parent) {
     cuda::CurrentDevice current(device);
     TORCH_RPC_EXT_CUDA_CHECK(cuStreamDestroy, asStream(s));
   });
+
+  // Holds `stream` at a host function until open_gate(): a gate, leaked
+  // (the stream may reach it after the test has moved on).
+  m.def("gate_stream", [](int device, uintptr_t s) {
+    auto* gate = new Gate();
+    cuda::CurrentDevice current(device);
+    TORCH_RPC_EXT_CUDA_CHECK(cuLaunchHostFunc, asStream(s), &waitAtGate, gate);
+    return reinterpret_cast<uintptr_t>(gate);
+  });
+  m.def("open_gate", [](uintptr_t g) {
+    auto* gate = reinterpret_cast<Gate*>(g);
+    std::lock_guard<std::mutex> lock(gate->mu);
+    gate->open = true;
+    gate->cv.notify_all();
+  });
+  // A cuda_ipc block of ours whose `released` event is recorded on
+  // `stream` (as a peer records it after its last read), then let go: the
+  // seconds the last reference's drop took (GIL released), where a block
+  // teardown must not wait for the event (block.h).
+  m.def(
+      "drop_ipc_block_released_on",
+      [](int device, uint64_t bytes, uintptr_t s) {
+        auto block = cuda::Block::create(device, bytes, cuda::Sharing::kFd);
+        if (!block) {
+          throw std::runtime_error("no cuda_ipc block to be had");
+        }
+        {
+          cuda::CurrentDevice current(device);
+          TORCH_RPC_EXT_CUDA_CHECK(
+              cuEventRecord, block->released(), asStream(s));
+        }
+        auto start = std::chrono::steady_clock::now();
+        block.reset();
+        return std::chrono::duration<double>(
+                   std::chrono::steady_clock::now() - start)
+            .count();
+      },
+      py::call_guard<py::gil_scoped_release>());
 
   py::class_<cuda::ExportedMemory>(m, "ExportedMemory")
       .def_static(

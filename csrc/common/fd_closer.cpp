@@ -4,9 +4,9 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cstring>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <string>

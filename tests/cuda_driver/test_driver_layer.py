@@ -270,3 +270,18 @@ def test_exported_memory_outlives_its_creator(spawn):
     assert after_exit == pattern[::-1]  # still mapped after the owner exited
     assert "exported by its creator" in reexport
     assert peer.exitcode == 0
+
+
+def test_a_block_whose_events_never_complete_holds_no_thread(driver):
+    """A cuda_ipc block waits for its events before it is unmapped; a peer
+    can record one on a stream that never finishes. The wait happens on the
+    staging thread, polled, wherever the last reference goes (a loop thread,
+    a thread freeing a received tensor): the drop returns at once, and the
+    memory is freed once the stream gets through. Before, the drop waited
+    (cuEventSynchronize) for as long as the stream was held."""
+    hold_s = 3.0
+    took, held, after = driver.block_teardown_waits_off_thread(hold_s)
+    assert took < hold_s / 3, took
+    if not REAL_DRIVER:
+        assert held["vmm_handles"] >= 1, held  # kept while its event is pending
+        assert after["vmm_handles"] == 0 and after["vmm_mappings"] == 0, after

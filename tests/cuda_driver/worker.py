@@ -229,3 +229,29 @@ def import_memory(conn, ctl, pattern: bytes) -> None:
     except Exception as e:  # noqa: BLE001 - the message is the result
         reexport = str(e)
     ctl.send((size, granularity, seen, from_owner, after_exit, reexport))
+
+
+def block_teardown_waits_off_thread(hold_s: float) -> tuple[float, dict | None, dict | None]:
+    """A cuda_ipc block whose `released` event sits behind a stream held for
+    `hold_s` (as a peer's record behind work that does not end) is let go:
+    how long the drop took, and the fake's live device memory while the
+    stream is held and once it was let through (None on a real driver)."""
+    import threading
+    import time
+
+    cu = testing()
+    stream = cu.stream_create(DEVICE)
+    gate = cu.gate_stream(DEVICE, stream)
+    opener = threading.Timer(hold_s, cu.open_gate, args=(gate,))
+    opener.start()
+    took = cu.drop_ipc_block_released_on(DEVICE, 2 << 20, stream)
+    held = fake_stats()
+    opener.join()
+    cu.stream_synchronize(DEVICE, stream)
+    after = fake_stats()
+    deadline = time.monotonic() + 10
+    while after is not None and after["live"]["vmm_handles"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = fake_stats()
+    cu.stream_destroy(DEVICE, stream)
+    return took, held and held["live"], after and after["live"]

@@ -27,6 +27,11 @@ class StagingThread {
     int device;
     PooledEvent copied;
     std::function<void(const std::string& error)> done;
+    // runOnStagingThreadWhen(): asked before `done`, less often the longer
+    // it says no (a peer's event may never complete).
+    std::function<bool()> ready = nullptr;
+    std::chrono::steady_clock::time_point nextAsk{};
+    std::chrono::microseconds backoff{0};
   };
 
   static StagingThread& get() {
@@ -86,6 +91,22 @@ class StagingThread {
       pause = progressed ? microseconds(20)
                          : std::min(pause * 2, microseconds(1000));
       auto now = std::chrono::steady_clock::now();
+      // Only checks that said no a while ago left (teardowns waiting on a
+      // peer's events): sleep until the first is due.
+      if (!progressed && !pending.empty() &&
+          std::all_of(pending.begin(), pending.end(), [](const Item& i) {
+            return static_cast<bool>(i.ready);
+          })) {
+        auto first = std::min_element(
+                         pending.begin(),
+                         pending.end(),
+                         [](const Item& a, const Item& b) {
+                           return a.nextAsk < b.nextAsk;
+                         })
+                         ->nextAsk;
+        pause = std::max(
+            pause, std::chrono::duration_cast<microseconds>(first - now));
+      }
       if (now - lastTrim > std::chrono::milliseconds(kStagedIdleMs / 5)) {
         lastTrim = now;
         try {
@@ -112,6 +133,28 @@ class StagingThread {
   // Whether `item` is done with (its copy completed, or failed; or it had
   // nothing to wait for: runOnStagingThread()).
   static bool poll(Item& item) {
+    if (item.ready) {
+      auto now = std::chrono::steady_clock::now();
+      if (now < item.nextAsk) {
+        return false;
+      }
+      bool ready = true;
+      try {
+        ready = item.ready();
+      } catch (const std::exception& e) {
+        logWarning(
+            std::string("torch_rpc_ext: a staging thread check threw: ") +
+            e.what());
+      }
+      if (!ready) {
+        item.backoff = std::clamp(
+            item.backoff * 2,
+            std::chrono::microseconds(1000),
+            std::chrono::microseconds(100'000));
+        item.nextAsk = now + item.backoff;
+        return false;
+      }
+    }
     std::string error;
     if (item.copied) {
       try {
@@ -148,6 +191,15 @@ class StagingThread {
 void runOnStagingThread(std::function<void()> fn) {
   StagingThread::get().add(
       {-1, nullptr, [fn = std::move(fn)](const std::string&) { fn(); }});
+}
+
+void runOnStagingThreadWhen(
+    std::function<bool()> ready,
+    std::function<void()> fn) {
+  StagingThread::Item item{
+      -1, nullptr, [fn = std::move(fn)](const std::string&) { fn(); }};
+  item.ready = std::move(ready);
+  StagingThread::get().add(std::move(item));
 }
 
 void whenComplete(

@@ -29,6 +29,13 @@ void whenComplete(
 // loop: unregistering or freeing pinned memory may wait for the device).
 void runOnStagingThread(std::function<void()> fn);
 
+// Runs `fn` on the staging thread once `ready()`, asked there now and then
+// (at most every 100 ms once it has said no for a while), returns true. It
+// must not block: it polls (cuEventQuery), as the thread does.
+void runOnStagingThreadWhen(
+    std::function<bool()> ready,
+    std::function<void()> fn);
+
 // Runs `release` once the work queued on `stream` (of `device`) so far has
 // completed, on the staging thread (also where that work failed: a failed
 // stream reads nothing more). Where no event can be recorded, waits for the

@@ -5,9 +5,12 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/device_memory.h"
+#include "csrc/channel/cuda/staging_thread.h"
+#include "csrc/common/exit_gate.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
 
@@ -28,7 +31,7 @@ std::shared_ptr<Block> Block::create(
     int device,
     uint64_t bytes,
     Sharing sharing) {
-  std::shared_ptr<Block> b(new Block());
+  std::shared_ptr<Block> b(new Block(), &Block::retire);
   b->owner_ = true;
   // Bounded per device (device_memory.h); out of memory once, torch's
   // cache is freed and the block made again.
@@ -63,7 +66,7 @@ std::shared_ptr<Block> Block::import(
     int fd,
     const CUipcMemHandle* legacy,
     int device) {
-  std::shared_ptr<Block> b(new Block());
+  std::shared_ptr<Block> b(new Block(), &Block::retire);
   b->memory_ = legacy != nullptr
       ? ExportedMemory::importLegacy(*legacy, setup.size, device)
       : ExportedMemory::import(fd, setup.size, device);
@@ -75,6 +78,83 @@ std::shared_ptr<Block> Block::import(
   return b;
 }
 
+void Block::retire(Block* b) {
+  if (b->memory_ == nullptr || ExitGate::closed()) {
+    // Nothing was made (nothing to wait for); or the process is exiting
+    // (the staging thread has parked; the driver tears it all down).
+    if (b->memory_ == nullptr) {
+      delete b;
+    }
+    return;
+  }
+  // Wherever the last reference went (a loop thread, a thread freeing a
+  // received tensor), the wait for the block's events happens on the
+  // staging thread, which polls them: one a peer records may never
+  // complete, and a block it holds is kept rather than a thread.
+  auto since = std::chrono::steady_clock::now();
+  auto warned = std::make_shared<bool>(false);
+  runOnStagingThreadWhen(
+      [b, since, warned] {
+        if (b->teardownReady()) {
+          return true;
+        }
+        if (!*warned &&
+            std::chrono::steady_clock::now() - since > kTeardownWarnAfter) {
+          *warned = true;
+          logWarning(
+              "torch_rpc_ext: a cuda_ipc block of " +
+              std::to_string(b->size()) + " bytes " +
+              (b->owner_ ? "of ours" : "of the peer's") +
+              " still waits, after " +
+              std::to_string(kTeardownWarnAfter.count()) +
+              " s, for the device work on it to complete (a stream stuck "
+              "behind work that never ends, or a peer's event that is "
+              "never recorded as done); it is freed once that completes");
+        }
+        return false;
+      },
+      [b] { delete b; });
+}
+
+std::vector<Block::TeardownWait> Block::teardownWaits() const {
+  // Unmapping under a copy or a kernel still reading it would fault the
+  // device: wait for the last records (teardown only; a block is never
+  // freed on an RPC's path): ours, and the peer's while it is there (a
+  // peer gone may have left records that never complete; our own last use
+  // of its memory was waited for when its lease died).
+  const bool peerThere = !orphaned_.load();
+  const bool legacy = sharing() == Sharing::kLegacy;
+  // A legacy block is read by the peer's copies out of our allocation,
+  // and ours out of the peer's: after the connection closed, wait for
+  // those until the channel's deadline (they may have been queued behind
+  // a dead peer's record, which never completes), not for ever.
+  std::vector<TeardownWait> waits;
+  if (localUse_ != nullptr) {
+    waits.push_back({localUse_, legacy && !owner_ && !peerThere});
+  }
+  if (ready_ != nullptr && (owner_ || peerThere)) {
+    waits.push_back({ready_, false});
+  }
+  if (released_ != nullptr && peerThere) {
+    waits.push_back({released_, false});
+  } else if (released_ != nullptr && owner_ && legacy) {
+    waits.push_back({released_, true});
+  }
+  return waits;
+}
+
+bool Block::teardownReady() const {
+  CurrentDevice current(memory_->device());
+  const bool patienceOver = std::chrono::steady_clock::now() >= patience_;
+  for (const TeardownWait& w : teardownWaits()) {
+    if (libcuda().cuEventQuery(w.event) == CUDA_ERROR_NOT_READY &&
+        !(w.patient && patienceOver)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 Block::~Block() {
   if (accounted_ != 0) {
     releaseIpc(memory_ ? memory_->device() : device_, accounted_);
@@ -84,37 +164,17 @@ Block::~Block() {
   }
   try {
     CurrentDevice current(memory_->device());
-    // Unmapping under a copy or a kernel still reading it would fault the
-    // device: wait for the last records (teardown only; a block is never
-    // freed on an RPC's path): ours, and the peer's while it is there (a
-    // peer gone may have left records that never complete; our own last use
-    // of its memory was waited for when its lease died).
-    const bool peerThere = !orphaned_.load();
-    const bool legacy = sharing() == Sharing::kLegacy;
-    // A legacy block is read by the peer's copies out of our allocation,
-    // and ours out of the peer's: after the connection closed, wait for
-    // those until the channel's deadline (they may have been queued behind
-    // a dead peer's record, which never completes), not for ever.
-    auto waitAWhile = [this](CUevent e) {
-      while (libcuda().cuEventQuery(e) == CUDA_ERROR_NOT_READY &&
-             std::chrono::steady_clock::now() < patience_) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-    };
-    if (localUse_ != nullptr) {
-      if (legacy && !owner_ && !peerThere) {
-        waitAWhile(localUse_);
+    // retire() let it go once teardownReady(): these find nothing left to
+    // wait for (a patient wait stops at the channel's deadline).
+    for (const TeardownWait& w : teardownWaits()) {
+      if (w.patient) {
+        while (libcuda().cuEventQuery(w.event) == CUDA_ERROR_NOT_READY &&
+               std::chrono::steady_clock::now() < patience_) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
       } else {
-        libcuda().cuEventSynchronize(localUse_);
+        libcuda().cuEventSynchronize(w.event);
       }
-    }
-    if (ready_ != nullptr && (owner_ || peerThere)) {
-      libcuda().cuEventSynchronize(ready_);
-    }
-    if (released_ != nullptr && peerThere) {
-      libcuda().cuEventSynchronize(released_);
-    } else if (released_ != nullptr && owner_ && legacy) {
-      waitAWhile(released_);
     }
     for (CUevent e : {ready_, released_, localUse_}) {
       if (e != nullptr) {

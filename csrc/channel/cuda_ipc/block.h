@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "csrc/channel/cuda/exported_memory.h"
 
@@ -49,6 +50,12 @@ class Block {
       int fd,
       const CUipcMemHandle* legacy,
       int device);
+  // Its shared_ptr's deleter: the block is freed on the staging thread
+  // once the device work its teardown waits for has completed (polled:
+  // never a blocking wait, on any thread; a block whose events never
+  // complete stays, and is named in the log after kTeardownWarnAfter).
+  static void retire(Block* b);
+  static constexpr std::chrono::seconds kTeardownWarnAfter{10};
   ~Block();
   Block(const Block&) = delete;
   Block& operator=(const Block&) = delete;
@@ -107,6 +114,14 @@ class Block {
 
  private:
   Block() = default;
+  // What ~Block waits for: each event, and whether only until patience_.
+  struct TeardownWait {
+    CUevent event;
+    bool patient;
+  };
+  std::vector<TeardownWait> teardownWaits() const;
+  // Every wait of teardownWaits() is over (asked of the driver, no wait).
+  bool teardownReady() const;
   std::unique_ptr<ExportedMemory> memory_;
   CUevent ready_ = nullptr;
   CUevent released_ = nullptr;
