@@ -75,9 +75,8 @@ void runCloser(Closers* c) {
           "serves); it held a closer thread, not a loop");
     }
     lock.lock();
-    if (++c->closed == c->handed) {
-      c->caughtUp.notify_all();
-    }
+    ++c->closed;
+    c->caughtUp.notify_all();
   }
 }
 
@@ -88,28 +87,38 @@ void closeOffThread(int fd) {
     return;
   }
   Closers& c = closers();
-  std::lock_guard<std::mutex> lock(c.mu);
+  std::unique_lock<std::mutex> lock(c.mu);
   c.queue.push_back(fd);
   ++c.handed;
-  if (c.idle > 0 || c.threads >= kMaxClosers) {
+  // Idle closers (woken ones included: they count as idle until they take
+  // from the queue) for all that waits, or as many closers as may be.
+  if (c.queue.size() <= static_cast<size_t>(c.idle) ||
+      c.threads >= kMaxClosers) {
     c.wake.notify_one();
     return;
   }
-  // Every closer is busy (or none was started yet): one more.
+  // More waits than idle closers take (every closer may be stuck): one
+  // more.
   try {
     std::thread(runCloser, &c).detach();
     ++c.threads;
+    return;
   } catch (const std::system_error& e) {
-    if (c.threads == 0) {
-      // No thread to be had at all: close here rather than keep it open.
-      c.queue.pop_back();
-      ++c.closed;
-      ::close(fd);
-    }
     logWarning(
         std::string("torch_rpc_ext: could not start a descriptor closer: ") +
         e.what());
   }
+  if (c.threads > 0) {
+    c.wake.notify_one();
+    return;
+  }
+  // No thread to be had at all: close here rather than keep it open.
+  c.queue.pop_back();
+  lock.unlock();
+  ::close(fd);
+  lock.lock();
+  ++c.closed;
+  c.caughtUp.notify_all();
 }
 
 void closeOffThread(std::vector<int>& fds) {

@@ -42,7 +42,9 @@ SignalDrain drainSignals(int fd) {
     ssize_t got = ::recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
     if (got > 0) {
       collectPassedFds(msg, fds);
-      if (!fds.empty()) {
+      // (Truncated: descriptors came that could not be installed, e.g.
+      // our table is full; the kernel closed those.)
+      if (!fds.empty() || (msg.msg_flags & MSG_CTRUNC) != 0) {
         closeOffThread(fds);
         return SignalDrain::kDescriptors;
       }

@@ -49,25 +49,72 @@ def lingering_socket():
     return client, other
 
 
-def lingering_slab(rank, world_size):
+def refused_slab(addr):
+    """A slab setup whose "slab" is the socket: refused, and closed by the
+    worker. Its first byte carries the descriptor; our copy is closed before
+    the rest goes, so the worker holds the last one."""
+    lingering, other = lingering_socket()
+    sock, ok = handshake(addr, SECRET)
+    assert ok
+    _, kept, _, _ = socket.recv_fds(sock, 32, 4)  # the agent's frame ring
+    frame = frame_header(SLAB, 12) + struct.pack("<IQ", 1, SLAB_BYTES)
+    socket.send_fds(sock, [frame[:1]], [lingering.fileno()])
+    lingering.close()
+    sock.sendall(frame[1:])
+    refused = closed_by_peer(sock)
+    sock.close()
+    for fd in kept:
+        os.close(fd)
+    return refused, other
+
+
+def from_another_user(addr):
+    """A process of another user, which the listener refuses unanswered (as
+    SO_PEERCRED says), sends the socket before the worker accepts it: the
+    worker's close of that connection lets the socket go."""
+    for _ in range(20):
+        lingering, other = lingering_socket()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: no torch, no RPC
+            ok = b"0"
+            try:
+                os.close(r)
+                os.setgid(65534)
+                os.setuid(65534)
+                fd = lingering.detach()
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect("\0" + addr[1:])
+                socket.send_fds(s, [b"\0"], [fd])
+                # At once: the worker's close, which takes a thread hop
+                # after its accept, must be the last one.
+                os.close(fd)
+                ok = b"1"
+            except OSError:
+                pass
+            finally:
+                os.write(w, ok)
+                os._exit(0)
+        os.close(w)
+        lingering.close()  # the child's copy goes on
+        sent = os.read(r, 1) == b"1"
+        os.close(r)
+        os.waitpid(pid, 0)
+        if sent:
+            return True, other
+        other.close()
+    raise AssertionError("the socket never went out ahead of the refusal")
+
+
+HANDOVERS = {"refused_slab": refused_slab, "from_another_user": from_another_user}
+
+
+def lingering_handover(rank, world_size, how):
     init(rank, world_size, secret=SECRET)
     out = {}
     if rank == 0:
-        addr = debug_info_of("worker1")["rpc_ext.listen.shm"]
         before = debug_info_of("worker1")
-        sock, ok = handshake(addr, SECRET)
-        assert ok
-        _, kept, _, _ = socket.recv_fds(sock, 32, 4)  # the agent's frame ring
-        # A slab setup whose "slab" is the lingering socket. Its first byte
-        # carries the descriptor; our copy is closed before the rest goes,
-        # so worker1 holds the last one when it refuses the setup.
-        lingering, other = lingering_socket()
-        frame = frame_header(SLAB, 12) + struct.pack("<IQ", 1, SLAB_BYTES)
-        socket.send_fds(sock, [frame[:1]], [lingering.fileno()])
-        lingering.close()
-        sock.sendall(frame[1:])
-        out["refused"] = closed_by_peer(sock)
-        sock.close()
+        out["refused"], other = HANDOVERS[how](before["rpc_ext.listen.shm"])
         # worker1's shm loop serves us while the close waits on the socket.
         x = torch.randn(300_000)
         start = time.monotonic()
@@ -85,8 +132,6 @@ def lingering_slab(rank, world_size):
             time.sleep(0.1)
         out["pending_after"] = int(after["rpc_ext.peer_fds.pending"])
         out["closed"] = int(after["rpc_ext.peer_fds.closed"]) - int(before["rpc_ext.peer_fds.closed"])
-        for fd in kept:
-            os.close(fd)
     rpc.shutdown()
     return out
 
@@ -95,8 +140,15 @@ def debug_info_of(worker):
     return rpc.rpc_sync(worker, debug_info)
 
 
-def test_a_peer_descriptor_whose_close_blocks_does_not_block_our_loop():
-    out = run_world(lingering_slab)[0]
+@pytest.mark.parametrize("how", list(HANDOVERS))
+def test_a_peer_descriptor_whose_close_blocks_does_not_block_our_loop(how):
+    """refused_slab: the worker closes the descriptor itself;
+    from_another_user: it goes with a socket the listener refuses
+    unanswered (a connection's socket closed with messages still queued
+    goes the same way)."""
+    if how == "from_another_user" and os.geteuid() != 0:
+        pytest.skip("needs root, to run a process as another user")
+    out = run_world(lingering_handover, how=how)[0]
     assert out["refused"], out
     # Closed on worker1's loop, the socket held it for LINGER_S: the call
     # timed out (20 s) instead.

@@ -79,41 +79,48 @@ std::shared_ptr<Block> Block::import(
 }
 
 void Block::retire(Block* b) {
-  if (b->memory_ == nullptr || ExitGate::closed()) {
-    // Nothing was made (nothing to wait for); or the process is exiting
-    // (the staging thread has parked; the driver tears it all down).
-    if (b->memory_ == nullptr) {
-      delete b;
-    }
+  if (b->memory_ == nullptr) {
+    delete b; // making or importing it failed: nothing to wait for
     return;
+  }
+  if (ExitGate::closed()) {
+    return; // exiting: the staging thread has parked, the driver ends it all
   }
   // Wherever the last reference went (a loop thread, a thread freeing a
   // received tensor), the wait for the block's events happens on the
   // staging thread, which polls them: one a peer records may never
   // complete, and a block it holds is kept rather than a thread.
-  auto since = std::chrono::steady_clock::now();
-  auto warned = std::make_shared<bool>(false);
-  runOnStagingThreadWhen(
-      [b, since, warned] {
-        if (b->teardownReady()) {
-          return true;
-        }
-        if (!*warned &&
-            std::chrono::steady_clock::now() - since > kTeardownWarnAfter) {
-          *warned = true;
-          logWarning(
-              "torch_rpc_ext: a cuda_ipc block of " +
-              std::to_string(b->size()) + " bytes " +
-              (b->owner_ ? "of ours" : "of the peer's") +
-              " still waits, after " +
-              std::to_string(kTeardownWarnAfter.count()) +
-              " s, for the device work on it to complete (a stream stuck "
-              "behind work that never ends, or a peer's event that is "
-              "never recorded as done); it is freed once that completes");
-        }
-        return false;
-      },
-      [b] { delete b; });
+  try {
+    auto since = std::chrono::steady_clock::now();
+    auto warned = std::make_shared<bool>(false);
+    runOnStagingThreadWhen(
+        [b, since, warned] {
+          if (b->teardownReady()) {
+            return true;
+          }
+          if (!*warned &&
+              std::chrono::steady_clock::now() - since > kTeardownWarnAfter) {
+            *warned = true;
+            logWarning(
+                "torch_rpc_ext: a cuda_ipc block of " +
+                std::to_string(b->size()) + " bytes " +
+                (b->owner_ ? "of ours" : "of the peer's") +
+                " still waits, after " +
+                std::to_string(kTeardownWarnAfter.count()) +
+                " s, for the device work on it to complete (a stream "
+                "stuck behind work that never ends, or a peer's event "
+                "that is never recorded as done); it is freed once that "
+                "completes");
+          }
+          return false;
+        },
+        [b] { delete b; });
+  } catch (const std::exception& e) {
+    // (A deleter must not throw.) Kept, not waited for here.
+    logWarning(
+        std::string("torch_rpc_ext: a cuda_ipc block is kept, not freed: ") +
+        e.what());
+  }
 }
 
 std::vector<Block::TeardownWait> Block::teardownWaits() const {
@@ -163,19 +170,9 @@ Block::~Block() {
     return; // making or importing it failed: nothing else was made
   }
   try {
+    // retire() let it go once teardownReady(): nothing is waited for here
+    // (a peer recording an event again now would hold the staging thread).
     CurrentDevice current(memory_->device());
-    // retire() let it go once teardownReady(): these find nothing left to
-    // wait for (a patient wait stops at the channel's deadline).
-    for (const TeardownWait& w : teardownWaits()) {
-      if (w.patient) {
-        while (libcuda().cuEventQuery(w.event) == CUDA_ERROR_NOT_READY &&
-               std::chrono::steady_clock::now() < patience_) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        }
-      } else {
-        libcuda().cuEventSynchronize(w.event);
-      }
-    }
     for (CUevent e : {ready_, released_, localUse_}) {
       if (e != nullptr) {
         libcuda().cuEventDestroy(e);
@@ -184,6 +181,16 @@ Block::~Block() {
   } catch (const std::exception& e) {
     logWarning(
         std::string("torch_rpc_ext: freeing a cuda_ipc block: ") + e.what());
+  }
+  memory_.reset(); // unmapped before the owner hears (whenFreed)
+  if (freed_) {
+    try {
+      freed_();
+    } catch (const std::exception& e) {
+      logWarning(
+          std::string("torch_rpc_ext: after freeing a cuda_ipc block: ") +
+          e.what());
+    }
   }
 }
 

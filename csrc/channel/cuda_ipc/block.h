@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -111,6 +112,12 @@ class Block {
   bool orphaned() const {
     return orphaned_.load();
   }
+  // Runs `fn` (on the staging thread) once the block is freed: its memory
+  // unmapped and its events destroyed. Set before the last reference goes
+  // (the importer answers a drop only then: the owner frees after).
+  void whenFreed(std::function<void()> fn) {
+    freed_ = std::move(fn);
+  }
 
  private:
   Block() = default;
@@ -131,6 +138,7 @@ class Block {
   uint64_t accounted_ = 0; // of cuda_ipc's bound (device_memory.h)
   std::atomic<bool> orphaned_{false};
   std::chrono::steady_clock::time_point patience_{};
+  std::function<void()> freed_;
 };
 
 } // namespace torch_rpc_ext::channel::cuda

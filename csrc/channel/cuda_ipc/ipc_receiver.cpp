@@ -191,24 +191,22 @@ bool IpcChannel::onDropFromLoop(Host& host, const std::string& head) {
 }
 
 void IpcChannel::closeDropped() {
-  auto host = host_.lock();
   for (auto it = peerDropped_.begin(); it != peerDropped_.end();) {
     if (it->second.use_count() > 1) {
       ++it;
       continue;
     }
     const uint32_t id = it->first;
-    // Unmaps the memory (cuIpcCloseMemHandle for a legacy block) and
-    // destroys the opened events, after our last use of them.
+    // The staging thread unmaps the memory (cuIpcCloseMemHandle for a
+    // legacy block) and destroys the opened events once our last use of
+    // them is done (block.h): only then does the owner hear, and free it.
+    it->second->whenFreed(
+        [weak = host_, kind = context().wireIds().kind(kBlockDropped), id] {
+          if (auto h = weak.lock()) {
+            h->sendControl(ControlFrame{kind, idHead(id), {}, nullptr});
+          }
+        });
     it = peerDropped_.erase(it);
-    if (host) {
-      host->sendControl(
-          ControlFrame{
-              context().wireIds().kind(kBlockDropped),
-              idHead(id),
-              {},
-              nullptr});
-    }
   }
 }
 

@@ -79,9 +79,10 @@ StreamConnection::StreamConnection(
           options.admit) {}
 
 StreamConnection::~StreamConnection() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-  }
+  // A Unix socket may still hold messages with descriptors the peer sent
+  // (a frame after the one we refused): closing it lets them go, the last
+  // close of each on this thread. So it goes as the peer's do.
+  closeOffThread(fd_);
   closeOffThread(receivedFds_); // the peer's: fd_closer.h
 }
 

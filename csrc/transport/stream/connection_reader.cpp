@@ -54,36 +54,34 @@ ssize_t StreamConnection::readSocketFromLoop(
     return got;
   }
   while (true) {
-    ssize_t got;
-    if (passesDescriptors()) {
-      // recvmsg, not read: read(2) would silently drop passed descriptors.
-      iovec iov{dst, size};
-      // Room for the most one message carries: a smaller buffer would have
-      // the kernel drop (and close, on this thread) what did not fit.
-      alignas(
-          cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
-      msghdr msg{};
-      msg.msg_iov = &iov;
-      msg.msg_iovlen = 1;
-      msg.msg_control = control;
-      msg.msg_controllen = sizeof(control);
-      got = ::recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC);
-      if (got >= 0) {
-        collectPassedFds(msg, receivedFds_);
-        // More than could be waiting for their frames is an attack on our
-        // descriptor table. Before the handshake ends, the channels (which
-        // set the bound) are not open yet, while one read may already bring
-        // the descriptors of the peer's first frame after it: they wait,
-        // and are counted once the channels are (openChannels()).
-        size_t bound =
-            state_ == State::kReady ? maxPendingFds_ : kMaxFdsPerRead;
-        if ((msg.msg_flags & MSG_CTRUNC) != 0 || receivedFds_.size() > bound) {
-          rejectFromLoop("peer sent unexpected file descriptors");
-          return -1;
-        }
+    // recvmsg, not read, on every socket: read(2) would have the kernel
+    // drop descriptors a peer passed (a Unix socket the tcp transport
+    // reached too), and close them on this thread (fd_closer.h).
+    iovec iov{dst, size};
+    // Room for the most one message carries: a smaller buffer would have
+    // the kernel drop (and close, on this thread) what did not fit.
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    ssize_t got = ::recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC);
+    if (got >= 0) {
+      collectPassedFds(msg, receivedFds_);
+      // More than could be waiting for their frames is an attack on our
+      // descriptor table (any at all where no channel takes them). Before
+      // the handshake ends, the channels (which set the bound) are not open
+      // yet, while one read may already bring the descriptors of the
+      // peer's first frame after it: they wait, and are counted once the
+      // channels are (openChannels()).
+      size_t bound = !passesDescriptors() ? 0
+          : state_ == State::kReady       ? maxPendingFds_
+                                          : kMaxFdsPerRead;
+      if ((msg.msg_flags & MSG_CTRUNC) != 0 || receivedFds_.size() > bound) {
+        rejectFromLoop("peer sent unexpected file descriptors");
+        return -1;
       }
-    } else {
-      got = ::read(fd_, dst, size);
     }
     if (got > 0) {
       noteActivity();

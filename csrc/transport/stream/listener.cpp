@@ -9,6 +9,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "csrc/common/fd_closer.h"
 #include "csrc/common/logging.h"
 #include "csrc/transport/stream/listener.h"
 #include "csrc/transport/stream/transport.h"
@@ -49,9 +50,9 @@ StreamListener::StreamListener(
 }
 
 StreamListener::~StreamListener() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-  }
+  // Connections still in the backlog go with it, and with them what their
+  // peers sent, descriptors included (fd_closer.h).
+  closeOffThread(fd_);
 }
 
 void StreamListener::start(ConnectionObserver* observer) {
@@ -110,7 +111,9 @@ void StreamListener::handleEventsFromLoop(uint32_t /*events*/) {
     }
     pause_ = std::chrono::milliseconds(50); // a socket came: not exhausted
     if (local_ && !localPeerAllowed(fd)) {
-      ::close(fd);
+      // Unanswered, and not closed here: it may already hold a message
+      // with descriptors, whose last close could wait (fd_closer.h).
+      closeOffThread(fd);
       continue;
     }
     transport_.acceptedFromLoop(
