@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/common/fd_closer.h"
 
+#include <sys/ioctl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -119,6 +121,27 @@ void closeOffThread(int fd) {
   lock.lock();
   ++c.closed;
   c.caughtUp.notify_all();
+}
+
+void closeSocket(int fd) {
+  if (fd < 0) {
+    return;
+  }
+  int domain = 0;
+  socklen_t len = sizeof(domain);
+  int queued = 0;
+  if (::getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &len) == 0 &&
+      domain == AF_UNIX) {
+    ::shutdown(fd, SHUT_RDWR);
+    if (::ioctl(fd, FIONREAD, &queued) != 0) {
+      queued = 1; // unknown: as if something were there
+    }
+  }
+  if (queued > 0) {
+    closeOffThread(fd);
+  } else {
+    ::close(fd);
+  }
 }
 
 void closeOffThread(std::vector<int>& fds) {

@@ -30,6 +30,12 @@ void closeOffThread(int fd);
 // The same for each; `fds` is cleared.
 void closeOffThread(std::vector<int>& fds);
 
+// Closes a socket of ours whose receive queue may hold a peer's messages,
+// and with them descriptors, whose last close then comes with ours: shut
+// down first (nothing more can come), then closed here if it is not a Unix
+// socket or nothing is queued (the usual case), else by a closer.
+void closeSocket(int fd);
+
 struct FdCloserStats {
   uint64_t closed = 0; // closes that returned
   uint64_t pending = 0; // handed over, not yet closed (stuck ones included)
@@ -53,6 +59,6 @@ void collectPassedFds(const msghdr& msg, std::vector<int>& into);
 
 // Closers at most: each one stuck on a close holds one; descriptors handed
 // over while every closer is stuck wait (and stay open) until one returns.
-constexpr int kMaxClosers = 4;
+constexpr int kMaxClosers = 16;
 
 } // namespace torch_rpc_ext

@@ -121,7 +121,8 @@ class Block {
 
  private:
   Block() = default;
-  // What ~Block waits for: each event, and whether only until patience_.
+  // What the block waits for before it is freed (retire() polls them):
+  // each event, and whether only until patience_.
   struct TeardownWait {
     CUevent event;
     bool patient;

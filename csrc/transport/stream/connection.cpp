@@ -81,8 +81,8 @@ StreamConnection::StreamConnection(
 StreamConnection::~StreamConnection() {
   // A Unix socket may still hold messages with descriptors the peer sent
   // (a frame after the one we refused): closing it lets them go, the last
-  // close of each on this thread. So it goes as the peer's do.
-  closeOffThread(fd_);
+  // close of each on this thread (fd_closer.h).
+  closeSocket(fd_);
   closeOffThread(receivedFds_); // the peer's: fd_closer.h
 }
 

@@ -51,8 +51,11 @@ StreamListener::StreamListener(
 
 StreamListener::~StreamListener() {
   // Connections still in the backlog go with it, and with them what their
-  // peers sent, descriptors included (fd_closer.h).
-  closeOffThread(fd_);
+  // peers sent, descriptors included (fd_closer.h). (A listener has no
+  // queue of its own to measure: always a closer.)
+  if (fd_ >= 0) {
+    closeOffThread(fd_);
+  }
 }
 
 void StreamListener::start(ConnectionObserver* observer) {
@@ -111,9 +114,9 @@ void StreamListener::handleEventsFromLoop(uint32_t /*events*/) {
     }
     pause_ = std::chrono::milliseconds(50); // a socket came: not exhausted
     if (local_ && !localPeerAllowed(fd)) {
-      // Unanswered, and not closed here: it may already hold a message
-      // with descriptors, whose last close could wait (fd_closer.h).
-      closeOffThread(fd);
+      // Unanswered; it may already hold a message with descriptors, whose
+      // last close could wait (fd_closer.h).
+      closeSocket(fd);
       continue;
     }
     transport_.acceptedFromLoop(
