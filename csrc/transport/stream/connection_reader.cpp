@@ -54,9 +54,9 @@ ssize_t StreamConnection::readSocketFromLoop(
     return got;
   }
   while (true) {
-    // recvmsg, not read, on every socket: read(2) would have the kernel
-    // drop descriptors a peer passed (a Unix socket the tcp transport
-    // reached too), and close them on this thread (fd_closer.h).
+    // recvmsg, not read: read(2) would have the kernel drop descriptors a
+    // peer passed on a Unix socket, and close them on this thread
+    // (fd_closer.h). (The same call on a TCP socket, which carries none.)
     iovec iov{dst, size};
     // Room for the most one message carries: a smaller buffer would have
     // the kernel drop (and close, on this thread) what did not fit.
