@@ -43,8 +43,10 @@ struct FdCloserStats {
 };
 FdCloserStats fdCloserStats();
 
-// Waits until every descriptor handed over so far is closed, or `timeout`
-// passed: true if they are. For tests that check a descriptor is gone.
+// Waits until as many closes have returned as descriptors had been handed
+// over when it was called, or `timeout` passed: true if they have. With no
+// close stuck, every descriptor handed over so far is then closed. For
+// tests that check a descriptor is gone.
 bool waitForFdClosers(std::chrono::milliseconds timeout);
 
 // The kernel's SCM_MAX_FD: the most descriptors one message carries, and a
