@@ -9,6 +9,8 @@ kernel inside our read (docs/reliability.md)."""
 import os
 import socket
 import struct
+import subprocess
+import sys
 import time
 
 import pytest
@@ -68,41 +70,40 @@ def refused_slab(addr):
     return refused, other, None
 
 
+# Run as another user in a fresh interpreter (a fork of a worker, with its
+# threads and torch's at-fork hooks, can hang in the child): connect to the
+# worker's listener, send a byte carrying descriptor argv[2], say so, then
+# close that descriptor at once (the worker's close, a thread hop after its
+# accept, must be the last one; should ours be, it waits on the socket).
+OTHER_USER = """
+import os, socket, sys
+os.setgid(65534)
+os.setuid(65534)
+fd = int(sys.argv[2])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("\\0" + sys.argv[1][1:])
+socket.send_fds(s, [b"\\0"], [fd])
+sys.stdout.write("sent")
+sys.stdout.flush()
+os.close(fd)
+"""
+
+
 def from_another_user(addr):
     """A process of another user, which the listener refuses unanswered (as
     SO_PEERCRED says), sends the socket before the worker accepts it: the
     worker's close of that connection lets the socket go."""
     for _ in range(20):
         lingering, other = lingering_socket()
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: no torch, no RPC
-            try:
-                os.close(r)
-                os.setgid(65534)
-                os.setuid(65534)
-                fd = lingering.detach()
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.connect("\0" + addr[1:])
-                socket.send_fds(s, [b"\0"], [fd])
-                os.write(w, b"1")
-                # At once: the worker's close, which takes a thread hop
-                # after its accept, must be the last one. (Should ours be,
-                # this close waits until `other` goes; the caller tries
-                # again.)
-                os.close(fd)
-            except OSError:
-                os.write(w, b"0")
-            finally:
-                os._exit(0)
-        os.close(w)
+        child = subprocess.Popen(
+            [sys.executable, "-c", OTHER_USER, addr, str(lingering.fileno())],
+            pass_fds=[lingering.fileno()], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         lingering.close()  # the child's copy goes on
-        sent = os.read(r, 1) == b"1"
-        os.close(r)
+        sent = child.stdout.read(4) == b"sent"
         if sent:
-            return True, other, pid
+            return True, other, child
         other.close()
-        os.waitpid(pid, 0)
+        child.wait(30)
     raise AssertionError("the socket never went out ahead of the refusal")
 
 
@@ -128,12 +129,12 @@ def lingering_handover(rank, world_size, how):
             # The child's close came last (a race the worker's thread hop
             # almost always wins): its own, at no cost to worker1. Again.
             other.close()
-            os.waitpid(child, 0)
+            child.wait(30)
             child = None
         # The other end goes: the lingering close returns (a reset).
         other.close()
         if child is not None:
-            os.waitpid(child, 0)
+            child.wait(30)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             after = debug_info_of("worker1")
