@@ -178,7 +178,6 @@ FdCloserStats fdCloserStats() {
   std::lock_guard<std::mutex> lock(c.mu);
   FdCloserStats s;
   s.closed = c.closed;
-  s.closers = static_cast<uint64_t>(c.threads);
   s.pending = c.handed - c.closed;
   return s;
 }

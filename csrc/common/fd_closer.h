@@ -39,7 +39,6 @@ void closeSocket(int fd);
 struct FdCloserStats {
   uint64_t closed = 0; // closes that returned
   uint64_t pending = 0; // handed over, not yet closed (stuck ones included)
-  uint64_t closers = 0; // closer threads started in this process
 };
 FdCloserStats fdCloserStats();
 
