@@ -7,8 +7,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -19,6 +22,7 @@
 #include "csrc/channel/cuda/exported_memory.h"
 #include "csrc/channel/cuda_ipc/block.h"
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
+#include "csrc/channel/cuda_ipc/ipc_lease.h"
 #include "csrc/common/libcuda.h"
 
 namespace torch_rpc_ext::bindings {
@@ -177,6 +181,64 @@ void bindTestingCuda(py::module_& parent) {
         return std::chrono::duration<double>(
                    std::chrono::steady_clock::now() - start)
             .count();
+      },
+      py::call_guard<py::gil_scoped_release>());
+  // Two cuda_ipc leases on blocks of `device` read peer to peer from
+  // `target`, as two connections' receivers make them: the first's use is
+  // on `held` (a stream of `target` a test holds, as a peer's `ready` that
+  // never completes holds the streams that waited on it), the second's on
+  // a free stream; each lease's events are recorded after its use on its
+  // join stream (`join_a`, `join_b`: streams of `device`). Both leases die;
+  // then, within `wait_s`: whether each block's `released` completed.
+  m.def(
+      "peer_leases_released",
+      [](int device,
+         int target,
+         uintptr_t held,
+         uintptr_t joinA,
+         uintptr_t joinB,
+         double waitS) {
+        auto borrowed = [](uintptr_t s) { // the test's to destroy
+          return std::shared_ptr<CUstream_st>(asStream(s), [](CUstream_st*) {});
+        };
+        CUstream freeUse = nullptr;
+        {
+          cuda::CurrentDevice current(target);
+          TORCH_RPC_EXT_CUDA_CHECK(
+              cuStreamCreate, &freeUse, CU_STREAM_NON_BLOCKING);
+        }
+        std::vector<std::shared_ptr<cuda::Block>> blocks;
+        const std::pair<uintptr_t, uintptr_t> uses[] = {
+            {held, joinA}, {reinterpret_cast<uintptr_t>(freeUse), joinB}};
+        for (const auto& [use, join] : uses) {
+          auto block = cuda::Block::create(device, 2 << 20, cuda::Sharing::kFd);
+          if (!block) {
+            throw std::runtime_error("no cuda_ipc block to be had");
+          }
+          blocks.push_back(block);
+          auto lease = std::make_shared<cuda::BlockLease>(
+              std::weak_ptr<cuda::IpcChannel>(),
+              block,
+              static_cast<uint32_t>(blocks.size()),
+              false,
+              target,
+              borrowed(join));
+          lease->recordUse(use);
+        }
+        auto done = [&](size_t i) {
+          return libcuda().cuEventQuery(blocks[i]->released()) == CUDA_SUCCESS;
+        };
+        const auto until = std::chrono::steady_clock::now() +
+            std::chrono::duration<double>(waitS);
+        while (!done(1) && std::chrono::steady_clock::now() < until) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        std::pair<bool, bool> out{done(0), done(1)};
+        {
+          cuda::CurrentDevice current(target);
+          libcuda().cuStreamDestroy(freeUse);
+        }
+        return out;
       },
       py::call_guard<py::gil_scoped_release>());
 

@@ -18,11 +18,12 @@ import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
 from tests.cuda_driver import worker
-from tests.cuda_driver.conftest import REAL_DRIVER
+from tests.cuda_driver.conftest import REAL_DRIVER, two_devices
 
 pytestmark = pytest.mark.unit
 
@@ -285,3 +286,21 @@ def test_a_block_whose_events_never_complete_holds_no_thread(driver):
     if not REAL_DRIVER:
         assert held["vmm_handles"] >= 1, held  # kept while its event is pending
         assert after["vmm_handles"] == 0 and after["vmm_mappings"] == 0, after
+
+
+@two_devices
+def test_a_peer_that_never_completes_stalls_only_its_own_connections_releases(spawn):
+    """A block read peer to peer (a map from the peer's cuda:0 to our cuda:1)
+    records its events, after the reads, on a stream of cuda:0 that waits
+    for them; those reads waited on the peer's `ready`, which a hostile peer
+    never completes. Each connection has its own such stream: another
+    peer's block is released at once. With one stream per device for the
+    whole process, as before, the other block's release queues behind the
+    held one and does not complete (asserted too, so the test shows what
+    the own stream changes)."""
+    with ProcessPoolExecutor(1, spawn) as pool:
+        held, other = pool.submit(worker.peer_leases_release_apart, False, 10.0).result(60)
+    assert (held, other) == (False, True)
+    with ProcessPoolExecutor(1, spawn) as pool:
+        held, other = pool.submit(worker.peer_leases_release_apart, True, 1.0).result(60)
+    assert (held, other) == (False, False)

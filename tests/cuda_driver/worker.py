@@ -255,3 +255,28 @@ def block_teardown_waits_off_thread(hold_s: float) -> tuple[float, dict | None, 
         after = fake_stats()
     cu.stream_destroy(DEVICE, stream)
     return took, held and held["live"], after and after["live"]
+
+
+def peer_leases_release_apart(shared_join: bool, wait_s: float) -> tuple[bool, bool]:
+    """Two connections' leases on blocks of cuda:0 read from cuda:1, the
+    first's use held at a gate (a peer's `ready` that never completes):
+    whether each block's `released` completed within `wait_s`, with each
+    connection's own join stream, or (`shared_join`) one stream for both, as
+    one per device for the whole process was. Sets two fake devices: call in
+    a process whose driver is not loaded yet, or on two GPUs."""
+    os.environ.setdefault("FAKE_CUDA_DEVICES", "2")
+    cu = testing()
+    held = cu.stream_create(1)
+    gate = cu.gate_stream(1, held)
+    joins = [cu.stream_create(0)]
+    if not shared_join:
+        joins.append(cu.stream_create(0))
+    try:
+        return cu.peer_leases_released(0, 1, held, joins[0], joins[-1], wait_s)
+    finally:
+        cu.open_gate(gate)
+        cu.stream_synchronize(1, held)
+        cu.stream_destroy(1, held)
+        for join in joins:
+            cu.stream_synchronize(0, join)
+            cu.stream_destroy(0, join)

@@ -146,16 +146,25 @@ struct CUctx_st {
 };
 
 // An event's counters: cuEventRecord makes a record the n-th at once and
-// sets completed = max(completed, n) when its stream gets there.
+// sets completed = max(completed, n) when its stream gets there; a query
+// asks for the latest record. Records of an event complete out of order when
+// they go to different streams; a wait is for the record it saw (a later one
+// completing on a faster stream does not end it), so each of the last
+// kRecordWindow records has a done bit. A wait older than that falls back to
+// the highest done.
+constexpr uint64_t kRecordWindow = 1024;
+
 struct FakeCounters {
   std::atomic<uint64_t> recorded{0};
-  std::atomic<uint64_t> completed{0};
+  std::atomic<uint64_t> completed{0}; // the highest record done
   // An interprocess event's exporter destroyed it: the processes that
   // opened it may no longer use it.
   std::atomic<uint64_t> exporterDestroyed{0};
   // Work before it on its stream faulted: its next query says so, once.
   std::atomic<uint64_t> faulted{0};
+  std::atomic<uint64_t> doneBits[kRecordWindow / 64]{};
 };
+static_assert(sizeof(FakeCounters) <= 4096, "one page");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared memory");
 
 // Where they live: the heap, or for an interprocess event the first page of
@@ -740,15 +749,41 @@ CUresult getEvent(
   return CUDA_SUCCESS;
 }
 
-void completeUpTo(FakeCounters* c, uint64_t n) {
+std::atomic<uint64_t>& doneWord(FakeCounters* c, uint64_t n) {
+  return c->doneBits[(n % kRecordWindow) / 64];
+}
+
+uint64_t doneBit(uint64_t n) {
+  return uint64_t{1} << (n % 64);
+}
+
+// Record n was made: not done yet.
+uint64_t recordPending(FakeCounters* c) {
+  uint64_t n = ++c->recorded;
+  doneWord(c, n).fetch_and(~doneBit(n));
+  return n;
+}
+
+void completeRecord(FakeCounters* c, uint64_t n) {
+  doneWord(c, n).fetch_or(doneBit(n));
   uint64_t now = c->completed.load();
   while (now < n && !c->completed.compare_exchange_weak(now, n)) {
   }
 }
 
+bool recordDone(FakeCounters* c, uint64_t n) {
+  if (n == 0) {
+    return true; // never recorded
+  }
+  if (c->recorded.load() >= n + kRecordWindow) {
+    return c->completed.load() >= n; // its bit was reused
+  }
+  return (doneWord(c, n).load() & doneBit(n)) != 0;
+}
+
 // Polls: the counters may be written by another process.
 void waitCompleted(FakeCounters* c, uint64_t n) {
-  for (int polls = 0; c->completed.load() < n; ++polls) {
+  for (int polls = 0; !recordDone(c, n); ++polls) {
     auto pause = std::chrono::microseconds(polls < 100 ? 20 : 500);
     std::this_thread::sleep_for(pause);
   }
@@ -2228,14 +2263,14 @@ CUresult CUDAAPI cuEventRecord(CUevent ev, CUstream stream) {
   CHECK(getStream(__func__, stream, &s));
   CHECK(getEvent(__func__, ev, &block, &device));
   REQUIRE(device == s->device, CUDA_ERROR_INVALID_HANDLE, "another device");
-  uint64_t n = ++block->counters->recorded;
+  uint64_t n = recordPending(block->counters);
   CUstream_st* on = s.get(); // (alive while its work runs)
   enqueue(*s, [block, n, on] {
     if (on->faultPending) {
       on->faultPending = false;
       block->counters->faulted = 1;
     }
-    completeUpTo(block->counters, n);
+    completeRecord(block->counters, n);
   });
   return CUDA_SUCCESS;
 }
@@ -2246,7 +2281,7 @@ CUresult CUDAAPI cuEventQuery(CUevent ev) {
   std::shared_ptr<FakeCounterBlock> block;
   CHECK(getEvent(__func__, ev, &block));
   FakeCounters* c = block->counters;
-  bool done = c->completed.load() >= c->recorded.load();
+  bool done = recordDone(c, c->recorded.load());
   if (done && c->faulted.exchange(0) != 0) {
     return fail(__func__, CUDA_ERROR_LAUNCH_FAILED, "a copy faulted (test)");
   }

@@ -770,6 +770,33 @@ def test_events_are_counters(cu):
     assert cu.rc("cuEventDestroy_v2", ev) == INVALID_HANDLE
 
 
+def test_a_wait_is_for_the_record_it_saw_not_a_later_one(cu):
+    # An event re-recorded on a faster stream (a pooled event taken again)
+    # completes its later record first; a wait made before it still waits
+    # for the earlier one, as on a GPU. The fake once counted only the
+    # highest record done, and let the wait through.
+    gate, reached = threading.Event(), threading.Event()
+    held, free, waiting = cu.stream(), cu.stream(), cu.stream()
+    ev, after = cu.event(), cu.event()
+    cu.host_func(held, lambda: gate.wait(60))
+    cu("cuEventRecord", ev, held)
+    cu("cuStreamWaitEvent", waiting, ev, 0)
+    cu.host_func(waiting, reached.set)
+    cu("cuEventRecord", after, waiting)
+    cu("cuEventRecord", ev, free)
+    cu("cuStreamSynchronize", free)
+    assert cu.rc("cuEventQuery", ev) == SUCCESS  # its latest record is done
+    assert not reached.wait(0.5)  # the wait is for the first
+    assert cu.rc("cuEventQuery", after) == NOT_READY
+    gate.set()
+    cu("cuEventSynchronize", after)
+    assert reached.is_set()
+    for stream in (held, free, waiting):
+        cu("cuStreamDestroy_v2", stream)
+    for event in (ev, after):
+        cu("cuEventDestroy_v2", event)
+
+
 def test_without_interprocess_events_an_ipc_event_is_not_supported(fresh):
     cu = fresh(FAKE_CUDA_NO_IPC_EVENTS="1").setup()
     ipc_event_supported = 125  # CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED

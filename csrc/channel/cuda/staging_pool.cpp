@@ -200,10 +200,6 @@ CUstream StagingPool::copyStream() {
   return madeOnce(copyStream_);
 }
 
-CUstream StagingPool::joinStream() {
-  return madeOnce(joinStream_);
-}
-
 void StagingPool::trim() {
   RelaxedCapture relaxed; // its queries and frees (device.h)
   std::vector<HostBuffer> hosts;

@@ -71,10 +71,6 @@ class StagingPool {
   PooledEvent takeEvent();
   // The stream copies onto the device run on (non-blocking, made once).
   CUstream copyStream();
-  // A stream of the device that only waits and records (non-blocking, made
-  // once): where cuda_ipc records a block's events after a peer device's
-  // uses of it, without holding up copyStream()'s copies.
-  CUstream joinStream();
 
   // Frees buffers and blocks idle for kStagedIdleMs whose last use has
   // completed (any thread; cheap when there is nothing to free).
@@ -107,7 +103,6 @@ class StagingPool {
   uint64_t pinnedBytes_ = 0; // allocated
   uint64_t pinnedInUse_ = 0; // taken and not yet given back
   CUstream copyStream_ = nullptr;
-  CUstream joinStream_ = nullptr;
   Clock::time_point lastTrim_ = Clock::now();
 };
 

@@ -501,9 +501,11 @@ bool IpcChannel::onFrameEndFromLoop() {
   return false;
 }
 
-std::shared_ptr<CUstream_st> IpcChannel::copyOutStream(int device) {
-  auto it = copyOutStreams_.find(device);
-  if (it != copyOutStreams_.end()) {
+std::shared_ptr<CUstream_st> IpcChannel::streamOf(
+    std::map<int, std::shared_ptr<CUstream_st>>& made,
+    int device) {
+  auto it = made.find(device);
+  if (it != made.end()) {
     return it->second;
   }
   CurrentDevice current(device);
@@ -519,7 +521,7 @@ std::shared_ptr<CUstream_st> IpcChannel::copyOutStream(int device) {
       // The driver is gone (process exit).
     }
   });
-  copyOutStreams_.emplace(device, stream);
+  made.emplace(device, stream);
   return stream;
 }
 

@@ -307,10 +307,21 @@ class IpcChannel final : public Channel,
     PooledEvent ready;
   };
   std::unordered_map<uint32_t, CopyOut> copyOuts_;
-  // This connection's stream per device for copies out of legacy blocks
-  // (its own: a peer's `ready` that never completes stalls only it).
-  std::shared_ptr<CUstream_st> copyOutStream(int device);
+  // This connection's own streams per device (loop thread), so that a
+  // peer's record that never completes stalls only them: copies out of
+  // legacy blocks wait on its `ready`; joins after peer-to-peer reads of
+  // its blocks record their events (BlockLease).
+  std::shared_ptr<CUstream_st> copyOutStream(int device) {
+    return streamOf(copyOutStreams_, device);
+  }
+  std::shared_ptr<CUstream_st> joinStream(int device) {
+    return streamOf(joinStreams_, device);
+  }
+  static std::shared_ptr<CUstream_st> streamOf(
+      std::map<int, std::shared_ptr<CUstream_st>>& made,
+      int device);
   std::map<int, std::shared_ptr<CUstream_st>> copyOutStreams_;
+  std::map<int, std::shared_ptr<CUstream_st>> joinStreams_;
 
   struct OwnBlock {
     // kDropping: the peer was told to close it and has not answered.

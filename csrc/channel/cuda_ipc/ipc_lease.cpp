@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <stdexcept>
 #include <string>
 
 #include "csrc/channel/cuda/device.h"
@@ -13,6 +14,26 @@
 #include "csrc/common/logging.h"
 
 namespace torch_rpc_ext::channel::cuda {
+
+BlockLease::BlockLease(
+    std::weak_ptr<IpcChannel> conn,
+    std::shared_ptr<Block> block,
+    uint32_t id,
+    bool own,
+    int target,
+    std::shared_ptr<CUstream_st> join)
+    : conn_(std::move(conn)),
+      block_(std::move(block)),
+      id_(id),
+      own_(own),
+      target_(target < 0 ? block_->device() : target),
+      join_(std::move(join)) {
+  if (target_ != block_->device() && !join_) {
+    throw std::invalid_argument(
+        "a lease read peer to peer needs a join stream of cuda:" +
+        std::to_string(block_->device()));
+  }
+}
 
 BlockLease::~BlockLease() {
   if (handedOn_.load()) {
@@ -32,8 +53,11 @@ BlockLease::~BlockLease() {
         used = StagingPool::of(target_).takeEvent();
         TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, used.get(), last);
       }
+      // On the connection's own stream: this wait is on work that waited
+      // on the peer's `ready`, so a peer that never completes it holds
+      // this stream, and only its own blocks' releases behind it.
       CurrentDevice current(block_->device());
-      const CUstream home = StagingPool::of(block_->device()).joinStream();
+      const CUstream home = join_.get();
       TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, home, used.get(), 0);
       TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->localUse(), home);
       if (!block_->orphaned()) {

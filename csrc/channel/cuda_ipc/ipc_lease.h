@@ -25,17 +25,17 @@ class BlockLease final : public DeviceRegion {
  public:
   // `target`: the device that reads the memory, where not the block's own
   // (peer to peer: Block::grantAccess done); its streams are the uses.
+  // Then `join`, a stream of the block's device owned by the connection the
+  // block came through, is where its events are recorded after those uses
+  // (IpcChannel::joinStream: a peer whose records never complete stalls
+  // its own connection's releases only, not every peer's).
   BlockLease(
       std::weak_ptr<IpcChannel> conn,
       std::shared_ptr<Block> block,
       uint32_t id,
       bool own,
-      int target = -1)
-      : conn_(std::move(conn)),
-        block_(std::move(block)),
-        id_(id),
-        own_(own),
-        target_(target < 0 ? block_->device() : target) {}
+      int target = -1,
+      std::shared_ptr<CUstream_st> join = nullptr);
   ~BlockLease() override;
 
   // The device the receiver's tensors are on: the block's, or the one
@@ -93,6 +93,7 @@ class BlockLease final : public DeviceRegion {
   uint32_t id_;
   bool own_;
   const int target_;
+  const std::shared_ptr<CUstream_st> join_; // peer to peer only
   std::mutex mu_;
   std::vector<uintptr_t> streams_; // of device(), in first-use order
   std::vector<uintptr_t> waited_; // streams that waited on the block's record

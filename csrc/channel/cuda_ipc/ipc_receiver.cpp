@@ -293,6 +293,7 @@ int64_t IpcChannel::onRecordFromLoop(
   // peer, where that device reaches the block's (the sender's map, which
   // our descriptor allowed: IpcDomain::Device::peers).
   const int target = segment.device >= 0 ? segment.device : block->device();
+  std::shared_ptr<CUstream_st> join;
   if (!own && target != block->device()) {
     std::string no;
     if (block->sharing() != Sharing::kFd || !reaches(target, block->device())) {
@@ -302,6 +303,7 @@ int64_t IpcChannel::onRecordFromLoop(
     } else {
       try {
         block->grantAccess(target);
+        join = joinStream(block->device());
       } catch (const std::exception& e) {
         no = e.what();
       }
@@ -335,7 +337,7 @@ int64_t IpcChannel::onRecordFromLoop(
       return static_cast<int64_t>(segment.size);
     }
     auto lease = std::make_shared<BlockLease>(
-        weak_from_this(), std::move(block), r.id, own, target);
+        weak_from_this(), std::move(block), r.id, own, target, join);
     live = lease;
     *segment.region = std::move(lease);
     return static_cast<int64_t>(segment.size);
