@@ -50,16 +50,28 @@ void Server::serve(
     served.peer->stats.costs.observeTime(
         CallCosts::kQueueSeconds, served.kind, started - served.arrived);
   }
-  // Serve every request with the thread-local state this pool thread had
-  // before it ran any request. Upstream's legacy profiler leaves per-thread
-  // state behind after RUN_WITH_PROFILING_REQ, so a second profiled request on
-  // the same thread would record no events (TensorPipe has the same bug; it
-  // is hit there less often only because its pool rotates threads).
+  // Serve every request with the thread-local state this thread had before
+  // it served any. Upstream's legacy profiler leaves per-thread state behind
+  // after RUN_WITH_PROFILING_REQ, so a second profiled request on the same
+  // thread would record no events (TensorPipe has the same bug; it is hit
+  // there less often only because its pool rotates threads); so would a
+  // function that turns off grad mode and never turns it back on.
+  // The state is set back when the serve ends, not saved and restored
+  // around it: a thread is in it whenever a serve starts (its first serve
+  // takes it; every serve ends by setting it; what else runs on our threads,
+  // torch's future callbacks and the profiling replies, restores what it
+  // changes). Capturing the state and setting it twice was 11% of a
+  // callee's CPU in a pipelined run (docs/performance.md, session 47).
   thread_local std::optional<at::ThreadLocalState> pristine;
   if (!pristine) {
     pristine.emplace();
   }
-  at::ThreadLocalStateGuard tls(*pristine);
+  struct Restore {
+    const at::ThreadLocalState& state;
+    ~Restore() {
+      at::ThreadLocalState::setThreadLocalState(state);
+    }
+  } restore{*pristine};
   c10::intrusive_ptr<c10::ivalue::Future> result;
   std::shared_ptr<tracing::ServeSpan> span;
   try {

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Remote profiling keeps working for every call, not just the first one a
+"""Each request is served from a clean thread-local state. Remote profiling
+keeps working for every call, not just the first one a
 server thread handles (upstream's legacy profiler leaves per-thread state
 behind; TensorPipe loses the callee's events once its pool threads are used)."""
 
@@ -30,3 +31,29 @@ def test_every_profiled_call_brings_back_remote_events():
     # With 2 server threads, calls 2.. would lose their remote events if a
     # thread's profiler state leaked from one request to the next.
     assert run_world(profiled_calls, n=12)[0] == []
+
+
+def leaves_grad_off() -> bool:
+    torch.set_grad_enabled(False)  # and never back on
+    return torch.is_grad_enabled()
+
+
+def grad_enabled() -> bool:
+    return torch.is_grad_enabled()
+
+
+def grad_mode_calls(rank, world_size, n):
+    init(rank, world_size, num_worker_threads=2)
+    seen = []
+    if rank == 0:
+        for _ in range(n):
+            seen.append((rpc.rpc_sync("worker1", leaves_grad_off),
+                         rpc.rpc_sync("worker1", grad_enabled)))
+    rpc.shutdown()
+    return seen
+
+
+def test_a_function_that_leaves_grad_mode_off_does_not_leak_into_the_next_call():
+    # Every request starts from the thread-local state its serving thread
+    # had before it served any (csrc/agent/server.cpp): grad mode included.
+    assert run_world(grad_mode_calls, n=4)[0] == [(False, True)] * 4
