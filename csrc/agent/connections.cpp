@@ -66,8 +66,8 @@ std::string Connections::open(const std::string& secret, uint64_t incarnation) {
   topts.frameRingBytes = options_.shmFrameRingBytes;
   // Sent messages may hold the last reference to tensors with Python
   // objects; let the pool, not the loop thread, drop them.
-  topts.releaseOffLoop = [this](std::shared_ptr<void> held) {
-    pool_.run([held = std::move(held)]() mutable { held.reset(); });
+  topts.releaseOffLoop = [this](std::vector<std::shared_ptr<void>> held) {
+    pool_.run([held = std::move(held)]() mutable { held.clear(); });
   };
   topts.bindAddress = options_.address;
   topts.localPeersAnyUser = options_.shmPeersAnyUser;

@@ -48,6 +48,14 @@ SignalDrain drainSignals(int fd) {
         closeOffThread(fds);
         return SignalDrain::kDescriptors;
       }
+      if (static_cast<size_t>(got) < sizeof(bytes)) {
+        // All that was queued, or up to a byte the kernel does not glue to
+        // these (one carrying descriptors): either way what is left keeps
+        // the descriptor readable, and every watcher of ours is
+        // level-triggered. Not asking again until EAGAIN halves a wake-up's
+        // system calls (a woken loop drains one or two bytes).
+        return SignalDrain::kOpen;
+      }
       continue;
     }
     if (got == 0) {

@@ -46,7 +46,9 @@ enum class SignalDrain {
 };
 
 // Read the signals that came (never blocks; at most 256 KiB a call, the
-// rest keeps the descriptor readable). Read with a control buffer: a byte
+// rest keeps the descriptor readable: its watcher must be level-triggered,
+// as every one of ours is, since a read that comes back short ends the
+// drain without a last read to see EAGAIN). Read with a control buffer: a byte
 // that carries descriptors hands them to us, where recv() would have the
 // kernel close them on this thread (fd_closer.h says why that can block).
 SignalDrain drainSignals(int fd);

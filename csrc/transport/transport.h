@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "csrc/channel/channel.h"
 #include "csrc/common/option_defaults.h"
@@ -47,11 +48,12 @@ struct TransportOptions {
   // Address to bind and advertise (an IP literal), for transports that need
   // one; empty: the transport's default (stream/address.h).
   std::string bindAddress;
-  // Receives the keepAlive of every outbound frame that finishes (or is
-  // dropped) on the loop thread, so its owner can destroy it elsewhere:
-  // dropping the last reference to a tensor that has a Python object takes
-  // the GIL, which the loop thread must never do. Unset: destroyed in place.
-  std::function<void(std::shared_ptr<void>)> releaseOffLoop;
+  // Receives the keepAlives of the outbound frames that finish (or are
+  // dropped) on the loop thread, those of one flush together, so its owner
+  // can destroy them elsewhere: dropping the last reference to a tensor that
+  // has a Python object takes the GIL, which the loop thread must never do.
+  // Unset: destroyed in place.
+  std::function<void(std::vector<std::shared_ptr<void>>)> releaseOffLoop;
   // Encryption of connections for transports that cross hosts (tls.h); the
   // pre-shared key comes from `secret`.
   TlsOptions tls;

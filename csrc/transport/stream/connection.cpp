@@ -341,9 +341,9 @@ void StreamConnection::releaseFinished() {
     return;
   }
   if (options_.releaseOffLoop && loop_.inLoop()) {
-    for (auto& d : done) {
-      options_.releaseOffLoop(std::move(d));
-    }
+    // One hand-off a flush, not one a frame: a loop that flushes a queue of
+    // pipelined requests woke a pool thread for each (session 47).
+    options_.releaseOffLoop(std::move(done));
   }
 }
 

@@ -129,7 +129,9 @@ class StreamConnection : public Connection,
   }
   void releaseLater(std::shared_ptr<void> keepAlive) override {
     if (options_.releaseOffLoop) {
-      options_.releaseOffLoop(std::move(keepAlive));
+      std::vector<std::shared_ptr<void>> one;
+      one.push_back(std::move(keepAlive));
+      options_.releaseOffLoop(std::move(one));
     }
   }
 
