@@ -60,8 +60,11 @@ void Server::serve(
   // around it: a thread is in it whenever a serve starts (its first serve
   // takes it; every serve ends by setting it; what else runs on our threads,
   // torch's future callbacks and the profiling replies, restores what it
-  // changes). Capturing the state and setting it twice was 11% of a
-  // callee's CPU in a pipelined run (docs/performance.md, session 47).
+  // changes: a user's `then` callback on an RPC future that turns grad mode
+  // off on our loop does not leave it off there, torch running it in the
+  // caller's state; checked for builtin, script and remote calls). Capturing
+  // the state and setting it twice was 11% of a callee's CPU in a pipelined run
+  // (docs/performance.md, session 47).
   thread_local std::optional<at::ThreadLocalState> pristine;
   if (!pristine) {
     pristine.emplace();

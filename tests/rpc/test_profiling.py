@@ -57,3 +57,4 @@ def test_a_function_that_leaves_grad_mode_off_does_not_leak_into_the_next_call()
     # Every request starts from the thread-local state its serving thread
     # had before it served any (csrc/agent/server.cpp): grad mode included.
     assert run_world(grad_mode_calls, n=4)[0] == [(False, True)] * 4
+
