@@ -757,15 +757,23 @@ uint64_t doneBit(uint64_t n) {
   return uint64_t{1} << (n % 64);
 }
 
-// Record n was made: not done yet.
+// Record n was made: not done yet. Its bit is cleared before n is
+// published, so a wait that sees n never reads the done bit of record
+// n - kRecordWindow, which had the slot before.
 uint64_t recordPending(FakeCounters* c) {
-  uint64_t n = ++c->recorded;
-  doneWord(c, n).fetch_and(~doneBit(n));
-  return n;
+  uint64_t n = c->recorded.load();
+  do {
+    doneWord(c, n + 1).fetch_and(~doneBit(n + 1));
+  } while (!c->recorded.compare_exchange_weak(n, n + 1));
+  return n + 1;
 }
 
 void completeRecord(FakeCounters* c, uint64_t n) {
-  doneWord(c, n).fetch_or(doneBit(n));
+  if (c->recorded.load() < n + kRecordWindow) {
+    // (Else its slot is a later record's, and a wait for n falls back to
+    // the highest done.)
+    doneWord(c, n).fetch_or(doneBit(n));
+  }
   uint64_t now = c->completed.load();
   while (now < n && !c->completed.compare_exchange_weak(now, n)) {
   }

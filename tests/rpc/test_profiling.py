@@ -58,3 +58,28 @@ def test_a_function_that_leaves_grad_mode_off_does_not_leak_into_the_next_call()
     # had before it served any (csrc/agent/server.cpp): grad mode included.
     assert run_world(grad_mode_calls, n=4)[0] == [(False, True)] * 4
 
+
+
+def leaves_grad_off_with(rref) -> bool:
+    return leaves_grad_off()
+
+
+def pending_rref_grad_mode_calls(rank, world_size, n):
+    init(rank, world_size, num_worker_threads=2)
+    seen = []
+    if rank == 0:
+        for _ in range(n):
+            # An RRef of worker2's, passed on by worker0: worker1 runs the
+            # function once worker2 confirmed the fork, in that reply's
+            # completion, on worker1's loop thread and outside any serve.
+            rref = rpc.remote("worker2", torch.add, args=(torch.ones(1), 1))
+            seen.append((rpc.rpc_sync("worker1", leaves_grad_off_with, args=(rref,)),
+                         rpc.rpc_sync("worker1", grad_enabled)))
+    rpc.shutdown()
+    return seen
+
+
+def test_a_function_run_once_its_rrefs_are_confirmed_does_not_leak_into_the_next_call():
+    # That run is not inside a serve: the next serve starts from the
+    # pristine state all the same.
+    assert run_world(pending_rref_grad_mode_calls, world_size=3, n=4)[0] == [(False, True)] * 4
