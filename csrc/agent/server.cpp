@@ -59,10 +59,11 @@ void Server::serve(
   // Set when the serve starts: user code also runs on our threads outside
   // any serve (a call whose RRef arguments waited for their owner's
   // confirmation runs in that reply's completion, on the loop), and keeps
-  // what it changes there. Set again when it ends, not restored to what it
-  // was: the thread is left clean for what runs on it next (a tensor made
-  // while a leaked inference mode is on is an inference tensor). Two sets,
-  // no capture: 2 x 320 ns against the guard's 820 (save, set, restore;
+  // what it changes there. Set again when it ends, rather than restored to
+  // what it was at the start, which may be such a leak. (Such code on a
+  // thread that never serves, a completion thread, keeps what it changes
+  // there: docs/reliability.md, "Not covered yet".) Two sets, no capture:
+  // 2 x 320 ns against the guard's 820 (save, set, restore;
   // docs/performance.md, session 47).
   thread_local std::optional<at::ThreadLocalState> pristine;
   if (!pristine) {

@@ -149,10 +149,10 @@ struct CUctx_st {
 // sets completed = max(completed, n) when its stream gets there; a query
 // asks for the latest record. Records of an event complete out of order when
 // they go to different streams; a wait is for the record it saw (a later one
-// completing on a faster stream does not end it), so each of the last
-// kRecordWindow records has a done bit. A wait older than that falls back to
-// the highest done.
-constexpr uint64_t kRecordWindow = 1024;
+// completing on a faster stream does not end it), so records are spread
+// over kRecordWindow slots, each holding the highest record number done in
+// it.
+constexpr uint64_t kRecordWindow = 256;
 
 struct FakeCounters {
   std::atomic<uint64_t> recorded{0};
@@ -162,7 +162,7 @@ struct FakeCounters {
   std::atomic<uint64_t> exporterDestroyed{0};
   // Work before it on its stream faulted: its next query says so, once.
   std::atomic<uint64_t> faulted{0};
-  std::atomic<uint64_t> doneBits[kRecordWindow / 64]{};
+  std::atomic<uint64_t> doneIn[kRecordWindow]{};
 };
 static_assert(sizeof(FakeCounters) <= 4096, "one page");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared memory");
@@ -749,44 +749,29 @@ CUresult getEvent(
   return CUDA_SUCCESS;
 }
 
-std::atomic<uint64_t>& doneWord(FakeCounters* c, uint64_t n) {
-  return c->doneBits[(n % kRecordWindow) / 64];
+std::atomic<uint64_t>& doneSlot(FakeCounters* c, uint64_t n) {
+  return c->doneIn[n % kRecordWindow];
 }
 
-uint64_t doneBit(uint64_t n) {
-  return uint64_t{1} << (n % 64);
-}
-
-// Record n was made: not done yet. Its bit is cleared before n is
-// published, so a wait that sees n never reads the done bit of record
-// n - kRecordWindow, which had the slot before.
+// Record n was made: not done yet (its slot holds an older record's number
+// or 0; nothing is cleared, so no order of recorders and completers can
+// erase a record's completion).
 uint64_t recordPending(FakeCounters* c) {
-  uint64_t n = c->recorded.load();
-  do {
-    doneWord(c, n + 1).fetch_and(~doneBit(n + 1));
-  } while (!c->recorded.compare_exchange_weak(n, n + 1));
-  return n + 1;
+  return ++c->recorded;
 }
 
 void completeRecord(FakeCounters* c, uint64_t n) {
-  if (c->recorded.load() < n + kRecordWindow) {
-    // (Else its slot is a later record's, and a wait for n falls back to
-    // the highest done.)
-    doneWord(c, n).fetch_or(doneBit(n));
-  }
-  uint64_t now = c->completed.load();
-  while (now < n && !c->completed.compare_exchange_weak(now, n)) {
+  for (auto* highest : {&doneSlot(c, n), &c->completed}) {
+    uint64_t now = highest->load();
+    while (now < n && !highest->compare_exchange_weak(now, n)) {
+    }
   }
 }
 
+// Record n is done, or one kRecordWindow or more records after it on the
+// same slot is (only a record that far behind can be taken for done early).
 bool recordDone(FakeCounters* c, uint64_t n) {
-  if (n == 0) {
-    return true; // never recorded
-  }
-  if (c->recorded.load() >= n + kRecordWindow) {
-    return c->completed.load() >= n; // its bit was reused
-  }
-  return (doneWord(c, n).load() & doneBit(n)) != 0;
+  return n == 0 || doneSlot(c, n).load() >= n;
 }
 
 // Polls: the counters may be written by another process.
