@@ -422,7 +422,12 @@ def main(argv=None):
             p.error("--fake needs TORCH_RPC_EXT_LIBCUDA naming the fake driver")
         cfg.backends = ["ext"]
     if cfg.fake or cfg.smoke:
-        cfg.calls, cfg.calls_large, cfg.warmup, cfg.recipe_rounds = 5, 2, 2, 1
+        # Four warm-up calls: a block freed while a peer's stream still uses
+        # it is reused only once that stream passed the free, so torch's
+        # cache can need a second block of a size before its steady state
+        # (two warm-up calls left that to the counted window once, in CI on
+        # a loaded machine, after the fake's waits became exact: session 47).
+        cfg.calls, cfg.calls_large, cfg.warmup, cfg.recipe_rounds = 5, 2, 4, 1
     out = cfg.out.open("w") if cfg.out else None
 
     def record(row):
