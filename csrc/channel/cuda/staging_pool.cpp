@@ -187,17 +187,14 @@ PooledEvent StagingPool::takeEvent() {
   });
 }
 
-CUstream StagingPool::madeOnce(CUstream& stream) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (stream == nullptr) {
-    CurrentDevice current(device_);
-    TORCH_RPC_EXT_CUDA_CHECK(cuStreamCreate, &stream, CU_STREAM_NON_BLOCKING);
-  }
-  return stream;
-}
-
 CUstream StagingPool::copyStream() {
-  return madeOnce(copyStream_);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (copyStream_ == nullptr) {
+    CurrentDevice current(device_);
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuStreamCreate, &copyStream_, CU_STREAM_NON_BLOCKING);
+  }
+  return copyStream_;
 }
 
 void StagingPool::trim() {

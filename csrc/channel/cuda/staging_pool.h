@@ -83,8 +83,6 @@ class StagingPool {
 
  private:
   explicit StagingPool(int device) : device_(device) {}
-  // `stream` (a member), made on first use (non-blocking).
-  CUstream madeOnce(CUstream& stream);
   // Moves retired host buffers whose event has completed to the free list
   // (mu_ held).
   void reapRetiredLocked();
