@@ -7,6 +7,7 @@ wake-up byte is taken and refused rather than dropped (and closed) by the
 kernel inside our read (docs/reliability.md)."""
 
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -51,7 +52,7 @@ def lingering_socket():
     return client, other
 
 
-def refused_slab(addr):
+def refused_slab(addr, pid):
     """A slab setup whose "slab" is the socket: refused, and closed by the
     worker. Its first byte carries the descriptor; our copy is closed before
     the rest goes, so the worker holds the last one."""
@@ -67,14 +68,13 @@ def refused_slab(addr):
     sock.close()
     for fd in kept:
         os.close(fd)
-    return refused, other, None
+    return refused, other
 
 
 # Run as another user in a fresh interpreter (a fork of a worker, with its
 # threads and torch's at-fork hooks, can hang in the child): connect to the
-# worker's listener, send a byte carrying descriptor argv[2], say so, then
-# close that descriptor at once (the worker's close, a thread hop after its
-# accept, must be the last one; should ours be, it waits on the socket).
+# worker's listener, send a byte carrying descriptor argv[2], close that
+# descriptor and say so. The worker is stopped meanwhile (see below).
 OTHER_USER = """
 import os, socket, sys
 os.setgid(65534)
@@ -83,28 +83,36 @@ fd = int(sys.argv[2])
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect("\\0" + sys.argv[1][1:])
 socket.send_fds(s, [b"\\0"], [fd])
+os.close(fd)
 sys.stdout.write("sent")
 sys.stdout.flush()
-os.close(fd)
 """
 
 
-def from_another_user(addr):
+def from_another_user(addr, pid):
     """A process of another user, which the listener refuses unanswered (as
     SO_PEERCRED says), sends the socket before the worker accepts it: the
-    worker's close of that connection lets the socket go."""
-    for _ in range(20):
-        lingering, other = lingering_socket()
+    worker's close of that connection lets the socket go.
+
+    Worker ``pid`` is stopped (SIGSTOP) until the process has sent and
+    closed its copy: left running, its loop could accept and refuse the
+    connection before the send (on a loaded machine the woken loop thread
+    preempts the process between its connect and its send, every time; CI
+    once lost that race 20 times running), or the process's close could
+    come after the worker's."""
+    lingering, other = lingering_socket()
+    os.kill(pid, signal.SIGSTOP)
+    try:
         child = subprocess.Popen(
             [sys.executable, "-c", OTHER_USER, addr, str(lingering.fileno())],
-            pass_fds=[lingering.fileno()], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            pass_fds=[lingering.fileno()], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         lingering.close()  # the child's copy goes on
-        sent = child.stdout.read(4) == b"sent"
-        if sent:
-            return True, other, child
-        other.close()
-        child.wait(30)
-    raise AssertionError("the socket never went out ahead of the refusal")
+        out, err = child.communicate(timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    if out != b"sent":
+        raise AssertionError(f"the other user's process failed: {err.decode(errors='replace')}")
+    return True, other
 
 
 HANDOVERS = {"refused_slab": refused_slab, "from_another_user": from_another_user}
@@ -115,26 +123,17 @@ def lingering_handover(rank, world_size, how):
     out = {}
     if rank == 0:
         before = debug_info_of("worker1")
-        for _ in range(5):
-            out["refused"], other, child = HANDOVERS[how](before["rpc_ext.listen.shm"])
-            # worker1's shm loop serves us while the close waits on the socket.
-            x = torch.randn(300_000)
-            start = time.monotonic()
-            out["served"] = torch.equal(rpc.rpc_sync("worker1", echo, args=(x,), timeout=20), x)
-            out["served_in"] = time.monotonic() - start
-            during = debug_info_of("worker1")
-            out["pending_during"] = int(during["rpc_ext.peer_fds.pending"])
-            if out["pending_during"] or how != "from_another_user":
-                break
-            # The child's close came last (a race the worker's thread hop
-            # almost always wins): its own, at no cost to worker1. Again.
-            other.close()
-            child.wait(30)
-            child = None
+        pid = rpc.rpc_sync("worker1", os.getpid)
+        out["refused"], other = HANDOVERS[how](before["rpc_ext.listen.shm"], pid)
+        # worker1's shm loop serves us while the close waits on the socket.
+        x = torch.randn(300_000)
+        start = time.monotonic()
+        out["served"] = torch.equal(rpc.rpc_sync("worker1", echo, args=(x,), timeout=20), x)
+        out["served_in"] = time.monotonic() - start
+        during = debug_info_of("worker1")
+        out["pending_during"] = int(during["rpc_ext.peer_fds.pending"])
         # The other end goes: the lingering close returns (a reset).
         other.close()
-        if child is not None:
-            child.wait(30)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             after = debug_info_of("worker1")
