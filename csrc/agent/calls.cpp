@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "csrc/agent/call_trace.h"
+#include "csrc/agent/thread_state.h"
 #include "csrc/common/logging.h"
 
 namespace torch_rpc_ext {
@@ -215,6 +216,11 @@ void Calls::complete(
   // Counted as finished even if a callback of the future throws (upstream's
   // RRef callbacks do when a notification failed).
   FinishedAtExit finished(*this);
+  // Always on a thread of ours (a loop, the completion thread, a profiling
+  // track's): the callbacks, and a call whose RRef arguments waited for
+  // this reply, run user code here, which may leave grad mode off or a
+  // profiler on; the next completion must not start from that.
+  thread_state::CheckedScope checked;
   // The future records its events on the streams the tensors arrived on;
   // a waiter's stream then waits for them, never the host.
   c10::MultiStreamGuard streams(call.arrival);
@@ -257,11 +263,15 @@ void Calls::settleWithError(CallTable::Call call, std::string error) {
           std::string(e.what()));
     }
   };
-  // After shutdown the pool no longer runs tasks; settle inline then.
+  // After shutdown the pool no longer runs tasks; settle inline then (on
+  // the shutdown thread, a user's: its state is left alone).
   if (closed_.load()) {
     task();
   } else {
-    pool_.run(std::move(task));
+    pool_.run([task = std::move(task)] {
+      thread_state::CheckedScope checked;
+      task();
+    });
   }
 }
 

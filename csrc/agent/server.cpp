@@ -2,13 +2,13 @@
 // The agent's server side (server.h).
 #include "csrc/agent/server.h"
 
-#include <ATen/ThreadLocalState.h>
 #include <torch/csrc/distributed/rpc/script_call.h>
 #include <torch/csrc/distributed/rpc/utils.h>
 
 #include <optional>
 
 #include "csrc/agent/call_trace.h"
+#include "csrc/agent/thread_state.h"
 #include "csrc/agent/tracing.h"
 #include "csrc/wire/codec.h"
 
@@ -60,23 +60,16 @@ void Server::serve(
   // any serve (a call whose RRef arguments waited for their owner's
   // confirmation runs in that reply's completion, on the loop), and keeps
   // what it changes there. Set again when it ends, rather than restored to
-  // what it was at the start, which may be such a leak. (Such code on a
-  // thread that never serves, a completion thread, keeps what it changes
-  // there: docs/reliability.md, "Not covered yet".) Two sets, no capture:
-  // 2 x 320 ns against the guard's 820 (save, set, restore;
-  // docs/performance.md, session 47).
-  thread_local std::optional<at::ThreadLocalState> pristine;
-  if (!pristine) {
-    pristine.emplace();
-  } else {
-    at::ThreadLocalState::setThreadLocalState(*pristine);
-  }
-  struct Restore {
-    const at::ThreadLocalState& state;
-    ~Restore() {
-      at::ThreadLocalState::setThreadLocalState(state);
+  // what it was at the start, which may be such a leak. (A completion
+  // thread, which never serves, checks around each completion instead:
+  // thread_state.h.) Two sets, no capture: 2 x 320 ns against the guard's
+  // 820 (save, set, restore; docs/performance.md, session 47).
+  thread_state::reset();
+  struct ResetAtExit {
+    ~ResetAtExit() {
+      thread_state::reset();
     }
-  } restore{*pristine};
+  } resetAtExit;
   c10::intrusive_ptr<c10::ivalue::Future> result;
   std::shared_ptr<tracing::ServeSpan> span;
   try {

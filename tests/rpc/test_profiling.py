@@ -83,3 +83,35 @@ def test_a_function_run_once_its_rrefs_are_confirmed_does_not_leak_into_the_next
     # That run is not inside a serve: the next serve starts from the
     # pristine state all the same.
     assert run_world(pending_rref_grad_mode_calls, world_size=3, n=4)[0] == [(False, True)] * 4
+
+
+def leaves_grad_off_with_two(a, b) -> bool:
+    return leaves_grad_off()
+
+
+def grad_enabled_with_two(a, b) -> bool:
+    return torch.is_grad_enabled()
+
+
+def completion_thread_grad_mode_calls(rank, world_size, n):
+    init(rank, world_size, num_worker_threads=2)
+    seen = []
+    if rank == 0:
+        def two():
+            return [rpc.remote("worker2", torch.add, args=(torch.ones(1), i)) for i in range(2)]
+
+        for _ in range(n):
+            # Two RRefs of worker2's: worker1 asks worker2 to confirm both,
+            # two calls in flight, so the second reply (after which the
+            # function runs) is completed on worker1's completion thread,
+            # which never serves. So is the next call's.
+            seen.append((rpc.rpc_sync("worker1", leaves_grad_off_with_two, args=tuple(two())),
+                         rpc.rpc_sync("worker1", grad_enabled_with_two, args=tuple(two()))))
+    rpc.shutdown()
+    return seen
+
+
+def test_a_function_run_on_the_completion_thread_does_not_leak_into_the_next_one():
+    # Every completion there ends with the thread's first thread-local
+    # state back if the cheap signs of a change show (csrc/agent/thread_state.h).
+    assert run_world(completion_thread_grad_mode_calls, world_size=3, n=4)[0] == [(False, True)] * 4
