@@ -117,6 +117,13 @@ def run_world_all(
     target: Callable, world_size: int, *args: Any, timeout: float = 1800, dies: int = 0
 ):
     """Like run_world, but returns ({rank: result}, {rank: peak RSS MB})."""
+    return finish_world(start_world(target, world_size, *args), timeout=timeout, dies=dies)
+
+
+def start_world(target: Callable, world_size: int, *args: Any):
+    """Start ``world_size`` processes of ``target(rank, world_size, *args)``
+    on a port of their own and return at once (several worlds can run side
+    by side); finish_world() collects them."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -126,6 +133,13 @@ def run_world_all(
     ]
     for p in procs:
         p.start()
+    return procs, queue
+
+
+def finish_world(world, timeout: float = 1800, dies: int = 0):
+    """Wait for a start_world() world: ({rank: result}, {rank: peak RSS MB});
+    raises naming a rank that failed. ``dies`` ranks report nothing."""
+    procs, queue = world
     results, rss = {}, {}
     try:
         for _ in range(len(procs) - dies):

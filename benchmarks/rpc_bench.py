@@ -14,6 +14,8 @@ Examples:
   python benchmarks/rpc_bench.py                 # full matrix (several minutes)
   python benchmarks/rpc_bench.py --smoke         # tiny sizes, few iterations (CI)
   python benchmarks/rpc_bench.py --cases small pipelined --out results.jsonl
+  python benchmarks/rpc_bench.py --cases small pipelined --interleave 30
+      # both backends up at once, taking turns block by block
 """
 
 import argparse
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 from torch.distributed import rpc
 
 HERE = Path(__file__).resolve().parent
@@ -31,7 +34,9 @@ sys.path.append(str(HERE.parent))  # a source checkout works without installing
 from _harness import (  # noqa: E402
     cpu_us_per_call,
     emit,
+    finish_world,
     run_world,
+    start_world,
     summarize,
     thread_cpu_ns,
     timed,
@@ -147,6 +152,94 @@ def pair_cases(rank, world_size, backend_key, opts, cases, cfg):
     return rows
 
 
+def block_server(rank, world_size, backend_key, opts, conn, cfg):
+    """--interleave: rank 0 warms every small and pipelined case up, then
+    runs one block of a case each time the parent asks, until it sends None.
+    A small case's block answers its median call in us, the pipelined one
+    its calls/s (one burst)."""
+    _init(rank, world_size, backend_key, opts, ["caller", "callee"])
+    if rank == 0:
+        one = torch.ones(1)
+        calls = {
+            "small_builtin": lambda: rpc.rpc_sync("callee", torch.add, args=(one, one)),
+            "small_udf": lambda: rpc.rpc_sync("callee", noop_int, args=(1,)),
+            "small_script": lambda: rpc.rpc_sync("callee", script_add, args=(one, one)),
+        }
+
+        def burst(n):
+            t0 = time.perf_counter()
+            torch.futures.wait_all(
+                [rpc.rpc_async("callee", torch.add, args=(one, one)) for _ in range(n)])
+            return n / (time.perf_counter() - t0)
+
+        for call in calls.values():
+            timed(call, 0, cfg.warmup)
+        burst(cfg.pipelined)
+        conn.send("ready")
+        while (ask := conn.recv()) is not None:
+            case, n = ask
+            if case == "pipelined_async":
+                conn.send(burst(n))
+            else:
+                conn.send(statistics.median(timed(calls[case], n, 0)) * 1e6)
+    rpc.shutdown()
+    return None
+
+
+def interleaved(cfg, backends, record) -> None:
+    """Both backends' pairs run at once and take turns, one block of one
+    case at a time (ours first in even blocks, TensorPipe first in odd
+    ones): neighbouring blocks see the same state of the machine, so a
+    ratio of two of them is not a ratio of a fast minute to a slow one.
+    Each ratio row is the median over blocks of the block's ratio, with its
+    quartiles."""
+    worlds, conns = {}, {}
+    for name, (key, opts) in backends.items():
+        parent, child = mp.get_context("spawn").Pipe()
+        worlds[name] = start_world(block_server, 2, key, opts, child, cfg)
+        conns[name] = parent
+    try:
+        for name, conn in conns.items():
+            if not conn.poll(600) or conn.recv() != "ready":
+                raise RuntimeError(f"{name}'s pair did not start")
+        cases = [c for c in ("small_builtin", "small_udf", "small_script") if "small" in cfg.cases]
+        if "pipelined" in cfg.cases:
+            cases.append("pipelined_async")
+        values = {(c, n): [] for c in cases for n in backends}
+        for block in range(cfg.interleave):
+            for case in cases:
+                order = list(backends) if block % 2 == 0 else list(reversed(backends))
+                for name in order:
+                    n = cfg.pipelined if case == "pipelined_async" else cfg.block_calls
+                    conns[name].send((case, n))
+                    if not conns[name].poll(600):
+                        raise RuntimeError(f"{name}'s pair did not answer a block of {case}")
+                    values[(case, name)].append(conns[name].recv())
+    finally:
+        for conn in conns.values():
+            conn.send(None)
+        rss = {name: finish_world(world, timeout=120)[1] for name, world in worlds.items()}
+
+    def quartiles(xs):
+        q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+        return [round(q[0], 3), round(q[2], 3)]
+
+    for case in cases:
+        throughput = case == "pipelined_async"
+        for name in backends:
+            xs = values[(case, name)]
+            key = "calls_per_s" if throughput else "median_us"
+            record({"backend": name, "case": case, key: round(statistics.median(xs), 1),
+                    "blocks": len(xs), "quartiles": quartiles(xs), "interleaved": True,
+                    "peak_rss_mb": rss[name]})
+        ext, tp = values[(case, "ext")], values[(case, "tensorpipe")]
+        per_block = [e / t for e, t in zip(ext, tp)]
+        record({"case": case, "interleaved": True, "blocks": len(per_block),
+                "ratio": "throughput_ext_over_tp" if throughput else "time_ext_over_tp",
+                "value": round(statistics.median(per_block), 3),
+                "quartiles": quartiles(per_block)})
+
+
 def fanout_case(rank, world_size, backend_key, opts, cfg):
     names = ["caller"] + [f"w{i}" for i in range(1, world_size)]
     _init(rank, world_size, backend_key, opts, names)
@@ -188,6 +281,12 @@ def main(argv=None):
     p.add_argument("--frame-ring-off", action="store_true",
                    help="also run ours with shm_frame_ring_bytes=0 (frames on the Unix "
                         "socket, as before frame rings) and report ring/socket ratios")
+    p.add_argument("--interleave", type=int, metavar="BLOCKS",
+                   help="the small and pipelined cases only, both backends' pairs up at "
+                        "once taking turns, BLOCKS blocks of each case; ratios are medians "
+                        "of the blocks' ratios")
+    p.add_argument("--block-calls", type=int, default=200,
+                   help="--interleave: small calls in a block")
     p.add_argument("--out", type=Path)
     cfg = p.parse_args(argv)
     backends_all, backends_tcp = dict(BACKENDS), dict(TCP_ONLY)
@@ -204,13 +303,17 @@ def main(argv=None):
         backends_all["ext_socket"] = (key, {**opts, "shm_frame_ring_bytes": 0})
     if cfg.smoke:
         cfg.iters, cfg.warmup, cfg.repeats, cfg.repeats_large = 20, 5, 3, 2
-        cfg.pipelined, cfg.sizes_mb, cfg.fanout = 50, [1], 2
+        cfg.pipelined, cfg.sizes_mb, cfg.fanout, cfg.block_calls = 50, [1], 2, 20
     out = cfg.out.open("w") if cfg.out else None
 
     def record(row):
         emit(row)
         if out:
             emit(row, out)
+
+    if cfg.interleave:
+        interleaved(cfg, {k: backends_all[k] for k in ("ext", "tensorpipe")}, record)
+        return
 
     pair = [c for c in cfg.cases if c in ("small", "pipelined", "tensor")]
     plans = []

@@ -42,6 +42,27 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(300)
+def test_interleaved_benchmark_pairs_each_block_with_tensorpipes(tmp_path):
+    """rpc_bench.py --interleave: both backends' pairs up at once, taking
+    turns block by block; a ratio per case over the blocks."""
+    out = tmp_path / "bench.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "rpc_bench.py"), "--smoke",
+         "--cases", "small", "pipelined", "--interleave", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ratios = {r["case"]: r for r in rows if "ratio" in r}
+    assert set(ratios) == {"small_builtin", "small_udf", "small_script", "pipelined_async"}
+    assert all(r["blocks"] == 2 and r["value"] > 0 for r in ratios.values())
+    assert ratios["pipelined_async"]["ratio"] == "throughput_ext_over_tp"
+    measured = {(r["case"], r["backend"]) for r in rows if "backend" in r}
+    assert ("small_udf", "tensorpipe") in measured and ("pipelined_async", "ext") in measured
+
+
 @pytest.mark.timeout(600)
 def test_small_call_breakdown_accounts_for_each_round_trip(tmp_path):
     """benchmarks/small_call_breakdown.py (issue 48): the agent's per-call
