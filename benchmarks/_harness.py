@@ -120,13 +120,14 @@ def run_world_all(
     return finish_world(start_world(target, world_size, *args), timeout=timeout, dies=dies)
 
 
-def start_world(target: Callable, world_size: int, *args: Any):
+def start_world(target: Callable, world_size: int, *args: Any, port: int | None = None):
     """Start ``world_size`` processes of ``target(rank, world_size, *args)``
-    on a port of their own and return at once (several worlds can run side
-    by side); finish_world() collects them."""
+    on ``port`` (a free one by default) and return at once: several worlds
+    can run side by side, each on a port of its own. finish_world() collects
+    them."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    port = port or free_port()
     procs = [
         ctx.Process(target=_entry, args=(target, r, world_size, port, queue, args))
         for r in range(world_size)

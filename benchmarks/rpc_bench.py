@@ -19,6 +19,7 @@ Examples:
 """
 
 import argparse
+import pickle
 import statistics
 import sys
 import time
@@ -35,6 +36,7 @@ from _harness import (  # noqa: E402
     cpu_us_per_call,
     emit,
     finish_world,
+    free_port,
     run_world,
     start_world,
     summarize,
@@ -172,6 +174,7 @@ def block_server(rank, world_size, backend_key, opts, conn, cfg):
                 [rpc.rpc_async("callee", torch.add, args=(one, one)) for _ in range(n)])
             return n / (time.perf_counter() - t0)
 
+        conn.recv()  # "start"
         for call in calls.values():
             timed(call, 0, cfg.warmup)
         burst(cfg.pipelined)
@@ -193,32 +196,58 @@ def interleaved(cfg, backends, record) -> None:
     ratio of two of them is not a ratio of a fast minute to a slow one.
     Each ratio row is the median over blocks of the block's ratio, with its
     quartiles."""
+    if cfg.rounds > 1 or not {"small", "pipelined"} & set(cfg.cases):
+        raise SystemExit("--interleave runs the small and pipelined cases, in blocks, not rounds")
     worlds, conns = {}, {}
-    for name, (key, opts) in backends.items():
-        parent, child = mp.get_context("spawn").Pipe()
-        worlds[name] = start_world(block_server, 2, key, opts, child, cfg)
-        conns[name] = parent
+
+    def ask(name, message):
+        """Send a pair's rank 0 `message`; its answer, or an error naming the
+        pair if it does not answer (a rank that died: its traceback)."""
+        conns[name].send(message)
+        deadline = time.monotonic() + 600
+        while not conns[name].poll(1):
+            procs, queue = worlds[name]
+            if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+                detail = queue.get(timeout=5)[1] if not queue.empty() else b""
+                raise RuntimeError(f"{name}'s pair stopped answering ({message!r}): "
+                                   f"{pickle.loads(detail) if detail else 'no report'}")
+        return conns[name].recv()
+
+    cases = [c for c in ("small_builtin", "small_udf", "small_script") if "small" in cfg.cases]
+    if "pipelined" in cfg.cases:
+        cases.append("pipelined_async")
+    values = {(c, n): [] for c in cases for n in backends}
+    rss = {}
     try:
-        for name, conn in conns.items():
-            if not conn.poll(600) or conn.recv() != "ready":
+        ports = set()
+        for name, (key, opts) in backends.items():
+            while (port := free_port()) in ports:
+                pass
+            ports.add(port)
+            parent, child = mp.get_context("spawn").Pipe()
+            conns[name] = parent
+            worlds[name] = start_world(block_server, 2, key, opts, child, cfg, port=port)
+            child.close()  # (the ranks hold theirs)
+        for name in backends:
+            if ask(name, "start") != "ready":
                 raise RuntimeError(f"{name}'s pair did not start")
-        cases = [c for c in ("small_builtin", "small_udf", "small_script") if "small" in cfg.cases]
-        if "pipelined" in cfg.cases:
-            cases.append("pipelined_async")
-        values = {(c, n): [] for c in cases for n in backends}
         for block in range(cfg.interleave):
             for case in cases:
                 order = list(backends) if block % 2 == 0 else list(reversed(backends))
                 for name in order:
                     n = cfg.pipelined if case == "pipelined_async" else cfg.block_calls
-                    conns[name].send((case, n))
-                    if not conns[name].poll(600):
-                        raise RuntimeError(f"{name}'s pair did not answer a block of {case}")
-                    values[(case, name)].append(conns[name].recv())
+                    values[(case, name)].append(ask(name, (case, n)))
     finally:
         for conn in conns.values():
-            conn.send(None)
-        rss = {name: finish_world(world, timeout=120)[1] for name, world in worlds.items()}
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for name, world in worlds.items():
+            try:
+                rss[name] = finish_world(world, timeout=120)[1]
+            except Exception as e:  # noqa: BLE001 - every world is reaped first
+                print(f"rpc_bench: {name}'s pair: {e}", file=sys.stderr)
 
     def quartiles(xs):
         q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
@@ -231,7 +260,7 @@ def interleaved(cfg, backends, record) -> None:
             key = "calls_per_s" if throughput else "median_us"
             record({"backend": name, "case": case, key: round(statistics.median(xs), 1),
                     "blocks": len(xs), "quartiles": quartiles(xs), "interleaved": True,
-                    "peak_rss_mb": rss[name]})
+                    "peak_rss_mb": rss.get(name)})
         ext, tp = values[(case, "ext")], values[(case, "tensorpipe")]
         per_block = [e / t for e, t in zip(ext, tp)]
         record({"case": case, "interleaved": True, "blocks": len(per_block),

@@ -216,10 +216,11 @@ void Calls::complete(
   // Counted as finished even if a callback of the future throws (upstream's
   // RRef callbacks do when a notification failed).
   FinishedAtExit finished(*this);
-  // Always on a thread of ours (a loop, the completion thread, a profiling
-  // track's): the callbacks, and a call whose RRef arguments waited for
-  // this reply, run user code here, which may leave grad mode off or a
-  // profiler on; the next completion must not start from that.
+  // Always on a thread of ours (a loop thread after its read pass, or the
+  // completion thread; never inline under user code): the callbacks, and a
+  // call whose RRef arguments waited for this reply, run user code here,
+  // which may leave grad mode off or a profiler on; the next user code on
+  // this thread must not start from that.
   thread_state::CheckedScope checked;
   // The future records its events on the streams the tensors arrived on;
   // a waiter's stream then waits for them, never the host.
@@ -263,8 +264,8 @@ void Calls::settleWithError(CallTable::Call call, std::string error) {
           std::string(e.what()));
     }
   };
-  // After shutdown the pool no longer runs tasks; settle inline then (on
-  // the shutdown thread, a user's: its state is left alone).
+  // After shutdown the pool no longer runs tasks; settle inline then
+  // (wherever the failure was found, a user's thread among them: no reset).
   if (closed_.load()) {
     task();
   } else {

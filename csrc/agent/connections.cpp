@@ -11,6 +11,7 @@
 #include <c10/util/StringUtil.h>
 
 #include "csrc/agent/dynamic_devices.h"
+#include "csrc/agent/thread_state.h"
 #include "csrc/channel/registry.h"
 #include "csrc/common/fd_closer.h"
 #include "csrc/common/logging.h"
@@ -67,7 +68,10 @@ std::string Connections::open(const std::string& secret, uint64_t incarnation) {
   // Sent messages may hold the last reference to tensors with Python
   // objects; let the pool, not the loop thread, drop them.
   topts.releaseOffLoop = [this](std::vector<std::shared_ptr<void>> held) {
-    pool_.run([held = std::move(held)]() mutable { held.clear(); });
+    pool_.run([held = std::move(held)]() mutable {
+      thread_state::CheckedScope checked; // (a Python destructor may run)
+      held.clear();
+    });
   };
   topts.bindAddress = options_.address;
   topts.localPeersAnyUser = options_.shmPeersAnyUser;

@@ -24,6 +24,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "csrc/agent/rref_guard.h"
+#include "csrc/agent/thread_state.h"
 #include "csrc/agent/torch_private.h"
 #include "csrc/common/logging.h"
 
@@ -269,6 +270,7 @@ void RRefGuard::release(
         [this](c10::intrusive_ptr<rpc::RRef> owner) {
           // A Python value is dropped with the GIL, off this thread.
           offThread_([owner = std::move(owner)]() mutable {
+            thread_state::CheckedScope checked; // (a __del__ may run)
             pybind11::gil_scoped_acquire gil;
             owner.reset();
           });

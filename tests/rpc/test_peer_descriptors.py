@@ -107,7 +107,12 @@ def from_another_user(addr, pid):
             [sys.executable, "-c", OTHER_USER, addr, str(lingering.fileno())],
             pass_fds=[lingering.fileno()], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         lingering.close()  # the child's copy goes on
-        out, err = child.communicate(timeout=60)
+        try:
+            # Well inside worker1's heartbeat timeout (10 s).
+            out, err = child.communicate(timeout=6)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, err = child.communicate()
     finally:
         os.kill(pid, signal.SIGCONT)
     if out != b"sent":

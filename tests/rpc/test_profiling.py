@@ -100,6 +100,8 @@ def completion_thread_grad_mode_calls(rank, world_size, n):
         def two():
             return [rpc.remote("worker2", torch.add, args=(torch.ones(1), i)) for i in range(2)]
 
+        retired = "rpc_ext.completions.retired_futures"
+        before = int(rpc.rpc_sync("worker1", debug_info)[retired])
         for _ in range(n):
             # Two RRefs of worker2's: worker1 asks worker2 to confirm both,
             # two calls in flight, so the second reply (after which the
@@ -107,11 +109,18 @@ def completion_thread_grad_mode_calls(rank, world_size, n):
             # which never serves. So is the next call's.
             seen.append((rpc.rpc_sync("worker1", leaves_grad_off_with_two, args=tuple(two())),
                          rpc.rpc_sync("worker1", grad_enabled_with_two, args=tuple(two()))))
+        # (Every completion there retires its future.)
+        seen.append(int(rpc.rpc_sync("worker1", debug_info)[retired]) > before)
     rpc.shutdown()
     return seen
+
+
+def debug_info():
+    return rpc.api._get_current_rpc_agent().get_debug_info()
 
 
 def test_a_function_run_on_the_completion_thread_does_not_leak_into_the_next_one():
     # Every completion there ends with the thread's first thread-local
     # state back if the cheap signs of a change show (csrc/agent/thread_state.h).
-    assert run_world(completion_thread_grad_mode_calls, world_size=3, n=4)[0] == [(False, True)] * 4
+    assert run_world(completion_thread_grad_mode_calls, world_size=3, n=4)[0] == [
+        (False, True)] * 4 + [True]
