@@ -19,7 +19,9 @@ Examples:
 """
 
 import argparse
+import os
 import pickle
+import signal
 import statistics
 import sys
 import time
@@ -77,7 +79,6 @@ def script_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _init(rank, world_size, backend_key, opts, names):
-    import os
 
     import torch_rpc_ext  # noqa: F401  (registers TORCH_RPC_EXT)
 
@@ -190,15 +191,23 @@ def block_server(rank, world_size, backend_key, opts, conn, cfg):
 
 
 def interleaved(cfg, backends, record) -> None:
-    """Both backends' pairs run at once and take turns, one block of one
+    """Both backends' pairs are up at once and take turns, one block of one
     case at a time (ours first in even blocks, TensorPipe first in odd
     ones): neighbouring blocks see the same state of the machine, so a
     ratio of two of them is not a ratio of a fast minute to a slow one.
-    Each ratio row is the median over blocks of the block's ratio, with its
+    The pair whose turn it is not is stopped (SIGSTOP), so each runs alone
+    as in a round: TensorPipe's idle processes each keep a core busy (its
+    shm reactor polls), which would otherwise be taken from ours. Each
+    ratio row is the median over blocks of the block's ratio, with its
     quartiles."""
     if cfg.rounds > 1 or not {"small", "pipelined"} & set(cfg.cases):
         raise SystemExit("--interleave runs the small and pipelined cases, in blocks, not rounds")
     worlds, conns = {}, {}
+
+    def signal_pair(name, sig):
+        for p in worlds[name][0]:
+            if p.is_alive():
+                os.kill(p.pid, sig)
 
     def ask(name, message):
         """Send a pair's rank 0 `message`; its answer, or an error naming the
@@ -231,13 +240,18 @@ def interleaved(cfg, backends, record) -> None:
         for name in backends:
             if ask(name, "start") != "ready":
                 raise RuntimeError(f"{name}'s pair did not start")
+            signal_pair(name, signal.SIGSTOP)
         for block in range(cfg.interleave):
             for case in cases:
                 order = list(backends) if block % 2 == 0 else list(reversed(backends))
                 for name in order:
                     n = cfg.pipelined if case == "pipelined_async" else cfg.block_calls
+                    signal_pair(name, signal.SIGCONT)
                     values[(case, name)].append(ask(name, (case, n)))
+                    signal_pair(name, signal.SIGSTOP)
     finally:
+        for name in worlds:
+            signal_pair(name, signal.SIGCONT)
         for conn in conns.values():
             try:
                 conn.send(None)
