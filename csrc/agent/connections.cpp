@@ -530,6 +530,7 @@ void Connections::addDebugInfo(
   FdCloserStats closes = fdCloserStats();
   m["rpc_ext.peer_fds.closed"] = std::to_string(closes.closed);
   m["rpc_ext.peer_fds.pending"] = std::to_string(closes.pending);
+  m["rpc_ext.peer_fds.via_children"] = std::to_string(closes.viaChildren);
   auto v = group_.view(); // held: a range-for does not keep a temporary alive
   for (const auto& peer : v->byId) {
     if (!peer) {

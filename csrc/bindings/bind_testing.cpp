@@ -14,6 +14,7 @@
 #include "csrc/common/aes_gcm_vaes.h"
 #include "csrc/common/buffer_pool.h"
 #include "csrc/common/crypto.h"
+#include "csrc/common/fd_closer.h"
 #include "csrc/common/thread_pool.h"
 #include "csrc/frame/frame.h"
 #include "csrc/transport/handshake.h"
@@ -189,6 +190,17 @@ void bindTesting(py::module_& m) {
     return std::string(Aead::engineName(Aead::defaultEngine()));
   });
   m.def("aes_gcm_vaes_supported", &aes_gcm_vaes::supported);
+  // The closers of descriptors a peer handed us (fd_closer.h): take
+  // ownership of `fds` and close them off this thread; their counts.
+  m.def("close_peer_fds", [](std::vector<int> fds) { closeOffThread(fds); });
+  m.def("peer_fd_stats", [] {
+    auto s = fdCloserStats();
+    return py::dict(
+        py::arg("closed") = s.closed,
+        py::arg("pending") = s.pending,
+        py::arg("via_children") = s.viaChildren,
+        py::arg("children") = s.children);
+  });
   // How a worker listening on `self` reaches a peer that advertised `peer`
   // (stream::routeFrom): ValueError saying why it cannot.
   m.def("route_from", &transport::stream::routeFrom);

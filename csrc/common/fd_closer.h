@@ -37,8 +37,10 @@ void closeOffThread(std::vector<int>& fds);
 void closeSocket(int fd);
 
 struct FdCloserStats {
-  uint64_t closed = 0; // closes that returned
+  uint64_t closed = 0; // closes that returned (those via children included)
   uint64_t pending = 0; // handed over, not yet closed (stuck ones included)
+  uint64_t viaChildren = 0; // handed to a child process, every closer stuck
+  uint64_t children = 0; // such children not yet gone
 };
 FdCloserStats fdCloserStats();
 
@@ -58,8 +60,11 @@ constexpr size_t kMaxFdsPerMessage = 253;
 // Appends to `into` the descriptors (SCM_RIGHTS) recvmsg() put in `msg`.
 void collectPassedFds(const msghdr& msg, std::vector<int>& into);
 
-// Closers at most: each one stuck on a close holds one; descriptors handed
-// over while every closer is stuck wait (and stay open) until one returns.
+// Closers at most: each one stuck on a close holds one. Descriptors handed
+// over while every closer is stuck go to a short-lived child process whose
+// exit makes the last closes (a socket's does not linger then; a file
+// whose flush never returns holds the child); should no child be had, they
+// wait, open, for a closer.
 constexpr int kMaxClosers = 16;
 
 } // namespace torch_rpc_ext
