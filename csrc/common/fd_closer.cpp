@@ -1,14 +1,16 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/common/fd_closer.h"
 
-#include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -101,56 +103,52 @@ void runCloser(Closers* c) {
 }
 
 // Every closer stuck: the descriptors still waiting go to a child process
-// that takes them, after which our closes are not the last ones; the
-// child's are, made as it exits, and a socket's close in an exiting task
-// does not linger (inet_release skips SO_LINGER for PF_EXITING). (A FUSE
-// file's flush comes with every close, ours as well: it holds the
-// hand-over thread that closes ours, one of at most kMaxHandOvers, and the
-// child's exit.)
+// that keeps its inherited copies of them, after which our closes are not
+// the last ones; the child's are, made as it exits, and a socket's close in
+// an exiting task does not linger (inet_release skips SO_LINGER for
+// PF_EXITING). (A FUSE file's flush comes with every close, ours as well:
+// it holds the hand-over thread that closes ours, one of at most
+// kMaxHandOvers, and the child's exit.)
 //
-// The child is a raw clone() of this process, so no at-fork handler
-// runs, and it makes system calls only, as a child of a threaded process
-// must. It first closes every descriptor it inherited but its socket (its
-// copies of ours must not outlive our closes), then takes what we send,
-// acknowledging each message, and exits when we close our end (or when we
-// exit).
-constexpr auto kChildAnswer = std::chrono::seconds(5);
+// The child is a raw clone() of this process, so no at-fork handler runs,
+// made with every signal blocked, and it makes system calls only, as a
+// child of a threaded process must. It closes every other descriptor it
+// inherited (its copies of ours must not outlive our closes; the ones it
+// keeps are never flushed there), then waits for our end of a socket pair
+// to close, which we do once ours are closed, and exits.
 constexpr int kMaxHandOvers = 16;
-// How long every closer must have been busy before what waits is handed to
-// a child (a fork of this process costs milliseconds; a plain close, less).
+// How long no close may have returned, every closer inside one, before
+// what waits is handed to a child (a fork of this process costs
+// milliseconds; a plain close, far less).
 constexpr auto kStuckAfter = std::chrono::milliseconds(100);
 
-[[noreturn]] void childTakes(int sock) {
-  uint64_t blocked = ~uint64_t(0);
-  ::syscall(
-      SYS_rt_sigprocmask, SIG_SETMASK, &blocked, nullptr, sizeof(blocked));
-  bool closedAll =
-      ::syscall(SYS_close_range, static_cast<unsigned>(sock + 1), ~0u, 0u) == 0;
-  if (sock > 0) {
-    closedAll =
-        ::syscall(SYS_close_range, 0u, static_cast<unsigned>(sock - 1), 0u) ==
-            0 &&
-        closedAll;
-  }
-  for (int fd = 0; !closedAll && fd < 65536; ++fd) {
-    if (fd != sock) {
-      ::syscall(SYS_close, fd); // (a kernel before 5.9: no close_range)
+#ifndef SYS_close_range
+#define SYS_close_range 436 // (the same on every architecture)
+#endif
+
+// `keep`: sorted, `sock` among them; `limit`: above every descriptor.
+[[noreturn]] void childKeeps(const int* keep, size_t n, int sock, int limit) {
+  int from = 0;
+  for (size_t i = 0; i <= n; ++i) {
+    int upto = i < n ? keep[i] - 1 : limit - 1; // close [from, upto]
+    if (from <= upto &&
+        ::syscall(
+            SYS_close_range,
+            static_cast<unsigned>(from),
+            i < n ? static_cast<unsigned>(upto) : ~0u,
+            0u) != 0) {
+      for (int fd = from; fd <= upto; ++fd) {
+        ::syscall(SYS_close, fd); // (no close_range: before Linux 5.9)
+      }
+    }
+    if (i < n) {
+      from = keep[i] + 1;
     }
   }
-  alignas(cmsghdr) char control[CMSG_SPACE(kMaxFdsPerMessage * sizeof(int))];
-  while (true) {
-    char byte = 0;
-    iovec iov{&byte, 1};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    long n = ::syscall(SYS_recvmsg, sock, &msg, 0);
-    if (n <= 0) {
-      break; // our end closed: what it sent is ours to close, exiting
-    }
-    ::syscall(SYS_write, sock, &byte, 1);
+  char byte;
+  while (::syscall(SYS_read, sock, &byte, 1) > 0) {
+    // (Nothing is ever sent: this ends at our close, or ours dying. EINTR
+    // cannot come, every signal blocked.)
   }
   ::syscall(SYS_exit_group, 0);
   __builtin_unreachable();
@@ -169,89 +167,73 @@ void reapChildren(std::vector<pid_t>& children) {
   }
 }
 
-// Hands `fds` to a new child and closes ours; false (nothing closed) if no
-// child took them, with `why`.
-bool closeThroughChild(
-    const std::vector<int>& fds,
-    pid_t& child,
-    std::string& why) {
+// A child that holds a copy of each of `fds` until `release` (returned
+// open) is closed; -1 and `why` if none could be made.
+pid_t childHolding(std::vector<int> keep, int& release, std::string& why) {
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
     why = std::string("socketpair: ") + std::strerror(errno);
-    return false;
+    return -1;
   }
+  keep.push_back(sv[1]);
+  std::sort(keep.begin(), keep.end());
+  rlimit files{};
+  int limit = ::getrlimit(RLIMIT_NOFILE, &files) == 0 &&
+          files.rlim_cur != RLIM_INFINITY && files.rlim_cur < (1u << 30)
+      ? static_cast<int>(files.rlim_cur)
+      : (1 << 20);
+  limit = std::max(limit, keep.back() + 1);
+  // Every signal blocked across the clone: the child starts with them
+  // blocked (no handler of the user's runs in it), we get ours back after.
+  sigset_t all;
+  sigset_t before;
+  ::sigfillset(&all);
+  ::pthread_sigmask(SIG_SETMASK, &all, &before);
   // Exit signal 0: no SIGCHLD for a handler of the user's, and a wait()
   // for any child without __WALL does not take it.
   long pid = ::syscall(SYS_clone, 0, nullptr, nullptr, nullptr, nullptr);
   if (pid == 0) {
-    childTakes(sv[1]);
+    childKeeps(keep.data(), keep.size(), sv[1], limit);
   }
+  int err = errno;
+  ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
   ::close(sv[1]);
   if (pid < 0) {
-    why = std::string("clone: ") + std::strerror(errno);
+    why = std::string("clone: ") + std::strerror(err);
     ::close(sv[0]);
-    return false;
+    return -1;
   }
-  child = static_cast<pid_t>(pid);
-  bool taken = true;
-  for (size_t at = 0; taken && at < fds.size(); at += kMaxFdsPerMessage) {
-    size_t n = std::min(kMaxFdsPerMessage, fds.size() - at);
-    alignas(cmsghdr) char control[CMSG_SPACE(kMaxFdsPerMessage * sizeof(int))];
-    char byte = 1;
-    iovec iov{&byte, 1};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = CMSG_SPACE(n * sizeof(int));
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(n * sizeof(int));
-    std::memcpy(CMSG_DATA(c), fds.data() + at, n * sizeof(int));
-    pollfd answer{sv[0], POLLIN, 0};
-    taken = ::sendmsg(sv[0], &msg, MSG_NOSIGNAL) == 1 &&
-        ::poll(&answer, 1, static_cast<int>(kChildAnswer.count() * 1000)) ==
-            1 &&
-        ::read(sv[0], &byte, 1) == 1;
-  }
-  if (!taken) {
-    why = "the child did not take them";
-    ::kill(child, SIGKILL);
-    ::close(sv[0]);
-    return false;
-  }
-  for (int fd : fds) {
-    ::close(fd); // the child holds each: not the last close
-  }
-  ::close(sv[0]); // the child exits
-  return true;
+  release = sv[0];
+  return static_cast<pid_t>(pid);
 }
 
 void runHandOver(Closers* c) {
   nameThisThread("rpcx-fdhand");
-  // Every closer is inside a close: stuck, unless one returns soon (a
-  // burst of plain closes) and takes what waits itself.
-  std::this_thread::sleep_for(kStuckAfter);
   std::unique_lock<std::mutex> lock(c->mu);
-  if (c->queue.empty() || c->busy < kMaxClosers) {
+  // Every closer is inside a close: stuck, unless one returns soon (a
+  // burst of plain closes) and then takes what waits itself.
+  const uint64_t closedBefore = c->closed;
+  lock.unlock();
+  std::this_thread::sleep_for(kStuckAfter);
+  lock.lock();
+  if (c->queue.empty() || c->busy < kMaxClosers || c->closed != closedBefore) {
     c->handingOver = false;
     --c->handOverThreads;
+    if (!c->queue.empty() && c->busy >= kMaxClosers) {
+      startHandOverLocked(*c); // a close returned, but all are busy again
+    }
     return;
   }
   std::vector<int> fds(c->queue.begin(), c->queue.end());
   c->queue.clear();
   reapChildren(c->children);
   lock.unlock();
-  pid_t child = -1;
+  int release = -1;
   std::string why;
-  const bool ok = closeThroughChild(fds, child, why);
+  const pid_t child = childHolding(fds, release, why);
   lock.lock();
-  if (child > 0) {
-    c->children.push_back(child);
-  }
   c->handingOver = false;
-  if (!ok) {
+  if (child < 0) {
     // Back to the queue, for the next closer that returns.
     c->queue.insert(c->queue.begin(), fds.begin(), fds.end());
     --c->handOverThreads;
@@ -263,20 +245,29 @@ void runHandOver(Closers* c) {
           " descriptors a peer handed us could not go to a child process (" +
           why + "); they wait, open, for a closer");
     }
-  } else if (!c->queue.empty() && c->idle == 0) {
+    return;
+  }
+  c->children.push_back(child);
+  if (!c->queue.empty() && c->busy >= kMaxClosers) {
     startHandOverLocked(*c); // more came meanwhile
   }
   lock.unlock();
-  if (!ok) {
-    return;
-  }
-  // Ours are not the last: a socket's returns at once. A FUSE file's
-  // flush comes with every close, the last or not, and can hold this
-  // thread (one of at most kMaxHandOvers; the role of taker has passed on).
+  // The child holds a copy of each: ours are not the last, and a socket's
+  // returns at once. (A FUSE file's flush comes with every close and can
+  // hold this thread; the role of taker has passed on.)
   for (int fd : fds) {
     ::close(fd);
   }
+  ::close(release); // the child exits, making the last closes
+  for (int i = 0; i < 50; ++i) { // reaped here, as a rule
+    int status = 0;
+    if (::waitpid(child, &status, WNOHANG | __WALL) != 0) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   lock.lock();
+  reapChildren(c->children);
   c->closed += fds.size();
   c->viaChildren += fds.size();
   --c->handOverThreads;
