@@ -2,8 +2,10 @@
 #include "csrc/common/fd_closer.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -35,6 +37,14 @@ constexpr std::chrono::seconds kSlowClose{1};
 // may be inside close() when the process exits. After a fork the child's
 // copy names no live thread (and its mutex may be held by one that is
 // gone), so a child makes its own (the parent's is left as it is).
+// A child process holding descriptors for their last close (below), and
+// the mapping its stack is on.
+struct HeldChild {
+  pid_t pid = -1;
+  void* mapping = nullptr;
+  size_t bytes = 0;
+};
+
 struct Closers {
   pid_t pid = ::getpid();
   std::mutex mu;
@@ -46,10 +56,11 @@ struct Closers {
   int busy = 0; // closers inside a close
   uint64_t handed = 0;
   uint64_t closed = 0;
+  uint64_t closerReturns = 0; // closes a closer made that returned
   bool handingOver = false; // a hand-over thread is taking the queue
   int handOverThreads = 0; // hand-over threads (a FUSE flush may hold one)
   uint64_t viaChildren = 0; // closed by handing them to a child
-  std::vector<pid_t> children; // not yet reaped
+  std::vector<HeldChild> children; // not yet reaped
   bool warnedNoChild = false;
 };
 
@@ -97,6 +108,7 @@ void runCloser(Closers* c) {
     }
     lock.lock();
     --c->busy;
+    ++c->closerReturns;
     ++c->closed;
     c->caughtUp.notify_all();
   }
@@ -106,83 +118,122 @@ void runCloser(Closers* c) {
 // that keeps its inherited copies of them, after which our closes are not
 // the last ones; the child's are, made as it exits, and a socket's close in
 // an exiting task does not linger (inet_release skips SO_LINGER for
-// PF_EXITING). (A FUSE file's flush comes with every close, ours as well:
-// it holds the hand-over thread that closes ours, one of at most
-// kMaxHandOvers, and the child's exit.)
+// PF_EXITING). (A FUSE file's flush comes with every close, ours and the
+// child's exit's alike: it holds the hand-over thread that closes ours,
+// one of at most kMaxHandOvers, and the child.)
 //
-// The child is a raw clone() of this process, so no at-fork handler runs,
-// made with every signal blocked, and it makes system calls only, as a
-// child of a threaded process must. It closes every other descriptor it
-// inherited (its copies of ours must not outlive our closes; the ones it
-// keeps are never flushed there), then waits for our end of a socket pair
-// to close, which we do once ours are closed, and exits.
+// The child shares our memory (CLONE_VM: nothing is copied, so a child a
+// flush holds pins no snapshot of ours) and runs on a stack of its own,
+// mapped here with what it needs and unmapped once it is reaped; it gets a
+// copy of our descriptor table. Made with every signal blocked, no at-fork
+// handler runs, and it makes system calls only. It closes every other
+// descriptor it inherited (its copies of ours must not outlive our
+// closes), then waits for our end of a socket pair to close, which we do
+// once ours are closed, and exits.
 constexpr int kMaxHandOvers = 16;
-// How long no close may have returned, every closer inside one, before
-// what waits is handed to a child (a fork of this process costs
-// milliseconds; a plain close, far less).
+// How long no closer may have returned, all of them inside a close,
+// before what waits is handed to a child (a plain close takes far less).
 constexpr auto kStuckAfter = std::chrono::milliseconds(100);
+constexpr size_t kChildStack = 64 << 10;
 
 #ifndef SYS_close_range
-#define SYS_close_range 436 // (the same on every architecture)
+#define SYS_close_range 436 // (the generic table's number; alpha aside)
 #endif
 
-// `keep`: sorted, `sock` among them; `limit`: above every descriptor.
-[[noreturn]] void childKeeps(const int* keep, size_t n, int sock, int limit) {
+// What the child reads, at the start of its mapping; `keep` sorted, `sock`
+// among them; `limit` above every descriptor.
+struct ChildPlan {
+  int sock;
+  int limit;
+  size_t n;
+  int keep[1]; // n of them
+};
+
+int childKeeps(void* arg) {
+  const auto* plan = static_cast<const ChildPlan*>(arg);
   int from = 0;
-  for (size_t i = 0; i <= n; ++i) {
-    int upto = i < n ? keep[i] - 1 : limit - 1; // close [from, upto]
+  for (size_t i = 0; i <= plan->n; ++i) {
+    const bool last = i == plan->n;
+    int upto = last ? plan->limit - 1 : plan->keep[i] - 1; // [from, upto]
     if (from <= upto &&
         ::syscall(
             SYS_close_range,
             static_cast<unsigned>(from),
-            i < n ? static_cast<unsigned>(upto) : ~0u,
+            last ? ~0u : static_cast<unsigned>(upto),
             0u) != 0) {
       for (int fd = from; fd <= upto; ++fd) {
         ::syscall(SYS_close, fd); // (no close_range: before Linux 5.9)
       }
     }
-    if (i < n) {
-      from = keep[i] + 1;
+    if (!last) {
+      from = plan->keep[i] + 1;
     }
   }
   char byte;
-  while (::syscall(SYS_read, sock, &byte, 1) > 0) {
+  while (::syscall(SYS_read, plan->sock, &byte, 1) > 0) {
     // (Nothing is ever sent: this ends at our close, or ours dying. EINTR
     // cannot come, every signal blocked.)
   }
   ::syscall(SYS_exit_group, 0);
-  __builtin_unreachable();
+  return 0;
 }
 
-void reapChildren(std::vector<pid_t>& children) {
+// Reaps the children that are gone and unmaps their stacks.
+void reapChildren(std::vector<HeldChild>& children) {
   for (size_t i = 0; i < children.size();) {
     int status = 0;
-    pid_t r = ::waitpid(children[i], &status, WNOHANG | __WALL);
+    pid_t r = ::waitpid(children[i].pid, &status, WNOHANG | __WALL);
     if (r == 0) {
       ++i;
-    } else {
-      children[i] = children.back(); // gone (or reaped by someone else)
-      children.pop_back();
+      continue;
     }
+    // Gone (or, ECHILD, reaped by someone else: gone too).
+    ::munmap(children[i].mapping, children[i].bytes);
+    children[i] = children.back();
+    children.pop_back();
   }
 }
 
 // A child that holds a copy of each of `fds` until `release` (returned
-// open) is closed; -1 and `why` if none could be made.
-pid_t childHolding(std::vector<int> keep, int& release, std::string& why) {
+// open) is closed; pid -1 and `why` if none could be made.
+HeldChild childHolding(
+    const std::vector<int>& fds,
+    int& release,
+    std::string& why) {
+  HeldChild child;
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
     why = std::string("socketpair: ") + std::strerror(errno);
-    return -1;
+    return child;
   }
+  std::vector<int> keep(fds);
   keep.push_back(sv[1]);
   std::sort(keep.begin(), keep.end());
+  const size_t planBytes =
+      (sizeof(ChildPlan) + keep.size() * sizeof(int) + 4095) & ~size_t(4095);
+  void* mapping = ::mmap(
+      nullptr,
+      planBytes + kChildStack,
+      PROT_READ | PROT_WRITE,
+      MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK,
+      -1,
+      0);
+  if (mapping == MAP_FAILED) {
+    why = std::string("mmap: ") + std::strerror(errno);
+    ::close(sv[0]);
+    ::close(sv[1]);
+    return child;
+  }
+  auto* plan = static_cast<ChildPlan*>(mapping);
+  plan->sock = sv[1];
   rlimit files{};
-  int limit = ::getrlimit(RLIMIT_NOFILE, &files) == 0 &&
+  plan->limit = ::getrlimit(RLIMIT_NOFILE, &files) == 0 &&
           files.rlim_cur != RLIM_INFINITY && files.rlim_cur < (1u << 30)
       ? static_cast<int>(files.rlim_cur)
       : (1 << 20);
-  limit = std::max(limit, keep.back() + 1);
+  plan->limit = std::max(plan->limit, keep.back() + 1);
+  plan->n = keep.size();
+  std::memcpy(plan->keep, keep.data(), keep.size() * sizeof(int));
   // Every signal blocked across the clone: the child starts with them
   // blocked (no handler of the user's runs in it), we get ours back after.
   sigset_t all;
@@ -191,20 +242,28 @@ pid_t childHolding(std::vector<int> keep, int& release, std::string& why) {
   ::pthread_sigmask(SIG_SETMASK, &all, &before);
   // Exit signal 0: no SIGCHLD for a handler of the user's, and a wait()
   // for any child without __WALL does not take it.
-  long pid = ::syscall(SYS_clone, 0, nullptr, nullptr, nullptr, nullptr);
-  if (pid == 0) {
-    childKeeps(keep.data(), keep.size(), sv[1], limit);
-  }
+  char* top = static_cast<char*>(mapping) + planBytes + kChildStack;
+  int pid = ::clone(childKeeps, top, CLONE_VM, plan);
   int err = errno;
   ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
   ::close(sv[1]);
   if (pid < 0) {
     why = std::string("clone: ") + std::strerror(err);
     ::close(sv[0]);
-    return -1;
+    ::munmap(mapping, planBytes + kChildStack);
+    return child;
   }
   release = sv[0];
-  return static_cast<pid_t>(pid);
+  child.pid = pid;
+  child.mapping = mapping;
+  child.bytes = planBytes + kChildStack;
+  return child;
+}
+
+bool isSocket(int fd) {
+  int type = 0;
+  socklen_t len = sizeof(type);
+  return ::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0;
 }
 
 void runHandOver(Closers* c) {
@@ -212,11 +271,12 @@ void runHandOver(Closers* c) {
   std::unique_lock<std::mutex> lock(c->mu);
   // Every closer is inside a close: stuck, unless one returns soon (a
   // burst of plain closes) and then takes what waits itself.
-  const uint64_t closedBefore = c->closed;
+  const uint64_t returnsBefore = c->closerReturns;
   lock.unlock();
   std::this_thread::sleep_for(kStuckAfter);
   lock.lock();
-  if (c->queue.empty() || c->busy < kMaxClosers || c->closed != closedBefore) {
+  if (c->queue.empty() || c->busy < kMaxClosers ||
+      c->closerReturns != returnsBefore) {
     c->handingOver = false;
     --c->handOverThreads;
     if (!c->queue.empty() && c->busy >= kMaxClosers) {
@@ -230,11 +290,12 @@ void runHandOver(Closers* c) {
   lock.unlock();
   int release = -1;
   std::string why;
-  const pid_t child = childHolding(fds, release, why);
+  const HeldChild child = childHolding(fds, release, why);
   lock.lock();
   c->handingOver = false;
-  if (child < 0) {
-    // Back to the queue, for the next closer that returns.
+  if (child.pid < 0) {
+    // Back to the queue, for the next closer that returns (or the next
+    // descriptor handed over, which tries again).
     c->queue.insert(c->queue.begin(), fds.begin(), fds.end());
     --c->handOverThreads;
     if (!c->warnedNoChild) {
@@ -253,16 +314,20 @@ void runHandOver(Closers* c) {
   }
   lock.unlock();
   // The child holds a copy of each: ours are not the last, and a socket's
-  // returns at once. (A FUSE file's flush comes with every close and can
-  // hold this thread; the role of taker has passed on.)
+  // returns at once. Sockets first: a FUSE file's flush comes with every
+  // close and can hold this thread (the role of taker has passed on).
+  std::stable_partition(fds.begin(), fds.end(), isSocket);
   for (int fd : fds) {
     ::close(fd);
   }
   ::close(release); // the child exits, making the last closes
-  for (int i = 0; i < 50; ++i) { // reaped here, as a rule
-    int status = 0;
-    if (::waitpid(child, &status, WNOHANG | __WALL) != 0) {
-      break;
+  for (int i = 0; i < 50; ++i) { // up to 50 ms, to reap it below as a rule
+    siginfo_t info{};
+    if (::waitid(
+            P_PID, child.pid, &info, WEXITED | WNOHANG | WNOWAIT | __WALL) !=
+            0 ||
+        info.si_pid != 0) {
+      break; // (WNOWAIT: reaped under the lock, its pid ours till then)
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
@@ -272,6 +337,9 @@ void runHandOver(Closers* c) {
   c->viaChildren += fds.size();
   --c->handOverThreads;
   c->caughtUp.notify_all();
+  if (!c->queue.empty() && c->busy >= kMaxClosers) {
+    startHandOverLocked(*c); // (one that could not start while we ran)
+  }
 }
 
 void startHandOverLocked(Closers& c) {
