@@ -199,7 +199,8 @@ void bindTesting(py::module_& m) {
         py::arg("closed") = s.closed,
         py::arg("pending") = s.pending,
         py::arg("via_children") = s.viaChildren,
-        py::arg("children") = s.children);
+        py::arg("children") = s.children,
+        py::arg("hand_over") = s.handOver);
   });
   // How a worker listening on `self` reaches a peer that advertised `peer`
   // (stream::routeFrom): ValueError saying why it cannot.

@@ -41,6 +41,7 @@ struct FdCloserStats {
   uint64_t pending = 0; // handed over, not yet closed (stuck ones included)
   uint64_t viaChildren = 0; // handed to a child process, every closer stuck
   uint64_t children = 0; // such children not yet gone
+  bool handOver = false; // this build hands over (not under a sanitizer)
 };
 FdCloserStats fdCloserStats();
 
