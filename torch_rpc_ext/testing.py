@@ -156,6 +156,26 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return False
 
 
+def lingering_socket(linger_s: int = 60) -> tuple[socket.socket, socket.socket]:
+    """A TCP socket whose last close() blocks for ``linger_s`` (set to
+    linger, with more bytes queued than the other end, which never reads,
+    has room for), and that other end: closing it, unread bytes and all,
+    resets the first, and a close waiting on it returns."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client = socket.create_connection(server.getsockname())
+    other, _ = server.accept()
+    server.close()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
+    client.setblocking(False)
+    try:
+        while True:
+            client.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+    return client, other
+
+
 def connect_raw(address: str, timeout: float = 5) -> socket.socket:
     """A plain socket to an agent's "host:port" (tcp) or "@name" (shm) address."""
     if address.startswith("@"):

@@ -21,7 +21,13 @@ from torch.distributed import rpc
 from tests.rpc.test_hostile_peers import SECRET
 from tests.rpc.test_shm_transport import echo, loop_cpu_seconds, shut_down_wakeups_from
 from tests.rpc.world import init, run_world
-from torch_rpc_ext.testing import SLAB, closed_by_peer, frame_header, handshake
+from torch_rpc_ext.testing import (
+    SLAB,
+    closed_by_peer,
+    frame_header,
+    handshake,
+    lingering_socket,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,30 +39,11 @@ def debug_info():
     return rpc.api._get_current_rpc_agent().get_debug_info()
 
 
-def lingering_socket():
-    """A TCP socket whose close() blocks for LINGER_S: set to linger, with
-    more bytes queued than the other end (which never reads) has room for.
-    Returns it and the other end (closing that one releases the close)."""
-    server = socket.create_server(("127.0.0.1", 0))
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    client = socket.create_connection(server.getsockname())
-    other, _ = server.accept()
-    server.close()
-    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, LINGER_S))
-    client.setblocking(False)
-    try:
-        while True:
-            client.send(b"x" * 65536)
-    except BlockingIOError:
-        pass
-    return client, other
-
-
 def refused_slab(addr, pid):
     """A slab setup whose "slab" is the socket: refused, and closed by the
     worker. Its first byte carries the descriptor; our copy is closed before
     the rest goes, so the worker holds the last one."""
-    lingering, other = lingering_socket()
+    lingering, other = lingering_socket(LINGER_S)
     sock, ok = handshake(addr, SECRET)
     assert ok
     _, kept, _, _ = socket.recv_fds(sock, 32, 4)  # the agent's frame ring
@@ -100,7 +87,7 @@ def from_another_user(addr, pid):
     preempts the process between its connect and its send, every time; CI
     once lost that race 20 times running), or the process's close could
     come after the worker's."""
-    lingering, other = lingering_socket()
+    lingering, other = lingering_socket(LINGER_S)
     os.kill(pid, signal.SIGSTOP)
     try:
         child = subprocess.Popen(

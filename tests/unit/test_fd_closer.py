@@ -5,36 +5,17 @@ linger, with bytes nobody reads), what comes next goes to a child process
 whose exit makes the last close, which does not linger; nothing waits
 open, and the child is gone at once."""
 
-import socket
-import struct
 import time
 
 import pytest
 
 from torch_rpc_ext import _testing
+from torch_rpc_ext.testing import lingering_socket
 
 pytestmark = pytest.mark.timeout(120)
 
 MAX_CLOSERS = 16  # kMaxClosers
 LINGER_S = 60
-
-
-def lingering_socket():
-    """A TCP socket whose close() blocks for LINGER_S, and its other end
-    (closing that one, unread bytes and all, resets it: the close returns)."""
-    server = socket.create_server(("127.0.0.1", 0))
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    client = socket.create_connection(server.getsockname())
-    other, _ = server.accept()
-    server.close()
-    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, LINGER_S))
-    client.setblocking(False)
-    try:
-        while True:
-            client.send(b"x" * 65536)
-    except BlockingIOError:
-        pass
-    return client, other
 
 
 def wait_for(predicate, seconds=15):
@@ -52,7 +33,7 @@ def test_with_every_closer_stuck_a_lingering_socket_goes_to_an_exiting_child():
         pytest.skip("a sanitizer build: no hand-over to a child (fd_closer.cpp)")
     start = wait_for(lambda s: s["pending"] == 0)  # (an earlier test's closes)
     assert start["pending"] == 0, start
-    pairs = [lingering_socket() for _ in range(MAX_CLOSERS + 2)]
+    pairs = [lingering_socket(LINGER_S) for _ in range(MAX_CLOSERS + 2)]
     try:
         # Every closer stuck, one socket each.
         for client, _ in pairs[:MAX_CLOSERS]:
