@@ -63,6 +63,24 @@ def test_interleaved_benchmark_pairs_each_block_with_tensorpipes(tmp_path):
     assert ("small_udf", "tensorpipe") in measured and ("pipelined_async", "ext") in measured
 
 
+@pytest.mark.timeout(300)
+def test_small_call_placement_reports_each_blocks_threads(tmp_path):
+    """benchmarks/small_call_placement.py: per block of calls, the median
+    and, per busy thread of both processes, its vCPU and scheduler times."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "small_call_placement.py"),
+         "--blocks", "2", "--calls", "30", "--pin"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    blocks = [r for r in rows if "block" in r]
+    assert len(blocks) == 2 and all(r["median_us"] > 0 and r["pinned"] for r in blocks)
+    assert all(r["caller"] and r["callee"] for r in blocks), blocks  # busy threads seen
+    assert rows[-1]["case"] == "small_builtin_blocks"
+
+
 @pytest.mark.timeout(600)
 def test_small_call_breakdown_accounts_for_each_round_trip(tmp_path):
     """benchmarks/small_call_breakdown.py (issue 48): the agent's per-call
