@@ -139,19 +139,49 @@ def start_world(target: Callable, world_size: int, *args: Any, port: int | None 
 
 def finish_world(world, timeout: float = 1800, dies: int = 0):
     """Wait for a start_world() world: ({rank: result}, {rank: peak RSS MB});
-    raises naming a rank that failed. ``dies`` ranks report nothing."""
+    raises naming a rank that failed. ``dies`` ranks report nothing.
+
+    A rank that fails ends the world at once, the others killed: the
+    survivors of a world whose peer is gone can wait forever (upstream's
+    shutdown waits for its all-gather without a limit), and what counts is
+    the failed rank's traceback, not the hang it leaves behind. So does a
+    rank that exits without reporting, unless ``dies`` allows for it."""
     procs, queue = world
     results, rss = {}, {}
+    deadline = time.monotonic() + timeout
+    silent_since: dict[int, float] = {}
+    complete = False
     try:
-        for _ in range(len(procs) - dies):
-            rank, blob, mb = queue.get(timeout=timeout)
+        while len(results) < len(procs) - dies:
+            try:
+                rank, blob, mb = queue.get(timeout=1.0)
+            except Exception:  # queue.Empty: look at who is still there
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"ranks {sorted(set(range(len(procs))) - set(results))} "
+                        f"reported nothing in {timeout:.0f} s") from None
+                now = time.monotonic()
+                for r, p in enumerate(procs):
+                    if r in results or p.exitcode is None:
+                        continue
+                    # Its result may still be in the queue's pipe: a grace.
+                    if now - silent_since.setdefault(r, now) > 10 and dies == 0:
+                        raise RuntimeError(
+                            f"rank {r} exited with code {p.exitcode} and reported nothing")
+                continue
             results[rank] = pickle.loads(blob)
             rss[rank] = round(mb, 1)
+            if isinstance(results[rank], Exception):
+                print(f"rank {rank} failed:\n{results[rank]}", file=sys.stderr, flush=True)
+                break
+        else:
+            complete = True
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if complete else 0)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
     for r, v in results.items():
         if isinstance(v, Exception):
             raise RuntimeError(f"rank {r} failed:\n{v}")

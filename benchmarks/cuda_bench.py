@@ -473,6 +473,7 @@ def main(argv=None):
             these = [c for c in cases if c[1] not in ("contiguous", "cpu")]
         if not these:
             continue
+        print(f"cuda_bench: {name}: {[c[0] for c in these]}", file=sys.stderr, flush=True)
         rows, _ = run_world(world, 2, key, channels, these, cfg,
                             timeout=1800)
         for row in rows:
