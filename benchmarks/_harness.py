@@ -167,7 +167,8 @@ def finish_world(world, timeout: float = 1800, dies: int = 0):
                     # Its result may still be in the queue's pipe: a grace.
                     if now - silent_since.setdefault(r, now) > 10 and dies == 0:
                         raise RuntimeError(
-                            f"rank {r} exited with code {p.exitcode} and reported nothing")
+                            f"rank {r} exited with code {p.exitcode} and reported nothing"
+                        ) from None
                 continue
             results[rank] = pickle.loads(blob)
             rss[rank] = round(mb, 1)
