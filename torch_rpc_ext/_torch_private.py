@@ -4,6 +4,7 @@ between the torch releases we run on (the tested range: _torch_range), so a
 torch upgrade edits one file. The C++ side's are csrc/agent/torch_version.h."""
 
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,8 @@ __all__ = [
     "unset_fake_mode",
     "current_agent",
     "update_worker_names",
-    "install_dynamic_shutdown",
+    "install_shutdown",
+    "watched_wait_all_workers",
 ]
 
 
@@ -155,32 +157,112 @@ def update_worker_names(agent: Any) -> None:
         api._ALL_WORKER_NAMES = names
 
 
-def _is_dynamic_agent() -> bool:
+def _our_agent() -> Any:
+    """The current agent if it is ours (it has ``is_dynamic``), else None."""
     try:
         agent = api._get_current_rpc_agent()
     except RuntimeError:
-        return False
-    return bool(getattr(agent, "is_dynamic", False))
+        return None
+    return agent if hasattr(agent, "is_dynamic") else None
+
+
+def _is_dynamic_agent() -> bool:
+    agent = _our_agent()
+    return bool(agent is not None and agent.is_dynamic)
 
 
 _SHUTDOWN_RREF_WAIT_S = 5.0
 
 
-def install_dynamic_shutdown(before_teardown: Callable[[Any], None]) -> None:
-    """Make ``rpc.shutdown()`` right for a dynamic TORCH_RPC_EXT member.
+# How often rpc.shutdown()'s gather looks at the workers it waits on, and
+# how long a probe gives a new connection to one of them to settle.
+_GATHER_PROBE_S = 1.0
+_GATHER_PROBE_SETTLE_MS = 250
+
+
+def watched_wait_all_workers(wait_all: Callable[..., Any], agent: Any, *args: Any,
+                             **kwargs: Any) -> Any:
+    """``api._wait_all_workers`` (the all-gather of a graceful shutdown) for
+    a static TORCH_RPC_EXT group, ended with an error when a worker it waits
+    on is gone.
+
+    Upstream's gather waits for its signal without a limit under the default
+    ``shutdown(timeout=0)``: the leader (the smallest name) for every
+    follower's gather, a follower for the leader's broadcast. A worker that
+    died (or left without a shutdown) never sends, and the survivors' shutdown
+    never returns. So while it waits, a watcher probes each second what this
+    worker waits on (the leader: every follower; a follower: the leader)
+    through the agent (``_why_unreachable``: a closed connection's reason, or
+    a refused or unanswered one); once one is gone, it sets the pending
+    gathers' signals and the shutdown raises, naming it. Probing first and
+    looking at the signal after is what keeps a finished gather from being
+    taken for a failed one: a leader gone has broadcast to us before it
+    went, a follower cannot finish before the leader's broadcast."""
+    me = agent.get_worker_info().name
+    stop = threading.Event()
+    gone: list[str] = []
+
+    def watch() -> None:
+        while not stop.wait(_GATHER_PROBE_S):
+            with api._all_gather_dict_lock:
+                names = set(api._ALL_WORKER_NAMES or ())
+            leader = min(names) if names else me
+            waits_on = sorted(names - {me}) if me == leader else [leader]
+            why = agent._why_unreachable(waits_on, _GATHER_PROBE_SETTLE_MS)
+            dead = [f"{n} ({w})" for n, w in zip(waits_on, why) if w]
+            if not dead:
+                continue
+            with api._all_gather_dict_lock:
+                pending = [st for st in api._all_gather_sequence_id_to_states.values()
+                           if not st.proceed_signal.is_set()]
+            if not pending:
+                continue  # done meanwhile, or not started: the call says
+            gone.extend(dead)
+            for st in pending:
+                st.proceed_signal.set()
+            return
+
+    watcher = threading.Thread(target=watch, name="rpc_ext-shutdown-gather", daemon=True)
+    watcher.start()
+
+    def failed() -> RuntimeError:
+        return RuntimeError(
+            f"rpc.shutdown on {me}: cannot reach {', '.join(gone)}; the group's "
+            "shutdown gather cannot complete without it (after a worker died, "
+            "shut down with rpc.shutdown(graceful=False))")
+
+    try:
+        result = wait_all(*args, **kwargs)
+    except RuntimeError as e:
+        # The leader's broadcast to the worker gone failed: say why.
+        if gone:
+            raise failed() from e
+        raise
+    finally:
+        stop.set()
+        watcher.join()
+    if gone:
+        raise failed()
+    return result
+
+
+def install_shutdown(before_teardown: Callable[[Any], None]) -> None:
+    """Make ``rpc.shutdown()`` right for a TORCH_RPC_EXT agent.
 
     ``api.shutdown`` runs its static path for every agent that is not a
     TensorPipeAgent: ``_wait_all_workers`` (an all-gather across the group,
     which a member leaving alone would wait on forever) and
     ``_delete_all_user_and_unforked_owner_rrefs`` (which waits until every
-    peer dropped our RRefs). For a dynamic member the first is skipped (it
+    peer dropped our RRefs). For a static group the gather is watched
+    (``watched_wait_all_workers``: a worker gone ends it with an error
+    instead of a hang). For a dynamic member the gather is skipped (it
     leaves alone; ``agent.join(shutdown=True)`` drains its calls and tells
-    the group), the second runs with a bounded wait; and ``_finalize_shutdown``
-    calls ``before_teardown(agent)`` (which stops the membership watcher:
-    ``torch_rpc_ext.elastic.stop_membership``) before torch tears down its
-    RRef state. All
-    are looked up as module globals when ``shutdown`` runs, so wrapping them
-    here is enough; other agents get the originals. Idempotent.
+    the group), the RRef wait runs with a bounded wait; and
+    ``_finalize_shutdown`` calls ``before_teardown(agent)`` (which stops the
+    membership watcher: ``torch_rpc_ext.elastic.stop_membership``) before
+    torch tears down its RRef state. All are looked up as module globals
+    when ``shutdown`` runs, so wrapping them here is enough; other agents get
+    the originals. Idempotent.
     """
     if getattr(api._wait_all_workers, "_torch_rpc_ext", False):
         return
@@ -188,9 +270,12 @@ def install_dynamic_shutdown(before_teardown: Callable[[Any], None]) -> None:
     delete_all = api._delete_all_user_and_unforked_owner_rrefs
 
     def _wait_all_workers(*args: Any, **kwargs: Any) -> Any:
-        if _is_dynamic_agent():
+        agent = _our_agent()
+        if agent is None:
+            return wait_all(*args, **kwargs)
+        if agent.is_dynamic:
             return None
-        return wait_all(*args, **kwargs)
+        return watched_wait_all_workers(wait_all, agent, *args, **kwargs)
 
     def _delete_all_user_and_unforked_owner_rrefs(*args: Any, **kwargs: Any) -> Any:
         if not _is_dynamic_agent():

@@ -143,6 +143,9 @@ def _init_backend(
         options._reverse_device_maps = reverse
     agent = _C.Agent(store, name, rank, world_size, options)
     try:
+        from torch_rpc_ext import elastic
+
+        _torch_private.install_shutdown(elastic.stop_membership)
         _torch_private.init_rpc_states(agent)
         _serve_metrics(store, name, metrics_port)
     except Exception:
@@ -263,7 +266,7 @@ def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions,
     try:
         from torch_rpc_ext import elastic
 
-        _torch_private.install_dynamic_shutdown(elastic.stop_membership)
+        _torch_private.install_shutdown(elastic.stop_membership)
         _torch_private.init_rpc_states(agent)
         elastic.start_event_thread(agent)
         _serve_metrics(store, name, metrics_port)

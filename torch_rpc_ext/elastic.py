@@ -125,7 +125,7 @@ def start_event_thread(agent: Any) -> threading.Thread:
 
 def stop_membership(agent: Any) -> None:
     """At ``rpc.shutdown()``, before torch tears down its RRef state
-    (``_torch_private.install_dynamic_shutdown``): stop the membership
+    (``_torch_private.install_shutdown``): stop the membership
     watcher, which releases departed members' forks there, then let the
     callbacks see every event up to this worker's own leave while torch's
     RPC state is still up."""

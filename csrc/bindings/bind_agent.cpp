@@ -143,6 +143,15 @@ void bindAgent(py::module_& m) {
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly(
           "incarnation", [](const Agent& a) { return a.group().incarnation(); })
+      .def(
+          "_why_unreachable",
+          [](Agent& a, const std::vector<std::string>& names, int64_t withinMs) {
+            return a.whyUnreachableByName(
+                names, std::chrono::milliseconds(std::max<int64_t>(withinMs, 0)));
+          },
+          py::arg("names"),
+          py::arg("within_ms"),
+          py::call_guard<py::gil_scoped_release>())
       // (epoch, [(name, rank, incarnation)]) of the current view.
       .def(
           "_membership",

@@ -57,8 +57,18 @@ def run_bench(tmp, out, driver_env):
 
 
 def costs(rows, backend="ext"):
-    return {r["case"]: r["costs_per_call"] for r in rows
+    return {r["case"]: {**r["costs_per_call"], "n": r["n"]} for r in rows
             if r.get("backend") == backend and "costs_per_call" in r}
+
+
+def no_allocation_after_warm_up(c):
+    """torch's cache serves the landings, and the fake's driver sees no
+    allocation. Once in a window, on a loaded host, the last landing's block
+    may still be in use on its stream when the next one lands, and the
+    cache takes a second block (one torch allocation, its cuMemAlloc): what
+    the budget rules out is an allocation per call, not that one."""
+    torch_ok = c["torch_allocations"] * c["n"] <= 1
+    return torch_ok and (REAL_DRIVER or c["allocations"] * c["n"] <= 2)
 
 
 def test_cuda_bench_runs_every_case(bench_rows):
@@ -99,11 +109,10 @@ def test_a_round_trip_stays_within_its_budget(bench_rows, case):
     # Landing: one allocation per direction, however many tensors (small
     # ones share one), served by torch's cache after warm-up.
     assert c["landing_launches"] == 2 and c["landing_allocations"] <= 2, c
-    assert c["torch_allocations"] == 0, c
+    assert no_allocation_after_warm_up(c), c
     if REAL_DRIVER:
         return
     # The fake driver counts every call (ours and the fake CUDA torch's).
-    assert c["allocations"] == 0, c  # no cuMemAlloc/cuMemCreate either
     assert c["host_waits"] == 0, c  # no thread of ours waits for the GPU
     # One wait per region and stream, not per segment; a constant number of
     # launches, event operations and driver calls, not one per tensor.
@@ -132,11 +141,11 @@ def test_a_call_to_oneself_stays_on_the_device(bench_rows):
     # host copies per round trip) and the socket.
     c = costs(bench_rows)["self_4MB"]
     assert c["frames"] == 2 and c["socket_writes"] <= 2, c
-    assert c["landing_launches"] == 2 and c["torch_allocations"] == 0, c
+    assert c["landing_launches"] == 2 and no_allocation_after_warm_up(c), c
     if REAL_DRIVER:
         return
     assert c["memcpys"] == 0, c  # nothing through host memory
-    assert c["allocations"] == 0 and c["host_waits"] == 0, c
+    assert c["host_waits"] == 0, c
     assert c["launches"] <= 4 and c["driver_calls"] <= 210, c
 
 
@@ -161,11 +170,11 @@ def test_staging_on_one_host_goes_through_the_ring_not_the_socket(bench_rows):
     assert stream_bytes(staged) >= 2 * (4 << 20), staged
     assert stream_bytes(ring) < 64 << 10, ring
     assert ring["frames"] == 2 and ring["control_frames"] == 0, ring
-    assert ring["landing_launches"] == 2 and ring["torch_allocations"] == 0, ring
+    assert ring["landing_launches"] == 2 and no_allocation_after_warm_up(ring), ring
     if REAL_DRIVER:
         return
     assert ring["memcpys"] == 6, ring  # snapshot, out and in, each direction
-    assert ring["allocations"] == 0 and ring["host_waits"] == 0, ring
+    assert ring["host_waits"] == 0, ring
 
 
 def test_staging_between_hosts_goes_over_the_lanes_not_the_stream(bench_rows):

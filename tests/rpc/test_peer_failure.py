@@ -182,3 +182,69 @@ def test_graceful_shutdown_with_a_dead_peer_raises_within_its_timeout():
         # Raises, naming the dead worker, instead of waiting for it forever.
         assert out[rank]["seconds"] < 15, out
         assert out[rank]["error"] is not None and "worker1" in out[rank]["error"], out
+
+
+# rpc.shutdown() with its default timeout (0): upstream's gather waits for its
+# signal without a limit, on TensorPipe too. Ours watches the workers it waits
+# on (_torch_private.watched_wait_all_workers) and ends it naming the one gone.
+
+def leader_waits_for_a_dead_follower(rank, world_size, pid1, all_up):
+    if rank == 1:
+        pid1.value = os.getpid()
+    init(rank, world_size, rpc_timeout=5)
+    all_up.wait(60)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not _gone(pid1.value):
+        assert time.monotonic() < deadline, "worker1 did not die"
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    try:
+        rpc.shutdown()  # graceful, no timeout: the leader waits for worker1
+        err = None
+    except RuntimeError as e:
+        err = str(e)
+    return {"seconds": time.monotonic() - t0, "error": err}
+
+
+def test_a_graceful_shutdown_without_a_timeout_ends_when_a_follower_is_dead():
+    ctx = mp.get_context("fork")
+    out = run_world(leader_waits_for_a_dead_follower, world_size=2, dies=frozenset({1}),
+                    timeout=90, pid1=ctx.Value("i", 0), all_up=ctx.Barrier(2))[0]
+    # Without the watch it waits forever (the world's timeout kills it).
+    assert out["error"] is not None and "cannot reach worker1" in out["error"], out
+    assert out["seconds"] < 15, out
+
+
+def follower_waits_for_a_dead_leader(rank, world_size, store_file, all_up):
+    init(rank, world_size, rpc_timeout=5, init_method=f"file://{store_file}")
+    all_up.wait(60)
+    if rank == 0:
+        # worker0 is the gather's leader, and never shuts down: it dies once
+        # it holds worker1's gather (served by its agent), before it could
+        # broadcast.
+        from torch.distributed.rpc import api
+
+        deadline = time.monotonic() + 60
+        while not any("worker1" in st.gathered_objects
+                      for st in list(api._all_gather_sequence_id_to_states.values())):
+            assert time.monotonic() < deadline, "worker1's gather never came"
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        rpc.shutdown()
+        err = None
+    except RuntimeError as e:
+        err = str(e)
+    return {"seconds": time.monotonic() - t0, "error": err}
+
+
+def test_a_graceful_shutdown_without_a_timeout_ends_when_the_leader_is_dead(tmp_path):
+    ctx = mp.get_context("fork")
+    out = run_world(follower_waits_for_a_dead_leader, world_size=2, dies=frozenset({0}),
+                    timeout=90, store_file=str(tmp_path / "store"),
+                    all_up=ctx.Barrier(2))[1]
+    assert out["error"] is not None and "cannot reach worker0" in out["error"], out
+    assert out["seconds"] < 15, out
