@@ -145,9 +145,12 @@ void bindAgent(py::module_& m) {
           "incarnation", [](const Agent& a) { return a.group().incarnation(); })
       .def(
           "_why_unreachable",
-          [](Agent& a, const std::vector<std::string>& names, int64_t withinMs) {
+          [](Agent& a,
+             const std::vector<std::string>& names,
+             int64_t withinMs) {
             return a.whyUnreachableByName(
-                names, std::chrono::milliseconds(std::max<int64_t>(withinMs, 0)));
+                names,
+                std::chrono::milliseconds(std::max<int64_t>(withinMs, 0)));
           },
           py::arg("names"),
           py::arg("within_ms"),
