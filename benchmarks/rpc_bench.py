@@ -324,6 +324,10 @@ def main(argv=None):
     p.add_argument("--frame-ring-off", action="store_true",
                    help="also run ours with shm_frame_ring_bytes=0 (frames on the Unix "
                         "socket, as before frame rings) and report ring/socket ratios")
+    p.add_argument("--inline", action="store_true",
+                   help="also run ours with channels=(): tensors' bytes inline in the "
+                        "connection's stream (cuda_staged's way on one host), through "
+                        "the frame ring, and with --frame-ring-off on the socket too")
     p.add_argument("--interleave", type=int, metavar="BLOCKS",
                    help="the small and pipelined cases only, both backends' pairs up at "
                         "once taking turns, BLOCKS blocks of each case; ratios are medians "
@@ -344,6 +348,12 @@ def main(argv=None):
     if cfg.frame_ring_off:
         key, opts = backends_all["ext"]
         backends_all["ext_socket"] = (key, {**opts, "shm_frame_ring_bytes": 0})
+    if cfg.inline:
+        key, opts = backends_all["ext"]
+        backends_all["ext_inline"] = (key, {**opts, "channels": ()})
+        if cfg.frame_ring_off:
+            backends_all["ext_inline_socket"] = (
+                key, {**opts, "channels": (), "shm_frame_ring_bytes": 0})
     if cfg.smoke:
         cfg.iters, cfg.warmup, cfg.repeats, cfg.repeats_large = 20, 5, 3, 2
         cfg.pipelined, cfg.sizes_mb, cfg.fanout, cfg.block_calls = 50, [1], 2, 20
@@ -410,9 +420,13 @@ def main(argv=None):
                     "value": round(grpc_row["median_us"] / ext["median_us"], 1)})
         ext_runs, tp_runs = runs.get((case, "ext")), runs.get((case, "tensorpipe"))
         # What the histograms cost (ours with them over ours without), and
-        # what frame rings buy (ours with them over ours on the socket).
-        for other, kind in [("ext_costs_off", "time_costs_on_over_off"),
-                            ("ext_socket", "time_ring_over_socket")]:
+        # what frame rings buy (ours with them over ours on the socket; the
+        # same for tensors carried inline).
+        for on, other, kind in [
+                ("ext", "ext_costs_off", "time_costs_on_over_off"),
+                ("ext", "ext_socket", "time_ring_over_socket"),
+                ("ext_inline", "ext_inline_socket", "time_inline_ring_over_socket")]:
+            ext_runs = runs.get((case, on))
             off_runs = runs.get((case, other))
             if not (ext_runs and off_runs):
                 continue
@@ -423,6 +437,7 @@ def main(argv=None):
             record({"case": case, "ratio": kind,
                     "value": round(statistics.median(costs), 3),
                     "per_round": [round(x, 3) for x in costs]})
+        ext_runs = runs.get((case, "ext"))
         if not (ext_runs and tp_runs):
             continue
         if "calls_per_s" in ext_runs[0]:

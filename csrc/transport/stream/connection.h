@@ -374,6 +374,9 @@ class StreamConnection : public Connection,
       const iovec* iov,
       int n,
       const std::vector<int>* fds);
+  // Whether a write is at least the ring's size: one that waits for room
+  // a moment before it parks (kRingSenderSpin, connection_ring.cpp).
+  bool spansRing(const iovec* iov, int n) const;
   // Frame ring: offer ours once ready (options_.frameRingBytes), and take
   // the peer's from its kFrameRing frame (connection_ring.cpp).
   void offerFrameRingFromLoop();

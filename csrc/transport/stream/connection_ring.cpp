@@ -21,6 +21,13 @@ namespace torch_rpc_ext::transport::stream {
 namespace {
 
 constexpr char kCarrier = 'F';
+// How long a sender that found its frame ring full waits for room while
+// the receiver is awake, before it parks for a signal: a frame larger than
+// the ring (64 KiB by default; cuda_staged's bytes on one host) otherwise
+// pays a signal and a wake-up per ring-full.
+// Only for such a write: small frames that filled the ring (many calls in
+// flight) leave the rest to the loop, which the receiver's signal wakes.
+constexpr std::chrono::microseconds kRingSenderSpin{50};
 
 } // namespace
 
@@ -104,11 +111,22 @@ void StreamConnection::onRingSignalFromLoop(bool inbound) {
   }
 }
 
+bool StreamConnection::spansRing(const iovec* iov, int n) const {
+  uint64_t total = 0;
+  for (int i = 0; i < n; ++i) {
+    total += iov[i].iov_len;
+  }
+  return total >= outRing_->capacity();
+}
+
 ssize_t StreamConnection::sendToRingLocked(
     const iovec* iov,
     int n,
     const std::vector<int>* fds) {
   size_t room = outRing_->room(&ringError_);
+  if (room == 0 && ringError_.empty() && spansRing(iov, n)) {
+    room = outRing_->spinForRoom(kRingSenderSpin, &ringError_);
+  }
   if (room == 0 && ringError_.empty() && outRing_->parkSender()) {
     room = outRing_->room(&ringError_);
   }

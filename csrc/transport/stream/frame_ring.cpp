@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -187,6 +188,24 @@ bool FrameRing::wakeIfParked(std::atomic<uint32_t>& parked) {
     return true;
   }
   return false;
+}
+
+size_t FrameRing::spinForRoom(
+    std::chrono::nanoseconds spin,
+    std::string* error) {
+  const auto until = std::chrono::steady_clock::now() + spin;
+  // The peer's flag is a hint only: at worst we spin `spin` for nothing.
+  while (header()->receiverParked.load(std::memory_order_relaxed) == 0) {
+    // As the loop's busy poll: this core to a runnable thread meanwhile,
+    // on a small host often the receiver itself.
+    ::sched_yield();
+    size_t got = room(error);
+    if (got > 0 || !error->empty() ||
+        std::chrono::steady_clock::now() >= until) {
+      return got;
+    }
+  }
+  return 0;
 }
 
 bool FrameRing::parkSender() {

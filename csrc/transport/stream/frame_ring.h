@@ -4,6 +4,7 @@
 #include <sys/uio.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -101,6 +102,11 @@ class FrameRing {
   bool wakeReceiver() {
     return wakeIfParked(header()->receiverParked);
   }
+  // The ring was full: wait up to `spin` for room while the receiver's
+  // loop is awake (not parked), which drains a ring in microseconds where
+  // a signal and a wake-up cost tens: what bounds a large frame's rate
+  // through a small ring. 0 if none came (or `error`).
+  size_t spinForRoom(std::chrono::nanoseconds spin, std::string* error);
   // The ring was full: ask for a signal. True if room appeared meanwhile
   // (no signal will come for it: write again).
   bool parkSender();
