@@ -2,8 +2,8 @@
 #include "csrc/transport/stream/frame_ring.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
