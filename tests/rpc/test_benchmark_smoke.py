@@ -18,7 +18,7 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "rpc_bench.py"), "--smoke",
-         "--cases", "small", "pipelined", "tensor", "--grpc", "--frame-ring-off",
+         "--cases", "small", "pipelined", "tensor", "--grpc", "--frame-ring-off", "--inline",
          "--chart", str(tmp_path / "chart.png"), "--out", str(out)],
         capture_output=True, text=True, timeout=540, env=env,
     )
@@ -33,6 +33,11 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
     assert {r["case"] for r in rows if r.get("ratio") == "time_ring_over_socket"} >= {
         "small_builtin", "pipelined_async"}
     assert ("small_builtin", "ext_socket") in measured
+    # Tensors inline in the stream (channels=()), through the ring and the socket.
+    assert {("identity_1MB_x1", "ext_inline"), ("identity_1MB_x1", "ext_inline_socket")} \
+        <= measured
+    assert "identity_1MB_x1" in {
+        r["case"] for r in rows if r.get("ratio") == "time_inline_ring_over_socket"}
     assert set(ratios) >= {"small_builtin", "pipelined_async", "identity_1MB_x1"}
     assert all(v > 0 for v in ratios.values())
     assert all(r["peak_rss_mb"] for r in rows if "backend" in r)
