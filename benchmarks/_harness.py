@@ -162,13 +162,17 @@ def finish_world(world, timeout: float = 1800, dies: int = 0):
                         f"reported nothing in {timeout:.0f} s") from None
                 now = time.monotonic()
                 for r, p in enumerate(procs):
-                    if r in results or p.exitcode is None:
-                        continue
-                    # Its result may still be in the queue's pipe: a grace.
-                    if now - silent_since.setdefault(r, now) > 10 and dies == 0:
-                        raise RuntimeError(
-                            f"rank {r} exited with code {p.exitcode} and reported nothing"
-                        ) from None
+                    if r not in results and p.exitcode is not None:
+                        silent_since.setdefault(r, now)
+                # Its result may still be in the queue's pipe: a grace. More
+                # silent ranks than `dies`, or rank 0 among them, is a failure.
+                silent = sorted(r for r, t in silent_since.items()
+                                if r not in results and now - t > 10)
+                if len(silent) > dies or 0 in silent:
+                    raise RuntimeError(
+                        f"ranks {silent} exited without reporting (codes "
+                        f"{[procs[r].exitcode for r in silent]}; {dies} may)"
+                    ) from None
                 continue
             results[rank] = pickle.loads(blob)
             rss[rank] = round(mb, 1)

@@ -193,33 +193,52 @@ def watched_wait_all_workers(wait_all: Callable[..., Any], agent: Any, *args: An
     never returns. So while it waits, a watcher probes each second what this
     worker waits on (the leader: every follower; a follower: the leader)
     through the agent (``_why_unreachable``: a closed connection's reason, or
-    a refused or unanswered one); once one is gone, it sets the pending
-    gathers' signals and the shutdown raises, naming it. Probing first and
+    a refused or unanswered one; asked twice, so that a connection closing
+    as it is probed is dialled again); once one is gone, it sets the signal
+    of this gather (its sequence id only) and the shutdown raises, naming it. Probing first and
     looking at the signal after is what keeps a finished gather from being
     taken for a failed one: a leader gone has broadcast to us before it
     went, a follower cannot finish before the leader's broadcast."""
     me = agent.get_worker_info().name
+    with api._all_gather_dict_lock:
+        names = set(api._ALL_WORKER_NAMES or ())
+        # The sequence id the gather about to start takes (as _all_gather
+        # makes it): only its state is ever released, not a user's
+        # _barrier / _all_gather that another thread may be in.
+        concat = "".join(sorted(names))
+        sequence_id = concat + str(api._all_gather_sequence_id.get(concat, 0))
+    leader = min(names) if names else me
+    waits_on = sorted(names - {me}) if me == leader else [leader]
     stop = threading.Event()
     gone: list[str] = []
 
+    def unreachable() -> list[str]:
+        try:
+            why = agent._why_unreachable(waits_on, _GATHER_PROBE_SETTLE_MS)
+            if not any(why):
+                return []
+            # Once more at once (a connection that closed during the probe
+            # is dialled again): only what stays unreachable is gone.
+            why = agent._why_unreachable(waits_on, _GATHER_PROBE_SETTLE_MS)
+        except Exception as e:  # noqa: BLE001 - a probe that fails says nothing
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "torch_rpc_ext: probing the workers of the shutdown gather failed: %s", e)
+            return []
+        return [f"{n} ({w})" for n, w in zip(waits_on, why) if w]
+
     def watch() -> None:
         while not stop.wait(_GATHER_PROBE_S):
-            with api._all_gather_dict_lock:
-                names = set(api._ALL_WORKER_NAMES or ())
-            leader = min(names) if names else me
-            waits_on = sorted(names - {me}) if me == leader else [leader]
-            why = agent._why_unreachable(waits_on, _GATHER_PROBE_SETTLE_MS)
-            dead = [f"{n} ({w})" for n, w in zip(waits_on, why) if w]
+            dead = unreachable()
             if not dead:
                 continue
             with api._all_gather_dict_lock:
-                pending = [st for st in api._all_gather_sequence_id_to_states.values()
-                           if not st.proceed_signal.is_set()]
-            if not pending:
-                continue  # done meanwhile, or not started: the call says
+                state = api._all_gather_sequence_id_to_states.get(sequence_id)
+            if state is None or state.proceed_signal.is_set():
+                continue  # not started (a follower still sending), or done
             gone.extend(dead)
-            for st in pending:
-                st.proceed_signal.set()
+            state.proceed_signal.set()
             return
 
     watcher = threading.Thread(target=watch, name="rpc_ext-shutdown-gather", daemon=True)
@@ -234,7 +253,12 @@ def watched_wait_all_workers(wait_all: Callable[..., Any], agent: Any, *args: An
     try:
         result = wait_all(*args, **kwargs)
     except RuntimeError as e:
-        # The leader's broadcast to the worker gone failed: say why.
+        # The leader's broadcast to a worker gone failed, or a follower's
+        # gather to a leader gone: say who and why.
+        stop.set()
+        watcher.join()
+        if not gone:
+            gone.extend(unreachable())
         if gone:
             raise failed() from e
         raise

@@ -388,20 +388,32 @@ std::vector<std::string> Connections::whyUnreachable(
     const std::vector<const Peer*>& peers,
     std::chrono::milliseconds within) {
   // Connections opened by this probe get a moment to succeed or fail.
+  // A peer no connection can be made to (departed, no route, the transport
+  // stopped) is unreachable for that reason.
   std::vector<std::shared_ptr<transport::Connection>> conns;
-  for (const Peer* p : peers) {
-    conns.push_back(connectionTo(*p));
+  std::vector<std::string> why(peers.size());
+  for (size_t i = 0; i < peers.size(); ++i) {
+    try {
+      conns.push_back(connectionTo(*peers[i]));
+    } catch (const c10::Error& e) {
+      conns.push_back(nullptr);
+      why[i] = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      conns.push_back(nullptr);
+      why[i] = e.what();
+    }
   }
   auto settleBy = std::chrono::steady_clock::now() + within;
   while (std::chrono::steady_clock::now() < settleBy &&
          std::any_of(conns.begin(), conns.end(), [](const auto& c) {
-           return !c->isReady() && !c->isClosed();
+           return c && !c->isReady() && !c->isClosed();
          })) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  std::vector<std::string> why;
-  for (const auto& c : conns) {
-    why.push_back(c->isClosed() ? c->closeReason() : std::string());
+  for (size_t i = 0; i < conns.size(); ++i) {
+    if (conns[i] && conns[i]->isClosed()) {
+      why[i] = conns[i]->closeReason();
+    }
   }
   return why;
 }

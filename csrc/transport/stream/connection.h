@@ -374,9 +374,9 @@ class StreamConnection : public Connection,
       const iovec* iov,
       int n,
       const std::vector<int>* fds);
-  // Whether a write is at least the ring's size: one that waits for room
-  // a moment before it parks (kRingSenderSpin, connection_ring.cpp).
-  bool spansRing(const iovec* iov, int n) const;
+  // At the start of a flush: the time a full ring may be waited on in it
+  // (kRingSpinPerFlush, connection_ring.cpp).
+  void armRingSpinLocked();
   // Frame ring: offer ours once ready (options_.frameRingBytes), and take
   // the peer's from its kFrameRing frame (connection_ring.cpp).
   void offerFrameRingFromLoop();
@@ -463,6 +463,11 @@ class StreamConnection : public Connection,
   bool ringOut_ = false;
   bool carrierBlocked_ = false; // a carrier's send would block (writeMutex_)
   std::string ringError_;
+  // Whether the write under way begins with a frame of at least the ring's
+  // size left, and what of this flush's spin on a full ring is left
+  // (sendToRingLocked; writeMutex_).
+  bool ringBulk_ = false;
+  std::chrono::nanoseconds ringSpinLeft_{0};
   std::unique_ptr<FrameRing> inRing_;
   // inRing_ is set: the socket is watched for its end only (readEvents(),
   // from any thread).

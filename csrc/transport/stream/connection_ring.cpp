@@ -24,10 +24,13 @@ constexpr char kCarrier = 'F';
 // How long a sender that found its frame ring full waits for room while
 // the receiver is awake, before it parks for a signal: a frame larger than
 // the ring (64 KiB by default; cuda_staged's bytes on one host) otherwise
-// pays a signal and a wake-up per ring-full.
-// Only for such a write: small frames that filled the ring (many calls in
-// flight) leave the rest to the loop, which the receiver's signal wakes.
+// pays a signal and a wake-up per ring-full. Only while such a frame is
+// the first to go (ringBulk_): small frames that filled the ring (many
+// calls in flight) leave the rest to the loop, which the receiver's signal
+// wakes. At most kRingSpinPerFlush in all per flush, so that a receiver
+// that takes a few bytes now and then cannot hold the writing thread.
 constexpr std::chrono::microseconds kRingSenderSpin{50};
+constexpr std::chrono::microseconds kRingSpinPerFlush{200};
 
 } // namespace
 
@@ -111,12 +114,8 @@ void StreamConnection::onRingSignalFromLoop(bool inbound) {
   }
 }
 
-bool StreamConnection::spansRing(const iovec* iov, int n) const {
-  uint64_t total = 0;
-  for (int i = 0; i < n; ++i) {
-    total += iov[i].iov_len;
-  }
-  return total >= outRing_->capacity();
+void StreamConnection::armRingSpinLocked() {
+  ringSpinLeft_ = kRingSpinPerFlush;
 }
 
 ssize_t StreamConnection::sendToRingLocked(
@@ -124,8 +123,13 @@ ssize_t StreamConnection::sendToRingLocked(
     int n,
     const std::vector<int>* fds) {
   size_t room = outRing_->room(&ringError_);
-  if (room == 0 && ringError_.empty() && spansRing(iov, n)) {
-    room = outRing_->spinForRoom(kRingSenderSpin, &ringError_);
+  if (room == 0 && ringError_.empty() && ringBulk_ &&
+      ringSpinLeft_.count() > 0) {
+    auto t0 = std::chrono::steady_clock::now();
+    room = outRing_->spinForRoom(
+        std::min<std::chrono::nanoseconds>(kRingSenderSpin, ringSpinLeft_),
+        &ringError_);
+    ringSpinLeft_ -= std::chrono::steady_clock::now() - t0;
   }
   if (room == 0 && ringError_.empty() && outRing_->parkSender()) {
     room = outRing_->room(&ringError_);

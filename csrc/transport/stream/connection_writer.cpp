@@ -162,6 +162,7 @@ std::string StreamConnection::flushLocked() {
   if (state_ == State::kClosed || state_ == State::kTls || !registered_) {
     return {};
   }
+  armRingSpinLocked();
   if (tls_) {
     // A record the socket did not take whole goes first.
     std::string error;
@@ -284,7 +285,17 @@ std::string StreamConnection::flushLocked() {
     if (n == 0) {
       break;
     }
+    if (ringOut_) {
+      // A frame of at least the ring's size left to go (the first in iov).
+      const auto& w = writes_.front();
+      uint64_t total = w.prefix.size();
+      for (const auto& seg : w.frame.segments) {
+        total += seg.size;
+      }
+      ringBulk_ = total - w.written >= outRing_->capacity();
+    }
     ssize_t sent = sendLocked(iov, n, fds);
+    ringBulk_ = false;
     if (sent < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
         break;
