@@ -30,7 +30,7 @@ constexpr char kCarrier = 'F';
 // wakes. At most kRingSpinPerFlush in all per flush, so that a receiver
 // that takes a few bytes now and then cannot hold the writing thread.
 constexpr std::chrono::microseconds kRingSenderSpin{50};
-constexpr std::chrono::microseconds kRingSpinPerFlush{200};
+constexpr std::chrono::microseconds kRingSpinPerFlush{1000};
 
 } // namespace
 
