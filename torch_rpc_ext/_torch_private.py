@@ -204,7 +204,9 @@ def watched_wait_all_workers(wait_all: Callable[..., Any], agent: Any, *args: An
         names = set(api._ALL_WORKER_NAMES or ())
         # The sequence id the gather about to start takes (as _all_gather
         # makes it): only its state is ever released, not a user's
-        # _barrier / _all_gather that another thread may be in.
+        # _barrier / _all_gather that another thread may be in. (One that
+        # another thread starts on the same names at this very moment would
+        # take this id; upstream's own numbering is racy then too.)
         concat = "".join(sorted(names))
         sequence_id = concat + str(api._all_gather_sequence_id.get(concat, 0))
     leader = min(names) if names else me
