@@ -255,12 +255,13 @@ def watched_wait_all_workers(wait_all: Callable[..., Any], agent: Any, *args: An
     try:
         result = wait_all(*args, **kwargs)
     except RuntimeError as e:
-        # The leader's broadcast to a worker gone failed, or a follower's
-        # gather to a leader gone: say who and why.
+        # Released by the watcher, the leader's broadcast to the worker gone
+        # failed: say who and why. Any other failure is upstream's to tell
+        # (its own call to a worker that died, or a broadcast that failed on
+        # a live follower, which may have finished and left since: probing
+        # now would blame it).
         stop.set()
         watcher.join()
-        if not gone:
-            gone.extend(unreachable())
         if gone:
             raise failed() from e
         raise

@@ -231,6 +231,7 @@ def follower_waits_for_a_dead_leader(rank, world_size, store_file, all_up):
                       for st in list(api._all_gather_sequence_id_to_states.values())):
             assert time.monotonic() < deadline, "worker1's gather never came"
             time.sleep(0.01)
+        time.sleep(0.5)  # its reply on its way: worker1 then waits for the broadcast
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     try:
@@ -246,5 +247,7 @@ def test_a_graceful_shutdown_without_a_timeout_ends_when_the_leader_is_dead(tmp_
     out = run_world(follower_waits_for_a_dead_leader, world_size=2, dies=frozenset({0}),
                     timeout=90, store_file=str(tmp_path / "store"),
                     all_up=ctx.Barrier(2))[1]
-    assert out["error"] is not None and "cannot reach worker0" in out["error"], out
+    # Named by the watch, or, on a host so loaded that worker0 died before
+    # its reply to the gather went out, by that call's own failure.
+    assert out["error"] is not None and "worker0" in out["error"], out
     assert out["seconds"] < 15, out
