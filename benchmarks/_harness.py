@@ -10,6 +10,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from queue import Empty
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -155,7 +156,7 @@ def finish_world(world, timeout: float = 1800, dies: int = 0):
         while len(results) < len(procs) - dies:
             try:
                 rank, blob, mb = queue.get(timeout=1.0)
-            except Exception:  # queue.Empty: look at who is still there
+            except Empty:  # look at who is still there
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"ranks {sorted(set(range(len(procs))) - set(results))} "

@@ -418,7 +418,6 @@ def main(argv=None):
         if ext and grpc_row:
             record({"case": case, "ratio": "speedup_ext_over_grpc",
                     "value": round(grpc_row["median_us"] / ext["median_us"], 1)})
-        ext_runs, tp_runs = runs.get((case, "ext")), runs.get((case, "tensorpipe"))
         # What the histograms cost (ours with them over ours without), and
         # what frame rings buy (ours with them over ours on the socket; the
         # same for tensors carried inline).
@@ -426,18 +425,17 @@ def main(argv=None):
                 ("ext", "ext_costs_off", "time_costs_on_over_off"),
                 ("ext", "ext_socket", "time_ring_over_socket"),
                 ("ext_inline", "ext_inline_socket", "time_inline_ring_over_socket")]:
-            ext_runs = runs.get((case, on))
-            off_runs = runs.get((case, other))
-            if not (ext_runs and off_runs):
+            on_runs, off_runs = runs.get((case, on)), runs.get((case, other))
+            if not (on_runs and off_runs):
                 continue
-            if "calls_per_s" in ext_runs[0]:
-                costs = [o["calls_per_s"] / e["calls_per_s"] for e, o in zip(ext_runs, off_runs)]
+            if "calls_per_s" in on_runs[0]:
+                costs = [o["calls_per_s"] / e["calls_per_s"] for e, o in zip(on_runs, off_runs)]
             else:
-                costs = [e["median_us"] / o["median_us"] for e, o in zip(ext_runs, off_runs)]
+                costs = [e["median_us"] / o["median_us"] for e, o in zip(on_runs, off_runs)]
             record({"case": case, "ratio": kind,
                     "value": round(statistics.median(costs), 3),
                     "per_round": [round(x, 3) for x in costs]})
-        ext_runs = runs.get((case, "ext"))
+        ext_runs, tp_runs = runs.get((case, "ext")), runs.get((case, "tensorpipe"))
         if not (ext_runs and tp_runs):
             continue
         if "calls_per_s" in ext_runs[0]:

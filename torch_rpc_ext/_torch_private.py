@@ -195,10 +195,11 @@ def watched_wait_all_workers(wait_all: Callable[..., Any], agent: Any, *args: An
     through the agent (``_why_unreachable``: a closed connection's reason, or
     a refused or unanswered one; asked twice, so that a connection closing
     as it is probed is dialled again); once one is gone, it sets the signal
-    of this gather (its sequence id only) and the shutdown raises, naming it. Probing first and
-    looking at the signal after is what keeps a finished gather from being
-    taken for a failed one: a leader gone has broadcast to us before it
-    went, a follower cannot finish before the leader's broadcast."""
+    of this gather (its sequence id only) and the shutdown raises, naming
+    it. Probing first and looking at the signal after is what keeps a
+    finished gather from being taken for a failed one: a leader gone has
+    broadcast to us before it went, a follower cannot finish before the
+    leader's broadcast."""
     me = agent.get_worker_info().name
     with api._all_gather_dict_lock:
         names = set(api._ALL_WORKER_NAMES or ())

@@ -216,29 +216,6 @@ std::vector<std::string> Agent::whyUnreachable(
   return connections_.whyUnreachable(peers, within);
 }
 
-std::vector<std::string> Agent::whyUnreachableByName(
-    const std::vector<std::string>& names,
-    std::chrono::milliseconds within) {
-  auto v = group_.view(); // holds the peers while we probe them
-  std::vector<const Peer*> peers;
-  std::vector<size_t> at;
-  std::vector<std::string> why(names.size());
-  for (size_t i = 0; i < names.size(); ++i) {
-    auto it = v->byName.find(names[i]);
-    if (it == v->byName.end() || !it->second) {
-      why[i] = "not a member";
-      continue;
-    }
-    peers.push_back(it->second.get());
-    at.push_back(i);
-  }
-  auto found = connections_.whyUnreachable(peers, within);
-  for (size_t k = 0; k < at.size(); ++k) {
-    why[at[k]] = std::move(found[k]);
-  }
-  return why;
-}
-
 bool Agent::listenerAnswers(
     const std::string& name,
     const std::string& offers,

@@ -103,13 +103,6 @@ class Agent final : public rpc::RpcAgent,
   }
   // Before torch tears down its RRef state at shutdown.
   void stopMembership();
-  // Per name, why that worker cannot be reached now: "" if it can, or may
-  // still (connecting after `within`), "not a member" for a name the group
-  // does not hold. rpc.shutdown()'s gather watches the workers it waits on
-  // with it (torch_rpc_ext/_torch_private.py, watched_wait_all_workers).
-  std::vector<std::string> whyUnreachableByName(
-      const std::vector<std::string>& names,
-      std::chrono::milliseconds within);
 
  private:
   Agent(

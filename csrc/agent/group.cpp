@@ -292,6 +292,29 @@ void Group::leaveBarrier(
   }
 }
 
+std::vector<std::string> Group::whyUnreachable(
+    const std::vector<std::string>& names,
+    std::chrono::milliseconds within) {
+  auto v = view(); // holds the peers while they are probed
+  std::vector<const Peer*> peers;
+  std::vector<size_t> at;
+  std::vector<std::string> why(names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    auto it = v->byName.find(names[i]);
+    if (it == v->byName.end() || !it->second) {
+      why[i] = "not a member";
+      continue;
+    }
+    peers.push_back(it->second.get());
+    at.push_back(i);
+  }
+  auto found = listener_.whyUnreachable(peers, within);
+  for (size_t k = 0; k < at.size(); ++k) {
+    why[at[k]] = std::move(found[k]);
+  }
+  return why;
+}
+
 int64_t Group::barrier(
     int64_t value,
     std::optional<std::chrono::steady_clock::time_point> deadline,

@@ -166,6 +166,14 @@ class Group {
       int64_t value,
       std::optional<std::chrono::steady_clock::time_point> deadline,
       float timeout);
+  // Per name, why that worker cannot be reached now (the listener's probe,
+  // as barrier() makes of the missing): "" if it can, or may still
+  // (connecting after `within`), "not a member" for a name we do not hold.
+  // rpc.shutdown()'s gather watches the workers it waits on with it
+  // (torch_rpc_ext/_torch_private.py, watched_wait_all_workers).
+  std::vector<std::string> whyUnreachable(
+      const std::vector<std::string>& names,
+      std::chrono::milliseconds within);
   // Static: the last barrier of a graceful shutdown, which nobody must
   // outlive while others still use the store (group.cpp).
   void leaveBarrier(

@@ -148,7 +148,7 @@ void bindAgent(py::module_& m) {
           [](Agent& a,
              const std::vector<std::string>& names,
              int64_t withinMs) {
-            return a.whyUnreachableByName(
+            return a.group().whyUnreachable(
                 names,
                 std::chrono::milliseconds(std::max<int64_t>(withinMs, 0)));
           },

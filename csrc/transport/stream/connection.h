@@ -361,22 +361,37 @@ class StreamConnection : public Connection,
   // -1 with `error` set.
   ssize_t sendSome(const char* data, size_t size, std::string* error);
   // write(2), or sendmsg(2) with `fds` attached; into the frame ring
-  // once the frames go there.
-  ssize_t sendLocked(const iovec* iov, int n, const std::vector<int>* fds);
+  // once the frames go there (`ringWait`: as sendToRingLocked's).
+  ssize_t sendLocked(
+      const iovec* iov,
+      int n,
+      const std::vector<int>* fds,
+      std::chrono::nanoseconds* ringWait = nullptr);
   ssize_t sendSocketLocked(
       const iovec* iov,
       int n,
       const std::vector<int>* fds);
   // Into outRing_: what fits (-1 with EAGAIN when nothing does, the sender
   // parked; -1 with EPROTO and ringError_ on a bad peer counter). `fds` go
-  // first on the socket, with one byte.
+  // first on the socket, with one byte. `ringWait`, when given: a full ring
+  // is waited on for room (kRingSenderSpin at a time) while this budget,
+  // which the wait draws down, lasts; without it the sender parks at once.
   ssize_t sendToRingLocked(
       const iovec* iov,
       int n,
-      const std::vector<int>* fds);
-  // At the start of a flush: the time a full ring may be waited on in it
-  // (kRingSpinPerFlush, connection_ring.cpp).
-  void armRingSpinLocked();
+      const std::vector<int>* fds,
+      std::chrono::nanoseconds* ringWait = nullptr);
+  // A sender that found its frame ring full waits up to kRingSenderSpin
+  // for room while the receiver is awake, before it parks for a signal: a
+  // frame larger than the ring (64 KiB by default; cuda_staged's bytes on
+  // one host) otherwise pays a signal and a wake-up per ring-full. Only
+  // while such a frame is the first of a write (flushLocked): small frames
+  // that filled the ring (many calls in flight) leave the rest to the loop,
+  // which the receiver's signal wakes. At most kRingWaitPerFlush in all per
+  // flush, so a receiver that takes a few bytes now and then cannot hold
+  // the writing thread.
+  static constexpr std::chrono::microseconds kRingSenderSpin{50};
+  static constexpr std::chrono::microseconds kRingWaitPerFlush{1000};
   // Frame ring: offer ours once ready (options_.frameRingBytes), and take
   // the peer's from its kFrameRing frame (connection_ring.cpp).
   void offerFrameRingFromLoop();
@@ -463,11 +478,6 @@ class StreamConnection : public Connection,
   bool ringOut_ = false;
   bool carrierBlocked_ = false; // a carrier's send would block (writeMutex_)
   std::string ringError_;
-  // Whether the write under way begins with a frame of at least the ring's
-  // size left, and what of this flush's spin on a full ring is left
-  // (sendToRingLocked; writeMutex_).
-  bool ringBulk_ = false;
-  std::chrono::nanoseconds ringSpinLeft_{0};
   std::unique_ptr<FrameRing> inRing_;
   // inRing_ is set: the socket is watched for its end only (readEvents(),
   // from any thread).

@@ -21,16 +21,6 @@ namespace torch_rpc_ext::transport::stream {
 namespace {
 
 constexpr char kCarrier = 'F';
-// How long a sender that found its frame ring full waits for room while
-// the receiver is awake, before it parks for a signal: a frame larger than
-// the ring (64 KiB by default; cuda_staged's bytes on one host) otherwise
-// pays a signal and a wake-up per ring-full. Only while such a frame is
-// the first to go (ringBulk_): small frames that filled the ring (many
-// calls in flight) leave the rest to the loop, which the receiver's signal
-// wakes. At most kRingSpinPerFlush in all per flush, so that a receiver
-// that takes a few bytes now and then cannot hold the writing thread.
-constexpr std::chrono::microseconds kRingSenderSpin{50};
-constexpr std::chrono::microseconds kRingSpinPerFlush{1000};
 
 } // namespace
 
@@ -114,22 +104,19 @@ void StreamConnection::onRingSignalFromLoop(bool inbound) {
   }
 }
 
-void StreamConnection::armRingSpinLocked() {
-  ringSpinLeft_ = kRingSpinPerFlush;
-}
-
 ssize_t StreamConnection::sendToRingLocked(
     const iovec* iov,
     int n,
-    const std::vector<int>* fds) {
+    const std::vector<int>* fds,
+    std::chrono::nanoseconds* ringWait) {
   size_t room = outRing_->room(&ringError_);
-  if (room == 0 && ringError_.empty() && ringBulk_ &&
-      ringSpinLeft_.count() > 0) {
+  if (room == 0 && ringError_.empty() && ringWait != nullptr &&
+      ringWait->count() > 0) {
     auto t0 = std::chrono::steady_clock::now();
     room = outRing_->spinForRoom(
-        std::min<std::chrono::nanoseconds>(kRingSenderSpin, ringSpinLeft_),
+        std::min<std::chrono::nanoseconds>(kRingSenderSpin, *ringWait),
         &ringError_);
-    ringSpinLeft_ -= std::chrono::steady_clock::now() - t0;
+    *ringWait -= std::chrono::steady_clock::now() - t0;
   }
   if (room == 0 && ringError_.empty() && outRing_->parkSender()) {
     room = outRing_->room(&ringError_);

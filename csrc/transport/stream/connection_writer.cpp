@@ -162,7 +162,7 @@ std::string StreamConnection::flushLocked() {
   if (state_ == State::kClosed || state_ == State::kTls || !registered_) {
     return {};
   }
-  armRingSpinLocked();
+  std::chrono::nanoseconds ringWait = kRingWaitPerFlush;
   if (tls_) {
     // A record the socket did not take whole goes first.
     std::string error;
@@ -285,6 +285,7 @@ std::string StreamConnection::flushLocked() {
     if (n == 0) {
       break;
     }
+    bool spansRing = false;
     if (ringOut_) {
       // A frame of at least the ring's size left to go (the first in iov).
       const auto& w = writes_.front();
@@ -292,10 +293,9 @@ std::string StreamConnection::flushLocked() {
       for (const auto& seg : w.frame.segments) {
         total += seg.size;
       }
-      ringBulk_ = total - w.written >= outRing_->capacity();
+      spansRing = total - w.written >= outRing_->capacity();
     }
-    ssize_t sent = sendLocked(iov, n, fds);
-    ringBulk_ = false;
+    ssize_t sent = sendLocked(iov, n, fds, spansRing ? &ringWait : nullptr);
     if (sent < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
         break;
@@ -343,8 +343,9 @@ std::string StreamConnection::flushLocked() {
 ssize_t StreamConnection::sendLocked(
     const iovec* iov,
     int n,
-    const std::vector<int>* fds) {
-  return ringOut_ ? sendToRingLocked(iov, n, fds)
+    const std::vector<int>* fds,
+    std::chrono::nanoseconds* ringWait) {
+  return ringOut_ ? sendToRingLocked(iov, n, fds, ringWait)
                   : sendSocketLocked(iov, n, fds);
 }
 
