@@ -135,6 +135,10 @@ void StreamConnection::onReadableFromLoop() {
           return;
         }
         ssize_t got = readFromLoop(dst, want);
+        if (got == 0 && inRing_ && state_ != State::kClosed &&
+            inRing_->spinForBytes(kRingReceiverSpin)) {
+          continue; // the sender is mid-frame: more came while we waited
+        }
         if (got <= 0) {
           return;
         }

@@ -160,17 +160,24 @@ size_t FrameRing::room(std::string* error) {
 }
 
 size_t FrameRing::write(const iovec* iov, int n, size_t max) {
-  size_t done = 0;
+  size_t done = 0, published = 0;
   for (int i = 0; i < n && done < max; ++i) {
     const char* src = static_cast<const char*>(iov[i].iov_base);
     size_t len = std::min(iov[i].iov_len, max - done);
     while (len > 0) {
       size_t at = static_cast<size_t>((position_ + done) % capacity_);
-      size_t take = std::min(len, static_cast<size_t>(capacity_ - at));
+      size_t take = std::min(
+          {len, static_cast<size_t>(capacity_ - at), kFrameRingPublishStep});
       std::memcpy(data() + at, src, take);
       src += take;
       len -= take;
       done += take;
+      if (done - published >= kFrameRingPublishStep) {
+        // A piece at a time: a receiver awake copies this one out while we
+        // copy in the next (one copy's time for the two, not two).
+        published = done;
+        header()->head.store(position_ + done, std::memory_order_release);
+      }
     }
   }
   position_ += done;
@@ -208,6 +215,17 @@ size_t FrameRing::spinForRoom(
   return 0;
 }
 
+bool FrameRing::spinForBytes(std::chrono::nanoseconds spin) {
+  const auto until = std::chrono::steady_clock::now() + spin;
+  do {
+    ::sched_yield();
+    if (waiting() != 0) {
+      return true;
+    }
+  } while (std::chrono::steady_clock::now() < until);
+  return false;
+}
+
 bool FrameRing::parkSender() {
   header()->senderParked.store(1, std::memory_order_seq_cst);
   uint64_t tail = header()->tail.load(std::memory_order_seq_cst);
@@ -235,9 +253,14 @@ int64_t FrameRing::read(void* dst, size_t size, std::string* error) {
   size_t done = 0;
   while (done < want) {
     size_t at = static_cast<size_t>((position_ + done) % capacity_);
-    size_t take = std::min(want - done, static_cast<size_t>(capacity_ - at));
+    size_t take = std::min(
+        {want - done, static_cast<size_t>(capacity_ - at), kFrameRingPublishStep});
     std::memcpy(out + done, data() + at, take);
     done += take;
+    if (done < want) {
+      // As write(): the sender refills this piece while we take the next.
+      header()->tail.store(position_ + done, std::memory_order_release);
+    }
   }
   if (done > 0) {
     position_ += done;

@@ -51,6 +51,9 @@ constexpr uint64_t kFrameRingMagic = 0x474e524d52465852ull; // "RXFRMRNG"
 constexpr size_t kFrameRingHeaderBytes = 4096;
 constexpr uint64_t kMinFrameRingBytes = kMinShmFrameRingBytes;
 constexpr uint64_t kMaxFrameRingBytes = kMaxShmFrameRingBytes;
+// A write or read of more than this publishes its progress every this many
+// bytes, so that the two ends copy at once rather than in turn.
+constexpr size_t kFrameRingPublishStep = 16 * 1024;
 
 class FrameRing {
  public:
@@ -123,6 +126,10 @@ class FrameRing {
   bool wakeSender() {
     return wakeIfParked(header()->senderParked);
   }
+  // Mid-frame with the ring empty: wait up to `spin` for the sender's next
+  // piece (yielding the core each round). True if bytes (or an impossible
+  // head, which the next read reports) came.
+  bool spinForBytes(std::chrono::nanoseconds spin);
   // Before the loop sleeps: ask for a signal. True if bytes are waiting
   // already (no signal will come for them).
   bool parkReceiver();
