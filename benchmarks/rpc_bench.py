@@ -138,7 +138,8 @@ def pair_cases(rank, world_size, backend_key, opts, cases, cfg):
                 for fname, fn in [("identity", identity), ("heavy", heavy),
                                   ("identity_script", script_identity),
                                   ("heavy_script", script_heavy)]:
-                    if fname.startswith("heavy") and mb > 64 and not cfg.heavy_large:
+                    if fname.startswith("heavy") and (
+                            cfg.identity_only or (mb > 64 and not cfg.heavy_large)):
                         continue
                     for inflight in (1, 10):
                         if inflight == 10 and mb > 64:
@@ -309,6 +310,8 @@ def main(argv=None):
     p.add_argument("--pipelined", type=int, default=2000)
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[4, 400])
     p.add_argument("--heavy-large", action="store_true")
+    p.add_argument("--identity-only", action="store_true",
+                   help="the tensor cases without the heavy ones (which take minutes at 64 MB)")
     p.add_argument("--fanout", type=int, default=8)
     p.add_argument("--grpc", action="store_true",
                    help="also run the tensor cases on the gRPC baseline (needs grpcio)")
