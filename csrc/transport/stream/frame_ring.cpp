@@ -254,7 +254,9 @@ int64_t FrameRing::read(void* dst, size_t size, std::string* error) {
   while (done < want) {
     size_t at = static_cast<size_t>((position_ + done) % capacity_);
     size_t take = std::min(
-        {want - done, static_cast<size_t>(capacity_ - at), kFrameRingPublishStep});
+        {want - done,
+         static_cast<size_t>(capacity_ - at),
+         kFrameRingPublishStep});
     std::memcpy(out + done, data() + at, take);
     done += take;
     if (done < want) {
