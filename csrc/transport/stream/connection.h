@@ -269,8 +269,10 @@ class StreamConnection : public Connection,
   void driveTlsFromLoop();
   void onReadableFromLoop();
   // read(2) into `dst`: >0 bytes read, 0 would block, -1 closed (the
-  // connection has been closed with the reason).
-  ssize_t readFromLoop(void* dst, size_t size);
+  // connection has been closed with the reason). `piecewise`: a large
+  // segment's body, which a frame ring hands back in pieces as it copies
+  // (FrameRing::read).
+  ssize_t readFromLoop(void* dst, size_t size, bool piecewise = false);
   // Why the connection ended when the peer closed it after our proof.
   std::string refusedProofText() const;
   // `bytes` more of the current segment are in; finish the frame when the

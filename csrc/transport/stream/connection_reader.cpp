@@ -134,7 +134,7 @@ void StreamConnection::onReadableFromLoop() {
         if (dst == nullptr) {
           return;
         }
-        ssize_t got = readFromLoop(dst, want);
+        ssize_t got = readFromLoop(dst, want, /*piecewise=*/true);
         if (got == 0 && inRing_ && state_ != State::kClosed &&
             inRing_->spinForBytes(kRingReceiverSpin)) {
           continue; // the sender is mid-frame: more came while we waited

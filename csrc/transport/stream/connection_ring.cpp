@@ -144,7 +144,10 @@ ssize_t StreamConnection::sendToRingLocked(
     outRing_->countCarrier();
   }
   Loop::Io::add(loop_.io().ringWrites);
-  size_t done = outRing_->write(iov, n, room);
+  // A frame of at least the ring's size (the caller passes its wait
+  // budget only then) is published in pieces as it is copied in.
+  size_t done =
+      outRing_->write(iov, n, room, /*piecewise=*/ringWait != nullptr);
   loop_.io().ringBytes.fetch_add(done, std::memory_order_relaxed);
   if (outRing_->wakeReceiver()) {
     Loop::Io::add(loop_.io().ringSignals);
@@ -235,12 +238,12 @@ bool StreamConnection::parkRingFromLoop() {
       inRing_->parkReceiver();
 }
 
-ssize_t StreamConnection::readFromLoop(void* dst, size_t size) {
+ssize_t StreamConnection::readFromLoop(void* dst, size_t size, bool piecewise) {
   if (!inRing_) {
     return readSocketFromLoop(dst, size);
   }
   std::string error;
-  int64_t got = inRing_->read(dst, size, &error);
+  int64_t got = inRing_->read(dst, size, &error, piecewise);
   if (got < 0) {
     rejectFromLoop("rejected frame ring: " + error);
     return -1;

@@ -159,20 +159,20 @@ size_t FrameRing::room(std::string* error) {
   return static_cast<size_t>(capacity_ - (position_ - tail));
 }
 
-size_t FrameRing::write(const iovec* iov, int n, size_t max) {
+size_t FrameRing::write(const iovec* iov, int n, size_t max, bool piecewise) {
+  const size_t step = piecewise ? kFrameRingPublishStep : capacity_;
   size_t done = 0, published = 0;
   for (int i = 0; i < n && done < max; ++i) {
     const char* src = static_cast<const char*>(iov[i].iov_base);
     size_t len = std::min(iov[i].iov_len, max - done);
     while (len > 0) {
       size_t at = static_cast<size_t>((position_ + done) % capacity_);
-      size_t take = std::min(
-          {len, static_cast<size_t>(capacity_ - at), kFrameRingPublishStep});
+      size_t take = std::min({len, static_cast<size_t>(capacity_ - at), step});
       std::memcpy(data() + at, src, take);
       src += take;
       len -= take;
       done += take;
-      if (done - published >= kFrameRingPublishStep) {
+      if (done - published >= step) {
         // A piece at a time: a receiver awake copies this one out while we
         // copy in the next (one copy's time for the two, not two).
         published = done;
@@ -239,7 +239,12 @@ int64_t FrameRing::waitingAfter(uint64_t head) const {
   return static_cast<int64_t>(head - position_);
 }
 
-int64_t FrameRing::read(void* dst, size_t size, std::string* error) {
+int64_t FrameRing::read(
+    void* dst,
+    size_t size,
+    std::string* error,
+    bool piecewise) {
+  const size_t step = piecewise ? kFrameRingPublishStep : capacity_;
   int64_t avail = waiting();
   if (avail < 0) {
     *error = "the peer's frame ring position is impossible (published " +
@@ -253,13 +258,11 @@ int64_t FrameRing::read(void* dst, size_t size, std::string* error) {
   size_t done = 0;
   while (done < want) {
     size_t at = static_cast<size_t>((position_ + done) % capacity_);
-    size_t take = std::min(
-        {want - done,
-         static_cast<size_t>(capacity_ - at),
-         kFrameRingPublishStep});
+    size_t take =
+        std::min({want - done, static_cast<size_t>(capacity_ - at), step});
     std::memcpy(out + done, data() + at, take);
     done += take;
-    if (done < want) {
+    if (piecewise && done < want) {
       // As write(): the sender refills this piece while we take the next.
       header()->tail.store(position_ + done, std::memory_order_release);
     }

@@ -51,8 +51,11 @@ constexpr uint64_t kFrameRingMagic = 0x474e524d52465852ull; // "RXFRMRNG"
 constexpr size_t kFrameRingHeaderBytes = 4096;
 constexpr uint64_t kMinFrameRingBytes = kMinShmFrameRingBytes;
 constexpr uint64_t kMaxFrameRingBytes = kMaxShmFrameRingBytes;
-// A write or read of more than this publishes its progress every this many
-// bytes, so that the two ends copy at once rather than in turn.
+// A large frame's write or read publishes its progress every this many
+// bytes, so that the two ends copy at once rather than in turn. (Only a
+// large frame's: small frames many at a time, published in pieces, made
+// pipelined calls ~10% slower on a 2-core machine, more rounds of fewer
+// frames each.)
 constexpr size_t kFrameRingPublishStep = 16 * 1024;
 
 class FrameRing {
@@ -96,7 +99,9 @@ class FrameRing {
   // impossible (`error` set).
   size_t room(std::string* error);
   // Copy up to `max` bytes of `iov` in and publish them; the count.
-  size_t write(const iovec* iov, int n, size_t max);
+  // `piecewise` (a frame of at least the ring's size): publish every
+  // kFrameRingPublishStep as it goes.
+  size_t write(const iovec* iov, int n, size_t max, bool piecewise = false);
   // After a descriptor send on the socket, before the frame's bytes.
   void countCarrier() {
     header()->carriers.fetch_add(1, std::memory_order_seq_cst);
@@ -120,7 +125,13 @@ class FrameRing {
     return waitingAfter(header()->head.load(std::memory_order_acquire));
   }
   // Copy up to `size` bytes out; -1 on an impossible counter (`error`).
-  int64_t read(void* dst, size_t size, std::string* error);
+  // `piecewise` (a large segment's body): publish every
+  // kFrameRingPublishStep as it goes.
+  int64_t read(
+      void* dst,
+      size_t size,
+      std::string* error,
+      bool piecewise = false);
   // After consuming: wake a sender that found the ring full; true if it
   // signalled.
   bool wakeSender() {
