@@ -124,6 +124,9 @@ void StreamConnection::advanceSegmentFromLoop(size_t bytes) {
 }
 
 void StreamConnection::onReadableFromLoop() {
+  // What this round may spend waiting for a frame ring's next piece: the
+  // loop's other connections are not served meanwhile.
+  std::chrono::nanoseconds ringWait = kRingWaitPerFlush;
   while (state_ != State::kClosed && !recordHeld_) {
     // Large remainders of a segment go straight into its final buffer.
     if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_ &&
@@ -136,8 +139,14 @@ void StreamConnection::onReadableFromLoop() {
         }
         ssize_t got = readFromLoop(dst, want, /*piecewise=*/true);
         if (got == 0 && inRing_ && state_ != State::kClosed &&
-            inRing_->spinForBytes(kRingReceiverSpin)) {
-          continue; // the sender is mid-frame: more came while we waited
+            ringWait.count() > 0) {
+          auto t0 = std::chrono::steady_clock::now();
+          bool more = inRing_->spinForBytes(
+              std::min<std::chrono::nanoseconds>(kRingReceiverSpin, ringWait));
+          ringWait -= std::chrono::steady_clock::now() - t0;
+          if (more) {
+            continue; // the sender is mid-frame: more came while we waited
+          }
         }
         if (got <= 0) {
           return;
