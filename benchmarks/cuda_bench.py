@@ -12,6 +12,9 @@ after warm-up:
   strided_32MB, contiguous_32MB    every other row of a 4096 x 4096 float32
                                    (a 32 MB view of 64 MB), and 32 MB whole
   cpu_4KB                          a CPU tensor between the same workers
+  cpu_1000x1KB                     1000 CPU tensors of 1 KB in one call between
+                                   them: the part of many_1000x1KB that is no
+                                   device's (pickling, Python objects, framing)
   recipe                           the CUDA RPC recipe: two Linear(1000, 1000)
                                    shards, ten dist-autograd forward and
                                    backward passes (seconds for the ten)
@@ -104,6 +107,10 @@ def cases_for(cfg) -> list[tuple[str, str, int]]:
     # A CPU tensor between the same two workers (their device maps on): what
     # a CPU-only call costs on the GPU side, beside the CUDA cases.
     out += [("cpu_4KB", "cpu", 4 << 10)]
+    # Its many-tensor twin: what 1000 tensors cost a call with no device in
+    # it (torch's pickling, the tensors' Python objects, our framing), the
+    # floor under many_1000x1KB.
+    out += [("cpu_1000x1KB", "cpu_many", 1 << 10)]
     # The caller to itself (cuda_self; TensorPipe's cuda_xth).
     out += [("self_4MB", "self", 4 * MB)]
     return out
@@ -335,6 +342,8 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
                 arg = [dev.tensor(size) for _ in range(256 if size == 16 << 10 else 1000)]
             elif kind == "cpu":
                 arg = torch.rand(size // 4)
+            elif kind == "cpu_many":
+                arg = [torch.rand(size // 4) for _ in range(1000)]
             elif kind == "self":
                 arg = dev.tensor(size)
             elif kind == "strided":
@@ -470,7 +479,7 @@ def main(argv=None):
         if name in staging:
             these = [c for c in cases if c[0] in ("identity_400MB", "identity_4MB")]
         if name == "ext_zero_copy":
-            these = [c for c in cases if c[1] not in ("contiguous", "cpu")]
+            these = [c for c in cases if c[1] not in ("contiguous", "cpu", "cpu_many")]
         if not these:
             continue
         print(f"cuda_bench: {name}: {[c[0] for c in these]}", file=sys.stderr, flush=True)

@@ -394,11 +394,12 @@ class StreamConnection : public Connection,
   // the writing thread.
   static constexpr std::chrono::microseconds kRingSenderSpin{50};
   static constexpr std::chrono::microseconds kRingWaitPerFlush{1000};
-  // A receiver mid-way through a large segment that finds its ring empty
-  // waits up to this for the sender's next piece before going back to its
-  // loop (and, with nothing else to do, parking for a signal); at most
-  // kRingWaitPerFlush in all per round of its loop, whose other
-  // connections wait meanwhile.
+  // A receiver mid-way through a large segment streaming in pieces that
+  // finds its ring empty waits up to this for the sender's next piece
+  // before going back to its loop (and, with nothing else to do, parking
+  // for a signal); it reads and waits for at most kRingWaitPerFlush per
+  // call of onReadableFromLoop(), whose loop's other connections wait
+  // meanwhile.
   static constexpr std::chrono::microseconds kRingReceiverSpin{50};
   // Frame ring: offer ours once ready (options_.frameRingBytes), and take
   // the peer's from its kFrameRing frame (connection_ring.cpp).

@@ -124,9 +124,14 @@ void StreamConnection::advanceSegmentFromLoop(size_t bytes) {
 }
 
 void StreamConnection::onReadableFromLoop() {
-  // What this round may spend waiting for a frame ring's next piece: the
-  // loop's other connections are not served meanwhile.
-  std::chrono::nanoseconds ringWait = kRingWaitPerFlush;
+  // A large segment streaming through a frame ring keeps this call reading
+  // (and waiting for the sender's next piece) for at most kRingWaitPerFlush;
+  // then the loop serves its other connections, and comes back at once
+  // since the ring has input. Set at the first large read.
+  std::chrono::steady_clock::time_point ringDeadline{};
+  // The last large read took a whole published piece: the sender is
+  // streaming in pieces, so the next one is worth waiting for.
+  bool streaming = false;
   while (state_ != State::kClosed && !recordHeld_) {
     // Large remainders of a segment go straight into its final buffer.
     if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_ &&
@@ -137,17 +142,26 @@ void StreamConnection::onReadableFromLoop() {
         if (dst == nullptr) {
           return;
         }
+        if (inRing_) {
+          auto now = std::chrono::steady_clock::now();
+          if (ringDeadline == std::chrono::steady_clock::time_point{}) {
+            ringDeadline = now + kRingWaitPerFlush;
+          } else if (now >= ringDeadline) {
+            return; // the loop comes back: ringInputFromLoop()
+          }
+        }
         ssize_t got = readFromLoop(dst, want, /*piecewise=*/true);
-        if (got == 0 && inRing_ && state_ != State::kClosed &&
-            ringWait.count() > 0) {
-          auto t0 = std::chrono::steady_clock::now();
-          bool more = inRing_->spinForBytes(
-              std::min<std::chrono::nanoseconds>(kRingReceiverSpin, ringWait));
-          ringWait -= std::chrono::steady_clock::now() - t0;
-          if (more) {
+        if (got == 0 && streaming && inRing_ && state_ != State::kClosed) {
+          streaming = false;
+          auto left = ringDeadline - std::chrono::steady_clock::now();
+          if (left.count() > 0 &&
+              inRing_->spinForBytes(
+                  std::min<std::chrono::nanoseconds>(
+                      kRingReceiverSpin, left))) {
             continue; // the sender is mid-frame: more came while we waited
           }
         }
+        streaming = inRing_ && got >= ssize_t(kFrameRingPublishStep);
         if (got <= 0) {
           return;
         }

@@ -172,7 +172,7 @@ size_t FrameRing::write(const iovec* iov, int n, size_t max, bool piecewise) {
       src += take;
       len -= take;
       done += take;
-      if (done - published >= step) {
+      if (piecewise && done - published >= step) {
         // A piece at a time: a receiver awake copies this one out while we
         // copy in the next (one copy's time for the two, not two).
         published = done;

@@ -225,7 +225,13 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
     // A ring's sender signals only a parked ring; one that has input
     // already is served instead of sleeping.
     // (maxEvents - 1 at most: the kernel's turn comes with them.)
-    int n = ringEvents(events, maxEvents - 1, /*park=*/timeoutMs != 0);
+    // Input already waiting is taken without parking first: a parked flag
+    // raised even for a moment stops a sender waiting for room from
+    // spinning, and it then waits for a signal (a wake-up) instead.
+    int n = ringEvents(events, maxEvents - 1, /*park=*/false);
+    if (n == 0 && timeoutMs != 0) {
+      n = ringEvents(events, maxEvents - 1, /*park=*/true);
+    }
     if (n > 0 || timeoutMs == 0) {
       unparkRings();
       if (n > 0) {
