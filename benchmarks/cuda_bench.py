@@ -44,7 +44,8 @@ host waits). tests/cuda_driver/test_cuda_bench.py holds budgets for them.
                                    over tcp_lanes (`tls_lanes_over_stream`)
 
 Output: JSON lines, one per (backend, case), then one ratio per case
-(`time_ext_over_tp`), `staged_over_pcie_floor` and `ring_over_pcie_floor`
+(`time_ext_over_tp`), `cuda_over_cpu` (many_1000x1KB over cpu_1000x1KB,
+per backend), `staged_over_pcie_floor` and `ring_over_pcie_floor`
 (a round trip staged costs two directions: the ratio divides by twice the
 floor).
 
@@ -508,6 +509,13 @@ def main(argv=None):
         if staged and floor:
             record({"case": case, "ratio": ratio,
                     "value": round(staged["median_us"] / (2 * floor["median_us"]), 3)})
+    # What the device adds to 1000 tensors in one call, over the same call
+    # with CPU tensors between the same workers (1.0: nothing).
+    for name in ("ext", "tensorpipe"):
+        dev_many, cpu_many = (results.get((c, name)) for c in ("many_1000x1KB", "cpu_1000x1KB"))
+        if dev_many and cpu_many:
+            record({"case": f"many_1000x1KB_{name}", "ratio": "cuda_over_cpu",
+                    "value": round(dev_many["median_us"] / cpu_many["median_us"], 3)})
     for case in ("identity_4MB", "identity_400MB"):
         lanes, stream = results.get((case, "ext_tls_lanes")), results.get((case, "ext_tls_stream"))
         if lanes and stream:

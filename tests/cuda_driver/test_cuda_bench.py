@@ -85,6 +85,10 @@ def test_cuda_bench_runs_every_case(bench_rows):
     assert {("ext_zero_copy", c)
             for c in CASES - {"contiguous_128KB", "cpu_4KB", "cpu_1000x1KB"}} <= timed
     assert all(r["median_us"] > 0 for r in rows if "median_us" in r)
+    # The device's part of many_1000x1KB, over its CPU twin (ours; on a GPU
+    # TensorPipe's too).
+    assert any(r.get("ratio") == "cuda_over_cpu" and r["case"] == "many_1000x1KB_ext"
+               and r["value"] > 0 for r in rows), rows
     if REAL_DRIVER:
         assert {("tensorpipe", c) for c in CASES} <= timed
         assert {r["case"] for r in rows if r.get("ratio") == "time_ext_over_tp"} >= CASES
@@ -137,7 +141,7 @@ def test_a_cpu_call_between_cuda_workers_touches_no_gpu(bench_rows):
         assert c["frames"] == 2 and c["socket_writes"] <= 2, (case, c)
         assert c["landed"] == 0 and c["torch_allocations"] == 0, (case, c)
         if not REAL_DRIVER:
-            assert c["driver_calls"] == c["context_calls"], (case, c)
+            assert c["driver_calls"] == c["context_calls"], (case, c["driver_from"], c)
 
 
 def test_a_call_to_oneself_stays_on_the_device(bench_rows):
