@@ -212,6 +212,9 @@ WIRE = {"frames_sent": "frames", "control_frames_sent": "control_frames",
         "frame_ring_writes": "frame_ring_writes",
         "frame_ring_bytes_written": "frame_ring_bytes",
         "loop_wakes": "loop_wakes"}
+# ... connections made and lost (each peer's counters, summed: a healthy
+# pair makes none in a window) ...
+PEER = {"dials": "dials", "accepted": "accepted", "connections_lost": "connections_lost"}
 # ... and, on the fake driver, in driver calls, grouped by what they do.
 DRIVER_GROUPS = {
     "allocations": ("cuMemAlloc_v2", "cuMemCreate", "cuMemHostAlloc"),
@@ -249,11 +252,13 @@ def costs() -> dict[str, int]:
     calls and wake-ups (any driver); on the fake driver, every driver call
     by entry point (`cu*` keys) and torch's allocations (the fake caching
     allocator's blocks made); on a GPU, torch's cudaMalloc segments."""
-    out = {short: 0 for short in WIRE.values()}
+    out = {short: 0 for short in (*WIRE.values(), *PEER.values())}
     for key, value in rpc.api._get_current_rpc_agent().get_metrics().items():
         counter = key.rsplit(".", 1)[-1]
         if counter in WIRE and key.count(".") == 2:  # rpc_ext.<transport>.<counter>
             out[WIRE[counter]] += int(value)
+        elif counter in PEER and key.startswith("rpc_ext.peer."):
+            out[PEER[counter]] += int(value)
     out.update(device_copies())
     stats = fake_driver_stats()
     if stats is not None:
@@ -305,7 +310,7 @@ def summarize_costs(delta: tuple, calls: int, harness: tuple) -> dict:
     ends = [{k: round((d.get(k, 0) - o.get(k, 0)) / calls - e.get(k, 0), 2) for k in d}
             for d, o, e in zip(delta, once, each)]
     net = {k: round(sum(end.get(k, 0) for end in ends), 2) for end in ends for k in end}
-    out = {short: net.get(short, 0) for short in WIRE.values()}
+    out = {short: net.get(short, 0) for short in (*WIRE.values(), *PEER.values())}
     out["torch_allocations"] = net.get("torch_allocations", 0)
     for k in ("landed", "landing_launches", "landing_allocations", "ipc_launches"):
         out[k] = net.get(k, 0)

@@ -132,6 +132,20 @@ def test_a_round_trip_stays_within_its_budget(bench_rows, case):
     assert c["driver_calls"] <= 210, c
 
 
+def test_no_connection_is_lost_in_a_window(bench_rows):
+    # Every case runs on one warm pair of connections: a connection lost
+    # there (a frame refused, a ring broken) is a bug the other budgets would
+    # only see as stray setup costs. (A new connection dialled during a
+    # window is not asserted against: once in about 20 runs here a CPU case's
+    # window held one dial, its setup frames and its channels' device
+    # queries, with no connection lost; what dials it is not yet known.
+    # The rows keep `dials` and `accepted` for that.)
+    for plan in ("ext", "ext_staged", "ext_ring", "ext_zero_copy", "ext_tls_stream",
+                 "ext_tls_lanes"):
+        for case, c in costs(bench_rows, plan).items():
+            assert c["connections_lost"] == 0, (plan, case, c)
+
+
 def test_a_cpu_call_between_cuda_workers_touches_no_gpu(bench_rows):
     # Both workers have devices and maps; a CPU tensor's round trip makes
     # no event, stream, memory, copy or launch call (the fake counts only
@@ -141,7 +155,22 @@ def test_a_cpu_call_between_cuda_workers_touches_no_gpu(bench_rows):
         assert c["frames"] == 2 and c["socket_writes"] <= 2, (case, c)
         assert c["landed"] == 0 and c["torch_allocations"] == 0, (case, c)
         if not REAL_DRIVER:
-            assert c["driver_calls"] == c["context_calls"], (case, c["driver_from"], c)
+            assert not gpu_work(c["driver_from"]), (case, c["driver_from"], c)
+
+
+# Driver calls that make no GPU work and hold nothing: the current context
+# (torch's device guard, ours), and the device's identity. Channels made
+# for a connection ask the device's UUID and allocation granularity; twice
+# in about 20 runs on this 2-core host such calls fell inside a CPU case's
+# window (0.2 a call: once in five calls, both ends summed).
+QUERIES = ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuDeviceGet", "cuDeviceGetUuid",
+           "cuDeviceGetUuid_v2", "cuDeviceGetAttribute", "cuDeviceGetCount",
+           "cuDeviceCanAccessPeer", "cuMemGetAllocationGranularity")
+
+
+def gpu_work(driver_from):
+    """The entries of a `driver_from` count that are not QUERIES."""
+    return {k: v for k, v in driver_from.items() if k.split(":", 1)[1] not in QUERIES}
 
 
 def test_a_call_to_oneself_stays_on_the_device(bench_rows):
@@ -221,5 +250,4 @@ def test_driver_calls_are_told_apart_by_the_library_making_them(bench_rows):
     # current (the stand-in's cuCtxSetCurrent): no launch, event or stream
     # call anywhere.
     cpu = costs(bench_rows)["cpu_4KB"]["driver_from"]
-    assert set(cpu) <= {"_testing:cuCtxSetCurrent", "_C:cuCtxGetCurrent",
-                        "_C:cuCtxSetCurrent"}, cpu
+    assert not gpu_work(cpu), cpu

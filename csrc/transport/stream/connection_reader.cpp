@@ -20,6 +20,8 @@ namespace torch_rpc_ext::transport::stream {
 namespace {
 
 constexpr size_t kDirectReadBytes = 16 * 1024;
+// The most one read from a frame ring takes straight into a segment.
+constexpr size_t kRingReadMax = 1024 * 1024;
 // Descriptors that may wait before the handshake ends (more close the
 // connection; the control buffer takes all a message can carry, so the
 // kernel never drops any).
@@ -124,15 +126,22 @@ void StreamConnection::advanceSegmentFromLoop(size_t bytes) {
 }
 
 void StreamConnection::onReadableFromLoop() {
-  // A large segment streaming through a frame ring keeps this call reading
-  // (and waiting for the sender's next piece) for at most kRingWaitPerFlush;
-  // then the loop serves its other connections, and comes back at once
-  // since the ring has input. Set at the first large read.
-  std::chrono::steady_clock::time_point ringDeadline{};
+  // A frame ring that keeps having input (a large segment streaming in, or
+  // frames one after another) keeps this call reading, and waiting for the
+  // sender's next piece, for at most kRingWaitPerFlush; then the loop serves
+  // its other connections and comes back at once, since the ring has input
+  // (or, empty and parked, is signalled by the sender's next write). Only
+  // between frames or pieces: what is staged is always parsed first.
+  const auto ringDeadline = inRing_
+      ? std::chrono::steady_clock::now() + kRingWaitPerFlush
+      : std::chrono::steady_clock::time_point{};
   // The last large read took a whole published piece: the sender is
   // streaming in pieces, so the next one is worth waiting for.
   bool streaming = false;
   while (state_ != State::kClosed && !recordHeld_) {
+    if (inRing_ && std::chrono::steady_clock::now() >= ringDeadline) {
+      return; // the loop comes back: ringInputFromLoop()
+    }
     // Large remainders of a segment go straight into its final buffer.
     if (phase_ == ReadPhase::kSegments && stagedBegin_ == stagedEnd_ &&
         bytesInline()) {
@@ -143,12 +152,9 @@ void StreamConnection::onReadableFromLoop() {
           return;
         }
         if (inRing_) {
-          auto now = std::chrono::steady_clock::now();
-          if (ringDeadline == std::chrono::steady_clock::time_point{}) {
-            ringDeadline = now + kRingWaitPerFlush;
-          } else if (now >= ringDeadline) {
-            return; // the loop comes back: ringInputFromLoop()
-          }
+          // A read of a large ring (up to 64 MiB) in one piece would run
+          // past the deadline by itself.
+          want = std::min(want, kRingReadMax);
         }
         ssize_t got = readFromLoop(dst, want, /*piecewise=*/true);
         if (got == 0 && streaming && inRing_ && state_ != State::kClosed) {
@@ -171,6 +177,7 @@ void StreamConnection::onReadableFromLoop() {
         continue;
       }
     }
+    streaming = false;
     if (stagedBegin_ == stagedEnd_) {
       stagedBegin_ = stagedEnd_ = 0;
     }

@@ -174,9 +174,12 @@ size_t FrameRing::write(const iovec* iov, int n, size_t max, bool piecewise) {
       done += take;
       if (piecewise && done - published >= step) {
         // A piece at a time: a receiver awake copies this one out while we
-        // copy in the next (one copy's time for the two, not two).
+        // copy in the next (one copy's time for the two, not two), and one
+        // that parked meanwhile is woken now, not at the end of the write.
+        // (A flag missed here is seen after the last store, as always.)
         published = done;
-        header()->head.store(position_ + done, std::memory_order_release);
+        header()->head.store(position_ + done, std::memory_order_seq_cst);
+        wakeReceiver();
       }
     }
   }
