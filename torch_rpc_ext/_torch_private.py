@@ -194,7 +194,10 @@ def watched_wait_all_workers(wait_all: Callable[..., Any], agent: Any, *args: An
     worker waits on (the leader: every follower; a follower: the leader)
     through the agent (``_why_unreachable``: a closed connection's reason, or
     a refused or unanswered one; asked twice, so that a connection closing
-    as it is probed is dialled again); once one is gone, it sets the signal
+    as it is probed is dialled again; a worker this one never dialled is
+    only knocked on, its listener refusing or not, so that the watch opens
+    no connection, channels and all, in the middle of the group's last
+    work); once one is gone, it sets the signal
     of this gather (its sequence id only) and the shutdown raises, naming
     it. Probing first and looking at the signal after is what keeps a
     finished gather from being taken for a failed one: a leader gone has
@@ -217,12 +220,12 @@ def watched_wait_all_workers(wait_all: Callable[..., Any], agent: Any, *args: An
 
     def unreachable() -> list[str]:
         try:
-            why = agent._why_unreachable(waits_on, _GATHER_PROBE_SETTLE_MS)
+            why = agent._why_unreachable(waits_on, _GATHER_PROBE_SETTLE_MS, dial=False)
             if not any(why):
                 return []
             # Once more at once (a connection that closed during the probe
             # is dialled again): only what stays unreachable is gone.
-            why = agent._why_unreachable(waits_on, _GATHER_PROBE_SETTLE_MS)
+            why = agent._why_unreachable(waits_on, _GATHER_PROBE_SETTLE_MS, dial=False)
         except Exception as e:  # noqa: BLE001 - a probe that fails says nothing
             import logging
 

@@ -79,6 +79,9 @@ _AGENT_COUNTERS = {
         {"transport": None}),
     "rpc_ext.rejected_connections": (
         "rejected_connections", "Inbound connections refused (no member, a bad handshake)", {}),
+    "rpc_ext.knocks": (
+        "knocks", "Inbound connections closed by the peer before their first byte "
+        "(a probe of the listener)", {}),
     "rpc_ext.membership.joins": ("membership_changes", "Membership changes of a dynamic group",
                                  {"change": "joined"}),
     "rpc_ext.membership.leaves": ("membership_changes", "Membership changes of a dynamic group",

@@ -212,8 +212,9 @@ GroupListener::Probe Agent::probe(const Peer& peer) {
 
 std::vector<std::string> Agent::whyUnreachable(
     const std::vector<const Peer*>& peers,
-    std::chrono::milliseconds within) {
-  return connections_.whyUnreachable(peers, within);
+    std::chrono::milliseconds within,
+    bool dial) {
+  return connections_.whyUnreachable(peers, within, dial);
 }
 
 bool Agent::listenerAnswers(

@@ -119,7 +119,8 @@ class Agent final : public rpc::RpcAgent,
   Probe probe(const Peer& peer) override;
   std::vector<std::string> whyUnreachable(
       const std::vector<const Peer*>& peers,
-      std::chrono::milliseconds within) override;
+      std::chrono::milliseconds within,
+      bool dial) override;
   bool listenerAnswers(
       const std::string& name,
       const std::string& offers,

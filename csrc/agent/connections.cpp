@@ -342,7 +342,9 @@ void Connections::onClosed(
       p->stats.rejectedFrames.fetch_add(1, std::memory_order_relaxed);
     }
   }
-  if (!conn.isOutbound() && conn.peerId() < 0 && !reason.empty()) {
+  if (conn.knockOnly()) {
+    knocks_.fetch_add(1, std::memory_order_relaxed);
+  } else if (!conn.isOutbound() && conn.peerId() < 0 && !reason.empty()) {
     rejectedConnections_.fetch_add(1, std::memory_order_relaxed);
     // Rate-limited: whoever can reach the port decides how often.
     logWarningLimited(
@@ -386,24 +388,45 @@ GroupListener::Probe Connections::probe(const Peer& peer) {
 
 std::vector<std::string> Connections::whyUnreachable(
     const std::vector<const Peer*>& peers,
-    std::chrono::milliseconds within) {
+    std::chrono::milliseconds within,
+    bool dial) {
   // Connections opened by this probe get a moment to succeed or fail.
   // A peer no connection can be made to (departed, no route, the transport
-  // stopped) is unreachable for that reason.
+  // stopped) is unreachable for that reason. Without `dial`, a peer we have
+  // never dialled is knocked on instead (a connect and a close: no
+  // handshake, no channels), all of them within `within` (each at least
+  // kKnockAtLeast, so that a refusal the kernel reports a moment after the
+  // connect is still seen).
+  constexpr std::chrono::milliseconds kKnockAtLeast{10};
+  auto settleBy = std::chrono::steady_clock::now() + within;
   std::vector<std::shared_ptr<transport::Connection>> conns;
   std::vector<std::string> why(peers.size());
   for (size_t i = 0; i < peers.size(); ++i) {
+    const Peer& peer = *peers[i];
+    conns.push_back(nullptr);
+    bool dialled = dial;
+    if (!dial) {
+      std::lock_guard<std::mutex> lock(connMutex_);
+      dialled = outbound_.count(&peer) != 0;
+    }
+    if (!dialled && !peer.departed() && peer.route.unreachable.empty()) {
+      auto it = transports_.find(peer.route.transport);
+      if (it != transports_.end()) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            settleBy - std::chrono::steady_clock::now());
+        why[i] = it->second->refusal(
+            peer.route.address, std::max(left, kKnockAtLeast));
+        continue;
+      }
+    }
     try {
-      conns.push_back(connectionTo(*peers[i]));
+      conns.back() = connectionTo(peer);
     } catch (const c10::Error& e) {
-      conns.push_back(nullptr);
       why[i] = e.what_without_backtrace();
     } catch (const std::exception& e) {
-      conns.push_back(nullptr);
       why[i] = e.what();
     }
   }
-  auto settleBy = std::chrono::steady_clock::now() + within;
   while (std::chrono::steady_clock::now() < settleBy &&
          std::any_of(conns.begin(), conns.end(), [](const auto& c) {
            return c && !c->isReady() && !c->isClosed();
@@ -477,6 +500,7 @@ void Connections::addMetrics(
     std::unordered_map<std::string, std::string>& m) const {
   m["rpc_ext.rejected_connections"] =
       std::to_string(rejectedConnections_.load());
+  m["rpc_ext.knocks"] = std::to_string(knocks_.load());
   for (const auto& [name, t] : transports_) {
     for (const auto& [counter, value] : t->counters()) {
       m["rpc_ext." + name + "." + counter] = std::to_string(value);

@@ -109,7 +109,8 @@ class Connections final : private transport::ConnectionObserver {
   GroupListener::Probe probe(const Peer& peer);
   std::vector<std::string> whyUnreachable(
       const std::vector<const Peer*>& peers,
-      std::chrono::milliseconds within);
+      std::chrono::milliseconds within,
+      bool dial);
   bool listenerAnswers(
       const std::string& name,
       const std::string& offers,
@@ -171,6 +172,9 @@ class Connections final : private transport::ConnectionObserver {
   // only): a close then is a loss, before then a failed dial.
   std::unordered_set<const transport::Connection*> readyOutbound_;
   std::atomic<uint64_t> rejectedConnections_{0};
+  // Accepted connections closed before their first byte (knockOnly()):
+  // counted, not refused, not logged.
+  std::atomic<uint64_t> knocks_{0};
 };
 
 } // namespace torch_rpc_ext

@@ -294,7 +294,8 @@ void Group::leaveBarrier(
 
 std::vector<std::string> Group::whyUnreachable(
     const std::vector<std::string>& names,
-    std::chrono::milliseconds within) {
+    std::chrono::milliseconds within,
+    bool dial) {
   auto v = view(); // holds the peers while they are probed
   std::vector<const Peer*> peers;
   std::vector<size_t> at;
@@ -308,7 +309,7 @@ std::vector<std::string> Group::whyUnreachable(
     peers.push_back(it->second.get());
     at.push_back(i);
   }
-  auto found = listener_.whyUnreachable(peers, within);
+  auto found = listener_.whyUnreachable(peers, within, dial);
   for (size_t k = 0; k < at.size(); ++k) {
     why[at[k]] = std::move(found[k]);
   }
@@ -350,7 +351,8 @@ int64_t Group::barrier(
         missingPeers.push_back(v->find(r));
       }
     }
-    auto why = listener_.whyUnreachable(missingPeers, kJoinSlice / 4);
+    auto why =
+        listener_.whyUnreachable(missingPeers, kJoinSlice / 4, /*dial=*/true);
     std::vector<std::string> missing, unreachable;
     for (size_t i = 0; i < missingPeers.size(); ++i) {
       const std::string& name = missingPeers[i]->info.name_;

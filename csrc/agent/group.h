@@ -70,12 +70,16 @@ class GroupListener {
   // Whether a member whose lease lapsed answers on the transport.
   enum class Probe { kReady, kConnecting, kUnreachable };
   virtual Probe probe(const Peer& peer) = 0;
-  // The static join barrier's check on the workers it waits for: connect
-  // to each, give the connections `within` to settle, return per peer why it
-  // is unreachable ("" if it may still arrive).
+  // Per peer, why it is unreachable ("" if it may still answer). The
+  // static join barrier's check on the workers it waits for (`dial`):
+  // connect to each, give the connections `within` to settle. Without
+  // `dial` (the shutdown watch), a peer we hold no connection to is only
+  // knocked on (its listener refusing within `within`), so that watching a
+  // worker opens no connection, channels and all, to it.
   virtual std::vector<std::string> whyUnreachable(
       const std::vector<const Peer*>& peers,
-      std::chrono::milliseconds within) = 0;
+      std::chrono::milliseconds within,
+      bool dial) = 0;
   // Whether the listener a member published accepts a connection within
   // `within` (a joiner probing the holder of its rank: it cannot handshake
   // with a group it is not in yet).
@@ -166,14 +170,15 @@ class Group {
       int64_t value,
       std::optional<std::chrono::steady_clock::time_point> deadline,
       float timeout);
-  // Per name, why that worker cannot be reached now (the listener's probe,
-  // as barrier() makes of the missing): "" if it can, or may still
+  // Per name, why that worker cannot be reached now (the listener's
+  // whyUnreachable, `dial` as there): "" if it can, or may still
   // (connecting after `within`), "not a member" for a name we do not hold.
-  // rpc.shutdown()'s gather watches the workers it waits on with it
-  // (torch_rpc_ext/_torch_private.py, watched_wait_all_workers).
+  // rpc.shutdown()'s gather watches the workers it waits on with it, not
+  // dialling (torch_rpc_ext/_torch_private.py, watched_wait_all_workers).
   std::vector<std::string> whyUnreachable(
       const std::vector<std::string>& names,
-      std::chrono::milliseconds within);
+      std::chrono::milliseconds within,
+      bool dial);
   // Static: the last barrier of a graceful shutdown, which nobody must
   // outlive while others still use the store (group.cpp).
   void leaveBarrier(

@@ -147,13 +147,16 @@ void bindAgent(py::module_& m) {
           "_why_unreachable",
           [](Agent& a,
              const std::vector<std::string>& names,
-             int64_t withinMs) {
+             int64_t withinMs,
+             bool dial) {
             return a.group().whyUnreachable(
                 names,
-                std::chrono::milliseconds(std::max<int64_t>(withinMs, 0)));
+                std::chrono::milliseconds(std::max<int64_t>(withinMs, 0)),
+                dial);
           },
           py::arg("names"),
           py::arg("within_ms"),
+          py::arg("dial") = true,
           py::call_guard<py::gil_scoped_release>())
       // (epoch, [(name, rank, incarnation)]) of the current view.
       .def(

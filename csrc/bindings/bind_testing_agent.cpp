@@ -40,7 +40,8 @@ class RecordingListener final : public GroupListener {
   }
   std::vector<std::string> whyUnreachable(
       const std::vector<const Peer*>& peers,
-      std::chrono::milliseconds) override {
+      std::chrono::milliseconds,
+      bool) override {
     return std::vector<std::string>(peers.size());
   }
   bool listenerAnswers(

@@ -82,6 +82,13 @@ class Connection {
   // rejected by the transport or by the observer's onFrameHead).
   virtual bool rejectedPeer() const = 0;
 
+  // True for an accepted connection that the peer closed before sending a
+  // byte: a knock on the listener (Transport::refusal, listenerAnswers; a
+  // port scan, a load balancer's health check), not a failed handshake.
+  virtual bool knockOnly() const {
+    return false;
+  }
+
   // Human-readable endpoints, for logs and errors.
   virtual std::string describe() const = 0;
 

@@ -128,6 +128,15 @@ class Transport {
   virtual bool listenerAnswers(
       const std::string& address,
       std::chrono::milliseconds timeout) const = 0;
+  // Why nothing listens at `address`, as a connection's close reason would
+  // say it ("connect to A failed: Connection refused"), if a connection to
+  // it is refused within `timeout`; "" if one is accepted or nothing is
+  // known by then (an unanswered connect proves no death: a lossy network
+  // or a full backlog delays it). Nothing is sent; the peer sees a socket
+  // close before its first byte.
+  virtual std::string refusal(
+      const std::string& address,
+      std::chrono::milliseconds timeout) const = 0;
 
   // Close every listener and connection, then join the loop thread.
   virtual void stop() = 0;

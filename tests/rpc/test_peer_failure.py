@@ -251,3 +251,32 @@ def test_a_graceful_shutdown_without_a_timeout_ends_when_the_leader_is_dead(tmp_
     # its reply to the gather went out, by that call's own failure.
     assert out["error"] is not None and "worker0" in out["error"], out
     assert out["seconds"] < 15, out
+
+
+def watched_without_a_connection(rank, world_size, all_up, opts):
+    init(rank, world_size, **opts)
+    all_up.wait(60)
+    out = None
+    if rank == 1:
+        # The leader (worker0) never calls worker1 and waits for it in its
+        # shutdown, watching it each second; worker1 comes 2.5 s later.
+        time.sleep(2.5)
+        metrics = rpc.api._get_current_rpc_agent().get_metrics()
+        out = {"accepted_from_worker0": int(metrics["rpc_ext.peer.worker0.accepted"]),
+               "rejected_connections": int(metrics["rpc_ext.rejected_connections"]),
+               "knocked": int(metrics["rpc_ext.knocks"]) > 0}
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("opts", [{}, {"transports": ("tcp",), "encryption": "always"}],
+                         ids=["shm", "tcp_tls"])
+def test_the_shutdown_watch_opens_no_connection_to_a_worker_it_never_called(opts):
+    # Knocked on (a connect and a close), not dialled: a full connection,
+    # frame rings and channels, made a second into the leader's shutdown, in
+    # the middle of whatever the group still did (session 50 found one in a
+    # benchmark's measured window). Nor is the knock taken for a refused
+    # peer at the listener's end.
+    out = run_world(watched_without_a_connection, world_size=2, timeout=90,
+                    all_up=mp.get_context("fork").Barrier(2), opts=opts)[1]
+    assert out == {"accepted_from_worker0": 0, "rejected_connections": 0, "knocked": True}, out

@@ -90,6 +90,9 @@ class StreamConnection : public Connection,
   bool rejectedPeer() const override {
     return rejected_.load();
   }
+  bool knockOnly() const override {
+    return knockOnly_.load();
+  }
 
   void handleEventsFromLoop(uint32_t events) override;
   bool ringInputFromLoop() override;
@@ -448,6 +451,9 @@ class StreamConnection : public Connection,
   std::atomic<int32_t> peerId_{-1}; // set once authenticated
   uint64_t peerInc_ = 0;
   std::atomic<bool> rejected_{false};
+  // Accepted, and closed by the peer before its first byte (knockOnly()).
+  std::atomic<bool> knockOnly_{false};
+  bool receivedAny_ = false; // loop thread: a byte arrived on the socket
   // steady_clock ticks of the last byte received or accepted by the socket.
   std::atomic<int64_t> lastActivity_{0};
   Handshake handshake_; // loop thread

@@ -87,10 +87,16 @@ ssize_t StreamConnection::readSocketFromLoop(
     }
     if (got > 0) {
       noteActivity();
+      receivedAny_ = true;
       return got;
     }
     if (got == 0 && !closeAtEnd) {
       return kSocketEnded;
+    }
+    if (got == 0 && !outbound_ && !receivedAny_) {
+      knockOnly_ = true;
+      closeInternal("peer closed the connection before its first byte", false);
+      return -1;
     }
     if (got == 0) {
       closeInternal(

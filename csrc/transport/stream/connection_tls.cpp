@@ -61,10 +61,13 @@ void StreamConnection::driveTlsFromLoop() {
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       return; // nothing yet: EPOLLIN brings us back
     }
-    if (got <= 0) {
-      closeInternal(
-          got == 0 ? "peer closed the connection" : errnoText("recv failed"),
-          false);
+    if (got == 0) {
+      knockOnly_ = true; // (before its first byte: this is the peek of it)
+      closeInternal("peer closed the connection before its first byte", false);
+      return;
+    }
+    if (got < 0) {
+      closeInternal(errnoText("recv failed"), false);
       return;
     }
     std::unique_ptr<TlsSession> session;

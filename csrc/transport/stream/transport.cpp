@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <stdexcept>
 
 #include "csrc/transport/stream/address.h"
@@ -93,36 +94,75 @@ std::shared_ptr<Connection> StreamTransport::connect(
   return conn;
 }
 
-bool StreamTransport::listenerAnswers(
+namespace {
+
+// A connect to `address` and nothing more: 0 when it was accepted within
+// `timeout`, ETIMEDOUT when nothing was known by then, else the errno it
+// failed with (`what` says so, as a connection's close reason would).
+int knock(
     const std::string& address,
-    std::chrono::milliseconds timeout) const {
+    std::chrono::milliseconds timeout,
+    std::string* what) {
   SocketAddress to;
   try {
-    to = SocketAddress::parse(routeTo(address));
-  } catch (const std::exception&) {
-    return false;
+    to = SocketAddress::parse(address);
+  } catch (const std::exception& e) {
+    *what = e.what();
+    return EINVAL;
   }
   int fd = ::socket(to.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) {
-    return false;
+    return ETIMEDOUT; // our descriptors, not the peer: nothing known
   }
-  bool answers = false;
+  int error = 0;
   if (::connect(
-          fd, reinterpret_cast<const sockaddr*>(&to.storage), to.length) == 0) {
-    answers = true;
-  } else if (errno == EINPROGRESS || errno == EAGAIN) {
-    pollfd p{fd, POLLOUT, 0};
-    int ready;
-    do {
-      ready = ::poll(&p, 1, static_cast<int>(timeout.count()));
-    } while (ready < 0 && errno == EINTR);
-    int error = 0;
-    socklen_t len = sizeof(error);
-    answers = ready == 1 &&
-        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0;
+          fd, reinterpret_cast<const sockaddr*>(&to.storage), to.length) != 0) {
+    error = errno;
+    if (error == EINPROGRESS || error == EAGAIN) {
+      pollfd p{fd, POLLOUT, 0};
+      int ready;
+      do {
+        ready = ::poll(&p, 1, static_cast<int>(timeout.count()));
+      } while (ready < 0 && errno == EINTR);
+      socklen_t len = sizeof(error);
+      if (ready != 1 ||
+          ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0) {
+        error = ETIMEDOUT;
+      }
+    }
   }
   ::close(fd);
-  return answers;
+  if (error != 0 && error != ETIMEDOUT) {
+    *what = "connect to " + address + " failed: " + std::strerror(error);
+  }
+  return error;
+}
+
+} // namespace
+
+bool StreamTransport::listenerAnswers(
+    const std::string& address,
+    std::chrono::milliseconds timeout) const {
+  std::string target, what;
+  try {
+    target = routeTo(address);
+  } catch (const std::exception&) {
+    return false;
+  }
+  return knock(target, timeout, &what) == 0;
+}
+
+std::string StreamTransport::refusal(
+    const std::string& address,
+    std::chrono::milliseconds timeout) const {
+  std::string target, what;
+  try {
+    target = routeTo(address);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  int error = knock(target, timeout, &what);
+  return error == 0 || error == ETIMEDOUT ? std::string() : what;
 }
 
 namespace {
