@@ -318,6 +318,9 @@ def main(argv=None):
     p.add_argument("--chart", type=Path, help="write a PNG chart of the ratios (matplotlib)")
     p.add_argument("--busy-poll-us", type=int,
                    help="TORCH_RPC_EXT's busy_poll_us (default: the option's default)")
+    p.add_argument("--poll-on-caller-cpu", choices=["on", "off"],
+                   help="TORCH_RPC_EXT's poll_on_caller_cpu (default: the option's "
+                        "default, on where a process may run on at most 2 CPUs)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every backend this many times, alternating; ratios are "
                         "medians of the per-round ratios")
@@ -344,6 +347,10 @@ def main(argv=None):
         for table in (backends_all, backends_tcp):
             key, opts = table["ext"]
             table["ext"] = (key, {**opts, "busy_poll_us": cfg.busy_poll_us})
+    if cfg.poll_on_caller_cpu is not None:
+        for table in (backends_all, backends_tcp):
+            key, opts = table["ext"]
+            table["ext"] = (key, {**opts, "poll_on_caller_cpu": cfg.poll_on_caller_cpu == "on"})
     if cfg.call_costs_off:
         for table in (backends_all, backends_tcp):
             key, opts = table["ext"]

@@ -198,6 +198,16 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             keep finding nothing are skipped for a while. Costs up to this
             much CPU per call when calls are spaced further apart. 0 never
             polls; at most 10000.
+        poll_on_caller_cpu: While a transport thread polls for the response
+            to a lone call (an ``rpc_sync``), it runs on the CPU of the
+            thread that made the call, which waits then, and gives its
+            affinity back before running anything else. Where a call's
+            threads (the caller, its transport thread, the callee's) outnumber
+            the CPUs, this keeps the two polling threads apart; else the
+            scheduler often puts them on one CPU and each waits behind the
+            other at every call. ``None`` (the default): on where this
+            process may run on at most 2 CPUs (its affinity at
+            ``init_rpc``).
         shm_frame_ring_bytes: Each direction of a connection to a worker on
             this host sends its frames through a shared-memory ring of this
             many bytes instead of its Unix socket: a frame costs a copy in and
@@ -233,6 +243,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         handshake_timeout: float = _DEFAULT["handshake_timeout"],
         heartbeat_timeout: float = _DEFAULT["heartbeat_timeout"],
         busy_poll_us: int = _DEFAULT["busy_poll_us"],
+        poll_on_caller_cpu: bool | None = _DEFAULT["poll_on_caller_cpu"],
         max_cached_receive_bytes: int = _DEFAULT["max_cached_receive_bytes"],
         shm_frame_ring_bytes: int = _DEFAULT["shm_frame_ring_bytes"],
         cuda_zero_copy: bool = _DEFAULT["cuda_zero_copy"],
@@ -361,6 +372,10 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             raise ValueError(
                 f"busy_poll_us must be an int in [{lo}, {hi}], got {busy_poll_us!r}"
             )
+        if poll_on_caller_cpu is not None and not isinstance(poll_on_caller_cpu, bool):
+            raise ValueError(
+                f"poll_on_caller_cpu must be a bool or None, got {poll_on_caller_cpu!r}"
+            )
         if not isinstance(max_cached_receive_bytes, int) or max_cached_receive_bytes < (
             lo := _MIN["max_cached_receive_bytes"]
         ):
@@ -414,6 +429,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         self.handshake_timeout = float(handshake_timeout)
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.busy_poll_us = busy_poll_us
+        self.poll_on_caller_cpu = poll_on_caller_cpu
         self.max_cached_receive_bytes = max_cached_receive_bytes
         self.shm_frame_ring_bytes = shm_frame_ring_bytes
         self.cuda_zero_copy = cuda_zero_copy

@@ -13,6 +13,7 @@
 #include "csrc/agent/dynamic_devices.h"
 #include "csrc/agent/thread_state.h"
 #include "csrc/channel/registry.h"
+#include "csrc/common/cpus.h"
 #include "csrc/common/fd_closer.h"
 #include "csrc/common/logging.h"
 #include "csrc/transport/registry.h"
@@ -64,6 +65,8 @@ std::string Connections::open(const std::string& secret, uint64_t incarnation) {
   topts.handshakeTimeout = options_.handshakeTimeout;
   topts.heartbeatTimeout = options_.heartbeatTimeout;
   topts.busyPoll = options_.busyPoll;
+  topts.followCaller =
+      options_.pollOnCallerCpu.value_or(allowedCpus() <= kFollowCallerMaxCpus);
   topts.frameRingBytes = options_.shmFrameRingBytes;
   // Sent messages may hold the last reference to tensors with Python
   // objects; let the pool, not the loop thread, drop them.

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -72,6 +73,9 @@ struct AgentOptions : rpc::RpcBackendOptions {
   std::chrono::milliseconds heartbeatTimeout = kDefaultHeartbeatTimeout;
   // See TransportOptions::busyPoll.
   std::chrono::microseconds busyPoll = kDefaultBusyPoll;
+  // TransportOptions::followCaller; unset: where this process may run on at
+  // most kFollowCallerMaxCpus CPUs (at init_rpc).
+  std::optional<bool> pollOnCallerCpu;
   // Idle receive buffers kept for reuse (released after 2 s unused).
   uint64_t maxCachedReceiveBytes = kDefaultMaxCachedReceiveBytes;
   // See TransportOptions::frameRingBytes.

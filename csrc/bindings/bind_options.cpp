@@ -77,6 +77,7 @@ py::dict optionSpec() {
       none);
   spec["busy_poll_us"] = py::make_tuple(
       kDefaultBusyPoll.count(), kMinBusyPoll.count(), kMaxBusyPoll.count());
+  spec["poll_on_caller_cpu"] = py::make_tuple(none, none, none);
   spec["cuda_zero_copy"] = py::make_tuple(false, none, none);
   spec["shm_peers_any_user"] = py::make_tuple(false, none, none);
   spec["tls_peer_names"] = py::make_tuple(py::tuple(), none, none);
@@ -167,6 +168,7 @@ void bindOptions(py::module_& m) {
           "busy_poll_us",
           [](const O& o) { return o.busyPoll.count(); },
           [](O& o, int64_t us) { o.busyPoll = std::chrono::microseconds(us); })
+      .def_readwrite("poll_on_caller_cpu", &O::pollOnCallerCpu)
       .def_readwrite("max_cached_receive_bytes", &O::maxCachedReceiveBytes)
       .def_readwrite("shm_frame_ring_bytes", &O::shmFrameRingBytes)
       .def_readwrite("cuda_zero_copy", &O::cudaZeroCopy)

@@ -47,6 +47,10 @@ inline constexpr std::chrono::milliseconds kMinHeartbeatTimeout{50};
 inline constexpr std::chrono::microseconds kDefaultBusyPoll{200};
 inline constexpr std::chrono::microseconds kMinBusyPoll{0};
 inline constexpr std::chrono::microseconds kMaxBusyPoll{10000};
+// poll_on_caller_cpu unset: on where the process may run on at most this
+// many CPUs (a lone call's caller, its loop and the peer's loop outnumber
+// them; docs/performance.md, "The poll on the caller's CPU").
+inline constexpr int kFollowCallerMaxCpus = 2;
 
 // Idle receive buffers kept for reuse.
 inline constexpr uint64_t kDefaultMaxCachedReceiveBytes = uint64_t(1) << 31;

@@ -42,6 +42,9 @@ struct TransportOptions {
   // the wake-up (tens of microseconds on a VM). Adaptive, see stream/loop.h.
   // 0 never spins.
   std::chrono::microseconds busyPoll = kDefaultBusyPoll;
+  // Poll for a lone call's response on the calling thread's CPU
+  // (stream::Loop::expectInput).
+  bool followCaller = false;
   // A connection that passes descriptors (shm) sends its frames through a
   // shared ring of this many bytes instead of its socket (0: the socket).
   uint64_t frameRingBytes = kDefaultShmFrameRingBytes;

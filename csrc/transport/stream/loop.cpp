@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/transport/stream/loop.h"
 
+#include <pthread.h>
 #include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -44,8 +45,11 @@ thread_local const Loop* tlsDeferredOf = nullptr;
 // The loop this thread was started for (leader or stalled ex-leader).
 thread_local const Loop* tlsThreadOf = nullptr;
 
-Loop::Loop(std::chrono::microseconds busyPoll, std::string name)
-    : busyPoll_(busyPoll), name_(std::move(name)) {
+Loop::Loop(
+    std::chrono::microseconds busyPoll,
+    std::string name,
+    bool followCaller)
+    : busyPoll_(busyPoll), name_(std::move(name)), followCaller_(followCaller) {
   epollFd_ = ::epoll_create1(EPOLL_CLOEXEC);
   if (epollFd_ < 0) {
     fail("epoll_create1");
@@ -182,6 +186,51 @@ void Loop::runAfterDispatch(std::function<void()> fn, bool spinAfter) {
   spinArmed_ = spinArmed_ || spinAfter;
 }
 
+namespace {
+
+// The leader's affinity while it polls on a caller's CPU (followCaller):
+// narrowed to that CPU, then the thread's own mask given back. Per thread,
+// as leaders change.
+class PollAffinity {
+ public:
+  // Poll on `cpu` from now on; false if this thread may not run there.
+  bool narrowTo(int cpu) {
+    if (cpu < 0 || cpu >= CPU_SETSIZE || cpu == narrowed_) {
+      return cpu >= 0 && cpu == narrowed_;
+    }
+    if (narrowed_ < 0 &&
+        ::pthread_getaffinity_np(::pthread_self(), sizeof(own_), &own_) != 0) {
+      return false;
+    }
+    if (!CPU_ISSET(cpu, &own_)) {
+      return false; // (narrowed_ < 0 here: a CPU outside our mask)
+    }
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    if (::pthread_setaffinity_np(::pthread_self(), sizeof(one), &one) != 0) {
+      return false;
+    }
+    narrowed_ = cpu;
+    return true;
+  }
+  // The thread's own mask again (moving it nowhere: it is on a CPU of it).
+  void restore() {
+    if (narrowed_ >= 0) {
+      ::pthread_setaffinity_np(::pthread_self(), sizeof(own_), &own_);
+      narrowed_ = -1;
+    }
+  }
+
+ private:
+  cpu_set_t own_;
+  int narrowed_ = -1;
+};
+
+thread_local PollAffinity t_pollAffinity;
+
+} // namespace
+
 int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
   bool spin = spinArmed_ && timeoutMs != 0 && busyPoll_.count() > 0;
   spinArmed_ = false;
@@ -196,11 +245,31 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
     constexpr int kMissesBeforeSkip = 4;
     constexpr int kSkipAfterMisses = 64;
     auto deadline = std::chrono::steady_clock::now() + busyPoll_;
+    // With followCaller, a caller that sent a lone call (now or during the
+    // poll) has the poll move to its CPU; given back before any handler
+    // runs (a thread a handler starts inherits its affinity) and before
+    // sleeping.
+    struct Restore {
+      bool narrowed = false;
+      ~Restore() {
+        if (narrowed) {
+          t_pollAffinity.restore();
+        }
+      }
+    } restore;
     // Rings are polled in memory every round; the kernel's descriptors
     // every round without rings, and with rings every kEpollEvery-th round
     // (a system call each; counted across waits, so a ring that always has
     // input costs none most of the time and starves no other descriptor).
     do {
+      if (followCaller_ && followPending_.load(std::memory_order_relaxed) &&
+          followPending_.exchange(false, std::memory_order_relaxed)) {
+        if (t_pollAffinity.narrowTo(
+                callerCpu_.load(std::memory_order_relaxed))) {
+          restore.narrowed = true;
+          pollsOnCallerCpu_.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
       int n = ringEvents(events, maxEvents - 1, /*park=*/false);
       if (ringFds_.empty() || ringRounds_++ % kEpollEvery == 0) {
         int more = ::epoll_wait(epollFd_, events + n, maxEvents - n, 0);
@@ -251,6 +320,10 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
 }
 
 void Loop::expectInput() {
+  if (followCaller_) {
+    callerCpu_.store(::sched_getcpu(), std::memory_order_relaxed);
+    followPending_.store(true, std::memory_order_relaxed);
+  }
   if (busyPoll_.count() == 0 || !sleeping_.load(std::memory_order_seq_cst)) {
     return;
   }

@@ -63,9 +63,12 @@ class Loop {
   // `busyPoll`: after serving work deferred with spinAfter, poll for new
   // events this long before sleeping in the kernel (0: never spin).
   // `name`: its threads' (the leader's; "-mon" added, the monitor's).
+  // `followCaller`: poll for a lone call's response on the CPU of the thread
+  // that sent it (expectInput), see there.
   explicit Loop(
       std::chrono::microseconds busyPoll = std::chrono::microseconds(0),
-      std::string name = "rpcx-loop");
+      std::string name = "rpcx-loop",
+      bool followCaller = false);
   ~Loop();
 
   // Watch `fd` (level-triggered) and keep `p` alive until removeFromLoop().
@@ -95,6 +98,16 @@ class Loop {
   // Any thread: input is expected soon (a request was just sent). If the
   // loop sleeps in the kernel, wake it now and let it busy-poll (busyPoll),
   // so its wake-up overlaps the peer's work instead of following it.
+  //
+  // With followCaller, the poll for that input runs on the CPU the calling
+  // thread is on (the leader's affinity narrowed to it while it polls, and
+  // given back before any handler runs): that thread is about to block
+  // until the input comes, so its CPU is the one free then. Where threads
+  // that must run per round trip (the caller, its loop, the peer's loop)
+  // outnumber the CPUs, the scheduler otherwise often puts the two loops on
+  // one CPU, or the caller beside the peer's loop, and each waits behind the
+  // other at every call (docs/performance.md, "The poll on the caller's
+  // CPU"). Costs two sched_setaffinity calls per lone call.
   void expectInput();
 
   // True on the thread that currently leads the loop, outside
@@ -107,6 +120,12 @@ class Loop {
   }
   uint64_t spinMisses() const {
     return spinMisses_.load(std::memory_order_relaxed);
+  }
+
+  // Polls for a lone call's response moved to the caller's CPU
+  // (followCaller, expectInput()).
+  uint64_t pollsOnCallerCpu() const {
+    return pollsOnCallerCpu_.load(std::memory_order_relaxed);
   }
 
   // How often a stalled piece of work handed the loop to a new thread.
@@ -186,6 +205,12 @@ class Loop {
   int spinSkip_ = 0; // armed polls still to skip after a run of misses
   std::atomic<bool> sleeping_{false}; // in the blocking epoll_wait
   std::atomic<bool> pollRequested_{false}; // by expectInput()
+  const bool followCaller_;
+  // The CPU of the thread that last called expectInput(), and whether the
+  // loop has yet to move its poll there (followCaller).
+  std::atomic<int> callerCpu_{-1};
+  std::atomic<bool> followPending_{false};
+  std::atomic<uint64_t> pollsOnCallerCpu_{0};
   std::atomic<uint64_t> spinHits_{0};
   std::atomic<uint64_t> spinMisses_{0};
 

@@ -18,7 +18,8 @@ namespace torch_rpc_ext::transport::stream {
 StreamTransport::StreamTransport(
     TransportOptions options,
     const std::string& threadName)
-    : options_(std::move(options)), loop_(options_.busyPoll, threadName) {}
+    : options_(std::move(options)),
+      loop_(options_.busyPoll, threadName, options_.followCaller) {}
 
 StreamTransport::~StreamTransport() {
   stop();
@@ -29,6 +30,7 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
       {"loop_takeovers", loop_.takeovers()},
       {"busy_poll_hits", loop_.spinHits()},
       {"busy_poll_misses", loop_.spinMisses()},
+      {"polls_on_caller_cpu", loop_.pollsOnCallerCpu()},
       {"unauthenticated_closed", unauthenticatedClosed_.load()},
       {"frames_sent", loop_.io().frames.load(std::memory_order_relaxed)},
       {"control_frames_sent",
