@@ -198,16 +198,16 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             keep finding nothing are skipped for a while. Costs up to this
             much CPU per call when calls are spaced further apart. 0 never
             polls; at most 10000.
-        poll_on_caller_cpu: While a transport thread polls for the response
-            to a lone call (an ``rpc_sync``), it runs on the CPU of the
-            thread that made the call, which waits then, and gives its
-            affinity back before running anything else. Where a call's
-            threads (the caller, its transport thread, the callee's) outnumber
-            the CPUs, this keeps the two polling threads apart; else the
-            scheduler often puts them on one CPU and each waits behind the
-            other at every call. ``None`` (the default): on where this
-            process may run on at most 2 CPUs (its affinity at
-            ``init_rpc``).
+        poll_on_caller_cpu: A transport thread about to poll for the
+            response to a lone call (an ``rpc_sync``) moves to the CPU of the
+            thread that made the call, which waits then (its affinity
+            narrowed to that CPU and given back at once: nothing runs
+            narrowed). Where a call's threads (the caller, its transport
+            thread, the callee's) outnumber the CPUs, this keeps the two
+            polling threads apart; else the scheduler often puts them on one
+            CPU and each waits behind the other at every call. ``None`` (the
+            default): on where the thread calling ``init_rpc`` may run on at
+            most 2 CPUs.
         shm_frame_ring_bytes: Each direction of a connection to a worker on
             this host sends its frames through a shared-memory ring of this
             many bytes instead of its Unix socket: a frame costs a copy in and

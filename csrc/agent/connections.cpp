@@ -396,10 +396,12 @@ std::vector<std::string> Connections::whyUnreachable(
   // Connections opened by this probe get a moment to succeed or fail.
   // A peer no connection can be made to (departed, no route, the transport
   // stopped) is unreachable for that reason. Without `dial`, a peer we have
-  // never dialled is knocked on instead (a connect and a close: no
-  // handshake, no channels), all of them within `within` (each at least
-  // kKnockAtLeast, so that a refusal the kernel reports a moment after the
-  // connect is still seen).
+  // never dialled is knocked on first (a connect and a close: no handshake,
+  // no channels), all of them within `within` (each at least kKnockAtLeast,
+  // so that a refusal the kernel reports a moment after the connect is
+  // still seen): accepted, it is there; refused, gone; only a knock that
+  // says neither (no answer yet: a host that went away answers nothing)
+  // is followed by a dial, whose handshake_timeout then decides.
   constexpr std::chrono::milliseconds kKnockAtLeast{10};
   auto settleBy = std::chrono::steady_clock::now() + within;
   std::vector<std::shared_ptr<transport::Connection>> conns;
@@ -417,9 +419,12 @@ std::vector<std::string> Connections::whyUnreachable(
       if (it != transports_.end()) {
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             settleBy - std::chrono::steady_clock::now());
-        why[i] = it->second->refusal(
+        auto knock = it->second->knock(
             peer.route.address, std::max(left, kKnockAtLeast));
-        continue;
+        if (knock.outcome != transport::Transport::Knock::kUnknown) {
+          why[i] = std::move(knock.why);
+          continue;
+        }
       }
     }
     try {

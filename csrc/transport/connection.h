@@ -83,7 +83,7 @@ class Connection {
   virtual bool rejectedPeer() const = 0;
 
   // True for an accepted connection that the peer closed before sending a
-  // byte: a knock on the listener (Transport::refusal, listenerAnswers; a
+  // byte: a knock on the listener (Transport::knock, listenerAnswers; a
   // port scan, a load balancer's health check), not a failed handshake.
   virtual bool knockOnly() const {
     return false;

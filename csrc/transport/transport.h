@@ -131,13 +131,18 @@ class Transport {
   virtual bool listenerAnswers(
       const std::string& address,
       std::chrono::milliseconds timeout) const = 0;
-  // Why nothing listens at `address`, as a connection's close reason would
-  // say it ("connect to A failed: Connection refused"), if a connection to
-  // it is refused within `timeout`; "" if one is accepted or nothing is
-  // known by then (an unanswered connect proves no death: a lossy network
-  // or a full backlog delays it). Nothing is sent; the peer sees a socket
-  // close before its first byte.
-  virtual std::string refusal(
+  // A connect to `address` and a close, nothing sent (the peer sees a
+  // socket close before its first byte): kAccepted within `timeout`;
+  // kRefused, with why as a connection's close reason would say it
+  // ("connect to A failed: Connection refused"), if it is refused or reset
+  // or its host unreachable; else kUnknown (no answer by then proves no
+  // death: a lossy network or a full backlog delays it; nor does an error
+  // of this host's own).
+  struct Knock {
+    enum Outcome { kAccepted, kRefused, kUnknown } outcome;
+    std::string why;
+  };
+  virtual Knock knock(
       const std::string& address,
       std::chrono::milliseconds timeout) const = 0;
 

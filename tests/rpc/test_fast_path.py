@@ -373,7 +373,9 @@ def affinity_of_every_thread():
 def lone_calls(rank, world_size, follow):
     import os
 
-    init(rank, world_size, poll_on_caller_cpu=follow)
+    # A long poll: on a loaded machine a slow response ends a 200 us poll
+    # empty, and four empty ones in a row turn polling off for a while.
+    init(rank, world_size, poll_on_caller_cpu=follow, busy_poll_us=10000)
     out = {}
     if rank == 0:
         one = torch.ones(1)
@@ -381,13 +383,13 @@ def lone_calls(rank, world_size, follow):
             rpc.rpc_sync("worker1", torch.add, args=(one, one))
         # A lone call's completion runs on the loop thread that polled for
         # it, and so do callbacks on its future: they must see the thread's
-        # own affinity, not the caller's CPU the poll ran on (a thread a
-        # callback starts would inherit it).
+        # own affinity, not the one CPU it was narrowed to for the move (a
+        # thread a callback starts would inherit it).
         seen = []
         for _ in range(50):
             fut = rpc.rpc_async("worker1", torch.add, args=(one, one))
             fut.then(lambda f: seen.append(sorted(os.sched_getaffinity(0)))).wait()
-        out = {"moved": int(metrics()["rpc_ext.shm.polls_on_caller_cpu"]),
+        out = {"on_caller_cpu": int(metrics()["rpc_ext.shm.polls_on_caller_cpu"]),
                "callback_cpus": seen, "threads": affinity_of_every_thread(),
                "process_cpus": sorted(os.sched_getaffinity(0))}
     rpc.shutdown()
@@ -395,18 +397,18 @@ def lone_calls(rank, world_size, follow):
 
 
 @pytest.mark.parametrize("follow", [True, False, None])
-def test_a_lone_calls_poll_runs_on_the_callers_cpu_and_gives_it_back(follow):
+def test_a_lone_calls_poll_moves_to_the_callers_cpu_and_keeps_its_affinity(follow):
     import os
 
     r = run_world(lone_calls, 2, timeout=120, follow=follow)[0]
     on = follow if follow is not None else len(os.sched_getaffinity(0)) <= 2
     if on:
-        # Most lone calls' polls moved (not all: a response that arrives
+        # Most lone calls' polls ran there (not all: a response that arrives
         # before the loop polls for it is read without a poll; on an idle
-        # 2-core machine 250 of 250 move, 2026-11-29).
-        assert r["moved"] > 50, r["moved"]
+        # 2-core machine 250 of 250 do, 2026-11-29).
+        assert r["on_caller_cpu"] > 25, r["on_caller_cpu"]
     else:
-        assert r["moved"] == 0, r["moved"]
+        assert r["on_caller_cpu"] == 0, r["on_caller_cpu"]
     mine = r["process_cpus"]
     assert all(cpus == mine for cpus in r["callback_cpus"]), r["callback_cpus"]
     assert all(cpus == mine for cpus in r["threads"].values()), r["threads"]

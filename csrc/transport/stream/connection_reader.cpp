@@ -112,6 +112,11 @@ ssize_t StreamConnection::readSocketFromLoop(
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
       return 0;
     }
+    if (errno == ECONNRESET && !outbound_ && !receivedAny_) {
+      knockOnly_ = true; // (a prober closing with a reset: SO_LINGER 0)
+      closeInternal("peer reset the connection before its first byte", false);
+      return -1;
+    }
     if (errno != EINTR) {
       closeInternal(errnoText("read failed"), false);
       return -1;

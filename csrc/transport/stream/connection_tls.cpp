@@ -67,6 +67,11 @@ void StreamConnection::driveTlsFromLoop() {
       return;
     }
     if (got < 0) {
+      if (errno == ECONNRESET) {
+        knockOnly_ = true; // (a prober closing with a reset: SO_LINGER 0)
+        closeInternal("peer reset the connection before its first byte", false);
+        return;
+      }
       closeInternal(errnoText("recv failed"), false);
       return;
     }

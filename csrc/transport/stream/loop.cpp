@@ -188,46 +188,36 @@ void Loop::runAfterDispatch(std::function<void()> fn, bool spinAfter) {
 
 namespace {
 
-// The leader's affinity while it polls on a caller's CPU (followCaller):
-// narrowed to that CPU, then the thread's own mask given back. Per thread,
-// as leaders change.
-class PollAffinity {
- public:
-  // Poll on `cpu` from now on; false if this thread may not run there.
-  bool narrowTo(int cpu) {
-    if (cpu < 0 || cpu >= CPU_SETSIZE || cpu == narrowed_) {
-      return cpu >= 0 && cpu == narrowed_;
-    }
-    if (narrowed_ < 0 &&
-        ::pthread_getaffinity_np(::pthread_self(), sizeof(own_), &own_) != 0) {
-      return false;
-    }
-    if (!CPU_ISSET(cpu, &own_)) {
-      return false; // (narrowed_ < 0 here: a CPU outside our mask)
-    }
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
-    if (::pthread_setaffinity_np(::pthread_self(), sizeof(one), &one) != 0) {
-      return false;
-    }
-    narrowed_ = cpu;
-    return true;
+// Moves the calling thread onto `cpu` (followCaller): its affinity narrowed
+// to that CPU, which migrates it there before the call returns, then its
+// own mask given back at once, which leaves it there. Nothing runs narrowed
+// but the two system calls, so no handler, callback or thread it starts
+// inherits one CPU, and the scheduler may move the thread on again (to an
+// idle CPU, if the caller computes instead of waiting). Returns whether the
+// thread now runs on `cpu`; `moved`, whether it had to move.
+bool moveOnto(int cpu, bool* moved) {
+  *moved = false;
+  if (cpu < 0 || cpu >= CPU_SETSIZE) {
+    return false;
   }
-  // The thread's own mask again (moving it nowhere: it is on a CPU of it).
-  void restore() {
-    if (narrowed_ >= 0) {
-      ::pthread_setaffinity_np(::pthread_self(), sizeof(own_), &own_);
-      narrowed_ = -1;
-    }
+  if (::sched_getcpu() == cpu) {
+    return true; // already there: no system call
   }
-
- private:
-  cpu_set_t own_;
-  int narrowed_ = -1;
-};
-
-thread_local PollAffinity t_pollAffinity;
+  cpu_set_t own;
+  if (::pthread_getaffinity_np(::pthread_self(), sizeof(own), &own) != 0 ||
+      !CPU_ISSET(cpu, &own)) {
+    return false; // (a CPU this thread may not run on)
+  }
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  if (::pthread_setaffinity_np(::pthread_self(), sizeof(one), &one) != 0) {
+    return false;
+  }
+  ::pthread_setaffinity_np(::pthread_self(), sizeof(own), &own);
+  *moved = true;
+  return true;
+}
 
 } // namespace
 
@@ -238,6 +228,11 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
     --spinSkip_;
     spin = false;
   }
+  if (!spin && followCaller_) {
+    // The response to that lone call is read without a poll: no later,
+    // unrelated poll may move to that caller's CPU.
+    followPending_.store(false, std::memory_order_relaxed);
+  }
   if (spin) {
     // Bounded: at most busyPoll_, then the kernel wait below. A run of polls
     // that find nothing (the peer is not in a ping-pong with us) turns
@@ -245,29 +240,21 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
     constexpr int kMissesBeforeSkip = 4;
     constexpr int kSkipAfterMisses = 64;
     auto deadline = std::chrono::steady_clock::now() + busyPoll_;
-    // With followCaller, a caller that sent a lone call (now or during the
-    // poll) has the poll move to its CPU; given back before any handler
-    // runs (a thread a handler starts inherits its affinity) and before
-    // sleeping.
-    struct Restore {
-      bool narrowed = false;
-      ~Restore() {
-        if (narrowed) {
-          t_pollAffinity.restore();
-        }
-      }
-    } restore;
     // Rings are polled in memory every round; the kernel's descriptors
     // every round without rings, and with rings every kEpollEvery-th round
     // (a system call each; counted across waits, so a ring that always has
     // input costs none most of the time and starves no other descriptor).
     do {
+      // With followCaller, a caller that sent a lone call (now or during the
+      // poll) has the poll move to its CPU.
       if (followCaller_ && followPending_.load(std::memory_order_relaxed) &&
           followPending_.exchange(false, std::memory_order_relaxed)) {
-        if (t_pollAffinity.narrowTo(
-                callerCpu_.load(std::memory_order_relaxed))) {
-          restore.narrowed = true;
+        bool moved = false;
+        if (moveOnto(callerCpu_.load(std::memory_order_relaxed), &moved)) {
           pollsOnCallerCpu_.fetch_add(1, std::memory_order_relaxed);
+          if (moved) {
+            pollMoves_.fetch_add(1, std::memory_order_relaxed);
+          }
         }
       }
       int n = ringEvents(events, maxEvents - 1, /*park=*/false);

@@ -99,15 +99,16 @@ class Loop {
   // loop sleeps in the kernel, wake it now and let it busy-poll (busyPoll),
   // so its wake-up overlaps the peer's work instead of following it.
   //
-  // With followCaller, the poll for that input runs on the CPU the calling
-  // thread is on (the leader's affinity narrowed to it while it polls, and
-  // given back before any handler runs): that thread is about to block
-  // until the input comes, so its CPU is the one free then. Where threads
-  // that must run per round trip (the caller, its loop, the peer's loop)
-  // outnumber the CPUs, the scheduler otherwise often puts the two loops on
-  // one CPU, or the caller beside the peer's loop, and each waits behind the
-  // other at every call (docs/performance.md, "The poll on the caller's
-  // CPU"). Costs two sched_setaffinity calls per lone call.
+  // With followCaller, the poll for that input moves to the CPU the
+  // calling thread is on, which is about to block until the input comes:
+  // the leader's affinity is narrowed to that CPU, which migrates it there,
+  // and given back at once (so nothing runs narrowed, and the scheduler may
+  // move it on). Where the threads that must run per round trip (the
+  // caller, its loop, the peer's loop) outnumber the CPUs, the scheduler
+  // otherwise often puts the two loops on one CPU, or the caller beside the
+  // peer's loop, and each waits behind the other at every call
+  // (docs/performance.md, "The poll on the caller's CPU"). Costs a
+  // sched_getcpu per lone call, and three affinity calls per move.
   void expectInput();
 
   // True on the thread that currently leads the loop, outside
@@ -122,10 +123,13 @@ class Loop {
     return spinMisses_.load(std::memory_order_relaxed);
   }
 
-  // Polls for a lone call's response moved to the caller's CPU
-  // (followCaller, expectInput()).
+  // Polls for a lone call's response run on the caller's CPU (followCaller,
+  // expectInput()), and those that had to move there.
   uint64_t pollsOnCallerCpu() const {
     return pollsOnCallerCpu_.load(std::memory_order_relaxed);
+  }
+  uint64_t pollMoves() const {
+    return pollMoves_.load(std::memory_order_relaxed);
   }
 
   // How often a stalled piece of work handed the loop to a new thread.
@@ -211,6 +215,7 @@ class Loop {
   std::atomic<int> callerCpu_{-1};
   std::atomic<bool> followPending_{false};
   std::atomic<uint64_t> pollsOnCallerCpu_{0};
+  std::atomic<uint64_t> pollMoves_{0};
   std::atomic<uint64_t> spinHits_{0};
   std::atomic<uint64_t> spinMisses_{0};
 

@@ -31,6 +31,7 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
       {"busy_poll_hits", loop_.spinHits()},
       {"busy_poll_misses", loop_.spinMisses()},
       {"polls_on_caller_cpu", loop_.pollsOnCallerCpu()},
+      {"poll_moves", loop_.pollMoves()},
       {"unauthenticated_closed", unauthenticatedClosed_.load()},
       {"frames_sent", loop_.io().frames.load(std::memory_order_relaxed)},
       {"control_frames_sent",
@@ -100,8 +101,11 @@ namespace {
 
 // A connect to `address` and nothing more: 0 when it was accepted within
 // `timeout`, ETIMEDOUT when nothing was known by then, else the errno it
-// failed with (`what` says so, as a connection's close reason would).
-int knock(
+// failed with (`what` says so, as a connection's close reason would). (A
+// Unix socket whose listener's backlog is full fails at once with EAGAIN
+// and then polls writable with no error: accepted, which a listener that
+// exists is.)
+int connectOnce(
     const std::string& address,
     std::chrono::milliseconds timeout,
     std::string* what) {
@@ -151,20 +155,36 @@ bool StreamTransport::listenerAnswers(
   } catch (const std::exception&) {
     return false;
   }
-  return knock(target, timeout, &what) == 0;
+  return connectOnce(target, timeout, &what) == 0;
 }
 
-std::string StreamTransport::refusal(
+Transport::Knock StreamTransport::knock(
     const std::string& address,
     std::chrono::milliseconds timeout) const {
   std::string target, what;
   try {
     target = routeTo(address);
   } catch (const std::exception& e) {
-    return e.what();
+    return {Knock::kRefused, e.what()}; // as connect() would close
   }
-  int error = knock(target, timeout, &what);
-  return error == 0 || error == ETIMEDOUT ? std::string() : what;
+  // Only what says the peer's end is gone counts as refused: nothing
+  // listens there (refused, reset), or its host is not on the network.
+  // Errors of this host's own (ports or buffers exhausted, a firewall's
+  // EPERM, EINTR) say nothing of the peer. (A live listener with a full
+  // backlog under tcp_abort_on_overflow=1 resets too: that sysctl is off
+  // by default.)
+  switch (connectOnce(target, timeout, &what)) {
+    case 0:
+      return {Knock::kAccepted, {}};
+    case ECONNREFUSED:
+    case ECONNRESET:
+    case EHOSTUNREACH:
+    case ENETUNREACH:
+    case EHOSTDOWN:
+      return {Knock::kRefused, what};
+    default:
+      return {Knock::kUnknown, {}};
+  }
 }
 
 namespace {

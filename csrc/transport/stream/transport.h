@@ -31,9 +31,8 @@ class StreamTransport : public Transport {
   bool listenerAnswers(
       const std::string& address,
       std::chrono::milliseconds timeout) const override;
-  std::string refusal(
-      const std::string& address,
-      std::chrono::milliseconds timeout) const override;
+  Knock knock(const std::string& address, std::chrono::milliseconds timeout)
+      const override;
   void stop() override;
   std::map<std::string, uint64_t> counters() const override;
 
