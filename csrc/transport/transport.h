@@ -131,8 +131,9 @@ class Transport {
   virtual bool listenerAnswers(
       const std::string& address,
       std::chrono::milliseconds timeout) const = 0;
-  // A connect to `address` and a close, nothing sent (the peer sees a
-  // socket close before its first byte): kAccepted within `timeout`;
+  // Per address, a connect and a close, nothing sent (the peer sees a
+  // socket close before its first byte), all at once: kAccepted within
+  // `timeout`;
   // kRefused, with why as a connection's close reason would say it
   // ("connect to A failed: Connection refused"), if it is refused or reset
   // or its host unreachable; else kUnknown (no answer by then proves no
@@ -142,8 +143,8 @@ class Transport {
     enum Outcome { kAccepted, kRefused, kUnknown } outcome;
     std::string why;
   };
-  virtual Knock knock(
-      const std::string& address,
+  virtual std::vector<Knock> knock(
+      const std::vector<std::string>& addresses,
       std::chrono::milliseconds timeout) const = 0;
 
   // Close every listener and connection, then join the loop thread.

@@ -285,3 +285,42 @@ def test_the_shutdown_watch_opens_no_connection_to_a_worker_it_never_called(opts
     out = run_world(watched_without_a_connection, world_size=2, timeout=90,
                     all_up=mp.get_context("fork").Barrier(2), opts=opts)[1]
     assert out == {"accepted_from_worker0": 0, "rejected_connections": 0}, out
+
+
+def knocked_on_together(rank, world_size, pid2, all_up, done, opts):
+    if rank == 2:
+        pid2.value = os.getpid()
+    init(rank, world_size, **opts)
+    all_up.wait(60)
+    out = None
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif rank == 0:
+        deadline = time.monotonic() + 60
+        while not _gone(pid2.value):
+            assert time.monotonic() < deadline, "worker2 did not die"
+            time.sleep(0.01)
+        # Never called either: both knocked on at once, one alive, one gone.
+        agent = rpc.api._get_current_rpc_agent()
+        out = {"why": agent._why_unreachable(["worker1", "worker2"], 250, dial=False)}
+        done.set()
+    else:
+        done.wait(60)
+        m = rpc.api._get_current_rpc_agent().get_metrics()
+        out = {"accepted": int(m["rpc_ext.peer.worker0.accepted"]),
+               "knocks": int(m["rpc_ext.knocks"])}
+    rpc.shutdown(graceful=False)
+    return out
+
+
+@pytest.mark.parametrize("opts", [{}, {"transports": ("tcp",), "encryption": "always"}],
+                         ids=["shm", "tcp_tls"])
+def test_knocks_tell_a_live_worker_from_a_dead_one_without_a_connection(opts):
+    ctx = mp.get_context("fork")
+    out = run_world(knocked_on_together, world_size=3, dies=frozenset({2}), timeout=90,
+                    pid2=ctx.Value("i", 0), all_up=ctx.Barrier(3), done=ctx.Event(),
+                    opts=opts)
+    alive, dead = out[0]["why"]
+    assert alive == "", out
+    assert "Connection refused" in dead, out
+    assert out[1] == {"accepted": 0, "knocks": 1}, out

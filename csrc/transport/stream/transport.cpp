@@ -99,49 +99,22 @@ std::shared_ptr<Connection> StreamTransport::connect(
 
 namespace {
 
-// A connect to `address` and nothing more: 0 when it was accepted within
-// `timeout`, ETIMEDOUT when nothing was known by then, else the errno it
-// failed with (`what` says so, as a connection's close reason would). (A
-// Unix socket whose listener's backlog is full fails at once with EAGAIN
-// and then polls writable with no error: accepted, which a listener that
-// exists is.)
-int connectOnce(
-    const std::string& address,
-    std::chrono::milliseconds timeout,
-    std::string* what) {
-  SocketAddress to;
-  try {
-    to = SocketAddress::parse(address);
-  } catch (const std::exception& e) {
-    *what = e.what();
-    return EINVAL;
+// Whether a connect's error says the peer's end is gone: nothing listens
+// there (refused, reset), or its host is not on the network. Errors of
+// this host's own (ports or buffers exhausted, a firewall's EPERM, EINTR)
+// say nothing of the peer. (A live listener with a full backlog under
+// tcp_abort_on_overflow=1 resets too: that sysctl is off by default.)
+bool peerGone(int error) {
+  switch (error) {
+    case ECONNREFUSED:
+    case ECONNRESET:
+    case EHOSTUNREACH:
+    case ENETUNREACH:
+    case EHOSTDOWN:
+      return true;
+    default:
+      return false;
   }
-  int fd = ::socket(to.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    return ETIMEDOUT; // our descriptors, not the peer: nothing known
-  }
-  int error = 0;
-  if (::connect(
-          fd, reinterpret_cast<const sockaddr*>(&to.storage), to.length) != 0) {
-    error = errno;
-    if (error == EINPROGRESS || error == EAGAIN) {
-      pollfd p{fd, POLLOUT, 0};
-      int ready;
-      do {
-        ready = ::poll(&p, 1, static_cast<int>(timeout.count()));
-      } while (ready < 0 && errno == EINTR);
-      socklen_t len = sizeof(error);
-      if (ready != 1 ||
-          ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0) {
-        error = ETIMEDOUT;
-      }
-    }
-  }
-  ::close(fd);
-  if (error != 0 && error != ETIMEDOUT) {
-    *what = "connect to " + address + " failed: " + std::strerror(error);
-  }
-  return error;
 }
 
 } // namespace
@@ -149,42 +122,90 @@ int connectOnce(
 bool StreamTransport::listenerAnswers(
     const std::string& address,
     std::chrono::milliseconds timeout) const {
-  std::string target, what;
-  try {
-    target = routeTo(address);
-  } catch (const std::exception&) {
-    return false;
-  }
-  return connectOnce(target, timeout, &what) == 0;
+  return knock({address}, timeout).front().outcome == Knock::kAccepted;
 }
 
-Transport::Knock StreamTransport::knock(
-    const std::string& address,
+std::vector<Transport::Knock> StreamTransport::knock(
+    const std::vector<std::string>& addresses,
     std::chrono::milliseconds timeout) const {
-  std::string target, what;
-  try {
-    target = routeTo(address);
-  } catch (const std::exception& e) {
-    return {Knock::kRefused, e.what()}; // as connect() would close
+  // Every connect is started at once, then all are polled together until
+  // `timeout`. (A Unix socket whose listener's backlog is full fails at
+  // once with EAGAIN and then polls writable with no error: accepted,
+  // which a listener that exists is.)
+  std::vector<Knock> out(addresses.size(), Knock{Knock::kUnknown, {}});
+  std::vector<pollfd> waiting;
+  std::vector<size_t> waitingFor;
+  auto settle = [&](size_t i, int error) {
+    if (error == 0) {
+      out[i] = {Knock::kAccepted, {}};
+    } else if (peerGone(error)) {
+      out[i] = {
+          Knock::kRefused,
+          "connect to " + addresses[i] + " failed: " + std::strerror(error)};
+    }
+  };
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    SocketAddress to;
+    try {
+      to = SocketAddress::parse(routeTo(addresses[i]));
+    } catch (const std::exception& e) {
+      out[i] = {Knock::kRefused, e.what()}; // as connect() would close
+      continue;
+    }
+    int fd =
+        ::socket(to.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      continue; // our descriptors, not the peer: nothing known
+    }
+    if (::connect(
+            fd, reinterpret_cast<const sockaddr*>(&to.storage), to.length) ==
+        0) {
+      settle(i, 0);
+      ::close(fd);
+    } else if (errno == EINPROGRESS || errno == EAGAIN) {
+      waiting.push_back(pollfd{fd, POLLOUT, 0});
+      waitingFor.push_back(i);
+    } else {
+      settle(i, errno);
+      ::close(fd);
+    }
   }
-  // Only what says the peer's end is gone counts as refused: nothing
-  // listens there (refused, reset), or its host is not on the network.
-  // Errors of this host's own (ports or buffers exhausted, a firewall's
-  // EPERM, EINTR) say nothing of the peer. (A live listener with a full
-  // backlog under tcp_abort_on_overflow=1 resets too: that sysctl is off
-  // by default.)
-  switch (connectOnce(target, timeout, &what)) {
-    case 0:
-      return {Knock::kAccepted, {}};
-    case ECONNREFUSED:
-    case ECONNRESET:
-    case EHOSTUNREACH:
-    case ENETUNREACH:
-    case EHOSTDOWN:
-      return {Knock::kRefused, what};
-    default:
-      return {Knock::kUnknown, {}};
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  size_t open = waiting.size();
+  while (open > 0) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    int ready = ::poll(
+        waiting.data(),
+        waiting.size(),
+        static_cast<int>(std::max<int64_t>(left.count(), 0)));
+    if (ready < 0 && errno == EINTR) {
+      continue;
+    }
+    if (ready <= 0) {
+      break; // the rest are unknown
+    }
+    for (size_t k = 0; k < waiting.size(); ++k) {
+      if (waiting[k].fd < 0 || waiting[k].revents == 0) {
+        continue;
+      }
+      int error = 0;
+      socklen_t len = sizeof(error);
+      if (::getsockopt(waiting[k].fd, SOL_SOCKET, SO_ERROR, &error, &len) ==
+          0) {
+        settle(waitingFor[k], error);
+      }
+      ::close(waiting[k].fd);
+      waiting[k].fd = -1; // poll() skips it from now on
+      --open;
+    }
   }
+  for (const auto& p : waiting) {
+    if (p.fd >= 0) {
+      ::close(p.fd);
+    }
+  }
+  return out;
 }
 
 namespace {

@@ -31,8 +31,9 @@ class StreamTransport : public Transport {
   bool listenerAnswers(
       const std::string& address,
       std::chrono::milliseconds timeout) const override;
-  Knock knock(const std::string& address, std::chrono::milliseconds timeout)
-      const override;
+  std::vector<Knock> knock(
+      const std::vector<std::string>& addresses,
+      std::chrono::milliseconds timeout) const override;
   void stop() override;
   std::map<std::string, uint64_t> counters() const override;
 

@@ -1,0 +1,119 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// Connections' probes of peers for the group (GroupListener): a lapsed
+// lease's, the join barrier's and the shutdown watch's (connections.h).
+#include "csrc/agent/connections.h"
+
+#include <algorithm>
+#include <thread>
+
+namespace torch_rpc_ext {
+
+GroupListener::Probe Connections::probe(const Peer& peer) {
+  std::shared_ptr<transport::Connection> conn;
+  try {
+    conn = connectionTo(peer);
+  } catch (const std::exception&) {
+    return GroupListener::Probe::kUnreachable;
+  }
+  if (conn->isReady() && !conn->isClosed()) {
+    return GroupListener::Probe::kReady;
+  }
+  return conn->isClosed() ? GroupListener::Probe::kUnreachable
+                          : GroupListener::Probe::kConnecting;
+}
+
+std::vector<std::string> Connections::whyUnreachable(
+    const std::vector<const Peer*>& peers,
+    std::chrono::milliseconds within,
+    bool dial) {
+  // Connections opened by this probe get a moment to succeed or fail.
+  // A peer no connection can be made to (departed, no route, the transport
+  // stopped) is unreachable for that reason. Without `dial`, a peer we have
+  // never dialled is knocked on first (a connect and a close: no handshake,
+  // no channels), all of a transport's at once, within `within` (at least
+  // kKnockAtLeast, so that a refusal the kernel reports a moment after the
+  // connect is still seen): accepted, it is there; refused, gone; only a
+  // knock that says neither (no answer yet) is followed by a dial.
+  constexpr std::chrono::milliseconds kKnockAtLeast{10};
+  auto settleBy = std::chrono::steady_clock::now() + within;
+  std::vector<std::shared_ptr<transport::Connection>> conns(peers.size());
+  std::vector<std::string> why(peers.size());
+  std::vector<bool> known(peers.size(), false);
+  if (!dial) {
+    // Knocks, all at once per transport: peer indices and addresses.
+    std::map<
+        std::string,
+        std::pair<std::vector<size_t>, std::vector<std::string>>>
+        knocks;
+    for (size_t i = 0; i < peers.size(); ++i) {
+      const Peer& peer = *peers[i];
+      {
+        std::lock_guard<std::mutex> lock(connMutex_);
+        if (outbound_.count(&peer) != 0) {
+          continue; // dialled before: its connection says
+        }
+      }
+      if (!peer.departed() && peer.route.unreachable.empty() &&
+          transports_.count(peer.route.transport) != 0) {
+        auto& [at, addresses] = knocks[peer.route.transport];
+        at.push_back(i);
+        addresses.push_back(peer.route.address);
+      }
+    }
+    for (auto& [name, batch] : knocks) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          settleBy - std::chrono::steady_clock::now());
+      auto found = transports_.at(name)->knock(
+          batch.second, std::max(left, kKnockAtLeast));
+      for (size_t k = 0; k < found.size(); ++k) {
+        if (found[k].outcome != transport::Transport::Knock::kUnknown) {
+          why[batch.first[k]] = std::move(found[k].why);
+          known[batch.first[k]] = true;
+        }
+      }
+    }
+  }
+  for (size_t i = 0; i < peers.size(); ++i) {
+    if (known[i]) {
+      continue;
+    }
+    try {
+      conns[i] = connectionTo(*peers[i]);
+    } catch (const c10::Error& e) {
+      why[i] = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      why[i] = e.what();
+    }
+  }
+  while (std::chrono::steady_clock::now() < settleBy &&
+         std::any_of(conns.begin(), conns.end(), [](const auto& c) {
+           return c && !c->isReady() && !c->isClosed();
+         })) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  for (size_t i = 0; i < conns.size(); ++i) {
+    if (conns[i] && conns[i]->isClosed()) {
+      why[i] = conns[i]->closeReason();
+    }
+  }
+  return why;
+}
+
+bool Connections::listenerAnswers(
+    const std::string& name,
+    const std::string& offers,
+    std::chrono::milliseconds within) {
+  try {
+    Route route = routeFor(name, offers);
+    auto it = transports_.find(route.transport);
+    return it != transports_.end() &&
+        it->second->listenerAnswers(
+            route.address,
+            std::min<std::chrono::milliseconds>(
+                within, std::chrono::seconds(1)));
+  } catch (const std::exception&) {
+    return false; // no transport of ours reaches it
+  }
+}
+
+} // namespace torch_rpc_ext
