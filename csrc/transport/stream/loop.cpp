@@ -193,30 +193,38 @@ namespace {
 // own mask given back at once, which leaves it there. Nothing runs narrowed
 // but the two system calls, so no handler, callback or thread it starts
 // inherits one CPU, and the scheduler may move the thread on again (to an
-// idle CPU, if the caller computes instead of waiting). Returns whether the
-// thread now runs on `cpu`; `moved`, whether it had to move.
-bool moveOnto(int cpu, bool* moved) {
-  *moved = false;
+// idle CPU, if the caller computes instead of waiting).
+enum class Move {
+  kThere, // it already ran there: no system call
+  kMoved,
+  kNot, // not a CPU it may run on (or none known)
+  kStuck, // its own mask could not be given back: it stays on `cpu`
+};
+Move moveOnto(int cpu, int* error) {
   if (cpu < 0 || cpu >= CPU_SETSIZE) {
-    return false;
+    return Move::kNot;
   }
   if (::sched_getcpu() == cpu) {
-    return true; // already there: no system call
+    return Move::kThere;
   }
   cpu_set_t own;
   if (::pthread_getaffinity_np(::pthread_self(), sizeof(own), &own) != 0 ||
       !CPU_ISSET(cpu, &own)) {
-    return false; // (a CPU this thread may not run on)
+    return Move::kNot;
   }
   cpu_set_t one;
   CPU_ZERO(&one);
   CPU_SET(cpu, &one);
   if (::pthread_setaffinity_np(::pthread_self(), sizeof(one), &one) != 0) {
-    return false;
+    return Move::kNot;
   }
-  ::pthread_setaffinity_np(::pthread_self(), sizeof(own), &own);
-  *moved = true;
-  return true;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    *error = ::pthread_setaffinity_np(::pthread_self(), sizeof(own), &own);
+    if (*error == 0) {
+      return Move::kMoved;
+    }
+  }
+  return Move::kStuck; // (a cpuset changed under us, or no memory)
 }
 
 } // namespace
@@ -228,7 +236,7 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
     --spinSkip_;
     spin = false;
   }
-  if (!spin && followCaller_) {
+  if (!spin && followCaller_.load(std::memory_order_relaxed)) {
     // The response to that lone call is read without a poll: no later,
     // unrelated poll may move to that caller's CPU.
     followPending_.store(false, std::memory_order_relaxed);
@@ -247,14 +255,28 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
     do {
       // With followCaller, a caller that sent a lone call (now or during the
       // poll) has the poll move to its CPU.
-      if (followCaller_ && followPending_.load(std::memory_order_relaxed) &&
+      if (followCaller_.load(std::memory_order_relaxed) &&
+          followPending_.load(std::memory_order_relaxed) &&
           followPending_.exchange(false, std::memory_order_relaxed)) {
-        bool moved = false;
-        if (moveOnto(callerCpu_.load(std::memory_order_relaxed), &moved)) {
+        int error = 0;
+        Move move =
+            moveOnto(callerCpu_.load(std::memory_order_relaxed), &error);
+        if (move != Move::kNot) {
           pollsOnCallerCpu_.fetch_add(1, std::memory_order_relaxed);
-          if (moved) {
-            pollMoves_.fetch_add(1, std::memory_order_relaxed);
-          }
+        }
+        if (move == Move::kMoved) {
+          pollMoves_.fetch_add(1, std::memory_order_relaxed);
+        } else if (move == Move::kStuck) {
+          // Never again on this loop: the next move would take this one CPU
+          // for the thread's own mask.
+          followCaller_.store(false, std::memory_order_relaxed);
+          logWarning(
+              "torch_rpc_ext: " + name_ +
+              ": could not give a transport thread its CPU affinity back "
+              "after moving it to a caller's CPU (" +
+              std::strerror(error) +
+              "); it stays on that CPU, and poll_on_caller_cpu is off for "
+              "this transport from now");
         }
       }
       int n = ringEvents(events, maxEvents - 1, /*park=*/false);
@@ -307,7 +329,7 @@ int Loop::waitForEvents(epoll_event* events, int maxEvents, int timeoutMs) {
 }
 
 void Loop::expectInput() {
-  if (followCaller_) {
+  if (followCaller_.load(std::memory_order_relaxed)) {
     callerCpu_.store(::sched_getcpu(), std::memory_order_relaxed);
     followPending_.store(true, std::memory_order_relaxed);
   }

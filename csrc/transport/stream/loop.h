@@ -209,7 +209,8 @@ class Loop {
   int spinSkip_ = 0; // armed polls still to skip after a run of misses
   std::atomic<bool> sleeping_{false}; // in the blocking epoll_wait
   std::atomic<bool> pollRequested_{false}; // by expectInput()
-  const bool followCaller_;
+  // Turned off (by the loop thread) if a move sticks.
+  std::atomic<bool> followCaller_;
   // The CPU of the thread that last called expectInput(), and whether the
   // loop has yet to move its poll there (followCaller).
   std::atomic<int> callerCpu_{-1};

@@ -129,10 +129,9 @@ std::vector<Transport::Knock> StreamTransport::knock(
     const std::vector<std::string>& addresses,
     std::chrono::milliseconds timeout) const {
   // Every connect is started at once, then all are polled together until
-  // `timeout`. (A Unix socket whose listener's backlog is full fails at
-  // once with EAGAIN and then polls writable with no error: accepted,
-  // which a listener that exists is.)
+  // `timeout`.
   std::vector<Knock> out(addresses.size(), Knock{Knock::kUnknown, {}});
+  std::vector<std::string> targets(addresses.size());
   std::vector<pollfd> waiting;
   std::vector<size_t> waitingFor;
   auto settle = [&](size_t i, int error) {
@@ -141,13 +140,14 @@ std::vector<Transport::Knock> StreamTransport::knock(
     } else if (peerGone(error)) {
       out[i] = {
           Knock::kRefused,
-          "connect to " + addresses[i] + " failed: " + std::strerror(error)};
+          "connect to " + targets[i] + " failed: " + std::strerror(error)};
     }
   };
   for (size_t i = 0; i < addresses.size(); ++i) {
     SocketAddress to;
     try {
-      to = SocketAddress::parse(routeTo(addresses[i]));
+      targets[i] = routeTo(addresses[i]);
+      to = SocketAddress::parse(targets[i]);
     } catch (const std::exception& e) {
       out[i] = {Knock::kRefused, e.what()}; // as connect() would close
       continue;
@@ -162,9 +162,12 @@ std::vector<Transport::Knock> StreamTransport::knock(
         0) {
       settle(i, 0);
       ::close(fd);
-    } else if (errno == EINPROGRESS || errno == EAGAIN) {
+    } else if (errno == EINPROGRESS) {
       waiting.push_back(pollfd{fd, POLLOUT, 0});
       waitingFor.push_back(i);
+    } else if (errno == EAGAIN && to.family() == AF_UNIX) {
+      settle(i, 0); // a listener whose backlog is full: there
+      ::close(fd);
     } else {
       settle(i, errno);
       ::close(fd);
