@@ -485,6 +485,14 @@ void StreamConnection::close(const std::string& reason) {
   closeInternal(reason, true);
 }
 
+void StreamConnection::closeKnockedFromLoop(bool reset) {
+  knockOnly_ = true;
+  closeInternal(
+      reset ? "peer reset the connection before its first byte"
+            : "peer closed the connection before its first byte",
+      false);
+}
+
 void StreamConnection::closeInternal(std::string reason, bool local) {
   std::deque<PendingWrite> dropped;
   {

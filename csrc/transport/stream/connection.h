@@ -231,6 +231,9 @@ class StreamConnection : public Connection,
   // then close the connection if the flush failed with `error`.
   void afterFlush(const std::string& error);
   void closeInternal(std::string reason, bool local);
+  // Accepted, and closed (`reset`: reset) by the peer before its first
+  // byte: a knock on the listener (knockOnly()), not a failed handshake.
+  void closeKnockedFromLoop(bool reset);
 
   Loop& loop_;
   const TransportOptions& options_;

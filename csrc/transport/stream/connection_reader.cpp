@@ -93,9 +93,8 @@ ssize_t StreamConnection::readSocketFromLoop(
     if (got == 0 && !closeAtEnd) {
       return kSocketEnded;
     }
-    if (got == 0 && !outbound_ && !receivedAny_) {
-      knockOnly_ = true;
-      closeInternal("peer closed the connection before its first byte", false);
+    if (!outbound_ && !receivedAny_ && (got == 0 || errno == ECONNRESET)) {
+      closeKnockedFromLoop(/*reset=*/got != 0); // (SO_LINGER 0: a reset)
       return -1;
     }
     if (got == 0) {
@@ -111,11 +110,6 @@ ssize_t StreamConnection::readSocketFromLoop(
     }
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
       return 0;
-    }
-    if (errno == ECONNRESET && !outbound_ && !receivedAny_) {
-      knockOnly_ = true; // (a prober closing with a reset: SO_LINGER 0)
-      closeInternal("peer reset the connection before its first byte", false);
-      return -1;
     }
     if (errno != EINTR) {
       closeInternal(errnoText("read failed"), false);

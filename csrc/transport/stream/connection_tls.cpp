@@ -61,17 +61,11 @@ void StreamConnection::driveTlsFromLoop() {
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       return; // nothing yet: EPOLLIN brings us back
     }
-    if (got == 0) {
-      knockOnly_ = true; // (before its first byte: this is the peek of it)
-      closeInternal("peer closed the connection before its first byte", false);
+    if (got == 0 || (got < 0 && errno == ECONNRESET)) { // (peeks the 1st byte)
+      closeKnockedFromLoop(/*reset=*/got != 0);
       return;
     }
     if (got < 0) {
-      if (errno == ECONNRESET) {
-        knockOnly_ = true; // (a prober closing with a reset: SO_LINGER 0)
-        closeInternal("peer reset the connection before its first byte", false);
-        return;
-      }
       closeInternal(errnoText("recv failed"), false);
       return;
     }
