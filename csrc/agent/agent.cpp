@@ -3,8 +3,11 @@
 // the glue between its parts, and what it reports.
 #include "csrc/agent/agent.h"
 
+#include <algorithm>
 #include <array>
+#include <chrono>
 #include <map>
+#include <optional>
 
 #include <torch/csrc/distributed/rpc/agent_utils.h>
 #include <torch/csrc/distributed/rpc/request_callback_impl.h>
@@ -153,6 +156,21 @@ void Agent::stopMembership() {
   group_.stop();
 }
 
+namespace {
+// How long a graceful shutdown waits for peers to give back what they hold
+// of ours (Connections::settleChannels()), within the join's deadline.
+std::chrono::milliseconds settleWithin(
+    std::optional<std::chrono::steady_clock::time_point> deadline) {
+  constexpr std::chrono::milliseconds kSettleWithin{2000};
+  if (!deadline) {
+    return kSettleWithin;
+  }
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      *deadline - std::chrono::steady_clock::now());
+  return std::clamp(left, std::chrono::milliseconds(0), kSettleWithin);
+}
+} // namespace
+
 void Agent::join(bool shutdown, float timeout) {
   // Exiting with the agent alive: its threads are parked, nothing would
   // ever complete (common/exit_gate.h).
@@ -172,6 +190,7 @@ void Agent::join(bool shutdown, float timeout) {
     // calls are answered (group_elastic.cpp).
     calls_.drain(deadline, timeout);
     if (shutdown) {
+      connections_.settleChannels(settleWithin(deadline));
       group_.leave(deadline);
       shuttingDown_ = true;
     }
@@ -190,6 +209,9 @@ void Agent::join(bool shutdown, float timeout) {
       }
       if (shutdown) {
         shuttingDown_ = true;
+        // Every worker is here, its loops still reading: what peers hold of
+        // each one's goes back before the connections close.
+        connections_.settleChannels(settleWithin(deadline));
         group_.leaveBarrier(deadline, timeout);
       }
       return true;

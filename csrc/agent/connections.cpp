@@ -234,6 +234,21 @@ void Connections::start() {
   }
 }
 
+void Connections::settleChannels(std::chrono::milliseconds within) {
+  const auto until = std::chrono::steady_clock::now() + within;
+  for (auto& [name, t] : transports_) {
+    t->settleChannels();
+  }
+  auto settled = [&] {
+    return std::all_of(transports_.begin(), transports_.end(), [](auto& t) {
+      return t.second->channelsSettled();
+    });
+  };
+  while (!settled() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 void Connections::stop() {
   for (auto& [name, t] : transports_) {
     t->stop();

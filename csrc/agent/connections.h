@@ -81,6 +81,10 @@ class Connections final : private transport::ConnectionObserver {
   std::string open(const std::string& secret, uint64_t incarnation);
   // Accept connections (torch has made us its agent).
   void start();
+  // A graceful shutdown, the group idle: every connection's channels give
+  // back what their peers hold of ours (cuda_ipc's blocks, which a peer must
+  // close before we free them), waiting at most `within`.
+  void settleChannels(std::chrono::milliseconds within);
   // Stop the transports: every connection closes (onClosed runs for each).
   void stop();
   // Forget the outbound connections (the end of shutdown).

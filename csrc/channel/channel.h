@@ -399,6 +399,16 @@ class Channel {
   // Every heartbeat tick while ready (idle housekeeping), and once at close.
   virtual void onTickFromLoop() {}
   virtual void onClosedFromLoop() {}
+  // A graceful shutdown, the group idle: give back at once what the peer
+  // holds of ours and need not keep, so that it lets go of it before the
+  // connection closes (cuda_ipc: the peer closes its imports of our blocks
+  // before we free them, as the driver wants). settled(), any thread:
+  // nothing of ours is left for the peer to let go of, or the wait for it
+  // is over.
+  virtual void settleFromLoop() {}
+  virtual bool settled() {
+    return true;
+  }
 
  private:
   const std::shared_ptr<const Context> context_;

@@ -112,6 +112,15 @@ class Connection {
   // Any thread: a response is expected soon. A transport may start polling
   // for it now rather than be woken by it (TransportOptions::busyPoll).
   virtual void expectInput() = 0;
+
+  // A graceful shutdown, the group idle: the connection's channels give
+  // back what the peer holds of theirs (channel::Channel::settleFromLoop(),
+  // on the loop); channelsSettled(), any thread: all have, or the
+  // connection is closed.
+  virtual void settleChannels() {}
+  virtual bool channelsSettled() {
+    return true;
+  }
 };
 
 } // namespace torch_rpc_ext::transport

@@ -147,6 +147,14 @@ class Transport {
       const std::vector<std::string>& addresses,
       std::chrono::milliseconds timeout) const = 0;
 
+  // A graceful shutdown, the group idle: every live connection's channels
+  // give back what its peer holds of theirs (Connection::settleChannels());
+  // channelsSettled(): all have.
+  virtual void settleChannels() {}
+  virtual bool channelsSettled() {
+    return true;
+  }
+
   // Close every listener and connection, then join the loop thread.
   virtual void stop() = 0;
 

@@ -437,6 +437,28 @@ def run_drop(rank: int, port: int, ctl) -> None:
     ctl.send(out)
 
 
+def run_shutdown(rank: int, port: int, ctl) -> None:
+    """A tensor there and back (a block of each worker's lent to the
+    other), then straight to rpc.shutdown(). Each worker reports, once its
+    teardown has closed every import of its peer's blocks (the fake's
+    opened events), how many times it used an event or legacy mapping its
+    exporter had already destroyed or freed."""
+    join_pair(rank, port)
+    out = {}
+    if rank == 0:
+        data = pattern(3 << 20, 5)
+        back = rpc.rpc_sync("worker1", identity, args=(cuda_tensor(data),))
+        out["back"] = tensor_bytes(back) == data
+        del back
+    rpc.shutdown()
+    deadline = time.monotonic() + 30
+    while fake_stats()["live"]["opened_ipc_events"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["opened"] = fake_stats()["live"]["opened_ipc_events"]
+    out["poisoned"] = poisoned_uses()
+    ctl.send(out)
+
+
 # ---- a graph captured while tensors move -------------------------------------
 
 

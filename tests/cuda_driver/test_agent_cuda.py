@@ -168,6 +168,25 @@ def test_an_idle_block_is_freed_only_after_the_importer_closed_it(spawn, monkeyp
         assert caller["poisoned"] == (0, 0)
 
 
+@pytest.mark.skipif(REAL_DRIVER, reason="the fake's count of poisoned uses")
+@pytest.mark.parametrize("legacy", [False, True], ids=["descriptor", "legacy"])
+def test_a_graceful_shutdown_frees_each_block_only_after_the_importer_closed_it(
+        spawn, monkeypatch, legacy):
+    """rpc.shutdown() right after a tensor went there and back: each worker
+    holds an import of the other's block. Before, the connections closed and
+    each side freed its blocks and closed its imports independently, so one
+    worker closed its import after the owner had destroyed the events (2
+    poisoned uses in each process, the fake's count). Now, with the group
+    idle, each worker drops its blocks and waits for the peer to close them
+    before the connections close (Connections::settleChannels)."""
+    if legacy:
+        monkeypatch.setenv("TORCH_RPC_EXT_CUDA_IPC_LEGACY", "1")
+    caller, callee = play_with(spawn, agent_worker.run_shutdown)
+    assert caller["back"]
+    assert caller["opened"] == callee["opened"] == 0
+    assert caller["poisoned"] == callee["poisoned"] == 0
+
+
 @pytest.mark.parametrize("channels", [("cuda_ipc",), ("cuda_staged",)],
                          ids=["cuda_ipc", "cuda_staged"])
 def test_tensors_move_while_a_graph_is_captured_in_global_mode(spawn, channels):

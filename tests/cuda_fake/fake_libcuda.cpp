@@ -2491,6 +2491,13 @@ __attribute__((visibility("default"))) int fake_cuda_stats(
     appendJson(j, "streams", s.streams.size());
     appendJson(j, "stream_workers", s.workers.size());
     appendJson(j, "events", s.events.size());
+    // Events opened from another process's handle and not yet destroyed:
+    // 0 once this process has closed every import of its peers' blocks.
+    size_t opened = 0;
+    for (const auto& [h, e] : s.events) {
+      opened += e->opened ? 1 : 0;
+    }
+    appendJson(j, "opened_ipc_events", opened);
     appendJson(j, "modules", s.modules.size());
     appendJson(j, "context_retains", retains);
     // Per device, by index: a process holds a context only on the devices

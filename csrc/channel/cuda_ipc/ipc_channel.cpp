@@ -468,7 +468,7 @@ void IpcChannel::onTickFromLoop() {
   // Blocks go back once traffic stops: releases still waiting for a frame.
   flushReleases();
   closeDropped();
-  trim();
+  trim(std::chrono::milliseconds(kBlockIdleMs));
 }
 
 void IpcChannel::onClosedFromLoop() {
@@ -525,8 +525,8 @@ std::shared_ptr<CUstream_st> IpcChannel::streamOf(
   return stream;
 }
 
-void IpcChannel::trim() {
-  // Free blocks idle for kBlockIdleMs whose events have completed (so that
+void IpcChannel::trim(std::chrono::milliseconds idleFor) {
+  // Free blocks idle for `idleFor` whose events have completed (so that
   // unmapping one never waits on the loop thread for the GPU, ours or the
   // peer's), asked outside the lock.
   std::vector<std::pair<uint32_t, std::shared_ptr<Block>>> idle;
@@ -535,7 +535,7 @@ void IpcChannel::trim() {
     auto now = std::chrono::steady_clock::now();
     for (auto& [id, own] : ownBlocks_) {
       if (own.state == OwnBlock::State::kFree &&
-          now - own.lastUsed >= std::chrono::milliseconds(kBlockIdleMs)) {
+          now - own.lastUsed >= idleFor) {
         idle.emplace_back(id, own.block);
       }
     }

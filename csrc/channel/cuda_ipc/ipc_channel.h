@@ -105,6 +105,14 @@ constexpr size_t kMaxCopyOutBatch = size_t(1) << 16;
 constexpr int64_t kLegacyTeardownWaitMs = 2000;
 // A free block unused this long is unmapped, and the peer told.
 constexpr int64_t kBlockIdleMs = 5000;
+// A graceful shutdown (settleFromLoop()): every free block is dropped at
+// once and the peer's answers awaited, steps this far apart, for this long
+// at most; a block lent at its start may still come back (a release on its
+// way) for kSettleLentMs, after which it is taken as held by the peer's
+// user (a zero-copy view) and left to the close.
+constexpr int64_t kSettleStepMs = 1;
+constexpr int64_t kSettleForMs = 2000;
+constexpr int64_t kSettleLentMs = 100;
 // Segments up to this size, of one frame and device, are packed into one
 // block, each at an offset aligned to kPackAlign (as cudaMalloc's).
 constexpr uint64_t kPackMaxBytes = uint64_t(1) << 20;
@@ -209,6 +217,8 @@ class IpcChannel final : public Channel,
   void collectPendingLocked(std::vector<ControlFrame>* out) override;
   void onTickFromLoop() override;
   void onClosedFromLoop() override;
+  void settleFromLoop() override;
+  bool settled() override;
 
   // From a lease's destructor, any thread, after recording the block's
   // `released` event: the peer's block `id` (of `bytes`) goes back to the
@@ -265,7 +275,8 @@ class IpcChannel final : public Channel,
       const BlockRecord& record,
       const std::shared_ptr<Block>& block,
       InboundSegment& segment);
-  void trim();
+  // Drops our free blocks unused for `idleFor` whose device work is done.
+  void trim(std::chrono::milliseconds idleFor);
   // Sends the releases waiting for a ride now.
   void flushReleases();
   // The ride's timer: sends the batch waiting once it is the ride's wait
@@ -273,6 +284,8 @@ class IpcChannel final : public Channel,
   void armRide(Host& host, std::chrono::milliseconds after);
 
   std::weak_ptr<Host> host_;
+  // A graceful shutdown's settling: since when (0: not settling).
+  std::atomic<int64_t> settlingSinceNs_{0};
   std::mutex releaseMutex_;
   std::string pendingReleases_; // ids (idHead) waiting for our next frame
   std::chrono::steady_clock::time_point batchSince_; // its first release

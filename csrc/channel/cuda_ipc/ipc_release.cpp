@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // cuda_ipc: giving the peer's blocks back, batched to ride with our next
-// frame (ipc_channel.h, kDeferredReleaseBytes).
+// frame (ipc_channel.h, kDeferredReleaseBytes), and at a graceful shutdown
+// every block back before the connection closes (settleFromLoop()).
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <string>
@@ -13,6 +15,12 @@ namespace torch_rpc_ext::channel::cuda {
 
 namespace {
 std::atomic<int64_t> g_releaseRideMs{kReleaseRideMs};
+
+int64_t steadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 } // namespace
 
 void setReleaseRideMs(int64_t ms) {
@@ -29,7 +37,9 @@ void IpcChannel::releasePeerBlock(uint32_t id, uint64_t bytes) {
     return; // nobody left to tell
   }
   const int64_t ride = releaseRideMs();
-  bool now = bytes > kDeferredReleaseBytes || ride == 0;
+  // Settling for a shutdown: no frame of ours will come for it to ride.
+  bool now = bytes > kDeferredReleaseBytes || ride == 0 ||
+      settlingSinceNs_.load(std::memory_order_relaxed) != 0;
   bool arm = false;
   {
     std::lock_guard<std::mutex> lock(releaseMutex_);
@@ -109,6 +119,55 @@ void IpcChannel::collectPendingLocked(std::vector<ControlFrame>* out) {
             {}});
     pendingReleases_.clear();
   }
+}
+
+void IpcChannel::settleFromLoop() {
+  // Our releases go now, not with a frame that will not come; our free
+  // blocks are dropped now, not after kBlockIdleMs: the peer closes its
+  // imports of them and answers, and only then are they freed. Otherwise
+  // the connection's close frees ours while the peer's imports are open,
+  // and the peer closes them after (the events an exporter destroyed, the
+  // memory it freed), which cuda.h calls undefined. Repeated every
+  // kSettleStepMs: blocks whose device work is still running, and blocks
+  // the peer releases meanwhile, are dropped as they come.
+  int64_t zero = 0;
+  settlingSinceNs_.compare_exchange_strong(zero, steadyNs());
+  auto host = host_.lock();
+  if (!host || host->isClosed()) {
+    return;
+  }
+  flushReleases();
+  closeDropped();
+  trim(std::chrono::milliseconds(0));
+  const int64_t since = settlingSinceNs_.load();
+  if (settled() || steadyNs() - since > kSettleForMs * 1000000) {
+    return;
+  }
+  std::weak_ptr<IpcChannel> weak = shared_from_this();
+  host->postAfter(std::chrono::milliseconds(kSettleStepMs), [weak] {
+    if (auto self = weak.lock()) {
+      self->settleFromLoop();
+    }
+  });
+}
+
+bool IpcChannel::settled() {
+  const int64_t since = settlingSinceNs_.load();
+  auto host = host_.lock();
+  if (since == 0 || !host || host->isClosed()) {
+    return true; // not asked to, or nobody left to answer
+  }
+  const bool lentWaitOver = steadyNs() - since > kSettleLentMs * 1000000;
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::none_of(ownBlocks_.begin(), ownBlocks_.end(), [&](auto& kv) {
+    switch (kv.second.state) {
+      case OwnBlock::State::kFree:
+      case OwnBlock::State::kDropping:
+        return true;
+      default: // kLent, kLocal: a user's tensor may hold it
+        return !lentWaitOver;
+    }
+  });
 }
 
 } // namespace torch_rpc_ext::channel::cuda

@@ -124,6 +124,39 @@ void StreamConnection::unwatchFromLoop(int fd) {
   loop_.removeFromLoop(fd);
 }
 
+void StreamConnection::settleChannels() {
+  std::weak_ptr<StreamConnection> weak =
+      std::static_pointer_cast<StreamConnection>(shared_from_this());
+  // Not settled before the channels have been asked, on the loop.
+  settlesPending_.fetch_add(1);
+  loop_.post([weak] {
+    auto self = weak.lock();
+    if (!self) {
+      return;
+    }
+    if (self->isReady()) {
+      for (auto& ch : self->channels_) {
+        ch->settleFromLoop();
+      }
+    }
+    self->settlesPending_.fetch_sub(1);
+  });
+}
+
+bool StreamConnection::channelsSettled() {
+  // channels_ is set before the connection is ready and never changes
+  // after (the writers read it off the loop the same way).
+  if (!isReady()) {
+    return true; // closed: nothing left to give back through it
+  }
+  if (settlesPending_.load() != 0) {
+    return false;
+  }
+  return std::all_of(channels_.begin(), channels_.end(), [](const auto& ch) {
+    return ch->settled();
+  });
+}
+
 void StreamConnection::tickChannelsFromLoop() {
   for (auto& ch : channels_) {
     ch->onTickFromLoop();

@@ -86,6 +86,8 @@ class StreamConnection : public Connection,
   void expectInput() override {
     loop_.expectInput();
   }
+  void settleChannels() override;
+  bool channelsSettled() override;
   std::string closeReason() const override;
   bool rejectedPeer() const override {
     return rejected_.load();
@@ -238,6 +240,8 @@ class StreamConnection : public Connection,
   Loop& loop_;
   const TransportOptions& options_;
   std::atomic<State> state_;
+  // settleChannels() asked, its loop task not yet run.
+  std::atomic<int> settlesPending_{0};
   mutable std::mutex writeMutex_;
   std::deque<PendingWrite> writes_;
   bool chunksBlocked_ = false; // a frame waits for chunk room (writeMutex_)

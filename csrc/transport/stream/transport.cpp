@@ -299,6 +299,31 @@ void StreamTransport::adopt(const std::shared_ptr<Connection>& conn) {
   connections_.push_back(conn);
 }
 
+std::vector<std::shared_ptr<Connection>> StreamTransport::liveConnections() {
+  std::vector<std::shared_ptr<Connection>> live;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& w : connections_) {
+    auto c = w.lock();
+    if (c && !c->isClosed()) {
+      live.push_back(std::move(c));
+    }
+  }
+  return live;
+}
+
+void StreamTransport::settleChannels() {
+  for (const auto& c : liveConnections()) {
+    c->settleChannels();
+  }
+}
+
+bool StreamTransport::channelsSettled() {
+  const auto live = liveConnections();
+  return std::all_of(live.begin(), live.end(), [](const auto& c) {
+    return c->channelsSettled();
+  });
+}
+
 void StreamTransport::stop() {
   std::vector<std::weak_ptr<Connection>> conns;
   std::vector<std::shared_ptr<Listener>> listeners;

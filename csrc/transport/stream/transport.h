@@ -34,6 +34,8 @@ class StreamTransport : public Transport {
   std::vector<Knock> knock(
       const std::vector<std::string>& addresses,
       std::chrono::milliseconds timeout) const override;
+  void settleChannels() override;
+  bool channelsSettled() override;
   void stop() override;
   std::map<std::string, uint64_t> counters() const override;
 
@@ -81,6 +83,8 @@ class StreamTransport : public Transport {
  private:
   // Track a connection so stop() closes it.
   void adopt(const std::shared_ptr<Connection>& conn);
+  // The connections still open.
+  std::vector<std::shared_ptr<Connection>> liveConnections();
 
   // Accepted, not yet authenticated (loop thread only).
   struct Unauthenticated {
