@@ -45,7 +45,8 @@ host waits). tests/cuda_driver/test_cuda_bench.py holds budgets for them.
 
 Output: JSON lines, one per (backend, case), then one ratio per case
 (`time_ext_over_tp`), `cuda_over_cpu` (many_1000x1KB over cpu_1000x1KB,
-per backend), `staged_over_pcie_floor` and `ring_over_pcie_floor`
+per backend), `staged_over_ipc` (identity_4KB through cuda_staged over
+cuda_ipc), `staged_over_pcie_floor` and `ring_over_pcie_floor`
 (a round trip staged costs two directions: the ratio divides by twice the
 floor).
 
@@ -498,7 +499,12 @@ def main(argv=None):
         cfg.zero_copy = name == "ext_zero_copy"
         these = cases
         if name in staging:
-            these = [c for c in cases if c[0] in ("identity_400MB", "identity_4MB")]
+            big = ("identity_400MB", "identity_4MB")
+            # A small tensor staged through pinned host memory beside
+            # cuda_ipc's (`staged_over_ipc`): whether two processes on one
+            # GPU pay the contexts' time-slicing there too.
+            these = [c for c in cases
+                     if c[0] in big or (name == "ext_staged" and c[0] == "identity_4KB")]
         if name == "ext_zero_copy":
             these = [c for c in cases if c[1] not in ("contiguous", "cpu", "cpu_many")]
         if not these:
@@ -529,6 +535,10 @@ def main(argv=None):
         if staged and floor:
             record({"case": case, "ratio": ratio,
                     "value": round(staged["median_us"] / (2 * floor["median_us"]), 3)})
+    staged, ipc = results.get(("identity_4KB", "ext_staged")), results.get(("identity_4KB", "ext"))
+    if staged and ipc:
+        record({"case": "identity_4KB", "ratio": "staged_over_ipc",
+                "value": round(staged["median_us"] / ipc["median_us"], 3)})
     # What the device adds to 1000 tensors in one call, over the same call
     # with CPU tensors between the same workers (1.0: nothing).
     for name in ("ext", "tensorpipe"):

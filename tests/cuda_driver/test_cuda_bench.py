@@ -81,6 +81,10 @@ def test_cuda_bench_runs_every_case(bench_rows):
     timed = {(r["backend"], r["case"]) for r in rows if "median_us" in r}
     assert {("ext", c) for c in CASES} <= timed
     assert ("ext_staged", "identity_4MB") in timed
+    # A small tensor staged, beside cuda_ipc's (the next GPU run's question:
+    # does staging escape two contexts' time-slicing on one GPU?).
+    assert ("ext_staged", "identity_4KB") in timed
+    assert any(r.get("ratio") == "staged_over_ipc" and r["value"] > 0 for r in rows), rows
     assert ("ext_ring", "identity_4MB") in timed
     assert {("ext_zero_copy", c)
             for c in CASES - {"contiguous_128KB", "cpu_4KB", "cpu_1000x1KB"}} <= timed
