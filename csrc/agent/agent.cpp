@@ -190,8 +190,10 @@ void Agent::join(bool shutdown, float timeout) {
     // calls are answered (group_elastic.cpp).
     calls_.drain(deadline, timeout);
     if (shutdown) {
-      connections_.settleChannels(settleWithin(deadline));
+      // Once nobody calls us and our calls are served: the members that
+      // stay keep reading our connections, so they answer the settle.
       group_.leave(deadline);
+      connections_.settleChannels(settleWithin(deadline));
       shuttingDown_ = true;
     }
     return;

@@ -123,4 +123,11 @@ class Connection {
   }
 };
 
+// From a thread running work handed to runAfterDispatch() (a request being
+// served on a loop) that is about to make a call of its own: the loop goes
+// to another thread now rather than after the stall the transport would
+// wait for (a nested rpc_sync waits for a response that loop may have to
+// read). Elsewhere, nothing.
+void handOffServingLoop();
+
 } // namespace torch_rpc_ext::transport

@@ -150,3 +150,23 @@ def test_aead_bench_times_both_engines_on_the_same_records(tmp_path):
             ratios = [r for r in rows if r.get("record_kib") == kib and r.get("op") == op
                       and "ratio" in r]
             assert len(ratios) == (len(engines) == 2)
+
+
+@pytest.mark.timeout(600)
+def test_nested_bench_smoke_emits_both_backends_and_the_hand_offs(tmp_path):
+    out = tmp_path / "nested.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "nested_bench.py"), "--smoke", "--out", str(out)],
+        capture_output=True, text=True, timeout=540, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ours = {r["case"]: r for r in rows if r.get("backend") == "ext"}
+    assert {r["case"] for r in rows if r.get("backend") == "tensorpipe"} == set(ours)
+    assert {r["case"] for r in rows if r.get("ratio") == "time_ext_over_tp"} == set(ours)
+    # A served UDF waiting for a call of its own hands its loop on as it
+    # sends: once per call, where the monitor's 2 ms watch used to.
+    for case in ("nested_to_third", "nested_to_caller"):
+        assert ours[case]["handoffs_per_call"] >= 0.9, ours[case]
+    assert ours["plain"]["handoffs_per_call"] == 0, ours["plain"]

@@ -529,27 +529,32 @@ void IpcChannel::trim(std::chrono::milliseconds idleFor) {
   // Free blocks idle for `idleFor` whose events have completed (so that
   // unmapping one never waits on the loop thread for the GPU, ours or the
   // peer's), asked outside the lock.
-  std::vector<std::pair<uint32_t, std::shared_ptr<Block>>> idle;
+  struct Idle {
+    uint32_t id;
+    std::shared_ptr<Block> block;
+    std::chrono::steady_clock::time_point lastUsed;
+  };
+  std::vector<Idle> idle;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto now = std::chrono::steady_clock::now();
     for (auto& [id, own] : ownBlocks_) {
       if (own.state == OwnBlock::State::kFree &&
           now - own.lastUsed >= idleFor) {
-        idle.emplace_back(id, own.block);
+        idle.push_back(Idle{id, own.block, own.lastUsed});
       }
     }
   }
   if (idle.empty()) {
     return;
   }
-  std::vector<uint32_t> quiet;
-  for (const auto& [id, block] : idle) {
-    CurrentDevice current(block->device());
-    if (libcuda().cuEventQuery(block->ready()) == CUDA_SUCCESS &&
-        libcuda().cuEventQuery(block->released()) == CUDA_SUCCESS &&
-        libcuda().cuEventQuery(block->localUse()) == CUDA_SUCCESS) {
-      quiet.push_back(id);
+  std::vector<Idle> quiet;
+  for (auto& b : idle) {
+    CurrentDevice current(b.block->device());
+    if (libcuda().cuEventQuery(b.block->ready()) == CUDA_SUCCESS &&
+        libcuda().cuEventQuery(b.block->released()) == CUDA_SUCCESS &&
+        libcuda().cuEventQuery(b.block->localUse()) == CUDA_SUCCESS) {
+      quiet.push_back(std::move(b));
     }
   }
   idle.clear();
@@ -557,11 +562,14 @@ void IpcChannel::trim(std::chrono::milliseconds idleFor) {
   std::vector<uint32_t> dropped;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (uint32_t id : quiet) {
-      auto it = ownBlocks_.find(id);
+    for (const Idle& q : quiet) {
+      // Still free and unused since its events were asked: not lent,
+      // used and given back meanwhile (its new work unasked).
+      auto it = ownBlocks_.find(q.id);
       if (it != ownBlocks_.end() &&
-          it->second.state == OwnBlock::State::kFree) {
-        dropped.push_back(id);
+          it->second.state == OwnBlock::State::kFree &&
+          it->second.lastUsed == q.lastUsed) {
+        dropped.push_back(q.id);
         it->second.state = OwnBlock::State::kDropping;
       }
     }

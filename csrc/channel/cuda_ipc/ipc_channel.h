@@ -284,8 +284,12 @@ class IpcChannel final : public Channel,
   void armRide(Host& host, std::chrono::milliseconds after);
 
   std::weak_ptr<Host> host_;
-  // A graceful shutdown's settling: since when (0: not settling).
+  // A graceful shutdown's settling: since when (0: not settling, or over),
+  // and whether its next step is posted (loop thread).
   std::atomic<int64_t> settlingSinceNs_{0};
+  bool settleStepArmed_ = false;
+  // One step of settleFromLoop(), then the next posted until settled().
+  void settleStep();
   std::mutex releaseMutex_;
   std::string pendingReleases_; // ids (idHead) waiting for our next frame
   std::chrono::steady_clock::time_point batchSince_; // its first release

@@ -130,10 +130,20 @@ void IpcChannel::settleFromLoop() {
   // memory it freed), which cuda.h calls undefined. Repeated every
   // kSettleStepMs: blocks whose device work is still running, and blocks
   // the peer releases meanwhile, are dropped as they come.
+  // A settle asked again while one runs goes on with it; one asked after
+  // an earlier ended (a shutdown that failed and was retried) starts anew.
   int64_t zero = 0;
   settlingSinceNs_.compare_exchange_strong(zero, steadyNs());
+  if (!settleStepArmed_) {
+    settleStep();
+  }
+}
+
+void IpcChannel::settleStep() {
+  settleStepArmed_ = false;
   auto host = host_.lock();
   if (!host || host->isClosed()) {
+    settlingSinceNs_.store(0);
     return;
   }
   flushReleases();
@@ -141,12 +151,15 @@ void IpcChannel::settleFromLoop() {
   trim(std::chrono::milliseconds(0));
   const int64_t since = settlingSinceNs_.load();
   if (settled() || steadyNs() - since > kSettleForMs * 1000000) {
+    // Over: releases ride with frames again, and settled() says so.
+    settlingSinceNs_.store(0);
     return;
   }
+  settleStepArmed_ = true;
   std::weak_ptr<IpcChannel> weak = shared_from_this();
   host->postAfter(std::chrono::milliseconds(kSettleStepMs), [weak] {
     if (auto self = weak.lock()) {
-      self->settleFromLoop();
+      self->settleStep();
     }
   });
 }
@@ -155,7 +168,7 @@ bool IpcChannel::settled() {
   const int64_t since = settlingSinceNs_.load();
   auto host = host_.lock();
   if (since == 0 || !host || host->isClosed()) {
-    return true; // not asked to, or nobody left to answer
+    return true; // not asked to, over, or nobody left to answer
   }
   const bool lentWaitOver = steadyNs() - since > kSettleLentMs * 1000000;
   std::lock_guard<std::mutex> lock(mu_);
@@ -164,7 +177,8 @@ bool IpcChannel::settled() {
       case OwnBlock::State::kFree:
       case OwnBlock::State::kDropping:
         return true;
-      default: // kLent, kLocal: a user's tensor may hold it
+      default: // kLent, kLocal: a user's tensor may hold it (a zero-copy
+               // view, the peer's or, handed back, ours)
         return !lentWaitOver;
     }
   });

@@ -45,6 +45,21 @@ thread_local const Loop* tlsDeferredOf = nullptr;
 // The loop this thread was started for (leader or stalled ex-leader).
 thread_local const Loop* tlsThreadOf = nullptr;
 
+// A loop thread's life (loop_threads.cpp starts them): it leads, and when
+// it loses the lead it waits as a spare to lead again, or exits.
+void Loop::runAsLeader(uint64_t generation) {
+  tlsThreadOf = this;
+  while (run(generation)) {
+    if (!parkAsSpare(&generation)) {
+      // The hook first (it may wait for the GIL), so joining us is prompt.
+      runThreadExitHook();
+      std::lock_guard<std::mutex> lock(threadsMutex_);
+      exited_.push_back(std::this_thread::get_id());
+      return;
+    }
+  }
+}
+
 Loop::Loop(
     std::chrono::microseconds busyPoll,
     std::string name,
@@ -76,17 +91,6 @@ Loop::~Loop() {
   stop();
   ::close(wakeFd_);
   ::close(epollFd_);
-}
-
-void Loop::spawnLeaderLocked(uint64_t generation) {
-  std::thread t([this, generation] {
-    nameThisThread(name_);
-    ThreadHooksScope hooks;
-    tlsThreadOf = this;
-    run(generation);
-  });
-  leader_.store(t.get_id());
-  threads_.emplace(t.get_id(), std::move(t));
 }
 
 void Loop::addFromLoop(int fd, std::shared_ptr<Pollable> p, uint32_t events) {
@@ -352,7 +356,7 @@ void Loop::wake() {
   (void)rv;
 }
 
-void Loop::run(uint64_t generation) {
+bool Loop::run(uint64_t generation) {
   constexpr int kMaxEvents = 64;
   epoll_event events[kMaxEvents];
   while (true) {
@@ -387,7 +391,7 @@ void Loop::run(uint64_t generation) {
       runGuarded(fn);
     }
     if (!runDeferred(generation)) {
-      return;
+      return true;
     }
     if (!work.empty() || stopping) {
       timeoutMs = 0; // new work may have been posted meanwhile
@@ -417,7 +421,7 @@ void Loop::run(uint64_t generation) {
       runGuarded([&] { keep->handleEventsFromLoop(ev); });
     }
     if (!runDeferred(generation)) {
-      return;
+      return true;
     }
   }
   handlers_.clear();
@@ -427,6 +431,7 @@ void Loop::run(uint64_t generation) {
     leaderExited_ = true;
   }
   threadsCv_.notify_all();
+  return false;
 }
 
 bool Loop::runDeferred(uint64_t generation) {
@@ -452,88 +457,14 @@ bool Loop::runDeferred(uint64_t generation) {
     uint64_t expected = busy;
     if (!state_.compare_exchange_strong(
             expected, idle, std::memory_order_acq_rel)) {
-      // The monitor handed the loop to a new leader while `fn` ran; what is
-      // left in deferred_ is now its work. Leave without touching anything.
+      // The loop went to a new leader while `fn` ran (the monitor, or
+      // `fn` making a call: handOff()); what is left in deferred_ is now
+      // its work. Leave without touching anything (loop_threads.cpp).
       fn = nullptr;
-      runThreadExitHook();
-      std::lock_guard<std::mutex> lock(threadsMutex_);
-      exited_.push_back(std::this_thread::get_id());
       return false;
     }
   }
   return true;
-}
-
-void Loop::monitor() {
-  using Clock = std::chrono::steady_clock;
-  constexpr auto kTick = std::chrono::milliseconds(1);
-  constexpr int kQuietTicksBeforeSleep = 1000;
-  uint64_t watchedSeq = ~uint64_t(0);
-  Clock::time_point watchedSince;
-  uint64_t lastSeq = ~uint64_t(0);
-  int quietTicks = 0;
-  bool warnedAtCap = false;
-  std::unique_lock<std::mutex> lock(threadsMutex_);
-  while (!monitorStop_) {
-    reapLocked();
-    if (quietTicks >= kQuietTicksBeforeSleep) {
-      // Nothing deferred for a second: sleep until the leader starts some.
-      monitorIdle_.store(true);
-      threadsCv_.wait(
-          lock, [&] { return monitorStop_ || !monitorIdle_.load(); });
-      quietTicks = 0;
-      watchedSeq = ~uint64_t(0);
-      continue;
-    }
-    threadsCv_.wait_for(lock, kTick);
-    if (ExitGate::closed()) {
-      lock.unlock();
-      ExitGate::parkIfClosed();
-    }
-    if (monitorStop_) {
-      break;
-    }
-    uint64_t s = state_.load(std::memory_order_acquire);
-    uint64_t seq = deferredSeq_.load(std::memory_order_relaxed);
-    quietTicks = seq == lastSeq && (s & 1) == 0 ? quietTicks + 1 : 0;
-    lastSeq = seq;
-    if ((s & 1) == 0) {
-      watchedSeq = ~uint64_t(0);
-      continue;
-    }
-    auto now = Clock::now();
-    if (seq != watchedSeq) {
-      watchedSeq = seq;
-      watchedSince = now;
-      continue;
-    }
-    if (now - watchedSince < kTakeoverAfter) {
-      continue;
-    }
-    // The same piece has run for kTakeoverAfter: promote a fresh leader,
-    // unless stalled pieces already hold kMaxThreads threads (then the loop
-    // waits for one of them, as a pool of that size would).
-    if (threads_.size() >= kMaxThreads) {
-      if (!warnedAtCap) {
-        warnedAtCap = true;
-        logWarning(
-            "torch_rpc_ext: " + std::to_string(threads_.size()) +
-            " transport threads are blocked in requests; not adding more");
-      }
-      continue;
-    }
-    uint64_t expected = s;
-    if (state_.compare_exchange_strong(
-            expected, (s & ~uint64_t(1)) + 2, std::memory_order_acq_rel)) {
-      takeovers_.fetch_add(1, std::memory_order_relaxed);
-      spawnLeaderLocked((s >> 1) + 1);
-    }
-    watchedSeq = ~uint64_t(0);
-  }
-}
-
-void Loop::reapLocked() {
-  reapFinished(threads_, exited_);
 }
 
 void Loop::stop() {
@@ -564,6 +495,7 @@ void Loop::stop() {
     std::lock_guard<std::mutex> lock(threadsMutex_);
     monitorStop_ = true;
     threadsCv_.notify_all();
+    spareCv_.notify_all();
     monitor_.detach();
     for (auto& [id, t] : threads_) {
       t.detach();
@@ -577,6 +509,7 @@ void Loop::stop() {
     monitorStop_ = true;
   }
   threadsCv_.notify_all();
+  spareCv_.notify_all(); // spares exit
   monitor_.join();
   ThreadsById all;
   {

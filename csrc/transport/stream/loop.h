@@ -50,9 +50,11 @@ constexpr uint32_t kRingInput = 1u << 27;
 // the handlers of the current round, so a request or a completion costs no
 // thread hop. That work may block (a Python UDF waiting for the GIL, a nested
 // rpc_sync): a monitor thread watches it, and when one piece runs longer than
-// kTakeoverAfter, a fresh thread takes over the loop (leader/follower with
-// lazy promotion). The stalled thread finishes its piece and exits; the loop
-// never waits on user code for more than a few milliseconds.
+// kTakeoverAfter, another thread takes over the loop (leader/follower with
+// lazy promotion); a piece that makes a call hands the loop on at once
+// (handOffIfServing()). The stalled thread finishes its piece and waits as
+// a spare to lead again (kMaxSpares of them), or exits; the loop never
+// waits on user code for more than a few milliseconds.
 class Loop {
  public:
   // A piece of runAfterDispatch() work older than this hands the loop on.
@@ -115,6 +117,13 @@ class Loop {
   // runAfterDispatch() work (which must treat itself as any other thread).
   bool inLoop() const;
 
+  // Any thread: if it runs runAfterDispatch() work that still leads its
+  // loop (a request being served), that loop goes to a fresh thread now,
+  // as the monitor would hand it on after kTakeoverAfter. For a piece
+  // about to make a call of its own (a nested rpc_sync): it would wait for
+  // a response this very loop may have to read.
+  static void handOffIfServing();
+
   // Busy polls that found an event, and those that ran out.
   uint64_t spinHits() const {
     return spinHits_.load(std::memory_order_relaxed);
@@ -132,9 +141,13 @@ class Loop {
     return pollMoves_.load(std::memory_order_relaxed);
   }
 
-  // How often a stalled piece of work handed the loop to a new thread.
+  // How often a stalled piece of work handed the loop to a new thread,
+  // and how often a piece making a call did (handOffIfServing()).
   uint64_t takeovers() const {
     return takeovers_.load(std::memory_order_relaxed);
+  }
+  uint64_t handOffs() const {
+    return handOffs_.load(std::memory_order_relaxed);
   }
 
   // What the connections on this loop put through their sockets, counted
@@ -173,7 +186,13 @@ class Loop {
   void stop();
 
  private:
-  void run(uint64_t generation);
+  // Leads until stopped (false) or until another thread leads (true).
+  bool run(uint64_t generation);
+  void runAsLeader(uint64_t generation);
+  // An ex-leader waits to lead again (true, with its generation), unless
+  // kMaxSpares wait already, none asks within kSpareIdle, or stop().
+  bool parkAsSpare(uint64_t* generation);
+  void handOff();
   // Runs runAfterDispatch() work; false if this thread lost the lead.
   bool runDeferred(uint64_t generation);
   void monitor();
@@ -226,6 +245,7 @@ class Loop {
   std::atomic<uint64_t> deferredSeq_{0}; // pieces started so far
   std::atomic<std::thread::id> leader_;
   std::atomic<uint64_t> takeovers_{0};
+  std::atomic<uint64_t> handOffs_{0};
   Io io_;
 
   // Threads: the current leader, stalled ex-leaders, the monitor.
@@ -235,6 +255,13 @@ class Loop {
   std::vector<std::thread::id> exited_; // to be joined
   bool leaderExited_ = false; // the leader left run() because of stop()
   bool monitorStop_ = false;
+  // Ex-leaders waiting to lead again, and the one asked to (spareCv_).
+  static constexpr size_t kMaxSpares = 2;
+  static constexpr std::chrono::seconds kSpareIdle{10};
+  std::condition_variable spareCv_;
+  std::vector<std::thread::id> spares_;
+  std::thread::id promotedId_;
+  uint64_t promotedGeneration_ = 0;
   std::atomic<bool> monitorIdle_{false};
   std::thread monitor_;
 };

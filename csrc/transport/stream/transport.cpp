@@ -28,6 +28,7 @@ StreamTransport::~StreamTransport() {
 std::map<std::string, uint64_t> StreamTransport::counters() const {
   std::map<std::string, uint64_t> c{
       {"loop_takeovers", loop_.takeovers()},
+      {"loop_handoffs", loop_.handOffs()},
       {"busy_poll_hits", loop_.spinHits()},
       {"busy_poll_misses", loop_.spinMisses()},
       {"polls_on_caller_cpu", loop_.pollsOnCallerCpu()},
