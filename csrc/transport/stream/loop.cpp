@@ -51,10 +51,7 @@ void Loop::runAsLeader(uint64_t generation) {
   tlsThreadOf = this;
   while (run(generation)) {
     if (!parkAsSpare(&generation)) {
-      // The hook first (it may wait for the GIL), so joining us is prompt.
-      runThreadExitHook();
-      std::lock_guard<std::mutex> lock(threadsMutex_);
-      exited_.push_back(std::this_thread::get_id());
+      retire();
       return;
     }
   }
@@ -80,7 +77,11 @@ Loop::Loop(
     fail("epoll_ctl(eventfd)");
   }
   std::lock_guard<std::mutex> lock(threadsMutex_);
-  spawnLeaderLocked(0);
+  // The first leader: a thread made and promoted at once (generation 0).
+  if (!ensureSpareLocked()) {
+    throw std::runtime_error("torch_rpc_ext: cannot start a loop thread");
+  }
+  promoteLocked(0);
   monitor_ = std::thread([this] {
     nameThisThread(name_ + "-mon");
     monitor();

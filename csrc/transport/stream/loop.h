@@ -118,10 +118,12 @@ class Loop {
   bool inLoop() const;
 
   // Any thread: if it runs runAfterDispatch() work that still leads its
-  // loop (a request being served), that loop goes to a fresh thread now,
-  // as the monitor would hand it on after kTakeoverAfter. For a piece
-  // about to make a call of its own (a nested rpc_sync): it would wait for
-  // a response this very loop may have to read.
+  // loop (a request being served), that loop goes to another thread (a
+  // spare, or one made for it), as the monitor would hand it on after
+  // kTakeoverAfter: now if no other work is queued for the loop, else if
+  // the piece still runs kSoon later. For a piece about to make a call of
+  // its own (a nested rpc_sync): it would wait for a response this very
+  // loop may have to read.
   static void handOffIfServing();
 
   // Busy polls that found an event, and those that ran out.
@@ -196,7 +198,20 @@ class Loop {
   // Runs runAfterDispatch() work; false if this thread lost the lead.
   bool runDeferred(uint64_t generation);
   void monitor();
-  void spawnLeaderLocked(uint64_t generation);
+  // Threads (loop_threads.cpp), under threadsMutex_: a spare to promote,
+  // made if none waits (false: none can be had); the lead moved from the
+  // piece of state `s` to a spare, counted in `counter` (false: the piece
+  // ended, or no spare); a spare made leader of `generation`.
+  bool ensureSpareLocked();
+  bool takeLeadLocked(uint64_t s, std::atomic<uint64_t>& counter);
+  void promoteLocked(uint64_t generation);
+  // A spare waits for promotion (true, with its generation) or kSpareIdle
+  // (false, and it is no spare any more).
+  bool awaitPromotionLocked(
+      std::unique_lock<std::mutex>& lock,
+      uint64_t* generation);
+  // A thread that leads no more and waits for nothing: off to be joined.
+  void retire();
   void reapLocked();
   void wake();
   // epoll_wait, preceded by a bounded busy poll when one is armed.
@@ -262,6 +277,12 @@ class Loop {
   std::vector<std::thread::id> spares_;
   std::thread::id promotedId_;
   uint64_t promotedGeneration_ = 0;
+  // A piece that made a call with other work queued (handOff()): the
+  // monitor hands the loop on if it still runs kSoon later.
+  static constexpr std::chrono::microseconds kSoon{100};
+  static constexpr uint64_t kNoPiece = ~uint64_t(0);
+  uint64_t soonSeq_ = kNoPiece;
+  std::chrono::steady_clock::time_point soonSince_;
   std::atomic<bool> monitorIdle_{false};
   std::thread monitor_;
 };
