@@ -77,6 +77,7 @@ Loop::Loop(
     fail("epoll_ctl(eventfd)");
   }
   std::lock_guard<std::mutex> lock(threadsMutex_);
+  spares_.reserve(kMaxSpares + 1);
   // The first leader: a thread made and promoted at once (generation 0).
   if (!ensureSpareLocked()) {
     throw std::runtime_error("torch_rpc_ext: cannot start a loop thread");
@@ -442,9 +443,10 @@ bool Loop::runDeferred(uint64_t generation) {
     auto fn = std::move(deferred_.front());
     deferred_.pop_front();
     deferredSeq_.fetch_add(1, std::memory_order_relaxed);
-    state_.store(busy, std::memory_order_release);
-    if (monitorIdle_.load(std::memory_order_relaxed) &&
-        monitorIdle_.exchange(false)) {
+    // seq_cst, as the monitor's idle mark and its second look (monitor()):
+    // either it sees this piece, or this sees its mark and wakes it.
+    state_.store(busy);
+    if (monitorIdle_.load() && monitorIdle_.exchange(false)) {
       // Under the mutex, so the monitor cannot miss it between its check
       // and its wait.
       {

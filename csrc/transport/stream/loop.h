@@ -282,6 +282,7 @@ class Loop {
   static constexpr std::chrono::microseconds kSoon{100};
   static constexpr uint64_t kNoPiece = ~uint64_t(0);
   uint64_t soonSeq_ = kNoPiece;
+  bool warnedNoThread_ = false;
   std::chrono::steady_clock::time_point soonSince_;
   std::atomic<bool> monitorIdle_{false};
   std::thread monitor_;

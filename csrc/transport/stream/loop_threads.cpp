@@ -27,7 +27,7 @@ bool Loop::ensureSpareLocked() {
     return false;
   }
   // Made before any state changes: a thread that cannot be had (the
-  // process's limit) leaves the loop with its leader.
+  // process's limit, memory) leaves the loop with its leader.
   std::thread t;
   try {
     t = std::thread([this] {
@@ -43,15 +43,31 @@ bool Loop::ensureSpareLocked() {
         retire();
       }
     });
-  } catch (const std::system_error& e) {
-    logWarning(
-        std::string("torch_rpc_ext: the ") + name_ +
-        " loop cannot start a thread (" + e.what() +
-        "); a blocked request keeps it until it ends");
+  } catch (const std::exception& e) {
+    if (!warnedNoThread_) {
+      warnedNoThread_ = true;
+      logWarning(
+          std::string("torch_rpc_ext: the ") + name_ +
+          " loop cannot start a thread (" + e.what() +
+          "); a blocked request keeps it until it ends");
+    }
     return false;
   }
-  spares_.push_back(t.get_id());
-  threads_.emplace(t.get_id(), std::move(t));
+  const auto id = t.get_id();
+  try {
+    threads_.emplace(id, std::move(t));
+    spares_.push_back(id);
+  } catch (const std::exception&) {
+    // Out of memory for the bookkeeping: the thread waits its kSpareIdle
+    // unpromoted and retires; nothing joins it.
+    if (t.joinable()) {
+      t.detach();
+    } else {
+      threads_.at(id).detach();
+      threads_.erase(id);
+    }
+    return false;
+  }
   return true;
 }
 
@@ -144,6 +160,7 @@ void Loop::handOff() {
   soonSeq_ = deferredSeq_.load(std::memory_order_relaxed);
   soonSince_ = std::chrono::steady_clock::now();
   if (!pending) {
+    monitorIdle_.store(false); // an idle monitor's wait ends only so
     threadsCv_.notify_all();
   }
 }
@@ -162,7 +179,15 @@ void Loop::monitor() {
     reapLocked();
     if (quietTicks >= kQuietTicksBeforeSleep) {
       // Nothing deferred for a second: sleep until the leader starts some.
+      // Looked at again once idle is marked (both seq_cst, as runDeferred's
+      // busy mark and its read of monitorIdle_): a piece that began in
+      // between either sees the mark and wakes us, or is seen here.
       monitorIdle_.store(true);
+      if ((state_.load() & 1) != 0 || deferredSeq_.load() != lastSeq) {
+        monitorIdle_.store(false);
+        quietTicks = 0;
+        continue;
+      }
       threadsCv_.wait(
           lock, [&] { return monitorStop_ || !monitorIdle_.load(); });
       quietTicks = 0;
@@ -238,7 +263,13 @@ void Loop::reapLocked() {
 namespace torch_rpc_ext::transport {
 
 void handOffServingLoop() {
-  stream::Loop::handOffIfServing();
+  try {
+    stream::Loop::handOffIfServing();
+  } catch (const std::exception& e) {
+    // The call is sent already; its loop stays where it is (the monitor
+    // still hands it on after 2 ms).
+    logWarning(std::string("torch_rpc_ext: loop hand-off failed: ") + e.what());
+  }
 }
 
 } // namespace torch_rpc_ext::transport
