@@ -409,6 +409,14 @@ def poisoned_uses() -> int | None:
     return stats["poisoned_uses"] if stats else None
 
 
+def there_and_back(nbytes: int, seed: int) -> bool:
+    """A CUDA tensor to worker1 and back (a block of each worker's lent to
+    the other): whether its bytes came back whole. Nothing of it is kept."""
+    data = pattern(nbytes, seed)
+    back = rpc.rpc_sync("worker1", identity, args=(cuda_tensor(data),))
+    return tensor_bytes(back) == data
+
+
 def run_drop(rank: int, port: int, ctl) -> None:
     """A tensor there and back (a block of each worker's lent to the
     other), then both idle until each has dropped its block (kBlockIdleMs):
@@ -418,10 +426,7 @@ def run_drop(rank: int, port: int, ctl) -> None:
     join_pair(rank, port)
     out = {}
     if rank == 0:
-        data = pattern(3 << 20, 9)
-        back = rpc.rpc_sync("worker1", identity, args=(cuda_tensor(data),))
-        out["back"] = tensor_bytes(back) == data
-        del back
+        out["back"] = there_and_back(3 << 20, 9)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             mine = channel_counters()
@@ -446,10 +451,7 @@ def run_shutdown(rank: int, port: int, ctl) -> None:
     join_pair(rank, port)
     out = {}
     if rank == 0:
-        data = pattern(3 << 20, 5)
-        back = rpc.rpc_sync("worker1", identity, args=(cuda_tensor(data),))
-        out["back"] = tensor_bytes(back) == data
-        del back
+        out["back"] = there_and_back(3 << 20, 5)
     rpc.shutdown()
     deadline = time.monotonic() + 30
     while fake_stats()["live"]["opened_ipc_events"] and time.monotonic() < deadline:
