@@ -8,6 +8,7 @@ import functools
 import gc
 import itertools
 import mmap
+import os
 import threading
 import time
 
@@ -42,6 +43,21 @@ def nested_from(caller):
     return me
 
 
+def shm_loop_threads():
+    # The names of the shm loop's threads (its monitor aside), once any
+    # ex-leader still finishing its piece has parked (at most 2 s).
+    for _ in range(200):
+        names = sorted(
+            open(f"/proc/self/task/{tid}/comm").read().strip()
+            for tid in os.listdir("/proc/self/task")
+            if os.path.exists(f"/proc/self/task/{tid}/comm"))
+        names = [n for n in names if n.startswith("rpcx-shm") and n != "rpcx-shm-mon"]
+        if names.count("rpcx-shm") == 1:
+            break
+        time.sleep(0.01)
+    return names
+
+
 def nested_calls(rank, world_size, calls):
     init(rank, world_size, rpc_timeout=60)
     out = {}
@@ -49,6 +65,7 @@ def nested_calls(rank, world_size, calls):
         out["servers"] = [rpc.rpc_sync("worker1", nested_from, args=("worker0",))
                           for _ in range(calls)]
         out["callee"] = rpc.rpc_sync("worker1", metrics)
+        out["names"] = rpc.rpc_sync("worker1", shm_loop_threads)
     rpc.shutdown()
     return out
 
@@ -316,6 +333,11 @@ def test_a_loop_handed_on_goes_to_a_spare_thread_not_a_new_one():
     r = run_world(nested_calls, 2, timeout=120, calls=20)[0]
     assert int(r["callee"]["rpc_ext.shm.loop_handoffs"]) >= 1, r["callee"]
     assert len(set(r["servers"])) <= 4, r["servers"]
+    # The thread leading the loop is named for it; those waiting say so
+    # (top -H, py-spy), so a profile tells the spares from the leader.
+    assert r["names"].count("rpcx-shm") == 1, r["names"]
+    assert 1 <= r["names"].count("rpcx-shm-spare") <= 2, r["names"]
+    assert set(r["names"]) == {"rpcx-shm", "rpcx-shm-spare"}, r["names"]
 
 
 def test_builtin_and_torchscript_calls_do_not_need_the_callees_gil():

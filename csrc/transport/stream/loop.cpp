@@ -46,10 +46,17 @@ thread_local const Loop* tlsDeferredOf = nullptr;
 thread_local const Loop* tlsThreadOf = nullptr;
 
 // A loop thread's life (loop_threads.cpp starts them): it leads, and when
-// it loses the lead it waits as a spare to lead again, or exits.
+// it loses the lead it waits as a spare to lead again, or exits. Its name
+// says which ("rpcx-shm" leading or finishing a stalled piece,
+// "rpcx-shm-spare" parked), as top -H and py-spy show it.
 void Loop::runAsLeader(uint64_t generation) {
   tlsThreadOf = this;
-  while (run(generation)) {
+  for (;;) {
+    nameThisThread(name_);
+    if (!run(generation)) {
+      return;
+    }
+    nameThisThread(spareName());
     if (!parkAsSpare(&generation)) {
       retire();
       return;

@@ -194,6 +194,10 @@ class Loop {
   // An ex-leader waits to lead again (true, with its generation), unless
   // kMaxSpares wait already, none asks within kSpareIdle, or stop().
   bool parkAsSpare(uint64_t* generation);
+  // A parked thread's name: "rpcx-shm-spare" for "rpcx-shm".
+  std::string spareName() const {
+    return name_ + "-spare";
+  }
   void handOff();
   // Runs runAfterDispatch() work; false if this thread lost the lead.
   bool runDeferred(uint64_t generation);

@@ -31,7 +31,7 @@ bool Loop::ensureSpareLocked() {
   std::thread t;
   try {
     t = std::thread([this] {
-      nameThisThread(name_);
+      nameThisThread(spareName());
       ThreadHooksScope hooks;
       uint64_t generation = 0;
       std::unique_lock<std::mutex> lock(threadsMutex_);
