@@ -7,6 +7,7 @@
 #include "csrc/agent/tracing.h"
 
 #include <torch/csrc/distributed/rpc/utils.h>
+#include <torch/csrc/python_headers.h>
 
 #include <thread>
 
@@ -146,7 +147,9 @@ c10::intrusive_ptr<JitFuture> Agent::send(
           /*arrival=*/{},
           callCostsOn() ? std::chrono::steady_clock::now()
                         : std::chrono::steady_clock::time_point{},
-          kind});
+          kind,
+          kind == CallKind::kScript && Py_IsInitialized() &&
+              PyGILState_GetThisThreadState() != nullptr});
   auto& stats = peer->stats;
   stats.callsSent.fetch_add(1, std::memory_order_relaxed);
   stats.bytesSent.fetch_add(wireBytes, std::memory_order_relaxed);

@@ -54,6 +54,12 @@ class CallTable {
     // the peer's CallCosts).
     std::chrono::steady_clock::time_point sentAt{};
     CallKind kind = CallKind::kOther;
+    // A builtin or TorchScript call (kScript) sent by a thread Python
+    // knows (torch's Python frontend, a served UDF): its future's callbacks
+    // convert the response under the GIL, and none of them asserts that
+    // the GIL is free (torch's PythonRpcHandler::getInstance(), which a
+    // Python UDF's response reaches, does). Calls::completeHoldingGil().
+    bool completeHoldingGil = false;
   };
   using ExpireFn = std::function<void(int64_t id, Call call)>;
 

@@ -157,6 +157,18 @@ void Calls::settle(
     // Measured, 2000 pipelined calls, 3 alternating runs of 7 bursts:
     // 37.0k/22.4k/20.1k -> 43.5k/31.9k/25.6k calls/s (median burst), loop
     // takeovers per 7 bursts 2-27 -> 0 (docs/performance.md).
+    if (call.completeHoldingGil && Py_IsInitialized()) {
+      bool queueTask = false;
+      {
+        std::lock_guard<std::mutex> lock(heldMutex_);
+        held_.emplace_back(std::move(call), std::move(response));
+        queueTask = heldNeedsTaskLocked();
+      }
+      if (queueTask) {
+        completions_.run([this, owner] { completeHoldingGil(owner); });
+      }
+      return;
+    }
     completions_.run([this,
                       owner,
                       call = std::move(call),
@@ -181,6 +193,87 @@ void Calls::settle(
         complete(call, std::move(response));
       },
       /*expectMore=*/true);
+}
+
+void Calls::completeHoldingGil(const std::shared_ptr<void>& owner) {
+  // Builtin and TorchScript calls made from Python (CallTable::Call::
+  // completeHoldingGil): each completion takes the GIL (torch converts the
+  // response to a Python object), and the thread issuing pipelined calls
+  // gives the GIL up and takes it back at every call, so one acquisition
+  // per completion was a hand-off (a futex wake and a context switch on
+  // each side) per call. One task completes those queued in a row, up to
+  // kHoldFor (then the issuing thread's turn), under one acquisition, and
+  // drops their futures in it (torch's PyObject preservation takes the GIL
+  // there too: retire()). Measured, bursts of 2000 rpc_async(torch.add), 5
+  // alternating pairs: CPU per call, both processes, 75-89 -> 64-73 us
+  // (docs/performance.md, "Completions under one hold of the GIL").
+  //
+  // A call queued while a task of these takes calls off the queue (it
+  // waits for the GIL, or is between two completions: heldDrainers_) is
+  // left to that task. While every such task is inside a completion, whose
+  // callbacks may wait (letting the GIL go) for a later call of the queue,
+  // a task is queued for the calls behind it (heldTaskQueued_): the pool
+  // runs it on a thread it adds if this one stalls, as it would any
+  // stalled completion. So a thread waiting for the GIL never has another
+  // queued behind it for the same calls, and the pool does not grow while
+  // the issuing thread holds the GIL. One call at a time off the queue,
+  // never several taken ahead, for the same reason.
+  constexpr unsigned kHoldFor = 32;
+  {
+    std::lock_guard<std::mutex> lock(heldMutex_);
+    heldTaskQueued_ = false;
+    if (held_.empty()) {
+      return; // an earlier task completed them
+    }
+    ++heldDrainers_;
+  }
+  // Leaves the drainers, queueing a task for calls still waiting if none
+  // is left to take them.
+  auto leave = [this, &owner] {
+    bool queueTask = false;
+    {
+      std::lock_guard<std::mutex> lock(heldMutex_);
+      --heldDrainers_;
+      queueTask = !held_.empty() && heldNeedsTaskLocked();
+    }
+    if (queueTask) {
+      completions_.run([this, owner] { completeHoldingGil(owner); });
+    }
+  };
+  // (Python finalised: completed as before, each callback on its own.)
+  std::optional<pybind11::gil_scoped_acquire> gil;
+  if (Py_IsInitialized()) {
+    gil.emplace();
+    gilHolds_.fetch_add(1, std::memory_order_relaxed);
+  }
+  for (unsigned n = 0; n < kHoldFor; ++n) {
+    std::optional<std::pair<CallTable::Call, c10::intrusive_ptr<rpc::Message>>>
+        next;
+    {
+      std::lock_guard<std::mutex> lock(heldMutex_);
+      if (held_.empty()) {
+        --heldDrainers_;
+        return;
+      }
+      next.emplace(std::move(held_.front()));
+      held_.pop_front();
+    }
+    leave(); // inside a completion: not taking calls
+    complete(next->first, std::move(next->second));
+    next.reset(); // the future with it, under the GIL
+    std::lock_guard<std::mutex> lock(heldMutex_);
+    ++heldDrainers_;
+    ++heldCount_;
+  }
+  leave(); // kHoldFor done: the issuing thread's turn
+}
+
+bool Calls::heldNeedsTaskLocked() {
+  if (heldDrainers_ > 0 || heldTaskQueued_) {
+    return false;
+  }
+  heldTaskQueued_ = true;
+  return true;
 }
 
 void Calls::retire(c10::intrusive_ptr<c10::ivalue::Future> future) {
@@ -349,9 +442,19 @@ void Calls::addMetrics(std::unordered_map<std::string, std::string>& m) {
     m["agent.client_active_calls"] = std::to_string(active_);
   }
   m["rpc_ext.late_responses"] = std::to_string(lateResponses_.load());
+  uint64_t held = 0;
+  {
+    std::lock_guard<std::mutex> lock(heldMutex_);
+    held = heldCount_;
+  }
+  // Every future the completion thread dropped: in batches (retire()) or
+  // in a hold of the GIL (completeHoldingGil()).
   std::lock_guard<std::mutex> lock(retiredMutex_);
-  m["rpc_ext.completions.retired_futures"] = std::to_string(retiredCount_);
+  m["rpc_ext.completions.retired_futures"] =
+      std::to_string(retiredCount_ + held);
   m["rpc_ext.completions.retire_batches"] = std::to_string(retireBatches_);
+  m["rpc_ext.completions.held_gil"] = std::to_string(held);
+  m["rpc_ext.completions.gil_holds"] = std::to_string(gilHolds_.load());
 }
 
 } // namespace torch_rpc_ext

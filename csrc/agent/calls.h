@@ -22,6 +22,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -106,7 +107,8 @@ class Calls {
   void stop();
 
   // agent.client_active_calls, rpc_ext.late_responses,
-  // rpc_ext.completions.{retired_futures, retire_batches} (get_metrics), and
+  // rpc_ext.completions.{retired_futures, retire_batches, held_gil,
+  // gil_holds} (get_metrics), and
   // rpc_ext.pending_calls (get_debug_info).
   void addMetrics(std::unordered_map<std::string, std::string>& m);
   size_t pending() const {
@@ -128,6 +130,9 @@ class Calls {
   // Drop a future the completion thread completed (see calls.cpp: batched
   // under one GIL acquisition).
   void retire(c10::intrusive_ptr<c10::ivalue::Future> future);
+  // Complete the calls queued in held_, up to 32, under one acquisition of
+  // the GIL (calls.cpp). `owner`: the agent, held while tasks are queued.
+  void completeHoldingGil(const std::shared_ptr<void>& owner);
   // Complete a call's future with its response (or the error it carries).
   void complete(
       CallTable::Call& call,
@@ -144,6 +149,20 @@ class Calls {
   std::vector<c10::intrusive_ptr<c10::ivalue::Future>> retired_;
   uint64_t retiredCount_ = 0; // futures retired, and the batches they went in
   uint64_t retireBatches_ = 0;
+  // Completed and dropped in completeHoldingGil() (under heldMutex_); and
+  // its acquisitions of the GIL.
+  uint64_t heldCount_ = 0;
+  std::atomic<uint64_t> gilHolds_{0};
+  // Calls to complete holding the GIL (CallTable::Call::completeHoldingGil),
+  // in arrival order.
+  std::mutex heldMutex_;
+  std::deque<std::pair<CallTable::Call, c10::intrusive_ptr<rpc::Message>>>
+      held_;
+  bool heldTaskQueued_ = false; // a completeHoldingGil() task not yet begun
+  size_t heldDrainers_ = 0; // its tasks taking calls off held_
+  // Under heldMutex_: whether a call queued in held_ needs a task queued
+  // for it (none takes calls off it, none is queued); marks one queued.
+  bool heldNeedsTaskLocked();
   // Remote work in the caller's torch.profiler trace.
   RemoteProfiling profiling_;
   CallTable table_;

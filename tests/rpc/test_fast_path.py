@@ -4,11 +4,14 @@ thread that read them, a stalled one hands the loop to a new thread, and a
 serving loop busy-polls (bounded) for the next request."""
 
 import collections
+import contextlib
 import functools
 import gc
 import itertools
 import mmap
 import os
+import signal
+import subprocess
 import threading
 import time
 
@@ -28,6 +31,10 @@ def metrics():
     return rpc.api._get_current_rpc_agent().get_metrics()
 
 
+def noop_int(x):
+    return x
+
+
 def ping_back(caller, depth):
     # Blocks the serving thread on a call whose response that same
     # process's loop must read.
@@ -44,18 +51,16 @@ def nested_from(caller):
 
 
 def shm_loop_threads():
-    # The names of the shm loop's threads (its monitor aside), once any
-    # ex-leader still finishing its piece has parked (at most 2 s).
-    for _ in range(200):
-        names = sorted(
-            open(f"/proc/self/task/{tid}/comm").read().strip()
-            for tid in os.listdir("/proc/self/task")
-            if os.path.exists(f"/proc/self/task/{tid}/comm"))
-        names = [n for n in names if n.startswith("rpcx-shm") and n != "rpcx-shm-mon"]
-        if names.count("rpcx-shm") == 1:
-            break
-        time.sleep(0.01)
-    return names
+    # The names of the shm loop's threads, its monitor aside. (Quick: a
+    # piece that ran 2 ms would have its loop taken over.)
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # (exited meanwhile)
+            pass
+    return sorted(n for n in names if n.startswith("rpcx-shm") and n != "rpcx-shm-mon")
 
 
 def nested_calls(rank, world_size, calls):
@@ -65,7 +70,13 @@ def nested_calls(rank, world_size, calls):
         out["servers"] = [rpc.rpc_sync("worker1", nested_from, args=("worker0",))
                           for _ in range(calls)]
         out["callee"] = rpc.rpc_sync("worker1", metrics)
-        out["names"] = rpc.rpc_sync("worker1", shm_loop_threads)
+        # Asked until an ex-leader still finishing its piece has parked (at
+        # most 2 s).
+        for _ in range(200):
+            out["names"] = rpc.rpc_sync("worker1", shm_loop_threads)
+            if out["names"].count("rpcx-shm") == 1:
+                break
+            time.sleep(0.01)
     rpc.shutdown()
     return out
 
@@ -369,6 +380,55 @@ def test_serving_threads_keep_one_python_thread_state():
         assert r[rank]["after"] == r[rank]["before"], r[rank]
 
 
+def completion_counts():
+    return {k: int(v) for k, v in metrics().items() if k.startswith("rpc_ext.completions.")}
+
+
+def hold_the_gil_for_a_second():
+    # (~1 s here) in one C call: Python code would hand the GIL to a
+    # waiting thread every 5 ms.
+    gc.disable()
+    try:
+        collections.deque(itertools.islice(itertools.count(), 5 * 10**7), maxlen=0)
+    finally:
+        gc.enable()
+
+
+@contextlib.contextmanager
+def stopped(pid):
+    # The callee stopped while the block sends its calls, then resumed (by
+    # a process of its own, 0.2 s in) while this thread holds the GIL, so
+    # every response arrives in the hold.
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        resume = subprocess.Popen(["sh", "-c", f"sleep 0.2; kill -CONT {pid}"])
+        hold_the_gil_for_a_second()
+        if resume.wait(30) != 0:
+            os.kill(pid, signal.SIGCONT)
+
+
+def burst_while_holding_the_gil(fn, args_of, callee_pid):
+    # A call in flight throughout, so the burst's calls complete on the
+    # completion thread; they queue there while this thread holds the GIL.
+    # The callee is stopped while they are sent, so none is answered before
+    # the hold: this thread gives the GIL up at every call it sends.
+    before = completion_counts()
+    with stopped(callee_pid):
+        futs = [rpc.rpc_async("worker1", fn, args=args_of(i)) for i in range(200)]
+    values = [f.wait() for f in futs]
+    # (A future is dropped, and counted, just after its waiter is woken.)
+    for _ in range(200):
+        after = completion_counts()
+        done = after["rpc_ext.completions.retired_futures"] - \
+            before["rpc_ext.completions.retired_futures"]
+        if done >= len(futs):
+            break
+        time.sleep(0.01)
+    return values, {k: after[k] - before.get(k, 0) for k in after}
+
+
 def pipelined_results_released(rank, world_size):
     import weakref
 
@@ -377,23 +437,32 @@ def pipelined_results_released(rank, world_size):
     if rank == 0:
         one = torch.ones(1000)
         rpc.rpc_sync("worker1", torch.add, args=(one, 0))
-        before = {k: int(v) for k, v in metrics().items() if k.startswith("rpc_ext.completions.")}
-        # A call in flight throughout, so the burst's calls complete on the
-        # completion thread; they queue there while this thread holds the GIL.
         slow = rpc.rpc_async("worker1", wait_for_release)
-        futs = [rpc.rpc_async("worker1", torch.add, args=(one, i)) for i in range(200)]
-        sum(range(2 * 10**7))  # (the GIL held while the responses arrive)
-        values = [f.wait() for f in futs]
+        pid = rpc.rpc_sync("worker1", os.getpid)
+        values, out["builtin"] = burst_while_holding_the_gil(
+            torch.add, lambda i: (one, i), pid)
         out["right"] = all(torch.equal(v, one + i) for i, v in enumerate(values))
+        udf_values, out["udf"] = burst_while_holding_the_gil(noop_int, lambda i: (i,), pid)
+        out["right_udf"] = udf_values == list(range(200))
+        # A callback that waits for a later call of the same hold: the
+        # completion thread lets the GIL go in that wait, and the later call
+        # completes on a thread the pool adds. (The callee stopped, so the
+        # callback is attached before its call completes.)
+        later = []
+        with stopped(pid):
+            first = rpc.rpc_async("worker1", torch.add, args=(one, 0))
+            chained = first.then(lambda f: float(later[-1].wait()[0] + f.value()[0]))
+            later.extend([rpc.rpc_async("worker1", torch.add, args=(one, i))
+                          for i in range(1, 50)])
+        out["chained"] = chained.wait()
+        futs = [first, *later]
         rpc.rpc_sync("worker1", release)
         slow.wait()
-        after = {k: int(v) for k, v in metrics().items() if k.startswith("rpc_ext.completions.")}
-        out["counts"] = {k: after[k] - before.get(k, 0) for k in after}
         # Nothing of ours holds the results once Python lets them go: a
         # retired future still held would keep its tensors' Python objects
         # alive (torch's PyObject preservation), and these refs with them.
         refs = [weakref.ref(v) for v in values]
-        del values, futs, slow
+        del values, futs, slow, chained
         gc.collect()
         out["alive"] = sum(r() is not None for r in refs)
     else:
@@ -402,19 +471,28 @@ def pipelined_results_released(rank, world_size):
     return out
 
 
-def test_pipelined_futures_are_dropped_in_batches_under_one_gil_hold():
-    # Dropping a completed future whose tensors Python holds takes the GIL
-    # (torch's PyObject preservation): the completion thread drops them in
-    # batches, one acquisition each, instead of one per call, and holds none
-    # once its queue is empty.
+def test_pipelined_completions_take_the_gil_once_for_many():
+    # Builtin and TorchScript calls made from Python complete under one
+    # hold of the GIL for up to 32 of them in a row (torch converts each
+    # response under the GIL; one acquisition each was a hand-off with the
+    # issuing thread per call), dropping their futures in it. Python UDF
+    # calls never complete holding it (torch asserts the GIL is free where
+    # their responses go): their futures go in batches under one
+    # acquisition, none held once the queue is empty.
     r = run_world(pipelined_results_released, 2, timeout=120)[0]
-    assert r["right"], r
-    counts = r["counts"]
-    assert counts["rpc_ext.completions.retired_futures"] >= 200, counts
-    # (14-31 batches for 201 here: the completion pool grows threads while
+    assert r["right"] and r["right_udf"], r
+    builtin, udf = r["builtin"], r["udf"]
+    assert builtin["rpc_ext.completions.held_gil"] >= 200, builtin
+    # (7 for 200 here: 32 a hold.)
+    assert builtin["rpc_ext.completions.gil_holds"] <= \
+        builtin["rpc_ext.completions.held_gil"] // 8, builtin
+    assert udf["rpc_ext.completions.held_gil"] == 0, udf
+    assert udf["rpc_ext.completions.retired_futures"] >= 200, udf
+    # (14-31 batches for 200 here: the completion pool grows threads while
     # the first completions wait for the GIL, and each flushes its own.)
-    assert counts["rpc_ext.completions.retire_batches"] <= \
-        counts["rpc_ext.completions.retired_futures"] // 2, counts
+    assert udf["rpc_ext.completions.retire_batches"] <= \
+        udf["rpc_ext.completions.retired_futures"] // 2, udf
+    assert r["chained"] == 1.0 + 50.0, r  # (one + 49) + (one + 0)
     assert r["alive"] == 0, r
 
 
