@@ -13,6 +13,7 @@
 
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
+#include "csrc/common/threads.h"
 #include "csrc/wire/codec.h"
 
 namespace torch_rpc_ext {
@@ -148,7 +149,8 @@ c10::intrusive_ptr<JitFuture> Agent::send(
           callCostsOn() ? std::chrono::steady_clock::now()
                         : std::chrono::steady_clock::time_point{},
           kind,
-          kind == CallKind::kScript && Py_IsInitialized() &&
+          kind == CallKind::kScript && !isThreadOfOurs() &&
+              Py_IsInitialized() &&
               PyGILState_GetThisThreadState() != nullptr});
   auto& stats = peer->stats;
   stats.callsSent.fetch_add(1, std::memory_order_relaxed);

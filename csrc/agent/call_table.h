@@ -54,11 +54,14 @@ class CallTable {
     // the peer's CallCosts).
     std::chrono::steady_clock::time_point sentAt{};
     CallKind kind = CallKind::kOther;
-    // A builtin or TorchScript call (kScript) sent by a thread Python
-    // knows (torch's Python frontend, a served UDF): its future's callbacks
-    // convert the response under the GIL, and none of them asserts that
-    // the GIL is free (torch's PythonRpcHandler::getInstance(), which a
-    // Python UDF's response reaches, does). Calls::completeHoldingGil().
+    // A builtin or TorchScript call (kScript) sent by a user's Python
+    // thread (torch's Python frontend): its future's callbacks convert the
+    // response under the GIL (toPyJitFuture), then run the user's. Not
+    // one sent by a thread of ours (a served UDF, a callback): its future
+    // may be the one an @async_execution UDF returns, whose continuation
+    // serializes the UDF's result through PythonRpcHandler::getInstance(),
+    // which asserts the GIL is free (as a Python UDF's response, kPython,
+    // reaches it too). Calls::completeHoldingGil().
     bool completeHoldingGil = false;
   };
   using ExpireFn = std::function<void(int64_t id, Call call)>;

@@ -12,6 +12,7 @@
 
 #include "csrc/agent/call_trace.h"
 #include "csrc/agent/thread_state.h"
+#include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
 
 namespace torch_rpc_ext {
@@ -27,6 +28,16 @@ std::string timeoutText(int64_t ms) {
   std::string text = rpc::kRpcTimeoutErrorStr;
   auto at = text.find("{}");
   return text.replace(at, 2, std::to_string(ms));
+}
+
+// Whether the GIL can be taken: not once Python finalises (a thread that
+// takes it then is ended by CPython).
+bool pythonUsable() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
 }
 
 // Calls::finished() at the end of a scope, however it ends.
@@ -157,7 +168,7 @@ void Calls::settle(
     // Measured, 2000 pipelined calls, 3 alternating runs of 7 bursts:
     // 37.0k/22.4k/20.1k -> 43.5k/31.9k/25.6k calls/s (median burst), loop
     // takeovers per 7 bursts 2-27 -> 0 (docs/performance.md).
-    if (call.completeHoldingGil && Py_IsInitialized()) {
+    if (call.completeHoldingGil && pythonUsable()) {
       bool queueTask = false;
       {
         std::lock_guard<std::mutex> lock(heldMutex_);
@@ -227,45 +238,68 @@ void Calls::completeHoldingGil(const std::shared_ptr<void>& owner) {
     }
     ++heldDrainers_;
   }
-  // Leaves the drainers, queueing a task for calls still waiting if none
-  // is left to take them.
-  auto leave = [this, &owner] {
-    bool queueTask = false;
-    {
-      std::lock_guard<std::mutex> lock(heldMutex_);
-      --heldDrainers_;
-      queueTask = !held_.empty() && heldNeedsTaskLocked();
+  // This task counts among the drainers while it waits for the GIL and
+  // between completions; it leaves them (queueing a task for the calls
+  // behind, if no other drainer takes them) inside a completion and when
+  // it ends, however it ends.
+  struct Draining {
+    Calls& calls;
+    const std::shared_ptr<void>& owner;
+    bool in = true;
+    void enter() {
+      std::lock_guard<std::mutex> lock(calls.heldMutex_);
+      ++calls.heldDrainers_;
+      in = true;
     }
-    if (queueTask) {
-      completions_.run([this, owner] { completeHoldingGil(owner); });
+    void leave() {
+      if (!in) {
+        return;
+      }
+      in = false;
+      bool queueTask = false;
+      {
+        std::lock_guard<std::mutex> lock(calls.heldMutex_);
+        --calls.heldDrainers_;
+        queueTask = !calls.held_.empty() && calls.heldNeedsTaskLocked();
+      }
+      if (queueTask) {
+        calls.completions_.run([&calls = calls, owner = owner] {
+          calls.completeHoldingGil(owner);
+        });
+      }
     }
-  };
-  // (Python finalised: completed as before, each callback on its own.)
+    ~Draining() {
+      leave();
+    }
+  } draining{*this, owner};
+  // (Python finalising: completed as before, each callback on its own.)
   std::optional<pybind11::gil_scoped_acquire> gil;
-  if (Py_IsInitialized()) {
+  if (pythonUsable()) {
     gil.emplace();
     gilHolds_.fetch_add(1, std::memory_order_relaxed);
   }
   for (unsigned n = 0; n < kHoldFor; ++n) {
+    // The process exits: no more user code here (common/exit_gate.h).
+    if (ExitGate::closed()) {
+      return;
+    }
     std::optional<std::pair<CallTable::Call, c10::intrusive_ptr<rpc::Message>>>
         next;
     {
       std::lock_guard<std::mutex> lock(heldMutex_);
       if (held_.empty()) {
-        --heldDrainers_;
         return;
       }
       next.emplace(std::move(held_.front()));
       held_.pop_front();
+      ++heldCount_;
     }
-    leave(); // inside a completion: not taking calls
+    draining.leave(); // inside a completion: not taking calls
     complete(next->first, std::move(next->second));
     next.reset(); // the future with it, under the GIL
-    std::lock_guard<std::mutex> lock(heldMutex_);
-    ++heldDrainers_;
-    ++heldCount_;
+    draining.enter();
   }
-  leave(); // kHoldFor done: the issuing thread's turn
+  // kHoldFor done: the issuing thread's turn (draining leaves).
 }
 
 bool Calls::heldNeedsTaskLocked() {
@@ -297,7 +331,7 @@ void Calls::retire(c10::intrusive_ptr<c10::ivalue::Future> future) {
     batch.swap(retired_);
     ++retireBatches_;
   }
-  if (Py_IsInitialized()) {
+  if (pythonUsable()) {
     pybind11::gil_scoped_acquire gil;
     batch.clear();
   }

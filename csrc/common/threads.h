@@ -16,8 +16,16 @@ namespace torch_rpc_ext {
 // Every thread of ours names itself as it starts: a new thread otherwise
 // inherits its creator's name (a pool worker started by a loop thread would
 // read as the loop).
+inline thread_local bool tlsThreadOfOurs = false;
 inline void nameThisThread(const std::string& name) {
+  tlsThreadOfOurs = true;
   pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+}
+
+// Whether the calling thread is one the agent started (it named itself, or
+// runs ThreadHooksScope), not a user's.
+inline bool isThreadOfOurs() {
+  return tlsThreadOfOurs;
 }
 
 // Threads by id, as the thread pool and the transport loop keep them.
@@ -79,6 +87,7 @@ inline void runThreadExitHook() {
 class ThreadHooksScope {
  public:
   ThreadHooksScope() {
+    tlsThreadOfOurs = true;
     tlsThreadExitHookDone = false;
     if (auto start = gThreadStartHook.load()) {
       start();
