@@ -207,17 +207,18 @@ void Calls::settle(
 }
 
 void Calls::completeHoldingGil(const std::shared_ptr<void>& owner) {
-  // Builtin and TorchScript calls made from Python (CallTable::Call::
-  // completeHoldingGil): each completion takes the GIL (torch converts the
-  // response to a Python object), and the thread issuing pipelined calls
-  // gives the GIL up and takes it back at every call, so one acquisition
+  // Builtin and TorchScript calls sent by a user's Python thread
+  // (CallTable::Call::completeHoldingGil): each completion takes the GIL (torch
+  // converts the response to a Python object), and the thread issuing pipelined
+  // calls gives the GIL up and takes it back at every call, so one acquisition
   // per completion was a hand-off (a futex wake and a context switch on
   // each side) per call. One task completes those queued in a row, up to
   // kHoldFor (then the issuing thread's turn), under one acquisition, and
   // drops their futures in it (torch's PyObject preservation takes the GIL
   // there too: retire()). Measured, bursts of 2000 rpc_async(torch.add), 5
-  // alternating pairs: CPU per call, both processes, 75-89 -> 64-73 us
-  // (docs/performance.md, "Completions under one hold of the GIL").
+  // alternating pairs: CPU per call, both processes, median 88 -> 73 us
+  // (docs/performance.md, "Pipelined completions under one hold of the
+  // GIL").
   //
   // A call queued while a task of these takes calls off the queue (it
   // waits for the GIL, or is between two completions: heldDrainers_) is
