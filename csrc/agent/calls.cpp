@@ -14,6 +14,7 @@
 #include "csrc/agent/thread_state.h"
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
+#include "csrc/common/python_state.h"
 
 namespace torch_rpc_ext {
 
@@ -28,16 +29,6 @@ std::string timeoutText(int64_t ms) {
   std::string text = rpc::kRpcTimeoutErrorStr;
   auto at = text.find("{}");
   return text.replace(at, 2, std::to_string(ms));
-}
-
-// Whether the GIL can be taken: not once Python finalises (a thread that
-// takes it then is ended by CPython).
-bool pythonUsable() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsInitialized() && !Py_IsFinalizing();
-#else
-  return Py_IsInitialized() && !_Py_IsFinalizing();
-#endif
 }
 
 // Calls::finished() at the end of a scope, however it ends.

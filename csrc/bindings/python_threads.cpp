@@ -16,6 +16,7 @@
 #include <Python.h>
 
 #include "csrc/bindings/bind.h"
+#include "csrc/common/python_state.h"
 #include "csrc/common/threads.h"
 
 namespace torch_rpc_ext::bindings {
@@ -24,16 +25,8 @@ namespace {
 
 thread_local PyThreadState* tlsState = nullptr;
 
-bool interpreterGone() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return !Py_IsInitialized() || Py_IsFinalizing();
-#else
-  return !Py_IsInitialized() || _Py_IsFinalizing();
-#endif
-}
-
 void onThreadStart() {
-  if (interpreterGone()) {
+  if (!pythonUsable()) {
     return;
   }
   // Also binds it to this thread for PyGILState_GetThisThreadState().
@@ -49,7 +42,7 @@ void onThreadStart() {
 void onThreadExit() {
   PyThreadState* state = tlsState;
   tlsState = nullptr;
-  if (state == nullptr || interpreterGone()) {
+  if (state == nullptr || !pythonUsable()) {
     return;
   }
   PyEval_RestoreThread(state);
