@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.distributed import rpc
 
-from tests.rpc.world import init, run_world
+from tests.rpc.world import init, run_world, stop_process
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -398,8 +398,9 @@ def hold_the_gil_for_a_second():
 def stopped(pid):
     # The callee stopped while the block sends its calls, then resumed (by
     # a process of its own, 0.2 s in) while this thread holds the GIL, so
-    # every response arrives in the hold.
-    os.kill(pid, signal.SIGSTOP)
+    # every response arrives in the hold. (Once stopped: CI saw the first
+    # call of a block answered before kill()'s stop took effect.)
+    stop_process(pid)
     try:
         yield
     finally:

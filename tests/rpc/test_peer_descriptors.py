@@ -20,7 +20,7 @@ from torch.distributed import rpc
 
 from tests.rpc.test_hostile_peers import SECRET
 from tests.rpc.test_shm_transport import echo, loop_cpu_seconds, shut_down_wakeups_from
-from tests.rpc.world import init, run_world
+from tests.rpc.world import init, run_world, stop_process
 from torch_rpc_ext.testing import (
     SLAB,
     closed_by_peer,
@@ -88,7 +88,7 @@ def from_another_user(addr, pid):
     once lost that race 20 times running), or the process's close could
     come after the worker's."""
     lingering, other = lingering_socket(LINGER_S)
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         child = subprocess.Popen(
             [sys.executable, "-c", OTHER_USER, addr, str(lingering.fileno())],

@@ -5,7 +5,9 @@ import os
 import pickle
 import queue as queue_module
 import random
+import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +48,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped.
+
+    kill() only queues the stop: a thread running on another CPU stops when
+    it next enters the kernel, and on a loaded VM one of ours spinning on a
+    shm ring was seen answering a call sent after kill() returned. Each
+    thread's state in /proc says "T" once it is stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        running = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    # (The state follows the name's closing parenthesis.)
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue  # (a thread that ended)
+            if state not in ("T", "t", "Z", "X"):
+                running.append(tid)
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGCONT)
+            raise AssertionError(f"threads {running} of {pid} did not stop in {timeout}s")
+        time.sleep(0.001)
 
 
 def options(**options: Any) -> torch_rpc_ext.RpcExtBackendOptions:
