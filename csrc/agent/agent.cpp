@@ -14,6 +14,7 @@
 #include <torch/csrc/distributed/rpc/utils.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "csrc/agent/held_gil.h"
 #include "csrc/agent/serve_callback.h"
 #include "csrc/agent/torch_private.h"
 #include "csrc/common/crypto.h"
@@ -112,6 +113,9 @@ Agent::~Agent() {
 }
 
 void Agent::startImpl() {
+  // torch sets its resolver just before start() (_set_and_start_rpc_agent);
+  // completions under a held GIL need it wrapped (held_gil.h).
+  typeResolver_ = held_gil::resolverFreeingTheGil(typeResolver_);
   connections_.start();
   rrefs_.setLive(true); // torch has made us its agent
 }

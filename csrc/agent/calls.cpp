@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "csrc/agent/call_trace.h"
+#include "csrc/agent/held_gil.h"
 #include "csrc/agent/thread_state.h"
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
@@ -266,8 +267,10 @@ void Calls::completeHoldingGil(const std::shared_ptr<void>& owner) {
   } draining{*this, owner};
   // (Python finalising: completed as before, each callback on its own.)
   std::optional<pybind11::gil_scoped_acquire> gil;
+  std::optional<held_gil::Hold> hold; // (held_gil.h: what must let it go)
   if (pythonUsable()) {
     gil.emplace();
+    hold.emplace();
     gilHolds_.fetch_add(1, std::memory_order_relaxed);
   }
   for (unsigned n = 0; n < kHoldFor; ++n) {
