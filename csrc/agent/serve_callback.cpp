@@ -41,6 +41,16 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
     rrefs.recordThreadLocalPendingRRefs();
     std::shared_ptr<rpc::RpcCommandBase> call = decodeScriptCall(request);
     auto ready = rrefs.waitForThreadLocalPendingRRefs();
+    if (streams.empty() && ready->completed() && !ready->hasError()) {
+      // No RRef among the arguments to wait for, and no device of ours (the
+      // server passes streams only where the agent has devices): run it
+      // now. thenAsync would return a device-less future mirroring the
+      // one run here, which is device-less too (its devices are the
+      // agent's: none). Saves a future, a callback, and two sets of the
+      // thread-local state (wrapPropagateTLSState) a request.
+      return processRpcWithErrors(
+          *call, rpc::MessageType::SCRIPT_CALL, streams);
+    }
     return ready->thenAsync(
         [this, call = std::move(call), streams = std::move(streams)](
             rpc::JitFuture& /* ready */) {
@@ -117,6 +127,27 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processScriptCall(
       c10::IValue value = table->call(
           name.substr(kNamedFunctionPrefix.size()), call.stackRef());
       return asFuture(rpc::ScriptResp(std::move(value)).toMessage());
+    }
+  }
+  if (call.hasOp() && streams.empty()) {
+    // A builtin operator on an agent with no devices: upstream's
+    // runJitOperator and the then() after it, without what only they
+    // need: the result's static type (TensorType::create allocates a
+    // dozen times for a tensor) for an intermediate future, and that
+    // future's callback, which sets the thread-local state twice. What
+    // is returned is the same: a device-less future holding the response
+    // message, or the error.
+    auto& stack = call.stackRef();
+    try {
+      call.op()->getOperation()(stack);
+      TORCH_INTERNAL_ASSERT(
+          stack.size() == 1,
+          "Return value of a builtin operator should be a single IValue, "
+          "got a vector of size ",
+          stack.size());
+      return asFuture(rpc::ScriptResp(std::move(stack.front())).toMessage());
+    } catch (const std::exception&) {
+      return asFuture(std::current_exception());
     }
   }
   return RequestCallbackImpl::processScriptCall(rpc, streams);
