@@ -5,12 +5,14 @@
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <unordered_map>
+#include <utility>
 
 #include "csrc/wire/head.h"
 
@@ -180,15 +182,13 @@ class StoragePlan {
     auto* impl = t.storage().unsafeGetStorageImpl();
     int64_t lo = t.storage_offset() * int64_t(t.element_size());
     int64_t hi = lo + extentBytes(t);
-    auto it = spans_.find(impl);
-    if (it == spans_.end()) {
-      spans_.emplace(impl, Span{lo, hi, t.storage(), 0, exclusive, target});
-      order_.push_back(impl);
-    } else {
-      it->second.lo = std::min(it->second.lo, lo);
-      it->second.hi = std::max(it->second.hi, hi);
+    if (Span* seen = findSpan(impl)) {
+      seen->lo = std::min(seen->lo, lo);
+      seen->hi = std::max(seen->hi, hi);
       // A storage two tensors share: exclusive only if a single tensor held it.
-      it->second.exclusive = false;
+      seen->exclusive = false;
+    } else {
+      addSpan(impl, Span{lo, hi, t.storage(), 0, exclusive, target});
     }
     tensors_.push_back(t);
     return t;
@@ -197,15 +197,14 @@ class StoragePlan {
   // Finalise spans; must run after every admit() and before describe().
   void seal(frame::OutboundFrame& frame) {
     for (const auto& t : tensors_) {
-      auto& s = spans_.at(t.storage().unsafeGetStorageImpl());
+      auto& s = spanOf(t.storage().unsafeGetStorageImpl());
       int64_t off = t.storage_offset() * int64_t(t.element_size());
       // Every tensor's offset must stay a whole number of elements.
       if ((off - s.lo) % int64_t(t.element_size()) != 0) {
         s.lo = 0;
       }
     }
-    for (auto* impl : order_) {
-      auto& s = spans_.at(impl);
+    for (auto& [impl, s] : spans_) { // (in the order admitted)
       s.segment = static_cast<uint32_t>(frame.segments.size());
       const char* base = static_cast<const char*>(s.storage.data());
       frame::OutboundFrame::Segment seg{
@@ -267,7 +266,7 @@ class StoragePlan {
       w.put<int8_t>(packed->second.target);
       return;
     }
-    const auto& s = spans_.at(t.storage().unsafeGetStorageImpl());
+    const auto& s = spanOf(t.storage().unsafeGetStorageImpl());
     w.put<uint8_t>(static_cast<uint8_t>(t.scalar_type()));
     w.put<uint8_t>(t.requires_grad() ? 1 : 0);
     w.put<uint8_t>(static_cast<uint8_t>(t.dim()));
@@ -304,9 +303,46 @@ class StoragePlan {
   std::unordered_map<c10::TensorImpl*, at::Tensor> hosted_; // copyToHost()
   std::unordered_map<c10::TensorImpl*, Packed> packed_;
   std::vector<c10::TensorImpl*> packedOrder_;
-  std::unordered_map<c10::StorageImpl*, Span> spans_;
-  std::vector<c10::StorageImpl*> order_;
-  std::vector<at::Tensor> tensors_;
+  // A message's storages in the order admitted, found by a look through a
+  // few, by an index past kLinearSpans (built then): a small message makes
+  // no allocation for them.
+  static constexpr size_t kLinearSpans = 8;
+  const Span* findSpan(c10::StorageImpl* impl) const {
+    if (spanIndex_.empty()) {
+      for (const auto& [k, s] : spans_) {
+        if (k == impl) {
+          return &s;
+        }
+      }
+      return nullptr;
+    }
+    auto it = spanIndex_.find(impl);
+    return it == spanIndex_.end() ? nullptr : &spans_[it->second].second;
+  }
+  Span* findSpan(c10::StorageImpl* impl) {
+    return const_cast<Span*>(std::as_const(*this).findSpan(impl));
+  }
+  const Span& spanOf(c10::StorageImpl* impl) const {
+    const Span* s = findSpan(impl);
+    TORCH_INTERNAL_ASSERT(s != nullptr, "a tensor's storage was not admitted");
+    return *s;
+  }
+  Span& spanOf(c10::StorageImpl* impl) {
+    return const_cast<Span&>(std::as_const(*this).spanOf(impl));
+  }
+  void addSpan(c10::StorageImpl* impl, Span span) {
+    spans_.emplace_back(impl, std::move(span));
+    if (spanIndex_.empty() && spans_.size() > kLinearSpans) {
+      for (size_t i = 0; i < spans_.size(); ++i) {
+        spanIndex_.emplace(spans_[i].first, i);
+      }
+    } else if (!spanIndex_.empty()) {
+      spanIndex_.emplace(impl, spans_.size() - 1);
+    }
+  }
+  c10::SmallVector<std::pair<c10::StorageImpl*, Span>, 4> spans_;
+  std::unordered_map<c10::StorageImpl*, size_t> spanIndex_;
+  c10::SmallVector<at::Tensor, 4> tensors_;
 };
 
 } // namespace
@@ -380,8 +416,13 @@ frame::OutboundFrame encodeMessage(
     at::Tensor indices;
     at::Tensor original;
   };
-  std::vector<Entry> entries;
+  c10::SmallVector<Entry, 4> entries;
   entries.reserve(message->tensors().size());
+  // The head's bytes, bounded (a sparse tensor writes three tensors' worth).
+  size_t headBound = 32 + trace.size();
+  for (const auto& t : message->tensors()) {
+    headBound += 3 * (24 + 16 * size_t(t.dim()));
+  }
   for (const auto& t : message->tensors()) {
     if (t.layout() == at::kSparse) {
       TORCH_CHECK(
@@ -412,11 +453,13 @@ frame::OutboundFrame encodeMessage(
 
   frame::OutboundFrame frame;
   frame.kind = frame::FrameKind::kMessage;
+  frame.segments.reserve(1 + entries.size());
   const auto& payload = message->payload();
   frame.segments.push_back({payload.data(), payload.size()});
   plan.seal(frame);
 
   HeadWriter w;
+  w.out.reserve(headBound);
   const bool traced = !trace.empty() && trace.size() <= kMaxTraceContext;
   w.put<uint32_t>(
       static_cast<uint32_t>(message->type()) | (traced ? kTraceFlag : 0));

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/distributed/rpc/message.h>
 
 #include "csrc/common/buffer_pool.h"
@@ -180,8 +181,8 @@ class InboundMessage {
   struct DenseMeta {
     c10::ScalarType dtype;
     bool requiresGrad;
-    std::vector<int64_t> sizes;
-    std::vector<int64_t> strides;
+    c10::SmallVector<int64_t, 4> sizes;
+    c10::SmallVector<int64_t, 4> strides;
     int64_t offset;
     uint32_t segment;
     int8_t device; // CUDA device index, or -1: CPU
@@ -191,7 +192,7 @@ class InboundMessage {
     bool sparse;
     DenseMeta dense; // the tensor itself, or the values of a sparse one
     DenseMeta indices; // sparse only
-    std::vector<int64_t> sparseSizes;
+    c10::SmallVector<int64_t, 4> sparseSizes;
     bool coalesced;
     bool requiresGrad;
   };
@@ -208,12 +209,12 @@ class InboundMessage {
   // Per segment after the payload, where a landing packed several into one
   // storage: the byte offset of its bytes in it (else empty).
   std::vector<uint64_t> storageOffsets_;
-  std::vector<TensorMeta> tensors_;
+  c10::SmallVector<TensorMeta, 2> tensors_;
   // Per segment after the payload: the CUDA device of its tensors, or -1.
-  std::vector<int8_t> segmentDevices_;
+  c10::SmallVector<int8_t, 8> segmentDevices_;
   // Per segment after the payload: the CUDA device its host bytes are
   // copied onto in finish(), or -1.
-  std::vector<int8_t> segmentLandings_;
+  c10::SmallVector<int8_t, 8> segmentLandings_;
   std::vector<c10::DeviceIndex> cudaDevices_;
 };
 

@@ -278,7 +278,7 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   // a host segment, copied onto the device in finish().
   m->segmentDevices_.assign(segmentSizes.size() - 1, -2);
   m->segmentLandings_.assign(segmentSizes.size() - 1, -1);
-  std::vector<int> placed(segmentSizes.size() - 1, -2);
+  c10::SmallVector<int, 8> placed(segmentSizes.size() - 1, -2);
   auto place = [&](const DenseMeta& d) {
     const int code = d.hostCarried ? -3 - int(d.device) : int(d.device);
     int& seen = placed[d.segment - 1];
