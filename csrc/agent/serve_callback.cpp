@@ -46,8 +46,7 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
       // server passes streams only where the agent has devices): run it
       // now. thenAsync would return a device-less future mirroring the
       // one run here, which is device-less too (its devices are the
-      // agent's: none). Saves a future, a callback, and two sets of the
-      // thread-local state (wrapPropagateTLSState) a request.
+      // agent's: none). Saves a future and a callback a request.
       return processRpcWithErrors(
           *call, rpc::MessageType::SCRIPT_CALL, streams);
     }
@@ -130,24 +129,31 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processScriptCall(
     }
   }
   if (call.hasOp() && streams.empty()) {
-    // A builtin operator on an agent with no devices: upstream's
-    // runJitOperator and the then() after it, without what only they
-    // need: the result's static type (TensorType::create allocates a
-    // dozen times for a tensor) for an intermediate future, and that
-    // future's callback, which sets the thread-local state twice. What
-    // is returned is the same: a device-less future holding the response
-    // message, or the error.
+    // A builtin operator with no streams to run under (an agent with no
+    // devices; or upstream's profiling wrapper, which passes none on any
+    // agent): upstream's runJitOperator and the then() after it, without
+    // what only they need: the result's static type (TensorType::create
+    // allocates a dozen times for a tensor) for an intermediate future,
+    // and that future's callback. The same is returned: a future holding
+    // the response message (its devices the agent's, its storages' events
+    // recorded on the current streams, as upstream's then() records them),
+    // or the operator's error. A wrong number of results throws, as
+    // upstream's does, to processRpcWithErrors (its "Error on Node" reply).
     auto& stack = call.stackRef();
     try {
       call.op()->getOperation()(stack);
-      TORCH_INTERNAL_ASSERT(
-          stack.size() == 1,
-          "Return value of a builtin operator should be a single IValue, "
-          "got a vector of size ",
-          stack.size());
-      return asFuture(rpc::ScriptResp(std::move(stack.front())).toMessage());
     } catch (const std::exception&) {
       return asFuture(std::current_exception());
+    }
+    TORCH_INTERNAL_ASSERT(
+        stack.size() == 1,
+        "Return value of a builtin operator or a TorchScript function should "
+        "be a single IValue, got a vector of size ",
+        stack.size());
+    try {
+      return asFuture(rpc::ScriptResp(std::move(stack.front())).toMessage());
+    } catch (const std::exception&) {
+      return asFuture(std::current_exception()); // (as upstream's then())
     }
   }
   return RequestCallbackImpl::processScriptCall(rpc, streams);

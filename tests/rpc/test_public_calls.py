@@ -78,6 +78,15 @@ def every_call(rank, world_size):
             rpc.rpc_sync("worker1", raise_value_error, args=("missing",))
         except ValueError as e:
             out["remote_error"] = ("ValueError", str(e))
+        # A builtin operator's failures, as upstream words them: its own
+        # error; and a result count other than one (upstream's assertion,
+        # answered by its error handler, "Error on Node 1: ...").
+        for key, fn, args in (("op_error", torch.add, (torch.ones(2), torch.ones(3))),
+                              ("two_results", torch.topk, (torch.arange(4.0), 2))):
+            try:
+                rpc.rpc_sync("worker1", fn, args=args)
+            except RuntimeError as e:
+                out[key] = str(e)
         out["info_by_name"] = rpc.get_worker_info("worker1").id
         out["info_by_id"] = rpc.get_worker_info(1).name
         # Every call resolves its destination this way: one object per
@@ -137,6 +146,9 @@ def test_every_public_call_returns_the_local_result():
     assert out["self_call"] == 7
     assert out["nested"] == 7
     assert out["remote_error"][0] == "ValueError" and "missing" in out["remote_error"][1]
+    assert "must match the size of tensor b" in out["op_error"], out["op_error"]
+    assert out["two_results"].startswith("Error on Node 1: "), out["two_results"]
+    assert "should be a single IValue, got a vector of size 2" in out["two_results"]
     assert out["info_by_name"] == 1 and out["info_by_id"] == "worker1"
     assert out["info_kept"] == (True, True)
     assert out["agent_kept"] and out["agent_released"]
