@@ -34,6 +34,7 @@ __all__ = [
     "update_worker_names",
     "install_shutdown",
     "watched_wait_all_workers",
+    "install_builtin_frontend",
 ]
 
 
@@ -52,6 +53,20 @@ def register_backend(
         backend_registry.register_backend(name, construct_options, init_backend)
     rpc.BackendType = backend_registry.BackendType
     return backend_registry.BackendType[name]
+
+
+def install_builtin_frontend(ours: Callable[..., Any]) -> None:
+    """Send builtin calls through ``ours`` (``_C._invoke_rpc_builtin``:
+    csrc/agent/builtin_call.h), which is torch's ``_invoke_rpc_builtin``
+    without printing the operator's schema on every call, and which calls
+    torch's own while another backend's agent is current. ``api._invoke_rpc``
+    looks the name up in its module on every call. Kept after shutdown.
+    ``TORCH_RPC_EXT_TORCH_FRONTEND=1`` keeps torch's."""
+    import os
+
+    if os.environ.get("TORCH_RPC_EXT_TORCH_FRONTEND") == "1":
+        return
+    api._invoke_rpc_builtin = ours
 
 
 def init_rpc_states(agent: Any) -> None:

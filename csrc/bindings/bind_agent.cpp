@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // Python surface of Agent: argument conversion, GIL policy, names. No logic.
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
 
 #include "csrc/agent/agent.h"
+#include "csrc/agent/builtin_call.h"
 #include "csrc/agent/call_trace.h"
 #include "csrc/agent/tracing.h"
 #include "csrc/bindings/bind.h"
@@ -316,6 +318,29 @@ void bindAgent(py::module_& m) {
       [](const std::map<std::string, std::pair<std::string, std::string>>&
              images) { channel::setCudaKernels(images); });
   m.def("default_address", &transport::defaultAdvertisedAddress);
+  // torch.distributed.rpc.api._invoke_rpc_builtin while an agent of ours is
+  // current (builtin_call.h); torch's own for any other agent.
+  m.def(
+      "_invoke_rpc_builtin",
+      [](const py::object& dst,
+         const std::string& opName,
+         float rpcTimeoutSeconds,
+         const py::args& args,
+         const py::kwargs& kwargs) -> py::object {
+        if (!rpc::RpcAgent::isCurrentRpcAgentSet() ||
+            !dynamic_cast<Agent*>(rpc::RpcAgent::getCurrentRpcAgent().get())) {
+          static auto* torchs = new py::object(
+              py::module_::import("torch._C._distributed_rpc")
+                  .attr("_invoke_rpc_builtin"));
+          return (*torchs)(dst, opName, rpcTimeoutSeconds, *args, **kwargs);
+        }
+        return torch::jit::toPyObject(c10::IValue(builtin_call::send(
+            dst.cast<const rpc::WorkerInfo&>(),
+            opName,
+            args,
+            kwargs,
+            rpcTimeoutSeconds)));
+      });
 }
 
 } // namespace torch_rpc_ext::bindings

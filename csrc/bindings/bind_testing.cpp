@@ -4,11 +4,13 @@
 #include <torch/csrc/distributed/rpc/message.h>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <algorithm>
 #include <chrono>
 #include <vector>
 
+#include "csrc/agent/builtin_call.h"
 #include "csrc/agent/membership.h"
 #include "csrc/bindings/bind.h"
 #include "csrc/common/aes_gcm_vaes.h"
@@ -499,6 +501,23 @@ void bindTesting(py::module_& m) {
       [](const c10::intrusive_ptr<::c10d::Store>& store, uint64_t incarnation) {
         py::gil_scoped_release nogil;
         return MembershipLog(store).acked(incarnation);
+      });
+  // The request of a builtin call, as (payload, tensors), made by ours or
+  // (`torchs`) by torch's ScriptCall (builtin_call.h).
+  m.def(
+      "builtin_request",
+      [](const std::string& opName,
+         bool torchs,
+         const py::args& args,
+         const py::kwargs& kwargs) {
+        auto [op, stack] = torch::jit::getOpWithStack(
+            torch::jit::getAllOperatorsFor(c10::Symbol::fromQualString(opName)),
+            args,
+            kwargs);
+        auto [payload, tensors] =
+            builtin_call::requestForTest(op, std::move(stack), torchs);
+        return py::make_tuple(
+            py::bytes(payload.data(), payload.size()), std::move(tensors));
       });
 }
 

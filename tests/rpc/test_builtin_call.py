@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""A builtin call's frontend (csrc/agent/builtin_call.h): torch's
+``_invoke_rpc_builtin`` with the operator's texts kept and a pickler for
+the common arguments (small_pickle.h). Its request is torch's, byte for
+byte; through the public API it answers, fails, records gradients and
+profiles as torch's frontend does."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch.distributed import rpc
+from torch.distributed.rpc import api
+
+from torch_rpc_ext import _C, _testing, _torch_private
+from tests.rpc.world import init, run_world
+
+pytestmark = pytest.mark.timeout(180)
+
+_T = torch.ones(2)
+_U = torch.arange(3.0, requires_grad=True)
+
+# (operator, args, kwargs): every kind the small pickler writes (tensors,
+# one twice, ints of each width, floats, bools, None, strings) and kinds it
+# leaves to torch's (int lists, tensor lists, dtypes as ints are its own).
+REQUESTS = [
+    ("aten::add", (_T, _T), {}),
+    ("aten::add", (_T, _U), {"alpha": 2.5}),
+    ("aten::add", (_T, 1), {}),
+    ("aten::add", (_T, 300), {}),
+    ("aten::add", (_T, 70000), {}),
+    ("aten::add", (_T, -3), {}),
+    ("aten::add", (_T, 2**40), {}),
+    ("aten::add", (_T, -(2**40)), {}),
+    ("aten::add", (_T, True), {}),
+    ("aten::mul", (_T, float("nan")), {}),
+    ("aten::mul", (_T, -0.0), {}),
+    ("aten::neg", (_T,), {}),
+    ("aten::div", (_T, _U), {"rounding_mode": "floor"}),
+    ("aten::div", (_T, _U), {"rounding_mode": None}),
+    ("aten::clamp", (_T,), {"min": None, "max": 1.0}),
+    ("aten::where", (_T > 0, _T, _U), {}),
+    ("aten::to", (_T, torch.float64), {}),
+    ("aten::zeros_like", (torch.empty(0),), {}),
+    ("aten::sum", (_T,), {"dim": [0]}),
+    ("aten::cat", ([_T, _T],), {}),
+    ("aten::ones", ((2, 3),), {}),
+]
+
+
+@pytest.mark.parametrize("op,args,kwargs", REQUESTS, ids=lambda v: str(v)[:24])
+def test_request_bytes_are_torchs(op, args, kwargs):
+    ours, our_tensors = _testing.builtin_request(op, False, *args, **kwargs)
+    torchs, their_tensors = _testing.builtin_request(op, True, *args, **kwargs)
+    assert ours == torchs
+    assert len(our_tensors) == len(their_tensors)
+    for a, b in zip(our_tensors, their_tensors):
+        assert a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+def test_torchs_frontend_kept_on_request(monkeypatch):
+    sentinel = object()
+    original = api._invoke_rpc_builtin
+    monkeypatch.setattr(api, "_invoke_rpc_builtin", original)
+    monkeypatch.setenv("TORCH_RPC_EXT_TORCH_FRONTEND", "1")
+    _torch_private.install_builtin_frontend(sentinel)
+    assert api._invoke_rpc_builtin is original
+    monkeypatch.delenv("TORCH_RPC_EXT_TORCH_FRONTEND")
+    _torch_private.install_builtin_frontend(sentinel)
+    assert api._invoke_rpc_builtin is sentinel
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - its text is compared
+        return type(e), str(e)
+    return None
+
+
+def builtin_calls(rank, world_size):
+    init(rank, world_size)
+    out = {}
+    if rank == 0:
+        out["ours"] = api._invoke_rpc_builtin is _C._invoke_rpc_builtin
+        t = torch.arange(4.0)
+        out["values"] = [
+            rpc.rpc_sync("worker1", torch.add, args=(t, t)).tolist(),
+            rpc.rpc_sync("worker1", torch.add, args=(t, 2), kwargs={"alpha": 3}).tolist(),
+            rpc.rpc_async("worker1", torch.div, args=(t, 3),
+                          kwargs={"rounding_mode": "floor"}).wait().tolist(),
+            rpc.rpc_sync("worker1", torch.sum, args=(t,), kwargs={"dim": [0]}).item(),
+            rpc.rpc_sync("worker1", torch.cat, args=([t, t],)).tolist(),
+            # A result that is not a tensor.
+            rpc.rpc_sync("worker1", torch.numel, args=(t,)),
+            [f.wait().item() for f in
+             [rpc.rpc_async("worker1", torch.mul, args=(t[i], 2.5)) for i in range(4)]],
+        ]
+        # Errors as torch's frontend raises them, on the same agent: no
+        # operator fits, and the operator's own error on the callee.
+        wi = api._to_worker_info("worker1")
+        torchs = torch._C._distributed_rpc._invoke_rpc_builtin
+        out["no_fit"] = (
+            _error(lambda: rpc.rpc_sync("worker1", torch.add, args=(t, "b"))),
+            _error(lambda: torchs(wi, "aten::add", 10.0, t, "b").wait()),
+        )
+        out["callee_error"] = (
+            _error(lambda: rpc.rpc_sync("worker1", torch.add,
+                                        args=(torch.ones(2), torch.ones(3)))),
+            _error(lambda: torchs(wi, "aten::add", 10.0,
+                                  torch.ones(2), torch.ones(3)).wait()),
+        )
+        # Distributed autograd: the call records its send and receive.
+        with dist_autograd.context() as ctx:
+            x = torch.ones(3, requires_grad=True)
+            y = rpc.rpc_sync("worker1", torch.mul, args=(x, 4))
+            dist_autograd.backward(ctx, [y.sum()])
+            out["grad"] = dist_autograd.get_gradients(ctx)[x].tolist()
+        # torch's legacy profiler: the callee's operator in the caller's trace.
+        with torch.autograd.profiler_legacy.profile() as prof:
+            rpc.rpc_sync("worker1", torch.add, args=(t, 1))
+        out["profiled"] = [e.name for e in prof.function_events]
+    rpc.shutdown()
+    return out
+
+
+def test_builtin_calls_through_the_public_api():
+    r = run_world(builtin_calls, 2, timeout=90)[0]
+    assert r["ours"], r
+    v = r["values"]
+    assert v[0] == [0.0, 2.0, 4.0, 6.0]
+    assert v[1] == [6.0, 7.0, 8.0, 9.0]
+    assert v[2] == [0.0, 0.0, 0.0, 1.0]
+    assert math.isclose(v[3], 6.0)
+    assert v[4] == [0.0, 1.0, 2.0, 3.0] * 2
+    assert v[5] == 4
+    assert v[6] == [0.0, 2.5, 5.0, 7.5]
+    ours, torchs = r["no_fit"]
+    assert ours is not None and ours == torchs, r["no_fit"]
+    ours, torchs = r["callee_error"]
+    assert ours is not None and ours == torchs, r["callee_error"]
+    assert r["grad"] == [4.0, 4.0, 4.0]
+    assert any("rpc_sync#aten::add" in name and "worker1" in name
+               for name in r["profiled"]), r["profiled"]
+    assert "rpc_sync#aten::add(worker0 -> worker1)#remote_op: aten::add" in r["profiled"], \
+        r["profiled"]
