@@ -55,18 +55,30 @@ def register_backend(
     return backend_registry.BackendType[name]
 
 
-def install_builtin_frontend(ours: Callable[..., Any]) -> None:
+def install_builtin_frontend(ours: Callable[..., Any],
+                             set_fallback: Callable[[Any], None]) -> None:
     """Send builtin calls through ``ours`` (``_C._invoke_rpc_builtin``:
     csrc/agent/builtin_call.h), which is torch's ``_invoke_rpc_builtin``
     without printing the operator's schema on every call, and which calls
-    torch's own while another backend's agent is current. ``api._invoke_rpc``
-    looks the name up in its module on every call. Kept after shutdown.
-    ``TORCH_RPC_EXT_TORCH_FRONTEND=1`` keeps torch's."""
+    the function it replaces (``set_fallback``) while another backend's
+    agent is current. ``api._invoke_rpc`` looks the name up in its module on
+    every call. Kept after shutdown; ``TORCH_RPC_EXT_TORCH_FRONTEND=1`` at an
+    init puts the replaced function back."""
     import os
 
+    current = api._invoke_rpc_builtin
     if os.environ.get("TORCH_RPC_EXT_TORCH_FRONTEND") == "1":
+        if current is ours:
+            api._invoke_rpc_builtin = _REPLACED_FRONTEND[0]
         return
-    api._invoke_rpc_builtin = ours
+    if current is not ours:
+        _REPLACED_FRONTEND[:] = [current]
+        set_fallback(current)
+        api._invoke_rpc_builtin = ours
+
+
+# What install_builtin_frontend replaced (torch's, or another's patch).
+_REPLACED_FRONTEND: list[Any] = []
 
 
 def init_rpc_states(agent: Any) -> None:

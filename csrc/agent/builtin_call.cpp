@@ -15,6 +15,7 @@
 
 #include <array>
 #include <mutex>
+#include <string_view>
 #include <unordered_map>
 
 namespace torch_rpc_ext::builtin_call {
@@ -33,15 +34,16 @@ struct OperatorTexts {
 
 OperatorTexts makeTexts(const std::shared_ptr<Operator>& op) {
   // As ScriptCall::toIValues, its check included.
-  static const std::string kAten = "aten::";
-  static const std::string kBuiltin = "torch.ops.aten.";
+  constexpr std::string_view kAten = "aten::";
+  constexpr std::string_view kBuiltin = "torch.ops.aten.";
   std::string name = op->schema().name();
   TORCH_CHECK(
       name.find("::") == name.rfind("::") && name.rfind(kAten, 0) == 0,
       "Unexpected operator name ",
       name);
   name.replace(0, kAten.size(), kBuiltin);
-  return {op, c10::IValue(toString(op->schema())), c10::IValue(std::move(name))};
+  return {
+      op, c10::IValue(toString(op->schema())), c10::IValue(std::move(name))};
 }
 
 // Operators are registered for the process's life and are few (a few
@@ -199,7 +201,8 @@ c10::intrusive_ptr<rpc::Message> requestMessage(
     const std::shared_ptr<Operator>& op,
     std::vector<c10::IValue> stack) {
   auto texts = textTable().get(op);
-  std::array<c10::IValue, 2> tail{std::move(texts.first), std::move(texts.second)};
+  std::array<c10::IValue, 2> tail{
+      std::move(texts.first), std::move(texts.second)};
   std::vector<at::Tensor> tensors;
   auto payload = small_pickle::pickleTuple(stack, tail, tensors);
   if (!payload) {
@@ -231,8 +234,9 @@ c10::intrusive_ptr<JitFuture> send(
   py::gil_scoped_release release;
   auto message = requestMessage(op, std::move(stack));
   auto agent = rpc::RpcAgent::getCurrentRpcAgent();
-  return toPyFuture(torch::distributed::autograd::sendMessageWithAutograd(
-      *agent, dst, std::move(message), false, rpcTimeoutSeconds));
+  return toPyFuture(
+      torch::distributed::autograd::sendMessageWithAutograd(
+          *agent, dst, std::move(message), false, rpcTimeoutSeconds));
 }
 
 std::pair<std::vector<char>, std::vector<at::Tensor>> requestForTest(

@@ -47,8 +47,7 @@ bool writable(const c10::IValue& v) {
   if (v.isString()) {
     return v.toStringRef().size() <= std::numeric_limits<uint32_t>::max();
   }
-  return v.isTensor() || v.isInt() || v.isDouble() || v.isBool() ||
-      v.isNone();
+  return v.isTensor() || v.isInt() || v.isDouble() || v.isBool() || v.isNone();
 }
 
 class Writer {
@@ -60,7 +59,10 @@ class Writer {
     out_.push_back(static_cast<char>(o));
   }
 
-  // Little-endian, as torch's push<T>() on the hosts it builds for.
+  // Pickle's integers are little-endian: written as they lie in memory.
+  static_assert(
+      __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+      "small_pickle writes integers as they lie in memory");
   template <typename T>
   void raw(T value) {
     static_assert(std::is_trivially_copyable_v<T>);

@@ -59,6 +59,13 @@ class WorkerInfoCache {
   std::unordered_map<rpc::worker_id_t, py::object> byId_;
 };
 
+// torch's _invoke_rpc_builtin (or whatever _invoke_rpc_builtin was before
+// ours). Never destroyed, as workerInfoCache() below; used under the GIL.
+py::object* builtinFallback() {
+  static auto* fn = new py::object();
+  return fn;
+}
+
 // Never destroyed: its objects must not be released after the interpreter.
 WorkerInfoCache& workerInfoCache() {
   static auto* cache = new WorkerInfoCache();
@@ -319,27 +326,32 @@ void bindAgent(py::module_& m) {
              images) { channel::setCudaKernels(images); });
   m.def("default_address", &transport::defaultAdvertisedAddress);
   // torch.distributed.rpc.api._invoke_rpc_builtin while an agent of ours is
-  // current (builtin_call.h); torch's own for any other agent.
+  // current (builtin_call.h); for any other agent, the function it replaced
+  // (_torch_private.install_builtin_frontend sets it first).
+  m.def("_set_invoke_rpc_builtin_fallback", [](py::object fn) {
+    *builtinFallback() = std::move(fn);
+  });
   m.def(
       "_invoke_rpc_builtin",
-      [](const py::object& dst,
+      [](const rpc::WorkerInfo& dst,
          const std::string& opName,
          float rpcTimeoutSeconds,
          const py::args& args,
          const py::kwargs& kwargs) -> py::object {
         if (!rpc::RpcAgent::isCurrentRpcAgentSet() ||
             !dynamic_cast<Agent*>(rpc::RpcAgent::getCurrentRpcAgent().get())) {
-          static auto* torchs = new py::object(
-              py::module_::import("torch._C._distributed_rpc")
-                  .attr("_invoke_rpc_builtin"));
-          return (*torchs)(dst, opName, rpcTimeoutSeconds, *args, **kwargs);
+          const py::object& fallback = *builtinFallback();
+          if (!fallback) {
+            throw std::runtime_error(
+                "torch_rpc_ext: _invoke_rpc_builtin called with no fallback "
+                "for another agent");
+          }
+          return fallback(dst, opName, rpcTimeoutSeconds, *args, **kwargs);
         }
-        return torch::jit::toPyObject(c10::IValue(builtin_call::send(
-            dst.cast<const rpc::WorkerInfo&>(),
-            opName,
-            args,
-            kwargs,
-            rpcTimeoutSeconds)));
+        return torch::jit::toPyObject(
+            c10::IValue(
+                builtin_call::send(
+                    dst, opName, args, kwargs, rpcTimeoutSeconds)));
       });
 }
 

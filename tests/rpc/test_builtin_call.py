@@ -13,8 +13,8 @@ import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 from torch.distributed.rpc import api
 
+from tests.rpc.world import free_port, init, run_world
 from torch_rpc_ext import _C, _testing, _torch_private
-from tests.rpc.world import init, run_world
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,6 +34,10 @@ REQUESTS = [
     ("aten::add", (_T, 2**40), {}),
     ("aten::add", (_T, -(2**40)), {}),
     ("aten::add", (_T, True), {}),
+    *[("aten::add", (_T, n), {}) for n in
+      (255, 256, 65535, 65536, -1, -(2**31), 2**31 - 1, 2**31, -(2**31) - 1)],
+    # Two equal strings: the second a memo reference (aten::add.str).
+    ("aten::add", ("ab", "ab"), {}),
     ("aten::mul", (_T, float("nan")), {}),
     ("aten::mul", (_T, -0.0), {}),
     ("aten::neg", (_T,), {}),
@@ -60,15 +64,22 @@ def test_request_bytes_are_torchs(op, args, kwargs):
 
 
 def test_torchs_frontend_kept_on_request(monkeypatch):
-    sentinel = object()
-    original = api._invoke_rpc_builtin
-    monkeypatch.setattr(api, "_invoke_rpc_builtin", original)
+    replaced, ours, fallbacks = object(), object(), []
+    monkeypatch.setattr(api, "_invoke_rpc_builtin", replaced)
+    monkeypatch.setattr(_torch_private, "_REPLACED_FRONTEND", [])
     monkeypatch.setenv("TORCH_RPC_EXT_TORCH_FRONTEND", "1")
-    _torch_private.install_builtin_frontend(sentinel)
-    assert api._invoke_rpc_builtin is original
+    _torch_private.install_builtin_frontend(ours, fallbacks.append)
+    assert api._invoke_rpc_builtin is replaced and fallbacks == []
     monkeypatch.delenv("TORCH_RPC_EXT_TORCH_FRONTEND")
-    _torch_private.install_builtin_frontend(sentinel)
-    assert api._invoke_rpc_builtin is sentinel
+    _torch_private.install_builtin_frontend(ours, fallbacks.append)
+    assert api._invoke_rpc_builtin is ours and fallbacks == [replaced]
+    # A second init keeps it, and what it calls for another agent.
+    _torch_private.install_builtin_frontend(ours, fallbacks.append)
+    assert api._invoke_rpc_builtin is ours and fallbacks == [replaced]
+    # Asked for torch's at a later init: what it replaced is back.
+    monkeypatch.setenv("TORCH_RPC_EXT_TORCH_FRONTEND", "1")
+    _torch_private.install_builtin_frontend(ours, fallbacks.append)
+    assert api._invoke_rpc_builtin is replaced
 
 
 def _error(fn):
@@ -145,3 +156,31 @@ def test_builtin_calls_through_the_public_api():
                for name in r["profiled"]), r["profiled"]
     assert "rpc_sync#aten::add(worker0 -> worker1)#remote_op: aten::add" in r["profiled"], \
         r["profiled"]
+
+
+def ours_then_tensorpipe(rank, world_size, tp_port):
+    init(rank, world_size)
+    out = {}
+    if rank == 0:
+        out["ours"] = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)).tolist()
+    rpc.shutdown()
+    # The same processes on TensorPipe: ours stays installed and hands the
+    # call to torch's frontend.
+    rpc.init_rpc(
+        f"tp{rank}", rank=rank, world_size=world_size,
+        backend=rpc.BackendType.TENSORPIPE,
+        rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+            init_method=f"tcp://127.0.0.1:{tp_port}", rpc_timeout=30,
+            _transports=["uv"]),
+    )
+    if rank == 0:
+        out["installed"] = api._invoke_rpc_builtin is _C._invoke_rpc_builtin
+        out["tensorpipe"] = rpc.rpc_sync("tp1", torch.add, args=(torch.ones(2), 2)).tolist()
+    rpc.shutdown()
+    return out
+
+
+def test_another_agent_gets_torchs_frontend():
+    r = run_world(ours_then_tensorpipe, 2, timeout=120, tp_port=free_port())[0]
+    assert r["ours"] == [2.0, 2.0] and r["tensorpipe"] == [3.0, 3.0], r
+    assert r["installed"], r
