@@ -63,11 +63,16 @@ def install_builtin_frontend(ours: Callable[..., Any],
     the function it replaces (``set_fallback``) while another backend's
     agent is current. ``api._invoke_rpc`` looks the name up in its module on
     every call. Kept after shutdown; ``TORCH_RPC_EXT_TORCH_FRONTEND=1`` at an
-    init puts the replaced function back."""
+    init puts the replaced function back. Python UDFs' pickling too
+    (_rpc_pickle), while our agent is current and that is not set."""
     import os
 
+    from torch_rpc_ext import _rpc_pickle
+
     current = api._invoke_rpc_builtin
-    if os.environ.get("TORCH_RPC_EXT_TORCH_FRONTEND") == "1":
+    torchs = os.environ.get("TORCH_RPC_EXT_TORCH_FRONTEND") == "1"
+    _TORCHS_FRONTEND[0] = torchs
+    if torchs:
         if current is ours:
             api._invoke_rpc_builtin = _REPLACED_FRONTEND[0]
         return
@@ -75,10 +80,19 @@ def install_builtin_frontend(ours: Callable[..., Any],
         _REPLACED_FRONTEND[:] = [current]
         set_fallback(current)
         api._invoke_rpc_builtin = ours
+    _rpc_pickle.install(_our_pickling)
 
 
 # What install_builtin_frontend replaced (torch's, or another's patch).
 _REPLACED_FRONTEND: list[Any] = []
+# TORCH_RPC_EXT_TORCH_FRONTEND=1 at the last init.
+_TORCHS_FRONTEND = [False]
+
+
+def _our_pickling() -> bool:
+    """torch's RPC pickler is ours (_rpc_pickle): one of our agents is
+    current, and torch's frontend was not asked for."""
+    return bool(_KEPT_AGENT) and not _TORCHS_FRONTEND[0]
 
 
 def init_rpc_states(agent: Any) -> None:

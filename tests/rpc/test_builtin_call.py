@@ -67,6 +67,7 @@ def test_torchs_frontend_kept_on_request(monkeypatch):
     replaced, ours, fallbacks = object(), object(), []
     monkeypatch.setattr(api, "_invoke_rpc_builtin", replaced)
     monkeypatch.setattr(_torch_private, "_REPLACED_FRONTEND", [])
+    monkeypatch.setattr(_torch_private, "_TORCHS_FRONTEND", [False])
     monkeypatch.setenv("TORCH_RPC_EXT_TORCH_FRONTEND", "1")
     _torch_private.install_builtin_frontend(ours, fallbacks.append)
     assert api._invoke_rpc_builtin is replaced and fallbacks == []

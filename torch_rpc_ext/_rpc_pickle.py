@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""torch's RPC pickler (``torch.distributed.rpc.internal._internal_rpc_pickler``)
+at less cost a call, while one of our agents is current.
+
+A Python UDF's round trip pickles four times (the call and its result, each
+way), and torch's ``serialize`` makes a ``BytesIO`` and a ``Pickler`` for
+every one, and pickles each tensor's receiver as a bound classmethod (a
+``getattr`` of the class by name, pickled and unpickled per message);
+``deserialize`` makes an ``Unpickler`` per message. Here the same instance's
+``serialize`` and ``deserialize`` are replaced: a pickler per thread, reused
+(its memo cleared), the dispatch table torch's own with only the tensor's
+reducer changed, whose receiver is this module's function, and
+``pickle.loads``. What is pickled, and how RRefs, ScriptModules and
+registered classes reduce, is torch's; any unpickler of torch's reads the
+result (a worker of ours imports this module). With another backend's agent
+current both are torch's as they were.
+"""
+
+import io
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.rpc import internal
+
+__all__ = ["install"]
+
+_tables = internal._thread_local_tensor_tables
+
+
+def _tensor_from_table(index: int) -> torch.Tensor:
+    """A tensor's receiver: the message's tensor ``index``."""
+    return _tables.recv_tables[index]
+
+
+def _tensor_reducer(tensor: torch.Tensor) -> tuple:
+    sends = _tables.send_tables
+    sends.append(tensor)
+    return (_tensor_from_table, (len(sends) - 1,))
+
+
+class _Reused(threading.local):
+    def __init__(self) -> None:
+        self.file = io.BytesIO()
+        self.pickler = internal._pickler(self.file)
+        self.busy = False
+
+
+def install(active: Callable[[], bool]) -> None:
+    """Replace ``serialize`` and ``deserialize`` on torch's RPC pickler
+    instance (which ``api``'s default pickler and PythonRpcHandler's
+    ``internal.serialize`` / ``deserialize`` both are); ``active()`` says
+    whether one of our agents is current. Idempotent."""
+    torchs = internal._internal_rpc_pickler
+    if getattr(torchs, "_torch_rpc_ext", False):
+        return
+    cls = type(torchs)
+    reused = _Reused()
+
+    def serialize(obj: Any) -> tuple:
+        if not active() or internal._pickler is not pickle.Pickler:
+            return cls.serialize(torchs, obj)
+        # The per-call additions torch makes to its table, made to it as
+        # torch makes them; this call's table is a copy with our tensor
+        # reducer (a table is read, never written, while pickling).
+        table = torchs._dispatch_table
+        table[dist.rpc.PyRRef] = torchs._py_rref_reducer
+        table[dist.rpc.RRef] = torchs._rref_reducer
+        if isinstance(obj, torch.jit.ScriptModule):
+            table[obj.__class__] = torchs._script_module_reducer
+        for registered, reducer in torchs._class_reducer_dict.items():
+            table[registered] = reducer
+        ours = dict(table)
+        ours[torch.Tensor] = _tensor_reducer
+        # A pickle made while this thread pickles (a reducer's own call)
+        # gets a pickler of its own.
+        if reused.busy:
+            f = io.BytesIO()
+            p = internal._pickler(f)
+        else:
+            f, p = reused.file, reused.pickler
+            reused.busy = True
+        p.dispatch_table = ours
+        outer = getattr(_tables, "send_tables", None)
+        _tables.send_tables = tensors = []
+        try:
+            p.dump(obj)
+            return (f.getvalue(), tensors)
+        finally:
+            if outer is not None:
+                _tables.send_tables = outer
+            else:
+                del _tables.send_tables
+            if p is reused.pickler:
+                p.clear_memo()
+                f.seek(0)
+                f.truncate()
+                reused.busy = False
+
+    def deserialize(binary_data: Any, tensor_table: Any) -> Any:
+        if not active() or internal._unpickler is not pickle.Unpickler:
+            return cls.deserialize(torchs, binary_data, tensor_table)
+        outer = getattr(_tables, "recv_tables", None)
+        _tables.recv_tables = tensor_table
+        try:
+            return pickle.loads(binary_data)
+        except AttributeError:
+            # A function the callee does not have: torch's deserialize
+            # makes its error (its advice on where UDFs must be defined).
+            pass
+        finally:
+            if outer is not None:
+                _tables.recv_tables = outer
+            else:
+                del _tables.recv_tables
+        return cls.deserialize(torchs, binary_data, tensor_table)
+
+    torchs.serialize = serialize
+    torchs.deserialize = deserialize
+    torchs._torch_rpc_ext = True
