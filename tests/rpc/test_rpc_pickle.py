@@ -11,8 +11,8 @@ from torch.distributed import rpc
 from torch.distributed.rpc import internal
 from torch.distributed.rpc.internal import PythonUDF
 
-from torch_rpc_ext import _rpc_pickle, _torch_private
 from tests.rpc.world import init, run_world
+from torch_rpc_ext import _rpc_pickle, _torch_private
 
 pytestmark = pytest.mark.timeout(180)
 
