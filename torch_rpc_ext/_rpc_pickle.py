@@ -11,9 +11,10 @@ every one, and pickles each tensor's receiver as a bound classmethod (a
 (its memo cleared), the dispatch table torch's own with only the tensor's
 reducer changed, whose receiver is this module's function, and
 ``pickle.loads``. What is pickled, and how RRefs, ScriptModules and
-registered classes reduce, is torch's; any unpickler of torch's reads the
-result (a worker of ours imports this module). With another backend's agent
-current both are torch's as they were.
+registered classes reduce, is torch's; torch's unpickler reads the result
+where this module can be imported, as on every worker of a group of ours
+(protocol version 8, csrc/frame/frame.h, keeps out a build without it). With
+another backend's agent current both are torch's as they were.
 """
 
 import io
@@ -40,6 +41,13 @@ def _tensor_reducer(tensor: torch.Tensor) -> tuple:
     sends = _tables.send_tables
     sends.append(tensor)
     return (_tensor_from_table, (len(sends) - 1,))
+
+
+# torch's advice with an AttributeError in unpickling (internal.py).
+_NOT_DEFINED_HERE = (
+    "Default RPC pickler does not serialize function code. Ensure that UDFs "
+    "are defined on both caller and callee modules."
+)
 
 
 class _Reused(threading.local):
@@ -74,7 +82,9 @@ def install(active: Callable[[], bool]) -> None:
         for registered, reducer in torchs._class_reducer_dict.items():
             table[registered] = reducer
         ours = dict(table)
-        ours[torch.Tensor] = _tensor_reducer
+        if ours.get(torch.Tensor) == torchs._tensor_reducer:
+            # (A reducer registered for tensors in its place stays.)
+            ours[torch.Tensor] = _tensor_reducer
         # A pickle made while this thread pickles (a reducer's own call)
         # gets a pickler of its own.
         if reused.busy:
@@ -107,16 +117,18 @@ def install(active: Callable[[], bool]) -> None:
         _tables.recv_tables = tensor_table
         try:
             return pickle.loads(binary_data)
-        except AttributeError:
-            # A function the callee does not have: torch's deserialize
-            # makes its error (its advice on where UDFs must be defined).
-            pass
+        except AttributeError as e:
+            # A function the reader does not have: returned, not raised, with
+            # the advice torch's deserialize gives (not read a second time:
+            # receivers read before it, an RRef's fork among them, ran once).
+            error = AttributeError(f"{e} {_NOT_DEFINED_HERE}")
+            error.__cause__ = e
+            return error
         finally:
             if outer is not None:
                 _tables.recv_tables = outer
             else:
                 del _tables.recv_tables
-        return cls.deserialize(torchs, binary_data, tensor_table)
 
     torchs.serialize = serialize
     torchs.deserialize = deserialize

@@ -31,7 +31,9 @@ constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 // 6: frame rings on shm connections (kFrameRing).
 // 7: the shm_ring and cuda_ring channels' wake-ups are Unix stream socket
 //    ends, not eventfds (common/signal_socket.h).
-constexpr uint8_t kProtocolVersion = 7;
+// 8: a Python UDF's pickle names its tensors' receiver in
+//    torch_rpc_ext._rpc_pickle, which a build before it lacks.
+constexpr uint8_t kProtocolVersion = 8;
 
 enum class FrameKind : uint8_t {
   kHello = 1, // client -> server: version, identity, nonce
