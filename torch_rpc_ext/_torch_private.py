@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Every private torch.distributed.rpc touchpoint, and every difference
 between the torch releases we run on (the tested range: _torch_range), so a
-torch upgrade edits one file. The C++ side's are csrc/agent/torch_version.h."""
+torch upgrade edits one file; the one other is _rpc_pickle.py (torch's RPC
+pickler's internals: its instance, dispatch table and tensor tables). The
+C++ side's are csrc/agent/torch_version.h, and csrc/agent/builtin_call.cpp
+for torch's builtin-call frontend."""
 
 import sys
 import threading
