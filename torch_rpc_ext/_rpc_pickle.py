@@ -15,6 +15,11 @@ registered classes reduce, is torch's; torch's unpickler reads the result
 where this module can be imported, as on every worker of a group of ours
 (protocol version 8, csrc/frame/frame.h, keeps out a build without it). With
 another backend's agent current both are torch's as they were.
+
+What ``deserialize`` unpickles is what torch's own would: a Python UDF's
+call or result from a peer that passed the group's handshake (a member,
+trusted as the RPC model trusts it: docs/security.md). Nothing from the
+store or an unauthenticated connection reaches it.
 """
 
 import io

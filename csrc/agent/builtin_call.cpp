@@ -5,8 +5,6 @@
 
 #include <ATen/ThreadLocalState.h>
 #include <torch/csrc/distributed/autograd/utils.h>
-#include <torch/csrc/distributed/rpc/python_resp.h>
-#include <torch/csrc/distributed/rpc/python_rpc_handler.h>
 #include <torch/csrc/distributed/rpc/script_call.h>
 #include <torch/csrc/distributed/rpc/script_resp.h>
 #include <torch/csrc/distributed/rpc/utils.h>
@@ -126,7 +124,8 @@ std::shared_ptr<Operator> matchOperator(
   return matched;
 }
 
-// torch's toPyIValue: a response as the Python object the user gets.
+// torch's toPyIValue for the response a builtin call gets (SCRIPT_RET, once
+// deserializeResponse has unwrapped distributed autograd's wrapper).
 c10::IValue toPyIValue(const rpc::Message& message) {
   rpc::MessageType type = message.type();
   auto response = rpc::deserializeResponse(message, type);
@@ -139,14 +138,6 @@ c10::IValue toPyIValue(const rpc::Message& message) {
       return torch::jit::toIValue(
           torch::jit::createPyObjectForStack(std::move(stack)),
           c10::PyObjectType::get());
-    }
-    case rpc::MessageType::PYTHON_RET: {
-      auto& resp = static_cast<rpc::PythonResp&>(*response);
-      auto& handler = rpc::PythonRpcHandler::getInstance();
-      py::gil_scoped_acquire gil;
-      py::object value = handler.deserialize(resp.serializedPyObj());
-      handler.handleException(value);
-      return torch::jit::toIValue(value, c10::PyObjectType::get());
     }
     default:
       TORCH_CHECK(false, "Unrecognized response message type ", type);

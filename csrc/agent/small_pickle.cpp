@@ -215,22 +215,9 @@ std::optional<std::vector<char>> pickleTuple(
       w.value(v);
     }
   }
-  switch (n) {
-    case 0:
-      w.op(kEmptyTuple);
-      break;
-    case 1:
-      w.op(kTuple1);
-      break;
-    case 2:
-      w.op(kTuple2);
-      break;
-    case 3:
-      w.op(kTuple3);
-      break;
-    default:
-      w.op(kTuple);
-  }
+  // Up to three elements torch's Pickler closes with TUPLE1..3, else a MARK's.
+  constexpr Op kSmallTuple[] = {kEmptyTuple, kTuple1, kTuple2, kTuple3};
+  w.op(n < 4 ? kSmallTuple[n] : kTuple);
   w.op(kStop);
   return out;
 }
