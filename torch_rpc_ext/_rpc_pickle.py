@@ -10,10 +10,12 @@ every one, and pickles each tensor's receiver as a bound classmethod (a
 ``serialize`` and ``deserialize`` are replaced: a pickler per thread, reused
 (its memo cleared), the dispatch table torch's own with only the tensor's
 reducer changed, whose receiver is this module's function, and
-``pickle.loads``. What is pickled, and how RRefs, ScriptModules and
+``pickle.loads``. The tensor receiver and the call's constructor are named by
+extension codes (``copyreg``, below), which the reader looks up in a dict
+where a name costs an import. What is pickled, and how RRefs, ScriptModules and
 registered classes reduce, is torch's; torch's unpickler reads the result
 where this module can be imported, as on every worker of a group of ours
-(protocol version 8, csrc/frame/frame.h, keeps out a build without it). With
+(protocol version 9, csrc/frame/frame.h, keeps out a build without them). With
 another backend's agent current both are torch's as they were.
 
 What ``deserialize`` unpickles is what torch's own would: a Python UDF's
@@ -22,6 +24,7 @@ trusted as the RPC model trusts it: docs/security.md). Nothing from the
 store or an unauthenticated connection reaches it.
 """
 
+import copyreg
 import io
 import pickle
 import threading
@@ -46,6 +49,44 @@ def _tensor_reducer(tensor: torch.Tensor) -> tuple:
     sends = _tables.send_tables
     sends.append(tensor)
     return (_tensor_from_table, (len(sends) - 1,))
+
+
+def _udf_from_parts(func: Any, args: Any, kwargs: Any) -> Any:
+    """A Python UDF call's constructor (torch's ``PythonUDF``)."""
+    return internal.PythonUDF(func, args, kwargs)
+
+
+def _udf_reducer(udf: Any) -> tuple:
+    return (_udf_from_parts, tuple(udf))
+
+
+# Each global a pickle names is found on reading by an import
+# (``find_class``: ``__import__`` of its module, ~0.6-1.4 us here) where an
+# extension code is a lookup in ``copyreg``'s cache. Only this module's two
+# functions get codes: only our pickles name them, and every reader of one
+# has imported this module, so every reader has the codes. (Torch's classes
+# keep their names: a process with this module imported may pickle for a
+# TensorPipe peer without it.) A code or name taken by another registration
+# in this process fails the import, loudly, rather than read as another
+# object: _check_extensions.
+_EXTENSIONS = (
+    ("_tensor_from_table", 0x54525001),
+    ("_udf_from_parts", 0x54525002),
+)
+
+
+def _register_extensions() -> None:
+    for name, code in _EXTENSIONS:
+        try:
+            copyreg.add_extension(__name__, name, code)
+        except ValueError as e:
+            raise RuntimeError(
+                f"torch_rpc_ext needs copyreg extension code {code:#x} for "
+                f"{__name__}.{name}, and it is taken in this process: {e}"
+            ) from None
+
+
+_register_extensions()
 
 
 # torch's advice with an AttributeError in unpickling (internal.py).
@@ -87,9 +128,11 @@ def install(active: Callable[[], bool]) -> None:
         for registered, reducer in torchs._class_reducer_dict.items():
             table[registered] = reducer
         ours = dict(table)
+        # (A reducer registered in torch's place stays.)
         if ours.get(torch.Tensor) == torchs._tensor_reducer:
-            # (A reducer registered for tensors in its place stays.)
             ours[torch.Tensor] = _tensor_reducer
+        if internal.PythonUDF not in ours:
+            ours[internal.PythonUDF] = _udf_reducer
         # A pickle made while this thread pickles (a reducer's own call)
         # gets a pickler of its own.
         if reused.busy:
@@ -99,7 +142,8 @@ def install(active: Callable[[], bool]) -> None:
             f, p = reused.file, reused.pickler
             reused.busy = True
         p.dispatch_table = ours
-        outer = getattr(_tables, "send_tables", None)
+        # (Looked up in the thread's dict: a getattr that misses raises.)
+        outer = _tables.__dict__.get("send_tables")
         _tables.send_tables = tensors = []
         try:
             p.dump(obj)
@@ -118,7 +162,7 @@ def install(active: Callable[[], bool]) -> None:
     def deserialize(binary_data: Any, tensor_table: Any) -> Any:
         if not active() or internal._unpickler is not pickle.Unpickler:
             return cls.deserialize(torchs, binary_data, tensor_table)
-        outer = getattr(_tables, "recv_tables", None)
+        outer = _tables.__dict__.get("recv_tables")
         _tables.recv_tables = tensor_table
         try:
             return pickle.loads(binary_data)

@@ -4,12 +4,17 @@
 #include "csrc/agent/named_functions.h"
 
 #include <torch/csrc/distributed/rpc/profiler/server_process_global_profiler.h>
+#include <torch/csrc/distributed/rpc/python_resp.h>
+#include <torch/csrc/distributed/rpc/python_rpc_handler.h>
 #include <torch/csrc/distributed/rpc/rpc_agent.h>
 #include <torch/csrc/distributed/rpc/rref_context.h>
 #include <torch/csrc/distributed/rpc/script_resp.h>
+#include <torch/csrc/distributed/rpc/unpickled_python_call.h>
+#include <torch/csrc/distributed/rpc/utils.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <atomic>
+#include <optional>
 
 namespace torch_rpc_ext {
 
@@ -29,17 +34,23 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
     std::vector<c10::Stream> streams) const {
   // With the server-side profiler on, upstream's path records the serving
   // into it; leave that whole case to upstream.
-  if (request.type() != rpc::MessageType::SCRIPT_CALL ||
+  const rpc::MessageType type = request.type();
+  if ((type != rpc::MessageType::SCRIPT_CALL &&
+       type != rpc::MessageType::PYTHON_CALL) ||
       rpc::profiler::processglobal::StateStackEntry::current()) {
     return RequestCallbackImpl::processMessage(request, std::move(streams));
   }
-  // Upstream's sequence for one request, with our decoding: RRefs among the
-  // arguments (TorchScript functions may take them) must be confirmed
-  // before the call runs; errors become an exception response.
+  // Upstream's sequence for one request, with our decoding of a script
+  // call (a Python UDF is unpickled by upstream's UnpickledPythonCall): RRefs
+  // among the arguments must be confirmed before the call runs; errors
+  // become an exception response.
   auto& rrefs = rpc::RRefContext::getInstance();
   try {
     rrefs.recordThreadLocalPendingRRefs();
-    std::shared_ptr<rpc::RpcCommandBase> call = decodeScriptCall(request);
+    std::shared_ptr<rpc::RpcCommandBase> call =
+        type == rpc::MessageType::SCRIPT_CALL
+        ? decodeScriptCall(request)
+        : deserializePythonRpcCommand(rpc::deserializeRequest(request), type);
     auto ready = rrefs.waitForThreadLocalPendingRRefs();
     if (streams.empty() && ready->completed() && !ready->hasError()) {
       // No RRef among the arguments to wait for, and no device of ours (the
@@ -47,14 +58,12 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
       // now. thenAsync would return a device-less future mirroring the
       // one run here, which is device-less too (its devices are the
       // agent's: none). Saves a future and a callback a request.
-      return processRpcWithErrors(
-          *call, rpc::MessageType::SCRIPT_CALL, streams);
+      return processRpcWithErrors(*call, type, streams);
     }
     return ready->thenAsync(
-        [this, call = std::move(call), streams = std::move(streams)](
+        [this, call = std::move(call), type, streams = std::move(streams)](
             rpc::JitFuture& /* ready */) {
-          return processRpcWithErrors(
-              *call, rpc::MessageType::SCRIPT_CALL, streams);
+          return processRpcWithErrors(*call, type, streams);
         },
         c10::getCustomClassType<c10::intrusive_ptr<rpc::Message>>());
   } catch (std::exception& e) {
@@ -157,6 +166,53 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processScriptCall(
     }
   }
   return RequestCallbackImpl::processScriptCall(rpc, streams);
+}
+
+c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processPythonCall(
+    rpc::RpcCommandBase& rpc,
+    const std::vector<c10::Stream>& streams) const {
+  auto& call = static_cast<rpc::UnpickledPythonCall&>(rpc);
+  if (call.isAsyncExecution() || !streams.empty()) {
+    return RequestCallbackImpl::processPythonCall(rpc, streams);
+  }
+  // A synchronous function with no streams to run under: upstream's
+  // runPythonFunction (run under the GIL, the result in a completed future
+  // of a PyObject holder) and its then() (the GIL again, the result
+  // pickled, the response in a second future), under one hold of the GIL
+  // and into one future. The same comes back: the response, or the same
+  // errors (a Python error escaping torch's _run_function, which turns the
+  // function's own exceptions into a RemoteException result; a result
+  // that cannot be pickled).
+  auto& handler = rpc::PythonRpcHandler::getInstance();
+  std::optional<rpc::SerializedPyObj> result;
+  {
+    py::gil_scoped_acquire gil;
+    py::object value;
+    try {
+      value = handler.runPythonUdf(call.pythonUdf());
+    } catch (py::error_already_set& e) {
+      // (It needs the GIL to be destroyed: restored, then cleared.)
+      auto error = std::make_exception_ptr(std::runtime_error(e.what()));
+      e.restore();
+      PyErr_Clear();
+      return asFuture(error);
+    } catch (const std::exception&) {
+      return asFuture(std::current_exception());
+    }
+    try {
+      try {
+        result.emplace(handler.serialize(value));
+      } catch (py::error_already_set& e) {
+        std::string message = e.what();
+        e.restore();
+        PyErr_Clear();
+        TORCH_CHECK(false, message); // (upstream's serializePyObject)
+      }
+    } catch (const std::exception&) {
+      return asFuture(std::current_exception()); // (as upstream's then())
+    }
+  }
+  return asFuture(rpc::PythonResp(std::move(*result)).toMessage());
 }
 
 size_t ServeCallback::cachedOperators() const {

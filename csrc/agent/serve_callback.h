@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // The request callback the agent serves with: upstream's RequestCallbackImpl,
 // with SCRIPT_CALL requests (builtin operators and TorchScript functions)
-// decoded without re-parsing the operator's schema on every call.
+// decoded without re-parsing the operator's schema on every call, and
+// PYTHON_CALL and SCRIPT_CALL requests served with fewer futures and
+// hand-offs of the GIL.
 #pragma once
 
 #include <torch/csrc/distributed/rpc/request_callback_impl.h>
@@ -42,6 +44,12 @@ class ServeCallback final
       std::vector<c10::Stream> streams) const override;
 
   c10::intrusive_ptr<torch::distributed::rpc::JitFuture> processScriptCall(
+      torch::distributed::rpc::RpcCommandBase& rpc,
+      const std::vector<c10::Stream>& streams) const override;
+
+  // A synchronous Python UDF with no streams: run and its result pickled
+  // under one hold of the GIL, into one future (upstream: two of each).
+  c10::intrusive_ptr<torch::distributed::rpc::JitFuture> processPythonCall(
       torch::distributed::rpc::RpcCommandBase& rpc,
       const std::vector<c10::Stream>& streams) const override;
 

@@ -33,7 +33,10 @@ constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 //    ends, not eventfds (common/signal_socket.h).
 // 8: a Python UDF's pickle names its tensors' receiver in
 //    torch_rpc_ext._rpc_pickle, which a build before it lacks.
-constexpr uint8_t kProtocolVersion = 8;
+// 9: that pickle names the receiver, and a call's constructor, by copyreg
+//    extension codes (torch_rpc_ext/_rpc_pickle.py) a build before it has
+//    not registered.
+constexpr uint8_t kProtocolVersion = 9;
 
 enum class FrameKind : uint8_t {
   kHello = 1, // client -> server: version, identity, nonce

@@ -3,7 +3,10 @@
 what it makes reads back as torch's does, either way round, and what it
 cannot make fails as torch's does."""
 
+import copyreg
+import importlib
 import pickle
+import pickletools
 
 import pytest
 import torch
@@ -47,7 +50,12 @@ def test_round_trips_both_ways(ours):
     t, u = torch.ones(2), torch.arange(3.0)
     call = PythonUDF(udf, (t, [t, u], {"k": (u, 1.5, None, "s")}), {"x": t})
     data, tensors = _P.serialize(call)
-    assert b"torch_rpc_ext._rpc_pickle" in data
+    # The receiver and the call's constructor by extension code, not by
+    # name; the user's function by name.
+    codes = {arg for op, arg, _ in pickletools.genops(data) if op.name.startswith("EXT")}
+    assert codes == {code for _, code in _rpc_pickle._EXTENSIONS}
+    assert b"torch_rpc_ext" not in data and b"PythonUDF" not in data
+    assert b"test_rpc_pickle" in data
     # A tensor met twice is one entry (pickle's memo), as torch's.
     assert len(tensors) == 2 and tensors[0] is t and tensors[1] is u
     for reader in (_P.deserialize, lambda d, ts: _TORCHS.deserialize(_P, d, ts)):
@@ -60,6 +68,19 @@ def test_round_trips_both_ways(ours):
     # No table left behind on this thread.
     assert not hasattr(internal._thread_local_tensor_tables, "send_tables")
     assert not hasattr(internal._thread_local_tensor_tables, "recv_tables")
+
+
+def test_an_extension_code_taken_is_a_clear_error():
+    code = _rpc_pickle._EXTENSIONS[0][1]
+    copyreg.remove_extension(_rpc_pickle.__name__, "_tensor_from_table", code)
+    copyreg.add_extension("somebody.else", "thing", code)
+    try:
+        with pytest.raises(RuntimeError, match=f"extension code {code:#x} .* taken"):
+            importlib.reload(_rpc_pickle)
+    finally:
+        copyreg.remove_extension("somebody.else", "thing", code)
+        importlib.reload(_rpc_pickle)
+    assert copyreg._extension_registry[(_rpc_pickle.__name__, "_tensor_from_table")] == code
 
 
 class _Boxed:

@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""A Python UDF served (csrc/agent/serve_callback.cpp: a synchronous function
+run and its result pickled under one hold of the GIL, into one future): what
+the caller gets, results and errors, is what it gets from TensorPipe, on each
+path a PYTHON_CALL takes on the callee (plain, an RRef argument waited for,
+wrapped for distributed autograd, async_execution)."""
+
+import threading
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch.distributed import rpc
+
+from tests.rpc.world import options, run_world
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Stop(BaseException):
+    """Escapes torch's _run_function, which turns only Exceptions into a
+    RemoteException result."""
+
+
+def add(a, b):
+    return a + b
+
+
+def returns_lock():
+    return threading.Lock()
+
+
+def raises_base():
+    raise Stop("halt")
+
+
+def raises_value(key):
+    raise ValueError(key)
+
+
+def rref_sum(rref):
+    return rref.to_here().sum()
+
+
+@rpc.functions.async_execution
+def async_double(x):
+    fut = torch.futures.Future()
+    fut.set_result(x * 2)
+    return fut
+
+
+def _first_part(text):
+    # An error's text up to where C++ names the place that raised it (that
+    # place is ours on our agent, upstream's on TensorPipe).
+    return text.split("\nException raised from ")[0]
+
+
+def calls(rank, world_size, backend):
+    if backend == "ours":
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=options())
+    else:
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    out = {}
+    if rank == 0:
+        x = torch.arange(4.0)
+        out["plain"] = rpc.rpc_sync("worker1", add, args=(x, x))
+        out["pipelined"] = torch.stack(torch.futures.wait_all(
+            [rpc.rpc_async("worker1", add, args=(x, i)) for i in range(50)]))
+        # An RRef the caller owns, forked to the callee: the call runs once
+        # the owner has confirmed the fork.
+        out["rref_arg"] = rpc.rpc_sync("worker1", rref_sum, args=(rpc.RRef(x),))
+        out["async"] = rpc.rpc_sync("worker1", async_double, args=(x,))
+        with dist_autograd.context() as ctx:
+            w = torch.ones(3, requires_grad=True)
+            loss = rpc.rpc_sync("worker1", add, args=(w, w)).sum()
+            dist_autograd.backward(ctx, [loss])
+            out["dist_grad"] = dist_autograd.get_gradients(ctx)[w]
+        for key, fn, args in (("unpicklable_result", returns_lock, ()),
+                              ("base_exception", raises_base, ()),
+                              ("value_error", raises_value, ("k",))):
+            try:
+                rpc.rpc_sync("worker1", fn, args=args)
+                out[key] = "no error"
+            except Exception as e:  # noqa: BLE001 (the error itself is the result)
+                out[key] = (type(e).__name__, _first_part(str(e)))
+        out["after"] = rpc.rpc_sync("worker1", add, args=(1, 2))
+    rpc.shutdown()
+    return out
+
+
+def test_udf_results_and_errors_are_tensorpipes():
+    ours = run_world(calls, backend="ours")[0]
+    theirs = run_world(calls, backend="tensorpipe")[0]
+    x = torch.arange(4.0)
+    assert torch.equal(ours["plain"], x + x)
+    assert torch.equal(ours["pipelined"], torch.stack([x + i for i in range(50)]))
+    assert ours["rref_arg"] == x.sum()
+    assert torch.equal(ours["async"], x * 2)
+    assert torch.equal(ours["dist_grad"], torch.full((3,), 2.0))
+    assert ours["after"] == 3
+    # Errors: the same type and text. A result that cannot be pickled, and
+    # an exception that escapes _run_function, as RuntimeErrors with the
+    # Python error and its traceback; the traceback's first frame is the
+    # pickler's (ours or torch's), so the first line is compared there.
+    for key in ("unpicklable_result", "base_exception", "value_error"):
+        assert ours[key][0] == theirs[key][0], (key, ours[key], theirs[key])
+    assert ours["unpicklable_result"][1].splitlines()[0] == theirs["unpicklable_result"][1].splitlines()[0]
+    assert "cannot pickle '_thread.lock' object" in ours["unpicklable_result"][1]
+    assert ours["base_exception"][1] == theirs["base_exception"][1]
+    assert ours["base_exception"][1].startswith("Stop: halt")
+    assert ours["value_error"][0] == "ValueError"
+    assert ours["value_error"][1].splitlines()[0] == theirs["value_error"][1].splitlines()[0]
