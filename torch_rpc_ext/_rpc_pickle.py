@@ -101,6 +101,9 @@ class _Reused(threading.local):
         self.file = io.BytesIO()
         self.pickler = internal._pickler(self.file)
         self.busy = False
+        # The dispatch table kept, and torch's as it was made from it.
+        self.table: dict = {}
+        self.source: dict | None = None
 
 
 def install(active: Callable[[], bool]) -> None:
@@ -114,12 +117,7 @@ def install(active: Callable[[], bool]) -> None:
     cls = type(torchs)
     reused = _Reused()
 
-    def serialize(obj: Any) -> tuple:
-        if not active() or internal._pickler is not pickle.Pickler:
-            return cls.serialize(torchs, obj)
-        # The per-call additions torch makes to its table, made to it as
-        # torch makes them; this call's table is a copy with our tensor
-        # reducer (a table is read, never written, while pickling).
+    def _our_table(obj: Any) -> dict:
         table = torchs._dispatch_table
         table[dist.rpc.PyRRef] = torchs._py_rref_reducer
         table[dist.rpc.RRef] = torchs._rref_reducer
@@ -133,6 +131,25 @@ def install(active: Callable[[], bool]) -> None:
             ours[torch.Tensor] = _tensor_reducer
         if internal.PythonUDF not in ours:
             ours[internal.PythonUDF] = _udf_reducer
+        return ours
+
+    def serialize(obj: Any) -> tuple:
+        if not active() or internal._pickler is not pickle.Pickler:
+            return cls.serialize(torchs, obj)
+        # The dispatch table: torch's, with the additions torch makes to it
+        # on every call (made to it as torch makes them), copied with our
+        # reducers in place of torch's (a table is read, never written,
+        # while pickling). The copy is kept per thread while torch's table
+        # equals what it was made from (torch's additions after the first
+        # call set what is already there); a registered class reducer or a
+        # ScriptModule makes it anew, as torch's serialize does its own.
+        if torchs._class_reducer_dict or isinstance(obj, torch.jit.ScriptModule):
+            ours = _our_table(obj)
+        elif reused.source == torchs._dispatch_table:
+            ours = reused.table
+        else:
+            ours = _our_table(obj)
+            reused.table, reused.source = ours, dict(torchs._dispatch_table)
         # A pickle made while this thread pickles (a reducer's own call)
         # gets a pickler of its own.
         if reused.busy:
