@@ -59,35 +59,45 @@ def register_backend(
 
 
 def install_builtin_frontend(ours: Callable[..., Any],
-                             set_fallback: Callable[[Any], None]) -> None:
+                             set_fallback: Callable[[Any], None],
+                             invoke: Callable[..., Any] | None = None,
+                             set_invoke_fallback: Callable[[Any], None] | None = None) -> None:
     """Send builtin calls through ``ours`` (``_C._invoke_rpc_builtin``:
     csrc/agent/builtin_call.h), which is torch's ``_invoke_rpc_builtin``
-    without printing the operator's schema on every call, and which calls
-    the function it replaces (``set_fallback``) while another backend's
-    agent is current. ``api._invoke_rpc`` looks the name up in its module on
-    every call. Kept after shutdown; ``TORCH_RPC_EXT_TORCH_FRONTEND=1`` at an
-    init puts the replaced function back. Python UDFs' pickling too
+    without printing the operator's schema on every call, and ``rpc_sync`` /
+    ``rpc_async``'s steps before it through ``invoke`` (``_C._invoke_rpc``:
+    csrc/agent/invoke_rpc.h, torch's ``_invoke_rpc`` in C++); each calls the
+    function it replaces (``set_fallback``, ``set_invoke_fallback``) while
+    another backend's agent is current. ``api`` looks both names up in its
+    module on every call. Kept after shutdown; ``TORCH_RPC_EXT_TORCH_FRONTEND=1``
+    at an init puts the replaced functions back. Python UDFs' pickling too
     (_rpc_pickle), while our agent is current and that is not set."""
     import os
 
     from torch_rpc_ext import _rpc_pickle
 
-    current = api._invoke_rpc_builtin
     torchs = os.environ.get("TORCH_RPC_EXT_TORCH_FRONTEND") == "1"
     _TORCHS_FRONTEND[0] = torchs
-    if torchs:
-        if current is ours:
-            api._invoke_rpc_builtin = _REPLACED_FRONTEND[0]
-        return
-    if current is not ours:
-        _REPLACED_FRONTEND[:] = [current]
-        set_fallback(current)
-        api._invoke_rpc_builtin = ours
-    _rpc_pickle.install(_our_pickling)
+    replacing = [("_invoke_rpc_builtin", ours, set_fallback)]
+    if invoke is not None and set_invoke_fallback is not None:
+        replacing.append(("_invoke_rpc", invoke, set_invoke_fallback))
+    for name, mine, set_replaced in replacing:
+        current = getattr(api, name)
+        if torchs:
+            if current is mine:
+                setattr(api, name, _REPLACED_FRONTEND[name])
+            continue
+        if current is not mine:
+            _REPLACED_FRONTEND[name] = current
+            set_replaced(current)
+            setattr(api, name, mine)
+    if not torchs:
+        _rpc_pickle.install(_our_pickling)
 
 
-# What install_builtin_frontend replaced (torch's, or another's patch).
-_REPLACED_FRONTEND: list[Any] = []
+# What install_builtin_frontend replaced (torch's, or another's patch), by
+# name in torch.distributed.rpc.api.
+_REPLACED_FRONTEND: dict[str, Any] = {}
 # TORCH_RPC_EXT_TORCH_FRONTEND=1 at the last init.
 _TORCHS_FRONTEND = [False]
 

@@ -147,7 +147,8 @@ def _init_backend(
 
         _torch_private.install_shutdown(elastic.stop_membership)
         _torch_private.install_builtin_frontend(
-            _C._invoke_rpc_builtin, _C._set_invoke_rpc_builtin_fallback)
+            _C._invoke_rpc_builtin, _C._set_invoke_rpc_builtin_fallback,
+            _C._invoke_rpc, _C._set_invoke_rpc_fallback)
         _torch_private.init_rpc_states(agent)
         _serve_metrics(store, name, metrics_port)
     except Exception:
@@ -270,7 +271,8 @@ def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions,
 
         _torch_private.install_shutdown(elastic.stop_membership)
         _torch_private.install_builtin_frontend(
-            _C._invoke_rpc_builtin, _C._set_invoke_rpc_builtin_fallback)
+            _C._invoke_rpc_builtin, _C._set_invoke_rpc_builtin_fallback,
+            _C._invoke_rpc, _C._set_invoke_rpc_fallback)
         _torch_private.init_rpc_states(agent)
         elastic.start_event_thread(agent)
         _serve_metrics(store, name, metrics_port)

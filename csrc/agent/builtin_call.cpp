@@ -5,6 +5,8 @@
 
 #include <ATen/ThreadLocalState.h>
 #include <torch/csrc/distributed/autograd/utils.h>
+#include <torch/csrc/distributed/rpc/python_resp.h>
+#include <torch/csrc/distributed/rpc/python_rpc_handler.h>
 #include <torch/csrc/distributed/rpc/script_call.h>
 #include <torch/csrc/distributed/rpc/script_resp.h>
 #include <torch/csrc/distributed/rpc/utils.h>
@@ -125,7 +127,8 @@ std::shared_ptr<Operator> matchOperator(
 }
 
 // torch's toPyIValue for the response a builtin call gets (SCRIPT_RET, once
-// deserializeResponse has unwrapped distributed autograd's wrapper).
+// deserializeResponse has unwrapped distributed autograd's wrapper), or a
+// Python UDF's (PYTHON_RET).
 c10::IValue toPyIValue(const rpc::Message& message) {
   rpc::MessageType type = message.type();
   auto response = rpc::deserializeResponse(message, type);
@@ -139,10 +142,21 @@ c10::IValue toPyIValue(const rpc::Message& message) {
           torch::jit::createPyObjectForStack(std::move(stack)),
           c10::PyObjectType::get());
     }
+    case rpc::MessageType::PYTHON_RET: {
+      // (A Python UDF's, through invoke_rpc.h.)
+      auto& resp = static_cast<rpc::PythonResp&>(*response);
+      auto& handler = rpc::PythonRpcHandler::getInstance();
+      py::gil_scoped_acquire gil;
+      py::object value = handler.deserialize(resp.serializedPyObj());
+      handler.handleException(value);
+      return torch::jit::toIValue(value, c10::PyObjectType::get());
+    }
     default:
       TORCH_CHECK(false, "Unrecognized response message type ", type);
   }
 }
+
+} // namespace
 
 // torch's toPyJitFuture (hasValue): the future the user waits on, completed
 // with the Python object, or the error, under the caller's thread-local
@@ -185,8 +199,6 @@ c10::intrusive_ptr<JitFuture> toPyFuture(
       }));
   return child;
 }
-
-} // namespace
 
 c10::intrusive_ptr<rpc::Message> requestMessage(
     const std::shared_ptr<Operator>& op,

@@ -46,6 +46,12 @@ c10::intrusive_ptr<c10::ivalue::Future> send(
     const py::kwargs& kwargs,
     float rpcTimeoutSeconds);
 
+// torch's toPyJitFuture (hasValue): the future of `messageFuture`'s response
+// (a builtin call's SCRIPT_RET or a Python UDF's PYTHON_RET) as a Python
+// object, or its error, converted under the caller's thread-local state.
+c10::intrusive_ptr<c10::ivalue::Future> toPyFuture(
+    const c10::intrusive_ptr<c10::ivalue::Future>& messageFuture);
+
 // For the tests: the request's payload and tensors for `op` on `stack`,
 // made by requestMessage() or (`torchs`) by torch's ScriptCall.
 std::pair<std::vector<char>, std::vector<at::Tensor>> requestForTest(

@@ -5,6 +5,7 @@
 
 #include "csrc/agent/agent.h"
 #include "csrc/agent/builtin_call.h"
+#include "csrc/agent/invoke_rpc.h"
 #include "csrc/agent/call_trace.h"
 #include "csrc/agent/tracing.h"
 #include "csrc/bindings/bind.h"
@@ -331,6 +332,19 @@ void bindAgent(py::module_& m) {
   m.def("_set_invoke_rpc_builtin_fallback", [](py::object fn) {
     *builtinFallback() = std::move(fn);
   });
+  // torch.distributed.rpc.api._invoke_rpc likewise (invoke_rpc.h).
+  m.def("_set_invoke_rpc_fallback", [](py::object fn) {
+    invoke_rpc::setFallback(std::move(fn));
+  });
+  m.def(
+      "_invoke_rpc",
+      &invoke_rpc::invoke,
+      py::arg("to"),
+      py::arg("func"),
+      py::arg("rpc_type"),
+      py::arg("args") = py::none(),
+      py::arg("kwargs") = py::none(),
+      py::arg("rpc_timeout") = rpc::kUnsetRpcTimeout);
   m.def(
       "_invoke_rpc_builtin",
       [](const rpc::WorkerInfo& dst,

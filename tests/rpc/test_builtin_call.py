@@ -65,22 +65,32 @@ def test_request_bytes_are_torchs(op, args, kwargs):
 
 def test_torchs_frontend_kept_on_request(monkeypatch):
     replaced, ours, fallbacks = object(), object(), []
+    replaced_invoke, our_invoke, invoke_fallbacks = object(), object(), []
     monkeypatch.setattr(api, "_invoke_rpc_builtin", replaced)
-    monkeypatch.setattr(_torch_private, "_REPLACED_FRONTEND", [])
+    monkeypatch.setattr(api, "_invoke_rpc", replaced_invoke)
+    monkeypatch.setattr(_torch_private, "_REPLACED_FRONTEND", {})
     monkeypatch.setattr(_torch_private, "_TORCHS_FRONTEND", [False])
+
+    def install():
+        _torch_private.install_builtin_frontend(
+            ours, fallbacks.append, our_invoke, invoke_fallbacks.append)
+
     monkeypatch.setenv("TORCH_RPC_EXT_TORCH_FRONTEND", "1")
-    _torch_private.install_builtin_frontend(ours, fallbacks.append)
+    install()
     assert api._invoke_rpc_builtin is replaced and fallbacks == []
+    assert api._invoke_rpc is replaced_invoke and invoke_fallbacks == []
     monkeypatch.delenv("TORCH_RPC_EXT_TORCH_FRONTEND")
-    _torch_private.install_builtin_frontend(ours, fallbacks.append)
+    install()
     assert api._invoke_rpc_builtin is ours and fallbacks == [replaced]
-    # A second init keeps it, and what it calls for another agent.
-    _torch_private.install_builtin_frontend(ours, fallbacks.append)
+    assert api._invoke_rpc is our_invoke and invoke_fallbacks == [replaced_invoke]
+    # A second init keeps them, and what they call for another agent.
+    install()
     assert api._invoke_rpc_builtin is ours and fallbacks == [replaced]
-    # Asked for torch's at a later init: what it replaced is back.
+    assert api._invoke_rpc is our_invoke and invoke_fallbacks == [replaced_invoke]
+    # Asked for torch's at a later init: what they replaced is back.
     monkeypatch.setenv("TORCH_RPC_EXT_TORCH_FRONTEND", "1")
-    _torch_private.install_builtin_frontend(ours, fallbacks.append)
-    assert api._invoke_rpc_builtin is replaced
+    install()
+    assert api._invoke_rpc_builtin is replaced and api._invoke_rpc is replaced_invoke
 
 
 def _error(fn):
@@ -95,7 +105,8 @@ def builtin_calls(rank, world_size):
     init(rank, world_size)
     out = {}
     if rank == 0:
-        out["ours"] = api._invoke_rpc_builtin is _C._invoke_rpc_builtin
+        out["ours"] = (api._invoke_rpc_builtin is _C._invoke_rpc_builtin
+                       and api._invoke_rpc is _C._invoke_rpc)
         t = torch.arange(4.0)
         out["values"] = [
             rpc.rpc_sync("worker1", torch.add, args=(t, t)).tolist(),
@@ -175,7 +186,8 @@ def ours_then_tensorpipe(rank, world_size, tp_port):
             _transports=["uv"]),
     )
     if rank == 0:
-        out["installed"] = api._invoke_rpc_builtin is _C._invoke_rpc_builtin
+        out["installed"] = (api._invoke_rpc_builtin is _C._invoke_rpc_builtin
+                            and api._invoke_rpc is _C._invoke_rpc)
         out["tensorpipe"] = rpc.rpc_sync("tp1", torch.add, args=(torch.ones(2), 2)).tolist()
     rpc.shutdown()
     return out
