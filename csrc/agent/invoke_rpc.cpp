@@ -68,8 +68,7 @@ c10::intrusive_ptr<JitFuture> sendPythonUdf(
     float rpcTimeoutSeconds,
     bool isAsyncExecution) {
   rpc::SerializedPyObj call(std::move(pickled), std::move(tensors));
-  auto message =
-      rpc::PythonCall(std::move(call), isAsyncExecution).toMessage();
+  auto message = rpc::PythonCall(std::move(call), isAsyncExecution).toMessage();
   auto agent = rpc::RpcAgent::getCurrentRpcAgent();
   return builtin_call::toPyFuture(
       torch::distributed::autograd::sendMessageWithAutograd(
@@ -146,12 +145,13 @@ py::object invoke(
     py::dict named = py::isinstance<py::dict>(kwargs)
         ? py::reinterpret_borrow<py::dict>(kwargs)
         : py::dict(kwargs);
-    return asPython(builtin_call::send(
-        *dst,
-        builtin.cast<std::string>(),
-        py::reinterpret_borrow<py::args>(positional),
-        py::reinterpret_borrow<py::kwargs>(named),
-        rpcTimeoutSeconds));
+    return asPython(
+        builtin_call::send(
+            *dst,
+            builtin.cast<std::string>(),
+            py::reinterpret_borrow<py::args>(positional),
+            py::reinterpret_borrow<py::kwargs>(named),
+            rpcTimeoutSeconds));
   }
   if (py::isinstance(fn, t.scriptFunction)) {
     return t.invokeTorchscript(
@@ -162,7 +162,8 @@ py::object invoke(
         rpcTimeoutSeconds,
         isAsyncExecution);
   }
-  py::tuple pickled = t.pickler.attr("serialize")(t.pythonUdf(fn, args, kwargs));
+  py::tuple pickled =
+      t.pickler.attr("serialize")(t.pythonUdf(fn, args, kwargs));
   auto payload = pickled[0].cast<std::string>();
   auto tensors = pickled[1].cast<std::vector<at::Tensor>>();
   c10::intrusive_ptr<JitFuture> future;

@@ -5,8 +5,8 @@
 
 #include "csrc/agent/agent.h"
 #include "csrc/agent/builtin_call.h"
-#include "csrc/agent/invoke_rpc.h"
 #include "csrc/agent/call_trace.h"
+#include "csrc/agent/invoke_rpc.h"
 #include "csrc/agent/tracing.h"
 #include "csrc/bindings/bind.h"
 #include "csrc/channel/registry.h"
