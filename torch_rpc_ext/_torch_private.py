@@ -3,8 +3,10 @@
 between the torch releases we run on (the tested range: _torch_range), so a
 torch upgrade edits one file; the one other is _rpc_pickle.py (torch's RPC
 pickler's internals: its instance, dispatch table and tensor tables). The
-C++ side's are csrc/agent/torch_version.h, and csrc/agent/builtin_call.cpp
-for torch's builtin-call frontend."""
+C++ side's are csrc/agent/torch_version.h, csrc/agent/builtin_call.cpp
+for torch's builtin-call frontend, csrc/agent/invoke_rpc.cpp for the steps
+of torch's `api._invoke_rpc` (and the Python objects of torch's it looks
+up), and csrc/agent/serve_callback.cpp for upstream's request callback."""
 
 import sys
 import threading
