@@ -68,7 +68,7 @@ def _udf_reducer(udf: Any) -> tuple:
 # keep their names: a process with this module imported may pickle for a
 # TensorPipe peer without it.) A code or name taken by another registration
 # in this process fails the import, loudly, rather than read as another
-# object: _check_extensions.
+# object: _register_extensions.
 _EXTENSIONS = (
     ("_tensor_from_table", 0x54525001),
     ("_udf_from_parts", 0x54525002),
@@ -89,10 +89,12 @@ def _register_extensions() -> None:
 _register_extensions()
 
 
-# torch's advice with an AttributeError in unpickling (internal.py).
+# torch's advice with an AttributeError in unpickling (internal.py), as it
+# words it (a line break and its source's indentation included).
 _NOT_DEFINED_HERE = (
-    "Default RPC pickler does not serialize function code. Ensure that UDFs "
-    "are defined on both caller and callee modules."
+    "Default RPC pickler does not serialize\n"
+    "            function code. Ensure that UDFs are defined on both caller and\n"
+    "            callee modules."
 )
 
 

@@ -140,6 +140,25 @@ def builtin_calls(rank, world_size):
             y = rpc.rpc_sync("worker1", torch.mul, args=(x, 4))
             dist_autograd.backward(ctx, [y.sum()])
             out["grad"] = dist_autograd.get_gradients(ctx)[x].tolist()
+        # rpc_sync's steps are ours (torch's _invoke_rpc only with the
+        # profiler on): what it falls back to, recorded.
+        fallback = _torch_private._REPLACED_FRONTEND["_invoke_rpc"]
+        taken = []
+
+        def recorded(*args, **kwargs):
+            taken.append(args[1])
+            return fallback(*args, **kwargs)
+
+        _C._set_invoke_rpc_fallback(recorded)
+        try:
+            rpc.rpc_sync("worker1", torch.add, args=(t, 1))
+            rpc.rpc_async("worker1", torch.add, args=(t, 1)).wait()
+            plain = len(taken)
+            with torch.autograd.profiler_legacy.profile():
+                rpc.rpc_sync("worker1", torch.add, args=(t, 1))
+            out["fallback_taken"] = (plain, len(taken))
+        finally:
+            _C._set_invoke_rpc_fallback(fallback)
         # torch's legacy profiler: the callee's operator in the caller's trace.
         with torch.autograd.profiler_legacy.profile() as prof:
             rpc.rpc_sync("worker1", torch.add, args=(t, 1))
@@ -163,6 +182,7 @@ def test_builtin_calls_through_the_public_api():
     assert ours is not None and ours == torchs, r["no_fit"]
     ours, torchs = r["callee_error"]
     assert ours is not None and ours == torchs, r["callee_error"]
+    assert r["fallback_taken"] == (0, 1), r["fallback_taken"]
     assert r["grad"] == [4.0, 4.0, 4.0]
     assert any("rpc_sync#aten::add" in name and "worker1" in name
                for name in r["profiled"]), r["profiled"]

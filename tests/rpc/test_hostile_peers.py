@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from torch.distributed import rpc
 
 from tests.rpc.world import init, run_world
+from torch_rpc_ext import _C
 from torch_rpc_ext.testing import (
     HELLO,
     MESSAGE,
@@ -129,7 +130,7 @@ def attacks(rank, world_size):
         #    closed after the 24-byte header, before anything is allocated.
         host, port = addr.rsplit(":", 1)
         for label, data in [
-            ("wrong_version", frame_header(HELLO, 44, version=9) + bytes(44)),
+            ("wrong_version", frame_header(HELLO, 44, version=_C.PROTOCOL_VERSION + 1) + bytes(44)),
             ("garbage", os.urandom(4096)),
             ("absurd_length", frame_header(HELLO, 44, nseg=0, data=1 << 62)),
             ("message_before_auth", frame_header(MESSAGE, 8) + bytes(8)),

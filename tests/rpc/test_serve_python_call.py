@@ -14,6 +14,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 from torch import Tensor
 from torch.distributed import rpc
+from torch.distributed.rpc import api, internal
 from torch.futures import Future
 
 from tests.rpc.world import options, run_world
@@ -64,6 +65,32 @@ def async_double(x):
     return fut
 
 
+def no_args():
+    return "none"
+
+
+def _defined_on_caller_only():
+    """A function in this module on rank 0 only: the callee cannot find it."""
+    def only_on_caller():
+        return 1
+
+    only_on_caller.__qualname__ = only_on_caller.__name__
+    globals()["only_on_caller"] = only_on_caller
+    return only_on_caller
+
+
+class _Recording(internal._InternalRPCPickler):
+    """An RPC pickler of one's own (api._use_rpc_pickler's kind)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pickled = 0
+
+    def serialize(self, obj):
+        self.pickled += 1
+        return super().serialize(obj)
+
+
 def _first_part(text):
     # An error's text up to where C++ names the place that raised it (that
     # place is ours on our agent, upstream's on TensorPipe).
@@ -109,7 +136,21 @@ def calls(rank, world_size, backend):
             rpc.rpc_sync("worker1", torch.mul, args=[x, 6]),
             rpc.rpc_sync("worker1", add, args=(), kwargs={"a": x, "b": x}),
         ]
+        out["no_args"] = [rpc.rpc_sync("worker1", no_args), rpc.rpc_sync("worker1", no_args, args=[], kwargs={})]
+        # A pickler of one's own for a block: the calls in it use it.
+        recording = _Recording()
+        with api._use_rpc_pickler(recording):
+            inside = rpc.rpc_sync("worker1", add, args=(x, 1))
+        rpc.rpc_sync("worker1", add, args=(x, 1))
+        out["own_pickler"] = (recording.pickled, torch.equal(inside, x + 1))
+        missing = _defined_on_caller_only()
         for key, call in (("not_callable", lambda: rpc.rpc_sync("worker1", 5)),
+                          ("missing_on_callee", lambda: rpc.rpc_sync("worker1", missing)),
+                          ("tensor_as_args", lambda: rpc.rpc_sync("worker1", add, args=torch.ones(2))),
+                          ("pairs_as_kwargs", lambda: rpc.rpc_sync("worker1", torch.add, args=(x,),
+                                                                   kwargs=[("other", x)])),
+                          ("int_keyword", lambda: rpc.rpc_sync("worker1", torch.add, args=(x, x),
+                                                               kwargs={1: 2})),
                           ("bad_destination", lambda: rpc.rpc_sync(1.5, add, args=(1, 2))),
                           ("unknown_destination", lambda: rpc.rpc_sync("nobody", add, args=(1, 2))),
                           ("no_operator", lambda: rpc.rpc_sync("worker1", torch.add, args=("a",)))):
@@ -141,12 +182,24 @@ def test_udf_results_and_errors_are_tensorpipes():
     for got, want in zip(ours["forms"], [x1 + 1, x1 + 2, x1 * 3, x1 * 4, x1 * 5, x1 * 6, x1 + x1]):
         assert torch.equal(got, want), ours["forms"]
     # The steps before the frontend, refusing what torch's refuse, alike.
-    for key in ("not_callable", "bad_destination", "no_operator"):
-        assert ours[key] == theirs[key], (key, ours[key], theirs[key])
+    assert ours["no_args"] == ["none", "none"]
+    assert ours["own_pickler"] == (1, True), ours["own_pickler"]
+    for key in ("not_callable", "bad_destination", "no_operator", "tensor_as_args",
+                "pairs_as_kwargs", "int_keyword"):
+        # (Python names the builtin frontend in a `**` refusal: ours or torch's.)
+        o, t = ours[key], theirs[key]
+        assert (o[0], o[1].split("_invoke_rpc_builtin() ")[-1]) == \
+            (t[0], t[1].split("_invoke_rpc_builtin() ")[-1]), (key, o, t)
     assert ours["not_callable"] == ("TypeError", "function should be callable.")
     assert ours["bad_destination"][0] == "ValueError"
     # (An unknown name: each agent's own words, naming it.)
     assert ours["unknown_destination"][0] == "RuntimeError" and "nobody" in ours["unknown_destination"][1]
+    # A function the callee does not have: an AttributeError with torch's
+    # advice, raised on the caller.
+    # (torch's handler re-raises it as a RuntimeError naming AttributeError.)
+    o, t = ours["missing_on_callee"], theirs["missing_on_callee"]
+    assert o[0] == t[0] and "only_on_caller" in o[1], o
+    assert o[1].split("Traceback")[0] == t[1].split("Traceback")[0], (o, t)
     for key in ("unpicklable_result", "base_exception", "value_error"):
         assert ours[key][0] == theirs[key][0], (key, ours[key], theirs[key])
     assert ours["unpicklable_result"][1].splitlines()[0] == theirs["unpicklable_result"][1].splitlines()[0]
