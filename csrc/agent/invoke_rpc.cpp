@@ -49,8 +49,8 @@ struct Torchs {
         py::module_::import("torch._jit_internal").attr("_qualified_name");
     torchsPythonUdf = py::module_::import("torch._C._distributed_rpc")
                           .attr("_invoke_rpc_python_udf");
-    ourBuiltin = py::module_::import("torch_rpc_ext._C").attr(
-        "_invoke_rpc_builtin");
+    ourBuiltin =
+        py::module_::import("torch_rpc_ext._C").attr("_invoke_rpc_builtin");
     resolved = true;
   }
 
@@ -213,12 +213,13 @@ py::object invoke(
           *positional,
           **named);
     }
-    return asPython(builtin_call::send(
-        *dst,
-        builtin.cast<std::string>(),
-        py::reinterpret_borrow<py::args>(positional),
-        py::reinterpret_borrow<py::kwargs>(named),
-        rpcTimeoutSeconds));
+    return asPython(
+        builtin_call::send(
+            *dst,
+            builtin.cast<std::string>(),
+            py::reinterpret_borrow<py::args>(positional),
+            py::reinterpret_borrow<py::kwargs>(named),
+            rpcTimeoutSeconds));
   }
   if (py::isinstance(fn, t.scriptFunction)) {
     return Torchs::global(t.api, "_invoke_rpc_torchscript")(
