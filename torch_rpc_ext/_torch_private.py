@@ -84,17 +84,38 @@ def install_builtin_frontend(ours: Callable[..., Any],
     if invoke is not None and set_invoke_fallback is not None:
         replacing.append(("_invoke_rpc", invoke, set_invoke_fallback))
     for name, mine, set_replaced in replacing:
-        current = getattr(api, name)
+        get, put = _frontend_slot(name)
+        current = get()
         if torchs:
             if current is mine:
-                setattr(api, name, _REPLACED_FRONTEND[name])
+                put(_REPLACED_FRONTEND[name])
             continue
-        if current is not mine:
-            _REPLACED_FRONTEND[name] = current
-            set_replaced(current)
-            setattr(api, name, mine)
+        if current is mine:
+            continue
+        if name == "_invoke_rpc" and not _is_torchs_invoke_rpc(current):
+            # Another library's patch of it stays, and calls what it wrapped
+            # (torch's, which reaches our builtin frontend through the
+            # module's global).
+            continue
+        _REPLACED_FRONTEND[name] = current
+        set_replaced(current)
+        put(mine)
     if not torchs:
         _rpc_pickle.install(_our_pickling)
+
+
+def _frontend_slot(name: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """Where ``api.<name>``'s function is: the module's global, or, under our
+    tracing's wrapper of it (torch_rpc_ext/tracing.py), what that wraps."""
+    inner = getattr(getattr(api, name), "_torch_rpc_ext_inner", None)
+    if inner is not None:
+        return (lambda: inner[0]), (lambda fn: inner.__setitem__(0, fn))
+    return (lambda: getattr(api, name)), (lambda fn: setattr(api, name, fn))
+
+
+def _is_torchs_invoke_rpc(fn: Any) -> bool:
+    return (getattr(fn, "__module__", None) == api.__name__
+            and getattr(fn, "__qualname__", None) == "_invoke_rpc")
 
 
 # What install_builtin_frontend replaced (torch's, or another's patch), by

@@ -151,14 +151,18 @@ def enable() -> None:
 
         fut.add_done_callback(done)
 
-    original_invoke = api._invoke_rpc
+    # What this wraps, in a list: an init of ours puts its own _invoke_rpc
+    # there (_torch_private.install_builtin_frontend), under the span.
+    inner = [api._invoke_rpc]
 
     def _invoke_rpc(to, func, rpc_type, args=None, kwargs=None, rpc_timeout=-1.0):
-        fut, span = client(to, func, lambda: original_invoke(
+        fut, span = client(to, func, lambda: inner[0](
             to, func, rpc_type, args, kwargs, rpc_timeout))
         if span is not None:
             finish(span, fut)
         return fut
+
+    _invoke_rpc._torch_rpc_ext_inner = inner  # type: ignore[attr-defined]
 
     original_remote = api.remote
 

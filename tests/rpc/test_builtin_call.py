@@ -65,7 +65,12 @@ def test_request_bytes_are_torchs(op, args, kwargs):
 
 def test_torchs_frontend_kept_on_request(monkeypatch):
     replaced, ours, fallbacks = object(), object(), []
-    replaced_invoke, our_invoke, invoke_fallbacks = object(), object(), []
+    our_invoke, invoke_fallbacks = object(), []
+
+    def replaced_invoke():  # torch's, as far as the install can tell
+        pass
+
+    replaced_invoke.__module__, replaced_invoke.__qualname__ = api.__name__, "_invoke_rpc"
     monkeypatch.setattr(api, "_invoke_rpc_builtin", replaced)
     monkeypatch.setattr(api, "_invoke_rpc", replaced_invoke)
     monkeypatch.setattr(_torch_private, "_REPLACED_FRONTEND", {})
@@ -91,6 +96,24 @@ def test_torchs_frontend_kept_on_request(monkeypatch):
     monkeypatch.setenv("TORCH_RPC_EXT_TORCH_FRONTEND", "1")
     install()
     assert api._invoke_rpc_builtin is replaced and api._invoke_rpc is replaced_invoke
+    # Under our tracing's wrapper, ours goes beneath it (the span around it).
+    monkeypatch.delenv("TORCH_RPC_EXT_TORCH_FRONTEND")
+
+    def traced():
+        pass
+
+    traced._torch_rpc_ext_inner = inner = [replaced_invoke]
+    monkeypatch.setattr(api, "_invoke_rpc", traced)
+    install()
+    assert api._invoke_rpc is traced and inner == [our_invoke]
+    # Another library's patch of it stays (and calls what it wrapped).
+
+    def patched():
+        pass
+
+    monkeypatch.setattr(api, "_invoke_rpc", patched)
+    install()
+    assert api._invoke_rpc is patched
 
 
 def _error(fn):
