@@ -9,7 +9,8 @@ every one, and pickles each tensor's receiver as a bound classmethod (a
 ``deserialize`` makes an ``Unpickler`` per message. Here the same instance's
 ``serialize`` and ``deserialize`` are replaced: a pickler per thread, reused
 (its memo cleared), the dispatch table torch's own with only the tensor's
-reducer changed, whose receiver is this module's function, and
+and the UDF call's reducers changed, whose receivers are this module's
+functions, and
 ``pickle.loads``. The tensor receiver and the call's constructor are named by
 extension codes (``copyreg``, below), which the reader looks up in a dict
 where a name costs an import. What is pickled, and how RRefs, ScriptModules and
