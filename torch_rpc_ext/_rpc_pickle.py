@@ -41,15 +41,35 @@ __all__ = ["install"]
 _tables = internal._thread_local_tensor_tables
 
 
-def _tensor_from_table(index: int) -> torch.Tensor:
-    """A tensor's receiver: the message's tensor ``index``."""
-    return _tables.recv_tables[index]
+class _TensorReceiver:
+    """A tensor's receiver: ``_RECEIVER(index)`` is the message's tensor
+    ``index``. One object, not a function: the pickler memoizes it, so a
+    message names it once and each further tensor refers back to it (a
+    function named by an extension code is not memoized: pickle's
+    ``save_global`` imports its module again for every tensor)."""
+
+    __slots__ = ()
+
+    def __call__(self, index: int) -> torch.Tensor:
+        return _tables.recv_tables[index]
+
+
+_RECEIVER = _TensorReceiver()
+
+
+def _tensor_receiver() -> _TensorReceiver:
+    """What a pickle's extension code 0x54525001 constructs: the receiver."""
+    return _RECEIVER
+
+
+def _receiver_reducer(receiver: _TensorReceiver) -> tuple:
+    return (_tensor_receiver, ())
 
 
 def _tensor_reducer(tensor: torch.Tensor) -> tuple:
     sends = _tables.send_tables
     sends.append(tensor)
-    return (_tensor_from_table, (len(sends) - 1,))
+    return (_RECEIVER, (len(sends) - 1,))
 
 
 def _udf_from_parts(func: Any, args: Any, kwargs: Any) -> Any:
@@ -71,7 +91,7 @@ def _udf_reducer(udf: Any) -> tuple:
 # in this process fails the import, loudly, rather than read as another
 # object: _register_extensions.
 _EXTENSIONS = (
-    ("_tensor_from_table", 0x54525001),
+    ("_tensor_receiver", 0x54525001),
     ("_udf_from_parts", 0x54525002),
 )
 
@@ -134,6 +154,7 @@ def install(active: Callable[[], bool]) -> None:
             ours[torch.Tensor] = _tensor_reducer
         if internal.PythonUDF not in ours:
             ours[internal.PythonUDF] = _udf_reducer
+        ours[_TensorReceiver] = _receiver_reducer
         return ours
 
     def serialize(obj: Any) -> tuple:

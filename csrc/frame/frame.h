@@ -36,7 +36,9 @@ constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 // 9: that pickle names the receiver, and a call's constructor, by copyreg
 //    extension codes (torch_rpc_ext/_rpc_pickle.py) a build before it has
 //    not registered.
-constexpr uint8_t kProtocolVersion = 9;
+// 10: code 0x54525001 is the receiver object, memoized in each pickle and
+//    called per tensor; in 9 it was a function taking the index.
+constexpr uint8_t kProtocolVersion = 10;
 
 enum class FrameKind : uint8_t {
   kHello = 1, // client -> server: version, identity, nonce

@@ -70,9 +70,25 @@ def test_round_trips_both_ways(ours):
     assert not hasattr(internal._thread_local_tensor_tables, "recv_tables")
 
 
+def test_a_message_names_the_tensor_receiver_once(ours):
+    # Pickle does not memoize a global written by extension code, so a
+    # receiver function met once per tensor was looked up (its module
+    # imported) once per tensor; the receiver object is memoized: one
+    # extension code a message, then references back to it.
+    xs = [torch.full((2,), float(i)) for i in range(50)]
+    data, tensors = _P.serialize(PythonUDF(udf, (xs,), {}))
+    ops = [(op.name, arg) for op, arg, _ in pickletools.genops(data)]
+    receiver_code = dict(_rpc_pickle._EXTENSIONS)["_tensor_receiver"]
+    assert sum(1 for name, arg in ops if name.startswith("EXT") and arg == receiver_code) == 1
+    assert len(tensors) == 50
+    back = _P.deserialize(data, tensors)
+    assert all(a is b for a, b in zip(back.args[0], xs))
+    assert _TORCHS.deserialize(_P, data, tensors).args[0][49] is xs[49]
+
+
 def test_an_extension_code_taken_is_a_clear_error():
     code = _rpc_pickle._EXTENSIONS[0][1]
-    copyreg.remove_extension(_rpc_pickle.__name__, "_tensor_from_table", code)
+    copyreg.remove_extension(_rpc_pickle.__name__, "_tensor_receiver", code)
     copyreg.add_extension("somebody.else", "thing", code)
     try:
         with pytest.raises(RuntimeError, match=f"extension code {code:#x} .* taken"):
@@ -80,7 +96,7 @@ def test_an_extension_code_taken_is_a_clear_error():
     finally:
         copyreg.remove_extension("somebody.else", "thing", code)
         importlib.reload(_rpc_pickle)
-    assert copyreg._extension_registry[(_rpc_pickle.__name__, "_tensor_from_table")] == code
+    assert copyreg._extension_registry[(_rpc_pickle.__name__, "_tensor_receiver")] == code
 
 
 class _Boxed:
