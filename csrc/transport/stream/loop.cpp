@@ -15,6 +15,7 @@
 
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
+#include "csrc/common/openmp_pool.h"
 
 namespace torch_rpc_ext::transport::stream {
 
@@ -57,6 +58,8 @@ void Loop::runAsLeader(uint64_t generation) {
       return;
     }
     nameThisThread(spareName());
+    // Only the thread serving now keeps an OpenMP team (openmp_pool.h).
+    releaseOpenMpTeam();
     if (!parkAsSpare(&generation)) {
       retire();
       return;
