@@ -2,8 +2,9 @@
 """TORCH_RPC_EXT vs TensorPipe, side by side in one run: the RPC paper's matrix.
 
 Cases: small-call latency (builtin, Python UDF, TorchScript), pipelined
-rpc_async throughput, identity/heavy x Python/TorchScript x 4 MB/400 MB x
-1/10 calls in flight, a fan-out (one caller, 8 workers) and TCP-only mode.
+rpc_async throughput, 1000 tensors of 1 KiB in one call (many),
+identity/heavy x Python/TorchScript x 4 MB/400 MB x 1/10 calls in flight,
+a fan-out (one caller, 8 workers) and TCP-only mode.
 Every case runs on each backend in the same invocation; the output is JSON
 lines (one per case and backend, then one ratio line per case) and, with
 --chart, a PNG. The pipelined rows carry `cpu_us_per_call`: each process's
@@ -131,6 +132,12 @@ def pair_cases(rank, world_size, backend_key, opts, cases, cfg):
                          "cpu_us_per_call": cpu,
                          "cpu_us_per_call_total": round(
                              sum(sum(end.values()) for end in cpu.values()), 2)})
+        if "many" in cases:
+            # 1000 tensors of 1 KiB in one call and back: per-tensor costs
+            # (pickling, the codec, allocations), which the bytes do not hide.
+            xs = [torch.ones(256) for _ in range(cfg.many)]
+            s = timed(lambda: rpc.rpc_sync(dst, identity, args=(xs,)), cfg.repeats * 2, 3)
+            rows.append({"case": f"identity_{cfg.many}x1KB", **summarize(s)})
         if "tensor" in cases:
             for mb in cfg.sizes_mb:
                 side = int((mb * (1 << 20) / 4) ** 0.5)
@@ -281,7 +288,9 @@ def interleaved(cfg, backends, record) -> None:
         record({"case": case, "interleaved": True, "blocks": len(per_block),
                 "ratio": "throughput_ext_over_tp" if throughput else "time_ext_over_tp",
                 "value": round(statistics.median(per_block), 3),
-                "quartiles": quartiles(per_block)})
+                "quartiles": quartiles(per_block),
+                # In block order: a slow stretch of the machine shows as a run.
+                "per_block": [round(x, 3) for x in per_block]})
 
 
 def fanout_case(rank, world_size, backend_key, opts, cfg):
@@ -301,7 +310,8 @@ def fanout_case(rank, world_size, backend_key, opts, cfg):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="+", default=["small", "pipelined", "tensor", "fanout", "tcp"])
+    p.add_argument("--cases", nargs="+",
+                   default=["small", "pipelined", "many", "tensor", "fanout", "tcp"])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, few iterations")
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--warmup", type=int, default=200)
@@ -309,6 +319,8 @@ def main(argv=None):
     p.add_argument("--repeats-large", type=int, default=5)
     p.add_argument("--pipelined", type=int, default=2000)
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[4, 400])
+    p.add_argument("--many", type=int, default=1000,
+                   help="the many case: this many 1 KiB tensors in one call")
     p.add_argument("--heavy-large", action="store_true")
     p.add_argument("--identity-only", action="store_true",
                    help="the tensor cases without the heavy ones (which take minutes at 64 MB)")
@@ -367,6 +379,7 @@ def main(argv=None):
     if cfg.smoke:
         cfg.iters, cfg.warmup, cfg.repeats, cfg.repeats_large = 20, 5, 3, 2
         cfg.pipelined, cfg.sizes_mb, cfg.fanout, cfg.block_calls = 50, [1], 2, 20
+        cfg.many = 50
     out = cfg.out.open("w") if cfg.out else None
 
     def record(row):
@@ -378,7 +391,7 @@ def main(argv=None):
         interleaved(cfg, {k: backends_all[k] for k in ("ext", "tensorpipe")}, record)
         return
 
-    pair = [c for c in cfg.cases if c in ("small", "pipelined", "tensor")]
+    pair = [c for c in cfg.cases if c in ("small", "pipelined", "many", "tensor")]
     plans = []
     if pair:
         plans.append(("", backends_all,

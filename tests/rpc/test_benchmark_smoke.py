@@ -18,7 +18,8 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "rpc_bench.py"), "--smoke",
-         "--cases", "small", "pipelined", "tensor", "--grpc", "--frame-ring-off", "--inline",
+         "--cases", "small", "pipelined", "many", "tensor", "--grpc", "--frame-ring-off",
+         "--inline",
          "--chart", str(tmp_path / "chart.png"), "--out", str(out)],
         capture_output=True, text=True, timeout=540, env=env,
     )
@@ -26,7 +27,7 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     measured = {(r["case"], r["backend"]) for r in rows if "backend" in r}
     for case in ["small_builtin", "small_udf", "small_script", "pipelined_async",
-                 "identity_1MB_x1", "heavy_script_1MB_x10"]:
+                 "identity_50x1KB", "identity_1MB_x1", "heavy_script_1MB_x10"]:
         assert (case, "ext") in measured and (case, "tensorpipe") in measured, case
     ratios = {r["case"]: r["value"] for r in rows if "ratio" in r}
     # Ours with frame rings against ours with frames on the socket.
@@ -63,6 +64,7 @@ def test_interleaved_benchmark_pairs_each_block_with_tensorpipes(tmp_path):
     ratios = {r["case"]: r for r in rows if "ratio" in r}
     assert set(ratios) == {"small_builtin", "small_udf", "small_script", "pipelined_async"}
     assert all(r["blocks"] == 2 and r["value"] > 0 for r in ratios.values())
+    assert all(len(r["per_block"]) == 2 for r in ratios.values())
     assert ratios["pipelined_async"]["ratio"] == "throughput_ext_over_tp"
     measured = {(r["case"], r["backend"]) for r in rows if "backend" in r}
     assert ("small_udf", "tensorpipe") in measured and ("pipelined_async", "ext") in measured
