@@ -19,6 +19,10 @@ each call at its hand-offs (csrc/agent/call_trace.h) on the clock Python's
   complete         completing it: its callbacks (torch's conversion of the
                    response into the caller's future) on our thread
   to_python        the waiting Python thread woken, back to the caller
+                   (a stamp taken after the call returned counts as the
+                   return: the thread completing a lone call may be
+                   preempted by the waiter it woke before it stamps
+                   `complete`; to_python is then 0)
 
 and callee_run in two parts (rows with "part" and "of"):
 
@@ -174,8 +178,12 @@ def breakdown(result):
             continue
         ends = {None: None, **points}
         for name, a, b in SEGMENTS:
-            start = t0 if a is None else ends[a]
-            end = t1 if b is None else ends[b]
+            # A stamp after the call returned reads as the return: the loop
+            # thread completing a lone call shares the caller's CPU
+            # (poll_on_caller_cpu), and the waiter it wakes often runs, and
+            # returns, before that thread takes its `complete` stamp.
+            start = t0 if a is None else min(ends[a], t1)
+            end = t1 if b is None else min(ends[b], t1)
             durations[name].append((end - start) / 1e3)
         for name, a, b, _ in PARTS:
             if a in points and b in points:  # (not if the callback threw)
