@@ -63,6 +63,17 @@ def shm_loop_threads():
     return sorted(n for n in names if n.startswith("rpcx-shm") and n != "rpcx-shm-mon")
 
 
+def loop_threads_once_parked(to):
+    """`to`'s shm loop threads by name, asked until an ex-leader still
+    finishing its piece has parked (one "rpcx-shm" left; 2 s at most)."""
+    for _ in range(200):
+        names = rpc.rpc_sync(to, shm_loop_threads)
+        if names.count("rpcx-shm") == 1:
+            break
+        time.sleep(0.01)
+    return names
+
+
 def nested_calls(rank, world_size, calls):
     init(rank, world_size, rpc_timeout=60)
     out = {}
@@ -70,13 +81,7 @@ def nested_calls(rank, world_size, calls):
         out["servers"] = [rpc.rpc_sync("worker1", nested_from, args=("worker0",))
                           for _ in range(calls)]
         out["callee"] = rpc.rpc_sync("worker1", metrics)
-        # Asked until an ex-leader still finishing its piece has parked (at
-        # most 2 s).
-        for _ in range(200):
-            out["names"] = rpc.rpc_sync("worker1", shm_loop_threads)
-            if out["names"].count("rpcx-shm") == 1:
-                break
-            time.sleep(0.01)
+        out["names"] = loop_threads_once_parked("worker1")
     rpc.shutdown()
     return out
 

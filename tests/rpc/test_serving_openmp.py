@@ -7,7 +7,6 @@ manages more threads than CPUs and sleeps its workers after every op: a
 `heavy` call on 4 MB went from 11 to 18-23 ms here (docs/performance.md)."""
 
 import ctypes
-import os
 import threading
 import time
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from torch.distributed import rpc
 
+from tests.rpc.test_fast_path import loop_threads_once_parked
 from tests.rpc.world import init, run_world
 
 pytestmark = pytest.mark.timeout(180)
@@ -40,33 +40,16 @@ def parallel_ops(ms):
     return threading.get_native_id()
 
 
-def shm_named_threads():
-    # An OpenMP worker takes the name of the thread that made it (the
-    # serving loop thread's, "rpcx-shm"); the loop's leader has it too,
-    # and parked loop threads are "rpcx-shm-spare".
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f.read().strip())
-        except FileNotFoundError:
-            pass
-    return sorted(n for n in names if n.startswith("rpcx-shm") and n != "rpcx-shm-mon")
-
-
 def serve_parallel_calls(rank, world_size, calls):
     init(rank, world_size, rpc_timeout=60)
     out = {}
     if rank == 0:
         out["servers"] = [rpc.rpc_sync("worker1", parallel_ops, args=(60,)) for _ in range(calls)]
-        # Asked until the ex-leader finishing the last call has parked (2 s
-        # at most): then the leader is the one "rpcx-shm" left, unless a
-        # parked thread kept its team.
-        for _ in range(200):
-            out["names"] = rpc.rpc_sync("worker1", shm_named_threads)
-            if out["names"].count("rpcx-shm") == 1:
-                break
-            time.sleep(0.01)
+        # Once the ex-leader finishing the last call has parked, the leader
+        # is the one "rpcx-shm" left, unless a parked thread
+        # ("rpcx-shm-spare") kept its team, whose workers took the name of
+        # the thread that made them.
+        out["names"] = loop_threads_once_parked("worker1")
     rpc.shutdown()
     return out
 
