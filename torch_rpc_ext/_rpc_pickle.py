@@ -9,14 +9,14 @@ every one, and pickles each tensor's receiver as a bound classmethod (a
 ``deserialize`` makes an ``Unpickler`` per message. Here the same instance's
 ``serialize`` and ``deserialize`` are replaced: a pickler per thread, reused
 (its memo cleared), the dispatch table torch's own with only the tensor's
-and the UDF call's reducers changed, whose receivers are this module's
-functions, and
+and the UDF call's reducers changed, whose receivers are this module's (the
+tensors' one object, memoized: written once a message), and
 ``pickle.loads``. The tensor receiver and the call's constructor are named by
 extension codes (``copyreg``, below), which the reader looks up in a dict
 where a name costs an import. What is pickled, and how RRefs, ScriptModules and
 registered classes reduce, is torch's; torch's unpickler reads the result
 where this module can be imported, as on every worker of a group of ours
-(protocol version 9, csrc/frame/frame.h, keeps out a build without them). With
+(protocol version 10, csrc/frame/frame.h, keeps out a build without them). With
 another backend's agent current both are torch's as they were.
 
 What ``deserialize`` unpickles is what torch's own would: a Python UDF's
@@ -52,6 +52,10 @@ class _TensorReceiver:
 
     def __call__(self, index: int) -> torch.Tensor:
         return _tables.recv_tables[index]
+
+    def __reduce__(self) -> str:
+        # Pickled or copied outside our pickler: the module's one object.
+        return "_RECEIVER"
 
 
 _RECEIVER = _TensorReceiver()

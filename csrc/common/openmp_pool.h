@@ -17,9 +17,13 @@ namespace torch_rpc_ext {
 // leader, which makes a team of its own, so two teams alternate and every
 // op of a tensor-heavy UDF pays (`heavy` on 4 MB: 11 -> 18-23 ms a call
 // on 2 CPUs, docs/performance.md). A thread parking calls this, so only the
-// thread serving now has a team: libgomp's omp_pause_resource frees the
+// thread serving now has a team: libgomp's omp_pause_resource_all frees the
 // calling thread's team only (as its exit would). Other runtimes' pause
 // (LLVM's libomp, Intel's) is process-wide, so they are left alone.
+//
+// The cost: the next long request's server makes its team anew (threads
+// for torch's intra-op count less one), as before spares a whole new loop
+// thread and its team were made at every hand-off.
 bool releaseOpenMpTeam();
 
 } // namespace torch_rpc_ext

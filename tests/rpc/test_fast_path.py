@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch.distributed import rpc
 
+from tests.rpc.loop_threads import loop_threads_once_parked
 from tests.rpc.world import init, run_world, stop_process
 
 pytestmark = pytest.mark.timeout(180)
@@ -48,30 +49,6 @@ def nested_from(caller):
     me = threading.get_native_id()
     rpc.rpc_sync(caller, metrics)
     return me
-
-
-def shm_loop_threads():
-    # The names of the shm loop's threads, its monitor aside. (Quick: a
-    # piece that ran 2 ms would have its loop taken over.)
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f.read().strip())
-        except FileNotFoundError:  # (exited meanwhile)
-            pass
-    return sorted(n for n in names if n.startswith("rpcx-shm") and n != "rpcx-shm-mon")
-
-
-def loop_threads_once_parked(to):
-    """`to`'s shm loop threads by name, asked until an ex-leader still
-    finishing its piece has parked (one "rpcx-shm" left; 2 s at most)."""
-    for _ in range(200):
-        names = rpc.rpc_sync(to, shm_loop_threads)
-        if names.count("rpcx-shm") == 1:
-            break
-        time.sleep(0.01)
-    return names
 
 
 def nested_calls(rank, world_size, calls):

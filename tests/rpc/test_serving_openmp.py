@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed import rpc
 
-from tests.rpc.test_fast_path import loop_threads_once_parked
+from tests.rpc.loop_threads import loop_threads_once_parked
 from tests.rpc.world import init, run_world
 
 pytestmark = pytest.mark.timeout(180)
