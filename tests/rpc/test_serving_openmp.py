@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 def _libgomp_loaded():
     try:
         with open("/proc/self/maps") as f:
-            return "libgomp" in f.read() and hasattr(ctypes.CDLL(None), "omp_pause_resource")
+            return "libgomp" in f.read() and hasattr(ctypes.CDLL(None), "omp_pause_resource_all")
     except OSError:
         return False
 
