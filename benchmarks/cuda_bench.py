@@ -405,25 +405,60 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
     return rows
 
 
-def recipe(cfg) -> dict:
+def recipe(cfg, device: str = f"cuda:{DEVICE}") -> dict:
     """The CUDA RPC recipe on one GPU: a local and a remote shard, ten
-    forward and backward passes under dist autograd, timed as a whole."""
+    forward and backward passes under dist autograd, timed as a whole.
+
+    Then its parts, in rounds of their own with the device synchronised
+    between them (so they do not add up to the whole exactly), medians of
+    one pass in us (`phases_us`): `forward` (the local shard and the call
+    to the remote one), `backward` (dist autograd's backward, its call to
+    the remote shard's backward and the gradient's way back), and
+    `local_only` (both shards' forward and backward in this process, no
+    RPC: the compute that is the same on every backend, under the ratio).
+    """
     import torch.distributed.autograd as dist_autograd
 
-    local = Shard(f"cuda:{DEVICE}")
-    remote = rpc.remote("callee", Shard, args=(f"cuda:{DEVICE}",))
-    x = torch.randn(1000, 1000, device=f"cuda:{DEVICE}")
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
+    local = Shard(device)
+    remote = rpc.remote("callee", Shard, args=(device,))
+    x = torch.randn(1000, 1000, device=device)
     samples = []
     for _ in range(cfg.recipe_rounds + 1):
-        torch.cuda.synchronize(DEVICE)
+        sync()
         t0 = time.perf_counter()
         for _ in range(10):
             with dist_autograd.context() as ctx:
                 y = remote.rpc_sync().forward(local(x))
                 dist_autograd.backward(ctx, [y.sum()])
-        torch.cuda.synchronize(DEVICE)
+        sync()
         samples.append(time.perf_counter() - t0)
-    return {"case": "recipe", **summarize(samples[1:])}
+    phases = {"forward": [], "backward": [], "local_only": []}
+    other = Shard(device)  # the remote shard's twin, here
+    for i in range(10 * cfg.recipe_rounds + 2):
+        with dist_autograd.context() as ctx:
+            sync()
+            t0 = time.perf_counter()
+            y = remote.rpc_sync().forward(local(x))
+            sync()
+            t1 = time.perf_counter()
+            dist_autograd.backward(ctx, [y.sum()])
+            sync()
+            t2 = time.perf_counter()
+        other(local(x)).sum().backward()
+        sync()
+        t3 = time.perf_counter()
+        local.zero_grad()
+        other.zero_grad()
+        if i >= 2:  # less two warm-up passes
+            phases["forward"].append(t1 - t0)
+            phases["backward"].append(t2 - t1)
+            phases["local_only"].append(t3 - t2)
+    return {"case": "recipe", **summarize(samples[1:]),
+            "phases_us": {k: summarize(v)["median_us"] for k, v in phases.items()}}
 
 
 def main(argv=None):

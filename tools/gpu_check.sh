@@ -382,6 +382,14 @@ if wanted bench; then
     "$PY" benchmarks/cuda_bench.py "${bench[@]}" \
     --out "$OUT/cuda_bench.jsonl" --chart "$OUT/cuda_bench.png" || failed=$((failed + 1))
   ratios "$OUT/cuda_bench.jsonl" ""
+  # "recipe phases (us): ext forward 1200.5 backward 1500.2 local_only 300.1; ..."
+  "$PY" -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if "phases_us" in l]
+parts = ["%s %s" % (r.get("backend"), " ".join("%s %s" % kv for kv in r["phases_us"].items()))
+         for r in rows]
+if parts:
+    print("recipe phases (us): " + "; ".join(parts))' "$OUT/cuda_bench.jsonl" 2>/dev/null |
+    tee -a "$SUMMARY"
 fi
 
 # 5. What the bench's small-call figures rest on (issue 46): the price of
@@ -400,7 +408,10 @@ if wanted costs; then
     if [ "$secs" -lt 5 ]; then
       note costs skip 0 "no time left in the budget (optional)"
     else
-      step costs "$OUT/bench.log" "$secs" "$PY" tools/gpu_costs.py --n 1500 ||
+      # (--hops-only: the primitives' host prices were measured in three
+      # runs, 2026-11-27 to 28, and do not move; the hops have modes new
+      # since, session 58.)
+      step costs "$OUT/bench.log" "$secs" "$PY" tools/gpu_costs.py --n 1500 --hops-only ||
         failed=$((failed + 1))
     fi
     # "hops (us): blocking 39.5 spinning 32.8 no_dependency 318.7 ..."

@@ -18,7 +18,11 @@ for two contexts taking turns). On one GPU the
 two processes' contexts share it: a stream of one waiting on the other's
 event costs what no host-side primitive does (the H200, 2026-11-27: 302 us
 a hop against a 32 us pipe round trip), and the modes say how much of it a
-host-side wait would save.
+host-side wait would save. Under MPS (one context for both) the same hop
+cost 83-87 us (2026-11-27b). The last three modes ask whether a side
+that holds a context but submits no GPU work (waiting on the host, or only
+a stream wait) escapes the turns: a receiver that does not land the bytes
+itself could then cost a hop what one context does.
 
 One JSON object per line: {"op": ..., "us": median per operation}.
 
@@ -171,10 +175,21 @@ HOPS = {
     "host_sync": "its thread waits on the event (cuEventSynchronize)",
     "query_poll": "its thread polls the event (cuEventQuery) until done",
     "sender_sync": "nothing; this side synchronises its stream before sending",
+    # Does a side that submits no GPU work of its own escape the two
+    # contexts' turns? (A receiver that only waits on the host could; one
+    # that lands the bytes itself cannot.) The other side holds a context
+    # and its memory in all three, as a worker would.
+    "other_idle": "nothing on the GPU (a context, no work); this side synchronises before sending",
+    "host_wait_only": "its thread waits on the event (cuEventSynchronize), no GPU work of its own",
+    "stream_wait_only": "its stream waits on the event and it synchronises that stream, no copy",
 }
 # Which side uses the GPU in each mode (this, other).
 _NO_CUDA = ("blocking", "spinning")
-_EVENT = ("stream_wait", "host_sync", "query_poll")
+_EVENT = ("stream_wait", "host_sync", "query_poll", "host_wait_only", "stream_wait_only")
+# Modes in which the other side copies nothing (it may still wait).
+_OTHER_IDLE = ("other_idle", "host_wait_only", "stream_wait_only")
+# Modes in which this side synchronises its stream before sending.
+_SENDER_SYNC = ("sender_sync", "other_idle")
 NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
@@ -203,16 +218,17 @@ def _pong(conn, mode):
         b = conn.recv()
         if b is None:
             break
-        if mode == "stream_wait":
+        if mode in ("stream_wait", "stream_wait_only"):
             check(cu.cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
-        elif mode == "host_sync":
+        elif mode in ("host_sync", "host_wait_only"):
             check(cu.cuEventSynchronize(ev), "cuEventSynchronize")
         elif mode == "query_poll":
             while (rc := cu.cuEventQuery(ev)) == NOT_READY:
                 pass
             check(rc, "cuEventQuery")
-        if cuda:
+        if cuda and mode not in _OTHER_IDLE:
             y.copy_(x)
+        if cuda and mode != "host_wait_only" and mode != "other_idle":
             check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
         conn.send(b)
 
@@ -257,7 +273,7 @@ def ping_pongs(n):
                     y.copy_(x)
                 if event_used:
                     check(cu.cuEventRecord(ev, s), "cuEventRecord")
-                if mode == "sender_sync":
+                if mode in _SENDER_SYNC:
                     check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
                 a.send(i)
                 _answer(a, p)

@@ -55,20 +55,41 @@ def stream() -> int:
 
 
 def timed(fn, repeat):
+    """(GPU seconds, host seconds, hidden) per call of fn. The GPU's: between two
+    events around `repeat` calls queued behind a sleeping kernel, so that
+    the host's enqueueing is hidden and the events time the device's work
+    alone (until session 58 the host's time per call was in it too, and a
+    call whose host side is slow, a table of 1000 rows made per call, read
+    as a slow kernel). The host's: the same calls timed on the host."""
     fn()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    host = (time.perf_counter() - t0) / repeat
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # Twice the enqueueing's time at 2 GHz (about the H100's and H200's
+    # clock; a slower clock sleeps longer), and 1 ms at least.
+    torch.cuda._sleep(int(max(2 * host * repeat, 1e-3) * 2e9))
     start.record()
     for _ in range(repeat):
         fn()
     end.record()
+    # Still asleep once everything is queued: the events time the device.
+    hidden = not start.query()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat / 1e3  # seconds
+    return start.elapsed_time(end) / repeat / 1e3, host, hidden
 
 
 def row(bench, nbytes, t, **extra):
-    emit(bench=bench, nbytes=nbytes, us=round(t * 1e6, 2),
-         gbps_rw=round(2 * nbytes / t / 1e9, 1), **extra)
+    """t: timed()'s (GPU seconds, host seconds, hidden). `hidden` false:
+    the device reached the calls before the host had queued them all, so
+    `us` is partly the host's."""
+    gpu, host, hidden = t
+    emit(bench=bench, nbytes=nbytes, us=round(gpu * 1e6, 2),
+         gbps_rw=round(2 * nbytes / gpu / 1e9, 1), host_us=round(host * 1e6, 2),
+         hidden=hidden, **extra)
 
 
 def bench(eng):
