@@ -1,0 +1,40 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Both workers calling each other at once, for a while, with random mixes
+of CUDA and CPU tensors, some calls nested in others' serves
+(soak_worker.py): every byte checked on both sides, on the fake with its
+kernels run late (a reader not ordered after a copy sees old bytes) and on
+a GPU as they are."""
+
+import os
+
+import pytest
+
+from tests.cuda_driver import soak_worker
+from tests.cuda_driver.conftest import REAL_DRIVER
+from tests.cuda_driver.test_agent_cuda import play_with
+
+pytestmark = pytest.mark.timeout(240)
+
+# Longer, or other seeds, by hand: a soak is worth more the longer it runs.
+SECONDS = float(os.environ.get("TORCH_RPC_EXT_TEST_SOAK_SECONDS", "12"))
+SEED = int(os.environ.get("TORCH_RPC_EXT_TEST_SOAK_SEED", "1"))
+
+
+@pytest.mark.parametrize("channels,zero_copy", [
+    (("cuda_ipc",), False),  # landed in torch's memory
+    (("cuda_ipc",), True),  # views of the sender's blocks, some handed back
+    (("cuda_staged",), False),  # through pinned host memory and the stream
+], ids=["landed", "zero_copy", "staged"])
+def test_crossing_calls_of_random_cuda_tensors_keep_every_byte(spawn, monkeypatch, channels,
+                                                               zero_copy):
+    # Late enough that an unordered reader sees old bytes, early enough
+    # that the calls are many.
+    monkeypatch.setenv("FAKE_CUDA_KERNEL_DELAY_MS", "3")
+    reports = play_with(spawn, soak_worker.run, SECONDS, SEED, zero_copy, channels)
+    print(f"calls: {[r['calls'] for r in reports]}")
+    for rank, r in enumerate(reports):
+        assert r["failures"] == [], f"worker{rank}: {r['failures']}"
+        assert r["calls"] >= 20, f"worker{rank} made only {r['calls']} calls"
+        assert r["receive_failures"] == 0
+        if not REAL_DRIVER:
+            assert r["poisoned"] == 0
