@@ -250,7 +250,7 @@ def run(rank: int, port: int, ctl, seconds: float, seed: int, zero_copy: bool,
         t.join()
     metrics = rpc.api._get_current_rpc_agent().get_metrics()
     report["receive_failures"] = int(metrics.get("rpc_ext.cuda.receive_failures", 0))
-    report["cuda_ipc"] = aw.channel_counters("cuda_ipc")
+    report["counters"] = {c: aw.channel_counters(c) for c in channels}
     rpc.shutdown()
     stats = fake_stats()
     report["poisoned"] = stats["poisoned_uses"] if stats else None

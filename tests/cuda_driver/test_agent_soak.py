@@ -16,7 +16,7 @@ from tests.cuda_driver.test_agent_cuda import play_with
 pytestmark = pytest.mark.timeout(240)
 
 # Longer, or other seeds, by hand: a soak is worth more the longer it runs.
-SECONDS = float(os.environ.get("TORCH_RPC_EXT_TEST_SOAK_SECONDS", "12"))
+SECONDS = float(os.environ.get("TORCH_RPC_EXT_TEST_SOAK_SECONDS", "10"))
 SEED = int(os.environ.get("TORCH_RPC_EXT_TEST_SOAK_SEED", "1"))
 
 
@@ -24,7 +24,8 @@ SEED = int(os.environ.get("TORCH_RPC_EXT_TEST_SOAK_SEED", "1"))
     (("cuda_ipc",), False),  # landed in torch's memory
     (("cuda_ipc",), True),  # views of the sender's blocks, some handed back
     (("cuda_staged",), False),  # through pinned host memory and the stream
-], ids=["landed", "zero_copy", "staged"])
+    (("cuda_ring", "cuda_staged"), False),  # a shared pinned ring, large ones
+], ids=["landed", "zero_copy", "staged", "ring"])
 def test_crossing_calls_of_random_cuda_tensors_keep_every_byte(spawn, monkeypatch, channels,
                                                                zero_copy):
     # Late enough that an unordered reader sees old bytes, early enough
@@ -36,5 +37,9 @@ def test_crossing_calls_of_random_cuda_tensors_keep_every_byte(spawn, monkeypatc
         assert r["failures"] == [], f"worker{rank}: {r['failures']}"
         assert r["calls"] >= 20, f"worker{rank} made only {r['calls']} calls"
         assert r["receive_failures"] == 0
+        # The mode's first channel carried segments of its own (large ones
+        # only, for the ring).
+        counters = r["counters"][channels[0]]
+        assert counters.get("segments", counters.get("segments_sent", 0)) > 0, counters
         if not REAL_DRIVER:
             assert r["poisoned"] == 0
