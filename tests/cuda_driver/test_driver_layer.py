@@ -169,6 +169,16 @@ def test_copy_any_size_and_alignment(driver):
     assert driver.copies(cases) == [True] * len(cases)
 
 
+def test_a_long_plain_copy_goes_to_the_drivers_copy(driver):
+    # From 8 MiB on (CopyEngine::kDriverCopyMinBytes): the driver's copy
+    # was 7% faster than copy_contiguous at 400 MB on an H200. Just under
+    # it, the kernel; any alignment either way.
+    cases = [((8 << 20) - 1, 0, 0), (8 << 20, 0, 0), ((9 << 20) + 3, 5, 1)]
+    ok, launches = driver.long_copies(cases)
+    assert ok == [True] * len(cases)
+    assert launches["copy_contiguous"] == 1 and launches["driver_copies"] == 2
+
+
 def test_gather_and_scatter_many_tensors_in_one_launch(driver):
     sizes = [1024] * 1000 + [0, 1, 7, (256 << 10) + 5]
     ok, launches = driver.gather(sizes, 3)

@@ -79,6 +79,21 @@ def copies(cases: list[tuple[int, int, int]]) -> list[bool]:
     return out
 
 
+def long_copies(cases: list[tuple[int, int, int]]) -> tuple[list[bool], dict[str, int]]:
+    """copies() of long ones, and the engine's launches by kind after."""
+    dev, rng, out = Device(), np.random.default_rng(2), []
+    for nbytes, dst_off, src_off in cases:
+        src_bytes = rng.integers(0, 256, nbytes + 64, dtype=np.uint8).tobytes()
+        src, dst = dev.alloc(src_bytes), dev.alloc(bytes(nbytes + 64))
+        dev.engine.copy(dev.stream, dst + dst_off, src + src_off, nbytes)
+        want = bytearray(nbytes + 64)
+        want[dst_off : dst_off + nbytes] = src_bytes[src_off : src_off + nbytes]
+        out.append(dev.read(dst, nbytes + 64) == bytes(want))
+    launches = dev.engine.launches()
+    dev.close()
+    return out, launches
+
+
 def enqueue_gather(dev: Device, sizes: list[int], rng) -> tuple[list, bytes]:
     """Random tensors of `sizes` gathered into one new block by one
     copy_segments on dev's stream (not waited for): its rows and the bytes

@@ -215,6 +215,11 @@ void CopyEngine::copy(
     return;
   }
   CurrentDevice current(device_);
+  if (nbytes >= kDriverCopyMinBytes) {
+    TORCH_RPC_EXT_CUDA_CHECK(cuMemcpyAsync, dst, src, nbytes, stream);
+    driverCopies_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   launch(
       kCopy,
       stream,
@@ -442,6 +447,7 @@ std::map<std::string, uint64_t> CopyEngine::launches() const {
     out[kNames[k]] = launches_[k].load(std::memory_order_relaxed);
   }
   out["row_copies"] = rowCopies_.load(std::memory_order_relaxed);
+  out["driver_copies"] = driverCopies_.load(std::memory_order_relaxed);
   return out;
 }
 

@@ -49,8 +49,14 @@ class CopyEngine {
     return device_;
   }
 
-  // `nbytes` from src to dst, any alignment.
+  // `nbytes` from src to dst, any alignment: copy_contiguous, or from
+  // kDriverCopyMinBytes on the driver's own copy (cuMemcpyAsync).
   void copy(CUstream stream, CUdeviceptr dst, CUdeviceptr src, uint64_t nbytes);
+  // A plain copy this long goes to the driver: on an H200 its copy moved
+  // 400 MB in 200-201 us where copy_contiguous took 216 (7% slower, in each
+  // of four GPU runs, tools/gpu_probe.py; docs/performance.md). Below, the
+  // two were level within what the probe could tell (their host side).
+  static constexpr uint64_t kDriverCopyMinBytes = uint64_t(8) << 20;
 
   // Many copies in one launch (the tensors of one message into or out of a
   // staging block).
@@ -89,8 +95,9 @@ class CopyEngine {
   // is 2^31 - 1 on every current GPU); wider strides go by the kernel.
   static constexpr uint64_t kMaxRowPitch = (uint64_t(1) << 31) - 1;
 
-  // Kernel launches so far, by kernel name, and "row_copies": the pitched
-  // copies made in their place.
+  // Kernel launches so far, by kernel name, "row_copies": the pitched
+  // copies made in their place, and "driver_copies": the plain copies
+  // made by the driver (kDriverCopyMinBytes).
   std::map<std::string, uint64_t> launches() const;
   // Pinned staging buffers made so far (each reused once its launch is done).
   size_t stagingBuffers() const;
@@ -146,6 +153,7 @@ class CopyEngine {
   CUfunction functions_[kNumKernels] = {};
   std::atomic<uint64_t> launches_[kNumKernels] = {};
   std::atomic<uint64_t> rowCopies_{0};
+  std::atomic<uint64_t> driverCopies_{0};
   mutable std::mutex mu_;
   std::vector<std::unique_ptr<Staging>> staging_;
 };
