@@ -21,8 +21,8 @@
 #      short, and its IPC check matters more than the bench), then bench
 #      (benchmarks/cuda_bench.py, ours beside TensorPipe) in what is left;
 #   5. optional, in what the budget has left (skipped, not failed, without
-#      it): costs (tools/gpu_costs.py: each CUDA primitive's host-side price
-#      and a hop between two processes that share the GPU, <= 45 s), then
+#      it): costs (tools/gpu_costs.py --hops-only: a hop between two
+#      processes that share the GPU, in eleven modes, <= 60 s), then
 #      mps_bench (the bench's main cases, ours and TensorPipe, under an MPS
 #      daemon the step starts and stops: the workers' GPU work in one
 #      context, not time-sliced between two; <= 100 s; skipped without MPS),
@@ -404,7 +404,7 @@ if wanted costs; then
   if [ "$FAKE" = 1 ]; then
     note costs skip 0 "no GPU (--fake)"
   else
-    secs=$(limit 45 0)
+    secs=$(limit 60 0)
     if [ "$secs" -lt 5 ]; then
       note costs skip 0 "no time left in the budget (optional)"
     else

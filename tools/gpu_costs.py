@@ -183,7 +183,7 @@ HOPS = {
     "host_wait_only": "its thread waits on the event (cuEventSynchronize), no GPU work of its own",
     "stream_wait_only": "its stream waits on the event and it synchronises that stream, no copy",
 }
-# Which side uses the GPU in each mode (this, other).
+# Modes in which neither side uses the GPU.
 _NO_CUDA = ("blocking", "spinning")
 _EVENT = ("stream_wait", "host_sync", "query_poll", "host_wait_only", "stream_wait_only")
 # Modes in which the other side copies nothing (it may still wait).

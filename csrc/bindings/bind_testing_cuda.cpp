@@ -279,6 +279,15 @@ void bindTestingCuda(py::module_& parent) {
              uintptr_t d,
              uintptr_t src,
              uint64_t n) { e.copy(asStream(s), d, src, n); })
+      // copy_contiguous at any length (tools/gpu_probe.py sets it beside
+      // the driver's copy that copy() makes from kDriverCopyMinBytes).
+      .def(
+          "copy_kernel",
+          [](cuda::CopyEngine& e,
+             uintptr_t s,
+             uintptr_t d,
+             uintptr_t src,
+             uint64_t n) { e.copyKernel(asStream(s), d, src, n); })
       .def(
           "copy_segments",
           [](cuda::CopyEngine& e,

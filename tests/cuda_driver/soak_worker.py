@@ -9,7 +9,7 @@ released (riding the other side's frames) and reused while other messages
 are in flight. A message holds CUDA tensors of random sizes (empty to 3 MiB,
 so some are packed into a shared block and some take a block of their own),
 views (packed by a kernel or whole rows), the same tensor twice (one
-storage), two views of one storage, and CPU tensors. The callee checks each
+storage), and CPU tensors. The callee checks each
 tensor's bytes as it received them (digests sent beside), sometimes sends a
 part back to the caller from inside the serve (a call made while serving
 one), makes a fresh CUDA tensor, and returns what it got; the caller checks
@@ -20,6 +20,7 @@ import hashlib
 import random
 import threading
 import time
+import traceback
 
 from torch.distributed import rpc
 
@@ -35,7 +36,15 @@ def digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=8).digest()
 
 
-ARENA = 8 << 20  # bytes of device memory every fake tensor of a worker views
+ARENA = 12 << 20  # bytes of device memory every fake tensor of a worker views
+
+
+def arena_bytes(seed: int) -> bytes:
+    """agent_worker.pattern(ARENA, seed), made in one pass of torch."""
+    import torch
+
+    values = (torch.arange(ARENA, dtype=torch.int64) * 13 + seed) % 251
+    return values.to(torch.uint8).numpy().tobytes()
 
 
 class Source:
@@ -48,7 +57,7 @@ class Source:
         import torch
 
         self.seed = seed
-        self.data = aw.pattern(ARENA, seed)
+        self.data = arena_bytes(seed)
         if aw.real_cuda():
             self.arena = torch.frombuffer(bytearray(self.data), dtype=torch.uint8).to(
                 f"cuda:{aw.DEVICE}")
@@ -88,6 +97,8 @@ def _contiguous(rng: random.Random, src: Source) -> tuple[list, list[bytes]]:
         rng.randint(64 << 10, 1 << 20),
         rng.randint(1 << 20, 3 << 20),  # a block of its own past 1 MiB
     ])
+    if rng.random() < 0.01:  # now and then, one the driver copies (8 MiB on)
+        n = rng.randint(8 << 20, 9 << 20)
     offset = rng.randint(0, ARENA - n)
     t = src.tensor(offset, n)
     return [t], [src.data[offset:offset + n]]
@@ -186,43 +197,52 @@ def arena_seed(rank: int) -> int:
 
 def _caller(rank: int, seed: int, deadline: float, peer_arena: bytes, report: dict,
             lock) -> None:
+    """Calls until the deadline; what it made and found goes into `report`
+    however it ends (an exception of its own is a failure too, so a thread
+    that dies cannot leave the other to pass the test alone)."""
     rng = random.Random(seed)
     me, peer = f"worker{rank}", f"worker{1 - rank}"
     calls = 0
     failures = []
-    while time.monotonic() < deadline and len(failures) < 5:
-        batch = []
-        for _ in range(rng.randint(1, IN_FLIGHT)):
-            tensors, want = payload(rng, _SOURCE)
-            nested = rng.random() < 0.25
-            n = rng.randint(1, 100 << 10)
-            fresh = (rng.randint(0, ARENA - n), n)
-            fut = rpc.rpc_async(
-                peer, serve, timeout=CALL_TIMEOUT,
-                args=(tensors, [digest(d) for d in want], me if nested else None,
-                      rng.randint(1, len(tensors)), fresh))
-            batch.append((fut, want, nested, fresh))
-        for fut, want, nested, fresh in batch:
-            calls += 1
-            try:
-                back, wrong, nested_ok, made = fut.wait()
-            except Exception as e:  # noqa: BLE001 - reported, not raised
-                failures.append(f"call {calls}: {type(e).__name__}: {e}"[:400])
-                continue
-            if wrong:
-                failures.append(f"call {calls}: the callee got tensors {wrong} of "
-                                f"{len(want)} wrong")
-            if nested and not nested_ok:
-                failures.append(f"call {calls}: the nested call's bytes came back wrong")
-            got = [read(t) for t in back]
-            if got != want:
-                bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
-                failures.append(f"call {calls}: tensors {bad} of {len(want)} came back wrong")
-            if read(made) != peer_arena[fresh[0]:fresh[0] + fresh[1]]:
-                failures.append(f"call {calls}: the callee's fresh tensor came back wrong")
-    with lock:
-        report["calls"] += calls
-        report["failures"] += failures
+    try:
+        while time.monotonic() < deadline and len(failures) < 5:
+            batch = []
+            for _ in range(rng.randint(1, IN_FLIGHT)):
+                tensors, want = payload(rng, _SOURCE)
+                nested = rng.random() < 0.25
+                n = rng.randint(1, 100 << 10)
+                fresh = (rng.randint(0, ARENA - n), n)
+                fut = rpc.rpc_async(
+                    peer, serve, timeout=CALL_TIMEOUT,
+                    args=(tensors, [digest(d) for d in want], me if nested else None,
+                          rng.randint(1, len(tensors)), fresh))
+                batch.append((fut, want, nested, fresh))
+            for fut, want, nested, fresh in batch:
+                calls += 1
+                try:
+                    back, wrong, nested_ok, made = fut.wait()
+                except Exception as e:  # noqa: BLE001 - reported, not raised
+                    failures.append(f"call {calls}: {type(e).__name__}: {e}"[:400])
+                    continue
+                if wrong:
+                    failures.append(f"call {calls}: the callee got tensors {wrong} of "
+                                    f"{len(want)} wrong")
+                if nested and not nested_ok:
+                    failures.append(f"call {calls}: the nested call's bytes came back wrong")
+                got = [read(t) for t in back]
+                if got != want:
+                    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+                    failures.append(f"call {calls}: tensors {bad} of {len(want)} came back "
+                                    "wrong")
+                if read(made) != peer_arena[fresh[0]:fresh[0] + fresh[1]]:
+                    failures.append(f"call {calls}: the callee's fresh tensor came back wrong")
+    except Exception:  # noqa: BLE001 - reported, not raised
+        failures.append(f"caller thread {seed} after {calls} calls: "
+                        f"{traceback.format_exc()}"[-1500:])
+    finally:
+        with lock:
+            report["calls"].append(calls)
+            report["failures"] += failures
 
 
 def run(rank: int, port: int, ctl, seconds: float, seed: int, zero_copy: bool,
@@ -232,12 +252,12 @@ def run(rank: int, port: int, ctl, seconds: float, seed: int, zero_copy: bool,
     global _SOURCE
     aw.join_pair(rank, port, both=True, device_channels=channels, cuda_zero_copy=zero_copy)
     _SOURCE = Source(arena_seed(rank))
-    peer_arena = aw.pattern(ARENA, arena_seed(1 - rank))
+    peer_arena = arena_bytes(arena_seed(1 - rank))
     # Both start together (the first calls cross too), each once the
     # other's arena is there for its serves.
     while not rpc.rpc_sync(f"worker{1 - rank}", ready):
         time.sleep(0.05)
-    report = {"calls": 0, "failures": []}
+    report = {"calls": [], "failures": []}  # calls: each thread's
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
     threads = [threading.Thread(target=_caller,

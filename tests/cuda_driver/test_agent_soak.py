@@ -18,6 +18,9 @@ pytestmark = pytest.mark.timeout(240)
 # Longer, or other seeds, by hand: a soak is worth more the longer it runs.
 SECONDS = float(os.environ.get("TORCH_RPC_EXT_TEST_SOAK_SECONDS", "10"))
 SEED = int(os.environ.get("TORCH_RPC_EXT_TEST_SOAK_SEED", "1"))
+# The workers' watchdog (agent_worker.WATCHDOG_S, 150 s) and gather()'s
+# 180 s bound the soak with its start and shutdown.
+assert SECONDS <= 100, "TORCH_RPC_EXT_TEST_SOAK_SECONDS: at most 100"
 
 
 @pytest.mark.parametrize("channels,zero_copy", [
@@ -35,7 +38,8 @@ def test_crossing_calls_of_random_cuda_tensors_keep_every_byte(spawn, monkeypatc
     print(f"calls: {[r['calls'] for r in reports]}")
     for rank, r in enumerate(reports):
         assert r["failures"] == [], f"worker{rank}: {r['failures']}"
-        assert r["calls"] >= 20, f"worker{rank} made only {r['calls']} calls"
+        # Each caller thread of each worker made calls of its own.
+        assert min(r["calls"]) >= 10, f"worker{rank}'s threads made {r['calls']} calls"
         assert r["receive_failures"] == 0
         # The mode's first channel carried segments of its own (large ones
         # only, for the ring).

@@ -79,13 +79,15 @@ def copies(cases: list[tuple[int, int, int]]) -> list[bool]:
     return out
 
 
-def long_copies(cases: list[tuple[int, int, int]]) -> tuple[list[bool], dict[str, int]]:
-    """copies() of long ones, and the engine's launches by kind after."""
+def long_copies(cases: list[tuple]) -> tuple[list[bool], dict[str, int]]:
+    """copies() of long ones (a fourth element True: by copy_kernel, the
+    kernel whatever the length), and the engine's launches by kind after."""
     dev, rng, out = Device(), np.random.default_rng(2), []
-    for nbytes, dst_off, src_off in cases:
+    for nbytes, dst_off, src_off, *kernel in cases:
         src_bytes = rng.integers(0, 256, nbytes + 64, dtype=np.uint8).tobytes()
         src, dst = dev.alloc(src_bytes), dev.alloc(bytes(nbytes + 64))
-        dev.engine.copy(dev.stream, dst + dst_off, src + src_off, nbytes)
+        copy = dev.engine.copy_kernel if kernel and kernel[0] else dev.engine.copy
+        copy(dev.stream, dst + dst_off, src + src_off, nbytes)
         want = bytearray(nbytes + 64)
         want[dst_off : dst_off + nbytes] = src_bytes[src_off : src_off + nbytes]
         out.append(dev.read(dst, nbytes + 64) == bytes(want))

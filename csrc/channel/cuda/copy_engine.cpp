@@ -214,12 +214,24 @@ void CopyEngine::copy(
   if (nbytes == 0) {
     return;
   }
-  CurrentDevice current(device_);
   if (nbytes >= kDriverCopyMinBytes) {
+    CurrentDevice current(device_);
     TORCH_RPC_EXT_CUDA_CHECK(cuMemcpyAsync, dst, src, nbytes, stream);
     driverCopies_.fetch_add(1, std::memory_order_relaxed);
     return;
   }
+  copyKernel(stream, dst, src, nbytes);
+}
+
+void CopyEngine::copyKernel(
+    CUstream stream,
+    CUdeviceptr dst,
+    CUdeviceptr src,
+    uint64_t nbytes) {
+  if (nbytes == 0) {
+    return;
+  }
+  CurrentDevice current(device_);
   launch(
       kCopy,
       stream,

@@ -57,6 +57,13 @@ class CopyEngine {
   // of four GPU runs, tools/gpu_probe.py; docs/performance.md). Below, the
   // two were level within what the probe could tell (their host side).
   static constexpr uint64_t kDriverCopyMinBytes = uint64_t(8) << 20;
+  // copy_contiguous whatever the length (what copy() makes below
+  // kDriverCopyMinBytes): for the probe, which times the two side by side.
+  void copyKernel(
+      CUstream stream,
+      CUdeviceptr dst,
+      CUdeviceptr src,
+      uint64_t nbytes);
 
   // Many copies in one launch (the tensors of one message into or out of a
   // staging block).
