@@ -159,7 +159,7 @@ def read(t) -> bytes:
         return b""
     elements = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
     span = aw.cu().device_tensor(t.data_ptr(), [elements * t.element_size()],
-                                 torch.empty(0, dtype=torch.uint8), aw.DEVICE)
+                                 torch.empty(0, dtype=torch.uint8), t.device.index)
     host = torch.frombuffer(bytearray(aw.tensor_bytes(span)), dtype=t.dtype)
     return host.as_strided(t.shape, t.stride()).contiguous().numpy().tobytes()
 
@@ -245,12 +245,28 @@ def _caller(rank: int, seed: int, deadline: float, peer_arena: bytes, report: di
             report["failures"] += failures
 
 
+def join(rank: int, port: int, channels, zero_copy: bool, swap: bool) -> None:
+    """Both map cuda:0 to the other's cuda:0; with `swap`, cuda:0 and
+    cuda:1 to the other's cuda:1 and cuda:0 (two devices: every tensor
+    crosses between devices, peer to peer)."""
+    import torch_rpc_ext
+
+    aw.setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=aw.TIMEOUT, device_channels=channels,
+        cuda_zero_copy=zero_copy)
+    opts.set_device_map(f"worker{1 - rank}", {0: 1, 1: 0} if swap else {0: 0})
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+
+
 def run(rank: int, port: int, ctl, seconds: float, seed: int, zero_copy: bool,
-        channels=("cuda_ipc",)) -> None:
-    """Both workers map cuda:0 to each other's; each calls the other from
-    THREADS threads for `seconds`, then reports its calls and failures."""
+        channels=("cuda_ipc",), swap: bool = False) -> None:
+    """Both workers join (join()); each calls the other from THREADS
+    threads for `seconds`, then reports its calls and failures."""
     global _SOURCE
-    aw.join_pair(rank, port, both=True, device_channels=channels, cuda_zero_copy=zero_copy)
+    join(rank, port, channels, zero_copy, swap)
     _SOURCE = Source(arena_seed(rank))
     peer_arena = arena_bytes(arena_seed(1 - rank))
     # Both start together (the first calls cross too), each once the

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from tests.cuda_driver import soak_worker
-from tests.cuda_driver.conftest import REAL_DRIVER
+from tests.cuda_driver.conftest import REAL_DRIVER, two_devices
 from tests.cuda_driver.test_agent_cuda import play_with
 
 pytestmark = pytest.mark.timeout(240)
@@ -23,18 +23,24 @@ SEED = int(os.environ.get("TORCH_RPC_EXT_TEST_SOAK_SEED", "1"))
 assert SECONDS <= 100, "TORCH_RPC_EXT_TEST_SOAK_SECONDS: at most 100"
 
 
-@pytest.mark.parametrize("channels,zero_copy", [
-    (("cuda_ipc",), False),  # landed in torch's memory
-    (("cuda_ipc",), True),  # views of the sender's blocks, some handed back
-    (("cuda_staged",), False),  # through pinned host memory and the stream
-    (("cuda_ring", "cuda_staged"), False),  # a shared pinned ring, large ones
-], ids=["landed", "zero_copy", "staged", "ring"])
+@pytest.mark.parametrize("channels,zero_copy,swap", [
+    (("cuda_ipc",), False, False),  # landed in torch's memory
+    (("cuda_ipc",), True, False),  # views of the sender's blocks, some handed back
+    (("cuda_staged",), False, False),  # through pinned host memory and the stream
+    (("cuda_ring", "cuda_staged"), False, False),  # a shared pinned ring, large ones
+    # Both map cuda:0 and cuda:1 to the other's cuda:1 and cuda:0: every
+    # tensor read peer to peer by the other device (docs/cuda.md, "Peer
+    # devices"), views sent as their span arriving on cuda:1.
+    pytest.param(("cuda_ipc",), False, True, marks=two_devices),
+], ids=["landed", "zero_copy", "staged", "ring", "peer"])
 def test_crossing_calls_of_random_cuda_tensors_keep_every_byte(spawn, monkeypatch, channels,
-                                                               zero_copy):
+                                                               zero_copy, swap):
     # Late enough that an unordered reader sees old bytes, early enough
     # that the calls are many.
     monkeypatch.setenv("FAKE_CUDA_KERNEL_DELAY_MS", "3")
-    reports = play_with(spawn, soak_worker.run, SECONDS, SEED, zero_copy, channels)
+    if swap:
+        monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+    reports = play_with(spawn, soak_worker.run, SECONDS, SEED, zero_copy, channels, swap)
     print(f"calls: {[r['calls'] for r in reports]}")
     for rank, r in enumerate(reports):
         assert r["failures"] == [], f"worker{rank}: {r['failures']}"
