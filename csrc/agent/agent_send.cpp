@@ -187,7 +187,11 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     auto self = shared_from_this();
     pool_.run([self, conn, held, id, peer, delay] {
       std::this_thread::sleep_for(delay);
-      self->calls_.write(conn, std::move(*held), id, *peer);
+      try {
+        self->calls_.write(conn, std::move(*held), id, *peer);
+      } catch (const std::exception&) {
+        // (The call failed with it: Calls::write.)
+      }
     });
     // A call that times out before its message is even written is returned
     // failed, as FAULTY_TENSORPIPE (whose send() sleeps through the delay)

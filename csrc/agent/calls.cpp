@@ -79,9 +79,24 @@ void Calls::write(
     frame::OutboundFrame frame,
     int64_t id,
     Peer& peer) {
+  bool written = false;
+  try {
+    written = conn->write(std::move(frame));
+  } catch (const std::exception& e) {
+    // Refused before anything was queued (a segment that no channel of the
+    // connection carries): the call leaves the table now, failed with the
+    // error that send() also raises to its caller. Until session 58 it
+    // stayed there until its timeout, and rpc.shutdown() waited for it
+    // (60 s by default).
+    if (auto call = table_.take(id)) {
+      peer.stats.errors.fetch_add(1, std::memory_order_relaxed);
+      settleWithError(std::move(*call), e.what());
+    }
+    throw;
+  }
   // If the connection closed before the call was registered, the close has
   // already swept the table: fail the call here so it is not orphaned.
-  if (!conn->write(std::move(frame)) || conn->isClosed()) {
+  if (!written || conn->isClosed()) {
     if (auto call = table_.take(id)) {
       peer.stats.errors.fetch_add(1, std::memory_order_relaxed);
       settleWithError(

@@ -63,7 +63,9 @@ class Calls {
   size_t add(int64_t id, CallTable::Call call) {
     return table_.add(id, std::move(call));
   }
-  // Write a registered call's frame; fail the call if the connection is gone.
+  // Write a registered call's frame; fail the call if the connection is
+  // gone. A frame the connection refuses (it throws) fails the call too,
+  // and the exception goes on to the caller.
   void write(
       const std::shared_ptr<transport::Connection>& conn,
       frame::OutboundFrame frame,

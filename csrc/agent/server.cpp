@@ -174,7 +174,16 @@ uint64_t Server::respond(
   if (peer) {
     peer->stats.bytesSent.fetch_add(bytes, std::memory_order_relaxed);
   }
-  conn.write(std::move(frame));
+  try {
+    conn.write(std::move(frame));
+  } catch (const std::exception& e) {
+    // Refused by the connection before anything was queued (a segment no
+    // channel of it carries): the caller gets the error as its response.
+    // Until session 58 it escaped into the loop's log, and the caller
+    // waited for its timeout.
+    conn.write(
+        wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id));
+  }
   call_trace::stamp(id, call_trace::kResponseWritten);
   return bytes;
 }

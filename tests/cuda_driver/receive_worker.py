@@ -254,3 +254,37 @@ def run_unmapped(rank: int, port: int, ctl) -> None:
         out["after"] = rpc.rpc_sync("worker1", plain, args=(torch.ones(2),)).tolist()
     rpc.shutdown()
     ctl.send(out)
+
+
+def run_self_without_cuda_self(port: int, ctl) -> None:
+    """A world of one whose device channels leave out cuda_self: its CUDA
+    tensor to itself fails at the send naming what would carry it, and the
+    worker goes on working."""
+    setup_torch()
+    opts = torch_rpc_ext.RpcExtBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
+        num_worker_threads=4, rpc_timeout=TIMEOUT, device_channels=("cuda_ipc",))
+    opts.set_device_map("worker0", {DEVICE: DEVICE})
+    rpc.init_rpc("worker0", rank=0, world_size=1,
+                 backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
+    out = {}
+    try:
+        rpc.rpc_sync("worker0", identity, args=(cuda_tensor(b"x" * 64),))
+        out["error"] = ""
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        out["error"] = str(e)
+    # The refused call is not left in flight (until session 58 it stayed
+    # there until its timeout, and rpc.shutdown() waited 60 s for it).
+    out["pending"] = int(
+        rpc.api._get_current_rpc_agent().get_debug_info()["rpc_ext.pending_calls"])
+    # A CUDA result to itself: refused at the response's send, and the
+    # caller gets that error as the call's (until session 58 the error
+    # went to the log and the call waited out its timeout).
+    try:
+        rpc.rpc_sync("worker0", make, args=(64, 1))
+        out["response_error"] = ""
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        out["response_error"] = str(e)
+    out["after"] = rpc.rpc_sync("worker0", plain, args=(torch.ones(2),)).tolist()
+    rpc.shutdown()
+    ctl.send(out)

@@ -212,12 +212,15 @@ def _caller(rank: int, seed: int, deadline: float, peer_arena: bytes, report: di
                 nested = rng.random() < 0.25
                 n = rng.randint(1, 100 << 10)
                 fresh = (rng.randint(0, ARENA - n), n)
+                # One call in ten to this worker itself (cuda_self).
+                to = me if rng.random() < 0.1 else peer
                 fut = rpc.rpc_async(
-                    peer, serve, timeout=CALL_TIMEOUT,
+                    to, serve, timeout=CALL_TIMEOUT,
                     args=(tensors, [digest(d) for d in want], me if nested else None,
                           rng.randint(1, len(tensors)), fresh))
-                batch.append((fut, want, nested, fresh))
-            for fut, want, nested, fresh in batch:
+                batch.append((fut, want, nested, fresh,
+                              _SOURCE.data if to == me else peer_arena))
+            for fut, want, nested, fresh, arena in batch:
                 calls += 1
                 try:
                     back, wrong, nested_ok, made = fut.wait()
@@ -234,7 +237,7 @@ def _caller(rank: int, seed: int, deadline: float, peer_arena: bytes, report: di
                     bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
                     failures.append(f"call {calls}: tensors {bad} of {len(want)} came back "
                                     "wrong")
-                if read(made) != peer_arena[fresh[0]:fresh[0] + fresh[1]]:
+                if read(made) != arena[fresh[0]:fresh[0] + fresh[1]]:
                     failures.append(f"call {calls}: the callee's fresh tensor came back wrong")
     except Exception:  # noqa: BLE001 - reported, not raised
         failures.append(f"caller thread {seed} after {calls} calls: "
@@ -254,9 +257,11 @@ def join(rank: int, port: int, channels, zero_copy: bool, swap: bool) -> None:
     aw.setup_torch()
     opts = torch_rpc_ext.RpcExtBackendOptions(
         init_method=f"tcp://127.0.0.1:{port}", address="127.0.0.1",
-        num_worker_threads=4, rpc_timeout=aw.TIMEOUT, device_channels=channels,
-        cuda_zero_copy=zero_copy)
+        num_worker_threads=4, rpc_timeout=aw.TIMEOUT,
+        device_channels=(*channels, "cuda_self"), cuda_zero_copy=zero_copy)
     opts.set_device_map(f"worker{1 - rank}", {0: 1, 1: 0} if swap else {0: 0})
+    # And to itself (cuda_self), device for device.
+    opts.set_device_map(f"worker{rank}", {0: 0, 1: 1} if swap else {0: 0})
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
                  backend=rpc.BackendType.TORCH_RPC_EXT, rpc_backend_options=opts)
 

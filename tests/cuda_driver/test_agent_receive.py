@@ -13,7 +13,8 @@ import pytest
 
 from tests.cuda_driver import receive_worker
 from tests.cuda_driver.conftest import REAL_DRIVER
-from tests.cuda_driver.test_agent_cuda import play_with
+from tests.cuda_driver.test_agent_cuda import gather, play_with
+from tests.rpc.world import free_port
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
 
@@ -104,6 +105,23 @@ def test_cuda_tensors_no_map_names_fail_with_tensorpipes_text(spawn):
         assert "Response device mapping is not available for destination worker0" in \
             caller[what], caller[what]
     assert caller["after"] == [2.0, 2.0]
+
+
+def test_cuda_tensors_to_ones_own_worker_without_cuda_self_fail_naming_it(spawn):
+    """A CUDA argument and a CUDA result between a worker and itself, with
+    cuda_self left out of device_channels: each call fails at once, naming
+    what would carry them."""
+    port = free_port()
+    ours, theirs = spawn.Pipe()
+    proc = spawn.Process(target=receive_worker.run_self_without_cuda_self, args=(port, theirs))
+    (out,) = gather([proc], [(ours, theirs)])
+    # Before session 58: "carries memory of device type 1", and nothing more.
+    assert "carries CUDA memory" in out["error"], out["error"]
+    assert "device_channels" in out["error"] and "cuda_self" in out["error"], out["error"]
+    assert out["pending"] == 0  # and rpc.shutdown() does not wait for it
+    # The same for a CUDA result: the call fails with it, not a timeout.
+    assert "carries CUDA memory" in out["response_error"], out["response_error"]
+    assert out["after"] == [2.0, 2.0]
 
 
 def test_a_worker_exits_without_a_cuda_error(spawn, monkeypatch, capfd):

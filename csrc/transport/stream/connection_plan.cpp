@@ -29,9 +29,21 @@ void StreamConnection::planSegments(
           return uint8_t(c->context().device()) == segment.device;
         });
     if (!carried) {
+      std::string names;
+      for (const auto& c : channels_) {
+        names += (names.empty() ? "" : ", ") + c->context().name();
+      }
+      const bool cuda = segment.device == uint8_t(channel::DeviceKind::kCuda);
       throw std::invalid_argument(
-          "no channel of " + describe() + " carries memory of device type " +
-          std::to_string(segment.device));
+          "no channel of " + describe() + " carries " +
+          (cuda ? std::string("CUDA memory")
+                : "memory of device type " + std::to_string(segment.device)) +
+          " (its channels: " + (names.empty() ? "none" : names) + ")" +
+          (cuda ? "; RpcExtBackendOptions.device_channels names those a "
+                  "connection may use: a worker's calls to itself take "
+                  "cuda_self, calls to another process cuda_ipc, cuda_ring "
+                  "or cuda_staged"
+                : ""));
     }
   }
   if (channels_.empty()) {
