@@ -49,6 +49,16 @@ auto strided() {
   };
 }
 
+// CopyEngine::copy and ::copyKernel, which take the same arguments.
+template <auto method>
+auto plain() {
+  return [](cuda::CopyEngine& e,
+            uintptr_t stream,
+            uintptr_t dst,
+            uintptr_t src,
+            uint64_t n) { (e.*method)(asStream(stream), dst, src, n); };
+}
+
 // A gate a host function waits on: the stream it was launched on stops
 // there (as one stuck behind work that never ends) until the gate opens.
 struct Gate {
@@ -272,22 +282,10 @@ void bindTestingCuda(py::module_& parent) {
           }),
           py::arg("device"),
           py::arg("images"))
-      .def(
-          "copy",
-          [](cuda::CopyEngine& e,
-             uintptr_t s,
-             uintptr_t d,
-             uintptr_t src,
-             uint64_t n) { e.copy(asStream(s), d, src, n); })
+      .def("copy", plain<&cuda::CopyEngine::copy>())
       // copy_contiguous at any length (tools/gpu_probe.py sets it beside
       // the driver's copy that copy() makes from kDriverCopyMinBytes).
-      .def(
-          "copy_kernel",
-          [](cuda::CopyEngine& e,
-             uintptr_t s,
-             uintptr_t d,
-             uintptr_t src,
-             uint64_t n) { e.copyKernel(asStream(s), d, src, n); })
+      .def("copy_kernel", plain<&cuda::CopyEngine::copyKernel>())
       .def(
           "copy_segments",
           [](cuda::CopyEngine& e,

@@ -211,9 +211,6 @@ void CopyEngine::copy(
     CUdeviceptr dst,
     CUdeviceptr src,
     uint64_t nbytes) {
-  if (nbytes == 0) {
-    return;
-  }
   if (nbytes >= kDriverCopyMinBytes) {
     CurrentDevice current(device_);
     TORCH_RPC_EXT_CUDA_CHECK(cuMemcpyAsync, dst, src, nbytes, stream);
