@@ -405,7 +405,7 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
     return rows
 
 
-def recipe(cfg, device: str = f"cuda:{DEVICE}") -> dict:
+def recipe(cfg) -> dict:
     """The CUDA RPC recipe on one GPU: a local and a remote shard, ten
     forward and backward passes under dist autograd, timed as a whole.
 
@@ -419,9 +419,10 @@ def recipe(cfg, device: str = f"cuda:{DEVICE}") -> dict:
     """
     import torch.distributed.autograd as dist_autograd
 
+    device = f"cuda:{DEVICE}"
+
     def sync():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)
 
     local = Shard(device)
     remote = rpc.remote("callee", Shard, args=(device,))

@@ -170,10 +170,7 @@ uint64_t Server::respond(
   } catch (const std::exception& e) {
     frame = wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id);
   }
-  const uint64_t bytes = frame.wireSize();
-  if (peer) {
-    peer->stats.bytesSent.fetch_add(bytes, std::memory_order_relaxed);
-  }
+  uint64_t bytes = frame.wireSize();
   try {
     conn.write(std::move(frame));
   } catch (const std::exception& e) {
@@ -181,8 +178,12 @@ uint64_t Server::respond(
     // channel of it carries): the caller gets the error as its response.
     // Until session 58 it escaped into the loop's log, and the caller
     // waited for its timeout.
-    conn.write(
-        wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id));
+    frame = wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id);
+    bytes = frame.wireSize();
+    conn.write(std::move(frame));
+  }
+  if (peer) {
+    peer->stats.bytesSent.fetch_add(bytes, std::memory_order_relaxed);
   }
   call_trace::stamp(id, call_trace::kResponseWritten);
   return bytes;

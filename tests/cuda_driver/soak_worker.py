@@ -56,7 +56,6 @@ class Source:
     def __init__(self, seed: int):
         import torch
 
-        self.seed = seed
         self.data = arena_bytes(seed)
         if aw.real_cuda():
             self.arena = torch.frombuffer(bytearray(self.data), dtype=torch.uint8).to(
