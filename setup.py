@@ -57,6 +57,7 @@ TESTING_SOURCES = [
     "csrc/bindings/bind_testing_cuda.cpp",
     "csrc/bindings/bind_testing_cuda_torch.cpp",
     "csrc/bindings/bind_testing_endpoint.cpp",
+    "csrc/bindings/fake_caching_allocator.cpp",
     "csrc/bindings/testing_module.cpp",
 ]
 
@@ -164,7 +165,17 @@ def cuda_include_args() -> list[str]:
             "torch_rpc_ext needs cuda.h to build (one build serves CPU and CUDA "
             f"torch; no GPU and no CUDA library is needed): {headers.HOW_TO_GET}."
         )
-    return ["-isystem", str(include)]
+    args = ["-isystem", str(include)]
+    crt = headers.crt_include_dir()
+    if crt is not None and crt != include:
+        args += ["-isystem", str(crt)]
+    if crt is None:
+        print(
+            "torch_rpc_ext: no crt/host_config.h (pip install 'nvidia-cuda-crt==13.0.*'): "
+            "built without the CUDA landing pool's routing"
+        )
+    # After torch's own headers: what a CPU torch lacks for c10/cuda's.
+    return args + ["-idirafter", os.path.join(ROOT, "csrc", "shim")]
 
 
 def import_torch():

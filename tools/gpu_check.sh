@@ -297,6 +297,9 @@ else
       torch_rpc_ext/_C*.so 2>/dev/null | grep -cE 'std::(locale|istream|ostream|basic_i|basic_o|num_get|num_put|codecvt)')"
     # setup.py's word on the toolchain (torch_rpc_ext/_toolchain.py), if any.
     grep -a '^torch_rpc_ext: ' "$OUT/build.log" | sort -u
+    # How the landing pool routes here: "torch" where the build had the
+    # runtime's crt/ headers (.whl: nvidia-cuda-crt; docs/cuda.md).
+    echo "landing pool routing: $("$PY" -c 'import torch; from torch_rpc_ext import _C; print(repr(_C._pool_routing()))' 2>&1 | tail -n 1)"
   } >>"$SUMMARY"
   # Passed: the wheels' lines and the build's last 20 are enough.
   { head -n "$before" "$OUT/build.log"

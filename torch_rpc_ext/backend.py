@@ -134,8 +134,7 @@ def _init_backend(
     devices = [d for d in devices if d.type == "cuda"]
     if devices:
         # Only reachable where the maps name GPUs this machine has.
-        _prepare_cuda()
-        options._devices = devices
+        _prepare_cuda(options, devices)
     if devices or any(rpc_backend_options.device_maps.values()) or any(reverse.values()):
         # Maps between the CPU and a GPU apply on a worker without GPUs of
         # its own too: {0: "cpu"} to it, its replies go back by {"cpu": 0}.
@@ -177,7 +176,7 @@ def _serve_metrics(store: Any, name: str, port: int | None) -> None:
         metrics.serve_from_env(store, name, port)
 
 
-def _prepare_cuda() -> None:
+def _prepare_cuda(options: Any, devices: list) -> None:
     """What a worker with CUDA devices needs before a peer can send it a
     CUDA tensor: torch's CUDA state (its caching allocator has no tables for
     a device until torch's lazy init, which a worker that never used CUDA
@@ -185,11 +184,17 @@ def _prepare_cuda() -> None:
     fail; torch's own backend registry does the same for TensorPipe), then
     the copy kernels (read from the package, before the agent connects to
     anyone). The agent warms each device's context, streams and kernels as
-    it starts, and checks torch's state again before it first allocates."""
+    it starts, and checks torch's state again before it first allocates.
+    Then the agent's devices, and their landing pools where those are on
+    (torch_rpc_ext._cuda.landing_pool; received tensors copied into torch's
+    memory, so not under cuda_zero_copy)."""
     torch.cuda.init()
-    from torch_rpc_ext._cuda import load_kernels
+    from torch_rpc_ext._cuda import landing_pool, load_kernels
 
     load_kernels()
+    options._devices = devices
+    if landing_pool.enabled() and not options.cuda_zero_copy:
+        options._landing_pools = landing_pool.landing_pools(devices)
 
 
 _GROUP_KIND_KEY = "torch_rpc_ext/group_kind"
@@ -260,8 +265,7 @@ def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions,
     options = _agent_options(opts)
     devices = _dynamic_devices(name, opts)
     if devices:
-        _prepare_cuda()
-        options._devices = devices
+        _prepare_cuda(options, devices)
         options._device_maps = opts.device_maps
         options._reverse_device_maps = {}  # per peer, from its join record
     base = getattr(store, "underlying_store", store)

@@ -169,13 +169,18 @@ wire::InboundMessage::Landed AgentDevices::land(
     // up to 32 times the largest message sat cached per device); the copy
     // runs on the stream the memory is allocated for, so it is ordered
     // after the work of the block's last user there.
+    // With a landing pool, from it (landing_pool.h): the same rules, in
+    // memory whose segments are ours.
     c10::StreamGuard guard(stream);
     c10::Allocator* allocator = c10::GetAllocator(c10::kCUDA);
+    const bool pooled = landingPools_.has(stream.device_index());
     // Our thread, in relaxed capture mode: a user's global-mode capture
     // elsewhere stays valid.
     channel::withRelaxedCudaCapture([&] {
       for (uint64_t size : out.sizes) {
-        out.allocations.push_back(allocator->allocate(size));
+        out.allocations.push_back(
+            pooled ? landingPools_.allocate(stream.device_index(), stream, size)
+                   : allocator->allocate(size));
       }
     });
   }
@@ -471,6 +476,11 @@ void AgentDevices::addMetrics(
   m["rpc_ext.cuda.landed_bytes"] = std::to_string(landedBytes_.load());
   m["rpc_ext.cuda.landing_allocations"] =
       std::to_string(landedAllocations_.load());
+  m["rpc_ext.cuda.landing_pool_allocations"] =
+      std::to_string(landingPools_.allocations());
+  const auto segments = landingSegmentCounts();
+  m["rpc_ext.cuda.landing_pool_segments"] = std::to_string(segments.live);
+  m["rpc_ext.cuda.landing_pool_bytes"] = std::to_string(segments.liveBytes);
   m["rpc_ext.cuda.from_host_segments"] = std::to_string(fromHost_.load());
   m["rpc_ext.cuda.to_host_tensors"] = std::to_string(toHost_.load());
   m["rpc_ext.cuda.receive_failures"] = std::to_string(failures_.load());

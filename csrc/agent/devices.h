@@ -25,6 +25,7 @@
 #include <torch/csrc/distributed/rpc/message.h>
 #include <torch/csrc/distributed/rpc/types.h>
 
+#include "csrc/agent/landing_pool.h"
 #include "csrc/agent/options.h"
 #include "csrc/wire/codec.h"
 
@@ -52,7 +53,9 @@ class AgentDevices {
  public:
   // `self`: our worker name, for errors.
   AgentDevices(const AgentOptions& options, std::string self)
-      : options_(options), self_(std::move(self)) {}
+      : options_(options),
+        self_(std::move(self)),
+        landingPools_(options.landingPools) {}
 
   const std::vector<c10::Device>& devices() const {
     return options_.devices;
@@ -165,6 +168,9 @@ class AgentDevices {
   std::atomic<uint64_t> landed_{0};
   std::atomic<uint64_t> landedBytes_{0};
   std::atomic<uint64_t> landedAllocations_{0};
+  // Where landings allocate, on the devices that have one (else torch's
+  // default pool).
+  LandingPools landingPools_;
   mutable std::mutex landingMu_;
   mutable std::vector<std::unique_ptr<Landing>> landingStreams_;
   std::atomic<uint64_t> fromHost_{0}; // segments landed from host bytes

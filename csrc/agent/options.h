@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -93,6 +94,10 @@ struct AgentOptions : rpc::RpcBackendOptions {
   // copy in torch's allocator (AgentDevices::land): one device copy fewer,
   // but record_stream cannot see them (docs/guide.md, "Streams").
   bool cudaZeroCopy = false;
+  // Per device, the torch memory pool landings allocate from (the landing
+  // pool, landing_pool.h; torch_rpc_ext/_cuda/landing_pool.py makes them);
+  // empty: torch's default pool.
+  std::map<int, std::pair<unsigned long long, unsigned long long>> landingPools;
   // The shm transport admits local connections from processes of other
   // users too (by default, only our user's and root's: SO_PEERCRED).
   bool shmPeersAnyUser = false;

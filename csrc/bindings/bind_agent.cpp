@@ -7,6 +7,7 @@
 #include "csrc/agent/builtin_call.h"
 #include "csrc/agent/call_trace.h"
 #include "csrc/agent/invoke_rpc.h"
+#include "csrc/agent/landing_pool.h"
 #include "csrc/agent/tracing.h"
 #include "csrc/bindings/bind.h"
 #include "csrc/channel/registry.h"
@@ -326,6 +327,25 @@ void bindAgent(py::module_& m) {
       [](const std::map<std::string, std::pair<std::string, std::string>>&
              images) { channel::setCudaKernels(images); });
   m.def("default_address", &transport::defaultAdvertisedAddress);
+  // How allocations reach a landing pool here (landing_pool.h): "torch"
+  // (torch's caching allocator), "test" (the fake's), or "" (neither: this
+  // torch has no CUDA allocator, or this build could not reach it).
+  m.def("_pool_routing", [] {
+    if (torchPoolRouting() != nullptr) {
+      return std::string("torch");
+    }
+    return std::string(poolRouting() != nullptr ? "test" : "");
+  });
+  m.def("_landing_pool_segments", [] {
+    const auto c = landingSegmentCounts();
+    py::dict d;
+    d["live"] = c.live;
+    d["live_bytes"] = c.liveBytes;
+    d["made"] = c.made;
+    d["freed"] = c.freed;
+    d["failed"] = c.failed;
+    return d;
+  });
   // torch.distributed.rpc.api._invoke_rpc_builtin while an agent of ours is
   // current (builtin_call.h); for any other agent, the function it replaced
   // (_torch_private.install_builtin_frontend sets it first).

@@ -172,6 +172,7 @@ void bindOptions(py::module_& m) {
       .def_readwrite("max_cached_receive_bytes", &O::maxCachedReceiveBytes)
       .def_readwrite("shm_frame_ring_bytes", &O::shmFrameRingBytes)
       .def_readwrite("cuda_zero_copy", &O::cudaZeroCopy)
+      .def_readwrite("_landing_pools", &O::landingPools)
       .def_readwrite("shm_peers_any_user", &O::shmPeersAnyUser)
       .def_property(
           "tls_peer_names",

@@ -12,14 +12,7 @@
 // pickle it into an RPC message, but runs no kernel on it. Installed only
 // where torch has no CUDA guard of its own. A test hook.
 //
-// Beside it, a CUDA allocator with the caching allocator's stream rules
-// (c10/cuda/CUDACachingAllocator), so that the agent's received tensors
-// meet them here as on a GPU: memory is allocated for the current stream
-// and reused on it at once once freed; a free after record_stream (torch's
-// recordDataPtrOnStream, which a future's wait() calls on the streams it
-// makes wait) makes the block wait, reusable only once every recorded
-// stream has passed the free (an event per stream, queried); memory it did
-// not allocate is skipped silently, as torch's is.
+// Beside it, the fake caching allocator (fake_caching_allocator.h).
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -35,6 +28,7 @@
 #include <vector>
 
 #include "csrc/bindings/bind.h"
+#include "csrc/bindings/fake_caching_allocator.h"
 #include "csrc/channel/cuda/device.h"
 #include "csrc/common/libcuda.h"
 
@@ -43,194 +37,6 @@ namespace torch_rpc_ext::bindings {
 namespace {
 
 namespace cuda = channel::cuda;
-
-// The allocator (see the top). Freed blocks stay cached for reuse until
-// emptyCache() (torch.cuda.empty_cache(), or the agent out of device
-// memory) gives those no stream still uses back to the driver.
-class FakeCachingAllocator final : public c10::DeviceAllocator {
- public:
-  struct Stats {
-    uint64_t allocated = 0; // blocks made
-    uint64_t reused = 0; // allocations served from a freed block
-    uint64_t deferred = 0; // frees that waited for recorded streams
-    uint64_t skippedRecords = 0; // record_stream on memory not ours
-    uint64_t emptied = 0; // cached blocks given back by emptyCache()
-  };
-
-  // As torch's: no per-device tables, so no allocation, before torch's
-  // lazy CUDA init, which a CPU torch stands in for with torch_cuda_init()
-  // (the tests' torch.cuda.init). A worker that never ran it fails as
-  // torch's allocator fails on a GPU.
-  bool initialized() override {
-    return initialized_.load();
-  }
-  void init() {
-    initialized_.store(true);
-  }
-  void emptyCache(c10::MempoolId_t) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = free_.begin(); it != free_.end();) {
-      Block* b = *it;
-      if (!passed(*b)) {
-        ++it;
-        continue;
-      }
-      cuda::CurrentDevice current(b->device);
-      libcuda().cuMemFree(b->address);
-      delete b;
-      it = free_.erase(it);
-      ++stats_.emptied;
-    }
-  }
-  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(
-      c10::DeviceIndex) override {
-    return {};
-  }
-  void resetAccumulatedStats(c10::DeviceIndex) override {}
-  void resetPeakStats(c10::DeviceIndex) override {}
-
-  c10::DataPtr allocate(size_t n) override {
-    auto* g = c10::impl::getDeviceGuardImpl(c10::kCUDA);
-    const c10::Device device = g->getDevice();
-    TORCH_CHECK(
-        initialized_.load(),
-        "Allocator not initialized for device ",
-        int(device.index()),
-        ": did you call init?");
-    const c10::Stream stream = g->getStream(device);
-    const size_t size = std::max<size_t>(512, (n + 511) / 512 * 512);
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      Block* b = *it;
-      if (b->device == device.index() && b->stream == stream &&
-          b->size == size && passed(*b)) {
-        free_.erase(it);
-        b->uses.clear();
-        ++stats_.reused;
-        return c10::DataPtr(
-            reinterpret_cast<void*>(b->address), b, &release, device);
-      }
-    }
-    cuda::CurrentDevice current(device.index());
-    CUdeviceptr address = 0;
-    const CUresult rc = libcuda().cuMemAlloc(&address, size);
-    if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
-      // As torch's: its own cache first (mu_ is held: inline).
-      for (auto it = free_.begin(); it != free_.end();) {
-        if (passed(**it)) {
-          libcuda().cuMemFree((*it)->address);
-          delete *it;
-          it = free_.erase(it);
-          ++stats_.emptied;
-        } else {
-          ++it;
-        }
-      }
-    } else {
-      checkCuda("cuMemAlloc", rc);
-      return own(address, size, device, stream);
-    }
-    TORCH_RPC_EXT_CUDA_CHECK(cuMemAlloc, &address, size);
-    return own(address, size, device, stream);
-  }
-  c10::DataPtr own(
-      CUdeviceptr address,
-      size_t size,
-      c10::Device device,
-      c10::Stream stream) {
-    auto* b = new Block{address, size, device.index(), stream, {}, {}};
-    ++stats_.allocated;
-    return c10::DataPtr(reinterpret_cast<void*>(address), b, &release, device);
-  }
-  void copy_data(void* dst, const void* src, size_t n) const override {
-    TORCH_RPC_EXT_CUDA_CHECK(
-        cuMemcpyAsync,
-        reinterpret_cast<CUdeviceptr>(dst),
-        reinterpret_cast<CUdeviceptr>(src),
-        n,
-        nullptr);
-    TORCH_RPC_EXT_CUDA_CHECK(cuStreamSynchronize, nullptr);
-  }
-  // torch's recordStream: a block of ours is used on `stream` too.
-  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (ptr.get() == nullptr || ptr.get_deleter() != &release) {
-      ++stats_.skippedRecords;
-      return;
-    }
-    auto* b = static_cast<Block*>(ptr.get_context());
-    if (stream != b->stream &&
-        std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
-      b->uses.push_back(stream);
-    }
-  }
-  Stats stats() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return stats_;
-  }
-
- private:
-  struct Block {
-    CUdeviceptr address;
-    size_t size;
-    c10::DeviceIndex device;
-    c10::Stream stream; // allocated for
-    std::vector<c10::Stream> uses; // recorded on, besides `stream`
-    std::vector<CUevent> pending; // recorded at the free on each of `uses`
-  };
-
-  static FakeCachingAllocator& self();
-
- public:
-  static FakeCachingAllocator& instance() {
-    return self();
-  }
-
- private:
-  static void release(void* ctx) {
-    auto* b = static_cast<Block*>(ctx);
-    self().free(b);
-  }
-  void free(Block* b) {
-    auto* g = c10::impl::getDeviceGuardImpl(c10::kCUDA);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!b->uses.empty()) {
-      ++stats_.deferred;
-      cuda::CurrentDevice current(b->device);
-      for (const auto& use : b->uses) {
-        CUevent e = nullptr;
-        if (libcuda().cuEventCreate(&e, CU_EVENT_DISABLE_TIMING) ==
-            CUDA_SUCCESS) {
-          libcuda().cuEventRecord(
-              e, static_cast<CUstream>(g->getStreamNativeHandle(use)));
-          b->pending.push_back(e);
-        }
-      }
-    }
-    free_.push_back(b);
-  }
-  // Whether every stream recorded on `b` has passed its free (mu_ held).
-  static bool passed(Block& b) {
-    while (!b.pending.empty()) {
-      if (libcuda().cuEventQuery(b.pending.back()) != CUDA_SUCCESS) {
-        return false;
-      }
-      libcuda().cuEventDestroy(b.pending.back());
-      b.pending.pop_back();
-    }
-    return true;
-  }
-
-  std::mutex mu_;
-  std::vector<Block*> free_;
-  Stats stats_;
-  std::atomic<bool> initialized_{false};
-};
-
-FakeCachingAllocator& FakeCachingAllocator::self() {
-  static auto* a = new FakeCachingAllocator();
-  return *a;
-}
 
 // Streams held by hold_stream() until release_stream(): the work queued
 // on them after the hold waits (a busy stream, made on purpose).
@@ -419,7 +225,62 @@ void bindTestingCudaTorch(py::module_& parent) {
     }
     c10::impl::DeviceGuardImplRegistrar(c10::kCUDA, fakeGuard());
     c10::SetAllocator(c10::kCUDA, &FakeCachingAllocator::instance());
+    setPoolRoutingForTests(&FakeCachingAllocator::instance().routing());
     return std::string("fake");
+  });
+  // torch.cuda.MemPool(allocator=CUDAPluggableAllocator(<_C>,
+  // "torch_rpc_ext_landing_alloc", "torch_rpc_ext_landing_free")) on
+  // `device`, as torch_rpc_ext._cuda.landing_pool makes one on a GPU: its
+  // id; and the MemPool's end.
+  m.def("make_landing_pool", [](int device) {
+    return FakeCachingAllocator::instance().createPool(
+        static_cast<c10::DeviceIndex>(device),
+        &torch_rpc_ext_landing_alloc,
+        &torch_rpc_ext_landing_free);
+  });
+  m.def("destroy_pool", [](PoolId id) {
+    FakeCachingAllocator::instance().destroyPool(id);
+  });
+  // `n` bytes from pool `id` of `device` for the current stream, as the
+  // agent's landings take them (LandingPools); a holder of the memory
+  // (`.address`, `.free()`).
+  struct PoolBlock {
+    c10::DataPtr memory;
+  };
+  py::class_<PoolBlock>(m, "PoolBlock")
+      .def_property_readonly(
+          "address",
+          [](const PoolBlock& b) {
+            return reinterpret_cast<uintptr_t>(b.memory.get());
+          })
+      .def("free", [](PoolBlock& b) { b.memory.clear(); });
+  m.def("pool_allocate", [](int device, PoolId id, size_t n) {
+    const auto d = static_cast<c10::DeviceIndex>(device);
+    LandingPools pools({{device, id}});
+    c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+    const auto before = impl.exchangeDevice(c10::Device(c10::kCUDA, d));
+    const c10::Stream stream = impl.getStream(c10::Device(c10::kCUDA, d));
+    PoolBlock b{pools.allocate(d, stream, n)};
+    impl.exchangeDevice(before);
+    return b;
+  });
+  m.def("allocate", [](int device, size_t n) {
+    c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+    const auto before = impl.exchangeDevice(c10::Device(c10::kCUDA, device));
+    PoolBlock b{c10::GetAllocator(c10::kCUDA)->allocate(n)};
+    impl.exchangeDevice(before);
+    return b;
+  });
+  m.def("empty_cache", [] { FakeCachingAllocator::instance().emptyCache({}); });
+  m.def("begin_allocate_to_pool", [](int device, PoolId id) {
+    FakeCachingAllocator::instance().beginAllocateToPool(
+        static_cast<c10::DeviceIndex>(device), id, [](CUstream) {
+          return true;
+        });
+  });
+  m.def("end_allocate_to_pool", [](int device, PoolId id) {
+    FakeCachingAllocator::instance().endAllocateToPool(
+        static_cast<c10::DeviceIndex>(device), id);
   });
   // What torch's lazy CUDA init does for the fake allocator: the tests'
   // torch.cuda.init() on a CPU torch.
@@ -442,6 +303,9 @@ void bindTestingCudaTorch(py::module_& parent) {
     d["deferred"] = s.deferred;
     d["skipped_records"] = s.skippedRecords;
     d["emptied"] = s.emptied;
+    d["pool_allocated"] = s.poolAllocated;
+    d["pool_reused"] = s.poolReused;
+    d["pool_released"] = s.poolReleased;
     return d;
   });
 

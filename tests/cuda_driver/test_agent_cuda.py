@@ -107,9 +107,10 @@ def test_a_release_waits_for_a_ride_only_so_long(spawn, ride_ms):
         assert releases == 1 and frames == 0
 
 
-@pytest.mark.parametrize("channels", [("cuda_ipc",), ("cuda_staged",)],
-                         ids=["cuda_ipc", "cuda_staged"])
-def test_a_received_tensor_is_safe_on_a_busy_side_stream(spawn, channels):
+@pytest.mark.parametrize("channels,pool", [(("cuda_ipc",), False), (("cuda_staged",), False),
+                                          (("cuda_ipc",), True)],
+                         ids=["cuda_ipc", "cuda_staged", "cuda_ipc-landing_pool"])
+def test_a_received_tensor_is_safe_on_a_busy_side_stream(spawn, monkeypatch, channels, pool):
     """`r = rpc_sync(...); acc += r; del r` on a side stream still busy: the
     copy of r runs after the next call landed. Received tensors live in
     torch's caching allocator, allocated on the arrival stream, so the
@@ -117,14 +118,29 @@ def test_a_received_tensor_is_safe_on_a_busy_side_stream(spawn, channels):
     not reused until that stream is done; the channel's own memory (the
     sender's block, a staging block) went back right after the copy into
     them. Before, r viewed the channel's memory, which torch cannot record,
-    and the second call overwrote it under the queued copy."""
+    and the second call overwrote it under the queued copy. The same in the
+    landing pool (docs/cuda.md, "The landing pool"): its blocks are torch's
+    memory too."""
+    monkeypatch.setenv("TORCH_RPC_EXT_CUDA_LANDING_POOL", "1" if pool else "0")
     caller, _ = play_with(spawn, agent_worker.run_side_stream, channels, False)
     assert caller["second"]
     assert caller["first_intact"]
-    assert caller["landed"] == {"rpc_ext.cuda.landed_segments": 2,
-                                "rpc_ext.cuda.landed_bytes": 2 << 20,
-                                "rpc_ext.cuda.landing_launches": 2,
-                                "rpc_ext.cuda.landing_allocations": 2}
+    landed = caller["landed"]
+    segments = landed.pop("rpc_ext.cuda.landing_pool_segments")
+    pool_bytes = landed.pop("rpc_ext.cuda.landing_pool_bytes")
+    assert landed == {"rpc_ext.cuda.landed_segments": 2,
+                      "rpc_ext.cuda.landed_bytes": 2 << 20,
+                      "rpc_ext.cuda.landing_launches": 2,
+                      "rpc_ext.cuda.landing_allocations": 2,
+                      "rpc_ext.cuda.landing_pool_allocations": 2 if pool else 0}
+    if not pool:
+        assert (segments, pool_bytes) == (0, 0)
+    elif REAL_DRIVER:
+        assert segments >= 1 and pool_bytes >= 2 << 20  # torch's own sizes
+    else:
+        # Two: the first block, waiting for the side stream, was not the
+        # second's (a segment per block on the fake).
+        assert (segments, pool_bytes) == (2, 2 << 20)
     if not REAL_DRIVER:
         # The first tensor's free waited for the side stream, so the second
         # landed in a block of its own.
@@ -146,7 +162,10 @@ def test_under_zero_copy_a_view_is_safe_on_its_arrival_stream_only(spawn, channe
     assert caller["landed"] == {"rpc_ext.cuda.landed_segments": 0,
                                 "rpc_ext.cuda.landed_bytes": 0,
                                 "rpc_ext.cuda.landing_launches": 0,
-                                "rpc_ext.cuda.landing_allocations": 0}
+                                "rpc_ext.cuda.landing_allocations": 0,
+                                "rpc_ext.cuda.landing_pool_allocations": 0,
+                                "rpc_ext.cuda.landing_pool_segments": 0,
+                                "rpc_ext.cuda.landing_pool_bytes": 0}
     assert caller["allocator"]["skipped_records"] >= 1
 
 

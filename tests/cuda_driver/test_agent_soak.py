@@ -23,23 +23,26 @@ SEED = int(os.environ.get("TORCH_RPC_EXT_TEST_SOAK_SEED", "1"))
 assert SECONDS <= 100, "TORCH_RPC_EXT_TEST_SOAK_SECONDS: at most 100"
 
 
-@pytest.mark.parametrize("channels,zero_copy,swap", [
-    (("cuda_ipc",), False, False),  # landed in torch's memory
-    (("cuda_ipc",), True, False),  # views of the sender's blocks, some handed back
-    (("cuda_staged",), False, False),  # through pinned host memory and the stream
-    (("cuda_ring", "cuda_staged"), False, False),  # a shared pinned ring, large ones
+@pytest.mark.parametrize("channels,zero_copy,swap,pool", [
+    (("cuda_ipc",), False, False, False),  # landed in torch's memory
+    # ... in the landing pool (docs/cuda.md, "The landing pool")
+    (("cuda_ipc",), False, False, True),
+    (("cuda_ipc",), True, False, False),  # views of the sender's blocks, some handed back
+    (("cuda_staged",), False, False, False),  # through pinned host memory and the stream
+    (("cuda_ring", "cuda_staged"), False, False, False),  # a shared pinned ring, large ones
     # Both map cuda:0 and cuda:1 to the other's cuda:1 and cuda:0: every
     # tensor read peer to peer by the other device (docs/cuda.md, "Peer
     # devices"), views sent as their span arriving on cuda:1.
-    pytest.param(("cuda_ipc",), False, True, marks=two_devices),
-], ids=["landed", "zero_copy", "staged", "ring", "peer"])
+    pytest.param(("cuda_ipc",), False, True, False, marks=two_devices),
+], ids=["landed", "landing_pool", "zero_copy", "staged", "ring", "peer"])
 def test_crossing_calls_of_random_cuda_tensors_keep_every_byte(spawn, monkeypatch, channels,
-                                                               zero_copy, swap):
+                                                               zero_copy, swap, pool):
     # Late enough that an unordered reader sees old bytes, early enough
     # that the calls are many.
     monkeypatch.setenv("FAKE_CUDA_KERNEL_DELAY_MS", "3")
     if swap:
         monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+    monkeypatch.setenv("TORCH_RPC_EXT_CUDA_LANDING_POOL", "1" if pool else "0")
     reports = play_with(spawn, soak_worker.run, SECONDS, SEED, zero_copy, channels, swap)
     print(f"calls: {[r['calls'] for r in reports]}")
     for rank, r in enumerate(reports):
@@ -53,3 +56,11 @@ def test_crossing_calls_of_random_cuda_tensors_keep_every_byte(spawn, monkeypatc
         assert counters.get("segments", counters.get("segments_sent", 0)) > 0, counters
         if not REAL_DRIVER:
             assert r["poisoned"] == 0
+        # Every landing allocated from the pool, or none did.
+        landing = r["landing"]
+        if pool:
+            assert landing["landing_allocations"] > 0, landing
+            assert landing["landing_pool_allocations"] == landing["landing_allocations"], landing
+            assert landing["landing_pool_segments"] > 0, landing
+        else:
+            assert landing["landing_pool_allocations"] == 0, landing

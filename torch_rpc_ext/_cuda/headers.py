@@ -12,7 +12,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-__all__ = ["HOW_TO_GET", "cuda_include_dir"]
+__all__ = ["HOW_TO_GET", "cuda_include_dir", "crt_include_dir"]
 
 HOW_TO_GET = (
     "pip install 'nvidia-cuda-runtime==13.0.*' (2 MB; the header only is "
@@ -37,6 +37,17 @@ def cuda_include_dir() -> Path | None:
     """The first directory holding cuda.h, or None."""
     for path in _candidates():
         if (path / "cuda.h").is_file():
+            return path
+    return None
+
+
+def crt_include_dir() -> Path | None:
+    """The first directory holding crt/host_config.h (NVIDIA's
+    ``nvidia-cuda-crt`` wheel, or a toolkit), or None: what c10/cuda's
+    headers need beside cuda.h, for the landing pool's routing
+    (csrc/agent/torch_cuda/); a build without it has no landing pool."""
+    for path in _candidates():
+        if (path / "crt" / "host_config.h").is_file():
             return path
     return None
 

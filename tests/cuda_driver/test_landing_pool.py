@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The landing pool (docs/cuda.md, "The landing pool"): landings allocate
+from a pool of torch's caching allocator whose segments our library makes
+and releases. Through the agent: test_agent_soak.py (`landing_pool`) and
+test_agent_cuda.py (a received tensor on a busy side stream). Here, on the
+fake's caching allocator, which models torch's pools: the segments' life,
+the routing windows, and the error where nothing can route."""
+
+import json
+
+import pytest
+
+from tests.cuda_driver.conftest import fake_only
+from tests.cuda_driver.test_driver_layer import run_python
+
+pytestmark = [pytest.mark.unit, fake_only]
+
+SETUP = """
+    import json
+    import torch
+    from tests.cuda_driver import agent_worker as aw
+    from torch_rpc_ext import _C
+    from torch_rpc_ext._cuda import landing_pool
+    cu = aw.cu()
+"""
+
+LIFE = SETUP + """
+    aw.setup_torch()
+    torch.cuda.init()
+    out = {"routing": _C._pool_routing()}
+    pools = landing_pool.landing_pools([torch.device("cuda:0")])
+    pool = pools[0]
+    out["same_pool_again"] = landing_pool.landing_pools([torch.device("cuda:0")]) == pools
+    seen = lambda: _C._landing_pool_segments()
+    a = cu.pool_allocate(0, pool, 3 << 20)
+    b = cu.pool_allocate(0, pool, 3 << 20)
+    outside = cu.allocate(0, 3 << 20)  # no window open: torch's default pool
+    out["two_live"] = seen()
+    where = a.address
+    a.free()
+    c = cu.pool_allocate(0, pool, 3 << 20)  # a's block again, on its stream
+    out["reused"] = (c.address == where, seen()["made"])
+    c.free(); b.free(); outside.free()
+    cu.empty_cache()  # leaves a live pool's segments
+    out["after_empty_cache"] = seen()
+    cu.begin_allocate_to_pool(0, pool)
+    try:
+        cu.begin_allocate_to_pool(0, pool)
+    except RuntimeError as e:
+        out["second_window"] = str(e)
+    cu.end_allocate_to_pool(0, pool)
+    cu.destroy_pool(pool)  # the MemPool's end: its segments given back to us
+    out["after_destroy"] = seen()
+    out["allocator"] = cu.allocator_stats()
+    print(json.dumps(out))
+"""
+
+
+def test_segments_live_with_the_pool_and_are_freed_through_us(driver_env):
+    done = run_python(LIFE, driver_env)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["routing"] == "test"
+    assert out["same_pool_again"]  # one pool per device for the process
+    assert out["two_live"] == {"live": 2, "live_bytes": 2 * (3 << 20), "made": 2, "freed": 0,
+                               "failed": 0}
+    assert out["reused"] == [True, 2]
+    # torch's empty_cache() frees no segment of a live pool...
+    assert out["after_empty_cache"]["live"] == 2
+    assert "already recording" in out["second_window"]
+    # ... its end gives them back, through torch_rpc_ext_landing_free.
+    assert out["after_destroy"] == {"live": 0, "live_bytes": 0, "made": 2, "freed": 2,
+                                    "failed": 0}
+    stats = out["allocator"]
+    assert (stats["pool_allocated"], stats["pool_reused"], stats["pool_released"]) == (2, 1, 2)
+
+
+NO_ROUTING = SETUP + """
+    try:
+        landing_pool.landing_pools([torch.device("cuda:0")])
+    except RuntimeError as e:
+        print(json.dumps({"routing": _C._pool_routing(), "error": str(e)}))
+"""
+
+
+def test_without_a_way_to_route_the_pool_is_refused_naming_why(driver_env):
+    """A CPU torch with no fake guard: no CUDA caching allocator to route."""
+    done = run_python(NO_ROUTING, driver_env)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["routing"] == ""
+    assert "TORCH_RPC_EXT_CUDA_LANDING_POOL=1" in out["error"]
+    assert "nvidia-cuda-crt" in out["error"]
+
+
+def test_a_bad_setting_is_named(monkeypatch):
+    from torch_rpc_ext._cuda import landing_pool
+
+    monkeypatch.setenv("TORCH_RPC_EXT_CUDA_LANDING_POOL", "yes")
+    with pytest.raises(ValueError, match="TORCH_RPC_EXT_CUDA_LANDING_POOL must be 0 or 1"):
+        landing_pool.enabled()

@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The landing pool (docs/cuda.md, "The landing pool"): per CUDA device of
+an agent, a pool of torch's caching allocator whose segments our library
+makes (``torch_rpc_ext_landing_alloc`` and ``_free`` in ``_C``), which the
+agent's landings allocate from. Its blocks are torch's memory, as a landing
+in the default pool is (``record_stream`` works on them); its segments
+stay ours, which is what lets a peer write into a block it was granted
+(the next layer) without cuda.h's undefined order: a segment is released
+only when we say.
+
+Off unless ``TORCH_RPC_EXT_CUDA_LANDING_POOL=1`` while the layers above it
+are built (issue 46). One pool per device for the process's life, shared
+by the agents it runs one after another (torch frees none of a live
+pool's segments: a pool per agent would keep each one's).
+"""
+
+import os
+
+import torch
+
+__all__ = ["ENV", "enabled", "landing_pools"]
+
+ENV = "TORCH_RPC_EXT_CUDA_LANDING_POOL"
+
+# device index -> the MemPool (a CUDA torch) or the fake's pool id (tests).
+_POOLS: dict = {}
+
+
+def enabled() -> bool:
+    """Whether landings use the pool ($TORCH_RPC_EXT_CUDA_LANDING_POOL:
+    "1" on, "0" or unset off; anything else is an error naming it)."""
+    value = os.environ.get(ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _make(index: int, routing: str):
+    from torch_rpc_ext import _C
+
+    if routing == "test":
+        from torch_rpc_ext import _testing
+
+        return _testing.cuda.make_landing_pool(index)
+    from torch.cuda.memory import CUDAPluggableAllocator
+
+    allocator = CUDAPluggableAllocator(
+        _C.__file__, "torch_rpc_ext_landing_alloc", "torch_rpc_ext_landing_free"
+    )
+    with torch.cuda.device(index):
+        return torch.cuda.MemPool(allocator=allocator.allocator())
+
+
+def landing_pools(devices) -> dict:
+    """{device index: pool id} for ``devices`` (torch.device), made on first
+    use. Raises, naming why, where this torch or build has no way to route
+    allocations to a pool."""
+    from torch_rpc_ext import _C
+
+    routing = _C._pool_routing()
+    if not routing:
+        raise RuntimeError(
+            f"{ENV}=1, but this build of torch_rpc_ext cannot route allocations to a "
+            "pool of torch's CUDA caching allocator (a CPU torch, or built without "
+            "crt/host_config.h: pip install 'nvidia-cuda-crt==13.0.*' and rebuild)"
+        )
+    ids = {}
+    for device in devices:
+        index = device.index
+        if index not in _POOLS:
+            _POOLS[index] = _make(index, routing)
+        pool = _POOLS[index]
+        ids[index] = tuple(pool.id) if hasattr(pool, "id") else tuple(pool)
+    return ids
