@@ -78,12 +78,14 @@ if [ ! -f "$ready" ]; then
   if ! python torch_rpc_ext/_cuda/headers.py >/dev/null 2>&1; then
     python -m pip install -q "nvidia-cuda-runtime==13.0.*"
   fi
-  # crt/ beside it: c10/cuda's headers need it, for the CUDA landing pool's
-  # routing (csrc/agent/torch_cuda/; 134 KB of headers). A build without it
-  # works, with no landing pool.
+  # crt/ beside it, of the runtime's own release (13.0 beside a CPU torch's
+  # 13.0 runtime, 13.2 beside torch 2.15's; c10/cuda includes both): for
+  # the CUDA landing pool's routing (csrc/agent/torch_cuda/; 134 KB of
+  # headers). A build without it works, with no landing pool.
   if ! python -c 'import runpy, sys; sys.exit(runpy.run_path("torch_rpc_ext/_cuda/headers.py")["crt_include_dir"]() is None)'; then
-    python -m pip install -q "nvidia-cuda-crt==13.0.*" ||
-      echo "setup_env.sh: nvidia-cuda-crt did not install: building without the CUDA landing pool" >&2
+    runtime=$(python -c 'from importlib import metadata as m; print(".".join(m.version("nvidia-cuda-runtime").split(".")[:2]))' 2>/dev/null || echo 13.0)
+    python -m pip install -q "nvidia-cuda-crt==$runtime.*" ||
+      echo "setup_env.sh: nvidia-cuda-crt==$runtime.* did not install: building without the CUDA landing pool" >&2
   fi
   rm -f .venv/.packages-"$SETUP_FOR"-*
   touch "$ready"
