@@ -77,8 +77,10 @@ class LandingPools {
   bool has(c10::DeviceIndex device) const {
     return pools_.count(device) != 0;
   }
-  // `n` bytes from `device`'s pool, for `stream` (current on this thread:
-  // torch allocates for the current stream). Throws as torch's allocator.
+  // `n` bytes from `device`'s pool, for `stream` (made current here: torch
+  // allocates for the current stream). Out of memory, it frees torch's
+  // default cache and tries once more (torch does that only outside a
+  // window); else throws as torch's allocator.
   c10::DataPtr allocate(
       c10::DeviceIndex device,
       const c10::Stream& stream,
@@ -88,11 +90,7 @@ class LandingPools {
   }
 
  private:
-  struct Pool {
-    PoolId id;
-    std::mutex mu; // one routing window at a time
-  };
-  std::map<int, std::unique_ptr<Pool>> pools_;
+  const std::map<int, PoolId> pools_;
   std::atomic<uint64_t> allocations_{0};
 };
 
@@ -102,10 +100,13 @@ class LandingPools {
 // (cudaStream_t is CUstream): device memory of `device` (cuMemAlloc), or
 // nullptr (torch then reports out of memory); and its release.
 extern "C" {
-void* torch_rpc_ext_landing_alloc(size_t size, int device, CUstream stream);
+void* torch_rpc_ext_landing_alloc(
+    size_t size,
+    int device,
+    CUstream stream) noexcept;
 void torch_rpc_ext_landing_free(
     void* ptr,
     size_t size,
     int device,
-    CUstream stream);
+    CUstream stream) noexcept;
 }

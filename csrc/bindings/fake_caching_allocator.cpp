@@ -240,8 +240,7 @@ bool FakeCachingAllocator::passed(Block& b) {
 }
 
 void FakeCachingAllocator::releaseToPool(Pool& pool, Block* b) {
-  pool.free(
-      reinterpret_cast<void*>(b->address), b->size, b->device, nullptr);
+  pool.free(reinterpret_cast<void*>(b->address), b->size, b->device, nullptr);
   delete b;
   ++stats_.poolReleased;
 }
@@ -259,7 +258,8 @@ void FakeCachingAllocator::sweep(Pool& pool) {
     }
   }
   if (pool.live == 0 && pool.cached.empty()) {
-    pools_.erase(pool.id);
+    const PoolId id = pool.id; // (the key lives in the node erased)
+    pools_.erase(id);
   }
 }
 

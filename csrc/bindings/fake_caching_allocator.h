@@ -129,8 +129,10 @@ class FakeCachingAllocator final : public c10::DeviceAllocator {
   // Frees what a pool with no use left caches, and forgets it once it
   // holds nothing (mu_ held).
   void sweep(Pool& pool);
-  static Block*
-  newBlock(CUdeviceptr address, size_t size, const c10::Stream& stream);
+  static Block* newBlock(
+      CUdeviceptr address,
+      size_t size,
+      const c10::Stream& stream);
   c10::DataPtr own(Block* b);
 
   std::mutex mu_;

@@ -72,6 +72,12 @@ def pytest_collection_modifyitems(config, items):
 fake_only = pytest.mark.skipif(REAL_DRIVER, reason="drives the fake driver's settings")
 two_devices = pytest.mark.skipif(
     REAL_DRIVER and REAL_DEVICES < 2, reason="maps between two GPUs: needs two")
+# The landing pool on a GPU needs torch 2.13 (torch_rpc_ext._cuda.landing_pool:
+# pytorch#175015); the fake models 2.13's pools on any torch.
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+landing_pool_torch = pytest.mark.skipif(
+    REAL_DRIVER and _TORCH < (2, 13),
+    reason="the landing pool needs torch 2.13 or newer on a GPU (pytorch#175015)")
 
 
 @pytest.fixture(scope="session")

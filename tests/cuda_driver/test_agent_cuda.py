@@ -10,7 +10,12 @@ import time
 import pytest
 
 from tests.cuda_driver import agent_worker
-from tests.cuda_driver.conftest import REAL_DRIVER, fake_only, two_devices
+from tests.cuda_driver.conftest import (
+    REAL_DRIVER,
+    fake_only,
+    landing_pool_torch,
+    two_devices,
+)
 from tests.rpc.world import free_port
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
@@ -107,8 +112,9 @@ def test_a_release_waits_for_a_ride_only_so_long(spawn, ride_ms):
         assert releases == 1 and frames == 0
 
 
-@pytest.mark.parametrize("channels,pool", [(("cuda_ipc",), False), (("cuda_staged",), False),
-                                          (("cuda_ipc",), True)],
+@pytest.mark.parametrize("channels,pool", [
+    (("cuda_ipc",), False), (("cuda_staged",), False),
+    pytest.param(("cuda_ipc",), True, marks=landing_pool_torch)],
                          ids=["cuda_ipc", "cuda_staged", "cuda_ipc-landing_pool"])
 def test_a_received_tensor_is_safe_on_a_busy_side_stream(spawn, monkeypatch, channels, pool):
     """`r = rpc_sync(...); acc += r; del r` on a side stream still busy: the

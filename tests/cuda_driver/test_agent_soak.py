@@ -10,7 +10,7 @@ import os
 import pytest
 
 from tests.cuda_driver import soak_worker
-from tests.cuda_driver.conftest import REAL_DRIVER, two_devices
+from tests.cuda_driver.conftest import REAL_DRIVER, landing_pool_torch, two_devices
 from tests.cuda_driver.test_agent_cuda import play_with
 
 pytestmark = pytest.mark.timeout(240)
@@ -26,7 +26,7 @@ assert SECONDS <= 100, "TORCH_RPC_EXT_TEST_SOAK_SECONDS: at most 100"
 @pytest.mark.parametrize("channels,zero_copy,swap,pool", [
     (("cuda_ipc",), False, False, False),  # landed in torch's memory
     # ... in the landing pool (docs/cuda.md, "The landing pool")
-    (("cuda_ipc",), False, False, True),
+    pytest.param(("cuda_ipc",), False, False, True, marks=landing_pool_torch),
     (("cuda_ipc",), True, False, False),  # views of the sender's blocks, some handed back
     (("cuda_staged",), False, False, False),  # through pinned host memory and the stream
     (("cuda_ring", "cuda_staged"), False, False, False),  # a shared pinned ring, large ones

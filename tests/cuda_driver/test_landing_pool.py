@@ -75,6 +75,28 @@ def test_segments_live_with_the_pool_and_are_freed_through_us(driver_env):
     assert (stats["pool_allocated"], stats["pool_reused"], stats["pool_released"]) == (2, 1, 2)
 
 
+OUT_OF_MEMORY = SETUP + """
+    aw.setup_torch()
+    torch.cuda.init()
+    (pool,) = landing_pool.landing_pools([torch.device("cuda:0")]).values()
+    cu.cache_bytes(0, 6 << 20)  # torch's default pool caches 6 of the fake's 8 MiB
+    block = cu.pool_allocate(0, pool, 4 << 20)
+    print(json.dumps({"address": block.address, "segments": _C._landing_pool_segments(),
+                      "allocator": cu.allocator_stats()}))
+"""
+
+
+def test_a_landing_out_of_memory_frees_torchs_cache_and_tries_again(driver_env):
+    """torch frees its default pool's cache and retries only outside a
+    routing window: the landing does it for its own allocation."""
+    done = run_python(OUT_OF_MEMORY, {**driver_env, "FAKE_CUDA_MEM_LIMIT": str(8 << 20)})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["address"] != 0
+    assert out["segments"]["failed"] == 1 and out["segments"]["live"] == 1
+    assert out["allocator"]["emptied"] >= 1
+
+
 NO_ROUTING = SETUP + """
     try:
         landing_pool.landing_pools([torch.device("cuda:0")])
@@ -91,6 +113,22 @@ def test_without_a_way_to_route_the_pool_is_refused_naming_why(driver_env):
     assert out["routing"] == ""
     assert "TORCH_RPC_EXT_CUDA_LANDING_POOL=1" in out["error"]
     assert "nvidia-cuda-crt" in out["error"]
+
+
+@pytest.mark.parametrize("version,backend,refused", [
+    ("2.11.0+cu130", "native", "pytorch#175015"),
+    ("2.12.1", "native", "pytorch#175015"),
+    ("2.13.0+cu130", "native", None),
+    ("2.15.0", "cudaMallocAsync", "'cudaMallocAsync'"),
+])
+def test_torch_before_2_13_and_other_allocators_are_refused(version, backend, refused):
+    from torch_rpc_ext._cuda import landing_pool
+
+    if refused is None:
+        landing_pool.check_torch(version, backend)
+        return
+    with pytest.raises(RuntimeError, match=refused):
+        landing_pool.check_torch(version, backend)
 
 
 def test_a_bad_setting_is_named(monkeypatch):

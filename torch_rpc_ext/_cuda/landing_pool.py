@@ -51,6 +51,31 @@ def _make(index: int, routing: str):
         return torch.cuda.MemPool(allocator=allocator.allocator())
 
 
+# torch before 2.13 treats any routing to a pool as a CUDA graph capture
+# across the device (pytorch#175015): a stream recorded on a block freed
+# while a window is open is dropped, so its memory could be reused under a
+# kernel still reading it.
+FIRST_TORCH = (2, 13)
+
+
+def check_torch(version: str, backend: str) -> None:
+    """Raises, naming why, where torch ``version`` with allocator ``backend``
+    cannot hold the landing pool."""
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    if release < FIRST_TORCH:
+        raise RuntimeError(
+            f"{ENV}=1 needs torch 2.13 or newer, and this is {version}: before 2.13, "
+            "routing allocations to a pool makes torch's caching allocator act as in a "
+            "CUDA graph capture across the device (pytorch#175015), which drops the "
+            "streams a freed tensor was recorded on"
+        )
+    if backend != "native":
+        raise RuntimeError(
+            f"{ENV}=1 needs torch's native CUDA caching allocator, and this process "
+            f"uses {backend!r} (PYTORCH_CUDA_ALLOC_CONF backend): it has no pools"
+        )
+
+
 def landing_pools(devices) -> dict:
     """{device index: pool id} for ``devices`` (torch.device), made on first
     use. Raises, naming why, where this torch or build has no way to route
@@ -64,6 +89,8 @@ def landing_pools(devices) -> dict:
             "pool of torch's CUDA caching allocator (a CPU torch, or built without "
             "crt/host_config.h: pip install 'nvidia-cuda-crt==13.0.*' and rebuild)"
         )
+    if routing == "torch":
+        check_torch(torch.__version__, torch.cuda.get_allocator_backend())
     ids = {}
     for device in devices:
         index = device.index

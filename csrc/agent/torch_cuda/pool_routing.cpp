@@ -38,8 +38,14 @@ class TorchPoolRouting final : public PoolRouting {
   }
   void end(c10::DeviceIndex device, PoolId id) override {
     Allocator* a = allocator_->load();
-    a->endAllocateToPool(device, id);
-    a->releasePool(device, id); // begin() raised the pool's use count
+    // begin() raised the pool's use count: dropped whatever the first says.
+    try {
+      a->endAllocateToPool(device, id);
+    } catch (...) {
+      a->releasePool(device, id);
+      throw;
+    }
+    a->releasePool(device, id);
   }
 
  private:
