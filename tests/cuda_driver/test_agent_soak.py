@@ -42,7 +42,8 @@ def test_crossing_calls_of_random_cuda_tensors_keep_every_byte(spawn, monkeypatc
     monkeypatch.setenv("FAKE_CUDA_KERNEL_DELAY_MS", "3")
     if swap:
         monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
-    monkeypatch.setenv("TORCH_RPC_EXT_CUDA_LANDING_POOL", "1" if pool else "0")
+    # On for zero_copy too: it lands nothing, so nothing comes from a pool.
+    monkeypatch.setenv("TORCH_RPC_EXT_CUDA_LANDING_POOL", "1" if pool or zero_copy else "0")
     reports = play_with(spawn, soak_worker.run, SECONDS, SEED, zero_copy, channels, swap)
     print(f"calls: {[r['calls'] for r in reports]}")
     for rank, r in enumerate(reports):
@@ -64,3 +65,4 @@ def test_crossing_calls_of_random_cuda_tensors_keep_every_byte(spawn, monkeypatc
             assert landing["landing_pool_segments"] > 0, landing
         else:
             assert landing["landing_pool_allocations"] == 0, landing
+            assert landing["landing_pool_segments"] == 0, landing
