@@ -22,6 +22,12 @@ after warm-up:
                                    above but the recipe: what landing received
                                    tensors in torch's allocator costs
                                    (`time_copy_over_zero_copy`)
+  (ext_grants)                     ours with the landing pool and its grants
+                                   (TORCH_RPC_EXT_CUDA_LANDING_POOL=1; torch
+                                   2.13 or newer on a GPU), the identity and
+                                   contiguous cases: a large segment written
+                                   by the sender straight into landing memory
+                                   the receiver granted (`time_grants_over_copy`)
 
 Each of ours rows has `costs_per_call`: what one round trip costs after
 warm-up, both ends, less the harness's own syncs: device copies (`landed`,
@@ -212,7 +218,8 @@ def device_copies() -> dict[str, int]:
     m = rpc.api._get_current_rpc_agent().get_metrics()
     keys = {"rpc_ext.cuda.landed_segments": "landed", "rpc_ext.cuda.landing_launches":
             "landing_launches", "rpc_ext.cuda.landing_allocations": "landing_allocations",
-            "rpc_ext.channel.cuda_ipc.launches": "ipc_launches"}
+            "rpc_ext.channel.cuda_ipc.launches": "ipc_launches",
+            "rpc_ext.channel.cuda_ipc.grants_used": "grants_used"}
     return {short: int(m.get(k, 0)) for k, short in keys.items()}
 
 
@@ -327,7 +334,8 @@ def summarize_costs(delta: tuple, calls: int, harness: tuple) -> dict:
     net = {k: round(sum(end.get(k, 0) for end in ends), 2) for end in ends for k in end}
     out = {short: net.get(short, 0) for short in (*WIRE.values(), *PEER.values())}
     out["torch_allocations"] = net.get("torch_allocations", 0)
-    for k in ("landed", "landing_launches", "landing_allocations", "ipc_launches"):
+    for k in ("landed", "landing_launches", "landing_allocations", "ipc_launches",
+              "grants_used"):
         out[k] = net.get(k, 0)
     if any(k.startswith("cu") for k in net):  # the fake driver's counts
         driver = {k: v for k, v in net.items() if k.startswith("cu") and v}
@@ -351,7 +359,25 @@ def summarize_costs(delta: tuple, calls: int, harness: tuple) -> dict:
     return out
 
 
+def grants_here(fake: bool) -> bool:
+    """Whether the ext_grants plan runs: on the fake always; on a GPU where
+    torch can hold the landing pool (2.13 or newer: landing_pool.check_torch),
+    else it says why it is left out."""
+    if fake:
+        return True
+    from torch_rpc_ext._cuda import landing_pool
+
+    try:
+        landing_pool.check_torch(torch.__version__, torch.cuda.get_allocator_backend())
+    except RuntimeError as e:
+        print(f"cuda_bench: ext_grants left out: {e}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def world(rank, world_size, backend_key, channels, cases, cfg):
+    # Read by init_rpc: the plan's, not the caller's environment.
+    os.environ["TORCH_RPC_EXT_CUDA_LANDING_POOL"] = "1" if cfg.grants else "0"
     dev = _init(rank, backend_key, channels, cfg.fake, cfg.zero_copy)
     rows = []
     if rank == 0:
@@ -483,7 +509,7 @@ def main(argv=None):
                         "(tools/gpu_check.sh's run under MPS)")
     p.add_argument("--plans", nargs="+", metavar="PLAN",
                    help="only these backends (ext, tensorpipe, ext_staged, ext_ring, "
-                   "ext_tls_stream, ext_tls_lanes, ext_zero_copy)")
+                   "ext_tls_stream, ext_tls_lanes, ext_zero_copy, ext_grants)")
     p.add_argument("--chart", type=Path, help="write a PNG chart of the ratios (matplotlib)")
     p.add_argument("--out", type=Path)
     cfg = p.parse_args(argv)
@@ -526,6 +552,8 @@ def main(argv=None):
                       {**across, "channels": ("tcp_lanes",)}))
     if "ext" in cfg.backends and not cfg.main_plans_only:
         plans.append(("ext_zero_copy", "TORCH_RPC_EXT", None))
+        if grants_here(cfg.fake):
+            plans.append(("ext_grants", "TORCH_RPC_EXT", None))
     if cfg.plans:
         unknown = set(cfg.plans) - {name for name, _, _ in plans}
         if unknown:
@@ -536,6 +564,7 @@ def main(argv=None):
         cfg.recipe = not cfg.fake and name not in (*staging, "ext_zero_copy")
         cfg.staged_floor = not cfg.fake and name in ("ext_staged", "ext_ring")
         cfg.zero_copy = name == "ext_zero_copy"
+        cfg.grants = name == "ext_grants"
         these = cases
         if name in staging:
             big = ("identity_400MB", "identity_4MB")
@@ -546,6 +575,8 @@ def main(argv=None):
                      if c[0] in big or (name == "ext_staged" and c[0] == "identity_4KB")]
         if name == "ext_zero_copy":
             these = [c for c in cases if c[1] not in ("contiguous", "cpu", "cpu_many")]
+        if name == "ext_grants":
+            these = [c for c in cases if c[0].startswith(("identity_", "contiguous_"))]
         if not these:
             continue
         print(f"cuda_bench: {name}: {[c[0] for c in these]}", file=sys.stderr, flush=True)
@@ -567,6 +598,11 @@ def main(argv=None):
         if ext and zero:
             record({"case": case, "ratio": "time_copy_over_zero_copy",
                     "value": round(ext["median_us"] / zero["median_us"], 3)})
+    for case in sorted({c for c, _ in results}):
+        ext, grants = results.get((case, "ext")), results.get((case, "ext_grants"))
+        if ext and grants:
+            record({"case": case, "ratio": "time_grants_over_copy",
+                    "value": round(grants["median_us"] / ext["median_us"], 3)})
     for plan, case, ratio in (("ext_staged", "staged_400MB", "staged_over_pcie_floor"),
                               ("ext_ring", "ring_400MB", "ring_over_pcie_floor")):
         staged = results.get(("identity_400MB", plan))

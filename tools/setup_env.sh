@@ -80,7 +80,7 @@ if [ ! -f "$ready" ]; then
   fi
   # crt/ beside it, of the runtime's own release (13.0 beside a CPU torch's
   # 13.0 runtime, 13.2 beside torch 2.15's; c10/cuda includes both): for
-  # the CUDA landing pool's routing (csrc/agent/torch_cuda/; 134 KB of
+  # the CUDA landing pool's routing (csrc/torch_cuda/; 134 KB of
   # headers). A build without it works, with no landing pool.
   if ! python -c 'import runpy, sys; sys.exit(runpy.run_path("torch_rpc_ext/_cuda/headers.py")["crt_include_dir"]() is None)'; then
     runtime=$(python -c 'from importlib import metadata as m; print(".".join(m.version("nvidia-cuda-runtime").split(".")[:2]))' 2>/dev/null || echo 13.0)

@@ -16,8 +16,10 @@
 #include <optional>
 #include <unordered_map>
 
+#include "csrc/channel/grants.h"
 #include "csrc/channel/registry.h"
 #include "csrc/common/logging.h"
+#include "csrc/frame/landed_region.h"
 
 namespace torch_rpc_ext {
 
@@ -92,6 +94,11 @@ void AgentDevices::prepare() const {
   if (options_.devices.empty()) {
     return;
   }
+  // Landing memory granted to peers comes from the landing pools
+  // (channel/grants.h); without them, cuda_ipc grants none.
+  channel::setGrantSource(
+      options_.landingPools.empty() ? nullptr
+                                    : makePoolGrants(options_.landingPools));
   try {
     initTorchCuda();
     c10::impl::VirtualGuardImpl impl(c10::kCUDA);
@@ -456,7 +463,25 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
               impl.getStreamNativeHandle(stream));
         },
         landing,
-        hostLanding);
+        hostLanding,
+        landingPools_.empty()
+            ? wire::InboundMessage::AdoptLanded()
+            : [&](c10::DeviceIndex device, frame::LandedRegion& region) {
+                // Written by the peer into a grant of ours: the message's
+                // work waits for the peer's copy, on the arrival stream,
+                // which uses the memory.
+                const c10::Stream& arrival = streamOf(device);
+                c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+                region.waitOn(reinterpret_cast<uintptr_t>(
+                    impl.getStreamNativeHandle(arrival)));
+                std::unique_ptr<frame::LandedMemory> taken = region.take();
+                auto* ours = dynamic_cast<TorchLanded*>(taken.get());
+                TORCH_CHECK(ours != nullptr, "granted memory that is not ours");
+                c10::DataPtr data = std::move(ours->memory);
+                impl.recordDataPtrOnStream(data, arrival);
+                granted_.fetch_add(1, std::memory_order_relaxed);
+                return data;
+              });
   } catch (const wire::LandingFailure& e) {
     // (Only this: what else the codec throws is the peer's doing.)
     failures_.fetch_add(1, std::memory_order_relaxed);
@@ -478,6 +503,7 @@ void AgentDevices::addMetrics(
       std::to_string(landedAllocations_.load());
   m["rpc_ext.cuda.landing_pool_allocations"] =
       std::to_string(landingPools_.allocations());
+  m["rpc_ext.cuda.granted_segments"] = std::to_string(granted_.load());
   const auto segments = landingSegmentCounts();
   m["rpc_ext.cuda.landing_pool_segments"] = std::to_string(segments.live);
   m["rpc_ext.cuda.landing_pool_bytes"] = std::to_string(segments.liveBytes);

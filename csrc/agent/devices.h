@@ -171,6 +171,8 @@ class AgentDevices {
   // Where landings allocate, on the devices that have one (else torch's
   // default pool).
   LandingPools landingPools_;
+  // Segments the peer wrote straight into landing memory we granted.
+  std::atomic<uint64_t> granted_{0};
   mutable std::mutex landingMu_;
   mutable std::vector<std::unique_ptr<Landing>> landingStreams_;
   std::atomic<uint64_t> fromHost_{0}; // segments landed from host bytes

@@ -34,7 +34,13 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/Stream.h>
 
+#include "csrc/frame/landed_region.h"
+
 namespace torch_rpc_ext {
+
+namespace channel {
+class GrantSource;
+} // namespace channel
 
 // torch's c10::MempoolId_t.
 using PoolId = std::pair<unsigned long long, unsigned long long>;
@@ -77,6 +83,9 @@ class LandingPools {
   bool has(c10::DeviceIndex device) const {
     return pools_.count(device) != 0;
   }
+  bool empty() const {
+    return pools_.empty();
+  }
   // `n` bytes from `device`'s pool, for `stream` (made current here: torch
   // allocates for the current stream). Out of memory, it frees torch's
   // default cache and tries once more (torch does that only outside a
@@ -93,6 +102,20 @@ class LandingPools {
   const std::map<int, PoolId> pools_;
   std::atomic<uint64_t> allocations_{0};
 };
+
+// A grant's memory (frame::LandedMemory): a block of torch's, which the
+// segment written into it becomes (AgentDevices::finish takes it back).
+struct TorchLanded final : frame::LandedMemory {
+  c10::DataPtr memory;
+  void* data() const override {
+    return memory.get();
+  }
+};
+
+// The grant source (channel/grants.h) of an agent whose landings
+// use the landing pools `pools`.
+std::shared_ptr<channel::GrantSource> makePoolGrants(
+    std::map<int, PoolId> pools);
 
 } // namespace torch_rpc_ext
 

@@ -30,6 +30,7 @@
 #include "csrc/bindings/bind.h"
 #include "csrc/bindings/fake_caching_allocator.h"
 #include "csrc/channel/cuda/device.h"
+#include "csrc/channel/grants.h"
 #include "csrc/common/libcuda.h"
 
 namespace torch_rpc_ext::bindings {
@@ -272,6 +273,33 @@ void bindTestingCudaTorch(py::module_& parent) {
     return b;
   });
   m.def("empty_cache", [] { FakeCachingAllocator::instance().emptyCache({}); });
+  // The agent's grant source over pool `id` of `device` (makePoolGrants),
+  // driven by hand: grants' memory, and the segments' sharing.
+  struct PoolGrantsHook {
+    std::shared_ptr<channel::GrantSource> source;
+    std::map<uintptr_t, std::unique_ptr<frame::LandedMemory>> held;
+  };
+  py::class_<PoolGrantsHook>(m, "PoolGrants")
+      .def(
+          "allocate",
+          [](PoolGrantsHook& h, int device, uint64_t bytes) {
+            auto g = h.source->allocate(device, bytes);
+            const auto address = reinterpret_cast<uintptr_t>(g.memory->data());
+            h.held[address] = std::move(g.memory);
+            return py::make_tuple(
+                address, g.segmentKey, g.segmentBase, g.segmentSize);
+          })
+      .def("free", [](PoolGrantsHook& h, uintptr_t a) { h.held.erase(a); })
+      .def(
+          "shared",
+          [](PoolGrantsHook& h, uint64_t key) { h.source->segmentShared(key); })
+      .def("unshared", [](PoolGrantsHook& h, uint64_t key) {
+        h.source->segmentUnshared(key);
+      });
+  m.def("pool_grants", [](int device, PoolId id) {
+    return std::make_unique<PoolGrantsHook>(
+        PoolGrantsHook{makePoolGrants({{device, id}}), {}});
+  });
   m.def("begin_allocate_to_pool", [](int device, PoolId id) {
     FakeCachingAllocator::instance().beginAllocateToPool(
         static_cast<c10::DeviceIndex>(device), id, [](CUstream) {

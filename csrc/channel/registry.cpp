@@ -179,6 +179,32 @@ void copyToDevice(
   cuda::releaseAfter(device, s, std::move(done));
 }
 
+uintptr_t cudaMemAlloc(int device, size_t bytes) noexcept {
+  try {
+    cuda::CurrentDevice current(device);
+    CUdeviceptr p = 0;
+    return libcuda().cuMemAlloc(&p, bytes) == CUDA_SUCCESS ? p : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+bool cudaMemFree(int device, uintptr_t address, std::string* error) noexcept {
+  try {
+    cuda::CurrentDevice current(device);
+    const CUresult rc = libcuda().cuMemFree(address);
+    if (rc == CUDA_SUCCESS || rc == CUDA_ERROR_DEINITIALIZED) {
+      return true;
+    }
+    *error = cudaErrorText("cuMemFree", rc);
+  } catch (const std::exception& e) {
+    *error = e.what();
+  } catch (...) {
+    *error = "unknown error";
+  }
+  return false;
+}
+
 void warmCudaDevice(int device) {
   cuda::CurrentDevice current(device);
   cuda::copyEngine(device);

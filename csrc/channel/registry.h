@@ -85,6 +85,13 @@ struct CudaMemoryStats {
   uint64_t ipcDeclined = 0;
 };
 CudaMemoryStats cudaMemoryStats();
+// Device memory of `device` (cuMemAlloc), or 0 where the driver refuses;
+// and its release, false with `error` set where the driver refuses that
+// (a driver already shut down at exit is not refused). Neither throws: the
+// landing pool's segments (agent/landing_pool.h), which torch asks for and
+// gives back under its allocator's lock.
+uintptr_t cudaMemAlloc(int device, size_t bytes) noexcept;
+bool cudaMemFree(int device, uintptr_t address, std::string* error) noexcept;
 // cuda_ipc's bound per device (0: none), and how to have torch give back
 // its cached device memory when an allocation of ours is out of memory.
 void setCudaMemoryPolicy(

@@ -38,7 +38,9 @@ constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 //    not registered.
 // 10: code 0x54525001 is the receiver object, memoized in each pickle and
 //    called per tensor; in 9 it was a function taking the index.
-constexpr uint8_t kProtocolVersion = 10;
+// 11: cuda_ipc's grants (control kinds 4 and 5 of its range, record kind
+//    kGranted): a build before them closes a connection that sends one.
+constexpr uint8_t kProtocolVersion = 11;
 
 enum class FrameKind : uint8_t {
   kHello = 1, // client -> server: version, identity, nonce

@@ -16,6 +16,10 @@
 #include "csrc/common/buffer_pool.h"
 #include "csrc/frame/frame.h"
 
+namespace torch_rpc_ext::frame {
+class LandedRegion;
+} // namespace torch_rpc_ext::frame
+
 namespace torch_rpc_ext::wire {
 
 namespace rpc = torch::distributed::rpc;
@@ -144,11 +148,18 @@ class InboundMessage {
   // live in the memory it returns (the channel's goes back at once);
   // without it they view the device memory the channel provided, for as
   // long as they live (zero copy).
+  // A segment whose region is already landed memory of torch's
+  // (frame::LandedRegion: a grant the sender wrote into) is that memory, as
+  // `adoptLanded` returns it (the agent makes the arrival stream wait on the
+  // region, and records the memory's use there); without it, an error.
+  using AdoptLanded = std::function<
+      c10::DataPtr(c10::DeviceIndex device, frame::LandedRegion& region)>;
   c10::intrusive_ptr<rpc::Message> finish(
       const frame::InboundBuffers& buffers = {},
       const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream = nullptr,
       const DeviceLanding& landing = nullptr,
-      const HostLanding& hostLanding = nullptr);
+      const HostLanding& hostLanding = nullptr,
+      const AdoptLanded& adoptLanded = nullptr);
 
   // The message with empty CPU tensors in place of its own, for a request
   // whose tensors could not land (its ids are read, nothing runs).

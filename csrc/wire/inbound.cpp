@@ -10,6 +10,7 @@
 #include <map>
 #include <stdexcept>
 
+#include "csrc/frame/landed_region.h"
 #include "csrc/wire/codec.h"
 #include "csrc/wire/head.h"
 
@@ -381,7 +382,8 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
     const frame::InboundBuffers& buffers,
     const std::function<uintptr_t(c10::DeviceIndex)>& arrivalStream,
     const DeviceLanding& landing,
-    const HostLanding& hostLanding) {
+    const HostLanding& hostLanding,
+    const AdoptLanded& adoptLanded) {
   // With `landing`: the device segments of each device, copied once all
   // are known (one call per device; the copies of many are one launch).
   struct Landing {
@@ -433,6 +435,21 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
           "a CUDA tensor arrived at an agent without devices");
       device = c10::Device(
           c10::kCUDA, static_cast<c10::DeviceIndex>(onDevice->device()));
+      if (auto* landed = dynamic_cast<frame::LandedRegion*>(onDevice)) {
+        TORCH_CHECK(
+            adoptLanded != nullptr,
+            "segment ",
+            i,
+            " arrived in granted landing memory at an agent that grants none");
+        c10::DataPtr data = adoptLanded(device.index(), *landed);
+        storages_[i - 1] = c10::Storage(
+            c10::Storage::use_byte_size_t(),
+            static_cast<int64_t>(sizes_[i]),
+            std::move(data),
+            /*allocator=*/nullptr,
+            /*resizable=*/false);
+        continue;
+      }
       const uintptr_t stream = arrivalStream(device.index());
       onDevice->waitOn(stream);
       if (landing) {

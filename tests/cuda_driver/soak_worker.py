@@ -292,7 +292,8 @@ def run(rank: int, port: int, ctl, seconds: float, seed: int, zero_copy: bool,
     report["receive_failures"] = int(metrics.get("rpc_ext.cuda.receive_failures", 0))
     report["counters"] = {c: aw.channel_counters(c) for c in channels}
     report["landing"] = {k: int(metrics.get(f"rpc_ext.cuda.{k}", 0)) for k in (
-        "landing_allocations", "landing_pool_allocations", "landing_pool_segments")}
+        "landing_allocations", "landing_pool_allocations", "landing_pool_segments",
+        "granted_segments")}
     rpc.shutdown()
     stats = fake_stats()
     report["poisoned"] = stats["poisoned_uses"] if stats else None

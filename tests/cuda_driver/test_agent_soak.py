@@ -63,6 +63,10 @@ def test_crossing_calls_of_random_cuda_tensors_keep_every_byte(spawn, monkeypatc
             assert landing["landing_allocations"] > 0, landing
             assert landing["landing_pool_allocations"] == landing["landing_allocations"], landing
             assert landing["landing_pool_segments"] > 0, landing
+            # Large tensors went into grants (docs/cuda.md, "Grants"): written
+            # by the peer straight into landing memory of ours.
+            assert landing["granted_segments"] > 0, landing
+            assert counters["grants_used"] > 0 and counters["grants_made"] > 0, counters
         else:
             assert landing["landing_pool_allocations"] == 0, landing
             assert landing["landing_pool_segments"] == 0, landing

@@ -136,6 +136,28 @@ def test_a_round_trip_stays_within_its_budget(bench_rows, case):
     assert c["driver_calls"] <= 210, c
 
 
+def test_a_large_segment_crosses_with_one_copy_into_a_grant(bench_rows):
+    """With the landing pool on (plan ext_grants), a segment over 1 MiB goes
+    straight into landing memory the receiver granted: one device copy a
+    direction (the sender's), no block lent, no landing copy; two a round
+    trip where copy mode makes four (docs/cuda.md, "Grants"). Small ones
+    still go by block and landing."""
+    grants = costs(bench_rows, "ext_grants")
+    if not grants:
+        pytest.skip("no ext_grants plan here (a GPU with torch before 2.13)")
+    big, small = grants["identity_4MB"], grants["identity_4KB"]
+    assert big["grants_used"] == 2, big
+    assert big["ipc_launches"] == 0 and big["landing_launches"] == 0, big
+    assert big["landed"] == 0 and big["landing_allocations"] == 0, big
+    assert big["frames"] == 2 and big["control_frames"] <= 2, big  # grants ride
+    assert no_allocation_after_warm_up(big), big
+    assert small["grants_used"] == 0 and small["landing_launches"] == 2, small
+    if not REAL_DRIVER:
+        assert big["launches"] == 2, big  # copy mode: 4
+        assert costs(bench_rows)["identity_4MB"]["launches"] == 4
+        assert big["stream_waits"] <= 10 and big["driver_calls"] <= 150, big
+
+
 def test_no_connection_is_made_or_lost_in_a_window(bench_rows):
     # Every case runs on one warm pair of connections. A connection lost
     # there (a frame refused, a ring broken) is a bug; one made there costs

@@ -97,6 +97,36 @@ def test_a_landing_out_of_memory_frees_torchs_cache_and_tries_again(driver_env):
     assert out["allocator"]["emptied"] >= 1
 
 
+SHARED = SETUP + """
+    aw.setup_torch()
+    torch.cuda.init()
+    (pool,) = landing_pool.landing_pools([torch.device("cuda:0")]).values()
+    grants = cu.pool_grants(0, pool)
+    address, key, base, size = grants.allocate(0, 3 << 20)
+    out = {"inside": base <= address and address + (3 << 20) <= base + size}
+    grants.shared(key)  # a peer was sent a grant in it
+    grants.free(address)
+    cu.destroy_pool(pool)  # torch gives the segment back to us...
+    out["while_shared"] = _C._landing_pool_segments()
+    grants.unshared(key)  # ... and the peer's mapping is gone
+    out["after"] = _C._landing_pool_segments()
+    print(json.dumps(out))
+"""
+
+
+def test_a_segment_a_peer_may_have_open_is_freed_only_once_it_may_not(driver_env):
+    """cuda.h: cuMemFree of exported memory before the importer's
+    cuIpcCloseMemHandle is undefined. torch frees a pool's segments when it
+    decides to; a segment a grant named to a peer is freed by us only once
+    that peer's connection let it go (docs/cuda.md, "Grants")."""
+    done = run_python(SHARED, driver_env)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["inside"]
+    assert out["while_shared"]["live"] == 1 and out["while_shared"]["freed"] == 0
+    assert out["after"]["live"] == 0 and out["after"]["freed"] == 1
+
+
 NO_ROUTING = SETUP + """
     try:
         landing_pool.landing_pools([torch.device("cuda:0")])

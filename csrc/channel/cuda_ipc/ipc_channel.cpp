@@ -37,6 +37,11 @@ IpcChannel::IpcChannel(
   // (tests/cuda_driver/test_ipc_legacy.py: the receiver refuses the frame).
   const char* noLast = std::getenv("TORCH_RPC_EXT_TEST_CUDA_IPC_NO_LAST");
   markLast_ = noLast == nullptr || std::string(noLast) != "1";
+  // Grants are shared by legacy handle: one host, one PID namespace, two
+  // processes.
+  grantsPossible_ = !local.host.empty() && local.host == peer.host &&
+      !local.pidNamespace.empty() && local.pidNamespace == peer.pidNamespace &&
+      !local.pid.empty() && local.pid != peer.pid;
   for (int d = 0; d < deviceCount(); ++d) {
     const std::string uuid = deviceUuid(d);
     localDevices_.emplace(uuid, d);
@@ -270,7 +275,7 @@ void IpcChannel::takeGroup(
       continue;
     }
     SegmentRecord record{};
-    if (handBack(segment, &record)) {
+    if (handBack(segment, &record) || takeGrant(segment, before, &record)) {
       taken->push_back({i, record});
     } else if (segment.size <= kPackMaxBytes) {
       packedBytes += (segment.size + kPackAlign - 1) / kPackAlign * kPackAlign;
@@ -415,6 +420,13 @@ void IpcChannel::abandonRegion(
     return;
   }
   counters_.copiedBytes.fetch_sub(segment.size, std::memory_order_relaxed);
+  if (r.kind == BlockRecord::kGranted) {
+    // The peer's grant is spent: the copy queued into it may still run, so
+    // it is not used again (the peer grants that device no more on this
+    // connection; its segments go by block).
+    counters_.grantsUsed.fetch_sub(1, std::memory_order_relaxed);
+    return;
+  }
   if (r.offset != 0) {
     // A packed block goes back with its record at offset 0 (each lent block
     // has one), once: another frame may have it by the time a second
@@ -475,6 +487,7 @@ void IpcChannel::onClosedFromLoop() {
   // A frame cut short: its copies out are never made, and nothing waits
   // for them (its message is not delivered).
   copyOuts_.clear();
+  closeGrantsFromLoop();
   // One deadline for the whole channel's legacy teardown waits.
   const auto patience = std::chrono::steady_clock::now() +
       std::chrono::milliseconds(kLegacyTeardownWaitMs);
@@ -488,6 +501,7 @@ void IpcChannel::onClosedFromLoop() {
 }
 
 bool IpcChannel::onFrameEndFromLoop() {
+  postGrantsFromLoop();
   if (copyOuts_.empty()) {
     return true;
   }

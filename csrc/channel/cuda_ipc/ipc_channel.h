@@ -18,6 +18,7 @@
 #include "csrc/channel/cuda/copy_engine.h"
 #include "csrc/channel/cuda/staging_pool.h"
 #include "csrc/channel/cuda_ipc/block.h"
+#include "csrc/channel/grants.h"
 #include "csrc/channel/lending.h"
 
 namespace torch_rpc_ext::channel::cuda {
@@ -77,7 +78,37 @@ enum IpcFrame : uint8_t {
   kBlockRelease = kLendRelease, // uint32 ids the receiver no longer uses
   kBlockDrop = kLendDrop, // uint32 id: the owner unmaps an idle block
   kBlockDropped = 3, // uint32 id: the importer closed it; the owner frees it
+  kGrant = 4, // GrantSetup: landing memory of the receiver's, for the sender
+  kGrantEvent = 5, // GrantEventSetup: the sender's event for grants' writes
 };
+
+// Grants (docs/cuda.md, "Grants"): a receiver whose landings use the
+// landing pool grants its peer, per device, a block of it the size of the
+// last large segment it landed from it; the peer writes its next large
+// segment that fits straight into it (one copy a direction, no landing
+// copy), records its grant event, and sends a kGranted record. The memory
+// is a legacy-IPC-shared segment of the receiver's pool (one PID namespace).
+#pragma pack(push, 1)
+struct GrantSetup {
+  uint32_t id;
+  uint32_t device; // the receiver's device index
+  uint64_t bytes;
+  uint64_t offset; // of the block in the segment
+  uint64_t segmentKey; // the receiver's, unique per allocation of a segment
+  uint64_t segmentSize;
+  CUipcMemHandle segment;
+  // The receiver's event for the device's grants, recorded after the
+  // block's allocation: the sender's copy waits on it (one event per
+  // device, the same handle in every grant of it).
+  CUipcEventHandle free;
+};
+struct GrantEventSetup {
+  uint32_t device; // the receiver's device index the writes are for
+  CUipcEventHandle event;
+};
+#pragma pack(pop)
+static_assert(sizeof(GrantSetup) == 168, "GrantSetup layout is fixed");
+static_assert(sizeof(GrantEventSetup) == 68, "GrantEventSetup layout is fixed");
 
 // What travels in the stream in place of a segment's bytes.
 struct BlockRecord {
@@ -86,6 +117,7 @@ struct BlockRecord {
     kReturned = 2, // the receiver's own block `id`, handed back
     kCopyOut = 3, // the sender's block `id` (kLegacy): copy the bytes out
     kCopyOutLast = 4, // ... the last of the frame's in it: then release it
+    kGranted = 5, // written into the receiver's grant `id` (offset 0)
   };
   uint32_t id;
   uint32_t kind;
@@ -147,6 +179,8 @@ struct IpcCounters {
   std::atomic<uint64_t> copiedOut{0}; // segments copied out of kLegacy ones
   std::atomic<uint64_t> releases{0}; // peers' blocks given back
   std::atomic<uint64_t> releaseFrames{0}; // the frames that said so
+  std::atomic<uint64_t> grantsMade{0}; // landing memory granted to peers
+  std::atomic<uint64_t> grantsUsed{0}; // segments written into a peer's grant
 };
 
 // A process's cuda_ipc domain descriptor, as published at rendezvous:
@@ -339,6 +373,57 @@ class IpcChannel final : public Channel,
       int device);
   std::map<int, std::shared_ptr<CUstream_st>> copyOutStreams_;
   std::map<int, std::shared_ptr<CUstream_st>> joinStreams_;
+
+  // ---- Grants (ipc_grants.cpp) -------------------------------------------
+  // Whether legacy handles reach the peer (one PID namespace, one host).
+  bool grantsPossible_ = false;
+  // Receiver: a large segment of `size` from the peer landed on `device`
+  // (or was written into a grant): a grant for the next may follow.
+  void noteLargeFromLoop(int device, uint64_t size);
+  // At a frame's end: a grant per device noted, where none is out.
+  void postGrantsFromLoop();
+  // The grants whose memory is free (its stream passed the allocation)
+  // and not yet sent (grantMu_ taken here).
+  void collectGrantsLocked(std::vector<ControlFrame>* out);
+  bool onGrantFromLoop(Host& host, const std::string& head);
+  bool onGrantEventFromLoop(Host& host, const std::string& head);
+  int64_t onGrantedFromLoop(const BlockRecord& r, InboundSegment& segment);
+  // Sender: `segment` written into the peer's grant for its device, on
+  // `stream`, its record in `out`; false where none fits.
+  bool takeGrant(
+      const frame::OutboundFrame::Segment& segment,
+      std::vector<ControlFrame>* before,
+      frame::SegmentRecord* out);
+  // At the close: grants out held until copies the peer queued are over;
+  // our imports of the peer's segments closed after our last writes.
+  void closeGrantsFromLoop();
+  struct OutGrant {
+    GrantMemory memory;
+    int device = 0;
+    uint64_t bytes = 0;
+    bool sent = false;
+  };
+  struct InGrant {
+    uint32_t id = 0;
+    int peerDevice = 0; // the receiver's index, as it named it
+    uint64_t bytes = 0;
+    CUdeviceptr address = 0;
+    CUevent free = nullptr; // the receiver's, opened (peerFreeEvents_)
+  };
+  std::mutex grantMu_; // the members below but noted_ and peerGrantEvents_
+  std::map<uint32_t, OutGrant> outGrants_;
+  uint32_t nextGrantId_ = 1;
+  std::set<uint64_t> sharedSegments_; // our segments the peer was told of
+  std::map<int, InGrant> inGrants_; // the peer's, by our device
+  std::map<uint64_t, std::pair<CUdeviceptr, int>> peerSegments_; // opened
+  std::map<int, CUevent> grantEvents_; // ours (interprocess), by our device
+  // Receiver: ours, recorded after each grant's allocation (interprocess),
+  // and their handles; sender: the receiver's, opened, by our device.
+  std::map<int, std::pair<CUevent, CUipcEventHandle>> freeEvents_;
+  std::map<int, CUevent> peerFreeEvents_;
+  std::shared_ptr<GrantSource> grantSource_; // what our grants came from
+  std::map<int, uint64_t> noted_; // loop thread: this frame's large ones
+  std::map<int, std::shared_ptr<CUevent_st>> peerGrantEvents_; // loop thread
 
   struct OwnBlock {
     // kDropping: the peer was told to close it and has not answered.

@@ -175,6 +175,8 @@ class IpcContext final : public Context {
         {"copied_out", counters_.copiedOut.load()},
         {"releases", counters_.releases.load()},
         {"release_frames", counters_.releaseFrames.load()},
+        {"grants_made", counters_.grantsMade.load()},
+        {"grants_used", counters_.grantsUsed.load()},
     };
   }
 

@@ -41,8 +41,15 @@ constexpr uint64_t kMaxPeerBlockBytes = 2 * kMaxLentBlockBytes;
 
 bool IpcChannel::acceptsControlFrame(FrameKind kind, uint32_t headLength)
     const {
-  if (context().wireIds().offsetOf(kind) == kBlockDropped) {
-    return headLength == sizeof(uint32_t);
+  switch (context().wireIds().offsetOf(kind)) {
+    case kBlockDropped:
+      return headLength == sizeof(uint32_t);
+    case kGrant:
+      return headLength == sizeof(GrantSetup);
+    case kGrantEvent:
+      return headLength == sizeof(GrantEventSetup);
+    default:
+      break;
   }
   // A setup's head is one of two sizes (kFd, kLegacy): onSetupFromLoop()
   // checks which its `sharing` says.
@@ -69,6 +76,10 @@ bool IpcChannel::onControlFrameFromLoop(
       return onDropFromLoop(*host, head);
     case kBlockDropped:
       return onDroppedFromLoop(*host, head);
+    case kGrant:
+      return onGrantFromLoop(*host, head);
+    case kGrantEvent:
+      return onGrantEventFromLoop(*host, head);
     default:
       return true;
   }
@@ -238,6 +249,9 @@ int64_t IpcChannel::onRecordFromLoop(
     InboundSegment& segment) {
   BlockRecord r;
   std::memcpy(&r, &record, sizeof(r));
+  if (r.kind == BlockRecord::kGranted) {
+    return onGrantedFromLoop(r, segment);
+  }
   auto fits = [&](const Block& b) {
     return r.offset <= b.size() && segment.size <= b.size() - r.offset;
   };
@@ -285,6 +299,11 @@ int64_t IpcChannel::onRecordFromLoop(
       host->rejectFromLoop("rejected frame: " + why);
     }
     return -1;
+  }
+  // A large segment of the peer's on the device it lands on: the next may
+  // go into a grant (ipc_grants.cpp).
+  if (!own && (segment.device < 0 || segment.device == block->device())) {
+    noteLargeFromLoop(block->device(), segment.size);
   }
   if (copyOut) {
     return copyOutFromLoop(r, block, segment);

@@ -107,6 +107,7 @@ void IpcChannel::flushReleases() {
 }
 
 void IpcChannel::collectPendingLocked(std::vector<ControlFrame>* out) {
+  collectGrantsLocked(out); // grants ride as releases do
   // Releases waiting for a ride take this one.
   std::lock_guard<std::mutex> lock(releaseMutex_);
   if (!pendingReleases_.empty()) {

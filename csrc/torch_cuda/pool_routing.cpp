@@ -8,7 +8,8 @@
 // torch of our range), in the libc10_cuda a CUDA torch has loaded, and
 // called through its class as this torch's headers declare it (the layout
 // changes between versions: a build is for one). Its own translation unit
-// (alone in its folder, so outside the unity units): c10/cuda's headers
+// (alone in its folder, csrc/torch_cuda/, so outside the unity units and
+// the agent's folder): c10/cuda's headers
 // need the CUDA runtime's, crt/ included, which setup.py puts on the path
 // where it finds them; without them this builds to no routing, and the
 // landing pool is unavailable (the agent says so).

@@ -1,0 +1,457 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// cuda_ipc's grants (ipc_channel.h; docs/cuda.md, "Grants"): landing memory
+// of the receiver's (a block of its landing pool, torch's memory) that the
+// sender writes a large segment straight into, so that the segment crosses
+// with one device copy and the receiver's tensor is that memory.
+#include <cstring>
+
+#include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/engines.h"
+#include "csrc/channel/cuda/staging_thread.h"
+#include "csrc/channel/cuda_ipc/ipc_channel.h"
+#include "csrc/common/libcuda.h"
+#include "csrc/common/logging.h"
+#include "csrc/frame/landed_region.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+using frame::SegmentRecord;
+
+namespace {
+
+// A segment the peer wrote into our grant: the grant's memory, ready for
+// work queued after waitOn() (the peer's grant event, recorded after its
+// copy).
+class GrantedRegion final : public frame::LandedRegion {
+ public:
+  GrantedRegion(
+      int device,
+      std::unique_ptr<frame::LandedMemory> memory,
+      std::shared_ptr<CUevent_st> written)
+      : device_(device),
+        memory_(std::move(memory)),
+        written_(std::move(written)) {}
+  int device() const override {
+    return device_;
+  }
+  void waitOn(uintptr_t stream) override {
+    CurrentDevice current(device_);
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuStreamWaitEvent,
+        reinterpret_cast<CUstream>(stream),
+        written_.get(),
+        0);
+  }
+  std::unique_ptr<frame::LandedMemory> take() override {
+    return std::move(memory_);
+  }
+
+ private:
+  const int device_;
+  std::unique_ptr<frame::LandedMemory> memory_;
+  std::shared_ptr<CUevent_st> written_;
+};
+
+// Segments over this size, contiguous, may go into a grant.
+constexpr uint64_t kGrantMinBytes = kPackMaxBytes;
+// A grant names a segment of at most this many bytes (a bound on a peer's
+// claim, not on what we map: the handle names the allocation).
+constexpr uint64_t kMaxGrantSegmentBytes = uint64_t(1) << 40;
+
+} // namespace
+
+void IpcChannel::noteLargeFromLoop(int device, uint64_t size) {
+  if (grantsPossible_ && size > kGrantMinBytes) {
+    auto& noted = noted_[device];
+    noted = std::max(noted, size);
+  }
+}
+
+void IpcChannel::postGrantsFromLoop() {
+  if (noted_.empty()) {
+    return;
+  }
+  std::map<int, uint64_t> noted;
+  noted.swap(noted_);
+  auto source = grantSource();
+  if (source == nullptr) {
+    return;
+  }
+  for (const auto& [device, bytes] : noted) {
+    {
+      std::lock_guard<std::mutex> lock(grantMu_);
+      grantSource_ = source;
+      bool out = false;
+      for (const auto& [id, g] : outGrants_) {
+        out = out || g.device == device;
+      }
+      if (out) {
+        continue; // one at a time per device
+      }
+    }
+    OutGrant g;
+    g.device = device;
+    g.bytes = bytes;
+    try {
+      g.memory = source->allocate(device, bytes);
+      std::lock_guard<std::mutex> lock(grantMu_);
+      CurrentDevice current(device);
+      auto free = freeEvents_.find(device);
+      if (free == freeEvents_.end()) {
+        // One per device, interprocess: the peer opens it once. Recorded
+        // again only for the next grant, which follows the record of this
+        // one's use: the peer queued its wait before that copy.
+        CUevent e = nullptr;
+        CUipcEventHandle handle;
+        TORCH_RPC_EXT_CUDA_CHECK(
+            cuEventCreate, &e, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
+        if (libcuda().cuIpcGetEventHandle(&handle, e) != CUDA_SUCCESS) {
+          libcuda().cuEventDestroy(e);
+          throw std::runtime_error("no interprocess handle for an event");
+        }
+        free = freeEvents_.emplace(device, std::make_pair(e, handle)).first;
+      }
+      // The block's last use before the grant (a freed tensor's, on the
+      // grant stream) is what the peer's copy waits for.
+      TORCH_RPC_EXT_CUDA_CHECK(
+          cuEventRecord, free->second.first, g.memory.stream);
+    } catch (const std::exception& e) {
+      logWarningLimited(
+          "cuda_ipc_grant",
+          std::string(
+              "torch_rpc_ext: cuda_ipc could not grant landing "
+              "memory (the segment lands by copy): ") +
+              e.what());
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(grantMu_);
+    outGrants_.emplace(nextGrantId_++, std::move(g));
+    counters_.grantsMade.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+void IpcChannel::collectGrantsLocked(std::vector<ControlFrame>* out) {
+  std::lock_guard<std::mutex> lock(grantMu_);
+  for (auto& [id, g] : outGrants_) {
+    if (g.sent) {
+      continue;
+    }
+    GrantSetup setup{};
+    setup.free = freeEvents_.at(g.device).second;
+    setup.id = id;
+    setup.device = static_cast<uint32_t>(g.device);
+    setup.bytes = g.bytes;
+    setup.offset = reinterpret_cast<uintptr_t>(g.memory.memory->data()) -
+        g.memory.segmentBase;
+    setup.segmentKey = g.memory.segmentKey;
+    setup.segmentSize = g.memory.segmentSize;
+    try {
+      CurrentDevice current(g.device);
+      TORCH_RPC_EXT_CUDA_CHECK(
+          cuIpcGetMemHandle, &setup.segment, g.memory.segmentBase);
+    } catch (const std::exception& e) {
+      logWarningLimited(
+          "cuda_ipc_grant_handle",
+          std::string("torch_rpc_ext: cuda_ipc could not share a grant: ") +
+              e.what());
+      continue;
+    }
+    if (sharedSegments_.insert(setup.segmentKey).second) {
+      grantSource_->segmentShared(setup.segmentKey);
+    }
+    out->push_back(
+        ControlFrame{
+            context().wireIds().kind(kGrant),
+            std::string(reinterpret_cast<const char*>(&setup), sizeof(setup)),
+            {},
+            {}});
+    g.sent = true;
+  }
+}
+
+bool IpcChannel::onGrantFromLoop(Host& host, const std::string& head) {
+  GrantSetup g;
+  std::memcpy(&g, head.data(), sizeof(g));
+  std::string why;
+  int local = -1;
+  if (g.device >= peerDevices_.size() ||
+      localDevices_.count(peerDevices_[g.device]) == 0) {
+    why = "a CUDA grant for a device of the peer's that is not ours";
+  } else if (
+      g.bytes == 0 || g.segmentSize > kMaxGrantSegmentBytes ||
+      g.offset > g.segmentSize || g.bytes > g.segmentSize - g.offset) {
+    why = "a CUDA grant of " + std::to_string(g.bytes) + " bytes at " +
+        std::to_string(g.offset) + " in a segment of " +
+        std::to_string(g.segmentSize);
+  } else if (!grantsPossible_) {
+    why = "a CUDA grant where legacy handles do not reach the peer";
+  } else {
+    local = localDevices_.at(peerDevices_[g.device]);
+  }
+  if (!why.empty()) {
+    host.rejectFromLoop("rejected frame: " + why);
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(grantMu_);
+  auto seg = peerSegments_.find(g.segmentKey);
+  if (seg == peerSegments_.end()) {
+    CUdeviceptr base = 0;
+    try {
+      CurrentDevice current(local);
+      TORCH_RPC_EXT_CUDA_CHECK(
+          cuIpcOpenMemHandle,
+          &base,
+          g.segment,
+          CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    } catch (const std::exception& e) {
+      // Not ours to refuse: its segments travel by copy, as before.
+      logWarningLimited(
+          "cuda_ipc_grant_open",
+          std::string(
+              "torch_rpc_ext: cuda_ipc could not open a peer's "
+              "grant: ") +
+              e.what());
+      return true;
+    }
+    seg =
+        peerSegments_.emplace(g.segmentKey, std::make_pair(base, local)).first;
+  }
+  auto free = peerFreeEvents_.find(local);
+  if (free == peerFreeEvents_.end()) {
+    CUevent e = nullptr;
+    try {
+      CurrentDevice current(local);
+      TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &e, g.free);
+    } catch (const std::exception& ex) {
+      host.rejectFromLoop(
+          std::string(
+              "rejected frame: a CUDA grant's event does not "
+              "open: ") +
+          ex.what());
+      return false;
+    }
+    free = peerFreeEvents_.emplace(local, e).first;
+  }
+  inGrants_[local] = InGrant{
+      g.id,
+      static_cast<int>(g.device),
+      g.bytes,
+      seg->second.first + g.offset,
+      free->second};
+  return true;
+}
+
+bool IpcChannel::onGrantEventFromLoop(Host& host, const std::string& head) {
+  GrantEventSetup setup;
+  std::memcpy(&setup, head.data(), sizeof(setup));
+  if (setup.device >= static_cast<uint32_t>(deviceCount())) {
+    host.rejectFromLoop("rejected frame: a CUDA grant event for no device");
+    return false;
+  }
+  const int device = static_cast<int>(setup.device);
+  CUevent e = nullptr;
+  try {
+    CurrentDevice current(device);
+    TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &e, setup.event);
+  } catch (const std::exception& ex) {
+    host.rejectFromLoop(
+        std::string(
+            "rejected frame: a CUDA grant event that does not "
+            "open: ") +
+        ex.what());
+    return false;
+  }
+  peerGrantEvents_[device] =
+      std::shared_ptr<CUevent_st>(e, [device](CUevent e) {
+        try {
+          CurrentDevice current(device);
+          libcuda().cuEventDestroy(e);
+        } catch (...) {
+        }
+      });
+  return true;
+}
+
+int64_t IpcChannel::onGrantedFromLoop(
+    const BlockRecord& r,
+    InboundSegment& segment) {
+  std::string why;
+  OutGrant g;
+  {
+    std::lock_guard<std::mutex> lock(grantMu_);
+    auto it = outGrants_.find(r.id);
+    if (it == outGrants_.end() || !it->second.sent) {
+      why = "a record names CUDA grant " + std::to_string(r.id) +
+          ", which is not out";
+    } else if (
+        r.offset != 0 || segment.size > it->second.bytes ||
+        (segment.device >= 0 && segment.device != it->second.device)) {
+      why = "a segment of " + std::to_string(segment.size) +
+          " bytes does not fit CUDA grant " + std::to_string(r.id);
+    } else {
+      g = std::move(it->second);
+      outGrants_.erase(it);
+    }
+  }
+  auto written = peerGrantEvents_.find(g.device);
+  if (why.empty() && written == peerGrantEvents_.end()) {
+    why = "a record of CUDA grant " + std::to_string(r.id) +
+        " before the peer's grant event";
+  }
+  if (!why.empty()) {
+    if (auto host = host_.lock()) {
+      host->rejectFromLoop("rejected frame: " + why);
+    }
+    return -1;
+  }
+  counters_.segments.fetch_add(1, std::memory_order_relaxed);
+  noteLargeFromLoop(g.device, segment.size); // the next one's grant
+  *segment.provided = g.memory.memory->data();
+  *segment.region = std::make_shared<GrantedRegion>(
+      g.device, std::move(g.memory.memory), written->second);
+  return static_cast<int64_t>(segment.size);
+}
+
+bool IpcChannel::takeGrant(
+    const frame::OutboundFrame::Segment& segment,
+    std::vector<ControlFrame>* before,
+    SegmentRecord* out) {
+  if (segment.view || segment.size <= kGrantMinBytes) {
+    return false;
+  }
+  const int device = segment.deviceIndex;
+  const auto stream = reinterpret_cast<CUstream>(segment.stream);
+  std::lock_guard<std::mutex> lock(grantMu_);
+  auto it = inGrants_.find(device);
+  if (it == inGrants_.end() || segment.size > it->second.bytes ||
+      (segment.peerDevice >= 0 &&
+       segment.peerDevice != it->second.peerDevice)) {
+    return false;
+  }
+  const InGrant g = it->second;
+  CurrentDevice current(device);
+  CUevent& written = grantEvents_[device];
+  if (written == nullptr) {
+    // Ours, once per device: the peer opens it and waits on it for every
+    // grant of this device (one is out at a time, so a record is waited on
+    // before the next is made).
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuEventCreate,
+        &written,
+        CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
+    GrantEventSetup setup{};
+    setup.device = static_cast<uint32_t>(g.peerDevice);
+    TORCH_RPC_EXT_CUDA_CHECK(cuIpcGetEventHandle, &setup.event, written);
+    before->push_back(
+        ControlFrame{
+            context().wireIds().kind(kGrantEvent),
+            std::string(reinterpret_cast<const char*>(&setup), sizeof(setup)),
+            {},
+            nullptr});
+  }
+  // The one copy of this direction: after the caller's work on `stream`
+  // and the grant's last use on the receiver's side.
+  TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, g.free, 0);
+  copyEngine(device).copySegments(
+      stream,
+      {{g.address, reinterpret_cast<CUdeviceptr>(segment.data), segment.size}});
+  TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, written, stream);
+  if (auto* region = dynamic_cast<frame::DeviceRegion*>(segment.origin.get())) {
+    region->recordUse(segment.stream);
+  }
+  inGrants_.erase(it);
+  BlockRecord r{g.id, BlockRecord::kGranted, 0};
+  std::memcpy(out, &r, sizeof(r));
+  counters_.grantsUsed.fetch_add(1, std::memory_order_relaxed);
+  counters_.segments.fetch_add(1, std::memory_order_relaxed);
+  counters_.copiedBytes.fetch_add(segment.size, std::memory_order_relaxed);
+  return true;
+}
+
+void IpcChannel::closeGrantsFromLoop() {
+  auto held = std::make_shared<std::map<uint32_t, OutGrant>>();
+  auto shared = std::make_shared<std::set<uint64_t>>();
+  auto opened =
+      std::make_shared<std::map<uint64_t, std::pair<CUdeviceptr, int>>>();
+  auto events = std::make_shared<std::map<int, CUevent>>();
+  std::map<int, CUevent> peerFree;
+  std::shared_ptr<GrantSource> source;
+  {
+    std::lock_guard<std::mutex> lock(grantMu_);
+    held->swap(outGrants_);
+    shared->swap(sharedSegments_);
+    opened->swap(peerSegments_);
+    events->swap(grantEvents_);
+    // Ours the peer opened go with ours it wrote after (the same wait).
+    for (const auto& [device, free] : freeEvents_) {
+      (*events)[-1 - device] = free.first;
+    }
+    freeEvents_.clear();
+    peerFree.swap(peerFreeEvents_);
+    inGrants_.clear();
+    source = grantSource_;
+  }
+  for (const auto& [device, e] : peerFree) {
+    try {
+      CurrentDevice current(device);
+      libcuda().cuEventDestroy(e);
+    } catch (...) {
+    }
+  }
+  peerGrantEvents_.clear(); // (regions not yet built keep theirs)
+  noted_.clear();
+  if (held->empty() && shared->empty() && opened->empty() && events->empty()) {
+    return;
+  }
+  // A copy the peer queued into a grant before the connection went is over
+  // by the legacy teardown's deadline (or died with the peer): the grants'
+  // memory goes back to the pool then, and the peer's mappings are
+  // counted closed. Ours of the peer's segments close once our last
+  // writes into them completed, or at the same deadline.
+  const auto deadline = std::chrono::steady_clock::now() +
+      std::chrono::milliseconds(kLegacyTeardownWaitMs);
+  runOnStagingThreadWhen(
+      [deadline] { return std::chrono::steady_clock::now() >= deadline; },
+      [held, shared, source] {
+        held->clear();
+        for (uint64_t key : *shared) {
+          source->segmentUnshared(key);
+        }
+      });
+  runOnStagingThreadWhen(
+      [events, deadline] {
+        if (std::chrono::steady_clock::now() >= deadline) {
+          return true;
+        }
+        for (const auto& [device, e] : *events) {
+          if (libcuda().cuEventQuery(e) == CUDA_ERROR_NOT_READY) {
+            return false;
+          }
+        }
+        return true;
+      },
+      [opened, events, deadline] {
+        for (const auto& [key, mapped] : *opened) {
+          try {
+            CurrentDevice current(mapped.second);
+            libcuda().cuIpcCloseMemHandle(mapped.first);
+          } catch (...) {
+          }
+        }
+        // Our events: destroyed once the peer had its time to close them.
+        runOnStagingThreadWhen(
+            [deadline] { return std::chrono::steady_clock::now() >= deadline; },
+            [events] {
+              for (const auto& [key, e] : *events) {
+                try {
+                  // (keys below 0: our free events, of device -1 - key)
+                  CurrentDevice current(key >= 0 ? key : -1 - key);
+                  libcuda().cuEventDestroy(e);
+                } catch (...) {
+                }
+              }
+            });
+      });
+}
+
+} // namespace torch_rpc_ext::channel::cuda
