@@ -91,14 +91,16 @@ void AgentDevices::useTorchForChannelMemory() const {
 }
 
 void AgentDevices::prepare() const {
+  // Landing memory granted to peers comes from the landing pools
+  // (channel/grants.h); without them, cuda_ipc grants none (process-wide:
+  // the last agent's stands).
+  channel::setGrantSource(
+      options_.devices.empty() || options_.landingPools.empty()
+          ? nullptr
+          : makePoolGrants(options_.landingPools));
   if (options_.devices.empty()) {
     return;
   }
-  // Landing memory granted to peers comes from the landing pools
-  // (channel/grants.h); without them, cuda_ipc grants none.
-  channel::setGrantSource(
-      options_.landingPools.empty() ? nullptr
-                                    : makePoolGrants(options_.landingPools));
   try {
     initTorchCuda();
     c10::impl::VirtualGuardImpl impl(c10::kCUDA);

@@ -85,7 +85,8 @@ std::mutex& poolWindowOf(PoolId id) {
 c10::DataPtr LandingPools::allocate(
     c10::DeviceIndex device,
     const c10::Stream& stream,
-    size_t n) {
+    size_t n,
+    bool retryOutOfMemory) {
   const PoolId id = pools_.at(device);
   PoolRouting* routing = poolRouting();
   TORCH_CHECK(
@@ -127,7 +128,7 @@ c10::DataPtr LandingPools::allocate(
     // pool's cache and retries only outside a window (and, before 2.13,
     // not while any is open): do that here, once.
     auto* cache = dynamic_cast<c10::DeviceAllocator*>(allocator);
-    if (cache == nullptr) {
+    if (cache == nullptr || !retryOutOfMemory) {
       throw;
     }
     cache->emptyCache();
@@ -165,8 +166,10 @@ void freePoolSegment(uintptr_t address, int device) {
 }
 
 // Landing memory granted to peers, from the landing pools, on a grant
-// stream per device (torch's pool streams: a user's allocation routed into
-// the pool with ours is never granted).
+// stream per device (from torch's high-priority pool, as the landing
+// streams, not the arrival streams' low-priority one: a grant's free event
+// then waits for no user work; a user's allocation routed into the pool
+// with ours is never granted).
 class PoolGrants final : public channel::GrantSource {
  public:
   explicit PoolGrants(std::map<int, PoolId> pools) : pools_(std::move(pools)) {}
@@ -176,7 +179,8 @@ class PoolGrants final : public channel::GrantSource {
     const c10::Stream stream = streamOf(d);
     channel::GrantMemory g;
     auto memory = std::make_unique<TorchLanded>();
-    memory->memory = pools_.allocate(d, stream, bytes);
+    memory->memory =
+        pools_.allocate(d, stream, bytes, /*retryOutOfMemory=*/false);
     const auto address = reinterpret_cast<uintptr_t>(memory->memory.get());
     g.memory = std::move(memory);
     c10::impl::VirtualGuardImpl impl(c10::kCUDA);
@@ -238,7 +242,7 @@ class PoolGrants final : public channel::GrantSource {
                    device,
                    impl.getStreamFromGlobalPool(
                        c10::Device(c10::kCUDA, device),
-                       /*isHighPriority=*/false))
+                       /*isHighPriority=*/true))
                .first;
     }
     return it->second;

@@ -93,7 +93,8 @@ class LandingPools {
   c10::DataPtr allocate(
       c10::DeviceIndex device,
       const c10::Stream& stream,
-      size_t n);
+      size_t n,
+      bool retryOutOfMemory = true);
   uint64_t allocations() const {
     return allocations_.load(std::memory_order_relaxed);
   }

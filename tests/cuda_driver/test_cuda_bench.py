@@ -155,7 +155,7 @@ def test_a_large_segment_crosses_with_one_copy_into_a_grant(bench_rows):
     if not REAL_DRIVER:
         assert big["launches"] == 2, big  # copy mode: 4
         assert costs(bench_rows)["identity_4MB"]["launches"] == 4
-        assert big["stream_waits"] <= 10 and big["driver_calls"] <= 150, big
+        assert big["stream_waits"] <= 12 and big["driver_calls"] <= 160, big
 
 
 def test_no_connection_is_made_or_lost_in_a_window(bench_rows):

@@ -103,7 +103,7 @@ SHARED = SETUP + """
     (pool,) = landing_pool.landing_pools([torch.device("cuda:0")]).values()
     grants = cu.pool_grants(0, pool)
     address, key, base, size = grants.allocate(0, 3 << 20)
-    out = {"inside": base <= address and address + (3 << 20) <= base + size}
+    out = {}
     grants.shared(key)  # a peer was sent a grant in it
     grants.free(address)
     cu.destroy_pool(pool)  # torch gives the segment back to us...
@@ -122,7 +122,6 @@ def test_a_segment_a_peer_may_have_open_is_freed_only_once_it_may_not(driver_env
     done = run_python(SHARED, driver_env)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.splitlines()[-1])
-    assert out["inside"]
     assert out["while_shared"]["live"] == 1 and out["while_shared"]["freed"] == 0
     assert out["after"]["live"] == 0 and out["after"]["freed"] == 1
 

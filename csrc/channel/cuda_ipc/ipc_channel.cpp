@@ -41,7 +41,7 @@ IpcChannel::IpcChannel(
   // processes.
   grantsPossible_ = !local.host.empty() && local.host == peer.host &&
       !local.pidNamespace.empty() && local.pidNamespace == peer.pidNamespace &&
-      !local.pid.empty() && local.pid != peer.pid;
+      !local.pid.empty() && !peer.pid.empty() && local.pid != peer.pid;
   for (int d = 0; d < deviceCount(); ++d) {
     const std::string uuid = deviceUuid(d);
     localDevices_.emplace(uuid, d);

@@ -415,7 +415,10 @@ class IpcChannel final : public Channel,
   uint32_t nextGrantId_ = 1;
   std::set<uint64_t> sharedSegments_; // our segments the peer was told of
   std::map<int, InGrant> inGrants_; // the peer's, by our device
-  std::map<uint64_t, std::pair<CUdeviceptr, int>> peerSegments_; // opened
+  // The peer's segments we opened: key -> (base, (mapped size, our device)).
+  std::map<uint64_t, std::pair<CUdeviceptr, std::pair<uint64_t, int>>>
+      peerSegments_;
+  std::vector<PooledEvent> grantCopies_; // our copies into them, not done
   std::map<int, CUevent> grantEvents_; // ours (interprocess), by our device
   // Receiver: ours, recorded after each grant's allocation (interprocess),
   // and their handles; sender: the receiver's, opened, by our device.

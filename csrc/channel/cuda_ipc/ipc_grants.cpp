@@ -3,10 +3,12 @@
 // of the receiver's (a block of its landing pool, torch's memory) that the
 // sender writes a large segment straight into, so that the segment crosses
 // with one device copy and the receiver's tensor is that memory.
+#include <algorithm>
 #include <cstring>
 
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/engines.h"
+#include "csrc/channel/cuda/staging_pool.h"
 #include "csrc/channel/cuda/staging_thread.h"
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/common/libcuda.h"
@@ -20,17 +22,34 @@ using frame::SegmentRecord;
 namespace {
 
 // A segment the peer wrote into our grant: the grant's memory, ready for
-// work queued after waitOn() (the peer's grant event, recorded after its
-// copy).
+// work queued after waitOn(). `written` is an event of ours, recorded on the
+// connection's join stream after it waited on the peer's grant event as the
+// record arrived: the peer records that event again for its next grant's
+// copy (maybe on another stream), which the next grant allows, so its
+// record of this copy is captured before that grant can exist.
 class GrantedRegion final : public frame::LandedRegion {
  public:
   GrantedRegion(
       int device,
       std::unique_ptr<frame::LandedMemory> memory,
-      std::shared_ptr<CUevent_st> written)
+      CUstream grantStream,
+      PooledEvent written)
       : device_(device),
         memory_(std::move(memory)),
+        grantStream_(grantStream),
         written_(std::move(written)) {}
+  ~GrantedRegion() override {
+    if (memory_ == nullptr) {
+      return;
+    }
+    // Never taken (its message failed): back to the pool only after the
+    // peer's copy into it, the pool reusing it on the grant stream.
+    try {
+      CurrentDevice current(device_);
+      libcuda().cuStreamWaitEvent(grantStream_, written_.get(), 0);
+    } catch (...) {
+    }
+  }
   int device() const override {
     return device_;
   }
@@ -49,14 +68,17 @@ class GrantedRegion final : public frame::LandedRegion {
  private:
   const int device_;
   std::unique_ptr<frame::LandedMemory> memory_;
-  std::shared_ptr<CUevent_st> written_;
+  const CUstream grantStream_;
+  PooledEvent written_;
 };
 
 // Segments over this size, contiguous, may go into a grant.
 constexpr uint64_t kGrantMinBytes = kPackMaxBytes;
-// A grant names a segment of at most this many bytes (a bound on a peer's
-// claim, not on what we map: the handle names the allocation).
+// A grant names a segment of at most this many bytes, and a sender keeps
+// at most this many of a peer's segments open (a peer that names more
+// closes the connection).
 constexpr uint64_t kMaxGrantSegmentBytes = uint64_t(1) << 40;
+constexpr size_t kMaxPeerSegments = 64;
 
 } // namespace
 
@@ -188,14 +210,24 @@ bool IpcChannel::onGrantFromLoop(Host& host, const std::string& head) {
   } else {
     local = localDevices_.at(peerDevices_[g.device]);
   }
-  if (!why.empty()) {
-    host.rejectFromLoop("rejected frame: " + why);
-    return false;
+  // The peer's segment and its free event, opened once each, here on the
+  // loop thread (the only one that adds them), outside grantMu_.
+  std::pair<CUdeviceptr, uint64_t> mapped{0, 0};
+  bool known = false;
+  if (why.empty()) {
+    std::lock_guard<std::mutex> lock(grantMu_);
+    auto seg = peerSegments_.find(g.segmentKey);
+    known = seg != peerSegments_.end();
+    if (known) {
+      mapped = {seg->second.first, seg->second.second.first};
+    } else if (peerSegments_.size() >= kMaxPeerSegments) {
+      why = "a CUDA grant in a segment past the " +
+          std::to_string(kMaxPeerSegments) + " the peer may have open";
+    }
   }
-  std::lock_guard<std::mutex> lock(grantMu_);
-  auto seg = peerSegments_.find(g.segmentKey);
-  if (seg == peerSegments_.end()) {
+  if (why.empty() && !known) {
     CUdeviceptr base = 0;
+    size_t size = 0;
     try {
       CurrentDevice current(local);
       TORCH_RPC_EXT_CUDA_CHECK(
@@ -203,8 +235,14 @@ bool IpcChannel::onGrantFromLoop(Host& host, const std::string& head) {
           &base,
           g.segment,
           CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+      CUdeviceptr start = 0;
+      if (libcuda().cuMemGetAddressRange(&start, &size, base) != CUDA_SUCCESS ||
+          start != base) {
+        libcuda().cuIpcCloseMemHandle(base);
+        throw std::runtime_error("the mapping's size is unknown");
+      }
     } catch (const std::exception& e) {
-      // Not ours to refuse: its segments travel by copy, as before.
+      // Not ours to refuse: its segments travel by block, as before.
       logWarningLimited(
           "cuda_ipc_grant_open",
           std::string(
@@ -213,31 +251,42 @@ bool IpcChannel::onGrantFromLoop(Host& host, const std::string& head) {
               e.what());
       return true;
     }
-    seg =
-        peerSegments_.emplace(g.segmentKey, std::make_pair(base, local)).first;
+    mapped = {base, size};
+    std::lock_guard<std::mutex> lock(grantMu_);
+    peerSegments_[g.segmentKey] = {base, {size, local}};
   }
-  auto free = peerFreeEvents_.find(local);
-  if (free == peerFreeEvents_.end()) {
-    CUevent e = nullptr;
-    try {
-      CurrentDevice current(local);
-      TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &e, g.free);
-    } catch (const std::exception& ex) {
-      host.rejectFromLoop(
-          std::string(
-              "rejected frame: a CUDA grant's event does not "
-              "open: ") +
-          ex.what());
-      return false;
+  // What the mapping holds, not what the peer says: the bound of the copy.
+  if (why.empty() &&
+      (g.offset > mapped.second || g.bytes > mapped.second - g.offset)) {
+    why = "a CUDA grant of " + std::to_string(g.bytes) + " bytes at " +
+        std::to_string(g.offset) + " in a mapping of " +
+        std::to_string(mapped.second);
+  }
+  CUevent free = nullptr;
+  if (why.empty()) {
+    auto it = peerFreeEvents_.find(local);
+    if (it != peerFreeEvents_.end()) {
+      free = it->second;
+    } else {
+      try {
+        CurrentDevice current(local);
+        TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &free, g.free);
+      } catch (const std::exception& ex) {
+        why = std::string("a CUDA grant's event does not open: ") + ex.what();
+      }
+      if (why.empty()) {
+        std::lock_guard<std::mutex> lock(grantMu_);
+        peerFreeEvents_[local] = free;
+      }
     }
-    free = peerFreeEvents_.emplace(local, e).first;
   }
+  if (!why.empty()) {
+    host.rejectFromLoop("rejected frame: " + why); // (no lock held)
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(grantMu_);
   inGrants_[local] = InGrant{
-      g.id,
-      static_cast<int>(g.device),
-      g.bytes,
-      seg->second.first + g.offset,
-      free->second};
+      g.id, static_cast<int>(g.device), g.bytes, mapped.first + g.offset, free};
   return true;
 }
 
@@ -276,7 +325,7 @@ int64_t IpcChannel::onGrantedFromLoop(
     const BlockRecord& r,
     InboundSegment& segment) {
   std::string why;
-  OutGrant g;
+  int device = -1;
   {
     std::lock_guard<std::mutex> lock(grantMu_);
     auto it = outGrants_.find(r.id);
@@ -289,26 +338,48 @@ int64_t IpcChannel::onGrantedFromLoop(
       why = "a segment of " + std::to_string(segment.size) +
           " bytes does not fit CUDA grant " + std::to_string(r.id);
     } else {
-      g = std::move(it->second);
-      outGrants_.erase(it);
+      device = it->second.device;
     }
   }
-  auto written = peerGrantEvents_.find(g.device);
-  if (why.empty() && written == peerGrantEvents_.end()) {
+  auto peerWritten = peerGrantEvents_.find(device);
+  if (why.empty() && peerWritten == peerGrantEvents_.end()) {
     why = "a record of CUDA grant " + std::to_string(r.id) +
         " before the peer's grant event";
   }
+  PooledEvent written;
+  if (why.empty()) {
+    // The peer's record of this copy, captured now (GrantedRegion).
+    try {
+      written = StagingPool::of(device).takeEvent();
+      auto join = joinStream(device);
+      CurrentDevice current(device);
+      TORCH_RPC_EXT_CUDA_CHECK(
+          cuStreamWaitEvent, join.get(), peerWritten->second.get(), 0);
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, written.get(), join.get());
+    } catch (const std::exception& e) {
+      why = std::string("the wait on CUDA grant ") + std::to_string(r.id) +
+          " could not be queued: " + e.what();
+    }
+  }
   if (!why.empty()) {
+    // (A grant the record named stays out: the close holds it.)
     if (auto host = host_.lock()) {
       host->rejectFromLoop("rejected frame: " + why);
     }
     return -1;
   }
+  OutGrant g;
+  {
+    std::lock_guard<std::mutex> lock(grantMu_);
+    auto it = outGrants_.find(r.id);
+    g = std::move(it->second);
+    outGrants_.erase(it);
+  }
   counters_.segments.fetch_add(1, std::memory_order_relaxed);
   noteLargeFromLoop(g.device, segment.size); // the next one's grant
   *segment.provided = g.memory.memory->data();
   *segment.region = std::make_shared<GrantedRegion>(
-      g.device, std::move(g.memory.memory), written->second);
+      g.device, std::move(g.memory.memory), g.memory.stream, written);
   return static_cast<int64_t>(segment.size);
 }
 
@@ -330,18 +401,22 @@ bool IpcChannel::takeGrant(
   }
   const InGrant g = it->second;
   CurrentDevice current(device);
-  CUevent& written = grantEvents_[device];
+  auto known = grantEvents_.find(device);
+  CUevent written = known == grantEvents_.end() ? nullptr : known->second;
   if (written == nullptr) {
-    // Ours, once per device: the peer opens it and waits on it for every
-    // grant of this device (one is out at a time, so a record is waited on
-    // before the next is made).
+    // Ours, once per device: the peer opens it and, as each record
+    // arrives, captures its record for that grant's copy (GrantedRegion).
+    GrantEventSetup setup{};
+    setup.device = static_cast<uint32_t>(g.peerDevice);
     TORCH_RPC_EXT_CUDA_CHECK(
         cuEventCreate,
         &written,
         CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
-    GrantEventSetup setup{};
-    setup.device = static_cast<uint32_t>(g.peerDevice);
-    TORCH_RPC_EXT_CUDA_CHECK(cuIpcGetEventHandle, &setup.event, written);
+    if (libcuda().cuIpcGetEventHandle(&setup.event, written) != CUDA_SUCCESS) {
+      libcuda().cuEventDestroy(written);
+      return false; // by block
+    }
+    grantEvents_[device] = written;
     before->push_back(
         ControlFrame{
             context().wireIds().kind(kGrantEvent),
@@ -356,6 +431,19 @@ bool IpcChannel::takeGrant(
       stream,
       {{g.address, reinterpret_cast<CUdeviceptr>(segment.data), segment.size}});
   TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, written, stream);
+  // Each copy's own completion, for the close (the event above says only
+  // the latest, maybe of another stream).
+  PooledEvent copied = StagingPool::of(device).takeEvent();
+  TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, copied.get(), stream);
+  grantCopies_.erase(
+      std::remove_if(
+          grantCopies_.begin(),
+          grantCopies_.end(),
+          [](const PooledEvent& e) {
+            return libcuda().cuEventQuery(e.get()) == CUDA_SUCCESS;
+          }),
+      grantCopies_.end());
+  grantCopies_.push_back(std::move(copied));
   if (auto* region = dynamic_cast<frame::DeviceRegion*>(segment.origin.get())) {
     region->recordUse(segment.stream);
   }
@@ -371,9 +459,9 @@ bool IpcChannel::takeGrant(
 void IpcChannel::closeGrantsFromLoop() {
   auto held = std::make_shared<std::map<uint32_t, OutGrant>>();
   auto shared = std::make_shared<std::set<uint64_t>>();
-  auto opened =
-      std::make_shared<std::map<uint64_t, std::pair<CUdeviceptr, int>>>();
+  auto opened = std::make_shared<decltype(peerSegments_)>();
   auto events = std::make_shared<std::map<int, CUevent>>();
+  auto copies = std::make_shared<std::vector<PooledEvent>>();
   std::map<int, CUevent> peerFree;
   std::shared_ptr<GrantSource> source;
   {
@@ -388,6 +476,7 @@ void IpcChannel::closeGrantsFromLoop() {
     }
     freeEvents_.clear();
     peerFree.swap(peerFreeEvents_);
+    copies->swap(grantCopies_);
     inGrants_.clear();
     source = grantSource_;
   }
@@ -419,21 +508,24 @@ void IpcChannel::closeGrantsFromLoop() {
         }
       });
   runOnStagingThreadWhen(
-      [events, deadline] {
+      [copies, deadline] {
         if (std::chrono::steady_clock::now() >= deadline) {
           return true;
         }
-        for (const auto& [device, e] : *events) {
-          if (libcuda().cuEventQuery(e) == CUDA_ERROR_NOT_READY) {
+        // Every copy of ours into the peer's segments (each its own
+        // event; pooled events need no current context to be queried).
+        for (const auto& e : *copies) {
+          if (libcuda().cuEventQuery(e.get()) == CUDA_ERROR_NOT_READY) {
             return false;
           }
         }
         return true;
       },
-      [opened, events, deadline] {
+      [opened, events, copies, deadline] {
+        copies->clear();
         for (const auto& [key, mapped] : *opened) {
           try {
-            CurrentDevice current(mapped.second);
+            CurrentDevice current(mapped.second.second);
             libcuda().cuIpcCloseMemHandle(mapped.first);
           } catch (...) {
           }
