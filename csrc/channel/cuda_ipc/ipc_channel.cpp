@@ -37,8 +37,7 @@ IpcChannel::IpcChannel(
   // (tests/cuda_driver/test_ipc_legacy.py: the receiver refuses the frame).
   const char* noLast = std::getenv("TORCH_RPC_EXT_TEST_CUDA_IPC_NO_LAST");
   markLast_ = noLast == nullptr || std::string(noLast) != "1";
-  // Grants are shared by legacy handle: one host, one PID namespace, two
-  // processes.
+  // Grants go by legacy handle: one host and PID namespace, two processes.
   grantsPossible_ = !local.host.empty() && local.host == peer.host &&
       !local.pidNamespace.empty() && local.pidNamespace == peer.pidNamespace &&
       !local.pid.empty() && !peer.pid.empty() && local.pid != peer.pid;
@@ -421,9 +420,8 @@ void IpcChannel::abandonRegion(
   }
   counters_.copiedBytes.fetch_sub(segment.size, std::memory_order_relaxed);
   if (r.kind == BlockRecord::kGranted) {
-    // The peer's grant is spent: the copy queued into it may still run, so
-    // it is not used again (the peer grants that device no more on this
-    // connection; its segments go by block).
+    // Spent (the copy queued into it may still run): the peer grants that
+    // device no more on this connection, and its segments go by block.
     counters_.grantsUsed.fetch_sub(1, std::memory_order_relaxed);
     return;
   }
