@@ -321,6 +321,10 @@ RING_SETUP, RING_DROP = 24, 25
 # cuda_ipc, the third: kinds 32.., segment top byte 3, records
 # {uint32 id, uint32 kind, uint64 offset}; setup bits 2 and 3.
 IPC_SETUP, IPC_RELEASE, IPC_DROP = 32, 33, 34
+# ... and its grants (protocol 11): kinds 36 (grant, 168 bytes) and 37
+# (grant event, 68 bytes), record kind 5 (granted).
+IPC_GRANT, IPC_GRANT_EVENT = 36, 37
+IPC_GRANTED = 5
 IPC_BIT = 3 << 56
 IPC_LENT, IPC_RETURNED, IPC_COPY_OUT, IPC_COPY_OUT_LAST = 1, 2, 3, 4
 STREAM_IPC_FD, STREAM_IPC_LEGACY = 4, 8
@@ -395,6 +399,20 @@ def stream_seeds():
           bytes([STREAM_IPC_FD | STREAM_IPC_LEGACY]) + lent
           + message([b"p", u32(1) + u32(IPC_RETURNED) + u64(0)], lengths=[1, 64 | IPC_BIT])
           + frame_header(IPC_RELEASE, head=8) + u32(1) + u32(2))
+    # A grant whose handle does not open (ignored: by block), one past its
+    # segment, a grant event that does not open, a record of a grant never
+    # made (each refused).
+    write("stream", "ipc-grant-unopened",
+          bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT, head=168)
+          + u32(1) + u32(0) + u64(4 << 20) + u64(0) + u64(1) + u64(8 << 20) + bytes(128) + ping)
+    write("stream", "ipc-grant-refused",
+          bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT, head=168)
+          + u32(1) + u32(0) + u64(16 << 20) + u64(0) + u64(1) + u64(8 << 20) + bytes(128))
+    write("stream", "ipc-grant-event-garbage",
+          bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT_EVENT, head=68) + u32(0) + bytes(64))
+    write("stream", "ipc-granted-unknown",
+          bytes([STREAM_IPC_FD]) + message([b"p" * 8, u32(9) + u32(IPC_GRANTED) + u64(0)],
+                                           lengths=[8, 4096 | IPC_BIT]))
     write("stream", "unknown-channel",
           bytes([STREAM_RING | STREAM_SLAB]) + message([u64(0) + u64(0)], lengths=[4096 | (9 << 56)]))
     # cuda_ring (channel 7, kinds 64-65; with the fake driver, setup bit 4:
