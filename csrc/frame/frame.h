@@ -40,7 +40,10 @@ constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 //    called per tensor; in 9 it was a function taking the index.
 // 11: cuda_ipc's grants (control kinds 4 and 5 of its range, record kind
 //    kGranted): a build before them closes a connection that sends one.
-constexpr uint8_t kProtocolVersion = 11;
+// 12: grants end in a revoke and a return too (cuda_ipc control kinds 6
+//    and 7), which a build before them ignores, holding a grant it was
+//    asked to give back.
+constexpr uint8_t kProtocolVersion = 12;
 
 enum class FrameKind : uint8_t {
   kHello = 1, // client -> server: version, identity, nonce

@@ -13,6 +13,7 @@ never compute."""
 
 import faulthandler
 import os
+import random
 import sys
 import time
 
@@ -397,6 +398,40 @@ def run_side_stream(rank: int, port: int, ctl, channels, zero_copy: bool) -> Non
             out["allocator"] = cu().allocator_stats()
         out["landed"] = {k: int(v) for k, v in agent_metrics().items()
                          if k.startswith("rpc_ext.cuda.land")}
+    rpc.shutdown()
+    ctl.send(out)
+
+
+# ---- grants outgrown --------------------------------------------------------------
+
+GROWTH = (2 << 20, 2 << 20, 6 << 20, 6 << 20, 6 << 20)  # over kPackMaxBytes
+
+
+def granted() -> int:
+    return int(agent_metrics()["rpc_ext.cuda.granted_segments"])
+
+
+def run_grant_growth(rank: int, port: int, ctl) -> None:
+    """With the landing pool on (grants), worker0 sends tensors of GROWTH's
+    sizes to worker1's identity one after another: each receiver's grant,
+    made for 2 MiB, is too small for the 6 MiB ones. It is revoked, given
+    back unused, and a 6 MiB grant follows: the last call crosses through
+    grants both ways (`last`: segments landed in grants during it, worker0's
+    and worker1's), every byte checked (`back`)."""
+    join_pair(rank, port)
+    out = {}
+    if rank == 0:
+        rng = random.Random(5)
+        out["back"] = []
+        for i, n in enumerate(GROWTH):
+            if i == len(GROWTH) - 1:
+                time.sleep(0.2)  # the 6 MiB grants' frames, both ways
+                before = (granted(), rpc.rpc_sync("worker1", granted))
+            data = rng.randbytes(n)
+            back = rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(data),))
+            out["back"].append(tensor_bytes(back) == data)
+        out["last"] = (granted() - before[0], rpc.rpc_sync("worker1", granted) - before[1])
+        out["counters"] = (channel_counters(), rpc.rpc_sync("worker1", channel_counters))
     rpc.shutdown()
     ctl.send(out)
 

@@ -420,9 +420,9 @@ void IpcChannel::abandonRegion(
   }
   counters_.copiedBytes.fetch_sub(segment.size, std::memory_order_relaxed);
   if (r.kind == BlockRecord::kGranted) {
-    // Spent (the copy queued into it may still run): the peer grants that
-    // device no more on this connection, and its segments go by block.
+    // Back to the peer once the copy queued into it is over.
     counters_.grantsUsed.fetch_sub(1, std::memory_order_relaxed);
+    abandonGrant(segment.deviceIndex, segment.stream, r.id);
     return;
   }
   if (r.offset != 0) {

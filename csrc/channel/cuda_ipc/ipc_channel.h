@@ -80,6 +80,8 @@ enum IpcFrame : uint8_t {
   kBlockDropped = 3, // uint32 id: the importer closed it; the owner frees it
   kGrant = 4, // GrantSetup: landing memory of the receiver's, for the sender
   kGrantEvent = 5, // GrantEventSetup: the sender's event for grants' writes
+  kGrantRevoke = 6, // uint32 ids: the receiver takes back grants not used
+  kGrantReturned = 7, // uint32 ids: the sender will not write them (again)
 };
 
 // Grants (docs/cuda.md, "Grants"): a receiver whose landings use the
@@ -88,6 +90,11 @@ enum IpcFrame : uint8_t {
 // segment that fits straight into it (one copy a direction, no landing
 // copy), records its grant event, and sends a kGranted record. The memory
 // is a legacy-IPC-shared segment of the receiver's pool (one PID namespace).
+// A grant smaller than the peer's segments now is revoked (kGrantRevoke):
+// the sender gives back one it has not used (kGrantReturned), or answers
+// nothing where its record of the grant's use is on its way; a grant it
+// used for a frame it then did not send goes back, unasked, once its copy
+// into it has completed. Each grant ends in one record or one return.
 #pragma pack(push, 1)
 struct GrantSetup {
   uint32_t id;
@@ -181,6 +188,10 @@ struct IpcCounters {
   std::atomic<uint64_t> releaseFrames{0}; // the frames that said so
   std::atomic<uint64_t> grantsMade{0}; // landing memory granted to peers
   std::atomic<uint64_t> grantsUsed{0}; // segments written into a peer's grant
+  std::atomic<uint64_t> grantsRevoked{0}; // ours taken back as too small
+  std::atomic<uint64_t> grantsReturned{0}; // the peer's given back by us
+  // Not made: in a segment past those the peer may keep open.
+  std::atomic<uint64_t> grantsCapped{0};
 };
 
 // A process's cuda_ipc domain descriptor, as published at rendezvous:
@@ -394,6 +405,15 @@ class IpcChannel final : public Channel,
       const frame::OutboundFrame::Segment& segment,
       std::vector<ControlFrame>* before,
       frame::SegmentRecord* out);
+  // The ends of grants (ipc_grant_ends.cpp). Receiver: the peer gave
+  // grants back (their memory is the pool's again; a larger may follow).
+  bool onGrantReturnedFromLoop(Host& host, const std::string& head);
+  // Sender: the peer takes back grants; those not used go back.
+  void onGrantRevokeFromLoop(const std::string& head);
+  // Sender: grant `id` was written for a frame that is not sent: it goes
+  // back once the copy queued on `stream` is done.
+  void abandonGrant(int device, uintptr_t stream, uint32_t id);
+  void returnGrants(const std::string& ids); // (any thread)
   // At the close: grants out held until copies the peer queued are over;
   // our imports of the peer's segments closed after our last writes.
   void closeGrantsFromLoop();
@@ -402,6 +422,9 @@ class IpcChannel final : public Channel,
     int device = 0;
     uint64_t bytes = 0;
     bool sent = false;
+    // Revoked (a larger segment came): `wanted` bytes follow its return.
+    bool revoking = false;
+    uint64_t wanted = 0;
   };
   struct InGrant {
     uint32_t id = 0;
@@ -413,6 +436,8 @@ class IpcChannel final : public Channel,
   std::mutex grantMu_; // the members below but noted_ and peerGrantEvents_
   std::map<uint32_t, OutGrant> outGrants_;
   uint32_t nextGrantId_ = 1;
+  std::string pendingRevokes_; // ids (idHead), riding as releases do
+  std::string pendingReturns_;
   std::set<uint64_t> sharedSegments_; // our segments the peer was told of
   std::map<int, InGrant> inGrants_; // the peer's, by our device
   // The peer's segments we opened: key -> (base, (mapped size, our device)).

@@ -177,6 +177,9 @@ class IpcContext final : public Context {
         {"release_frames", counters_.releaseFrames.load()},
         {"grants_made", counters_.grantsMade.load()},
         {"grants_used", counters_.grantsUsed.load()},
+        {"grants_revoked", counters_.grantsRevoked.load()},
+        {"grants_returned", counters_.grantsReturned.load()},
+        {"grants_capped", counters_.grantsCapped.load()},
     };
   }
 

@@ -11,6 +11,7 @@
 #include "csrc/channel/cuda/staging_pool.h"
 #include "csrc/channel/cuda/staging_thread.h"
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
+#include "csrc/channel/lending.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
 #include "csrc/frame/landed_region.h"
@@ -99,24 +100,59 @@ void IpcChannel::postGrantsFromLoop() {
   if (source == nullptr) {
     return;
   }
+  bool revoked = false;
   for (const auto& [device, bytes] : noted) {
+    OutGrant unsent; // (freed outside the lock)
     {
       std::lock_guard<std::mutex> lock(grantMu_);
       grantSource_ = source;
-      bool out = false;
-      for (const auto& [id, g] : outGrants_) {
-        out = out || g.device == device;
-      }
-      if (out) {
-        continue; // one at a time per device
+      auto out = std::find_if(
+          outGrants_.begin(), outGrants_.end(), [device = device](auto& kv) {
+            return kv.second.device == device;
+          });
+      if (out != outGrants_.end()) {
+        // One at a time per device. One too small for the peer's segments
+        // now is taken back (a larger follows its return), or, not yet
+        // told to the peer, replaced.
+        OutGrant& g = out->second;
+        if (bytes <= g.bytes) {
+          continue;
+        }
+        if (g.sent) {
+          g.wanted = std::max(g.wanted, bytes);
+          if (!g.revoking) {
+            g.revoking = true;
+            pendingRevokes_ += idHead(out->first);
+            counters_.grantsRevoked.fetch_add(1, std::memory_order_relaxed);
+            revoked = true;
+          }
+          continue;
+        }
+        unsent = std::move(g);
+        outGrants_.erase(out);
       }
     }
+    unsent.memory.memory.reset(); // the pool's again, for the larger one
     OutGrant g;
     g.device = device;
     g.bytes = bytes;
     try {
       g.memory = source->allocate(device, bytes);
-      std::lock_guard<std::mutex> lock(grantMu_);
+      std::unique_lock<std::mutex> lock(grantMu_);
+      if (sharedSegments_.count(g.memory.segmentKey) == 0 &&
+          sharedSegments_.size() >= kMaxPeerSegments) {
+        // The peer keeps at most that many of our segments open (and
+        // closes a connection that names more): none in a new one.
+        lock.unlock();
+        g.memory.memory.reset();
+        counters_.grantsCapped.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      // The peer may have it open from now on (counted before the grant
+      // goes, so that the cap above holds across devices).
+      if (sharedSegments_.insert(g.memory.segmentKey).second) {
+        source->segmentShared(g.memory.segmentKey);
+      }
       CurrentDevice current(device);
       auto free = freeEvents_.find(device);
       if (free == freeEvents_.end()) {
@@ -150,10 +186,21 @@ void IpcChannel::postGrantsFromLoop() {
     outGrants_.emplace(nextGrantId_++, std::move(g));
     counters_.grantsMade.fetch_add(1, std::memory_order_relaxed);
   }
+  if (revoked) {
+    flushReleases(); // rare (a larger segment): not held for a ride
+  }
 }
 
 void IpcChannel::collectGrantsLocked(std::vector<ControlFrame>* out) {
   std::lock_guard<std::mutex> lock(grantMu_);
+  for (auto [kind, ids] : {std::make_pair(kGrantRevoke, &pendingRevokes_),
+                           std::make_pair(kGrantReturned, &pendingReturns_)}) {
+    if (!ids->empty()) {
+      out->push_back(
+          ControlFrame{context().wireIds().kind(kind), std::move(*ids), {}, {}});
+      ids->clear();
+    }
+  }
   for (auto& [id, g] : outGrants_) {
     if (g.sent) {
       continue;
@@ -177,9 +224,6 @@ void IpcChannel::collectGrantsLocked(std::vector<ControlFrame>* out) {
           std::string("torch_rpc_ext: cuda_ipc could not share a grant: ") +
               e.what());
       continue;
-    }
-    if (sharedSegments_.insert(setup.segmentKey).second) {
-      grantSource_->segmentShared(setup.segmentKey);
     }
     out->push_back(
         ControlFrame{
@@ -376,7 +420,8 @@ int64_t IpcChannel::onGrantedFromLoop(
     outGrants_.erase(it);
   }
   counters_.segments.fetch_add(1, std::memory_order_relaxed);
-  noteLargeFromLoop(g.device, segment.size); // the next one's grant
+  // The next one's grant (as large as a revoke of this one asked).
+  noteLargeFromLoop(g.device, std::max(segment.size, g.wanted));
   *segment.provided = g.memory.memory->data();
   *segment.region = std::make_shared<GrantedRegion>(
       g.device, std::move(g.memory.memory), g.memory.stream, written);
@@ -454,96 +499,6 @@ bool IpcChannel::takeGrant(
   counters_.segments.fetch_add(1, std::memory_order_relaxed);
   counters_.copiedBytes.fetch_add(segment.size, std::memory_order_relaxed);
   return true;
-}
-
-void IpcChannel::closeGrantsFromLoop() {
-  auto held = std::make_shared<std::map<uint32_t, OutGrant>>();
-  auto shared = std::make_shared<std::set<uint64_t>>();
-  auto opened = std::make_shared<decltype(peerSegments_)>();
-  auto events = std::make_shared<std::map<int, CUevent>>();
-  auto copies = std::make_shared<std::vector<PooledEvent>>();
-  std::map<int, CUevent> peerFree;
-  std::shared_ptr<GrantSource> source;
-  {
-    std::lock_guard<std::mutex> lock(grantMu_);
-    held->swap(outGrants_);
-    shared->swap(sharedSegments_);
-    opened->swap(peerSegments_);
-    events->swap(grantEvents_);
-    // Ours the peer opened go with ours it wrote after (the same wait).
-    for (const auto& [device, free] : freeEvents_) {
-      (*events)[-1 - device] = free.first;
-    }
-    freeEvents_.clear();
-    peerFree.swap(peerFreeEvents_);
-    copies->swap(grantCopies_);
-    inGrants_.clear();
-    source = grantSource_;
-  }
-  for (const auto& [device, e] : peerFree) {
-    try {
-      CurrentDevice current(device);
-      libcuda().cuEventDestroy(e);
-    } catch (...) {
-    }
-  }
-  peerGrantEvents_.clear(); // (regions not yet built keep theirs)
-  noted_.clear();
-  if (held->empty() && shared->empty() && opened->empty() && events->empty()) {
-    return;
-  }
-  // A copy the peer queued into a grant before the connection went is over
-  // by the legacy teardown's deadline (or died with the peer): the grants'
-  // memory goes back to the pool then, and the peer's mappings are
-  // counted closed. Ours of the peer's segments close once our last
-  // writes into them completed, or at the same deadline.
-  const auto deadline = std::chrono::steady_clock::now() +
-      std::chrono::milliseconds(kLegacyTeardownWaitMs);
-  runOnStagingThreadWhen(
-      [deadline] { return std::chrono::steady_clock::now() >= deadline; },
-      [held, shared, source] {
-        held->clear();
-        for (uint64_t key : *shared) {
-          source->segmentUnshared(key);
-        }
-      });
-  runOnStagingThreadWhen(
-      [copies, deadline] {
-        if (std::chrono::steady_clock::now() >= deadline) {
-          return true;
-        }
-        // Every copy of ours into the peer's segments (each its own
-        // event; pooled events need no current context to be queried).
-        for (const auto& e : *copies) {
-          if (libcuda().cuEventQuery(e.get()) == CUDA_ERROR_NOT_READY) {
-            return false;
-          }
-        }
-        return true;
-      },
-      [opened, events, copies, deadline] {
-        copies->clear();
-        for (const auto& [key, mapped] : *opened) {
-          try {
-            CurrentDevice current(mapped.second.second);
-            libcuda().cuIpcCloseMemHandle(mapped.first);
-          } catch (...) {
-          }
-        }
-        // Our events: destroyed once the peer had its time to close them.
-        runOnStagingThreadWhen(
-            [deadline] { return std::chrono::steady_clock::now() >= deadline; },
-            [events] {
-              for (const auto& [key, e] : *events) {
-                try {
-                  // (keys below 0: our free events, of device -1 - key)
-                  CurrentDevice current(key >= 0 ? key : -1 - key);
-                  libcuda().cuEventDestroy(e);
-                } catch (...) {
-                }
-              }
-            });
-      });
 }
 
 } // namespace torch_rpc_ext::channel::cuda

@@ -48,6 +48,10 @@ bool IpcChannel::acceptsControlFrame(FrameKind kind, uint32_t headLength)
       return headLength == sizeof(GrantSetup);
     case kGrantEvent:
       return headLength == sizeof(GrantEventSetup);
+    case kGrantRevoke:
+    case kGrantReturned:
+      return headLength >= sizeof(uint32_t) && headLength <= kMaxReleaseHead &&
+          headLength % sizeof(uint32_t) == 0;
     default:
       break;
   }
@@ -80,6 +84,11 @@ bool IpcChannel::onControlFrameFromLoop(
       return onGrantFromLoop(*host, head);
     case kGrantEvent:
       return onGrantEventFromLoop(*host, head);
+    case kGrantRevoke:
+      onGrantRevokeFromLoop(head);
+      return true;
+    case kGrantReturned:
+      return onGrantReturnedFromLoop(*host, head);
     default:
       return true;
   }

@@ -1,0 +1,187 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// How cuda_ipc's grants end (ipc_channel.h; docs/cuda.md, "Grants"), other
+// than in the record of their use (ipc_grants.cpp): taken back by the
+// receiver when the peer's segments outgrew them, given back by the sender
+// when the frame it wrote one for was not sent, and held at the close until
+// no copy of the peer's into them can still run.
+#include <chrono>
+#include <cstring>
+#include <set>
+
+#include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/staging_pool.h"
+#include "csrc/channel/cuda/staging_thread.h"
+#include "csrc/channel/cuda_ipc/ipc_channel.h"
+#include "csrc/channel/lending.h"
+#include "csrc/common/libcuda.h"
+
+namespace torch_rpc_ext::channel::cuda {
+
+namespace {
+std::vector<uint32_t> idsOf(const std::string& head) {
+  std::vector<uint32_t> ids(head.size() / sizeof(uint32_t));
+  std::memcpy(ids.data(), head.data(), ids.size() * sizeof(uint32_t));
+  return ids;
+}
+} // namespace
+
+bool IpcChannel::onGrantReturnedFromLoop(Host& host, const std::string& head) {
+  for (uint32_t id : idsOf(head)) {
+    OutGrant g;
+    {
+      std::lock_guard<std::mutex> lock(grantMu_);
+      auto it = outGrants_.find(id);
+      if (it == outGrants_.end() || !it->second.sent) {
+        host.rejectFromLoop(
+            "rejected frame: CUDA grant " + std::to_string(id) +
+            " given back, which is not out");
+        return false;
+      }
+      g = std::move(it->second);
+      outGrants_.erase(it);
+    }
+    // The peer never wrote it, or its write is done (abandonGrant): the
+    // memory is the pool's again at once, on the stream it was made for.
+    g.memory.memory.reset();
+    noteLargeFromLoop(g.device, std::max(g.bytes, g.wanted));
+  }
+  postGrantsFromLoop();
+  flushReleases(); // the larger grant now: its sender may be waiting
+  return true;
+}
+
+void IpcChannel::onGrantRevokeFromLoop(const std::string& head) {
+  std::string back;
+  {
+    std::lock_guard<std::mutex> lock(grantMu_);
+    for (uint32_t id : idsOf(head)) {
+      // Not found: used (its record is on its way, and ends it) or given
+      // back already (abandonGrant): the peer hears of it once either way.
+      for (auto it = inGrants_.begin(); it != inGrants_.end(); ++it) {
+        if (it->second.id == id) {
+          inGrants_.erase(it);
+          back += idHead(id);
+          break;
+        }
+      }
+    }
+  }
+  if (!back.empty()) {
+    returnGrants(back);
+  }
+}
+
+void IpcChannel::abandonGrant(int device, uintptr_t stream, uint32_t id) {
+  // The copy into it was queued on `stream`: the receiver may hand its
+  // memory out again only once that copy is over.
+  std::weak_ptr<IpcChannel> weak = shared_from_this();
+  releaseAfter(device, reinterpret_cast<CUstream>(stream), [weak, id] {
+    if (auto self = weak.lock()) {
+      self->returnGrants(idHead(id));
+    }
+  });
+}
+
+void IpcChannel::returnGrants(const std::string& ids) {
+  {
+    std::lock_guard<std::mutex> lock(grantMu_);
+    pendingReturns_ += ids;
+  }
+  counters_.grantsReturned.fetch_add(
+      ids.size() / sizeof(uint32_t), std::memory_order_relaxed);
+  flushReleases(); // rare: not held for a ride
+}
+
+void IpcChannel::closeGrantsFromLoop() {
+  auto held = std::make_shared<std::map<uint32_t, OutGrant>>();
+  auto shared = std::make_shared<std::set<uint64_t>>();
+  auto opened = std::make_shared<decltype(peerSegments_)>();
+  auto events = std::make_shared<std::map<int, CUevent>>();
+  auto copies = std::make_shared<std::vector<PooledEvent>>();
+  std::map<int, CUevent> peerFree;
+  std::shared_ptr<GrantSource> source;
+  {
+    std::lock_guard<std::mutex> lock(grantMu_);
+    held->swap(outGrants_);
+    shared->swap(sharedSegments_);
+    opened->swap(peerSegments_);
+    events->swap(grantEvents_);
+    // Ours the peer opened go with ours it wrote after (the same wait).
+    for (const auto& [device, free] : freeEvents_) {
+      (*events)[-1 - device] = free.first;
+    }
+    freeEvents_.clear();
+    peerFree.swap(peerFreeEvents_);
+    copies->swap(grantCopies_);
+    inGrants_.clear();
+    pendingRevokes_.clear();
+    pendingReturns_.clear();
+    source = grantSource_;
+  }
+  for (const auto& [device, e] : peerFree) {
+    try {
+      CurrentDevice current(device);
+      libcuda().cuEventDestroy(e);
+    } catch (...) {
+    }
+  }
+  peerGrantEvents_.clear(); // (regions not yet built keep theirs)
+  noted_.clear();
+  if (held->empty() && shared->empty() && opened->empty() && events->empty()) {
+    return;
+  }
+  // A copy the peer queued into a grant before the connection went is over
+  // by the legacy teardown's deadline (or died with the peer): the grants'
+  // memory goes back to the pool then, and the peer's mappings are
+  // counted closed. Ours of the peer's segments close once our last
+  // writes into them completed, or at the same deadline.
+  const auto deadline = std::chrono::steady_clock::now() +
+      std::chrono::milliseconds(kLegacyTeardownWaitMs);
+  runOnStagingThreadWhen(
+      [deadline] { return std::chrono::steady_clock::now() >= deadline; },
+      [held, shared, source] {
+        held->clear();
+        for (uint64_t key : *shared) {
+          source->segmentUnshared(key);
+        }
+      });
+  runOnStagingThreadWhen(
+      [copies, deadline] {
+        if (std::chrono::steady_clock::now() >= deadline) {
+          return true;
+        }
+        // Every copy of ours into the peer's segments (each its own
+        // event; pooled events need no current context to be queried).
+        for (const auto& e : *copies) {
+          if (libcuda().cuEventQuery(e.get()) == CUDA_ERROR_NOT_READY) {
+            return false;
+          }
+        }
+        return true;
+      },
+      [opened, events, copies, deadline] {
+        copies->clear();
+        for (const auto& [key, mapped] : *opened) {
+          try {
+            CurrentDevice current(mapped.second.second);
+            libcuda().cuIpcCloseMemHandle(mapped.first);
+          } catch (...) {
+          }
+        }
+        // Our events: destroyed once the peer had its time to close them.
+        runOnStagingThreadWhen(
+            [deadline] { return std::chrono::steady_clock::now() >= deadline; },
+            [events] {
+              for (const auto& [key, e] : *events) {
+                try {
+                  // (keys below 0: our free events, of device -1 - key)
+                  CurrentDevice current(key >= 0 ? key : -1 - key);
+                  libcuda().cuEventDestroy(e);
+                } catch (...) {
+                }
+              }
+            });
+      });
+}
+
+} // namespace torch_rpc_ext::channel::cuda
