@@ -13,6 +13,8 @@ void bindAgent(py::module_& m);
 void bindTesting(py::module_& m);
 // _testing.cuda: the CUDA driver layer and copy engine (bind_testing_cuda.cpp).
 void bindTestingCuda(py::module_& m);
+// _testing.cuda's grant source of plain driver memory (testing_grants.cpp).
+void bindTestingGrants(py::module_& m);
 void bindTestingEndpoint(py::module_& m);
 // _testing.cuda's torch side: a CUDA device guard for a CPU torch.
 void bindTestingCudaTorch(py::module_& m);

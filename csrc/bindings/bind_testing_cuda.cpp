@@ -303,6 +303,7 @@ void bindTestingCuda(py::module_& parent) {
       .def("launches", &cuda::CopyEngine::launches)
       .def("staging_buffers", &cuda::CopyEngine::stagingBuffers)
       .def_static("merge_dims", &cuda::CopyEngine::mergeDims);
+  bindTestingGrants(m);
 }
 
 } // namespace torch_rpc_ext::bindings

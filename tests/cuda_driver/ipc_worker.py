@@ -10,8 +10,9 @@ connection, so a reply frame arrives after every control frame its sender
 queued before it (a block's release, say)."""
 
 import os
+import time
 
-from tests.cuda_driver.worker import DEVICE, kernel_images, testing
+from tests.cuda_driver.worker import DEVICE, fake_stats, kernel_images, testing
 
 SECRET = b"s" * 32
 CUDA = 1  # c10::DeviceType::CUDA
@@ -376,6 +377,112 @@ def gathered_receiver(conn, ctl):
             end.ep.send(b"ok", [])
     ctl.send((seen, imported, end.counters()))
     end.close()
+
+
+# ---- granted: segments written straight into the receiver's grants ----------
+#
+# Grants (docs/cuda.md, "Grants") from _testing's grant source of plain
+# driver memory (no agent, no torch): m0 lands by copy and earns a 3 MiB
+# grant, which m1 goes into; m2 (5 MiB) does not fit, so the receiver
+# revokes the grant, the sender gives it back unused, and a 5 MiB grant
+# follows, which m3 goes into.
+
+GRANTED = (3 << 20, 3 << 20, 5 << 20, 5 << 20)
+
+
+def wait_for(what, counter: str, value: int) -> int:
+    deadline = time.monotonic() + TIMEOUT
+    while what()[counter] < value and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return what()[counter]
+
+
+def poisoned() -> int | None:
+    stats = fake_stats()
+    return stats["poisoned_uses"] if stats else None
+
+
+def granted_sender(conn, ctl):
+    testing().use_test_grants()
+    end = End("sender", conn)
+    used = []
+    for i, n in enumerate(GRANTED):
+        before = end.counters()["grants_used"]
+        end.send_device(b"m%d" % i, end.alloc(pattern(n, i)), n)
+        used.append(end.counters()["grants_used"] - before)
+        head, _ = end.receive()
+        assert head == b"ok%d" % i, head
+    ctl.send((used, end.counters()))
+    end.close()
+
+
+def granted_receiver(conn, ctl):
+    testing().use_test_grants()
+    end = End("receiver", conn)
+    seen = []
+    for i, n in enumerate(GRANTED):
+        head, (region,) = end.receive()
+        seen.append((head, end.read_region(region) == pattern(n, i)))
+        region.release()
+        if i == 2:
+            # The 5 MiB grant is made once the 3 MiB one is back: out before
+            # this reply, so the sender has it for m3.
+            wait_for(end.counters, "grants_made", 3)
+        end.ep.send(b"ok%d" % i, [])
+    counters = end.counters()
+    end.close()
+    ctl.send((seen, counters, testing().test_grant_counts(), poisoned()))
+
+
+# ---- grant_abandoned: a grant written for a frame refused at send ----------
+#
+# As `abandoned` (the sender sees two devices, the receiver one), with
+# grants: m0 earns a 3 MiB grant; the next frame's first segment is written
+# into it and its second refused, so the grant goes back unasked once that
+# copy is done, and the receiver grants again, which m3 goes into.
+
+
+def grant_abandoned_sender(conn, ctl):
+    os.environ["FAKE_CUDA_DEVICES"] = "2"
+    testing().use_test_grants()
+    end = End("sender", conn)
+    n = 3 << 20
+    end.send_device(b"m0", end.alloc(pattern(n, 0)), n)
+    assert end.receive()[0] == b"ok0"
+    other = end.cu.mem_alloc(1, 4096)
+    other_stream = end.cu.stream_create(1)
+    try:
+        end.ep.send(b"x", [(end.alloc(pattern(n, 1)), n, CUDA, DEVICE, end.stream),
+                           (other, 4096, CUDA, 1, other_stream)], [])
+        error = ""
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        error = str(e)
+    returned = wait_for(end.counters, "grants_returned", 1)
+    end.send_device(b"m2", end.alloc(pattern(n, 2)), n)
+    assert end.receive()[0] == b"ok2"  # after the grant made on the return
+    before = end.counters()["grants_used"]
+    end.send_device(b"m3", end.alloc(pattern(n, 3)), n)
+    m3 = end.counters()["grants_used"] - before
+    assert end.receive()[0] == b"ok3"
+    ctl.send((error, returned, m3, end.counters()))
+    end.cu.stream_synchronize(1, other_stream)
+    end.cu.mem_free(1, other)
+    end.close()
+
+
+def grant_abandoned_receiver(conn, ctl):
+    os.environ["FAKE_CUDA_DEVICES"] = "1"
+    testing().use_test_grants()
+    end = End("receiver", conn)
+    seen = []
+    for i in (0, 2, 3):
+        head, (region,) = end.receive()
+        seen.append((head, end.read_region(region) == pattern(3 << 20, i)))
+        region.release()
+        end.ep.send(b"ok%d" % i, [])
+    counters = end.counters()
+    end.close()
+    ctl.send((seen, counters, poisoned()))
 
 
 if __name__ == "__main__":  # pragma: no cover - used by spawn only

@@ -98,6 +98,42 @@ def test_blocks_of_a_frame_refused_at_send_go_back_to_the_pool(spawn):
     assert sender["segments"] == 1 and sender["declined"] == 1
 
 
+def test_segments_go_into_grants_and_an_outgrown_grant_is_replaced(spawn):
+    """cuda_ipc's grants with no agent above (_testing's grant source of
+    plain driver memory, so also on a GPU whose torch has no landing pool):
+    a large segment goes straight into landing memory the receiver granted;
+    one too large for the grant out makes the receiver revoke it (kind 38),
+    the sender gives it back unused (kind 39), and the larger grant that
+    follows takes the next one (docs/cuda.md, "Grants")."""
+    (used, sender), (seen, receiver, memory, poisoned) = play(spawn, "granted")
+    assert seen == [(b"m%d" % i, True) for i in range(len(ipc_worker.GRANTED))]
+    assert used == [0, 1, 0, 1]  # m0 earns a grant; m2 outgrows it
+    assert (receiver["grants_revoked"], sender["grants_returned"]) == (1, 1)
+    # 3 MiB after m0 and m1, 5 MiB after the return and after m3.
+    assert receiver["grants_made"] == 4 and sender["grants_used"] == 2
+    assert sender["grants_capped"] == receiver["grants_capped"] == 0
+    # The receiver's close freed every grant segment (the peer's mappings
+    # counted closed first), and nothing used memory already freed.
+    assert memory["made"] == 4
+    assert poisoned in (None, 0)
+
+
+@fake_only  # the sender sees two devices, the receiver one (FAKE_CUDA_DEVICES)
+def test_a_grant_written_for_a_frame_refused_at_send_goes_back(spawn):
+    """The frame's first segment went into the receiver's grant, its second
+    no channel takes: the frame is refused, and the grant goes back unasked
+    (kind 39) once the copy into it is done. The receiver grants again, and
+    a later segment goes into that. Before, the grant was spent: that device
+    got none again on the connection."""
+    (error, returned, m3, sender), (seen, receiver, poisoned) = play(spawn, "grant_abandoned")
+    assert "declined a segment of 4096 bytes" in error
+    assert returned == 1 and sender["grants_returned"] == 1
+    assert seen == [(b"m0", True), (b"m2", True), (b"m3", True)]
+    assert m3 == 1  # into the grant made on the return (or after m2)
+    assert receiver["grants_revoked"] == 0
+    assert poisoned in (None, 0)
+
+
 def test_small_segments_of_a_frame_share_a_block_and_one_launch(spawn):
     (back_ok, first, sender), (seen, imported, receiver) = play(spawn, "gathered")
     n = len(ipc_worker.GATHERED)

@@ -325,6 +325,9 @@ IPC_SETUP, IPC_RELEASE, IPC_DROP = 32, 33, 34
 # (grant event, 68 bytes), record kind 5 (granted).
 IPC_GRANT, IPC_GRANT_EVENT = 36, 37
 IPC_GRANTED = 5
+# ... and their ends (protocol 12): kinds 38 (revoke) and 39 (returned),
+# each 1 to 1024 uint32 ids.
+IPC_GRANT_REVOKE, IPC_GRANT_RETURNED = 38, 39
 IPC_BIT = 3 << 56
 IPC_LENT, IPC_RETURNED, IPC_COPY_OUT, IPC_COPY_OUT_LAST = 1, 2, 3, 4
 STREAM_IPC_FD, STREAM_IPC_LEGACY = 4, 8
@@ -413,6 +416,14 @@ def stream_seeds():
     write("stream", "ipc-granted-unknown",
           bytes([STREAM_IPC_FD]) + message([b"p" * 8, u32(9) + u32(IPC_GRANTED) + u64(0)],
                                            lengths=[8, 4096 | IPC_BIT]))
+    # A revoke of grants the harness never had (ignored), a return of a
+    # grant never made (refused), and a return head that is no list of ids.
+    write("stream", "ipc-grant-revoke",
+          bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT_REVOKE, head=8) + u32(1) + u32(7) + ping)
+    write("stream", "ipc-grant-returned-unknown",
+          bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT_RETURNED, head=4) + u32(3))
+    write("stream", "ipc-grant-returned-ragged",
+          bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT_RETURNED, head=6) + u32(3) + b"xy")
     write("stream", "unknown-channel",
           bytes([STREAM_RING | STREAM_SLAB]) + message([u64(0) + u64(0)], lengths=[4096 | (9 << 56)]))
     # cuda_ring (channel 7, kinds 64-65; with the fake driver, setup bit 4:

@@ -87,9 +87,10 @@ void IpcChannel::returnGrants(const std::string& ids) {
     std::lock_guard<std::mutex> lock(grantMu_);
     pendingReturns_ += ids;
   }
+  flushReleases(); // rare: not held for a ride
+  // (Counted once queued: a frame sent after the count goes after them.)
   counters_.grantsReturned.fetch_add(
       ids.size() / sizeof(uint32_t), std::memory_order_relaxed);
-  flushReleases(); // rare: not held for a ride
 }
 
 void IpcChannel::closeGrantsFromLoop() {

@@ -193,11 +193,13 @@ void IpcChannel::postGrantsFromLoop() {
 
 void IpcChannel::collectGrantsLocked(std::vector<ControlFrame>* out) {
   std::lock_guard<std::mutex> lock(grantMu_);
-  for (auto [kind, ids] : {std::make_pair(kGrantRevoke, &pendingRevokes_),
-                           std::make_pair(kGrantReturned, &pendingReturns_)}) {
+  for (auto [kind, ids] :
+       {std::make_pair(kGrantRevoke, &pendingRevokes_),
+        std::make_pair(kGrantReturned, &pendingReturns_)}) {
     if (!ids->empty()) {
       out->push_back(
-          ControlFrame{context().wireIds().kind(kind), std::move(*ids), {}, {}});
+          ControlFrame{
+              context().wireIds().kind(kind), std::move(*ids), {}, {}});
       ids->clear();
     }
   }
