@@ -76,17 +76,30 @@ FakeCachingAllocator::Block* FakeCachingAllocator::reuse(
     std::vector<Block*>& cached,
     c10::DeviceIndex device,
     const c10::Stream& stream,
-    size_t size) {
+    size_t size,
+    bool bestFit) {
+  // The default pool: a block of that very size. A pool's: the smallest
+  // that fits, whole (torch's would split it), so that a pool's segments
+  // are reused for smaller requests as torch's are.
+  auto pick = cached.end();
   for (auto it = cached.begin(); it != cached.end(); ++it) {
     Block* b = *it;
-    if (b->device == device && b->stream == stream && b->size == size &&
-        passed(*b)) {
-      cached.erase(it);
-      b->uses.clear();
-      return b;
+    const bool fits = bestFit ? b->size >= size : b->size == size;
+    if (b->device == device && b->stream == stream && fits && passed(*b) &&
+        (pick == cached.end() || b->size < (*pick)->size)) {
+      pick = it;
+      if (b->size == size) {
+        break;
+      }
     }
   }
-  return nullptr;
+  if (pick == cached.end()) {
+    return nullptr;
+  }
+  Block* b = *pick;
+  cached.erase(pick);
+  b->uses.clear();
+  return b;
 }
 
 c10::DataPtr FakeCachingAllocator::allocate(size_t n) {
@@ -106,7 +119,7 @@ c10::DataPtr FakeCachingAllocator::allocate(size_t n) {
       continue;
     }
     Pool& pool = *r->pool;
-    Block* b = reuse(pool.cached, device.index(), stream, size);
+    Block* b = reuse(pool.cached, device.index(), stream, size, true);
     if (b != nullptr) {
       ++stats_.reused;
       ++stats_.poolReused;
@@ -127,7 +140,7 @@ c10::DataPtr FakeCachingAllocator::allocate(size_t n) {
     ++pool.live;
     return own(b);
   }
-  if (Block* b = reuse(free_, device.index(), stream, size)) {
+  if (Block* b = reuse(free_, device.index(), stream, size, false)) {
     ++stats_.reused;
     return own(b);
   }

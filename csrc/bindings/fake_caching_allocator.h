@@ -18,7 +18,8 @@
 // per pool at a time), its freed blocks reused only by allocations routed
 // to it, its segments left alone by emptyCache() while the pool lives and
 // given back through its allocator once it is gone. Blocks are their own
-// segments here (torch splits larger ones). A test hook.
+// segments here: a pool's freed block is reused whole for any request it
+// holds, the smallest first (torch splits larger ones). A test hook.
 
 #include <atomic>
 #include <map>
@@ -118,12 +119,14 @@ class FakeCachingAllocator final : public c10::DeviceAllocator {
   void free(Block* b);
   // Whether every stream recorded on `b` has passed its free (mu_ held).
   static bool passed(Block& b);
-  // A block from `cached` for `size` on `stream`, or nullptr (mu_ held).
+  // A block from `cached` for `size` on `stream` (of that size, or with
+  // `bestFit` the smallest that holds it), or nullptr (mu_ held).
   Block* reuse(
       std::vector<Block*>& cached,
       c10::DeviceIndex device,
       const c10::Stream& stream,
-      size_t size);
+      size_t size,
+      bool bestFit);
   // Gives a pool's block back through its allocator (mu_ held).
   void releaseToPool(Pool& pool, Block* b);
   // Frees what a pool with no use left caches, and forgets it once it
