@@ -41,8 +41,8 @@ constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 // 11: cuda_ipc's grants (control kinds 4 and 5 of its range, record kind
 //    kGranted): a build before them closes a connection that sends one.
 // 12: grants end in a revoke and a return too (cuda_ipc control kinds 6
-//    and 7), which a build before them ignores, holding a grant it was
-//    asked to give back.
+//    and 7), and two may be out per device, each in a slot (a field of
+//    the grant and grant-event heads, now 172 and 72 bytes).
 constexpr uint8_t kProtocolVersion = 12;
 
 enum class FrameKind : uint8_t {

@@ -404,7 +404,9 @@ def run_side_stream(rank: int, port: int, ctl, channels, zero_copy: bool) -> Non
 
 # ---- grants outgrown --------------------------------------------------------------
 
-GROWTH = (2 << 20, 2 << 20, 6 << 20, 6 << 20, 6 << 20)  # over kPackMaxBytes
+# Two sizes taking turns (a grant each: two slots), then a third (the
+# oldest grant makes room); a grant holds at most twice its segment.
+GROWTH = (2 << 20, 5 << 20) * 3 + (12 << 20,) * 3
 
 
 def granted() -> int:
@@ -413,24 +415,30 @@ def granted() -> int:
 
 def run_grant_growth(rank: int, port: int, ctl) -> None:
     """With the landing pool on (grants), worker0 sends tensors of GROWTH's
-    sizes to worker1's identity one after another: each receiver's grant,
-    made for 2 MiB, is too small for the 6 MiB ones. It is revoked, given
-    back unused, and a 6 MiB grant follows: the last call crosses through
-    grants both ways (`last`: segments landed in grants during it, worker0's
-    and worker1's), every byte checked (`back`)."""
+    sizes to worker1's identity one after another. `granted`: per call, the
+    segments that landed in grants on worker0 (the answer) and on worker1
+    (the request); every byte checked (`back`)."""
     join_pair(rank, port)
     out = {}
     if rank == 0:
         rng = random.Random(5)
-        out["back"] = []
+        out["back"], out["granted"] = [], []
         for i, n in enumerate(GROWTH):
-            if i == len(GROWTH) - 1:
-                time.sleep(0.2)  # the 6 MiB grants' frames, both ways
-                before = (granted(), rpc.rpc_sync("worker1", granted))
+            if i == len(GROWTH) - 2:
+                # Both revokes answered; the new grants follow each return
+                # at once.
+                deadline = time.monotonic() + 30
+                while (min(channel_counters()["grants_returned"],
+                           rpc.rpc_sync("worker1", channel_counters)["grants_returned"]) < 1
+                       and time.monotonic() < deadline):
+                    time.sleep(0.01)
+                time.sleep(0.1)
+            before = (granted(), rpc.rpc_sync("worker1", granted))
             data = rng.randbytes(n)
             back = rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(data),))
             out["back"].append(tensor_bytes(back) == data)
-        out["last"] = (granted() - before[0], rpc.rpc_sync("worker1", granted) - before[1])
+            out["granted"].append((granted() - before[0],
+                                   rpc.rpc_sync("worker1", granted) - before[1]))
         out["counters"] = (channel_counters(), rpc.rpc_sync("worker1", channel_counters))
     rpc.shutdown()
     ctl.send(out)

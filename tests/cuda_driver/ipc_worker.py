@@ -382,12 +382,14 @@ def gathered_receiver(conn, ctl):
 # ---- granted: segments written straight into the receiver's grants ----------
 #
 # Grants (docs/cuda.md, "Grants") from _testing's grant source of plain
-# driver memory (no agent, no torch): m0 lands by copy and earns a 3 MiB
-# grant, which m1 goes into; m2 (5 MiB) does not fit, so the receiver
-# revokes the grant, the sender gives it back unused, and a 5 MiB grant
-# follows, which m3 goes into.
+# driver memory (no agent, no torch): m0 lands by copy and earns a 2 MiB
+# grant, which m1 goes into; m2 (5 MiB) fits no grant (a grant holds at most
+# twice its segment) and earns one in the second slot, which m3 goes into;
+# m4 (12 MiB) finds both slots taken, so the receiver revokes the oldest
+# grant, the sender gives it back unused, and a 12 MiB grant follows, which
+# m5 goes into.
 
-GRANTED = (3 << 20, 3 << 20, 5 << 20, 5 << 20)
+GRANTED = (2 << 20, 2 << 20, 5 << 20, 5 << 20, 12 << 20, 12 << 20)
 
 
 def wait_for(what, counter: str, value: int) -> int:
@@ -424,14 +426,53 @@ def granted_receiver(conn, ctl):
         head, (region,) = end.receive()
         seen.append((head, end.read_region(region) == pattern(n, i)))
         region.release()
-        if i == 2:
-            # The 5 MiB grant is made once the 3 MiB one is back: out before
-            # this reply, so the sender has it for m3.
-            wait_for(end.counters, "grants_made", 3)
+        if i == 4:
+            # The 12 MiB grant is made once the oldest is back: out before
+            # this reply, so the sender has it for m5.
+            wait_for(end.counters, "grants_made", 5)
         end.ep.send(b"ok%d" % i, [])
     counters = end.counters()
     end.close()
     ctl.send((seen, counters, testing().test_grant_counts(), poisoned()))
+
+
+# ---- grant_unopened: grants whose segments the sender cannot map -----------
+#
+# The sender's cuIpcOpenMemHandle fails ($FAKE_CUDA_IPC_MEM_OPEN_FAILS): it
+# holds each grant unused, every segment goes by block, and the receiver
+# grants no size twice. A third size takes back the oldest grant, which the
+# sender gives back.
+
+UNOPENED = (2 << 20, 2 << 20, 5 << 20, 12 << 20)
+
+
+def grant_unopened_sender(conn, ctl):
+    os.environ["FAKE_CUDA_IPC_MEM_OPEN_FAILS"] = "1"
+    testing().use_test_grants()
+    end = End("sender", conn)
+    for i, n in enumerate(UNOPENED):
+        end.send_device(b"m%d" % i, end.alloc(pattern(n, i)), n)
+        head, _ = end.receive()
+        assert head == b"ok%d" % i, head
+    ctl.send(end.counters())
+    end.close()
+
+
+def grant_unopened_receiver(conn, ctl):
+    testing().use_test_grants()
+    end = End("receiver", conn)
+    seen = []
+    for i, n in enumerate(UNOPENED):
+        head, (region,) = end.receive()
+        seen.append((head, end.read_region(region) == pattern(n, i)))
+        region.release()
+        if i == len(UNOPENED) - 1:
+            wait_for(end.counters, "grants_made", 3)  # after the return
+        end.ep.send(b"ok%d" % i, [])
+    time.sleep(0.3)  # a grant made again and again would show by now
+    counters = end.counters()
+    end.close()
+    ctl.send((seen, counters))
 
 
 # ---- grant_abandoned: a grant written for a frame refused at send ----------

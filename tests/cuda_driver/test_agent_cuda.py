@@ -155,22 +155,23 @@ def test_a_received_tensor_is_safe_on_a_busy_side_stream(spawn, monkeypatch, cha
 
 
 @landing_pool_torch
-def test_a_grant_outgrown_is_revoked_and_a_larger_one_follows(spawn, monkeypatch):
-    """Grants (docs/cuda.md, "Grants") are made the size of the last large
-    segment: after 2 MiB tensors each receiver's grant is 2 MiB, too small
-    for the 6 MiB ones that follow. It is taken back (kind 38), the sender
-    gives it back unused (kind 39), and a 6 MiB grant follows, which the
-    next 6 MiB tensors go into. Before, the 2 MiB grant stayed out for the
-    connection's life and every larger segment landed by copy."""
+def test_two_sizes_have_a_grant_each_and_a_third_takes_the_oldest(spawn, monkeypatch):
+    """Grants (docs/cuda.md, "Grants"): a receiver grants the size of a large
+    segment that fitted no grant (one holds at most twice its segment), in
+    one of two slots per device. Tensors of 2 and 5 MiB taking turns each go
+    into a grant from their second call on, both ways, with nothing taken
+    back; a third size (12 MiB) makes each receiver revoke its oldest grant
+    (kind 38), which the sender gives back unused (kind 39), and its grant
+    follows. Before: one grant per device, made the size of the last
+    segment, so sizes taking turns each landed by copy."""
     monkeypatch.setenv("TORCH_RPC_EXT_CUDA_LANDING_POOL", "1")
     caller, _ = play_with(spawn, agent_worker.run_grant_growth)
     assert caller["back"] == [True] * len(agent_worker.GROWTH)
-    assert caller["last"] == (1, 1)  # the last call: both ways into a grant
+    #                           2 MiB, 5 MiB, then in grants; 12 MiB: copy, then grants
+    assert caller["granted"] == [(0, 0)] * 2 + [(1, 1)] * 4 + [(0, 0)] + [(1, 1)] * 2
     for ours, theirs in (caller["counters"], caller["counters"][::-1]):
-        # Each side took its 2 MiB grant back once, and each gave the
-        # other's back once, unused (a 6 MiB segment did not fit it).
         assert ours["grants_revoked"] == 1 and theirs["grants_returned"] == 1, (ours, theirs)
-        assert ours["grants_used"] >= 2, ours  # a 2 MiB one and a 6 MiB one
+        assert ours["grants_capped"] == 0, ours
 
 
 @pytest.mark.skipif(REAL_DRIVER, reason="the fake holds the stream: a GPU races")

@@ -98,24 +98,39 @@ def test_blocks_of_a_frame_refused_at_send_go_back_to_the_pool(spawn):
     assert sender["segments"] == 1 and sender["declined"] == 1
 
 
-def test_segments_go_into_grants_and_an_outgrown_grant_is_replaced(spawn):
+def test_segments_go_into_grants_and_the_oldest_makes_room_for_a_new_size(spawn):
     """cuda_ipc's grants with no agent above (_testing's grant source of
     plain driver memory, so also on a GPU whose torch has no landing pool):
-    a large segment goes straight into landing memory the receiver granted;
-    one too large for the grant out makes the receiver revoke it (kind 38),
-    the sender gives it back unused (kind 39), and the larger grant that
-    follows takes the next one (docs/cuda.md, "Grants")."""
+    a large segment goes straight into landing memory the receiver granted,
+    one of at most twice its size; two sizes have a grant each (two slots);
+    a third size makes the receiver revoke the oldest (kind 38), the sender
+    gives it back unused (kind 39), and a grant of the new size follows
+    (docs/cuda.md, "Grants")."""
     (used, sender), (seen, receiver, memory, poisoned) = play(spawn, "granted")
     assert seen == [(b"m%d" % i, True) for i in range(len(ipc_worker.GRANTED))]
-    assert used == [0, 1, 0, 1]  # m0 earns a grant; m2 outgrows it
+    assert used == [0, 1, 0, 1, 0, 1]  # each new size earns a grant the next takes
     assert (receiver["grants_revoked"], sender["grants_returned"]) == (1, 1)
-    # 3 MiB after m0 and m1, 5 MiB after the return and after m3.
-    assert receiver["grants_made"] == 4 and sender["grants_used"] == 2
+    # 2 MiB after m0 and m1, 5 MiB after m2 and m3, 12 MiB after the
+    # return and after m5.
+    assert receiver["grants_made"] == 6 and sender["grants_used"] == 3
     assert sender["grants_capped"] == receiver["grants_capped"] == 0
-    # The receiver's close freed every grant segment (the peer's mappings
-    # counted closed first), and nothing used memory already freed.
-    assert memory["made"] == 4
-    assert poisoned in (None, 0)
+    assert memory["made"] == 6
+    assert poisoned in (None, 0)  # nothing used memory already freed
+
+
+@fake_only  # the sender's cuIpcOpenMemHandle fails ($FAKE_CUDA_IPC_MEM_OPEN_FAILS)
+def test_a_grant_the_sender_cannot_map_is_held_unused_until_taken_back(spawn):
+    """A grant whose segment does not open at the sender is held unused (the
+    segments go by block) rather than given back at once, which would have
+    the receiver grant it again in the same segment, over and over (a
+    helper's review: 24,600 grants in 2 s). The receiver grants each size
+    once; a third size takes the oldest back, and the sender returns it."""
+    sender, (seen, receiver) = play(spawn, "grant_unopened")
+    assert seen == [(b"m%d" % i, True) for i in range(len(ipc_worker.UNOPENED))]
+    assert sender["grants_used"] == 0 and sender["segments"] == len(ipc_worker.UNOPENED)
+    # 2 MiB, 5 MiB, then 12 MiB in the first's slot once it was back.
+    assert receiver["grants_made"] == 3, receiver
+    assert (receiver["grants_revoked"], sender["grants_returned"]) == (1, 1)
 
 
 @fake_only  # the sender sees two devices, the receiver one (FAKE_CUDA_DEVICES)

@@ -371,6 +371,7 @@ struct State {
   bool noIpcEvents = false; // $FAKE_CUDA_NO_IPC_EVENTS=1
   bool noPeerAccess = false; // $FAKE_CUDA_NO_PEER_ACCESS=1
   bool ipcSelf = false; // $FAKE_CUDA_IPC_SELF=1
+  bool ipcMemOpenFails = false; // $FAKE_CUDA_IPC_MEM_OPEN_FAILS=1
   // Each kernel runs this long after its stream reaches it: work that is not
   // ordered after a kernel sees its old bytes, as on a GPU under load.
   long kernelDelayMs = 0;
@@ -473,8 +474,9 @@ const ErrorText* errorText(CUresult code) {
 CUresult fail(const char* fn, CUresult rc, const char* why) {
   Stats& stats = state().stats;
   stats.errors++;
-  std::string text =
-      std::string(fn) + ": " + errorText(rc)->name + " (" + why + ")";
+  const ErrorText* e = errorText(rc);
+  std::string text = std::string(fn) + ": " +
+      (e ? e->name : std::to_string(int(rc)).c_str()) + " (" + why + ")";
   if (getenv("FAKE_CUDA_TRACE")) {
     fprintf(stderr, "fake_libcuda: %s\n", text.c_str());
   }
@@ -1316,6 +1318,8 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
   s.noPeerAccess = noPeer && strcmp(noPeer, "1") == 0;
   const char* ipcSelf = getenv("FAKE_CUDA_IPC_SELF");
   s.ipcSelf = ipcSelf && strcmp(ipcSelf, "1") == 0;
+  const char* openFails = getenv("FAKE_CUDA_IPC_MEM_OPEN_FAILS");
+  s.ipcMemOpenFails = openFails && strcmp(openFails, "1") == 0;
   s.salt = salt ? salt : "";
   s.devices = static_cast<int>(devices);
   for (int d = 0; d < s.devices; ++d) {
@@ -2047,6 +2051,10 @@ cuIpcOpenMemHandle(CUdeviceptr* dptr, CUipcMemHandle handle, unsigned flags) {
       dptr && flags == CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
       CUDA_ERROR_INVALID_VALUE,
       "null pointer, or flags not LAZY_ENABLE_PEER_ACCESS");
+  REQUIRE(
+      !state().ipcMemOpenFails,
+      CUDA_ERROR_OUT_OF_MEMORY,
+      "$FAKE_CUDA_IPC_MEM_OPEN_FAILS=1");
   CHECK(decodeHandle(__func__, handle.reserved, kIpcMemory, &h));
   State& s = state();
   Lock lock(s.mu);

@@ -321,8 +321,8 @@ RING_SETUP, RING_DROP = 24, 25
 # cuda_ipc, the third: kinds 32.., segment top byte 3, records
 # {uint32 id, uint32 kind, uint64 offset}; setup bits 2 and 3.
 IPC_SETUP, IPC_RELEASE, IPC_DROP = 32, 33, 34
-# ... and its grants (protocol 11): kinds 36 (grant, 168 bytes) and 37
-# (grant event, 68 bytes), record kind 5 (granted).
+# ... and its grants (protocol 11; their slot fields, protocol 12): kinds 36
+# (grant, 172 bytes) and 37 (grant event, 72 bytes), record kind 5 (granted).
 IPC_GRANT, IPC_GRANT_EVENT = 36, 37
 IPC_GRANTED = 5
 # ... and their ends (protocol 12): kinds 38 (revoke) and 39 (returned),
@@ -406,13 +406,15 @@ def stream_seeds():
     # segment, a grant event that does not open, a record of a grant never
     # made (each refused).
     write("stream", "ipc-grant-unopened",
-          bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT, head=168)
-          + u32(1) + u32(0) + u64(4 << 20) + u64(0) + u64(1) + u64(8 << 20) + bytes(128) + ping)
+          bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT, head=172)
+          + u32(1) + u32(0) + u32(0) + u64(4 << 20) + u64(0) + u64(1) + u64(8 << 20) + bytes(128)
+          + ping)
     write("stream", "ipc-grant-refused",
-          bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT, head=168)
-          + u32(1) + u32(0) + u64(16 << 20) + u64(0) + u64(1) + u64(8 << 20) + bytes(128))
+          bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT, head=172)
+          + u32(1) + u32(0) + u32(1) + u64(16 << 20) + u64(0) + u64(1) + u64(8 << 20) + bytes(128))
     write("stream", "ipc-grant-event-garbage",
-          bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT_EVENT, head=68) + u32(0) + bytes(64))
+          bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT_EVENT, head=72) + u32(0) + u32(0)
+          + bytes(64))
     write("stream", "ipc-granted-unknown",
           bytes([STREAM_IPC_FD]) + message([b"p" * 8, u32(9) + u32(IPC_GRANTED) + u64(0)],
                                            lengths=[8, 4096 | IPC_BIT]))

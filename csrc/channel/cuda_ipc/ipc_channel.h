@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -90,8 +91,9 @@ enum IpcFrame : uint8_t {
 // segment that fits straight into it (one copy a direction, no landing
 // copy), records its grant event, and sends a kGranted record. The memory
 // is a legacy-IPC-shared segment of the receiver's pool (one PID namespace).
-// A grant smaller than the peer's segments now is revoked (kGrantRevoke):
-// the sender gives back one it has not used (kGrantReturned), or answers
+// A segment that fits no grant out earns one of its size, in a free slot,
+// or in the slot of the oldest grant, which is revoked (kGrantRevoke): the
+// sender gives back one it has not used (kGrantReturned), or answers
 // nothing where its record of the grant's use is on its way; a grant it
 // used for a frame it then did not send goes back, unasked, once its copy
 // into it has completed. Each grant ends in one record or one return.
@@ -99,6 +101,7 @@ enum IpcFrame : uint8_t {
 struct GrantSetup {
   uint32_t id;
   uint32_t device; // the receiver's device index
+  uint32_t slot; // below kGrantSlots: whose events the copy waits and records
   uint64_t bytes;
   uint64_t offset; // of the block in the segment
   uint64_t segmentKey; // the receiver's, unique per allocation of a segment
@@ -111,11 +114,27 @@ struct GrantSetup {
 };
 struct GrantEventSetup {
   uint32_t device; // the receiver's device index the writes are for
+  uint32_t slot; // ... into its grants of this slot
   CUipcEventHandle event;
 };
 #pragma pack(pop)
-static_assert(sizeof(GrantSetup) == 168, "GrantSetup layout is fixed");
-static_assert(sizeof(GrantEventSetup) == 68, "GrantEventSetup layout is fixed");
+static_assert(sizeof(GrantSetup) == 172, "GrantSetup layout is fixed");
+static_assert(sizeof(GrantEventSetup) == 72, "GrantEventSetup layout is fixed");
+
+// At most this many grants out per connection, direction and device, each
+// in a slot of its own with its own pair of events (the receiver's "free",
+// the sender's "written"): a slot's events are recorded again only for the
+// slot's next grant, made once the last one ended. Two, so that two sizes
+// of segment taking turns (a forward's and a backward's, say) each have
+// one.
+constexpr uint32_t kGrantSlots = 2;
+// A segment goes into a grant of at least its size and at most this many
+// times it: the tensor holds the whole grant, so a small one never pins a
+// block many times its size. Receiver and sender judge fit alike.
+constexpr uint64_t kGrantSlack = 2;
+inline bool grantFits(uint64_t grantBytes, uint64_t segmentBytes) {
+  return segmentBytes <= grantBytes && grantBytes / kGrantSlack <= segmentBytes;
+}
 
 // What travels in the stream in place of a segment's bytes.
 struct BlockRecord {
@@ -391,8 +410,13 @@ class IpcChannel final : public Channel,
   // Receiver: a large segment of `size` from the peer landed on `device`
   // (or was written into a grant): a grant for the next may follow.
   void noteLargeFromLoop(int device, uint64_t size);
-  // At a frame's end: a grant per device noted, where none is out.
+  // At a frame's end: a grant for each size noted that no grant out fits.
   void postGrantsFromLoop();
+  // ... one: true where it revoked a grant to make room.
+  bool postGrantFromLoop(
+      const std::shared_ptr<GrantSource>& source,
+      int device,
+      uint64_t bytes);
   // The grants whose memory is free (its stream passed the allocation)
   // and not yet sent (grantMu_ taken here).
   void collectGrantsLocked(std::vector<ControlFrame>* out);
@@ -420,6 +444,7 @@ class IpcChannel final : public Channel,
   struct OutGrant {
     GrantMemory memory;
     int device = 0;
+    int slot = 0;
     uint64_t bytes = 0;
     bool sent = false;
     // Revoked (a larger segment came): `wanted` bytes follow its return.
@@ -427,31 +452,43 @@ class IpcChannel final : public Channel,
     uint64_t wanted = 0;
   };
   struct InGrant {
-    uint32_t id = 0;
+    int device = 0; // ours
+    int slot = 0;
     int peerDevice = 0; // the receiver's index, as it named it
     uint64_t bytes = 0;
-    CUdeviceptr address = 0;
+    CUdeviceptr address = 0; // 0: its segment did not open (held unused)
     CUevent free = nullptr; // the receiver's, opened (peerFreeEvents_)
   };
+  using SlotKey = std::pair<int, int>; // (device, slot)
+  // Sender: `id` ended here (used, or given back): a revoke of it that
+  // finds nothing is late, not early (revokeGrantLocked).
+  void endedGrantLocked(uint32_t id);
   std::mutex grantMu_; // the members below but noted_ and peerGrantEvents_
   std::map<uint32_t, OutGrant> outGrants_;
   uint32_t nextGrantId_ = 1;
   std::string pendingRevokes_; // ids (idHead), riding as releases do
   std::string pendingReturns_;
   std::set<uint64_t> sharedSegments_; // our segments the peer was told of
-  std::map<int, InGrant> inGrants_; // the peer's, by our device
+  std::map<uint32_t, InGrant> inGrants_; // the peer's, by its id
+  // Sender: the peer's grants that ended here lately, and revokes that came
+  // before the grant they name (control frames sent alone jump ahead of
+  // frames queued earlier, a grant riding a message among them): such a
+  // grant goes back as it arrives. Both bounded, oldest out first.
+  std::deque<uint32_t> endedGrants_;
+  std::deque<uint32_t> earlyRevokes_;
   // The peer's segments we opened: key -> (base, (mapped size, our device)).
   std::map<uint64_t, std::pair<CUdeviceptr, std::pair<uint64_t, int>>>
       peerSegments_;
   std::vector<PooledEvent> grantCopies_; // our copies into them, not done
-  std::map<int, CUevent> grantEvents_; // ours (interprocess), by our device
+  std::map<SlotKey, CUevent> grantEvents_; // ours (interprocess)
   // Receiver: ours, recorded after each grant's allocation (interprocess),
   // and their handles; sender: the receiver's, opened, by our device.
-  std::map<int, std::pair<CUevent, CUipcEventHandle>> freeEvents_;
-  std::map<int, CUevent> peerFreeEvents_;
+  std::map<SlotKey, std::pair<CUevent, CUipcEventHandle>> freeEvents_;
+  std::map<SlotKey, CUevent> peerFreeEvents_;
   std::shared_ptr<GrantSource> grantSource_; // what our grants came from
-  std::map<int, uint64_t> noted_; // loop thread: this frame's large ones
-  std::map<int, std::shared_ptr<CUevent_st>> peerGrantEvents_; // loop thread
+  // Loop thread: this frame's large sizes, by device (a few, the largest).
+  std::map<int, std::set<uint64_t>> noted_;
+  std::map<SlotKey, std::shared_ptr<CUevent_st>> peerGrantEvents_;
 
   struct OwnBlock {
     // kDropping: the peer was told to close it and has not answered.

@@ -4,6 +4,7 @@
 // receiver when the peer's segments outgrew them, given back by the sender
 // when the frame it wrote one for was not sent, and held at the close until
 // no copy of the peer's into them can still run.
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <set>
@@ -18,6 +19,13 @@
 namespace torch_rpc_ext::channel::cuda {
 
 namespace {
+// A grant a sender ended is remembered this long (in grants ended since):
+// a revoke of it arrives within a round trip, and a peer has at most
+// kGrantSlots out per device then. Revokes of grants not yet here, these
+// many at most.
+constexpr size_t kEndedGrantsKept = 256;
+constexpr size_t kEarlyRevokesKept = 64;
+
 std::vector<uint32_t> idsOf(const std::string& head) {
   std::vector<uint32_t> ids(head.size() / sizeof(uint32_t));
   std::memcpy(ids.data(), head.data(), ids.size() * sizeof(uint32_t));
@@ -43,11 +51,19 @@ bool IpcChannel::onGrantReturnedFromLoop(Host& host, const std::string& head) {
     // The peer never wrote it, or its write is done (abandonGrant): the
     // memory is the pool's again at once, on the stream it was made for.
     g.memory.memory.reset();
-    noteLargeFromLoop(g.device, std::max(g.bytes, g.wanted));
+    // Its slot's next: the size a revoke asked for, or as large again.
+    noteLargeFromLoop(g.device, g.revoking ? g.wanted : g.bytes);
   }
   postGrantsFromLoop();
   flushReleases(); // the larger grant now: its sender may be waiting
   return true;
+}
+
+void IpcChannel::endedGrantLocked(uint32_t id) {
+  endedGrants_.push_back(id);
+  if (endedGrants_.size() > kEndedGrantsKept) {
+    endedGrants_.pop_front();
+  }
 }
 
 void IpcChannel::onGrantRevokeFromLoop(const std::string& head) {
@@ -55,15 +71,20 @@ void IpcChannel::onGrantRevokeFromLoop(const std::string& head) {
   {
     std::lock_guard<std::mutex> lock(grantMu_);
     for (uint32_t id : idsOf(head)) {
-      // Not found: used (its record is on its way, and ends it) or given
-      // back already (abandonGrant): the peer hears of it once either way.
-      for (auto it = inGrants_.begin(); it != inGrants_.end(); ++it) {
-        if (it->second.id == id) {
-          inGrants_.erase(it);
-          back += idHead(id);
-          break;
+      if (inGrants_.erase(id) != 0) {
+        endedGrantLocked(id);
+        back += idHead(id);
+      } else if (
+          std::find(endedGrants_.begin(), endedGrants_.end(), id) ==
+          endedGrants_.end()) {
+        // Not here yet (ahead of it on the wire): back as it comes.
+        earlyRevokes_.push_back(id);
+        if (earlyRevokes_.size() > kEarlyRevokesKept) {
+          earlyRevokes_.pop_front(); // (a peer's nonsense, not a grant)
         }
       }
+      // Else ended here: used (its record is on its way, and ends it) or
+      // given back already: the peer hears of it once either way.
     }
   }
   if (!back.empty()) {
@@ -97,31 +118,37 @@ void IpcChannel::closeGrantsFromLoop() {
   auto held = std::make_shared<std::map<uint32_t, OutGrant>>();
   auto shared = std::make_shared<std::set<uint64_t>>();
   auto opened = std::make_shared<decltype(peerSegments_)>();
-  auto events = std::make_shared<std::map<int, CUevent>>();
+  // Ours, interprocess, by device: destroyed once the peer closed them.
+  auto events = std::make_shared<std::vector<std::pair<int, CUevent>>>();
   auto copies = std::make_shared<std::vector<PooledEvent>>();
-  std::map<int, CUevent> peerFree;
+  std::map<SlotKey, CUevent> peerFree;
   std::shared_ptr<GrantSource> source;
   {
     std::lock_guard<std::mutex> lock(grantMu_);
     held->swap(outGrants_);
     shared->swap(sharedSegments_);
     opened->swap(peerSegments_);
-    events->swap(grantEvents_);
-    // Ours the peer opened go with ours it wrote after (the same wait).
-    for (const auto& [device, free] : freeEvents_) {
-      (*events)[-1 - device] = free.first;
+    // Ours the peer opened: the writes' and the frees' (the same wait).
+    for (const auto& [key, e] : grantEvents_) {
+      events->emplace_back(key.first, e);
     }
+    for (const auto& [key, free] : freeEvents_) {
+      events->emplace_back(key.first, free.first);
+    }
+    grantEvents_.clear();
     freeEvents_.clear();
     peerFree.swap(peerFreeEvents_);
     copies->swap(grantCopies_);
     inGrants_.clear();
+    endedGrants_.clear();
+    earlyRevokes_.clear();
     pendingRevokes_.clear();
     pendingReturns_.clear();
     source = grantSource_;
   }
-  for (const auto& [device, e] : peerFree) {
+  for (const auto& [key, e] : peerFree) {
     try {
-      CurrentDevice current(device);
+      CurrentDevice current(key.first);
       libcuda().cuEventDestroy(e);
     } catch (...) {
     }
@@ -173,10 +200,9 @@ void IpcChannel::closeGrantsFromLoop() {
         runOnStagingThreadWhen(
             [deadline] { return std::chrono::steady_clock::now() >= deadline; },
             [events] {
-              for (const auto& [key, e] : *events) {
+              for (const auto& [device, e] : *events) {
                 try {
-                  // (keys below 0: our free events, of device -1 - key)
-                  CurrentDevice current(key >= 0 ? key : -1 - key);
+                  CurrentDevice current(device);
                   libcuda().cuEventDestroy(e);
                 } catch (...) {
                 }

@@ -75,6 +75,11 @@ class GrantedRegion final : public frame::LandedRegion {
 
 // Segments over this size, contiguous, may go into a grant.
 constexpr uint64_t kGrantMinBytes = kPackMaxBytes;
+// Grants are made in multiples of this (as torch rounds large blocks).
+constexpr uint64_t kGrantRound = uint64_t(2) << 20;
+static_assert(
+    kGrantRound <= kGrantMinBytes * kGrantSlack,
+    "a rounded grant fits the segment it was made for");
 // A grant names a segment of at most this many bytes, and a sender keeps
 // at most this many of a peer's segments open (a peer that names more
 // closes the connection).
@@ -86,7 +91,10 @@ constexpr size_t kMaxPeerSegments = 64;
 void IpcChannel::noteLargeFromLoop(int device, uint64_t size) {
   if (grantsPossible_ && size > kGrantMinBytes) {
     auto& noted = noted_[device];
-    noted = std::max(noted, size);
+    noted.insert(size);
+    if (noted.size() > kGrantSlots) {
+      noted.erase(noted.begin()); // the largest few
+    }
   }
 }
 
@@ -94,101 +102,134 @@ void IpcChannel::postGrantsFromLoop() {
   if (noted_.empty()) {
     return;
   }
-  std::map<int, uint64_t> noted;
+  std::map<int, std::set<uint64_t>> noted;
   noted.swap(noted_);
   auto source = grantSource();
   if (source == nullptr) {
     return;
   }
   bool revoked = false;
-  for (const auto& [device, bytes] : noted) {
-    OutGrant unsent; // (freed outside the lock)
-    {
-      std::lock_guard<std::mutex> lock(grantMu_);
-      grantSource_ = source;
-      auto out = std::find_if(
-          outGrants_.begin(), outGrants_.end(), [device = device](auto& kv) {
-            return kv.second.device == device;
-          });
-      if (out != outGrants_.end()) {
-        // One at a time per device. One too small for the peer's segments
-        // now is taken back (a larger follows its return), or, not yet
-        // told to the peer, replaced.
-        OutGrant& g = out->second;
-        if (bytes <= g.bytes) {
-          continue;
-        }
-        if (g.sent) {
-          g.wanted = std::max(g.wanted, bytes);
-          if (!g.revoking) {
-            g.revoking = true;
-            pendingRevokes_ += idHead(out->first);
-            counters_.grantsRevoked.fetch_add(1, std::memory_order_relaxed);
-            revoked = true;
-          }
-          continue;
-        }
-        unsent = std::move(g);
-        outGrants_.erase(out);
-      }
+  for (const auto& [device, sizes] : noted) {
+    for (auto it = sizes.rbegin(); it != sizes.rend(); ++it) {
+      revoked = postGrantFromLoop(source, device, *it) || revoked;
     }
-    unsent.memory.memory.reset(); // the pool's again, for the larger one
-    OutGrant g;
-    g.device = device;
-    g.bytes = bytes;
-    try {
-      g.memory = source->allocate(device, bytes);
-      std::unique_lock<std::mutex> lock(grantMu_);
-      if (sharedSegments_.count(g.memory.segmentKey) == 0 &&
-          sharedSegments_.size() >= kMaxPeerSegments) {
-        // The peer keeps at most that many of our segments open (and
-        // closes a connection that names more): none in a new one.
-        lock.unlock();
-        g.memory.memory.reset();
-        counters_.grantsCapped.fetch_add(1, std::memory_order_relaxed);
-        continue;
-      }
-      // The peer may have it open from now on (counted before the grant
-      // goes, so that the cap above holds across devices).
-      if (sharedSegments_.insert(g.memory.segmentKey).second) {
-        source->segmentShared(g.memory.segmentKey);
-      }
-      CurrentDevice current(device);
-      auto free = freeEvents_.find(device);
-      if (free == freeEvents_.end()) {
-        // One per device, interprocess: the peer opens it once. Recorded
-        // again only for the next grant, which follows the record of this
-        // one's use: the peer queued its wait before that copy.
-        CUevent e = nullptr;
-        CUipcEventHandle handle;
-        TORCH_RPC_EXT_CUDA_CHECK(
-            cuEventCreate, &e, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
-        if (libcuda().cuIpcGetEventHandle(&handle, e) != CUDA_SUCCESS) {
-          libcuda().cuEventDestroy(e);
-          throw std::runtime_error("no interprocess handle for an event");
-        }
-        free = freeEvents_.emplace(device, std::make_pair(e, handle)).first;
-      }
-      // The block's last use before the grant (a freed tensor's, on the
-      // grant stream) is what the peer's copy waits for.
-      TORCH_RPC_EXT_CUDA_CHECK(
-          cuEventRecord, free->second.first, g.memory.stream);
-    } catch (const std::exception& e) {
-      logWarningLimited(
-          "cuda_ipc_grant",
-          std::string(
-              "torch_rpc_ext: cuda_ipc could not grant landing "
-              "memory (the segment lands by copy): ") +
-              e.what());
-      continue;
-    }
-    std::lock_guard<std::mutex> lock(grantMu_);
-    outGrants_.emplace(nextGrantId_++, std::move(g));
-    counters_.grantsMade.fetch_add(1, std::memory_order_relaxed);
   }
   if (revoked) {
-    flushReleases(); // rare (a larger segment): not held for a ride
+    flushReleases(); // rare (a new size): not held for a ride
   }
+}
+
+bool IpcChannel::postGrantFromLoop(
+    const std::shared_ptr<GrantSource>& source,
+    int device,
+    uint64_t bytes) {
+  // (Only this thread adds or ends grants: what it reads here holds until
+  // it allocates.)
+  int slot = -1;
+  OutGrant unsent; // (freed outside the lock)
+  {
+    std::lock_guard<std::mutex> lock(grantMu_);
+    grantSource_ = source;
+    std::set<int> taken;
+    auto oldest = outGrants_.end();
+    for (auto it = outGrants_.begin(); it != outGrants_.end(); ++it) {
+      const OutGrant& g = it->second;
+      if (g.device != device) {
+        continue;
+      }
+      if (grantFits(g.revoking ? g.wanted : g.bytes, bytes)) {
+        return false; // one out serves it (or will, once back)
+      }
+      taken.insert(g.slot);
+      if (!g.revoking && oldest == outGrants_.end()) {
+        oldest = it; // (ids ascend: the first is the oldest)
+      }
+    }
+    for (int i = 0; i < static_cast<int>(kGrantSlots); ++i) {
+      if (taken.count(i) == 0) {
+        slot = i;
+        break;
+      }
+    }
+    if (slot < 0) {
+      // Every slot taken: the oldest grant makes room. One the peer has
+      // is taken back, and this size follows its return; one not yet sent
+      // is replaced now.
+      if (oldest == outGrants_.end()) {
+        return false; // all on their way back
+      }
+      OutGrant& g = oldest->second;
+      if (g.sent) {
+        g.revoking = true;
+        g.wanted = bytes;
+        pendingRevokes_ += idHead(oldest->first);
+        counters_.grantsRevoked.fetch_add(1, std::memory_order_relaxed);
+        return true;
+      }
+      slot = g.slot;
+      unsent = std::move(g);
+      outGrants_.erase(oldest);
+    }
+  }
+  unsent.memory.memory.reset(); // the pool's again, for this one
+  OutGrant g;
+  g.device = device;
+  g.slot = slot;
+  // Rounded up, so that sizes a little apart share it (at most twice the
+  // segment still: it is over 1 MiB).
+  g.bytes = (bytes + kGrantRound - 1) / kGrantRound * kGrantRound;
+  try {
+    g.memory = source->allocate(device, g.bytes);
+    std::unique_lock<std::mutex> lock(grantMu_);
+    if (sharedSegments_.count(g.memory.segmentKey) == 0 &&
+        sharedSegments_.size() >= kMaxPeerSegments) {
+      // The peer keeps at most that many of our segments open (and
+      // closes a connection that names more): none in a new one.
+      lock.unlock();
+      g.memory.memory.reset();
+      counters_.grantsCapped.fetch_add(1, std::memory_order_relaxed);
+      return false;
+    }
+    // The peer may have it open from now on (counted before the grant
+    // goes, so that the cap above holds across devices).
+    if (sharedSegments_.insert(g.memory.segmentKey).second) {
+      source->segmentShared(g.memory.segmentKey);
+    }
+    CurrentDevice current(device);
+    auto free = freeEvents_.find({device, slot});
+    if (free == freeEvents_.end()) {
+      // One per device and slot, interprocess: the peer opens it once.
+      // Recorded again only for the slot's next grant, which follows the
+      // end of this one: the peer queued its wait before its copy.
+      CUevent e = nullptr;
+      CUipcEventHandle handle;
+      TORCH_RPC_EXT_CUDA_CHECK(
+          cuEventCreate, &e, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
+      if (libcuda().cuIpcGetEventHandle(&handle, e) != CUDA_SUCCESS) {
+        libcuda().cuEventDestroy(e);
+        throw std::runtime_error("no interprocess handle for an event");
+      }
+      free =
+          freeEvents_.emplace(SlotKey{device, slot}, std::make_pair(e, handle))
+              .first;
+    }
+    // The block's last use before the grant (a freed tensor's, on the
+    // grant stream) is what the peer's copy waits for.
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuEventRecord, free->second.first, g.memory.stream);
+  } catch (const std::exception& e) {
+    logWarningLimited(
+        "cuda_ipc_grant",
+        std::string(
+            "torch_rpc_ext: cuda_ipc could not grant landing "
+            "memory (the segment lands by copy): ") +
+            e.what());
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(grantMu_);
+  outGrants_.emplace(nextGrantId_++, std::move(g));
+  counters_.grantsMade.fetch_add(1, std::memory_order_relaxed);
+  return false;
 }
 
 void IpcChannel::collectGrantsLocked(std::vector<ControlFrame>* out) {
@@ -208,9 +249,10 @@ void IpcChannel::collectGrantsLocked(std::vector<ControlFrame>* out) {
       continue;
     }
     GrantSetup setup{};
-    setup.free = freeEvents_.at(g.device).second;
+    setup.free = freeEvents_.at({g.device, g.slot}).second;
     setup.id = id;
     setup.device = static_cast<uint32_t>(g.device);
+    setup.slot = static_cast<uint32_t>(g.slot);
     setup.bytes = g.bytes;
     setup.offset = reinterpret_cast<uintptr_t>(g.memory.memory->data()) -
         g.memory.segmentBase;
@@ -253,8 +295,32 @@ bool IpcChannel::onGrantFromLoop(Host& host, const std::string& head) {
         std::to_string(g.segmentSize);
   } else if (!grantsPossible_) {
     why = "a CUDA grant where legacy handles do not reach the peer";
+  } else if (g.slot >= kGrantSlots) {
+    why = "a CUDA grant in slot " + std::to_string(g.slot);
   } else {
     local = localDevices_.at(peerDevices_[g.device]);
+    std::lock_guard<std::mutex> lock(grantMu_);
+    for (const auto& [id, in] : inGrants_) {
+      if (id == g.id || (in.device == local && in.slot == int(g.slot))) {
+        why = "a CUDA grant (" + std::to_string(g.id) + ", slot " +
+            std::to_string(g.slot) + ") while one is out there";
+      }
+    }
+  }
+  bool revoked = false;
+  if (why.empty()) {
+    std::lock_guard<std::mutex> lock(grantMu_);
+    auto early = std::find(earlyRevokes_.begin(), earlyRevokes_.end(), g.id);
+    if (early != earlyRevokes_.end()) {
+      earlyRevokes_.erase(early);
+      endedGrantLocked(g.id);
+      revoked = true;
+    }
+  }
+  if (revoked) {
+    // Taken back before it got here: back at once, never used.
+    returnGrants(idHead(g.id));
+    return true;
   }
   // The peer's segment and its free event, opened once each, here on the
   // loop thread (the only one that adds them), outside grantMu_.
@@ -288,13 +354,23 @@ bool IpcChannel::onGrantFromLoop(Host& host, const std::string& head) {
         throw std::runtime_error("the mapping's size is unknown");
       }
     } catch (const std::exception& e) {
-      // Not ours to refuse: its segments travel by block, as before.
+      // Not ours to refuse: held unused (its slot's segments go by block)
+      // until the peer takes it back. Given back now, the peer would make
+      // it again at once, in the segment that just failed.
       logWarningLimited(
           "cuda_ipc_grant_open",
           std::string(
               "torch_rpc_ext: cuda_ipc could not open a peer's "
               "grant: ") +
               e.what());
+      std::lock_guard<std::mutex> lock(grantMu_);
+      inGrants_[g.id] = InGrant{
+          local,
+          static_cast<int>(g.slot),
+          static_cast<int>(g.device),
+          g.bytes,
+          0,
+          nullptr};
       return true;
     }
     mapped = {base, size};
@@ -309,8 +385,9 @@ bool IpcChannel::onGrantFromLoop(Host& host, const std::string& head) {
         std::to_string(mapped.second);
   }
   CUevent free = nullptr;
+  const SlotKey key{local, static_cast<int>(g.slot)};
   if (why.empty()) {
-    auto it = peerFreeEvents_.find(local);
+    auto it = peerFreeEvents_.find(key);
     if (it != peerFreeEvents_.end()) {
       free = it->second;
     } else {
@@ -322,7 +399,7 @@ bool IpcChannel::onGrantFromLoop(Host& host, const std::string& head) {
       }
       if (why.empty()) {
         std::lock_guard<std::mutex> lock(grantMu_);
-        peerFreeEvents_[local] = free;
+        peerFreeEvents_[key] = free;
       }
     }
   }
@@ -331,16 +408,23 @@ bool IpcChannel::onGrantFromLoop(Host& host, const std::string& head) {
     return false;
   }
   std::lock_guard<std::mutex> lock(grantMu_);
-  inGrants_[local] = InGrant{
-      g.id, static_cast<int>(g.device), g.bytes, mapped.first + g.offset, free};
+  inGrants_[g.id] = InGrant{
+      local,
+      static_cast<int>(g.slot),
+      static_cast<int>(g.device),
+      g.bytes,
+      mapped.first + g.offset,
+      free};
   return true;
 }
 
 bool IpcChannel::onGrantEventFromLoop(Host& host, const std::string& head) {
   GrantEventSetup setup;
   std::memcpy(&setup, head.data(), sizeof(setup));
-  if (setup.device >= static_cast<uint32_t>(deviceCount())) {
-    host.rejectFromLoop("rejected frame: a CUDA grant event for no device");
+  if (setup.device >= static_cast<uint32_t>(deviceCount()) ||
+      setup.slot >= kGrantSlots) {
+    host.rejectFromLoop(
+        "rejected frame: a CUDA grant event for no device or slot");
     return false;
   }
   const int device = static_cast<int>(setup.device);
@@ -356,7 +440,7 @@ bool IpcChannel::onGrantEventFromLoop(Host& host, const std::string& head) {
         ex.what());
     return false;
   }
-  peerGrantEvents_[device] =
+  peerGrantEvents_[{device, static_cast<int>(setup.slot)}] =
       std::shared_ptr<CUevent_st>(e, [device](CUevent e) {
         try {
           CurrentDevice current(device);
@@ -372,6 +456,7 @@ int64_t IpcChannel::onGrantedFromLoop(
     InboundSegment& segment) {
   std::string why;
   int device = -1;
+  int slot = 0;
   {
     std::lock_guard<std::mutex> lock(grantMu_);
     auto it = outGrants_.find(r.id);
@@ -385,9 +470,10 @@ int64_t IpcChannel::onGrantedFromLoop(
           " bytes does not fit CUDA grant " + std::to_string(r.id);
     } else {
       device = it->second.device;
+      slot = it->second.slot;
     }
   }
-  auto peerWritten = peerGrantEvents_.find(device);
+  auto peerWritten = peerGrantEvents_.find({device, slot});
   if (why.empty() && peerWritten == peerGrantEvents_.end()) {
     why = "a record of CUDA grant " + std::to_string(r.id) +
         " before the peer's grant event";
@@ -422,8 +508,12 @@ int64_t IpcChannel::onGrantedFromLoop(
     outGrants_.erase(it);
   }
   counters_.segments.fetch_add(1, std::memory_order_relaxed);
-  // The next one's grant (as large as a revoke of this one asked).
-  noteLargeFromLoop(g.device, std::max(segment.size, g.wanted));
+  // Its slot's next grant, as large (the segment fitted it), and the size
+  // a revoke of it asked for.
+  noteLargeFromLoop(g.device, g.bytes);
+  if (g.revoking) {
+    noteLargeFromLoop(g.device, g.wanted);
+  }
   *segment.provided = g.memory.memory->data();
   *segment.region = std::make_shared<GrantedRegion>(
       g.device, std::move(g.memory.memory), g.memory.stream, written);
@@ -439,22 +529,35 @@ bool IpcChannel::takeGrant(
   }
   const int device = segment.deviceIndex;
   const auto stream = reinterpret_cast<CUstream>(segment.stream);
-  std::lock_guard<std::mutex> lock(grantMu_);
-  auto it = inGrants_.find(device);
-  if (it == inGrants_.end() || segment.size > it->second.bytes ||
-      (segment.peerDevice >= 0 &&
-       segment.peerDevice != it->second.peerDevice)) {
+  // Held through the copy: the close waits for the copies it knows of
+  // before it unmaps the peer's segments.
+  std::unique_lock<std::mutex> lock(grantMu_);
+  // The smallest of the peer's grants for the device that fits.
+  auto it = inGrants_.end();
+  for (auto at = inGrants_.begin(); at != inGrants_.end(); ++at) {
+    const InGrant& in = at->second;
+    if (in.device == device && in.address != 0 &&
+        grantFits(in.bytes, segment.size) &&
+        (segment.peerDevice < 0 || segment.peerDevice == in.peerDevice) &&
+        (it == inGrants_.end() || in.bytes < it->second.bytes)) {
+      it = at;
+    }
+  }
+  if (it == inGrants_.end()) {
     return false;
   }
+  const uint32_t id = it->first;
   const InGrant g = it->second;
   CurrentDevice current(device);
-  auto known = grantEvents_.find(device);
+  auto known = grantEvents_.find({device, g.slot});
   CUevent written = known == grantEvents_.end() ? nullptr : known->second;
   if (written == nullptr) {
-    // Ours, once per device: the peer opens it and, as each record
-    // arrives, captures its record for that grant's copy (GrantedRegion).
+    // Ours, once per device and slot: the peer opens it and, as each
+    // record arrives, captures its record for that grant's copy
+    // (GrantedRegion).
     GrantEventSetup setup{};
     setup.device = static_cast<uint32_t>(g.peerDevice);
+    setup.slot = static_cast<uint32_t>(g.slot);
     TORCH_RPC_EXT_CUDA_CHECK(
         cuEventCreate,
         &written,
@@ -463,7 +566,7 @@ bool IpcChannel::takeGrant(
       libcuda().cuEventDestroy(written);
       return false; // by block
     }
-    grantEvents_[device] = written;
+    grantEvents_[{device, g.slot}] = written;
     before->push_back(
         ControlFrame{
             context().wireIds().kind(kGrantEvent),
@@ -471,31 +574,45 @@ bool IpcChannel::takeGrant(
             {},
             nullptr});
   }
-  // The one copy of this direction: after the caller's work on `stream`
-  // and the grant's last use on the receiver's side.
-  TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, g.free, 0);
-  copyEngine(device).copySegments(
-      stream,
-      {{g.address, reinterpret_cast<CUdeviceptr>(segment.data), segment.size}});
-  TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, written, stream);
-  // Each copy's own completion, for the close (the event above says only
-  // the latest, maybe of another stream).
-  PooledEvent copied = StagingPool::of(device).takeEvent();
-  TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, copied.get(), stream);
-  grantCopies_.erase(
-      std::remove_if(
-          grantCopies_.begin(),
-          grantCopies_.end(),
-          [](const PooledEvent& e) {
-            return libcuda().cuEventQuery(e.get()) == CUDA_SUCCESS;
-          }),
-      grantCopies_.end());
-  grantCopies_.push_back(std::move(copied));
+  inGrants_.erase(it);
+  endedGrantLocked(id);
+  try {
+    // The one copy of this direction: after the caller's work on `stream`
+    // and the grant's last use on the receiver's side.
+    TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, g.free, 0);
+    copyEngine(device).copySegments(
+        stream,
+        {{g.address,
+          reinterpret_cast<CUdeviceptr>(segment.data),
+          segment.size}});
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, written, stream);
+    // Each copy's own completion, for the close (the event above says only
+    // the latest, maybe of another stream).
+    PooledEvent copied = StagingPool::of(device).takeEvent();
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, copied.get(), stream);
+    grantCopies_.erase(
+        std::remove_if(
+            grantCopies_.begin(),
+            grantCopies_.end(),
+            [](const PooledEvent& e) {
+              return libcuda().cuEventQuery(e.get()) == CUDA_SUCCESS;
+            }),
+        grantCopies_.end());
+    grantCopies_.push_back(std::move(copied));
+  } catch (...) {
+    // The copy may be queued, and no record will name the grant: it goes
+    // back once nothing of ours can still write it (a failed stream's
+    // work is over too), as a frame's that was not sent does.
+    libcuda().cuStreamSynchronize(stream);
+    lock.unlock();
+    returnGrants(idHead(id));
+    throw;
+  }
+  lock.unlock();
   if (auto* region = dynamic_cast<frame::DeviceRegion*>(segment.origin.get())) {
     region->recordUse(segment.stream);
   }
-  inGrants_.erase(it);
-  BlockRecord r{g.id, BlockRecord::kGranted, 0};
+  BlockRecord r{id, BlockRecord::kGranted, 0};
   std::memcpy(out, &r, sizeof(r));
   counters_.grantsUsed.fetch_add(1, std::memory_order_relaxed);
   counters_.segments.fetch_add(1, std::memory_order_relaxed);

@@ -187,6 +187,30 @@ void StreamConnection::abandonPlan(
     const PendingWrite& w,
     const std::vector<uint8_t>& slots,
     std::vector<channel::ControlFrame> before) {
+  // The peer must still hear of regions made meanwhile: they are in our
+  // pools now, and a later record may name them. Queued first: what goes
+  // back below may be used by another frame at once, whose records may
+  // lean on these (a grant's event, docs/cuda.md, "Grants").
+  if (!before.empty()) {
+    std::string error;
+    bool open = false;
+    {
+      std::lock_guard<std::mutex> lock(writeMutex_);
+      open = state_ != State::kClosed;
+      if (open) {
+        bool wasEmpty = writes_.empty();
+        for (auto& b : before) {
+          writes_.push_back(controlFrame(std::move(b)));
+        }
+        if (state_ == State::kReady && wasEmpty) {
+          error = flushLocked();
+        }
+      }
+    }
+    if (open) {
+      afterFlush(error);
+    }
+  }
   // What the region channels took for the earlier segments goes back (the
   // staged copies go back with `w`, once they are done).
   for (size_t i = 0; i < slots.size(); ++i) {
@@ -202,26 +226,6 @@ void StreamConnection::abandonPlan(
           " could not give back a region of an unsent frame: " + e.what());
     }
   }
-  if (before.empty()) {
-    return;
-  }
-  // The peer must still hear of regions made meanwhile: they are in our
-  // pools now, and a later record may name them.
-  std::string error;
-  {
-    std::lock_guard<std::mutex> lock(writeMutex_);
-    if (state_ == State::kClosed) {
-      return;
-    }
-    bool wasEmpty = writes_.empty();
-    for (auto& b : before) {
-      writes_.push_back(controlFrame(std::move(b)));
-    }
-    if (state_ == State::kReady && wasEmpty) {
-      error = flushLocked();
-    }
-  }
-  afterFlush(error);
 }
 
 } // namespace torch_rpc_ext::transport::stream
