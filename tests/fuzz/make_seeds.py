@@ -407,11 +407,11 @@ def stream_seeds():
     # made (each refused).
     write("stream", "ipc-grant-unopened",
           bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT, head=172)
-          + u32(1) + u32(0) + u32(0) + u64(4 << 20) + u64(0) + u64(1) + u64(8 << 20) + bytes(128)
+          + u32(1) + u32(0) + u64(4 << 20) + u64(0) + u64(1) + u64(8 << 20) + bytes(128) + u32(0)
           + ping)
     write("stream", "ipc-grant-refused",
           bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT, head=172)
-          + u32(1) + u32(0) + u32(1) + u64(16 << 20) + u64(0) + u64(1) + u64(8 << 20) + bytes(128))
+          + u32(1) + u32(0) + u64(16 << 20) + u64(0) + u64(1) + u64(8 << 20) + bytes(128) + u32(1))
     write("stream", "ipc-grant-event-garbage",
           bytes([STREAM_IPC_FD]) + frame_header(IPC_GRANT_EVENT, head=72) + u32(0) + u32(0)
           + bytes(64))

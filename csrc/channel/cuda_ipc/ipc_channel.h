@@ -101,7 +101,6 @@ enum IpcFrame : uint8_t {
 struct GrantSetup {
   uint32_t id;
   uint32_t device; // the receiver's device index
-  uint32_t slot; // below kGrantSlots: whose events the copy waits and records
   uint64_t bytes;
   uint64_t offset; // of the block in the segment
   uint64_t segmentKey; // the receiver's, unique per allocation of a segment
@@ -111,6 +110,9 @@ struct GrantSetup {
   // block's allocation: the sender's copy waits on it (one event per
   // device, the same handle in every grant of it).
   CUipcEventHandle free;
+  // Below kGrantSlots: whose events the copy waits on and records (last,
+  // so that the fields before it stay aligned).
+  uint32_t slot;
 };
 struct GrantEventSetup {
   uint32_t device; // the receiver's device index the writes are for
