@@ -322,6 +322,18 @@ bool IpcChannel::onGrantFromLoop(Host& host, const std::string& head) {
     returnGrants(idHead(g.id));
     return true;
   }
+  // The grant, ours to use until a record of ours or a return ends it
+  // (address 0: its segment did not open; held unused).
+  auto hold = [&](CUdeviceptr address, CUevent free) {
+    std::lock_guard<std::mutex> lock(grantMu_);
+    inGrants_[g.id] = InGrant{
+        local,
+        static_cast<int>(g.slot),
+        static_cast<int>(g.device),
+        g.bytes,
+        address,
+        free};
+  };
   // The peer's segment and its free event, opened once each, here on the
   // loop thread (the only one that adds them), outside grantMu_.
   std::pair<CUdeviceptr, uint64_t> mapped{0, 0};
@@ -363,14 +375,7 @@ bool IpcChannel::onGrantFromLoop(Host& host, const std::string& head) {
               "torch_rpc_ext: cuda_ipc could not open a peer's "
               "grant: ") +
               e.what());
-      std::lock_guard<std::mutex> lock(grantMu_);
-      inGrants_[g.id] = InGrant{
-          local,
-          static_cast<int>(g.slot),
-          static_cast<int>(g.device),
-          g.bytes,
-          0,
-          nullptr};
+      hold(0, nullptr);
       return true;
     }
     mapped = {base, size};
@@ -407,14 +412,7 @@ bool IpcChannel::onGrantFromLoop(Host& host, const std::string& head) {
     host.rejectFromLoop("rejected frame: " + why); // (no lock held)
     return false;
   }
-  std::lock_guard<std::mutex> lock(grantMu_);
-  inGrants_[g.id] = InGrant{
-      local,
-      static_cast<int>(g.slot),
-      static_cast<int>(g.device),
-      g.bytes,
-      mapped.first + g.offset,
-      free};
+  hold(mapped.first + g.offset, free);
   return true;
 }
 
