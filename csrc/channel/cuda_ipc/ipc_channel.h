@@ -123,6 +123,14 @@ struct GrantEventSetup {
 static_assert(sizeof(GrantSetup) == 172, "GrantSetup layout is fixed");
 static_assert(sizeof(GrantEventSetup) == 72, "GrantEventSetup layout is fixed");
 
+// Segments over this size, contiguous, may go into a grant (those with a
+// block of their own: kPackMaxBytes below).
+constexpr uint64_t kGrantMinBytes = uint64_t(1) << 20;
+// A grant names a segment of at most this many bytes, and a sender keeps
+// at most this many of a peer's segments open (a peer that names more
+// closes the connection; a receiver makes no grant in one more).
+constexpr uint64_t kMaxGrantSegmentBytes = uint64_t(1) << 40;
+constexpr size_t kMaxPeerSegments = 64;
 // At most this many grants out per connection, direction and device, each
 // in a slot of its own with its own pair of events (the receiver's "free",
 // the sender's "written"): a slot's events are recorded again only for the
@@ -176,6 +184,7 @@ constexpr int64_t kSettleLentMs = 100;
 // Segments up to this size, of one frame and device, are packed into one
 // block, each at an offset aligned to kPackAlign (as cudaMalloc's).
 constexpr uint64_t kPackMaxBytes = uint64_t(1) << 20;
+static_assert(kGrantMinBytes == kPackMaxBytes, "grants take unpacked ones");
 constexpr uint64_t kPackAlign = 256;
 // Releases of blocks up to this size wait to ride with our next frame (RPC
 // traffic goes both ways: a request's block goes back with its response,
