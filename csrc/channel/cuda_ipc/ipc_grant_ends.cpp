@@ -6,7 +6,6 @@
 // no copy of the peer's into them can still run.
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <set>
 
 #include "csrc/channel/cuda/device.h"
@@ -25,12 +24,6 @@ namespace {
 // many at most.
 constexpr size_t kEndedGrantsKept = 256;
 constexpr size_t kEarlyRevokesKept = 64;
-
-std::vector<uint32_t> idsOf(const std::string& head) {
-  std::vector<uint32_t> ids(head.size() / sizeof(uint32_t));
-  std::memcpy(ids.data(), head.data(), ids.size() * sizeof(uint32_t));
-  return ids;
-}
 } // namespace
 
 bool IpcChannel::onGrantReturnedFromLoop(Host& host, const std::string& head) {
