@@ -5,7 +5,6 @@ import json
 import os
 import pickle
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -15,11 +14,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from torch_rpc_ext._ports import free_port  # noqa: F401  (below the ephemeral range)
 
 
 def rss_mb() -> float:

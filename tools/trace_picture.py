@@ -15,14 +15,13 @@ Needs opentelemetry-sdk (``pip install 'torch_rpc_ext[tracing]'``).
 
 import argparse
 import os
-import socket
 import time
 
 import torch
 import torch.multiprocessing as mp
 from torch.distributed import rpc
 
-import torch_rpc_ext  # noqa: F401  (registers the backend)
+import torch_rpc_ext  # registers the backend
 
 NAMES = ["trainer", "ps0", "ps1"]
 COLOURS = {"trainer": "#4c78a8", "ps0": "#f58518", "ps1": "#54a24b"}
@@ -129,9 +128,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join("docs", "trace-ps-step.svg"))
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = torch_rpc_ext.free_port()
     ctx = mp.get_context("spawn")
     spans = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, port, spans)) for r in range(3)]

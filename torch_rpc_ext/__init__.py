@@ -31,6 +31,7 @@ except ImportError as _e:
     raise
 
 from torch_rpc_ext import scripting  # noqa: E402
+from torch_rpc_ext._ports import free_port  # noqa: E402
 from torch_rpc_ext._tensorpipe_options import (  # noqa: E402
     remember_tensorpipe_only_settings,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "Member",
     "MembershipEvent",
     "RpcExtBackendOptions",
+    "free_port",
     "membership",
     "on_membership_change",
     "remove_membership_callback",

@@ -12,7 +12,6 @@ Run: python -m torch_rpc_ext.demo [--epochs 5] [--batch 128] [--backend TENSORPI
 
 import argparse
 import os
-import socket
 import time
 import warnings
 
@@ -162,10 +161,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--backend", choices=list(BACKENDS), default="TORCH_RPC_EXT")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, args.backend, args.epochs, args.batch), nprocs=2)
+    mp.spawn(worker, args=(torch_rpc_ext.free_port(), args.backend, args.epochs, args.batch), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -27,12 +27,13 @@ import os
 import runpy
 import signal
 import site
-import socket
 import subprocess
 import sys
 import sysconfig
 import time
 from pathlib import Path
+
+from torch_rpc_ext._ports import free_port
 
 __all__ = ["main"]
 
@@ -119,13 +120,6 @@ def _launch_env(env: dict) -> dict:
     return env
 
 
-def _free_port() -> int:
-    """A port free on the loopback now, for MASTER_PORT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_here(script: str, args: list[str]) -> None:
     """Run ``script`` in this process, switched, as ``python script`` would."""
     os.environ.update(_launch_env(os.environ))
@@ -183,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
               "TensorPipe, so nothing was launched", file=sys.stderr)
         return 2
     if cfg.nproc_per_node > 0:
-        return _run_copies(cfg.nproc_per_node, cfg.master_addr, cfg.master_port or _free_port(),
+        return _run_copies(cfg.nproc_per_node, cfg.master_addr, cfg.master_port or free_port(),
                            cfg.script, cfg.args)
     _run_here(cfg.script, cfg.args)
     return 0

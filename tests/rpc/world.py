@@ -4,9 +4,7 @@
 import os
 import pickle
 import queue as queue_module
-import random
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -18,36 +16,7 @@ from torch.distributed import rpc
 
 import torch_rpc_ext
 
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range. A port the
-    kernel picked (bind to 0) lies in that range, from which it also gives
-    every connect() its local port: between our choosing it and a store
-    binding it, the workers' own connections (a 32-worker storm makes
-    hundreds) could take it (EADDRINUSE, seen in test_scale under CI). Below
-    the range only an explicit bind can; tried at random, the kernel's pick
-    if none of 64 binds."""
-    low = _ephemeral_low()
-    pick = random.SystemRandom()
-    for _ in range(64 if low > 10_100 else 0):
-        port = pick.randrange(10_000, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = torch_rpc_ext.free_port  # below the ephemeral range (torch_rpc_ext/_ports.py)
 
 
 def stop_process(pid: int, timeout: float = 10.0) -> None:
