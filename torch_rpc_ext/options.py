@@ -142,9 +142,12 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             "Streams"). Off by default.
         cuda_ipc_memory_limit: Bytes of device memory, per device, that
             ``cuda_ipc``'s blocks may hold in this process (they live beside
-            torch's caching allocator; idle ones are freed after 5 s). Past
-            it, or when the device is out of memory even after torch freed
-            its cached blocks, a tensor goes by ``cuda_staged`` instead.
+            torch's caching allocator; idle ones are freed after 5 s), with
+            the landing memory it grants peers ahead under the landing pool
+            (docs/cuda.md, "Grants"; unused ones taken back after 10 s).
+            Past it, or when the device is out of memory even after torch
+            freed its cached blocks, a tensor goes by the next channel
+            instead (a grant past it is not made: its tensors land by copy).
             0: no bound. Default 2 GiB.
         address: IP address to listen on and advertise. Defaults to
             ``TORCH_RPC_EXT_ADDR``, else the first IPv4 address of

@@ -498,6 +498,7 @@ void AgentDevices::addMetrics(
   m["rpc_ext.cuda.staging_block_bytes"] = std::to_string(d.stagingBlockBytes);
   m["rpc_ext.cuda.oom_retries"] = std::to_string(d.oomRetries);
   m["rpc_ext.cuda.ipc_declined_memory"] = std::to_string(d.ipcDeclined);
+  m["rpc_ext.cuda.grant_bytes"] = std::to_string(d.grantBytes);
   m["rpc_ext.cuda.landing_launches"] = std::to_string(landings_.load());
   m["rpc_ext.cuda.landed_segments"] = std::to_string(landed_.load());
   m["rpc_ext.cuda.landed_bytes"] = std::to_string(landedBytes_.load());

@@ -147,11 +147,15 @@ std::shared_ptr<TestGrants>& installed() {
 void bindTestingGrants(py::module_& m) {
   m.def(
       "use_test_grants",
-      [] {
+      [](uint64_t memoryLimit) {
         installed() = std::make_shared<TestGrants>();
         channel::setGrantSource(installed());
+        // (An agent sets it from cuda_ipc_memory_limit; nothing to free.)
+        channel::setCudaMemoryPolicy(memoryLimit, nullptr);
       },
-      "grants of plain driver memory (no agent, no torch)");
+      py::arg("memory_limit") = 0,
+      "grants of plain driver memory (no agent, no torch); memory_limit: "
+      "cuda_ipc's bound per device (0: none)");
   m.def("test_grant_counts", [] {
     auto g = installed();
     if (!g) {
@@ -159,7 +163,10 @@ void bindTestingGrants(py::module_& m) {
     }
     auto c = g->counts();
     return std::map<std::string, uint64_t>{
-        {"made", c.made}, {"freed", c.freed}, {"live", c.live}};
+        {"made", c.made},
+        {"freed", c.freed},
+        {"live", c.live},
+        {"grant_bytes", channel::cudaMemoryStats().grantBytes}};
   });
 }
 

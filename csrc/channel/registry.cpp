@@ -217,7 +217,8 @@ void withRelaxedCudaCapture(const std::function<void()>& fn) {
 
 CudaMemoryStats cudaMemoryStats() {
   const auto d = cuda::deviceMemoryStats();
-  return {d.ipcBytes, d.stagingBytes, d.oomRetries, d.ipcDeclined};
+  return {
+      d.ipcBytes, d.stagingBytes, d.oomRetries, d.ipcDeclined, d.grantBytes};
 }
 
 void setCudaMemoryPolicy(

@@ -83,6 +83,7 @@ struct CudaMemoryStats {
   uint64_t stagingBlockBytes = 0;
   uint64_t oomRetries = 0;
   uint64_t ipcDeclined = 0;
+  uint64_t grantBytes = 0; // cuda_ipc's grants out (torch's memory)
 };
 CudaMemoryStats cudaMemoryStats();
 // Device memory of `device` (cuMemAlloc), or 0 where the driver refuses;

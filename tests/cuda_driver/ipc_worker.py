@@ -526,5 +526,100 @@ def grant_abandoned_receiver(conn, ctl):
     ctl.send((seen, counters, poisoned()))
 
 
+# ---- grant_idle: a grant left unused is taken back ---------------------------
+#
+# The receiver takes back a grant unused for 300 ms
+# ($TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS): m0 earns a grant, m1 goes into it and
+# earns the next, which stays unused until the receiver revokes it and the
+# sender gives it back; none follows (its memory and its share of the bound
+# are free again). m2 lands by copy and earns a grant, which m3 goes into.
+
+IDLE = 3 << 20
+
+
+def grant_idle_sender(conn, ctl):
+    testing().use_test_grants()
+    end = End("sender", conn)
+    used = []
+    for i in range(4):
+        if i == 2:
+            assert end.receive()[0] == b"idle"
+        before = end.counters()["grants_used"]
+        end.send_device(b"m%d" % i, end.alloc(pattern(IDLE, i)), IDLE)
+        used.append(end.counters()["grants_used"] - before)
+        assert end.receive()[0] == b"ok%d" % i
+    ctl.send((used, end.counters()))
+    end.close()
+
+
+def grant_idle_receiver(conn, ctl):
+    os.environ["TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS"] = "300"
+    testing().use_test_grants()
+    end = End("receiver", conn)
+    seen, out = [], []
+    for i in range(4):
+        head, (region,) = end.receive()
+        seen.append((head, end.read_region(region) == pattern(IDLE, i)))
+        region.release()
+        end.ep.send(b"ok%d" % i, [])
+        if i == 1:
+            wait_for(end.counters, "grants_made", 2)  # m1's successor
+            out.append(testing().test_grant_counts()["grant_bytes"])
+            wait_for(end.counters, "grants_idle", 1)
+            deadline = time.monotonic() + TIMEOUT
+            while testing().test_grant_counts()["grant_bytes"] and time.monotonic() < deadline:
+                time.sleep(0.01)  # until the sender gave it back
+            time.sleep(0.3)  # nothing made again meanwhile
+            out.append(testing().test_grant_counts()["grant_bytes"])
+            out.append(end.counters()["grants_made"])
+            end.ep.send(b"idle", [])
+    counters = end.counters()
+    end.close()
+    ctl.send((seen, out, counters, poisoned()))
+
+
+# ---- grant_limit: grants count against cuda_ipc's bound -----------------------
+#
+# The receiver's bound is 6 MiB a device (cuda_ipc_memory_limit): m0 (2 MiB)
+# earns a 2 MiB grant; m1 and m2 (5 MiB) would earn 6 MiB ones, past the
+# bound with the first out, so none is made and they land by copy; m3 goes
+# into the 2 MiB grant.
+
+LIMITED = (2 << 20, 5 << 20, 5 << 20, 2 << 20)
+
+
+def grant_limit_sender(conn, ctl):
+    testing().use_test_grants()
+    end = End("sender", conn)
+    used = []
+    for i, n in enumerate(LIMITED):
+        before = end.counters()["grants_used"]
+        end.send_device(b"m%d" % i, end.alloc(pattern(n, i)), n)
+        used.append(end.counters()["grants_used"] - before)
+        assert end.receive()[0] == b"ok%d" % i
+    ctl.send((used, end.counters()))
+    end.close()
+
+
+def grant_limit_receiver(conn, ctl):
+    testing().use_test_grants(memory_limit=6 << 20)
+    end = End("receiver", conn)
+    seen, out = [], []
+    for i, n in enumerate(LIMITED):
+        head, (region,) = end.receive()
+        seen.append((head, end.read_region(region) == pattern(n, i)))
+        region.release()
+        # (Each decided at the frame's end: by now, or soon.)
+        if i in (1, 2):
+            wait_for(end.counters, "grants_over_limit", i)
+        else:
+            wait_for(end.counters, "grants_made", 1 if i == 0 else 2)
+        out.append(testing().test_grant_counts()["grant_bytes"])
+        end.ep.send(b"ok%d" % i, [])
+    counters = end.counters()
+    end.close()
+    ctl.send((seen, out, counters))
+
+
 if __name__ == "__main__":  # pragma: no cover - used by spawn only
     os._exit(1)

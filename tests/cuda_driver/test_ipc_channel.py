@@ -133,6 +133,39 @@ def test_a_grant_the_sender_cannot_map_is_held_unused_until_taken_back(spawn):
     assert (receiver["grants_revoked"], sender["grants_returned"]) == (1, 1)
 
 
+def test_a_grant_left_unused_is_taken_back_and_its_size_earns_one_again(spawn):
+    """A grant the peer leaves unused for $TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS is
+    revoked (kind 38) and given back (kind 39): its memory is the pool's
+    again and out of cuda_ipc's bound, and none is made in its place until
+    a segment of its size comes again. Before, it stayed out until the
+    close."""
+    (used, sender), (seen, out, receiver, poisoned) = play(spawn, "grant_idle")
+    assert seen == [(b"m%d" % i, True) for i in range(4)]
+    assert used == [0, 1, 0, 1]
+    out_before, out_after, made_after = out
+    assert out_before == 4 << 20 and out_after == 0  # (3 MiB rounded to 2 MiB steps)
+    assert made_after == 2  # after m0 and m1; none after the return
+    assert receiver["grants_idle"] == receiver["grants_revoked"] == 1
+    assert sender["grants_returned"] == 1
+    assert receiver["grants_made"] == 4  # ... then after m2 and m3
+    assert poisoned in (None, 0)
+
+
+def test_grants_out_count_against_the_cuda_ipc_memory_limit(spawn):
+    """Granted landing memory is held by cuda_ipc until the peer writes into
+    it, so it counts against the bound its blocks have
+    (cuda_ipc_memory_limit): a grant past it is not made, and its segments
+    land by copy. Before, grants were bounded only by slots and peers
+    (two per device and connection, of any size)."""
+    (used, sender), (seen, out, receiver) = play(spawn, "grant_limit")
+    assert seen == [(b"m%d" % i, True) for i in range(4)]
+    assert used == [0, 0, 0, 1]
+    assert max(out) <= 6 << 20
+    assert out == [2 << 20, 2 << 20, 2 << 20, 2 << 20]  # the first's, then its successor
+    assert receiver["grants_over_limit"] == 2  # for m1 and m2
+    assert receiver["grants_made"] == 2
+
+
 @fake_only  # the sender sees two devices, the receiver one (FAKE_CUDA_DEVICES)
 def test_a_grant_written_for_a_frame_refused_at_send_goes_back(spawn):
     """The frame's first segment went into the receiver's grant, its second

@@ -20,6 +20,7 @@ struct Accounts {
   std::atomic<int64_t> stagingBytes{0};
   std::atomic<uint64_t> oomRetries{0};
   std::atomic<uint64_t> ipcDeclined{0};
+  std::atomic<uint64_t> grantBytes{0};
 };
 
 Accounts& accounts() {
@@ -36,6 +37,7 @@ DeviceMemoryStats deviceMemoryStats() {
   s.stagingBytes = static_cast<uint64_t>(std::max<int64_t>(0, a.stagingBytes));
   s.oomRetries = a.oomRetries.load();
   s.ipcDeclined = a.ipcDeclined.load();
+  s.grantBytes = a.grantBytes.load();
   return s;
 }
 
@@ -92,6 +94,26 @@ void releaseIpc(int device, uint64_t bytes) {
   std::lock_guard<std::mutex> lock(a.mu);
   a.ipcByDevice[device] -= bytes;
   a.ipcBytes.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+bool reserveGrant(int device, uint64_t bytes) {
+  Accounts& a = accounts();
+  std::lock_guard<std::mutex> lock(a.mu);
+  uint64_t& held = a.ipcByDevice[device]; // (blocks and grants alike)
+  const uint64_t limit = a.limit.load();
+  if (limit != 0 && held + bytes > limit) {
+    return false;
+  }
+  held += bytes;
+  a.grantBytes.fetch_add(bytes, std::memory_order_relaxed);
+  return true;
+}
+
+void releaseGrant(int device, uint64_t bytes) {
+  Accounts& a = accounts();
+  std::lock_guard<std::mutex> lock(a.mu);
+  a.ipcByDevice[device] -= bytes;
+  a.grantBytes.fetch_sub(bytes, std::memory_order_relaxed);
 }
 
 void countIpcDeclined() {

@@ -25,6 +25,7 @@ struct DeviceMemoryStats {
   uint64_t stagingBytes = 0; // the staging pools' blocks, every device
   uint64_t oomRetries = 0; // allocations retried after torch freed its cache
   uint64_t ipcDeclined = 0; // cuda_ipc blocks not made: bound or memory
+  uint64_t grantBytes = 0; // cuda_ipc's grants out, every device
 };
 DeviceMemoryStats deviceMemoryStats();
 
@@ -46,6 +47,13 @@ void allocateWithRetry(int device, const std::function<void()>& allocate);
 bool reserveIpc(int device, uint64_t bytes);
 void releaseIpc(int device, uint64_t bytes);
 void countIpcDeclined();
+// Accounting of cuda_ipc's grants (landing memory granted to peers ahead,
+// docs/cuda.md "Grants"): torch's memory, but held by cuda_ipc until a peer
+// writes into it, so it counts against the same bound as the blocks.
+// reserveGrant() is false when `bytes` more on `device` would pass it (the
+// segment then lands by copy; nothing is declined).
+bool reserveGrant(int device, uint64_t bytes);
+void releaseGrant(int device, uint64_t bytes);
 void addStagingBytes(int64_t delta);
 
 } // namespace torch_rpc_ext::channel::cuda

@@ -476,6 +476,7 @@ void IpcChannel::freeOwnBlock(uint32_t id) {
 
 void IpcChannel::onTickFromLoop() {
   // Blocks go back once traffic stops: releases still waiting for a frame.
+  revokeIdleGrantsFromLoop(); // (before: its revokes go with the releases)
   flushReleases();
   closeDropped();
   trim(std::chrono::milliseconds(kBlockIdleMs));

@@ -145,6 +145,43 @@ constexpr uint64_t kGrantSlack = 2;
 inline bool grantFits(uint64_t grantBytes, uint64_t segmentBytes) {
   return segmentBytes <= grantBytes && grantBytes / kGrantSlack <= segmentBytes;
 }
+// A grant the peer has not used for this long is taken back, its memory the
+// pool's again and out of the device's bound, as idle blocks are dropped
+// ($TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS, 0..3600000, checked when the channel
+// is probed; 0: kept until outgrown or the close). A segment of its size
+// later lands by copy once and earns a grant again.
+constexpr int64_t kGrantIdleMs = 10000;
+void setGrantIdleMs(int64_t ms);
+int64_t grantIdleMs();
+
+// A grant's share of its device's bound on cuda_ipc's memory (device_memory.h,
+// reserveGrant), given back as the grant ends, however it ends.
+class GrantClaim {
+ public:
+  GrantClaim() = default;
+  GrantClaim(int device, uint64_t bytes) : device_(device), bytes_(bytes) {}
+  GrantClaim(GrantClaim&& other) noexcept
+      : device_(other.device_), bytes_(other.bytes_) {
+    other.bytes_ = 0;
+  }
+  GrantClaim& operator=(GrantClaim&& other) noexcept {
+    if (this != &other) {
+      reset();
+      device_ = other.device_;
+      bytes_ = other.bytes_;
+      other.bytes_ = 0;
+    }
+    return *this;
+  }
+  ~GrantClaim() {
+    reset();
+  }
+  void reset();
+
+ private:
+  int device_ = 0;
+  uint64_t bytes_ = 0;
+};
 
 // What travels in the stream in place of a segment's bytes.
 struct BlockRecord {
@@ -222,6 +259,9 @@ struct IpcCounters {
   std::atomic<uint64_t> grantsReturned{0}; // the peer's given back by us
   // Not made: in a segment past those the peer may keep open.
   std::atomic<uint64_t> grantsCapped{0};
+  std::atomic<uint64_t> grantsIdle{0}; // of grantsRevoked: unused too long
+  // Not made: past the device's bound (cuda_ipc_memory_limit).
+  std::atomic<uint64_t> grantsOverLimit{0};
 };
 
 // A process's cuda_ipc domain descriptor, as published at rendezvous:
@@ -452,13 +492,18 @@ class IpcChannel final : public Channel,
   // At the close: grants out held until copies the peer queued are over;
   // our imports of the peer's segments closed after our last writes.
   void closeGrantsFromLoop();
+  // Receiver: grants the peer left unused for grantIdleMs() are taken back.
+  void revokeIdleGrantsFromLoop();
   struct OutGrant {
     GrantMemory memory;
+    GrantClaim claim; // (released first: the memory is the pool's after)
     int device = 0;
     int slot = 0;
     uint64_t bytes = 0;
     bool sent = false;
-    // Revoked (a larger segment came): `wanted` bytes follow its return.
+    std::chrono::steady_clock::time_point sentAt;
+    // Revoked (a larger segment came, or it stayed unused): `wanted` bytes
+    // follow its return (0: none, for idleness).
     bool revoking = false;
     uint64_t wanted = 0;
   };

@@ -180,6 +180,8 @@ class IpcContext final : public Context {
         {"grants_revoked", counters_.grantsRevoked.load()},
         {"grants_returned", counters_.grantsReturned.load()},
         {"grants_capped", counters_.grantsCapped.load()},
+        {"grants_idle", counters_.grantsIdle.load()},
+        {"grants_over_limit", counters_.grantsOverLimit.load()},
     };
   }
 
@@ -204,6 +206,19 @@ class IpcContext final : public Context {
           return;
         }
         setReleaseRideMs(ms);
+      }
+      if (const char* idle = std::getenv("TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS");
+          idle != nullptr && *idle != '\0') {
+        char* end = nullptr;
+        errno = 0;
+        const long long ms = std::strtoll(idle, &end, 10);
+        if (errno != 0 || end == idle || *end != '\0' || ms < 0 ||
+            ms > 3600000) {
+          unviable_ = std::string("TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS=") + idle +
+              " is not a whole number of milliseconds from 0 to 3600000";
+          return;
+        }
+        setGrantIdleMs(ms);
       }
       IpcDomain domain;
       domain.host = boot;

@@ -1,14 +1,17 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // How cuda_ipc's grants end (ipc_channel.h; docs/cuda.md, "Grants"), other
 // than in the record of their use (ipc_grants.cpp): taken back by the
-// receiver when the peer's segments outgrew them, given back by the sender
+// receiver when the peer's segments outgrew them or left them unused for
+// grantIdleMs(), given back by the sender
 // when the frame it wrote one for was not sent, and held at the close until
 // no copy of the peer's into them can still run.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <set>
 
 #include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/device_memory.h"
 #include "csrc/channel/cuda/staging_pool.h"
 #include "csrc/channel/cuda/staging_thread.h"
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
@@ -24,7 +27,46 @@ namespace {
 // many at most.
 constexpr size_t kEndedGrantsKept = 256;
 constexpr size_t kEarlyRevokesKept = 64;
+
+std::atomic<int64_t> g_grantIdleMs{kGrantIdleMs};
 } // namespace
+
+void setGrantIdleMs(int64_t ms) {
+  g_grantIdleMs.store(ms, std::memory_order_relaxed);
+}
+
+int64_t grantIdleMs() {
+  return g_grantIdleMs.load(std::memory_order_relaxed);
+}
+
+void GrantClaim::reset() {
+  if (bytes_ != 0) {
+    releaseGrant(device_, bytes_);
+    bytes_ = 0;
+  }
+}
+
+void IpcChannel::revokeIdleGrantsFromLoop() {
+  const int64_t idleMs = grantIdleMs();
+  if (idleMs == 0) {
+    return;
+  }
+  // (Called on the tick before its flush: the revokes go with it.)
+  const auto before =
+      std::chrono::steady_clock::now() - std::chrono::milliseconds(idleMs);
+  std::lock_guard<std::mutex> lock(grantMu_);
+  for (auto& [id, g] : outGrants_) {
+    // (Not yet sent: it goes with our next frame, and its wait starts
+    // then.)
+    if (g.sent && !g.revoking && g.sentAt <= before) {
+      g.revoking = true;
+      g.wanted = 0; // none follows, unless a segment of its size comes
+      pendingRevokes_ += idHead(id);
+      counters_.grantsRevoked.fetch_add(1, std::memory_order_relaxed);
+      counters_.grantsIdle.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+}
 
 bool IpcChannel::onGrantReturnedFromLoop(Host& host, const std::string& head) {
   for (uint32_t id : idsOf(head)) {

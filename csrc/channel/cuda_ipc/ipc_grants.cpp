@@ -5,9 +5,11 @@
 // sender writes a large segment straight into, so that the segment crosses
 // with one device copy and the receiver's tensor is that memory.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda/device_memory.h"
 #include "csrc/channel/cuda/engines.h"
 #include "csrc/channel/cuda/staging_pool.h"
 #include "csrc/channel/cuda/staging_thread.h"
@@ -127,12 +129,17 @@ bool IpcChannel::postGrantFromLoop(
     std::set<int> taken;
     auto oldest = outGrants_.end();
     for (auto it = outGrants_.begin(); it != outGrants_.end(); ++it) {
-      const OutGrant& g = it->second;
+      OutGrant& g = it->second;
       if (g.device != device) {
         continue;
       }
       if (grantFits(g.revoking ? g.wanted : g.bytes, bytes)) {
         return false; // one out serves it (or will, once back)
+      }
+      if (g.revoking && g.wanted == 0 && grantFits(g.bytes, bytes)) {
+        // Taken back as idle, and its size came again: as large follows.
+        g.wanted = g.bytes;
+        return false;
       }
       taken.insert(g.slot);
       if (!g.revoking && oldest == outGrants_.end()) {
@@ -165,13 +172,21 @@ bool IpcChannel::postGrantFromLoop(
       outGrants_.erase(oldest);
     }
   }
-  unsent.memory.memory.reset(); // the pool's again, for this one
+  unsent.claim.reset(); // the pool's and the bound's again, for this one
+  unsent.memory.memory.reset();
   OutGrant g;
   g.device = device;
   g.slot = slot;
   // Rounded up, so that sizes a little apart share it (at most twice the
   // segment still: it is over 1 MiB).
   g.bytes = (bytes + kGrantRound - 1) / kGrantRound * kGrantRound;
+  if (!reserveGrant(device, g.bytes)) {
+    // Past cuda_ipc_memory_limit with our blocks and grants out: the
+    // segments land by copy (an idle grant's end makes room).
+    counters_.grantsOverLimit.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  g.claim = GrantClaim(device, g.bytes);
   try {
     g.memory = source->allocate(device, g.bytes);
     std::unique_lock<std::mutex> lock(grantMu_);
@@ -270,6 +285,7 @@ void IpcChannel::collectGrantsLocked(std::vector<ControlFrame>* out) {
             {},
             {}});
     g.sent = true;
+    g.sentAt = std::chrono::steady_clock::now();
   }
 }
 
