@@ -144,7 +144,8 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             ``cuda_ipc``'s blocks may hold in this process (they live beside
             torch's caching allocator; idle ones are freed after 5 s), with
             the landing memory it grants peers ahead under the landing pool
-            (docs/cuda.md, "Grants"; unused ones taken back after 10 s).
+            (docs/cuda.md, "Grants"; at most half the bound; unused ones
+            taken back after 10 s).
             Past it, or when the device is out of memory even after torch
             freed its cached blocks, a tensor goes by the next channel
             instead (a grant past it is not made: its tensors land by copy).

@@ -16,6 +16,7 @@
 
 #include "csrc/bindings/bind.h"
 #include "csrc/channel/cuda/device.h"
+#include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/channel/grants.h"
 #include "csrc/channel/registry.h"
 #include "csrc/common/libcuda.h"
@@ -156,6 +157,10 @@ void bindTestingGrants(py::module_& m) {
       py::arg("memory_limit") = 0,
       "grants of plain driver memory (no agent, no torch); memory_limit: "
       "cuda_ipc's bound per device (0: none)");
+  m.def(
+      "set_grant_idle_ms",
+      [](int64_t ms) { channel::cuda::setGrantIdleMs(ms); },
+      "as $TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS, from now on (0: never)");
   m.def("test_grant_counts", [] {
     auto g = installed();
     if (!g) {

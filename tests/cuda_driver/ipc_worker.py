@@ -528,11 +528,12 @@ def grant_abandoned_receiver(conn, ctl):
 
 # ---- grant_idle: a grant left unused is taken back ---------------------------
 #
-# The receiver takes back a grant unused for 300 ms
-# ($TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS): m0 earns a grant, m1 goes into it and
-# earns the next, which stays unused until the receiver revokes it and the
-# sender gives it back; none follows (its memory and its share of the bound
-# are free again). m2 lands by copy and earns a grant, which m3 goes into.
+# The receiver takes back a grant unused for 300 ms (set so only while the
+# sender waits: $TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS=0, never, before): m0
+# earns a grant, m1 goes into it and earns the next, which stays unused
+# until the receiver revokes it and the sender gives it back; none follows
+# (its memory and its share of the bound are free again). m2 lands by copy
+# and earns a grant, which m3 goes into.
 
 IDLE = 3 << 20
 
@@ -540,12 +541,13 @@ IDLE = 3 << 20
 def grant_idle_sender(conn, ctl):
     testing().use_test_grants()
     end = End("sender", conn)
+    data = [end.alloc(pattern(IDLE, i)) for i in range(4)]
     used = []
     for i in range(4):
         if i == 2:
             assert end.receive()[0] == b"idle"
         before = end.counters()["grants_used"]
-        end.send_device(b"m%d" % i, end.alloc(pattern(IDLE, i)), IDLE)
+        end.send_device(b"m%d" % i, data[i], IDLE)
         used.append(end.counters()["grants_used"] - before)
         assert end.receive()[0] == b"ok%d" % i
     ctl.send((used, end.counters()))
@@ -553,7 +555,7 @@ def grant_idle_sender(conn, ctl):
 
 
 def grant_idle_receiver(conn, ctl):
-    os.environ["TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS"] = "300"
+    os.environ["TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS"] = "0"
     testing().use_test_grants()
     end = End("receiver", conn)
     seen, out = [], []
@@ -565,6 +567,7 @@ def grant_idle_receiver(conn, ctl):
         if i == 1:
             wait_for(end.counters, "grants_made", 2)  # m1's successor
             out.append(testing().test_grant_counts()["grant_bytes"])
+            testing().set_grant_idle_ms(300)
             wait_for(end.counters, "grants_idle", 1)
             deadline = time.monotonic() + TIMEOUT
             while testing().test_grant_counts()["grant_bytes"] and time.monotonic() < deadline:
@@ -572,6 +575,7 @@ def grant_idle_receiver(conn, ctl):
             time.sleep(0.3)  # nothing made again meanwhile
             out.append(testing().test_grant_counts()["grant_bytes"])
             out.append(end.counters()["grants_made"])
+            testing().set_grant_idle_ms(0)  # (m2's grant waits for m3)
             end.ep.send(b"idle", [])
     counters = end.counters()
     end.close()
@@ -580,10 +584,10 @@ def grant_idle_receiver(conn, ctl):
 
 # ---- grant_limit: grants count against cuda_ipc's bound -----------------------
 #
-# The receiver's bound is 6 MiB a device (cuda_ipc_memory_limit): m0 (2 MiB)
-# earns a 2 MiB grant; m1 and m2 (5 MiB) would earn 6 MiB ones, past the
-# bound with the first out, so none is made and they land by copy; m3 goes
-# into the 2 MiB grant.
+# The receiver's bound is 6 MiB a device (cuda_ipc_memory_limit), so 3 MiB
+# for grants: m0 (2 MiB) earns a 2 MiB grant; m1 and m2 (5 MiB) would earn
+# 6 MiB ones, past it, so none is made and they land by copy; m3 goes into
+# the 2 MiB grant.
 
 LIMITED = (2 << 20, 5 << 20, 5 << 20, 2 << 20)
 
@@ -619,6 +623,48 @@ def grant_limit_receiver(conn, ctl):
     counters = end.counters()
     end.close()
     ctl.send((seen, out, counters))
+
+
+# ---- grant_room: no grant revoked for a size the bound has no room for -----
+#
+# A 12 MiB bound, so 6 MiB for grants: m0 (2 MiB) and m1 (4 MiB) earn a grant
+# each, both slots, 6 MiB; m2 (5 MiB) would take the oldest's slot, but a
+# 6 MiB grant has no room even with that one's 2 MiB back, so nothing is
+# revoked; m3 and m4 go into the two grants.
+
+ROOM = (2 << 20, 4 << 20, 5 << 20, 2 << 20, 4 << 20)
+
+
+def grant_room_sender(conn, ctl):
+    testing().use_test_grants()
+    end = End("sender", conn)
+    data = [end.alloc(pattern(n, i)) for i, n in enumerate(ROOM)]
+    used = []
+    for i, n in enumerate(ROOM):
+        before = end.counters()["grants_used"]
+        end.send_device(b"m%d" % i, data[i], n)
+        used.append(end.counters()["grants_used"] - before)
+        assert end.receive()[0] == b"ok%d" % i
+    ctl.send((used, end.counters()))
+    end.close()
+
+
+def grant_room_receiver(conn, ctl):
+    testing().use_test_grants(memory_limit=12 << 20)
+    end = End("receiver", conn)
+    seen = []
+    for i, n in enumerate(ROOM):
+        head, (region,) = end.receive()
+        seen.append((head, end.read_region(region) == pattern(n, i)))
+        region.release()
+        if i < 2:
+            wait_for(end.counters, "grants_made", i + 1)
+        elif i == 2:
+            wait_for(end.counters, "grants_over_limit", 1)
+        end.ep.send(b"ok%d" % i, [])
+    counters = end.counters()
+    end.close()
+    ctl.send((seen, counters))
 
 
 if __name__ == "__main__":  # pragma: no cover - used by spawn only

@@ -14,7 +14,8 @@ namespace {
 struct Accounts {
   std::mutex mu;
   std::function<void(int)> release;
-  std::map<int, uint64_t> ipcByDevice;
+  std::map<int, uint64_t> ipcByDevice; // blocks and grants
+  std::map<int, uint64_t> grantsByDevice;
   std::atomic<uint64_t> limit{0};
   std::atomic<uint64_t> ipcBytes{0};
   std::atomic<int64_t> stagingBytes{0};
@@ -75,16 +76,36 @@ void allocateWithRetry(int device, const std::function<void()>& allocate) {
   allocate();
 }
 
+namespace {
+
+// Whether `bytes` more of cuda_ipc's on `device`, `freed` of its grants'
+// given back first, stay within the bound (blocks and grants share it;
+// grants take at most half).
+bool roomLocked(
+    Accounts& a,
+    int device,
+    uint64_t bytes,
+    uint64_t freed,
+    bool grant) {
+  const uint64_t limit = a.limit.load();
+  if (limit == 0) {
+    return true;
+  }
+  const uint64_t held = a.ipcByDevice[device] - freed;
+  const uint64_t granted = a.grantsByDevice[device] - freed;
+  return held + bytes <= limit && (!grant || granted + bytes <= limit / 2);
+}
+
+} // namespace
+
 bool reserveIpc(int device, uint64_t bytes) {
   Accounts& a = accounts();
   std::lock_guard<std::mutex> lock(a.mu);
-  uint64_t& held = a.ipcByDevice[device];
-  const uint64_t limit = a.limit.load();
-  if (limit != 0 && held + bytes > limit) {
+  if (!roomLocked(a, device, bytes, 0, false)) {
     a.ipcDeclined.fetch_add(1, std::memory_order_relaxed);
     return false;
   }
-  held += bytes;
+  a.ipcByDevice[device] += bytes;
   a.ipcBytes.fetch_add(bytes, std::memory_order_relaxed);
   return true;
 }
@@ -99,12 +120,11 @@ void releaseIpc(int device, uint64_t bytes) {
 bool reserveGrant(int device, uint64_t bytes) {
   Accounts& a = accounts();
   std::lock_guard<std::mutex> lock(a.mu);
-  uint64_t& held = a.ipcByDevice[device]; // (blocks and grants alike)
-  const uint64_t limit = a.limit.load();
-  if (limit != 0 && held + bytes > limit) {
+  if (!roomLocked(a, device, bytes, 0, true)) {
     return false;
   }
-  held += bytes;
+  a.ipcByDevice[device] += bytes;
+  a.grantsByDevice[device] += bytes;
   a.grantBytes.fetch_add(bytes, std::memory_order_relaxed);
   return true;
 }
@@ -113,7 +133,14 @@ void releaseGrant(int device, uint64_t bytes) {
   Accounts& a = accounts();
   std::lock_guard<std::mutex> lock(a.mu);
   a.ipcByDevice[device] -= bytes;
+  a.grantsByDevice[device] -= bytes;
   a.grantBytes.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+bool grantRoom(int device, uint64_t bytes, uint64_t freed) {
+  Accounts& a = accounts();
+  std::lock_guard<std::mutex> lock(a.mu);
+  return roomLocked(a, device, bytes, freed, true);
 }
 
 void countIpcDeclined() {

@@ -50,10 +50,14 @@ void countIpcDeclined();
 // Accounting of cuda_ipc's grants (landing memory granted to peers ahead,
 // docs/cuda.md "Grants"): torch's memory, but held by cuda_ipc until a peer
 // writes into it, so it counts against the same bound as the blocks.
-// reserveGrant() is false when `bytes` more on `device` would pass it (the
-// segment then lands by copy; nothing is declined).
+// Grants take at most half of it, so that a process receiving from many
+// peers still has room for blocks of its own sends. reserveGrant() is false
+// when `bytes` more on `device` would pass either (the segment then lands
+// by copy; nothing is declined); grantRoom() says whether it would not,
+// with `freed` bytes of grants given back first.
 bool reserveGrant(int device, uint64_t bytes);
 void releaseGrant(int device, uint64_t bytes);
+bool grantRoom(int device, uint64_t bytes, uint64_t freed);
 void addStagingBytes(int64_t delta);
 
 } // namespace torch_rpc_ext::channel::cuda

@@ -82,6 +82,12 @@ static_assert(
     kGrantRound <= kGrantMinBytes * kGrantSlack,
     "a rounded grant fits the segment it was made for");
 
+// Rounded up, so that sizes a little apart share one (at most twice the
+// segment still: it is over 1 MiB).
+uint64_t roundGrant(uint64_t bytes) {
+  return (bytes + kGrantRound - 1) / kGrantRound * kGrantRound;
+}
+
 } // namespace
 
 void IpcChannel::noteLargeFromLoop(int device, uint64_t size) {
@@ -123,11 +129,13 @@ bool IpcChannel::postGrantFromLoop(
   // it allocates.)
   int slot = -1;
   OutGrant unsent; // (freed outside the lock)
+  const uint64_t rounded = roundGrant(bytes);
   {
     std::lock_guard<std::mutex> lock(grantMu_);
     grantSource_ = source;
     std::set<int> taken;
     auto oldest = outGrants_.end();
+    auto idle = outGrants_.end(); // taken back as idle: nothing follows it
     for (auto it = outGrants_.begin(); it != outGrants_.end(); ++it) {
       OutGrant& g = it->second;
       if (g.device != device) {
@@ -136,12 +144,10 @@ bool IpcChannel::postGrantFromLoop(
       if (grantFits(g.revoking ? g.wanted : g.bytes, bytes)) {
         return false; // one out serves it (or will, once back)
       }
-      if (g.revoking && g.wanted == 0 && grantFits(g.bytes, bytes)) {
-        // Taken back as idle, and its size came again: as large follows.
-        g.wanted = g.bytes;
-        return false;
-      }
       taken.insert(g.slot);
+      if (g.revoking && g.wanted == 0 && idle == outGrants_.end()) {
+        idle = it;
+      }
       if (!g.revoking && oldest == outGrants_.end()) {
         oldest = it; // (ids ascend: the first is the oldest)
       }
@@ -153,23 +159,35 @@ bool IpcChannel::postGrantFromLoop(
       }
     }
     if (slot < 0) {
-      // Every slot taken: the oldest grant makes room. One the peer has
-      // is taken back, and this size follows its return; one not yet sent
-      // is replaced now.
-      if (oldest == outGrants_.end()) {
+      // Every slot taken: a slot on its way back for idleness takes this
+      // size after its return; else the oldest grant makes room. One the
+      // peer has is taken back, and this size follows its return; one not
+      // yet sent is replaced now. None where the bound would not have room
+      // for this size even with that grant's bytes back: revoking it would
+      // end a grant in use for nothing, over and over.
+      auto making = idle != outGrants_.end() ? idle : oldest;
+      if (making == outGrants_.end()) {
         return false; // all on their way back
       }
-      OutGrant& g = oldest->second;
+      OutGrant& g = making->second;
+      if (!grantRoom(device, rounded, g.bytes)) {
+        counters_.grantsOverLimit.fetch_add(1, std::memory_order_relaxed);
+        return false;
+      }
+      if (making == idle) {
+        g.wanted = bytes;
+        return false;
+      }
       if (g.sent) {
         g.revoking = true;
         g.wanted = bytes;
-        pendingRevokes_ += idHead(oldest->first);
+        pendingRevokes_ += idHead(making->first);
         counters_.grantsRevoked.fetch_add(1, std::memory_order_relaxed);
         return true;
       }
       slot = g.slot;
       unsent = std::move(g);
-      outGrants_.erase(oldest);
+      outGrants_.erase(making);
     }
   }
   unsent.claim.reset(); // the pool's and the bound's again, for this one
@@ -177,9 +195,7 @@ bool IpcChannel::postGrantFromLoop(
   OutGrant g;
   g.device = device;
   g.slot = slot;
-  // Rounded up, so that sizes a little apart share it (at most twice the
-  // segment still: it is over 1 MiB).
-  g.bytes = (bytes + kGrantRound - 1) / kGrantRound * kGrantRound;
+  g.bytes = rounded;
   if (!reserveGrant(device, g.bytes)) {
     // Past cuda_ipc_memory_limit with our blocks and grants out: the
     // segments land by copy (an idle grant's end makes room).
