@@ -444,6 +444,29 @@ def run_grant_growth(rank: int, port: int, ctl) -> None:
     ctl.send(out)
 
 
+def run_grant_view(rank: int, port: int, ctl) -> None:
+    """With the landing pool on, worker0 sends a strided view (every other
+    column of a float32 1024 x 2048: 4 MiB packed) to worker1's identity
+    three times. `granted`: per call, the segments that landed in grants on
+    worker0 (the dense answer) and on worker1 (the view, packed by the
+    sender straight into worker1's grant); `back`: shape and bytes."""
+    join_pair(rank, port)
+    out = {}
+    if rank == 0:
+        rng = random.Random(7)
+        out["back"], out["granted"] = [], []
+        for _ in range(3):
+            view, packed = cuda_view(rng.randbytes(8 << 20), (1024, 2048),
+                                     (slice(None), slice(0, None, 2)))
+            before = (granted(), rpc.rpc_sync("worker1", granted))
+            back = rpc.rpc_sync("worker1", identity, args=(view,))
+            out["back"].append((tuple(back.shape), tensor_bytes(back) == packed))
+            out["granted"].append((granted() - before[0],
+                                   rpc.rpc_sync("worker1", granted) - before[1]))
+    rpc.shutdown()
+    ctl.send(out)
+
+
 # ---- idle blocks dropped --------------------------------------------------------
 
 

@@ -174,6 +174,19 @@ def test_two_sizes_have_a_grant_each_and_a_third_takes_the_oldest(spawn, monkeyp
         assert ours["grants_capped"] == 0, ours
 
 
+@landing_pool_torch
+def test_a_strided_view_is_packed_straight_into_a_grant(spawn, monkeypatch):
+    """A strided view's bytes are packed by the sender straight into the
+    receiver's grant, as into a block of its own (the received tensor is
+    dense either way). Before, views never went into grants, while the
+    receiver granted their size after each one: a grant made for nothing,
+    held until taken back, and made again."""
+    monkeypatch.setenv("TORCH_RPC_EXT_CUDA_LANDING_POOL", "1")
+    caller, _ = play_with(spawn, agent_worker.run_grant_view)
+    assert caller["back"] == [((1024, 1024), True)] * 3
+    assert caller["granted"] == [(0, 0), (1, 1), (1, 1)]
+
+
 @pytest.mark.skipif(REAL_DRIVER, reason="the fake holds the stream: a GPU races")
 @pytest.mark.parametrize("channels", [("cuda_ipc",), ("cuda_staged",)],
                          ids=["cuda_ipc", "cuda_staged"])

@@ -158,7 +158,7 @@ bool IpcChannel::takeGrant(
     const frame::OutboundFrame::Segment& segment,
     std::vector<ControlFrame>* before,
     SegmentRecord* out) {
-  if (segment.view || segment.size <= kGrantMinBytes) {
+  if (segment.size <= kGrantMinBytes) {
     return false;
   }
   const int device = segment.deviceIndex;
@@ -214,11 +214,22 @@ bool IpcChannel::takeGrant(
     // The one copy of this direction: after the caller's work on `stream`
     // and the grant's last use on the receiver's side.
     TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, g.free, 0);
-    copyEngine(device).copySegments(
-        stream,
-        {{g.address,
-          reinterpret_cast<CUdeviceptr>(segment.data),
-          segment.size}});
+    const auto src = reinterpret_cast<CUdeviceptr>(segment.data);
+    if (segment.view) {
+      // Packed into it as into a block: the receiver's tensor is dense.
+      // (Else the receiver, which grants what arrived by block, would
+      // grant a strided tensor's size over and over, never used.)
+      const frame::StridedView& shape = *segment.view;
+      copyEngine(device).pack(
+          stream,
+          g.address,
+          src,
+          shape.sizes,
+          shape.strides,
+          shape.elementSize);
+    } else {
+      copyEngine(device).copySegments(stream, {{g.address, src, segment.size}});
+    }
     TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, written, stream);
     // Each copy's own completion, for the close (the event above says only
     // the latest, maybe of another stream).
