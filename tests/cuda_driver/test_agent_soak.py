@@ -70,8 +70,9 @@ def test_crossing_calls_of_random_cuda_tensors_keep_every_byte(spawn, monkeypatc
             # Sizes vary (3 MiB, 8-9 MiB): grants outgrown are taken back
             # and given back (docs/cuda.md, "Grants", outgrown).
             print(f"worker{rank}: grants made {counters['grants_made']} used "
-                  f"{counters['grants_used']} revoked {counters['grants_revoked']} returned "
-                  f"{counters['grants_returned']}")
+                  f"{counters['grants_used']} revoked {counters['grants_revoked']} (idle "
+                  f"{counters['grants_idle']}) returned {counters['grants_returned']} "
+                  f"over the bound {counters['grants_over_limit']}")
             assert counters["grants_capped"] == 0, counters
         else:
             assert landing["landing_pool_allocations"] == 0, landing
