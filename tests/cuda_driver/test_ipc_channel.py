@@ -62,6 +62,18 @@ def test_a_received_view_outlives_its_sender(spawn):
     assert closed  # and the connection is gone
 
 
+def test_our_blocks_events_outlast_a_close_the_peer_had_no_time_to_answer(spawn):
+    """A block of ours left by a close (the peer still held its import) keeps
+    its interprocess events until the channel's deadline (2 s): the peer
+    destroys its opened copies as its own close retires the import, and
+    cuda.h leaves that undefined once the exporter destroyed them. Before,
+    they went as soon as our own work on the block was done (the fake saw it
+    now and then when both ends closed at once)."""
+    _, (intact, poisoned) = play(spawn, "closed_while_held", after_sender_exits="exited")
+    assert intact
+    assert poisoned in (None, 0)
+
+
 def test_a_block_sent_back_unchanged_is_handed_back_without_a_copy(spawn):
     (back, sender), receiver = play(spawn, "handback")
     head, size, intact = back

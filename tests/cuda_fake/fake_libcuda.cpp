@@ -726,7 +726,22 @@ CUresult getStream(
 
 void poisonedUse(const char* fn, const char* what) {
   state().stats.poisonedUses++;
-  fprintf(stderr, "fake_libcuda: %s: %s\n", fn, what);
+  fprintf(stderr, "fake_libcuda: %s: %s (pid %d)\n", fn, what, getpid());
+  // Where from: module and offset a frame (addr2line -f -C -e <module>
+  // <offset> names the function), since such a use is often at a close.
+  void* frames[32];
+  int n = backtrace(frames, 32);
+  for (int i = 0; i < n; ++i) {
+    Dl_info info{};
+    if (dladdr(frames[i], &info) && info.dli_fname) {
+      fprintf(
+          stderr,
+          "  #%d %s +0x%lx\n",
+          i,
+          info.dli_fname,
+          (unsigned long)((char*)frames[i] - (char*)info.dli_fbase));
+    }
+  }
 }
 
 // The counters of the event a handle names (and its device).

@@ -153,6 +153,17 @@ std::vector<Block::TeardownWait> Block::teardownWaits() const {
 bool Block::teardownReady() const {
   CurrentDevice current(memory_->device());
   const bool patienceOver = std::chrono::steady_clock::now() >= patience_;
+  if (owner_ && orphaned_.load() && !patienceOver) {
+    // Ours, left by a close that no answer of the peer's settled (a block
+    // it dropped and heard back of is never orphaned): its events are
+    // interprocess, and the peer, if it lives, may still have them open,
+    // to destroy as its own close retires its import. cuda.h leaves any
+    // use of an opened event after its exporter destroyed it undefined,
+    // so ours stay until the channel's deadline, as a grant's events do
+    // (the fake counted the other order as a poisoned use, now and then,
+    // when both ends closed at once).
+    return false;
+  }
   for (const TeardownWait& w : teardownWaits()) {
     if (libcuda().cuEventQuery(w.event) == CUDA_ERROR_NOT_READY &&
         !(w.patient && patienceOver)) {
