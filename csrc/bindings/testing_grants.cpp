@@ -16,7 +16,6 @@
 
 #include "csrc/bindings/bind.h"
 #include "csrc/channel/cuda/device.h"
-#include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/channel/grants.h"
 #include "csrc/channel/registry.h"
 #include "csrc/common/libcuda.h"
@@ -159,7 +158,7 @@ void bindTestingGrants(py::module_& m) {
       "cuda_ipc's bound per device (0: none)");
   m.def(
       "set_grant_idle_ms",
-      [](int64_t ms) { channel::cuda::setGrantIdleMs(ms); },
+      [](int64_t ms) { channel::setGrantIdleMs(ms); },
       "as $TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS, from now on (0: never)");
   m.def("test_grant_counts", [] {
     auto g = installed();

@@ -48,4 +48,13 @@ class GrantSource {
 void setGrantSource(std::shared_ptr<GrantSource> source);
 std::shared_ptr<GrantSource> grantSource();
 
+// A grant the peer has not used for this long is taken back, its memory the
+// pool's again and out of the device's bound, as idle blocks are dropped
+// ($TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS, 0..3600000, read when cuda_ipc is
+// probed; 0: kept until outgrown or the close). A segment of its size later
+// lands by copy once and earns a grant again. Process-wide.
+constexpr int64_t kDefaultGrantIdleMs = 10000;
+void setGrantIdleMs(int64_t ms);
+int64_t grantIdleMs();
+
 } // namespace torch_rpc_ext::channel

@@ -145,14 +145,6 @@ constexpr uint64_t kGrantSlack = 2;
 inline bool grantFits(uint64_t grantBytes, uint64_t segmentBytes) {
   return segmentBytes <= grantBytes && grantBytes / kGrantSlack <= segmentBytes;
 }
-// A grant the peer has not used for this long is taken back, its memory the
-// pool's again and out of the device's bound, as idle blocks are dropped
-// ($TORCH_RPC_EXT_CUDA_GRANT_IDLE_MS, 0..3600000, checked when the channel
-// is probed; 0: kept until outgrown or the close). A segment of its size
-// later lands by copy once and earns a grant again.
-constexpr int64_t kGrantIdleMs = 10000;
-void setGrantIdleMs(int64_t ms);
-int64_t grantIdleMs();
 
 // A grant's share of its device's bound on cuda_ipc's memory (device_memory.h,
 // reserveGrant), given back as the grant ends, however it ends.

@@ -6,7 +6,6 @@
 // when the frame it wrote one for was not sent, and held at the close until
 // no copy of the peer's into them can still run.
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <set>
 
@@ -27,17 +26,7 @@ namespace {
 // many at most.
 constexpr size_t kEndedGrantsKept = 256;
 constexpr size_t kEarlyRevokesKept = 64;
-
-std::atomic<int64_t> g_grantIdleMs{kGrantIdleMs};
 } // namespace
-
-void setGrantIdleMs(int64_t ms) {
-  g_grantIdleMs.store(ms, std::memory_order_relaxed);
-}
-
-int64_t grantIdleMs() {
-  return g_grantIdleMs.load(std::memory_order_relaxed);
-}
 
 void GrantClaim::reset() {
   if (bytes_ != 0) {

@@ -1,15 +1,18 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // cuda_ipc: giving the peer's blocks back, batched to ride with our next
-// frame (ipc_channel.h, kDeferredReleaseBytes), and at a graceful shutdown
-// every block back before the connection closes (settleFromLoop()).
+// frame (ipc_channel.h, kDeferredReleaseBytes); dropping our idle ones
+// (trim(), on the connection's tick); and at a graceful shutdown every
+// block back before the connection closes (settleFromLoop()).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <string>
 #include <vector>
 
+#include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/channel/lending.h"
+#include "csrc/common/libcuda.h"
 
 namespace torch_rpc_ext::channel::cuda {
 
@@ -183,6 +186,74 @@ bool IpcChannel::settled() {
         return !lentWaitOver;
     }
   });
+}
+
+void IpcChannel::onTickFromLoop() {
+  // Blocks go back once traffic stops: releases still waiting for a frame.
+  revokeIdleGrantsFromLoop(); // (before: its revokes go with the releases)
+  flushReleases();
+  closeDropped();
+  trim(std::chrono::milliseconds(kBlockIdleMs));
+}
+
+void IpcChannel::trim(std::chrono::milliseconds idleFor) {
+  // Free blocks idle for `idleFor` whose events have completed (so that
+  // unmapping one never waits on the loop thread for the GPU, ours or the
+  // peer's), asked outside the lock.
+  struct Idle {
+    uint32_t id;
+    std::shared_ptr<Block> block;
+    std::chrono::steady_clock::time_point lastUsed;
+  };
+  std::vector<Idle> idle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto now = std::chrono::steady_clock::now();
+    for (auto& [id, own] : ownBlocks_) {
+      if (own.state == OwnBlock::State::kFree &&
+          now - own.lastUsed >= idleFor) {
+        idle.push_back(Idle{id, own.block, own.lastUsed});
+      }
+    }
+  }
+  if (idle.empty()) {
+    return;
+  }
+  std::vector<Idle> quiet;
+  for (auto& b : idle) {
+    CurrentDevice current(b.block->device());
+    if (libcuda().cuEventQuery(b.block->ready()) == CUDA_SUCCESS &&
+        libcuda().cuEventQuery(b.block->released()) == CUDA_SUCCESS &&
+        libcuda().cuEventQuery(b.block->localUse()) == CUDA_SUCCESS) {
+      quiet.push_back(std::move(b));
+    }
+  }
+  idle.clear();
+  // Kept until the peer answers that it closed them (kBlockDropped).
+  std::vector<uint32_t> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Idle& q : quiet) {
+      // Still free and unused since its events were asked: not lent,
+      // used and given back meanwhile (its new work unasked).
+      auto it = ownBlocks_.find(q.id);
+      if (it != ownBlocks_.end() &&
+          it->second.state == OwnBlock::State::kFree &&
+          it->second.lastUsed == q.lastUsed) {
+        dropped.push_back(q.id);
+        it->second.state = OwnBlock::State::kDropping;
+      }
+    }
+  }
+  auto host = host_.lock();
+  if (!host) {
+    return;
+  }
+  for (uint32_t id : dropped) {
+    host->sendControl(
+        ControlFrame{
+            context().wireIds().kind(kBlockDrop), idHead(id), {}, nullptr});
+  }
 }
 
 } // namespace torch_rpc_ext::channel::cuda
