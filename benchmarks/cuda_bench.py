@@ -32,7 +32,8 @@ after warm-up:
 Each of ours rows has `costs_per_call`: what one round trip costs after
 warm-up, both ends, less the harness's own syncs: device copies (`landed`,
 `landing_launches`, `landing_allocations`, `ipc_launches`), frames and control frames sent, socket
-reads and writes, loop wake-ups, torch's allocations, and on the fake driver
+reads and writes, loop wake-ups, torch's allocations (on the fake also
+`pool_windows`: routings to a landing pool), and on the fake driver
 every driver call by entry point and grouped (allocations, launches,
 memcpys, stream waits, event records/queries/creates, context get/set calls,
 host waits). tests/cuda_driver/test_cuda_bench.py holds budgets for them.
@@ -290,7 +291,9 @@ def costs() -> dict[str, int]:
         out.update({"from:" + k: v for k, v in stats.get("calls_from", {}).items()})
         from torch_rpc_ext import _testing
 
-        out["torch_allocations"] = _testing.cuda.allocator_stats()["allocated"]
+        allocator = _testing.cuda.allocator_stats()
+        out["torch_allocations"] = allocator["allocated"]
+        out["pool_windows"] = allocator["windows"]
     elif torch.cuda.is_available() and torch.cuda.is_initialized():
         out["torch_allocations"] = torch.cuda.memory_stats(DEVICE).get(
             "segment.all.allocated", 0)
@@ -334,6 +337,8 @@ def summarize_costs(delta: tuple, calls: int, harness: tuple) -> dict:
     net = {k: round(sum(end.get(k, 0) for end in ends), 2) for end in ends for k in end}
     out = {short: net.get(short, 0) for short in (*WIRE.values(), *PEER.values())}
     out["torch_allocations"] = net.get("torch_allocations", 0)
+    if "pool_windows" in net:  # the fake's: routings to a landing pool
+        out["pool_windows"] = net["pool_windows"]
     for k in ("landed", "landing_launches", "landing_allocations", "ipc_launches",
               "grants_used"):
         out[k] = net.get(k, 0)

@@ -16,6 +16,7 @@
 #include <optional>
 #include <unordered_map>
 
+#include "csrc/agent/landing_pool.h"
 #include "csrc/channel/grants.h"
 #include "csrc/channel/registry.h"
 #include "csrc/common/logging.h"
@@ -178,18 +179,18 @@ wire::InboundMessage::Landed AgentDevices::land(
     // up to 32 times the largest message sat cached per device); the copy
     // runs on the stream the memory is allocated for, so it is ordered
     // after the work of the block's last user there.
-    // With a landing pool, from it (landing_pool.h): the same rules, in
-    // memory whose segments are ours.
+    // From torch's default pool, with a landing pool too: only grants need
+    // segments of ours (landing_pool.h), and memory landed by copy is then
+    // the user's cache as any other (empty_cache() returns it; out of
+    // memory, torch frees its cache and retries, which it does not in a
+    // pool's routing window).
     c10::StreamGuard guard(stream);
     c10::Allocator* allocator = c10::GetAllocator(c10::kCUDA);
-    const bool pooled = landingPools_.has(stream.device_index());
     // Our thread, in relaxed capture mode: a user's global-mode capture
     // elsewhere stays valid.
     channel::withRelaxedCudaCapture([&] {
       for (uint64_t size : out.sizes) {
-        out.allocations.push_back(
-            pooled ? landingPools_.allocate(stream.device_index(), stream, size)
-                   : allocator->allocate(size));
+        out.allocations.push_back(allocator->allocate(size));
       }
     });
   }
@@ -466,7 +467,7 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
         },
         landing,
         hostLanding,
-        landingPools_.empty()
+        !granting_
             ? wire::InboundMessage::AdoptLanded()
             : [&](c10::DeviceIndex device, frame::LandedRegion& region) {
                 // Written by the peer into a grant of ours: the message's
@@ -505,7 +506,7 @@ void AgentDevices::addMetrics(
   m["rpc_ext.cuda.landing_allocations"] =
       std::to_string(landedAllocations_.load());
   m["rpc_ext.cuda.landing_pool_allocations"] =
-      std::to_string(landingPools_.allocations());
+      std::to_string(landingPoolAllocations());
   m["rpc_ext.cuda.granted_segments"] = std::to_string(granted_.load());
   const auto segments = landingSegmentCounts();
   m["rpc_ext.cuda.landing_pool_segments"] = std::to_string(segments.live);

@@ -25,7 +25,6 @@
 #include <torch/csrc/distributed/rpc/message.h>
 #include <torch/csrc/distributed/rpc/types.h>
 
-#include "csrc/agent/landing_pool.h"
 #include "csrc/agent/options.h"
 #include "csrc/wire/codec.h"
 
@@ -55,7 +54,7 @@ class AgentDevices {
   AgentDevices(const AgentOptions& options, std::string self)
       : options_(options),
         self_(std::move(self)),
-        landingPools_(options.landingPools) {}
+        granting_(!options.landingPools.empty()) {}
 
   const std::vector<c10::Device>& devices() const {
     return options_.devices;
@@ -168,9 +167,9 @@ class AgentDevices {
   std::atomic<uint64_t> landed_{0};
   std::atomic<uint64_t> landedBytes_{0};
   std::atomic<uint64_t> landedAllocations_{0};
-  // Where landings allocate, on the devices that have one (else torch's
-  // default pool).
-  LandingPools landingPools_;
+  // Whether we grant landing memory (a landing pool per device): a peer's
+  // segment may then arrive written into it.
+  const bool granting_;
   // Segments the peer wrote straight into landing memory we granted.
   std::atomic<uint64_t> granted_{0};
   mutable std::mutex landingMu_;

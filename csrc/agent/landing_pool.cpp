@@ -2,10 +2,10 @@
 // The landing pool (landing_pool.h).
 #include "csrc/agent/landing_pool.h"
 
+#include <atomic>
 #include <exception>
 #include <map>
 
-#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -80,13 +80,21 @@ std::mutex& poolWindowOf(PoolId id) {
   return *w;
 }
 
+std::atomic<uint64_t>& poolAllocations() {
+  static std::atomic<uint64_t> n{0};
+  return n;
+}
+
 } // namespace
+
+uint64_t landingPoolAllocations() {
+  return poolAllocations().load(std::memory_order_relaxed);
+}
 
 c10::DataPtr LandingPools::allocate(
     c10::DeviceIndex device,
     const c10::Stream& stream,
-    size_t n,
-    bool retryOutOfMemory) {
+    size_t n) {
   const PoolId id = pools_.at(device);
   PoolRouting* routing = poolRouting();
   TORCH_CHECK(
@@ -99,42 +107,25 @@ c10::DataPtr LandingPools::allocate(
   c10::Allocator* allocator = c10::GetAllocator(c10::kCUDA);
   // torch allocates for the current stream: the one the filter takes.
   c10::StreamGuard current(stream);
-  auto routed = [&] {
-    std::lock_guard<std::mutex> lock(poolWindowOf(id));
-    routing->begin(device, id, [native](CUstream s) { return s == native; });
-    struct End {
-      PoolRouting* routing;
-      c10::DeviceIndex device;
-      PoolId id;
-      ~End() {
-        try {
-          routing->end(device, id);
-        } catch (const std::exception& e) {
-          logWarning(
-              std::string(
-                  "torch_rpc_ext: closing a landing pool's routing "
-                  "failed: ") +
-              e.what());
-        }
+  std::lock_guard<std::mutex> lock(poolWindowOf(id));
+  routing->begin(device, id, [native](CUstream s) { return s == native; });
+  struct End {
+    PoolRouting* routing;
+    c10::DeviceIndex device;
+    PoolId id;
+    ~End() {
+      try {
+        routing->end(device, id);
+      } catch (const std::exception& e) {
+        logWarning(
+            std::string(
+                "torch_rpc_ext: closing a landing pool's routing failed: ") +
+            e.what());
       }
-    } end{routing, device, id};
-    return allocator->allocate(n);
-  };
-  c10::DataPtr p;
-  try {
-    p = routed();
-  } catch (const c10::OutOfMemoryError&) {
-    // A new segment of the pool did not fit. torch frees its default
-    // pool's cache and retries only outside a window (and, before 2.13,
-    // not while any is open): do that here, once.
-    auto* cache = dynamic_cast<c10::DeviceAllocator*>(allocator);
-    if (cache == nullptr || !retryOutOfMemory) {
-      throw;
     }
-    cache->emptyCache();
-    p = routed();
-  }
-  allocations_.fetch_add(1, std::memory_order_relaxed);
+  } end{routing, device, id};
+  c10::DataPtr p = allocator->allocate(n);
+  poolAllocations().fetch_add(1, std::memory_order_relaxed);
   return p;
 }
 
@@ -179,8 +170,7 @@ class PoolGrants final : public channel::GrantSource {
     const c10::Stream stream = streamOf(d);
     channel::GrantMemory g;
     auto memory = std::make_unique<TorchLanded>();
-    memory->memory =
-        pools_.allocate(d, stream, bytes, /*retryOutOfMemory=*/false);
+    memory->memory = pools_.allocate(d, stream, bytes);
     const auto address = reinterpret_cast<uintptr_t>(memory->memory.get());
     g.memory = std::move(memory);
     c10::impl::VirtualGuardImpl impl(c10::kCUDA);

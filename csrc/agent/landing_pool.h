@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
-// Landing memory from a pool of torch's CUDA caching allocator whose
-// segments are ours (docs/cuda.md, "The landing pool"): the first layer of
-// landing memory a receiver grants its peers ahead of their messages.
+// Landing memory a receiver grants its peers ahead of their messages
+// (docs/cuda.md, "The landing pool", "Grants"), from a pool of torch's CUDA
+// caching allocator whose segments are ours. Landings by copy allocate
+// from torch's default pool, as without it.
 //
 // torch makes such a pool from two C functions (torch.cuda.MemPool with a
 // CUDAPluggableAllocator naming torch_rpc_ext_landing_alloc and
@@ -15,15 +16,14 @@
 // peer maps can be torch's memory of a received tensor, and is released
 // only when we say.
 //
-// Allocations reach the pool only while routed to it (PoolRouting): the
-// landing streams' allocations, in a window around each landing's
-// allocations. torch 2.11 and 2.12 treat any routing as a CUDA graph
-// capture across the device (pytorch#175015), so the window is never left
-// open.
+// Allocations reach the pool only while routed to it (PoolRouting): a
+// grant stream's, in a window around each grant's allocation. torch 2.11
+// and 2.12 treat any routing as a CUDA graph capture across the device
+// (pytorch#175015), so the window is never left open (and the pool is
+// refused there).
 
 #include <cuda.h>
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -80,29 +80,22 @@ LandingSegmentCounts landingSegmentCounts();
 class LandingPools {
  public:
   explicit LandingPools(std::map<int, PoolId> pools);
-  bool has(c10::DeviceIndex device) const {
-    return pools_.count(device) != 0;
-  }
-  bool empty() const {
-    return pools_.empty();
-  }
   // `n` bytes from `device`'s pool, for `stream` (made current here: torch
-  // allocates for the current stream). Out of memory, it frees torch's
-  // default cache and tries once more (torch does that only outside a
-  // window); else throws as torch's allocator.
+  // allocates for the current stream). Out of memory, it throws as torch's
+  // allocator: torch neither frees its default pool's cache nor retries in
+  // a window, and a grant is not worth the user's cache (the segment lands
+  // by copy instead).
   c10::DataPtr allocate(
       c10::DeviceIndex device,
       const c10::Stream& stream,
-      size_t n,
-      bool retryOutOfMemory = true);
-  uint64_t allocations() const {
-    return allocations_.load(std::memory_order_relaxed);
-  }
+      size_t n);
 
  private:
   const std::map<int, PoolId> pools_;
-  std::atomic<uint64_t> allocations_{0};
 };
+
+// Blocks allocated from the landing pools, process-wide (each a grant's).
+uint64_t landingPoolAllocations();
 
 // A grant's memory (frame::LandedMemory): a block of torch's, which the
 // segment written into it becomes (AgentDevices::finish takes it back).
@@ -113,8 +106,8 @@ struct TorchLanded final : frame::LandedMemory {
   }
 };
 
-// The grant source (channel/grants.h) of an agent whose landings
-// use the landing pools `pools`.
+// The grant source (channel/grants.h) of an agent with the landing pools
+// `pools`: its grants are blocks of them.
 std::shared_ptr<channel::GrantSource> makePoolGrants(
     std::map<int, PoolId> pools);
 

@@ -94,9 +94,9 @@ struct AgentOptions : rpc::RpcBackendOptions {
   // copy in torch's allocator (AgentDevices::land): one device copy fewer,
   // but record_stream cannot see them (docs/guide.md, "Streams").
   bool cudaZeroCopy = false;
-  // Per device, the torch memory pool landings allocate from (the landing
-  // pool, landing_pool.h; torch_rpc_ext/_cuda/landing_pool.py makes them);
-  // empty: torch's default pool.
+  // Per device, the torch memory pool the landing memory we grant peers is
+  // allocated from (the landing pool, landing_pool.h;
+  // torch_rpc_ext/_cuda/landing_pool.py makes them); empty: no grants.
   std::map<int, std::pair<unsigned long long, unsigned long long>> landingPools;
   // The shm transport admits local connections from processes of other
   // users too (by default, only our user's and root's: SO_PEERCRED).

@@ -243,7 +243,7 @@ void bindTestingCudaTorch(py::module_& parent) {
     FakeCachingAllocator::instance().destroyPool(id);
   });
   // `n` bytes from pool `id` of `device` for the current stream, as the
-  // agent's landings take them (LandingPools); a holder of the memory
+  // agent's grants take them (LandingPools); a holder of the memory
   // (`.address`, `.free()`).
   struct PoolBlock {
     c10::DataPtr memory;
@@ -334,6 +334,7 @@ void bindTestingCudaTorch(py::module_& parent) {
     d["pool_allocated"] = s.poolAllocated;
     d["pool_reused"] = s.poolReused;
     d["pool_released"] = s.poolReleased;
+    d["windows"] = s.windows;
     return d;
   });
 

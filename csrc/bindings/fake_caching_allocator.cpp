@@ -315,6 +315,7 @@ void FakeCachingAllocator::beginAllocateToPool(
   TORCH_CHECK(!pool.routed, "beginAllocateToPool: already recording to pool");
   pool.routed = true;
   ++pool.uses;
+  ++stats_.windows;
   routes_.push_back({device, &pool, std::move(filter)});
 }
 

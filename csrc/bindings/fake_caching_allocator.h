@@ -43,6 +43,7 @@ class FakeCachingAllocator final : public c10::DeviceAllocator {
     uint64_t poolAllocated = 0; // of `allocated`, from a pool's allocator
     uint64_t poolReused = 0; // of `reused`, a pool's
     uint64_t poolReleased = 0; // pool segments given back through it
+    uint64_t windows = 0; // routings begun (beginAllocateToPool)
   };
   using SegmentAlloc = void* (*)(size_t, int, CUstream);
   using SegmentFree = void (*)(void*, size_t, int, CUstream);

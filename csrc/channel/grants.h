@@ -7,7 +7,7 @@
 // a large segment straight into it, and the receiver's tensor is that memory,
 // with no landing copy. The memory is torch's (a block of the landing pool,
 // agent/landing_pool.h), so the agent provides it: it installs a GrantSource
-// when its landings use the pool; without one, cuda_ipc grants nothing.
+// when it has a landing pool; without one, cuda_ipc grants nothing.
 
 #include <cuda.h>
 

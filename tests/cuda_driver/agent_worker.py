@@ -349,29 +349,40 @@ def make(n: int, seed: int):
     return cuda_tensor(pattern(n, seed))
 
 
-def run_side_stream(rank: int, port: int, ctl, channels, zero_copy: bool) -> None:
+def run_side_stream(rank: int, port: int, ctl, channels, zero_copy: bool,
+                    granted: bool = False) -> None:
     """worker0, on a side stream kept busy, receives a tensor, queues a copy
-    of it behind the busy work, drops it, and receives another of the same
+    of it behind the busy work, drops it, and receives more of the same
     size: the issue's `r = rpc_sync(...); acc += r; del r`. Under torch's
     stream rules (the future's wait() records the tensor's memory on the
     side stream) the copy must read the first tensor's bytes, whatever the
-    second call reused meanwhile."""
+    later calls reused meanwhile.
+
+    `granted`: tensors over 1 MiB, after a first call that makes worker0
+    grant their size (docs/cuda.md, "Grants"): the received tensors are
+    blocks of the landing pool the peer wrote into, and the grant made
+    after the second call must not be the first tensor's block, freed but
+    not yet passed by the side stream: the third call's bytes would land
+    under the queued copy."""
     join_pair(rank, port, device_channels=channels, cuda_zero_copy=zero_copy)
     out = {}
     if rank == 0:
-        n = 1 << 20
-        first, second = pattern(n, 7), pattern(n, 8)
+        n = (3 << 20) if granted else (1 << 20)
+        seeds = (7, 8, 9) if granted else (7, 8)
+        first, *later = [pattern(n, s) for s in seeds]
+        if granted:
+            rpc.rpc_sync("worker1", make, args=(n, 6))  # lands by copy; a grant follows
         if real_cuda():
             acc = torch.zeros(n, dtype=torch.uint8, device=f"cuda:{DEVICE}")
             side = torch.cuda.Stream(DEVICE)
             with torch.cuda.stream(side):
                 torch.cuda._sleep(2_000_000_000)  # about a second of busy stream
-                r = rpc.rpc_sync("worker1", make, args=(n, 7))
+                r = rpc.rpc_sync("worker1", make, args=(n, seeds[0]))
                 acc.copy_(r)
                 del r
-                r2 = rpc.rpc_sync("worker1", make, args=(n, 8))
+                rs = [rpc.rpc_sync("worker1", make, args=(n, s)) for s in seeds[1:]]
             side.synchronize()
-            out["second"] = r2.cpu().numpy().tobytes() == second
+            out["later"] = [r.cpu().numpy().tobytes() == b for r, b in zip(rs, later)]
             out["first_intact"] = acc.cpu().numpy().tobytes() == first
         else:
             acc = cuda_tensor(b"\0" * n)
@@ -379,17 +390,18 @@ def run_side_stream(rank: int, port: int, ctl, channels, zero_copy: bool) -> Non
             before = cu().use_stream(DEVICE, side)
             hold = cu().hold_stream(DEVICE, side)
             try:
-                r = rpc.rpc_sync("worker1", make, args=(n, 7))
+                r = rpc.rpc_sync("worker1", make, args=(n, seeds[0]))
                 cu().copy_async(acc.data_ptr(), r.data_ptr(), n, DEVICE, side)
                 del r
-                r2 = rpc.rpc_sync("worker1", make, args=(n, 8))
-                # The second tensor's bytes are in place (its memory read
+                rs = [rpc.rpc_sync("worker1", make, args=(n, s)) for s in seeds[1:]]
+                # The later tensors' bytes are in place (their memory read
                 # outside any stream) before the side stream goes on.
                 deadline = time.monotonic() + 10
-                while (cu().read(DEVICE, r2.data_ptr(), n) != second
+                while (any(cu().read(DEVICE, r.data_ptr(), n) != b for r, b in zip(rs, later))
                        and time.monotonic() < deadline):
                     time.sleep(0.01)
-                out["second"] = cu().read(DEVICE, r2.data_ptr(), n) == second
+                out["later"] = [cu().read(DEVICE, r.data_ptr(), n) == b
+                                for r, b in zip(rs, later)]
             finally:
                 cu().release_stream(hold)
             cu().stream_synchronize(DEVICE, cu().stream_handle(DEVICE, side))
@@ -397,7 +409,7 @@ def run_side_stream(rank: int, port: int, ctl, channels, zero_copy: bool) -> Non
             out["first_intact"] = cu().read(DEVICE, acc.data_ptr(), n) == first
             out["allocator"] = cu().allocator_stats()
         out["landed"] = {k: int(v) for k, v in agent_metrics().items()
-                         if k.startswith("rpc_ext.cuda.land")}
+                         if k.startswith(("rpc_ext.cuda.land", "rpc_ext.cuda.granted"))}
     rpc.shutdown()
     ctl.send(out)
 

@@ -181,10 +181,15 @@ def serve(tensors, digests, back_to, part, fresh):
 
 
 _SOURCE: Source | None = None  # this worker's arena
+_FINISHED = False  # this worker's callers are done
 
 
 def ready() -> bool:
     return _SOURCE is not None
+
+
+def finished() -> bool:
+    return _FINISHED
 
 
 def arena_seed(rank: int) -> int:
@@ -269,7 +274,7 @@ def run(rank: int, port: int, ctl, seconds: float, seed: int, zero_copy: bool,
         channels=("cuda_ipc",), swap: bool = False) -> None:
     """Both workers join (join()); each calls the other from THREADS
     threads for `seconds`, then reports its calls and failures."""
-    global _SOURCE
+    global _SOURCE, _FINISHED
     join(rank, port, channels, zero_copy, swap)
     _SOURCE = Source(arena_seed(rank))
     peer_arena = arena_bytes(arena_seed(1 - rank))
@@ -288,6 +293,11 @@ def run(rank: int, port: int, ctl, seconds: float, seed: int, zero_copy: bool,
         t.start()
     for t in threads:
         t.join()
+    # Counters read once the peer's callers are done too: nothing large is
+    # on its way, so none moves between the reads below.
+    _FINISHED = True
+    while not rpc.rpc_sync(f"worker{1 - rank}", finished):
+        time.sleep(0.05)
     metrics = rpc.api._get_current_rpc_agent().get_metrics()
     report["receive_failures"] = int(metrics.get("rpc_ext.cuda.receive_failures", 0))
     report["counters"] = {c: aw.channel_counters(c) for c in channels}

@@ -115,7 +115,7 @@ def test_a_release_waits_for_a_ride_only_so_long(spawn, ride_ms):
 @pytest.mark.parametrize("channels,pool", [
     (("cuda_ipc",), False), (("cuda_staged",), False),
     pytest.param(("cuda_ipc",), True, marks=landing_pool_torch)],
-                         ids=["cuda_ipc", "cuda_staged", "cuda_ipc-landing_pool"])
+                         ids=["cuda_ipc", "cuda_staged", "cuda_ipc-granted"])
 def test_a_received_tensor_is_safe_on_a_busy_side_stream(spawn, monkeypatch, channels, pool):
     """`r = rpc_sync(...); acc += r; del r` on a side stream still busy: the
     copy of r runs after the next call landed. Received tensors live in
@@ -124,32 +124,45 @@ def test_a_received_tensor_is_safe_on_a_busy_side_stream(spawn, monkeypatch, cha
     not reused until that stream is done; the channel's own memory (the
     sender's block, a staging block) went back right after the copy into
     them. Before, r viewed the channel's memory, which torch cannot record,
-    and the second call overwrote it under the queued copy. The same in the
-    landing pool (docs/cuda.md, "The landing pool"): its blocks are torch's
-    memory too."""
+    and the second call overwrote it under the queued copy. The same for
+    tensors the peer wrote into memory we granted (docs/cuda.md, "Grants"):
+    blocks of the landing pool, torch's memory too, so the grant that
+    follows r's is not r's block while the side stream has not passed it."""
     monkeypatch.setenv("TORCH_RPC_EXT_CUDA_LANDING_POOL", "1" if pool else "0")
-    caller, _ = play_with(spawn, agent_worker.run_side_stream, channels, False)
-    assert caller["second"]
+    caller, _ = play_with(spawn, agent_worker.run_side_stream, channels, False, pool)
+    assert all(caller["later"]), caller["later"]
     assert caller["first_intact"]
     landed = caller["landed"]
     segments = landed.pop("rpc_ext.cuda.landing_pool_segments")
     pool_bytes = landed.pop("rpc_ext.cuda.landing_pool_bytes")
-    assert landed == {"rpc_ext.cuda.landed_segments": 2,
-                      "rpc_ext.cuda.landed_bytes": 2 << 20,
-                      "rpc_ext.cuda.landing_launches": 2,
-                      "rpc_ext.cuda.landing_allocations": 2,
-                      "rpc_ext.cuda.landing_pool_allocations": 2 if pool else 0}
     if not pool:
+        assert landed == {"rpc_ext.cuda.landed_segments": 2,
+                          "rpc_ext.cuda.landed_bytes": 2 << 20,
+                          "rpc_ext.cuda.landing_launches": 2,
+                          "rpc_ext.cuda.landing_allocations": 2,
+                          "rpc_ext.cuda.landing_pool_allocations": 0,
+                          "rpc_ext.cuda.granted_segments": 0}
         assert (segments, pool_bytes) == (0, 0)
-    elif REAL_DRIVER:
-        assert segments >= 1 and pool_bytes >= 2 << 20  # torch's own sizes
     else:
-        # Two: the first block, waiting for the side stream, was not the
-        # second's (a segment per block on the fake).
-        assert (segments, pool_bytes) == (2, 2 << 20)
+        # The first call landed by copy, in torch's default pool; the
+        # three after it were written into grants, each followed by the
+        # next grant: four blocks of the pool, and none of them landed.
+        assert landed == {"rpc_ext.cuda.landed_segments": 1,
+                          "rpc_ext.cuda.landed_bytes": 3 << 20,
+                          "rpc_ext.cuda.landing_launches": 1,
+                          "rpc_ext.cuda.landing_allocations": 1,
+                          "rpc_ext.cuda.landing_pool_allocations": 4,
+                          "rpc_ext.cuda.granted_segments": 3}
+        if REAL_DRIVER:
+            assert segments >= 1 and pool_bytes >= 4 << 20  # torch's own sizes
+        else:
+            # The first granted block, waiting for the side stream, was
+            # not taken again (a segment per block on the fake): all four
+            # live, each the grant's size (3 MiB rounded up to 2 MiB's).
+            assert (segments, pool_bytes) == (4, 4 * (4 << 20))
     if not REAL_DRIVER:
-        # The first tensor's free waited for the side stream, so the second
-        # landed in a block of its own.
+        # The first tensor's free waited for the side stream, so the
+        # memory after it was a block of its own.
         assert caller["allocator"]["deferred"] >= 1
         assert caller["allocator"]["skipped_records"] == 0
 
@@ -196,13 +209,14 @@ def test_under_zero_copy_a_view_is_safe_on_its_arrival_stream_only(spawn, channe
     sequence reads the second call's bytes. That the test above catches
     the defect rests on this."""
     caller, _ = play_with(spawn, agent_worker.run_side_stream, channels, True)
-    assert caller["second"]
+    assert caller["later"] == [True]
     assert not caller["first_intact"]
     assert caller["landed"] == {"rpc_ext.cuda.landed_segments": 0,
                                 "rpc_ext.cuda.landed_bytes": 0,
                                 "rpc_ext.cuda.landing_launches": 0,
                                 "rpc_ext.cuda.landing_allocations": 0,
                                 "rpc_ext.cuda.landing_pool_allocations": 0,
+                                "rpc_ext.cuda.granted_segments": 0,
                                 "rpc_ext.cuda.landing_pool_segments": 0,
                                 "rpc_ext.cuda.landing_pool_bytes": 0}
     assert caller["allocator"]["skipped_records"] >= 1

@@ -153,6 +153,11 @@ def test_a_large_segment_crosses_with_one_copy_into_a_grant(bench_rows):
     assert no_allocation_after_warm_up(big), big
     assert small["grants_used"] == 0 and small["landing_launches"] == 2, small
     if not REAL_DRIVER:
+        # Only grants allocate from the pool: a landing by copy opens no
+        # routing window (it did, two a 4 KB round trip, before session
+        # 62); each grant used is followed by one allocation in a window.
+        assert small["pool_windows"] == 0, small
+        assert big["pool_windows"] == 2, big
         assert big["launches"] == 2, big  # copy mode: 4
         assert costs(bench_rows)["identity_4MB"]["launches"] == 4
         assert big["stream_waits"] <= 12 and big["driver_calls"] <= 160, big

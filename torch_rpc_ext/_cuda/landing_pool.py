@@ -2,11 +2,11 @@
 """The landing pool (docs/cuda.md, "The landing pool"): per CUDA device of
 an agent, a pool of torch's caching allocator whose segments our library
 makes (``torch_rpc_ext_landing_alloc`` and ``_free`` in ``_C``), which the
-agent's landings allocate from. Its blocks are torch's memory, as a landing
+landing memory the agent grants its peers is allocated from (landings by
+copy use torch's default pool). Its blocks are torch's memory, as a landing
 in the default pool is (``record_stream`` works on them); its segments
 stay ours, which is what lets a peer write into a block it was granted
-(the next layer) without cuda.h's undefined order: a segment is released
-only when we say.
+without cuda.h's undefined order: a segment is released only when we say.
 
 Off unless ``TORCH_RPC_EXT_CUDA_LANDING_POOL=1`` while the layers above it
 are built (issue 46). One pool per device for the process's life, shared
@@ -27,8 +27,9 @@ _POOLS: dict = {}
 
 
 def enabled() -> bool:
-    """Whether landings use the pool ($TORCH_RPC_EXT_CUDA_LANDING_POOL:
-    "1" on, "0" or unset off; anything else is an error naming it)."""
+    """Whether grants and their landing pool are on
+    ($TORCH_RPC_EXT_CUDA_LANDING_POOL: "1" on, "0" or unset off; anything
+    else is an error naming it)."""
     value = os.environ.get(ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
