@@ -186,8 +186,9 @@ def _prepare_cuda(options: Any, devices: list) -> None:
     anyone). The agent warms each device's context, streams and kernels as
     it starts, and checks torch's state again before it first allocates.
     Then the agent's devices, and their landing pools where those are on
-    (torch_rpc_ext._cuda.landing_pool; received tensors copied into torch's
-    memory, so not under cuda_zero_copy)."""
+    (torch_rpc_ext._cuda.landing_pool: the memory granted to peers, which
+    their large tensors arrive in as torch's memory, so not under
+    cuda_zero_copy)."""
     torch.cuda.init()
     from torch_rpc_ext._cuda import landing_pool, load_kernels
 

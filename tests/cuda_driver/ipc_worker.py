@@ -12,7 +12,13 @@ queued before it (a block's release, say)."""
 import os
 import time
 
-from tests.cuda_driver.worker import DEVICE, fake_stats, kernel_images, testing
+from tests.cuda_driver.worker import (
+    DEVICE,
+    fake_stats,
+    kernel_images,
+    set_fake_kernel_delay,
+    testing,
+)
 
 SECRET = b"s" * 32
 CUDA = 1  # c10::DeviceType::CUDA
@@ -514,6 +520,101 @@ def grant_unopened_receiver(conn, ctl):
     counters = end.counters()
     end.close()
     ctl.send((seen, counters))
+
+
+# ---- grant_unshared: grants whose segments the receiver cannot share -------
+#
+# The receiver's cuIpcGetMemHandle fails ($FAKE_CUDA_IPC_MEM_HANDLE_FAILS):
+# each grant it makes after a 3 MiB segment cannot be sent, and is dropped
+# (its memory and its share of the bound given back), so the next segment
+# of that size earns one again. Before, it was held unsent to the close:
+# no other grant of its size was made, and its memory stayed out.
+
+UNSHARED = (3 << 20,) * 3
+
+
+def grant_unshared_sender(conn, ctl):
+    send_sizes(conn, ctl, UNSHARED)
+
+
+def grant_unshared_receiver(conn, ctl):
+    os.environ["FAKE_CUDA_IPC_MEM_HANDLE_FAILS"] = "1"
+    testing().use_test_grants()
+    end = End("receiver", conn)
+    seen = []
+    for i, n in enumerate(UNSHARED):
+        head, (region,) = end.receive()
+        seen.append((head, end.read_region(region) == pattern(n, i)))
+        region.release()
+        end.ep.send(b"ok%d" % i, [])
+    counts = testing().test_grant_counts
+    wait_for(counts, "freed", len(UNSHARED))
+    out = (seen, end.counters(), counts())
+    end.close()
+    ctl.send(out)
+
+
+# ---- grant_late_copy: a copy into a grant still queued at the close --------
+#
+# m0 earns a 3 MiB grant; m1 goes into it by a copy that runs 6 s late (the
+# fake's kernel delay, set only then), and the sender closes at once. Its
+# mapping of the receiver's segment must stay open until that copy ran,
+# past the teardown's 2 s deadline: closed under it, the copy would write
+# into memory no longer mapped (on the fake, the close drains the streams
+# first, so it would sit in cuIpcCloseMemHandle from the deadline on). The
+# receiver exits once the connection closed, before its own deadline frees
+# the segment (a dead exporter's memory is the driver's to keep).
+
+LATE_DELAY_MS = 6000
+
+
+def grant_late_copy_sender(conn, ctl):
+    testing().use_test_grants()
+    end = End("sender", conn)
+    n = 3 << 20
+    end.send_device(b"m0", end.alloc(pattern(n, 0)), n)
+    assert end.receive()[0] == b"ok0"
+    # m0's block goes once idle (5 s): freed at the close's deadline, it
+    # would hold the staging thread in cuMemFree until the late copy ran
+    # (the driver's free waits for the device), and the mapping's close
+    # with it, hiding what this checks.
+    calls = lambda: fake_stats()["calls"]  # noqa: E731
+    frees = lambda: calls().get("cuMemRelease", 0) + calls().get("cuMemFree", 0)  # noqa: E731
+    before_frees = frees()
+    deadline = time.monotonic() + 20
+    while frees() == before_frees and time.monotonic() < deadline:
+        time.sleep(0.1)
+    data = end.alloc(pattern(n, 1))
+    set_fake_kernel_delay(LATE_DELAY_MS)
+    before = end.counters()["grants_used"]
+    end.send_device(b"m1", data, n)
+    used = end.counters()["grants_used"] - before
+    end.ep.close()
+    closed_at = time.monotonic()
+    closes = lambda: calls().get("cuIpcCloseMemHandle", 0)  # noqa: E731
+    time.sleep(4)  # past the 2 s deadline, before the copy ran
+    at_4s = closes()
+    while closes() == 0 and time.monotonic() < closed_at + 20:
+        time.sleep(0.05)
+    closed_after = time.monotonic() - closed_at
+    end.cu.stream_synchronize(DEVICE, end.stream)
+    ctl.send((used, at_4s, closes(), round(closed_after, 1), poisoned()))
+    for p in end.live:
+        end.cu.mem_free(DEVICE, p)
+
+
+def grant_late_copy_receiver(conn, ctl):
+    testing().use_test_grants()
+    end = End("receiver", conn)
+    head, (region,) = end.receive()
+    assert head == b"m0" and end.read_region(region) == pattern(3 << 20, 0)
+    region.release()
+    end.ep.send(b"ok0", [])
+    deadline = time.monotonic() + 30
+    while not end.ep.close_reason() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ctl.send(end.ep.close_reason())
+    os._exit(0)  # at once: its segments are the driver's to keep
 
 
 # ---- grant_abandoned: a grant written for a frame refused at send ----------

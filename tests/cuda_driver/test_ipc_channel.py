@@ -190,6 +190,58 @@ def test_no_grant_is_taken_back_for_a_size_the_bound_has_no_room_for(spawn):
 
 
 @fake_only  # the sender sees two devices, the receiver one (FAKE_CUDA_DEVICES)
+@fake_only
+def test_a_grant_whose_segment_cannot_be_shared_is_dropped_not_held(spawn):
+    """A grant goes to the peer with its segment's legacy handle; where
+    cuIpcGetMemHandle fails, the grant is dropped, its memory and its
+    share of cuda_ipc_memory_limit given back, and the next segment of
+    that size earns one again. Held unsent, as before, it kept both to the
+    close (the idle revoke takes back only grants the peer has) and, as it
+    fit the size, no other grant of it was made: made 1, live 1."""
+    (used, sender), (seen, receiver, counts) = play(spawn, "grant_unshared")
+    assert [ok for _, ok in seen] == [True] * 3
+    assert used == [0, 0, 0] and sender["grants_used"] == 0
+    assert receiver["grants_made"] == 3, receiver
+    assert counts == {"made": 3, "freed": 3, "live": 0, "grant_bytes": 0}, counts
+
+
+@fake_only
+def test_a_copy_into_a_grant_still_queued_at_the_close_keeps_its_mapping(spawn):
+    """The sender maps the receiver's segment to copy into a grant; at a
+    close, it unmaps once its copies there completed. A copy queued behind
+    a long stream (here the fake runs it 6 s late) outlasts the teardown's
+    2 s deadline: closed at the deadline, as before, the mapping went under
+    the queued copy, which then writes into memory no longer mapped (a
+    fault in the sender's own context). Now it stays until the copy ran.
+    (The receiver exits once the connection closed, and is reaped before the
+    sender's close: a dead exporter's memory is the driver's to keep.)"""
+    conn_s, conn_r = spawn.Pipe()
+    ctl_s, ctl_s_child = spawn.Pipe()
+    ctl_r, ctl_r_child = spawn.Pipe()
+    ends = [spawn.Process(target=ipc_worker.run, args=(role, conn, ctl, "grant_late_copy"))
+            for role, conn, ctl in (("sender", conn_s, ctl_s_child),
+                                    ("receiver", conn_r, ctl_r_child))]
+    for p in ends:
+        p.start()
+    try:
+        reason = ctl_r.recv() if ctl_r.poll(120) else None
+        ends[1].join(60)
+        assert ends[1].exitcode == 0
+        out = ctl_s.recv() if ctl_s.poll(120) else None
+        ends[0].join(60)
+        assert ends[0].exitcode == 0 and out is not None
+    finally:
+        for p in ends:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    used, at_4s, closes, closed_after, poisoned = out
+    assert used == 1 and reason
+    assert at_4s == 0, "the mapping was closed before the copy into it ran"
+    assert closes == 1 and closed_after >= 5, (closes, closed_after)
+    assert poisoned in (None, 0)
+
+
 def test_a_grant_written_for_a_frame_refused_at_send_goes_back(spawn):
     """The frame's first segment went into the receiver's grant, its second
     no channel takes: the frame is refused, and the grant goes back unasked

@@ -196,6 +196,16 @@ def fake_stats() -> dict | None:
     return json.loads(buf.raw[:n])
 
 
+def set_fake_kernel_delay(ms: int) -> None:
+    """Kernels and asynchronous copies queued from now on run `ms` late (the
+    fake driver only)."""
+    import ctypes
+
+    testing().libcuda_description()  # loaded by the extension first
+    ctypes.CDLL(os.environ["TORCH_RPC_EXT_LIBCUDA"]).fake_cuda_set_kernel_delay_ms(
+        ctypes.c_long(ms))
+
+
 def engine_error(images: dict[str, tuple[str, str]]) -> str:
     try:
         testing().CopyEngine(DEVICE, images)

@@ -372,9 +372,11 @@ struct State {
   bool noPeerAccess = false; // $FAKE_CUDA_NO_PEER_ACCESS=1
   bool ipcSelf = false; // $FAKE_CUDA_IPC_SELF=1
   bool ipcMemOpenFails = false; // $FAKE_CUDA_IPC_MEM_OPEN_FAILS=1
+  bool ipcMemHandleFails = false; // $FAKE_CUDA_IPC_MEM_HANDLE_FAILS=1
   // Each kernel runs this long after its stream reaches it: work that is not
   // ordered after a kernel sees its old bytes, as on a GPU under load.
-  long kernelDelayMs = 0;
+  // ($FAKE_CUDA_KERNEL_DELAY_MS, or fake_cuda_set_kernel_delay_ms().)
+  std::atomic<long> kernelDelayMs{0};
   // fake_cuda_fail_dtoh_after(): asynchronous device-to-host copies left
   // before one faults (-1: none will).
   std::atomic<long> dtohLeft{-1};
@@ -1241,7 +1243,7 @@ CUresult copyOn(
   state().stats.memcpyBytes += n;
   // An asynchronous copy runs late as a kernel does ($FAKE_CUDA_KERNEL_
   // DELAY_MS), so a reader of either side not ordered after it is caught.
-  const long delayMs = wait ? 0 : state().kernelDelayMs;
+  const long delayMs = wait ? 0 : state().kernelDelayMs.load();
   const bool fault = !wait && srcDevice && !dstDevice &&
       state().dtohLeft.load() >= 0 && state().dtohLeft.fetch_sub(1) == 0;
   CUstream_st* stream = s.get(); // (alive while its work runs)
@@ -1304,11 +1306,12 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
   }
   REQUIRE(devices > 0, CUDA_ERROR_NO_DEVICE, "FAKE_CUDA_DEVICES=0");
   if (const char* env = getenv("FAKE_CUDA_KERNEL_DELAY_MS"); env && *env) {
-    s.kernelDelayMs = strtol(env, &end, 10);
+    const long ms = strtol(env, &end, 10);
     REQUIRE(
-        *end == '\0' && s.kernelDelayMs >= 0 && s.kernelDelayMs <= 10000,
+        *end == '\0' && ms >= 0 && ms <= 10000,
         CUDA_ERROR_INVALID_VALUE,
         "$FAKE_CUDA_KERNEL_DELAY_MS is not 0..10000");
+    s.kernelDelayMs.store(ms);
   }
   if (const char* env = getenv("FAKE_CUDA_DRIVER_VERSION"); env && *env) {
     s.driverVersion = static_cast<int>(strtol(env, &end, 10));
@@ -1335,6 +1338,8 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
   s.ipcSelf = ipcSelf && strcmp(ipcSelf, "1") == 0;
   const char* openFails = getenv("FAKE_CUDA_IPC_MEM_OPEN_FAILS");
   s.ipcMemOpenFails = openFails && strcmp(openFails, "1") == 0;
+  const char* handleFails = getenv("FAKE_CUDA_IPC_MEM_HANDLE_FAILS");
+  s.ipcMemHandleFails = handleFails && strcmp(handleFails, "1") == 0;
   s.salt = salt ? salt : "";
   s.devices = static_cast<int>(devices);
   for (int d = 0; d < s.devices; ++d) {
@@ -1646,7 +1651,7 @@ CUresult CUDAAPI cuMemcpy2DAsync(const CUDA_MEMCPY2D* c, CUstream h) {
   }
   state().stats.memcpys++;
   state().stats.memcpyBytes += width * rows;
-  const long delayMs = state().kernelDelayMs;
+  const long delayMs = state().kernelDelayMs.load();
   enqueue(*s, [=] {
     if (delayMs > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
@@ -2052,6 +2057,10 @@ CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle* handle, CUdeviceptr dptr) {
       handle && it != state().allocs.end(),
       CUDA_ERROR_INVALID_VALUE,
       "not in a cuMemAlloc allocation");
+  REQUIRE(
+      !state().ipcMemHandleFails,
+      CUDA_ERROR_MAP_FAILED,
+      "$FAKE_CUDA_IPC_MEM_HANDLE_FAILS=1");
   encodeHandle(handle, kIpcMemory, it->second.fd, it->second.size);
   return CUDA_SUCCESS;
 }
@@ -2464,7 +2473,7 @@ CUresult CUDAAPI cuLaunchKernel(
   }
   FakeKernel kernel = fn.kernel;
   state().stats.launches[kernel]++;
-  const long delayMs = state().kernelDelayMs;
+  const long delayMs = state().kernelDelayMs.load();
   const int device = s->device;
   enqueue(*s, [=] {
     if (delayMs > 0) {
@@ -2572,6 +2581,14 @@ __attribute__((visibility("default"))) int fake_cuda_stats(
     buf[n] = '\0';
   }
   return static_cast<int>(j.size());
+}
+
+// Kernels and asynchronous copies queued from now on run this long late, as
+// $FAKE_CUDA_KERNEL_DELAY_MS says at start (tests: a copy still queued
+// past a deadline).
+__attribute__((visibility("default"))) void fake_cuda_set_kernel_delay_ms(
+    long ms) {
+  state().kernelDelayMs.store(ms < 0 ? 0 : ms);
 }
 
 // Zeroes the counters (not the live objects).

@@ -186,7 +186,10 @@ void IpcChannel::closeGrantsFromLoop() {
   // by the legacy teardown's deadline (or died with the peer): the grants'
   // memory goes back to the pool then, and the peer's mappings are
   // counted closed. Ours of the peer's segments close once our last
-  // writes into them completed, or at the same deadline.
+  // writes into them completed, however long that takes: a mapping closed
+  // under a copy still queued (behind a long stream, or a wait on a peer
+  // that died) would make the copy fault in our own context. Such a
+  // mapping is kept, said once, until the copy ends or the process does.
   const auto deadline = std::chrono::steady_clock::now() +
       std::chrono::milliseconds(kLegacyTeardownWaitMs);
   runOnStagingThreadWhen(
@@ -197,21 +200,29 @@ void IpcChannel::closeGrantsFromLoop() {
           source->segmentUnshared(key);
         }
       });
+  auto said = std::make_shared<bool>(false);
   runOnStagingThreadWhen(
-      [copies, deadline] {
-        if (std::chrono::steady_clock::now() >= deadline) {
-          return true;
-        }
+      [copies, deadline, said] {
         // Every copy of ours into the peer's segments (each its own
         // event; pooled events need no current context to be queried).
         for (const auto& e : *copies) {
           if (libcuda().cuEventQuery(e.get()) == CUDA_ERROR_NOT_READY) {
+            if (!*said && std::chrono::steady_clock::now() >= deadline) {
+              *said = true;
+              logWarningLimited(
+                  "cuda_ipc_grant_late_copy",
+                  "torch_rpc_ext: a copy into a closed peer's grant has not "
+                  "completed " +
+                      std::to_string(kLegacyTeardownWaitMs) +
+                      " ms after the close; the peer's memory stays mapped "
+                      "until it does");
+            }
             return false;
           }
         }
         return true;
       },
-      [opened, events, copies, deadline] {
+      [opened, copies] {
         copies->clear();
         for (const auto& [key, mapped] : *opened) {
           try {
@@ -220,18 +231,19 @@ void IpcChannel::closeGrantsFromLoop() {
           } catch (...) {
           }
         }
-        // Our events: destroyed once the peer had its time to close them.
-        runOnStagingThreadWhen(
-            [deadline] { return std::chrono::steady_clock::now() >= deadline; },
-            [events] {
-              for (const auto& [device, e] : *events) {
-                try {
-                  CurrentDevice current(device);
-                  libcuda().cuEventDestroy(e);
-                } catch (...) {
-                }
-              }
-            });
+      });
+  // Our events: destroyed once the peer had its time to close them (one
+  // with a record still pending is released when that completes).
+  runOnStagingThreadWhen(
+      [deadline] { return std::chrono::steady_clock::now() >= deadline; },
+      [events] {
+        for (const auto& [device, e] : *events) {
+          try {
+            CurrentDevice current(device);
+            libcuda().cuEventDestroy(e);
+          } catch (...) {
+          }
+        }
       });
 }
 

@@ -247,9 +247,11 @@ bool IpcChannel::takeGrant(
   } catch (...) {
     // The copy may be queued, and no record will name the grant: it goes
     // back once nothing of ours can still write it (a failed stream's
-    // work is over too), as a frame's that was not sent does.
-    libcuda().cuStreamSynchronize(stream);
+    // work is over too), as a frame's that was not sent does. (The wait
+    // without the grants' lock: the loop's grants and the frames' writes
+    // take it.)
     lock.unlock();
+    libcuda().cuStreamSynchronize(stream);
     returnGrants(idHead(id));
     throw;
   }

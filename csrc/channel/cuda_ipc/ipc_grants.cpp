@@ -36,23 +36,25 @@ class GrantedRegion final : public frame::LandedRegion {
   GrantedRegion(
       int device,
       std::unique_ptr<frame::LandedMemory> memory,
-      CUstream grantStream,
       PooledEvent written)
       : device_(device),
         memory_(std::move(memory)),
-        grantStream_(grantStream),
         written_(std::move(written)) {}
   ~GrantedRegion() override {
     if (memory_ == nullptr) {
       return;
     }
-    // Never taken (its message failed): back to the pool only after the
-    // peer's copy into it, the pool reusing it on the grant stream.
-    try {
-      CurrentDevice current(device_);
-      libcuda().cuStreamWaitEvent(grantStream_, written_.get(), 0);
-    } catch (...) {
-    }
+    // Never taken (its message failed): back to the pool only once the
+    // peer's copy into it completed, found by the staging thread. (Not by
+    // a wait queued on the grant stream: every connection's grants of the
+    // device are recorded free there, so a copy that never completes, its
+    // peer gone, would hold back every later grant, and with them the
+    // streams of every peer writing into one. This way only its memory is
+    // kept, until the process exits.)
+    std::shared_ptr<frame::LandedMemory> memory = std::move(memory_);
+    whenComplete(device_, std::move(written_), [memory](const std::string&) {
+      // (An event that failed: its context's work is over too.)
+    });
   }
   int device() const override {
     return device_;
@@ -72,7 +74,6 @@ class GrantedRegion final : public frame::LandedRegion {
  private:
   const int device_;
   std::unique_ptr<frame::LandedMemory> memory_;
-  const CUstream grantStream_;
   PooledEvent written_;
 };
 
@@ -258,6 +259,8 @@ bool IpcChannel::postGrantFromLoop(
 }
 
 void IpcChannel::collectGrantsLocked(std::vector<ControlFrame>* out) {
+  std::vector<OutGrant> dropped; // freed after the lock (the bound's lock)
+  std::vector<uint32_t> failed;
   std::lock_guard<std::mutex> lock(grantMu_);
   for (auto [kind, ids] :
        {std::make_pair(kGrantRevoke, &pendingRevokes_),
@@ -292,6 +295,11 @@ void IpcChannel::collectGrantsLocked(std::vector<ControlFrame>* out) {
           "cuda_ipc_grant_handle",
           std::string("torch_rpc_ext: cuda_ipc could not share a grant: ") +
               e.what());
+      // Dropped, its memory and its share of the bound given back: held
+      // unsent, it would block any other grant of its size until the close
+      // (the idle revoke takes back only grants the peer has). The peer
+      // never saw it, so nothing else names it.
+      failed.push_back(id);
       continue;
     }
     out->push_back(
@@ -302,6 +310,9 @@ void IpcChannel::collectGrantsLocked(std::vector<ControlFrame>* out) {
             {}});
     g.sent = true;
     g.sentAt = std::chrono::steady_clock::now();
+  }
+  for (uint32_t id : failed) {
+    dropped.push_back(std::move(outGrants_.extract(id).mapped()));
   }
 }
 
@@ -403,7 +414,7 @@ int64_t IpcChannel::onGrantedFromLoop(
   }
   *segment.provided = g.memory.memory->data();
   *segment.region = std::make_shared<GrantedRegion>(
-      g.device, std::move(g.memory.memory), g.memory.stream, written);
+      g.device, std::move(g.memory.memory), written);
   return static_cast<int64_t>(segment.size);
 }
 
