@@ -461,6 +461,21 @@ def send_sizes(conn, ctl, sizes, wait_before=None):
     end.close()
 
 
+def receive_sizes(end, sizes, before_reply=None) -> list:
+    """A grant scenario's receiver: each segment of `sizes` read, checked
+    and released, then answered b"ok<i>" (after `before_reply(i)`, if
+    given). Returns [(head, intact)]."""
+    seen = []
+    for i, n in enumerate(sizes):
+        head, (region,) = end.receive()
+        seen.append((head, end.read_region(region) == pattern(n, i)))
+        region.release()
+        if before_reply is not None:
+            before_reply(i)
+        end.ep.send(b"ok%d" % i, [])
+    return seen
+
+
 def granted_sender(conn, ctl):
     send_sizes(conn, ctl, GRANTED)
 
@@ -468,16 +483,14 @@ def granted_sender(conn, ctl):
 def granted_receiver(conn, ctl):
     testing().use_test_grants()
     end = End("receiver", conn)
-    seen = []
-    for i, n in enumerate(GRANTED):
-        head, (region,) = end.receive()
-        seen.append((head, end.read_region(region) == pattern(n, i)))
-        region.release()
+
+    def before_reply(i):
         if i == 4:
             # The 12 MiB grant is made once the oldest is back: out before
             # this reply, so the sender has it for m5.
             wait_for(end.counters, "grants_made", 5)
-        end.ep.send(b"ok%d" % i, [])
+
+    seen = receive_sizes(end, GRANTED, before_reply)
     counters = end.counters()
     end.close()
     ctl.send((seen, counters, testing().test_grant_counts(), poisoned()))
@@ -508,14 +521,12 @@ def grant_unopened_sender(conn, ctl):
 def grant_unopened_receiver(conn, ctl):
     testing().use_test_grants()
     end = End("receiver", conn)
-    seen = []
-    for i, n in enumerate(UNOPENED):
-        head, (region,) = end.receive()
-        seen.append((head, end.read_region(region) == pattern(n, i)))
-        region.release()
+
+    def before_reply(i):
         if i == len(UNOPENED) - 1:
             wait_for(end.counters, "grants_made", 3)  # after the return
-        end.ep.send(b"ok%d" % i, [])
+
+    seen = receive_sizes(end, UNOPENED, before_reply)
     time.sleep(0.3)  # a grant made again and again would show by now
     counters = end.counters()
     end.close()
@@ -541,12 +552,7 @@ def grant_unshared_receiver(conn, ctl):
     os.environ["FAKE_CUDA_IPC_MEM_HANDLE_FAILS"] = "1"
     testing().use_test_grants()
     end = End("receiver", conn)
-    seen = []
-    for i, n in enumerate(UNSHARED):
-        head, (region,) = end.receive()
-        seen.append((head, end.read_region(region) == pattern(n, i)))
-        region.release()
-        end.ep.send(b"ok%d" % i, [])
+    seen = receive_sizes(end, UNSHARED)
     counts = testing().test_grant_counts
     wait_for(counts, "freed", len(UNSHARED))
     out = (seen, end.counters(), counts())
@@ -729,18 +735,17 @@ def grant_limit_sender(conn, ctl):
 def grant_limit_receiver(conn, ctl):
     testing().use_test_grants(memory_limit=6 << 20)
     end = End("receiver", conn)
-    seen, out = [], []
-    for i, n in enumerate(LIMITED):
-        head, (region,) = end.receive()
-        seen.append((head, end.read_region(region) == pattern(n, i)))
-        region.release()
+    out = []
+
+    def before_reply(i):
         # (Each decided at the frame's end: by now, or soon.)
         if i in (1, 2):
             wait_for(end.counters, "grants_over_limit", i)
         else:
             wait_for(end.counters, "grants_made", 1 if i == 0 else 2)
         out.append(testing().test_grant_counts()["grant_bytes"])
-        end.ep.send(b"ok%d" % i, [])
+
+    seen = receive_sizes(end, LIMITED, before_reply)
     counters = end.counters()
     end.close()
     ctl.send((seen, out, counters))
@@ -763,16 +768,14 @@ def grant_room_sender(conn, ctl):
 def grant_room_receiver(conn, ctl):
     testing().use_test_grants(memory_limit=12 << 20)
     end = End("receiver", conn)
-    seen = []
-    for i, n in enumerate(ROOM):
-        head, (region,) = end.receive()
-        seen.append((head, end.read_region(region) == pattern(n, i)))
-        region.release()
+
+    def before_reply(i):
         if i < 2:
             wait_for(end.counters, "grants_made", i + 1)
         elif i == 2:
             wait_for(end.counters, "grants_over_limit", 1)
-        end.ep.send(b"ok%d" % i, [])
+
+    seen = receive_sizes(end, ROOM, before_reply)
     counters = end.counters()
     end.close()
     ctl.send((seen, counters))
