@@ -410,7 +410,8 @@ def test_exports_exactly_the_abi_names_of_libcuda_h(lib_path):
     ).stdout
     exported = {line.split()[-1] for line in listing.splitlines()}
     assert exported == {*abi, "fake_cuda_stats", "fake_cuda_reset_stats",
-                        "fake_cuda_set_global_capture", "fake_cuda_fail_dtoh_after"}
+                        "fake_cuda_set_global_capture", "fake_cuda_fail_dtoh_after",
+                        "fake_cuda_set_kernel_delay_ms"}
     assert set(SIGNATURES) == set(abi)  # what the tests below call
 
 
