@@ -7,7 +7,9 @@
 // no copy of the peer's into them can still run.
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <set>
+#include <string>
 
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/device_memory.h"
@@ -16,6 +18,7 @@
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/channel/lending.h"
 #include "csrc/common/libcuda.h"
+#include "csrc/common/logging.h"
 
 namespace torch_rpc_ext::channel::cuda {
 
