@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/agent/builtin_call.h"
 
+#include "csrc/agent/arrival_completion.h"
 #include "csrc/agent/small_pickle.h"
 
 #include <ATen/ThreadLocalState.h>
@@ -164,39 +165,58 @@ c10::IValue toPyIValue(const rpc::Message& message) {
 c10::intrusive_ptr<JitFuture> toPyFuture(
     const c10::intrusive_ptr<JitFuture>& messageFuture) {
   auto child = messageFuture->createInstance(c10::PyObjectType::get());
+  auto convert = at::wrapPropagateTLSState([child](JitFuture& future) {
+    if (future.hasError()) {
+      child->setError(future.exception_ptr());
+      return;
+    }
+    const rpc::Message& message = *future.value().toCustomClass<rpc::Message>();
+    c10::IValue value;
+    try {
+      value = toPyIValue(message);
+    } catch (py::error_already_set& e) {
+      py::gil_scoped_acquire gil;
+      // As torch: ValueError and TypeError keep their type.
+      if (e.matches(PyExc_ValueError)) {
+        child->setErrorIfNeeded(
+            std::make_exception_ptr(py::value_error(e.what())));
+      } else if (e.matches(PyExc_TypeError)) {
+        child->setErrorIfNeeded(
+            std::make_exception_ptr(py::type_error(e.what())));
+      } else {
+        child->setErrorIfNeeded(
+            std::make_exception_ptr(std::runtime_error(e.what())));
+      }
+      e.restore();
+      PyErr_Clear();
+      return;
+    } catch (std::exception&) {
+      child->setErrorIfNeeded(std::current_exception());
+      return;
+    }
+    child->markCompleted(value, future.storages());
+  });
+  if (messageFuture->devices().empty()) {
+    messageFuture->addCallback(std::move(convert));
+    return child;
+  }
+  // With devices, torch would run the conversion on a pool stream per
+  // device made to wait for the response's events, and record the
+  // converted future's there. Where the agent completes the response under
+  // the streams its tensors arrived on, which its events were just recorded
+  // on, the conversion runs there instead: the converted future's events
+  // follow the response's on the same streams. Anywhere else (a response
+  // complete before this callback was added runs it here, on the caller's
+  // streams), torch's way.
   messageFuture->addCallback(
-      at::wrapPropagateTLSState([child](JitFuture& future) {
-        if (future.hasError()) {
-          child->setError(future.exception_ptr());
-          return;
+      [convert = std::move(convert)](JitFuture& future) mutable {
+        if (futureCompletingOnArrival() == &future) {
+          convert(future);
+        } else {
+          future.addCallback(std::move(convert));
         }
-        const rpc::Message& message =
-            *future.value().toCustomClass<rpc::Message>();
-        c10::IValue value;
-        try {
-          value = toPyIValue(message);
-        } catch (py::error_already_set& e) {
-          py::gil_scoped_acquire gil;
-          // As torch: ValueError and TypeError keep their type.
-          if (e.matches(PyExc_ValueError)) {
-            child->setErrorIfNeeded(
-                std::make_exception_ptr(py::value_error(e.what())));
-          } else if (e.matches(PyExc_TypeError)) {
-            child->setErrorIfNeeded(
-                std::make_exception_ptr(py::type_error(e.what())));
-          } else {
-            child->setErrorIfNeeded(
-                std::make_exception_ptr(std::runtime_error(e.what())));
-          }
-          e.restore();
-          PyErr_Clear();
-          return;
-        } catch (std::exception&) {
-          child->setErrorIfNeeded(std::current_exception());
-          return;
-        }
-        child->markCompleted(value, future.storages());
-      }));
+      },
+      /*uses_future=*/false);
   return child;
 }
 

@@ -10,6 +10,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "csrc/agent/arrival_completion.h"
 #include "csrc/agent/call_trace.h"
 #include "csrc/agent/held_gil.h"
 #include "csrc/agent/thread_state.h"
@@ -347,6 +348,23 @@ void Calls::retire(c10::intrusive_ptr<c10::ivalue::Future> future) {
   }
 }
 
+namespace {
+thread_local const c10::ivalue::Future* tCompletingOnArrival = nullptr;
+} // namespace
+
+const c10::ivalue::Future* futureCompletingOnArrival() {
+  return tCompletingOnArrival;
+}
+
+CompletingOnArrival::CompletingOnArrival(const c10::ivalue::Future* future)
+    : outer_(tCompletingOnArrival) {
+  tCompletingOnArrival = future;
+}
+
+CompletingOnArrival::~CompletingOnArrival() {
+  tCompletingOnArrival = outer_;
+}
+
 void Calls::complete(
     CallTable::Call& call,
     c10::intrusive_ptr<rpc::Message> response) {
@@ -362,6 +380,7 @@ void Calls::complete(
   // The future records its events on the streams the tensors arrived on;
   // a waiter's stream then waits for them, never the host.
   c10::MultiStreamGuard streams(call.arrival);
+  CompletingOnArrival onArrival(call.future.get());
   const int64_t id = response->id();
   call_trace::stamp(id, call_trace::kCompleting);
   if (response->type() == rpc::MessageType::EXCEPTION) {

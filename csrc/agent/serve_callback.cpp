@@ -13,6 +13,8 @@
 #include <torch/csrc/distributed/rpc/utils.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include <c10/core/StreamGuard.h>
+
 #include <atomic>
 #include <optional>
 
@@ -28,6 +30,25 @@ namespace {
 constexpr std::string_view kBuiltinPrefix = "torch.ops.aten.";
 
 } // namespace
+
+bool ServeCallback::isNamedFunction(const rpc::ScriptCall& call) {
+  return call.hasQualifiedName() &&
+      call.qualifiedName().qualifiedName().starts_with(kNamedFunctionPrefix);
+}
+
+bool ServeCallback::servedInOneFuture(
+    const rpc::RpcCommandBase& call,
+    rpc::MessageType type) {
+  if (type == rpc::MessageType::PYTHON_CALL) {
+    return !static_cast<const rpc::UnpickledPythonCall&>(call)
+                .isAsyncExecution();
+  }
+  if (type == rpc::MessageType::SCRIPT_CALL) {
+    const auto& script = static_cast<const rpc::ScriptCall&>(call);
+    return script.hasOp() || isNamedFunction(script);
+  }
+  return false;
+}
 
 c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
     rpc::Message& request,
@@ -52,12 +73,15 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
         ? decodeScriptCall(request)
         : deserializePythonRpcCommand(rpc::deserializeRequest(request), type);
     auto ready = rrefs.waitForThreadLocalPendingRRefs();
-    if (streams.empty() && ready->completed() && !ready->hasError()) {
-      // No RRef among the arguments to wait for, and no device of ours (the
-      // server passes streams only where the agent has devices): run it
-      // now. thenAsync would return a device-less future mirroring the
-      // one run here, which is device-less too (its devices are the
-      // agent's: none). Saves a future and a callback a request.
+    if (ready->completed() && !ready->hasError() &&
+        (streams.empty() || servedInOneFuture(*call, type))) {
+      // No RRef among the arguments to wait for: run it now. thenAsync
+      // would return a future mirroring the one run here, with the same
+      // devices (the agent's), its events recorded after this one's (on
+      // streams that waited for them): where this one's are recorded on
+      // `streams` after the call's work, as ours below are, the mirror
+      // orders nothing more. Saves a future, a callback and, with devices,
+      // an event and a stream wait per device, a request.
       return processRpcWithErrors(*call, type, streams);
     }
     return ready->thenAsync(
@@ -126,27 +150,35 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processScriptCall(
     rpc::RpcCommandBase& rpc,
     const std::vector<c10::Stream>& streams) const {
   auto& call = static_cast<rpc::ScriptCall&>(rpc);
-  if (call.hasQualifiedName()) {
-    const std::string& name = call.qualifiedName().qualifiedName();
-    if (name.starts_with(kNamedFunctionPrefix)) {
-      const NamedFunctions* table = namedFunctions();
-      TORCH_INTERNAL_ASSERT(
-          table != nullptr, "the scripting layer installs it at load");
-      c10::IValue value = table->call(
-          name.substr(kNamedFunctionPrefix.size()), call.stackRef());
-      return asFuture(rpc::ScriptResp(std::move(value)).toMessage());
-    }
+  // Run under the streams the request's CUDA tensors arrived on (none on
+  // an agent with no devices, or under upstream's profiling wrapper, which
+  // passes none on any agent), as upstream's runJitOperator does: the work
+  // is ordered after their landing, and the response's events, recorded on
+  // them as asFuture completes it, after the work.
+  std::optional<c10::MultiStreamGuard> arrival;
+  if (!streams.empty()) {
+    arrival.emplace(streams);
   }
-  if (call.hasOp() && streams.empty()) {
-    // A builtin operator with no streams to run under (an agent with no
-    // devices; or upstream's profiling wrapper, which passes none on any
-    // agent): upstream's runJitOperator and the then() after it, without
-    // what only they need: the result's static type (TensorType::create
-    // allocates a dozen times for a tensor) for an intermediate future,
-    // and that future's callback. The same is returned: a future holding
-    // the response message (its devices the agent's, its storages' events
-    // recorded on the current streams, as upstream's then() records them),
-    // or the operator's error. A wrong number of results throws, as
+  if (isNamedFunction(call)) {
+    const NamedFunctions* table = namedFunctions();
+    TORCH_INTERNAL_ASSERT(
+        table != nullptr, "the scripting layer installs it at load");
+    c10::IValue value = table->call(
+        call.qualifiedName().qualifiedName().substr(
+            kNamedFunctionPrefix.size()),
+        call.stackRef());
+    return asFuture(rpc::ScriptResp(std::move(value)).toMessage());
+  }
+  if (call.hasOp()) {
+    // A builtin operator: upstream's runJitOperator and the then() after
+    // it, without what only they need: the result's static type
+    // (TensorType::create allocates a dozen times for a tensor) for an
+    // intermediate future, and that future's callback (with devices: its
+    // event, and a pool stream per device waiting for it). The same is
+    // returned: a future holding the response message (its devices the
+    // agent's, its storages' events recorded on the streams the operator
+    // ran under, which then() would have waited for before recording its
+    // own), or the operator's error. A wrong number of results throws, as
     // upstream's does, to processRpcWithErrors (its "Error on Node" reply).
     auto& stack = call.stackRef();
     try {
@@ -172,17 +204,25 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processPythonCall(
     rpc::RpcCommandBase& rpc,
     const std::vector<c10::Stream>& streams) const {
   auto& call = static_cast<rpc::UnpickledPythonCall&>(rpc);
-  if (call.isAsyncExecution() || !streams.empty()) {
+  if (call.isAsyncExecution()) {
     return RequestCallbackImpl::processPythonCall(rpc, streams);
   }
-  // A synchronous function with no streams to run under: upstream's
-  // runPythonFunction (run under the GIL, the result in a completed future
-  // of a PyObject holder) and its then() (the GIL again, the result
-  // pickled, the response in a second future), under one hold of the GIL
-  // and into one future. The same comes back: the response, or the same
-  // errors (a Python error escaping torch's _run_function, which turns the
+  // A synchronous function: upstream's runPythonFunction (run under the
+  // streams the request's CUDA tensors arrived on and the GIL, the result
+  // in a completed future of a PyObject holder) and its then() (the GIL
+  // again, the result pickled, the response in a second future), under
+  // one hold of the GIL and into one future. The same comes back: the
+  // response, its devices the agent's and its storages' events recorded
+  // on those streams after the function's work (upstream: the holder's
+  // there, found by pickling the result once more, then the second
+  // future's on pool streams waiting for them), or the same errors (a
+  // Python error escaping torch's _run_function, which turns the
   // function's own exceptions into a RemoteException result; a result
   // that cannot be pickled).
+  std::optional<c10::MultiStreamGuard> arrival;
+  if (!streams.empty()) {
+    arrival.emplace(streams);
+  }
   auto& handler = rpc::PythonRpcHandler::getInstance();
   std::optional<rpc::SerializedPyObj> result;
   {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <torch/csrc/distributed/rpc/request_callback_impl.h>
+#include <torch/csrc/distributed/rpc/script_call.h>
 #include <torch/csrc/jit/runtime/operator.h>
 
 #include <memory>
@@ -47,8 +48,8 @@ class ServeCallback final
       torch::distributed::rpc::RpcCommandBase& rpc,
       const std::vector<c10::Stream>& streams) const override;
 
-  // A synchronous Python UDF with no streams: run and its result pickled
-  // under one hold of the GIL, into one future (upstream: two of each).
+  // A synchronous Python UDF: run and its result pickled under one hold of
+  // the GIL, into one future (upstream: two of each).
   c10::intrusive_ptr<torch::distributed::rpc::JitFuture> processPythonCall(
       torch::distributed::rpc::RpcCommandBase& rpc,
       const std::vector<c10::Stream>& streams) const override;
@@ -59,6 +60,14 @@ class ServeCallback final
  private:
   std::unique_ptr<torch::distributed::rpc::ScriptCall> decodeScriptCall(
       const torch::distributed::rpc::Message& request) const;
+  static bool isNamedFunction(const torch::distributed::rpc::ScriptCall& call);
+  // Whether processRpcWithErrors serves `call` into one future completed
+  // on the request's streams (a synchronous Python UDF, a builtin
+  // operator, a function served by name), which processMessage then
+  // returns as it is rather than mirrored by thenAsync.
+  static bool servedInOneFuture(
+      const torch::distributed::rpc::RpcCommandBase& call,
+      torch::distributed::rpc::MessageType type);
 
   mutable std::mutex mutex_;
   mutable std::unordered_map<std::string, std::shared_ptr<torch::jit::Operator>>

@@ -782,3 +782,37 @@ def run_dynamic(rank: int, store_path: str, ctl, gates) -> None:
 
 if __name__ == "__main__":  # pragma: no cover - used by spawn only
     os._exit(1)
+
+
+# ---- functions registered by name (torch_rpc_ext.scripting) --------------------
+
+
+def intact(t, seed: int) -> bool:
+    """Whether `t` holds pattern(len, seed), read in order after the work
+    queued on the current stream (where the function runs)."""
+    return tensor_bytes(t) == pattern(t.numel(), seed)
+
+
+def run_named(rank: int, port: int, ctl) -> None:
+    """worker0 calls functions worker1 registered by name
+    (torch_rpc_ext.scripting) with CUDA tensors never seen before, whose
+    landing the fake runs 50 ms late: a function must run under the
+    streams the tensors arrived on (ordered after their landing), and its
+    answer must be sent after them. A Python UDF's call, upstream's path,
+    is the control."""
+    from torch_rpc_ext import scripting
+
+    join_pair(rank, port)
+    out = {}
+    if rank == 1:
+        scripting.register("intact", intact)
+        scripting.register("identity", identity)
+    rpc.api._barrier([f"worker{r}" for r in range(2)])
+    if rank == 0:
+        n = 1 << 20
+        out["udf"] = rpc.rpc_sync("worker1", intact, args=(cuda_tensor(pattern(n, 21)), 21))
+        out["named"] = scripting.rpc_sync("worker1", "intact", cuda_tensor(pattern(n, 22)), 22)
+        back = scripting.rpc_sync("worker1", "identity", cuda_tensor(pattern(n, 23)))
+        out["named_back"] = (str(back.device), tensor_bytes(back) == pattern(n, 23))
+    rpc.shutdown()
+    ctl.send(out)

@@ -590,6 +590,20 @@ def test_cuda_tensors_sent_to_ones_own_worker(spawn, zero_copy):
     assert self_counts["declined"] == 0
 
 
+def test_a_function_registered_by_name_runs_after_its_cuda_tensors_landed(spawn):
+    """A function served by name (torch_rpc_ext.scripting) runs under the
+    streams its CUDA arguments arrived on, as a Python UDF does: reading an
+    argument in order after the current stream sees its bytes even though
+    they landed 50 ms late, and a tensor it returns is sent after its
+    landing. Before, it ran on streams ordered after nothing: it read the
+    landing memory before the landing copy, and its answer went out
+    before it."""
+    caller, _ = play_with(spawn, agent_worker.run_named)
+    assert caller["udf"]
+    assert caller["named"]
+    assert caller["named_back"] == ("cuda:0", True)
+
+
 def test_a_traced_call_shows_its_cuda_tensors_landing(spawn):
     """OpenTelemetry (torch_rpc_ext.tracing, docs/observability.md): a
     request's CUDA tensors landing on the callee is an rpc.land span under

@@ -129,11 +129,16 @@ def test_a_round_trip_stays_within_its_budget(bench_rows, case):
     # The fake driver counts every call (ours and the fake CUDA torch's).
     assert c["host_waits"] == 0, c  # no thread of ours waits for the GPU
     # One wait per region and stream, not per segment; a constant number of
-    # launches, event operations and driver calls, not one per tensor.
-    assert c["stream_waits"] <= 12, c
+    # launches, event operations and driver calls, not one per tensor. Three
+    # futures with devices a round trip, each an event of torch's: the
+    # callee's serve (one future: session 63, upstream's three), the
+    # caller's response and its Python value, converted on the streams the
+    # response arrived on (before: 11 event creates, 11 stream waits and
+    # 162 driver calls at 4 KB; docs/performance.md).
+    assert c["stream_waits"] <= 9, c
     assert c["launches"] <= 4, c
-    assert c["event_creates"] <= 16 and c["event_records"] <= 24, c
-    assert c["driver_calls"] <= 210, c
+    assert c["event_creates"] <= 8 and c["event_records"] <= 18, c
+    assert c["driver_calls"] <= 140, c
 
 
 def test_a_large_segment_crosses_with_one_copy_into_a_grant(bench_rows):
