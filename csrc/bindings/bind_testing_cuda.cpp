@@ -6,6 +6,7 @@
 // channel's folder, which nothing else outside the channel registry does.
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -258,7 +259,31 @@ void bindTestingCuda(py::module_& parent) {
           [](int device, size_t bytes) {
             return cuda::ExportedMemory::create(device, bytes);
           })
+      .def_static(
+          "create_legacy",
+          [](int device, size_t bytes) {
+            return cuda::ExportedMemory::create(
+                device, bytes, cuda::Sharing::kLegacy);
+          })
       .def_static("import_fd", &cuda::ExportedMemory::import)
+      // A legacy handle's 64 bytes, and the memory it names opened as
+      // `bytes` (the size a peer announced with it).
+      .def(
+          "legacy_handle",
+          [](const cuda::ExportedMemory& e) {
+            const CUipcMemHandle h = e.legacyHandle();
+            return py::bytes(h.reserved, sizeof(h.reserved));
+          })
+      .def_static(
+          "import_legacy",
+          [](const py::bytes& handle, size_t bytes, int device) {
+            const std::string raw = handle;
+            CUipcMemHandle h{};
+            TORCH_CHECK(
+                raw.size() == sizeof(h.reserved), "not a legacy handle");
+            memcpy(h.reserved, raw.data(), sizeof(h.reserved));
+            return cuda::ExportedMemory::importLegacy(h, bytes, device);
+          })
       .def("export_fd", &cuda::ExportedMemory::exportFd)
       .def_property_readonly(
           "address",

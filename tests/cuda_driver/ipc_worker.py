@@ -783,3 +783,46 @@ def grant_room_receiver(conn, ctl):
 
 if __name__ == "__main__":  # pragma: no cover - used by spawn only
     os._exit(1)
+
+
+# ---- unwaited: a region let go without a wait still orders the next fill ------
+#
+# A frame that never lands (another of its segments failed) drops its regions
+# with no stream having waited on them. The sender's next copy into the block
+# waits only on `released`: it must still follow the sender's own last copy
+# into it, which ran late here.
+
+UNWAITED = 1 << 20
+
+
+def unwaited_sender(conn, ctl):
+    end = End("sender", conn)
+    first = end.alloc(pattern(UNWAITED, 1))
+    set_fake_kernel_delay(800)  # the first copy into the block runs late
+    end.send_device(b"1", first, UNWAITED)
+    set_fake_kernel_delay(0)
+    head, _ = end.receive()  # the block's release rode it
+    assert head == b"dropped"
+    other = end.cu.stream_create(DEVICE)
+    second = end.alloc(pattern(UNWAITED, 2))
+    end.ep.send(b"2", [(second, UNWAITED, CUDA, DEVICE, other)], [None])
+    head, _ = end.receive()
+    end.cu.stream_synchronize(DEVICE, other)
+    ctl.send((head, end.counters()))
+    end.close()
+
+
+def unwaited_receiver(conn, ctl):
+    end = End("receiver", conn)
+    head, (region,) = end.receive()
+    region.release()  # never waited on
+    del region
+    end.ep.send(b"dropped", [])
+    head, (region,) = end.receive()
+    at_once = end.read_region(region) == pattern(UNWAITED, 2)
+    time.sleep(1.2)  # past the late copy
+    later = end.cu.read(DEVICE, region.address, UNWAITED) == pattern(UNWAITED, 2)
+    region.release()
+    end.ep.send(b"done", [])
+    ctl.send((at_once, later, end.counters()))
+    end.close()

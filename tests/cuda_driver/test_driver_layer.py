@@ -285,6 +285,40 @@ def test_exported_memory_outlives_its_creator(spawn):
     assert peer.exitcode == 0
 
 
+def _double(size):
+    return 2 * size
+
+
+def _same(size):
+    return size
+
+
+def test_legacy_memory_announced_larger_than_it_is_is_refused(spawn):
+    """A legacy handle opens the whole allocation whatever size the peer
+    announced with it, and copies out of a block are checked against the
+    announced size: memory announced larger than it is would let a record
+    name device memory past the mapping. The import checks the mapping's
+    size and refuses, naming both; the true size opens."""
+    a_conn, b_conn = spawn.Pipe()
+    ctl_here, ctl_b = spawn.Pipe()
+    owner = spawn.Process(target=worker.export_legacy, args=(a_conn, 2 << 20))
+    peer = spawn.Process(target=worker.import_legacy, args=(b_conn, ctl_b, (_double, _same)))
+    owner.start()
+    peer.start()
+    try:
+        assert ctl_here.poll(120)
+        size, (larger, same) = ctl_here.recv()
+    finally:
+        for p in (owner, peer):
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert size == 2 << 20
+    assert larger == (f"ValueError: imported CUDA memory of {size} bytes, "
+                      f"announced as {2 * size}"), larger
+    assert same == size
+
+
 def test_a_block_whose_events_never_complete_holds_no_thread(driver):
     """A cuda_ipc block waits for its events before it is unmapped; a peer
     can record one on a stream that never finishes. The wait happens on the

@@ -276,3 +276,15 @@ def test_small_segments_of_a_frame_share_a_block_and_one_launch(spawn):
     assert (sender["blocks_created"], sender["launches"], sender["packed"]) == (2, 2, 2 * n)
     assert sender["segments"] == 2 * (n + 1) and sender["declined"] == 0
     assert receiver["blocks_imported"] == 2
+
+
+def test_a_region_let_go_unwaited_still_orders_the_next_copy_into_its_block(spawn):
+    """A message that never lands (another of its segments failed) lets its
+    regions go with no stream having waited on them. The block's release
+    must still follow the sender's last copy into it: the sender's next
+    copy, on another stream, waits only on `released`. Before, nothing was
+    recorded, so the late first copy landed over the second message."""
+    (head, sender), (at_once, later, receiver) = play(spawn, "unwaited")
+    assert head == b"done"
+    assert sender["blocks_created"] == 1  # the second message reused the block
+    assert at_once and later

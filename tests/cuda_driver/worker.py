@@ -307,3 +307,30 @@ def peer_leases_release_apart(shared_join: bool, wait_s: float) -> tuple[bool, b
         for join in joins:
             cu.stream_synchronize(0, join)
             cu.stream_destroy(0, join)
+
+
+def export_legacy(conn, nbytes: int) -> None:
+    """Makes `nbytes` of memory shared by legacy handle, sends the handle on
+    `conn`, and keeps it until told to exit."""
+    cu = testing()
+    mem = cu.ExportedMemory.create_legacy(DEVICE, nbytes)
+    conn.send((mem.size, mem.legacy_handle()))
+    conn.recv()  # exit now
+    del mem
+
+
+def import_legacy(conn, ctl, claims) -> None:
+    """Opens the handle the owner sent as each size of `claims`; reports
+    (size opened or the error's text) for each."""
+    cu = testing()
+    size, handle = conn.recv()
+    out = []
+    for claim in claims:
+        try:
+            mem = cu.ExportedMemory.import_legacy(handle, claim(size), DEVICE)
+            out.append(mem.size)
+            del mem
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out.append(f"{type(e).__name__}: {e}")
+    conn.send("exit")
+    ctl.send((size, out))

@@ -106,6 +106,25 @@ std::unique_ptr<ExportedMemory> ExportedMemory::importLegacy(
       &out->address_,
       handle,
       CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+  // `bytes` is the peer's word, and a legacy handle opens whatever the
+  // allocation is: every copy out of the block is checked against `bytes`,
+  // so an allocation smaller than that would let a record name memory past
+  // the mapping (an illegal address: the context's end). A descriptor's
+  // cuMemMap refuses such a size itself.
+  CUdeviceptr base = 0;
+  size_t mapped = 0;
+  const CUresult r =
+      libcuda().cuMemGetAddressRange(&base, &mapped, out->address_);
+  if (r != CUDA_SUCCESS || base != out->address_ || mapped < bytes) {
+    libcuda().cuIpcCloseMemHandle(out->address_);
+    out->address_ = 0;
+    throw std::invalid_argument(
+        r != CUDA_SUCCESS
+            ? "imported CUDA memory of unknown size (cuMemGetAddressRange: " +
+                std::to_string(static_cast<int>(r)) + ")"
+            : "imported CUDA memory of " + std::to_string(mapped) +
+                " bytes, announced as " + std::to_string(bytes));
+  }
   return out;
 }
 

@@ -117,6 +117,10 @@ bool IpcChannel::handBack(
     TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, block.ready(), 0);
     lease->joinUses(stream);
     TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block.released(), stream);
+    // And ours: were the connection to close now, the block's import is
+    // unmapped only after this (Block's teardown waits for `localUse`),
+    // as after a lease that dies here rather than being handed on.
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block.localUse(), stream);
   }
   static_assert(sizeof(BlockRecord) == sizeof(*out));
   BlockRecord r{lease->id(), BlockRecord::kReturned, p - block.address()};

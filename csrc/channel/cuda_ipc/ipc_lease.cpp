@@ -74,6 +74,16 @@ BlockLease::~BlockLease() {
       if (!block_->orphaned()) {
         TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->released(), last);
       }
+    } else if (!own_ && join_ && !block_->orphaned()) {
+      // Never waited on (its message did not land): no use of ours to
+      // join, but the peer's next copy into the block waits on `released`
+      // alone, so it must follow the peer's last copy into it, which may
+      // still be queued behind the sender's work. (Before, nothing was
+      // recorded: the next copy, on another stream, could run first.)
+      CurrentDevice current(block_->device());
+      const CUstream home = join_.get();
+      TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, home, block_->ready(), 0);
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->released(), home);
     }
   } catch (const std::exception& e) {
     // The block is not given back: the next copy must not race this

@@ -28,7 +28,8 @@ class BlockLease final : public DeviceRegion {
   // Then `join`, a stream of the block's device owned by the connection the
   // block came through, is where its events are recorded after those uses
   // (IpcChannel::joinStream: a peer whose records never complete stalls
-  // its own connection's releases only, not every peer's).
+  // its own connection's releases only, not every peer's). A peer's block
+  // has one anyway: a lease that dies unused records its release there.
   BlockLease(
       std::weak_ptr<IpcChannel> conn,
       std::shared_ptr<Block> block,
@@ -93,7 +94,7 @@ class BlockLease final : public DeviceRegion {
   uint32_t id_;
   bool own_;
   const int target_;
-  const std::shared_ptr<CUstream_st> join_; // peer to peer only
+  const std::shared_ptr<CUstream_st> join_; // a peer's block's
   std::mutex mu_;
   std::vector<uintptr_t> streams_; // of device(), in first-use order
   std::vector<uintptr_t> waited_; // streams that waited on the block's record

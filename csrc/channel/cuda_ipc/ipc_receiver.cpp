@@ -364,6 +364,11 @@ int64_t IpcChannel::onRecordFromLoop(
       *segment.region = std::move(lease);
       return static_cast<int64_t>(segment.size);
     }
+    if (!join) {
+      // Where a lease dies with no use to join, its release is recorded
+      // there after the peer's last copy into the block (~BlockLease).
+      join = joinStream(block->device());
+    }
     auto lease = std::make_shared<BlockLease>(
         weak_from_this(), std::move(block), r.id, own, target, join);
     live = lease;
