@@ -308,6 +308,39 @@ def run_ring_idle(rank: int, port: int, ctl) -> None:
     ctl.send(out)
 
 
+def run_ring_dropped_while_set_up(rank: int, port: int, ctl) -> None:
+    """Rings dropped as soon as idle (the test sets
+    TORCH_RPC_EXT_CUDA_RING_IDLE_MS=0; heartbeat ticks every 200 ms look
+    for idle rings): after a first round trip's ring went, worker0 sends a
+    larger tensor while its driver takes a second over each allocation, so
+    ticks come between the new ring's making and its first segment's
+    setup (its staging block's allocation)."""
+    import random
+
+    from tests.cuda_driver.worker import set_fake_alloc_delay
+
+    join_pair(rank, port, device_channels=("cuda_ring", "cuda_staged"), heartbeat_timeout=1)
+    out = {}
+    if rank == 0:
+        rng = random.Random(4)
+        out["back"] = []
+        for n in (2 << 20, 6 << 20):
+            data = rng.randbytes(n)
+            t = big_cuda_tensor(data)
+            time.sleep(1.0)  # past the first ring's drop
+            set_fake_alloc_delay(1000 if n > 2 << 20 else 0)
+            try:
+                back = rpc.rpc_sync("worker1", identity, args=(t,))
+                out["back"].append(tensor_bytes(back) == data)
+            except Exception as e:  # noqa: BLE001 - the message is the result
+                out["back"].append(str(e))
+            finally:
+                set_fake_alloc_delay(0)
+        out["ours"] = channel_counters("cuda_ring")
+    rpc.shutdown()
+    ctl.send(out)
+
+
 def pageable_copies():
     stats = fake_stats()
     return stats["pageable_copies"] if stats else None

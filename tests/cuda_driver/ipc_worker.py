@@ -826,3 +826,50 @@ def unwaited_receiver(conn, ctl):
     end.ep.send(b"done", [])
     ctl.send((at_once, later, end.counters()))
     end.close()
+
+
+# ---- ring_dropped: a frame refused at send leaves the ring's copy stream free ----
+#
+# A frame whose large segment went to cuda_ring, its snapshot queued behind
+# the caller's stream (which a gate holds), is refused at send() by a later
+# segment no channel takes (a device this process does not have). Its end
+# must not make the copies out of every later segment of the device (one
+# copy stream, shared by every connection) wait for that stream: the next
+# frame, from another stream, arrives while the gate is still shut.
+
+RING_DROPPED = 4 << 20
+NO_SUCH_DEVICE = 7
+
+
+def ring_dropped_sender(conn, ctl):
+    end = End("sender", conn, channels=("cuda_ring", "cuda_staged"))
+    p = end.alloc(pattern(RING_DROPPED, 4))
+    gate = end.cu.gate_stream(DEVICE, end.stream)  # the caller's work, stuck
+    try:
+        end.ep.send(b"x", [(p, RING_DROPPED, CUDA, DEVICE, end.stream),
+                           (p, 4096, CUDA, NO_SUCH_DEVICE, end.stream)], [])
+        error = ""
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        error = str(e)
+    stream = end.cu.stream_create(DEVICE)
+    q = end.alloc(pattern(RING_DROPPED, 5))
+    end.ep.send(b"y", [(q, RING_DROPPED, CUDA, DEVICE, stream)], [])
+    got = end.ep.receive(10)  # the gate still shut
+    end.cu.open_gate(gate)
+    in_time = got is not None
+    if got is None:
+        got = end.receive()
+    ctl.send((error, got[0], in_time, end.counters("cuda_ring")))
+    end.cu.stream_synchronize(DEVICE, stream)
+    end.close()
+
+
+def ring_dropped_receiver(conn, ctl):
+    end = End("receiver", conn, channels=("cuda_ring", "cuda_staged"))
+    head, regions = end.receive()
+    seen = (head, len(regions), end.read_region(regions[0]) == pattern(RING_DROPPED, 5))
+    for region in regions:
+        region.release()
+    end.ep.send(b"ok", [])
+    ctl.send((seen, end.counters("cuda_ring")))
+    end.close()

@@ -477,6 +477,21 @@ def test_an_idle_ring_is_dropped_and_made_again_when_needed(spawn, monkeypatch):
         assert last["segments_sent"] == last["segments_received"] == 2
 
 
+@fake_only  # a slow cuMemAlloc (fake_cuda_set_alloc_delay_ms)
+def test_a_ring_is_not_dropped_while_a_segment_is_set_up_for_it(spawn, monkeypatch):
+    """A ring idle past TORCH_RPC_EXT_CUDA_RING_IDLE_MS (here 0) is dropped
+    on a tick, unless a segment may still use it: counted from when the
+    segment is first taken for it, not once its snapshot is queued.
+    Before, a tick between the two (here: a slow staging allocation)
+    dropped the ring under the segment, and its frame failed ("a chunk
+    with no ring to carry it"), closing the connection."""
+    monkeypatch.setenv("TORCH_RPC_EXT_CUDA_RING_IDLE_MS", "0")
+    caller, _ = play_with(spawn, agent_worker.run_ring_dropped_while_set_up)
+    assert caller["back"] == [True, True], caller
+    assert caller["ours"]["segments_sent"] == 2, caller
+    assert caller["ours"]["made"] == 2, caller
+
+
 @pytest.mark.parametrize("encryption", ["off", "always"])
 def test_large_cuda_tensors_across_hosts_go_over_the_lanes(spawn, encryption):
     """Between hosts (TCP, tcp_lanes on), a CUDA tensor of 1 MiB or more is

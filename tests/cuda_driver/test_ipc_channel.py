@@ -288,3 +288,19 @@ def test_a_region_let_go_unwaited_still_orders_the_next_copy_into_its_block(spaw
     assert head == b"done"
     assert sender["blocks_created"] == 1  # the second message reused the block
     assert at_once and later
+
+
+def test_a_ring_segment_refused_at_send_holds_no_later_copy_behind_its_stream(spawn):
+    """cuda_ring: a frame refused at send() after its large segment's
+    snapshot was queued behind the caller's stream (held by a gate). Its
+    block goes back once the snapshot has run; before, the device's copy
+    stream, which every later chunk of every connection goes through, was
+    made to wait for that snapshot: the next frame, from another stream,
+    did not arrive until the gate opened."""
+    (error, head, in_time, sender), (seen, receiver) = play(spawn, "ring_dropped")
+    assert "CUDA device 7 does not exist" in error, error
+    assert seen == (b"y", 1, True) and head == b"ok"
+    # The ring took the refused frame's segment (its snapshot queued), then
+    # the next frame's.
+    assert sender["segments_sent"] == 2 and receiver["segments_received"] == 1
+    assert in_time

@@ -206,6 +206,15 @@ def set_fake_kernel_delay(ms: int) -> None:
         ctypes.c_long(ms))
 
 
+def set_fake_alloc_delay(ms: int) -> None:
+    """cuMemAlloc returns `ms` late from now on (the fake driver only)."""
+    import ctypes
+
+    testing().libcuda_description()  # loaded by the extension first
+    ctypes.CDLL(os.environ["TORCH_RPC_EXT_LIBCUDA"]).fake_cuda_set_alloc_delay_ms(
+        ctypes.c_long(ms))
+
+
 def engine_error(images: dict[str, tuple[str, str]]) -> str:
     try:
         testing().CopyEngine(DEVICE, images)

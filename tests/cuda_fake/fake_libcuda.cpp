@@ -377,6 +377,8 @@ struct State {
   // ordered after a kernel sees its old bytes, as on a GPU under load.
   // ($FAKE_CUDA_KERNEL_DELAY_MS, or fake_cuda_set_kernel_delay_ms().)
   std::atomic<long> kernelDelayMs{0};
+  // Each cuMemAlloc returns this long late (fake_cuda_set_alloc_delay_ms).
+  std::atomic<long> allocDelayMs{0};
   // fake_cuda_fail_dtoh_after(): asynchronous device-to-host copies left
   // before one faults (-1: none will).
   std::atomic<long> dtohLeft{-1};
@@ -1494,6 +1496,11 @@ CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
 // ---------------------------------------------------------- device memory
 
 CUresult CUDAAPI cuMemAlloc(CUdeviceptr* dptr, size_t bytesize) {
+  if (const long ms = state().allocDelayMs.load(); ms > 0) {
+    // (fake_cuda_set_alloc_delay_ms: a slow allocation, as under memory
+    // pressure, widens the window around it.)
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  }
   UNSAFE_IN_CAPTURE();
   ENTER(true);
   REQUIRE(dptr && bytesize, CUDA_ERROR_INVALID_VALUE, "null pointer, size 0");
@@ -2589,6 +2596,13 @@ __attribute__((visibility("default"))) int fake_cuda_stats(
 __attribute__((visibility("default"))) void fake_cuda_set_kernel_delay_ms(
     long ms) {
   state().kernelDelayMs.store(ms < 0 ? 0 : ms);
+}
+
+// cuMemAlloc returns this long late from now on (tests: a window around an
+// allocation made wide enough to act in).
+__attribute__((visibility("default"))) void fake_cuda_set_alloc_delay_ms(
+    long ms) {
+  state().allocDelayMs.store(ms < 0 ? 0 : ms);
 }
 
 // Zeroes the counters (not the live objects).

@@ -411,7 +411,7 @@ def test_exports_exactly_the_abi_names_of_libcuda_h(lib_path):
     exported = {line.split()[-1] for line in listing.splitlines()}
     assert exported == {*abi, "fake_cuda_stats", "fake_cuda_reset_stats",
                         "fake_cuda_set_global_capture", "fake_cuda_fail_dtoh_after",
-                        "fake_cuda_set_kernel_delay_ms"}
+                        "fake_cuda_set_kernel_delay_ms", "fake_cuda_set_alloc_delay_ms"}
     assert set(SIGNATURES) == set(abi)  # what the tests below call
 
 

@@ -160,6 +160,30 @@ void RingMemory::pin(int device) {
   pinnedDevice_ = device;
 }
 
+void recordOrHold(
+    int device,
+    const PooledEvent& event,
+    CUstream stream,
+    std::shared_ptr<RingMemory> ring) {
+  try {
+    CurrentDevice current(device);
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, event.get(), stream);
+  } catch (const std::exception&) {
+    // No completion will hold the ring: it goes once the stream has
+    // drained (on the staging thread, where a ring is let go anyway).
+    runOnStagingThread([device, stream, ring = std::move(ring)]() mutable {
+      try {
+        CurrentDevice current(device);
+        libcuda().cuStreamSynchronize(stream);
+      } catch (const std::exception&) {
+        // The driver is gone: nothing runs on the ring any more.
+      }
+      ring.reset();
+    });
+    throw;
+  }
+}
+
 // ---- Receiving --------------------------------------------------------------
 
 namespace {
@@ -277,6 +301,9 @@ int64_t RingChannel::onRecordFromLoop(
   }
   try {
     CurrentDevice current(l->pool->device());
+    // Taken before the copy: nothing between the copy and its completion's
+    // hold on the ring may fail but the record itself.
+    auto copied = l->pool->takeEvent();
     TORCH_RPC_EXT_CUDA_CHECK(
         cuMemcpyHtoDAsync,
         l->block->address + segment.filled,
@@ -290,8 +317,7 @@ int64_t RingChannel::onRecordFromLoop(
     // The slot goes back once the copy out of it has completed; a copy
     // that failed leaves a tensor that must not be used: the connection
     // closes (as the device's next use would fail anyway).
-    auto copied = l->pool->takeEvent();
-    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, copied.get(), l->stream);
+    recordOrHold(device, copied, l->stream, ring);
     std::weak_ptr<RingChannel> weak = shared_from_this();
     whenComplete(
         device,

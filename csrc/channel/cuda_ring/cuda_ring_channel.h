@@ -174,6 +174,15 @@ class RingMemory {
   std::string pinError_; // the registration failed once: why
 };
 
+// Records `event` on `stream` after a copy into or out of `ring` queued
+// there; where the record fails (it throws), `ring` is kept until the
+// stream has drained, since no completion of the copy will hold it.
+void recordOrHold(
+    int device,
+    const std::shared_ptr<CUevent_st>& event,
+    CUstream stream,
+    std::shared_ptr<RingMemory> ring);
+
 class RingOut;
 
 class RingChannel final : public Channel,

@@ -87,6 +87,23 @@ class RingOut final : public StagedOut {
     }
     // The block goes back once the snapshot and every copy out of it are
     // done (the next copy into it waits for its lastUse on the device).
+    if (!sourceReady_.load(std::memory_order_acquire)) {
+      // Dropped (its frame failed or its connection closed) before the
+      // snapshot was known done, so no copy out of it started: the block
+      // goes back once the snapshot has run. A wait for it on the device's
+      // copy-out stream, which every connection's chunks share, would hold
+      // them all behind the caller's stream, for good if that never drains.
+      StagingPool* pool = &pool_;
+      whenComplete(
+          device_,
+          snapshot_,
+          [pool, block = std::move(block_)](const std::string& error) mutable {
+            if (error.empty()) {
+              pool->giveBlock(std::move(block));
+            } // else kept, not reused: the snapshot may still write it
+          });
+      return;
+    }
     try {
       CurrentDevice current(device_);
       CUstream out = outStream(device_);
@@ -145,7 +162,17 @@ bool RingChannel::takeChunks(
     std::lock_guard<std::mutex> lock(mutex_);
     haveRing = out_ != nullptr;
     used_ = std::chrono::steady_clock::now(); // not idle: it will be used
+    // From here, not once the segment is set up: an idle drop on the loop
+    // meanwhile (used_ is no guard at an idle time of 0, or behind a slow
+    // setup) would leave its frame a chunk with no ring to carry it.
+    ++outs_;
   }
+  // Declined below: the ring no longer waits for this segment.
+  auto decline = [this] {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --outs_;
+    counters_.declined++;
+  };
   if (!haveRing) {
     // Made and pinned here, with no lock held: a failure declines the
     // segment (cuda_staged takes it) rather than failing its frame.
@@ -162,7 +189,7 @@ bool RingChannel::takeChunks(
       ringFailedAt.store(
           std::chrono::steady_clock::now().time_since_epoch().count(),
           std::memory_order_relaxed);
-      counters_.declined++;
+      decline();
       logWarning(
           std::string(
               "torch_rpc_ext: cuda_ring made no ring (cuda_staged "
@@ -223,18 +250,16 @@ bool RingChannel::takeChunks(
         // Kept, not reused: a copy may still write it.
       }
     }
-    counters_.declined++;
+    decline();
     logDebug(
         std::string("torch_rpc_ext: cuda_ring declined a segment: ") +
         e.what());
     return false;
   }
+  // (Its end gives back the count taken above: the ring stays while a
+  // segment may still use it.)
   auto out = std::make_shared<RingOut>(
       shared_from_this(), segment, pool, std::move(block), snapshot);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ++outs_; // the ring stays while a segment may still use it
-  }
   std::weak_ptr<RingOut> weakOut = out;
   std::weak_ptr<RingChannel> weak = shared_from_this();
   whenComplete(
@@ -330,6 +355,10 @@ void RingChannel::startCopiesLocked(RingOut& out) {
     const uint64_t n =
         std::min<uint64_t>(out_->slotBytes(), out.size_ - out.copiedTo_);
     CUstream stream = outStream(out.device_);
+    const int device = out.device_;
+    // Taken before the copy: nothing between the copy and its completion's
+    // hold on the ring may fail but the record itself.
+    auto copied = StagingPool::of(device).takeEvent();
     {
       CurrentDevice current(out.device_);
       out_->pin(out.device_); // (a ring made for another device's segment)
@@ -348,12 +377,7 @@ void RingChannel::startCopiesLocked(RingOut& out) {
     std::weak_ptr<RingChannel> weak = shared_from_this();
     auto ring = out_; // the mapping outlives the copy, whatever closes
     const uint64_t generation = out_->generation();
-    const int device = out.device_;
-    auto copied = StagingPool::of(device).takeEvent();
-    {
-      CurrentDevice current(device);
-      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, copied.get(), stream);
-    }
+    recordOrHold(device, copied, stream, ring);
     whenComplete(
         device,
         std::move(copied),
