@@ -218,7 +218,8 @@ def _claim_group_kind(store: Any, dynamic: bool) -> None:
 
 def _dynamic_devices(name: str, opts: RpcExtBackendOptions) -> list:
     """The CUDA devices a member of a dynamic group uses: those it names in
-    ``devices`` and the sources of its maps. Its maps are checked here
+    ``devices``, the sources of its maps, and the targets of a map to
+    itself. Its maps are checked here
     against its own devices; against its peers' when it joins (their
     records name the devices they receive on: dynamic_devices.h)."""
     maps = opts.device_maps or {}
@@ -255,6 +256,11 @@ def _dynamic_devices(name: str, opts: RpcExtBackendOptions) -> list:
                 f"({dict(mapping)})"
             )
         devices |= {local(d, f"device map to {peer}") for d in mapping}
+        if peer == name:
+            # A map to itself receives on its targets too: no peer's join
+            # checks them against what it publishes (a static group's
+            # device list takes reverse maps' targets the same way).
+            devices |= {local(t, f"device map to {peer}") for t in targets}
     return sorted(devices, key=lambda d: d.index)
 
 

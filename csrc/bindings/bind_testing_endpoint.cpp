@@ -152,7 +152,8 @@ class Endpoint final : public transport::ConnectionObserver {
     }
   }
 
-  // (head, segments): a segment is bytes, or a Region for provided memory.
+  // (head, segments): a segment is bytes, a Region for provided memory, or
+  // "failed: <why>" where it could not land.
   // None on timeout, or at once when the connection has closed and every
   // frame it delivered has been received (close_reason() says why).
   py::object receive(double timeoutSeconds) {
@@ -171,7 +172,14 @@ class Endpoint final : public transport::ConnectionObserver {
     }
     py::list segments;
     for (size_t i = 0; i < in.sizes.size(); ++i) {
-      if (in.buffers.provided.size() > i && in.buffers.provided[i]) {
+      const auto* failed = in.buffers.regions.size() > i
+          ? dynamic_cast<const frame::FailedRegion*>(
+                in.buffers.regions[i].get())
+          : nullptr;
+      if (failed != nullptr) {
+        // A segment that could not land (a message the agent would fail).
+        segments.append(py::str("failed: " + failed->why()));
+      } else if (in.buffers.provided.size() > i && in.buffers.provided[i]) {
         segments.append(
             Region{
                 in.buffers.regions[i],

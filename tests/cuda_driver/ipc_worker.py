@@ -873,3 +873,39 @@ def ring_dropped_receiver(conn, ctl):
     end.ep.send(b"ok", [])
     ctl.send((seen, end.counters("cuda_ring")))
     end.close()
+
+
+# ---- legacy_oom: no memory to copy a legacy segment out into ------------------
+#
+# The receiver may hold LEGACY_LIMIT of device memory: a segment larger than
+# that cannot be copied out of the sender's legacy block. Its message fails
+# (a failed region, which the agent turns into its call's error); the
+# connection stays, the block is released, and the next message lands.
+
+LEGACY_LIMIT = 3 << 20
+LEGACY_TOO_BIG = 4 << 20
+
+
+def legacy_oom_sender(conn, ctl):
+    end = End("sender", conn)
+    p = end.alloc(pattern(LEGACY_TOO_BIG, 1))
+    end.send_device(b"big", p, LEGACY_TOO_BIG)
+    assert end.receive()[0] == b"r0"
+    q = end.alloc(pattern(4096, 2))
+    end.send_device(b"small", q, 4096)
+    head, _ = end.receive()
+    ctl.send((head, end.counters()))
+    end.close()
+
+
+def legacy_oom_receiver(conn, ctl):
+    os.environ["FAKE_CUDA_MEM_LIMIT"] = str(LEGACY_LIMIT)
+    end = End("receiver", conn)
+    head, (first,) = end.receive()
+    end.ep.send(b"r0", [])
+    head2, (region,) = end.receive()
+    second = (head2, end.read_region(region) == pattern(4096, 2))
+    region.release()
+    end.ep.send(b"r1", [])
+    ctl.send(((head, first), second, end.ep.close_reason(), end.counters()))
+    end.close()

@@ -118,3 +118,21 @@ def test_a_device_without_descriptor_export_shares_by_legacy_handles(spawn, monk
     sender, (seen, receiver) = play(spawn, "pooled")
     assert all(ok for *_, ok in seen)
     assert sender["blocks_legacy"] == 2 and receiver["copied_out"] == 4
+
+
+@pytest.mark.skipif(REAL_DRIVER, reason="FAKE_CUDA_MEM_LIMIT is the fake's")
+@pytest.mark.usefixtures("legacy")
+def test_no_memory_to_copy_a_legacy_segment_out_into_fails_its_message_only(spawn):
+    """A legacy segment is copied out into memory of the receiver's own; where
+    there is none to be had, the message fails (a failed region: the
+    agent fails its call, docs/cuda.md), not the connection, which the
+    peer did nothing to deserve. The block is still released, and the next
+    message lands. Before, the connection closed ("copying segments out of
+    the peer's CUDA block ... failed") and the next message never came."""
+    (head, sender), (first, second, reason, receiver) = play(spawn, "legacy_oom")
+    big, failed = first
+    assert big == b"big" and failed.startswith("failed: no memory on cuda:0"), failed
+    assert second == (b"small", True) and head == b"r1"
+    assert reason == ""
+    assert receiver["copy_outs_failed"] == 1 and receiver["copied_out"] == 1
+    assert sender["blocks_legacy"] >= 1

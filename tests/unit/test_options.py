@@ -12,7 +12,7 @@ import torch
 from torch.distributed import rpc
 
 from torch_rpc_ext import _C, RpcExtBackendOptions, _testing, secrets
-from torch_rpc_ext.backend import _agent_options
+from torch_rpc_ext.backend import _agent_options, _dynamic_devices
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SPEC = _C.option_spec()  # {name: (default, min, max)}
@@ -357,3 +357,18 @@ def test_mutual_tls_takes_its_three_files_together(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_RPC_EXT_TLS_CA", str(tmp_path / "missing.pem"))
     with pytest.raises(ValueError, match="TORCH_RPC_EXT_TLS_CA: .* is not a readable file"):
         RpcExtBackendOptions()
+
+
+def test_a_dynamic_members_map_to_itself_publishes_its_targets(monkeypatch):
+    """In a dynamic group a member publishes the devices it receives on; a
+    map to itself receives on its targets, which no peer's join checks.
+    Before, {0: 1} to itself published cuda:0 only, and every such call
+    failed at receive ("a tensor arrived for cuda:1, which is not among
+    the devices of w0"); a static group's device list has them."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    opts = RpcExtBackendOptions(device_maps={"w0": {0: 1}, "w1": {1: 0}})
+    assert _dynamic_devices("w0", opts) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    only_peer = RpcExtBackendOptions(device_maps={"w1": {0: 1}})
+    assert _dynamic_devices("w0", only_peer) == [torch.device("cuda", 0)]
+    with pytest.raises(ValueError, match="sees 2 CUDA device"):
+        _dynamic_devices("w0", RpcExtBackendOptions(device_maps={"w0": {0: 2}}))

@@ -243,6 +243,8 @@ struct IpcCounters {
   std::atomic<uint64_t> packed{0}; // segments that shared a block
   std::atomic<uint64_t> legacyBlocks{0}; // of `created`, kLegacy ones
   std::atomic<uint64_t> copiedOut{0}; // segments copied out of kLegacy ones
+  // ... not, for want of our device memory (their messages failed)
+  std::atomic<uint64_t> copyOutsFailed{0};
   std::atomic<uint64_t> releases{0}; // peers' blocks given back
   std::atomic<uint64_t> releaseFrames{0}; // the frames that said so
   std::atomic<uint64_t> grantsMade{0}; // landing memory granted to peers

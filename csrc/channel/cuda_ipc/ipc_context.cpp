@@ -173,6 +173,7 @@ class IpcContext final : public Context {
         {"packed", counters_.packed.load()},
         {"blocks_legacy", counters_.legacyBlocks.load()},
         {"copied_out", counters_.copiedOut.load()},
+        {"copy_outs_failed", counters_.copyOutsFailed.load()},
         {"releases", counters_.releases.load()},
         {"release_frames", counters_.releaseFrames.load()},
         {"grants_made", counters_.grantsMade.load()},

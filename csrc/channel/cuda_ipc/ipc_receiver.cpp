@@ -400,26 +400,47 @@ int64_t IpcChannel::copyOutFromLoop(
       batch.block = block;
       batch.ready = pool.takeEvent();
     }
-    auto landed = pool.takeBlock(segment.size);
-    const CUdeviceptr address = landed->address;
-    const bool used = landed->used;
-    const CUevent lastUse = landed->lastUse;
-    // From here the region gives the block back, whatever follows.
-    *segment.region = std::make_shared<PooledRegion>(
-        pool, std::move(landed), batch.ready, owned);
-    *segment.provided = reinterpret_cast<void*>(address);
-    CurrentDevice current(device);
-    if (used) {
-      // The block's last user must be done before the copy overwrites it.
-      TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, lastUse, 0);
+    std::shared_ptr<StagingPool::Block> landed;
+    try {
+      landed = pool.takeBlock(segment.size);
+    } catch (const std::exception& e) {
+      // Our device memory, not the peer's doing: this message fails (its
+      // call, in the agent), the connection stays (docs/cuda.md, "A
+      // message that cannot land fails its call, not the connection"). The
+      // block's other segments are still copied out, and it is released
+      // as ever.
+      *segment.provided = nullptr;
+      *segment.region = std::make_shared<frame::FailedRegion>(
+          "no memory on cuda:" + std::to_string(device) +
+          " to copy a segment of " + std::to_string(segment.size) +
+          " bytes out of the peer's CUDA block into: " + e.what());
+      counters_.copyOutsFailed.fetch_add(1, std::memory_order_relaxed);
     }
-    batch.copies.push_back(
-        {address, block->address() + r.offset, segment.size});
+    CurrentDevice current(device);
+    if (landed) {
+      const CUdeviceptr address = landed->address;
+      const bool used = landed->used;
+      const CUevent lastUse = landed->lastUse;
+      // From here the region gives the block back, whatever follows.
+      *segment.region = std::make_shared<PooledRegion>(
+          pool, std::move(landed), batch.ready, owned);
+      *segment.provided = reinterpret_cast<void*>(address);
+      if (used) {
+        // The block's last user must be done before the copy overwrites
+        // it.
+        TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, lastUse, 0);
+      }
+      batch.copies.push_back(
+          {address, block->address() + r.offset, segment.size});
+    }
     if (last) {
       // One launch for the frame's segments in the block, after the peer's
-      // copy in; the owner's next copy into it waits for ours (`released`).
+      // copy in; the owner's next copy into it waits for ours (`released`:
+      // after its copy in, even where nothing of it was copied out).
       TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, block->ready(), 0);
-      copyEngine(device).copySegments(stream, batch.copies);
+      if (!batch.copies.empty()) {
+        copyEngine(device).copySegments(stream, batch.copies);
+      }
       TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, batch.ready.get(), stream);
       // Our last read of the peer's memory, for the block's teardown.
       TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block->localUse(), stream);
