@@ -475,8 +475,13 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
                 // which uses the memory.
                 const c10::Stream& arrival = streamOf(device);
                 c10::impl::VirtualGuardImpl impl(c10::kCUDA);
-                region.waitOn(reinterpret_cast<uintptr_t>(
-                    impl.getStreamNativeHandle(arrival)));
+                local(
+                    "waiting for a granted segment on cuda:" +
+                        std::to_string(int(device)) + " failed",
+                    [&] {
+                      region.waitOn(reinterpret_cast<uintptr_t>(
+                          impl.getStreamNativeHandle(arrival)));
+                    });
                 std::unique_ptr<frame::LandedMemory> taken = region.take();
                 auto* ours = dynamic_cast<TorchLanded*>(taken.get());
                 TORCH_CHECK(ours != nullptr, "granted memory that is not ours");

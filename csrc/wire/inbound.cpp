@@ -451,7 +451,17 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
         continue;
       }
       const uintptr_t stream = arrivalStream(device.index());
-      onDevice->waitOn(stream);
+      try {
+        onDevice->waitOn(stream);
+      } catch (const LandingFailure&) {
+        throw;
+      } catch (const std::exception& e) {
+        // Our driver's refusal (a broken context), not the peer's doing:
+        // this message fails, not the connection.
+        throw LandingFailure(
+            std::string("waiting for a segment on cuda:") +
+            std::to_string(int(device.index())) + " failed: " + e.what());
+      }
       if (landing) {
         // The region goes back once `buffers` die, after the copy queued
         // on `stream` (waitOn() recorded that use).
