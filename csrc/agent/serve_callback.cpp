@@ -13,7 +13,9 @@
 #include <torch/csrc/distributed/rpc/utils.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <atomic>
 #include <optional>
@@ -28,6 +30,26 @@ namespace {
 // with [..., schema text, "torch.ops.aten.<name>"], a TorchScript function
 // call with [..., is-async flag, qualified name].
 constexpr std::string_view kBuiltinPrefix = "torch.ops.aten.";
+
+// Serving under the streams a request's CUDA tensors arrived on (none: no
+// guard), and giving the thread back its current device afterwards, which
+// a function may change (torch.cuda.set_device): torch's invokeCallback
+// does so around the thenAsync callback these requests used to run in.
+class OnArrival {
+ public:
+  explicit OnArrival(const std::vector<c10::Stream>& streams) {
+    if (streams.empty()) {
+      return;
+    }
+    c10::impl::VirtualGuardImpl impl(streams.front().device_type());
+    device_.emplace(impl.getDevice());
+    streams_.emplace(streams);
+  }
+
+ private:
+  std::optional<c10::OptionalDeviceGuard> device_; // (restored last)
+  std::optional<c10::MultiStreamGuard> streams_;
+};
 
 } // namespace
 
@@ -155,10 +177,7 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processScriptCall(
   // passes none on any agent), as upstream's runJitOperator does: the work
   // is ordered after their landing, and the response's events, recorded on
   // them as asFuture completes it, after the work.
-  std::optional<c10::MultiStreamGuard> arrival;
-  if (!streams.empty()) {
-    arrival.emplace(streams);
-  }
+  OnArrival arrival(streams);
   if (isNamedFunction(call)) {
     const NamedFunctions* table = namedFunctions();
     TORCH_INTERNAL_ASSERT(
@@ -219,10 +238,7 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processPythonCall(
   // Python error escaping torch's _run_function, which turns the
   // function's own exceptions into a RemoteException result; a result
   // that cannot be pickled).
-  std::optional<c10::MultiStreamGuard> arrival;
-  if (!streams.empty()) {
-    arrival.emplace(streams);
-  }
+  OnArrival arrival(streams);
   auto& handler = rpc::PythonRpcHandler::getInstance();
   std::optional<rpc::SerializedPyObj> result;
   {
