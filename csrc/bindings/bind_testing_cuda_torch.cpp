@@ -437,6 +437,15 @@ void bindTestingCudaTorch(py::module_& parent) {
       py::arg("like"),
       py::arg("device"),
       py::arg("strides") = py::none());
+  // torch.cuda.set_device and current_device, as a CPU torch can't reach
+  // them: this thread's current device (the guard's).
+  m.def("set_device", [](int device) {
+    c10::impl::getDeviceGuardImpl(c10::kCUDA)
+        ->setDevice(c10::Device(c10::kCUDA, device));
+  });
+  m.def("current_device", [] {
+    return int(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index());
+  });
   // The CUstream behind the current stream of `device` (0: the legacy
   // default stream).
   m.def("current_stream", [](int device) {

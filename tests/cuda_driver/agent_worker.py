@@ -849,3 +849,38 @@ def run_named(rank: int, port: int, ctl) -> None:
         out["named_back"] = (str(back.device), tensor_bytes(back) == pattern(n, 23))
     rpc.shutdown()
     ctl.send(out)
+
+
+
+# ---- a function that changes the current device -----------------------------
+
+
+def leave_device(d: int) -> int:
+    """torch.cuda.set_device(d) without a `with`: what a function may do."""
+    if real_cuda():
+        torch.cuda.set_device(d)
+    else:
+        cu().set_device(d)
+    return d
+
+
+def current_device() -> int:
+    return torch.cuda.current_device() if real_cuda() else cu().current_device()
+
+
+def run_device_left(rank: int, port: int, ctl) -> None:
+    """worker1 (devices cuda:0 and cuda:1) serves functions that leave
+    cuda:1 current, then functions that report the current device: each
+    must find cuda:0, the serving thread's own, whichever thread serves
+    it (torch's invokeCallback restores the device around a callback)."""
+    join_pair(rank, port, target=1)
+    out = {}
+    if rank == 0:
+        rounds = 12
+        futs = [rpc.rpc_async("worker1", leave_device, args=(1,)) for _ in range(rounds)]
+        [f.wait() for f in futs]
+        for _ in range(rounds):
+            rpc.rpc_sync("worker1", leave_device, args=(1,))
+        out["seen"] = [rpc.rpc_sync("worker1", current_device) for _ in range(2 * rounds)]
+    rpc.shutdown()
+    ctl.send(out)

@@ -619,6 +619,19 @@ def test_a_function_registered_by_name_runs_after_its_cuda_tensors_landed(spawn)
     assert caller["named_back"] == ("cuda:0", True)
 
 
+@two_devices
+def test_a_function_that_changes_the_current_device_leaves_the_serving_thread_as_it_was(
+        spawn, monkeypatch):
+    """A function served with devices may call torch.cuda.set_device(1)
+    and return: the next function served on that thread still finds the
+    thread's own device (torch's invokeCallback restores it around the
+    callback requests ran in before session 63 served them in one
+    future)."""
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+    caller, _ = play_with(spawn, agent_worker.run_device_left)
+    assert caller["seen"] == [0] * 24, caller
+
+
 def test_a_traced_call_shows_its_cuda_tensors_landing(spawn):
     """OpenTelemetry (torch_rpc_ext.tracing, docs/observability.md): a
     request's CUDA tensors landing on the callee is an rpc.land span under
