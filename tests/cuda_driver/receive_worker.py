@@ -15,6 +15,7 @@ from tests.cuda_driver.agent_worker import (
     DEVICE,
     TIMEOUT,
     agent_metrics,
+    channel_counters,
     cuda_tensor,
     cuda_view,
     describe,
@@ -144,6 +145,47 @@ def run_short(rank: int, port: int, ctl, short: int, channels=("cuda_ipc",),
                            rpc.rpc_sync("worker1", cuda_metrics)["receive_failures"])
         metrics = agent_metrics()
         out["rejected"] = {k: v for k, v in metrics.items() if "rejected" in k and v != "0"}
+    rpc.shutdown()
+    ctl.send(out)
+
+
+# ---- a worker whose driver will not map its peer's memory ------------------------
+
+
+def run_unmappable(rank: int, port: int, ctl, sharing: str) -> None:
+    """worker1's driver opens no memory of another process (the fake's
+    switch: a legacy handle with `sharing` "legacy", a VMM descriptor with
+    "fd"). worker0's first CUDA call to it fails, naming that; worker0 then
+    lends it no block, and the next calls go by the next device channel.
+    Replies from worker1 go by cuda_ipc as ever (worker0 maps its blocks)."""
+    if sharing == "legacy":
+        os.environ["TORCH_RPC_EXT_CUDA_IPC_LEGACY"] = "1"
+    if rank == 1:  # before the driver loads
+        os.environ["FAKE_CUDA_IPC_MEM_OPEN_FAILS" if sharing == "legacy"
+                   else "FAKE_CUDA_IPC_IMPORT_FAILS"] = "1"
+    join_pair(rank, port)
+    out = {}
+    if rank == 0:
+        data = pattern(3 * MIB, 5)
+        try:
+            rpc.rpc_sync("worker1", describe, args=(cuda_tensor(data),))
+            out["error"] = ""
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["error"] = str(e)
+        out["after"] = [
+            rpc.rpc_sync("worker1", describe, args=(cuda_tensor(data),)) == (
+                f"cuda:{DEVICE}", data)
+            for _ in range(2)]
+        small = pattern(4096, 6)
+        out["back"] = tensor_bytes(rpc.rpc_sync("worker1", identity,
+                                                args=(cuda_tensor(small),))) == small
+        out["counters"] = {c: channel_counters(c)
+                           for c in ("cuda_ipc", "cuda_ring", "cuda_staged")}
+        out["callee"] = rpc.rpc_sync("worker1", channel_counters, args=("cuda_ipc",))
+        out["failures"] = rpc.rpc_sync("worker1", cuda_metrics)["receive_failures"]
+        metrics = agent_metrics()
+        out["rejected"] = {k: v for k, v in metrics.items() if "rejected" in k and v != "0"}
+        out["lost"] = {k: v for k, v in metrics.items() if "lost" in k and v != "0"}
     rpc.shutdown()
     ctl.send(out)
 

@@ -69,6 +69,31 @@ def test_a_message_that_cannot_land_fails_its_call_and_keeps_the_connection(
     assert caller["rejected"] == {}
 
 
+@pytest.mark.skipif(REAL_DRIVER, reason="the fake's switch that fails opening memory")
+@pytest.mark.parametrize("sharing", ["fd", "legacy"])
+def test_a_peer_that_cannot_map_our_blocks_fails_that_call_and_the_next_go_another_way(
+        spawn, sharing):
+    """worker1's driver will not map worker0's cuda_ipc block (out of
+    memory or address space, say). The call that brought it fails, naming
+    that; the connection stays, worker0 hears why and lends worker1 no
+    block again, and the next calls go by cuda_ring, right. Before, the
+    connection closed as if worker0 had broken the protocol, and every
+    connection after failed the same way."""
+    caller, _ = play_with(spawn, receive_worker.run_unmappable, sharing)
+    error = caller["error"]
+    assert "worker1 could not receive the request from worker0" in error, error
+    assert "could not map the peer's CUDA block" in error, error
+    assert re.search("out of memory|OUT_OF_MEMORY", error, re.I), error
+    assert caller["after"] == [True, True] and caller["back"] is True
+    ipc, ring = caller["counters"]["cuda_ipc"], caller["counters"]["cuda_ring"]
+    assert caller["callee"]["blocks_refused"] == 1, caller["callee"]
+    assert ipc["lending_refused"] == 1 and ipc["declined"] >= 2, ipc
+    assert ring["segments_sent"] >= 2, ring  # the two calls after
+    assert ipc["blocks_imported"] >= 1  # worker1's replies, by its blocks
+    assert caller["failures"] == 1
+    assert caller["rejected"] == {} and caller["lost"] == {}
+
+
 def test_cpu_tensors_land_on_the_gpu_a_map_names_and_come_back_to_the_cpu(spawn):
     caller, _ = play_with(spawn, receive_worker.run_cpu_to_gpu)
     assert caller["devices"] == []  # a map from the CPU needs no GPU here

@@ -27,6 +27,10 @@
 // - IPC handles (events, legacy memory) open in another process only
 //   (CUDA_ERROR_INVALID_CONTEXT in their own), unless $FAKE_CUDA_IPC_SELF=1:
 //   for a one-process harness playing both ends (tests/fuzz/fuzz_stream.cpp).
+//   Opening another process's memory fails with CUDA_ERROR_OUT_OF_MEMORY
+//   under $FAKE_CUDA_IPC_MEM_OPEN_FAILS=1 (a legacy handle) and
+//   $FAKE_CUDA_IPC_IMPORT_FAILS=1 (a VMM descriptor); a legacy handle is not
+//   given under $FAKE_CUDA_IPC_MEM_HANDLE_FAILS=1.
 // - Primary contexts, refcounted, current per thread: a new thread has none,
 //   and calls that need one fail with CUDA_ERROR_INVALID_CONTEXT
 //   (CUDA_ERROR_CONTEXT_IS_DESTROYED once its last retain was released).
@@ -373,6 +377,7 @@ struct State {
   bool ipcSelf = false; // $FAKE_CUDA_IPC_SELF=1
   bool ipcMemOpenFails = false; // $FAKE_CUDA_IPC_MEM_OPEN_FAILS=1
   bool ipcMemHandleFails = false; // $FAKE_CUDA_IPC_MEM_HANDLE_FAILS=1
+  bool ipcImportFails = false; // $FAKE_CUDA_IPC_IMPORT_FAILS=1
   // Each kernel runs this long after its stream reaches it: work that is not
   // ordered after a kernel sees its old bytes, as on a GPU under load.
   // ($FAKE_CUDA_KERNEL_DELAY_MS, or fake_cuda_set_kernel_delay_ms().)
@@ -1342,6 +1347,8 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
   s.ipcMemOpenFails = openFails && strcmp(openFails, "1") == 0;
   const char* handleFails = getenv("FAKE_CUDA_IPC_MEM_HANDLE_FAILS");
   s.ipcMemHandleFails = handleFails && strcmp(handleFails, "1") == 0;
+  const char* importFails = getenv("FAKE_CUDA_IPC_IMPORT_FAILS");
+  s.ipcImportFails = importFails && strcmp(importFails, "1") == 0;
   s.salt = salt ? salt : "";
   s.devices = static_cast<int>(devices);
   for (int d = 0; d < s.devices; ++d) {
@@ -1878,6 +1885,10 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(
           fstat(static_cast<int>(fd), &st) == 0,
       CUDA_ERROR_INVALID_VALUE,
       "not an fd that cuMemExportToShareableHandle gave");
+  REQUIRE(
+      !state().ipcImportFails,
+      CUDA_ERROR_OUT_OF_MEMORY,
+      "$FAKE_CUDA_IPC_IMPORT_FAILS=1");
   int own = fcntl(static_cast<int>(fd), F_DUPFD_CLOEXEC, 0);
   REQUIRE(own >= 0, CUDA_ERROR_OUT_OF_MEMORY, "dup");
   Lock lock(state().mu);

@@ -280,6 +280,8 @@ void IpcChannel::takeGroup(
     SegmentRecord record{};
     if (handBack(segment, &record) || takeGrant(segment, before, &record)) {
       taken->push_back({i, record});
+    } else if (lendingRefused_.load(std::memory_order_relaxed)) {
+      decline(1); // the peer cannot map our blocks: the next channel's
     } else if (segment.size <= kPackMaxBytes) {
       packedBytes += (segment.size + kPackAlign - 1) / kPackAlign * kPackAlign;
       small.push_back(i);

@@ -79,6 +79,7 @@ enum IpcFrame : uint8_t {
   kBlockRelease = kLendRelease, // uint32 ids the receiver no longer uses
   kBlockDrop = kLendDrop, // uint32 id: the owner unmaps an idle block
   kBlockDropped = 3, // uint32 id: the importer closed it; the owner frees it
+                     // (+ why, unasked: it could not map it; protocol 13)
   kGrant = 4, // GrantSetup: landing memory of the receiver's, for the sender
   kGrantEvent = 5, // GrantEventSetup: the sender's event for grants' writes
   kGrantRevoke = 6, // uint32 ids: the receiver takes back grants not used
@@ -256,6 +257,11 @@ struct IpcCounters {
   std::atomic<uint64_t> grantsIdle{0}; // of grantsRevoked: unused too long
   // Not made: past the device's bound (cuda_ipc_memory_limit).
   std::atomic<uint64_t> grantsOverLimit{0};
+  // The peer's blocks this process could not map (their messages failed),
+  // and the connections on which the peer could not map ours (lending
+  // stopped: segments go by the next channel).
+  std::atomic<uint64_t> blocksRefused{0};
+  std::atomic<uint64_t> lendingRefused{0};
 };
 
 // A process's cuda_ipc domain descriptor, as published at rendezvous:
@@ -418,6 +424,12 @@ class IpcChannel final : public Channel,
 
   // The peer's blocks we have mapped, by id (loop thread).
   std::unordered_map<uint32_t, std::shared_ptr<Block>> peerBlocks_;
+  // ... and those we could not, with why: a record naming one fails its
+  // message (loop thread; counted in the bounds on the peer's blocks).
+  std::unordered_map<uint32_t, std::string> refusedBlocks_;
+  // Sender: the peer could not map a block of ours; none is lent again on
+  // this connection (docs/cuda.md, "A block the peer cannot map").
+  std::atomic<bool> lendingRefused_{false};
   uint64_t peerBlockBytes_ = 0;
   // The live lease on each of them (the segments of one frame packed into
   // one block share it; the block is lent again only once it died).

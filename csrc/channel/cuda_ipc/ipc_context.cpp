@@ -174,6 +174,8 @@ class IpcContext final : public Context {
         {"blocks_legacy", counters_.legacyBlocks.load()},
         {"copied_out", counters_.copiedOut.load()},
         {"copy_outs_failed", counters_.copyOutsFailed.load()},
+        {"blocks_refused", counters_.blocksRefused.load()},
+        {"lending_refused", counters_.lendingRefused.load()},
         {"releases", counters_.releases.load()},
         {"release_frames", counters_.releaseFrames.load()},
         {"grants_made", counters_.grantsMade.load()},

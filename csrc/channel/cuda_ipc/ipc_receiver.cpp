@@ -15,6 +15,7 @@
 #include "csrc/channel/cuda_ipc/ipc_lease.h"
 #include "csrc/common/fd_closer.h"
 #include "csrc/common/libcuda.h"
+#include "csrc/common/logging.h"
 
 namespace torch_rpc_ext::channel::cuda {
 
@@ -38,12 +39,15 @@ bool IpcChannel::reaches(int target, int device) {
 
 // The peer may have at most this many bytes of blocks mapped into us.
 constexpr uint64_t kMaxPeerBlockBytes = 2 * kMaxLentBlockBytes;
+// A refusal's reason (kBlockDropped sent unasked) is cut to this.
+constexpr size_t kMaxRefusalWhy = 1024;
 
 bool IpcChannel::acceptsControlFrame(FrameKind kind, uint32_t headLength)
     const {
   switch (context().wireIds().offsetOf(kind)) {
-    case kBlockDropped:
-      return headLength == sizeof(uint32_t);
+    case kBlockDropped: // the id, and why where it was refused
+      return headLength >= sizeof(uint32_t) &&
+          headLength <= sizeof(uint32_t) + kMaxRefusalWhy;
     case kGrant:
       return headLength == sizeof(GrantSetup);
     case kGrantEvent:
@@ -133,27 +137,52 @@ bool IpcChannel::onSetupFromLoop(
   if (device == localDevices_.end()) {
     why = "block " + std::to_string(setup.id) + " is on device " + uuid +
         ", which this process does not see";
-  } else if (peerBlocks_.count(setup.id) != 0) {
+  } else if (
+      peerBlocks_.count(setup.id) != 0 || refusedBlocks_.count(setup.id) != 0) {
     why = "block " + std::to_string(setup.id) + " announced twice";
   } else if (
-      peerBlocks_.size() >= kMaxBlocks ||
+      peerBlocks_.size() + refusedBlocks_.size() >= kMaxBlocks ||
       setup.size > kMaxPeerBlockBytes - peerBlockBytes_) {
     why = "the peer's blocks exceed " + std::to_string(kMaxBlocks) + " or " +
         std::to_string(kMaxPeerBlockBytes) + " bytes";
   }
   std::shared_ptr<Block> block;
+  std::string unmapped;
   if (why.empty()) {
     try {
       block =
           Block::import(setup, fd, legacy ? &handle : nullptr, device->second);
     } catch (const std::exception& e) {
-      why = std::string("cannot map the peer's CUDA block: ") + e.what();
+      unmapped = e.what();
     }
   }
   closeOffThread(fd); // the peer's (fd_closer.h)
   if (!why.empty()) {
     host.rejectFromLoop("rejected CUDA block: " + why);
     return false;
+  }
+  if (block == nullptr) {
+    // Our driver would not map it (out of memory or address space, an
+    // environment that shares no device memory, a handle that does not
+    // open): the messages in it fail, the connection stays, and the owner
+    // hears why (kBlockDropped, unasked) and lends no more blocks here: its
+    // segments take the next channel (docs/cuda.md, "A block the peer
+    // cannot map").
+    std::string reason = "this process could not map the peer's CUDA block " +
+        std::to_string(setup.id) + " of " + std::to_string(setup.size) +
+        " bytes on cuda:" + std::to_string(device->second) + ": " + unmapped;
+    if (reason.size() > kMaxRefusalWhy) {
+      reason.resize(kMaxRefusalWhy);
+    }
+    counters_.blocksRefused.fetch_add(1, std::memory_order_relaxed);
+    host.sendControl(
+        ControlFrame{
+            context().wireIds().kind(kBlockDropped),
+            idHead(setup.id) + reason,
+            {},
+            nullptr});
+    refusedBlocks_.emplace(setup.id, std::move(reason));
+    return true;
   }
   counters_.imported.fetch_add(1, std::memory_order_relaxed);
   peerBlockBytes_ += setup.size;
@@ -233,12 +262,19 @@ void IpcChannel::closeDropped() {
 bool IpcChannel::onDroppedFromLoop(Host& host, const std::string& head) {
   uint32_t id;
   std::memcpy(&id, head.data(), sizeof(id));
+  // With a reason: the peer could not map the block at all (it answers its
+  // setup, in whatever state the block is here: lent, for the frame it
+  // came with). It holds nothing of it, so it goes at once.
+  const bool refused = head.size() > sizeof(id);
   std::shared_ptr<Block> block; // freed outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = ownBlocks_.find(id);
     if (it != ownBlocks_.end() &&
-        it->second.state == OwnBlock::State::kDropping) {
+        (refused || it->second.state == OwnBlock::State::kDropping)) {
+      if (it->second.state == OwnBlock::State::kLent) {
+        lentBytes_ -= it->second.block->size();
+      }
       block = std::move(it->second.block);
       ownBlocks_.erase(it);
     }
@@ -246,10 +282,22 @@ bool IpcChannel::onDroppedFromLoop(Host& host, const std::string& head) {
   if (block == nullptr) {
     host.rejectFromLoop(
         "rejected frame: the peer closed CUDA block " + std::to_string(id) +
-        ", which was not dropped");
+        (refused ? ", which it was never lent" : ", which was not dropped"));
     return false;
   }
-  counters_.unmapped.fetch_add(1, std::memory_order_relaxed);
+  if (!refused) {
+    counters_.unmapped.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  if (!lendingRefused_.exchange(true)) {
+    counters_.lendingRefused.fetch_add(1, std::memory_order_relaxed);
+    logWarning(
+        "torch_rpc_ext: cuda_ipc: the peer could not map a CUDA block of "
+        "ours, so this connection lends it no more (its CUDA tensors go by "
+        "the next device channel, cuda_ring or cuda_staged, where both "
+        "ends have one): " +
+        head.substr(sizeof(id)));
+  }
   return true;
 }
 
@@ -271,6 +319,13 @@ int64_t IpcChannel::onRecordFromLoop(
   std::string why;
   if (r.kind == BlockRecord::kLent || copyOut) {
     auto it = peerBlocks_.find(r.id);
+    if (auto refused = refusedBlocks_.find(r.id);
+        it == peerBlocks_.end() && refused != refusedBlocks_.end()) {
+      // Its message fails (the agent's LandingFailure), naming why.
+      *segment.provided = nullptr;
+      *segment.region = std::make_shared<frame::FailedRegion>(refused->second);
+      return static_cast<int64_t>(segment.size);
+    }
     if (it == peerBlocks_.end()) {
       why = "record names unknown CUDA block " + std::to_string(r.id);
     } else if ((it->second->sharing() == Sharing::kLegacy) != copyOut) {
