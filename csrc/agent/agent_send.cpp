@@ -244,9 +244,7 @@ void Agent::onFrame(
     landing = traced && !streams.empty()
         ? tracing::Landing{landing.start, tracing::wallNanos()}
         : tracing::Landing{};
-    // The channels' regions go now (a landed message's copies are queued):
-    // a cuda_ipc block's release then rides with our very next frame.
-    buffers.regions.clear();
+    // (The channels' regions went at the end of finish().)
   } catch (const ReceiveFailure& e) {
     buffers.regions.clear(); // (a release rides with the failure's frame)
     failReceive(conn, *in, peer, e.what());

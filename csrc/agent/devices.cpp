@@ -4,6 +4,7 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -446,8 +447,28 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
       onArrival.emplace(streams);
     });
   }
+  // A message of one device (the usual) lands under one hold of its
+  // context: the channels' guards inside (the landing's allocation and
+  // copy, each region's wait and release) then make no driver call of
+  // their own, where each made two to four.
+  // The device is made current through torch first, so that torch's own
+  // guards inside (the landing's stream guard, its events) restore that
+  // device, never the one before: a guard of ours nested in the hold
+  // trusts that the context it holds is still current.
+  std::optional<c10::DeviceGuard> torchDevice;
+  std::optional<channel::CudaDeviceScope> onDevice;
+  // (Only on a device of ours: another fails below, touching nothing.)
+  if (in.cudaDevices().size() == 1 &&
+      std::any_of(streams.begin(), streams.end(), [&](const c10::Stream& s) {
+        return s.device_index() == in.cudaDevices().front();
+      })) {
+    local("no CUDA context for the message's tensors", [&] {
+      torchDevice.emplace(c10::Device(c10::kCUDA, in.cudaDevices().front()));
+      onDevice.emplace(in.cudaDevices().front());
+    });
+  }
   try {
-    return in.finish(
+    auto message = in.finish(
         buffers,
         [&](c10::DeviceIndex device) {
           // (streamOf first: a device not ours is a ReceiveFailure, even
@@ -490,6 +511,11 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
                 granted_.fetch_add(1, std::memory_order_relaxed);
                 return data;
               });
+    // The channels' regions go now, under the scope (a landed message's
+    // copies are queued): a cuda_ipc block's release then rides with our
+    // very next frame.
+    buffers.regions.clear();
+    return message;
   } catch (const wire::LandingFailure& e) {
     // (Only this: what else the codec throws is the peer's doing.)
     failures_.fetch_add(1, std::memory_order_relaxed);

@@ -210,6 +210,11 @@ void warmCudaDevice(int device) {
   cuda::copyEngine(device);
 }
 
+CudaDeviceScope::CudaDeviceScope(int device)
+    : current_(std::make_unique<cuda::CurrentDevice>(device)) {}
+
+CudaDeviceScope::~CudaDeviceScope() = default;
+
 void withRelaxedCudaCapture(const std::function<void()>& fn) {
   cuda::RelaxedCapture relaxed;
   fn();

@@ -72,6 +72,24 @@ void copyToDevice(
 // (a JIT compile of their PTX), on the calling thread rather than a
 // transport loop's as the first message arrives.
 void warmCudaDevice(int device);
+namespace cuda {
+class CurrentDevice;
+}
+// `device`'s context current on this thread, in relaxed stream capture
+// mode, for the scope's life (cuda/device.h, CurrentDevice): the guards of
+// the channels and the copy engine inside it make no driver call. Only
+// around work on that one device: a guard inside for another device, or
+// torch switching devices meanwhile, would undo what it saves.
+class CudaDeviceScope {
+ public:
+  explicit CudaDeviceScope(int device);
+  ~CudaDeviceScope();
+  CudaDeviceScope(const CudaDeviceScope&) = delete;
+  CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
+
+ private:
+  std::unique_ptr<cuda::CurrentDevice> current_;
+};
 // Runs `fn` with this thread in relaxed stream capture mode, so that its
 // driver calls cannot invalidate a user's global-mode CUDA graph capture
 // (channel/cuda/device.h, RelaxedCapture).

@@ -138,7 +138,12 @@ def test_a_round_trip_stays_within_its_budget(bench_rows, case):
     assert c["stream_waits"] <= 9, c
     assert c["launches"] <= 4, c
     assert c["event_creates"] <= 8 and c["event_records"] <= 18, c
-    assert c["driver_calls"] <= 140, c
+    assert c["driver_calls"] <= 110, c
+    # Ours alone: a message of one device lands under one hold of its
+    # context, so the guards inside (allocation, copy, each region's wait
+    # and release) make no driver call (session 64: 75 at 4 KB before, 47
+    # after; the stand-in torch's own ~45 unchanged).
+    assert c["driver_calls_by_library"]["_C"] <= 60, c
 
 
 def test_a_large_segment_crosses_with_one_copy_into_a_grant(bench_rows):

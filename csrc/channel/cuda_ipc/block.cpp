@@ -71,10 +71,25 @@ std::shared_ptr<Block> Block::import(
       ? ExportedMemory::importLegacy(*legacy, setup.size, device)
       : ExportedMemory::import(fd, setup.size, device);
   CurrentDevice current(device);
-  TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->ready_, setup.ready);
-  TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->released_, setup.released);
-  TORCH_RPC_EXT_CUDA_CHECK(
-      cuEventCreate, &b->localUse_, CU_EVENT_DISABLE_TIMING);
+  try {
+    TORCH_RPC_EXT_CUDA_CHECK(cuIpcOpenEventHandle, &b->ready_, setup.ready);
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuIpcOpenEventHandle, &b->released_, setup.released);
+    TORCH_RPC_EXT_CUDA_CHECK(
+        cuEventCreate, &b->localUse_, CU_EVENT_DISABLE_TIMING);
+  } catch (...) {
+    // Undone now, before the caller answers the peer (a refusal: the owner
+    // then frees the block at once), never later on the staging thread:
+    // nothing of ours was queued on it yet.
+    for (CUevent* e : {&b->ready_, &b->released_, &b->localUse_}) {
+      if (*e != nullptr) {
+        libcuda().cuEventDestroy(*e);
+        *e = nullptr;
+      }
+    }
+    b->memory_.reset();
+    throw;
+  }
   return b;
 }
 

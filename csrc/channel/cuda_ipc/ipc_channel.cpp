@@ -159,8 +159,9 @@ IpcChannel::Lent IpcChannel::lend(
       return lent;
     }
     if (ownBlocks_.size() + blocksBeingMade_ >= kMaxBlocks ||
-        lentBytes_ + want > kMaxLentBlockBytes) {
-      return lent;
+        lentBytes_ + want > kMaxLentBlockBytes ||
+        lendingRefused_.load(std::memory_order_relaxed)) {
+      return lent; // (refused: a frame that passed takeGroup's check)
     }
     lent.id = nextBlockId_++;
     lentBytes_ += want;

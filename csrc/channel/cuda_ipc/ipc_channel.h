@@ -558,6 +558,9 @@ class IpcChannel final : public Channel,
     std::shared_ptr<Block> block;
     State state = State::kFree;
     std::chrono::steady_clock::time_point lastUsed;
+    // The peer released it or handed it back once: it mapped it, so a
+    // refusal of it (kBlockDropped with a reason) is a lie.
+    bool peerUsed = false;
   };
   std::mutex mu_; // the members below; never held across a driver call
   std::unordered_map<uint32_t, OwnBlock> ownBlocks_;

@@ -42,6 +42,16 @@ constexpr uint64_t kMaxPeerBlockBytes = 2 * kMaxLentBlockBytes;
 // A refusal's reason (kBlockDropped sent unasked) is cut to this.
 constexpr size_t kMaxRefusalWhy = 1024;
 
+// The peer's text as our log shows it: printable ASCII, the rest '?'.
+std::string printable(std::string text) {
+  for (char& c : text) {
+    if (c < 0x20 || c > 0x7e) {
+      c = '?';
+    }
+  }
+  return text;
+}
+
 bool IpcChannel::acceptsControlFrame(FrameKind kind, uint32_t headLength)
     const {
   switch (context().wireIds().offsetOf(kind)) {
@@ -152,8 +162,12 @@ bool IpcChannel::onSetupFromLoop(
     try {
       block =
           Block::import(setup, fd, legacy ? &handle : nullptr, device->second);
+    } catch (const CudaError& e) {
+      unmapped = e.what(); // our driver's answer: refused, below
     } catch (const std::exception& e) {
-      unmapped = e.what();
+      // The peer's word does not hold (a size off the granularity, or
+      // larger than the allocation its handle opens).
+      why = std::string("cannot map the peer's CUDA block: ") + e.what();
     }
   }
   closeOffThread(fd); // the peer's (fd_closer.h)
@@ -206,6 +220,7 @@ bool IpcChannel::onReleaseFromLoop(Host& host, const std::string& head) {
       }
       it->second.state = OwnBlock::State::kFree;
       it->second.lastUsed = now;
+      it->second.peerUsed = true;
       lentBytes_ -= it->second.block->size();
     }
   }
@@ -221,6 +236,11 @@ bool IpcChannel::onReleaseFromLoop(Host& host, const std::string& head) {
 bool IpcChannel::onDropFromLoop(Host& host, const std::string& head) {
   uint32_t id;
   std::memcpy(&id, head.data(), sizeof(id));
+  if (refusedBlocks_.erase(id) != 0) {
+    // Dropped (idle) before our refusal reached the owner: that refusal is
+    // its answer, and it holds nothing of ours.
+    return true;
+  }
   auto it = peerBlocks_.find(id);
   if (it == peerBlocks_.end()) {
     host.rejectFromLoop(
@@ -271,7 +291,8 @@ bool IpcChannel::onDroppedFromLoop(Host& host, const std::string& head) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = ownBlocks_.find(id);
     if (it != ownBlocks_.end() &&
-        (refused || it->second.state == OwnBlock::State::kDropping)) {
+        (refused ? !it->second.peerUsed
+                 : it->second.state == OwnBlock::State::kDropping)) {
       if (it->second.state == OwnBlock::State::kLent) {
         lentBytes_ -= it->second.block->size();
       }
@@ -282,7 +303,8 @@ bool IpcChannel::onDroppedFromLoop(Host& host, const std::string& head) {
   if (block == nullptr) {
     host.rejectFromLoop(
         "rejected frame: the peer closed CUDA block " + std::to_string(id) +
-        (refused ? ", which it was never lent" : ", which was not dropped"));
+        (refused ? ", which it never had or has used"
+                 : ", which was not dropped"));
     return false;
   }
   if (!refused) {
@@ -296,7 +318,7 @@ bool IpcChannel::onDroppedFromLoop(Host& host, const std::string& head) {
         "ours, so this connection lends it no more (its CUDA tensors go by "
         "the next device channel, cuda_ring or cuda_staged, where both "
         "ends have one): " +
-        head.substr(sizeof(id)));
+        printable(head.substr(sizeof(id))));
   }
   return true;
 }
@@ -348,6 +370,7 @@ int64_t IpcChannel::onRecordFromLoop(
     } else if (fits(*it->second.block)) {
       block = it->second.block;
       it->second.state = OwnBlock::State::kLocal;
+      it->second.peerUsed = true;
       lentBytes_ -= block->size();
     }
   } else {
