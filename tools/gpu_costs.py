@@ -182,10 +182,19 @@ HOPS = {
     "other_idle": "nothing on the GPU (a context, no work); this side synchronises before sending",
     "host_wait_only": "its thread waits on the event (cuEventSynchronize), no GPU work of its own",
     "stream_wait_only": "its stream waits on the event and it synchronises that stream, no copy",
+    # Do copies by the copy engines (between pinned host memory and the
+    # device: staging's copies) take turns as copies by the SMs do? This
+    # side copies its 4 KB device to pinned host, the other pinned host to
+    # device (session 64: whether a small staged message escapes the turns).
+    "ce_no_dependency": "its copy is host to device (copy engine), as ours is device to host; no wait",
+    "ce_stream_wait": "its stream waits on the event, then copies host to device (copy engine)",
 }
 # Modes in which neither side uses the GPU.
 _NO_CUDA = ("blocking", "spinning")
-_EVENT = ("stream_wait", "host_sync", "query_poll", "host_wait_only", "stream_wait_only")
+_EVENT = ("stream_wait", "host_sync", "query_poll", "host_wait_only", "stream_wait_only",
+          "ce_stream_wait")
+# Modes whose copies are between pinned host memory and the device.
+_COPY_ENGINE = ("ce_no_dependency", "ce_stream_wait")
 # Modes in which the other side copies nothing (it may still wait).
 _OTHER_IDLE = ("other_idle", "host_wait_only", "stream_wait_only")
 # Modes in which this side synchronises its stream before sending.
@@ -202,7 +211,8 @@ def _pong(conn, mode):
     if cuda:
         cu = driver()
         y = t.empty(1024, device="cuda")
-        x = t.empty(1024, device="cuda")
+        x = t.empty(1024, pin_memory=True) if mode in _COPY_ENGINE else \
+            t.empty(1024, device="cuda")
         s = ctypes.c_void_p(t.cuda.current_stream().cuda_stream)
     ev = None
     if msg is not None:
@@ -218,7 +228,7 @@ def _pong(conn, mode):
         b = conn.recv()
         if b is None:
             break
-        if mode in ("stream_wait", "stream_wait_only"):
+        if mode in ("stream_wait", "stream_wait_only", "ce_stream_wait"):
             check(cu.cuStreamWaitEvent(s, ev, 0), "cuStreamWaitEvent")
         elif mode in ("host_sync", "host_wait_only"):
             check(cu.cuEventSynchronize(ev), "cuEventSynchronize")
@@ -227,7 +237,7 @@ def _pong(conn, mode):
                 pass
             check(rc, "cuEventQuery")
         if cuda and mode not in _OTHER_IDLE:
-            y.copy_(x)
+            y.copy_(x, non_blocking=True)  # (host to device from pinned: async)
         if cuda and mode != "host_wait_only" and mode != "other_idle":
             check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
         conn.send(b)
@@ -254,7 +264,8 @@ def ping_pongs(n):
         if cuda:
             cu = driver()
             x = torch.rand(1024, device="cuda")
-            y = torch.empty_like(x)
+            y = torch.empty(1024, pin_memory=True) if mode in _COPY_ENGINE else \
+                torch.empty_like(x)
             s = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         ev = None
         try:
@@ -270,7 +281,7 @@ def ping_pongs(n):
             for i in range(n // 3):
                 t0 = time.perf_counter_ns()
                 if cuda:
-                    y.copy_(x)
+                    y.copy_(x, non_blocking=True)  # (to pinned: async)
                 if event_used:
                     check(cu.cuEventRecord(ev, s), "cuEventRecord")
                 if mode in _SENDER_SYNC:
