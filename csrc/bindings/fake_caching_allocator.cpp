@@ -222,10 +222,16 @@ void FakeCachingAllocator::free(Block* b) {
   if (!b->uses.empty()) {
     ++stats_.deferred;
     cuda::CurrentDevice current(b->device);
+    auto& idle = events_[b->device];
     for (const auto& use : b->uses) {
       CUevent e = nullptr;
-      if (libcuda().cuEventCreate(&e, CU_EVENT_DISABLE_TIMING) ==
-          CUDA_SUCCESS) {
+      if (!idle.empty()) {
+        e = idle.back();
+        idle.pop_back();
+      }
+      if (e != nullptr ||
+          libcuda().cuEventCreate(&e, CU_EVENT_DISABLE_TIMING) ==
+              CUDA_SUCCESS) {
         libcuda().cuEventRecord(e, native(use));
         b->pending.push_back(e);
       }
@@ -246,7 +252,7 @@ bool FakeCachingAllocator::passed(Block& b) {
     if (libcuda().cuEventQuery(b.pending.back()) != CUDA_SUCCESS) {
       return false;
     }
-    libcuda().cuEventDestroy(b.pending.back());
+    events_[b.device].push_back(b.pending.back()); // for the next free
     b.pending.pop_back();
   }
   return true;

@@ -8,8 +8,10 @@
 // reused on it at once once freed; a free after record_stream (torch's
 // recordDataPtrOnStream, which a future's wait() calls on the streams it
 // makes wait) makes the block wait, reusable only once every recorded
-// stream has passed the free (an event per stream, queried); memory it did
-// not allocate is skipped silently, as torch's is.
+// stream has passed the free (an event per stream, queried; taken from a
+// pool of events per device and given back to it once passed, as torch's
+// EventPool does, so that a steady state creates none); memory it did not
+// allocate is skipped silently, as torch's is.
 //
 // And torch's memory pools as the landing pool uses them (landing_pool.h):
 // a pool made with a segment allocator (torch.cuda.MemPool with a
@@ -119,7 +121,7 @@ class FakeCachingAllocator final : public c10::DeviceAllocator {
   static void release(void* ctx);
   void free(Block* b);
   // Whether every stream recorded on `b` has passed its free (mu_ held).
-  static bool passed(Block& b);
+  bool passed(Block& b);
   // A block from `cached` for `size` on `stream` (of that size, or with
   // `bestFit` the smallest that holds it), or nullptr (mu_ held).
   Block* reuse(
@@ -140,6 +142,7 @@ class FakeCachingAllocator final : public c10::DeviceAllocator {
   c10::DataPtr own(Block* b);
 
   std::mutex mu_;
+  std::map<c10::DeviceIndex, std::vector<CUevent>> events_; // passed, idle
   std::vector<Block*> free_;
   std::map<PoolId, Pool> pools_;
   std::vector<Route> routes_; // open windows, newest last

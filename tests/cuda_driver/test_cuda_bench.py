@@ -137,7 +137,10 @@ def test_a_round_trip_stays_within_its_budget(bench_rows, case):
     # 162 driver calls at 4 KB; docs/performance.md).
     assert c["stream_waits"] <= 9, c
     assert c["launches"] <= 4, c
-    assert c["event_creates"] <= 8 and c["event_records"] <= 18, c
+    # (The stand-in's caching allocator takes the events a free records on
+    # other streams from a pool, as torch's EventPool: the creates left are
+    # the three futures'. Before session 64 it made one per free: 7.)
+    assert c["event_creates"] <= 4 and c["event_records"] <= 18, c
     assert c["driver_calls"] <= 110, c
     # Ours alone: a message of one device lands under one hold of its
     # context, so the guards inside (allocation, copy, each region's wait
