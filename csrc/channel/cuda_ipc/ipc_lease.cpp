@@ -147,11 +147,12 @@ void BlockLease::joinUsesLocked(CUstream into) {
     if (other == into) {
       continue;
     }
-    CUevent e = nullptr;
-    TORCH_RPC_EXT_CUDA_CHECK(cuEventCreate, &e, CU_EVENT_DISABLE_TIMING);
-    libcuda().cuEventRecord(e, other);
-    libcuda().cuStreamWaitEvent(into, e, 0);
-    libcuda().cuEventDestroy(e); // freed once its record completes
+    // A pooled event (the streams are `target_`'s): the wait binds the
+    // record made just before it, so the event may be recorded again by
+    // its next taker at once (no create and destroy a lease).
+    const PooledEvent e = StagingPool::of(target_).takeEvent();
+    TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, e.get(), other);
+    TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, into, e.get(), 0);
   }
 }
 
