@@ -7,12 +7,10 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
-#include "csrc/channel/cuda/device.h"
+#include "csrc/channel/registry.h"
 #include "csrc/common/libcuda.h"
 
 namespace torch_rpc_ext::bindings {
-
-namespace cuda = channel::cuda;
 
 namespace {
 
@@ -59,7 +57,7 @@ void FakeCachingAllocator::emptyCache(c10::MempoolId_t) {
       ++it;
       continue;
     }
-    cuda::CurrentDevice current(b->device);
+    channel::CudaDeviceScope current(b->device);
     libcuda().cuMemFree(b->address);
     delete b;
     it = free_.erase(it);
@@ -144,7 +142,7 @@ c10::DataPtr FakeCachingAllocator::allocate(size_t n) {
     ++stats_.reused;
     return own(b);
   }
-  cuda::CurrentDevice current(device.index());
+  channel::CudaDeviceScope current(device.index());
   CUdeviceptr address = 0;
   CUresult rc = libcuda().cuMemAlloc(&address, size);
   if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
@@ -221,7 +219,7 @@ void FakeCachingAllocator::free(Block* b) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!b->uses.empty()) {
     ++stats_.deferred;
-    cuda::CurrentDevice current(b->device);
+    channel::CudaDeviceScope current(b->device);
     auto& idle = events_[b->device];
     for (const auto& use : b->uses) {
       CUevent e = nullptr;

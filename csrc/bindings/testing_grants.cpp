@@ -15,7 +15,6 @@
 #include <string>
 
 #include "csrc/bindings/bind.h"
-#include "csrc/channel/cuda/device.h"
 #include "csrc/channel/grants.h"
 #include "csrc/channel/registry.h"
 #include "csrc/common/libcuda.h"
@@ -122,7 +121,7 @@ class TestGrants final : public channel::GrantSource,
   CUstream streamLocked(int device) {
     auto it = streams_.find(device);
     if (it == streams_.end()) {
-      channel::cuda::CurrentDevice current(device);
+      channel::CudaDeviceScope current(device);
       CUstream s = nullptr;
       TORCH_RPC_EXT_CUDA_CHECK(cuStreamCreate, &s, CU_STREAM_NON_BLOCKING);
       it = streams_.emplace(device, s).first;
