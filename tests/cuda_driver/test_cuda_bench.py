@@ -289,10 +289,19 @@ def test_driver_calls_are_told_apart_by_the_library_making_them(bench_rows):
     # Ours come from pools once warm, in copy mode and in zero-copy mode,
     # whose leases join the streams a received tensor was used on with a
     # pooled event (session 64; before, one created and destroyed a call).
+    # Once in a window, on a loaded host, the peer still holds the block the
+    # last call went in when the next one is sent, and cuda_ipc makes a
+    # second block (as torch's cache does in no_allocation_after_warm_up):
+    # its own events come with it, three where it is made and one where it
+    # is mapped. What is ruled out is an event made per call.
     for plan in ("ext", "ext_zero_copy"):
         for case in ("identity_4KB", "many_1000x1KB"):
-            made = costs(bench_rows, plan)[case]["driver_from"]
-            assert "_C:cuEventCreate" not in made, (plan, case, made)
+            c = costs(bench_rows, plan)[case]
+            made, n = c["driver_from"], c["n"]
+            events = round(made.get("_C:cuEventCreate", 0) * n)
+            blocks = round((made.get("_C:cuMemCreate", 0)
+                            + made.get("_C:cuMemAlloc_v2", 0)) * n)  # legacy
+            assert blocks <= 1 and events <= 4 * blocks, (plan, case, made)
     # A CPU call's only driver calls are torch's guard making the device
     # current (the stand-in's cuCtxSetCurrent): no launch, event or stream
     # call anywhere.
