@@ -216,7 +216,9 @@ frame::InboundBuffers Agent::onFrameHead(
   // A throw rejects the frame; onClosed counts it (rejectedPeer()).
   auto in =
       wire::InboundMessage::prepare(head, segmentSizes, buffers_, provided);
-  return in->buffers(in);
+  auto buffers = in->buffers(in);
+  devices_.markUnserved(*in, buffers);
+  return buffers;
 }
 
 void Agent::onFrame(

@@ -384,11 +384,52 @@ auto AgentDevices::local(const std::string& what, Fn&& fn) -> decltype(fn()) {
   }
 }
 
+int AgentDevices::unserved(const wire::InboundMessage& in) const {
+  for (const c10::DeviceIndex d : in.cudaDevices()) {
+    if (std::none_of(
+            options_.devices.begin(),
+            options_.devices.end(),
+            [&](const c10::Device& ours) {
+              return ours.is_cuda() && ours.index() == d;
+            })) {
+      return d;
+    }
+  }
+  return -1;
+}
+
+void AgentDevices::markUnserved(
+    const wire::InboundMessage& in,
+    frame::InboundBuffers& b) const {
+  if (unserved(in) < 0) {
+    return;
+  }
+  for (int8_t& d : b.devices) {
+    if (d >= 0 &&
+        std::none_of(
+            options_.devices.begin(),
+            options_.devices.end(),
+            [&](const c10::Device& ours) {
+              return ours.is_cuda() && ours.index() == d;
+            })) {
+      d = frame::kDeviceNotServed;
+    }
+  }
+}
+
 c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
     wire::InboundMessage& in,
     frame::InboundBuffers& buffers,
     std::vector<c10::Stream>& streams,
     int32_t peer) {
+  // (Before the channels' regions are looked at: theirs would say less.)
+  if (const int d = unserved(in); d >= 0) {
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    throw ReceiveFailure(
+        "a tensor arrived for cuda:" + std::to_string(d) +
+        ", which is not among the devices of " + self_ +
+        " (the sender's device map names it)");
+  }
   if (!in.cudaDevices().empty()) {
     streams = local("no CUDA stream for the message's tensors", [&] {
       return arrivalStreams();

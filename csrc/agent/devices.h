@@ -109,6 +109,15 @@ class AgentDevices {
       std::vector<c10::Stream>& streams,
       int32_t peer);
 
+  // A device of the message's that we do not serve, or -1. init_rpc's check
+  // of every device map makes one a broken promise of the peer's: its
+  // segments are marked frame::kDeviceNotServed in `buffers` (onFrameHead),
+  // so that no channel makes a context or staging memory on that device,
+  // and finish() fails the message naming it.
+  int unserved(const wire::InboundMessage& in) const;
+  void markUnserved(const wire::InboundMessage& in, frame::InboundBuffers& b)
+      const;
+
   // The CUDA channels' own device memory (channel/cuda/device_memory.h):
   // bounded by cuda_ipc_memory_limit, and out of memory once, torch's
   // caching allocator frees its cache before they try again. Process-wide.

@@ -149,7 +149,8 @@ struct InboundSegment {
   // view, and what keeps it valid.
   void** provided;
   std::shared_ptr<frame::SharedRegion>* region;
-  // The CUDA device its tensors go to, or -1 (InboundBuffers::devices).
+  // The CUDA device its tensors go to, or -1, or frame::kDeviceNotServed
+  // (InboundBuffers::devices).
   int8_t device = -1;
 };
 

@@ -205,6 +205,9 @@ struct OutboundFrame {
   uint64_t wireSize() const;
 };
 
+// InboundBuffers::devices: a device the receiver does not serve.
+constexpr int8_t kDeviceNotServed = -2;
+
 // Where an inbound frame's segments go. Chosen by the receiver once the head
 // is known; `keepAlive` owns the memory. For a segment the transport provides
 // itself (onFrameHead's `provided`), the receiver's pointer is unused and the
@@ -214,7 +217,10 @@ struct InboundBuffers {
   std::shared_ptr<void> keepAlive;
   // Per segment, the CUDA device (in this process) its tensors go to, or -1
   // (host memory, or not said): where a staging channel lands device bytes
-  // that travel in the stream. Empty: none said.
+  // that travel in the stream. Empty: none said. kDeviceNotServed: a device
+  // this process does not serve (the peer broke its device map): the
+  // message fails, and a staging channel drops the bytes, touching no
+  // device.
   std::vector<int8_t> devices;
   // Filled by the transport: per segment, the provided memory (or null).
   std::vector<void*> provided;

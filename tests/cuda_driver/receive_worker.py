@@ -190,6 +190,53 @@ def run_unmappable(rank: int, port: int, ctl, sharing: str) -> None:
     ctl.send(out)
 
 
+# ---- a peer whose map names a device we do not serve ------------------------------
+
+
+def run_off_map(rank: int, port: int, ctl, channels, transports) -> None:
+    """worker0 maps its cuda:0 to worker1's cuda:1, but worker1 serves
+    cuda:0 only: worker1's init_rpc is made to skip the check that refuses
+    such a map (as a broken or hostile peer would not honour it). worker1
+    marks the frame's segments for that device before any channel lands a
+    byte: the channels drop them, the call fails naming the device, worker1
+    holds no context on cuda:1, and the connection stays."""
+    if rank == 1:
+        from torch_rpc_ext import _torch_private
+
+        checked = _torch_private.validate_device_maps
+
+        def unchecked(names, counts, maps, devices, me):
+            reverse, _ = checked(names, counts, maps, devices, me)
+            return reverse, [torch.device("cuda", 0)]
+
+        _torch_private.validate_device_maps = unchecked
+    join_pair(rank, port, target=1, device_channels=channels, transports=transports)
+    out = {}
+    if rank == 0:
+        try:
+            rpc.rpc_sync("worker1", describe, args=(cuda_tensor(pattern(3 * MIB, 8)),))
+            out["error"] = ""
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["error"] = str(e)
+        out["after"] = rpc.rpc_sync("worker1", plain, args=(torch.ones(2),)).tolist()
+        out["callee_retains"] = rpc.rpc_sync("worker1", context_retains)
+        out["callee_devices"] = rpc.rpc_sync("worker1", devices_of_agent)
+        out["callee_rejected"] = rpc.rpc_sync("worker1", rejected_metrics)
+        out["callee_lost"] = sum(int(v) for k, v in rpc.rpc_sync(
+            "worker1", agent_metrics).items() if k.endswith("connections_lost"))
+    rpc.shutdown()
+    ctl.send(out)
+
+
+def rejected_metrics() -> dict:
+    return {k: v for k, v in agent_metrics().items() if "rejected" in k and v != "0"}
+
+
+def context_retains():
+    stats = fake_stats()
+    return stats["live"]["context_retains_by_device"] if stats else None
+
+
 # ---- maps between the CPU and a GPU ----------------------------------------------
 
 

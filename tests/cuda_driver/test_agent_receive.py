@@ -94,6 +94,30 @@ def test_a_peer_that_cannot_map_our_blocks_fails_that_call_and_the_next_go_anoth
     assert caller["rejected"] == {} and caller["lost"] == {}
 
 
+@pytest.mark.skipif(REAL_DRIVER, reason="two devices on the fake, and its context counts")
+@pytest.mark.parametrize("channels,transports", [(("cuda_staged",), ("tcp",)),
+                                                 (("cuda_ring", "cuda_staged"), None),
+                                                 (("cuda_ipc",), None)],
+                         ids=["staged", "ring", "ipc"])
+def test_a_tensor_for_a_device_we_do_not_serve_is_refused_before_it_lands(
+        spawn, monkeypatch, channels, transports):
+    """A peer that breaks init_rpc's agreement on device maps cannot make a
+    worker hold a context (or staging memory) on a device it was not asked
+    to use (cuda_staged and cuda_ring made one, and staging memory, on
+    cuda:1 before the message failed). The message fails as one that cannot
+    land does, naming the device; the connection stays."""
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+    caller, _ = play_with(spawn, receive_worker.run_off_map, channels, transports)
+    assert caller["callee_devices"] == ["cuda:0"]
+    assert ("worker1 could not receive the request from worker0: a tensor arrived "
+            "for cuda:1, which is not among the devices of worker1") in caller["error"], \
+        caller["error"]
+    assert caller["callee_rejected"] == {}, caller["callee_rejected"]
+    assert caller["callee_lost"] == 0
+    assert caller["after"] == [2.0, 2.0]
+    assert caller["callee_retains"][1] == 0, caller["callee_retains"]
+
+
 def test_cpu_tensors_land_on_the_gpu_a_map_names_and_come_back_to_the_cpu(spawn):
     caller, _ = play_with(spawn, receive_worker.run_cpu_to_gpu)
     assert caller["devices"] == []  # a map from the CPU needs no GPU here

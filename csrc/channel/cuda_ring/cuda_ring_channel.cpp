@@ -256,7 +256,8 @@ int64_t RingChannel::onRecordFromLoop(
         "record of " + std::to_string(record.bytes) + " bytes in slot " +
         std::to_string(record.slot) + " does not fit its ring or segment");
   }
-  if (segment.device < 0 || segment.provided == nullptr) {
+  const bool served = segment.device != frame::kDeviceNotServed;
+  if ((segment.device < 0 && served) || segment.provided == nullptr) {
     return reject(
         "segment of " + std::to_string(segment.size) +
         " bytes for a tensor this process keeps in host memory");
@@ -265,25 +266,34 @@ int64_t RingChannel::onRecordFromLoop(
   if (segment.filled == 0) {
     abandonLanding(); // none, unless the last frame broke off
     landing_ = std::make_unique<Landing>();
-    try {
-      landing_->pool = &StagingPool::of(segment.device);
-      landing_->block = landing_->pool->takeBlock(segment.size);
-      landing_->stream = landing_->pool->copyStream();
-      pinOrWarn(*ring, segment.device);
-      if (landing_->block->used) {
-        CurrentDevice current(segment.device);
-        // The block's last user must be done before the copies overwrite it.
-        TORCH_RPC_EXT_CUDA_CHECK(
-            cuStreamWaitEvent, landing_->stream, landing_->block->lastUse, 0);
-      }
-    } catch (const std::exception& e) {
-      // Our shortage fails the message's call, not the connection.
-      abandonLanding();
-      landing_ = std::make_unique<Landing>();
-      landing_->failure = "cuda_ring could not land " +
+    if (!served) {
+      // The agent fails the message, naming the device: nothing is made
+      // for it here, and its slots go back unread.
+      landing_->failure = "cuda_ring will not land " +
           std::to_string(segment.size) +
-          " bytes on cuda:" + std::to_string(segment.device) + ": " + e.what();
-      counters_.declined++;
+          " bytes on a device this process does not serve";
+    } else {
+      try {
+        landing_->pool = &StagingPool::of(segment.device);
+        landing_->block = landing_->pool->takeBlock(segment.size);
+        landing_->stream = landing_->pool->copyStream();
+        pinOrWarn(*ring, segment.device);
+        if (landing_->block->used) {
+          CurrentDevice current(segment.device);
+          // The block's last user must be done before the copies overwrite it.
+          TORCH_RPC_EXT_CUDA_CHECK(
+              cuStreamWaitEvent, landing_->stream, landing_->block->lastUse, 0);
+        }
+      } catch (const std::exception& e) {
+        // Our shortage fails the message's call, not the connection.
+        abandonLanding();
+        landing_ = std::make_unique<Landing>();
+        landing_->failure = "cuda_ring could not land " +
+            std::to_string(segment.size) +
+            " bytes on cuda:" + std::to_string(segment.device) + ": " +
+            e.what();
+        counters_.declined++;
+      }
     }
   }
   Landing* l = landing_.get();

@@ -59,7 +59,7 @@ char* StagedChannel::landFromLoop(InboundSegment& segment) {
     }
     return nullptr;
   };
-  if (segment.device < 0) {
+  if (segment.device < 0 && segment.device != frame::kDeviceNotServed) {
     return reject(
         "segment of " + std::to_string(segment.size) +
         " bytes for a tensor this process keeps in host memory");
@@ -72,8 +72,12 @@ char* StagedChannel::landFromLoop(InboundSegment& segment) {
     auto failed = std::make_unique<Landing>();
     failed->size = segment.size;
     failed->failure = "cuda_staged could not land " +
-        std::to_string(segment.size) +
-        " bytes on cuda:" + std::to_string(segment.device) + ": " + why;
+        std::to_string(segment.size) + " bytes on " +
+        (segment.device >= 0 ? "cuda:" + std::to_string(segment.device)
+                             : std::string(
+                                   "a device this process does not "
+                                   "serve")) +
+        ": " + why;
     failed->discard.reset(new (std::nothrow) char[segment.size]);
     if (failed->discard == nullptr) {
       return reject(failed->failure + " (nor hold them to drop them)");
@@ -81,6 +85,10 @@ char* StagedChannel::landFromLoop(InboundSegment& segment) {
     landing_ = std::move(failed);
     return landing_->discard.get();
   };
+  if (segment.device == frame::kDeviceNotServed) {
+    // The agent fails the message, naming the device: nothing of it here.
+    return fail("the sender's device map names it");
+  }
   auto landing = std::make_unique<Landing>();
   try {
     landing->pool = &StagingPool::of(segment.device);
