@@ -66,14 +66,22 @@ def no_allocation_after_warm_up(c):
     """torch's cache serves the landings, and the fake's driver sees no
     allocation. Once in a window, on a loaded host, the last landing's block
     may still be in use on its stream when the next one lands, and the
-    cache takes a second block (one torch allocation, its cuMemAlloc): what
-    the budget rules out is an allocation per call, not that one."""
+    cache takes a second block (one torch allocation, its cuMemAlloc); so
+    may a channel's pool (a cuda_ipc block the peer still holds, a staging
+    block a landing still reads: CI of 0987163 saw the first). What the
+    budget rules out is an allocation per call, not those."""
     n = c["n"]
     torch_ok = round(c["torch_allocations"] * n) <= 1
     # The fake's `allocations` counts torch's and the driver's: each of
-    # torch's makes one cuMemAlloc, and none of ours may happen.
+    # torch's makes one cuMemAlloc.
     ours = c["allocations"] - 2 * c["torch_allocations"]
-    return torch_ok and (REAL_DRIVER or round(ours * n) == 0)
+    return torch_ok and (REAL_DRIVER or round(ours * n) <= 1)
+
+
+def allocation_counts(c):
+    """What an allocation budget's failure shows (the whole row is cut)."""
+    return {k: c.get(k) for k in ("n", "landing_launches", "landing_allocations",
+                                  "torch_allocations", "allocations")}
 
 
 def test_cuda_bench_runs_every_case(bench_rows):
@@ -123,7 +131,7 @@ def test_a_round_trip_stays_within_its_budget(bench_rows, case):
     # Landing: one allocation per direction, however many tensors (small
     # ones share one), served by torch's cache after warm-up.
     assert c["landing_launches"] == 2 and c["landing_allocations"] <= 2, c
-    assert no_allocation_after_warm_up(c), c
+    assert no_allocation_after_warm_up(c), allocation_counts(c)
     if REAL_DRIVER:
         return
     # The fake driver counts every call (ours and the fake CUDA torch's).
@@ -163,7 +171,7 @@ def test_a_large_segment_crosses_with_one_copy_into_a_grant(bench_rows):
     assert big["ipc_launches"] == 0 and big["landing_launches"] == 0, big
     assert big["landed"] == 0 and big["landing_allocations"] == 0, big
     assert big["frames"] == 2 and big["control_frames"] <= 2, big  # grants ride
-    assert no_allocation_after_warm_up(big), big
+    assert no_allocation_after_warm_up(big), allocation_counts(big)
     assert small["grants_used"] == 0 and small["landing_launches"] == 2, small
     if not REAL_DRIVER:
         # Only grants allocate from the pool: a landing by copy opens no
@@ -220,7 +228,8 @@ def test_a_call_to_oneself_stays_on_the_device(bench_rows):
     # host copies per round trip) and the socket.
     c = costs(bench_rows)["self_4MB"]
     assert c["frames"] == 2 and c["socket_writes"] <= 2, c
-    assert c["landing_launches"] == 2 and no_allocation_after_warm_up(c), c
+    assert c["landing_launches"] == 2, allocation_counts(c)
+    assert no_allocation_after_warm_up(c), allocation_counts(c)
     if REAL_DRIVER:
         return
     assert c["memcpys"] == 0, c  # nothing through host memory
@@ -249,7 +258,8 @@ def test_staging_on_one_host_goes_through_the_ring_not_the_socket(bench_rows):
     assert stream_bytes(staged) >= 2 * (4 << 20), staged
     assert stream_bytes(ring) < 64 << 10, ring
     assert ring["frames"] == 2 and ring["control_frames"] == 0, ring
-    assert ring["landing_launches"] == 2 and no_allocation_after_warm_up(ring), ring
+    assert ring["landing_launches"] == 2, allocation_counts(ring)
+    assert no_allocation_after_warm_up(ring), allocation_counts(ring)
     if REAL_DRIVER:
         return
     assert ring["memcpys"] == 6, ring  # snapshot, out and in, each direction

@@ -179,6 +179,7 @@ class SelfChannel final : public Channel {
   }
 
   void onClosedFromLoop() override {
+    closed_.store(true);
     table_.forgetFrom(this);
   }
 
@@ -272,11 +273,22 @@ class SelfChannel final : public Channel {
       counters_.sent.fetch_add(1, std::memory_order_relaxed);
       counters_.sentBytes.fetch_add(s.size, std::memory_order_relaxed);
     }
+    // A send that raced the close: forgetFrom() either found these entries
+    // (added before it took the table's lock) or ran before they were
+    // added, and then `closed_` (set before it) is seen here, after our
+    // add took the same lock. Before, they held their block until the
+    // channel object went.
+    if (closed_.load()) {
+      for (auto it = taken->end() - group.size(); it != taken->end(); ++it) {
+        table_.forget(it->record);
+      }
+    }
   }
 
   std::weak_ptr<Host> host_;
   SentTable& table_;
   SelfCounters& counters_;
+  std::atomic<bool> closed_{false};
 };
 
 class SelfContext final : public Context {
