@@ -422,6 +422,9 @@ c10::intrusive_ptr<rpc::Message> AgentDevices::finish(
     frame::InboundBuffers& buffers,
     std::vector<c10::Stream>& streams,
     int32_t peer) {
+  // Before anything can fail: a failed remote() call's OwnerRRef is made
+  // from the payload (Agent::failReceive).
+  in.adoptPayload(buffers);
   // (Before the channels' regions are looked at: theirs would say less.)
   if (const int d = unserved(in); d >= 0) {
     failures_.fetch_add(1, std::memory_order_relaxed);

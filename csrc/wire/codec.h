@@ -161,8 +161,16 @@ class InboundMessage {
       const HostLanding& hostLanding = nullptr,
       const AdoptLanded& adoptLanded = nullptr);
 
+  // The payload, where it arrived in memory a channel provided (a slab):
+  // copied out once, so that the slab goes back and a message that fails
+  // before finish() (its tensors could not land) still has the payload
+  // withoutTensors() reads. finish() calls it; so does a caller that may
+  // fail the message first. Throws if the payload is in device memory.
+  void adoptPayload(const frame::InboundBuffers& buffers);
+
   // The message with empty CPU tensors in place of its own, for a request
-  // whose tensors could not land (its ids are read, nothing runs).
+  // whose tensors could not land (its ids are read, nothing runs): its
+  // payload must be in place (adoptPayload()).
   c10::intrusive_ptr<rpc::Message> withoutTensors() const;
 
   // The CUDA devices this message's tensors are on (after prepare()).
@@ -215,6 +223,7 @@ class InboundMessage {
   std::string trace_;
   bool traceIgnored_ = false;
   std::vector<char> payload_;
+  bool payloadAdopted_ = false; // adoptPayload() copied it
   std::vector<uint64_t> sizes_; // of every segment, if any is provided
   std::vector<c10::Storage> storages_; // one per segment after the payload
   // Per segment after the payload, where a landing packed several into one

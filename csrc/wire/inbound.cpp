@@ -372,6 +372,21 @@ frame::InboundBuffers InboundMessage::buffers(
   return b;
 }
 
+void InboundMessage::adoptPayload(const frame::InboundBuffers& buffers) {
+  if (payloadAdopted_ || buffers.regions.empty() ||
+      buffers.regions[0] == nullptr || sizes_.empty()) {
+    return;
+  }
+  TORCH_CHECK(
+      dynamic_cast<frame::DeviceRegion*>(buffers.regions[0].get()) == nullptr,
+      "the message payload arrived in device memory");
+  // The payload is parsed from a vector: one copy, and the slab goes back
+  // at once.
+  const char* p = static_cast<const char*>(buffers.provided[0]);
+  payload_.assign(p, p + sizes_[0]);
+  payloadAdopted_ = true;
+}
+
 c10::intrusive_ptr<rpc::Message> InboundMessage::withoutTensors() const {
   std::vector<at::Tensor> placeholders(tensors_.size(), at::empty({0}));
   return c10::make_intrusive<rpc::Message>(
@@ -392,6 +407,9 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
     std::vector<std::pair<uintptr_t, size_t>> spans;
   };
   std::map<c10::DeviceIndex, Landing> landings;
+  // First: a failure below still leaves the payload in place (RRefGuard's
+  // failRemote() reads a remote call's ids from it).
+  adoptPayload(buffers);
   for (const auto& region : buffers.regions) {
     if (auto* failed = dynamic_cast<const frame::FailedRegion*>(region.get())) {
       throw LandingFailure(failed->why()); // before any work is queued
@@ -402,15 +420,7 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
       continue;
     }
     if (i == 0) {
-      TORCH_CHECK(
-          dynamic_cast<frame::DeviceRegion*>(buffers.regions[0].get()) ==
-              nullptr,
-          "the message payload arrived in device memory");
-      // The payload is parsed from a vector: one copy, and the slab goes
-      // back at once.
-      const char* p = static_cast<const char*>(buffers.provided[0]);
-      payload_.assign(p, p + sizes_[0]);
-      continue;
+      continue; // adoptPayload()
     }
     TORCH_CHECK(!storages_[i - 1], "segment ", i, " was provided twice");
     const int8_t want =

@@ -218,6 +218,20 @@ def run_off_map(rank: int, port: int, ctl, channels, transports) -> None:
             out["error"] = ""
         except Exception as e:  # noqa: BLE001 - the message is the result
             out["error"] = str(e)
+        # A remote() call whose payload (256 KiB of argument) came in a slab
+        # on shm: its OwnerRRef holds the error, so to_here() raises it at
+        # once (before, the payload was gone by then: no OwnerRRef, and
+        # to_here() waited out its timeout).
+        for _ in range(2):  # (the first large payload makes the slab)
+            rpc.rpc_sync("worker1", len, args=(b"w" * (256 << 10),))
+        try:
+            rpc.remote("worker1", describe_padded,
+                       args=(cuda_tensor(pattern(3 * MIB, 9)), b"p" * (256 << 10))
+                       ).to_here(timeout=10)
+            out["remote"] = ""
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["remote"] = str(e)
+        out["slab_segments"] = channel_counters("shm_slab").get("segments", 0)
         out["after"] = rpc.rpc_sync("worker1", plain, args=(torch.ones(2),)).tolist()
         out["callee_retains"] = rpc.rpc_sync("worker1", context_retains)
         out["callee_devices"] = rpc.rpc_sync("worker1", devices_of_agent)
@@ -226,6 +240,10 @@ def run_off_map(rank: int, port: int, ctl, channels, transports) -> None:
             "worker1", agent_metrics).items() if k.endswith("connections_lost"))
     rpc.shutdown()
     ctl.send(out)
+
+
+def describe_padded(t, pad: bytes):
+    return describe(t)
 
 
 def rejected_metrics() -> dict:

@@ -109,9 +109,13 @@ def test_a_tensor_for_a_device_we_do_not_serve_is_refused_before_it_lands(
     monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
     caller, _ = play_with(spawn, receive_worker.run_off_map, channels, transports)
     assert caller["callee_devices"] == ["cuda:0"]
-    assert ("worker1 could not receive the request from worker0: a tensor arrived "
-            "for cuda:1, which is not among the devices of worker1") in caller["error"], \
-        caller["error"]
+    refused = ("worker1 could not receive the request from worker0: a tensor arrived "
+               "for cuda:1, which is not among the devices of worker1 (the sender's "
+               "device map names it)")
+    assert refused in caller["error"], caller["error"]
+    assert refused in caller["remote"], caller["remote"]
+    if transports is None:  # shm: the remote() call's payload came in a slab
+        assert caller["slab_segments"] >= 2, caller["slab_segments"]
     assert caller["callee_rejected"] == {}, caller["callee_rejected"]
     assert caller["callee_lost"] == 0
     assert caller["after"] == [2.0, 2.0]

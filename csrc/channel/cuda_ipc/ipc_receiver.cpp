@@ -389,7 +389,10 @@ int64_t IpcChannel::onRecordFromLoop(
   }
   // A large segment of the peer's on the device it lands on: the next may
   // go into a grant (ipc_grants.cpp).
-  if (!own && (segment.device < 0 || segment.device == block->device())) {
+  // (Not one for a device we do not serve: the message fails, and a grant
+  // for it would go unused.)
+  if (!own && segment.device != frame::kDeviceNotServed &&
+      (segment.device < 0 || segment.device == block->device())) {
     noteLargeFromLoop(block->device(), segment.size);
   }
   if (copyOut) {
