@@ -197,6 +197,22 @@ CUstream StagingPool::copyStream() {
   return copyStream_;
 }
 
+std::shared_ptr<StagingPool::Block> StagingPool::takeBlockForCopies(
+    uint64_t bytes) {
+  auto block = takeBlock(bytes);
+  if (block->used) {
+    try {
+      CurrentDevice current(device_);
+      TORCH_RPC_EXT_CUDA_CHECK(
+          cuStreamWaitEvent, copyStream(), block->lastUse, 0);
+    } catch (...) {
+      giveBlock(std::move(block)); // its lastUse is recorded still
+      throw;
+    }
+  }
+  return block;
+}
+
 void StagingPool::trim() {
   RelaxedCapture relaxed; // its queries and frees (device.h)
   std::vector<HostBuffer> hosts;

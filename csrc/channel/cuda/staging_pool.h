@@ -71,6 +71,9 @@ class StagingPool {
   PooledEvent takeEvent();
   // The stream copies onto the device run on (non-blocking, made once).
   CUstream copyStream();
+  // A block for `bytes` that copies on copyStream() may overwrite: that
+  // stream waits for the block's last use first (a landing's block).
+  std::shared_ptr<Block> takeBlockForCopies(uint64_t bytes);
 
   // Frees buffers and blocks idle for kStagedIdleMs whose last use has
   // completed (any thread; cheap when there is nothing to free).

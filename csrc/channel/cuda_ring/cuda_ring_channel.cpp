@@ -275,15 +275,9 @@ int64_t RingChannel::onRecordFromLoop(
     } else {
       try {
         landing_->pool = &StagingPool::of(segment.device);
-        landing_->block = landing_->pool->takeBlock(segment.size);
+        landing_->block = landing_->pool->takeBlockForCopies(segment.size);
         landing_->stream = landing_->pool->copyStream();
         pinOrWarn(*ring, segment.device);
-        if (landing_->block->used) {
-          CurrentDevice current(segment.device);
-          // The block's last user must be done before the copies overwrite it.
-          TORCH_RPC_EXT_CUDA_CHECK(
-              cuStreamWaitEvent, landing_->stream, landing_->block->lastUse, 0);
-        }
       } catch (const std::exception& e) {
         // Our shortage fails the message's call, not the connection.
         abandonLanding();

@@ -100,14 +100,8 @@ char* StagedChannel::landFromLoop(InboundSegment& segment) {
     }
     landing->size = segment.size;
     landing_ = std::move(landing);
-    landing_->block = landing_->pool->takeBlock(segment.size);
+    landing_->block = landing_->pool->takeBlockForCopies(segment.size);
     landing_->stream = landing_->pool->copyStream();
-    if (landing_->block->used) {
-      CurrentDevice current(segment.device);
-      // The block's last user must be done before the copies overwrite it.
-      TORCH_RPC_EXT_CUDA_CHECK(
-          cuStreamWaitEvent, landing_->stream, landing_->block->lastUse, 0);
-    }
   } catch (const std::exception& e) {
     abandonLanding();
     counters_.declined++;
