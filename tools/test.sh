@@ -50,8 +50,10 @@ stage_table() {
   echo "== tools/test.sh: stages on torch $torch_version, $SECONDS s in all" >&2
   printf '%s\n' "${stage_times[@]}" >&2
 }
+# Each stage's pytest lists its 15 slowest tests (of 1 s or more), so a run
+# that grows past CI's budget says where the time went.
 pytest() {
-  python -m pytest -p no:cacheprovider -q "$@"
+  python -m pytest -p no:cacheprovider -q --durations 15 --durations-min 1 "$@"
 }
 
 if [ "$TORCH_VERSION" != "$DEFAULT_TORCH" ]; then
