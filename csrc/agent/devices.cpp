@@ -384,14 +384,18 @@ auto AgentDevices::local(const std::string& what, Fn&& fn) -> decltype(fn()) {
   }
 }
 
+bool AgentDevices::serves(int d) const {
+  return std::any_of(
+      options_.devices.begin(),
+      options_.devices.end(),
+      [&](const c10::Device& ours) {
+        return ours.is_cuda() && ours.index() == d;
+      });
+}
+
 int AgentDevices::unserved(const wire::InboundMessage& in) const {
   for (const c10::DeviceIndex d : in.cudaDevices()) {
-    if (std::none_of(
-            options_.devices.begin(),
-            options_.devices.end(),
-            [&](const c10::Device& ours) {
-              return ours.is_cuda() && ours.index() == d;
-            })) {
+    if (!serves(d)) {
       return d;
     }
   }
@@ -405,13 +409,7 @@ void AgentDevices::markUnserved(
     return;
   }
   for (int8_t& d : b.devices) {
-    if (d >= 0 &&
-        std::none_of(
-            options_.devices.begin(),
-            options_.devices.end(),
-            [&](const c10::Device& ours) {
-              return ours.is_cuda() && ours.index() == d;
-            })) {
+    if (d >= 0 && !serves(d)) {
       d = frame::kDeviceNotServed;
     }
   }

@@ -117,6 +117,8 @@ class AgentDevices {
   int unserved(const wire::InboundMessage& in) const;
   void markUnserved(const wire::InboundMessage& in, frame::InboundBuffers& b)
       const;
+  // Whether cuda:d is among the `devices` of our options.
+  bool serves(int d) const;
 
   // The CUDA channels' own device memory (channel/cuda/device_memory.h):
   // bounded by cuda_ipc_memory_limit, and out of memory once, torch's
