@@ -71,6 +71,7 @@ std::map<std::string, uint64_t> RingContext::counters() const {
       {"rings_created", counters_.created.load()},
       {"rings_dropped", counters_.dropped.load()},
       {"one_offs", counters_.oneOffs.load()},
+      {"full_waits", counters_.fullWaits.load()},
   };
 }
 

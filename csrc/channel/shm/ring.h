@@ -51,6 +51,7 @@ struct RingCounters {
   std::atomic<uint64_t> created{0}; // rings made, first or larger
   std::atomic<uint64_t> dropped{0}; // rings unmapped when idle
   std::atomic<uint64_t> oneOffs{0}; // declined: no ring, no recent use
+  std::atomic<uint64_t> fullWaits{0}; // a producer found its ring full
 };
 
 constexpr uint64_t kRingMagic = 0x474e495258505254ull; // "TRPXRING"

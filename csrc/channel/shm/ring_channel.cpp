@@ -149,7 +149,9 @@ size_t RingChannel::produceChunkLocked(
   ChunkRecord chunk{};
   size_t n = out_->produce(data, size, kRingChunk, &chunk, error);
   if (n == 0 && error->empty()) {
+    // Full: the consumer is behind. The next frame starts on a larger ring.
     filled_ = true;
+    counters_.fullWaits.fetch_add(1, std::memory_order_relaxed);
   }
   used_ = std::chrono::steady_clock::now();
   static_assert(sizeof(chunk) == sizeof(*record));
