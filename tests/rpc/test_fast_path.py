@@ -273,12 +273,14 @@ def test_serving_loop_busy_polls_for_the_next_request():
     # Back-to-back calls: the next requests arrive while the callee's loop
     # polls, and the responses while the caller's loop polls (it starts
     # when the previous call completes, or when send() finds it asleep).
-    # On an idle 2-core machine nearly all of the 300 do (299-302 each,
-    # 2026-11-26); with a build on the same cores (CI's first stage runs
-    # the fuzzers' build beside it) 72 did. Without polling, none do
-    # (test_busy_poll_off_never_polls).
-    assert int(m["callee"]["rpc_ext.shm.busy_poll_hits"]) > 30, m
-    assert int(m["caller"]["rpc_ext.shm.busy_poll_hits"]) > 30, m
+    # How many do is the machine's: on an idle 2-core machine nearly all of
+    # the 300 (299-302 each, 2026-11-26), with a build on the same cores 72,
+    # beside a second lane of tests and a build (tools/test.sh, 2026-12-01)
+    # 19. Without polling, none do (test_busy_poll_off_never_polls): what
+    # this test holds is that polling catches requests on both sides, not
+    # a rate (the benchmarks' business).
+    for side in ("callee", "caller"):
+        assert int(m[side]["rpc_ext.shm.busy_poll_hits"]) > 0, m[side]
 
 
 def test_caller_loop_polls_after_its_last_call_completes():
@@ -554,10 +556,11 @@ def test_a_lone_calls_poll_moves_to_the_callers_cpu_and_keeps_its_affinity(follo
     r = run_world(lone_calls, 2, timeout=120, follow=follow)[0]
     on = follow if follow is not None else len(os.sched_getaffinity(0)) <= 2
     if on:
-        # Most lone calls' polls ran there (not all: a response that arrives
-        # before the loop polls for it is read without a poll; on an idle
-        # 2-core machine 250 of 250 do, 2026-11-29).
-        assert r["on_caller_cpu"] > 25, r["on_caller_cpu"]
+        # Lone calls' polls ran there. How many is the machine's: a response
+        # that arrives before the loop polls for it is read without a poll,
+        # more often on a loaded machine; on an idle 2-core machine 250 of
+        # 250 do (2026-11-29). Off, none do.
+        assert r["on_caller_cpu"] > 0, r["on_caller_cpu"]
     else:
         assert r["on_caller_cpu"] == 0, r["on_caller_cpu"]
     mine = r["process_cpus"]
