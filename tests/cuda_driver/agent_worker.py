@@ -283,6 +283,22 @@ def run_ring(rank: int, port: int, ctl, channels, target: int = DEVICE) -> None:
     ctl.send(out)
 
 
+def rings_dropped(n: int, peer: str | None = None) -> bool:
+    """Waits (30 s at most) until this worker's cuda_ring counters, and
+    `peer`'s, say `n` rings dropped: a drop takes the idle time, a
+    heartbeat tick and the peer's kRingDrop, which a loaded host delays."""
+    deadline = time.monotonic() + 30
+    while True:
+        sides = [channel_counters("cuda_ring")]
+        if peer is not None:
+            sides.append(rpc.rpc_sync(peer, channel_counters, args=("cuda_ring",)))
+        if all(side["dropped"] >= n for side in sides):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 def run_ring_idle(rank: int, port: int, ctl) -> None:
     """A 2 MiB round trip through cuda_ring, a pause past the rings' idle
     time (the test sets TORCH_RPC_EXT_CUDA_RING_IDLE_MS; heartbeat ticks
@@ -296,11 +312,11 @@ def run_ring_idle(rank: int, port: int, ctl) -> None:
     if rank == 0:
         rng = random.Random(3)
         out["back"] = []
-        for _ in range(2):
+        for i in range(2):
             data = rng.randbytes(2 << 20)
             back = rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(data),))
             out["back"].append(tensor_bytes(back) == data)
-            time.sleep(1.5)
+            rings_dropped(i + 1, "worker1")
             out.setdefault("ours", []).append(channel_counters("cuda_ring"))
             out.setdefault("theirs", []).append(
                 rpc.rpc_sync("worker1", channel_counters, args=("cuda_ring",)))
@@ -327,7 +343,7 @@ def run_ring_dropped_while_set_up(rank: int, port: int, ctl) -> None:
         for n in (2 << 20, 6 << 20):
             data = rng.randbytes(n)
             t = big_cuda_tensor(data)
-            time.sleep(1.0)  # past the first ring's drop
+            rings_dropped(len(out["back"]))  # past the first ring's drop
             set_fake_alloc_delay(1000 if n > 2 << 20 else 0)
             try:
                 back = rpc.rpc_sync("worker1", identity, args=(t,))

@@ -33,14 +33,17 @@ def test_a_cuda_call_splits_into_its_hand_offs(tmp_path, driver_env):
     for case, total in totals.items():
         # Nearly every call came back with all ten stamps (one at a window's
         # edge may not: small_call_breakdown.py's join drops it), and its
-        # segments add up to (about) the whole: medians need not sum exactly.
+        # segments add up to the whole. Their medians do not: on a loaded
+        # host each call's stall falls in another segment, which leaves each
+        # segment's median where it was and moves the whole's, so the sum
+        # of medians is held from above only (as test_benchmark_smoke.py
+        # holds the CPU call's not at all).
         calls = 8 if case == "many_1000x1KB" else 40
         assert calls - 2 <= total["n"] <= calls, total
         parts = {r["segment"]: r["median_us"] for r in rows
                  if r.get("case") == case and r.get("segment") in SEGMENTS}
         assert set(parts) == set(SEGMENTS), parts
-        assert 0.5 * total["median_us"] < sum(parts.values()) < 1.5 * total["median_us"], \
-            (case, parts, total)
+        assert 0 < sum(parts.values()) < 1.5 * total["median_us"], (case, parts, total)
         # callee_run in two (kServeReturned): the function's run, then the
         # rest until the response starts; together about the whole of it.
         split = {r["part"]: r for r in rows if r.get("case") == case and "part" in r}
@@ -48,6 +51,6 @@ def test_a_cuda_call_splits_into_its_hand_offs(tmp_path, driver_env):
         assert all(r["of"] == "callee_run" and r["n"] >= calls - 2 for r in split.values()), split
         run = parts["callee_run"]
         assert split["callee_call"]["median_us"] > 0 and split["callee_result"]["median_us"] > 0
-        assert 0.5 * run < sum(r["median_us"] for r in split.values()) < 1.5 * run, (split, run)
+        assert sum(r["median_us"] for r in split.values()) < 1.5 * run, (split, run)
     profile = next(r["caller_profile"] for r in rows if "caller_profile" in r)
     assert any("rpc_sync" in p["function"] for p in profile), profile

@@ -168,7 +168,11 @@ def test_nested_bench_smoke_emits_both_backends_and_the_hand_offs(tmp_path):
     assert {r["case"] for r in rows if r.get("backend") == "tensorpipe"} == set(ours)
     assert {r["case"] for r in rows if r.get("ratio") == "time_ext_over_tp"} == set(ours)
     # A served UDF waiting for a call of its own hands its loop on as it
-    # sends: once per call, where the monitor's 2 ms watch used to.
+    # sends: once per call, where the monitor's 2 ms watch used to. (A serve
+    # preempted for 2 ms before its send, on a loaded host, is taken over
+    # by the monitor first, and then has nothing to hand on.)
     for case in ("nested_to_third", "nested_to_caller"):
-        assert ours[case]["handoffs_per_call"] >= 0.9, ours[case]
+        r = ours[case]
+        assert r["handoffs_per_call"] > 0, r
+        assert r["handoffs_per_call"] + r["takeovers_per_call"] >= 0.9, r
     assert ours["plain"]["handoffs_per_call"] == 0, ours["plain"]

@@ -265,7 +265,9 @@ def test_pipelined_completions_do_not_stall_the_loop():
     r = run_world(pipelined_under_held_gil, 2, timeout=120)[0]
     assert all(torch.equal(v, torch.ones(1) + i) for i, v in enumerate(r["values"])), r
     assert r["slow"] == "slow"
-    assert r["takeovers"] == 0, r
+    # Stalled, the loop was taken over once a completion (about 20); a
+    # scheduler's preemption of 2 ms on a loaded host also counts as one.
+    assert r["takeovers"] <= 3, r
 
 
 def test_serving_loop_busy_polls_for_the_next_request():

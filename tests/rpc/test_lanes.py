@@ -46,9 +46,16 @@ def _calls(rank, world_size, **kwargs):
     out = {}
     if rank == 0:
         # The first large segment dials the lanes and rides the stream.
-        rpc.rpc_sync("worker1", torch.neg, args=(torch.ones(MB),))
+        # So does worker1's first large answer; each side dials its own
+        # four. Once a segment went in stripes each way, every large one
+        # after does.
+        big = torch.ones(MB)
         deadline = time.monotonic() + 30
-        while _lanes_metrics()["lanes_opened"] < 4 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)
+            sides = [_lanes_metrics(), rpc.rpc_sync("worker1", _lanes_metrics)]
+            if all(side["segments"] > 0 for side in sides):
+                break
             time.sleep(0.05)
         # Odd sizes: stripes end off their 64 KiB alignment; several large
         # segments and small ones in one message.
