@@ -3,7 +3,6 @@
 (a GPU machine: tools/gpu_check.sh), else the fake (tests/cuda_fake, built
 once); loaded only by spawned processes (worker.py says why)."""
 
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-from tests import cuda_fake
+from tests import cuda_fake, preloaded
 from tests.cuda_driver import worker
 from tests.remote import Remote
 
@@ -90,17 +89,25 @@ def driver_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def driver(driver_env):
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, context, initializer=_start, initargs=(driver_env,)) as pool:
+    with ProcessPoolExecutor(1, _context(), initializer=_start, initargs=(driver_env,)) as pool:
         yield Remote(pool, worker)
+
+
+def _context():
+    """How this folder starts its processes: from the fork server that
+    imported torch once (tests/preloaded.py: 207 spawns of torch were most
+    of this folder's CPU time on the fake), or spawned on a real driver, as
+    every GPU run so far has run them."""
+    return preloaded.start_context("spawn" if REAL_DRIVER else None)
 
 
 @pytest.fixture
 def spawn(driver_env, monkeypatch):
-    """A spawn context whose processes load the driver under test."""
+    """A context (`spawn`'s semantics) whose processes load the driver under
+    test."""
     for key, value in driver_env.items():
         monkeypatch.setenv(key, value)
-    return multiprocessing.get_context("spawn")
+    return _context()
 
 
 @pytest.fixture

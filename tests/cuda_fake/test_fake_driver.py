@@ -16,7 +16,6 @@ import ctypes
 import faulthandler
 import json
 import mmap
-import multiprocessing
 import os
 import re
 import resource
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import cuda_fake
+from tests import cuda_fake, preloaded
 
 pytestmark = pytest.mark.unit
 
@@ -344,7 +343,8 @@ def fresh(lib_path, tmp_path, monkeypatch):
 
 # ----------------------------------------------------- spawned children
 
-_SPAWN = multiprocessing.get_context("spawn")
+# Spawn's semantics, from a fork server that imported torch once.
+_SPAWN = preloaded.start_context()
 
 
 def _child_main(task, path, conn):
