@@ -23,24 +23,24 @@ TORCH_RPC_EXT_* variable are read when first used, not at import).
 
 import multiprocessing
 import os
-import sys
 from multiprocessing import context as _context
 
 PRELOAD = ["numpy", "torch", "torch_rpc_ext"]
 
 
 class PreloadedProcess(_context.ForkServerProcess):
+    """multiprocessing hands a fork server's child its parent's sys.path and
+    working directory (the preparation data spawn sends too), not its
+    environment: that is the fork server's. This takes it at start(), as
+    spawn does (the Process may be made earlier)."""
+
     def start(self):
-        # Taken at start, as spawn takes them (`Process` may be made earlier).
-        self._parent_state = (dict(os.environ), list(sys.path), os.getcwd())
+        self._parent_env = dict(os.environ)
         super().start()
 
     def run(self):
-        env, path, cwd = self._parent_state
         os.environ.clear()
-        os.environ.update(env)
-        sys.path[:] = path
-        os.chdir(cwd)
+        os.environ.update(self._parent_env)
         super().run()
 
 

@@ -12,6 +12,7 @@ out of reach, so the functions below move bytes and read them back, and
 never compute."""
 
 import faulthandler
+import importlib.util
 import os
 import random
 import sys
@@ -205,6 +206,9 @@ def run(rank: int, port: int, ctl, channels=("cuda_ipc",), target: int = DEVICE,
         out["callee_counters"] = {
             c: rpc.rpc_sync("worker1", channel_counters, args=(c,)) for c in channels}
     out["numba_loaded"] = "numba" in sys.modules
+    # Where an import of numba would come from (found, not run).
+    spec = importlib.util.find_spec("numba")
+    out["numba_origin"] = spec.origin if spec else None
     # The primary contexts this process holds, by device (the fake's count).
     stats = fake_stats()
     out["retains"] = stats["live"]["context_retains_by_device"] if stats else None

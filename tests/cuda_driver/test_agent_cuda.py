@@ -4,7 +4,6 @@ and futures with devices, two workers in spawned processes on the driver
 under test (the fake, with a fake CUDA device guard for the CPU torch, in
 CI; the GPU and torch's own on a GPU machine: agent_worker.py)."""
 
-import os
 import time
 
 import pytest
@@ -330,12 +329,16 @@ def test_cuda_tensors_move_on_an_older_driver_without_numba(spawn, monkeypatch, 
     shim = tmp_path / "shim" / "numba"
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("raise ImportError('no numba here (a test)')\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(tmp_path / "shim"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    # On sys.path, not PYTHONPATH: a child's sys.path is its parent's (spawn's
+    # preparation data), whatever PYTHONPATH its interpreter started with.
+    monkeypatch.syspath_prepend(str(tmp_path / "shim"))
     caller, callee = play(spawn)
     assert caller["seen_by_callee"] and caller["back"] == ("cuda:0", True)
     assert caller["many"] and caller["view"]
     assert not caller["numba_loaded"] and not callee["numba_loaded"]
+    # ... and numba was not there to load: each found only the shim.
+    assert caller["numba_origin"].startswith(str(shim)), caller["numba_origin"]
+    assert callee["numba_origin"].startswith(str(shim)), callee["numba_origin"]
 
 
 @pytest.mark.skipif(REAL_DRIVER, reason="counts the fake's contexts")
