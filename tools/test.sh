@@ -105,7 +105,7 @@ fi
 # stages that need them wait for them, and raise them to nice 0 while they
 # do (await).
 mkdir -p build
-declare -A job_pid job_log
+declare -A job_pid job_log job_nice
 kill_tree() {
   local child
   for child in $(pgrep -P "$1" || true); do kill_tree "$child"; done
@@ -127,13 +127,14 @@ background() {
   ) &
   job_pid[$name]=$!
   job_log[$name]=$log
+  job_nice[$name]=$niceness
 }
 # renice_tree NICE PID: PID and its descendants to NICE. Raising a job's
 # priority takes root (CI is); elsewhere it stays where it was.
 renice_tree() {
   local child
   for child in $(pgrep -P "$2" || true); do renice_tree "$1" "$child"; done
-  renice -n "$1" -p "$2" >/dev/null 2>&1 || true
+  renice "$1" -p "$2" >/dev/null 2>&1 || true
 }
 await() {
   local name=$1 pid=${job_pid[$1]} log=${job_log[$1]} status
@@ -145,7 +146,7 @@ await() {
   # missed.
   local waited=0
   while [ ! -s "$log.rc" ] && kill -0 "$pid" 2>/dev/null; do
-    [ $((waited % 10)) = 0 ] && renice_tree 0 "$pid"
+    [ "${job_nice[$name]}" != 0 ] && [ $((waited % 10)) = 0 ] && renice_tree 0 "$pid"
     sleep 1
     waited=$((waited + 1))
   done

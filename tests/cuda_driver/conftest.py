@@ -111,6 +111,15 @@ def spawn(driver_env, monkeypatch):
 
 
 @pytest.fixture
+def spawned(driver_env, monkeypatch):
+    """`spawn` itself, for a test of what a process does as it exits:
+    interpreter finalization runs there, and not in a fork server's child."""
+    for key, value in driver_env.items():
+        monkeypatch.setenv(key, value)
+    return preloaded.start_context("spawn")
+
+
+@pytest.fixture
 def slow_kernels(monkeypatch):
     """The fake runs each kernel 50 ms after its stream reaches it, so a
     reader not ordered after a copy (by its event) sees the old bytes. (A

@@ -177,7 +177,7 @@ def test_cuda_tensors_to_ones_own_worker_without_cuda_self_fail_naming_it(spawn)
     assert out["after"] == [2.0, 2.0]
 
 
-def test_a_worker_exits_without_a_cuda_error(spawn, monkeypatch, capfd):
+def test_a_worker_exits_without_a_cuda_error(spawned, monkeypatch, capfd):
     """cuda_staged's staging thread trims its pools every second; at exit it
     used to run on after the driver had shut down and print "cuda_staged
     could not free idle memory: ... CUDA error 4" (the H200 run). It stops
@@ -187,7 +187,7 @@ def test_a_worker_exits_without_a_cuda_error(spawn, monkeypatch, capfd):
     from tests.cuda_driver import agent_worker
 
     monkeypatch.setenv("FAKE_CUDA_EXIT_DELAY_MS", "2500")
-    caller, _ = play_with(spawn, agent_worker.run, ("cuda_staged",))
+    caller, _ = play_with(spawned, agent_worker.run, ("cuda_staged",))
     assert caller["counters"]["cuda_staged"]["segments_sent"] > 0
     err = capfd.readouterr().err
     assert "could not free idle memory" not in err, err

@@ -11,10 +11,14 @@ from multiprocessing import forkserver
 
 from tests import preloaded
 
+# What a child saw while it imported the target's module (this one).
+_VALUE_AT_IMPORT = os.environ.get("PRELOADED_TEST_VALUE")
+
 
 def _report(conn):
     conn.send({
         "env": os.environ.get("PRELOADED_TEST_VALUE"),
+        "env_at_import": _VALUE_AT_IMPORT,
         "gone": "PRELOADED_TEST_GONE" in os.environ,
         "path0": sys.path[0],
         "cwd": os.getcwd(),
@@ -47,7 +51,7 @@ def test_a_child_takes_its_parents_environment_path_and_directory_at_start(
         if proc.is_alive():
             proc.kill()
     assert proc.exitcode == 0
-    assert got["env"] == "started" and not got["gone"]
+    assert got["env"] == got["env_at_import"] == "started" and not got["gone"]
     assert got["path0"] == str(tmp_path)
     assert got["cwd"] == str(tmp_path)
     assert got["torch_before_target"]  # the server's import, not the child's
@@ -59,3 +63,26 @@ def test_spawn_can_be_asked_for(monkeypatch):
     assert preloaded.start_context().get_start_method() == "spawn"
     monkeypatch.delenv("TORCH_RPC_EXT_TEST_START")
     assert isinstance(preloaded.start_context(), preloaded.PreloadedContext)
+
+
+def _write_and_leave(code):
+    import atexit
+
+    sys.stderr.write("child stderr line\n")
+    atexit.register(lambda: sys.stderr.write(f"atexit ran, leaving with {code}\n"))
+    sys.exit(code)
+
+
+def test_a_child_writes_to_its_parents_stderr_and_runs_its_exit_handlers(capfd):
+    """pytest moves fds 1 and 2 for each test; a spawned child writes where
+    they were at its start, and at its exit runs its atexit handlers (a
+    fork server's child would write to the server's stderr and end with
+    os._exit())."""
+    ctx = preloaded.context()
+    forkserver.ensure_running()
+    proc = ctx.Process(target=_write_and_leave, args=(3,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 3
+    err = capfd.readouterr().err
+    assert "child stderr line" in err and "atexit ran, leaving with 3" in err, err
