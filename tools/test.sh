@@ -102,10 +102,9 @@ fi
 # time): the fuzzers' build (clang-14 + libFuzzer, ASan + UBSan; about 5
 # minutes of one core) and the newest torch's tree (a few GB of wheels to
 # fetch, a build). Their logs are in build/ and shown if they fail; the
-# stages that need them wait for them, and raise them to nice 0 while they
-# do (await).
+# stages that need them wait for them.
 mkdir -p build
-declare -A job_pid job_log job_nice
+declare -A job_pid job_log
 kill_tree() {
   local child
   for child in $(pgrep -P "$1" || true); do kill_tree "$child"; done
@@ -127,29 +126,10 @@ background() {
   ) &
   job_pid[$name]=$!
   job_log[$name]=$log
-  job_nice[$name]=$niceness
-}
-# renice_tree NICE PID: PID and its descendants to NICE. Raising a job's
-# priority takes root (CI is); elsewhere it stays where it was.
-renice_tree() {
-  local child
-  for child in $(pgrep -P "$2" || true); do renice_tree "$1" "$child"; done
-  renice "$1" -p "$2" >/dev/null 2>&1 || true
 }
 await() {
   local name=$1 pid=${job_pid[$1]} log=${job_log[$1]} status
-  # A lane waiting for a job has nothing else to run: the job is on its
-  # path now, no longer a filler of idle time (at nice 19 beside the other
-  # lane, the fuzzers' last target took 13+ minutes to build while this
-  # lane waited; docs/development.md). Every 10 s: a process it starts
-  # after a pass inherits its parent's niceness, which that pass may have
-  # missed.
-  local waited=0
-  while [ ! -s "$log.rc" ] && kill -0 "$pid" 2>/dev/null; do
-    [ "${job_nice[$name]}" != 0 ] && [ $((waited % 10)) = 0 ] && renice_tree 0 "$pid"
-    sleep 1
-    waited=$((waited + 1))
-  done
+  while [ ! -s "$log.rc" ] && kill -0 "$pid" 2>/dev/null; do sleep 1; done
   status=$(cat "$log.rc" 2>/dev/null || echo "killed")
   unset "job_pid[$name]"
   if [ "$status" != 0 ]; then
