@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """The driver for this folder's tests: the machine's own where it has one
 (a GPU machine: tools/gpu_check.sh), else the fake (tests/cuda_fake, built
-once); loaded only by spawned processes (worker.py says why)."""
+once); loaded only by processes of their own, never this one (worker.py
+says why; tests/preloaded.py how they start)."""
 
 import os
 import subprocess
@@ -101,22 +102,24 @@ def _context():
     return preloaded.start_context("spawn" if REAL_DRIVER else None)
 
 
+def _loading_the_driver(driver_env, monkeypatch, context):
+    for key, value in driver_env.items():
+        monkeypatch.setenv(key, value)
+    return context
+
+
 @pytest.fixture
 def spawn(driver_env, monkeypatch):
     """A context (`spawn`'s semantics) whose processes load the driver under
     test."""
-    for key, value in driver_env.items():
-        monkeypatch.setenv(key, value)
-    return _context()
+    return _loading_the_driver(driver_env, monkeypatch, _context())
 
 
 @pytest.fixture
 def spawned(driver_env, monkeypatch):
     """`spawn` itself, for a test of what a process does as it exits:
     interpreter finalization runs there, and not in a fork server's child."""
-    for key, value in driver_env.items():
-        monkeypatch.setenv(key, value)
-    return preloaded.start_context("spawn")
+    return _loading_the_driver(driver_env, monkeypatch, preloaded.start_context("spawn"))
 
 
 @pytest.fixture
