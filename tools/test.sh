@@ -99,9 +99,9 @@ fi
 # Two jobs that only build run in the background from here, at the lowest
 # CPU priority (nice 19: they take the cores only when the tests leave
 # them idle, as multi-process tests mostly do; nothing of theirs measures
-# time): the fuzzers' build (clang-14 + libFuzzer, ASan + UBSan; about 5
-# minutes of one core) and the newest torch's tree (a few GB of wheels to
-# fetch, a build). Their logs are in build/ and shown if they fail; the
+# time): the fuzzers' build (clang-14 + libFuzzer, ASan + UBSan; about
+# 450 s of CPU, a compile per core at a time) and the newest torch's tree
+# (a few GB of wheels to fetch, a build). Their logs are in build/ and shown if they fail; the
 # stages that need them wait for them.
 mkdir -p build
 declare -A job_pid job_log
@@ -180,7 +180,7 @@ second_lane() {
   # rebuilds nothing then). Any finding fails the run.
   stage "fuzzers (the rest of their build, then the round)"
   await fuzz-build
-  grep -E "^built " build/fuzz-build.log >&2 || true
+  grep -E "^(built|fuzz build)" build/fuzz-build.log >&2 || true
   bash tests/fuzz/run.sh
   if [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ]; then
     stage "setting up torch $NEWEST_TORCH (what is left of it)"

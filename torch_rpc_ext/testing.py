@@ -25,6 +25,7 @@ tests and fuzzing: frame headers, the client side of the handshake, and a
 check that the agent closed a connection.
 """
 
+import functools
 import hashlib
 import hmac
 import os
@@ -192,6 +193,16 @@ def _proof(secret, role, cn, sn, cid, sid, cinc, sinc):
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
+@functools.lru_cache(maxsize=16)
+def _stretched(secret: bytes) -> bytes:
+    """secrets.stretch, once per secret: it is PBKDF2 at the agent's rounds
+    (0.4 s of CPU here), and a test or fuzzer that opens hundreds of
+    connections with one secret would spend most of its time there."""
+    from torch_rpc_ext import secrets
+
+    return secrets.stretch(secret)
+
+
 def handshake(
     address: str,
     secret: bytes,
@@ -205,10 +216,8 @@ def handshake(
     the proof closes without one (False). ``secret`` is a user's, stretched as the agent
     stretches it (torch_rpc_ext/secrets.py), or with ``stretch=False`` the
     key itself (a secret the group made)."""
-    from torch_rpc_ext import secrets
-
     if stretch:
-        secret = secrets.stretch(secret)  # what the agent keys its proofs from
+        secret = _stretched(secret)  # what the agent keys its proofs from
     sock = connect_raw(address)
     cn = os.urandom(32)
     hello = struct.pack("<iQ", client_id, incarnation) + cn
