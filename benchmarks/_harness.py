@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from torch_rpc_ext import _preloaded
 from torch_rpc_ext._ports import free_port  # noqa: F401  (below the ephemeral range)
 
 
@@ -98,30 +99,46 @@ def _entry(target, rank, world_size, port, queue, args):
 
 
 def run_world(
-    target: Callable, world_size: int, *args: Any, timeout: float = 1800, dies: int = 0
+    target: Callable, world_size: int, *args: Any, timeout: float = 1800, dies: int = 0,
+    start: str | None = None,
 ):
-    """Spawn ``world_size`` processes of ``target(rank, world_size, *args)``.
+    """Start ``world_size`` processes of ``target(rank, world_size, *args)``
+    (as start_world() does).
 
     ``dies`` of them (never rank 0) are expected to be killed and report
     nothing. Returns (rank 0's result, {rank: peak RSS MB}).
     """
-    results, rss = run_world_all(target, world_size, *args, timeout=timeout, dies=dies)
+    results, rss = run_world_all(target, world_size, *args, timeout=timeout, dies=dies,
+                                 start=start)
     return results[0], rss
 
 
 def run_world_all(
-    target: Callable, world_size: int, *args: Any, timeout: float = 1800, dies: int = 0
+    target: Callable, world_size: int, *args: Any, timeout: float = 1800, dies: int = 0,
+    start: str | None = None,
 ):
     """Like run_world, but returns ({rank: result}, {rank: peak RSS MB})."""
-    return finish_world(start_world(target, world_size, *args), timeout=timeout, dies=dies)
+    return finish_world(start_world(target, world_size, *args, start=start), timeout=timeout,
+                        dies=dies)
 
 
-def start_world(target: Callable, world_size: int, *args: Any, port: int | None = None):
+def start_world(target: Callable, world_size: int, *args: Any, port: int | None = None,
+                start: str | None = None):
     """Start ``world_size`` processes of ``target(rank, world_size, *args)``
     on ``port`` (a free one by default) and return at once: several worlds
     can run side by side, each on a port of its own. finish_world() collects
-    them."""
-    ctx = mp.get_context("spawn")
+    them.
+
+    Each is a fresh process, as `spawn` makes it, but forked from a server
+    that imported torch and torch_rpc_ext once (torch_rpc_ext/_preloaded.py:
+    its environment, stdout and stderr are this process's at the start; a
+    spawned worker spends ~3 s of CPU importing torch, and CI starts about
+    50). ``start="spawn"`` (or TORCH_RPC_EXT_BENCH_START=spawn) spawns them:
+    what a benchmark on a real CUDA driver does (cuda_bench.py without
+    --fake), keeping every process's CUDA as a user's program would have
+    it."""
+    ctx = _preloaded.start_context(
+        start or os.environ.get("TORCH_RPC_EXT_BENCH_START") or "preloaded")
     queue = ctx.Queue()
     port = port or free_port()
     procs = [

@@ -114,7 +114,7 @@ def main(argv=None):
     if cfg.fake and not os.environ.get("TORCH_RPC_EXT_LIBCUDA"):
         p.error("--fake needs TORCH_RPC_EXT_LIBCUDA naming the fake driver")
     results, _ = run_world(world, 2, cfg.fake, cfg.calls, cfg.warmup, cfg.cases,
-                          cfg.zero_copy, timeout=600)
+                          cfg.zero_copy, timeout=600, start=None if cfg.fake else "spawn")
     for case in cfg.cases:
         durations, totals = scb.breakdown(results[case])
         if not totals:

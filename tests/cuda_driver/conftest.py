@@ -2,7 +2,7 @@
 """The driver for this folder's tests: the machine's own where it has one
 (a GPU machine: tools/gpu_check.sh), else the fake (tests/cuda_fake, built
 once); loaded only by processes of their own, never this one (worker.py
-says why; tests/preloaded.py how they start)."""
+says why; torch_rpc_ext/_preloaded.py how they start)."""
 
 import os
 import subprocess
@@ -12,9 +12,10 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-from tests import cuda_fake, preloaded
+from tests import cuda_fake
 from tests.cuda_driver import worker
 from tests.remote import Remote
+from torch_rpc_ext import _preloaded as preloaded
 
 
 def _start(env: dict[str, str]) -> None:
@@ -96,7 +97,7 @@ def driver(driver_env):
 
 def _context():
     """How this folder starts its processes: from the fork server that
-    imported torch once (tests/preloaded.py: 207 spawns of torch were most
+    imported torch once (torch_rpc_ext/_preloaded.py: 207 spawns of torch were most
     of this folder's CPU time on the fake), or spawned on a real driver, as
     every GPU run so far has run them."""
     return preloaded.start_context("spawn" if REAL_DRIVER else None)

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """What the tests of this folder run in processes of their own (spawned, or
-forked from tests/preloaded.py's server) that load the fake CUDA driver
+forked from torch_rpc_ext/_preloaded.py's server) that load the fake CUDA driver
 (tests/cuda_fake) through TORCH_RPC_EXT_LIBCUDA.
 
 A process whose driver table is loaded holds driver threads and cannot be

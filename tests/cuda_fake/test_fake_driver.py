@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import cuda_fake, preloaded
+from tests import cuda_fake
+from torch_rpc_ext import _preloaded as preloaded
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""tests/preloaded.py: a fork server's child gets what a spawned one gets
+"""torch_rpc_ext/_preloaded.py: a fork server's child gets what a spawned one gets
 from its parent at start(). tests/cuda_driver relies on it: a
 `monkeypatch.setenv` (FAKE_CUDA_KERNEL_DELAY_MS, TORCH_RPC_EXT_*) that did
 not reach the child would leave those tests passing without what they set
@@ -9,7 +9,7 @@ import os
 import sys
 from multiprocessing import forkserver
 
-from tests import preloaded
+from torch_rpc_ext import _preloaded as preloaded
 
 # What a child saw while it imported the target's module (this one).
 _VALUE_AT_IMPORT = os.environ.get("PRELOADED_TEST_VALUE")

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Processes started as `spawn` starts them, without a fresh import of torch
 each: children of a fork server that imported torch, numpy and
-torch_rpc_ext once.
+torch_rpc_ext once. The tests' workers that load a CUDA driver
+(tests/cuda_driver, tests/cuda_fake) and the benchmarks' worlds
+(benchmarks/_harness.py) start this way; not part of the API.
 
 A spawned worker spends about 3 s of CPU importing torch (6 s beside a
 second lane of tests); the fake-CUDA stage started 207 of them, most of its
-CPU time. The fork server (multiprocessing's "forkserver") is a process of
+CPU time, and CI's benchmark runs about 50 more. The fork server (multiprocessing's "forkserver") is a process of
 its own that imported those modules and nothing more: it loaded no CUDA
 driver and ran no torch compute, so it has no threads a fork could leave
 half-copied (tests/cuda_driver/worker.py says why the pytest process itself
@@ -112,9 +114,10 @@ def context() -> PreloadedContext:
 
 
 def start_context(kind: str | None = None):
-    """`spawn` where TORCH_RPC_EXT_TEST_START=spawn (the way to tell a test
-    that fails under the fork server from one that fails anyway), else the
-    preloaded context."""
+    """`spawn` for kind "spawn", or without a kind where
+    TORCH_RPC_EXT_TEST_START=spawn (the way to tell a test that fails under
+    the fork server from one that fails anyway); else the preloaded
+    context."""
     if (kind or os.environ.get("TORCH_RPC_EXT_TEST_START", "")) == "spawn":
         return multiprocessing.get_context("spawn")
     return context()
