@@ -158,13 +158,23 @@ for line in "${TARGETS[@]}"; do
   else
     set_name=plain
     if [ -z "${flag_sets[plain]:-}" ]; then
-      inc=$("$py" "$root/torch_rpc_ext/_cuda/headers.py")
-      [ -f "$inc/cuda.h" ] || die "target $name: $inc"
-      flag_sets[plain]="${CXXFLAGS[*]} -isystem $inc"
+      # cuda.h's directory where it is found (headers.py says how to get
+      # it otherwise); only "cuda" targets need it.
+      inc=$("$py" "$root/torch_rpc_ext/_cuda/headers.py" 2>/dev/null) || true
+      if [ -n "$inc" ] && [ -f "$inc/cuda.h" ]; then
+        flag_sets[plain]="${CXXFLAGS[*]} -isystem $inc"
+        cuda_dep="$inc/cuda.h"
+      else
+        flag_sets[plain]="${CXXFLAGS[*]}"
+        cuda_dep=""
+      fi
       write_if_changed "$out/flags-plain" "$CXX ${flag_sets[plain]}"
     fi
+    if [ "$kind" = cuda ] && [ -z "$cuda_dep" ]; then
+      die "target $name needs cuda.h: $("$py" "$root/torch_rpc_ext/_cuda/headers.py" 2>&1)"
+    fi
     libs=""
-    dep="$inc/cuda.h"
+    dep=$cuda_dep
   fi
   objs=()
   for src in "${srcs[@]}"; do
