@@ -129,16 +129,21 @@ def start_world(target: Callable, world_size: int, *args: Any, port: int | None 
     can run side by side, each on a port of its own. finish_world() collects
     them.
 
-    Each is a fresh process, as `spawn` makes it, but forked from a server
-    that imported torch and torch_rpc_ext once (torch_rpc_ext/_preloaded.py:
-    its environment, stdout and stderr are this process's at the start; a
-    spawned worker spends ~3 s of CPU importing torch, and CI starts about
-    50). ``start="spawn"`` (or TORCH_RPC_EXT_BENCH_START=spawn) spawns them:
-    what a benchmark on a real CUDA driver does (cuda_bench.py without
-    --fake), keeping every process's CUDA as a user's program would have
-    it."""
-    ctx = _preloaded.start_context(
-        start or os.environ.get("TORCH_RPC_EXT_BENCH_START") or "preloaded")
+    Each is forked from a server that imported torch and torch_rpc_ext
+    once (torch_rpc_ext/_preloaded.py says what it gets from this process,
+    and what is the server's instead: what is read while importing torch,
+    and the script's top level); a spawned worker spends ~3 s of CPU
+    importing torch, and CI starts about 50. Its peak RSS counts the pages
+    it shares with the server, so compare memory figures only with others
+    taken the same way. ``start="spawn"`` (or
+    TORCH_RPC_EXT_BENCH_START=spawn) spawns them: what a benchmark on a
+    real CUDA driver does (cuda_bench.py without --fake), keeping every
+    process's CUDA as a user's program would have it."""
+    start = start or os.environ.get("TORCH_RPC_EXT_BENCH_START") or "preloaded"
+    if start not in ("preloaded", "spawn"):
+        raise ValueError(f"start (or TORCH_RPC_EXT_BENCH_START) is preloaded or spawn, "
+                         f"not {start!r}")
+    ctx = _preloaded.start_context(start)
     queue = ctx.Queue()
     port = port or free_port()
     procs = [

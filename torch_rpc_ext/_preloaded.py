@@ -7,8 +7,9 @@ torch_rpc_ext once. The tests' workers that load a CUDA driver
 
 A spawned worker spends about 3 s of CPU importing torch (6 s beside a
 second lane of tests); the fake-CUDA stage started 207 of them, most of its
-CPU time, and CI's benchmark runs about 50 more. The fork server (multiprocessing's "forkserver") is a process of
-its own that imported those modules and nothing more: it loaded no CUDA
+CPU time, and CI's benchmark runs about 50 more. The fork server
+(multiprocessing's "forkserver") is a process of its own that imported
+those modules and nothing more: it loaded no CUDA
 driver and ran no torch compute, so it has no threads a fork could leave
 half-copied (tests/cuda_driver/worker.py says why the pytest process itself
 is no place to fork from), and each child is a fork of it.
@@ -20,10 +21,16 @@ start reaches the driver the child loads, as it does a spawned one), its
 stdout and stderr (pytest's capture of that test), its `sys.path` and its
 working directory; and its exit runs the atexit handlers. What a spawned
 child reads from its environment only at interpreter start (PYTHONPATH,
-PYTHON* flags) or while importing numpy, torch or torch_rpc_ext is the
-fork server's instead: none of the tests using this sets such a variable
-(the driver and every TORCH_RPC_EXT_* and FAKE_CUDA_* variable are read
-when first used). Python's finalization does not run at a child's exit.
+PYTHON* flags) or while importing numpy, torch or torch_rpc_ext (such as
+OMP_NUM_THREADS) is the fork server's instead, as the parent had it when
+the server started (its first child). So is the environment, stdout and
+stderr under which a program run as a script (`__main__`, as the
+benchmarks are) is imported again in the child, before the rest: its
+top-level code must not depend on them. None of the tests and benchmarks
+using this sets such a variable after its first child or reads one at its
+top level (the driver and every TORCH_RPC_EXT_* and FAKE_CUDA_* variable
+are read when first used; cuda_call_breakdown.py sets its one before any
+child starts). Python's finalization does not run at a child's exit.
 """
 
 import atexit

@@ -47,7 +47,8 @@ mkdir -p "$out"
 # Line tables only: what a sanitizer's stack needs (functions, files, lines,
 # inlined frames), and 12% less CPU than -g for a source that includes
 # torch's headers. FUZZ_DEBUG=-g gives a debugger's view of a finding.
-CXXFLAGS=(-std=c++20 "${FUZZ_DEBUG:--gline-tables-only}" -O1 -fsanitize=fuzzer,address,undefined
+read -ra debug_flags <<<"${FUZZ_DEBUG--gline-tables-only}"
+CXXFLAGS=(-std=c++20 "${debug_flags[@]}" -O1 -fsanitize=fuzzer,address,undefined
   -fno-sanitize-recover=undefined -fno-omit-frame-pointer -I"$root")
 
 die() {
@@ -112,7 +113,11 @@ torch_flags() {
 # compiled against changed. Two sets of flags: "torch" (torch's headers,
 # for targets that link libtorch) and "plain" (cuda.h's directory too,
 # which no source needs a library for).
-case "$root" in *[[:space:]]*) die "make cannot build under a path with spaces: $root" ;; esac
+# `makeable DIR`: fails naming DIR if the makefile could not carry it.
+makeable() {
+  case "$1" in *[[:space:]\$\#]*) die "make cannot build with a space, \$ or # in a path: $1" ;; esac
+}
+makeable "$root"
 command -v make >/dev/null 2>&1 || die "make not found (Debian: apt-get install make)"
 
 # `write_if_changed FILE LINE...`: FILE holds the lines, and its time
@@ -130,6 +135,7 @@ py=python3
 wanted=("$@")
 mk="$out/fuzz.mk"
 goals=()
+no_cuda_h=()
 declare -A flag_sets=() objects_made=()
 rules=()
 for line in "${TARGETS[@]}"; do
@@ -148,6 +154,7 @@ for line in "${TARGETS[@]}"; do
     set_name=torch
     if [ -z "${flag_sets[torch]:-}" ]; then
       torch_flags
+      makeable "$TORCH_DIR"
       flag_sets[torch]="${CXXFLAGS[*]} ${TORCH_CXXFLAGS[*]}"
       torch_libs="${TORCH_LDFLAGS[*]}"
       write_if_changed "$out/flags-torch" "$CXX ${flag_sets[torch]}" "$TORCH_DIR/version.py"
@@ -162,6 +169,7 @@ for line in "${TARGETS[@]}"; do
       # it otherwise); only "cuda" targets need it.
       inc=$("$py" "$root/torch_rpc_ext/_cuda/headers.py" 2>/dev/null) || true
       if [ -n "$inc" ] && [ -f "$inc/cuda.h" ]; then
+        makeable "$inc"
         flag_sets[plain]="${CXXFLAGS[*]} -isystem $inc"
         cuda_dep="$inc/cuda.h"
       else
@@ -171,7 +179,8 @@ for line in "${TARGETS[@]}"; do
       write_if_changed "$out/flags-plain" "$CXX ${flag_sets[plain]}"
     fi
     if [ "$kind" = cuda ] && [ -z "$cuda_dep" ]; then
-      die "target $name needs cuda.h: $("$py" "$root/torch_rpc_ext/_cuda/headers.py" 2>&1)"
+      no_cuda_h+=("$name")  # the others are built, then this fails
+      continue
     fi
     libs=""
     dep=$cuda_dep
@@ -190,13 +199,22 @@ for line in "${TARGETS[@]}"; do
   done
   bin="$out/fuzz_$name"
   goals+=("$bin")
-  rules+=("$bin: ${objs[*]}"
-    "	@$CXX ${CXXFLAGS[*]} \$^ -o \$@.tmp $libs -lpthread && mv \$@.tmp \$@"
+  # Relinked when its objects or its link line (objects, flags, libraries)
+  # changed.
+  link="$CXX ${CXXFLAGS[*]} ${objs[*]} -o $bin.tmp $libs -lpthread"
+  write_if_changed "$out/link-$name" "$link"
+  rules+=("$bin: ${objs[*]} $out/link-$name"
+    "	@$link && mv \$@.tmp \$@"
     "	@echo \"built fuzz_$name\"")
 done
-[ "${#goals[@]}" -gt 0 ] || die "no target matches: ${wanted[*]} (see --list)"
+[ "${#goals[@]}" -gt 0 ] || [ "${#no_cuda_h[@]}" -gt 0 ] ||
+  die "no target matches: ${wanted[*]} (see --list)"
 printf '%s\n' "# Written by tests/fuzz/build.sh: edit that, not this." \
   ".DELETE_ON_ERROR:" "${rules[@]}" >"$mk"
 start=$(date +%s)
-make -s -f "$mk" -j"${FUZZ_JOBS:-$(nproc)}" "${goals[@]}" || die "building failed (above)"
+if [ "${#goals[@]}" -gt 0 ]; then
+  make -s -f "$mk" -j"${FUZZ_JOBS:-$(nproc)}" "${goals[@]}" || die "building failed (above)"
+fi
 echo "fuzz build: ${#goals[@]} target(s) current, $(($(date +%s) - start)) s"
+[ "${#no_cuda_h[@]}" -eq 0 ] ||
+  die "${no_cuda_h[*]} not built: no cuda.h ($("$py" "$root/torch_rpc_ext/_cuda/headers.py" 2>&1))"
