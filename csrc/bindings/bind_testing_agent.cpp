@@ -120,7 +120,9 @@ rpc::RRefId rrefId(const std::pair<int, int64_t>& id) {
 void bindTestingAgent(py::module_& parent) {
   auto m = parent.def_submodule("agent", "the agent's parts, driven alone");
 
-  py::class_<GroupHarness>(m, "Group")
+  // Without the GIL, as Endpoint: its group's loop threads take it to exit.
+  py::class_<GroupHarness>(
+      m, "Group", py::release_gil_before_calling_cpp_dtor())
       .def(
           py::init<
               const c10::intrusive_ptr<::c10d::Store>&,

@@ -350,7 +350,9 @@ void bindTestingEndpoint(py::module_& m) {
           [](Region& r) { r.region.reset(); },
           py::call_guard<py::gil_scoped_release>());
 
-  py::class_<Endpoint>(m, "Endpoint")
+  // Without the GIL: an Endpoint dropped without close() stops its loop,
+  // whose threads take the GIL on their way out (python_threads.cpp).
+  py::class_<Endpoint>(m, "Endpoint", py::release_gil_before_calling_cpp_dtor())
       .def(
           py::init<
               int32_t,

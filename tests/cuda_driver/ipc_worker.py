@@ -9,7 +9,9 @@ what it saw on `ctl`, its pipe to the test. Frames are ordered on the
 connection, so a reply frame arrives after every control frame its sender
 queued before it (a block's release, say)."""
 
+import faulthandler
 import os
+import signal
 import time
 
 from tests.cuda_driver.worker import (
@@ -80,7 +82,16 @@ class End:
             self.cu.mem_free(DEVICE, p)
 
 
+# An end still running after this many seconds is taken as hung: it prints
+# every thread's Python stack to stderr and exits 1 (the test's play() waits
+# 120 s for a report). SIGUSR1 prints them too (play() sends it to an end
+# left running when the test gives up on it).
+WATCHDOG_S = 110
+
+
 def run(role: str, conn, ctl, scenario: str) -> None:
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     globals()[f"{scenario}_{role}"](conn, ctl)
 
 

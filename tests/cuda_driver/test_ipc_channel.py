@@ -6,6 +6,10 @@ machine). What passes against the fake proves the protocol (setup frames
 with descriptors, events, pooling, hand-back, lifetimes), not the hardware:
 docs/cuda.md says which is which."""
 
+import os
+import signal
+import time
+
 import pytest
 
 from tests.cuda_driver import ipc_worker
@@ -25,12 +29,12 @@ def play(spawn, scenario: str, after_sender_exits=None, worker=ipc_worker):
     sender.start()
     receiver.start()
     try:
-        out_s = ctl_s.recv() if ctl_s.poll(120) else None
+        out_s = report(sender, ctl_s, "sender")
         if after_sender_exits is not None:
             sender.join(120)
             assert sender.exitcode == 0
             ctl_r.send(after_sender_exits)
-        out_r = ctl_r.recv() if ctl_r.poll(120) else None
+        out_r = report(receiver, ctl_r, "receiver")
         for p in (sender, receiver):
             p.join(120)
         assert (sender.exitcode, receiver.exitcode) == (0, 0)
@@ -38,8 +42,31 @@ def play(spawn, scenario: str, after_sender_exits=None, worker=ipc_worker):
     finally:
         for p in (sender, receiver):
             if p.is_alive():
+                # Its Python stacks to stderr (ipc_worker.run), then gone.
+                os.kill(p.pid, signal.SIGUSR1)
+                time.sleep(0.5)
                 p.kill()
                 p.join(10)
+
+
+def report(proc, ctl, who: str, limit: float = 120):
+    """What `proc` sent down `ctl`; None if it exited with 0 without a word.
+    Fails at once, naming it, when it exits with an error first (its peer
+    may wait on it for good: CI once waited out the test's limit behind a
+    receiver dead of a failed connection), and after `limit` seconds if it
+    neither reported nor exited (its watchdog printed its stacks by then)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if ctl.poll(0.2):
+            return ctl.recv()
+        if proc.exitcode is not None:
+            if ctl.poll(0):
+                return ctl.recv()
+            assert proc.exitcode == 0, (
+                f"the {who} exited with {proc.exitcode} before its report "
+                "(its traceback is in the captured stderr)")
+            return None
+    raise AssertionError(f"the {who} reported nothing in {limit:.0f} s")
 
 
 def test_segments_travel_in_one_pooled_block(spawn):

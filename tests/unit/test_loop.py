@@ -2,6 +2,9 @@
 """The transport loop runs requests and completions without a thread hop, and
 hands itself to a new thread when such work blocks (tcp/loop.h)."""
 
+import subprocess
+import sys
+
 import pytest
 
 from torch_rpc_ext import _testing
@@ -28,3 +31,24 @@ def test_stop_runs_deferred_work_instead_of_dropping_it(sleep_ms):
     # Deferred work carries completions of client calls; dropping it would
     # leave a caller waiting forever.
     assert _testing.loop_stop_runs_deferred(8, sleep_ms) == 8
+
+
+def test_an_endpoint_dropped_without_close_stops_its_loop():
+    """Its destructor stops the loop, whose threads take the GIL on their way
+    out (python_threads.cpp): run with the GIL held, the two waited on each
+    other for good. A test whose worker failed with its Endpoint in the
+    traceback hung there until the watchdog (CI once waited out the test's
+    240 s). In a process of its own: a deadlock must not take pytest's."""
+    code = (
+        "from torch_rpc_ext import _testing\n"
+        "ep = _testing.Endpoint(0, 2, b'k' * 32, 'shm', [])\n"
+        "assert ep.address\n"
+        "del ep\n"
+        "print('dropped')\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("dropping the Endpoint hung")
+    assert out.returncode == 0 and out.stdout.strip() == "dropped", out.stderr

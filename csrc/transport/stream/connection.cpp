@@ -360,8 +360,46 @@ void StreamConnection::handleEventsFromLoop(uint32_t events) {
 void StreamConnection::afterFlush(const std::string& error) {
   releaseFinished();
   if (!error.empty()) {
-    closeInternal(error, false);
+    writeFailed(error);
   }
+}
+
+bool StreamConnection::writeFailed(const std::string& error) {
+  // A peer may send its last frames and close at once, before our next
+  // write (a heartbeat, our frame ring's offer, an answer): that write
+  // fails, and closing then would drop frames it sent before, unread in
+  // our socket. (Seen as a lost frame on a starved host: the peer finished
+  // before our loop got back to the handshake it had just completed.)
+  if (!peerProven_ || !peerEndedWrites_ || state_ == State::kClosed) {
+    closeInternal(error, false);
+    return false;
+  }
+  if (closingAfterInput_.exchange(true)) {
+    return true;
+  }
+  std::weak_ptr<StreamConnection> weak = weak_from_this();
+  loop_.post([weak, error] {
+    if (auto self = weak.lock()) {
+      self->closeAfterInputFromLoop(error);
+    }
+  });
+  return true;
+}
+
+void StreamConnection::closeAfterInputFromLoop(const std::string& error) {
+  // Bounded by what the peer left: it has closed, so no more comes. Each
+  // round reads until the socket (or its ring, for kRingWaitPerFlush) has
+  // nothing, or the peer's end closes the connection ("peer closed").
+  for (int round = 0; round < 64 && state_ == State::kReady; ++round) {
+    onReadableFromLoop();
+    int unread = 0;
+    bool more = (::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0) ||
+        (inRing_ && inRing_->waiting() != 0);
+    if (!more || recordHeld_) {
+      break;
+    }
+  }
+  closeInternal(error, false);
 }
 
 void StreamConnection::releaseFinished() {
@@ -468,6 +506,9 @@ bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
     closeInternal(step.error, false);
     return false;
   }
+  if (step.done) {
+    peerProven_ = true; // before our reply's write, which may fail
+  }
   if (step.hasReply) {
     queueControl(uint8_t(step.replyKind), std::move(step.replyHead));
   }
@@ -495,8 +536,7 @@ bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
     error = flushLocked();
   }
   releaseFinished();
-  if (!error.empty()) {
-    closeInternal(error, false);
+  if (!error.empty() && !writeFailed(error)) {
     return false;
   }
   noteActivity();

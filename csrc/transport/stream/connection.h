@@ -230,8 +230,17 @@ class StreamConnection : public Connection,
   // Write as much as the socket takes. Returns an error text or "".
   std::string flushLocked();
   // After a flush under writeMutex_ (released by now): releaseFinished(),
-  // then close the connection if the flush failed with `error`.
+  // then writeFailed(error) if the flush failed.
   void afterFlush(const std::string& error);
+  // A write failed with `error`. It closes the connection, unless the peer,
+  // once it proved itself, closed its end (a socket in the clear refused
+  // the write: EPIPE, ECONNRESET): then what it sent before it closed is
+  // still ours to read, and is delivered first (closeAfterInputFromLoop(),
+  // posted). Returns whether the connection stays open for that.
+  bool writeFailed(const std::string& error);
+  // Reads what the peer left in the socket (and its frame ring), then
+  // closes with `error` if the peer's end did not close it first.
+  void closeAfterInputFromLoop(const std::string& error);
   void closeInternal(std::string reason, bool local);
   // Accepted, and closed (`reset`: reset) by the peer before its first
   // byte: a knock on the listener (knockOnly()), not a failed handshake.
@@ -460,6 +469,13 @@ class StreamConnection : public Connection,
   std::atomic<bool> rejected_{false};
   // Accepted, and closed by the peer before its first byte (knockOnly()).
   std::atomic<bool> knockOnly_{false};
+  // The peer's proof checked out (loop thread sets): what it sent after it
+  // is the peer's, even once it has gone.
+  std::atomic<bool> peerProven_{false};
+  // The last write failed because the peer closed its end (writeMutex_
+  // sets), and closeAfterInputFromLoop() is posted for it.
+  std::atomic<bool> peerEndedWrites_{false};
+  std::atomic<bool> closingAfterInput_{false};
   bool receivedAny_ = false; // loop thread: a byte arrived on the socket
   // steady_clock ticks of the last byte received or accepted by the socket.
   std::atomic<int64_t> lastActivity_{0};

@@ -22,6 +22,12 @@ namespace {
 
 constexpr int kMaxIov = 1024;
 
+// A socket's write refused because the peer closed its end (it may have
+// sent frames first: StreamConnection::writeFailed()).
+bool peerEnded(int err) {
+  return err == EPIPE || err == ECONNRESET;
+}
+
 } // namespace
 
 void StreamConnection::resumeWritesFromLoop() {
@@ -303,6 +309,7 @@ std::string StreamConnection::flushLocked() {
       if (errno == EINTR) {
         continue;
       }
+      peerEndedWrites_ = ringError_.empty() && !tls_ && peerEnded(errno);
       return !ringError_.empty() ? "write failed: " + ringError_
           : tls_                 ? "write failed: " + tlsWriteError_
                                  : errnoText("write failed");
@@ -533,6 +540,7 @@ ssize_t StreamConnection::sendSome(
       return 0;
     }
     if (errno != EINTR) {
+      peerEndedWrites_ = peerEnded(errno);
       *error = errnoText("write failed");
       return -1;
     }

@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""A peer that sends its last frames and closes at once, before our next
+write to it: that write fails (the peer's socket is gone), and what the
+peer sent before it closed is still delivered, then the connection closes.
+
+Seen on a starved host (CI's second lane, 93 runnable tasks): the accepting
+end, descheduled between writing its proof and its frame ring's offer, came
+back to a client that had verified that proof, sent its frames and closed;
+the offer's write failed with EPIPE, and the connection closed with the
+frames unread in its socket: never ready, nothing delivered.
+
+Here the peer is a raw socket and our end an Endpoint in a child process,
+stopped (SIGSTOP) while the peer sends its proof and a frame and closes:
+once continued, our end reads both and its next write fails, every time."""
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import struct
+import time
+
+import pytest
+
+from torch_rpc_ext.testing import (
+    CHALLENGE,
+    HELLO,
+    MESSAGE,
+    PROOF,
+    _proof,
+    connect_raw,
+    frame_header,
+    recv_exact,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+KEY = b"k" * 32  # the Endpoint keys its proofs with the secret as given
+LAST = b"last words"
+
+
+def endpoint(role, transport, address, conn):
+    """Our end: accepts (and publishes its address) or dials `address`;
+    reports (ready?, the frame it received or None, its close reason)."""
+    from torch_rpc_ext import _testing
+
+    ep = _testing.Endpoint(0 if role == "dialing" else 1, 2, KEY, transport, [])
+    conn.send(ep.address)
+    if role == "dialing":
+        assert conn.recv() == "dial"
+        ep.connect(address, 1)
+    ready = ep.wait_ready(30)
+    got = ep.receive(10) if ready else None
+    # The peer is gone: the connection closes once its frames are read.
+    deadline = time.monotonic() + 10
+    while ready and not ep.close_reason() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    conn.send((ready, got[0] if got else None, ep.close_reason()))
+    ep.close(0)
+
+
+def stopped(pid):
+    """Waits until `pid` is stopped (SIGSTOP takes effect asynchronously)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop")
+
+
+def last_words():
+    return frame_header(MESSAGE, len(LAST)) + LAST
+
+
+def as_client(sock, pid):
+    """The client's side: hello, the challenge, then (our end stopped) its
+    proof and a frame at once, and gone."""
+    cn = os.urandom(32)
+    hello = struct.pack("<iQ", 0, 0) + cn
+    sock.sendall(frame_header(HELLO, len(hello)) + hello)
+    assert struct.unpack("<IBBHIIQ", recv_exact(sock, 24))[2] == CHALLENGE
+    body = recv_exact(sock, 44)
+    sid, sinc = struct.unpack("<iQ", body[:12])
+    proof = _proof(KEY, b"client", cn, body[12:], 0, sid, 0, sinc)
+    os.kill(pid, signal.SIGSTOP)
+    stopped(pid)
+    sock.sendall(frame_header(PROOF, 32) + proof + last_words())
+    sock.close()
+
+
+def as_server(sock, pid):
+    """The server's side: the challenge, then (our end stopped) its proof,
+    once the client's checks out, and a frame at once, and gone."""
+    assert struct.unpack("<IBBHIIQ", recv_exact(sock, 24))[2] == HELLO
+    body = recv_exact(sock, 44)
+    cid, cinc = struct.unpack("<iQ", body[:12])
+    cn, sn = body[12:], os.urandom(32)
+    sock.sendall(frame_header(CHALLENGE, 44) + struct.pack("<iQ", 1, 0) + sn)
+    assert struct.unpack("<IBBHIIQ", recv_exact(sock, 24))[2] == PROOF
+    assert recv_exact(sock, 32) == _proof(KEY, b"client", cn, sn, cid, 1, cinc, 0)
+    os.kill(pid, signal.SIGSTOP)
+    stopped(pid)
+    sock.sendall(frame_header(PROOF, 32) + _proof(KEY, b"server", cn, sn, cid, 1, cinc, 0)
+                 + last_words())
+    sock.close()
+
+
+def listener(transport):
+    """A raw listening socket, and the address our end dials."""
+    if transport == "tcp":
+        s = socket.create_server(("127.0.0.1", 0))
+        return s, "127.0.0.1:%d" % s.getsockname()[1]
+    name = "torch_rpc_ext-last-words-%d" % os.getpid()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind("\0" + name)
+    s.listen(1)
+    return s, "@" + name
+
+
+@pytest.mark.parametrize(
+    "role,transport",
+    [("accepting", "shm"), ("accepting", "tcp"), ("dialing", "shm"), ("dialing", "tcp")],
+)
+def test_frames_sent_just_before_the_peer_closed_are_delivered(role, transport):
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    raw, address = listener(transport) if role == "dialing" else (None, None)
+    child = ctx.Process(target=endpoint, args=(role, transport, address, theirs))
+    child.start()
+    try:
+        assert ours.poll(30), "our end did not start"
+        our_address = ours.recv()
+        if role == "accepting":
+            as_client(connect_raw(our_address, timeout=30), child.pid)
+        else:
+            raw.settimeout(30)
+            ours.send("dial")
+            sock, _ = raw.accept()
+            sock.settimeout(30)
+            as_server(sock, child.pid)
+        os.kill(child.pid, signal.SIGCONT)
+        assert ours.poll(60), "our end reported nothing"
+        ready, got, reason = ours.recv()
+        child.join(30)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+            child.join(10)
+        if raw is not None:
+            raw.close()
+    assert ready, f"our end never became ready: {reason}"
+    assert got == LAST, reason
+    assert reason == "peer closed the connection"  # and then it closed
