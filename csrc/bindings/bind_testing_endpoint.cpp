@@ -45,7 +45,8 @@ class Endpoint final : public transport::ConnectionObserver {
       const std::string& transportName,
       const std::vector<std::string>& channelNames,
       const std::string& encryption,
-      const std::vector<std::string>& tlsFiles) {
+      const std::vector<std::string>& tlsFiles,
+      double handshakeTimeoutSeconds) {
     for (const auto& name : channelNames) {
       auto c = channel::createChannel(name);
       if (!c->isViable()) {
@@ -59,6 +60,9 @@ class Endpoint final : public transport::ConnectionObserver {
     o.peerIdLimit = worldSize;
     o.secret = secret;
     o.tls.mode = transport::parseTlsMode(encryption);
+    if (handshakeTimeoutSeconds > 0) {
+      o.handshakeTimeout = seconds(handshakeTimeoutSeconds);
+    }
     if (tlsFiles.size() == 3) {
       o.tls.certFile = tlsFiles[0];
       o.tls.keyFile = tlsFiles[1];
@@ -361,14 +365,16 @@ void bindTestingEndpoint(py::module_& m) {
               const std::string&,
               const std::vector<std::string>&,
               const std::string&,
-              const std::vector<std::string>&>(),
+              const std::vector<std::string>&,
+              double>(),
           py::arg("self_id"),
           py::arg("world_size"),
           py::arg("secret"),
           py::arg("transport"),
           py::arg("channels"),
           py::arg("encryption") = "auto",
-          py::arg("tls_files") = std::vector<std::string>{})
+          py::arg("tls_files") = std::vector<std::string>{},
+          py::arg("handshake_timeout") = 0.0)
       .def_property_readonly("address", &Endpoint::address)
       .def("descriptors", &Endpoint::descriptors)
       .def("set_peer", &Endpoint::setPeer)

@@ -299,9 +299,29 @@ void StreamConnection::handshakeTimeoutFromLoop() {
   auto silent = duration_cast<milliseconds>(now - heard).count();
   closeInternal(
       "handshake did not complete in time: nothing from the peer for " +
-          std::to_string(silent) + " ms (handshake_timeout " +
-          std::to_string(timeout.count()) + " ms)",
+          std::to_string(silent) + " ms, waiting for " + awaitedText() +
+          " (handshake_timeout " + std::to_string(timeout.count()) + " ms)",
       false);
+}
+
+std::string StreamConnection::awaitedText() const {
+  // Which side was slow, and where: a hello never sent (the peer never ran
+  // its loop after connecting), a challenge or proof that never came (the
+  // peer stalled mid-way, or stopped there on purpose).
+  if (state_ == State::kConnecting) {
+    return "the connection to be accepted";
+  }
+  if (state_ == State::kTls) {
+    return "its TLS handshake";
+  }
+  switch (handshake_.expectedKind()) {
+    case frame::FrameKind::kHello:
+      return "its hello";
+    case frame::FrameKind::kChallenge:
+      return "its challenge";
+    default:
+      return "its proof";
+  }
 }
 
 std::string StreamConnection::describe() const {

@@ -241,6 +241,9 @@ class StreamConnection : public Connection,
   // Reads what the peer left in the socket (and its frame ring), then
   // closes with `error` if the peer's end did not close it first.
   void closeAfterInputFromLoop(const std::string& error);
+  // What the handshake waits for from the peer ("its proof"), for the
+  // handshake timeout's message (loop thread).
+  std::string awaitedText() const;
   void closeInternal(std::string reason, bool local);
   // Accepted, and closed (`reset`: reset) by the peer before its first
   // byte: a knock on the listener (knockOnly()), not a failed handshake.

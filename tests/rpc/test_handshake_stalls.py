@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""A handshake the peer stops answering is closed after handshake_timeout,
+and the reason names what was awaited: a peer that never read our hello
+(no challenge) is not one that stalled before its proof. (CI once lost a
+connection to `nothing from the peer for 20007 ms` on a host with 93
+runnable tasks, and nothing said at which step.)"""
+
+import os
+import socket
+import struct
+
+import pytest
+
+from torch_rpc_ext import _testing
+from torch_rpc_ext.testing import (
+    CHALLENGE,
+    HELLO,
+    connect_raw,
+    frame_header,
+    recv_exact,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = b"k" * 32
+TIMEOUT_S = 0.3  # on a saturated host it may run to 2x, and late
+
+
+def closed_for(ep) -> str:
+    assert not ep.wait_ready(20)
+    return ep.close_reason()
+
+
+def test_a_peer_that_never_answers_our_hello():
+    name = "torch_rpc_ext-stall-%d" % os.getpid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(1)
+    ep = _testing.Endpoint(0, 2, KEY, "shm", [], handshake_timeout=TIMEOUT_S)
+    try:
+        ep.connect("@" + name, 1)
+        listener.settimeout(20)
+        silent, _ = listener.accept()  # accepted, never read
+        reason = closed_for(ep)
+        silent.close()
+    finally:
+        ep.close(0)
+        listener.close()
+    assert "handshake did not complete in time" in reason, reason
+    assert "waiting for its challenge" in reason, reason
+
+
+@pytest.mark.parametrize("stop_after", ["connect", "hello"])
+def test_a_client_that_stalls_mid_way(stop_after):
+    ep = _testing.Endpoint(1, 2, KEY, "shm", [], handshake_timeout=TIMEOUT_S)
+    try:
+        sock = connect_raw(ep.address, timeout=20)
+        if stop_after == "hello":
+            hello = struct.pack("<iQ", 0, 0) + os.urandom(32)
+            sock.sendall(frame_header(HELLO, len(hello)) + hello)
+            assert struct.unpack("<IBBHIIQ", recv_exact(sock, 24))[2] == CHALLENGE
+            recv_exact(sock, 44)
+        else:
+            # One byte of the hello: not a knock (closed before its first
+            # byte), a client that stopped.
+            sock.sendall(frame_header(HELLO, 44)[:1])
+        reason = closed_for(ep)
+        sock.close()
+    finally:
+        ep.close(0)
+    assert "handshake did not complete in time" in reason, reason
+    awaited = "its proof" if stop_after == "hello" else "its hello"
+    assert f"waiting for {awaited}" in reason, reason
