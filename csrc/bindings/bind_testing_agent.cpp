@@ -120,7 +120,8 @@ rpc::RRefId rrefId(const std::pair<int, int64_t>& id) {
 void bindTestingAgent(py::module_& parent) {
   auto m = parent.def_submodule("agent", "the agent's parts, driven alone");
 
-  // Without the GIL, as Endpoint: its group's loop threads take it to exit.
+  // Without the GIL: its destructor joins the group's watcher thread, which
+  // may be in a call to a Store written in Python (that takes the GIL).
   py::class_<GroupHarness>(
       m, "Group", py::release_gil_before_calling_cpp_dtor())
       .def(

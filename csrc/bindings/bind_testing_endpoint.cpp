@@ -374,7 +374,9 @@ void bindTestingEndpoint(py::module_& m) {
           py::arg("channels"),
           py::arg("encryption") = "auto",
           py::arg("tls_files") = std::vector<std::string>{},
-          py::arg("handshake_timeout") = 0.0)
+          py::arg("handshake_timeout") = 0.0,
+          // (A constructor that throws stops the loop it started.)
+          py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("address", &Endpoint::address)
       .def("descriptors", &Endpoint::descriptors)
       .def("set_peer", &Endpoint::setPeer)

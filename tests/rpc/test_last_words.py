@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from tests.rpc.world import stop_process
 from torch_rpc_ext.testing import (
     CHALLENGE,
     HELLO,
@@ -59,17 +60,6 @@ def endpoint(role, transport, address, conn):
     ep.close(0)
 
 
-def stopped(pid):
-    """Waits until `pid` is stopped (SIGSTOP takes effect asynchronously)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.001)
-    raise AssertionError(f"process {pid} did not stop")
-
-
 def last_words():
     return frame_header(MESSAGE, len(LAST)) + LAST
 
@@ -84,8 +74,7 @@ def as_client(sock, pid):
     body = recv_exact(sock, 44)
     sid, sinc = struct.unpack("<iQ", body[:12])
     proof = _proof(KEY, b"client", cn, body[12:], 0, sid, 0, sinc)
-    os.kill(pid, signal.SIGSTOP)
-    stopped(pid)
+    stop_process(pid)  # every thread: its loop's too
     sock.sendall(frame_header(PROOF, 32) + proof + last_words())
     sock.close()
 
@@ -100,8 +89,7 @@ def as_server(sock, pid):
     sock.sendall(frame_header(CHALLENGE, 44) + struct.pack("<iQ", 1, 0) + sn)
     assert struct.unpack("<IBBHIIQ", recv_exact(sock, 24))[2] == PROOF
     assert recv_exact(sock, 32) == _proof(KEY, b"client", cn, sn, cid, 1, cinc, 0)
-    os.kill(pid, signal.SIGSTOP)
-    stopped(pid)
+    stop_process(pid)  # every thread: its loop's too
     sock.sendall(frame_header(PROOF, 32) + _proof(KEY, b"server", cn, sn, cid, 1, cinc, 0)
                  + last_words())
     sock.close()

@@ -409,7 +409,11 @@ bool StreamConnection::writeFailed(const std::string& error) {
 void StreamConnection::closeAfterInputFromLoop(const std::string& error) {
   // Bounded by what the peer left: it has closed, so no more comes. Each
   // round reads until the socket (or its ring, for kRingWaitPerFlush) has
-  // nothing, or the peer's end closes the connection ("peer closed").
+  // nothing, or the peer's end closes the connection ("peer closed"). The
+  // socket's end may not have been seen yet: the refused write proved it.
+  if (inRing_) {
+    socketEnded_ = true; // closed once the ring is read to its end
+  }
   for (int round = 0; round < 64 && state_ == State::kReady; ++round) {
     onReadableFromLoop();
     int unread = 0;
@@ -565,7 +569,9 @@ bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
     ch->onReadyFromLoop();
   }
   if (state_ != State::kClosed) {
-    offerFrameRingFromLoop();
+    if (!closingAfterInput_) { // (the peer is gone: no ring for it)
+      offerFrameRingFromLoop();
+    }
   }
   if (state_ == State::kClosed) {
     return false;
