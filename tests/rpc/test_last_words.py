@@ -143,3 +143,57 @@ def test_frames_sent_just_before_the_peer_closed_are_delivered(role, transport):
     assert ready, f"our end never became ready: {reason}"
     assert got == LAST, reason
     assert reason == "peer closed the connection"  # and then it closed
+
+
+def paused_acceptor(conn):
+    """Our end as CI's receiver was: it stalls between its proof and its
+    frame ring's offer, long enough for the client to finish and go."""
+    os.environ["TORCH_RPC_EXT_TEST_PAUSE_AFTER_PROOF_MS"] = str(PAUSE_MS)
+    from torch_rpc_ext import _testing
+
+    ep = _testing.Endpoint(1, 2, KEY, "shm", [])
+    conn.send(ep.address)
+    ready = ep.wait_ready(30)
+    got = ep.receive(10) if ready else None
+    deadline = time.monotonic() + 10
+    while ready and not ep.close_reason() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ring_reads = ep.counters()["transport"]["frame_ring_reads"]
+    conn.send((ready, got[0] if got else None, ep.close_reason(), ring_reads))
+    ep.close(0)
+
+
+PAUSE_MS = 3000
+
+
+def test_a_clients_frames_in_its_ring_arrive_though_our_ring_offer_meets_it_gone():
+    """CI's sequence with two Endpoints: the client verifies our proof,
+    offers its frame ring, sends its frame through it and closes, all while
+    we are stalled; our ring offer then fails with EPIPE, and the client's
+    ring, its descriptor still in our socket, is read to its end."""
+    from torch_rpc_ext import _testing
+
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=paused_acceptor, args=(theirs,))
+    child.start()
+    try:
+        assert ours.poll(30), "our end did not start"
+        client = _testing.Endpoint(0, 2, KEY, "shm", [])
+        client.connect(ours.recv(), 1)
+        assert client.wait_ready(30), client.close_reason()
+        client.send(LAST, [])
+        written = client.counters()["transport"]["frame_ring_writes"]
+        client.close(5)
+        assert ours.poll(60), "our end reported nothing"
+        ready, got, reason, ring_reads = ours.recv()
+        child.join(30)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+    assert written >= 1  # the client's frame went through its ring
+    assert ready, f"our end never became ready: {reason}"
+    assert got == LAST and ring_reads >= 1, (got, ring_reads, reason)
+    assert reason == "peer closed the connection"

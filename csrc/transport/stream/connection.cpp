@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "csrc/common/fd_closer.h"
 #include "csrc/common/logging.h"
@@ -46,6 +48,15 @@ class Watcher final : public Pollable {
  private:
   std::function<void()> fn_;
 };
+
+// Tests only (tests/rpc/test_last_words.py): an accepting end stalls this
+// long between its proof and the rest, as a loop thread descheduled there
+// would. Read at each handshake: a forked child may set it.
+void pauseAfterProofForTesting() {
+  if (const char* ms = std::getenv("TORCH_RPC_EXT_TEST_PAUSE_AFTER_PROOF_MS")) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
+  }
+}
 
 } // namespace
 
@@ -304,26 +315,6 @@ void StreamConnection::handshakeTimeoutFromLoop() {
       false);
 }
 
-std::string StreamConnection::awaitedText() const {
-  // Which side was slow, and where: a hello never sent (the peer never ran
-  // its loop after connecting), a challenge or proof that never came (the
-  // peer stalled mid-way, or stopped there on purpose).
-  if (state_ == State::kConnecting) {
-    return "the connection to be accepted";
-  }
-  if (state_ == State::kTls) {
-    return "its TLS handshake";
-  }
-  switch (handshake_.expectedKind()) {
-    case frame::FrameKind::kHello:
-      return "its hello";
-    case frame::FrameKind::kChallenge:
-      return "its challenge";
-    default:
-      return "its proof";
-  }
-}
-
 std::string StreamConnection::describe() const {
   return transportName_ + (outbound_ ? " to " : " from ") + peerAddress_ +
       (peerId_ >= 0 ? " (worker id " + std::to_string(peerId_.load()) + ")"
@@ -382,48 +373,6 @@ void StreamConnection::afterFlush(const std::string& error) {
   if (!error.empty()) {
     writeFailed(error);
   }
-}
-
-bool StreamConnection::writeFailed(const std::string& error) {
-  // A peer may send its last frames and close at once, before our next
-  // write (a heartbeat, our frame ring's offer, an answer): that write
-  // fails, and closing then would drop frames it sent before, unread in
-  // our socket. (Seen as a lost frame on a starved host: the peer finished
-  // before our loop got back to the handshake it had just completed.)
-  if (!peerProven_ || !peerEndedWrites_ || state_ == State::kClosed) {
-    closeInternal(error, false);
-    return false;
-  }
-  if (closingAfterInput_.exchange(true)) {
-    return true;
-  }
-  std::weak_ptr<StreamConnection> weak = weak_from_this();
-  loop_.post([weak, error] {
-    if (auto self = weak.lock()) {
-      self->closeAfterInputFromLoop(error);
-    }
-  });
-  return true;
-}
-
-void StreamConnection::closeAfterInputFromLoop(const std::string& error) {
-  // Bounded by what the peer left: it has closed, so no more comes. Each
-  // round reads until the socket (or its ring, for kRingWaitPerFlush) has
-  // nothing, or the peer's end closes the connection ("peer closed"). The
-  // socket's end may not have been seen yet: the refused write proved it.
-  if (inRing_) {
-    socketEnded_ = true; // closed once the ring is read to its end
-  }
-  for (int round = 0; round < 64 && state_ == State::kReady; ++round) {
-    onReadableFromLoop();
-    int unread = 0;
-    bool more = (::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0) ||
-        (inRing_ && inRing_->waiting() != 0);
-    if (!more || recordHeld_) {
-      break;
-    }
-  }
-  closeInternal(error, false);
 }
 
 void StreamConnection::releaseFinished() {
@@ -535,6 +484,9 @@ bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
   }
   if (step.hasReply) {
     queueControl(uint8_t(step.replyKind), std::move(step.replyHead));
+  }
+  if (step.done && !outbound_) {
+    pauseAfterProofForTesting();
   }
   if (!step.done) {
     return state_ != State::kClosed;

@@ -1,7 +1,11 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // StreamConnection's control frames (the handshake's, pings and pongs, the
 // channels' releases): made, and queued ahead of message frames not yet
-// started. Callers hold writeMutex_ for everything named *Locked.
+// started. Callers hold writeMutex_ for everything named *Locked. Also what
+// a failed write or a stalled handshake closes with.
+#include <sys/ioctl.h>
+
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -104,6 +108,68 @@ void StreamConnection::queueControl(uint8_t kind, std::string head) {
     error = flushLocked();
   }
   afterFlush(error);
+}
+
+bool StreamConnection::writeFailed(const std::string& error) {
+  // A peer may send its last frames and close at once, before our next
+  // write (a heartbeat, our frame ring's offer, an answer): that write
+  // fails, and closing then would drop frames it sent before, unread in
+  // our socket. (Seen as a lost frame on a starved host: the peer finished
+  // before our loop got back to the handshake it had just completed.)
+  if (!peerProven_ || !peerEndedWrites_ || state_ == State::kClosed) {
+    closeInternal(error, false);
+    return false;
+  }
+  if (closingAfterInput_.exchange(true)) {
+    return true;
+  }
+  std::weak_ptr<StreamConnection> weak = weak_from_this();
+  loop_.post([weak, error] {
+    if (auto self = weak.lock()) {
+      self->closeAfterInputFromLoop(error);
+    }
+  });
+  return true;
+}
+
+void StreamConnection::closeAfterInputFromLoop(const std::string& error) {
+  // Bounded by what the peer left: it has closed, so no more comes. Each
+  // round reads until the socket (or its ring, for kRingWaitPerFlush) has
+  // nothing, or the peer's end closes the connection ("peer closed"). The
+  // socket's end may not have been seen yet: the refused write proved it.
+  if (inRing_) {
+    socketEnded_ = true; // closed once the ring is read to its end
+  }
+  for (int round = 0; round < 64 && state_ == State::kReady; ++round) {
+    onReadableFromLoop();
+    int unread = 0;
+    bool more = (::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0) ||
+        (inRing_ && inRing_->waiting() != 0);
+    if (!more || recordHeld_) {
+      break;
+    }
+  }
+  closeInternal(error, false);
+}
+
+std::string StreamConnection::awaitedText() const {
+  // Which side was slow, and where: a hello never sent (the peer never ran
+  // its loop after connecting), a challenge or proof that never came (the
+  // peer stalled mid-way, or stopped there on purpose).
+  if (state_ == State::kConnecting) {
+    return "the connection to be accepted";
+  }
+  if (state_ == State::kTls) {
+    return "its TLS handshake";
+  }
+  switch (handshake_.expectedKind()) {
+    case frame::FrameKind::kHello:
+      return "its hello";
+    case frame::FrameKind::kChallenge:
+      return "its challenge";
+    default:
+      return "its proof";
+  }
 }
 
 } // namespace torch_rpc_ext::transport::stream
