@@ -7,6 +7,7 @@ says why; torch_rpc_ext/_preloaded.py how they start)."""
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -129,3 +130,24 @@ def slow_kernels(monkeypatch):
     reader not ordered after a copy (by its event) sees the old bytes. (A
     real driver ignores the variable.)"""
     monkeypatch.setenv("FAKE_CUDA_KERNEL_DELAY_MS", "50")
+
+
+def report(proc, ctl, who: str, limit: float = 120):
+    """What `proc` sent down `ctl`; None if it exited with 0 without a word.
+    Fails at once, naming it, when it exits with an error first (its peer
+    may wait on it for good: CI once waited out a test's limit behind a
+    receiver dead of a failed connection), and after `limit` seconds if it
+    neither reported nor exited (one with a watchdog, as ipc_worker's, has
+    printed its stacks by then)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if ctl.poll(0.2):
+            return ctl.recv()
+        if proc.exitcode is not None:
+            if ctl.poll(0):
+                return ctl.recv()
+            assert proc.exitcode == 0, (
+                f"the {who} exited with {proc.exitcode} before its report "
+                "(its traceback is in the captured stderr)")
+            return None
+    raise AssertionError(f"the {who} reported nothing in {limit:.0f} s")

@@ -572,14 +572,7 @@ def run_alone(spawn, target, *args):
     one): what it sent down the pipe, once it exited with 0 and no error."""
     ours, theirs = spawn.Pipe()
     proc = spawn.Process(target=target, args=(free_port(), theirs, *args))
-    proc.start()
-    try:
-        out = ours.recv() if ours.poll(180) else None
-        proc.join(60)
-        assert proc.exitcode == 0, out
-    finally:
-        if proc.is_alive():
-            proc.kill()
+    (out,) = gather([proc], [(ours, theirs)])  # fails at once if it dies
     assert "error" not in out, out["error"]
     return out
 

@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from tests.cuda_driver import worker
-from tests.cuda_driver.conftest import REAL_DRIVER, two_devices
+from tests.cuda_driver.conftest import REAL_DRIVER, report, two_devices
 
 pytestmark = pytest.mark.unit
 
@@ -270,8 +270,7 @@ def test_exported_memory_outlives_its_creator(spawn):
         owner.join(120)
         assert owner.exitcode == 0
         ctl_here.send("the owner exited")
-        assert ctl_here.poll(120)
-        size, granularity, seen, from_owner, after_exit, reexport = ctl_here.recv()
+        size, granularity, seen, from_owner, after_exit, reexport = report(peer, ctl_here, "peer")
     finally:
         for p in (owner, peer):
             p.join(30)
@@ -306,8 +305,7 @@ def test_legacy_memory_announced_larger_than_it_is_is_refused(spawn):
     owner.start()
     peer.start()
     try:
-        assert ctl_here.poll(120)
-        size, (larger, same) = ctl_here.recv()
+        size, (larger, same) = report(peer, ctl_here, "importer")
     finally:
         for p in (owner, peer):
             p.join(30)

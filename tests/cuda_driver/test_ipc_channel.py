@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.cuda_driver import ipc_worker
-from tests.cuda_driver.conftest import fake_only
+from tests.cuda_driver.conftest import fake_only, report
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
 
@@ -47,26 +47,6 @@ def play(spawn, scenario: str, after_sender_exits=None, worker=ipc_worker):
                 time.sleep(0.5)
                 p.kill()
                 p.join(10)
-
-
-def report(proc, ctl, who: str, limit: float = 120):
-    """What `proc` sent down `ctl`; None if it exited with 0 without a word.
-    Fails at once, naming it, when it exits with an error first (its peer
-    may wait on it for good: CI once waited out the test's limit behind a
-    receiver dead of a failed connection), and after `limit` seconds if it
-    neither reported nor exited (its watchdog printed its stacks by then)."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if ctl.poll(0.2):
-            return ctl.recv()
-        if proc.exitcode is not None:
-            if ctl.poll(0):
-                return ctl.recv()
-            assert proc.exitcode == 0, (
-                f"the {who} exited with {proc.exitcode} before its report "
-                "(its traceback is in the captured stderr)")
-            return None
-    raise AssertionError(f"the {who} reported nothing in {limit:.0f} s")
 
 
 def test_segments_travel_in_one_pooled_block(spawn):
