@@ -50,14 +50,21 @@ def endpoint(role, transport, address, conn):
     if role == "dialing":
         assert conn.recv() == "dial"
         ep.connect(address, 1)
+    conn.send(outcome(ep))
+    ep.close(0)
+
+
+def outcome(ep):
+    """(ready?, the frame received or None, the close reason, the frames
+    read from the peer's ring) once the connection closed: the peer is gone,
+    so it closes once its frames are read."""
     ready = ep.wait_ready(30)
     got = ep.receive(10) if ready else None
-    # The peer is gone: the connection closes once its frames are read.
     deadline = time.monotonic() + 10
     while ready and not ep.close_reason() and time.monotonic() < deadline:
         time.sleep(0.01)
-    conn.send((ready, got[0] if got else None, ep.close_reason()))
-    ep.close(0)
+    ring_reads = ep.counters()["transport"]["frame_ring_reads"]
+    return ready, got[0] if got else None, ep.close_reason(), ring_reads
 
 
 def last_words():
@@ -130,7 +137,7 @@ def test_frames_sent_just_before_the_peer_closed_are_delivered(role, transport):
             as_server(sock, child.pid)
         os.kill(child.pid, signal.SIGCONT)
         assert ours.poll(60), "our end reported nothing"
-        ready, got, reason = ours.recv()
+        ready, got, reason, _ = ours.recv()
         child.join(30)
         assert child.exitcode == 0
     finally:
@@ -153,13 +160,7 @@ def paused_acceptor(conn):
 
     ep = _testing.Endpoint(1, 2, KEY, "shm", [])
     conn.send(ep.address)
-    ready = ep.wait_ready(30)
-    got = ep.receive(10) if ready else None
-    deadline = time.monotonic() + 10
-    while ready and not ep.close_reason() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    ring_reads = ep.counters()["transport"]["frame_ring_reads"]
-    conn.send((ready, got[0] if got else None, ep.close_reason(), ring_reads))
+    conn.send(outcome(ep))
     ep.close(0)
 
 

@@ -417,9 +417,7 @@ void StreamConnection::heartbeatFromLoop() {
       // the peer waiting unread in our socket, this tick running late (this
       // process was kept off the CPU), or saturated CPUs (host_load.h) give
       // the peer more time, up to kMaxHandshakeTimeouts timeouts in all.
-      int unread = 0;
-      bool waiting = (::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0) ||
-          (inRing_ && inRing_->waiting() != 0);
+      bool waiting = inputWaitingFromLoop();
       bool late = std::chrono::steady_clock::now() - tickDue_ > timeout / 5;
       bool busy = waiting || late ||
           (silent < kBusyHostTimeouts * timeout &&
@@ -520,10 +518,8 @@ bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
   for (auto& ch : channels_) {
     ch->onReadyFromLoop();
   }
-  if (state_ != State::kClosed) {
-    if (!closingAfterInput_) { // (the peer is gone: no ring for it)
-      offerFrameRingFromLoop();
-    }
+  if (state_ != State::kClosed && !closingAfterInput_) { // (gone: no ring)
+    offerFrameRingFromLoop();
   }
   if (state_ == State::kClosed) {
     return false;

@@ -241,6 +241,8 @@ class StreamConnection : public Connection,
   // Reads what the peer left in the socket (and its frame ring), then
   // closes with `error` if the peer's end did not close it first.
   void closeAfterInputFromLoop(const std::string& error);
+  // Bytes of the peer's wait unread: in our socket, or in its frame ring.
+  bool inputWaitingFromLoop() const;
   // What the handshake waits for from the peer ("its proof"), for the
   // handshake timeout's message (loop thread).
   std::string awaitedText() const;

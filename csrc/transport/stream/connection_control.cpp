@@ -142,14 +142,17 @@ void StreamConnection::closeAfterInputFromLoop(const std::string& error) {
   }
   for (int round = 0; round < 64 && state_ == State::kReady; ++round) {
     onReadableFromLoop();
-    int unread = 0;
-    bool more = (::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0) ||
-        (inRing_ && inRing_->waiting() != 0);
-    if (!more || recordHeld_) {
+    if (!inputWaitingFromLoop() || recordHeld_) {
       break;
     }
   }
   closeInternal(error, false);
+}
+
+bool StreamConnection::inputWaitingFromLoop() const {
+  int unread = 0;
+  return (::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0) ||
+      (inRing_ && inRing_->waiting() != 0);
 }
 
 std::string StreamConnection::awaitedText() const {
