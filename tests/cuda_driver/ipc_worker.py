@@ -917,6 +917,9 @@ def legacy_oom_receiver(conn, ctl):
     head2, (region,) = end.receive()
     second = (head2, end.read_region(region) == pattern(4096, 2))
     region.release()
+    # Read before r1: once the sender has it, it closes (then the reason
+    # says so, on a host that ran us late).
+    reason = end.ep.close_reason()
     end.ep.send(b"r1", [])
-    ctl.send(((head, first), second, end.ep.close_reason(), end.counters()))
+    ctl.send(((head, first), second, reason, end.counters()))
     end.close()
