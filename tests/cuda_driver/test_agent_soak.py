@@ -48,8 +48,10 @@ def test_crossing_calls_of_random_cuda_tensors_keep_every_byte(spawn, monkeypatc
     print(f"calls: {[r['calls'] for r in reports]}")
     for rank, r in enumerate(reports):
         assert r["failures"] == [], f"worker{rank}: {r['failures']}"
-        # Each caller thread of each worker made calls of its own.
-        assert min(r["calls"]) >= 10, f"worker{rank}'s threads made {r['calls']} calls"
+        # Each caller thread of each worker made calls of its own (it goes
+        # on past the deadline until it has them: soak_worker.MIN_CALLS).
+        assert min(r["calls"]) >= soak_worker.MIN_CALLS, (
+            f"worker{rank}'s threads made {r['calls']} calls")
         assert r["receive_failures"] == 0
         # The mode's first channel carried segments of its own (large ones
         # only, for the ring).
