@@ -380,6 +380,23 @@ def grants_here(fake: bool) -> bool:
     return True
 
 
+def lanes_opened() -> int:
+    """This process's tcp_lanes opened, dialled and accepted (8 once a
+    connection's lanes are up both ways)."""
+    m = rpc.api._get_current_rpc_agent().get_metrics()
+    return int(m.get("rpc_ext.channel.tcp_lanes.lanes_opened", 0))
+
+
+def await_lanes(arg, limit_s: float = 30.0) -> None:
+    """Calls the callee with `arg` (a large segment dials a side's lanes)
+    until both sides' lanes are up, `limit_s` at most."""
+    deadline = time.monotonic() + limit_s
+    while (min(lanes_opened(), rpc.rpc_sync("callee", lanes_opened)) < 8
+           and time.monotonic() < deadline):
+        rpc.rpc_sync("callee", identity, args=(arg,))
+        time.sleep(0.01)
+
+
 def world(rank, world_size, backend_key, channels, cases, cfg):
     # Read by init_rpc: the plan's, not the caller's environment.
     os.environ["TORCH_RPC_EXT_CUDA_LANDING_POOL"] = "1" if cfg.grants else "0"
@@ -388,6 +405,7 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
     if rank == 0:
         rpc.rpc_sync("callee", dial_back)
         ours = backend_key == "TORCH_RPC_EXT"
+        lanes = isinstance(channels, dict) and "tcp_lanes" in channels.get("channels", ())
         for case, kind, size in cases:
             if kind == "identity":
                 arg = dev.tensor(size)
@@ -406,6 +424,10 @@ def world(rank, world_size, backend_key, channels, cases, cfg):
             calls = cfg.calls if size < 64 * MB else cfg.calls_large
             samples = []
             for i in range(cfg.warmup + calls):
+                if i == cfg.warmup and lanes:
+                    # The window is the lanes' steady state: each side's
+                    # four up, however late a loaded host dialled them.
+                    await_lanes(arg)
                 if ours and i == cfg.warmup:
                     # After warm-up: the steady state, less what the window
                     # itself costs on this warm connection.

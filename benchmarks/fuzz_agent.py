@@ -191,9 +191,13 @@ def _send_case(kind: str, address: str, rng: random.Random) -> str:
             # Keep the magic intact half the time, to get past the header.
             cut = 4 if rng.random() < 0.5 else 0
             data = frame[:cut] + _flip(frame[cut:], rng)
+            # A mutation may leave a frame the agent accepts and answers
+            # (the connection stays open): not waited out for long.
+            wait = 0.3
         else:
+            # Refused at its header for certain: the closing is waited for
+            # as long as any (a loaded host's loop may be late by 0.3 s).
             data = frame_header(MESSAGE, 8, nseg=1, data=MAX_FRAME * rng.randint(2, 1 << 20))
-        wait = 0.3
     else:
         sock = connect_raw(address)
         if kind == "garbage":

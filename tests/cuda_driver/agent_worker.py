@@ -375,7 +375,7 @@ def slow_len(t, seconds: float) -> int:
 
 
 def run_release_ride(rank: int, port: int, ctl, ride_ms: str) -> None:
-    """worker0 sends a CUDA tensor to a function that sleeps 3 s; meanwhile
+    """worker0 sends a CUDA tensor to a function that sleeps 4 s; meanwhile
     it asks worker1 (a CPU call) how many releases it sent. A block's
     release waits to ride with worker1's next frame, at most
     TORCH_RPC_EXT_CUDA_RELEASE_RIDE_MS (`ride_ms`): with the default it goes
@@ -385,8 +385,10 @@ def run_release_ride(rank: int, port: int, ctl, ride_ms: str) -> None:
     join_pair(rank, port, heartbeat_timeout=60)
     out = {}
     if rank == 0:
-        slow = rpc.rpc_async("worker1", slow_len, args=(cuda_tensor(b"r" * 4096), 3.0))
-        time.sleep(1.0)
+        slow = rpc.rpc_async("worker1", slow_len, args=(cuda_tensor(b"r" * 4096), 4.0))
+        # Long past the 10 ms ride (a loaded host lands the block late),
+        # well before the function returns.
+        time.sleep(2.0)
         during = rpc.rpc_sync("worker1", channel_counters)
         out["during"] = (during["releases"], during["release_frames"])
         out["len"] = slow.wait()
@@ -490,14 +492,16 @@ def run_grant_growth(rank: int, port: int, ctl) -> None:
         out["back"], out["granted"] = [], []
         for i, n in enumerate(GROWTH):
             if i == len(GROWTH) - 2:
-                # Both revokes answered; the new grants follow each return
-                # at once.
+                # Both revokes answered, and the new grant made on each
+                # side (it follows the return; a third grant each). The
+                # round trip below carries each to its sender before the
+                # call: made before it, it is queued ahead of it.
                 deadline = time.monotonic() + 30
-                while (min(channel_counters()["grants_returned"],
-                           rpc.rpc_sync("worker1", channel_counters)["grants_returned"]) < 1
-                       and time.monotonic() < deadline):
+                while time.monotonic() < deadline:
+                    sides = (channel_counters(), rpc.rpc_sync("worker1", channel_counters))
+                    if all(c["grants_returned"] >= 1 and c["grants_made"] >= 3 for c in sides):
+                        break
                     time.sleep(0.01)
-                time.sleep(0.1)
             before = (granted(), rpc.rpc_sync("worker1", granted))
             data = rng.randbytes(n)
             back = rpc.rpc_sync("worker1", identity, args=(big_cuda_tensor(data),))

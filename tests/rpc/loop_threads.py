@@ -23,10 +23,11 @@ def shm_loop_threads():
 
 def loop_threads_once_parked(to):
     """`to`'s shm loop threads by name, asked until an ex-leader still
-    finishing its piece has parked (one "rpcx-shm" left; 2 s at most)."""
-    for _ in range(200):
+    finishing its piece has parked (one "rpcx-shm" left; 30 s at most: a
+    loaded host may leave it descheduled)."""
+    deadline = time.monotonic() + 30
+    while True:
         names = rpc.rpc_sync(to, shm_loop_threads)
-        if names.count("rpcx-shm") == 1:
-            break
+        if names.count("rpcx-shm") == 1 or time.monotonic() > deadline:
+            return names
         time.sleep(0.01)
-    return names

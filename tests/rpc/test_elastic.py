@@ -603,7 +603,9 @@ def _handshakes(rank, world_size, store_path, gates):
             ("absent", 5, mine),  # an id nobody holds
         ]:
             sock, proof_ok = handshake(addr, _SECRET, client_id=client_id, incarnation=inc)
-            sock.settimeout(1.0)
+            # A refusal's close is waited for long (a loaded host), an
+            # admission's staying open for a second.
+            sock.settimeout(1.0 if label == "current" else 15.0)
             out[label] = (proof_ok, closed_by_peer(sock))
             sock.close()
         gates["done"].set()
