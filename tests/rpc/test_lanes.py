@@ -275,14 +275,14 @@ def test_a_program_that_names_no_channels_gets_lanes_from_the_environment(monkey
 
 
 
-def _defaults(rank, world_size, encryption):
+def _defaults(rank, world_size, encryption, lanes):
     init(rank, world_size, transports=["tcp"], encryption=encryption)  # no channels named
     out = None
     if rank == 0:
         big = torch.arange(4 * MB, dtype=torch.float32)
-        if encryption == "always":  # until both sides striped one
+        if lanes:  # until both sides striped one
             assert all(_striped_both_ways("worker1", big))
-        else:  # in the clear, never: a few calls
+        else:  # none to stripe over: a few calls
             for _ in range(3):
                 assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)
         info = rpc.api._get_current_rpc_agent().get_debug_info()
@@ -301,7 +301,8 @@ def test_default_channels_put_lanes_on_encrypted_connections_only(monkeypatch, e
     clear, where they cost threads for little (docs/performance.md)."""
     monkeypatch.delenv("TORCH_RPC_EXT_CHANNELS", raising=False)
     monkeypatch.delenv("TORCH_RPC_EXT_LANES_WHEN_ENCRYPTED", raising=False)
-    channels, ours, theirs = run_world(_defaults, 2, timeout=120, encryption=encryption)[0]
+    channels, ours, theirs = run_world(_defaults, 2, timeout=120, encryption=encryption,
+                                       lanes=lanes)[0]
     assert "tcp_lanes" in channels  # negotiated either way ...
     if lanes:  # ... and used only here: striped, both ways
         assert ours["segments"] >= 1 and theirs["segments"] >= 1, (ours, theirs)
@@ -339,7 +340,8 @@ def test_encrypted_lanes_carry_tensors_between_the_two_aes_gcm_engines(monkeypat
 def test_lanes_when_encrypted_can_be_turned_off(monkeypatch):
     monkeypatch.delenv("TORCH_RPC_EXT_CHANNELS", raising=False)
     monkeypatch.setenv("TORCH_RPC_EXT_LANES_WHEN_ENCRYPTED", "0")
-    channels, ours, theirs = run_world(_defaults, 2, timeout=120, encryption="always")[0]
+    channels, ours, theirs = run_world(_defaults, 2, timeout=120, encryption="always",
+                                       lanes=False)[0]
     assert "tcp_lanes" not in channels
     assert ours == theirs == {}  # no lanes channel at all
 
