@@ -195,7 +195,12 @@ def misused_wakeup(rank, world_size, how):
             assert torch.equal(rpc.rpc_sync("worker1", echo, args=(x + k,)), x + k)
         act = shut_down_wakeups_from if how == "shutdown" else passes_descriptor_on_wakeups_from
         out["misused"] = rpc.rpc_sync("worker1", act, args=(os.getpid(), 0.3))
-        time.sleep(1.0)
+        # Once the misuse was refused (polled: a loaded host runs worker1's
+        # timer late), the loop's CPU over a second.
+        deadline = time.monotonic() + 30
+        while (int(rpc.api._get_current_rpc_agent().get_metrics()[
+                "rpc_ext.peer.worker1.rejected_frames"]) < 1 and time.monotonic() < deadline):
+            time.sleep(0.05)
         cpu = loop_cpu_seconds()
         time.sleep(1.0)
         # The loop did not spin on the ended socket: a spinning loop takes
