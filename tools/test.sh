@@ -70,11 +70,11 @@ if [ "$TORCH_VERSION" != "$DEFAULT_TORCH" ]; then
   # tools/with_torch.sh VERSION bash tools/test.sh tests/conformance` runs
   # the suites over shm on VERSION.
   # Of tests/rpc, the tests of our own transports, channels, wire and
-  # crypto against hostile or failing peers and at scale (raw sockets and
+  # crypto against hostile or failing peers (most of them raw sockets or
   # _testing.Endpoint against the stream core: the handshake's bounds and
   # stalls, frame rings, peer descriptors, lanes on a hostile wire, a
-  # peer's last words) are left to the first torch, for the same reason; of the launcher's unmodified example
-  # programs, one (rnn_ps.py: DistributedOptimizer, TensorPipe's options)
+  # peer's last words) and at scale are left to the first torch, for the
+  # same reason; of the launcher's unmodified example programs, one (rnn_ps.py: DistributedOptimizer, TensorPipe's options)
   # runs here. `bash tools/with_torch.sh VERSION bash tools/test.sh
   # tests/rpc tests/launcher` runs them all.
   # Over TLS ("always": loopback too), what every connection between hosts

@@ -35,7 +35,7 @@ CALL_TIMEOUT = 60
 # the test's floor on calls is an event that happens, not a rate (a loaded
 # CI host made 9 in the 10 s once).
 MIN_CALLS = 10
-OVERTIME_S = 40  # SECONDS (<= 100) + this stays inside agent_worker's 150 s watchdog
+OVERTIME_S = 40  # at most; less for long soaks (run()), inside agent_worker's 150 s watchdog
 
 
 def digest(data: bytes) -> bytes:
@@ -205,10 +205,10 @@ def arena_seed(rank: int) -> int:
 # ---- the workers -----------------------------------------------------------------
 
 
-def _caller(rank: int, seed: int, deadline: float, peer_arena: bytes, report: dict,
-            lock) -> None:
-    """Calls until the deadline and MIN_CALLS calls (OVERTIME_S past the
-    deadline at most); what it made and found goes into `report` however
+def _caller(rank: int, seed: int, deadline: float, overtime: float, peer_arena: bytes,
+            report: dict, lock) -> None:
+    """Calls until the deadline and MIN_CALLS calls (`overtime` seconds
+    past the deadline at most); what it made and found goes into `report` however
     it ends (an exception of its own is a failure too, so a thread that
     dies cannot leave the other to pass the test alone)."""
     rng = random.Random(seed)
@@ -218,7 +218,7 @@ def _caller(rank: int, seed: int, deadline: float, peer_arena: bytes, report: di
 
     def more() -> bool:
         now = time.monotonic()
-        return now < deadline or (calls < MIN_CALLS and now < deadline + OVERTIME_S)
+        return now < deadline or (calls < MIN_CALLS and now < deadline + overtime)
 
     try:
         while more() and len(failures) < 5:
@@ -297,8 +297,12 @@ def run(rank: int, port: int, ctl, seconds: float, seed: int, zero_copy: bool,
     report = {"calls": [], "failures": []}  # calls: each thread's
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
+    # The soak and its overtime leave the watchdog (which also counts the
+    # start, the last batch and shutdown) 40 s at least.
+    overtime = max(0.0, min(OVERTIME_S, aw.WATCHDOG_S - 40 - seconds))
     threads = [threading.Thread(target=_caller,
-                                args=(rank, seed * 100 + 10 * rank + i, deadline, peer_arena,
+                                args=(rank, seed * 100 + 10 * rank + i, deadline, overtime,
+                                      peer_arena,
                                       report, lock))
                for i in range(THREADS)]
     for t in threads:

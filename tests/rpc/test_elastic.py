@@ -603,9 +603,11 @@ def _handshakes(rank, world_size, store_path, gates):
             ("absent", 5, mine),  # an id nobody holds
         ]:
             sock, proof_ok = handshake(addr, _SECRET, client_id=client_id, incarnation=inc)
-            # A refusal's close is waited for long (a loaded host), an
+            # A refusal's close is waited for 3 s (a loaded host; with
+            # handshake()'s own wait, under the 10 s handshake timeout that
+            # would close a peer neither admitted nor refused), an
             # admission's staying open for a second.
-            sock.settimeout(1.0 if label == "current" else 15.0)
+            sock.settimeout(1.0 if label == "current" else 3.0)
             out[label] = (proof_ok, closed_by_peer(sock))
             sock.close()
         gates["done"].set()

@@ -140,10 +140,12 @@ def frame_ring_attacks(rank, world_size):
 
         kept = []
 
-        def attempt(fds, capacity=RING_BYTES, then=None, wait=15.0):
+        def attempt(fds, capacity=RING_BYTES, then=None, wait=5.0):
             # Whether the agent closed within `wait` seconds: an attack's
-            # close is waited for long (a loaded host's loop may be late),
-            # a good ring's staying open for a second.
+            # close is waited for 5 s (a loaded host's loop may be late;
+            # under the 10 s heartbeat and handshake timeouts, which would
+            # close a silent socket whatever it sent), a good ring's staying
+            # open for a second.
             sock, ok = handshake(addr, SECRET)
             assert ok
             # The agent's own ring: its descriptors kept open (the agent
@@ -221,7 +223,7 @@ def frame_ring_attacks(rank, world_size):
         frame, agent_fds, _, _ = socket.recv_fds(sock, 32, 4)
         signal_end = socket.socket(fileno=agent_fds[1])
         signal_end.shutdown(socket.SHUT_WR)
-        sock.settimeout(15.0)
+        sock.settimeout(5.0)  # under the 10 s heartbeat, as attempt()'s
         out["signal_shut_down"] = closed_by_peer(sock)
         sock.close()
         signal_end.close()

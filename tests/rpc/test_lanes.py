@@ -282,9 +282,10 @@ def _defaults(rank, world_size, encryption, lanes):
         big = torch.arange(4 * MB, dtype=torch.float32)
         if lanes:  # until both sides striped one
             assert all(_striped_both_ways("worker1", big))
-        else:  # none to stripe over: a few calls
+        else:  # none to stripe over: a few calls, time for lanes to come up were any
             for _ in range(3):
                 assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)
+                time.sleep(0.2)
         info = rpc.api._get_current_rpc_agent().get_debug_info()
         out = (info["rpc_ext.peer.worker1.channels"], _lanes_metrics(),
                rpc.rpc_sync("worker1", _lanes_metrics))
