@@ -112,6 +112,15 @@ class Tap:
             threading.Thread(target=self.handle, args=(dialler, upstream, index), daemon=True).start()
 
     def close(self):
+        # shutdown() first: it wakes the accept() blocked in _accept's
+        # thread. close() alone leaves that call holding the socket, still
+        # listening on 127.0.0.2:port for the rest of the process, and a
+        # later test whose endpoint got the same port number could not tap
+        # it (EADDRINUSE).
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.listener.close()
 
 

@@ -77,6 +77,12 @@ class Relay:
         pump(src, dst, lambda offset, data: self.mangle(direction, offset, data))
 
     def close(self):
+        # shutdown() wakes an accept() still blocked in _accept's thread
+        # (close() alone would leave it holding the socket, listening).
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.listener.close()
 
 

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Run a function on N forked worker processes and collect what each returns."""
 
+import faulthandler
 import os
 import pickle
 import queue as queue_module
@@ -73,6 +74,10 @@ def _entry(fn, rank, world_size, port, queue, kwargs):
     # parallel op here waits for them forever. One intra-op thread keeps
     # torch off OpenMP (two workers on two cores need no more).
     torch.set_num_threads(1)
+    # Every thread's Python stack on SIGUSR1 (run_world sends it to a rank
+    # that did not finish in time, before killing it): the test's captured
+    # stderr then says where it hung.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     try:
@@ -119,7 +124,12 @@ def run_world(
                 errors.append(f"rank {rank}:\n{value}")
     except queue_module.Empty:
         missing = sorted(set(range(world_size)) - set(results) - set(dies))
-        errors.append(f"ranks {missing} did not finish within {timeout}s")
+        errors.append(f"ranks {missing} did not finish within {timeout}s (their stacks: "
+                      "captured stderr)")
+        for rank in missing:
+            if procs[rank].is_alive():
+                os.kill(procs[rank].pid, signal.SIGUSR1)
+        time.sleep(1)
     finally:
         for p in procs:
             p.join(timeout=10)
