@@ -64,14 +64,7 @@ def _calls(rank, world_size, **kwargs):
         # So does worker1's first large answer; each side dials its own
         # four. Once a segment went in stripes each way, every large one
         # after does.
-        big = torch.ones(MB)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)
-            sides = [_lanes_metrics(), rpc.rpc_sync("worker1", _lanes_metrics)]
-            if all(side["segments"] > 0 for side in sides):
-                break
-            time.sleep(0.05)
+        assert all(_striped_both_ways("worker1", torch.ones(MB)))
         # Odd sizes: stripes end off their 64 KiB alignment; several large
         # segments and small ones in one message.
         a = torch.arange(3 * MB + 7, dtype=torch.float32)
