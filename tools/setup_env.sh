@@ -57,7 +57,9 @@ fi
 . .venv/bin/activate
 # A stamp per package list. The tests' list holds the demo's, so a .venv
 # set up for the tests serves the demo as it is.
-stamp() { echo ".venv/.packages-$1-$(printf '%s\n' "${@:2}" "$(python -VV)" | sha1sum | cut -c1-16)"; }
+# ("bytecode": a .venv set up before its packages were byte-compiled below
+# is set up again: pip finds them installed, and they are compiled.)
+stamp() { echo ".venv/.packages-$1-$(printf '%s\n' "${@:2}" "$(python -VV)" bytecode | sha1sum | cut -c1-16)"; }
 ready=$(stamp "$SETUP_FOR" "${PACKAGES[@]}")
 if [ "$SETUP_FOR" = demo ] && [ -f "$(stamp test "${TEST[@]}")" ]; then
   ready=$(stamp test "${TEST[@]}")
@@ -66,10 +68,8 @@ if [ ! -f "$ready" ]; then
   have=$(python -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)
   echo "setup_env.sh: installing torch==$TORCH_VERSION (found: $have) and what the $SETUP_FOR needs into $PWD/.venv" >&2
   python -m pip install -q --upgrade pip setuptools wheel >/dev/null
-  # --no-compile: Python compiles a module when first imported (what a run
-  # imports, once), not pip every .py file of the ~180 MB it installs: the
-  # test packages' install took 55 s of CPU instead of 94 (2026-12-01, this
-  # machine), one core's worth on every fresh setup's path.
+  # --no-compile: pip compiles one file at a time; compileall below does
+  # it on every core.
   if ! PIP_CONSTRAINT=/dev/null python -m pip install -q --no-compile "${PACKAGES[@]}"; then
     # The usual cause is the disk: a CUDA build of torch and its NVIDIA
     # wheels take about 8 GB while they install (downloads and venv).
@@ -91,6 +91,15 @@ if [ ! -f "$ready" ]; then
     python -m pip install -q "nvidia-cuda-crt==$runtime.*" ||
       echo "setup_env.sh: nvidia-cuda-crt==$runtime.* did not install: building without the CUDA landing pool" >&2
   fi
+  # Byte-compiled once here, not by each interpreter: where
+  # PYTHONDONTWRITEBYTECODE is set (as on this machine and in CI), Python
+  # writes no .pyc itself, and every process that imports torch compiled
+  # its ~2,300 modules again: 4.0 s of CPU for `import torch` against 2.2
+  # s (2026-12-02, this machine), in each of the ~300 interpreters a test
+  # run starts. All of site-packages, ~37 s of CPU on 2 cores; a few files
+  # that are not Python 3 (templates, old examples) fail to compile, as
+  # they would under pip.
+  python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
   rm -f .venv/.packages-"$SETUP_FOR"-*
   touch "$ready"
 fi
@@ -130,6 +139,9 @@ if ! MAX_JOBS=${MAX_JOBS:-2} "${build[@]}" >"$log" 2>&1; then
   echo "setup_env.sh: the build failed (log: $PWD/$log)" >&2
   exit 1
 fi
+# Our own modules too, for the same reason (Python checks a .pyc against its
+# source's time and size, so an edited file is never run from a stale one).
+python -m compileall -q -j 0 torch_rpc_ext tests benchmarks tools >/dev/null 2>&1 || true
 if [ "$SETUP_FOR" = test ]; then
   python -c "import torch_rpc_ext, torch_rpc_ext._testing" # fail here, not in the first test, if the build is broken
 else
