@@ -6,6 +6,9 @@ and really slows a transfer, and nothing is left behind, not even after an
 exception inside the ``with`` block. Needs root and iproute2; skips
 otherwise."""
 
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -124,3 +127,68 @@ def test_nothing_is_left_after_an_exception():
         pass
     assert sleeper.poll() is not None  # killed, not orphaned
     assert netns.leftovers(prefix) == []
+
+
+# What a program run by Hosts.run sees (forkserver.py): its namespace's
+# interfaces, its argv, directory and environment, its stdin; whether torch
+# was imported before it started.
+PROGRAM = """
+import json, os, socket, sys
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "x": os.environ.get("TRXH_X"),
+                  "ifs": sorted(n for _, n in socket.if_nameindex()), "pid": os.getpid(),
+                  "preloaded": "torch" in sys.modules, "main": __name__}), flush=True)
+line = sys.stdin.readline()
+if line.strip() == "sleep":
+    import time
+    time.sleep(600)
+sys.exit(int(line))
+"""
+
+
+def _program(hosts, tmp_path, env):
+    p = hosts.run(1, [sys.executable, "-c", PROGRAM, "a", "b"], timeout=120, text=True,
+                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=tmp_path,
+                  env={**env, "TRXH_X": "y"})
+    return p, json.loads(p.stdout.readline())
+
+
+def _gone(pid, within=10.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_python_programs_run_forked_inside_their_host_as_if_started_there(two_hosts, tmp_path):
+    hosts = two_hosts
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_RPC_EXT_TEST_START"}
+    p, seen = _program(hosts, tmp_path, env)
+    assert seen == {"argv": ["a", "b"], "cwd": str(tmp_path), "x": "y",
+                    "ifs": sorted(["lo", hosts.ifname(1)]), "pid": seen["pid"],
+                    "preloaded": True, "main": "__main__"}, seen
+    p.stdin.write("3\n")
+    p.stdin.flush()
+    assert p.wait(timeout=30) == 3  # its exit code through the client, timeout and ip
+    # A signal to the process the test started reaches the program
+    # (timeout passes it on to the client, the client to the program).
+    p, seen = _program(hosts, tmp_path, env)
+    p.stdin.write("sleep\n")
+    p.stdin.flush()
+    p.terminate()
+    assert p.wait(timeout=30) != 0
+    assert _gone(seen["pid"])
+    # A client killed outright (Hosts.close, timeout --kill-after) takes it along.
+    p, seen = _program(hosts, tmp_path, env)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    assert _gone(seen["pid"])
+    # TORCH_RPC_EXT_TEST_START=spawn: a fresh interpreter, as before.
+    p, seen = _program(hosts, tmp_path, {**env, "TORCH_RPC_EXT_TEST_START": "spawn"})
+    assert not seen["preloaded"] and seen["ifs"] == sorted(["lo", hosts.ifname(1)]), seen
+    p.stdin.write("0\n")
+    p.stdin.flush()
+    assert p.wait(timeout=30) == 0
