@@ -1,28 +1,33 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""A fork server for Python programs started inside a host's network
-namespace (netns.Hosts.run): `python -m module ...`, `python -c code ...` or
-`python script.py ...` without a fresh import of torch each.
+"""A fork server for the Python programs that netns.Hosts.run starts inside a
+host (`python -m module ...`, `python -c code ...`, `python script.py ...`),
+so that each does not import torch afresh: ~2 s of CPU per interpreter (4 s
+where no .pyc had been written), and the cross-host tests start about 60.
 
-An interpreter that imports torch spends ~2 s of CPU doing it (4 s where no
-.pyc had been written); the cross-host tests start about 60 such workers.
-The server imports numpy, torch and torch_rpc_ext once, runs no torch
-compute and starts no thread (so a fork copies no half-held lock; see
-torch_rpc_ext/_preloaded.py), and forks a child per request.
+The server imports numpy, torch and torch_rpc_ext once, runs no torch compute
+and starts no thread (so a fork copies no half-held lock; see
+torch_rpc_ext/_preloaded.py), and forks a child per request. What runs under
+`ip netns exec NS timeout ...` is fork_client.py (stdlib only, ~20 ms): it
+sends its argv, environment, directory, fds 0-2 and network namespace
+(/proc/self/ns/net). The child takes the fds, joins that namespace (setns),
+starts a session of its own, takes the environment and directory, and runs
+the program as `__main__`, ending as an interpreter does (non-daemon
+threads joined, atexit handlers, libc's exit()). The client then exits as
+the program did (its code, or the same signal), so the test's Popen,
+`timeout` and Hosts.close see what they would of the program itself.
+Signals the client gets (SIGTERM from `timeout`, SIGINT, ...) go to the
+child's process group; a client that dies (SIGKILL from Hosts.close or
+`timeout --kill-after`) takes that group with it, and a child dies with the
+server (PR_SET_PDEATHSIG), which ends when the process that started it does
+(its stdin closes).
 
-What runs under `ip netns exec NS timeout ...` is the client (this file,
-`--client`, stdlib only: ~20 ms): it sends the server its argv, environment,
-working directory, its fds 0-2 and its network namespace (/proc/self/ns/net)
-and waits. The server's child joins that namespace (setns), takes the fds,
-environment and directory, and runs the program as `__main__`; when it ends,
-the client exits as it did (its code, or the same signal), so the test's
-Popen, `timeout` and Hosts.close see what they would of the program itself.
-Signals the client is sent (SIGTERM from `timeout`, SIGINT, ...) go to the
-child's process group; a client that dies (SIGKILL from Hosts.close or from
-`timeout --kill-after`) takes the child's group with it, and a child dies
-with the server (PR_SET_PDEATHSIG). What an interpreter reads only as it
-starts or while importing numpy, torch or torch_rpc_ext (PYTHON* flags,
-PYTHONPATH's effect on those imports) is the server's; PYTHONPATH's entries
-and the program's directory are put first on sys.path as Python would.
+What an interpreter reads only as it starts or while importing numpy, torch
+or torch_rpc_ext (PYTHON* flags, PYTHONPATH's effect on those imports) is
+the server's; PYTHONPATH's entries and the program's directory are put
+first on sys.path as Python would. The child keeps the server's mount
+namespace (`ip netns exec` also remounts /sys for the namespace; nothing
+here reads /sys/class/net: getifaddrs, /proc/self/ns/net and /proc/sys/net
+follow setns). `TORCH_RPC_EXT_TEST_START=spawn` starts fresh interpreters.
 """
 
 import ctypes
@@ -32,17 +37,21 @@ import selectors
 import signal
 import socket
 import struct
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 PRELOAD = ("numpy", "torch", "torch_rpc_ext")
+CLIENT = Path(__file__).with_name("fork_client.py")
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-             signal.SIGUSR2)
 MAX_REQUEST = 1 << 20
+_server: tuple[subprocess.Popen, str] | None = None
 
 
-def _send(sock: socket.socket, obj, fds=()) -> None:
+def send(sock: socket.socket, obj, fds=()) -> None:
+    """One message: a 4-byte length, then JSON (with fds, SCM_RIGHTS)."""
     data = json.dumps(obj).encode()
     msg = struct.pack("!I", len(data)) + data
     if fds:
@@ -51,56 +60,53 @@ def _send(sock: socket.socket, obj, fds=()) -> None:
         sock.sendall(msg)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return buf
+def take(buf: bytearray):
+    """The first whole message in buf (removed from it), or None."""
+    if len(buf) < 4:
+        return None
+    (size,) = struct.unpack("!I", buf[:4])
+    if size > MAX_REQUEST:
+        raise ValueError(f"a message of {size} bytes")
+    if len(buf) < 4 + size:
+        return None
+    obj = json.loads(bytes(buf[4 : 4 + size]))
+    del buf[: 4 + size]
+    return obj
 
 
-# The client.
-
-def client(path: str, args: list[str]) -> int:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(path)
-    netns = os.open("/proc/self/ns/net", os.O_RDONLY)
-    _send(sock, {"args": args, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2, netns])
-    os.close(netns)
-
-    def forward(signum, _frame):
-        try:
-            _send(sock, {"signal": signum})
-        except OSError:
-            pass
-
-    for s in FORWARDED:
-        signal.signal(s, forward)
-    try:
-        (size,) = struct.unpack("!I", _recv_exact(sock, 4))
-        reply = json.loads(_recv_exact(sock, size))
-    except (EOFError, OSError) as e:
-        print(f"forkserver client: the server closed before the program ended ({e!r})",
-              file=sys.stderr)
-        return 1
-    if "error" in reply:
-        print(f"forkserver: {reply['error']}", file=sys.stderr)
-        return 1
-    status = reply["status"]
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-    return os.waitstatus_to_exitcode(status)
+# Used by netns.Hosts.run.
 
 
-# The server.
+def wanted(argv, env) -> bool:
+    """Whether argv runs under the fork server: the forms `python -m`,
+    `python -c` and `python script.py` (no interpreter flags)."""
+    if (os.environ if env is None else env).get("TORCH_RPC_EXT_TEST_START", "") == "spawn":
+        return False
+    return len(argv) > 1 and argv[0] == sys.executable and (
+        argv[1] in ("-m", "-c") or not argv[1].startswith("-"))
+
+
+def client_argv(argv) -> list[str]:
+    """The client's command line for argv (the server started on first use;
+    it ends with this process)."""
+    global _server
+    if _server is None or _server[0].poll() is not None:
+        path = os.path.join(tempfile.mkdtemp(prefix="trxh-fork"), "socket")
+        proc = subprocess.Popen([sys.executable, str(Path(__file__)), path],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                cwd=Path(__file__).resolve().parents[2])
+        if proc.stdout.readline().strip() != b"ready":
+            proc.kill()
+            raise RuntimeError(f"the fork server did not start (exit {proc.wait()})")
+        _server = (proc, path)
+    return [sys.executable, str(CLIENT), _server[1], "--", *argv[1:]]
+
+
+# The child.
+
 
 def _run_program(args: list[str]) -> int:
-    """Run args (what follows `python`) as the interpreter would, as
-    __main__; its exit code."""
+    """Run args (what follows `python`) as __main__; its exit code."""
     import runpy
     import traceback
     import types
@@ -130,34 +136,44 @@ def _run_program(args: list[str]) -> int:
         return 1
 
 
-def _child(request: dict, fds: list[int], server_fds: list[int]) -> None:
+def _child(request: dict, fds: list[int], server_fds: list[int], server_dir: str) -> None:
     """In the forked child: become the program the client was started as."""
     libc = ctypes.CDLL(None, use_errno=True)
     code = 1
     try:
         for fd in server_fds:
             os.close(fd)
-        for s in (*FORWARDED, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+        for fd, to in zip(fds[:3], (0, 1, 2)):
+            os.dup2(fd, to)  # first: what goes wrong below is told the test
+        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                  signal.SIGUSR2, signal.SIGCHLD):
+            signal.signal(s, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s in (signal.SIGPIPE, signal.SIGXFSZ):  # as Python starts
+            signal.signal(s, signal.SIG_IGN)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        os.setpgid(0, 0)
+        if os.getppid() == 1:
+            raise RuntimeError("the fork server died")
+        os.setsid()
         if libc.setns(fds[3], CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), "setns(CLONE_NEWNET)")
-        for fd, to in zip(fds[:3], (0, 1, 2)):
-            os.dup2(fd, to)
         for fd in fds:
             os.close(fd)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         args = request["args"]
-        first = request["cwd"] if args[0] in ("-m", "-c") else os.path.dirname(
+        first = {"-m": request["cwd"], "-c": ""}.get(args[0]) or os.path.dirname(
             os.path.abspath(args[0]))
+        if sys.path and sys.path[0] == server_dir:
+            del sys.path[0]
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:0] = [first, *extra]
         code = _run_program(args)
         import atexit
+        import threading
 
+        threading._shutdown()  # as an interpreter's exit: non-daemon threads first
         atexit._run_exitfuncs()
     except BaseException:
         import traceback
@@ -175,106 +191,134 @@ def _child(request: dict, fds: list[int], server_fds: list[int]) -> None:
         libc.exit(code & 0xFF)
 
 
-def serve(path: str) -> None:
-    for name in PRELOAD:
-        __import__(name)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(64)
-    sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ, "accept")
-    sel.register(sys.stdin, selectors.EVENT_READ, "parent")
-    children = {}  # pid -> (conn, pidfd)
-    by_conn = {}  # conn -> pid
-    print("ready", flush=True)
+# The server.
 
-    def kill(pid, sig):
+
+def _kill(pid: int, sig: int) -> None:
+    """sig to pid's group, or to pid before its setsid() made one."""
+    for fn in (os.killpg, os.kill):
         try:
-            os.killpg(pid, sig)
+            return fn(pid, sig)
         except ProcessLookupError:
             pass
 
-    while True:
-        for key, _ in sel.select():
-            what = key.data
-            if what == "parent":  # the test run is over
-                if not os.read(sys.stdin.fileno(), 4096):
-                    for pid in children:
-                        kill(pid, signal.SIGKILL)
-                    return
-            elif what == "accept":
-                conn, _ = listener.accept()
+
+class _Server:
+    def __init__(self, path: str):
+        self.path = path
+        self.dir = sys.path[0]
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(64)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.listener, selectors.EVENT_READ, ("accept", 0))
+        self.sel.register(sys.stdin, selectors.EVENT_READ, ("parent", 0))
+        self.children = {}  # pid -> [conn, pidfd, buffer]
+
+    def serve(self) -> None:
+        print("ready", flush=True)
+        while True:
+            for key, _ in self.sel.select():
+                what, pid = key.data
                 try:
-                    msg, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 8)
-                    (size,) = struct.unpack("!I", msg[:4])
-                    while len(msg) < 4 + size:
-                        more = conn.recv(4 + size - len(msg))
-                        if not more:
-                            raise EOFError("request cut short")
-                        msg += more
-                    request = json.loads(msg[4:4 + size])
-                    if len(fds) != 4 or not request.get("args"):
-                        raise ValueError(f"a request with {len(fds)} fds and {request!r}")
-                except (OSError, ValueError, EOFError) as e:
-                    try:
-                        _send(conn, {"error": f"bad request: {e}"})
-                    except OSError:
-                        pass
-                    conn.close()
-                    continue
-                server_fds = [sel.fileno(), listener.fileno(), conn.fileno()] + [
-                    c.fileno() for c in by_conn] + [p for _, p in children.values()]
-                pid = os.fork()
-                if pid == 0:
-                    _child(request, fds, server_fds)
-                try:
-                    os.setpgid(pid, pid)  # as the child does: a signal may come first
-                except OSError:
-                    pass
-                for fd in fds:
-                    os.close(fd)
-                pidfd = os.pidfd_open(pid)
-                children[pid] = (conn, pidfd)
-                by_conn[conn] = pid
-                sel.register(conn, selectors.EVENT_READ, ("client", pid))
-                sel.register(pidfd, selectors.EVENT_READ, ("exit", pid))
-            elif what[0] == "client":  # a forwarded signal, or the client died
-                pid = what[1]
-                try:
-                    data = key.fileobj.recv(4096)
-                except OSError:
-                    data = b""
-                if not data:
-                    sel.unregister(key.fileobj)
-                    kill(pid, signal.SIGKILL)
-                    continue
-                while len(data) >= 4:
-                    (size,) = struct.unpack("!I", data[:4])
-                    kill(pid, json.loads(data[4:4 + size])["signal"])
-                    data = data[4 + size:]
-            else:  # the child exited
-                pid = what[1]
-                conn, pidfd = children.pop(pid)
-                _, status = os.waitpid(pid, 0)
-                kill(pid, signal.SIGKILL)  # what it left in its group
-                sel.unregister(pidfd)
-                os.close(pidfd)
-                try:
-                    _send(conn, {"status": status})
-                except OSError:
-                    pass
-                if by_conn.pop(conn, None) is not None:
-                    try:
-                        sel.unregister(conn)
-                    except KeyError:
-                        pass
-                conn.close()
+                    if what == "parent":
+                        if not os.read(sys.stdin.fileno(), 4096):  # the test run is over
+                            return self.close()
+                    elif what == "accept":
+                        self.accept()
+                    elif pid in self.children:
+                        (self.reap if what == "exit" else self.forward)(pid)
+                except Exception as e:  # one request's trouble, not the server's
+                    print(f"forkserver: {what} {pid}: {e!r}", file=sys.stderr)
+                    if pid in self.children:
+                        _kill(pid, signal.SIGKILL)
+
+    def accept(self) -> None:
+        conn, _ = self.listener.accept()
+        fds = []
+        try:
+            conn.settimeout(10)
+            buf = bytearray()
+            request = None
+            while request is None:
+                msg, got, _, _ = socket.recv_fds(conn, 65536, 8)
+                fds += got
+                if not msg:
+                    raise EOFError("the client went before its request")
+                buf += msg
+                request = take(buf)
+            if len(fds) != 4 or not request.get("args"):
+                raise ValueError(f"a request with {len(fds)} fds: {request!r}")
+            conn.settimeout(None)
+            pid = os.fork()
+        except Exception:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            raise
+        if pid == 0:
+            server_fds = [self.sel.fileno(), self.listener.fileno(), conn.fileno()]
+            for c, pidfd, _ in self.children.values():
+                server_fds += [c.fileno(), pidfd]
+            _child(request, fds, server_fds, self.dir)
+        for fd in fds:
+            os.close(fd)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            _kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            conn.close()
+            raise
+        self.children[pid] = [conn, pidfd, buf]  # buf: signals sent with the request
+        self.sel.register(conn, selectors.EVENT_READ, ("client", pid))
+        self.sel.register(pidfd, selectors.EVENT_READ, ("exit", pid))
+        self._signals(pid)
+
+    def _signals(self, pid: int) -> None:
+        buf = self.children[pid][2]
+        while (msg := take(buf)) is not None:
+            _kill(pid, msg["signal"])
+
+    def forward(self, pid: int) -> None:
+        """A signal from the client, or its end."""
+        conn, _, buf = self.children[pid]
+        try:
+            data = conn.recv(4096)
+        except OSError:
+            data = b""
+        if not data:  # the client died: so does the program
+            self.sel.unregister(conn)
+            _kill(pid, signal.SIGKILL)
+            return
+        buf += data
+        self._signals(pid)
+
+    def reap(self, pid: int) -> None:
+        conn, pidfd, _ = self.children.pop(pid)
+        _kill(pid, signal.SIGKILL)  # what it left in its group (a zombie keeps the id)
+        _, status = os.waitpid(pid, 0)
+        self.sel.unregister(pidfd)
+        os.close(pidfd)
+        try:
+            send(conn, {"status": status})
+        except OSError:
+            pass
+        try:
+            self.sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def close(self) -> None:
+        for pid in self.children:
+            _kill(pid, signal.SIGKILL)
+        os.unlink(self.path)
+        os.rmdir(os.path.dirname(self.path))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "--serve":
-        serve(sys.argv[2])
-    elif len(sys.argv) >= 5 and sys.argv[1] == "--client" and sys.argv[3] == "--":
-        sys.exit(client(sys.argv[2], sys.argv[4:]))
-    else:
-        sys.exit("usage: forkserver.py --serve PATH | --client PATH -- PYTHON-ARGS...")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the test run's
+    for name in PRELOAD:
+        __import__(name)
+    _Server(sys.argv[1]).serve()

@@ -67,33 +67,6 @@ COMMAND_TIMEOUT = 30.0  # each ip/tc command; they take milliseconds
 _instances = itertools.count()
 
 
-FORKSERVER = Path(__file__).with_name("forkserver.py")
-_server: tuple[subprocess.Popen, str] | None = None
-
-
-def _forked(env: dict | None) -> bool:
-    return (os.environ if env is None else env).get("TORCH_RPC_EXT_TEST_START", "") != "spawn"
-
-
-def _fork_server() -> str:
-    """The path of this process's fork server's socket, the server started
-    on first use (it ends when this process does: its stdin closes)."""
-    global _server
-    if _server is None or _server[0].poll() is not None:
-        import tempfile
-
-        path = os.path.join(tempfile.mkdtemp(prefix="trxh-fork"), "socket")
-        proc = subprocess.Popen([sys.executable, str(FORKSERVER), "--serve", path],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                cwd=Path(__file__).resolve().parents[2])
-        ready = proc.stdout.readline()
-        if ready.strip() != b"ready":
-            proc.kill()
-            raise RuntimeError(f"the fork server did not start (exit {proc.wait()})")
-        _server = (proc, path)
-    return _server[1]
-
-
 class NetnsUnavailable(RuntimeError):
     """Namespaces (or a bridge or veth pair) cannot be made here: not root,
     no iproute2, or a kernel or container that forbids it. Tests skip."""
@@ -332,9 +305,12 @@ class Hosts:
         A Python program (``sys.executable`` with ``-m``, ``-c`` or a
         script) runs as a child of forkserver.py's server, torch already
         imported (``TORCH_RPC_EXT_TEST_START=spawn``: a fresh interpreter)."""
-        argv = list(argv)
-        if argv and argv[0] == sys.executable and len(argv) > 1 and _forked(popen_kwargs.get("env")):
-            argv = [sys.executable, str(FORKSERVER), "--client", _fork_server(), "--", *argv[1:]]
+        from tests.crosshost import (
+            forkserver,  # (not at the top: this file is also a script)
+        )
+
+        if forkserver.wanted(argv, popen_kwargs.get("env")):
+            argv = forkserver.client_argv(argv)
         cmd = ["ip", "netns", "exec", self.ns(i),
                "timeout", "--kill-after=5", f"{timeout:g}", *argv]
         # A session of its own from the start, so that close() can kill the

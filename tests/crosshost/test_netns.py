@@ -130,26 +130,33 @@ def test_nothing_is_left_after_an_exception():
 
 
 # What a program run by Hosts.run sees (forkserver.py): its namespace's
-# interfaces, its argv, directory and environment, its stdin; whether torch
-# was imported before it started.
+# interfaces, its argv, directory, environment and file descriptors, its
+# stdin; whether torch was imported before it started. Then it ends as told.
 PROGRAM = """
-import json, os, socket, sys
+import json, os, signal, socket, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "x": os.environ.get("TRXH_X"),
                   "ifs": sorted(n for _, n in socket.if_nameindex()), "pid": os.getpid(),
+                  "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
                   "preloaded": "torch" in sys.modules, "main": __name__}), flush=True)
-line = sys.stdin.readline()
-if line.strip() == "sleep":
-    import time
+line = sys.stdin.readline().strip()
+if line == "sleep":
     time.sleep(600)
+if line == "usr1":
+    os.kill(os.getpid(), signal.SIGUSR1)
 sys.exit(int(line))
 """
 
 
-def _program(hosts, tmp_path, env):
+def _program(hosts, tmp_path, env, then=None):
     p = hosts.run(1, [sys.executable, "-c", PROGRAM, "a", "b"], timeout=120, text=True,
                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=tmp_path,
                   env={**env, "TRXH_X": "y"})
-    return p, json.loads(p.stdout.readline())
+    seen = json.loads(p.stdout.readline())
+    if then is not None:
+        p.stdin.write(then + "\n")
+        p.stdin.flush()
+    return p, seen
 
 
 def _gone(pid, within=10.0):
@@ -166,29 +173,29 @@ def _gone(pid, within=10.0):
 def test_python_programs_run_forked_inside_their_host_as_if_started_there(two_hosts, tmp_path):
     hosts = two_hosts
     env = {k: v for k, v in os.environ.items() if k != "TORCH_RPC_EXT_TEST_START"}
-    p, seen = _program(hosts, tmp_path, env)
+    p, seen = _program(hosts, tmp_path, env, then="3")
     assert seen == {"argv": ["a", "b"], "cwd": str(tmp_path), "x": "y",
                     "ifs": sorted(["lo", hosts.ifname(1)]), "pid": seen["pid"],
-                    "preloaded": True, "main": "__main__"}, seen
-    p.stdin.write("3\n")
-    p.stdin.flush()
-    assert p.wait(timeout=30) == 3  # its exit code through the client, timeout and ip
-    # A signal to the process the test started reaches the program
-    # (timeout passes it on to the client, the client to the program).
-    p, seen = _program(hosts, tmp_path, env)
-    p.stdin.write("sleep\n")
-    p.stdin.flush()
+                    "fds": [0, 1, 2, 3], "preloaded": True, "main": "__main__"}, seen
+    assert p.wait(timeout=30) == 3  # its exit code, through the client, timeout and ip
+    # A signal to the process the test started reaches the program (timeout
+    # passes it on to the client, the client to the program), which handles it.
+    p, seen = _program(hosts, tmp_path, env, then="sleep")
     p.terminate()
-    assert p.wait(timeout=30) != 0
-    assert _gone(seen["pid"])
+    assert p.wait(timeout=30) == 7
+    # A program killed by a signal: so is what the test started.
+    p, seen = _program(hosts, tmp_path, env, then="usr1")
+    assert p.wait(timeout=30) in (-signal.SIGUSR1, 128 + signal.SIGUSR1)
     # A client killed outright (Hosts.close, timeout --kill-after) takes it along.
     p, seen = _program(hosts, tmp_path, env)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
     assert _gone(seen["pid"])
+    # -m, stdin to stdout.
+    p = hosts.run(0, [sys.executable, "-m", "json.tool", "--compact"], timeout=60, text=True,
+                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    assert p.communicate('{"a": [1, 2]}', timeout=30)[0] == '{"a":[1,2]}\n'
     # TORCH_RPC_EXT_TEST_START=spawn: a fresh interpreter, as before.
-    p, seen = _program(hosts, tmp_path, {**env, "TORCH_RPC_EXT_TEST_START": "spawn"})
+    p, seen = _program(hosts, tmp_path, {**env, "TORCH_RPC_EXT_TEST_START": "spawn"}, then="0")
     assert not seen["preloaded"] and seen["ifs"] == sorted(["lo", hosts.ifname(1)]), seen
-    p.stdin.write("0\n")
-    p.stdin.flush()
     assert p.wait(timeout=30) == 0

@@ -6,6 +6,7 @@ import os
 import pickle
 import queue as queue_module
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -111,6 +112,9 @@ def run_world(
         ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, kwargs))
         for r in range(world_size)
     ]
+    # A thread of this process holding a lock (logging's, a buffer's) as it
+    # forks leaves that lock held in the child for ever: named if one hangs.
+    threads = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -125,7 +129,7 @@ def run_world(
     except queue_module.Empty:
         missing = sorted(set(range(world_size)) - set(results) - set(dies))
         errors.append(f"ranks {missing} did not finish within {timeout}s (their stacks: "
-                      "captured stderr)")
+                      f"captured stderr; threads of the forking process: {threads or 'none'})")
         for rank in missing:
             if procs[rank].is_alive():
                 os.kill(procs[rank].pid, signal.SIGUSR1)
