@@ -102,12 +102,13 @@ if [ "$TORCH_VERSION" != "$DEFAULT_TORCH" ]; then
 fi
 
 # Two jobs that only build run in the background from here, at the lowest
-# CPU priority (nice 19: they take the cores only when the tests leave
-# them idle, as multi-process tests mostly do; nothing of theirs measures
-# time): the fuzzers' build (clang-14 + libFuzzer, ASan + UBSan; about
-# 450 s of CPU, a compile per core at a time) and the newest torch's tree
-# (a few GB of wheels to fetch, a build). Their logs are in build/ and shown if they fail; the
-# stages that need them wait for them.
+# CPU priorities (they take the cores only when the tests leave them idle,
+# as multi-process tests often do; nothing of theirs measures time): the
+# newest torch's tree (a few GB of wheels to fetch, a build; nice 19) and,
+# below it, the fuzzers' build (clang-14 + libFuzzer, ASan + UBSan; about
+# 240 s of CPU on a quiet machine, a compile per core at a time;
+# SCHED_IDLE where chrt is, else nice 19), needed later. Their logs are in
+# build/ and shown if they fail; the stages that need them wait for them.
 mkdir -p build
 declare -A job_pid job_log
 kill_tree() {
@@ -127,7 +128,13 @@ background() {
     # off, and a failing stage would go unnoticed.
     trap 'echo $? >"$log.rc"' EXIT
     exec >"$log" 2>&1
-    if [ "$niceness" = 0 ]; then "$@"; else nice -n "$niceness" "$@"; fi
+    if [ "$niceness" = idle ] && command -v chrt >/dev/null; then
+      chrt --idle 0 "$@"
+    elif [ "$niceness" = 0 ]; then
+      "$@"
+    else
+      nice -n "${niceness/idle/19}" "$@"
+    fi
   ) &
   job_pid[$name]=$!
   job_log[$name]=$log
@@ -158,7 +165,7 @@ if [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ] &&
     exit 1
   fi
 fi
-background 19 fuzz-build build/fuzz-build.log bash tests/fuzz/build.sh
+background idle fuzz-build build/fuzz-build.log bash tests/fuzz/build.sh
 if [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ]; then
   PIP_NO_CACHE_DIR=1 background 19 newest-torch-setup build/newest-torch-setup.log \
     bash tools/with_torch.sh "$NEWEST_TORCH" bash -c 'SETUP_FOR=test . tools/setup_env.sh'
@@ -171,7 +178,7 @@ fi
 # here: upstream's suites over shm with our multi-process tests, then the
 # fault-injection suites. The second (second_lane below, its output in
 # build/lane-2.log, shown when it ends): the unit tests with the fake CUDA
-# driver's, the fuzzers' round, then the newest torch's stages.
+# driver's, the newest torch's stages, then the fuzzers' round.
 # TORCH_RPC_EXT_TEST_LANES=1 runs the second lane after the first instead
 # (a flake that load may cause can be told apart that way).
 second_lane() {
@@ -179,14 +186,10 @@ second_lane() {
   # process) and the driver layer's against it (in spawned processes).
   stage "unit tests, the fake CUDA driver, the driver layer"
   pytest --timeout 300 tests/unit tests/cuda_fake tests/cuda_driver
-  # The in-process fuzzers (tests/fuzz; docs/reliability.md, "In-process
-  # fuzzing"): a bounded round of about a minute over the parsers a peer
-  # reaches, from the seed corpus, once their build is done (run.sh
-  # rebuilds nothing then). Any finding fails the run.
-  stage "fuzzers (the rest of their build, then the round)"
-  await fuzz-build
-  grep -E "^(built|fuzz build)" build/fuzz-build.log >&2 || true
-  bash tests/fuzz/run.sh
+  # The newest torch's stages before the fuzzers' round: its setup (a
+  # download, then a build at nice 19) is what this lane would wait for
+  # longest, and the fuzzers' build (SCHED_IDLE, below the setup) is done
+  # by the time the round comes.
   if [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ]; then
     stage "setting up torch $NEWEST_TORCH (what is left of it)"
     await newest-torch-setup
@@ -196,6 +199,14 @@ second_lane() {
     TORCH_RPC_EXT_OTHER_TORCH_SITE=$(python -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
       bash tools/with_torch.sh "$NEWEST_TORCH" bash tools/test.sh
   fi
+  # The in-process fuzzers (tests/fuzz; docs/reliability.md, "In-process
+  # fuzzing"): a bounded round of about a minute over the parsers a peer
+  # reaches, from the seed corpus, once their build is done (run.sh
+  # rebuilds nothing then). Any finding fails the run.
+  stage "fuzzers (the rest of their build, then the round)"
+  await fuzz-build
+  grep -E "^(built|fuzz build)" build/fuzz-build.log >&2 || true
+  bash tests/fuzz/run.sh
 }
 lanes=${TORCH_RPC_EXT_TEST_LANES:-2}
 if [ "$lanes" = 2 ]; then
