@@ -20,6 +20,76 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 NEWEST_TORCH=2.15.0
+# Two jobs that only build run in the background from here, at the lowest
+# CPU priorities (they take the cores only when the tests leave them idle,
+# as multi-process tests often do; nothing of theirs measures time): the
+# newest torch's tree (a few GB of wheels to fetch, a build; nice 19) and,
+# below it, the fuzzers' build (clang-14 + libFuzzer, ASan + UBSan; about
+# 240 s of CPU on a quiet machine, a compile per core at a time;
+# SCHED_IDLE where chrt is, else nice 19), needed later. Their logs are in
+# build/ and shown if they fail; the stages that need them wait for them.
+mkdir -p build
+declare -A job_pid job_log
+kill_tree() {
+  local child
+  for child in $(pgrep -P "$1" || true); do kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
+# A job's exit status is written beside its log ($log.rc), so that the
+# second lane (a subshell, which cannot `wait` for its siblings) can await
+# a build too. `background NICE NAME LOG CMD...`.
+background() {
+  local niceness=$1 name=$2 log=$3
+  shift 3
+  rm -f "$log.rc"
+  (
+    # Not `"$@" || status=$?`: that would run a shell function with set -e
+    # off, and a failing stage would go unnoticed.
+    trap 'echo $? >"$log.rc"' EXIT
+    exec >"$log" 2>&1
+    if [ "$niceness" = idle ] && command -v chrt >/dev/null; then
+      chrt --idle 0 "$@"
+    elif [ "$niceness" = 0 ]; then
+      "$@"
+    else
+      nice -n "${niceness/idle/19}" "$@"
+    fi
+  ) &
+  job_pid[$name]=$!
+  job_log[$name]=$log
+}
+await() {
+  local name=$1 pid=${job_pid[$1]} log=${job_log[$1]} status
+  while [ ! -s "$log.rc" ] && kill -0 "$pid" 2>/dev/null; do sleep 1; done
+  status=$(cat "$log.rc" 2>/dev/null || echo "killed")
+  unset "job_pid[$name]"
+  if [ "$status" != 0 ]; then
+    cat "$log" >&2
+    echo "tools/test.sh: $name failed ($status; above, log $log)" >&2
+    exit 1
+  fi
+}
+trap 'for p in "${job_pid[@]}"; do kill_tree "$p"; done' EXIT
+# The newest torch's setup starts first, before this tree's own (its
+# download, a few GB, waits on the network while this .venv installs and
+# builds); not in another torch's tree (.synced-files) or for a pytest run.
+if [ "$#" -eq 0 ] && [ ! -f .synced-files ] && [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ]; then
+  # The newest torch's tree takes about 8 GB of disk while it installs (a
+  # CUDA build and its NVIDIA wheels, downloaded, then unpacked into its
+  # .venv; 5.5 GB stays). Too little free fails it with "No space left on
+  # device" after the first stages (CI's did, 18 minutes in, when old clones
+  # filled the disk); say so now instead. pip keeps no copy of those wheels.
+  newest_need_gb=9
+  if ! compgen -G "build/torch-$NEWEST_TORCH/.venv/.packages-test-*" >/dev/null; then
+    free_kb=$(df -Pk build | awk 'NR == 2 { print $4 }')
+    if [ "$free_kb" -lt $((newest_need_gb * 1024 * 1024)) ]; then
+      echo "tools/test.sh: torch $NEWEST_TORCH's stages need about $newest_need_gb GB free under $PWD/build; $((free_kb / 1024 / 1024)) GB is free. Free some, or leave those stages out with TORCH_RPC_EXT_SKIP_NEWEST=1." >&2
+      exit 1
+    fi
+  fi
+  PIP_NO_CACHE_DIR=1 background 19 newest-torch-setup build/newest-torch-setup.log \
+    bash tools/with_torch.sh "$NEWEST_TORCH" bash -c 'SETUP_FOR=test . tools/setup_env.sh'
+fi
 SETUP_FOR=test . tools/setup_env.sh
 # Upstream's per-test limit for multi-process tests (default 300 s); every
 # test here takes seconds, so a hang is cut short sooner.
@@ -101,75 +171,8 @@ if [ "$TORCH_VERSION" != "$DEFAULT_TORCH" ]; then
   exit 0
 fi
 
-# Two jobs that only build run in the background from here, at the lowest
-# CPU priorities (they take the cores only when the tests leave them idle,
-# as multi-process tests often do; nothing of theirs measures time): the
-# newest torch's tree (a few GB of wheels to fetch, a build; nice 19) and,
-# below it, the fuzzers' build (clang-14 + libFuzzer, ASan + UBSan; about
-# 240 s of CPU on a quiet machine, a compile per core at a time;
-# SCHED_IDLE where chrt is, else nice 19), needed later. Their logs are in
-# build/ and shown if they fail; the stages that need them wait for them.
-mkdir -p build
-declare -A job_pid job_log
-kill_tree() {
-  local child
-  for child in $(pgrep -P "$1" || true); do kill_tree "$child"; done
-  kill "$1" 2>/dev/null || true
-}
-# A job's exit status is written beside its log ($log.rc), so that the
-# second lane (a subshell, which cannot `wait` for its siblings) can await
-# a build too. `background NICE NAME LOG CMD...`.
-background() {
-  local niceness=$1 name=$2 log=$3
-  shift 3
-  rm -f "$log.rc"
-  (
-    # Not `"$@" || status=$?`: that would run a shell function with set -e
-    # off, and a failing stage would go unnoticed.
-    trap 'echo $? >"$log.rc"' EXIT
-    exec >"$log" 2>&1
-    if [ "$niceness" = idle ] && command -v chrt >/dev/null; then
-      chrt --idle 0 "$@"
-    elif [ "$niceness" = 0 ]; then
-      "$@"
-    else
-      nice -n "${niceness/idle/19}" "$@"
-    fi
-  ) &
-  job_pid[$name]=$!
-  job_log[$name]=$log
-}
-await() {
-  local name=$1 pid=${job_pid[$1]} log=${job_log[$1]} status
-  while [ ! -s "$log.rc" ] && kill -0 "$pid" 2>/dev/null; do sleep 1; done
-  status=$(cat "$log.rc" 2>/dev/null || echo "killed")
-  unset "job_pid[$name]"
-  if [ "$status" != 0 ]; then
-    cat "$log" >&2
-    echo "tools/test.sh: $name failed ($status; above, log $log)" >&2
-    exit 1
-  fi
-}
-trap 'for p in "${job_pid[@]}"; do kill_tree "$p"; done' EXIT
-# The newest torch's tree takes about 8 GB of disk while it installs (a
-# CUDA build and its NVIDIA wheels, downloaded, then unpacked into its
-# .venv; 5.5 GB stays). Too little free fails it with "No space left on
-# device" after the first stages (CI's did, 18 minutes in, when old clones
-# filled the disk); say so now instead. pip keeps no copy of those wheels.
-newest_need_gb=9
-if [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ] &&
-  ! compgen -G "build/torch-$NEWEST_TORCH/.venv/.packages-test-*" >/dev/null; then
-  free_kb=$(df -Pk build | awk 'NR == 2 { print $4 }')
-  if [ "$free_kb" -lt $((newest_need_gb * 1024 * 1024)) ]; then
-    echo "tools/test.sh: torch $NEWEST_TORCH's stages need about $newest_need_gb GB free under $PWD/build; $((free_kb / 1024 / 1024)) GB is free. Free some, or leave those stages out with TORCH_RPC_EXT_SKIP_NEWEST=1." >&2
-    exit 1
-  fi
-fi
+# The fuzzers' build needs this .venv's torch (its headers, for fuzz_codec).
 background idle fuzz-build build/fuzz-build.log bash tests/fuzz/build.sh
-if [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ]; then
-  PIP_NO_CACHE_DIR=1 background 19 newest-torch-setup build/newest-torch-setup.log \
-    bash tools/with_torch.sh "$NEWEST_TORCH" bash -c 'SETUP_FOR=test . tools/setup_env.sh'
-fi
 
 # The stages run in two lanes at once: our multi-process suites wait more
 # than they compute (with one lane, 2 cores were idle about half the time:
