@@ -47,7 +47,7 @@ background() {
     # off, and a failing stage would go unnoticed.
     trap 'echo $? >"$log.rc"' EXIT
     exec >"$log" 2>&1
-    if [ "$niceness" = idle ] && command -v chrt >/dev/null; then
+    if [ "$niceness" = idle ] && chrt --idle 0 true 2>/dev/null; then
       chrt --idle 0 "$@"
     elif [ "$niceness" = 0 ]; then
       "$@"
@@ -80,6 +80,8 @@ if [ "$#" -eq 0 ] && [ ! -f .synced-files ] && [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0
   # device" after the first stages (CI's did, 18 minutes in, when old clones
   # filled the disk); say so now instead. pip keeps no copy of those wheels.
   newest_need_gb=9
+  # (Both trees install at once on a fresh clone: the first .venv's ~3 GB too.)
+  compgen -G ".venv/.packages-test-*" >/dev/null || newest_need_gb=12
   if ! compgen -G "build/torch-$NEWEST_TORCH/.venv/.packages-test-*" >/dev/null; then
     free_kb=$(df -Pk build | awk 'NR == 2 { print $4 }')
     if [ "$free_kb" -lt $((newest_need_gb * 1024 * 1024)) ]; then
@@ -87,6 +89,7 @@ if [ "$#" -eq 0 ] && [ ! -f .synced-files ] && [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0
       exit 1
     fi
   fi
+  newest_started=1
   PIP_NO_CACHE_DIR=1 background 19 newest-torch-setup build/newest-torch-setup.log \
     bash tools/with_torch.sh "$NEWEST_TORCH" bash -c 'SETUP_FOR=test . tools/setup_env.sh'
 fi
@@ -193,7 +196,7 @@ second_lane() {
   # download, then a build at nice 19) is what this lane would wait for
   # longest, and the fuzzers' build (SCHED_IDLE, below the setup) is done
   # by the time the round comes.
-  if [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0}" != 1 ]; then
+  if [ "${newest_started:-0}" = 1 ]; then
     stage "setting up torch $NEWEST_TORCH (what is left of it)"
     await newest-torch-setup
     grep -E "^(setup_env|with_torch)" build/newest-torch-setup.log >&2 || true

@@ -28,11 +28,11 @@ def main(path: str, args: list[str]) -> int:
         except OSError:
             pass
 
-    for s in FORWARDED:
-        signal.signal(s, forward)
     netns = os.open("/proc/self/ns/net", os.O_RDONLY)
     send(sock, {"args": args, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2, netns])
     os.close(netns)
+    for s in FORWARDED:  # (after the request: a signal's frame never comes first)
+        signal.signal(s, forward)
     buf = bytearray()
     try:
         while (reply := take(buf)) is None:

@@ -187,7 +187,9 @@ def _child(request: dict, fds: list[int], server_fds: list[int], server_dir: str
             except Exception:
                 pass
         # libc's exit(): C atexit handlers and static destructors run, as at
-        # an interpreter's exit (a crash there fails the test).
+        # an interpreter's exit (a crash there fails the test). Without the
+        # GIL (CDLL), as _preloaded.py's children: a destructor that joins
+        # a thread which needs the GIL to end would wait for ever with it.
         libc.exit(code & 0xFF)
 
 
