@@ -50,6 +50,33 @@ def test_a_peer_that_never_answers_our_hello():
     assert "waiting for its challenge" in reason, reason
 
 
+def test_a_listener_that_never_takes_our_connection():
+    """Over TCP, a listener whose queue is full drops our SYN: our socket is
+    never connected, and the reason says that (not: connected, and its
+    writable event never handled by our loop, the other way to stay here)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # Linux queues one; the SYNs after it are dropped
+    address = listener.getsockname()
+    fillers = []
+    ep = _testing.Endpoint(0, 2, KEY, "tcp", [], handshake_timeout=TIMEOUT_S)
+    try:
+        for _ in range(2):
+            fillers.append(socket.socket())
+            fillers[-1].setblocking(False)
+            fillers[-1].connect_ex(address)
+        ep.connect("127.0.0.1:%d" % address[1], 1)
+        reason = closed_for(ep)
+    finally:
+        ep.close(0)
+        for s in fillers:
+            s.close()
+        listener.close()
+    assert "handshake did not complete in time" in reason, reason
+    assert ("waiting for the connection to be accepted (our socket is not writable yet; "
+            "loop takeovers ") in reason, reason
+
+
 @pytest.mark.parametrize("stop_after", ["connect", "hello"])
 def test_a_client_that_stalls_mid_way(stop_after):
     # Our hello must arrive inside the timeout for the proof to be what is

@@ -3,6 +3,7 @@
 // channels' releases): made, and queued ahead of message frames not yet
 // started. Callers hold writeMutex_ for everything named *Locked. Also what
 // a failed write or a stalled handshake closes with.
+#include <poll.h>
 #include <sys/ioctl.h>
 
 #include <memory>
@@ -160,7 +161,15 @@ std::string StreamConnection::awaitedText() const {
   // its loop after connecting), a challenge or proof that never came (the
   // peer stalled mid-way, or stopped there on purpose).
   if (state_ == State::kConnecting) {
-    return "the connection to be accepted";
+    // Which of two it was (a loaded CI host saw this twice over shm): a
+    // socket connected, whose writable event this loop never handled, or
+    // one the peer's end never took.
+    pollfd p{fd_, POLLOUT, 0};
+    bool writable = ::poll(&p, 1, 0) == 1 && (p.revents & POLLOUT) != 0;
+    return std::string("the connection to be accepted (our socket ") +
+        (writable ? "is writable, its event not handled"
+                  : "is not writable yet") +
+        "; loop takeovers " + std::to_string(loop_.takeovers()) + ")";
   }
   if (state_ == State::kTls) {
     return "its TLS handshake";
