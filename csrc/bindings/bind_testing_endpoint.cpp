@@ -108,7 +108,9 @@ class Endpoint final : public transport::ConnectionObserver {
   }
 
   void connect(const std::string& address, int32_t peerId) {
-    transport_->connect(address, peerId, this);
+    auto dialed = transport_->connect(address, peerId, this);
+    std::lock_guard<std::mutex> lock(mu_);
+    dialed_ = std::move(dialed);
   }
 
   // Waits until a connection is ready; false on timeout, or if it closed
@@ -131,7 +133,7 @@ class Endpoint final : public transport::ConnectionObserver {
     std::shared_ptr<transport::Connection> conn;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      conn = conn_;
+      conn = conn_ ? conn_ : dialed_;
     }
     if (!conn) {
       throw std::runtime_error("no connection");
@@ -238,6 +240,7 @@ class Endpoint final : public transport::ConnectionObserver {
     }
     std::lock_guard<std::mutex> lock(mu_);
     conn_.reset();
+    dialed_.reset();
     inbound_.clear();
   }
 
@@ -321,6 +324,9 @@ class Endpoint final : public transport::ConnectionObserver {
   std::condition_variable cv_;
   std::map<std::string, std::string> peerDescriptors_;
   std::shared_ptr<transport::Connection> conn_;
+  // What connect() dialed: send() writes to it before it is ready (the
+  // frames wait for the handshake), as the agent does to a peer it dials.
+  std::shared_ptr<transport::Connection> dialed_;
   std::deque<Inbound> inbound_;
   std::string closeReason_;
 };

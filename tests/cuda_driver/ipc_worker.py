@@ -32,7 +32,8 @@ def pattern(n: int, seed: int) -> bytes:
 
 
 class End:
-    def __init__(self, role: str, conn, channels=("cuda_ipc",), offer=True, transport="shm"):
+    def __init__(self, role: str, conn, channels=("cuda_ipc",), offer=True, transport="shm",
+                 early=None):
         from torch_rpc_ext import _C, _testing
 
         _C._set_cuda_kernel_images(kernel_images())
@@ -47,11 +48,13 @@ class End:
         # Both ends know each other's descriptors before either connects.
         conn.send("ready")
         assert conn.recv() == "ready"
-        if role == "sender":
-            self.ep.connect(address, 1)
-        assert self.ep.wait_ready(TIMEOUT), self.ep.close_reason()
         self.stream = self.cu.stream_create(DEVICE)
         self.live = []
+        if role == "sender":
+            self.ep.connect(address, 1)
+            if early is not None:
+                early(self)  # before the connection is ready
+        assert self.ep.wait_ready(TIMEOUT), self.ep.close_reason()
 
     def alloc(self, data: bytes) -> int:
         p = self.cu.mem_alloc(DEVICE, len(data))

@@ -5,6 +5,7 @@ spawned process that loads the driver under test; as ipc_worker.py, whose
 End they use."""
 
 import os
+import time
 
 from tests.cuda_driver.ipc_worker import End, pattern
 
@@ -102,6 +103,35 @@ def hostlanding_receiver(conn, ctl):
     e.ep.set_landing_device(-1)
     got = e.ep.receive(30)
     ctl.send((got, e.ep.close_reason()))
+    e.close()
+
+
+# ---- early: a device segment sent while our connect completes ---------------
+
+
+def early_sender(conn, ctl):
+    # Our loop stalls 1 s once it asked to hear of the connect's completion;
+    # the segment's copy out ends meanwhile (test_staged_channel.py).
+    os.environ["TORCH_RPC_EXT_TEST_PAUSE_CONNECTING_MS"] = "1000"
+
+    def send(e):
+        time.sleep(0.3)
+        e.send_device(b"early", e.alloc(pattern(5000, 3)), 5000)
+
+    e = End("sender", conn, channels=CHANNELS, transport="tcp", early=send)
+    del os.environ["TORCH_RPC_EXT_TEST_PAUSE_CONNECTING_MS"]
+    assert e.receive()[0] == b"ok"
+    ctl.send("sent")
+    e.close()
+
+
+def early_receiver(conn, ctl):
+    e = end("receiver", conn)
+    head, (region,) = e.receive()
+    ok = e.read_region(region) == pattern(5000, 3)
+    region.release()
+    e.ep.send(b"ok", [])
+    ctl.send((head, ok))
     e.close()
 
 

@@ -35,6 +35,16 @@ def test_segments_travel_out_and_back_through_host_memory(spawn):
     assert pinned[1] == pinned[2] > 0
 
 
+def test_a_segment_sent_while_the_connection_is_made_goes_once_it_is(spawn):
+    """Sent while our loop stalls before it saw the connect complete
+    (staged_worker's early scenario): its copy out of the device ends
+    meanwhile, and it goes once the connection is ready. (The connection
+    CI's staged soak lost twice sat in that step; this ordering did not
+    reproduce it, with or without the writer's fix.)"""
+    _, (head, ok) = run(spawn, "early")
+    assert (head, ok) == (b"early", True)
+
+
 def test_host_and_device_segments_share_a_frame(spawn):
     _, (head, ok) = run(spawn, "mixed")
     assert (head, ok) == (b"mix", (True, True))

@@ -8,6 +8,7 @@ runnable tasks, and nothing said at which step.)"""
 import os
 import socket
 import struct
+import time
 
 import pytest
 
@@ -75,6 +76,29 @@ def test_a_listener_that_never_takes_our_connection():
     assert "handshake did not complete in time" in reason, reason
     assert ("waiting for the connection to be accepted (our socket is not writable yet; "
             "loop takeovers ") in reason, reason
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_frame_queued_while_our_connect_completes_does_not_strand_it(monkeypatch, transport):
+    """A frame queued while our loop has asked to hear of the connect's
+    completion and not yet heard (it stalls right there:
+    TORCH_RPC_EXT_TEST_PAUSE_CONNECTING_MS) waits, and goes once the
+    connection is ready, as an agent's call to a peer it is dialing does.
+    (The connection CI's staged soak lost twice sat in that step; this
+    ordering did not reproduce it, with or without the writer's fix.)"""
+    monkeypatch.setenv("TORCH_RPC_EXT_TEST_PAUSE_CONNECTING_MS", "1000")
+    server = _testing.Endpoint(1, 2, KEY, transport, [], handshake_timeout=5)
+    client = _testing.Endpoint(0, 2, KEY, transport, [], handshake_timeout=5)
+    try:
+        client.connect(server.address, 1)
+        time.sleep(0.4)  # the client's loop is in the pause now
+        client.send(b"early", [])
+        assert client.wait_ready(15), client.close_reason()
+        assert server.wait_ready(15), server.close_reason()
+        assert server.receive(15) == (b"early", [])
+    finally:
+        client.close(0)
+        server.close(0)
 
 
 @pytest.mark.parametrize("stop_after", ["connect", "hello"])

@@ -49,11 +49,13 @@ class Watcher final : public Pollable {
   std::function<void()> fn_;
 };
 
-// Tests only (tests/rpc/test_last_words.py): an accepting end stalls this
-// long between its proof and the rest, as a loop thread descheduled there
-// would. Read at each handshake: a forked child may set it.
-void pauseAfterProofForTesting() {
-  if (const char* ms = std::getenv("TORCH_RPC_EXT_TEST_PAUSE_AFTER_PROOF_MS")) {
+// Tests only: a loop thread stalls this long at a step, as one descheduled
+// there would; read each time (a forked child may set it). ..._AFTER_PROOF_MS:
+// an accepting end between its proof and the rest (test_last_words.py);
+// ..._CONNECTING_MS: a dialing end once it asked to hear of its connect's
+// completion (test_handshake_stalls.py).
+void pauseForTesting(const char* variable) {
+  if (const char* ms = std::getenv(variable)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
   }
 }
@@ -260,6 +262,9 @@ void StreamConnection::startFromLoop(bool connecting) {
   noteActivity();
   handshakeStartedAt_ = std::chrono::steady_clock::now();
   armHandshakeTimer(options_.handshakeTimeout);
+  if (connecting) {
+    pauseForTesting("TORCH_RPC_EXT_TEST_PAUSE_CONNECTING_MS");
+  }
 }
 
 void StreamConnection::armHandshakeTimer(std::chrono::milliseconds after) {
@@ -484,7 +489,7 @@ bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
     queueControl(uint8_t(step.replyKind), std::move(step.replyHead));
   }
   if (step.done && !outbound_) {
-    pauseAfterProofForTesting();
+    pauseForTesting("TORCH_RPC_EXT_TEST_PAUSE_AFTER_PROOF_MS");
   }
   if (!step.done) {
     return state_ != State::kClosed;
