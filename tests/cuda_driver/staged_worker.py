@@ -110,8 +110,8 @@ def hostlanding_receiver(conn, ctl):
 
 
 def early_sender(conn, ctl):
-    # Our loop stalls 1 s once it asked to hear of the connect's completion;
-    # the segment's copy out ends meanwhile (test_staged_channel.py).
+    # Our loop stalls 1 s before it starts the connection; the segment's
+    # copy out ends meanwhile (test_staged_channel.py).
     os.environ["TORCH_RPC_EXT_TEST_PAUSE_CONNECTING_MS"] = "1000"
 
     def send(e):

@@ -36,11 +36,14 @@ def test_segments_travel_out_and_back_through_host_memory(spawn):
 
 
 def test_a_segment_sent_while_the_connection_is_made_goes_once_it_is(spawn):
-    """Sent while our loop stalls before it saw the connect complete
-    (staged_worker's early scenario): its copy out of the device ends
-    meanwhile, and it goes once the connection is ready. (The connection
-    CI's staged soak lost twice sat in that step; this ordering did not
-    reproduce it, with or without the writer's fix.)"""
+    """Sent right after connect() while our loop is stalled (a loaded host;
+    staged_worker's early scenario): its copy out of the device ends, and
+    the write it resumes runs in the loop's next batch with the connection's
+    start. That flush took the wait for the connect's completion (EPOLLOUT)
+    away, and the connection sat "waiting for the connection to be
+    accepted (our socket is writable, its event not handled ...)" until its
+    handshake timed out: CI's staged soak lost a connection so, twice, and
+    so did this test before the fix (connection_writer.cpp)."""
     _, (head, ok) = run(spawn, "early")
     assert (head, ok) == (b"early", True)
 

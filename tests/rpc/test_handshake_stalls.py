@@ -80,12 +80,11 @@ def test_a_listener_that_never_takes_our_connection():
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_frame_queued_while_our_connect_completes_does_not_strand_it(monkeypatch, transport):
-    """A frame queued while our loop has asked to hear of the connect's
-    completion and not yet heard (it stalls right there:
-    TORCH_RPC_EXT_TEST_PAUSE_CONNECTING_MS) waits, and goes once the
-    connection is ready, as an agent's call to a peer it is dialing does.
-    (The connection CI's staged soak lost twice sat in that step; this
-    ordering did not reproduce it, with or without the writer's fix.)"""
+    """A frame queued while our loop is stalled before it starts the
+    connection (TORCH_RPC_EXT_TEST_PAUSE_CONNECTING_MS) waits, and goes
+    once the connection is ready, as an agent's call to a peer it is
+    dialing does. (A plain frame flushes nothing before kReady; a staged
+    device segment does: test_staged_channel.py.)"""
     monkeypatch.setenv("TORCH_RPC_EXT_TEST_PAUSE_CONNECTING_MS", "1000")
     server = _testing.Endpoint(1, 2, KEY, transport, [], handshake_timeout=5)
     client = _testing.Endpoint(0, 2, KEY, transport, [], handshake_timeout=5)

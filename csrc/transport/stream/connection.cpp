@@ -12,6 +12,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <thread>
 
 #include "csrc/common/fd_closer.h"
@@ -49,11 +50,10 @@ class Watcher final : public Pollable {
   std::function<void()> fn_;
 };
 
-// Tests only: a loop thread stalls this long at a step, as one descheduled
-// there would; read each time (a forked child may set it). ..._AFTER_PROOF_MS:
-// an accepting end between its proof and the rest (test_last_words.py);
-// ..._CONNECTING_MS: a dialing end once it asked to hear of its connect's
-// completion (test_handshake_stalls.py).
+// Tests only: a loop thread stalls this long, as one descheduled there would
+// (read each time: a forked child may set it). ..._AFTER_PROOF_MS: an
+// accepting end after its proof (test_last_words.py); ..._CONNECTING_MS: see
+// connect().
 void pauseForTesting(const char* variable) {
   if (const char* ms = std::getenv(variable)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
@@ -233,6 +233,15 @@ void StreamConnection::startConnect(
     return;
   }
   auto self = shared_from_this();
+  if (std::getenv("TORCH_RPC_EXT_TEST_PAUSE_CONNECTING_MS")) {
+    auto paused = std::make_shared<std::promise<void>>();
+    auto started = paused->get_future();
+    loop_.post([paused] {
+      paused->set_value();
+      pauseForTesting("TORCH_RPC_EXT_TEST_PAUSE_CONNECTING_MS");
+    });
+    started.wait(); // startFromLoop() is in the loop's next batch
+  }
   loop_.post([self] { self->startFromLoop(/*connecting=*/true); });
 }
 
@@ -262,9 +271,6 @@ void StreamConnection::startFromLoop(bool connecting) {
   noteActivity();
   handshakeStartedAt_ = std::chrono::steady_clock::now();
   armHandshakeTimer(options_.handshakeTimeout);
-  if (connecting) {
-    pauseForTesting("TORCH_RPC_EXT_TEST_PAUSE_CONNECTING_MS");
-  }
 }
 
 void StreamConnection::armHandshakeTimer(std::chrono::milliseconds after) {

@@ -552,11 +552,11 @@ void StreamConnection::updateEventsLocked() {
     return; // driveTlsFromLoop() asks for what the TLS handshake needs
   }
   // Still connecting: the connect's completion (EPOLLOUT) is awaited
-  // whatever is queued. Without this, a flush meanwhile (frames wait for
-  // kReady) would take that wait away and leave the connection "waiting
-  // for the connection to be accepted" until its handshake timed out: a
-  // reading of the code after CI's staged soak lost one so, twice; no
-  // test has ordered it yet (test_handshake_stalls.py).
+  // whatever is queued. A flush meanwhile (cuda_staged's resume, in the
+  // loop's batch after startFromLoop()) found nothing to send (frames wait
+  // for kReady) and took that wait away: the connection sat "waiting for
+  // the connection to be accepted" until its handshake timed out (CI's
+  // staged soak, twice; test_staged_channel.py).
   bool want = state_ == State::kConnecting ||
       (ringOut_ ? carrierBlocked_ && !writes_.empty()
                 : (!writes_.empty() &&
