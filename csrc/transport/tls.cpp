@@ -479,6 +479,7 @@ int TlsSession::flushLocked(std::string* error) {
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       return 0;
     }
+    sendRefusedByPeer_ = n < 0 && (errno == EPIPE || errno == ECONNRESET);
     *error = n == 0 ? std::string("send returned 0")
                     : std::string("write failed: ") + std::strerror(errno);
     return -1;
@@ -514,6 +515,7 @@ ssize_t TlsSession::write(const void* src, size_t size, std::string* error) {
     int r = lib.SSL_write_ex(
         ssl_, p + taken, std::min(size - taken, kRecordBytes), &n);
     if (r != 1) {
+      sendRefusedByPeer_ = false; // TLS's own failure
       *error = errorText("TLS write", r);
       return -1;
     }

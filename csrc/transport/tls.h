@@ -159,6 +159,14 @@ class TlsSession {
     std::lock_guard<std::mutex> lock(mutex_);
     return outSent_ < out_.size();
   }
+  // The last write() or flush() failed because the socket refused it, the
+  // peer having closed its end (EPIPE, ECONNRESET): nothing failed in TLS
+  // itself (our records go through out_, not a socket BIO), so the records
+  // the peer sent before it closed can still be read and decrypted.
+  bool sendRefusedByPeer() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return sendRefusedByPeer_;
+  }
   // Our BIO's write: OpenSSL's records, appended to out_ (mutex_ is held:
   // only SSL calls of ours write).
   void appendOutput(const char* data, size_t size) {
@@ -197,6 +205,7 @@ class TlsSession {
   size_t outSent_ = 0;
   // Bytes sent under the current key (mutex_).
   uint64_t sentUnderKey_ = 0;
+  bool sendRefusedByPeer_ = false; // mutex_
 };
 
 } // namespace torch_rpc_ext::transport

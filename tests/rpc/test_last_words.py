@@ -13,11 +13,15 @@ Here the peer is a raw socket and our end an Endpoint in a child process,
 stopped (SIGSTOP) while the peer sends its proof and a frame and closes:
 once continued, our end reads both and its next write fails, every time."""
 
+import fcntl
 import multiprocessing as mp
 import os
+import selectors
 import signal
 import socket
 import struct
+import termios
+import threading
 import time
 
 import pytest
@@ -198,3 +202,109 @@ def test_a_clients_frames_in_its_ring_arrive_though_our_ring_offer_meets_it_gone
     assert ready, f"our end never became ready: {reason}"
     assert got == LAST and ring_reads >= 1, (got, ring_reads, reason)
     assert reason == "peer closed the connection"
+
+
+class ResettingRelay:
+    """Forwards one connection to `target`; when the target's end closes,
+    it forwards all the target sent and then resets the dialer's socket
+    (SO_LINGER 0): the dialer's next write is refused (ECONNRESET) with the
+    target's last bytes still unread in its socket."""
+
+    def __init__(self, target):
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        self.listener.settimeout(60)
+        ours, _ = self.listener.accept()
+        theirs = socket.create_connection(self.target, timeout=60)
+        with selectors.DefaultSelector() as sel, ours, theirs:
+            sel.register(ours, selectors.EVENT_READ, theirs)
+            sel.register(theirs, selectors.EVENT_READ, ours)
+            while events := sel.select(timeout=60):
+                for key, _ in events:
+                    try:
+                        data = key.fileobj.recv(65536)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        if key.fileobj is theirs:
+                            delivered(ours)
+                            ours.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                            struct.pack("ii", 1, 0))
+                        return  # the with closes both: a reset if so set
+                    key.data.sendall(data)
+
+    def close(self):
+        self.thread.join(60)
+        self.listener.close()
+
+
+def delivered(sock, timeout=10):
+    """Waits until the peer has acknowledged all `sock` sent: a reset
+    discards what is still queued (a small send may wait there, corked
+    behind the one before), and the test is about bytes that arrived."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        unsent = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, struct.pack("i", 0))
+        if struct.unpack("i", unsent)[0] == 0:
+            return
+        time.sleep(0.001)
+    raise AssertionError("the relay's bytes were not acknowledged in time")
+
+
+def tls_dialer(encryption, conn):
+    """Our end dials through the relay with a frame of its own queued, and
+    stalls once the proofs are through (as a descheduled loop would): its
+    first write after that, the queued frame, comes after the peer has sent
+    its last frame and gone."""
+    os.environ["TORCH_RPC_EXT_TEST_PAUSE_AFTER_PROOF_MS"] = str(PAUSE_MS)
+    from torch_rpc_ext import _testing
+
+    ep = _testing.Endpoint(0, 2, KEY, "tcp", [], encryption=encryption)
+    ep.connect(conn.recv(), 1)
+    ep.send(b"ours", [])  # queued: the connection is not ready yet
+    conn.send(outcome(ep))
+    ep.close(0)
+
+
+@pytest.mark.parametrize("encryption", ["off", "always"])
+def test_frames_a_peer_sent_before_it_closed_arrive_though_our_write_is_refused(encryption):
+    """Over TLS too: our records go out through a buffer of ours, not
+    OpenSSL's socket BIO, so a refused send leaves the TLS session whole and
+    the peer's last records are still read and decrypted (before, over TLS
+    the refused write closed the connection at once and the frame was
+    lost: 'our end never became ready')."""
+    from torch_rpc_ext import _testing
+
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=tls_dialer, args=(encryption, theirs))
+    child.start()
+    server = relay = None
+    try:
+        server = _testing.Endpoint(1, 2, KEY, "tcp", [], encryption=encryption)
+        relay = ResettingRelay(server.address)
+        ours.send(relay.address)
+        assert server.wait_ready(30), server.close_reason()
+        if encryption == "always":
+            assert server.security().startswith("TLS"), server.security()
+        server.send(LAST, [])
+        server.close(5)  # once written: the relay then resets our end
+        assert ours.poll(60), "our end reported nothing"
+        ready, got, reason, _ = ours.recv()
+        child.join(30)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+        if relay is not None:
+            relay.close()
+    assert ready, f"our end never became ready: {reason}"
+    assert got == LAST, reason
+    assert reason.startswith("peer closed the connection"), reason

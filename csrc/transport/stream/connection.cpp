@@ -51,9 +51,9 @@ class Watcher final : public Pollable {
 };
 
 // Tests only: a loop thread stalls this long, as one descheduled there would
-// (read each time: a forked child may set it). ..._AFTER_PROOF_MS: an
-// accepting end after its proof (test_last_words.py); ..._CONNECTING_MS: see
-// connect().
+// (read each time: a forked child may set it). ..._AFTER_PROOF_MS: an end
+// once the proofs are through, before it is ready and writes what waited
+// (test_last_words.py); ..._CONNECTING_MS: see connect().
 void pauseForTesting(const char* variable) {
   if (const char* ms = std::getenv(variable)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
@@ -494,7 +494,7 @@ bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
   if (step.hasReply) {
     queueControl(uint8_t(step.replyKind), std::move(step.replyHead));
   }
-  if (step.done && !outbound_) {
+  if (step.done) {
     pauseForTesting("TORCH_RPC_EXT_TEST_PAUSE_AFTER_PROOF_MS");
   }
   if (!step.done) {

@@ -28,6 +28,12 @@ bool peerEnded(int err) {
   return err == EPIPE || err == ECONNRESET;
 }
 
+// A TlsSession's write error as a close reason: its socket's refusal says
+// "write failed" already, TLS's own failures do not.
+std::string tlsWriteFailed(const std::string& error) {
+  return error.rfind("write failed", 0) == 0 ? error : "write failed: " + error;
+}
+
 } // namespace
 
 void StreamConnection::resumeWritesFromLoop() {
@@ -174,7 +180,8 @@ std::string StreamConnection::flushLocked() {
     std::string error;
     int f = tls_->flush(&error);
     if (f < 0) {
-      return "write failed: " + error;
+      peerEndedWrites_ = tls_->sendRefusedByPeer();
+      return tlsWriteFailed(error);
     }
     if (f == 0) {
       updateEventsLocked();
@@ -309,9 +316,10 @@ std::string StreamConnection::flushLocked() {
       if (errno == EINTR) {
         continue;
       }
-      peerEndedWrites_ = ringError_.empty() && !tls_ && peerEnded(errno);
+      peerEndedWrites_ = ringError_.empty() &&
+          (tls_ ? tls_->sendRefusedByPeer() : peerEnded(errno));
       return !ringError_.empty() ? "write failed: " + ringError_
-          : tls_                 ? "write failed: " + tlsWriteError_
+          : tls_                 ? tlsWriteFailed(tlsWriteError_)
                                  : errnoText("write failed");
     }
     if (sent > 0 && !writes_.front().control) {
@@ -526,7 +534,8 @@ ssize_t StreamConnection::sendSome(
     if (got > 0) {
       noteActivity();
     } else if (got < 0) {
-      *error = "write failed: " + why;
+      peerEndedWrites_ = tls_->sendRefusedByPeer();
+      *error = tlsWriteFailed(why);
     }
     return got;
   }
