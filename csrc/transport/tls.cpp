@@ -466,6 +466,7 @@ ssize_t TlsSession::read(void* dst, size_t size, std::string* error) {
 }
 
 int TlsSession::flushLocked(std::string* error) {
+  sendRefusedByPeer_ = false;
   while (outSent_ < out_.size()) {
     ssize_t n = ::send(
         fd_, out_.data() + outSent_, out_.size() - outSent_, MSG_NOSIGNAL);

@@ -208,21 +208,36 @@ class ResettingRelay:
     """Forwards one connection to `target`; when the target's end closes,
     it forwards all the target sent and then resets the dialer's socket
     (SO_LINGER 0): the dialer's next write is refused (ECONNRESET) with the
-    target's last bytes still unread in its socket."""
+    target's last bytes still unread in its socket. `reset_at`: when (on
+    time.monotonic(), which every process shares)."""
 
     def __init__(self, target):
         host, port = target.rsplit(":", 1)
         self.target = (host, int(port))
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.reset_at = None
+        self.error = None
+        self.sockets = []
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self):
-        self.listener.settimeout(60)
-        ours, _ = self.listener.accept()
-        theirs = socket.create_connection(self.target, timeout=60)
-        with selectors.DefaultSelector() as sel, ours, theirs:
+        try:
+            self.listener.settimeout(60)
+            ours, _ = self.listener.accept()
+            self.sockets.append(ours)
+            theirs = socket.create_connection(self.target, timeout=60)
+            self.sockets.append(theirs)
+            self._forward(ours, theirs)
+        except Exception as e:  # noqa: BLE001 - close() raises it in the test
+            self.error = e
+        finally:
+            for sock in self.sockets:
+                sock.close()  # a reset where SO_LINGER 0 was set
+
+    def _forward(self, ours, theirs):
+        with selectors.DefaultSelector() as sel:
             sel.register(ours, selectors.EVENT_READ, theirs)
             sel.register(theirs, selectors.EVENT_READ, ours)
             while events := sel.select(timeout=60):
@@ -236,12 +251,21 @@ class ResettingRelay:
                             delivered(ours)
                             ours.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
                                             struct.pack("ii", 1, 0))
-                        return  # the with closes both: a reset if so set
+                            ours.close()
+                            self.reset_at = time.monotonic()
+                        return
                     key.data.sendall(data)
 
     def close(self):
-        self.thread.join(60)
+        for sock in [self.listener, *self.sockets]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's call
+            except OSError:
+                pass
+        self.thread.join(30)
         self.listener.close()
+        if self.error is not None:
+            raise self.error
 
 
 def delivered(sock, timeout=10):
@@ -261,14 +285,16 @@ def tls_dialer(encryption, conn):
     """Our end dials through the relay with a frame of its own queued, and
     stalls once the proofs are through (as a descheduled loop would): its
     first write after that, the queued frame, comes after the peer has sent
-    its last frame and gone."""
+    its last frame and gone. Reports when it saw itself ready (after the
+    stall and that write), and outcome()."""
     os.environ["TORCH_RPC_EXT_TEST_PAUSE_AFTER_PROOF_MS"] = str(PAUSE_MS)
     from torch_rpc_ext import _testing
 
     ep = _testing.Endpoint(0, 2, KEY, "tcp", [], encryption=encryption)
     ep.connect(conn.recv(), 1)
     ep.send(b"ours", [])  # queued: the connection is not ready yet
-    conn.send(outcome(ep))
+    ready_at = time.monotonic() if ep.wait_ready(30) else None
+    conn.send((ready_at, outcome(ep)))
     ep.close(0)
 
 
@@ -285,6 +311,7 @@ def test_frames_a_peer_sent_before_it_closed_arrive_though_our_write_is_refused(
     ours, theirs = ctx.Pipe()
     child = ctx.Process(target=tls_dialer, args=(encryption, theirs))
     child.start()
+    theirs.close()  # the child's now: poll() sees it die
     server = relay = None
     try:
         server = _testing.Endpoint(1, 2, KEY, "tcp", [], encryption=encryption)
@@ -296,15 +323,23 @@ def test_frames_a_peer_sent_before_it_closed_arrive_though_our_write_is_refused(
         server.send(LAST, [])
         server.close(5)  # once written: the relay then resets our end
         assert ours.poll(60), "our end reported nothing"
-        ready, got, reason, _ = ours.recv()
+        ready_at, (ready, got, reason, _) = ours.recv()
         child.join(30)
         assert child.exitcode == 0
     finally:
         if child.is_alive():
             child.kill()
             child.join(10)
+        if server is not None:
+            server.close(0)
         if relay is not None:
             relay.close()
     assert ready, f"our end never became ready: {reason}"
     assert got == LAST, reason
     assert reason.startswith("peer closed the connection"), reason
+    # What makes the case: the reset came while our end stalled, before
+    # its write (a host too loaded for that would prove nothing here).
+    assert relay.reset_at is not None and relay.reset_at < ready_at, (
+        relay.reset_at,
+        ready_at,
+    )

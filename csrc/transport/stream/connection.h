@@ -233,10 +233,11 @@ class StreamConnection : public Connection,
   // then writeFailed(error) if the flush failed.
   void afterFlush(const std::string& error);
   // A write failed with `error`. It closes the connection, unless the peer,
-  // once it proved itself, closed its end (a socket in the clear refused
-  // the write: EPIPE, ECONNRESET): then what it sent before it closed is
-  // still ours to read, and is delivered first (closeAfterInputFromLoop(),
-  // posted). Returns whether the connection stays open for that.
+  // once it proved itself, closed its end (the socket refused our or
+  // TlsSession's send: EPIPE, ECONNRESET): then what it sent before it
+  // closed is still ours to read, and is delivered first
+  // (closeAfterInputFromLoop(), posted). Returns whether the connection
+  // stays open for that.
   bool writeFailed(const std::string& error);
   // Reads what the peer left in the socket (and its frame ring), then
   // closes with `error` if the peer's end did not close it first.
