@@ -15,13 +15,16 @@ source that keeps sending hellos that prove nothing is held off."""
 
 import ctypes
 import os
+import selectors
 import socket
+import struct
 import threading
 import time
 
 import pytest
 
 from tests.rpc.test_lanes import _listening_ports
+from tests.rpc.test_last_words import delivered
 from tests.rpc.test_tls_wire import pump
 
 _testing = pytest.importorskip("torch_rpc_ext._testing")
@@ -126,9 +129,10 @@ class Tap:
 
 class Wired:
     """A server and a client connected through a relay at 127.0.0.2, with
-    `lane_handler` tapping every lanes port the server opens."""
+    `lane_handler` tapping every lanes port the server opens (and
+    `relay_handler`, if given, relaying the connection itself)."""
 
-    def __init__(self, lane_handler):
+    def __init__(self, lane_handler, relay_handler=None):
         self.kept = []
         self.server = endpoint(0)
         self.client = endpoint(1)
@@ -137,7 +141,7 @@ class Wired:
         ports_before = _listening_ports(os.getpid())
         host, port = self.server.address.rsplit(":", 1)
         assert host == "127.0.0.1", self.server.address
-        self.relay = Tap(0, lambda d, u, i: splice(d, u), target=int(port))
+        self.relay = Tap(0, relay_handler or (lambda d, u, i: splice(d, u)), target=int(port))
         self.client.connect("127.0.0.2:%d" % self.relay.port, 0)
         assert self.client.wait_ready(30)
         self.client.send(b"first", [])
@@ -376,4 +380,84 @@ def test_mutated_hellos_are_all_refused_and_the_lanes_carry_on():
         assert w.received() == (b"big", [payload])
         assert lanes(w.client)["segments"] == 1  # striped, on the lanes it has
     finally:
+        w.close()
+
+
+class ResettableLink:
+    """The connection's relay: both ways until reset() resets the server's
+    socket (SO_LINGER 0, once what it was sent is acknowledged), as a peer
+    that exits does; the client's end stays open. `up`: bytes relayed from
+    the client."""
+
+    def __init__(self):
+        self.up = 0
+        self.asked = threading.Event()
+        self.done = threading.Event()
+
+    def __call__(self, dialler, upstream, index):
+        with selectors.DefaultSelector() as sel:
+            sel.register(dialler, selectors.EVENT_READ, upstream)
+            sel.register(upstream, selectors.EVENT_READ, dialler)
+            while not self.asked.is_set():
+                for key, _ in sel.select(timeout=0.02):
+                    try:
+                        data = key.fileobj.recv(65536)
+                        if data:
+                            key.data.sendall(data)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        return
+                    if key.fileobj is dialler:
+                        self.up += len(data)
+        delivered(upstream)
+        upstream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        upstream.close()
+        self.done.set()
+
+    def reset(self):
+        self.asked.set()
+        assert self.done.wait(30), "the link did not reset"
+
+
+@pytest.mark.parametrize("then_write", [False, True], ids=["reset", "reset_then_our_write"])
+def test_a_striped_frame_arrives_though_its_connection_is_reset_before_its_stripes(then_write):
+    """The record is on the connection, its bytes still on the lanes, when
+    the connection's socket is reset (its peer exited after sending): the
+    stripes still land, the frame is delivered, and then the connection
+    closes. Before, the reset closed it at once (nothing is read while a
+    record is held, and epoll reports a reset whatever is asked), and the
+    frame was lost; so was it when a write of ours, refused, closed it."""
+    flowing = threading.Event()
+    flowing.set()
+
+    def held_back(offset, data):
+        flowing.wait(60)
+        return data
+
+    link = ResettableLink()
+    w = Wired(lambda d, u, i: splice(d, u, held_back), relay_handler=link)
+    try:
+        payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
+        assert w.received() == (b"big", [payload])
+        w.lanes_up()
+        flowing.clear()
+        before = link.up
+        payload = w.send_big(8 * MB)  # striped: the lanes hold its bytes back
+        deadline = time.monotonic() + 30
+        while link.up == before:  # its record went on the connection
+            assert time.monotonic() < deadline, "no record on the connection"
+            time.sleep(0.01)
+        link.reset()
+        if then_write:
+            w.server.send(b"ours", [])  # refused: the socket was reset
+        time.sleep(1)  # the server's loop sees the reset before the stripes
+        flowing.set()
+        assert w.received() == (b"big", [payload]), w.server.close_reason()
+        deadline = time.monotonic() + 30
+        while not (reason := w.server.close_reason()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reason.startswith("peer closed the connection"), reason
+    finally:
+        flowing.set()
         w.close()

@@ -361,9 +361,7 @@ void StreamConnection::handleEventsFromLoop(uint32_t events) {
     socketEnded_ = true; // closed once the ring is read to its end
   }
   if (recordHeld_ && (events & (EPOLLERR | EPOLLHUP | EPOLLRDHUP))) {
-    // Nothing is read while a record is held, so an error would come back
-    // on every wait: the socket is gone, and so is the connection.
-    closeInternal("peer closed the connection", false);
+    socketEndedWhileHeldFromLoop(); // read once the record's bytes are in
     return;
   }
   if (events & (EPOLLIN | EPOLLERR | EPOLLHUP | EPOLLRDHUP | kRingInput)) {

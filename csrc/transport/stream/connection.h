@@ -308,8 +308,13 @@ class StreamConnection : public Connection,
   // Offers the complete record_ to its channel: false once the connection
   // is closing or the record is held (recordHeld_).
   bool placeRecordFromLoop();
-  // The epoll events to watch besides EPOLLOUT: none while a record is held.
+  // The epoll events to watch besides EPOLLOUT: none while a record is held
+  // (one more, EPOLLONESHOT, once its socket ended: epoll reports an error or
+  // hang-up whatever is asked).
   uint32_t readEvents() const;
+  // The socket reported its end while a record is held: the record's bytes
+  // may still come another way, and what the socket holds is read after.
+  void socketEndedWhileHeldFromLoop();
   bool onHeaderFromLoop();
   bool onLengthsAndHeadFromLoop();
   bool onHandshakeFrameFromLoop(std::string head);
@@ -514,6 +519,12 @@ class StreamConnection : public Connection,
   // by another way): nothing more is read until resumeReadsFromLoop(). Set
   // on the loop thread; read by updateEventsLocked() on any.
   std::atomic<bool> recordHeld_{false};
+  // The socket ended (reset, error, hang-up) while a record was held; it is
+  // read to its end once reads resume (socketEndedWhileHeldFromLoop()).
+  std::atomic<bool> socketEndedWhileHeld_{false};
+  // closeAfterInputFromLoop()'s reason, kept while a record is held: it
+  // runs again once reads resume (loop thread).
+  std::optional<std::string> closeWhenResumed_;
 
   // Frame rings. Ours (writeMutex_), used once its kFrameRing frame is on
   // the socket (ringOut_), and why a write to it failed; the peer's (loop

@@ -2,8 +2,10 @@
 // StreamConnection's control frames (the handshake's, pings and pongs, the
 // channels' releases): made, and queued ahead of message frames not yet
 // started. Callers hold writeMutex_ for everything named *Locked. Also what
-// a failed write or a stalled handshake closes with.
+// a failed write or a stalled handshake closes with, and reads held while a
+// record's bytes come another way (a lane).
 #include <poll.h>
+#include <sys/epoll.h>
 #include <sys/ioctl.h>
 
 #include <memory>
@@ -143,11 +145,67 @@ void StreamConnection::closeAfterInputFromLoop(const std::string& error) {
   }
   for (int round = 0; round < 64 && state_ == State::kReady; ++round) {
     onReadableFromLoop();
-    if (!inputWaitingFromLoop() || recordHeld_) {
+    if (recordHeld_ && state_ == State::kReady) {
+      // Its bytes come another way (a lane), and may still: the rest is
+      // read, and the connection closed, once they are in.
+      closeWhenResumed_ = error;
+      return;
+    }
+    if (!inputWaitingFromLoop()) {
       break;
     }
   }
   closeInternal(error, false);
+}
+
+void StreamConnection::resumeReadsFromLoop() {
+  if (!recordHeld_ || state_ == State::kClosed) {
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    recordHeld_ = false;
+    socketEndedWhileHeld_ = false; // its end comes back, read this time
+  }
+  if (!placeRecordFromLoop()) {
+    return; // closed, or held again
+  }
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (registered_ && state_ != State::kClosed) {
+      loop_.modify(fd_, readEvents() | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
+    }
+  }
+  // What was read past the record, then what the socket has meanwhile.
+  if (consumeFromLoop()) {
+    onReadableFromLoop();
+  }
+  if (closeWhenResumed_ && !recordHeld_ && state_ != State::kClosed) {
+    std::string why = std::move(*closeWhenResumed_);
+    closeWhenResumed_.reset();
+    closeAfterInputFromLoop(why);
+  }
+}
+
+uint32_t StreamConnection::readEvents() const {
+  // A frame ring's socket carries only descriptors, taken as their frames
+  // are parsed: only its end is watched.
+  if (recordHeld_) {
+    return socketEndedWhileHeld_ ? uint32_t(EPOLLONESHOT) : 0u;
+  }
+  return ringIn_ ? uint32_t(EPOLLRDHUP) : uint32_t(EPOLLIN);
+}
+
+void StreamConnection::socketEndedWhileHeldFromLoop() {
+  // Bounded: a record's channel resumes reads or loses the connection
+  // (a lane that ends first), and the heartbeat closes a silent one.
+  if (socketEndedWhileHeld_.exchange(true)) {
+    return; // EPOLLONESHOT's one event: the socket is not watched now
+  }
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  if (registered_ && state_ != State::kClosed) {
+    loop_.modify(fd_, readEvents() | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
+  }
 }
 
 bool StreamConnection::inputWaitingFromLoop() const {

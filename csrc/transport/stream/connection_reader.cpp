@@ -313,35 +313,6 @@ bool StreamConnection::placeRecordFromLoop() {
   return state_ != State::kClosed;
 }
 
-void StreamConnection::resumeReadsFromLoop() {
-  if (!recordHeld_ || state_ == State::kClosed) {
-    return;
-  }
-  {
-    std::lock_guard<std::mutex> lock(writeMutex_);
-    recordHeld_ = false;
-  }
-  if (!placeRecordFromLoop()) {
-    return; // closed, or held again
-  }
-  {
-    std::lock_guard<std::mutex> lock(writeMutex_);
-    if (registered_ && state_ != State::kClosed) {
-      loop_.modify(fd_, readEvents() | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
-    }
-  }
-  // What was read past the record, then what the socket has meanwhile.
-  if (consumeFromLoop()) {
-    onReadableFromLoop();
-  }
-}
-
-uint32_t StreamConnection::readEvents() const {
-  // A frame ring's socket carries only descriptors, taken as their frames
-  // are parsed: only its end is watched.
-  return ringIn_ ? uint32_t(EPOLLRDHUP) : recordHeld_ ? 0u : uint32_t(EPOLLIN);
-}
-
 bool StreamConnection::socketAddresses(
     sockaddr_storage* local,
     sockaddr_storage* peer) const {
