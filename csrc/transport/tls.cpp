@@ -455,10 +455,10 @@ ssize_t TlsSession::read(void* dst, size_t size, std::string* error) {
     return 0;
   }
   if (e == kErrorWantWrite) {
-    // Only a renegotiation or a key update makes a read write, and our
-    // peers start neither: a peer that does is not one of ours.
+    // A key update's answer is written inside the read (our BIO never
+    // blocks), so this is not ours: a renegotiation, which TLS 1.3 has not.
     drainErrors(lib);
-    *error = "TLS read needs a write (the peer asked for a key update)";
+    *error = "TLS read wants a write, which our output never needs";
     return -1;
   }
   *error = errorText("TLS read", r);

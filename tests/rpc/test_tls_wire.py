@@ -167,6 +167,46 @@ def test_injected_bytes_close_the_connection():
         server.close(0)
 
 
+def flip_in_down_record(n):
+    """Flips a byte in the body of the `n`th TLS record (from 0) the server
+    sends, wherever the relay's chunks cut the stream."""
+    stream = bytearray()
+    done = []
+
+    def mangle(direction, offset, data):
+        if direction != "down" or done:
+            return data
+        stream.extend(data)
+        start, index = 0, 0
+        while start + 5 <= len(stream) and index < n:
+            start += 5 + int.from_bytes(stream[start + 3:start + 5], "big")
+            index += 1
+        target = start + 5 + 8  # inside its body, past the 5-byte header
+        if index < n or not offset <= target < offset + len(data):
+            return data
+        done.append(True)
+        i = target - offset
+        return data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+
+    return mangle
+
+
+def test_an_altered_proof_of_the_servers_is_named_as_altered_not_as_a_refusal():
+    # The server's records: its TLS flight (ServerHello, ChangeCipherSpec,
+    # EncryptedExtensions, Finished), our challenge, then its proof (5).
+    server, client, relay = connect_through(flip_in_down_record(5), encryption="always")
+    try:
+        assert not client.wait_ready(15)
+        reason = client.close_reason()
+        # Not "authentication failed: the peer closed the connection after
+        # our proof": the peer closed nothing, a record of its was altered.
+        assert reason.startswith("a TLS record failed its integrity check"), reason
+    finally:
+        relay.close()
+        client.close(0)
+        server.close(0)
+
+
 def test_without_tls_the_same_alteration_goes_unseen():
     """What the test above guards against: in the clear, the altered byte
     reaches the receiver's tensor."""

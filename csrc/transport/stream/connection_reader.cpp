@@ -47,11 +47,17 @@ ssize_t StreamConnection::readSocketFromLoop(
     if (got > 0) {
       noteActivity();
     } else if (got < 0) {
+      // The peer's end, not a record that failed, is what refuses a proof.
       closeInternal(
-          handshake_.awaitingServerProof()
+          handshake_.awaitingServerProof() && error.rfind("peer closed", 0) == 0
               ? refusedProofText() + " (TLS: " + error + ")"
               : error,
           false);
+    }
+    if (got >= 0 && tls_->hasPendingOutput()) {
+      // A read wrote (a key update's answer) and the socket was full.
+      std::lock_guard<std::mutex> lock(writeMutex_);
+      updateEventsLocked();
     }
     return got;
   }
