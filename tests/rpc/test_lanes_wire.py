@@ -386,15 +386,16 @@ def test_mutated_hellos_are_all_refused_and_the_lanes_carry_on():
 class ResettableLink:
     """The connection's relay: both ways until reset() resets the server's
     socket (SO_LINGER 0, once what it was sent is acknowledged), as a peer
-    that exits does; the client's end stays open. `up`: bytes relayed from
-    the client."""
+    that exits does; the client's end stays open until close() (were it
+    closed, the client would shut its lanes, stripes and all)."""
 
     def __init__(self):
-        self.up = 0
         self.asked = threading.Event()
         self.done = threading.Event()
+        self.sockets = []
 
     def __call__(self, dialler, upstream, index):
+        self.sockets += [dialler, upstream]
         with selectors.DefaultSelector() as sel:
             sel.register(dialler, selectors.EVENT_READ, upstream)
             sel.register(upstream, selectors.EVENT_READ, dialler)
@@ -408,8 +409,6 @@ class ResettableLink:
                         data = b""
                     if not data:
                         return
-                    if key.fileobj is dialler:
-                        self.up += len(data)
         delivered(upstream)
         upstream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         upstream.close()
@@ -417,7 +416,20 @@ class ResettableLink:
 
     def reset(self):
         self.asked.set()
-        assert self.done.wait(30), "the link did not reset"
+        assert self.done.wait(15), "the link did not reset"
+
+    def close(self):
+        self.asked.set()
+        for sock in self.sockets:
+            sock.close()
+
+
+def wait_for(what, condition, timeout=15):
+    deadline = time.monotonic() + timeout
+    while not (got := condition()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+    return got
 
 
 @pytest.mark.parametrize("then_write", [False, True], ids=["reset", "reset_then_our_write"])
@@ -442,22 +454,20 @@ def test_a_striped_frame_arrives_though_its_connection_is_reset_before_its_strip
         assert w.received() == (b"big", [payload])
         w.lanes_up()
         flowing.clear()
-        before = link.up
+        held = lanes(w.server)["held_records"]
         payload = w.send_big(8 * MB)  # striped: the lanes hold its bytes back
-        deadline = time.monotonic() + 30
-        while link.up == before:  # its record went on the connection
-            assert time.monotonic() < deadline, "no record on the connection"
-            time.sleep(0.01)
+        wait_for("the server holding its record", lambda: lanes(w.server)["held_records"] > held)
         link.reset()
         if then_write:
             w.server.send(b"ours", [])  # refused: the socket was reset
-        time.sleep(1)  # the server's loop sees the reset before the stripes
+        ends = lambda: w.server.counters()["transport"]["held_socket_ends"]  # noqa: E731
+        wait_for("the server seeing the reset while it held the record", ends)
         flowing.set()
-        assert w.received() == (b"big", [payload]), w.server.close_reason()
-        deadline = time.monotonic() + 30
-        while not (reason := w.server.close_reason()) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert w.received(15) == (b"big", [payload]), w.server.close_reason()
+        reason = wait_for("the connection closing", w.server.close_reason)
         assert reason.startswith("peer closed the connection"), reason
+        assert ends() == 1
     finally:
         flowing.set()
+        link.close()
         w.close()

@@ -426,7 +426,7 @@ void StreamConnection::heartbeatFromLoop() {
       // the peer waiting unread in our socket, this tick running late (this
       // process was kept off the CPU), or saturated CPUs (host_load.h) give
       // the peer more time, up to kMaxHandshakeTimeouts timeouts in all.
-      bool waiting = inputWaitingFromLoop();
+      bool waiting = !socketEndedWhileHeld_ && inputWaitingFromLoop();
       bool late = std::chrono::steady_clock::now() - tickDue_ > timeout / 5;
       bool busy = waiting || late ||
           (silent < kBusyHostTimeouts * timeout &&

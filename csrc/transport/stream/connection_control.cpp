@@ -189,7 +189,8 @@ void StreamConnection::resumeReadsFromLoop() {
 
 uint32_t StreamConnection::readEvents() const {
   // A frame ring's socket carries only descriptors, taken as their frames
-  // are parsed: only its end is watched.
+  // are parsed: only its end is watched (but not while a record is held:
+  // rings are shm's and lanes TCP's, so never both).
   if (recordHeld_) {
     return socketEndedWhileHeld_ ? uint32_t(EPOLLONESHOT) : 0u;
   }
@@ -198,10 +199,12 @@ uint32_t StreamConnection::readEvents() const {
 
 void StreamConnection::socketEndedWhileHeldFromLoop() {
   // Bounded: a record's channel resumes reads or loses the connection
-  // (a lane that ends first), and the heartbeat closes a silent one.
+  // (a lane that ends first), and the heartbeat closes a silent one (lane
+  // progress is activity; the gone socket's unread bytes are not).
   if (socketEndedWhileHeld_.exchange(true)) {
     return; // EPOLLONESHOT's one event: the socket is not watched now
   }
+  Loop::Io::add(loop_.io().heldSocketEnds);
   std::lock_guard<std::mutex> lock(writeMutex_);
   if (registered_ && state_ != State::kClosed) {
     loop_.modify(fd_, readEvents() | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));

@@ -172,6 +172,9 @@ class Loop {
     std::atomic<uint64_t> wakes{0}; // the loop woken from another thread
     // Ready connections closed for their peer's silence (heartbeat_timeout).
     std::atomic<uint64_t> heartbeatTimeouts{0};
+    // Sockets that ended (reset, hang-up) while their connection held a
+    // record for its lanes: read to their end once its stripes landed.
+    std::atomic<uint64_t> heldSocketEnds{0};
 
     static void add(std::atomic<uint64_t>& n) {
       n.fetch_add(1, std::memory_order_relaxed);

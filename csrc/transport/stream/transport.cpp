@@ -52,6 +52,8 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
        loop_.io().ringSignals.load(std::memory_order_relaxed)},
       {"heartbeat_timeouts",
        loop_.io().heartbeatTimeouts.load(std::memory_order_relaxed)},
+      {"held_socket_ends",
+       loop_.io().heldSocketEnds.load(std::memory_order_relaxed)},
   };
   addCounters(c);
   return c;
