@@ -183,3 +183,82 @@ def test_large_tensors_cross_through_slabs_with_copy_semantics():
     assert r0["outlives_connection"]
     # worker1 scaled its kept copy by 3; it still reads it after shutdown.
     assert out[1]["kept_outlives_connection"] == pytest.approx(3 * r0["total"], rel=1e-4)
+
+
+KEY = b"k" * 32
+SIZES = (256 << 10, 2 << 20, 2 << 20, 2 << 20)  # a ring's, then slabs' (the first a one-off)
+
+
+def shm_mappings():
+    """How many of this process's mappings are slabs and rings (ours or a
+    peer's, in use or pooled)."""
+    with open("/proc/self/maps") as f:
+        return sum("memfd:torch_rpc_ext-slab" in line or "memfd:torch_rpc_ext-ring" in line
+                   for line in f)
+
+
+def sender(conn):
+    """A peer that sends SIZES and waits to be killed."""
+    import ctypes
+
+    from torch_rpc_ext import _testing
+
+    ep = _testing.Endpoint(0, 2, KEY, "shm", ["shm_slab", "shm_ring"])
+    conn.send(ep.descriptors())
+    address, descriptors = conn.recv()
+    ep.set_peer(descriptors)
+    ep.connect(address, 1)
+    kept = []
+    for i, size in enumerate(SIZES):
+        kept.append(buf := ctypes.create_string_buffer(bytes([i + 1]) * size, size))
+        ep.send(b"seg%d" % i, [(ctypes.addressof(buf), size, 0, 0, 0)])
+    conn.send("sent")
+    conn.recv()  # killed here
+
+
+def test_a_dead_peers_slabs_and_rings_are_unmapped_when_its_connection_closes():
+    """A request still served for a peer holds its connection (and its
+    channels) as long as it runs; the Endpoint's hold on its connection
+    stands for one here. The peer's slabs and rings, and ours, go when
+    the connection closes, not when the last hold on it does (before, a
+    dead peer's whole slab pool stayed mapped while any of its requests
+    ran)."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    from torch_rpc_ext import _testing
+
+    before = shm_mappings()
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=sender, args=(theirs,))
+    child.start()
+    theirs.close()
+    ep = _testing.Endpoint(1, 2, KEY, "shm", ["shm_slab", "shm_ring"])
+    try:
+        assert ours.poll(30), "the peer did not start"
+        ep.set_peer(ours.recv())
+        ours.send((ep.address, ep.descriptors()))
+        got = [ep.receive(30) for _ in SIZES]
+        assert all(g is not None for g in got), ep.close_reason()
+        regions = [s for _, segments in got for s in segments if not isinstance(s, bytes)]
+        assert regions, "nothing landed in the peer's shared memory"
+        assert shm_mappings() > before
+        del got, regions  # the received tensors die: only the channels hold the memory
+        assert ours.poll(30) and ours.recv() == "sent"
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(30)
+        deadline = time.monotonic() + 30
+        while not ep.close_reason() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ep.close_reason(), "the connection did not close"
+        deadline = time.monotonic() + 10  # the close's work runs on the loop
+        while shm_mappings() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert shm_mappings() == before, open("/proc/self/maps").read()
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+        ep.close(0)

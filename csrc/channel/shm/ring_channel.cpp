@@ -257,6 +257,11 @@ void RingChannel::onClosedFromLoop() {
     }
     watched_.reset();
   }
+  // Both rings unmapped now, not when the connection goes: a request still
+  // served for the peer holds it (and this channel) as long as it runs.
+  ringIn_ = Ring();
+  std::lock_guard<std::mutex> lock(mutex_);
+  out_.reset(); // its socket is not watched (above): nothing can be reused
 }
 
 int64_t RingChannel::onRecordFromLoop(

@@ -265,6 +265,18 @@ void SlabChannel::onTickFromLoop() {
   trim();
 }
 
+void SlabChannel::onClosedFromLoop() {
+  // Nothing lands in the peer's slabs or is lent from ours any more, but a
+  // request still served for the peer holds its connection, and with it
+  // this channel, as long as it runs: unmap now what only the channel
+  // holds (a lease, a tensor's, keeps its own slab).
+  peerSlabs_.clear();
+  peerSlabBytes_ = 0;
+  std::lock_guard<std::mutex> lock(slabMutex_);
+  ownSlabs_.clear();
+  lentSlabBytes_ = 0;
+}
+
 void SlabChannel::abandonRegion(
     const frame::OutboundFrame::Segment& segment,
     const SegmentRecord& record) {

@@ -63,6 +63,7 @@ class SlabChannel final : public Channel,
     return 1; // a kSlabSetup frame's memfd
   }
   void onTickFromLoop() override;
+  void onClosedFromLoop() override;
 
   // From a SlabLease's destructor, any thread: we no longer use the peer's
   // slab `id` (tell the peer), or our own slab `id` came back from the peer
