@@ -71,6 +71,21 @@ def outcome(ep):
     return ready, got[0] if got else None, ep.close_reason(), ring_reads
 
 
+def report(ours, child):
+    """What our end (`child`) reported, once it has exited cleanly."""
+    assert ours.poll(60), "our end reported nothing"
+    got = ours.recv()
+    child.join(30)
+    assert child.exitcode == 0
+    return got
+
+
+def reap(child):
+    if child.is_alive():
+        child.kill()
+        child.join(10)
+
+
 def last_words():
     return frame_header(MESSAGE, len(LAST)) + LAST
 
@@ -140,10 +155,7 @@ def test_frames_sent_just_before_the_peer_closed_are_delivered(role, transport):
             sock.settimeout(30)
             as_server(sock, child.pid)
         os.kill(child.pid, signal.SIGCONT)
-        assert ours.poll(60), "our end reported nothing"
-        ready, got, reason, _ = ours.recv()
-        child.join(30)
-        assert child.exitcode == 0
+        ready, got, reason, _ = report(ours, child)
     finally:
         if child.is_alive():
             os.kill(child.pid, signal.SIGCONT)
@@ -190,14 +202,9 @@ def test_a_clients_frames_in_its_ring_arrive_though_our_ring_offer_meets_it_gone
         client.send(LAST, [])
         written = client.counters()["transport"]["frame_ring_writes"]
         client.close(5)
-        assert ours.poll(60), "our end reported nothing"
-        ready, got, reason, ring_reads = ours.recv()
-        child.join(30)
-        assert child.exitcode == 0
+        ready, got, reason, ring_reads = report(ours, child)
     finally:
-        if child.is_alive():
-            child.kill()
-            child.join(10)
+        reap(child)
     assert written >= 1  # the client's frame went through its ring
     assert ready, f"our end never became ready: {reason}"
     assert got == LAST and ring_reads >= 1, (got, ring_reads, reason)
@@ -322,14 +329,9 @@ def test_frames_a_peer_sent_before_it_closed_arrive_though_our_write_is_refused(
             assert server.security().startswith("TLS"), server.security()
         server.send(LAST, [])
         server.close(5)  # once written: the relay then resets our end
-        assert ours.poll(60), "our end reported nothing"
-        ready_at, (ready, got, reason, _) = ours.recv()
-        child.join(30)
-        assert child.exitcode == 0
+        ready_at, (ready, got, reason, _) = report(ours, child)
     finally:
-        if child.is_alive():
-            child.kill()
-            child.join(10)
+        reap(child)
         if server is not None:
             server.close(0)
         if relay is not None:
