@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.cuda_driver import ipc_worker
+from tests.cuda_driver import closed_worker, ipc_worker
 from tests.cuda_driver.conftest import fake_only, report
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
@@ -311,3 +311,18 @@ def test_a_ring_segment_refused_at_send_holds_no_later_copy_behind_its_stream(sp
     # the next frame's.
     assert sender["segments_sent"] == 2 and receiver["segments_received"] == 1
     assert in_time
+
+
+@fake_only
+def test_a_closed_connections_cuda_rings_are_unmapped_and_unpinned_at_once(spawn):
+    """cuda_ring: the peer exits with both rings set up (its, which we map
+    and pin to copy out of, and ours), while our end still holds the
+    connection. Both go when it closes; before, they stayed mapped and
+    pinned (the peer's up to 256 MiB) for as long as anything held it."""
+    (ok_s, sender), (ok_r, baseline, during, after, reason, receiver) = play(
+        spawn, "ring_closed", worker=closed_worker)
+    assert ok_s and ok_r
+    assert sender["segments_sent"] == 1 and receiver["segments_sent"] == 1, (sender, receiver)
+    assert during[0] >= baseline[0] + 2 and during[1] > baseline[1], (baseline, during)
+    assert reason.startswith("peer closed the connection"), reason
+    assert after == baseline, (baseline, during, after)

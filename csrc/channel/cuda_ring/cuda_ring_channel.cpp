@@ -442,6 +442,16 @@ void RingChannel::onClosedFromLoop() {
     }
     watched_.reset();
   }
+  // Both rings go now, not with the connection: a request still served for
+  // the peer holds it as long as it runs, and the peer's ring (up to 256
+  // MiB) is mapped and pinned here. A copy still running holds its ring;
+  // the last holder frees it on the staging thread (ownedOffLoop).
+  ringIn_.reset();
+  std::lock_guard<std::mutex> lock(mutex_);
+  out_.reset(); // its wake-up socket is not watched (above)
+  announce_ = false;
+  slots_.clear();
+  sentCount_.clear();
 }
 
 // ---- The context ------------------------------------------------------------

@@ -156,6 +156,9 @@ bool RingChannel::takeChunks(
       ringFailedRecently()) {
     return false; // cuda_staged gathers the small ones
   }
+  if (auto host = host_.lock(); !host || host->isClosed()) {
+    return false; // no ring made for a connection that closed meanwhile
+  }
   const int device = segment.deviceIndex;
   bool haveRing;
   {

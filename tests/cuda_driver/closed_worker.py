@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Ends (ipc_worker.End) whose peer goes away while the connection is still
+held: what the channels mapped, pinned or imported for it must go when the
+connection closes, not when the last hold on it does (a request still
+served for that peer holds it as long as it runs; the Endpoint's hold on
+its connection stands for one here). Each scenario's receiver reports its
+process's counts before the connection, while it is up, and after it
+closed."""
+
+import faulthandler
+import os
+import signal
+import time
+
+from tests.cuda_driver.ipc_worker import CUDA, DEVICE, TIMEOUT, WATCHDOG_S, End, pattern
+from tests.cuda_driver.worker import fake_stats
+
+
+def run(role: str, conn, ctl, scenario: str) -> None:
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    globals()[f"{scenario}_{role}"](conn, ctl)
+
+
+def ring_counts() -> tuple[int, int]:
+    """(shared-memory slabs mapped here: a cuda_ring's memory is one, host
+    ranges registered with the driver: a ring pinned for copies)."""
+    with open("/proc/self/maps") as f:
+        mapped = sum("memfd:torch_rpc_ext-slab" in line for line in f)
+    return mapped, fake_stats()["live"]["host_registered"]
+
+
+def settled_counts(count, baseline, timeout=10.0):
+    """`count()` once it is back to `baseline`, or as it is after `timeout`
+    (the last holder of a ring frees it on the staging thread)."""
+    deadline = time.monotonic() + timeout
+    while (now := count()) != baseline and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return now
+
+
+# ---- ring_closed: a peer that exits with both cuda_rings set up -------------
+
+RING_BYTES = 4 << 20
+RING = ("cuda_ring", "cuda_staged")
+
+
+def ring_closed_sender(conn, ctl):
+    end = End("sender", conn, channels=RING)
+    p = end.alloc(pattern(RING_BYTES, 1))
+    end.send_device(b"there", p, RING_BYTES)
+    head, (region,) = end.receive()
+    ok = head == b"back" and end.read_region(region) == pattern(RING_BYTES, 2)
+    ctl.send((ok, end.counters("cuda_ring")))
+    os._exit(0)  # gone at once: no close, no drop of its ring
+
+
+def ring_closed_receiver(conn, ctl):
+    baseline = ring_counts()
+    end = End("receiver", conn, channels=RING)
+    head, (region,) = end.receive()
+    ok = head == b"there" and end.read_region(region) == pattern(RING_BYTES, 1)
+    region.release()
+    q = end.alloc(pattern(RING_BYTES, 2))
+    end.ep.send(b"back", [(q, RING_BYTES, CUDA, DEVICE, end.stream)], [])
+    during = ring_counts()  # the peer's ring and ours
+    deadline = time.monotonic() + TIMEOUT
+    while not end.ep.close_reason() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reason = end.ep.close_reason()
+    after = settled_counts(ring_counts, baseline)
+    ctl.send((ok, baseline, during, after, reason, end.counters("cuda_ring")))
+    end.close()
