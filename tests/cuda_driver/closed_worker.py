@@ -71,3 +71,48 @@ def ring_closed_receiver(conn, ctl):
     after = settled_counts(ring_counts, baseline)
     ctl.send((ok, baseline, during, after, reason, end.counters("cuda_ring")))
     end.close()
+
+
+# ---- ipc_closed: a peer that exits with cuda_ipc blocks both ways -----------
+
+IPC_BYTES = 3 << 20
+IPC_KEYS = ("allocations", "vmm_mappings", "ipc_mem_mappings", "opened_ipc_events")
+
+
+def ipc_counts() -> tuple[int, ...]:
+    """Device memory made here, and the peer's imported (mapped, opened)."""
+    live = fake_stats()["live"]
+    return tuple(live[k] for k in IPC_KEYS)
+
+
+def ipc_closed_sender(conn, ctl):
+    end = End("sender", conn)
+    p = end.alloc(pattern(IPC_BYTES, 1))
+    end.send_device(b"there", p, IPC_BYTES)
+    head, (region,) = end.receive()
+    ok = head == b"back" and end.read_region(region) == pattern(IPC_BYTES, 2)
+    ctl.send((ok, end.counters()))
+    os._exit(0)  # gone at once, holding the receiver's block
+
+
+def ipc_closed_receiver(conn, ctl):
+    baseline = ipc_counts()
+    end = End("receiver", conn)
+    q = end.alloc(pattern(IPC_BYTES, 2))
+    head, (region,) = end.receive()
+    ok = head == b"there" and end.read_region(region) == pattern(IPC_BYTES, 1)
+    region.release()
+    end.send_device(b"back", q, IPC_BYTES)  # lent to the peer in a block of ours
+    during = ipc_counts()
+    deadline = time.monotonic() + TIMEOUT
+    while not end.ep.close_reason() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reason = end.ep.close_reason()
+    end.cu.stream_synchronize(DEVICE, end.stream)
+    end.live.remove(q)
+    end.cu.mem_free(DEVICE, q)  # ours, not the channel's
+    # A block lent to the peer is kept until the channel's deadline (2 s)
+    # for the peer's events, which it may still hold open if it lives.
+    after = settled_counts(ipc_counts, baseline)
+    ctl.send((ok, baseline, during, after, reason, end.counters()))
+    end.close()

@@ -326,3 +326,19 @@ def test_a_closed_connections_cuda_rings_are_unmapped_and_unpinned_at_once(spawn
     assert during[0] >= baseline[0] + 2 and during[1] > baseline[1], (baseline, during)
     assert reason.startswith("peer closed the connection"), reason
     assert after == baseline, (baseline, during, after)
+
+
+@fake_only
+def test_a_closed_connections_cuda_ipc_blocks_are_let_go_at_once(spawn):
+    """cuda_ipc: the peer exits holding a block of ours, ours having
+    imported one of its, while our end still holds the connection. Both go
+    when it closes (ours after the channel's 2 s deadline); before, they
+    stayed (its device memory mapped here, ours allocated and counted
+    against the device's bound) for as long as anything held it."""
+    (ok_s, sender), (ok_r, baseline, during, after, reason, receiver) = play(
+        spawn, "ipc_closed", worker=closed_worker)
+    assert ok_s and ok_r
+    assert sender["segments"] == 1 and receiver["segments"] == 1, (sender, receiver)
+    assert during != baseline, (baseline, during)
+    assert reason.startswith("peer closed the connection"), reason
+    assert after == baseline, dict(zip(closed_worker.IPC_KEYS, zip(baseline, during, after)))

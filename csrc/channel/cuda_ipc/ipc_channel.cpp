@@ -136,6 +136,9 @@ IpcChannel::Lent IpcChannel::lend(
     std::vector<ControlFrame>* before) {
   want = std::max<uint64_t>(want, 1);
   Lent lent;
+  if (auto host = host_.lock(); !host || host->isClosed()) {
+    return lent; // declined: no block lent on a connection that closed
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     // The smallest free block of the device that fits without wasting
@@ -492,10 +495,24 @@ void IpcChannel::onClosedFromLoop() {
   for (auto& [id, block] : peerBlocks_) {
     block->orphan(patience);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [id, own] : ownBlocks_) {
-    own.block->orphan(patience);
+  std::unordered_map<uint32_t, OwnBlock> own;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, o] : ownBlocks_) {
+      o.block->orphan(patience);
+    }
+    own.swap(ownBlocks_);
+    lentBytes_ = 0;
   }
+  // What only the channel holds goes now, not with the connection (a
+  // request still served for the peer holds it as long as it runs): each
+  // block's last holder retires it on the staging thread once its waits
+  // are over (the deadline above). A lease keeps its own block.
+  peerBlocks_.clear();
+  refusedBlocks_.clear();
+  peerLeases_.clear();
+  peerDropped_.clear();
+  peerBlockBytes_ = 0;
 }
 
 bool IpcChannel::onFrameEndFromLoop() {
