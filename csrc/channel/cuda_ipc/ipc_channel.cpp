@@ -193,12 +193,28 @@ IpcChannel::Lent IpcChannel::lend(
     lentBytes_ -= want;
     throw;
   }
+  bool closed;
   {
     std::lock_guard<std::mutex> lock(mu_);
     --blocksBeingMade_;
-    lentBytes_ += lent.block->size() - want;
-    ownBlocks_.emplace(
-        lent.id, OwnBlock{lent.block, OwnBlock::State::kLent, {}});
+    auto host = host_.lock();
+    // onClosedFromLoop() takes mu_ after the close: checked here, a block
+    // made meanwhile is never left out of its sweep.
+    closed = !host || host->isClosed();
+    if (closed) {
+      lentBytes_ -= want;
+    } else {
+      lentBytes_ += lent.block->size() - want;
+      ownBlocks_.emplace(
+          lent.id, OwnBlock{lent.block, OwnBlock::State::kLent, {}});
+    }
+  }
+  if (closed) {
+    if (fd >= 0) {
+      ::close(fd);
+    }
+    lent.block->orphan(std::chrono::steady_clock::now()); // never shared
+    return Lent{}; // declined; its last holder retires it
   }
   counters_.created.fetch_add(1, std::memory_order_relaxed);
   if (sharing == Sharing::kLegacy) {
@@ -495,24 +511,35 @@ void IpcChannel::onClosedFromLoop() {
   for (auto& [id, block] : peerBlocks_) {
     block->orphan(patience);
   }
-  std::unordered_map<uint32_t, OwnBlock> own;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [id, o] : ownBlocks_) {
-      o.block->orphan(patience);
-    }
-    own.swap(ownBlocks_);
-    lentBytes_ = 0;
-  }
   // What only the channel holds goes now, not with the connection (a
   // request still served for the peer holds it as long as it runs): each
   // block's last holder retires it on the staging thread once its waits
-  // are over (the deadline above). A lease keeps its own block.
-  peerBlocks_.clear();
+  // are over. A lease keeps its own block. Legacy blocks stay until the
+  // connection goes, as before: their teardown stops waiting at the
+  // deadline above, and a copy out of one still queued (its region holds
+  // the landing, not the block) or the peer's out of ours may be later.
+  auto legacy = [](const std::shared_ptr<Block>& b) {
+    return b->sharing() == Sharing::kLegacy;
+  };
+  std::vector<std::shared_ptr<Block>> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = ownBlocks_.begin(); it != ownBlocks_.end();) {
+      it->second.block->orphan(patience);
+      if (legacy(it->second.block)) {
+        ++it;
+      } else {
+        dropped.push_back(std::move(it->second.block));
+        it = ownBlocks_.erase(it); // (lentBytes_ gates lend(), shut now)
+      }
+    }
+  }
+  for (auto it = peerBlocks_.begin(); it != peerBlocks_.end();) {
+    it = legacy(it->second) ? std::next(it) : peerBlocks_.erase(it);
+  }
   refusedBlocks_.clear();
   peerLeases_.clear();
   peerDropped_.clear();
-  peerBlockBytes_ = 0;
 }
 
 bool IpcChannel::onFrameEndFromLoop() {

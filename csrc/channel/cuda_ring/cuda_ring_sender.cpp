@@ -202,6 +202,13 @@ bool RingChannel::takeChunks(
       return false;
     }
     std::lock_guard<std::mutex> lock(mutex_);
+    if (auto host = host_.lock(); !host || host->isClosed()) {
+      // Closed meanwhile: onClosedFromLoop() takes mutex_ after the close,
+      // so a ring installed here would outlive its sweep.
+      --outs_;
+      counters_.declined++;
+      return false; // the ring's last holder frees it off the loop
+    }
     if (!out_) {
       out_ = std::move(ring);
       announce_ = true;

@@ -272,9 +272,9 @@ void SlabChannel::onClosedFromLoop() {
   // holds (a lease, a tensor's, keeps its own slab).
   peerSlabs_.clear();
   peerSlabBytes_ = 0;
+  std::unordered_map<uint32_t, OwnSlab> own;
   std::lock_guard<std::mutex> lock(slabMutex_);
-  ownSlabs_.clear();
-  lentSlabBytes_ = 0;
+  own.swap(ownSlabs_); // (lentSlabBytes_ stays as counted: no underflow)
 }
 
 void SlabChannel::abandonRegion(
