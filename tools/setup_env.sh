@@ -50,8 +50,12 @@ if [ "$TORCH_VERSION" != "$DEFAULT_TORCH" ] && [ ! -f .synced-files ]; then
     "run through tools/with_torch.sh $TORCH_VERSION, which gives it a tree of its own" >&2
   exit 2
 fi
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+# (Made again when a setup was cut off while it made it: a python there
+# but no activate script, or no pip, and the stamps below would never
+# notice. Seen in build/torch-2.15.0 after a session ended mid-setup.)
+if [ ! -x .venv/bin/python ] || [ ! -f .venv/bin/activate ] ||
+  ! .venv/bin/python -c 'import pip' >/dev/null 2>&1; then
+  "$PYTHON" -m venv --clear .venv
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
