@@ -116,3 +116,43 @@ def ipc_closed_receiver(conn, ctl):
     after = settled_counts(ipc_counts, baseline)
     ctl.send((ok, baseline, during, after, reason, end.counters()))
     end.close()
+
+
+# ---- legacy_late: a peer that dies before its copy into a legacy block ran --
+
+LATE_BYTES = 1 << 20
+LATE_DELAY_MS = 600_000  # the sender's copy in never runs: it dies first
+LATE_WAIT_S = 4.0  # twice the channel's deadline for a legacy block's waits
+
+
+def legacy_late_sender(conn, ctl):
+    from tests.cuda_driver.worker import set_fake_kernel_delay
+
+    end = End("sender", conn)
+    p = end.alloc(pattern(LATE_BYTES, 3))
+    set_fake_kernel_delay(LATE_DELAY_MS)  # its copy into the block, and `ready`
+    end.send_device(b"late", p, LATE_BYTES)
+    head, _ = end.receive()  # the receiver has queued its copy out
+    ctl.send((head == b"got", end.counters()))
+    os._exit(0)  # gone with `ready` recorded, never completed
+
+
+def legacy_late_receiver(conn, ctl):
+    baseline = ipc_counts()
+    end = End("receiver", conn)
+    head, (region,) = end.receive()
+    ok = head == b"late"
+    end.ep.send(b"got", [])
+    during = ipc_counts()  # the peer's legacy block mapped, its events opened
+    deadline = time.monotonic() + TIMEOUT
+    while not end.ep.close_reason() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reason = end.ep.close_reason()
+    end.ep.close(0.0)  # nothing holds the connection now
+    # Our copy out of the peer's block waits on `ready` for ever: its
+    # mapping must stay past the channel's deadline, not be closed under it.
+    time.sleep(LATE_WAIT_S)
+    after = ipc_counts()
+    ctl.send((ok, baseline, during, after, reason, end.counters()))
+    region.release()
+    os._exit(0)  # (our landing stream waits for ever too)

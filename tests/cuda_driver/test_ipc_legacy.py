@@ -9,8 +9,8 @@ device without descriptors."""
 
 import pytest
 
-from tests.cuda_driver import ipc_worker
-from tests.cuda_driver.conftest import REAL_DRIVER
+from tests.cuda_driver import closed_worker, ipc_worker
+from tests.cuda_driver.conftest import REAL_DRIVER, fake_only
 from tests.cuda_driver.test_ipc_channel import play
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slow_kernels")]
@@ -136,3 +136,22 @@ def test_no_memory_to_copy_a_legacy_segment_out_into_fails_its_message_only(spaw
     assert reason == ""
     assert receiver["copy_outs_failed"] == 1 and receiver["copied_out"] == 1
     assert sender["blocks_legacy"] >= 1
+
+
+@fake_only
+@pytest.mark.usefixtures("legacy")
+def test_a_dead_peers_legacy_block_stays_mapped_while_our_copy_out_of_it_waits(spawn):
+    """The peer dies after sending a segment in a legacy block, before its
+    copy into the block ran: `ready` never completes, so our copy out, queued
+    behind it, never runs. The block's mapping stays (it is named in the log
+    after 10 s); before, it was closed at the channel's 2 s deadline, under
+    the queued copy (on the fake the close then waited for every stream, the
+    staging thread with it, for ever)."""
+    (ok_s, sender), (ok_r, baseline, during, after, reason, receiver) = play(
+        spawn, "legacy_late", worker=closed_worker)
+    assert ok_s and ok_r
+    assert sender["blocks_legacy"] == 1 and receiver["blocks_imported"] == 1, (sender, receiver)
+    counts = dict(zip(closed_worker.IPC_KEYS, zip(baseline, during, after)))
+    assert counts["ipc_mem_mappings"][1] == counts["ipc_mem_mappings"][0] + 1, counts
+    assert reason.startswith("peer closed the connection"), reason
+    assert counts["ipc_mem_mappings"][2] == counts["ipc_mem_mappings"][1], counts

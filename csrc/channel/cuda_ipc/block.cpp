@@ -146,13 +146,18 @@ std::vector<Block::TeardownWait> Block::teardownWaits() const {
   // of its memory was waited for when its lease died).
   const bool peerThere = !orphaned_.load();
   const bool legacy = sharing() == Sharing::kLegacy;
-  // A legacy block is read by the peer's copies out of our allocation,
-  // and ours out of the peer's: after the connection closed, wait for
-  // those until the channel's deadline (they may have been queued behind
-  // a dead peer's record, which never completes), not for ever.
+  // Our own last use is waited for however long it takes: a copy out of
+  // the peer's legacy block may be queued behind a dead peer's `ready`,
+  // which never completes, and unmapping under it would have it read
+  // memory gone (or, where closing the mapping synchronises, hang the
+  // staging thread with it). Such a block is kept, and named in the log
+  // (retire()), as a grant's mapping is (ipc_grant_ends.cpp). Only the
+  // peer's copies out of our legacy allocation are waited for until the
+  // channel's deadline once the connection closed: a dead peer's never
+  // complete, and the record of them is all we have.
   std::vector<TeardownWait> waits;
   if (localUse_ != nullptr) {
-    waits.push_back({localUse_, legacy && !owner_ && !peerThere});
+    waits.push_back({localUse_, false});
   }
   if (ready_ != nullptr && (owner_ || peerThere)) {
     waits.push_back({ready_, false});

@@ -514,10 +514,11 @@ void IpcChannel::onClosedFromLoop() {
   // What only the channel holds goes now, not with the connection (a
   // request still served for the peer holds it as long as it runs): each
   // block's last holder retires it on the staging thread once its waits
-  // are over. A lease keeps its own block. Legacy blocks stay until the
-  // connection goes, as before: their teardown stops waiting at the
-  // deadline above, and a copy out of one still queued (its region holds
-  // the landing, not the block) or the peer's out of ours may be later.
+  // are over. A lease keeps its own block; a peer's legacy block is
+  // unmapped only after our copies out of it (block.cpp). Our legacy
+  // blocks stay until the connection goes, as before: their teardown
+  // stops waiting at the deadline above for the peer's copies out of
+  // them, which may be later.
   auto legacy = [](const std::shared_ptr<Block>& b) {
     return b->sharing() == Sharing::kLegacy;
   };
@@ -534,9 +535,7 @@ void IpcChannel::onClosedFromLoop() {
       }
     }
   }
-  for (auto it = peerBlocks_.begin(); it != peerBlocks_.end();) {
-    it = legacy(it->second) ? std::next(it) : peerBlocks_.erase(it);
-  }
+  peerBlocks_.clear();
   refusedBlocks_.clear();
   peerLeases_.clear();
   peerDropped_.clear();
