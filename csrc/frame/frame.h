@@ -43,7 +43,7 @@ constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 // 12: grants end in a revoke and a return too (cuda_ipc control kinds 6
 //    and 7), and two may be out per device, each in a slot (a field of
 //    the grant and grant-event heads, now 172 and 72 bytes).
-constexpr uint8_t kProtocolVersion = 13;
+constexpr uint8_t kProtocolVersion = 14;
 
 enum class FrameKind : uint8_t {
   kHello = 1, // client -> server: version, identity, nonce

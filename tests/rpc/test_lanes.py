@@ -161,7 +161,7 @@ def _intruder(rank, world_size):
         for port in _listening_ports(pid):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                 s.settimeout(10)
-                s.sendall(b"TRLN" + b"\x02\x00\x00\x00" + os.urandom(32))
+                s.sendall(b"TRLN" + b"\x03\x00\x00\x00" + os.urandom(32))
                 got = b""
                 try:
                     while chunk := s.recv(64):

@@ -35,6 +35,7 @@ SECRET = "lanes-wire-" + "x" * 24
 MB = 1 << 20
 HELLO_BYTES = 40  # magic, version, lane, ticket, MAC (lane.h)
 CHALLENGE_BYTES = 16
+ADMITTED = b"\x41"  # the listener's answer to a hello it took (lane.h)
 HEADER_BYTES = 32  # a chunk's header; an encrypted record adds a 16-byte tag
 
 
@@ -81,6 +82,14 @@ def take_hello(dialler, upstream):
     it answers with, not passed on (the caller decides)."""
     dialler.sendall(recv_exact(upstream, CHALLENGE_BYTES))
     return recv_exact(dialler, HELLO_BYTES)
+
+
+def pass_hello(dialler, upstream, hello):
+    """Passes `hello` on and relays the listener's answer (its admission)."""
+    upstream.sendall(hello)
+    answer = recv_exact(upstream, 1)
+    assert answer == ADMITTED, answer
+    dialler.sendall(answer)
 
 
 def splice(a, b, mangle_up=_as_is):
@@ -250,7 +259,7 @@ def tamper_after_hello(mutate):
     def handle(dialler, upstream, index):
         if index > 0:
             return splice(dialler, upstream)
-        upstream.sendall(take_hello(dialler, upstream))
+        pass_hello(dialler, upstream, take_hello(dialler, upstream))
         header = recv_exact(dialler, HEADER_BYTES, timeout=30)
         length = int.from_bytes(header[24:28], "little")
         record = header + recv_exact(dialler, length + 16, timeout=30)
@@ -470,4 +479,42 @@ def test_a_striped_frame_arrives_though_its_connection_is_reset_before_its_strip
     finally:
         flowing.set()
         link.close()
+        w.close()
+
+
+@pytest.mark.parametrize("listener", ["silent", "refuses"])
+def test_a_lane_the_listener_did_not_admit_carries_nothing(listener):
+    """Each lane's hello is taken by a middlebox: "silent" passes nothing on
+    and keeps both ends open (the listener never saw it, as when it dropped
+    the hello: its pending hellos full, no thread for the lane, a hello
+    slower than its 5 s); "refuses" passes it on altered, and the listener
+    closes the lane. The dialler used to count a lane up once its hello was
+    written and stripe the next large segment onto it: lost in the silence,
+    or a write refused that closed the whole connection. Now a lane is up
+    only once the listener answers the hello (lane hello version 3); these
+    fail, and large segments ride the stream."""
+    held = []
+
+    def handle(dialler, upstream, index):
+        hello = take_hello(dialler, upstream)
+        held.extend((dialler, upstream))
+        if listener == "refuses":
+            upstream.sendall(hello[:-1] + bytes([hello[-1] ^ 1]))  # its MAC
+            splice(dialler, upstream)
+
+    w = Wired(handle)
+    try:
+        payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
+        assert w.received() == (b"big", [payload])
+        wait_for("the lanes to fail", lambda: lanes(w.client)["lanes_failed"] == 4, timeout=30)
+        assert lanes(w.client)["lanes_opened"] == 0, lanes(w.client)
+        payload = w.send_big(8 * MB)
+        assert w.received() == (b"big", [payload])
+        assert lanes(w.client)["segments"] == 0, lanes(w.client)
+        assert w.client.close_reason() == "", w.client.close_reason()
+        refused = 4 if listener == "refuses" else 0
+        assert lanes(w.server)["hellos_refused"] == refused, lanes(w.server)
+    finally:
+        for sock in held:
+            sock.close()
         w.close()

@@ -12,7 +12,9 @@
 // the lane secret the receiver offered inside the connection (so inside
 // TLS where it has TLS): a hello seen on the wire is worth nothing on
 // another connection, and one without the secret is refused before any
-// ticket is spent. Then chunks follow, each a ChunkHeader and its bytes. On
+// ticket is spent. The listener answers a hello it took with kAdmitted
+// (one it refused is closed). Then chunks follow, each a ChunkHeader and
+// its bytes. On
 // a connection that is encrypted (TLS), each chunk is an AES-128-GCM record
 // under a key of that lane's own, derived from the lane secret with HKDF
 // and replaced after every `recordsPerKey` records (the receiver's offer
@@ -38,7 +40,11 @@
 namespace torch_rpc_ext::channel::lanes {
 
 constexpr uint32_t kHelloMagic = 0x4e4c5254; // "TRLN", little-endian
-constexpr uint16_t kHelloVersion = 2;
+constexpr uint16_t kHelloVersion = 3;
+// The listener's one byte after a hello it took (its lane thread runs): the
+// dialler counts the lane up only then (hello version 3; before, a lane the
+// listener dropped after the hello was striped onto all the same).
+constexpr uint8_t kAdmitted = 0x41;
 constexpr size_t kTicketBytes = 16;
 constexpr size_t kChallengeBytes = 16;
 constexpr size_t kHelloMacBytes = 16;

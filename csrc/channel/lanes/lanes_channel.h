@@ -153,7 +153,8 @@ class LanesChannel final : public Channel,
   // `error` set once the channel closes first (a failed copy closes it).
   bool waitStaged(const StagedOut& staged, uint64_t end, std::string* error);
   void runOutLane(uint16_t lane, sockaddr_storage address, std::string ticket);
-  // A dialled lane's opening: the listener's challenge in, our Hello out.
+  // A dialled lane's opening: the listener's challenge in, our Hello out,
+  // its admission in.
   bool sayHello(
       int fd,
       uint16_t lane,

@@ -182,7 +182,11 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
             &lanesContext().stats().rekeys);
       }
     }
-    while (readChunk(fd, cipher.get(), &error, &refused)) {
+    // The dialler stripes onto this lane only once it has this.
+    const uint8_t admitted = kAdmitted;
+    if (sendAll(fd, &admitted, 1, &error)) {
+      while (readChunk(fd, cipher.get(), &error, &refused)) {
+      }
     }
   } catch (const std::exception& e) {
     error = e.what();

@@ -378,7 +378,34 @@ bool LanesChannel::sayHello(
     *error = e.what();
     return false;
   }
-  return sendAll(fd, &hello, sizeof(hello), error);
+  if (!sendAll(fd, &hello, sizeof(hello), error)) {
+    return false;
+  }
+  // Up only once the listener took it: one that refused it (a ticket
+  // revoked, its pending hellos full, no thread to run the lane) closes
+  // it, and a stripe written meanwhile would be lost with it.
+  uint8_t answer = 0;
+  if (!recvWithin(
+          fd,
+          &answer,
+          1,
+          kDialTimeoutMs,
+          [this] { return stop_.load(); },
+          error)) {
+    *error = *error == "closed"
+        ? std::string(
+              "the lanes' listener closed the lane after its hello "
+              "(refused it)")
+        : "no admission from the lanes' listener after the hello (" + *error +
+            ")";
+    return false;
+  }
+  if (answer != kAdmitted) {
+    *error = "the lanes' listener answered the hello with byte " +
+        std::to_string(answer) + ", not its admission";
+    return false;
+  }
+  return true;
 }
 
 bool LanesChannel::writeStripe(
