@@ -43,6 +43,10 @@ constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 // 12: grants end in a revoke and a return too (cuda_ipc control kinds 6
 //    and 7), and two may be out per device, each in a slot (a field of
 //    the grant and grant-event heads, now 172 and 72 bytes).
+// 13: cuda_ipc's kind 35 may carry a reason, sent unasked (the importer
+//    could not map the block).
+// 14: a lane's listener answers a hello it took with one byte (lanes/lane.h
+//    kAdmitted), which the dialler waits for before striping onto it.
 constexpr uint8_t kProtocolVersion = 14;
 
 enum class FrameKind : uint8_t {

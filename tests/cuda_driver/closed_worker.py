@@ -153,6 +153,38 @@ def legacy_late_receiver(conn, ctl):
     # mapping must stay past the channel's deadline, not be closed under it.
     time.sleep(LATE_WAIT_S)
     after = ipc_counts()
-    ctl.send((ok, baseline, during, after, reason, end.counters()))
+    # Its landing (a block of the device's pool, ready never) goes back;
+    # the next landing of that size, from anyone, must not wait behind it.
     region.release()
-    os._exit(0)  # (our landing stream waits for ever too)
+    landed = staged_landing_completes(end.cu, LATE_BYTES)
+    ctl.send((ok, baseline, during, after, reason, landed, end.counters()))
+    os._exit(0)  # (our copy-out stream waits for ever)
+
+
+def staged_landing_completes(cu, n, timeout=10.0):
+    """Whether a segment of `n` bytes sent by cuda_staged between two
+    endpoints of this process lands, intact, within `timeout` s (its landing
+    is a block of the device's pool, as a legacy copy out's is)."""
+    import threading
+
+    from tests.cuda_driver.ipc_worker import SECRET
+    from torch_rpc_ext import _testing
+
+    a = _testing.Endpoint(0, 2, SECRET, "shm", ["cuda_staged"])
+    b = _testing.Endpoint(1, 2, SECRET, "shm", ["cuda_staged"])
+    a.set_peer(b.descriptors())
+    b.set_peer(a.descriptors())
+    a.connect(b.address, 1)
+    assert a.wait_ready(TIMEOUT), a.close_reason()
+    p = cu.mem_alloc(DEVICE, n)
+    cu.write(DEVICE, p, pattern(n, 4))
+    stream = cu.stream_create(DEVICE)
+    a.send(b"after", [(p, n, CUDA, DEVICE, stream)], [None])
+    got = b.receive(TIMEOUT)
+    assert got is not None, b.close_reason()
+    head, (region,) = got
+    region.wait_on(stream)
+    done = threading.Event()
+    threading.Thread(
+        target=lambda: (cu.stream_synchronize(DEVICE, stream), done.set()), daemon=True).start()
+    return head == b"after" and done.wait(timeout) and cu.read(DEVICE, region.address, n) == pattern(n, 4)

@@ -146,8 +146,10 @@ def test_a_dead_peers_legacy_block_stays_mapped_while_our_copy_out_of_it_waits(s
     behind it, never runs. The block's mapping stays (it is named in the log
     after 10 s); before, it was closed at the channel's 2 s deadline, under
     the queued copy (on the fake the close then waited for every stream, the
-    staging thread with it, for ever)."""
-    (ok_s, sender), (ok_r, baseline, during, after, reason, receiver) = play(
+    staging thread with it, for ever). And the landing that copy was to fill
+    is not handed to the next message: the device's pool keeps it until its
+    last use completes."""
+    (ok_s, sender), (ok_r, baseline, during, after, reason, landed, receiver) = play(
         spawn, "legacy_late", worker=closed_worker)
     assert ok_s and ok_r
     assert sender["blocks_legacy"] == 1 and receiver["blocks_imported"] == 1, (sender, receiver)
@@ -155,3 +157,7 @@ def test_a_dead_peers_legacy_block_stays_mapped_while_our_copy_out_of_it_waits(s
     assert counts["ipc_mem_mappings"][1] == counts["ipc_mem_mappings"][0] + 1, counts
     assert reason.startswith("peer closed the connection"), reason
     assert counts["ipc_mem_mappings"][2] == counts["ipc_mem_mappings"][1], counts
+    # Our landing for it never landed; its block is not reused until its
+    # last use completes, so the next landing of that size does not wait
+    # behind it (before, it waited for ever).
+    assert landed

@@ -131,12 +131,26 @@ void StagingPool::reapRetiredLocked() {
     retiredHost_[i] = std::move(retiredHost_.back());
     retiredHost_.pop_back();
   }
+  for (size_t i = 0; i < retiredBlocks_.size();) {
+    if (libcuda().cuEventQuery(retiredBlocks_[i]->lastUse) != CUDA_SUCCESS) {
+      ++i;
+      continue;
+    }
+    const uint64_t c = retiredBlocks_[i]->capacity;
+    freeBlocks_.emplace(
+        c, std::make_pair(std::move(retiredBlocks_[i]), Clock::now()));
+    retiredBlocks_[i] = std::move(retiredBlocks_.back());
+    retiredBlocks_.pop_back();
+  }
 }
 
 std::shared_ptr<StagingPool::Block> StagingPool::takeBlock(uint64_t bytes) {
   uint64_t capacity = stagingCapacity(bytes);
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!retiredBlocks_.empty()) {
+      reapRetiredLocked();
+    }
     auto it = freeBlocks_.lower_bound(bytes);
     if (it != freeBlocks_.end() && it->first <= 2 * capacity) {
       auto b = std::move(it->second.first);
@@ -164,6 +178,11 @@ void StagingPool::giveBlock(std::shared_ptr<Block> block) {
   std::lock_guard<std::mutex> lock(mu_);
   uint64_t c = block->capacity;
   freeBlocks_.emplace(c, std::make_pair(std::move(block), Clock::now()));
+}
+
+void StagingPool::retireBlock(std::shared_ptr<Block> block) {
+  std::lock_guard<std::mutex> lock(mu_);
+  retiredBlocks_.push_back(std::move(block));
 }
 
 PooledEvent StagingPool::takeEvent() {
@@ -309,6 +328,14 @@ PooledRegion::~PooledRegion() {
     }
     TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block_->lastUse, last);
     block_->used = true;
+    // What was to land here has not: its copy in may wait for ever (on a
+    // dead peer's `ready`), and a next copy into the block would wait
+    // behind it.
+    RelaxedCapture relaxed; // the query (device.h)
+    if (libcuda().cuEventQuery(ready_.get()) != CUDA_SUCCESS) {
+      pool_.retireBlock(std::move(block_));
+      return;
+    }
   } catch (const std::exception& e) {
     // Not given back: the next copy into it must not race this use.
     logWarning(

@@ -67,6 +67,12 @@ class StagingPool {
   // A block nothing uses on the host any more: its lastUse is recorded (or
   // it was never used).
   void giveBlock(std::shared_ptr<Block> block);
+  // ... or one whose lastUse may never complete (what was to land in it
+  // had not when it died: its copy in may wait on a dead peer's record):
+  // reused only once lastUse has completed, so that no copy into it waits
+  // behind that (as torch's caching allocator reuses a block only once
+  // its streams' events have completed).
+  void retireBlock(std::shared_ptr<Block> block);
 
   PooledEvent takeEvent();
   // The stream copies onto the device run on (non-blocking, made once).
@@ -86,8 +92,8 @@ class StagingPool {
 
  private:
   explicit StagingPool(int device) : device_(device) {}
-  // Moves retired host buffers whose event has completed to the free list
-  // (mu_ held).
+  // Moves retired host buffers and blocks whose event has completed to the
+  // free lists (mu_ held).
   void reapRetiredLocked();
 
   using Clock = std::chrono::steady_clock;
@@ -99,6 +105,7 @@ class StagingPool {
   std::vector<std::pair<HostBuffer, PooledEvent>> retiredHost_;
   std::multimap<uint64_t, std::pair<std::shared_ptr<Block>, Clock::time_point>>
       freeBlocks_;
+  std::vector<std::shared_ptr<Block>> retiredBlocks_;
   std::mutex eventsMu_; // freeEvents_
   std::vector<CUevent> freeEvents_;
   uint64_t pinnedBytes_ = 0; // allocated

@@ -519,12 +519,20 @@ int64_t IpcChannel::copyOutFromLoop(
       // copy in; the owner's next copy into it waits for ours (`released`:
       // after its copy in, even where nothing of it was copied out).
       TORCH_RPC_EXT_CUDA_CHECK(cuStreamWaitEvent, stream, block->ready(), 0);
-      if (!batch.copies.empty()) {
-        copyEngine(device).copySegments(stream, batch.copies);
+      try {
+        if (!batch.copies.empty()) {
+          copyEngine(device).copySegments(stream, batch.copies);
+        }
+      } catch (...) {
+        // A launch may have been queued before the error: the import is
+        // unmapped only after it, whatever follows (best effort).
+        libcuda().cuEventRecord(block->localUse(), stream);
+        throw;
       }
-      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, batch.ready.get(), stream);
-      // Our last read of the peer's memory, for the block's teardown.
+      // Our last read of the peer's memory, for the block's teardown
+      // (recorded first: nothing may fail between the copy and it).
       TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block->localUse(), stream);
+      TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, batch.ready.get(), stream);
       TORCH_RPC_EXT_CUDA_CHECK(cuEventRecord, block->released(), stream);
       counters_.copiedOut.fetch_add(
           batch.copies.size(), std::memory_order_relaxed);

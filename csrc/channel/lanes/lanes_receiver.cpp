@@ -184,9 +184,18 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
     }
     // The dialler stripes onto this lane only once it has this.
     const uint8_t admitted = kAdmitted;
+    uint64_t chunks = 0;
     if (sendAll(fd, &admitted, 1, &error)) {
       while (readChunk(fd, cipher.get(), &error, &refused)) {
+        ++chunks;
       }
+    }
+    if (chunks == 0 && !refused) {
+      // Ended before it carried anything: as a close, whatever the socket
+      // said. A dialler that gave up on the lane just as our admission
+      // came (its 5 s, or its own close) closes with that byte unread,
+      // which resets the socket; it stripes onto none of its lanes then.
+      error = "closed";
     }
   } catch (const std::exception& e) {
     error = e.what();
