@@ -46,7 +46,8 @@ class Endpoint final : public transport::ConnectionObserver {
       const std::vector<std::string>& channelNames,
       const std::string& encryption,
       const std::vector<std::string>& tlsFiles,
-      double handshakeTimeoutSeconds) {
+      double handshakeTimeoutSeconds,
+      double heartbeatTimeoutSeconds) {
     for (const auto& name : channelNames) {
       auto c = channel::createChannel(name);
       if (!c->isViable()) {
@@ -62,6 +63,11 @@ class Endpoint final : public transport::ConnectionObserver {
     o.tls.mode = transport::parseTlsMode(encryption);
     if (handshakeTimeoutSeconds > 0) {
       o.handshakeTimeout = seconds(handshakeTimeoutSeconds);
+    }
+    if (heartbeatTimeoutSeconds > 0) {
+      o.heartbeatTimeout =
+          std::chrono::duration_cast<std::chrono::milliseconds>(
+              seconds(heartbeatTimeoutSeconds));
     }
     if (tlsFiles.size() == 3) {
       o.tls.certFile = tlsFiles[0];
@@ -372,6 +378,7 @@ void bindTestingEndpoint(py::module_& m) {
               const std::vector<std::string>&,
               const std::string&,
               const std::vector<std::string>&,
+              double,
               double>(),
           py::arg("self_id"),
           py::arg("world_size"),
@@ -381,6 +388,7 @@ void bindTestingEndpoint(py::module_& m) {
           py::arg("encryption") = "auto",
           py::arg("tls_files") = std::vector<std::string>{},
           py::arg("handshake_timeout") = 0.0,
+          py::arg("heartbeat_timeout") = 0.0,
           // (A constructor that throws stops the loop it started.)
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("address", &Endpoint::address)

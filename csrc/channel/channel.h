@@ -102,6 +102,11 @@ class Host {
   // Any thread: bytes of this connection arrived by another way (a lane):
   // the peer is alive, whatever its stream says (the heartbeat).
   virtual void noteProgress() {}
+  // The connection's heartbeat_timeout (0: none): how long a channel lets
+  // bytes it waits for by another way stay away.
+  virtual std::chrono::milliseconds heartbeatTimeout() const {
+    return std::chrono::milliseconds(0);
+  }
   // The IP addresses of the connection's socket, ours and the peer's;
   // false if it has none (a Unix socket).
   virtual bool socketAddresses(sockaddr_storage* local, sockaddr_storage* peer)

@@ -106,3 +106,33 @@ def run_failed_copy(rank: int, port: int, ctl) -> None:
         out["after"] = tensor_bytes(back) == data
     rpc.shutdown()
     ctl.send(out)
+
+
+def run_slow_copy(rank: int, port: int, ctl, encryption: str) -> None:
+    """With the lanes up and a heartbeat_timeout of 1 s, worker0's copies
+    out of its device each run 1.5 s late (the fake's kernel delay): the
+    lanes wait several seconds for a 9 MiB tensor's stripes while worker1
+    holds its record. Reports whether the call came back intact, and both
+    sides' tcp_lanes counters."""
+    from tests.cuda_driver.worker import set_fake_kernel_delay
+
+    join_pair(rank, port, device_channels=("cuda_staged",), transports=("tcp",),
+              channels=("tcp_lanes",), encryption=encryption, heartbeat_timeout=1.0)
+    out = {}
+    if rank == 0:
+        rng = random.Random(7)
+        out["lanes_up"] = dial_lanes(rng)
+        data = rng.randbytes((9 << 20) + 3)
+        t = big_cuda_tensor(data)
+        set_fake_kernel_delay(1500)  # 3 chunks of 4 MiB copied out: 4.5 s
+        try:
+            back = rpc.rpc_sync("worker1", identity, args=(t,))
+            set_fake_kernel_delay(0)
+            out["back"] = tensor_bytes(back) == data
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["error"] = str(e)
+        set_fake_kernel_delay(0)
+        out["lanes"] = (channel_counters("tcp_lanes"),
+                        rpc.rpc_sync("worker1", channel_counters, args=("tcp_lanes",)))
+    rpc.shutdown()
+    ctl.send(out)

@@ -526,6 +526,24 @@ def test_large_cuda_tensors_across_hosts_go_over_the_lanes(spawn, encryption):
     assert sent == delta("tcp_lanes", 0, "bytes") == delta("tcp_lanes", 1, "bytes")
 
 
+@fake_only  # the fake's kernel delay
+@pytest.mark.parametrize("encryption", ["off", "always"])
+def test_lanes_waiting_for_a_slow_device_copy_keep_the_held_record_alive(spawn, encryption):
+    """A stripe waits for its bytes to be copied out of the device (here
+    4.5 s, the heartbeat_timeout 1 s) while the receiver holds its
+    record: the lane sends keepalive chunks meanwhile, so the receiver
+    does not take it for stalled (which closes the connection after one
+    heartbeat_timeout of quiet lanes), and the call comes back intact."""
+    from tests.cuda_driver import lanes_worker
+
+    caller, _ = play_with(spawn, lanes_worker.run_slow_copy, encryption)
+    assert caller["lanes_up"], caller
+    assert caller.get("back") is True, caller
+    ours, theirs = caller["lanes"]
+    assert ours["keepalives"] >= 3 and ours["staged_segments"] >= 1, caller
+    assert theirs["stalls"] == 0 and theirs["held_records"] >= 1, caller
+
+
 @fake_only
 def test_a_failed_copy_out_stops_the_lanes_waiting_for_it(spawn):
     """A copy out of the device that fails while the lanes wait for its

@@ -15,6 +15,7 @@ source that keeps sending hellos that prove nothing is held off."""
 
 import ctypes
 import os
+import re
 import selectors
 import socket
 import struct
@@ -39,8 +40,9 @@ ADMITTED = b"\x41"  # the listener's answer to a hello it took (lane.h)
 HEADER_BYTES = 32  # a chunk's header; an encrypted record adds a 16-byte tag
 
 
-def endpoint(self_id):
-    return _testing.Endpoint(self_id, 2, SECRET, "tcp", ["tcp_lanes"], encryption="always")
+def endpoint(self_id, **options):
+    return _testing.Endpoint(self_id, 2, SECRET, "tcp", ["tcp_lanes"], encryption="always",
+                             **options)
 
 
 def lanes(ep):
@@ -81,7 +83,10 @@ def take_hello(dialler, upstream):
     """Relays the listener's challenge to the dialler and returns the hello
     it answers with, not passed on (the caller decides)."""
     dialler.sendall(recv_exact(upstream, CHALLENGE_BYTES))
-    return recv_exact(dialler, HELLO_BYTES)
+    hello = recv_exact(dialler, HELLO_BYTES)
+    for sock in (dialler, upstream):
+        sock.settimeout(None)  # (recv_exact's) a splice waits as long as it takes
+    return hello
 
 
 def pass_hello(dialler, upstream, hello):
@@ -89,6 +94,7 @@ def pass_hello(dialler, upstream, hello):
     upstream.sendall(hello)
     answer = recv_exact(upstream, 1)
     assert answer == ADMITTED, answer
+    upstream.settimeout(None)
     dialler.sendall(answer)
 
 
@@ -141,10 +147,10 @@ class Wired:
     `lane_handler` tapping every lanes port the server opens (and
     `relay_handler`, if given, relaying the connection itself)."""
 
-    def __init__(self, lane_handler, relay_handler=None):
+    def __init__(self, lane_handler, relay_handler=None, **options):
         self.kept = []
-        self.server = endpoint(0)
-        self.client = endpoint(1)
+        self.server = endpoint(0, **options)
+        self.client = endpoint(1, **options)
         self.server.set_peer(self.client.descriptors())
         self.client.set_peer(self.server.descriptors())
         ports_before = _listening_ports(os.getpid())
@@ -514,6 +520,45 @@ def test_a_lane_the_listener_did_not_admit_carries_nothing(listener):
         assert w.client.close_reason() == "", w.client.close_reason()
         refused = 4 if listener == "refuses" else 0
         assert lanes(w.server)["hellos_refused"] == refused, lanes(w.server)
+    finally:
+        for sock in held:
+            sock.close()
+        w.close()
+
+
+def test_a_lane_that_stalls_is_named_when_its_frame_gives_up():
+    """One lane stops moving (a middlebox keeps it open and forwards
+    nothing more) while the other three deliver their stripes: the
+    receiver holds the frame's record for the missing stripe. The
+    connection closes a heartbeat_timeout after the lanes went quiet,
+    naming the segment and the lane, not after six of them naming a peer
+    that shows no sign of life (it was there on the stream all along)."""
+    stalled = threading.Event()
+    held = []
+
+    def handle(dialler, upstream, index):
+        pass_hello(dialler, upstream, take_hello(dialler, upstream))
+        if index == 0:
+            held.extend((dialler, upstream))  # open, and nothing more passes
+            stalled.set()
+            return
+        splice(dialler, upstream)
+
+    w = Wired(handle, heartbeat_timeout=2.0)
+    try:
+        payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
+        assert w.received() == (b"big", [payload])
+        w.lanes_up()
+        assert stalled.is_set()
+        w.send_big(64 * MB)  # 16 MiB a lane: more than the stalled one's buffers take
+        assert w.server.receive(60) is None
+        reason = w.server.close_reason()
+        # Before: "no sign of life from the peer for 12.29 s", after six
+        # timeouts (the peer's pings waited unread behind the held record).
+        assert reason.startswith("tcp_lanes: segment 1 (67108864 bytes, "), reason
+        # (The tapped connection's lane index is the dialler's to pick.)
+        assert re.search(r"; lane\(s\) [0-3] carried none of it: a lane stalled", reason), reason
+        assert lanes(w.server)["stalls"] == 1, lanes(w.server)
     finally:
         for sock in held:
             sock.close()

@@ -142,6 +142,8 @@ std::map<std::string, uint64_t> LanesContext::counters() const {
       {"lanes_opened", counters_.lanesOpened.load()},
       {"lanes_failed", counters_.lanesFailed.load()},
       {"held_records", counters_.heldRecords.load()},
+      {"keepalives", counters_.keepAlives.load()},
+      {"stalls", counters_.stalls.load()},
       {"lanes_capped", counters_.lanesCapped.load()},
       {"lanes_in", counters_.lanesIn.load()},
       {"lanes_out", counters_.lanesOut.load()},

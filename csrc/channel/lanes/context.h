@@ -58,6 +58,10 @@ struct LanesCounters {
   std::atomic<uint64_t> lanesOpened{0}; // lanes dialled and accepted
   std::atomic<uint64_t> lanesFailed{0}; // dials that failed (then: the stream)
   std::atomic<uint64_t> heldRecords{0}; // records that waited for their bytes
+  // Keepalive chunks sent while a stripe waited for its device copy, and
+  // connections closed for a held record whose lanes went quiet.
+  std::atomic<uint64_t> keepAlives{0};
+  std::atomic<uint64_t> stalls{0};
   // Connections that found maxLanes held, each way (an offer not made, or
   // lanes not dialled: the stream, until lanes go back).
   std::atomic<uint64_t> lanesCapped{0};

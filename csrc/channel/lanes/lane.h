@@ -28,6 +28,7 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -69,7 +70,7 @@ struct ChunkHeader {
   uint64_t segmentSize; // the whole segment
   uint64_t offset; // of these bytes in the segment
   uint32_t length; // bytes that follow (before the tag, if encrypted)
-  uint32_t flags; // 0
+  uint32_t flags; // 0, or kChunkKeepAlive
 };
 static_assert(sizeof(ChunkHeader) == 32, "ChunkHeader is 32 bytes");
 #pragma pack(pop)
@@ -91,6 +92,13 @@ constexpr size_t kMaxRangesPerSegment = 64;
 // A body is sent and received in slices of this size at most, each telling
 // the connection's heartbeat that the peer is alive, however slow the link.
 constexpr uint64_t kProgressSliceBytes = 1 << 20;
+
+// A chunk of no bytes (length 0): the sender still waits for this stripe's
+// bytes to be copied out of a device (cuda_staged), and the lane is alive.
+// Sent every kKeepAliveEvery while it waits, so that the receiver, holding
+// the segment's record, does not take the lane for stalled.
+constexpr uint32_t kChunkKeepAlive = 1;
+constexpr auto kKeepAliveEvery = std::chrono::milliseconds(500);
 
 // The channel's control frame, by offset among its kinds: the receiver's
 // offer of its lanes (port, tickets, key).

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -131,6 +132,8 @@ class LanesChannel final : public Channel,
     std::map<uint64_t, uint64_t> ranges;
     bool claimed = false; // its record came (else: counted as unclaimed)
     bool held = false; // its record waits in the stream
+    std::chrono::steady_clock::time_point heldSince;
+    uint64_t lanesSeen = 0; // bit l: lane l carried some of it
   };
   // A segment taken, waiting for its frame to be queued (then it gets its
   // token and its stripes go to the lanes).
@@ -151,7 +154,20 @@ class LanesChannel final : public Channel,
   bool lanesTakeLocked();
   // A staged stripe's bytes up to `end` are out of the device; false with
   // `error` set once the channel closes first (a failed copy closes it).
-  bool waitStaged(const StagedOut& staged, uint64_t end, std::string* error);
+  // Waits until `staged` has its bytes up to `end`, calling `keepAlive`
+  // every kKeepAliveEvery meanwhile (false: the lane failed).
+  bool waitStaged(
+      const StagedOut& staged,
+      uint64_t end,
+      const std::function<bool()>& keepAlive,
+      std::string* error);
+  // A keepalive chunk (lane.h) for `stripe` at `offset`.
+  static bool sendKeepAlive(
+      int fd,
+      const Stripe& stripe,
+      uint64_t offset,
+      LaneCipher* cipher,
+      std::string* error);
   void runOutLane(uint16_t lane, sockaddr_storage address, std::string ticket);
   // A dialled lane's opening: the listener's challenge in, our Hello out,
   // its admission in.
@@ -171,7 +187,16 @@ class LanesChannel final : public Channel,
   void runInLane(uint16_t lane, int fd);
   // False with `error` set, and `refused` if the peer broke the protocol
   // (else the lane ended or broke: "closed" between chunks).
-  bool readChunk(int fd, LaneCipher* cipher, std::string* error, bool* refused);
+  bool readChunk(
+      int fd,
+      uint16_t lane,
+      LaneCipher* cipher,
+      std::string* error,
+      bool* refused);
+  // A held record whose stripes stopped coming: the lanes carried nothing
+  // for heartbeat_timeout. Names it and the lanes that carried none of it
+  // ("" if none; loop thread).
+  std::string stalledLanding();
   // The landing of `token`, made if new (by a record when `claim`, else
   // by a chunk, which waits while kMaxUnclaimedBytes are unclaimed); null
   // with `error` set, and `refused` if the peer broke the protocol.
@@ -231,6 +256,9 @@ class LanesChannel final : public Channel,
   uint64_t unclaimedBytes_ = 0; // page-rounded: what the landings pin
   size_t unclaimedSegments_ = 0;
   bool inLaneEnded_ = false; // a lane the peer closed between chunks
+  size_t inLanes_ = 0; // attached
+  // steady_clock ticks of the last bytes any inbound lane carried.
+  std::atomic<int64_t> inProgressAt_{0};
   std::vector<int> inFds_;
   std::vector<std::thread> inThreads_;
 };

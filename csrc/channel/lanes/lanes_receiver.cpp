@@ -54,7 +54,48 @@ void LanesChannel::attachInbound(uint16_t lane, int fd) {
     throw; // the accept thread logs it; the peer's lane fails, and closes
   }
   inFds_.push_back(fd);
+  ++inLanes_;
   lanesContext().stats().lanesOpened.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::string LanesChannel::stalledLanding() {
+  auto host = host_.lock();
+  const std::chrono::milliseconds timeout =
+      host ? host->heartbeatTimeout() : std::chrono::milliseconds(0);
+  if (timeout.count() <= 0) {
+    return ""; // no liveness asked for: a record waits as long as it takes
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto now = Clock::now();
+  const auto moved = Clock::time_point(
+      Clock::duration(inProgressAt_.load(std::memory_order_relaxed)));
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& [token, landing] : landings_) {
+    if (closing_ || !landing->held || landing->received == landing->size ||
+        now - std::max(landing->heldSince, moved) < timeout) {
+      continue;
+    }
+    // The lanes that carried none of it (its stripe is one of theirs).
+    std::string none;
+    for (size_t l = 0; l < std::min<size_t>(inLanes_, 64); ++l) {
+      if ((landing->lanesSeen & (uint64_t(1) << l)) == 0) {
+        none += (none.empty() ? "" : ", ") + std::to_string(l);
+      }
+    }
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+        now - landing->heldSince);
+    return "tcp_lanes: segment " + std::to_string(token) + " (" +
+        std::to_string(landing->size) + " bytes, " +
+        std::to_string(landing->received) + " in) waited " +
+        std::to_string(waited.count() / 1000.0).substr(0, 5) +
+        " s for its stripes, and no lane carried anything for " +
+        std::to_string(timeout.count() / 1000.0).substr(0, 5) +
+        " s (heartbeat_timeout)" +
+        (none.empty() ? std::string()
+                      : "; lane(s) " + none + " carried none of it") +
+        ": a lane stalled (a middlebox holding it, or its path down)";
+  }
+  return "";
 }
 
 std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
@@ -186,7 +227,7 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
     const uint8_t admitted = kAdmitted;
     uint64_t chunks = 0;
     if (sendAll(fd, &admitted, 1, &error)) {
-      while (readChunk(fd, cipher.get(), &error, &refused)) {
+      while (readChunk(fd, lane, cipher.get(), &error, &refused)) {
         ++chunks;
       }
     }
@@ -223,12 +264,47 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
 
 bool LanesChannel::readChunk(
     int fd,
+    uint16_t lane,
     LaneCipher* cipher,
     std::string* error,
     bool* refused) {
   ChunkHeader header;
   if (!recvAll(fd, &header, sizeof(header), error)) {
     return false; // "closed": between chunks
+  }
+  auto moved = [this] {
+    inProgressAt_.store(
+        std::chrono::steady_clock::now().time_since_epoch().count(),
+        std::memory_order_relaxed);
+    noteProgress();
+  };
+  if (header.flags == kChunkKeepAlive && header.length == 0) {
+    // Its sender waits for the stripe's bytes (lane.h): alive, nothing in.
+    if (cipher != nullptr) {
+      uint8_t tag[Aead::kTagBytes];
+      char none = 0;
+      if (!recvAll(fd, tag, sizeof(tag), error)) {
+        if (*error == "closed") {
+          *error = "closed in the middle of a chunk";
+        }
+        return false;
+      }
+      if (!cipher->open(
+              std::string_view(
+                  reinterpret_cast<const char*>(&header), sizeof(header)),
+              &none,
+              &none,
+              0,
+              tag)) {
+        *refused = true;
+        *error =
+            "a record failed its integrity check (altered or injected "
+            "on the wire, or not from our peer)";
+        return false;
+      }
+    }
+    moved();
+    return true;
   }
   const uint64_t bound = cipher != nullptr ? kRecordBytes : kClearChunkBytes;
   if (header.flags != 0 || header.length == 0 || header.length > bound ||
@@ -257,6 +333,7 @@ bool LanesChannel::readChunk(
     if (!landing) {
       return false;
     }
+    landing->lanesSeen |= uint64_t(1) << std::min<uint16_t>(lane, 63);
     // Its range, before any byte lands: no chunk may overwrite another's.
     // Adjacent ranges merge, so a segment keeps one range per lane.
     auto& ranges = landing->ranges;
@@ -304,7 +381,7 @@ bool LanesChannel::readChunk(
     }
     done += slice;
     if (done < header.length) {
-      noteProgress();
+      moved();
     }
   }
   if (cipher != nullptr) {
@@ -327,7 +404,7 @@ bool LanesChannel::readChunk(
       return false;
     }
   }
-  noteProgress();
+  moved();
   bool resume = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -380,6 +457,7 @@ int64_t LanesChannel::onRecordFromLoop(
     } else if (landing && landing->received < landing->size) {
       if (!landing->held) {
         landing->held = true;
+        landing->heldSince = std::chrono::steady_clock::now();
         lanesContext().stats().heldRecords.fetch_add(
             1, std::memory_order_relaxed);
       }

@@ -102,7 +102,9 @@ bool LanesChannel::lanesTakeLocked() {
 bool LanesChannel::waitStaged(
     const StagedOut& staged,
     uint64_t end,
+    const std::function<bool()>& keepAlive,
     std::string* error) {
+  auto said = std::chrono::steady_clock::now();
   // The staging thread raises the mark chunk by chunk (4 MiB at PCIe
   // speed: ~100-300 us each) and wakes us (StagedOut::waitReady). A failed
   // copy closes the connection where it still exists; one gone without
@@ -113,6 +115,12 @@ bool LanesChannel::waitStaged(
       return false;
     }
     staged.waitReady(end, std::chrono::milliseconds(10));
+    if (std::chrono::steady_clock::now() - said >= kKeepAliveEvery) {
+      if (!keepAlive()) {
+        return false;
+      }
+      said = std::chrono::steady_clock::now();
+    }
   }
   if (staged.failed()) {
     // (Chunks seen out of order may have raised the mark past it.)
@@ -408,6 +416,30 @@ bool LanesChannel::sayHello(
   return true;
 }
 
+bool LanesChannel::sendKeepAlive(
+    int fd,
+    const Stripe& stripe,
+    uint64_t offset,
+    LaneCipher* cipher,
+    std::string* error) {
+  ChunkHeader header{
+      stripe.token, stripe.segmentSize, offset, 0, kChunkKeepAlive};
+  if (cipher == nullptr) {
+    return sendAll(fd, &header, sizeof(header), error);
+  }
+  // A record of no bytes: the tag covers the header (and its sequence).
+  char record[sizeof(header) + Aead::kTagBytes];
+  std::memcpy(record, &header, sizeof(header));
+  char none = 0;
+  cipher->seal(
+      std::string_view(record, sizeof(header)),
+      &none,
+      &none,
+      0,
+      reinterpret_cast<uint8_t*>(record + sizeof(header)));
+  return sendAll(fd, record, sizeof(record), error);
+}
+
 bool LanesChannel::writeStripe(
     int fd,
     const Stripe& stripe,
@@ -429,7 +461,16 @@ bool LanesChannel::writeStripe(
         0};
     const char* src = stripe.data + stripe.offset + done;
     if (stripe.staged != nullptr &&
-        !waitStaged(*stripe.staged, stripe.offset + done + length, error)) {
+        !waitStaged(
+            *stripe.staged,
+            stripe.offset + done + length,
+            [&] {
+              lanesContext().stats().keepAlives.fetch_add(
+                  1, std::memory_order_relaxed);
+              return sendKeepAlive(
+                  fd, stripe, stripe.offset + done, cipher, error);
+            },
+            error)) {
       return false;
     }
     if (cipher == nullptr) {

@@ -127,6 +127,9 @@ class StreamConnection : public Connection,
   void noteProgress() override {
     noteActivity();
   }
+  std::chrono::milliseconds heartbeatTimeout() const override {
+    return options_.heartbeatTimeout;
+  }
   bool socketAddresses(sockaddr_storage* local, sockaddr_storage* peer)
       const override;
   bool encrypted() const override {
