@@ -192,7 +192,9 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             (nothing received, nothing of ours accepted) before it is
             declared dead and its pending calls fail naming the peer; idle
             connections are pinged every ``heartbeat_timeout / 5`` seconds,
-            so a silent partition or a frozen peer is detected. 0 disables.
+            so a silent partition or a frozen peer is detected. A large
+            tensor held for its stripes on lanes that carry nothing for
+            twice this fails its connection naming the lanes. 0 disables.
         busy_poll_us: After serving a request, a transport thread polls for
             the next one this many microseconds before sleeping in the kernel,
             which saves a wake-up (tens of microseconds on a VM) when calls

@@ -150,7 +150,9 @@ def test_stripes_on_lanes_survive_a_short_partition_and_fail_clearly_in_a_long_o
         assert p.ask(op="wait")["results"] == ["ok"] * 2
         dialled += 2
         before = p.ask(op="lanes")
-        if (min(before[side]["lanes_out"] for side in ("ours", "theirs")) >= 4
+        # Up both ways: each side's four dialled and its peer's four admitted
+        # (lanes_out counts lanes held, from the start of their dial).
+        if (min(before[side]["lanes_opened"] for side in ("ours", "theirs")) >= 8
                 or time.monotonic() > deadline):
             break
     assert p.ask(op="start", n=8, sleep=0.0, bytes=8 * mb)["started"] == 8

@@ -108,23 +108,24 @@ def run_failed_copy(rank: int, port: int, ctl) -> None:
     ctl.send(out)
 
 
-def run_slow_copy(rank: int, port: int, ctl, encryption: str) -> None:
-    """With the lanes up and a heartbeat_timeout of 1 s, worker0's copies
-    out of its device each run 1.5 s late (the fake's kernel delay): the
-    lanes wait several seconds for a 9 MiB tensor's stripes while worker1
-    holds its record. Reports whether the call came back intact, and both
-    sides' tcp_lanes counters."""
+def run_slow_copy(rank: int, port: int, ctl, encryption: str, delay_ms: int,
+                  heartbeat: float) -> None:
+    """With the lanes up, worker0's copies out of its device each run
+    `delay_ms` late (the fake's kernel delay): the lanes wait for a 5 MiB
+    tensor's two chunks while worker1 holds its record. Reports whether
+    the call came back intact (or its error), and both sides' tcp_lanes
+    counters."""
     from tests.cuda_driver.worker import set_fake_kernel_delay
 
     join_pair(rank, port, device_channels=("cuda_staged",), transports=("tcp",),
-              channels=("tcp_lanes",), encryption=encryption, heartbeat_timeout=1.0)
+              channels=("tcp_lanes",), encryption=encryption, heartbeat_timeout=heartbeat)
     out = {}
     if rank == 0:
         rng = random.Random(7)
         out["lanes_up"] = dial_lanes(rng)
-        data = rng.randbytes((9 << 20) + 3)
+        data = rng.randbytes((5 << 20) + 3)
         t = big_cuda_tensor(data)
-        set_fake_kernel_delay(1500)  # 3 chunks of 4 MiB copied out: 4.5 s
+        set_fake_kernel_delay(delay_ms)
         try:
             back = rpc.rpc_sync("worker1", identity, args=(t,))
             set_fake_kernel_delay(0)

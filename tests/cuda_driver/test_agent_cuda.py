@@ -529,18 +529,18 @@ def test_large_cuda_tensors_across_hosts_go_over_the_lanes(spawn, encryption):
 @fake_only  # the fake's kernel delay
 @pytest.mark.parametrize("encryption", ["off", "always"])
 def test_lanes_waiting_for_a_slow_device_copy_keep_the_held_record_alive(spawn, encryption):
-    """A stripe waits for its bytes to be copied out of the device (here
-    4.5 s, the heartbeat_timeout 1 s) while the receiver holds its
+    """A stripe waits for its bytes to be copied out of the device (two
+    chunks, 3 s each; heartbeat_timeout 1 s) while the receiver holds its
     record: the lane sends keepalive chunks meanwhile, so the receiver
-    does not take it for stalled (which closes the connection after one
-    heartbeat_timeout of quiet lanes), and the call comes back intact."""
+    does not take it for stalled (which closes the connection after two
+    heartbeat_timeouts of quiet lanes), and the call comes back intact."""
     from tests.cuda_driver import lanes_worker
 
-    caller, _ = play_with(spawn, lanes_worker.run_slow_copy, encryption)
+    caller, _ = play_with(spawn, lanes_worker.run_slow_copy, encryption, 3000, 1.0)
     assert caller["lanes_up"], caller
     assert caller.get("back") is True, caller
     ours, theirs = caller["lanes"]
-    assert ours["keepalives"] >= 3 and ours["staged_segments"] >= 1, caller
+    assert ours["keepalives"] >= 6 and ours["staged_segments"] >= 1, caller
     assert theirs["stalls"] == 0 and theirs["held_records"] >= 1, caller
 
 

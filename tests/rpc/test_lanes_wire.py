@@ -530,9 +530,10 @@ def test_a_lane_that_stalls_is_named_when_its_frame_gives_up():
     """One lane stops moving (a middlebox keeps it open and forwards
     nothing more) while the other three deliver their stripes: the
     receiver holds the frame's record for the missing stripe. The
-    connection closes a heartbeat_timeout after the lanes went quiet,
-    naming the segment and the lane, not after six of them naming a peer
-    that shows no sign of life (it was there on the stream all along)."""
+    connection closes twice heartbeat_timeout after the lanes went quiet,
+    naming the segment and what each lane carried of it, not after six of
+    them naming a peer that shows no sign of life (it was there on the
+    stream all along)."""
     stalled = threading.Event()
     held = []
 
@@ -556,10 +557,39 @@ def test_a_lane_that_stalls_is_named_when_its_frame_gives_up():
         # Before: "no sign of life from the peer for 12.29 s", after six
         # timeouts (the peer's pings waited unread behind the held record).
         assert reason.startswith("tcp_lanes: segment 1 (67108864 bytes, "), reason
-        # (The tapped connection's lane index is the dialler's to pick.)
-        assert re.search(r"; lane\(s\) [0-3] carried none of it: a lane stalled", reason), reason
+        assert "and no lane carried anything for 4.000 s (twice heartbeat_timeout)" in reason
+        # 16 MiB a lane, but the one tapped (its index is the dialler's).
+        by_lane = re.search(r"its bytes by lane: (.*): a lane stalled", reason)
+        assert by_lane, reason
+        carried = sorted(int(x.split(": ")[1]) for x in by_lane.group(1).split(", "))
+        assert carried == [0, 16 * MB, 16 * MB, 16 * MB], reason
         assert lanes(w.server)["stalls"] == 1, lanes(w.server)
     finally:
         for sock in held:
             sock.close()
+        w.close()
+
+
+def test_a_stripe_whose_device_copy_never_ends_fails_after_six_heartbeat_timeouts(monkeypatch):
+    """A lane whose stripe waits for a device copy sends keepalives, not
+    bytes (TORCH_RPC_EXT_TEST_LANES_STUCK_COPY: its first stripe's copy never
+    ends). The keepalives hold the receiver's record, and the heartbeat,
+    for six heartbeat_timeouts at most; then the connection closes naming
+    the device copy. Without that bound the frame, and every one behind
+    it, would wait for ever."""
+    monkeypatch.setenv("TORCH_RPC_EXT_TEST_LANES_STUCK_COPY", "1")
+    w = Wired(lambda d, u, i: (pass_hello(d, u, take_hello(d, u)), splice(d, u)),
+              heartbeat_timeout=0.5)
+    try:
+        payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
+        assert w.received() == (b"big", [payload])
+        w.lanes_up()
+        w.send_big(8 * MB)
+        assert w.server.receive(60) is None
+        reason = w.server.close_reason()
+        assert reason.startswith("tcp_lanes: segment 1 (8388608 bytes, 6291456 in) waited"), reason
+        assert ("; for 3.000 s (six heartbeat_timeouts) the peer's lanes said only that its "
+                "copy of them out of the device was under way (keepalives)") in reason, reason
+        assert lanes(w.client)["keepalives"] >= 6 and lanes(w.server)["stalls"] == 1
+    finally:
         w.close()

@@ -91,6 +91,9 @@ LanesContext::LanesContext(WireIds ids)
       settings_.testForge = forge; // nothing else: a stray value does nothing
     }
   }
+  if (const char* stuck = std::getenv("TORCH_RPC_EXT_TEST_LANES_STUCK_COPY")) {
+    settings_.testStuckCopy = std::string(stuck) == "1";
+  }
   if (const char* unreachable =
           std::getenv("TORCH_RPC_EXT_TEST_LANES_UNREACHABLE")) {
     settings_.testUnreachable = std::string(unreachable) == "1";

@@ -45,6 +45,10 @@ struct LanesSettings {
   // "scatter" (one-byte chunks with gaps), for the receiver's checks to
   // refuse (tests/rpc/test_lanes.py).
   std::string testForge;
+  // Tests only (TORCH_RPC_EXT_TEST_LANES_STUCK_COPY=1): the sender's first
+  // stripe sends keepalives, never its bytes, as if its device copy never
+  // ended (tests/rpc/test_lanes_wire.py).
+  bool testStuckCopy = false;
   // Tests only (TORCH_RPC_EXT_TEST_LANES_UNREACHABLE=1): offers name a port
   // nothing listens on, so that the peer's dials fail as behind a firewall.
   bool testUnreachable = false;

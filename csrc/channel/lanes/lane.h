@@ -42,6 +42,8 @@ namespace torch_rpc_ext::channel::lanes {
 
 constexpr uint32_t kHelloMagic = 0x4e4c5254; // "TRLN", little-endian
 constexpr uint16_t kHelloVersion = 3;
+// Lanes a connection has at most each way (an offer's tickets).
+constexpr size_t kMaxLanes = 16;
 // The listener's one byte after a hello it took (its lane thread runs): the
 // dialler counts the lane up only then (hello version 3; before, a lane the
 // listener dropped after the hello was striped onto all the same).

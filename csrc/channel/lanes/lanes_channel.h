@@ -3,6 +3,7 @@
 
 #include <sys/socket.h>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -133,7 +134,7 @@ class LanesChannel final : public Channel,
     bool claimed = false; // its record came (else: counted as unclaimed)
     bool held = false; // its record waits in the stream
     std::chrono::steady_clock::time_point heldSince;
-    uint64_t lanesSeen = 0; // bit l: lane l carried some of it
+    std::array<uint64_t, kMaxLanes> laneBytes{}; // what each lane carried
   };
   // A segment taken, waiting for its frame to be queued (then it gets its
   // token and its stripes go to the lanes).
@@ -161,8 +162,8 @@ class LanesChannel final : public Channel,
       uint64_t end,
       const std::function<bool()>& keepAlive,
       std::string* error);
-  // A keepalive chunk (lane.h) for `stripe` at `offset`.
-  static bool sendKeepAlive(
+  // A keepalive chunk (lane.h) for `stripe` at `offset`, counted.
+  bool sendKeepAlive(
       int fd,
       const Stripe& stripe,
       uint64_t offset,
@@ -193,10 +194,15 @@ class LanesChannel final : public Channel,
       LaneCipher* cipher,
       std::string* error,
       bool* refused);
-  // A held record whose stripes stopped coming: the lanes carried nothing
-  // for heartbeat_timeout. Names it and the lanes that carried none of it
-  // ("" if none; loop thread).
+  // A held record whose stripes stopped coming ("" if none; loop thread):
+  // no lane carried anything for twice heartbeat_timeout (and the kernel
+  // has nothing of theirs, nor took any lately), or only keepalives for
+  // six. Names it and what each lane carried of it.
   std::string stalledLanding();
+  // Whether a lane has bytes we did not read yet, or took some within
+  // `within` (the kernel's own clock: a starved reader or a slow link whose
+  // progress we mark per slice). mutex_ held.
+  bool lanesReceivingLocked(std::chrono::milliseconds within) const;
   // The landing of `token`, made if new (by a record when `claim`, else
   // by a chunk, which waits while kMaxUnclaimedBytes are unclaimed); null
   // with `error` set, and `refused` if the peer broke the protocol.
@@ -224,6 +230,7 @@ class LanesChannel final : public Channel,
   const uint16_t lanes_;
   const uint64_t minBytes_;
   std::atomic<bool> forged_{false}; // testForge done (context.h)
+  std::atomic<bool> stuck_{false}; // testStuckCopy taken (context.h)
 
   std::mutex mutex_;
   std::condition_variable wake_; // out lanes: a stripe or closing
@@ -257,8 +264,10 @@ class LanesChannel final : public Channel,
   size_t unclaimedSegments_ = 0;
   bool inLaneEnded_ = false; // a lane the peer closed between chunks
   size_t inLanes_ = 0; // attached
-  // steady_clock ticks of the last bytes any inbound lane carried.
+  // steady_clock ticks of the last bytes, or keepalive, any inbound lane
+  // carried, and of the last bytes.
   std::atomic<int64_t> inProgressAt_{0};
+  std::atomic<int64_t> inBytesAt_{0};
   std::vector<int> inFds_;
   std::vector<std::thread> inThreads_;
 };

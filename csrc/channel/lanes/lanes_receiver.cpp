@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // LanesChannel, receiving: each lane's reader thread lands chunks in the
 // segment's memory; a record waits in the stream until its segment is in.
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -65,37 +68,77 @@ std::string LanesChannel::stalledLanding() {
   if (timeout.count() <= 0) {
     return ""; // no liveness asked for: a record waits as long as it takes
   }
+  // Twice the heartbeat's timeout: a link back from an outage shorter than
+  // one resends only after TCP's backoff. Never under three keepalive
+  // intervals (the sender's, which neither end's option sets).
+  const auto quiet =
+      std::max<std::chrono::milliseconds>(2 * timeout, 3 * kKeepAliveEvery);
+  // A sender that only says its device copy is under way: as long as the
+  // heartbeat gives a busy peer (a copy that never ends holds the frame
+  // and every one behind it).
+  const auto patience = std::max<std::chrono::milliseconds>(6 * timeout, quiet);
   using Clock = std::chrono::steady_clock;
   const auto now = Clock::now();
-  const auto moved = Clock::time_point(
-      Clock::duration(inProgressAt_.load(std::memory_order_relaxed)));
+  auto at = [](const std::atomic<int64_t>& ticks) {
+    return Clock::time_point(
+        Clock::duration(ticks.load(std::memory_order_relaxed)));
+  };
+  const auto moved = at(inProgressAt_);
+  const auto bytes = at(inBytesAt_);
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& [token, landing] : landings_) {
-    if (closing_ || !landing->held || landing->received == landing->size ||
-        now - std::max(landing->heldSince, moved) < timeout) {
+    if (closing_ || !landing->held || landing->received == landing->size) {
       continue;
     }
-    // The lanes that carried none of it (its stripe is one of theirs).
-    std::string none;
-    for (size_t l = 0; l < std::min<size_t>(inLanes_, 64); ++l) {
-      if ((landing->lanesSeen & (uint64_t(1) << l)) == 0) {
-        none += (none.empty() ? "" : ", ") + std::to_string(l);
-      }
+    const bool silent = now - std::max(landing->heldSince, moved) >= quiet &&
+        !lanesReceivingLocked(quiet);
+    const bool copyOnly =
+        !silent && now - std::max(landing->heldSince, bytes) >= patience;
+    if (!silent && !copyOnly) {
+      continue;
     }
-    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
-        now - landing->heldSince);
-    return "tcp_lanes: segment " + std::to_string(token) + " (" +
+    std::string byLane;
+    for (size_t l = 0; l < std::min(inLanes_, kMaxLanes); ++l) {
+      byLane += (l == 0 ? "" : ", ") + std::to_string(l) + ": " +
+          std::to_string(landing->laneBytes[l]);
+    }
+    auto secs = [](Clock::duration d) {
+      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(d);
+      return std::to_string(ms.count() / 1000.0).substr(0, 5) + " s";
+    };
+    std::string head = "tcp_lanes: segment " + std::to_string(token) + " (" +
         std::to_string(landing->size) + " bytes, " +
         std::to_string(landing->received) + " in) waited " +
-        std::to_string(waited.count() / 1000.0).substr(0, 5) +
-        " s for its stripes, and no lane carried anything for " +
-        std::to_string(timeout.count() / 1000.0).substr(0, 5) +
-        " s (heartbeat_timeout)" +
-        (none.empty() ? std::string()
-                      : "; lane(s) " + none + " carried none of it") +
-        ": a lane stalled (a middlebox holding it, or its path down)";
+        secs(now - landing->heldSince) + " for its stripes";
+    if (silent) {
+      return head + ", and no lane carried anything for " + secs(quiet) +
+          " (twice heartbeat_timeout); its bytes by lane: " + byLane +
+          ": a lane stalled (a middlebox holding it, or its path down)";
+    }
+    return head + "; for " + secs(patience) +
+        " (six heartbeat_timeouts) the peer's lanes said only that its "
+        "copy of them out of the device was under way (keepalives): a "
+        "device copy that does not end (its stream stuck behind work that "
+        "never completes?)";
   }
   return "";
+}
+
+bool LanesChannel::lanesReceivingLocked(
+    std::chrono::milliseconds within) const {
+  for (int fd : inFds_) {
+    int unread = 0;
+    if (::ioctl(fd, FIONREAD, &unread) == 0 && unread > 0) {
+      return true;
+    }
+    tcp_info info{};
+    socklen_t length = sizeof(info);
+    if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &length) == 0 &&
+        info.tcpi_last_data_recv < static_cast<uint32_t>(within.count())) {
+      return true;
+    }
+  }
+  return false;
 }
 
 std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
@@ -272,10 +315,14 @@ bool LanesChannel::readChunk(
   if (!recvAll(fd, &header, sizeof(header), error)) {
     return false; // "closed": between chunks
   }
-  auto moved = [this] {
-    inProgressAt_.store(
-        std::chrono::steady_clock::now().time_since_epoch().count(),
-        std::memory_order_relaxed);
+  // Progress: bytes, or (a keepalive) the sender's word that they come.
+  auto moved = [this](bool bytes) {
+    const int64_t now =
+        std::chrono::steady_clock::now().time_since_epoch().count();
+    inProgressAt_.store(now, std::memory_order_relaxed);
+    if (bytes) {
+      inBytesAt_.store(now, std::memory_order_relaxed);
+    }
     noteProgress();
   };
   if (header.flags == kChunkKeepAlive && header.length == 0) {
@@ -303,7 +350,7 @@ bool LanesChannel::readChunk(
         return false;
       }
     }
-    moved();
+    moved(false);
     return true;
   }
   const uint64_t bound = cipher != nullptr ? kRecordBytes : kClearChunkBytes;
@@ -333,7 +380,6 @@ bool LanesChannel::readChunk(
     if (!landing) {
       return false;
     }
-    landing->lanesSeen |= uint64_t(1) << std::min<uint16_t>(lane, 63);
     // Its range, before any byte lands: no chunk may overwrite another's.
     // Adjacent ranges merge, so a segment keeps one range per lane.
     auto& ranges = landing->ranges;
@@ -381,7 +427,7 @@ bool LanesChannel::readChunk(
     }
     done += slice;
     if (done < header.length) {
-      moved();
+      moved(true);
     }
   }
   if (cipher != nullptr) {
@@ -404,11 +450,14 @@ bool LanesChannel::readChunk(
       return false;
     }
   }
-  moved();
+  moved(true);
   bool resume = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     landing->received += header.length;
+    if (lane < kMaxLanes) {
+      landing->laneBytes[lane] += header.length;
+    }
     resume = landing->received == landing->size && landing->held;
   }
   if (resume) {

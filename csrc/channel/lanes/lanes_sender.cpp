@@ -422,6 +422,7 @@ bool LanesChannel::sendKeepAlive(
     uint64_t offset,
     LaneCipher* cipher,
     std::string* error) {
+  lanesContext().stats().keepAlives.fetch_add(1, std::memory_order_relaxed);
   ChunkHeader header{
       stripe.token, stripe.segmentSize, offset, 0, kChunkKeepAlive};
   if (cipher == nullptr) {
@@ -450,6 +451,16 @@ bool LanesChannel::writeStripe(
       !forged_.exchange(true) && !writeForged(fd, stripe, error)) {
     return false;
   }
+  if (lanesContext().settings().testStuckCopy && !stuck_.exchange(true)) {
+    while (!stop_.load() && !host_.expired()) {
+      if (!sendKeepAlive(fd, stripe, stripe.offset, cipher, error)) {
+        return false;
+      }
+      std::this_thread::sleep_for(kKeepAliveEvery);
+    }
+    *error = "closing";
+    return false;
+  }
   const uint64_t piece = cipher != nullptr ? kRecordBytes : kClearChunkBytes;
   for (uint64_t done = 0; done < stripe.length;) {
     uint64_t length = std::min(piece, stripe.length - done);
@@ -465,8 +476,6 @@ bool LanesChannel::writeStripe(
             *stripe.staged,
             stripe.offset + done + length,
             [&] {
-              lanesContext().stats().keepAlives.fetch_add(
-                  1, std::memory_order_relaxed);
               return sendKeepAlive(
                   fd, stripe, stripe.offset + done, cipher, error);
             },
