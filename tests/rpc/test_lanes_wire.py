@@ -557,7 +557,7 @@ def test_a_lane_that_stalls_is_named_when_its_frame_gives_up():
         # Before: "no sign of life from the peer for 12.29 s", after six
         # timeouts (the peer's pings waited unread behind the held record).
         assert reason.startswith("tcp_lanes: segment 1 (67108864 bytes, "), reason
-        assert "and no lane carried anything for 4.000 s (twice heartbeat_timeout)" in reason
+        assert "and no lane carried anything of it for 4.0 s (twice heartbeat_timeout)" in reason
         # 16 MiB a lane, but the one tapped (its index is the dialler's).
         by_lane = re.search(r"its bytes by lane: (.*): a lane stalled", reason)
         assert by_lane, reason
@@ -579,7 +579,7 @@ def test_a_stripe_whose_device_copy_never_ends_fails_after_six_heartbeat_timeout
     it, would wait for ever."""
     monkeypatch.setenv("TORCH_RPC_EXT_TEST_LANES_STUCK_COPY", "1")
     w = Wired(lambda d, u, i: (pass_hello(d, u, take_hello(d, u)), splice(d, u)),
-              heartbeat_timeout=0.5)
+              heartbeat_timeout=1.0)
     try:
         payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
         assert w.received() == (b"big", [payload])
@@ -588,8 +588,8 @@ def test_a_stripe_whose_device_copy_never_ends_fails_after_six_heartbeat_timeout
         assert w.server.receive(60) is None
         reason = w.server.close_reason()
         assert reason.startswith("tcp_lanes: segment 1 (8388608 bytes, 6291456 in) waited"), reason
-        assert ("; for 3.000 s (six heartbeat_timeouts) the peer's lanes said only that its "
+        assert ("; for 6.0 s (six heartbeat_timeout) the peer's lanes said only that its "
                 "copy of them out of the device was under way (keepalives)") in reason, reason
-        assert lanes(w.client)["keepalives"] >= 6 and lanes(w.server)["stalls"] == 1
+        assert lanes(w.client)["keepalives"] >= 12 and lanes(w.server)["stalls"] == 1
     finally:
         w.close()

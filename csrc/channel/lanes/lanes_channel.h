@@ -135,6 +135,10 @@ class LanesChannel final : public Channel,
     bool held = false; // its record waits in the stream
     std::chrono::steady_clock::time_point heldSince;
     std::array<uint64_t, kMaxLanes> laneBytes{}; // what each lane carried
+    // steady_clock ticks of its last bytes, and of its last keepalive (its
+    // sender still copies it out of a device), on any lane.
+    std::atomic<int64_t> bytesAt{0};
+    std::atomic<int64_t> keptAt{0};
   };
   // A segment taken, waiting for its frame to be queued (then it gets its
   // token and its stripes go to the lanes).
@@ -195,13 +199,13 @@ class LanesChannel final : public Channel,
       std::string* error,
       bool* refused);
   // A held record whose stripes stopped coming ("" if none; loop thread):
-  // no lane carried anything for twice heartbeat_timeout (and the kernel
-  // has nothing of theirs, nor took any lately), or only keepalives for
+  // nothing of it (bytes or keepalives) came for twice heartbeat_timeout
+  // and no lane's socket took data in that time, or only keepalives for
   // six. Names it and what each lane carried of it.
   std::string stalledLanding();
-  // Whether a lane has bytes we did not read yet, or took some within
-  // `within` (the kernel's own clock: a starved reader or a slow link whose
-  // progress we mark per slice). mutex_ held.
+  // Whether a lane's socket took data within `within` (the kernel's own
+  // clock: a starved reader, or a slow link whose progress we mark per
+  // slice; a lane waiting for room has its window shut). mutex_ held.
   bool lanesReceivingLocked(std::chrono::milliseconds within) const;
   // The landing of `token`, made if new (by a record when `claim`, else
   // by a chunk, which waits while kMaxUnclaimedBytes are unclaimed); null
@@ -264,10 +268,7 @@ class LanesChannel final : public Channel,
   size_t unclaimedSegments_ = 0;
   bool inLaneEnded_ = false; // a lane the peer closed between chunks
   size_t inLanes_ = 0; // attached
-  // steady_clock ticks of the last bytes, or keepalive, any inbound lane
-  // carried, and of the last bytes.
-  std::atomic<int64_t> inProgressAt_{0};
-  std::atomic<int64_t> inBytesAt_{0};
+
   std::vector<int> inFds_;
   std::vector<std::thread> inThreads_;
 };

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <iterator>
 
@@ -50,6 +51,7 @@ void LanesChannel::attachInbound(uint16_t lane, int fd) {
     return;
   }
   try {
+    inFds_.reserve(inFds_.size() + 1); // (stopAll() shuts every lane's fd)
     inThreads_.emplace_back(
         [self = shared_from_this(), lane, fd] { self->runInLane(lane, fd); });
   } catch (...) {
@@ -74,8 +76,8 @@ std::string LanesChannel::stalledLanding() {
   const auto quiet =
       std::max<std::chrono::milliseconds>(2 * timeout, 3 * kKeepAliveEvery);
   // A sender that only says its device copy is under way: as long as the
-  // heartbeat gives a busy peer (a copy that never ends holds the frame
-  // and every one behind it).
+  // heartbeat gives a busy peer (a copy that never ends would hold the
+  // frame and every one behind it).
   const auto patience = std::max<std::chrono::milliseconds>(6 * timeout, quiet);
   using Clock = std::chrono::steady_clock;
   const auto now = Clock::now();
@@ -83,17 +85,31 @@ std::string LanesChannel::stalledLanding() {
     return Clock::time_point(
         Clock::duration(ticks.load(std::memory_order_relaxed)));
   };
-  const auto moved = at(inProgressAt_);
-  const auto bytes = at(inBytesAt_);
+  auto secs = [](Clock::duration d) {
+    char text[32];
+    std::snprintf(
+        text, sizeof(text), "%.1f s", std::chrono::duration<double>(d).count());
+    return std::string(text);
+  };
+  auto of = [&](std::chrono::milliseconds limit, int times) {
+    return secs(limit) +
+        (limit == times * timeout
+             ? std::string(times == 2 ? " (twice" : " (six") +
+                 " heartbeat_timeout)"
+             : std::string());
+  };
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& [token, landing] : landings_) {
     if (closing_ || !landing->held || landing->received == landing->size) {
       continue;
     }
-    const bool silent = now - std::max(landing->heldSince, moved) >= quiet &&
-        !lanesReceivingLocked(quiet);
-    const bool copyOnly =
-        !silent && now - std::max(landing->heldSince, bytes) >= patience;
+    // Its own progress: while its record is held, every segment before it
+    // is in, so what its lanes carry next is its own.
+    const auto bytes = std::max(landing->heldSince, at(landing->bytesAt));
+    const auto kept = at(landing->keptAt);
+    const bool silent =
+        now - std::max(bytes, kept) >= quiet && !lanesReceivingLocked(quiet);
+    const bool copyOnly = !silent && kept > bytes && now - bytes >= patience;
     if (!silent && !copyOnly) {
       continue;
     }
@@ -102,24 +118,20 @@ std::string LanesChannel::stalledLanding() {
       byLane += (l == 0 ? "" : ", ") + std::to_string(l) + ": " +
           std::to_string(landing->laneBytes[l]);
     }
-    auto secs = [](Clock::duration d) {
-      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(d);
-      return std::to_string(ms.count() / 1000.0).substr(0, 5) + " s";
-    };
     std::string head = "tcp_lanes: segment " + std::to_string(token) + " (" +
         std::to_string(landing->size) + " bytes, " +
         std::to_string(landing->received) + " in) waited " +
         secs(now - landing->heldSince) + " for its stripes";
     if (silent) {
-      return head + ", and no lane carried anything for " + secs(quiet) +
-          " (twice heartbeat_timeout); its bytes by lane: " + byLane +
+      return head + ", and no lane carried anything of it for " + of(quiet, 2) +
+          "; its bytes by lane: " +
+          (byLane.empty() ? std::string("none") : byLane) +
           ": a lane stalled (a middlebox holding it, or its path down)";
     }
-    return head + "; for " + secs(patience) +
-        " (six heartbeat_timeouts) the peer's lanes said only that its "
-        "copy of them out of the device was under way (keepalives): a "
-        "device copy that does not end (its stream stuck behind work that "
-        "never completes?)";
+    return head + "; for " + of(patience, 6) +
+        " the peer's lanes said only that its copy of them out of the "
+        "device was under way (keepalives): a device copy that does not "
+        "end (its stream stuck behind work that never completes?)";
   }
   return "";
 }
@@ -127,10 +139,6 @@ std::string LanesChannel::stalledLanding() {
 bool LanesChannel::lanesReceivingLocked(
     std::chrono::milliseconds within) const {
   for (int fd : inFds_) {
-    int unread = 0;
-    if (::ioctl(fd, FIONREAD, &unread) == 0 && unread > 0) {
-      return true;
-    }
     tcp_info info{};
     socklen_t length = sizeof(info);
     if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &length) == 0 &&
@@ -315,15 +323,8 @@ bool LanesChannel::readChunk(
   if (!recvAll(fd, &header, sizeof(header), error)) {
     return false; // "closed": between chunks
   }
-  // Progress: bytes, or (a keepalive) the sender's word that they come.
-  auto moved = [this](bool bytes) {
-    const int64_t now =
-        std::chrono::steady_clock::now().time_since_epoch().count();
-    inProgressAt_.store(now, std::memory_order_relaxed);
-    if (bytes) {
-      inBytesAt_.store(now, std::memory_order_relaxed);
-    }
-    noteProgress();
+  auto ticks = [] {
+    return std::chrono::steady_clock::now().time_since_epoch().count();
   };
   if (header.flags == kChunkKeepAlive && header.length == 0) {
     // Its sender waits for the stripe's bytes (lane.h): alive, nothing in.
@@ -350,7 +351,15 @@ bool LanesChannel::readChunk(
         return false;
       }
     }
-    moved(false);
+    {
+      // Its segment's, if its record claimed or its stripes began it.
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = landings_.find(header.token);
+      if (it != landings_.end()) {
+        it->second->keptAt.store(ticks(), std::memory_order_relaxed);
+      }
+    }
+    noteProgress();
     return true;
   }
   const uint64_t bound = cipher != nullptr ? kRecordBytes : kClearChunkBytes;
@@ -427,7 +436,8 @@ bool LanesChannel::readChunk(
     }
     done += slice;
     if (done < header.length) {
-      moved(true);
+      landing->bytesAt.store(ticks(), std::memory_order_relaxed);
+      noteProgress();
     }
   }
   if (cipher != nullptr) {
@@ -450,7 +460,8 @@ bool LanesChannel::readChunk(
       return false;
     }
   }
-  moved(true);
+  landing->bytesAt.store(ticks(), std::memory_order_relaxed);
+  noteProgress();
   bool resume = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
