@@ -536,7 +536,14 @@ def _unreachable(rank, world_size, measured):
             time.sleep(0.1)
         for _ in range(3):  # after the dials failed: the stream, intact
             assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(big,)), -big)
-        out = _lanes_metrics()
+        # worker1 heard that its lanes will not be dialled (kDeclineFrame);
+        # the lanes it offered went back (its own, dialled to us, stay).
+        deadline = time.monotonic() + 10
+        while (theirs := rpc.rpc_sync("worker1", _lanes_metrics))["lanes_in"] > 0:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        out = (_lanes_metrics(), theirs)
     measured.wait(60)
     rpc.shutdown()
     return out
@@ -544,11 +551,13 @@ def _unreachable(rank, world_size, measured):
 
 def test_lanes_whose_dials_fail_go_back_to_the_cap_and_the_stream_carries_on():
     measured = multiprocessing.get_context("fork").Barrier(2)
-    m = run_world(_unreachable, 2, timeout=120, measured=measured)[0]
+    m, theirs = run_world(_unreachable, 2, timeout=120, measured=measured)[0]
     # Each of the 4 dials was refused: the connection stays on its stream,
-    # nothing went in stripes, and no lane is held for it any more.
+    # nothing went in stripes, and no lane is held for it any more, at
+    # either end (before, the offerer kept its 4 for the connection's life).
     assert m["lanes_failed"] == 4 and m["segments"] == 0, m
     assert m["lanes_out"] == 0, m
+    assert theirs["lanes_in"] == 0 and theirs["lanes_out"] == 4, theirs
 
 
 def _bad_engine(rank, world_size, value):

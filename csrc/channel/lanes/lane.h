@@ -105,6 +105,11 @@ constexpr auto kKeepAliveEvery = std::chrono::milliseconds(500);
 // The channel's control frame, by offset among its kinds: the receiver's
 // offer of its lanes (port, tickets, key).
 constexpr uint8_t kOfferFrame = 0;
+// The dialler's word, once a dial of the offered lanes failed, that it
+// stripes onto none of them (its large segments ride the stream): the
+// offerer revokes the tickets not spent and gives their lanes back to its
+// cap. No head.
+constexpr uint8_t kDeclineFrame = 1;
 
 // What a segment's record in the stream says (a frame::SegmentRecord).
 struct LaneRecord {

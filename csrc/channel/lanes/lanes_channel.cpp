@@ -109,6 +109,9 @@ bool LanesChannel::acceptsControlFrame(
     frame::FrameKind kind,
     uint32_t headLength) const {
   int offset = context().wireIds().offsetOf(kind);
+  if (offset == kDeclineFrame) {
+    return headLength == 0;
+  }
   if (offset == kOfferFrame) {
     return headLength > kOfferFixedBytes &&
         headLength <= kOfferFixedBytes + 16 * kTicketBytes &&
@@ -124,6 +127,10 @@ bool LanesChannel::onControlFrameFromLoop(
   auto host = host_.lock();
   if (!host) {
     return false;
+  }
+  if (context().wireIds().offsetOf(kind) == kDeclineFrame) {
+    onDeclinedFromLoop();
+    return true;
   }
   std::string why;
   // The peer's offer of its lanes.
@@ -170,6 +177,25 @@ bool LanesChannel::onControlFrameFromLoop(
     return false;
   }
   return true;
+}
+
+void LanesChannel::onDeclinedFromLoop() {
+  uint64_t unspent = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closing_ || !offerSent_ || declined_) {
+      return; // (a decline of no offer, or a second: nothing to give back)
+    }
+    declined_ = true;
+    // Lanes it opened before it gave up keep theirs (their threads run
+    // until the connection closes); none opens after this.
+    unspent = heldIn_ > inLanes_ ? heldIn_ - inLanes_ : 0;
+    heldIn_ -= unspent;
+  }
+  const_cast<LanesContext&>(lanesContext()).revokeTickets(this);
+  if (unspent > 0) {
+    lanesContext().releaseLanes(/*inbound=*/true, unspent);
+  }
 }
 
 void LanesChannel::onTickFromLoop() {

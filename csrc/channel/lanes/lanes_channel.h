@@ -153,6 +153,8 @@ class LanesChannel final : public Channel,
 
   const LanesContext& lanesContext() const;
   void sendOfferFromLoop();
+  // The peer's kDeclineFrame (loop thread).
+  void onDeclinedFromLoop();
   void startLanesLocked();
   // Whether a large segment goes over the lanes now (dialling them if they
   // are not up yet: this one rides the stream meanwhile).
@@ -259,6 +261,7 @@ class LanesChannel final : public Channel,
   uint64_t nextTaken_ = 1;
   // Receiver (mutex_).
   bool offerSent_ = false;
+  bool declined_ = false; // the peer dials none of our lanes (kDeclineFrame)
   uint64_t heldIn_ = 0; // lanes held against the context's cap, offered
   bool offerCapped_ = false; // no offer for the cap yet: ticks try again
   std::string inSecret_; // the lane secret we offered

@@ -46,8 +46,8 @@ class LandingRegion final : public frame::SharedRegion {
 
 void LanesChannel::attachInbound(uint16_t lane, int fd) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (closing_) {
-    ::close(fd);
+  if (closing_ || declined_ || inLanes_ >= heldIn_) {
+    ::close(fd); // (its dialler, which declined our lanes, fails it)
     return;
   }
   try {

@@ -254,6 +254,7 @@ void LanesChannel::runOutLane(
   }
   std::unique_lock<std::mutex> lock(mutex_);
   if (fd < 0 || closing_) {
+    bool decline = false;
     if (fd >= 0) {
       ::close(fd);
     } else if (!closing_) {
@@ -262,6 +263,7 @@ void LanesChannel::runOutLane(
       lanesContext().releaseLanes(/*inbound=*/false, 1);
       if (outState_ == OutState::kDialing) {
         outState_ = OutState::kFailed;
+        decline = true;
         const std::string line = "torch_rpc_ext: tcp_lanes: lane " +
             std::to_string(lane) + " to " + describeAddress(address) +
             " failed (" + error +
@@ -278,6 +280,15 @@ void LanesChannel::runOutLane(
         } else {
           logWarning(line);
         }
+      }
+    }
+    lock.unlock();
+    if (decline) {
+      // The peer's lanes go back to its cap, not held for our life.
+      if (auto host = host_.lock()) {
+        host->sendControl(
+            ControlFrame{
+                context().wireIds().kind(kDeclineFrame), {}, {}, nullptr});
       }
     }
     return;
