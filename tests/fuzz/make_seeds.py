@@ -334,9 +334,9 @@ STREAM_IPC_FD, STREAM_IPC_LEGACY = 4, 8
 IPC_BLOCK = 2 << 20  # the harness's blocks
 
 
-# tcp_lanes, the fifth: kinds 48 (offer), 49 (abandon), segment top byte 5,
-# records {uint64 token, uint64 size}.
-LANES_OFFER, LANES_ABANDON = 48, 49
+# tcp_lanes, the fifth: kinds 48 (offer), 49 (decline, no head), segment top
+# byte 5, records {uint64 token, uint64 size}.
+LANES_OFFER, LANES_DECLINE = 48, 49
 LANES_BIT = 5 << 56
 
 
@@ -351,7 +351,9 @@ def stream_seeds():
     ping, pong = frame_header(5), frame_header(6)
     write("stream", "lanes-offer",
           bytes([0]) + frame_header(LANES_OFFER, head=36) + bytes([0x10, 0x27, 1, 0]) + bytes(32))
-    write("stream", "lanes-abandon", bytes([0]) + frame_header(LANES_ABANDON, head=8) + u64(7))
+    write("stream", "lanes-decline", bytes([0]) + frame_header(LANES_DECLINE))
+    write("stream", "lanes-decline-with-head",
+          bytes([0]) + frame_header(LANES_DECLINE, head=8) + u64(7))
     write("stream", "lanes-record-held",
           bytes([0]) + message([u64(1) + u64(4096)], lengths=[4096 | LANES_BIT]) + ping)
     write("stream", "lanes-record-mismatch",

@@ -51,7 +51,9 @@ namespace torch_rpc_ext::channel::lanes {
 // process holds each way: a connection offers, or dials, what is left of
 // it (up to its lanes); with none left, none (the stream, meanwhile), and
 // the next tick (offers) or large segment (dials) tries again. A dial that
-// fails gives its lane back at once, a closing connection all of its own.
+// fails gives its lane back at once and tells the offerer (kDeclineFrame),
+// which gives back those it held for us; a closing connection all of its
+// own.
 //
 // Threads: the Channel calls as channel.h says; lane threads of its own,
 // each holding a reference to the channel, joined at close (the
@@ -153,8 +155,10 @@ class LanesChannel final : public Channel,
 
   const LanesContext& lanesContext() const;
   void sendOfferFromLoop();
-  // The peer's kDeclineFrame (loop thread).
+  // The peer's kDeclineFrame (loop thread), and ours (any thread but one
+  // holding mutex_).
   void onDeclinedFromLoop();
+  void sendDecline();
   void startLanesLocked();
   // Whether a large segment goes over the lanes now (dialling them if they
   // are not up yet: this one rides the stream meanwhile).

@@ -228,6 +228,14 @@ void LanesChannel::startLanesLocked() {
       outState_ = OutState::kFailed;
       lanesContext().releaseLanes(/*inbound=*/false, heldOut_ - i);
       heldOut_ = i;
+      // (mutex_ is held here: the decline goes from the loop.)
+      if (auto host = host_.lock()) {
+        host->post([weak = weak_from_this()] {
+          if (auto self = weak.lock()) {
+            self->sendDecline();
+          }
+        });
+      }
       lanesContext().stats().lanesFailed.fetch_add(
           1, std::memory_order_relaxed);
       logWarning(
@@ -284,12 +292,7 @@ void LanesChannel::runOutLane(
     }
     lock.unlock();
     if (decline) {
-      // The peer's lanes go back to its cap, not held for our life.
-      if (auto host = host_.lock()) {
-        host->sendControl(
-            ControlFrame{
-                context().wireIds().kind(kDeclineFrame), {}, {}, nullptr});
-      }
+      sendDecline();
     }
     return;
   }
@@ -370,6 +373,14 @@ bool LanesChannel::writeForged(
     }
   }
   return true;
+}
+
+void LanesChannel::sendDecline() {
+  // The peer's lanes go back to its cap, not held for our life.
+  if (auto host = host_.lock()) {
+    host->sendControl(
+        ControlFrame{context().wireIds().kind(kDeclineFrame), {}, {}, nullptr});
+  }
 }
 
 bool LanesChannel::sayHello(
