@@ -3,7 +3,6 @@
 // segment's memory; a record waits in the stream until its segment is in.
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <algorithm>
