@@ -188,3 +188,74 @@ def staged_landing_completes(cu, n, timeout=10.0):
     threading.Thread(
         target=lambda: (cu.stream_synchronize(DEVICE, stream), done.set()), daemon=True).start()
     return head == b"after" and done.wait(timeout) and cu.read(DEVICE, region.address, n) == pattern(n, 4)
+
+
+# ---- legacy_slow, legacy_gone: a peer still copying out of our legacy block
+# when the connection closes, alive (slow) or killed ------------------------
+
+SLOW_BYTES = 1 << 20
+SLOW_COPY_MS = 6_000  # the receiver's copy out of the block runs this late
+SLOW_HELD_S = 3.5  # past the channel's 2 s deadline, before that copy ran
+
+
+def legacy_slow_sender(conn, ctl, peer_lives=True):
+    baseline = ipc_counts()
+    end = End("sender", conn)
+    p = end.alloc(pattern(SLOW_BYTES, 5))
+    end.send_device(b"slow", p, SLOW_BYTES)
+    head, _ = end.receive()  # the receiver's copy out is queued, and late
+    end.cu.stream_synchronize(DEVICE, end.stream)
+    end.live.remove(p)
+    end.cu.mem_free(DEVICE, p)  # ours, not the channel's: the block stays
+    with_block = ipc_counts()
+    closed = time.monotonic()
+    end.ep.close(0.0)  # nothing holds the connection now
+    time.sleep(SLOW_HELD_S)
+    held = ipc_counts()
+    after = settled_counts(ipc_counts, baseline, timeout=20.0)
+    freed_in = time.monotonic() - closed
+    # Alive until the receiver's import closed (a close after ours freed
+    # the memory counts as a poisoned use there only while we live).
+    if peer_lives:
+        conn.recv()
+    ctl.send((head == b"got", baseline, with_block, held, after, freed_in))
+    os._exit(0)
+
+
+def legacy_gone_sender(conn, ctl):
+    legacy_slow_sender(conn, ctl, peer_lives=False)
+
+
+def legacy_slow_receiver(conn, ctl, die=False):
+    from tests.cuda_driver.worker import set_fake_kernel_delay
+
+    mappings = ipc_counts()[IPC_KEYS.index("ipc_mem_mappings")]
+    end = End("receiver", conn)
+    set_fake_kernel_delay(SLOW_COPY_MS)  # our copy out of the peer's block
+    head, (region,) = end.receive()
+    end.ep.send(b"got", [])
+    if die:
+        ctl.send((head == b"slow", end.counters()))
+        os._exit(0)  # gone with the copy out, and `released`, pending
+    deadline = time.monotonic() + TIMEOUT
+    while not end.ep.close_reason() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reason = end.ep.close_reason()
+    intact = end.read_region(region) == pattern(SLOW_BYTES, 5)  # once it ran
+    set_fake_kernel_delay(0)
+    region.release()
+    # Our import of the peer's block closes once our copy out of it ran.
+    unmapped = settled_counts(lambda: ipc_counts()[IPC_KEYS.index("ipc_mem_mappings")],
+                              mappings, timeout=20.0) == mappings
+    ctl.send((head == b"slow", intact, reason, unmapped, poisoned_uses(), end.counters()))
+    conn.send("done")
+    os._exit(0)
+
+
+def legacy_gone_receiver(conn, ctl):
+    legacy_slow_receiver(conn, ctl, die=True)
+
+
+def poisoned_uses() -> int:
+    """Uses of IPC memory or events after their exporter let them go."""
+    return fake_stats()["poisoned_uses"]

@@ -161,3 +161,43 @@ def test_a_dead_peers_legacy_block_stays_mapped_while_our_copy_out_of_it_waits(s
     # last use completes, so the next landing of that size does not wait
     # behind it (before, it waited for ever).
     assert landed
+
+
+@fake_only
+@pytest.mark.usefixtures("legacy")
+def test_our_legacy_block_outlives_the_close_while_a_live_peer_copies_out_of_it(spawn):
+    """The connection closes while the peer, alive, still has its copy out
+    of our legacy block queued (the fake runs it 6 s late). The block stays
+    past the channel's 2 s deadline until that copy ran, then goes; the
+    peer's import closes with the memory still ours. Before, the block was
+    freed at the deadline, under the peer's copy (its later close of the
+    mapping a poisoned use: the order cuda.h leaves undefined, on a GPU a
+    read of memory another allocation may have by then)."""
+    (ok_s, baseline, with_block, held, after, freed_in), receiver = play(
+        spawn, "legacy_slow", worker=closed_worker)
+    ok_r, intact, reason, unmapped, poisoned, counters = receiver
+    assert ok_s and ok_r and intact and unmapped
+    assert counters["blocks_imported"] == 1, counters
+    assert reason.startswith("peer closed the connection"), reason
+    alloc = closed_worker.IPC_KEYS.index("allocations")
+    assert with_block[alloc] > baseline[alloc], (baseline, with_block)
+    assert held[alloc] == with_block[alloc], (with_block, held)
+    assert after == baseline, (baseline, after)
+    assert poisoned == 0
+    assert freed_in > closed_worker.SLOW_COPY_MS / 1000 - 1, freed_in
+
+
+@fake_only
+@pytest.mark.usefixtures("legacy")
+def test_our_legacy_block_goes_at_the_deadline_when_the_peer_copying_out_of_it_died(spawn):
+    """As above, but the peer is killed with its copy out (and `released`)
+    pending: a dead process's records never complete, so the block goes at
+    the deadline, not when that copy would have run (the peer's process is
+    watched through a pidfd)."""
+    (ok_s, baseline, with_block, held, after, freed_in), (ok_r, counters) = play(
+        spawn, "legacy_gone", worker=closed_worker)
+    assert ok_s and ok_r and counters["blocks_imported"] == 1, counters
+    alloc = closed_worker.IPC_KEYS.index("allocations")
+    assert with_block[alloc] > baseline[alloc], (baseline, with_block)
+    assert after == baseline, (baseline, after)
+    assert freed_in < closed_worker.SLOW_COPY_MS / 1000, freed_in

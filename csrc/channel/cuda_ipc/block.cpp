@@ -10,6 +10,7 @@
 #include "csrc/channel/cuda/device.h"
 #include "csrc/channel/cuda/device_memory.h"
 #include "csrc/channel/cuda/staging_thread.h"
+#include "csrc/channel/cuda_ipc/ipc_channel.h"
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/libcuda.h"
 #include "csrc/common/logging.h"
@@ -123,9 +124,10 @@ void Block::retire(Block* b) {
                 " still waits, after " +
                 std::to_string(kTeardownWarnAfter.count()) +
                 " s, for the device work on it to complete (a stream "
-                "stuck behind work that never ends, or a peer's event "
-                "that is never recorded as done); it is freed once that "
-                "completes");
+                "stuck behind work that never ends, a peer's event "
+                "that is never recorded as done, or a peer alive after "
+                "the close and not done copying out of it); it is freed "
+                "once that completes (or that peer exits)");
           }
           return false;
         },
@@ -172,7 +174,29 @@ std::vector<Block::TeardownWait> Block::teardownWaits() const {
 
 bool Block::teardownReady() const {
   CurrentDevice current(memory_->device());
-  const bool patienceOver = std::chrono::steady_clock::now() >= patience_;
+  const auto now = std::chrono::steady_clock::now();
+  bool patienceOver = now >= patience_;
+  if (owner_ && orphaned_.load() && peer_ != nullptr && released_ != nullptr) {
+    // A legacy block of ours whose importer we know. Past the deadline it
+    // waits, while that process lives, for the peer's `released` (recorded
+    // after its copies out), then as long again for the peer to close its
+    // mapping and our events (its staging thread does so once its copy
+    // ended). A live peer slow to copy out of it (its stream behind long
+    // work, its process stopped) once read it after we freed it, and the
+    // memory could be another allocation's by then. A dead peer's records
+    // never complete: then the deadline alone holds, as before.
+    using Clock = std::chrono::steady_clock;
+    if (libcuda().cuEventQuery(released_) == CUDA_ERROR_NOT_READY) {
+      releasedDoneAt_ = Clock::time_point{};
+    } else if (releasedDoneAt_ == Clock::time_point{}) {
+      releasedDoneAt_ = now;
+    }
+    if (patienceOver && !peer_->gone()) {
+      patienceOver = releasedDoneAt_ != Clock::time_point{} &&
+          now - releasedDoneAt_ >=
+              std::chrono::milliseconds(kLegacyTeardownWaitMs);
+    }
+  }
   if (owner_ && orphaned_.load() && !patienceOver) {
     // Ours, left by a close that no answer of the peer's settled (a block
     // it dropped and heard back of is never orphaned): its events are

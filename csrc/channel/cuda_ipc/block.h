@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "csrc/channel/cuda/exported_memory.h"
+#include "csrc/common/process_watch.h"
 
 namespace torch_rpc_ext::channel::cuda {
 
@@ -104,9 +105,14 @@ class Block {
   // made that will never complete, and the events it exported destroyed.
   // From now on nothing waits for or records on the peer's side of it.
   // `patience`: until when freeing a legacy block waits for the copies out
-  // of it still running (block.cpp).
-  void orphan(std::chrono::steady_clock::time_point patience) {
+  // of it still running (block.cpp); `peer`, if known: the process that
+  // imported a legacy block of ours, whose copies out of it are waited for
+  // past `patience` as long as it lives.
+  void orphan(
+      std::chrono::steady_clock::time_point patience,
+      std::shared_ptr<const ProcessWatch> peer = nullptr) {
     patience_ = patience;
+    peer_ = std::move(peer);
     orphaned_.store(true);
   }
   bool orphaned() const {
@@ -139,6 +145,10 @@ class Block {
   uint64_t accounted_ = 0; // of cuda_ipc's bound (device_memory.h)
   std::atomic<bool> orphaned_{false};
   std::chrono::steady_clock::time_point patience_{};
+  std::shared_ptr<const ProcessWatch> peer_; // set before orphaned_
+  // When `released` was last seen done, after the close (the staging
+  // thread's only: teardownReady()).
+  mutable std::chrono::steady_clock::time_point releasedDoneAt_{};
   std::function<void()> freed_;
 };
 

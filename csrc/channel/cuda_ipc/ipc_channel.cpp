@@ -47,6 +47,9 @@ IpcChannel::IpcChannel(
     if (auto sharing = local.sharingWith(peer, uuid)) {
       sharing_.emplace(d, *sharing);
       granularity_.emplace(d, ExportedMemory::granularity(d, *sharing));
+      if (*sharing == Sharing::kLegacy && peerProcess_ == nullptr) {
+        peerProcess_ = ProcessWatch::open(peer.pid);
+      }
     }
   }
 }
@@ -511,14 +514,15 @@ void IpcChannel::onClosedFromLoop() {
   for (auto& [id, block] : peerBlocks_) {
     block->orphan(patience);
   }
+  // (Ours by legacy handle wait past it while the peer lives: block.cpp.)
   // What only the channel holds goes now, not with the connection (a
   // request still served for the peer holds it as long as it runs): each
   // block's last holder retires it on the staging thread once its waits
   // are over. A lease keeps its own block; a peer's legacy block is
   // unmapped only after our copies out of it (block.cpp). Our legacy
   // blocks stay until the connection goes, as before: their teardown
-  // stops waiting at the deadline above for the peer's copies out of
-  // them, which may be later.
+  // waits for the peer's copies out of them past the deadline above as
+  // long as the peer lives, where we know its process.
   auto legacy = [](const std::shared_ptr<Block>& b) {
     return b->sharing() == Sharing::kLegacy;
   };
@@ -526,10 +530,11 @@ void IpcChannel::onClosedFromLoop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = ownBlocks_.begin(); it != ownBlocks_.end();) {
-      it->second.block->orphan(patience);
       if (legacy(it->second.block)) {
+        it->second.block->orphan(patience, peerProcess_);
         ++it;
       } else {
+        it->second.block->orphan(patience);
         dropped.push_back(std::move(it->second.block));
         it = ownBlocks_.erase(it); // (lentBytes_ gates lend(), shut now)
       }

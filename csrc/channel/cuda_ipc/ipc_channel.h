@@ -464,6 +464,10 @@ class IpcChannel final : public Channel,
   // ---- Grants (ipc_grants.cpp) -------------------------------------------
   // Whether legacy handles reach the peer (one PID namespace, one host).
   bool grantsPossible_ = false;
+  // The peer's process, where a device of it shares by legacy handle (our
+  // PID namespace): a close waits for its copies out of our legacy blocks
+  // as long as it lives (block.cpp).
+  std::shared_ptr<const ProcessWatch> peerProcess_;
   // Receiver: a large segment of `size` from the peer landed on `device`
   // (or was written into a grant): a grant for the next may follow.
   void noteLargeFromLoop(int device, uint64_t size);
