@@ -31,8 +31,8 @@ std::shared_ptr<const ProcessWatch> ProcessWatch::open(const std::string& pid) {
     return nullptr;
   }
   // (A pidfd is close-on-exec from the start.)
-  const int fd = static_cast<int>(
-      ::syscall(SYS_pidfd_open, static_cast<pid_t>(n), 0U));
+  const int fd =
+      static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(n), 0U));
   if (fd < 0 && errno == ESRCH) {
     return nullptr;
   }

@@ -593,3 +593,70 @@ def test_a_stripe_whose_device_copy_never_ends_fails_after_six_heartbeat_timeout
         assert lanes(w.client)["keepalives"] >= 12 and lanes(w.server)["stalls"] == 1
     finally:
         w.close()
+
+
+def test_frames_sent_ahead_of_a_segment_whose_lane_broke_are_delivered_first():
+    """The stream lags the lanes (here its relay holds what the client sends;
+    a busy loop or another network path does the same): the client sends a
+    small frame, then a large one striped, and one lane is reset in the
+    middle of its stripe before the server has read either. The small frame
+    is delivered, and the connection is lost when the large one's record
+    comes, naming the lane. Before, the lane's reset closed the connection
+    at once, and the small frame, complete in the stream, was lost."""
+    flowing = threading.Event()
+    flowing.set()
+    reset = threading.Event()
+
+    def handle(dialler, upstream, index):
+        pass_hello(dialler, upstream, take_hello(dialler, upstream))
+        if index != 0:
+            return splice(dialler, upstream)
+        # Each side's first lane, relayed by this thread alone (a socket
+        # another thread waits in recv() on is not reset by its close): once
+        # the stream is held, part of the next stripe goes on, then the
+        # server's end is reset, as a middlebox (or a peer that died) does.
+        # Only the client's lanes carry anything.
+        with selectors.DefaultSelector() as sel:
+            sel.register(dialler, selectors.EVENT_READ, upstream)
+            sel.register(upstream, selectors.EVENT_READ, dialler)
+            while not reset.is_set():
+                for key, _ in sel.select(timeout=0.05):
+                    try:
+                        data = key.fileobj.recv(65536)
+                    except OSError:
+                        return
+                    if not data:
+                        return
+                    if key.fileobj is dialler and not flowing.is_set() and not reset.is_set():
+                        upstream.sendall(data[:4096])
+                        delivered(upstream)
+                        upstream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                            struct.pack("ii", 1, 0))
+                        upstream.close()
+                        reset.set()
+                        break
+                    key.data.sendall(data)
+
+    def held_back(offset, data):
+        flowing.wait(60)
+        return data
+
+    w = Wired(handle, relay_handler=lambda d, u, i: splice(d, u, held_back))
+    try:
+        payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
+        assert w.received() == (b"big", [payload])
+        w.lanes_up()
+        flowing.clear()  # from now on the stream's bytes wait in the relay
+        w.client.send(b"small", [])
+        w.send_big(8 * MB)
+        wait_for("the server seeing its lane broken", lambda: lanes(w.server)["lanes_broken"] == 1)
+        time.sleep(0.2)  # (before, the connection was closed by now)
+        flowing.set()
+        assert w.received(15) == (b"small", []), w.server.close_reason()
+        assert w.server.receive(15) is None
+        reason = w.server.close_reason()
+        assert re.fullmatch(r"tcp_lanes: the peer closed lane \d with a segment not all in "
+                            r"\(segment 1's record came with \d+ of 8388608 bytes in\)", reason), reason
+    finally:
+        flowing.set()
+        w.close()

@@ -147,6 +147,7 @@ std::map<std::string, uint64_t> LanesContext::counters() const {
       {"held_records", counters_.heldRecords.load()},
       {"keepalives", counters_.keepAlives.load()},
       {"stalls", counters_.stalls.load()},
+      {"lanes_broken", counters_.lanesBroken.load()},
       {"lanes_capped", counters_.lanesCapped.load()},
       {"lanes_in", counters_.lanesIn.load()},
       {"lanes_out", counters_.lanesOut.load()},

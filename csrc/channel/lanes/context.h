@@ -66,6 +66,10 @@ struct LanesCounters {
   // connections closed for a held record whose lanes went quiet.
   std::atomic<uint64_t> keepAlives{0};
   std::atomic<uint64_t> stalls{0};
+  // Lanes of peers' that broke (a reset, an error, a close in the middle of
+  // a segment): each loses its connection, once the frames ahead of the
+  // segment it carried are read.
+  std::atomic<uint64_t> lanesBroken{0};
   // Connections that found maxLanes held, each way (an offer not made, or
   // lanes not dialled: the stream, until lanes go back).
   std::atomic<uint64_t> lanesCapped{0};

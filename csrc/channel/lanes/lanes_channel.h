@@ -274,6 +274,9 @@ class LanesChannel final : public Channel,
   uint64_t unclaimedBytes_ = 0; // page-rounded: what the landings pin
   size_t unclaimedSegments_ = 0;
   bool inLaneEnded_ = false; // a lane the peer closed between chunks
+  // A lane of the peer's that broke while no record waited: why, for the
+  // next record whose stripes are not all in (lanes_receiver.cpp).
+  std::string inLaneBroken_;
   size_t inLanes_ = 0; // attached
 
   std::vector<int> inFds_;

@@ -304,12 +304,37 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
       return;
     }
   }
-  failConnection(
-      error == "closed" ? "tcp_lanes: the peer closed lane " +
-              std::to_string(lane) + " with a segment not all in"
-                        : "tcp_lanes: lane " + std::to_string(lane) +
-              " from the peer: " + error,
-      refused);
+  std::string why = error == "closed"
+      ? "tcp_lanes: the peer closed lane " + std::to_string(lane) +
+          " with a segment not all in"
+      : "tcp_lanes: lane " + std::to_string(lane) + " from the peer: " + error;
+  if (!refused) {
+    // Broken (a reset, an error, a close in the middle of a segment): the
+    // connection is lost, but not before the frames the peer sent ahead of
+    // the lost segment's record are read. The stream may lag the lanes (a
+    // busy loop; on a network, another path), so those frames may not be
+    // here yet: the loss comes with the first record whose stripes are not
+    // all in (onRecordFromLoop()), or now if one waits already (everything
+    // ahead of it was read). A peer that died ends the stream, which is
+    // read to its end. Before, the connection closed at once, dropping
+    // them.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closing_) {
+      return;
+    }
+    lanesContext().stats().lanesBroken.fetch_add(1, std::memory_order_relaxed);
+    bool waiting = false;
+    for (const auto& [token, landing] : landings_) {
+      waiting = waiting || (landing->held && landing->received < landing->size);
+    }
+    if (!waiting) {
+      if (inLaneBroken_.empty()) {
+        inLaneBroken_ = why;
+      }
+      return;
+    }
+  }
+  failConnection(why, refused);
 }
 
 bool LanesChannel::readChunk(
@@ -508,7 +533,15 @@ int64_t LanesChannel::onRecordFromLoop(
       landing =
           landingLocked(lock, r.token, r.size, /*claim=*/true, &why, &refused);
     }
-    if (landing && landing->received < landing->size && inLaneEnded_) {
+    if (landing && landing->received < landing->size &&
+        !inLaneBroken_.empty()) {
+      why = inLaneBroken_.substr(std::string("tcp_lanes: ").size()) +
+          " (segment " + std::to_string(r.token) + "'s record came with " +
+          std::to_string(landing->received) + " of " +
+          std::to_string(landing->size) + " bytes in)";
+      lost = true;
+      landing.reset();
+    } else if (landing && landing->received < landing->size && inLaneEnded_) {
       why = "segment " + std::to_string(r.token) +
           " is not all in, and the peer closed a lane";
       lost = true;
