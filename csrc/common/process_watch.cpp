@@ -8,6 +8,8 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <fstream>
+#include <string>
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434 // (the same number on every architecture)
@@ -16,8 +18,28 @@
 namespace torch_rpc_ext {
 
 namespace {
+// The kernel's ceiling for PIDs (PID_MAX_LIMIT on 64-bit: 2^22).
+constexpr long kPidMaxLimit = 1L << 22;
+
+// Without a pidfd: the PID exists and is not a zombie (an exited process
+// its parent has not reaped still answers kill()).
 bool pidRuns(pid_t pid) {
-  return ::kill(pid, 0) == 0 || errno == EPERM;
+  if (::kill(pid, 0) != 0 && errno != EPERM) {
+    return false;
+  }
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  std::ifstream stat(path);
+  std::string line;
+  if (!std::getline(stat, line)) {
+    return true; // (no /proc: kill()'s word)
+  }
+  // "pid (comm) S ...": comm may hold anything, ")" included.
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) {
+    return true;
+  }
+  const char state = line[close + 2];
+  return state != 'Z' && state != 'X';
 }
 } // namespace
 
@@ -27,7 +49,7 @@ std::shared_ptr<const ProcessWatch> ProcessWatch::open(const std::string& pid) {
     return nullptr;
   }
   const long n = std::strtol(pid.c_str(), nullptr, 10);
-  if (n <= 1 || n == ::getpid()) {
+  if (n <= 1 || n > kPidMaxLimit || n == ::getpid()) {
     return nullptr;
   }
   // (A pidfd is close-on-exec from the start.)

@@ -14,8 +14,11 @@
 // dead one's copies never complete. The process is held by a pidfd, opened
 // while the connection is up, so that a PID reused after the peer's death
 // is never taken for it; where pidfds are missing (Linux before 5.3, a
-// seccomp filter) the PID alone is asked, which a reuse can fool into
-// "alive" (memory kept longer, never freed early).
+// seccomp filter) the PID alone is asked (kill(), and /proc for a zombie
+// not yet reaped), which a reuse can fool into "alive" (memory kept
+// longer, never freed early). The PID is the peer's word: an authenticated
+// peer that lies about it can make us keep what it could hold anyway by
+// living and never completing its copies.
 
 namespace torch_rpc_ext {
 

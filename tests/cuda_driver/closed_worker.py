@@ -259,3 +259,112 @@ def legacy_gone_receiver(conn, ctl):
 def poisoned_uses() -> int:
     """Uses of IPC memory or events after their exporter let them go."""
     return fake_stats()["poisoned_uses"]
+
+
+# ---- legacy_unread: the peer, stopped, reads the frame only after our close --
+
+
+def legacy_unread_sender(conn, ctl):
+    baseline = ipc_counts()
+    end = End("sender", conn)
+    peer = conn.recv()
+    p = end.alloc(pattern(SLOW_BYTES, 6))
+    os.kill(peer, signal.SIGSTOP)  # it reads nothing until SIGCONT
+    end.send_device(b"unread", p, SLOW_BYTES)
+    end.cu.stream_synchronize(DEVICE, end.stream)
+    time.sleep(0.5)  # (the frame written to the socket)
+    end.live.remove(p)
+    end.cu.mem_free(DEVICE, p)  # ours, not the channel's: the block stays
+    with_block = ipc_counts()
+    closed = time.monotonic()
+    end.ep.close(0.0)
+    time.sleep(SLOW_HELD_S)
+    held = ipc_counts()
+    os.kill(peer, signal.SIGCONT)
+    copied = conn.recv()  # it read the frame, and copied it out (or failed)
+    after = settled_counts(ipc_counts, baseline, timeout=40.0)
+    ctl.send((copied, baseline, with_block, held, after, time.monotonic() - closed))
+    os._exit(0)
+
+
+def legacy_unread_receiver(conn, ctl):
+    mappings = ipc_counts()[IPC_KEYS.index("ipc_mem_mappings")]
+    end = End("receiver", conn)
+    conn.send(os.getpid())
+    got = end.ep.receive(TIMEOUT)  # once the sender's close let us run
+    ok = got is not None and got[0] == b"unread"
+    intact = ok and end.read_region(got[1][0]) == pattern(SLOW_BYTES, 6)
+    if ok:
+        got[1][0].release()
+    conn.send(intact)
+    unmapped = settled_counts(lambda: ipc_counts()[IPC_KEYS.index("ipc_mem_mappings")],
+                              mappings, timeout=20.0) == mappings
+    reason = end.ep.close_reason()
+    ctl.send((ok, intact, reason, unmapped, poisoned_uses(), end.counters()))
+    os._exit(0)
+
+
+# ---- grant_held: a live peer's write into our grant, still queued at the close
+#
+# m0 earns a 3 MiB grant (plain driver memory: use_test_grants). The
+# sender's next frame writes its first segment into it (the copy runs 6 s
+# late) and is refused at send for its second (on a device the receiver
+# does not have); the grant's return waits for that copy, and the sender
+# closes at once, so it is never sent: the receiver holds the grant at its
+# close while the live sender's write into it is still to run.
+
+
+def grant_held_sender(conn, ctl):
+    from tests.cuda_driver.ipc_worker import testing
+    from tests.cuda_driver.worker import set_fake_kernel_delay
+
+    os.environ["FAKE_CUDA_DEVICES"] = "2"
+    testing().use_test_grants()
+    end = End("sender", conn)
+    n = 3 << 20
+    end.send_device(b"m0", end.alloc(pattern(n, 0)), n)
+    assert end.receive()[0] == b"ok0"
+    other = end.cu.mem_alloc(1, 4096)
+    other_stream = end.cu.stream_create(1)
+    data = end.alloc(pattern(n, 1))
+    set_fake_kernel_delay(SLOW_COPY_MS)  # the copy into the grant
+    try:
+        end.ep.send(b"x", [(data, n, CUDA, DEVICE, end.stream),
+                           (other, 4096, CUDA, 1, other_stream)], [])
+        error = ""
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        error = str(e)
+    end.ep.close()  # (the grant's event went first; its return never goes)
+    closed = time.monotonic()
+    closes = lambda: fake_stats()["calls"].get("cuIpcCloseMemHandle", 0)  # noqa: E731
+    while closes() == 0 and time.monotonic() < closed + 30:
+        time.sleep(0.05)
+    unmapped_in = time.monotonic() - closed  # our mapping of its segment
+    time.sleep(0.5)
+    conn.send("unmapped")  # (the receiver lives until then)
+    ctl.send((error, unmapped_in, poisoned_uses()))
+    os._exit(0)
+
+
+def grant_held_receiver(conn, ctl):
+    from tests.cuda_driver.ipc_worker import testing
+
+    os.environ["FAKE_CUDA_DEVICES"] = "1"
+    testing().use_test_grants()
+    grant_bytes = lambda: testing().test_grant_counts()["grant_bytes"]  # noqa: E731
+    end = End("receiver", conn)
+    head, (region,) = end.receive()
+    ok = head == b"m0" and end.read_region(region) == pattern(3 << 20, 0)
+    region.release()
+    end.ep.send(b"ok0", [])
+    deadline = time.monotonic() + TIMEOUT
+    while not end.ep.close_reason() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reason = end.ep.close_reason()
+    out = grant_bytes()  # the grant, held at the close
+    time.sleep(SLOW_HELD_S)
+    held = grant_bytes()
+    conn.recv()  # the sender's copy ran, and its mapping closed
+    after = settled_counts(grant_bytes, 0, timeout=20.0)
+    ctl.send((ok, reason, out, held, after, end.counters()))
+    os._exit(0)

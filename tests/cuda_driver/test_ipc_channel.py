@@ -345,3 +345,24 @@ def test_a_closed_connections_cuda_ipc_blocks_are_let_go_at_once(spawn):
         assert counts[key][1] >= counts[key][0] + 2, counts
     assert reason.startswith("peer closed the connection"), reason
     assert after == baseline, counts
+
+
+@fake_only
+def test_a_grant_held_at_the_close_waits_for_the_live_peers_write_into_it(spawn):
+    """The receiver holds a grant at its close whose write by the sender,
+    alive, is still queued (its frame refused at send, the grant's return
+    never sent; the fake runs the copy 6 s late). The grant's memory stays
+    out of the pool past the 2 s deadline until the sender's record of
+    that write is done, then 2 s more; the sender's close of its mapping
+    finds the memory still there. Before, it went back at the deadline:
+    handed out again, it would have taken the late write into another
+    message's landing."""
+    (error, unmapped_in, poisoned), (ok, reason, out, held, after, receiver) = play(
+        spawn, "grant_held", worker=closed_worker)
+    assert "declined a segment of 4096 bytes" in error
+    assert ok and reason, reason
+    assert receiver["grants_made"] >= 1 and out >= 3 << 20, (out, receiver)
+    assert held == out, (out, held)
+    assert after == 0
+    assert unmapped_in > closed_worker.SLOW_COPY_MS / 1000 - 1, unmapped_in
+    assert poisoned == 0

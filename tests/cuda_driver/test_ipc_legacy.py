@@ -201,3 +201,25 @@ def test_our_legacy_block_goes_at_the_deadline_when_the_peer_copying_out_of_it_d
     assert with_block[alloc] > baseline[alloc], (baseline, with_block)
     assert after == baseline, (baseline, after)
     assert freed_in < closed_worker.SLOW_COPY_MS / 1000, freed_in
+
+
+@fake_only
+@pytest.mark.usefixtures("legacy")
+def test_our_legacy_block_lent_at_the_close_waits_for_a_live_peer_to_read_its_frame(spawn):
+    """The peer is stopped (SIGSTOP) when we send a segment in a legacy
+    block and close: the frame waits unread in its socket, and `released`,
+    as it was before the frame, reads done. Past the 2 s deadline the block
+    stays (the peer lives, and has not been seen copying out of it); once
+    the peer runs again it reads the frame (what came before a close is
+    delivered) and copies the segment out of memory still ours. Before,
+    the block was freed at the deadline, and the peer's import of it failed."""
+    (copied, baseline, with_block, held, after, _), receiver = play(
+        spawn, "legacy_unread", worker=closed_worker)
+    ok, intact, reason, unmapped, poisoned, counters = receiver
+    alloc = closed_worker.IPC_KEYS.index("allocations")
+    assert with_block[alloc] > baseline[alloc], (baseline, with_block)
+    assert held[alloc] == with_block[alloc], (with_block, held)
+    assert ok and intact and copied, (reason, counters)
+    assert unmapped and poisoned == 0 and counters["blocks_imported"] == 1, counters
+    assert reason.startswith("peer closed the connection"), reason
+    assert after == baseline, (baseline, after)

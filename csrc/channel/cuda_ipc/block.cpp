@@ -188,13 +188,23 @@ bool Block::teardownReady() const {
     using Clock = std::chrono::steady_clock;
     if (libcuda().cuEventQuery(released_) == CUDA_ERROR_NOT_READY) {
       releasedDoneAt_ = Clock::time_point{};
+      releasedSeenPending_ = true;
     } else if (releasedDoneAt_ == Clock::time_point{}) {
       releasedDoneAt_ = now;
     }
     if (patienceOver && !peer_->gone()) {
-      patienceOver = releasedDoneAt_ != Clock::time_point{} &&
+      const bool settled = releasedDoneAt_ != Clock::time_point{} &&
           now - releasedDoneAt_ >=
               std::chrono::milliseconds(kLegacyTeardownWaitMs);
+      // Lent in a frame the peer had not released: it may not have read
+      // it yet (its process stopped, its loop behind), and it still will,
+      // the close notwithstanding (what came before a close is
+      // delivered); until its copy out is seen queued (`released`
+      // pending), the block waits kLentAtCloseWaitMs more. `released` as
+      // it was before that frame reads done, and says nothing of it.
+      const bool unread = lentAtClose_ && !releasedSeenPending_ &&
+          now < patience_ + std::chrono::milliseconds(kLentAtCloseWaitMs);
+      patienceOver = settled && !unread;
     }
   }
   if (owner_ && orphaned_.load() && !patienceOver) {

@@ -107,12 +107,15 @@ class Block {
   // `patience`: until when freeing a legacy block waits for the copies out
   // of it still running (block.cpp); `peer`, if known: the process that
   // imported a legacy block of ours, whose copies out of it are waited for
-  // past `patience` as long as it lives.
+  // past `patience` as long as it lives; `lent`: the block was in a frame
+  // the peer had not released yet, which it may not even have read.
   void orphan(
       std::chrono::steady_clock::time_point patience,
-      std::shared_ptr<const ProcessWatch> peer = nullptr) {
+      std::shared_ptr<const ProcessWatch> peer = nullptr,
+      bool lent = false) {
     patience_ = patience;
     peer_ = std::move(peer);
+    lentAtClose_ = lent;
     orphaned_.store(true);
   }
   bool orphaned() const {
@@ -146,9 +149,11 @@ class Block {
   std::atomic<bool> orphaned_{false};
   std::chrono::steady_clock::time_point patience_{};
   std::shared_ptr<const ProcessWatch> peer_; // set before orphaned_
-  // When `released` was last seen done, after the close (the staging
-  // thread's only: teardownReady()).
+  bool lentAtClose_ = false; // (likewise)
+  // When `released` was last seen done after the close, and whether it was
+  // seen pending (the staging thread's only: teardownReady()).
   mutable std::chrono::steady_clock::time_point releasedDoneAt_{};
+  mutable bool releasedSeenPending_ = false;
   std::function<void()> freed_;
 };
 

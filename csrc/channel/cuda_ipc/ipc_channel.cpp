@@ -47,7 +47,8 @@ IpcChannel::IpcChannel(
     if (auto sharing = local.sharingWith(peer, uuid)) {
       sharing_.emplace(d, *sharing);
       granularity_.emplace(d, ExportedMemory::granularity(d, *sharing));
-      if (*sharing == Sharing::kLegacy && peerProcess_ == nullptr) {
+      if ((*sharing == Sharing::kLegacy || grantsPossible_) &&
+          peerProcess_ == nullptr) {
         peerProcess_ = ProcessWatch::open(peer.pid);
       }
     }
@@ -531,7 +532,8 @@ void IpcChannel::onClosedFromLoop() {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = ownBlocks_.begin(); it != ownBlocks_.end();) {
       if (legacy(it->second.block)) {
-        it->second.block->orphan(patience, peerProcess_);
+        it->second.block->orphan(
+            patience, peerProcess_, it->second.state == OwnBlock::State::kLent);
         ++it;
       } else {
         it->second.block->orphan(patience);

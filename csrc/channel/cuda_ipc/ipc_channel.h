@@ -201,6 +201,10 @@ constexpr size_t kMaxCopyOutBatch = size_t(1) << 16;
 // After the connection closed, freeing the channel's legacy blocks waits
 // this long at most for copies out of them still running.
 constexpr int64_t kLegacyTeardownWaitMs = 2000;
+// ... and past it, while the peer lives, a legacy block still lent at the
+// close (its frame perhaps unread) waits at most this much more for the
+// peer's copy out of it to be seen queued (block.cpp).
+constexpr int64_t kLentAtCloseWaitMs = 30000;
 // A free block unused this long is unmapped, and the peer told.
 constexpr int64_t kBlockIdleMs = 5000;
 // A graceful shutdown (settleFromLoop()): every free block is dropped at
@@ -464,9 +468,10 @@ class IpcChannel final : public Channel,
   // ---- Grants (ipc_grants.cpp) -------------------------------------------
   // Whether legacy handles reach the peer (one PID namespace, one host).
   bool grantsPossible_ = false;
-  // The peer's process, where a device of it shares by legacy handle (our
-  // PID namespace): a close waits for its copies out of our legacy blocks
-  // as long as it lives (block.cpp).
+  // The peer's process, where a device of it shares by legacy handle, or
+  // grants may go (our PID namespace): a close waits for its copies out of
+  // our legacy blocks, and its writes into our grants, as long as it lives
+  // (block.cpp, ipc_grant_ends.cpp).
   std::shared_ptr<const ProcessWatch> peerProcess_;
   // Receiver: a large segment of `size` from the peer landed on `device`
   // (or was written into a grant): a grant for the next may follow.

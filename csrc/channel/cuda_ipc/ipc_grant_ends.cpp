@@ -29,6 +29,9 @@ namespace {
 // many at most.
 constexpr size_t kEndedGrantsKept = 256;
 constexpr size_t kEarlyRevokesKept = 64;
+// A live peer's write into a grant of ours not done this long past the
+// close's deadline is named in the log.
+constexpr std::chrono::seconds kGrantWriteWarnAfter{10};
 } // namespace
 
 void GrantClaim::reset() {
@@ -180,30 +183,96 @@ void IpcChannel::closeGrantsFromLoop() {
     } catch (...) {
     }
   }
-  peerGrantEvents_.clear(); // (regions not yet built keep theirs)
+  // The peer's events of the slots our grants out are in: its record of
+  // its last write into each (regions already built keep their own).
+  auto written = std::make_shared<std::vector<std::shared_ptr<CUevent_st>>>();
+  for (const auto& [id, g] : *held) {
+    auto it = peerGrantEvents_.find({g.device, g.slot});
+    if (it != peerGrantEvents_.end() &&
+        std::find(written->begin(), written->end(), it->second) ==
+            written->end()) {
+      written->push_back(it->second);
+    }
+  }
+  peerGrantEvents_.clear();
   noted_.clear();
   if (held->empty() && shared->empty() && opened->empty() && events->empty()) {
     return;
   }
-  // A copy the peer queued into a grant before the connection went is over
-  // by the legacy teardown's deadline (or died with the peer): the grants'
-  // memory goes back to the pool then, and the peer's mappings are
-  // counted closed. Ours of the peer's segments close once our last
-  // writes into them completed, however long that takes: a mapping closed
-  // under a copy still queued (behind a long stream, or a wait on a peer
-  // that died) would make the copy fault in our own context. Such a
-  // mapping is kept, said once, until the copy ends or the process does.
+  // A copy the peer queued into a grant before the connection went (its
+  // frame unread, or refused at its send and the grant's return not sent)
+  // may still run. The grants' memory goes back to the pool, and the
+  // peer's mappings are counted closed, at the legacy teardown's deadline
+  // if the peer is gone (its copies died with it) or we cannot tell;
+  // while it lives, once its last record of each slot is seen done, and
+  // 2 s more (its staging thread closes its mapping once its copy ended),
+  // however long after the deadline that is: handed out again under the
+  // peer's late write, the memory would take it into another message's
+  // landing. The peer keeps those events until then (below: its own
+  // close's). Ours of the peer's segments close once our last writes into
+  // them completed, however long that takes: a mapping closed under a copy
+  // still queued (behind a long stream, or a wait on a peer that died)
+  // would make the copy fault in our own context. Such a mapping is kept,
+  // said once, until the copy ends or the process does.
   const auto deadline = std::chrono::steady_clock::now() +
       std::chrono::milliseconds(kLegacyTeardownWaitMs);
+  auto peer = peerProcess_;
+  auto doneAt = std::make_shared<std::chrono::steady_clock::time_point>();
+  auto pending = std::make_shared<size_t>(written->size());
+  auto warned = std::make_shared<bool>(false);
   runOnStagingThreadWhen(
-      [deadline] { return std::chrono::steady_clock::now() >= deadline; },
-      [held, shared, source] {
+      [deadline, peer, written, doneAt, pending, warned] {
+        const auto now = std::chrono::steady_clock::now();
+        if (peer == nullptr || written->empty()) {
+          return now >= deadline;
+        }
+        if (peer->gone()) {
+          return now >= deadline; // (its events are not asked again)
+        }
+        // Each asked until seen done, then no more: the peer destroys its
+        // own 2 s after its copies ended, and a query after that is
+        // undefined. (Records after the close come only from a peer that
+        // had not seen it yet: within the deadline.)
+        for (auto& e : *written) {
+          if (e != nullptr &&
+              libcuda().cuEventQuery(e.get()) != CUDA_ERROR_NOT_READY) {
+            e.reset();
+            --*pending;
+          }
+        }
+        if (*pending > 0) {
+          if (!*warned && now >= deadline + kGrantWriteWarnAfter) {
+            *warned = true;
+            logWarningLimited(
+                "cuda_ipc_grant_late_write",
+                "torch_rpc_ext: a closed peer's write into our CUDA grant "
+                "memory has not completed " +
+                    std::to_string(
+                        kLegacyTeardownWaitMs / 1000 +
+                        kGrantWriteWarnAfter.count()) +
+                    " s after the close, and the peer lives; the memory "
+                    "stays out of the pool until it does (or the peer "
+                    "exits)");
+          }
+          return false;
+        }
+        if (*doneAt == std::chrono::steady_clock::time_point{}) {
+          *doneAt = now;
+        }
+        return now >= deadline &&
+            now - *doneAt >= std::chrono::milliseconds(kLegacyTeardownWaitMs);
+      },
+      [held, shared, source, written] {
         held->clear();
         for (uint64_t key : *shared) {
           source->segmentUnshared(key);
         }
+        written->clear(); // (ours of the peer's events, closed)
       });
   auto said = std::make_shared<bool>(false);
+  // When our last copy into the peer's grants was seen done (the staging
+  // thread's only).
+  auto copiesDone = std::make_shared<std::chrono::steady_clock::time_point>();
   runOnStagingThreadWhen(
       [copies, deadline, said] {
         // Every copy of ours into the peer's segments (each its own
@@ -225,7 +294,8 @@ void IpcChannel::closeGrantsFromLoop() {
         }
         return true;
       },
-      [opened, copies] {
+      [opened, copies, copiesDone] {
+        *copiesDone = std::chrono::steady_clock::now();
         copies->clear();
         for (const auto& [key, mapped] : *opened) {
           try {
@@ -236,9 +306,23 @@ void IpcChannel::closeGrantsFromLoop() {
         }
       });
   // Our events: destroyed once the peer had its time to close them (one
-  // with a record still pending is released when that completes).
+  // with a record still pending is released when that completes): at the
+  // deadline, and while the peer lives not before 2 s after our last copy
+  // into its grants was seen done, for the peer waits on them that long
+  // past the deadline to give its grants' memory back (above, its close).
   runOnStagingThreadWhen(
-      [deadline] { return std::chrono::steady_clock::now() >= deadline; },
+      [deadline, copiesDone, peer] {
+        const auto now = std::chrono::steady_clock::now();
+        if (now < deadline) {
+          return false;
+        }
+        if (peer == nullptr || peer->gone()) {
+          return true;
+        }
+        return *copiesDone != std::chrono::steady_clock::time_point{} &&
+            now - *copiesDone >=
+            std::chrono::milliseconds(kLegacyTeardownWaitMs);
+      },
       [events] {
         for (const auto& [device, e] : *events) {
           try {
