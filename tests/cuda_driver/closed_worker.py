@@ -366,5 +366,6 @@ def grant_held_receiver(conn, ctl):
     held = grant_bytes()
     conn.recv()  # the sender's copy ran, and its mapping closed
     after = settled_counts(grant_bytes, 0, timeout=20.0)
-    ctl.send((ok, reason, out, held, after, end.counters()))
+    # (Our queries of the sender's events all came before it destroyed them.)
+    ctl.send((ok, reason, out, held, after, poisoned_uses(), end.counters()))
     os._exit(0)

@@ -357,7 +357,7 @@ def test_a_grant_held_at_the_close_waits_for_the_live_peers_write_into_it(spawn)
     finds the memory still there. Before, it went back at the deadline:
     handed out again, it would have taken the late write into another
     message's landing."""
-    (error, unmapped_in, poisoned), (ok, reason, out, held, after, receiver) = play(
+    (error, unmapped_in, poisoned), (ok, reason, out, held, after, poisoned_r, receiver) = play(
         spawn, "grant_held", worker=closed_worker)
     assert "declined a segment of 4096 bytes" in error
     assert ok and reason, reason
@@ -365,4 +365,4 @@ def test_a_grant_held_at_the_close_waits_for_the_live_peers_write_into_it(spawn)
     assert held == out, (out, held)
     assert after == 0
     assert unmapped_in > closed_worker.SLOW_COPY_MS / 1000 - 1, unmapped_in
-    assert poisoned == 0
+    assert poisoned == poisoned_r == 0

@@ -187,8 +187,11 @@ bool Block::teardownReady() const {
     // never complete: then the deadline alone holds, as before.
     using Clock = std::chrono::steady_clock;
     if (libcuda().cuEventQuery(released_) == CUDA_ERROR_NOT_READY) {
+      // (Pending after it was seen done: a record made since the close.
+      // One pending from the first look may be the frame before's.)
+      releasedSeenPending_ =
+          releasedSeenPending_ || releasedDoneAt_ != Clock::time_point{};
       releasedDoneAt_ = Clock::time_point{};
-      releasedSeenPending_ = true;
     } else if (releasedDoneAt_ == Clock::time_point{}) {
       releasedDoneAt_ = now;
     }
@@ -199,9 +202,10 @@ bool Block::teardownReady() const {
       // Lent in a frame the peer had not released: it may not have read
       // it yet (its process stopped, its loop behind), and it still will,
       // the close notwithstanding (what came before a close is
-      // delivered); until its copy out is seen queued (`released`
-      // pending), the block waits kLentAtCloseWaitMs more. `released` as
-      // it was before that frame reads done, and says nothing of it.
+      // delivered); until its copy out is seen queued (`released` seen
+      // done, then pending), the block waits kLentAtCloseWaitMs more.
+      // `released` as it was before that frame (done, or pending with the
+      // frame before's copy) says nothing of it.
       const bool unread = lentAtClose_ && !releasedSeenPending_ &&
           now < patience_ + std::chrono::milliseconds(kLentAtCloseWaitMs);
       patienceOver = settled && !unread;

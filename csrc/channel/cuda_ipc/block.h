@@ -151,7 +151,7 @@ class Block {
   std::shared_ptr<const ProcessWatch> peer_; // set before orphaned_
   bool lentAtClose_ = false; // (likewise)
   // When `released` was last seen done after the close, and whether it was
-  // seen pending (the staging thread's only: teardownReady()).
+  // seen pending after that (the staging thread's only: teardownReady()).
   mutable std::chrono::steady_clock::time_point releasedDoneAt_{};
   mutable bool releasedSeenPending_ = false;
   std::function<void()> freed_;

@@ -29,9 +29,13 @@ namespace {
 // many at most.
 constexpr size_t kEndedGrantsKept = 256;
 constexpr size_t kEarlyRevokesKept = 64;
-// A live peer's write into a grant of ours not done this long past the
-// close's deadline is named in the log.
-constexpr std::chrono::seconds kGrantWriteWarnAfter{10};
+// How long past a close's deadline a receiver asks a live peer's events
+// whether its writes into our grants are done (the memory stays out of the
+// pool until they are, or the peer exits), and how long past its own a
+// writer keeps the events it recorded them on (longer: the receiver may
+// have seen the close later).
+constexpr std::chrono::milliseconds kGrantAskFor{30000};
+constexpr std::chrono::milliseconds kGrantEventsKept{60000};
 } // namespace
 
 void GrantClaim::reset() {
@@ -204,63 +208,73 @@ void IpcChannel::closeGrantsFromLoop() {
   // may still run. The grants' memory goes back to the pool, and the
   // peer's mappings are counted closed, at the legacy teardown's deadline
   // if the peer is gone (its copies died with it) or we cannot tell;
-  // while it lives, once its last record of each slot is seen done, and
-  // 2 s more (its staging thread closes its mapping once its copy ended),
+  // while it lives, once its last record of each slot reads done, and has
+  // for 2 s (its staging thread closes its mapping once its copy ended),
   // however long after the deadline that is: handed out again under the
   // peer's late write, the memory would take it into another message's
-  // landing. The peer keeps those events until then (below: its own
-  // close's). Ours of the peer's segments close once our last writes into
-  // them completed, however long that takes: a mapping closed under a copy
-  // still queued (behind a long stream, or a wait on a peer that died)
-  // would make the copy fault in our own context. Such a mapping is kept,
-  // said once, until the copy ends or the process does.
+  // landing. The events are asked on every poll until then (a peer that
+  // had not seen our close yet may record again), for kGrantAskFor past
+  // the deadline at most: the peer keeps them that long and more (below:
+  // its own close's); after that the memory stays out of the pool until
+  // the peer exits. Ours of the peer's segments close once our last
+  // writes into them completed, however long that takes: a mapping closed
+  // under a copy still queued (behind a long stream, or a wait on a peer
+  // that died) would make the copy fault in our own context. Such a
+  // mapping is kept, said once, until the copy ends or the process does.
   const auto deadline = std::chrono::steady_clock::now() +
       std::chrono::milliseconds(kLegacyTeardownWaitMs);
   auto peer = peerProcess_;
-  auto doneAt = std::make_shared<std::chrono::steady_clock::time_point>();
-  auto pending = std::make_shared<size_t>(written->size());
-  auto warned = std::make_shared<bool>(false);
+  if (peer == nullptr) {
+    written->clear(); // (not asked: closed now)
+  }
+  struct LateWrites {
+    std::chrono::steady_clock::time_point doneAt{};
+    bool stopped = false; // asked for kGrantAskFor: until the peer exits
+    bool warned = false;
+  };
+  auto late = std::make_shared<LateWrites>();
   runOnStagingThreadWhen(
-      [deadline, peer, written, doneAt, pending, warned] {
-        const auto now = std::chrono::steady_clock::now();
-        if (peer == nullptr || written->empty()) {
+      [deadline, peer, written, late] {
+        using Clock = std::chrono::steady_clock;
+        const auto now = Clock::now();
+        if (late->stopped) {
+          return peer->gone();
+        }
+        if (written->empty()) {
           return now >= deadline;
         }
         if (peer->gone()) {
-          return now >= deadline; // (its events are not asked again)
+          written->clear(); // (its records died with it)
+          return now >= deadline;
         }
-        // Each asked until seen done, then no more: the peer destroys its
-        // own 2 s after its copies ended, and a query after that is
-        // undefined. (Records after the close come only from a peer that
-        // had not seen it yet: within the deadline.)
-        for (auto& e : *written) {
-          if (e != nullptr &&
-              libcuda().cuEventQuery(e.get()) != CUDA_ERROR_NOT_READY) {
-            e.reset();
-            --*pending;
-          }
-        }
-        if (*pending > 0) {
-          if (!*warned && now >= deadline + kGrantWriteWarnAfter) {
-            *warned = true;
-            logWarningLimited(
-                "cuda_ipc_grant_late_write",
-                "torch_rpc_ext: a closed peer's write into our CUDA grant "
-                "memory has not completed " +
-                    std::to_string(
-                        kLegacyTeardownWaitMs / 1000 +
-                        kGrantWriteWarnAfter.count()) +
-                    " s after the close, and the peer lives; the memory "
-                    "stays out of the pool until it does (or the peer "
-                    "exits)");
-          }
+        if (now >= deadline + kGrantAskFor) {
+          late->stopped = true;
+          written->clear();
+          logWarningLimited(
+              "cuda_ipc_grant_late_write",
+              "torch_rpc_ext: a closed peer's write into our CUDA grant "
+              "memory had not completed " +
+                  std::to_string(
+                      (kLegacyTeardownWaitMs + kGrantAskFor.count()) / 1000) +
+                  " s after the close, and the peer lives; the memory "
+                  "stays out of the pool until the peer exits");
           return false;
         }
-        if (*doneAt == std::chrono::steady_clock::time_point{}) {
-          *doneAt = now;
+        bool done = true;
+        for (const auto& e : *written) {
+          done =
+              done && libcuda().cuEventQuery(e.get()) != CUDA_ERROR_NOT_READY;
+        }
+        if (!done) {
+          late->doneAt = Clock::time_point{};
+          return false;
+        }
+        if (late->doneAt == Clock::time_point{}) {
+          late->doneAt = now;
         }
         return now >= deadline &&
-            now - *doneAt >= std::chrono::milliseconds(kLegacyTeardownWaitMs);
+            now - late->doneAt >=
+            std::chrono::milliseconds(kLegacyTeardownWaitMs);
       },
       [held, shared, source, written] {
         held->clear();
@@ -307,9 +321,10 @@ void IpcChannel::closeGrantsFromLoop() {
       });
   // Our events: destroyed once the peer had its time to close them (one
   // with a record still pending is released when that completes): at the
-  // deadline, and while the peer lives not before 2 s after our last copy
-  // into its grants was seen done, for the peer waits on them that long
-  // past the deadline to give its grants' memory back (above, its close).
+  // deadline if the peer is gone or we cannot tell; while it lives,
+  // kGrantEventsKept after the later of the deadline and our last copy
+  // into its grants seen done, for the peer asks them that long (above,
+  // its close) before it gives its grants' memory back.
   runOnStagingThreadWhen(
       [deadline, copiesDone, peer] {
         const auto now = std::chrono::steady_clock::now();
@@ -320,8 +335,7 @@ void IpcChannel::closeGrantsFromLoop() {
           return true;
         }
         return *copiesDone != std::chrono::steady_clock::time_point{} &&
-            now - *copiesDone >=
-            std::chrono::milliseconds(kLegacyTeardownWaitMs);
+            now >= std::max(deadline, *copiesDone) + kGrantEventsKept;
       },
       [events] {
         for (const auto& [device, e] : *events) {
