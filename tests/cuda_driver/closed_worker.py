@@ -315,25 +315,15 @@ def legacy_unread_receiver(conn, ctl):
 
 
 def grant_held_sender(conn, ctl):
-    from tests.cuda_driver.ipc_worker import testing
+    from tests.cuda_driver.ipc_worker import refused_after_a_grant, testing
     from tests.cuda_driver.worker import set_fake_kernel_delay
 
     os.environ["FAKE_CUDA_DEVICES"] = "2"
     testing().use_test_grants()
     end = End("sender", conn)
-    n = 3 << 20
-    end.send_device(b"m0", end.alloc(pattern(n, 0)), n)
-    assert end.receive()[0] == b"ok0"
-    other = end.cu.mem_alloc(1, 4096)
-    other_stream = end.cu.stream_create(1)
-    data = end.alloc(pattern(n, 1))
-    set_fake_kernel_delay(SLOW_COPY_MS)  # the copy into the grant
-    try:
-        end.ep.send(b"x", [(data, n, CUDA, DEVICE, end.stream),
-                           (other, 4096, CUDA, 1, other_stream)], [])
-        error = ""
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        error = str(e)
+    # The copy into the grant runs late.
+    error, _, _ = refused_after_a_grant(
+        end, 3 << 20, before_send=lambda: set_fake_kernel_delay(SLOW_COPY_MS))
     end.ep.close()  # (the grant's event went first; its return never goes)
     closed = time.monotonic()
     closes = lambda: fake_stats()["calls"].get("cuIpcCloseMemHandle", 0)  # noqa: E731

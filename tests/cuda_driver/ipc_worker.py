@@ -645,21 +645,32 @@ def grant_late_copy_receiver(conn, ctl):
 # copy is done, and the receiver grants again, which m3 goes into.
 
 
+def refused_after_a_grant(end, n, before_send=lambda: None):
+    """m0 earns the sender (with FAKE_CUDA_DEVICES=2) a grant of `n` bytes;
+    then a frame whose first segment goes into it and whose second, on a
+    device the receiver does not have, is refused at send. Returns the
+    send's error ("" if none), and the second segment's memory and stream
+    (device 1)."""
+    end.send_device(b"m0", end.alloc(pattern(n, 0)), n)
+    assert end.receive()[0] == b"ok0"
+    other = end.cu.mem_alloc(1, 4096)
+    other_stream = end.cu.stream_create(1)
+    data = end.alloc(pattern(n, 1))
+    before_send()
+    try:
+        end.ep.send(b"x", [(data, n, CUDA, DEVICE, end.stream),
+                           (other, 4096, CUDA, 1, other_stream)], [])
+        return "", other, other_stream
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return str(e), other, other_stream
+
+
 def grant_abandoned_sender(conn, ctl):
     os.environ["FAKE_CUDA_DEVICES"] = "2"
     testing().use_test_grants()
     end = End("sender", conn)
     n = 3 << 20
-    end.send_device(b"m0", end.alloc(pattern(n, 0)), n)
-    assert end.receive()[0] == b"ok0"
-    other = end.cu.mem_alloc(1, 4096)
-    other_stream = end.cu.stream_create(1)
-    try:
-        end.ep.send(b"x", [(end.alloc(pattern(n, 1)), n, CUDA, DEVICE, end.stream),
-                           (other, 4096, CUDA, 1, other_stream)], [])
-        error = ""
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        error = str(e)
+    error, other, other_stream = refused_after_a_grant(end, n)
     returned = wait_for(end.counters, "grants_returned", 1)
     end.send_device(b"m2", end.alloc(pattern(n, 2)), n)
     assert end.receive()[0] == b"ok2"  # after the grant made on the return
