@@ -272,12 +272,11 @@ def legacy_unread_sender(conn, ctl):
     os.kill(peer, signal.SIGSTOP)  # it reads nothing until SIGCONT
     end.send_device(b"unread", p, SLOW_BYTES)
     end.cu.stream_synchronize(DEVICE, end.stream)
-    time.sleep(0.5)  # (the frame written to the socket)
     end.live.remove(p)
     end.cu.mem_free(DEVICE, p)  # ours, not the channel's: the block stays
     with_block = ipc_counts()
     closed = time.monotonic()
-    end.ep.close(0.0)
+    end.ep.close(5.0)  # once the frame is written (the socket takes it)
     time.sleep(SLOW_HELD_S)
     held = ipc_counts()
     os.kill(peer, signal.SIGCONT)

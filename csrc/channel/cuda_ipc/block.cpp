@@ -155,8 +155,9 @@ std::vector<Block::TeardownWait> Block::teardownWaits() const {
   // staging thread with it). Such a block is kept, and named in the log
   // (retire()), as a grant's mapping is (ipc_grant_ends.cpp). Only the
   // peer's copies out of our legacy allocation are waited for until the
-  // channel's deadline once the connection closed: a dead peer's never
-  // complete, and the record of them is all we have.
+  // channel's deadline once the connection closed, and past it while the
+  // peer lives (teardownReady()): a dead peer's never complete, and the
+  // record of them is all we have.
   std::vector<TeardownWait> waits;
   if (localUse_ != nullptr) {
     waits.push_back({localUse_, false});
@@ -217,9 +218,10 @@ bool Block::teardownReady() const {
     // interprocess, and the peer, if it lives, may still have them open,
     // to destroy as its own close retires its import. cuda.h leaves any
     // use of an opened event after its exporter destroyed it undefined,
-    // so ours stay until the channel's deadline, as a grant's events do
-    // (the fake counted the other order as a poisoned use, now and then,
-    // when both ends closed at once).
+    // so ours stay until the channel's deadline (and past it while a live
+    // peer's copies may run, above), as a grant's events do (the fake
+    // counted the other order as a poisoned use, now and then, when both
+    // ends closed at once).
     return false;
   }
   for (const TeardownWait& w : teardownWaits()) {

@@ -213,7 +213,9 @@ void IpcChannel::closeGrantsFromLoop() {
   // however long after the deadline that is: handed out again under the
   // peer's late write, the memory would take it into another message's
   // landing. The events are asked on every poll until then (a peer that
-  // had not seen our close yet may record again), for kGrantAskFor past
+  // had not seen our close yet may record again; one that has not seen it
+  // by the time they go back is not covered: docs/reliability.md), for
+  // kGrantAskFor past
   // the deadline at most: the peer keeps them that long and more (below:
   // its own close's); after that the memory stays out of the pool until
   // the peer exits. Ours of the peer's segments close once our last
@@ -230,7 +232,6 @@ void IpcChannel::closeGrantsFromLoop() {
   struct LateWrites {
     std::chrono::steady_clock::time_point doneAt{};
     bool stopped = false; // asked for kGrantAskFor: until the peer exits
-    bool warned = false;
   };
   auto late = std::make_shared<LateWrites>();
   runOnStagingThreadWhen(

@@ -203,7 +203,7 @@ void LanesChannel::onTickFromLoop() {
   // The stream is not read while a record waits for its stripes, so the
   // peer's pings wait unread there: the heartbeat cannot tell a lane that
   // stalled from a busy peer, and would give it six timeouts, then name
-  // the peer, alive all along. Said here after one, naming the lane.
+  // the peer, alive all along. Said here after two, naming the lanes.
   if (std::string why = stalledLanding(); !why.empty()) {
     lanesContext().stats().stalls.fetch_add(1, std::memory_order_relaxed);
     if (auto host = host_.lock()) {
