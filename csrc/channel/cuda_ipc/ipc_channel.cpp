@@ -515,7 +515,6 @@ void IpcChannel::onClosedFromLoop() {
   for (auto& [id, block] : peerBlocks_) {
     block->orphan(patience);
   }
-  // (Ours by legacy handle wait past it while the peer lives: block.cpp.)
   // What only the channel holds goes now, not with the connection (a
   // request still served for the peer holds it as long as it runs): each
   // block's last holder retires it on the staging thread once its waits

@@ -215,11 +215,10 @@ void IpcChannel::closeGrantsFromLoop() {
   // landing. The events are asked on every poll until then (a peer that
   // had not seen our close yet may record again; one that has not seen it
   // by the time they go back is not covered: docs/reliability.md), for
-  // kGrantAskFor past
-  // the deadline at most: the peer keeps them that long and more (below:
-  // its own close's); after that the memory stays out of the pool until
-  // the peer exits. Ours of the peer's segments close once our last
-  // writes into them completed, however long that takes: a mapping closed
+  // kGrantAskFor past the deadline at most: the peer keeps them that long
+  // and more (below: its own close's); after that the memory stays out of
+  // the pool until the peer exits. Ours of the peer's segments close once our
+  // last writes into them completed, however long that takes: a mapping closed
   // under a copy still queued (behind a long stream, or a wait on a peer
   // that died) would make the copy fault in our own context. Such a
   // mapping is kept, said once, until the copy ends or the process does.

@@ -305,9 +305,9 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
     }
   }
   std::string why = error == "closed"
-      ? "tcp_lanes: the peer closed lane " + std::to_string(lane) +
+      ? "the peer closed lane " + std::to_string(lane) +
           " with a segment not all in"
-      : "tcp_lanes: lane " + std::to_string(lane) + " from the peer: " + error;
+      : "lane " + std::to_string(lane) + " from the peer: " + error;
   if (!refused) {
     // Broken (a reset, an error, a close in the middle of a segment): the
     // connection is lost, but not before the frames the peer sent ahead of
@@ -334,7 +334,7 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
       return;
     }
   }
-  failConnection(why, refused);
+  failConnection("tcp_lanes: " + why, refused);
 }
 
 bool LanesChannel::readChunk(
@@ -535,9 +535,8 @@ int64_t LanesChannel::onRecordFromLoop(
     }
     if (landing && landing->received < landing->size &&
         !inLaneBroken_.empty()) {
-      why = inLaneBroken_.substr(std::string("tcp_lanes: ").size()) +
-          " (segment " + std::to_string(r.token) + "'s record came with " +
-          std::to_string(landing->received) + " of " +
+      why = inLaneBroken_ + " (segment " + std::to_string(r.token) +
+          "'s record came with " + std::to_string(landing->received) + " of " +
           std::to_string(landing->size) + " bytes in)";
       lost = true;
       landing.reset();
