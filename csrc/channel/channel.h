@@ -340,6 +340,13 @@ class Channel {
   // Frames waiting for a ride with the next message frame (batched
   // notifications), appended to `out`.
   virtual void collectPendingLocked(std::vector<ControlFrame>* out) {}
+  // Whether bytes this channel took are still queued on sockets of its own
+  // (tcp_lanes' stripes), not yet handed to the kernel: a connection with
+  // such is not drained (transport::Connection::hasQueuedWrites()). Any
+  // thread, no lock of the connection's held.
+  virtual bool hasQueuedSends() const {
+    return false;
+  }
   // No queued frame uses this channel: release idle resources, returning
   // the frame that tells the peer, if any.
   virtual std::optional<ControlFrame> dropIfIdleLocked() {

@@ -60,7 +60,8 @@ class Connection {
   virtual void close(const std::string& reason) = 0;
 
   // True while a frame (or control frame) queued by write() is not yet
-  // wholly handed to the socket. A caller that wants its last frames to
+  // wholly handed to the socket (or, for a segment a channel carries on
+  // sockets of its own, to those). A caller that wants its last frames to
   // reach the peer waits for false before close().
   virtual bool hasQueuedWrites() const = 0;
 

@@ -571,6 +571,134 @@ def test_a_lane_that_stalls_is_named_when_its_frame_gives_up():
         w.close()
 
 
+def stall_lane_zero():
+    """A lane handler that holds the dialler's lane 0 open and forwards
+    nothing of it past its hello (a middlebox that stopped it); the
+    others are spliced. Returns the handler and what it holds."""
+    held = []
+
+    def handle(dialler, upstream, index):
+        pass_hello(dialler, upstream, take_hello(dialler, upstream))
+        if index == 0:
+            held.extend((dialler, upstream))
+            return
+        splice(dialler, upstream)
+
+    return handle, held
+
+
+def stalled_segment_named(w, seconds, why):
+    """The server closed the connection naming segment 1 (64 MiB), which
+    lane 0 stalled, `seconds` after its lanes went quiet, because `why`."""
+    assert w.server.receive(60) is None
+    reason = w.server.close_reason()
+    assert reason.startswith("tcp_lanes: segment 1 (67108864 bytes, "), reason
+    assert "and no lane carried anything of it for %s (%s)" % (seconds, why) in reason, reason
+    by_lane = re.search(r"its bytes by lane: (.*): a lane stalled", reason)
+    assert by_lane, reason
+    carried = sorted(int(x.split(": ")[1]) for x in by_lane.group(1).split(", "))
+    assert carried == [0, 16 * MB, 16 * MB, 16 * MB], reason
+    assert lanes(w.server)["stalls"] == 1, lanes(w.server)
+
+
+def test_a_stalled_lane_is_named_while_the_other_lanes_carry_later_segments():
+    """As above, but the client goes on sending 8 MiB frames after the one
+    whose stripe stalled: the other three lanes carry the stripes of those
+    (a receiver takes up to 4 GiB ahead of their records), so some lane is
+    always moving. Only the lanes that may still owe the held segment
+    bytes count: a lane that began a later segment's stripe has sent all
+    of its share of the held one (a lane carries its stripes in order).
+    Before, the moving lanes hid the stalled one, and their bytes kept the
+    heartbeat content (lane progress is a sign of life): nothing closed the
+    connection in the 60 s the test waits, and the frame waited with every
+    one behind it."""
+    handle, held = stall_lane_zero()
+    w = Wired(handle, heartbeat_timeout=2.0)
+    stop = threading.Event()
+    sender = None
+    try:
+        payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
+        assert w.received() == (b"big", [payload])
+        w.lanes_up()
+        w.send_big(64 * MB)
+        later = ctypes.create_string_buffer(8 * MB)
+        w.kept.append(later)
+        # Every 0.2 s, until the connection closes: six stripes of 2 MiB
+        # a second on the three lanes that move (lane 0's wait behind its
+        # stalled one).
+        def keep_sending():
+            while not stop.wait(0.2) and w.server.close_reason() == "":
+                try:
+                    w.client.send(b"later", [(ctypes.addressof(later), 8 * MB, 0, 0, 0)])
+                except RuntimeError:  # "connection closed": the server's close came
+                    return
+
+        sender = threading.Thread(target=keep_sending, daemon=True)
+        sender.start()
+        stalled_segment_named(w, "4.0 s", "twice heartbeat_timeout")
+        # The later segments did reach the server's lanes ahead of their
+        # records (the client's lanes counted them as sent).
+        assert lanes(w.client)["segments"] > 3, lanes(w.client)
+    finally:
+        stop.set()
+        if sender is not None:
+            sender.join(10)
+        for sock in held:
+            sock.close()
+        w.close()
+
+
+def test_a_stall_on_a_host_whose_cpus_are_saturated_is_given_two_more_timeouts(monkeypatch):
+    """A lane's silence while this host's CPUs are saturated (pressure
+    stall information at or above 50%) may be its sender's starved
+    thread, not a stalled path: as the heartbeat does for a silent peer,
+    the stall check gives it two more heartbeat_timeouts before closing
+    (still under the heartbeat's six). The pressure is the test's
+    (TORCH_RPC_EXT_TEST_CPU_PRESSURE); before, the check closed after two
+    timeouts whatever the host's load."""
+    monkeypatch.setenv("TORCH_RPC_EXT_TEST_CPU_PRESSURE", "90")
+    handle, held = stall_lane_zero()
+    w = Wired(handle, heartbeat_timeout=2.0)
+    try:
+        payload = w.send_big(8 * MB)
+        assert w.received() == (b"big", [payload])
+        w.lanes_up()
+        w.send_big(64 * MB)
+        stalled_segment_named(
+            w, "8.0 s",
+            "twice heartbeat_timeout, and two more: this host's CPUs were saturated, "
+            "90% pressure")
+    finally:
+        for sock in held:
+            sock.close()
+        w.close()
+
+
+def test_an_endpoint_closed_with_stripes_queued_on_its_lanes_sends_them_first():
+    """The test harness's Endpoint.close(drain) waits for the frames it
+    queued to be written: that includes the stripes its lanes still hold
+    (a segment's record goes in the stream at once, its stripes on the
+    lanes' threads). Before, the drain looked at the stream only, and the
+    close cut the lanes under the stripes: the server lost the frame.
+    Then the receiver's side: the client shuts its lanes one after another
+    once written, so one of them ends (between chunks) while another still
+    carries its share. That lane's reader now waits while lanes still open
+    bring bytes; before, it closed the connection at once ("the peer
+    closed lane 0 with a segment not all in"), which failed this test with
+    the drain mended."""
+    w = Wired(lambda d, u, i: (pass_hello(d, u, take_hello(d, u)), splice(d, u)))
+    try:
+        payload = w.send_big(8 * MB)
+        assert w.received() == (b"big", [payload])
+        w.lanes_up()
+        payload = w.send_big(64 * MB)
+        w.client.close(30)
+        assert w.received() == (b"big", [payload])
+        assert lanes(w.client)["segments"] == 1, lanes(w.client)
+    finally:
+        w.close()
+
+
 def test_a_stripe_whose_device_copy_never_ends_fails_after_six_heartbeat_timeouts(monkeypatch):
     """A lane whose stripe waits for a device copy sends keepalives, not
     bytes (TORCH_RPC_EXT_TEST_LANES_STUCK_COPY: its first stripe's copy never

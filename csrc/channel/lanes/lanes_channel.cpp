@@ -326,6 +326,7 @@ void LanesChannel::stopAll() {
     ::close(fd);
   }
   inFds_.clear();
+  inSlots_.clear();
   // Our lanes' threads have ended (or end now, touching nothing) and their
   // sockets are closed: what we held goes back to the cap (closing: no
   // offer or dial follows).

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -89,6 +90,8 @@ class LanesChannel final : public Channel,
       const frame::SegmentRecord& record) override;
   void onRegionsQueuedLocked(
       const std::vector<frame::SegmentRecord*>& records) override;
+  // Stripes queued on our lanes, or being written.
+  bool hasQueuedSends() const override;
 
   // Receiver.
   int64_t onRecordFromLoop(
@@ -195,12 +198,14 @@ class LanesChannel final : public Channel,
       LaneCipher* cipher,
       std::string* buffer,
       std::string* error);
-  void runInLane(uint16_t lane, int fd);
+  // Lane `lane` of the peer's, inFds_[slot].
+  void runInLane(uint16_t lane, size_t slot, int fd);
   // False with `error` set, and `refused` if the peer broke the protocol
   // (else the lane ended or broke: "closed" between chunks).
   bool readChunk(
       int fd,
       uint16_t lane,
+      size_t slot,
       LaneCipher* cipher,
       std::string* error,
       bool* refused);
@@ -209,10 +214,13 @@ class LanesChannel final : public Channel,
   // and no lane's socket took data in that time, or only keepalives for
   // six. Names it and what each lane carried of it.
   std::string stalledLanding();
-  // Whether a lane's socket took data within `within` (the kernel's own
-  // clock: a starved reader, or a slow link whose progress we mark per
-  // slice; a lane waiting for room has its window shut). mutex_ held.
-  bool lanesReceivingLocked(std::chrono::milliseconds within) const;
+  // Whether the socket of a lane that may still owe segment `token` bytes
+  // took data within `within` (the kernel's own clock: a starved reader, or
+  // a slow link whose progress we mark per slice; a lane waiting for room
+  // has its window shut). A lane that began a later segment owes it none:
+  // a lane carries its stripes in token order. mutex_ held.
+  bool lanesReceivingLocked(std::chrono::milliseconds within, uint64_t token)
+      const;
   // The landing of `token`, made if new (by a record when `claim`, else
   // by a chunk, which waits while kMaxUnclaimedBytes are unclaimed); null
   // with `error` set, and `refused` if the peer broke the protocol.
@@ -226,6 +234,10 @@ class LanesChannel final : public Channel,
   void eraseLandingLocked(uint64_t token);
   // Whether every landing has all its bytes (a lane may end quietly).
   bool landingsCompleteLocked() const;
+  // A lane that ended between chunks with a landing not all in: waits while
+  // lanes still open bring bytes (the peer shuts its lanes one by one as it
+  // closes, so another may still carry the rest). mutex_ held.
+  void lingerLocked(std::unique_lock<std::mutex>& lock);
   // The connection's heartbeat: our peer is alive (lane bytes moved).
   void noteProgress();
   void queueStripesLocked(uint64_t token, Taken taken);
@@ -242,7 +254,7 @@ class LanesChannel final : public Channel,
   std::atomic<bool> forged_{false}; // testForge done (context.h)
   std::atomic<bool> stuck_{false}; // testStuckCopy taken (context.h)
 
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   std::condition_variable wake_; // out lanes: a stripe or closing
   std::condition_variable budget_; // in lanes: unclaimed bytes went down
   bool closing_ = false;
@@ -258,6 +270,7 @@ class LanesChannel final : public Channel,
   std::vector<std::string> outTickets_;
   std::vector<OutLane> out_;
   size_t outUp_ = 0;
+  size_t stripesWriting_ = 0; // taken off a queue, not yet written
   uint64_t nextToken_ = 1;
   size_t nextFirstLane_ = 0;
   uint64_t heldOut_ = 0; // lanes held against the context's cap, dialled
@@ -280,6 +293,13 @@ class LanesChannel final : public Channel,
   size_t inLanes_ = 0; // attached
 
   std::vector<int> inFds_;
+  // By slot (inFds_'s): the segment of that lane's last chunk, if any, and
+  // whether the lane ended (between chunks).
+  struct InSlot {
+    std::optional<uint64_t> token;
+    bool ended = false;
+  };
+  std::vector<InSlot> inSlots_;
   std::vector<std::thread> inThreads_;
 };
 

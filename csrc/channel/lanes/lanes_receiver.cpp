@@ -2,7 +2,6 @@
 // LanesChannel, receiving: each lane's reader thread lands chunks in the
 // segment's memory; a record waits in the stream until its segment is in.
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -49,103 +48,21 @@ void LanesChannel::attachInbound(uint16_t lane, int fd) {
     ::close(fd); // (its dialler, which declined our lanes, fails it)
     return;
   }
+  const size_t slot = inFds_.size();
   try {
-    inFds_.reserve(inFds_.size() + 1); // (stopAll() shuts every lane's fd)
-    inThreads_.emplace_back(
-        [self = shared_from_this(), lane, fd] { self->runInLane(lane, fd); });
+    inFds_.reserve(slot + 1); // (stopAll() shuts every lane's fd)
+    inSlots_.reserve(slot + 1);
+    inThreads_.emplace_back([self = shared_from_this(), lane, slot, fd] {
+      self->runInLane(lane, slot, fd);
+    });
   } catch (...) {
     ::close(fd);
     throw; // the accept thread logs it; the peer's lane fails, and closes
   }
   inFds_.push_back(fd);
+  inSlots_.emplace_back();
   ++inLanes_;
   lanesContext().stats().lanesOpened.fetch_add(1, std::memory_order_relaxed);
-}
-
-std::string LanesChannel::stalledLanding() {
-  auto host = host_.lock();
-  const std::chrono::milliseconds timeout =
-      host ? host->heartbeatTimeout() : std::chrono::milliseconds(0);
-  if (timeout.count() <= 0) {
-    return ""; // no liveness asked for: a record waits as long as it takes
-  }
-  // Twice the heartbeat's timeout: a link back from an outage shorter than
-  // one resends only after TCP's backoff. Never under three keepalive
-  // intervals (the sender's, which neither end's option sets).
-  const auto quiet =
-      std::max<std::chrono::milliseconds>(2 * timeout, 3 * kKeepAliveEvery);
-  // A sender that only says its device copy is under way: as long as the
-  // heartbeat gives a busy peer (a copy that never ends would hold the
-  // frame and every one behind it).
-  const auto patience = std::max<std::chrono::milliseconds>(6 * timeout, quiet);
-  using Clock = std::chrono::steady_clock;
-  const auto now = Clock::now();
-  auto at = [](const std::atomic<int64_t>& ticks) {
-    return Clock::time_point(
-        Clock::duration(ticks.load(std::memory_order_relaxed)));
-  };
-  auto secs = [](Clock::duration d) {
-    char text[32];
-    std::snprintf(
-        text, sizeof(text), "%.1f s", std::chrono::duration<double>(d).count());
-    return std::string(text);
-  };
-  auto of = [&](std::chrono::milliseconds limit, int times) {
-    return secs(limit) +
-        (limit == times * timeout
-             ? std::string(times == 2 ? " (twice" : " (six") +
-                 " heartbeat_timeout)"
-             : std::string());
-  };
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& [token, landing] : landings_) {
-    if (closing_ || !landing->held || landing->received == landing->size) {
-      continue;
-    }
-    // Its own progress: while its record is held, every segment before it
-    // is in, so what its lanes carry next is its own.
-    const auto bytes = std::max(landing->heldSince, at(landing->bytesAt));
-    const auto kept = at(landing->keptAt);
-    const bool silent =
-        now - std::max(bytes, kept) >= quiet && !lanesReceivingLocked(quiet);
-    const bool copyOnly = !silent && kept > bytes && now - bytes >= patience;
-    if (!silent && !copyOnly) {
-      continue;
-    }
-    std::string byLane;
-    for (size_t l = 0; l < std::min(inLanes_, kMaxLanes); ++l) {
-      byLane += (l == 0 ? "" : ", ") + std::to_string(l) + ": " +
-          std::to_string(landing->laneBytes[l]);
-    }
-    std::string head = "tcp_lanes: segment " + std::to_string(token) + " (" +
-        std::to_string(landing->size) + " bytes, " +
-        std::to_string(landing->received) + " in) waited " +
-        secs(now - landing->heldSince) + " for its stripes";
-    if (silent) {
-      return head + ", and no lane carried anything of it for " + of(quiet, 2) +
-          "; its bytes by lane: " +
-          (byLane.empty() ? std::string("none") : byLane) +
-          ": a lane stalled (a middlebox holding it, or its path down)";
-    }
-    return head + "; for " + of(patience, 6) +
-        " the peer's lanes said only that its copy of them out of the "
-        "device was under way (keepalives): a device copy that does not "
-        "end (its stream stuck behind work that never completes?)";
-  }
-  return "";
-}
-
-bool LanesChannel::lanesReceivingLocked(
-    std::chrono::milliseconds within) const {
-  for (int fd : inFds_) {
-    tcp_info info{};
-    socklen_t length = sizeof(info);
-    if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &length) == 0 &&
-        info.tcpi_last_data_recv < static_cast<uint32_t>(within.count())) {
-      return true;
-    }
-  }
-  return false;
 }
 
 std::shared_ptr<LanesChannel::Landing> LanesChannel::landingLocked(
@@ -258,7 +175,7 @@ void LanesChannel::noteProgress() {
   }
 }
 
-void LanesChannel::runInLane(uint16_t lane, int fd) {
+void LanesChannel::runInLane(uint16_t lane, size_t slot, int fd) {
   std::string error;
   bool refused = false;
   try {
@@ -277,7 +194,7 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
     const uint8_t admitted = kAdmitted;
     uint64_t chunks = 0;
     if (sendAll(fd, &admitted, 1, &error)) {
-      while (readChunk(fd, lane, cipher.get(), &error, &refused)) {
+      while (readChunk(fd, lane, slot, cipher.get(), &error, &refused)) {
         ++chunks;
       }
     }
@@ -295,7 +212,11 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
     // Between chunks. A peer closing its connection shuts its lanes just
     // before its stream: with every segment whole, the stream's own end
     // closes the connection, as a close and not as a fault of the peer's.
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (slot < inSlots_.size()) {
+      inSlots_[slot].ended = true;
+    }
+    lingerLocked(lock);
     if (closing_) {
       return;
     }
@@ -340,6 +261,7 @@ void LanesChannel::runInLane(uint16_t lane, int fd) {
 bool LanesChannel::readChunk(
     int fd,
     uint16_t lane,
+    size_t slot,
     LaneCipher* cipher,
     std::string* error,
     bool* refused) {
@@ -378,6 +300,9 @@ bool LanesChannel::readChunk(
     {
       // Its segment's, if its record claimed or its stripes began it.
       std::lock_guard<std::mutex> lock(mutex_);
+      if (slot < inSlots_.size()) {
+        inSlots_[slot].token = header.token;
+      }
       auto it = landings_.find(header.token);
       if (it != landings_.end()) {
         it->second->keptAt.store(ticks(), std::memory_order_relaxed);
@@ -403,6 +328,9 @@ bool LanesChannel::readChunk(
   std::shared_ptr<Landing> landing;
   {
     std::unique_lock<std::mutex> lock(mutex_);
+    if (slot < inSlots_.size()) {
+      inSlots_[slot].token = header.token; // (before a wait for room)
+    }
     landing = landingLocked(
         lock,
         header.token,

@@ -154,6 +154,22 @@ void LanesChannel::onRegionsQueuedLocked(
   wake_.notify_all();
 }
 
+bool LanesChannel::hasQueuedSends() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closing_) {
+    return false; // (what was queued is dropped)
+  }
+  if (stripesWriting_ > 0 || !taken_.empty()) {
+    return true;
+  }
+  for (const auto& lane : out_) {
+    if (!lane.queue.empty()) {
+      return true;
+    }
+  }
+  return false;
+}
+
 void LanesChannel::queueStripesLocked(uint64_t token, Taken taken) {
   auto& stats = lanesContext().stats();
   const size_t n = out_.size();
@@ -326,6 +342,7 @@ void LanesChannel::runOutLane(
     }
     Stripe stripe = std::move(out_[lane].queue.front());
     out_[lane].queue.pop_front();
+    ++stripesWriting_;
     lock.unlock();
     bool ok;
     try {
@@ -336,6 +353,7 @@ void LanesChannel::runOutLane(
     }
     release(std::move(stripe.keepAlive));
     lock.lock();
+    --stripesWriting_;
     if (!ok) {
       if (!closing_) {
         lock.unlock();

@@ -16,10 +16,10 @@
 #include <thread>
 
 #include "csrc/common/fd_closer.h"
+#include "csrc/common/host_load.h"
 #include "csrc/common/logging.h"
 #include "csrc/transport/handshake.h"
 #include "csrc/transport/stream/address.h"
-#include "csrc/transport/stream/host_load.h"
 
 namespace torch_rpc_ext::transport::stream {
 

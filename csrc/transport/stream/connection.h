@@ -58,8 +58,24 @@ class StreamConnection : public Connection,
   bool write(frame::OutboundFrame frame) override;
   void close(const std::string& reason) override;
   bool hasQueuedWrites() const override {
-    std::lock_guard<std::mutex> lock(writeMutex_);
-    return !writes_.empty() || (tls_ && tls_->hasPendingOutput());
+    {
+      std::lock_guard<std::mutex> lock(writeMutex_);
+      if (!writes_.empty() || (tls_ && tls_->hasPendingOutput())) {
+        return true;
+      }
+    }
+    // And what a channel writes on sockets of its own (tcp_lanes' stripes):
+    // its frame's record went through us, its bytes not yet. (channels_ is
+    // complete once the state is ready: it is set after them.)
+    if (state_.load() != State::kReady) {
+      return false;
+    }
+    for (const auto& c : channels_) {
+      if (c->hasQueuedSends()) {
+        return true;
+      }
+    }
+    return false;
   }
   int32_t peerId() const override {
     return peerId_.load();

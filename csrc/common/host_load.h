@@ -1,17 +1,19 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
-namespace torch_rpc_ext::transport::stream {
+namespace torch_rpc_ext {
 
 // How busy this host's CPUs have been lately: the share of the last ~10 s
 // (0-100) during which some runnable task waited for a CPU, from Linux's
 // pressure stall information (/proc/pressure/cpu, "some avg10"); -1 where
 // the kernel does not report it. A peer that is silent while this is high
 // is more likely starved than gone: the handshake and heartbeat timeouts
-// then give it more time (connection.cpp).
+// (transport/stream/connection.cpp) and tcp_lanes' stall check
+// (channel/lanes/lanes_receiver.cpp) then give it more time. Tests set it
+// with TORCH_RPC_EXT_TEST_CPU_PRESSURE (a percentage).
 double cpuPressurePercent();
 
 // At or above this pressure a silent peer is presumed starved.
 constexpr double kStarvedPressurePercent = 50.0;
 
-} // namespace torch_rpc_ext::transport::stream
+} // namespace torch_rpc_ext

@@ -1,12 +1,17 @@
 // SPDX-License-Identifier: BSD-3-Clause
-#include "csrc/transport/stream/host_load.h"
+#include "csrc/common/host_load.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
-namespace torch_rpc_ext::transport::stream {
+namespace torch_rpc_ext {
 
 double cpuPressurePercent() {
+  // Tests only: a saturated host without saturating the test machine.
+  if (const char* test = std::getenv("TORCH_RPC_EXT_TEST_CPU_PRESSURE")) {
+    return std::atof(test);
+  }
   // "some avg10=12.48 avg60=47.19 avg300=47.09 total=2341806780"
   std::FILE* f = std::fopen("/proc/pressure/cpu", "re");
   if (f == nullptr) {
@@ -24,4 +29,4 @@ double cpuPressurePercent() {
   return avg10;
 }
 
-} // namespace torch_rpc_ext::transport::stream
+} // namespace torch_rpc_ext
