@@ -17,6 +17,7 @@
 #include "csrc/common/buffer_pool.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/fd_closer.h"
+#include "csrc/common/host_load.h"
 #include "csrc/common/thread_pool.h"
 #include "csrc/frame/frame.h"
 #include "csrc/transport/handshake.h"
@@ -195,6 +196,12 @@ void bindTesting(py::module_& m) {
   // The closers of descriptors a peer handed us (fd_closer.h): take
   // ownership of `fds` and close them off this thread; their counts.
   m.def("close_peer_fds", [](std::vector<int> fds) { closeOffThread(fds); });
+  // What the host's CPU pressure reads as (None: the kernel's), for the
+  // handshake's, the heartbeat's and tcp_lanes' allowances (host_load.h).
+  m.def(
+      "set_cpu_pressure",
+      [](std::optional<double> percent) { setCpuPressureForTests(percent); },
+      py::arg("percent"));
   m.def("peer_fd_stats", [] {
     auto s = fdCloserStats();
     return py::dict(

@@ -1,16 +1,27 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/common/host_load.h"
 
+#include <atomic>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 
 namespace torch_rpc_ext {
 
+namespace {
+
+std::atomic<bool> testSet{false};
+std::atomic<double> testPercent{0};
+
+} // namespace
+
+void setCpuPressureForTests(std::optional<double> percent) {
+  testPercent.store(percent.value_or(0));
+  testSet.store(percent.has_value());
+}
+
 double cpuPressurePercent() {
-  // Tests only: a saturated host without saturating the test machine.
-  if (const char* test = std::getenv("TORCH_RPC_EXT_TEST_CPU_PRESSURE")) {
-    return std::atof(test);
+  if (testSet.load()) {
+    return testPercent.load();
   }
   // "some avg10=12.48 avg60=47.19 avg300=47.09 total=2341806780"
   std::FILE* f = std::fopen("/proc/pressure/cpu", "re");

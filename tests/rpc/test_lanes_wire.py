@@ -527,7 +527,19 @@ def test_a_lane_the_listener_did_not_admit_carries_nothing(listener):
         w.close()
 
 
-def test_a_lane_that_stalls_is_named_when_its_frame_gives_up():
+@pytest.fixture
+def cpu_pressure():
+    """Sets what the host's CPU pressure reads as (the stall check gives a
+    saturated host more time): the real one varies with the machine's
+    load, and tests that time a stall must not."""
+    _testing.set_cpu_pressure(0.0)
+    try:
+        yield _testing.set_cpu_pressure
+    finally:
+        _testing.set_cpu_pressure(None)
+
+
+def test_a_lane_that_stalls_is_named_when_its_frame_gives_up(cpu_pressure):
     """One lane stops moving (a middlebox keeps it open and forwards
     nothing more) while the other three deliver their stripes: the
     receiver holds the frame's record for the missing stripe. The
@@ -601,7 +613,7 @@ def stalled_segment_named(w, seconds, why):
     assert lanes(w.server)["stalls"] == 1, lanes(w.server)
 
 
-def test_a_stalled_lane_is_named_while_the_other_lanes_carry_later_segments():
+def test_a_stalled_lane_is_named_while_the_other_lanes_carry_later_segments(cpu_pressure):
     """As above, but the client goes on sending 8 MiB frames after the one
     whose stripe stalled: the other three lanes carry the stripes of those
     (a receiver takes up to 4 GiB ahead of their records), so some lane is
@@ -610,8 +622,9 @@ def test_a_stalled_lane_is_named_while_the_other_lanes_carry_later_segments():
     of its share of the held one (a lane carries its stripes in order).
     Before, the moving lanes hid the stalled one, and their bytes kept the
     heartbeat content (lane progress is a sign of life): nothing closed the
-    connection in the 60 s the test waits, and the frame waited with every
-    one behind it."""
+    connection in the 60 s the test waits (not until 4 GiB of later
+    segments had landed ahead of their records, over 100 s here), and the
+    frame waited with every one behind it."""
     handle, held = stall_lane_zero()
     w = Wired(handle, heartbeat_timeout=2.0)
     stop = threading.Event()
@@ -648,15 +661,15 @@ def test_a_stalled_lane_is_named_while_the_other_lanes_carry_later_segments():
         w.close()
 
 
-def test_a_stall_on_a_host_whose_cpus_are_saturated_is_given_two_more_timeouts(monkeypatch):
+def test_a_stall_on_a_host_whose_cpus_are_saturated_is_given_two_more_timeouts(cpu_pressure):
     """A lane's silence while this host's CPUs are saturated (pressure
     stall information at or above 50%) may be its sender's starved
     thread, not a stalled path: as the heartbeat does for a silent peer,
     the stall check gives it two more heartbeat_timeouts before closing
     (still under the heartbeat's six). The pressure is the test's
-    (TORCH_RPC_EXT_TEST_CPU_PRESSURE); before, the check closed after two
+    (_testing.set_cpu_pressure); before, the check closed after two
     timeouts whatever the host's load."""
-    monkeypatch.setenv("TORCH_RPC_EXT_TEST_CPU_PRESSURE", "90")
+    cpu_pressure(90.0)
     handle, held = stall_lane_zero()
     w = Wired(handle, heartbeat_timeout=2.0)
     try:

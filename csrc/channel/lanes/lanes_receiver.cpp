@@ -243,6 +243,9 @@ void LanesChannel::runInLane(uint16_t lane, size_t slot, int fd) {
     if (closing_) {
       return;
     }
+    if (slot < inSlots_.size()) {
+      inSlots_[slot].ended = true; // (no other lane lingers for it)
+    }
     lanesContext().stats().lanesBroken.fetch_add(1, std::memory_order_relaxed);
     bool waiting = false;
     for (const auto& [token, landing] : landings_) {
