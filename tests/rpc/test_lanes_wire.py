@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+from tests.rpc.slow_pages import SlowPages
 from tests.rpc.test_lanes import _listening_ports
 from tests.rpc.test_last_words import delivered
 from tests.rpc.test_tls_wire import pump
@@ -687,6 +688,36 @@ def test_a_stall_on_a_host_whose_cpus_are_saturated_is_given_two_more_timeouts(c
         w.close()
 
 
+def test_a_stripe_whose_pages_come_in_slowly_keeps_its_lane_alive(cpu_pressure):
+    """A CPU tensor whose memory must be read in first (a memory-mapped
+    file on slow storage, swap): here pages that the test's userfaultfd
+    gives 4 s after they are first asked for, with heartbeat_timeout 1 s
+    (a stall after 2 s of silence). The lanes read the pages in on threads
+    of their own and send keepalives meanwhile, so the frame arrives whole.
+    Before, each lane's own read of its stripe's first page held it,
+    silent, and the receiver closed the connection as a stalled lane."""
+    w = Wired(lambda d, u, i: (pass_hello(d, u, take_hello(d, u)), splice(d, u)),
+              heartbeat_timeout=1.0)
+    slow = SlowPages(8 * MB, delay=4.0)
+    try:
+        payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
+        assert w.received() == (b"big", [payload])
+        w.lanes_up()
+        sent = time.monotonic()
+        w.client.send(b"slow", [(slow.address, 8 * MB, 0, 0, 0)])
+        got = w.received(30)
+        assert got is not None, w.server.close_reason()
+        assert got == (b"slow", [slow.expected])
+        # The pages were asked for at once and came 4 s later: keepalives
+        # held the lanes meanwhile (every 500 ms, on each of four lanes).
+        assert slow.asked_at is not None and slow.asked_at - sent < 2.0
+        assert lanes(w.client)["keepalives"] >= 8, lanes(w.client)
+        assert lanes(w.server)["stalls"] == 0
+    finally:
+        w.close()
+        slow.close()
+
+
 def test_an_endpoint_closed_with_stripes_queued_on_its_lanes_sends_them_first():
     """The test harness's Endpoint.close(drain) waits for the frames it
     queued to be written: that includes the stripes its lanes still hold
@@ -731,7 +762,8 @@ def test_a_stripe_whose_device_copy_never_ends_fails_after_six_heartbeat_timeout
         reason = w.server.close_reason()
         assert reason.startswith("tcp_lanes: segment 1 (8388608 bytes, 6291456 in) waited"), reason
         assert ("; for 6.0 s (six heartbeat_timeout) the peer's lanes said only that its "
-                "copy of them out of the device was under way (keepalives)") in reason, reason
+                "bytes were on their way to them (keepalives): a copy out of a device, or a "
+                "read of memory-mapped pages, that does not end") in reason, reason
         assert lanes(w.client)["keepalives"] >= 12 and lanes(w.server)["stalls"] == 1
     finally:
         w.close()

@@ -96,7 +96,8 @@ constexpr size_t kMaxRangesPerSegment = 64;
 constexpr uint64_t kProgressSliceBytes = 1 << 20;
 
 // A chunk of no bytes (length 0): the sender still waits for this stripe's
-// bytes to be copied out of a device (cuda_staged), and the lane is alive.
+// bytes to be copied out of a device (cuda_staged), or for its pages to be
+// read into memory (a memory-mapped tensor), and the lane is alive.
 // Sent every kKeepAliveEvery while it waits, so that the receiver, holding
 // the segment's record, does not take the lane for stalled.
 constexpr uint32_t kChunkKeepAlive = 1;

@@ -11,6 +11,7 @@
 
 #include "csrc/channel/lanes/lane.h"
 #include "csrc/common/logging.h"
+#include "csrc/common/resident_pages.h"
 
 namespace torch_rpc_ext::channel::lanes {
 
@@ -244,6 +245,36 @@ void LanesChannel::failConnection(const std::string& reason, bool refused) {
       }
     });
   }
+}
+
+bool LanesChannel::waitResident(
+    const char* data,
+    uint64_t bytes,
+    const std::shared_ptr<void>& keepAlive,
+    const std::function<bool()>& sayAlive,
+    std::string* error) {
+  if (pagesResident(data, bytes)) {
+    return true; // (a tensor's memory, nearly always)
+  }
+  auto read = PageRead::start(
+      data, bytes, keepAlive, [weak = weak_from_this()](auto k) {
+        if (auto self = weak.lock()) {
+          self->release(std::move(k));
+        }
+      });
+  if (read == nullptr) {
+    return true; // (no thread: the send reads them, silent meanwhile)
+  }
+  while (!read->waitFor(kKeepAliveEvery)) {
+    if (stop_.load() || host_.expired()) {
+      *error = "closed while its pages were read into memory";
+      return false;
+    }
+    if (!sayAlive()) {
+      return false;
+    }
+  }
+  return true;
 }
 
 void LanesChannel::release(std::shared_ptr<void> keepAlive) {

@@ -175,6 +175,17 @@ class LanesChannel final : public Channel,
       uint64_t end,
       const std::function<bool()>& keepAlive,
       std::string* error);
+  // Whether the pages of [data, data + bytes) of a CPU stripe are in memory,
+  // once read in on a thread of their own if they were not (a memory-mapped
+  // file on slow storage, swap), calling `sayAlive` every kKeepAliveEvery
+  // meanwhile; false with `error` set if the lane failed or the channel
+  // closed first.
+  bool waitResident(
+      const char* data,
+      uint64_t bytes,
+      const std::shared_ptr<void>& keepAlive,
+      const std::function<bool()>& sayAlive,
+      std::string* error);
   // A keepalive chunk (lane.h) for `stripe` at `offset`, counted.
   bool sendKeepAlive(
       int fd,

@@ -18,6 +18,8 @@ namespace {
 
 constexpr uint64_t kStripeAlign = 64 * 1024;
 constexpr int kDialTimeoutMs = 5000;
+// A CPU stripe's memory is asked whether it is in RAM this much at a time.
+constexpr uint64_t kResidentWindow = 8ull << 20;
 
 } // namespace
 
@@ -502,6 +504,7 @@ bool LanesChannel::writeStripe(
     return false;
   }
   const uint64_t piece = cipher != nullptr ? kRecordBytes : kClearChunkBytes;
+  uint64_t resident = 0; // of the stripe, seen in memory
   for (uint64_t done = 0; done < stripe.length;) {
     uint64_t length = std::min(piece, stripe.length - done);
     ChunkHeader header{
@@ -511,16 +514,24 @@ bool LanesChannel::writeStripe(
         static_cast<uint32_t>(length),
         0};
     const char* src = stripe.data + stripe.offset + done;
+    auto sayAlive = [&] {
+      return sendKeepAlive(fd, stripe, stripe.offset + done, cipher, error);
+    };
     if (stripe.staged != nullptr &&
         !waitStaged(
-            *stripe.staged,
-            stripe.offset + done + length,
-            [&] {
-              return sendKeepAlive(
-                  fd, stripe, stripe.offset + done, cipher, error);
-            },
-            error)) {
+            *stripe.staged, stripe.offset + done + length, sayAlive, error)) {
       return false;
+    }
+    if (stripe.staged == nullptr && done + length > resident) {
+      // Pages that must come in from a file or swap first (a memory-mapped
+      // tensor): read in off this thread, which says it is alive meanwhile,
+      // or the receiver would take the silence for a stalled lane.
+      resident =
+          std::min(stripe.length, done + std::max(length, kResidentWindow));
+      if (!waitResident(
+              src, resident - done, stripe.keepAlive, sayAlive, error)) {
+        return false;
+      }
     }
     if (cipher == nullptr) {
       if (!sendAll(fd, &header, sizeof(header), error)) {

@@ -121,9 +121,10 @@ std::string LanesChannel::stalledLanding() {
           ": a lane stalled (a middlebox holding it, or its path down)";
     }
     return head + "; for " + of(patience, 6) +
-        " the peer's lanes said only that its copy of them out of the "
-        "device was under way (keepalives): a device copy that does not "
-        "end (its stream stuck behind work that never completes?)";
+        " the peer's lanes said only that its bytes were on their way to "
+        "them (keepalives): a copy out of a device, or a read of "
+        "memory-mapped pages, that does not end (a stream stuck behind "
+        "work that never completes? storage that stopped answering?)";
   }
   return "";
 }
