@@ -8,7 +8,10 @@ folder under a name that does not say which; so another torch gets a copy of
 the tree with its own .venv, build/ and in-place module. Files whose bytes
 are unchanged are left alone (their times too: ninja recompiles only what
 changed), files that left the checkout leave the copy, and what the copy
-made itself (ignored files: .venv, build/, the module) stays.
+made itself (ignored files: .venv, build/, the module) stays. A file copied
+gets the time of the copy, not its source's: a source edited before the
+copy's last build (its objects newer than the edit) would otherwise look
+built already, and ninja would test the old code against that torch.
 
     python3 tools/sync_tree.py build/torch-2.15.0
 """
@@ -41,7 +44,7 @@ def sync(root: str, dest: str) -> tuple[int, int]:
         if os.path.isfile(dst) and filecmp.cmp(src, dst, shallow=False):
             continue
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        shutil.copy2(src, dst)
+        shutil.copy(src, dst)  # (its bytes and mode; the time is now's)
         copied += 1
     manifest = os.path.join(dest, MANIFEST)
     if os.path.exists(manifest):
