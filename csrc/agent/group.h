@@ -198,6 +198,11 @@ class Group {
   // rpc_ext.membership.* (get_metrics; dynamic groups).
   void addMetrics(std::unordered_map<std::string, std::string>& m) const;
 
+  // Stops the watcher thread, without leaving: no more lease renewals or
+  // secrets sealed (stop() does this after its leave; tests freeze a member
+  // so, as a stopped process is).
+  void stopWatcher();
+
  private:
   void publish(std::shared_ptr<const View> view);
   // worker()'s error: "... could not find destination <what>".
@@ -220,7 +225,6 @@ class Group {
       int64_t epoch,
       std::chrono::steady_clock::time_point deadline,
       std::vector<std::string>* missing);
-  void stopWatcher();
   // ---- Leases (group_leases.cpp) ----
   // How long a member's lease may go unrenewed before it is declared dead:
   // the heartbeat timeout (its default when heartbeats are off).

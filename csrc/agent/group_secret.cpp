@@ -290,10 +290,20 @@ void SecretExchange::serve(const std::string& secret) {
     return; // the user's secret: nothing of ours to seal
   }
   const int64_t asked = store_->add(dynKey(epoch_, "requests"), 0);
-  for (int64_t n = served_ + 1; n <= asked; ++n) {
-    waiting_.insert(n);
+  if (asked > served_) {
+    // The newest kMaxWaitingRequests at most: the count proves nothing
+    // (anyone who can write the store can add to it), and one raised by
+    // 10^12 once had every member list them all, out of memory.
+    const int64_t from = std::max(
+        served_ + 1, asked - static_cast<int64_t>(kMaxWaitingRequests) + 1);
+    for (int64_t n = from;; ++n) {
+      waiting_.insert(n);
+      if (n == asked) {
+        break; // (not n <= asked: asked may be the largest int64_t)
+      }
+    }
+    served_ = asked;
   }
-  served_ = std::max(served_, asked);
   // A request counted but not written (its joiner died between the two)
   // waits here without holding up those after it; the oldest are let go.
   while (waiting_.size() > kMaxWaitingRequests) {
@@ -318,9 +328,12 @@ size_t SecretExchange::liveMembers(
   while (auto record = log.read(roster.epoch() + 1)) {
     roster.apply(*record);
   }
-  // Listed, and its lease renewed within `lease` of our watching it (a
-  // member that died without leaving stays listed until a member declares
-  // it dead: there may be none left to).
+  // Listed, and its lease renewed within its own lease of our watching it
+  // (a member that died without leaving stays listed until a member
+  // declares it dead: there may be none left to). Its own, as the members
+  // judge each other: judged by a joiner's shorter one, a live member that
+  // renews every 2 s of a 10 s lease once looked dead to a joiner of 0.3 s,
+  // which ended the epoch and made a second secret for the same group.
   size_t live = 0;
   for (const auto& [rank, member] : roster.members()) {
     const int64_t count = log.beats(member.incarnation);
@@ -328,7 +341,9 @@ size_t SecretExchange::liveMembers(
     if (!added && it->second.count != count) {
       it->second = Beat{count, now};
     }
-    live += now - it->second.since <= lease ? 1 : 0;
+    const auto its =
+        member.leaseMs > 0 ? std::chrono::milliseconds(member.leaseMs) : lease;
+    live += now - it->second.since <= its ? 1 : 0;
   }
   return live;
 }

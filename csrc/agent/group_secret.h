@@ -52,7 +52,8 @@ class SecretExchange {
     Clock::time_point since;
   };
   // The members the membership log lists whose lease was renewed within
-  // `lease` (`beats`: what the caller saw of them so far).
+  // their own lease (`lease` where the log has none; `beats`: what the
+  // caller saw of them so far).
   size_t liveMembers(
       std::chrono::milliseconds lease,
       Clock::time_point now,

@@ -225,6 +225,13 @@ void bindTestingAgent(py::module_& parent) {
             py::gil_scoped_release nogil;
             h.group->stop();
           })
+      // Its watcher stopped, not leaving: listed, silent (a stopped process).
+      .def(
+          "freeze",
+          [](GroupHarness& h) {
+            py::gil_scoped_release nogil;
+            h.group->stopWatcher();
+          })
       .def_property_readonly(
           "fenced",
           [](const GroupHarness& h) {

@@ -323,6 +323,54 @@ def test_a_request_counted_but_never_written_holds_up_nobody_after_it():
     a.stop()
 
 
+def test_a_request_count_raised_by_anyone_costs_a_member_nothing_unbounded():
+    """The requests counter proves nothing: anyone who can write the store
+    can add to it. A member lists the newest 256 counted requests at most.
+    Before, it listed every number from its last up to the count, and one
+    raise by 10^12 had every member's watcher loop there until it ran out
+    of memory (and stop renewing its lease: the group died). Now the
+    member goes on renewing its lease and sealing for real joiners."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=1.0)
+    first = a.join("addr-a")
+    store.add("torch_rpc_ext/dyn_secret/0/requests", 10**12)
+    time.sleep(2.0)  # two of a's leases: it must have renewed it meanwhile
+    # A joiner is served by a (its request counted after the raised ones,
+    # so the newest): had a's watcher stalled, its lease would have lapsed
+    # and the joiner made a new group with another secret.
+    b = A.Group(store, "b", 1, 0, lease_s=1.0)
+    assert b.join("addr-b") == first
+    b.stop()
+    a.stop()
+
+
+def test_a_joiner_judges_members_alive_by_their_own_lease_not_its_own():
+    """A member of a 4 s lease (a renewal every 0.8 s) that has not sealed
+    the secret for a joiner of 0.2 s (here frozen: its watcher stopped, as
+    a stopped process's is) is alive to that joiner for its own 4 s, as the
+    members judge each other: the joiner waits rather than end the epoch
+    and make a second secret for a group that still has a live member.
+    Once that member's lease has lapsed, the joiner starts over. Before,
+    the joiner judged by its own 0.2 s and ended the epoch within a
+    second."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=4.0)
+    first = a.join("addr-a")
+    a.freeze()
+    b = A.Group(store, "b", 1, 0, lease_s=0.2)
+    got = []
+    joiner = threading.Thread(target=lambda: got.append(b.join("addr-b")), daemon=True)
+    joiner.start()
+    time.sleep(2.5)  # a dozen of the joiner's leases, within the member's
+    assert store.add("torch_rpc_ext/dyn_secret/epoch", 0) == 0
+    assert not got
+    joiner.join(30)
+    assert got and len(got[0]) == 32 and got[0] != first  # a lapsed: a new group
+    assert store.add("torch_rpc_ext/dyn_secret/epoch", 0) == 1
+    b.stop()
+    a.stop()
+
+
 def _join_and_die(port, out):
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
     a = A.Group(store, "a", 0, 0, lease_s=1.0)
