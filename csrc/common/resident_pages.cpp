@@ -4,6 +4,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
+
 #include <algorithm>
 #include <thread>
 #include <vector>
@@ -50,35 +52,41 @@ bool pagesResident(const void* data, uint64_t bytes) {
 std::shared_ptr<PageRead> PageRead::start(
     const void* data,
     uint64_t bytes,
-    std::shared_ptr<void> keepAlive,
-    std::function<void(std::shared_ptr<void>)> letGo) {
+    std::shared_ptr<void> keepAlive) {
   auto read = std::make_shared<PageRead>();
   try {
     std::thread([read,
                  data,
                  bytes,
-                 keepAlive = std::move(keepAlive),
-                 letGo = std::move(letGo)]() mutable {
+                 keepAlive = std::move(keepAlive)]() mutable {
       const uintptr_t page = pageSize();
       const uintptr_t first = reinterpret_cast<uintptr_t>(data) & ~(page - 1);
       const uintptr_t end = reinterpret_cast<uintptr_t>(data) + bytes;
       if (::madvise(
               reinterpret_cast<void*>(first),
               end - first,
-              MADV_POPULATE_READ) != 0) {
-        // An older kernel, or memory it will not populate so: each page
-        // read once (a fault brings it in).
+              MADV_POPULATE_READ) != 0 &&
+          errno == EINVAL) {
+        // A kernel before 5.14 (or a mapping it does not populate so): each
+        // page read once, a fault bringing it in. Not on other errors
+        // (EFAULT, ENOMEM, EHWPOISON: a file truncated under its mapping,
+        // memory gone): a read here would kill the process with SIGBUS or
+        // SIGSEGV, where the caller's send fails with EFAULT.
         for (uintptr_t p = std::max(first, uintptr_t(data)); p < end;
              p = (p & ~(page - 1)) + page) {
           (void)*reinterpret_cast<const volatile char*>(p);
         }
       }
-      {
-        std::lock_guard<std::mutex> lock(read->mutex_);
-        read->done_ = true;
-        read->cv_.notify_all();
+      std::lock_guard<std::mutex> lock(read->mutex_);
+      if (read->abandoned_) {
+        // Kept for good: its caller may have let go of the rest (class
+        // comment). One per read that storage held past a close.
+        static_cast<void>(new std::shared_ptr<void>(std::move(keepAlive)));
+      } else {
+        keepAlive.reset(); // (the caller still holds its own)
       }
-      letGo(std::move(keepAlive));
+      read->done_ = true;
+      read->cv_.notify_all();
     }).detach();
   } catch (const std::exception&) {
     return nullptr;
@@ -89,6 +97,11 @@ std::shared_ptr<PageRead> PageRead::start(
 bool PageRead::waitFor(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mutex_);
   return cv_.wait_for(lock, timeout, [&] { return done_; });
+}
+
+void PageRead::abandon() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  abandoned_ = true; // (a read done already holds nothing)
 }
 
 } // namespace torch_rpc_ext

@@ -253,25 +253,25 @@ bool LanesChannel::waitResident(
     const std::shared_ptr<void>& keepAlive,
     const std::function<bool()>& sayAlive,
     std::string* error) {
-  if (pagesResident(data, bytes)) {
-    return true; // (a tensor's memory, nearly always)
-  }
-  auto read = PageRead::start(
-      data, bytes, keepAlive, [weak = weak_from_this()](auto k) {
-        if (auto self = weak.lock()) {
-          self->release(std::move(k));
-        }
-      });
+  auto read = PageRead::start(data, bytes, keepAlive);
   if (read == nullptr) {
     return true; // (no thread: the send reads them, silent meanwhile)
   }
-  while (!read->waitFor(kKeepAliveEvery)) {
+  // Asked every 10 ms (a close does not wait on us), said alive every
+  // kKeepAliveEvery.
+  auto said = std::chrono::steady_clock::now();
+  while (!read->waitFor(std::chrono::milliseconds(10))) {
     if (stop_.load() || host_.expired()) {
+      read->abandon();
       *error = "closed while its pages were read into memory";
       return false;
     }
-    if (!sayAlive()) {
-      return false;
+    if (std::chrono::steady_clock::now() - said >= kKeepAliveEvery) {
+      if (!sayAlive()) {
+        read->abandon();
+        return false;
+      }
+      said = std::chrono::steady_clock::now();
     }
   }
   return true;

@@ -175,11 +175,10 @@ class LanesChannel final : public Channel,
       uint64_t end,
       const std::function<bool()>& keepAlive,
       std::string* error);
-  // Whether the pages of [data, data + bytes) of a CPU stripe are in memory,
-  // once read in on a thread of their own if they were not (a memory-mapped
-  // file on slow storage, swap), calling `sayAlive` every kKeepAliveEvery
-  // meanwhile; false with `error` set if the lane failed or the channel
-  // closed first.
+  // Reads the pages of [data, data + bytes) of a CPU stripe into memory on
+  // a thread of their own (a memory-mapped file on slow storage, swap),
+  // calling `sayAlive` every kKeepAliveEvery meanwhile; false with `error`
+  // set if the lane failed or the channel closed first.
   bool waitResident(
       const char* data,
       uint64_t bytes,

@@ -10,6 +10,7 @@
 #include "csrc/channel/lanes/lane.h"
 #include "csrc/channel/lanes/lanes_channel.h"
 #include "csrc/common/logging.h"
+#include "csrc/common/resident_pages.h"
 #include "csrc/common/threads.h"
 
 namespace torch_rpc_ext::channel::lanes {
@@ -507,12 +508,6 @@ bool LanesChannel::writeStripe(
   uint64_t resident = 0; // of the stripe, seen in memory
   for (uint64_t done = 0; done < stripe.length;) {
     uint64_t length = std::min(piece, stripe.length - done);
-    ChunkHeader header{
-        stripe.token,
-        stripe.segmentSize,
-        stripe.offset + done,
-        static_cast<uint32_t>(length),
-        0};
     const char* src = stripe.data + stripe.offset + done;
     auto sayAlive = [&] {
       return sendKeepAlive(fd, stripe, stripe.offset + done, cipher, error);
@@ -523,16 +518,31 @@ bool LanesChannel::writeStripe(
       return false;
     }
     if (stripe.staged == nullptr && done + length > resident) {
-      // Pages that must come in from a file or swap first (a memory-mapped
-      // tensor): read in off this thread, which says it is alive meanwhile,
-      // or the receiver would take the silence for a stalled lane.
-      resident =
-          std::min(stripe.length, done + std::max(length, kResidentWindow));
-      if (!waitResident(
-              src, resident - done, stripe.keepAlive, sayAlive, error)) {
-        return false;
+      const uint64_t window =
+          std::min(stripe.length - done, std::max(length, kResidentWindow));
+      if (pagesResident(src, window)) {
+        resident = done + window; // (a tensor's memory, nearly always)
+      } else {
+        // Pages that must come in from a file or swap first (a memory-
+        // mapped tensor): read in off this thread, which says it is alive
+        // meanwhile (or the receiver would take the silence for a stalled
+        // lane), 1 MiB at a time, this chunk cut to it, so that the
+        // receiver counts each as progress, as it did each MiB the send
+        // faulted in: slow storage that keeps moving is no stall.
+        const uint64_t slice = std::min(window, kProgressSliceBytes);
+        if (!waitResident(src, slice, stripe.keepAlive, sayAlive, error)) {
+          return false;
+        }
+        resident = done + slice;
+        length = std::min(length, slice);
       }
     }
+    ChunkHeader header{
+        stripe.token,
+        stripe.segmentSize,
+        stripe.offset + done,
+        static_cast<uint32_t>(length),
+        0};
     if (cipher == nullptr) {
       if (!sendAll(fd, &header, sizeof(header), error)) {
         return false;
