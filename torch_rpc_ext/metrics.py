@@ -90,6 +90,9 @@ _AGENT_COUNTERS = {
                                   {"change": "declared_dead"}),
     "rpc_ext.membership.lease_lapses": (
         "lease_lapses", "Members' leases found lapsed (the member then probed)", {}),
+    "rpc_ext.membership.unproven_records": (
+        "membership_records_unproven", "Membership records passed over for want of the "
+        "group's proof (written without its secret)", {}),
     "rpc_ext.channel.{}.copied_bytes": ("channel_bytes", "Bytes a channel moved",
                                         {"channel": None}),
     "rpc_ext.channel.{}.segments": ("channel_segments", "Tensors' segments a channel moved",

@@ -115,6 +115,7 @@ class Connections final : private transport::ConnectionObserver {
       const std::vector<const Peer*>& peers,
       std::chrono::milliseconds within,
       bool dial);
+  // Also before open() (knockBeforeOpen).
   bool listenerAnswers(
       const std::string& name,
       const std::string& offers,
@@ -135,6 +136,10 @@ class Connections final : private transport::ConnectionObserver {
   std::string securityOf(const Peer& peer) const;
 
  private:
+  // listenerAnswers before open(), through a transport made for the knock.
+  bool knockBeforeOpen(
+      const std::string& offers,
+      std::chrono::milliseconds within) const;
   // ConnectionObserver: loop threads.
   void onReady(const std::shared_ptr<transport::Connection>& conn) override;
   frame::InboundBuffers onFrameHead(

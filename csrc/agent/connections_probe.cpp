@@ -4,7 +4,11 @@
 #include "csrc/agent/connections.h"
 
 #include <algorithm>
+#include <sstream>
 #include <thread>
+
+#include "csrc/common/crypto.h"
+#include "csrc/transport/registry.h"
 
 namespace torch_rpc_ext {
 
@@ -103,6 +107,9 @@ bool Connections::listenerAnswers(
     const std::string& name,
     const std::string& offers,
     std::chrono::milliseconds within) {
+  if (transports_.empty()) {
+    return knockBeforeOpen(offers, within);
+  }
   try {
     Route route = routeFor(name, offers);
     auto it = transports_.find(route.transport);
@@ -114,6 +121,48 @@ bool Connections::listenerAnswers(
   } catch (const std::exception&) {
     return false; // no transport of ours reaches it
   }
+}
+
+bool Connections::knockBeforeOpen(
+    const std::string& offers,
+    std::chrono::milliseconds within) const {
+  // Before open(): a dynamic group's joiner, in the secret exchange, asks
+  // whether members whose lease lapsed still answer, and holds no secret
+  // yet to open our transports with. A transport made for this knock alone
+  // (never listening, no TLS, a secret nobody shares: it proves nothing to
+  // anyone) routes and knocks as ours will, then goes.
+  transport::TransportOptions topts;
+  topts.selfId = self_.id_;
+  topts.secret = randomBytes(32);
+  topts.tls.mode = transport::parseTlsMode("off");
+  topts.bindAddress = options_.address;
+  for (const auto& ours : options_.transports) {
+    std::istringstream lines(offers);
+    std::string line;
+    while (std::getline(lines, line)) {
+      std::istringstream fields(line);
+      std::string name, domain, address;
+      fields >> name >> domain >> address;
+      if (name != ours || address.empty()) {
+        continue;
+      }
+      try {
+        auto t = transport::createTransport(name, topts);
+        if (!t->isViable() || domain != t->domainDescriptor()) {
+          break; // not ours to reach: the next transport of our order
+        }
+        const bool answers = t->listenerAnswers(
+            address,
+            std::min<std::chrono::milliseconds>(
+                within, std::chrono::seconds(1)));
+        t->stop();
+        return answers;
+      } catch (const std::exception&) {
+        break;
+      }
+    }
+  }
+  return false; // no transport of ours reaches it
 }
 
 } // namespace torch_rpc_ext

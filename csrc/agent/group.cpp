@@ -73,7 +73,13 @@ const std::string& Group::establishSecret() {
     secret_ = exchange_.forDynamicGroup(
         std::max<std::chrono::milliseconds>(
             options_.rendezvousTimeout, 3 * leaseTimeout()),
-        leaseTimeout());
+        leaseTimeout(),
+        [this](
+            const std::string& name,
+            const std::string& offers,
+            std::chrono::milliseconds within) {
+          return listener_.listenerAnswers(name, offers, within);
+        });
   }
   if (worldSize_ == 0) {
     incarnation_ = drawIncarnation(); // proven in every handshake
@@ -240,6 +246,7 @@ void Group::addMetrics(std::unordered_map<std::string, std::string>& m) const {
   m["rpc_ext.membership.leaves"] = std::to_string(leaves_.load());
   m["rpc_ext.membership.deaths"] = std::to_string(deaths_.load());
   m["rpc_ext.membership.lease_lapses"] = std::to_string(leaseLapses_.load());
+  m["rpc_ext.membership.unproven_records"] = std::to_string(unproven_.load());
 }
 
 // ---- The static group's join barrier ----------------------------------------

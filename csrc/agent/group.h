@@ -27,7 +27,7 @@
 //    GroupListener's onDeparted() and onFenced() run under it.
 //  - eventsMutex_ guards events_, reportEvents_, eventsClosed_
 //    (takeEvents() runs on the Python event thread).
-//  - watcherMutex_ guards watcherStop_.
+//  - watcherMutex_ guards watcherStop_ and watcher_ (the thread object).
 // The lock order is rosterMutex_, then viewMutex_ / peersMutex_ /
 // eventsMutex_ (each held alone). No lock of ours is held while the
 // listener's probe(), listenerAnswers() or whyUnreachable() run except
@@ -200,8 +200,11 @@ class Group {
 
   // Stops the watcher thread, without leaving: no more lease renewals or
   // secrets sealed (stop() does this after its leave; tests freeze a member
-  // so, as a stopped process is).
+  // so, as a stopped process is). Any thread, any number of times.
   void stopWatcher();
+  // Starts it, if it is not running: once joined (joinLog), and again in
+  // tests, as a stopped process is continued.
+  void startWatcher();
 
  private:
   void publish(std::shared_ptr<const View> view);
@@ -217,6 +220,9 @@ class Group {
   // Apply what the log holds past our roster; true if anything changed.
   bool catchUp();
   void applyEvent(const MembershipEvent& ev);
+  // We are out of the group, for `reason`: every send fails from now on
+  // (rosterMutex_ held; once).
+  void fence(const std::string& reason);
   // Acknowledge the epoch applied, if not yet (rosterMutex_ held).
   void ackApplied();
   // Wait until every member of the current view other than us has
@@ -283,6 +289,8 @@ class Group {
   // declared dead, ourselves included), and leases found lapsed (a member
   // then probed, alive or not): get_metrics' rpc_ext.membership.*.
   std::atomic<uint64_t> joins_{0}, leaves_{0}, deaths_{0}, leaseLapses_{0};
+  // Records passed over for want of the group's proof.
+  std::atomic<uint64_t> unproven_{0};
   std::chrono::steady_clock::time_point nextBeat_, nextLeaseCheck_;
   std::thread watcher_;
   std::mutex watcherMutex_;

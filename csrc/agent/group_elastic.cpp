@@ -31,7 +31,9 @@ void Group::joinLog(
     const std::string& entry,
     std::chrono::milliseconds rpcTimeout) {
   const auto& self = self_;
-  log_ = std::make_unique<MembershipLog>(store_);
+  // Every record we write carries the group's proof, and we apply only
+  // records that do (membership.h).
+  log_ = std::make_unique<MembershipLog>(store_, secret_);
   log_->beat(incarnation_);
   // A member that died meanwhile is declared dead by its lease, which ends
   // any wait for it; this bounds the rest (a store that stopped answering).
@@ -106,14 +108,7 @@ void Group::joinLog(
     std::lock_guard<std::mutex> events(eventsMutex_);
     reportEvents_ = true;
   }
-  {
-    std::lock_guard<std::mutex> lock(watcherMutex_);
-    watcherStop_ = false;
-  }
-  watcher_ = std::thread([this] {
-    nameThisThread("rpcx-group");
-    watch();
-  });
+  startWatcher();
   // Return once every member knows us: a member may call us as soon as our
   // init_rpc returned (upstream's test_dynamic_rpc_existing_rank_...).
   // Joined, but init_rpc fails: we leave again, then say why.
@@ -161,10 +156,40 @@ bool Group::catchUp() {
     }
   }
   while (auto record = log_->read(roster_.epoch() + 1)) {
-    applyEvent(roster_.apply(*record));
+    if (record->proven) {
+      applyEvent(roster_.apply(record->body));
+    } else {
+      // Written by someone without the group's secret: a store writer's
+      // forgery, or a record of the group this store held before it
+      // started over with a new secret. Every member passes it over alike.
+      const int64_t epoch = roster_.epoch() + 1;
+      if (unproven_.fetch_add(1, std::memory_order_relaxed) == 0) {
+        logWarning(
+            "torch_rpc_ext: " + self_.name_ +
+            " passes over the membership record at epoch " +
+            std::to_string(epoch) +
+            ": it does not carry the group's proof (written without the "
+            "group's secret: a forgery, or a record of an earlier group in "
+            "this store); rpc_ext.membership.unproven_records counts them");
+      }
+      applyEvent(roster_.skip(
+          "the record at epoch " + std::to_string(epoch) +
+          " does not carry the group's proof"));
+    }
     changed = true;
   }
   return changed;
+}
+
+void Group::fence(const std::string& reason) {
+  if (fenced_.load()) {
+    return;
+  }
+  // Fenced: the others no longer talk to us, nor we to them.
+  fencedReason_ = reason;
+  fenced_ = true;
+  logWarning("torch_rpc_ext: " + fencedReason_);
+  listener_.onFenced(fencedReason_);
 }
 
 void Group::applyEvent(const MembershipEvent& ev) {
@@ -215,12 +240,10 @@ void Group::applyEvent(const MembershipEvent& ev) {
       leases_.erase(ev.member.incarnation);
       if (ev.member.incarnation == incarnation_) {
         if (ev.kind == MembershipEvent::Kind::kDead && !left_.load()) {
-          // Fenced: the others no longer talk to us, nor we to them.
-          fencedReason_ = "this worker (" + ev.member.name +
-              ") was declared dead by the group" + epochText + ": " + ev.reason;
-          fenced_ = true;
-          logWarning("torch_rpc_ext: " + fencedReason_);
-          listener_.onFenced(fencedReason_);
+          fence(
+              "this worker (" + ev.member.name +
+              ") was declared dead by the group" + epochText + ": " +
+              ev.reason);
         }
         break;
       }
@@ -279,9 +302,21 @@ void Group::watch() {
           log_->writeSnapshot(roster_.epoch(), roster_.snapshot());
           snapshotWritten_ = roster_.epoch();
         }
-        if (now >= nextLeaseCheck_) {
+        if (now >= nextLeaseCheck_ && !fenced_.load()) {
           checkLeases();
           ackApplied(); // a death it recorded itself
+          // A group whose members all lapsed, we among them (our process
+          // stopped, say), starts over with a new secret: its records do
+          // not prove themselves to us, nor ours to it, so nobody would
+          // declare us dead there. We are out, and say so.
+          if (options_.secret.empty() && !left_.load() &&
+              exchange_.epochEnded()) {
+            fence(
+                "this worker (" + self_.name_ +
+                ") is no longer in the group: the group started over with "
+                "a new secret while this worker's lease had lapsed (nobody "
+                "was seen alive to seal the old one to a joiner)");
+          }
           nextLeaseCheck_ = now +
               std::min<std::chrono::milliseconds>(
                                 leaseTimeout() / 5, std::chrono::seconds(1));
@@ -394,19 +429,40 @@ void Group::stop() {
   stopWatcher();
 }
 
+void Group::startWatcher() {
+  {
+    std::lock_guard<std::mutex> lock(watcherMutex_);
+    if (watcher_.joinable()) {
+      return;
+    }
+    watcherStop_ = false;
+  }
+  watcher_ = std::thread([this] {
+    nameThisThread("rpcx-group");
+    watch();
+  });
+}
+
 void Group::stopWatcher() {
   {
     std::lock_guard<std::mutex> lock(eventsMutex_);
     eventsClosed_ = true;
   }
   eventsCv_.notify_all();
+  // The thread is taken under the lock: of two threads stopping it at once,
+  // one joins it.
+  std::thread watcher;
   {
     std::lock_guard<std::mutex> lock(watcherMutex_);
     watcherStop_ = true;
+    if (watcher_.joinable() &&
+        watcher_.get_id() != std::this_thread::get_id()) {
+      watcher = std::move(watcher_);
+    }
   }
   watcherCv_.notify_all();
-  if (watcher_.joinable() && watcher_.get_id() != std::this_thread::get_id()) {
-    watcher_.join();
+  if (watcher.joinable()) {
+    watcher.join();
   }
 }
 

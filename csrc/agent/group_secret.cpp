@@ -172,7 +172,8 @@ std::string SecretExchange::forStaticGroup(int worldSize) {
 
 std::string SecretExchange::forDynamicGroup(
     std::chrono::milliseconds timeout,
-    std::chrono::milliseconds lease) {
+    std::chrono::milliseconds lease,
+    const ListenerAnswers& answers) {
   const auto deadline = Clock::now() + timeout;
   X25519Key key;
   const std::string pub = key.publicKey();
@@ -235,7 +236,7 @@ std::string SecretExchange::forDynamicGroup(
         // group, with a new secret; one joiner ends the epoch.
         const bool joined = store_->check({dynKey(epoch, "joined")});
         if ((joined || now - asked > 3 * lease) &&
-            liveMembers(lease, now, beats) == 0 &&
+            liveMembers(lease, now, beats, answers) == 0 &&
             fromBytes(store_->compareSet(
                 dynKey(epoch, "ended"), {}, toBytes(pub))) == pub) {
           store_->add(kDynEpochKey, 1);
@@ -253,8 +254,13 @@ bool SecretExchange::noteJoined() {
   }
   store_->set(dynKey(epoch_, "joined"), toBytes(std::string("1")));
   // A group that started over while we joined holds another secret.
-  return store_->add(kDynEpochKey, 0) == epoch_ &&
-      !store_->check({dynKey(epoch_, "ended")});
+  return !epochEnded();
+}
+
+bool SecretExchange::epochEnded() const {
+  return epoch_ >= 0 &&
+      (store_->add(kDynEpochKey, 0) != epoch_ ||
+       store_->check({dynKey(epoch_, "ended")}));
 }
 
 bool SecretExchange::sealTo(int64_t n, const std::string& secret) {
@@ -317,7 +323,8 @@ void SecretExchange::serve(const std::string& secret) {
 size_t SecretExchange::liveMembers(
     std::chrono::milliseconds lease,
     Clock::time_point now,
-    std::map<uint64_t, Beat>& beats) const {
+    std::map<uint64_t, Beat>& beats,
+    const ListenerAnswers& answers) const {
   // A roster of our own, read from the log: nothing applied to the view.
   MembershipLog log(store_);
   Roster roster;
@@ -326,7 +333,7 @@ size_t SecretExchange::liveMembers(
     roster.restore(epoch, text);
   }
   while (auto record = log.read(roster.epoch() + 1)) {
-    roster.apply(*record);
+    roster.apply(record->body); // unproven: we hold no secret yet
   }
   // Listed, and its lease renewed within its own lease of our watching it
   // (a member that died without leaving stays listed until a member
@@ -343,7 +350,20 @@ size_t SecretExchange::liveMembers(
     }
     const auto its =
         member.leaseMs > 0 ? std::chrono::milliseconds(member.leaseMs) : lease;
-    live += now - it->second.since <= its ? 1 : 0;
+    const auto quiet = now - it->second.since;
+    if (quiet <= its) {
+      ++live;
+    } else if (
+        // Lapsed. A member whose listener still answers (a live process,
+        // perhaps stopped: its kernel accepts for it) is kept for
+        // kMaxLeaseProbing more leases, as the members keep each other
+        // (Group::checkLeases) and as a joiner keeps the holder of its rank:
+        // judged by the lease alone, a member stopped for two leases found
+        // the group started over without it.
+        quiet <= (1 + kMaxLeaseProbing) * its && answers &&
+        answers(member.name, member.offers, its)) {
+      ++live;
+    }
   }
   return live;
 }

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -31,15 +32,29 @@ class SecretExchange {
   // Rank 0 makes the secret and seals it to every other rank of
   // `worldSize`; the others open theirs. Throws naming the problem.
   std::string forStaticGroup(int worldSize);
+  // Whether the listener a member published (its name, its offers)
+  // accepts a connection within the time given: GroupListener's.
+  using ListenerAnswers = std::function<bool(
+      const std::string& name,
+      const std::string& offers,
+      std::chrono::milliseconds within)>;
   // Makes the secret if we come first (or the group has nobody alive to
-  // seal it: members whose `lease` lapsed count as gone), else waits up to
-  // `timeout` for a member to seal it to us. Throws naming the problem.
+  // seal it: members whose lease lapsed and whose listener does not answer,
+  // or has answered for kMaxLeaseProbing leases past the lapse, count as
+  // gone, as members judge each other; `lease` where the log lists none),
+  // else waits up to `timeout` for a member to seal it to us. Throws naming
+  // the problem.
   std::string forDynamicGroup(
       std::chrono::milliseconds timeout,
-      std::chrono::milliseconds lease);
+      std::chrono::milliseconds lease,
+      const ListenerAnswers& answers);
   // We joined the dynamic group: its epoch has had a member. False if the
   // epoch ended meanwhile (the group started over with another secret).
   bool noteJoined();
+  // Whether the epoch whose secret we hold has ended (the group started
+  // over with another secret): false before we hold one, and for a secret
+  // of the user's.
+  bool epochEnded() const;
   // Seal `secret` to every joiner that asked since the last call (a no-op
   // unless forDynamicGroup gave us the secret).
   void serve(const std::string& secret);
@@ -57,7 +72,8 @@ class SecretExchange {
   size_t liveMembers(
       std::chrono::milliseconds lease,
       Clock::time_point now,
-      std::map<uint64_t, Beat>& beats) const;
+      std::map<uint64_t, Beat>& beats,
+      const ListenerAnswers& answers) const;
   // Seal `secret` to request n of our epoch: false if its key is not there
   // yet (watcher thread).
   bool sealTo(int64_t n, const std::string& secret);

@@ -3,6 +3,7 @@
 
 #include "csrc/agent/dynamic_devices.h"
 #include "csrc/agent/store_bytes.h"
+#include "csrc/common/crypto.h"
 
 #include <algorithm>
 #include <charconv>
@@ -23,6 +24,21 @@ constexpr int32_t kMaxRank = 32767;
 constexpr size_t kMaxRecordBytes = 64 * 1024;
 // A day: longer is not a lease.
 constexpr int64_t kMaxLeaseMs = 86400 * 1000;
+// A proven record's or snapshot's first line: "proof " and 64 hex digits.
+constexpr size_t kProofLineBytes = 6 + 64 + 1;
+// What the proof key is drawn for from the group's secret (HMAC-SHA256 of
+// this under the secret): no other use of the secret shares it.
+constexpr const char* kProofPurpose = "torch_rpc_ext membership log v1";
+
+std::string hexText(const Digest& d) {
+  static const char kDigits[] = "0123456789abcdef";
+  std::string out(2 * d.size(), '0');
+  for (size_t i = 0; i < d.size(); ++i) {
+    out[2 * i] = kDigits[d[i] >> 4];
+    out[2 * i + 1] = kDigits[d[i] & 0xf];
+  }
+  return out;
+}
 
 // The record's head line, split at spaces: at most `most` fields, the last
 // one taking the rest of the line (a dead record's reason has spaces).
@@ -270,6 +286,14 @@ MembershipEvent Roster::apply(const std::string& record) {
   return ev;
 }
 
+MembershipEvent Roster::skip(std::string why) {
+  MembershipEvent ev;
+  ev.epoch = ++epoch_;
+  ev.kind = MembershipEvent::Kind::kIgnored;
+  ev.reason = std::move(why);
+  return ev;
+}
+
 std::string Roster::snapshot() const {
   // Each member's join record, after its length: "<bytes>\n<record>".
   std::string out;
@@ -307,15 +331,57 @@ bool Roster::restore(int64_t epoch, const std::string& text) {
   return true;
 }
 
-std::optional<std::string> MembershipLog::read(int64_t epoch) const {
-  return peek(logKey(epoch));
+MembershipLog::MembershipLog(
+    c10::intrusive_ptr<::c10d::Store> store,
+    const std::string& secret)
+    : store_(std::move(store)) {
+  if (!secret.empty()) {
+    const Digest key = hmacSha256(secret, kProofPurpose);
+    proofKey_.assign(reinterpret_cast<const char*>(key.data()), key.size());
+  }
+}
+
+std::string MembershipLog::seal(const std::string& key, const std::string& body)
+    const {
+  if (proofKey_.empty()) {
+    return body;
+  }
+  // Bound to the key: the same record proves nothing at another epoch.
+  return "proof " + hexText(hmacSha256(proofKey_, key + "\n" + body)) + "\n" +
+      body;
+}
+
+LogRecord MembershipLog::open(const std::string& key, const std::string& stored)
+    const {
+  LogRecord r;
+  if (stored.size() < kProofLineBytes || stored.compare(0, 6, "proof ") != 0 ||
+      stored[kProofLineBytes - 1] != '\n') {
+    r.body = stored; // bare: a forgery, or a test's record
+    return r;
+  }
+  r.body = stored.substr(kProofLineBytes);
+  if (!proofKey_.empty()) {
+    const std::string want =
+        hexText(hmacSha256(proofKey_, key + "\n" + r.body));
+    r.proven = constantTimeEqual(want.data(), stored.data() + 6, want.size());
+  }
+  return r;
+}
+
+std::optional<LogRecord> MembershipLog::read(int64_t epoch) const {
+  const std::string key = logKey(epoch);
+  auto stored = peek(key);
+  if (!stored) {
+    return std::nullopt;
+  }
+  return open(key, *stored);
 }
 
 int64_t MembershipLog::append(const std::string& record, int64_t after) const {
-  auto bytes = toBytes(record);
   for (int64_t e = after + 1;; ++e) {
     // Claiming the key and writing the record are one step: no holes, no
     // lock to leave behind.
+    const auto bytes = toBytes(seal(logKey(e), record));
     auto got = store_->compareSet(logKey(e), {}, bytes);
     if (got == bytes) {
       return e;
@@ -375,7 +441,7 @@ int64_t MembershipLog::acked(uint64_t incarnation) const {
 void MembershipLog::writeSnapshot(int64_t epoch, const std::string& text)
     const {
   const std::string key = "snap/" + std::to_string(epoch);
-  store_->compareSet(key, {}, toBytes(text));
+  store_->compareSet(key, {}, toBytes(seal(key, text)));
   // Then the pointer, which only moves forward.
   int64_t latest = readNumber("snap/latest");
   while (latest < epoch) {
@@ -398,7 +464,11 @@ std::pair<int64_t, std::string> MembershipLog::latestSnapshot() const {
   if (epoch <= 0 || !(text = peek(key))) {
     return {0, ""};
   }
-  return {epoch, *text};
+  LogRecord snapshot = open(key, *text);
+  if (!proofKey_.empty() && !snapshot.proven) {
+    return {0, ""};
+  }
+  return {epoch, std::move(snapshot.body)};
 }
 
 int64_t MembershipLog::snapshotEvery() {

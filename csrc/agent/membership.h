@@ -161,6 +161,9 @@ class Roster {
   // Apply the record at epoch() + 1. Garbage is ignored with a reason (the
   // store is shared with whoever knows it; no record can make us crash).
   MembershipEvent apply(const std::string& record);
+  // Pass over the record at epoch() + 1, ignored for `why` (one that does
+  // not carry the group's proof: MembershipLog).
+  MembershipEvent skip(std::string why);
 
   int64_t epoch() const {
     return epoch_;
@@ -184,17 +187,35 @@ class Roster {
   std::map<int32_t, Member> members_; // by rank
 };
 
+// A record as the log holds it: what Roster::apply reads, and whether it
+// carries the group's proof.
+struct LogRecord {
+  std::string body;
+  bool proven = false;
+};
+
 // The log's keys in the group's store (a PrefixStore the backend makes:
 // torch_rpc_ext/elastic/<group>/): "log/<epoch>", each member's lease
 // "beat/<incarnation>" (a counter it bumps) and acknowledgement
 // "ack/<incarnation>" (the last epoch it applied).
+//
+// Records and snapshots carry the group's proof: a first line
+// "proof <HMAC-SHA256, hex>" over their key ("log/7") and body, under a key
+// drawn from the group's secret. Anyone can write the store; without the
+// secret, nobody can write a record the members apply, and a member's
+// record copied to another epoch proves nothing there (docs/security.md).
 class MembershipLog {
  public:
-  explicit MembershipLog(c10::intrusive_ptr<::c10d::Store> store)
-      : store_(std::move(store)) {}
+  // `secret`: the group's. Empty: records are written bare and read
+  // unproven (SecretExchange reads the log before it holds the secret, to
+  // see who is alive; tests write forged records so).
+  explicit MembershipLog(
+      c10::intrusive_ptr<::c10d::Store> store,
+      const std::string& secret = "");
 
-  // The record at `epoch`, if it has been written.
-  std::optional<std::string> read(int64_t epoch) const;
+  // The record at `epoch`, if it has been written: proven if its proof is
+  // the group's for that epoch (never, without a secret).
+  std::optional<LogRecord> read(int64_t epoch) const;
   // Append `record` at the first free epoch after `after`; returns that
   // epoch. Records that others appended in between are left for the caller
   // to read and apply.
@@ -214,7 +235,8 @@ class MembershipLog {
   // "snap/latest"), written every `snapshotEvery()` epochs by the members
   // that reach one (the same text for an epoch: whoever writes first wins).
   void writeSnapshot(int64_t epoch, const std::string& text) const;
-  // The newest snapshot's epoch and text, or epoch 0.
+  // The newest snapshot's epoch and text, or epoch 0 (also where it is not
+  // proven, with a secret: the log is then read from its first record).
   std::pair<int64_t, std::string> latestSnapshot() const;
   // kSnapshotEvery, or TORCH_RPC_EXT_LOG_SNAPSHOT_EVERY.
   static int64_t snapshotEvery();
@@ -224,8 +246,14 @@ class MembershipLog {
   std::optional<std::string> peek(const std::string& key) const;
   // A counter or epoch stored as decimal text; 0 if absent or not a number.
   int64_t readNumber(const std::string& key) const;
+  // `body` as stored at `key`: with its proof, given a secret.
+  std::string seal(const std::string& key, const std::string& body) const;
+  // What is stored at `key`: its body (without a proof line) and whether
+  // the proof is ours.
+  LogRecord open(const std::string& key, const std::string& stored) const;
 
   c10::intrusive_ptr<::c10d::Store> store_;
+  std::string proofKey_; // drawn from the secret; empty without one
 };
 
 std::string incarnationText(uint64_t incarnation);

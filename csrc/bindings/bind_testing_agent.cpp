@@ -9,6 +9,7 @@
 
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "csrc/agent/group.h"
@@ -231,6 +232,21 @@ void bindTestingAgent(py::module_& parent) {
           [](GroupHarness& h) {
             py::gil_scoped_release nogil;
             h.group->stopWatcher();
+          })
+      // Group::addMetrics' rpc_ext.membership.* (dynamic groups).
+      .def(
+          "metrics",
+          [](const GroupHarness& h) {
+            std::unordered_map<std::string, std::string> m;
+            h.group->addMetrics(m);
+            return m;
+          })
+      // And continued.
+      .def(
+          "thaw",
+          [](GroupHarness& h) {
+            py::gil_scoped_release nogil;
+            h.group->startWatcher();
           })
       .def_property_readonly(
           "fenced",

@@ -116,11 +116,11 @@ def test_dynamic_members_see_each_other_join_and_leave():
 def test_a_member_whose_lease_lapses_and_does_not_answer_is_declared_dead():
     store = dist.HashStore()
     a = A.Group(store, "a", 0, 0, lease_s=0.3)
-    a.join("addr-a")
+    secret = a.join("addr-a")
     # A member that never renews its lease (its process died right after
     # its join record landed).
     ghost = 0xDEAD
-    t.log_append(store, t.join_record(1, "ghost", ghost, 300), 0)
+    t.log_append(store, t.join_record(1, "ghost", ghost, 300), 0, secret)
     wait_for(lambda: any(d[0] == "ghost" for d in a.departed()), what="ghost declared dead")
     name, dead, why = a.departed()[0]
     assert dead and "ghost was declared dead at epoch 3" in why
@@ -141,8 +141,8 @@ def test_a_member_whose_lease_lapses_and_does_not_answer_is_declared_dead():
 def test_a_member_that_answers_probes_is_kept_for_a_few_leases_only():
     store = dist.HashStore()
     a = A.Group(store, "a", 0, 0, lease_s=0.2, answers_probes=True)
-    a.join("addr-a")
-    t.log_append(store, t.join_record(1, "stalled", 0xBEEF, 200), 0)
+    secret = a.join("addr-a")
+    t.log_append(store, t.join_record(1, "stalled", 0xBEEF, 200), 0, secret)
     start = time.monotonic()
     wait_for(lambda: a.departed(), what="stalled declared dead")
     # Reachable, but renewing nothing: dead after kMaxLeaseProbing (3)
@@ -155,14 +155,137 @@ def test_a_member_that_answers_probes_is_kept_for_a_few_leases_only():
 def test_a_member_declared_dead_is_fenced():
     store = dist.HashStore()
     a = A.Group(store, "a", 0, 0)
-    a.join("addr-a")
-    t.log_append(store, t.dead_record(a.incarnation, 0x1, "a partition"), 0)
+    secret = a.join("addr-a")
+    t.log_append(store, t.dead_record(a.incarnation, 0x1, "a partition"), 0, secret)
     wait_for(lambda: a.fenced, what="fenced")
     assert "this worker (a) was declared dead by the group at epoch 2: a partition" in a.fenced
     # The flag is set first (sends are refused from then on), then the
     # listener is told (it closes the connections): wait for the second.
     wait_for(lambda: a.fenced_reason_heard(), what="the listener told")
     assert a.fenced_reason_heard() == a.fenced
+    a.stop()
+
+
+def test_records_without_the_groups_proof_change_nothing():
+    """Anyone who can write the store can append to the membership log.
+    Records carry the group's proof (an HMAC under its secret, bound to
+    their epoch), and members pass over those that do not: before, a
+    forged `dead` record fenced a member, a forged `join` held a rank, and
+    a member's own join record copied past its leave brought it back."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=2.0)
+    secret = a.join("addr-a")
+    b = A.Group(store, "b", 1, 0, lease_s=2.0)
+    b.join("addr-b")
+    b_join = store.get("log/2")  # b's record, its proof and all
+    body, proven = t.log_read(store, 2, secret)
+    assert proven and body.startswith(b"join ") and t.log_read(store, 2) == (body, False)
+    b.leave()
+    wait_for(lambda: a.epoch == 3, what="b's leave applied")
+    assert a.events(5) == [("join", 2, "b", 1, ""), ("leave", 3, "b", 1, "")]
+    forged = [
+        t.dead_record(a.incarnation, 0x1, "forged"),  # bare
+        t.join_record(2, "ghost", 0xD00D, 2000),
+        t.dead_record(a.incarnation, 0x1, "forged"),  # under another secret
+    ]
+    t.log_append(store, forged[0], 3)
+    t.log_append(store, forged[1], 3)
+    t.log_append(store, forged[2], 3, b"x" * 32)
+    # b's join, proof and all, where its leave is past: the proof names
+    # epoch 2, not this one.
+    assert store.compare_set("log/7", b"", b_join) == b_join
+    t.log_append(store, t.join_record(3, "ghost2", 0xF00D, 2000), 7, secret[:-1])
+    wait_for(lambda: a.epoch == 8, what="the forged records passed over")
+    assert not a.fenced
+    assert [m[:2] for m in a.members()] == [(0, "a")]
+    assert a.events(0.3) == []  # nothing changed
+    assert a.metrics()["rpc_ext.membership.unproven_records"] == "5"
+    assert t.log_read(store, 4, secret) == (forged[0], False)
+    # The group goes on: a joiner's record lands after them, and everyone
+    # agrees on who is in.
+    c = A.Group(store, "c", 2, 0, lease_s=2.0)
+    assert c.join("addr-c") == secret
+    wait_for(lambda: a.epoch == 9, what="c's join applied")
+    assert [m[:2] for m in a.members()] == [(0, "a"), (2, "c")]
+    assert [m[:2] for m in c.members()] == [(0, "a"), (2, "c")]
+    assert a.events(5) == [("join", 9, "c", 2, "")]
+    for g in (a, b, c):
+        g.stop()
+
+
+def test_a_joiner_starts_from_no_snapshot_without_the_groups_proof(monkeypatch):
+    """A joiner starts from the newest snapshot of the roster; one written
+    by someone without the secret (here listing a ghost, at an epoch far
+    ahead) is not used: the joiner reads the log from its first record and
+    agrees with the members. Before, it took the forged roster."""
+    monkeypatch.setenv("TORCH_RPC_EXT_LOG_SNAPSHOT_EVERY", "2")
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=2.0)
+    secret = a.join("addr-a")
+    b = A.Group(store, "b", 1, 0, lease_s=2.0)
+    b.join("addr-b")
+    wait_for(lambda: store.check(["snap/2"]), what="a's snapshot at epoch 2")
+    forged = t.Roster()
+    forged.apply(t.join_record(0, "a", a.incarnation, 2000))
+    forged.apply(t.join_record(5, "ghost", 0xD00D, 2000))
+    store.set("snap/100", forged.snapshot())
+    store.set("snap/latest", "100")
+    c = A.Group(store, "c", 2, 0, lease_s=2.0)
+    assert c.join("addr-c") == secret
+    assert [m[:2] for m in c.members()] == [(0, "a"), (1, "b"), (2, "c")]
+    wait_for(lambda: a.epoch == 3, what="c's join applied")
+    assert [m[:2] for m in a.members()] == [(0, "a"), (1, "b"), (2, "c")]
+    for g in (a, b, c):
+        g.stop()
+
+
+def test_a_joiner_keeps_a_lapsed_member_whose_listener_answers_for_a_few_leases():
+    """A member stopped past its lease (a debugger, a stalled host) still
+    has its listener answered by its kernel. A joiner that finds every
+    listed member lapsed knocks on their listeners, and keeps one that
+    answers for kMaxLeaseProbing (3) more leases, as the members keep each
+    other: continued within them, the member seals the secret it holds.
+    Before, judged by the lease alone, the joiner ended the epoch one lease
+    in and started a second group beside the stopped member's."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=0.5)
+    first = a.join("addr-a")
+    a.freeze()
+    b = A.Group(store, "b", 1, 0, lease_s=0.5, answers_probes=True)
+    got = []
+    joiner = threading.Thread(target=lambda: got.append(b.join("addr-b")), daemon=True)
+    joiner.start()
+    time.sleep(1.3)  # a lapsed for more than a lease, fewer than four
+    assert store.add("torch_rpc_ext/dyn_secret/epoch", 0) == 0
+    assert not got
+    a.thaw()
+    joiner.join(30)
+    assert got == [first]
+    assert [m[:2] for m in b.members()] == [(0, "a"), (1, "b")]
+    b.stop()
+    a.stop()
+
+
+def test_a_member_left_behind_when_the_group_starts_over_is_fenced():
+    """A member whose process stops past its lease, while a joiner finds
+    nobody alive to seal the secret, is left behind: the group starts over
+    with a new secret, whose records prove nothing to the old member (nor
+    its to them), so no member there declares it dead. Continued, it finds
+    its epoch ended and fences itself, naming that, rather than go on as a
+    group of one."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=0.3)
+    first = a.join("addr-a")
+    a.freeze()
+    b = A.Group(store, "b", 1, 0, lease_s=0.3)
+    renewed = b.join("addr-b")
+    assert renewed != first
+    assert [m[:2] for m in b.members()] == [(1, "b")]  # a's join proves nothing
+    a.thaw()
+    wait_for(lambda: a.fenced, what="a fenced")
+    assert "the group started over with a new secret" in a.fenced
+    wait_for(lambda: a.fenced_reason_heard(), what="the listener told")
+    b.stop()
     a.stop()
 
 
