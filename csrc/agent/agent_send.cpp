@@ -58,6 +58,8 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       group_.fencedReason());
   Peer* peer = group_.peerById(to.id_);
   if (!peer || peer->info.name_ != to.name_ || peer->departed()) {
+    // Forks of ours pickled into it would be held by nobody, for good.
+    rrefs_.dropCarried(*message);
     auto gone = group_.lastPeerNamed(to.name_);
     TORCH_CHECK(
         !(gone && gone->departed()),
@@ -104,7 +106,12 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   frame::OutboundFrame frame = wire::encodeMessage(
       message, id, route ? &*route : nullptr, tracing::outgoing());
   AgentDevices::recordCudaUse(*message);
-  rrefs_.trackOwnForks(*message, to.id_); // an RRef of ours passed to `to`
+  // An RRef of ours passed to `to`; gone already if `to` departed since
+  // the check above (its departure has released what it held).
+  auto passed = rrefs_.trackOwnForks(*message, to.id_);
+  if (!passed.empty() && peer->departed()) {
+    rrefs_.dropForks(passed);
+  }
   encodeSpan.reset();
   call_trace::stamp(id, call_trace::kEncoded);
   if (phases) {

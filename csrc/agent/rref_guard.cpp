@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 
 #include <sstream>
 
@@ -207,17 +208,14 @@ void RRefGuard::forkDeleted(const rpc::ForkId& forkId) {
   holders_.erase(forkId);
 }
 
-void RRefGuard::trackOwnForks(
+std::vector<rpc::ForkId> RRefGuard::claimCarried(
     const rpc::Message& message,
-    rpc::worker_id_t to) {
-  if (!enabled_) {
-    return;
-  }
+    std::optional<rpc::worker_id_t> to) {
   const auto& payload = message.payload();
   const std::string_view bytes(payload.data(), payload.size());
   bool python = false;
-  if (!mentionsRRef(bytes, &python) || !live_.load()) {
-    return;
+  if (!mentionsRRef(bytes, &python)) {
+    return {};
   }
   // Ours, forked by us, held by nobody we know of yet: a fork this message
   // carries, or one of a message still being sent by another thread.
@@ -229,9 +227,75 @@ void RRefGuard::trackOwnForks(
       unheld.push_back(f);
     }
   }
-  for (const auto& forkId : forksCarried(bytes, self_, unheld)) {
-    holders_[forkId] = to;
+  auto carried = forksCarried(bytes, self_, unheld);
+  if (to) {
+    for (const auto& forkId : carried) {
+      holders_[forkId] = *to;
+    }
   }
+  return carried;
+}
+
+std::vector<rpc::ForkId> RRefGuard::trackOwnForks(
+    const rpc::Message& message,
+    rpc::worker_id_t to) {
+  if (!enabled_ || !live_.load()) {
+    return {};
+  }
+  return claimCarried(message, to);
+}
+
+void RRefGuard::dropForks(const std::vector<rpc::ForkId>& forks) {
+  if (forks.empty() || !live_.load()) {
+    return;
+  }
+  std::unordered_set<rpc::ForkId, rpc::ForkId::Hash> dropping(
+      forks.begin(), forks.end());
+  {
+    std::lock_guard<std::mutex> lock(holdersMutex_);
+    for (const auto& forkId : forks) {
+      holders_.erase(forkId);
+    }
+  }
+  try {
+    droppedForks_.fetch_add(
+        dropOwnerForks(
+            [&](const rpc::ForkId& forkId) { return dropping.count(forkId); }),
+        std::memory_order_relaxed);
+  } catch (const std::exception& e) {
+    logWarning(
+        "torch_rpc_ext: " + selfName_ +
+        " could not drop the RRef forks of a departed holder: " + e.what());
+  }
+}
+
+void RRefGuard::dropCarried(const rpc::Message& message) {
+  if (!enabled_ || !live_.load()) {
+    return;
+  }
+  std::vector<rpc::ForkId> forks;
+  try {
+    forks = claimCarried(message, std::nullopt);
+  } catch (const std::exception&) {
+    return; // not ours to read: nothing of ours carried
+  }
+  dropForks(forks);
+}
+
+size_t RRefGuard::dropOwnerForks(
+    const std::function<bool(const rpc::ForkId&)>& drop) {
+  return torch_private::dropForks(
+      [&](const rpc::RRefId& /*rrefId*/, const rpc::ForkId& forkId) {
+        return drop(forkId);
+      },
+      [this](c10::intrusive_ptr<rpc::RRef> owner) {
+        // A Python value is dropped with the GIL, off this thread.
+        offThread_([owner = std::move(owner)]() mutable {
+          thread_state::CheckedScope checked; // (a __del__ may run)
+          pybind11::gil_scoped_acquire gil;
+          owner.reset();
+        });
+      });
 }
 
 rpc::worker_id_t RRefGuard::holderOf(const rpc::ForkId& forkId) const {
@@ -252,29 +316,20 @@ void RRefGuard::release(
     return;
   }
   try {
-    size_t n = torch_private::dropForks(
-        [&](const rpc::RRefId& /*rrefId*/, const rpc::ForkId& forkId) {
-          // Who holds a fork: the worker that asked us to register it (a
-          // fork request), else the one that minted it (its own remote()).
-          std::lock_guard<std::mutex> lock(holdersMutex_);
-          auto it = holders_.find(forkId);
-          if (it != holders_.end()) {
-            if (it->second != departed) {
-              return false;
-            }
-            holders_.erase(it);
-            return true;
-          }
-          return forkId.createdOn_ == departed;
-        },
-        [this](c10::intrusive_ptr<rpc::RRef> owner) {
-          // A Python value is dropped with the GIL, off this thread.
-          offThread_([owner = std::move(owner)]() mutable {
-            thread_state::CheckedScope checked; // (a __del__ may run)
-            pybind11::gil_scoped_acquire gil;
-            owner.reset();
-          });
-        });
+    size_t n = dropOwnerForks([&](const rpc::ForkId& forkId) {
+      // Who holds a fork: the worker that asked us to register it (a fork
+      // request), else the one that minted it (its own remote()).
+      std::lock_guard<std::mutex> lock(holdersMutex_);
+      auto it = holders_.find(forkId);
+      if (it != holders_.end()) {
+        if (it->second != departed) {
+          return false;
+        }
+        holders_.erase(it);
+        return true;
+      }
+      return forkId.createdOn_ == departed;
+    });
     droppedForks_.fetch_add(n, std::memory_order_relaxed);
     // The distributed autograd contexts it created here (its forward
     // passes' RPCs to us): it will never release them. Autograd context ids

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -66,8 +67,19 @@ class RRefGuard {
   // a user deletion forgets one.
   void trackForks(const rpc::Message& request, rpc::worker_id_t from);
   // A message we send to `to`: the forks of our RRefs that we minted
-  // ourselves and that it carries (pickled) are held by `to`.
-  void trackOwnForks(const rpc::Message& message, rpc::worker_id_t to);
+  // ourselves and that it carries (pickled) are held by `to`. Returns
+  // those forks: where `to` departed before they were attributed to it (a
+  // response pickled after its requester's death was applied), release()
+  // has run already, and the caller drops them (dropForks).
+  std::vector<rpc::ForkId> trackOwnForks(
+      const rpc::Message& message,
+      rpc::worker_id_t to);
+  // Forks of ours whose holder departed: dropped now, as release() drops
+  // those it knows of.
+  void dropForks(const std::vector<rpc::ForkId>& forks);
+  // A message carrying forks of ours that will never be sent (its
+  // destination departed): they are dropped, since nobody will hold them.
+  void dropCarried(const rpc::Message& message);
   // What trackForks() does once it has parsed a request (torch's parser
   // needs a running agent): `holder` registered `forkId`, or deleted it.
   void forkRegistered(const rpc::ForkId& forkId, rpc::worker_id_t holder);
@@ -122,6 +134,14 @@ class RRefGuard {
   std::mutex staleMutex_;
   std::unordered_map<rpc::RRefId, std::string, rpc::RRefId::Hash> stale_;
   std::atomic<bool> hasStale_{false};
+  // Our forks, minted by us, that `message` carries and that nobody holds
+  // yet; attributed to `to`, if given. Takes holdersMutex_ (after torch's
+  // RRef lock, never under it: release() takes them in that order).
+  std::vector<rpc::ForkId> claimCarried(
+      const rpc::Message& message,
+      std::optional<rpc::worker_id_t> to);
+  // torch's owner forks that `drop` picks, dropped; returns how many.
+  size_t dropOwnerForks(const std::function<bool(const rpc::ForkId&)>& drop);
   std::atomic<uint64_t> droppedForks_{0};
   std::atomic<uint64_t> droppedAutogradContexts_{0};
 };

@@ -160,7 +160,13 @@ uint64_t Server::respond(
     }
     frame = wire::encodeMessage(response, id, route ? &*route : nullptr);
     AgentDevices::recordCudaUse(*response);
-    rrefs_.trackOwnForks(*response, conn.peerId()); // an RRef of ours returned
+    // An RRef of ours returned. Where the requester departed before they
+    // were attributed to it (its death applied while we served it), the
+    // departure has released what it held already: these go now.
+    auto returned = rrefs_.trackOwnForks(*response, conn.peerId());
+    if (!returned.empty() && (!peer || peer->departed())) {
+      rrefs_.dropForks(returned);
+    }
     TORCH_CHECK(
         frame.wireSize() <= options_.maxFrameBytes,
         "RPC response of ",

@@ -326,6 +326,74 @@ def test_killed_member_is_declared_dead_and_replaced(store_path):
     assert seconds < 5, seconds
 
 
+def _rref_once_caller_is_dead(pid):
+    # Served for worker1, which we kill: the RRef we return is pickled after
+    # its death was applied here, for a holder that is gone.
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: "worker1" not in members(), what="worker1 declared dead")
+    return rpc.RRef(torch.tensor([9]))
+
+
+def _late_forks(rank, world_size, store_path, gates):
+    out = {}
+    if rank == 0:
+        join(0, store_path, heartbeat_timeout=1.0)
+        baseline = _owner_counts()
+        gates["0"].set()
+        gates["joined"].wait(30)
+        wait_for(lambda: "worker1" in members(), what="worker1")
+        info = rpc.get_worker_info("worker1")  # kept: a call to it pickles its arguments
+        gates["go"].set()
+        wait_for(lambda: "worker1" not in members() and gates["1"].is_set(), what="worker1 gone")
+        # An RRef of ours passed to the dead worker: the call fails, and the
+        # fork pickled into it is held by nobody.
+        own = rpc.RRef(torch.tensor([8]))
+        try:
+            rpc.rpc_sync(info, _hold, (own,))
+        except RuntimeError as e:
+            out["passed"] = str(e)
+        del own
+
+        def dropped():
+            metrics = rpc.api._get_current_rpc_agent().get_metrics()
+            return int(metrics["rpc_ext.membership.dropped_forks"])
+
+        # Both (the response's once its function has returned and it is
+        # written), or what there is after 10 s.
+        try:
+            wait_for(lambda: dropped() == 2 and _owner_counts() == baseline, timeout=10)
+        except AssertionError:
+            pass
+        out["counts"] = (baseline, _owner_counts())
+        out["dropped"] = dropped()
+        rpc.shutdown()
+    else:
+        gates["0"].wait(30)
+        join(1, store_path, heartbeat_timeout=1.0)
+        gates["joined"].set()
+        gates["go"].wait(30)
+        rpc.rpc_async("worker0", _rref_once_caller_is_dead, (os.getpid(),))
+        gates["1"].set()
+        time.sleep(120)  # killed by worker0
+    return out
+
+
+def test_forks_for_a_holder_that_departed_before_they_were_sent_are_dropped(store_path):
+    """An RRef of ours pickled for a member after its departure was applied
+    here (the response to a call it made before it died; an argument of a
+    call to it after) is held by nobody: the departure released what the
+    member held before, and nothing ever will after. Both are dropped
+    (before, the owner kept their values for good: `num_owner_rrefs` and
+    `num_forks` stayed 2 past the baseline)."""
+    gates = {k: _ctx.Event() for k in ("0", "joined", "go", "1")}
+    res = run_world(_late_forks, 2, timeout=120, dies=frozenset({1}), store_path=store_path, gates=gates)
+    out = res[0]
+    assert "worker1 was declared dead" in out["passed"], out
+    baseline, after = out["counts"]
+    assert after == baseline, out
+    assert out["dropped"] == 2, out
+
+
 # ---- a failed join leaves nothing held; rank 0 may leave ----------------
 
 
