@@ -299,6 +299,9 @@ class Group {
   std::atomic<bool> fenced_{false};
   std::string fencedReason_; // written once, before fenced_
   std::atomic<bool> left_{false};
+  // Our join record was applied as a join (set by the joining thread,
+  // before the watcher starts; read by leave() and stop()).
+  std::atomic<bool> joined_{false};
 
   std::mutex eventsMutex_;
   std::condition_variable eventsCv_;

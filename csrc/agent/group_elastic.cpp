@@ -93,7 +93,8 @@ void Group::joinLog(
       catchUp();
     }
     Peer* mine = view()->find(me.rank);
-    if (!mine || mine->incarnation != incarnation_) {
+    joined_ = mine && mine->incarnation == incarnation_;
+    if (!joined_) {
       TORCH_CHECK(
           false,
           "init_rpc of ",
@@ -113,10 +114,12 @@ void Group::joinLog(
   // init_rpc returned (upstream's test_dynamic_rpc_existing_rank_...).
   // Joined, but init_rpc fails: we leave again, then say why.
   auto abandon = [&](const std::string& why) {
-    try {
-      std::lock_guard<std::mutex> lock(rosterMutex_);
-      log_->append(leaveRecord(incarnation_), roster_.epoch());
-    } catch (const std::exception&) {
+    if (!left_.exchange(true)) {
+      try {
+        std::lock_guard<std::mutex> lock(rosterMutex_);
+        log_->append(leaveRecord(incarnation_), roster_.epoch());
+      } catch (const std::exception&) {
+      }
     }
     stopWatcher();
     TORCH_CHECK(false, "init_rpc of ", me.name, " ", why);
@@ -374,7 +377,7 @@ bool Group::awaitAcks(
 }
 
 void Group::leave(std::optional<Clock::time_point> deadline) {
-  if (left_.exchange(true) || !log_) {
+  if (!joined_ || left_.exchange(true)) {
     return;
   }
   int64_t epoch;
@@ -412,7 +415,10 @@ void Group::leave(std::optional<Clock::time_point> deadline) {
 }
 
 void Group::stop() {
-  if (log_ && !left_.exchange(true)) {
+  // Only a member records a leave: an init_rpc that failed before its join
+  // was applied left nothing to take back (its record, if any, was passed
+  // over), and a leave would spend an epoch of every member's.
+  if (joined_ && !left_.exchange(true)) {
     // Not a graceful leave (shutdown(graceful=False), or an error): tell the
     // group at once rather than let our lease run out.
     try {

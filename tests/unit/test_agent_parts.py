@@ -289,6 +289,25 @@ def test_a_member_left_behind_when_the_group_starts_over_is_fenced():
     a.stop()
 
 
+def test_a_join_that_failed_records_no_leave():
+    """init_rpc of a worker whose name is held by a live member fails, and
+    the agent stops its group. Nothing of it was applied, so nothing is
+    taken back: before, the stop appended a `leave` that every member read
+    and passed over, an epoch spent per failed init_rpc."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=0.3)
+    a.join("addr-a")
+    epoch = a.epoch
+    b = A.Group(store, "a", 1, 0, lease_s=0.3)  # a's name, another rank
+    with pytest.raises(RuntimeError, match="which is alive"):
+        b.join("addr-b")
+    b.stop()
+    time.sleep(0.5)  # a's watcher reads the log a few times
+    assert t.log_read(store, epoch + 1) is None
+    assert a.epoch == epoch and not a.fenced
+    a.stop()
+
+
 def test_a_new_holder_of_a_rank_reserves_the_next_id_range():
     store = dist.HashStore()
     a = A.Group(store, "a", 0, 0)
