@@ -8,6 +8,7 @@
 #include <chrono>
 #include <map>
 #include <optional>
+#include <unordered_set>
 
 #include <torch/csrc/distributed/rpc/agent_utils.h>
 #include <torch/csrc/distributed/rpc/request_callback_impl.h>
@@ -319,27 +320,32 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
       "in_flight"};
   const auto inFlight = calls_.pendingByPeer();
   std::map<std::string, std::array<uint64_t, std::size(kCounters)>> byName;
+  std::unordered_set<const PeerStats*> counted; // a name's, once
   for (const auto& peer : group_.everyPeer()) {
     const auto& s = peer->stats;
     auto& sum = byName[peer->info.name_];
-    size_t i = 0;
-    for (const auto* n :
-         {&s.callsSent,
-          &s.callsServed,
-          &s.bytesSent,
-          &s.bytesReceived,
-          &s.errors,
-          &s.timeouts,
-          &s.rejectedFrames,
-          &s.dials,
-          &s.reconnects,
-          &s.dialFailures,
-          &s.accepted,
-          &s.connectionsLost}) {
-      sum[i++] += n->load(std::memory_order_relaxed);
+    // The name's counters once (its holders share them), and each holder's
+    // calls in flight.
+    if (counted.insert(&s).second) {
+      size_t i = 0;
+      for (const auto* n :
+           {&s.callsSent,
+            &s.callsServed,
+            &s.bytesSent,
+            &s.bytesReceived,
+            &s.errors,
+            &s.timeouts,
+            &s.rejectedFrames,
+            &s.dials,
+            &s.reconnects,
+            &s.dialFailures,
+            &s.accepted,
+            &s.connectionsLost}) {
+        sum[i++] += n->load(std::memory_order_relaxed);
+      }
     }
     auto it = inFlight.find(peer.get());
-    sum[i] += it == inFlight.end() ? 0 : it->second;
+    sum.back() += it == inFlight.end() ? 0 : it->second;
   }
   for (const auto& [name, sum] : byName) {
     for (size_t i = 0; i < sum.size(); ++i) {

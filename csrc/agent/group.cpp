@@ -158,9 +158,13 @@ std::shared_ptr<Peer> Group::adopt(
     rpc::WorkerInfo info,
     uint64_t incarnation,
     Route route) {
-  auto peer =
-      std::make_shared<Peer>(std::move(info), incarnation, std::move(route));
   std::lock_guard<std::mutex> lock(peersMutex_);
+  auto& stats = statsByName_[info.name_];
+  if (!stats) {
+    stats = std::make_shared<PeerStats>();
+  }
+  auto peer = std::make_shared<Peer>(
+      std::move(info), incarnation, std::move(route), stats);
   peers_.push_back(peer);
   return peer;
 }

@@ -264,6 +264,8 @@ class Group {
   std::shared_ptr<const View> view_;
   mutable std::mutex peersMutex_;
   std::vector<std::shared_ptr<Peer>> peers_; // every peer ever seen
+  // Their statistics, one per name (Peer::stats).
+  std::unordered_map<std::string, std::shared_ptr<PeerStats>> statsByName_;
   int64_t joinRounds_ = 0; // static barriers passed (same on every worker)
 
   // ---- A dynamic group's log, applied by the watcher ----

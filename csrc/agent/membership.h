@@ -54,20 +54,31 @@ struct Route {
 // One holder of a name and rank, for as long as it holds them. A worker that
 // leaves and one that later takes its name and rank are two Peers with
 // different incarnations. Peers are never destroyed while the agent lives
-// (the WorkerInfo references handed out stay valid; metrics list every peer
-// ever seen).
+// (the WorkerInfo references handed out stay valid, and raw pointers to
+// them are held by calls in flight); what each keeps is small: its
+// statistics are its name's.
 struct Peer {
-  Peer(rpc::WorkerInfo info, uint64_t incarnation, Route route)
+  Peer(
+      rpc::WorkerInfo info,
+      uint64_t incarnation,
+      Route route,
+      std::shared_ptr<PeerStats> nameStats)
       : info(std::move(info)),
         incarnation(incarnation),
-        route(std::move(route)) {}
+        route(std::move(route)),
+        statsOfName(std::move(nameStats)),
+        stats(*statsOfName) {}
 
   const rpc::WorkerInfo info;
   // Random per join; 0 in static groups.
   const uint64_t incarnation;
   const Route route;
-  // Statistics, counted wherever the peer is in hand (const or not).
-  mutable PeerStats stats;
+  // Statistics, counted wherever the peer is in hand (const or not): one
+  // object per name, shared by every holder of it, as metrics report them
+  // (rpc_ext.peer.<name>.*). Per holder, a long job with churn kept about
+  // 8 KiB of call-cost histograms for every worker that ever joined.
+  const std::shared_ptr<PeerStats> statsOfName;
+  PeerStats& stats;
 
   // Set once, when the membership log says it left or died.
   void depart(std::string why) {

@@ -3,6 +3,8 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <unordered_set>
+
 #include "csrc/agent/agent.h"
 #include "csrc/agent/builtin_call.h"
 #include "csrc/agent/call_trace.h"
@@ -225,8 +227,11 @@ void bindAgent(py::module_& m) {
           [](const Agent& a) {
             std::vector<std::pair<std::string, const CallCosts*>> peers;
             const auto all = a.group().everyPeer();
+            std::unordered_set<const CallCosts*> seen; // a name's, once
             for (const auto& p : all) {
-              peers.emplace_back(p->info.name_, &p->stats.costs);
+              if (seen.insert(&p->stats.costs).second) {
+                peers.emplace_back(p->info.name_, &p->stats.costs);
+              }
             }
             std::vector<std::tuple<
                 std::string,

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -272,9 +273,20 @@ void bindTestingAgent(py::module_& parent) {
             std::lock_guard<std::mutex> lock(h.listener.mutex_);
             return h.listener.fenced_;
           })
-      .def("reserved", [](GroupHarness& h) {
-        std::lock_guard<std::mutex> lock(h.listener.mutex_);
-        return h.listener.reserved_;
+      .def(
+          "reserved",
+          [](GroupHarness& h) {
+            std::lock_guard<std::mutex> lock(h.listener.mutex_);
+            return h.listener.reserved_;
+          })
+      // (peers ever seen, distinct statistics objects among them).
+      .def("peer_records", [](const GroupHarness& h) {
+        const auto all = h.group->everyPeer();
+        std::set<const PeerStats*> stats;
+        for (const auto& p : all) {
+          stats.insert(&p->stats);
+        }
+        return std::make_pair(all.size(), stats.size());
       });
 
   // The RRef guard's fork attribution. RRef and fork ids are

@@ -289,6 +289,25 @@ def test_a_member_left_behind_when_the_group_starts_over_is_fenced():
     a.stop()
 
 
+def test_the_holders_of_a_name_share_its_statistics():
+    """A member keeps a Peer for every worker that ever joined (raw
+    pointers to them outlive calls), but its statistics are its name's:
+    metrics report them per name, summed over its holders, and each holder
+    kept about 8 KiB of call-cost histograms of its own before, so a long
+    job with churn grew by that per departure on every member that stayed."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=2.0)
+    a.join("addr-a")
+    for k in range(3):
+        b = A.Group(store, "b", 1, 0, lease_s=2.0)
+        b.join(f"addr-b{k}")
+        b.leave()
+        b.stop()
+    wait_for(lambda: a.epoch == 7, what="three joins and leaves applied")
+    assert a.peer_records() == (4, 2)  # a, and b three times: two names
+    a.stop()
+
+
 def test_a_join_that_failed_records_no_leave():
     """init_rpc of a worker whose name is held by a live member fails, and
     the agent stops its group. Nothing of it was applied, so nothing is
