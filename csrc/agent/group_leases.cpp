@@ -30,7 +30,8 @@ void Group::checkLeases() {
     }
     int64_t beats = log_->beats(m.incarnation);
     auto [it, fresh] = leases_.try_emplace(m.incarnation, Lease{beats, now});
-    if (fresh || it->second.beats != beats) {
+    // Renewed: its proven counter grew (a replayed older one is no sign).
+    if (fresh || beats > it->second.beats) {
       it->second = Lease{beats, now, false};
     } else if (
         now - it->second.changed > std::chrono::milliseconds(m.leaseMs)) {
@@ -143,7 +144,7 @@ void Group::awaitHolderGone(
       return; // it left meanwhile, or a member declared it dead
     }
     TORCH_CHECK(
-        log_->beats(held.incarnation) == beats,
+        log_->beats(held.incarnation) <= beats,
         "init_rpc of ",
         me.name,
         " (rank ",

@@ -394,7 +394,11 @@ int64_t MembershipLog::nextGeneration(int32_t rank) const {
 }
 
 void MembershipLog::beat(uint64_t incarnation) const {
-  store_->add("beat/" + incarnationText(incarnation), 1);
+  // Our counter, with its proof: only we write our key (a store's add()
+  // would let anyone renew our lease, or a dead member's).
+  const std::string key = "beat/" + incarnationText(incarnation);
+  const int64_t n = beatsSent_.fetch_add(1) + 1;
+  store_->set(key, toBytes(seal(key, std::to_string(n))));
 }
 
 std::optional<std::string> MembershipLog::peek(const std::string& key) const {
@@ -412,13 +416,21 @@ std::optional<std::string> MembershipLog::peek(const std::string& key) const {
   return fromBytes(got);
 }
 
-int64_t MembershipLog::readNumber(const std::string& key) const {
+int64_t MembershipLog::readNumber(const std::string& key, bool sealed) const {
   auto text = peek(key);
   if (!text) {
     return 0;
   }
+  std::string body = std::move(*text);
+  if (sealed) {
+    LogRecord r = open(key, body);
+    if (!proofKey_.empty() && !r.proven) {
+      return 0; // not the group's: as if absent
+    }
+    body = std::move(r.body);
+  }
   try {
-    return std::stoll(*text);
+    return std::stoll(body);
   } catch (const std::logic_error&) {
     return 0;
   }
@@ -430,8 +442,8 @@ int64_t MembershipLog::beats(uint64_t incarnation) const {
 }
 
 void MembershipLog::ack(uint64_t incarnation, int64_t epoch) const {
-  store_->set(
-      "ack/" + incarnationText(incarnation), toBytes(std::to_string(epoch)));
+  const std::string key = "ack/" + incarnationText(incarnation);
+  store_->set(key, toBytes(seal(key, std::to_string(epoch))));
 }
 
 int64_t MembershipLog::acked(uint64_t incarnation) const {
@@ -443,7 +455,7 @@ void MembershipLog::writeSnapshot(int64_t epoch, const std::string& text)
   const std::string key = "snap/" + std::to_string(epoch);
   store_->compareSet(key, {}, toBytes(seal(key, text)));
   // Then the pointer, which only moves forward.
-  int64_t latest = readNumber("snap/latest");
+  int64_t latest = readNumber("snap/latest", /*sealed=*/false);
   while (latest < epoch) {
     auto expected =
         latest == 0 ? std::vector<uint8_t>{} : toBytes(std::to_string(latest));
@@ -458,7 +470,8 @@ void MembershipLog::writeSnapshot(int64_t epoch, const std::string& text)
 }
 
 std::pair<int64_t, std::string> MembershipLog::latestSnapshot() const {
-  const int64_t epoch = readNumber("snap/latest");
+  // A pointer among snapshots, each proven by itself.
+  const int64_t epoch = readNumber("snap/latest", /*sealed=*/false);
   const std::string key = "snap/" + std::to_string(epoch);
   std::optional<std::string> text;
   if (epoch <= 0 || !(text = peek(key))) {

@@ -234,11 +234,17 @@ class MembershipLog {
 
   // How many times `rank` has been taken in this group, counting this one.
   int64_t nextGeneration(int32_t rank) const;
+  // Renew our lease: our counter, one up, with its proof (only our
+  // incarnation beats through this log).
   void beat(uint64_t incarnation) const;
-  // A member's lease counter (0 before its first beat).
+  // A member's lease counter (0 before its first beat, and where it is not
+  // proven, with a secret: a writer's bump renews nothing). A lease is
+  // renewed when this grows: a writer can replay an older count, not a
+  // higher one.
   int64_t beats(uint64_t incarnation) const;
+  // Acknowledge that we applied `epoch` (with its proof).
   void ack(uint64_t incarnation, int64_t epoch) const;
-  // The last epoch `incarnation` acknowledged (0: none).
+  // The last epoch `incarnation` acknowledged (0: none, or not proven).
   int64_t acked(uint64_t incarnation) const;
   // Remove a departed member's lease and acknowledgement keys.
   void forget(uint64_t incarnation) const;
@@ -255,8 +261,10 @@ class MembershipLog {
  private:
   // A key's value without waiting for it: nullopt if there is no such key.
   std::optional<std::string> peek(const std::string& key) const;
-  // A counter or epoch stored as decimal text; 0 if absent or not a number.
-  int64_t readNumber(const std::string& key) const;
+  // A counter or epoch stored as decimal text; 0 if absent or not a number,
+  // or, `sealed` (with its proof, as beat() and ack() write them) and read
+  // with a secret, not proven.
+  int64_t readNumber(const std::string& key, bool sealed = true) const;
   // `body` as stored at `key`: with its proof, given a secret.
   std::string seal(const std::string& key, const std::string& body) const;
   // What is stored at `key`: its body (without a proof line) and whether
@@ -265,6 +273,7 @@ class MembershipLog {
 
   c10::intrusive_ptr<::c10d::Store> store_;
   std::string proofKey_; // drawn from the secret; empty without one
+  mutable std::atomic<int64_t> beatsSent_{0}; // beat(): our lease counter
 };
 
 std::string incarnationText(uint64_t incarnation);

@@ -213,6 +213,60 @@ def test_records_without_the_groups_proof_change_nothing():
         g.stop()
 
 
+def test_a_lease_bumped_by_a_store_writer_renews_nothing():
+    """A member's lease is its counter in the store, with its proof. A
+    writer bumping a dead member's counter (the store's add, as members
+    renewed before) kept it alive for good: no member declared it dead, and
+    its rank stayed held. Now only a proven, higher count renews it."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=0.3)
+    secret = a.join("addr-a")
+    ghost = 0xDEAD
+    t.log_append(store, t.join_record(1, "ghost", ghost, 300), 0, secret)
+    stop = threading.Event()
+
+    def bump():
+        while not stop.is_set():
+            store.add(f"beat/{ghost:016x}", 1)
+            time.sleep(0.03)
+
+    writer = threading.Thread(target=bump, daemon=True)
+    writer.start()
+    try:
+        wait_for(lambda: any(d[0] == "ghost" for d in a.departed()), what="ghost declared dead")
+    finally:
+        stop.set()
+        writer.join()
+    assert "its lease was not renewed for 0.3 s" in a.departed()[0][2]
+    a.stop()
+
+
+def test_an_acknowledgement_written_by_a_store_writer_proves_nothing():
+    """A joiner returns once every member has acknowledged its join (a
+    member may call it as soon as its init_rpc returns). A writer's ack
+    for a member that had not applied the join (here stopped) let the
+    joiner return before; now the joiner waits for the member's own."""
+    store = dist.HashStore()
+    key = b"k" * 32
+    a = A.Group(store, "a", 0, 0, lease_s=5.0, secret=key)
+    a.join("addr-a")
+    a.freeze()
+    b = A.Group(store, "b", 1, 0, lease_s=5.0, secret=key)
+    joined = threading.Event()
+    joiner = threading.Thread(target=lambda: (b.join("addr-b"), joined.set()), daemon=True)
+    joiner.start()
+    wait_for(lambda: t.log_read(store, 2) is not None, what="b's join record")
+    store.set(f"ack/{a.incarnation:016x}", "999")
+    time.sleep(1.0)
+    assert not joined.is_set()
+    a.thaw()
+    assert joined.wait(10)
+    joiner.join(10)
+    assert [m[:2] for m in a.members()] == [(0, "a"), (1, "b")]
+    b.stop()
+    a.stop()
+
+
 def test_a_joiner_starts_from_no_snapshot_without_the_groups_proof(monkeypatch):
     """A joiner starts from the newest snapshot of the roster; one written
     by someone without the secret (here listing a ghost, at an epoch far
