@@ -158,7 +158,9 @@ bool Connections::knockBeforeOpen(
         t->stop();
         return answers;
       } catch (const std::exception&) {
-        break;
+        // Our side failed (descriptors, threads): we cannot tell, and a
+        // member counts as alive within its grace rather than gone.
+        return true;
       }
     }
   }

@@ -294,8 +294,17 @@ class Group {
   // Records passed over for want of the group's proof.
   std::atomic<uint64_t> unproven_{0};
   std::chrono::steady_clock::time_point nextBeat_, nextLeaseCheck_;
+  // When we last renewed our lease; whether the watcher was ever held up
+  // past it (our lease may have lapsed), and whether an epoch ended under a
+  // lease that held was said (watcher thread, after joinLog).
+  std::chrono::steady_clock::time_point lastBeat_;
+  bool leaseLapsed_ = false;
+  bool epochEndSaid_ = false;
   std::thread watcher_;
   std::mutex watcherMutex_;
+  // Held by startWatcher() and across stopWatcher()'s join (taken before
+  // watcherMutex_).
+  std::mutex watcherJoinMutex_;
   std::condition_variable watcherCv_;
   bool watcherStop_ = false;
   std::atomic<bool> fenced_{false};

@@ -33,7 +33,8 @@ void Group::joinLog(
   const auto& self = self_;
   // Every record we write carries the group's proof, and we apply only
   // records that do (membership.h).
-  log_ = std::make_unique<MembershipLog>(store_, secret_);
+  log_ = std::make_unique<MembershipLog>(
+      store_, secret_, options_.secret.empty() ? exchange_.logPrefix() : "");
   log_->beat(incarnation_);
   // A member that died meanwhile is declared dead by its lease, which ends
   // any wait for it; this bounds the rest (a store that stopped answering).
@@ -51,6 +52,25 @@ void Group::joinLog(
   me.offers = entry.substr(std::min(entry.size(), entry.find('\n') + 1)) +
       deviceOfferLines(options_.devices, options_.deviceMaps);
 
+  // One format in one log: a worker of another version would pass over
+  // our records, and we over its, each a group of its own.
+  std::string format = log_->claimFormat();
+  if (format == kLogFormat && options_.secret.empty()) {
+    // Ours is under the secret's prefix; an earlier version kept its log
+    // at the root, beside which ours would be a second group.
+    format = MembershipLog(store_).claimFormat();
+  }
+  TORCH_CHECK(
+      format == kLogFormat,
+      "init_rpc of ",
+      me.name,
+      " failed: the dynamic group's membership log in the store was written "
+      "by another version of torch_rpc_ext (",
+      format.empty() ? std::string("records without proofs")
+                     : "format '" + format + "'",
+      "; this version writes '",
+      kLogFormat,
+      "'): every member of a group runs one version");
   int64_t epoch = 0;
   {
     std::unique_lock<std::mutex> lock(rosterMutex_);
@@ -109,6 +129,8 @@ void Group::joinLog(
     std::lock_guard<std::mutex> events(eventsMutex_);
     reportEvents_ = true;
   }
+  // Our lease counts from our join record, which the members apply now.
+  lastBeat_ = Clock::now();
   startWatcher();
   // Return once every member knows us: a member may call us as soon as our
   // init_rpc returned (upstream's test_dynamic_rpc_existing_rank_...).
@@ -291,7 +313,13 @@ void Group::watch() {
     try {
       auto now = Clock::now();
       if (now >= nextBeat_) {
+        // A watcher held up past our lease (a stopped process, a starved
+        // one): the others may have counted us gone meanwhile.
+        if (now - lastBeat_ > leaseTimeout()) {
+          leaseLapsed_ = true;
+        }
         log_->beat(incarnation_);
+        lastBeat_ = now;
         nextBeat_ = now + leaseTimeout() / 5;
       }
       bool changed;
@@ -301,7 +329,8 @@ void Group::watch() {
         ackApplied();
         // Every snapshotEvery() epochs, the roster as a snapshot for joiners.
         const int64_t every = MembershipLog::snapshotEvery();
-        if (roster_.epoch() / every > snapshotWritten_ / every) {
+        if (roster_.epoch() / every > snapshotWritten_ / every &&
+            !fenced_.load()) {
           log_->writeSnapshot(roster_.epoch(), roster_.snapshot());
           snapshotWritten_ = roster_.epoch();
         }
@@ -309,16 +338,30 @@ void Group::watch() {
           checkLeases();
           ackApplied(); // a death it recorded itself
           // A group whose members all lapsed, we among them (our process
-          // stopped, say), starts over with a new secret: its records do
-          // not prove themselves to us, nor ours to it, so nobody would
-          // declare us dead there. We are out, and say so.
+          // stopped, say), starts over with a new secret and a log of its
+          // own, where nobody would declare us dead. We are out, and say
+          // so. An epoch ended while our lease held (a joiner that saw
+          // none of us alive, or a writer of the store) is not ours to
+          // obey: said once, and we go on.
           if (options_.secret.empty() && !left_.load() &&
               exchange_.epochEnded()) {
-            fence(
-                "this worker (" + self_.name_ +
-                ") is no longer in the group: the group started over with "
-                "a new secret while this worker's lease had lapsed (nobody "
-                "was seen alive to seal the old one to a joiner)");
+            if (leaseLapsed_) {
+              fence(
+                  "this worker (" + self_.name_ +
+                  ") is no longer in the group: the group started over "
+                  "with a new secret while this worker's lease had lapsed "
+                  "(nobody was seen alive to seal the old one to a "
+                  "joiner)");
+            } else if (!epochEndSaid_) {
+              epochEndSaid_ = true;
+              logWarning(
+                  "torch_rpc_ext: " + self_.name_ +
+                  ": the group's secret epoch was ended while this "
+                  "worker's lease held (a joiner saw no member alive, or "
+                  "someone wrote the store): joiners from now on start a "
+                  "group of their own with another secret, and this one "
+                  "goes on without them");
+            }
           }
           nextLeaseCheck_ = now +
               std::min<std::chrono::milliseconds>(
@@ -436,12 +479,15 @@ void Group::stop() {
 }
 
 void Group::startWatcher() {
+  std::lock_guard<std::mutex> starting(watcherJoinMutex_); // not in a stop
+  std::lock_guard<std::mutex> lock(watcherMutex_);
+  if (watcher_.joinable()) {
+    return;
+  }
+  watcherStop_ = false;
   {
-    std::lock_guard<std::mutex> lock(watcherMutex_);
-    if (watcher_.joinable()) {
-      return;
-    }
-    watcherStop_ = false;
+    std::lock_guard<std::mutex> events(eventsMutex_);
+    eventsClosed_ = false;
   }
   watcher_ = std::thread([this] {
     nameThisThread("rpcx-group");
@@ -455,18 +501,23 @@ void Group::stopWatcher() {
     eventsClosed_ = true;
   }
   eventsCv_.notify_all();
-  // The thread is taken under the lock: of two threads stopping it at once,
-  // one joins it.
-  std::thread watcher;
   {
     std::lock_guard<std::mutex> lock(watcherMutex_);
     watcherStop_ = true;
-    if (watcher_.joinable() &&
-        watcher_.get_id() != std::this_thread::get_id()) {
-      watcher = std::move(watcher_);
+    if (watcher_.get_id() == std::this_thread::get_id()) {
+      return; // from the watcher itself: it stops after this round
     }
   }
   watcherCv_.notify_all();
+  // Held across the join: a second caller returns only once the thread is
+  // gone (a leave then forgets our lease keys, which a running watcher
+  // would write again; ~Group frees what it reads).
+  std::lock_guard<std::mutex> joining(watcherJoinMutex_);
+  std::thread watcher;
+  {
+    std::lock_guard<std::mutex> lock(watcherMutex_);
+    watcher = std::move(watcher_);
+  }
   if (watcher.joinable()) {
     watcher.join();
   }

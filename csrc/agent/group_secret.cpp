@@ -17,10 +17,12 @@
 // for a new group. A member that finds, once joined, that its epoch ended
 // meanwhile leaves and fails its init_rpc (Group::joinLog), so that no two
 // secrets serve one group.
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include <c10/util/Exception.h>
 
@@ -236,7 +238,7 @@ std::string SecretExchange::forDynamicGroup(
         // group, with a new secret; one joiner ends the epoch.
         const bool joined = store_->check({dynKey(epoch, "joined")});
         if ((joined || now - asked > 3 * lease) &&
-            liveMembers(lease, now, beats, answers) == 0 &&
+            liveMembers(epoch, lease, now, beats, answers) == 0 &&
             fromBytes(store_->compareSet(
                 dynKey(epoch, "ended"), {}, toBytes(pub))) == pub) {
           store_->add(kDynEpochKey, 1);
@@ -320,13 +322,19 @@ void SecretExchange::serve(const std::string& secret) {
   }
 }
 
+std::string SecretExchange::logPrefix() const {
+  return epoch_ < 0 ? std::string() : "e" + std::to_string(epoch_) + "/";
+}
+
 size_t SecretExchange::liveMembers(
+    int64_t secretEpoch,
     std::chrono::milliseconds lease,
     Clock::time_point now,
     std::map<uint64_t, Beat>& beats,
     const ListenerAnswers& answers) const {
-  // A roster of our own, read from the log: nothing applied to the view.
-  MembershipLog log(store_);
+  // A roster of our own, read from the epoch's log: nothing applied to the
+  // view.
+  MembershipLog log(store_, "", "e" + std::to_string(secretEpoch) + "/");
   Roster roster;
   auto [epoch, text] = log.latestSnapshot();
   if (epoch > 0) {
@@ -342,6 +350,7 @@ size_t SecretExchange::liveMembers(
   // renews every 2 s of a 10 s lease once looked dead to a joiner of 0.3 s,
   // which ended the epoch and made a second secret for the same group.
   size_t live = 0;
+  std::vector<std::pair<const Member*, std::chrono::milliseconds>> lapsed;
   for (const auto& [rank, member] : roster.members()) {
     const int64_t count = log.beats(member.incarnation);
     auto [it, added] = beats.try_emplace(member.incarnation, Beat{count, now});
@@ -353,15 +362,25 @@ size_t SecretExchange::liveMembers(
     const auto quiet = now - it->second.since;
     if (quiet <= its) {
       ++live;
-    } else if (
-        // Lapsed. A member whose listener still answers (a live process,
-        // perhaps stopped: its kernel accepts for it) is kept for
-        // kMaxLeaseProbing more leases, as the members keep each other
-        // (Group::checkLeases) and as a joiner keeps the holder of its rank:
-        // judged by the lease alone, a member stopped for two leases found
-        // the group started over without it.
-        quiet <= (1 + kMaxLeaseProbing) * its && answers &&
-        answers(member.name, member.offers, its)) {
+    } else if (quiet <= (1 + kMaxLeaseProbing) * its) {
+      lapsed.emplace_back(&member, its);
+    }
+  }
+  // Lapsed. A member whose listener still answers (a live process, perhaps
+  // stopped: its kernel accepts for it) is kept for kMaxLeaseProbing more
+  // leases, as the members keep each other (Group::checkLeases) and as a
+  // joiner keeps the holder of its rank: judged by the lease alone, a
+  // member stopped for two leases found the group started over without it.
+  // Knocked on only while nobody else is alive, one answer enough.
+  for (const auto& [member, its] : lapsed) {
+    if (live > 0 || !answers) {
+      break;
+    }
+    if (answers(
+            member->name,
+            member->offers,
+            std::min<std::chrono::milliseconds>(
+                its, std::chrono::milliseconds(500)))) {
       ++live;
     }
   }

@@ -55,6 +55,11 @@ class SecretExchange {
   // over with another secret): false before we hold one, and for a secret
   // of the user's.
   bool epochEnded() const;
+  // Where the group's membership log lives under its store: "e<epoch>/"
+  // for a secret the group made (each epoch's group is new: its own log,
+  // which the records of an earlier epoch's, proven under another secret,
+  // never mix with), "" for the user's.
+  std::string logPrefix() const;
   // Seal `secret` to every joiner that asked since the last call (a no-op
   // unless forDynamicGroup gave us the secret).
   void serve(const std::string& secret);
@@ -70,6 +75,7 @@ class SecretExchange {
   // their own lease (`lease` where the log has none; `beats`: what the
   // caller saw of them so far).
   size_t liveMembers(
+      int64_t epoch,
       std::chrono::milliseconds lease,
       Clock::time_point now,
       std::map<uint64_t, Beat>& beats,

@@ -10,6 +10,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -24,6 +25,8 @@ constexpr int32_t kMaxRank = 32767;
 constexpr size_t kMaxRecordBytes = 64 * 1024;
 // A day: longer is not a lease.
 constexpr int64_t kMaxLeaseMs = 86400 * 1000;
+// A snapshot: every member's join record.
+constexpr size_t kMaxSnapshotBytes = 256 * 1024 * 1024;
 // A proven record's or snapshot's first line: "proof " and 64 hex digits.
 constexpr size_t kProofLineBytes = 6 + 64 + 1;
 // What the proof key is drawn for from the group's secret (HMAC-SHA256 of
@@ -75,7 +78,7 @@ std::optional<int64_t> decimal(const std::string& text) {
   return v;
 }
 
-std::string logKey(int64_t epoch) {
+std::string logName(int64_t epoch) {
   return "log/" + std::to_string(epoch);
 }
 
@@ -333,8 +336,9 @@ bool Roster::restore(int64_t epoch, const std::string& text) {
 
 MembershipLog::MembershipLog(
     c10::intrusive_ptr<::c10d::Store> store,
-    const std::string& secret)
-    : store_(std::move(store)) {
+    const std::string& secret,
+    std::string prefix)
+    : store_(std::move(store)), prefix_(std::move(prefix)) {
   if (!secret.empty()) {
     const Digest key = hmacSha256(secret, kProofPurpose);
     proofKey_.assign(reinterpret_cast<const char*>(key.data()), key.size());
@@ -351,9 +355,14 @@ std::string MembershipLog::seal(const std::string& key, const std::string& body)
       body;
 }
 
-LogRecord MembershipLog::open(const std::string& key, const std::string& stored)
-    const {
+LogRecord MembershipLog::open(
+    const std::string& key,
+    const std::string& stored,
+    size_t maxBody) const {
   LogRecord r;
+  if (stored.size() > maxBody + kProofLineBytes) {
+    return r; // not ours (and not worth hashing): an empty body, unproven
+  }
   if (stored.size() < kProofLineBytes || stored.compare(0, 6, "proof ") != 0 ||
       stored[kProofLineBytes - 1] != '\n') {
     r.body = stored; // bare: a forgery, or a test's record
@@ -369,20 +378,34 @@ LogRecord MembershipLog::open(const std::string& key, const std::string& stored)
 }
 
 std::optional<LogRecord> MembershipLog::read(int64_t epoch) const {
-  const std::string key = logKey(epoch);
+  const std::string key = prefix_ + logName(epoch);
   auto stored = peek(key);
   if (!stored) {
     return std::nullopt;
   }
-  return open(key, *stored);
+  return open(key, *stored, kMaxRecordBytes);
+}
+
+std::string MembershipLog::claimFormat() const {
+  const std::string key = prefix_ + "format";
+  if (auto found = peek(key)) {
+    return printable(*found, 64);
+  }
+  if (peek(prefix_ + logName(1))) {
+    return ""; // records, and no format: an earlier version's log
+  }
+  return printable(
+      fromBytes(store_->compareSet(key, {}, toBytes(std::string(kLogFormat)))),
+      64);
 }
 
 int64_t MembershipLog::append(const std::string& record, int64_t after) const {
   for (int64_t e = after + 1;; ++e) {
     // Claiming the key and writing the record are one step: no holes, no
     // lock to leave behind.
-    const auto bytes = toBytes(seal(logKey(e), record));
-    auto got = store_->compareSet(logKey(e), {}, bytes);
+    const std::string key = prefix_ + logName(e);
+    const auto bytes = toBytes(seal(key, record));
+    auto got = store_->compareSet(key, {}, bytes);
     if (got == bytes) {
       return e;
     }
@@ -396,7 +419,7 @@ int64_t MembershipLog::nextGeneration(int32_t rank) const {
 void MembershipLog::beat(uint64_t incarnation) const {
   // Our counter, with its proof: only we write our key (a store's add()
   // would let anyone renew our lease, or a dead member's).
-  const std::string key = "beat/" + incarnationText(incarnation);
+  const std::string key = prefix_ + "beat/" + incarnationText(incarnation);
   const int64_t n = beatsSent_.fetch_add(1) + 1;
   store_->set(key, toBytes(seal(key, std::to_string(n))));
 }
@@ -423,7 +446,7 @@ int64_t MembershipLog::readNumber(const std::string& key, bool sealed) const {
   }
   std::string body = std::move(*text);
   if (sealed) {
-    LogRecord r = open(key, body);
+    LogRecord r = open(key, body, 64);
     if (!proofKey_.empty() && !r.proven) {
       return 0; // not the group's: as if absent
     }
@@ -438,46 +461,57 @@ int64_t MembershipLog::readNumber(const std::string& key, bool sealed) const {
 
 int64_t MembershipLog::beats(uint64_t incarnation) const {
   // Read, not add(0): that would create the key again after forget().
-  return readNumber("beat/" + incarnationText(incarnation));
+  return readNumber(prefix_ + "beat/" + incarnationText(incarnation));
 }
 
 void MembershipLog::ack(uint64_t incarnation, int64_t epoch) const {
-  const std::string key = "ack/" + incarnationText(incarnation);
+  const std::string key = prefix_ + "ack/" + incarnationText(incarnation);
   store_->set(key, toBytes(seal(key, std::to_string(epoch))));
 }
 
 int64_t MembershipLog::acked(uint64_t incarnation) const {
-  return readNumber("ack/" + incarnationText(incarnation));
+  return readNumber(prefix_ + "ack/" + incarnationText(incarnation));
 }
 
 void MembershipLog::writeSnapshot(int64_t epoch, const std::string& text)
     const {
-  const std::string key = "snap/" + std::to_string(epoch);
+  const std::string key = prefix_ + "snap/" + std::to_string(epoch);
   store_->compareSet(key, {}, toBytes(seal(key, text)));
-  // Then the pointer, which only moves forward.
-  int64_t latest = readNumber("snap/latest", /*sealed=*/false);
-  while (latest < epoch) {
-    auto expected =
-        latest == 0 ? std::vector<uint8_t>{} : toBytes(std::to_string(latest));
-    auto got = store_->compareSet(
-        "snap/latest", expected, toBytes(std::to_string(epoch)));
+  // Then the pointer, which only moves forward, except off a snapshot that
+  // is not proven (a writer's pointer far ahead would otherwise send every
+  // joiner to the log's first record for good).
+  const std::string pointer = prefix_ + "snap/latest";
+  std::optional<std::string> current = peek(pointer);
+  for (int round = 0; round < 8; ++round) { // (a writer may keep moving it)
+    int64_t latest = 0;
     try {
-      latest = std::stoll(fromBytes(got));
+      latest = current ? std::stoll(*current) : 0;
     } catch (const std::logic_error&) {
-      return; // not ours
+      latest = std::numeric_limits<int64_t>::max(); // garbage: replaced
     }
+    if (latest >= epoch &&
+        (proofKey_.empty() || latestSnapshot().first == latest)) {
+      return;
+    }
+    auto expected = current ? toBytes(*current) : std::vector<uint8_t>{};
+    auto desired = toBytes(std::to_string(epoch));
+    auto got = store_->compareSet(pointer, expected, desired);
+    if (got == desired) {
+      return;
+    }
+    current = fromBytes(got); // moved meanwhile: judge that
   }
 }
 
 std::pair<int64_t, std::string> MembershipLog::latestSnapshot() const {
   // A pointer among snapshots, each proven by itself.
-  const int64_t epoch = readNumber("snap/latest", /*sealed=*/false);
-  const std::string key = "snap/" + std::to_string(epoch);
+  const int64_t epoch = readNumber(prefix_ + "snap/latest", /*sealed=*/false);
+  const std::string key = prefix_ + "snap/" + std::to_string(epoch);
   std::optional<std::string> text;
   if (epoch <= 0 || !(text = peek(key))) {
     return {0, ""};
   }
-  LogRecord snapshot = open(key, *text);
+  LogRecord snapshot = open(key, *text, kMaxSnapshotBytes);
   if (!proofKey_.empty() && !snapshot.proven) {
     return {0, ""};
   }
@@ -498,8 +532,8 @@ int64_t MembershipLog::snapshotEvery() {
 }
 
 void MembershipLog::forget(uint64_t incarnation) const {
-  store_->deleteKey("beat/" + incarnationText(incarnation));
-  store_->deleteKey("ack/" + incarnationText(incarnation));
+  store_->deleteKey(prefix_ + "beat/" + incarnationText(incarnation));
+  store_->deleteKey(prefix_ + "ack/" + incarnationText(incarnation));
 }
 
 } // namespace torch_rpc_ext

@@ -120,6 +120,9 @@ struct View {
 
 // ---- The membership log of a dynamic group --------------------------------
 
+// What a log of proven records says it is (MembershipLog::claimFormat).
+constexpr const char* kLogFormat = "torch_rpc_ext proven records 1";
+
 // Epochs between snapshots of the roster (MembershipLog::writeSnapshot).
 constexpr int64_t kSnapshotEvery = 64;
 
@@ -219,10 +222,13 @@ class MembershipLog {
  public:
   // `secret`: the group's. Empty: records are written bare and read
   // unproven (SecretExchange reads the log before it holds the secret, to
-  // see who is alive; tests write forged records so).
+  // see who is alive; tests write forged records so). `prefix`: before
+  // every key but the generations' ("e3/": a group that made its own
+  // secret keeps one log per secret, SecretExchange::logPrefix()).
   explicit MembershipLog(
       c10::intrusive_ptr<::c10d::Store> store,
-      const std::string& secret = "");
+      const std::string& secret = "",
+      std::string prefix = "");
 
   // The record at `epoch`, if it has been written: proven if its proof is
   // the group's for that epoch (never, without a secret).
@@ -232,6 +238,10 @@ class MembershipLog {
   // to read and apply.
   int64_t append(const std::string& record, int64_t after) const;
 
+  // The log's format, claimed for ours (kLogFormat) if the log is new: what
+  // it holds, or "" for a log an earlier version wrote (bare records, no
+  // format). A joiner refuses a log of another format.
+  std::string claimFormat() const;
   // How many times `rank` has been taken in this group, counting this one.
   int64_t nextGeneration(int32_t rank) const;
   // Renew our lease: our counter, one up, with its proof (only our
@@ -268,10 +278,14 @@ class MembershipLog {
   // `body` as stored at `key`: with its proof, given a secret.
   std::string seal(const std::string& key, const std::string& body) const;
   // What is stored at `key`: its body (without a proof line) and whether
-  // the proof is ours.
-  LogRecord open(const std::string& key, const std::string& stored) const;
+  // the proof is ours; nothing, unproven, past `maxBody` bytes.
+  LogRecord open(
+      const std::string& key,
+      const std::string& stored,
+      size_t maxBody) const;
 
   c10::intrusive_ptr<::c10d::Store> store_;
+  const std::string prefix_;
   std::string proofKey_; // drawn from the secret; empty without one
   mutable std::atomic<int64_t> beatsSent_{0}; // beat(): our lease counter
 };

@@ -492,34 +492,38 @@ void bindTesting(py::module_& m) {
       [](uint64_t incarnation, uint64_t reporter, const std::string& reason) {
         return py::bytes(deadRecord(incarnation, reporter, reason));
       });
-  // Append to the log in `store` at the first free epoch after `after`,
-  // with the proof of `secret` (bare without one, as a forger writes).
+  // Append to the log in `store` (under `prefix`: "e0/" for the first
+  // secret a group made) at the first free epoch after `after`, with the
+  // proof of `secret` (bare without one, as a forger writes).
   m.def(
       "log_append",
       [](const c10::intrusive_ptr<::c10d::Store>& store,
          const py::bytes& record,
          int64_t after,
-         const py::bytes& secret) {
+         const py::bytes& secret,
+         const std::string& prefix) {
         std::string rec(record), key(secret);
         py::gil_scoped_release nogil;
-        return MembershipLog(store, key).append(rec, after);
+        return MembershipLog(store, key, prefix).append(rec, after);
       },
       py::arg("store"),
       py::arg("record"),
       py::arg("after"),
-      py::arg("secret") = py::bytes());
+      py::arg("secret") = py::bytes(),
+      py::arg("prefix") = "");
   // The record at `epoch` in `store`, as (body, proven under `secret`), or
   // None.
   m.def(
       "log_read",
       [](const c10::intrusive_ptr<::c10d::Store>& store,
          int64_t epoch,
-         const py::bytes& secret) -> py::object {
+         const py::bytes& secret,
+         const std::string& prefix) -> py::object {
         std::string key(secret);
         std::optional<LogRecord> r;
         {
           py::gil_scoped_release nogil;
-          r = MembershipLog(store, key).read(epoch);
+          r = MembershipLog(store, key, prefix).read(epoch);
         }
         if (!r) {
           return py::none();
@@ -528,7 +532,8 @@ void bindTesting(py::module_& m) {
       },
       py::arg("store"),
       py::arg("epoch"),
-      py::arg("secret") = py::bytes());
+      py::arg("secret") = py::bytes(),
+      py::arg("prefix") = "");
   // The epoch `incarnation` last acknowledged in `store` (0: none).
   m.def(
       "log_acked",

@@ -19,6 +19,10 @@ import torch.distributed as dist
 from torch_rpc_ext import _testing as t
 
 A = t.agent
+# Where the membership log of a group that made its own secret lives: one
+# log per secret (SecretExchange::logPrefix), the first under "e0/".
+E0 = "e0/"
+KEY = b"k" * 32  # a secret given out of band: the log at the store's root
 
 
 def wait_for(pred, timeout=10.0, what="condition"):
@@ -120,7 +124,7 @@ def test_a_member_whose_lease_lapses_and_does_not_answer_is_declared_dead():
     # A member that never renews its lease (its process died right after
     # its join record landed).
     ghost = 0xDEAD
-    t.log_append(store, t.join_record(1, "ghost", ghost, 300), 0, secret)
+    t.log_append(store, t.join_record(1, "ghost", ghost, 300), 0, secret, E0)
     wait_for(lambda: any(d[0] == "ghost" for d in a.departed()), what="ghost declared dead")
     name, dead, why = a.departed()[0]
     assert dead and "ghost was declared dead at epoch 3" in why
@@ -142,7 +146,7 @@ def test_a_member_that_answers_probes_is_kept_for_a_few_leases_only():
     store = dist.HashStore()
     a = A.Group(store, "a", 0, 0, lease_s=0.2, answers_probes=True)
     secret = a.join("addr-a")
-    t.log_append(store, t.join_record(1, "stalled", 0xBEEF, 200), 0, secret)
+    t.log_append(store, t.join_record(1, "stalled", 0xBEEF, 200), 0, secret, E0)
     start = time.monotonic()
     wait_for(lambda: a.departed(), what="stalled declared dead")
     # Reachable, but renewing nothing: dead after kMaxLeaseProbing (3)
@@ -156,7 +160,7 @@ def test_a_member_declared_dead_is_fenced():
     store = dist.HashStore()
     a = A.Group(store, "a", 0, 0)
     secret = a.join("addr-a")
-    t.log_append(store, t.dead_record(a.incarnation, 0x1, "a partition"), 0, secret)
+    t.log_append(store, t.dead_record(a.incarnation, 0x1, "a partition"), 0, secret, E0)
     wait_for(lambda: a.fenced, what="fenced")
     assert "this worker (a) was declared dead by the group at epoch 2: a partition" in a.fenced
     # The flag is set first (sends are refused from then on), then the
@@ -173,9 +177,9 @@ def test_records_without_the_groups_proof_change_nothing():
     forged `dead` record fenced a member, a forged `join` held a rank, and
     a member's own join record copied past its leave brought it back."""
     store = dist.HashStore()
-    a = A.Group(store, "a", 0, 0, lease_s=2.0)
+    a = A.Group(store, "a", 0, 0, lease_s=2.0, secret=KEY)
     secret = a.join("addr-a")
-    b = A.Group(store, "b", 1, 0, lease_s=2.0)
+    b = A.Group(store, "b", 1, 0, lease_s=2.0, secret=KEY)
     b.join("addr-b")
     b_join = store.get("log/2")  # b's record, its proof and all
     body, proven = t.log_read(store, 2, secret)
@@ -203,7 +207,7 @@ def test_records_without_the_groups_proof_change_nothing():
     assert t.log_read(store, 4, secret) == (forged[0], False)
     # The group goes on: a joiner's record lands after them, and everyone
     # agrees on who is in.
-    c = A.Group(store, "c", 2, 0, lease_s=2.0)
+    c = A.Group(store, "c", 2, 0, lease_s=2.0, secret=KEY)
     assert c.join("addr-c") == secret
     wait_for(lambda: a.epoch == 9, what="c's join applied")
     assert [m[:2] for m in a.members()] == [(0, "a"), (2, "c")]
@@ -222,12 +226,12 @@ def test_a_lease_bumped_by_a_store_writer_renews_nothing():
     a = A.Group(store, "a", 0, 0, lease_s=0.3)
     secret = a.join("addr-a")
     ghost = 0xDEAD
-    t.log_append(store, t.join_record(1, "ghost", ghost, 300), 0, secret)
+    t.log_append(store, t.join_record(1, "ghost", ghost, 300), 0, secret, E0)
     stop = threading.Event()
 
     def bump():
         while not stop.is_set():
-            store.add(f"beat/{ghost:016x}", 1)
+            store.add(f"{E0}beat/{ghost:016x}", 1)
             time.sleep(0.03)
 
     writer = threading.Thread(target=bump, daemon=True)
@@ -278,12 +282,12 @@ def test_a_joiner_starts_from_no_snapshot_without_the_groups_proof(monkeypatch):
     secret = a.join("addr-a")
     b = A.Group(store, "b", 1, 0, lease_s=2.0)
     b.join("addr-b")
-    wait_for(lambda: store.check(["snap/2"]), what="a's snapshot at epoch 2")
+    wait_for(lambda: store.check([E0 + "snap/2"]), what="a's snapshot at epoch 2")
     forged = t.Roster()
     forged.apply(t.join_record(0, "a", a.incarnation, 2000))
     forged.apply(t.join_record(5, "ghost", 0xD00D, 2000))
-    store.set("snap/100", forged.snapshot())
-    store.set("snap/latest", "100")
+    store.set(E0 + "snap/100", forged.snapshot())
+    store.set(E0 + "snap/latest", "100")
     c = A.Group(store, "c", 2, 0, lease_s=2.0)
     assert c.join("addr-c") == secret
     assert [m[:2] for m in c.members()] == [(0, "a"), (1, "b"), (2, "c")]
@@ -302,14 +306,14 @@ def test_a_joiner_keeps_a_lapsed_member_whose_listener_answers_for_a_few_leases(
     Before, judged by the lease alone, the joiner ended the epoch one lease
     in and started a second group beside the stopped member's."""
     store = dist.HashStore()
-    a = A.Group(store, "a", 0, 0, lease_s=0.5)
+    a = A.Group(store, "a", 0, 0, lease_s=1.0)
     first = a.join("addr-a")
     a.freeze()
-    b = A.Group(store, "b", 1, 0, lease_s=0.5, answers_probes=True)
+    b = A.Group(store, "b", 1, 0, lease_s=1.0, answers_probes=True)
     got = []
     joiner = threading.Thread(target=lambda: got.append(b.join("addr-b")), daemon=True)
     joiner.start()
-    time.sleep(1.3)  # a lapsed for more than a lease, fewer than four
+    time.sleep(2.5)  # a lapsed for more than a lease, fewer than four
     assert store.add("torch_rpc_ext/dyn_secret/epoch", 0) == 0
     assert not got
     a.thaw()
@@ -376,9 +380,44 @@ def test_a_join_that_failed_records_no_leave():
         b.join("addr-b")
     b.stop()
     time.sleep(0.5)  # a's watcher reads the log a few times
-    assert t.log_read(store, epoch + 1) is None
+    assert t.log_read(store, epoch + 1, prefix=E0) is None
     assert a.epoch == epoch and not a.fenced
     a.stop()
+
+
+def test_an_epoch_ended_under_a_live_member_does_not_fence_it():
+    """A member fences itself when its secret's epoch ended while its own
+    lease had lapsed (it was left behind). An epoch ended under a lease
+    that held (a joiner that saw nobody alive, or anyone who can write the
+    store) is said and not obeyed: the member and its group go on. Before,
+    one add() to the store's epoch counter fenced every member."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=0.3)
+    a.join("addr-a")
+    store.add("torch_rpc_ext/dyn_secret/epoch", 1)
+    time.sleep(1.5)  # a lease check every 0.06 s
+    assert not a.fenced
+    b = A.Group(store, "b", 1, 0, lease_s=0.3)
+    b.join("addr-b")  # the new epoch's: a group of its own
+    assert [m[:2] for m in b.members()] == [(1, "b")]
+    assert not a.fenced and [m[:2] for m in a.members()] == [(0, "a")]
+    b.stop()
+    a.stop()
+
+
+@pytest.mark.parametrize("secret", [b"", KEY], ids=["group-made", "out-of-band"])
+def test_a_log_an_earlier_version_wrote_is_refused(secret):
+    """A version before session 77 wrote bare records at the store's root;
+    ours pass them over (and it ours), so a joiner of this version in such
+    a group would make a second group beside it, silently. It refuses,
+    naming that."""
+    store = dist.HashStore()
+    t.log_append(store, t.join_record(0, "old", 0xA, 2000), 0)
+    store.add("beat/000000000000000a", 1)
+    b = A.Group(store, "b", 1, 0, lease_s=2.0, secret=secret)
+    with pytest.raises(RuntimeError, match="written by another version of torch_rpc_ext"):
+        b.join("addr-b")
+    b.stop()
 
 
 def test_a_new_holder_of_a_rank_reserves_the_next_id_range():
@@ -514,6 +553,13 @@ def test_a_dynamic_group_that_lost_every_member_starts_over_with_a_new_secret():
     assert len(renewed) == 32 and renewed != first
     d = A.Group(store, "d", 3, 0, lease_s=2.0)
     assert d.join("addr-d") == renewed
+    # The new group's log is its own ("e1/"): the old group's records,
+    # proven under the old secret, are not read (before, session 77's
+    # first proofs: every one of them passed over as unproven, by every
+    # joiner of the new group, for good).
+    assert c.epoch == 2 and d.epoch == 2
+    assert c.metrics()["rpc_ext.membership.unproven_records"] == "0"
+    assert store.check(["e1/log/1"]) and not store.check(["e1/log/3"])
     d.stop()
     c.stop()
 
