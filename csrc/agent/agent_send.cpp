@@ -106,18 +106,10 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   frame::OutboundFrame frame = wire::encodeMessage(
       message, id, route ? &*route : nullptr, tracing::outgoing());
   AgentDevices::recordCudaUse(*message);
-  // An RRef of ours passed to `to`; gone already if `to` departed since
-  // the check above (its departure has released what it held).
-  auto passed = rrefs_.trackOwnForks(*message, to.id_);
-  if (!passed.empty() && peer->departed()) {
-    rrefs_.dropForks(passed);
-  }
-  encodeSpan.reset();
-  call_trace::stamp(id, call_trace::kEncoded);
-  if (phases) {
-    phases->encodeEnd = tracing::wallNanos();
-  }
   uint64_t wireBytes = frame.wireSize();
+  if (wireBytes > options_.maxFrameBytes) {
+    rrefs_.dropCarried(*message); // never sent: held by nobody
+  }
   TORCH_CHECK(
       wireBytes <= options_.maxFrameBytes,
       "RPC message of ",
@@ -126,6 +118,17 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       to.name_,
       " exceeds max_frame_bytes=",
       options_.maxFrameBytes);
+  // An RRef of ours passed to `to`; gone already if `to` was declared dead
+  // since the check above (its departure has released what it held).
+  auto passed = rrefs_.trackOwnForks(*message, to.id_);
+  if (!passed.empty() && peer->declaredDead()) {
+    rrefs_.dropForks(passed);
+  }
+  encodeSpan.reset();
+  call_trace::stamp(id, call_trace::kEncoded);
+  if (phases) {
+    phases->encodeEnd = tracing::wallNanos();
+  }
 
   auto future =
       c10::make_intrusive<JitFuture>(at::AnyClassType::get(), getDevices());

@@ -285,7 +285,9 @@ std::shared_ptr<transport::Connection> Connections::connectionTo(
       peer.route.unreachable);
   auto& slot = outbound_[&peer];
   if (!slot || slot->isClosed()) {
-    if (peer.stats.dials.fetch_add(1, std::memory_order_relaxed) > 0) {
+    // (Statistics are the name's: a reconnect is one to this holder.)
+    peer.stats.dials.fetch_add(1, std::memory_order_relaxed);
+    if (peer.dialed.exchange(true, std::memory_order_relaxed)) {
       peer.stats.reconnects.fetch_add(1, std::memory_order_relaxed);
     }
     const Route& route = peer.route;

@@ -29,7 +29,8 @@
 //    (takeEvents() runs on the Python event thread).
 //  - watcherMutex_ guards watcherStop_ and watcher_ (the thread object).
 // The lock order is rosterMutex_, then viewMutex_ / peersMutex_ /
-// eventsMutex_ (each held alone). No lock of ours is held while the
+// eventsMutex_ (each held alone); and watcherJoinMutex_, watcherMutex_,
+// eventsMutex_ (startWatcher). No lock of ours is held while the
 // listener's probe(), listenerAnswers() or whyUnreachable() run except
 // rosterMutex_ (probe() from a lease check).
 
@@ -236,6 +237,9 @@ class Group {
   // the heartbeat timeout (its default when heartbeats are off).
   std::chrono::milliseconds leaseTimeout() const;
   void checkLeases();
+  // Whether the epoch of the secret the group made ended under us: fenced
+  // if our own lease had lapsed, else said once (watcher thread).
+  void checkOurEpoch(std::chrono::steady_clock::time_point now);
 
   // Whether a member whose lease lapsed answers on the transport.
   bool reachable(const Member& m);
@@ -299,6 +303,7 @@ class Group {
   // lease that held was said (watcher thread, after joinLog).
   std::chrono::steady_clock::time_point lastBeat_;
   bool leaseLapsed_ = false;
+  std::chrono::steady_clock::time_point lapsedAt_;
   bool epochEndSaid_ = false;
   std::thread watcher_;
   std::mutex watcherMutex_;

@@ -278,7 +278,7 @@ void Group::applyEvent(const MembershipEvent& ev) {
       // Departed first, then its connections closed (connectionTo opens
       // none to a departed peer) and what it left in torch's RRef state
       // dropped, before we acknowledge the departure.
-      peer->depart(why);
+      peer->depart(why, ev.kind == MembershipEvent::Kind::kDead);
       listener_.onDeparted(*peer, ev.kind == MembershipEvent::Kind::kDead);
       break;
     }
@@ -317,6 +317,7 @@ void Group::watch() {
         // one): the others may have counted us gone meanwhile.
         if (now - lastBeat_ > leaseTimeout()) {
           leaseLapsed_ = true;
+          lapsedAt_ = now;
         }
         log_->beat(incarnation_);
         lastBeat_ = now;
@@ -337,32 +338,7 @@ void Group::watch() {
         if (now >= nextLeaseCheck_ && !fenced_.load()) {
           checkLeases();
           ackApplied(); // a death it recorded itself
-          // A group whose members all lapsed, we among them (our process
-          // stopped, say), starts over with a new secret and a log of its
-          // own, where nobody would declare us dead. We are out, and say
-          // so. An epoch ended while our lease held (a joiner that saw
-          // none of us alive, or a writer of the store) is not ours to
-          // obey: said once, and we go on.
-          if (options_.secret.empty() && !left_.load() &&
-              exchange_.epochEnded()) {
-            if (leaseLapsed_) {
-              fence(
-                  "this worker (" + self_.name_ +
-                  ") is no longer in the group: the group started over "
-                  "with a new secret while this worker's lease had lapsed "
-                  "(nobody was seen alive to seal the old one to a "
-                  "joiner)");
-            } else if (!epochEndSaid_) {
-              epochEndSaid_ = true;
-              logWarning(
-                  "torch_rpc_ext: " + self_.name_ +
-                  ": the group's secret epoch was ended while this "
-                  "worker's lease held (a joiner saw no member alive, or "
-                  "someone wrote the store): joiners from now on start a "
-                  "group of their own with another secret, and this one "
-                  "goes on without them");
-            }
-          }
+          checkOurEpoch(now);
           nextLeaseCheck_ = now +
               std::min<std::chrono::milliseconds>(
                                 leaseTimeout() / 5, std::chrono::seconds(1));
@@ -461,21 +437,28 @@ void Group::stop() {
   // Only a member records a leave: an init_rpc that failed before its join
   // was applied left nothing to take back (its record, if any, was passed
   // over), and a leave would spend an epoch of every member's.
-  if (joined_ && !left_.exchange(true)) {
-    // Not a graceful leave (shutdown(graceful=False), or an error): tell the
-    // group at once rather than let our lease run out.
-    try {
-      std::lock_guard<std::mutex> lock(rosterMutex_);
-      log_->append(leaveRecord(incarnation_), roster_.epoch());
-      log_->forget(incarnation_);
-    } catch (const std::exception& e) {
-      logWarning(
-          "torch_rpc_ext: " + self_.name_ +
-          " could not record leaving the group (its lease will run out): " +
-          e.what());
-    }
+  if (!joined_ || left_.exchange(true)) {
+    stopWatcher();
+    return;
   }
+  // Not a graceful leave (shutdown(graceful=False), or an error): tell the
+  // group at once rather than let our lease run out.
+  try {
+    std::lock_guard<std::mutex> lock(rosterMutex_);
+    log_->append(leaveRecord(incarnation_), roster_.epoch());
+  } catch (const std::exception& e) {
+    logWarning(
+        "torch_rpc_ext: " + self_.name_ +
+        " could not record leaving the group (its lease will run out): " +
+        e.what());
+  }
+  // Then our keys, once no round of the watcher can write them again.
   stopWatcher();
+  try {
+    log_->forget(incarnation_);
+  } catch (const std::exception&) {
+    // The store may be gone already: nothing depends on these keys.
+  }
 }
 
 void Group::startWatcher() {

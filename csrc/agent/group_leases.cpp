@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "csrc/agent/group.h"
+#include "csrc/common/logging.h"
 
 namespace torch_rpc_ext {
 
@@ -68,6 +69,44 @@ void Group::checkLeases() {
                 " (seen by " + self_.name_ + ")"),
         roster_.epoch());
     catchUp();
+  }
+}
+
+void Group::checkOurEpoch(Clock::time_point now) {
+  if (!options_.secret.empty() || left_.load()) {
+    return; // the user's secret has no epochs
+  }
+  const bool ended = exchange_.epochEnded();
+  // A lapse the group had time to act on and did not (no start-over within
+  // a joiner's longest wait: a lease, then three of knocks) is forgotten:
+  // an epoch end after that is not its doing.
+  if (leaseLapsed_ && !ended &&
+      now - lapsedAt_ >
+          (1 + kMaxLeaseProbing) * leaseTimeout() + std::chrono::seconds(1)) {
+    leaseLapsed_ = false;
+  }
+  if (!ended) {
+    return;
+  }
+  // A group whose members all lapsed, we among them (our process stopped,
+  // say), starts over with a new secret and a log of its own, where nobody
+  // would declare us dead. We are out, and say so. An epoch ended while
+  // our lease held (a joiner that saw none of us alive, or a writer of the
+  // store) is not ours to obey: said once, and we go on.
+  if (leaseLapsed_) {
+    fence(
+        "this worker (" + self_.name_ +
+        ") is no longer in the group: the group started over with a new "
+        "secret while this worker's lease had lapsed (nobody was seen alive "
+        "to seal the old one to a joiner)");
+  } else if (!epochEndSaid_) {
+    epochEndSaid_ = true;
+    logWarning(
+        "torch_rpc_ext: " + self_.name_ +
+        ": the group's secret epoch was ended while this worker's lease "
+        "held (a joiner saw no member alive, or someone wrote the store): "
+        "joiners from now on start a group of their own with another "
+        "secret, and this one goes on without them");
   }
 }
 

@@ -392,7 +392,11 @@ std::string MembershipLog::claimFormat() const {
     return printable(*found, 64);
   }
   if (peek(prefix_ + logName(1))) {
-    return ""; // records, and no format: an earlier version's log
+    // Records. A joiner of ours claims the format before its record, so
+    // a format there now is one that came while we looked; none at all
+    // is an earlier version's log.
+    auto found = peek(key);
+    return found ? printable(*found, 64) : std::string();
   }
   return printable(
       fromBytes(store_->compareSet(key, {}, toBytes(std::string(kLogFormat)))),

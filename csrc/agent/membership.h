@@ -79,17 +79,25 @@ struct Peer {
   // 8 KiB of call-cost histograms for every worker that ever joined.
   const std::shared_ptr<PeerStats> statsOfName;
   PeerStats& stats;
+  // Whether we ever dialed this holder (a later dial is a reconnect).
+  mutable std::atomic<bool> dialed{false};
 
-  // Set once, when the membership log says it left or died.
-  void depart(std::string why) {
+  // Set once, when the membership log says it left or died (`dead`).
+  void depart(std::string why, bool dead) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!gone_.load(std::memory_order_relaxed)) {
       departure_ = std::move(why);
+      dead_.store(dead, std::memory_order_relaxed);
       gone_.store(true, std::memory_order_release);
     }
   }
   bool departed() const {
     return gone_.load(std::memory_order_acquire);
+  }
+  // Departed, declared dead: nothing sent to it arrives any more (one that
+  // left may still be finishing the calls it serves, and read our answers).
+  bool declaredDead() const {
+    return departed() && dead_.load(std::memory_order_relaxed);
   }
   // "worker1 left the group at epoch 7", or "" while it is a member.
   std::string departure() const {
@@ -100,6 +108,7 @@ struct Peer {
  private:
   mutable std::mutex mutex_;
   std::atomic<bool> gone_{false};
+  std::atomic<bool> dead_{false}; // written before gone_
   std::string departure_;
 };
 

@@ -118,7 +118,7 @@ void Server::serve(
         if (span) {
           span->end(f.hasError() ? f.tryRetrieveErrorMessage() : std::string());
         }
-        const uint64_t bytes = respond(*conn, id, f);
+        const uint64_t bytes = respond(*conn, id, f, served.peer);
         if (costs && bytes != 0) {
           served.peer->stats.costs.observe(
               CallCosts::kServedResponseBytes, served.kind, bytes);
@@ -133,7 +133,8 @@ void Server::serve(
 uint64_t Server::respond(
     transport::Connection& conn,
     int64_t id,
-    c10::ivalue::Future& result) {
+    c10::ivalue::Future& result,
+    const Peer* requester) {
   if (!running_.load()) {
     return 0;
   }
@@ -160,19 +161,22 @@ uint64_t Server::respond(
     }
     frame = wire::encodeMessage(response, id, route ? &*route : nullptr);
     AgentDevices::recordCudaUse(*response);
-    // An RRef of ours returned. Where the requester departed before they
-    // were attributed to it (its death applied while we served it), the
-    // departure has released what it held already: these go now.
-    auto returned = rrefs_.trackOwnForks(*response, conn.peerId());
-    if (!returned.empty() && (!peer || peer->departed())) {
-      rrefs_.dropForks(returned);
-    }
     TORCH_CHECK(
         frame.wireSize() <= options_.maxFrameBytes,
         "RPC response of ",
         frame.wireSize(),
         " bytes exceeds max_frame_bytes=",
         options_.maxFrameBytes);
+    // An RRef of ours returned (once the answer is sure to go). Where the
+    // requester was declared dead before they were attributed to it (its
+    // death applied while we served it), its departure has released what
+    // it held already: these go now. (One that left may still read this
+    // answer: its forks stay its own.)
+    const Peer* holder = requester ? requester : peer;
+    auto returned = rrefs_.trackOwnForks(*response, conn.peerId());
+    if (!returned.empty() && holder && holder->declaredDead()) {
+      rrefs_.dropForks(returned);
+    }
   } catch (const std::exception& e) {
     frame = wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id);
   }

@@ -88,11 +88,13 @@ class Server {
   void addMetrics(std::unordered_map<std::string, std::string>& m) const;
 
  private:
-  // The response's bytes on the wire (0: none sent).
+  // The response's bytes on the wire (0: none sent). `requester`: who sent
+  // the request, as it arrived (null if no member did).
   uint64_t respond(
       transport::Connection& conn,
       int64_t id,
-      c10::ivalue::Future& result);
+      c10::ivalue::Future& result,
+      const Peer* requester);
 
   rpc::RequestCallback& callback_;
   const std::atomic<bool>& running_;

@@ -372,8 +372,8 @@ def _late_forks(rank, world_size, store_path, gates):
         join(1, store_path, heartbeat_timeout=1.0)
         gates["joined"].set()
         gates["go"].wait(30)
+        gates["1"].set()  # first: the call's first step kills us
         rpc.rpc_async("worker0", _rref_once_caller_is_dead, (os.getpid(),))
-        gates["1"].set()
         time.sleep(120)  # killed by worker0
     return out
 

@@ -372,7 +372,7 @@ def test_a_join_that_failed_records_no_leave():
     taken back: before, the stop appended a `leave` that every member read
     and passed over, an epoch spent per failed init_rpc."""
     store = dist.HashStore()
-    a = A.Group(store, "a", 0, 0, lease_s=0.3)
+    a = A.Group(store, "a", 0, 0, lease_s=2.0)
     a.join("addr-a")
     epoch = a.epoch
     b = A.Group(store, "a", 1, 0, lease_s=0.3)  # a's name, another rank
@@ -392,10 +392,10 @@ def test_an_epoch_ended_under_a_live_member_does_not_fence_it():
     store) is said and not obeyed: the member and its group go on. Before,
     one add() to the store's epoch counter fenced every member."""
     store = dist.HashStore()
-    a = A.Group(store, "a", 0, 0, lease_s=0.3)
+    a = A.Group(store, "a", 0, 0, lease_s=2.0)
     a.join("addr-a")
     store.add("torch_rpc_ext/dyn_secret/epoch", 1)
-    time.sleep(1.5)  # a lease check every 0.06 s
+    time.sleep(1.5)  # a lease check every 0.4 s
     assert not a.fenced
     b = A.Group(store, "b", 1, 0, lease_s=0.3)
     b.join("addr-b")  # the new epoch's: a group of its own
