@@ -153,6 +153,19 @@ std::string Connections::open(const std::string& secret, uint64_t incarnation) {
   return entry;
 }
 
+std::vector<OfferLine> offerLines(const std::string& offers) {
+  std::vector<OfferLine> out;
+  std::istringstream lines(offers);
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream fields(line);
+    OfferLine l;
+    fields >> l.name >> l.domain >> l.address;
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
 Route Connections::routeFor(
     const std::string& peerName,
     const std::string& offers) const {
@@ -160,12 +173,7 @@ Route Connections::routeFor(
   // and the channels it offers.
   std::map<std::string, std::string> reachable;
   std::map<std::string, std::string> channels;
-  std::istringstream lines(offers);
-  std::string line;
-  while (std::getline(lines, line)) {
-    std::istringstream fields(line);
-    std::string name, domain, address;
-    fields >> name >> domain >> address;
+  for (const auto& [name, domain, address] : offerLines(offers)) {
     if (name == kChannelLine) {
       channels[domain] = address; // "channel <name> <domain>"
       continue;

@@ -60,6 +60,15 @@ class FrameSink {
       const std::string& reason) = 0;
 };
 
+// One line of a worker's offers (its rendezvous entry after the name
+// line): "<transport> <domain descriptor> <address>", or
+// "channel <name> <domain descriptor>" (name, domain, address: the three
+// fields, whatever the line).
+struct OfferLine {
+  std::string name, domain, address;
+};
+std::vector<OfferLine> offerLines(const std::string& offers);
+
 class Connections final : private transport::ConnectionObserver {
  public:
   // worldSize 0: a dynamic group. `group` says who the members are; `sink`

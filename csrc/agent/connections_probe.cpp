@@ -4,7 +4,6 @@
 #include "csrc/agent/connections.h"
 
 #include <algorithm>
-#include <sstream>
 #include <thread>
 
 #include "csrc/common/crypto.h"
@@ -136,13 +135,9 @@ bool Connections::knockBeforeOpen(
   topts.secret = randomBytes(32);
   topts.tls.mode = transport::parseTlsMode("off");
   topts.bindAddress = options_.address;
+  const auto lines = offerLines(offers);
   for (const auto& ours : options_.transports) {
-    std::istringstream lines(offers);
-    std::string line;
-    while (std::getline(lines, line)) {
-      std::istringstream fields(line);
-      std::string name, domain, address;
-      fields >> name >> domain >> address;
+    for (const auto& [name, domain, address] : lines) {
       if (name != ours || address.empty()) {
         continue;
       }
