@@ -136,7 +136,8 @@ void Group::joinLog(
   // init_rpc returned (upstream's test_dynamic_rpc_existing_rank_...).
   // Joined, but init_rpc fails: we leave again, then say why.
   auto abandon = [&](const std::string& why) {
-    if (!left_.exchange(true)) {
+    const bool leaving = !left_.exchange(true);
+    if (leaving) {
       try {
         std::lock_guard<std::mutex> lock(rosterMutex_);
         log_->append(leaveRecord(incarnation_), roster_.epoch());
@@ -144,6 +145,12 @@ void Group::joinLog(
       }
     }
     stopWatcher();
+    if (leaving) {
+      try {
+        log_->forget(incarnation_); // once no round can write them again
+      } catch (const std::exception&) {
+      }
+    }
     TORCH_CHECK(false, "init_rpc of ", me.name, " ", why);
   };
   std::vector<std::string> missing;

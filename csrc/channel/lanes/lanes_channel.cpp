@@ -247,6 +247,27 @@ void LanesChannel::failConnection(const std::string& reason, bool refused) {
   }
 }
 
+bool LanesChannel::waitSayingAlive(
+    const std::function<bool()>& waitABit,
+    const std::function<bool()>& sayAlive,
+    const char* underWay,
+    std::string* error) {
+  auto said = std::chrono::steady_clock::now();
+  while (!waitABit()) {
+    if (stop_.load() || host_.expired()) {
+      *error = std::string("closed while ") + underWay;
+      return false;
+    }
+    if (std::chrono::steady_clock::now() - said >= kKeepAliveEvery) {
+      if (!sayAlive()) {
+        return false;
+      }
+      said = std::chrono::steady_clock::now();
+    }
+  }
+  return true;
+}
+
 bool LanesChannel::waitResident(
     const char* data,
     uint64_t bytes,
@@ -257,22 +278,14 @@ bool LanesChannel::waitResident(
   if (read == nullptr) {
     return true; // (no thread: the send reads them, silent meanwhile)
   }
-  // Asked every 10 ms (a close does not wait on us), said alive every
-  // kKeepAliveEvery.
-  auto said = std::chrono::steady_clock::now();
-  while (!read->waitFor(std::chrono::milliseconds(10))) {
-    if (stop_.load() || host_.expired()) {
-      read->abandon();
-      *error = "closed while its pages were read into memory";
-      return false;
-    }
-    if (std::chrono::steady_clock::now() - said >= kKeepAliveEvery) {
-      if (!sayAlive()) {
-        read->abandon();
-        return false;
-      }
-      said = std::chrono::steady_clock::now();
-    }
+  // Asked every 10 ms (a close does not wait on us).
+  if (!waitSayingAlive(
+          [&] { return read->waitFor(std::chrono::milliseconds(10)); },
+          sayAlive,
+          "its pages were read into memory",
+          error)) {
+    read->abandon();
+    return false;
   }
   return true;
 }

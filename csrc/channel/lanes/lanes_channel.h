@@ -168,6 +168,15 @@ class LanesChannel final : public Channel,
   bool lanesTakeLocked();
   // A staged stripe's bytes up to `end` are out of the device; false with
   // `error` set once the channel closes first (a failed copy closes it).
+  // Calls `waitABit` (which waits up to 10 ms, true once what it waits for
+  // is there) until it is, and `sayAlive` every kKeepAliveEvery meanwhile;
+  // false with `error` set if the lane failed or the channel closed while
+  // `underWay`.
+  bool waitSayingAlive(
+      const std::function<bool()>& waitABit,
+      const std::function<bool()>& sayAlive,
+      const char* underWay,
+      std::string* error);
   // Waits until `staged` has its bytes up to `end`, calling `keepAlive`
   // every kKeepAliveEvery meanwhile (false: the lane failed).
   bool waitStaged(

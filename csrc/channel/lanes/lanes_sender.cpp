@@ -107,23 +107,21 @@ bool LanesChannel::waitStaged(
     uint64_t end,
     const std::function<bool()>& keepAlive,
     std::string* error) {
-  auto said = std::chrono::steady_clock::now();
   // The staging thread raises the mark chunk by chunk (4 MiB at PCIe
   // speed: ~100-300 us each) and wakes us (StagedOut::waitReady). A failed
   // copy closes the connection where it still exists; one gone without
   // closing never stops us, so that is checked every 10 ms too.
-  while (staged.readyBytes() < end && !staged.failed()) {
-    if (stop_.load() || host_.expired()) {
-      *error = "closed while its device copy was under way";
-      return false;
-    }
-    staged.waitReady(end, std::chrono::milliseconds(10));
-    if (std::chrono::steady_clock::now() - said >= kKeepAliveEvery) {
-      if (!keepAlive()) {
-        return false;
-      }
-      said = std::chrono::steady_clock::now();
-    }
+  auto there = [&] { return staged.readyBytes() >= end || staged.failed(); };
+  if (!there() &&
+      !waitSayingAlive(
+          [&] {
+            staged.waitReady(end, std::chrono::milliseconds(10));
+            return there();
+          },
+          keepAlive,
+          "its device copy was under way",
+          error)) {
+    return false;
   }
   if (staged.failed()) {
     // (Chunks seen out of order may have raised the mark past it.)
