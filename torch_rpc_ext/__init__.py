@@ -14,6 +14,7 @@ Importing this package registers ``rpc.BackendType.TORCH_RPC_EXT``::
 """
 
 import atexit
+import os
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed.rpc  # noqa: F401  (registers RpcAgent for _C)
@@ -30,7 +31,7 @@ except ImportError as _e:
         raise load_error(_e) from _e
     raise
 
-from torch_rpc_ext import scripting  # noqa: E402
+from torch_rpc_ext import logs, scripting  # noqa: E402
 from torch_rpc_ext._ports import free_port  # noqa: E402
 from torch_rpc_ext._tensorpipe_options import (  # noqa: E402
     remember_tensorpipe_only_settings,
@@ -52,6 +53,7 @@ __all__ = [
     "MembershipEvent",
     "RpcExtBackendOptions",
     "free_port",
+    "logs",
     "membership",
     "on_membership_change",
     "remove_membership_callback",
@@ -70,6 +72,10 @@ remember_tensorpipe_only_settings()
 # program's own atexit handlers.
 atexit.register(_C._close_exit_gate)
 del _C
+# The agent's log lines into Python's logging for a program not changed for
+# it (torch_rpc_ext.logs); after the exit gate's hook, so it runs first.
+if os.environ.get("TORCH_RPC_EXT_LOG_FORMAT") == "python":
+    logs.to_python()
 
 
 def __getattr__(name: str):

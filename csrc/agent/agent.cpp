@@ -20,6 +20,7 @@
 #include "csrc/agent/torch_private.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/exit_gate.h"
+#include "csrc/common/log_route.h"
 #include "csrc/common/logging.h"
 
 namespace torch_rpc_ext {
@@ -47,6 +48,10 @@ std::shared_ptr<Agent> Agent::create(
   // not later as a rendezvous failure (the group secret is sealed with
   // AES-GCM) or as lanes left out (common/crypto.h, Aead).
   (void)Aead(std::string(Aead::kKeyBytes, '\0'));
+  // A log setting this process cannot honour is named now (logging.h).
+  const std::string logError = logSettingsError();
+  TORCH_CHECK(logError.empty(), logError);
+  setLogWorker(name);
   // Destroy without the GIL: shutdown() asserts the GIL is not held. Once
   // the process exits with the agent alive (common/exit_gate.h), it is left
   // in place: its parked threads still point into it.

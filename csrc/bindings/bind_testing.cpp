@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <vector>
 
 #include "csrc/agent/builtin_call.h"
@@ -18,6 +19,8 @@
 #include "csrc/common/crypto.h"
 #include "csrc/common/fd_closer.h"
 #include "csrc/common/host_load.h"
+#include "csrc/common/log_route.h"
+#include "csrc/common/logging.h"
 #include "csrc/common/thread_pool.h"
 #include "csrc/frame/frame.h"
 #include "csrc/transport/handshake.h"
@@ -39,6 +42,23 @@ py::bytes digestBytes(const Digest& d) {
 } // namespace
 
 void bindTesting(py::module_& m) {
+  // A line as the agent logs one, from a thread of ours (not Python's).
+  m.def(
+      "log",
+      [](bool warning, const std::string& line, int times) {
+        std::thread([=] {
+          for (int i = 0; i < times; ++i) {
+            warning ? logWarning(line) : logDebug(line);
+          }
+        }).join();
+      },
+      py::arg("warning"),
+      py::arg("line"),
+      py::arg("times") = 1,
+      py::call_guard<py::gil_scoped_release>());
+  m.def("log_json_string", [](const py::bytes& text) {
+    return py::bytes(jsonString(std::string(text)));
+  });
   m.def(
       "python_thread_states",
       [] {

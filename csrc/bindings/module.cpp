@@ -3,6 +3,7 @@
 
 #include "csrc/bindings/bind.h"
 #include "csrc/common/exit_gate.h"
+#include "csrc/common/log_route.h"
 #include "csrc/frame/frame.h"
 
 PYBIND11_MODULE(_C, m) {
@@ -16,6 +17,49 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_close_exit_gate",
       [] { torch_rpc_ext::ExitGate::close(); },
+      py::call_guard<py::gil_scoped_release>());
+  // torch_rpc_ext.logs: lines routed to Python's logging (logging.h).
+  m.def(
+      "_logs_route",
+      &torch_rpc_ext::routeLogs,
+      py::arg("on"),
+      py::arg("debug"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "_logs_take",
+      [](size_t max, int timeoutMs) {
+        uint64_t dropped = 0;
+        std::vector<torch_rpc_ext::LogLine> records;
+        {
+          py::gil_scoped_release release;
+          records = torch_rpc_ext::takeLogs(max, timeoutMs, &dropped);
+        }
+        py::list out;
+        for (const auto& r : records) {
+          // Bytes a peer put in a line need not be UTF-8.
+          out.append(
+              py::make_tuple(
+                  r.level,
+                  r.unixNs,
+                  py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(
+                      r.worker.data(),
+                      static_cast<Py_ssize_t>(r.worker.size()),
+                      "replace")),
+                  py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(
+                      r.message.data(),
+                      static_cast<Py_ssize_t>(r.message.size()),
+                      "replace"))));
+        }
+        return py::make_tuple(out, dropped);
+      },
+      py::arg("max"),
+      py::arg("timeout_ms"));
+  m.def("_log_settings_error", &torch_rpc_ext::logSettingsError);
+  m.def(
+      "_log_warning",
+      &torch_rpc_ext::logWarningOf,
+      py::arg("worker"),
+      py::arg("line"),
       py::call_guard<py::gil_scoped_release>());
   torch_rpc_ext::bindings::bindOptions(m);
   torch_rpc_ext::bindings::bindAgent(m);

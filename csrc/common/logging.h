@@ -6,7 +6,9 @@
 namespace torch_rpc_ext {
 
 // Warnings go to stderr unless TORCH_RPC_EXT_LOG=error or =off; debug lines
-// only with TORCH_RPC_EXT_LOG=debug. Thread-safe; never takes the GIL.
+// only with TORCH_RPC_EXT_LOG=debug. Thread-safe; never takes the GIL. Each
+// line says its time, its worker and its pid, as text or JSON, or goes to
+// Python's logging (log_route.h).
 void logWarning(const std::string& line);
 void logDebug(const std::string& line);
 

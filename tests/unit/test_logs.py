@@ -1,0 +1,257 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The agent's log lines: what each says (time, level, worker, pid), as text,
+as JSON, or handed to Python's logging (torch_rpc_ext.logs;
+docs/observability.md, "Logs"). The lines come from a real agent refusing a
+stranger's bytes, in a process of its own (the log settings are read once a
+process), or from a thread of ours through _testing.log."""
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import torch_rpc_ext
+from torch_rpc_ext import _C, _testing
+
+SECRET = "0123456789abcdefghijklmnopqrstuv"
+
+# One worker that refuses a connection whose first bytes are not ours, then
+# prints what its Python logger got (with TORCH_RPC_EXT_LOG_FORMAT=python).
+SOLO = textwrap.dedent(
+    f"""
+    import json, logging, os, socket, sys, time
+    got = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(dict(name=record.name, level=record.levelno, created=record.created,
+                            worker=record.worker, message=record.getMessage(),
+                            thread=record.threadName))
+    logging.getLogger("torch_rpc_ext").addHandler(Keep())
+    import torch.distributed.rpc as rpc
+    import torch_rpc_ext
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(torch_rpc_ext.free_port())
+    rpc.init_rpc("solo", rank=0, world_size=1, backend=rpc.BackendType.TORCH_RPC_EXT,
+                 rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(secret="{SECRET}"))
+    host, port = rpc.api._get_current_rpc_agent().address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"not a handshake" * 8)
+    deadline = time.monotonic() + 20
+    while not got and time.monotonic() < deadline and torch_rpc_ext.logs.routed_to():
+        time.sleep(0.05)
+    if not torch_rpc_ext.logs.routed_to():
+        time.sleep(1)
+    s.close()
+    rpc.shutdown()
+    print("GOT " + json.dumps(got), flush=True)
+    """
+)
+
+
+def run_solo(env, timeout=90):
+    env = {**os.environ, "TORCH_RPC_EXT_TRANSPORTS": "tcp", **env}
+    before = time.time()
+    out = subprocess.run([sys.executable, "-c", SOLO], capture_output=True, text=True,
+                         env=env, timeout=timeout)
+    return out, before, time.time()
+
+
+def refusals(stderr):
+    return [line for line in stderr.splitlines() if "refused connection" in line]
+
+
+def test_a_warning_says_its_time_worker_and_pid_as_text():
+    out, before, after = run_solo({})
+    assert out.returncode == 0, out.stderr
+    lines = refusals(out.stderr)
+    assert lines, out.stderr
+    m = re.match(
+        r"\[W (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z solo pid=(\d+)\] "
+        r"torch_rpc_ext: solo refused connection tcp from 127\.0\.0\.1:\d+: .*bad magic",
+        lines[0],
+    )
+    assert m, lines[0]
+    stamp = time.mktime(time.strptime(m.group(1)[:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+    assert before - 1 <= stamp <= after + 1
+    assert int(m.group(2)) > 0
+
+
+def test_a_warning_is_one_json_object_with_format_json():
+    out, before, after = run_solo({"TORCH_RPC_EXT_LOG_FORMAT": "json"})
+    assert out.returncode == 0, out.stderr
+    lines = refusals(out.stderr)
+    assert lines, out.stderr
+    rec = json.loads(lines[0])
+    assert set(rec) == {"time", "level", "logger", "worker", "pid", "message"}
+    assert (rec["level"], rec["logger"], rec["worker"]) == ("warning", "torch_rpc_ext", "solo")
+    assert rec["message"].startswith("solo refused connection tcp from 127.0.0.1:")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", rec["time"])
+    assert isinstance(rec["pid"], int) and rec["pid"] > 0
+
+
+def test_a_warning_goes_to_pythons_logging_with_format_python():
+    out, before, after = run_solo({"TORCH_RPC_EXT_LOG_FORMAT": "python"})
+    assert out.returncode == 0, out.stderr
+    # Handed to the logger, not written to stderr.
+    assert not refusals(out.stderr), out.stderr
+    got = json.loads(out.stdout.split("GOT ", 1)[1])
+    rec = next(r for r in got if "refused connection" in r["message"])
+    assert rec["name"] == "torch_rpc_ext"
+    assert rec["level"] == logging.WARNING
+    assert rec["worker"] == "solo"
+    assert rec["message"].startswith("solo refused connection tcp from 127.0.0.1:")
+    assert rec["thread"] == "torch_rpc_ext"
+    assert before - 1 <= rec["created"] <= after + 1
+
+
+@pytest.mark.parametrize(
+    "name,value,said",
+    [
+        ("TORCH_RPC_EXT_LOG", "verbose", "TORCH_RPC_EXT_LOG='verbose' is not a log level"),
+        ("TORCH_RPC_EXT_LOG_FORMAT", "xml", "TORCH_RPC_EXT_LOG_FORMAT='xml' is not a log format"),
+    ],
+)
+def test_a_log_setting_that_is_not_known_fails_init_rpc_naming_it(name, value, said):
+    out, _, _ = run_solo({name: value})
+    assert out.returncode != 0
+    assert said in out.stderr, out.stderr[-2000:]
+
+
+class Keep(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture
+def logger():
+    log = logging.getLogger("torch_rpc_ext.test_logs")
+    log.propagate = False
+    keep = Keep()
+    log.addHandler(keep)
+    log.setLevel(logging.WARNING)
+    yield log, keep
+    torch_rpc_ext.logs.to_stderr()
+    log.removeHandler(keep)
+
+
+def test_lines_come_in_order_and_to_stderr_again_once_unrouted(logger, capfd):
+    log, keep = logger
+    assert torch_rpc_ext.logs.to_python(log) is log
+    assert torch_rpc_ext.logs.routed_to() is log
+    _testing.log(True, "torch_rpc_ext: one", 3)
+    # A debug line is not made for a logger at WARNING.
+    _testing.log(False, "torch_rpc_ext: quiet")
+    torch_rpc_ext.logs.to_stderr()
+    assert torch_rpc_ext.logs.routed_to() is None
+    assert [r.getMessage() for r in keep.records] == ["one"] * 3
+    assert all(r.levelno == logging.WARNING and r.name == log.name for r in keep.records)
+    assert "one" not in capfd.readouterr().err
+    _testing.log(True, "torch_rpc_ext: after")
+    assert "torch_rpc_ext: after" in capfd.readouterr().err
+    assert len(keep.records) == 3
+
+
+def test_debug_lines_are_made_for_a_logger_enabled_for_debug(logger):
+    log, keep = logger
+    log.setLevel(logging.DEBUG)
+    torch_rpc_ext.logs.to_python(log)
+    _testing.log(False, "torch_rpc_ext: detail")
+    torch_rpc_ext.logs.to_stderr()
+    assert [(r.levelno, r.getMessage()) for r in keep.records] == [(logging.DEBUG, "detail")]
+
+
+def test_lines_more_than_the_queue_holds_are_counted_and_said(logger):
+    log, keep = logger
+    # Routed with no one taking: the queue fills.
+    _C._logs_route(True, False)
+    try:
+        _testing.log(True, "torch_rpc_ext: flood", 10_003)
+    finally:
+        torch_rpc_ext.logs.to_python(log)  # the thread takes what waited
+    torch_rpc_ext.logs.to_stderr()
+    messages = [r.getMessage() for r in keep.records]
+    assert messages.count("flood") == 10_000
+    assert messages.count(
+        "3 log lines of torch_rpc_ext were dropped: more than 10000 waited for this "
+        "logger's thread"
+    ) == 1
+    assert len(messages) == 10_001
+
+
+def test_a_forked_child_hands_its_lines_to_the_logger_too():
+    code = textwrap.dedent(
+        """
+        import logging, os, sys
+        import torch_rpc_ext
+        from torch_rpc_ext import _testing
+        log = logging.getLogger("x")
+        h = logging.StreamHandler(sys.stdout)
+        h.setFormatter(logging.Formatter("%(process)d %(message)s"))
+        log.addHandler(h)
+        torch_rpc_ext.logs.to_python(log)
+        pid = os.fork()
+        if pid == 0:
+            _testing.log(True, "torch_rpc_ext: from the child")
+            torch_rpc_ext.logs.to_stderr()
+            sys.stdout.flush()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        _testing.log(True, "torch_rpc_ext: from the parent")
+        torch_rpc_ext.logs.to_stderr()
+        print("child", pid)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    child = lines[-1].split()[1]
+    assert f"{child} from the child" in lines, out.stdout
+    assert any(line.endswith(" from the parent") and not line.startswith(child)
+               for line in lines), out.stdout
+    assert "from the" not in out.stderr
+
+
+def test_json_strings_escape_what_json_cannot_hold():
+    text = b'a"b\\c\n\x01\x7f caf\xc3\xa9 \xff \xed\xa0\x80 \xf0\x9f\x98\x80'
+    out = _testing.log_json_string(text)
+    assert out == (
+        b'"a\\"b\\\\c\\n\\u0001\\u007f caf\xc3\xa9 \\ufffd \\ufffd\\ufffd\\ufffd '
+        b'\xf0\x9f\x98\x80"'
+    )
+    assert json.loads(out) == 'a"b\\c\n\x01\x7f café \ufffd \ufffd\ufffd\ufffd \U0001f600'
+
+
+def test_every_line_of_ours_is_json_with_format_json_the_python_packages_too():
+    """The note on TensorPipe-only options comes from the Python package,
+    before the agent exists: with json, it is a JSON object as the core's
+    lines are (a log shipper reading JSON lines would choke on text)."""
+    code = textwrap.dedent(
+        """
+        import os
+        import torch.distributed.rpc as rpc
+        import torch_rpc_ext
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(torch_rpc_ext.free_port())
+        opts = rpc.TensorPipeRpcBackendOptions(_transports=["uv"])
+        rpc.init_rpc("solo", rank=0, world_size=1, backend=rpc.BackendType.TORCH_RPC_EXT,
+                     rpc_backend_options=opts)
+        rpc.shutdown()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "TORCH_RPC_EXT_LOG_FORMAT": "json"}, timeout=90)
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stderr.splitlines()]
+    assert [r["message"][:40] for r in records] == ["ignoring TensorPipe-only settings _trans"]
+    assert records[0]["level"] == "warning" and records[0]["logger"] == "torch_rpc_ext"

@@ -1,0 +1,162 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The backend's log lines in Python's ``logging`` (docs/observability.md, "Logs").
+
+The agent logs from its own threads (connections refused or lost, peers
+declared dead, ...), in C++ and without the GIL. By default each line goes to
+stderr as text (``TORCH_RPC_EXT_LOG_FORMAT=json``: one JSON object a line).
+``to_python()`` hands them to a logger instead, so that the handlers and
+formatters a program already has (JSON, syslog, a log shipper) take them::
+
+    import logging, torch_rpc_ext.logs
+    logging.basicConfig(format="%(asctime)s %(name)s %(worker)s %(levelname)s %(message)s")
+    torch_rpc_ext.logs.to_python()
+
+``TORCH_RPC_EXT_LOG_FORMAT=python`` does the same at import, for programs
+that are not changed (the launcher's). Each record is made for the logger
+(``torch_rpc_ext`` unless named) with the line's own time, its level
+(WARNING, or DEBUG with ``TORCH_RPC_EXT_LOG=debug`` or a logger enabled for
+DEBUG when ``to_python`` was called), and ``worker``: the name of the worker
+this process runs (None before ``init_rpc``). One thread of ours takes the
+lines (they wait in a queue of 10,000 at most; more are dropped and
+counted, and a warning says how many). A forked child routes its lines too;
+at exit, lines go to stderr again once those queued were handed over.
+"""
+
+import atexit
+import logging
+import os
+import threading
+from typing import Optional, Union
+
+from torch_rpc_ext import _C
+
+__all__ = ["LOGGER_NAME", "to_python", "to_stderr", "routed_to"]
+
+LOGGER_NAME = "torch_rpc_ext"
+_PREFIX = "torch_rpc_ext: "
+_BATCH = 256
+_WAIT_MS = 200
+
+_lock = threading.Lock()
+# (thread, stop, logger) while routed.
+_drain = None
+_hooks = False
+
+
+def to_python(logger: Union[logging.Logger, str, None] = None) -> logging.Logger:
+    """Send the backend's log lines to ``logger`` (a Logger or its name;
+    default ``logging.getLogger("torch_rpc_ext")``) rather than stderr.
+    Returns the logger. Calling it again moves them to another logger."""
+    if logger is None:
+        logger = logging.getLogger(LOGGER_NAME)
+    elif isinstance(logger, str):
+        logger = logging.getLogger(logger)
+    elif not isinstance(logger, logging.Logger):
+        raise TypeError(
+            "torch_rpc_ext.logs.to_python takes a logging.Logger or a logger's "
+            f"name, not {type(logger).__name__}"
+        )
+    with _lock:
+        _stop_locked()
+        _start_locked(logger)
+    _install_hooks()
+    return logger
+
+
+def to_stderr() -> None:
+    """Write the backend's log lines to stderr again (the default), once the
+    lines already queued for the logger were handed to it."""
+    with _lock:
+        _stop_locked()
+
+
+def routed_to() -> Optional[logging.Logger]:
+    """The logger the lines go to, or None while they go to stderr."""
+    drain = _drain
+    return None if drain is None else drain[2]
+
+
+def _start_locked(logger: logging.Logger) -> None:
+    global _drain
+    stop = threading.Event()
+    _C._logs_route(True, logger.isEnabledFor(logging.DEBUG))
+    thread = threading.Thread(
+        target=_run, args=(stop, logger), name="torch_rpc_ext-logs", daemon=True
+    )
+    thread.start()
+    _drain = (thread, stop, logger)
+
+
+def _stop_locked() -> None:
+    global _drain
+    if _drain is None:
+        return
+    thread, stop, logger = _drain
+    _drain = None
+    # New lines go to stderr from here; the thread hands over what it has.
+    _C._logs_route(False, False)
+    stop.set()
+    if thread is not threading.current_thread():
+        thread.join(5)
+    _emit(logger, *_C._logs_take(1 << 30, 0))
+
+
+def _run(stop: threading.Event, logger: logging.Logger) -> None:
+    while True:
+        records, dropped = _C._logs_take(_BATCH, _WAIT_MS)
+        if records or dropped:
+            _emit(logger, records, dropped)
+        elif stop.is_set():
+            return
+
+
+def _emit(logger: logging.Logger, records, dropped: int) -> None:
+    for level, unix_ns, worker, message in records:
+        if not logger.isEnabledFor(level):
+            continue
+        if message.startswith(_PREFIX):
+            message = message[len(_PREFIX):]
+        record = logger.makeRecord(
+            logger.name, level, "torch_rpc_ext", 0, message, (), None,
+            extra={"worker": worker or None},
+        )
+        record.created = unix_ns / 1e9
+        record.msecs = (unix_ns % 1_000_000_000) / 1e6
+        record.relativeCreated = (record.created - logging._startTime) * 1000
+        record.threadName = "torch_rpc_ext"
+        _handle(logger, record)
+    if dropped:
+        record = logger.makeRecord(
+            logger.name, logging.WARNING, "torch_rpc_ext", 0,
+            "%d log lines of torch_rpc_ext were dropped: more than 10000 waited "
+            "for this logger's thread", (dropped,), None, extra={"worker": None},
+        )
+        _handle(logger, record)
+
+
+def _handle(logger: logging.Logger, record: logging.LogRecord) -> None:
+    try:
+        logger.handle(record)
+    except Exception:  # a handler's failure must not end the thread
+        logging.Handler.handleError(logging.Handler(), record)
+
+
+def _after_fork_in_child() -> None:
+    # The parent's thread is not in the child, and the C++ side starts
+    # unrouted there (logging.h); a lock held at the fork stays held.
+    global _drain, _lock
+    _lock = threading.Lock()
+    drain, _drain = _drain, None
+    if drain is not None:
+        with _lock:
+            _start_locked(drain[2])
+
+
+def _install_hooks() -> None:
+    global _hooks
+    if _hooks:
+        return
+    _hooks = True
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+    # Registered after the package's own exit hook, so it runs before it.
+    atexit.register(to_stderr)
