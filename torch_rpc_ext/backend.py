@@ -140,6 +140,9 @@ def _init_backend(
         # its own too: {0: "cpu"} to it, its replies go back by {"cpu": 0}.
         options._device_maps = rpc_backend_options.device_maps
         options._reverse_device_maps = reverse
+    # Before the agent, which serves calls from its rendezvous on: a peer's
+    # first call may ask where the metrics are.
+    _serve_metrics(store, name, metrics_port)
     agent = _C.Agent(store, name, rank, world_size, options)
     try:
         from torch_rpc_ext import elastic
@@ -149,7 +152,6 @@ def _init_backend(
             _C._invoke_rpc_builtin, _C._set_invoke_rpc_builtin_fallback,
             _C._invoke_rpc, _C._set_invoke_rpc_fallback)
         _torch_private.init_rpc_states(agent)
-        _serve_metrics(store, name, metrics_port)
     except Exception:
         _torch_private.release_agent()
         agent.shutdown()
@@ -276,6 +278,7 @@ def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions,
         options._device_maps = opts.device_maps
         options._reverse_device_maps = {}  # per peer, from its join record
     base = getattr(store, "underlying_store", store)
+    _serve_metrics(store, name, metrics_port)  # before the agent serves calls
     agent = _C.Agent(dist.PrefixStore(_ELASTIC_PREFIX, base), name, rank, 0, options)
     try:
         from torch_rpc_ext import elastic
@@ -286,7 +289,6 @@ def _init_dynamic(store: Any, name: str, rank: int, opts: RpcExtBackendOptions,
             _C._invoke_rpc, _C._set_invoke_rpc_fallback)
         _torch_private.init_rpc_states(agent)
         elastic.start_event_thread(agent)
-        _serve_metrics(store, name, metrics_port)
     except Exception:
         _torch_private.release_agent()
         agent.shutdown()

@@ -170,6 +170,37 @@ def test_the_environment_serves_metrics_from_init_rpc():
     assert "TORCH_RPC_EXT_METRICS_PORT='http' is not a port" in bad[0]["error"]
 
 
+def endpoint_asked_at_once(rank, world_size):
+    from torch_rpc_ext import metrics
+
+    os.environ["TORCH_RPC_EXT_METRICS_PORT"] = "0"
+    if rank == 1:
+        # A slow start of the HTTP server (a loaded host): whatever the agent
+        # serves must wait for it.
+        start = prometheus_client.start_http_server
+
+        def slow_start(*args, **kwargs):
+            time.sleep(1.5)
+            return start(*args, **kwargs)
+
+        prometheus_client.start_http_server = slow_start
+    init(rank, world_size)
+    out = {"own": metrics.endpoint()}
+    if rank == 0:
+        out["peer"] = rpc.rpc_sync("worker1", metrics.endpoint)
+    rpc.shutdown()
+    return out
+
+
+def test_a_worker_serves_its_metrics_before_it_serves_calls():
+    """A peer's first call may ask where the metrics are (a tutorial's
+    worker0 did): until session 78 the endpoint started after the agent,
+    which already served calls, and the answer could be None (1.5 s of
+    slow start: always)."""
+    out = run_world(endpoint_asked_at_once, 2, timeout=120)
+    assert out[0]["peer"] == out[1]["own"] and out[1]["own"]
+
+
 def traffic_without_costs(rank, world_size):
     os.environ["TORCH_RPC_EXT_CALL_COSTS"] = "0"
     return traffic(rank, world_size)

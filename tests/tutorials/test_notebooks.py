@@ -18,7 +18,7 @@ NOTEBOOKS = notebooks.notebooks()
 
 def test_the_curriculum_is_there():
     names = [n.name.split("_", 1)[0] for n in NOTEBOOKS]
-    assert names == ["01", "02", "03", "04", "05", "06", "07", "08"], names
+    assert names == ["01", "02", "03", "04", "05", "06", "07", "08", "09"], names
 
 
 @pytest.mark.timeout(900)
