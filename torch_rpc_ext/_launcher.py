@@ -39,6 +39,7 @@ def install() -> None:
                 f"worker {name!r} (rank {rank}) asked for {asked}; "
                 f"runs BackendType.{BACKEND_NAME}",
                 who="torch_rpc_ext.run",
+                worker=name,
             )
         return original(name, backend, rank, world_size, rpc_backend_options)
 

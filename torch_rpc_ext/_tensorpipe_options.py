@@ -20,18 +20,19 @@ _REMEMBERED = "_torch_rpc_ext_tensorpipe_only"
 _reported: set[str] = set()
 
 
-def note(text: str, who: str = "torch_rpc_ext") -> None:
+def note(text: str, who: str = "torch_rpc_ext", worker: str = "") -> None:
     """One line on stderr, ``who: text``, unless ``TORCH_RPC_EXT_LOG`` is
     ``error`` or ``off`` (the core's switch for warnings); with
     ``TORCH_RPC_EXT_LOG_FORMAT=json`` or the lines routed to Python's logging
-    (torch_rpc_ext.logs), a warning line of the core's, naming ``who``."""
+    (torch_rpc_ext.logs), a warning line of the core's, ``who: text`` as its
+    message and ``worker`` (the worker it is about, if any) as its worker."""
     if os.environ.get("TORCH_RPC_EXT_LOG") in ("error", "off"):
         return
     from torch_rpc_ext import _C, logs
 
     if os.environ.get("TORCH_RPC_EXT_LOG_FORMAT") == "json" or logs.routed_to():
         # As the core's lines go: one JSON object, or a record of the logger.
-        _C._log_warning("" if who == "torch_rpc_ext" else who, f"torch_rpc_ext: {text}")
+        _C._log_warning(worker, f"{who}: {text}")
         return
     # One write per line: the workers a launcher starts share stderr, and
     # print() writes the text and its newline separately when stderr is

@@ -41,6 +41,8 @@ _lock = threading.Lock()
 # (thread, stop, logger) while routed.
 _drain = None
 _hooks = False
+# Reports a handler's failure as logging does (handleError), for our thread.
+_failures = logging.Handler()
 
 
 def to_python(logger: Union[logging.Logger, str, None] = None) -> logging.Logger:
@@ -57,9 +59,10 @@ def to_python(logger: Union[logging.Logger, str, None] = None) -> logging.Logger
             f"name, not {type(logger).__name__}"
         )
     with _lock:
-        _stop_locked()
+        left = _stop_locked()
         _start_locked(logger)
-    _install_hooks()
+        _install_hooks_locked()
+    _emit_left(left)
     return logger
 
 
@@ -67,7 +70,8 @@ def to_stderr() -> None:
     """Write the backend's log lines to stderr again (the default), once the
     lines already queued for the logger were handed to it."""
     with _lock:
-        _stop_locked()
+        left = _stop_locked()
+    _emit_left(left)
 
 
 def routed_to() -> Optional[logging.Logger]:
@@ -87,63 +91,83 @@ def _start_locked(logger: logging.Logger) -> None:
     _drain = (thread, stop, logger)
 
 
-def _stop_locked() -> None:
+def _stop_locked():
+    """Stop the thread; returns (logger, lines it left) for _emit_left, which
+    runs outside the lock (a handler may log, or take its time)."""
     global _drain
     if _drain is None:
-        return
+        return None
     thread, stop, logger = _drain
     _drain = None
-    # New lines go to stderr from here; the thread hands over what it has.
+    # New lines go to stderr from here; the thread hands over the batch it
+    # holds, takes no other, and ends. Waited for as long as that takes: a
+    # line queued is a line promised to the logger (at exit too, where the
+    # daemon thread would otherwise die in the middle of its batch).
     _C._logs_route(False, False)
     stop.set()
     if thread is not threading.current_thread():
-        thread.join(5)
-    _emit(logger, *_C._logs_take(1 << 30, 0))
+        while thread.is_alive():
+            thread.join(1)
+    return logger, _C._logs_take(1 << 30, 0)
+
+
+def _emit_left(left) -> None:
+    if left is not None:
+        logger, (records, dropped) = left
+        _emit(logger, records, dropped)
 
 
 def _run(stop: threading.Event, logger: logging.Logger) -> None:
-    while True:
-        records, dropped = _C._logs_take(_BATCH, _WAIT_MS)
-        if records or dropped:
-            _emit(logger, records, dropped)
-        elif stop.is_set():
-            return
+    while not stop.is_set():
+        try:
+            records, dropped = _C._logs_take(_BATCH, _WAIT_MS)
+        except Exception:  # memory ran out decoding a line: try again
+            continue
+        _emit(logger, records, dropped)
 
 
 def _emit(logger: logging.Logger, records, dropped: int) -> None:
     for level, unix_ns, worker, message in records:
-        if not logger.isEnabledFor(level):
-            continue
         if message.startswith(_PREFIX):
             message = message[len(_PREFIX):]
-        record = logger.makeRecord(
-            logger.name, level, "torch_rpc_ext", 0, message, (), None,
-            extra={"worker": worker or None},
-        )
-        record.created = unix_ns / 1e9
-        record.msecs = (unix_ns % 1_000_000_000) / 1e6
-        record.relativeCreated = (record.created - logging._startTime) * 1000
-        record.threadName = "torch_rpc_ext"
-        _handle(logger, record)
+        _handle(logger, level, message, (), worker or None, unix_ns)
     if dropped:
-        record = logger.makeRecord(
-            logger.name, logging.WARNING, "torch_rpc_ext", 0,
+        _handle(
+            logger, logging.WARNING,
             "%d log lines of torch_rpc_ext were dropped: more than 10000 waited "
-            "for this logger's thread", (dropped,), None, extra={"worker": None},
+            "for this logger's thread", (dropped,), None, None,
         )
-        _handle(logger, record)
 
 
-def _handle(logger: logging.Logger, record: logging.LogRecord) -> None:
+def _handle(logger, level, message, args, worker, unix_ns) -> None:
+    # Nothing a logger, a record factory or a handler raises ends the
+    # thread: it is reported as logging reports a handler's failure.
+    record = None
     try:
+        if not logger.isEnabledFor(level):
+            return
+        record = logger.makeRecord(
+            logger.name, level, "torch_rpc_ext", 0, message, args, None
+        )
+        record.worker = worker
+        record.threadName = "torch_rpc_ext"
+        if unix_ns is not None:
+            # The line's own time; relativeCreated moves with it (its unit
+            # of reckoning changed in Python 3.13, a difference does not).
+            created = unix_ns / 1e9
+            record.relativeCreated += (created - record.created) * 1000
+            record.created = created
+            record.msecs = (unix_ns % 1_000_000_000) / 1e6
         logger.handle(record)
-    except Exception:  # a handler's failure must not end the thread
-        logging.Handler.handleError(logging.Handler(), record)
+    except Exception:
+        _failures.handleError(record)
 
 
 def _after_fork_in_child() -> None:
     # The parent's thread is not in the child, and the C++ side starts
-    # unrouted there (logging.h); a lock held at the fork stays held.
+    # unrouted there (logging.cpp); a lock held at the fork stays held.
+    # (os.fork and what calls it, e.g. multiprocessing's fork start method;
+    # a fork from C++ alone starts the child's lines on stderr.)
     global _drain, _lock
     _lock = threading.Lock()
     drain, _drain = _drain, None
@@ -152,7 +176,7 @@ def _after_fork_in_child() -> None:
             _start_locked(drain[2])
 
 
-def _install_hooks() -> None:
+def _install_hooks_locked() -> None:
     global _hooks
     if _hooks:
         return

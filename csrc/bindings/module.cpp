@@ -34,21 +34,21 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release release;
           records = torch_rpc_ext::takeLogs(max, timeoutMs, &dropped);
         }
+        // Bytes a peer put in a line need not be UTF-8 ("replace"); only
+        // memory running out makes the decode fail.
+        auto text = [](const std::string& bytes) {
+          PyObject* str = PyUnicode_DecodeUTF8(
+              bytes.data(), static_cast<Py_ssize_t>(bytes.size()), "replace");
+          if (str == nullptr) {
+            throw py::error_already_set();
+          }
+          return py::reinterpret_steal<py::str>(str);
+        };
         py::list out;
         for (const auto& r : records) {
-          // Bytes a peer put in a line need not be UTF-8.
           out.append(
               py::make_tuple(
-                  r.level,
-                  r.unixNs,
-                  py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(
-                      r.worker.data(),
-                      static_cast<Py_ssize_t>(r.worker.size()),
-                      "replace")),
-                  py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(
-                      r.message.data(),
-                      static_cast<Py_ssize_t>(r.message.size()),
-                      "replace"))));
+                  r.level, r.unixNs, text(r.worker), text(r.message)));
         }
         return py::make_tuple(out, dropped);
       },

@@ -15,6 +15,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <string_view>
 
 namespace torch_rpc_ext {
 
@@ -53,7 +54,7 @@ Format format() {
 
 // Never destroyed: loop threads log while a process exits without
 // rpc.shutdown(), after static destructors have run. A forked child gets a
-// fresh one (a thread of the parent may have held the mutex at the fork).
+// fresh one (beforeFork).
 struct State {
   std::mutex mutex;
   std::condition_variable ready;
@@ -71,12 +72,21 @@ struct State {
 std::atomic<State*> g_state{nullptr};
 std::atomic<bool> g_routedDebug{false};
 
+// The forking thread holds the mutex across fork(), so that the child
+// copies a State no thread was changing; the parent lets it go, the child
+// leaves it held and starts from a fresh State.
+void beforeFork() {
+  g_state.load()->mutex.lock();
+}
+
+void afterForkInParent() {
+  g_state.load()->mutex.unlock();
+}
+
 void afterForkInChild() {
   State* old = g_state.load();
   auto* fresh = new State;
-  if (old != nullptr) {
-    fresh->worker = old->worker; // one thread now: nobody writes it
-  }
+  fresh->worker = old->worker;
   g_state.store(fresh);
   g_routedDebug.store(false);
 }
@@ -85,18 +95,21 @@ State& state() {
   static State* const first = [] {
     auto* s = new State;
     g_state.store(s);
-    pthread_atfork(nullptr, nullptr, afterForkInChild);
+    pthread_atfork(beforeFork, afterForkInParent, afterForkInChild);
     return s;
   }();
   (void)first;
   return *g_state.load();
 }
 
+// Debug lines: TORCH_RPC_EXT_LOG=debug, or a logger enabled for DEBUG that
+// the lines are routed to, unless TORCH_RPC_EXT_LOG says error or off.
 bool enabled(int level) {
   if (level >= kLogWarning) {
     return envLevel() <= Level::kWarning;
   }
-  return envLevel() == Level::kDebug || g_routedDebug.load();
+  return envLevel() == Level::kDebug ||
+      (envLevel() == Level::kWarning && g_routedDebug.load());
 }
 
 int64_t nowUnixNs() {
@@ -124,9 +137,9 @@ std::string isoTime(int64_t unixNs, int digits) {
 
 // Structured outputs name the logger; the message need not.
 std::string withoutPrefix(const std::string& line) {
-  static const std::string prefix = "torch_rpc_ext: ";
-  return line.compare(0, prefix.size(), prefix) == 0
-      ? line.substr(prefix.size())
+  constexpr std::string_view kPrefix = "torch_rpc_ext: ";
+  return std::string_view(line).substr(0, kPrefix.size()) == kPrefix
+      ? line.substr(kPrefix.size())
       : line;
 }
 

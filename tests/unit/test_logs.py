@@ -5,6 +5,7 @@ docs/observability.md, "Logs"). The lines come from a real agent refusing a
 stranger's bytes, in a process of its own (the log settings are read once a
 process), or from a thread of ours through _testing.log."""
 
+import calendar
 import json
 import logging
 import os
@@ -54,8 +55,16 @@ SOLO = textwrap.dedent(
 )
 
 
+def quiet_env(**env):
+    """This process's environment without the log settings a developer may
+    have set, plus ``env``."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("TORCH_RPC_EXT_LOG", "TORCH_RPC_EXT_LOG_FORMAT")}
+    return {**base, **env}
+
+
 def run_solo(env, timeout=90):
-    env = {**os.environ, "TORCH_RPC_EXT_TRANSPORTS": "tcp", **env}
+    env = quiet_env(TORCH_RPC_EXT_TRANSPORTS="tcp", **env)
     before = time.time()
     out = subprocess.run([sys.executable, "-c", SOLO], capture_output=True, text=True,
                          env=env, timeout=timeout)
@@ -77,7 +86,7 @@ def test_a_warning_says_its_time_worker_and_pid_as_text():
         lines[0],
     )
     assert m, lines[0]
-    stamp = time.mktime(time.strptime(m.group(1)[:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+    stamp = calendar.timegm(time.strptime(m.group(1)[:19], "%Y-%m-%dT%H:%M:%S"))
     assert before - 1 <= stamp <= after + 1
     assert int(m.group(2)) > 0
 
@@ -85,13 +94,15 @@ def test_a_warning_says_its_time_worker_and_pid_as_text():
 def test_a_warning_is_one_json_object_with_format_json():
     out, before, after = run_solo({"TORCH_RPC_EXT_LOG_FORMAT": "json"})
     assert out.returncode == 0, out.stderr
-    lines = refusals(out.stderr)
+    lines = [line for line in refusals(out.stderr) if line.startswith("{")]
     assert lines, out.stderr
     rec = json.loads(lines[0])
     assert set(rec) == {"time", "level", "logger", "worker", "pid", "message"}
     assert (rec["level"], rec["logger"], rec["worker"]) == ("warning", "torch_rpc_ext", "solo")
     assert rec["message"].startswith("solo refused connection tcp from 127.0.0.1:")
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", rec["time"])
+    stamp = calendar.timegm(time.strptime(rec["time"][:19], "%Y-%m-%dT%H:%M:%S"))
+    assert before - 1 <= stamp <= after + 1
     assert isinstance(rec["pid"], int) and rec["pid"] > 0
 
 
@@ -134,6 +145,9 @@ class Keep(logging.Handler):
 
 @pytest.fixture
 def logger():
+    # The level is read once a process: these tests need the default.
+    if os.environ.get("TORCH_RPC_EXT_LOG", "warning") != "warning":
+        pytest.skip("TORCH_RPC_EXT_LOG is set in this process's environment")
     log = logging.getLogger("torch_rpc_ext.test_logs")
     log.propagate = False
     keep = Keep()
@@ -155,7 +169,7 @@ def test_lines_come_in_order_and_to_stderr_again_once_unrouted(logger, capfd):
     assert torch_rpc_ext.logs.routed_to() is None
     assert [r.getMessage() for r in keep.records] == ["one"] * 3
     assert all(r.levelno == logging.WARNING and r.name == log.name for r in keep.records)
-    assert "one" not in capfd.readouterr().err
+    assert "torch_rpc_ext: one" not in capfd.readouterr().err
     _testing.log(True, "torch_rpc_ext: after")
     assert "torch_rpc_ext: after" in capfd.readouterr().err
     assert len(keep.records) == 3
@@ -212,7 +226,7 @@ def test_a_forked_child_hands_its_lines_to_the_logger_too():
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
+                         env=quiet_env(), timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     child = lines[-1].split()[1]
@@ -232,26 +246,92 @@ def test_json_strings_escape_what_json_cannot_hold():
     assert json.loads(out) == 'a"b\\c\n\x01\x7f café \ufffd \ufffd\ufffd\ufffd \U0001f600'
 
 
-def test_every_line_of_ours_is_json_with_format_json_the_python_packages_too():
-    """The note on TensorPipe-only options comes from the Python package,
-    before the agent exists: with json, it is a JSON object as the core's
-    lines are (a log shipper reading JSON lines would choke on text)."""
+def test_a_failing_record_factory_or_handler_is_reported_and_lines_go_on(logger, capfd):
+    log, keep = logger
+
+    class Fails(logging.Handler):
+        def emit(self, record):
+            if record.getMessage() == "handler fails":
+                raise RuntimeError("this handler fails")
+
+    old_factory = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = old_factory(*args, **kwargs)
+        if record.msg == "factory fails":
+            raise RuntimeError("this factory fails")
+        record.worker = "set by the factory"  # ours is set after it
+        return record
+
+    fails = Fails()
+    log.addHandler(fails)
+    logging.setLogRecordFactory(factory)
+    try:
+        torch_rpc_ext.logs.to_python(log)
+        for line in ("factory fails", "handler fails", "after both"):
+            _testing.log(True, f"torch_rpc_ext: {line}")
+        torch_rpc_ext.logs.to_stderr()
+    finally:
+        logging.setLogRecordFactory(old_factory)
+        log.removeHandler(fails)
+    assert [r.getMessage() for r in keep.records] == ["handler fails", "after both"]
+    assert all(r.worker is None for r in keep.records)  # no worker in this process
+    err = capfd.readouterr().err
+    assert "this factory fails" in err and "this handler fails" in err
+
+
+def test_error_level_silences_debug_lines_for_a_logger_at_debug_too():
+    code = textwrap.dedent(
+        """
+        import logging
+        import torch_rpc_ext
+        from torch_rpc_ext import _testing
+        got = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                got.append(record.getMessage())
+        log = logging.getLogger("x")
+        log.setLevel(logging.DEBUG)
+        log.addHandler(Keep())
+        torch_rpc_ext.logs.to_python(log)
+        _testing.log(False, "torch_rpc_ext: detail")
+        _testing.log(True, "torch_rpc_ext: warned")
+        torch_rpc_ext.logs.to_stderr()
+        print("GOT", got)
+        """
+    )
+    for level, want in (("error", "GOT []"), ("warning", "GOT ['detail', 'warned']")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=quiet_env(TORCH_RPC_EXT_LOG=level), timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == want, (level, out.stdout)
+
+
+def test_the_python_packages_notes_are_json_with_format_json():
+    """The launcher's note and the one on TensorPipe-only options come from
+    the Python package, before the agent exists: with json, they are JSON
+    objects as the core's lines are (a log shipper reading JSON lines would
+    choke on text), the launcher's naming the worker it is about."""
     code = textwrap.dedent(
         """
         import os
         import torch.distributed.rpc as rpc
         import torch_rpc_ext
+        from torch_rpc_ext import _launcher
+        _launcher.install()  # what the launcher does in each worker
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(torch_rpc_ext.free_port())
         opts = rpc.TensorPipeRpcBackendOptions(_transports=["uv"])
-        rpc.init_rpc("solo", rank=0, world_size=1, backend=rpc.BackendType.TORCH_RPC_EXT,
-                     rpc_backend_options=opts)
+        rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=opts)
         rpc.shutdown()
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "TORCH_RPC_EXT_LOG_FORMAT": "json"}, timeout=90)
+                         env=quiet_env(TORCH_RPC_EXT_LOG_FORMAT="json"), timeout=90)
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stderr.splitlines()]
-    assert [r["message"][:40] for r in records] == ["ignoring TensorPipe-only settings _trans"]
-    assert records[0]["level"] == "warning" and records[0]["logger"] == "torch_rpc_ext"
+    assert [(r["worker"], r["message"][:41]) for r in records] == [
+        (None, "ignoring TensorPipe-only settings _transp"),
+        ("solo", "torch_rpc_ext.run: worker 'solo' (rank 0)"),
+    ]
+    assert all(r["level"] == "warning" and r["logger"] == "torch_rpc_ext" for r in records)
