@@ -18,14 +18,19 @@ that are not changed (the launcher's). Each record is made for the logger
 DEBUG when ``to_python`` was called), and ``worker``: the name of the worker
 this process runs (None before ``init_rpc``). One thread of ours takes the
 lines (they wait in a queue of 10,000 at most; more are dropped and
-counted, and a warning says how many). A forked child routes its lines too;
-at exit, lines go to stderr again once those queued were handed over.
+counted, and a warning says how many). While the logger has no handler,
+nor any logger above it (where Python would write the bare message), the
+lines go to stderr as they would unrouted: time, worker and pid kept. A
+forked child routes its lines too; at exit, lines go to stderr again once
+those queued were handed over.
 """
 
 import atexit
 import logging
 import os
+import sys
 import threading
+import time
 from typing import Optional, Union
 
 from torch_rpc_ext import _C
@@ -127,37 +132,41 @@ def _run(stop: threading.Event, logger: logging.Logger) -> None:
 
 
 def _emit(logger: logging.Logger, records, dropped: int) -> None:
-    for level, unix_ns, worker, message in records:
-        if message.startswith(_PREFIX):
-            message = message[len(_PREFIX):]
-        _handle(logger, level, message, (), worker or None, unix_ns)
+    for level, unix_ns, worker, line in records:
+        _handle(logger, level, line, worker, unix_ns)
     if dropped:
         _handle(
             logger, logging.WARNING,
-            "%d log lines of torch_rpc_ext were dropped: more than 10000 waited "
-            "for this logger's thread", (dropped,), None, None,
+            f"{_PREFIX}{dropped} log lines of torch_rpc_ext were dropped: more "
+            "than 10000 waited for this logger's thread", "", time.time_ns(),
         )
 
 
-def _handle(logger, level, message, args, worker, unix_ns) -> None:
+def _handle(logger, level: int, line: str, worker: str, unix_ns: int) -> None:
     # Nothing a logger, a record factory or a handler raises ends the
     # thread: it is reported as logging reports a handler's failure.
     record = None
     try:
         if not logger.isEnabledFor(level):
             return
+        if not logger.hasHandlers():
+            # Python's last resort would write the bare message: no time,
+            # worker or pid. The line goes as it would have gone unrouted.
+            sys.stderr.write(_C._log_line(level, unix_ns, worker, line) + "\n")
+            sys.stderr.flush()
+            return
+        message = line[len(_PREFIX):] if line.startswith(_PREFIX) else line
         record = logger.makeRecord(
-            logger.name, level, "torch_rpc_ext", 0, message, args, None
+            logger.name, level, "torch_rpc_ext", 0, message, (), None
         )
-        record.worker = worker
+        record.worker = worker or None
         record.threadName = "torch_rpc_ext"
-        if unix_ns is not None:
-            # The line's own time; relativeCreated moves with it (its unit
-            # of reckoning changed in Python 3.13, a difference does not).
-            created = unix_ns / 1e9
-            record.relativeCreated += (created - record.created) * 1000
-            record.created = created
-            record.msecs = (unix_ns % 1_000_000_000) / 1e6
+        # The line's own time; relativeCreated moves with it (its unit of
+        # reckoning changed in Python 3.13, a difference does not).
+        created = unix_ns / 1e9
+        record.relativeCreated += (created - record.created) * 1000
+        record.created = created
+        record.msecs = (unix_ns % 1_000_000_000) / 1e6
         logger.handle(record)
     except Exception:
         _failures.handleError(record)

@@ -54,6 +54,16 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("max"),
       py::arg("timeout_ms"));
+  m.def(
+      "_log_line",
+      [](int level, int64_t unixNs, std::string worker, std::string message) {
+        return torch_rpc_ext::formatLogLine(
+            {level, unixNs, std::move(worker), std::move(message)});
+      },
+      py::arg("level"),
+      py::arg("unix_ns"),
+      py::arg("worker"),
+      py::arg("message"));
   m.def("_log_settings_error", &torch_rpc_ext::logSettingsError);
   m.def(
       "_log_warning",

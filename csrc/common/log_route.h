@@ -50,6 +50,11 @@ struct LogLine {
 // the last take.
 std::vector<LogLine> takeLogs(size_t max, int timeoutMs, uint64_t* dropped);
 
+// The line as this process writes it on stderr (TORCH_RPC_EXT_LOG_FORMAT:
+// text, or json), no newline: for a line routed to a logger with no handler
+// (torch_rpc_ext.logs writes it so rather than as Python's bare message).
+std::string formatLogLine(const LogLine& line);
+
 // `text` as a JSON string (quotes included): control characters and bytes
 // that are not UTF-8 escaped.
 std::string jsonString(const std::string& text);

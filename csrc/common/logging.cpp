@@ -143,20 +143,6 @@ std::string withoutPrefix(const std::string& line) {
       : line;
 }
 
-std::string formatLine(const LogLine& r) {
-  if (format() == Format::kJson) {
-    return std::string("{\"time\":\"") + isoTime(r.unixNs, 6) +
-        "\",\"level\":\"" + (r.level >= kLogWarning ? "warning" : "debug") +
-        "\",\"logger\":\"torch_rpc_ext\",\"worker\":" +
-        (r.worker.empty() ? std::string("null") : jsonString(r.worker)) +
-        ",\"pid\":" + std::to_string(getpid()) +
-        ",\"message\":" + jsonString(withoutPrefix(r.message)) + "}";
-  }
-  return std::string("[") + (r.level >= kLogWarning ? "W" : "D") + " " +
-      isoTime(r.unixNs, 3) + " " + (r.worker.empty() ? "-" : r.worker) +
-      " pid=" + std::to_string(getpid()) + "] " + r.message;
-}
-
 void emit(int level, const std::string& line, const std::string* worker) {
   LogLine r{level, nowUnixNs(), {}, line};
   State& s = state();
@@ -174,7 +160,7 @@ void emit(int level, const std::string& line, const std::string* worker) {
     }
   }
   // One fprintf per line keeps lines from different threads whole.
-  std::fprintf(stderr, "%s\n", formatLine(r).c_str());
+  std::fprintf(stderr, "%s\n", formatLogLine(r).c_str());
 }
 
 // The length of the UTF-8 sequence at p (1-4), or 0 if it is not one.
@@ -243,6 +229,20 @@ std::string jsonString(const std::string& text) {
   }
   out += '"';
   return out;
+}
+
+std::string formatLogLine(const LogLine& r) {
+  if (format() == Format::kJson) {
+    return std::string("{\"time\":\"") + isoTime(r.unixNs, 6) +
+        "\",\"level\":\"" + (r.level >= kLogWarning ? "warning" : "debug") +
+        "\",\"logger\":\"torch_rpc_ext\",\"worker\":" +
+        (r.worker.empty() ? std::string("null") : jsonString(r.worker)) +
+        ",\"pid\":" + std::to_string(getpid()) +
+        ",\"message\":" + jsonString(withoutPrefix(r.message)) + "}";
+  }
+  return std::string("[") + (r.level >= kLogWarning ? "W" : "D") + " " +
+      isoTime(r.unixNs, 3) + " " + (r.worker.empty() ? "-" : r.worker) +
+      " pid=" + std::to_string(getpid()) + "] " + r.message;
 }
 
 void logWarning(const std::string& line) {

@@ -246,6 +246,38 @@ def test_json_strings_escape_what_json_cannot_hold():
     assert json.loads(out) == 'a"b\\c\n\x01\x7f café \ufffd \ufffd\ufffd\ufffd \U0001f600'
 
 
+def test_a_logger_with_no_handler_gets_the_line_as_it_would_go_unrouted():
+    """A program that never set up logging: Python's last resort would write
+    the bare message, without time, worker or pid."""
+    code = textwrap.dedent(
+        """
+        import logging, sys
+        import torch_rpc_ext
+        from torch_rpc_ext import _testing
+        torch_rpc_ext.logs.to_python()
+        _testing.log(True, "torch_rpc_ext: nobody set up logging")
+        torch_rpc_ext.logs.to_stderr()
+        logging.basicConfig(stream=sys.stdout, format="%(levelname)s %(message)s")
+        torch_rpc_ext.logs.to_python()
+        _testing.log(True, "torch_rpc_ext: now a handler takes it")
+        torch_rpc_ext.logs.to_stderr()
+        """
+    )
+    for fmt in ("text", "json"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=quiet_env(TORCH_RPC_EXT_LOG_FORMAT=fmt), timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == "WARNING now a handler takes it\n", out.stdout
+        (line,) = out.stderr.splitlines()
+        if fmt == "text":
+            assert re.fullmatch(
+                r"\[W \S+Z - pid=\d+\] torch_rpc_ext: nobody set up logging", line
+            ), line
+        else:
+            rec = json.loads(line)
+            assert (rec["worker"], rec["message"]) == (None, "nobody set up logging")
+
+
 def test_a_failing_record_factory_or_handler_is_reported_and_lines_go_on(logger, capfd):
     log, keep = logger
 
