@@ -32,7 +32,12 @@ def note(text: str, who: str = "torch_rpc_ext", worker: str = "") -> None:
 
     if os.environ.get("TORCH_RPC_EXT_LOG_FORMAT") == "json" or logs.routed_to():
         # As the core's lines go: one JSON object, or a record of the logger.
-        _C._log_warning(worker, f"{who}: {text}")
+        # Bytes: a name Python holds but UTF-8 cannot (a lone surrogate)
+        # is escaped in the line rather than failing init_rpc.
+        _C._log_warning(
+            worker.encode("utf-8", "surrogateescape"),
+            f"{who}: {text}".encode("utf-8", "surrogateescape"),
+        )
         return
     # One write per line: the workers a launcher starts share stderr, and
     # print() writes the text and its newline separately when stderr is

@@ -42,18 +42,53 @@ _PREFIX = "torch_rpc_ext: "
 _BATCH = 256
 _WAIT_MS = 200
 
+# Held only briefly, never while waiting for a thread: a handler of ours may
+# call to_python() or to_stderr() itself.
 _lock = threading.Lock()
-# (thread, stop, logger) while routed.
-_drain = None
+_drain = None  # the _Drain while routed
+_last = None  # the thread that drained last (a new one waits for it)
 _hooks = False
 # Reports a handler's failure as logging does (handleError), for our thread.
 _failures = logging.Handler()
+# How long exit waits for the handlers to take the lines still queued.
+_EXIT_WAIT_S = 10.0
+
+
+class _Drain:
+    """One thread handing lines to one logger until stopped. Stopped by a
+    move to another logger, it leaves the queue to its successor (which
+    waits for it to end first, so the order holds); stopped by to_stderr,
+    it hands over what is queued (routing is off: nothing more comes)."""
+
+    def __init__(self, logger: logging.Logger, predecessor):
+        self.logger = logger
+        self.stop = threading.Event()
+        self.hand_over_rest = False
+        self.thread = threading.Thread(
+            target=self._run, args=(predecessor,), name="torch_rpc_ext-logs", daemon=True
+        )
+        self.thread._torch_rpc_ext_drain = True  # type: ignore[attr-defined]
+
+    def _run(self, predecessor) -> None:
+        if predecessor is not None:
+            predecessor.join()  # its batch first
+        while not self.stop.is_set():
+            try:
+                records, dropped = _C._logs_take(_BATCH, _WAIT_MS)
+            except Exception:  # memory ran out decoding a line: try again
+                continue
+            _emit(self.logger, records, dropped)
+        if self.hand_over_rest:
+            _emit(self.logger, *_C._logs_take(1 << 30, 0))
 
 
 def to_python(logger: Union[logging.Logger, str, None] = None) -> logging.Logger:
     """Send the backend's log lines to ``logger`` (a Logger or its name;
     default ``logging.getLogger("torch_rpc_ext")``) rather than stderr.
-    Returns the logger. Calling it again moves them to another logger."""
+    Returns the logger. Calling it again moves them to another logger: the
+    lines queued then go to the new one, after those the old one was
+    handing over."""
+    global _drain, _last
     if logger is None:
         logger = logging.getLogger(LOGGER_NAME)
     elif isinstance(logger, str):
@@ -64,71 +99,63 @@ def to_python(logger: Union[logging.Logger, str, None] = None) -> logging.Logger
             f"name, not {type(logger).__name__}"
         )
     with _lock:
-        left = _stop_locked()
-        _start_locked(logger)
+        if _drain is not None:
+            _drain.stop.set()  # routing stays on: the queue keeps new lines
+        _C._logs_route(True, logger.isEnabledFor(logging.DEBUG))
+        _drain = _Drain(logger, _last)
+        _last = _drain.thread
+        _drain.thread.start()
         _install_hooks_locked()
-    _emit_left(left)
     return logger
 
 
 def to_stderr() -> None:
     """Write the backend's log lines to stderr again (the default), once the
-    lines already queued for the logger were handed to it."""
-    with _lock:
-        left = _stop_locked()
-    _emit_left(left)
+    lines already queued for the logger were handed to it. (Called by a
+    handler of that logger, it returns at once; its thread hands them over
+    once the handler returns.)"""
+    _to_stderr(None)
 
 
 def routed_to() -> Optional[logging.Logger]:
     """The logger the lines go to, or None while they go to stderr."""
     drain = _drain
-    return None if drain is None else drain[2]
+    return None if drain is None else drain.logger
 
 
-def _start_locked(logger: logging.Logger) -> None:
+def _to_stderr(wait_s: Optional[float]) -> None:
     global _drain
-    stop = threading.Event()
-    _C._logs_route(True, logger.isEnabledFor(logging.DEBUG))
-    thread = threading.Thread(
-        target=_run, args=(stop, logger), name="torch_rpc_ext-logs", daemon=True
-    )
-    thread.start()
-    _drain = (thread, stop, logger)
+    with _lock:
+        drain, _drain = _drain, None
+        if drain is None:
+            return
+        # New lines go to stderr from here; the thread hands over the batch
+        # it holds and those queued, and ends.
+        _C._logs_route(False, False)
+        drain.hand_over_rest = True
+        drain.stop.set()
+    # A handler on a drain thread (this one or its predecessor, which the
+    # thread waits for) must not wait: the thread ends once it returns.
+    if getattr(threading.current_thread(), "_torch_rpc_ext_drain", False):
+        return
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    while drain.thread.is_alive():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return
+        drain.thread.join(1 if left is None else min(1, left))
 
 
-def _stop_locked():
-    """Stop the thread; returns (logger, lines it left) for _emit_left, which
-    runs outside the lock (a handler may log, or take its time)."""
-    global _drain
-    if _drain is None:
-        return None
-    thread, stop, logger = _drain
-    _drain = None
-    # New lines go to stderr from here; the thread hands over the batch it
-    # holds, takes no other, and ends. Waited for as long as that takes: a
-    # line queued is a line promised to the logger (at exit too, where the
-    # daemon thread would otherwise die in the middle of its batch).
-    _C._logs_route(False, False)
-    stop.set()
-    if thread is not threading.current_thread():
-        while thread.is_alive():
-            thread.join(1)
-    return logger, _C._logs_take(1 << 30, 0)
-
-
-def _emit_left(left) -> None:
-    if left is not None:
-        logger, (records, dropped) = left
-        _emit(logger, records, dropped)
-
-
-def _run(stop: threading.Event, logger: logging.Logger) -> None:
-    while not stop.is_set():
-        try:
-            records, dropped = _C._logs_take(_BATCH, _WAIT_MS)
-        except Exception:  # memory ran out decoding a line: try again
-            continue
-        _emit(logger, records, dropped)
+def _at_exit() -> None:
+    # A line queued is a line promised to the logger: exit waits for the
+    # handlers to take them, for _EXIT_WAIT_S at most (a handler stuck on a
+    # dead destination would hold the exit for good); what is still queued
+    # then goes to stderr.
+    _to_stderr(_EXIT_WAIT_S)
+    records, dropped = _C._logs_take(1 << 30, 0)
+    for level, unix_ns, worker, line in records:
+        sys.stderr.write(_C._log_line(level, unix_ns, worker, line) + "\n")
+    sys.stderr.flush()
 
 
 def _emit(logger: logging.Logger, records, dropped: int) -> None:
@@ -147,13 +174,14 @@ def _handle(logger, level: int, line: str, worker: str, unix_ns: int) -> None:
     # thread: it is reported as logging reports a handler's failure.
     record = None
     try:
-        if not logger.isEnabledFor(level):
-            return
         if not logger.hasHandlers():
             # Python's last resort would write the bare message: no time,
-            # worker or pid. The line goes as it would have gone unrouted.
+            # worker or pid. The line goes as it would have gone unrouted
+            # (TORCH_RPC_EXT_LOG chose it: the core made it).
             sys.stderr.write(_C._log_line(level, unix_ns, worker, line) + "\n")
             sys.stderr.flush()
+            return
+        if not logger.isEnabledFor(level):
             return
         message = line[len(_PREFIX):] if line.startswith(_PREFIX) else line
         record = logger.makeRecord(
@@ -177,12 +205,28 @@ def _after_fork_in_child() -> None:
     # unrouted there (logging.cpp); a lock held at the fork stays held.
     # (os.fork and what calls it, e.g. multiprocessing's fork start method;
     # a fork from C++ alone starts the child's lines on stderr.)
-    global _drain, _lock
+    global _drain, _last, _lock
     _lock = threading.Lock()
-    drain, _drain = _drain, None
+    drain, _drain, _last = _drain, None, None
     if drain is not None:
-        with _lock:
-            _start_locked(drain[2])
+        to_python(drain.logger)
+        # multiprocessing's children leave by os._exit(), past atexit: the
+        # lines still queued are handed over by a finalizer of theirs
+        # (registered after the fork's own clean-up of the finalizers).
+        mp_util = sys.modules.get("multiprocessing.util")
+        if mp_util is not None:
+            mp_util.register_after_fork(_FORK_TOKEN, _finalize_in_mp_child)
+
+
+class _Token:
+    pass
+
+
+_FORK_TOKEN = _Token()
+
+
+def _finalize_in_mp_child(_token) -> None:
+    sys.modules["multiprocessing.util"].Finalize(None, _at_exit, exitpriority=0)
 
 
 def _install_hooks_locked() -> None:
@@ -192,4 +236,4 @@ def _install_hooks_locked() -> None:
     _hooks = True
     os.register_at_fork(after_in_child=_after_fork_in_child)
     # Registered after the package's own exit hook, so it runs before it.
-    atexit.register(to_stderr)
+    atexit.register(_at_exit)

@@ -146,8 +146,10 @@ class Keep(logging.Handler):
 @pytest.fixture
 def logger():
     # The level is read once a process: these tests need the default.
-    if os.environ.get("TORCH_RPC_EXT_LOG", "warning") != "warning":
-        pytest.skip("TORCH_RPC_EXT_LOG is set in this process's environment")
+    if os.environ.get("TORCH_RPC_EXT_LOG", "warning") != "warning" or os.environ.get(
+        "TORCH_RPC_EXT_LOG_FORMAT", "text"
+    ) != "text":
+        pytest.skip("TORCH_RPC_EXT_LOG or _FORMAT is set in this process's environment")
     log = logging.getLogger("torch_rpc_ext.test_logs")
     log.propagate = False
     keep = Keep()
@@ -173,6 +175,27 @@ def test_lines_come_in_order_and_to_stderr_again_once_unrouted(logger, capfd):
     _testing.log(True, "torch_rpc_ext: after")
     assert "torch_rpc_ext: after" in capfd.readouterr().err
     assert len(keep.records) == 3
+
+
+def test_lines_keep_their_order_when_moved_to_another_logger(logger, capfd):
+    log, keep = logger
+    other = Keep()
+    log2 = logging.getLogger("torch_rpc_ext.test_logs.other")
+    log2.propagate = False
+    log2.addHandler(other)
+    try:
+        torch_rpc_ext.logs.to_python(log)
+        for n in range(3000):
+            _testing.log(True, f"torch_rpc_ext: {n}")
+            if n % 500 == 250:  # to the other logger and back, lines in flight
+                torch_rpc_ext.logs.to_python(log2 if n % 1000 == 250 else log)
+        torch_rpc_ext.logs.to_stderr()
+    finally:
+        log2.removeHandler(other)
+    got = sorted(keep.records + other.records, key=lambda r: r.created)
+    assert [r.getMessage() for r in got] == [str(n) for n in range(3000)]
+    # None went to stderr while the lines moved.
+    assert "torch_rpc_ext: " not in capfd.readouterr().err
 
 
 def test_debug_lines_are_made_for_a_logger_enabled_for_debug(logger):
@@ -234,6 +257,37 @@ def test_a_forked_child_hands_its_lines_to_the_logger_too():
     assert any(line.endswith(" from the parent") and not line.startswith(child)
                for line in lines), out.stdout
     assert "from the" not in out.stderr
+
+
+def test_a_multiprocessing_fork_child_hands_over_its_last_lines():
+    """multiprocessing's children leave by os._exit(), past atexit."""
+    code = textwrap.dedent(
+        """
+        import logging, multiprocessing as mp, sys
+        import torch_rpc_ext
+        from torch_rpc_ext import _testing
+        log = logging.getLogger("x")
+        h = logging.StreamHandler(sys.stdout)
+        h.setFormatter(logging.Formatter("%(process)d %(message)s"))
+        log.addHandler(h)
+        torch_rpc_ext.logs.to_python(log)
+        def child(n):
+            _testing.log(True, f"torch_rpc_ext: last {n}", 200)
+        procs = [mp.get_context("fork").Process(target=child, args=(n,)) for n in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        print("codes", [p.exitcode for p in procs], flush=True)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=quiet_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "codes [0, 0, 0]" in out.stdout, out.stdout
+    for n in range(3):
+        assert sum(line.endswith(f" last {n}") for line in out.stdout.splitlines()) == 200
+    assert "last" not in out.stderr
 
 
 def test_json_strings_escape_what_json_cannot_hold():
