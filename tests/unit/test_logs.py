@@ -225,17 +225,25 @@ def test_lines_more_than_the_queue_holds_are_counted_and_said(logger):
     assert len(messages) == 10_001
 
 
+# A program whose lines go to logger "x", written on stdout with their pid.
+TO_STDOUT = textwrap.dedent(
+    """
+    import logging, sys
+    import torch_rpc_ext
+    from torch_rpc_ext import _testing
+    log = logging.getLogger("x")
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(logging.Formatter("%(process)d %(message)s"))
+    log.addHandler(h)
+    torch_rpc_ext.logs.to_python(log)
+    """
+)
+
+
 def test_a_forked_child_hands_its_lines_to_the_logger_too():
-    code = textwrap.dedent(
+    code = TO_STDOUT + textwrap.dedent(
         """
-        import logging, os, sys
-        import torch_rpc_ext
-        from torch_rpc_ext import _testing
-        log = logging.getLogger("x")
-        h = logging.StreamHandler(sys.stdout)
-        h.setFormatter(logging.Formatter("%(process)d %(message)s"))
-        log.addHandler(h)
-        torch_rpc_ext.logs.to_python(log)
+        import os
         pid = os.fork()
         if pid == 0:
             _testing.log(True, "torch_rpc_ext: from the child")
@@ -261,16 +269,9 @@ def test_a_forked_child_hands_its_lines_to_the_logger_too():
 
 def test_a_multiprocessing_fork_child_hands_over_its_last_lines():
     """multiprocessing's children leave by os._exit(), past atexit."""
-    code = textwrap.dedent(
+    code = TO_STDOUT + textwrap.dedent(
         """
-        import logging, multiprocessing as mp, sys
-        import torch_rpc_ext
-        from torch_rpc_ext import _testing
-        log = logging.getLogger("x")
-        h = logging.StreamHandler(sys.stdout)
-        h.setFormatter(logging.Formatter("%(process)d %(message)s"))
-        log.addHandler(h)
-        torch_rpc_ext.logs.to_python(log)
+        import multiprocessing as mp
         def child(n):
             _testing.log(True, f"torch_rpc_ext: last {n}", 200)
         procs = [mp.get_context("fork").Process(target=child, args=(n,)) for n in range(3)]
