@@ -306,7 +306,10 @@ def watched_wait_all_workers(wait_all: Callable[..., Any], agent: Any, *args: An
         except Exception as e:  # noqa: BLE001 - a probe that fails says nothing
             import logging
 
-            logging.getLogger(__name__).warning(
+            from torch_rpc_ext import logs
+
+            logs._note(
+                logging.getLogger(__name__), logging.WARNING,
                 "torch_rpc_ext: probing the workers of the shutdown gather failed: %s", e)
             return []
         return [f"{n} ({w})" for n, w in zip(waits_on, why) if w]
@@ -395,7 +398,10 @@ def install_shutdown(before_teardown: Callable[[Any], None]) -> None:
         except RuntimeError as e:
             import logging
 
-            logging.getLogger(__name__).warning(
+            from torch_rpc_ext import logs
+
+            logs._note(
+                logging.getLogger(__name__), logging.WARNING,
                 "torch_rpc_ext: leaving with RRefs still referenced: %s", e
             )
             return None

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from torch_rpc_ext import _torch_private
+from torch_rpc_ext import _torch_private, logs
 
 __all__ = [
     "Member",
@@ -108,14 +108,17 @@ def start_event_thread(agent: Any) -> threading.Thread:
                 try:
                     _torch_private.update_worker_names(agent)
                 except Exception:
-                    _log.exception("torch_rpc_ext: updating the worker names failed")
+                    logs._note(_log, logging.ERROR, "torch_rpc_ext: updating the worker names failed",
+                               exc_info=True)
                 with _callbacks_lock:
                     callbacks = list(_callbacks)
                 for fn in callbacks:
                     try:
                         fn(event)
                     except Exception:
-                        _log.exception("torch_rpc_ext: membership callback %r failed", fn)
+                        logs._note(_log, logging.ERROR,
+                                   "torch_rpc_ext: membership callback %r failed", fn,
+                                   exc_info=True)
 
     thread = threading.Thread(target=run, name="torch_rpc_ext-membership", daemon=True)
     thread.start()
@@ -143,7 +146,8 @@ def drain_event_thread(agent: Any) -> None:
         return  # shutdown called from a callback: it runs the rest itself
     thread.join(_CALLBACK_DRAIN_S)
     if thread.is_alive():
-        _log.warning(
+        logs._note(
+            _log, logging.WARNING,
             "torch_rpc_ext: membership callbacks still running %.0f s into "
             "rpc.shutdown(); not waiting for them",
             _CALLBACK_DRAIN_S,

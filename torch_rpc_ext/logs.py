@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Optional, Union
 
 from torch_rpc_ext import _C
@@ -144,6 +145,27 @@ def _to_stderr(wait_s: Optional[float]) -> None:
         if left is not None and left <= 0:
             return
         drain.thread.join(1 if left is None else min(1, left))
+
+
+def _note(logger: logging.Logger, level: int, message: str, *args,
+          exc_info: bool = False) -> None:
+    """A record of the package's Python modules (``torch_rpc_ext.elastic``,
+    ``torch_rpc_ext._torch_private``; children of ``torch_rpc_ext``). Where
+    the program's logging has a handler for ``logger``, the record goes to
+    it, as any module's would. With none (where Python's last resort would
+    write the bare message), it is a line of the core's: in the format
+    ``TORCH_RPC_EXT_LOG_FORMAT`` picks, with time, worker and pid, silenced
+    by ``TORCH_RPC_EXT_LOG=error`` or ``off``, and routed as the core's
+    lines are (a traceback, if any, in the message)."""
+    if logger.hasHandlers():
+        logger.log(level, message, *args, exc_info=exc_info)
+        return
+    text = message % args if args else message
+    if exc_info:
+        text += "\n" + traceback.format_exc().rstrip("\n")
+    # Bytes: a text Python holds but UTF-8 cannot (a lone surrogate in a
+    # name) is escaped in the line rather than raising here.
+    _C._log_warning(b"", text.encode("utf-8", "surrogateescape"))
 
 
 def _at_exit() -> None:

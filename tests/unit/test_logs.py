@@ -422,3 +422,70 @@ def test_the_python_packages_notes_are_json_with_format_json():
         ("solo", "torch_rpc_ext.run: worker 'solo' (rank 0)"),
     ]
     assert all(r["level"] == "warning" and r["logger"] == "torch_rpc_ext" for r in records)
+
+
+# A dynamic group of one whose membership callback raises at its own leave
+# (torch_rpc_ext.elastic logs it through Python's logging).
+FAILING_CALLBACK = textwrap.dedent(
+    """
+    import logging, os, sys, tempfile
+    got = []
+    if sys.argv[1] == "handler":
+        class Keep(logging.Handler):
+            def emit(self, record):
+                got.append((record.name, record.levelno, record.getMessage(),
+                            record.exc_info is not None))
+        logging.getLogger().addHandler(Keep())
+    import torch.distributed.rpc as rpc
+    import torch_rpc_ext
+    @torch_rpc_ext.elastic.on_membership_change
+    def fails(event):
+        raise ValueError("callback failed on purpose")
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    rpc.init_rpc("solo", rank=0, backend=rpc.BackendType.TORCH_RPC_EXT,
+                 rpc_backend_options=torch_rpc_ext.RpcExtBackendOptions(
+                     init_method="file://" + store))
+    rpc.shutdown()
+    print("GOT", got, flush=True)
+    """
+)
+
+
+def run_failing_callback(how, **env):
+    return subprocess.run([sys.executable, "-c", FAILING_CALLBACK, how], capture_output=True,
+                          text=True, env=quiet_env(TORCH_RPC_EXT_TRANSPORTS="tcp", **env),
+                          timeout=90)
+
+
+def test_the_python_modules_warnings_follow_the_format_when_logging_is_not_set_up():
+    """torch_rpc_ext.elastic's warning, in a program that never set up
+    logging: a JSON object with format json (Python's last resort wrote it as
+    text, a line a JSON reader chokes on), the traceback in its message; the
+    text line has time, worker and pid; error silences it, as the core's."""
+    out = run_failing_callback("bare", TORCH_RPC_EXT_LOG_FORMAT="json")
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stderr.splitlines() if line.strip()]
+    rec = next(r for r in records if "membership callback" in r["message"])
+    assert (rec["level"], rec["logger"], rec["worker"]) == ("warning", "torch_rpc_ext", "solo")
+    assert rec["message"].startswith("membership callback <function fails at ")
+    assert "ValueError: callback failed on purpose" in rec["message"]
+    assert "Traceback (most recent call last)" in rec["message"]
+
+    out = run_failing_callback("bare")
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^\[W \S+Z solo pid=\d+\] torch_rpc_ext: membership callback <function "
+                     r"fails at \S+> failed$", out.stderr, re.M), out.stderr
+    assert "ValueError: callback failed on purpose" in out.stderr
+
+    out = run_failing_callback("bare", TORCH_RPC_EXT_LOG="error")
+    assert out.returncode == 0, out.stderr
+    assert "membership callback" not in out.stderr and "ValueError" not in out.stderr
+
+
+def test_the_python_modules_warnings_go_to_the_programs_handlers_when_it_has_them():
+    out = run_failing_callback("handler", TORCH_RPC_EXT_LOG_FORMAT="json")
+    assert out.returncode == 0, out.stderr
+    assert "membership callback" not in out.stderr, out.stderr
+    assert "('torch_rpc_ext.elastic', 40, 'torch_rpc_ext: membership callback <function fails" \
+        in out.stdout, out.stdout
+    assert "failed', True)" in out.stdout, out.stdout
