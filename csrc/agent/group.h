@@ -217,6 +217,13 @@ class Group {
       Route route);
   // ---- Dynamic groups (group_elastic.cpp) ----
   void joinLog(const std::string& entry, std::chrono::milliseconds rpcTimeout);
+  // joinLog's steps; `appended` once our join record is in the log,
+  // `readBack` once we applied the log up to it.
+  void joinRecorded(
+      const std::string& entry,
+      std::chrono::milliseconds rpcTimeout,
+      bool& appended,
+      bool& readBack);
   void watch();
   // Apply what the log holds past our roster; true if anything changed.
   bool catchUp();

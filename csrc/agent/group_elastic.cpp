@@ -30,11 +30,50 @@ constexpr auto kIdlePoll = std::chrono::milliseconds(200);
 void Group::joinLog(
     const std::string& entry,
     std::chrono::milliseconds rpcTimeout) {
-  const auto& self = self_;
   // Every record we write carries the group's proof, and we apply only
   // records that do (membership.h).
   log_ = std::make_unique<MembershipLog>(
       store_, secret_, options_.secret.empty() ? exchange_.logPrefix() : "");
+  // A join that fails before it is applied takes back what it wrote: our
+  // lease key, and our join record where the store failed before we read
+  // it back (the members may have applied it, and would each wait out our
+  // lease before declaring us dead). A join the group passed over is not
+  // taken back: nobody applied it (a leave would spend an epoch of every
+  // member's). Once joined, a failure is the agent's stop()'s to take back.
+  bool appended = false;
+  bool readBack = false;
+  try {
+    joinRecorded(entry, rpcTimeout, appended, readBack);
+  } catch (...) {
+    if (joined_) {
+      throw;
+    }
+    if (appended && !readBack) {
+      try {
+        std::lock_guard<std::mutex> lock(rosterMutex_);
+        log_->append(leaveRecord(incarnation_), roster_.epoch());
+      } catch (const std::exception& e) {
+        logWarning(
+            "torch_rpc_ext: " + self_.name_ +
+            " could not take back its join (its lease will run out): " +
+            e.what());
+      }
+    }
+    try {
+      log_->forget(incarnation_);
+    } catch (const std::exception&) {
+      // The store may be gone: nothing depends on these keys.
+    }
+    throw;
+  }
+}
+
+void Group::joinRecorded(
+    const std::string& entry,
+    std::chrono::milliseconds rpcTimeout,
+    bool& appended,
+    bool& readBack) {
+  const auto& self = self_;
   log_->beat(incarnation_);
   // A member that died meanwhile is declared dead by its lease, which ends
   // any wait for it; this bounds the rest (a store that stopped answering).
@@ -109,9 +148,11 @@ void Group::joinLog(
     // rank (torch derives them from the rank alone).
     listener_.reserveIds(me.rank, log_->nextGeneration(me.rank));
     epoch = log_->append(joinRecord(me), roster_.epoch());
+    appended = true;
     while (roster_.epoch() < epoch) {
       catchUp();
     }
+    readBack = true;
     Peer* mine = view()->find(me.rank);
     joined_ = mine && mine->incarnation == incarnation_;
     if (!joined_) {

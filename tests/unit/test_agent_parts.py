@@ -382,6 +382,72 @@ def test_a_join_that_failed_records_no_leave():
     time.sleep(0.5)  # a's watcher reads the log a few times
     assert t.log_read(store, epoch + 1, prefix=E0) is None
     assert a.epoch == epoch and not a.fenced
+    # Nor is its lease key left in the store (it was, one per failed join).
+    assert f"{E0}beat/{b.incarnation:016x}" not in store.list_keys()
+    a.stop()
+
+
+class _FailsReadingBackItsJoin(dist.Store):
+    """A store that stops answering reads of the log right after the
+    joiner's record went in (the store's host under load, a network
+    partition): the join is in the log, but the joiner cannot read it back."""
+
+    def __init__(self, inner, rank):
+        super().__init__()
+        self.inner = inner
+        self.mark = f" {rank} joiner ".encode()
+        self.broken = False
+
+    def compare_set(self, key, expected, desired):
+        if self.broken and expected == desired:  # a read (MembershipLog::peek)
+            raise RuntimeError(f"the store stopped answering reading {key}")
+        got = self.inner.compare_set(key, expected, desired)
+        if self.mark in desired and got == desired:
+            self.broken = True
+        return got
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def add(self, key, n):
+        return self.inner.add(key, n)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    deleteKey = delete_key  # the name c10d's trampoline calls from C++
+
+
+def test_a_join_the_joiner_could_not_read_back_is_taken_back():
+    """The joiner's record went into the log, then the store failed it: its
+    init_rpc fails, and it records its leave at once rather than leave the
+    members to wait out its lease (they had applied its join). Before, the
+    members declared it dead once its lease ran out, and its lease key
+    stayed in the store."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=2.0)
+    a.join("addr-a")
+    epoch = a.epoch
+    failing = _FailsReadingBackItsJoin(store, 1)  # held: the group calls it
+    b = A.Group(failing, "joiner", 1, 0, lease_s=2.0)
+    with pytest.raises(RuntimeError, match="stopped answering"):
+        b.join("addr-b")
+    body, proven = t.log_read(store, epoch + 1, prefix=E0)
+    assert body.startswith(b"join ") and b" 1 joiner " in body
+    record = t.log_read(store, epoch + 2, prefix=E0)
+    assert record is not None and record[0] == f"leave {b.incarnation:016x}".encode(), record
+    assert f"{E0}beat/{b.incarnation:016x}" not in store.list_keys()
+    deadline = time.monotonic() + 10
+    while a.epoch < epoch + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [m[1] for m in a.members()] == ["a"] and not a.fenced
+    b.stop()
     a.stop()
 
 
