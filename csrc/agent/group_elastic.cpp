@@ -146,8 +146,22 @@ void Group::joinRecorded(
     }
     // Our RRef and autograd ids start past every earlier holder's of this
     // rank (torch derives them from the rank alone).
+    // Members pass over a record past the bound as a store writer's.
+    const std::string record = joinRecord(me);
+    TORCH_CHECK(
+        record.size() <= kMaxRecordBytes,
+        "init_rpc of ",
+        me.name,
+        " (rank ",
+        me.rank,
+        ") failed: its join record would be ",
+        record.size(),
+        " bytes (its devices and device maps, a line per target worker), "
+        "over the membership log's bound of ",
+        kMaxRecordBytes,
+        " bytes");
     listener_.reserveIds(me.rank, log_->nextGeneration(me.rank));
-    epoch = log_->append(joinRecord(me), roster_.epoch());
+    epoch = log_->append(record, roster_.epoch());
     appended = true;
     while (roster_.epoch() < epoch) {
       catchUp();
@@ -231,6 +245,22 @@ bool Group::catchUp() {
   while (auto record = log_->read(roster_.epoch() + 1)) {
     if (record->proven) {
       applyEvent(roster_.apply(record->body));
+    } else if (record->oversized > 0) {
+      // Over the bound (a joiner's refuses to write one): a store writer's.
+      const std::string why = "the record at epoch " +
+          std::to_string(roster_.epoch() + 1) + " is " +
+          std::to_string(record->oversized) + " bytes, over the log's bound (" +
+          std::to_string(kMaxRecordBytes) + " and its proof)";
+      if (unproven_.fetch_add(1, std::memory_order_relaxed) == 0) {
+        logWarning(
+            "torch_rpc_ext: " + self_.name_ +
+            " passes over a membership "
+            "record: " +
+            why +
+            "; rpc_ext.membership.unproven_records counts "
+            "such records");
+      }
+      applyEvent(roster_.skip(why));
     } else {
       // Written by someone without the group's secret: a store writer's
       // forgery, or a record of the group this store held before it

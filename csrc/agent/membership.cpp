@@ -20,9 +20,6 @@ namespace {
 
 // Ranks fit dist autograd's 16-bit worker ids, as in a static group.
 constexpr int32_t kMaxRank = 32767;
-// Names are WorkerInfo's (at most 128 characters of [A-Za-z0-9_:-]); the
-// offers a handful of short lines. Anything longer is not ours.
-constexpr size_t kMaxRecordBytes = 64 * 1024;
 // A day: longer is not a lease.
 constexpr int64_t kMaxLeaseMs = 86400 * 1000;
 // A snapshot: every member's join record.
@@ -361,7 +358,8 @@ LogRecord MembershipLog::open(
     size_t maxBody) const {
   LogRecord r;
   if (stored.size() > maxBody + kProofLineBytes) {
-    return r; // not ours (and not worth hashing): an empty body, unproven
+    r.oversized = stored.size(); // not ours: an empty body, unproven
+    return r;
   }
   if (stored.size() < kProofLineBytes || stored.compare(0, 6, "proof ") != 0 ||
       stored[kProofLineBytes - 1] != '\n') {

@@ -215,7 +215,15 @@ class Roster {
 struct LogRecord {
   std::string body;
   bool proven = false;
+  // Over the bound (kMaxRecordBytes, or a snapshot's): its size, and no
+  // body (not ours, and not worth hashing).
+  size_t oversized = 0;
 };
+
+// The most a record's body holds. Names are WorkerInfo's (at most 128
+// characters of [A-Za-z0-9_:-]); the offers a short line per device-map
+// target. Anything longer is not ours.
+constexpr size_t kMaxRecordBytes = 64 * 1024;
 
 // The log's keys in the group's store (a PrefixStore the backend makes:
 // torch_rpc_ext/elastic/<group>/): "log/<epoch>", each member's lease

@@ -735,3 +735,29 @@ def test_a_maker_that_never_joined_is_given_up_on():
     assert time.monotonic() - t0 < 20
     assert store.add("torch_rpc_ext/dyn_secret/epoch", 0) == 1
     c.stop()
+
+
+def test_a_record_over_the_logs_bound_is_named_by_its_size(capfd):
+    """A record over 64 KiB is passed over as a store writer's, and the
+    warning says its size (it said it carried no proof, which sent one
+    looking for a wrong secret); a joiner whose own record would be that
+    large (device maps to thousands of workers) fails init_rpc saying so,
+    rather than append a record every member passes over ("the group did
+    not take our join")."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=2.0, secret=KEY)
+    a.join("addr-a")
+    big = b"join 00000000000000bb 1 big 2000\n" + b"x" * 70000
+    assert store.compare_set("log/2", b"", big) == big
+    wait_for(lambda: a.epoch == 2, what="the large record passed over")
+    assert f"is {len(big)} bytes, over the log's bound" in capfd.readouterr().err
+    assert a.metrics()["rpc_ext.membership.unproven_records"] == "1"
+    assert [m[:2] for m in a.members()] == [(0, "a")] and not a.fenced
+    maps = "".join(f"devicemap worker{i} 0:0\n" for i in range(4000))
+    b = A.Group(store, "b", 1, 0, lease_s=2.0, secret=KEY)
+    with pytest.raises(RuntimeError, match=r"its join record would be \d+ bytes \(its devices "
+                                            r"and device maps.*bound of 65536 bytes"):
+        b.join("devices 0\n" + maps)
+    b.stop()
+    assert a.epoch == 2 and t.log_read(store, 3) is None
+    a.stop()
