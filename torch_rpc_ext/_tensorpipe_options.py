@@ -3,6 +3,7 @@
 rpc_backend_options=TensorPipeRpcBackendOptions(...))`` and the launcher both
 translate them here, and report the settings that have no counterpart."""
 
+import logging
 import os
 import sys
 from typing import Any
@@ -34,7 +35,8 @@ def note(text: str, who: str = "torch_rpc_ext", worker: str = "") -> None:
         # As the core's lines go: one JSON object, or a record of the logger.
         # Bytes: a name Python holds but UTF-8 cannot (a lone surrogate)
         # is escaped in the line rather than failing init_rpc.
-        _C._log_warning(
+        _C._log(
+            logging.WARNING,
             worker.encode("utf-8", "surrogateescape"),
             f"{who}: {text}".encode("utf-8", "surrogateescape"),
         )

@@ -155,17 +155,29 @@ def _note(logger: logging.Logger, level: int, message: str, *args,
     it, as any module's would. With none (where Python's last resort would
     write the bare message), it is a line of the core's: in the format
     ``TORCH_RPC_EXT_LOG_FORMAT`` picks, with time, worker and pid, silenced
-    by ``TORCH_RPC_EXT_LOG=error`` or ``off``, and routed as the core's
-    lines are (a traceback, if any, in the message)."""
+    by ``TORCH_RPC_EXT_LOG=off`` (``error`` keeps errors), and routed as
+    the core's lines are (a traceback, if any, in the message). The
+    program's levels apply either way (``logger.isEnabledFor``)."""
+    if not logger.isEnabledFor(level):
+        return  # the program's levels, or logging.disable(), said no
     if logger.hasHandlers():
-        logger.log(level, message, *args, exc_info=exc_info)
+        try:
+            logger.log(level, message, *args, exc_info=exc_info)
+        except Exception:  # a handler that raised: said, and we go on
+            _failures.handleError(None)
         return
-    text = message % args if args else message
+    # Nothing raises from here (the membership thread calls this in its
+    # except block: it would end the thread).
+    try:
+        text = message % args if args else message
+    except Exception:  # an argument whose str() or repr() raises
+        text = f"{message} (its {len(args)} argument(s) failed to format)"
     if exc_info:
         text += "\n" + traceback.format_exc().rstrip("\n")
-    # Bytes: a text Python holds but UTF-8 cannot (a lone surrogate in a
-    # name) is escaped in the line rather than raising here.
-    _C._log_warning(b"", text.encode("utf-8", "surrogateescape"))
+    # Bytes: what UTF-8 cannot hold (a lone surrogate in an exception's
+    # text) is escaped in the line rather than raising here.
+    _C._log(logging.ERROR if level >= logging.ERROR else logging.WARNING, b"",
+            text.encode("utf-8", "backslashreplace"))
 
 
 def _at_exit() -> None:

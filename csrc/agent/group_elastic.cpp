@@ -35,11 +35,10 @@ void Group::joinLog(
   log_ = std::make_unique<MembershipLog>(
       store_, secret_, options_.secret.empty() ? exchange_.logPrefix() : "");
   // A join that fails before it is applied takes back what it wrote: our
-  // lease key, and our join record where the store failed before we read
-  // it back (the members may have applied it, and would each wait out our
-  // lease before declaring us dead). A join the group passed over is not
-  // taken back: nobody applied it (a leave would spend an epoch of every
-  // member's). Once joined, a failure is the agent's stop()'s to take back.
+  // lease key, and our join where the store failed before we read it back
+  // (members may have applied it, and would wait out our lease). Not a join
+  // the group passed over: nobody applied it (a leave would spend an epoch
+  // of every member's). Once joined, stop() takes back a failure.
   bool appended = false;
   bool readBack = false;
   try {
@@ -55,7 +54,8 @@ void Group::joinLog(
       } catch (const std::exception& e) {
         logWarning(
             "torch_rpc_ext: " + self_.name_ +
-            " could not take back its join (its lease will run out): " +
+            " could not take back its join, if the store took it (its lease "
+            "will run out): " +
             e.what());
       }
     }
@@ -161,8 +161,8 @@ void Group::joinRecorded(
         kMaxRecordBytes,
         " bytes");
     listener_.reserveIds(me.rank, log_->nextGeneration(me.rank));
+    appended = true; // or may be: a store that took it, then failed us
     epoch = log_->append(record, roster_.epoch());
-    appended = true;
     while (roster_.epoch() < epoch) {
       catchUp();
     }
@@ -513,8 +513,8 @@ void Group::leave(std::optional<Clock::time_point> deadline) {
 
 void Group::stop() {
   // Only a member records a leave: an init_rpc that failed before its join
-  // was applied left nothing to take back (its record, if any, was passed
-  // over), and a leave would spend an epoch of every member's.
+  // was applied took back what it wrote itself (joinLog), and a leave of a
+  // join the group passed over would spend an epoch of every member's.
   if (!joined_ || left_.exchange(true)) {
     stopWatcher();
     return;

@@ -66,8 +66,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("message"));
   m.def("_log_settings_error", &torch_rpc_ext::logSettingsError);
   m.def(
-      "_log_warning",
-      &torch_rpc_ext::logWarningOf,
+      "_log",
+      &torch_rpc_ext::logLineOf,
+      py::arg("level"),
       py::arg("worker"),
       py::arg("line"),
       py::call_guard<py::gil_scoped_release>());

@@ -18,17 +18,20 @@ namespace torch_rpc_ext {
 // next agent's).
 void setLogWorker(const std::string& name);
 
-// A warning of the Python package (a launcher's note) as the core writes
-// one, naming `worker` ("" for the process's own).
-void logWarningOf(const std::string& worker, const std::string& line);
+// A line of the Python package (a launcher's note, a module's record with
+// no handler to take it) as the core writes one, at `level` (kLogWarning
+// or kLogError), naming `worker` ("" for the process's own).
+void logLineOf(int level, const std::string& worker, const std::string& line);
 
 // What TORCH_RPC_EXT_LOG and TORCH_RPC_EXT_LOG_FORMAT say wrong, or "" when
 // both are unset or valid (the agent refuses to start on a wrong one).
 std::string logSettingsError();
 
-// Python levels: 10 debug, 30 warning.
+// Python levels: 10 debug, 30 warning, 40 error (the core writes no error
+// lines; the Python package's modules may).
 constexpr int kLogDebug = 10;
 constexpr int kLogWarning = 30;
+constexpr int kLogError = 40;
 
 // Lines handed to a consumer (torch_rpc_ext.logs: Python's logging) rather
 // than written to stderr. While routed, lines wait in a queue of at most

@@ -21,7 +21,7 @@ namespace torch_rpc_ext {
 
 namespace {
 
-enum class Level { kDebug, kWarning, kError };
+enum class Level { kDebug, kWarning, kError, kOff };
 enum class Format { kText, kJson };
 
 const char* env(const char* name) {
@@ -37,8 +37,11 @@ Level envLevel() {
     if (v == "debug") {
       return Level::kDebug;
     }
-    if (v == "error" || v == "off") {
+    if (v == "error") {
       return Level::kError;
+    }
+    if (v == "off") {
+      return Level::kOff;
     }
     return Level::kWarning;
   }();
@@ -105,6 +108,9 @@ State& state() {
 // Debug lines: TORCH_RPC_EXT_LOG=debug, or a logger enabled for DEBUG that
 // the lines are routed to, unless TORCH_RPC_EXT_LOG says error or off.
 bool enabled(int level) {
+  if (level >= kLogError) {
+    return envLevel() <= Level::kError;
+  }
   if (level >= kLogWarning) {
     return envLevel() <= Level::kWarning;
   }
@@ -133,6 +139,16 @@ std::string isoTime(int64_t unixNs, int digits) {
     std::snprintf(out, sizeof(out), "%s.%06ldZ", head, frac / 1000);
   }
   return out;
+}
+
+const char* levelName(int level) {
+  return level >= kLogError  ? "error"
+      : level >= kLogWarning ? "warning"
+                             : "debug";
+}
+
+const char* levelLetter(int level) {
+  return level >= kLogError ? "E" : level >= kLogWarning ? "W" : "D";
 }
 
 // Structured outputs name the logger; the message need not.
@@ -234,14 +250,14 @@ std::string jsonString(const std::string& text) {
 std::string formatLogLine(const LogLine& r) {
   if (format() == Format::kJson) {
     return std::string("{\"time\":\"") + isoTime(r.unixNs, 6) +
-        "\",\"level\":\"" + (r.level >= kLogWarning ? "warning" : "debug") +
+        "\",\"level\":\"" + levelName(r.level) +
         "\",\"logger\":\"torch_rpc_ext\",\"worker\":" +
         (r.worker.empty() ? std::string("null") : jsonString(r.worker)) +
         ",\"pid\":" + std::to_string(getpid()) +
         ",\"message\":" + jsonString(withoutPrefix(r.message)) + "}";
   }
-  return std::string("[") + (r.level >= kLogWarning ? "W" : "D") + " " +
-      isoTime(r.unixNs, 3) + " " + (r.worker.empty() ? "-" : r.worker) +
+  return std::string("[") + levelLetter(r.level) + " " + isoTime(r.unixNs, 3) +
+      " " + (r.worker.empty() ? "-" : r.worker) +
       " pid=" + std::to_string(getpid()) + "] " + r.message;
 }
 
@@ -282,9 +298,10 @@ void logWarningLimited(const char* key, const std::string& line) {
       nullptr);
 }
 
-void logWarningOf(const std::string& worker, const std::string& line) {
-  if (enabled(kLogWarning)) {
-    emit(kLogWarning, line, worker.empty() ? nullptr : &worker);
+void logLineOf(int level, const std::string& worker, const std::string& line) {
+  level = level >= kLogError ? kLogError : kLogWarning;
+  if (enabled(level)) {
+    emit(level, line, worker.empty() ? nullptr : &worker);
   }
 }
 
