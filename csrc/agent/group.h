@@ -217,6 +217,9 @@ class Group {
       Route route);
   // ---- Dynamic groups (group_elastic.cpp) ----
   void joinLog(const std::string& entry, std::chrono::milliseconds rpcTimeout);
+  // Our leave, appended at once; a store that fails it is said (`what` we
+  // could not do), and our lease runs out instead.
+  void recordLeave(const std::string& what);
   // joinLog's steps; `appended` once our join record is in the log,
   // `readBack` once we applied the log up to it.
   void joinRecorded(

@@ -48,16 +48,7 @@ void Group::joinLog(
       throw;
     }
     if (appended && !readBack) {
-      try {
-        std::lock_guard<std::mutex> lock(rosterMutex_);
-        log_->append(leaveRecord(incarnation_), roster_.epoch());
-      } catch (const std::exception& e) {
-        logWarning(
-            "torch_rpc_ext: " + self_.name_ +
-            " could not take back its join, if the store took it (its lease "
-            "will run out): " +
-            e.what());
-      }
+      recordLeave("take back its join, if the store took it");
     }
     try {
       log_->forget(incarnation_);
@@ -521,15 +512,7 @@ void Group::stop() {
   }
   // Not a graceful leave (shutdown(graceful=False), or an error): tell the
   // group at once rather than let our lease run out.
-  try {
-    std::lock_guard<std::mutex> lock(rosterMutex_);
-    log_->append(leaveRecord(incarnation_), roster_.epoch());
-  } catch (const std::exception& e) {
-    logWarning(
-        "torch_rpc_ext: " + self_.name_ +
-        " could not record leaving the group (its lease will run out): " +
-        e.what());
-  }
+  recordLeave("record leaving the group");
   // Then our keys, once no round of the watcher can write them again.
   stopWatcher();
   try {
@@ -595,6 +578,17 @@ std::optional<std::vector<MembershipEvent>> Group::takeEvents(
   std::vector<MembershipEvent> out(events_.begin(), events_.end());
   events_.clear();
   return out;
+}
+
+void Group::recordLeave(const std::string& what) {
+  try {
+    std::lock_guard<std::mutex> lock(rosterMutex_);
+    log_->append(leaveRecord(incarnation_), roster_.epoch());
+  } catch (const std::exception& e) {
+    logWarning(
+        "torch_rpc_ext: " + self_.name_ + " could not " + what +
+        " (its lease will run out): " + e.what());
+  }
 }
 
 } // namespace torch_rpc_ext
