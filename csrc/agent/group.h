@@ -220,7 +220,8 @@ class Group {
   // Our leave, appended at once; a store that fails it is said (`what` we
   // could not do), and our lease runs out instead.
   void recordLeave(const std::string& what);
-  // joinLog's steps; `appended` once our join record is in the log,
+  // joinLog's steps; `appended` once our join record may be in the log
+  // (set before the append: a store that fails may have taken it),
   // `readBack` once we applied the log up to it.
   void joinRecorded(
       const std::string& entry,
