@@ -102,8 +102,10 @@ def test_a_longer_partition_fails_the_calls_in_flight_then_new_calls_reconnect(p
     hosts, p = pair
     assert p.ask(op="start", n=1, sleep=0.0)["started"] == 1
     assert p.ask(op="wait")["results"] == ["ok"]
-    # Calls that are running when the link goes down.
-    assert p.ask(op="start", n=4, sleep=1.0)["started"] == 4
+    # Calls that are running when the link goes down: 2 s, so that an `ip`
+    # slowed by a loaded host still cuts the link before their replies
+    # (it has 1.7 s), and still well short of the heartbeat (3 s).
+    assert p.ask(op="start", n=4, sleep=2.0)["started"] == 4
     time.sleep(0.3)
     hosts.link_down(1)
     out = p.ask(op="wait")
@@ -169,7 +171,7 @@ def test_stripes_on_lanes_survive_a_short_partition_and_fail_clearly_in_a_long_o
         assert after[side]["lanes_failed"] == 0, after
     assert sorted(p.ask(op="executed")["executed"]) == list(range(dialled + 8))
     # Down past the heartbeat, with calls sleeping there and stripes queued.
-    assert p.ask(op="start", n=4, sleep=1.0, bytes=8 * mb)["started"] == 4
+    assert p.ask(op="start", n=4, sleep=2.0, bytes=8 * mb)["started"] == 4  # (as above)
     time.sleep(0.3)
     hosts.link_down(1)
     out = p.ask(op="wait")

@@ -441,6 +441,10 @@ def test_large_cuda_tensors_go_through_a_shared_pinned_ring(spawn, monkeypatch, 
     registered)."""
     monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
     monkeypatch.setenv("FAKE_CUDA_NO_PEER_ACCESS", "1")
+    # One ring per direction for the whole test: a ring unused for the
+    # default 5 s is dropped and made again, which a loaded host's pause
+    # between two calls (copies run 50 ms late here) could reach.
+    monkeypatch.setenv("TORCH_RPC_EXT_CUDA_RING_IDLE_MS", "600000")
     caller, _ = play_with(spawn, agent_worker.run_ring, channels, target)
     assert "error" not in caller, caller.get("error")
     assert caller["back"] == [("cuda:0", True)] * len(agent_worker.RING_SIZES)

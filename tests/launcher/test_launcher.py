@@ -151,9 +151,13 @@ def test_options_translation(capfd):
 def test_only_the_backend_changed_runs_on_ours_with_tensorpipes_options():
     proc = run("explicit_backend.py", "PORT", launcher=False)
     rows = sorted(json_lines(proc.stdout), key=lambda r: r["rank"])
-    assert [(r["agent"], r["value"], r["timeout"], r["threads"]) for r in rows] == [
-        ("Agent", 10, 42, 5), ("Agent", 11, 42, 5)
+    assert [(r["agent"], r["value"], r["timeout"]) for r in rows] == [
+        ("Agent", 10, 42), ("Agent", 11, 42)
     ]
+    # num_worker_threads=5 taken, not the default 16; the pool adds a thread
+    # for a task none took within 20 ms (thread_pool.cpp), which a loaded
+    # host can make happen.
+    assert all(5 <= r["threads"] < 16 for r in rows), rows
     notes = [line for line in proc.stderr.splitlines() if "ignoring TensorPipe-only" in line]
     assert len(notes) == 2 and all("_transports=['uv']" in n for n in notes), proc.stderr[-2000:]
 

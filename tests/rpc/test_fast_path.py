@@ -370,12 +370,13 @@ def completion_counts():
     return {k: int(v) for k, v in metrics().items() if k.startswith("rpc_ext.completions.")}
 
 
-def hold_the_gil_for_a_second():
-    # (~1 s here) in one C call: Python code would hand the GIL to a
-    # waiting thread every 5 ms.
+def hold_the_gil_for_two_seconds():
+    # (~2 s here) in one C call: Python code would hand the GIL to a
+    # waiting thread every 5 ms. Two, not one: the callee, resumed 0.2 s
+    # in, must answer all 200 calls within it on a loaded host too.
     gc.disable()
     try:
-        collections.deque(itertools.islice(itertools.count(), 5 * 10**7), maxlen=0)
+        collections.deque(itertools.islice(itertools.count(), 10**8), maxlen=0)
     finally:
         gc.enable()
 
@@ -391,7 +392,7 @@ def stopped(pid):
         yield
     finally:
         resume = subprocess.Popen(["sh", "-c", f"sleep 0.2; kill -CONT {pid}"])
-        hold_the_gil_for_a_second()
+        hold_the_gil_for_two_seconds()
         if resume.wait(30) != 0:
             os.kill(pid, signal.SIGCONT)
 

@@ -45,11 +45,14 @@ def started_by_init(rank, world_size):
     # A loop thread that lost the lead (a request that ran 2 ms on a slow
     # machine, or one that made a call) may still be finishing its piece;
     # once it ends, it parks as "rpcx-<transport>-spare" or exits.
-    for _ in range(200):
+    deadline = time.monotonic() + 30
+    while True:
         after = threads()
         names = list(after.values())
         if names.count("rpcx-shm") == 1 and names.count("rpcx-tcp") == 1:
             break
+        if time.monotonic() > deadline:
+            break  # the assertions below say which
         time.sleep(0.01)
     rpc.shutdown()
     return {"new": sorted(name for tid, name in after.items() if tid not in before),
@@ -61,7 +64,10 @@ def test_every_thread_of_ours_is_named_after_its_role():
         new = result["new"]
         assert ROLES <= set(new), new
         ours = [n for n in new if n.startswith("rpcx-")]
-        assert ours.count("rpcx-pool") == 4, new  # num_worker_threads of the tests' options
+        # num_worker_threads of the tests' options (4), not the default (16).
+        # A task no thread took within 20 ms adds one more, for 5 s
+        # (thread_pool.cpp): a loaded host does that now and then.
+        assert 4 <= ours.count("rpcx-pool") < 16, new
         # One leader a loop; ex-leaders wait as named spares, two at most.
         assert ours.count("rpcx-shm") == 1 and ours.count("rpcx-tcp") == 1, new
         assert ours.count("rpcx-shm-spare") <= 2, new

@@ -306,14 +306,17 @@ def test_a_joiner_keeps_a_lapsed_member_whose_listener_answers_for_a_few_leases(
     Before, judged by the lease alone, the joiner ended the epoch one lease
     in and started a second group beside the stopped member's."""
     store = dist.HashStore()
-    a = A.Group(store, "a", 0, 0, lease_s=1.0)
+    # 2 s leases: a lapsed 1.6-2 s after the freeze, and its epoch would
+    # end 6 s after that; the check at 4.5 s has 3 s to spare on a loaded
+    # host (1.3 s with 1 s leases).
+    a = A.Group(store, "a", 0, 0, lease_s=2.0)
     first = a.join("addr-a")
     a.freeze()
-    b = A.Group(store, "b", 1, 0, lease_s=1.0, answers_probes=True)
+    b = A.Group(store, "b", 1, 0, lease_s=2.0, answers_probes=True)
     got = []
     joiner = threading.Thread(target=lambda: got.append(b.join("addr-b")), daemon=True)
     joiner.start()
-    time.sleep(2.5)  # a lapsed for more than a lease, fewer than four
+    time.sleep(4.5)  # a lapsed for more than a lease, fewer than four
     assert store.add("torch_rpc_ext/dyn_secret/epoch", 0) == 0
     assert not got
     a.thaw()
@@ -671,16 +674,17 @@ def test_a_request_count_raised_by_anyone_costs_a_member_nothing_unbounded():
 
 
 def test_a_joiner_judges_members_alive_by_their_own_lease_not_its_own():
-    """A member of a 4 s lease (a renewal every 0.8 s) that has not sealed
+    """A member of an 8 s lease (a renewal every 1.6 s) that has not sealed
     the secret for a joiner of 0.2 s (here frozen: its watcher stopped, as
-    a stopped process's is) is alive to that joiner for its own 4 s, as the
+    a stopped process's is) is alive to that joiner for its own 8 s, as the
     members judge each other: the joiner waits rather than end the epoch
     and make a second secret for a group that still has a live member.
     Once that member's lease has lapsed, the joiner starts over. Before,
     the joiner judged by its own 0.2 s and ended the epoch within a
-    second."""
+    second. (8 s, not 4: the check at 2.5 s has over 4 s to spare on a
+    loaded host.)"""
     store = dist.HashStore()
-    a = A.Group(store, "a", 0, 0, lease_s=4.0)
+    a = A.Group(store, "a", 0, 0, lease_s=8.0)
     first = a.join("addr-a")
     a.freeze()
     b = A.Group(store, "b", 1, 0, lease_s=0.2)

@@ -53,11 +53,13 @@ def test_cache_is_bounded_and_oversized_blocks_are_not_kept():
 
 
 def test_idle_blocks_return_to_the_os_on_trim():
-    pool = _testing.BufferPool(64 * MB, 0.2)
+    # 2 s idle: a loaded host holding this thread between the release and
+    # the first trim for that long is unlikely (0.2 s was not).
+    pool = _testing.BufferPool(64 * MB, 2.0)
     pool.release(*pool.acquire(8 * MB))
     pool.trim()
     assert pool.cached_bytes > 0  # not idle long enough yet
-    time.sleep(0.3)
+    time.sleep(2.1)
     pool.trim()
     assert pool.cached_bytes == 0
     pool.release(*pool.acquire(8 * MB))
