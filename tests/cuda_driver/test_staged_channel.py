@@ -30,14 +30,17 @@ def test_segments_travel_out_and_back_through_host_memory(spawn):
         assert counters["declined"] == 0
     # Chunked: 3 + 1 + 1 + 1 copies per round and direction, out and in.
     assert sender["chunk_copies"] == staged_worker.ROUNDS * 2 * 6
-    # Pinned buffers come from the pool: one a size class is all the rounds
-    # ever hold (a direction gives its buffer back before the other takes
-    # one). Not "round two holds what round three does": the staging thread
-    # frees a buffer idle for kStagedIdleMs (5 s), which a round on a loaded
-    # host can take, and the next round makes it again (CI: 4.3 MB after
-    # round two, 21 MB after round three).
+    # Pinned buffers come from the pool: one a size class is what the rounds
+    # hold (21,037,056 bytes here), plus at most one more of the largest
+    # where the staging thread, held off its CPU, still held the sent
+    # chunk's buffer when the reply landed. A pool that does not reuse
+    # holds 42,205,184 after round one. Not "round two holds what round
+    # three does": the staging thread frees a buffer idle for kStagedIdleMs
+    # (5 s), which a round on a loaded host can take, and the next round
+    # makes it again (CI: 4.3 MB after round two, 21 MB after round three).
     one_each = sum({staging_capacity(n) for n in staged_worker.SIZES})
-    assert 0 < min(pinned) and max(pinned) <= one_each, (pinned, one_each)
+    bound = one_each + staging_capacity(max(staged_worker.SIZES))
+    assert 0 < min(pinned) and max(pinned) <= bound, (pinned, bound)
 
 
 def staging_capacity(n: int) -> int:

@@ -306,9 +306,9 @@ def test_a_joiner_keeps_a_lapsed_member_whose_listener_answers_for_a_few_leases(
     Before, judged by the lease alone, the joiner ended the epoch one lease
     in and started a second group beside the stopped member's."""
     store = dist.HashStore()
-    # 2 s leases: a lapsed 1.6-2 s after the freeze, and its epoch would
-    # end 6 s after that; the check at 4.5 s has 3 s to spare on a loaded
-    # host (1.3 s with 1 s leases).
+    # 2 s leases: the joiner sees a lapsed 2 s after it first saw its beat
+    # (0.5 s in, at the earliest), and ends its epoch 6 s after that; the
+    # check at 4.5 s has 4 s to spare on a loaded host (2 s with 1 s leases).
     a = A.Group(store, "a", 0, 0, lease_s=2.0)
     first = a.join("addr-a")
     a.freeze()
@@ -681,8 +681,9 @@ def test_a_joiner_judges_members_alive_by_their_own_lease_not_its_own():
     and make a second secret for a group that still has a live member.
     Once that member's lease has lapsed, the joiner starts over. Before,
     the joiner judged by its own 0.2 s and ended the epoch within a
-    second. (8 s, not 4: the check at 2.5 s has over 4 s to spare on a
-    loaded host.)"""
+    second. (8 s, not 4: the joiner sees a lapsed 8 s after it first saw
+    its beat, so the check at 2.5 s has over 5 s to spare on a loaded
+    host.)"""
     store = dist.HashStore()
     a = A.Group(store, "a", 0, 0, lease_s=8.0)
     first = a.join("addr-a")
