@@ -1,14 +1,19 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Shared test setup: markers by folder, GPU skips."""
+"""Shared test setup: markers by folder, GPU skips, skips under a sanitizer."""
 
 import pytest
 import torch
 
 import torch_rpc_ext  # noqa: F401  (registers the backend before any fork)
+from tests.build_flags import SANITIZER
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        unsanitized = item.get_closest_marker("not_sanitized")
+        if SANITIZER and unsanitized:
+            why = unsanitized.kwargs.get("reason") or unsanitized.args[0]
+            item.add_marker(pytest.mark.skip(reason=f"under the {SANITIZER} sanitizer: {why}"))
         path = str(item.fspath)
         if "/unit/" in path:
             item.add_marker(pytest.mark.unit)

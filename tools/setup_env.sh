@@ -146,8 +146,10 @@ fi
 # Our own modules too, for the same reason (Python checks a .pyc against its
 # source's time and size, so an edited file is never run from a stale one).
 python -m compileall -q -j 0 torch_rpc_ext tests benchmarks tools >/dev/null 2>&1 || true
+# (A sanitized build, SANITIZE, loads only with its runtime preloaded:
+# tools/sanitizer_env.sh, in a subshell so that this shell's programs do not.)
 if [ "$SETUP_FOR" = test ]; then
-  python -c "import torch_rpc_ext, torch_rpc_ext._testing" # fail here, not in the first test, if the build is broken
+  (. tools/sanitizer_env.sh && python -c "import torch_rpc_ext, torch_rpc_ext._testing") # fail here, not in the first test, if the build is broken
 else
-  python -c "import torch_rpc_ext"
+  (. tools/sanitizer_env.sh && python -c "import torch_rpc_ext")
 fi

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.build_flags import SANITIZER
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,7 +43,8 @@ def test_bounded_fuzz_round():
     after_auth = r["by_kind"]["auth_mutated"]["closed"] + r["by_kind"]["auth_absurd"]["closed"]
     assert after_auth > 0
     assert int(m["rpc_ext.peer.worker0.rejected_frames"]) >= after_auth, r
-    # max_frame_bytes is 1 MiB: nothing a fuzzer sends may make it allocate more.
+    # max_frame_bytes is 1 MiB: nothing a fuzzer sends may make it allocate more
+    # (not measurable under a sanitizer: tests/build_flags.py).
     rss = r["target_peak_rss_mb"]
-    assert rss["after"] - rss["before"] < 64, rss
+    assert SANITIZER or rss["after"] - rss["before"] < 64, rss
     assert proc.returncode == 0

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.build_flags import SANITIZER
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,6 +30,7 @@ def test_short_soak():
     assert r["in_flight_at_shutdown"] == 1000
     assert r["drained_at_shutdown"] == 1000, r
     # The long run holds growth under 10% (docs/reliability.md); a short run
-    # samples its "warm" point early, so it gets more slack.
-    assert r["max_rss_growth"] < 0.25, r
+    # samples its "warm" point early, so it gets more slack (not measurable
+    # under a sanitizer: tests/build_flags.py).
+    assert SANITIZER or r["max_rss_growth"] < 0.25, r
     assert proc.returncode == 0

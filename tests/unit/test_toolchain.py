@@ -105,6 +105,7 @@ def test_a_stock_compiler_is_left_as_it_is():
     assert (flags, what) == ([], "")
 
 
+@pytest.mark.not_sanitized("its library must crash, and the preloaded libstdc++ (tools/sanitizer_env.sh) mends it")
 @pytest.mark.parametrize("kind", ["flag", "archive-only"])
 def test_a_compiler_that_copies_libstdcxx_in_gets_a_remedy_that_works(tmp_path, kind):
     linker = [wrapper(tmp_path, kind), "-shared", "-Wl,-Bsymbolic-functions"]
