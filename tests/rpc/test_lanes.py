@@ -48,6 +48,23 @@ def _striped_both_ways(peer, big, limit=30.0):
     return same
 
 
+def _settled_lanes(peer, limit=30.0):
+    """Both sides' lane counters once every lane held is open: a sender
+    holds its lanes (``lanes_out``) before the first large segment that
+    dials them, which rides the stream, so a call can return while those
+    lanes still connect. Each lane counts once at each end
+    (``lanes_opened``: dialled and accepted), so a side has them all when
+    its count is its own ``lanes_out`` and its peer's. Nothing here dials
+    more, so `limit` seconds is a bound, not a race."""
+    deadline = time.monotonic() + limit
+    while True:
+        ours, theirs = _lanes_metrics(), rpc.rpc_sync(peer, _lanes_metrics)
+        held = ours["lanes_out"] + theirs["lanes_out"]
+        if ours["lanes_opened"] == held == theirs["lanes_opened"] or time.monotonic() > deadline:
+            return ours, theirs
+        time.sleep(0.05)
+
+
 def _square(t):
     return t * t
 
@@ -81,8 +98,7 @@ def _calls(rank, world_size, **kwargs):
             y = rpc.rpc_sync("worker1", _square, args=(x,))
             dist_autograd.backward(ctx, [y.sum()])
             out["grad"] = bool((dist_autograd.get_gradients(ctx)[x] == 6).all())
-        out["ours"] = _lanes_metrics()
-        out["theirs"] = rpc.rpc_sync("worker1", _lanes_metrics)
+        out["ours"], out["theirs"] = _settled_lanes("worker1")
         out["info"] = rpc.api._get_current_rpc_agent().get_debug_info()
     rpc.shutdown()
     return out
@@ -94,8 +110,12 @@ def test_large_tensors_stripe_over_lanes_both_ways(encryption):
     assert out["mixed"] and out["pipelined"] and out["rref"] and out["grad"]
     ours, theirs = out["ours"], out["theirs"]
     # Four lanes each way per connection: dialled by the sender, accepted by
-    # the receiver (a pair may hold a connection each way).
+    # the receiver (a pair may hold a connection each way: worker1's
+    # gradient in the backward pass goes on its own, whose lanes it dials
+    # then). Every lane held came up, at both ends.
+    held = ours["lanes_out"] + theirs["lanes_out"]
     for m in (ours, theirs):
+        assert m["lanes_opened"] == held, (ours, theirs)
         assert m["lanes_opened"] >= 8 and m["lanes_opened"] % 4 == 0, m
     assert ours["lanes_failed"] == 0 and theirs["lanes_failed"] == 0
     # The large segments went striped, both ways (but the first of each
