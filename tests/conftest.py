@@ -11,7 +11,8 @@ from tests.build_flags import SANITIZER
 def pytest_collection_modifyitems(config, items):
     for item in items:
         unsanitized = item.get_closest_marker("not_sanitized")
-        if SANITIZER and unsanitized:
+        if SANITIZER and unsanitized and SANITIZER in unsanitized.kwargs.get(
+                "kinds", ("address", "thread")):
             why = unsanitized.kwargs.get("reason") or unsanitized.args[0]
             item.add_marker(pytest.mark.skip(reason=f"under the {SANITIZER} sanitizer: {why}"))
         path = str(item.fspath)

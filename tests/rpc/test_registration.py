@@ -65,6 +65,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.not_sanitized(
+    "TensorPipe's agent runs here too: torch's uninstrumented loops and pipes read as races "
+    "to TSan (seven of its functions in one run, none ours)", kinds=("thread",))
 def test_tensorpipe_and_ours_side_by_side_in_one_process():
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT.format(port=free_port())],
