@@ -179,11 +179,16 @@ def test_stripes_on_lanes_survive_a_short_partition_and_fail_clearly_in_a_long_o
     for r in out["results"]:
         assert r != "ok" and "worker1" in r, out
     assert out["elapsed"] < 6 * HEARTBEAT_S + 3, out
-    assert p.ask(op="start", n=3, sleep=0.0, bytes=4 * mb)["started"] == 3
-    assert p.ask(op="wait")["results"] == ["ok"] * 3
-    assert p.ask(op="start", n=3, sleep=0.0, bytes=4 * mb)["started"] == 3
-    assert p.ask(op="wait")["results"] == ["ok"] * 3
-    again = p.ask(op="lanes")
+    # The new connection's first large segment rides the stream while its
+    # lanes are dialled again (in the background: on a loaded host after
+    # more calls than one batch), as at the start.
+    deadline = time.monotonic() + 20
+    while True:
+        assert p.ask(op="start", n=3, sleep=0.0, bytes=4 * mb)["started"] == 3
+        assert p.ask(op="wait")["results"] == ["ok"] * 3
+        again = p.ask(op="lanes")
+        if again["ours"]["segments"] > after["ours"]["segments"] or time.monotonic() > deadline:
+            break
     assert again["ours"]["segments"] > after["ours"]["segments"], (after, again)
     ran = p.ask(op="executed")["executed"]
     assert len(ran) == len(set(ran)), ran

@@ -217,7 +217,11 @@ def _kill_and_replace(rank, world_size, store_path, gates):
         out["declared_s"] = time.monotonic() - t0
         # What the dead worker held of ours is released.
         wait_for(lambda: _owner_counts() == baseline, what="worker1's forks dropped")
-        wait_for(lambda: _autograd_contexts() == 0, what="worker1's autograd context dropped")
+        # (Counted just after torch drops them: both, before the counter is read.)
+        wait_for(lambda: _autograd_contexts() == 0 and int(
+            rpc.api._get_current_rpc_agent().get_metrics()[
+                "rpc_ext.membership.dropped_autograd_contexts"]) > 0,
+            what="worker1's autograd context dropped")
         metrics = rpc.api._get_current_rpc_agent().get_metrics()
         out["dropped"] = int(metrics["rpc_ext.membership.dropped_forks"])
         out["dropped_contexts"] = int(metrics["rpc_ext.membership.dropped_autograd_contexts"])

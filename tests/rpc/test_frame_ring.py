@@ -91,7 +91,10 @@ def test_without_rings_every_frame_is_a_socket_write():
     assert out["ok"] and all(out["ok"])
     for side in out["counters"]:
         assert side["frame_ring_writes"] == side["frame_ring_reads"] == 0, side
-        assert side["socket_writes"] >= side["frames_sent"] * 0.5, side
+        # Every frame went on the socket, a 24-byte header each at least
+        # (frames queued behind a full socket buffer go in one write: bytes,
+        # not writes, are counted, as for the ring above).
+        assert side["socket_bytes_written"] >= 24 * side["frames_sent"], side
 
 
 def test_one_side_with_a_ring_and_one_without():
@@ -100,7 +103,7 @@ def test_one_side_with_a_ring_and_one_without():
     with_ring, without = out["counters"]
     assert with_ring["socket_writes"] <= 40 and with_ring["frame_ring_writes"] > 0, with_ring
     assert without["frame_ring_writes"] == 0 and without["frame_ring_reads"] > 0, without
-    assert without["socket_writes"] >= without["frames_sent"] * 0.5, without
+    assert without["socket_bytes_written"] >= 24 * without["frames_sent"], without
 
 
 def test_frames_many_times_the_ring_go_through_it_in_pieces():

@@ -53,7 +53,15 @@ def scenario(rank, world_size, done_with_2):
                 out["new_call_error"] = str(e)
             out["new_call_s"] = time.monotonic() - t0
             out["survivor"] = rpc.rpc_sync("worker2", torch.add, args=(torch.ones(1), 41)).item()
-            metrics = rpc.api._get_current_rpc_agent().get_metrics()
+            # A dial that failed is counted where its connection's close
+            # runs, on the loop, which the error to the caller can precede.
+            deadline = time.monotonic() + 10
+            while True:
+                metrics = rpc.api._get_current_rpc_agent().get_metrics()
+                if int(metrics["rpc_ext.peer.worker1.dial_failures"]) > 0 or \
+                        time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
             out["errors_metric"] = int(metrics["rpc_ext.peer.worker1.errors"])
             out["events_1"] = {k: int(metrics[f"rpc_ext.peer.worker1.{k}"]) for k in (
                 "dials", "reconnects", "dial_failures", "accepted", "connections_lost",
