@@ -202,6 +202,10 @@ def test_a_strided_view_is_packed_straight_into_a_grant(spawn, monkeypatch):
 @pytest.mark.skipif(REAL_DRIVER, reason="the fake holds the stream: a GPU races")
 @pytest.mark.parametrize("channels", [("cuda_ipc",), ("cuda_staged",)],
                          ids=["cuda_ipc", "cuda_staged"])
+@pytest.mark.not_sanitized(
+    "its subject is the race zero-copy documents (a view used off its arrival stream while "
+    "the next call lands there), which TSan, judging against the fake's stream ordering, "
+    "reports as it should", kinds=("thread",))
 def test_under_zero_copy_a_view_is_safe_on_its_arrival_stream_only(spawn, channels):
     """cuda_zero_copy's stated rule (docs/guide.md, "Streams"): the view's
     memory is the channel's, which record_stream cannot see, so the same

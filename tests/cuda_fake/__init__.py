@@ -27,6 +27,14 @@ __all__ = ["CXXFLAGS", "SOURCE", "BuildError", "build"]
 _ROOT = Path(__file__).resolve().parents[2]
 SOURCE = Path(__file__).with_name("fake_libcuda.cpp")
 CXXFLAGS = ("-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-pthread")
+# Under tools/sanitize.sh thread the fake is built with TSan too.
+# Uninstrumented, its streams' and events' ordering (atomics, its stream
+# threads) is invisible to TSan, so every copy a stream thread makes reads as
+# racing with the host; instrumented, TSan judges our code against the
+# ordering the fake models, as a GPU would enforce it (docs/development.md,
+# "The suites under a sanitizer").
+if os.environ.get("SANITIZE") == "thread":
+    CXXFLAGS += ("-fsanitize=thread",)
 # Exports the driver's names and the test hooks only (no C++ runtime symbols
 # that could interpose on the extension's).
 _VERSION_SCRIPT = "{ global: cu*; fake_cuda_*; local: *; };\n"

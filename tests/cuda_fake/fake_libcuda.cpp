@@ -128,6 +128,14 @@
 #include <thread>
 #include <vector>
 
+#if defined(__SANITIZE_THREAD__)
+// Built by tests/cuda_fake/__init__.py under tools/sanitize.sh thread.
+extern "C" void __tsan_ignore_thread_begin();
+extern "C" void __tsan_ignore_thread_end();
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+#endif
+
 // cuda.h's opaque handle types. A stream is a queue and the worker thread
 // that empties it; destroying a stream lets the worker finish and exit.
 struct CUstream_st {
@@ -800,6 +808,30 @@ bool recordDone(FakeCounters* c, uint64_t n) {
   return n == 0 || doneSlot(c, n).load() >= n;
 }
 
+// TSan orders what one process does only; an interprocess event's record
+// completed by the peer ends a wait here with nothing it can see. Ordering
+// across processes is modelled coarsely under TSan: a wait (or query) that
+// finds an interprocess event's record done comes after every interprocess
+// record this process completed before. Our protocols do make that causal:
+// a peer records (a block's release, a landing's readiness) after waiting
+// on our records; a wait in-process stays as precise as TSan makes it.
+#if defined(__SANITIZE_THREAD__)
+char tsanInterprocessOrder;
+void interprocessRecorded(const FakeCounterBlock& b) {
+  if (b.fd >= 0) {
+    __tsan_release(&tsanInterprocessOrder);
+  }
+}
+void interprocessSeen(const FakeCounterBlock& b) {
+  if (b.fd >= 0) {
+    __tsan_acquire(&tsanInterprocessOrder);
+  }
+}
+#else
+void interprocessRecorded(const FakeCounterBlock&) {}
+void interprocessSeen(const FakeCounterBlock&) {}
+#endif
+
 // Polls: the counters may be written by another process.
 void waitCompleted(FakeCounters* c, uint64_t n) {
   for (int polls = 0; !recordDone(c, n); ++polls) {
@@ -1262,7 +1294,20 @@ CUresult copyOn(
       stream->faultPending = true; // the next event recorded on it says so
       return;
     }
+#if defined(__SANITIZE_THREAD__)
+    // A synchronous copy is a test's peek or poke (the extension makes
+    // asynchronous ones only): outside every stream by design (a test polls
+    // a landing's bytes so), which TSan is not to judge.
+    if (wait) {
+      __tsan_ignore_thread_begin();
+    }
+#endif
     memmove(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), n);
+#if defined(__SANITIZE_THREAD__)
+    if (wait) {
+      __tsan_ignore_thread_end();
+    }
+#endif
   });
   if (wait) {
     drain(*s);
@@ -2209,7 +2254,10 @@ CUresult CUDAAPI cuStreamWaitEvent(CUstream stream, CUevent ev, unsigned flg) {
   CHECK(getEvent(__func__, ev, &block));
   REQUIRE(flg == 0, CUDA_ERROR_INVALID_VALUE, "flags must be 0");
   uint64_t n = block->counters->recorded.load();
-  enqueue(*s, [block, n] { waitCompleted(block->counters, n); });
+  enqueue(*s, [block, n] {
+    waitCompleted(block->counters, n);
+    interprocessSeen(*block);
+  });
   return CUDA_SUCCESS;
 }
 
@@ -2313,6 +2361,7 @@ CUresult CUDAAPI cuEventRecord(CUevent ev, CUstream stream) {
       on->faultPending = false;
       block->counters->faulted = 1;
     }
+    interprocessRecorded(*block);
     completeRecord(block->counters, n);
   });
   return CUDA_SUCCESS;
@@ -2325,6 +2374,9 @@ CUresult CUDAAPI cuEventQuery(CUevent ev) {
   CHECK(getEvent(__func__, ev, &block));
   FakeCounters* c = block->counters;
   bool done = recordDone(c, c->recorded.load());
+  if (done) {
+    interprocessSeen(*block);
+  }
   if (done && c->faulted.exchange(0) != 0) {
     return fail(__func__, CUDA_ERROR_LAUNCH_FAILED, "a copy faulted (test)");
   }
@@ -2337,6 +2389,7 @@ CUresult CUDAAPI cuEventSynchronize(CUevent ev) {
   std::shared_ptr<FakeCounterBlock> block;
   CHECK(getEvent(__func__, ev, &block));
   waitCompleted(block->counters, block->counters->recorded.load());
+  interprocessSeen(*block);
   return CUDA_SUCCESS;
 }
 
