@@ -52,6 +52,11 @@ def traffic(rank, world_size):
             rpc.rpc_sync("worker1", slow_echo, args=(x, 0.02))
         rref = rpc.remote("worker1", torch.add, args=(x, 1))
         rref.to_here()
+        # The owner's answer to remote() itself can come after to_here()'s:
+        # until it has, that call is still in flight.
+        deadline = time.monotonic() + 30
+        while not rref.confirmed_by_owner() and time.monotonic() < deadline:
+            time.sleep(0.01)
         out["scrape"] = scrape(port)  # (before the barrier's own calls)
     rpc.api._barrier(["worker0", "worker1"])
     if rank == 1:

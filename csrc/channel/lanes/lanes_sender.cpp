@@ -283,9 +283,11 @@ void LanesChannel::runOutLane(
     if (fd >= 0) {
       ::close(fd);
     } else if (!closing_) {
-      stats.lanesFailed.fetch_add(1, std::memory_order_relaxed);
       --heldOut_; // no thread or socket left of this lane: it goes back
       lanesContext().releaseLanes(/*inbound=*/false, 1);
+      // Counted after the release (seq_cst, as lanes_out's update is): a
+      // reader of the stats that sees this failure sees its lane gone.
+      stats.lanesFailed.fetch_add(1);
       if (outState_ == OutState::kDialing) {
         outState_ = OutState::kFailed;
         decline = true;
