@@ -51,7 +51,8 @@ Output: JSON lines, one per (rate, backend, case), e.g.
    "case": "rtt_1MB", "median_ms": ..., "p90_ms": ..., "gbit_s": ...}
 one "run" line per worker pair (init seconds, which security the ext
 connection reported, and the megabytes that crossed host 0's interface, so
-that a backend whose bytes bypass the link would show), then one ratio line
+that a backend whose bytes bypass the link would show; for ours, the
+tcp_lanes counters lane_segments, lanes_opened and lanes_failed), then one ratio line
 per (rate, case) and TORCH_RPC_EXT variant:
   {"bench": "crosshost", "rate": "10gbit", "case": "rtt_1MB",
    "ratio": "ext_tls_vs_tensorpipe", "value": 1.3}
@@ -59,6 +60,13 @@ where value is TensorPipe's median time / ours (for pipelined, our calls/s /
 TensorPipe's): above 1 means ours is faster. With --rounds N every backend
 runs N times per rate, alternating which goes first, and a ratio is the
 median of the N per-round ratios (printed as per_round).
+
+A backend whose 1 MB tensors stripe over tcp_lanes (ext_tls, by default
+on an encrypted connection, and the *_lanes variants) first sends 1 MB
+calls until one has gone over the lanes (at most 30 s; its run line's
+lane_warmup_calls counts them): the first such tensor dials the lanes, and
+until they are up tensors ride the connection, which a loaded host would
+otherwise let the timed calls do.
 
 Needs root and iproute2 (ip, tc); exits 2 with a message otherwise.
 
@@ -178,6 +186,21 @@ def drive(cfg: dict, torch, rpc) -> dict:
         out["transport"] = info.get(f"rpc_ext.peer.{dst}.transport")
         out["security"] = info.get(f"rpc_ext.peer.{dst}.security")
     payload = 0
+    if cfg.get("lanes"):
+        # The first striped segment dials the lanes; until all are up, such
+        # segments ride the connection's stream. Timed calls start once the
+        # lanes carry them (a loaded host can take longer to dial than a
+        # smoke run's few 1 MiB calls last).
+        out["lane_warmup_calls"], nbytes = 0, MB  # tcp_lanes' default least size
+        x = torch.rand(nbytes // 4)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            lanes = lane_counters(rpc)
+            if lanes.get("segments", 0) or lanes.get("lanes_failed", 0):
+                break  # (a failed dial: the stream from now on, said in the run row)
+            rpc.rpc_sync(dst, identity, args=(x,))
+            out["lane_warmup_calls"] += 1
+            payload += nbytes
     for label, nbytes, iters, warmup in cfg["rtt"]:
         x = torch.rand(nbytes // 4)  # float32
         back = rpc.rpc_sync(dst, identity, args=(x,))
@@ -204,11 +227,21 @@ def drive(cfg: dict, torch, rpc) -> dict:
     if cfg["backend"][0] == "ext":
         # Tensors striped over tcp_lanes (by default on encrypted
         # connections), this end's.
-        metrics = rpc.api._get_current_rpc_agent().get_metrics()
-        out["lane_segments"] = int(metrics.get("rpc_ext.channel.tcp_lanes.segments", 0))
+        lanes = lane_counters(rpc)
+        out["lane_segments"] = lanes.get("segments", 0)
+        out["lanes_opened"] = lanes.get("lanes_opened", 0)
+        out["lanes_failed"] = lanes.get("lanes_failed", 0)
         # 1: the lanes' records went through our VAES AES-GCM (crypto.h).
-        out["aes_gcm_vaes"] = int(metrics.get("rpc_ext.channel.tcp_lanes.aes_gcm_vaes", 0))
+        out["aes_gcm_vaes"] = lanes.get("aes_gcm_vaes", 0)
     return out
+
+
+def lane_counters(rpc) -> dict:
+    """This worker's tcp_lanes counters, without their prefix."""
+    prefix = "rpc_ext.channel.tcp_lanes."
+    metrics = rpc.api._get_current_rpc_agent().get_metrics()
+    return {k[len(prefix):]: int(v) for k, v in metrics.items()
+            if k.startswith(prefix) and str(v).isdigit()}
 
 
 def in_ms(samples_s: list[float]) -> dict:
@@ -226,6 +259,14 @@ def link_bytes(hosts, i: int) -> tuple[int, int]:
                         hosts.ifname(i)], capture_output=True, text=True, timeout=30, check=True)
     stats = json.loads(r.stdout)[0]["stats64"]
     return stats["tx"]["bytes"], stats["rx"]["bytes"]
+
+
+def stripes(backend: str) -> bool:
+    """Whether backend's 1 MiB tensors go over tcp_lanes between these
+    hosts: named in its channels, or by default on an encrypted connection."""
+    kind, extra = BACKENDS[backend]
+    return kind == "ext" and ("tcp_lanes" in extra.get("channels", ())
+                              or extra.get("encryption") == "auto")
 
 
 def run_pair(hosts, backend: str, port: int, plan: dict, logdir: Path,
@@ -246,7 +287,7 @@ def run_pair(hosts, backend: str, port: int, plan: dict, logdir: Path,
         env.update(BACKEND_ENV.get(backend, {}))
         cfg = {"rank": rank, "master": hosts.ipv4(0), "port": port,
                "address": hosts.ipv4(rank), "backend": BACKENDS[backend],
-               "rpc_timeout": max(60, int(deadline_s)), **plan}
+               "rpc_timeout": max(60, int(deadline_s)), "lanes": stripes(backend), **plan}
         out, err = logdir / f"{backend}-{port}-w{rank}.out", logdir / f"{backend}-{port}-w{rank}.err"
         logs.append((out, err))
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
@@ -386,7 +427,8 @@ def main(argv=None) -> int:
                         if "security" in res:
                             run_row["transport"] = res.get("transport")
                             run_row["security"] = res["security"]
-                        for key in ("lane_segments", "aes_gcm_vaes"):
+                        for key in ("lane_segments", "lane_warmup_calls", "lanes_opened",
+                                    "lanes_failed", "aes_gcm_vaes"):
                             if key in res:
                                 run_row[key] = res[key]
                         if "error" in res:
