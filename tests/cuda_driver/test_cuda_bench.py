@@ -68,14 +68,18 @@ def no_allocation_after_warm_up(c):
     may still be in use on its stream when the next one lands, and the
     cache takes a second block (one torch allocation, its cuMemAlloc); so
     may a channel's pool (a cuda_ipc block the peer still holds, a staging
-    block a landing still reads: CI of 0987163 saw the first). What the
-    budget rules out is an allocation per call, not those."""
+    block a landing still reads: CI of 0987163 saw the first). Each end has
+    its own cache and pools, so both may: session 85's README run saw
+    cuda_ring's 4 MB round trip, under load, take one block more in each
+    process (2 of ours in 5 calls; under eight busy loops here, 2 of 6 runs
+    did). What the budget rules out is an allocation per call (5 calls, two
+    ends: 5 or more), not those: one per end at most."""
     n = c["n"]
-    torch_ok = round(c["torch_allocations"] * n) <= 1
+    torch_ok = round(c["torch_allocations"] * n) <= 2
     # The fake's `allocations` counts torch's and the driver's: each of
     # torch's makes one cuMemAlloc.
     ours = c["allocations"] - 2 * c["torch_allocations"]
-    return torch_ok and (REAL_DRIVER or round(ours * n) <= 1)
+    return torch_ok and (REAL_DRIVER or round(ours * n) <= 2)
 
 
 def allocation_counts(c):
