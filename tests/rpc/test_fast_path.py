@@ -389,7 +389,7 @@ def hold_the_gil_until_readable(fd, most_s):
     # Holds the GIL (a ctypes.PyDLL call keeps it) until fd is readable,
     # at most most_s, then half a second more: the signal comes as the
     # callee's last call returns, and its response follows it.
-    libc = ctypes.PyDLL(None, use_errno=True)
+    libc = ctypes.PyDLL(None)
     pfd = _PollFd(fd, select.POLLIN, 0)
     deadline = time.monotonic() + most_s
     while time.monotonic() < deadline:
