@@ -64,9 +64,9 @@ median of the N per-round ratios (printed as per_round).
 A backend whose 1 MB tensors stripe over tcp_lanes (ext_tls, by default
 on an encrypted connection, and the *_lanes variants) first sends 1 MB
 calls until one has gone over the lanes (at most 30 s; its run line's
-lane_warmup_calls counts them): the first such tensor dials the lanes, and
-until they are up tensors ride the connection, which a loaded host would
-otherwise let the timed calls do.
+lane_warmup_calls counts them). The first such tensor dials the lanes, and
+until they are up tensors ride the connection's stream: without the
+warm-up, a loaded host's timed calls could all go that way.
 
 Needs root and iproute2 (ip, tc); exits 2 with a message otherwise.
 
