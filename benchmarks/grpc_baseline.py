@@ -68,7 +68,7 @@ def world(rank, world_size, cases, repeats, repeats_large):
             for c in calls:
                 pickle.loads(c.result())
             samples.append(time.perf_counter() - t0)
-        rows.append((f"{fname}_{mb}MB_x{inflight}", samples[1:]))
+        rows.append((f"{fname}_{mb:g}MB_x{inflight}", samples[1:]))
     stub(pickle.dumps(("stop", None)))
     channel.close()
     return rows

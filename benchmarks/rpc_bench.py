@@ -156,7 +156,7 @@ def pair_cases(rank, world_size, backend_key, opts, cases, cfg):
                             torch.futures.wait_all(futs)
                         reps = cfg.repeats if mb <= 64 else cfg.repeats_large
                         s = timed(call, reps, 1)
-                        rows.append({"case": f"{fname}_{mb}MB_x{inflight}", **summarize(s),
+                        rows.append({"case": f"{fname}_{mb:g}MB_x{inflight}", **summarize(s),
                                      "per_call_ms": round(
                                          summarize(s)["median_us"] / 1000 / inflight, 2)})
     rpc.shutdown()
@@ -318,7 +318,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--repeats-large", type=int, default=5)
     p.add_argument("--pipelined", type=int, default=2000)
-    p.add_argument("--sizes-mb", type=int, nargs="+", default=[4, 400])
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 400])
     p.add_argument("--many", type=int, default=1000,
                    help="the many case: this many 1 KiB tensors in one call")
     p.add_argument("--heavy-large", action="store_true")

@@ -11,9 +11,13 @@ std::string validateHeader(const FrameHeader& h, const FrameLimits& limits) {
     return "unsupported protocol version " + std::to_string(h.version) +
         " (this build speaks " + std::to_string(kProtocolVersion) + ")";
   }
-  if (h.flags != 0 &&
-      !(h.flags == kFlagChunkedSegments &&
-        h.kind == uint8_t(FrameKind::kMessage))) {
+  // One flag at most; the two of them that say how a message's segments
+  // travel on a message only. (Whether a ring's flags fit the connection
+  // is the connection's to check.)
+  bool message = h.kind == uint8_t(FrameKind::kMessage);
+  if (h.flags != 0 && h.flags != kFlagCarrier &&
+      !((h.flags == kFlagChunkedSegments || h.flags == kFlagBodyOnSocket) &&
+        message)) {
     return "reserved flags set";
   }
   if (h.kind < uint8_t(FrameKind::kHello) ||

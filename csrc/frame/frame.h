@@ -47,7 +47,7 @@ constexpr uint32_t kFrameMagic = 0x58505254; // "TRPX"
 //    could not map the block).
 // 14: a lane's listener answers a hello it took with one byte (lanes/lane.h
 //    kAdmitted), which the dialler waits for before striping onto it.
-constexpr uint8_t kProtocolVersion = 14;
+constexpr uint8_t kProtocolVersion = 15;
 
 enum class FrameKind : uint8_t {
   kHello = 1, // client -> server: version, identity, nonce
@@ -87,6 +87,13 @@ constexpr int kMaxChannels =
 // A receiver rejects a frame naming a channel its connection did not
 // negotiate.
 constexpr uint16_t kFlagChunkedSegments = 1;
+// Frames through a frame ring (docs/wire-format.md, "Frame rings"): a
+// message whose segments' bytes follow on the connection's socket, not in
+// the ring (a large body: the socket's buffer takes megabytes a hand-off
+// where the ring takes its capacity), and a frame whose descriptors rode a
+// carrier on the socket. Neither is valid on a connection without a ring.
+constexpr uint16_t kFlagBodyOnSocket = 2;
+constexpr uint16_t kFlagCarrier = 4;
 constexpr int kChannelIdShift = 56;
 constexpr uint64_t kSegmentLengthMask = (uint64_t(1) << kChannelIdShift) - 1;
 
@@ -103,7 +110,7 @@ struct FrameHeader {
   uint32_t magic;
   uint8_t version;
   uint8_t kind;
-  uint16_t flags; // zero, or kFlagChunkedSegments on a kMessage frame
+  uint16_t flags; // zero, or one of the kFlag* above
   uint32_t headLength;
   uint32_t numSegments;
   uint64_t dataLength; // sum of segment lengths

@@ -39,9 +39,11 @@ bool keepsTheRules(const FrameHeader& h, const FrameLimits& limits) {
        h.kind < frame::kFirstChannelFrameKind)) {
     return false;
   }
-  bool flagsOk = h.flags == 0 ||
-      (h.flags == frame::kFlagChunkedSegments &&
-       h.kind == uint8_t(FrameKind::kMessage));
+  bool message = h.kind == uint8_t(FrameKind::kMessage);
+  bool flagsOk = h.flags == 0 || h.flags == frame::kFlagCarrier ||
+      ((h.flags == frame::kFlagChunkedSegments ||
+        h.flags == frame::kFlagBodyOnSocket) &&
+       message);
   if (!flagsOk || h.headLength > limits.maxHeadBytes ||
       h.numSegments > limits.maxSegments) {
     return false;

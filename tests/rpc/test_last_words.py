@@ -68,7 +68,9 @@ def outcome(ep):
     while ready and not ep.close_reason() and time.monotonic() < deadline:
         time.sleep(0.01)
     ring_reads = ep.counters()["transport"]["frame_ring_reads"]
-    return ready, got[0] if got else None, ep.close_reason(), ring_reads
+    # The head, and the segments' bytes after it (none in most tests).
+    got = got[0] + b"".join(got[1]) if got else None
+    return ready, got, ep.close_reason(), ring_reads
 
 
 def report(ours, child):
@@ -183,11 +185,18 @@ def paused_acceptor(conn):
 PAUSE_MS = 3000
 
 
-def test_a_clients_frames_in_its_ring_arrive_though_our_ring_offer_meets_it_gone():
+@pytest.mark.parametrize("body_bytes", [0, 1 << 20], ids=["head", "body_on_socket"])
+def test_a_clients_frames_in_its_ring_arrive_though_our_ring_offer_meets_it_gone(body_bytes):
     """CI's sequence with two Endpoints: the client verifies our proof,
     offers its frame ring, sends its frame through it and closes, all while
     we are stalled; our ring offer then fails with EPIPE, and the client's
-    ring, its descriptor still in our socket, is read to its end."""
+    ring, its descriptor still in our socket, is read to its end. A frame
+    with a body of 1 MiB sends its header through the ring and the body on
+    the socket, right behind the ring's own frame: our end reads it with
+    that frame, before it has the ring that says what it is, and keeps it
+    for the frame (`socketStash_`)."""
+    import torch
+
     from torch_rpc_ext import _testing
 
     ctx = mp.get_context("fork")
@@ -199,15 +208,19 @@ def test_a_clients_frames_in_its_ring_arrive_though_our_ring_offer_meets_it_gone
         client = _testing.Endpoint(0, 2, KEY, "shm", [])
         client.connect(ours.recv(), 1)
         assert client.wait_ready(30), client.close_reason()
-        client.send(LAST, [])
-        written = client.counters()["transport"]["frame_ring_writes"]
+        body = torch.randint(0, 256, (body_bytes,), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(7))
+        client.send(LAST, [(body.data_ptr(), body_bytes, 0, -1, 0)] if body_bytes else [])
+        sent = client.counters()["transport"]
         client.close(5)
         ready, got, reason, ring_reads = report(ours, child)
     finally:
         reap(child)
-    assert written >= 1  # the client's frame went through its ring
+    assert sent["frame_ring_writes"] >= 1  # the client's frame went through its ring
+    assert sent["frame_ring_socket_bodies"] == (1 if body_bytes else 0), sent
     assert ready, f"our end never became ready: {reason}"
-    assert got == LAST and ring_reads >= 1, (got, ring_reads, reason)
+    expected = LAST + body.numpy().tobytes()
+    assert got == expected and ring_reads >= 1, (len(got or b""), ring_reads, reason)
     assert reason == "peer closed the connection"
 
 

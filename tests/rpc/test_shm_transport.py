@@ -75,12 +75,12 @@ def channel_counters(name):
 def exchange(rank, world_size, transports, channels=("shm_slab", "shm_ring")):
     if isinstance(channels, dict):
         channels = channels[rank]
-    # A timeout past the default 30 s: with no channels on shm, the 12 x 12
-    # MB below cross each way through the connection's 64 KiB frame ring, a
-    # wake-up per 64 KiB, each a wait for a CPU on a loaded host (0.6 s
-    # quiet; 40-43 s under eight busy loops, 3.4 s with the ring off:
-    # docs/performance.md, "The 64 KiB frame ring on a loaded host").
-    init(rank, world_size, transports=transports, channels=channels, rpc_timeout=120)
+    # The default 30 s timeout: with no channels on shm, the 12 x 12 MB
+    # below once crossed each way through the connection's 64 KiB frame
+    # ring, a wake-up per 64 KiB, and took 37-43 s under eight busy loops;
+    # their bodies go on the socket beside the ring now, 1.7-1.8 s there
+    # (docs/performance.md, "The 64 KiB frame ring on a loaded host").
+    init(rank, world_size, transports=transports, channels=channels)
     other = f"worker{1 - rank}"
     info = debug_info()
     out = {"route": info[f"rpc_ext.peer.{other}.transport"],

@@ -100,13 +100,24 @@ def test_transport_and_channel_kinds_pass_the_header_check(kind):
     assert _testing.validate_header(header(kind=kind, nseg=0, data=0), 1 << 20) == ""
 
 
+@pytest.mark.parametrize("flags, kind", [(1, 4), (2, 4), (4, 4), (4, 5), (4, 16)])
+def test_frame_flags_pass_the_header_check_on_their_kinds(flags, kind):
+    # Chunked segments and a body on the socket belong to messages; a
+    # carrier's flag to any frame. Whether the connection has the ring the
+    # last two need is checked later, by the connection.
+    assert _testing.validate_header(header(kind=kind, flags=flags), 1 << 20) == ""
+
+
 @pytest.mark.parametrize(
     "fields, reason",
     [
         ({"magic": 0x12345678}, "bad magic"),
         ({"version": 99}, "unsupported protocol version 99"),
-        ({"flags": 2}, "reserved flags"),
-        ({"flags": 1, "kind": 1}, "reserved flags"),  # ring flag on a handshake frame
+        ({"flags": 8}, "reserved flags"),
+        ({"flags": 3}, "reserved flags"),  # chunked and body on the socket at once
+        ({"flags": 6}, "reserved flags"),  # one flag a frame
+        ({"flags": 1, "kind": 1}, "reserved flags"),  # chunked on a handshake frame
+        ({"flags": 2, "kind": 5}, "reserved flags"),  # a body on the socket: messages only
         ({"kind": 0}, "unknown frame kind 0"),
         ({"kind": 8}, "unknown frame kind 8"),  # 8..15: reserved (7: frame ring)
         ({"kind": 15}, "unknown frame kind 15"),

@@ -187,6 +187,12 @@ class StreamConnection : public Connection,
     bool channelChecked = false; // prepareChunksLocked() has run
     // kFrameRing: the frames after it go through the ring (ringOut_).
     bool switchesToRing = false;
+    // Through the ring: its flags are set (markForRingLocked()), and its
+    // segments go on the socket (kFlagBodyOnSocket). A frame with records
+    // in place of segments keeps them in the ring.
+    bool ringMarked = false;
+    bool bodyOnSocket = false;
+    bool recordsInBody = false;
     size_t piece = 0; // 0: prefix; i + 1: segment i
     size_t pieceOffset = 0;
     std::string records; // SegmentRecords not yet on the socket
@@ -457,9 +463,16 @@ class StreamConnection : public Connection,
   // The other end of a ring signalled (inbound: bytes for a parked
   // receiver; outbound: room for a parked sender).
   void onRingSignalFromLoop(bool inbound);
-  // Before a control frame from the ring is handled: its descriptors, if a
-  // carrier is counted and none are waiting. False once closing.
+  // Before a frame from the ring with kFlagCarrier is handled: its carrier
+  // (one byte; its descriptors came with it). False once closing.
   bool takeCarrierFromLoop();
+  // A frame about to go through the ring, first byte not yet written: its
+  // flags (a carrier; a large body that goes on the socket).
+  void markForRingLocked(PendingWrite& w);
+  // A ring frame's body on the socket begins (its flag) or ends; false
+  // once closing.
+  bool beginSocketBodyFromLoop();
+  void endSocketBodyFromLoop();
   // The socket's part of readFromLoop(); with !closeAtEnd, the peer's end
   // returns kSocketEnded instead of closing the connection.
   static constexpr ssize_t kSocketEnded = -2;
@@ -558,6 +571,17 @@ class StreamConnection : public Connection,
   std::atomic<bool> ringIn_{false};
   uint64_t carriersReceived_ = 0;
   bool socketEnded_ = false; // the peer closed; its ring is read to the end
+  // A body on the socket (kFlagBodyOnSocket): being written, the socket
+  // full (writeMutex_); being read (loop thread; readEvents() from any),
+  // its bytes still to come, and what was read from the ring past its
+  // frame meanwhile (read again first once the body is in).
+  bool socketBodyBlocked_ = false;
+  std::atomic<bool> bodyOnSocket_{false};
+  uint64_t bodyLeft_ = 0;
+  std::string ringStash_;
+  // Socket bytes read with the kFrameRing frame, past it: carriers and
+  // bodies, taken before the socket's next bytes.
+  std::string socketStash_;
 };
 
 } // namespace torch_rpc_ext::transport::stream

@@ -194,7 +194,10 @@ uint32_t StreamConnection::readEvents() const {
   if (recordHeld_) {
     return socketEndedWhileHeld_ ? uint32_t(EPOLLONESHOT) : 0u;
   }
-  return ringIn_ ? uint32_t(EPOLLRDHUP) : uint32_t(EPOLLIN);
+  // A body on the socket beside the ring (kFlagBodyOnSocket) is read.
+  return !ringIn_     ? uint32_t(EPOLLIN)
+      : bodyOnSocket_ ? uint32_t(EPOLLIN | EPOLLRDHUP)
+                      : uint32_t(EPOLLRDHUP);
 }
 
 void StreamConnection::socketEndedWhileHeldFromLoop() {
@@ -214,6 +217,7 @@ void StreamConnection::socketEndedWhileHeldFromLoop() {
 bool StreamConnection::inputWaitingFromLoop() const {
   int unread = 0;
   return (::ioctl(fd_, FIONREAD, &unread) == 0 && unread > 0) ||
+      !socketStash_.empty() || !ringStash_.empty() ||
       (inRing_ && inRing_->waiting() != 0);
 }
 

@@ -61,6 +61,13 @@ ssize_t StreamConnection::readSocketFromLoop(
     }
     return got;
   }
+  if (!socketStash_.empty()) {
+    // Read past the kFrameRing frame with it (its descriptors came then).
+    size_t take = std::min(size, socketStash_.size());
+    std::memcpy(dst, socketStash_.data(), take);
+    socketStash_.erase(0, take);
+    return static_cast<ssize_t>(take);
+  }
   while (true) {
     // recvmsg, not read: read(2) would have the kernel drop descriptors a
     // peer passed on a Unix socket, and close them on this thread
@@ -168,7 +175,8 @@ void StreamConnection::onReadableFromLoop() {
           want = std::min(want, kRingReadMax);
         }
         ssize_t got = readFromLoop(dst, want, /*piecewise=*/true);
-        if (got == 0 && streaming && inRing_ && state_ != State::kClosed) {
+        if (got == 0 && streaming && inRing_ && !bodyOnSocket_ &&
+            state_ != State::kClosed) {
           streaming = false;
           auto left = ringDeadline - std::chrono::steady_clock::now();
           if (left.count() > 0 &&
@@ -178,7 +186,8 @@ void StreamConnection::onReadableFromLoop() {
             continue; // the sender is mid-frame: more came while we waited
           }
         }
-        streaming = inRing_ && got >= ssize_t(kFrameRingPublishStep);
+        streaming =
+            inRing_ && !bodyOnSocket_ && got >= ssize_t(kFrameRingPublishStep);
         if (got <= 0) {
           return;
         }
@@ -423,6 +432,11 @@ bool StreamConnection::onHeaderFromLoop() {
     } else if (kind != frame::FrameKind::kMessage && header_.numSegments != 0) {
       why = "control frame with segments";
     } else if (
+        (header_.flags == frame::kFlagCarrier ||
+         header_.flags == frame::kFlagBodyOnSocket) &&
+        !inRing_) {
+      why = "a frame ring's flag on a connection without one";
+    } else if (
         header_.flags == frame::kFlagChunkedSegments &&
         std::none_of(channels_.begin(), channels_.end(), [](const auto& c) {
           return c->context().mode() == channel::Channel::Mode::kChunks &&
@@ -525,6 +539,11 @@ bool StreamConnection::onLengthsAndHeadFromLoop() {
     }
     return true; // unreachable: onHeaderFromLoop() let no other kind in
   }
+  if (!takeCarrierFromLoop() ||
+      (header_.flags == frame::kFlagBodyOnSocket &&
+       !beginSocketBodyFromLoop())) {
+    return false;
+  }
   try {
     inbound_ = observer_->onFrameHead(*this, head_, segmentSizes_, provided);
   } catch (const std::exception& e) {
@@ -560,6 +579,9 @@ void StreamConnection::skipEmptySegments() {
 
 void StreamConnection::finishFrameFromLoop() {
   phase_ = ReadPhase::kHeader;
+  if (bodyOnSocket_) {
+    endSocketBodyFromLoop(); // the ring's frames again (ringStash_ first)
+  }
   for (const auto& channel : channels_) {
     if (!channel->onFrameEndFromLoop()) {
       return; // rejected: the connection is closing

@@ -10,7 +10,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 
 #include "csrc/common/logging.h"
@@ -174,18 +176,10 @@ bool StreamConnection::onFrameRingFromLoop() {
     rejectFromLoop("rejected frame ring: " + error);
     return false;
   }
-  // Whatever the socket brought after the frame is carriers.
-  size_t rest = stagedEnd_ - stagedBegin_;
+  // Whatever the socket brought after the frame (carriers, a body) is the
+  // socket's next bytes: taken first, as the frames from the ring say.
+  socketStash_.assign(staging_.get() + stagedBegin_, stagedEnd_ - stagedBegin_);
   stagedBegin_ = stagedEnd_;
-  for (size_t i = 0; i < rest; ++i) {
-    if (staging_[stagedEnd_ - rest + i] != kCarrier) {
-      rejectFromLoop(
-          "rejected frame: a byte of a frame on the socket after the frame "
-          "ring took over");
-      return false;
-    }
-  }
-  carriersReceived_ += rest;
   std::weak_ptr<StreamConnection> weak = shared_from_this();
   watchFromLoop(inRing_->signalFd(), [weak] {
     if (auto self = weak.lock()) {
@@ -206,41 +200,124 @@ bool StreamConnection::onFrameRingFromLoop() {
 }
 
 bool StreamConnection::takeCarrierFromLoop() {
-  if (!inRing_ || !receivedFds_.empty() ||
-      inRing_->carriersSent() <= carriersReceived_) {
+  if ((header_.flags & frame::kFlagCarrier) == 0) {
     return true;
   }
-  // Sent before the bytes of the frame being parsed were published, so it
-  // is in the socket by now: one byte, with its descriptors.
+  // Sent and counted before the bytes of this frame were published, and
+  // behind every earlier frame's on the socket (their carriers and bodies,
+  // all read by now): the socket's next byte, with its descriptors.
   char byte = 0;
-  ssize_t got = readSocketFromLoop(&byte, 1, /*closeAtEnd=*/false);
+  ssize_t got = inRing_->carriersSent() > carriersReceived_
+      ? readSocketFromLoop(&byte, 1, /*closeAtEnd=*/false)
+      : 0;
   if (got == 1 && byte == kCarrier) {
     ++carriersReceived_;
     return true;
   }
   if (got >= 0 || got == kSocketEnded) {
     rejectFromLoop(
-        got == 1 ? "rejected frame: a byte of a frame on the socket after the "
-                   "frame ring took over"
+        got == 1 ? "rejected frame: a byte of a frame on the socket where a "
+                   "descriptor carrier belongs"
                  : "rejected frame ring: the peer counts a descriptor carrier "
                    "it did not send");
   }
   return false;
 }
 
+void StreamConnection::markForRingLocked(PendingWrite& w) {
+  w.ringMarked = true;
+  if (w.written != 0) {
+    return; // (frames after the ring's own frame start in the ring)
+  }
+  constexpr size_t kFlagsAt = offsetof(frame::FrameHeader, flags);
+  uint16_t flags;
+  std::memcpy(&flags, w.prefix.data() + kFlagsAt, sizeof(flags));
+  if (!w.passFds.empty()) {
+    flags |= frame::kFlagCarrier;
+  } else if (
+      flags == 0 && !w.recordsInBody &&
+      w.prefix[offsetof(frame::FrameHeader, kind)] ==
+          char(frame::FrameKind::kMessage)) {
+    // A body of the ring's size or more: on the socket, whose buffer takes
+    // megabytes a hand-off (tuneSocket) where the ring takes its capacity.
+    // On a host with no idle core each hand-off waits for the other end to
+    // be scheduled: through a 64 KiB ring, 12 x 12 MB each way took 37-43 s
+    // under eight busy loops, on the socket 3.2-3.4 s (docs/performance.md).
+    uint64_t body = 0;
+    for (const auto& seg : w.frame.segments) {
+      body += seg.size;
+    }
+    if (body >= outRing_->capacity()) {
+      flags = frame::kFlagBodyOnSocket;
+      w.bodyOnSocket = true;
+      Loop::Io::add(loop_.io().ringSocketBodies);
+    }
+  }
+  std::memcpy(w.prefix.data() + kFlagsAt, &flags, sizeof(flags));
+}
+
+bool StreamConnection::beginSocketBodyFromLoop() {
+  for (uint8_t slot : carried_) {
+    if (slot != 0 &&
+        channels_[slot - 1]->context().mode() !=
+            channel::Channel::Mode::kStaged) {
+      rejectFromLoop("rejected frame: records in a body on the socket");
+      return false;
+    }
+  }
+  // What was read from the ring past this frame's head is read again once
+  // the body is in; reads of the socket meanwhile stop at the body's end.
+  ringStash_.insert(
+      0, staging_.get() + stagedBegin_, stagedEnd_ - stagedBegin_);
+  stagedBegin_ = stagedEnd_ = 0;
+  bodyLeft_ = header_.dataLength;
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  bodyOnSocket_ = true;
+  if (registered_ && state_ != State::kClosed) {
+    loop_.modify(fd_, readEvents() | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
+  }
+  return true;
+}
+
+void StreamConnection::endSocketBodyFromLoop() {
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  bodyOnSocket_ = false;
+  if (registered_ && state_ != State::kClosed) {
+    loop_.modify(fd_, readEvents() | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
+  }
+}
+
 bool StreamConnection::ringInputFromLoop() {
-  return inRing_ && !recordHeld_ && state_ != State::kClosed &&
-      inRing_->waiting() != 0;
+  // (A body on the socket: its EPOLLIN says when there is input.)
+  return inRing_ && !recordHeld_ && !bodyOnSocket_ &&
+      state_ != State::kClosed &&
+      (!ringStash_.empty() || inRing_->waiting() != 0);
 }
 
 bool StreamConnection::parkRingFromLoop() {
-  return inRing_ && !recordHeld_ && state_ != State::kClosed &&
-      inRing_->parkReceiver();
+  return inRing_ && !recordHeld_ && !bodyOnSocket_ &&
+      state_ != State::kClosed &&
+      (!ringStash_.empty() || inRing_->parkReceiver());
 }
 
 ssize_t StreamConnection::readFromLoop(void* dst, size_t size, bool piecewise) {
   if (!inRing_) {
     return readSocketFromLoop(dst, size);
+  }
+  if (bodyOnSocket_) {
+    // Never past the body: the socket's next bytes are a later frame's.
+    size = static_cast<size_t>(std::min<uint64_t>(size, bodyLeft_));
+    ssize_t got = size == 0 ? 0 : readSocketFromLoop(dst, size);
+    if (got > 0) {
+      bodyLeft_ -= static_cast<uint64_t>(got);
+    }
+    return got;
+  }
+  if (!ringStash_.empty()) {
+    size_t take = std::min(size, ringStash_.size());
+    std::memcpy(dst, ringStash_.data(), take);
+    ringStash_.erase(0, take);
+    return static_cast<ssize_t>(take);
   }
   std::string error;
   int64_t got = inRing_->read(dst, size, &error, piecewise);

@@ -118,6 +118,7 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
       // The record goes on the wire in the segment's place.
       frame.segments[i].data = &w.regionRecords[i];
       frame.segments[i].size = sizeof(frame::SegmentRecord);
+      w.recordsInBody = true;
     }
     w.prefix.append(reinterpret_cast<const char*>(&n), 8);
   }
@@ -189,6 +190,7 @@ std::string StreamConnection::flushLocked() {
     }
   }
   stagingBlocked_ = false;
+  socketBodyBlocked_ = false;
   while (!writes_.empty()) {
     if (state_ != State::kReady && !writes_.front().control) {
       break;
@@ -238,12 +240,16 @@ std::string StreamConnection::flushLocked() {
     iovec iov[kMaxIov];
     int n = 0;
     const std::vector<int>* fds = nullptr;
+    bool toSocket = false; // a ring frame's body (the first write's)
     for (auto& w : writes_) {
       if (state_ != State::kReady && !w.control) {
         break;
       }
       if (!w.chunked.empty()) {
         break; // written on its own, above
+      }
+      if (ringOut_ && !w.ringMarked) {
+        markForRingLocked(w);
       }
       if (!w.passFds.empty() && w.written == 0) {
         if (n > 0) {
@@ -277,6 +283,12 @@ std::string StreamConnection::flushLocked() {
       if (w.switchesToRing) {
         break; // what follows goes through the ring
       }
+      if (w.bodyOnSocket) {
+        if (w.written < w.prefix.size()) {
+          break; // the prefix through the ring first, then the body
+        }
+        toSocket = true; // the first write (its prefix is out)
+      }
       for (size_t j = 0; j < w.frame.segments.size() && !held; ++j) {
         const auto& s = w.frame.segments[j];
         size_t len = s.size;
@@ -291,7 +303,7 @@ std::string StreamConnection::flushLocked() {
         stagingBlocked_ = n == 0; // resumeWritesFromLoop() comes next
         break;
       }
-      if (n == kMaxIov || fds != nullptr) {
+      if (n == kMaxIov || fds != nullptr || toSocket) {
         break;
       }
     }
@@ -299,7 +311,7 @@ std::string StreamConnection::flushLocked() {
       break;
     }
     bool spansRing = false;
-    if (ringOut_) {
+    if (ringOut_ && !writes_.front().bodyOnSocket) {
       // A frame of at least the ring's size left to go (the first in iov).
       const auto& w = writes_.front();
       uint64_t total = w.prefix.size();
@@ -308,9 +320,12 @@ std::string StreamConnection::flushLocked() {
       }
       spansRing = total - w.written >= outRing_->capacity();
     }
-    ssize_t sent = sendLocked(iov, n, fds, spansRing ? &ringWait : nullptr);
+    ssize_t sent = toSocket
+        ? sendSocketLocked(iov, n, nullptr)
+        : sendLocked(iov, n, fds, spansRing ? &ringWait : nullptr);
     if (sent < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        socketBodyBlocked_ = toSocket; // its EPOLLOUT resumes the body
         break;
       }
       if (errno == EINTR) {
@@ -567,7 +582,7 @@ void StreamConnection::updateEventsLocked() {
   // the connection to be accepted" until its handshake timed out (CI's
   // staged soak, twice; test_staged_channel.py).
   bool want = state_ == State::kConnecting ||
-      (ringOut_ ? carrierBlocked_ && !writes_.empty()
+      (ringOut_ ? (carrierBlocked_ || socketBodyBlocked_) && !writes_.empty()
                 : (!writes_.empty() &&
                    (state_ == State::kReady || writes_.front().control) &&
                    !(chunksBlocked_ && !writes_.front().chunked.empty()) &&

@@ -169,6 +169,8 @@ class Loop {
     // sender waiting for room): a system call each.
     std::atomic<uint64_t> ringSignals{0};
     std::atomic<uint64_t> ringBytes{0};
+    // Frames through a ring whose large bodies went on the socket beside it.
+    std::atomic<uint64_t> ringSocketBodies{0};
     std::atomic<uint64_t> wakes{0}; // the loop woken from another thread
     // Ready connections closed for their peer's silence (heartbeat_timeout).
     std::atomic<uint64_t> heartbeatTimeouts{0};

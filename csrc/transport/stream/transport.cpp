@@ -50,6 +50,8 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
        loop_.io().ringReads.load(std::memory_order_relaxed)},
       {"frame_ring_signals",
        loop_.io().ringSignals.load(std::memory_order_relaxed)},
+      {"frame_ring_socket_bodies",
+       loop_.io().ringSocketBodies.load(std::memory_order_relaxed)},
       {"heartbeat_timeouts",
        loop_.io().heartbeatTimeouts.load(std::memory_order_relaxed)},
       {"held_socket_ends",
