@@ -3,8 +3,10 @@
 
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -188,11 +190,9 @@ class StreamConnection : public Connection,
     // kFrameRing: the frames after it go through the ring (ringOut_).
     bool switchesToRing = false;
     // Through the ring: its flags are set (markForRingLocked()), and its
-    // segments go on the socket (kFlagBodyOnSocket). A frame with records
-    // in place of segments keeps them in the ring.
+    // segments (or their records) go on the socket (kFlagBodyOnSocket).
     bool ringMarked = false;
     bool bodyOnSocket = false;
-    bool recordsInBody = false;
     size_t piece = 0; // 0: prefix; i + 1: segment i
     size_t pieceOffset = 0;
     std::string records; // SegmentRecords not yet on the socket
@@ -582,6 +582,12 @@ class StreamConnection : public Connection,
   // Socket bytes read with the kFrameRing frame, past it: carriers and
   // bodies, taken before the socket's next bytes.
   std::string socketStash_;
+  static ssize_t takeStashed(std::string& stash, void* dst, size_t size) {
+    size_t take = std::min(size, stash.size());
+    std::memcpy(dst, stash.data(), take);
+    stash.erase(0, take);
+    return static_cast<ssize_t>(take);
+  }
 };
 
 } // namespace torch_rpc_ext::transport::stream

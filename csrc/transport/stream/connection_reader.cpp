@@ -63,10 +63,7 @@ ssize_t StreamConnection::readSocketFromLoop(
   }
   if (!socketStash_.empty()) {
     // Read past the kFrameRing frame with it (its descriptors came then).
-    size_t take = std::min(size, socketStash_.size());
-    std::memcpy(dst, socketStash_.data(), take);
-    socketStash_.erase(0, take);
-    return static_cast<ssize_t>(take);
+    return takeStashed(socketStash_, dst, size);
   }
   while (true) {
     // recvmsg, not read: read(2) would have the kernel drop descriptors a

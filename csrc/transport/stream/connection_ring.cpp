@@ -235,7 +235,7 @@ void StreamConnection::markForRingLocked(PendingWrite& w) {
   if (!w.passFds.empty()) {
     flags |= frame::kFlagCarrier;
   } else if (
-      flags == 0 && !w.recordsInBody &&
+      flags == 0 &&
       w.prefix[offsetof(frame::FrameHeader, kind)] ==
           char(frame::FrameKind::kMessage)) {
     // A body of the ring's size or more: on the socket, whose buffer takes
@@ -243,7 +243,7 @@ void StreamConnection::markForRingLocked(PendingWrite& w) {
     // On a host with no idle core each hand-off waits for the other end to
     // be scheduled: through a 64 KiB ring, 12 x 12 MB each way took 37-43 s
     // under eight busy loops, on the socket 3.2-3.4 s (docs/performance.md).
-    uint64_t body = 0;
+    uint64_t body = 0; // the stream's bytes: a region segment's record
     for (const auto& seg : w.frame.segments) {
       body += seg.size;
     }
@@ -257,20 +257,21 @@ void StreamConnection::markForRingLocked(PendingWrite& w) {
 }
 
 bool StreamConnection::beginSocketBodyFromLoop() {
-  for (uint8_t slot : carried_) {
-    if (slot != 0 &&
+  // The stream's bytes of the segments: a region's one record, the bytes
+  // of the rest (chunk channels' segments come with flags 1 only).
+  bodyLeft_ = 0;
+  for (size_t i = 0; i < segmentSizes_.size(); ++i) {
+    uint8_t slot = carried_.empty() ? 0 : carried_[i];
+    bool record = slot != 0 &&
         channels_[slot - 1]->context().mode() !=
-            channel::Channel::Mode::kStaged) {
-      rejectFromLoop("rejected frame: records in a body on the socket");
-      return false;
-    }
+            channel::Channel::Mode::kStaged;
+    bodyLeft_ += record ? sizeof(frame::SegmentRecord) : segmentSizes_[i];
   }
   // What was read from the ring past this frame's head is read again once
   // the body is in; reads of the socket meanwhile stop at the body's end.
   ringStash_.insert(
       0, staging_.get() + stagedBegin_, stagedEnd_ - stagedBegin_);
   stagedBegin_ = stagedEnd_ = 0;
-  bodyLeft_ = header_.dataLength;
   std::lock_guard<std::mutex> lock(writeMutex_);
   bodyOnSocket_ = true;
   if (registered_ && state_ != State::kClosed) {
@@ -314,10 +315,7 @@ ssize_t StreamConnection::readFromLoop(void* dst, size_t size, bool piecewise) {
     return got;
   }
   if (!ringStash_.empty()) {
-    size_t take = std::min(size, ringStash_.size());
-    std::memcpy(dst, ringStash_.data(), take);
-    ringStash_.erase(0, take);
-    return static_cast<ssize_t>(take);
+    return takeStashed(ringStash_, dst, size);
   }
   std::string error;
   int64_t got = inRing_->read(dst, size, &error, piecewise);

@@ -118,7 +118,6 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
       // The record goes on the wire in the segment's place.
       frame.segments[i].data = &w.regionRecords[i];
       frame.segments[i].size = sizeof(frame::SegmentRecord);
-      w.recordsInBody = true;
     }
     w.prefix.append(reinterpret_cast<const char*>(&n), 8);
   }
@@ -311,14 +310,16 @@ std::string StreamConnection::flushLocked() {
       break;
     }
     bool spansRing = false;
-    if (ringOut_ && !writes_.front().bodyOnSocket) {
-      // A frame of at least the ring's size left to go (the first in iov).
+    if (ringOut_ && !toSocket) {
+      // A frame of at least the ring's size left to go through it (the
+      // first in iov; of one whose body goes on the socket, the prefix).
       const auto& w = writes_.front();
       uint64_t total = w.prefix.size();
       for (const auto& seg : w.frame.segments) {
-        total += seg.size;
+        total += w.bodyOnSocket ? 0 : seg.size;
       }
-      spansRing = total - w.written >= outRing_->capacity();
+      spansRing =
+          total > w.written && total - w.written >= outRing_->capacity();
     }
     ssize_t sent = toSocket
         ? sendSocketLocked(iov, n, nullptr)
