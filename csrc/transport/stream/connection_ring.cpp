@@ -241,8 +241,8 @@ void StreamConnection::markForRingLocked(PendingWrite& w) {
     // A body of the ring's size or more: on the socket, whose buffer takes
     // megabytes a hand-off (tuneSocket) where the ring takes its capacity.
     // On a host with no idle core each hand-off waits for the other end to
-    // be scheduled: through a 64 KiB ring, 12 x 12 MB each way took 37-43 s
-    // under eight busy loops, on the socket 3.2-3.4 s (docs/performance.md).
+    // be scheduled: 12 x 12 MB each way took 37-42 s under eight busy loops
+    // through a 64 KiB ring, 1.7-1.8 s so (docs/performance.md).
     uint64_t body = 0; // the stream's bytes: a region segment's record
     for (const auto& seg : w.frame.segments) {
       body += seg.size;
