@@ -24,6 +24,7 @@ import os
 import pickle
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -352,8 +353,23 @@ def main(argv=None):
                         "of the blocks' ratios")
     p.add_argument("--block-calls", type=int, default=200,
                    help="--interleave: small calls in a block")
+    p.add_argument("--busy-loops", type=int, default=0, metavar="N",
+                   help="run N busy loops (one process each) beside the workers for the "
+                        "whole run: a host with no idle core, where every hand-off between "
+                        "two processes waits for the scheduler; rows say busy_loops")
     p.add_argument("--out", type=Path)
     cfg = p.parse_args(argv)
+    hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
+            for _ in range(cfg.busy_loops)]
+    try:
+        run_plans(cfg)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
+
+def run_plans(cfg):
     backends_all, backends_tcp = dict(BACKENDS), dict(TCP_ONLY)
     if cfg.busy_poll_us is not None:
         for table in (backends_all, backends_tcp):
@@ -383,6 +399,8 @@ def main(argv=None):
     out = cfg.out.open("w") if cfg.out else None
 
     def record(row):
+        if cfg.busy_loops:
+            row = {**row, "busy_loops": cfg.busy_loops}
         emit(row)
         if out:
             emit(row, out)

@@ -49,18 +49,29 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def busy_loops_running():
+    return subprocess.run(["pgrep", "-fc", "while :; do :; done"],
+                          capture_output=True, text=True).stdout.strip()
+
+
 def test_interleaved_benchmark_pairs_each_block_with_tensorpipes(tmp_path):
     """rpc_bench.py --interleave: both backends' pairs up at once, taking
-    turns block by block; a ratio per case over the blocks."""
+    turns block by block; a ratio per case over the blocks. With one busy
+    loop beside them (--busy-loops), which every row names and which is
+    gone when the run is."""
     out = tmp_path / "bench.jsonl"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    before = busy_loops_running()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "rpc_bench.py"), "--smoke",
-         "--cases", "small", "pipelined", "--interleave", "2", "--out", str(out)],
+         "--cases", "small", "pipelined", "--interleave", "2", "--busy-loops", "1",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=240, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert busy_loops_running() == before
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(r["busy_loops"] == 1 for r in rows)
     ratios = {r["case"]: r for r in rows if "ratio" in r}
     assert set(ratios) == {"small_builtin", "small_udf", "small_script", "pipelined_async"}
     assert all(r["blocks"] == 2 and r["value"] > 0 for r in ratios.values())
