@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Frame rings (shm_frame_ring_bytes, csrc/transport/stream/frame_ring.h):
 each direction of an shm connection sends its frames through a shared ring
-instead of the Unix socket, which keeps only descriptor carriers. Exact
-results for every kind of frame (small calls, pipelined calls, slab
-segments whose descriptors ride on carriers, shm_ring chunks, stream
-segments many times the ring's size), the socket left idle, one side
+instead of the Unix socket, which keeps descriptor carriers and the bodies
+of messages of the ring's size or more. Exact results for every kind of
+frame (small calls, pipelined calls, slab segments whose descriptors ride
+on carriers, shm_ring chunks, stream segments many times the ring's size,
+a slab's record in a body on the socket), the socket left idle, one side
 without a ring, and hostile use of the protocol by a raw peer."""
 
 import fcntl

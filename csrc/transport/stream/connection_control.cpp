@@ -188,13 +188,13 @@ void StreamConnection::resumeReadsFromLoop() {
 }
 
 uint32_t StreamConnection::readEvents() const {
-  // A frame ring's socket carries only descriptors, taken as their frames
-  // are parsed: only its end is watched (but not while a record is held:
-  // rings are shm's and lanes TCP's, so never both).
+  // A frame ring's socket carries descriptors and large bodies, taken as
+  // their frames are parsed: only its end is watched, and its input while a
+  // body is read (but not while a record is held: rings are shm's and lanes
+  // TCP's, so never both).
   if (recordHeld_) {
     return socketEndedWhileHeld_ ? uint32_t(EPOLLONESHOT) : 0u;
   }
-  // A body on the socket beside the ring (kFlagBodyOnSocket) is read.
   return !ringIn_     ? uint32_t(EPOLLIN)
       : bodyOnSocket_ ? uint32_t(EPOLLIN | EPOLLRDHUP)
                       : uint32_t(EPOLLRDHUP);

@@ -3,9 +3,11 @@
 // ready, each one that passes descriptors (shm) and has
 // TransportOptions::frameRingBytes sends its frames through a shared ring
 // instead of its socket, announced by a kFrameRing frame, the last frame it
-// writes to the socket. The socket then carries only descriptor carriers
-// (one byte each, with the descriptors of the frame that needs them) and
-// the end of the connection. docs/wire-format.md, "Frame rings".
+// writes to the socket. The socket then carries descriptor carriers (one
+// byte each, with the descriptors of the frame that needs them: kFlagCarrier),
+// the bodies of messages of the ring's size or more (kFlagBodyOnSocket), in
+// the order of their frames, and the end of the connection.
+// docs/wire-format.md, "Frame rings".
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
