@@ -469,10 +469,10 @@ class StreamConnection : public Connection,
   // A frame about to go through the ring, first byte not yet written: its
   // flags (a carrier; a large body that goes on the socket).
   void markForRingLocked(PendingWrite& w);
-  // A ring frame's body on the socket begins (its flag) or ends; false
-  // once closing.
+  // A ring frame's body on the socket begins (its flag; false once
+  // closing), or ends (watchSocketBodyFromLoop(false)).
   bool beginSocketBodyFromLoop();
-  void endSocketBodyFromLoop();
+  void watchSocketBodyFromLoop(bool reading);
   // The socket's part of readFromLoop(); with !closeAtEnd, the peer's end
   // returns kSocketEnded instead of closing the connection.
   static constexpr ssize_t kSocketEnded = -2;

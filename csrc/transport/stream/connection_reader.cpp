@@ -577,7 +577,7 @@ void StreamConnection::skipEmptySegments() {
 void StreamConnection::finishFrameFromLoop() {
   phase_ = ReadPhase::kHeader;
   if (bodyOnSocket_) {
-    endSocketBodyFromLoop(); // the ring's frames again (ringStash_ first)
+    watchSocketBodyFromLoop(false); // the ring again (ringStash_ first)
   }
   for (const auto& channel : channels_) {
     if (!channel->onFrameEndFromLoop()) {

@@ -244,7 +244,7 @@ void StreamConnection::markForRingLocked(PendingWrite& w) {
     // megabytes a hand-off (tuneSocket) where the ring takes its capacity.
     // On a host with no idle core each hand-off waits for the other end to
     // be scheduled: 12 x 12 MB each way took 37-42 s under eight busy loops
-    // through a 64 KiB ring, 1.7-1.8 s so (docs/performance.md).
+    // through a 64 KiB ring, 1.7-1.8 s this way (docs/performance.md).
     uint64_t body = 0; // the stream's bytes: a region segment's record
     for (const auto& seg : w.frame.segments) {
       body += seg.size;
@@ -274,17 +274,14 @@ bool StreamConnection::beginSocketBodyFromLoop() {
   ringStash_.insert(
       0, staging_.get() + stagedBegin_, stagedEnd_ - stagedBegin_);
   stagedBegin_ = stagedEnd_ = 0;
-  std::lock_guard<std::mutex> lock(writeMutex_);
-  bodyOnSocket_ = true;
-  if (registered_ && state_ != State::kClosed) {
-    loop_.modify(fd_, readEvents() | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
-  }
+  watchSocketBodyFromLoop(true);
   return true;
 }
 
-void StreamConnection::endSocketBodyFromLoop() {
+void StreamConnection::watchSocketBodyFromLoop(bool reading) {
+  // The socket's input is watched while a body is read (readEvents()).
   std::lock_guard<std::mutex> lock(writeMutex_);
-  bodyOnSocket_ = false;
+  bodyOnSocket_ = reading;
   if (registered_ && state_ != State::kClosed) {
     loop_.modify(fd_, readEvents() | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
   }
