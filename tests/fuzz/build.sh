@@ -18,6 +18,11 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
+# The stream core with every channel (the registry knows them all), which
+# the stream and frame_ring targets both compile. A new source of the stream core or a channel goes here
+# (tests/unit/test_fuzz_sources.py checks).
+STREAM_SOURCES="csrc/transport/stream/connection.cpp csrc/transport/stream/connection_tls.cpp csrc/transport/stream/connection_reader.cpp csrc/transport/stream/connection_writer.cpp csrc/transport/stream/connection_control.cpp csrc/transport/stream/connection_plan.cpp csrc/transport/stream/connection_ring.cpp csrc/transport/stream/frame_ring.cpp csrc/transport/stream/loop.cpp csrc/transport/stream/loop_threads.cpp csrc/transport/stream/address.cpp csrc/transport/shm/connection.cpp csrc/channel/registry.cpp csrc/channel/shm/context.cpp csrc/channel/shm/slab_channel.cpp csrc/channel/shm/ring_channel.cpp csrc/channel/shm/ring.cpp csrc/channel/shm/slab.cpp csrc/channel/cuda_ipc/ipc_channel.cpp csrc/channel/cuda_ipc/ipc_release.cpp csrc/channel/cuda_ipc/ipc_receiver.cpp csrc/channel/cuda_ipc/ipc_lease.cpp csrc/channel/cuda_ipc/ipc_context.cpp csrc/channel/cuda_ipc/ipc_grants.cpp csrc/channel/cuda_ipc/ipc_grant_ends.cpp csrc/channel/cuda_ipc/ipc_grant_writes.cpp csrc/channel/cuda/grants.cpp csrc/channel/cuda_self/self_channel.cpp csrc/channel/cuda_staged/staged_channel.cpp csrc/channel/cuda_staged/staged_sender.cpp csrc/channel/cuda_ring/cuda_ring_channel.cpp csrc/channel/cuda_ring/cuda_ring_sender.cpp csrc/channel/cuda/staging_thread.cpp csrc/channel/cuda/staging_pool.cpp csrc/channel/cuda_ipc/block.cpp csrc/channel/cuda/engines.cpp csrc/channel/cuda/copy_engine.cpp csrc/channel/cuda/device.cpp csrc/channel/cuda/device_memory.cpp csrc/channel/cuda/exported_memory.cpp csrc/channel/lanes/context.cpp csrc/channel/lanes/lane.cpp csrc/channel/lanes/lanes_channel.cpp csrc/channel/lanes/lanes_sender.cpp csrc/channel/lanes/lanes_receiver.cpp csrc/channel/lanes/lanes_watch.cpp csrc/common/buffer_pool.cpp csrc/common/libcuda.cpp csrc/common/host.cpp csrc/frame/frame.cpp csrc/transport/handshake.cpp csrc/transport/tls.cpp csrc/transport/tls_peer.cpp csrc/common/crypto.cpp csrc/common/aes_gcm_vaes.cpp csrc/common/libcrypto.cpp csrc/common/libssl.cpp csrc/common/logging.cpp csrc/common/exit_gate.cpp csrc/common/signal_socket.cpp csrc/common/fd_closer.cpp csrc/common/openmp_pool.cpp csrc/common/process_watch.cpp csrc/common/host_load.cpp csrc/common/resident_pages.cpp"
+
 # One line per target: its name (the harness is tests/fuzz/fuzz_<name>.cpp),
 # "torch" if it links libtorch, "cuda" if it needs cuda.h (the channel
 # registry knows the CUDA channels; no CUDA library is linked), else "-",
@@ -25,12 +30,13 @@ root=$(cd "$here/../.." && pwd)
 # compiles, from the repo root. Adding a target is its harness plus one line
 # here; a moved source file is an edit here only.
 TARGETS=(
-  "frame     -      csrc/frame/frame.cpp"
-  "handshake -      csrc/transport/handshake.cpp csrc/common/crypto.cpp csrc/common/aes_gcm_vaes.cpp csrc/common/libcrypto.cpp"
-  "codec     torch  csrc/wire/codec.cpp csrc/wire/inbound.cpp csrc/wire/inbound_buffers.cpp csrc/common/buffer_pool.cpp"
-  "ring      -      csrc/channel/shm/ring.cpp csrc/common/signal_socket.cpp csrc/common/fd_closer.cpp csrc/common/logging.cpp"
-  "slab      -      csrc/channel/shm/slab.cpp csrc/common/fd_closer.cpp csrc/common/logging.cpp"
-  "stream    cuda   csrc/transport/stream/connection.cpp csrc/transport/stream/connection_tls.cpp csrc/transport/stream/connection_reader.cpp csrc/transport/stream/connection_writer.cpp csrc/transport/stream/connection_control.cpp csrc/transport/stream/connection_plan.cpp csrc/transport/stream/connection_ring.cpp csrc/transport/stream/frame_ring.cpp csrc/transport/stream/loop.cpp csrc/transport/stream/loop_threads.cpp csrc/transport/stream/address.cpp csrc/transport/shm/connection.cpp csrc/channel/registry.cpp csrc/channel/shm/context.cpp csrc/channel/shm/slab_channel.cpp csrc/channel/shm/ring_channel.cpp csrc/channel/shm/ring.cpp csrc/channel/shm/slab.cpp csrc/channel/cuda_ipc/ipc_channel.cpp csrc/channel/cuda_ipc/ipc_release.cpp csrc/channel/cuda_ipc/ipc_receiver.cpp csrc/channel/cuda_ipc/ipc_lease.cpp csrc/channel/cuda_ipc/ipc_context.cpp csrc/channel/cuda_ipc/ipc_grants.cpp csrc/channel/cuda_ipc/ipc_grant_ends.cpp csrc/channel/cuda_ipc/ipc_grant_writes.cpp csrc/channel/cuda/grants.cpp csrc/channel/cuda_self/self_channel.cpp csrc/channel/cuda_staged/staged_channel.cpp csrc/channel/cuda_staged/staged_sender.cpp csrc/channel/cuda_ring/cuda_ring_channel.cpp csrc/channel/cuda_ring/cuda_ring_sender.cpp csrc/channel/cuda/staging_thread.cpp csrc/channel/cuda/staging_pool.cpp csrc/channel/cuda_ipc/block.cpp csrc/channel/cuda/engines.cpp csrc/channel/cuda/copy_engine.cpp csrc/channel/cuda/device.cpp csrc/channel/cuda/device_memory.cpp csrc/channel/cuda/exported_memory.cpp csrc/channel/lanes/context.cpp csrc/channel/lanes/lane.cpp csrc/channel/lanes/lanes_channel.cpp csrc/channel/lanes/lanes_sender.cpp csrc/channel/lanes/lanes_receiver.cpp csrc/channel/lanes/lanes_watch.cpp csrc/common/buffer_pool.cpp csrc/common/libcuda.cpp csrc/common/host.cpp csrc/frame/frame.cpp csrc/transport/handshake.cpp csrc/transport/tls.cpp csrc/transport/tls_peer.cpp csrc/common/crypto.cpp csrc/common/aes_gcm_vaes.cpp csrc/common/libcrypto.cpp csrc/common/libssl.cpp csrc/common/logging.cpp csrc/common/exit_gate.cpp csrc/common/signal_socket.cpp csrc/common/fd_closer.cpp csrc/common/openmp_pool.cpp csrc/common/process_watch.cpp csrc/common/host_load.cpp csrc/common/resident_pages.cpp"
+  "frame      -      csrc/frame/frame.cpp"
+  "handshake  -      csrc/transport/handshake.cpp csrc/common/crypto.cpp csrc/common/aes_gcm_vaes.cpp csrc/common/libcrypto.cpp"
+  "codec      torch  csrc/wire/codec.cpp csrc/wire/inbound.cpp csrc/wire/inbound_buffers.cpp csrc/common/buffer_pool.cpp"
+  "ring       -      csrc/channel/shm/ring.cpp csrc/common/signal_socket.cpp csrc/common/fd_closer.cpp csrc/common/logging.cpp"
+  "slab       -      csrc/channel/shm/slab.cpp csrc/common/fd_closer.cpp csrc/common/logging.cpp"
+  "stream     cuda   $STREAM_SOURCES"
+  "frame_ring cuda   $STREAM_SOURCES"
 )
 
 if [ "${1:-}" = "--list" ]; then

@@ -449,7 +449,128 @@ def stream_seeds():
           bytes([0]) + frame_header(CUDA_RING_SETUP, head=24) + u64(2) + u32(65) + u32(0) + u64(4096))
 
 
+# --- frame_ring ------------------------------------------------------------
+# fuzz_frame_ring.cpp: a setup byte (how many input bytes follow the ring's
+# offer in its send), then operations, each an op byte whose low three bits
+# name it and its operands.
+
+FR_FIELD_HEAD, FR_FIELD_CARRIERS, FR_FIELD_MAGIC = 0, 4, 5
+BODY_ON_SOCKET, CARRIER = 2, 4  # frame.h kFlagBodyOnSocket, kFlagCarrier
+
+
+def fr_bytes(op, n, pattern):
+    return bytes([op]) + u32(n) + u16(len(pattern)) + pattern
+
+
+def fr_ring(data):
+    """`data` written into the ring (in ops of at most 65535 bytes each)."""
+    return b"".join(fr_bytes(0, len(data[i:i + 65535]), data[i:i + 65535])
+                    for i in range(0, len(data), 65535))
+
+
+def fr_socket(data):
+    return fr_bytes(1, len(data), data)
+
+
+def fr_field(f, v):
+    return bytes([3, f]) + u64(v)
+
+
+FR_CARRIER, FR_CARRIER_UNCOUNTED, FR_CARRIER_NO_FD = b"\x02F", b"\x0aF", b"\x12F"
+FR_SIGNAL, FR_SIGNAL_FD, FR_SETTLE, FR_WAIT = b"\x04", b"\x0c", b"\x05", b"\x0d"
+FR_END_SIGNAL, FR_SHUT_SOCKET = b"\x06", b"\x0e"
+FR_SECOND_OFFER, FR_SLAB, FR_SHM_RING = b"\x07", b"\x0f", b"\x17"
+
+
+def body_prefix(n, head=b"h" * 16, flags=BODY_ON_SOCKET, segments=None):
+    """A message's header, lengths and head; its `n` bytes go elsewhere."""
+    segments = segments or [n]
+    return (frame_header(4, flags=flags, head=len(head), segments=len(segments), data=n)
+            + b"".join(u64(x) for x in segments) + head)
+
+
+def frame_ring_seeds():
+    ping = frame_header(5)
+    write("frame_ring", "ping", bytes([0]) + fr_ring(ping) + FR_SETTLE)
+    write("frame_ring", "messages", bytes([0]) + fr_ring(
+        message([b"a" * 100, b"", b"b" * 2000]) + ping + body_prefix(60000, flags=0))
+        + fr_bytes(0, 60000, b"c") + FR_SETTLE)
+    # A frame larger than the ring, through it in pieces.
+    write("frame_ring", "message-past-the-ring",
+          bytes([0]) + fr_ring(body_prefix(150000, flags=0)) + fr_bytes(0, 150000, b"d")
+          + FR_SETTLE + fr_ring(ping))
+    # Bodies on the socket: the prefix in the ring, the body on the socket;
+    # the ring's next frame already there (kept while the body is read); two
+    # segments; the body cut short by the socket's end.
+    body = 70000
+    write("frame_ring", "body-on-socket",
+          bytes([0]) + fr_ring(body_prefix(body)) + fr_bytes(1, body, b"x") + FR_SETTLE
+          + fr_ring(ping))
+    write("frame_ring", "body-on-socket-ring-ahead",
+          bytes([0]) + fr_ring(body_prefix(body) + ping + ping) + FR_SETTLE
+          + fr_bytes(1, body, b"xy") + FR_SETTLE)
+    write("frame_ring", "body-on-socket-two-segments",
+          bytes([0]) + fr_ring(body_prefix(body, segments=[4096, body - 4096]))
+          + fr_bytes(1, body, b"z") + fr_ring(ping) + FR_SETTLE)
+    write("frame_ring", "body-on-socket-cut",
+          bytes([0]) + fr_ring(body_prefix(body)) + fr_bytes(1, 1000, b"x") + FR_SHUT_SOCKET)
+    # Carriers: counted and sent before their frame; read with the ring's
+    # offer (setup byte 1: the carrier's byte follows the offer); a body
+    # and a carrier, in frame order.
+    write("frame_ring", "carrier",
+          bytes([0]) + FR_CARRIER + fr_ring(frame_header(5, flags=CARRIER)) + FR_SETTLE)
+    write("frame_ring", "carrier-with-the-offer",
+          bytes([1]) + b"F" + fr_field(FR_FIELD_CARRIERS, 1)
+          + fr_ring(frame_header(5, flags=CARRIER)) + FR_SETTLE)
+    write("frame_ring", "body-then-carrier",
+          bytes([0]) + fr_ring(body_prefix(body)) + fr_bytes(1, body, b"x") + FR_CARRIER
+          + fr_ring(frame_header(5, flags=CARRIER) + ping) + FR_SETTLE)
+    # Hostile: a carrier's flag with none counted, counted but not sent, a
+    # frame's bytes where the carrier belongs; flags on frames they do not
+    # belong to; impossible positions; signals with descriptors; the ring's
+    # end mid-frame; a second ring.
+    write("frame_ring", "carrier-uncounted",
+          bytes([0]) + FR_CARRIER_UNCOUNTED + fr_ring(frame_header(5, flags=CARRIER)))
+    write("frame_ring", "carrier-never-sent",
+          bytes([0]) + fr_field(FR_FIELD_CARRIERS, 3) + fr_ring(frame_header(5, flags=CARRIER)))
+    write("frame_ring", "frame-where-the-carrier-belongs",
+          bytes([0]) + fr_socket(ping) + fr_field(FR_FIELD_CARRIERS, 1)
+          + fr_ring(frame_header(5, flags=CARRIER)))
+    write("frame_ring", "carrier-without-descriptors",
+          bytes([0]) + FR_CARRIER_NO_FD + fr_ring(frame_header(5, flags=CARRIER) + ping))
+    write("frame_ring", "body-flag-on-a-ping",
+          bytes([0]) + fr_ring(frame_header(5, flags=BODY_ON_SOCKET)))
+    write("frame_ring", "flags-combined",
+          bytes([0]) + FR_CARRIER + fr_ring(body_prefix(100, flags=BODY_ON_SOCKET | CARRIER))
+          + fr_bytes(1, 100, b"q"))
+    write("frame_ring", "head-impossible",
+          bytes([0]) + fr_ring(ping) + fr_field(FR_FIELD_HEAD, 1 << 40) + FR_SIGNAL)
+    write("frame_ring", "magic-rewritten",
+          bytes([0]) + fr_field(FR_FIELD_MAGIC, 0) + fr_ring(ping) + FR_SETTLE)
+    write("frame_ring", "signal-with-descriptor",
+          bytes([0]) + fr_ring(ping) + FR_SETTLE + FR_SIGNAL_FD + FR_WAIT)
+    write("frame_ring", "end-mid-frame",
+          bytes([0]) + fr_ring(message([b"e" * 5000])[:3000]) + FR_END_SIGNAL)
+    # Records checked against real mappings: a slab's region in the ring,
+    # and in a body on the socket (its 16-byte record there); a chunk
+    # record of the shm_ring channel whose bytes never come.
+    region = message([b"s" * 8, u32(1) + u32(1) + u64(0)], lengths=[8, 4096 | REGION_BIT])
+    write("frame_ring", "slab-region", bytes([0]) + FR_SLAB + fr_ring(region + ping) + FR_SETTLE)
+    write("frame_ring", "slab-region-in-a-body",
+          bytes([0]) + FR_SLAB + fr_ring(body_prefix(8 + 4096, segments=[8, 4096 | REGION_BIT]))
+          + fr_socket(b"s" * 8 + u32(1) + u32(1) + u64(0)) + fr_ring(ping) + FR_SETTLE)
+    write("frame_ring", "slab-region-overrun-in-a-body",
+          bytes([0]) + FR_SLAB + fr_ring(body_prefix(4096, segments=[4096 | REGION_BIT]))
+          + fr_socket(u32(1) + u32(1) + u64(65536 - 8)) + FR_WAIT)
+    write("frame_ring", "shm-ring-chunk-unproduced",
+          bytes([0]) + FR_SHM_RING
+          + fr_ring(message([u64(0) + u64(4096)], flags=1, lengths=[4096 | CHUNKED_BIT]))
+          + FR_SETTLE)
+    write("frame_ring", "second-offer", bytes([0]) + fr_ring(ping) + FR_SETTLE + FR_SECOND_OFFER)
+
+
 if __name__ == "__main__":
+    frame_ring_seeds()
     stream_seeds()
     frame_seeds()
     handshake_seeds()

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""The fuzz_stream target lists the sources it compiles by hand
-(tests/fuzz/build.sh), and a new source the stream core or a channel calls
+"""The fuzz_stream and fuzz_frame_ring targets list the sources they compile
+by hand (STREAM_SOURCES in tests/fuzz/build.sh), and a new source the stream core or a channel calls
 left out of it fails only the fuzzers' build, the last stage of a run
 (sessions 57 and 75). Here every source of the folders that target draws
 from is either in its list or named below as one it does not link."""
@@ -26,8 +26,8 @@ NOT_LINKED = {
 
 def stream_target_sources() -> set[str]:
     text = (ROOT / "tests/fuzz/build.sh").read_text()
-    (line,) = [line for line in text.splitlines() if line.strip().startswith('"stream ')]
-    return set(line.strip().strip('"').split()[2:])
+    (line,) = [line for line in text.splitlines() if line.startswith("STREAM_SOURCES=")]
+    return set(line.split("=", 1)[1].strip('"').split())
 
 
 def test_every_source_the_stream_fuzzer_may_need_is_listed_or_named_unlinked():
@@ -40,7 +40,7 @@ def test_every_source_the_stream_fuzzer_may_need_is_listed_or_named_unlinked():
     assert candidates, "no sources found"
     missing = sorted(candidates - listed - NOT_LINKED)
     assert not missing, (
-        f"add {missing} to the stream target in tests/fuzz/build.sh (or, if "
+        f"add {missing} to STREAM_SOURCES in tests/fuzz/build.sh (or, if "
         "fuzz_stream does not link them, to NOT_LINKED here)")
     assert not (listed & NOT_LINKED), listed & NOT_LINKED
     gone = sorted(f for f in listed | NOT_LINKED if not (ROOT / f).exists())
