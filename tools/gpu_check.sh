@@ -23,7 +23,9 @@
 #   5. optional, in what the budget has left (skipped, not failed, without
 #      it): costs (tools/gpu_costs.py --hops-only: a hop between two
 #      processes that share the GPU, in eleven modes, <= 60 s), then
-#      mps_bench (the bench's main cases, ours and TensorPipe, under an MPS
+#      peer_death (tools/gpu_peer_death.py: whether a stream waiting on a
+#      killed process's IPC event ever completes, docs/reliability.md,
+#      "Peer death on the CUDA channels"; <= 45 s), then mps_bench (the bench's main cases, ours and TensorPipe, under an MPS
 #      daemon the step starts and stops: the workers' GPU work in one
 #      context, not time-sliced between two; <= 100 s; skipped without MPS),
 #      then mps_breakdown under the same daemon (benchmarks/
@@ -58,7 +60,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 FAKE=${FAKE:-0}
 if [ "${1:-}" = "--fake" ]; then FAKE=1; shift; fi
 OUT=${OUT:-/tmp/gpu_check}
-STEPS=${STEPS:-ptx pytest upstream_cuda probe bench costs mps_bench mps_breakdown}
+STEPS=${STEPS:-ptx pytest upstream_cuda probe bench costs peer_death mps_bench mps_breakdown}
 if [ -z "${TESTS:-}" ]; then
   TESTS="tests/cuda_driver tests/cuda_kernels"
   [ "$FAKE" != 1 ] && TESTS+=" --ignore-glob=tests/cuda_kernels/test_sim_*"
@@ -421,6 +423,24 @@ if wanted costs; then
     sed -n 's/.*"op": "hop \([a-z_]*\):[^"]*", "us": \([0-9.]*\).*/\1 \2/p' "$OUT/bench.log" |
       awk '{ s = s " " $1 " " $2 } END { if (s != "") print "hops (us):" s }' |
       tee -a "$SUMMARY"
+  fi
+fi
+# Whether a stream waiting on a dead peer's IPC event waits for ever (the
+# hazard docs/reliability.md names, never provoked): optional, as costs.
+if wanted peer_death; then
+  if [ "$FAKE" = 1 ]; then
+    note peer_death skip 0 "no GPU (--fake): the fake driver does what we tell it"
+  else
+    secs=$(limit 45 0)
+    if [ "$secs" -lt 35 ]; then
+      note peer_death skip 0 "no time left in the budget (optional; STEPS=peer_death runs it alone)"
+    else
+      step peer_death "$OUT/bench.log" "$secs" "$PY" tools/gpu_peer_death.py ||
+        failed=$((failed + 1))
+      # "peer death: waiter stuck after_s 12.0 other_stream ok ..."
+      grep '"check": "ipc_event_peer_death"' "$OUT/bench.log" | tail -n 1 |
+        sed 's/^/peer death: /' | tee -a "$SUMMARY"
+    fi
   fi
 fi
 if wanted mps_bench || wanted mps_breakdown; then
