@@ -405,43 +405,40 @@ fi
 # 2026-11-27 H200: a hop in which both processes touch the GPU cost ~320 us
 # against a 40 us pipe round trip). Both optional: skipped, not failed,
 # where the budget has no time left for them.
-if wanted costs; then
+# optional NAME WANT LEAST: for an optional step, sets `secs` to WANT
+# seconds or what the budget has left; with no GPU (--fake), or under LEAST
+# seconds left, notes that the step was skipped (not failed) and fails.
+optional() {
   if [ "$FAKE" = 1 ]; then
-    note costs skip 0 "no GPU (--fake)"
-  else
-    secs=$(limit 60 0)
-    if [ "$secs" -lt 5 ]; then
-      note costs skip 0 "no time left in the budget (optional)"
-    else
-      # (--hops-only: the primitives' host prices were measured in three
-      # runs, 2026-11-27 to 28, and do not move; the hops have modes new
-      # since, session 58.)
-      step costs "$OUT/bench.log" "$secs" "$PY" tools/gpu_costs.py --n 1500 --hops-only ||
-        failed=$((failed + 1))
-    fi
-    # "hops (us): blocking 39.5 spinning 32.8 no_dependency 318.7 ..."
-    sed -n 's/.*"op": "hop \([a-z_]*\):[^"]*", "us": \([0-9.]*\).*/\1 \2/p' "$OUT/bench.log" |
-      awk '{ s = s " " $1 " " $2 } END { if (s != "") print "hops (us):" s }' |
-      tee -a "$SUMMARY"
+    note "$1" skip 0 "no GPU (--fake)"
+    return 1
   fi
+  secs=$(limit "$2" 0)
+  if [ "$secs" -lt "$3" ]; then
+    note "$1" skip 0 "no time left in the budget (optional; STEPS=$1 runs it alone)"
+    return 1
+  fi
+}
+# (--hops-only: the primitives' host prices were measured in three runs,
+# 2026-11-27 to 28, and do not move; the hops have modes new since, session
+# 58.)
+if wanted costs && optional costs 60 5; then
+  step costs "$OUT/bench.log" "$secs" "$PY" tools/gpu_costs.py --n 1500 --hops-only ||
+    failed=$((failed + 1))
+  # "hops (us): blocking 39.5 spinning 32.8 no_dependency 318.7 ..."
+  sed -n 's/.*"op": "hop \([a-z_]*\):[^"]*", "us": \([0-9.]*\).*/\1 \2/p' "$OUT/bench.log" |
+    awk '{ s = s " " $1 " " $2 } END { if (s != "") print "hops (us):" s }' |
+    tee -a "$SUMMARY"
 fi
 # Whether a stream waiting on a dead peer's IPC event waits for ever (the
-# hazard docs/reliability.md names, never provoked): optional, as costs.
-if wanted peer_death; then
-  if [ "$FAKE" = 1 ]; then
-    note peer_death skip 0 "no GPU (--fake): the fake driver does what we tell it"
-  else
-    secs=$(limit 45 0)
-    if [ "$secs" -lt 35 ]; then
-      note peer_death skip 0 "no time left in the budget (optional; STEPS=peer_death runs it alone)"
-    else
-      step peer_death "$OUT/bench.log" "$secs" "$PY" tools/gpu_peer_death.py ||
-        failed=$((failed + 1))
-      # "peer death: waiter stuck after_s 12.0 other_stream ok ..."
-      grep '"check": "ipc_event_peer_death"' "$OUT/bench.log" | tail -n 1 |
-        sed 's/^/peer death: /' | tee -a "$SUMMARY"
-    fi
-  fi
+# hazard docs/reliability.md names, never provoked; the fake driver does
+# what we tell it).
+if wanted peer_death && optional peer_death 45 35; then
+  step peer_death "$OUT/bench.log" "$secs" "$PY" tools/gpu_peer_death.py ||
+    failed=$((failed + 1))
+  # "peer death: {"check": "ipc_event_peer_death", "waiter": "stuck", ...}"
+  grep '"check": "ipc_event_peer_death"' "$OUT/bench.log" | tail -n 1 |
+    sed 's/^/peer death: /' | tee -a "$SUMMARY"
 fi
 if wanted mps_bench || wanted mps_breakdown; then
   if [ "$FAKE" = 1 ]; then

@@ -44,29 +44,17 @@ import traceback
 
 import torch
 
+# Run as a script from tools/ (spawned children too: sys.path travels).
+from gpu_probe import Handle, check, libcuda
+
 CU_EVENT_DISABLE_TIMING, CU_EVENT_INTERPROCESS = 0x2, 0x4
 CU_DEVICE_ATTRIBUTE_CLOCK_RATE = 13  # kHz
-
-
-class Handle(ctypes.Structure):  # CUipcEventHandle: 64 bytes
-    _fields_ = [("reserved", ctypes.c_char * 64)]
-
-
-def driver():
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuIpcOpenEventHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), Handle]
-    return lib
-
-
-def check(rc, what):
-    if rc != 0:
-        raise RuntimeError(f"{what}: CUDA error {rc}")
 
 
 def exporter(conn, sleep_s):
     try:
         torch.empty(1, device="cuda")
-        lib = driver()
+        lib = libcuda()
         khz = ctypes.c_int()
         check(lib.cuDeviceGetAttribute(ctypes.byref(khz), CU_DEVICE_ATTRIBUTE_CLOCK_RATE, 0),
               "cuDeviceGetAttribute")
@@ -99,7 +87,7 @@ def poll(event, seconds):
 def waiter(conn, watch_s):
     try:
         torch.empty(1, device="cuda")
-        lib = driver()
+        lib = libcuda()
         kind, raw = conn.recv()
         event = ctypes.c_void_p()
         check(lib.cuIpcOpenEventHandle(ctypes.byref(event), Handle.from_buffer_copy(raw)),

@@ -77,6 +77,7 @@
 #include "csrc/transport/shm/connection.h"
 #include "csrc/transport/stream/frame_ring.h"
 #include "tests/fuzz/fuzz_input.h"
+#include "tests/fuzz/stream_peer.h"
 
 namespace torch_rpc_ext::fuzz {
 namespace {
@@ -103,18 +104,9 @@ class Observer final : public transport::ConnectionObserver {
       const std::string& /*head*/,
       const std::vector<uint64_t>& sizes,
       const std::vector<bool>& provided) override {
-    InboundBuffers b;
-    auto owned = std::make_shared<std::vector<std::vector<char>>>();
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      bool byPeer = !provided.empty() && provided[i];
-      owned->emplace_back(byPeer ? 0 : sizes[i]);
-      b.segments.push_back(byPeer ? nullptr : owned->back().data());
-      b.devices.push_back(-1);
-    }
-    b.keepAlive = owned;
     std::lock_guard<std::mutex> lock(mutex_);
     announced_ = sizes;
-    return b;
+    return ownedBuffers(sizes, provided);
   }
 
   void onFrame(
@@ -122,16 +114,7 @@ class Observer final : public transport::ConnectionObserver {
       std::string /*head*/,
       InboundBuffers buffers) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    FUZZ_CHECK(
-        buffers.segments.size() == announced_.size(),
-        "frame delivered with another segment count than announced");
-    for (size_t i = 0; i < buffers.provided.size(); ++i) {
-      if (buffers.provided[i] != nullptr && announced_[i] != 0) {
-        // A view of the peer's slab: readable end to end.
-        const volatile char* p = static_cast<const char*>(buffers.provided[i]);
-        sink_ = static_cast<char>(sink_ + p[0] + p[announced_[i] - 1]);
-      }
-    }
+    checkDelivered(buffers, announced_, sink_);
     ++frames_;
   }
 
@@ -173,12 +156,10 @@ class Observer final : public transport::ConnectionObserver {
   volatile char sink_ = 0;
 };
 
-struct Harness {
+struct Harness : PeerHarness {
   Harness() {
     options.selfId = kServerId;
-    options.secret = std::string(32, 's');
     options.limits.maxFrameBytes = 16 << 20;
-    options.heartbeatTimeout = std::chrono::milliseconds(0);
     // The connection's own frames go on the socket (the harness reads and
     // drops them); the peer's ring is what is fuzzed.
     options.frameRingBytes = 0;
@@ -188,20 +169,7 @@ struct Harness {
       auto c = channel::createChannel(name);
       channels.push_back(channel::Offer{c, c->domainDescriptor()});
     }
-    options.channelsFor = [this](int32_t, bool) { return channels; };
   }
-  const channel::Context& channel(const std::string& name) const {
-    for (const auto& offer : channels) {
-      if (offer.context->name() == name) {
-        return *offer.context;
-      }
-    }
-    FUZZ_CHECK(false, "the harness has no channel " + name);
-    return *channels.front().context;
-  }
-  transport::stream::Loop loop;
-  transport::TransportOptions options;
-  std::vector<channel::Offer> channels;
   Observer observer;
 };
 
@@ -210,16 +178,12 @@ Harness& harness() {
   return *h;
 }
 
-std::string header(FrameKind kind, uint32_t headLength) {
-  FrameHeader h{
-      frame::kFrameMagic,
-      frame::kProtocolVersion,
-      uint8_t(kind),
-      0,
-      headLength,
-      0,
-      0};
-  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+// Waits for `events` on `fd` until `until`; false if they did not come.
+bool awaitFd(int fd, short events, Clock::time_point until) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      until - Clock::now());
+  pollfd p{fd, events, 0};
+  return left.count() > 0 && ::poll(&p, 1, int(left.count())) > 0;
 }
 
 // Sends all of `bytes` (with `fds` on the first byte), waiting up to
@@ -253,14 +217,9 @@ bool sendAll(
       fds.clear();
       continue;
     }
-    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-      return false; // the connection closed its end
-    }
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        until - Clock::now());
-    pollfd p{fd, POLLOUT, 0};
-    if (left.count() <= 0 || ::poll(&p, 1, int(left.count())) <= 0) {
-      return false;
+    if ((n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) ||
+        !awaitFd(fd, POLLOUT, until)) {
+      return false; // the connection closed its end, or takes no more
     }
   }
   return true;
@@ -276,13 +235,8 @@ bool readExactly(int fd, char* out, size_t n) {
       at += static_cast<size_t>(got);
       continue;
     }
-    if (got == 0 || (errno != EAGAIN && errno != EINTR)) {
-      return false;
-    }
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        until - Clock::now());
-    pollfd p{fd, POLLIN, 0};
-    if (left.count() <= 0 || ::poll(&p, 1, int(left.count())) <= 0) {
+    if (got == 0 || (errno != EAGAIN && errno != EINTR) ||
+        !awaitFd(fd, POLLIN, until)) {
       return false;
     }
   }
@@ -297,7 +251,7 @@ void authenticate(int fd) {
   FUZZ_CHECK(
       sendAll(
           fd,
-          header(FrameKind::kHello, hello.size()) + hello,
+          frameHeader(FrameKind::kHello, hello.size()) + hello,
           {},
           std::chrono::seconds(5)),
       "sending the hello");
@@ -317,7 +271,8 @@ void authenticate(int fd) {
       FUZZ_CHECK(
           sendAll(
               fd,
-              header(step.replyKind, step.replyHead.size()) + step.replyHead,
+              frameHeader(step.replyKind, step.replyHead.size()) +
+                  step.replyHead,
               {},
               std::chrono::seconds(5)),
           "sending the proof");
@@ -429,7 +384,7 @@ bool Peer::setUp(unsigned what) {
     append(shmRing.capacity());
     fds = {shmRing.fd(), shmRing.peerWakeFd()};
   }
-  std::string frame = header(kind, head.size()) + head;
+  std::string frame = frameHeader(kind, head.size()) + head;
   reinterpret_cast<FrameHeader*>(frame.data())->flags = frame::kFlagCarrier;
   shared->carriers.fetch_add(1, std::memory_order_seq_cst);
   return sendAll(sock, "F", fds) && writeRing(frame);
@@ -568,7 +523,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   // The offer, with the first `trailing` bytes of the input behind it.
   uint64_t cap = kRingBytes;
-  std::string offer = header(FrameKind::kFrameRing, sizeof(cap));
+  std::string offer = frameHeader(FrameKind::kFrameRing, sizeof(cap));
   offer.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
   offer += in.takeBytes(trailing);
   bool going = sendAll(

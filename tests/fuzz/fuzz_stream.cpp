@@ -55,6 +55,7 @@
 #include "csrc/channel/shm/slab_channel.h"
 #include "csrc/transport/shm/connection.h"
 #include "tests/fuzz/fuzz_input.h"
+#include "tests/fuzz/stream_peer.h"
 
 namespace torch_rpc_ext::fuzz {
 namespace {
@@ -74,22 +75,15 @@ class Observer final : public ConnectionObserver {
       const std::string& /*head*/,
       const std::vector<uint64_t>& sizes,
       const std::vector<bool>& provided) override {
-    InboundBuffers b;
-    auto owned = std::make_shared<std::vector<std::vector<char>>>();
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      bool byPeer = !provided.empty() && provided[i];
-      owned->emplace_back(byPeer ? 0 : sizes[i]);
-      b.segments.push_back(byPeer ? nullptr : owned->back().data());
-    }
+    InboundBuffers b = ownedBuffers(sizes, provided);
     // Odd segments go to cuda:0 (a staged one lands in the fake driver's
     // device memory, or is refused with no driver; a cuda_ipc one views a
     // block), even ones stay on the host (a staged or cuda_ipc one there is
     // refused before any driver call).
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      b.devices.push_back(i % 2 == 1 ? 0 : -1);
+    for (size_t i = 1; i < sizes.size(); i += 2) {
+      b.devices[i] = 0;
     }
     announced_ = sizes;
-    b.keepAlive = owned;
     return b;
   }
 
@@ -97,19 +91,7 @@ class Observer final : public ConnectionObserver {
       const std::shared_ptr<transport::Connection>&,
       std::string /*head*/,
       InboundBuffers buffers) override {
-    FUZZ_CHECK(
-        buffers.segments.size() == announced_.size(),
-        "frame delivered with another segment count than announced");
-    for (size_t i = 0; i < buffers.provided.size(); ++i) {
-      if (buffers.provided[i] == nullptr || announced_[i] == 0) {
-        continue;
-      }
-      // Provided memory is a view of a mapped slab, a cuda_ipc block or a
-      // staged landing (the fake's device memory is host memory): all of it
-      // is readable.
-      const volatile char* p = static_cast<const char*>(buffers.provided[i]);
-      sink_ = static_cast<char>(sink_ + p[0] + p[announced_[i] - 1]);
-    }
+    checkDelivered(buffers, announced_, sink_);
   }
 
   void onClosed(transport::Connection&, const std::string&) override {}
@@ -118,18 +100,6 @@ class Observer final : public ConnectionObserver {
   std::vector<uint64_t> announced_;
   volatile char sink_ = 0;
 };
-
-std::string header(FrameKind kind, uint32_t headLength) {
-  FrameHeader h{
-      frame::kFrameMagic,
-      frame::kProtocolVersion,
-      uint8_t(kind),
-      0,
-      headLength,
-      0,
-      0};
-  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
-}
 
 // The peer's cuda_ipc blocks: one allocation granule (the fake's and most
 // GPUs'), as make_seeds.py assumes.
@@ -151,12 +121,10 @@ std::map<std::string, std::pair<std::string, std::string>> fakeKernels() {
   return k;
 }
 
-struct Harness {
-  Harness() : loop(), observer() {
+struct Harness : PeerHarness {
+  Harness() {
     options.selfId = 1;
-    options.secret = std::string(32, 's');
     options.limits.maxFrameBytes = 1 << 20;
-    options.heartbeatTimeout = std::chrono::milliseconds(0);
     // Both shm channels, as negotiated between two workers of one host, and
     // cuda_staged (its segments' bytes follow in the stream); cuda_ipc with
     // a driver, as between two processes of this host (the peer publishes
@@ -187,21 +155,7 @@ struct Harness {
       }
       channels.push_back(channel::Offer{c, descriptor});
     }
-    options.channelsFor = [this](int32_t, bool) { return channels; };
   }
-  // The negotiated channel of that name (the harness lists it).
-  const channel::Context& channel(const std::string& name) const {
-    for (const auto& offer : channels) {
-      if (offer.context->name() == name) {
-        return *offer.context;
-      }
-    }
-    FUZZ_CHECK(false, "the harness has no channel " + name);
-    return *channels.front().context;
-  }
-  transport::stream::Loop loop;
-  transport::TransportOptions options;
-  std::vector<channel::Offer> channels;
   Observer observer;
   bool cuda = false;
 };
@@ -236,7 +190,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (setup & 1) {
     ring = channel::shm::Ring::create(channel::shm::kMinRingBytes);
     uint64_t cap = ring.capacity();
-    std::string frame = header(
+    std::string frame = frameHeader(
         harness().channel("shm_ring").wireIds().kind(channel::shm::kRingSetup),
         sizeof(cap));
     frame.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
@@ -250,7 +204,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     slab = channel::shm::Slab::create(channel::shm::kSlabMinSegment);
     uint32_t id = 1;
     uint64_t cap = slab->capacity();
-    std::string frame = header(
+    std::string frame = frameHeader(
         harness().channel("shm_slab").wireIds().kind(channel::shm::kSlabSetup),
         sizeof(id) + sizeof(cap));
     frame.append(reinterpret_cast<const char*>(&id), sizeof(id));
@@ -270,7 +224,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                             : channel::cuda::Sharing::kLegacy;
     auto block = channel::cuda::Block::create(0, kIpcBlockBytes, sharing);
     std::string head = block->describe(id);
-    std::string frame = header(
+    std::string frame = frameHeader(
         h.channel("cuda_ipc").wireIds().kind(channel::cuda::kBlockSetup),
         head.size());
     frame += head;
@@ -287,7 +241,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (open && h.cuda && (setup & 16)) {
     cudaRing = channel::cuda::RingMemory::create(1, 2, 64 << 10);
     channel::cuda::RingSetup ringSetup{1, 2, 0, 64 << 10};
-    std::string frame = header(
+    std::string frame = frameHeader(
         h.channel("cuda_ring").wireIds().kind(channel::cuda::kRingSetup),
         sizeof(ringSetup));
     frame.append(reinterpret_cast<const char*>(&ringSetup), sizeof(ringSetup));
@@ -303,7 +257,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // thread block on a release. Refused.
     auto ring = channel::cuda::RingMemory::create(2, 2, 64 << 10);
     channel::cuda::RingSetup ringSetup{2, 2, 0, 64 << 10};
-    std::string frame = header(
+    std::string frame = frameHeader(
         h.channel("cuda_ring").wireIds().kind(channel::cuda::kRingSetup),
         sizeof(ringSetup));
     frame.append(reinterpret_cast<const char*>(&ringSetup), sizeof(ringSetup));
