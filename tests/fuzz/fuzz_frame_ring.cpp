@@ -33,7 +33,7 @@
 //              descriptor (a protocol break).
 //   5 settle:  wait until the connection consumed what the ring holds, or
 //              closed (20 ms at most); bit 3: until it closed (20 ms at
-//              most).
+//              most); 200 ms in all per input.
 //   6 end:     close the ring's signal end (bit 3: shut the socket's
 //              writing side instead).
 //   7 setup:   a frame with descriptors, sent as a sender sends one:
@@ -292,6 +292,9 @@ struct Peer {
   char* data = nullptr;
   uint64_t published = 0;
   bool signalOpen = true;
+  // What settling may still wait in this input (a connection that holds,
+  // waiting for a body, would have each settle wait its whole 20 ms).
+  Clock::duration settleLeft = std::chrono::milliseconds(200);
   // What operation 7 set up (the sender's side, kept for the input).
   std::unique_ptr<FrameRing> secondRing;
   std::shared_ptr<channel::shm::Slab> slab;
@@ -458,12 +461,16 @@ bool step(Peer& peer, FuzzInput& in) {
       }
       return true;
     case 5: {
-      const auto until = Clock::now() + std::chrono::milliseconds(20);
+      const auto start = Clock::now();
+      const auto until = start +
+          std::min<Clock::duration>(
+                             std::chrono::milliseconds(20), peer.settleLeft);
       while (Clock::now() < until && !harness().observer.closed() &&
              ((op & 8) || peer.shared->tail.load() != peer.published)) {
         peer.drainSocket();
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
+      peer.settleLeft -= std::min(peer.settleLeft, Clock::now() - start);
       return true;
     }
     case 6:
