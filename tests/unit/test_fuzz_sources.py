@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""The fuzz_stream and fuzz_frame_ring targets list the sources they compile
-by hand (STREAM_SOURCES in tests/fuzz/build.sh), and a new source the stream core or a channel calls
-left out of it fails only the fuzzers' build, the last stage of a run
-(sessions 57 and 75). Here every source of the folders that target draws
-from is either in its list or named below as one it does not link."""
+"""The fuzz_stream and fuzz_frame_ring targets list the sources they
+compile by hand (STREAM_SOURCES in tests/fuzz/build.sh), and a new source
+the stream core or a channel calls left out of it fails only the fuzzers'
+build, the last stage of a run (sessions 57 and 75). Here every source of
+the folders those targets draw from is either in the list or named below as
+one they do not link."""
 
 import pathlib
 import subprocess
