@@ -26,8 +26,9 @@
 #      peer_death (tools/gpu_peer_death.py: whether a stream waiting on a
 #      killed process's IPC event ever completes, docs/reliability.md,
 #      "Peer death on the CUDA channels"; <= 45 s), then mps_bench (the
-#      bench's main cases, ours and TensorPipe, under an MPS daemon the step starts and stops: the workers' GPU work in one
-#      context, not time-sliced between two; <= 100 s; skipped without MPS),
+#      bench's main cases, ours and TensorPipe, under an MPS daemon the
+#      step starts and stops: the workers' GPU work in one context, not
+#      time-sliced between two; <= 100 s; skipped without MPS),
 #      then mps_breakdown under the same daemon (benchmarks/
 #      cuda_call_breakdown.py: a 4 KB call's segments, callee_run in its two
 #      parts; <= 45 s).
