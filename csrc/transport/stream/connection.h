@@ -476,6 +476,8 @@ class StreamConnection : public Connection,
   // The socket's part of readFromLoop(); with !closeAtEnd, the peer's end
   // returns kSocketEnded instead of closing the connection.
   static constexpr ssize_t kSocketEnded = -2;
+  // The reason a connection closes with once the peer's end is read.
+  static constexpr const char* kPeerClosed = "peer closed the connection";
   ssize_t readSocketFromLoop(void* dst, size_t size, bool closeAtEnd = true);
   void updateEventsLocked();
   // Tells the region channels that `w`, whose segments they took, joins

@@ -161,7 +161,7 @@ void StreamConnection::closeAfterInputFromLoop(const std::string& error) {
     // host can reach right after the peer's last frame, before the read
     // that finds the end: the write's error stood in for it, seen in a
     // README run with a 1 MiB body on the socket.)
-    closeInternal("peer closed the connection", false);
+    closeInternal(kPeerClosed, false);
     return;
   }
   closeInternal(error, false);

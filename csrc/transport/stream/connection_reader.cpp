@@ -109,7 +109,7 @@ ssize_t StreamConnection::readSocketFromLoop(
     }
     if (got == 0) {
       closeInternal(
-          state_ != State::kHandshake ? "peer closed the connection"
+          state_ != State::kHandshake ? kPeerClosed
               : handshake_.awaitingServerProof()
               ? refusedProofText()
               : "peer closed the connection during the handshake (it "

@@ -324,7 +324,7 @@ ssize_t StreamConnection::readFromLoop(void* dst, size_t size, bool piecewise) {
   }
   if (got == 0 && socketEnded_ && inRing_->waiting() == 0) {
     // The peer's last frames are read: now its end counts.
-    closeInternal("peer closed the connection", false);
+    closeInternal(kPeerClosed, false);
     return -1;
   }
   if (got > 0) {
