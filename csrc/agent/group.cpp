@@ -251,6 +251,8 @@ void Group::addMetrics(std::unordered_map<std::string, std::string>& m) const {
   m["rpc_ext.membership.deaths"] = std::to_string(deaths_.load());
   m["rpc_ext.membership.lease_lapses"] = std::to_string(leaseLapses_.load());
   m["rpc_ext.membership.unproven_records"] = std::to_string(unproven_.load());
+  m["rpc_ext.membership.secret_requests_waiting"] =
+      std::to_string(exchange_.waiting());
 }
 
 // ---- The static group's join barrier ----------------------------------------

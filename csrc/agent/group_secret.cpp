@@ -11,6 +11,11 @@
 //                         request n (compareSet: the first member's stands)
 //   <e>/joined            set once a member of epoch e is in the group
 //   <e>/ended             the public key of the joiner that ended epoch e
+// The joiner deletes request n, then sealed n, once it has opened the
+// secret, so a long-lived group's store keeps nothing per join of these. A
+// member that finds neither (its joiner was answered and cleaned up, or has
+// not written its key yet, or died first) lets the request go after
+// kUnwrittenGrace; a joiner whose key took that long to write asks again.
 // A joiner that finds nobody alive to seal the epoch's secret (its members
 // all left, or died: their leases lapsed; or its maker never joined) ends
 // the epoch (compareSet: one joiner does) and starts the next: a new secret
@@ -107,6 +112,15 @@ constexpr const char* kDynEpochKey = "torch_rpc_ext/dyn_secret/epoch";
 constexpr auto kSealPoll = std::chrono::milliseconds(20);
 constexpr auto kEmptyCheck = std::chrono::milliseconds(500);
 constexpr size_t kMaxWaitingRequests = 256;
+// How long a member looks for a counted request's key before it lets the
+// request go. A joiner writes it right after counting it, so past this the
+// request was answered and deleted, or its joiner died; one whose count and
+// write took longer asks again, under a new number.
+constexpr auto kUnwrittenGrace = std::chrono::seconds(10);
+// Meanwhile it looks again after 0.25 s, then twice as long each time: a
+// member that joins a busy group finds up to kMaxWaitingRequests requests
+// already answered and deleted, and looks for each a handful of times.
+constexpr auto kFirstLookAgain = std::chrono::milliseconds(250);
 
 std::string dynKey(int64_t epoch, const std::string& what) {
   return "torch_rpc_ext/dyn_secret/" + std::to_string(epoch) + "/" + what;
@@ -186,10 +200,16 @@ std::string SecretExchange::forDynamicGroup(
       epoch_ = epoch; // ours to make: it never leaves this process
       return randomBytes(kSecretBytes);
     }
+    const auto counting = Clock::now();
     const int64_t n = store_->add(dynKey(epoch, "requests"), 1);
     store_->set(dynKey(epoch, "request/" + std::to_string(n)), toBytes(pub));
     const std::string sealedKey = dynKey(epoch, "sealed/" + std::to_string(n));
     const auto asked = Clock::now();
+    if (asked - counting >= kUnwrittenGrace && asked < deadline) {
+      // Written too late: the members may have let request n go. Again.
+      forgetRequest(epoch, n);
+      continue;
+    }
     auto nextCheck = asked + kEmptyCheck;
     std::map<uint64_t, Beat> beats; // the listed members' leases, as seen
     while (true) {
@@ -214,6 +234,7 @@ std::string SecretExchange::forDynamicGroup(
             "store does not open with our key: the store's contents were "
             "altered, or another group shares this store and prefix");
         epoch_ = epoch;
+        forgetRequest(epoch, n);
         return *secret;
       }
       const auto now = Clock::now();
@@ -265,23 +286,45 @@ bool SecretExchange::epochEnded() const {
        store_->check({dynKey(epoch_, "ended")}));
 }
 
-bool SecretExchange::sealTo(int64_t n, const std::string& secret) {
+bool SecretExchange::sealTo(
+    int64_t n,
+    Waiting& w,
+    Clock::time_point now,
+    const std::string& secret) {
+  if (now < w.nextLook) {
+    return false;
+  }
   const std::string sealedKey = dynKey(epoch_, "sealed/" + std::to_string(n));
   if (store_->check({sealedKey})) {
     return true; // another member answered
   }
   const std::string requestKey = dynKey(epoch_, "request/" + std::to_string(n));
-  if (!store_->check({requestKey})) {
-    return false; // counted, its key not written yet
+  // Read at once, not check() then get(): its joiner, answered by another
+  // member, may delete it in between (get() would wait out the store's
+  // timeout here, our lease with it).
+  const std::optional<std::string> joiner = peekKey(*store_, requestKey);
+  if (!joiner) {
+    // Not written yet, or answered and deleted, or its joiner died.
+    const auto since = now - w.counted;
+    w.nextLook = now +
+        std::max<Clock::duration>(
+                     kFirstLookAgain,
+                     std::min<Clock::duration>(since, kUnwrittenGrace - since));
+    return since >= kUnwrittenGrace;
   }
-  const std::string joiner = fromBytes(store_->get(requestKey));
   X25519Key mine; // fresh per request: each pair seals once
   try {
     std::string value =
         mine.publicKey() +
         sealFor(
-            sealKey(mine, joiner, mine.publicKey(), joiner, -n), secret, -n);
-    store_->compareSet(sealedKey, {}, toBytes(value));
+            sealKey(mine, *joiner, mine.publicKey(), *joiner, -n), secret, -n);
+    const auto bytes = toBytes(value);
+    if (store_->compareSet(sealedKey, {}, bytes) == bytes &&
+        !store_->check({requestKey})) {
+      // Ours landed after the joiner had opened another member's answer
+      // and deleted both keys: nobody will read it.
+      store_->deleteKey(sealedKey);
+    }
   } catch (const std::exception& e) {
     logWarningLimited(
         "unusable_secret_request",
@@ -293,10 +336,26 @@ bool SecretExchange::sealTo(int64_t n, const std::string& secret) {
   return true;
 }
 
+void SecretExchange::forgetRequest(int64_t epoch, int64_t n) const {
+  // The request first: a member that then finds neither key lets it go.
+  try {
+    store_->deleteKey(dynKey(epoch, "request/" + std::to_string(n)));
+    store_->deleteKey(dynKey(epoch, "sealed/" + std::to_string(n)));
+  } catch (const std::exception& e) {
+    logWarningLimited(
+        "secret_request_not_deleted",
+        "torch_rpc_ext: " + selfName_ +
+            " could not delete its request for the group secret from the "
+            "rendezvous store (" +
+            e.what() + "); its two keys stay there");
+  }
+}
+
 void SecretExchange::serve(const std::string& secret) {
   if (epoch_ < 0) {
     return; // the user's secret: nothing of ours to seal
   }
+  const auto now = Clock::now();
   const int64_t asked = store_->add(dynKey(epoch_, "requests"), 0);
   if (asked > served_) {
     // The newest kMaxWaitingRequests at most: the count proves nothing
@@ -305,21 +364,25 @@ void SecretExchange::serve(const std::string& secret) {
     const int64_t from = std::max(
         served_ + 1, asked - static_cast<int64_t>(kMaxWaitingRequests) + 1);
     for (int64_t n = from;; ++n) {
-      waiting_.insert(n);
+      waiting_.try_emplace(n, Waiting{now, now});
       if (n == asked) {
         break; // (not n <= asked: asked may be the largest int64_t)
       }
     }
     served_ = asked;
   }
-  // A request counted but not written (its joiner died between the two)
-  // waits here without holding up those after it; the oldest are let go.
+  // A request counted but not written (its joiner died between the two, or
+  // has not written it yet) waits here without holding up those after it;
+  // the oldest are let go, and any after kUnwrittenGrace.
   while (waiting_.size() > kMaxWaitingRequests) {
     waiting_.erase(waiting_.begin());
   }
   for (auto it = waiting_.begin(); it != waiting_.end();) {
-    it = sealTo(*it, secret) ? waiting_.erase(it) : std::next(it);
+    it = sealTo(it->first, it->second, now, secret) ? waiting_.erase(it)
+                                                    : std::next(it);
   }
+  waitingNow_.store(
+      static_cast<int64_t>(waiting_.size()), std::memory_order_relaxed);
 }
 
 std::string SecretExchange::logPrefix() const {

@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <set>
 #include <string>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -63,6 +63,11 @@ class SecretExchange {
   // Seal `secret` to every joiner that asked since the last call (a no-op
   // unless forDynamicGroup gave us the secret).
   void serve(const std::string& secret);
+  // Requests counted and not yet answered, as serve() last left them (any
+  // thread): rpc_ext.membership.secret_requests_waiting.
+  int64_t waiting() const {
+    return waitingNow_.load(std::memory_order_relaxed);
+  }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -80,18 +85,34 @@ class SecretExchange {
       Clock::time_point now,
       std::map<uint64_t, Beat>& beats,
       const ListenerAnswers& answers) const;
-  // Seal `secret` to request n of our epoch: false if its key is not there
-  // yet (watcher thread).
-  bool sealTo(int64_t n, const std::string& secret);
+  // A request counted and not yet answered: when we counted it, and when
+  // we look for its key next.
+  struct Waiting {
+    Clock::time_point counted;
+    Clock::time_point nextLook;
+  };
+  // Seal `secret` to request n of our epoch: false to look again later
+  // (its key is not there yet: `w.nextLook` moved on), true when it needs
+  // nothing more of us (watcher thread).
+  bool sealTo(
+      int64_t n,
+      Waiting& w,
+      Clock::time_point now,
+      const std::string& secret);
+  // Deletes the store's keys of request n of `epoch` (its joiner holds the
+  // secret): a long-lived group's store keeps nothing per join of this.
+  void forgetRequest(int64_t epoch, int64_t n) const;
 
   const c10::intrusive_ptr<::c10d::Store> store_;
   const std::string selfName_;
   const int64_t rank_;
   int64_t epoch_ = -1; // the dynamic group's secret epoch we hold
   // Requests of that epoch counted so far, and those not yet sealed whose
-  // key was not written when we looked (watcher thread).
+  // key was not there when we looked, with when we counted them (watcher
+  // thread).
   int64_t served_ = 0;
-  std::set<int64_t> waiting_;
+  std::map<int64_t, Waiting> waiting_;
+  std::atomic<int64_t> waitingNow_{0};
 };
 
 } // namespace torch_rpc_ext

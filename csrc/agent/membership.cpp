@@ -427,18 +427,7 @@ void MembershipLog::beat(uint64_t incarnation) const {
 }
 
 std::optional<std::string> MembershipLog::peek(const std::string& key) const {
-  // check() then get() is a race: a member that leaves deletes its keys,
-  // and a get() of a key deleted in between blocks for the store's whole
-  // timeout (60 s by default). A compareSet whose expected value is a text
-  // no key holds writes nothing and answers at once, on every c10d store:
-  // the key's value, or our expected value back when there is no key.
-  static const std::vector<uint8_t> kAbsent =
-      toBytes(std::string("\0absent", 7));
-  auto got = store_->compareSet(key, kAbsent, kAbsent);
-  if (got == kAbsent) {
-    return std::nullopt;
-  }
-  return fromBytes(got);
+  return peekKey(*store_, key);
 }
 
 int64_t MembershipLog::readNumber(const std::string& key, bool sealed) const {

@@ -2,8 +2,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 namespace torch_rpc_ext {
 
@@ -14,6 +17,24 @@ inline std::string fromBytes(const std::vector<uint8_t>& v) {
 
 inline std::vector<uint8_t> toBytes(const std::string& s) {
   return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+// A key's value, or nothing if it has none, at once. check() then get() is
+// a race: a key deleted in between (a member that leaves deletes its keys,
+// a joiner its request for the secret) leaves get() blocked for the store's
+// whole timeout (60 s by default). A compareSet whose expected value is a
+// text no key holds writes nothing and answers at once, on every c10d
+// store: the key's value, or our expected value back when there is no key.
+inline std::optional<std::string> peekKey(
+    ::c10d::Store& store,
+    const std::string& key) {
+  static const std::vector<uint8_t> kAbsent =
+      toBytes(std::string("\0absent", 7));
+  auto got = store.compareSet(key, kAbsent, kAbsent);
+  if (got == kAbsent) {
+    return std::nullopt;
+  }
+  return fromBytes(got);
 }
 
 } // namespace torch_rpc_ext
