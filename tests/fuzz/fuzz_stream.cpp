@@ -29,11 +29,14 @@
 //
 // A finding: a sanitizer report, a crash or a hang; a frame delivered with a
 // segment count other than announced; provided (slab) memory that cannot be
-// read end to end.
+// read end to end; a closed connection, its imports of the peer's blocks,
+// or those blocks, not let go within 10 s.
 
+#include <dlfcn.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -42,6 +45,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "csrc/channel/cuda_ipc/block.h"
@@ -160,6 +164,46 @@ struct Harness : PeerHarness {
   bool cuda = false;
 };
 
+// The fake driver's count of this process's imports of its peers' blocks
+// (IPC events opened and memory mapped from another process's handle), or
+// -1 without the fake (tests/cuda_fake/fake_libcuda.cpp, fake_cuda_stats).
+int64_t liveImports() {
+  using Stats = int (*)(char*, size_t);
+  static const Stats stats = []() -> Stats {
+    const char* lib = std::getenv("TORCH_RPC_EXT_LIBCUDA");
+    void* handle = lib != nullptr && *lib != '\0'
+        ? ::dlopen(lib, RTLD_NOW | RTLD_NOLOAD)
+        : nullptr;
+    return handle != nullptr
+        ? reinterpret_cast<Stats>(::dlsym(handle, "fake_cuda_stats"))
+        : nullptr;
+  }();
+  if (stats == nullptr) {
+    return -1;
+  }
+  std::string json(1 << 16, '\0');
+  json.resize(std::min<size_t>(stats(json.data(), json.size()), json.size()));
+  int64_t total = 0;
+  for (const char* key :
+       {"\"opened_ipc_events\": ", "\"ipc_mem_mappings\": "}) {
+    const size_t at = json.find(key);
+    FUZZ_CHECK(at != std::string::npos, std::string("no ") + key);
+    total += std::strtoll(json.c_str() + at + std::strlen(key), nullptr, 10);
+  }
+  return total;
+}
+
+// Waits up to 10 s for `done`; a finding past that, naming `what`.
+template <typename Done>
+void awaitTeardown(Done done, const char* what) {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done()) {
+    FUZZ_CHECK(std::chrono::steady_clock::now() < deadline, what);
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
 Harness& harness() {
   static Harness* h = new Harness(); // never destroyed: its loop keeps running
   return *h;
@@ -277,8 +321,34 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     at += n;
   }
   conn->close("");
+  // Torn down within this input (its loop thread drops the last reference),
+  // so that the input's allocations balance here: libFuzzer's leak check
+  // reruns an input that ends with more mallocs than frees and scans the
+  // heap. A connection held 10 s after its close is a finding.
+  std::weak_ptr<transport::shm::ShmConnection> closed = conn;
+  conn.reset();
+  awaitTeardown(
+      [&closed] { return closed.expired(); },
+      "the connection still held 10 s after its close");
+  if (blocks.empty()) {
+    return 0;
+  }
+  // The peer's blocks go only once the closed connection has let go of its
+  // imports of them (its staging thread does that), as a peer process
+  // that outlives the connection frees them, and within this input, as
+  // the connection. Before: destroyed at once, the fake warned of every
+  // imported event its exporter destroyed.
+  awaitTeardown(
+      [] { return liveImports() <= 0; },
+      "the connection still imports the peer's blocks 10 s after its close");
+  auto live = std::make_shared<std::atomic<size_t>>(blocks.size());
   for (auto& b : blocks) {
+    b->whenFreed([live] { live->fetch_sub(1); });
     b->orphan(std::chrono::steady_clock::now()); // nobody records on them
   }
+  blocks.clear();
+  awaitTeardown(
+      [&live] { return live->load() == 0; },
+      "the peer's blocks not freed 10 s after the connection let them go");
   return 0;
 }
