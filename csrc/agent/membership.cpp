@@ -467,27 +467,49 @@ int64_t MembershipLog::acked(uint64_t incarnation) const {
 void MembershipLog::writeSnapshot(int64_t epoch, const std::string& text)
     const {
   const std::string key = prefix_ + "snap/" + std::to_string(epoch);
-  store_->compareSet(key, {}, toBytes(seal(key, text)));
+  const auto bytes = toBytes(seal(key, text));
+  // (Ours, or the same text another member wrote at this epoch.)
+  const bool stands = store_->compareSet(key, {}, bytes) == bytes;
   // Then the pointer, which only moves forward, except off a snapshot that
   // is not proven (a writer's pointer far ahead would otherwise send every
-  // joiner to the log's first record for good).
+  // joiner to the log's first record for good). It holds the newest
+  // snapshot's epoch, then the one it replaced ("130 64"): that one is
+  // kept for a joiner that read the pointer just before it moved, and the
+  // one before it deleted, so a long-lived group's store keeps two
+  // snapshots, not one every snapshotEvery() epochs. A joiner whose
+  // snapshot went meanwhile (it stalled across two of them) reads the log
+  // from its first record, as without one.
   const std::string pointer = prefix_ + "snap/latest";
   std::optional<std::string> current = peek(pointer);
   for (int round = 0; round < 8; ++round) { // (a writer may keep moving it)
     int64_t latest = 0;
-    try {
-      latest = current ? std::stoll(*current) : 0;
-    } catch (const std::logic_error&) {
-      latest = std::numeric_limits<int64_t>::max(); // garbage: replaced
+    int64_t before = 0;
+    if (current) {
+      const auto fields = headFields(*current, 2);
+      const auto first = fields.empty() ? std::nullopt : decimal(fields[0]);
+      // Garbage: replaced.
+      latest = first ? *first : std::numeric_limits<int64_t>::max();
+      if (fields.size() == 2) {
+        before = decimal(fields[1]).value_or(0);
+      }
     }
     if (latest >= epoch &&
         (proofKey_.empty() || latestSnapshot().first == latest)) {
+      if (latest > epoch && stands) {
+        // Passed already: no pointer will name ours.
+        store_->deleteKey(key);
+      }
       return;
     }
     auto expected = current ? toBytes(*current) : std::vector<uint8_t>{};
-    auto desired = toBytes(std::to_string(epoch));
+    const int64_t kept =
+        latest < epoch && latest > 0 ? latest : 0; // (garbage names none)
+    auto desired = toBytes(std::to_string(epoch) + " " + std::to_string(kept));
     auto got = store_->compareSet(pointer, expected, desired);
     if (got == desired) {
+      if (kept > 0 && before > 0 && before < kept) {
+        store_->deleteKey(prefix_ + "snap/" + std::to_string(before));
+      }
       return;
     }
     current = fromBytes(got); // moved meanwhile: judge that

@@ -297,6 +297,54 @@ def test_a_joiner_starts_from_no_snapshot_without_the_groups_proof(monkeypatch):
         g.stop()
 
 
+def test_a_churning_groups_store_keeps_two_snapshots_and_joiners_use_the_newest(monkeypatch):
+    """A snapshot of the roster every 2 epochs here (64 by default) through
+    eight joins and leaves: the store keeps the newest snapshot and the one
+    before it (for a joiner that read the pointer just before it moved),
+    not all of them (before: every one stayed, each a copy of every
+    member's join record). A joiner starts from the newest; one whose
+    snapshot was deleted under it reads the log from its first record and
+    agrees with the members all the same."""
+    monkeypatch.setenv("TORCH_RPC_EXT_LOG_SNAPSHOT_EVERY", "2")
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=2.0)
+    secret = a.join("addr-a")
+    for i in range(8):
+        b = A.Group(store, f"b{i}", 1, 0, lease_s=2.0)
+        assert b.join(f"addr-b{i}") == secret
+        b.leave()
+        b.stop()
+    wait_for(lambda: a.epoch == 17, what="a to apply every join and leave")
+
+    def snapshots():
+        return [e for e in range(1, 20) if store.check([f"{E0}snap/{e}"])]
+
+    def pointer():
+        return [int(f) for f in store.get(E0 + "snap/latest").split()]
+
+    # (At 16, or 17 where a applied two records in one turn.)
+    wait_for(lambda: pointer()[0] >= 16, what="the last snapshot")
+    assert len(snapshots()) == 2, snapshots()
+    newest, kept = pointer()
+    assert snapshots() == [kept, newest] and 12 <= kept < newest
+    c = A.Group(store, "c", 2, 0, lease_s=2.0)
+    assert c.join("addr-c") == secret
+    assert c.metrics()["rpc_ext.membership.start_epoch"] == str(newest)
+    wait_for(lambda: pointer()[0] == 18, what="the snapshot at c's join")
+    assert snapshots() == [newest, 18]
+    # The newest snapshot gone under a joiner: the whole log, same roster.
+    store.delete_key(E0 + "snap/18")
+    d = A.Group(store, "d", 3, 0, lease_s=2.0)
+    assert d.join("addr-d") == secret
+    assert d.metrics()["rpc_ext.membership.start_epoch"] == "0"
+    wait_for(lambda: a.epoch == 19, what="c's and d's joins applied")
+    expected = [(0, "a"), (2, "c"), (3, "d")]
+    assert [m[:2] for m in d.members()] == expected
+    assert [m[:2] for m in a.members()] == expected
+    for g in (a, c, d):
+        g.stop()
+
+
 def test_a_joiner_keeps_a_lapsed_member_whose_listener_answers_for_a_few_leases():
     """A member stopped past its lease (a debugger, a stalled host) still
     has its listener answered by its kernel. A joiner that finds every
