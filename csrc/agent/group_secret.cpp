@@ -11,11 +11,12 @@
 //                         request n (compareSet: the first member's stands)
 //   <e>/joined            set once a member of epoch e is in the group
 //   <e>/ended             the public key of the joiner that ended epoch e
-// The joiner deletes request n, then sealed n, once it has opened the
-// secret, so a long-lived group's store keeps nothing per join of these. A
-// member that finds neither (its joiner was answered and cleaned up, or has
-// not written its key yet, or died first) lets the request go after
-// kUnwrittenGrace; a joiner whose key took that long to write asks again.
+// The joiner deletes request n, then sealed n, once it has joined (after
+// every member acknowledged its join: each has seen the answer by then),
+// so a long-lived group's store keeps nothing per join of these. A member
+// that finds neither (its joiner was answered and cleaned up, or has not
+// written its key yet, or died first) lets the request go after
+// kUnwrittenGrace; a joiner whose key took half that to write asks again.
 // A joiner that finds nobody alive to seal the epoch's secret (its members
 // all left, or died: their leases lapsed; or its maker never joined) ends
 // the epoch (compareSet: one joiner does) and starts the next: a new secret
@@ -205,7 +206,7 @@ std::string SecretExchange::forDynamicGroup(
     store_->set(dynKey(epoch, "request/" + std::to_string(n)), toBytes(pub));
     const std::string sealedKey = dynKey(epoch, "sealed/" + std::to_string(n));
     const auto asked = Clock::now();
-    if (asked - counting >= kUnwrittenGrace && asked < deadline) {
+    if (asked - counting >= kUnwrittenGrace / 2 && asked < deadline) {
       // Written too late: the members may have let request n go. Again.
       forgetRequest(epoch, n);
       continue;
@@ -234,7 +235,7 @@ std::string SecretExchange::forDynamicGroup(
             "store does not open with our key: the store's contents were "
             "altered, or another group shares this store and prefix");
         epoch_ = epoch;
-        forgetRequest(epoch, n);
+        request_ = mine_ = n; // deleted once we joined (noteJoined)
         return *secret;
       }
       const auto now = Clock::now();
@@ -275,6 +276,10 @@ bool SecretExchange::noteJoined() {
   if (epoch_ < 0) {
     return true;
   }
+  if (request_ > 0) {
+    forgetRequest(epoch_, request_);
+    request_ = 0;
+  }
   store_->set(dynKey(epoch_, "joined"), toBytes(std::string("1")));
   // A group that started over while we joined holds another secret.
   return !epochEnded();
@@ -304,7 +309,13 @@ bool SecretExchange::sealTo(
   // timeout here, our lease with it).
   const std::optional<std::string> joiner = peekKey(*store_, requestKey);
   if (!joiner) {
-    // Not written yet, or answered and deleted, or its joiner died.
+    // Not written yet, or answered and deleted, or its joiner died. One
+    // counted before ours, missing now that we have joined, is not coming
+    // (a new member of a busy group would otherwise look for each of the
+    // last kMaxWaitingRequests joiners' requests a handful of times).
+    if (w.older) {
+      return true;
+    }
     const auto since = now - w.counted;
     w.nextLook = now +
         std::max<Clock::duration>(
@@ -313,18 +324,14 @@ bool SecretExchange::sealTo(
     return since >= kUnwrittenGrace;
   }
   X25519Key mine; // fresh per request: each pair seals once
+  bool landed = false;
   try {
     std::string value =
         mine.publicKey() +
         sealFor(
             sealKey(mine, *joiner, mine.publicKey(), *joiner, -n), secret, -n);
     const auto bytes = toBytes(value);
-    if (store_->compareSet(sealedKey, {}, bytes) == bytes &&
-        !store_->check({requestKey})) {
-      // Ours landed after the joiner had opened another member's answer
-      // and deleted both keys: nobody will read it.
-      store_->deleteKey(sealedKey);
-    }
+    landed = store_->compareSet(sealedKey, {}, bytes) == bytes;
   } catch (const std::exception& e) {
     logWarningLimited(
         "unusable_secret_request",
@@ -333,30 +340,31 @@ bool SecretExchange::sealTo(
             "unusable (" +
             e.what() + "): something other than a joiner wrote it");
   }
+  if (landed && !store_->check({requestKey})) {
+    // Ours landed after the joiner had opened another member's answer,
+    // joined and deleted both keys: nobody will read it.
+    deleteUnneeded(*store_, sealedKey);
+  }
   return true;
 }
 
 void SecretExchange::forgetRequest(int64_t epoch, int64_t n) const {
   // The request first: a member that then finds neither key lets it go.
-  try {
-    store_->deleteKey(dynKey(epoch, "request/" + std::to_string(n)));
-    store_->deleteKey(dynKey(epoch, "sealed/" + std::to_string(n)));
-  } catch (const std::exception& e) {
-    logWarningLimited(
-        "secret_request_not_deleted",
-        "torch_rpc_ext: " + selfName_ +
-            " could not delete its request for the group secret from the "
-            "rendezvous store (" +
-            e.what() + "); its two keys stay there");
-  }
+  // One of an earlier version looks for the answer first and then reads
+  // the request with check() and get(): it finds the answer, or, once that
+  // is gone, no request either, and never waits in a get().
+  deleteUnneeded(*store_, dynKey(epoch, "request/" + std::to_string(n)));
+  deleteUnneeded(*store_, dynKey(epoch, "sealed/" + std::to_string(n)));
 }
 
 void SecretExchange::serve(const std::string& secret) {
   if (epoch_ < 0) {
     return; // the user's secret: nothing of ours to seal
   }
-  const auto now = Clock::now();
   const int64_t asked = store_->add(dynKey(epoch_, "requests"), 0);
+  // (After the count: a request counted while we asked is timed from
+  // here, no earlier than its joiner times it.)
+  const auto now = Clock::now();
   if (asked > served_) {
     // The newest kMaxWaitingRequests at most: the count proves nothing
     // (anyone who can write the store can add to it), and one raised by
@@ -364,7 +372,9 @@ void SecretExchange::serve(const std::string& secret) {
     const int64_t from = std::max(
         served_ + 1, asked - static_cast<int64_t>(kMaxWaitingRequests) + 1);
     for (int64_t n = from;; ++n) {
-      waiting_.try_emplace(n, Waiting{now, now});
+      if (n != mine_) {
+        waiting_.try_emplace(n, Waiting{now, now, n < mine_});
+      }
       if (n == asked) {
         break; // (not n <= asked: asked may be the largest int64_t)
       }

@@ -48,7 +48,8 @@ class SecretExchange {
       std::chrono::milliseconds timeout,
       std::chrono::milliseconds lease,
       const ListenerAnswers& answers);
-  // We joined the dynamic group: its epoch has had a member. False if the
+  // We joined the dynamic group: its epoch has had a member, and our
+  // request for the secret and its answer leave the store. False if the
   // epoch ended meanwhile (the group started over with another secret).
   bool noteJoined();
   // Whether the epoch whose secret we hold has ended (the group started
@@ -90,6 +91,8 @@ class SecretExchange {
   struct Waiting {
     Clock::time_point counted;
     Clock::time_point nextLook;
+    // Counted before our own: its joiner wrote it long before we joined.
+    bool older;
   };
   // Seal `secret` to request n of our epoch: false to look again later
   // (its key is not there yet: `w.nextLook` moved on), true when it needs
@@ -107,6 +110,8 @@ class SecretExchange {
   const std::string selfName_;
   const int64_t rank_;
   int64_t epoch_ = -1; // the dynamic group's secret epoch we hold
+  int64_t request_ = 0; // our answered request there, until we joined
+  int64_t mine_ = 0; // our request's number there (0: we made the secret)
   // Requests of that epoch counted so far, and those not yet sealed whose
   // key was not there when we looked, with when we counted them (watcher
   // thread).

@@ -495,9 +495,10 @@ void MembershipLog::writeSnapshot(int64_t epoch, const std::string& text)
     }
     if (latest >= epoch &&
         (proofKey_.empty() || latestSnapshot().first == latest)) {
-      if (latest > epoch && stands) {
-        // Passed already: no pointer will name ours.
-        store_->deleteKey(key);
+      if (latest > epoch && before != epoch && stands) {
+        // Passed already: no pointer will name ours (a member that wrote
+        // the same epoch earlier may have had it named, as the one kept).
+        deleteUnneeded(*store_, key);
       }
       return;
     }
@@ -508,7 +509,7 @@ void MembershipLog::writeSnapshot(int64_t epoch, const std::string& text)
     auto got = store_->compareSet(pointer, expected, desired);
     if (got == desired) {
       if (kept > 0 && before > 0 && before < kept) {
-        store_->deleteKey(prefix_ + "snap/" + std::to_string(before));
+        deleteUnneeded(*store_, prefix_ + "snap/" + std::to_string(before));
       }
       return;
     }

@@ -8,6 +8,8 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "csrc/common/logging.h"
+
 namespace torch_rpc_ext {
 
 // A c10d Store keeps values as bytes; the agent's keys hold text.
@@ -35,6 +37,19 @@ inline std::optional<std::string> peekKey(
     return std::nullopt;
   }
   return fromBytes(got);
+}
+
+// Deletes a key we no longer need (a store that cannot delete keeps it, as
+// it would have before we cleaned up: said once, never an error).
+inline void deleteUnneeded(::c10d::Store& store, const std::string& key) {
+  try {
+    store.deleteKey(key);
+  } catch (const std::exception& e) {
+    logWarningLimited(
+        "store_delete",
+        "torch_rpc_ext: the rendezvous store could not delete " + key + " (" +
+            e.what() + "); keys the group no longer needs stay there");
+  }
 }
 
 } // namespace torch_rpc_ext
