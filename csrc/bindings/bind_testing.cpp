@@ -531,6 +531,24 @@ void bindTesting(py::module_& m) {
       py::arg("after"),
       py::arg("secret") = py::bytes(),
       py::arg("prefix") = "");
+  // Write `text` as the roster's snapshot at `epoch` and move the pointer
+  // (MembershipLog::writeSnapshot), as a member reaching `epoch` does.
+  m.def(
+      "log_write_snapshot",
+      [](const c10::intrusive_ptr<::c10d::Store>& store,
+         int64_t epoch,
+         const std::string& text,
+         const py::bytes& secret,
+         const std::string& prefix) {
+        std::string key(secret);
+        py::gil_scoped_release nogil;
+        MembershipLog(store, key, prefix).writeSnapshot(epoch, text);
+      },
+      py::arg("store"),
+      py::arg("epoch"),
+      py::arg("text"),
+      py::arg("secret") = py::bytes(),
+      py::arg("prefix") = "");
   // The record at `epoch` in `store`, as (body, proven under `secret`), or
   // None.
   m.def(

@@ -174,3 +174,38 @@ def test_reading_a_departed_members_acknowledgement_never_waits():
     assert t.log_acked(_KeyDeletedAfterCheck(inner), 0xA) == 0
     inner.set("ack/000000000000000a", "7")
     assert t.log_acked(_KeyDeletedAfterCheck(inner), 0xA) == 7
+
+
+def test_snapshot_writers_in_any_order_leave_the_pointers_two():
+    """Snapshots of the roster, written by members in the orders churn
+    gives (docs/elastic.md, "Snapshots"): the pointer names the newest and
+    the one it replaced, and the store keeps just those. A member that
+    reaches a boundary late deletes its own snapshot once the pointer has
+    passed it, but never the one the pointer keeps as the previous (the
+    same epoch written earlier by another member); the member that moves
+    the pointer deletes the snapshot before the kept one. Before, every
+    snapshot stayed."""
+    store = dist.HashStore()
+    key = b"k" * 32
+
+    def write(epoch):
+        t.log_write_snapshot(store, epoch, f"roster at {epoch}\n", key)
+
+    def kept():
+        return [e for e in range(1, 200) if store.check([f"snap/{e}"])]
+
+    write(64)
+    assert store.get("snap/latest") == b"64 0" and kept() == [64]
+    write(66)  # a member past the boundary by two records
+    assert store.get("snap/latest") == b"66 64" and kept() == [64, 66]
+    write(64)  # a slow member, the same text: the kept one is not touched
+    assert kept() == [64, 66]
+    write(65)  # a member passed already: its own goes
+    assert store.get("snap/latest") == b"66 64" and kept() == [64, 66]
+    write(130)
+    assert store.get("snap/latest") == b"130 66" and kept() == [66, 130]
+    # A pointer that is not a number (a store writer's) is replaced, and
+    # names nothing to delete.
+    store.set("snap/latest", "garbage 66")
+    write(131)
+    assert store.get("snap/latest") == b"131 0" and kept() == [66, 130, 131]
