@@ -21,7 +21,8 @@ otherwise (a bug); or still pending at the end (lost).
   python benchmarks/elastic_soak.py --workers 4 --duration 15       # a smoke
   python benchmarks/elastic_soak.py --backend TENSORPIPE ...        # the same churn on TensorPipe
 
-Prints one JSON line per backend run with the totals.
+Prints one JSON line per backend run with the totals, and what the churn
+left in the store (``store``: live keys, and the file's bytes).
 
 Nothing the controller shares with a worker holds a lock: a process killed
 inside ``multiprocessing.Event.is_set()`` leaves the event's lock held (the
@@ -168,6 +169,18 @@ def worker(slot, backend, store_path, leave, stop, timeout):
             {"tally": tally, "unnamed": unnamed, "kinds": kinds, "rss": rss, **shutdown})
 
 
+def _store_left(store_path):
+    """What the churn left in the group's store: its live keys (a TCPStore
+    would hold these in memory) and the file's size (a FileStore appends
+    every write and deletion, and never shrinks)."""
+    if not os.path.exists(store_path):
+        return None
+    size = os.path.getsize(store_path)
+    import torch.distributed as dist
+
+    return {"keys": dist.FileStore(store_path, -1).num_keys(), "file_bytes": size}
+
+
 def soak(backend, workers, duration, period, timeout, seed):
     rng = random.Random(seed)
     store_dir = tempfile.mkdtemp(prefix="elastic_soak_")
@@ -227,6 +240,7 @@ def soak(backend, workers, duration, period, timeout, seed):
                 rss = r["rss"]
         if "shutdown_error" in r:
             shutdown_errors.append(r["shutdown_error"])
+    store = _store_left(store_path)
     shutil.rmtree(store_dir, ignore_errors=True)
     return {
         "backend": backend, "workers": workers, "duration_s": duration,
@@ -235,6 +249,7 @@ def soak(backend, workers, duration, period, timeout, seed):
         "unnamed_examples": unnamed[:5], "shutdown_errors": shutdown_errors[:3],
         "failure_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:8]),
         "hung_at_end": hung,
+        "store": store,
         "w0_rss_mb": {"first": rss[0] if rss else None, "last": rss[-1] if rss else None,
                       "max": max(rss) if rss else None, "samples": len(rss)},
     }

@@ -195,7 +195,7 @@ std::string SecretExchange::forDynamicGroup(
   X25519Key key;
   const std::string pub = key.publicKey();
   while (true) {
-    const int64_t epoch = store_->add(kDynEpochKey, 0);
+    const int64_t epoch = readCounter(*store_, kDynEpochKey);
     if (fromBytes(store_->compareSet(
             dynKey(epoch, "maker"), {}, toBytes(pub))) == pub) {
       epoch_ = epoch; // ours to make: it never leaves this process
@@ -252,7 +252,7 @@ std::string SecretExchange::forDynamicGroup(
           "TORCH_RPC_EXT_SECRET) needs no member for this");
       if (now >= nextCheck) {
         nextCheck = now + kEmptyCheck;
-        if (store_->add(kDynEpochKey, 0) != epoch) {
+        if (readCounter(*store_, kDynEpochKey) != epoch) {
           break; // a new group began: ask there
         }
         // The epoch's group has nobody alive to seal it: its members all
@@ -287,7 +287,7 @@ bool SecretExchange::noteJoined() {
 
 bool SecretExchange::epochEnded() const {
   return epoch_ >= 0 &&
-      (store_->add(kDynEpochKey, 0) != epoch_ ||
+      (readCounter(*store_, kDynEpochKey) != epoch_ ||
        store_->check({dynKey(epoch_, "ended")}));
 }
 
@@ -361,7 +361,7 @@ void SecretExchange::serve(const std::string& secret) {
   if (epoch_ < 0) {
     return; // the user's secret: nothing of ours to seal
   }
-  const int64_t asked = store_->add(dynKey(epoch_, "requests"), 0);
+  const int64_t asked = readCounter(*store_, dynKey(epoch_, "requests"));
   // (After the count: a request counted while we asked is timed from
   // here, no earlier than its joiner times it.)
   const auto now = Clock::now();

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
+#include <charconv>
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -37,6 +39,27 @@ inline std::optional<std::string> peekKey(
     return std::nullopt;
   }
   return fromBytes(got);
+}
+
+// A counter's value (0 if it has none), read without writing: add(key, 0)
+// reads it too, but a FileStore appends every add to its file, which never
+// shrinks (a watcher that read two counters that way every turn grew a
+// group's file by about 500 bytes a second per member). Every c10d store
+// keeps a counter as its decimal text.
+inline int64_t readCounter(::c10d::Store& store, const std::string& key) {
+  const std::optional<std::string> text = peekKey(store, key);
+  if (!text) {
+    return 0;
+  }
+  int64_t v = 0;
+  const char* end = text->data() + text->size();
+  auto [ptr, ec] = std::from_chars(text->data(), end, v);
+  if (ec != std::errc() || ptr != end || text->empty()) {
+    throw std::runtime_error(
+        "the rendezvous store's counter " + key +
+        " holds something other than a number");
+  }
+  return v;
 }
 
 // Deletes a key we no longer need (a store that cannot delete keeps it, as

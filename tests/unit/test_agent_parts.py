@@ -750,6 +750,27 @@ def test_a_joiners_request_for_the_secret_leaves_nothing_in_the_store():
         g.stop()
 
 
+def test_an_idle_member_writes_nothing_to_a_file_store_between_its_renewals(tmp_path):
+    """A FileStore appends every write to its file, which never shrinks,
+    and a group keeps its store for as long as it lives. Between two
+    renewals of its lease an idle member only reads. Before, its watcher
+    read two counters with add(key, 0) every turn, and a FileStore appends
+    each add: about 500 bytes a second per member, for good."""
+    path = str(tmp_path / "store")
+    store = dist.FileStore(path, -1)
+    a = A.Group(store, "a", 0, 0, lease_s=60.0)  # renewed every 12 s
+    a.join("addr-a")
+    b = A.Group(dist.FileStore(path, -1), "b", 1, 0, lease_s=60.0)
+    b.join("addr-b")
+    wait_for(lambda: a.epoch == 2, what="b's join applied by a")
+    time.sleep(1.0)  # the join's acknowledgements and first renewals land
+    size = os.path.getsize(path)
+    time.sleep(2.0)  # ten turns of each watcher, idle
+    assert os.path.getsize(path) == size
+    for g in (b, a):
+        g.stop()
+
+
 def test_a_request_count_raised_by_anyone_costs_a_member_nothing_unbounded():
     """The requests counter proves nothing: anyone who can write the store
     can add to it. A member lists the newest 256 counted requests at most.
