@@ -57,6 +57,7 @@ TESTING_SOURCES = [
     "csrc/bindings/bind_testing_cuda.cpp",
     "csrc/bindings/bind_testing_cuda_torch.cpp",
     "csrc/bindings/bind_testing_endpoint.cpp",
+    "csrc/bindings/bind_testing_membership.cpp",
     "csrc/bindings/fake_caching_allocator.cpp",
     "csrc/bindings/testing_grants.cpp",
     "csrc/bindings/testing_module.cpp",

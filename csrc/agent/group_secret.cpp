@@ -235,7 +235,7 @@ std::string SecretExchange::forDynamicGroup(
             "store does not open with our key: the store's contents were "
             "altered, or another group shares this store and prefix");
         epoch_ = epoch;
-        request_ = mine_ = n; // deleted once we joined (noteJoined)
+        mine_ = n; // its keys deleted once we joined (noteJoined)
         return *secret;
       }
       const auto now = Clock::now();
@@ -276,9 +276,8 @@ bool SecretExchange::noteJoined() {
   if (epoch_ < 0) {
     return true;
   }
-  if (request_ > 0) {
-    forgetRequest(epoch_, request_);
-    request_ = 0;
+  if (mine_ > 0) {
+    forgetRequest(epoch_, mine_);
   }
   store_->set(dynKey(epoch_, "joined"), toBytes(std::string("1")));
   // A group that started over while we joined holds another secret.
@@ -313,7 +312,7 @@ bool SecretExchange::sealTo(
     // counted before ours, missing now that we have joined, is not coming
     // (a new member of a busy group would otherwise look for each of the
     // last kMaxWaitingRequests joiners' requests a handful of times).
-    if (w.older) {
+    if (n < mine_) {
       return true;
     }
     const auto since = now - w.counted;
@@ -373,7 +372,7 @@ void SecretExchange::serve(const std::string& secret) {
         served_ + 1, asked - static_cast<int64_t>(kMaxWaitingRequests) + 1);
     for (int64_t n = from;; ++n) {
       if (n != mine_) {
-        waiting_.try_emplace(n, Waiting{now, now, n < mine_});
+        waiting_.try_emplace(n, Waiting{now, now});
       }
       if (n == asked) {
         break; // (not n <= asked: asked may be the largest int64_t)

@@ -91,8 +91,6 @@ class SecretExchange {
   struct Waiting {
     Clock::time_point counted;
     Clock::time_point nextLook;
-    // Counted before our own: its joiner wrote it long before we joined.
-    bool older;
   };
   // Seal `secret` to request n of our epoch: false to look again later
   // (its key is not there yet: `w.nextLook` moved on), true when it needs
@@ -110,8 +108,9 @@ class SecretExchange {
   const std::string selfName_;
   const int64_t rank_;
   int64_t epoch_ = -1; // the dynamic group's secret epoch we hold
-  int64_t request_ = 0; // our answered request there, until we joined
-  int64_t mine_ = 0; // our request's number there (0: we made the secret)
+  // Our request's number there (0: we made the secret); its keys go once
+  // we joined (noteJoined).
+  int64_t mine_ = 0;
   // Requests of that epoch counted so far, and those not yet sealed whose
   // key was not there when we looked, with when we counted them (watcher
   // thread).

@@ -6,7 +6,6 @@
 #include "csrc/common/crypto.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -62,17 +61,6 @@ std::vector<std::string> headFields(const std::string& line, size_t most) {
     at = end;
   }
   return out;
-}
-
-// A decimal integer filling `text` whole, or nothing.
-std::optional<int64_t> decimal(const std::string& text) {
-  int64_t v = 0;
-  const char* end = text.data() + text.size();
-  auto [ptr, ec] = std::from_chars(text.data(), end, v);
-  if (ec != std::errc() || ptr != end || text.empty()) {
-    return std::nullopt;
-  }
-  return v;
 }
 
 std::string logName(int64_t epoch) {

@@ -23,6 +23,17 @@ inline std::vector<uint8_t> toBytes(const std::string& s) {
   return std::vector<uint8_t>(s.begin(), s.end());
 }
 
+// A decimal integer filling `text` whole, or nothing.
+inline std::optional<int64_t> decimal(const std::string& text) {
+  int64_t v = 0;
+  const char* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(text.data(), end, v);
+  if (ec != std::errc() || ptr != end || text.empty()) {
+    return std::nullopt;
+  }
+  return v;
+}
+
 // A key's value, or nothing if it has none, at once. check() then get() is
 // a race: a key deleted in between (a member that leaves deletes its keys,
 // a joiner its request for the secret) leaves get() blocked for the store's
@@ -51,15 +62,13 @@ inline int64_t readCounter(::c10d::Store& store, const std::string& key) {
   if (!text) {
     return 0;
   }
-  int64_t v = 0;
-  const char* end = text->data() + text->size();
-  auto [ptr, ec] = std::from_chars(text->data(), end, v);
-  if (ec != std::errc() || ptr != end || text->empty()) {
+  const std::optional<int64_t> v = decimal(*text);
+  if (!v) {
     throw std::runtime_error(
         "the rendezvous store's counter " + key +
         " holds something other than a number");
   }
-  return v;
+  return *v;
 }
 
 // Deletes a key we no longer need (a store that cannot delete keeps it, as

@@ -20,6 +20,8 @@ void bindTestingEndpoint(py::module_& m);
 void bindTestingCudaTorch(py::module_& m);
 // _testing.agent: the agent's parts driven alone (Group, RRefGuard).
 void bindTestingAgent(py::module_& m);
+// The membership log (bind_testing_membership.cpp).
+void bindTestingMembership(py::module_& m);
 // _C._scripting: the remote-function registry (scripting/).
 void bindScripting(py::module_& m);
 // Give every thread the core starts a Python thread state for its life.

@@ -11,4 +11,5 @@ PYBIND11_MODULE(_testing, m) {
   torch_rpc_ext::bindings::bindTestingEndpoint(m);
   torch_rpc_ext::bindings::bindTestingCudaTorch(m);
   torch_rpc_ext::bindings::bindTestingAgent(m);
+  torch_rpc_ext::bindings::bindTestingMembership(m);
 }
