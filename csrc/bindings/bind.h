@@ -3,6 +3,10 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+namespace torch_rpc_ext {
+struct MembershipEvent;
+} // namespace torch_rpc_ext
+
 namespace torch_rpc_ext::bindings {
 
 namespace py = pybind11;
@@ -22,6 +26,8 @@ void bindTestingCudaTorch(py::module_& m);
 void bindTestingAgent(py::module_& m);
 // The membership log (bind_testing_membership.cpp).
 void bindTestingMembership(py::module_& m);
+// A membership event as Python sees it: (kind, epoch, name, rank, reason).
+py::tuple eventTuple(const MembershipEvent& ev);
 // _C._scripting: the remote-function registry (scripting/).
 void bindScripting(py::module_& m);
 // Give every thread the core starts a Python thread state for its life.

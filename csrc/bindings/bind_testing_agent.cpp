@@ -104,15 +104,6 @@ struct GroupHarness {
   std::unique_ptr<Group> group;
 };
 
-py::tuple eventTuple(const MembershipEvent& ev) {
-  return py::make_tuple(
-      eventKindName(ev.kind),
-      ev.epoch,
-      ev.member.name,
-      ev.member.rank,
-      ev.reason);
-}
-
 rpc::RRefId rrefId(const std::pair<int, int64_t>& id) {
   return rpc::RRefId(static_cast<rpc::worker_id_t>(id.first), id.second);
 }

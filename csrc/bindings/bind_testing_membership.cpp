@@ -14,21 +14,23 @@
 
 namespace torch_rpc_ext::bindings {
 
+py::tuple eventTuple(const MembershipEvent& ev) {
+  return py::make_tuple(
+      eventKindName(ev.kind),
+      ev.epoch,
+      ev.member.name,
+      ev.member.rank,
+      ev.reason);
+}
+
 void bindTestingMembership(py::module_& m) {
   // The membership log's rules (agent/membership.h), without an agent.
   py::class_<Roster>(m, "Roster")
       .def(py::init<>())
-      // -> (kind, epoch, name, rank, reason)
       .def(
           "apply",
           [](Roster& r, const py::bytes& record) {
-            auto ev = r.apply(std::string(record));
-            return py::make_tuple(
-                eventKindName(ev.kind),
-                ev.epoch,
-                ev.member.name,
-                ev.member.rank,
-                ev.reason);
+            return eventTuple(r.apply(std::string(record)));
           })
       .def_property_readonly("epoch", &Roster::epoch)
       .def("snapshot", [](const Roster& r) { return py::bytes(r.snapshot()); })
