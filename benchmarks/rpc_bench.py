@@ -20,6 +20,7 @@ Examples:
 """
 
 import argparse
+import gc
 import os
 import pickle
 import signal
@@ -93,6 +94,12 @@ def _init(rank, world_size, backend_key, opts, names):
         options = torch_rpc_ext.RpcExtBackendOptions(num_worker_threads=16, **kwargs)
     rpc.init_rpc(names[rank], rank=rank, world_size=world_size, backend=backend,
                  rpc_backend_options=options)
+    # --gc: Python's cyclic collector in every worker, from here on.
+    mode = os.environ.get("RPC_BENCH_GC", "on")
+    if mode == "freeze":
+        gc.freeze()
+    elif mode == "off":
+        gc.disable()
 
 
 def pair_cases(rank, world_size, backend_key, opts, cases, cfg):
@@ -137,8 +144,13 @@ def pair_cases(rank, world_size, backend_key, opts, cases, cfg):
             # 1000 tensors of 1 KiB in one call and back: per-tensor costs
             # (pickling, the codec, allocations), which the bytes do not hide.
             xs = [torch.ones(256) for _ in range(cfg.many)]
+            full = gc.get_stats()[2]["collections"]
             s = timed(lambda: rpc.rpc_sync(dst, identity, args=(xs,)), cfg.repeats * 2, 3)
-            rows.append({"case": f"identity_{cfg.many}x1KB", **summarize(s)})
+            # Full collections on the caller meanwhile (warm-up included):
+            # past some thousands of tensors a call they are most of the time.
+            rows.append({"case": f"identity_{cfg.many}x1KB", **summarize(s),
+                         "gc_full_collections": gc.get_stats()[2]["collections"] - full,
+                         "gc_enabled": gc.isenabled(), "gc_frozen": gc.get_freeze_count()})
         if "tensor" in cases:
             for mb in cfg.sizes_mb:
                 side = int((mb * (1 << 20) / 4) ** 0.5)
@@ -357,8 +369,14 @@ def main(argv=None):
                    help="run N busy loops (one process each) beside the workers for the "
                         "whole run: a host with no idle core, where every hand-off between "
                         "two processes waits for the scheduler; rows say busy_loops")
+    p.add_argument("--gc", choices=["on", "freeze", "off"], default="on",
+                   help="Python's garbage collector in every worker after init_rpc: as "
+                        "Python sets it, gc.freeze() (what setup made is no longer walked), "
+                        "or gc.disable(); rows say gc unless on (thousands of tensors a "
+                        "call: docs/performance.md, \"Past that, Python's collector\")")
     p.add_argument("--out", type=Path)
     cfg = p.parse_args(argv)
+    os.environ["RPC_BENCH_GC"] = cfg.gc  # (the workers inherit it)
     hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
             for _ in range(cfg.busy_loops)]
     try:
@@ -401,6 +419,8 @@ def run_plans(cfg):
     def record(row):
         if cfg.busy_loops:
             row = {**row, "busy_loops": cfg.busy_loops}
+        if cfg.gc != "on":
+            row = {**row, "gc": cfg.gc}
         emit(row)
         if out:
             emit(row, out)

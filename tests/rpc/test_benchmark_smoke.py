@@ -49,6 +49,34 @@ def test_benchmark_smoke_emits_both_backends_and_ratios(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["freeze", "off"])
+def test_the_many_tensor_case_runs_with_the_collector_frozen_or_off(tmp_path, mode):
+    """rpc_bench.py --gc: every worker freezes (or disables) Python's
+    collector after init_rpc, and the many-tensor row says what the caller
+    had and how many full collections it ran (docs/performance.md, "Past
+    that, Python's collector")."""
+    out = tmp_path / "bench.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "rpc_bench.py"), "--smoke",
+         "--cases", "many", "--gc", mode, "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    many = {r["backend"]: r for r in rows if r.get("case") == "identity_50x1KB" and "backend" in r}
+    assert set(many) == {"ext", "tensorpipe"}
+    for row in many.values():
+        assert row["gc"] == mode
+        assert row["gc_enabled"] is (mode != "off")
+        if mode == "freeze":
+            assert row["gc_frozen"] > 10000  # what importing torch made, at least
+        else:
+            assert row["gc_full_collections"] == 0
+    assert any(r.get("ratio") == "time_ext_over_tp" and r["gc"] == mode for r in rows)
+
+
+@pytest.mark.timeout(300)
 def busy_loops_running():
     return subprocess.run(["pgrep", "-fc", "while :; do :; done"],
                           capture_output=True, text=True).stdout.strip()
