@@ -203,6 +203,7 @@ std::string SecretExchange::forDynamicGroup(
     }
     const auto counting = Clock::now();
     const int64_t n = store_->add(dynKey(epoch, "requests"), 1);
+    const auto counted = Clock::now();
     store_->set(dynKey(epoch, "request/" + std::to_string(n)), toBytes(pub));
     const std::string sealedKey = dynKey(epoch, "sealed/" + std::to_string(n));
     const auto asked = Clock::now();
@@ -236,9 +237,13 @@ std::string SecretExchange::forDynamicGroup(
             "altered, or another group shares this store and prefix");
         epoch_ = epoch;
         mine_ = n; // its keys deleted once we joined (noteJoined)
+        mineCounted_ = counted;
         return *secret;
       }
       const auto now = Clock::now();
+      if (now >= deadline) {
+        forgetRequest(epoch, n); // (nobody is to answer it now)
+      }
       TORCH_CHECK(
           now < deadline,
           "init_rpc of ",
@@ -253,6 +258,7 @@ std::string SecretExchange::forDynamicGroup(
       if (now >= nextCheck) {
         nextCheck = now + kEmptyCheck;
         if (readCounter(*store_, kDynEpochKey) != epoch) {
+          forgetRequest(epoch, n);
           break; // a new group began: ask there
         }
         // The epoch's group has nobody alive to seal it: its members all
@@ -264,6 +270,7 @@ std::string SecretExchange::forDynamicGroup(
             fromBytes(store_->compareSet(
                 dynKey(epoch, "ended"), {}, toBytes(pub))) == pub) {
           store_->add(kDynEpochKey, 1);
+          forgetRequest(epoch, n);
           break;
         }
       }
@@ -309,10 +316,13 @@ bool SecretExchange::sealTo(
   const std::optional<std::string> joiner = peekKey(*store_, requestKey);
   if (!joiner) {
     // Not written yet, or answered and deleted, or its joiner died. One
-    // counted before ours, missing now that we have joined, is not coming
-    // (a new member of a busy group would otherwise look for each of the
-    // last kMaxWaitingRequests joiners' requests a handful of times).
-    if (n < mine_) {
+    // counted before ours is not coming once kUnwrittenGrace has passed
+    // since our own count (its joiner counted earlier, and writes within
+    // half that or asks again), so a new member of a busy group does not
+    // look for each of the last kMaxWaitingRequests joiners' requests a
+    // handful of times. Not before: a joiner that counted just before us
+    // and stalled a second before writing is still to be answered.
+    if (n < mine_ && now - mineCounted_ >= kUnwrittenGrace) {
       return true;
     }
     const auto since = now - w.counted;
@@ -349,9 +359,10 @@ bool SecretExchange::sealTo(
 
 void SecretExchange::forgetRequest(int64_t epoch, int64_t n) const {
   // The request first: a member that then finds neither key lets it go.
-  // One of an earlier version looks for the answer first and then reads
-  // the request with check() and get(): it finds the answer, or, once that
-  // is gone, no request either, and never waits in a get().
+  // (Every member of a group runs one version, docs/elastic.md. One from
+  // before session 89 read a request with check() then get(), and a
+  // request deleted between the two would hold it in that get() for the
+  // store's timeout.)
   deleteUnneeded(*store_, dynKey(epoch, "request/" + std::to_string(n)));
   deleteUnneeded(*store_, dynKey(epoch, "sealed/" + std::to_string(n)));
 }

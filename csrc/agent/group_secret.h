@@ -111,6 +111,10 @@ class SecretExchange {
   // Our request's number there (0: we made the secret); its keys go once
   // we joined (noteJoined).
   int64_t mine_ = 0;
+  // When our count of it returned: a request counted before ours was
+  // counted before then, so by kUnwrittenGrace after it its joiner has
+  // written it or asked again under a new number.
+  Clock::time_point mineCounted_{};
   // Requests of that epoch counted so far, and those not yet sealed whose
   // key was not there when we looked, with when we counted them (watcher
   // thread).

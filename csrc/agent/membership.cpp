@@ -431,11 +431,7 @@ int64_t MembershipLog::readNumber(const std::string& key, bool sealed) const {
     }
     body = std::move(r.body);
   }
-  try {
-    return std::stoll(body);
-  } catch (const std::logic_error&) {
-    return 0;
-  }
+  return decimal(body).value_or(0);
 }
 
 int64_t MembershipLog::beats(uint64_t incarnation) const {
@@ -506,8 +502,11 @@ void MembershipLog::writeSnapshot(int64_t epoch, const std::string& text)
 }
 
 std::pair<int64_t, std::string> MembershipLog::latestSnapshot() const {
-  // A pointer among snapshots, each proven by itself.
-  const int64_t epoch = readNumber(prefix_ + "snap/latest", /*sealed=*/false);
+  // A pointer among snapshots, each proven by itself: "<newest> <previous>".
+  const std::optional<std::string> pointer = peek(prefix_ + "snap/latest");
+  const auto fields =
+      pointer ? headFields(*pointer, 2) : std::vector<std::string>{};
+  const int64_t epoch = fields.empty() ? 0 : decimal(fields[0]).value_or(0);
   const std::string key = prefix_ + "snap/" + std::to_string(epoch);
   std::optional<std::string> text;
   if (epoch <= 0 || !(text = peek(key))) {
