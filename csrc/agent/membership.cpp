@@ -418,20 +418,16 @@ std::optional<std::string> MembershipLog::peek(const std::string& key) const {
   return peekKey(*store_, key);
 }
 
-int64_t MembershipLog::readNumber(const std::string& key, bool sealed) const {
+int64_t MembershipLog::readNumber(const std::string& key) const {
   auto text = peek(key);
   if (!text) {
     return 0;
   }
-  std::string body = std::move(*text);
-  if (sealed) {
-    LogRecord r = open(key, body, 64);
-    if (!proofKey_.empty() && !r.proven) {
-      return 0; // not the group's: as if absent
-    }
-    body = std::move(r.body);
+  LogRecord r = open(key, *text, 64);
+  if (!proofKey_.empty() && !r.proven) {
+    return 0; // not the group's: as if absent
   }
-  return decimal(body).value_or(0);
+  return decimal(r.body).value_or(0);
 }
 
 int64_t MembershipLog::beats(uint64_t incarnation) const {

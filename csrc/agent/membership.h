@@ -288,10 +288,10 @@ class MembershipLog {
  private:
   // A key's value without waiting for it: nullopt if there is no such key.
   std::optional<std::string> peek(const std::string& key) const;
-  // A counter or epoch stored as decimal text; 0 if absent or not a number,
-  // or, `sealed` (with its proof, as beat() and ack() write them) and read
-  // with a secret, not proven.
-  int64_t readNumber(const std::string& key, bool sealed = true) const;
+  // A counter stored as decimal text with its proof (as beat() and ack()
+  // write them); 0 if absent, not a number, or, read with a secret, not
+  // proven.
+  int64_t readNumber(const std::string& key) const;
   // `body` as stored at `key`: with its proof, given a secret.
   std::string seal(const std::string& key, const std::string& body) const;
   // What is stored at `key`: its body (without a proof line) and whether
