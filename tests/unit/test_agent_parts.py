@@ -775,6 +775,89 @@ def test_a_request_counted_just_before_a_members_own_is_still_answered():
     c.stop()
 
 
+class _SecretRaceStore(dist.Store):
+    """A pass-through store that stages one interleaving of the secret
+    exchange's request 1 (group_secret.cpp), for the joiner (`joiner=True`)
+    or a member. The joiner's write of its request stalls 5.3 s (a store
+    under load), and its deletion of that request waits until the member
+    has read the key; the member's answer to it lands only once the joiner
+    has deleted its keys. Every wait is bounded (20 s): what did not
+    happen shows in the test's assertions, not as a hang."""
+
+    def __init__(self, inner, joiner, events):
+        super().__init__()
+        self.inner = inner
+        self.joiner = joiner
+        self.events = events
+        self.stalled = False
+
+    def set(self, key, value):
+        if self.joiner and key.endswith("dyn_secret/0/request/1") and not self.stalled:
+            self.stalled = True
+            time.sleep(5.3)
+        self.inner.set(key, value)
+
+    def delete_key(self, key):
+        if self.joiner and key.endswith("dyn_secret/0/request/1"):
+            self.events["member read request 1"].wait(20)
+        got = self.inner.delete_key(key)
+        if self.joiner and key.endswith("dyn_secret/0/sealed/1"):
+            self.events["joiner forgot request 1"].set()
+        return got
+
+    deleteKey = delete_key  # the name c10d's trampoline calls from C++
+
+    def compare_set(self, key, expected, desired):
+        if not self.joiner and key.endswith("dyn_secret/0/sealed/1") and not expected:
+            self.events["joiner forgot request 1"].wait(20)
+        got = self.inner.compare_set(key, expected, desired)
+        if (not self.joiner and key.endswith("dyn_secret/0/request/1")
+                and expected == desired and got != expected):  # a read, and there
+            self.events["member read request 1"].set()
+        return got
+
+    def add(self, key, n):
+        return self.inner.add(key, n)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+
+def test_a_joiner_whose_request_was_slow_to_write_asks_again_and_no_answer_stays():
+    """A joiner whose request took 5 s or more to write (counted, then
+    its key set) asks again under a new number: the members may have let
+    the first go (they do after 10 s). It deletes the first request; a
+    member that read that request just before, and whose answer lands just
+    after, deletes its answer (nobody will read it). The joiner is served
+    under the second number and, joined, deletes that one too: nothing of
+    either stays in the store. Before session 91 neither path was driven
+    by a test."""
+    store = dist.HashStore()
+    ex = "torch_rpc_ext/dyn_secret/0/"
+    waiting = "rpc_ext.membership.secret_requests_waiting"
+    events = {"member read request 1": threading.Event(),
+              "joiner forgot request 1": threading.Event()}
+    member_store = _SecretRaceStore(store, False, events)  # held: a calls it
+    a = A.Group(member_store, "a", 0, 0, lease_s=30.0)
+    first = a.join("addr-a")
+    joiner_store = _SecretRaceStore(store, True, events)
+    b = A.Group(joiner_store, "b", 1, 0, lease_s=30.0)
+    assert b.join("addr-b") == first
+    assert events["member read request 1"].is_set()  # a read request 1 ...
+    assert events["joiner forgot request 1"].is_set()  # ... b then deleted it
+    assert store.add(ex + "requests", 0) == 2  # asked again, as request 2
+    wait_for(lambda: a.metrics()[waiting] == "0", what="a to be done with request 1")
+    # a's answer to request 1 landed after b deleted its keys, and went.
+    for n in (1, 2):
+        assert not store.check([f"{ex}request/{n}"]), n
+        assert not store.check([f"{ex}sealed/{n}"]), n
+    for g in (b, a):
+        g.stop()
+
+
 def test_an_idle_member_writes_nothing_to_a_file_store_between_its_renewals(tmp_path):
     """A FileStore appends every write to its file, which never shrinks,
     and a group keeps its store for as long as it lives. Between two
