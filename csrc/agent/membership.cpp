@@ -457,8 +457,8 @@ void MembershipLog::writeSnapshot(int64_t epoch, const std::string& text)
   // kept for a joiner that read the pointer just before it moved, and the
   // one before it deleted, so a long-lived group's store keeps two
   // snapshots, not one every snapshotEvery() epochs. A joiner whose
-  // snapshot went meanwhile (it stalled across two of them) reads the log
-  // from its first record, as without one.
+  // snapshot went meanwhile (it stalled across two moves) reads the
+  // pointer again (latestSnapshot).
   const std::string pointer = prefix_ + "snap/latest";
   std::optional<std::string> current = peek(pointer);
   for (int round = 0; round < 8; ++round) { // (a writer may keep moving it)
@@ -499,20 +499,33 @@ void MembershipLog::writeSnapshot(int64_t epoch, const std::string& text)
 
 std::pair<int64_t, std::string> MembershipLog::latestSnapshot() const {
   // A pointer among snapshots, each proven by itself: "<newest> <previous>".
-  const std::optional<std::string> pointer = peek(prefix_ + "snap/latest");
-  const auto fields =
-      pointer ? headFields(*pointer, 2) : std::vector<std::string>{};
-  const int64_t epoch = fields.empty() ? 0 : decimal(fields[0]).value_or(0);
-  const std::string key = prefix_ + "snap/" + std::to_string(epoch);
-  std::optional<std::string> text;
-  if (epoch <= 0 || !(text = peek(key))) {
-    return {0, ""};
+  // The one it names can be gone by the time we read it: we stalled while
+  // the pointer moved twice (the second move deletes it). Then the pointer
+  // names a newer one: read it again, a few times at most (a writer may
+  // keep moving it; past that, the log from its first record).
+  const std::string pointerKey = prefix_ + "snap/latest";
+  std::optional<std::string> pointer = peek(pointerKey);
+  for (int round = 0; pointer && round < 4; ++round) {
+    const auto fields = headFields(*pointer, 2);
+    const int64_t epoch = fields.empty() ? 0 : decimal(fields[0]).value_or(0);
+    if (epoch <= 0) {
+      break;
+    }
+    const std::string key = prefix_ + "snap/" + std::to_string(epoch);
+    if (std::optional<std::string> text = peek(key)) {
+      LogRecord snapshot = open(key, *text, kMaxSnapshotBytes);
+      if (!proofKey_.empty() && !snapshot.proven) {
+        break;
+      }
+      return {epoch, std::move(snapshot.body)};
+    }
+    std::optional<std::string> now = peek(pointerKey);
+    if (now == pointer) {
+      break; // named and missing (not moved past): the log, then
+    }
+    pointer = std::move(now);
   }
-  LogRecord snapshot = open(key, *text, kMaxSnapshotBytes);
-  if (!proofKey_.empty() && !snapshot.proven) {
-    return {0, ""};
-  }
-  return {epoch, std::move(snapshot.body)};
+  return {0, ""};
 }
 
 int64_t MembershipLog::snapshotEvery() {

@@ -346,6 +346,89 @@ def test_a_churning_groups_store_keeps_two_snapshots_and_joiners_use_the_newest(
         g.stop()
 
 
+class _StallsBeforeItsSnapshot(dist.Store):
+    """A joiner's store that, once the joiner holds the secret, runs
+    `meanwhile` between its read of the snapshot pointer and its read of
+    the snapshot it names (a joiner stalled there: swapped out, a slow
+    store)."""
+
+    def __init__(self, inner, meanwhile):
+        super().__init__()
+        self.inner = inner
+        self.meanwhile = meanwhile
+        self.armed = False
+        self.named = []  # the snapshots it went on to read
+
+    def compare_set(self, key, expected, desired):
+        snap = key.startswith(E0 + "snap/") and key != E0 + "snap/latest"
+        if snap and expected == desired:  # the joiner reads a snapshot
+            self.named.append(int(key.rsplit("/", 1)[1]))
+            if self.armed:
+                self.armed = False
+                self.meanwhile()
+        return self.inner.compare_set(key, expected, desired)
+
+    def get(self, key):
+        if "/sealed/" in key:  # its answer: catching up comes next
+            self.armed = True
+        return self.inner.get(key)
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def add(self, key, n):
+        return self.inner.add(key, n)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    deleteKey = delete_key  # the name c10d's trampoline calls from C++
+
+
+def test_a_joiner_whose_snapshot_went_while_it_stalled_starts_from_the_newest(monkeypatch):
+    """A joiner read the snapshot pointer, then stalled while the group
+    went through two more snapshots (the second move deletes the one it
+    had read): it reads the pointer again and starts from the newest
+    snapshot. Before, it read the whole log from its first record (the
+    same roster, at the cost of every record since the group began)."""
+    monkeypatch.setenv("TORCH_RPC_EXT_LOG_SNAPSHOT_EVERY", "2")
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=2.0)
+    secret = a.join("addr-a")
+
+    def churn(cycles):
+        for i in range(cycles):
+            b = A.Group(store, "b", 1, 0, lease_s=2.0)
+            assert b.join(f"addr-b{i}") == secret
+            b.leave()
+            b.stop()
+
+    def pointer():
+        return [int(f) for f in store.get(E0 + "snap/latest").split()]
+
+    churn(2)
+    wait_for(lambda: a.epoch == 5 and pointer()[0] == 4, what="a snapshot at 4")
+
+    def two_moves():
+        churn(2)
+        wait_for(lambda: a.epoch == 9 and pointer()[0] == 8 and
+                 not store.check([E0 + "snap/4"]), what="two more snapshots")
+
+    stalling = _StallsBeforeItsSnapshot(store, two_moves)  # held: c calls it
+    c = A.Group(stalling, "c", 2, 0, lease_s=2.0)
+    assert c.join("addr-c") == secret
+    assert stalling.named[-2:] == [4, 8]  # 4 was gone once read: 8
+    assert c.metrics()["rpc_ext.membership.start_epoch"] == "8"
+    wait_for(lambda: a.epoch == 10, what="c's join applied")
+    assert [m[:2] for m in c.members()] == [(0, "a"), (2, "c")]
+    assert [m[:2] for m in a.members()] == [(0, "a"), (2, "c")]
+    for g in (a, c):
+        g.stop()
+
+
 def test_a_joiner_keeps_a_lapsed_member_whose_listener_answers_for_a_few_leases():
     """A member stopped past its lease (a debugger, a stalled host) still
     has its listener answered by its kernel. A joiner that finds every
