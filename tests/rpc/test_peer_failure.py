@@ -346,5 +346,9 @@ def test_knocks_tell_a_live_worker_from_a_dead_one_without_a_connection(opts):
                     opts=opts)
     alive, dead = out[0]["why"]
     assert alive == "", out
-    assert "Connection refused" in dead, out
+    # The kernel's answer for a port nobody holds: refused, or reset where
+    # the knock's connection reached the dead worker's listener in the
+    # instant its last thread was closing it (a CI run of session 91).
+    # Either is the dead process's answer, never a timeout.
+    assert "Connection refused" in dead or "Connection reset by peer" in dead, out
     assert out[1] == {"accepted": 0, "knocked": True}, out

@@ -346,15 +346,44 @@ def test_a_churning_groups_store_keeps_two_snapshots_and_joiners_use_the_newest(
         g.stop()
 
 
-class _StallsBeforeItsSnapshot(dist.Store):
+class _PassThroughStore(dist.Store):
+    """A store that passes every call to `inner`: the wrappers below
+    override what they stage."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def add(self, key, n):
+        return self.inner.add(key, n)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    def deleteKey(self, key):  # the name c10d's trampoline calls from C++
+        return self.delete_key(key)
+
+
+class _StallsBeforeItsSnapshot(_PassThroughStore):
     """A joiner's store that, once the joiner holds the secret, runs
     `meanwhile` between its read of the snapshot pointer and its read of
     the snapshot it names (a joiner stalled there: swapped out, a slow
     store)."""
 
     def __init__(self, inner, meanwhile):
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.meanwhile = meanwhile
         self.armed = False
         self.named = []  # the snapshots it went on to read
@@ -372,20 +401,6 @@ class _StallsBeforeItsSnapshot(dist.Store):
         if "/sealed/" in key:  # its answer: catching up comes next
             self.armed = True
         return self.inner.get(key)
-
-    def set(self, key, value):
-        self.inner.set(key, value)
-
-    def add(self, key, n):
-        return self.inner.add(key, n)
-
-    def check(self, keys):
-        return self.inner.check(keys)
-
-    def delete_key(self, key):
-        return self.inner.delete_key(key)
-
-    deleteKey = delete_key  # the name c10d's trampoline calls from C++
 
 
 def test_a_joiner_whose_snapshot_went_while_it_stalled_starts_from_the_newest(monkeypatch):
@@ -522,14 +537,13 @@ def test_a_join_that_failed_records_no_leave():
     a.stop()
 
 
-class _FailsReadingBackItsJoin(dist.Store):
+class _FailsReadingBackItsJoin(_PassThroughStore):
     """A store that stops answering reads of the log right after the
     joiner's record went in (the store's host under load, a network
     partition): the join is in the log, but the joiner cannot read it back."""
 
     def __init__(self, inner, rank):
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.mark = f" {rank} joiner ".encode()
         self.broken = False
 
@@ -540,23 +554,6 @@ class _FailsReadingBackItsJoin(dist.Store):
         if self.mark in desired and got == desired:
             self.broken = True
         return got
-
-    def set(self, key, value):
-        self.inner.set(key, value)
-
-    def add(self, key, n):
-        return self.inner.add(key, n)
-
-    def check(self, keys):
-        return self.inner.check(keys)
-
-    def get(self, key):
-        return self.inner.get(key)
-
-    def delete_key(self, key):
-        return self.inner.delete_key(key)
-
-    deleteKey = delete_key  # the name c10d's trampoline calls from C++
 
 
 def test_a_join_the_joiner_could_not_read_back_is_taken_back():
@@ -858,7 +855,7 @@ def test_a_request_counted_just_before_a_members_own_is_still_answered():
     c.stop()
 
 
-class _SecretRaceStore(dist.Store):
+class _SecretRaceStore(_PassThroughStore):
     """A pass-through store that stages one interleaving of the secret
     exchange's request 1 (group_secret.cpp), for the joiner (`joiner=True`)
     or a member. The joiner's write of its request stalls 5.3 s (a store
@@ -868,8 +865,7 @@ class _SecretRaceStore(dist.Store):
     happen shows in the test's assertions, not as a hang."""
 
     def __init__(self, inner, joiner, events):
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.joiner = joiner
         self.events = events
         self.stalled = False
@@ -888,8 +884,6 @@ class _SecretRaceStore(dist.Store):
             self.events["joiner forgot request 1"].set()
         return got
 
-    deleteKey = delete_key  # the name c10d's trampoline calls from C++
-
     def compare_set(self, key, expected, desired):
         if not self.joiner and key.endswith("dyn_secret/0/sealed/1") and not expected:
             self.events["joiner forgot request 1"].wait(20)
@@ -898,15 +892,6 @@ class _SecretRaceStore(dist.Store):
                 and expected == desired and got != expected):  # a read, and there
             self.events["member read request 1"].set()
         return got
-
-    def add(self, key, n):
-        return self.inner.add(key, n)
-
-    def check(self, keys):
-        return self.inner.check(keys)
-
-    def get(self, key):
-        return self.inner.get(key)
 
 
 def test_a_joiner_whose_request_was_slow_to_write_asks_again_and_no_answer_stays():
