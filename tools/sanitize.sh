@@ -19,6 +19,8 @@
 # a library that must crash unless libstdc++ is preloaded) skip themselves
 # there (`not_sanitized` in pyproject.toml's markers). The first run builds
 # the whole extension (~10 min on 2 cores); later ones rebuild what changed.
+# SANITIZE_BUILD_ONLY=1 stops after the build (tools/test.sh builds the
+# tree in the background that way, then runs a stage of tests under it).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ "$#" -lt 1 ] || { [ "$1" != address ] && [ "$1" != thread ]; }; then
@@ -33,6 +35,10 @@ python3 tools/sync_tree.py "$tree" >&2
 cd "$tree"
 export SANITIZE=$kind
 SETUP_FOR=test . tools/setup_env.sh
+if [ "${SANITIZE_BUILD_ONLY:-0}" = 1 ]; then
+  echo "sanitize.sh: $tree built with the $kind sanitizer" >&2
+  exit 0
+fi
 . tools/sanitizer_env.sh
 reports=$PWD/reports
 rm -rf "$reports"

@@ -82,6 +82,8 @@ if [ "$#" -eq 0 ] && [ ! -f .synced-files ] && [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0
   newest_need_gb=9
   # (Both trees install at once on a fresh clone: the first .venv's ~3 GB too.)
   compgen -G ".venv/.packages-test-*" >/dev/null || newest_need_gb=12
+  # (And the ThreadSanitizer tree's, about 2 GB, from nothing.)
+  [ -d build/sanitize-thread/.venv ] || newest_need_gb=$((newest_need_gb + 2))
   if ! compgen -G "build/torch-$NEWEST_TORCH/.venv/.packages-test-*" >/dev/null; then
     free_kb=$(df -Pk build | awk 'NR == 2 { print $4 }')
     if [ "$free_kb" -lt $((newest_need_gb * 1024 * 1024)) ]; then
@@ -176,6 +178,12 @@ fi
 
 # The fuzzers' build needs this .venv's torch (its headers, for fuzz_codec).
 background idle fuzz-build build/fuzz-build.log bash tests/fuzz/build.sh
+# So does the ThreadSanitizer tree (tools/sanitize.sh: a copy of this
+# checkout with its own .venv and a TSan build, ~10 min of 2 cores from
+# nothing, a few seconds when only tests changed), for the first lane's
+# last stage.
+background idle tsan-build build/tsan-build.log \
+  env SANITIZE_BUILD_ONLY=1 bash tools/sanitize.sh thread
 
 # The stages run in two lanes at once: our multi-process suites wait more
 # than they compute (with one lane, 2 cores were idle about half the time:
@@ -235,6 +243,21 @@ pytest --timeout 900 tests/conformance tests/rpc tests/scripting tests/launcher 
 # Upstream's fault-injection suites: a process of their own (see the module).
 stage "upstream's fault-injection suites"
 pytest --timeout 900 tests/faulty
+# ThreadSanitizer over the parts whose threads meet most (docs/development.md,
+# "The suites under a sanitizer"): a dynamic group's watcher, leases, secret
+# exchange and membership log against its init thread and the listener (in
+# process), and a shm connection's frame ring, socket and last words between
+# processes. Any report fails the run. (The whole of the suites under TSan
+# takes hours here; these take about two minutes once built.) The forking
+# file runs in a pytest of its own: a child forked while its parent has
+# threads running is outside what TSan supports (a new thread of the child
+# can reuse a live one's id: "dup thread with used id"), so no in-process
+# test's threads may be alive when it forks.
+stage "ThreadSanitizer: the agent's parts, the frame ring (the rest of its build, then the tests)"
+await tsan-build
+bash tools/sanitize.sh thread tests/unit/test_agent_parts.py \
+  tests/unit/test_membership_log.py
+bash tools/sanitize.sh thread tests/rpc/test_frame_ring.py
 if [ "$lanes" = 2 ]; then
   stage "waiting for the second lane"
   await lane-2
