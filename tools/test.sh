@@ -246,18 +246,23 @@ pytest --timeout 900 tests/faulty
 # ThreadSanitizer over the parts whose threads meet most (docs/development.md,
 # "The suites under a sanitizer"): a dynamic group's watcher, leases, secret
 # exchange and membership log against its init thread and the listener (in
-# process), and a shm connection's frame ring, socket and last words between
-# processes. Any report fails the run. (The whole of the suites under TSan
-# takes hours here; these take about two minutes once built.) The forking
-# file runs in a pytest of its own: a child forked while its parent has
-# threads running is outside what TSan supports (a new thread of the child
-# can reuse a live one's id: "dup thread with used id"), so no in-process
-# test's threads may be alive when it forks.
-stage "ThreadSanitizer: the agent's parts, the frame ring (the rest of its build, then the tests)"
+# process); then, between processes, public calls, the small-call fast path,
+# shm slabs, a shm connection's frame ring, socket and last words, a peer's
+# failure, elastic groups. Any report fails the run. (The whole of the
+# suites under TSan takes hours here; these about four minutes once built.)
+# The forking files run in a pytest of their own: a child forked while its
+# parent has threads running is outside what TSan supports (a new thread of
+# the child can reuse a live one's id: "dup thread with used id"), so no
+# in-process test's threads may be alive when they fork.
+stage "ThreadSanitizer: the agent's parts, calls between processes (the rest of its build, then the tests)"
 await tsan-build
 bash tools/sanitize.sh thread tests/unit/test_agent_parts.py \
   tests/unit/test_membership_log.py
-bash tools/sanitize.sh thread tests/rpc/test_frame_ring.py
+bash tools/sanitize.sh thread tests/rpc/test_public_calls.py \
+  tests/rpc/test_fast_path.py tests/rpc/test_shm_slabs.py \
+  tests/rpc/test_shm_transport.py tests/rpc/test_frame_ring.py \
+  tests/rpc/test_last_words.py tests/rpc/test_peer_failure.py \
+  tests/rpc/test_elastic.py
 if [ "$lanes" = 2 ]; then
   stage "waiting for the second lane"
   await lane-2
