@@ -263,6 +263,14 @@ bash tools/sanitize.sh thread tests/rpc/test_public_calls.py \
   tests/rpc/test_shm_transport.py tests/rpc/test_frame_ring.py \
   tests/rpc/test_last_words.py tests/rpc/test_peer_failure.py \
   tests/rpc/test_elastic.py
+# And the CUDA path (the fake driver built with TSan too, so that it judges
+# our streams and events by the order the fake models): the soak's crossing
+# calls of random CUDA tensors through every channel and landing. In this
+# lane, after the others: two runs over one tree must not overlap (each
+# begins with the tree's build, which replaces the module the other's
+# workers load).
+stage "ThreadSanitizer: the CUDA path on the fake driver (the soak)"
+bash tools/sanitize.sh thread tests/cuda_driver/test_agent_soak.py
 if [ "$lanes" = 2 ]; then
   stage "waiting for the second lane"
   await lane-2
