@@ -245,7 +245,8 @@ stage "upstream's fault-injection suites"
 pytest --timeout 900 tests/faulty
 # ThreadSanitizer over the parts whose threads meet most (docs/development.md,
 # "The suites under a sanitizer"): a dynamic group's watcher, leases, secret
-# exchange and membership log against its init thread and the listener (in
+# exchange and membership log against its init thread and the listener, the
+# loop, the thread pool, the buffer pool, the descriptor closer (in
 # process); then, between processes, public calls, the small-call fast path,
 # shm slabs, a shm connection's frame ring, socket and last words, a peer's
 # failure, elastic groups. Any report fails the run. (The whole of the
@@ -257,7 +258,9 @@ pytest --timeout 900 tests/faulty
 stage "ThreadSanitizer: the agent's parts, calls between processes (the rest of its build, then the tests)"
 await tsan-build
 bash tools/sanitize.sh thread tests/unit/test_agent_parts.py \
-  tests/unit/test_membership_log.py
+  tests/unit/test_membership_log.py tests/unit/test_loop.py \
+  tests/unit/test_thread_pool.py tests/unit/test_buffer_pool.py \
+  tests/unit/test_fd_closer.py
 bash tools/sanitize.sh thread tests/rpc/test_public_calls.py \
   tests/rpc/test_fast_path.py tests/rpc/test_shm_slabs.py \
   tests/rpc/test_shm_transport.py tests/rpc/test_frame_ring.py \
