@@ -178,10 +178,10 @@ fi
 
 # The fuzzers' build needs this .venv's torch (its headers, for fuzz_codec).
 background idle fuzz-build build/fuzz-build.log bash tests/fuzz/build.sh
-# So does the ThreadSanitizer tree (tools/sanitize.sh: a copy of this
-# checkout with its own .venv and a TSan build, ~10 min of 2 cores from
-# nothing, a few seconds when only tests changed), for the first lane's
-# last stage.
+# The ThreadSanitizer tree (tools/sanitize.sh: a copy of this checkout
+# with its own .venv and a TSan build, ~10 min of 2 cores from nothing, a
+# few seconds when only tests changed) is built the same way, for the first
+# lane's last two stages.
 background idle tsan-build build/tsan-build.log \
   env SANITIZE_BUILD_ONLY=1 bash tools/sanitize.sh thread
 
