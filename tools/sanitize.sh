@@ -20,7 +20,7 @@
 # there (`not_sanitized` in pyproject.toml's markers). The first run builds
 # the whole extension (~10 min on 2 cores); later ones rebuild what changed.
 # SANITIZE_BUILD_ONLY=1 stops after the build (tools/test.sh builds the
-# tree in the background that way, then runs a stage of tests under it).
+# tree in the background that way, then runs stages 6 and 7 under it).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ "$#" -lt 1 ] || { [ "$1" != address ] && [ "$1" != thread ]; }; then
