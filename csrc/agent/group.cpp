@@ -391,9 +391,23 @@ int64_t Group::barrier(
         " s waiting for ",
         c10::Join(", ", missing));
   }
+  // Each worker wrote a count of its own; anything else there came from
+  // another writer of the store (before, std::stoll threw its own bare
+  // "stoll" out of shutdown, and a sum past int64 was undefined).
   int64_t sum = 0;
   for (const auto& key : keys) {
-    sum += std::stoll(fromBytes(store_->get(key)));
+    const std::string text = fromBytes(store_->get(key));
+    const std::optional<int64_t> v = decimal(text);
+    TORCH_CHECK(
+        v && !__builtin_add_overflow(sum, *v, &sum),
+        "RPC join on ",
+        self_.name_,
+        ": the rendezvous store's ",
+        key,
+        " holds something other than a worker's count (",
+        text.size(),
+        " bytes): another writer of the store, or another group under the "
+        "same prefix");
   }
   return sum;
 }

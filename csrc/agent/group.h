@@ -15,7 +15,8 @@
 //
 // Files: group.cpp (start-up, lookups, the static group's rounds),
 // group_elastic.cpp (the dynamic group's join, watcher, log, leave),
-// group_leases.cpp (whether the members of a dynamic group are alive).
+// group_leases.cpp (whether the members of a dynamic group are alive; their
+// acknowledgements; a joiner's and a leaver's waits on the log).
 //
 // Threads and locks:
 //  - view(), peerById(), memberOn(), worker(): any thread, on every call and
@@ -235,6 +236,7 @@ class Group {
   // We are out of the group, for `reason`: every send fails from now on
   // (rosterMutex_ held; once).
   void fence(const std::string& reason);
+  // ---- Leases and acknowledgements (group_leases.cpp) ----
   // Acknowledge the epoch applied, if not yet (rosterMutex_ held).
   void ackApplied();
   // Wait until every member of the current view other than us has
@@ -243,7 +245,6 @@ class Group {
       int64_t epoch,
       std::chrono::steady_clock::time_point deadline,
       std::vector<std::string>* missing);
-  // ---- Leases (group_leases.cpp) ----
   // How long a member's lease may go unrenewed before it is declared dead:
   // the heartbeat timeout (its default when heartbeats are off).
   std::chrono::milliseconds leaseTimeout() const;
@@ -262,6 +263,16 @@ class Group {
       const Member& me,
       std::chrono::steady_clock::time_point& deadline,
       std::unique_lock<std::mutex>& lock);
+  // Joining or leaving: apply the log up to our own record at `epoch`
+  // (`lock` holds rosterMutex_, let go between reads). Every slot before
+  // it was claimed before ours, so one read is enough unless the store
+  // lost one (a record deleted or written over by a store writer): false
+  // at `deadline`, with `stuck` the first slot that reads empty.
+  bool catchUpTo(
+      int64_t epoch,
+      std::chrono::steady_clock::time_point deadline,
+      std::unique_lock<std::mutex>& lock,
+      int64_t& stuck);
 
   const c10::intrusive_ptr<::c10d::Store> store_;
   const rpc::WorkerInfo self_;

@@ -2,7 +2,8 @@
 // The dynamic group (group.h; init_rpc with world_size=None,
 // docs/elastic.md): joining through the membership log, the watcher thread
 // that applies the log and renews our lease (group_leases.cpp judges the
-// others'), and leaving.
+// others', and holds the waits on the log and on acknowledgements), and
+// leaving.
 #include <algorithm>
 
 #include <c10/util/StringUtil.h>
@@ -154,9 +155,20 @@ void Group::joinRecorded(
     listener_.reserveIds(me.rank, log_->nextGeneration(me.rank));
     appended = true; // or may be: a store that took it, then failed us
     epoch = log_->append(record, roster_.epoch());
-    while (roster_.epoch() < epoch) {
-      catchUp();
-    }
+    int64_t stuck = 0;
+    TORCH_CHECK(
+        catchUpTo(epoch, deadline, lock, stuck),
+        "init_rpc of ",
+        me.name,
+        " (rank ",
+        me.rank,
+        ") failed: its join is record ",
+        epoch,
+        " of the group's membership log, and record ",
+        stuck,
+        " reads empty in the rendezvous store although later ones are "
+        "there: it was deleted or written over (by something other than a "
+        "member of the group); the members cannot read past it either");
     readBack = true;
     Peer* mine = view()->find(me.rank);
     joined_ = mine && mine->incarnation == incarnation_;
@@ -172,6 +184,10 @@ void Group::joinRecorded(
                                : joinRefusal_);
     }
     ackApplied();
+    // Snapshots are the members' to write as they cross a multiple of
+    // snapshotEvery(), not ours at the epoch we joined at (before, every
+    // joiner wrote one, a copy of every join record, on its first turn).
+    snapshotWritten_ = roster_.epoch();
     std::lock_guard<std::mutex> events(eventsMutex_);
     reportEvents_ = true;
   }
@@ -430,58 +446,31 @@ void Group::watch() {
   }
 }
 
-void Group::ackApplied() {
-  // Everything applied is acknowledged, however it was applied (by this
-  // loop, by join or leave, by a lease check): a joiner waits for it.
-  if (roster_.epoch() > ackedEpoch_) {
-    log_->ack(incarnation_, roster_.epoch());
-    ackedEpoch_ = roster_.epoch();
-  }
-}
-
-bool Group::awaitAcks(
-    int64_t epoch,
-    Clock::time_point deadline,
-    std::vector<std::string>* missing) {
-  auto pause = std::chrono::milliseconds(2);
-  while (true) {
-    missing->clear();
-    auto v = view(); // held: a range-for does not keep a temporary alive
-    for (const auto& peer : v->byId) {
-      if (peer && peer->incarnation != incarnation_ &&
-          log_->acked(peer->incarnation) < epoch) {
-        missing->push_back(peer->info.name_);
-      }
-    }
-    if (missing->empty()) {
-      return true;
-    }
-    if (Clock::now() >= deadline) {
-      return false;
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, kBusyPoll * 2);
-  }
-}
-
 void Group::leave(std::optional<Clock::time_point> deadline) {
   if (!joined_ || left_.exchange(true)) {
     return;
-  }
-  int64_t epoch;
-  {
-    std::lock_guard<std::mutex> lock(rosterMutex_);
-    catchUp();
-    epoch = log_->append(leaveRecord(incarnation_), roster_.epoch());
-    while (roster_.epoch() < epoch) {
-      catchUp();
-    }
   }
   // Once every member has applied our leave, nobody starts a call to us;
   // then the calls we are serving finish (their responses still go out).
   auto until = Clock::now() + 2 * leaseTimeout();
   if (deadline && *deadline < until) {
     until = *deadline;
+  }
+  int64_t epoch;
+  {
+    std::unique_lock<std::mutex> lock(rosterMutex_);
+    catchUp();
+    epoch = log_->append(leaveRecord(incarnation_), roster_.epoch());
+    int64_t stuck = 0;
+    if (!catchUpTo(epoch, until, lock, stuck)) {
+      logWarning(
+          "torch_rpc_ext: " + self_.name_ + " leaves the group as record " +
+          std::to_string(epoch) + " of its membership log, and record " +
+          std::to_string(stuck) +
+          " reads empty in the rendezvous store although later ones are "
+          "there: it was deleted or written over, and the members cannot "
+          "read past it to our leave");
+    }
   }
   std::vector<std::string> missing;
   if (!awaitAcks(epoch, until, &missing)) {

@@ -2,7 +2,9 @@
 // Whether the members of a dynamic group are alive (docs/elastic.md,
 // "Leases"): each renews a lease in the store; the others watch it, probe a
 // member whose lease lapsed over the transport, and declare dead one they
-// cannot reach.
+// cannot reach. Each acknowledges the epoch it applied, which joiners and
+// leavers wait for. And the joiner's and leaver's other waits on the log:
+// for the holder of its rank or name to go, for the log to reach its record.
 #include <algorithm>
 #include <thread>
 
@@ -110,6 +112,40 @@ void Group::checkOurEpoch(Clock::time_point now) {
   }
 }
 
+void Group::ackApplied() {
+  // Everything applied is acknowledged, however it was applied (by this
+  // loop, by join or leave, by a lease check): a joiner waits for it.
+  if (roster_.epoch() > ackedEpoch_) {
+    log_->ack(incarnation_, roster_.epoch());
+    ackedEpoch_ = roster_.epoch();
+  }
+}
+
+bool Group::awaitAcks(
+    int64_t epoch,
+    Clock::time_point deadline,
+    std::vector<std::string>* missing) {
+  auto pause = std::chrono::milliseconds(2);
+  while (true) {
+    missing->clear();
+    auto v = view(); // held: a range-for does not keep a temporary alive
+    for (const auto& peer : v->byId) {
+      if (peer && peer->incarnation != incarnation_ &&
+          log_->acked(peer->incarnation) < epoch) {
+        missing->push_back(peer->info.name_);
+      }
+    }
+    if (missing->empty()) {
+      return true;
+    }
+    if (Clock::now() >= deadline) {
+      return false;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(40));
+  }
+}
+
 bool Group::reachable(const Member& m) {
   auto v = view();
   Peer* peer = v->find(m.rank);
@@ -209,6 +245,37 @@ void Group::awaitHolderGone(
               " (seen by " + me.name + ", which takes its " + what + ")"),
       roster_.epoch());
   catchUp();
+}
+
+bool Group::catchUpTo(
+    int64_t epoch,
+    Clock::time_point deadline,
+    std::unique_lock<std::mutex>& lock,
+    int64_t& stuck) {
+  auto pause = std::chrono::milliseconds(1);
+  while (true) {
+    const int64_t before = roster_.epoch();
+    catchUp();
+    if (roster_.epoch() >= epoch) {
+      return true;
+    }
+    if (roster_.epoch() > before) {
+      pause = std::chrono::milliseconds(1);
+      continue;
+    }
+    // A slot before ours reads empty. Before, this loop read it again at
+    // once, for ever, holding the roster (the watcher, and our leave or
+    // init_rpc with it): a slot that a store writer deleted, or set to the
+    // very text a read tells an empty slot by (store_bytes.h: peekKey).
+    stuck = roster_.epoch() + 1;
+    if (Clock::now() >= deadline) {
+      return false;
+    }
+    lock.unlock();
+    std::this_thread::sleep_for(pause);
+    lock.lock();
+    pause = std::min(pause * 2, std::chrono::milliseconds(20));
+  }
 }
 
 } // namespace torch_rpc_ext

@@ -10,7 +10,6 @@
 //   <e>/sealed/<n>        a member's public key, then the secret sealed to
 //                         request n (compareSet: the first member's stands)
 //   <e>/joined            set once a member of epoch e is in the group
-//   <e>/ended             the public key of the joiner that ended epoch e
 // The joiner deletes request n, then sealed n, once it has joined (after
 // every member acknowledged its join: each has seen the answer by then),
 // so a long-lived group's store keeps nothing per join of these. A member
@@ -19,10 +18,10 @@
 // kUnwrittenGrace; a joiner whose key took half that to write asks again.
 // A joiner that finds nobody alive to seal the epoch's secret (its members
 // all left, or died: their leases lapsed; or its maker never joined) ends
-// the epoch (compareSet: one joiner does) and starts the next: a new secret
-// for a new group. A member that finds, once joined, that its epoch ended
-// meanwhile leaves and fails its init_rpc (Group::joinLog), so that no two
-// secrets serve one group.
+// the epoch (compareSet on the counter: one step, one joiner moves it) and
+// starts the next: a new secret for a new group. A member that finds, once
+// joined, that its epoch ended meanwhile leaves and fails its init_rpc
+// (Group::joinLog), so that no two secrets serve one group.
 #include <algorithm>
 #include <chrono>
 #include <optional>
@@ -263,13 +262,15 @@ std::string SecretExchange::forDynamicGroup(
         }
         // The epoch's group has nobody alive to seal it: its members all
         // left or died (leases lapsed), or its maker never joined. A new
-        // group, with a new secret; one joiner ends the epoch.
+        // group, with a new secret; whoever moves the counter from this
+        // epoch (one step: before session 93 a joiner claimed "ended",
+        // then raised the counter, and one that died or lost the store in
+        // between left every later joiner waiting on an epoch nobody could
+        // end) starts it, and the others ask there.
         const bool joined = store_->check({dynKey(epoch, "joined")});
         if ((joined || now - asked > 3 * lease) &&
-            liveMembers(epoch, lease, now, beats, answers) == 0 &&
-            fromBytes(store_->compareSet(
-                dynKey(epoch, "ended"), {}, toBytes(pub))) == pub) {
-          store_->add(kDynEpochKey, 1);
+            liveMembers(epoch, lease, now, beats, answers) == 0) {
+          endEpoch(epoch);
           forgetRequest(epoch, n);
           break;
         }
@@ -292,9 +293,20 @@ bool SecretExchange::noteJoined() {
 }
 
 bool SecretExchange::epochEnded() const {
-  return epoch_ >= 0 &&
-      (readCounter(*store_, kDynEpochKey) != epoch_ ||
-       store_->check({dynKey(epoch_, "ended")}));
+  return epoch_ >= 0 && readCounter(*store_, kDynEpochKey) != epoch_;
+}
+
+void SecretExchange::endEpoch(int64_t epoch) const {
+  // The counter's text as the store holds it (add() writes decimal text),
+  // or none at epoch 0: a counter nobody raised yet.
+  const std::optional<std::string> now = peekKey(*store_, kDynEpochKey);
+  if (now ? decimal(*now) != epoch : epoch != 0) {
+    return; // moved on meanwhile
+  }
+  store_->compareSet(
+      kDynEpochKey,
+      now ? toBytes(*now) : std::vector<uint8_t>{},
+      toBytes(std::to_string(epoch + 1)));
 }
 
 bool SecretExchange::sealTo(

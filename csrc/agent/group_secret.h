@@ -86,6 +86,9 @@ class SecretExchange {
       Clock::time_point now,
       std::map<uint64_t, Beat>& beats,
       const ListenerAnswers& answers) const;
+  // Ends `epoch` (nobody alive holds its secret): moves the store's epoch
+  // counter past it in one compareSet, unless it moved on already.
+  void endEpoch(int64_t epoch) const;
   // A request counted and not yet answered: when we counted it, and when
   // we look for its key next.
   struct Waiting {

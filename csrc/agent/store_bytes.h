@@ -10,6 +10,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "csrc/common/crypto.h"
 #include "csrc/common/logging.h"
 
 namespace torch_rpc_ext {
@@ -40,11 +41,21 @@ inline std::optional<int64_t> decimal(const std::string& text) {
 // whole timeout (60 s by default). A compareSet whose expected value is a
 // text no key holds writes nothing and answers at once, on every c10d
 // store: the key's value, or our expected value back when there is no key.
+// That text is drawn at random once per process: a fixed one (it was
+// "\0absent" until session 93) written into a key by anyone who can write
+// the store made the key read as empty, for good (a slot of the membership
+// log then stopped every member there, and a joiner's init_rpc spun).
 inline std::optional<std::string> peekKey(
     ::c10d::Store& store,
     const std::string& key) {
-  static const std::vector<uint8_t> kAbsent =
-      toBytes(std::string("\0absent", 7));
+  static const std::vector<uint8_t> kAbsent = [] {
+    std::string text("\0absent/", 8);
+    for (const unsigned char c : randomBytes(16)) {
+      text += "0123456789abcdef"[c >> 4];
+      text += "0123456789abcdef"[c & 15];
+    }
+    return toBytes(text);
+  }();
   auto got = store.compareSet(key, kAbsent, kAbsent);
   if (got == kAbsent) {
     return std::nullopt;

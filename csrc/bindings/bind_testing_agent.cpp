@@ -85,12 +85,14 @@ struct GroupHarness {
       int worldSize,
       double leaseSeconds,
       bool answers,
-      const std::string& secret)
+      const std::string& secret,
+      double rendezvousSeconds)
       : name(name), listener(answers) {
     options.secret = secret;
     options.heartbeatTimeout =
         std::chrono::milliseconds(static_cast<int64_t>(leaseSeconds * 1000));
-    options.rendezvousTimeout = std::chrono::seconds(30);
+    options.rendezvousTimeout = std::chrono::milliseconds(
+        static_cast<int64_t>(rendezvousSeconds * 1000));
     group = std::make_unique<Group>(
         store,
         rpc::WorkerInfo(name, static_cast<int64_t>(rank)),
@@ -125,14 +127,16 @@ void bindTestingAgent(py::module_& parent) {
               int,
               double,
               bool,
-              const std::string&>(),
+              const std::string&,
+              double>(),
           py::arg("store"),
           py::arg("name"),
           py::arg("rank"),
           py::arg("world_size"),
           py::arg("lease_s") = 1.0,
           py::arg("answers_probes") = false,
-          py::arg("secret") = "")
+          py::arg("secret") = "",
+          py::arg("rendezvous_s") = 30.0)
       // Establish the secret and join with `offers` as the entry's body;
       // returns the secret (what every handshake proves).
       .def(

@@ -12,7 +12,15 @@ spawning is saved.
 
 from __future__ import annotations
 
+import functools
 import unittest
+
+
+@functools.cache
+def _skip_wrapper_code():
+    from torch.testing._internal.common_distributed import skip_if_lt_x_gpu
+
+    return skip_if_lt_x_gpu(1)(lambda: None).__code__
 
 
 def gpus_needed(test) -> int:
@@ -27,8 +35,12 @@ def gpus_needed(test) -> int:
         seen.add(id(fn))
         code = fn.__code__
         cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
-        qualname = getattr(code, "co_qualname", code.co_name)
-        if qualname.startswith("skip_if_lt_x_gpu.") and isinstance(cells.get("x"), int):
+        # The wrapper upstream's decorator makes: its code object is one
+        # for every use (Python 3.10 has no co_qualname, which this read
+        # alone before, so there nothing was found: session 93's trial).
+        qualname = getattr(code, "co_qualname", "")
+        if (code is _skip_wrapper_code() or qualname.startswith("skip_if_lt_x_gpu.")) and isinstance(
+                cells.get("x"), int):
             most = max(most, cells["x"])
         todo += [getattr(fn, "__wrapped__", None), cells.get("func")]
     return most

@@ -1089,3 +1089,136 @@ def test_a_record_over_the_logs_bound_is_named_by_its_size(capfd):
     b.stop()
     assert a.epoch == 2 and t.log_read(store, 3) is None
     a.stop()
+
+
+# ---- What a store writer leaves in the log, and joiners that die (session 93) ----
+
+def _join_on_a_thread(g, offers, timeout):
+    """g.join(offers) on a thread: its result, or the exception it raised;
+    None where it had not returned after `timeout` s (before session 93 a
+    joiner could spin for good there)."""
+    out = []
+
+    def run():
+        try:
+            out.append(g.join(offers))
+        except Exception as e:  # returned to the test
+            out.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(timeout)
+    return out[0] if out else None
+
+
+def test_a_log_slot_holding_the_text_an_empty_read_used_is_passed_over(monkeypatch):
+    """A key reads as empty when a compareSet expecting a text no key holds
+    gives that text back (store_bytes.h, peekKey). The text was fixed
+    ("\\0absent"): a store writer that put it in the log's next slot made
+    the slot read as empty for good, so every member stopped there, and a
+    joiner, whose record went in the slot after, read the empty one again
+    and again without end, holding the roster. The text is drawn at random
+    per process now: the slot is a writer's garbage, passed over."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=1.0, secret=KEY)
+    a.join("addr-a")
+    store.set("log/2", b"\x00absent")
+    b = A.Group(store, "b", 1, 0, lease_s=1.0, secret=KEY, rendezvous_s=5.0)
+    assert _join_on_a_thread(b, "addr-b", 15) == KEY
+    assert b.epoch == 3 and t.log_read(store, 3) is not None
+    wait_for(lambda: a.epoch == 3, what="a past the garbage, at b's join")
+    assert [m[:2] for m in a.members()] == [(0, "a"), (1, "b")]
+    assert a.metrics()["rpc_ext.membership.unproven_records"] == "1"
+    b.stop()
+    a.stop()
+
+
+class _LosesTheSlotBeforeItsJoin(_PassThroughStore):
+    """A joiner's store whose writer fills the log slot the joiner is about
+    to claim with garbage, then deletes it once the joiner's record is in
+    the next one: the joiner's record follows a slot that reads empty."""
+
+    def compare_set(self, key, expected, desired):
+        if key == "log/2" and expected == b"" and desired.startswith(b"proof "):
+            self.inner.set("log/2", b"a writer's garbage")
+        got = self.inner.compare_set(key, expected, desired)
+        if key == "log/3" and got == desired:
+            self.inner.delete_key("log/2")
+        return got
+
+
+def test_a_join_after_a_slot_the_store_lost_fails_naming_it():
+    """A record deleted from the log before everyone read it: nobody reads
+    past that slot. A joiner whose record lies past it fails init_rpc at
+    its deadline, naming the slot and why, rather than read it for good
+    (before: an endless loop holding the roster)."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=0.5, secret=KEY)
+    a.join("addr-a")
+    losing = _LosesTheSlotBeforeItsJoin(store)  # held: the group calls it
+    b = A.Group(losing, "b", 1, 0, lease_s=0.5, secret=KEY, rendezvous_s=1.0)
+    t0 = time.monotonic()
+    err = _join_on_a_thread(b, "addr-b", 20)
+    assert isinstance(err, RuntimeError), err
+    assert time.monotonic() - t0 < 10
+    assert "its join is record 3 of the group's membership log, and record 2 reads empty" in str(err)
+    assert "deleted or written over" in str(err)
+    b.stop()
+    a.stop()
+
+
+def test_each_snapshot_is_written_where_the_members_cross_a_multiple(monkeypatch):
+    """Snapshots every 4 epochs here: the members write one as they cross
+    4, and nobody writes one at the epoch it joined at. Before, a joiner
+    wrote a snapshot of the whole roster on its first turn (its count of
+    snapshots written started at 0), whatever its epoch: in a large group
+    one copy of every member's join record per join, each moving the
+    pointer and deleting the one before."""
+    monkeypatch.setenv("TORCH_RPC_EXT_LOG_SNAPSHOT_EVERY", "4")
+    store = dist.HashStore()
+    groups = []
+    for i, name in enumerate("abcde"):
+        g = A.Group(store, name, i, 0, lease_s=2.0, secret=KEY)
+        g.join(f"addr-{name}")
+        groups.append(g)
+    wait_for(lambda: all(g.epoch == 5 for g in groups), what="every join applied")
+    time.sleep(1.0)  # several turns of every watcher, e's first among them
+    assert [e for e in range(1, 7) if store.check([f"snap/{e}"])] == [4]
+    assert store.get("snap/latest") == b"4 0"
+    for g in groups:
+        g.stop()
+
+
+class _FailsRaisingTheEpoch(_PassThroughStore):
+    """A joiner's store that fails (a connection reset, say) as it raises
+    the group-made secret's epoch counter with add()."""
+
+    def add(self, key, n):
+        if key == "torch_rpc_ext/dyn_secret/epoch":
+            raise RuntimeError("connection reset by the store's host")
+        return self.inner.add(key, n)
+
+
+def test_a_joiner_that_failed_ending_an_empty_groups_epoch_holds_up_nobody():
+    """Ending the epoch of a group with nobody alive took two steps: a
+    compareSet of ".../<e>/ended", then add() on the counter. A joiner that
+    died or lost the store in between left "ended" claimed and the counter
+    where it was: every later joiner waited out its timeout on an epoch
+    that nobody could end any more. It is one compareSet on the counter
+    now, which the failing add() here never reaches."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=0.5)
+    first = a.join("addr-a")
+    a.leave()
+    a.stop()
+    failing = _FailsRaisingTheEpoch(store)  # held: the group calls it
+    c = A.Group(failing, "c", 2, 0, lease_s=0.5, rendezvous_s=5.0)
+    got = _join_on_a_thread(c, "addr-c", 20)  # (before: the store's error)
+    d = A.Group(store, "d", 3, 0, lease_s=0.5, rendezvous_s=5.0)
+    t0 = time.monotonic()
+    joined = _join_on_a_thread(d, "addr-d", 20)  # (before: timed out after 5 s)
+    assert isinstance(joined, bytes) and time.monotonic() - t0 < 5, joined
+    assert joined == got != first  # c made the new group, and sealed it to d
+    assert store.get("torch_rpc_ext/dyn_secret/epoch") == b"1"
+    d.stop()
+    c.stop()
