@@ -544,6 +544,11 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
       continue;
     }
     at::Tensor indices = buildDense(t.indices, storages_, storageOffsets_);
+    if (indices.is_cpu()) {
+      // Landed in host memory the peer may still write (a slab it lent):
+      // checked there, they could change after the check. Ours first.
+      indices = indices.clone();
+    }
     at::Tensor values = buildDense(t.dense, storages_, storageOffsets_);
     // Reject out-of-range indices here: a sparse tensor with bad indices
     // would crash the process later, far from the cause.

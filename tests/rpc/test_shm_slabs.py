@@ -262,3 +262,37 @@ def test_a_dead_peers_slabs_and_rings_are_unmapped_when_its_connection_closes():
             child.kill()
             child.join(10)
         ep.close(0)
+
+
+def sparse_where(s):
+    return mapping_of(s._indices().data_ptr()), mapping_of(s._values().data_ptr()), s.to_dense().sum().item()
+
+
+def sparse_parts(rank, world_size):
+    init(rank, world_size, transports=("shm",), heartbeat_timeout=1.0)
+    out = {}
+    if rank == 0:
+        g = torch.Generator().manual_seed(2)
+        nnz = 8192  # indices 128 KiB, values 128 KiB: each through a slab
+        indices = torch.stack([torch.randint(0, 4096, (nnz,), generator=g),
+                               torch.randint(0, 64, (nnz,), generator=g)])
+        s = torch.sparse_coo_tensor(indices, torch.randn(nnz, 4, generator=g), (4096, 64, 4))
+        rpc.rpc_sync("worker1", sparse_where, args=(s,))  # the connection's one-off
+        out["where"] = rpc.rpc_sync("worker1", sparse_where, args=(s,))
+        out["total"] = s.to_dense().sum().item()
+    rpc.shutdown()
+    return out
+
+
+def test_a_sparse_tensors_indices_are_copied_out_of_the_peers_slab():
+    """A sparse tensor's indices are checked when it lands (out of range:
+    the call fails, rather than a kernel reading out of bounds later). A
+    slab stays writable by the peer that lent it, so indices checked where
+    they lie could be rewritten after the check: they are copied out of it
+    first, and the values stay where they landed. Before (found by a
+    helper's reading in session 93), both lay in the peer's slab."""
+    out = run_world(sparse_parts, timeout=120)
+    indices_in, values_in, total = out[0]["where"]
+    assert values_in == SLAB_MAPPING
+    assert indices_in != SLAB_MAPPING
+    assert total == pytest.approx(out[0]["total"], rel=1e-5)
