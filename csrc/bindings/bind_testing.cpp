@@ -13,6 +13,7 @@
 
 #include "csrc/agent/builtin_call.h"
 #include "csrc/bindings/bind.h"
+#include "csrc/channel/shm/slab.h"
 #include "csrc/common/aes_gcm_vaes.h"
 #include "csrc/common/buffer_pool.h"
 #include "csrc/common/crypto.h"
@@ -221,6 +222,12 @@ void bindTesting(py::module_& m) {
       "set_cpu_pressure",
       [](std::optional<double> percent) { setCpuPressureForTests(percent); },
       py::arg("percent"));
+  // The bytes of slabs this process lets a connection announce to its
+  // peer, and accepts from one (twice it): 0 puts back 32 GiB (slab.h).
+  m.def(
+      "set_slab_bytes_bound",
+      [](uint64_t bytes) { channel::shm::setSlabBytesBound(bytes); },
+      py::arg("bytes"));
   m.def("peer_fd_stats", [] {
     auto s = fdCloserStats();
     return py::dict(

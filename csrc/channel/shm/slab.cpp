@@ -6,6 +6,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <stdexcept>
 
 #include "csrc/common/fd_closer.h"
@@ -22,6 +24,20 @@ namespace {
 constexpr int kRequiredSeals = F_SEAL_SHRINK | F_SEAL_SEAL;
 
 } // namespace
+
+namespace {
+std::atomic<uint64_t> g_slabBytesBound{kMaxSlabBytes};
+} // namespace
+
+uint64_t slabBytesBound() {
+  return g_slabBytesBound.load(std::memory_order_relaxed);
+}
+
+void setSlabBytesBound(uint64_t bytes) {
+  g_slabBytesBound.store(
+      bytes == 0 ? kMaxSlabBytes : std::min(bytes, kMaxSlabBytes),
+      std::memory_order_relaxed);
+}
 
 uint64_t slabCapacityFor(uint64_t segmentBytes) {
   if (segmentBytes > kSlabLargeGranule) {

@@ -82,12 +82,16 @@ constexpr uint64_t kSlabMinSegment = uint64_t(64) << 10;
 constexpr uint64_t kSlabLargeGranule = uint64_t(2) << 20;
 constexpr uint64_t kSlabPage = 4096;
 uint64_t slabCapacityFor(uint64_t segmentBytes);
-// Per connection and direction: at most this many slabs exist, and at most
-// kMaxLentSlabBytes of them may be lent out at once; past either bound the
-// sender declines the segment (the next channel, shm_ring, takes it: a copy
-// per side) rather than grow.
+// Per connection and direction: at most this many slabs exist, of at most
+// kMaxSlabBytes in all (free, lent or handed back: every one the peer has
+// mapped); past either bound the sender declines the segment (the next
+// channel, shm_ring, takes it: a copy per side) rather than grow.
 constexpr size_t kMaxSlabs = 1024;
-constexpr uint64_t kMaxLentSlabBytes = uint64_t(1) << 35; // 32 GiB
+constexpr uint64_t kMaxSlabBytes = uint64_t(1) << 35; // 32 GiB
+// kMaxSlabBytes, or a lower bound a test set for this process (a test hook:
+// _testing.set_slab_bytes_bound), which takes the peer's bound down with it.
+uint64_t slabBytesBound();
+void setSlabBytesBound(uint64_t bytes);
 // A free slab unused this long is unmapped (and the peer told to unmap it).
 constexpr int64_t kSlabIdleMs = 2000;
 // Shared memory pays for itself only when it is used again: making a slab

@@ -4,6 +4,7 @@
 // slab.
 #include "csrc/channel/shm/slab_channel.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -17,8 +18,14 @@ namespace {
 using frame::FrameKind;
 using frame::SegmentRecord;
 
-// The peer may have at most this many bytes of slabs mapped into us.
-constexpr uint64_t kMaxPeerSlabBytes = 2 * kMaxLentSlabBytes;
+// The peer may have at most this many slabs, of this many bytes, mapped
+// into us: twice what it may own, for the slabs it unmapped whose drops
+// are still on their way (a trim, on its loop thread, erases them before
+// it queues their drops; a new slab made meanwhile is announced after).
+constexpr size_t kMaxPeerSlabs = 2 * kMaxSlabs;
+uint64_t maxPeerSlabBytes() {
+  return 2 * slabBytesBound();
+}
 // Releases of slabs smaller than this wait to ride with our next frame (RPC
 // traffic goes both ways, so one comes soon), at most kMaxPendingReleases of
 // them and at most until the next heartbeat tick: a release frame of its own
@@ -150,7 +157,6 @@ bool SlabChannel::takeRegion(
     if (id != 0) {
       auto& own = ownSlabs_[id];
       own.state = OwnSlab::State::kLent;
-      lentSlabBytes_ += own.slab->capacity();
       slab = own.slab;
     } else if (!warm) {
       // A one-off: a new slab would cost more than it saves.
@@ -159,7 +165,7 @@ bool SlabChannel::takeRegion(
       return false;
     } else if (
         ownSlabs_.size() + slabsBeingMapped_ >= kMaxSlabs ||
-        lentSlabBytes_ + want > kMaxLentSlabBytes) {
+        ownSlabBytes_ + want > slabBytesBound()) {
       counters_.declined.fetch_add(1, std::memory_order_relaxed);
       return false;
     } else {
@@ -167,7 +173,7 @@ bool SlabChannel::takeRegion(
       // entered in ownSlabs_ only once it exists: the peer cannot name it
       // before its setup frame, which follows.
       id = nextSlabId_++;
-      lentSlabBytes_ += want;
+      ownSlabBytes_ += want;
       ++slabsBeingMapped_;
     }
   }
@@ -182,7 +188,7 @@ bool SlabChannel::takeRegion(
           e.what());
       std::lock_guard<std::mutex> lock(slabMutex_);
       --slabsBeingMapped_;
-      lentSlabBytes_ -= want;
+      ownSlabBytes_ -= want;
       counters_.declined.fetch_add(1, std::memory_order_relaxed);
       return false;
     }
@@ -274,7 +280,7 @@ void SlabChannel::onClosedFromLoop() {
   peerSlabBytes_ = 0;
   std::unordered_map<uint32_t, OwnSlab> own;
   std::lock_guard<std::mutex> lock(slabMutex_);
-  own.swap(ownSlabs_); // (lentSlabBytes_ stays as counted: no underflow)
+  own.swap(ownSlabs_); // (ownSlabBytes_ stays as counted: no underflow)
 }
 
 void SlabChannel::abandonRegion(
@@ -295,7 +301,6 @@ void SlabChannel::abandonRegion(
     if (it != ownSlabs_.end() && it->second.state == OwnSlab::State::kLent) {
       it->second.state = OwnSlab::State::kFree;
       it->second.lastUsed = std::chrono::steady_clock::now();
-      lentSlabBytes_ -= it->second.slab->capacity();
     }
   }
   counters_.segments.fetch_sub(1, std::memory_order_relaxed);
@@ -319,6 +324,7 @@ void SlabChannel::trim() {
       if (it->second.state == OwnSlab::State::kFree &&
           now - it->second.lastUsed >= std::chrono::milliseconds(kSlabIdleMs)) {
         dropped.push_back(it->first);
+        ownSlabBytes_ -= it->second.slab->capacity();
         it = ownSlabs_.erase(it);
       } else {
         ++it;
@@ -386,10 +392,11 @@ bool SlabChannel::onSetupFromLoop(
     why = "slab " + std::to_string(id) + " announced twice";
   }
   if (why.empty() &&
-      (peerSlabs_.size() >= kMaxSlabs ||
-       capacity > kMaxPeerSlabBytes - peerSlabBytes_)) {
-    why = "the peer's slabs exceed " + std::to_string(kMaxSlabs) + " or " +
-        std::to_string(kMaxPeerSlabBytes) + " bytes";
+      (peerSlabs_.size() >= kMaxPeerSlabs ||
+       capacity >
+           maxPeerSlabBytes() - std::min(peerSlabBytes_, maxPeerSlabBytes()))) {
+    why = "the peer's slabs exceed " + std::to_string(kMaxPeerSlabs) + " or " +
+        std::to_string(maxPeerSlabBytes()) + " bytes";
   }
   if (!why.empty()) {
     host.rejectFromLoop("rejected slab: " + why);
@@ -415,7 +422,6 @@ bool SlabChannel::onReleaseFromLoop(Host& host, const std::string& head) {
       }
       it->second.state = OwnSlab::State::kFree;
       it->second.lastUsed = now;
-      lentSlabBytes_ -= it->second.slab->capacity();
     }
   }
   if (!ok) {
@@ -471,7 +477,6 @@ int64_t SlabChannel::onRecordFromLoop(
     } else {
       slab = it->second.slab;
       it->second.state = OwnSlab::State::kLocal;
-      lentSlabBytes_ -= slab->capacity();
     }
   } else {
     why = "unknown slab record kind " + std::to_string(r.kind);

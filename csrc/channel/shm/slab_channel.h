@@ -107,7 +107,11 @@ class SlabChannel final : public Channel,
   std::unordered_map<uint32_t, OwnSlab> ownSlabs_;
   uint32_t nextSlabId_ = 1;
   size_t slabsBeingMapped_ = 0; // ids taken, not yet in ownSlabs_
-  uint64_t lentSlabBytes_ = 0;
+  // Every slab of ours the peer knows of (free, lent or handed back), and
+  // those being made: what it has mapped, as it counts it. (Until session
+  // 93 only lent slabs counted here: free ones, kept 2 s, could take the
+  // peer's count past its bound, which closed the connection.)
+  uint64_t ownSlabBytes_ = 0;
 
   // Releases of the peer's small slabs not yet sent: they ride with our next
   // frame, or go alone on the tick.
