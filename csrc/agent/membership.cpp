@@ -172,21 +172,75 @@ const Member* Roster::byRank(int32_t rank) const {
 }
 
 const Member* Roster::byName(const std::string& name) const {
-  for (const auto& [rank, m] : members_) {
-    if (m.name == name) {
-      return &m;
-    }
-  }
-  return nullptr;
+  auto it = rankByName_.find(name);
+  return it == rankByName_.end() ? nullptr : byRank(it->second);
 }
 
 const Member* Roster::byIncarnation(uint64_t incarnation) const {
-  for (const auto& [rank, m] : members_) {
-    if (m.incarnation == incarnation) {
-      return &m;
+  auto it = rankByIncarnation_.find(incarnation);
+  return it == rankByIncarnation_.end() ? nullptr : byRank(it->second);
+}
+
+void Roster::add(const Member& m, DeviceOffer offer) {
+  members_[m.rank] = m;
+  rankByName_[m.name] = m.rank;
+  rankByIncarnation_[m.incarnation] = m.rank;
+  if (offer.devices.empty() && offer.maps.empty()) {
+    return;
+  }
+  for (const auto& [peer, map] : offer.maps) {
+    mappedBy_[peer][m.rank] = true;
+  }
+  offers_[m.rank] = std::move(offer);
+}
+
+void Roster::remove(int32_t rank) {
+  auto it = members_.find(rank);
+  if (it == members_.end()) {
+    return;
+  }
+  rankByName_.erase(it->second.name);
+  rankByIncarnation_.erase(it->second.incarnation);
+  if (auto o = offers_.find(rank); o != offers_.end()) {
+    for (const auto& [peer, map] : o->second.maps) {
+      auto by = mappedBy_.find(peer);
+      by->second.erase(rank);
+      if (by->second.empty()) {
+        mappedBy_.erase(by);
+      }
+    }
+    offers_.erase(o);
+  }
+  members_.erase(it);
+}
+
+std::string Roster::mapConflict(
+    const std::string& name,
+    const DeviceOffer& offer) const {
+  // Only a map between the two can conflict: the members the joiner's
+  // maps name, and those whose maps name it, in rank order.
+  std::map<int32_t, bool> ranks;
+  for (const auto& [peer, map] : offer.maps) {
+    if (const Member* m = byName(peer)) {
+      ranks[m->rank] = true;
     }
   }
-  return nullptr;
+  if (auto it = mappedBy_.find(name); it != mappedBy_.end()) {
+    ranks.insert(it->second.begin(), it->second.end());
+  }
+  static const DeviceOffer kNone;
+  for (const auto& [rank, unused] : ranks) {
+    auto o = offers_.find(rank);
+    std::string conflict = deviceMapConflict(
+        name,
+        offer,
+        members_.at(rank).name,
+        o == offers_.end() ? kNone : o->second);
+    if (!conflict.empty()) {
+      return conflict;
+    }
+  }
+  return "";
 }
 
 MembershipEvent Roster::apply(const std::string& record) {
@@ -239,16 +293,12 @@ MembershipEvent Roster::apply(const std::string& record) {
     }
     // Every member judges device maps alike (a joiner checks them before
     // it appends, but two joining at once do not see each other).
-    const DeviceOffer offer = parseDeviceOffer(ev.member.offers);
-    for (const auto& [r, m] : members_) {
-      std::string conflict =
-          deviceMapConflict(name, offer, m.name, parseDeviceOffer(m.offers));
-      if (!conflict.empty()) {
-        return ignore(conflict);
-      }
+    DeviceOffer offer = parseDeviceOffer(ev.member.offers);
+    if (std::string conflict = mapConflict(name, offer); !conflict.empty()) {
+      return ignore(conflict);
     }
     ev.kind = MembershipEvent::Kind::kJoin;
-    members_[ev.member.rank] = ev.member;
+    add(ev.member, std::move(offer));
     return ev;
   }
   if (kind != "leave" && kind != "dead") {
@@ -270,7 +320,7 @@ MembershipEvent Roster::apply(const std::string& record) {
   } else {
     ev.kind = MembershipEvent::Kind::kLeave;
   }
-  members_.erase(m->rank);
+  remove(m->rank);
   return ev;
 }
 

@@ -29,6 +29,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/rpc/rpc_agent.h>
 
+#include "csrc/agent/dynamic_devices.h"
 #include "csrc/agent/peer_stats.h"
 
 namespace torch_rpc_ext {
@@ -206,8 +207,21 @@ class Roster {
   bool restore(int64_t epoch, const std::string& text);
 
  private:
+  void add(const Member& m, DeviceOffer offer);
+  void remove(int32_t rank);
+  // Whether the joiner's device maps and a member's conflict: checked
+  // against the members its maps name and those whose maps name it, each
+  // offer parsed once (before session 93 every member's offers were parsed
+  // again for every join: O(N^2) parses to restore a snapshot of N).
+  std::string mapConflict(const std::string& name, const DeviceOffer& offer)
+      const;
+
   int64_t epoch_ = 0;
   std::map<int32_t, Member> members_; // by rank
+  std::unordered_map<std::string, int32_t> rankByName_;
+  std::unordered_map<uint64_t, int32_t> rankByIncarnation_;
+  std::map<int32_t, DeviceOffer> offers_; // members that publish devices
+  std::unordered_map<std::string, std::map<int32_t, bool>> mappedBy_;
 };
 
 // A record as the log holds it: what Roster::apply reads, and whether it

@@ -193,6 +193,23 @@ def test_aead_bench_times_both_engines_on_the_same_records(tmp_path):
             assert len(ratios) == (len(engines) == 2)
 
 
+def test_roster_restore_bench_times_every_group_shape(tmp_path):
+    """benchmarks/roster_restore.py: a snapshot of N members restored, for
+    each kind of offers, the restored roster checked against the original."""
+    out = tmp_path / "roster.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "roster_restore.py"), "--members", "8", "64",
+         "--rounds", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=100, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["members"], r["offers"]) for r in rows} == {
+        (n, k) for n in (8, 64) for k in ("none", "devices", "maps")}
+    assert all(r["restore_ms"] > 0 and r["snapshot_kb"] > 0 for r in rows)
+
+
 @pytest.mark.timeout(600)
 def test_nested_bench_smoke_emits_both_backends_and_the_hand_offs(tmp_path):
     out = tmp_path / "nested.jsonl"
