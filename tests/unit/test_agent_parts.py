@@ -1182,6 +1182,10 @@ def test_each_snapshot_is_written_where_the_members_cross_a_multiple(monkeypatch
         g.join(f"addr-{name}")
         groups.append(g)
     wait_for(lambda: all(g.epoch == 5 for g in groups), what="every join applied")
+    # (a, b and c applied d's join, the 4th, before e's was appended: d's
+    # init_rpc waited for their acknowledgements.)
+    wait_for(lambda: store.check(["snap/latest"]) and store.get("snap/latest") == b"4 0",
+             what="the snapshot at 4")
     time.sleep(1.0)  # several turns of every watcher, e's first among them
     assert [e for e in range(1, 7) if store.check([f"snap/{e}"])] == [4]
     assert store.get("snap/latest") == b"4 0"
