@@ -220,7 +220,9 @@ class Group {
   void joinLog(const std::string& entry, std::chrono::milliseconds rpcTimeout);
   // Our leave, appended at once; a store that fails it is said (`what` we
   // could not do), and our lease runs out instead.
-  void recordLeave(const std::string& what);
+  // (After `after` too: our join there, which a leave before it would
+  // precede.)
+  void recordLeave(const std::string& what, int64_t after = 0);
   // joinLog's steps; `appended` once our join record may be in the log
   // (set before the append: a store that fails may have taken it),
   // `readBack` once we applied the log up to it.
@@ -228,7 +230,8 @@ class Group {
       const std::string& entry,
       std::chrono::milliseconds rpcTimeout,
       bool& appended,
-      bool& readBack);
+      bool& readBack,
+      int64_t& joinedAt);
   void watch();
   // Apply what the log holds past our roster; true if anything changed.
   bool catchUp();

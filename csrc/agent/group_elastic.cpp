@@ -42,14 +42,15 @@ void Group::joinLog(
   // of every member's). Once joined, stop() takes back a failure.
   bool appended = false;
   bool readBack = false;
+  int64_t joinedAt = 0; // where our join went, once the store said so
   try {
-    joinRecorded(entry, rpcTimeout, appended, readBack);
+    joinRecorded(entry, rpcTimeout, appended, readBack, joinedAt);
   } catch (...) {
     if (joined_) {
       throw;
     }
     if (appended && !readBack) {
-      recordLeave("take back its join, if the store took it");
+      recordLeave("take back its join, if the store took it", joinedAt);
     }
     try {
       log_->forget(incarnation_);
@@ -64,7 +65,8 @@ void Group::joinRecorded(
     const std::string& entry,
     std::chrono::milliseconds rpcTimeout,
     bool& appended,
-    bool& readBack) {
+    bool& readBack,
+    int64_t& joinedAt) {
   const auto& self = self_;
   log_->beat(incarnation_);
   // A member that died meanwhile is declared dead by its lease, which ends
@@ -155,6 +157,7 @@ void Group::joinRecorded(
     listener_.reserveIds(me.rank, log_->nextGeneration(me.rank));
     appended = true; // or may be: a store that took it, then failed us
     epoch = log_->append(record, roster_.epoch());
+    joinedAt = epoch;
     int64_t stuck = 0;
     TORCH_CHECK(
         catchUpTo(epoch, deadline, lock, stuck),
@@ -168,7 +171,7 @@ void Group::joinRecorded(
         stuck,
         " reads empty in the rendezvous store although later ones are "
         "there: it was deleted or written over (by something other than a "
-        "member of the group); the members cannot read past it either");
+        "member of the group); nobody reads past it until a record fills it");
     readBack = true;
     Peer* mine = view()->find(me.rank);
     joined_ = mine && mine->incarnation == incarnation_;
@@ -450,27 +453,31 @@ void Group::leave(std::optional<Clock::time_point> deadline) {
   if (!joined_ || left_.exchange(true)) {
     return;
   }
-  // Once every member has applied our leave, nobody starts a call to us;
-  // then the calls we are serving finish (their responses still go out).
-  auto until = Clock::now() + 2 * leaseTimeout();
-  if (deadline && *deadline < until) {
-    until = *deadline;
-  }
   int64_t epoch;
   {
     std::unique_lock<std::mutex> lock(rosterMutex_);
     catchUp();
     epoch = log_->append(leaveRecord(incarnation_), roster_.epoch());
+    auto readUntil = Clock::now() + 2 * leaseTimeout();
+    if (deadline && *deadline < readUntil) {
+      readUntil = *deadline;
+    }
     int64_t stuck = 0;
-    if (!catchUpTo(epoch, until, lock, stuck)) {
+    if (!catchUpTo(epoch, readUntil, lock, stuck)) {
       logWarning(
           "torch_rpc_ext: " + self_.name_ + " leaves the group as record " +
           std::to_string(epoch) + " of its membership log, and record " +
           std::to_string(stuck) +
           " reads empty in the rendezvous store although later ones are "
-          "there: it was deleted or written over, and the members cannot "
-          "read past it to our leave");
+          "there: it was deleted or written over, and nobody reads past "
+          "it to our leave until a record fills it");
     }
+  }
+  // Once every member has applied our leave, nobody starts a call to us;
+  // then the calls we are serving finish (their responses still go out).
+  auto until = Clock::now() + 2 * leaseTimeout();
+  if (deadline && *deadline < until) {
+    until = *deadline;
   }
   std::vector<std::string> missing;
   if (!awaitAcks(epoch, until, &missing)) {
@@ -569,10 +576,10 @@ std::optional<std::vector<MembershipEvent>> Group::takeEvents(
   return out;
 }
 
-void Group::recordLeave(const std::string& what) {
+void Group::recordLeave(const std::string& what, int64_t after) {
   try {
     std::lock_guard<std::mutex> lock(rosterMutex_);
-    log_->append(leaveRecord(incarnation_), roster_.epoch());
+    log_->append(leaveRecord(incarnation_), std::max(roster_.epoch(), after));
   } catch (const std::exception& e) {
     logWarning(
         "torch_rpc_ext: " + self_.name_ + " could not " + what +

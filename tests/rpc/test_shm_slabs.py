@@ -320,8 +320,13 @@ def bounded_sender(conn):
     for i, sizes in enumerate(BOUNDED):
         bufs = [ctypes.create_string_buffer(bytes([16 * i + k + 1]) * n, n) for k, n in enumerate(sizes)]
         ep.send(b"msg%d" % i, [(ctypes.addressof(b), n, 0, 0, 0) for b, n in zip(bufs, sizes)])
-        if conn.recv() != "released":
+        # The peer's answer comes after its releases (1 MiB and more go at
+        # once, ahead of any later frame): our slabs are free again.
+        got = ep.receive(30)
+        if got is None or got[0] != b"released%d" % i:
+            conn.send(("lost", ep.close_reason()))
             return
+    conn.send(("counters", ep.counters().get("shm_slab", {})))
     conn.recv()
     ep.close(5)
 
@@ -360,9 +365,13 @@ def test_a_sender_announces_no_more_slab_bytes_than_its_peer_accepts():
                 data = s if isinstance(s, bytes) else ctypes.string_at(s.address, s.size)
                 assert data == bytes([16 * i + k + 1]) * n, (i, k)
             del got, segments, s  # released: the peer's slabs are free again
-            time.sleep(0.2)  # (the release goes at once for 1 MiB and more)
-            ours.send("released")
+            ep.send(b"released%d" % i, [])
+        assert ours.poll(30)
+        what, counters = ours.recv()
+        assert what == "counters", counters
         assert ep.close_reason() == ""
+        # The one-off, then the 4 MiB and 256 KiB segments: over the bound.
+        assert counters["slabs_created"] == 4 and counters["declined"] - counters["one_offs"] == 2, counters
         ours.send("done")
     finally:
         _testing.set_slab_bytes_bound(0)
