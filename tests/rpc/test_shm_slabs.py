@@ -197,10 +197,9 @@ def shm_mappings():
                    for line in f)
 
 
-def sender(conn):
-    """A peer that sends SIZES and waits to be killed."""
-    import ctypes
-
+def dialed_endpoint(conn):
+    """In a forked peer: an Endpoint (rank 0, shm, both shm channels)
+    connected to the test's, which `conn` reaches (accepted_endpoint)."""
     from torch_rpc_ext import _testing
 
     ep = _testing.Endpoint(0, 2, KEY, "shm", ["shm_slab", "shm_ring"])
@@ -208,6 +207,39 @@ def sender(conn):
     address, descriptors = conn.recv()
     ep.set_peer(descriptors)
     ep.connect(address, 1)
+    return ep
+
+
+def accepted_endpoint(target):
+    """The test's side: `target(conn)` forked, and an Endpoint (rank 1)
+    it connects to; (endpoint, conn, child)."""
+    import multiprocessing as mp
+
+    from torch_rpc_ext import _testing
+
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=target, args=(theirs,))
+    child.start()
+    theirs.close()
+    ep = _testing.Endpoint(1, 2, KEY, "shm", ["shm_slab", "shm_ring"])
+    try:
+        assert ours.poll(30), "the peer did not start"
+        ep.set_peer(ours.recv())
+        ours.send((ep.address, ep.descriptors()))
+    except BaseException:
+        child.kill()
+        ep.close(0)
+        raise
+    return ep, ours, child
+
+
+def sender(conn):
+    """A peer that sends SIZES and waits to be killed."""
+    import ctypes
+
+
+    ep = dialed_endpoint(conn)
     kept = []
     for i, size in enumerate(SIZES):
         kept.append(buf := ctypes.create_string_buffer(bytes([i + 1]) * size, size))
@@ -223,23 +255,12 @@ def test_a_dead_peers_slabs_and_rings_are_unmapped_when_its_connection_closes():
     the connection closes, not when the last hold on it does (before, a
     dead peer's whole slab pool stayed mapped while any of its requests
     ran)."""
-    import multiprocessing as mp
     import os
     import signal
 
-    from torch_rpc_ext import _testing
-
     before = shm_mappings()
-    ctx = mp.get_context("fork")
-    ours, theirs = ctx.Pipe()
-    child = ctx.Process(target=sender, args=(theirs,))
-    child.start()
-    theirs.close()
-    ep = _testing.Endpoint(1, 2, KEY, "shm", ["shm_slab", "shm_ring"])
+    ep, ours, child = accepted_endpoint(sender)
     try:
-        assert ours.poll(30), "the peer did not start"
-        ep.set_peer(ours.recv())
-        ours.send((ep.address, ep.descriptors()))
         got = [ep.receive(30) for _ in SIZES]
         assert all(g is not None for g in got), ep.close_reason()
         regions = [s for _, segments in got for s in segments if not isinstance(s, bytes)]
@@ -312,11 +333,7 @@ def bounded_sender(conn):
     from torch_rpc_ext import _testing
 
     _testing.set_slab_bytes_bound(4 * MiB)
-    ep = _testing.Endpoint(0, 2, KEY, "shm", ["shm_slab", "shm_ring"])
-    conn.send(ep.descriptors())
-    address, descriptors = conn.recv()
-    ep.set_peer(descriptors)
-    ep.connect(address, 1)
+    ep = dialed_endpoint(conn)
     for i, sizes in enumerate(BOUNDED):
         bufs = [ctypes.create_string_buffer(bytes([16 * i + k + 1]) * n, n) for k, n in enumerate(sizes)]
         ep.send(b"msg%d" % i, [(ctypes.addressof(b), n, 0, 0, 0) for b, n in zip(bufs, sizes)])
@@ -341,21 +358,12 @@ def test_a_sender_announces_no_more_slab_bytes_than_its_peer_accepts():
     a helper's reading in session 93). Every slab the peer has mapped counts
     now: past the bound the segment goes through the ring instead."""
     import ctypes
-    import multiprocessing as mp
 
     from torch_rpc_ext import _testing
 
     _testing.set_slab_bytes_bound(4 * MiB)  # the receiver's bound: 8 MiB of the peer's
-    ctx = mp.get_context("fork")
-    ours, theirs = ctx.Pipe()
-    child = ctx.Process(target=bounded_sender, args=(theirs,))
-    child.start()
-    theirs.close()
-    ep = _testing.Endpoint(1, 2, KEY, "shm", ["shm_slab", "shm_ring"])
+    ep, ours, child = accepted_endpoint(bounded_sender)
     try:
-        assert ours.poll(30), "the peer did not start"
-        ep.set_peer(ours.recv())
-        ours.send((ep.address, ep.descriptors()))
         for i, sizes in enumerate(BOUNDED):
             got = ep.receive(30)
             assert got is not None, ep.close_reason()
