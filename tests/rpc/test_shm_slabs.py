@@ -238,7 +238,6 @@ def sender(conn):
     """A peer that sends SIZES and waits to be killed."""
     import ctypes
 
-
     ep = dialed_endpoint(conn)
     kept = []
     for i, size in enumerate(SIZES):
