@@ -125,19 +125,16 @@ void Group::joinRecorded(
     }
     // Our device maps and the members' must land on devices their targets
     // publish, checked before we hold anything in the log.
-    const DeviceOffer ours = parseDeviceOffer(me.offers);
-    for (const auto& [rank, member] : roster_.members()) {
-      const std::string conflict = deviceMapConflict(
-          me.name, ours, member.name, parseDeviceOffer(member.offers));
-      TORCH_CHECK(
-          conflict.empty(),
-          "init_rpc of ",
-          me.name,
-          " (rank ",
-          me.rank,
-          ") failed: ",
-          conflict);
-    }
+    const std::string conflict =
+        roster_.mapConflict(me.name, parseDeviceOffer(me.offers));
+    TORCH_CHECK(
+        conflict.empty(),
+        "init_rpc of ",
+        me.name,
+        " (rank ",
+        me.rank,
+        ") failed: ",
+        conflict);
     // Our RRef and autograd ids start past every earlier holder's of this
     // rank (torch derives them from the rank alone).
     // Members pass over a record past the bound as a store writer's.

@@ -189,7 +189,7 @@ void Roster::add(const Member& m, DeviceOffer offer) {
     return;
   }
   for (const auto& [peer, map] : offer.maps) {
-    mappedBy_[peer][m.rank] = true;
+    mappedBy_[peer].insert(m.rank);
   }
   offers_[m.rank] = std::move(offer);
 }
@@ -219,17 +219,17 @@ std::string Roster::mapConflict(
     const DeviceOffer& offer) const {
   // Only a map between the two can conflict: the members the joiner's
   // maps name, and those whose maps name it, in rank order.
-  std::map<int32_t, bool> ranks;
+  std::set<int32_t> ranks;
   for (const auto& [peer, map] : offer.maps) {
     if (const Member* m = byName(peer)) {
-      ranks[m->rank] = true;
+      ranks.insert(m->rank);
     }
   }
   if (auto it = mappedBy_.find(name); it != mappedBy_.end()) {
     ranks.insert(it->second.begin(), it->second.end());
   }
   static const DeviceOffer kNone;
-  for (const auto& [rank, unused] : ranks) {
+  for (const int32_t rank : ranks) {
     auto o = offers_.find(rank);
     std::string conflict = deviceMapConflict(
         name,

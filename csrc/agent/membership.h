@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -198,6 +199,13 @@ class Roster {
   const Member* byRank(int32_t rank) const;
   const Member* byName(const std::string& name) const;
   const Member* byIncarnation(uint64_t incarnation) const;
+  // Why a joiner `name` publishing `offer` conflicts with a member's device
+  // maps ("" if it does not): checked against the members its maps name and
+  // those whose maps name it, each offer parsed once (before session 93
+  // every member's offers were parsed again for every join: O(N^2) parses
+  // to restore a snapshot of N).
+  std::string mapConflict(const std::string& name, const DeviceOffer& offer)
+      const;
 
   // The members as one text (their join records, in rank order), and back:
   // a joiner starts from the newest snapshot, not from epoch 1.
@@ -209,19 +217,13 @@ class Roster {
  private:
   void add(const Member& m, DeviceOffer offer);
   void remove(int32_t rank);
-  // Whether the joiner's device maps and a member's conflict: checked
-  // against the members its maps name and those whose maps name it, each
-  // offer parsed once (before session 93 every member's offers were parsed
-  // again for every join: O(N^2) parses to restore a snapshot of N).
-  std::string mapConflict(const std::string& name, const DeviceOffer& offer)
-      const;
 
   int64_t epoch_ = 0;
   std::map<int32_t, Member> members_; // by rank
   std::unordered_map<std::string, int32_t> rankByName_;
   std::unordered_map<uint64_t, int32_t> rankByIncarnation_;
   std::map<int32_t, DeviceOffer> offers_; // members that publish devices
-  std::unordered_map<std::string, std::map<int32_t, bool>> mappedBy_;
+  std::unordered_map<std::string, std::set<int32_t>> mappedBy_;
 };
 
 // A record as the log holds it: what Roster::apply reads, and whether it
