@@ -368,6 +368,74 @@ def abandoned_receiver(conn, ctl):
     end.close()
 
 
+# ---- slab_drop: a slab made for a frame refused at send, behind a stall ----
+#
+# As `abandoned` (the sender sees two devices, the receiver one), with the
+# shm channels too: the refused frame's CPU segment went into a new slab of
+# shm_slab first, whose setup frame then queued behind a frame the stopped
+# receiver does not read. The slab is free, and idle past kSlabIdleMs when
+# the heartbeat's ticks trim; the drop a trim sends jumps the queue, so the
+# receiver would read the drop of a slab it never heard of first.
+
+SLAB_CHANNELS = ("shm_slab", "shm_ring", "cuda_ipc")
+SLAB_LARGE = 1 << 20  # a slab's (after the connection's one-off)
+SLAB_SMALL = 32 << 10  # rides in the stream
+STALLED = 512  # 16 MiB of them: more than the socket holds (4 MiB asked)
+
+
+def slab_drop_sender(conn, ctl):
+    import ctypes
+
+    os.environ["FAKE_CUDA_DEVICES"] = "2"
+    end = End("sender", conn, channels=SLAB_CHANNELS)
+    receiver_pid = conn.recv()
+    large = ctypes.create_string_buffer(b"L" * SLAB_LARGE, SLAB_LARGE)
+    small = [ctypes.create_string_buffer(b"s" * SLAB_SMALL, SLAB_SMALL) for _ in range(STALLED)]
+
+    def cpu(buf, n):
+        return (ctypes.addressof(buf), n, 0, 0, 0)
+
+    end.ep.send(b"one-off", [cpu(large, SLAB_LARGE)])  # shm_slab's offers are warm after
+    other = end.cu.mem_alloc(1, 4096)
+    other_stream = end.cu.stream_create(1)
+    os.kill(receiver_pid, signal.SIGSTOP)
+    try:
+        end.ep.send(b"stalled", [cpu(b, SLAB_SMALL) for b in small])
+        try:
+            end.ep.send(b"refused", [cpu(large, SLAB_LARGE), (other, 4096, CUDA, 1, other_stream)], [])
+            error = ""
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            error = str(e)
+        # Ticks of the heartbeat (every 2 s) trim free slabs idle 2 s.
+        time.sleep(5)
+    finally:
+        os.kill(receiver_pid, signal.SIGCONT)
+    end.ep.send(b"after", [cpu(large, SLAB_LARGE)])
+    got = end.ep.receive(TIMEOUT)
+    ctl.send((error, got and got[0], end.counters("shm_slab")))
+    end.cu.stream_synchronize(1, other_stream)
+    end.cu.mem_free(1, other)
+    end.close()
+
+
+def slab_drop_receiver(conn, ctl):
+    os.environ["FAKE_CUDA_DEVICES"] = "1"
+    end = End("receiver", conn, channels=SLAB_CHANNELS)
+    conn.send(os.getpid())
+    heads = []
+    for _ in range(3):
+        got = end.ep.receive(TIMEOUT)
+        if got is None:
+            break
+        heads.append(got[0])
+        del got
+    reason = end.ep.close_reason()
+    if not reason:
+        end.ep.send(b"ok", [])
+    ctl.send((heads, reason))
+    end.close()
+
+
 # ---- gathered: many small segments of one frame share a block and a launch -
 #
 # A frame of GATHERED small segments (odd sizes) and one large one: the small

@@ -117,6 +117,27 @@ def test_blocks_of_a_frame_refused_at_send_go_back_to_the_pool(spawn):
     assert sender["segments"] == 1 and sender["declined"] == 1
 
 
+@fake_only  # the sender sees two devices, the receiver one (FAKE_CUDA_DEVICES)
+def test_a_slab_of_a_refused_frame_is_not_dropped_ahead_of_its_setup(spawn):
+    """shm_slab beside cuda_ipc: a frame refused at send had put its CPU
+    segment into a new slab, whose setup frame then waits behind a frame
+    the stopped peer does not read. The slab is free and soon idle, and
+    the idle trim's drop goes ahead of queued frames: before (found by a
+    helper's reading in session 93, fixed in 94), the peer read the drop
+    of a slab it never heard of first and closed the connection. A slab
+    is dropped only once its setup is out."""
+    (error, answer, slab), (heads, reason) = play(spawn, "slab_drop")
+    assert "declined a segment of 4096 bytes" in error
+    assert reason == ""
+    assert heads == [b"one-off", b"stalled", b"after"] and answer == b"ok"
+    # One slab made, the refused frame's, while the peer was stopped. The
+    # frame after the stall took it from the pool (its drop waited for the
+    # setup, which the peer reads first), or, had a tick dropped it first,
+    # went as a one-off (5 s after the last large segment).
+    assert slab["slabs_created"] == 1, sorted(slab.items())
+    assert (slab["segments"], slab["one_offs"]) in ((1, 1), (0, 2)), sorted(slab.items())
+
+
 def test_segments_go_into_grants_and_the_oldest_makes_room_for_a_new_size(spawn):
     """cuda_ipc's grants with no agent above (_testing's grant source of
     plain driver memory, so also on a GPU whose torch has no landing pool):

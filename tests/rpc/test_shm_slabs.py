@@ -387,3 +387,61 @@ def test_a_sender_announces_no_more_slab_bytes_than_its_peer_accepts():
             child.kill()
             child.join(10)
         ep.close(0)
+
+
+def waiting_peer(conn):
+    """A peer that receives nothing (its Endpoint queues what comes) and
+    waits to be killed."""
+    ep = dialed_endpoint(conn)
+    conn.send("connected")
+    conn.recv()
+    ep.close(0)
+
+
+def slab_mappings():
+    with open("/proc/self/maps") as f:
+        return sum(SLAB_MAPPING in line for line in f)
+
+
+def test_a_slab_made_while_its_connection_closes_is_not_kept():
+    """A sending thread makes a new slab without the channel's lock (512
+    MiB: mapping it takes a while) while the loop closes the connection (the
+    peer killed meanwhile), which empties the pool. Before (found by a
+    helper's reading in session 93), the slab was entered in the emptied
+    pool after that and stayed mapped as long as anything held the closed
+    connection (a request still served for the peer does); now a closed
+    channel takes no slab."""
+    import os
+    import signal
+    import threading
+
+    before = slab_mappings()
+    ep, ours, child = accepted_endpoint(waiting_peer)
+    try:
+        assert ours.poll(30) and ours.recv() == "connected"
+        assert ep.wait_ready(30), ep.close_reason()
+        warm = torch.ones(1 << 20, dtype=torch.uint8)
+        ep.send(b"one-off", [(warm.data_ptr(), warm.numel(), 0, 0, 0)])
+        big = torch.ones(512 << 20, dtype=torch.uint8)
+        # The peer dies while the send below makes its slab (the offer is
+        # warm: the one-off went less than 2 s ago).
+        killer = threading.Timer(0.02, os.kill, (child.pid, signal.SIGKILL))
+        killer.start()
+        try:
+            ep.send(b"large", [(big.data_ptr(), big.numel(), 0, 0, 0)])
+        except RuntimeError as e:
+            assert "connection closed" in str(e)
+        killer.join()
+        child.join(30)
+        deadline = time.monotonic() + 30
+        while not ep.close_reason() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ep.close_reason(), "the connection did not close"
+        time.sleep(0.2)  # the close's work runs on the loop
+        # The Endpoint still holds the closed connection.
+        assert slab_mappings() == before, [line for line in open("/proc/self/maps") if SLAB_MAPPING in line]
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+        ep.close(0)

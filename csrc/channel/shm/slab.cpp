@@ -58,19 +58,20 @@ std::shared_ptr<Slab> Slab::create(uint64_t capacity) {
         std::to_string(kSlabPage));
   }
   std::shared_ptr<Slab> s(new Slab());
-  s->fd_ =
+  const int fd =
       ::memfd_create("torch_rpc_ext-slab", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (s->fd_ < 0) {
+  s->fd_.store(fd);
+  if (fd < 0) {
     throw std::runtime_error(errnoText("memfd_create failed"));
   }
-  if (::ftruncate(s->fd_, static_cast<off_t>(capacity)) != 0) {
+  if (::ftruncate(fd, static_cast<off_t>(capacity)) != 0) {
     throw std::runtime_error(errnoText("ftruncate of a slab failed"));
   }
-  if (::fcntl(s->fd_, F_ADD_SEALS, kRequiredSeals) != 0) {
+  if (::fcntl(fd, F_ADD_SEALS, kRequiredSeals) != 0) {
     throw std::runtime_error(errnoText("sealing a slab failed"));
   }
   void* p =
-      ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd_, 0);
+      ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     throw std::runtime_error(errnoText("mmap of a slab failed"));
   }
@@ -123,9 +124,9 @@ std::string Slab::attach(
 }
 
 void Slab::closeFd() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    fd_ = -1;
+  const int fd = fd_.exchange(-1);
+  if (fd >= 0) {
+    ::close(fd);
   }
 }
 

@@ -49,15 +49,17 @@ class Slab {
     return capacity_;
   }
   // The memfd, until closeFd(): the sender keeps it only until the slab has
-  // been handed to the peer.
+  // been handed to the peer (its setup frame written, or dropped with the
+  // connection), so -1 here also says the peer has heard of the slab if it
+  // ever will. Any thread.
   int fd() const {
-    return fd_;
+    return fd_.load();
   }
   void closeFd();
 
  private:
   Slab() = default;
-  int fd_ = -1;
+  std::atomic<int> fd_{-1};
   char* base_ = nullptr;
   uint64_t capacity_ = 0;
 };

@@ -154,7 +154,9 @@ bool SlabChannel::takeRegion(
         id = slabId;
       }
     }
-    if (id != 0) {
+    if (closed_) {
+      return false; // nothing is sent any more (onClosedFromLoop)
+    } else if (id != 0) {
       auto& own = ownSlabs_[id];
       own.state = OwnSlab::State::kLent;
       slab = own.slab;
@@ -195,6 +197,13 @@ bool SlabChannel::takeRegion(
     {
       std::lock_guard<std::mutex> lock(slabMutex_);
       --slabsBeingMapped_;
+      if (closed_) {
+        // The connection closed while we made it: entered now, it would
+        // stay mapped as long as anything holds the closed connection
+        // (before session 94). It goes with `slab`.
+        ownSlabBytes_ -= want;
+        return false;
+      }
       ownSlabs_.emplace(id, OwnSlab{slab, OwnSlab::State::kLent, {}});
     }
     counters_.created.fetch_add(1, std::memory_order_relaxed);
@@ -280,6 +289,7 @@ void SlabChannel::onClosedFromLoop() {
   peerSlabBytes_ = 0;
   std::unordered_map<uint32_t, OwnSlab> own;
   std::lock_guard<std::mutex> lock(slabMutex_);
+  closed_ = true; // a slab being made is not entered (takeRegion)
   own.swap(ownSlabs_); // (ownSlabBytes_ stays as counted: no underflow)
 }
 
@@ -321,7 +331,14 @@ void SlabChannel::trim() {
     std::lock_guard<std::mutex> lock(slabMutex_);
     auto now = std::chrono::steady_clock::now();
     for (auto it = ownSlabs_.begin(); it != ownSlabs_.end();) {
+      // A drop goes ahead of the frames queued (sendControl), so a slab
+      // whose setup frame still waits in the queue stays: a frame that
+      // could not be sent (abandonRegion) leaves such a slab free behind a
+      // peer that stopped reading, and the peer would read our drop of a
+      // slab it never heard of first. Its descriptor closes once the setup
+      // is out (session 94; a helper's reading in session 93 found it).
       if (it->second.state == OwnSlab::State::kFree &&
+          it->second.slab->fd() < 0 &&
           now - it->second.lastUsed >= std::chrono::milliseconds(kSlabIdleMs)) {
         dropped.push_back(it->first);
         ownSlabBytes_ -= it->second.slab->capacity();

@@ -107,6 +107,7 @@ class SlabChannel final : public Channel,
   std::unordered_map<uint32_t, OwnSlab> ownSlabs_;
   uint32_t nextSlabId_ = 1;
   size_t slabsBeingMapped_ = 0; // ids taken, not yet in ownSlabs_
+  bool closed_ = false; // onClosedFromLoop ran: no slab is entered after
   // Every slab of ours the peer knows of (free, lent or handed back), and
   // those being made: what it has mapped, as it counts it. (Until session
   // 93 only lent slabs counted here: free ones, kept 2 s, could take the
