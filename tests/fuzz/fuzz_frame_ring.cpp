@@ -487,12 +487,77 @@ bool step(Peer& peer, FuzzInput& in) {
   }
 }
 
+// Once per process, before the first input, a valid peer no input makes:
+// a ring setup (two descriptors) that the connection's first read ends
+// inside, its rest sent with the frame ring's offer (two more). A Unix
+// socket's read ends after the first bytes that bring descriptors, so the
+// second read brings the offer's while the setup's still wait for their
+// frame: four at once. Until session 94 the bound was the channels' sum
+// (three here), and such a peer was refused ("peer sent unexpected file
+// descriptors"); a sender's own writes split a frame so only where the
+// receiver's staging buffer ends inside it.
+void checkSetupSplitAheadOfTheOffer() {
+  auto& h = harness();
+  int pair[2];
+  FUZZ_CHECK(
+      ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0,
+      "socketpair");
+  h.observer.reset();
+  auto conn = std::make_shared<transport::shm::ShmConnection>(
+      h.loop,
+      h.options,
+      pair[0],
+      /*outbound=*/false,
+      /*expectedPeerId=*/-1,
+      "split setup",
+      &h.observer);
+  h.loop.post([conn] { conn->startAcceptedFromLoop(); });
+  authenticate(pair[1]);
+  auto ring = channel::shm::Ring::create(channel::shm::kMinRingBytes);
+  uint64_t cap = ring.capacity();
+  std::string setup = frameHeader(
+      h.channel("shm_ring").wireIds().kind(channel::shm::kRingSetup),
+      sizeof(cap));
+  setup.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
+  auto frameRing = FrameRing::create(kRingBytes);
+  cap = frameRing->capacity();
+  std::string offer = frameHeader(FrameKind::kFrameRing, sizeof(cap));
+  offer.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
+  const size_t cut = sizeof(FrameHeader) / 2;
+  FUZZ_CHECK(
+      sendAll(pair[1], setup.substr(0, cut), {ring.fd(), ring.peerWakeFd()}) &&
+          sendAll(
+              pair[1],
+              setup.substr(cut) + offer,
+              {frameRing->memFd(), frameRing->peerSignalFd()}),
+      "sending the split setup and the offer");
+  // The peer ends: the connection reads what it sent, then closes (on the
+  // ends, or on the descriptors).
+  frameRing->closeHandedOver();
+  ::shutdown(frameRing->signalFd(), SHUT_RDWR);
+  ::close(pair[1]);
+  FUZZ_CHECK(
+      h.observer.waitClosed(std::chrono::seconds(10)),
+      "the split-setup connection stayed open 10 s after its peer ended");
+  const std::string outcome = h.observer.outcome();
+  FUZZ_CHECK(
+      outcome.find("descriptors") == std::string::npos,
+      "a ring setup split ahead of the frame ring's offer was refused: " +
+          outcome);
+  static const bool verbose = std::getenv("FUZZ_VERBOSE") != nullptr;
+  if (verbose) {
+    std::fprintf(stderr, "split setup: %s\n", outcome.c_str());
+  }
+}
+
 } // namespace
 } // namespace torch_rpc_ext::fuzz
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace torch_rpc_ext;
   using namespace torch_rpc_ext::fuzz;
+  static const bool checked = (checkSetupSplitAheadOfTheOffer(), true);
+  (void)checked;
   auto& h = harness();
   FuzzInput in(data, size);
   uint8_t trailing = in.take<uint8_t>();

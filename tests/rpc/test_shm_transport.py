@@ -213,7 +213,7 @@ def shm_attacks(rank, world_size):
         sock.close()
 
         def stuffed(frame):
-            # More descriptors than any frame carries (at most 3 may wait).
+            # More descriptors than any frame carries (two at most, in one read).
             sock, _ = connect(addr, SECRET)
             fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(4)]
             socket.send_fds(sock, [frame], fds)

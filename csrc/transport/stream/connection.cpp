@@ -106,13 +106,21 @@ void StreamConnection::openChannels(int32_t peerId) {
   // The channels talk to their peer through us, for as long as we live.
   std::weak_ptr<channel::Host> host =
       std::static_pointer_cast<channel::Host>(shared_from_this());
-  size_t fds = 0;
+  // A frame ring's offer comes with two descriptors (connection_ring.cpp).
+  size_t perFrame = passesDescriptors() ? 2 : 0;
   for (const auto& offer : options_.channelsFor(peerId, passesDescriptors())) {
     channels_.push_back(offer.context->open(host, offer.peerDescriptor));
-    fds += channels_.back()->maxPendingFds();
+    perFrame = std::max(perFrame, channels_.back()->maxPendingFds());
   }
-  // A frame ring comes with two, alone (connection_ring.cpp).
-  maxPendingFds_ = passesDescriptors() ? std::max<size_t>(fds, 2) : fds;
+  // A frame's descriptors come with its first byte and wait until it is
+  // parsed, and a read ends after the first bytes that bring descriptors
+  // (the kernel's rule for Unix sockets): a read that ended inside one
+  // frame and the next, which brings the rest of it and the next frame's
+  // descriptors, leave two frames' worth waiting. (Until session 94, the
+  // channels' sum, at least 2: a ring setup split so, then the frame ring's
+  // offer, was four of three, and closed the connection.)
+  maxFdsPerFrame_ = passesDescriptors() ? perFrame : 0;
+  maxPendingFds_ = 2 * maxFdsPerFrame_;
 }
 
 uint8_t StreamConnection::channelSlot(uint8_t wireId) const {

@@ -290,9 +290,11 @@ class StreamConnection : public Connection,
   // The channels, in order of preference: set once (outbound: on connect;
   // accepted: when the peer is authenticated) and read-only afterwards.
   std::vector<std::shared_ptr<channel::Channel>> channels_;
-  // Descriptors that may wait for their frame at most: what the channels
-  // pass (the kernel stops a read at each message that carries some); more
-  // arriving closes the connection.
+  // The most descriptors one frame brings (a channel's setup, a frame
+  // ring's offer), and the most that may wait for their frames: twice that
+  // (openChannels() says why). More in one read, or more waiting, closes
+  // the connection.
+  size_t maxFdsPerFrame_ = 0;
   size_t maxPendingFds_ = 0;
   // Loop thread: the head of the control frame being handled, descriptors
   // received and not yet claimed, and the frame being read.

@@ -80,6 +80,7 @@ ssize_t StreamConnection::readSocketFromLoop(
     msg.msg_controllen = sizeof(control);
     ssize_t got = ::recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC);
     if (got >= 0) {
+      const size_t waiting = receivedFds_.size();
       collectPassedFds(msg, receivedFds_);
       // More than could be waiting for their frames is an attack on our
       // descriptor table (any at all where no channel takes them). Before
@@ -87,10 +88,14 @@ ssize_t StreamConnection::readSocketFromLoop(
       // yet, while one read may already bring the descriptors of the
       // peer's first frame after it: they wait, and are counted once the
       // channels are (openChannels()).
+      // Once it is ready, one read brings one frame's at most (a read ends
+      // after the bytes that bring descriptors).
+      const bool ready = state_ == State::kReady;
       size_t bound = !passesDescriptors() ? 0
-          : state_ == State::kReady       ? maxPendingFds_
+          : ready                         ? maxPendingFds_
                                           : kMaxFdsPerRead;
-      if ((msg.msg_flags & MSG_CTRUNC) != 0 || receivedFds_.size() > bound) {
+      if ((msg.msg_flags & MSG_CTRUNC) != 0 || receivedFds_.size() > bound ||
+          (ready && receivedFds_.size() - waiting > maxFdsPerFrame_)) {
         rejectFromLoop("peer sent unexpected file descriptors");
         return -1;
       }
@@ -224,7 +229,7 @@ bool StreamConnection::feedForTesting(
     state_ = State::kReady;
   }
   receivedFds_.insert(receivedFds_.end(), fds.begin(), fds.end());
-  if (receivedFds_.size() > maxPendingFds_) {
+  if (receivedFds_.size() > maxPendingFds_ || fds.size() > maxFdsPerFrame_) {
     rejectFromLoop("peer sent unexpected file descriptors");
     return false;
   }
