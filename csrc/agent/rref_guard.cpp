@@ -341,7 +341,8 @@ void RRefGuard::release(
     // The RRefs we use that it owned: their values are gone with it. A
     // later holder of its id must never be asked for them (it would wait
     // for a value that cannot come); refuse() answers such requests.
-    auto owned = torch_private::userRRefsOwnedBy(departed);
+    std::vector<c10::intrusive_ptr<rpc::RRef>> held;
+    auto owned = torch_private::userRRefsOwnedBy(departed, held);
     if (!owned.empty()) {
       std::lock_guard<std::mutex> lock(staleMutex_);
       for (const auto& id : owned) {
@@ -349,6 +350,10 @@ void RRefGuard::release(
       }
       hasStale_.store(true, std::memory_order_release);
     }
+    // Dropped only now, with no lock held: a last reference among them
+    // deletes its RRef, and the deletion (to an owner that is gone) is
+    // answered by refuse() now that the RRef is stale.
+    held.clear();
   } catch (const std::exception& e) {
     logWarning(
         "torch_rpc_ext: " + selfName_ +

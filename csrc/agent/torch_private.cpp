@@ -198,7 +198,9 @@ size_t dropAutogradContexts(const std::function<bool(int64_t)>& drop) {
 
 namespace torch_rpc_ext::torch_private {
 
-std::vector<rpc::RRefId> userRRefsOwnedBy(rpc::worker_id_t owner) {
+std::vector<rpc::RRefId> userRRefsOwnedBy(
+    rpc::worker_id_t owner,
+    std::vector<c10::intrusive_ptr<rpc::RRef>>& held) {
   auto& ctx = rpc::RRefContext::getInstance();
   std::vector<rpc::RRefId> ids;
   std::lock_guard<std::mutex> lock(ctx.*reach(ContextMutex{}));
@@ -208,8 +210,15 @@ std::vector<rpc::RRefId> userRRefsOwnedBy(rpc::worker_id_t owner) {
     }
   }
   for (const auto& [forkId, weak] : ctx.*reachDeduced(ConfirmedUsers{})) {
-    if (auto rref = weak.lock(); rref && rref->owner() == owner) {
+    // Not dropped here: a user thread may drop its last reference while
+    // we hold this one, and ours would then delete the RRef under this
+    // lock, which its deletion takes again (a deadlock of every RRef call
+    // of the process; found by a helper's reading in session 94). Torch's
+    // own destroyInstance moves them out of its lock likewise.
+    auto rref = weak.lock();
+    if (rref && rref->owner() == owner) {
       ids.push_back(rref->rrefId());
+      held.push_back(std::move(rref));
     }
   }
   return ids;

@@ -51,9 +51,13 @@ std::vector<
 forksOf(torch::distributed::rpc::worker_id_t forker);
 
 // The ids of the RRefs this process uses (UserRRefs, confirmed or not)
-// that `owner` owns.
+// that `owner` owns. The confirmed ones are read through weak references:
+// each one found alive is kept in `held`, for the caller to drop once it is
+// ready for their deletions (the last reference deletes a user RRef, whose
+// deletion takes the lock this reads under, and tells its owner).
 std::vector<torch::distributed::rpc::RRefId> userRRefsOwnedBy(
-    torch::distributed::rpc::worker_id_t owner);
+    torch::distributed::rpc::worker_id_t owner,
+    std::vector<c10::intrusive_ptr<torch::distributed::rpc::RRef>>& held);
 
 // Forget the distributed autograd contexts whose id `drop` picks, as
 // releasing them would, but without telling other workers (each releases

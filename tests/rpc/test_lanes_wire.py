@@ -773,6 +773,29 @@ def test_a_stripe_whose_device_copy_never_ends_fails_after_six_heartbeat_timeout
         w.close()
 
 
+def test_a_sender_whose_stripe_waits_on_a_device_copy_keeps_its_connection(monkeypatch):
+    """As above, with the default tick (heartbeat_timeout / 5) longer than
+    the keepalives' 0.5 s: the receiver, holding the record, hears from
+    the lane and reads nothing of the stream, so it never pinged, and the
+    sender, which hears nothing while it waits, closed the connection after
+    one heartbeat_timeout ("no sign of life from the peer"; found by a
+    helper's reading in session 94). The receiver pings each tick while it
+    holds a record: after two timeouts both ends are still open."""
+    monkeypatch.setenv("TORCH_RPC_EXT_TEST_LANES_STUCK_COPY", "1")
+    w = Wired(lambda d, u, i: (pass_hello(d, u, take_hello(d, u)), splice(d, u)),
+              heartbeat_timeout=3.0)
+    try:
+        payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
+        assert w.received() == (b"big", [payload])
+        w.lanes_up()
+        w.send_big(8 * MB)
+        assert w.server.receive(7) is None  # two timeouts, the copy stuck
+        assert (w.client.close_reason(), w.server.close_reason()) == ("", "")
+        assert lanes(w.client)["keepalives"] >= 3
+    finally:
+        w.close()
+
+
 def test_frames_sent_ahead_of_a_segment_whose_lane_broke_are_delivered_first():
     """The stream lags the lanes (here its relay holds what the client sends;
     a busy loop or another network path does the same): the client sends a

@@ -450,7 +450,13 @@ void StreamConnection::heartbeatFromLoop() {
         return;
       }
     }
-    if (silent >= timeout / 5) {
+    // While a record is held (its bytes come on a lane), we read nothing
+    // of the stream: the peer's pings go unanswered, and a lane's
+    // keepalives, which count as its sign of life here, tell it nothing of
+    // ours. So we ping each tick then: before session 94 a sender whose
+    // stripe waited on a slow device copy took us for dead after one
+    // heartbeat_timeout (of 2.5 s or more: the keepalives come each 0.5 s).
+    if (silent >= timeout / 5 || recordHeld_) {
       queueControl(uint8_t(frame::FrameKind::kPing), {});
     }
   }
