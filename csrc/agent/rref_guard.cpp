@@ -350,9 +350,9 @@ void RRefGuard::release(
       }
       hasStale_.store(true, std::memory_order_release);
     }
-    // Dropped only now, with no lock held: a last reference among them
-    // deletes its RRef, and the deletion (to an owner that is gone) is
-    // answered by refuse() now that the RRef is stale.
+    // Dropped only now, outside torch's RRef lock (userRRefsOwnedBy): a
+    // last reference among them deletes its RRef, whose delete message to
+    // the departed owner fails (logged by torch).
     held.clear();
   } catch (const std::exception& e) {
     logWarning(

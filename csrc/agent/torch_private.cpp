@@ -212,9 +212,12 @@ std::vector<rpc::RRefId> userRRefsOwnedBy(
   for (const auto& [forkId, weak] : ctx.*reachDeduced(ConfirmedUsers{})) {
     // Not dropped here: a user thread may drop its last reference while
     // we hold this one, and ours would then delete the RRef under this
-    // lock, which its deletion takes again (a deadlock of every RRef call
-    // of the process; found by a helper's reading in session 94). Torch's
-    // own destroyInstance moves them out of its lock likewise.
+    // lock, which torch's delUser takes again once its delete message is
+    // sent (a deadlock of every RRef call of the process). Today that send
+    // throws first, the owner being gone from our view, so it stays latent
+    // (a helper's reading in session 94; a test that drops the last
+    // reference during the scan saw the send fail, no deadlock); torch's
+    // own destroyInstance moves such references out of its lock likewise.
     auto rref = weak.lock();
     if (rref && rref->owner() == owner) {
       ids.push_back(rref->rrefId());
