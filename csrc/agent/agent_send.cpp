@@ -211,7 +211,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     // and a future failed by another thread is seen completed before its
     // callbacks have run, so to_here() could pass the timed-out check and
     // wait forever for a value the late request can no longer set.
-    if (timeout.count() > 0 && timeout <= delay) {
+    if (timeout.count() != 0 && timeout <= delay) {
       future->wait(); // the timeout settles it; no callback is attached yet
     }
   }

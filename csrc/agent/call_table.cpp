@@ -29,7 +29,7 @@ size_t CallTable::add(int64_t id, Call call) {
     std::lock_guard<std::mutex> lock(mutex_);
     before = calls_.size();
     call.sentAlone = before == 0;
-    if (call.timeout.count() > 0) {
+    if (call.timeout.count() != 0) {
       // Wake the timeout thread only if it sleeps past this deadline: it
       // wakes at least once a second anyway, and waking it for every call
       // (a context switch each) was a third of a small call's switches.
@@ -55,7 +55,7 @@ std::optional<CallTable::Call> CallTable::take(int64_t id, size_t* remaining) {
   if (remaining != nullptr) {
     *remaining = calls_.size();
   }
-  if (call.timeout.count() > 0) {
+  if (call.timeout.count() != 0) {
     auto range = deadlines_.equal_range(call.deadline);
     for (auto d = range.first; d != range.second; ++d) {
       if (d->second == id) {

@@ -40,7 +40,9 @@ class CallTable {
     const void* connection; // identity only, never dereferenced
     // The callee (membership.h: peers live as long as the agent).
     Peer* peer;
-    std::chrono::milliseconds timeout; // 0: never expires
+    // 0: never expires; below 0 (a caller's, other than torch's "unset"):
+    // expired already, as TensorPipe takes it.
+    std::chrono::milliseconds timeout;
     std::chrono::steady_clock::time_point deadline;
     // No other call was in flight when this one was registered (set by
     // add()): the rpc_sync pattern.

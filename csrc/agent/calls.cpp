@@ -100,10 +100,13 @@ void Calls::write(
   if (!written || conn->isClosed()) {
     if (auto call = table_.take(id)) {
       peer.stats.errors.fetch_add(1, std::memory_order_relaxed);
+      // A close with no reason is our shutdown's (as connectionLost says).
+      const std::string reason = conn->closeReason();
       settleWithError(
           std::move(*call),
           "RPC to " + peer.info.name_ + " failed: connection " +
-              conn->describe() + " is closed: " + conn->closeReason());
+              conn->describe() + " is closed: " +
+              (reason.empty() ? "RPC agent is shutting down" : reason));
     }
   }
 }

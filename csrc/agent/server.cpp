@@ -10,6 +10,7 @@
 #include "csrc/agent/call_trace.h"
 #include "csrc/agent/thread_state.h"
 #include "csrc/agent/tracing.h"
+#include "csrc/common/logging.h"
 #include "csrc/wire/codec.h"
 
 namespace torch_rpc_ext {
@@ -118,14 +119,31 @@ void Server::serve(
         if (span) {
           span->end(f.hasError() ? f.tryRetrieveErrorMessage() : std::string());
         }
-        const uint64_t bytes = respond(*conn, id, f, served.peer);
+        // Counted out however the answer goes: a shutdown or a group's
+        // leave waits for the count to reach zero.
+        struct Served {
+          Server& server;
+          bool async;
+          ~Served() {
+            --server.active_;
+            if (async) {
+              --server.activeAsync_;
+            }
+          }
+        } done{*this, async};
+        uint64_t bytes = 0;
+        try {
+          bytes = respond(*conn, id, f, served.peer);
+        } catch (const std::exception& e) {
+          // No answer could be written (not even the error's): the caller
+          // learns of it by its timeout or the connection's close.
+          logWarning(
+              "torch_rpc_ext: no response to request " + std::to_string(id) +
+              " on " + conn->describe() + ": " + e.what());
+        }
         if (costs && bytes != 0) {
           served.peer->stats.costs.observe(
               CallCosts::kServedResponseBytes, served.kind, bytes);
-        }
-        --active_;
-        if (async) {
-          --activeAsync_;
         }
       });
 }
@@ -144,7 +162,14 @@ uint64_t Server::respond(
     response =
         rpc::createExceptionResponse(result.tryRetrieveErrorMessage(), id);
   } else {
-    response = result.value().toCustomClass<rpc::Message>();
+    try {
+      response = result.value().toCustomClass<rpc::Message>();
+    } catch (const std::exception& e) {
+      // Torch's callback always makes a Message; anything else is answered.
+      response = rpc::createExceptionResponse(
+          std::string("the request's handler returned no message: ") + e.what(),
+          id);
+    }
   }
   frame::OutboundFrame frame;
   Peer* peer = group_.memberOn(conn.peerId(), conn.peerIncarnation());

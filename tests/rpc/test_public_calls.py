@@ -230,6 +230,13 @@ def timeouts(rank, world_size):
                 rpc.rpc_sync("worker1", slow, args=(4,), **kwargs)
             except RuntimeError as e:
                 out[label] = (str(e), time.monotonic() - t0)
+        # A negative timeout (other than torch's -1, "unset") has passed
+        # already, as on TensorPipe; ours waited for ever before session 94.
+        t0 = time.monotonic()
+        try:
+            rpc.rpc_sync("worker1", slow, args=(4,), timeout=-5)
+        except RuntimeError as e:
+            out["negative"] = (str(e), time.monotonic() - t0)
         out["no_timeout"] = rpc.rpc_sync("worker1", slow, args=(0.7,), timeout=0)
         out["metrics"] = rpc.api._get_current_rpc_agent().get_metrics()
     rpc.shutdown()
@@ -248,8 +255,10 @@ def test_timeouts_use_upstream_error_text_and_fire_on_time():
     assert 0.45 < took < 3.0
     text, took = out["per_call"]
     assert "set timeout (200 ms)" in text and took < 3.0
+    text, took = out["negative"]
+    assert "set timeout (-5000 ms)" in text and took < 3.0
     assert out["no_timeout"] == 0.7
-    assert out["metrics"]["rpc_ext.peer.worker1.timeouts"] == "2"
+    assert out["metrics"]["rpc_ext.peer.worker1.timeouts"] == "3"
 
 
 def duplicate_names(rank, world_size):
