@@ -302,8 +302,20 @@ def port_from_env() -> int | None:
         raise ValueError(
             f"TORCH_RPC_EXT_METRICS_PORT={value!r} is not a port (0 to 65535; 0: any free one)"
         ) from None
-    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    return base + local if base else 0
+    if not base:
+        return 0
+    rank = os.environ.get("LOCAL_RANK", "0").strip() or "0"
+    try:
+        local = int(rank)
+        if local < 0 or base + local > 65535:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"TORCH_RPC_EXT_METRICS_PORT={value!r} plus LOCAL_RANK={rank!r} is not a "
+            f"port (each local rank serves on the base port plus its LOCAL_RANK, at "
+            f"most 65535)"
+        ) from None
+    return base + local
 
 
 def serve_from_env(store: Any, name: str, port: int) -> None:

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Options for ``rpc.init_rpc(backend=rpc.BackendType.TORCH_RPC_EXT, ...)``."""
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 
@@ -69,6 +70,118 @@ def _cuda_device(d: DeviceLike) -> torch.device:
             f"device type {dev.type}."
         )
     return dev
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_seconds(v: object) -> bool:
+    # A finite number of seconds: NaN compares false with every bound and
+    # infinity overflows the core's milliseconds (both became a negative
+    # duration before session 94: every handshake failed, or the heartbeat
+    # went off unsaid).
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v))
+
+
+def _check_num_worker_threads(v: object) -> None:
+    if not _is_int(v):
+        raise ValueError(f"num_worker_threads must be an int, got {v!r}")
+    if v < (lo := _MIN["num_worker_threads"]):
+        raise ValueError(f"num_worker_threads must be >= {lo}, got {v}")
+
+
+def _check_rpc_timeout(v: object) -> None:
+    lo = _MIN["rpc_timeout"]
+    if not _is_seconds(v) or v < lo:
+        raise ValueError(
+            f"rpc_timeout must be a finite number >= {lo:g} (0: none), got {v!r}")
+
+
+def _check_max_frame_bytes(v: object) -> None:
+    lo = _MIN["max_frame_bytes"]
+    if not _is_int(v) or v < lo:
+        raise ValueError(f"max_frame_bytes must be an int >= {lo}, got {v!r}")
+
+
+def _check_handshake_timeout(v: object) -> None:
+    lo = _MIN["handshake_timeout"]
+    if not _is_seconds(v) or v < lo:
+        raise ValueError(
+            f"handshake_timeout must be > 0 (at least {lo:g} seconds, finite), "
+            f"got {v!r}")
+
+
+def _check_heartbeat_timeout(v: object) -> None:
+    lo = _MIN["heartbeat_timeout"]
+    if not _is_seconds(v) or v < 0 or 0 < v < lo:
+        raise ValueError(
+            f"heartbeat_timeout must be 0 (off) or >= {lo:g} seconds (finite), "
+            f"got {v!r}")
+
+
+def _check_busy_poll_us(v: object) -> None:
+    lo, hi = _MIN["busy_poll_us"], _MAX["busy_poll_us"]
+    if not _is_int(v) or not lo <= v <= hi:
+        raise ValueError(f"busy_poll_us must be an int in [{lo}, {hi}], got {v!r}")
+
+
+def _check_poll_on_caller_cpu(v: object) -> None:
+    if v is not None and not isinstance(v, bool):
+        raise ValueError(f"poll_on_caller_cpu must be a bool or None, got {v!r}")
+
+
+def _check_max_cached_receive_bytes(v: object) -> None:
+    lo = _MIN["max_cached_receive_bytes"]
+    if not _is_int(v) or v < lo:
+        raise ValueError(f"max_cached_receive_bytes must be an int >= {lo}, got {v!r}")
+
+
+def _check_shm_frame_ring_bytes(v: object) -> None:
+    lo, hi = _MIN["shm_frame_ring_bytes"], _MAX["shm_frame_ring_bytes"]
+    if not _is_int(v) or not (v == 0 or lo <= v <= hi) or v % 4096 != 0:
+        raise ValueError(
+            f"shm_frame_ring_bytes must be 0 (off) or a multiple of 4096 in "
+            f"[{lo}, {hi}], got {v!r}")
+
+
+def _check_bool(name: str):
+    def check(v: object) -> None:
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a bool, got {v!r}")
+    return check
+
+
+def _check_cuda_ipc_memory_limit(v: object) -> None:
+    lo = _MIN["cuda_ipc_memory_limit"]
+    if not _is_int(v) or v < lo:
+        raise ValueError(
+            f"cuda_ipc_memory_limit must be an int >= {lo} (0: no bound), got {v!r}")
+
+
+# The options of one value each, checked at construction and whenever one
+# is set afterwards (before session 94 a later assignment, upstream style,
+# went to the core unchecked: max_frame_bytes = 0 failed every call).
+_SCALAR_CHECKS = {
+    "num_worker_threads": _check_num_worker_threads,
+    "rpc_timeout": _check_rpc_timeout,
+    "max_frame_bytes": _check_max_frame_bytes,
+    "handshake_timeout": _check_handshake_timeout,
+    "heartbeat_timeout": _check_heartbeat_timeout,
+    "busy_poll_us": _check_busy_poll_us,
+    "poll_on_caller_cpu": _check_poll_on_caller_cpu,
+    "max_cached_receive_bytes": _check_max_cached_receive_bytes,
+    "shm_frame_ring_bytes": _check_shm_frame_ring_bytes,
+    "cuda_zero_copy": _check_bool("cuda_zero_copy"),
+    "cuda_ipc_memory_limit": _check_cuda_ipc_memory_limit,
+    "shm_peers_any_user": _check_bool("shm_peers_any_user"),
+}
+
+
+def _check_scalars(**values: object) -> None:
+    for name, value in values.items():
+        _SCALAR_CHECKS[name](value)
 
 
 class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
@@ -256,22 +369,20 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         cuda_ipc_memory_limit: int = _DEFAULT["cuda_ipc_memory_limit"],
         shm_peers_any_user: bool = _DEFAULT["shm_peers_any_user"],
     ) -> None:
-        if isinstance(num_worker_threads, bool) or not isinstance(
-            num_worker_threads, int
-        ):
-            raise ValueError(
-                f"num_worker_threads must be an int, got {num_worker_threads!r}"
-            )
-        if num_worker_threads < (lo := _MIN["num_worker_threads"]):
-            raise ValueError(
-                f"num_worker_threads must be >= {lo}, got {num_worker_threads}"
-            )
-        if not isinstance(rpc_timeout, (int, float)) or rpc_timeout < (
-            lo := _MIN["rpc_timeout"]
-        ):
-            raise ValueError(
-                f"rpc_timeout must be a number >= {lo:g}, got {rpc_timeout!r}"
-            )
+        _check_scalars(
+            num_worker_threads=num_worker_threads,
+            rpc_timeout=rpc_timeout,
+            max_frame_bytes=max_frame_bytes,
+            handshake_timeout=handshake_timeout,
+            heartbeat_timeout=heartbeat_timeout,
+            busy_poll_us=busy_poll_us,
+            poll_on_caller_cpu=poll_on_caller_cpu,
+            max_cached_receive_bytes=max_cached_receive_bytes,
+            shm_frame_ring_bytes=shm_frame_ring_bytes,
+            cuda_zero_copy=cuda_zero_copy,
+            cuda_ipc_memory_limit=cuda_ipc_memory_limit,
+            shm_peers_any_user=shm_peers_any_user,
+        )
         if not isinstance(init_method, str):
             raise ValueError(f"init_method must be a str, got {init_method!r}")
         if transports is None:
@@ -345,76 +456,6 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             raise ValueError(f"secret is too weak to use: {why}")
         encryption, tls_files = _check_encryption(encryption, tls_cert, tls_key, tls_ca)
         tls_peer_names = _check_peer_names(tls_peer_names, tls_files[0] is not None)
-        if not isinstance(max_frame_bytes, int) or max_frame_bytes < (
-            lo := _MIN["max_frame_bytes"]
-        ):
-            raise ValueError(
-                f"max_frame_bytes must be an int >= {lo}, got {max_frame_bytes!r}"
-            )
-        if not isinstance(handshake_timeout, (int, float)) or handshake_timeout < (
-            lo := _MIN["handshake_timeout"]
-        ):
-            raise ValueError(
-                f"handshake_timeout must be > 0 (at least {lo:g} seconds), "
-                f"got {handshake_timeout!r}"
-            )
-        lo = _MIN["heartbeat_timeout"]
-        if (
-            isinstance(heartbeat_timeout, bool)
-            or not isinstance(heartbeat_timeout, (int, float))
-            or heartbeat_timeout < 0
-            or 0 < heartbeat_timeout < lo
-        ):
-            raise ValueError(
-                f"heartbeat_timeout must be 0 (off) or >= {lo:g} seconds, "
-                f"got {heartbeat_timeout!r}"
-            )
-        lo, hi = _MIN["busy_poll_us"], _MAX["busy_poll_us"]
-        if (
-            isinstance(busy_poll_us, bool)
-            or not isinstance(busy_poll_us, int)
-            or not lo <= busy_poll_us <= hi
-        ):
-            raise ValueError(
-                f"busy_poll_us must be an int in [{lo}, {hi}], got {busy_poll_us!r}"
-            )
-        if poll_on_caller_cpu is not None and not isinstance(poll_on_caller_cpu, bool):
-            raise ValueError(
-                f"poll_on_caller_cpu must be a bool or None, got {poll_on_caller_cpu!r}"
-            )
-        if not isinstance(max_cached_receive_bytes, int) or max_cached_receive_bytes < (
-            lo := _MIN["max_cached_receive_bytes"]
-        ):
-            raise ValueError(
-                f"max_cached_receive_bytes must be an int >= {lo}, "
-                f"got {max_cached_receive_bytes!r}"
-            )
-        ring_lo, ring_hi = _MIN["shm_frame_ring_bytes"], _MAX["shm_frame_ring_bytes"]
-        if (
-            isinstance(shm_frame_ring_bytes, bool)
-            or not isinstance(shm_frame_ring_bytes, int)
-            or not (shm_frame_ring_bytes == 0 or ring_lo <= shm_frame_ring_bytes <= ring_hi)
-            or shm_frame_ring_bytes % 4096 != 0
-        ):
-            raise ValueError(
-                f"shm_frame_ring_bytes must be 0 (off) or a multiple of 4096 in "
-                f"[{ring_lo}, {ring_hi}], got {shm_frame_ring_bytes!r}"
-            )
-        if not isinstance(cuda_zero_copy, bool):
-            raise ValueError(f"cuda_zero_copy must be a bool, got {cuda_zero_copy!r}")
-        if not isinstance(shm_peers_any_user, bool):
-            raise ValueError(
-                f"shm_peers_any_user must be a bool, got {shm_peers_any_user!r}"
-            )
-        if (
-            isinstance(cuda_ipc_memory_limit, bool)
-            or not isinstance(cuda_ipc_memory_limit, int)
-            or cuda_ipc_memory_limit < (lo := _MIN["cuda_ipc_memory_limit"])
-        ):
-            raise ValueError(
-                f"cuda_ipc_memory_limit must be an int >= {lo} (0: no bound), "
-                f"got {cuda_ipc_memory_limit!r}"
-            )
         super().__init__(float(rpc_timeout), init_method)
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
         for to, device_map in (device_maps or {}).items():
@@ -441,6 +482,13 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         self.cuda_zero_copy = cuda_zero_copy
         self.cuda_ipc_memory_limit = cuda_ipc_memory_limit
         self.shm_peers_any_user = shm_peers_any_user
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # An option set after construction is checked as the constructor
+        # checks it (upstream's code sets options this way too).
+        if (check := _SCALAR_CHECKS.get(name)) is not None:
+            check(value)
+        super().__setattr__(name, value)
 
     def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:
         """Map local devices to devices of worker ``to``, merged with what was

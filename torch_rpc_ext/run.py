@@ -19,7 +19,9 @@ if not. Without the launcher ``init_rpc`` is not patched.
 
 With ``--nproc-per-node N`` the launcher starts N copies of the program with
 RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, as torchrun
-does, and exits with the first failure's status.
+does, and exits with the first failure's status. A copy that fails, or
+SIGTERM, SIGINT or SIGHUP to the launcher, stops the others: SIGTERM, then
+SIGKILL after ``--stop-grace`` seconds (30).
 """
 
 import argparse
@@ -132,33 +134,71 @@ def _run_here(script: str, args: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def _run_copies(n: int, addr: str, port: int, script: str, args: list[str]) -> int:
-    """Start ``n`` switched copies as torchrun would; the first failure's status."""
+# Signals that stop the launch: each copy gets SIGTERM (as torchrun sends
+# its workers), and those still running after the grace period SIGKILL.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _run_copies(n: int, addr: str, port: int, script: str, args: list[str],
+                grace: float) -> int:
+    """Start ``n`` switched copies as torchrun would; the first failure's
+    status (128 + the signal's number if the launcher was told to stop).
+
+    A copy that fails stops the others: SIGTERM, then SIGKILL after
+    ``grace`` seconds. So does SIGTERM, SIGINT or SIGHUP to the launcher
+    (before session 94 it ended at once and left its copies running)."""
+    received: list[int] = []
+
+    def stop(signum, _frame):
+        received.append(signum)
+
+    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
     procs = []
-    for rank in range(n):
-        env = _launch_env(os.environ)
-        env.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
-            LOCAL_WORLD_SIZE=str(n), MASTER_ADDR=addr, MASTER_PORT=str(port),
-        )
-        procs.append(subprocess.Popen([sys.executable, "-m", "torch_rpc_ext.run", script, *args], env=env))
     status = 0
+    kill_at = None  # when copies told to stop get SIGKILL
+
+    def terminate(now: float) -> None:
+        nonlocal kill_at
+        if kill_at is None:
+            kill_at = now + grace
+            for other in procs:
+                other.send_signal(signal.SIGTERM)
+
     try:
+        for rank in range(n):
+            if received:
+                break
+            env = _launch_env(os.environ)
+            env.update(
+                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
+                LOCAL_WORLD_SIZE=str(n), MASTER_ADDR=addr, MASTER_PORT=str(port),
+            )
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch_rpc_ext.run", script, *args], env=env))
         while procs:
+            now = time.monotonic()
+            if received:
+                status = status or 128 + received[0]
+                terminate(now)
             for p in list(procs):
                 code = p.poll()
                 if code is None:
                     continue
                 procs.remove(p)
                 if code != 0 and status == 0:
-                    status = code
-                    for other in procs:  # one failed: the group cannot finish
-                        other.send_signal(signal.SIGTERM)
+                    status = code if code > 0 else 128 - code
+                    terminate(now)  # one failed: the group cannot finish
+            if kill_at is not None and now >= kill_at:
+                for p in procs:
+                    p.kill()
             time.sleep(0.05)
     finally:
         for p in procs:
             p.kill()
-    return status if status >= 0 else 128 - status
+            p.wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="start this many copies with torchrun's environment (default: run once, here)")
     p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
     p.add_argument("--master-port", "--master_port", type=int, default=0, help="default: a free port")
+    p.add_argument("--stop-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="with --nproc-per-node: how long copies told to stop (SIGTERM, "
+                        "when one failed or the launcher was signalled) have before "
+                        "SIGKILL (default 30, as torchrun)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     cfg = p.parse_args(argv)
@@ -177,8 +221,10 @@ def main(argv: list[str] | None = None) -> int:
               "TensorPipe, so nothing was launched", file=sys.stderr)
         return 2
     if cfg.nproc_per_node > 0:
+        if not (cfg.stop_grace >= 0 and cfg.stop_grace < float("inf")):
+            p.error(f"--stop-grace must be a finite number >= 0, got {cfg.stop_grace}")
         return _run_copies(cfg.nproc_per_node, cfg.master_addr, cfg.master_port or free_port(),
-                           cfg.script, cfg.args)
+                           cfg.script, cfg.args, cfg.stop_grace)
     _run_here(cfg.script, cfg.args)
     return 0
 

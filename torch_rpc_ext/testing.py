@@ -70,10 +70,18 @@ class FaultyRpcExtBackendOptions(RpcExtBackendOptions):
     ) -> None:
         if isinstance(num_fail_sends, bool) or not isinstance(num_fail_sends, int) or num_fail_sends < 0:
             raise ValueError(f"num_fail_sends must be an int >= 0, got {num_fail_sends!r}")
+        if isinstance(messages_to_fail, str) or not all(
+                isinstance(m, str) for m in messages_to_fail):
+            raise ValueError(
+                f"messages_to_fail must be a sequence of message type names, "
+                f"got {messages_to_fail!r}")
         messages_to_delay = dict(messages_to_delay or {})
         for name, seconds in messages_to_delay.items():
-            if not isinstance(seconds, (int, float)) or seconds < 0:
-                raise ValueError(f"messages_to_delay[{name!r}] must be >= 0 seconds, got {seconds!r}")
+            if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                    or not 0 <= seconds < float("inf")):
+                raise ValueError(
+                    f"messages_to_delay[{name!r}] must be a finite number >= 0 "
+                    f"seconds, got {seconds!r}")
         super().__init__(**kwargs)
         self._num_fail_sends = num_fail_sends
         self._messages_to_fail = list(messages_to_fail)

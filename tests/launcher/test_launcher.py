@@ -7,8 +7,10 @@ is not patched, and TORCH_RPC_EXT translates TensorPipe's options itself."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,79 @@ def test_a_failing_copy_fails_the_launch(tmp_path):
         env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 3
+
+
+SLEEPER = """
+import os, pathlib, signal, sys, time
+if "ignore" in sys.argv[1]:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+pathlib.Path(sys.argv[2], "pid-" + os.environ["RANK"]).write_text(str(os.getpid()))
+if "fail" in sys.argv[1] and os.environ["RANK"] == "1":
+    sys.exit(3)
+time.sleep(120)
+"""
+
+
+def launch_sleepers(tmp_path, mode, *flags):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch_rpc_ext.run", "--nproc-per-node", "2", *flags,
+         str(script), mode, str(tmp_path)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def pids_of(tmp_path, ranks):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        files = [tmp_path / f"pid-{r}" for r in ranks]
+        if all(f.exists() and f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.05)
+    raise AssertionError("the copies did not start")
+
+
+def gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_signalled_launcher_stops_its_copies(tmp_path):
+    """A scheduler stops a job with SIGTERM: the launcher passes it on and
+    exits once its copies have (128 + 15). Before (a helper's reading in
+    session 94), it ended at once and left both copies running."""
+    launcher = launch_sleepers(tmp_path, "sleep")
+    try:
+        pids = pids_of(tmp_path, (0, 1))
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(30) == 128 + signal.SIGTERM
+        assert all(gone(pid) for pid in pids)
+    finally:
+        launcher.kill()
+        for pid in pids_of(tmp_path, (0, 1)):
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_copy_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    """One copy fails (3): the others get SIGTERM, and SIGKILL once
+    --stop-grace has passed; before, a copy that ignored SIGTERM held the
+    launch for ever."""
+    launcher = launch_sleepers(tmp_path, "ignore,fail", "--stop-grace", "1")
+    try:
+        t0 = time.monotonic()
+        assert launcher.wait(60) == 3
+        assert time.monotonic() - t0 < 30
+        assert all(gone(pid) for pid in pids_of(tmp_path, (0, 1)))
+    finally:
+        launcher.kill()
+        for pid in pids_of(tmp_path, (0, 1)):
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_without_the_launcher_nothing_is_patched():

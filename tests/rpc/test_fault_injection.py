@@ -37,6 +37,12 @@ def test_options_are_those_of_upstreams_faulty_fixture():
         faulty.FaultyRpcExtBackendOptions(num_fail_sends=-1)
     with pytest.raises(ValueError, match="SCRIPT_CALL"):
         faulty.FaultyRpcExtBackendOptions(messages_to_delay={"SCRIPT_CALL": -1})
+    # A delay that never ends, and one name where a list of them belongs (it
+    # was split into letters, and the agent named the letter 'S').
+    with pytest.raises(ValueError, match="SCRIPT_CALL.*finite"):
+        faulty.FaultyRpcExtBackendOptions(messages_to_delay={"SCRIPT_CALL": float("inf")})
+    with pytest.raises(ValueError, match="messages_to_fail must be a sequence"):
+        faulty.FaultyRpcExtBackendOptions(messages_to_fail="SCRIPT_CALL")
 
 
 def _init(rank, world_size, **faults):

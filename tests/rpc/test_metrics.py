@@ -175,6 +175,23 @@ def test_the_environment_serves_metrics_from_init_rpc():
     assert "TORCH_RPC_EXT_METRICS_PORT='http' is not a port" in bad[0]["error"]
 
 
+def test_a_local_rank_that_makes_no_port_is_named(monkeypatch):
+    """The port is the base plus LOCAL_RANK: a LOCAL_RANK that is not a
+    number, or one past the last port, is named (before session 94: a bare
+    int() error, or port 79000 failing later in the HTTP server)."""
+    from torch_rpc_ext import metrics
+
+    monkeypatch.setenv("TORCH_RPC_EXT_METRICS_PORT", "9000")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert metrics.port_from_env() == 9003
+    for rank in ("abc", "70000", "-1"):
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        with pytest.raises(ValueError, match=f"METRICS_PORT='9000' plus LOCAL_RANK='{rank}'"):
+            metrics.port_from_env()
+    monkeypatch.setenv("TORCH_RPC_EXT_METRICS_PORT", "0")
+    assert metrics.port_from_env() == 0  # any free port, whatever the rank
+
+
 def endpoint_asked_at_once(rank, world_size):
     from torch_rpc_ext import metrics
 

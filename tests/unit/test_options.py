@@ -47,7 +47,13 @@ def test_base_fields_stay_writable():
         ({"num_worker_threads": 0}, "num_worker_threads must be >= 1"),
         ({"num_worker_threads": 2.5}, "num_worker_threads must be an int"),
         ({"num_worker_threads": True}, "num_worker_threads must be an int"),
-        ({"rpc_timeout": -1}, "rpc_timeout must be a number >= 0"),
+        ({"rpc_timeout": -1}, "rpc_timeout must be a finite number >= 0"),
+        ({"rpc_timeout": float("inf")}, "rpc_timeout must be a finite number"),
+        ({"rpc_timeout": True}, "rpc_timeout must be a finite number"),
+        ({"handshake_timeout": float("inf")}, "handshake_timeout must be > 0"),
+        ({"handshake_timeout": float("nan")}, "handshake_timeout must be > 0"),
+        ({"heartbeat_timeout": float("inf")}, r"heartbeat_timeout must be 0 \(off\)"),
+        ({"heartbeat_timeout": float("nan")}, r"heartbeat_timeout must be 0 \(off\)"),
         ({"transports": ()}, "transports must name at least one"),
         ({"transports": ("carrier-pigeon",)}, r"unknown transports \['carrier-pigeon'\]"),
         ({"transports": ("tcp", "tcp")}, "lists a transport twice"),
@@ -75,6 +81,31 @@ def test_base_fields_stay_writable():
 def test_bad_options_are_rejected_with_the_reason(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RpcExtBackendOptions(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, bad, match",
+    [
+        ("max_frame_bytes", 0, "max_frame_bytes must be an int >= 1024"),
+        ("num_worker_threads", -3, "num_worker_threads must be >= 1"),
+        ("busy_poll_us", -5, r"busy_poll_us must be an int in \[0, "),
+        ("rpc_timeout", float("inf"), "rpc_timeout must be a finite number"),
+        ("heartbeat_timeout", float("nan"), r"heartbeat_timeout must be 0 \(off\)"),
+        ("cuda_zero_copy", 1, "cuda_zero_copy must be a bool"),
+    ],
+)
+def test_an_option_set_after_construction_is_checked_as_at_construction(name, bad, match):
+    """Upstream's code sets options as attributes too; before session 94 a
+    later assignment reached the core unchecked (max_frame_bytes = 0: init
+    went through and every call failed)."""
+    opts = RpcExtBackendOptions()
+    before = getattr(opts, name)
+    with pytest.raises(ValueError, match=match):
+        setattr(opts, name, bad)
+    assert getattr(opts, name) == before
+    opts.num_worker_threads = 3
+    opts.heartbeat_timeout = 2
+    assert (opts.num_worker_threads, opts.heartbeat_timeout) == (3, 2.0)
 
 
 def test_options_are_keyword_only():
