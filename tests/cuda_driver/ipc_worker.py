@@ -436,6 +436,67 @@ def slab_drop_receiver(conn, ctl):
     end.close()
 
 
+# ---- block_drop: as slab_drop, a cuda_ipc block of a refused frame --------
+#
+# The refused frame's first segment went into a new cuda_ipc block, whose
+# setup waits behind 16 MiB the stopped receiver does not read; free, and
+# idle past kBlockIdleMs (5 s) at a tick, the block is trimmed: its drop
+# must wait for the setup.
+
+
+def block_drop_sender(conn, ctl):
+    import ctypes
+
+    os.environ["FAKE_CUDA_DEVICES"] = "2"
+    end = End("sender", conn)
+    receiver_pid = conn.recv()
+    small = [ctypes.create_string_buffer(b"s" * SLAB_SMALL, SLAB_SMALL) for _ in range(STALLED)]
+    n = 3 << 20
+    p = end.alloc(pattern(n, 4))
+    other = end.cu.mem_alloc(1, 4096)
+    other_stream = end.cu.stream_create(1)
+    os.kill(receiver_pid, signal.SIGSTOP)
+    try:
+        end.ep.send(b"stalled", [(ctypes.addressof(b), SLAB_SMALL, 0, 0, 0) for b in small])
+        try:
+            end.ep.send(b"refused", [(p, n, CUDA, DEVICE, end.stream),
+                                     (other, 4096, CUDA, 1, other_stream)], [])
+            error = ""
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            error = str(e)
+        # Idle 5 s, then a tick (every 2 s) trims it.
+        time.sleep(8)
+    finally:
+        os.kill(receiver_pid, signal.SIGCONT)
+    end.send_device(b"after", p, n)
+    got = end.ep.receive(TIMEOUT)
+    ctl.send((error, got and got[0], end.counters()))
+    end.cu.stream_synchronize(1, other_stream)
+    end.cu.mem_free(1, other)
+    end.close()
+
+
+def block_drop_receiver(conn, ctl):
+    os.environ["FAKE_CUDA_DEVICES"] = "1"
+    end = End("receiver", conn)
+    conn.send(os.getpid())
+    heads = []
+    for _ in range(2):
+        got = end.ep.receive(TIMEOUT)
+        if got is None:
+            break
+        heads.append(got[0])
+        for s in got[1]:
+            if not isinstance(s, bytes):
+                s.release()
+        del got
+    reason = end.ep.close_reason()
+    if not reason:
+        end.ep.send(b"ok", [])
+    ctl.send((heads, reason))
+    end.close()
+
+
 # ---- gathered: many small segments of one frame share a block and a launch -
 #
 # A frame of GATHERED small segments (odd sizes) and one large one: the small

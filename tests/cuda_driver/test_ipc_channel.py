@@ -138,6 +138,20 @@ def test_a_slab_of_a_refused_frame_is_not_dropped_ahead_of_its_setup(spawn):
     assert (slab["segments"], slab["one_offs"]) in ((1, 1), (0, 2)), sorted(slab.items())
 
 
+@fake_only  # the sender sees two devices, the receiver one (FAKE_CUDA_DEVICES)
+def test_a_block_of_a_refused_frame_is_not_dropped_ahead_of_its_setup(spawn):
+    """As the slab test above, for cuda_ipc: the refused frame's new block
+    is free while its setup waits behind a frame the stopped peer does not
+    read, and idle past 5 s at a tick; before (a helper's reading in
+    session 94), its drop went first and the peer closed the connection
+    ("dropped CUDA block 1, which it never announced")."""
+    (error, answer, sender), (heads, reason) = play(spawn, "block_drop")
+    assert "declined a segment of 4096 bytes" in error
+    assert reason == ""
+    assert heads == [b"stalled", b"after"] and answer == b"ok"
+    assert sender["blocks_created"] in (1, 2) and sender["declined"] == 1
+
+
 def test_segments_go_into_grants_and_the_oldest_makes_room_for_a_new_size(spawn):
     """cuda_ipc's grants with no agent above (_testing's grant source of
     plain driver memory, so also on a GPU whose torch has no landing pool):

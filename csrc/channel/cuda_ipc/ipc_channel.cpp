@@ -198,6 +198,7 @@ IpcChannel::Lent IpcChannel::lend(
     throw;
   }
   bool closed;
+  std::shared_ptr<std::atomic<bool>> announced;
   {
     std::lock_guard<std::mutex> lock(mu_);
     --blocksBeingMade_;
@@ -209,8 +210,12 @@ IpcChannel::Lent IpcChannel::lend(
       lentBytes_ -= want;
     } else {
       lentBytes_ += lent.block->size() - want;
-      ownBlocks_.emplace(
-          lent.id, OwnBlock{lent.block, OwnBlock::State::kLent, {}});
+      auto& own =
+          ownBlocks_
+              .emplace(
+                  lent.id, OwnBlock{lent.block, OwnBlock::State::kLent, {}})
+              .first->second;
+      announced = own.announced;
     }
   }
   if (closed) {
@@ -228,7 +233,8 @@ IpcChannel::Lent IpcChannel::lend(
             context().wireIds().kind(kBlockSetup),
             std::move(setup),
             {},
-            nullptr});
+            std::shared_ptr<void>(
+                nullptr, [announced](void*) { announced->store(true); })});
     return lent;
   }
   // The setup reaches the peer before the first record naming the block;
@@ -238,7 +244,10 @@ IpcChannel::Lent IpcChannel::lend(
           context().wireIds().kind(kBlockSetup),
           std::move(setup),
           {fd},
-          std::shared_ptr<void>(nullptr, [fd](void*) { ::close(fd); })});
+          std::shared_ptr<void>(nullptr, [fd, announced](void*) {
+            ::close(fd);
+            announced->store(true);
+          })});
   return lent;
 }
 

@@ -570,6 +570,11 @@ class IpcChannel final : public Channel,
     // The peer released it or handed it back once: it mapped it, so a
     // refusal of it (kBlockDropped with a reason) is a lie.
     bool peerUsed = false;
+    // Set (any thread) once its setup frame is written or dropped: a block
+    // of a frame refused at send is free while its setup may still wait
+    // in the queue, which a drop would overtake (trim()).
+    std::shared_ptr<std::atomic<bool>> announced =
+        std::make_shared<std::atomic<bool>>(false);
   };
   std::mutex mu_; // the members below; never held across a driver call
   std::unordered_map<uint32_t, OwnBlock> ownBlocks_;

@@ -210,7 +210,11 @@ void IpcChannel::trim(std::chrono::milliseconds idleFor) {
     std::lock_guard<std::mutex> lock(mu_);
     auto now = std::chrono::steady_clock::now();
     for (auto& [id, own] : ownBlocks_) {
-      if (own.state == OwnBlock::State::kFree &&
+      // Not before its setup is out: the drop goes ahead of queued frames
+      // (sendControl), and the peer would read the drop of a block it never
+      // heard of (a frame refused at send frees a new block while its setup
+      // waits behind a peer that stopped reading; session 94, as shm_slab).
+      if (own.state == OwnBlock::State::kFree && own.announced->load() &&
           now - own.lastUsed >= idleFor) {
         idle.push_back(Idle{id, own.block, own.lastUsed});
       }
