@@ -43,7 +43,7 @@ __all__ = ["register", "unregister", "registered", "rpc_sync", "rpc_async"]
 _FAKES: dict[str, Callable[..., Any]] = {}
 # On callers: (to, name, input shapes and dtypes, encoded constants) ->
 # (returns one tensor, [(shape, dtype)] of the outputs), asked of the owner
-# at compile time.
+# each time such a call is traced, and read by the same trace.
 _SPECS: dict[tuple, tuple[bool, list]] = {}
 _REMOTE_TYPE = re.compile(r"^(?:Error on Node \d+: )?([A-Za-z_]\w*): ")
 
@@ -186,9 +186,12 @@ def _call_tensors_fake(
             )
         shapes.append((tuple(a.shape), a.dtype))
     key = (to, name, tuple(shapes), constants)
-    if key not in _SPECS:
-        with _torch_private.unset_fake_mode():
-            _SPECS[key] = rpc.rpc_sync(to, _output_spec, args=(name, shapes, constants))
+    # Asked of the owner each time a call is traced (a compilation, not a
+    # call): the owner may have replaced the function, or a new process
+    # taken its rank, since. (Before session 94 the first answer was kept
+    # for good, and a replaced function's new outputs compiled as its old.)
+    with _torch_private.unset_fake_mode():
+        _SPECS[key] = rpc.rpc_sync(to, _output_spec, args=(name, shapes, constants))
     _, outs = _SPECS[key]
     return [torch.empty(shape, dtype=dtype) for shape, dtype in outs]
 

@@ -82,6 +82,9 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     }
   }
 
+  // Its kind before profiling wraps it (RUN_WITH_PROFILING_REQ would count
+  // every profiled call as "other").
+  const CallKind kind = callKindOf(message->type());
   // Under torch.profiler (Kineto) the callee profiles the call too.
   std::shared_ptr<CallProfile> profile = RemoteProfiling::begin(message);
   int64_t id = calls_.nextId();
@@ -144,7 +147,6 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     throw;
   }
   RemoteProfiling::markSent(profile.get()); // before the call is visible
-  const CallKind kind = callKindOf(message->type());
   const size_t alreadyInFlight = calls_.add(
       id,
       CallTable::Call{

@@ -149,6 +149,7 @@ void Calls::settle(
     const Peer* peer = call.peer; // read before the lambda takes call
     profiling_.finish(
         static_cast<int32_t>(peer->info.id_),
+        peer->incarnation,
         peer->info.name_,
         std::move(profile),
         std::move(response),
@@ -406,6 +407,10 @@ void Calls::complete(
 }
 
 void Calls::settleWithError(CallTable::Call call, std::string error) {
+  if (call.profile) {
+    // Timed out, lost or refused: its wait still goes in the trace.
+    RemoteProfiling::reportUnanswered(*call.profile, call.peer->info.name_);
+  }
   auto future = call.future;
   auto task = [this, future, error = std::move(error)] {
     FinishedAtExit finished(*this);

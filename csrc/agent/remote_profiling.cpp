@@ -77,6 +77,7 @@ void report(const Range& r, const std::string& backend, at::RecordScope scope) {
 
 void RemoteProfiling::toCallerClock(
     int32_t peerId,
+    uint64_t incarnation,
     std::vector<Range>& ranges,
     int64_t sentUs,
     int64_t readUs) {
@@ -97,7 +98,8 @@ void RemoteProfiling::toCallerClock(
   ClockSample best;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto [it, fresh] = clocks_.emplace(peerId, sample);
+    auto [it, fresh] =
+        clocks_.emplace(std::make_pair(peerId, incarnation), sample);
     if (!fresh && sample.roundTripUs < it->second.roundTripUs) {
       it->second = sample;
     }
@@ -114,6 +116,18 @@ void RemoteProfiling::toCallerClock(
 
 std::shared_ptr<CallProfile> RemoteProfiling::begin(
     c10::intrusive_ptr<rpc::Message>& message) {
+  if (profiler::profilerType() == profiler::ActiveProfilerType::KINETO) {
+    // Torch's rpcTorchscript (TorchScript and named calls) sets this
+    // thread's remote-profiling key whenever a profiler is on, and only the
+    // legacy profiler's wrapping of the message clears it. Under Kineto we
+    // do: left set, every later legacy-profiled call on this thread failed
+    // ("Cannot call RemoteProfilerManager::setCurrentKey when current key
+    // is already set"; a helper's reading in session 94).
+    auto& keys = rpc::RemoteProfilerManager::getInstance();
+    if (keys.isCurrentKeySet()) {
+      keys.unsetCurrentKey();
+    }
+  }
   if (profiler::profilerType() != profiler::ActiveProfilerType::KINETO ||
       torch_version::globalProfilerActive() || !profilable(message->type())) {
     return nullptr;
@@ -158,6 +172,7 @@ ThreadPool& RemoteProfiling::trackOf(int32_t peerId) {
 
 void RemoteProfiling::finish(
     int32_t peerId,
+    uint64_t incarnation,
     const std::string& peerName,
     std::shared_ptr<CallProfile> profile,
     c10::intrusive_ptr<rpc::Message> response,
@@ -165,24 +180,38 @@ void RemoteProfiling::finish(
   int64_t readUs = nowUs();
   auto task = [this,
                peerId,
+               incarnation,
                peerName,
                profile = std::move(profile),
                readUs,
                response = std::move(response),
                complete = std::move(complete)](bool onTrack) mutable {
-    if (response->type() != rpc::MessageType::RUN_WITH_PROFILING_RESP) {
-      complete(std::move(response)); // an error, or the callee's own reply
-      return;
-    }
     if (onTrack) {
-      static thread_local bool named = false;
-      if (!named) {
-        // Kineto names a track after its thread: "thread N (rpc:<worker>)"
-        // (at most 15 characters: longer worker names are cut).
+      // Kineto names a track after its thread: "thread N (rpc:<worker>)"
+      // (at most 15 characters: longer worker names are cut). Named again
+      // when the rank's worker is another (an elastic group's new member).
+      static thread_local std::string namedFor;
+      if (namedFor != peerName) {
         std::string threadName = ("rpc:" + peerName).substr(0, 15);
         pthread_setname_np(pthread_self(), threadName.c_str());
-        named = true;
+        namedFor = peerName;
       }
+    }
+    if (response->type() != rpc::MessageType::RUN_WITH_PROFILING_RESP) {
+      // An error (the callee's, or one torch's profiling wrapper passed
+      // on): no events came back, but the caller did wait (before session
+      // 94 such a call showed only its encode and send).
+      try {
+        at::ThreadLocalStateGuard guard(profile->callerState);
+        report(
+            Range{"torch_rpc_ext::wait", profile->sentUs, readUs},
+            "torch_rpc_ext:" + peerName,
+            at::RecordScope::USER_SCOPE);
+      } catch (const std::exception&) {
+        // (the profiler stopped meanwhile: nothing to report to)
+      }
+      complete(std::move(response));
+      return;
     }
     c10::intrusive_ptr<rpc::Message> reply;
     try {
@@ -195,7 +224,7 @@ void RemoteProfiling::finish(
       reply->setId(response->id());
       int64_t decodedUs = nowUs();
       const std::string backend = "torch_rpc_ext:" + peerName;
-      toCallerClock(peerId, ranges, profile->sentUs, readUs);
+      toCallerClock(peerId, incarnation, ranges, profile->sentUs, readUs);
       report(
           Range{"torch_rpc_ext::wait", profile->sentUs, readUs},
           backend,
@@ -228,6 +257,23 @@ void RemoteProfiling::finish(
     return;
   }
   trackOf(peerId).run([task = std::move(task)]() mutable { task(true); });
+}
+
+void RemoteProfiling::reportUnanswered(
+    const CallProfile& profile,
+    const std::string& peerName) {
+  if (profile.sentUs == 0) {
+    return; // never sent: no wait
+  }
+  try {
+    at::ThreadLocalStateGuard guard(profile.callerState);
+    report(
+        Range{"torch_rpc_ext::wait", profile.sentUs, nowUs()},
+        "torch_rpc_ext:" + peerName,
+        at::RecordScope::USER_SCOPE);
+  } catch (const std::exception&) {
+    // (the profiler stopped meanwhile: nothing to report to)
+  }
 }
 
 void RemoteProfiling::stop() {

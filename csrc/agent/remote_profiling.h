@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -75,13 +76,25 @@ class RemoteProfiling {
   // caller's future completes after the events are in its profile.
   // `complete` must not block: it should hand the completion to a thread
   // that may (the track has one thread). Never throws.
+  // `incarnation`: the peer process's (membership.h), which its clock
+  // estimate belongs to (a rank taken by a new process, elsewhere perhaps,
+  // starts a new one).
   void finish(
       int32_t peerId,
+      uint64_t incarnation,
       const std::string& peerName,
       std::shared_ptr<CallProfile> profile,
       c10::intrusive_ptr<torch::distributed::rpc::Message> response,
       std::function<void(c10::intrusive_ptr<torch::distributed::rpc::Message>)>
           complete);
+
+  // A profiled call that ends with no response (timed out, its connection
+  // lost, the agent stopping): its wait, from the send to now, under the
+  // caller's profiler, on the calling thread's track. Any thread; never
+  // throws.
+  static void reportUnanswered(
+      const CallProfile& profile,
+      const std::string& peerName);
 
   // Join the track threads (agent shutdown). Idempotent.
   void stop();
@@ -95,12 +108,16 @@ class RemoteProfiling {
   // Track thread: callee times -> caller times (see above).
   void toCallerClock(
       int32_t peerId,
+      uint64_t incarnation,
       std::vector<Range>& ranges,
       int64_t sentUs,
       int64_t readUs);
 
   std::mutex mutex_;
-  std::unordered_map<int32_t, ClockSample> clocks_; // best sample per peer
+  // The best sample per peer process: its rank and incarnation (0 for
+  // every member of a static group; a dynamic group's new process on a
+  // rank has a new one).
+  std::map<std::pair<int32_t, uint64_t>, ClockSample> clocks_;
   bool stopped_ = false;
   std::unordered_map<int32_t, std::unique_ptr<ThreadPool>> tracks_;
 };

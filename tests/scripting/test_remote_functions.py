@@ -90,6 +90,16 @@ def register_callee_functions():
     scripting.register("no_fake", scale)
 
 
+def scale_and_keep(x, k):
+    return x * k, x
+
+
+def replace_scale():
+    # As an owner may at any time: "scale" now returns two tensors.
+    scripting.register("scale", scale_and_keep,
+                       fake=lambda x, k: (torch.empty_like(x), torch.empty_like(x)))
+
+
 def barrier(rank):
     # Neither worker shuts down while the other still calls it.
     peer = "worker1" if rank == 0 else "worker0"
@@ -243,6 +253,17 @@ def compiled_calls(rank, world_size, backend):
             out[fn.__name__] = error_text(
                 lambda fn=fn: torch.compile(fn, fullgraph=True, backend=backend)(x)
             )
+
+        # The owner replaces "scale"; a new compilation of a call traced
+        # before with the same shapes and constants sees its new outputs
+        # (before session 94 it compiled against the old answer: one tensor).
+        rpc.rpc_sync("worker1", replace_scale)
+        torch._dynamo.reset()
+
+        def scaled(x):
+            return scripting.rpc_sync("worker1", "scale", x, 3.0)
+
+        out["replaced"] = torch.compile(scaled, fullgraph=True, backend=backend, dynamic=False)(x)
     barrier(rank)
     rpc.shutdown()
     return out
@@ -262,3 +283,6 @@ def test_compiled_function_calling_remote_functions_equals_eager(backend):
     kind, text = out["not_tensor"]
     assert "a call from torch.compile takes tensors and constants" in text
     assert "argument 1 is a list" in text
+    replaced = out["replaced"]
+    assert isinstance(replaced, tuple) and len(replaced) == 2
+    assert torch.equal(replaced[0], torch.arange(4.0) * 3) and torch.equal(replaced[1], torch.arange(4.0))

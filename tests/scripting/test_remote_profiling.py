@@ -43,6 +43,11 @@ def profiled_calls(rank, world_size, trace_dir):
         prof.export_chrome_trace(f"{trace_dir}/named.json")
         # Not profiled: an ordinary call after the profiler has stopped.
         out["after"] = rpc.rpc_sync("worker1", remote_block, args=(4,))
+        # The legacy profiler on the same thread: torch's TorchScript path
+        # had left its remote-profiling key set under Kineto, and this call
+        # failed ("current key is already set") before session 94.
+        with torch.autograd.profiler.profile():
+            out["legacy"] = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)).item()
     rpc.rpc_sync(f"worker{1 - rank}", torch.add, args=(torch.ones(1), 1))
     rpc.shutdown()
     return out
@@ -68,6 +73,7 @@ def test_callee_events_on_the_remote_workers_track_inside_the_wait(tmp_path, tra
     out = run_world(profiled_calls, 2, timeout=90, trace_dir=str(tmp_path))[0]
     assert float(out["udf"]) == float(out["named"]) == 96.0**3
     assert float(out["after"]) == 4.0**3
+    assert out["legacy"] == 2.0
     threads, by_name = spans(tmp_path / f"{trace}.json")
     for name in ("encode", "send", "wait", "decode"):
         assert len(by_name[f"torch_rpc_ext::{name}"]) == CALLS, name
@@ -108,3 +114,45 @@ def test_callee_events_on_the_remote_workers_track_inside_the_wait(tmp_path, tra
     # from the call with the shortest round trip: within 1 ms.
     _, offset_us = min(samples)
     assert abs(offset_us) < 1000, samples
+
+
+def raises():
+    raise ValueError("no")
+
+
+def sleeps(s):
+    import time
+
+    time.sleep(s)
+
+
+def failed_calls(rank, world_size, trace_dir):
+    out = {}
+    init(rank, world_size)
+    if rank == 0:
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))  # connected
+        with torch.profiler.profile() as prof:
+            try:
+                rpc.rpc_sync("worker1", raises)
+            except ValueError as e:
+                out["raised"] = str(e)
+            try:
+                rpc.rpc_sync("worker1", sleeps, args=(3,), timeout=0.3)
+            except RuntimeError as e:
+                out["timed_out"] = str(e)
+        prof.export_chrome_trace(f"{trace_dir}/failed.json")
+    rpc.shutdown()
+    return out
+
+
+def test_a_profiled_call_that_fails_or_times_out_still_shows_its_wait(tmp_path):
+    """A call that raised remotely, and one that timed out: no remote
+    events came back, but the caller waited. Before (a helper's reading in
+    session 94) their traces showed only encode and send."""
+    out = run_world(failed_calls, 2, timeout=90, trace_dir=str(tmp_path))[0]
+    assert "no" in out["raised"] and "timeout" in out["timed_out"]
+    _, by_name = spans(tmp_path / "failed.json")
+    assert len(by_name["torch_rpc_ext::encode"]) == 2
+    waits = sorted(by_name["torch_rpc_ext::wait"], key=lambda e: e["ts"])
+    assert len(waits) == 2, waits
+    assert waits[1]["dur"] >= 250_000  # the timeout's 0.3 s, in us
