@@ -20,7 +20,7 @@ void ExitGate::parkIfClosed() {
 void ExitGate::close(std::chrono::milliseconds grace) {
   closed_.store(true, std::memory_order_seq_cst);
   auto until = std::chrono::steady_clock::now() + grace;
-  while (busy_.load(std::memory_order_acquire) > 0 &&
+  while (busy_.load(std::memory_order_seq_cst) > 0 &&
          std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }

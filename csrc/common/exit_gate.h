@@ -32,11 +32,21 @@ class ExitGate {
   static constexpr std::chrono::milliseconds kGrace{1000};
   static void close(std::chrono::milliseconds grace = kGrace);
 
-  // Marks one piece of work (a handler, a task) in progress.
+  // Marks one piece of work (a handler, a task) in progress; parks for
+  // good instead if the gate closed. Counted first, then the gate read
+  // (both sequentially consistent, as close() stores, then reads): either
+  // close() sees this piece and waits for it, or the piece sees the gate
+  // closed. (Before session 94 a thread that passed parkIfClosed() and was
+  // preempted before it counted itself ran its piece while the process
+  // exited; a helper's reading.)
   class Busy {
    public:
     Busy() {
-      busy_.fetch_add(1, std::memory_order_relaxed);
+      busy_.fetch_add(1, std::memory_order_seq_cst);
+      if (closed_.load(std::memory_order_seq_cst)) {
+        busy_.fetch_sub(1, std::memory_order_release);
+        parkIfClosed(); // never returns
+      }
     }
     ~Busy() {
       busy_.fetch_sub(1, std::memory_order_release);

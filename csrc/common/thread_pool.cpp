@@ -166,6 +166,9 @@ void ThreadPool::waitIdle() {
 
 void ThreadPool::stop() {
   std::unordered_map<std::thread::id, std::thread> threads;
+  // Taken under the lock: two stop()s at once joined it both (undefined;
+  // a helper's reading, session 94). The other finds it gone.
+  std::thread supervisor;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_ && threads_.empty() && !supervisor_.joinable()) {
@@ -184,11 +187,12 @@ void ThreadPool::stop() {
       }
       return;
     }
+    supervisor = std::move(supervisor_);
   }
   workCv_.notify_all();
   supervisorCv_.notify_all();
-  if (supervisor_.joinable()) {
-    supervisor_.join();
+  if (supervisor.joinable()) {
+    supervisor.join();
   }
   // Workers drain the queue before they exit; no new thread is spawned now.
   {

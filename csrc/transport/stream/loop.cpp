@@ -466,6 +466,10 @@ bool Loop::runDeferred(uint64_t generation) {
     }
     tlsDeferredOf = this;
     runGuarded(fn);
+    // Its captures go while this thread still counts as not the loop's:
+    // the loop may have gone to a new leader meanwhile, which for a moment
+    // still reads as this thread (a helper's reading, session 94).
+    fn = nullptr;
     tlsDeferredOf = nullptr;
     uint64_t expected = busy;
     if (!state_.compare_exchange_strong(
@@ -473,7 +477,6 @@ bool Loop::runDeferred(uint64_t generation) {
       // The loop went to a new leader while `fn` ran (the monitor, or
       // `fn` making a call: handOff()); what is left in deferred_ is now
       // its work. Leave without touching anything (loop_threads.cpp).
-      fn = nullptr;
       return false;
     }
   }
