@@ -116,18 +116,6 @@ void RemoteProfiling::toCallerClock(
 
 std::shared_ptr<CallProfile> RemoteProfiling::begin(
     c10::intrusive_ptr<rpc::Message>& message) {
-  if (profiler::profilerType() == profiler::ActiveProfilerType::KINETO) {
-    // Torch's rpcTorchscript (TorchScript and named calls) sets this
-    // thread's remote-profiling key whenever a profiler is on, and only the
-    // legacy profiler's wrapping of the message clears it. Under Kineto we
-    // do: left set, every later legacy-profiled call on this thread failed
-    // ("Cannot call RemoteProfilerManager::setCurrentKey when current key
-    // is already set"; a helper's reading in session 94).
-    auto& keys = rpc::RemoteProfilerManager::getInstance();
-    if (keys.isCurrentKeySet()) {
-      keys.unsetCurrentKey();
-    }
-  }
   if (profiler::profilerType() != profiler::ActiveProfilerType::KINETO ||
       torch_version::globalProfilerActive() || !profilable(message->type())) {
     return nullptr;
