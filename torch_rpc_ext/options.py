@@ -369,20 +369,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         cuda_ipc_memory_limit: int = _DEFAULT["cuda_ipc_memory_limit"],
         shm_peers_any_user: bool = _DEFAULT["shm_peers_any_user"],
     ) -> None:
-        _check_scalars(
-            num_worker_threads=num_worker_threads,
-            rpc_timeout=rpc_timeout,
-            max_frame_bytes=max_frame_bytes,
-            handshake_timeout=handshake_timeout,
-            heartbeat_timeout=heartbeat_timeout,
-            busy_poll_us=busy_poll_us,
-            poll_on_caller_cpu=poll_on_caller_cpu,
-            max_cached_receive_bytes=max_cached_receive_bytes,
-            shm_frame_ring_bytes=shm_frame_ring_bytes,
-            cuda_zero_copy=cuda_zero_copy,
-            cuda_ipc_memory_limit=cuda_ipc_memory_limit,
-            shm_peers_any_user=shm_peers_any_user,
-        )
+        _check_scalars(**{k: v for k, v in locals().items() if k in _SCALAR_CHECKS})
         if not isinstance(init_method, str):
             raise ValueError(f"init_method must be a str, got {init_method!r}")
         if transports is None:

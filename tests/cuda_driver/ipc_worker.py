@@ -368,19 +368,65 @@ def abandoned_receiver(conn, ctl):
     end.close()
 
 
-# ---- slab_drop: a slab made for a frame refused at send, behind a stall ----
+# ---- slab_drop, block_drop: a region of a refused frame, behind a stall ----
 #
-# As `abandoned` (the sender sees two devices, the receiver one), with the
-# shm channels too: the refused frame's CPU segment went into a new slab of
-# shm_slab first, whose setup frame then queued behind a frame the stopped
-# receiver does not read. The slab is free, and idle past kSlabIdleMs when
-# the heartbeat's ticks trim; the drop a trim sends jumps the queue, so the
-# receiver would read the drop of a slab it never heard of first.
+# As `abandoned` (the sender sees two devices, the receiver one): a frame
+# refused at send had put its first segment into a new region (a slab of
+# shm_slab; a block of cuda_ipc), whose setup frame then queued behind a
+# frame the stopped receiver does not read. The region is free, and idle
+# past its channel's bound when the heartbeat's ticks trim; the drop a trim
+# sends jumps the queue, so the receiver would read the drop of a region it
+# never heard of first.
 
 SLAB_CHANNELS = ("shm_slab", "shm_ring", "cuda_ipc")
 SLAB_LARGE = 1 << 20  # a slab's (after the connection's one-off)
 SLAB_SMALL = 32 << 10  # rides in the stream
 STALLED = 512  # 16 MiB of them: more than the socket holds (4 MiB asked)
+
+
+def refused_behind_a_stall(end, receiver_pid, first, idle_s):
+    """Stops the receiver, queues STALLED small segments ahead, sends a
+    frame of `first` and a segment on device 1 (which the receiver lacks:
+    refused), waits `idle_s` and lets the receiver go. The refusal's text."""
+    import ctypes
+
+    small = [ctypes.create_string_buffer(b"s" * SLAB_SMALL, SLAB_SMALL) for _ in range(STALLED)]
+    other = end.cu.mem_alloc(1, 4096)
+    other_stream = end.cu.stream_create(1)
+    os.kill(receiver_pid, signal.SIGSTOP)
+    try:
+        end.ep.send(b"stalled", [(ctypes.addressof(b), SLAB_SMALL, 0, 0, 0) for b in small])
+        try:
+            end.ep.send(b"refused", [first, (other, 4096, CUDA, 1, other_stream)], [])
+            error = ""
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            error = str(e)
+        time.sleep(idle_s)  # the heartbeat's ticks (every 2 s) trim meanwhile
+    finally:
+        os.kill(receiver_pid, signal.SIGCONT)
+    end.cu.stream_synchronize(1, other_stream)
+    end.cu.mem_free(1, other)
+    return error
+
+
+def receive_after_a_stall(end, ctl, frames):
+    """The receiver's side: `frames` frames (fewer if the connection
+    closed), then its answer and why it closed, if it did."""
+    heads = []
+    for _ in range(frames):
+        got = end.ep.receive(TIMEOUT)
+        if got is None:
+            break
+        heads.append(got[0])
+        for segment in got[1]:
+            if not isinstance(segment, bytes):
+                segment.release()
+        del got
+    reason = end.ep.close_reason()
+    if not reason:
+        end.ep.send(b"ok", [])
+    ctl.send((heads, reason))
+    end.close()
 
 
 def slab_drop_sender(conn, ctl):
@@ -390,31 +436,12 @@ def slab_drop_sender(conn, ctl):
     end = End("sender", conn, channels=SLAB_CHANNELS)
     receiver_pid = conn.recv()
     large = ctypes.create_string_buffer(b"L" * SLAB_LARGE, SLAB_LARGE)
-    small = [ctypes.create_string_buffer(b"s" * SLAB_SMALL, SLAB_SMALL) for _ in range(STALLED)]
-
-    def cpu(buf, n):
-        return (ctypes.addressof(buf), n, 0, 0, 0)
-
-    end.ep.send(b"one-off", [cpu(large, SLAB_LARGE)])  # shm_slab's offers are warm after
-    other = end.cu.mem_alloc(1, 4096)
-    other_stream = end.cu.stream_create(1)
-    os.kill(receiver_pid, signal.SIGSTOP)
-    try:
-        end.ep.send(b"stalled", [cpu(b, SLAB_SMALL) for b in small])
-        try:
-            end.ep.send(b"refused", [cpu(large, SLAB_LARGE), (other, 4096, CUDA, 1, other_stream)], [])
-            error = ""
-        except Exception as e:  # noqa: BLE001 - the message is the result
-            error = str(e)
-        # Ticks of the heartbeat (every 2 s) trim free slabs idle 2 s.
-        time.sleep(5)
-    finally:
-        os.kill(receiver_pid, signal.SIGCONT)
-    end.ep.send(b"after", [cpu(large, SLAB_LARGE)])
+    cpu = (ctypes.addressof(large), SLAB_LARGE, 0, 0, 0)
+    end.ep.send(b"one-off", [cpu])  # shm_slab's offers are warm after
+    error = refused_behind_a_stall(end, receiver_pid, cpu, idle_s=5)
+    end.ep.send(b"after", [cpu])
     got = end.ep.receive(TIMEOUT)
     ctl.send((error, got and got[0], end.counters("shm_slab")))
-    end.cu.stream_synchronize(1, other_stream)
-    end.cu.mem_free(1, other)
     end.close()
 
 
@@ -422,57 +449,20 @@ def slab_drop_receiver(conn, ctl):
     os.environ["FAKE_CUDA_DEVICES"] = "1"
     end = End("receiver", conn, channels=SLAB_CHANNELS)
     conn.send(os.getpid())
-    heads = []
-    for _ in range(3):
-        got = end.ep.receive(TIMEOUT)
-        if got is None:
-            break
-        heads.append(got[0])
-        del got
-    reason = end.ep.close_reason()
-    if not reason:
-        end.ep.send(b"ok", [])
-    ctl.send((heads, reason))
-    end.close()
-
-
-# ---- block_drop: as slab_drop, a cuda_ipc block of a refused frame --------
-#
-# The refused frame's first segment went into a new cuda_ipc block, whose
-# setup waits behind 16 MiB the stopped receiver does not read; free, and
-# idle past kBlockIdleMs (5 s) at a tick, the block is trimmed: its drop
-# must wait for the setup.
+    receive_after_a_stall(end, ctl, 3)
 
 
 def block_drop_sender(conn, ctl):
-    import ctypes
-
     os.environ["FAKE_CUDA_DEVICES"] = "2"
     end = End("sender", conn)
     receiver_pid = conn.recv()
-    small = [ctypes.create_string_buffer(b"s" * SLAB_SMALL, SLAB_SMALL) for _ in range(STALLED)]
     n = 3 << 20
     p = end.alloc(pattern(n, 4))
-    other = end.cu.mem_alloc(1, 4096)
-    other_stream = end.cu.stream_create(1)
-    os.kill(receiver_pid, signal.SIGSTOP)
-    try:
-        end.ep.send(b"stalled", [(ctypes.addressof(b), SLAB_SMALL, 0, 0, 0) for b in small])
-        try:
-            end.ep.send(b"refused", [(p, n, CUDA, DEVICE, end.stream),
-                                     (other, 4096, CUDA, 1, other_stream)], [])
-            error = ""
-        except Exception as e:  # noqa: BLE001 - the message is the result
-            error = str(e)
-        # Idle 5 s, then a tick (every 2 s) trims it.
-        time.sleep(8)
-    finally:
-        os.kill(receiver_pid, signal.SIGCONT)
+    # Idle 5 s (kBlockIdleMs), then a tick trims it.
+    error = refused_behind_a_stall(end, receiver_pid, (p, n, CUDA, DEVICE, end.stream), idle_s=8)
     end.send_device(b"after", p, n)
     got = end.ep.receive(TIMEOUT)
     ctl.send((error, got and got[0], end.counters()))
-    end.cu.stream_synchronize(1, other_stream)
-    end.cu.mem_free(1, other)
     end.close()
 
 
@@ -480,21 +470,7 @@ def block_drop_receiver(conn, ctl):
     os.environ["FAKE_CUDA_DEVICES"] = "1"
     end = End("receiver", conn)
     conn.send(os.getpid())
-    heads = []
-    for _ in range(2):
-        got = end.ep.receive(TIMEOUT)
-        if got is None:
-            break
-        heads.append(got[0])
-        for s in got[1]:
-            if not isinstance(s, bytes):
-                s.release()
-        del got
-    reason = end.ep.close_reason()
-    if not reason:
-        end.ep.send(b"ok", [])
-    ctl.send((heads, reason))
-    end.close()
+    receive_after_a_stall(end, ctl, 2)
 
 
 # ---- gathered: many small segments of one frame share a block and a launch -

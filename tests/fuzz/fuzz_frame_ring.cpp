@@ -496,23 +496,34 @@ bool step(Peer& peer, FuzzInput& in) {
 // (three here), and such a peer was refused ("peer sent unexpected file
 // descriptors"); a sender's own writes split a frame so only where the
 // receiver's staging buffer ends inside it.
-void checkSetupSplitAheadOfTheOffer() {
+// An accepted connection on its loop, its peer authenticated on the
+// returned socket; the connection is kept in `conn`.
+int acceptedAndAuthenticated(
+    const char* what,
+    std::shared_ptr<transport::shm::ShmConnection>& conn) {
   auto& h = harness();
   int pair[2];
   FUZZ_CHECK(
       ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0,
       "socketpair");
   h.observer.reset();
-  auto conn = std::make_shared<transport::shm::ShmConnection>(
+  conn = std::make_shared<transport::shm::ShmConnection>(
       h.loop,
       h.options,
       pair[0],
       /*outbound=*/false,
       /*expectedPeerId=*/-1,
-      "split setup",
+      what,
       &h.observer);
   h.loop.post([conn] { conn->startAcceptedFromLoop(); });
   authenticate(pair[1]);
+  return pair[1];
+}
+
+void checkSetupSplitAheadOfTheOffer() {
+  auto& h = harness();
+  std::shared_ptr<transport::shm::ShmConnection> conn;
+  const int sock = acceptedAndAuthenticated("split setup", conn);
   auto ring = channel::shm::Ring::create(channel::shm::kMinRingBytes);
   uint64_t cap = ring.capacity();
   std::string setup = frameHeader(
@@ -525,9 +536,9 @@ void checkSetupSplitAheadOfTheOffer() {
   offer.append(reinterpret_cast<const char*>(&cap), sizeof(cap));
   const size_t cut = sizeof(FrameHeader) / 2;
   FUZZ_CHECK(
-      sendAll(pair[1], setup.substr(0, cut), {ring.fd(), ring.peerWakeFd()}) &&
+      sendAll(sock, setup.substr(0, cut), {ring.fd(), ring.peerWakeFd()}) &&
           sendAll(
-              pair[1],
+              sock,
               setup.substr(cut) + offer,
               {frameRing->memFd(), frameRing->peerSignalFd()}),
       "sending the split setup and the offer");
@@ -535,7 +546,7 @@ void checkSetupSplitAheadOfTheOffer() {
   // ends, or on the descriptors).
   frameRing->closeHandedOver();
   ::shutdown(frameRing->signalFd(), SHUT_RDWR);
-  ::close(pair[1]);
+  ::close(sock);
   FUZZ_CHECK(
       h.observer.waitClosed(std::chrono::seconds(10)),
       "the split-setup connection stayed open 10 s after its peer ended");
@@ -562,24 +573,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzInput in(data, size);
   uint8_t trailing = in.take<uint8_t>();
 
-  int pair[2];
-  FUZZ_CHECK(
-      ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0,
-      "socketpair");
-  h.observer.reset();
-  auto conn = std::make_shared<transport::shm::ShmConnection>(
-      h.loop,
-      h.options,
-      pair[0],
-      /*outbound=*/false,
-      /*expectedPeerId=*/-1,
-      "fuzz peer",
-      &h.observer);
-  h.loop.post([conn] { conn->startAcceptedFromLoop(); });
-
+  std::shared_ptr<transport::shm::ShmConnection> conn;
   Peer peer;
-  peer.sock = pair[1];
-  authenticate(peer.sock);
+  peer.sock = acceptedAndAuthenticated("fuzz peer", conn);
   peer.ring = FrameRing::create(kRingBytes);
   void* mapped = ::mmap(
       nullptr,

@@ -743,6 +743,16 @@ def test_an_endpoint_closed_with_stripes_queued_on_its_lanes_sends_them_first():
         w.close()
 
 
+def send_a_stuck_stripe(w):
+    """With TORCH_RPC_EXT_TEST_LANES_STUCK_COPY: a first large message
+    (it dials the lanes and rides the stream), then one whose first stripe's
+    copy never ends."""
+    payload = w.send_big(8 * MB)
+    assert w.received() == (b"big", [payload])
+    w.lanes_up()
+    w.send_big(8 * MB)
+
+
 def test_a_stripe_whose_device_copy_never_ends_fails_after_six_heartbeat_timeouts(monkeypatch):
     """A lane whose stripe waits for a device copy sends keepalives, not
     bytes (TORCH_RPC_EXT_TEST_LANES_STUCK_COPY: its first stripe's copy never
@@ -754,10 +764,7 @@ def test_a_stripe_whose_device_copy_never_ends_fails_after_six_heartbeat_timeout
     w = Wired(lambda d, u, i: (pass_hello(d, u, take_hello(d, u)), splice(d, u)),
               heartbeat_timeout=1.0)
     try:
-        payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
-        assert w.received() == (b"big", [payload])
-        w.lanes_up()
-        w.send_big(8 * MB)
+        send_a_stuck_stripe(w)
         assert w.server.receive(60) is None
         reason = w.server.close_reason()
         assert reason.startswith("tcp_lanes: segment 1 (8388608 bytes, 6291456 in) waited"), reason
@@ -785,10 +792,7 @@ def test_a_sender_whose_stripe_waits_on_a_device_copy_keeps_its_connection(monke
     w = Wired(lambda d, u, i: (pass_hello(d, u, take_hello(d, u)), splice(d, u)),
               heartbeat_timeout=3.0)
     try:
-        payload = w.send_big(8 * MB)  # dials the lanes; rides the stream
-        assert w.received() == (b"big", [payload])
-        w.lanes_up()
-        w.send_big(8 * MB)
+        send_a_stuck_stripe(w)
         assert w.server.receive(7) is None  # two timeouts, the copy stuck
         assert (w.client.close_reason(), w.server.close_reason()) == ("", "")
         assert lanes(w.client)["keepalives"] >= 3
