@@ -76,13 +76,17 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# Seconds the core's milliseconds hold with room to spare (about 31 years).
+_MAX_SECONDS = 1e9
+
+
 def _is_seconds(v: object) -> bool:
-    # A finite number of seconds: NaN compares false with every bound and
-    # infinity overflows the core's milliseconds (both became a negative
-    # duration before session 94: every handshake failed, or the heartbeat
-    # went off unsaid).
+    # A finite number of seconds the core can hold: NaN compares false with
+    # every bound, and infinity or a huge value overflows the core's
+    # milliseconds (both became a negative duration before session 94:
+    # every handshake failed, or the heartbeat went off unsaid).
     return (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(v))
+            and math.isfinite(v) and abs(v) <= _MAX_SECONDS)
 
 
 def _check_num_worker_threads(v: object) -> None:

@@ -197,7 +197,10 @@ def _run_copies(n: int, addr: str, port: int, script: str, args: list[str],
             p.kill()
             p.wait()
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            # (None: a handler installed from C, which Python cannot put back)
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+    if received and status == 0:
+        status = 128 + received[0]  # told to stop before or after the copies ran
     return status
 
 

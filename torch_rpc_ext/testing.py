@@ -70,6 +70,8 @@ class FaultyRpcExtBackendOptions(RpcExtBackendOptions):
     ) -> None:
         if isinstance(num_fail_sends, bool) or not isinstance(num_fail_sends, int) or num_fail_sends < 0:
             raise ValueError(f"num_fail_sends must be an int >= 0, got {num_fail_sends!r}")
+        if not isinstance(messages_to_fail, str):
+            messages_to_fail = list(messages_to_fail)  # (a generator is read once)
         if isinstance(messages_to_fail, str) or not all(
                 isinstance(m, str) for m in messages_to_fail):
             raise ValueError(

@@ -9,6 +9,8 @@
 #include <torch/csrc/distributed/rpc/utils.h>
 #include <torch/csrc/python_headers.h>
 
+#include <algorithm>
+#include <cmath>
 #include <thread>
 
 #include "csrc/common/exit_gate.h"
@@ -21,7 +23,14 @@ namespace torch_rpc_ext {
 namespace {
 
 std::chrono::milliseconds callTimeout(float seconds) {
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  // Past what milliseconds hold (infinity among them): no timeout, as 0
+  // says, and as such a value meant before session 94 (its cast was
+  // undefined, and landed below 0); NaN likewise. Below 0: expired already.
+  const double ms = static_cast<double>(seconds) * 1000;
+  if (std::isnan(ms) || ms >= 9e15) {
+    return std::chrono::milliseconds(0);
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(std::max(ms, -9e15)));
 }
 
 } // namespace

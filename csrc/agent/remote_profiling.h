@@ -90,8 +90,9 @@ class RemoteProfiling {
 
   // A profiled call that ends with no response (timed out, its connection
   // lost, the agent stopping): its wait, from the send to now, under the
-  // caller's profiler, on the calling thread's track. Any thread; never
-  // throws.
+  // caller's profiler, on the track of the thread that found the failure
+  // (the agent's timer thread for a timeout, a loop thread for a lost
+  // connection), not the remote worker's. Any thread; never throws.
   static void reportUnanswered(
       const CallProfile& profile,
       const std::string& peerName);

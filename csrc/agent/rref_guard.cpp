@@ -351,8 +351,8 @@ void RRefGuard::release(
       hasStale_.store(true, std::memory_order_release);
     }
     // Dropped only now, outside torch's RRef lock (userRRefsOwnedBy): a
-    // last reference among them deletes its RRef, whose delete message to
-    // the departed owner fails (logged by torch).
+    // last reference among them deletes its RRef and tells its owner (the
+    // departed one's message fails, logged by torch).
     held.clear();
   } catch (const std::exception& e) {
     logWarning(

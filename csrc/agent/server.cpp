@@ -110,15 +110,6 @@ void Server::serve(
         if (!held) {
           return;
         }
-        if (costs) {
-          served.peer->stats.costs.observeTime(
-              CallCosts::kServeSeconds,
-              served.kind,
-              std::chrono::steady_clock::now() - started);
-        }
-        if (span) {
-          span->end(f.hasError() ? f.tryRetrieveErrorMessage() : std::string());
-        }
         // Counted out however the answer goes: a shutdown or a group's
         // leave waits for the count to reach zero.
         struct Served {
@@ -131,6 +122,15 @@ void Server::serve(
             }
           }
         } done{*this, async};
+        if (costs) {
+          served.peer->stats.costs.observeTime(
+              CallCosts::kServeSeconds,
+              served.kind,
+              std::chrono::steady_clock::now() - started);
+        }
+        if (span) {
+          span->end(f.hasError() ? f.tryRetrieveErrorMessage() : std::string());
+        }
         uint64_t bytes = 0;
         try {
           bytes = respond(*conn, id, f, served.peer);

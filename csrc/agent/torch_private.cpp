@@ -2,7 +2,13 @@
 #include "csrc/agent/torch_private.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
 #include <mutex>
+#include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -198,6 +204,30 @@ size_t dropAutogradContexts(const std::function<bool(int64_t)>& drop) {
 
 namespace torch_rpc_ext::torch_private {
 
+namespace {
+
+// Tests only (tests/rpc/test_elastic.py): TORCH_RPC_EXT_TEST_STALE_SCAN_PAUSE
+// = "<ms>:<path>": userRRefsOwnedBy, holding a user RRef it found, creates
+// <path> and waits <ms> before it goes on (once per process), so that a
+// test can drop its own last reference meanwhile.
+void pauseInScanForTesting() {
+  static std::atomic<bool> paused{false};
+  const char* spec = std::getenv("TORCH_RPC_EXT_TEST_STALE_SCAN_PAUSE");
+  if (spec == nullptr || paused.exchange(true)) {
+    return;
+  }
+  const std::string text(spec);
+  const size_t colon = text.find(':');
+  if (colon == std::string::npos) {
+    return;
+  }
+  std::ofstream(text.substr(colon + 1)) << "paused\n";
+  std::this_thread::sleep_for(
+      std::chrono::milliseconds(std::atoi(text.substr(0, colon).c_str())));
+}
+
+} // namespace
+
 std::vector<rpc::RRefId> userRRefsOwnedBy(
     rpc::worker_id_t owner,
     std::vector<c10::intrusive_ptr<rpc::RRef>>& held) {
@@ -210,19 +240,23 @@ std::vector<rpc::RRefId> userRRefsOwnedBy(
     }
   }
   for (const auto& [forkId, weak] : ctx.*reachDeduced(ConfirmedUsers{})) {
-    // Not dropped here: a user thread may drop its last reference while
+    // Every reference locked here, whoever owns the RRef, is kept until
+    // the lock is let go: a user thread may drop its last reference while
     // we hold this one, and ours would then delete the RRef under this
     // lock, which torch's delUser takes again once its delete message is
-    // sent (a deadlock of every RRef call of the process). Today that send
-    // throws first, the owner being gone from our view, so it stays latent
-    // (a helper's reading in session 94; a test that drops the last
-    // reference during the scan saw the send fail, no deadlock); torch's
-    // own destroyInstance moves such references out of its lock likewise.
+    // sent: a deadlock of every RRef call of the process, for an RRef of a
+    // live owner (the departed owner's send throws first). Found by
+    // helpers' readings in session 94; torch's own destroyInstance moves
+    // such references out of its lock likewise.
     auto rref = weak.lock();
-    if (rref && rref->owner() == owner) {
-      ids.push_back(rref->rrefId());
-      held.push_back(std::move(rref));
+    if (!rref) {
+      continue;
     }
+    pauseInScanForTesting();
+    if (rref->owner() == owner) {
+      ids.push_back(rref->rrefId());
+    }
+    held.push_back(std::move(rref));
   }
   return ids;
 }

@@ -52,9 +52,9 @@ forksOf(torch::distributed::rpc::worker_id_t forker);
 
 // The ids of the RRefs this process uses (UserRRefs, confirmed or not)
 // that `owner` owns. The confirmed ones are read through weak references:
-// each one found alive is kept in `held`, for the caller to drop once it is
-// ready for their deletions (the last reference deletes a user RRef, whose
-// deletion takes the lock this reads under, and tells its owner).
+// each one found alive (any owner's) is kept in `held`, for the caller to
+// drop outside the lock this reads under (the last reference deletes a
+// user RRef, whose deletion takes that lock, and tells its owner).
 std::vector<torch::distributed::rpc::RRefId> userRRefsOwnedBy(
     torch::distributed::rpc::worker_id_t owner,
     std::vector<c10::intrusive_ptr<torch::distributed::rpc::RRef>>& held);

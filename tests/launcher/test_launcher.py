@@ -111,6 +111,8 @@ if "ignore" in sys.argv[1]:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 pathlib.Path(sys.argv[2], "pid-" + os.environ["RANK"]).write_text(str(os.getpid()))
 if "fail" in sys.argv[1] and os.environ["RANK"] == "1":
+    while not pathlib.Path(sys.argv[2], "pid-0").exists():  # rank 0 ignores SIGTERM by then
+        time.sleep(0.01)
     sys.exit(3)
 time.sleep(120)
 """

@@ -330,6 +330,54 @@ def test_killed_member_is_declared_dead_and_replaced(store_path):
     assert seconds < 5, seconds
 
 
+def _drop_during_the_stale_scan(rank, world_size, store_path, gates):
+    out = {}
+    if rank == 0:
+        mark = store_path + ".paused"
+        os.environ["TORCH_RPC_EXT_TEST_STALE_SCAN_PAUSE"] = f"2000:{mark}"
+        join(0, store_path, heartbeat_timeout=1.0)
+        gates["joined"].wait(30)
+        wait_for(lambda: {"worker1", "worker2"} <= set(members()), what="the others")
+        # Ours of worker2 (alive throughout), the only one the scan sees.
+        live = rpc.remote("worker2", _owned_value, (3,))
+        assert live.to_here().item() == 3
+        os.kill(rpc.rpc_sync("worker1", getpid), signal.SIGKILL)
+        # worker1 is declared dead: a scan of the RRefs we use, for those it
+        # owned, holds a reference to worker2's while it looks (the hook
+        # pauses it there).
+        wait_for(lambda: os.path.exists(mark), what="the stale scan")
+        del live  # ours was the last reference but the scan's
+        # Torch's RRef lock is free again, and its calls work.
+        out["after"] = rpc.remote("worker2", _owned_value, (5,)).to_here().item()
+        gates["done"].set()
+        rpc.shutdown()
+    elif rank == 1:
+        join(1, store_path, heartbeat_timeout=1.0)
+        gates["joined"].set()
+        time.sleep(120)  # killed by worker0
+    else:
+        gates["joined"].wait(30)
+        join(2, store_path, heartbeat_timeout=1.0)
+        gates["done"].wait(60)
+        rpc.shutdown()
+    return out
+
+
+def test_an_rref_dropped_while_the_stale_scan_holds_it_deadlocks_nothing(store_path):
+    """A member declared dead: the RRefs we use that it owned are marked
+    stale by a scan of torch's RRef context under its lock, which holds a
+    reference to each RRef alive while it looks at it, whoever owns it. A
+    user thread that dropped its own meanwhile made the scan's the last: it
+    deleted the RRef under that lock, which the deletion takes again once
+    its message to a live owner is sent, and every RRef call of the process
+    hung (helpers' readings in session 94). The scan keeps them until it
+    has let the lock go."""
+    gates = {k: _ctx.Event() for k in ("joined", "done")}
+    res = run_world(_drop_during_the_stale_scan, 3, timeout=90, dies=frozenset({1}),
+                    store_path=store_path, gates=gates)
+    assert res[0]["after"] == 5
+
+
 def _rref_once_caller_is_dead(pid):
     # Served for worker1, which we kill: the RRef we return is pickled after
     # its death was applied here, for a holder that is gone.

@@ -238,6 +238,8 @@ def timeouts(rank, world_size):
         except RuntimeError as e:
             out["negative"] = (str(e), time.monotonic() - t0)
         out["no_timeout"] = rpc.rpc_sync("worker1", slow, args=(0.7,), timeout=0)
+        # Infinity (past what milliseconds hold) means none too.
+        out["infinite"] = rpc.rpc_sync("worker1", slow, args=(0.3,), timeout=float("inf"))
         out["metrics"] = rpc.api._get_current_rpc_agent().get_metrics()
     rpc.shutdown()
     return out
@@ -257,7 +259,7 @@ def test_timeouts_use_upstream_error_text_and_fire_on_time():
     assert "set timeout (200 ms)" in text and took < 3.0
     text, took = out["negative"]
     assert "set timeout (-5000 ms)" in text and took < 3.0
-    assert out["no_timeout"] == 0.7
+    assert out["no_timeout"] == 0.7 and out["infinite"] == 0.3
     assert out["metrics"]["rpc_ext.peer.worker1.timeouts"] == "3"
 
 

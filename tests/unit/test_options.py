@@ -50,6 +50,7 @@ def test_base_fields_stay_writable():
         ({"rpc_timeout": -1}, "rpc_timeout must be a finite number >= 0"),
         ({"rpc_timeout": float("inf")}, "rpc_timeout must be a finite number"),
         ({"rpc_timeout": True}, "rpc_timeout must be a finite number"),
+        ({"rpc_timeout": 1e300}, "rpc_timeout must be a finite number"),
         ({"handshake_timeout": float("inf")}, "handshake_timeout must be > 0"),
         ({"handshake_timeout": float("nan")}, "handshake_timeout must be > 0"),
         ({"heartbeat_timeout": float("inf")}, r"heartbeat_timeout must be 0 \(off\)"),
