@@ -351,6 +351,59 @@ void bindTesting(py::module_& m) {
       py::arg("stall_ms") = 20.0,
       py::call_guard<py::gil_scoped_release>());
 
+  // Called holding the GIL, which a pool worker's exit hook waits for
+  // (python_threads.cpp): stop a one-thread pool from one thread, post a
+  // task once its worker has decided to exit, stop it from a second thread,
+  // and let the GIL go after `holdSeconds`. Returns what each stop() saw on
+  // return and what became of the late task.
+  m.def("pool_stops_while_its_worker_exits", [](double holdSeconds) {
+    auto pool = std::make_unique<ThreadPool>(1, 1);
+    auto waitFor = [](auto ready) {
+      auto deadline =
+          std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (!ready() && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      return ready();
+    };
+    if (!waitFor([&] { return pool->idle() == 1; })) {
+      throw std::runtime_error("the pool's worker never became idle");
+    }
+    std::atomic<int64_t> sizeAtFirst{-1};
+    std::atomic<int64_t> sizeAtSecond{-1};
+    std::thread first([&] {
+      pool->stop();
+      sizeAtFirst = static_cast<int64_t>(pool->size());
+    });
+    // Woken by stop(), it leaves the loop under the pool's lock: idle 0.
+    bool exiting = waitFor([&] { return pool->idle() == 0; });
+    auto token = std::make_shared<int>(0);
+    std::weak_ptr<int> late = token;
+    std::atomic<bool> ran{false};
+    pool->run([token = std::move(token), &ran] { ran = true; });
+    std::thread second([&] {
+      pool->stop();
+      sizeAtSecond = static_cast<int64_t>(pool->size());
+    });
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(static_cast<int64_t>(holdSeconds * 1000)));
+    size_t queued = 0;
+    {
+      py::gil_scoped_release release;
+      first.join();
+      second.join();
+      queued = pool->queued();
+    }
+    py::dict out;
+    out["worker_was_exiting"] = exiting;
+    out["size_at_first_return"] = sizeAtFirst.load();
+    out["size_at_second_return"] = sizeAtSecond.load();
+    out["late_task_ran"] = ran.load();
+    out["late_task_released"] = late.expired();
+    out["queued_after_stop"] = queued;
+    return out;
+  });
+
   // From the loop thread, defer `n` pieces of work, each blocking until the
   // next one has started (a UDF waiting on a nested RPC whose response is
   // queued behind it). One loop thread alone deadlocks for any n > 1.

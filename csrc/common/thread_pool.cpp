@@ -10,6 +10,8 @@ namespace torch_rpc_ext {
 
 namespace {
 constexpr auto kExtraThreadIdle = std::chrono::seconds(5);
+// The pool whose worker this thread is, for stop() called from a task.
+thread_local const ThreadPool* tlsPoolOfThread = nullptr;
 } // namespace
 
 ThreadPool::ThreadPool(
@@ -38,6 +40,7 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::spawnLocked(bool core) {
   reapLocked();
   ++alive_;
+  ++serving_;
   std::thread t([this, core] {
     nameThisThread(name_);
     workerLoop(core);
@@ -54,7 +57,10 @@ void ThreadPool::reapLocked() {
 void ThreadPool::run(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_ && alive_ == 0) {
+    if (stopping_ && serving_ == 0) {
+      // Every worker has seen the queue empty for the last time: queued,
+      // it would sit there until the pool is destroyed (a worker waiting
+      // in its exit hook for the GIL still counts as alive).
       return;
     }
     queue_.push_back(std::move(task));
@@ -71,6 +77,7 @@ void ThreadPool::run(std::function<void()> task) {
 
 void ThreadPool::workerLoop(bool core) {
   ThreadHooksScope hooks;
+  tlsPoolOfThread = this;
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     ++idle_;
@@ -83,6 +90,7 @@ void ThreadPool::workerLoop(bool core) {
     }
     --idle_;
     if (queue_.empty() && (stopping_ || timedOut)) {
+      --serving_; // decided under the lock run() queues under
       break;
     }
     if (queue_.empty()) {
@@ -167,11 +175,18 @@ void ThreadPool::waitIdle() {
 void ThreadPool::stop() {
   std::unordered_map<std::thread::id, std::thread> threads;
   // Taken under the lock: two stop()s at once joined it both (undefined;
-  // a helper's reading, session 94). The other finds it gone.
+  // a helper's reading, session 94).
   std::thread supervisor;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_ && threads_.empty() && !supervisor_.joinable()) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (stopping_) {
+      // Another caller joins the threads: wait for it, unless this is one
+      // of them (it would wait for itself).
+      // An exit leaves the joiner waiting on parked workers for good:
+      // then this one goes, as an exiting stop() does.
+      while (!stopped_ && tlsPoolOfThread != this && !ExitGate::closed()) {
+        stoppedCv_.wait_for(lock, std::chrono::milliseconds(100));
+      }
       return;
     }
     stopping_ = true;
@@ -185,6 +200,8 @@ void ThreadPool::stop() {
       if (supervisor_.joinable()) {
         supervisor_.detach();
       }
+      stopped_ = true;
+      stoppedCv_.notify_all();
       return;
     }
     supervisor = std::move(supervisor_);
@@ -207,6 +224,11 @@ void ThreadPool::stop() {
       t.join();
     }
   }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopped_ = true;
+  }
+  stoppedCv_.notify_all();
 }
 
 size_t ThreadPool::size() const {

@@ -37,13 +37,16 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  // Queue a task. Tasks must not throw. After stop(), tasks are dropped.
+  // Queue a task. Tasks must not throw. Once stop() has begun, a task that
+  // no worker will see any more is dropped (destroyed here, not run).
   void run(std::function<void()> task);
 
   // Block until the queue is empty and no task is running.
   void waitIdle();
 
-  // Finish queued tasks, then join every thread. Idempotent.
+  // Finish queued tasks, then join every thread. Idempotent; a second
+  // caller returns once the first has joined them (a task of the pool's
+  // own that calls it returns at once).
   void stop();
 
   size_t size() const;
@@ -67,16 +70,21 @@ class ThreadPool {
   std::condition_variable workCv_;
   std::condition_variable idleCv_;
   std::condition_variable supervisorCv_;
+  std::condition_variable stoppedCv_;
   std::deque<std::function<void()>> queue_;
   ThreadsById threads_;
   // Extra threads that have exited and are waiting to be joined.
   std::vector<std::thread::id> finished_;
   std::thread supervisor_;
   size_t alive_ = 0;
+  // Workers that have not yet decided to exit: a task queued while one is
+  // left will be run. (alive_ still counts a worker in its exit hook.)
+  size_t serving_ = 0;
   size_t idle_ = 0;
   size_t running_ = 0;
   uint64_t taken_ = 0;
   bool stopping_ = false;
+  bool stopped_ = false; // every thread joined or detached
   bool supervisorIdle_ = false; // in its untimed wait (queue empty)
 };
 

@@ -32,3 +32,16 @@ def test_pool_does_not_grow_without_need():
     # is the pool doing its job.
     finished, size = _testing.pool_chain(4, 1, 5.0, stall_ms=2000)
     assert finished and size == 4
+
+
+def test_a_stop_returns_once_the_workers_are_joined_and_strands_no_task():
+    # The worker, having decided to exit, waits in its exit hook for the GIL
+    # this call holds. A second stop() returned at once (the first had taken
+    # the threads to join), and a task posted then was queued for a worker
+    # that would never look again: kept until the pool was destroyed.
+    seen = _testing.pool_stops_while_its_worker_exits(0.3)
+    assert seen["worker_was_exiting"], seen
+    assert seen["size_at_first_return"] == 0, seen
+    assert seen["size_at_second_return"] == 0, seen
+    assert seen["queued_after_stop"] == 0, seen
+    assert not seen["late_task_ran"] and seen["late_task_released"], seen
