@@ -157,6 +157,15 @@ class StoragePlan {
         t.layout() == at::kStrided,
         "TORCH_RPC_EXT cannot send tensors of layout ",
         t.layout());
+    if (t.is_conj() || t.is_neg()) {
+      // A lazy conjugate or negation (x.conj(), x.mH, x.conj().imag) is a
+      // bit on the tensor, not in its bytes: the head carries no such bit,
+      // so the values go resolved (the peer gets conj(x), not x), as
+      // upstream's pickled tensors arrive equal.
+      t = t.resolve_conj().resolve_neg();
+      hold_.compacted.push_back(t);
+      exclusive = false;
+    }
     TORCH_CHECK(
         !t.is_quantized() && !c10::isQIntType(t.scalar_type()),
         "TORCH_RPC_EXT cannot send quantized tensors");

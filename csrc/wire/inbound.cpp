@@ -218,8 +218,10 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   m->type_ = static_cast<rpc::MessageType>(type);
   m->id_ = r.get<int64_t>("id");
   uint32_t n = r.get<uint32_t>("tensor count");
-  // Each tensor takes at least 20 head bytes; this bounds `n` by the head.
-  if (n > head.size() / 20) {
+  // Each tensor takes at least 17 head bytes (a 0-dim dense one: layout,
+  // dtype, requires_grad, ndim, offset, segment, device); this bounds `n`
+  // by the head. (20 refused six scalars, a message the head does hold.)
+  if (n > head.size() / 17) {
     throw std::invalid_argument("tensor count exceeds what the head can hold");
   }
   m->tensors_.reserve(n);

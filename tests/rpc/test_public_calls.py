@@ -21,6 +21,10 @@ def add(a, b):
     return a + b
 
 
+def echo(*values):
+    return values
+
+
 def raise_value_error(key):
     raise ValueError(key)
 
@@ -73,6 +77,13 @@ def every_call(rank, world_size):
         local = rpc.RRef(torch.zeros(2))
         out["local_value"] = local.local_value()
         out["self_call"] = rpc.rpc_sync("worker0", add, args=(3, 4))
+        # Eight 0-dim tensors each way (a head bound refused six), and lazy
+        # conjugate and negative views (the bits once went unsent: the peer
+        # got x for x.conj()).
+        out["scalars"] = rpc.rpc_sync("worker1", echo, args=tuple(torch.tensor(float(i)) for i in range(8)))
+        z = torch.randn(3, 2, dtype=torch.complex64, generator=torch.Generator().manual_seed(5))
+        out["conj_sent"] = (z.conj(), z.mH, z.conj().imag)
+        out["conj_echoed"] = rpc.rpc_sync("worker1", echo, args=out["conj_sent"])
         out["nested"] = rpc.rpc_sync("worker1", nested_sum, args=("worker0", 6))
         try:
             rpc.rpc_sync("worker1", raise_value_error, args=("missing",))
@@ -144,6 +155,9 @@ def test_every_public_call_returns_the_local_result():
     assert out["rref_proxy_remote"] == (x + y).max()
     assert torch.equal(out["local_value"], torch.zeros(2))
     assert out["self_call"] == 7
+    assert [float(t) for t in out["scalars"]] == [float(i) for i in range(8)]
+    for sent, echoed in zip(out["conj_sent"], out["conj_echoed"]):
+        assert torch.equal(echoed, sent.resolve_conj().resolve_neg()), (sent, echoed)
     assert out["nested"] == 7
     assert out["remote_error"][0] == "ValueError" and "missing" in out["remote_error"][1]
     assert "must match the size of tensor b" in out["op_error"], out["op_error"]

@@ -68,6 +68,28 @@ def test_non_contiguous_dense_view_keeps_strides():
     assert torch.equal(y, x) and y.stride() == x.stride()
 
 
+@pytest.mark.parametrize("n", [1, 5, 6, 64, 1000])
+def test_many_zero_dim_tensors_fit_the_head_that_holds_them(n):
+    # A 0-dim tensor takes 17 head bytes: a bound of 20 refused six.
+    xs = [torch.tensor(float(i)) for i in range(n)]
+    out, head, _ = roundtrip(xs, payload=b"")
+    assert [float(y) for y in out] == [float(x) for x in xs]
+    assert len(head) == 16 + 17 * n
+
+
+def test_lazy_conjugate_and_negative_views_arrive_resolved():
+    # The conj and neg bits live on the tensor, not in its bytes: sent as
+    # bytes alone, x.conj() arrived as x.
+    z = torch.randn(3, 2, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    for sent in (z.conj(), z.mH, z.conj().imag, torch._neg_view(torch.arange(4.0))):
+        assert sent.is_conj() or sent.is_neg()
+        (y,), _, _ = roundtrip([sent])
+        assert torch.equal(y, sent.resolve_conj().resolve_neg()) and not (y.is_conj() or y.is_neg())
+    # Beside the plain tensor it is a view of, each keeps its own values.
+    (a, b), _, _ = roundtrip([z, z.conj()])
+    assert torch.equal(a, z) and torch.equal(b, z.conj().resolve_conj())
+
+
 def test_sparse_coo_round_trip():
     i = torch.tensor([[0, 1, 1], [2, 0, 2]])
     v = torch.tensor([3.0, 4.0, 5.0])
