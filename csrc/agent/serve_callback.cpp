@@ -201,6 +201,18 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processScriptCall(
     // upstream's does, to processRpcWithErrors (its "Error on Node" reply).
     auto& stack = call.stackRef();
     try {
+      // The sender puts every argument on the stack, defaults too
+      // (upstream's matchBuiltinOp): a stack of another size is a crafted
+      // request, and the kernel would read below it.
+      const auto& schema = call.op()->schema();
+      TORCH_CHECK(
+          schema.is_vararg() || stack.size() == schema.arguments().size(),
+          "builtin operator ",
+          schema.operator_name(),
+          " takes ",
+          schema.arguments().size(),
+          " arguments, the request carries ",
+          stack.size());
       call.op()->getOperation()(stack);
     } catch (const std::exception&) {
       return asFuture(std::current_exception());

@@ -33,24 +33,24 @@ def cached_operators():
     return int(rpc.api._get_current_rpc_agent().get_metrics()["rpc_ext.cached_operators"])
 
 
-def call_unknown_operator(addr):
-    """An authenticated peer calls a builtin operator no registry has; returns
-    (the bytes it got back within 15 s, the connection still open?)."""
+def call_operator(addr, args, schema, expect):
+    """An authenticated peer calls a builtin operator by its schema text with
+    `args`; returns (the bytes it got back within 15 s, or up to `expect`;
+    the connection still open?)."""
     import pickle
 
     from torch_rpc_ext import _testing
 
     sock, _ = handshake(addr, SECRET)
     # Upstream's SCRIPT_CALL layout: (args..., schema text, qualified name).
-    payload = pickle.dumps(
-        (1.0, 2.0, "aten::add.Bogus(Tensor self) -> Tensor", "torch.ops.aten.add"), protocol=2)
+    payload = pickle.dumps((*args, schema, "torch.ops.aten.add"), protocol=2)
     head, segs = _testing.encode_message(0x100, payload, [], 77)
     sock.sendall(frame_header(MESSAGE, len(head), nseg=len(segs), data=sum(map(len, segs)))
                  + b"".join(struct.pack("<Q", len(x)) for x in segs) + head + b"".join(segs))
     sock.settimeout(15)  # the loop ends as the answer arrives
     got = b""
     try:
-        while b"Bogus" not in got:
+        while expect not in got:
             chunk = sock.recv(65536)
             if not chunk:
                 break
@@ -143,9 +143,19 @@ def attacks(rank, world_size):
         # 6. An authenticated call of an operator that does not exist gets an
         #    error response naming it, and is not remembered as an operator.
         cached = rpc.rpc_sync("worker1", cached_operators)
-        got, out["unknown_op_open"] = call_unknown_operator(addr)
+        got, out["unknown_op_open"] = call_operator(
+            addr, (1.0, 2.0), "aten::add.Bogus(Tensor self) -> Tensor", b"Bogus")
         out["unknown_op_answered"] = b"aten::add.Bogus" in got
         out["unknown_op_cached"] = rpc.rpc_sync("worker1", cached_operators) - cached
+
+        # 7. A real operator with fewer or more arguments than its schema
+        #    has: the kernel read below its stack (the callee died) or the
+        #    reply blamed its results. Now an error response naming both.
+        add = "aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor"
+        for label, args in (("no_args", ()), ("one_arg", (1.0,)),
+                            ("four_args", (1.0, 2.0, 1, 1))):
+            got, still_open = call_operator(addr, args, add, b"arguments")
+            out[label] = (b"takes 3 arguments, the request carries %d" % len(args) in got, still_open)
 
         # The agent still serves its real peers, and counted every refusal.
         out["still_serves"] = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
@@ -168,6 +178,8 @@ def test_agent_refuses_strangers_and_keeps_serving():
         assert out[label], label
     assert out["unknown_op_answered"] and out["unknown_op_open"]
     assert out["unknown_op_cached"] == 0
+    for label in ("no_args", "one_arg", "four_args"):
+        assert out[label] == (True, True), (label, out[label])
     assert torch.equal(out["still_serves"], torch.full((2,), 2.0))
     # 2 wrong secrets + 2 ids outside the group + 4 pre-auth rejections (the
     # bad head came after auth).
