@@ -2,6 +2,7 @@
 #include "csrc/agent/serve_callback.h"
 
 #include "csrc/agent/named_functions.h"
+#include "csrc/agent/tracing.h"
 
 #include <torch/csrc/distributed/rpc/profiler/server_process_global_profiler.h>
 #include <torch/csrc/distributed/rpc/python_resp.h>
@@ -119,6 +120,17 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
 }
 
 std::unique_ptr<rpc::ScriptCall> ServeCallback::decodeScriptCall(
+    const rpc::Message& request) const {
+  auto call = decodeScriptCallUnnamed(request);
+  if (tracing::ScriptNaming::wanted()) {
+    tracing::ScriptNaming::named(
+        call->hasOp() ? call->op()->schema().name()
+                      : call->qualifiedName().qualifiedName());
+  }
+  return call;
+}
+
+std::unique_ptr<rpc::ScriptCall> ServeCallback::decodeScriptCallUnnamed(
     const rpc::Message& request) const {
   const auto& payload = request.payload();
   auto value = torch::jit::unpickle(

@@ -58,7 +58,11 @@ class ServeCallback final
   size_t cachedOperators() const;
 
  private:
+  // Decodes a SCRIPT_CALL once, and names a traced serve's span by it
+  // (tracing::ScriptNaming).
   std::unique_ptr<torch::distributed::rpc::ScriptCall> decodeScriptCall(
+      const torch::distributed::rpc::Message& request) const;
+  std::unique_ptr<torch::distributed::rpc::ScriptCall> decodeScriptCallUnnamed(
       const torch::distributed::rpc::Message& request) const;
   static bool isNamedFunction(const torch::distributed::rpc::ScriptCall& call);
   // Whether processRpcWithErrors serves `call` into one future completed

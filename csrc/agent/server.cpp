@@ -2,7 +2,6 @@
 // The agent's server side (server.h).
 #include "csrc/agent/server.h"
 
-#include <torch/csrc/distributed/rpc/script_call.h>
 #include <torch/csrc/distributed/rpc/utils.h>
 
 #include <optional>
@@ -14,28 +13,6 @@
 #include "csrc/wire/codec.h"
 
 namespace torch_rpc_ext {
-
-namespace {
-
-// The builtin operator or TorchScript function a SCRIPT_CALL runs (its
-// server span's name): read from the request only when a trace context
-// came with it.
-std::string scriptName(const rpc::Message& request) {
-  try {
-    auto call = rpc::ScriptCall::fromMessage(request);
-    if (call->hasOp()) {
-      return call->op()->schema().name();
-    }
-    if (call->hasQualifiedName()) {
-      return call->qualifiedName().qualifiedName();
-    }
-  } catch (const std::exception&) {
-    // (torch reports a malformed call when it runs it)
-  }
-  return "script";
-}
-
-} // namespace
 
 void Server::serve(
     std::shared_ptr<transport::Connection> conn,
@@ -85,10 +62,24 @@ void Server::serve(
     // callee's span is its child (a Python function's made in Python; a
     // builtin operator's or TorchScript function's here).
     tracing::Incoming traced(served.trace, served.landing);
-    if (!served.trace.empty() && served.kind == CallKind::kScript) {
-      span = tracing::beginServe(served.trace, scriptName(*request));
+    const bool named =
+        !served.trace.empty() && served.kind == CallKind::kScript;
+    {
+      // Its span begins once the call is decoded, named by what it runs
+      // (tracing.h, ScriptNaming).
+      std::optional<tracing::ScriptNaming> naming;
+      if (named) {
+        naming.emplace([&](const std::string& name) {
+          span = tracing::beginServe(served.trace, name);
+        });
+      }
+      result = callback_(*request, std::move(streams));
     }
-    result = callback_(*request, std::move(streams));
+    if (named && !span) {
+      // Not decoded by us (upstream's path, under its server-side profiler;
+      // or malformed): a span for the rest of it.
+      span = tracing::beginServe(served.trace, "script");
+    }
     call_trace::stamp(id, call_trace::kServeReturned);
   } catch (...) {
     result = c10::make_intrusive<c10::ivalue::Future>(at::AnyClassType::get());

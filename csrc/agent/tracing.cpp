@@ -61,6 +61,31 @@ const Landing& incomingLanding() {
 }
 
 namespace {
+thread_local ScriptNaming* tNaming = nullptr;
+} // namespace
+
+ScriptNaming::ScriptNaming(Sink sink)
+    : sink_(std::move(sink)), outer_(tNaming) {
+  tNaming = this;
+}
+
+ScriptNaming::~ScriptNaming() {
+  tNaming = outer_;
+}
+
+bool ScriptNaming::wanted() {
+  return tNaming != nullptr && tNaming->sink_;
+}
+
+void ScriptNaming::named(const std::string& name) {
+  if (!wanted()) {
+    return;
+  }
+  Sink sink = std::exchange(tNaming->sink_, nullptr);
+  sink(name);
+}
+
+namespace {
 std::mutex hookMu;
 std::shared_ptr<const ServeHook> hook; // replaced whole, read under hookMu
 } // namespace

@@ -71,6 +71,30 @@ using ServeHook = std::function<std::unique_ptr<ServeSpan>(
     const std::string& traceparent,
     const std::string& name)>;
 void setServeHook(ServeHook hook);
+
+// The name of the script call this thread decodes to serve (a builtin
+// operator's, a TorchScript function's), for its server span: Server::serve
+// opens a scope around a traced SCRIPT_CALL, and the decoder says the name
+// once it has the call (named()), where the span then begins. The request
+// is unpickled once: a second decode, only to name the span, forked its
+// RRef arguments twice (a fork deleted as the copy died, or torch's "add
+// the same UserRRef twice" assertion).
+class ScriptNaming {
+ public:
+  using Sink = std::function<void(const std::string& name)>;
+  explicit ScriptNaming(Sink sink);
+  ~ScriptNaming();
+  ScriptNaming(const ScriptNaming&) = delete;
+  ScriptNaming& operator=(const ScriptNaming&) = delete;
+  // Whether a scope on this thread waits for its name.
+  static bool wanted();
+  // Gives the innermost scope its name (the first one said); else nothing.
+  static void named(const std::string& name);
+
+ private:
+  Sink sink_;
+  ScriptNaming* outer_;
+};
 // The span for a request served under `traceparent`, or null (no hook).
 std::unique_ptr<ServeSpan> beginServe(
     const std::string& traceparent,

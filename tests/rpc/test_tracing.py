@@ -29,6 +29,11 @@ def script_triple(x: torch.Tensor) -> torch.Tensor:
     return x * 3
 
 
+@torch.jit.script
+def script_fetch(r: rpc.RRef[torch.Tensor]) -> torch.Tensor:
+    return r.to_here() + 1
+
+
 def nested(x):
     # On worker1, under its server span: a call back to worker0.
     return rpc.rpc_sync("worker0", double, args=(x,)) + 1
@@ -62,6 +67,15 @@ def traced(rank, world_size, garbage=False):
             one = torch.ones(2)
             out["builtin"] = rpc.rpc_sync("worker1", torch.add, args=(one, one)).tolist()
             out["script"] = rpc.rpc_sync("worker1", script_triple, args=(one,)).tolist()
+            # An RRef among a TorchScript function's arguments: its request
+            # was once decoded twice to name the span, forking the RRef
+            # twice (the copy's delete reached us first: the fetch waited
+            # for ever).
+            try:
+                out["script_rref"] = rpc.rpc_sync(
+                    "worker1", script_fetch, args=(rpc.RRef(one),), timeout=15).tolist()
+            except RuntimeError as e:
+                out["script_rref"] = str(e)
         # Outside any span: nothing carried, no client span.
         out["untraced"] = rpc.rpc_sync("worker1", double, args=(6,))
         if garbage:
@@ -131,9 +145,12 @@ def test_one_trace_across_caller_and_callee():
     # A builtin operator and a TorchScript function: served under spans
     # made from C++, named by the operator and the function.
     assert caller["builtin"] == [2.0, 2.0] and caller["script"] == [3.0, 3.0]
+    assert caller["script_rref"] == [2.0, 2.0], caller["script_rref"]
     for call_name, serve_name in (("rpc.call add", "rpc.serve aten::add"),
                                   ("rpc.call " + script_triple.qualified_name,
-                                   "rpc.serve " + script_triple.qualified_name)):
+                                   "rpc.serve " + script_triple.qualified_name),
+                                  ("rpc.call " + script_fetch.qualified_name,
+                                   "rpc.serve " + script_fetch.qualified_name)):
         call = by_name(caller["spans"], call_name)
         serve = by_name(callee["spans"], serve_name)
         assert len(call) == 1 and len(serve) == 1, (call_name, callee["spans"])
