@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/rpc/python_rpc_handler.h>
 #include <torch/csrc/distributed/rpc/rpc_agent.h>
 #include <torch/csrc/distributed/rpc/rref_context.h>
+#include <torch/csrc/distributed/rpc/rref_proto.h>
 #include <torch/csrc/distributed/rpc/script_resp.h>
 #include <torch/csrc/distributed/rpc/unpickled_python_call.h>
 #include <torch/csrc/distributed/rpc/utils.h>
@@ -51,6 +52,23 @@ class OnArrival {
   std::optional<c10::OptionalDeviceGuard> device_; // (restored last)
   std::optional<c10::MultiStreamGuard> streams_;
 };
+
+// Upstream's serializePyObject, with the handler given: a value (a
+// PyObject holder) pickled under the GIL, a Python error turned into a
+// C++ one (its own needs the GIL to be destroyed).
+rpc::SerializedPyObj serializeValue(
+    rpc::PythonRpcHandler& handler,
+    const c10::IValue& value) {
+  py::gil_scoped_acquire gil;
+  try {
+    return handler.serialize(torch::jit::toPyObject(value));
+  } catch (py::error_already_set& e) {
+    std::runtime_error error(e.what());
+    e.restore();
+    PyErr_Clear();
+    throw error;
+  }
+}
 
 } // namespace
 
@@ -248,7 +266,18 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processPythonCall(
     const std::vector<c10::Stream>& streams) const {
   auto& call = static_cast<rpc::UnpickledPythonCall&>(rpc);
   if (call.isAsyncExecution()) {
-    return RequestCallbackImpl::processPythonCall(rpc, streams);
+    // The function runs as upstream runs it (its future, or its error);
+    // the answer is made as upstream's then() makes it, with the handler
+    // taken here, on a thread without the GIL (serve_callback.h).
+    auto& handler = rpc::PythonRpcHandler::getInstance();
+    auto future = runPythonFunction(call.pythonUdf(), streams, true);
+    return future->then(
+        [&handler](rpc::JitFuture& done) {
+          return rpc::withStorages(
+              rpc::PythonResp(serializeValue(handler, done.value()))
+                  .toMessage());
+        },
+        c10::getCustomClassType<c10::intrusive_ptr<rpc::Message>>());
   }
   // A synchronous function: upstream's runPythonFunction (run under the
   // streams the request's CUDA tensors arrived on and the GIL, the result
@@ -293,6 +322,21 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processPythonCall(
     }
   }
   return asFuture(rpc::PythonResp(std::move(*result)).toMessage());
+}
+
+c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processPythonRRefFetchCall(
+    rpc::RpcCommandBase& rpc) const {
+  auto& fetch = static_cast<rpc::PythonRRefFetchCall&>(rpc);
+  auto& handler = rpc::PythonRpcHandler::getInstance();
+  auto future = retrieveOwnerRRef(fetch.rrefId());
+  return future->then(
+      [&handler](rpc::JitFuture& done) {
+        return rpc::withStorages(
+            rpc::PythonRRefFetchRet(
+                serializeValue(handler, done.value()).toIValues())
+                .toMessage());
+      },
+      c10::getCustomClassType<c10::intrusive_ptr<rpc::Message>>());
 }
 
 size_t ServeCallback::cachedOperators() const {

@@ -50,9 +50,20 @@ class ServeCallback final
 
   // A synchronous Python UDF: run and its result pickled under one hold of
   // the GIL, into one future (upstream: two of each).
+  // An @async_execution one's answer is serialized, as upstream's, once its
+  // future completes, but with the handler taken now: the future may be
+  // completed by a thread holding the GIL (Calls::completeHoldingGil, a
+  // call a user's thread made), where upstream's PythonRpcHandler::
+  // getInstance() asserts the GIL is free.
   c10::intrusive_ptr<torch::distributed::rpc::JitFuture> processPythonCall(
       torch::distributed::rpc::RpcCommandBase& rpc,
       const std::vector<c10::Stream>& streams) const override;
+
+  // to_here() of a Python RRef: upstream's, the handler taken now (the
+  // owner's value may be set by such a completion, too).
+  c10::intrusive_ptr<torch::distributed::rpc::JitFuture>
+  processPythonRRefFetchCall(
+      torch::distributed::rpc::RpcCommandBase& rpc) const override;
 
   // Schema texts resolved so far (for tests).
   size_t cachedOperators() const;

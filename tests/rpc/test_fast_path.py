@@ -529,6 +529,64 @@ def pipelined_async_relays(rank, world_size):
     return out
 
 
+_USER_FUTS = []
+_RELAY_SERVED = threading.Event()
+
+
+@rpc.functions.async_execution
+def last_user_future():
+    # The future a user's thread got from a builtin call: torch chains this
+    # request's answer (serialized through PythonRpcHandler) onto it.
+    _RELAY_SERVED.set()
+    return _USER_FUTS[-1]
+
+
+def fetch(rref):
+    return rref.to_here()
+
+
+def async_udf_returning_a_user_threads_call(rank, world_size):
+    init(rank, world_size)
+    out = {}
+    if rank == 0:
+        one = torch.ones(2)
+        pid = rpc.rpc_sync("worker1", os.getpid)
+        with stopped(pid, hold=lambda: None):
+            _USER_FUTS.extend(rpc.rpc_async("worker1", torch.add, args=(one, i)) for i in range(40))
+            relay = rpc.rpc_async("worker0", last_user_future)
+            out["served"] = _RELAY_SERVED.wait(30)
+            # An RRef of ours whose value is that future's, fetched by
+            # worker2 before it is set: torch serializes it for the fetch
+            # as the value is set.
+            rref = rpc.remote("worker0", last_user_future)
+            fetched = rpc.rpc_async("worker2", fetch, args=(rref,))
+            time.sleep(1)  # (the fetch waits here for the value)
+        results = {}
+        for key, fut in (("relayed", relay), ("fetched", fetched)):
+            try:
+                results[key] = fut.wait()
+            except RuntimeError as e:
+                results[key] = str(e)
+        out.update(results)
+        out["held"] = int(metrics()["rpc_ext.completions.held_gil"])
+    rpc.shutdown()
+    return out
+
+
+def test_an_async_udf_may_return_a_call_a_users_thread_made():
+    # The user thread's 40 pipelined builtin calls complete under one hold
+    # of the GIL; the last one's future carries torch's serialization of an
+    # @async_execution answer, which asserts the GIL is free: the answer was
+    # "INTERNAL ASSERT FAILED ... !PyGILState_Check()" (a helper's reading).
+    # So was a fetch of an RRef whose value such a completion set.
+    r = run_world(async_udf_returning_a_user_threads_call, 3, timeout=120)[0]
+    assert r["served"], r
+    for key in ("relayed", "fetched"):
+        assert isinstance(r[key], torch.Tensor), (key, r[key])
+        assert torch.equal(r[key], torch.full((2,), 40.0)), r
+    assert r["held"] >= 1, r
+
+
 def test_builtin_calls_of_async_udfs_do_not_complete_holding_the_gil():
     # A served @async_execution UDF returns a builtin call's future; its
     # completion serializes the UDF's result through torch's
