@@ -191,7 +191,9 @@ void Agent::join(bool shutdown, float timeout) {
       ": the process is exiting; call rpc.shutdown() before the end of the "
       "program");
   std::optional<std::chrono::steady_clock::time_point> deadline;
-  if (timeout > 0) {
+  // (From 1e9 s on, infinity among them: none, as for a call's timeout;
+  // the cast of infinity was undefined.)
+  if (timeout > 0 && timeout < 1e9F) {
     deadline = std::chrono::steady_clock::now() +
         std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
   }

@@ -23,14 +23,19 @@ namespace torch_rpc_ext {
 namespace {
 
 std::chrono::milliseconds callTimeout(float seconds) {
-  // Past what milliseconds hold (infinity among them): no timeout, as 0
-  // says, and as such a value meant before session 94 (its cast was
-  // undefined, and landed below 0); NaN likewise. Below 0: expired already.
+  // From 1e9 s (31 years; infinity among them) on: no timeout, as 0 says,
+  // and as such a value meant before session 94 (its cast was undefined,
+  // and landed below 0); NaN likewise. (The deadline, now() + timeout in
+  // the steady clock's int64 nanoseconds, holds about 9.2e9 s: 1e10 s
+  // wrapped below now and failed the call at once.) Below 0: expired
+  // already.
+  constexpr double kNoneFromMs = 1e12;
   const double ms = static_cast<double>(seconds) * 1000;
-  if (std::isnan(ms) || ms >= 9e15) {
+  if (std::isnan(ms) || ms >= kNoneFromMs) {
     return std::chrono::milliseconds(0);
   }
-  return std::chrono::milliseconds(static_cast<int64_t>(std::max(ms, -9e15)));
+  return std::chrono::milliseconds(
+      static_cast<int64_t>(std::max(ms, -kNoneFromMs)));
 }
 
 } // namespace

@@ -254,6 +254,12 @@ def timeouts(rank, world_size):
         out["no_timeout"] = rpc.rpc_sync("worker1", slow, args=(0.7,), timeout=0)
         # Infinity (past what milliseconds hold) means none too.
         out["infinite"] = rpc.rpc_sync("worker1", slow, args=(0.3,), timeout=float("inf"))
+        # So does 1e10 s, whose deadline in the steady clock's nanoseconds
+        # once wrapped below now: the call failed at once.
+        try:
+            out["huge"] = rpc.rpc_sync("worker1", slow, args=(0.3,), timeout=1e10)
+        except RuntimeError as e:
+            out["huge"] = str(e)
         out["metrics"] = rpc.api._get_current_rpc_agent().get_metrics()
     rpc.shutdown()
     return out
@@ -273,7 +279,7 @@ def test_timeouts_use_upstream_error_text_and_fire_on_time():
     assert "set timeout (200 ms)" in text and took < 3.0
     text, took = out["negative"]
     assert "set timeout (-5000 ms)" in text and took < 3.0
-    assert out["no_timeout"] == 0.7 and out["infinite"] == 0.3
+    assert out["no_timeout"] == 0.7 and out["infinite"] == 0.3 and out["huge"] == 0.3, out
     assert out["metrics"]["rpc_ext.peer.worker1.timeouts"] == "3"
 
 
