@@ -14,6 +14,7 @@ bytes per second each way and calls in flight. ``--once`` prints one screen
 from __future__ import annotations
 
 import argparse
+import http.client
 import math
 import sys
 import time
@@ -44,12 +45,16 @@ def scrape(endpoint: str, timeout: float = 2.0) -> Sample:
     sample = Sample(at=time.monotonic())
     try:
         text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=timeout).read()
-    except OSError as e:
-        sample.error = str(getattr(e, "reason", e))
+        # (Parsed whole here: a page that is not metrics fails as it is read.)
+        families = list(text_string_to_metric_families(text.decode()))
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        # A worker gone mid-answer, a port that is not a metrics endpoint:
+        # that worker's row says so; the others go on.
+        sample.error = str(getattr(e, "reason", e)) or type(e).__name__
         return sample
     names = {"calls_total": "direction", "bytes_total": "direction",
              "errors_total": None, "timeouts_total": None}
-    for fam in text_string_to_metric_families(text.decode()):
+    for fam in families:
         for s in fam.samples:
             worker = s.labels.get("worker")
             if worker:

@@ -388,6 +388,13 @@ void Calls::complete(
   const int64_t id = response->id();
   call_trace::stamp(id, call_trace::kCompleting);
   if (response->type() == rpc::MessageType::EXCEPTION) {
+    // An error answer (a builtin operator's or TorchScript function's
+    // failure, a request the callee could not take) fails the call: counted
+    // as those a lost connection fails are. (A Python function's exception
+    // comes back as its result, a RemoteException, as upstream's.)
+    if (call.peer != nullptr) {
+      call.peer->stats.errors.fetch_add(1, std::memory_order_relaxed);
+    }
     std::string text(response->payload().begin(), response->payload().end());
     call.future->setErrorIfNeeded(
         std::make_exception_ptr(std::runtime_error(text)));

@@ -78,7 +78,9 @@ std::vector<CostSnapshot> snapshotCosts(
       const auto metric = static_cast<CallCosts::Metric>(m);
       const bool time = CallCosts::isTime(metric);
       const uint64_t base = time ? CallCosts::kTimeBase : CallCosts::kBytesBase;
-      const double unit = time ? 1e-9 : 1.0;
+      // Divided, not multiplied by 1e-9: the bounds read 0.016384, not
+      // 0.016384000000000003 (an `le` a query can name).
+      const double perUnit = time ? 1e9 : 1.0;
       for (size_t k = 0; k < kCallKinds; ++k) {
         const Histogram& h = costs->histograms[m][k];
         if (h.empty()) {
@@ -92,13 +94,13 @@ std::vector<CostSnapshot> snapshotCosts(
           s.metric = CallCosts::metricName(metric);
           s.counts.assign(Histogram::kBuckets, 0);
           for (size_t b = 0; b + 1 < Histogram::kBuckets; ++b) {
-            s.bounds.push_back(static_cast<double>(base << b) * unit);
+            s.bounds.push_back(static_cast<double>(base << b) / perUnit);
           }
         }
         for (size_t b = 0; b < Histogram::kBuckets; ++b) {
           s.counts[b] += h.count(b);
         }
-        s.sum += static_cast<double>(h.sum()) * unit;
+        s.sum += static_cast<double>(h.sum()) / perUnit;
       }
     }
   }

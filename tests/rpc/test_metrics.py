@@ -4,6 +4,7 @@ and call kind, counters and gauges, served in Prometheus's text format by
 each worker, scraped here over HTTP and parsed by prometheus_client's own
 parser."""
 
+import contextlib
 import os
 import time
 import urllib.request
@@ -26,6 +27,10 @@ CALLS = 20
 def slow_echo(x, seconds):
     time.sleep(seconds)
     return x
+
+
+def raise_value_error():
+    raise ValueError("a result, not a failed call")
 
 
 def scrape(port: int) -> dict:
@@ -58,6 +63,15 @@ def traffic(rank, world_size):
         while not rref.confirmed_by_owner() and time.monotonic() < deadline:
             time.sleep(0.01)
         out["scrape"] = scrape(port)  # (before the barrier's own calls)
+        # Three builtin calls answered with an error count as errors; a
+        # Python function's exception (its result) does not.
+        for args in ((x, torch.ones(3)),) * 3:
+            with contextlib.suppress(RuntimeError):
+                rpc.rpc_sync("worker1", torch.add, args=args)
+        with contextlib.suppress(ValueError):
+            rpc.rpc_sync("worker1", raise_value_error)
+        out["errors"] = int(rpc.api._get_current_rpc_agent().get_metrics()[
+            "rpc_ext.peer.worker1.errors"])
     rpc.api._barrier(["worker0", "worker1"])
     if rank == 1:
         out["scrape"] = scrape(port)
@@ -103,6 +117,9 @@ def test_histograms_and_counters_scraped_from_both_workers():
     assert counts == sorted(counts) and counts[-1] == CALLS
     below = [v for _, lab, v in buckets if float(lab["le"]) <= 0.016384]
     assert max(below) == 0
+    # Bounds a query can name as written (not 0.016384000000000003).
+    assert "0.016384" in {lab["le"] for _, lab, _ in buckets}, buckets
+    assert caller["errors"] == 3, caller["errors"]
     # Request bytes made: the 4000-byte storage (both arguments view it) in
     # a frame of a few hundred bytes more.
     fam = "torch_rpc_ext_request_bytes"
@@ -117,7 +134,9 @@ def test_histograms_and_counters_scraped_from_both_workers():
     assert value(c, fam, fam + "_count", worker="worker1", peer="worker0", kind="python") >= CALLS
     assert value(c, fam, fam + "_sum", worker="worker1", kind="python") >= CALLS * 0.02
     fam = "torch_rpc_ext_serve_queue_seconds"
-    assert value(c, fam, fam + "_count", worker="worker1", peer="worker0", kind="script") == CALLS
+    # (and the three failing builtin calls, made before the callee's scrape)
+    assert value(c, fam, fam + "_count", worker="worker1", peer="worker0",
+                 kind="script") == CALLS + 3
     served = value(c, "torch_rpc_ext_calls", "torch_rpc_ext_calls_total",
                    worker="worker1", peer="worker0", direction="served")
     assert served >= 2 * CALLS + 1
@@ -391,6 +410,40 @@ def test_a_real_prometheus_scrapes_a_live_group(tmp_path):
 
 
 # ---- python -m torch_rpc_ext.top ---------------------------------------------
+
+
+@pytest.mark.parametrize("answer", [
+    # A worker gone mid-answer: fewer bytes than its length said.
+    b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\nabc",
+    # A port that is not a metrics endpoint.
+    b"HTTP/1.0 200 OK\r\nContent-Type: text/html\r\n\r\n<html><body>hi</body></html>",
+    # Not HTTP at all.
+    b"SSH-2.0-OpenSSH_9.2\r\n",
+])
+def test_top_shows_an_endpoint_that_answers_wrong_as_unreachable(answer):
+    # It raised out of the whole view (only OSError was caught).
+    import socket
+    import threading
+
+    from torch_rpc_ext.top import scrape
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer_once():
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(answer)
+
+    t = threading.Thread(target=answer_once, daemon=True)
+    t.start()
+    try:
+        sample = scrape(f"127.0.0.1:{port}", timeout=5)
+    finally:
+        t.join(10)
+        server.close()
+    assert sample.error, sample
 
 
 def test_top_quantile_interpolates_as_prometheus_does():
