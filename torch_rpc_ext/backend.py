@@ -119,6 +119,12 @@ def _init_backend(
     # that changes only its backend runs (TensorPipe-only settings reported).
     rpc_backend_options = translate_options(rpc_backend_options)
     metrics_port = _metrics_port()  # a bad value fails before anything starts
+    if metrics_port is not None:
+        # So does a port taken (before this worker's rendezvous, which its
+        # peers would otherwise wait in until their timeout).
+        from torch_rpc_ext import metrics
+
+        metrics_port = metrics.serve_env_port(metrics_port)
     # OpenTelemetry, where a provider is configured: before the agent (and
     # torch's Python call handler) starts.
     from torch_rpc_ext import tracing

@@ -32,10 +32,12 @@ scrape from the worker's current agent, so one endpoint outlives
 Every series has the label ``worker`` (this worker's name); per-peer ones
 have ``peer``. A program that does not call ``serve`` gets it from the
 environment: ``TORCH_RPC_EXT_METRICS_PORT=<port>`` serves on ``port +
-LOCAL_RANK`` (0 without a launcher; port 0: any free port) from
+LOCAL_RANK`` (0 without a launcher; port 0: any free port; on
+``TORCH_RPC_EXT_METRICS_ADDR``, all interfaces by default) from
 ``init_rpc``, and the worker's endpoint is written to the store
-(``torch_rpc_ext/metrics/<worker>``), where ``python -m torch_rpc_ext.top``
-finds it.
+(``torch_rpc_ext/metrics/<worker>``, within the prefix torch gives the
+store of ``init_rpc``), for tools that list a group's endpoints;
+``python -m torch_rpc_ext.top`` takes them as ``HOST:PORT`` arguments.
 """
 
 from __future__ import annotations
@@ -264,10 +266,62 @@ def collector() -> _Collector:
     return _Collector()
 
 
+# Scrapers served at once (a thread each), and how long one may take to send
+# its request or read the answer: more are closed on arrival, a slower one
+# is dropped (prometheus_client's own server keeps a thread per connection
+# for as long as the client keeps it open, however many).
+MAX_CLIENTS = 64
+CLIENT_TIMEOUT = 10.0
+
+
+def _server_classes():
+    import socket
+    import socketserver
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+    class Handler(WSGIRequestHandler):
+        timeout = CLIENT_TIMEOUT  # the socket's, for each read and write
+
+        def log_message(self, format, *args):  # noqa: A002 (a scrape is no news)
+            pass
+
+    class Server(socketserver.ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        block_on_close = False
+
+        def __init__(self, address, handler):
+            if ":" in address[0]:
+                self.address_family = socket.AF_INET6
+            self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+            super().__init__(address, handler)
+
+        def process_request(self, request, client_address):
+            if not self._slots.acquire(blocking=False):
+                self.shutdown_request(request)  # over the cap: closed at once
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                self._slots.release()
+                raise
+
+        def process_request_thread(self, request, client_address):
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self._slots.release()
+
+        def handle_error(self, request, client_address):
+            pass  # a client gone or too slow: nothing to report
+
+    return Server, Handler
+
+
 def serve(port: int = 0, addr: str = "0.0.0.0") -> int:
     """Serves this worker's metrics at ``http://<addr>:<port>/metrics`` from
     a thread of its own; returns the port (``port=0``: a free one). Once per
-    process: a second call returns the first's port."""
+    process: a second call returns the first's port. At most MAX_CLIENTS
+    scrapers at once, each given CLIENT_TIMEOUT seconds per read or write."""
     core = _prometheus()
     import prometheus_client
 
@@ -276,11 +330,28 @@ def serve(port: int = 0, addr: str = "0.0.0.0") -> int:
             return _served["port"]
         registry = core.CollectorRegistry(auto_describe=False)
         registry.register(_Collector())
-        started = prometheus_client.start_http_server(port, addr=addr, registry=registry)
-        server = started[0] if isinstance(started, tuple) else None
-        actual = server.server_port if server is not None else port
-        _served.update(port=actual, server=started)
-        return actual
+        server_class, handler_class = _server_classes()
+        try:
+            server = server_class((addr, port), handler_class)
+        except OSError as e:
+            raise OSError(
+                e.errno, f"torch_rpc_ext.metrics cannot serve on {addr}:{port}: {e.strerror}"
+            ) from e
+        server.set_app(prometheus_client.make_wsgi_app(registry))
+        thread = threading.Thread(
+            target=server.serve_forever, name="rpcx-metrics", daemon=True)
+        thread.start()
+        _served.update(port=server.server_port, server=server, thread=thread)
+        return server.server_port
+
+
+def _forget_in_child() -> None:
+    # A forked child has no server thread: its serve() starts its own.
+    _served.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def endpoint() -> int | None:
@@ -318,12 +389,33 @@ def port_from_env() -> int | None:
     return base + local
 
 
+def serve_env_port(port: int) -> int:
+    """Serves on the port ``TORCH_RPC_EXT_METRICS_PORT`` asks for (called
+    by ``init_rpc`` with port_from_env(), before anything else starts), on
+    ``TORCH_RPC_EXT_METRICS_ADDR`` (default all interfaces); a port taken
+    fails naming the variables, before this worker's rendezvous."""
+    addr = os.environ.get("TORCH_RPC_EXT_METRICS_ADDR", "").strip() or "0.0.0.0"
+    try:
+        return serve(port, addr=addr)
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"TORCH_RPC_EXT_METRICS_PORT="
+            f"{os.environ.get('TORCH_RPC_EXT_METRICS_PORT', '')!r} with LOCAL_RANK="
+            f"{os.environ.get('LOCAL_RANK', '0')!r}: cannot serve metrics on "
+            f"{addr}:{port}: {e.strerror or e} (each worker of a host needs a port of its "
+            f"own: a launcher that sets LOCAL_RANK, or port 0 for any free one)",
+        ) from e
+
+
 def serve_from_env(store: Any, name: str, port: int) -> None:
-    """``TORCH_RPC_EXT_METRICS_PORT`` (called by ``init_rpc`` with
-    port_from_env()): serve, and write where to the store for
-    ``torch_rpc_ext.top``."""
-    port = serve(port)
+    """``TORCH_RPC_EXT_METRICS_PORT``: serve (serve_env_port), and write
+    ``host:port`` to the store under ``torch_rpc_ext/metrics/<worker>`` (in
+    the store ``init_rpc`` was given, within torch's prefix for it)."""
+    port = serve_env_port(port)
     from torch_rpc_ext._C import default_address
 
     host = os.environ.get("TORCH_RPC_EXT_METRICS_HOST") or default_address()
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 address, as a URL writes it
     store.set(_STORE_KEY + name, f"{host}:{port}")

@@ -211,6 +211,64 @@ def test_a_local_rank_that_makes_no_port_is_named(monkeypatch):
     assert metrics.port_from_env() == 0  # any free port, whatever the rank
 
 
+def metrics_port_taken(rank, world_size, port):
+    os.environ["TORCH_RPC_EXT_METRICS_PORT"] = str(port)
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        init(rank, world_size)
+    except OSError as e:
+        return {"error": str(e)}
+    rpc.shutdown()
+    return {"error": None}
+
+
+def test_a_metrics_port_taken_fails_init_naming_the_variables():
+    # It failed with a bare "Address already in use", after a round with
+    # the peers through the store.
+    import socket
+
+    held = socket.create_server(("0.0.0.0", 0))
+    try:
+        out = run_world(metrics_port_taken, 2, timeout=60,
+                        port=held.getsockname()[1])
+    finally:
+        held.close()
+    for r in (out[0], out[1]):
+        assert r["error"] and "TORCH_RPC_EXT_METRICS_PORT=" in r["error"], r
+        assert "LOCAL_RANK='0'" in r["error"] and "in use" in r["error"], r
+
+
+IDLE_CLIENTS = """
+import socket, sys, threading, time, urllib.request
+from torch_rpc_ext import metrics
+metrics.CLIENT_TIMEOUT = 1.0
+port = metrics.serve(0, addr="127.0.0.1")
+base = threading.active_count()
+idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+time.sleep(0.5)
+peak = threading.active_count() - base
+urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+time.sleep(2.0)
+print(peak, threading.active_count() - base)
+"""
+
+
+def test_idle_clients_hold_no_thread_past_the_client_timeout():
+    # prometheus_client's own server kept a thread for every connection, for
+    # as long as its client kept it open, however many.
+    import subprocess
+    import sys
+
+    from torch_rpc_ext import metrics
+
+    done = subprocess.run([sys.executable, "-c", IDLE_CLIENTS], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak, after = map(int, done.stdout.split())
+    assert 0 < peak <= metrics.MAX_CLIENTS, (peak, after)
+    assert after == 0, (peak, after)
+
+
 def endpoint_asked_at_once(rank, world_size):
     from torch_rpc_ext import metrics
 
@@ -218,13 +276,13 @@ def endpoint_asked_at_once(rank, world_size):
     if rank == 1:
         # A slow start of the HTTP server (a loaded host): whatever the agent
         # serves must wait for it.
-        start = prometheus_client.start_http_server
+        classes = metrics._server_classes
 
-        def slow_start(*args, **kwargs):
+        def slow_start():
             time.sleep(1.5)
-            return start(*args, **kwargs)
+            return classes()
 
-        prometheus_client.start_http_server = slow_start
+        metrics._server_classes = slow_start
     init(rank, world_size)
     out = {"own": metrics.endpoint()}
     if rank == 0:
