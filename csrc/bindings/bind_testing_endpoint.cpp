@@ -113,6 +113,25 @@ class Endpoint final : public transport::ConnectionObserver {
     peerDescriptors_ = descriptors;
   }
 
+  // The transport's knock on each address (a connect and a close): per
+  // address, "accepted", "refused" or "unknown", and why.
+  std::vector<std::pair<std::string, std::string>> knock(
+      const std::vector<std::string>& addresses,
+      double timeoutSeconds) {
+    auto knocks = transport_->knock(
+        addresses,
+        std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000)));
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const auto& k : knocks) {
+      out.emplace_back(
+          k.outcome == transport::Transport::Knock::kAccepted      ? "accepted"
+              : k.outcome == transport::Transport::Knock::kRefused ? "refused"
+                                                                   : "unknown",
+          k.why);
+    }
+    return out;
+  }
+
   void connect(const std::string& address, int32_t peerId) {
     auto dialed = transport_->connect(address, peerId, this);
     std::lock_guard<std::mutex> lock(mu_);
@@ -395,6 +414,12 @@ void bindTestingEndpoint(py::module_& m) {
       .def("descriptors", &Endpoint::descriptors)
       .def("set_peer", &Endpoint::setPeer)
       .def("connect", &Endpoint::connect)
+      .def(
+          "knock",
+          &Endpoint::knock,
+          py::arg("addresses"),
+          py::arg("timeout"),
+          py::call_guard<py::gil_scoped_release>())
       .def(
           "wait_ready",
           &Endpoint::waitReady,

@@ -116,7 +116,7 @@ def test_a_local_peer_of_another_user_is_closed_unanswered():
         sock.close()
     finally:
         err = w.stop()
-    assert f"of uid {NOBODY}: this worker runs as uid 0" in err
+    assert f"runs as uid {NOBODY}, this worker as uid 0" in err
     w = Worker(shm_peers_any_user=True)
     try:
         assert _hello_as(NOBODY, w.addresses["shm"]) == "challenge"
@@ -213,3 +213,61 @@ def test_a_hello_on_a_plain_socket_still_gets_a_challenge():
             s.close()
     finally:
         w.stop()
+
+
+# Another user's process on an abstract name (as one could bind the name of a
+# worker that exited): it accepts one connection and says how many bytes came.
+LISTENER_AS = """
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))
+s.bind("\\0" + sys.argv[1])
+s.listen(1)
+print("listening", flush=True)
+s.settimeout(30)
+got = b""
+for _ in range(2):  # the knock, then the dial
+    c, _ = s.accept()
+    c.settimeout(3)
+    try:
+        while True:
+            chunk = c.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    except socket.timeout:
+        pass
+    c.close()
+print(len(got), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to listen as another user")
+def test_a_local_listener_of_another_user_gets_no_hello():
+    """Only accepted connections were checked: dialling an abstract name
+    another user had bound sent it our hello, then our proof (material to
+    test guesses of the secret against), and its knock answers made a dead
+    worker look alive (a knock it accepts)."""
+    from torch_rpc_ext import _testing
+
+    name = f"torch_rpc_ext-squat-{os.getpid()}"
+    child = subprocess.Popen([sys.executable, "-c", LISTENER_AS, name, str(NOBODY)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "listening", child.stderr.read()
+        ep = _testing.Endpoint(0, 2, b"k" * 32, "shm", [], handshake_timeout=5)
+        try:
+            # A knock (a liveness check's) finds no worker there.
+            (knock,) = ep.knock(["@" + name], 5.0)
+            ep.connect("@" + name, 1)
+            ready = ep.wait_ready(10)
+            reason = ep.close_reason()
+        finally:
+            ep.close(0)
+        out, err = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert knock[0] == "refused" and f"runs as uid {NOBODY}" in knock[1], knock
+    assert not ready and f"runs as uid {NOBODY}, this worker as uid 0" in reason, reason
+    assert out.strip() == "0", (out, err)

@@ -5,6 +5,7 @@
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
+#include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -269,6 +270,25 @@ std::string defaultAdvertisedAddress() {
     }
   }
   return "127.0.0.1";
+}
+
+std::string localPeerRefusal(int fd, bool anyUser) {
+  if (anyUser) {
+    return {};
+  }
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return std::string("SO_PEERCRED failed (") + std::strerror(errno) + ")";
+  }
+  const uid_t self = ::geteuid();
+  if (cred.uid == self || cred.uid == 0) {
+    return {};
+  }
+  return "its process (pid " + std::to_string(cred.pid) + ") runs as uid " +
+      std::to_string(cred.uid) + ", this worker as uid " +
+      std::to_string(self) +
+      " (RpcExtBackendOptions(shm_peers_any_user=True) admits other users)";
 }
 
 } // namespace torch_rpc_ext::transport::stream

@@ -49,4 +49,11 @@ std::string interfaceAddress(const std::string& name);
 // link-local address.
 std::string routeFrom(const std::string& self, const std::string& peer);
 
+// Whether the process at the other end of Unix socket `fd` may talk to us
+// (SO_PEERCRED: our user or root, unless `anyUser`): "" if so, else why not.
+// For an accepted socket, the process that connected; for a connected one,
+// the one that listens (another user may bind the abstract name a worker
+// that exited had, and take our hello and proof).
+std::string localPeerRefusal(int fd, bool anyUser);
+
 } // namespace torch_rpc_ext::transport::stream

@@ -373,6 +373,18 @@ void StreamConnection::onConnectedFromLoop() {
         "connect to " + peerAddress_ + " failed: " + std::strerror(err), false);
     return;
   }
+  int domain = 0;
+  len = sizeof(domain);
+  if (::getsockopt(fd_, SOL_SOCKET, SO_DOMAIN, &domain, &len) == 0 &&
+      domain == AF_UNIX) {
+    // Who listens there is checked before our hello goes, as an accepted
+    // connection's peer is (listener.cpp).
+    std::string refusal = localPeerRefusal(fd_, options_.localPeersAnyUser);
+    if (!refusal.empty()) {
+      closeInternal("refused " + peerAddress_ + ": " + refusal, false);
+      return;
+    }
+  }
   switch (startTlsFromLoop()) {
     case TlsStart::kClosed:
       return;

@@ -125,30 +125,15 @@ void StreamListener::handleEventsFromLoop(uint32_t /*events*/) {
 }
 
 bool StreamListener::localPeerAllowed(int fd) const {
-  if (transport_.options().localPeersAnyUser) {
-    return true;
-  }
-  ucred cred{};
-  socklen_t len = sizeof(cred);
-  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-    logWarningLimited(
-        "peercred",
-        "torch_rpc_ext: SO_PEERCRED failed on " + address_ + " (" +
-            std::strerror(errno) + "): connection refused");
-    return false;
-  }
-  const uid_t self = ::geteuid();
-  if (cred.uid == self || cred.uid == 0) {
+  std::string refusal =
+      localPeerRefusal(fd, transport_.options().localPeersAnyUser);
+  if (refusal.empty()) {
     return true;
   }
   logWarningLimited(
       "peercred",
-      "torch_rpc_ext: refused a local connection to " + address_ +
-          " from pid " + std::to_string(cred.pid) + " of uid " +
-          std::to_string(cred.uid) + ": this worker runs as uid " +
-          std::to_string(self) +
-          " (RpcExtBackendOptions(shm_peers_any_user=True) admits other "
-          "users)");
+      "torch_rpc_ext: refused a local connection to " + address_ + ": " +
+          refusal);
   return false;
 }
 

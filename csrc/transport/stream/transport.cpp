@@ -165,6 +165,15 @@ std::vector<Transport::Knock> StreamTransport::knock(
     if (::connect(
             fd, reinterpret_cast<const sockaddr*>(&to.storage), to.length) ==
         0) {
+      if (to.family() == AF_UNIX) {
+        // Another user's process on a departed worker's name is not it.
+        std::string refusal = localPeerRefusal(fd, options_.localPeersAnyUser);
+        if (!refusal.empty()) {
+          out[i] = {Knock::kRefused, "refused " + targets[i] + ": " + refusal};
+          ::close(fd);
+          continue;
+        }
+      }
       settle(i, 0);
       ::close(fd);
     } else if (errno == EINPROGRESS) {
