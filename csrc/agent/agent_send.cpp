@@ -124,9 +124,19 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       message, id, route ? &*route : nullptr, tracing::outgoing());
   AgentDevices::recordCudaUse(*message);
   uint64_t wireBytes = frame.wireSize();
-  if (wireBytes > options_.maxFrameBytes) {
+  const size_t storages = frame.segments.size() - 1; // (the payload's)
+  if (wireBytes > options_.maxFrameBytes || storages > wire::kMaxStorages) {
     rrefs_.dropCarried(*message); // never sent: held by nobody
   }
+  TORCH_CHECK(
+      storages <= wire::kMaxStorages,
+      "RPC message to ",
+      to.name_,
+      " holds ",
+      storages,
+      " distinct tensor storages: at most ",
+      wire::kMaxStorages,
+      " (send fewer tensors, or views of fewer storages: torch.stack them)");
   TORCH_CHECK(
       wireBytes <= options_.maxFrameBytes,
       "RPC message of ",

@@ -178,6 +178,14 @@ uint64_t Server::respond(
     frame = wire::encodeMessage(response, id, route ? &*route : nullptr);
     AgentDevices::recordCudaUse(*response);
     TORCH_CHECK(
+        frame.segments.size() - 1 <= wire::kMaxStorages,
+        "RPC response holds ",
+        frame.segments.size() - 1,
+        " distinct tensor storages: at most ",
+        wire::kMaxStorages,
+        " (return fewer tensors, or views of fewer storages: torch.stack "
+        "them)");
+    TORCH_CHECK(
         frame.wireSize() <= options_.maxFrameBytes,
         "RPC response of ",
         frame.wireSize(),

@@ -434,6 +434,13 @@ frame::OutboundFrame encodeMessage(
   }
   for (const auto& t : message->tensors()) {
     if (t.layout() == at::kSparse) {
+      // (Its dims go in a byte; the peer takes at most kMaxDims.)
+      TORCH_CHECK(
+          t.dim() <= int64_t(kMaxDims),
+          "TORCH_RPC_EXT cannot send a sparse tensor of ",
+          t.dim(),
+          " dims: at most ",
+          int(kMaxDims));
       TORCH_CHECK(
           t.device().is_cpu(),
           "TORCH_RPC_EXT sends sparse tensors from CPU only, got one on ",

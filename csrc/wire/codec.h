@@ -22,6 +22,11 @@ class LandedRegion;
 
 namespace torch_rpc_ext::wire {
 
+// The distinct tensor storages one message may carry (a segment each): a
+// frame's segments (frame::FrameLimits::maxSegments, on both ends) less
+// the payload's.
+constexpr size_t kMaxStorages = (size_t(1) << 16) - 1;
+
 namespace rpc = torch::distributed::rpc;
 
 // rpc::Message <-> transport frame (docs/wire-format.md, "Message frames").

@@ -305,22 +305,39 @@ def test_duplicate_worker_names_fail_init_clearly():
         assert err is not None and "RPC worker name same is not unique" in err
 
 
+def make_scalars(n):
+    return [torch.tensor(float(i)) for i in range(n)]
+
+
 def oversized(rank, world_size):
     init(rank, world_size, max_frame_bytes=64 * 1024)
-    err = None
+    out = {}
     if rank == 0:
         assert rpc.rpc_sync("worker1", add, args=(torch.ones(100), 1)).sum() == 200
         try:
             rpc.rpc_sync("worker1", add, args=(torch.ones(100_000), 1))
         except RuntimeError as e:
-            err = str(e)
+            out["bytes"] = str(e)
+        # More storages than a frame has segments (each way): named as such,
+        # first (a message of 70000 scalars, 2.7 MB, is far below the default
+        # max_frame_bytes, where the connection's refusal named that limit).
+        for key, call in (("request", lambda: rpc.rpc_sync("worker1", len, args=(make_scalars(70_000),))),
+                          ("response", lambda: rpc.rpc_sync("worker1", make_scalars, args=(70_000,)))):
+            try:
+                call()
+            except RuntimeError as e:
+                out[key] = str(e)
+        out["after"] = rpc.rpc_sync("worker1", add, args=(1, 1))
     rpc.shutdown()
-    return err
+    return out
 
 
 def test_message_over_max_frame_bytes_is_refused_at_send():
-    err = run_world(oversized)[0]
-    assert "exceeds max_frame_bytes=65536" in err
+    out = run_world(oversized)[0]
+    assert "exceeds max_frame_bytes=65536" in out["bytes"]
+    for key in ("request", "response"):
+        assert "70000 distinct tensor storages" in out[key] and "at most 65535" in out[key], out
+    assert out["after"] == 2
 
 
 def many_concurrent_nested(rank, world_size):

@@ -111,6 +111,13 @@ def test_unmapped_cuda_other_devices_and_quantized_tensors_are_refused_at_encode
     cuda = _testing.cuda.device_tensor(0x1000, [4], torch.ones(1), 0)
     with pytest.raises(RuntimeError, match="no device map names cuda:0"):
         _testing.encode_message(PYTHON_CALL, b"", [cuda], 1)
+    # A sparse tensor's dims go in a byte, and the peer takes 64 at most:
+    # 65 were refused by the peer (closing the connection), 256 wrapped.
+    for dims in (65, 256):
+        sparse = torch.sparse_coo_tensor(torch.zeros(dims, 1, dtype=torch.long),
+                                         torch.ones(1), (1,) * dims)
+        with pytest.raises(RuntimeError, match=f"sparse tensor of {dims} dims: at most 64"):
+            _testing.encode_message(PYTHON_CALL, b"", [sparse], 1)
 
 
 # --- rejections: what a hostile or broken peer could send -------------------

@@ -53,9 +53,21 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
   if (state_ == State::kClosed) {
     return false;
   }
-  if (frame.segments.size() > options_.limits.maxSegments ||
-      frame.head.size() > options_.limits.maxHeadBytes ||
-      frame.wireSize() > options_.limits.maxFrameBytes) {
+  if (frame.segments.size() > options_.limits.maxSegments) {
+    // One segment a storage: the frame may be small.
+    throw std::length_error(
+        "a frame of " + std::to_string(frame.segments.size()) +
+        " segments (its payload and a segment per distinct tensor storage) "
+        "exceeds this agent's limit of " +
+        std::to_string(options_.limits.maxSegments));
+  }
+  if (frame.head.size() > options_.limits.maxHeadBytes) {
+    throw std::length_error(
+        "a message head of " + std::to_string(frame.head.size()) +
+        " bytes (its tensors' shapes) exceeds this agent's limit of " +
+        std::to_string(options_.limits.maxHeadBytes));
+  }
+  if (frame.wireSize() > options_.limits.maxFrameBytes) {
     throw std::length_error(
         "frame of " + std::to_string(frame.wireSize()) + " bytes in " +
         std::to_string(frame.segments.size()) +
