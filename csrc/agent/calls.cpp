@@ -293,6 +293,27 @@ void Calls::completeHoldingGil(const std::shared_ptr<void>& owner) {
     hold.emplace();
     gilHolds_.fetch_add(1, std::memory_order_relaxed);
   }
+  // Futures retire() kept for a later completion's batch (this task was
+  // queued then) go as this one ends, under its hold: a hold drops only
+  // its own calls' futures, and an answer (its tensors) kept there stayed
+  // until some other call completed, if any ever did.
+  struct DropRetired {
+    Calls& calls;
+    bool withGil;
+    ~DropRetired() {
+      if (!withGil || ExitGate::closed()) {
+        return;
+      }
+      std::vector<c10::intrusive_ptr<c10::ivalue::Future>> batch;
+      {
+        std::lock_guard<std::mutex> lock(calls.retiredMutex_);
+        if (!calls.retired_.empty()) {
+          batch.swap(calls.retired_);
+          ++calls.retireBatches_;
+        }
+      }
+    }
+  } dropRetired{*this, gil.has_value()};
   for (unsigned n = 0; n < kHoldFor; ++n) {
     // The process exits: no more user code here (common/exit_gate.h).
     if (ExitGate::closed()) {

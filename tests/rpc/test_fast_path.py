@@ -587,6 +587,43 @@ def test_an_async_udf_may_return_a_call_a_users_thread_made():
     assert r["held"] >= 1, r
 
 
+def big(n):
+    return torch.ones(n)
+
+
+def retired_behind_a_hold(rank, world_size):
+    import weakref
+
+    init(rank, world_size)
+    out = {"alive": []}
+    if rank == 0:
+        one = torch.ones(1)
+        pid = rpc.rpc_sync("worker1", os.getpid)
+        for _ in range(3):
+            # A Python call's answer, then builtin calls' completed under a
+            # hold of the GIL: the Python call's future, let go in a batch,
+            # waited for a later completion's batch while the hold's task
+            # was queued, and that task drops only its own.
+            with stopped(pid, hold=lambda: None):
+                udf = rpc.rpc_async("worker1", big, args=(1000,))
+                builtins = [rpc.rpc_async("worker1", torch.add, args=(one, i)) for i in range(40)]
+            value = udf.wait()
+            for f in builtins:
+                f.wait()
+            time.sleep(0.5)  # the completions' tasks done
+            ref = weakref.ref(value)
+            del value, udf, builtins
+            gc.collect()
+            out["alive"].append(ref() is not None)
+    rpc.shutdown()
+    return out
+
+
+def test_a_future_let_go_behind_a_hold_of_the_gil_is_not_kept():
+    r = run_world(retired_behind_a_hold, 2, timeout=120)[0]
+    assert r["alive"] == [False] * 3, r
+
+
 def test_builtin_calls_of_async_udfs_do_not_complete_holding_the_gil():
     # A served @async_execution UDF returns a builtin call's future; its
     # completion serializes the UDF's result through torch's
