@@ -22,6 +22,20 @@ def _asked_for(backend: Any, options: Any) -> str:
     return what
 
 
+def _takes(backend: Any, options: Any) -> bool:
+    """Whether the launcher runs this init_rpc on TORCH_RPC_EXT: TensorPipe
+    asked for, or no backend and options that upstream would run on
+    TensorPipe (none, TensorPipe's, the base class) or ours. Another
+    backend's options pick that backend, as upstream's init_rpc does."""
+    if backend is not None:
+        return getattr(backend, "name", None) == "TENSORPIPE"
+    if options is None or type(options) is rpc.RpcBackendOptions:
+        return True
+    from torch_rpc_ext.options import RpcExtBackendOptions
+
+    return isinstance(options, (rpc.TensorPipeRpcBackendOptions, RpcExtBackendOptions))
+
+
 def install() -> None:
     """Make ``rpc.init_rpc`` select TORCH_RPC_EXT for TensorPipe or no
     backend (idempotent). Each switch is reported with one line on stderr:
@@ -31,7 +45,7 @@ def install() -> None:
     original = rpc.init_rpc
 
     def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=None):
-        if backend is None or getattr(backend, "name", None) == "TENSORPIPE":
+        if _takes(backend, rpc_backend_options):
             asked = _asked_for(backend, rpc_backend_options)
             backend = backend_registry.BackendType[BACKEND_NAME]
             rpc_backend_options = translate_options(rpc_backend_options)

@@ -118,6 +118,11 @@ def _init_backend(
     # TensorPipe's options are taken as the launcher takes them: a program
     # that changes only its backend runs (TensorPipe-only settings reported).
     rpc_backend_options = translate_options(rpc_backend_options)
+    # A name torch's WorkerInfo refuses fails here, in its words, before this
+    # worker publishes it (its peers read it as a record no worker wrote).
+    torch.distributed.rpc.WorkerInfo(name, 0)
+    # 0 is a dynamic group, as upstream's init_rpc and TensorPipe take it.
+    world_size = world_size or None
     metrics_port = _metrics_port()  # a bad value fails before anything starts
     if metrics_port is not None:
         # So does a port taken (before this worker's rendezvous, which its
@@ -133,8 +138,10 @@ def _init_backend(
     _claim_group_kind(store, dynamic=world_size is None)
     if world_size is None:
         return _init_dynamic(store, name, rank, rpc_backend_options, metrics_port)
-    reverse, devices = _check_device_maps(store, name, rank, world_size, rpc_backend_options)
+    # (Before the store rounds: a bad TORCH_RPC_EXT_SECRET fails here, not
+    # after its peers went on to wait in the agent's rendezvous.)
     options = _agent_options(rpc_backend_options)
+    reverse, devices = _check_device_maps(store, name, rank, world_size, rpc_backend_options)
     # The devices whose tensors need a device channel (a CPU-to-CPU map
     # needs none).
     devices = [d for d in devices if d.type == "cuda"]

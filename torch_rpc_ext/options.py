@@ -514,7 +514,9 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         devs = list(self.devices or [])
         for m in self.device_maps.values():
             devs += list(m.keys()) + list(m.values())
-        return any(d.type == "cuda" for d in devs)
+        # (Any device-like value: the lists may have been assigned or
+        # changed in place since the constructor checked them.)
+        return any(_device(d, "a device").type == "cuda" for d in devs)
 
     def __repr__(self) -> str:
         if "device_maps" not in self.__dict__:

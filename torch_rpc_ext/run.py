@@ -26,7 +26,6 @@ SIGKILL after ``--stop-grace`` seconds (30).
 
 import argparse
 import os
-import runpy
 import signal
 import site
 import subprocess
@@ -123,15 +122,17 @@ def _launch_env(env: dict) -> dict:
 
 
 def _run_here(script: str, args: list[str]) -> None:
-    """Run ``script`` in this process, switched, as ``python script`` would."""
-    os.environ.update(_launch_env(os.environ))
-    # This process started before the variables were set: install here too.
-    from torch_rpc_ext import _launcher
-
-    _launcher.install()
-    sys.argv = [script, *args]
-    sys.path.insert(0, str(Path(script).resolve().parent))
-    runpy.run_path(script, run_name="__main__")
+    """Run ``script`` in this process, switched, as ``python script`` would:
+    this process becomes a fresh Python (the same pid) with the launch
+    environment, whose start-up hook switches init_rpc once the script
+    imports torch. (Run here, after the launcher's own import of torch, a
+    script's settings for torch made before its import were ignored:
+    OMP_NUM_THREADS, TORCH_LOGS.)"""
+    env = _launch_env(os.environ)
+    flags = subprocess._args_from_interpreter_flags()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *flags, script, *args], env)
 
 
 # Signals that stop the launch: each copy gets SIGTERM (as torchrun sends
@@ -204,7 +205,27 @@ def _run_copies(n: int, addr: str, port: int, script: str, args: list[str],
     return status
 
 
+# The launcher's options that take a value (as "--opt value").
+_VALUED = {"--nproc-per-node", "--nproc_per_node", "--master-addr", "--master_addr",
+           "--master-port", "--master_port", "--stop-grace"}
+
+
+def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the launcher's arguments and the script, the script's arguments as
+    given): argparse's REMAINDER dropped a "--" among the script's own."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return argv[:i] + argv[i + 1:i + 2], argv[i + 2:]
+        if not a.startswith("-") or a == "-":
+            return argv[:i + 1], argv[i + 1:]
+        i += 2 if a in _VALUED else 1
+    return argv, []
+
+
 def main(argv: list[str] | None = None) -> int:
+    head, script_args = _split_argv(sys.argv[1:] if argv is None else list(argv))
     p = argparse.ArgumentParser(prog="python -m torch_rpc_ext.run", description=__doc__.splitlines()[0])
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=0,
                    help="start this many copies with torchrun's environment (default: run once, here)")
@@ -215,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                         "when one failed or the launcher was signalled) have before "
                         "SIGKILL (default 30, as torchrun)")
     p.add_argument("script")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    cfg = p.parse_args(argv)
+    cfg = p.parse_args(head)
+    cfg.args = script_args
     try:
         check_hook()
     except HookError as e:

@@ -32,7 +32,10 @@ VERSION = 1
 # A worker's maps name at most every peer once; 1 MiB is far past any real
 # group's (a map is a few dozen bytes a peer).
 MAX_RECORD_BYTES = 1 << 20
-_NAME = re.compile(r"[A-Za-z0-9_:\-]{1,128}")  # WorkerInfo's names
+_NAME = re.compile(r"[A-Za-z0-9_:\-]{1,127}")  # WorkerInfo's names
+# A device map's target is any name the user gave (upstream's validator
+# refuses one that is no worker's, in its own words, on every worker).
+_MAX_TARGET = 1024
 _DEVICE = re.compile(r"(cpu|cuda:(\d{1,4}))")
 _MAX_DEVICES = 4096
 
@@ -130,7 +133,9 @@ def decode_devices(raw: bytes) -> tuple[str, dict, list]:
     for peer, mapping in maps.items():
         if not isinstance(mapping, dict) or len(mapping) > _MAX_DEVICES:
             raise _Bad(f"the map to {peer[:40]!r} is not an object of devices")
-        out_maps[_name(peer, "peer")] = {_device(s): _device(t) for s, t in mapping.items()}
+        if not peer or len(peer) > _MAX_TARGET:
+            raise _Bad(f"the map to {peer[:40]!r} names no peer")
+        out_maps[peer] = {_device(s): _device(t) for s, t in mapping.items()}
     return name, out_maps, [_device(d) for d in devices]
 
 

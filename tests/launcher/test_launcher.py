@@ -191,6 +191,72 @@ def test_without_the_launcher_nothing_is_patched():
     assert out.stdout.strip() == "untouched", out.stderr
 
 
+def test_the_scripts_arguments_pass_as_given():
+    # argparse's REMAINDER dropped a "--" among them.
+    from torch_rpc_ext.run import _split_argv
+
+    assert _split_argv(["train.py", "--", "--x"]) == (["train.py"], ["--", "--x"])
+    assert _split_argv(["--nproc-per-node", "2", "--stop-grace", "5", "t.py", "-v", "--"]) == (
+        ["--nproc-per-node", "2", "--stop-grace", "5", "t.py"], ["-v", "--"])
+    assert _split_argv(["--", "t.py", "a"]) == (["t.py"], ["a"])
+    script = "import sys, json; print(json.dumps(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "argv.py")
+        with open(path, "w") as f:
+            f.write(script)
+        out = subprocess.run(
+            [sys.executable, "-m", "torch_rpc_ext.run", path, "--", "--x", "y"],
+            env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == '["--", "--x", "y"]', out.stdout
+
+
+SETS_BEFORE_TORCH = """
+import os, sys
+os.environ["OMP_NUM_THREADS"] = "1"
+assert "torch" not in sys.modules, "torch imported before the program's first line"
+import torch
+import torch.distributed.rpc as rpc
+print("threads", torch.get_num_threads(), getattr(rpc.init_rpc, "_torch_rpc_ext_launcher", False))
+"""
+
+
+@pytest.mark.parametrize("flags", [[], ["--nproc-per-node", "1"]])
+def test_a_program_sets_what_torch_reads_at_import_before_importing_it(tmp_path, flags):
+    # The launcher imported torch before the program ran (and the hook in
+    # every Python it started did, at start-up): OMP_NUM_THREADS set by the
+    # program was ignored. (torch takes at most the host's cores from it,
+    # so 1: on a one-core host this shows nothing.)
+    script = tmp_path / "before_torch.py"
+    script.write_text(SETS_BEFORE_TORCH)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("OMP_NUM_THREADS", None)
+    out = subprocess.run([sys.executable, "-m", "torch_rpc_ext.run", *flags, str(script)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "threads 1 True" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+def test_another_backends_options_pick_that_backend_under_the_launcher():
+    # Upstream picks the backend whose options were given; the launcher took
+    # every backend=None call for ours, and dropped those options.
+    from torch.distributed import rpc
+
+    from torch_rpc_ext import RpcExtBackendOptions
+    from torch_rpc_ext._launcher import _takes
+
+    class OtherOptions(rpc.RpcBackendOptions):
+        pass
+
+    assert _takes(None, None) and _takes(None, rpc.TensorPipeRpcBackendOptions())
+    assert _takes(None, RpcExtBackendOptions()) and _takes(None, rpc.RpcBackendOptions())
+    assert _takes(rpc.BackendType.TENSORPIPE, OtherOptions())
+    assert not _takes(None, OtherOptions())
+
+
 def test_options_translation(capfd):
     import torch
     from torch.distributed import rpc

@@ -44,6 +44,10 @@ CASES = {
     # (worker0's map for worker1 / devices) -> upstream's first line
     "wrong_worker": (dict(device_maps={"none_exist": {0: 1}}),
                      "Node worker0 has invalid target node names in its device maps"),
+    # A name no worker can have: upstream's words too (it read as a store
+    # record no worker wrote, on every worker).
+    "no_worker_name": (dict(device_maps={"trainer.0": {0: 1}}),
+                       "Node worker0 has invalid target node names in its device maps"),
     "many_to_one": ("set_twice",
                     "Node worker0 has duplicated target devices in its device map for worker1"),
     "source_index": (dict(device_maps={"worker1": {0: 0}}),

@@ -33,6 +33,33 @@ def join(rank, store_path, **kwargs):
     )
 
 
+def join_with_world_size_0(rank, world_size, store_path):
+    # world_size=0 is a dynamic group, as upstream's init_rpc takes it: the
+    # backend took it as static (no membership thread, no callbacks) while
+    # torch made a dynamic group's store.
+    seen = []
+    torch_rpc_ext.on_membership_change(seen.append)
+    rpc.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=0,
+        backend=rpc.BackendType.TORCH_RPC_EXT,
+        rpc_backend_options=options(init_method=f"file://{store_path}"),
+    )
+    wait_for(lambda: members() == ["worker0", "worker1"], what="both members")
+    out = {"sum": rpc.rpc_sync(f"worker{1 - rank}", torch.add, args=(torch.ones(1), rank)),
+           "events": bool(seen) if rank == 0 else None}
+    rpc.api._barrier(["worker0", "worker1"])
+    rpc.shutdown()
+    return out
+
+
+def test_world_size_0_makes_a_dynamic_group(store_path):
+    res = run_world(join_with_world_size_0, 2, timeout=120, store_path=store_path)
+    assert float(res[0]["sum"]) == 1.0 and float(res[1]["sum"]) == 2.0, res
+    assert res[0]["events"], res
+
+
 def members():
     return sorted(m.name for m in torch_rpc_ext.membership().members)
 

@@ -299,6 +299,30 @@ def duplicate_names(rank, world_size):
     return None
 
 
+def no_worker_name(rank, world_size):
+    from tests.rpc.world import options
+
+    out = {}
+    for name in ("trainer.0", "x" * 128):
+        try:
+            rpc.init_rpc(name, rank=rank, world_size=world_size,
+                         backend=rpc.BackendType.TORCH_RPC_EXT,
+                         rpc_backend_options=options(rpc_timeout=10))
+            rpc.shutdown()
+            out[name] = None
+        except (RuntimeError, ValueError) as e:
+            out[name] = str(e)
+    return out
+
+
+def test_a_name_no_worker_can_have_fails_init_in_upstreams_words():
+    # It was published first, and every worker read it as a store record
+    # "something other than a torch_rpc_ext worker wrote".
+    out = run_world(no_worker_name, 1)[0]
+    for name, err in out.items():
+        assert err and err.startswith("Worker name must match"), (name, err)
+
+
 def test_duplicate_worker_names_fail_init_clearly():
     errs = run_world(duplicate_names)
     for err in errs.values():

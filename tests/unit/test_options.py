@@ -391,6 +391,21 @@ def test_mutual_tls_takes_its_three_files_together(tmp_path, monkeypatch):
         RpcExtBackendOptions()
 
 
+def test_devices_assigned_or_changed_after_construction_still_count():
+    # uses_cuda() read .type of each entry: a list assigned since (strings,
+    # ints) failed init on that worker after a store round, its peers left
+    # waiting out the store's timeout.
+    o = RpcExtBackendOptions()
+    o.devices = ["cuda:1"]
+    assert o.uses_cuda()
+    o = RpcExtBackendOptions()
+    o.device_maps["w0"] = {0: 1}
+    assert o.uses_cuda()
+    o = RpcExtBackendOptions()
+    o.device_maps["w0"] = {"cpu": "cpu"}
+    assert not o.uses_cuda()
+
+
 def test_a_dynamic_members_map_to_itself_publishes_its_targets(monkeypatch):
     """In a dynamic group a member publishes the devices it receives on; a
     map to itself receives on its targets, which no peer's join checks.

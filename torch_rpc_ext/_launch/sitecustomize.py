@@ -2,7 +2,10 @@
 """Loaded at start-up by every Python process a launched program starts
 (python -m torch_rpc_ext.run puts this folder first on PYTHONPATH).
 
-With TORCH_RPC_EXT_LAUNCH=1 it installs the launcher's init_rpc. A process
+With TORCH_RPC_EXT_LAUNCH=1 it installs the launcher's init_rpc once the
+process imports torch, not at start-up: a program may set what torch reads
+at import (OMP_NUM_THREADS, TORCH_LOGS) before it imports torch, and a
+Python the program starts that never imports torch pays nothing. A process
 that has torch but cannot load torch_rpc_ext (a broken install, another
 environment's Python) keeps running, but its init_rpc raises, naming the
 cause, rather than start TensorPipe among TORCH_RPC_EXT peers; a process
@@ -46,11 +49,56 @@ def _chain() -> None:
             return
 
 
-if os.environ.get("TORCH_RPC_EXT_LAUNCH") == "1":
+def _install() -> None:
     try:
         from torch_rpc_ext import _launcher
 
         _launcher.install()
-    except Exception as _e:  # noqa: BLE001  (whatever failed, say it at init_rpc)
-        _refuse_rpc(_e)
+    except Exception as e:  # noqa: BLE001  (whatever failed, say it at init_rpc)
+        _refuse_rpc(e)
+
+
+class _LoaderThenInstall:
+    """torch's own loader; once it has run (torch imported whole), the
+    launcher's init_rpc is installed."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        # The module keeps its own loader (inspect, importlib.resources).
+        module.__loader__ = self._inner
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._inner
+        self._inner.exec_module(module)
+        _install()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _WhenTorchLoads:
+    """A finder for one import, torch's: the spec the other finders give,
+    its loader wrapped."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _LoaderThenInstall(spec.loader)
+        return spec
+
+
+if os.environ.get("TORCH_RPC_EXT_LAUNCH") == "1":
+    if "torch" in sys.modules:
+        _install()
+    else:
+        sys.meta_path.insert(0, _WhenTorchLoads())
 _chain()
