@@ -9,6 +9,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <ATen/Context.h>
+#include <ATen/ops/_neg_view.h>
 #include <ATen/ops/empty.h>
 
 #include <c10/core/Event.h>
@@ -329,6 +330,14 @@ std::vector<at::Tensor> AgentDevices::toHost(
         t.strides());
     if (t.requires_grad()) {
       host.requires_grad_(true);
+    }
+    // A lazy conjugate or negation is a bit, not bytes: the copy keeps it
+    // (the encoder resolves it on the CPU, as it does any CPU tensor's).
+    if (t.is_conj()) {
+      host = host.conj();
+    }
+    if (t.is_neg()) {
+      host = at::_neg_view(host);
     }
     out.push_back(std::move(host));
   }

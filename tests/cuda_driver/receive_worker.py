@@ -313,6 +313,15 @@ def run_gpu_to_cpu(rank: int, port: int, ctl) -> None:
                                  (slice(None), slice(1, None, 4)))
         got = rpc.rpc_sync("worker1", host_layout, args=(view,))
         out["view"] = got == ("cpu", (256, 256), packed)
+        # Lazy negative and conjugate views (metadata only: no kernel on the
+        # fake): their host copies kept the bits off, the peer got x for -x.
+        lazy = pattern(4096, 8)
+        for key, dtype, view_of in (("neg", torch.float32, torch._neg_view),
+                                    ("conj", torch.complex64, torch.conj)):
+            sent = view_of(cuda_tensor(lazy).view(dtype))
+            want = view_of(torch.frombuffer(bytearray(lazy), dtype=dtype))
+            want = want.resolve_conj().resolve_neg().numpy().tobytes()
+            out[key] = rpc.rpc_sync("worker1", describe_host, args=(sent,)) == ("cpu", want)
         out["metrics"] = cuda_metrics()
         out["callee_devices"] = rpc.rpc_sync("worker1", devices_of_agent)
     rpc.shutdown()
