@@ -3,6 +3,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <stdexcept>
+#include <string>
+#include <system_error>
+
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/logging.h"
 
@@ -23,30 +27,55 @@ ThreadPool::ThreadPool(
       maxThreads_(maxThreads < coreThreads_ ? coreThreads_ : maxThreads),
       stallTimeout_(stallTimeout),
       name_(std::move(name)) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (size_t i = 0; i < coreThreads_; ++i) {
-    spawnLocked(/*core=*/true);
+  std::string failed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = 0; i < coreThreads_ && failed.empty(); ++i) {
+      failed = spawnLocked(/*core=*/true);
+    }
+    if (failed.empty()) {
+      try {
+        supervisor_ = std::thread([this] {
+          nameThisThread(name_ + "-sup");
+          supervisorLoop();
+        });
+      } catch (const std::system_error& e) {
+        failed = e.what();
+      }
+    }
   }
-  supervisor_ = std::thread([this] {
-    nameThisThread(name_ + "-sup");
-    supervisorLoop();
-  });
+  if (!failed.empty()) {
+    stop(); // the threads that did start
+    throw std::runtime_error(
+        "torch_rpc_ext: could not start the threads of pool " + name_ + ": " +
+        failed);
+  }
 }
 
 ThreadPool::~ThreadPool() {
   stop();
 }
 
-void ThreadPool::spawnLocked(bool core) {
+std::string ThreadPool::spawnLocked(bool core) {
   reapLocked();
   ++alive_;
   ++serving_;
-  std::thread t([this, core] {
-    nameThisThread(name_);
-    workerLoop(core);
-  });
+  std::thread t;
+  try {
+    t = std::thread([this, core] {
+      nameThisThread(name_);
+      workerLoop(core);
+    });
+  } catch (const std::system_error& e) {
+    // No thread to be had (a pids limit, RLIMIT_NPROC, memory for its
+    // stack): thrown out of the supervisor, it ended the process.
+    --alive_;
+    --serving_;
+    return e.what();
+  }
   auto id = t.get_id();
   threads_.emplace(id, std::move(t));
+  return {};
 }
 
 void ThreadPool::reapLocked() {
@@ -162,7 +191,15 @@ void ThreadPool::supervisorLoop() {
     }
     if (!stopping_ && !queue_.empty() && taken_ == before &&
         alive_ < maxThreads_) {
-      spawnLocked(/*core=*/false);
+      std::string failed = spawnLocked(/*core=*/false);
+      if (!failed.empty()) {
+        // Tried again at the next stall; the tasks wait for a thread.
+        logWarningLimited(
+            "pool_spawn",
+            "torch_rpc_ext: pool " + name_ + " could not add a thread to its " +
+                std::to_string(alive_) +
+                " (every one blocked, tasks waiting): " + failed);
+      }
     }
   }
 }

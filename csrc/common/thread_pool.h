@@ -57,7 +57,8 @@ class ThreadPool {
  private:
   void workerLoop(bool core);
   void supervisorLoop();
-  void spawnLocked(bool core);
+  // Starts a worker; "" or why none could be started (counts unchanged).
+  std::string spawnLocked(bool core);
   void reapLocked();
 
   const size_t coreThreads_;

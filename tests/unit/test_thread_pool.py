@@ -45,3 +45,29 @@ def test_a_stop_returns_once_the_workers_are_joined_and_strands_no_task():
     assert seen["size_at_second_return"] == 0, seen
     assert seen["queued_after_stop"] == 0, seen
     assert not seen["late_task_ran"] and seen["late_task_released"], seen
+
+
+SHORT_OF_MEMORY = """
+import resource
+from torch_rpc_ext import _testing
+vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
+# Room for little more than what is mapped now: a thread's stack and arena
+# cannot be had.
+resource.setrlimit(resource.RLIMIT_AS, (vm + 150 * 2**20, resource.RLIM_INFINITY))
+finished, size = _testing.pool_chain(1, 64, 3.0)
+print("size", size, flush=True)
+"""
+
+
+def test_a_thread_the_pool_cannot_get_ends_nothing():
+    # Every task blocks, so the pool adds threads until the system refuses
+    # one: the refusal was thrown out of the supervisor's thread, and the
+    # process aborted (std::terminate). Now the tasks wait, and it is said.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SHORT_OF_MEMORY], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("size "), out.stdout
+    assert "could not add a thread" in out.stderr, out.stderr[-2000:]
