@@ -493,10 +493,19 @@ void LanesContext::admit(
     throw;
   }
   if (!channel) {
-    logWarningLimited(
-        "lanes_no_ticket",
-        "torch_rpc_ext: tcp_lanes refused a lane from " + source +
-            " whose hello proved no ticket of ours");
+    if (proved) {
+      // A race, not a probe: the connection the ticket was for closed (or
+      // gave its lanes up) as its peer dialled.
+      logWarningLimited(
+          "lanes_late",
+          "torch_rpc_ext: tcp_lanes closed a lane from " + source +
+              " whose connection had already closed");
+    } else {
+      logWarningLimited(
+          "lanes_no_ticket",
+          "torch_rpc_ext: tcp_lanes refused a lane from " + source +
+              " whose hello proved no ticket of ours");
+    }
     ::close(fd);
     return;
   }
