@@ -24,9 +24,10 @@ def _asked_for(backend: Any, options: Any) -> str:
 
 def _takes(backend: Any, options: Any) -> bool:
     """Whether the launcher runs this init_rpc on TORCH_RPC_EXT: TensorPipe
-    asked for, or no backend and options that upstream would run on
-    TensorPipe (none, TensorPipe's, the base class) or ours. Another
-    backend's options pick that backend, as upstream's init_rpc does."""
+    asked for, or no backend and options of TensorPipe's, ours, none, or
+    the base class (upstream cannot infer a backend from that one, and
+    raises; the launcher has always taken it). Another backend's options
+    pick that backend, as upstream's init_rpc does."""
     if backend is not None:
         return getattr(backend, "name", None) == "TENSORPIPE"
     if options is None or type(options) is rpc.RpcBackendOptions:

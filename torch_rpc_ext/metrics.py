@@ -99,6 +99,13 @@ _AGENT_COUNTERS = {
                                         {"channel": None}),
     "rpc_ext.channel.{}.segments": ("channel_segments", "Tensors' segments a channel moved",
                                     {"channel": None}),
+    # (The same families for the channels that name what they sent so:
+    # tcp_lanes; cuda_ring, cuda_self, cuda_staged. No channel has both.)
+    "rpc_ext.channel.{}.bytes": ("channel_bytes", "Bytes a channel moved", {"channel": None}),
+    "rpc_ext.channel.{}.bytes_sent": ("channel_bytes", "Bytes a channel moved",
+                                      {"channel": None}),
+    "rpc_ext.channel.{}.segments_sent": ("channel_segments",
+                                         "Tensors' segments a channel moved", {"channel": None}),
     "rpc_ext.cuda.landed_bytes": ("cuda_landed_bytes",
                                   "Bytes of CUDA tensors received, copied into torch's memory", {}),
     "rpc_ext.cuda.landed_segments": ("cuda_landed_segments", "CUDA tensors' segments received",
@@ -288,6 +295,7 @@ def _server_classes():
     class Server(socketserver.ThreadingMixIn, WSGIServer):
         daemon_threads = True
         block_on_close = False
+        request_queue_size = 128  # (socketserver's 5 left clients in SYN retries)
 
         def __init__(self, address, handler):
             if ":" in address[0]:
@@ -346,7 +354,11 @@ def serve(port: int = 0, addr: str = "0.0.0.0") -> int:
 
 
 def _forget_in_child() -> None:
-    # A forked child has no server thread: its serve() starts its own.
+    # A forked child has no server thread: its serve() starts its own (on
+    # another port: the parent's socket is still bound). Its lock is new too:
+    # the parent's may have been held by a thread the child does not have.
+    global _lock
+    _lock = threading.Lock()
     _served.clear()
 
 

@@ -220,7 +220,9 @@ def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
             return argv[:i] + argv[i + 1:i + 2], argv[i + 2:]
         if not a.startswith("-") or a == "-":
             return argv[:i + 1], argv[i + 1:]
-        i += 2 if a in _VALUED else 1
+        # (argparse takes a prefix of a long option: "--nproc 2")
+        valued = "=" not in a and a.startswith("--") and any(v.startswith(a) for v in _VALUED)
+        i += 2 if valued else 1
     return argv, []
 
 

@@ -243,13 +243,33 @@ void Calls::completeHoldingGil(const std::shared_ptr<void>& owner) {
   // the issuing thread holds the GIL. One call at a time off the queue,
   // never several taken ahead, for the same reason.
   constexpr unsigned kHoldFor = 32;
+  bool none = false;
   {
     std::lock_guard<std::mutex> lock(heldMutex_);
     heldTaskQueued_ = false;
-    if (held_.empty()) {
-      return; // an earlier task completed them
+    none = held_.empty(); // an earlier task completed them
+    if (!none) {
+      ++heldDrainers_;
     }
-    ++heldDrainers_;
+  }
+  if (none) {
+    // Futures retire() kept because this task was queued go with it all
+    // the same (below, as a hold ends).
+    bool kept = false;
+    {
+      std::lock_guard<std::mutex> lock(retiredMutex_);
+      kept = !retired_.empty();
+    }
+    if (kept && pythonUsable() && !ExitGate::closed()) {
+      pybind11::gil_scoped_acquire gil;
+      std::vector<c10::intrusive_ptr<c10::ivalue::Future>> batch;
+      {
+        std::lock_guard<std::mutex> lock(retiredMutex_);
+        batch.swap(retired_);
+        retireBatches_ += batch.empty() ? 0 : 1;
+      }
+    }
+    return;
   }
   // This task counts among the drainers while it waits for the GIL and
   // between completions; it leaves them (queueing a task for the calls

@@ -331,8 +331,7 @@ std::vector<at::Tensor> AgentDevices::toHost(
     if (t.requires_grad()) {
       host.requires_grad_(true);
     }
-    // A lazy conjugate or negation is a bit, not bytes: the copy keeps it
-    // (the encoder resolves it on the CPU, as it does any CPU tensor's).
+    // (A lazy conj or neg is a bit, not bytes: kept; the encoder resolves it.)
     if (t.is_conj()) {
       host = host.conj();
     }

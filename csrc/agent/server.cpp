@@ -2,6 +2,7 @@
 // The agent's server side (server.h).
 #include "csrc/agent/server.h"
 
+#include <torch/csrc/distributed/rpc/profiler/server_process_global_profiler.h>
 #include <torch/csrc/distributed/rpc/utils.h>
 
 #include <optional>
@@ -64,11 +65,16 @@ void Server::serve(
     tracing::Incoming traced(served.trace, served.landing);
     const bool named =
         !served.trace.empty() && served.kind == CallKind::kScript;
+    if (named && rpc::profiler::processglobal::StateStackEntry::current()) {
+      // Upstream's path serves it (under its server-side profiler), and
+      // decodes it there: a span named for its kind, over all of it.
+      span = tracing::beginServe(served.trace, "script");
+    }
     {
       // Its span begins once the call is decoded, named by what it runs
       // (tracing.h, ScriptNaming).
       std::optional<tracing::ScriptNaming> naming;
-      if (named) {
+      if (named && !span) {
         naming.emplace([&](const std::string& name) {
           span = tracing::beginServe(served.trace, name);
         });
@@ -76,8 +82,8 @@ void Server::serve(
       result = callback_(*request, std::move(streams));
     }
     if (named && !span) {
-      // Not decoded by us (upstream's path, under its server-side profiler;
-      // or malformed): a span for the rest of it.
+      // Not named by the decoder (a request it could not decode): a span
+      // for what is left of it.
       span = tracing::beginServe(served.trace, "script");
     }
     call_trace::stamp(id, call_trace::kServeReturned);

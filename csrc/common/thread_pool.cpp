@@ -193,12 +193,14 @@ void ThreadPool::supervisorLoop() {
         alive_ < maxThreads_) {
       std::string failed = spawnLocked(/*core=*/false);
       if (!failed.empty()) {
-        // Tried again at the next stall; the tasks wait for a thread.
-        logWarningLimited(
-            "pool_spawn",
-            "torch_rpc_ext: pool " + name_ + " could not add a thread to its " +
-                std::to_string(alive_) +
-                " (every one blocked, tasks waiting): " + failed);
+        // Tried again at the next stall; the tasks wait for a thread. Said
+        // without the lock (a stderr that blocks must not stall run()).
+        std::string line = "torch_rpc_ext: pool " + name_ +
+            " could not add a thread to its " + std::to_string(alive_) +
+            " (every one blocked, tasks waiting): " + failed;
+        lock.unlock();
+        logWarningLimited("pool_spawn", line);
+        lock.lock();
       }
     }
   }
@@ -261,10 +263,10 @@ void ThreadPool::stop() {
       t.join();
     }
   }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopped_ = true;
-  }
+  // Notified under the lock: a second stop() (the destructor, on another
+  // thread) may see stopped_ and free the pool as soon as the lock goes.
+  std::lock_guard<std::mutex> lock(mutex_);
+  stopped_ = true;
   stoppedCv_.notify_all();
 }
 

@@ -199,6 +199,9 @@ def test_the_scripts_arguments_pass_as_given():
     assert _split_argv(["--nproc-per-node", "2", "--stop-grace", "5", "t.py", "-v", "--"]) == (
         ["--nproc-per-node", "2", "--stop-grace", "5", "t.py"], ["-v", "--"])
     assert _split_argv(["--", "t.py", "a"]) == (["t.py"], ["a"])
+    # A prefix of a long option, as argparse takes it.
+    assert _split_argv(["--nproc", "2", "t.py", "x"]) == (["--nproc", "2", "t.py"], ["x"])
+    assert _split_argv(["--stop-grace=3", "t.py"]) == (["--stop-grace=3", "t.py"], [])
     script = "import sys, json; print(json.dumps(sys.argv[1:]))"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     import tempfile

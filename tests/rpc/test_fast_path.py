@@ -610,10 +610,16 @@ def retired_behind_a_hold(rank, world_size):
             value = udf.wait()
             for f in builtins:
                 f.wait()
-            time.sleep(0.5)  # the completions' tasks done
             ref = weakref.ref(value)
             del value, udf, builtins
-            gc.collect()
+            # The completions' tasks end soon after their calls (polled: a
+            # loaded host's are late); a future kept stays kept.
+            deadline = time.monotonic() + 10
+            while True:
+                gc.collect()
+                if ref() is None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             out["alive"].append(ref() is not None)
     rpc.shutdown()
     return out

@@ -200,6 +200,63 @@ def test_unauthenticated_connections_past_the_cap_close_the_oldest():
         w.stop()
 
 
+def test_sources_that_fill_the_cap_between_them_close_their_own():
+    """Five addresses under the per-source cap fill the overall one (512)
+    while a real peer's handshake is under way: the one closed to make room
+    is the oldest of the source holding the most, not the oldest of all (the
+    real peer's, before: a few thousand connections a second from five
+    addresses kept every peer from authenticating)."""
+    import hmac
+    import struct
+
+    from torch_rpc_ext.testing import (
+        CHALLENGE,
+        PROOF,
+        _proof,
+        _stretched,
+        recv_exact,
+    )
+
+    w = Worker(handshake_timeout=10)
+    idle = []
+    try:
+        host, port = w.addresses["tcp"].rsplit(":", 1)
+        # The real peer first (the oldest of all): its hello, the challenge.
+        peer = socket.create_connection((host, int(port)), timeout=5)
+        cn = os.urandom(32)
+        hello = struct.pack("<iQ", 0, 0) + cn
+        peer.sendall(frame_header(HELLO, len(hello)) + hello)
+        assert struct.unpack("<IBBHIIQ", recv_exact(peer, 24))[2] == CHALLENGE
+        body = recv_exact(peer, 44)
+        sid, sinc = struct.unpack("<iQ", body[:12])
+        # 127.0.0.2 holds the most (120), four others 100 each: 521 with
+        # the peer, 9 past the cap.
+        for source, n in (("127.0.0.2", 120), ("127.0.0.3", 100), ("127.0.0.4", 100),
+                          ("127.0.0.5", 100), ("127.0.0.6", 100)):
+            idle += [socket.create_connection((host, int(port)), timeout=5,
+                                              source_address=(source, 0)) for _ in range(n)]
+        deadline = time.monotonic() + 6
+        while w.stats()["closed"] < 9 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w.stats()["closed"] >= 9
+        proof = _proof(_stretched(SECRET), b"client", cn, body[12:44], 0, sid, 0, sinc)
+        peer.sendall(frame_header(PROOF, 32) + proof)
+        got = recv_exact(peer, 24 + 32)  # the server's proof: still there
+        assert struct.unpack("<IBBHIIQ", got[:24])[2] == PROOF
+        assert hmac.compare_digest(
+            got[24:], _proof(_stretched(SECRET), b"server", cn, body[12:44], 0, sid, 0, sinc))
+        peer.close()
+        # Those closed were 127.0.0.2's oldest.
+        idle[0].settimeout(2)
+        assert closed_by_peer(idle[0])
+        idle[120].settimeout(0.3)  # 127.0.0.3's first
+        assert not closed_by_peer(idle[120])
+    finally:
+        for s in idle:
+            s.close()
+        w.stop()
+
+
 def test_a_hello_on_a_plain_socket_still_gets_a_challenge():
     """The bounds leave the protocol alone: a hello from our own user over
     the shm socket and over tcp is answered."""

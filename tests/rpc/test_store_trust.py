@@ -130,7 +130,7 @@ def test_a_malformed_count_is_refused_naming_why(raw, why):
         ({"name": "w", "maps": [], "devices": []}, "maps is not"),
         ({"name": "w", "maps": {}, "devices": "cuda:0"}, "devices is not"),
         ({"name": "w", "maps": {}, "devices": [0]}, "device '0'"),
-        ({"name": "w", "maps": {"x" * 200: {}}, "devices": []}, "peer"),
+        ({"name": "w", "maps": {"x" * 2000: {}}, "devices": []}, "peer"),
     ],
 )
 def test_a_malformed_device_record_is_refused_naming_why(record, why):

@@ -406,6 +406,21 @@ def test_devices_assigned_or_changed_after_construction_still_count():
     assert not o.uses_cuda()
 
 
+def test_a_dynamic_members_device_rules_where_they_differ_from_upstreams(monkeypatch):
+    """docs/elastic.md, "Device maps": CUDA devices only; a device named
+    twice counts once; a map from a device outside ``devices`` widens
+    them (upstream's dynamic check refuses the last two, takes the
+    first)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for maps in ({"w1": {"cpu": 0}}, {"w1": {0: "cpu"}}):
+        with pytest.raises(ValueError, match="a dynamic group maps CUDA devices only"):
+            _dynamic_devices("w0", RpcExtBackendOptions(device_maps=maps))
+    twice = RpcExtBackendOptions(devices=[0, 0])
+    assert _dynamic_devices("w0", twice) == [torch.device("cuda", 0)]
+    widened = RpcExtBackendOptions(devices=[0], device_maps={"w1": {1: 0}})
+    assert _dynamic_devices("w0", widened) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
 def test_a_dynamic_members_map_to_itself_publishes_its_targets(monkeypatch):
     """In a dynamic group a member publishes the devices it receives on; a
     map to itself receives on its targets, which no peer's join checks.

@@ -53,7 +53,7 @@ from torch_rpc_ext import _testing
 vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
 # Room for little more than what is mapped now: a thread's stack and arena
 # cannot be had.
-resource.setrlimit(resource.RLIMIT_AS, (vm + 150 * 2**20, resource.RLIM_INFINITY))
+resource.setrlimit(resource.RLIMIT_AS, (vm + 40 * 2**20, resource.RLIM_INFINITY))
 finished, size = _testing.pool_chain(1, 64, 3.0)
 print("size", size, flush=True)
 """
@@ -63,11 +63,16 @@ def test_a_thread_the_pool_cannot_get_ends_nothing():
     # Every task blocks, so the pool adds threads until the system refuses
     # one: the refusal was thrown out of the supervisor's thread, and the
     # process aborted (std::terminate). Now the tasks wait, and it is said.
+    import resource
     import subprocess
     import sys
 
+    def eight_mib_stacks():  # (threads' stacks default to RLIMIT_STACK's size)
+        resource.setrlimit(resource.RLIMIT_STACK,
+                           (8 << 20, resource.getrlimit(resource.RLIMIT_STACK)[1]))
+
     out = subprocess.run([sys.executable, "-c", SHORT_OF_MEMORY], capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, preexec_fn=eight_mib_stacks)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("size "), out.stdout
     assert "could not add a thread" in out.stderr, out.stderr[-2000:]

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // How StreamConnection::write() sends a frame's segments: which channel
 // carries each (the region channels' copies and the staged copies out of a
-// device start here, on the caller's thread), and what a frame that cannot
-// be sent gives back.
+// device start here, on the caller's thread), what a frame that cannot be
+// sent gives back, and how the channels hear of the regions a queued frame
+// names (announceRegionsLocked).
 #include <algorithm>
 #include <stdexcept>
 
@@ -224,6 +225,26 @@ void StreamConnection::abandonPlan(
       logWarning(
           "torch_rpc_ext: " + describe() +
           " could not give back a region of an unsent frame: " + e.what());
+    }
+  }
+}
+
+void StreamConnection::announceRegionsLocked(
+    PendingWrite& w,
+    const std::vector<uint8_t>& slots) {
+  if (w.regionRecords.empty()) {
+    return;
+  }
+  std::vector<frame::SegmentRecord*> records;
+  for (size_t k = 0; k < channels_.size(); ++k) {
+    records.clear();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i] == k + 1 && (w.staged.empty() || !w.staged[i])) {
+        records.push_back(&w.regionRecords[i]);
+      }
+    }
+    if (!records.empty()) {
+      channels_[k]->onRegionsQueuedLocked(records);
     }
   }
 }

@@ -53,19 +53,15 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
   if (state_ == State::kClosed) {
     return false;
   }
-  if (frame.segments.size() > options_.limits.maxSegments) {
-    // One segment a storage: the frame may be small.
+  const auto& limits = options_.limits;
+  if (frame.segments.size() > limits.maxSegments ||
+      frame.head.size() > limits.maxHeadBytes) { // (a small frame, maybe)
     throw std::length_error(
         "a frame of " + std::to_string(frame.segments.size()) +
-        " segments (its payload and a segment per distinct tensor storage) "
-        "exceeds this agent's limit of " +
-        std::to_string(options_.limits.maxSegments));
-  }
-  if (frame.head.size() > options_.limits.maxHeadBytes) {
-    throw std::length_error(
-        "a message head of " + std::to_string(frame.head.size()) +
-        " bytes (its tensors' shapes) exceeds this agent's limit of " +
-        std::to_string(options_.limits.maxHeadBytes));
+        " segments (one per tensor storage) and a head of " +
+        std::to_string(frame.head.size()) + " bytes exceeds this agent's " +
+        std::to_string(limits.maxSegments) + " segments or " +
+        std::to_string(limits.maxHeadBytes) + " head bytes");
   }
   if (frame.wireSize() > options_.limits.maxFrameBytes) {
     throw std::length_error(
@@ -160,26 +156,6 @@ bool StreamConnection::write(frame::OutboundFrame frame) {
   }
   afterFlush(error);
   return true;
-}
-
-void StreamConnection::announceRegionsLocked(
-    PendingWrite& w,
-    const std::vector<uint8_t>& slots) {
-  if (w.regionRecords.empty()) {
-    return;
-  }
-  std::vector<frame::SegmentRecord*> records;
-  for (size_t k = 0; k < channels_.size(); ++k) {
-    records.clear();
-    for (size_t i = 0; i < slots.size(); ++i) {
-      if (slots[i] == k + 1 && (w.staged.empty() || !w.staged[i])) {
-        records.push_back(&w.regionRecords[i]);
-      }
-    }
-    if (!records.empty()) {
-      channels_[k]->onRegionsQueuedLocked(records);
-    }
-  }
 }
 
 std::string StreamConnection::flushLocked() {

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "csrc/transport/stream/address.h"
 #include "csrc/transport/stream/connection.h"
@@ -180,7 +181,11 @@ std::vector<Transport::Knock> StreamTransport::knock(
       waiting.push_back(pollfd{fd, POLLOUT, 0});
       waitingFor.push_back(i);
     } else if (errno == EAGAIN && to.family() == AF_UNIX) {
-      settle(i, 0); // a listener whose backlog is full: there
+      // A listener whose backlog is full: there, but whose is unknown
+      // (another user's, never accepting, would pass for the worker).
+      if (options_.localPeersAnyUser) {
+        settle(i, 0);
+      }
       ::close(fd);
     } else {
       settle(i, errno);
@@ -273,7 +278,22 @@ void StreamTransport::acceptedFromLoop(
         [&](const Unauthenticated& u) { return u.host == host; });
     evict(it, "unauthenticated connections from one host");
   } else if (unauthenticated_.size() >= options_.maxUnauthenticated) {
-    evict(unauthenticated_.begin(), "unauthenticated connections");
+    // The oldest of the source holding the most: sources that fill the cap
+    // between them (several addresses under the per-source cap) lose their
+    // own, not a peer's handshake under way (the oldest of all, before).
+    std::unordered_map<std::string, size_t> bySource;
+    for (const auto& u : unauthenticated_) {
+      ++bySource[u.host];
+    }
+    auto most = std::max_element(
+        bySource.begin(), bySource.end(), [](const auto& a, const auto& b) {
+          return a.second < b.second;
+        });
+    auto it = std::find_if(
+        unauthenticated_.begin(),
+        unauthenticated_.end(),
+        [&](const Unauthenticated& u) { return u.host == most->first; });
+    evict(it, "unauthenticated connections (its source held the most)");
   }
   auto conn = newConnection(
       fd, /*outbound=*/false, -1, std::move(peerAddress), observer);
