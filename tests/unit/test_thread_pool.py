@@ -53,7 +53,7 @@ from torch_rpc_ext import _testing
 vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
 # Room for little more than what is mapped now: a thread's stack and arena
 # cannot be had.
-resource.setrlimit(resource.RLIMIT_AS, (vm + 40 * 2**20, resource.RLIM_INFINITY))
+resource.setrlimit(resource.RLIMIT_AS, (vm + 150 * 2**20, resource.RLIM_INFINITY))
 finished, size = _testing.pool_chain(1, 64, 3.0)
 print("size", size, flush=True)
 """
