@@ -213,6 +213,21 @@ def _stretched(secret: bytes) -> bytes:
     return secrets.stretch(secret)
 
 
+def hello_and_challenge(sock: socket.socket, client_id: int = 0, incarnation: int = 0):
+    """The handshake's first half on ``sock``: our hello as worker
+    ``client_id`` of ``incarnation``, the agent's challenge. Returns (our
+    nonce, the server's id, its incarnation, its nonce)."""
+    cn = os.urandom(32)
+    hello = struct.pack("<iQ", client_id, incarnation) + cn
+    sock.sendall(frame_header(HELLO, len(hello)) + hello)
+    hdr = recv_exact(sock, 24)
+    if struct.unpack("<IBBHIIQ", hdr)[2] != CHALLENGE:
+        raise ConnectionError("the agent did not answer with a challenge")
+    body = recv_exact(sock, 44)
+    sid, sinc = struct.unpack("<iQ", body[:12])
+    return cn, sid, sinc, body[12:44]
+
+
 def handshake(
     address: str,
     secret: bytes,
@@ -229,15 +244,7 @@ def handshake(
     if stretch:
         secret = _stretched(secret)  # what the agent keys its proofs from
     sock = connect_raw(address)
-    cn = os.urandom(32)
-    hello = struct.pack("<iQ", client_id, incarnation) + cn
-    sock.sendall(frame_header(HELLO, len(hello)) + hello)
-    hdr = recv_exact(sock, 24)
-    if struct.unpack("<IBBHIIQ", hdr)[2] != CHALLENGE:
-        raise ConnectionError("the agent did not answer with a challenge")
-    body = recv_exact(sock, 44)
-    sid, sinc = struct.unpack("<iQ", body[:12])
-    sn = body[12:44]
+    cn, sid, sinc, sn = hello_and_challenge(sock, client_id, incarnation)
     sock.sendall(
         frame_header(PROOF, 32)
         + _proof(secret, b"client", cn, sn, client_id, sid, incarnation, sinc)

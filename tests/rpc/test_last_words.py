@@ -35,6 +35,7 @@ from torch_rpc_ext.testing import (
     _proof,
     connect_raw,
     frame_header,
+    hello_and_challenge,
     recv_exact,
 )
 
@@ -95,13 +96,8 @@ def last_words():
 def as_client(sock, pid):
     """The client's side: hello, the challenge, then (our end stopped) its
     proof and a frame at once, and gone."""
-    cn = os.urandom(32)
-    hello = struct.pack("<iQ", 0, 0) + cn
-    sock.sendall(frame_header(HELLO, len(hello)) + hello)
-    assert struct.unpack("<IBBHIIQ", recv_exact(sock, 24))[2] == CHALLENGE
-    body = recv_exact(sock, 44)
-    sid, sinc = struct.unpack("<iQ", body[:12])
-    proof = _proof(KEY, b"client", cn, body[12:], 0, sid, 0, sinc)
+    cn, sid, sinc, sn = hello_and_challenge(sock)
+    proof = _proof(KEY, b"client", cn, sn, 0, sid, 0, sinc)
     stop_process(pid)  # every thread: its loop's too
     sock.sendall(frame_header(PROOF, 32) + proof + last_words())
     sock.close()

@@ -210,10 +210,10 @@ def test_sources_that_fill_the_cap_between_them_close_their_own():
     import struct
 
     from torch_rpc_ext.testing import (
-        CHALLENGE,
         PROOF,
         _proof,
         _stretched,
+        hello_and_challenge,
         recv_exact,
     )
 
@@ -223,12 +223,7 @@ def test_sources_that_fill_the_cap_between_them_close_their_own():
         host, port = w.addresses["tcp"].rsplit(":", 1)
         # The real peer first (the oldest of all): its hello, the challenge.
         peer = socket.create_connection((host, int(port)), timeout=5)
-        cn = os.urandom(32)
-        hello = struct.pack("<iQ", 0, 0) + cn
-        peer.sendall(frame_header(HELLO, len(hello)) + hello)
-        assert struct.unpack("<IBBHIIQ", recv_exact(peer, 24))[2] == CHALLENGE
-        body = recv_exact(peer, 44)
-        sid, sinc = struct.unpack("<iQ", body[:12])
+        cn, sid, sinc, sn = hello_and_challenge(peer)
         # 127.0.0.2 holds the most (120), four others 100 each: 521 with
         # the peer, 9 past the cap.
         for source, n in (("127.0.0.2", 120), ("127.0.0.3", 100), ("127.0.0.4", 100),
@@ -239,12 +234,12 @@ def test_sources_that_fill_the_cap_between_them_close_their_own():
         while w.stats()["closed"] < 9 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert w.stats()["closed"] >= 9
-        proof = _proof(_stretched(SECRET), b"client", cn, body[12:44], 0, sid, 0, sinc)
+        proof = _proof(_stretched(SECRET), b"client", cn, sn, 0, sid, 0, sinc)
         peer.sendall(frame_header(PROOF, 32) + proof)
         got = recv_exact(peer, 24 + 32)  # the server's proof: still there
         assert struct.unpack("<IBBHIIQ", got[:24])[2] == PROOF
         assert hmac.compare_digest(
-            got[24:], _proof(_stretched(SECRET), b"server", cn, body[12:44], 0, sid, 0, sinc))
+            got[24:], _proof(_stretched(SECRET), b"server", cn, sn, 0, sid, 0, sinc))
         peer.close()
         # Those closed were 127.0.0.2's oldest.
         idle[0].settimeout(2)
