@@ -4,6 +4,7 @@ rpc_timeout) naming the peer, new calls fail fast, survivors keep working."""
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -101,7 +102,7 @@ def test_sigkilled_peer_fails_pending_calls_promptly_and_survivors_continue():
     assert out["accepted_2"] >= 1  # worker2 called us
 
 
-def frozen(rank, world_size):
+def frozen(rank, world_size, keep_sending=False):
     # A frozen (SIGSTOPped) peer keeps its sockets open: only the heartbeat
     # can tell it from a slow one.
     init(rank, world_size, rpc_timeout=60, heartbeat_timeout=2)
@@ -113,6 +114,17 @@ def frozen(rank, world_size):
         pid = rpc.rpc_sync("worker1", getpid)
         frozen_at = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
+        if keep_sending:
+            # A call every 0.25 s, which the peer's buffers take for long
+            # (its 64 KiB frame ring: about a minute of them): before
+            # session 96 each counted as the peer's sign of life, and the
+            # heartbeat never fired.
+            def sender():
+                while not all(f.done() for f in pending):
+                    rpc.rpc_async("worker1", getpid)
+                    time.sleep(0.25)
+
+            threading.Thread(target=sender, daemon=True).start()
         out["errors"] = []
         for fut in pending:
             try:
@@ -132,8 +144,9 @@ def frozen(rank, world_size):
     return out
 
 
-def test_frozen_peer_is_detected_by_the_heartbeat():
-    out = run_world(frozen, dies=frozenset({1}), timeout=60)[0]
+@pytest.mark.parametrize("keep_sending", [False, True])
+def test_frozen_peer_is_detected_by_the_heartbeat(keep_sending):
+    out = run_world(frozen, dies=frozenset({1}), timeout=60, keep_sending=keep_sending)[0]
     # Declared dead once silent for heartbeat_timeout (2 s): not before 2 s
     # from asking for the pid (the answer, a sign of life, came later). On a
     # quiet host 2-2.4 s after the freeze; a starved process or a busy host

@@ -319,6 +319,23 @@ void StreamConnection::scheduleHeartbeat() {
   });
 }
 
+void StreamConnection::noteSentLocked(ssize_t sent, size_t asked) {
+  // Bytes a buffer with room takes prove nothing: the kernel (or our ring)
+  // takes them from a frozen or cut-off peer too, and a caller sending
+  // every second kept such a peer "alive" until its buffers filled (TCP's:
+  // megabytes, minutes). Bytes taken where a send found no room before
+  // were drained by the peer. (-1 with an errno other than EAGAIN is a
+  // failed write: nothing to note.)
+  if (sent > 0 && outFull_) {
+    noteActivity();
+  }
+  if (sent >= 0) {
+    outFull_ = static_cast<size_t>(sent) < asked;
+  } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+    outFull_ = true;
+  }
+}
+
 void StreamConnection::heartbeatFromLoop() {
   if (state_ != State::kReady) {
     return;

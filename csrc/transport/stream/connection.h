@@ -403,11 +403,14 @@ class StreamConnection : public Connection,
   // Every heartbeatTimeout / 5 once ready: ping if idle, close if silent.
   void scheduleHeartbeat();
   void heartbeatFromLoop();
-  void noteActivity() {
+  void noteActivity() { // (the peer's sign of life)
     lastActivity_.store(
         std::chrono::steady_clock::now().time_since_epoch().count(),
         std::memory_order_relaxed);
   }
+  // A send's: a sign of life only after one found no room (writeMutex_).
+  void noteSentLocked(ssize_t sent, size_t asked);
+  bool outFull_ = false;
   // Push a frame with chunked segments as far as the socket and channel
   // allow.
   enum class ChunkFlush { kDone, kSocketFull, kChannelFull };

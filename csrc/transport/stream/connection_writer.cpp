@@ -312,6 +312,11 @@ std::string StreamConnection::flushLocked() {
     ssize_t sent = toSocket
         ? sendSocketLocked(iov, n, nullptr)
         : sendLocked(iov, n, fds, spansRing ? &ringWait : nullptr);
+    size_t asked = 0;
+    for (size_t k = 0; k < n; ++k) {
+      asked += iov[k].iov_len;
+    }
+    noteSentLocked(sent, asked);
     if (sent < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
         socketBodyBlocked_ = toSocket; // its EPOLLOUT resumes the body
@@ -325,11 +330,6 @@ std::string StreamConnection::flushLocked() {
       return !ringError_.empty() ? "write failed: " + ringError_
           : tls_                 ? tlsWriteFailed(tlsWriteError_)
                                  : errnoText("write failed");
-    }
-    if (sent > 0 && !writes_.front().control) {
-      // Our own pings prove nothing: the kernel takes them from a frozen
-      // peer's socket too. Data draining from the buffer does.
-      noteActivity();
     }
     size_t left = static_cast<size_t>(sent);
     while (left > 0 && !writes_.empty()) {
@@ -521,8 +521,8 @@ ssize_t StreamConnection::sendSome(
   if (ringOut_) {
     iovec one{const_cast<char*>(data), size};
     ssize_t got = sendToRingLocked(&one, 1, nullptr);
+    noteSentLocked(got, size);
     if (got > 0) {
-      noteActivity();
       return got;
     }
     if (errno == EAGAIN) {
@@ -535,9 +535,8 @@ ssize_t StreamConnection::sendSome(
   if (tls_) {
     std::string why;
     ssize_t got = counted(tls_->write(data, size, &why));
-    if (got > 0) {
-      noteActivity();
-    } else if (got < 0) {
+    noteSentLocked(got, size);
+    if (got < 0) {
       peerEndedWrites_ = tls_->sendRefusedByPeer();
       *error = tlsWriteFailed(why);
     }
@@ -545,8 +544,8 @@ ssize_t StreamConnection::sendSome(
   }
   while (true) {
     ssize_t got = counted(::send(fd_, data, size, MSG_NOSIGNAL));
+    noteSentLocked(got, size);
     if (got > 0) {
-      noteActivity();
       return got;
     }
     if (got == 0 || errno == EAGAIN || errno == EWOULDBLOCK) {
