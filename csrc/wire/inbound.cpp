@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 #include <stdexcept>
 
 #include "csrc/frame/landed_region.h"
@@ -553,8 +554,14 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
     }
     at::Tensor values = buildDense(t.dense, storages_, storageOffsets_);
     // Reject out-of-range indices here: a sparse tensor with bad indices
-    // would crash the process later, far from the cause.
-    at::_validate_sparse_coo_tensor_args(indices, values, t.sparseSizes);
+    // would crash the process later, far from the cause. A tensor announced
+    // coalesced must be (sorted, no duplicates): kernels that trust the bit
+    // give wrong sums otherwise.
+    at::_validate_sparse_coo_tensor_args(
+        indices,
+        values,
+        t.sparseSizes,
+        t.coalesced ? std::optional<bool>(true) : std::nullopt);
     at::Tensor sparse =
         at::_sparse_coo_tensor_unsafe(indices, values, t.sparseSizes)
             ._coalesced_(t.coalesced);

@@ -182,6 +182,22 @@ def test_sparse_with_out_of_range_indices_is_rejected():
         _testing.decode_message(bad, segments)
 
 
+def test_sparse_announced_coalesced_with_unsorted_indices_is_rejected():
+    # A peer may say "coalesced" of indices that are not (sorted, unique):
+    # kernels that trust the bit would give wrong results far from here.
+    s = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (2,)).coalesce()
+    head, segments = _testing.encode_message(PYTHON_CALL, b"", [s], 1)
+    ordered = struct.pack("<2q", 0, 1)
+    segments = [bytes(g) for g in segments]
+    (k,) = [n for n, g in enumerate(segments) if g == ordered]
+    (y,) = _testing.decode_message(head, segments)[3]
+    assert y.is_coalesced() and torch.equal(y.to_dense(), s.to_dense())
+    for swapped in (struct.pack("<2q", 1, 0), struct.pack("<2q", 1, 1)):
+        bad = segments[:k] + [swapped] + segments[k + 1:]
+        with pytest.raises(ValueError, match="coalesced"):
+            _testing.decode_message(head, bad)
+
+
 def test_sparse_indices_must_be_backed_by_their_segment():
     # Indices [[0, 1]] (shape 1x2, strides 2, 1) redescribed as 2**40 copies
     # of one index through a zero stride: 16 bytes would stand for 2**40
