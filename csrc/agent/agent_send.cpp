@@ -98,7 +98,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
 
   // Its kind before profiling wraps it (RUN_WITH_PROFILING_REQ would count
   // every profiled call as "other").
-  const CallKind kind = callKindOf(message->type());
+  const CallKind kind = callKindOf(*message);
   // Under torch.profiler (Kineto) the callee profiles the call too.
   std::shared_ptr<CallProfile> profile = RemoteProfiling::begin(message);
   int64_t id = calls_.nextId();
@@ -306,7 +306,7 @@ void Agent::onFrame(
     peer->stats.callsServed.fetch_add(1, std::memory_order_relaxed);
     Server::Served served{
         peer,
-        callKindOf(message->type()),
+        callKindOf(*message), // (a profiled call's: what it wraps)
         callCostsOn() ? std::chrono::steady_clock::now()
                       : std::chrono::steady_clock::time_point{},
         in->traceContext(),

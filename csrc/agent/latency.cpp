@@ -2,6 +2,9 @@
 // Call kinds and metric names (latency.h).
 #include "csrc/agent/latency.h"
 
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -38,6 +41,42 @@ CallKind callKindOf(rpc::MessageType type) {
       return CallKind::kAutograd;
     default:
       return CallKind::kOther;
+  }
+}
+
+CallKind callKindOf(const rpc::Message& message) {
+  if (message.type() != rpc::MessageType::RUN_WITH_PROFILING_REQ) {
+    return callKindOf(message.type());
+  }
+  // torch's writeWrappedPayload: the wrapped call's payload, then a pickled
+  // tuple (its type, the profiling key, the profiler's config), then that
+  // tuple's size as a big-endian int64. The tuple is a few dozen bytes.
+  constexpr size_t kMaxTail = 4096;
+  const auto& payload = message.payload();
+  if (payload.size() < 8) {
+    return CallKind::kOther;
+  }
+  uint64_t tail = 0;
+  for (size_t i = payload.size() - 8; i < payload.size(); ++i) {
+    tail = (tail << 8) | static_cast<uint8_t>(payload[i]);
+  }
+  if (tail == 0 || tail > kMaxTail || tail > payload.size() - 8) {
+    return CallKind::kOther;
+  }
+  try {
+    const c10::IValue fields =
+        torch::jit::unpickle(payload.data() + payload.size() - 8 - tail, tail);
+    if (!fields.isTuple() || fields.toTupleRef().elements().empty() ||
+        !fields.toTupleRef().elements()[0].isInt()) {
+      return CallKind::kOther;
+    }
+    const auto wrapped = static_cast<rpc::MessageType>(
+        fields.toTupleRef().elements()[0].toInt());
+    return wrapped == rpc::MessageType::RUN_WITH_PROFILING_REQ
+        ? CallKind::kOther
+        : callKindOf(wrapped);
+  } catch (const std::exception&) {
+    return CallKind::kOther;
   }
 }
 

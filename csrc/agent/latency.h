@@ -26,7 +26,7 @@ enum class CallKind : uint8_t {
   kPython, // Python functions (PYTHON_CALL)
   kRRef, // remote(), to_here(), RRef forks and deletes
   kAutograd, // distributed autograd: forward, backward, cleanup
-  kOther, // profiled calls and the rest
+  kOther, // the rest
 };
 constexpr size_t kCallKinds = 5;
 
@@ -35,6 +35,10 @@ constexpr size_t kCallKinds = 5;
 // off" rows measure the histograms against).
 bool callCostsOn();
 CallKind callKindOf(rpc::MessageType type);
+// A message's kind: a profiled call's (RUN_WITH_PROFILING_REQ) is the kind
+// of the call it wraps, read from the small pickle torch appends to its
+// payload (kOther where that does not parse).
+CallKind callKindOf(const rpc::Message& message);
 const char* callKindName(CallKind kind);
 
 // Counts of values in buckets whose upper bounds are base * 2^k, k = 0 ..

@@ -612,3 +612,37 @@ def test_top_shows_every_worker_of_a_live_group(tmp_path):
     # worker0's rows for each peer, with a rate and a p99 in milliseconds.
     assert re.search(r"^\s+worker1\s+\d+", first, re.M) and re.search(r"^\s+worker2\s+", first, re.M)
     assert re.search(r"worker0\s+\(all\)\s+[1-9]\d*\s+\d+\s+[\d.]+ms", first), first
+
+
+# ---- profiled calls keep their kind ------------------------------------------
+
+
+def _costs_by_kind(metric):
+    agent = rpc.api._get_current_rpc_agent()
+    return {kind: sum(counts) for _, kind, m, _, counts, _ in agent._call_costs() if m == metric}
+
+
+def profiled_calls(rank, world_size):
+    init(rank, world_size)
+    out = None
+    if rank == 0:
+        x = torch.ones(4)
+        # upstream's profiler wraps the request (RUN_WITH_PROFILING_REQ)
+        # before the agent sees it; torch.profiler's is wrapped by ours.
+        with torch.autograd.profiler.profile():
+            rpc.rpc_sync("worker1", torch.add, args=(x, 1))
+        with torch.profiler.profile():
+            rpc.rpc_sync("worker1", torch.add, args=(x, 2))
+        out = (_costs_by_kind("call_seconds"), rpc.rpc_sync("worker1", _costs_by_kind,
+                                                            args=("serve_seconds",)))
+    rpc.api._barrier(["worker0", "worker1"])
+    rpc.shutdown()
+    return out
+
+
+def test_a_profiled_call_counts_as_the_kind_it_wraps():
+    # Before session 96 both ends counted upstream's profiled calls, and the
+    # callee torch.profiler's too, as "other".
+    made, served = run_world(profiled_calls, 2, timeout=150)[0]
+    assert made.get("script") == 2 and "other" not in made, made
+    assert served.get("script") == 2 and "other" not in served, served
