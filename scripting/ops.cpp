@@ -89,6 +89,34 @@ void rpcSyncKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   torch::jit::push(*stack, future->value());
 }
 
+// Where a compiled call's outputs are (its fake says the same, in
+// torch_rpc_ext.scripting): the CUDA device of its CUDA arguments, else the
+// CPU. Arguments on two CUDA devices are refused.
+c10::Device callDevice(
+    const std::string& name,
+    const std::string& to,
+    at::TensorList args) {
+  c10::Device home(c10::kCPU);
+  for (const auto& a : args) {
+    if (a.device().is_cpu()) {
+      continue;
+    }
+    TORCH_CHECK(
+        home.is_cpu() || home == a.device(),
+        "remote function '",
+        name,
+        "' on ",
+        to,
+        ": a call from torch.compile takes tensors of one device (and the "
+        "CPU), got ",
+        home.str(),
+        " and ",
+        a.device().str());
+    home = a.device();
+  }
+  return home;
+}
+
 // torch.compile's op: tensors (and compile-time constants) in, tensors out:
 // what fake tensors and functionalization can see through. Its fake
 // implementation and its ordering effect are registered from Python
@@ -99,6 +127,7 @@ std::vector<at::Tensor> callTensors(
     at::TensorList args,
     const std::string& constants,
     double timeout) {
+  const c10::Device home = callDevice(name, to, args);
   std::vector<c10::IValue> elements = compiledArguments(args, constants);
   auto future = callAsync(
       to, name, c10::ivalue::Tuple::create(std::move(elements)), timeout);
@@ -133,15 +162,39 @@ std::vector<at::Tensor> callTensors(
         value.tagKind(),
         ": a call from torch.compile returns a tensor or a tuple of tensors");
   }
-  // An operator's outputs must not alias its inputs, and a tensor a callee
-  // on this host returns unchanged comes back as a view of the caller's own
-  // storage (shared slabs). Outputs are contiguous, as the fake promises.
-  for (auto& t : out) {
+  // The fake put every output on the call's device: one that arrived
+  // elsewhere would have the compiled code read it as memory it is not.
+  for (size_t i = 0; i < out.size(); ++i) {
+    TORCH_CHECK(
+        out[i].device() == home,
+        "remote function '",
+        name,
+        "' on ",
+        to,
+        " returned value ",
+        i,
+        " on ",
+        out[i].device().str(),
+        ": a call from torch.compile returns its tensors on the device of its "
+        "tensor arguments (",
+        home.str(),
+        "), as compiled code expects them");
+  }
+  // An operator's outputs must alias neither its inputs nor each other: a
+  // tensor a callee on this host returns unchanged comes back as a view of
+  // the caller's own storage (shared slabs), and one returned twice comes
+  // back once (the pickle's memo). Outputs are contiguous, as the fake
+  // promises.
+  for (size_t i = 0; i < out.size(); ++i) {
     bool aliases = false;
     for (const auto& a : args) {
-      aliases = aliases || t.is_alias_of(a);
+      aliases = aliases || out[i].is_alias_of(a);
     }
-    t = aliases ? t.clone(at::MemoryFormat::Contiguous) : t.contiguous();
+    for (size_t j = 0; j < i; ++j) {
+      aliases = aliases || out[i].is_alias_of(out[j]);
+    }
+    out[i] = aliases ? out[i].clone(at::MemoryFormat::Contiguous)
+                     : out[i].contiguous();
   }
   return out;
 }

@@ -28,6 +28,7 @@ bool, int, float, str), return tensors, and carry no gradient.
 """
 
 import builtins
+import operator
 import re
 from collections.abc import Callable
 from typing import Any
@@ -99,7 +100,10 @@ def rpc_sync(to: str | rpc.WorkerInfo, name: str, *args: Any, timeout: float = -
     try:
         return torch.ops.torch_rpc_ext.rpc_sync(to, name, args, timeout)
     except RuntimeError as e:
-        raise _as_remote_type(e) from e
+        mapped = _as_remote_type(e)
+        if mapped is e:
+            raise  # (not `from e`: an error must not be its own cause)
+        raise mapped from e
 
 
 def _worker_name(to: str | rpc.WorkerInfo) -> str:
@@ -124,6 +128,17 @@ _CONSTANT_TYPES = (type(None), bool, int, float, str)
 def _compiled_call(to: str, name: str, args: tuple, timeout: float) -> Any:
     tensors, constants = [], []
     for i, a in enumerate(args):
+        # A scalar torch made dynamic on a second value: the call's
+        # constants are fixed at compile time, so it is specialized (a
+        # guard: a new value compiles anew), as its shapes are. (Under
+        # dynamo, operator.index and __float__ specialize; int() and
+        # float() would keep the value symbolic.)
+        if isinstance(a, (bool, torch.SymBool)):
+            a = bool(a)
+        elif isinstance(a, (int, torch.SymInt)):
+            a = operator.index(a)
+        elif isinstance(a, (float, torch.SymFloat)):
+            a = a.__float__()
         if isinstance(a, torch.Tensor):
             tensors.append(a)
         elif isinstance(a, _CONSTANT_TYPES) and _encodable(a):
@@ -136,7 +151,8 @@ def _compiled_call(to: str, name: str, args: tuple, timeout: float) -> Any:
             )
     encoded = _encode_constants(tuple(constants))
     outs = torch.ops.torch_rpc_ext.call_tensors(to, name, tensors, encoded, timeout)
-    shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
+    # (A size torch made dynamic is specialized here, as in the fake.)
+    shapes = tuple((tuple(operator.index(d) for d in t.shape), t.dtype) for t in tensors)
     return outs[0] if _returns_tensor((to, name, shapes, encoded)) else tuple(outs)
 
 
@@ -177,14 +193,11 @@ def _returns_tensor(key: tuple) -> bool:
 def _call_tensors_fake(
     to: str, name: str, args: list, constants: str = "", timeout: float = -1.0
 ) -> list:
-    shapes = []
-    for a in args:
-        if not all(isinstance(d, int) for d in a.shape):
-            raise RuntimeError(
-                f"remote function {name!r} on {to}: torch.compile calls need static "
-                f"shapes, got {tuple(a.shape)} (compile with dynamic=False)"
-            )
-        shapes.append((tuple(a.shape), a.dtype))
+    # Shapes are fixed at compile time: a dynamic size is specialized (a
+    # guard: a new shape compiles anew), since the owner's fake runs on
+    # meta tensors of static shapes.
+    shapes = [(tuple(int(d) for d in a.shape), a.dtype) for a in args]
+    device = _call_device(to, name, args)
     key = (to, name, tuple(shapes), constants)
     # Asked of the owner each time a call is traced (a compilation, not a
     # call): the owner may have replaced the function, or a new process
@@ -193,7 +206,20 @@ def _call_tensors_fake(
     with _torch_private.unset_fake_mode():
         _SPECS[key] = rpc.rpc_sync(to, _output_spec, args=(name, shapes, constants))
     _, outs = _SPECS[key]
-    return [torch.empty(shape, dtype=dtype) for shape, dtype in outs]
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in outs]
+
+
+def _call_device(to: str, name: str, args: list) -> torch.device:
+    """Where a compiled call's outputs are (call_tensors checks the real
+    ones against it): the device of its tensors not on the CPU, else the
+    CPU."""
+    devices = {a.device for a in args if a.device.type != "cpu"}
+    if len(devices) > 1:
+        raise RuntimeError(
+            f"remote function {name!r} on {to}: a call from torch.compile takes "
+            f"tensors of one device (and the CPU), got {sorted(map(str, devices))}"
+        )
+    return devices.pop() if devices else torch.device("cpu")
 
 
 def _output_spec(name: str, shapes: list, constants: str) -> tuple[bool, list]:

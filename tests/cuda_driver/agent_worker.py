@@ -850,6 +850,11 @@ def intact(t, seed: int) -> bool:
     return tensor_bytes(t) == pattern(t.numel(), seed)
 
 
+def on_host(t):
+    """A value on the CPU whatever the argument's device."""
+    return torch.zeros(2)
+
+
 def run_named(rank: int, port: int, ctl) -> None:
     """worker0 calls functions worker1 registered by name
     (torch_rpc_ext.scripting) with CUDA tensors never seen before, whose
@@ -864,6 +869,7 @@ def run_named(rank: int, port: int, ctl) -> None:
     if rank == 1:
         scripting.register("intact", intact)
         scripting.register("identity", identity)
+        scripting.register("on_host", on_host)
     rpc.api._barrier([f"worker{r}" for r in range(2)])
     if rank == 0:
         n = 1 << 20
@@ -871,6 +877,15 @@ def run_named(rank: int, port: int, ctl) -> None:
         out["named"] = scripting.rpc_sync("worker1", "intact", cuda_tensor(pattern(n, 22)), 22)
         back = scripting.rpc_sync("worker1", "identity", cuda_tensor(pattern(n, 23)))
         out["named_back"] = (str(back.device), tensor_bytes(back) == pattern(n, 23))
+        # torch.compile's op (called as compiled code calls it): its fake
+        # put the value on cuda:0, the arguments' device, so a CPU one is
+        # refused, not handed to code that reads it as device memory.
+        try:
+            torch.ops.torch_rpc_ext.call_tensors(
+                "worker1", "on_host", [cuda_tensor(pattern(16, 24))], "", -1.0)
+            out["compiled_on_host"] = None
+        except RuntimeError as e:
+            out["compiled_on_host"] = str(e)
     rpc.shutdown()
     ctl.send(out)
 

@@ -639,6 +639,8 @@ def test_a_function_registered_by_name_runs_after_its_cuda_tensors_landed(spawn)
     assert caller["udf"]
     assert caller["named"]
     assert caller["named_back"] == ("cuda:0", True)
+    assert "returned value 0 on cpu: a call from torch.compile returns its tensors " \
+        "on the device of its tensor arguments (cuda:0)" in caller["compiled_on_host"]
 
 
 @two_devices

@@ -27,6 +27,11 @@ def sum_and_difference(x, y):
     return x + y, x - y
 
 
+def twice(x):
+    y = x * 2
+    return y, y
+
+
 def record_call(x):
     CALLS.append(1)
     return x + 1
@@ -82,6 +87,7 @@ def register_callee_functions():
         fake=lambda x, y: (torch.empty_like(x), torch.empty_like(x)),
     )
     scripting.register("record_call", record_call, fake=lambda x: torch.empty_like(x))
+    scripting.register("twice", twice, fake=lambda x: (torch.empty_like(x), torch.empty_like(x)))
     scripting.register("calls_recorded", calls_recorded)
     scripting.register("script_affine", script_affine)
     scripting.register("script_view", script_view)
@@ -156,6 +162,12 @@ def eager_and_script_calls(rank, world_size):
         out["eager_unknown_worker"] = error_text(
             lambda: scripting.rpc_sync("worker9", "scale", x, 1)
         )
+        try:
+            scripting.rpc_sync("worker9", "scale", x, 1)
+        except RuntimeError as e:
+            # Before session 96 an error no builtin type names was raised
+            # `from` itself: a loop for any walk of the cause chain.
+            out["unknown_worker_cause"] = e.__cause__ is e
         out["eager_bad_name"] = error_text(lambda: scripting.rpc_sync("worker1", "a..b", x))
         out["eager_args_not_tuple"] = error_text(
             lambda: torch.ops.torch_rpc_ext.rpc_sync("worker1", "scale", [x])
@@ -207,6 +219,7 @@ def test_eager_and_torchscript_callers_reach_python_and_torchscript_functions():
     assert "returned a value of type 'object', which TorchScript cannot represent" in text
     kind, text = out["eager_unknown_worker"]
     assert kind == "RuntimeError" and "worker9" in text
+    assert out["unknown_worker_cause"] is False
     kind, text = out["eager_bad_name"]
     assert kind == "ValueError" and "invalid remote function name 'a..b'" in text
     kind, text = out["eager_args_not_tuple"]
@@ -254,6 +267,32 @@ def compiled_calls(rank, world_size, backend):
                 lambda fn=fn: torch.compile(fn, fullgraph=True, backend=backend)(x)
             )
 
+        # torch.compile's defaults: a second shape or scalar value makes it
+        # dynamic, and the call specializes it (before session 96: "need
+        # static shapes", or assume_constant_result's conversion failure).
+        def scaled_by(x, k):
+            a = scripting.rpc_sync("worker1", "scale", x, k)  # k: a constant
+            return scripting.rpc_sync("worker1", "sum_and_difference", x, a)
+
+        dynamic = torch.compile(scaled_by, fullgraph=True, backend=backend)
+        out["dynamic"] = [
+            (n, k, dynamic(torch.arange(float(n)), k)) for n, k in ((4, 2), (4, 3), (6, 3))
+        ]
+        # A value returned twice comes back once: the op's outputs must not
+        # alias each other (an operator's contract), so the second is a copy.
+        a, b = torch.ops.torch_rpc_ext.call_tensors("worker1", "twice", [x], "", -1.0)
+        shared = a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        out["twice"] = (shared, torch.equal(a, x * 2) and torch.equal(b, x * 2))
+        # The fake places outputs on the device of the call's tensors, as
+        # call_tensors returns them (before session 96: always the CPU).
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            (y,) = torch.ops.torch_rpc_ext.call_tensors(
+                "worker1", "record_call", [torch.empty(4, device="cuda")], "", -1.0
+            )
+            out["fake_device"] = str(y.device)
+
         # The owner replaces "scale"; a new compilation of a call traced
         # before with the same shapes and constants sees its new outputs
         # (before session 94 it compiled against the old answer: one tensor).
@@ -283,6 +322,11 @@ def test_compiled_function_calling_remote_functions_equals_eager(backend):
     kind, text = out["not_tensor"]
     assert "a call from torch.compile takes tensors and constants" in text
     assert "argument 1 is a list" in text
+    for n, k, (s, d) in out["dynamic"]:
+        x = torch.arange(float(n))
+        assert torch.equal(s, x + x * k) and torch.equal(d, x - x * k), (n, k)
+    assert out["twice"] == (False, True)
+    assert out["fake_device"] == "cuda:0"
     replaced = out["replaced"]
     assert isinstance(replaced, tuple) and len(replaced) == 2
     assert torch.equal(replaced[0], torch.arange(4.0) * 3) and torch.equal(replaced[1], torch.arange(4.0))
