@@ -249,6 +249,10 @@ void RRefGuard::dropForks(const std::vector<rpc::ForkId>& forks) {
   if (forks.empty() || !live_.load()) {
     return;
   }
+  dropNow(forks);
+}
+
+void RRefGuard::dropNow(const std::vector<rpc::ForkId>& forks) {
   std::unordered_set<rpc::ForkId, rpc::ForkId::Hash> dropping(
       forks.begin(), forks.end());
   {
@@ -265,12 +269,13 @@ void RRefGuard::dropForks(const std::vector<rpc::ForkId>& forks) {
   } catch (const std::exception& e) {
     logWarning(
         "torch_rpc_ext: " + selfName_ +
-        " could not drop the RRef forks of a departed holder: " + e.what());
+        " could not drop RRef forks nobody holds (a departed holder's, or a message's never delivered): " +
+        e.what());
   }
 }
 
 void RRefGuard::dropCarried(const rpc::Message& message) {
-  if (!enabled_ || !live_.load()) {
+  if (!running_.load()) {
     return;
   }
   std::vector<rpc::ForkId> forks;
@@ -279,7 +284,9 @@ void RRefGuard::dropCarried(const rpc::Message& message) {
   } catch (const std::exception&) {
     return; // not ours to read: nothing of ours carried
   }
-  dropForks(forks);
+  if (!forks.empty()) {
+    dropNow(forks);
+  }
 }
 
 size_t RRefGuard::dropOwnerForks(

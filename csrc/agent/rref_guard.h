@@ -60,6 +60,7 @@ class RRefGuard {
   // Whether torch's RRef state may be touched: set once torch has made us
   // its agent, cleared before it tears that state down.
   void setLive(bool live) {
+    running_.store(live);
     live_.store(live && enabled_);
   }
 
@@ -77,8 +78,10 @@ class RRefGuard {
   // Forks of ours whose holder departed: dropped now, as release() drops
   // those it knows of.
   void dropForks(const std::vector<rpc::ForkId>& forks);
-  // A message carrying forks of ours that will never be sent (its
-  // destination departed): they are dropped, since nobody will hold them.
+  // A message carrying forks of ours that will never be sent or delivered
+  // (its destination departed, it was refused as too large): they are
+  // dropped, since nobody will hold them. In any group, static too; forks
+  // already attributed to a holder are dropForks()'.
   void dropCarried(const rpc::Message& message);
   // What trackForks() does once it has parsed a request (torch's parser
   // needs a running agent): `holder` registered `forkId`, or deleted it.
@@ -125,6 +128,8 @@ class RRefGuard {
   const bool enabled_;
   const std::function<void(std::function<void()>)> offThread_;
   std::atomic<bool> live_{false};
+  std::atomic<bool> running_{false}; // torch's RRef state is up (any group)
+  void dropNow(const std::vector<rpc::ForkId>& forks);
   // The holders of forks of our RRefs whose ids do not name them: those
   // registered by a fork request, by the worker that sent it, and those we
   // forked ourselves, by the peer the message that carried them went to.

@@ -169,6 +169,7 @@ uint64_t Server::respond(
     }
   }
   frame::OutboundFrame frame;
+  std::vector<rpc::ForkId> returned; // forks of ours it carries, attributed
   Peer* peer = group_.memberOn(conn.peerId(), conn.peerIncarnation());
   try {
     std::optional<wire::DeviceRoute> route;
@@ -203,12 +204,21 @@ uint64_t Server::respond(
     // it held already: these go now. (One that left may still read this
     // answer: its forks stay its own.)
     const Peer* holder = requester ? requester : peer;
-    auto returned = rrefs_.trackOwnForks(*response, conn.peerId());
+    returned = rrefs_.trackOwnForks(*response, conn.peerId());
     if (!returned.empty() && holder && holder->declaredDead()) {
       rrefs_.dropForks(returned);
+      returned.clear();
     }
   } catch (const std::exception& e) {
-    frame = wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id);
+    // Refused (too large, not encodable): the forks of our RRefs it carries
+    // go to nobody. Kept, they held graceful shutdown 100 s ("Leaking
+    // RRef") until session 96.
+    rrefs_.dropCarried(*response);
+    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+    frame = wire::encodeMessage(
+        rpc::createExceptionResponse(
+            c10 ? c10->what_without_backtrace() : e.what(), id),
+        id);
   }
   uint64_t bytes = frame.wireSize();
   try {
@@ -217,7 +227,9 @@ uint64_t Server::respond(
     // Refused by the connection before anything was queued (a segment no
     // channel of it carries): the caller gets the error as its response.
     // Until session 58 it escaped into the loop's log, and the caller
-    // waited for its timeout.
+    // waited for its timeout. What the answer carried goes to nobody.
+    rrefs_.dropForks(returned); // (a dynamic group's, attributed)
+    rrefs_.dropCarried(*response);
     frame = wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id);
     bytes = frame.wireSize();
     conn.write(std::move(frame));

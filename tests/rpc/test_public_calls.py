@@ -351,9 +351,27 @@ def oversized(rank, world_size):
                 call()
             except RuntimeError as e:
                 out[key] = str(e)
+        # An answer over the limit that carries an RRef of the callee's: its
+        # fork goes to nobody, so the callee drops it (before session 96 it
+        # was kept: "Leaking RRef", and the graceful shutdown of a static
+        # group waited 100 s for it). The error has no C++ backtrace.
+        try:
+            rpc.rpc_sync("worker1", rref_and_zeros, args=(100_000,))
+        except RuntimeError as e:
+            out["rref_answer"] = str(e)
+        out["forks_left"] = rpc.rpc_sync("worker1", rref_forks)
         out["after"] = rpc.rpc_sync("worker1", add, args=(1, 1))
     rpc.shutdown()
     return out
+
+
+def rref_and_zeros(n):
+    return rpc.RRef(torch.ones(1)), torch.zeros(n)
+
+
+def rref_forks():
+    info = torch._C._distributed_rpc._rref_context_get_debug_info()
+    return int(info["num_forks"]), int(info["num_owner_rrefs"])
 
 
 def test_message_over_max_frame_bytes_is_refused_at_send():
@@ -361,6 +379,9 @@ def test_message_over_max_frame_bytes_is_refused_at_send():
     assert "exceeds max_frame_bytes=65536" in out["bytes"]
     for key in ("request", "response"):
         assert "70000 distinct tensor storages" in out[key] and "at most 65535" in out[key], out
+    assert "exceeds max_frame_bytes=65536" in out["rref_answer"], out
+    assert "frame #" not in out["rref_answer"] and "Exception raised from" not in out["rref_answer"]
+    assert out["forks_left"] == (0, 0), out
     assert out["after"] == 2
 
 

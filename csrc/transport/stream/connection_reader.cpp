@@ -32,8 +32,9 @@ constexpr size_t kStagingBytes = 64 * 1024;
 
 std::string StreamConnection::refusedProofText() const {
   return "authentication failed: the peer closed the connection after our "
-         "proof, refusing it (a different secret, or a relay between us; "
-         "its log says)";
+         "proof, refusing it (a different secret, a relay between us, or in "
+         "a dynamic group an id or incarnation it does not admit; its log "
+         "says)";
 }
 
 ssize_t StreamConnection::readSocketFromLoop(
@@ -119,7 +120,8 @@ ssize_t StreamConnection::readSocketFromLoop(
               ? refusedProofText()
               : "peer closed the connection during the handshake (it "
                 "refused us: a different secret or `encryption` setting? "
-                "its log says)",
+                "or it was busy: over its cap on unauthenticated "
+                "connections, or past its handshake_timeout; its log says)",
           false);
       return -1;
     }
