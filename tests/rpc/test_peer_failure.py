@@ -114,17 +114,19 @@ def frozen(rank, world_size, keep_sending=False):
         pid = rpc.rpc_sync("worker1", getpid)
         frozen_at = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
+        sending = None
         if keep_sending:
             # A call every 0.25 s, which the peer's buffers take for long
             # (its 64 KiB frame ring: about a minute of them): before
             # session 96 each counted as the peer's sign of life, and the
-            # heartbeat never fired.
+            # heartbeat never fired. (Their own failures are not the test's.)
             def sender():
                 while not all(f.done() for f in pending):
                     rpc.rpc_async("worker1", getpid)
                     time.sleep(0.25)
 
-            threading.Thread(target=sender, daemon=True).start()
+            sending = threading.Thread(target=sender, daemon=True)
+            sending.start()
         out["errors"] = []
         for fut in pending:
             try:
@@ -133,6 +135,8 @@ def frozen(rank, world_size, keep_sending=False):
             except RuntimeError as e:
                 out["errors"].append(str(e))
         now = time.monotonic()
+        if sending is not None:
+            sending.join(10)  # before shutdown: it stops once both failed
         out["since_asked_s"], out["since_frozen_s"] = now - asked, now - frozen_at
         metrics = rpc.api._get_current_rpc_agent().get_metrics()
         out["heartbeat_timeouts"] = sum(
@@ -158,6 +162,51 @@ def test_frozen_peer_is_detected_by_the_heartbeat(keep_sending):
     for err in out["errors"]:
         assert err is not None and "worker1" in err and "heartbeat" in err, err
     assert out["heartbeat_timeouts"] >= 1  # torch_rpc_ext_heartbeat_timeouts_total
+
+
+def stretched_frame(rank, world_size):
+    # A frame through the shm_ring channel that takes many heartbeat
+    # timeouts, its receiver alive but held off its CPU most of the time
+    # (stopped 0.4 s, continued 0.02 s), now that our own sends count as the
+    # peer's sign of life only where they had found no room. (A guard: it
+    # passed here with and without the pings a receiver sends while a frame
+    # is partly in, the stream's frame ring filling meanwhile; the pings
+    # cover channels whose records never fill a buffer.)
+    init(rank, world_size, heartbeat_timeout=1, rpc_timeout=120, channels=["shm_ring"])
+    out = {}
+    if rank == 0:
+        pid = rpc.rpc_sync("worker1", getpid)
+        stop = threading.Event()
+
+        def throttle():
+            while not stop.is_set():
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.4)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(0.02)
+
+        x = torch.ones(48 << 20)  # 192 MB: 24 fills of the largest ring
+        throttling = threading.Thread(target=throttle, daemon=True)
+        t0 = time.monotonic()
+        throttling.start()
+        try:
+            out["result"] = rpc.rpc_sync("worker1", torch.numel, args=(x,))
+        except RuntimeError as e:
+            out["result"] = str(e)
+        finally:
+            stop.set()
+            throttling.join(10)
+            os.kill(pid, signal.SIGCONT)
+        out["seconds"] = time.monotonic() - t0
+    rpc.shutdown()
+    return out
+
+
+def test_a_frame_longer_than_the_heartbeat_timeout_keeps_its_connection():
+    out = run_world(stretched_frame, timeout=150)[0]
+    assert out["result"] == 48 << 20, out
+    # The premise: the frame outlasted the timeout several times over.
+    assert out["seconds"] > 3, out
 
 
 def _gone(pid):

@@ -323,3 +323,37 @@ def test_a_local_listener_of_another_user_gets_no_hello():
     assert knock[0] == "refused" and f"runs as uid {NOBODY}" in knock[1], knock
     assert not ready and f"runs as uid {NOBODY}, this worker as uid 0" in reason, reason
     assert out.strip() == "0", (out, err)
+
+
+def test_a_local_dial_that_finds_the_listeners_backlog_full_dials_again():
+    """A Unix socket's connect fails with EAGAIN while the listener's
+    backlog is full (a burst of local dialers, its loop busy): the call
+    failed at once, "Resource temporarily unavailable", where a moment later
+    the dial went through. Now it dials again within the handshake
+    timeout: here a listener of ours with a backlog of one, filled, then
+    drained after half a second."""
+    from torch_rpc_ext import _testing
+
+    name = f"torch_rpc_ext-backlog-{os.getpid()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(0)  # one connection may wait: the filler's
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    filler.connect("\0" + name)
+    ep = _testing.Endpoint(0, 2, b"k" * 32, "shm", [], handshake_timeout=10)
+    try:
+        ep.connect("@" + name, 1)
+        time.sleep(0.5)
+        reason = ep.close_reason()
+        listener.settimeout(10)
+        listener.accept()[0].close()  # the filler's: room for one more
+        dialled, _ = listener.accept()
+        dialled.settimeout(10)
+        hello = dialled.recv(64)  # the dialler speaks first
+        dialled.close()
+    finally:
+        ep.close(0)
+        filler.close()
+        listener.close()
+    assert reason == "", reason
+    assert len(hello) > 0

@@ -133,6 +133,57 @@ void StreamConnection::startConnect(
   }
   tuneSocket();
   int rv = ::connect(fd_, reinterpret_cast<sockaddr*>(&to.storage), to.length);
+  if (rv != 0 && errno == EAGAIN && to.storage.ss_family == AF_UNIX) {
+    // A local listener whose backlog is full (a burst of local dialers
+    // while its loop was busy): the socket stays unconnected, so dial again
+    // from the loop, backing off, within the handshake timeout. Before
+    // session 96 the call failed at once ("Resource temporarily
+    // unavailable") where a moment later the dial would have gone through.
+    struct Redial {
+      static void after(
+          std::shared_ptr<StreamConnection> self,
+          SocketAddress to,
+          std::string address,
+          std::chrono::steady_clock::time_point deadline,
+          std::chrono::milliseconds wait) {
+        Loop& loop = self->loop_;
+        loop.runAfter(wait, [self, to, address, deadline, wait]() mutable {
+          if (self->state_ == State::kClosed) {
+            return;
+          }
+          int rv = ::connect(
+              self->fd_, reinterpret_cast<sockaddr*>(&to.storage), to.length);
+          const int error = rv == 0 ? 0 : errno;
+          if (rv == 0 || error == EINPROGRESS) {
+            self->startFromLoop(/*connecting=*/true);
+          } else if (
+              error == EAGAIN && std::chrono::steady_clock::now() < deadline) {
+            after(
+                std::move(self),
+                to,
+                std::move(address),
+                deadline,
+                std::min<std::chrono::milliseconds>(
+                    wait * 2, std::chrono::milliseconds(100)));
+          } else {
+            self->closeInternal(
+                "connect to " + address + " failed: " + std::strerror(error) +
+                    (error == EAGAIN ? " (its listen backlog stayed full for "
+                                       "handshake_timeout)"
+                                     : ""),
+                false);
+          }
+        });
+      }
+    };
+    Redial::after(
+        shared_from_this(),
+        to,
+        address,
+        std::chrono::steady_clock::now() + options_.handshakeTimeout,
+        std::chrono::milliseconds(1));
+    return;
+  }
   if (rv != 0 && errno != EINPROGRESS) {
     closeInternal(
         "connect to " + address + " failed: " + std::strerror(errno), false);
@@ -329,8 +380,12 @@ void StreamConnection::noteSentLocked(ssize_t sent, size_t asked) {
   if (sent > 0 && outFull_) {
     noteActivity();
   }
+  // Whether the socket (or the ring) left bytes of ours waiting: a TLS
+  // send takes a record's worth at a time, so its pending output says, not
+  // what it took of what we asked.
   if (sent >= 0) {
-    outFull_ = static_cast<size_t>(sent) < asked;
+    outFull_ =
+        tls_ ? tls_->hasPendingOutput() : static_cast<size_t>(sent) < asked;
   } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
     outFull_ = true;
   }
@@ -371,7 +426,12 @@ void StreamConnection::heartbeatFromLoop() {
     // ours. So we ping each tick then: before session 94 a sender whose
     // stripe waited on a slow device copy took us for dead after one
     // heartbeat_timeout (of 2.5 s or more: the keepalives come each 0.5 s).
-    if (silent >= timeout / 5 || recordHeld_) {
+    // Likewise while a frame of the peer's is partly in (phase_): its
+    // sender, whose own sends are no sign of our life (noteSentLocked) and
+    // whose pings wait behind the frame it is writing, hears from us then
+    // (a long frame through a chunk channel, a staged copy setting the
+    // pace: the stream carries small records that never fill a buffer).
+    if (silent >= timeout / 5 || recordHeld_ || phase_ != ReadPhase::kHeader) {
       queueControl(uint8_t(frame::FrameKind::kPing), {});
     }
   }

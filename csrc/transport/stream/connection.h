@@ -547,7 +547,7 @@ class StreamConnection : public Connection,
   std::unique_ptr<char[]> staging_;
   size_t stagedBegin_ = 0;
   size_t stagedEnd_ = 0;
-  ReadPhase phase_ = ReadPhase::kHeader;
+  std::atomic<ReadPhase> phase_{ReadPhase::kHeader}; // (heartbeat reads it)
   frame::FrameHeader header_{};
   size_t phaseFilled_ = 0;
   std::string lengthsAndHead_;
