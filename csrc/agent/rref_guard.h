@@ -13,7 +13,8 @@
 // A fork id names the worker that forked the RRef, not the one holding it,
 // so the guard attributes forks as messages pass (trackForks(),
 // trackOwnForks()). Only a dynamic group's members depart: in a static
-// group the guard does nothing.
+// group the guard does nothing but drop the forks of a message never
+// delivered (dropCarried()).
 //
 // Threads: trackForks() runs on the pool threads serving requests,
 // trackOwnForks() on senders' threads and pool threads writing responses,
@@ -44,9 +45,9 @@ namespace rpc = torch::distributed::rpc;
 class RRefGuard {
  public:
   // `self`, `selfName`: our worker id and name. `dynamicGroup`: whether
-  // members can depart (else every call is a no-op). `offThread` runs a
-  // task on another thread (the agent's pool): Python values are dropped
-  // there, with the GIL.
+  // members can depart (else every call but dropCarried() is a no-op).
+  // `offThread` runs a task on another thread (the agent's pool): Python
+  // values are dropped there, with the GIL.
   RRefGuard(
       rpc::worker_id_t self,
       std::string selfName,

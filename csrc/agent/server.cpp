@@ -230,7 +230,11 @@ uint64_t Server::respond(
     // waited for its timeout. What the answer carried goes to nobody.
     rrefs_.dropForks(returned); // (a dynamic group's, attributed)
     rrefs_.dropCarried(*response);
-    frame = wire::encodeMessage(rpc::createExceptionResponse(e.what(), id), id);
+    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+    frame = wire::encodeMessage(
+        rpc::createExceptionResponse(
+            c10 ? c10->what_without_backtrace() : e.what(), id),
+        id);
     bytes = frame.wireSize();
     conn.write(std::move(frame));
   }

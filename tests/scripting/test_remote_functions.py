@@ -276,7 +276,7 @@ def compiled_calls(rank, world_size, backend):
 
         dynamic = torch.compile(scaled_by, fullgraph=True, backend=backend)
         out["dynamic"] = [
-            (n, k, dynamic(torch.arange(float(n)), k)) for n, k in ((4, 2), (4, 3), (6, 3))
+            (n, k, dynamic(torch.arange(float(n)), k)) for n, k in ((4, 2), (4, 3), (6, 3), (6, 0.5), (6, 1.5))
         ]
         # A value returned twice comes back once: the op's outputs must not
         # alias each other (an operator's contract), so the second is a copy.
