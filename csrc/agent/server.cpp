@@ -168,6 +168,15 @@ uint64_t Server::respond(
           id);
     }
   }
+  // An error answer in the error's words (a c10::Error's without its C++
+  // backtrace, which is the callee's business).
+  auto errorFrame = [](const std::exception& e, int64_t id) {
+    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+    return wire::encodeMessage(
+        rpc::createExceptionResponse(
+            c10 ? c10->what_without_backtrace() : e.what(), id),
+        id);
+  };
   frame::OutboundFrame frame;
   std::vector<rpc::ForkId> returned; // forks of ours it carries, attributed
   Peer* peer = group_.memberOn(conn.peerId(), conn.peerIncarnation());
@@ -214,11 +223,7 @@ uint64_t Server::respond(
     // go to nobody. Kept, they held graceful shutdown 100 s ("Leaking
     // RRef") until session 96.
     rrefs_.dropCarried(*response);
-    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
-    frame = wire::encodeMessage(
-        rpc::createExceptionResponse(
-            c10 ? c10->what_without_backtrace() : e.what(), id),
-        id);
+    frame = errorFrame(e, id);
   }
   uint64_t bytes = frame.wireSize();
   try {
@@ -230,11 +235,7 @@ uint64_t Server::respond(
     // waited for its timeout. What the answer carried goes to nobody.
     rrefs_.dropForks(returned); // (a dynamic group's, attributed)
     rrefs_.dropCarried(*response);
-    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
-    frame = wire::encodeMessage(
-        rpc::createExceptionResponse(
-            c10 ? c10->what_without_backtrace() : e.what(), id),
-        id);
+    frame = errorFrame(e, id);
     bytes = frame.wireSize();
     conn.write(std::move(frame));
   }
