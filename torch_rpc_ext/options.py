@@ -82,9 +82,8 @@ _MAX_SECONDS = 1e9
 
 def _is_seconds(v: object) -> bool:
     # A finite number of seconds the core can hold: NaN compares false with
-    # every bound, and infinity or a huge value overflows the core's
-    # milliseconds (both became a negative duration before session 94:
-    # every handshake failed, or the heartbeat went off unsaid).
+    # every bound, infinity or a huge value overflows the core's milliseconds
+    # (before session 94: a negative duration, every handshake failed).
     return (isinstance(v, (int, float)) and not isinstance(v, bool)
             and math.isfinite(v) and abs(v) <= _MAX_SECONDS)
 
