@@ -298,8 +298,10 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
     m["agent.gil_average_wait_time_us"] =
         std::to_string(n == 0 ? 0 : gilWaitTotalUs_.load() / n);
   }
-  m["rpc_ext.cached_operators"] =
-      std::to_string(static_cast<const ServeCallback&>(*cb_).cachedOperators());
+  const auto& serving = static_cast<const ServeCallback&>(*cb_);
+  m["rpc_ext.cached_operators"] = std::to_string(serving.cachedOperators());
+  m["rpc_ext.rref_deletions_before_creation"] =
+      std::to_string(serving.deletionsBeforeCreation());
   m["rpc_ext.receive_pool_cached_bytes"] =
       std::to_string(buffers_->cachedBytes());
   m["rpc_ext.receive_pool_live_blocks"] =

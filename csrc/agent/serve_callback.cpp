@@ -3,6 +3,7 @@
 
 #include "csrc/agent/named_functions.h"
 #include "csrc/agent/tracing.h"
+#include "csrc/common/logging.h"
 
 #include <torch/csrc/distributed/rpc/profiler/server_process_global_profiler.h>
 #include <torch/csrc/distributed/rpc/python_resp.h>
@@ -10,8 +11,10 @@
 #include <torch/csrc/distributed/rpc/rpc_agent.h>
 #include <torch/csrc/distributed/rpc/rref_context.h>
 #include <torch/csrc/distributed/rpc/rref_proto.h>
+#include <torch/csrc/distributed/rpc/script_remote_call.h>
 #include <torch/csrc/distributed/rpc/script_resp.h>
 #include <torch/csrc/distributed/rpc/unpickled_python_call.h>
+#include <torch/csrc/distributed/rpc/unpickled_python_remote_call.h>
 #include <torch/csrc/distributed/rpc/utils.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
@@ -97,8 +100,15 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
   // With the server-side profiler on, upstream's path records the serving
   // into it; leave that whole case to upstream.
   const rpc::MessageType type = request.type();
+  if (type == rpc::MessageType::RREF_USER_DELETE && creations_.any()) {
+    if (auto answered = deletionBeforeCreation(request)) {
+      return answered;
+    }
+  }
+  const bool remote = type == rpc::MessageType::PYTHON_REMOTE_CALL ||
+      type == rpc::MessageType::SCRIPT_REMOTE_CALL;
   if ((type != rpc::MessageType::SCRIPT_CALL &&
-       type != rpc::MessageType::PYTHON_CALL) ||
+       type != rpc::MessageType::PYTHON_CALL && !remote) ||
       rpc::profiler::processglobal::StateStackEntry::current()) {
     return RequestCallbackImpl::processMessage(request, std::move(streams));
   }
@@ -114,6 +124,34 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
         ? decodeScriptCall(request)
         : deserializePythonRpcCommand(rpc::deserializeRequest(request), type);
     auto ready = rrefs.waitForThreadLocalPendingRRefs();
+    if (remote) {
+      // Its fork is being created from now (while the RRefs among its
+      // arguments are confirmed too) until its answer is made.
+      auto fork = createdFork(*call, type);
+      if (fork) {
+        creations_.begin(fork->second);
+      }
+      c10::intrusive_ptr<rpc::JitFuture> result;
+      try {
+        result = ready->thenAsync(
+            [this, call = std::move(call), type, streams = std::move(streams)](
+                rpc::JitFuture& /* ready */) {
+              return processRpcWithErrors(*call, type, streams);
+            },
+            c10::getCustomClassType<c10::intrusive_ptr<rpc::Message>>());
+      } catch (...) {
+        if (fork) {
+          creationEnded(*fork);
+        }
+        throw;
+      }
+      if (fork) {
+        result->addCallback([this, fork = *fork](rpc::JitFuture& /* done */) {
+          creationEnded(fork);
+        });
+      }
+      return result;
+    }
     if (ready->completed() && !ready->hasError() &&
         (streams.empty() || servedInOneFuture(*call, type))) {
       // No RRef among the arguments to wait for: run it now. thenAsync
@@ -337,6 +375,92 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processPythonRRefFetchCall(
                 .toMessage());
       },
       c10::getCustomClassType<c10::intrusive_ptr<rpc::Message>>());
+}
+
+std::optional<ServeCallback::Fork> ServeCallback::createdFork(
+    const rpc::RpcCommandBase& call,
+    rpc::MessageType type) {
+  std::optional<Fork> fork;
+  if (type == rpc::MessageType::PYTHON_REMOTE_CALL) {
+    const auto& remote =
+        static_cast<const rpc::UnpickledPythonRemoteCall&>(call);
+    fork.emplace(remote.rrefId(), remote.forkId());
+  } else if (type == rpc::MessageType::SCRIPT_REMOTE_CALL) {
+    const auto& remote = static_cast<const rpc::ScriptRemoteCall&>(call);
+    fork.emplace(remote.retRRefId(), remote.retForkId());
+  }
+  if (fork && fork->first == fork->second) {
+    fork.reset();
+  }
+  return fork;
+}
+
+void ServeCallback::creationEnded(const Fork& fork) const {
+  try {
+    if (!creations_.end(fork.second)) {
+      return;
+    }
+    // As torch serves a RRefUserDelete (processRRefUserDelete).
+    auto deleted =
+        rpc::RRefContext::getInstance().delForkOfOwner(fork.first, fork.second);
+    handleRRefDelete(deleted);
+  } catch (const std::exception& e) {
+    logWarning(
+        c10::str(
+            "torch_rpc_ext: applying a deletion of fork ",
+            fork.second,
+            " that arrived before its creation: ",
+            e.what()));
+  }
+}
+
+c10::intrusive_ptr<rpc::JitFuture> ServeCallback::deletionBeforeCreation(
+    const rpc::Message& request) const {
+  std::unique_ptr<rpc::RRefUserDelete> deletion;
+  try {
+    deletion = rpc::RRefUserDelete::fromMessage(request);
+  } catch (const std::exception&) {
+    return {}; // (upstream's path refuses it in its own words)
+  }
+  if (!creations_.deferDeletion(deletion->forkId())) {
+    return {};
+  }
+  return asFuture(rpc::RRefAck().toMessage());
+}
+
+c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processRemoteCall(
+    rpc::RpcCommandBase& rpc,
+    const std::vector<c10::Stream>& streams,
+    rpc::MessageType type) const {
+  auto fork = createdFork(rpc, type);
+  if (fork) {
+    creations_.begin(fork->second);
+  }
+  // The fork is registered once upstream's call returns (assignOwnerRRef).
+  struct Ended {
+    const ServeCallback& callback;
+    const std::optional<Fork>& fork;
+    ~Ended() {
+      if (fork) {
+        callback.creationEnded(*fork);
+      }
+    }
+  } ended{*this, fork};
+  return type == rpc::MessageType::PYTHON_REMOTE_CALL
+      ? RequestCallbackImpl::processPythonRemoteCall(rpc, streams)
+      : RequestCallbackImpl::processScriptRemoteCall(rpc, streams);
+}
+
+c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processPythonRemoteCall(
+    rpc::RpcCommandBase& rpc,
+    const std::vector<c10::Stream>& streams) const {
+  return processRemoteCall(rpc, streams, rpc::MessageType::PYTHON_REMOTE_CALL);
+}
+
+c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processScriptRemoteCall(
+    rpc::RpcCommandBase& rpc,
+    const std::vector<c10::Stream>& streams) const {
+  return processRemoteCall(rpc, streams, rpc::MessageType::SCRIPT_REMOTE_CALL);
 }
 
 size_t ServeCallback::cachedOperators() const {

@@ -12,8 +12,12 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
+
+#include "csrc/agent/remote_creations.h"
 
 namespace torch_rpc_ext {
 
@@ -28,6 +32,9 @@ namespace torch_rpc_ext {
 // A SCRIPT_CALL naming kNamedFunctionPrefix + name is served by the
 // scripting layer's table (named_functions.h), on every path that reaches
 // processScriptCall (plain, wrapped for dist autograd, or profiled).
+//
+// A user's deletion of a remote() call's fork that arrives while the call
+// is still being served is applied as it ends (remote_creations.h).
 //
 // Everything else about serving is upstream's: pending RRefs in arguments,
 // the server-side process-global profiler, errors, autograd and profiling
@@ -65,10 +72,44 @@ class ServeCallback final
   processPythonRRefFetchCall(
       torch::distributed::rpc::RpcCommandBase& rpc) const override;
 
+  // remote() calls, Python or TorchScript, on every path (plain, wrapped
+  // for dist autograd, profiled): upstream's, with the fork they create
+  // marked as being created meanwhile.
+  c10::intrusive_ptr<torch::distributed::rpc::JitFuture> processPythonRemoteCall(
+      torch::distributed::rpc::RpcCommandBase& rpc,
+      const std::vector<c10::Stream>& streams) const override;
+  c10::intrusive_ptr<torch::distributed::rpc::JitFuture> processScriptRemoteCall(
+      torch::distributed::rpc::RpcCommandBase& rpc,
+      const std::vector<c10::Stream>& streams) const override;
+
   // Schema texts resolved so far (for tests).
   size_t cachedOperators() const;
+  // User deletions that arrived while the remote() call creating their
+  // fork was being served (applied as it ended).
+  int64_t deletionsBeforeCreation() const {
+    return creations_.deferred();
+  }
 
  private:
+  using Fork = std::
+      pair<torch::distributed::rpc::RRefId, torch::distributed::rpc::ForkId>;
+  // The fork a remote() call creates (none for another request, or a
+  // remote() to ourselves, whose OwnerRRef the caller made).
+  static std::optional<Fork> createdFork(
+      const torch::distributed::rpc::RpcCommandBase& call,
+      torch::distributed::rpc::MessageType type);
+  // One begin() of `fork`'s creation ended: a deletion that arrived
+  // meanwhile is applied, as torch applies one (never throws).
+  void creationEnded(const Fork& fork) const;
+  // A RREF_USER_DELETE of a fork whose creation is being served: answered
+  // now and kept. Null otherwise (served as usual).
+  c10::intrusive_ptr<torch::distributed::rpc::JitFuture> deletionBeforeCreation(
+      const torch::distributed::rpc::Message& request) const;
+  c10::intrusive_ptr<torch::distributed::rpc::JitFuture> processRemoteCall(
+      torch::distributed::rpc::RpcCommandBase& rpc,
+      const std::vector<c10::Stream>& streams,
+      torch::distributed::rpc::MessageType type) const;
+
   // Decodes a SCRIPT_CALL once, and names a traced serve's span by it
   // (tracing::ScriptNaming).
   std::unique_ptr<torch::distributed::rpc::ScriptCall> decodeScriptCall(
@@ -84,6 +125,7 @@ class ServeCallback final
       const torch::distributed::rpc::RpcCommandBase& call,
       torch::distributed::rpc::MessageType type);
 
+  mutable RemoteCreations creations_;
   mutable std::mutex mutex_;
   mutable std::unordered_map<std::string, std::shared_ptr<torch::jit::Operator>>
       operators_;

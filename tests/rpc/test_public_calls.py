@@ -2,6 +2,8 @@
 """Two real processes: every public RPC call on TORCH_RPC_EXT, checked against
 local results (and the same calls on TensorPipe in one test)."""
 
+import gc
+import threading
 import time
 import weakref
 
@@ -399,3 +401,60 @@ def many_concurrent_nested(rank, world_size):
 def test_nested_calls_do_not_deadlock_a_one_thread_pool():
     out = run_world(many_concurrent_nested, timeout=90)
     assert out == {0: 64 * 4, 1: 64 * 4}
+
+
+_CREATION_RETURNED = threading.Event()
+
+
+def slow_creation(seconds):
+    time.sleep(seconds)
+    _CREATION_RETURNED.set()
+    return torch.ones(2)
+
+
+def creation_returned():
+    return _CREATION_RETURNED.is_set()
+
+
+def deletion_before_creation(rank, world_size):
+    init(rank, world_size)
+    # A leak fails shutdown, as in upstream's suites (dist_init).
+    rpc.api._ignore_rref_leak = False
+    out = {}
+    if rank == 0:
+        rref = rpc.remote("worker1", slow_creation, args=(3,), timeout=0.3)
+        try:
+            rref._get_future().wait()
+        except RuntimeError as e:
+            out["timeout"] = str(e)
+        # Its deletion goes now, while the owner still runs the function:
+        # torch registers the fork on the owner only once it returns.
+        del rref
+        gc.collect()
+        deadline = time.monotonic() + 30
+        while not rpc.rpc_sync("worker1", creation_returned) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        forks = rpc.rpc_sync("worker1", rref_forks)
+        while forks != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            forks = rpc.rpc_sync("worker1", rref_forks)
+        out["forks_left"] = forks
+        out["deferred"] = rpc.rpc_sync("worker1", callee_metric, args=("rpc_ext.rref_deletions_before_creation",))
+    try:
+        rpc.shutdown()
+    except RuntimeError as e:
+        out["shutdown"] = str(e)
+    return out
+
+
+def test_a_deletion_that_outruns_its_remote_creation_is_applied_as_it_ends():
+    """A remote() that timed out, its RRef dropped while the owner still ran
+    the function: torch's owner ignored the deletion and then registered the
+    fork, kept for ever ("Leaking RRef" at shutdown: upstream's
+    test_rref_proxy_timeout in CI). Now the deletion waits for the creation."""
+    results = run_world(deletion_before_creation)
+    out, owner = results[0], results[1]
+    assert "RPC ran for more than set timeout" in out["timeout"], out
+    assert out["forks_left"] == (0, 0), out
+    assert out["deferred"] == "1", out
+    assert "shutdown" not in out and "shutdown" not in owner, (out, owner)
