@@ -102,10 +102,10 @@ def test_sigkilled_peer_fails_pending_calls_promptly_and_survivors_continue():
     assert out["accepted_2"] >= 1  # worker2 called us
 
 
-def frozen(rank, world_size, keep_sending=False):
+def frozen(rank, world_size, keep_sending=False, **options):
     # A frozen (SIGSTOPped) peer keeps its sockets open: only the heartbeat
     # can tell it from a slow one.
-    init(rank, world_size, rpc_timeout=60, heartbeat_timeout=2)
+    init(rank, world_size, rpc_timeout=60, heartbeat_timeout=2, **options)
     out = {}
     if rank == 0:
         pending = [rpc.rpc_async("worker1", slow, args=(30,)) for _ in range(2)]
@@ -148,9 +148,18 @@ def frozen(rank, world_size, keep_sending=False):
     return out
 
 
-@pytest.mark.parametrize("keep_sending", [False, True])
-def test_frozen_peer_is_detected_by_the_heartbeat(keep_sending):
-    out = run_world(frozen, dies=frozenset({1}), timeout=60, keep_sending=keep_sending)[0]
+@pytest.mark.parametrize(
+    "keep_sending, transport",
+    [(False, "shm"), (True, "shm"), (True, "tls")],
+    ids=["False", "True", "tls-sending"],
+)
+def test_frozen_peer_is_detected_by_the_heartbeat(keep_sending, transport):
+    # Over TLS our sends count as the peer's sign of life only where records
+    # were left pending (the socket full): before session 96's review, each
+    # TLS send counted, and a caller sending every 0.25 s kept a frozen peer
+    # alive for as long as its socket buffers took them.
+    options = {"transports": ["tcp"], "encryption": "always"} if transport == "tls" else {}
+    out = run_world(frozen, dies=frozenset({1}), timeout=60, keep_sending=keep_sending, **options)[0]
     # Declared dead once silent for heartbeat_timeout (2 s): not before 2 s
     # from asking for the pid (the answer, a sign of life, came later). On a
     # quiet host 2-2.4 s after the freeze; a starved process or a busy host

@@ -309,7 +309,7 @@ class StreamConnection : public Connection,
 
   enum class ReadPhase { kHeader, kLengthsAndHead, kSegments };
 
-  void startFromLoop(bool connecting);
+  bool startFromLoop(bool connecting); // false: closed
   void onConnectedFromLoop();
   // Whether this connection encrypts: kClear (no TLS context, or an
   // outbound one whose peer's address does not call for it), kEncrypt
