@@ -4,11 +4,15 @@
 
 namespace torch_rpc_ext {
 
-void RemoteCreations::begin(const torch::distributed::rpc::ForkId& forkId) {
+void RemoteCreations::begin(
+    const torch::distributed::rpc::RRefId& rrefId,
+    const torch::distributed::rpc::ForkId& forkId) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (creations_[forkId].serving++ == 0) {
+  auto [it, added] = creations_.try_emplace(forkId, Creation{rrefId});
+  if (added) {
     serving_.fetch_add(1, std::memory_order_release);
   }
+  ++it->second.serving;
 }
 
 bool RemoteCreations::end(const torch::distributed::rpc::ForkId& forkId) {
@@ -24,10 +28,11 @@ bool RemoteCreations::end(const torch::distributed::rpc::ForkId& forkId) {
 }
 
 bool RemoteCreations::deferDeletion(
+    const torch::distributed::rpc::RRefId& rrefId,
     const torch::distributed::rpc::ForkId& forkId) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = creations_.find(forkId);
-  if (it == creations_.end()) {
+  if (it == creations_.end() || !(it->second.rrefId == rrefId)) {
     return false;
   }
   it->second.deleted = true;

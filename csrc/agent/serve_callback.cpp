@@ -5,6 +5,8 @@
 #include "csrc/agent/tracing.h"
 #include "csrc/common/logging.h"
 
+#include <torch/csrc/distributed/autograd/rpc_messages/rpc_with_autograd.h>
+#include <torch/csrc/distributed/autograd/rpc_messages/rpc_with_profiling_req.h>
 #include <torch/csrc/distributed/rpc/profiler/server_process_global_profiler.h>
 #include <torch/csrc/distributed/rpc/python_resp.h>
 #include <torch/csrc/distributed/rpc/python_rpc_handler.h>
@@ -28,6 +30,8 @@
 namespace torch_rpc_ext {
 
 namespace rpc = torch::distributed::rpc;
+using torch::distributed::autograd::RpcWithAutograd;
+using torch::distributed::autograd::RpcWithProfilingReq;
 
 namespace {
 
@@ -105,10 +109,14 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
       return answered;
     }
   }
-  const bool remote = type == rpc::MessageType::PYTHON_REMOTE_CALL ||
-      type == rpc::MessageType::SCRIPT_REMOTE_CALL;
+  // Those that are or may wrap a remote() (for dist autograd, for the
+  // legacy profiler), whose fork is being created from their decoding.
+  const bool creates = type == rpc::MessageType::PYTHON_REMOTE_CALL ||
+      type == rpc::MessageType::SCRIPT_REMOTE_CALL ||
+      type == rpc::MessageType::FORWARD_AUTOGRAD_REQ ||
+      type == rpc::MessageType::RUN_WITH_PROFILING_REQ;
   if ((type != rpc::MessageType::SCRIPT_CALL &&
-       type != rpc::MessageType::PYTHON_CALL && !remote) ||
+       type != rpc::MessageType::PYTHON_CALL && !creates) ||
       rpc::profiler::processglobal::StateStackEntry::current()) {
     return RequestCallbackImpl::processMessage(request, std::move(streams));
   }
@@ -124,19 +132,24 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
         ? decodeScriptCall(request)
         : deserializePythonRpcCommand(rpc::deserializeRequest(request), type);
     auto ready = rrefs.waitForThreadLocalPendingRRefs();
-    if (remote) {
-      // Its fork is being created from now (while the RRefs among its
-      // arguments are confirmed too) until its answer is made.
+    if (creates) {
+      // Upstream's sequence exactly; a remote()'s fork is being created
+      // from here (while the RRefs among its arguments are confirmed too)
+      // until upstream's call returns, having registered it.
       auto fork = createdFork(*call, type);
       if (fork) {
-        creations_.begin(fork->second);
+        creations_.begin(fork->first, fork->second);
       }
-      c10::intrusive_ptr<rpc::JitFuture> result;
       try {
-        result = ready->thenAsync(
-            [this, call = std::move(call), type, streams = std::move(streams)](
-                rpc::JitFuture& /* ready */) {
-              return processRpcWithErrors(*call, type, streams);
+        return ready->thenAsync(
+            [this,
+             call = std::move(call),
+             type,
+             streams = std::move(streams),
+             fork](rpc::JitFuture& /* ready */) {
+              return whileCreating(fork, [&] {
+                return processRpcWithErrors(*call, type, streams);
+              });
             },
             c10::getCustomClassType<c10::intrusive_ptr<rpc::Message>>());
       } catch (...) {
@@ -145,12 +158,6 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
         }
         throw;
       }
-      if (fork) {
-        result->addCallback([this, fork = *fork](rpc::JitFuture& /* done */) {
-          creationEnded(fork);
-        });
-      }
-      return result;
     }
     if (ready->completed() && !ready->hasError() &&
         (streams.empty() || servedInOneFuture(*call, type))) {
@@ -378,21 +385,50 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processPythonRRefFetchCall(
 }
 
 std::optional<ServeCallback::Fork> ServeCallback::createdFork(
-    const rpc::RpcCommandBase& call,
+    rpc::RpcCommandBase& call,
     rpc::MessageType type) {
+  rpc::RpcCommandBase* command = &call;
+  // (Profiling wraps what dist autograd wrapped.)
+  for (int depth = 0; depth < 2; ++depth) {
+    if (type == rpc::MessageType::FORWARD_AUTOGRAD_REQ) {
+      auto& wrapped = static_cast<RpcWithAutograd&>(*command);
+      type = wrapped.wrappedMessageType();
+      command = &wrapped.wrappedRpc();
+    } else if (type == rpc::MessageType::RUN_WITH_PROFILING_REQ) {
+      auto& wrapped = static_cast<RpcWithProfilingReq&>(*command);
+      type = wrapped.wrappedMessageType();
+      command = &wrapped.wrappedRpc();
+    }
+  }
   std::optional<Fork> fork;
   if (type == rpc::MessageType::PYTHON_REMOTE_CALL) {
+    // (Unpickled by deserializePythonRpcCommand, wrapped or not.)
     const auto& remote =
-        static_cast<const rpc::UnpickledPythonRemoteCall&>(call);
+        static_cast<const rpc::UnpickledPythonRemoteCall&>(*command);
     fork.emplace(remote.rrefId(), remote.forkId());
   } else if (type == rpc::MessageType::SCRIPT_REMOTE_CALL) {
-    const auto& remote = static_cast<const rpc::ScriptRemoteCall&>(call);
+    const auto& remote = static_cast<const rpc::ScriptRemoteCall&>(*command);
     fork.emplace(remote.retRRefId(), remote.retForkId());
   }
   if (fork && fork->first == fork->second) {
     fork.reset();
   }
   return fork;
+}
+
+c10::intrusive_ptr<rpc::JitFuture> ServeCallback::whileCreating(
+    const std::optional<Fork>& fork,
+    const std::function<c10::intrusive_ptr<rpc::JitFuture>()>& serve) const {
+  struct Ended {
+    const ServeCallback& callback;
+    const std::optional<Fork>& fork;
+    ~Ended() {
+      if (fork) {
+        callback.creationEnded(*fork);
+      }
+    }
+  } ended{*this, fork};
+  return serve();
 }
 
 void ServeCallback::creationEnded(const Fork& fork) const {
@@ -422,7 +458,7 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::deletionBeforeCreation(
   } catch (const std::exception&) {
     return {}; // (upstream's path refuses it in its own words)
   }
-  if (!creations_.deferDeletion(deletion->forkId())) {
+  if (!creations_.deferDeletion(deletion->rrefId(), deletion->forkId())) {
     return {};
   }
   return asFuture(rpc::RRefAck().toMessage());
@@ -432,23 +468,16 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processRemoteCall(
     rpc::RpcCommandBase& rpc,
     const std::vector<c10::Stream>& streams,
     rpc::MessageType type) const {
+  // The fork is registered once upstream's call returns (assignOwnerRRef).
   auto fork = createdFork(rpc, type);
   if (fork) {
-    creations_.begin(fork->second);
+    creations_.begin(fork->first, fork->second);
   }
-  // The fork is registered once upstream's call returns (assignOwnerRRef).
-  struct Ended {
-    const ServeCallback& callback;
-    const std::optional<Fork>& fork;
-    ~Ended() {
-      if (fork) {
-        callback.creationEnded(*fork);
-      }
-    }
-  } ended{*this, fork};
-  return type == rpc::MessageType::PYTHON_REMOTE_CALL
-      ? RequestCallbackImpl::processPythonRemoteCall(rpc, streams)
-      : RequestCallbackImpl::processScriptRemoteCall(rpc, streams);
+  return whileCreating(fork, [&] {
+    return type == rpc::MessageType::PYTHON_REMOTE_CALL
+        ? RequestCallbackImpl::processPythonRemoteCall(rpc, streams)
+        : RequestCallbackImpl::processScriptRemoteCall(rpc, streams);
+  });
 }
 
 c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processPythonRemoteCall(

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/rpc/script_call.h>
 #include <torch/csrc/jit/runtime/operator.h>
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -93,11 +94,18 @@ class ServeCallback final
  private:
   using Fork = std::
       pair<torch::distributed::rpc::RRefId, torch::distributed::rpc::ForkId>;
-  // The fork a remote() call creates (none for another request, or a
-  // remote() to ourselves, whose OwnerRRef the caller made).
+  // The fork a remote() call creates, wrapped or not (none for another
+  // request, or a remote() to ourselves, whose OwnerRRef the caller made).
   static std::optional<Fork> createdFork(
-      const torch::distributed::rpc::RpcCommandBase& call,
+      torch::distributed::rpc::RpcCommandBase& call,
       torch::distributed::rpc::MessageType type);
+  // `serve()`, then one begin() of `fork`'s creation ends (if any; also if
+  // it throws).
+  c10::intrusive_ptr<torch::distributed::rpc::JitFuture> whileCreating(
+      const std::optional<Fork>& fork,
+      const std::function<
+          c10::intrusive_ptr<torch::distributed::rpc::JitFuture>()>& serve)
+      const;
   // One begin() of `fork`'s creation ended: a deletion that arrived
   // meanwhile is applied, as torch applies one (never throws).
   void creationEnded(const Fork& fork) const;

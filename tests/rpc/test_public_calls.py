@@ -403,43 +403,66 @@ def test_nested_calls_do_not_deadlock_a_one_thread_pool():
     assert out == {0: 64 * 4, 1: 64 * 4}
 
 
-_CREATION_RETURNED = threading.Event()
+_RELEASE = threading.Event()
+_HELD_FUTURE = []
 
 
-def slow_creation(seconds):
-    time.sleep(seconds)
-    _CREATION_RETURNED.set()
+def held_creation():
+    # Runs until the caller releases it (60 s at most).
+    _RELEASE.wait(60)
     return torch.ones(2)
 
 
-def creation_returned():
-    return _CREATION_RETURNED.is_set()
+@rpc.functions.async_execution
+def held_async_creation():
+    # Its fork is registered at once; its value comes when released.
+    fut = torch.futures.Future()
+    _HELD_FUTURE.append(fut)
+    return fut
 
 
-def deletion_before_creation(rank, world_size):
+def release_creations():
+    _RELEASE.set()
+    for fut in _HELD_FUTURE:
+        fut.set_result(torch.ones(2))
+
+
+def owner_state():
+    metrics = rpc.api._get_current_rpc_agent().get_metrics()
+    return rref_forks(), int(metrics["rpc_ext.rref_deletions_before_creation"])
+
+
+def wait_for_owner(want, deadline):
+    state = rpc.rpc_sync("worker1", owner_state)
+    while state != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+        state = rpc.rpc_sync("worker1", owner_state)
+    return state
+
+
+def deletion_before_creation(rank, world_size, function):
     init(rank, world_size)
     # A leak fails shutdown, as in upstream's suites (dist_init).
     rpc.api._ignore_rref_leak = False
     out = {}
     if rank == 0:
-        rref = rpc.remote("worker1", slow_creation, args=(3,), timeout=0.3)
+        target = {"plain": held_creation, "async": held_async_creation}[function]
+        rref = rpc.remote("worker1", target, timeout=0.3)
         try:
             rref._get_future().wait()
         except RuntimeError as e:
             out["timeout"] = str(e)
-        # Its deletion goes now, while the owner still runs the function:
-        # torch registers the fork on the owner only once it returns.
+        # Its deletion goes now, while the owner still runs the function
+        # (torch registers the fork only once it returns) or, for the async
+        # one, once its fork is registered, before its value.
         del rref
         gc.collect()
         deadline = time.monotonic() + 30
-        while not rpc.rpc_sync("worker1", creation_returned) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        forks = rpc.rpc_sync("worker1", rref_forks)
-        while forks != (0, 0) and time.monotonic() < deadline:
-            time.sleep(0.05)
-            forks = rpc.rpc_sync("worker1", rref_forks)
-        out["forks_left"] = forks
-        out["deferred"] = rpc.rpc_sync("worker1", callee_metric, args=("rpc_ext.rref_deletions_before_creation",))
+        # The plain one: the deletion kept, no fork yet; the async one: the
+        # deletion applied.
+        out["while_running"] = wait_for_owner(((0, 0), 1 if function == "plain" else 0), deadline)
+        rpc.rpc_sync("worker1", release_creations)
+        out["after"] = wait_for_owner(((0, 0), out["while_running"][1]), deadline)
     try:
         rpc.shutdown()
     except RuntimeError as e:
@@ -447,14 +470,18 @@ def deletion_before_creation(rank, world_size):
     return out
 
 
-def test_a_deletion_that_outruns_its_remote_creation_is_applied_as_it_ends():
+@pytest.mark.parametrize("function", ["plain", "async"])
+def test_a_deletion_that_outruns_its_remote_creation_is_applied_as_it_ends(function):
     """A remote() that timed out, its RRef dropped while the owner still ran
     the function: torch's owner ignored the deletion and then registered the
     fork, kept for ever ("Leaking RRef" at shutdown: upstream's
-    test_rref_proxy_timeout in CI). Now the deletion waits for the creation."""
-    results = run_world(deletion_before_creation)
+    test_rref_proxy_timeout in CI). Now the deletion waits for the creation.
+    An @async_execution function's fork is registered before its value:
+    the deletion applies at once, not when the value comes."""
+    results = run_world(deletion_before_creation, function=function)
     out, owner = results[0], results[1]
     assert "RPC ran for more than set timeout" in out["timeout"], out
-    assert out["forks_left"] == (0, 0), out
-    assert out["deferred"] == "1", out
+    kept = 1 if function == "plain" else 0
+    assert out["while_running"] == ((0, 0), kept), out
+    assert out["after"] == ((0, 0), kept), out
     assert "shutdown" not in out and "shutdown" not in owner, (out, owner)
