@@ -18,10 +18,13 @@
 
 #include <sstream>
 
+#include <torch/csrc/distributed/autograd/rpc_messages/rpc_with_autograd.h>
+#include <torch/csrc/distributed/autograd/rpc_messages/rpc_with_profiling_req.h>
 #include <torch/csrc/distributed/rpc/python_remote_call.h>
 #include <torch/csrc/distributed/rpc/rref_context.h>
 #include <torch/csrc/distributed/rpc/rref_proto.h>
 #include <torch/csrc/distributed/rpc/script_remote_call.h>
+#include <torch/csrc/distributed/rpc/utils.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "csrc/agent/rref_guard.h"
@@ -155,23 +158,54 @@ c10::intrusive_ptr<rpc::Message> RRefGuard::failRemote(
   std::optional<rpc::RRefId> rrefId; // (ids cannot be assigned)
   std::optional<rpc::ForkId> forkId;
   c10::TypePtr type;
+  auto kind = request.type();
+  auto wraps = [](rpc::MessageType t) {
+    return t == rpc::MessageType::FORWARD_AUTOGRAD_REQ ||
+        t == rpc::MessageType::RUN_WITH_PROFILING_REQ;
+  };
+  if (kind != rpc::MessageType::PYTHON_REMOTE_CALL &&
+      kind != rpc::MessageType::SCRIPT_REMOTE_CALL && !wraps(kind)) {
+    return {};
+  }
   try {
     // As torch's request callback reads them (the tensors are placeholders:
-    // nothing runs).
-    if (request.type() == rpc::MessageType::PYTHON_REMOTE_CALL) {
-      auto call = rpc::PythonRemoteCall::fromMessage(request);
-      rrefId.emplace(rpc::RRefId::fromIValue(call->retRRefId()));
-      forkId.emplace(rpc::ForkId::fromIValue(call->retForkId()));
+    // nothing runs). A remote() in a dist autograd context (any, since
+    // torch records its result's gradients: forceGradRecording), or under
+    // the legacy profiler, comes wrapped; the answer is the RemoteRet
+    // itself, as torch's is when no tensor in it requires grad. Before
+    // session 97 such a call got a plain error: its caller's fork stayed
+    // pending, and to_here() waited out its timeout.
+    auto decoded = rpc::deserializeRequest(request);
+    rpc::RpcCommandBase* command = decoded.get();
+    for (int depth = 0; depth < 2 && wraps(kind); ++depth) {
+      if (kind == rpc::MessageType::FORWARD_AUTOGRAD_REQ) {
+        auto& wrapped =
+            static_cast<torch::distributed::autograd::RpcWithAutograd&>(
+                *command);
+        kind = wrapped.wrappedMessageType();
+        command = &wrapped.wrappedRpc();
+      } else {
+        auto& wrapped =
+            static_cast<torch::distributed::autograd::RpcWithProfilingReq&>(
+                *command);
+        kind = wrapped.wrappedMessageType();
+        command = &wrapped.wrappedRpc();
+      }
+    }
+    if (kind == rpc::MessageType::PYTHON_REMOTE_CALL) {
+      const auto& call = static_cast<const rpc::PythonRemoteCall&>(*command);
+      rrefId.emplace(rpc::RRefId::fromIValue(call.retRRefId()));
+      forkId.emplace(rpc::ForkId::fromIValue(call.retForkId()));
       type = c10::PyObjectType::get();
-    } else if (request.type() == rpc::MessageType::SCRIPT_REMOTE_CALL) {
-      auto call = rpc::ScriptRemoteCall::fromMessage(request);
-      rrefId.emplace(call->retRRefId());
-      forkId.emplace(call->retForkId());
+    } else if (kind == rpc::MessageType::SCRIPT_REMOTE_CALL) {
+      const auto& call = static_cast<const rpc::ScriptRemoteCall&>(*command);
+      rrefId.emplace(call.retRRefId());
+      forkId.emplace(call.retForkId());
       // (A TorchScript function's return type needs its compilation unit;
       // an OwnerRRef holding an error never hands a value out.)
       type = c10::AnyType::get();
-      if (call->hasOp() && call->op()->schema().returns().size() == 1) {
-        type = call->op()->schema().returns()[0].type();
+      if (call.hasOp() && call.op()->schema().returns().size() == 1) {
+        type = call.op()->schema().returns()[0].type();
       }
     } else {
       return {};

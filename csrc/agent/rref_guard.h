@@ -93,9 +93,10 @@ class RRefGuard {
   // OwnerRRef is made holding `error` and the reply is the usual RemoteRet,
   // so the caller's fork is confirmed and to_here() raises `error` (a plain
   // exception response would leave the caller's pending fork behind, and
-  // to_here() waiting out its timeout). `request` carries the payload and
-  // placeholders for the tensors. Null for any other request, or if the
-  // request does not parse.
+  // to_here() waiting out its timeout); also one wrapped for dist autograd
+  // or the legacy profiler. `request` carries the payload and placeholders
+  // for the tensors. Null for any other request, or if the request does
+  // not parse.
   static c10::intrusive_ptr<rpc::Message> failRemote(
       const rpc::Message& request,
       const std::string& error);

@@ -8,6 +8,7 @@ import os
 import time
 
 import torch
+import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
 import torch_rpc_ext
@@ -137,6 +138,17 @@ def run_short(rank: int, port: int, ctl, short: int, channels=("cuda_ipc",),
                 out["remote_error"] = ""
             except Exception as e:  # noqa: BLE001 - the message is the result
                 out["remote_error"] = str(e)
+            # The same in a dist autograd context, where torch wraps every
+            # remote() (FORWARD_AUTOGRAD_REQ): until session 97 its caller
+            # got a plain error, its fork stayed pending, and to_here()
+            # waited out the timeout.
+            with dist_autograd.context():
+                rref = rpc.remote("worker1", numel, args=(cuda_tensor(bytes(BIG)),))
+                try:
+                    rref.to_here()
+                    out["autograd_remote_error"] = ""
+                except Exception as e:  # noqa: BLE001 - the message is the result
+                    out["autograd_remote_error"] = str(e)
             out["after"] = rpc.rpc_sync("worker1", describe, args=(cuda_tensor(small),)) == (
                 f"cuda:{DEVICE}", small)
         else:

@@ -62,10 +62,11 @@ def test_a_message_that_cannot_land_fails_its_call_and_keeps_the_connection(
         assert "cuda_staged could not land 33554432 bytes on cuda:0" in error, error
     assert caller["after"] is True
     if short == 1:
-        remote = caller["remote_error"]
-        assert "worker1 could not receive the request from worker0" in remote, remote
-        assert "ran for more than" not in remote  # not a timeout
-    assert caller["failures"] == ((0, 2) if short == 1 else (1, 0))
+        # remote(), plain and wrapped for dist autograd.
+        for remote in (caller["remote_error"], caller["autograd_remote_error"]):
+            assert "worker1 could not receive the request from worker0" in remote, remote
+            assert "ran for more than" not in remote  # not a timeout
+    assert caller["failures"] == ((0, 3) if short == 1 else (1, 0))
     assert caller["rejected"] == {}
 
 
