@@ -104,6 +104,17 @@ def limit_memory() -> None:
         os.environ["FAKE_CUDA_MEM_LIMIT"] = str(SHORT)
 
 
+def remote_error() -> str:
+    """What to_here() raises for a remote() whose 32 MiB argument cannot land
+    ("" if it returns)."""
+    rref = rpc.remote("worker1", numel, args=(cuda_tensor(bytes(BIG)),))
+    try:
+        rref.to_here()
+        return ""
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return str(e)
+
+
 def run_short(rank: int, port: int, ctl, short: int, channels=("cuda_ipc",),
               transports=None) -> None:
     """Worker `short` cannot allocate what a message brings: with 1, worker0
@@ -132,23 +143,13 @@ def run_short(rank: int, port: int, ctl, short: int, channels=("cuda_ipc",),
         if short == 1:
             # remote(): the OwnerRRef holds the error, and to_here() raises
             # it at once (no pending fork left to wait out its timeout).
-            rref = rpc.remote("worker1", numel, args=(cuda_tensor(bytes(BIG)),))
-            try:
-                rref.to_here()
-                out["remote_error"] = ""
-            except Exception as e:  # noqa: BLE001 - the message is the result
-                out["remote_error"] = str(e)
+            out["remote_error"] = remote_error()
             # The same in a dist autograd context, where torch wraps every
             # remote() (FORWARD_AUTOGRAD_REQ): until session 97 its caller
             # got a plain error, its fork stayed pending, and to_here()
             # waited out the timeout.
             with dist_autograd.context():
-                rref = rpc.remote("worker1", numel, args=(cuda_tensor(bytes(BIG)),))
-                try:
-                    rref.to_here()
-                    out["autograd_remote_error"] = ""
-                except Exception as e:  # noqa: BLE001 - the message is the result
-                    out["autograd_remote_error"] = str(e)
+                out["autograd_remote_error"] = remote_error()
             out["after"] = rpc.rpc_sync("worker1", describe, args=(cuda_tensor(small),)) == (
                 f"cuda:{DEVICE}", small)
         else:
