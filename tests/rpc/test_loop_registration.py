@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed import rpc
 
 from tests.rpc.world import init, run_world
@@ -30,10 +31,35 @@ SHIM = r"""
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/epoll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 typedef int (*epoll_ctl_fn)(int, int, int, struct epoll_event*);
+
+/* EPOLL_SHIM_FAIL_KIND: "listener" fails only listening sockets, "wakeup"
+   only unnamed Unix socket pairs (our wake-up signals), else every ADD. */
+static int chosen(int fd) {
+  const char* kind = getenv("EPOLL_SHIM_FAIL_KIND");
+  int listening = 0;
+  socklen_t len = sizeof(listening);
+  if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0) {
+    listening = 0;
+  }
+  if (kind && strcmp(kind, "listener") == 0) {
+    return listening;
+  }
+  if (kind && strcmp(kind, "wakeup") == 0) {
+    struct sockaddr_storage peer;
+    socklen_t plen = sizeof(peer);
+    if (listening || getpeername(fd, (struct sockaddr*)&peer, &plen) != 0) {
+      return 0;
+    }
+    return peer.ss_family == AF_UNIX && plen <= sizeof(sa_family_t);
+  }
+  return 1;
+}
 
 int epoll_ctl(int epfd, int op, int fd, struct epoll_event* event) {
   static epoll_ctl_fn real;
@@ -47,7 +73,7 @@ int epoll_ctl(int epfd, int op, int fd, struct epoll_event* event) {
       long pid = 0;
       int n = fscanf(f, "%ld", &pid);
       fclose(f);
-      if (n == 1 && pid == (long)getpid()) {
+      if (n == 1 && pid == (long)getpid() && chosen(fd)) {
         errno = ENOSPC;
         return -1;
       }
@@ -94,11 +120,60 @@ def refused_watch(rank, world_size):
     return out
 
 
-def main():
-    print(json.dumps(run_world(refused_watch, timeout=90)[0]))
+def refused_listener(rank, world_size):
+    if rank == 1:
+        # Its listener is refused from the start, for a second.
+        os.environ["EPOLL_SHIM_FAIL_KIND"] = "listener"
+        path = os.environ["EPOLL_SHIM_FAIL_PID_FILE"]
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+        threading.Timer(1.0, os.unlink, args=(path,)).start()
+    init(rank, world_size, rpc_timeout=20)
+    out = {}
+    if rank == 0:
+        out["answer"] = rpc.rpc_sync("worker1", max, args=(1, 2))
+        rpc.rpc_sync("worker1", done)
+    else:
+        _DONE.wait(60)
+    rpc.shutdown()
+    return out
 
 
-def test_a_connection_the_loop_cannot_watch_fails_its_call_at_once(tmp_path):
+def refused_wakeup(rank, world_size):
+    # A frame ring each way (its signal socket is watched) and the shm_ring
+    # channel (its wake-up socket too).
+    init(rank, world_size, rpc_timeout=20, shm_frame_ring_bytes=1 << 20, channels=["shm_ring"])
+    out = {}
+    if rank == 0:
+        os.environ["EPOLL_SHIM_FAIL_KIND"] = "wakeup"
+        path = os.environ["EPOLL_SHIM_FAIL_PID_FILE"]
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            out["first"] = rpc.rpc_sync("worker1", sum_of, args=(torch.ones(1 << 20),))
+        except RuntimeError as e:
+            out["first"] = str(e)
+        os.unlink(path)
+        out["second"] = rpc.rpc_sync("worker1", sum_of, args=(torch.ones(1 << 20),))
+        rpc.rpc_sync("worker1", done)
+    else:
+        _DONE.wait(60)
+    rpc.shutdown()
+    return out
+
+
+def sum_of(t):
+    return float(t.sum())
+
+
+WORLDS = {"watch": refused_watch, "listener": refused_listener, "wakeup": refused_wakeup}
+
+
+def main(world):
+    print(json.dumps(run_world(WORLDS[world], timeout=90)[0]))
+
+
+def run_under_shim(tmp_path, world):
     shim = tmp_path / "epoll_shim.so"
     source = tmp_path / "epoll_shim.c"
     source.write_text(SHIM)
@@ -107,10 +182,31 @@ def test_a_connection_the_loop_cannot_watch_fails_its_call_at_once(tmp_path):
     env["LD_PRELOAD"] = str(shim)
     env["EPOLL_SHIM_FAIL_PID_FILE"] = str(tmp_path / "fail_pid")
     run = subprocess.run(
-        [sys.executable, "-c", "from tests.rpc.test_loop_registration import main; main()"],
+        [sys.executable, "-c", f"from tests.rpc.test_loop_registration import main; main({world!r})"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_listener_the_loop_cannot_watch_is_watched_again(tmp_path):
+    """worker1's listener is refused for its first second: it is watched again
+    once the kernel takes it (until session 97, never: no dial to worker1
+    completed its handshake)."""
+    assert run_under_shim(tmp_path, "listener")["answer"] == 2
+
+
+def test_a_wakeup_the_loop_cannot_watch_closes_its_connection(tmp_path):
+    """worker0's frame ring and channel wake-ups are refused while it makes
+    its first call: that connection closes naming that (or, were its answer
+    in first, the call is answered), and the next call dials again."""
+    out = run_under_shim(tmp_path, "wakeup")
+    first = out["first"]
+    assert first == float(1 << 20) or "could not watch a wake-up" in first, out
+    assert out["second"] == float(1 << 20), out
+
+
+def test_a_connection_the_loop_cannot_watch_fails_its_call_at_once(tmp_path):
+    out = run_under_shim(tmp_path, "watch")
     # The first call dialled worker1 (no connection of ours to it before).
     assert out["dials_before"] == 0, out
     assert isinstance(out["first"], str), out

@@ -90,8 +90,25 @@ void StreamConnection::post(std::function<void()> fn) {
 }
 
 void StreamConnection::watchFromLoop(int fd, std::function<void()> onReadable) {
-  loop_.addFromLoop(
-      fd, std::make_shared<Watcher>(std::move(onReadable)), EPOLLIN);
+  try {
+    loop_.addFromLoop(
+        fd, std::make_shared<Watcher>(std::move(onReadable)), EPOLLIN);
+  } catch (const std::exception& e) {
+    // A frame ring's or a channel's wake-ups would never be heard: the
+    // connection closes, naming that (from the loop's next batch: a caller
+    // may hold the write lock). Until session 97 the error escaped into
+    // the caller, leaving a ring half set up and its calls waiting out
+    // their timeouts.
+    std::weak_ptr<StreamConnection> weak = weak_from_this();
+    loop_.post([weak, error = std::string(e.what())] {
+      if (auto self = weak.lock()) {
+        self->closeInternal(
+            "the event loop could not watch a wake-up of the connection: " +
+                error,
+            false);
+      }
+    });
+  }
 }
 
 void StreamConnection::unwatchFromLoop(int fd) {

@@ -66,7 +66,7 @@ void StreamListener::start(ConnectionObserver* observer) {
     }
     self->observer_ = observer;
     self->started_ = true;
-    self->transport_.loop().addFromLoop(self->fd_, self, EPOLLIN);
+    self->watchFromLoop();
   });
 }
 
@@ -153,13 +153,30 @@ void StreamListener::pauseFromLoop(int error) {
   paused_ = true;
   transport_.loop().removeFromLoop(fd_);
   auto self = shared_from_this();
-  transport_.loop().runAfter(pause_, [self] {
-    self->paused_ = false;
-    if (!self->closed_) {
-      self->transport_.loop().addFromLoop(self->fd_, self, EPOLLIN);
-    }
-  });
+  transport_.loop().runAfter(pause_, [self] { self->watchFromLoop(); });
   pause_ = std::min(pause_ * 2, std::chrono::milliseconds(1000));
+}
+
+void StreamListener::watchFromLoop() {
+  paused_ = false;
+  if (closed_) {
+    return;
+  }
+  try {
+    transport_.loop().addFromLoop(fd_, shared_from_this(), EPOLLIN);
+  } catch (const std::exception& e) {
+    // Until session 97 the error escaped into the loop's log and the
+    // listener was never watched again: every dial to this worker failed
+    // its handshake for the life of the process.
+    logWarningLimited(
+        "listener_watch",
+        "torch_rpc_ext: not accepting on " + address_ + " for " +
+            std::to_string(pause_.count()) + " ms: " + e.what());
+    paused_ = true;
+    auto self = shared_from_this();
+    transport_.loop().runAfter(pause_, [self] { self->watchFromLoop(); });
+    pause_ = std::min(pause_ * 2, std::chrono::milliseconds(1000));
+  }
 }
 
 } // namespace torch_rpc_ext::transport::stream

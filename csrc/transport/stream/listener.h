@@ -53,6 +53,10 @@ class StreamListener : public Listener,
   // for `pause_` (doubling up to 1 s while it lasts), closing the oldest
   // unauthenticated connection to make room.
   void pauseFromLoop(int error);
+  // Watch the socket (again): where the kernel refuses (the pressure that
+  // paused it: ENOMEM, fs.epoll.max_user_watches), try again after
+  // `pause_` rather than stop accepting for good.
+  void watchFromLoop();
 
   ConnectionObserver* observer_ = nullptr;
   bool started_ = false;
