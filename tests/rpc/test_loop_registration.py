@@ -91,6 +91,38 @@ def done():
     _DONE.set()
 
 
+def refuse(kind):
+    """From now on, epoll_ctl ADD fails in this process for `kind` (the
+    shim's modes) until the returned file is removed."""
+    os.environ["EPOLL_SHIM_FAIL_KIND"] = kind
+    path = os.environ["EPOLL_SHIM_FAIL_PID_FILE"]
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    return path
+
+
+def first_and_second(fn, *args):
+    """worker0's first call to worker1 while refused (its answer or error),
+    and the next once no longer refused."""
+    path = os.environ["EPOLL_SHIM_FAIL_PID_FILE"]
+    try:
+        first = rpc.rpc_sync("worker1", fn, args=args)
+    except RuntimeError as e:
+        first = str(e)
+    os.unlink(path)
+    return first, rpc.rpc_sync("worker1", fn, args=args)
+
+
+def finish(rank):
+    if rank == 0:
+        rpc.rpc_sync("worker1", done)
+    else:
+        # Not before: worker0 may refuse to watch any connection meanwhile,
+        # this one's to it too (the shutdown's gather).
+        _DONE.wait(60)
+    rpc.shutdown()
+
+
 def dials(name):
     metrics = rpc.api._get_current_rpc_agent().get_metrics()
     return int(metrics[f"rpc_ext.peer.{name}.dials"])
@@ -101,41 +133,22 @@ def refused_watch(rank, world_size):
     out = {}
     if rank == 0:
         out["dials_before"] = dials("worker1")
-        path = os.environ["EPOLL_SHIM_FAIL_PID_FILE"]
-        with open(path, "w") as f:
-            f.write(str(os.getpid()))
-        try:
-            out["first"] = rpc.rpc_sync("worker1", max, args=(1, 2))
-        except RuntimeError as e:
-            out["first"] = str(e)
-        os.unlink(path)
-        out["second"] = rpc.rpc_sync("worker1", max, args=(3, 4))
+        refuse("all")
+        out["first"], out["second"] = first_and_second(max, 3, 4)
         out["dials_after"] = dials("worker1")
-        rpc.rpc_sync("worker1", done)
-    else:
-        # Not before: worker0 refuses to watch any connection meanwhile,
-        # this one's to it too (the shutdown's gather).
-        _DONE.wait(60)
-    rpc.shutdown()
+    finish(rank)
     return out
 
 
 def refused_listener(rank, world_size):
     if rank == 1:
         # Its listener is refused from the start, for a second.
-        os.environ["EPOLL_SHIM_FAIL_KIND"] = "listener"
-        path = os.environ["EPOLL_SHIM_FAIL_PID_FILE"]
-        with open(path, "w") as f:
-            f.write(str(os.getpid()))
-        threading.Timer(1.0, os.unlink, args=(path,)).start()
+        threading.Timer(1.0, os.unlink, args=(refuse("listener"),)).start()
     init(rank, world_size, rpc_timeout=20)
     out = {}
     if rank == 0:
         out["answer"] = rpc.rpc_sync("worker1", max, args=(1, 2))
-        rpc.rpc_sync("worker1", done)
-    else:
-        _DONE.wait(60)
-    rpc.shutdown()
+    finish(rank)
     return out
 
 
@@ -145,20 +158,9 @@ def refused_wakeup(rank, world_size):
     init(rank, world_size, rpc_timeout=20, shm_frame_ring_bytes=1 << 20, channels=["shm_ring"])
     out = {}
     if rank == 0:
-        os.environ["EPOLL_SHIM_FAIL_KIND"] = "wakeup"
-        path = os.environ["EPOLL_SHIM_FAIL_PID_FILE"]
-        with open(path, "w") as f:
-            f.write(str(os.getpid()))
-        try:
-            out["first"] = rpc.rpc_sync("worker1", sum_of, args=(torch.ones(1 << 20),))
-        except RuntimeError as e:
-            out["first"] = str(e)
-        os.unlink(path)
-        out["second"] = rpc.rpc_sync("worker1", sum_of, args=(torch.ones(1 << 20),))
-        rpc.rpc_sync("worker1", done)
-    else:
-        _DONE.wait(60)
-    rpc.shutdown()
+        refuse("wakeup")
+        out["first"], out["second"] = first_and_second(sum_of, torch.ones(1 << 20))
+    finish(rank)
     return out
 
 
