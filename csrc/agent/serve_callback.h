@@ -38,8 +38,9 @@ namespace torch_rpc_ext {
 // is still being served is applied as it ends (remote_creations.h).
 //
 // Everything else about serving is upstream's: pending RRefs in arguments,
-// the server-side process-global profiler, errors, autograd and profiling
-// wrappers (which arrive as other message types and take the base path).
+// the server-side process-global profiler, errors, and the autograd and
+// profiling wrappers (processMessage runs upstream's sequence for them, so
+// that a remote() they wrap counts as being created from its decoding).
 class ServeCallback final
     : public torch::distributed::rpc::RequestCallbackImpl {
  public:
