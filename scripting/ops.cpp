@@ -117,6 +117,103 @@ c10::Device callDevice(
   return home;
 }
 
+// "dtype[d0, d1]", as the errors below name what a call returned.
+std::string described(const std::string& dtype, c10::IntArrayRef shape) {
+  return dtype + c10::str(shape);
+}
+
+// The real outputs against `outputs` ("count|dtype:d0,d1|...", the fake's
+// answer when the call was compiled, torch_rpc_ext.scripting): compiled
+// code reads them with those sizes and dtypes (an inductor kernel indexes
+// them as such), so a function the owner replaced since, or one that
+// returns other than its fake said, fails here naming both rather than
+// having its memory read as what it is not. Empty: the operator called
+// directly, not compiled, nothing to hold it to.
+void checkCompiledOutputs(
+    const std::string& name,
+    const std::string& to,
+    const std::string& outputs,
+    const std::vector<at::Tensor>& out) {
+  if (outputs.empty()) {
+    return;
+  }
+  std::vector<std::string> fields;
+  for (size_t start = 0;;) {
+    size_t end = outputs.find('|', start);
+    fields.push_back(outputs.substr(start, end - start));
+    if (end == std::string::npos) {
+      break;
+    }
+    start = end + 1;
+  }
+  size_t count = 0;
+  const std::string& first = fields.front();
+  auto [ptr, ec] =
+      std::from_chars(first.data(), first.data() + first.size(), count);
+  TORCH_CHECK_VALUE(
+      ec == std::errc() && ptr == first.data() + first.size() &&
+          count + 1 == fields.size(),
+      "malformed compiled-call outputs '",
+      outputs,
+      "'");
+  const char* again =
+      ": the function changed since the call was compiled, or returns other "
+      "than its fake says (torch._dynamo.reset() compiles anew)";
+  TORCH_CHECK(
+      out.size() == count,
+      "remote function '",
+      name,
+      "' on ",
+      to,
+      " returned ",
+      out.size(),
+      " tensors where the call was compiled for ",
+      count,
+      again);
+  for (size_t i = 0; i < count; ++i) {
+    const std::string& entry = fields[i + 1];
+    const std::string got = described(
+        std::string(c10::getDtypeNames(out[i].scalar_type()).first),
+        out[i].sizes());
+    // The expected entry in the same form: "float32:4,3" -> "float32[4, 3]".
+    size_t colon = entry.find(':');
+    TORCH_CHECK_VALUE(
+        colon != std::string::npos,
+        "malformed compiled-call outputs '",
+        outputs,
+        "'");
+    std::vector<int64_t> dims;
+    for (size_t start = colon + 1; start < entry.size();) {
+      size_t end = entry.find(',', start);
+      end = end == std::string::npos ? entry.size() : end;
+      int64_t d = 0;
+      auto [p, e] =
+          std::from_chars(entry.data() + start, entry.data() + end, d);
+      TORCH_CHECK_VALUE(
+          e == std::errc() && p == entry.data() + end,
+          "malformed compiled-call outputs '",
+          outputs,
+          "'");
+      dims.push_back(d);
+      start = end + 1;
+    }
+    const std::string expected = described(entry.substr(0, colon), dims);
+    TORCH_CHECK(
+        got == expected,
+        "remote function '",
+        name,
+        "' on ",
+        to,
+        " returned value ",
+        i,
+        " as ",
+        got,
+        " where the call was compiled for ",
+        expected,
+        again);
+  }
+}
+
 // torch.compile's op: tensors (and compile-time constants) in, tensors out:
 // what fake tensors and functionalization can see through. Its fake
 // implementation and its ordering effect are registered from Python
@@ -126,7 +223,8 @@ std::vector<at::Tensor> callTensors(
     const std::string& name,
     at::TensorList args,
     const std::string& constants,
-    double timeout) {
+    double timeout,
+    const std::string& outputs) {
   const c10::Device home = callDevice(name, to, args);
   std::vector<c10::IValue> elements = compiledArguments(args, constants);
   auto future = callAsync(
@@ -162,6 +260,7 @@ std::vector<at::Tensor> callTensors(
         value.tagKind(),
         ": a call from torch.compile returns a tensor or a tuple of tensors");
   }
+  checkCompiledOutputs(name, to, outputs, out);
   // The fake put every output on the call's device: one that arrived
   // elsewhere would have the compiled code read it as memory it is not.
   for (size_t i = 0; i < out.size(); ++i) {
@@ -291,7 +390,7 @@ TORCH_LIBRARY(torch_rpc_ext, m) {
   m.def(
       torch::schema(
           "torch_rpc_ext::call_tensors(str to, str name, Tensor[] args, str "
-          "constants=\"\", float timeout=-1.) -> Tensor[]",
+          "constants=\"\", float timeout=-1., str outputs=\"\") -> Tensor[]",
           c10::AliasAnalysisKind::CONSERVATIVE));
 }
 

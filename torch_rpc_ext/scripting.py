@@ -150,10 +150,14 @@ def _compiled_call(to: str, name: str, args: tuple, timeout: float) -> Any:
                 f"{i} is a {type(a).__name__} (call it outside the compiled region)"
             )
     encoded = _encode_constants(tuple(constants))
-    outs = torch.ops.torch_rpc_ext.call_tensors(to, name, tensors, encoded, timeout)
     # (A size torch made dynamic is specialized here, as in the fake.)
     shapes = tuple((tuple(operator.index(d) for d in t.shape), t.dtype) for t in tensors)
-    return outs[0] if _returns_tensor((to, name, shapes, encoded)) else tuple(outs)
+    key = (to, name, shapes, encoded)
+    # What the compiled code will read, fixed now: the fake returns it and
+    # call_tensors checks the real outputs against it.
+    outputs = _compiled_outputs(key)
+    outs = torch.ops.torch_rpc_ext.call_tensors(to, name, tensors, encoded, timeout, outputs)
+    return outs[0] if _returns_tensor(key) else tuple(outs)
 
 
 def _encodable(value: Any) -> bool:
@@ -183,29 +187,63 @@ def _encode_constants(constants: tuple) -> str:
 
 
 @_torch_private.assume_constant_result
+def _compiled_outputs(key: tuple) -> str:
+    """The outputs the owner's fake gives the call of ``key``, as
+    call_tensors' ``outputs`` text: asked of the owner each time a call is
+    traced (a compilation, not a call), since the owner may have replaced
+    the function, or a new process taken its rank. (Before session 94 the
+    first answer was kept for good, and a replaced function's new outputs
+    compiled as its old; before session 98 nothing checked the real outputs
+    of a graph compiled before such a change.)"""
+    to, name, shapes, constants = key
+    with _torch_private.unset_fake_mode():
+        _SPECS[key] = rpc.rpc_sync(to, _output_spec, args=(name, list(shapes), constants))
+    return _encode_outputs(_SPECS[key][1])
+
+
+@_torch_private.assume_constant_result
 def _returns_tensor(key: tuple) -> bool:
-    # The owner's answer, asked by the fake implementation when the call
-    # above was traced (same key).
+    # The owner's answer, asked by _compiled_outputs when the call above was
+    # traced (same key).
     return _SPECS[key][0]
+
+
+def _encode_outputs(outs: list) -> str:
+    """``count|dtype:d0,d1|...`` (dtype as torch names it, without
+    ``torch.``): the shapes and dtypes compiled code reads, which
+    call_tensors checks the real outputs against (scripting/ops.cpp)."""
+    entries = [f"{str(dtype).removeprefix('torch.')}:{','.join(map(str, shape))}" for shape, dtype in outs]
+    return "|".join([str(len(outs)), *entries])
+
+
+def _decode_outputs(text: str) -> list:
+    count, *entries = text.split("|")
+    if int(count) != len(entries):
+        raise ValueError(f"malformed compiled-call outputs {text!r}")
+    outs = []
+    for entry in entries:
+        dtype, _, dims = entry.partition(":")
+        kind = getattr(torch, dtype, None)
+        if not isinstance(kind, torch.dtype):
+            raise ValueError(f"malformed compiled-call outputs {text!r}: no dtype {dtype!r}")
+        outs.append((tuple(int(d) for d in dims.split(",")) if dims else (), kind))
+    return outs
 
 
 @torch.library.register_fake("torch_rpc_ext::call_tensors")
 def _call_tensors_fake(
-    to: str, name: str, args: list, constants: str = "", timeout: float = -1.0
+    to: str, name: str, args: list, constants: str = "", timeout: float = -1.0, outputs: str = ""
 ) -> list:
     # Shapes are fixed at compile time: a dynamic size is specialized (a
     # guard: a new shape compiles anew), since the owner's fake runs on
     # meta tensors of static shapes.
     shapes = [(tuple(int(d) for d in a.shape), a.dtype) for a in args]
     device = _call_device(to, name, args)
-    key = (to, name, tuple(shapes), constants)
-    # Asked of the owner each time a call is traced (a compilation, not a
-    # call): the owner may have replaced the function, or a new process
-    # taken its rank, since. (Before session 94 the first answer was kept
-    # for good, and a replaced function's new outputs compiled as its old.)
-    with _torch_private.unset_fake_mode():
-        _SPECS[key] = rpc.rpc_sync(to, _output_spec, args=(name, shapes, constants))
-    _, outs = _SPECS[key]
+    if outputs:  # a call from _compiled_call: the owner was asked there
+        outs = _decode_outputs(outputs)
+    else:  # the operator used directly: ask the owner now
+        with _torch_private.unset_fake_mode():
+            _, outs = rpc.rpc_sync(to, _output_spec, args=(name, shapes, constants))
     return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in outs]
 
 

@@ -94,6 +94,8 @@ def register_callee_functions():
     scripting.register("raise_value_error", raise_value_error)
     scripting.register("not_representable", not_representable)
     scripting.register("no_fake", scale)
+    # Its fake says what it does not: float32 of x's shape.
+    scripting.register("lying", lambda x: x[:2].double(), fake=lambda x: torch.empty_like(x))
 
 
 def scale_and_keep(x, k):
@@ -293,15 +295,29 @@ def compiled_calls(rank, world_size, backend):
             )
             out["fake_device"] = str(y.device)
 
-        # The owner replaces "scale"; a new compilation of a call traced
-        # before with the same shapes and constants sees its new outputs
-        # (before session 94 it compiled against the old answer: one tensor).
-        rpc.rpc_sync("worker1", replace_scale)
-        torch._dynamo.reset()
+        # Real outputs other than the fake said fail naming both (before
+        # session 98 compiled code read a float64[2] as the float32[4] it
+        # was compiled for).
+        def lying(x):
+            return scripting.rpc_sync("worker1", "lying", x) + 1
 
+        out["lying"] = error_text(
+            lambda: torch.compile(lying, fullgraph=True, backend=backend, dynamic=False)(x)
+        )
+
+        # The owner replaces "scale": a graph compiled before fails naming
+        # that (before session 98 it went on reading the first of the two
+        # tensors as its one); a new compilation of a call traced before with
+        # the same shapes and constants sees its new outputs (before session
+        # 94 it compiled against the old answer: one tensor).
         def scaled(x):
             return scripting.rpc_sync("worker1", "scale", x, 3.0)
 
+        stale = torch.compile(scaled, fullgraph=True, backend=backend, dynamic=False)
+        out["before_replace"] = stale(x)
+        rpc.rpc_sync("worker1", replace_scale)
+        out["stale"] = error_text(lambda: stale(x))
+        torch._dynamo.reset()
         out["replaced"] = torch.compile(scaled, fullgraph=True, backend=backend, dynamic=False)(x)
     barrier(rank)
     rpc.shutdown()
@@ -327,6 +343,14 @@ def test_compiled_function_calling_remote_functions_equals_eager(backend):
         assert torch.equal(s, x + x * k) and torch.equal(d, x - x * k), (n, k)
     assert out["twice"] == (False, True)
     assert out["fake_device"] == "cuda:0"
+    kind, text = out["lying"]
+    assert kind == "RuntimeError", (kind, text)
+    assert "'lying' on worker1 returned value 0 as float64[2] where the call was compiled for float32[4]" in text
+    assert torch.equal(out["before_replace"], torch.arange(4.0) * 3)
+    kind, text = out["stale"]
+    assert kind == "RuntimeError", (kind, text)
+    assert "'scale' on worker1 returned 2 tensors where the call was compiled for 1" in text
+    assert "torch._dynamo.reset() compiles anew" in text and "frame #" not in text
     replaced = out["replaced"]
     assert isinstance(replaced, tuple) and len(replaced) == 2
     assert torch.equal(replaced[0], torch.arange(4.0) * 3) and torch.equal(replaced[1], torch.arange(4.0))

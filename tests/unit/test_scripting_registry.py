@@ -77,8 +77,20 @@ def test_operator_schemas():
     assert str(ops.rpc_async.default._schema).endswith("-> Future(Any)")
     assert str(ops.call_tensors.default._schema) == (
         "torch_rpc_ext::call_tensors(str to, str name, Tensor[] args, "
-        'str constants="", float timeout=-1.) -> Tensor[]'
+        'str constants="", float timeout=-1., str outputs="") -> Tensor[]'
     )
+
+
+def test_compiled_call_outputs_round_trip():
+    # What the fake returns and call_tensors holds the real outputs to.
+    outs = [((4, 3), torch.float32), ((), torch.bfloat16), ((0,), torch.int64)]
+    text = scripting._encode_outputs(outs)
+    assert text == "3|float32:4,3|bfloat16:|int64:0"
+    assert scripting._decode_outputs(text) == outs
+    assert scripting._decode_outputs(scripting._encode_outputs([])) == []
+    for bad in ("2|float32:4", "1|float33:4", "1|Tensor:4"):
+        with pytest.raises(ValueError, match="malformed compiled-call outputs"):
+            scripting._decode_outputs(bad)
 
 
 def test_compiled_call_constants_go_back_to_their_positions():
