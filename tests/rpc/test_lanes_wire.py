@@ -343,6 +343,40 @@ def test_a_source_whose_hellos_prove_nothing_is_held_off():
         w.close()
 
 
+def test_a_flood_of_silent_connections_closes_its_own_not_a_peers_hello():
+    """Past the listener's 64 pending hellos, the oldest of the source holding
+    the most goes (before session 98: the oldest of all, so a flood closed
+    every lane dialled before it)."""
+    w = Wired(lambda d, u, i: splice(d, u))
+    flood = []
+    try:
+        port = w.taps[0].port
+        # A peer's lane, its challenge read and its hello not yet written.
+        peer = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.4", 0))
+        assert len(recv_exact(peer, CHALLENGE_BYTES)) == CHALLENGE_BYTES
+        # A prober at 127.0.0.3 opens 70 and says nothing: once it holds
+        # each one's challenge, the listener has made room for it.
+        for _ in range(70):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.3", 0))
+            flood.append(s)
+            assert len(recv_exact(s, CHALLENGE_BYTES)) == CHALLENGE_BYTES
+        # Seven were closed to make room (71 for 64 places): the prober's
+        # seven oldest, not the peer's (which the listener would close at its 5 s deadline: none
+        # was reached, or the test could not tell the two apart).
+        for s in flood[:7]:
+            assert closed_within(s, 5)
+        # (The port is the server's or the client's: both listen.)
+        counters = [lanes(w.server), lanes(w.client)]
+        assert sum(c["hellos_evicted"] for c in counters) == 7, counters
+        assert sum(c["hellos_timed_out"] for c in counters) == 0, counters
+        assert not closed_within(peer, 0.1)
+        peer.close()
+    finally:
+        for s in flood:
+            s.close()
+        w.close()
+
+
 def test_mutated_hellos_are_all_refused_and_the_lanes_carry_on():
     """A small mutation fuzz of the lane hello against a live listener:
     a real hello (taken off the wire, as in the replay test above) with

@@ -11,6 +11,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <string>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "csrc/channel/lanes/factory.h"
@@ -60,6 +63,23 @@ std::string readSetting(
   }
   *out = v;
   return "";
+}
+
+// The index in `pending` (in arrival order) of the oldest entry of the
+// source holding the most entries; of equals, the one whose oldest came first.
+template <typename Pending>
+size_t oldestOfBusiestSource(const std::vector<Pending>& pending) {
+  std::unordered_map<std::string_view, size_t> held;
+  for (const auto& p : pending) {
+    ++held[p.source];
+  }
+  size_t pick = 0;
+  for (size_t i = 1; i < pending.size(); ++i) {
+    if (held[pending[i].source] > held[pending[pick].source]) {
+      pick = i; // (the first of its source: a later one never has more)
+    }
+  }
+  return pick;
 }
 
 } // namespace
@@ -154,6 +174,8 @@ std::map<std::string, uint64_t> LanesContext::counters() const {
       {"rekeys", counters_.rekeys.load()},
       {"hellos_refused", counters_.hellosRefused.load()},
       {"sources_held_off", counters_.sourcesHeldOff.load()},
+      {"hellos_evicted", counters_.hellosEvicted.load()},
+      {"hellos_timed_out", counters_.hellosTimedOut.load()},
       {"aes_gcm_vaes", settings_.aesGcmVaes ? 1u : 0u},
   };
 }
@@ -269,8 +291,12 @@ void LanesContext::acceptLoop(
     std::weak_ptr<LanesContext> weak,
     std::shared_ptr<AcceptState> state) {
   // Hellos being read: each must come whole within kHelloTimeoutMs; at most
-  // kMaxPendingHellos wait (the oldest goes first), so that nobody holds
-  // the lanes' door by connecting and saying nothing.
+  // kMaxPendingHellos wait, so that nobody holds the lanes' door by
+  // connecting and saying nothing. Past that the oldest of the source
+  // holding the most goes: a prober that fills the door closes its own, not
+  // a peer's lane whose hello is on its way (before session 98, the oldest
+  // of all: a flood of silent connections closed every lane dialled before
+  // it, whose hellos then failed and whose segments rode the stream).
   struct Pending {
     int fd;
     std::chrono::steady_clock::time_point due;
@@ -336,6 +362,10 @@ void LanesContext::acceptLoop(
       }
       if (now >= p.due) {
         drop(k);
+        if (auto self = weak.lock()) {
+          self->counters_.hellosTimedOut.fetch_add(
+              1, std::memory_order_relaxed);
+        }
       }
     }
     if (state->stop || (polled[0].revents & POLLIN) == 0) {
@@ -388,10 +418,13 @@ void LanesContext::acceptLoop(
       ::close(fd);
       continue;
     }
-    if (pending.size() == kMaxPendingHellos) {
-      drop(0);
-    }
     pending.push_back(std::move(p));
+    if (pending.size() > kMaxPendingHellos) {
+      drop(oldestOfBusiestSource(pending));
+      if (auto self = weak.lock()) {
+        self->counters_.hellosEvicted.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
   }
   for (const auto& p : pending) {
     ::close(p.fd);

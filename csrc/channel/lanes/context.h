@@ -82,6 +82,10 @@ struct LanesCounters {
   std::atomic<uint64_t> rekeys{0};
   std::atomic<uint64_t> hellosRefused{0};
   std::atomic<uint64_t> sourcesHeldOff{0};
+  // Connections closed before their hello came whole: to make room for a
+  // newer one (the listener's pending hellos full), or at their deadline.
+  std::atomic<uint64_t> hellosEvicted{0};
+  std::atomic<uint64_t> hellosTimedOut{0};
 };
 
 // tcp_lanes: large CPU segments striped over several TCP connections beside
