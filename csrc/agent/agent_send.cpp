@@ -125,9 +125,21 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   AgentDevices::recordCudaUse(*message);
   uint64_t wireBytes = frame.wireSize();
   const size_t storages = frame.segments.size() - 1; // (the payload's)
-  if (wireBytes > options_.maxFrameBytes || storages > wire::kMaxStorages) {
+  if (wireBytes > options_.maxFrameBytes || storages > wire::kMaxStorages ||
+      frame.head.size() > wire::kMaxHeadBytes) {
     rrefs_.dropCarried(*message); // never sent: held by nobody
   }
+  TORCH_CHECK(
+      frame.head.size() <= wire::kMaxHeadBytes,
+      "RPC message to ",
+      to.name_,
+      " describes ",
+      message->tensors().size(),
+      " tensors in ",
+      frame.head.size(),
+      " bytes of metadata: at most ",
+      wire::kMaxHeadBytes,
+      " (send fewer tensors, or fewer views: torch.stack or torch.cat them)");
   TORCH_CHECK(
       storages <= wire::kMaxStorages,
       "RPC message to ",
@@ -168,6 +180,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     conn = connections_.connectionTo(*peer);
   } catch (...) {
     calls_.finished();
+    dropUndelivered(passed, *message);
     throw;
   }
   RemoteProfiling::markSent(profile.get()); // before the call is visible
@@ -196,7 +209,14 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       faults_ ? faults_->delay(message->type()) : std::chrono::milliseconds(0);
   if (delay.count() == 0) {
     auto sendSpan = RemoteProfiling::span(profile.get(), "torch_rpc_ext::send");
-    calls_.write(conn, std::move(frame), id, *peer);
+    try {
+      if (!calls_.write(conn, std::move(frame), id, *peer)) {
+        dropUndelivered(passed, *message);
+      }
+    } catch (...) {
+      dropUndelivered(passed, *message);
+      throw;
+    }
     call_trace::stamp(id, call_trace::kWritten);
     if (phases) {
       phases->sendEnd = tracing::wallNanos();
@@ -221,12 +241,15 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     // it would on a slow network.
     auto held = std::make_shared<frame::OutboundFrame>(std::move(frame));
     auto self = shared_from_this();
-    pool_.run([self, conn, held, id, peer, delay] {
+    pool_.run([self, conn, held, id, peer, delay, message, passed] {
       std::this_thread::sleep_for(delay);
       try {
-        self->calls_.write(conn, std::move(*held), id, *peer);
+        if (!self->calls_.write(conn, std::move(*held), id, *peer)) {
+          self->dropUndelivered(passed, *message);
+        }
       } catch (const std::exception&) {
         // (The call failed with it: Calls::write.)
+        self->dropUndelivered(passed, *message);
       }
     });
     // A call that times out before its message is even written is returned
@@ -242,6 +265,13 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     }
   }
   return future;
+}
+
+void Agent::dropUndelivered(
+    const std::vector<rpc::ForkId>& passed,
+    const rpc::Message& message) {
+  rrefs_.dropForks(passed); // (a dynamic group's, attributed)
+  rrefs_.dropCarried(message);
 }
 
 frame::InboundBuffers Agent::onFrameHead(

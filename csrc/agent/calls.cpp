@@ -75,7 +75,7 @@ void Calls::finished() {
   countCv_.notify_all();
 }
 
-void Calls::write(
+bool Calls::write(
     const std::shared_ptr<transport::Connection>& conn,
     frame::OutboundFrame frame,
     int64_t id,
@@ -109,6 +109,7 @@ void Calls::write(
               (reason.empty() ? "RPC agent is shutting down" : reason));
     }
   }
+  return written;
 }
 
 void Calls::respond(

@@ -65,8 +65,9 @@ class Calls {
   }
   // Write a registered call's frame; fail the call if the connection is
   // gone. A frame the connection refuses (it throws) fails the call too,
-  // and the exception goes on to the caller.
-  void write(
+  // and the exception goes on to the caller. False if the frame was not
+  // queued (the connection was closed already): it reached nobody.
+  bool write(
       const std::shared_ptr<transport::Connection>& conn,
       frame::OutboundFrame frame,
       int64_t id,

@@ -194,6 +194,16 @@ uint64_t Server::respond(
     frame = wire::encodeMessage(response, id, route ? &*route : nullptr);
     AgentDevices::recordCudaUse(*response);
     TORCH_CHECK(
+        frame.head.size() <= wire::kMaxHeadBytes,
+        "RPC response describes ",
+        response->tensors().size(),
+        " tensors in ",
+        frame.head.size(),
+        " bytes of metadata: at most ",
+        wire::kMaxHeadBytes,
+        " (return fewer tensors, or fewer views: torch.stack or torch.cat "
+        "them)");
+    TORCH_CHECK(
         frame.segments.size() - 1 <= wire::kMaxStorages,
         "RPC response holds ",
         frame.segments.size() - 1,

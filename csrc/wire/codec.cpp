@@ -18,6 +18,13 @@
 
 namespace torch_rpc_ext::wire {
 
+static_assert(
+    kMaxHeadBytes == frame::FrameLimits{}.maxHeadBytes,
+    "the head's limit is the frame's");
+static_assert(
+    kMaxStorages + 1 == frame::FrameLimits{}.maxSegments,
+    "a storage per segment, less the payload's");
+
 namespace {
 
 using namespace detail;

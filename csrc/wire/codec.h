@@ -26,6 +26,10 @@ namespace torch_rpc_ext::wire {
 // frame's segments (frame::FrameLimits::maxSegments, on both ends) less
 // the payload's.
 constexpr size_t kMaxStorages = (size_t(1) << 16) - 1;
+// The most bytes of tensor metadata (the head) one message may carry:
+// frame::FrameLimits::maxHeadBytes, on both ends. Each tensor takes 24 to
+// 16 per dim more of it (a view each, of one storage or many).
+constexpr size_t kMaxHeadBytes = size_t(1) << 24;
 
 namespace rpc = torch::distributed::rpc;
 

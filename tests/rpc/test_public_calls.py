@@ -371,6 +371,11 @@ def rref_and_zeros(n):
     return rpc.RRef(torch.ones(1)), torch.zeros(n)
 
 
+def many_views(n):
+    base = torch.zeros(1)
+    return [base.view(1, 1, 1, 1, 1, 1, 1, 1) for _ in range(n)]
+
+
 def rref_forks():
     info = torch._C._distributed_rpc._rref_context_get_debug_info()
     return int(info["num_forks"]), int(info["num_owner_rrefs"])
@@ -384,6 +389,40 @@ def test_message_over_max_frame_bytes_is_refused_at_send():
     assert "exceeds max_frame_bytes=65536" in out["rref_answer"], out
     assert "frame #" not in out["rref_answer"] and "Exception raised from" not in out["rref_answer"]
     assert out["forks_left"] == (0, 0), out
+    assert out["after"] == 2
+
+
+def too_many_tensors(rank, world_size):
+    init(rank, world_size)  # the default max_frame_bytes, far above it
+    out = {}
+    if rank == 0:
+        # More tensors than a frame's head describes (views of one storage:
+        # one segment), with an RRef of ours: refused at send, in a
+        # RuntimeError naming that, and its fork dropped (before session 98:
+        # the connection's ValueError, and the fork kept: "Leaking RRef",
+        # the graceful shutdown waited 100 s). Each way.
+        mine = rpc.RRef(torch.ones(1))
+        try:
+            rpc.rpc_sync("worker1", echo, args=(mine, many_views(120_000)))
+        except RuntimeError as e:
+            out["request"] = str(e)
+        out["own_forks_left"] = rref_forks()
+        try:
+            rpc.rpc_sync("worker1", many_views, args=(120_000,))
+        except RuntimeError as e:
+            out["response"] = str(e)
+        out["after"] = rpc.rpc_sync("worker1", add, args=(1, 1))
+    rpc.shutdown()
+    return out
+
+
+def test_more_tensors_than_a_head_describes_are_refused_at_send():
+    out = run_world(too_many_tensors, timeout=90)[0]
+    assert "RPC message to worker1 describes 120000 tensors in" in out["request"], out
+    assert "bytes of metadata: at most 16777216" in out["request"], out
+    assert "torch.stack or torch.cat" in out["request"], out
+    assert out["own_forks_left"] == (0, 0), out
+    assert "RPC response describes 120000 tensors in" in out["response"], out
     assert out["after"] == 2
 
 
