@@ -107,6 +107,13 @@ class StoragePlan {
   // waste more than half the bytes on the wire. `exclusive`: the message is
   // the tensor's only holder (reachableOnlyThrough, checked by the caller
   // before it took its own references).
+  // A tensor made for the message (nothing else holds it): held with the
+  // frame until it is written.
+  at::Tensor admitMade(at::Tensor t) {
+    hold_.compacted.push_back(t);
+    return admit(std::move(t), false, false);
+  }
+
   at::Tensor admit(at::Tensor t, bool exclusive = false, bool mapCpu = true) {
     // The peer's CUDA device of the tensor's bytes: >= 0 through a device
     // channel, hostToDevice(d) as host bytes landed there; -1: CPU.
@@ -175,7 +182,8 @@ class StoragePlan {
     }
     TORCH_CHECK(
         !t.is_quantized() && !c10::isQIntType(t.scalar_type()),
-        "TORCH_RPC_EXT cannot send quantized tensors");
+        "TORCH_RPC_EXT sends quantized tensors as tensors of their own "
+        "only, not as a sparse tensor's values");
     TORCH_CHECK(t.dim() <= int64_t(kMaxDims), "tensor has too many dims");
     int64_t own = static_cast<int64_t>(t.numel() * t.element_size());
     int64_t span = extentBytes(t);
@@ -361,6 +369,46 @@ class StoragePlan {
   c10::SmallVector<at::Tensor, 4> tensors_;
 };
 
+// A message tensor as the head describes it.
+struct Entry {
+  uint8_t layout; // kLayout*
+  at::Tensor dense; // tensor, or values, or a quantized one's integers
+  at::Tensor indices; // sparse: its indices; quantized: per-channel scales
+  at::Tensor original;
+  at::Tensor zeroPoints; // quantized per channel
+};
+
+// A quantized tensor travels as its integers (int_repr(), a copy: quantized
+// tensors are made anew on the receiver, which copies them too) with its
+// quantizer's parameters, as torch's pickler keeps them: per tensor a scale
+// and a zero point, per channel an axis and two tensors of them. CPU only,
+// 8- and 32-bit ones (4x2 and 2x4 pack two or four values per byte).
+Entry admitQuantized(StoragePlan& plan, const at::Tensor& t) {
+  TORCH_CHECK(
+      t.device().is_cpu(),
+      "TORCH_RPC_EXT sends quantized tensors from CPU only, got one on ",
+      t.device());
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK(
+      dtype == at::kQInt8 || dtype == at::kQUInt8 || dtype == at::kQInt32,
+      "TORCH_RPC_EXT cannot send quantized tensors of dtype ",
+      dtype,
+      " (qint8, quint8 and qint32 it can)");
+  const auto scheme = t.qscheme();
+  Entry e{kLayoutQuantized, plan.admitMade(t.int_repr()), {}, t, {}};
+  if (scheme == at::kPerTensorAffine) {
+    return e;
+  }
+  TORCH_CHECK(
+      scheme == at::kPerChannelAffine ||
+          scheme == at::kPerChannelAffineFloatQParams,
+      "TORCH_RPC_EXT cannot send quantized tensors of scheme ",
+      c10::toString(scheme));
+  e.indices = plan.admitMade(t.q_per_channel_scales().contiguous());
+  e.zeroPoints = plan.admitMade(t.q_per_channel_zero_points().contiguous());
+  return e;
+}
+
 } // namespace
 
 int64_t extentBytes(const at::Tensor& t) {
@@ -426,15 +474,10 @@ frame::OutboundFrame encodeMessage(
   StoragePlan plan(*hold, route, message->isRequest());
   plan.copyToHost(message->tensors());
 
-  struct Entry {
-    bool sparse;
-    at::Tensor dense; // tensor, or values
-    at::Tensor indices;
-    at::Tensor original;
-  };
   c10::SmallVector<Entry, 4> entries;
   entries.reserve(message->tensors().size());
-  // The head's bytes, bounded (a sparse tensor writes three tensors' worth).
+  // The head's bytes, bounded (a sparse or quantized tensor writes three
+  // tensors' worth).
   size_t headBound = 32 + trace.size();
   for (const auto& t : message->tensors()) {
     headBound += 3 * (24 + 16 * size_t(t.dim()));
@@ -464,13 +507,27 @@ frame::OutboundFrame encodeMessage(
           ": densify it, or send it to a worker with no such map");
       at::Tensor indices = plan.admit(t._indices(), false, false);
       at::Tensor values = plan.admit(t._values().detach(), false, false);
-      entries.push_back({true, values, indices, t});
+      entries.push_back({kLayoutSparseCoo, values, indices, t, {}});
+    } else if (t.is_quantized()) {
+      entries.push_back(admitQuantized(plan, t));
     } else {
+      // (Before the storage is looked at: these have none to show.)
+      TORCH_CHECK(
+          !t.is_nested(),
+          "TORCH_RPC_EXT cannot send nested tensors (send their components: "
+          "t.unbind())");
+      TORCH_CHECK(
+          t.layout() == at::kStrided,
+          "TORCH_RPC_EXT cannot send tensors of layout ",
+          t.layout(),
+          " (strided and sparse COO ones it can: t.to_dense() or "
+          "t.to_sparse())");
       // Only a provided storage can be handed back: skip the check (atomics
       // and a look at the Python wrapper) for every other tensor.
       bool exclusive =
           viewsProvidedMemory(t.storage()) && reachableOnlyThrough(t);
-      entries.push_back({false, plan.admit(t, exclusive), at::Tensor(), t});
+      entries.push_back(
+          {kLayoutStrided, plan.admit(t, exclusive), at::Tensor(), t, {}});
     }
   }
 
@@ -489,8 +546,24 @@ frame::OutboundFrame encodeMessage(
   w.put<int64_t>(id);
   w.put<uint32_t>(static_cast<uint32_t>(entries.size()));
   for (const auto& e : entries) {
-    if (!e.sparse) {
+    if (e.layout == kLayoutStrided) {
       w.put<uint8_t>(kLayoutStrided);
+      plan.describe(w, e.dense);
+      continue;
+    }
+    if (e.layout == kLayoutQuantized) {
+      const at::Tensor& q = e.original;
+      w.put<uint8_t>(kLayoutQuantized);
+      w.put<uint8_t>(static_cast<uint8_t>(q.scalar_type()));
+      w.put<uint8_t>(static_cast<uint8_t>(q.qscheme()));
+      if (q.qscheme() == at::kPerTensorAffine) {
+        w.put<double>(q.q_scale());
+        w.put<int64_t>(q.q_zero_point());
+      } else {
+        w.put<uint8_t>(static_cast<uint8_t>(q.q_per_channel_axis()));
+        plan.describe(w, e.indices);
+        plan.describe(w, e.zeroPoints);
+      }
       plan.describe(w, e.dense);
       continue;
     }

@@ -218,11 +218,20 @@ class InboundMessage {
   };
   struct TensorMeta {
     bool sparse;
-    DenseMeta dense; // the tensor itself, or the values of a sparse one
-    DenseMeta indices; // sparse only
+    bool quantized;
+    // The tensor itself, the values of a sparse one, or the integers of a
+    // quantized one.
+    DenseMeta dense;
+    DenseMeta indices; // sparse only; quantized per channel: the scales
+    DenseMeta zeroPoints; // quantized per channel
     c10::SmallVector<int64_t, 4> sparseSizes;
     bool coalesced;
     bool requiresGrad;
+    c10::ScalarType qdtype; // quantized: qint8, quint8 or qint32
+    c10::QScheme qscheme;
+    double scale; // quantized per tensor
+    int64_t zeroPoint;
+    int64_t axis; // quantized per channel
   };
 
  private:

@@ -21,6 +21,7 @@ constexpr uint8_t kLayoutStrided = 0;
 // the tensors (a u8 length, then its bytes).
 constexpr uint32_t kTraceFlag = 0x80000000u;
 constexpr uint8_t kLayoutSparseCoo = 1;
+constexpr uint8_t kLayoutQuantized = 2;
 constexpr size_t kMaxDims = 64;
 
 // A tensor's device byte in the head: -1 the CPU, d >= 0 CUDA device d

@@ -14,6 +14,7 @@
 #include "csrc/frame/landed_region.h"
 #include "csrc/wire/codec.h"
 #include "csrc/wire/head.h"
+#include "csrc/wire/inbound_tensors.h"
 
 namespace torch_rpc_ext::wire {
 
@@ -28,107 +29,6 @@ void releaseProvided(void* ctx) {
 namespace {
 
 using namespace detail;
-
-InboundMessage::DenseMeta readDense(
-    HeadReader& r,
-    const std::vector<uint64_t>& segmentSizes) {
-  InboundMessage::DenseMeta m;
-  auto dtype = r.get<uint8_t>("dtype");
-  if (dtype >= static_cast<uint8_t>(c10::ScalarType::NumOptions)) {
-    throw std::invalid_argument("unknown dtype " + std::to_string(dtype));
-  }
-  m.dtype = static_cast<c10::ScalarType>(dtype);
-  if (c10::isQIntType(m.dtype) || m.dtype == c10::ScalarType::Undefined) {
-    throw std::invalid_argument("unsupported dtype " + std::to_string(dtype));
-  }
-  m.requiresGrad = r.get<uint8_t>("requires_grad") != 0;
-  if (m.requiresGrad &&
-      !(c10::isFloatingType(m.dtype) || c10::isComplexType(m.dtype))) {
-    throw std::invalid_argument("requires_grad on a non-floating dtype");
-  }
-  size_t ndim = r.get<uint8_t>("ndim");
-  if (ndim > kMaxDims) {
-    throw std::invalid_argument("too many dims: " + std::to_string(ndim));
-  }
-  m.sizes.resize(ndim);
-  m.strides.resize(ndim);
-  for (auto& s : m.sizes) {
-    s = r.get<int64_t>("size");
-  }
-  for (auto& s : m.strides) {
-    s = r.get<int64_t>("stride");
-  }
-  m.offset = r.get<int64_t>("offset");
-  m.segment = r.get<uint32_t>("segment");
-  const int8_t device = r.get<int8_t>("device");
-  // hostToDevice(d) (head.h): host bytes that land on CUDA device d.
-  m.hostCarried = device <= -2;
-  m.device = m.hostCarried ? static_cast<int8_t>(-2 - device) : device;
-  if (m.segment == 0 || m.segment >= segmentSizes.size()) {
-    throw std::invalid_argument(
-        "tensor refers to segment " + std::to_string(m.segment) + " of " +
-        std::to_string(segmentSizes.size()));
-  }
-  // The span this tensor touches must lie inside its segment; check with
-  // overflow-safe arithmetic.
-  const int64_t kMax = std::numeric_limits<int64_t>::max() / 2;
-  int64_t item = static_cast<int64_t>(c10::elementSize(m.dtype));
-  if (m.offset < 0 || m.offset > kMax / item) {
-    throw std::invalid_argument("bad storage offset");
-  }
-  bool empty = false;
-  int64_t last = 0;
-  for (size_t d = 0; d < ndim; ++d) {
-    if (m.sizes[d] < 0 || m.strides[d] < 0 || m.sizes[d] > kMax ||
-        m.strides[d] > kMax) {
-      throw std::invalid_argument("negative or huge size/stride");
-    }
-    if (m.sizes[d] == 0) {
-      empty = true;
-      continue;
-    }
-    if (m.strides[d] != 0 && (m.sizes[d] - 1) > (kMax - last) / m.strides[d]) {
-      throw std::invalid_argument("tensor extent overflows");
-    }
-    last += (m.sizes[d] - 1) * m.strides[d];
-  }
-  if (!empty) {
-    if (last > kMax / item - m.offset - 1) {
-      throw std::invalid_argument("tensor extent overflows");
-    }
-    uint64_t end = uint64_t(m.offset + last + 1) * uint64_t(item);
-    if (end > segmentSizes[m.segment]) {
-      throw std::invalid_argument(
-          "tensor needs " + std::to_string(end) +
-          " bytes but its segment has " +
-          std::to_string(segmentSizes[m.segment]));
-    }
-  }
-  return m;
-}
-
-// Whether `m` describes more elements than its segment holds. Zero strides
-// let a few bytes stand for any number of elements: fine for a dense tensor
-// (a broadcast view costs nothing to receive), not for sparse indices, which
-// finish() reads one by one to validate them.
-bool moreElementsThanSegment(
-    const InboundMessage::DenseMeta& m,
-    const std::vector<uint64_t>& segmentSizes) {
-  for (int64_t s : m.sizes) {
-    if (s == 0) {
-      return false;
-    }
-  }
-  uint64_t room = segmentSizes[m.segment] / c10::elementSize(m.dtype);
-  uint64_t n = 1;
-  for (int64_t s : m.sizes) {
-    if (uint64_t(s) > room / n) {
-      return true;
-    }
-    n *= uint64_t(s);
-  }
-  return false;
-}
 
 // A pooled block owned by a storage: returned to its pool (which it keeps
 // alive) when the last tensor viewing it dies, on whatever thread that is.
@@ -162,35 +62,6 @@ c10::Storage allocateSegment(
       std::move(data),
       /*allocator=*/nullptr,
       /*resizable=*/false);
-}
-
-at::Tensor buildDense(
-    const InboundMessage::DenseMeta& m,
-    const std::vector<c10::Storage>& storages,
-    const std::vector<uint64_t>& storageOffsets) {
-  // A view of the segment's storage, made directly as torch's empty()
-  // makes a tensor (at::detail::empty_generic): at::empty() then set_()
-  // went through the dispatcher twice and allocated a buffer only to drop
-  // it (a sixth of a transport loop's time reading pipelined responses:
-  // docs/performance.md). readDense() has already checked that the span
-  // lies inside the segment, as set_() would.
-  int64_t offset = m.offset;
-  if (m.device >= 0 && !storageOffsets.empty()) {
-    // A segment landed in a shared device storage starts at its offset
-    // there (a multiple of 256 bytes: whole elements of any dtype).
-    offset += static_cast<int64_t>(storageOffsets.at(m.segment - 1)) /
-        static_cast<int64_t>(c10::elementSize(m.dtype));
-  }
-  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
-      c10::Storage(storages.at(m.segment - 1)),
-      c10::DispatchKeySet(
-          m.device >= 0 ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU),
-      caffe2::TypeMeta::fromScalarType(m.dtype));
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(m.sizes, m.strides, offset);
-  if (m.requiresGrad) {
-    t.requires_grad_(true);
-  }
-  return t;
 }
 
 } // namespace
@@ -232,6 +103,8 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
     if (layout == kLayoutStrided) {
       t.sparse = false;
       t.dense = readDense(r, segmentSizes);
+    } else if (layout == kLayoutQuantized) {
+      readQuantized(r, segmentSizes, t);
     } else if (layout == kLayoutSparseCoo) {
       t.sparse = true;
       t.requiresGrad = r.get<uint8_t>("requires_grad") != 0;
@@ -312,6 +185,19 @@ std::shared_ptr<InboundMessage> InboundMessage::prepare(
   };
   for (const auto& t : m->tensors_) {
     place(t.dense);
+    if (t.quantized) {
+      for (const DenseMeta* d : {&t.dense, &t.indices, &t.zeroPoints}) {
+        if (t.qscheme == c10::kPerTensorAffine && d != &t.dense) {
+          continue;
+        }
+        if (d->device >= 0 || d->hostCarried) {
+          throw std::invalid_argument("a quantized tensor on a CUDA device");
+        }
+        if (d != &t.dense) {
+          place(*d);
+        }
+      }
+    }
     if (t.sparse) {
       if (t.dense.device >= 0 || t.indices.device >= 0 || t.dense.hostCarried ||
           t.indices.hostCarried) {
@@ -542,6 +428,10 @@ c10::intrusive_ptr<rpc::Message> InboundMessage::finish(
   std::vector<at::Tensor> tensors;
   tensors.reserve(tensors_.size());
   for (const auto& t : tensors_) {
+    if (t.quantized) {
+      tensors.push_back(buildQuantized(t, storages_, storageOffsets_));
+      continue;
+    }
     if (!t.sparse) {
       tensors.push_back(buildDense(t.dense, storages_, storageOffsets_));
       continue;

@@ -185,6 +185,12 @@ def codec_seeds():
         "sparse-hybrid": enc([sparse(torch.tensor([[0, 2]]), torch.ones(2, 3),
                                      (4, 3))]),
         "mixed": enc([x, sparse(i, v, (2, 3)), base[5:9]]),
+        "quantized": enc([torch.quantize_per_tensor(x, 0.5, 3, torch.qint8),
+                          torch.quantize_per_channel(x, torch.tensor([0.1, 0.2, 0.3]),
+                                                     torch.tensor([0, 1, 2]), 0, torch.quint8),
+                          torch.quantize_per_channel(x.t(), torch.tensor([0.1, 0.2, 0.3]),
+                                                     torch.tensor([0.0, 1.0, 2.0]), 1,
+                                                     torch.quint8)]),
     }
     for name, (head, segments) in cases.items():
         write("codec", name, codec_input(head, segments))

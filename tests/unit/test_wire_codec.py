@@ -99,10 +99,88 @@ def test_sparse_coo_round_trip():
     assert torch.equal(y.to_dense(), s.to_dense())
 
 
-def test_unmapped_cuda_other_devices_and_quantized_tensors_are_refused_at_encode():
-    q = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
-    with pytest.raises(RuntimeError, match="quantized"):
+def quantized_cases():
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(3))
+    per_channel = (torch.tensor([0.1, 0.2, 0.05]), torch.tensor([0, 3, 2]))
+    return [
+        torch.quantize_per_tensor(x, 0.1, 3, torch.qint8),
+        torch.quantize_per_tensor(x, 0.05, 128, torch.quint8),
+        torch.quantize_per_tensor(x, 0.001, -7, torch.qint32),
+        torch.quantize_per_tensor(x, 0.1, 3, torch.qint8).t(),  # a view
+        torch.quantize_per_tensor(torch.tensor(1.5), 0.5, 0, torch.quint8),  # 0-dim
+        torch.quantize_per_channel(x, *per_channel, 0, torch.qint8),
+        torch.quantize_per_channel(x.t(), *per_channel, 1, torch.quint8),
+        torch.quantize_per_channel(x, per_channel[0], per_channel[1].float(), 0, torch.quint8),
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions")
+def test_quantized_tensors_round_trip():
+    # As TensorPipe's (torch's pickler) sends them: the integers, the scheme
+    # and its parameters. Before session 98 they were refused.
+    sent = quantized_cases()
+    out, _, _ = roundtrip(sent)
+    for x, y in zip(sent, out):
+        assert y.is_quantized and y.dtype == x.dtype and y.qscheme() == x.qscheme()
+        assert y.shape == x.shape and torch.equal(y.int_repr(), x.int_repr())
+        assert torch.equal(y.dequantize(), x.dequantize())
+        if x.qscheme() == torch.per_tensor_affine:
+            assert (y.q_scale(), y.q_zero_point()) == (x.q_scale(), x.q_zero_point())
+        else:
+            assert y.q_per_channel_axis() == x.q_per_channel_axis()
+            assert torch.equal(y.q_per_channel_scales(), x.q_per_channel_scales())
+            assert torch.equal(y.q_per_channel_zero_points(), x.q_per_channel_zero_points())
+
+
+def quantized_head(scales=3, zero_points=3, axis=0, qdtype=12, integers=1, scheme=1,
+                   scales_dtype=7, zero_points_dtype=4):
+    """A per-channel quantized [3, 4] tensor (quint8, ints in segment 1,
+    scales in 2, zero points in 3), with what a peer could get wrong."""
+    def dense(dtype, sizes, segment):
+        return (struct.pack("<BBB", dtype, 0, len(sizes)) + struct.pack(f"<{len(sizes)}q", *sizes)
+                + struct.pack(f"<{len(sizes)}q", *([1] if len(sizes) == 1 else [4, 1]))
+                + struct.pack("<qIb", 0, segment, -1))
+    h = struct.pack("<Iqi", PYTHON_CALL, 7, 1) + struct.pack("<BBBB", 2, qdtype, scheme, axis)
+    h += dense(scales_dtype, (scales,), 2) + dense(zero_points_dtype, (zero_points,), 3)
+    return h + dense(integers, (3, 4), 1)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({}, None),
+        ({"scales": 2}, "per-channel parameters do not fit it"),  # read past their end
+        ({"zero_points": 1}, "per-channel parameters do not fit it"),
+        ({"axis": 2}, "per-channel parameters do not fit it"),
+        ({"scales_dtype": 6}, "per-channel parameters do not fit it"),
+        ({"zero_points_dtype": 6}, "per-channel parameters do not fit it"),
+        ({"integers": 0}, "integers are not of its dtype"),
+        ({"qdtype": 16}, "unknown quantized dtype 16"),  # quint4x2
+        ({"scheme": 9}, "unknown qscheme 9"),
+    ],
+)
+def test_a_quantized_tensor_that_does_not_fit_its_parameters_is_rejected(bad, match):
+    head = quantized_head(**bad)
+    segments = [b"", bytes(12), bytes(8 * 3), bytes(8 * 3)]
+    if match is None:
+        _, _, _, (t,) = _testing.decode_message(head, segments)
+        assert t.is_quantized and t.shape == (3, 4) and t.qscheme() == torch.per_channel_affine
+        return
+    with pytest.raises(ValueError, match=match):
+        _testing.decode_message(head, segments)
+
+
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions")
+def test_unmapped_cuda_other_devices_and_layouts_are_refused_at_encode():
+    q = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint4x2)
+    with pytest.raises(RuntimeError, match="cannot send quantized tensors of dtype QUInt4x2"):
         _testing.encode_message(PYTHON_CALL, b"", [q], 1)
+    csr = torch.eye(3).to_sparse_csr()
+    with pytest.raises(RuntimeError, match="cannot send tensors of layout SparseCsr"):
+        _testing.encode_message(PYTHON_CALL, b"", [csr], 1)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(RuntimeError, match="cannot send nested tensors"):
+        _testing.encode_message(PYTHON_CALL, b"", [nested], 1)
     meta = torch.empty(2, device="meta")
     with pytest.raises(RuntimeError, match="sends CPU and CUDA tensors, got a tensor on meta"):
         _testing.encode_message(PYTHON_CALL, b"", [meta], 1)
