@@ -218,7 +218,7 @@ def _encode_outputs(outs: list) -> str:
 
 def _decode_outputs(text: str) -> list:
     count, *entries = text.split("|")
-    if int(count) != len(entries):
+    if not count.isdigit() or int(count) != len(entries):
         raise ValueError(f"malformed compiled-call outputs {text!r}")
     outs = []
     for entry in entries:

@@ -112,16 +112,27 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   auto encodeSpan =
       RemoteProfiling::span(profile.get(), "torch_rpc_ext::encode");
   std::optional<wire::DeviceRoute> route;
-  if (!options_.devices.empty() || !options_.deviceMaps.empty() ||
-      !deviceMap.empty() || AgentDevices::needsRoute({}, {}, *message)) {
-    // A per-call map (dist autograd's backward pass) overrides the options'.
-    route = devices_.routeTo(
-        to.name_, deviceMap.empty() ? getDeviceMap(to) : deviceMap);
+  frame::OutboundFrame frame;
+  try {
+    if (!options_.devices.empty() || !options_.deviceMaps.empty() ||
+        !deviceMap.empty() || AgentDevices::needsRoute({}, {}, *message)) {
+      // A per-call map (dist autograd's backward pass) overrides the
+      // options'.
+      route = devices_.routeTo(
+          to.name_, deviceMap.empty() ? getDeviceMap(to) : deviceMap);
+    }
+    // The caller's trace context, where torch_rpc_ext.tracing set one for
+    // this thread's call (tracing.h).
+    frame = wire::encodeMessage(
+        message, id, route ? &*route : nullptr, tracing::outgoing());
+  } catch (...) {
+    // A tensor it cannot send (no device map for its device, a layout or
+    // dtype it has no encoding for): never sent, so the forks of our RRefs
+    // it carries are held by nobody. (Kept until session 98: "Leaking
+    // RRef", a graceful shutdown 100 s later.)
+    rrefs_.dropCarried(*message);
+    throw;
   }
-  // The caller's trace context, where torch_rpc_ext.tracing set one for
-  // this thread's call (tracing.h).
-  frame::OutboundFrame frame = wire::encodeMessage(
-      message, id, route ? &*route : nullptr, tracing::outgoing());
   AgentDevices::recordCudaUse(*message);
   uint64_t wireBytes = frame.wireSize();
   const size_t storages = frame.segments.size() - 1; // (the payload's)

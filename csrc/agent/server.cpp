@@ -237,7 +237,12 @@ uint64_t Server::respond(
   }
   uint64_t bytes = frame.wireSize();
   try {
-    conn.write(std::move(frame));
+    if (!conn.write(std::move(frame))) {
+      // The connection closed before the answer was queued: it reached
+      // nobody, nor did the forks of our RRefs it carries.
+      rrefs_.dropForks(returned);
+      rrefs_.dropCarried(*response);
+    }
   } catch (const std::exception& e) {
     // Refused by the connection before anything was queued (a segment no
     // channel of it carries): the caller gets the error as its response.

@@ -27,8 +27,8 @@ namespace torch_rpc_ext::wire {
 // the payload's.
 constexpr size_t kMaxStorages = (size_t(1) << 16) - 1;
 // The most bytes of tensor metadata (the head) one message may carry:
-// frame::FrameLimits::maxHeadBytes, on both ends. Each tensor takes 24 to
-// 16 per dim more of it (a view each, of one storage or many).
+// frame::FrameLimits::maxHeadBytes, on both ends. A strided tensor's entry
+// takes 17 + 16 per dim of it (a view each, of one storage or many).
 constexpr size_t kMaxHeadBytes = size_t(1) << 24;
 
 namespace rpc = torch::distributed::rpc;

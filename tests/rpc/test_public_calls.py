@@ -420,6 +420,17 @@ def too_many_tensors(rank, world_size):
         except RuntimeError as e:
             out["request"] = str(e)
         out["own_forks_left"] = rref_forks()
+        # A tensor it has no encoding for (a nested one) beside an RRef of
+        # ours: refused while encoding, the fork dropped too (before
+        # session 98 it was kept).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (nested tensors are a prototype)
+            nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+        try:
+            rpc.rpc_sync("worker1", echo, args=(rpc.RRef(torch.ones(1)), nested))
+        except RuntimeError as e:
+            out["unsendable"] = str(e)
+        out["own_forks_after_unsendable"] = rref_forks()
         try:
             rpc.rpc_sync("worker1", many_views, args=(120_000,))
         except RuntimeError as e:
@@ -429,12 +440,14 @@ def too_many_tensors(rank, world_size):
     return out
 
 
-def test_more_tensors_than_a_head_describes_are_refused_at_send():
+def test_a_message_refused_at_send_names_why_and_drops_its_forks():
     out = run_world(too_many_tensors, timeout=90)[0]
     assert "RPC message to worker1 describes 120000 tensors in" in out["request"], out
     assert "bytes of metadata: at most 16777216" in out["request"], out
     assert "torch.stack or torch.cat" in out["request"], out
     assert out["own_forks_left"] == (0, 0), out
+    assert "cannot send nested tensors" in out["unsendable"], out
+    assert out["own_forks_after_unsendable"] == (0, 0), out
     assert "RPC response describes 120000 tensors in" in out["response"], out
     assert out["after"] == 2
 

@@ -88,7 +88,7 @@ def test_compiled_call_outputs_round_trip():
     assert text == "3|float32:4,3|bfloat16:|int64:0"
     assert scripting._decode_outputs(text) == outs
     assert scripting._decode_outputs(scripting._encode_outputs([])) == []
-    for bad in ("2|float32:4", "1|float33:4", "1|Tensor:4"):
+    for bad in ("2|float32:4", "1|float33:4", "1|Tensor:4", "x|float32:4", "-1"):
         with pytest.raises(ValueError, match="malformed compiled-call outputs"):
             scripting._decode_outputs(bad)
 
