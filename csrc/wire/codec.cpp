@@ -103,10 +103,6 @@ class StoragePlan {
     }
   }
 
-  // A tensor that can be sent as is: compact it first if its span would
-  // waste more than half the bytes on the wire. `exclusive`: the message is
-  // the tensor's only holder (reachableOnlyThrough, checked by the caller
-  // before it took its own references).
   // A tensor made for the message (nothing else holds it): held with the
   // frame until it is written.
   at::Tensor admitMade(at::Tensor t) {
@@ -114,6 +110,10 @@ class StoragePlan {
     return admit(std::move(t), false, false);
   }
 
+  // A tensor that can be sent as is: compact it first if its span would
+  // waste more than half the bytes on the wire. `exclusive`: the message is
+  // the tensor's only holder (reachableOnlyThrough, checked by the caller
+  // before it took its own references).
   at::Tensor admit(at::Tensor t, bool exclusive = false, bool mapCpu = true) {
     // The peer's CUDA device of the tensor's bytes: >= 0 through a device
     // channel, hostToDevice(d) as host bytes landed there; -1: CPU.

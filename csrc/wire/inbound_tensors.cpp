@@ -181,6 +181,16 @@ void readQuantized(
     throw std::invalid_argument(
         "a quantized tensor's integers are not of its dtype");
   }
+  // Torch's constructors copy every element: zero strides must not let a
+  // few bytes stand for gigabytes (our sender's are contiguous).
+  for (const InboundMessage::DenseMeta* d :
+       {&t.dense, &t.indices, &t.zeroPoints}) {
+    if ((d == &t.dense || perChannel) &&
+        moreElementsThanSegment(*d, segmentSizes)) {
+      throw std::invalid_argument(
+          "a quantized tensor has more elements than its segment holds");
+    }
+  }
   if (!perChannel) {
     return;
   }

@@ -133,16 +133,15 @@ def test_quantized_tensors_round_trip():
 
 
 def quantized_head(scales=3, zero_points=3, axis=0, qdtype=12, integers=1, scheme=1,
-                   scales_dtype=7, zero_points_dtype=4):
+                   scales_dtype=7, zero_points_dtype=4, sizes=(3, 4), strides=(4, 1)):
     """A per-channel quantized [3, 4] tensor (quint8, ints in segment 1,
     scales in 2, zero points in 3), with what a peer could get wrong."""
-    def dense(dtype, sizes, segment):
+    def dense(dtype, sizes, segment, strides=(1,)):
         return (struct.pack("<BBB", dtype, 0, len(sizes)) + struct.pack(f"<{len(sizes)}q", *sizes)
-                + struct.pack(f"<{len(sizes)}q", *([1] if len(sizes) == 1 else [4, 1]))
-                + struct.pack("<qIb", 0, segment, -1))
+                + struct.pack(f"<{len(sizes)}q", *strides) + struct.pack("<qIb", 0, segment, -1))
     h = struct.pack("<Iqi", PYTHON_CALL, 7, 1) + struct.pack("<BBBB", 2, qdtype, scheme, axis)
     h += dense(scales_dtype, (scales,), 2) + dense(zero_points_dtype, (zero_points,), 3)
-    return h + dense(integers, (3, 4), 1)
+    return h + dense(integers, sizes, 1, strides)
 
 
 @pytest.mark.parametrize(
@@ -157,6 +156,8 @@ def quantized_head(scales=3, zero_points=3, axis=0, qdtype=12, integers=1, schem
         ({"integers": 0}, "integers are not of its dtype"),
         ({"qdtype": 16}, "unknown quantized dtype 16"),  # quint4x2
         ({"scheme": 9}, "unknown qscheme 9"),
+        # 12 bytes standing for 3 x 2^30 integers, which torch would copy.
+        ({"sizes": (3, 1 << 30), "strides": (0, 0)}, "more elements than its segment holds"),
     ],
 )
 def test_a_quantized_tensor_that_does_not_fit_its_parameters_is_rejected(bad, match):
