@@ -404,8 +404,32 @@ Entry admitQuantized(StoragePlan& plan, const at::Tensor& t) {
           scheme == at::kPerChannelAffineFloatQParams,
       "TORCH_RPC_EXT cannot send quantized tensors of scheme ",
       c10::toString(scheme));
-  e.indices = plan.admitMade(t.q_per_channel_scales().contiguous());
-  e.zeroPoints = plan.admitMade(t.q_per_channel_zero_points().contiguous());
+  // Copies: the quantizer's own tensors could also be among the message's
+  // (a span they share would take that tensor's device route).
+  at::Tensor scales =
+      t.q_per_channel_scales().clone(at::MemoryFormat::Contiguous);
+  at::Tensor zeroPoints =
+      t.q_per_channel_zero_points().clone(at::MemoryFormat::Contiguous);
+  const int64_t axis = t.q_per_channel_axis();
+  // What the receiver checks (inbound_tensors.cpp), checked here: one made
+  // with parameters torch took unchecked fails its own call, not the
+  // connection.
+  TORCH_CHECK(
+      axis >= 0 && axis < t.dim() && scales.dim() == 1 &&
+          zeroPoints.dim() == 1 && scales.numel() == t.size(axis) &&
+          zeroPoints.numel() == t.size(axis),
+      "TORCH_RPC_EXT cannot send a quantized tensor whose per-channel "
+      "parameters do not fit it (axis ",
+      axis,
+      " of ",
+      t.dim(),
+      " dims, ",
+      scales.numel(),
+      " scales and ",
+      zeroPoints.numel(),
+      " zero points)");
+  e.indices = plan.admitMade(std::move(scales));
+  e.zeroPoints = plan.admitMade(std::move(zeroPoints));
   return e;
 }
 

@@ -195,7 +195,8 @@ void readQuantized(
     return;
   }
   const bool floatParams = t.qscheme == c10::kPerChannelAffineFloatQParams;
-  if (t.axis >= static_cast<int64_t>(t.dense.sizes.size()) ||
+  if (t.indices.requiresGrad || t.zeroPoints.requiresGrad ||
+      t.axis >= static_cast<int64_t>(t.dense.sizes.size()) ||
       t.indices.sizes.size() != 1 || t.zeroPoints.sizes.size() != 1 ||
       t.indices.sizes[0] != t.dense.sizes[t.axis] ||
       t.zeroPoints.sizes[0] != t.dense.sizes[t.axis] ||
@@ -219,12 +220,14 @@ at::Tensor buildQuantized(
     return at::_make_per_tensor_quantized_tensor(
         integers, t.scale, t.zeroPoint);
   }
-  // (Torch's quantizer reads its parameters as contiguous arrays: a
-  // broadcast view of one would be read past its end.)
+  // Copies too: the quantizer keeps its parameters, and reads them as
+  // contiguous arrays (a broadcast view would be read past its end).
   return at::_make_per_channel_quantized_tensor(
       integers,
-      buildDense(t.indices, storages, storageOffsets).contiguous(),
-      buildDense(t.zeroPoints, storages, storageOffsets).contiguous(),
+      buildDense(t.indices, storages, storageOffsets)
+          .clone(at::MemoryFormat::Contiguous),
+      buildDense(t.zeroPoints, storages, storageOffsets)
+          .clone(at::MemoryFormat::Contiguous),
       t.axis);
 }
 

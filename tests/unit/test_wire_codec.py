@@ -133,14 +133,16 @@ def test_quantized_tensors_round_trip():
 
 
 def quantized_head(scales=3, zero_points=3, axis=0, qdtype=12, integers=1, scheme=1,
-                   scales_dtype=7, zero_points_dtype=4, sizes=(3, 4), strides=(4, 1)):
+                   scales_dtype=7, zero_points_dtype=4, sizes=(3, 4), strides=(4, 1),
+                   scales_grad=False):
     """A per-channel quantized [3, 4] tensor (quint8, ints in segment 1,
     scales in 2, zero points in 3), with what a peer could get wrong."""
-    def dense(dtype, sizes, segment, strides=(1,)):
-        return (struct.pack("<BBB", dtype, 0, len(sizes)) + struct.pack(f"<{len(sizes)}q", *sizes)
+    def dense(dtype, sizes, segment, strides=(1,), grad=False):
+        return (struct.pack("<BBB", dtype, grad, len(sizes)) + struct.pack(f"<{len(sizes)}q", *sizes)
                 + struct.pack(f"<{len(sizes)}q", *strides) + struct.pack("<qIb", 0, segment, -1))
     h = struct.pack("<Iqi", PYTHON_CALL, 7, 1) + struct.pack("<BBBB", 2, qdtype, scheme, axis)
-    h += dense(scales_dtype, (scales,), 2) + dense(zero_points_dtype, (zero_points,), 3)
+    h += dense(scales_dtype, (scales,), 2, grad=scales_grad)
+    h += dense(zero_points_dtype, (zero_points,), 3)
     return h + dense(integers, sizes, 1, strides)
 
 
@@ -153,6 +155,7 @@ def quantized_head(scales=3, zero_points=3, axis=0, qdtype=12, integers=1, schem
         ({"axis": 2}, "per-channel parameters do not fit it"),
         ({"scales_dtype": 6}, "per-channel parameters do not fit it"),
         ({"zero_points_dtype": 6}, "per-channel parameters do not fit it"),
+        ({"scales_grad": True}, "per-channel parameters do not fit it"),
         ({"integers": 0}, "integers are not of its dtype"),
         ({"qdtype": 16}, "unknown quantized dtype 16"),  # quint4x2
         ({"scheme": 9}, "unknown qscheme 9"),
@@ -175,6 +178,13 @@ def test_a_quantized_tensor_that_does_not_fit_its_parameters_is_rejected(bad, ma
 def test_unmapped_cuda_other_devices_and_layouts_are_refused_at_encode():
     q = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint4x2)
     with pytest.raises(RuntimeError, match="cannot send quantized tensors of dtype QUInt4x2"):
+        _testing.encode_message(PYTHON_CALL, b"", [q], 1)
+    # Per-channel parameters torch took unchecked: refused here, where the
+    # receiver would have closed the connection over them.
+    q = torch._make_per_channel_quantized_tensor(torch.zeros(2, 3, dtype=torch.uint8),
+                                                 torch.tensor([0.1], dtype=torch.float64),
+                                                 torch.tensor([0]), 0)
+    with pytest.raises(RuntimeError, match=r"parameters do not fit it \(axis 0 of 2 dims, 1 scales"):
         _testing.encode_message(PYTHON_CALL, b"", [q], 1)
     csr = torch.eye(3).to_sparse_csr()
     with pytest.raises(RuntimeError, match="cannot send tensors of layout SparseCsr"):
