@@ -33,7 +33,7 @@ STREAM_SOURCES="csrc/transport/stream/connection.cpp csrc/transport/stream/conne
 TARGETS=(
   "frame      -      csrc/frame/frame.cpp"
   "handshake  -      csrc/transport/handshake.cpp csrc/common/crypto.cpp csrc/common/aes_gcm_vaes.cpp csrc/common/libcrypto.cpp"
-  "codec      torch  csrc/wire/codec.cpp csrc/wire/inbound.cpp csrc/wire/inbound_tensors.cpp csrc/wire/inbound_buffers.cpp csrc/common/buffer_pool.cpp"
+  "codec      torch  csrc/wire/codec.cpp csrc/wire/inbound.cpp csrc/wire/inbound_tensors.cpp csrc/wire/inbound_buffers.cpp csrc/wire/storage_reach.cpp csrc/common/buffer_pool.cpp"
   "ring       -      csrc/channel/shm/ring.cpp csrc/common/signal_socket.cpp csrc/common/fd_closer.cpp csrc/common/logging.cpp"
   "slab       -      csrc/channel/shm/slab.cpp csrc/common/fd_closer.cpp csrc/common/logging.cpp"
   "stream     cuda   $STREAM_SOURCES"
