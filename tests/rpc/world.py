@@ -2,6 +2,7 @@
 """Run a function on N forked worker processes and collect what each returns."""
 
 import faulthandler
+import gc
 import os
 import pickle
 import queue as queue_module
@@ -115,6 +116,12 @@ def run_world(
     # A thread of this process holding a lock (logging's, a buffer's) as it
     # forks leaves that lock held in the child for ever: named if one hangs.
     threads = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    # Garbage this process still holds (an earlier test's frames, say, with
+    # a transport endpoint among them) is collected here, where its threads
+    # run: a child collecting it would run its finalizers without them and
+    # could wait for ever (seen in session 98: six worlds hung in
+    # "Garbage-collecting" after an in-process endpoint test failed).
+    gc.collect()
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
