@@ -152,13 +152,6 @@ class Agent final : public rpc::RpcAgent,
       const wire::InboundMessage& in,
       Peer* peer,
       const std::string& cause);
-  // A request that reached nobody (no connection to its destination, or
-  // one that refused it or was closed already): the forks of our RRefs it
-  // carries, `passed` those attributed to its destination, go (kept, they
-  // held a graceful shutdown 100 s: "Leaking RRef").
-  void dropUndelivered(
-      const std::vector<rpc::ForkId>& passed,
-      const rpc::Message& message);
 
   const AgentOptions options_;
   ThreadPool pool_;

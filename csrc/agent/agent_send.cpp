@@ -191,7 +191,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     conn = connections_.connectionTo(*peer);
   } catch (...) {
     calls_.finished();
-    dropUndelivered(passed, *message);
+    rrefs_.dropUndelivered(passed, *message);
     throw;
   }
   RemoteProfiling::markSent(profile.get()); // before the call is visible
@@ -222,10 +222,10 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     auto sendSpan = RemoteProfiling::span(profile.get(), "torch_rpc_ext::send");
     try {
       if (!calls_.write(conn, std::move(frame), id, *peer)) {
-        dropUndelivered(passed, *message);
+        rrefs_.dropUndelivered(passed, *message);
       }
     } catch (...) {
-      dropUndelivered(passed, *message);
+      rrefs_.dropUndelivered(passed, *message);
       throw;
     }
     call_trace::stamp(id, call_trace::kWritten);
@@ -256,11 +256,11 @@ c10::intrusive_ptr<JitFuture> Agent::send(
       std::this_thread::sleep_for(delay);
       try {
         if (!self->calls_.write(conn, std::move(*held), id, *peer)) {
-          self->dropUndelivered(passed, *message);
+          self->rrefs_.dropUndelivered(passed, *message);
         }
       } catch (const std::exception&) {
         // (The call failed with it: Calls::write.)
-        self->dropUndelivered(passed, *message);
+        self->rrefs_.dropUndelivered(passed, *message);
       }
     });
     // A call that times out before its message is even written is returned
@@ -276,13 +276,6 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     }
   }
   return future;
-}
-
-void Agent::dropUndelivered(
-    const std::vector<rpc::ForkId>& passed,
-    const rpc::Message& message) {
-  rrefs_.dropForks(passed); // (a dynamic group's, attributed)
-  rrefs_.dropCarried(message);
 }
 
 frame::InboundBuffers Agent::onFrameHead(

@@ -84,6 +84,16 @@ class RRefGuard {
   // dropped, since nobody will hold them. In any group, static too; forks
   // already attributed to a holder are dropForks()'.
   void dropCarried(const rpc::Message& message);
+  // A message that reached nobody (no connection for it, one that refused
+  // it or closed before queueing it): `attributed`, the forks trackOwnForks()
+  // attributed to its destination, and those it carries otherwise go (kept,
+  // they held a graceful shutdown 100 s: "Leaking RRef").
+  void dropUndelivered(
+      const std::vector<rpc::ForkId>& attributed,
+      const rpc::Message& message) {
+    dropForks(attributed); // (a dynamic group's)
+    dropCarried(message);
+  }
   // What trackForks() does once it has parsed a request (torch's parser
   // needs a running agent): `holder` registered `forkId`, or deleted it.
   void forkRegistered(const rpc::ForkId& forkId, rpc::worker_id_t holder);

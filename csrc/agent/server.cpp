@@ -240,16 +240,14 @@ uint64_t Server::respond(
     if (!conn.write(std::move(frame))) {
       // The connection closed before the answer was queued: it reached
       // nobody, nor did the forks of our RRefs it carries.
-      rrefs_.dropForks(returned);
-      rrefs_.dropCarried(*response);
+      rrefs_.dropUndelivered(returned, *response);
     }
   } catch (const std::exception& e) {
     // Refused by the connection before anything was queued (a segment no
     // channel of it carries): the caller gets the error as its response.
     // Until session 58 it escaped into the loop's log, and the caller
     // waited for its timeout. What the answer carried goes to nobody.
-    rrefs_.dropForks(returned); // (a dynamic group's, attributed)
-    rrefs_.dropCarried(*response);
+    rrefs_.dropUndelivered(returned, *response);
     frame = errorFrame(e, id);
     bytes = frame.wireSize();
     conn.write(std::move(frame));
