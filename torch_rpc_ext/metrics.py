@@ -79,6 +79,12 @@ _AGENT_COUNTERS = {
     "rpc_ext.{}.unauthenticated_closed": (
         "unauthenticated_closed", "Inbound connections closed before they authenticated",
         {"transport": None}),
+    "rpc_ext.{}.sources_held_off": (
+        "sources_held_off", "Source addresses held off for the proofs refused from them",
+        {"transport": None}),
+    "rpc_ext.{}.connections_held_off": (
+        "connections_held_off", "Inbound connections closed unread: their source was held off",
+        {"transport": None}),
     "rpc_ext.rejected_connections": (
         "rejected_connections", "Inbound connections refused (no member, a bad handshake)", {}),
     "rpc_ext.knocks": (

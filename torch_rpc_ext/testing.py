@@ -187,15 +187,19 @@ def lingering_socket(linger_s: int = 60) -> tuple[socket.socket, socket.socket]:
     return client, other
 
 
-def connect_raw(address: str, timeout: float = 5) -> socket.socket:
-    """A plain socket to an agent's "host:port" (tcp) or "@name" (shm) address."""
+def connect_raw(address: str, timeout: float = 5, source: str | None = None) -> socket.socket:
+    """A plain socket to an agent's "host:port" (tcp) or "@name" (shm)
+    address; tcp from the local address ``source`` where given (any of
+    127.0.0.0/8 on loopback: a second "host")."""
     if address.startswith("@"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         sock.connect("\0" + address[1:])
         return sock
     host, port = address.rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=timeout)
+    return socket.create_connection(
+        (host.strip("[]"), int(port)), timeout=timeout,
+        source_address=(source, 0) if source else None)
 
 
 def _proof(secret, role, cn, sn, cid, sid, cinc, sinc):
@@ -234,16 +238,17 @@ def handshake(
     client_id: int = 0,
     incarnation: int = 0,
     stretch: bool = True,
+    source: str | None = None,
 ):
     """Run the client side of the handshake (docs/wire-format.md) as worker
     ``client_id`` of ``incarnation`` (0 in a static group); return (socket,
     server proof ok?): the client proves first, and a server that refuses
     the proof closes without one (False). ``secret`` is a user's, stretched as the agent
     stretches it (torch_rpc_ext/secrets.py), or with ``stretch=False`` the
-    key itself (a secret the group made)."""
+    key itself (a secret the group made). ``source``: as connect_raw's."""
     if stretch:
         secret = _stretched(secret)  # what the agent keys its proofs from
-    sock = connect_raw(address)
+    sock = connect_raw(address, source=source)
     cn, sid, sinc, sn = hello_and_challenge(sock, client_id, incarnation)
     sock.sendall(
         frame_header(PROOF, 32)

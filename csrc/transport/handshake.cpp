@@ -235,6 +235,7 @@ Handshake::Step Handshake::onFrame(const std::string& head) {
     if (!proofMatches(head, proofOf("client"))) {
       peerId_ = -1;
       step.error = kBadSecret;
+      step.proofRefused = true;
       return step;
     }
     if (!admitted()) {

@@ -98,6 +98,9 @@ class Handshake {
     frame::FrameKind replyKind = frame::FrameKind::kHello;
     std::string replyHead;
     bool done = false; // the peer is authenticated
+    // The error is the peer's proof refused (a wrong secret): what a
+    // guesser earns, unlike a malformed or unexpected frame.
+    bool proofRefused = false;
   };
 
   // The channel binding both proofs cover (above); set before the first

@@ -347,12 +347,18 @@ TlsSession::~TlsSession() {
   libssl().SSL_free(ssl_);
 }
 
-std::string TlsSession::errorText(const char* what, int result) const {
+std::string TlsSession::errorText(const char* what, int result, bool* ours)
+    const {
   const Libssl& lib = libssl();
   int e = lib.SSL_get_error(ssl_, result);
   int savedErrno = errno;
   unsigned long first = 0;
   std::string queue = drainErrors(lib, &first);
+  if (ours) {
+    // OpenSSL's reason for an alert the peer sent is 1000 + the alert.
+    const unsigned long reason = first & kReasonMask;
+    *ours = e == kErrorSsl && reason != kUnexpectedEof && reason < 1000;
+  }
   if (e == kErrorZeroReturn) {
     return "peer closed the connection (TLS close_notify)";
   }
@@ -403,7 +409,7 @@ TlsSession::Step TlsSession::handshakeStep(std::string* error) {
   if (r != 1) {
     int e = lib.SSL_get_error(ssl_, r);
     if (e != kErrorWantRead && e != kErrorWantWrite) {
-      *error = errorText("TLS handshake", r);
+      *error = errorText("TLS handshake", r, &refusedPeer_);
       std::string ignored;
       flushLocked(&ignored); // the alert that says why, if the peer listens
       return Step::kFailed;
@@ -420,11 +426,13 @@ TlsSession::Step TlsSession::handshakeStep(std::string* error) {
       *error =
           "the peer did not use the group's key (a TLS server that is not "
           "one of ours?)";
+      refusedPeer_ = true;
       return Step::kFailed;
     }
     if (context_->mutual() && !context_->options_.peerNames.empty()) {
       *error = peerNameMismatch(lib, ssl_, context_->options_.peerNames);
       if (!error->empty()) {
+        refusedPeer_ = true;
         return Step::kFailed;
       }
     }

@@ -141,6 +141,13 @@ class TlsSession {
   enum class Step { kDone, kWantRead, kWantWrite, kFailed };
   // Advance the TLS handshake; kFailed with `error` set.
   Step handshake(std::string* error);
+  // The handshake failed because this end refused the peer (its key,
+  // certificate or name, or bytes that are not TLS as we speak it), not
+  // because the peer went away or refused us (an alert it sent).
+  bool refusedPeer() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return refusedPeer_;
+  }
 
   // Decrypt into `dst`: bytes (>0), 0 if none are ready, -1 when the
   // connection is over, with `error` saying why (the peer closed, or a
@@ -188,7 +195,10 @@ class TlsSession {
   TlsSession(std::shared_ptr<const TlsContext> context, ssl_st* ssl, int fd);
   friend class TlsContext;
   // OpenSSL's error queue and the failing call's result, as text.
-  std::string errorText(const char* what, int result) const;
+  // `ours`, where given: whether this end decided the failure (an SSL
+  // error of its own, not an end of stream or a peer's alert).
+  std::string errorText(const char* what, int result, bool* ours = nullptr)
+      const;
   // send(2) out_ from outSent_: 1 when all of it is on the socket, 0 if the
   // socket is full, -1 with `error`.
   int flushLocked(std::string* error);
@@ -206,6 +216,7 @@ class TlsSession {
   // Bytes sent under the current key (mutex_).
   uint64_t sentUnderKey_ = 0;
   bool sendRefusedByPeer_ = false; // mutex_
+  bool refusedPeer_ = false; // mutex_
 };
 
 } // namespace torch_rpc_ext::transport

@@ -30,12 +30,6 @@ namespace {
 constexpr int kHelloTimeoutMs = 5000;
 constexpr int kAcceptPollMs = 200;
 constexpr size_t kMaxPendingHellos = 64;
-// A source whose hellos fail this often within kStrikeWindow is held off
-// for kHoldOff; kMaxSources sources are remembered at most.
-constexpr uint32_t kMaxHelloFailures = 8;
-constexpr auto kStrikeWindow = std::chrono::seconds(10);
-constexpr auto kHoldOff = std::chrono::seconds(30);
-constexpr size_t kMaxSources = 4096;
 // Revoked tickets are remembered this long (at most kMaxRevoked of them).
 constexpr auto kRevokedKept = std::chrono::seconds(30);
 constexpr size_t kMaxRevoked = 4096;
@@ -432,10 +426,7 @@ void LanesContext::acceptLoop(
 }
 
 bool LanesContext::heldOff(const std::string& source) {
-  std::lock_guard<std::mutex> lock(strikesMutex_);
-  auto it = strikes_.find(source);
-  if (it == strikes_.end() ||
-      it->second.heldOffUntil <= std::chrono::steady_clock::now()) {
+  if (!strikes_.heldOff(source)) {
     return false;
   }
   counters_.hellosRefused.fetch_add(1, std::memory_order_relaxed);
@@ -443,42 +434,13 @@ bool LanesContext::heldOff(const std::string& source) {
 }
 
 void LanesContext::strike(const std::string& source) {
-  auto now = std::chrono::steady_clock::now();
-  std::lock_guard<std::mutex> lock(strikesMutex_);
-  if (strikes_.size() >= kMaxSources && strikes_.count(source) == 0) {
-    // Forget the sources neither striking lately nor held off.
-    for (auto it = strikes_.begin(); it != strikes_.end();) {
-      bool stale = now - it->second.since > kStrikeWindow &&
-          it->second.heldOffUntil <= now;
-      it = stale ? strikes_.erase(it) : std::next(it);
-    }
-    // Then any that is not held off; with every one held off, this
-    // source goes uncounted (a hold-off is never cut short).
-    for (auto it = strikes_.begin();
-         strikes_.size() >= kMaxSources && it != strikes_.end();) {
-      it = it->second.heldOffUntil <= now ? strikes_.erase(it) : std::next(it);
-    }
-    if (strikes_.size() >= kMaxSources) {
-      return;
-    }
-  }
-  Strikes& s = strikes_[source];
-  if (s.count == 0 || now - s.since > kStrikeWindow) {
-    s.since = now;
-    s.count = 0;
-  }
-  if (++s.count >= kMaxHelloFailures && s.heldOffUntil <= now) {
-    s.heldOffUntil = now + kHoldOff;
-    s.count = 0;
+  if (strikes_.strike(source)) {
     counters_.sourcesHeldOff.fetch_add(1, std::memory_order_relaxed);
     logWarningLimited(
         "lanes_held_off",
         "torch_rpc_ext: tcp_lanes: " + source + " sent " +
-            std::to_string(kMaxHelloFailures) +
-            " lane hellos that proved nothing within " +
-            std::to_string(kStrikeWindow.count()) +
-            " s; its lane connections are closed unread for " +
-            std::to_string(kHoldOff.count()) + " s");
+            strikes_.describe("lane hellos that proved nothing") +
+            " (its lane connections closed unread)");
   }
 }
 

@@ -14,6 +14,7 @@
 #include "csrc/channel/channel.h"
 #include "csrc/channel/lanes/lane.h"
 #include "csrc/common/buffer_pool.h"
+#include "csrc/common/source_strikes.h"
 
 namespace torch_rpc_ext::channel::lanes {
 
@@ -98,7 +99,7 @@ struct LanesCounters {
 // use, on a port the kernel picks) and the single-use tickets that admit
 // dialled lanes; its accept thread challenges each lane, reads its Hello,
 // checks its MAC and hands the socket to the channel whose ticket it names
-// (lane.h). A source address whose hellos fail kMaxHelloFailures times
+// (lane.h). A source address whose hellos fail too often (SourceStrikes)
 // within a window is held off (its connections closed at once) for a
 // while, so that guessing costs a prober its address. Thread-safe.
 class LanesContext final : public Context {
@@ -193,12 +194,6 @@ class LanesContext final : public Context {
     std::string helloKey;
     std::chrono::steady_clock::time_point revokedAt{}; // in revoked_
   };
-  // A source address's recent hello failures.
-  struct Strikes {
-    std::chrono::steady_clock::time_point since; // the window's start
-    uint32_t count = 0;
-    std::chrono::steady_clock::time_point heldOffUntil;
-  };
   static void acceptLoop(
       std::weak_ptr<LanesContext> weak,
       std::shared_ptr<AcceptState> state);
@@ -224,8 +219,9 @@ class LanesContext final : public Context {
   std::map<std::string, Listener> listeners_; // by address (mutex_)
   std::map<std::string, Ticket> tickets_; // by ticket bytes (mutex_)
   std::map<std::string, Ticket> revoked_; // lately revoked (mutex_)
-  std::map<std::string, Strikes> strikes_; // by source (accept threads)
-  std::mutex strikesMutex_;
+  // Sources whose hellos failed lately (SourceStrikes' limits: 8 within
+  // 10 s hold a source off for 30 s).
+  SourceStrikes strikes_;
 };
 
 } // namespace torch_rpc_ext::channel::lanes

@@ -253,6 +253,54 @@ std::string StreamConnection::describe() const {
                     : "");
 }
 
+bool StreamConnection::hasQueuedWrites() const {
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (!writes_.empty() || (tls_ && tls_->hasPendingOutput())) {
+      return true;
+    }
+  }
+  // And what a channel writes on sockets of its own (tcp_lanes' stripes):
+  // its frame's record went through us, its bytes not yet. (channels_ is
+  // complete once the state is ready: it is set after them.)
+  if (state_.load() != State::kReady) {
+    return false;
+  }
+  for (const auto& c : channels_) {
+    if (c->hasQueuedSends()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void StreamConnection::strikeSourceFromLoop() {
+  if (!strikes_ || !strikes_->strike(strikeSource_)) {
+    return;
+  }
+  // Rate-limited: whoever can reach the port decides how often.
+  logWarningLimited(
+      "source_held_off",
+      "torch_rpc_ext: " + transportName_ + ": " + strikeSource_ + " made " +
+          strikes_->describe("connections whose proof was refused") +
+          " (its connections closed unread; counted in "
+          "rpc_ext." +
+          transportName_ + ".sources_held_off)");
+}
+
+bool StreamConnection::closedForHeldOffSourceFromLoop() {
+  // Checked at each step before a proof is, not only at accept: a guesser
+  // could open many connections first and prove on each afterwards.
+  if (!strikes_ || !strikes_->heldOff(strikeSource_)) {
+    return false;
+  }
+  closeInternal(
+      "closed before its proof was checked: its source " + strikeSource_ +
+          " is held off for the proofs refused from it lately",
+      false);
+  return true;
+}
+
 std::string StreamConnection::security() const {
   // tls_ never changes once kTls is reached (writeMutex_ orders the two).
   std::lock_guard<std::mutex> lock(writeMutex_);
@@ -362,8 +410,14 @@ void StreamConnection::onConnectedFromLoop() {
 }
 
 bool StreamConnection::onHandshakeFrameFromLoop(std::string head) {
+  if (closedForHeldOffSourceFromLoop()) {
+    return false;
+  }
   Handshake::Step step = handshake_.onFrame(head);
   if (!step.error.empty()) {
+    if (step.proofRefused && !outbound_) {
+      strikeSourceFromLoop();
+    }
     closeInternal(step.error, false);
     return false;
   }

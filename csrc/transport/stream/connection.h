@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "csrc/channel/channel.h"
+#include "csrc/common/source_strikes.h"
 #include "csrc/transport/connection.h"
 #include "csrc/transport/handshake.h"
 #include "csrc/transport/stream/frame_ring.h"
@@ -56,29 +57,19 @@ class StreamConnection : public Connection,
       const std::string& refused = {});
   // Accepted socket: the handshake starts at once. Loop thread.
   void startAcceptedFromLoop();
+  // Accepted, before it starts: a proof of the peer's refused here (a
+  // wrong secret, a failed TLS handshake) counts against `source`
+  // (StreamTransport::acceptedFromLoop holds off those that fail often).
+  void countRefusalsAgainst(
+      std::shared_ptr<SourceStrikes> strikes,
+      std::string source) {
+    strikes_ = std::move(strikes);
+    strikeSource_ = std::move(source);
+  }
 
   bool write(frame::OutboundFrame frame) override;
   void close(const std::string& reason) override;
-  bool hasQueuedWrites() const override {
-    {
-      std::lock_guard<std::mutex> lock(writeMutex_);
-      if (!writes_.empty() || (tls_ && tls_->hasPendingOutput())) {
-        return true;
-      }
-    }
-    // And what a channel writes on sockets of its own (tcp_lanes' stripes):
-    // its frame's record went through us, its bytes not yet. (channels_ is
-    // complete once the state is ready: it is set after them.)
-    if (state_.load() != State::kReady) {
-      return false;
-    }
-    for (const auto& c : channels_) {
-      if (c->hasQueuedSends()) {
-        return true;
-      }
-    }
-    return false;
-  }
+  bool hasQueuedWrites() const override;
   int32_t peerId() const override {
     return peerId_.load();
   }
@@ -276,6 +267,10 @@ class StreamConnection : public Connection,
   // Accepted, and closed (`reset`: reset) by the peer before its first
   // byte: a knock on the listener (knockOnly()), not a failed handshake.
   void closeKnockedFromLoop(bool reset);
+  // Accepted: the peer's proof was refused (countRefusalsAgainst).
+  void strikeSourceFromLoop();
+  // Accepted, mid-handshake: closes it if its source is held off now.
+  bool closedForHeldOffSourceFromLoop();
 
   Loop& loop_;
   const TransportOptions& options_;
@@ -522,6 +517,8 @@ class StreamConnection : public Connection,
   // The peer's proof checked out (loop thread sets): what it sent after it
   // is the peer's, even once it has gone.
   std::atomic<bool> peerProven_{false};
+  std::shared_ptr<SourceStrikes> strikes_; // accepted (loop thread)
+  std::string strikeSource_;
   // The last write failed because the peer closed its end (writeMutex_
   // sets), and closeAfterInputFromLoop() is posted for it.
   std::atomic<bool> peerEndedWrites_{false};

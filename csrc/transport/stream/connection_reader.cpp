@@ -121,7 +121,8 @@ ssize_t StreamConnection::readSocketFromLoop(
               : "peer closed the connection during the handshake (it "
                 "refused us: a different secret or `encryption` setting? "
                 "or it was busy: over its cap on unauthenticated "
-                "connections, or past its handshake_timeout; its log says)",
+                "connections, or past its handshake_timeout; or it holds "
+                "off our address after refused proofs; its log says)",
           false);
       return -1;
     }

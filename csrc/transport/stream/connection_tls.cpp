@@ -47,7 +47,7 @@ StreamConnection::TlsStart StreamConnection::startTlsFromLoop() {
 }
 
 void StreamConnection::driveTlsFromLoop() {
-  if (state_ != State::kTls) {
+  if (state_ != State::kTls || closedForHeldOffSourceFromLoop()) {
     return;
   }
   noteActivity();
@@ -111,6 +111,12 @@ void StreamConnection::driveTlsFromLoop() {
     if (outbound_) {
       closeInternal(reason, false);
     } else {
+      // A TLS client we refused proved nothing: a wrong key or
+      // certificate, or bytes that only began like TLS (one that went
+      // away, or refused us, is no guess).
+      if (tls_->refusedPeer()) {
+        strikeSourceFromLoop();
+      }
       rejectFromLoop(reason);
     }
     return;

@@ -35,6 +35,8 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
       {"polls_on_caller_cpu", loop_.pollsOnCallerCpu()},
       {"poll_moves", loop_.pollMoves()},
       {"unauthenticated_closed", unauthenticatedClosed_.load()},
+      {"sources_held_off", strikes_->sourcesHeldOff()},
+      {"connections_held_off", strikes_->refused()},
       {"frames_sent", loop_.io().frames.load(std::memory_order_relaxed)},
       {"control_frames_sent",
        loop_.io().controlFrames.load(std::memory_order_relaxed)},
@@ -257,6 +259,15 @@ void StreamTransport::acceptedFromLoop(
     return !c || c->isClosed() || c->isReady();
   });
   std::string host = hostOf(peerAddress);
+  // A source whose proofs were refused too often lately is held off: closed
+  // unread, before it costs a connection object or a handshake. (Local
+  // sockets are one source for every process of the host; the listener
+  // checks their user.)
+  const bool local = host == "local";
+  if (!local && strikes_->heldOff(host)) {
+    ::close(fd);
+    return;
+  }
   size_t fromHost = 0;
   for (const auto& u : unauthenticated_) {
     fromHost += u.host == host ? 1 : 0;
@@ -297,6 +308,9 @@ void StreamTransport::acceptedFromLoop(
   }
   auto conn = newConnection(
       fd, /*outbound=*/false, -1, std::move(peerAddress), observer);
+  if (!local) {
+    conn->countRefusalsAgainst(strikes_, host);
+  }
   adopt(conn);
   unauthenticated_.push_back(Unauthenticated{conn, std::move(host)});
   conn->startAcceptedFromLoop();

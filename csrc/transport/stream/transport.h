@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/common/source_strikes.h"
 #include "csrc/transport/stream/loop.h"
 #include "csrc/transport/transport.h"
 
@@ -39,7 +40,8 @@ class StreamTransport : public Transport {
   void stop() override;
   std::map<std::string, uint64_t> counters() const override;
 
-  // Listener, loop thread: a socket accepted for `observer`. Keeps the
+  // Listener, loop thread: a socket accepted for `observer`. Closes it
+  // unread where its source is held off (strikes_); keeps the
   // unauthenticated ones within the caps (TransportOptions), closing the
   // oldest first.
   void acceptedFromLoop(
@@ -93,6 +95,11 @@ class StreamTransport : public Transport {
   };
   std::deque<Unauthenticated> unauthenticated_;
   std::atomic<uint64_t> unauthenticatedClosed_{0};
+  // Sources whose proofs were refused lately (SourceStrikes' limits: 8
+  // within 10 s hold a source off for 30 s); shared with the accepted
+  // connections, which strike.
+  const std::shared_ptr<SourceStrikes> strikes_ =
+      std::make_shared<SourceStrikes>();
 
   Loop loop_;
   std::mutex mutex_;

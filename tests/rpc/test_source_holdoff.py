@@ -1,0 +1,193 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""A source address whose proofs the main listener refuses 8 times within
+10 s is held off for 30 s: its next connections are closed unread, so an
+online guesser pays with its address (docs/security.md, "online guesser").
+Only a refused proof counts (a wrong secret, a failed TLS handshake), not
+garbage, knocks or silence; a neighbour's address is not held off. Between
+transport endpoints of one process (torch_rpc_ext._testing.Endpoint), the
+prober speaking from 127.0.0.3 and the neighbour from 127.0.0.4."""
+
+import socket
+import ssl
+import struct
+import time
+
+import pytest
+
+from torch_rpc_ext.testing import (
+    PROOF,
+    _proof,
+    closed_by_peer,
+    connect_raw,
+    frame_header,
+    handshake,
+    hello_and_challenge,
+    recv_exact,
+)
+
+_testing = pytest.importorskip("torch_rpc_ext._testing")
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "s" * 32
+PROBER = "127.0.0.3"
+NEIGHBOUR = "127.0.0.4"
+FAILURES = 8  # SourceStrikes' default limit
+
+
+def endpoint(self_id, **kwargs):
+    return _testing.Endpoint(self_id, 2, SECRET, "tcp", [], **kwargs)
+
+
+def held_off(server):
+    c = server.counters()["transport"]
+    return c["sources_held_off"], c["connections_held_off"]
+
+
+def answered_with_a_challenge(address, source):
+    """Whether the listener answers a hello from `source` (a held-off
+    source's connection is closed unread)."""
+    sock = connect_raw(address, source=source)
+    try:
+        hello_and_challenge(sock)
+        return True
+    except (ConnectionError, OSError):
+        return False
+    finally:
+        sock.close()
+
+
+def challenged(address):
+    """A connection from the prober that has its challenge, its proof not
+    yet sent: (socket, what the proof covers)."""
+    sock = connect_raw(address, source=PROBER)
+    return sock, hello_and_challenge(sock)
+
+
+def proof_answered(sock, challenge):
+    """Sends the right proof on a challenged connection: whether the
+    listener answered with its own (False: closed unchecked)."""
+    cn, sid, sinc, sn = challenge
+    try:
+        sock.sendall(frame_header(PROOF, 32) + _proof(SECRET.encode(), b"client", cn, sn, 0, sid, 0, sinc))
+        return struct.unpack("<IBBHIIQ", recv_exact(sock, 24))[2] == PROOF
+    except (ConnectionError, OSError):
+        return False
+    finally:
+        sock.close()
+
+
+def until(predicate, what, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def refused_proof(address):
+    sock, ok = handshake(address, b"not-the-secret-at-all-0123456789", stretch=False, source=PROBER)
+    sock.close()
+    return not ok
+
+
+def test_a_source_whose_proofs_are_refused_is_held_off_and_only_it():
+    server = endpoint(0)
+    client = endpoint(1)
+    try:
+        address = server.address
+        # Garbage, knocks and a hello left unproven prove nothing wrong:
+        # never a strike (a port scanner does not lock a host out).
+        for data in (b"GET / HTTP/1.0\r\n\r\n", b"", b"\x00" * 64):
+            s = connect_raw(address, source=PROBER)
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(10)
+            assert closed_by_peer(s)
+            s.close()
+        # Connections opened before the hold-off, to prove on afterwards.
+        early = [challenged(address) for _ in range(2)]
+        for _ in range(FAILURES - 1):
+            assert refused_proof(address)
+        assert held_off(server) == (0, 0)
+        assert answered_with_a_challenge(address, PROBER)
+        assert proof_answered(*early.pop())  # the right proof, not yet held off
+        # The eighth refused proof within 10 s holds the source off.
+        assert refused_proof(address)
+        assert held_off(server)[0] == 1
+        # A connection opened before is closed at its proof, unchecked (or a
+        # guesser would open many first and prove on each afterwards).
+        assert not proof_answered(*early.pop())
+        assert held_off(server) == (1, 1)
+        # Its next connection is closed unread, the right secret or not...
+        assert not answered_with_a_challenge(address, PROBER)
+        sock = connect_raw(address, source=PROBER)
+        sock.settimeout(10)
+        assert closed_by_peer(sock)
+        sock.close()
+        assert held_off(server) == (1, 3)
+        # ...while a neighbour's address and the real peer are served.
+        sock, ok = handshake(address, SECRET.encode(), stretch=False, source=NEIGHBOUR)
+        sock.close()
+        assert ok
+        client.connect(address, 0)
+        assert client.wait_ready(15), client.close_reason()
+        assert held_off(server) == (1, 3)
+    finally:
+        client.close(0)
+        server.close(0)
+
+
+def failed_tls_handshake(address):
+    """A TLS client that offers no key the listener knows (a guesser of a
+    TLS-PSK group's key looks like this to it): its handshake fails."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    sock = connect_raw(address, source=PROBER)
+    try:
+        with ctx.wrap_socket(sock) as tls:
+            tls.recv(1)
+        return False
+    except (ssl.SSLError, OSError):
+        return True
+    finally:
+        sock.close()
+
+
+def test_failed_tls_handshakes_hold_their_source_off():
+    server = endpoint(0, encryption="always")
+    client = endpoint(1, encryption="always")
+    try:
+        address = server.address
+        # Clients that go away mid-handshake refused nothing of ours: no
+        # strike (a health check, a peer that exited).
+        for _ in range(FAILURES + 2):
+            s = connect_raw(address, source=PROBER)
+            s.sendall(b"\x16\x03\x01\x00\x40" + b"\x01" * 8)
+            s.close()
+        until(lambda: sum(server.counters()["transport"][k] for k in (
+            "tls_handshake_failures", "connections_held_off")) >= FAILURES + 2,
+            "the listener never saw the clients go")
+        assert held_off(server) == (0, 0)
+        for _ in range(FAILURES):
+            assert failed_tls_handshake(address)
+        # (The alert that failed the client goes before the listener counts.)
+        until(lambda: held_off(server)[0] == 1, f"not held off: {server.counters()['transport']}")
+        assert held_off(server) == (1, 0)
+        # Closed unread: a connection from the prober sees its end at once,
+        # one from the neighbour waits for its first byte.
+        sock = connect_raw(address, source=PROBER)
+        sock.settimeout(10)
+        assert closed_by_peer(sock)
+        sock.close()
+        sock = connect_raw(address, source=NEIGHBOUR)
+        sock.settimeout(1)
+        assert not closed_by_peer(sock)
+        sock.close()
+        assert held_off(server) == (1, 1)
+        client.connect(address, 0)
+        assert client.wait_ready(15), client.close_reason()
+    finally:
+        client.close(0)
+        server.close(0)
