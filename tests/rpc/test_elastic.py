@@ -47,10 +47,14 @@ def join_with_world_size_0(rank, world_size, store_path):
         rpc_backend_options=options(init_method=f"file://{store_path}"),
     )
     wait_for(lambda: members() == ["worker0", "worker1"], what="both members")
-    out = {"sum": rpc.rpc_sync(f"worker{1 - rank}", torch.add, args=(torch.ones(1), rank)),
-           "events": bool(seen) if rank == 0 else None}
+    out = {"sum": rpc.rpc_sync(f"worker{1 - rank}", torch.add, args=(torch.ones(1), rank))}
     rpc.api._barrier(["worker0", "worker1"])
     rpc.shutdown()
+    # Read once shutdown has run the callbacks up to this worker's own leave
+    # (read before, a loaded host's callback thread could still be behind
+    # the join members() already showed, and a worker that joined second
+    # sees no join at all).
+    out["events"] = bool(seen) if rank == 0 else None
     return out
 
 
