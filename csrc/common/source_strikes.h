@@ -35,9 +35,6 @@ class SourceStrikes {
   // caller says so in its log).
   bool strike(const std::string& source);
 
-  const Limits& limits() const {
-    return limits_;
-  }
   // Hold-offs begun, and connections closed for one.
   uint64_t sourcesHeldOff() const {
     return sourcesHeldOff_.load(std::memory_order_relaxed);

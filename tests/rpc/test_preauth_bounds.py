@@ -252,6 +252,61 @@ def test_sources_that_fill_the_cap_between_them_close_their_own():
         w.stop()
 
 
+def test_a_prober_with_an_address_per_connection_closes_its_own_oldest():
+    """Past the overall cap (512), sources that hold as many connections (a
+    prober with an address for each, tied with a real peer at one) lose the
+    oldest of them: the prober's silent ones, not the peer's handshake under
+    way (before, an arbitrary one of the tied sources)."""
+    import hmac
+    import struct
+
+    from torch_rpc_ext.testing import (
+        PROOF,
+        _proof,
+        _stretched,
+        hello_and_challenge,
+        recv_exact,
+    )
+
+    w = Worker(handshake_timeout=10)
+    idle = []
+    sources = (f"127.0.{1 + i // 250}.{1 + i % 250}" for i in range(1000))
+
+    def silent(n):
+        return [socket.create_connection((host, int(port)), timeout=5,
+                                         source_address=(next(sources), 0)) for _ in range(n)]
+
+    try:
+        host, port = w.addresses["tcp"].rsplit(":", 1)
+        idle += silent(256)
+        # The real peer, younger than those: its hello, the challenge.
+        peer = socket.create_connection((host, int(port)), timeout=5)
+        cn, sid, sinc, sn = hello_and_challenge(peer)
+        # 264 more: 521 in all with the peer, 9 past the cap.
+        idle += silent(264)
+        deadline = time.monotonic() + 6
+        while w.stats()["closed"] < 9 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w.stats()["closed"] >= 9
+        proof = _proof(_stretched(SECRET), b"client", cn, sn, 0, sid, 0, sinc)
+        peer.sendall(frame_header(PROOF, 32) + proof)
+        got = recv_exact(peer, 24 + 32)  # the server's proof: still there
+        assert struct.unpack("<IBBHIIQ", got[:24])[2] == PROOF
+        assert hmac.compare_digest(
+            got[24:], _proof(_stretched(SECRET), b"server", cn, sn, 0, sid, 0, sinc))
+        peer.close()
+        # Those closed were the nine oldest.
+        for s in idle[:9]:
+            s.settimeout(2)
+            assert closed_by_peer(s)
+        idle[9].settimeout(0.3)
+        assert not closed_by_peer(idle[9])
+    finally:
+        for s in idle:
+            s.close()
+        w.stop()
+
+
 def test_a_hello_on_a_plain_socket_still_gets_a_challenge():
     """The bounds leave the protocol alone: a hello from our own user over
     the shm socket and over tcp is answered."""

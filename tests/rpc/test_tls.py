@@ -145,7 +145,7 @@ def test_workers_that_disagree_on_encryption_fail_naming_it():
     # connection, saying why in its log, and each caller's error names it.
     # (An end with encryption on takes TLS from any peer: "auto" and
     # "always" differ only in what they send and what clear text they take.)
-    assert "during the TLS handshake (does the peer have encryption off?)" in errors[0], errors
+    assert "during the TLS handshake (does the peer have encryption off?" in errors[0], errors
     assert "refused us: a different secret or `encryption` setting?" in errors[1], errors
 
 

@@ -105,7 +105,11 @@ void StreamConnection::driveTlsFromLoop() {
   TlsSession::Step step = tls_->handshake(&error);
   if (step == TlsSession::Step::kFailed) {
     if (outbound_ && error.rfind("peer closed", 0) == 0) {
-      error += " during the TLS handshake (does the peer have encryption off?)";
+      error +=
+          " during the TLS handshake (does the peer have encryption off? or "
+          "was it over its cap on unauthenticated connections, or does it "
+          "hold our address off for proofs it refused from it lately? its "
+          "log says)";
     }
     std::string reason = "TLS handshake with " + peerAddress_ + ": " + error;
     if (outbound_) {

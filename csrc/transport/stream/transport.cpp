@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
+#include <string_view>
 #include <unordered_map>
 
 #include "csrc/transport/stream/address.h"
@@ -292,18 +293,19 @@ void StreamTransport::acceptedFromLoop(
     // The oldest of the source holding the most: sources that fill the cap
     // between them (several addresses under the per-source cap) lose their
     // own, not a peer's handshake under way (the oldest of all, before).
-    std::unordered_map<std::string, size_t> bySource;
+    // Of sources holding as many (a prober with an address per connection,
+    // tied with the peer at one each), the one whose oldest came first (the
+    // deque is in accept order): a peer's handshake takes milliseconds, a
+    // prober's silent connections wait out their timeout.
+    std::unordered_map<std::string_view, size_t> bySource;
+    size_t most = 0;
     for (const auto& u : unauthenticated_) {
-      ++bySource[u.host];
+      most = std::max(most, ++bySource[u.host]);
     }
-    auto most = std::max_element(
-        bySource.begin(), bySource.end(), [](const auto& a, const auto& b) {
-          return a.second < b.second;
-        });
     auto it = std::find_if(
         unauthenticated_.begin(),
         unauthenticated_.end(),
-        [&](const Unauthenticated& u) { return u.host == most->first; });
+        [&](const Unauthenticated& u) { return bySource[u.host] == most; });
     evict(it, "unauthenticated connections (its source held the most)");
   }
   auto conn = newConnection(
