@@ -200,22 +200,36 @@ def test_unauthenticated_connections_past_the_cap_close_the_oldest():
         w.stop()
 
 
+def _evicted_and_the_peer_still_proves(w, peer, challenge, evicted):
+    """Waits until the worker closed `evicted` unauthenticated connections
+    to make room, then proves the secret on the real peer's `peer` (whose
+    hello got `challenge`): its handshake was kept, the server proves back."""
+    import hmac
+    import struct
+
+    from torch_rpc_ext.testing import PROOF, _proof, _stretched, recv_exact
+
+    deadline = time.monotonic() + 6
+    while w.stats()["closed"] < evicted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert w.stats()["closed"] >= evicted
+    cn, sid, sinc, sn = challenge
+    proof = _proof(_stretched(SECRET), b"client", cn, sn, 0, sid, 0, sinc)
+    peer.sendall(frame_header(PROOF, 32) + proof)
+    got = recv_exact(peer, 24 + 32)  # the server's proof: still there
+    assert struct.unpack("<IBBHIIQ", got[:24])[2] == PROOF
+    assert hmac.compare_digest(
+        got[24:], _proof(_stretched(SECRET), b"server", cn, sn, 0, sid, 0, sinc))
+    peer.close()
+
+
 def test_sources_that_fill_the_cap_between_them_close_their_own():
     """Five addresses under the per-source cap fill the overall one (512)
     while a real peer's handshake is under way: the one closed to make room
     is the oldest of the source holding the most, not the oldest of all (the
     real peer's, before: a few thousand connections a second from five
     addresses kept every peer from authenticating)."""
-    import hmac
-    import struct
-
-    from torch_rpc_ext.testing import (
-        PROOF,
-        _proof,
-        _stretched,
-        hello_and_challenge,
-        recv_exact,
-    )
+    from torch_rpc_ext.testing import hello_and_challenge
 
     w = Worker(handshake_timeout=10)
     idle = []
@@ -223,24 +237,14 @@ def test_sources_that_fill_the_cap_between_them_close_their_own():
         host, port = w.addresses["tcp"].rsplit(":", 1)
         # The real peer first (the oldest of all): its hello, the challenge.
         peer = socket.create_connection((host, int(port)), timeout=5)
-        cn, sid, sinc, sn = hello_and_challenge(peer)
+        challenge = hello_and_challenge(peer)
         # 127.0.0.2 holds the most (120), four others 100 each: 521 with
         # the peer, 9 past the cap.
         for source, n in (("127.0.0.2", 120), ("127.0.0.3", 100), ("127.0.0.4", 100),
                           ("127.0.0.5", 100), ("127.0.0.6", 100)):
             idle += [socket.create_connection((host, int(port)), timeout=5,
                                               source_address=(source, 0)) for _ in range(n)]
-        deadline = time.monotonic() + 6
-        while w.stats()["closed"] < 9 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert w.stats()["closed"] >= 9
-        proof = _proof(_stretched(SECRET), b"client", cn, sn, 0, sid, 0, sinc)
-        peer.sendall(frame_header(PROOF, 32) + proof)
-        got = recv_exact(peer, 24 + 32)  # the server's proof: still there
-        assert struct.unpack("<IBBHIIQ", got[:24])[2] == PROOF
-        assert hmac.compare_digest(
-            got[24:], _proof(_stretched(SECRET), b"server", cn, sn, 0, sid, 0, sinc))
-        peer.close()
+        _evicted_and_the_peer_still_proves(w, peer, challenge, evicted=9)
         # Those closed were 127.0.0.2's oldest.
         idle[0].settimeout(2)
         assert closed_by_peer(idle[0])
@@ -257,16 +261,7 @@ def test_a_prober_with_an_address_per_connection_closes_its_own_oldest():
     prober with an address for each, tied with a real peer at one) lose the
     oldest of them: the prober's silent ones, not the peer's handshake under
     way (before, an arbitrary one of the tied sources)."""
-    import hmac
-    import struct
-
-    from torch_rpc_ext.testing import (
-        PROOF,
-        _proof,
-        _stretched,
-        hello_and_challenge,
-        recv_exact,
-    )
+    from torch_rpc_ext.testing import hello_and_challenge
 
     w = Worker(handshake_timeout=10)
     idle = []
@@ -281,20 +276,10 @@ def test_a_prober_with_an_address_per_connection_closes_its_own_oldest():
         idle += silent(256)
         # The real peer, younger than those: its hello, the challenge.
         peer = socket.create_connection((host, int(port)), timeout=5)
-        cn, sid, sinc, sn = hello_and_challenge(peer)
+        challenge = hello_and_challenge(peer)
         # 264 more: 521 in all with the peer, 9 past the cap.
         idle += silent(264)
-        deadline = time.monotonic() + 6
-        while w.stats()["closed"] < 9 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert w.stats()["closed"] >= 9
-        proof = _proof(_stretched(SECRET), b"client", cn, sn, 0, sid, 0, sinc)
-        peer.sendall(frame_header(PROOF, 32) + proof)
-        got = recv_exact(peer, 24 + 32)  # the server's proof: still there
-        assert struct.unpack("<IBBHIIQ", got[:24])[2] == PROOF
-        assert hmac.compare_digest(
-            got[24:], _proof(_stretched(SECRET), b"server", cn, sn, 0, sid, 0, sinc))
-        peer.close()
+        _evicted_and_the_peer_still_proves(w, peer, challenge, evicted=9)
         # Those closed were the nine oldest.
         for s in idle[:9]:
             s.settimeout(2)
