@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""The encryption and mutual-TLS options of ``RpcExtBackendOptions``, from
-their arguments or the environment, checked (docs/security.md)."""
+"""The encryption, mutual-TLS and hold-off options of
+``RpcExtBackendOptions``, from their arguments or the environment, checked
+(docs/security.md)."""
 
+import ipaddress
 import os
 from collections.abc import Sequence
 
@@ -31,6 +33,31 @@ def check_peer_names(names: Sequence[str] | None, mutual: bool) -> tuple[str, ..
             "certificates there are no names to check"
         )
     return names
+
+
+def check_hold_off_exempt(entries: Sequence[str] | None) -> tuple[str, ...]:
+    """``hold_off_exempt`` from the argument or TORCH_RPC_EXT_HOLD_OFF_EXEMPT
+    (comma-separated), checked: IPv4 or IPv6 addresses and networks
+    (``10.0.0.0/8``, ``fd00::/8``), without host bits past the prefix or a
+    scope; each as ``ipaddress`` writes its network (``10.0.0.7/32``)."""
+    source = "hold_off_exempt"
+    if entries is None:
+        text = os.environ.get("TORCH_RPC_EXT_HOLD_OFF_EXEMPT", "")
+        entries = [e.strip() for e in text.split(",")] if text.strip() else []
+        source = "TORCH_RPC_EXT_HOLD_OFF_EXEMPT"
+    elif isinstance(entries, str) or not all(isinstance(e, str) for e in entries):
+        raise ValueError(f"hold_off_exempt must be a sequence of addresses or networks, got {entries!r}")
+    networks = []
+    for e in entries:
+        try:
+            if "%" in e:
+                raise ValueError("a scoped address names no network")
+            networks.append(str(ipaddress.ip_network(e)))
+        except ValueError as err:
+            raise ValueError(
+                f"{source}: {e!r} is not an address or a network such as 10.0.0.0/8 or fd00::/8 ({err})"
+            ) from None
+    return tuple(networks)
 
 
 def check_encryption(

@@ -83,7 +83,14 @@ _AGENT_COUNTERS = {
         "sources_held_off", "Source addresses held off for the proofs refused from them",
         {"transport": None}),
     "rpc_ext.{}.connections_held_off": (
-        "connections_held_off", "Inbound connections closed unread: their source was held off",
+        "connections_held_off",
+        "Inbound connections closed for their source's hold-off (unread, or at their next "
+        "handshake step, proof unchecked)",
+        {"transport": None}),
+    "rpc_ext.{}.hold_off_exempt_failures": (
+        "hold_off_exempt_failures",
+        "Refused proofs from sources in hold_off_exempt (each would have counted toward a "
+        "hold-off)",
         {"transport": None}),
     "rpc_ext.rejected_connections": (
         "rejected_connections", "Inbound connections refused (no member, a bad handshake)", {}),

@@ -8,7 +8,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from torch_rpc_ext import _C, secrets
-from torch_rpc_ext._tls_options import check_encryption, check_peer_names
+from torch_rpc_ext._tls_options import (
+    check_encryption,
+    check_hold_off_exempt,
+    check_peer_names,
+)
 
 __all__ = ["RpcExtBackendOptions", "DEFAULT_MAX_FRAME_BYTES"]
 
@@ -302,6 +306,17 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             connection; a certificate that matches none fails it naming its
             names. Default ``TORCH_RPC_EXT_TLS_PEER_NAMES`` (comma-separated),
             else ``()``: any certificate the CA signed.
+        hold_off_exempt: Addresses and networks (``"10.0.0.0/8"``,
+            ``"fd00::/8"``, ``"10.1.2.3"``) never held off. A source whose
+            proofs are refused 8 times within 10 s (a wrong secret, a failed
+            TLS handshake) has its connections closed unread for 30 s, on
+            the listener and on tcp_lanes' (docs/security.md, "online
+            guesser"); where several workers share one address (a NAT, a
+            host's other jobs), one started with the wrong secret holds its
+            neighbours off with itself. Listed sources are not held off;
+            their refusals are counted (``hold_off_exempt_failures``).
+            Default ``TORCH_RPC_EXT_HOLD_OFF_EXEMPT`` (comma-separated),
+            else ``()``.
         max_frame_bytes: Largest message accepted or sent; a peer announcing
             more is disconnected before anything is allocated.
         handshake_timeout: Seconds a new connection has to authenticate.
@@ -362,6 +377,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         tls_key: str | None = None,
         tls_ca: str | None = None,
         tls_peer_names: Sequence[str] | None = None,
+        hold_off_exempt: Sequence[str] | None = None,
         max_frame_bytes: int = _DEFAULT["max_frame_bytes"],
         handshake_timeout: float = _DEFAULT["handshake_timeout"],
         heartbeat_timeout: float = _DEFAULT["heartbeat_timeout"],
@@ -447,6 +463,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             raise ValueError(f"secret is too weak to use: {why}")
         encryption, tls_files = check_encryption(encryption, tls_cert, tls_key, tls_ca, _DEFAULT["encryption"])
         tls_peer_names = check_peer_names(tls_peer_names, tls_files[0] is not None)
+        hold_off_exempt = check_hold_off_exempt(hold_off_exempt)
         super().__init__(float(rpc_timeout), init_method)
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
         for to, device_map in (device_maps or {}).items():
@@ -463,6 +480,7 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         self.encryption = encryption
         self.tls_cert, self.tls_key, self.tls_ca = tls_files
         self.tls_peer_names = tls_peer_names
+        self.hold_off_exempt = hold_off_exempt
         self.max_frame_bytes = max_frame_bytes
         self.handshake_timeout = float(handshake_timeout)
         self.heartbeat_timeout = float(heartbeat_timeout)

@@ -61,6 +61,7 @@ std::string Connections::open(const std::string& secret, uint64_t incarnation) {
   topts.tls.keyFile = options_.tlsKey;
   topts.tls.caFile = options_.tlsCa;
   topts.tls.peerNames = options_.tlsPeerNames;
+  topts.holdOffExempt = AddressRanges::parse(options_.holdOffExempt);
   topts.limits.maxFrameBytes = options_.maxFrameBytes;
   topts.handshakeTimeout = options_.handshakeTimeout;
   topts.heartbeatTimeout = options_.heartbeatTimeout;
@@ -137,6 +138,7 @@ std::string Connections::open(const std::string& secret, uint64_t incarnation) {
     if (lanesOnlyEncrypted && name == "tcp_lanes") {
       c->setEncryptedOnly(true);
     }
+    c->exemptFromHoldOff(topts.holdOffExempt);
     if (!c->isViable()) {
       if (!(lanesOnlyEncrypted && name == "tcp_lanes")) {
         unavailable += " " + name + ": " + c->unviableReason();

@@ -68,6 +68,9 @@ struct AgentOptions : rpc::RpcBackendOptions {
   // Mutual TLS: patterns one of a peer certificate's names must match
   // (TlsOptions::peerNames); empty: any the CA signed.
   std::vector<std::string> tlsPeerNames;
+  // Networks whose refused proofs never hold their sources off
+  // (AddressRanges; checked when set).
+  std::vector<std::string> holdOffExempt;
   uint64_t maxFrameBytes = kDefaultMaxFrameBytes;
   std::chrono::milliseconds handshakeTimeout = kDefaultHandshakeTimeout;
   // See TransportOptions::heartbeatTimeout.

@@ -13,6 +13,7 @@
 #include "csrc/agent/options.h"
 #include "csrc/bindings/bind.h"
 #include "csrc/channel/registry.h"
+#include "csrc/common/source_strikes.h"
 #include "csrc/transport/registry.h"
 
 namespace torch_rpc_ext::bindings {
@@ -81,6 +82,7 @@ py::dict optionSpec() {
   spec["cuda_zero_copy"] = py::make_tuple(false, none, none);
   spec["shm_peers_any_user"] = py::make_tuple(false, none, none);
   spec["tls_peer_names"] = py::make_tuple(py::tuple(), none, none);
+  spec["hold_off_exempt"] = py::make_tuple(py::tuple(), none, none);
   spec["cuda_ipc_memory_limit"] =
       py::make_tuple(kDefaultCudaIpcMemoryLimit, uint64_t(0), none);
   spec["max_cached_receive_bytes"] = py::make_tuple(
@@ -179,6 +181,18 @@ void bindOptions(py::module_& m) {
           [](const O& o) { return py::tuple(py::cast(o.tlsPeerNames)); },
           [](O& o, std::vector<std::string> v) {
             o.tlsPeerNames = std::move(v);
+          })
+      .def_property(
+          "hold_off_exempt",
+          [](const O& o) { return py::tuple(py::cast(o.holdOffExempt)); },
+          [](O& o, std::vector<std::string> v) {
+            try {
+              AddressRanges::parse(v);
+            } catch (const std::invalid_argument& e) {
+              throw py::value_error(
+                  std::string("hold_off_exempt: ") + e.what());
+            }
+            o.holdOffExempt = std::move(v);
           })
       .def_readwrite("cuda_ipc_memory_limit", &O::cudaIpcMemoryLimit)
       // Fault injection, set only by torch_rpc_ext.testing.

@@ -513,6 +513,12 @@ void bindTesting(py::module_& m) {
     d["shm_frame_ring_bytes"] = o.frameRingBytes;
     return d;
   });
+  // Whether `source` lies in the networks `entries` (hold_off_exempt).
+  m.def(
+      "address_ranges_contain",
+      [](const std::vector<std::string>& entries, const std::string& source) {
+        return AddressRanges::parse(entries).contains(source);
+      });
 
   // The request of a builtin call, as (payload, tensors), made by ours or
   // (`torchs`) by torch's ScriptCall (builtin_call.h).

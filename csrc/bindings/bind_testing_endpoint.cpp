@@ -47,16 +47,19 @@ class Endpoint final : public transport::ConnectionObserver {
       const std::string& encryption,
       const std::vector<std::string>& tlsFiles,
       double handshakeTimeoutSeconds,
-      double heartbeatTimeoutSeconds) {
+      double heartbeatTimeoutSeconds,
+      const std::vector<std::string>& holdOffExempt) {
+    transport::TransportOptions o;
+    o.holdOffExempt = AddressRanges::parse(holdOffExempt);
     for (const auto& name : channelNames) {
       auto c = channel::createChannel(name);
       if (!c->isViable()) {
         throw std::runtime_error(
             name + " is not viable: " + c->unviableReason());
       }
+      c->exemptFromHoldOff(o.holdOffExempt);
       channels_.push_back(c);
     }
-    transport::TransportOptions o;
     o.selfId = selfId;
     o.peerIdLimit = worldSize;
     o.secret = secret;
@@ -398,7 +401,8 @@ void bindTestingEndpoint(py::module_& m) {
               const std::string&,
               const std::vector<std::string>&,
               double,
-              double>(),
+              double,
+              const std::vector<std::string>&>(),
           py::arg("self_id"),
           py::arg("world_size"),
           py::arg("secret"),
@@ -408,6 +412,7 @@ void bindTestingEndpoint(py::module_& m) {
           py::arg("tls_files") = std::vector<std::string>{},
           py::arg("handshake_timeout") = 0.0,
           py::arg("heartbeat_timeout") = 0.0,
+          py::arg("hold_off_exempt") = std::vector<std::string>{},
           // (A constructor that throws stops the loop it started.)
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("address", &Endpoint::address)

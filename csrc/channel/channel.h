@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "csrc/common/source_strikes.h"
 #include "csrc/frame/frame.h"
 
 namespace torch_rpc_ext::channel {
@@ -473,6 +474,9 @@ class Context : public std::enable_shared_from_this<Context> {
   // start using it themselves on a connection in the clear. A channel
   // without such a mode ignores it.
   virtual void setEncryptedOnly(bool encryptedOnly) {}
+  // Sources whose refused connections never hold them off, for a channel
+  // that listens and holds sources off (tcp_lanes); set before it listens.
+  virtual void exemptFromHoldOff(const AddressRanges& ranges) {}
   // One connection's end, talking through `host` to a peer that published
   // `peerDescriptor` (one this context reaches()).
   virtual std::shared_ptr<Channel> open(

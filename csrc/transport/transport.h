@@ -11,6 +11,7 @@
 
 #include "csrc/channel/channel.h"
 #include "csrc/common/option_defaults.h"
+#include "csrc/common/source_strikes.h"
 #include "csrc/transport/connection.h"
 #include "csrc/transport/handshake.h"
 #include "csrc/transport/tls.h"
@@ -68,6 +69,8 @@ struct TransportOptions {
   // past either, the oldest such connection is closed for the new one.
   size_t maxUnauthenticated = 512;
   size_t maxUnauthenticatedPerHost = 128;
+  // Sources whose refused proofs never hold them off (SourceStrikes).
+  AddressRanges holdOffExempt;
   // A local (Unix) socket is accepted from a process of our own user or
   // root only (SO_PEERCRED), unless this is set.
   bool localPeersAnyUser = false;

@@ -318,15 +318,19 @@ def test_lane_keys_are_replaced_by_volume(monkeypatch):
         w.close()
 
 
+def refused_lane_hellos(port, count, source="127.0.0.3"):
+    for _ in range(count):
+        with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0)) as s:
+            recv_exact(s, CHALLENGE_BYTES, timeout=2)
+            s.sendall(b"TRLN\x02\x00\x00\x00" + os.urandom(32))
+            assert closed_within(s, 5)
+
+
 def test_a_source_whose_hellos_prove_nothing_is_held_off():
     w = Wired(lambda d, u, i: splice(d, u))
     try:
         port = w.taps[0].port
-        for _ in range(8):  # a prober at 127.0.0.3
-            with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.3", 0)) as s:
-                recv_exact(s, CHALLENGE_BYTES, timeout=2)
-                s.sendall(b"TRLN\x02\x00\x00\x00" + os.urandom(32))
-                assert closed_within(s, 5)
+        refused_lane_hellos(port, 8)  # a prober at 127.0.0.3
         counters = [lanes(w.server), lanes(w.client)]
         assert sum(c["sources_held_off"] for c in counters) == 1, counters
         # Held off: closed before any challenge.
@@ -339,6 +343,21 @@ def test_a_source_whose_hellos_prove_nothing_is_held_off():
         payload = w.send_big(8 * MB)
         assert w.received() == (b"big", [payload])
         assert lanes(w.client)["segments"] == 1
+    finally:
+        w.close()
+
+
+def test_an_exempt_source_s_lane_hellos_are_never_held_off():
+    w = Wired(lambda d, u, i: splice(d, u), hold_off_exempt=["127.0.0.3"])
+    try:
+        port = w.taps[0].port
+        refused_lane_hellos(port, 10)
+        counters = [lanes(w.server), lanes(w.client)]
+        assert sum(c["sources_held_off"] for c in counters) == 0, counters
+        assert sum(c["hellos_refused"] for c in counters) == 10, counters
+        # Still answered with a challenge.
+        with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.3", 0)) as s:
+            assert len(recv_exact(s, CHALLENGE_BYTES, timeout=2)) == CHALLENGE_BYTES
     finally:
         w.close()
 

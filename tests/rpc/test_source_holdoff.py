@@ -84,8 +84,8 @@ def until(predicate, what, timeout=30):
         time.sleep(0.02)
 
 
-def refused_proof(address):
-    sock, ok = handshake(address, b"not-the-secret-at-all-0123456789", stretch=False, source=PROBER)
+def refused_proof(address, source=PROBER):
+    sock, ok = handshake(address, b"not-the-secret-at-all-0123456789", stretch=False, source=source)
     sock.close()
     return not ok
 
@@ -135,6 +135,78 @@ def test_a_source_whose_proofs_are_refused_is_held_off_and_only_it():
     finally:
         client.close(0)
         server.close(0)
+
+
+def test_an_exempt_source_is_never_held_off_and_only_it():
+    # hold_off_exempt: where peers share an address (a NAT), a worker with
+    # the wrong secret must not hold its neighbours off.
+    server = endpoint(0, hold_off_exempt=["127.0.0.2/31"])  # .2 and .3: the prober's
+    try:
+        address = server.address
+        for _ in range(FAILURES + 2):
+            assert refused_proof(address)
+        counters = server.counters()["transport"]
+        assert held_off(server) == (0, 0), counters
+        assert counters["hold_off_exempt_failures"] == FAILURES + 2, counters
+        sock, ok = handshake(address, SECRET.encode(), stretch=False, source=PROBER)
+        sock.close()
+        assert ok
+        # The neighbour, outside the network, is held off as before.
+        for _ in range(FAILURES):
+            assert refused_proof(address, NEIGHBOUR)
+        assert held_off(server)[0] == 1
+        assert not answered_with_a_challenge(address, NEIGHBOUR)
+        assert answered_with_a_challenge(address, PROBER)
+        assert held_off(server) == (1, 1)
+        assert server.counters()["transport"]["hold_off_exempt_failures"] == FAILURES + 2
+    finally:
+        server.close(0)
+
+
+def _exempt_through_init_rpc(rank, world_size):
+    import os
+
+    from torch.distributed import rpc
+
+    from tests.rpc.world import init
+    from torch_rpc_ext import metrics
+
+    os.environ["TORCH_RPC_EXT_HOLD_OFF_EXEMPT"] = f"{PROBER}, 10.0.0.0/8"
+    init(rank, world_size, secret=b"hold-off-exempt-secret-0123456789", transports=["tcp"])
+    agent = rpc.api._get_current_rpc_agent()
+    address = agent.get_debug_info()["rpc_ext.listen.tcp"]
+    out = {"refused": [refused_proof(address) for _ in range(FAILURES + 1)]}
+    out["prober_answered"] = answered_with_a_challenge(address, PROBER)
+    for _ in range(FAILURES):
+        refused_proof(address, NEIGHBOUR)
+    out["neighbour_answered"] = answered_with_a_challenge(address, NEIGHBOUR)
+    m = agent.get_metrics()
+    out["metrics"] = {k: int(m[f"rpc_ext.tcp.{k}"]) for k in (
+        "hold_off_exempt_failures", "sources_held_off", "connections_held_off")}
+    try:
+        out["exported"] = {
+            fam.name: [s.value for s in fam.samples if s.labels.get("transport") == "tcp"]
+            for fam in metrics.collector().collect() if fam.name.endswith(("held_off", "exempt_failures"))}
+    except ImportError:  # (no prometheus_client)
+        out["exported"] = None
+    rpc.shutdown()
+    return out
+
+
+def test_the_exemption_reaches_the_listener_from_the_environment_through_init_rpc():
+    from tests.rpc.world import run_world
+
+    out = run_world(_exempt_through_init_rpc, world_size=1)[0]
+    assert out["refused"] == [True] * (FAILURES + 1)
+    assert out["prober_answered"] and not out["neighbour_answered"]
+    assert out["metrics"] == {
+        "hold_off_exempt_failures": FAILURES + 1, "sources_held_off": 1, "connections_held_off": 1}
+    if out["exported"] is not None:
+        assert out["exported"] == {
+            "torch_rpc_ext_hold_off_exempt_failures": [FAILURES + 1],
+            "torch_rpc_ext_sources_held_off": [1],
+            "torch_rpc_ext_connections_held_off": [1],
+        }, out["exported"]
 
 
 def failed_tls_handshake(address):

@@ -93,6 +93,9 @@ def test_bad_options_are_rejected_with_the_reason(kwargs, match):
         ("rpc_timeout", float("inf"), "rpc_timeout must be a finite number"),
         ("heartbeat_timeout", float("nan"), r"heartbeat_timeout must be 0 \(off\)"),
         ("cuda_zero_copy", 1, "cuda_zero_copy must be a bool"),
+        ("hold_off_exempt", ["10.0.0.5/8"], "'10.0.0.5/8' is not an address or a network .host bits"),
+        ("hold_off_exempt", ["10.0.0.0/33"], "its prefix is not 0 to 32"),
+        ("hold_off_exempt", ["localhost"], "'localhost' is not an address or a network"),
     ],
 )
 def test_an_option_set_after_construction_is_checked_as_at_construction(name, bad, match):
@@ -389,6 +392,58 @@ def test_mutual_tls_takes_its_three_files_together(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_RPC_EXT_TLS_CA", str(tmp_path / "missing.pem"))
     with pytest.raises(ValueError, match="TORCH_RPC_EXT_TLS_CA: .* is not a readable file"):
         RpcExtBackendOptions()
+
+
+def test_hold_off_exemptions_are_networks_from_the_argument_or_the_environment(monkeypatch):
+    monkeypatch.delenv("TORCH_RPC_EXT_HOLD_OFF_EXEMPT", raising=False)
+    assert RpcExtBackendOptions().hold_off_exempt == ()
+    o = RpcExtBackendOptions(hold_off_exempt=["10.0.0.0/8", "fd00::/8", "192.168.1.7", "::1"])
+    assert o.hold_off_exempt == ("10.0.0.0/8", "fd00::/8", "192.168.1.7/32", "::1/128")
+    assert _agent_options(o).hold_off_exempt == o.hold_off_exempt
+    # A netmask is written as its prefix, which the core reads.
+    assert RpcExtBackendOptions(hold_off_exempt=["10.0.0.0/255.0.0.0"]).hold_off_exempt == ("10.0.0.0/8",)
+    for bad, match in [
+        ("10.0.0.0/8", "must be a sequence of addresses or networks"),
+        (["10.0.0.5/8"], "'10.0.0.5/8' is not an address or a network .*host bits set"),
+        (["fe80::1%eth0"], "a scoped address names no network"),
+        (["host.example.com"], "'host.example.com' is not an address or a network"),
+    ]:
+        with pytest.raises(ValueError, match=f"^hold_off_exempt.*{match}"):
+            RpcExtBackendOptions(hold_off_exempt=bad)
+    monkeypatch.setenv("TORCH_RPC_EXT_HOLD_OFF_EXEMPT", " 10.0.0.0/8 ,192.168.1.7")
+    assert RpcExtBackendOptions().hold_off_exempt == ("10.0.0.0/8", "192.168.1.7/32")
+    assert RpcExtBackendOptions(hold_off_exempt=()).hold_off_exempt == ()
+    monkeypatch.setenv("TORCH_RPC_EXT_HOLD_OFF_EXEMPT", "10.0.0.0/8,10.1.0.0/8")
+    with pytest.raises(ValueError, match="^TORCH_RPC_EXT_HOLD_OFF_EXEMPT: '10.1.0.0/8' .*host bits"):
+        RpcExtBackendOptions()
+
+
+@pytest.mark.parametrize(
+    "entries, source, inside",
+    [
+        (["10.0.0.0/8"], "10.255.1.2", True),
+        (["10.0.0.0/8"], "11.0.0.1", False),
+        (["10.0.0.0/8"], "10.1.2.3:0", True),  # tcp_lanes names a source with port 0
+        (["192.168.4.0/22"], "192.168.7.255", True),
+        (["192.168.4.0/22"], "192.168.8.0", False),
+        (["127.0.0.3/32"], "127.0.0.3", True),
+        (["127.0.0.3/32"], "127.0.0.4", False),
+        (["0.0.0.0/0"], "203.0.113.9", True),
+        (["0.0.0.0/0"], "::1", False),  # IPv4 networks hold no IPv6 address...
+        (["10.0.0.0/8"], "::ffff:10.0.0.7", True),  # ...but a mapped IPv4 one
+        (["fc00::/7"], "fdff::1", True),
+        (["fc00::/7"], "fc00::1", True),
+        (["fd00::/8"], "fc00::1", False),
+        (["fe80::/10"], "[fe80::1%eth0]:0", True),  # lanes: brackets, scope, port
+        (["fe80::/10"], "fe80::1%eth0", True),
+        (["fe80::/10"], "fec0::1", False),
+        (["::1/128"], "[::1]:0", True),
+        (["10.0.0.0/8", "::1/128"], "local", False),  # the shm listener's name for its peers
+        ([], "10.0.0.1", False),
+    ],
+)
+def test_a_source_lies_in_an_exempt_network_as_the_transports_name_it(entries, source, inside):
+    assert _testing.address_ranges_contain(entries, source) is inside
 
 
 def test_devices_assigned_or_changed_after_construction_still_count():

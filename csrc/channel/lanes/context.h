@@ -128,6 +128,9 @@ class LanesContext final : public Context {
   bool needsNetworkHost() const override {
     return true;
   }
+  void exemptFromHoldOff(const AddressRanges& ranges) override {
+    strikes_.exempt(ranges);
+  }
   // Offers lanes only on encrypted connections (it still dials a peer's
   // offer on any).
   void setEncryptedOnly(bool encryptedOnly) override {

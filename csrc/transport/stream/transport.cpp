@@ -21,7 +21,9 @@ StreamTransport::StreamTransport(
     TransportOptions options,
     const std::string& threadName)
     : options_(std::move(options)),
-      loop_(options_.busyPoll, threadName, options_.followCaller) {}
+      loop_(options_.busyPoll, threadName, options_.followCaller) {
+  strikes_->exempt(options_.holdOffExempt);
+}
 
 StreamTransport::~StreamTransport() {
   stop();
@@ -38,6 +40,7 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
       {"unauthenticated_closed", unauthenticatedClosed_.load()},
       {"sources_held_off", strikes_->sourcesHeldOff()},
       {"connections_held_off", strikes_->refused()},
+      {"hold_off_exempt_failures", strikes_->exemptFailures()},
       {"frames_sent", loop_.io().frames.load(std::memory_order_relaxed)},
       {"control_frames_sent",
        loop_.io().controlFrames.load(std::memory_order_relaxed)},
