@@ -5,7 +5,7 @@
 
 import ipaddress
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 _ENCRYPTION = ("auto", "always", "off")
 _TLS_FILES = (("tls_cert", "TORCH_RPC_EXT_TLS_CERT"), ("tls_key", "TORCH_RPC_EXT_TLS_KEY"),
@@ -45,8 +45,12 @@ def check_hold_off_exempt(entries: Sequence[str] | None) -> tuple[str, ...]:
         text = os.environ.get("TORCH_RPC_EXT_HOLD_OFF_EXEMPT", "")
         entries = [e.strip() for e in text.split(",")] if text.strip() else []
         source = "TORCH_RPC_EXT_HOLD_OFF_EXEMPT"
-    elif isinstance(entries, str) or not all(isinstance(e, str) for e in entries):
-        raise ValueError(f"hold_off_exempt must be a sequence of addresses or networks, got {entries!r}")
+    else:
+        if not isinstance(entries, str) and isinstance(entries, Iterable):
+            entries = tuple(entries)  # (a generator is read once)
+        if isinstance(entries, str) or not isinstance(entries, tuple) or not all(
+                isinstance(e, str) for e in entries):
+            raise ValueError(f"hold_off_exempt must be a sequence of addresses or networks, got {entries!r}")
     networks = []
     for e in entries:
         try:

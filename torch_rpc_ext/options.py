@@ -497,6 +497,8 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
         # checks it (upstream's code sets options this way too).
         if (check := _SCALAR_CHECKS.get(name)) is not None:
             check(value)
+        if name == "hold_off_exempt":  # (normalised as at construction)
+            value = check_hold_off_exempt(value)
         super().__setattr__(name, value)
 
     def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:

@@ -25,6 +25,9 @@ bool addressBytes(const std::string& text, bool* v6, uint8_t* bytes) {
   return ::inet_pton(AF_INET6, text.c_str(), bytes) == 1;
 }
 
+// The first 12 bytes of an IPv4 address mapped into IPv6 (::ffff:a.b.c.d).
+constexpr uint8_t kMapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+
 bool prefixMatches(const uint8_t* a, const uint8_t* b, uint32_t bits) {
   uint32_t whole = bits / 8;
   if (std::memcmp(a, b, whole) != 0) {
@@ -40,6 +43,10 @@ bool prefixMatches(const uint8_t* a, const uint8_t* b, uint32_t bits) {
 AddressRanges AddressRanges::parse(const std::vector<std::string>& entries) {
   AddressRanges out;
   for (const auto& entry : entries) {
+    if (entry.find('\0') != std::string::npos) {
+      throw std::invalid_argument(
+          "an entry holding a NUL byte is not an address or a network");
+    }
     auto bad = [&](const std::string& why) {
       return std::invalid_argument(
           "'" + entry + "' is not an address or a network (" + why + ")");
@@ -65,6 +72,14 @@ AddressRanges AddressRanges::parse(const std::vector<std::string>& entries) {
         }
       }
     }
+    // An IPv4 network written mapped (::ffff:10.0.0.0/104) holds the IPv4
+    // sources it names, as they are named: 10.0.0.0/8.
+    if (r.v6 && r.prefix >= 96 && std::memcmp(r.bytes, kMapped, 12) == 0) {
+      std::memmove(r.bytes, r.bytes + 12, 4);
+      std::memset(r.bytes + 4, 0, 12);
+      r.v6 = false;
+      r.prefix -= 96;
+    }
     out.ranges_.push_back(r);
   }
   return out;
@@ -75,7 +90,7 @@ bool AddressRanges::contains(std::string_view source) const {
     return false;
   }
   // "[v6%scope]:0" and "a.b.c.d:0" as the lanes name a source, the
-  // listener's "a.b.c.d" or "v6%scope": the port and the scope left out.
+  // listener's "a.b.c.d" or "[v6%scope]": the port and the scope left out.
   if (!source.empty() && source.front() == '[') {
     source = source.substr(1, source.find(']') - 1);
   } else if (std::count(source.begin(), source.end(), ':') == 1) {
@@ -89,7 +104,6 @@ bool AddressRanges::contains(std::string_view source) const {
   }
   // An IPv4 peer of a dual-stack socket (::ffff:a.b.c.d) is that IPv4
   // address to the IPv4 networks.
-  static const uint8_t kMapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
   const bool mapped = v6 && std::memcmp(bytes, kMapped, 12) == 0;
   for (const auto& r : ranges_) {
     if (r.v6 == v6 && prefixMatches(r.bytes, bytes, r.prefix)) {

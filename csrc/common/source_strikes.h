@@ -22,10 +22,10 @@ class AddressRanges {
   static AddressRanges parse(const std::vector<std::string>& entries);
 
   // Whether `source` (an address as the transports and channels name it,
-  // a port and an IPv6 scope left out: "10.0.0.7", "10.0.0.7:0",
-  // "fd00::7%eth0", "[fd00::7%eth0]:0"; an IPv4 address of a dual-stack
-  // socket as "::ffff:10.0.0.7") lies in one of the networks. A name that
-  // is no address ("local") lies in none.
+  // a port and an IPv6 scope left out: the listener's "10.0.0.7" and
+  // "[fd00::7%eth0]", tcp_lanes' "10.0.0.7:0" and "[fd00::7%eth0]:0"; an
+  // IPv4 address of a dual-stack socket as "[::ffff:10.0.0.7]") lies in
+  // one of the networks. A name that is no address ("local") lies in none.
   bool contains(std::string_view source) const;
   bool empty() const {
     return ranges_.empty();

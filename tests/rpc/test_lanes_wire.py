@@ -355,6 +355,7 @@ def test_an_exempt_source_s_lane_hellos_are_never_held_off():
         counters = [lanes(w.server), lanes(w.client)]
         assert sum(c["sources_held_off"] for c in counters) == 0, counters
         assert sum(c["hellos_refused"] for c in counters) == 10, counters
+        assert sum(c["hold_off_exempt_failures"] for c in counters) == 10, counters
         # Still answered with a challenge.
         with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.3", 0)) as s:
             assert len(recv_exact(s, CHALLENGE_BYTES, timeout=2)) == CHALLENGE_BYTES

@@ -168,6 +168,7 @@ std::map<std::string, uint64_t> LanesContext::counters() const {
       {"rekeys", counters_.rekeys.load()},
       {"hellos_refused", counters_.hellosRefused.load()},
       {"sources_held_off", counters_.sourcesHeldOff.load()},
+      {"hold_off_exempt_failures", strikes_.exemptFailures()},
       {"hellos_evicted", counters_.hellosEvicted.load()},
       {"hellos_timed_out", counters_.hellosTimedOut.load()},
       {"aes_gcm_vaes", settings_.aesGcmVaes ? 1u : 0u},
