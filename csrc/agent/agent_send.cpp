@@ -216,6 +216,9 @@ c10::intrusive_ptr<JitFuture> Agent::send(
   stats.callsSent.fetch_add(1, std::memory_order_relaxed);
   stats.bytesSent.fetch_add(wireBytes, std::memory_order_relaxed);
   stats.costs.observe(CallCosts::kRequestBytes, kind, wireBytes);
+  // Queued and then dropped unwritten (its connection closed first), it
+  // reached nobody either: its forks go then.
+  frame.ifUnsent = rrefs_.ifUnsent(weak_from_this(), passed, message);
   auto delay =
       faults_ ? faults_->delay(message->type()) : std::chrono::milliseconds(0);
   if (delay.count() == 0) {

@@ -323,6 +323,34 @@ void RRefGuard::dropCarried(const rpc::Message& message) {
   }
 }
 
+std::function<void()> RRefGuard::ifUnsent(
+    std::weak_ptr<void> owner,
+    std::vector<rpc::ForkId> attributed,
+    c10::intrusive_ptr<rpc::Message> message) {
+  return [this,
+          owner = std::move(owner),
+          attributed = std::move(attributed),
+          message = std::move(message)] {
+    auto alive = owner.lock();
+    if (!alive) {
+      return;
+    }
+    // (Run as a holder is let go: nothing may escape.)
+    try {
+      dropUndelivered(attributed, *message);
+    } catch (const std::exception& e) {
+      try {
+        logWarning(
+            "torch_rpc_ext: " + selfName_ +
+            " could not drop the RRef forks of a message never written: " +
+            e.what());
+      } catch (...) {
+      }
+    } catch (...) {
+    }
+  };
+}
+
 size_t RRefGuard::dropOwnerForks(
     const std::function<bool(const rpc::ForkId&)>& drop) {
   return torch_private::dropForks(

@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -94,6 +95,14 @@ class RRefGuard {
     dropForks(attributed); // (a dynamic group's)
     dropCarried(message);
   }
+  // dropUndelivered() for a message whose frame its connection queued and
+  // then dropped unwritten (frame::OutboundFrame::ifUnsent), while `owner`
+  // (the agent that holds us) lives. The frame's keepAlive holds `message`
+  // too, so this never drops its last reference on a loop thread.
+  std::function<void()> ifUnsent(
+      std::weak_ptr<void> owner,
+      std::vector<rpc::ForkId> attributed,
+      c10::intrusive_ptr<rpc::Message> message);
   // What trackForks() does once it has parsed a request (torch's parser
   // needs a running agent): `holder` registered `forkId`, or deleted it.
   void forkRegistered(const rpc::ForkId& forkId, rpc::worker_id_t holder);

@@ -179,6 +179,7 @@ uint64_t Server::respond(
   };
   frame::OutboundFrame frame;
   std::vector<rpc::ForkId> returned; // forks of ours it carries, attributed
+  bool refused = false; // not encodable: an error answer goes instead
   Peer* peer = group_.memberOn(conn.peerId(), conn.peerIncarnation());
   try {
     std::optional<wire::DeviceRoute> route;
@@ -234,6 +235,12 @@ uint64_t Server::respond(
     // RRef") until session 96.
     rrefs_.dropCarried(*response);
     frame = errorFrame(e, id);
+    refused = true;
+  }
+  if (!refused) {
+    // Queued and then dropped unwritten (the connection closed first), it
+    // reached nobody either.
+    frame.ifUnsent = rrefs_.ifUnsent(owner_, returned, response);
   }
   uint64_t bytes = frame.wireSize();
   try {

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -212,6 +213,13 @@ struct OutboundFrame {
   };
   std::vector<Segment> segments;
   std::shared_ptr<void> keepAlive;
+  // Run, off the transport's loop (where keepAlive is released), when the
+  // transport drops the frame queued and not written whole (its connection
+  // closed): the peer never had it. Never run once the frame is written, or
+  // if the transport refuses it outright (its send returns that). Destroyed
+  // where the frame is: it must hold nothing whose last reference may not
+  // go on a loop thread (what keepAlive also holds is fine).
+  std::function<void()> ifUnsent;
   // Bytes on the wire, once encoded.
   uint64_t wireSize() const;
 };

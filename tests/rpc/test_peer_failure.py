@@ -173,6 +173,110 @@ def test_frozen_peer_is_detected_by_the_heartbeat(keep_sending, transport):
     assert out["heartbeat_timeouts"] >= 1  # torch_rpc_ext_heartbeat_timeouts_total
 
 
+def echo(x):
+    return x
+
+
+def rref_forks():
+    info = torch._C._distributed_rpc._rref_context_get_debug_info()
+    return int(info["num_forks"]), int(info["num_owner_rrefs"])
+
+
+def queued_behind_a_frozen_peer(rank, world_size):
+    # Over TCP, the stream alone: a 64 MiB request to a frozen peer fills
+    # the sockets' buffers, and a request carrying an RRef of ours waits
+    # queued behind it until the heartbeat closes the connection. It never
+    # left: its fork must go (before session 100 it was kept, and a graceful
+    # shutdown waited 100 s for it: "Leaking RRef").
+    init(rank, world_size, rpc_timeout=60, heartbeat_timeout=2, transports=["tcp"], channels=())
+    out = {}
+    if rank == 0:
+        pid = rpc.rpc_sync("worker1", getpid)
+        os.kill(pid, signal.SIGSTOP)
+        big = rpc.rpc_async("worker1", echo, args=(torch.zeros(16 * 2**20),))
+        mine = rpc.RRef(torch.ones(1))
+        queued = rpc.rpc_async("worker1", echo, args=(mine,))
+        out["forks_queued"] = rref_forks()
+        out["errors"] = []
+        for fut in (big, queued):
+            try:
+                fut.wait()
+                out["errors"].append(None)
+            except RuntimeError as e:
+                out["errors"].append(str(e))
+        # (Dropped off the transport's thread once the connection closed.)
+        deadline = time.monotonic() + 30
+        while rref_forks() != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out["forks_left"] = rref_forks()
+        os.kill(pid, signal.SIGKILL)
+    else:
+        time.sleep(60)
+    rpc.shutdown(graceful=False)
+    return out
+
+
+def test_a_request_queued_when_its_connection_closed_drops_its_forks():
+    out = run_world(queued_behind_a_frozen_peer, dies=frozenset({1}), timeout=90)[0]
+    assert out["forks_queued"] == (1, 1), out
+    for err in out["errors"]:
+        assert err is not None and "worker1" in err and "heartbeat" in err, err
+    assert out["forks_left"] == (0, 0), out
+
+
+def freeze_then_answer_big(pid):
+    os.kill(pid, signal.SIGSTOP)  # the caller, which will read nothing more
+    return torch.zeros(16 * 2**20)
+
+
+def answer_an_rref_of_ours():
+    # Once the big answer is queued (counted as sent as it is queued), so
+    # that this one waits behind it, unwritten.
+    agent = rpc.api._get_current_rpc_agent()
+    deadline = time.monotonic() + 30
+    while int(agent.get_metrics()["rpc_ext.peer.worker0.bytes_sent"]) < 16 * 2**22:
+        assert time.monotonic() < deadline, "the big answer was never queued"
+        time.sleep(0.02)
+    return rpc.RRef(torch.ones(1))
+
+
+def answered_to_a_frozen_peer(rank, world_size, pid0):
+    # The answers' way: an answer carrying an RRef of the callee's, queued
+    # behind a 64 MiB one when the heartbeat closes the connection to its
+    # frozen caller, never left: the callee drops the fork it made for it.
+    init(rank, world_size, rpc_timeout=60, heartbeat_timeout=2, transports=["tcp"], channels=())
+    out = {}
+    if rank == 0:
+        pid0.value = os.getpid()
+        # (In this order: the first waits for the second's answer to be
+        # queued, and the second stops us.)
+        rpc.rpc_async("worker1", answer_an_rref_of_ours)
+        rpc.rpc_async("worker1", freeze_then_answer_big, args=(os.getpid(),))
+        time.sleep(60)  # (frozen meanwhile, then killed)
+    else:
+        deadline = time.monotonic() + 30
+        while rref_forks() == (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        out["forks_answered"] = rref_forks()
+        deadline = time.monotonic() + 30
+        while rref_forks() != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out["forks_left"] = rref_forks()
+        metrics = rpc.api._get_current_rpc_agent().get_metrics()
+        out["heartbeat_timeouts"] = sum(int(v) for k, v in metrics.items() if k.endswith(".heartbeat_timeouts"))
+        os.kill(pid0.value, signal.SIGKILL)
+    rpc.shutdown(graceful=False)
+    return out
+
+
+def test_an_answer_queued_when_its_connection_closed_drops_its_forks():
+    pid0 = mp.get_context("fork").Value("i", 0)
+    out = run_world(answered_to_a_frozen_peer, dies=frozenset({0}), timeout=90, pid0=pid0)[1]
+    assert out["forks_answered"] == (1, 1), out
+    assert out["forks_left"] == (0, 0), out
+    assert out["heartbeat_timeouts"] >= 1, out
+
+
 def stretched_frame(rank, world_size):
     # A frame through the shm_ring channel that takes many heartbeat
     # timeouts, its receiver alive but held off its CPU most of the time

@@ -486,6 +486,7 @@ void StreamConnection::closeKnockedFromLoop(bool reset) {
 
 void StreamConnection::closeInternal(std::string reason, bool local) {
   std::deque<PendingWrite> dropped;
+  std::vector<std::shared_ptr<void>> unsent;
   {
     std::lock_guard<std::mutex> lock(writeMutex_);
     if (state_ == State::kClosed) {
@@ -497,10 +498,23 @@ void StreamConnection::closeInternal(std::string reason, bool local) {
       if (w.frame.keepAlive) {
         finished_.push_back(std::move(w.frame.keepAlive));
       }
+      if (w.frame.ifUnsent) {
+        // A holder that runs it as it is let go.
+        unsent.push_back(
+            std::shared_ptr<void>(
+                nullptr,
+                [run = std::move(w.frame.ifUnsent)](void*) { run(); }));
+      }
     }
     closeReason_ = reason;
   }
   releaseFinished();
+  // Off this thread whichever it is (releaseFinished() lets go in place
+  // off the loop): a close may come from a thread holding locks of its
+  // owner's, and the owner's action takes others (and the GIL).
+  if (!unsent.empty() && options_.releaseOffLoop) {
+    options_.releaseOffLoop(std::move(unsent));
+  }
   if (!local && !reason.empty()) {
     logDebug("torch_rpc_ext: closing " + describe() + ": " + reason);
   }
