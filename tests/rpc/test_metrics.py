@@ -225,7 +225,11 @@ class _FakeAgent:
                 "rpc_ext.channel.tcp_lanes.segments": "2",
                 "rpc_ext.channel.cuda_ring.bytes_sent": "30",
                 "rpc_ext.channel.cuda_ring.segments_sent": "3",
-                "rpc_ext.channel.cuda_ring.bytes_received": "40"}
+                "rpc_ext.channel.cuda_ring.bytes_received": "40",
+                "rpc_ext.tcp.sources_held_off": "1",
+                "rpc_ext.channel.tcp_lanes.sources_held_off": "2",
+                "rpc_ext.tcp.hold_off_exempt_failures": "5",
+                "rpc_ext.channel.tcp_lanes.hold_off_exempt_failures": "6"}
 
     def _call_costs(self):
         return []
@@ -244,6 +248,21 @@ def test_every_channel_that_sends_counts_in_the_channel_families(monkeypatch):
     assert got["torch_rpc_ext_channel_bytes"] == {"shm_ring": 10, "tcp_lanes": 20, "cuda_ring": 30}
     assert got["torch_rpc_ext_channel_segments"] == {"shm_ring": 1, "tcp_lanes": 2, "cuda_ring": 3}
     assert got["torch_rpc_ext_agent"] == {"rpc_ext.channel.cuda_ring.bytes_received": 40}
+
+
+def test_the_lanes_listener_s_hold_offs_count_beside_the_transports(monkeypatch):
+    # tcp_lanes' sources held off went only to the generic gauge, out of
+    # the Strangers panel's families.
+    from torch_rpc_ext import metrics
+
+    monkeypatch.setattr(metrics, "_agent", lambda: _FakeAgent())
+    got = {}
+    for fam in metrics.collector().collect():
+        for s in fam.samples:
+            if "transport" in s.labels:
+                got.setdefault(fam.name, {})[s.labels["transport"]] = s.value
+    assert got["torch_rpc_ext_sources_held_off"] == {"tcp": 1, "tcp_lanes": 2}
+    assert got["torch_rpc_ext_hold_off_exempt_failures"] == {"tcp": 5, "tcp_lanes": 6}
 
 
 def metrics_port_taken(rank, world_size, port):
