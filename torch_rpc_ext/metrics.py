@@ -92,16 +92,6 @@ _AGENT_COUNTERS = {
         "Refused proofs from sources in hold_off_exempt (each would have counted toward a "
         "hold-off)",
         {"transport": None}),
-    # tcp_lanes' listener holds sources off as the transports' do: the same
-    # families, its name the transport label's value.
-    "rpc_ext.channel.{}.sources_held_off": (
-        "sources_held_off", "Source addresses held off for the proofs refused from them",
-        {"transport": None}),
-    "rpc_ext.channel.{}.hold_off_exempt_failures": (
-        "hold_off_exempt_failures",
-        "Refused proofs from sources in hold_off_exempt (each would have counted toward a "
-        "hold-off)",
-        {"transport": None}),
     "rpc_ext.rejected_connections": (
         "rejected_connections", "Inbound connections refused (no member, a bad handshake)", {}),
     "rpc_ext.knocks": (
@@ -142,6 +132,11 @@ _AGENT_COUNTERS = {
     "rpc_ext.trace_contexts_ignored": (
         "trace_contexts_ignored", "Trace contexts from peers ignored as malformed", {}),
 }
+# tcp_lanes' listener holds sources off as the transports' do: the same
+# families, its name the transport label's value.
+_AGENT_COUNTERS.update({
+    f"rpc_ext.channel.{{}}.{what}": _AGENT_COUNTERS[f"rpc_ext.{{}}.{what}"]
+    for what in ("sources_held_off", "hold_off_exempt_failures")})
 _HISTOGRAMS = {
     # _call_costs() metric: (family, help, extra labels)
     "call_seconds": ("call_duration_seconds",
