@@ -200,6 +200,13 @@ second_lane() {
   # process) and the driver layer's against it (in spawned processes).
   stage "unit tests, the fake CUDA driver, the driver layer"
   pytest --timeout 300 tests/unit tests/cuda_fake tests/cuda_driver
+  # The tutorials (each notebook in a Jupyter kernel of its own, whose
+  # workers are processes of their own) are this lane's, not the first's:
+  # the first lane was the longer by about 500 s (session 100's runs: 1918
+  # s against 1433), and on a clean clone they fill what this lane would
+  # otherwise spend waiting for the newest torch's download and build.
+  stage "tutorials"
+  pytest --timeout 900 tests/tutorials
   # The newest torch's stages before the fuzzers' round: its setup (a
   # download, then a build at nice 19) is what this lane would wait for
   # longest, and the fuzzers' build (SCHED_IDLE, below the setup) is done
@@ -235,9 +242,9 @@ fi
 # torch compute first (a forked child inherits ATen's started thread pools and
 # aborts or hangs on first use), so unit tests get a process of their own.
 # Same-host peers use the shm transport by default.
-stage "conformance over shm, multi-process tests, wheel, tutorials, CUDA kernels"
+stage "conformance over shm, multi-process tests, wheel, CUDA kernels"
 pytest --timeout 900 tests/conformance tests/rpc tests/scripting tests/launcher \
-  tests/wheel tests/tutorials tests/cuda_kernels tests/conformance_cuda tests/crosshost
+  tests/wheel tests/cuda_kernels tests/conformance_cuda tests/crosshost
 # (The pass over TCP only is the newest torch's, below: the transports are
 # the same C++ on every torch, and CI's 45 minutes hold one such pass.)
 # Upstream's fault-injection suites: a process of their own (see the module).
