@@ -38,6 +38,14 @@ LOCAL_RANK`` (0 without a launcher; port 0: any free port; on
 (``torch_rpc_ext/metrics/<worker>``, within the prefix torch gives the
 store of ``init_rpc``), for tools that list a group's endpoints;
 ``python -m torch_rpc_ext.top`` takes them as ``HOST:PORT`` arguments.
+
+The same endpoint answers health probes (``health()``): ``/livez`` is 200
+while every loop of the worker's transports runs a task within the probe's
+time (``?timeout=<seconds>``, default ``HEALTH_TIMEOUT``), 503 naming the
+loop that did not; ``/readyz`` is 200 while, besides, the worker's agent
+serves calls (``init_rpc`` has returned, ``rpc.shutdown()`` has not begun,
+its dynamic group has not declared it dead), 503 saying why not. Both
+answer JSON.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ import os
 import threading
 from typing import Any, Iterator
 
-__all__ = ["serve", "collector", "endpoint"]
+__all__ = ["serve", "collector", "endpoint", "health"]
 
 _PEER_COUNTERS = {
     # get_metrics() name: (family, help, labels)
@@ -343,9 +351,86 @@ def _server_classes():
     return Server, Handler
 
 
+# How long a health probe waits for each loop to run its task, by default.
+HEALTH_TIMEOUT = 5.0
+
+
+def health(timeout: float = HEALTH_TIMEOUT) -> dict:
+    """This worker's health, as ``/livez`` and ``/readyz`` report it:
+    ``live`` (every loop of its transports ran a task posted now within
+    ``timeout`` seconds: none blocks), ``ready`` (live, and its agent serves
+    calls), ``why`` (what makes it not live or not ready, "" if both),
+    ``worker`` (its name, None without an agent) and ``loops`` (transport:
+    seconds its loop took, None if it did not within ``timeout``). A process
+    without an agent (before ``init_rpc`` returns, after ``rpc.shutdown()``)
+    is live and not ready. Waits up to ``timeout`` seconds."""
+    if not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
+        raise ValueError(f"health(timeout={timeout!r}): seconds, more than 0, at most 60")
+    agent = _agent()
+    if agent is None or not hasattr(agent, "_health"):
+        why = ("no RPC agent in this process: init_rpc has not returned, or "
+               "rpc.shutdown() has run" if agent is None else
+               f"the current RPC agent is not TORCH_RPC_EXT's ({type(agent).__name__})")
+        return {"live": True, "ready": False, "why": why, "worker": None, "loops": {}}
+    worker = agent.get_worker_info().name
+    not_serving, probed = agent._health(float(timeout))
+    loops = {name: (us / 1e6 if us >= 0 else None) for name, us in probed}
+    stuck = [name for name, took in loops.items() if took is None]
+    live = not stuck
+    why = ""
+    if stuck:
+        why = (f"the loop of {', '.join(stuck)} did not run a task within {timeout:g} s: "
+               f"a handler blocks it (its peers' pings go unanswered too; they close "
+               f"its connections after heartbeat_timeout)")
+    if not_serving:
+        why = not_serving + (f"; {why}" if why else "")
+    return {"live": live, "ready": live and not not_serving, "why": why,
+            "worker": worker, "loops": loops}
+
+
+def _health_answer(path: str, environ: dict) -> tuple[str, bytes]:
+    """The status line and JSON body of /livez or /readyz."""
+    import json
+    from urllib.parse import parse_qs
+
+    query = parse_qs(environ.get("QUERY_STRING", ""))
+    timeout = HEALTH_TIMEOUT
+    if "timeout" in query:
+        text = query["timeout"][-1]
+        try:
+            timeout = float(text)
+            if not 0 < timeout <= 60:
+                raise ValueError
+        except ValueError:
+            body = {"why": f"timeout={text!r} is not a number of seconds, more than 0, "
+                           f"at most 60"}
+            return "400 Bad Request", json.dumps(body).encode()
+    state = health(timeout)
+    ok = state["live"] if path == "/livez" else state["ready"]
+    return ("200 OK" if ok else "503 Service Unavailable"), json.dumps(state).encode()
+
+
+def _app(metrics_app):
+    """The endpoint's WSGI application: health probes at /livez and
+    /readyz, the metrics everywhere else (as prometheus_client serves them)."""
+
+    def app(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path not in ("/livez", "/readyz"):
+            return metrics_app(environ, start_response)
+        status, body = _health_answer(path, environ)
+        start_response(status, [("Content-Type", "application/json"),
+                                ("Content-Length", str(len(body))),
+                                ("Cache-Control", "no-store")])
+        return [body]
+
+    return app
+
+
 def serve(port: int = 0, addr: str = "0.0.0.0") -> int:
-    """Serves this worker's metrics at ``http://<addr>:<port>/metrics`` from
-    a thread of its own; returns the port (``port=0``: a free one). Once per
+    """Serves this worker's metrics at ``http://<addr>:<port>/metrics``, and
+    its health at ``/livez`` and ``/readyz`` (``health()``), from a thread of
+    its own; returns the port (``port=0``: a free one). Once per
     process: a second call returns the first's port. At most MAX_CLIENTS
     scrapers at once, each given CLIENT_TIMEOUT seconds per read or write."""
     core = _prometheus()
@@ -363,7 +448,7 @@ def serve(port: int = 0, addr: str = "0.0.0.0") -> int:
             raise OSError(
                 e.errno, f"torch_rpc_ext.metrics cannot serve on {addr}:{port}: {e.strerror}"
             ) from e
-        server.set_app(prometheus_client.make_wsgi_app(registry))
+        server.set_app(_app(prometheus_client.make_wsgi_app(registry)))
         thread = threading.Thread(
             target=server.serve_forever, name="rpcx-metrics", daemon=True)
         thread.start()

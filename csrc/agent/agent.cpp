@@ -282,6 +282,22 @@ int64_t Agent::callsBeingServed() {
 
 // ---- What it reports --------------------------------------------------------
 
+Agent::Health Agent::health(std::chrono::milliseconds within) const {
+  Health h;
+  if (!rpcAgentRunning_.load()) {
+    h.notServing = "the agent of " + workerInfo_.name_ + " has not started";
+  } else if (shuttingDown_.load()) {
+    h.notServing = "the agent of " + workerInfo_.name_ +
+        " is shutting down (rpc.shutdown())";
+  } else if (group_.fenced()) {
+    // ("this worker (<name>) was declared dead by the group at epoch ...")
+    h.notServing =
+        group_.fencedReason() + "; it serves nothing until it joins again";
+  }
+  h.loops = connections_.probeLoops(within);
+  return h;
+}
+
 void Agent::addGilWaitTime(std::chrono::microseconds gilWaitTime) {
   gilWaitTotalUs_.fetch_add(gilWaitTime.count(), std::memory_order_relaxed);
   gilWaitCount_.fetch_add(1, std::memory_order_relaxed);

@@ -104,6 +104,22 @@ class Agent final : public rpc::RpcAgent,
   // Before torch tears down its RRef state at shutdown.
   void stopMembership();
 
+  // What the health endpoints report (torch_rpc_ext.metrics.health): why
+  // this agent does not serve calls now ("" if it does), and each
+  // transport's loop probed (Connections::probeLoops: microseconds, -1 for
+  // one that did not run a task within `within`).
+  struct Health {
+    std::string notServing;
+    std::vector<std::pair<std::string, int64_t>> loops;
+  };
+  Health health(std::chrono::milliseconds within) const;
+  // Tests: a handler that blocks `transport`'s loop for `duration`.
+  bool stallLoopForTesting(
+      const std::string& transport,
+      std::chrono::milliseconds duration) const {
+    return connections_.stallLoopForTesting(transport, duration);
+  }
+
  private:
   Agent(
       const c10::intrusive_ptr<::c10d::Store>& store,

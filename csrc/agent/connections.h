@@ -136,6 +136,20 @@ class Connections final : private transport::ConnectionObserver {
   // We were declared dead: close every connection we opened.
   void closeOutbound(const std::string& reason);
 
+  // ---- Health (Agent::health) ----
+  // Each transport's loop asked, all at once, to run a task: how long each
+  // took to (microseconds), or -1 where it did not within `within` (a
+  // handler that blocks the loop: its peers' pings go unanswered too, and
+  // they close its connections after heartbeat_timeout). By transport name;
+  // none once stopped.
+  std::vector<std::pair<std::string, int64_t>> probeLoops(
+      std::chrono::milliseconds within) const;
+  // Tests: a handler that blocks `transport`'s loop for `duration`. False
+  // if there is no such transport, or it has stopped.
+  bool stallLoopForTesting(
+      const std::string& transport,
+      std::chrono::milliseconds duration) const;
+
   // rpc_ext.<transport>.*, rpc_ext.channel.*, rejected connections
   // (get_metrics); addresses, channels, each member's route (get_debug_info).
   void addMetrics(std::unordered_map<std::string, std::string>& m) const;

@@ -1,9 +1,13 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // Connections' probes of peers for the group (GroupListener): a lapsed
-// lease's, the join barrier's and the shutdown watch's (connections.h).
+// lease's, the join barrier's and the shutdown watch's; and of our own
+// transports' loops, for the health endpoints (connections.h).
 #include "csrc/agent/connections.h"
 
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
 #include <thread>
 
 #include "csrc/common/crypto.h"
@@ -160,6 +164,60 @@ bool Connections::knockBeforeOpen(
     }
   }
   return false; // no transport of ours reaches it
+}
+
+namespace {
+
+// A task posted to one loop; `ran` is when the loop ran it.
+struct LoopProbe {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::chrono::steady_clock::time_point posted;
+  std::optional<std::chrono::steady_clock::time_point> ran;
+};
+
+} // namespace
+
+std::vector<std::pair<std::string, int64_t>> Connections::probeLoops(
+    std::chrono::milliseconds within) const {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::pair<std::string, std::shared_ptr<LoopProbe>>> posted;
+  for (const auto& [name, transport] : transports_) {
+    auto probe = std::make_shared<LoopProbe>();
+    probe->posted = std::chrono::steady_clock::now();
+    const bool queued = transport->postToLoop([probe] {
+      std::lock_guard<std::mutex> lock(probe->mu);
+      probe->ran = std::chrono::steady_clock::now();
+      probe->cv.notify_all();
+    });
+    if (queued) {
+      posted.emplace_back(name, std::move(probe));
+    }
+  }
+  // One deadline for all: a loop that blocks costs the probe `within` once.
+  const auto deadline = start + within;
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (auto& [name, probe] : posted) {
+    std::unique_lock<std::mutex> lock(probe->mu);
+    probe->cv.wait_until(
+        lock, deadline, [&] { return probe->ran.has_value(); });
+    out.emplace_back(
+        name,
+        probe->ran ? std::chrono::duration_cast<std::chrono::microseconds>(
+                         *probe->ran - probe->posted)
+                         .count()
+                   : -1);
+  }
+  return out;
+}
+
+bool Connections::stallLoopForTesting(
+    const std::string& transport,
+    std::chrono::milliseconds duration) const {
+  auto it = transports_.find(transport);
+  return it != transports_.end() && it->second->postToLoop([duration] {
+    std::this_thread::sleep_for(duration);
+  });
 }
 
 } // namespace torch_rpc_ext

@@ -3,6 +3,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <algorithm>
 #include <unordered_set>
 
 #include "csrc/agent/agent.h"
@@ -218,6 +219,32 @@ void bindAgent(py::module_& m) {
             return py::cast(out);
           },
           py::arg("timeout"),
+          py::call_guard<py::gil_scoped_release>())
+      // (why it does not serve calls, or "", [(transport, microseconds its
+      // loop took to run a task, -1: not within `within` s)]):
+      // torch_rpc_ext.metrics.health.
+      .def(
+          "_health",
+          [](const Agent& a, double within) {
+            auto h = a.health(
+                std::chrono::milliseconds(
+                    static_cast<int64_t>(
+                        std::clamp(within, 0.0, 3600.0) * 1000)));
+            return std::make_pair(std::move(h.notServing), std::move(h.loops));
+          },
+          py::arg("within"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "_stall_loop_for_testing",
+          [](const Agent& a, const std::string& transport, double seconds) {
+            return a.stallLoopForTesting(
+                transport,
+                std::chrono::milliseconds(
+                    static_cast<int64_t>(
+                        std::clamp(seconds, 0.0, 600.0) * 1000)));
+          },
+          py::arg("transport"),
+          py::arg("seconds"),
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("address", &Agent::address)
       // [(peer, kind, metric, bounds, counts, sum)]: the call-cost

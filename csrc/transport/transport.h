@@ -158,6 +158,13 @@ class Transport {
     return true;
   }
 
+  // Run `fn` on the transport's loop thread, soon (a health probe's task,
+  // Connections::probeLoops; a test's stalled handler): false where it has
+  // no loop or has stopped (`fn` is then dropped).
+  virtual bool postToLoop(std::function<void()> fn) {
+    return false;
+  }
+
   // Close every listener and connection, then join the loop thread.
   virtual void stop() = 0;
 

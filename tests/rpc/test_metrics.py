@@ -250,6 +250,35 @@ def test_every_channel_that_sends_counts_in_the_channel_families(monkeypatch):
     assert got["torch_rpc_ext_agent"] == {"rpc_ext.channel.cuda_ring.bytes_received": 40}
 
 
+class _AgentNotServing(_FakeAgent):
+    """An agent whose core says it does not serve, one loop stuck."""
+
+    def _health(self, within):
+        assert within == 0.25
+        return "the agent of w0 is shutting down (rpc.shutdown())", [("shm", -1), ("tcp", 40)]
+
+
+def test_health_says_why_a_worker_is_not_ready(monkeypatch):
+    """health(): what the core says of the agent and its loops, put in
+    words; its time bounded; another backend's agent is not judged."""
+    from torch_rpc_ext import metrics
+
+    monkeypatch.setattr(metrics, "_agent", lambda: _AgentNotServing())
+    state = metrics.health(0.25)
+    assert state["loops"] == {"shm": None, "tcp": 40e-6}, state
+    assert not state["live"] and not state["ready"] and state["worker"] == "w0", state
+    assert state["why"] == (
+        "the agent of w0 is shutting down (rpc.shutdown()); the loop of shm did not run a "
+        "task within 0.25 s: a handler blocks it (its peers' pings go unanswered too; they "
+        "close its connections after heartbeat_timeout)"), state
+    monkeypatch.setattr(metrics, "_agent", lambda: _FakeAgent())  # no _health: not ours
+    state = metrics.health(0.25)
+    assert state["live"] and not state["ready"] and "is not TORCH_RPC_EXT's" in state["why"]
+    for bad in (0, -1, 61, "5"):
+        with pytest.raises(ValueError, match="more than 0, at most 60"):
+            metrics.health(bad)
+
+
 def test_the_lanes_listener_s_hold_offs_count_beside_the_transports(monkeypatch):
     # tcp_lanes' sources held off went only to the generic gauge, out of
     # the Strangers panel's families.
@@ -359,6 +388,87 @@ def test_a_worker_serves_its_metrics_before_it_serves_calls():
     slow start: always)."""
     out = run_world(endpoint_asked_at_once, 2, timeout=120)
     assert out[0]["peer"] == out[1]["own"] and out[1]["own"]
+
+
+def get(port: int, path: str) -> tuple[int, dict]:
+    import json
+    import urllib.error
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def health_probed(rank, world_size):
+    from torch_rpc_ext import metrics
+
+    out = {}
+    if rank == 0:
+        port = metrics.serve(0, addr="127.0.0.1")
+        out["before"] = {p: get(port, p) for p in ("/livez", "/readyz")}
+    init(rank, world_size)
+    rpc.api._barrier(["worker0", "worker1"])
+    if rank == 1:
+        # A Python function that runs 3 s on worker0: no handler blocks.
+        slow = rpc.rpc_async("worker0", slow_echo, args=(1, 3.0))
+    if rank == 0:
+        agent = rpc.api._get_current_rpc_agent()
+        deadline = time.monotonic() + 10
+        while (agent.get_metrics().get("agent.server_active_calls", "0") == "0"
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        out["slow_call"] = (agent.get_metrics().get("agent.server_active_calls"),
+                            get(port, "/livez?timeout=1"))
+        out["serving"] = {p: get(port, p) for p in ("/livez", "/readyz")}
+        out["bad"] = get(port, "/livez?timeout=forever")
+        # A handler that blocks the shm loop (a deadlock, a blocking call):
+        # the probes name it while it does, and pass again once it ends.
+        assert agent._stall_loop_for_testing("shm", 4.0)
+        stalled_at = time.monotonic()
+        out["stalled"] = {p: get(port, p + "?timeout=0.5") for p in ("/livez", "/readyz")}
+        time.sleep(max(0.0, stalled_at + 4.5 - time.monotonic()))
+        out["after_stall"] = get(port, "/livez?timeout=10")
+        out["metrics_still"] = bool(scrape(port))
+    if rank == 1:
+        assert slow.wait() == 1
+    rpc.api._barrier(["worker0", "worker1"])
+    rpc.shutdown()
+    if rank == 0:
+        out["after"] = {p: get(port, p) for p in ("/livez", "/readyz")}
+    return out
+
+
+def test_health_probes_follow_the_agent_and_its_loops():
+    """/livez and /readyz on the metrics endpoint (for Kubernetes' probes):
+    live while every transport's loop runs a task within the probe's time
+    (a Python function that runs long does not stop it), ready while the
+    agent serves calls too; JSON saying why not."""
+    out = run_world(health_probed, 2, timeout=150)[0]
+    for when in ("before", "after"):
+        (live, live_body), (ready, ready_body) = out[when]["/livez"], out[when]["/readyz"]
+        assert live == 200 and live_body["live"], (when, live_body)
+        assert ready == 503 and not ready_body["ready"], (when, ready_body)
+        assert "no RPC agent in this process" in ready_body["why"], (when, ready_body)
+    serving, (code, body) = out["slow_call"]
+    assert serving == "1" and code == 200 and body["live"], (serving, body)
+    for path in ("/livez", "/readyz"):
+        code, body = out["serving"][path]
+        assert code == 200 and body["live"] and body["ready"] and body["why"] == "", body
+        assert body["worker"] == "worker0" and "shm" in body["loops"], body
+        assert all(isinstance(t, float) and 0 <= t < 5 for t in body["loops"].values()), body
+    code, body = out["bad"]
+    assert code == 400 and "timeout='forever'" in body["why"], body
+    for path in ("/livez", "/readyz"):
+        code, body = out["stalled"][path]
+        assert code == 503 and not body["live"] and not body["ready"], (path, body)
+        assert body["loops"]["shm"] is None, body
+        assert "the loop of shm did not run a task within 0.5 s" in body["why"], body
+        assert all(t is not None for name, t in body["loops"].items() if name != "shm"), body
+    code, body = out["after_stall"]
+    assert code == 200 and body["loops"]["shm"] is not None, body
+    assert out["metrics_still"]
 
 
 def traffic_without_costs(rank, world_size):

@@ -377,6 +377,17 @@ bool StreamTransport::channelsSettled() {
   });
 }
 
+bool StreamTransport::postToLoop(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopped_) {
+      return false;
+    }
+  }
+  loop_.post(std::move(fn)); // (dropped if the loop stops meanwhile)
+  return true;
+}
+
 void StreamTransport::stop() {
   std::vector<std::weak_ptr<Connection>> conns;
   std::vector<std::shared_ptr<Listener>> listeners;

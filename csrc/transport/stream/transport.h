@@ -37,6 +37,7 @@ class StreamTransport : public Transport {
       std::chrono::milliseconds timeout) const override;
   void settleChannels() override;
   bool channelsSettled() override;
+  bool postToLoop(std::function<void()> fn) override;
   void stop() override;
   std::map<std::string, uint64_t> counters() const override;
 
