@@ -192,7 +192,8 @@ background idle tsan-build build/tsan-build.log \
 # here: upstream's suites over shm with our multi-process tests, then the
 # fault-injection suites. The second (second_lane below, its output in
 # build/lane-2.log, shown when it ends): the unit tests with the fake CUDA
-# driver's, the newest torch's stages, then the fuzzers' round.
+# driver's, the tutorials, the newest torch's stages, then the fuzzers'
+# round.
 # TORCH_RPC_EXT_TEST_LANES=1 runs the second lane after the first instead
 # (a flake that load may cause can be told apart that way).
 second_lane() {

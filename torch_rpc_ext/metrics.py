@@ -43,9 +43,9 @@ The same endpoint answers health probes (``health()``): ``/livez`` is 200
 while every loop of the worker's transports runs a task within the probe's
 time (``?timeout=<seconds>``, default ``HEALTH_TIMEOUT``), 503 naming the
 loop that did not; ``/readyz`` is 200 while, besides, the worker's agent
-serves calls (``init_rpc`` has returned, ``rpc.shutdown()`` has not begun,
-its dynamic group has not declared it dead), 503 saying why not. Both
-answer JSON.
+serves calls (it has started, ``rpc.shutdown()`` has not passed its last
+barrier, its dynamic group has not declared it dead), 503 saying why not.
+Both answer JSON.
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ def _health_answer(path: str, environ: dict) -> tuple[str, bytes]:
     import json
     from urllib.parse import parse_qs
 
-    query = parse_qs(environ.get("QUERY_STRING", ""))
+    query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
     timeout = HEALTH_TIMEOUT
     if "timeout" in query:
         text = query["timeout"][-1]

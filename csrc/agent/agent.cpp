@@ -284,11 +284,13 @@ int64_t Agent::callsBeingServed() {
 
 Agent::Health Agent::health(std::chrono::milliseconds within) const {
   Health h;
-  if (!rpcAgentRunning_.load()) {
-    h.notServing = "the agent of " + workerInfo_.name_ + " has not started";
-  } else if (shuttingDown_.load()) {
+  // (torch's shutdown() clears rpcAgentRunning_ before shutdownImpl(): a
+  // shutdown is told by our own flags first.)
+  if (shuttingDown_.load() || shutdownDone_.load()) {
     h.notServing = "the agent of " + workerInfo_.name_ +
         " is shutting down (rpc.shutdown())";
+  } else if (!rpcAgentRunning_.load()) {
+    h.notServing = "the agent of " + workerInfo_.name_ + " has not started";
   } else if (group_.fenced()) {
     // ("this worker (<name>) was declared dead by the group at epoch ...")
     h.notServing =

@@ -17,6 +17,8 @@
 //  - dropPeer(), closeOutbound(): the membership watcher (or the thread
 //    joining or leaving), under the group's roster lock.
 //  - stop(), dropAll(): shutdown.
+//  - probeLoops(): the metrics endpoint's threads (a health probe), at any
+//    time after open(), shutdown included.
 // connMutex_ guards outbound_, inbound_ and readyOutbound_. A connection is
 // never closed under it when closing may report onClosed on this thread (which
 // takes it). transports_, channels_, listeners_ and the addresses are written
@@ -141,7 +143,7 @@ class Connections final : private transport::ConnectionObserver {
   // took to (microseconds), or -1 where it did not within `within` (a
   // handler that blocks the loop: its peers' pings go unanswered too, and
   // they close its connections after heartbeat_timeout). By transport name;
-  // none once stopped.
+  // a transport stopped (before the probe, or during it) is left out.
   std::vector<std::pair<std::string, int64_t>> probeLoops(
       std::chrono::milliseconds within) const;
   // Tests: a handler that blocks `transport`'s loop for `duration`. False

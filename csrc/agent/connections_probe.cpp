@@ -181,7 +181,12 @@ struct LoopProbe {
 std::vector<std::pair<std::string, int64_t>> Connections::probeLoops(
     std::chrono::milliseconds within) const {
   const auto start = std::chrono::steady_clock::now();
-  std::vector<std::pair<std::string, std::shared_ptr<LoopProbe>>> posted;
+  struct Posted {
+    std::string name;
+    transport::Transport* transport;
+    std::shared_ptr<LoopProbe> probe;
+  };
+  std::vector<Posted> posted;
   for (const auto& [name, transport] : transports_) {
     auto probe = std::make_shared<LoopProbe>();
     probe->posted = std::chrono::steady_clock::now();
@@ -191,22 +196,25 @@ std::vector<std::pair<std::string, int64_t>> Connections::probeLoops(
       probe->cv.notify_all();
     });
     if (queued) {
-      posted.emplace_back(name, std::move(probe));
+      posted.push_back({name, transport.get(), std::move(probe)});
     }
   }
   // One deadline for all: a loop that blocks costs the probe `within` once.
   const auto deadline = start + within;
   std::vector<std::pair<std::string, int64_t>> out;
-  for (auto& [name, probe] : posted) {
-    std::unique_lock<std::mutex> lock(probe->mu);
-    probe->cv.wait_until(
-        lock, deadline, [&] { return probe->ran.has_value(); });
-    out.emplace_back(
-        name,
-        probe->ran ? std::chrono::duration_cast<std::chrono::microseconds>(
-                         *probe->ran - probe->posted)
-                         .count()
-                   : -1);
+  for (auto& p : posted) {
+    std::unique_lock<std::mutex> lock(p.probe->mu);
+    p.probe->cv.wait_until(
+        lock, deadline, [&] { return p.probe->ran.has_value(); });
+    if (p.probe->ran) {
+      out.emplace_back(
+          p.name,
+          std::chrono::duration_cast<std::chrono::microseconds>(
+              *p.probe->ran - p.probe->posted)
+              .count());
+    } else if (p.transport->postToLoop([] {})) {
+      out.emplace_back(p.name, -1);
+    } // (else it stopped meanwhile, its task dropped: shutdown, not a block)
   }
   return out;
 }

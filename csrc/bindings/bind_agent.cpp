@@ -4,6 +4,7 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <algorithm>
+#include <cmath>
 #include <unordered_set>
 
 #include "csrc/agent/agent.h"
@@ -226,25 +227,14 @@ void bindAgent(py::module_& m) {
       .def(
           "_health",
           [](const Agent& a, double within) {
+            // (Whole milliseconds, at least one; NaN as 0.)
+            within = std::isnan(within) ? 0.0 : std::clamp(within, 0.0, 3600.0);
             auto h = a.health(
                 std::chrono::milliseconds(
-                    static_cast<int64_t>(
-                        std::clamp(within, 0.0, 3600.0) * 1000)));
+                    std::max<int64_t>(1, std::llround(within * 1000))));
             return std::make_pair(std::move(h.notServing), std::move(h.loops));
           },
           py::arg("within"),
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "_stall_loop_for_testing",
-          [](const Agent& a, const std::string& transport, double seconds) {
-            return a.stallLoopForTesting(
-                transport,
-                std::chrono::milliseconds(
-                    static_cast<int64_t>(
-                        std::clamp(seconds, 0.0, 600.0) * 1000)));
-          },
-          py::arg("transport"),
-          py::arg("seconds"),
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("address", &Agent::address)
       // [(peer, kind, metric, bounds, counts, sum)]: the call-cost

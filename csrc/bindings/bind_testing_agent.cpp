@@ -3,16 +3,19 @@
 // processes or transports (tests/unit/test_agent_parts.py). A Group runs
 // its real log, watcher and leases against a store the test hands it (a
 // HashStore), with a GroupListener that records what it hears; the
-// RRefGuard's fork attribution runs on messages and bytes the test makes.
-// For tests only.
+// RRefGuard's fork attribution runs on messages and bytes the test makes;
+// and a loop of the live agent blocked (stall_loop). For tests only.
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <mutex>
 #include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "csrc/agent/agent.h"
 #include "csrc/agent/group.h"
 #include "csrc/agent/rref_guard.h"
 #include "csrc/bindings/bind.h"
@@ -316,6 +319,28 @@ void bindTestingAgent(py::module_& parent) {
       .def("holder_of", [](const RRefGuard& g, std::pair<int, int64_t> fork) {
         return static_cast<int>(g.holderOf(rrefId(fork)));
       });
+
+  // A handler that blocks `transport`'s loop of this process's current
+  // agent for `seconds` (the health probes' test): false without such an
+  // agent or transport.
+  m.def(
+      "stall_loop",
+      [](const std::string& transport, double seconds) {
+        if (!rpc::RpcAgent::isCurrentRpcAgentSet()) {
+          return false;
+        }
+        auto agent = std::dynamic_pointer_cast<Agent>(
+            rpc::RpcAgent::getCurrentRpcAgent());
+        return agent != nullptr &&
+            agent->stallLoopForTesting(
+                transport,
+                std::chrono::milliseconds(
+                    static_cast<int64_t>(
+                        std::clamp(seconds, 0.0, 600.0) * 1000)));
+      },
+      py::arg("transport"),
+      py::arg("seconds"),
+      py::call_guard<py::gil_scoped_release>());
 
   // forksCarried(): which of `forks` [(rref, fork)] the payload carries.
   m.def(

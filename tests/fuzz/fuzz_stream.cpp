@@ -1,14 +1,14 @@
 // SPDX-License-Identifier: BSD-3-Clause
 //
 // Fuzzes the stream core's incremental frame parser as an authenticated
-// shm peer reaches it (csrc/transport/stream/connection_reader.cpp hosting
-// the channels of csrc/channel/shm/): frame headers and segment lengths and
-// the channel ids in them, every control frame (ping, pong, ring setup and
-// drop, slab setup, release and drop), and message frames whose segments
-// travel in the stream, in chunks through the peer's ring (shm_ring), in
-// the peer's slabs (shm_slab), or staged (cuda_staged: bytes in the stream
-// that the channel lands on a device: with no driver, refused; with the
-// fake, in its device memory), and, with a CUDA driver (run.sh points
+// shm peer reaches it (csrc/transport/stream/connection_reader.cpp and
+// connection_headers.cpp hosting the channels of csrc/channel/shm/): frame
+// headers and segment lengths and the channel ids in them, every control frame
+// (ping, pong, ring setup and drop, slab setup, release and drop), and message
+// frames whose segments travel in the stream, in chunks through the peer's ring
+// (shm_ring), in the peer's slabs (shm_slab), or staged (cuda_staged: bytes in
+// the stream that the channel lands on a device: with no driver, refused; with
+// the fake, in its device memory), and, with a CUDA driver (run.sh points
 // TORCH_RPC_EXT_LIBCUDA at the fake of tests/cuda_fake), cuda_ipc: block
 // setups, block records of every kind (views, hand-backs, copies out of legacy
 // blocks), releases and drops; and cuda_ring: ring setups (garbage ones

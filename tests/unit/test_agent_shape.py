@@ -17,8 +17,9 @@ AGENT = ROOT / "csrc" / "agent"
 PACKAGE = ROOT / "torch_rpc_ext"
 INCLUDE = re.compile(r'^\s*#\s*include\s+"csrc/agent/([^"]+)"', re.M)
 # A member function defined at namespace scope: "Type Class::name(" at the
-# start of a line (the return type may span the line before).
-DEFINITION = re.compile(r"^(?:[\w:<>,*& ]+\s)?([A-Z]\w*)::~?\w+\(", re.M)
+# start of a line (the return type may span the line before); not a call
+# of a static member, indented in a body.
+DEFINITION = re.compile(r"^(?:[\w:<>,*&][\w:<>,*& ]*\s)?([A-Z]\w*)::~?\w+\(", re.M)
 PARTS = (
     "agent.h",
     "group.h",

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // cuda_ipc's sending side (ipc_channel.h): our pool of device blocks lent
-// to the peer, the copies of a frame's segments into them, and their return.
+// to the peer, and their return; the copies of a frame's segments into them
+// are ipc_take.cpp's.
 #include "csrc/channel/cuda_ipc/ipc_channel.h"
 
 #include <unistd.h>
