@@ -7,8 +7,10 @@ Each HOST:PORT is a worker's metrics endpoint (torch_rpc_ext.metrics:
 ``serve(port)`` or ``TORCH_RPC_EXT_METRICS_PORT``). Every second it reads
 them all and shows, per worker and per peer: calls made and served per
 second, the p99 of calls made over the last interval, errors and timeouts,
-bytes per second each way and calls in flight. ``--once`` prints one screen
-(after one interval) and exits; Ctrl-C quits.
+bytes per second each way and calls in flight; under a worker that is not
+ready (its ``/readyz``: no agent, shutting down, declared dead, a loop
+that a handler blocks), why. ``--once`` prints one screen (after one
+interval) and exits; Ctrl-C quits.
 """
 
 from __future__ import annotations
@@ -37,6 +39,37 @@ class Sample:
     buckets: dict = field(default_factory=dict)
     in_flight: float = 0.0
     error: str = ""
+    # Why the worker is not ready (its /readyz), "" if it is or cannot say.
+    not_ready: str = ""
+
+
+# How long top's readiness probe lets a worker's loops take (its /readyz).
+READY_TIMEOUT = 0.5
+
+
+def readiness(endpoint: str, timeout: float = 2.0) -> str:
+    """Why the worker at ``endpoint`` is not ready ("" if it is, or if its
+    endpoint has no /readyz: an older torch_rpc_ext answers metrics there)."""
+    import json
+    import urllib.error
+
+    url = f"http://{endpoint}/readyz?timeout={READY_TIMEOUT}"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            body = r.read()
+    except urllib.error.HTTPError as e:
+        if e.code != 503:
+            return ""
+        body = e.read()
+    except (OSError, http.client.HTTPException):
+        return ""  # (its metrics' scrape says so, if it is gone)
+    try:
+        state = json.loads(body)
+    except ValueError:
+        return ""
+    if not isinstance(state, dict) or state.get("ready", True):
+        return ""
+    return str(state.get("why") or "not ready")
 
 
 def scrape(endpoint: str, timeout: float = 2.0) -> Sample:
@@ -71,6 +104,7 @@ def scrape(endpoint: str, timeout: float = 2.0) -> Sample:
                 per[le] = per.get(le, 0.0) + s.value
             elif name == "calls_in_flight":
                 sample.in_flight += s.value  # per peer: the worker's sum
+    sample.not_ready = readiness(endpoint, timeout)
     return sample
 
 
@@ -144,6 +178,8 @@ def render(endpoints: list[str], now: dict, last: dict) -> str:
         lines.append(f"{after.worker:<14}{'(all)':<14}{made:>9.0f}{served:>10.0f}"
                      f"{_seconds(p99):>11}{errors:>8.0f}{timeouts:>9.0f}{_bytes(sent):>11}"
                      f"{_bytes(received):>11}{after.in_flight:>10.0f}")
+        if after.not_ready:
+            lines.append(f"{'':<14}not ready: {after.not_ready}")
         for p in peers:
             if not any(after.counters.get((p, k)) for k in
                        ("made", "served", "sent", "received", "errors", "timeouts")):

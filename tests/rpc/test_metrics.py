@@ -676,6 +676,49 @@ def test_top_shows_an_endpoint_that_answers_wrong_as_unreachable(answer):
     assert sample.error, sample
 
 
+def test_top_says_why_a_worker_is_not_ready():
+    """Under a worker whose /readyz answers 503, top prints its why; an
+    endpoint without /readyz (metrics there instead) or a ready one adds
+    nothing."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from torch_rpc_ext.top import readiness, render, scrape
+
+    answers = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            path = self.path.split("?")[0]
+            code, body = answers.get(path, (200, b"# HELP x y\n# TYPE x gauge\nx 1\n"))
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        assert readiness(endpoint) == ""  # metrics text at /readyz: an older endpoint
+        why = "the loop of shm did not run a task within 0.5 s: a handler blocks it"
+        answers["/readyz"] = (503, json.dumps({"ready": False, "live": False, "why": why}).encode())
+        sample = scrape(endpoint)
+        assert not sample.error and sample.not_ready == why, sample
+        screen = render([endpoint], {endpoint: sample}, {})
+        assert f"not ready: {why}" in screen, screen
+        answers["/readyz"] = (200, json.dumps({"ready": True, "why": ""}).encode())
+        sample = scrape(endpoint)
+        assert sample.not_ready == "" and "not ready" not in render([endpoint], {endpoint: sample}, {})
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_top_quantile_interpolates_as_prometheus_does():
     from torch_rpc_ext.top import quantile
 
