@@ -285,7 +285,9 @@ int64_t Agent::callsBeingServed() {
 Agent::Health Agent::health(std::chrono::milliseconds within) const {
   Health h;
   // (torch's shutdown() clears rpcAgentRunning_ before shutdownImpl(): a
-  // shutdown is told by our own flags first.)
+  // shutdown is told by our own flags first; one not graceful reads as
+  // "has not started" in between, for as long as torch joins its retry
+  // thread.)
   if (shuttingDown_.load() || shutdownDone_.load()) {
     h.notServing = "the agent of " + workerInfo_.name_ +
         " is shutting down (rpc.shutdown())";

@@ -206,11 +206,13 @@ std::vector<std::pair<std::string, int64_t>> Connections::probeLoops(
     std::unique_lock<std::mutex> lock(p.probe->mu);
     p.probe->cv.wait_until(
         lock, deadline, [&] { return p.probe->ran.has_value(); });
-    if (p.probe->ran) {
+    const auto ran = p.probe->ran;
+    lock.unlock();
+    if (ran) {
       out.emplace_back(
           p.name,
           std::chrono::duration_cast<std::chrono::microseconds>(
-              *p.probe->ran - p.probe->posted)
+              *ran - p.probe->posted)
               .count());
     } else if (p.transport->postToLoop([] {})) {
       out.emplace_back(p.name, -1);

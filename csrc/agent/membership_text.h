@@ -2,7 +2,7 @@
 #pragma once
 
 // What the roster (membership.cpp) and the log (membership_log.cpp) both
-// read of a record's text.
+// read of a record's text. Threads: any (functions of their arguments).
 
 #include <cstddef>
 #include <string>

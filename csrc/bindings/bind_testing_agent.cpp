@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <mutex>
 #include <set>
 #include <string>
@@ -331,12 +332,12 @@ void bindTestingAgent(py::module_& parent) {
         }
         auto agent = std::dynamic_pointer_cast<Agent>(
             rpc::RpcAgent::getCurrentRpcAgent());
+        seconds = std::isnan(seconds) ? 0.0 : std::clamp(seconds, 0.0, 600.0);
         return agent != nullptr &&
             agent->stallLoopForTesting(
                 transport,
                 std::chrono::milliseconds(
-                    static_cast<int64_t>(
-                        std::clamp(seconds, 0.0, 600.0) * 1000)));
+                    static_cast<int64_t>(seconds * 1000)));
       },
       py::arg("transport"),
       py::arg("seconds"),
