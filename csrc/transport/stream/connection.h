@@ -20,6 +20,7 @@
 #include "csrc/transport/handshake.h"
 #include "csrc/transport/stream/frame_ring.h"
 #include "csrc/transport/stream/loop.h"
+#include "csrc/transport/stream/pending_write.h"
 #include "csrc/transport/tls.h"
 #include "csrc/transport/transport.h"
 
@@ -164,45 +165,9 @@ class StreamConnection : public Connection,
   // the frame protocol's own handshake.
   enum class State { kConnecting, kTls, kHandshake, kReady, kClosed };
 
-  struct PendingWrite {
-    std::string prefix; // header + segment lengths + head
-    frame::OutboundFrame frame;
-    size_t written = 0; // bytes of this frame already on the wire
-    bool control = false; // handshake frame: may go before kReady
-    // Descriptors sent with the frame's first byte (SCM_RIGHTS); owned by
-    // whoever queued the frame, kept open until it is written or dropped.
-    std::vector<int> passFds;
-    // Per segment, the channel that carries it in chunks (its index in
-    // channels_ plus one; 0: not in chunks; empty: no chunks at all). Such a
-    // frame is written piece by piece: the prefix, then each segment as
-    // bytes or as chunks announced by records (produceChunkLocked()).
-    std::vector<uint8_t> chunked;
-    bool channelChecked = false; // prepareChunksLocked() has run
-    // kFrameRing: the frames after it go through the ring (ringOut_).
-    bool switchesToRing = false;
-    // Through the ring: its flags are set (markForRingLocked()), and its
-    // segments (or their records) go on the socket (kFlagBodyOnSocket).
-    bool ringMarked = false;
-    bool bodyOnSocket = false;
-    size_t piece = 0; // 0: prefix; i + 1: segment i
-    size_t pieceOffset = 0;
-    std::string records; // SegmentRecords not yet on the socket
-    size_t recordsWritten = 0;
-    // What goes on the wire in place of region segments (the frame's
-    // segments point here).
-    std::vector<frame::SegmentRecord> regionRecords;
-    // Per segment, the bytes a staging channel copies out of a device
-    // (empty: none): written only as far as they are ready.
-    std::vector<std::shared_ptr<channel::StagedOut>> staged;
-    // Staged segments a host channel carries (tcp_lanes: their records go
-    // in the stream): held, and the frame starts only once each has bytes
-    // ready, as for `staged`.
-    std::vector<std::shared_ptr<channel::StagedOut>> stagedElsewhere;
-    // Partly on the wire: nothing may be sent before the rest of it.
-    bool started() const {
-      return written > 0 || piece > 0 || pieceOffset > 0;
-    }
-  };
+  // A frame queued for the socket and how far it is written
+  // (pending_write.h).
+  using PendingWrite = stream::PendingWrite;
 
   // `fd` is a connected (accepted) or connecting (outbound) stream socket,
   // owned from now on.

@@ -313,7 +313,7 @@ std::string StreamConnection::flushLocked() {
         ? sendSocketLocked(iov, n, nullptr)
         : sendLocked(iov, n, fds, spansRing ? &ringWait : nullptr);
     size_t asked = 0;
-    for (size_t k = 0; k < n; ++k) {
+    for (int k = 0; k < n; ++k) {
       asked += iov[k].iov_len;
     }
     noteSentLocked(sent, asked);
