@@ -25,7 +25,8 @@ scrape from the worker's current agent, so one endpoint outlives
   timeouts, unauthenticated and rejected connections, a dynamic group's
   membership changes and lapsed leases, bytes and segments per channel, CUDA
   landings (docs/observability.md lists them);
-- gauges: ``torch_rpc_ext_calls_in_flight`` (per peer), ``torch_rpc_ext_serving``,
+- gauges: ``torch_rpc_ext_calls_in_flight`` and
+  ``torch_rpc_ext_oldest_call_age_seconds`` (per peer), ``torch_rpc_ext_serving``,
   ``torch_rpc_ext_idle_threads``, and every other numeric value of the
   agent's ``get_metrics()`` as ``torch_rpc_ext_agent{key="..."}``.
 
@@ -45,7 +46,8 @@ time (``?timeout=<seconds>``, default ``HEALTH_TIMEOUT``), 503 naming the
 loop that did not; ``/readyz`` is 200 while, besides, the worker's agent
 serves calls (it has started, ``rpc.shutdown()`` has not passed its last
 barrier, its dynamic group has not declared it dead), 503 saying why not.
-Both answer JSON.
+Both answer JSON, as ``/calls`` does: the worker's calls in flight, oldest
+first (``calls_in_flight()``: to whom, what kind, how long ago).
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ import os
 import threading
 from typing import Any, Iterator
 
-__all__ = ["serve", "collector", "endpoint", "health"]
+from torch_rpc_ext import _in_flight
+from torch_rpc_ext._in_flight import CALLS_LIMIT
+
+__all__ = ["serve", "collector", "endpoint", "health", "calls_in_flight"]
 
 _PEER_COUNTERS = {
     # get_metrics() name: (family, help, labels)
@@ -231,11 +236,18 @@ class _Collector:
         in_flight = core.GaugeMetricFamily(
             _PREFIX + "calls_in_flight", "Calls made to the peer and not yet answered",
             labels=["worker", "peer"])
+        oldest = core.GaugeMetricFamily(
+            _PREFIX + "oldest_call_age_seconds",
+            "How long the oldest call in flight to the peer has waited (0: none)",
+            labels=["worker", "peer"])
         for key, value in sorted(metrics.items()):
             if key.startswith(peer_prefix):
                 peer, _, what = key[len(peer_prefix):].rpartition(".")
                 if what == "in_flight" and peer:
                     in_flight.add_metric([worker, peer], float(value))
+                    continue
+                if what == "oldest_call_ms" and peer:
+                    oldest.add_metric([worker, peer], float(value) / 1000)
                     continue
                 spec = _PEER_COUNTERS.get(what)
                 if spec is not None and peer:
@@ -258,6 +270,7 @@ class _Collector:
         for fam in families.values():
             yield fam
         yield in_flight
+        yield oldest
         serving = core.GaugeMetricFamily(
             _PREFIX + "serving", "Calls being served", labels=["worker"])
         serving.add_metric([worker], float(metrics.get("agent.server_active_calls", 0)))
@@ -410,15 +423,30 @@ def _health_answer(path: str, environ: dict) -> tuple[str, bytes]:
     return ("200 OK" if ok else "503 Service Unavailable"), json.dumps(state).encode()
 
 
+def calls_in_flight(limit: int = CALLS_LIMIT) -> dict:
+    """What this worker waits on: ``calls`` (its calls in flight, oldest
+    first, at most ``limit``; each ``id``, ``to`` (the callee), ``kind``
+    (``script``, ``python``, ``rref``, ``autograd``, ``other``), ``age``
+    (seconds since it was sent) and ``timeout`` (seconds; None: never
+    expires)), ``in_flight`` (how many in all), ``worker`` (its name, None
+    without an agent) and ``why`` (why none are listed: no agent, or another
+    backend's; "" otherwise). As the endpoint's ``/calls?limit=`` answers."""
+    return _in_flight.calls_in_flight(_agent(), limit)
+
+
 def _app(metrics_app):
     """The endpoint's WSGI application: health probes at /livez and
-    /readyz, the metrics everywhere else (as prometheus_client serves them)."""
+    /readyz, calls in flight at /calls, the metrics everywhere else (as
+    prometheus_client serves them)."""
 
     def app(environ, start_response):
         path = environ.get("PATH_INFO", "")
-        if path not in ("/livez", "/readyz"):
+        if path not in ("/livez", "/readyz", "/calls"):
             return metrics_app(environ, start_response)
-        status, body = _health_answer(path, environ)
+        if path == "/calls":
+            status, body = _in_flight.calls_answer(_agent(), environ)
+        else:
+            status, body = _health_answer(path, environ)
         start_response(status, [("Content-Type", "application/json"),
                                 ("Content-Length", str(len(body))),
                                 ("Cache-Control", "no-store")])

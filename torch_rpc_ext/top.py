@@ -7,7 +7,8 @@ Each HOST:PORT is a worker's metrics endpoint (torch_rpc_ext.metrics:
 ``serve(port)`` or ``TORCH_RPC_EXT_METRICS_PORT``). Every second it reads
 them all and shows, per worker and per peer: calls made and served per
 second, the p99 of calls made over the last interval, errors and timeouts,
-bytes per second each way and calls in flight; under a worker that is not
+bytes per second each way, calls in flight and how long the oldest of them
+has waited (what a worker of a hung job waits on); under a worker that is not
 ready (its ``/readyz``: no agent, shutting down, declared dead, a loop
 that a handler blocks), why. ``--once`` prints one screen (after one
 interval) and exits; Ctrl-C quits.
@@ -38,6 +39,8 @@ class Sample:
     # peer -> {upper bound: cumulative count} of calls made (every kind)
     buckets: dict = field(default_factory=dict)
     in_flight: float = 0.0
+    # peer -> seconds its oldest call in flight has waited (0: none).
+    oldest: dict = field(default_factory=dict)
     error: str = ""
     # Why the worker is not ready (its /readyz), "" if it is or cannot say.
     not_ready: str = ""
@@ -104,6 +107,8 @@ def scrape(endpoint: str, timeout: float = 2.0) -> Sample:
                 per[le] = per.get(le, 0.0) + s.value
             elif name == "calls_in_flight":
                 sample.in_flight += s.value  # per peer: the worker's sum
+            elif name == "oldest_call_age_seconds" and peer:
+                sample.oldest[peer] = s.value
     sample.not_ready = readiness(endpoint, timeout)
     return sample
 
@@ -136,7 +141,7 @@ def _rate(after: Sample, before: Sample | None, peer: str, series: str) -> float
 
 
 def _seconds(value: float | None) -> str:
-    if value is None:
+    if value is None or value <= 0:
         return "-"
     return f"{value * 1e3:.2f}ms" if value < 1 else f"{value:.2f}s"
 
@@ -153,7 +158,8 @@ def render(endpoints: list[str], now: dict, last: dict) -> str:
     lines = [time.strftime("torch_rpc_ext top  %H:%M:%S") +
              f"  {len(endpoints)} worker(s)", ""]
     header = (f"{'worker':<14}{'peer':<14}{'made/s':>9}{'served/s':>10}{'p99':>11}"
-              f"{'errors':>8}{'timeouts':>9}{'sent':>11}{'received':>11}{'in flight':>10}")
+              f"{'errors':>8}{'timeouts':>9}{'sent':>11}{'received':>11}{'in flight':>10}"
+              f"{'oldest':>10}")
     lines.append(header)
     lines.append("-" * len(header))
     for endpoint in endpoints:
@@ -177,7 +183,8 @@ def render(endpoints: list[str], now: dict, last: dict) -> str:
         p99 = quantile(0.99, total_before, total_after) if before else None
         lines.append(f"{after.worker:<14}{'(all)':<14}{made:>9.0f}{served:>10.0f}"
                      f"{_seconds(p99):>11}{errors:>8.0f}{timeouts:>9.0f}{_bytes(sent):>11}"
-                     f"{_bytes(received):>11}{after.in_flight:>10.0f}")
+                     f"{_bytes(received):>11}{after.in_flight:>10.0f}"
+                     f"{_seconds(max(after.oldest.values(), default=0.0)):>10}")
         if after.not_ready:
             lines.append(f"{'':<14}not ready: {after.not_ready}")
         for p in peers:
@@ -192,7 +199,8 @@ def render(endpoints: list[str], now: dict, last: dict) -> str:
                 f"{after.counters.get((p, 'errors'), 0):>8.0f}"
                 f"{after.counters.get((p, 'timeouts'), 0):>9.0f}"
                 f"{_bytes(_rate(after, before, p, 'sent')):>11}"
-                f"{_bytes(_rate(after, before, p, 'received')):>11}")
+                f"{_bytes(_rate(after, before, p, 'received')):>11}{'':>10}"
+                f"{_seconds(after.oldest.get(p)):>10}")
     return "\n".join(lines) + "\n"
 
 

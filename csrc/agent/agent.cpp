@@ -348,7 +348,11 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
       "connections_lost",
       "in_flight"};
   const auto inFlight = calls_.pendingByPeer();
+  const auto now = std::chrono::steady_clock::now();
   std::map<std::string, std::array<uint64_t, std::size(kCounters)>> byName;
+  // Per name: how long its oldest call in flight has waited, in ms (0:
+  // none): what a worker that waits on a stuck peer shows first.
+  std::map<std::string, int64_t> oldestMs;
   std::unordered_set<const PeerStats*> counted; // a name's, once
   for (const auto& peer : group_.everyPeer()) {
     const auto& s = peer->stats;
@@ -373,13 +377,25 @@ std::unordered_map<std::string, std::string> Agent::getMetrics() {
         sum[i++] += n->load(std::memory_order_relaxed);
       }
     }
+    auto& oldest = oldestMs[peer->info.name_];
     auto it = inFlight.find(peer.get());
-    sum.back() += it == inFlight.end() ? 0 : it->second;
+    if (it != inFlight.end()) {
+      sum.back() += it->second.count;
+      // (At least 1 ms while a call is in flight: 0 says none is.)
+      oldest = std::max<int64_t>(
+          {oldest,
+           1,
+           std::chrono::duration_cast<std::chrono::milliseconds>(
+               now - it->second.oldest)
+               .count()});
+    }
   }
   for (const auto& [name, sum] : byName) {
     for (size_t i = 0; i < sum.size(); ++i) {
       m["rpc_ext.peer." + name + "." + kCounters[i]] = std::to_string(sum[i]);
     }
+    m["rpc_ext.peer." + name + ".oldest_call_ms"] =
+        std::to_string(oldestMs[name]);
   }
   group_.addMetrics(m);
   rrefs_.addMetrics(m);

@@ -113,6 +113,12 @@ class Agent final : public rpc::RpcAgent,
     std::vector<std::pair<std::string, int64_t>> loops;
   };
   Health health(std::chrono::milliseconds within) const;
+  // The `limit` calls in flight sent first, oldest first, and how many are
+  // in flight in all (torch_rpc_ext.metrics.calls_in_flight).
+  std::pair<std::vector<CallTable::Pending>, size_t> oldestCalls(
+      size_t limit) const {
+    return calls_.oldest(limit);
+  }
   // Tests: a handler that blocks `transport`'s loop for `duration`.
   bool stallLoopForTesting(
       const std::string& transport,

@@ -195,6 +195,7 @@ c10::intrusive_ptr<JitFuture> Agent::send(
     throw;
   }
   RemoteProfiling::markSent(profile.get()); // before the call is visible
+  const auto sentAt = std::chrono::steady_clock::now();
   const size_t alreadyInFlight = calls_.add(
       id,
       CallTable::Call{
@@ -202,12 +203,11 @@ c10::intrusive_ptr<JitFuture> Agent::send(
           conn.get(),
           peer,
           timeout,
-          std::chrono::steady_clock::now() + timeout,
+          sentAt + timeout,
           /*sentAlone=*/false,
           profile,
           /*arrival=*/{},
-          callCostsOn() ? std::chrono::steady_clock::now()
-                        : std::chrono::steady_clock::time_point{},
+          sentAt,
           kind,
           kind == CallKind::kScript && !isThreadOfOurs() &&
               Py_IsInitialized() &&

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "csrc/agent/call_table.h"
 
+#include <algorithm>
+
 #include "csrc/common/exit_gate.h"
 #include "csrc/common/threads.h"
 
@@ -104,13 +106,40 @@ size_t CallTable::size() const {
   return calls_.size();
 }
 
-std::unordered_map<const Peer*, size_t> CallTable::sizeByPeer() const {
-  std::unordered_map<const Peer*, size_t> out;
+std::unordered_map<const Peer*, CallTable::PeerPending> CallTable::
+    pendingByPeer() const {
+  std::unordered_map<const Peer*, PeerPending> out;
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& [id, call] : calls_) {
-    ++out[call.peer];
+    auto& p = out[call.peer];
+    ++p.count;
+    p.oldest = std::min(p.oldest, call.sentAt);
   }
   return out;
+}
+
+std::pair<std::vector<CallTable::Pending>, size_t> CallTable::oldest(
+    size_t limit) const {
+  std::vector<Pending> out;
+  size_t total;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    total = calls_.size();
+    out.reserve(total);
+    for (const auto& [id, call] : calls_) {
+      out.push_back(
+          Pending{id, call.peer, call.kind, call.sentAt, call.timeout});
+    }
+  }
+  // Ids are handed out in order: they break ties between calls sent in one
+  // clock tick.
+  auto older = [](const Pending& a, const Pending& b) {
+    return a.sentAt != b.sentAt ? a.sentAt < b.sentAt : a.id < b.id;
+  };
+  limit = std::min(limit, out.size());
+  std::partial_sort(out.begin(), out.begin() + limit, out.end(), older);
+  out.resize(limit);
+  return {std::move(out), total};
 }
 
 void CallTable::timeoutLoop() {

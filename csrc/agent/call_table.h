@@ -11,6 +11,7 @@
 #include <optional>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/ivalue.h>
@@ -53,7 +54,7 @@ class CallTable {
     // response): the future completes under them.
     std::vector<c10::Stream> arrival;
     // When the request was sent, and what it is (the round trip goes into
-    // the peer's CallCosts).
+    // the peer's CallCosts; the age of a call in flight, oldest()).
     std::chrono::steady_clock::time_point sentAt{};
     CallKind kind = CallKind::kOther;
     // A builtin or TorchScript call (kScript) sent by a user's Python
@@ -83,9 +84,27 @@ class CallTable {
   // Remove and return every call.
   std::vector<std::pair<int64_t, Call>> takeAll();
   size_t size() const;
-  // Calls in flight by callee (get_metrics' rpc_ext.peer.<name>.in_flight):
-  // a walk of the table under its lock, for a scrape, not a hot path.
-  std::unordered_map<const Peer*, size_t> sizeByPeer() const;
+  // Per callee: how many calls are in flight and when the oldest was sent
+  // (get_metrics' rpc_ext.peer.<name>.in_flight and .oldest_call_ms): a
+  // walk of the table under its lock, for a scrape, not a hot path.
+  struct PeerPending {
+    size_t count = 0;
+    std::chrono::steady_clock::time_point oldest =
+        std::chrono::steady_clock::time_point::max();
+  };
+  std::unordered_map<const Peer*, PeerPending> pendingByPeer() const;
+  // A call in flight as oldest() lists it.
+  struct Pending {
+    int64_t id = 0;
+    const Peer* peer = nullptr;
+    CallKind kind = CallKind::kOther;
+    std::chrono::steady_clock::time_point sentAt{};
+    std::chrono::milliseconds timeout{0}; // as Call's
+  };
+  // The `limit` calls in flight sent first, oldest first, and how many are
+  // in flight in all (torch_rpc_ext.metrics.calls_in_flight: what a worker
+  // waits on). A walk of the table under its lock, as pendingByPeer().
+  std::pair<std::vector<Pending>, size_t> oldest(size_t limit) const;
 
   // Join the timeout thread. Idempotent.
   void stop();

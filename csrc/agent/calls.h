@@ -117,8 +117,13 @@ class Calls {
   size_t pending() const {
     return table_.size();
   }
-  std::unordered_map<const Peer*, size_t> pendingByPeer() const {
-    return table_.sizeByPeer();
+  std::unordered_map<const Peer*, CallTable::PeerPending> pendingByPeer()
+      const {
+    return table_.pendingByPeer();
+  }
+  std::pair<std::vector<CallTable::Pending>, size_t> oldest(
+      size_t limit) const {
+    return table_.oldest(limit);
   }
 
  private:

@@ -4,14 +4,19 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <string>
+#include <tuple>
 #include <unordered_set>
+#include <vector>
 
 #include "csrc/agent/agent.h"
 #include "csrc/agent/builtin_call.h"
 #include "csrc/agent/call_trace.h"
 #include "csrc/agent/invoke_rpc.h"
 #include "csrc/agent/landing_pool.h"
+#include "csrc/agent/latency.h"
 #include "csrc/agent/tracing.h"
 #include "csrc/bindings/bind.h"
 #include "csrc/channel/registry.h"
@@ -235,6 +240,31 @@ void bindAgent(py::module_& m) {
             return std::make_pair(std::move(h.notServing), std::move(h.loops));
           },
           py::arg("within"),
+          py::call_guard<py::gil_scoped_release>())
+      // ([(id, callee, kind, seconds since sent, timeout in seconds: 0
+      // never expires)], how many in flight in all): the `limit` calls in
+      // flight sent first, oldest first (torch_rpc_ext.metrics.
+      // calls_in_flight).
+      .def(
+          "_calls_in_flight",
+          [](const Agent& a, size_t limit) {
+            auto [oldest, total] = a.oldestCalls(limit);
+            const auto now = std::chrono::steady_clock::now();
+            std::vector<
+                std::tuple<int64_t, std::string, std::string, double, double>>
+                out;
+            out.reserve(oldest.size());
+            for (const auto& c : oldest) {
+              out.emplace_back(
+                  c.id,
+                  c.peer->info.name_,
+                  callKindName(c.kind),
+                  std::chrono::duration<double>(now - c.sentAt).count(),
+                  c.timeout.count() / 1000.0);
+            }
+            return std::make_pair(std::move(out), total);
+          },
+          py::arg("limit"),
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("address", &Agent::address)
       // [(peer, kind, metric, bounds, counts, sum)]: the call-cost

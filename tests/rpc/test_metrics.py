@@ -472,6 +472,108 @@ def test_health_probes_follow_the_agent_and_its_loops():
     assert out["metrics_still"]
 
 
+def wait_for_file(path):
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.path.exists(path)
+
+
+def calls_waited_on(rank, world_size, release, costs):
+    from torch_rpc_ext import metrics
+
+    os.environ.pop("TORCH_RPC_EXT_METRICS_PORT", None)
+    if not costs:  # the benchmark's "off" rows: ages are kept all the same
+        os.environ["TORCH_RPC_EXT_CALL_COSTS"] = "0"
+    out = {}
+    init(rank, world_size)
+    if rank == 0:
+        port = metrics.serve(0, addr="127.0.0.1")
+        out["idle"] = metrics.calls_in_flight()
+        sent = time.monotonic()
+        # Two calls worker1 holds until the file appears: the first never
+        # expires, the second in 120 s.
+        futs = [rpc.rpc_async("worker1", wait_for_file, args=(release,), timeout=0),
+                rpc.rpc_async("worker1", wait_for_file, args=(release,), timeout=120)]
+        out["first"] = metrics.calls_in_flight()
+        time.sleep(0.05)
+        out["later"] = metrics.calls_in_flight()
+        out["since_sent"] = time.monotonic() - sent
+        out["endpoint"] = [get(port, "/calls?limit=1"), get(port, "/calls?limit=0"),
+                           get(port, "/calls?limit=abc")]
+        out["scrape"] = scrape(port)
+        from torch_rpc_ext import top
+
+        endpoint = f"127.0.0.1:{port}"
+        seen = top.scrape(endpoint)
+        out["top"] = (seen.oldest, top.render([endpoint], {endpoint: seen}, {}))
+        out["since_scraped"] = time.monotonic() - sent
+        open(release, "w").close()
+        out["results"] = [f.wait() for f in futs]
+        out["answered"] = metrics.calls_in_flight()
+        out["scrape_after"] = scrape(port)
+    rpc.shutdown()
+    if rank == 0:
+        out["after"] = metrics.calls_in_flight()
+    return out
+
+
+@pytest.mark.parametrize("costs", [True, False], ids=["costs", "no-costs"])
+def test_calls_in_flight_say_what_a_worker_waits_on(tmp_path, costs):
+    """metrics.calls_in_flight() and the endpoint's /calls: a worker's
+    calls in flight, oldest first, each with its callee, kind, age and
+    timeout; the Prometheus gauge of the oldest one's age per peer. The ages
+    hold with TORCH_RPC_EXT_CALL_COSTS=0 too (the send time was kept only
+    for the histograms before)."""
+    out = run_world(calls_waited_on, 2, timeout=150, release=str(tmp_path / "go"),
+                    costs=costs)[0]
+    assert out["idle"] == {"worker": "worker0", "in_flight": 0, "calls": [], "why": ""}
+    first, later = out["first"], out["later"]
+    assert first["in_flight"] == 2 and len(first["calls"]) == 2, first
+    never, bounded = first["calls"]
+    assert never["id"] < bounded["id"], first  # oldest first
+    for call in first["calls"]:
+        assert call["to"] == "worker1" and call["kind"] == "python", call
+        assert 0 <= call["age"] <= out["since_sent"], (call, out["since_sent"])
+    assert never["timeout"] is None and bounded["timeout"] == 120.0, first
+    assert [c["id"] for c in later["calls"]] == [never["id"], bounded["id"]], later
+    assert all(b["age"] > a["age"] for a, b in zip(first["calls"], later["calls"])), later
+    assert all(c["age"] <= out["since_sent"] for c in later["calls"]), later
+    (code, body), (zero, zero_body), (word, word_body) = out["endpoint"]
+    assert code == 200 and body["in_flight"] == 2 and len(body["calls"]) == 1, body
+    assert body["calls"][0]["id"] == never["id"] and body["worker"] == "worker0", body
+    assert zero == 400 and "limit='0' is not a whole number" in zero_body["why"], zero_body
+    assert word == 400 and "limit='abc'" in word_body["why"], word_body
+    age = value(out["scrape"], "torch_rpc_ext_oldest_call_age_seconds",
+                "torch_rpc_ext_oldest_call_age_seconds", worker="worker0", peer="worker1")
+    assert 0 < age <= out["since_scraped"] + 0.001, (age, out["since_scraped"])
+    assert value(out["scrape"], "torch_rpc_ext_calls_in_flight",
+                 "torch_rpc_ext_calls_in_flight", worker="worker0", peer="worker1") == 2
+    oldest, screen = out["top"]
+    assert 0 < oldest["worker1"] <= out["since_scraped"] + 0.001, oldest
+    row = next(line for line in screen.splitlines() if line.startswith("worker0 "))
+    from torch_rpc_ext.top import _seconds
+
+    assert row.split()[-1] == _seconds(oldest["worker1"]), screen  # the oldest call's age
+    assert out["results"] == [True, True]
+    assert out["answered"]["in_flight"] == 0 and out["answered"]["calls"] == [], out["answered"]
+    assert value(out["scrape_after"], "torch_rpc_ext_oldest_call_age_seconds",
+                 "torch_rpc_ext_oldest_call_age_seconds", worker="worker0",
+                 peer="worker1") == 0
+    assert out["after"]["worker"] is None and "no RPC agent" in out["after"]["why"], out["after"]
+
+
+def test_calls_in_flight_check_their_limit(monkeypatch):
+    from torch_rpc_ext import metrics
+
+    for bad in (0, -1, 1001, 2.5, True, "3"):
+        with pytest.raises(ValueError, match="a whole number of calls, 1 to 1000"):
+            metrics.calls_in_flight(bad)
+    monkeypatch.setattr(metrics, "_agent", lambda: _FakeAgent())  # not ours
+    state = metrics.calls_in_flight()
+    assert state["calls"] == [] and "is not TORCH_RPC_EXT's (_FakeAgent)" in state["why"], state
+
+
 def traffic_without_costs(rank, world_size):
     os.environ["TORCH_RPC_EXT_CALL_COSTS"] = "0"
     return traffic(rank, world_size)
