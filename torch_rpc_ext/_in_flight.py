@@ -11,6 +11,7 @@ of call and for how long, as NCCL's flight recorder does for collectives.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 CALLS_LIMIT = 20
@@ -51,6 +52,9 @@ def calls_answer(agent: Any, environ: dict) -> tuple[str, bytes]:
     if "limit" in query:
         text = query["limit"][-1]
         try:
+            # ASCII digits only (int() would take " 5", "1_000", "٣").
+            if not re.fullmatch(r"[0-9]{1,4}", text):
+                raise ValueError
             limit = _check_limit(int(text))
         except ValueError:
             body = {"why": f"limit={text!r} is not a whole number of calls, 1 to "

@@ -120,25 +120,37 @@ std::unordered_map<const Peer*, CallTable::PeerPending> CallTable::
 
 std::pair<std::vector<CallTable::Pending>, size_t> CallTable::oldest(
     size_t limit) const {
+  // The id breaks ties between calls sent in one clock tick (one thread's
+  // calls take ids in order).
+  auto older = [](const Pending& a, const Pending& b) {
+    return a.sentAt != b.sentAt ? a.sentAt < b.sentAt : a.id < b.id;
+  };
+  // A heap of the `limit` oldest seen so far, the youngest of them on top:
+  // the walk under the lock that senders and responses take allocates
+  // nothing past `limit` entries.
   std::vector<Pending> out;
   size_t total;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     total = calls_.size();
-    out.reserve(total);
+    limit = std::min(limit, total);
+    out.reserve(limit);
     for (const auto& [id, call] : calls_) {
-      out.push_back(
-          Pending{id, call.peer, call.kind, call.sentAt, call.timeout});
+      if (limit == 0) {
+        break;
+      }
+      Pending p{id, call.peer, call.kind, call.sentAt, call.timeout};
+      if (out.size() < limit) {
+        out.push_back(p);
+        std::push_heap(out.begin(), out.end(), older);
+      } else if (older(p, out.front())) {
+        std::pop_heap(out.begin(), out.end(), older);
+        out.back() = p;
+        std::push_heap(out.begin(), out.end(), older);
+      }
     }
   }
-  // Ids are handed out in order: they break ties between calls sent in one
-  // clock tick.
-  auto older = [](const Pending& a, const Pending& b) {
-    return a.sentAt != b.sentAt ? a.sentAt < b.sentAt : a.id < b.id;
-  };
-  limit = std::min(limit, out.size());
-  std::partial_sort(out.begin(), out.begin() + limit, out.end(), older);
-  out.resize(limit);
+  std::sort_heap(out.begin(), out.end(), older);
   return {std::move(out), total};
 }
 

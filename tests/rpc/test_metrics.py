@@ -491,16 +491,17 @@ def calls_waited_on(rank, world_size, release, costs):
         port = metrics.serve(0, addr="127.0.0.1")
         out["idle"] = metrics.calls_in_flight()
         sent = time.monotonic()
-        # Two calls worker1 holds until the file appears: the first never
-        # expires, the second in 120 s.
+        # Three calls worker1 holds until the file appears: the first never
+        # expires, the others in 120 s.
         futs = [rpc.rpc_async("worker1", wait_for_file, args=(release,), timeout=0),
+                rpc.rpc_async("worker1", wait_for_file, args=(release,), timeout=120),
                 rpc.rpc_async("worker1", wait_for_file, args=(release,), timeout=120)]
         out["first"] = metrics.calls_in_flight()
         time.sleep(0.05)
         out["later"] = metrics.calls_in_flight()
         out["since_sent"] = time.monotonic() - sent
-        out["endpoint"] = [get(port, "/calls?limit=1"), get(port, "/calls?limit=0"),
-                           get(port, "/calls?limit=abc")]
+        out["endpoint"] = [get(port, "/calls?limit=2"), get(port, "/calls?limit=0"),
+                           get(port, "/calls?limit=abc"), get(port, "/calls?limit=+2")]
         out["scrape"] = scrape(port)
         from torch_rpc_ext import top
 
@@ -529,33 +530,37 @@ def test_calls_in_flight_say_what_a_worker_waits_on(tmp_path, costs):
                     costs=costs)[0]
     assert out["idle"] == {"worker": "worker0", "in_flight": 0, "calls": [], "why": ""}
     first, later = out["first"], out["later"]
-    assert first["in_flight"] == 2 and len(first["calls"]) == 2, first
-    never, bounded = first["calls"]
-    assert never["id"] < bounded["id"], first  # oldest first
+    assert first["in_flight"] == 3 and len(first["calls"]) == 3, first
+    never, bounded, third = first["calls"]
+    assert never["id"] < bounded["id"] < third["id"], first  # oldest first
     for call in first["calls"]:
         assert call["to"] == "worker1" and call["kind"] == "python", call
         assert 0 <= call["age"] <= out["since_sent"], (call, out["since_sent"])
-    assert never["timeout"] is None and bounded["timeout"] == 120.0, first
-    assert [c["id"] for c in later["calls"]] == [never["id"], bounded["id"]], later
+    assert never["timeout"] is None and bounded["timeout"] == third["timeout"] == 120.0, first
+    assert [c["id"] for c in later["calls"]] == [c["id"] for c in first["calls"]], later
     assert all(b["age"] > a["age"] for a, b in zip(first["calls"], later["calls"])), later
     assert all(c["age"] <= out["since_sent"] for c in later["calls"]), later
-    (code, body), (zero, zero_body), (word, word_body) = out["endpoint"]
-    assert code == 200 and body["in_flight"] == 2 and len(body["calls"]) == 1, body
-    assert body["calls"][0]["id"] == never["id"] and body["worker"] == "worker0", body
+    (code, body), (zero, zero_body), (word, word_body), (sign, _) = out["endpoint"]
+    assert code == 200 and body["in_flight"] == 3 and body["worker"] == "worker0", body
+    # The two oldest of three, oldest first.
+    assert [c["id"] for c in body["calls"]] == [never["id"], bounded["id"]], body
     assert zero == 400 and "limit='0' is not a whole number" in zero_body["why"], zero_body
     assert word == 400 and "limit='abc'" in word_body["why"], word_body
+    assert sign == 400  # ("+" is a space in a query: " 2")
     age = value(out["scrape"], "torch_rpc_ext_oldest_call_age_seconds",
                 "torch_rpc_ext_oldest_call_age_seconds", worker="worker0", peer="worker1")
     assert 0 < age <= out["since_scraped"] + 0.001, (age, out["since_scraped"])
     assert value(out["scrape"], "torch_rpc_ext_calls_in_flight",
-                 "torch_rpc_ext_calls_in_flight", worker="worker0", peer="worker1") == 2
+                 "torch_rpc_ext_calls_in_flight", worker="worker0", peer="worker1") == 3
+    assert not samples(out["scrape"], "torch_rpc_ext_agent",
+                       key="rpc_ext.peer.worker1.oldest_call_ms")  # its own family only
     oldest, screen = out["top"]
     assert 0 < oldest["worker1"] <= out["since_scraped"] + 0.001, oldest
     row = next(line for line in screen.splitlines() if line.startswith("worker0 "))
     from torch_rpc_ext.top import _seconds
 
     assert row.split()[-1] == _seconds(oldest["worker1"]), screen  # the oldest call's age
-    assert out["results"] == [True, True]
+    assert out["results"] == [True, True, True]
     assert out["answered"]["in_flight"] == 0 and out["answered"]["calls"] == [], out["answered"]
     assert value(out["scrape_after"], "torch_rpc_ext_oldest_call_age_seconds",
                  "torch_rpc_ext_oldest_call_age_seconds", worker="worker0",
