@@ -739,11 +739,12 @@ def test_a_real_prometheus_scrapes_a_live_group(tmp_path):
     assert rate and float(rate[0]["value"][1]) > 0
     assert p99 and 0 < float(p99[0]["value"][1]) < 10
     assert isinstance(results[0], int) and results[0] > 0, results
-    assert len(dashboard) >= 9
+    assert len(dashboard) >= 10
     with_data = {title for title, _, result in dashboard if result}
     assert {"Calls per second, made and served", "Round trip p50 / p99 by peer (calls made)",
             "Bytes per second on the wire", "Calls made per second by kind",
-            "Connection events per second"} <= with_data, dashboard
+            "Connection events per second",
+            "Oldest call in flight, by peer (what a worker waits on)"} <= with_data, dashboard
 
 
 # ---- python -m torch_rpc_ext.top ---------------------------------------------
