@@ -25,13 +25,22 @@ def _check_limit(limit: Any) -> int:
     return limit
 
 
+def not_ours(agent: Any, method: str) -> str:
+    """Why ``agent`` (the current RPC agent, or None) cannot be asked
+    through ``method`` of TORCH_RPC_EXT's agent (health probes, calls in
+    flight): "" if it can."""
+    if agent is None:
+        return ("no RPC agent in this process: init_rpc has not returned, or "
+                "rpc.shutdown() has run")
+    if not hasattr(agent, method):
+        return f"the current RPC agent is not TORCH_RPC_EXT's ({type(agent).__name__})"
+    return ""
+
+
 def calls_in_flight(agent: Any, limit: int = CALLS_LIMIT) -> dict:
     """``agent``'s calls in flight (see metrics.calls_in_flight)."""
     limit = _check_limit(limit)
-    if agent is None or not hasattr(agent, "_calls_in_flight"):
-        why = ("no RPC agent in this process: init_rpc has not returned, or "
-               "rpc.shutdown() has run" if agent is None else
-               f"the current RPC agent is not TORCH_RPC_EXT's ({type(agent).__name__})")
+    if why := not_ours(agent, "_calls_in_flight"):
         return {"worker": None, "in_flight": 0, "calls": [], "why": why}
     oldest, total = agent._calls_in_flight(limit)
     calls = [{"id": call_id, "to": to, "kind": kind, "age": round(age, 6),

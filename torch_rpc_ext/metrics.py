@@ -380,10 +380,7 @@ def health(timeout: float = HEALTH_TIMEOUT) -> dict:
     if not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
         raise ValueError(f"health(timeout={timeout!r}): seconds, more than 0, at most 60")
     agent = _agent()
-    if agent is None or not hasattr(agent, "_health"):
-        why = ("no RPC agent in this process: init_rpc has not returned, or "
-               "rpc.shutdown() has run" if agent is None else
-               f"the current RPC agent is not TORCH_RPC_EXT's ({type(agent).__name__})")
+    if why := _in_flight.not_ours(agent, "_health"):
         return {"live": True, "ready": False, "why": why, "worker": None, "loops": {}}
     worker = agent.get_worker_info().name
     not_serving, probed = agent._health(float(timeout))
