@@ -289,8 +289,10 @@ class RpcExtBackendOptions(_C._RpcExtBackendOptionsBase):
             (one kernel). Defaults to ``TORCH_RPC_EXT_ENCRYPTION``, else
             ``"auto"``. Every worker must use the same setting; a mismatch
             fails the connection naming it. Without certificates, TLS is
-            keyed from the group secret (a pre-shared key with an ephemeral
-            key exchange on top): nothing to manage.
+            keyed from the group secret (each connection's pre-shared key
+            from a password-authenticated exchange, CPace, so a recording
+            gives nothing to test a guessed passphrase against; an
+            ephemeral key exchange on top): nothing to manage.
         tls_cert, tls_key, tls_ca: PEM files for mutual TLS instead of the
             pre-shared key: this worker's certificate chain and private
             key, and the CA that must have signed every peer's certificate.

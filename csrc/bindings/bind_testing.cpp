@@ -16,6 +16,7 @@
 #include "csrc/channel/shm/slab.h"
 #include "csrc/common/aes_gcm_vaes.h"
 #include "csrc/common/buffer_pool.h"
+#include "csrc/common/cpace.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/fd_closer.h"
 #include "csrc/common/host_load.h"
@@ -76,6 +77,30 @@ void bindTesting(py::module_& m) {
     return digestBytes(hmacSha256(key, msg));
   });
   m.def("libcrypto", &libcryptoDescription);
+  // The key exchange before TLS (common/cpace.h): Elligator 2's map of a
+  // 32-byte little-endian field element, a session's generator, and one end
+  // of an exchange (.share, .finish(peer_share, client)).
+  m.def("elligator2", [](const py::bytes& r) {
+    return py::bytes(cpace::mapToCurve25519(std::string(r)));
+  });
+  m.def("cpace_generator", [](const py::bytes& key, const py::bytes& sid) {
+    return py::bytes(cpace::generator(std::string(key), std::string(sid)));
+  });
+  py::class_<cpace::Exchange>(m, "CpaceExchange")
+      .def(py::init([](const py::bytes& key, const py::bytes& sid) {
+        return std::make_unique<cpace::Exchange>(
+            std::string(key), std::string(sid));
+      }))
+      .def_property_readonly(
+          "share",
+          [](const cpace::Exchange& e) { return py::bytes(e.share()); })
+      .def(
+          "finish",
+          [](const cpace::Exchange& e, const py::bytes& peer, bool client) {
+            return py::bytes(e.finish(std::string(peer), client));
+          },
+          py::arg("peer_share"),
+          py::arg("client"));
   m.def(
       "hkdf_expand",
       [](const py::bytes& prk, const py::bytes& info, size_t length) {

@@ -201,7 +201,7 @@ std::shared_ptr<TlsContext> TlsContext::create(
     throw std::runtime_error(
         "mutual TLS needs tls_cert, tls_key and tls_ca together");
   }
-  std::string psk;
+  std::string groupKey;
   if (!mutual) {
     if (secret.size() < 16) {
       throw std::runtime_error(
@@ -209,7 +209,7 @@ std::shared_ptr<TlsContext> TlsContext::create(
           std::to_string(secret.size()) + " bytes (at least 16 needed)");
     }
     Digest d = hmacSha256(secret, kPskLabel);
-    psk.assign(reinterpret_cast<const char*>(d.data()), d.size());
+    groupKey.assign(reinterpret_cast<const char*>(d.data()), d.size());
   }
   TlsOptions effective = options;
   if (const char* text = std::getenv("TORCH_RPC_EXT_TLS_KEY_UPDATE_BYTES");
@@ -226,7 +226,7 @@ std::shared_ptr<TlsContext> TlsContext::create(
     }
     effective.keyUpdateBytes = v;
   }
-  std::shared_ptr<TlsContext> c(new TlsContext(effective, std::move(psk)));
+  std::shared_ptr<TlsContext> c(new TlsContext(effective, std::move(groupKey)));
   lib.ERR_clear_error();
   c->ctx_ = lib.SSL_CTX_new(lib.TLS_method());
   if (c->ctx_ == nullptr) {
@@ -277,8 +277,8 @@ std::shared_ptr<TlsContext> TlsContext::create(
   return c;
 }
 
-TlsContext::TlsContext(TlsOptions options, std::string psk)
-    : options_(std::move(options)), psk_(std::move(psk)) {}
+TlsContext::TlsContext(TlsOptions options, std::string groupKey)
+    : options_(std::move(options)), groupKey_(std::move(groupKey)) {}
 
 TlsContext::~TlsContext() {
   if (ctx_ != nullptr) {
@@ -298,14 +298,27 @@ bool TlsContext::appliesTo(const sockaddr_storage& peer) const {
   return true;
 }
 
-std::unique_ptr<TlsSession> TlsContext::newSession(int fd, bool client) const {
+std::unique_ptr<TlsSession> TlsContext::newSession(
+    int fd,
+    bool client,
+    std::string psk) const {
+  if (psk.size() != (mutual() ? 0 : kTlsPskBytes)) {
+    throw std::invalid_argument(
+        mutual() ? "a TLS session under certificates takes no pre-shared key"
+                 : "a TLS session needs its connection's pre-shared key (" +
+                std::to_string(kTlsPskBytes) +
+                " bytes from the key "
+                "exchange), not " +
+                std::to_string(psk.size()) + " bytes");
+  }
   const Libssl& lib = libssl();
   lib.ERR_clear_error();
   ssl_st* ssl = lib.SSL_new(ctx_);
   if (ssl == nullptr) {
     throw std::runtime_error("SSL_new failed: " + drainErrors(lib));
   }
-  std::unique_ptr<TlsSession> s(new TlsSession(shared_from_this(), ssl, fd));
+  std::unique_ptr<TlsSession> s(
+      new TlsSession(shared_from_this(), ssl, fd, std::move(psk)));
   bio_st* in = lib.BIO_new_socket(fd, kBioNoClose);
   bio_st* out = lib.BIO_new(outputMethod());
   if (in == nullptr || out == nullptr) {
@@ -319,8 +332,7 @@ std::unique_ptr<TlsSession> TlsContext::newSession(int fd, bool client) const {
   }
   lib.BIO_set_data(out, s.get());
   lib.SSL_set_bio(ssl, in, out); // the SSL owns both now
-  if (lib.SSL_set_ex_data(
-          ssl, kTlsContextSlot, const_cast<TlsContext*>(this)) != 1) {
+  if (lib.SSL_set_ex_data(ssl, kTlsSessionSlot, s.get()) != 1) {
     throw std::runtime_error("SSL_set_ex_data failed: " + drainErrors(lib));
   }
   if (client) {
@@ -340,11 +352,13 @@ std::unique_ptr<TlsSession> TlsContext::newSession(int fd, bool client) const {
 TlsSession::TlsSession(
     std::shared_ptr<const TlsContext> context,
     ssl_st* ssl,
-    int fd)
-    : context_(std::move(context)), ssl_(ssl), fd_(fd) {}
+    int fd,
+    std::string psk)
+    : context_(std::move(context)), ssl_(ssl), fd_(fd), psk_(std::move(psk)) {}
 
 TlsSession::~TlsSession() {
   libssl().SSL_free(ssl_);
+  std::fill(psk_.begin(), psk_.end(), '\0');
 }
 
 std::string TlsSession::errorText(const char* what, int result, bool* ours)
@@ -575,7 +589,7 @@ std::string TlsSession::describe() const {
     out += std::string(" ") + lib.SSL_CIPHER_get_name(c);
   }
   if (!context_->mutual()) {
-    return out + ", pre-shared key from the group secret";
+    return out + ", pre-shared key from the group secret (CPace)";
   }
   return out + ", peer certificate " + peerSubject(lib, ssl_);
 }

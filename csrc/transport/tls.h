@@ -7,9 +7,12 @@
 // A connection that leaves the host is encrypted: the TLS handshake runs
 // first on the bare socket, then the frame protocol and its handshake
 // (handshake.h) run inside it. Two ways to authenticate TLS itself:
-//  * a pre-shared key (the default): HMAC-SHA256(group secret,
-//    kPskLabel), with an ephemeral X25519 exchange on top (psk_dhe_ke), so
-//    a recorded connection stays secret even if the group secret leaks
+//  * a pre-shared key (the default), each connection's own: the result of
+//    a CPace exchange (common/cpace.h) keyed by HMAC-SHA256(group secret,
+//    kPskLabel) that the stream connection runs in the clear before TLS,
+//    so a recording of the TLS handshake holds nothing to test a guessed
+//    secret against; with an ephemeral X25519 exchange on top (psk_dhe_ke),
+//    so a recorded connection stays secret even if the group secret leaks
 //    later. Nothing to manage: every member already has the secret.
 //  * certificates (mutual TLS), for sites with a PKI: each end presents
 //    its certificate chain and key and checks the peer's against the CA.
@@ -77,6 +80,9 @@ TlsOptions::Mode parseTlsMode(const std::string& name);
 
 class TlsSession;
 
+// A connection's pre-shared key (cpace::Exchange::finish's).
+constexpr size_t kTlsPskBytes = 32;
+
 class TlsContext : public std::enable_shared_from_this<TlsContext> {
  public:
   // Null for Mode::kOff. Throws std::runtime_error naming the problem: no
@@ -98,13 +104,19 @@ class TlsContext : public std::enable_shared_from_this<TlsContext> {
   const TlsOptions& options() const {
     return options_;
   }
-  // The pre-shared key (32 bytes; empty under mutual TLS).
-  const std::string& psk() const {
-    return psk_;
+  // The key each connection's exchange starts from (32 bytes,
+  // HMAC-SHA256(group secret, kPskLabel); empty under mutual TLS). Never a
+  // TLS key itself.
+  const std::string& groupKey() const {
+    return groupKey_;
   }
   // A session for the connected socket `fd` (not owned), as the client
-  // (the end that connected) or the server. Throws std::runtime_error.
-  std::unique_ptr<TlsSession> newSession(int fd, bool client) const;
+  // (the end that connected) or the server, under `psk`: the connection's
+  // pre-shared key from its exchange (kTlsPskBytes), empty under mutual
+  // TLS. Throws std::invalid_argument for a key of another size,
+  // std::runtime_error if libssl fails.
+  std::unique_ptr<TlsSession> newSession(int fd, bool client, std::string psk)
+      const;
   // KeyUpdates its sessions have asked for (options().keyUpdateBytes).
   uint64_t keyUpdates() const {
     return keyUpdates_.load(std::memory_order_relaxed);
@@ -119,11 +131,11 @@ class TlsContext : public std::enable_shared_from_this<TlsContext> {
   }
 
  private:
-  TlsContext(TlsOptions options, std::string psk);
+  TlsContext(TlsOptions options, std::string groupKey);
   friend class TlsSession;
 
   const TlsOptions options_;
-  const std::string psk_; // 32 bytes; empty under mutual TLS
+  const std::string groupKey_; // 32 bytes; empty under mutual TLS
   ssl_ctx_st* ctx_ = nullptr;
   mutable std::atomic<uint64_t> keyUpdates_{0};
   mutable std::atomic<uint64_t> handshakes_{0};
@@ -185,6 +197,12 @@ class TlsSession {
   // handshake is done.
   std::string describe() const;
 
+  // The connection's pre-shared key (empty under mutual TLS): what the
+  // PSK callbacks (tls_peer.h) offer and find.
+  const std::string& psk() const {
+    return psk_;
+  }
+
   // 32 bytes from the session's keys (RFC 8446 exporter, our label), the
   // same at both ends of this TLS session and at no others: the handshake's
   // proofs cover it, so a relay that runs two sessions fails them. Once
@@ -192,7 +210,11 @@ class TlsSession {
   std::string exporter() const;
 
  private:
-  TlsSession(std::shared_ptr<const TlsContext> context, ssl_st* ssl, int fd);
+  TlsSession(
+      std::shared_ptr<const TlsContext> context,
+      ssl_st* ssl,
+      int fd,
+      std::string psk);
   friend class TlsContext;
   // OpenSSL's error queue and the failing call's result, as text.
   // `ours`, where given: whether this end decided the failure (an SSL
@@ -208,6 +230,7 @@ class TlsSession {
   const std::shared_ptr<const TlsContext> context_;
   ssl_st* const ssl_;
   const int fd_; // not owned
+  std::string psk_; // wiped on destruction
   mutable std::mutex mutex_;
   // Records OpenSSL wrote, and how many of their bytes are on the socket
   // (mutex_).

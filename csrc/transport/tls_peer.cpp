@@ -40,7 +40,7 @@ static_assert(offsetof(GENERAL_NAME, d) == offsetof(GeneralName, value));
 static_assert(offsetof(GENERAL_NAME, type) == offsetof(GeneralName, type));
 #endif
 
-// The identity a client offers with the group's key, and the suite the key
+// The identity a client offers with its connection's key, and the suite the key
 // is bound to (TLS_AES_128_GCM_SHA256's IANA code: the suites offered all
 // use SHA-256, as a TLS 1.3 PSK must match its hash).
 constexpr unsigned char kPskIdentity[] = "torch_rpc_ext/1";
@@ -68,19 +68,19 @@ ssl_session_st* pskSession(ssl_st* ssl, const std::string& psk) {
   return s;
 }
 
-const TlsContext& contextOf(ssl_st* ssl) {
-  return *static_cast<const TlsContext*>(
-      libssl().SSL_get_ex_data(ssl, kTlsContextSlot));
+const TlsSession& sessionOf(ssl_st* ssl) {
+  return *static_cast<const TlsSession*>(
+      libssl().SSL_get_ex_data(ssl, kTlsSessionSlot));
 }
 
-// Client: offer the group's key (OpenSSL frees the session).
+// Client: offer the connection's key (OpenSSL frees the session).
 int useSessionCb(
     ssl_st* ssl,
     const evp_md_st* /*md*/,
     const unsigned char** id,
     size_t* idLength,
     ssl_session_st** session) {
-  *session = pskSession(ssl, contextOf(ssl).psk());
+  *session = pskSession(ssl, sessionOf(ssl).psk());
   if (*session == nullptr) {
     return 0; // fails the handshake
   }
@@ -89,7 +89,7 @@ int useSessionCb(
   return 1;
 }
 
-// Server: the group's key for our identity; nothing for any other (the
+// Server: the connection's key for our identity; nothing for any other (the
 // handshake then fails: the server has no certificate to fall back on).
 int findSessionCb(
     ssl_st* ssl,
@@ -99,7 +99,7 @@ int findSessionCb(
   *session = nullptr;
   if (identityLength == kPskIdentityBytes &&
       std::memcmp(identity, kPskIdentity, identityLength) == 0) {
-    *session = pskSession(ssl, contextOf(ssl).psk());
+    *session = pskSession(ssl, sessionOf(ssl).psk());
     return *session != nullptr ? 1 : 0;
   }
   return 1;

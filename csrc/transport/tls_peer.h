@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #pragma once
 
-// How a TLS peer shows who it is (transport/tls.h): the group's pre-shared
-// key (TLS 1.3 external PSK, keyed from the group secret), or, under mutual
+// How a TLS peer shows who it is (transport/tls.h): its connection's
+// pre-shared key (TLS 1.3 external PSK, from a key exchange keyed by the
+// group secret: common/cpace.h), or, under mutual
 // TLS, a certificate whose names tls_peer_names may constrain. Called by
 // TlsContext and TlsSession with libssl loaded.
 
@@ -13,12 +14,12 @@
 
 namespace torch_rpc_ext::transport {
 
-// The SSL ex_data slot (SSL_set_app_data's) that holds a session's
-// TlsContext, whose psk() the callbacks below read.
-constexpr int kTlsContextSlot = 0;
+// The SSL ex_data slot (SSL_set_app_data's) that holds an SSL's
+// TlsSession, whose psk() the callbacks below read.
+constexpr int kTlsSessionSlot = 0;
 
 // Installs the callbacks by which a client offers, and a server finds, the
-// group's pre-shared key (the identity "torch_rpc_ext/1", bound to
+// connection's pre-shared key (the identity "torch_rpc_ext/1", bound to
 // TLS_AES_128_GCM_SHA256's hash); a server finds nothing for another
 // identity, which fails the handshake.
 void usePreSharedKey(const Libssl& lib, ssl_ctx_st* ctx);

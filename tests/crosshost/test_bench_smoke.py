@@ -64,7 +64,7 @@ def test_crosshost_bench_smoke(tmp_path):
     ratios = {(r["rate"], r["case"], r["ratio"]): r["value"] for r in rows if "ratio" in r}
     for rate in ("unshaped", "10gbit"):
         for variant in ("ext_tls_vs_tensorpipe", "ext_clear_vs_tensorpipe"):
-            for case in ("rtt_1KB", "rtt_1MB", "pipelined_64KB"):
+            for case in ("first_call", "rtt_1KB", "rtt_1MB", "pipelined_64KB"):
                 assert ratios.get((rate, case, variant), 0) > 0, (rate, case, variant, ratios)
     assert chart.stat().st_size > 0
     assert netns.leftovers(f"{netns.NAME_PREFIX}{p.pid}") == []

@@ -28,7 +28,7 @@ DEADLINE_S = 360  # init takes 10-20 s per worker on a busy two-core machine
 # The default encrypts across hosts ("auto": the peers' addresses are not
 # loopback); "clear" turns it off.
 OPTIONS = {"default": {}, "clear": {"encryption": "off"}}
-PSK = "TLSv1.3 TLS_AES_128_GCM_SHA256, pre-shared key from the group secret"
+PSK = "TLSv1.3 TLS_AES_128_GCM_SHA256, pre-shared key from the group secret (CPace)"
 
 
 def addresses(hosts, family):

@@ -209,14 +209,30 @@ def test_the_exemption_reaches_the_listener_from_the_environment_through_init_rp
         }, out["exported"]
 
 
+def exchanged(address, source):
+    """A connection from `source` past the key exchange before TLS
+    (docs/wire-format.md, "Key exchange"), run with a guessed key: the
+    server's answer read, its PSK not ours."""
+    sock = connect_raw(address, source=source)
+    sock.settimeout(10)
+    mine = _testing.CpaceExchange(b"guess" * 6 + b"!!", b"s" * 16)
+    sock.sendall(b"CPc1" + b"s" * 16 + mine.share)
+    answer = b""
+    while len(answer) < 36 and (chunk := sock.recv(36 - len(answer))):
+        answer += chunk
+    assert answer[:4] == b"CPc1", answer
+    return sock
+
+
 def failed_tls_handshake(address):
-    """A TLS client that offers no key the listener knows (a guesser of a
-    TLS-PSK group's key looks like this to it): its handshake fails."""
+    """A TLS client that offers no key the listener knows, after a key
+    exchange under a guessed key (a guesser of a TLS-PSK group's key looks
+    like this to it): its handshake fails."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    sock = connect_raw(address, source=PROBER)
+    sock = exchanged(address, PROBER)
     try:
         with ctx.wrap_socket(sock) as tls:
             tls.recv(1)
@@ -235,7 +251,7 @@ def test_failed_tls_handshakes_hold_their_source_off():
         # Clients that go away mid-handshake refused nothing of ours: no
         # strike (a health check, a peer that exited).
         for _ in range(FAILURES + 2):
-            s = connect_raw(address, source=PROBER)
+            s = exchanged(address, PROBER)
             s.sendall(b"\x16\x03\x01\x00\x40" + b"\x01" * 8)
             s.close()
         until(lambda: sum(server.counters()["transport"][k] for k in (

@@ -25,7 +25,7 @@ from tests.rpc.world import init, run_world
 
 pytestmark = pytest.mark.timeout(240)
 
-PSK = "TLSv1.3 TLS_AES_128_GCM_SHA256, pre-shared key from the group secret"
+PSK = "TLSv1.3 TLS_AES_128_GCM_SHA256, pre-shared key from the group secret (CPace)"
 
 
 def _remote_square(t):

@@ -8,6 +8,7 @@ on accepting); a peer keyed from another secret never gets past the TLS
 handshake; bad certificate files are refused when the transport is made,
 naming the file."""
 
+import os
 import re
 import shutil
 import socket
@@ -167,6 +168,11 @@ def test_injected_bytes_close_the_connection():
         server.close(0)
 
 
+# The server's answer in the key exchange before TLS (docs/wire-format.md,
+# "Key exchange"): the bytes it sends before its first TLS record.
+ANSWER_BYTES = 36
+
+
 def flip_in_down_record(n):
     """Flips a byte in the body of the `n`th TLS record (from 0) the server
     sends, wherever the relay's chunks cut the stream."""
@@ -177,7 +183,7 @@ def flip_in_down_record(n):
         if direction != "down" or done:
             return data
         stream.extend(data)
-        start, index = 0, 0
+        start, index = ANSWER_BYTES, 0
         while start + 5 <= len(stream) and index < n:
             start += 5 + int.from_bytes(stream[start + 3:start + 5], "big")
             index += 1
@@ -300,6 +306,12 @@ def test_a_server_that_shows_a_certificate_instead_of_using_the_key_is_refused(t
     def serve():
         conn, _ = listener.accept()
         try:
+            # It answers the key exchange with a share of its own (any 32
+            # bytes pass for one), then takes TLS.
+            offer = b""
+            while len(offer) < 52 and (chunk := conn.recv(52 - len(offer))):
+                offer += chunk
+            conn.sendall(b"CPc1" + os.urandom(32))
             with ctx.wrap_socket(conn, server_side=True) as tls:
                 while data := tls.recv(65536):
                     received.append(data)

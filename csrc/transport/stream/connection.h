@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "csrc/channel/channel.h"
+#include "csrc/common/cpace.h"
 #include "csrc/common/source_strikes.h"
 #include "csrc/transport/connection.h"
 #include "csrc/transport/handshake.h"
@@ -25,6 +26,11 @@
 #include "csrc/transport/transport.h"
 
 namespace torch_rpc_ext::transport::stream {
+
+// The tag both of the key exchange's messages begin with (docs/
+// wire-format.md, "Key exchange"); its first byte is neither TLS's (0x16) nor
+// a frame header's ('T'), so an accepting end tells the three apart by it.
+inline constexpr char kExchangeTag[4] = {'C', 'P', 'c', '1'};
 
 // The stream core every socket transport shares: a non-blocking stream
 // socket speaking the frame protocol of frame.h with the handshake of
@@ -279,6 +285,17 @@ class StreamConnection : public Connection,
   TlsStart startTlsFromLoop();
   // Advance the TLS handshake; on its end the frame handshake starts.
   void driveTlsFromLoop();
+  // The key exchange before TLS under the group's key (tls.h): the
+  // client's offer sent, the peer's message read as it comes; once whole,
+  // the TLS session is made under the key both derive. True when tls_ is
+  // set; false while waiting or once closed.
+  bool sendOfferFromLoop();
+  bool exchangeFromLoop();
+
+  // Sends the offer or the answer (`what`) whole; false once closed.
+  bool sendExchangeMessageFromLoop(
+      const std::string& message,
+      const char* what);
   void onReadableFromLoop();
   // read(2) into `dst`: >0 bytes read, 0 would block, -1 closed (the
   // connection has been closed with the reason). `piecewise`: a large
@@ -462,6 +479,11 @@ class StreamConnection : public Connection,
   // from kHandshake on.
   const std::shared_ptr<const TlsContext> tlsContext_;
   std::unique_ptr<TlsSession> tls_;
+  // kTls under the group's key, until tls_ is made: this end's part of the
+  // exchange (made with the client's offer) and the peer's message as far
+  // as it came (a fixed size). Loop thread.
+  std::unique_ptr<cpace::Exchange> exchange_;
+  std::string exchangeIn_;
   // Accepted, in kTls: whether the peer's address requires TLS (a client in
   // the clear is refused then). Loop thread.
   bool tlsRequired_ = false;

@@ -13,9 +13,11 @@ namespace torch_rpc_ext::transport::stream {
 bool StreamConnection::onHeaderFromLoop() {
   std::string why = frame::validateHeader(header_, options_.limits);
   const auto* raw = reinterpret_cast<const unsigned char*>(&header_);
-  if (!why.empty() && state_ == State::kHandshake && !tls_ && raw[0] == 0x16 &&
-      raw[1] == 0x03) {
-    // A TLS handshake record (type 22, version 3.x) where a hello belongs.
+  if (!why.empty() && state_ == State::kHandshake && !tls_ &&
+      ((raw[0] == 0x16 && raw[1] == 0x03) ||
+       std::memcmp(raw, kExchangeTag, sizeof(kExchangeTag)) == 0)) {
+    // A TLS handshake record (type 22, version 3.x), or the key exchange
+    // before TLS under the group's key, where a hello belongs.
     rejectFromLoop(
         "the peer began a TLS handshake: it encrypts this connection and "
         "this end does not (set the same `encryption` on every worker; "

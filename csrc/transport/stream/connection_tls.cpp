@@ -6,11 +6,28 @@
 #include <sys/socket.h>
 
 #include <cerrno>
+#include <memory>
+#include <string_view>
 
+#include "csrc/common/cpace.h"
+#include "csrc/common/crypto.h"
 #include "csrc/common/logging.h"
 #include "csrc/transport/stream/connection.h"
 
 namespace torch_rpc_ext::transport::stream {
+
+namespace {
+
+// The key exchange's two messages (docs/wire-format.md, "Key exchange"),
+// in the clear before TLS: the client's offer {tag, session id, share} and
+// the server's answer {tag, share}.
+constexpr size_t kTagBytes = sizeof(kExchangeTag);
+constexpr size_t kOfferBytes =
+    kTagBytes + cpace::kSessionIdBytes + cpace::kShareBytes;
+constexpr size_t kAnswerBytes = kTagBytes + cpace::kShareBytes;
+constexpr char kTlsHandshakeRecord = 0x16;
+
+} // namespace
 
 StreamConnection::TlsStart StreamConnection::startTlsFromLoop() {
   if (!tlsContext_) {
@@ -28,14 +45,21 @@ StreamConnection::TlsStart StreamConnection::startTlsFromLoop() {
     if (!required) {
       return TlsStart::kClear;
     }
-    try {
-      session = tlsContext_->newSession(fd_, /*client=*/true);
-    } catch (const std::exception& e) {
-      closeInternal(e.what(), false);
-      return TlsStart::kClosed;
+    if (!tlsContext_->mutual()) {
+      if (!sendOfferFromLoop()) {
+        return TlsStart::kClosed;
+      }
+    } else {
+      try {
+        session = tlsContext_->newSession(fd_, /*client=*/true, "");
+      } catch (const std::exception& e) {
+        closeInternal(e.what(), false);
+        return TlsStart::kClosed;
+      }
     }
   }
   // Accepted: the client's first byte decides (driveTlsFromLoop()).
+  // Outbound under the group's key: the server's answer makes the session.
   std::lock_guard<std::mutex> lock(writeMutex_);
   if (state_ == State::kClosed) {
     return TlsStart::kClosed;
@@ -51,11 +75,16 @@ void StreamConnection::driveTlsFromLoop() {
     return;
   }
   noteActivity();
-  if (!tls_) {
-    // Accepted: a TLS client begins with a handshake record (type 22), one
-    // in the clear with a frame header. TLS is taken from any peer (the two
-    // ends may see different addresses: a NAT, a port forward); the clear
-    // only from one this end need not encrypt for.
+  if (!tls_ && (outbound_ || exchange_ || !exchangeIn_.empty())) {
+    if (!exchangeFromLoop()) {
+      return;
+    }
+  } else if (!tls_) {
+    // Accepted: a TLS client begins with the key exchange's offer, or under
+    // certificates with a handshake record (type 22); one in the clear with
+    // a frame header. TLS is taken from any peer (the two ends may see
+    // different addresses: a NAT, a port forward); the clear only from one
+    // this end need not encrypt for.
     char first = 0;
     ssize_t got = ::recv(fd_, &first, 1, MSG_PEEK | MSG_DONTWAIT);
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
@@ -70,9 +99,26 @@ void StreamConnection::driveTlsFromLoop() {
       return;
     }
     std::unique_ptr<TlsSession> session;
-    if (first == 0x16) {
+    const bool mutual = tlsContext_->mutual();
+    if (first == kExchangeTag[0] || first == kTlsHandshakeRecord) {
+      if ((first == kExchangeTag[0]) == mutual) {
+        rejectFromLoop(
+            "TLS handshake with " + peerAddress_ +
+            (mutual ? ": the peer keys TLS from the group secret and this "
+                      "end uses certificates (set the same tls_cert, tls_key "
+                      "and tls_ca on every worker)"
+                    : ": the peer began TLS without the key exchange that "
+                      "keys it from the group secret: it uses certificates "
+                      "(set the same tls_cert, tls_key and tls_ca on every "
+                      "worker) or is a torch_rpc_ext older than this one"));
+        return;
+      }
+      if (!mutual) {
+        exchangeFromLoop(); // reads the offer as it comes
+        return;
+      }
       try {
-        session = tlsContext_->newSession(fd_, /*client=*/false);
+        session = tlsContext_->newSession(fd_, /*client=*/false, "");
       } catch (const std::exception& e) {
         closeInternal(e.what(), false);
         return;
@@ -156,6 +202,121 @@ void StreamConnection::driveTlsFromLoop() {
   // TLS read ahead: the peer's first frames may already wait in the
   // session, where the socket's readiness no longer shows them.
   onReadableFromLoop();
+}
+
+bool StreamConnection::sendOfferFromLoop() {
+  std::string offer(kExchangeTag, kTagBytes);
+  try {
+    std::string sessionId = randomBytes(cpace::kSessionIdBytes);
+    offer += sessionId;
+    exchange_ = std::make_unique<cpace::Exchange>(
+        tlsContext_->groupKey(), std::move(sessionId));
+    offer += exchange_->share();
+  } catch (const std::exception& e) {
+    closeInternal("key exchange with " + peerAddress_ + ": " + e.what(), false);
+    return false;
+  }
+  return sendExchangeMessageFromLoop(offer, "offer");
+}
+
+bool StreamConnection::sendExchangeMessageFromLoop(
+    const std::string& message,
+    const char* what) {
+  // The first bytes this end sends on the socket: its buffer takes them
+  // whole (a short send is an error, never a wait).
+  ssize_t sent =
+      ::send(fd_, message.data(), message.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (sent == static_cast<ssize_t>(message.size())) {
+    return true;
+  }
+  std::string head = std::string("key exchange with ") + peerAddress_ +
+      ": sending the " + what;
+  closeInternal(
+      sent < 0 ? errnoText((head + " failed").c_str())
+               : head + ": the socket took " + std::to_string(sent) + " of " +
+              std::to_string(message.size()) + " bytes",
+      false);
+  return false;
+}
+
+bool StreamConnection::exchangeFromLoop() {
+  const size_t want = outbound_ ? kAnswerBytes : kOfferBytes;
+  while (exchangeIn_.size() < want) {
+    char buf[kOfferBytes];
+    ssize_t got = ::recv(fd_, buf, want - exchangeIn_.size(), MSG_DONTWAIT);
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      std::lock_guard<std::mutex> lock(writeMutex_);
+      if (state_ != State::kClosed) {
+        loop_.modify(fd_, EPOLLIN); // the rest wakes us
+      }
+      return false;
+    }
+    if (got < 0 && errno == EINTR) {
+      continue;
+    }
+    if (got <= 0) {
+      if (!outbound_) {
+        closeKnockedFromLoop(/*reset=*/got != 0);
+      } else {
+        // (As driveTlsFromLoop() says it, and the key exchange named.)
+        closeInternal(
+            "TLS handshake with " + peerAddress_ +
+                ": peer closed the connection during the TLS handshake "
+                "(does the peer have encryption off? or certificates where "
+                "this end has none? or was it over its cap on "
+                "unauthenticated connections, or does it hold our address "
+                "off for proofs it refused from it lately? its log says); "
+                "it never answered our key exchange",
+            false);
+      }
+      return false;
+    }
+    exchangeIn_.append(buf, size_t(got));
+  }
+  std::string_view in(exchangeIn_);
+  if (in.substr(0, kTagBytes) != std::string_view(kExchangeTag, kTagBytes)) {
+    std::string reason = "TLS handshake with " + peerAddress_ +
+        ": the peer's key exchange message does not begin with its tag";
+    outbound_ ? closeInternal(reason, false) : rejectFromLoop(reason);
+    return false;
+  }
+  in.remove_prefix(kTagBytes);
+  std::string psk;
+  try {
+    if (!outbound_) {
+      exchange_ = std::make_unique<cpace::Exchange>(
+          tlsContext_->groupKey(),
+          std::string(in.substr(0, cpace::kSessionIdBytes)));
+      in.remove_prefix(cpace::kSessionIdBytes);
+      std::string answer(kExchangeTag, kTagBytes);
+      answer += exchange_->share();
+      if (!sendExchangeMessageFromLoop(answer, "answer")) {
+        return false;
+      }
+    }
+    psk = exchange_->finish(in, /*client=*/outbound_);
+  } catch (const std::exception& e) {
+    // A share libcrypto refuses (a small-order point) is no honest peer's.
+    std::string reason =
+        "TLS handshake with " + peerAddress_ + ": key exchange: " + e.what();
+    outbound_ ? closeInternal(reason, false) : rejectFromLoop(reason);
+    return false;
+  }
+  std::unique_ptr<TlsSession> session;
+  try {
+    session = tlsContext_->newSession(fd_, outbound_, std::move(psk));
+  } catch (const std::exception& e) {
+    closeInternal(e.what(), false);
+    return false;
+  }
+  exchange_.reset();
+  std::string().swap(exchangeIn_);
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  if (state_ == State::kClosed) {
+    return false;
+  }
+  tls_ = std::move(session);
+  return true;
 }
 
 } // namespace torch_rpc_ext::transport::stream

@@ -1,0 +1,252 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""What a recorded TLS connection gives a guesser of the group's secret.
+
+TLS 1.3's PSK mode is no password-authenticated exchange: a ClientHello
+carries its PSK binder in the clear, an HMAC under a key derived from the
+PSK alone. Until session 105 every connection's PSK was HMAC(secret, label),
+so one recorded ClientHello let a tap test guesses at a user's passphrase
+offline. Now each connection's PSK comes from a CPace exchange before TLS
+(csrc/common/cpace.h): the binder a tap records verifies under no key it can
+compute from a guess, the right one included. Between two transport
+endpoints of one process (torch_rpc_ext._testing.Endpoint) and a relay."""
+
+import hashlib
+import hmac
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from tests.rpc.test_tls_wire import SECRET, Relay, endpoint
+
+_testing = pytest.importorskip("torch_rpc_ext._testing")
+
+pytestmark = pytest.mark.timeout(120)
+
+PSK_LABEL = b"torch_rpc_ext/tls-psk/1"  # csrc/transport/tls.cpp, kPskLabel
+
+
+def hkdf_expand_label(secret: bytes, label: bytes, context: bytes, length: int) -> bytes:
+    """RFC 8446, section 7.1, over SHA-256 (the suites a PSK of ours uses)."""
+    full = b"tls13 " + label
+    info = length.to_bytes(2, "big") + bytes([len(full)]) + full + bytes([len(context)]) + context
+    out, block, counter = b"", b"", 1
+    while len(out) < length:
+        block = hmac.new(secret, block + info + bytes([counter]), hashlib.sha256).digest()
+        out += block
+        counter += 1
+    return out[:length]
+
+
+def binder_holds(client_hello: bytes, psk: bytes) -> bool:
+    """Whether the ClientHello's PSK binder (RFC 8446, 4.2.11.2; one
+    external PSK, its binder the message's last 32 bytes) is the one `psk`
+    makes: the offline guesser's test of a guess."""
+    assert client_hello[-35:-32] == b"\x00\x21\x20", "one binder of 32 bytes"
+    early = hmac.new(b"\0" * 32, psk, hashlib.sha256).digest()
+    binder_key = hkdf_expand_label(early, b"ext binder", hashlib.sha256(b"").digest(), 32)
+    finished = hkdf_expand_label(binder_key, b"finished", b"", 32)
+    transcript = hashlib.sha256(client_hello[:-35]).digest()
+    want = hmac.new(finished, transcript, hashlib.sha256).digest()
+    return hmac.compare_digest(want, client_hello[-32:])
+
+
+def client_hello_in(stream: bytes) -> bytes:
+    """The ClientHello handshake message of the first TLS record in `stream`."""
+    for i in range(len(stream) - 9):
+        if stream[i:i + 3] == b"\x16\x03\x01" and stream[i + 5] == 0x01:
+            length = int.from_bytes(stream[i + 3:i + 5], "big")
+            message = stream[i + 5:i + 5 + length]
+            assert int.from_bytes(message[1:4], "big") == len(message) - 4
+            return message
+    raise AssertionError("no ClientHello in %r" % stream[:80])
+
+
+def test_the_binder_check_finds_the_key_of_an_openssl_client():
+    """The check below can tell: a ClientHello of OpenSSL's own client,
+    with a PSK we chose, verifies under that PSK and no other."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    listener = socket.create_server(("127.0.0.1", 0))
+    got = []
+
+    def record():
+        conn, _ = listener.accept()
+        conn.settimeout(10)
+        data = b""
+        try:
+            while len(data) < 5 or len(data) < 5 + int.from_bytes(data[3:5], "big"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        finally:
+            conn.close()
+            got.append(data)
+
+    t = threading.Thread(target=record, daemon=True)
+    t.start()
+    psk = bytes(range(32))
+    subprocess.run(
+        ["openssl", "s_client", "-connect", "127.0.0.1:%d" % listener.getsockname()[1],
+         "-tls1_3", "-ciphersuites", "TLS_AES_128_GCM_SHA256", "-psk", psk.hex()],
+        stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    t.join(10)
+    listener.close()
+    hello = client_hello_in(got[0])
+    assert binder_holds(hello, psk)
+    assert not binder_holds(hello, bytes(32))
+
+
+def test_a_recorded_tls_handshake_holds_nothing_to_test_a_guessed_secret_against():
+    seen = {"up": b"", "down": b""}
+
+    def record(direction, offset, data):
+        seen[direction] += data
+        return data
+
+    server = endpoint(0, encryption="always")
+    relay = Relay(server.address, record)
+    client = endpoint(1, encryption="always")
+    try:
+        client.connect(relay.address, 0)
+        assert client.wait_ready(30), client.close_reason()
+        assert client.security().endswith("pre-shared key from the group secret (CPace)")
+        client.send(b"first", [])
+        assert server.receive(30) == (b"first", [])
+        # The exchange in the clear: {tag, session id, share}, {tag, share}.
+        assert seen["up"][:4] == b"CPc1" and seen["down"][:4] == b"CPc1"
+        offer, answer = seen["up"][4:52], seen["down"][4:36]
+        hello = client_hello_in(seen["up"][52:])
+        # The guesser's test, with the right secret: the group's key, from
+        # which every connection's PSK was until session 105, is not this
+        # connection's; nor is the secret itself, nor the shares.
+        group_key = hmac.new(SECRET.encode(), PSK_LABEL, hashlib.sha256).digest()
+        for guess in (group_key, SECRET.encode(), offer[16:], answer):
+            assert not binder_holds(hello, guess)
+        # The shares are not the generator the right key makes for this
+        # session: each is a fresh multiple of it.
+        generator = _testing.cpace_generator(group_key, offer[:16])
+        assert generator not in (offer[16:], answer)
+    finally:
+        relay.close()
+        client.close(0)
+        server.close(0)
+
+
+def test_an_impostor_guessing_the_secret_gets_no_connection():
+    """A relay that answers the client's offer itself, with a share made
+    from a wrong key (a guess), gets a TLS handshake that fails: the client
+    goes on to nothing."""
+    guess = hmac.new(b"g" * 32, PSK_LABEL, hashlib.sha256).digest()
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen = []
+
+    def impostor():
+        conn, _ = listener.accept()
+        conn.settimeout(15)
+        try:
+            offer = b""
+            while len(offer) < 52:
+                offer += conn.recv(52 - len(offer))
+            mine = _testing.CpaceExchange(guess, offer[4:20])
+            conn.sendall(b"CPc1" + mine.share)
+            while chunk := conn.recv(4096):
+                seen.append(chunk)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    threading.Thread(target=impostor, daemon=True).start()
+    client = endpoint(1, encryption="always")
+    try:
+        client.connect("127.0.0.1:%d" % listener.getsockname()[1], 0)
+        assert not client.wait_ready(15)
+        assert "TLS handshake" in client.close_reason(), client.close_reason()
+    finally:
+        client.close(0)
+        listener.close()
+
+
+def raw_client(address: str, first: bytes) -> bytes:
+    """Sends `first` to `address` and returns what comes back until the
+    server closes (or 10 s pass)."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as s:
+        s.sendall(first)
+        back = b""
+        try:
+            while chunk := s.recv(4096):
+                back += chunk
+        except OSError:
+            pass
+        return back
+
+
+def wait_for_reason(server, needle: str) -> str:
+    deadline = time.monotonic() + 10
+    while needle not in server.close_reason() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server.close_reason()
+
+
+@pytest.mark.parametrize("first, reason", [
+    # A client that begins TLS without the exchange (one using
+    # certificates, or an older torch_rpc_ext).
+    (bytes.fromhex("160301002c01000028") + b"\0" * 40, "began TLS without the key exchange"),
+    # An offer whose tag is wrong past its first byte.
+    (b"CPx1" + b"\0" * 48, "does not begin with its tag"),
+    # A share of small order: X25519 gives all zeros.
+    (b"CPc1" + b"\1" * 16 + b"\0" * 32, "key exchange: X25519"),
+])
+def test_a_server_names_what_is_wrong_with_a_clients_start_and_goes_on(first, reason):
+    server = endpoint(0, encryption="always")
+    try:
+        raw_client(server.address, first)
+        assert reason in wait_for_reason(server, reason)
+        # It goes on: an honest client connects.
+        client = endpoint(1, encryption="always")
+        client.connect(server.address, 0)
+        assert client.wait_ready(30), client.close_reason()
+        client.close(0)
+    finally:
+        server.close(0)
+
+
+def test_an_end_in_the_clear_names_a_peer_that_begins_the_key_exchange():
+    server = endpoint(0, encryption="off")
+    client = endpoint(1, encryption="always")
+    try:
+        client.connect(server.address, 0)
+        assert not client.wait_ready(15)
+        assert "does the peer have encryption off?" in client.close_reason()
+        reason = wait_for_reason(server, "began a TLS handshake")
+        assert "the peer began a TLS handshake: it encrypts this connection and this end does not" in reason, reason
+    finally:
+        client.close(0)
+        server.close(0)
+
+
+def test_ends_that_key_tls_differently_name_it(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make certificates")
+    from tests.rpc.test_tls import _make_ca, _make_cert
+
+    _make_ca(tmp_path, "ca")
+    files = [*_make_cert(tmp_path, "ca", "w0"), str(tmp_path / "ca.pem")]
+    for server_files, client_files, reason in (
+            (files, None, "the peer keys TLS from the group secret and this end uses certificates"),
+            (None, files, "the peer began TLS without the key exchange")):
+        server = endpoint(0, encryption="always", **({"tls_files": server_files} if server_files else {}))
+        client = endpoint(1, encryption="always", **({"tls_files": client_files} if client_files else {}))
+        try:
+            client.connect(server.address, 0)
+            assert not client.wait_ready(15)
+            assert reason in wait_for_reason(server, reason)
+        finally:
+            client.close(0)
+            server.close(0)
