@@ -66,8 +66,7 @@ Fe sub(const Fe& a, const Fe& b) {
 Fe mul(const Fe& a, const Fe& b) {
   const uint64_t* x = a.v;
   const uint64_t* y = b.v;
-  const uint64_t y1 = 19 * y[1], y2 = 19 * y[2], y3 = 19 * y[3],
-                 y4 = 19 * y[4];
+  const uint64_t y1 = 19 * y[1], y2 = 19 * y[2], y3 = 19 * y[3], y4 = 19 * y[4];
   u128 r0 = u128(x[0]) * y[0] + u128(x[1]) * y4 + u128(x[2]) * y3 +
       u128(x[3]) * y2 + u128(x[4]) * y1;
   u128 r1 = u128(x[0]) * y[1] + u128(x[1]) * y[0] + u128(x[2]) * y4 +
@@ -82,11 +81,12 @@ Fe mul(const Fe& a, const Fe& b) {
   r2 += uint64_t(r1 >> 51);
   r3 += uint64_t(r2 >> 51);
   r4 += uint64_t(r3 >> 51);
-  Fe r{{uint64_t(r0) & kMask51,
-        uint64_t(r1) & kMask51,
-        uint64_t(r2) & kMask51,
-        uint64_t(r3) & kMask51,
-        uint64_t(r4) & kMask51}};
+  Fe r{
+      {uint64_t(r0) & kMask51,
+       uint64_t(r1) & kMask51,
+       uint64_t(r2) & kMask51,
+       uint64_t(r3) & kMask51,
+       uint64_t(r4) & kMask51}};
   r.v[0] += 19 * uint64_t(r4 >> 51);
   carry(r);
   return r;
@@ -116,11 +116,12 @@ constexpr uint8_t kHalfPMinus1[32] = {
     0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x3f};
 
 Fe fromBytes(const uint8_t* s) {
-  Fe f{{load64(s) & kMask51,
-        (load64(s + 6) >> 3) & kMask51,
-        (load64(s + 12) >> 6) & kMask51,
-        (load64(s + 19) >> 1) & kMask51,
-        (load64(s + 24) >> 12) & kMask51}};
+  Fe f{
+      {load64(s) & kMask51,
+       (load64(s + 6) >> 3) & kMask51,
+       (load64(s + 12) >> 6) & kMask51,
+       (load64(s + 19) >> 1) & kMask51,
+       (load64(s + 24) >> 12) & kMask51}};
   return f;
 }
 

@@ -343,7 +343,8 @@ const Libcrypto& x25519Crypto() {
         "the libcrypto in use (" + lib.description +
         ") has no X25519 (EVP_PKEY_new_raw_private_key and friends: OpenSSL "
         "1.1.1 or newer), which a group without a secret of its own needs "
-        "to share one at rendezvous");
+        "to share one at rendezvous, and TLS under the group's key to key "
+        "each connection");
   }
   return lib;
 }
@@ -352,20 +353,23 @@ const Libcrypto& x25519Crypto() {
 
 X25519Key::X25519Key() {
   const Libcrypto& lib = x25519Crypto();
-  private_ = randomBytes(kBytes);
+  std::string scalar = randomBytes(kBytes);
   evp_pkey_st* key = lib.newRawPrivateKey(
       kNidX25519,
       nullptr,
-      reinterpret_cast<const unsigned char*>(private_.data()),
-      private_.size());
+      reinterpret_cast<const unsigned char*>(scalar.data()),
+      scalar.size());
+  std::fill(scalar.begin(), scalar.end(), '\0');
   if (key == nullptr) {
     throw std::runtime_error("X25519: EVP_PKEY_new_raw_private_key failed");
   }
+  // Kept whole (libcrypto made its public key as it took it): each agree()
+  // is one scalar multiplication, not two.
+  key_.reset(key, [](evp_pkey_st* k) { libcrypto().pkeyFree(k); });
   public_.assign(kBytes, '\0');
   size_t len = public_.size();
   int ok = lib.getRawPublicKey(
       key, reinterpret_cast<unsigned char*>(public_.data()), &len);
-  lib.pkeyFree(key);
   if (ok != 1 || len != kBytes) {
     throw std::runtime_error("X25519: EVP_PKEY_get_raw_public_key failed");
   }
@@ -378,17 +382,12 @@ std::string X25519Key::agree(const std::string& peerPublic) const {
         "X25519: a public key has " + std::to_string(peerPublic.size()) +
         " bytes, not 32");
   }
-  evp_pkey_st* mine = lib.newRawPrivateKey(
-      kNidX25519,
-      nullptr,
-      reinterpret_cast<const unsigned char*>(private_.data()),
-      private_.size());
   evp_pkey_st* theirs = lib.newRawPublicKey(
       kNidX25519,
       nullptr,
       reinterpret_cast<const unsigned char*>(peerPublic.data()),
       peerPublic.size());
-  evp_pkey_ctx_st* ctx = mine ? lib.pkeyCtxNew(mine, nullptr) : nullptr;
+  evp_pkey_ctx_st* ctx = lib.pkeyCtxNew(key_.get(), nullptr);
   std::string out(kBytes, '\0');
   size_t len = out.size();
   bool ok = ctx && theirs && lib.deriveInit(ctx) == 1 &&
@@ -401,9 +400,6 @@ std::string X25519Key::agree(const std::string& peerPublic) const {
   }
   if (theirs) {
     lib.pkeyFree(theirs);
-  }
-  if (mine) {
-    lib.pkeyFree(mine);
   }
   if (!ok || out == std::string(kBytes, '\0')) {
     throw std::runtime_error("X25519: no shared secret with that public key");

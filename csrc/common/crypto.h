@@ -9,6 +9,7 @@
 #include <string_view>
 
 struct evp_cipher_ctx_st; // OpenSSL's EVP_CIPHER_CTX (libcrypto.h)
+struct evp_pkey_st; // OpenSSL's EVP_PKEY (libcrypto.h)
 
 namespace torch_rpc_ext {
 
@@ -108,8 +109,9 @@ class Aead {
 };
 
 // An X25519 key pair (RFC 7748) through libcrypto: the sealing of a
-// group's secret at rendezvous (agent/group.cpp). Throws
-// std::runtime_error if libcrypto has no X25519.
+// group's secret at rendezvous (agent/group.cpp), and the scalar of a key
+// exchange before TLS (cpace.h). Throws std::runtime_error if libcrypto has
+// no X25519. Copies share the key; agree() may run on several threads.
 class X25519Key {
  public:
   static constexpr size_t kBytes = 32;
@@ -125,7 +127,7 @@ class X25519Key {
   std::string agree(const std::string& peerPublic) const;
 
  private:
-  std::string private_;
+  std::shared_ptr<evp_pkey_st> key_; // the private key, as libcrypto holds it
   std::string public_;
 };
 
