@@ -20,10 +20,11 @@
 // The shares look alike under every key (a point made from a secret scalar
 // times a generator nobody knows a logarithm of): a guess at the group's key
 // gives a guesser a generator, and with it nothing to check a recorded
-// share against. An impostor (either end) who runs the exchange with one
-// guessed key learns whether that one guess was right (the TLS handshake
-// that follows fails or not): one guess per connection, which the hold-off
-// on refused sources paces (source_strikes.h).
+// share against. Whoever runs the exchange with one guessed key learns
+// whether that one guess was right (the TLS handshake that follows fails or
+// not): a client, one guess per connection, which the hold-off on refused
+// sources paces (source_strikes.h); an impostor server a client was sent
+// to, one per connection the client makes to it.
 //
 // Not the draft's byte encoding (HMAC-SHA256 where it hashes with SHA-512,
 // our labels): its construction, on the same curve and map. X25519 itself is

@@ -7,8 +7,8 @@ garbage, knocks or silence; a neighbour's address is not held off. Between
 transport endpoints of one process (torch_rpc_ext._testing.Endpoint), the
 prober speaking from 127.0.0.3 and the neighbour from 127.0.0.4."""
 
+import shutil
 import socket
-import ssl
 import struct
 import time
 
@@ -225,25 +225,21 @@ def exchanged(address, source):
 
 
 def failed_tls_handshake(address):
-    """A TLS client that offers no key the listener knows, after a key
-    exchange under a guessed key (a guesser of a TLS-PSK group's key looks
-    like this to it): its handshake fails."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    sock = exchanged(address, PROBER)
+    """A guesser of a TLS-PSK group's key: the key exchange under a guessed
+    key, then a real TLS client (OpenSSL's s_client) under the PSK that
+    gives its side. Whether its handshake failed."""
+    from tests.rpc.test_tls_guessing import guessing_client
+
+    sock = connect_raw(address, source=PROBER)
     try:
-        with ctx.wrap_socket(sock) as tls:
-            tls.recv(1)
-        return False
-    except (ssl.SSLError, OSError):
-        return True
+        return "Cipher is (NONE)" in guessing_client(sock, b"g" * 32)
     finally:
         sock.close()
 
 
 def test_failed_tls_handshakes_hold_their_source_off():
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command (a real TLS client to guess with)")
     server = endpoint(0, encryption="always")
     client = endpoint(1, encryption="always")
     try:
@@ -278,4 +274,31 @@ def test_failed_tls_handshakes_hold_their_source_off():
         assert client.wait_ready(15), client.close_reason()
     finally:
         client.close(0)
+        server.close(0)
+
+
+@pytest.mark.parametrize("offer", [
+    b"CPx1" + b"s" * 48,  # not the exchange's tag past its first byte
+    b"CPc1" + b"s" * 16 + b"\0" * 32,  # a share of small order
+], ids=["tag", "share"])
+def test_malformed_key_exchanges_hold_their_source_off(offer):
+    """No honest client sends them, and each had the server run its side of
+    the exchange: struck as refused proofs are."""
+    server = endpoint(0, encryption="always")
+    try:
+        address = server.address
+        for _ in range(FAILURES):
+            sock = connect_raw(address, source=PROBER)
+            sock.settimeout(10)
+            sock.sendall(offer)
+            assert closed_by_peer(sock)
+            sock.close()
+        until(lambda: held_off(server)[0] == 1, f"not held off: {server.counters()['transport']}")
+        sock = connect_raw(address, source=NEIGHBOUR)  # only the prober
+        sock.settimeout(10)
+        sock.sendall(offer)
+        assert closed_by_peer(sock)
+        sock.close()
+        assert held_off(server) == (1, 0)
+    finally:
         server.close(0)

@@ -12,6 +12,7 @@ endpoints of one process (torch_rpc_ext._testing.Endpoint) and a relay."""
 
 import hashlib
 import hmac
+import os
 import shutil
 import socket
 import subprocess
@@ -20,7 +21,7 @@ import time
 
 import pytest
 
-from tests.rpc.test_tls_wire import SECRET, Relay, endpoint
+from tests.rpc.test_tls_wire import SECRET, Relay, endpoint, pump
 
 _testing = pytest.importorskip("torch_rpc_ext._testing")
 
@@ -137,39 +138,150 @@ def test_a_recorded_tls_handshake_holds_nothing_to_test_a_guessed_secret_against
         server.close(0)
 
 
-def test_an_impostor_guessing_the_secret_gets_no_connection():
-    """A relay that answers the client's offer itself, with a share made
-    from a wrong key (a guess), gets a TLS handshake that fails: the client
-    goes on to nothing."""
-    guess = hmac.new(b"g" * 32, PSK_LABEL, hashlib.sha256).digest()
+PSK_TLS = ["-tls1_3", "-ciphersuites", "TLS_AES_128_GCM_SHA256",
+           "-psk_identity", "torch_rpc_ext/1"]  # what our ends use (tls_peer.cpp)
+
+
+def needs_openssl():
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+
+
+def recv_exactly(sock, n: int) -> bytes:
+    data = b""
+    while len(data) < n and (chunk := sock.recv(n - len(data))):
+        data += chunk
+    return data
+
+
+def splice(a, b):
+    """Copies bytes both ways between two sockets until either end stops."""
+    for src, dst in ((a, b), (b, a)):
+        threading.Thread(target=pump, args=(src, dst, lambda offset, data: data),
+                         daemon=True).start()
+
+
+def guessing_client(sock, key: bytes) -> str:
+    """A guesser with a real TLS stack, over `sock` (connected to one of our
+    servers): the key exchange under `key`, then OpenSSL's s_client under
+    the PSK that gives its side. What s_client printed."""
+    sock.settimeout(15)
+    sid = os.urandom(16)
+    mine = _testing.CpaceExchange(key, sid)
+    sock.sendall(b"CPc1" + sid + mine.share)
+    answer = recv_exactly(sock, 36)
+    assert answer[:4] == b"CPc1", answer
+    psk = mine.finish(answer[4:], True)
     listener = socket.create_server(("127.0.0.1", 0))
-    seen = []
+    listener.settimeout(15)
+    p = subprocess.Popen(
+        ["openssl", "s_client", "-connect", "127.0.0.1:%d" % listener.getsockname()[1],
+         "-psk", psk.hex(), *PSK_TLS],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        conn, _ = listener.accept()
+        splice(conn, sock)
+        return p.communicate(timeout=30)[0].decode(errors="replace")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        listener.close()
+
+
+@pytest.mark.parametrize("right", [False, True], ids=["guessed", "right"])
+def test_a_guessing_client_fails_the_tls_handshake_and_is_counted(right):
+    """A client that runs the exchange under a guessed key offers a binder
+    the server refuses: the guess costs a connection, counted (and struck
+    against its source: test_source_holdoff.py). With the right key the
+    same client gets through TLS (what makes the check worth something)."""
+    needs_openssl()
+    server = endpoint(0, encryption="always")
+    try:
+        group_key = hmac.new(SECRET.encode(), PSK_LABEL, hashlib.sha256).digest()
+        host, port = server.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            printed = guessing_client(sock, group_key if right else b"g" * 32)
+        counted = server.counters()["transport"]
+        if right:
+            assert "Cipher is TLS_AES_128_GCM_SHA256" in printed, printed
+            return
+        assert "Cipher is (NONE)" in printed, printed
+        reason = wait_for_reason(server, "TLS handshake")
+        assert "TLS handshake" in reason, reason
+        deadline = time.monotonic() + 10
+        while counted["tls_handshake_failures"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            counted = server.counters()["transport"]
+        assert counted["tls_handshake_failures"] == 1 and counted["tls_handshakes"] == 0
+    finally:
+        server.close(0)
+
+
+@pytest.mark.parametrize("right", [False, True], ids=["guessed", "right"])
+def test_an_impostor_server_learns_only_whether_its_one_guess_was_right(right):
+    """A listener a client was sent to, which answers the exchange under a
+    guessed key and then runs a real TLS server (OpenSSL's s_server) under
+    the PSK its side derives: with a wrong guess the client's TLS handshake
+    fails and it sends nothing more; with the right key (the control) TLS
+    comes up and the client's hello reaches it."""
+    needs_openssl()
+    group_key = hmac.new(SECRET.encode(), PSK_LABEL, hashlib.sha256).digest()
+    key = group_key if right else b"g" * 32
+    listener = socket.create_server(("127.0.0.1", 0))
+    servers = []
 
     def impostor():
         conn, _ = listener.accept()
         conn.settimeout(15)
-        try:
-            offer = b""
-            while len(offer) < 52:
-                offer += conn.recv(52 - len(offer))
-            mine = _testing.CpaceExchange(guess, offer[4:20])
-            conn.sendall(b"CPc1" + mine.share)
-            while chunk := conn.recv(4096):
-                seen.append(chunk)
-        except OSError:
-            pass
-        finally:
-            conn.close()
+        offer = recv_exactly(conn, 52)
+        mine = _testing.CpaceExchange(key, offer[4:20])
+        conn.sendall(b"CPc1" + mine.share)
+        psk = mine.finish(offer[20:], False)
+        with socket.create_server(("127.0.0.1", 0)) as probe:
+            port = probe.getsockname()[1]  # free now; s_server takes it
+        servers.append(subprocess.Popen(
+            ["openssl", "s_server", "-accept", "127.0.0.1:%d" % port, "-naccept", "1",
+             "-nocert", "-quiet", "-psk", psk.hex(), *PSK_TLS],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                behind = socket.create_connection(("127.0.0.1", port), timeout=10)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "s_server never listened"
+                time.sleep(0.05)
+        splice(conn, behind)
 
     threading.Thread(target=impostor, daemon=True).start()
     client = endpoint(1, encryption="always")
     try:
         client.connect("127.0.0.1:%d" % listener.getsockname()[1], 0)
-        assert not client.wait_ready(15)
-        assert "TLS handshake" in client.close_reason(), client.close_reason()
+        if right:
+            # The hello goes out inside TLS; no challenge ever comes back.
+            deadline = time.monotonic() + 15
+            while not servers and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1)
+        else:
+            assert not client.wait_ready(15)
+            reason = client.close_reason()
+            assert "TLS handshake" in reason and "alert" in reason, reason
     finally:
         client.close(0)
         listener.close()
+        for p in servers:
+            try:
+                out, err = p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+    assert servers, "the client never made its offer"
+    if right:
+        assert out.startswith(b"TRPX"), (out, err)  # our hello's frame header
+    else:
+        assert b"binder does not verify" in err and out == b"", (out, err)
 
 
 def raw_client(address: str, first: bytes) -> bytes:

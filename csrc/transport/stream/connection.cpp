@@ -302,7 +302,8 @@ bool StreamConnection::closedForHeldOffSourceFromLoop() {
 }
 
 std::string StreamConnection::security() const {
-  // tls_ never changes once kTls is reached (writeMutex_ orders the two).
+  // tls_ never changes once set, before kHandshake (writeMutex_ orders the
+  // two).
   std::lock_guard<std::mutex> lock(writeMutex_);
   return tls_ && state_ == State::kReady ? tls_->describe() : std::string();
 }

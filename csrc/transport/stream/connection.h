@@ -292,6 +292,9 @@ class StreamConnection : public Connection,
   bool sendOfferFromLoop();
   bool exchangeFromLoop();
 
+  // Closes on a malformed exchange message or a refused share; accepted:
+  // a strike against the source, as for a refused proof.
+  void refuseExchangeFromLoop(const std::string& reason);
   // Sends the offer or the answer (`what`) whole; false once closed.
   bool sendExchangeMessageFromLoop(
       const std::string& message,
@@ -474,9 +477,10 @@ class StreamConnection : public Connection,
   const std::string transportName_;
   // The transport's TLS context (null: never encrypts), and this
   // connection's session once it encrypts: set on the loop thread under
-  // writeMutex_ while kTls (outbound: as it enters it; accepted: when the
-  // client's first byte is TLS), never changed after; writers use it only
-  // from kHandshake on.
+  // writeMutex_ while kTls (under certificates: outbound as it enters it,
+  // accepted when the client's first byte is TLS; under the group's key:
+  // once the key exchange is done), never changed after; writers use it
+  // only from kHandshake on.
   const std::shared_ptr<const TlsContext> tlsContext_;
   std::unique_ptr<TlsSession> tls_;
   // kTls under the group's key, until tls_ is made: this end's part of the

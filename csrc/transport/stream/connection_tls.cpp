@@ -239,11 +239,24 @@ bool StreamConnection::sendExchangeMessageFromLoop(
   return false;
 }
 
+void StreamConnection::refuseExchangeFromLoop(const std::string& reason) {
+  if (outbound_) {
+    closeInternal(reason, false);
+    return;
+  }
+  // No honest client sends it, and it had the server run the exchange
+  // (a share and a map, about 0.15 ms of this thread): struck against its
+  // source, as a refused proof is.
+  strikeSourceFromLoop();
+  rejectFromLoop(reason);
+}
+
 bool StreamConnection::exchangeFromLoop() {
   const size_t want = outbound_ ? kAnswerBytes : kOfferBytes;
   while (exchangeIn_.size() < want) {
     char buf[kOfferBytes];
     ssize_t got = ::recv(fd_, buf, want - exchangeIn_.size(), MSG_DONTWAIT);
+    const int recvErrno = errno;
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       std::lock_guard<std::mutex> lock(writeMutex_);
       if (state_ != State::kClosed) {
@@ -255,18 +268,30 @@ bool StreamConnection::exchangeFromLoop() {
       continue;
     }
     if (got <= 0) {
-      if (!outbound_) {
-        closeKnockedFromLoop(/*reset=*/got != 0);
+      const std::string part = std::to_string(exchangeIn_.size()) + " of " +
+          std::to_string(want) + " bytes of its " +
+          (outbound_ ? "answer" : "offer");
+      std::string ended;
+      if (got == 0 || recvErrno == ECONNRESET) {
+        ended = std::string("peer ") + (got == 0 ? "closed" : "reset") +
+            " the connection";
       } else {
-        // (As driveTlsFromLoop() says it, and the key exchange named.)
+        errno = recvErrno;
+        ended = errnoText("recv failed");
+      }
+      if (!outbound_) {
+        // (It sent the tag's first byte at least: no mere knock.)
+        closeInternal("key exchange: " + ended + " after " + part, false);
+      } else {
+        // (As driveTlsFromLoop() says a close, the key exchange named.)
         closeInternal(
-            "TLS handshake with " + peerAddress_ +
-                ": peer closed the connection during the TLS handshake "
-                "(does the peer have encryption off? or certificates where "
-                "this end has none? or was it over its cap on "
-                "unauthenticated connections, or does it hold our address "
-                "off for proofs it refused from it lately? its log says); "
-                "it never answered our key exchange",
+            "TLS handshake with " + peerAddress_ + ": " + ended +
+                " during the TLS handshake (does the peer have encryption "
+                "off? or certificates where this end has none? or was it "
+                "over its cap on unauthenticated connections, or does it "
+                "hold our address off for proofs it refused from it lately? "
+                "its log says), after " +
+                part + " to our key exchange",
             false);
       }
       return false;
@@ -275,31 +300,35 @@ bool StreamConnection::exchangeFromLoop() {
   }
   std::string_view in(exchangeIn_);
   if (in.substr(0, kTagBytes) != std::string_view(kExchangeTag, kTagBytes)) {
-    std::string reason = "TLS handshake with " + peerAddress_ +
-        ": the peer's key exchange message does not begin with its tag";
-    outbound_ ? closeInternal(reason, false) : rejectFromLoop(reason);
+    refuseExchangeFromLoop(
+        "TLS handshake with " + peerAddress_ +
+        ": the peer's key exchange message does not begin with its tag");
     return false;
   }
   in.remove_prefix(kTagBytes);
-  std::string psk;
-  try {
-    if (!outbound_) {
+  if (!outbound_) {
+    try {
       exchange_ = std::make_unique<cpace::Exchange>(
           tlsContext_->groupKey(),
           std::string(in.substr(0, cpace::kSessionIdBytes)));
-      in.remove_prefix(cpace::kSessionIdBytes);
-      std::string answer(kExchangeTag, kTagBytes);
-      answer += exchange_->share();
-      if (!sendExchangeMessageFromLoop(answer, "answer")) {
-        return false;
-      }
+    } catch (const std::exception& e) { // ours (libcrypto), not the peer's
+      closeInternal("key exchange: " + std::string(e.what()), false);
+      return false;
     }
+    in.remove_prefix(cpace::kSessionIdBytes);
+    std::string answer(kExchangeTag, kTagBytes);
+    answer += exchange_->share();
+    if (!sendExchangeMessageFromLoop(answer, "answer")) {
+      return false;
+    }
+  }
+  std::string psk;
+  try {
     psk = exchange_->finish(in, /*client=*/outbound_);
   } catch (const std::exception& e) {
     // A share libcrypto refuses (a small-order point) is no honest peer's.
-    std::string reason =
-        "TLS handshake with " + peerAddress_ + ": key exchange: " + e.what();
-    outbound_ ? closeInternal(reason, false) : rejectFromLoop(reason);
+    refuseExchangeFromLoop(
+        "TLS handshake with " + peerAddress_ + ": key exchange: " + e.what());
     return false;
   }
   std::unique_ptr<TlsSession> session;
