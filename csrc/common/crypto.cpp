@@ -378,7 +378,7 @@ X25519Key::X25519Key() {
 std::string X25519Key::agree(const std::string& peerPublic) const {
   const Libcrypto& lib = x25519Crypto();
   if (peerPublic.size() != kBytes) {
-    throw std::runtime_error(
+    throw X25519PeerRefused(
         "X25519: a public key has " + std::to_string(peerPublic.size()) +
         " bytes, not 32");
   }
@@ -390,8 +390,10 @@ std::string X25519Key::agree(const std::string& peerPublic) const {
   evp_pkey_ctx_st* ctx = lib.pkeyCtxNew(key_.get(), nullptr);
   std::string out(kBytes, '\0');
   size_t len = out.size();
-  bool ok = ctx && theirs && lib.deriveInit(ctx) == 1 &&
-      lib.deriveSetPeer(ctx, theirs) == 1 &&
+  // Ready to derive: libcrypto's part, whatever the peer's key.
+  const bool ready = ctx && theirs && lib.deriveInit(ctx) == 1 &&
+      lib.deriveSetPeer(ctx, theirs) == 1;
+  const bool derived = ready &&
       lib.derive(ctx, reinterpret_cast<unsigned char*>(out.data()), &len) ==
           1 &&
       len == kBytes;
@@ -401,8 +403,15 @@ std::string X25519Key::agree(const std::string& peerPublic) const {
   if (theirs) {
     lib.pkeyFree(theirs);
   }
-  if (!ok || out == std::string(kBytes, '\0')) {
-    throw std::runtime_error("X25519: no shared secret with that public key");
+  if (!ready) {
+    throw std::runtime_error("X25519: libcrypto could not set up a derive");
+  }
+  // libcrypto refuses an all-zero result itself (RFC 7748, 6.1); checked
+  // here too for any that does not.
+  if (!derived || out == std::string(kBytes, '\0')) {
+    throw X25519PeerRefused(
+        "X25519: no shared secret with that public key (a point of small "
+        "order)");
   }
   return out;
 }

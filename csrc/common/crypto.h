@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 
@@ -108,6 +109,13 @@ class Aead {
   std::unique_ptr<VaesKey> vaes_; // kVaes
 };
 
+// What X25519Key::agree throws for a peer's public key it refuses, as
+// opposed to a failure of libcrypto's own.
+class X25519PeerRefused : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // An X25519 key pair (RFC 7748) through libcrypto: the sealing of a
 // group's secret at rendezvous (agent/group.cpp), and the scalar of a key
 // exchange before TLS (cpace.h). Throws std::runtime_error if libcrypto has
@@ -122,8 +130,9 @@ class X25519Key {
     return public_;
   }
   // The shared secret with the holder of `peerPublic` (32 bytes). Throws
-  // std::runtime_error for a key that is not 32 bytes, or one libcrypto
-  // refuses (a small-order point gives an all-zero secret, refused).
+  // X25519PeerRefused for a key that is not 32 bytes, or one that gives an
+  // all-zero secret (a point of small order): the peer's doing; a
+  // std::runtime_error if libcrypto fails otherwise.
   std::string agree(const std::string& peerPublic) const;
 
  private:

@@ -13,6 +13,7 @@ endpoints of one process (torch_rpc_ext._testing.Endpoint) and a relay."""
 import hashlib
 import hmac
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -154,11 +155,14 @@ def recv_exactly(sock, n: int) -> bytes:
     return data
 
 
-def splice(a, b):
-    """Copies bytes both ways between two sockets until either end stops."""
-    for src, dst in ((a, b), (b, a)):
-        threading.Thread(target=pump, args=(src, dst, lambda offset, data: data),
-                         daemon=True).start()
+def splice(a, b) -> list:
+    """Copies bytes both ways between two sockets until either end stops;
+    the two threads."""
+    threads = [threading.Thread(target=pump, args=(src, dst, lambda offset, data: data),
+                                daemon=True) for src, dst in ((a, b), (b, a))]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def guessing_client(sock, key: bytes) -> str:
@@ -178,15 +182,20 @@ def guessing_client(sock, key: bytes) -> str:
         ["openssl", "s_client", "-connect", "127.0.0.1:%d" % listener.getsockname()[1],
          "-psk", psk.hex(), *PSK_TLS],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    conn, threads = None, []
     try:
         conn, _ = listener.accept()
-        splice(conn, sock)
+        threads = splice(conn, sock)
         return p.communicate(timeout=30)[0].decode(errors="replace")
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
         listener.close()
+        for t in threads:  # (pump shuts both sockets as it ends)
+            t.join(15)
+        if conn is not None:
+            conn.close()
 
 
 @pytest.mark.parametrize("right", [False, True], ids=["guessed", "right"])
@@ -229,57 +238,77 @@ def test_an_impostor_server_learns_only_whether_its_one_guess_was_right(right):
     group_key = hmac.new(SECRET.encode(), PSK_LABEL, hashlib.sha256).digest()
     key = group_key if right else b"g" * 32
     listener = socket.create_server(("127.0.0.1", 0))
-    servers = []
+    listener.settimeout(20)
+    servers, sockets, errors = [], [], []
 
     def impostor():
-        conn, _ = listener.accept()
-        conn.settimeout(15)
-        offer = recv_exactly(conn, 52)
-        mine = _testing.CpaceExchange(key, offer[4:20])
-        conn.sendall(b"CPc1" + mine.share)
-        psk = mine.finish(offer[20:], False)
-        with socket.create_server(("127.0.0.1", 0)) as probe:
-            port = probe.getsockname()[1]  # free now; s_server takes it
-        servers.append(subprocess.Popen(
-            ["openssl", "s_server", "-accept", "127.0.0.1:%d" % port, "-naccept", "1",
-             "-nocert", "-quiet", "-psk", psk.hex(), *PSK_TLS],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                behind = socket.create_connection(("127.0.0.1", port), timeout=10)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "s_server never listened"
-                time.sleep(0.05)
-        splice(conn, behind)
+        try:
+            conn, _ = listener.accept()
+            sockets.append(conn)
+            conn.settimeout(15)
+            offer = recv_exactly(conn, 52)
+            mine = _testing.CpaceExchange(key, offer[4:20])
+            conn.sendall(b"CPc1" + mine.share)
+            psk = mine.finish(offer[20:], False)
+            with socket.create_server(("127.0.0.1", 0)) as probe:
+                port = probe.getsockname()[1]  # free now; s_server takes it
+            servers.append(subprocess.Popen(
+                ["openssl", "s_server", "-accept", "127.0.0.1:%d" % port, "-naccept", "1",
+                 "-nocert", "-quiet", "-psk", psk.hex(), *PSK_TLS],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    behind = socket.create_connection(("127.0.0.1", port), timeout=10)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            sockets.append(behind)
+            splice(conn, behind)
+        except Exception as e:  # noqa: BLE001 (said by the test, not lost in a thread)
+            errors.append(repr(e))
 
-    threading.Thread(target=impostor, daemon=True).start()
+    thread = threading.Thread(target=impostor, daemon=True)
+    thread.start()
     client = endpoint(1, encryption="always")
+    first = b""
     try:
         client.connect("127.0.0.1:%d" % listener.getsockname()[1], 0)
         if right:
-            # The hello goes out inside TLS; no challenge ever comes back.
-            deadline = time.monotonic() + 15
-            while not servers and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(1)
+            # The hello goes out inside TLS (no challenge ever comes back):
+            # its first bytes on s_server's output.
+            thread.join(20)
+            assert servers and not errors, errors
+            deadline = time.monotonic() + 20
+            while len(first) < 4 and time.monotonic() < deadline:
+                ready, _, _ = select.select([servers[0].stdout], [], [], 0.5)
+                if ready:
+                    chunk = os.read(servers[0].stdout.fileno(), 4 - len(first))
+                    if not chunk:
+                        break
+                    first += chunk
         else:
             assert not client.wait_ready(15)
             reason = client.close_reason()
             assert "TLS handshake" in reason and "alert" in reason, reason
     finally:
         client.close(0)
+        thread.join(20)
         listener.close()
+        out = err = b""
         for p in servers:
             try:
                 out, err = p.communicate(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
                 out, err = p.communicate()
-    assert servers, "the client never made its offer"
+        for sock in sockets:
+            sock.close()
+    assert servers and not errors, errors
     if right:
-        assert out.startswith(b"TRPX"), (out, err)  # our hello's frame header
+        assert first == b"TRPX", (first, out, err)  # our hello's frame header
     else:
         assert b"binder does not verify" in err and out == b"", (out, err)
 

@@ -292,8 +292,8 @@ class StreamConnection : public Connection,
   bool sendOfferFromLoop();
   bool exchangeFromLoop();
 
-  // Closes on a malformed exchange message or a refused share; accepted:
-  // a strike against the source, as for a refused proof.
+  // Closes on a share that gives no secret; accepted: a strike against the
+  // source, as for a refused proof.
   void refuseExchangeFromLoop(const std::string& reason);
   // Sends the offer or the answer (`what`) whole; false once closed.
   bool sendExchangeMessageFromLoop(

@@ -244,9 +244,10 @@ void StreamConnection::refuseExchangeFromLoop(const std::string& reason) {
     closeInternal(reason, false);
     return;
   }
-  // No honest client sends it, and it had the server run the exchange
-  // (a share and a map, about 0.15 ms of this thread): struck against its
-  // source, as a refused proof is.
+  // A share that gives no secret (a point of small order): crafted, as no
+  // honest client's is, after the server ran its side of the exchange.
+  // Struck against its source, as a refused proof is. (A message without
+  // the tag is not: garbage never counts, docs/security.md.)
   strikeSourceFromLoop();
   rejectFromLoop(reason);
 }
@@ -271,17 +272,21 @@ bool StreamConnection::exchangeFromLoop() {
       const std::string part = std::to_string(exchangeIn_.size()) + " of " +
           std::to_string(want) + " bytes of its " +
           (outbound_ ? "answer" : "offer");
+      const bool byPeer = got == 0 || recvErrno == ECONNRESET;
       std::string ended;
-      if (got == 0 || recvErrno == ECONNRESET) {
+      if (byPeer) {
         ended = std::string("peer ") + (got == 0 ? "closed" : "reset") +
             " the connection";
       } else {
         errno = recvErrno;
         ended = errnoText("recv failed");
       }
-      if (!outbound_) {
-        // (It sent the tag's first byte at least: no mere knock.)
-        closeInternal("key exchange: " + ended + " after " + part, false);
+      if (!outbound_ || !byPeer) {
+        // (Accepted: it sent the tag's first byte at least, no mere knock.)
+        closeInternal(
+            (outbound_ ? "TLS handshake with " + peerAddress_ + ": " : "") +
+                "key exchange: " + ended + " after " + part,
+            false);
       } else {
         // (As driveTlsFromLoop() says a close, the key exchange named.)
         closeInternal(
@@ -300,9 +305,9 @@ bool StreamConnection::exchangeFromLoop() {
   }
   std::string_view in(exchangeIn_);
   if (in.substr(0, kTagBytes) != std::string_view(kExchangeTag, kTagBytes)) {
-    refuseExchangeFromLoop(
-        "TLS handshake with " + peerAddress_ +
-        ": the peer's key exchange message does not begin with its tag");
+    std::string reason = "TLS handshake with " + peerAddress_ +
+        ": the peer's key exchange message does not begin with its tag";
+    outbound_ ? closeInternal(reason, false) : rejectFromLoop(reason);
     return false;
   }
   in.remove_prefix(kTagBytes);
@@ -325,10 +330,12 @@ bool StreamConnection::exchangeFromLoop() {
   std::string psk;
   try {
     psk = exchange_->finish(in, /*client=*/outbound_);
-  } catch (const std::exception& e) {
-    // A share libcrypto refuses (a small-order point) is no honest peer's.
+  } catch (const X25519PeerRefused& e) {
     refuseExchangeFromLoop(
         "TLS handshake with " + peerAddress_ + ": key exchange: " + e.what());
+    return false;
+  } catch (const std::exception& e) { // ours (libcrypto), not the peer's
+    closeInternal("key exchange: " + std::string(e.what()), false);
     return false;
   }
   std::unique_ptr<TlsSession> session;
