@@ -213,14 +213,10 @@ def exchanged(address, source):
     """A connection from `source` past the key exchange before TLS
     (docs/wire-format.md, "Key exchange"), run with a guessed key: the
     server's answer read, its PSK not ours."""
+    from tests.rpc.test_tls_guessing import offer_under
+
     sock = connect_raw(address, source=source)
-    sock.settimeout(10)
-    mine = _testing.CpaceExchange(b"guess" * 6 + b"!!", b"s" * 16)
-    sock.sendall(b"CPc1" + b"s" * 16 + mine.share)
-    answer = b""
-    while len(answer) < 36 and (chunk := sock.recv(36 - len(answer))):
-        answer += chunk
-    assert answer[:4] == b"CPc1", answer
+    offer_under(sock, b"guess" * 6 + b"!!")
     return sock
 
 

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from tests.rpc.test_tls_wire import SECRET, Relay, endpoint, pump
+from torch_rpc_ext.testing import recv_exact
 
 _testing = pytest.importorskip("torch_rpc_ext._testing")
 
@@ -148,13 +149,6 @@ def needs_openssl():
         pytest.skip("needs the openssl command")
 
 
-def recv_exactly(sock, n: int) -> bytes:
-    data = b""
-    while len(data) < n and (chunk := sock.recv(n - len(data))):
-        data += chunk
-    return data
-
-
 def splice(a, b) -> list:
     """Copies bytes both ways between two sockets until either end stops;
     the two threads."""
@@ -165,17 +159,24 @@ def splice(a, b) -> list:
     return threads
 
 
-def guessing_client(sock, key: bytes) -> str:
-    """A guesser with a real TLS stack, over `sock` (connected to one of our
-    servers): the key exchange under `key`, then OpenSSL's s_client under
-    the PSK that gives its side. What s_client printed."""
+def offer_under(sock, key: bytes) -> bytes:
+    """The client's side of the key exchange before TLS (docs/
+    wire-format.md, "Key exchange") over `sock`, under `key`: the PSK it
+    gives this end, once the server's answer is in."""
     sock.settimeout(15)
     sid = os.urandom(16)
     mine = _testing.CpaceExchange(key, sid)
     sock.sendall(b"CPc1" + sid + mine.share)
-    answer = recv_exactly(sock, 36)
+    answer = recv_exact(sock, 36)
     assert answer[:4] == b"CPc1", answer
-    psk = mine.finish(answer[4:], True)
+    return mine.finish(answer[4:], True)
+
+
+def guessing_client(sock, key: bytes) -> str:
+    """A guesser with a real TLS stack, over `sock` (connected to one of our
+    servers): the key exchange under `key`, then OpenSSL's s_client under
+    the PSK that gives its side. What s_client printed."""
+    psk = offer_under(sock, key)
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(15)
     p = subprocess.Popen(
@@ -246,7 +247,7 @@ def test_an_impostor_server_learns_only_whether_its_one_guess_was_right(right):
             conn, _ = listener.accept()
             sockets.append(conn)
             conn.settimeout(15)
-            offer = recv_exactly(conn, 52)
+            offer = recv_exact(conn, 52)
             mine = _testing.CpaceExchange(key, offer[4:20])
             conn.sendall(b"CPc1" + mine.share)
             psk = mine.finish(offer[20:], False)

@@ -75,7 +75,9 @@ void StreamConnection::driveTlsFromLoop() {
     return;
   }
   noteActivity();
-  if (!tls_ && (outbound_ || exchange_ || !exchangeIn_.empty())) {
+  // (Outbound without a session: the exchange is under way. Accepted: once
+  // the offer's first bytes are read.)
+  if (!tls_ && (outbound_ || !exchangeIn_.empty())) {
     if (!exchangeFromLoop()) {
       return;
     }
