@@ -1,11 +1,15 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""What a worker waits on: its calls in flight, oldest first
-(``torch_rpc_ext.metrics.calls_in_flight`` and the metrics endpoint's
-``/calls``; docs/observability.md, "Calls in flight").
+"""What a worker waits on, and what it holds: its calls in flight, oldest
+first (``torch_rpc_ext.metrics.calls_in_flight`` and the metrics endpoint's
+``/calls``; docs/observability.md, "Calls in flight"), and the requests it
+is serving, oldest first (``requests_being_served`` and ``/serving``;
+"Requests being served").
 
 A job that hangs is most often a worker waiting on a call that another
 worker never answers; each worker's oldest calls say which peer, what kind
-of call and for how long, as NCCL's flight recorder does for collectives.
+of call and for how long, as NCCL's flight recorder does for collectives;
+the callee's requests say, under the same ids, what became of each: queued,
+running on which thread, waiting on a future, or being answered.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ CALLS_LIMIT = 20
 MAX_CALLS_LIMIT = 1000
 
 
-def _check_limit(limit: Any) -> int:
+def _check_limit(limit: Any, what: str = "calls_in_flight") -> int:
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_CALLS_LIMIT:
+        noun = "calls" if what == "calls_in_flight" else "requests"
         raise ValueError(
-            f"calls_in_flight(limit={limit!r}): a whole number of calls, 1 to {MAX_CALLS_LIMIT}")
+            f"{what}(limit={limit!r}): a whole number of {noun}, 1 to {MAX_CALLS_LIMIT}")
     return limit
 
 
@@ -51,12 +56,28 @@ def calls_in_flight(agent: Any, limit: int = CALLS_LIMIT) -> dict:
             "why": ""}
 
 
-def calls_answer(agent: Any, environ: dict) -> tuple[str, bytes]:
-    """The status line and JSON body of the endpoint's ``/calls``
-    (``?limit=<calls>``)."""
+def requests_being_served(agent: Any, limit: int = CALLS_LIMIT) -> dict:
+    """``agent``'s requests being served (see metrics.requests_being_served)."""
+    limit = _check_limit(limit, "requests_being_served")
+    if why := not_ours(agent, "_requests_being_served"):
+        return {"worker": None, "serving": 0, "requests": [], "why": why}
+    oldest, total = agent._requests_being_served(limit)
+    requests = [{"id": request_id, "from": caller, "kind": kind, "age": round(age, 6),
+                 "stage": stage,
+                 # 0 from the table: no thread holds it (queued, waiting).
+                 "thread": thread or None}
+                for request_id, caller, kind, age, stage, thread in oldest]
+    return {"worker": agent.get_worker_info().name, "serving": total,
+            "requests": requests, "why": ""}
+
+
+def answer(agent: Any, environ: dict, path: str) -> tuple[str, bytes]:
+    """The status line and JSON body of the endpoint's ``/calls`` or
+    ``/serving`` (``?limit=<calls>``)."""
     from urllib.parse import parse_qs
 
     query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+    noun = "calls" if path == "/calls" else "requests"
     limit = CALLS_LIMIT
     if "limit" in query:
         text = query["limit"][-1]
@@ -66,7 +87,8 @@ def calls_answer(agent: Any, environ: dict) -> tuple[str, bytes]:
                 raise ValueError
             limit = _check_limit(int(text))
         except ValueError:
-            body = {"why": f"limit={text!r} is not a whole number of calls, 1 to "
+            body = {"why": f"limit={text!r} is not a whole number of {noun}, 1 to "
                            f"{MAX_CALLS_LIMIT}"}
             return "400 Bad Request", json.dumps(body).encode()
-    return "200 OK", json.dumps(calls_in_flight(agent, limit)).encode()
+    listed = calls_in_flight if path == "/calls" else requests_being_served
+    return "200 OK", json.dumps(listed(agent, limit)).encode()

@@ -27,6 +27,7 @@ scrape from the worker's current agent, so one endpoint outlives
   landings (docs/observability.md lists them);
 - gauges: ``torch_rpc_ext_calls_in_flight`` and
   ``torch_rpc_ext_oldest_call_age_seconds`` (per peer), ``torch_rpc_ext_serving``,
+  ``torch_rpc_ext_oldest_request_age_seconds``,
   ``torch_rpc_ext_idle_threads``, and every other numeric value of the
   agent's ``get_metrics()`` as ``torch_rpc_ext_agent{key="..."}``.
 
@@ -47,7 +48,10 @@ loop that did not; ``/readyz`` is 200 while, besides, the worker's agent
 serves calls (it has started, ``rpc.shutdown()`` has not passed its last
 barrier, its dynamic group has not declared it dead), 503 saying why not.
 Both answer JSON, as ``/calls`` does: the worker's calls in flight, oldest
-first (``calls_in_flight()``: to whom, what kind, how long ago).
+first (``calls_in_flight()``: to whom, what kind, how long ago), and
+``/serving``: the requests it is serving, oldest first
+(``requests_being_served()``: from whom, what kind, how long ago, in what
+stage, on which thread), under the ids their callers' ``/calls`` show.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ from typing import Any, Iterator
 from torch_rpc_ext import _in_flight
 from torch_rpc_ext._in_flight import CALLS_LIMIT
 
-__all__ = ["serve", "collector", "endpoint", "health", "calls_in_flight"]
+__all__ = ["serve", "collector", "endpoint", "health", "calls_in_flight",
+           "requests_being_served"]
 
 _PEER_COUNTERS = {
     # get_metrics() name: (family, help, labels)
@@ -275,6 +280,12 @@ class _Collector:
             _PREFIX + "serving", "Calls being served", labels=["worker"])
         serving.add_metric([worker], float(metrics.get("agent.server_active_calls", 0)))
         yield serving
+        oldest_request = core.GaugeMetricFamily(
+            _PREFIX + "oldest_request_age_seconds",
+            "How long the oldest request being served has been (0: none)", labels=["worker"])
+        oldest_request.add_metric(
+            [worker], float(metrics.get("agent.oldest_request_ms", 0)) / 1000)
+        yield oldest_request
         idle = core.GaugeMetricFamily(
             _PREFIX + "idle_threads", "Idle threads of the agent's pool", labels=["worker"])
         idle.add_metric([worker], float(metrics.get("agent.num_idle_threads", 0)))
@@ -431,17 +442,34 @@ def calls_in_flight(limit: int = CALLS_LIMIT) -> dict:
     return _in_flight.calls_in_flight(_agent(), limit)
 
 
+def requests_being_served(limit: int = CALLS_LIMIT) -> dict:
+    """What this worker holds: ``requests`` (the requests it is serving,
+    oldest first, at most ``limit``; each ``id`` (its caller's, as the
+    caller's ``calls_in_flight()`` shows it), ``from`` (the caller),
+    ``kind`` (as ``calls_in_flight``'s), ``age`` (seconds since it was
+    read), ``stage`` (``queued``: read, not yet started; ``running``: in its
+    function; ``waiting``: its function returned a future not yet complete,
+    an ``@rpc.functions.async_execution`` one's or RRef arguments' awaiting
+    their owner; ``responding``: its answer is being written) and ``thread``
+    (the Linux id of the thread running it or writing its answer, as
+    ``threading.get_native_id()``, py-spy and gdb show it; None while
+    queued or waiting)), ``serving`` (how many in all), ``worker`` and
+    ``why`` (as ``calls_in_flight``'s). As the endpoint's
+    ``/serving?limit=`` answers."""
+    return _in_flight.requests_being_served(_agent(), limit)
+
+
 def _app(metrics_app):
     """The endpoint's WSGI application: health probes at /livez and
-    /readyz, calls in flight at /calls, the metrics everywhere else (as
-    prometheus_client serves them)."""
+    /readyz, calls in flight at /calls, requests being served at /serving,
+    the metrics everywhere else (as prometheus_client serves them)."""
 
     def app(environ, start_response):
         path = environ.get("PATH_INFO", "")
-        if path not in ("/livez", "/readyz", "/calls"):
+        if path not in ("/livez", "/readyz", "/calls", "/serving"):
             return metrics_app(environ, start_response)
-        if path == "/calls":
-            status, body = _in_flight.calls_answer(_agent(), environ)
+        if path in ("/calls", "/serving"):
+            status, body = _in_flight.answer(_agent(), environ, path)
         else:
             status, body = _health_answer(path, environ)
         start_response(status, [("Content-Type", "application/json"),

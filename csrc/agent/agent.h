@@ -119,6 +119,12 @@ class Agent final : public rpc::RpcAgent,
       size_t limit) const {
     return calls_.oldest(limit);
   }
+  // The `limit` requests served longest, oldest first, and how many are
+  // being served in all (torch_rpc_ext.metrics.requests_being_served).
+  std::pair<std::vector<ServingTable::Serving>, size_t> oldestServed(
+      size_t limit) const {
+    return server_.oldest(limit);
+  }
   // Tests: a handler that blocks `transport`'s loop for `duration`.
   bool stallLoopForTesting(
       const std::string& transport,

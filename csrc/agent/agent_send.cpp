@@ -344,8 +344,7 @@ void Agent::onFrame(
     Server::Served served{
         peer,
         callKindOf(*message), // (a profiled call's: what it wraps)
-        callCostsOn() ? std::chrono::steady_clock::now()
-                      : std::chrono::steady_clock::time_point{},
+        {}, // (arrived: set by accepted())
         in->traceContext(),
         landing};
     if (in->traceIgnored()) {
@@ -353,7 +352,7 @@ void Agent::onFrame(
     }
     peer->stats.costs.observe(
         CallCosts::kServedRequestBytes, served.kind, in->byteSize());
-    server_.accepted();
+    server_.accepted(message->id(), served);
     // Served on this loop thread after the read pass: no hop (as a lone
     // call's response is completed: calls.cpp).
     auto self = shared_from_this();

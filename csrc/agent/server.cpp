@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/rpc/profiler/server_process_global_profiler.h>
 #include <torch/csrc/distributed/rpc/utils.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "csrc/agent/call_trace.h"
@@ -22,6 +23,7 @@ void Server::serve(
     Served served) {
   int64_t id = request->id();
   call_trace::stamp(id, call_trace::kServeStart);
+  ServingTable::enter(served.ticket, ServingTable::Stage::kRunning);
   const bool costs = served.peer != nullptr && callCostsOn();
   const auto started = costs ? std::chrono::steady_clock::now()
                              : std::chrono::steady_clock::time_point{};
@@ -99,6 +101,8 @@ void Server::serve(
   bool async = !result->completed();
   if (async) {
     ++activeAsync_;
+    // (Before the callback is added: only it moves the entry on.)
+    ServingTable::enter(served.ticket, ServingTable::Stage::kWaiting);
   }
   result->addCallback(
       [this, owner = owner_, span, conn, id, async, served, started, costs](
@@ -108,17 +112,19 @@ void Server::serve(
           return;
         }
         // Counted out however the answer goes: a shutdown or a group's
-        // leave waits for the count to reach zero.
+        // leave waits for the table to empty.
+        ServingTable::enter(served.ticket, ServingTable::Stage::kResponding);
         struct Served {
           Server& server;
+          ServingTable::Ticket ticket;
           bool async;
           ~Served() {
-            --server.active_;
+            server.serving_.remove(ticket);
             if (async) {
               --server.activeAsync_;
             }
           }
-        } done{*this, async};
+        } done{*this, served.ticket, async};
         if (costs) {
           served.peer->stats.costs.observeTime(
               CallCosts::kServeSeconds,
@@ -267,7 +273,19 @@ uint64_t Server::respond(
 }
 
 void Server::addMetrics(std::unordered_map<std::string, std::string>& m) const {
-  m["agent.server_active_calls"] = std::to_string(active_.load());
+  m["agent.server_active_calls"] = std::to_string(active());
+  // Whole milliseconds since the oldest request being served was read: 0
+  // if none is, at least 1 while one is (as rpc_ext.peer.<name>.
+  // oldest_call_ms).
+  int64_t oldestMs = 0;
+  if (auto arrived = serving_.oldestArrival()) {
+    oldestMs = std::max<int64_t>(
+        1,
+        std::chrono::duration_cast<std::chrono::milliseconds>(
+            std::chrono::steady_clock::now() - *arrived)
+            .count());
+  }
+  m["agent.oldest_request_ms"] = std::to_string(oldestMs);
   m["agent.server_active_async_calls"] = std::to_string(activeAsync_.load());
   m["rpc_ext.trace_contexts_ignored"] = std::to_string(tracesIgnored_.load());
 }

@@ -3,21 +3,23 @@
 
 // The agent's server side: a request served through torch's request
 // callback (ServeCallback: may take the GIL), its response encoded and
-// written back on the connection it came from. Counts the requests being
-// served (a dynamic group's leave waits for them).
+// written back on the connection it came from. Keeps the requests being
+// served (serving_table.h: a dynamic group's leave waits for them, and
+// /serving lists them).
 //
 // Threads: accepted() runs on the loop thread that read the request;
 // serve() on that loop thread after its read pass (or a thread the loop
 // handed itself to); the response is written from the result future's
 // callback, on whatever thread completes it (at once for a synchronous
-// function). No lock: the counters are atomic, the rest is set at
-// construction.
+// function). The table has its lock; the counters are atomic, the rest is
+// set at construction.
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -27,6 +29,7 @@
 #include "csrc/agent/group.h"
 #include "csrc/agent/options.h"
 #include "csrc/agent/rref_guard.h"
+#include "csrc/agent/serving_table.h"
 #include "csrc/agent/tracing.h"
 #include "csrc/transport/transport.h"
 
@@ -55,10 +58,6 @@ class Server {
   void setOwner(std::weak_ptr<void> owner) {
     owner_ = std::move(owner);
   }
-  // A request was read and will be served.
-  void accepted() {
-    ++active_;
-  }
   // Who sent a request, what it is and when it arrived: where its queue
   // wait, run time and response size are counted (peer_stats.h).
   struct Served {
@@ -68,7 +67,14 @@ class Server {
     std::string trace; // the caller's traceparent, if it sent one
     // A traced request's CUDA tensors landing here (tracing.h), or zeros.
     tracing::Landing landing;
+    ServingTable::Ticket ticket{}; // its entry among those served
   };
+  // Request `id` from `served.peer` was read and will be served: its entry
+  // in the table (served.ticket) and its arrival (served.arrived) are set.
+  void accepted(int64_t id, Served& served) {
+    std::tie(served.ticket, served.arrived) =
+        serving_.add(id, served.peer, served.kind);
+  }
   // A request's trace context was not a traceparent: ignored, counted
   // (rpc_ext.trace_contexts_ignored).
   void traceIgnored() {
@@ -82,9 +88,16 @@ class Server {
       std::vector<c10::Stream> streams,
       Served served);
   int64_t active() const {
-    return active_.load();
+    return static_cast<int64_t>(serving_.size());
   }
-  // agent.server_active_calls, agent.server_active_async_calls.
+  // The `limit` requests served longest, oldest first, and how many are
+  // being served (torch_rpc_ext.metrics.requests_being_served).
+  std::pair<std::vector<ServingTable::Serving>, size_t> oldest(
+      size_t limit) const {
+    return serving_.oldest(limit);
+  }
+  // agent.server_active_calls, agent.server_active_async_calls,
+  // agent.oldest_request_ms.
   void addMetrics(std::unordered_map<std::string, std::string>& m) const;
 
  private:
@@ -103,7 +116,7 @@ class Server {
   RRefGuard& rrefs_;
   const Group& group_;
   std::weak_ptr<void> owner_;
-  std::atomic<int64_t> active_{0};
+  ServingTable serving_;
   std::atomic<int64_t> activeAsync_{0};
   std::atomic<uint64_t> tracesIgnored_{0};
 };

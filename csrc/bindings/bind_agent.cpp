@@ -266,6 +266,36 @@ void bindAgent(py::module_& m) {
           },
           py::arg("limit"),
           py::call_guard<py::gil_scoped_release>())
+      // ([(id, caller, kind, seconds since read, stage, thread: 0 none)],
+      // how many in all): the `limit` requests served longest, oldest first
+      // (torch_rpc_ext.metrics.requests_being_served).
+      .def(
+          "_requests_being_served",
+          [](const Agent& a, size_t limit) {
+            auto [oldest, total] = a.oldestServed(limit);
+            const auto now = std::chrono::steady_clock::now();
+            std::vector<std::tuple<
+                int64_t,
+                std::string,
+                std::string,
+                double,
+                std::string,
+                int32_t>>
+                out;
+            out.reserve(oldest.size());
+            for (const auto& r : oldest) {
+              out.emplace_back(
+                  r.id,
+                  r.caller ? r.caller->info.name_ : std::string(),
+                  callKindName(r.kind),
+                  std::chrono::duration<double>(now - r.arrived).count(),
+                  ServingTable::stageName(r.stage),
+                  r.thread);
+            }
+            return std::make_pair(std::move(out), total);
+          },
+          py::arg("limit"),
+          py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("address", &Agent::address)
       // [(peer, kind, metric, bounds, counts, sum)]: the call-cost
       // histograms with values (latency.h; torch_rpc_ext.metrics).

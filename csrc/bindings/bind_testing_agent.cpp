@@ -4,7 +4,8 @@
 // its real log, watcher and leases against a store the test hands it (a
 // HashStore), with a GroupListener that records what it hears; the
 // RRefGuard's fork attribution runs on messages and bytes the test makes;
-// and a loop of the live agent blocked (stall_loop). For tests only.
+// a loop of the live agent blocked (stall_loop); and the table of requests
+// being served, driven alone and timed (ServingTable). For tests only.
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
@@ -13,12 +14,14 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "csrc/agent/agent.h"
 #include "csrc/agent/group.h"
 #include "csrc/agent/rref_guard.h"
+#include "csrc/agent/serving_table.h"
 #include "csrc/bindings/bind.h"
 
 namespace torch_rpc_ext::bindings {
@@ -320,6 +323,96 @@ void bindTestingAgent(py::module_& parent) {
       .def("holder_of", [](const RRefGuard& g, std::pair<int, int64_t> fork) {
         return static_cast<int>(g.holderOf(rrefId(fork)));
       });
+
+  // The table of requests being served, its tickets by request id (no
+  // caller: None in what it lists).
+  struct ServingTableForTesting {
+    ServingTable table;
+    std::unordered_map<int64_t, ServingTable::Ticket> tickets;
+  };
+  auto stageNamed = [](const std::string& name) {
+    for (auto s :
+         {ServingTable::Stage::kQueued,
+          ServingTable::Stage::kRunning,
+          ServingTable::Stage::kWaiting,
+          ServingTable::Stage::kResponding}) {
+      if (name == ServingTable::stageName(s)) {
+        return s;
+      }
+    }
+    throw py::value_error("no stage named " + name);
+  };
+  auto ticketOf = [](ServingTableForTesting& t, int64_t id) {
+    auto it = t.tickets.find(id);
+    if (it == t.tickets.end()) {
+      throw py::key_error("no request " + std::to_string(id) + " is served");
+    }
+    return it->second;
+  };
+  py::class_<ServingTableForTesting>(m, "ServingTable")
+      .def(py::init<>())
+      .def(
+          "add",
+          [](ServingTableForTesting& t, int64_t id) {
+            if (t.tickets.count(id) != 0) {
+              throw py::value_error("request " + std::to_string(id) + " twice");
+            }
+            t.tickets[id] = t.table.add(id, nullptr, CallKind::kPython).first;
+          })
+      .def(
+          "enter",
+          [=](ServingTableForTesting& t, int64_t id, const std::string& stage) {
+            ServingTable::enter(ticketOf(t, id), stageNamed(stage));
+          })
+      .def(
+          "remove",
+          [=](ServingTableForTesting& t, int64_t id) {
+            t.table.remove(ticketOf(t, id));
+            t.tickets.erase(id);
+          })
+      // ([(id, stage, thread)], how many in all), oldest first.
+      .def("oldest", [](const ServingTableForTesting& t, size_t limit) {
+        auto [oldest, total] = t.table.oldest(limit);
+        std::vector<std::tuple<int64_t, std::string, int32_t>> out;
+        for (const auto& r : oldest) {
+          out.emplace_back(r.id, ServingTable::stageName(r.stage), r.thread);
+        }
+        return std::make_pair(std::move(out), total);
+      });
+
+  // What a request's entry costs (docs/performance.md, "Requests being
+  // served"): `threads` threads at once each serve `requests` through one
+  // table as the server does (add, running, responding, remove); the wall
+  // time in nanoseconds per request of one thread.
+  m.def(
+      "serving_table_cost",
+      [](int64_t requests, int threads) {
+        ServingTable table;
+        auto one = [&table, requests](int64_t base) {
+          for (int64_t i = 0; i < requests; ++i) {
+            auto ticket = table.add(base + i, nullptr, CallKind::kPython).first;
+            ServingTable::enter(ticket, ServingTable::Stage::kRunning);
+            ServingTable::enter(ticket, ServingTable::Stage::kResponding);
+            table.remove(ticket);
+          }
+        };
+        threads = std::clamp(threads, 1, 64);
+        const auto start = std::chrono::steady_clock::now();
+        std::vector<std::thread> running;
+        for (int t = 0; t < threads; ++t) {
+          running.emplace_back(one, static_cast<int64_t>(t) * requests);
+        }
+        for (auto& t : running) {
+          t.join();
+        }
+        const auto ns = std::chrono::duration<double, std::nano>(
+                            std::chrono::steady_clock::now() - start)
+                            .count();
+        return ns / static_cast<double>(std::max<int64_t>(1, requests));
+      },
+      py::arg("requests"),
+      py::arg("threads") = 1,
+      py::call_guard<py::gil_scoped_release>());
 
   // A handler that blocks `transport`'s loop of this process's current
   // agent for `seconds` (the health probes' test): false without such an

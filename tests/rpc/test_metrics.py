@@ -579,6 +579,121 @@ def test_calls_in_flight_check_their_limit(monkeypatch):
     assert state["calls"] == [] and "is not TORCH_RPC_EXT's (_FakeAgent)" in state["why"], state
 
 
+def held_running(release, threads_dir):
+    """Holds its request until `release` appears, having written the id of
+    the thread it runs on into `threads_dir`."""
+    import threading
+
+    open(os.path.join(threads_dir, str(threading.get_native_id())), "w").close()
+    return wait_for_file(release)
+
+
+@rpc.functions.async_execution
+def held_waiting(release):
+    """Returns at once a future completed when `release` appears: no thread
+    of the server holds the request meanwhile."""
+    import threading
+
+    fut = torch.futures.Future()
+    threading.Thread(target=lambda: fut.set_result(wait_for_file(release)),
+                     daemon=True).start()
+    return fut
+
+
+def requests_held(rank, world_size, release, threads_dir):
+    from torch_rpc_ext import metrics
+
+    os.environ.pop("TORCH_RPC_EXT_METRICS_PORT", None)
+    out = {}
+    init(rank, world_size)
+    if rank == 0:
+        out["idle"] = metrics.requests_being_served()
+        futs = [rpc.rpc_async("worker1", held_running, args=(release, threads_dir), timeout=120),
+                rpc.rpc_async("worker1", held_waiting, args=(release,), timeout=120),
+                rpc.rpc_async("worker1", held_running, args=(release, threads_dir), timeout=120)]
+        out["calls"] = metrics.calls_in_flight()
+        out["results"] = [f.wait() for f in futs]
+    else:
+        port = metrics.serve(0, addr="127.0.0.1")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until both functions run
+            state = metrics.requests_being_served()
+            stages = sorted(r["stage"] for r in state["requests"])
+            if stages == ["running", "running", "waiting"] and len(os.listdir(threads_dir)) == 2:
+                break
+            time.sleep(0.01)
+        out["first"] = state
+        time.sleep(0.05)
+        out["later"] = metrics.requests_being_served()
+        out["endpoint"] = [get(port, "/serving?limit=2"), get(port, "/serving?limit=0")]
+        out["scrape"] = scrape(port)
+        out["threads"] = sorted(int(name) for name in os.listdir(threads_dir))
+        open(release, "w").close()
+        deadline = time.monotonic() + 60
+        while metrics.requests_being_served()["serving"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["answered"] = metrics.requests_being_served()
+        out["scrape_after"] = scrape(port)
+    rpc.shutdown()
+    if rank == 1:
+        out["after"] = metrics.requests_being_served()
+    return out
+
+
+def test_requests_being_served_say_what_a_worker_holds(tmp_path):
+    """metrics.requests_being_served() and the endpoint's /serving: the
+    callee's side of calls_in_flight, under the same ids. Two Python
+    functions held running (each on the thread it says it runs on) and an
+    @async_execution one whose future is not complete (waiting: no thread
+    holds it), oldest first; the Prometheus gauge of the oldest one's age;
+    empty once answered and after shutdown."""
+    threads_dir = tmp_path / "threads"
+    threads_dir.mkdir()
+    out = run_world(requests_held, 2, timeout=150, release=str(tmp_path / "go"),
+                    threads_dir=str(threads_dir))
+    caller, callee = out[0], out[1]
+    assert caller["idle"] == {"worker": "worker0", "serving": 0, "requests": [], "why": ""}
+    assert caller["results"] == [True, True, True]
+    first, later = callee["first"], callee["later"]
+    assert first["worker"] == "worker1" and first["serving"] == 3, first
+    # The ids the caller's calls in flight show, in the order it sent them.
+    assert [r["id"] for r in first["requests"]] == [c["id"] for c in caller["calls"]["calls"]]
+    running, waiting, running_too = first["requests"]
+    assert [r["stage"] for r in first["requests"]] == ["running", "waiting", "running"], first
+    assert sorted([running["thread"], running_too["thread"]]) == callee["threads"], first
+    assert waiting["thread"] is None, first
+    for request in first["requests"]:
+        assert request["from"] == "worker0" and request["kind"] == "python", request
+        assert request["age"] > 0, request
+    assert [r["id"] for r in later["requests"]] == [r["id"] for r in first["requests"]], later
+    assert all(b["age"] > a["age"] for a, b in zip(first["requests"], later["requests"])), later
+    (code, body), (zero, zero_body) = callee["endpoint"]
+    assert code == 200 and body["serving"] == 3 and body["worker"] == "worker1", body
+    assert [r["id"] for r in body["requests"]] == [running["id"], waiting["id"]], body
+    assert zero == 400 and "limit='0' is not a whole number of requests" in zero_body["why"]
+    age = value(callee["scrape"], "torch_rpc_ext_oldest_request_age_seconds",
+                "torch_rpc_ext_oldest_request_age_seconds", worker="worker1")
+    assert age >= later["requests"][0]["age"] - 0.001, (age, later)
+    assert value(callee["scrape"], "torch_rpc_ext_serving", "torch_rpc_ext_serving",
+                 worker="worker1") == 3
+    assert callee["answered"]["serving"] == 0 and callee["answered"]["requests"] == []
+    assert value(callee["scrape_after"], "torch_rpc_ext_oldest_request_age_seconds",
+                 "torch_rpc_ext_oldest_request_age_seconds", worker="worker1") == 0
+    assert callee["after"]["worker"] is None and "no RPC agent" in callee["after"]["why"]
+
+
+def test_requests_being_served_check_their_limit(monkeypatch):
+    from torch_rpc_ext import metrics
+
+    for bad in (0, 1001, True, "3"):
+        with pytest.raises(ValueError, match="requests_being_served.*a whole number of "
+                                             "requests, 1 to 1000"):
+            metrics.requests_being_served(bad)
+    monkeypatch.setattr(metrics, "_agent", lambda: _FakeAgent())  # not ours
+    state = metrics.requests_being_served()
+    assert state["requests"] == [] and "is not TORCH_RPC_EXT's (_FakeAgent)" in state["why"]
+
+
 def traffic_without_costs(rank, world_size):
     os.environ["TORCH_RPC_EXT_CALL_COSTS"] = "0"
     return traffic(rank, world_size)
@@ -744,7 +859,8 @@ def test_a_real_prometheus_scrapes_a_live_group(tmp_path):
     assert {"Calls per second, made and served", "Round trip p50 / p99 by peer (calls made)",
             "Bytes per second on the wire", "Calls made per second by kind",
             "Connection events per second",
-            "Oldest call in flight, by peer (what a worker waits on)"} <= with_data, dashboard
+            "Oldest call in flight, by peer (what a worker waits on)",
+            "Oldest request being served, by worker (what a worker holds)"} <= with_data, dashboard
 
 
 # ---- python -m torch_rpc_ext.top ---------------------------------------------

@@ -1244,3 +1244,51 @@ def test_a_joiner_that_failed_ending_an_empty_groups_epoch_holds_up_nobody():
     assert store.get("torch_rpc_ext/dyn_secret/epoch") == b"1"
     d.stop()
     c.stop()
+
+
+# ---- the requests being served (serving_table.h) -----------------------------
+
+
+def test_the_table_of_requests_being_served_lists_the_oldest_in_their_stages():
+    """Oldest first, `limit` of them with how many in all; each in the stage
+    its server last entered, with the Linux id of the thread that entered a
+    stage that holds one (running, responding) and none otherwise; an entry
+    removed is gone, and its node serves the next request."""
+    table = t.agent.ServingTable()
+    assert table.oldest(5) == ([], 0)
+    for request in (7, 3, 9):
+        table.add(request)
+    assert table.oldest(2) == ([(7, "queued", 0), (3, "queued", 0)], 3)
+    table.enter(3, "running")
+    me = threading.get_native_id()
+    assert table.oldest(5)[0][1] == (3, "running", me)
+    seen = {}
+
+    def respond_elsewhere():
+        table.enter(9, "responding")
+        seen["thread"] = threading.get_native_id()
+
+    worker = threading.Thread(target=respond_elsewhere)
+    worker.start()
+    worker.join()
+    assert seen["thread"] != me
+    assert table.oldest(5)[0][2] == (9, "responding", seen["thread"])
+    table.enter(3, "waiting")  # its handler returned a future: no thread holds it
+    assert table.oldest(5)[0][1] == (3, "waiting", 0)
+    table.remove(7)
+    table.add(11)  # (the node 7 left)
+    assert table.oldest(5) == ([(3, "waiting", 0), (9, "responding", seen["thread"]),
+                                (11, "queued", 0)], 3)
+    for request in (3, 9, 11):
+        table.remove(request)
+    assert table.oldest(5) == ([], 0)
+    with pytest.raises(ValueError, match="no stage named asleep"):
+        table.add(1)
+        table.enter(1, "asleep")
+
+
+def test_the_table_of_requests_being_served_holds_under_threads_at_once():
+    """Four threads serving 20,000 requests each through one table leave it
+    empty (ThreadSanitizer runs this file too); what one costs is in
+    docs/performance.md."""
+    assert t.agent.serving_table_cost(20000, 4) > 0

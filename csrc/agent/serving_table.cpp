@@ -1,0 +1,101 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// The requests a worker is serving (serving_table.h).
+#include "csrc/agent/serving_table.h"
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <iterator>
+
+namespace torch_rpc_ext {
+
+namespace {
+int32_t thisThreadsId() {
+  static thread_local const int32_t id = static_cast<int32_t>(::syscall(SYS_gettid));
+  return id;
+}
+} // namespace
+
+const char* ServingTable::stageName(Stage stage) {
+  switch (stage) {
+    case Stage::kQueued:
+      return "queued";
+    case Stage::kRunning:
+      return "running";
+    case Stage::kWaiting:
+      return "waiting";
+    case Stage::kResponding:
+      return "responding";
+  }
+  return "unknown";
+}
+
+std::pair<ServingTable::Ticket, ServingTable::Clock::time_point>
+ServingTable::add(int64_t id, const Peer* caller, CallKind kind) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (spare_.empty()) {
+    live_.emplace_back();
+  } else {
+    live_.splice(live_.end(), spare_, spare_.begin());
+  }
+  auto ticket = std::prev(live_.end());
+  ticket->id = id;
+  ticket->caller = caller;
+  ticket->kind = kind;
+  ticket->arrived = Clock::now();
+  ticket->stage.store(Stage::kQueued, std::memory_order_relaxed);
+  ticket->thread.store(0, std::memory_order_relaxed);
+  return {ticket, ticket->arrived};
+}
+
+void ServingTable::enter(Ticket ticket, Stage stage) {
+  const bool held = stage == Stage::kRunning || stage == Stage::kResponding;
+  ticket->thread.store(held ? thisThreadsId() : 0, std::memory_order_relaxed);
+  ticket->stage.store(stage, std::memory_order_relaxed);
+}
+
+void ServingTable::remove(Ticket ticket) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (spare_.size() < kMaxSpare) {
+    spare_.splice(spare_.begin(), live_, ticket);
+  } else {
+    live_.erase(ticket);
+  }
+}
+
+size_t ServingTable::size() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return live_.size();
+}
+
+std::optional<ServingTable::Clock::time_point> ServingTable::oldestArrival()
+    const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (live_.empty()) {
+    return std::nullopt;
+  }
+  return live_.front().arrived;
+}
+
+std::pair<std::vector<ServingTable::Serving>, size_t> ServingTable::oldest(
+    size_t limit) const {
+  std::vector<Serving> out;
+  std::lock_guard<std::mutex> lock(mutex_);
+  out.reserve(std::min(limit, live_.size()));
+  for (const auto& e : live_) {
+    if (out.size() == limit) {
+      break;
+    }
+    out.push_back(Serving{
+        e.id,
+        e.caller,
+        e.kind,
+        e.arrived,
+        e.stage.load(std::memory_order_relaxed),
+        e.thread.load(std::memory_order_relaxed)});
+  }
+  return {std::move(out), live_.size()};
+}
+
+} // namespace torch_rpc_ext
