@@ -8,7 +8,9 @@ Each HOST:PORT is a worker's metrics endpoint (torch_rpc_ext.metrics:
 them all and shows, per worker and per peer: calls made and served per
 second, the p99 of calls made over the last interval, errors and timeouts,
 bytes per second each way, calls in flight and how long the oldest of them
-has waited (what a worker of a hung job waits on); under a worker that is not
+has waited (what a worker of a hung job waits on), and per worker the
+requests it is serving and how long it has held the oldest (what it holds
+for others: its ``/serving`` lists them); under a worker that is not
 ready (its ``/readyz``: no agent, shutting down, declared dead, a loop
 that a handler blocks), why. ``--once`` prints one screen (after one
 interval) and exits; Ctrl-C quits.
@@ -41,6 +43,9 @@ class Sample:
     in_flight: float = 0.0
     # peer -> seconds its oldest call in flight has waited (0: none).
     oldest: dict = field(default_factory=dict)
+    # Requests the worker is serving, and seconds since the oldest was read.
+    serving: float = 0.0
+    held: float = 0.0
     error: str = ""
     # Why the worker is not ready (its /readyz), "" if it is or cannot say.
     not_ready: str = ""
@@ -109,6 +114,10 @@ def scrape(endpoint: str, timeout: float = 2.0) -> Sample:
                 sample.in_flight += s.value  # per peer: the worker's sum
             elif name == "oldest_call_age_seconds" and peer:
                 sample.oldest[peer] = s.value
+            elif name == "serving":
+                sample.serving = s.value
+            elif name == "oldest_request_age_seconds":
+                sample.held = s.value
     sample.not_ready = readiness(endpoint, timeout)
     return sample
 
@@ -159,7 +168,7 @@ def render(endpoints: list[str], now: dict, last: dict) -> str:
              f"  {len(endpoints)} worker(s)", ""]
     header = (f"{'worker':<14}{'peer':<14}{'made/s':>9}{'served/s':>10}{'p99':>11}"
               f"{'errors':>8}{'timeouts':>9}{'sent':>11}{'received':>11}{'in flight':>10}"
-              f"{'oldest':>10}")
+              f"{'oldest':>10}{'serving':>9}{'held':>10}")
     lines.append(header)
     lines.append("-" * len(header))
     for endpoint in endpoints:
@@ -184,7 +193,8 @@ def render(endpoints: list[str], now: dict, last: dict) -> str:
         lines.append(f"{after.worker:<14}{'(all)':<14}{made:>9.0f}{served:>10.0f}"
                      f"{_seconds(p99):>11}{errors:>8.0f}{timeouts:>9.0f}{_bytes(sent):>11}"
                      f"{_bytes(received):>11}{after.in_flight:>10.0f}"
-                     f"{_seconds(max(after.oldest.values(), default=0.0)):>10}")
+                     f"{_seconds(max(after.oldest.values(), default=0.0)):>10}"
+                     f"{after.serving:>9.0f}{_seconds(after.held):>10}")
         if after.not_ready:
             lines.append(f"{'':<14}not ready: {after.not_ready}")
         for p in peers:

@@ -12,7 +12,8 @@ namespace torch_rpc_ext {
 
 namespace {
 int32_t thisThreadsId() {
-  static thread_local const int32_t id = static_cast<int32_t>(::syscall(SYS_gettid));
+  static thread_local const int32_t id =
+      static_cast<int32_t>(::syscall(SYS_gettid));
   return id;
 }
 } // namespace
@@ -31,8 +32,8 @@ const char* ServingTable::stageName(Stage stage) {
   return "unknown";
 }
 
-std::pair<ServingTable::Ticket, ServingTable::Clock::time_point>
-ServingTable::add(int64_t id, const Peer* caller, CallKind kind) {
+std::pair<ServingTable::Ticket, ServingTable::Clock::time_point> ServingTable::
+    add(int64_t id, const Peer* caller, CallKind kind) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (spare_.empty()) {
     live_.emplace_back();
@@ -87,13 +88,14 @@ std::pair<std::vector<ServingTable::Serving>, size_t> ServingTable::oldest(
     if (out.size() == limit) {
       break;
     }
-    out.push_back(Serving{
-        e.id,
-        e.caller,
-        e.kind,
-        e.arrived,
-        e.stage.load(std::memory_order_relaxed),
-        e.thread.load(std::memory_order_relaxed)});
+    out.push_back(
+        Serving{
+            e.id,
+            e.caller,
+            e.kind,
+            e.arrived,
+            e.stage.load(std::memory_order_relaxed),
+            e.thread.load(std::memory_order_relaxed)});
   }
   return {std::move(out), live_.size()};
 }

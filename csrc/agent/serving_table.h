@@ -66,8 +66,10 @@ class ServingTable {
 
   // A request just read: its entry, and its arrival (now, read under the
   // lock so that the list stays in arrival order).
-  std::pair<Ticket, Clock::time_point>
-  add(int64_t id, const Peer* caller, CallKind kind);
+  std::pair<Ticket, Clock::time_point> add(
+      int64_t id,
+      const Peer* caller,
+      CallKind kind);
   // The request moves to `stage`; its thread is the caller's for kRunning
   // and kResponding, none otherwise.
   static void enter(Ticket ticket, Stage stage);

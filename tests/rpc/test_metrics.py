@@ -559,7 +559,8 @@ def test_calls_in_flight_say_what_a_worker_waits_on(tmp_path, costs):
     row = next(line for line in screen.splitlines() if line.startswith("worker0 "))
     from torch_rpc_ext.top import _seconds
 
-    assert row.split()[-1] == _seconds(oldest["worker1"]), screen  # the oldest call's age
+    # The oldest call's age; then nothing served, nothing held.
+    assert row.split()[-3:] == [_seconds(oldest["worker1"]), "0", "-"], screen
     assert out["results"] == [True, True, True]
     assert out["answered"]["in_flight"] == 0 and out["answered"]["calls"] == [], out["answered"]
     assert value(out["scrape_after"], "torch_rpc_ext_oldest_call_age_seconds",
@@ -627,6 +628,11 @@ def requests_held(rank, world_size, release, threads_dir):
         out["later"] = metrics.requests_being_served()
         out["endpoint"] = [get(port, "/serving?limit=2"), get(port, "/serving?limit=0")]
         out["scrape"] = scrape(port)
+        from torch_rpc_ext import top
+
+        endpoint = f"127.0.0.1:{port}"
+        seen = top.scrape(endpoint)
+        out["top"] = (seen.held, top.render([endpoint], {endpoint: seen}, {}))
         out["threads"] = sorted(int(name) for name in os.listdir(threads_dir))
         open(release, "w").close()
         deadline = time.monotonic() + 60
@@ -676,6 +682,12 @@ def test_requests_being_served_say_what_a_worker_holds(tmp_path):
     assert age >= later["requests"][0]["age"] - 0.001, (age, later)
     assert value(callee["scrape"], "torch_rpc_ext_serving", "torch_rpc_ext_serving",
                  worker="worker1") == 3
+    held, screen = callee["top"]
+    assert held >= age, (held, age)
+    row = next(line for line in screen.splitlines() if line.startswith("worker1 "))
+    from torch_rpc_ext.top import _seconds
+
+    assert row.split()[-2:] == ["3", _seconds(held)], screen  # serving, held
     assert callee["answered"]["serving"] == 0 and callee["answered"]["requests"] == []
     assert value(callee["scrape_after"], "torch_rpc_ext_oldest_request_age_seconds",
                  "torch_rpc_ext_oldest_request_age_seconds", worker="worker1") == 0
