@@ -22,9 +22,8 @@ CALLS_LIMIT = 20
 MAX_CALLS_LIMIT = 1000
 
 
-def _check_limit(limit: Any, what: str = "calls_in_flight") -> int:
+def _check_limit(limit: Any, what: str = "calls_in_flight", noun: str = "calls") -> int:
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_CALLS_LIMIT:
-        noun = "calls" if what == "calls_in_flight" else "requests"
         raise ValueError(
             f"{what}(limit={limit!r}): a whole number of {noun}, 1 to {MAX_CALLS_LIMIT}")
     return limit
@@ -58,11 +57,11 @@ def calls_in_flight(agent: Any, limit: int = CALLS_LIMIT) -> dict:
 
 def requests_being_served(agent: Any, limit: int = CALLS_LIMIT) -> dict:
     """``agent``'s requests being served (see metrics.requests_being_served)."""
-    limit = _check_limit(limit, "requests_being_served")
+    limit = _check_limit(limit, "requests_being_served", "requests")
     if why := not_ours(agent, "_requests_being_served"):
         return {"worker": None, "serving": 0, "requests": [], "why": why}
     oldest, total = agent._requests_being_served(limit)
-    requests = [{"id": request_id, "from": caller, "kind": kind, "age": round(age, 6),
+    requests = [{"id": request_id, "from": caller or None, "kind": kind, "age": round(age, 6),
                  "stage": stage,
                  # 0 from the table: no thread holds it (queued, waiting).
                  "thread": thread or None}
@@ -73,7 +72,7 @@ def requests_being_served(agent: Any, limit: int = CALLS_LIMIT) -> dict:
 
 def answer(agent: Any, environ: dict, path: str) -> tuple[str, bytes]:
     """The status line and JSON body of the endpoint's ``/calls`` or
-    ``/serving`` (``?limit=<calls>``)."""
+    ``/serving`` (``?limit=<how many>``)."""
     from urllib.parse import parse_qs
 
     query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)

@@ -246,6 +246,8 @@ class _Collector:
             "How long the oldest call in flight to the peer has waited (0: none)",
             labels=["worker", "peer"])
         for key, value in sorted(metrics.items()):
+            if key == "rpc_ext.oldest_request_ms":
+                continue  # its own gauge below
             if key.startswith(peer_prefix):
                 peer, _, what = key[len(peer_prefix):].rpartition(".")
                 if what == "in_flight" and peer:
@@ -282,9 +284,10 @@ class _Collector:
         yield serving
         oldest_request = core.GaugeMetricFamily(
             _PREFIX + "oldest_request_age_seconds",
-            "How long the oldest request being served has been (0: none)", labels=["worker"])
+            "Seconds since the oldest request being served was read (0: none)",
+            labels=["worker"])
         oldest_request.add_metric(
-            [worker], float(metrics.get("agent.oldest_request_ms", 0)) / 1000)
+            [worker], float(metrics.get("rpc_ext.oldest_request_ms", 0)) / 1000)
         yield oldest_request
         idle = core.GaugeMetricFamily(
             _PREFIX + "idle_threads", "Idle threads of the agent's pool", labels=["worker"])
@@ -452,8 +455,8 @@ def requests_being_served(limit: int = CALLS_LIMIT) -> dict:
     an ``@rpc.functions.async_execution`` one's or RRef arguments' awaiting
     their owner; ``responding``: its answer is being written) and ``thread``
     (the Linux id of the thread running it or writing its answer, as
-    ``threading.get_native_id()``, py-spy and gdb show it; None while
-    queued or waiting)), ``serving`` (how many in all), ``worker`` and
+    ``threading.get_native_id()`` and gdb's ``info threads`` show it;
+    None while queued or waiting)), ``serving`` (how many in all), ``worker`` and
     ``why`` (as ``calls_in_flight``'s). As the endpoint's
     ``/serving?limit=`` answers."""
     return _in_flight.requests_being_served(_agent(), limit)

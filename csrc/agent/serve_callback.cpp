@@ -2,6 +2,7 @@
 #include "csrc/agent/serve_callback.h"
 
 #include "csrc/agent/named_functions.h"
+#include "csrc/agent/serving_table.h"
 #include "csrc/agent/tracing.h"
 #include "csrc/common/logging.h"
 
@@ -44,6 +45,27 @@ constexpr std::string_view kBuiltinPrefix = "torch.ops.aten.";
 // guard), and giving the thread back its current device afterwards, which
 // a function may change (torch.cuda.set_device): torch's invokeCallback
 // does so around the thenAsync callback these requests used to run in.
+// A request's work resumed once its RRef arguments are confirmed (on the
+// thread that confirmed them, or at once on the serving one): its entry
+// among those served (serving_table.h) says running on this thread while
+// the work runs, and waiting after if its answer is not ready yet (an
+// @async_execution function's). Safe to mark: thenAsync completes the
+// future the server waits on only from a callback it adds to the one
+// returned here, after this returns, so the entry outlives these stores.
+template <typename Run>
+c10::intrusive_ptr<rpc::JitFuture> resumed(
+    const std::optional<ServingTable::Ticket>& ticket,
+    Run&& run) {
+  if (ticket) {
+    ServingTable::enter(*ticket, ServingTable::Stage::kRunning);
+  }
+  auto future = run();
+  if (ticket && !future->completed()) {
+    ServingTable::enter(*ticket, ServingTable::Stage::kWaiting);
+  }
+  return future;
+}
+
 class OnArrival {
  public:
   explicit OnArrival(const std::vector<c10::Stream>& streams) {
@@ -146,9 +168,12 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
              call = std::move(call),
              type,
              streams = std::move(streams),
-             fork](rpc::JitFuture& /* ready */) {
-              return whileCreating(fork, [&] {
-                return processRpcWithErrors(*call, type, streams);
+             fork,
+             ticket = ServingTable::inHandler()](rpc::JitFuture& /* ready */) {
+              return resumed(ticket, [&] {
+                return whileCreating(fork, [&] {
+                  return processRpcWithErrors(*call, type, streams);
+                });
               });
             },
             c10::getCustomClassType<c10::intrusive_ptr<rpc::Message>>());
@@ -171,9 +196,14 @@ c10::intrusive_ptr<rpc::JitFuture> ServeCallback::processMessage(
       return processRpcWithErrors(*call, type, streams);
     }
     return ready->thenAsync(
-        [this, call = std::move(call), type, streams = std::move(streams)](
-            rpc::JitFuture& /* ready */) {
-          return processRpcWithErrors(*call, type, streams);
+        [this,
+         call = std::move(call),
+         type,
+         streams = std::move(streams),
+         ticket = ServingTable::inHandler()](rpc::JitFuture& /* ready */) {
+          return resumed(ticket, [&] {
+            return processRpcWithErrors(*call, type, streams);
+          });
         },
         c10::getCustomClassType<c10::intrusive_ptr<rpc::Message>>());
   } catch (std::exception& e) {

@@ -81,6 +81,7 @@ void Server::serve(
           span = tracing::beginServe(served.trace, name);
         });
       }
+      ServingTable::InHandler inHandler(served.ticket);
       result = callback_(*request, std::move(streams));
     }
     if (named && !span) {
@@ -276,7 +277,7 @@ void Server::addMetrics(std::unordered_map<std::string, std::string>& m) const {
   m["agent.server_active_calls"] = std::to_string(active());
   // Whole milliseconds since the oldest request being served was read: 0
   // if none is, at least 1 while one is (as rpc_ext.peer.<name>.
-  // oldest_call_ms).
+  // oldest_call_ms; torch_rpc_ext_oldest_request_age_seconds).
   int64_t oldestMs = 0;
   if (auto arrived = serving_.oldestArrival()) {
     oldestMs = std::max<int64_t>(
@@ -285,7 +286,7 @@ void Server::addMetrics(std::unordered_map<std::string, std::string>& m) const {
             std::chrono::steady_clock::now() - *arrived)
             .count());
   }
-  m["agent.oldest_request_ms"] = std::to_string(oldestMs);
+  m["rpc_ext.oldest_request_ms"] = std::to_string(oldestMs);
   m["agent.server_active_async_calls"] = std::to_string(activeAsync_.load());
   m["rpc_ext.trace_contexts_ignored"] = std::to_string(tracesIgnored_.load());
 }

@@ -97,7 +97,7 @@ class Server {
     return serving_.oldest(limit);
   }
   // agent.server_active_calls, agent.server_active_async_calls,
-  // agent.oldest_request_ms.
+  // rpc_ext.oldest_request_ms, rpc_ext.trace_contexts_ignored.
   void addMetrics(std::unordered_map<std::string, std::string>& m) const;
 
  private:

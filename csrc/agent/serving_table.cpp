@@ -2,6 +2,7 @@
 // The requests a worker is serving (serving_table.h).
 #include "csrc/agent/serving_table.h"
 
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -11,11 +12,30 @@
 namespace torch_rpc_ext {
 
 namespace {
+
+// The calling thread's Linux id, read once per thread: a process forked
+// after this thread read it (its only thread now, with an id of its own)
+// reads it again.
+thread_local int32_t tlsThreadId = 0;
 int32_t thisThreadsId() {
-  static thread_local const int32_t id =
-      static_cast<int32_t>(::syscall(SYS_gettid));
-  return id;
+  static const bool forgetsAtFork = [] {
+    ::pthread_atfork(nullptr, nullptr, [] { tlsThreadId = 0; });
+    return true;
+  }();
+  (void)forgetsAtFork;
+  if (tlsThreadId == 0) {
+    tlsThreadId = static_cast<int32_t>(::syscall(SYS_gettid));
+  }
+  return tlsThreadId;
 }
+
+thread_local std::optional<ServingTable::Ticket> tlsInHandler;
+
+uint64_t packed(ServingTable::Stage stage, int32_t thread) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(thread)) << 8) |
+      static_cast<uint64_t>(stage);
+}
+
 } // namespace
 
 const char* ServingTable::stageName(Stage stage) {
@@ -45,15 +65,26 @@ std::pair<ServingTable::Ticket, ServingTable::Clock::time_point> ServingTable::
   ticket->caller = caller;
   ticket->kind = kind;
   ticket->arrived = Clock::now();
-  ticket->stage.store(Stage::kQueued, std::memory_order_relaxed);
-  ticket->thread.store(0, std::memory_order_relaxed);
+  ticket->state.store(packed(Stage::kQueued, 0), std::memory_order_relaxed);
   return {ticket, ticket->arrived};
 }
 
 void ServingTable::enter(Ticket ticket, Stage stage) {
   const bool held = stage == Stage::kRunning || stage == Stage::kResponding;
-  ticket->thread.store(held ? thisThreadsId() : 0, std::memory_order_relaxed);
-  ticket->stage.store(stage, std::memory_order_relaxed);
+  ticket->state.store(
+      packed(stage, held ? thisThreadsId() : 0), std::memory_order_relaxed);
+}
+
+ServingTable::InHandler::InHandler(Ticket ticket) : outer_(tlsInHandler) {
+  tlsInHandler = ticket;
+}
+
+ServingTable::InHandler::~InHandler() {
+  tlsInHandler = outer_;
+}
+
+std::optional<ServingTable::Ticket> ServingTable::inHandler() {
+  return tlsInHandler;
 }
 
 void ServingTable::remove(Ticket ticket) {
@@ -88,14 +119,15 @@ std::pair<std::vector<ServingTable::Serving>, size_t> ServingTable::oldest(
     if (out.size() == limit) {
       break;
     }
+    const uint64_t state = e.state.load(std::memory_order_relaxed);
     out.push_back(
         Serving{
             e.id,
             e.caller,
             e.kind,
             e.arrived,
-            e.stage.load(std::memory_order_relaxed),
-            e.thread.load(std::memory_order_relaxed)});
+            static_cast<Stage>(state & 0xff),
+            static_cast<int32_t>(static_cast<uint32_t>(state >> 8))});
   }
   return {std::move(out), live_.size()};
 }

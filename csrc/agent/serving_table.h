@@ -17,9 +17,12 @@
 // Threads: add() runs on the loop thread that read a request; enter() on
 // the thread serving it at each stage; remove() on the thread its answer
 // completes on; oldest() and the rest on a scrape's. mutex_ guards both
-// lists and an entry's place in them; an entry's stage and thread are
-// atomics, set without it (a listing reads each once: a stage a moment old
-// at worst).
+// lists and an entry's place in them; an entry's stage and thread are one
+// atomic word, set without it (a listing reads it once: a stage a moment
+// old at worst, never one stage with another's thread). enter() must come
+// before the entry's remove(): the server's stages are ordered by the
+// request's future (server.cpp), a resumed handler's by its continuation
+// (serve_callback.cpp).
 
 #include <atomic>
 #include <chrono>
@@ -44,7 +47,7 @@ class ServingTable {
     kRunning, // in its handler (a Python function runs, an operator...)
     // The handler returned a future not yet complete (an
     // @async_execution function's, or RRef arguments awaiting their
-    // owner's confirmation): no thread holds it.
+    // owner's confirmation, until the function runs): no thread holds it.
     kWaiting,
     kResponding, // its answer is being encoded and written
   };
@@ -55,10 +58,10 @@ class ServingTable {
     const Peer* caller = nullptr; // peers live as long as the agent
     CallKind kind = CallKind::kOther;
     Clock::time_point arrived{};
-    std::atomic<Stage> stage{Stage::kQueued};
-    // The Linux id of the thread in the handler or writing the answer (as
-    // threading.get_native_id(), py-spy and gdb show it); 0: none.
-    std::atomic<int32_t> thread{0};
+    // The stage (low byte) and the Linux id of the thread in the handler or
+    // writing the answer (above it; as threading.get_native_id() and gdb
+    // show it; 0: none).
+    std::atomic<uint64_t> state{0};
   };
   // Where a request's entry is, from add() to remove() (list iterators stay
   // valid across splices).
@@ -73,6 +76,23 @@ class ServingTable {
   // The request moves to `stage`; its thread is the caller's for kRunning
   // and kResponding, none otherwise.
   static void enter(Ticket ticket, Stage stage);
+  // While a request's handler runs (Server::serve), its entry is the
+  // calling thread's: a handler whose work resumes later on another thread
+  // (RRef arguments awaiting their owner's confirmation) takes it along to
+  // mark itself running there. Nests (a handler may serve another request
+  // while it waits on a call of its own).
+  class InHandler {
+   public:
+    explicit InHandler(Ticket ticket);
+    ~InHandler();
+    InHandler(const InHandler&) = delete;
+    InHandler& operator=(const InHandler&) = delete;
+
+   private:
+    std::optional<Ticket> outer_;
+  };
+  // The entry of the request whose handler the calling thread runs, if any.
+  static std::optional<Ticket> inHandler();
   // Its answer went (or was dropped): the entry goes. Once per add().
   void remove(Ticket ticket);
 

@@ -383,7 +383,8 @@ void bindTestingAgent(py::module_& parent) {
   // What a request's entry costs (docs/performance.md, "Requests being
   // served"): `threads` threads at once each serve `requests` through one
   // table as the server does (add, running, responding, remove); the wall
-  // time in nanoseconds per request of one thread.
+  // time in nanoseconds per request of one thread, and how many entries
+  // the table holds after (0 unless an entry was lost).
   m.def(
       "serving_table_cost",
       [](int64_t requests, int threads) {
@@ -408,7 +409,9 @@ void bindTestingAgent(py::module_& parent) {
         const auto ns = std::chrono::duration<double, std::nano>(
                             std::chrono::steady_clock::now() - start)
                             .count();
-        return ns / static_cast<double>(std::max<int64_t>(1, requests));
+        return std::make_pair(
+            ns / static_cast<double>(std::max<int64_t>(1, requests)),
+            table.size());
       },
       py::arg("requests"),
       py::arg("threads") = 1,

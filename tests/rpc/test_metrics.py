@@ -601,6 +601,10 @@ def held_waiting(release):
     return fut
 
 
+def unpicklable_result():
+    return lambda: None  # (pickle refuses a lambda)
+
+
 def requests_held(rank, world_size, release, threads_dir):
     from torch_rpc_ext import metrics
 
@@ -609,6 +613,10 @@ def requests_held(rank, world_size, release, threads_dir):
     init(rank, world_size)
     if rank == 0:
         out["idle"] = metrics.requests_being_served()
+        try:  # an answer that cannot be made: its entry goes all the same
+            rpc.rpc_sync("worker1", unpicklable_result)
+        except Exception as e:  # noqa: BLE001 (what torch raises varies)
+            out["unpicklable"] = str(e)
         futs = [rpc.rpc_async("worker1", held_running, args=(release, threads_dir), timeout=120),
                 rpc.rpc_async("worker1", held_waiting, args=(release,), timeout=120),
                 rpc.rpc_async("worker1", held_running, args=(release, threads_dir), timeout=120)]
@@ -652,7 +660,8 @@ def test_requests_being_served_say_what_a_worker_holds(tmp_path):
     functions held running (each on the thread it says it runs on) and an
     @async_execution one whose future is not complete (waiting: no thread
     holds it), oldest first; the Prometheus gauge of the oldest one's age;
-    empty once answered and after shutdown."""
+    top's columns; empty once answered (a request whose answer could not be
+    made included) and after shutdown."""
     threads_dir = tmp_path / "threads"
     threads_dir.mkdir()
     out = run_world(requests_held, 2, timeout=150, release=str(tmp_path / "go"),
@@ -660,6 +669,7 @@ def test_requests_being_served_say_what_a_worker_holds(tmp_path):
     caller, callee = out[0], out[1]
     assert caller["idle"] == {"worker": "worker0", "serving": 0, "requests": [], "why": ""}
     assert caller["results"] == [True, True, True]
+    assert "lambda" in caller["unpicklable"], caller["unpicklable"]
     first, later = callee["first"], callee["later"]
     assert first["worker"] == "worker1" and first["serving"] == 3, first
     # The ids the caller's calls in flight show, in the order it sent them.
@@ -682,6 +692,8 @@ def test_requests_being_served_say_what_a_worker_holds(tmp_path):
     assert age >= later["requests"][0]["age"] - 0.001, (age, later)
     assert value(callee["scrape"], "torch_rpc_ext_serving", "torch_rpc_ext_serving",
                  worker="worker1") == 3
+    assert not samples(callee["scrape"], "torch_rpc_ext_agent",
+                       key="rpc_ext.oldest_request_ms")  # its own family only
     held, screen = callee["top"]
     assert held >= age, (held, age)
     row = next(line for line in screen.splitlines() if line.startswith("worker1 "))
