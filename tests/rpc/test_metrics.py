@@ -706,6 +706,65 @@ def test_requests_being_served_say_what_a_worker_holds(tmp_path):
     assert callee["after"]["worker"] is None and "no RPC agent" in callee["after"]["why"]
 
 
+def held_with_rref(rref, release, threads_dir):
+    """Runs once this worker's fork of `rref` is confirmed by its owner; then
+    as held_running."""
+    import threading
+
+    open(os.path.join(threads_dir, str(threading.get_native_id())), "w").close()
+    wait_for_file(release)
+    return rref.to_here().sum().item()
+
+
+def rref_arguments_held(rank, world_size, release, threads_dir):
+    import torch_rpc_ext.testing as faulty
+    from torch_rpc_ext import metrics
+
+    os.environ.pop("TORCH_RPC_EXT_METRICS_PORT", None)
+    # worker1's fork request to the RRef's owner (worker2) held back 3 s.
+    rpc.init_rpc(
+        f"worker{rank}", rank=rank, world_size=world_size,
+        backend=rpc.backend_registry.BackendType[faulty.FAULTY_BACKEND_NAME],
+        rpc_backend_options=faulty.FaultyRpcExtBackendOptions(
+            address="127.0.0.1", rpc_timeout=60, messages_to_delay={"RREF_FORK_REQUEST": 3}))
+    out = {}
+    if rank == 0:
+        rref = rpc.remote("worker2", torch.add, args=(torch.ones(2), 0))
+        rref.to_here()
+        out["result"] = rpc.rpc_sync("worker1", held_with_rref,
+                                     args=(rref, release, threads_dir))
+    elif rank == 1:
+        seen = set()
+        deadline = time.monotonic() + 60
+        while not os.listdir(threads_dir) and time.monotonic() < deadline:
+            seen |= {(r["stage"], r["thread"], r["kind"])
+                     for r in metrics.requests_being_served()["requests"]}
+            time.sleep(0.01)
+        time.sleep(0.05)
+        out["seen"] = seen
+        out["running"] = metrics.requests_being_served()
+        out["thread"] = int(os.listdir(threads_dir)[0])
+        open(release, "w").close()
+    rpc.shutdown()
+    return out
+
+
+def test_a_call_whose_rref_arguments_wait_for_their_owner_shows_where_it_runs(tmp_path):
+    """A call whose RRef argument's fork the owner has not confirmed yet
+    waits (no thread holds it) until the owner's answer comes, then runs on
+    the thread that received it: listed running there, not still waiting."""
+    threads_dir = tmp_path / "threads"
+    threads_dir.mkdir()
+    out = run_world(rref_arguments_held, 3, timeout=150, release=str(tmp_path / "go"),
+                    threads_dir=str(threads_dir))
+    assert out[0]["result"] == 2.0
+    callee = out[1]
+    assert ("waiting", None, "python") in callee["seen"], callee["seen"]
+    [request] = callee["running"]["requests"]
+    assert request["stage"] == "running" and request["from"] == "worker0", request
+    assert request["thread"] == callee["thread"], (request, callee["thread"])
+
+
 def test_requests_being_served_check_their_limit(monkeypatch):
     from torch_rpc_ext import metrics
 
