@@ -51,7 +51,11 @@ constexpr std::string_view kBuiltinPrefix = "torch.ops.aten.";
 // the work runs, and waiting after if its answer is not ready yet (an
 // @async_execution function's). Safe to mark: thenAsync completes the
 // future the server waits on only from a callback it adds to the one
-// returned here, after this returns, so the entry outlives these stores.
+// returned here after this returns (or from its catch, if this throws),
+// and Server::serve keeps that future whatever fails after the handler
+// returned it, so the entry outlives these stores. (With the server-side
+// profiler on, upstream's processMessage serves these requests: listed
+// waiting until answered.)
 template <typename Run>
 c10::intrusive_ptr<rpc::JitFuture> resumed(
     const std::optional<ServingTable::Ticket>& ticket,

@@ -91,8 +91,15 @@ void Server::serve(
     }
     call_trace::stamp(id, call_trace::kServeReturned);
   } catch (...) {
-    result = c10::make_intrusive<c10::ivalue::Future>(at::AnyClassType::get());
-    result->setError(std::current_exception());
+    // A future the handler returned stands (what failed after it, a span,
+    // is not the caller's): its work may still be pending (RRef arguments
+    // awaiting their owner), and the request's entry must outlive it
+    // (serve_callback.cpp, resumed()).
+    if (!result) {
+      result =
+          c10::make_intrusive<c10::ivalue::Future>(at::AnyClassType::get());
+      result->setError(std::current_exception());
+    }
   }
   // The callback has taken what it needs. Holding the request any longer
   // would keep its tensors referenced while the response is encoded, and a
@@ -102,8 +109,9 @@ void Server::serve(
   bool async = !result->completed();
   if (async) {
     ++activeAsync_;
-    // (Before the callback is added: only it moves the entry on.)
-    ServingTable::enter(served.ticket, ServingTable::Stage::kWaiting);
+    // (Before the callback is added: only it moves the entry on. Unless a
+    // resumed handler moved it first: its work runs on another thread.)
+    ServingTable::leaveRunning(served.ticket);
   }
   result->addCallback(
       [this, owner = owner_, span, conn, id, async, served, started, costs](

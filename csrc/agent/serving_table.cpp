@@ -75,6 +75,12 @@ void ServingTable::enter(Ticket ticket, Stage stage) {
       packed(stage, held ? thisThreadsId() : 0), std::memory_order_relaxed);
 }
 
+void ServingTable::leaveRunning(Ticket ticket) {
+  uint64_t running = packed(Stage::kRunning, thisThreadsId());
+  ticket->state.compare_exchange_strong(
+      running, packed(Stage::kWaiting, 0), std::memory_order_relaxed);
+}
+
 ServingTable::InHandler::InHandler(Ticket ticket) : outer_(tlsInHandler) {
   tlsInHandler = ticket;
 }

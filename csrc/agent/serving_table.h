@@ -76,6 +76,10 @@ class ServingTable {
   // The request moves to `stage`; its thread is the caller's for kRunning
   // and kResponding, none otherwise.
   static void enter(Ticket ticket, Stage stage);
+  // The request's handler returned on this thread with its answer not ready:
+  // waiting, unless the entry moved on meanwhile (a handler whose work
+  // resumed on another thread marked it running there: serve_callback.cpp).
+  static void leaveRunning(Ticket ticket);
   // While a request's handler runs (Server::serve), its entry is the
   // calling thread's: a handler whose work resumes later on another thread
   // (RRef arguments awaiting their owner's confirmation) takes it along to

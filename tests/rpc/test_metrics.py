@@ -716,7 +716,7 @@ def held_with_rref(rref, release, threads_dir):
     return rref.to_here().sum().item()
 
 
-def rref_arguments_held(rank, world_size, release, threads_dir):
+def rref_arguments_held(rank, world_size, release, threads_dir, polling):
     import torch_rpc_ext.testing as faulty
     from torch_rpc_ext import metrics
 
@@ -731,16 +731,20 @@ def rref_arguments_held(rank, world_size, release, threads_dir):
     if rank == 0:
         rref = rpc.remote("worker2", torch.add, args=(torch.ones(2), 0))
         rref.to_here()
+        assert wait_for_file(polling), "worker1 never began to watch"
         out["result"] = rpc.rpc_sync("worker1", held_with_rref,
                                      args=(rref, release, threads_dir))
     elif rank == 1:
         seen = set()
+        open(polling, "w").close()
         deadline = time.monotonic() + 60
         while not os.listdir(threads_dir) and time.monotonic() < deadline:
             seen |= {(r["stage"], r["thread"], r["kind"])
                      for r in metrics.requests_being_served()["requests"]}
             time.sleep(0.01)
-        time.sleep(0.05)
+        if not os.listdir(threads_dir):
+            open(release, "w").close()
+            raise AssertionError(f"the function never ran within 60 s; seen: {seen}")
         out["seen"] = seen
         out["running"] = metrics.requests_being_served()
         out["thread"] = int(os.listdir(threads_dir)[0])
@@ -756,7 +760,7 @@ def test_a_call_whose_rref_arguments_wait_for_their_owner_shows_where_it_runs(tm
     threads_dir = tmp_path / "threads"
     threads_dir.mkdir()
     out = run_world(rref_arguments_held, 3, timeout=150, release=str(tmp_path / "go"),
-                    threads_dir=str(threads_dir))
+                    threads_dir=str(threads_dir), polling=str(tmp_path / "polling"))
     assert out[0]["result"] == 2.0
     callee = out[1]
     assert ("waiting", None, "python") in callee["seen"], callee["seen"]
