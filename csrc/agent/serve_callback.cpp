@@ -41,10 +41,6 @@ namespace {
 // call with [..., is-async flag, qualified name].
 constexpr std::string_view kBuiltinPrefix = "torch.ops.aten.";
 
-// Serving under the streams a request's CUDA tensors arrived on (none: no
-// guard), and giving the thread back its current device afterwards, which
-// a function may change (torch.cuda.set_device): torch's invokeCallback
-// does so around the thenAsync callback these requests used to run in.
 // A request's work resumed once its RRef arguments are confirmed (on the
 // thread that confirmed them, or at once on the serving one): its entry
 // among those served (serving_table.h) says running on this thread while
@@ -70,6 +66,10 @@ c10::intrusive_ptr<rpc::JitFuture> resumed(
   return future;
 }
 
+// Serving under the streams a request's CUDA tensors arrived on (none: no
+// guard), and giving the thread back its current device afterwards, which
+// a function may change (torch.cuda.set_device): torch's invokeCallback
+// does so around the thenAsync callback these requests used to run in.
 class OnArrival {
  public:
   explicit OnArrival(const std::vector<c10::Stream>& streams) {
