@@ -365,6 +365,11 @@ void bindTestingAgent(py::module_& parent) {
             ServingTable::enter(ticketOf(t, id), stageNamed(stage));
           })
       .def(
+          "leave_running",
+          [=](ServingTableForTesting& t, int64_t id) {
+            ServingTable::leaveRunning(ticketOf(t, id));
+          })
+      .def(
           "remove",
           [=](ServingTableForTesting& t, int64_t id) {
             t.table.remove(ticketOf(t, id));

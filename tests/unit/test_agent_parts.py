@@ -1252,8 +1252,10 @@ def test_a_joiner_that_failed_ending_an_empty_groups_epoch_holds_up_nobody():
 def test_the_table_of_requests_being_served_lists_the_oldest_in_their_stages():
     """Oldest first, `limit` of them with how many in all; each in the stage
     its server last entered, with the Linux id of the thread that entered a
-    stage that holds one (running, responding) and none otherwise; an entry
-    removed is gone, and its node serves the next request."""
+    stage that holds one (running, responding) and none otherwise; the
+    server's mark of a handler that returned a future (waiting) only from
+    running on its own thread; an entry removed is gone, and its node serves
+    the next request."""
     table = t.agent.ServingTable()
     assert table.oldest(5) == ([], 0)
     for request in (7, 3, 9):
@@ -1273,8 +1275,20 @@ def test_the_table_of_requests_being_served_lists_the_oldest_in_their_stages():
     worker.join()
     assert seen["thread"] != me
     assert table.oldest(5)[0][2] == (9, "responding", seen["thread"])
-    table.enter(3, "waiting")  # its handler returned a future: no thread holds it
+    table.leave_running(3)  # its handler returned a future: no thread holds it
     assert table.oldest(5)[0][1] == (3, "waiting", 0)
+    # Not if its work resumed on another thread first (running there).
+    table.leave_running(9)
+    assert table.oldest(5)[0][2] == (9, "responding", seen["thread"])
+    table.add(5)
+    resumed = threading.Thread(target=table.enter, args=(5, "running"))
+    resumed.start()
+    resumed.join()
+    [(_, stage, thread)] = [e for e in table.oldest(5)[0] if e[0] == 5]
+    table.leave_running(5)
+    assert [e for e in table.oldest(5)[0] if e[0] == 5] == [(5, stage, thread)]
+    assert stage == "running" and thread not in (0, me)
+    table.remove(5)
     table.remove(7)
     table.add(11)  # (the node 7 left)
     assert table.oldest(5) == ([(3, "waiting", 0), (9, "responding", seen["thread"]),
