@@ -451,9 +451,10 @@ def requests_being_served(limit: int = CALLS_LIMIT) -> dict:
     caller's ``calls_in_flight()`` shows it), ``from`` (the caller),
     ``kind`` (as ``calls_in_flight``'s), ``age`` (seconds since it was
     read), ``stage`` (``queued``: read, not yet started; ``running``: in its
-    function; ``waiting``: its function returned a future not yet complete,
-    an ``@rpc.functions.async_execution`` one's or RRef arguments' awaiting
-    their owner; ``responding``: its answer is being written) and ``thread``
+    function; ``waiting``: its function returned a future not yet complete
+    (an ``@rpc.functions.async_execution`` one's), or its RRef arguments
+    await their owner's confirmation before it runs; ``responding``: its
+    answer is being written) and ``thread``
     (the Linux id of the thread running it or writing its answer, as
     ``threading.get_native_id()`` and gdb's ``info threads`` show it;
     None while queued or waiting)), ``serving`` (how many in all), ``worker`` and
@@ -484,8 +485,9 @@ def _app(metrics_app):
 
 
 def serve(port: int = 0, addr: str = "0.0.0.0") -> int:
-    """Serves this worker's metrics at ``http://<addr>:<port>/metrics``, and
-    its health at ``/livez`` and ``/readyz`` (``health()``), from a thread of
+    """Serves this worker's metrics at ``http://<addr>:<port>/metrics``, its
+    health at ``/livez`` and ``/readyz`` (``health()``), its calls in flight
+    at ``/calls`` and the requests it is serving at ``/serving``, from a thread of
     its own; returns the port (``port=0``: a free one). Once per
     process: a second call returns the first's port. At most MAX_CLIENTS
     scrapers at once, each given CLIENT_TIMEOUT seconds per read or write."""
