@@ -472,6 +472,16 @@ def test_health_probes_follow_the_agent_and_its_loops():
     assert out["metrics_still"]
 
 
+def top_once(port):
+    """What `python -m torch_rpc_ext.top` reads from this worker's endpoint,
+    and the screen it draws from that one reading."""
+    from torch_rpc_ext import top
+
+    endpoint = f"127.0.0.1:{port}"
+    seen = top.scrape(endpoint)
+    return seen, top.render([endpoint], {endpoint: seen}, {})
+
+
 def wait_for_file(path):
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and time.monotonic() < deadline:
@@ -503,11 +513,8 @@ def calls_waited_on(rank, world_size, release, costs):
         out["endpoint"] = [get(port, "/calls?limit=2"), get(port, "/calls?limit=0"),
                            get(port, "/calls?limit=abc"), get(port, "/calls?limit=+2")]
         out["scrape"] = scrape(port)
-        from torch_rpc_ext import top
-
-        endpoint = f"127.0.0.1:{port}"
-        seen = top.scrape(endpoint)
-        out["top"] = (seen.oldest, top.render([endpoint], {endpoint: seen}, {}))
+        seen, screen = top_once(port)
+        out["top"] = (seen.oldest, screen)
         out["since_scraped"] = time.monotonic() - sent
         open(release, "w").close()
         out["results"] = [f.wait() for f in futs]
@@ -636,11 +643,8 @@ def requests_held(rank, world_size, release, threads_dir):
         out["later"] = metrics.requests_being_served()
         out["endpoint"] = [get(port, "/serving?limit=2"), get(port, "/serving?limit=0")]
         out["scrape"] = scrape(port)
-        from torch_rpc_ext import top
-
-        endpoint = f"127.0.0.1:{port}"
-        seen = top.scrape(endpoint)
-        out["top"] = (seen.held, top.render([endpoint], {endpoint: seen}, {}))
+        seen, screen = top_once(port)
+        out["top"] = (seen.held, screen)
         out["threads"] = sorted(int(name) for name in os.listdir(threads_dir))
         open(release, "w").close()
         deadline = time.monotonic() + 60
