@@ -110,6 +110,14 @@ _AGENT_COUNTERS = {
         "Refused proofs from sources in hold_off_exempt (each would have counted toward a "
         "hold-off)",
         {"transport": None}),
+    "rpc_ext.{}.servers_held_off": (
+        "servers_held_off",
+        "Servers (addresses dialed) held off for the TLS handshakes they ended unfinished "
+        "after our key exchange",
+        {"transport": None}),
+    "rpc_ext.{}.dials_held_off": (
+        "dials_held_off", "Connections to a server held off, refused here before dialing",
+        {"transport": None}),
     "rpc_ext.rejected_connections": (
         "rejected_connections", "Inbound connections refused (no member, a bad handshake)", {}),
     "rpc_ext.knocks": (

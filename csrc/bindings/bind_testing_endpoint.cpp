@@ -136,6 +136,10 @@ class Endpoint final : public transport::ConnectionObserver {
   }
 
   void connect(const std::string& address, int32_t peerId) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closeReason_.clear(); // a new dial: its end is the one to say
+    }
     auto dialed = transport_->connect(address, peerId, this);
     std::lock_guard<std::mutex> lock(mu_);
     dialed_ = std::move(dialed);

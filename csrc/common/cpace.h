@@ -24,7 +24,8 @@
 // whether that one guess was right (the TLS handshake that follows fails or
 // not): a client, one guess per connection, which the hold-off on refused
 // sources paces (source_strikes.h); an impostor server a client was sent
-// to, one per connection the client makes to it.
+// to, one per connection the client makes to it, which the client paces
+// alike (StreamTransport's server strikes).
 //
 // Not the draft's byte encoding (HMAC-SHA256 where it hashes with SHA-512,
 // our labels): its construction, on the same curve and map. X25519 itself is

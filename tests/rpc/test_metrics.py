@@ -229,7 +229,9 @@ class _FakeAgent:
                 "rpc_ext.tcp.sources_held_off": "1",
                 "rpc_ext.channel.tcp_lanes.sources_held_off": "2",
                 "rpc_ext.tcp.hold_off_exempt_failures": "5",
-                "rpc_ext.channel.tcp_lanes.hold_off_exempt_failures": "6"}
+                "rpc_ext.channel.tcp_lanes.hold_off_exempt_failures": "6",
+                "rpc_ext.tcp.servers_held_off": "7",
+                "rpc_ext.tcp.dials_held_off": "8"}
 
     def _call_costs(self):
         return []
@@ -292,6 +294,9 @@ def test_the_lanes_listener_s_hold_offs_count_beside_the_transports(monkeypatch)
                 got.setdefault(fam.name, {})[s.labels["transport"]] = s.value
     assert got["torch_rpc_ext_sources_held_off"] == {"tcp": 1, "tcp_lanes": 2}
     assert got["torch_rpc_ext_hold_off_exempt_failures"] == {"tcp": 5, "tcp_lanes": 6}
+    # And the other way: a server this worker stopped dialing.
+    assert got["torch_rpc_ext_servers_held_off"] == {"tcp": 7}
+    assert got["torch_rpc_ext_dials_held_off"] == {"tcp": 8}
 
 
 def metrics_port_taken(rank, world_size, port):

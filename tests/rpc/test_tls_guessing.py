@@ -392,3 +392,90 @@ def test_ends_that_key_tls_differently_name_it(tmp_path):
         finally:
             client.close(0)
             server.close(0)
+
+
+def test_a_server_that_keeps_ending_tls_unfinished_is_held_off():
+    """An impostor a client was sent to learns, from each connection the
+    client makes to it, whether one guess at the secret was right: it
+    answers the key exchange under its guess and reads the binder of the
+    ClientHello that follows. The client counts those connections against
+    the address (TLS unfinished after the exchange, however it ended): 8
+    within 10 s and it stops dialing that address for 30 s, saying why, so
+    the impostor gets 8 guesses where it had one per dial (before: all 12
+    dials reached it)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    address = "127.0.0.1:%d" % listener.getsockname()[1]
+    hellos, errors, stop = [], [], threading.Event()
+
+    def impostor():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.settimeout(10)
+                    offer = recv_exact(conn, 52)
+                    guess = _testing.CpaceExchange(b"g" * 32, offer[4:20])
+                    conn.sendall(b"CPc1" + guess.share)
+                    header = recv_exact(conn, 5)  # the ClientHello's record
+                    assert header[0] == 0x16, header
+                    hellos.append(recv_exact(conn, int.from_bytes(header[3:5], "big")))
+                except Exception as e:  # noqa: BLE001 (said by the test)
+                    errors.append(repr(e))
+
+    thread = threading.Thread(target=impostor, daemon=True)
+    thread.start()
+    client = endpoint(1, encryption="always")
+    reasons = []
+    try:
+        for _ in range(12):
+            client.connect(address, 0)
+            assert not client.wait_ready(15)
+            reasons.append(client.close_reason())
+        counted = client.counters()["transport"]
+    finally:
+        client.close(0)
+        stop.set()
+        thread.join(15)
+        listener.close()
+    assert not errors, errors
+    assert len(hellos) == 8, (len(hellos), reasons)
+    for reason in reasons[:8]:
+        assert "TLS handshake" in reason and "peer closed" in reason, reason
+    for reason in reasons[8:]:
+        assert reason.startswith("connect to %s refused here: its server ended 8 of our TLS "
+                                 "handshakes unfinished after the key exchange within 10 s; "
+                                 "held off for 30 s" % address), reason
+    assert counted["servers_held_off"] == 1 and counted["dials_held_off"] == 4, counted
+
+
+def test_a_server_that_proves_itself_is_never_held_off():
+    """The control: ten connections to a worker holding the secret, each TLS
+    handshake finished, then all closed by that worker: nothing counts
+    against it."""
+    server = endpoint(0, encryption="always")
+    client = endpoint(1, encryption="always")
+    try:
+        for i in range(1, 11):
+            client.connect(server.address, 0)
+            deadline = time.monotonic() + 15
+            while client.counters()["transport"]["tls_handshakes"] < i:
+                assert time.monotonic() < deadline, client.close_reason()
+                time.sleep(0.01)
+        server.close(0)
+        deadline = time.monotonic() + 10
+        while not client.close_reason() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the other nine closes
+        assert client.close_reason()
+        counted = client.counters()["transport"]
+        assert counted["tls_handshakes"] == 10 and counted["tls_handshake_failures"] == 0, counted
+        assert counted["servers_held_off"] == 0 and counted["dials_held_off"] == 0, counted
+    finally:
+        client.close(0)
+        server.close(0)

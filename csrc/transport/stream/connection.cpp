@@ -288,6 +288,24 @@ void StreamConnection::strikeSourceFromLoop() {
           transportName_ + ".sources_held_off)");
 }
 
+void StreamConnection::strikeServer(const std::string& reason) {
+  if (!guessStrikes_->strike(guessTarget_)) {
+    return;
+  }
+  // Rate-limited: a server that refuses us decides how often.
+  logWarningLimited(
+      "server_held_off",
+      "torch_rpc_ext: " + transportName_ + ": the server at " + guessTarget_ +
+          " ended " +
+          guessStrikes_->describe(
+              "of our TLS handshakes unfinished after the key exchange") +
+          " (a server without the group's secret: a worker given another "
+          "secret, or an impostor learning whether a guess at ours was "
+          "right from each connection; the last: " +
+          reason + "; counted in rpc_ext." + transportName_ +
+          ".servers_held_off)");
+}
+
 bool StreamConnection::closedForHeldOffSourceFromLoop() {
   // Checked at each step before a proof is, not only at accept: a guesser
   // could open many connections first and prove on each afterwards.
@@ -510,6 +528,9 @@ void StreamConnection::closeInternal(std::string reason, bool local) {
     closeReason_ = reason;
   }
   releaseFinished();
+  if (guessOut_.exchange(false) && !local) {
+    strikeServer(reason);
+  }
   // Off this thread whichever it is (releaseFinished() lets go in place
   // off the loop): a close may come from a thread holding locks of its
   // owner's, and the owner's action takes others (and the GIL).

@@ -182,6 +182,7 @@ void StreamConnection::driveTlsFromLoop() {
     loop_.modify(fd_, EPOLLIN | (wantWrite_ ? uint32_t(EPOLLOUT) : 0u));
     return;
   }
+  guessOut_ = false; // the server proved it holds the key
   // Our handshake's proofs will cover this TLS session's exporter value
   // (handshake.h): they hold on this session only.
   try {
@@ -354,6 +355,9 @@ bool StreamConnection::exchangeFromLoop() {
     return false;
   }
   tls_ = std::move(session);
+  // The client's next step writes its ClientHello, whose binder tells the
+  // server whether its side of the exchange was under the right key.
+  guessOut_ = outbound_ && guessStrikes_ != nullptr;
   return true;
 }
 

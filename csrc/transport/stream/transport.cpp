@@ -41,6 +41,8 @@ std::map<std::string, uint64_t> StreamTransport::counters() const {
       {"sources_held_off", strikes_->sourcesHeldOff()},
       {"connections_held_off", strikes_->refused()},
       {"hold_off_exempt_failures", strikes_->exemptFailures()},
+      {"servers_held_off", serverStrikes_->sourcesHeldOff()},
+      {"dials_held_off", serverStrikes_->refused()},
       {"frames_sent", loop_.io().frames.load(std::memory_order_relaxed)},
       {"control_frames_sent",
        loop_.io().controlFrames.load(std::memory_order_relaxed)},
@@ -93,6 +95,18 @@ std::shared_ptr<Connection> StreamTransport::connect(
   } catch (const std::exception& e) {
     refused = e.what();
   }
+  // A server that ended our TLS handshakes unfinished too often lately,
+  // after our key exchange, is not dialed for a while: each such connection
+  // told whoever runs it whether a guess at the secret was right (an
+  // impostor a store writer sent us to), and with a different secret the
+  // next would end the same.
+  if (refused.empty() && serverStrikes_->heldOff(target)) {
+    refused = "connect to " + target + " refused here: its server ended " +
+        serverStrikes_->describe(
+            "of our TLS handshakes unfinished after the key exchange") +
+        " (it does not hold the group's secret: a worker given another "
+        "secret, or an impostor taking a guess at ours with each connection)";
+  }
   int family = AF_INET;
   try {
     family = SocketAddress::parse(target).family();
@@ -102,6 +116,7 @@ std::shared_ptr<Connection> StreamTransport::connect(
   int fd = ::socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   auto conn =
       newConnection(fd, /*outbound=*/true, expectedPeerId, target, observer);
+  conn->countGuessesAgainst(serverStrikes_, target);
   // Started (its channels opened) before stop() can see it: adopt() closes
   // it if the transport stopped meanwhile.
   conn->startConnect(target, refused);

@@ -101,6 +101,11 @@ class StreamTransport : public Transport {
   // connections, which strike.
   const std::shared_ptr<SourceStrikes> strikes_ =
       std::make_shared<SourceStrikes>();
+  // The other way: servers (by the address dialed) that ended our TLS
+  // handshakes unfinished after the key exchange, with the same limits; no
+  // address is exempt (a hold-off keeps only this process from dialing).
+  const std::shared_ptr<SourceStrikes> serverStrikes_ =
+      std::make_shared<SourceStrikes>();
 
   Loop loop_;
   std::mutex mutex_;
