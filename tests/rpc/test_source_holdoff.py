@@ -206,6 +206,9 @@ def test_the_exemption_reaches_the_listener_from_the_environment_through_init_rp
             "torch_rpc_ext_hold_off_exempt_failures": [FAILURES + 1],
             "torch_rpc_ext_sources_held_off": [1],
             "torch_rpc_ext_connections_held_off": [1],
+            # (The other way, servers this worker stopped dialing: none.)
+            "torch_rpc_ext_servers_held_off": [0],
+            "torch_rpc_ext_dials_held_off": [0],
         }, out["exported"]
 
 
