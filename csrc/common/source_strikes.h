@@ -44,12 +44,14 @@ class AddressRanges {
 // lately: one that fails `maxFailures` times within `window` is held off
 // for `holdOff` (its next connections closed unread), so that guessing a
 // secret costs a prober its address. What counts as a failure is the
-// caller's: a hello or proof that proved nothing, never a timeout or a
-// race. At most `maxSources` are remembered; with that many held off at
-// once, a new source goes uncounted (a hold-off is never cut short). The
-// exempt sources' failures are counted apart and hold nothing off (the
-// peers of a NAT, or the job's own hosts, where one worker with a wrong
-// secret would otherwise hold its neighbours off). Thread-safe.
+// caller's: for the listeners, a hello or proof that proved nothing, never
+// a timeout or a race; for a transport's dials, a server's TLS handshake
+// left unfinished after our key exchange, however it ended. At most
+// `maxSources` are remembered; with that many held off at once, a new source
+// goes uncounted (a hold-off is never cut short). The exempt sources' failures
+// are counted apart and hold nothing off (the peers of a NAT, or the job's own
+// hosts, where one worker with a wrong secret would otherwise hold its
+// neighbours off). Thread-safe.
 class SourceStrikes {
  public:
   struct Limits {

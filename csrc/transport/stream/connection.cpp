@@ -288,10 +288,27 @@ void StreamConnection::strikeSourceFromLoop() {
           transportName_ + ".sources_held_off)");
 }
 
-void StreamConnection::strikeServer(const std::string& reason) {
-  if (!guessStrikes_->strike(guessTarget_)) {
-    return;
-  }
+void StreamConnection::countGuessesAgainst(
+    std::shared_ptr<SourceStrikes> s,
+    std::string t) {
+  guessStrikes_ = std::move(s);
+  guessTarget_ = std::move(t);
+}
+
+std::string StreamConnection::heldOffServerText(
+    const SourceStrikes& strikes,
+    const std::string& target) {
+  return "connect to " + target + " refused here: its server ended " +
+      strikes.describe(
+          "of our TLS handshakes unfinished after the key exchange") +
+      " (this worker and it do not share the group's secret: an impostor "
+      "taking a guess at it with each connection, or one of the two given "
+      "another; or it shed our handshakes itself: over its cap on "
+      "unauthenticated connections, or holding this address off; the "
+      "warning logged as the hold-off began says how they ended)";
+}
+
+void StreamConnection::logServerHeldOff(const std::string& reason) {
   // Rate-limited: a server that refuses us decides how often.
   logWarningLimited(
       "server_held_off",
@@ -299,9 +316,8 @@ void StreamConnection::strikeServer(const std::string& reason) {
           " ended " +
           guessStrikes_->describe(
               "of our TLS handshakes unfinished after the key exchange") +
-          " (a server without the group's secret: a worker given another "
-          "secret, or an impostor learning whether a guess at ours was "
-          "right from each connection; the last: " +
+          " (this worker and it do not share the group's secret, or it shed "
+          "them itself; the last ended: " +
           reason + "; counted in rpc_ext." + transportName_ +
           ".servers_held_off)");
 }
@@ -504,6 +520,7 @@ void StreamConnection::closeKnockedFromLoop(bool reset) {
 }
 
 void StreamConnection::closeInternal(std::string reason, bool local) {
+  bool holdOffBegan = false;
   std::deque<PendingWrite> dropped;
   std::vector<std::shared_ptr<void>> unsent;
   {
@@ -512,6 +529,10 @@ void StreamConnection::closeInternal(std::string reason, bool local) {
       return;
     }
     state_ = State::kClosed;
+    // Struck before anyone sees it closed (a redial then finds the hold-off).
+    if (guessOut_.exchange(false) && !local) {
+      holdOffBegan = guessStrikes_->strike(guessTarget_);
+    }
     dropped.swap(writes_);
     for (auto& w : dropped) {
       if (w.frame.keepAlive) {
@@ -528,8 +549,8 @@ void StreamConnection::closeInternal(std::string reason, bool local) {
     closeReason_ = reason;
   }
   releaseFinished();
-  if (guessOut_.exchange(false) && !local) {
-    strikeServer(reason);
+  if (holdOffBegan) {
+    logServerHeldOff(reason);
   }
   // Off this thread whichever it is (releaseFinished() lets go in place
   // off the loop): a close may come from a thread holding locks of its

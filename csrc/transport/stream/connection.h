@@ -73,13 +73,14 @@ class StreamConnection : public Connection,
     strikes_ = std::move(strikes);
     strikeSource_ = std::move(source);
   }
-  // Outbound: a TLS handshake under the group's key that ends unfinished
-  // after our key exchange (our binder out: its server learned whether its
-  // guess at the secret was right) counts against `target` (connect()).
-  void countGuessesAgainst(std::shared_ptr<SourceStrikes> s, std::string t) {
-    guessStrikes_ = std::move(s);
-    guessTarget_ = std::move(t);
-  }
+  // Outbound: a TLS handshake left unfinished after our key exchange (our
+  // binder out: its server learned whether a guess at the secret was right),
+  // not by this end, counts against `target`; heldOffServerText(): why a
+  // dial to one held off is refused (StreamTransport::connect()).
+  void countGuessesAgainst(std::shared_ptr<SourceStrikes> s, std::string t);
+  static std::string heldOffServerText(
+      const SourceStrikes&,
+      const std::string&);
 
   bool write(frame::OutboundFrame frame) override;
   void close(const std::string& reason) override;
@@ -247,8 +248,7 @@ class StreamConnection : public Connection,
   void closeKnockedFromLoop(bool reset);
   // Accepted: the peer's proof was refused (countRefusalsAgainst).
   void strikeSourceFromLoop();
-  // Outbound: countGuessesAgainst()'s strike, `reason` the close's.
-  void strikeServer(const std::string& reason);
+  void logServerHeldOff(const std::string& reason); // as a hold-off begins
   // Accepted, mid-handshake: closes it if its source is held off now.
   bool closedForHeldOffSourceFromLoop();
 
@@ -519,7 +519,7 @@ class StreamConnection : public Connection,
   std::atomic<bool> peerProven_{false};
   std::shared_ptr<SourceStrikes> strikes_; // accepted (loop thread)
   std::string strikeSource_;
-  std::shared_ptr<SourceStrikes> guessStrikes_; // outbound (loop thread)
+  std::shared_ptr<SourceStrikes> guessStrikes_; // outbound; set, then read
   std::string guessTarget_;
   std::atomic<bool> guessOut_{false}; // our binder is out, TLS not done
   // The last write failed because the peer closed its end (writeMutex_
