@@ -506,9 +506,17 @@ void Calls::connectionLost(
     return;
   }
   if (!quiet) {
-    logWarning(
-        "torch_rpc_ext: " + self_ + " lost connection " + conn.describe() +
-        " with " + std::to_string(failed.size()) + " calls pending: " + reason);
+    std::string line = "torch_rpc_ext: " + self_ + " lost connection " +
+        conn.describe() + " with " + std::to_string(failed.size()) +
+        " calls pending: " + reason;
+    // A dial that never authenticated (a peer gone, a server held off) is
+    // retried by each call: a caller's retry loop would write a line per
+    // try. Each call's error says it too.
+    if (conn.isOutbound() && conn.peerId() < 0) {
+      logWarningLimited("dial_failed_with_calls", line);
+    } else {
+      logWarning(line);
+    }
   }
   const Peer* peer = failed.front().second.peer;
   std::string why = reason.empty() ? "RPC agent is shutting down" : reason;

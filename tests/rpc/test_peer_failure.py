@@ -526,3 +526,41 @@ def test_knocks_tell_a_live_worker_from_a_dead_one_without_a_connection(opts):
     # Either is the dead process's answer, never a timeout.
     assert "Connection refused" in dead or "Connection reset by peer" in dead, out
     assert out[1] == {"accepted": 0, "knocked": True}, out
+
+
+def redials_a_dead_peer(rank, world_size, tries):
+    # Over TCP, whose connect is answered on the loop, after the call is
+    # queued on it (a refused local socket fails the call's write at once).
+    init(rank, world_size, rpc_timeout=20, transports=["tcp"])
+    out = {}
+    if rank == 0:
+        pid = rpc.rpc_sync("worker1", getpid)
+        os.kill(pid, signal.SIGKILL)
+        out["errors"] = []
+        for _ in range(tries):  # a caller's retry loop
+            try:
+                rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+            except RuntimeError as e:
+                out["errors"].append(str(e))
+        metrics = rpc.api._get_current_rpc_agent().get_metrics()
+        out["dials"] = int(metrics["rpc_ext.peer.worker1.dials"])
+    if rank == 1:
+        time.sleep(60)  # serve until worker0 SIGKILLs us
+    rpc.shutdown(graceful=False)
+    return out
+
+
+def test_a_caller_retrying_a_dead_peer_logs_its_failed_dials_once_per_10_s(capfd):
+    """Each call to a peer that is gone dials it again, and each failed dial
+    failed a call: the warning ("lost connection ... with 1 calls pending")
+    came once per try, so a retry loop wrote a line per try (16 of 20
+    here before). Now one line per 10 s; each call's error still says
+    why."""
+    tries = 20
+    out = run_world(redials_a_dead_peer, world_size=2, dies=frozenset({1}), timeout=90,
+                    tries=tries)[0]
+    assert len(out["errors"]) == tries, out
+    assert all("worker1" in e for e in out["errors"]), out["errors"]
+    assert out["dials"] >= tries // 2, out  # the calls did dial
+    lost = [line for line in capfd.readouterr().err.splitlines() if "lost connection" in line]
+    assert 1 <= len(lost) <= 2, lost
