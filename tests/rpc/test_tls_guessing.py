@@ -474,3 +474,79 @@ def test_a_server_that_proves_itself_is_never_held_off():
     finally:
         client.close(0)
         server.close(0)
+
+
+def test_a_dial_under_way_as_the_hold_off_begins_sends_no_binder():
+    """Seven dials struck, then two at once: the impostor keeps the first's
+    answer back until the second has ended unfinished (the eighth strike),
+    then answers it. The held dial closes before its ClientHello (the
+    impostor reads the end of its stream), saying it is refused."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    address = "127.0.0.1:%d" % listener.getsockname()[1]
+    hellos, held_saw, errors, stop = [], [], [], threading.Event()
+    eighth_struck, threads = threading.Event(), []
+
+    def answer(conn, hold):
+        with conn:
+            try:
+                conn.settimeout(15)
+                offer = recv_exact(conn, 52)
+                if hold and not eighth_struck.wait(15):
+                    raise AssertionError("the other dial never ended")
+                guess = _testing.CpaceExchange(b"g" * 32, offer[4:20])
+                conn.sendall(b"CPc1" + guess.share)
+                if hold:
+                    held_saw.append(conn.recv(5))
+                    return
+                header = recv_exact(conn, 5)
+                hellos.append(recv_exact(conn, int.from_bytes(header[3:5], "big")))
+            except Exception as e:  # noqa: BLE001 (said by the test)
+                errors.append(repr(e))
+
+    def impostor():
+        accepted = 0
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            accepted += 1
+            t = threading.Thread(target=answer, args=(conn, accepted == 8), daemon=True)
+            t.start()
+            threads.append(t)
+
+    thread = threading.Thread(target=impostor, daemon=True)
+    thread.start()
+    client = endpoint(1, encryption="always")
+    try:
+        for _ in range(7):
+            client.connect(address, 0)
+            assert not client.wait_ready(15)
+        client.connect(address, 0)  # held at its answer
+        deadline = time.monotonic() + 15
+        while len(threads) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.connect(address, 0)  # the eighth to end unfinished
+        assert not client.wait_ready(15)
+        assert client.counters()["transport"]["servers_held_off"] == 1
+        eighth_struck.set()
+        deadline = time.monotonic() + 15
+        while "refused here" not in client.close_reason() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        reason = client.close_reason()
+        counted = client.counters()["transport"]
+    finally:
+        eighth_struck.set()
+        client.close(0)
+        stop.set()
+        thread.join(15)
+        for t in threads:
+            t.join(15)
+        listener.close()
+    assert not errors, errors
+    assert len(hellos) == 8 and held_saw == [b""], (len(hellos), held_saw)
+    assert "refused here: its server ended 8 of our TLS handshakes" in reason, reason
+    assert counted["servers_held_off"] == 1 and counted["dials_held_off"] == 1, counted

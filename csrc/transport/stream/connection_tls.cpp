@@ -341,6 +341,11 @@ bool StreamConnection::exchangeFromLoop() {
     closeInternal("key exchange: " + std::string(e.what()), false);
     return false;
   }
+  // A dial under way as its server's hold-off began: no binder for it.
+  if (outbound_ && guessStrikes_ && guessStrikes_->heldOff(guessTarget_)) {
+    closeInternal(heldOffServerText(*guessStrikes_, guessTarget_), false);
+    return false;
+  }
   std::unique_ptr<TlsSession> session;
   try {
     session = tlsContext_->newSession(fd_, outbound_, std::move(psk));

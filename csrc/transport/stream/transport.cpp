@@ -99,13 +99,10 @@ std::shared_ptr<Connection> StreamTransport::connect(
   // after our key exchange, is not dialed for a while: each such connection
   // told whoever runs it whether a guess at the secret was right (an
   // impostor a store writer sent us to), and with a different secret the
-  // next would end the same.
+  // next would end the same. (A dial already under way is checked again
+  // before its binder goes out: StreamConnection::exchangeFromLoop().)
   if (refused.empty() && serverStrikes_->heldOff(target)) {
-    refused = "connect to " + target + " refused here: its server ended " +
-        serverStrikes_->describe(
-            "of our TLS handshakes unfinished after the key exchange") +
-        " (it does not hold the group's secret: a worker given another "
-        "secret, or an impostor taking a guess at ours with each connection)";
+    refused = StreamConnection::heldOffServerText(*serverStrikes_, target);
   }
   int family = AF_INET;
   try {
