@@ -116,7 +116,9 @@ _AGENT_COUNTERS = {
         "after our key exchange",
         {"transport": None}),
     "rpc_ext.{}.dials_held_off": (
-        "dials_held_off", "Connections to a server held off, refused here before dialing",
+        "dials_held_off",
+        "Dials to a server held off, refused here (before connecting, or before their "
+        "binder went out)",
         {"transport": None}),
     "rpc_ext.rejected_connections": (
         "rejected_connections", "Inbound connections refused (no member, a bad handshake)", {}),
