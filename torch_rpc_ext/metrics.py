@@ -110,16 +110,10 @@ _AGENT_COUNTERS = {
         "Refused proofs from sources in hold_off_exempt (each would have counted toward a "
         "hold-off)",
         {"transport": None}),
-    "rpc_ext.{}.servers_held_off": (
-        "servers_held_off",
-        "Servers (addresses dialed) held off for the TLS handshakes they ended unfinished "
-        "after our key exchange",
-        {"transport": None}),
-    "rpc_ext.{}.dials_held_off": (
-        "dials_held_off",
-        "Dials to a server held off, refused here (before connecting, or before their "
-        "binder went out)",
-        {"transport": None}),
+    "rpc_ext.{}.servers_held_off": ("servers_held_off", "Servers dialed, held off for TLS "
+                                    "handshakes left unfinished", {"transport": None}),
+    "rpc_ext.{}.dials_held_off": ("dials_held_off", "Dials refused for their server's hold-off",
+                                  {"transport": None}),
     "rpc_ext.rejected_connections": (
         "rejected_connections", "Inbound connections refused (no member, a bad handshake)", {}),
     "rpc_ext.knocks": (
