@@ -394,6 +394,18 @@ def test_ends_that_key_tls_differently_name_it(tmp_path):
             server.close(0)
 
 
+def accepted(listener, stop):
+    """The connections `listener` takes until `stop` is set or it closes."""
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            continue
+        except OSError:
+            return
+        yield conn
+
+
 def test_a_server_that_keeps_ending_tls_unfinished_is_held_off():
     """An impostor a client was sent to learns, from each connection the
     client makes to it, whether one guess at the secret was right: it
@@ -409,13 +421,7 @@ def test_a_server_that_keeps_ending_tls_unfinished_is_held_off():
     hellos, errors, stop = [], [], threading.Event()
 
     def impostor():
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
+        for conn in accepted(listener, stop):
             with conn:
                 try:
                     conn.settimeout(10)
@@ -505,16 +511,8 @@ def test_a_dial_under_way_as_the_hold_off_begins_sends_no_binder():
                 errors.append(repr(e))
 
     def impostor():
-        accepted = 0
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            accepted += 1
-            t = threading.Thread(target=answer, args=(conn, accepted == 8), daemon=True)
+        for count, conn in enumerate(accepted(listener, stop), 1):
+            t = threading.Thread(target=answer, args=(conn, count == 8), daemon=True)
             t.start()
             threads.append(t)
 
