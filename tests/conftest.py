@@ -1,11 +1,17 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Shared test setup: markers by folder, GPU skips, skips under a sanitizer."""
+"""Shared test setup: markers by folder, GPU skips, skips under a sanitizer,
+the CPU each test used (tests/cpu_use.py)."""
 
 import pytest
 import torch
 
 import torch_rpc_ext  # noqa: F401  (registers the backend before any fork)
 from tests.build_flags import SANITIZER
+from tests.cpu_use import (  # noqa: F401  (its hooks)
+    pytest_configure,
+    pytest_runtest_protocol,
+    pytest_terminal_summary,
+)
 
 
 def pytest_collection_modifyitems(config, items):
