@@ -11,8 +11,8 @@
 #     conformance suites over TCP only, our multi-process tests and the
 #     wheel.
 # The stages run in two lanes at once (see second_lane below). Each says
-# which torch it runs on and how long it took; a table of the stages ends
-# each lane.
+# which torch it runs on, how long it took and the CPU it used; a table of
+# the stages ends each lane, and a line of the whole run's CPU the run.
 # Arguments, if any, are passed to a single pytest run instead (`bash
 # tools/test.sh tests/rpc/test_exit.py`): with .venv set up, that reinstalls
 # nothing and rebuilds only what changed. `bash tools/with_torch.sh 2.15.0
@@ -35,6 +35,18 @@ kill_tree() {
   for child in $(pgrep -P "$1" || true); do kill_tree "$child"; done
   kill "$1" 2>/dev/null || true
 }
+# read_cpu sets CPU_NOW to this shell's children's CPU seconds: bash's
+# `times`, its second line, written to a file (in $(...) it would run in a
+# subshell and count that subshell's children). Each lane is a shell of its
+# own, so the background builds (children of the first shell) are not in
+# its stages; each build reports its own CPU (background below).
+read_cpu() {
+  local f=build/.times.$BASHPID
+  times >"$f"
+  CPU_NOW=$(awk 'NR == 2 { for (i = 1; i <= 2; i++) { split($i, t, "m"); n += t[1] * 60 + t[2] }
+    printf "%d", n }' "$f")
+  rm -f "$f"
+}
 # A job's exit status is written beside its log ($log.rc), so that the
 # second lane (a subshell, which cannot `wait` for its siblings) can await
 # a build too. `background NICE NAME LOG CMD...`.
@@ -45,7 +57,8 @@ background() {
   (
     # Not `"$@" || status=$?`: that would run a shell function with set -e
     # off, and a failing stage would go unnoticed.
-    trap 'echo $? >"$log.rc"' EXIT
+    # (And the CPU it used, $log.cpu, before its status, which awaiters poll.)
+    trap 'status=$?; read_cpu; echo "$CPU_NOW" >"$log.cpu"; echo "$status" >"$log.rc"' EXIT
     exec >"$log" 2>&1
     if [ "$niceness" = idle ] && chrt --idle 0 true 2>/dev/null; then
       chrt --idle 0 "$@"
@@ -68,8 +81,10 @@ await() {
     echo "tools/test.sh: $name failed ($status; above, log $log)" >&2
     exit 1
   fi
+  echo "== tools/test.sh: $name used $(cat "$log.cpu") s of CPU" >&2
 }
-trap 'for p in "${job_pid[@]}"; do kill_tree "$p"; done' EXIT
+# (Only what is still running: a job that ended left its status.)
+trap 'for n in "${!job_pid[@]}"; do [ -s "${job_log[$n]}.rc" ] || kill_tree "${job_pid[$n]}"; done' EXIT
 # The newest torch's setup starts first, before this tree's own (its
 # download, a few GB, waits on the network while this .venv installs and
 # builds); not in another torch's tree (.synced-files) or for a pytest run.
@@ -96,6 +111,8 @@ if [ "$#" -eq 0 ] && [ ! -f .synced-files ] && [ "${TORCH_RPC_EXT_SKIP_NEWEST:-0
     bash tools/with_torch.sh "$NEWEST_TORCH" bash -c 'SETUP_FOR=test . tools/setup_env.sh'
 fi
 SETUP_FOR=test . tools/setup_env.sh
+read_cpu
+setup_cpu=$CPU_NOW
 # Upstream's per-test limit for multi-process tests (default 300 s); every
 # test here takes seconds, so a hang is cut short sooner.
 export DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=${DISTRIBUTED_TESTS_DEFAULT_TIMEOUT:-180}
@@ -105,20 +122,28 @@ fi
 torch_version=$(python -c 'import torch; print(torch.__version__)')
 # Each stage's log line names its torch; when it ends, its time, and at the
 # end of the run a table of them (CI's budget is 45 minutes on 2 cores).
+# And the CPU it used (user + system, of the processes it started and
+# waited for): a clean run on 2 cores is bound by CPU, not by waits
+# (docs/development.md, "Where a clean run's time goes").
 stage_name=""
 stage_start=0
+stage_cpu=0
 stage_times=()
 stage_end() {
   [ -n "$stage_name" ] || return 0
   local took=$((SECONDS - stage_start))
-  echo "== tools/test.sh: $stage_name: $took s" >&2
-  stage_times+=("$(printf '%5d s  %s' "$took" "$stage_name")")
+  read_cpu
+  local cpu=$((CPU_NOW - stage_cpu))
+  echo "== tools/test.sh: $stage_name: $took s, $cpu s of CPU" >&2
+  stage_times+=("$(printf '%5d s %6d s CPU  %s' "$took" "$cpu" "$stage_name")")
   stage_name=""
 }
 stage() {
   stage_end
   stage_name="$1 on torch $torch_version"
   stage_start=$SECONDS
+  read_cpu
+  stage_cpu=$CPU_NOW
   echo "== tools/test.sh: $stage_name" >&2
 }
 stage_table() {
@@ -247,52 +272,61 @@ fi
 # torch compute first (a forked child inherits ATen's started thread pools and
 # aborts or hangs on first use), so unit tests get a process of their own.
 # Same-host peers use the shm transport by default.
-stage "conformance over shm, multi-process tests, wheel, CUDA kernels"
-pytest --timeout 900 tests/conformance tests/rpc tests/scripting tests/launcher \
-  tests/wheel tests/cuda_kernels tests/conformance_cuda tests/crosshost
-# (The pass over TCP only is the newest torch's, below: the transports are
-# the same C++ on every torch, and CI's 45 minutes hold one such pass.)
-# Upstream's fault-injection suites: a process of their own (see the module).
-stage "upstream's fault-injection suites"
-pytest --timeout 900 tests/faulty
-# ThreadSanitizer over the parts whose threads meet most (docs/development.md,
-# "The suites under a sanitizer"): a dynamic group's watcher, leases, secret
-# exchange and membership log against its init thread and the listener, the
-# loop, the thread pool, the buffer pool, the descriptor closer (in
-# process); then, between processes, public calls, the small-call fast path,
-# shm slabs, a shm connection's frame ring, socket and last words, a peer's
-# failure, elastic groups. Any report fails the run. (The whole of the
-# suites under TSan takes hours here; these about four minutes once built.)
-# The forking files run in a pytest of their own: a child forked while its
-# parent has threads running is outside what TSan supports (a new thread of
-# the child can reuse a live one's id: "dup thread with used id"), so no
-# in-process test's threads may be alive when they fork.
-stage "ThreadSanitizer: the agent's parts, calls between processes (the rest of its build, then the tests)"
-await tsan-build
-bash tools/sanitize.sh thread tests/unit/test_agent_parts.py \
-  tests/unit/test_membership_log.py tests/unit/test_loop.py \
-  tests/unit/test_thread_pool.py tests/unit/test_buffer_pool.py \
-  tests/unit/test_fd_closer.py
-bash tools/sanitize.sh thread tests/rpc/test_public_calls.py \
-  tests/rpc/test_fast_path.py tests/rpc/test_shm_slabs.py \
-  tests/rpc/test_shm_transport.py tests/rpc/test_frame_ring.py \
-  tests/rpc/test_last_words.py tests/rpc/test_peer_failure.py \
-  tests/rpc/test_elastic.py
-# And the CUDA path (the fake driver built with TSan too, so that it judges
-# our streams and events by the order the fake models): the soak's crossing
-# calls of random CUDA tensors through every channel and landing. In this
-# lane, after the others: two runs over one tree must not overlap (each
-# begins with the tree's build, which replaces the module the other's
-# workers load).
-stage "ThreadSanitizer: the CUDA path on the fake driver (the soak)"
-bash tools/sanitize.sh thread tests/cuda_driver/test_agent_soak.py
-if [ "$lanes" = 2 ]; then
-  stage "waiting for the second lane"
-  await lane-2
-  echo "== tools/test.sh: the second lane (build/lane-2.log):" >&2
-  cat build/lane-2.log >&2
-else
-  stage_end
-  second_lane
-fi
-stage_table
+# The first lane is a subshell too, so that the CPU its stages count is
+# theirs alone (the background builds are this shell's children).
+first_lane() {
+  stage "conformance over shm, multi-process tests, wheel, CUDA kernels"
+  pytest --timeout 900 tests/conformance tests/rpc tests/scripting tests/launcher \
+    tests/wheel tests/cuda_kernels tests/conformance_cuda tests/crosshost
+  # (The pass over TCP only is the newest torch's, below: the transports are
+  # the same C++ on every torch, and CI's 45 minutes hold one such pass.)
+  # Upstream's fault-injection suites: a process of their own (see the module).
+  stage "upstream's fault-injection suites"
+  pytest --timeout 900 tests/faulty
+  # ThreadSanitizer over the parts whose threads meet most (docs/development.md,
+  # "The suites under a sanitizer"): a dynamic group's watcher, leases, secret
+  # exchange and membership log against its init thread and the listener, the
+  # loop, the thread pool, the buffer pool, the descriptor closer (in
+  # process); then, between processes, public calls, the small-call fast path,
+  # shm slabs, a shm connection's frame ring, socket and last words, a peer's
+  # failure, elastic groups. Any report fails the run. (The whole of the
+  # suites under TSan takes hours here; these about four minutes once built.)
+  # The forking files run in a pytest of their own: a child forked while its
+  # parent has threads running is outside what TSan supports (a new thread of
+  # the child can reuse a live one's id: "dup thread with used id"), so no
+  # in-process test's threads may be alive when they fork.
+  stage "ThreadSanitizer: the agent's parts, calls between processes (the rest of its build, then the tests)"
+  await tsan-build
+  bash tools/sanitize.sh thread tests/unit/test_agent_parts.py \
+    tests/unit/test_membership_log.py tests/unit/test_loop.py \
+    tests/unit/test_thread_pool.py tests/unit/test_buffer_pool.py \
+    tests/unit/test_fd_closer.py
+  bash tools/sanitize.sh thread tests/rpc/test_public_calls.py \
+    tests/rpc/test_fast_path.py tests/rpc/test_shm_slabs.py \
+    tests/rpc/test_shm_transport.py tests/rpc/test_frame_ring.py \
+    tests/rpc/test_last_words.py tests/rpc/test_peer_failure.py \
+    tests/rpc/test_elastic.py
+  # And the CUDA path (the fake driver built with TSan too, so that it judges
+  # our streams and events by the order the fake models): the soak's crossing
+  # calls of random CUDA tensors through every channel and landing. In this
+  # lane, after the others: two runs over one tree must not overlap (each
+  # begins with the tree's build, which replaces the module the other's
+  # workers load).
+  stage "ThreadSanitizer: the CUDA path on the fake driver (the soak)"
+  bash tools/sanitize.sh thread tests/cuda_driver/test_agent_soak.py
+  if [ "$lanes" = 2 ]; then
+    stage "waiting for the second lane"
+    await lane-2
+    echo "== tools/test.sh: the second lane (build/lane-2.log):" >&2
+    cat build/lane-2.log >&2
+  else
+    stage_end
+    second_lane
+  fi
+  stage_table
+}
+( first_lane )
+# What the whole run cost: every process it started has ended and been
+# waited for by now (the lanes, the builds, what they started).
+read_cpu
+echo "== tools/test.sh: $SECONDS s, $CPU_NOW s of CPU in all ($setup_cpu s of it the setup of .venv and its build; $((CPU_NOW * 100 / (SECONDS > 0 ? SECONDS : 1))) % of one core on average)" >&2
