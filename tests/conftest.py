@@ -7,11 +7,8 @@ import torch
 
 import torch_rpc_ext  # noqa: F401  (registers the backend before any fork)
 from tests.build_flags import SANITIZER
-from tests.cpu_use import (  # noqa: F401  (its hooks)
-    pytest_configure,
-    pytest_runtest_protocol,
-    pytest_terminal_summary,
-)
+
+pytest_plugins = ("tests.cpu_use",)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Which tests take the CPU: a pytest plugin (tests/conftest.py takes its
-hooks; `-p tests.cpu_use` elsewhere).
+"""Which tests take the CPU: a pytest plugin (tests/conftest.py loads it;
+`-p tests.cpu_use` outside this suite). Not under pytest-xdist, whose
+controller runs no test.
 
 A clean run of the suite on 2 cores is bound by CPU, not by waits
 (docs/development.md, "Where a clean run's time goes"), so pytest's

@@ -58,7 +58,7 @@ background() {
     # Not `"$@" || status=$?`: that would run a shell function with set -e
     # off, and a failing stage would go unnoticed.
     # (And the CPU it used, $log.cpu, before its status, which awaiters poll.)
-    trap 'status=$?; read_cpu; echo "$CPU_NOW" >"$log.cpu"; echo "$status" >"$log.rc"' EXIT
+    trap 'status=$?; read_cpu || CPU_NOW="?"; echo "$CPU_NOW" >"$log.cpu"; echo "$status" >"$log.rc"' EXIT
     exec >"$log" 2>&1
     if [ "$niceness" = idle ] && chrt --idle 0 true 2>/dev/null; then
       chrt --idle 0 "$@"
@@ -326,7 +326,8 @@ first_lane() {
   stage_table
 }
 ( first_lane )
-# What the whole run cost: every process it started has ended and been
-# waited for by now (the lanes, the builds, what they started).
+# What the whole run cost: every process it started has ended by now (the
+# lanes, the builds, what they started); `wait` reaps any not yet reaped.
+wait || true
 read_cpu
-echo "== tools/test.sh: $SECONDS s, $CPU_NOW s of CPU in all ($setup_cpu s of it the setup of .venv and its build; $((CPU_NOW * 100 / (SECONDS > 0 ? SECONDS : 1))) % of one core on average)" >&2
+echo "== tools/test.sh: $SECONDS s, $CPU_NOW s of CPU in all ($setup_cpu s of it before the lanes began: .venv, its build, any background build done by then; $((CPU_NOW * 100 / (SECONDS > 0 ? SECONDS : 1))) % of one core on average)" >&2

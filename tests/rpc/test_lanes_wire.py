@@ -235,7 +235,10 @@ def test_a_lane_hello_seen_on_the_wire_proves_nothing_on_another_connection():
         # connection of our own.
         seen["hello"] = hello = take_hello(dialler, upstream)
         with socket.create_connection(("127.0.0.1", upstream.getpeername()[1]), timeout=5) as mine:
-            recv_exact(mine, CHALLENGE_BYTES)  # a fresh one, not answered
+            # A fresh one, not answered (4 s, then up to 5 for the close:
+            # under the held original's 10 s handshake timeout).
+            fresh = recv_exact(mine, CHALLENGE_BYTES, timeout=4.0)
+            assert len(fresh) == CHALLENGE_BYTES, f"no fresh challenge within 4 s: {fresh!r}"
             mine.sendall(hello)
             seen["replay_closed"] = closed_within(mine, 5)
         # The original then goes on, untouched: its hello answers its own

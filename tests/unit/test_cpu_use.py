@@ -65,6 +65,10 @@ def test_the_summary_ranks_tests_and_files_by_the_cpu_they_used(tmp_path):
     assert not any("test_sleeps" in line for line in lines[start:])
 
 
+def test_the_suite_loads_it(request):
+    assert request.config.pluginmanager.has_plugin("tests.cpu_use")
+
+
 def test_no_summary_unless_asked_and_a_bad_count_is_named(tmp_path):
     quiet = run_sample(tmp_path, None)
     assert quiet.returncode == 0 and "CPU:" not in quiet.stdout
