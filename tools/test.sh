@@ -12,7 +12,7 @@
 #     wheel.
 # The stages run in two lanes at once (see second_lane below). Each says
 # which torch it runs on, how long it took and the CPU it used; a table of
-# the stages ends each lane, and a line of the whole run's CPU the run.
+# the stages ends each lane, and a line with the whole run's CPU ends the run.
 # Arguments, if any, are passed to a single pytest run instead (`bash
 # tools/test.sh tests/rpc/test_exit.py`): with .venv set up, that reinstalls
 # nothing and rebuilds only what changed. `bash tools/with_torch.sh 2.15.0
