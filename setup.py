@@ -100,17 +100,31 @@ def compile_args() -> list[str]:
 # and instantiating torch's headers, once per source, was most of the build
 # (docs/development.md, "Build time"). Names private to a source (anonymous
 # namespaces) must therefore differ across its folder; the compiler says so
-# when they do not. TORCH_RPC_EXT_UNITY=0 compiles each source alone, which
-# also proves each includes what it uses.
+# when they do not. TORCH_RPC_EXT_UNITY=N puts up to N sources in a unit
+# (tools/setup_env.sh gives a tree of another torch's, or the sanitizer's,
+# one unit per folder: built from clean once per run, they need no small
+# units for quick rebuilds); TORCH_RPC_EXT_UNITY=0 compiles each source
+# alone, which also proves each includes what it uses.
 UNITY_FILES = 8
+
+
+def unity_files() -> int:
+    """Sources per unity unit: TORCH_RPC_EXT_UNITY, else UNITY_FILES."""
+    value = os.environ.get("TORCH_RPC_EXT_UNITY", "")
+    if not value:
+        return UNITY_FILES
+    if not value.isdigit():
+        sys.exit(f"setup.py: TORCH_RPC_EXT_UNITY is a count of sources per unit (0: none), not {value!r}")
+    return int(value)
 
 
 def unity_sources(files: list[str], folder: str) -> list[str]:
     """The translation units for ``files``: a generated source in ``folder``
-    per group of at most UNITY_FILES from one source folder (a source alone
+    per group of at most unity_files() from one source folder (a source alone
     in its folder stays as it is). A unit is rewritten only when its list
     changes, so ninja recompiles a unit when one of its sources changed."""
-    if os.environ.get("TORCH_RPC_EXT_UNITY") == "0":
+    per_unit = unity_files()
+    if per_unit == 0:
         return list(files)
     groups: dict[str, list[str]] = {}
     for f in sorted(files):
@@ -118,7 +132,7 @@ def unity_sources(files: list[str], folder: str) -> list[str]:
     units = []
     os.makedirs(folder, exist_ok=True)
     for source_dir, members in sorted(groups.items()):
-        count = -(-len(members) // UNITY_FILES)
+        count = -(-len(members) // per_unit)
         if len(members) == 1:
             units += members
             continue

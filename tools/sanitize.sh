@@ -32,6 +32,9 @@ shift
 [ "$#" -gt 0 ] || set -- tests/unit
 tree=build/sanitize-$kind
 python3 tools/sync_tree.py "$tree" >&2
+# Its .venv borrows this checkout's packages when they are the ones it
+# needs (tools/setup_env.sh): the same torch, a build of its own.
+export TORCH_RPC_EXT_BORROW_VENV=$PWD/.venv
 cd "$tree"
 export SANITIZE=$kind
 SETUP_FOR=test . tools/setup_env.sh

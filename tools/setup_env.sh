@@ -50,24 +50,50 @@ if [ "$TORCH_VERSION" != "$DEFAULT_TORCH" ] && [ ! -f .synced-files ]; then
     "run through tools/with_torch.sh $TORCH_VERSION, which gives it a tree of its own" >&2
   exit 2
 fi
-# (Made again when a setup was cut off while it made it: a python there
-# but no activate script, or no pip, and the stamps below would never
-# notice. Seen in build/torch-2.15.0 after a session ended mid-setup.)
-if [ ! -x .venv/bin/python ] || [ ! -f .venv/bin/activate ] ||
-  ! .venv/bin/python -c 'import pip' >/dev/null 2>&1; then
-  "$PYTHON" -m venv --clear .venv
-fi
-# shellcheck disable=SC1091
-. .venv/bin/activate
 # A stamp per package list. The tests' list holds the demo's, so a .venv
 # set up for the tests serves the demo as it is.
 # ("bytecode": a .venv set up before its packages were byte-compiled below
 # is set up again: pip finds them installed, and they are compiled.)
-stamp() { echo ".venv/.packages-$1-$(printf '%s\n' "${@:2}" "$(python -VV)" bytecode | sha1sum | cut -c1-16)"; }
+# `stamp KIND PACKAGES...`, of the Python in STAMP_PYTHON (default: the
+# one on the path, .venv's once it is activated).
+stamp() { echo ".venv/.packages-$1-$(printf '%s\n' "${@:2}" "$("${STAMP_PYTHON:-python}" -VV)" bytecode | sha1sum | cut -c1-16)"; }
+# A sanitizer's tree (tools/sanitize.sh sets TORCH_RPC_EXT_BORROW_VENV to
+# the checkout's .venv) borrows that .venv's packages when it was set up for
+# the same list on the same Python: its own .venv has no pip and reads the
+# checkout's site-packages through a .pth file, instead of a second install
+# of torch and the rest (~2 GB, and a minute of CPU that a clean run's first
+# lane waited for). What it builds and installs (this tree's editable
+# install) goes to its own .venv, which comes first on the path.
+borrowed_pth=_torch_rpc_ext_borrowed.pth
+borrow_site=""
+if [ -n "${TORCH_RPC_EXT_BORROW_VENV:-}" ] && [ -x "$TORCH_RPC_EXT_BORROW_VENV/bin/python" ] &&
+  [ -f "$TORCH_RPC_EXT_BORROW_VENV/$(STAMP_PYTHON=$TORCH_RPC_EXT_BORROW_VENV/bin/python stamp test "${TEST[@]}" | cut -d/ -f2)" ]; then
+  borrow_site=$("$TORCH_RPC_EXT_BORROW_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+fi
+# (Made again when a setup was cut off while it made it: a python there
+# but no activate script, or no pip, and the stamps below would never
+# notice. Seen in build/torch-2.15.0 after a session ended mid-setup. And
+# when it should borrow and does not, or the other way round.)
+venv_borrows() { compgen -G ".venv/lib/python*/site-packages/$borrowed_pth" >/dev/null; }
+if [ ! -x .venv/bin/python ] || [ ! -f .venv/bin/activate ] ||
+  ! .venv/bin/python -c 'import pip' >/dev/null 2>&1 ||
+  { [ -n "$borrow_site" ] && ! venv_borrows; } || { [ -z "$borrow_site" ] && venv_borrows; }; then
+  if [ -n "$borrow_site" ]; then
+    "$PYTHON" -m venv --clear --without-pip .venv
+    echo "$borrow_site" >"$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/$borrowed_pth"
+    echo "setup_env.sh: $PWD/.venv borrows the packages of $TORCH_RPC_EXT_BORROW_VENV" >&2
+  else
+    "$PYTHON" -m venv --clear .venv
+  fi
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
 ready=$(stamp "$SETUP_FOR" "${PACKAGES[@]}")
 if [ "$SETUP_FOR" = demo ] && [ -f "$(stamp test "${TEST[@]}")" ]; then
   ready=$(stamp test "${TEST[@]}")
 fi
+# (Borrowed: the checkout's .venv was set up for this list.)
+[ -z "$borrow_site" ] || touch "$ready"
 if [ ! -f "$ready" ]; then
   have=$(python -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)
   echo "setup_env.sh: installing torch==$TORCH_VERSION (found: $have) and what the $SETUP_FOR needs into $PWD/.venv" >&2
@@ -112,6 +138,14 @@ fi
 # The tests add the test hooks (torch_rpc_ext._testing, never in a wheel).
 if [ "$SETUP_FOR" = test ]; then
   export TORCH_RPC_EXT_BUILD_TESTING=1
+fi
+# A tree of another torch's or of a sanitizer's (a copy, .synced-files) is
+# built from clean in each clean run and seldom edited: each source folder
+# compiles as one unity unit there (setup.py, TORCH_RPC_EXT_UNITY), a
+# quarter less CPU than units of 8 (torch 2.15.0's tree: 240 s of compiles
+# against 321). The checkout keeps units of 8 for quick rebuilds.
+if [ -f .synced-files ]; then
+  export TORCH_RPC_EXT_UNITY=${TORCH_RPC_EXT_UNITY:-64}
 fi
 # A real Prometheus scrapes a live group in tests/rpc/test_metrics.py:
 # Debian's package where apt is there to install it (as root); else that
