@@ -14,7 +14,7 @@
 # between processes, and the CUDA path on the fake driver) run only when
 # asked: TORCH_RPC_EXT_TSAN=1 adds them to the run, TORCH_RPC_EXT_TSAN=only
 # runs them alone (docs/development.md, "The suites under a sanitizer").
-# The stages run in two lanes at once (see second_lane below). Each says
+# The stages run in three lanes at once (see second_lane below). Each says
 # which torch it runs on, how long it took and the CPU it used; a table of
 # the stages ends each lane, and a line with the whole run's CPU ends the run.
 # Arguments, if any, are passed to a single pytest run instead (`bash
@@ -57,7 +57,7 @@ read_cpu() {
   rm -f "$f"
 }
 # A job's exit status is written beside its log ($log.rc), so that the
-# second lane (a subshell, which cannot `wait` for its siblings) can await
+# other lanes (subshells, which cannot `wait` for their siblings) can await
 # a build too. `background NICE NAME LOG CMD...`.
 background() {
   local niceness=$1 name=$2 log=$3
@@ -272,27 +272,26 @@ fi
 
 # The fuzzers' build needs this .venv's torch (its headers, for fuzz_codec).
 background idle fuzz-build build/fuzz-build.log bash tests/fuzz/build.sh
-# The stages run in two lanes at once: our multi-process suites wait more
+# The stages run in three lanes at once: our multi-process suites wait more
 # than they compute (with one lane, 2 cores were idle about half the time:
 # stage 1 alone took 1207 s and the fake stage 629 s; side by side, 1439 s
 # and 988 s, every test green; docs/development.md). The first lane runs
-# here: upstream's suites over shm with our multi-process tests, then the
-# fault-injection suites. The second (second_lane below, its output in
-# build/lane-2.log, shown when it ends): the unit tests with the fake CUDA
-# driver's, the tutorials, the newest torch's stages, then the fuzzers'
-# round.
-# TORCH_RPC_EXT_TEST_LANES=1 runs the second lane after the first instead
+# here: upstream's suites over shm with our multi-process tests. The second
+# (second_lane below, its output in build/lane-2.log, shown when it ends):
+# the tutorials, the newest torch's stages, then the fuzzers' round. The
+# third (third_lane, build/lane-3.log): the unit tests with the fake CUDA
+# driver's, then upstream's fault-injection suites, which wait most of all
+# (session 109's clean run: 627 s for 113 s of CPU, and 97 s for 18), so
+# they no longer hold the second lane back (it ended 4 minutes after the
+# first there), then the launcher's tests and those between network
+# namespaces, from the first.
+# TORCH_RPC_EXT_TEST_LANES=1 runs the lanes one after the other instead
 # (a flake that load may cause can be told apart that way).
 second_lane() {
-  # With them, the fake CUDA driver's own tests (they load it in this
-  # process) and the driver layer's against it (in spawned processes).
-  stage "unit tests, the fake CUDA driver, the driver layer"
-  pytest --timeout 300 tests/unit tests/cuda_fake tests/cuda_driver
   # The tutorials (each notebook in a Jupyter kernel of its own, whose
-  # workers are processes of their own) are this lane's, not the first's:
-  # the first lane was the longer by about 500 s (session 100's runs: 1918
-  # s against 1433), and on a clean clone they fill what this lane would
-  # otherwise spend waiting for the newest torch's download and build.
+  # workers are processes of their own): on a clean clone they fill what
+  # this lane would otherwise spend waiting for the newest torch's download
+  # and build.
   stage "tutorials"
   pytest --timeout 900 tests/tutorials
   # The newest torch's stages before the fuzzers' round: its setup (a
@@ -317,43 +316,63 @@ second_lane() {
   grep -E "^(built|fuzz build)" build/fuzz-build.log >&2 || true
   bash tests/fuzz/run.sh
 }
-lanes=${TORCH_RPC_EXT_TEST_LANES:-2}
-if [ "$lanes" = 2 ]; then
-  second_lane_alone() {
-    second_lane
-    stage_table
-  }
-  background 0 lane-2 build/lane-2.log second_lane_alone
-fi
-
 # Multi-process tests fork from the pytest process; it must not have run
 # torch compute first (a forked child inherits ATen's started thread pools and
 # aborts or hangs on first use), so unit tests get a process of their own.
+third_lane() {
+  # With them, the fake CUDA driver's own tests (they load it in this
+  # process) and the driver layer's against it (in spawned processes).
+  stage "unit tests, the fake CUDA driver, the driver layer"
+  pytest --timeout 300 tests/unit tests/cuda_fake tests/cuda_driver
+  # Upstream's fault-injection suites: a process of their own (see the module).
+  stage "upstream's fault-injection suites"
+  pytest --timeout 900 tests/faulty
+  # Two folders of the first lane's (its multi-process tests), which would
+  # otherwise be the longest lane by about 200 s: the launcher's (upstream-
+  # style programs under TensorPipe and under the launcher) and those
+  # between network namespaces.
+  stage "the launcher, and between network namespaces"
+  pytest --timeout 900 tests/launcher tests/crosshost
+}
+lanes=${TORCH_RPC_EXT_TEST_LANES:-3}
+case "$lanes" in
+  1 | 3) ;;
+  *) echo "tools/test.sh: TORCH_RPC_EXT_TEST_LANES is 3 (the default: three lanes at once) or 1 (one after the other), not '$lanes'" >&2; exit 2 ;;
+esac
+if [ "$lanes" = 3 ]; then
+  lane_alone() {
+    "$1"
+    stage_table
+  }
+  background 0 lane-2 build/lane-2.log lane_alone second_lane
+  background 0 lane-3 build/lane-3.log lane_alone third_lane
+fi
+
 # Same-host peers use the shm transport by default.
 # The first lane is a subshell too, so that the CPU its stages count is
 # theirs alone (the background builds are this shell's children).
 first_lane() {
   stage "conformance over shm, multi-process tests, wheel, CUDA kernels"
-  pytest --timeout 900 tests/conformance tests/rpc tests/scripting tests/launcher \
-    tests/wheel tests/cuda_kernels tests/conformance_cuda tests/crosshost
+  pytest --timeout 900 tests/conformance tests/rpc tests/scripting \
+    tests/wheel tests/cuda_kernels tests/conformance_cuda
   # (The pass over TCP only is the newest torch's, below: the transports are
   # the same C++ on every torch, and CI's 45 minutes hold one such pass.)
-  # Upstream's fault-injection suites: a process of their own (see the module).
-  stage "upstream's fault-injection suites"
-  pytest --timeout 900 tests/faulty
   # ThreadSanitizer's stages, when asked (tsan_stages above).
   if [ "$tsan" = 1 ]; then
     stage "ThreadSanitizer: the rest of its tree's build"
     await tsan-build
     tsan_stages
   fi
-  if [ "$lanes" = 2 ]; then
-    stage "waiting for the second lane"
-    await lane-2
-    echo "== tools/test.sh: the second lane (build/lane-2.log):" >&2
-    cat build/lane-2.log >&2
+  if [ "$lanes" = 3 ]; then
+    stage "waiting for the other lanes"
+    for n in 3 2; do
+      await "lane-$n"
+      echo "== tools/test.sh: lane $n (build/lane-$n.log):" >&2
+      cat "build/lane-$n.log" >&2
+    done
   else
     stage_end
+    third_lane
     second_lane
   fi
   stage_table
