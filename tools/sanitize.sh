@@ -11,16 +11,18 @@
 # its runtime first in every process that loads it, and Python does not
 # link it, so the tree gets a build of its own (build/sanitize-KIND, a copy
 # of this checkout's sources, tools/sync_tree.py, with its own .venv, as
-# tools/with_torch.sh does for another torch) and every process the tests
+# tools/with_torch.sh does for another torch; that .venv borrows this
+# checkout's packages where it can: tools/setup_env.sh) and every process the tests
 # start inherits LD_PRELOAD (tools/sanitizer_env.sh). A finding goes to
 # build/sanitize-KIND/reports/KIND.PID (the runtime's log_path), whichever
 # process it was in, and the run fails naming those files. Tests whose
 # subject is what the sanitizer changes (memory bounds, a deliberate fault,
 # a library that must crash unless libstdc++ is preloaded) skip themselves
 # there (`not_sanitized` in pyproject.toml's markers). The first run builds
-# the whole extension (~10 min on 2 cores); later ones rebuild what changed.
-# SANITIZE_BUILD_ONLY=1 stops after the build (tools/test.sh builds the
-# tree in the background that way, then runs stages 6 and 7 under it).
+# the whole extension (~2 min on 2 cores, each source folder one unity
+# unit); later ones rebuild what changed. SANITIZE_BUILD_ONLY=1 stops after
+# the build (TORCH_RPC_EXT_TSAN=1 bash tools/test.sh builds the tree in the
+# background that way, then runs stages 6 and 7 under it).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ "$#" -lt 1 ] || { [ "$1" != address ] && [ "$1" != thread ]; }; then

@@ -60,31 +60,47 @@ stamp() { echo ".venv/.packages-$1-$(printf '%s\n' "${@:2}" "$("${STAMP_PYTHON:-
 # A sanitizer's tree (tools/sanitize.sh sets TORCH_RPC_EXT_BORROW_VENV to
 # the checkout's .venv) borrows that .venv's packages when it was set up for
 # the same list on the same Python: its own .venv has no pip and reads the
-# checkout's site-packages through a .pth file, instead of a second install
-# of torch and the rest (~2 GB, and a minute of CPU that a clean run's first
-# lane waited for). What it builds and installs (this tree's editable
-# install) goes to its own .venv, which comes first on the path.
-borrowed_pth=_torch_rpc_ext_borrowed.pth
+# checkout's site-packages through a .pth file read first (00_...), with
+# the checkout's other .pth files copied beside it (numba-cuda's
+# redirector, setuptools' distutils shim; not its editable install),
+# instead of a second install of torch and the rest (~2 GB, and a minute of
+# CPU that a clean run's first lane waited for). What it builds and
+# installs (this tree's editable install) goes to its own .venv, which
+# comes first on the path. It follows the checkout's packages as they
+# change; where the checkout's .venv is not set up for this list, or on
+# another Python, the tree installs its own. Only in a tree (.synced-files),
+# never over the .venv it would borrow.
+borrowed_pth=00_torch_rpc_ext_borrowed.pth
+borrow=${TORCH_RPC_EXT_BORROW_VENV:-}
 borrow_site=""
-if [ -n "${TORCH_RPC_EXT_BORROW_VENV:-}" ] && [ -x "$TORCH_RPC_EXT_BORROW_VENV/bin/python" ] &&
-  [ -f "$TORCH_RPC_EXT_BORROW_VENV/$(STAMP_PYTHON=$TORCH_RPC_EXT_BORROW_VENV/bin/python stamp test "${TEST[@]}" | cut -d/ -f2)" ]; then
-  borrow_site=$("$TORCH_RPC_EXT_BORROW_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+if [ -n "$borrow" ] && [ -f .synced-files ] && [ -x "$borrow/bin/python" ] &&
+  [ "$(cd "$borrow" && pwd -P)" != "$(pwd -P)/.venv" ] &&
+  [ "$("$PYTHON" -VV)" = "$("$borrow/bin/python" -VV)" ] &&
+  [ -f "$borrow/$(STAMP_PYTHON=$borrow/bin/python stamp test "${TEST[@]}" | cut -d/ -f2)" ]; then
+  borrow_site=$("$borrow/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 fi
 # (Made again when a setup was cut off while it made it: a python there
 # but no activate script, or no pip, and the stamps below would never
 # notice. Seen in build/torch-2.15.0 after a session ended mid-setup. And
-# when it should borrow and does not, or the other way round.)
-venv_borrows() { compgen -G ".venv/lib/python*/site-packages/$borrowed_pth" >/dev/null; }
+# when what it borrows changed: another site-packages, or none.)
+borrowing() { cat .venv/lib/python*/site-packages/"$borrowed_pth" 2>/dev/null || true; }
 if [ ! -x .venv/bin/python ] || [ ! -f .venv/bin/activate ] ||
-  ! .venv/bin/python -c 'import pip' >/dev/null 2>&1 ||
-  { [ -n "$borrow_site" ] && ! venv_borrows; } || { [ -z "$borrow_site" ] && venv_borrows; }; then
+  ! .venv/bin/python -c 'import pip' >/dev/null 2>&1 || [ "$(borrowing)" != "$borrow_site" ]; then
   if [ -n "$borrow_site" ]; then
     "$PYTHON" -m venv --clear --without-pip .venv
     echo "$borrow_site" >"$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/$borrowed_pth"
-    echo "setup_env.sh: $PWD/.venv borrows the packages of $TORCH_RPC_EXT_BORROW_VENV" >&2
+    echo "setup_env.sh: $PWD/.venv borrows the packages of $borrow" >&2
   else
     "$PYTHON" -m venv --clear .venv
   fi
+fi
+# (The borrowed .pth files, as they are now.)
+if [ -n "$borrow_site" ]; then
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+  for pth in "$borrow_site"/*.pth; do
+    [ -f "$pth" ] || continue
+    case "$(basename "$pth")" in __editable__* | "$borrowed_pth") ;; *) cp "$pth" "$site/" ;; esac
+  done
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
