@@ -29,6 +29,11 @@ case "$tsan" in
   0 | 1 | only) ;;
   *) echo "tools/test.sh: TORCH_RPC_EXT_TSAN is 0 (the default), 1 (add ThreadSanitizer's stages) or only (those alone), not '$tsan'" >&2; exit 2 ;;
 esac
+lanes=${TORCH_RPC_EXT_TEST_LANES:-3}
+case "$lanes" in
+  1 | 3) ;;
+  *) echo "tools/test.sh: TORCH_RPC_EXT_TEST_LANES is 3 (the default: three lanes at once) or 1 (one after the other), not '$lanes'" >&2; exit 2 ;;
+esac
 # Two jobs that only build run in the background from here, at the lowest
 # CPU priorities (they take the cores only when the tests leave them idle,
 # as multi-process tests often do; nothing of theirs measures time): the
@@ -349,11 +354,6 @@ third_lane() {
   stage "the launcher, and between network namespaces"
   pytest --timeout 900 tests/launcher tests/crosshost
 }
-lanes=${TORCH_RPC_EXT_TEST_LANES:-3}
-case "$lanes" in
-  1 | 3) ;;
-  *) echo "tools/test.sh: TORCH_RPC_EXT_TEST_LANES is 3 (the default: three lanes at once) or 1 (one after the other), not '$lanes'" >&2; exit 2 ;;
-esac
 if [ "$lanes" = 3 ]; then
   lane_alone() {
     "$1"
