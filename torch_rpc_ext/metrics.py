@@ -23,8 +23,8 @@ scrape from the worker's current agent, so one endpoint outlives
   ``torch_rpc_ext_dial_failures_total``, ``torch_rpc_ext_connection_losses_total``;
 - counters per worker: TLS handshakes (``outcome="ok"|"failed"``), heartbeat
   timeouts, unauthenticated and rejected connections, a dynamic group's
-  membership changes and lapsed leases, bytes and segments per channel, CUDA
-  landings (docs/observability.md lists them);
+  membership changes, lapsed leases and refused proofs of its passphrase,
+  bytes and segments per channel, CUDA landings (docs/observability.md);
 - gauges: ``torch_rpc_ext_calls_in_flight`` and
   ``torch_rpc_ext_oldest_call_age_seconds`` (per peer), ``torch_rpc_ext_serving``,
   ``torch_rpc_ext_oldest_request_age_seconds``,
@@ -116,9 +116,8 @@ _AGENT_COUNTERS = {
                                   {"transport": None}),
     "rpc_ext.rejected_connections": (
         "rejected_connections", "Inbound connections refused (no member, a bad handshake)", {}),
-    "rpc_ext.knocks": (
-        "knocks", "Inbound connections closed by the peer before their first byte "
-        "(a probe of the listener)", {}),
+    "rpc_ext.knocks": ("knocks", "Inbound connections closed by the peer before their first "
+                       "byte (a probe of the listener)", {}),
     "rpc_ext.membership.joins": ("membership_changes", "Membership changes of a dynamic group",
                                  {"change": "joined"}),
     "rpc_ext.membership.leaves": ("membership_changes", "Membership changes of a dynamic group",
@@ -127,9 +126,12 @@ _AGENT_COUNTERS = {
                                   {"change": "declared_dead"}),
     "rpc_ext.membership.lease_lapses": (
         "lease_lapses", "Members' leases found lapsed (the member then probed)", {}),
-    "rpc_ext.membership.unproven_records": (
-        "membership_records_unproven", "Membership records passed over for want of the "
-        "group's proof (written without its secret)", {}),
+    "rpc_ext.membership.unproven_records": ("membership_records_unproven", "Membership records "
+                                            "passed over for want of the group's proof", {}),
+    "rpc_ext.membership.secret_proofs_refused": ("membership_secret_proofs_refused", "Joiners' "
+                                                 "proofs of the group's passphrase refused", {}),
+    "rpc_ext.membership.secret_hold_offs": ("membership_secret_hold_offs", "Times no joiner was "
+                                            "answered for 30 s after 8 refused proofs", {}),
     "rpc_ext.channel.{}.copied_bytes": ("channel_bytes", "Bytes a channel moved",
                                         {"channel": None}),
     "rpc_ext.channel.{}.segments": ("channel_segments", "Tensors' segments a channel moved",

@@ -131,6 +131,10 @@ class Agent final : public rpc::RpcAgent,
       std::chrono::milliseconds duration) const {
     return connections_.stallLoopForTesting(transport, duration);
   }
+  // Tests: the group's secret, what every handshake proves.
+  const std::string& groupSecretForTesting() const {
+    return group_.secret();
+  }
 
  private:
   Agent(

@@ -50,7 +50,11 @@ Group::Group(
       worldSize_(worldSize),
       options_(options),
       listener_(listener),
-      exchange_(store_, self_.name_, self_.id_),
+      exchange_(
+          store_,
+          self_.name_,
+          self_.id_,
+          worldSize > 0 ? std::string() : options.secret),
       view_(std::make_shared<View>()) {}
 
 Group::~Group() {
@@ -65,11 +69,12 @@ const std::string& Group::establishSecret() {
     // ranks that disagree fail their calls' handshakes, not init.
     std::string sealed = exchange_.forStaticGroup(worldSize_);
     secret_ = options_.secret.empty() ? sealed : options_.secret;
-  } else if (!options_.secret.empty()) {
-    secret_ = options_.secret;
   } else {
     // A dynamic group: whoever comes first makes it; a member seals it to
-    // each joiner's key (group_secret.cpp).
+    // each joiner's key, or, where the user gave the group a passphrase, to
+    // each joiner that proves it (group_secret.cpp). Nothing in the store
+    // is keyed by the passphrase: a tap of it has nothing to test a guess
+    // against (until session 110 the membership log's proofs were).
     secret_ = exchange_.forDynamicGroup(
         std::max<std::chrono::milliseconds>(
             options_.rendezvousTimeout, 3 * leaseTimeout()),
@@ -253,6 +258,11 @@ void Group::addMetrics(std::unordered_map<std::string, std::string>& m) const {
   m["rpc_ext.membership.unproven_records"] = std::to_string(unproven_.load());
   m["rpc_ext.membership.secret_requests_waiting"] =
       std::to_string(exchange_.waiting());
+  m["rpc_ext.membership.secret_proofs_refused"] =
+      std::to_string(exchange_.proofsRefused());
+  m["rpc_ext.membership.secret_hold_offs"] =
+      std::to_string(exchange_.holdOffs());
+  m["rpc_ext.membership.secret_held_off"] = exchange_.heldOff() ? "1" : "0";
 }
 
 // ---- The static group's join barrier ----------------------------------------

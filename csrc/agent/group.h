@@ -117,10 +117,15 @@ class Group {
   ~Group();
 
   // ---- Start-up, in this order ----
-  // The group's secret (every handshake proves it): the options', or from
-  // the store (rank 0 of a static group, or whoever comes first, makes it).
-  // Draws our incarnation in a dynamic group.
+  // The group's secret (every handshake proves it): a static group's the
+  // options', or from the store (rank 0 makes it); a dynamic group's from
+  // the store (whoever comes first makes it; a passphrase of the user's
+  // only admits joiners). Draws our incarnation in a dynamic group.
   const std::string& establishSecret();
+  // What establishSecret() gave (tests: a handshake of their own).
+  const std::string& secret() const {
+    return secret_;
+  }
   // Publish our rendezvous `entry` (name line, offers) and learn everyone
   // else's (static: blocks until all worldSize workers have published), or
   // join the dynamic group's log (our record adds our devices and maps):
@@ -283,7 +288,8 @@ class Group {
   const AgentOptions& options_;
   GroupListener& listener_;
   std::string secret_;
-  // Without a user's secret: how the group shares the one it makes.
+  // How the group shares the secret it makes (a static group without a
+  // user's secret, every dynamic group).
   SecretExchange exchange_;
   uint64_t incarnation_ = 0; // ours; 0 in a static group
 

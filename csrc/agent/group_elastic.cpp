@@ -33,8 +33,8 @@ void Group::joinLog(
     std::chrono::milliseconds rpcTimeout) {
   // Every record we write carries the group's proof, and we apply only
   // records that do (membership.h).
-  log_ = std::make_unique<MembershipLog>(
-      store_, secret_, options_.secret.empty() ? exchange_.logPrefix() : "");
+  log_ =
+      std::make_unique<MembershipLog>(store_, secret_, exchange_.logPrefix());
   // A join that fails before it is applied takes back what it wrote: our
   // lease key, and our join where the store failed before we read it back
   // (members may have applied it, and would wait out our lease). Not a join
@@ -88,9 +88,10 @@ void Group::joinRecorded(
   // One format in one log: a worker of another version would pass over
   // our records, and we over its, each a group of its own.
   std::string format = log_->claimFormat();
-  if (format == kLogFormat && options_.secret.empty()) {
+  if (format == kLogFormat) {
     // Ours is under the secret's prefix; an earlier version kept its log
-    // at the root, beside which ours would be a second group.
+    // at the root (every version before session 110 did, for a group given
+    // a passphrase), beside which ours would be a second group.
     format = MembershipLog(store_).claimFormat();
   }
   TORCH_CHECK(
@@ -221,12 +222,11 @@ void Group::joinRecorded(
         "timed out after " + secondsText(joinTimeout) + " waiting for " +
         c10::Join(", ", missing) + " to acknowledge its join");
   }
-  if (options_.secret.empty() && !exchange_.noteJoined()) {
+  if (!exchange_.noteJoined()) {
     abandon(
         "failed: the dynamic group started over with a new secret while we "
         "joined (nobody alive was left to seal the old one to newcomers); "
-        "call init_rpc again to join the new group, or give the group a "
-        "secret of its own");
+        "call init_rpc again to join the new group");
   }
 }
 
@@ -429,8 +429,9 @@ void Group::watch() {
                                 leaseTimeout() / 5, std::chrono::seconds(1));
         }
       }
-      exchange_.serve(secret_);
-      pause = changed ? kBusyPoll : std::min(pause * 2, kIdlePoll);
+      const bool exchanging = exchange_.serve(secret_);
+      pause =
+          changed || exchanging ? kBusyPoll : std::min(pause * 2, kIdlePoll);
       lastError.clear();
     } catch (const std::exception& e) {
       // The store is unreachable (its host exited, say): say so once per

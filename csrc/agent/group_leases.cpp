@@ -75,8 +75,8 @@ void Group::checkLeases() {
 }
 
 void Group::checkOurEpoch(Clock::time_point now) {
-  if (!options_.secret.empty() || left_.load()) {
-    return; // the user's secret has no epochs
+  if (left_.load()) {
+    return;
   }
   const bool ended = exchange_.epochEnded();
   // A lapse the group had time to act on and did not (no start-over within

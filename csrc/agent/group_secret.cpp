@@ -10,7 +10,13 @@
 //   <e>/sealed/<n>        a member's public key, then the secret sealed to
 //                         request n (compareSet: the first member's stands)
 //   <e>/joined            set once a member of epoch e is in the group
-// The joiner deletes request n, then sealed n, once it has joined (after
+// In a group given a passphrase by the user, request n is an exchange that
+// proves it (secret_seal.h): request/<n> the joiner's nonce and share,
+// sealed/<n> the answering member's share, confirm/<n> the joiner's
+// confirmation, answer/<n> the secret sealed under the exchange's key (or
+// a refusal). The secret itself is made as without one: the passphrase
+// admits joiners, and nothing in the store is keyed by it.
+// The joiner deletes request n, then its answer, once it has joined (after
 // every member acknowledged its join: each has seen the answer by then),
 // so a long-lived group's store keeps nothing per join of these. A member
 // that finds neither (its joiner was answered and cleaned up, or has not
@@ -24,6 +30,7 @@
 // (Group::joinLog), so that no two secrets serve one group.
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -33,6 +40,7 @@
 
 #include "csrc/agent/group_secret.h"
 #include "csrc/agent/membership.h"
+#include "csrc/agent/secret_seal.h"
 #include "csrc/agent/store_bytes.h"
 #include "csrc/common/crypto.h"
 #include "csrc/common/logging.h"
@@ -42,68 +50,12 @@ namespace torch_rpc_ext {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using namespace secret_seal;
 
-constexpr size_t kSecretBytes = 32; // a group-made secret
 // A static group without a secret of its own: each worker's X25519 public
-// key, and rank 0's secret sealed to each other rank (sealSecret).
+// key, and rank 0's secret sealed to each other rank (sealFor).
 constexpr const char* kSecretPubPrefix = "torch_rpc_ext/secret_pub/";
 constexpr const char* kSecretSealedPrefix = "torch_rpc_ext/secret_sealed/";
-constexpr const char* kSealLabel = "torch_rpc_ext/seal/v1";
-
-// The AES-128-GCM key that seals the secret from rank 0's key pair to
-// rank r's (or opens it at r): from their X25519 shared secret, bound to
-// both public keys and r. Each pair of fresh keys seals once, so the
-// nonce (all zero) never repeats under a key.
-std::string sealKey(
-    const X25519Key& mine,
-    const std::string& peerPublic,
-    const std::string& pub0,
-    const std::string& pubR,
-    int64_t rank) {
-  std::string shared = mine.agree(peerPublic);
-  Digest d = hmacSha256(
-      shared, std::string(kSealLabel) + pub0 + pubR + std::to_string(rank));
-  return std::string(reinterpret_cast<const char*>(d.data()), Aead::kKeyBytes);
-}
-
-std::string sealFor(
-    const std::string& key,
-    const std::string& secret,
-    int64_t rank) {
-  Aead aead(key);
-  const uint8_t nonce[Aead::kNonceBytes] = {};
-  std::string out(secret.size() + Aead::kTagBytes, '\0');
-  aead.seal(
-      nonce,
-      std::string(kSealLabel) + std::to_string(rank),
-      secret.data(),
-      out.data(),
-      secret.size(),
-      reinterpret_cast<uint8_t*>(out.data() + secret.size()));
-  return out;
-}
-
-std::optional<std::string> openFor(
-    const std::string& key,
-    const std::string& sealed,
-    int64_t rank) {
-  if (sealed.size() != kSecretBytes + Aead::kTagBytes) {
-    return std::nullopt;
-  }
-  Aead aead(key);
-  const uint8_t nonce[Aead::kNonceBytes] = {};
-  std::string out(kSecretBytes, '\0');
-  if (!aead.open(
-          nonce,
-          std::string(kSealLabel) + std::to_string(rank),
-          sealed.data(),
-          out.data(),
-          kSecretBytes,
-          reinterpret_cast<const uint8_t*>(sealed.data() + kSecretBytes))) {
-    return std::nullopt;
-  }
-  return out;
-}
 
 // A dynamic group's exchange (above).
 constexpr const char* kDynEpochKey = "torch_rpc_ext/dyn_secret/epoch";
@@ -112,27 +64,26 @@ constexpr const char* kDynEpochKey = "torch_rpc_ext/dyn_secret/epoch";
 constexpr auto kSealPoll = std::chrono::milliseconds(20);
 constexpr auto kEmptyCheck = std::chrono::milliseconds(500);
 constexpr size_t kMaxWaitingRequests = 256;
-// How long a member looks for a counted request's key before it lets the
-// request go. A joiner writes it right after counting it, so past this the
-// request was answered and deleted, or its joiner died; one whose count and
-// write took longer asks again, under a new number.
-constexpr auto kUnwrittenGrace = std::chrono::seconds(10);
 // Meanwhile it looks again after 0.25 s, then twice as long each time: a
 // member that joins a busy group finds up to kMaxWaitingRequests requests
 // already answered and deleted, and looks for each a handful of times.
 constexpr auto kFirstLookAgain = std::chrono::milliseconds(250);
 
-std::string dynKey(int64_t epoch, const std::string& what) {
+} // namespace
+
+std::string SecretExchange::dynKey(int64_t epoch, const std::string& what) {
   return "torch_rpc_ext/dyn_secret/" + std::to_string(epoch) + "/" + what;
 }
-
-} // namespace
 
 SecretExchange::SecretExchange(
     c10::intrusive_ptr<::c10d::Store> store,
     std::string selfName,
-    int64_t rank)
-    : store_(std::move(store)), selfName_(std::move(selfName)), rank_(rank) {}
+    int64_t rank,
+    std::string passphrase)
+    : store_(std::move(store)),
+      selfName_(std::move(selfName)),
+      rank_(rank),
+      passphrase_(std::move(passphrase)) {}
 
 std::string SecretExchange::forStaticGroup(int worldSize) {
   // Rank 0 makes the secret and seals it to each other rank's public key
@@ -203,8 +154,13 @@ std::string SecretExchange::forDynamicGroup(
     const auto counting = Clock::now();
     const int64_t n = store_->add(dynKey(epoch, "requests"), 1);
     const auto counted = Clock::now();
-    store_->set(dynKey(epoch, "request/" + std::to_string(n)), toBytes(pub));
-    const std::string sealedKey = dynKey(epoch, "sealed/" + std::to_string(n));
+    Asking asking{epoch, n, key};
+    if (!passphrase_.empty()) {
+      asking.proof.emplace(passphrase_, epoch, n);
+    }
+    store_->set(
+        dynKey(epoch, "request/" + std::to_string(n)),
+        toBytes(asking.proof ? asking.proof->request() : pub));
     const auto asked = Clock::now();
     if (asked - counting >= kUnwrittenGrace / 2 && asked < deadline) {
       // Written too late: the members may have let request n go. Again.
@@ -214,32 +170,19 @@ std::string SecretExchange::forDynamicGroup(
     auto nextCheck = asked + kEmptyCheck;
     std::map<uint64_t, Beat> beats; // the listed members' leases, as seen
     while (true) {
-      if (store_->check({sealedKey})) {
-        const std::string value = fromBytes(store_->get(sealedKey));
-        std::optional<std::string> secret;
-        if (value.size() > X25519Key::kBytes) {
-          const std::string member = value.substr(0, X25519Key::kBytes);
-          try {
-            secret = openFor(
-                sealKey(key, member, member, pub, -n),
-                value.substr(X25519Key::kBytes),
-                -n);
-          } catch (const std::exception&) {
-          }
-        }
-        TORCH_CHECK(
-            secret.has_value(),
-            "init_rpc of ",
-            selfName_,
-            ": the group secret a member sealed for us in the rendezvous "
-            "store does not open with our key: the store's contents were "
-            "altered, or another group shares this store and prefix");
+      if (std::optional<std::string> secret = takeAnswer(asking)) {
         epoch_ = epoch;
         mine_ = n; // its keys deleted once we joined (noteJoined)
         mineCounted_ = counted;
         return *secret;
       }
       const auto now = Clock::now();
+      if (asking.unanswered(now)) {
+        // The member that took our confirmation went (died, or left)
+        // before it answered: another may answer a new request.
+        forgetRequest(epoch, n);
+        break;
+      }
       if (now >= deadline) {
         forgetRequest(epoch, n); // (nobody is to answer it now)
       }
@@ -251,9 +194,14 @@ std::string SecretExchange::forDynamicGroup(
           std::chrono::duration_cast<std::chrono::seconds>(timeout).count(),
           " s waiting for a member of the dynamic group to seal the group's "
           "secret for us (members do it from their watcher thread, reading "
-          "the rendezvous store; are they alive and reading it?). A group "
-          "given a secret of its own (RpcExtBackendOptions(secret=...) or "
-          "TORCH_RPC_EXT_SECRET) needs no member for this");
+          "the rendezvous store; are they alive and reading it? A member "
+          "that refused ",
+          kProofStrikes,
+          " wrong proofs of the group's passphrase within ",
+          kStrikeWindow.count(),
+          " s answers no joiner for ",
+          kProofHoldOff.count(),
+          " s: rpc_ext.membership.secret_held_off)");
       if (now >= nextCheck) {
         nextCheck = now + kEmptyCheck;
         if (readCounter(*store_, kDynEpochKey) != epoch) {
@@ -278,6 +226,79 @@ std::string SecretExchange::forDynamicGroup(
       std::this_thread::sleep_for(kSealPoll);
     }
   }
+}
+
+std::optional<std::string> SecretExchange::takeAnswer(Asking& a) {
+  const std::string slot = std::to_string(a.n);
+  if (!a.confirmed) {
+    const std::optional<std::string> value =
+        peekKey(*store_, dynKey(a.epoch, "sealed/" + slot));
+    if (!value) {
+      return std::nullopt;
+    }
+    TORCH_CHECK(
+        *value != kRefusedNoPassphrase,
+        "init_rpc of ",
+        selfName_,
+        ": the dynamic group's members were given a passphrase "
+        "(RpcExtBackendOptions(secret=...) or TORCH_RPC_EXT_SECRET) and this "
+        "worker none: give every worker of a group the same");
+    TORCH_CHECK(
+        *value != kRefusedPassphrase,
+        "init_rpc of ",
+        selfName_,
+        ": this worker was given a passphrase (RpcExtBackendOptions(secret="
+        "...) or TORCH_RPC_EXT_SECRET) and the dynamic group's members none: "
+        "give every worker of a group the same");
+    std::optional<std::string> secret;
+    if (a.proof) {
+      // Our confirmation of the exchange's key: the member answers it.
+      if (std::optional<std::string> confirmation = a.proof->confirm(*value)) {
+        store_->set(dynKey(a.epoch, "confirm/" + slot), toBytes(*confirmation));
+        a.confirmed = true;
+        a.confirmedAt = Clock::now();
+        return std::nullopt;
+      }
+    } else if (value->size() > X25519Key::kBytes) {
+      const std::string member = value->substr(0, X25519Key::kBytes);
+      try {
+        secret = openFor(
+            sealKey(a.key, member, member, a.key.publicKey(), -a.n),
+            value->substr(X25519Key::kBytes),
+            -a.n);
+      } catch (const std::exception&) {
+      }
+    }
+    TORCH_CHECK(
+        secret.has_value(),
+        "init_rpc of ",
+        selfName_,
+        ": the group secret a member sealed for us in the rendezvous "
+        "store does not open with our key: the store's contents were "
+        "altered, or another group shares this store and prefix");
+    return secret;
+  }
+  const std::optional<std::string> answer =
+      peekKey(*store_, dynKey(a.epoch, "answer/" + slot));
+  if (!answer) {
+    return std::nullopt;
+  }
+  TORCH_CHECK(
+      *answer != kRefusedProof,
+      "init_rpc of ",
+      selfName_,
+      ": a member of the dynamic group refused our proof of the group's "
+      "passphrase: this worker's (RpcExtBackendOptions(secret=...) or "
+      "TORCH_RPC_EXT_SECRET) is not the one the members were given");
+  std::optional<std::string> secret = a.proof->open(*answer);
+  TORCH_CHECK(
+      secret.has_value(),
+      "init_rpc of ",
+      selfName_,
+      ": the group secret a member sealed for us in the rendezvous store "
+      "does not open with the key our exchange with it gave: the store's "
+      "contents were altered, or another group shares this store and prefix");
+  return secret;
 }
 
 bool SecretExchange::noteJoined() {
@@ -314,7 +335,14 @@ bool SecretExchange::sealTo(
     Waiting& w,
     Clock::time_point now,
     const std::string& secret) {
+  if (w.proof) {
+    return answerProof(n, w, now, secret);
+  }
   if (now < w.nextLook) {
+    return false;
+  }
+  if (!passphrase_.empty() && now < heldUntil_) {
+    w.nextLook = heldUntil_; // (refused proofs: no joiner is answered)
     return false;
   }
   const std::string sealedKey = dynKey(epoch_, "sealed/" + std::to_string(n));
@@ -343,6 +371,19 @@ bool SecretExchange::sealTo(
                      kFirstLookAgain,
                      std::min<Clock::duration>(since, kUnwrittenGrace - since));
     return since >= kUnwrittenGrace;
+  }
+  // A joiner that asked in the other mode is told so: a request with a
+  // passphrase is kRequestBytes, one without an X25519 key.
+  const size_t otherMode =
+      passphrase_.empty() ? kRequestBytes : X25519Key::kBytes;
+  if (joiner->size() == otherMode) {
+    const std::string_view why =
+        passphrase_.empty() ? kRefusedPassphrase : kRefusedNoPassphrase;
+    store_->compareSet(sealedKey, {}, toBytes(std::string(why)));
+    return true;
+  }
+  if (!passphrase_.empty()) {
+    return offerProof(n, w, now, *joiner);
   }
   X25519Key mine; // fresh per request: each pair seals once
   bool landed = false;
@@ -377,11 +418,15 @@ void SecretExchange::forgetRequest(int64_t epoch, int64_t n) const {
   // store's timeout.)
   deleteUnneeded(*store_, dynKey(epoch, "request/" + std::to_string(n)));
   deleteUnneeded(*store_, dynKey(epoch, "sealed/" + std::to_string(n)));
+  if (!passphrase_.empty()) {
+    deleteUnneeded(*store_, dynKey(epoch, "confirm/" + std::to_string(n)));
+    deleteUnneeded(*store_, dynKey(epoch, "answer/" + std::to_string(n)));
+  }
 }
 
-void SecretExchange::serve(const std::string& secret) {
+bool SecretExchange::serve(const std::string& secret) {
   if (epoch_ < 0) {
-    return; // the user's secret: nothing of ours to seal
+    return false; // no dynamic group's secret: nothing of ours to seal
   }
   const int64_t asked = readCounter(*store_, dynKey(epoch_, "requests"));
   // (After the count: a request counted while we asked is timed from
@@ -409,12 +454,20 @@ void SecretExchange::serve(const std::string& secret) {
   while (waiting_.size() > kMaxWaitingRequests) {
     waiting_.erase(waiting_.begin());
   }
+  bool exchanging = false;
   for (auto it = waiting_.begin(); it != waiting_.end();) {
-    it = sealTo(it->first, it->second, now, secret) ? waiting_.erase(it)
-                                                    : std::next(it);
+    if (sealTo(it->first, it->second, now, secret)) {
+      it = waiting_.erase(it);
+    } else {
+      exchanging = exchanging || it->second.proof != nullptr;
+      ++it;
+    }
   }
   waitingNow_.store(
       static_cast<int64_t>(waiting_.size()), std::memory_order_relaxed);
+  heldOffNow_.store(
+      !passphrase_.empty() && now < heldUntil_, std::memory_order_relaxed);
+  return exchanging;
 }
 
 std::string SecretExchange::logPrefix() const {

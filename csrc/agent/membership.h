@@ -131,8 +131,10 @@ struct View {
 
 // ---- The membership log of a dynamic group --------------------------------
 
-// What a log of proven records says it is (MembershipLog::claimFormat).
-constexpr const char* kLogFormat = "torch_rpc_ext proven records 1";
+// What a log of proven records says it is (MembershipLog::claimFormat). 2:
+// since session 110 a group given a passphrase keeps its log under its
+// epoch, as every dynamic group does (1 kept it at the root).
+constexpr const char* kLogFormat = "torch_rpc_ext proven records 2";
 
 // Epochs between snapshots of the roster (MembershipLog::writeSnapshot).
 constexpr int64_t kSnapshotEvery = 64;

@@ -444,6 +444,21 @@ void bindTestingAgent(py::module_& parent) {
       py::arg("seconds"),
       py::call_guard<py::gil_scoped_release>());
 
+  // The live agent's group secret (what its handshakes prove; a dynamic
+  // group's is made in the store, not the user's passphrase): None without
+  // an agent of ours.
+  m.def("group_secret", []() -> py::object {
+    if (!rpc::RpcAgent::isCurrentRpcAgentSet()) {
+      return py::none();
+    }
+    auto agent =
+        std::dynamic_pointer_cast<Agent>(rpc::RpcAgent::getCurrentRpcAgent());
+    if (agent == nullptr) {
+      return py::none();
+    }
+    return py::bytes(agent->groupSecretForTesting());
+  });
+
   // forksCarried(): which of `forks` [(rref, fork)] the payload carries.
   m.def(
       "forks_carried",

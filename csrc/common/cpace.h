@@ -65,6 +65,9 @@ class Exchange {
   const std::string& share() const {
     return share_;
   }
+  const std::string& sessionId() const {
+    return sessionId_;
+  }
   // The key both ends derive (32 bytes), from the peer's share; `client`:
   // whether this end began the exchange (its share goes first in the
   // transcript). Throws std::runtime_error for a share that is not 32

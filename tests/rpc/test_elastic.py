@@ -739,10 +739,14 @@ def _listen_address():
 
 
 def _handshakes(rank, world_size, store_path, gates):
+    from torch_rpc_ext import _testing
     from torch_rpc_ext.testing import closed_by_peer, handshake
 
     join(rank, store_path, secret=_SECRET)
-    out = {}
+    # What the handshakes prove: the secret the group made, which its
+    # passphrase admitted us to (not the passphrase: session 110).
+    secret = _testing.agent.group_secret()
+    out = {"secret_is_made": len(secret) == 32 and secret != _SECRET}
     if rank == 0:
         gates["1"].wait(30)
         wait_for(lambda: "worker1" in members(), what="worker1")
@@ -753,7 +757,8 @@ def _handshakes(rank, world_size, store_path, gates):
             ("stale", 0, mine ^ 1),  # our id, another incarnation
             ("absent", 5, mine),  # an id nobody holds
         ]:
-            sock, proof_ok = handshake(addr, _SECRET, client_id=client_id, incarnation=inc)
+            sock, proof_ok = handshake(
+                addr, secret, client_id=client_id, incarnation=inc, stretch=False)
             # A refusal's close is waited for 3 s (a loaded host; with
             # handshake()'s own wait, under the 10 s handshake timeout that
             # would close a peer neither admitted nor refused), an
@@ -774,6 +779,7 @@ def test_handshake_admits_only_current_incarnations(store_path):
     res = run_world(_handshakes, 2, timeout=60, store_path=store_path, gates=gates)
     # The secret is right every time, but the client proves first: a server
     # that refuses who it is closes without a proof of its own.
+    assert res[0]["secret_is_made"] and res[1]["secret_is_made"]
     assert res[0]["current"] == (True, False)
     assert res[0]["stale"] == (False, True)
     assert res[0]["absent"] == (False, True)

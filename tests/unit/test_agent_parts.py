@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch_rpc_ext import _testing as t
 
 A = t.agent
-# Where the membership log of a group that made its own secret lives: one
-# log per secret (SecretExchange::logPrefix), the first under "e0/".
+# Where a dynamic group's membership log lives: one log per secret the
+# group made (SecretExchange::logPrefix), the first under "e0/".
 E0 = "e0/"
-KEY = b"k" * 32  # a secret given out of band: the log at the store's root
+KEY = b"k" * 32  # a passphrase given out of band: it admits joiners (session 110)
 
 
 def wait_for(pred, timeout=10.0, what="condition"):
@@ -204,9 +204,9 @@ def test_records_without_the_groups_proof_change_nothing():
     secret = a.join("addr-a")
     b = A.Group(store, "b", 1, 0, lease_s=2.0, secret=KEY)
     b.join("addr-b")
-    b_join = store.get("log/2")  # b's record, its proof and all
-    body, proven = t.log_read(store, 2, secret)
-    assert proven and body.startswith(b"join ") and t.log_read(store, 2) == (body, False)
+    b_join = store.get(E0 + "log/2")  # b's record, its proof and all
+    body, proven = t.log_read(store, 2, secret, E0)
+    assert proven and body.startswith(b"join ") and t.log_read(store, 2, prefix=E0) == (body, False)
     b.leave()
     wait_for(lambda: a.epoch == 3, what="b's leave applied")
     assert a.events(5) == [("join", 2, "b", 1, ""), ("leave", 3, "b", 1, "")]
@@ -215,19 +215,19 @@ def test_records_without_the_groups_proof_change_nothing():
         t.join_record(2, "ghost", 0xD00D, 2000),
         t.dead_record(a.incarnation, 0x1, "forged"),  # under another secret
     ]
-    t.log_append(store, forged[0], 3)
-    t.log_append(store, forged[1], 3)
-    t.log_append(store, forged[2], 3, b"x" * 32)
+    t.log_append(store, forged[0], 3, prefix=E0)
+    t.log_append(store, forged[1], 3, prefix=E0)
+    t.log_append(store, forged[2], 3, b"x" * 32, E0)
     # b's join, proof and all, where its leave is past: the proof names
     # epoch 2, not this one.
-    assert store.compare_set("log/7", b"", b_join) == b_join
-    t.log_append(store, t.join_record(3, "ghost2", 0xF00D, 2000), 7, secret[:-1])
+    assert store.compare_set(E0 + "log/7", b"", b_join) == b_join
+    t.log_append(store, t.join_record(3, "ghost2", 0xF00D, 2000), 7, secret[:-1], E0)
     wait_for(lambda: a.epoch == 8, what="the forged records passed over")
     assert not a.fenced
     assert [m[:2] for m in a.members()] == [(0, "a")]
     assert a.events(0.3) == []  # nothing changed
     assert a.metrics()["rpc_ext.membership.unproven_records"] == "5"
-    assert t.log_read(store, 4, secret) == (forged[0], False)
+    assert t.log_read(store, 4, secret, E0) == (forged[0], False)
     # The group goes on: a joiner's record lands after them, and everyone
     # agrees on who is in.
     c = A.Group(store, "c", 2, 0, lease_s=2.0, secret=KEY)
@@ -274,23 +274,25 @@ def test_an_acknowledgement_written_by_a_store_writer_proves_nothing():
     for a member that had not applied the join (here stopped) let the
     joiner return before; now the joiner waits for the member's own."""
     store = dist.HashStore()
-    key = b"k" * 32
-    a = A.Group(store, "a", 0, 0, lease_s=5.0, secret=key)
+    a = A.Group(store, "a", 0, 0, lease_s=5.0, secret=KEY)
     a.join("addr-a")
+    c = A.Group(store, "c", 2, 0, lease_s=5.0, secret=KEY)
+    c.join("addr-c")  # (it answers b's proof while a is stopped)
     a.freeze()
-    b = A.Group(store, "b", 1, 0, lease_s=5.0, secret=key)
+    b = A.Group(store, "b", 1, 0, lease_s=5.0, secret=KEY)
     joined = threading.Event()
     joiner = threading.Thread(target=lambda: (b.join("addr-b"), joined.set()), daemon=True)
     joiner.start()
-    wait_for(lambda: t.log_read(store, 2) is not None, what="b's join record")
-    store.set(f"ack/{a.incarnation:016x}", "999")
+    wait_for(lambda: t.log_read(store, 3, prefix=E0) is not None, what="b's join record")
+    store.set(f"{E0}ack/{a.incarnation:016x}", "999")
     time.sleep(1.0)
     assert not joined.is_set()
     a.thaw()
     assert joined.wait(10)
     joiner.join(10)
-    assert [m[:2] for m in a.members()] == [(0, "a"), (1, "b")]
+    assert [m[:2] for m in a.members()] == [(0, "a"), (1, "b"), (2, "c")]
     b.stop()
+    c.stop()
     a.stop()
 
 
@@ -413,6 +415,10 @@ class _StallsBeforeItsSnapshot(_PassThroughStore):
         self.stalled = None  # the index in `named` of the read that stalled
 
     def compare_set(self, key, expected, desired):
+        if "/sealed/" in key:  # its read of the answer
+            got = self.inner.compare_set(key, expected, desired)
+            self.armed = got != expected  # there: catching up comes next
+            return got
         snap = key.startswith(E0 + "snap/") and key != E0 + "snap/latest"
         if snap and expected == desired:  # a snapshot read
             self.named.append(int(key.rsplit("/", 1)[1]))
@@ -421,11 +427,6 @@ class _StallsBeforeItsSnapshot(_PassThroughStore):
                 self.stalled = len(self.named) - 1
                 self.meanwhile()
         return self.inner.compare_set(key, expected, desired)
-
-    def get(self, key):
-        if "/sealed/" in key:  # its answer: catching up comes next
-            self.armed = True
-        return self.inner.get(key)
 
 
 def test_a_joiner_whose_snapshot_went_while_it_stalled_starts_from_the_newest(monkeypatch):
@@ -790,14 +791,6 @@ def test_a_dynamic_group_that_lost_every_member_starts_over_with_a_new_secret():
     c.stop()
 
 
-def test_a_member_with_a_secret_of_its_own_seals_nothing():
-    store = dist.HashStore()
-    a = A.Group(store, "a", 0, 0, lease_s=2.0, secret=b"s" * 32)
-    assert a.join("addr-a") == b"s" * 32
-    assert not store.check(["torch_rpc_ext/dyn_secret/0/maker"])
-    a.stop()
-
-
 def test_a_request_counted_but_never_written_holds_up_nobody_after_it():
     store = dist.HashStore()
     a = A.Group(store, "a", 0, 0, lease_s=2.0)
@@ -1076,7 +1069,7 @@ def test_a_record_over_the_logs_bound_is_named_by_its_size(capfd):
     a = A.Group(store, "a", 0, 0, lease_s=2.0, secret=KEY)
     a.join("addr-a")
     big = b"join 00000000000000bb 1 big 2000\n" + b"x" * 70000
-    assert store.compare_set("log/2", b"", big) == big
+    assert store.compare_set(E0 + "log/2", b"", big) == big
     wait_for(lambda: a.epoch == 2, what="the large record passed over")
     assert f"is {len(big)} bytes, over the log's bound" in capfd.readouterr().err
     assert a.metrics()["rpc_ext.membership.unproven_records"] == "1"
@@ -1087,7 +1080,7 @@ def test_a_record_over_the_logs_bound_is_named_by_its_size(capfd):
                                             r"and device maps.*bound of 65536 bytes"):
         b.join("devices 0\n" + maps)
     b.stop()
-    assert a.epoch == 2 and t.log_read(store, 3) is None
+    assert a.epoch == 2 and t.log_read(store, 3, prefix=E0) is None
     a.stop()
 
 
@@ -1121,11 +1114,11 @@ def test_a_log_slot_holding_the_text_an_empty_read_used_is_passed_over(monkeypat
     per process now: the slot is a writer's garbage, passed over."""
     store = dist.HashStore()
     a = A.Group(store, "a", 0, 0, lease_s=1.0, secret=KEY)
-    a.join("addr-a")
-    store.set("log/2", b"\x00absent")
+    secret = a.join("addr-a")
+    store.set(E0 + "log/2", b"\x00absent")
     b = A.Group(store, "b", 1, 0, lease_s=1.0, secret=KEY, rendezvous_s=5.0)
-    assert _join_on_a_thread(b, "addr-b", 15) == KEY
-    assert b.epoch == 3 and t.log_read(store, 3) is not None
+    assert _join_on_a_thread(b, "addr-b", 15) == secret
+    assert b.epoch == 3 and t.log_read(store, 3, prefix=E0) is not None
     wait_for(lambda: a.epoch == 3, what="a past the garbage, at b's join")
     assert [m[:2] for m in a.members()] == [(0, "a"), (1, "b")]
     assert a.metrics()["rpc_ext.membership.unproven_records"] == "1"
@@ -1143,11 +1136,11 @@ class _LosesTheSlotBeforeItsJoin(_PassThroughStore):
         self.done = False
 
     def compare_set(self, key, expected, desired):
-        if not self.done and key == "log/2" and expected == b"" and desired.startswith(b"proof "):
-            self.inner.set("log/2", b"a writer's garbage")
+        if not self.done and key == E0 + "log/2" and expected == b"" and desired.startswith(b"proof "):
+            self.inner.set(E0 + "log/2", b"a writer's garbage")
         got = self.inner.compare_set(key, expected, desired)
-        if not self.done and key == "log/3" and got == desired:
-            self.inner.delete_key("log/2")
+        if not self.done and key == E0 + "log/3" and got == desired:
+            self.inner.delete_key(E0 + "log/2")
             self.done = True
         return got
 
@@ -1159,7 +1152,7 @@ def test_a_join_after_a_slot_the_store_lost_fails_naming_it():
     (before: an endless loop holding the roster)."""
     store = dist.HashStore()
     a = A.Group(store, "a", 0, 0, lease_s=0.5, secret=KEY)
-    a.join("addr-a")
+    secret = a.join("addr-a")
     losing = _LosesTheSlotBeforeItsJoin(store)  # held: the group calls it
     b = A.Group(losing, "b", 1, 0, lease_s=0.5, secret=KEY, rendezvous_s=1.0)
     t0 = time.monotonic()
@@ -1171,8 +1164,8 @@ def test_a_join_after_a_slot_the_store_lost_fails_naming_it():
     # Its join taken back after it, not in the hole before it: there, the
     # members would have read the leave (of a non-member, passed over)
     # and then the join, and counted a member with nobody behind it.
-    assert t.log_read(store, 2) is None
-    body, proven = t.log_read(store, 4, secret=KEY)
+    assert t.log_read(store, 2, prefix=E0) is None
+    body, proven = t.log_read(store, 4, secret, E0)
     assert body == f"leave {b.incarnation:016x}".encode() and proven
     time.sleep(0.5)  # turns of a's watcher: still at the hole
     assert a.epoch == 1 and [m[:2] for m in a.members()] == [(0, "a")]
@@ -1197,16 +1190,16 @@ def test_each_snapshot_is_written_where_the_members_cross_a_multiple(monkeypatch
     wait_for(lambda: all(g.epoch == 5 for g in groups), what="every join applied")
     # (a, b and c applied d's join, the 4th, before e's was appended: d's
     # init_rpc waited for their acknowledgements.)
-    wait_for(lambda: store.check(["snap/latest"]) and store.get("snap/latest") == b"4 0",
+    wait_for(lambda: store.check([E0 + "snap/latest"]) and store.get(E0 + "snap/latest") == b"4 0",
              what="the snapshot at 4")
 
     def beats(g):  # its lease counter: raised in a turn, before that turn's snapshot step
-        return int(store.get(f"beat/{g.incarnation:016x}").rsplit(b"\n", 1)[-1])
+        return int(store.get(f"{E0}beat/{g.incarnation:016x}").rsplit(b"\n", 1)[-1])
 
     renewed = beats(groups[-1])
     wait_for(lambda: beats(groups[-1]) >= renewed + 2, what="two more turns of e's watcher")
-    assert [e for e in range(1, 7) if store.check([f"snap/{e}"])] == [4]
-    assert store.get("snap/latest") == b"4 0"
+    assert [e for e in range(1, 7) if store.check([f"{E0}snap/{e}"])] == [4]
+    assert store.get(E0 + "snap/latest") == b"4 0"
     for g in groups:
         g.stop()
 
