@@ -742,13 +742,25 @@ def _handshakes(rank, world_size, store_path, gates):
     from torch_rpc_ext import _testing
     from torch_rpc_ext.testing import closed_by_peer, handshake
 
+    out = {}
+    if rank == 1:
+        # Another passphrase first: refused by the member that answers, at
+        # once and saying so; then the group's, in the same process.
+        gates["0"].wait(30)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as refused:
+            join(rank, store_path, secret=_SECRET[::-1])
+        out["wrong"] = (str(refused.value), time.monotonic() - t0)
     join(rank, store_path, secret=_SECRET)
     # What the handshakes prove: the secret the group made, which its
     # passphrase admitted us to (not the passphrase: session 110).
     secret = _testing.agent.group_secret()
-    out = {"secret_is_made": len(secret) == 32 and secret != _SECRET}
+    out["secret_is_made"] = len(secret) == 32 and secret != _SECRET
     if rank == 0:
+        gates["0"].set()
         gates["1"].wait(30)
+        refused = rpc.api._get_current_rpc_agent().get_metrics()
+        out["refused"] = refused["rpc_ext.membership.secret_proofs_refused"]
         wait_for(lambda: "worker1" in members(), what="worker1")
         addr = rpc.rpc_sync("worker1", _listen_address)
         mine = rpc.api._get_current_rpc_agent().incarnation
@@ -775,8 +787,11 @@ def _handshakes(rank, world_size, store_path, gates):
 
 
 def test_handshake_admits_only_current_incarnations(store_path):
-    gates = {k: _ctx.Event() for k in ("1", "done")}
+    gates = {k: _ctx.Event() for k in ("0", "1", "done")}
     res = run_world(_handshakes, 2, timeout=60, store_path=store_path, gates=gates)
+    said, took = res[1]["wrong"]
+    assert "refused our proof of the group's passphrase" in said and took < 10, res[1]
+    assert res[0]["refused"] == "1"
     # The secret is right every time, but the client proves first: a server
     # that refuses who it is closes without a proof of its own.
     assert res[0]["secret_is_made"] and res[1]["secret_is_made"]
