@@ -170,7 +170,20 @@ std::string SecretExchange::forDynamicGroup(
     auto nextCheck = asked + kEmptyCheck;
     std::map<uint64_t, Beat> beats; // the listed members' leases, as seen
     while (true) {
-      if (std::optional<std::string> secret = takeAnswer(asking)) {
+      std::optional<std::string> secret;
+      try {
+        secret = takeAnswer(asking);
+      } catch (const c10::Error&) {
+        // Refused, or an answer that does not open: this request's keys
+        // go with us (a worker restarted in a loop with a wrong passphrase
+        // leaves none behind), where the store still answers.
+        try {
+          forgetRequest(epoch, n);
+        } catch (const std::exception&) {
+        }
+        throw;
+      }
+      if (secret) {
         epoch_ = epoch;
         mine_ = n; // its keys deleted once we joined (noteJoined)
         mineCounted_ = counted;

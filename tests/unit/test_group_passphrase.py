@@ -59,6 +59,8 @@ def test_a_wrong_passphrase_is_refused_and_guessers_are_held_off(capfd):
             g.join("addr-g")
         assert time.monotonic() - t0 < 5
         g.stop()
+        # Its exchange went with it.
+        assert not any(store.check([f"{EX}{step}/{i + 1}"]) for step in STEPS)
     m = a.metrics()
     assert m["rpc_ext.membership.secret_proofs_refused"] == "8"
     assert m["rpc_ext.membership.secret_hold_offs"] == "1"
