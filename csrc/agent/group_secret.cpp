@@ -144,7 +144,32 @@ std::string SecretExchange::forDynamicGroup(
   const auto deadline = Clock::now() + timeout;
   X25519Key key;
   const std::string pub = key.publicKey();
+  // Exchanges we confirmed that never gave us the secret: each told
+  // whoever answered it whether one guess at the passphrase was right.
+  int unanswered = 0;
   while (true) {
+    if (unanswered > 0) {
+      logWarning(
+          "torch_rpc_ext: " + selfName_ +
+          " confirmed its proof of the "
+          "group's passphrase to an answer in the rendezvous store that "
+          "never sealed the secret (" +
+          std::to_string(unanswered) + " of " +
+          std::to_string(kMaxUnansweredProofs) +
+          "): a member that went, "
+          "or someone who can write the store posing as one");
+      TORCH_CHECK(
+          unanswered < kMaxUnansweredProofs,
+          "init_rpc of ",
+          selfName_,
+          ": ",
+          unanswered,
+          " answers in the rendezvous store took our proof of the group's "
+          "passphrase and never sealed the secret: someone who can write "
+          "the store may be posing as a member, each exchange a guess at the "
+          "passphrase (members that go mid-exchange are rare); check who "
+          "can reach the store");
+    }
     const int64_t epoch = readCounter(*store_, kDynEpochKey);
     if (fromBytes(store_->compareSet(
             dynKey(epoch, "maker"), {}, toBytes(pub))) == pub) {
@@ -238,6 +263,7 @@ std::string SecretExchange::forDynamicGroup(
       }
       std::this_thread::sleep_for(kSealPoll);
     }
+    unanswered += asking.confirmed; // given up: a new request follows
   }
 }
 
@@ -255,14 +281,16 @@ std::optional<std::string> SecretExchange::takeAnswer(Asking& a) {
         selfName_,
         ": the dynamic group's members were given a passphrase "
         "(RpcExtBackendOptions(secret=...) or TORCH_RPC_EXT_SECRET) and this "
-        "worker none: give every worker of a group the same");
+        "worker none: give every worker of a group the same (or someone else "
+        "wrote the rendezvous store)");
     TORCH_CHECK(
         *value != kRefusedPassphrase,
         "init_rpc of ",
         selfName_,
         ": this worker was given a passphrase (RpcExtBackendOptions(secret="
         "...) or TORCH_RPC_EXT_SECRET) and the dynamic group's members none: "
-        "give every worker of a group the same");
+        "give every worker of a group the same (or someone else wrote the "
+        "rendezvous store)");
     std::optional<std::string> secret;
     if (a.proof) {
       // Our confirmation of the exchange's key: the member answers it.
@@ -302,7 +330,8 @@ std::optional<std::string> SecretExchange::takeAnswer(Asking& a) {
       selfName_,
       ": a member of the dynamic group refused our proof of the group's "
       "passphrase: this worker's (RpcExtBackendOptions(secret=...) or "
-      "TORCH_RPC_EXT_SECRET) is not the one the members were given");
+      "TORCH_RPC_EXT_SECRET) is not the one the members were given (or "
+      "someone else wrote the rendezvous store)");
   std::optional<std::string> secret = a.proof->open(*answer);
   TORCH_CHECK(
       secret.has_value(),
@@ -354,8 +383,10 @@ bool SecretExchange::sealTo(
   if (now < w.nextLook) {
     return false;
   }
-  if (!passphrase_.empty() && now < heldUntil_) {
-    w.nextLook = heldUntil_; // (refused proofs: no joiner is answered)
+  if (!passphrase_.empty() && !mayOffer(now)) {
+    // Held off (refused proofs: no joiner is answered), or as many
+    // exchanges under way as may still be refused: look again later.
+    w.nextLook = std::max(heldUntil_, now + kSealPoll);
     return false;
   }
   const std::string sealedKey = dynKey(epoch_, "sealed/" + std::to_string(n));
@@ -468,6 +499,10 @@ bool SecretExchange::serve(const std::string& secret) {
     waiting_.erase(waiting_.begin());
   }
   bool exchanging = false;
+  proofsInFlight_ = 0;
+  for (const auto& [n, w] : waiting_) {
+    proofsInFlight_ += w.proof != nullptr;
+  }
   for (auto it = waiting_.begin(); it != waiting_.end();) {
     if (sealTo(it->first, it->second, now, secret)) {
       it = waiting_.erase(it);

@@ -152,6 +152,12 @@ class SecretExchange {
       Waiting& w,
       Clock::time_point now,
       const std::string& secret);
+  // Whether we may answer one more joiner's request with our share: not
+  // held off, and fewer exchanges under way than strikes left in the
+  // window (watcher thread).
+  bool mayOffer(Clock::time_point now);
+  // A joiner's proof refused: a strike, and the hold-off at kProofStrikes.
+  void refused(Clock::time_point now);
   // Seal `secret` to request n of our epoch: false to look again later
   // (its key is not there yet: `w.nextLook` moved on), true when it needs
   // nothing more of us (watcher thread).
@@ -195,6 +201,7 @@ class SecretExchange {
   // joiner (watcher thread); what the metrics read.
   std::deque<Clock::time_point> strikes_;
   Clock::time_point heldUntil_{};
+  size_t proofsInFlight_ = 0; // waiting_'s entries with an exchange
   std::atomic<int64_t> proofsRefused_{0};
   std::atomic<int64_t> holdOffs_{0};
   std::atomic<bool> heldOffNow_{false};

@@ -20,6 +20,17 @@ bool SecretExchange::Asking::unanswered(Clock::time_point now) const {
   return confirmed && now - confirmedAt >= kUnwrittenGrace;
 }
 
+bool SecretExchange::mayOffer(Clock::time_point now) {
+  while (!strikes_.empty() && now - strikes_.front() > kStrikeWindow) {
+    strikes_.pop_front();
+  }
+  // Exchanges under way count as strikes to come: a writer that posts many
+  // requests at once, each a guess, has at most kProofStrikes judged before
+  // the hold-off (it had every waiting request's, up to 256, judged).
+  return now >= heldUntil_ &&
+      proofsInFlight_ + strikes_.size() < static_cast<size_t>(kProofStrikes);
+}
+
 bool SecretExchange::offerProof(
     int64_t n,
     Waiting& w,
@@ -43,6 +54,13 @@ bool SecretExchange::offerProof(
   if (store_->compareSet(sealedKey, {}, share) != share) {
     return true; // another member answered
   }
+  if (!store_->check({dynKey(epoch_, "request/" + std::to_string(n))})) {
+    // Ours landed after the joiner had given the request up and deleted
+    // its keys: nobody will read it.
+    deleteUnneeded(*store_, sealedKey);
+    return true;
+  }
+  ++proofsInFlight_;
   w.proof = std::move(proof);
   w.counted = now; // from now on: since we answered
   w.nextLook = now;
@@ -54,6 +72,12 @@ bool SecretExchange::answerProof(
     Waiting& w,
     Clock::time_point now,
     const std::string& secret) {
+  if (now < heldUntil_) {
+    // Held off since we answered it: not judged (a joiner's proof judged
+    // now would be one guess more than the hold-off allows). The joiner
+    // asks again after kUnwrittenGrace.
+    return true;
+  }
   const std::optional<std::string> confirmation =
       peekKey(*store_, dynKey(epoch_, "confirm/" + std::to_string(n)));
   if (!confirmation) {
@@ -62,15 +86,22 @@ bool SecretExchange::answerProof(
     return now - w.counted >= kUnwrittenGrace;
   }
   const std::string answerKey = dynKey(epoch_, "answer/" + std::to_string(n));
-  if (std::optional<std::string> sealed =
-          w.proof->answer(*confirmation, secret)) {
-    store_->set(answerKey, toBytes(*sealed));
-    return true;
+  std::optional<std::string> sealed = w.proof->answer(*confirmation, secret);
+  if (!sealed) {
+    refused(now); // (counted before the joiner can read its refusal)
   }
-  store_->set(answerKey, toBytes(std::string(kRefusedProof)));
+  if (!store_->check({dynKey(epoch_, "request/" + std::to_string(n))})) {
+    return true; // the joiner gave it up: nobody will read an answer
+  }
+  store_->set(
+      answerKey, toBytes(sealed ? *sealed : std::string(kRefusedProof)));
+  return true;
+}
+
+void SecretExchange::refused(Clock::time_point now) {
   proofsRefused_.fetch_add(1, std::memory_order_relaxed);
   strikes_.push_back(now);
-  while (!strikes_.empty() && now - strikes_.front() > kStrikeWindow) {
+  while (now - strikes_.front() > kStrikeWindow) {
     strikes_.pop_front();
   }
   if (static_cast<int>(strikes_.size()) >= kProofStrikes) {
@@ -94,7 +125,6 @@ bool SecretExchange::answerProof(
             " refused a joiner's proof of the group's passphrase (a worker "
             "given another, or a guess written into the rendezvous store)");
   }
-  return true;
 }
 
 } // namespace torch_rpc_ext

@@ -14,6 +14,7 @@ constexpr const char* kSealLabel = "torch_rpc_ext/seal/v1";
 // finishes with): no other use of that key shares one.
 constexpr const char* kConfirmLabel = "torch_rpc_ext/dyn_secret/confirm/1";
 constexpr const char* kAnswerLabel = "torch_rpc_ext/dyn_secret/answer/1";
+constexpr const char* kExchangeLabel = "torch_rpc_ext/dyn_secret/cpace/1";
 
 std::string slotText(int64_t epoch, int64_t n) {
   return std::to_string(epoch) + "/" + std::to_string(n);
@@ -97,10 +98,15 @@ std::optional<std::string> openFor(
   return openUnder(key, std::string(kSealLabel) + std::to_string(slot), sealed);
 }
 
+std::string exchangeKey(std::string_view passphrase) {
+  Digest d = hmacSha256(passphrase, kExchangeLabel);
+  return std::string(reinterpret_cast<const char*>(d.data()), d.size());
+}
+
 JoinerProof::JoinerProof(std::string_view passphrase, int64_t epoch, int64_t n)
     : epoch_(epoch),
       n_(n),
-      exchange_(passphrase, randomBytes(cpace::kSessionIdBytes)) {
+      exchange_(exchangeKey(passphrase), randomBytes(cpace::kSessionIdBytes)) {
   // (The session id is the nonce; Exchange keeps its own copy.)
   request_ = exchange_.sessionId() + exchange_.share();
 }
@@ -142,7 +148,7 @@ MemberProof::MemberProof(
                     " bytes where one of " + std::to_string(kRequestBytes) +
                     " was expected")),
       exchange_(
-          passphrase,
+          exchangeKey(passphrase),
           std::string(request.substr(0, cpace::kSessionIdBytes))) {}
 
 std::optional<std::string> MemberProof::answer(

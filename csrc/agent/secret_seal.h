@@ -68,6 +68,10 @@ constexpr size_t kRequestBytes = cpace::kSessionIdBytes + cpace::kShareBytes;
 constexpr size_t kConfirmBytes = 32;
 constexpr size_t kAnswerBytes = kSecretBytes + Aead::kTagBytes;
 
+// The key a passphrase's exchange runs under: drawn from the stretched
+// passphrase for this use alone (TLS's exchange is keyed otherwise).
+std::string exchangeKey(std::string_view passphrase);
+
 // Answers a member writes where it cannot seal (never the size of a real
 // one): the joiner's confirmation was wrong (answer/<n>); the joiner asked
 // without a passphrase where the group has one, or with one where the group
@@ -86,6 +90,12 @@ constexpr std::string_view kRefusedPassphrase =
 constexpr int kProofStrikes = 8;
 constexpr auto kStrikeWindow = std::chrono::seconds(10);
 constexpr auto kProofHoldOff = std::chrono::seconds(30);
+// And a joiner: each exchange it confirms tells whoever answered it whether
+// one guess was right, so one that confirmed kMaxUnansweredProofs answers
+// which never sealed the secret (a member that went mid-exchange, rare; or
+// a store writer posing as a member, which could otherwise make it confirm
+// a new guess every half second by moving the epoch) fails its init_rpc.
+constexpr int kMaxUnansweredProofs = 3;
 
 // The joiner's end of request n of `epoch`. Throws std::runtime_error where
 // libcrypto cannot do X25519.

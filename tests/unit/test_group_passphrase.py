@@ -9,6 +9,7 @@ store, by a password-authenticated exchange (csrc/agent/secret_seal.h).
 These drive that exchange through the group's own code against a HashStore.
 """
 
+import threading
 import time
 
 import pytest
@@ -44,28 +45,49 @@ def test_nothing_in_the_store_is_keyed_by_the_passphrase():
         g.stop()
 
 
+def _join_on_a_thread(g, offers):
+    out = []
+
+    def run():
+        try:
+            out.append(g.join(offers))
+        except Exception as e:  # returned to the test
+            out.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, out
+
+
 def test_a_wrong_passphrase_is_refused_and_guessers_are_held_off(capfd):
     """Each wrong guess is refused as it is proven (the joiner fails at
-    once, saying so), and a member that refused 8 within 10 s answers no
-    joiner for 30 s: the store cannot say who wrote a request, so a right
-    one waits too."""
+    once, saying so). A member judges at most 8 at a time and, once it has
+    refused 8 within 10 s, answers no joiner for 30 s: of 12 guessers at
+    once, 8 are refused and the rest wait out their timeout (before the
+    cap, a writer posting many requests at once had every one judged), and
+    so does a right joiner meanwhile (the store cannot say who wrote a
+    request)."""
     store = dist.HashStore()
     a = A.Group(store, "a", 0, 0, lease_s=2.0, secret=KEY)
     a.join("addr-a")
-    for i in range(8):
-        g = A.Group(store, f"guess{i}", 1, 0, lease_s=2.0, secret=bytes([i]) * 32)
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="refused our proof of the group's passphrase"):
-            g.join("addr-g")
-        assert time.monotonic() - t0 < 5
+    guessers = [A.Group(store, f"guess{i}", 1, 0, lease_s=0.5, secret=bytes([i]) * 32,
+                        rendezvous_s=4.0) for i in range(12)]
+    runs = [_join_on_a_thread(g, "addr-g") for g in guessers]
+    for th, _ in runs:
+        th.join(30)
+    said = [str(out[0]) for _, out in runs]
+    refused = [m for m in said if "refused our proof of the group's passphrase" in m]
+    assert len(refused) == 8, said
+    assert all("timed out" in m for m in said if m not in refused), said
+    for g in guessers:
         g.stop()
-        # Its exchange went with it.
-        assert not any(store.check([f"{EX}{step}/{i + 1}"]) for step in STEPS)
     m = a.metrics()
     assert m["rpc_ext.membership.secret_proofs_refused"] == "8"
     assert m["rpc_ext.membership.secret_hold_offs"] == "1"
     wait_for(lambda: a.metrics()["rpc_ext.membership.secret_held_off"] == "1",
              what="the hold-off shown")
+    # Every guesser's exchange went with it.
+    assert not any(store.check([f"{EX}{step}/{n}"]) for step in STEPS for n in range(1, 13))
     b = A.Group(store, "b", 1, 0, lease_s=0.5, secret=KEY, rendezvous_s=2.0)
     with pytest.raises(RuntimeError, match="timed out .*secret_held_off"):
         b.join("addr-b")
@@ -73,6 +95,47 @@ def test_a_wrong_passphrase_is_refused_and_guessers_are_held_off(capfd):
     assert [m[:2] for m in a.members()] == [(0, "a")]
     assert "refused 8 joiners' proofs of the group's passphrase" in capfd.readouterr().err
     a.stop()
+
+
+def test_a_joiner_confirms_to_at_most_three_answers_that_never_seal():
+    """A store writer posing as a member answers a joiner's request with a
+    share of its own guess and learns, from the joiner's confirmation,
+    whether the guess was right; then it moves the epoch, and the joiner
+    asks again there. A joiner stops after confirming to three answers that
+    never sealed the secret, naming the likely cause (before, it confirmed
+    a new guess every half second until its timeout)."""
+    store = dist.HashStore()
+    confirmed = []
+    stop = threading.Event()
+
+    def impostor():
+        epoch = 0
+        store.compare_set(f"torch_rpc_ext/dyn_secret/{epoch}/maker", "", b"m" * 32)
+        while not stop.is_set():
+            ex = f"torch_rpc_ext/dyn_secret/{epoch}/"
+            for n in range(1, 4):
+                if store.check([f"{ex}request/{n}"]) and not store.check([f"{ex}sealed/{n}"]):
+                    store.compare_set(f"{ex}sealed/{n}", "", bytes(range(1, 33)))
+                if store.check([f"{ex}confirm/{n}"]):
+                    confirmed.append((epoch, n))
+                    epoch = store.add("torch_rpc_ext/dyn_secret/epoch", 1)
+                    store.compare_set(f"torch_rpc_ext/dyn_secret/{epoch}/maker", "", b"m" * 32)
+                    break
+            time.sleep(0.01)
+
+    th = threading.Thread(target=impostor, daemon=True)
+    th.start()
+    b = A.Group(store, "b", 1, 0, lease_s=2.0, secret=KEY, rendezvous_s=60.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="3 answers in the rendezvous store took our proof"):
+            b.join("addr-b")
+    finally:
+        stop.set()
+        th.join(5)
+    assert time.monotonic() - t0 < 20
+    assert [e for e, _ in confirmed] == [0, 1, 2], confirmed
+    b.stop()
 
 
 def test_a_joiner_and_a_group_that_disagree_on_having_a_passphrase_are_told_so():
