@@ -11,13 +11,14 @@ These drive that exchange through the group's own code against a HashStore.
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch.distributed as dist
 
 from torch_rpc_ext import _testing as t
 
-from .test_agent_parts import E0, KEY, _PassThroughStore, wait_for
+from .test_agent_parts import E0, KEY, _join_on_a_thread, _PassThroughStore, wait_for
 
 A = t.agent
 EX = "torch_rpc_ext/dyn_secret/0/"  # the exchange of epoch 0
@@ -45,20 +46,6 @@ def test_nothing_in_the_store_is_keyed_by_the_passphrase():
         g.stop()
 
 
-def _join_on_a_thread(g, offers):
-    out = []
-
-    def run():
-        try:
-            out.append(g.join(offers))
-        except Exception as e:  # returned to the test
-            out.append(e)
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    return th, out
-
-
 def test_a_wrong_passphrase_is_refused_and_guessers_are_held_off(capfd):
     """Each wrong guess is refused as it is proven (the joiner fails at
     once, saying so). A member judges at most 8 at a time and, once it has
@@ -72,10 +59,8 @@ def test_a_wrong_passphrase_is_refused_and_guessers_are_held_off(capfd):
     a.join("addr-a")
     guessers = [A.Group(store, f"guess{i}", 1, 0, lease_s=0.5, secret=bytes([i]) * 32,
                         rendezvous_s=4.0) for i in range(12)]
-    runs = [_join_on_a_thread(g, "addr-g") for g in guessers]
-    for th, _ in runs:
-        th.join(30)
-    said = [str(out[0]) for _, out in runs]
+    with ThreadPoolExecutor(len(guessers)) as pool:  # all at once
+        said = [str(e) for e in pool.map(lambda g: _join_on_a_thread(g, "addr-g", 30), guessers)]
     refused = [m for m in said if "refused our proof of the group's passphrase" in m]
     assert len(refused) == 8, said
     assert all("timed out" in m for m in said if m not in refused), said
