@@ -148,28 +148,6 @@ std::string SecretExchange::forDynamicGroup(
   // whoever answered it whether one guess at the passphrase was right.
   int unanswered = 0;
   while (true) {
-    if (unanswered > 0) {
-      logWarning(
-          "torch_rpc_ext: " + selfName_ +
-          " confirmed its proof of the "
-          "group's passphrase to an answer in the rendezvous store that "
-          "never sealed the secret (" +
-          std::to_string(unanswered) + " of " +
-          std::to_string(kMaxUnansweredProofs) +
-          "): a member that went, "
-          "or someone who can write the store posing as one");
-      TORCH_CHECK(
-          unanswered < kMaxUnansweredProofs,
-          "init_rpc of ",
-          selfName_,
-          ": ",
-          unanswered,
-          " answers in the rendezvous store took our proof of the group's "
-          "passphrase and never sealed the secret: someone who can write "
-          "the store may be posing as a member, each exchange a guess at the "
-          "passphrase (members that go mid-exchange are rare); check who "
-          "can reach the store");
-    }
     const int64_t epoch = readCounter(*store_, kDynEpochKey);
     if (fromBytes(store_->compareSet(
             dynKey(epoch, "maker"), {}, toBytes(pub))) == pub) {
@@ -263,7 +241,29 @@ std::string SecretExchange::forDynamicGroup(
       }
       std::this_thread::sleep_for(kSealPoll);
     }
-    unanswered += asking.confirmed; // given up: a new request follows
+    if (!asking.confirmed) {
+      continue; // given up before we confirmed: it told nobody anything
+    }
+    ++unanswered;
+    logWarning(
+        "torch_rpc_ext: " + selfName_ +
+        " confirmed its proof of the group's passphrase to an answer in the "
+        "rendezvous store that never sealed the secret (" +
+        std::to_string(unanswered) + " of " +
+        std::to_string(kMaxUnansweredProofs) +
+        "): a member that left, died or stalled mid-exchange, or someone who "
+        "can write the store posing as one");
+    TORCH_CHECK(
+        unanswered < kMaxUnansweredProofs,
+        "init_rpc of ",
+        selfName_,
+        ": ",
+        unanswered,
+        " answers in the rendezvous store took our proof of the group's "
+        "passphrase and never sealed the secret: someone who can write the "
+        "store may be posing as a member, each exchange a guess at the "
+        "passphrase (members that go mid-exchange are rare); check who can "
+        "reach the store");
   }
 }
 
@@ -495,8 +495,11 @@ bool SecretExchange::serve(const std::string& secret) {
   // A request counted but not written (its joiner died between the two, or
   // has not written it yet) waits here without holding up those after it;
   // the oldest are let go, and any after kUnwrittenGrace.
-  while (waiting_.size() > kMaxWaitingRequests) {
-    waiting_.erase(waiting_.begin());
+  // (Not an exchange under way: at most kProofStrikes, which its joiner
+  // would count as unanswered.)
+  for (auto it = waiting_.begin();
+       waiting_.size() > kMaxWaitingRequests && it != waiting_.end();) {
+    it = it->second.proof ? std::next(it) : waiting_.erase(it);
   }
   bool exchanging = false;
   proofsInFlight_ = 0;

@@ -120,6 +120,8 @@ class SecretExchange {
     Clock::time_point counted;
     Clock::time_point nextLook;
     std::shared_ptr<secret_seal::MemberProof> proof = nullptr;
+    // Its judgment, once made: the sealed secret, or the refusal.
+    std::optional<std::string> answer = std::nullopt;
   };
   // A joiner's request under way (forDynamicGroup): with a passphrase, its
   // exchange, and whether (since when) we confirmed it.
@@ -156,8 +158,9 @@ class SecretExchange {
   // held off, and fewer exchanges under way than strikes left in the
   // window (watcher thread).
   bool mayOffer(Clock::time_point now);
-  // A joiner's proof refused: a strike, and the hold-off at kProofStrikes.
-  void refused(Clock::time_point now);
+  // An exchange refused or left unconfirmed (`what`, for the log): a
+  // strike, and the hold-off at kProofStrikes.
+  void strike(Clock::time_point now, const char* what);
   // Seal `secret` to request n of our epoch: false to look again later
   // (its key is not there yet: `w.nextLook` moved on), true when it needs
   // nothing more of us (watcher thread).

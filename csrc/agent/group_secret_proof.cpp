@@ -54,16 +54,16 @@ bool SecretExchange::offerProof(
   if (store_->compareSet(sealedKey, {}, share) != share) {
     return true; // another member answered
   }
+  ++proofsInFlight_;
+  w.proof = std::move(proof); // (before the store can throw again)
+  w.counted = now; // from now on: since we answered
+  w.nextLook = now;
   if (!store_->check({dynKey(epoch_, "request/" + std::to_string(n))})) {
     // Ours landed after the joiner had given the request up and deleted
     // its keys: nobody will read it.
     deleteUnneeded(*store_, sealedKey);
     return true;
   }
-  ++proofsInFlight_;
-  w.proof = std::move(proof);
-  w.counted = now; // from now on: since we answered
-  w.nextLook = now;
   return false;
 }
 
@@ -72,34 +72,45 @@ bool SecretExchange::answerProof(
     Waiting& w,
     Clock::time_point now,
     const std::string& secret) {
-  if (now < heldUntil_) {
-    // Held off since we answered it: not judged (a joiner's proof judged
-    // now would be one guess more than the hold-off allows). The joiner
-    // asks again after kUnwrittenGrace.
-    return true;
-  }
-  const std::optional<std::string> confirmation =
-      peekKey(*store_, dynKey(epoch_, "confirm/" + std::to_string(n)));
-  if (!confirmation) {
-    // The joiner has not confirmed yet, or went: it does within a poll of
-    // our share (kSealPoll) or asks again after kUnwrittenGrace.
-    return now - w.counted >= kUnwrittenGrace;
-  }
   const std::string answerKey = dynKey(epoch_, "answer/" + std::to_string(n));
-  std::optional<std::string> sealed = w.proof->answer(*confirmation, secret);
-  if (!sealed) {
-    refused(now); // (counted before the joiner can read its refusal)
+  if (!w.answer) {
+    if (now < heldUntil_) {
+      // Held off since we answered it: not judged (a proof judged now
+      // would be one guess more than the hold-off allows). Its joiner asks
+      // again after kUnwrittenGrace.
+      return true;
+    }
+    const std::optional<std::string> confirmation =
+        peekKey(*store_, dynKey(epoch_, "confirm/" + std::to_string(n)));
+    if (!confirmation) {
+      // A joiner confirms within a poll of our share (kSealPoll). One that
+      // has not within kConfirmWithin went, or was never a joiner: a
+      // request written only to hold one of our kProofStrikes places
+      // costs a strike, so that a flood of them shows as a hold-off rather
+      // than keeping every joiner waiting unseen.
+      if (now - w.counted < kConfirmWithin) {
+        return false;
+      }
+      strike(Clock::now(), "left unconfirmed");
+      return true;
+    }
+    std::optional<std::string> sealed = w.proof->answer(*confirmation, secret);
+    if (!sealed) {
+      proofsRefused_.fetch_add(1, std::memory_order_relaxed);
+      strike(Clock::now(), "refused"); // (before the joiner reads it)
+    }
+    // Judged once: a store that fails below has us write it again.
+    w.answer = sealed ? *sealed : std::string(kRefusedProof);
   }
+  store_->set(answerKey, toBytes(*w.answer));
   if (!store_->check({dynKey(epoch_, "request/" + std::to_string(n))})) {
-    return true; // the joiner gave it up: nobody will read an answer
+    // The joiner gave it up meanwhile: nobody will read it.
+    deleteUnneeded(*store_, answerKey);
   }
-  store_->set(
-      answerKey, toBytes(sealed ? *sealed : std::string(kRefusedProof)));
   return true;
 }
 
-void SecretExchange::refused(Clock::time_point now) {
-  proofsRefused_.fetch_add(1, std::memory_order_relaxed);
+void SecretExchange::strike(Clock::time_point now, const char* what) {
   strikes_.push_back(now);
   while (now - strikes_.front() > kStrikeWindow) {
     strikes_.pop_front();
@@ -109,21 +120,21 @@ void SecretExchange::refused(Clock::time_point now) {
     heldUntil_ = now + kProofHoldOff;
     holdOffs_.fetch_add(1, std::memory_order_relaxed);
     logWarning(
-        "torch_rpc_ext: " + selfName_ + " refused " +
-        std::to_string(kProofStrikes) +
-        " joiners' proofs of the group's passphrase within " +
+        "torch_rpc_ext: " + selfName_ + ": " + std::to_string(kProofStrikes) +
+        " exchanges proving the group's passphrase were refused or left "
+        "unconfirmed within " +
         std::to_string(kStrikeWindow.count()) +
-        " s: it answers no joiner "
-        "for " +
+        " s: it answers no joiner for " +
         std::to_string(kProofHoldOff.count()) +
         " s (someone who can write the rendezvous store is guessing the "
-        "passphrase, or workers were given another)");
+        "passphrase or flooding requests, or workers were given another)");
   } else {
     logWarningLimited(
         "refused_secret_proof",
-        "torch_rpc_ext: " + selfName_ +
-            " refused a joiner's proof of the group's passphrase (a worker "
-            "given another, or a guess written into the rendezvous store)");
+        "torch_rpc_ext: " + selfName_ + " " + what +
+            " an exchange proving the group's passphrase (a worker given "
+            "another, a joiner that died, or a guess written into the "
+            "rendezvous store)");
   }
 }
 

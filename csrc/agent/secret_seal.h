@@ -90,6 +90,11 @@ constexpr std::string_view kRefusedPassphrase =
 constexpr int kProofStrikes = 8;
 constexpr auto kStrikeWindow = std::chrono::seconds(10);
 constexpr auto kProofHoldOff = std::chrono::seconds(30);
+// An exchange the joiner has not confirmed this long after the member's
+// share counts as a strike too (a joiner confirms within a 20 ms poll):
+// requests written only to hold a member's places, up to kProofStrikes at a
+// time, show as a hold-off instead of keeping every joiner waiting unseen.
+constexpr auto kConfirmWithin = std::chrono::seconds(5);
 // And a joiner: each exchange it confirms tells whoever answered it whether
 // one guess was right, so one that confirmed kMaxUnansweredProofs answers
 // which never sealed the secret (a member that went mid-exchange, rare; or

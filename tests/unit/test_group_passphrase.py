@@ -9,6 +9,7 @@ store, by a password-authenticated exchange (csrc/agent/secret_seal.h).
 These drive that exchange through the group's own code against a HashStore.
 """
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -78,7 +79,28 @@ def test_a_wrong_passphrase_is_refused_and_guessers_are_held_off(capfd):
         b.join("addr-b")
     b.stop()
     assert [m[:2] for m in a.members()] == [(0, "a")]
-    assert "refused 8 joiners' proofs of the group's passphrase" in capfd.readouterr().err
+    assert "8 exchanges proving the group's passphrase were refused" in capfd.readouterr().err
+    a.stop()
+
+
+def test_a_flood_of_requests_nobody_confirms_shows_as_a_hold_off(capfd):
+    """Requests written only to take a member's places (it has at most 8
+    exchanges under way) each count as a strike once unconfirmed for 5 s:
+    the flood shows as a hold-off in the metrics and the log, where before
+    it kept every joiner waiting unseen, 8 requests per 10 s."""
+    store = dist.HashStore()
+    a = A.Group(store, "a", 0, 0, lease_s=2.0, secret=KEY)
+    a.join("addr-a")
+    for n in range(1, 21):
+        store.set(f"{EX}request/{n}", os.urandom(16) + bytes(range(1, 33)))
+    store.add(EX + "requests", 20)
+    wait_for(lambda: a.metrics()["rpc_ext.membership.secret_hold_offs"] == "1", timeout=20,
+             what="the hold-off")
+    m = a.metrics()
+    assert m["rpc_ext.membership.secret_proofs_refused"] == "0"  # none was judged
+    assert m["rpc_ext.membership.secret_held_off"] == "1"
+    assert sum(store.check([f"{EX}sealed/{n}"]) for n in range(1, 21)) == 8  # 8 offered
+    assert "refused or left unconfirmed" in capfd.readouterr().err
     a.stop()
 
 
