@@ -131,7 +131,7 @@ _AGENT_COUNTERS = {
     "rpc_ext.membership.secret_proofs_refused": ("membership_secret_proofs_refused", "Joiners' "
                                                  "proofs of the group's passphrase refused", {}),
     "rpc_ext.membership.secret_hold_offs": ("membership_secret_hold_offs", "Times no joiner was "
-                                            "answered for 30 s after 8 refused proofs", {}),
+                                            "answered for 30 s after 8 strikes", {}),
     "rpc_ext.channel.{}.copied_bytes": ("channel_bytes", "Bytes a channel moved",
                                         {"channel": None}),
     "rpc_ext.channel.{}.segments": ("channel_segments", "Tensors' segments a channel moved",
