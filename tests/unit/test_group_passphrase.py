@@ -115,9 +115,11 @@ def test_a_joiner_confirms_to_at_most_three_answers_that_never_seal():
     confirmed = []
     stop = threading.Event()
 
+    # Epoch 0 has a maker before the joiner looks (else it makes the secret).
+    store.compare_set("torch_rpc_ext/dyn_secret/0/maker", "", b"m" * 32)
+
     def impostor():
         epoch = 0
-        store.compare_set(f"torch_rpc_ext/dyn_secret/{epoch}/maker", "", b"m" * 32)
         while not stop.is_set():
             ex = f"torch_rpc_ext/dyn_secret/{epoch}/"
             for n in range(1, 4):
