@@ -211,9 +211,9 @@ std::string SecretExchange::forDynamicGroup(
           " s waiting for a member of the dynamic group to seal the group's "
           "secret for us (members do it from their watcher thread, reading "
           "the rendezvous store; are they alive and reading it? A member "
-          "that refused ",
+          "that has refused, or seen left unconfirmed, ",
           kProofStrikes,
-          " wrong proofs of the group's passphrase within ",
+          " exchanges proving the group's passphrase within ",
           kStrikeWindow.count(),
           " s answers no joiner for ",
           kProofHoldOff.count(),
