@@ -245,9 +245,9 @@ fi
 tsan_stages() {
   # ThreadSanitizer over the parts whose threads meet most (docs/development.md,
   # "The suites under a sanitizer"): a dynamic group's watcher, leases, secret
-  # exchange and membership log against its init thread and the listener, the
-  # loop, the thread pool, the buffer pool, the descriptor closer (in
-  # process); then, between processes, public calls, the small-call fast path,
+  # exchange (with a passphrase too) and membership log against its init
+  # thread and the listener, the loop, the thread pool, the buffer pool, the
+  # descriptor closer (in process); then, between processes, public calls, the small-call fast path,
   # shm slabs, a shm connection's frame ring, socket and last words, a peer's
   # failure, elastic groups. Any report fails the run. (The whole of the
   # suites under TSan takes hours here; these about four minutes once built.)
@@ -257,6 +257,7 @@ tsan_stages() {
   # in-process test's threads may be alive when they fork.
   stage "ThreadSanitizer: the agent's parts, calls between processes"
   bash tools/sanitize.sh thread tests/unit/test_agent_parts.py \
+    tests/unit/test_group_passphrase.py \
     tests/unit/test_membership_log.py tests/unit/test_loop.py \
     tests/unit/test_thread_pool.py tests/unit/test_buffer_pool.py \
     tests/unit/test_fd_closer.py
