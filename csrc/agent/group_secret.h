@@ -200,8 +200,9 @@ class SecretExchange {
   int64_t served_ = 0;
   std::map<int64_t, Waiting> waiting_;
   std::atomic<int64_t> waitingNow_{0};
-  // Refused proofs within kStrikeWindow, and until when we answer no
-  // joiner (watcher thread); what the metrics read.
+  // Strikes (exchanges refused or left unconfirmed) within kStrikeWindow,
+  // and until when we answer no joiner (watcher thread); what the metrics
+  // read.
   std::deque<Clock::time_point> strikes_;
   Clock::time_point heldUntil_{};
   size_t proofsInFlight_ = 0; // waiting_'s entries with an exchange

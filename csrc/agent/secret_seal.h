@@ -17,8 +17,8 @@
 // share, the joiner's confirmation, the sealed secret) gives a guesser
 // nothing to test a guess against: whoever runs an exchange learns whether
 // one guess was right, a joiner's wrong guess is refused as it is made, and
-// a member that refuses kProofStrikes within kStrikeWindow answers no
-// joiner for kProofHoldOff (SecretExchange).
+// a member that refuses (or sees left unconfirmed) kProofStrikes exchanges
+// within kStrikeWindow answers no joiner for kProofHoldOff (SecretExchange).
 
 #include <chrono>
 #include <cstddef>
@@ -82,8 +82,9 @@ constexpr std::string_view kRefusedNoPassphrase =
 constexpr std::string_view kRefusedPassphrase =
     "torch_rpc_ext refused: the group has no passphrase";
 
-// What a member does about refused proofs: kProofStrikes within
-// kStrikeWindow and it answers no joiner for kProofHoldOff (the
+// What a member does about refused (or unconfirmed) proofs: at most
+// kProofStrikes exchanges under way, fewer by its strikes; kProofStrikes
+// within kStrikeWindow and it answers no joiner for kProofHoldOff (the
 // transports' hold-off on refused sources, source_strikes.h, by the same
 // numbers; the store says nothing of who wrote a request, so it holds off
 // every joiner).
